@@ -1,0 +1,578 @@
+//! The claim/apply/commit/ack algorithm: owned here, once, for every broker and store.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use tracing::{field, info, info_span, warn, Instrument};
+
+use crate::error::backoff;
+use crate::stats::Counter;
+use crate::{
+    Ack, Delivery, Error, Failure, Handler, HandlerError, HookAction, InboxStore, MessageId,
+    MessageSource, Recovery, Result, SourceError, Stage, StageHook, Stats, StatsSnapshot,
+    StoreError,
+};
+
+/// How often a failing handler is tried before its message is dead-lettered, and how long to
+/// wait between tries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Handler attempts per delivery, the first included. At least 1.
+    pub max_attempts: u32,
+    /// Wait before the second attempt; doubled for each further one.
+    pub initial_backoff: Duration,
+    /// The longest wait between attempts.
+    pub max_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 3,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Runs a [`Handler`] over a [`MessageSource`] so that each message ID is applied once,
+/// through an [`InboxStore`].
+///
+/// For each batch the source returns:
+/// 1. a message without a usable ID, or delivered more often than
+///    [`Consumer::max_deliveries`], is dead-lettered with the reason, then acked;
+/// 2. the IDs are claimed in one store transaction; an ID already claimed is a duplicate, skipped;
+/// 3. each new message's handler runs in that transaction, behind a savepoint when the batch has
+///    several, so one failing message does not undo the others;
+/// 4. the transaction commits once, and only then is the batch acked; an ack that fails now is
+///    logged and counted, not fatal: the redelivered copy will find its ID and be skipped;
+/// 5. a message whose handler failed is retried on its own with backoff, each attempt in a fresh
+///    transaction, up to [`RetryPolicy::max_attempts`], then dead-lettered with the error; a
+///    permanent failure is dead-lettered at once; a panic counts as a transient failure.
+///
+/// A broker or store error that is not [`Recovery::Fatal`] is logged, the batch is handed back to
+/// the broker (`nack`), and the loop goes on after a backoff.
+///
+/// Order: within one batch, messages are applied in the order received; a message that fails and
+/// is retried is applied after the rest of its batch.
+#[derive(Debug)]
+pub struct Consumer<S, St, H> {
+    source: S,
+    core: Core<St, H>,
+    batch_size: usize,
+}
+
+#[derive(Debug)]
+struct Core<St, H> {
+    name: String,
+    store: St,
+    handler: H,
+    retry: RetryPolicy,
+    max_deliveries: Option<u32>,
+    error_backoff: Duration,
+    hook: Option<StageHook>,
+    stats: Arc<Stats>,
+}
+
+enum Outcome {
+    Skipped,
+    Applied,
+    Failed(HandlerError),
+}
+
+enum Abort {
+    Store(StoreError),
+    Crash(Error),
+}
+
+impl From<Error> for Abort {
+    fn from(e: Error) -> Self {
+        Abort::Crash(e)
+    }
+}
+
+impl<S, St, H> Consumer<S, St, H>
+where
+    S: MessageSource,
+    St: InboxStore,
+    H: Handler<St::Tx>,
+{
+    /// A consumer named `name`: the inbox scopes IDs per name, so two consumers with different
+    /// names each apply every message once, and instances of one scaled consumer share a name.
+    pub fn new(name: impl Into<String>, source: S, store: St, handler: H) -> Self {
+        Self {
+            source,
+            batch_size: 1,
+            core: Core {
+                name: name.into(),
+                store,
+                handler,
+                retry: RetryPolicy::default(),
+                max_deliveries: None,
+                error_backoff: Duration::from_millis(500),
+                hook: None,
+                stats: Arc::new(Stats::default()),
+            },
+        }
+    }
+
+    /// Up to `n` messages per receive, claimed and committed in one transaction and acked
+    /// together (default 1).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// How failing handlers are retried.
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.core.retry = policy;
+        self
+    }
+
+    /// Dead-letter a message the broker reports having delivered more than `n` times, before
+    /// running its handler: it stops a message that kills the process (and so is never acked or
+    /// dead-lettered by the retry path) from looping forever. Only brokers that count
+    /// deliveries report one.
+    pub fn max_deliveries(mut self, n: u32) -> Self {
+        self.core.max_deliveries = Some(n);
+        self
+    }
+
+    /// The first wait after a broker or store error (doubling up to 30 s while errors repeat).
+    pub fn error_backoff(mut self, wait: Duration) -> Self {
+        self.core.error_backoff = wait;
+        self
+    }
+
+    /// Calls `hook` at each [`Stage`] of each message.
+    pub fn on_stage(mut self, hook: StageHook) -> Self {
+        self.core.hook = Some(hook);
+        self
+    }
+
+    /// Live counters, readable while the consumer runs.
+    pub fn stats(&self) -> Arc<Stats> {
+        Arc::clone(&self.core.stats)
+    }
+
+    /// Runs until Ctrl-C (SIGINT), then finishes the batch in flight and returns.
+    pub async fn run(self) -> Result<StatsSnapshot> {
+        self.run_until(async {
+            // If no signal handler can be installed, run until the process ends.
+            if tokio::signal::ctrl_c().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        })
+        .await
+    }
+
+    /// Runs until `shutdown` completes. Shutdown is graceful: no new batch is received, the batch
+    /// in flight is applied, committed and acked, then this returns the counters.
+    pub async fn run_until(
+        mut self,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<StatsSnapshot> {
+        self.check()?;
+        tokio::pin!(shutdown);
+        let mut failures = 0;
+        loop {
+            let received = tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                received = self.source.receive(self.batch_size) => received,
+            };
+            match received {
+                Ok(batch) => {
+                    failures = 0;
+                    self.core.process(&mut self.source, batch).await?;
+                }
+                Err(e) => {
+                    failures += 1;
+                    self.core.source_failed(e, failures).await?;
+                }
+            }
+        }
+        Ok(self.core.stats.snapshot())
+    }
+
+    /// Runs until a receive comes back empty, then returns: for draining a queue in tools and
+    /// tests.
+    pub async fn run_until_idle(mut self) -> Result<StatsSnapshot> {
+        self.check()?;
+        let mut failures = 0;
+        loop {
+            match self.source.receive(self.batch_size).await {
+                Ok(batch) if batch.is_empty() => break,
+                Ok(batch) => {
+                    failures = 0;
+                    self.core.process(&mut self.source, batch).await?;
+                }
+                Err(e) => {
+                    failures += 1;
+                    self.core.source_failed(e, failures).await?;
+                }
+            }
+        }
+        Ok(self.core.stats.snapshot())
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.core.name.is_empty() {
+            return Err(Error::Config("the consumer name is empty".into()));
+        }
+        if self.batch_size == 0 {
+            return Err(Error::Config("the batch size is 0; use at least 1".into()));
+        }
+        if self.core.retry.max_attempts == 0 {
+            return Err(Error::Config("max_attempts is 0; use at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+impl<St, H> Core<St, H>
+where
+    St: InboxStore,
+    H: Handler<St::Tx>,
+{
+    async fn process<S: MessageSource>(
+        &self,
+        source: &mut S,
+        deliveries: Vec<Delivery<S::Ack>>,
+    ) -> Result<()> {
+        if deliveries.is_empty() {
+            return Ok(());
+        }
+        self.count(Counter::Received, deliveries.len());
+        let mut done: Vec<(MessageId, S::Ack)> = Vec::new();
+        let mut work: Vec<(MessageId, Delivery<S::Ack>)> = Vec::with_capacity(deliveries.len());
+        let mut seen = HashSet::new();
+        for delivery in deliveries {
+            let id = match &delivery.message.id {
+                Ok(id) => id.clone(),
+                Err(e) => {
+                    let reason = e.to_string();
+                    self.dead_letter(source, None, delivery, reason).await?;
+                    continue;
+                }
+            };
+            if let Err(e) = self.store.check_id(&id) {
+                let reason = format!("message ID {id:?} refused by the inbox store: {e}");
+                self.dead_letter(source, Some(&id), delivery, reason)
+                    .await?;
+                continue;
+            }
+            if let (Some(limit), Some(count)) =
+                (self.max_deliveries, delivery.message.meta.delivery_count)
+            {
+                if count > limit {
+                    let reason = format!("delivered {count} times, more than the limit of {limit}");
+                    self.dead_letter(source, Some(&id), delivery, reason)
+                        .await?;
+                    continue;
+                }
+            }
+            if !seen.insert(id.clone()) {
+                // The same ID twice in one batch: the first copy decides, this one is a duplicate.
+                self.skipped(&id);
+                done.push((id, delivery.ack));
+                continue;
+            }
+            work.push((id, delivery));
+        }
+        if work.is_empty() {
+            return self.ack_all(done).await;
+        }
+
+        let outcomes = match self.apply_in_tx(&work).await {
+            Ok(outcomes) => outcomes,
+            Err(Abort::Crash(e)) => return Err(e),
+            Err(Abort::Store(e)) => {
+                let acks = work.into_iter().map(|(_, d)| d.ack);
+                let acks = acks.chain(done.into_iter().map(|(_, a)| a)).collect();
+                return self.store_failed(e, acks).await;
+            }
+        };
+        let mut failed = Vec::new();
+        for ((id, delivery), outcome) in work.into_iter().zip(outcomes) {
+            match outcome {
+                Outcome::Skipped | Outcome::Applied => done.push((id, delivery.ack)),
+                Outcome::Failed(e) => failed.push((id, delivery, e)),
+            }
+        }
+        self.ack_all(done).await?;
+        for (id, delivery, e) in failed {
+            self.retry_alone(source, id, delivery, e).await?;
+        }
+        Ok(())
+    }
+
+    /// Claims, applies and commits `work` in one transaction. Nothing is acked here.
+    async fn apply_in_tx<A>(
+        &self,
+        work: &[(MessageId, Delivery<A>)],
+    ) -> Result<Vec<Outcome>, Abort> {
+        let ids: Vec<MessageId> = work.iter().map(|(id, _)| id.clone()).collect();
+        let mut tx = self.store.begin().await.map_err(Abort::Store)?;
+        let claimed = match self.store.claim_many(&mut tx, &self.name, &ids).await {
+            Ok(claimed) => claimed,
+            Err(e) => return Err(self.abandon(tx, e).await),
+        };
+        for ((id, _), _) in work.iter().zip(&claimed).filter(|(_, new)| **new) {
+            self.stage(Stage::Claimed, id)?;
+        }
+        let fresh = claimed.iter().filter(|new| **new).count();
+        // Savepoints cost two round-trips per message; only a batch with several new messages
+        // needs them to keep one failure from undoing the rest.
+        let isolate = fresh > 1;
+        let mut outcomes = Vec::with_capacity(work.len());
+        for ((id, delivery), new) in work.iter().zip(claimed) {
+            if !new {
+                outcomes.push(Outcome::Skipped);
+                continue;
+            }
+            if isolate {
+                if let Err(e) = self.store.savepoint(&mut tx).await {
+                    return Err(self.abandon(tx, e).await);
+                }
+            }
+            match self.call_handler(&mut tx, id, delivery).await {
+                Ok(()) => {
+                    if isolate {
+                        if let Err(e) = self.store.release_savepoint(&mut tx).await {
+                            return Err(self.abandon(tx, e).await);
+                        }
+                    }
+                    self.stage(Stage::Applied, id)?;
+                    outcomes.push(Outcome::Applied);
+                }
+                Err(failure) if isolate => {
+                    let undone = match self.store.rollback_to_savepoint(&mut tx).await {
+                        Ok(()) => self.store.unclaim(&mut tx, &self.name, id).await,
+                        Err(e) => Err(e),
+                    };
+                    if let Err(e) = undone {
+                        return Err(self.abandon(tx, e).await);
+                    }
+                    outcomes.push(Outcome::Failed(failure));
+                }
+                Err(failure) => outcomes.push(Outcome::Failed(failure)),
+            }
+        }
+        let applied = outcomes
+            .iter()
+            .filter(|o| matches!(o, Outcome::Applied))
+            .count();
+        if applied == 0 {
+            // Nothing to keep: every message was a duplicate or failed.
+            if let Err(e) = self.store.rollback(tx).await {
+                warn!(consumer = %self.name, error = %e, "rollback failed; the store discards the transaction");
+            }
+        } else {
+            self.store.commit(tx).await.map_err(Abort::Store)?;
+            self.count(Counter::Commit, 1);
+            self.count(Counter::Applied, applied);
+        }
+        for ((id, delivery), outcome) in work.iter().zip(&outcomes) {
+            match outcome {
+                Outcome::Applied => {
+                    info!(consumer = %self.name, message_id = %id, position = %delivery.message.meta.position, outcome = "applied", "applied {id}");
+                    self.stage(Stage::Committed, id)?;
+                }
+                Outcome::Skipped => self.skipped(id),
+                Outcome::Failed(_) => {}
+            }
+        }
+        Ok(outcomes)
+    }
+
+    /// Runs the handler, turning a panic into a transient failure.
+    async fn call_handler<A>(
+        &self,
+        tx: &mut St::Tx,
+        id: &MessageId,
+        delivery: &Delivery<A>,
+    ) -> Result<(), HandlerError> {
+        let span = info_span!(
+            "inbox.message",
+            consumer = %self.name,
+            message_id = %id,
+            position = %delivery.message.meta.position,
+            outcome = field::Empty,
+        );
+        let call = self.handler.handle(tx, id, &delivery.message);
+        let result = match AssertUnwindSafe(call)
+            .catch_unwind()
+            .instrument(span.clone())
+            .await
+        {
+            Ok(result) => result,
+            Err(panic) => {
+                let text = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "non-text panic payload".to_owned());
+                Err(HandlerError::transient(format!("handler panicked: {text}")))
+            }
+        };
+        span.record("outcome", if result.is_ok() { "handled" } else { "failed" });
+        result
+    }
+
+    /// A message whose handler failed inside a batch (or alone): retried on its own.
+    async fn retry_alone<S: MessageSource>(
+        &self,
+        source: &mut S,
+        id: MessageId,
+        delivery: Delivery<S::Ack>,
+        first: HandlerError,
+    ) -> Result<()> {
+        let mut error = first;
+        let mut attempt = 1;
+        let mut work = vec![(id, delivery)];
+        loop {
+            let (id, _) = &work[0];
+            if error.failure() == Failure::Permanent || attempt >= self.retry.max_attempts {
+                let reason = match error.failure() {
+                    Failure::Permanent => format!("handler refused the message: {error}"),
+                    _ => format!("handler failed {attempt} time(s), last error: {error}"),
+                };
+                let id = id.clone();
+                let Some((_, delivery)) = work.pop() else {
+                    return Ok(());
+                };
+                return self.dead_letter(source, Some(&id), delivery, reason).await;
+            }
+            warn!(consumer = %self.name, message_id = %id, attempt, error = %error, "handler failed; retrying");
+            self.count(Counter::Retried, 1);
+            let r = &self.retry;
+            tokio::time::sleep(backoff(r.initial_backoff, r.max_backoff, attempt)).await;
+            attempt += 1;
+            match self.apply_in_tx(&work).await {
+                Err(Abort::Crash(e)) => return Err(e),
+                Err(Abort::Store(e)) => {
+                    let acks = work.into_iter().map(|(_, d)| d.ack).collect();
+                    return self.store_failed(e, acks).await;
+                }
+                Ok(mut outcomes) => match outcomes.pop() {
+                    Some(Outcome::Failed(e)) => error = e,
+                    _ => {
+                        let acks = work.into_iter().map(|(id, d)| (id, d.ack)).collect();
+                        return self.ack_all(acks).await;
+                    }
+                },
+            }
+        }
+    }
+
+    async fn dead_letter<S: MessageSource>(
+        &self,
+        source: &mut S,
+        id: Option<&MessageId>,
+        delivery: Delivery<S::Ack>,
+        reason: String,
+    ) -> Result<()> {
+        let shown = id.map_or_else(|| "(no ID)".to_owned(), MessageId::to_string);
+        let position = &delivery.message.meta.position;
+        match source.dead_letter(&delivery.message, &reason).await {
+            Ok(()) => {
+                self.count(Counter::DeadLettered, 1);
+                warn!(consumer = %self.name, message_id = %shown, position = %position, outcome = "dead_lettered", %reason, "dead-lettered {shown}");
+                if let Err(e) = delivery.ack.ack().await {
+                    self.count(Counter::AckFailure, 1);
+                    warn!(consumer = %self.name, message_id = %shown, error = %e, "ack after dead-letter failed; the copy will be dead-lettered again");
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.count(Counter::Error, 1);
+                tracing::error!(consumer = %self.name, message_id = %shown, error = %e, %reason, "dead-letter failed; the message is handed back to the broker");
+                if e.recovery() == Recovery::Fatal {
+                    return Err(Error::Source(e));
+                }
+                if let Err(e) = delivery.ack.nack(self.error_backoff).await {
+                    warn!(consumer = %self.name, error = %e, "nack failed; the broker will redeliver on its own");
+                }
+                Ok(())
+            }
+        }
+    }
+
+    async fn ack_all<A: Ack>(&self, acks: Vec<(MessageId, A)>) -> Result<()> {
+        if acks.is_empty() {
+            return Ok(());
+        }
+        let n = acks.len();
+        let (ids, acks): (Vec<_>, Vec<_>) = acks.into_iter().unzip();
+        match A::ack_all(acks).await {
+            Ok(()) => {
+                for id in &ids {
+                    self.stage(Stage::Acked, id)?;
+                }
+            }
+            Err(e) => {
+                self.count(Counter::AckFailure, n);
+                warn!(consumer = %self.name, messages = n, error = %e, "ack failed after commit; redelivered copies will be skipped as duplicates");
+            }
+        }
+        Ok(())
+    }
+
+    /// Rolls back after a store error inside the transaction and reports it.
+    async fn abandon(&self, tx: St::Tx, e: StoreError) -> Abort {
+        if let Err(rollback) = self.store.rollback(tx).await {
+            warn!(consumer = %self.name, error = %rollback, "rollback after a store error failed too");
+        }
+        Abort::Store(e)
+    }
+
+    async fn store_failed<A: Ack>(&self, e: StoreError, acks: Vec<A>) -> Result<()> {
+        self.count(Counter::Error, 1);
+        if e.recovery() == Recovery::Fatal {
+            return Err(Error::Store(e));
+        }
+        warn!(consumer = %self.name, error = %e, messages = acks.len(), "inbox store error; handing the batch back to the broker");
+        for ack in acks {
+            if let Err(e) = ack.nack(self.error_backoff).await {
+                warn!(consumer = %self.name, error = %e, "nack failed; the broker will redeliver on its own");
+            }
+        }
+        tokio::time::sleep(self.error_backoff).await;
+        Ok(())
+    }
+
+    async fn source_failed(&self, e: SourceError, failures: u32) -> Result<()> {
+        self.count(Counter::Error, 1);
+        if e.recovery() == Recovery::Fatal {
+            return Err(Error::Source(e));
+        }
+        let wait = backoff(self.error_backoff, Duration::from_secs(30), failures);
+        warn!(consumer = %self.name, error = %e, ?wait, "receive failed; retrying");
+        tokio::time::sleep(wait).await;
+        Ok(())
+    }
+
+    fn skipped(&self, id: &MessageId) {
+        self.count(Counter::SkippedDuplicate, 1);
+        info!(consumer = %self.name, message_id = %id, outcome = "skipped_duplicate", "skipped duplicate {id}");
+    }
+
+    fn stage(&self, stage: Stage, id: &MessageId) -> Result<()> {
+        match &self.hook {
+            Some(hook) if hook.call(stage, id) == HookAction::Crash => Err(Error::Crashed {
+                stage,
+                id: id.clone(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn count(&self, counter: Counter, n: usize) {
+        self.stats.add(&self.name, counter, n as u64);
+    }
+}

@@ -1,0 +1,78 @@
+//! Effectively-once message handling on at-least-once brokers: the transactional inbox.
+//!
+//! Every broker redelivers: after a crash between the database commit and the ack, after a
+//! rebalance, when a producer resends, when a visibility timeout runs out mid-handler. This crate
+//! makes the second copy harmless. Each message carries a producer-set ID; in one store
+//! transaction the [`Consumer`] claims that ID for its consumer name and runs your [`Handler`],
+//! which writes its side effect through the same transaction; the broker ack comes after the
+//! commit. A redelivered copy finds its ID claimed, is skipped, and is acked.
+//!
+//! This crate has no broker or database dependency. Pick a [`MessageSource`] adapter
+//! (`inbox-kafka`, `inbox-sqs`, `inbox-rabbitmq`, `inbox-redis-streams`) and an [`InboxStore`]
+//! (`inbox-postgres`), or implement the traits for your own.
+//!
+//! ```
+//! use inbox_core::testkit::{MemoryBroker, MemoryStore, MemoryTx};
+//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+//!
+//! /// Adds the amount in each message to a balance.
+//! struct Credit;
+//!
+//! #[async_trait]
+//! impl Handler<MemoryTx<i64>> for Credit {
+//!     async fn handle(
+//!         &self,
+//!         tx: &mut MemoryTx<i64>,
+//!         _id: &MessageId,
+//!         message: &Message,
+//!     ) -> Result<(), HandlerError> {
+//!         let amount: i64 = message.json()?;
+//!         *tx.state_mut() += amount;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), inbox_core::Error> {
+//! let broker = MemoryBroker::new();
+//! broker.publish(Some("evt-1"), "100");
+//! broker.publish(Some("evt-1"), "100"); // the producer sent it twice
+//! let store = MemoryStore::<i64>::new();
+//!
+//! let stats = Consumer::new("wallet", broker.source(), store.clone(), Credit)
+//!     .run_until_idle()
+//!     .await?;
+//!
+//! assert_eq!(store.state().await, 100); // credited once
+//! assert_eq!(stats.skipped_duplicates, 1);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Logging goes through `tracing` (a span per handled message with consumer, message ID, broker
+//! position and outcome); counters go through the `metrics` facade (`inbox_messages_applied_total`,
+//! `inbox_duplicates_skipped_total`, `inbox_retries_total`, `inbox_dead_lettered_total`,
+//! `inbox_ack_failures_total`, labelled by consumer).
+
+mod consumer;
+mod error;
+mod handler;
+mod hooks;
+mod message;
+mod source;
+mod stats;
+mod store;
+#[cfg(feature = "testkit")]
+pub mod testkit;
+
+pub use async_trait::async_trait;
+pub use consumer::{Consumer, RetryPolicy};
+pub use error::{
+    BoxError, Error, Failure, HandlerError, Recovery, Result, SourceError, StoreError,
+};
+pub use handler::Handler;
+pub use hooks::{HookAction, Stage, StageHook};
+pub use message::{IdError, InvalidId, Message, MessageId, Metadata};
+pub use source::{Ack, Delivery, MessageSource};
+pub use stats::{Stats, StatsSnapshot};
+pub use store::InboxStore;

@@ -1,0 +1,100 @@
+//! Counters: kept per consumer for callers and tests, and sent to the `metrics` facade.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// What a consumer has done so far. Cheap to read at any time through
+/// [`Consumer::stats`](crate::Consumer::stats).
+#[derive(Debug, Default)]
+pub struct Stats {
+    received: AtomicU64,
+    applied: AtomicU64,
+    skipped_duplicates: AtomicU64,
+    retried: AtomicU64,
+    dead_lettered: AtomicU64,
+    ack_failures: AtomicU64,
+    commits: AtomicU64,
+    errors: AtomicU64,
+}
+
+/// A copy of [`Stats`] at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StatsSnapshot {
+    /// Deliveries taken from the broker.
+    pub received: u64,
+    /// Messages whose side effect committed.
+    pub applied: u64,
+    /// Deliveries skipped because their ID was already applied.
+    pub skipped_duplicates: u64,
+    /// Handler attempts repeated after a transient failure.
+    pub retried: u64,
+    /// Messages parked in the dead-letter destination.
+    pub dead_lettered: u64,
+    /// Acks that failed after their transaction committed (the redelivery will be skipped).
+    pub ack_failures: u64,
+    /// Store transactions committed.
+    pub commits: u64,
+    /// Broker or store errors the consumer recovered from.
+    pub errors: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Counter {
+    Received,
+    Applied,
+    SkippedDuplicate,
+    Retried,
+    DeadLettered,
+    AckFailure,
+    Commit,
+    Error,
+}
+
+impl Counter {
+    fn metric_name(self) -> &'static str {
+        match self {
+            Counter::Received => "inbox_messages_received_total",
+            Counter::Applied => "inbox_messages_applied_total",
+            Counter::SkippedDuplicate => "inbox_duplicates_skipped_total",
+            Counter::Retried => "inbox_retries_total",
+            Counter::DeadLettered => "inbox_dead_lettered_total",
+            Counter::AckFailure => "inbox_ack_failures_total",
+            Counter::Commit => "inbox_commits_total",
+            Counter::Error => "inbox_errors_total",
+        }
+    }
+}
+
+impl Stats {
+    pub(crate) fn add(&self, consumer: &str, counter: Counter, n: u64) {
+        if n == 0 {
+            return;
+        }
+        let cell = match counter {
+            Counter::Received => &self.received,
+            Counter::Applied => &self.applied,
+            Counter::SkippedDuplicate => &self.skipped_duplicates,
+            Counter::Retried => &self.retried,
+            Counter::DeadLettered => &self.dead_lettered,
+            Counter::AckFailure => &self.ack_failures,
+            Counter::Commit => &self.commits,
+            Counter::Error => &self.errors,
+        };
+        cell.fetch_add(n, Ordering::Relaxed);
+        metrics::counter!(counter.metric_name(), "consumer" => consumer.to_owned()).increment(n);
+    }
+
+    /// Reads every counter.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        StatsSnapshot {
+            received: get(&self.received),
+            applied: get(&self.applied),
+            skipped_duplicates: get(&self.skipped_duplicates),
+            retried: get(&self.retried),
+            dead_lettered: get(&self.dead_lettered),
+            ack_failures: get(&self.ack_failures),
+            commits: get(&self.commits),
+            errors: get(&self.errors),
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! What an inbox store implements: a transaction in which message IDs are claimed.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+
+use crate::{InvalidId, MessageId, StoreError};
+
+/// A transactional store that remembers which message IDs each consumer has applied.
+///
+/// Everything happens inside one store transaction: the consumer claims the ID, the
+/// [`Handler`](crate::Handler) writes its side effect through the same transaction, and both
+/// commit or roll back together. A claim that finds the ID already recorded (committed by an
+/// earlier delivery, or by a racing consumer that commits first) returns `false`, and the consumer
+/// skips the message. The store's uniqueness constraint is what serialises racing consumers: no
+/// lock outside the database is needed.
+#[async_trait]
+pub trait InboxStore: Send + Sync + 'static {
+    /// An open transaction, handed to the handler.
+    type Tx: Send;
+
+    /// Opens a transaction.
+    async fn begin(&self) -> Result<Self::Tx, StoreError>;
+
+    /// Records `id` for `consumer` inside `tx`. `true`: the ID is new and the message must be
+    /// applied in this transaction; `false`: it was applied before, skip it.
+    async fn claim(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        id: &MessageId,
+    ) -> Result<bool, StoreError>;
+
+    /// Claims many distinct IDs at once (one round-trip where the store allows); the answer has
+    /// one flag per ID, in order. The default claims one by one.
+    async fn claim_many(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        ids: &[MessageId],
+    ) -> Result<Vec<bool>, StoreError> {
+        let mut claimed = Vec::with_capacity(ids.len());
+        for id in ids {
+            claimed.push(self.claim(tx, consumer, id).await?);
+        }
+        Ok(claimed)
+    }
+
+    /// Removes a claim made earlier in `tx` (a batch member whose handler failed: the rest of
+    /// the batch commits without it, so that it can be retried or dead-lettered on its own).
+    async fn unclaim(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        id: &MessageId,
+    ) -> Result<(), StoreError>;
+
+    /// Marks a point in `tx` that [`InboxStore::rollback_to_savepoint`] returns to, isolating one
+    /// handler call inside a batch.
+    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError>;
+
+    /// Undoes everything since the last savepoint and removes it.
+    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError>;
+
+    /// Keeps everything since the last savepoint and removes it.
+    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError>;
+
+    /// Commits `tx`.
+    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError>;
+
+    /// Rolls `tx` back.
+    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError>;
+
+    /// Refuses an ID this store cannot keep (a non-UUID for a uuid key column, say), before any
+    /// transaction; the consumer dead-letters such a message. The default accepts every ID.
+    fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
+        let _ = id;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl<S: InboxStore> InboxStore for Arc<S> {
+    type Tx = S::Tx;
+
+    async fn begin(&self) -> Result<Self::Tx, StoreError> {
+        (**self).begin().await
+    }
+    async fn claim(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        id: &MessageId,
+    ) -> Result<bool, StoreError> {
+        (**self).claim(tx, consumer, id).await
+    }
+    async fn claim_many(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        ids: &[MessageId],
+    ) -> Result<Vec<bool>, StoreError> {
+        (**self).claim_many(tx, consumer, ids).await
+    }
+    async fn unclaim(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        id: &MessageId,
+    ) -> Result<(), StoreError> {
+        (**self).unclaim(tx, consumer, id).await
+    }
+    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
+        (**self).savepoint(tx).await
+    }
+    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
+        (**self).rollback_to_savepoint(tx).await
+    }
+    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
+        (**self).release_savepoint(tx).await
+    }
+    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        (**self).commit(tx).await
+    }
+    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        (**self).rollback(tx).await
+    }
+    fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
+        (**self).check_id(id)
+    }
+}

@@ -1,0 +1,240 @@
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+
+use crate::{Ack, Delivery, IdError, Message, MessageId, MessageSource, SourceError};
+
+/// When a [`MemorySource`] acknowledges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AckMode {
+    /// The delivery stays in flight until the consumer acks it (at-least-once; the default).
+    AfterCommit,
+    /// The broker forgets a message as soon as it is received ("offset first", at-most-once),
+    /// and the consumer's ack does nothing: the anti-pattern, for showing its losses.
+    OnReceive,
+}
+
+/// An in-memory queue with at-least-once delivery.
+#[derive(Debug, Clone, Default)]
+pub struct MemoryBroker {
+    inner: Arc<Mutex<State>>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    ready: VecDeque<Queued>,
+    in_flight: HashMap<u64, (u64, Queued)>,
+    dead: Vec<(Message, String)>,
+    next_tag: u64,
+    next_owner: u64,
+    acked: u64,
+}
+
+#[derive(Debug)]
+struct Queued {
+    message: Message,
+    deliveries: u32,
+    not_before: Option<Instant>,
+}
+
+impl MemoryBroker {
+    /// An empty broker.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Enqueues a message with ID `id` (none when `None`) and `payload`.
+    pub fn publish(&self, id: Option<&str>, payload: impl Into<Vec<u8>>) {
+        let id = match id {
+            Some(id) => MessageId::new(id).map_err(|reason| IdError::Invalid {
+                field: "id".into(),
+                reason,
+            }),
+            None => Err(IdError::Missing { field: "id".into() }),
+        };
+        self.publish_message(Message::new(id, payload));
+    }
+
+    /// Enqueues a message as given.
+    pub fn publish_message(&self, mut message: Message) {
+        message.meta.source = "memory".into();
+        self.state().ready.push_back(Queued {
+            message,
+            deliveries: 0,
+            not_before: None,
+        });
+    }
+
+    /// A new consumer connection. Dropping it returns its unacked deliveries to the queue.
+    pub fn source(&self) -> MemorySource {
+        self.source_with(AckMode::AfterCommit)
+    }
+
+    /// A new consumer connection with the given ack mode.
+    pub fn source_with(&self, mode: AckMode) -> MemorySource {
+        let owner = {
+            let mut state = self.state();
+            state.next_owner += 1;
+            state.next_owner
+        };
+        MemorySource {
+            broker: self.clone(),
+            owner,
+            mode,
+            poll: Duration::from_millis(20),
+        }
+    }
+
+    /// Messages not yet acked: ready or in flight.
+    pub fn pending(&self) -> usize {
+        let state = self.state();
+        state.ready.len() + state.in_flight.len()
+    }
+
+    /// How many deliveries were acked.
+    pub fn acked(&self) -> u64 {
+        self.state().acked
+    }
+
+    /// The dead-lettered messages with their reasons.
+    pub fn dead_letters(&self) -> Vec<(Message, String)> {
+        self.state().dead.clone()
+    }
+
+    fn requeue(&self, tag: u64, delay: Option<Duration>) {
+        let mut state = self.state();
+        if let Some((_, mut queued)) = state.in_flight.remove(&tag) {
+            queued.not_before = delay.map(|d| Instant::now() + d);
+            state.ready.push_front(queued);
+        }
+    }
+}
+
+/// One consumer's connection to a [`MemoryBroker`].
+#[derive(Debug)]
+pub struct MemorySource {
+    broker: MemoryBroker,
+    owner: u64,
+    mode: AckMode,
+    poll: Duration,
+}
+
+/// Acknowledges one [`MemoryBroker`] delivery.
+#[derive(Debug)]
+pub struct MemoryAck {
+    broker: MemoryBroker,
+    /// `None` when the broker already forgot the message ([`AckMode::OnReceive`]).
+    tag: Option<u64>,
+}
+
+#[async_trait]
+impl Ack for MemoryAck {
+    async fn ack(self) -> Result<(), SourceError> {
+        if let Some(tag) = self.tag {
+            let mut state = self.broker.state();
+            if state.in_flight.remove(&tag).is_some() {
+                state.acked += 1;
+            }
+        }
+        Ok(())
+    }
+
+    async fn nack(self, retry_after: Duration) -> Result<(), SourceError> {
+        if let Some(tag) = self.tag {
+            self.broker.requeue(tag, Some(retry_after));
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl MessageSource for MemorySource {
+    type Ack = MemoryAck;
+
+    async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<MemoryAck>>, SourceError> {
+        let batch = self.take(max);
+        if batch.is_empty() {
+            tokio::time::sleep(self.poll).await;
+            return Ok(self.take(max));
+        }
+        Ok(batch)
+    }
+
+    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        self.broker
+            .state()
+            .dead
+            .push((message.clone(), reason.to_owned()));
+        Ok(())
+    }
+}
+
+impl MemorySource {
+    fn take(&mut self, max: usize) -> Vec<Delivery<MemoryAck>> {
+        let now = Instant::now();
+        let mut state = self.broker.state();
+        let mut batch = Vec::new();
+        let mut waiting = VecDeque::new();
+        while batch.len() < max {
+            let Some(mut queued) = state.ready.pop_front() else {
+                break;
+            };
+            if queued.not_before.is_some_and(|t| t > now) {
+                waiting.push_back(queued);
+                continue;
+            }
+            queued.deliveries += 1;
+            let mut message = queued.message.clone();
+            message.meta.delivery_count = Some(queued.deliveries);
+            message.meta.redelivered = queued.deliveries > 1;
+            state.next_tag += 1;
+            let tag = state.next_tag;
+            message.meta.position = format!("tag {tag}");
+            let tag = match self.mode {
+                AckMode::AfterCommit => {
+                    state.in_flight.insert(tag, (self.owner, queued));
+                    Some(tag)
+                }
+                AckMode::OnReceive => {
+                    state.acked += 1;
+                    None
+                }
+            };
+            batch.push(Delivery {
+                message,
+                ack: MemoryAck {
+                    broker: self.broker.clone(),
+                    tag,
+                },
+            });
+        }
+        while let Some(queued) = waiting.pop_back() {
+            state.ready.push_front(queued);
+        }
+        batch
+    }
+}
+
+impl Drop for MemorySource {
+    /// The connection closed: every delivery it had not acked goes back to the queue.
+    fn drop(&mut self) {
+        let mut state = self.broker.state();
+        let mine: Vec<u64> = state
+            .in_flight
+            .iter()
+            .filter(|(_, (owner, _))| *owner == self.owner)
+            .map(|(tag, _)| *tag)
+            .collect();
+        for tag in mine {
+            if let Some((_, queued)) = state.in_flight.remove(&tag) {
+                state.ready.push_front(queued);
+            }
+        }
+    }
+}

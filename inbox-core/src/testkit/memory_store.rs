@@ -1,0 +1,122 @@
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use tokio::sync::{Mutex, OwnedMutexGuard};
+
+use crate::{InboxStore, MessageId, StoreError};
+
+/// An in-memory inbox store holding a user state `S` beside the claims.
+///
+/// Transactions are serialised (one at a time) and work on a copy, published on commit: a
+/// dropped transaction (a crash) leaves nothing behind.
+#[derive(Debug, Clone, Default)]
+pub struct MemoryStore<S> {
+    committed: Arc<Mutex<Data<S>>>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Data<S> {
+    claims: HashSet<(String, MessageId)>,
+    state: S,
+}
+
+/// An open [`MemoryStore`] transaction.
+#[derive(Debug)]
+pub struct MemoryTx<S> {
+    guard: OwnedMutexGuard<Data<S>>,
+    work: Data<S>,
+    savepoints: Vec<Data<S>>,
+}
+
+impl<S> MemoryTx<S> {
+    /// The state as this transaction sees it.
+    pub fn state(&self) -> &S {
+        &self.work.state
+    }
+
+    /// Changes the state inside this transaction.
+    pub fn state_mut(&mut self) -> &mut S {
+        &mut self.work.state
+    }
+}
+
+impl<S: Clone + Default + Send + 'static> MemoryStore<S> {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self {
+            committed: Arc::new(Mutex::new(Data::default())),
+        }
+    }
+
+    /// The committed state.
+    pub async fn state(&self) -> S {
+        self.committed.lock().await.state.clone()
+    }
+
+    /// How many IDs are remembered, over all consumers.
+    pub async fn claims(&self) -> usize {
+        self.committed.lock().await.claims.len()
+    }
+}
+
+#[async_trait]
+impl<S: Clone + Default + Send + Sync + 'static> InboxStore for MemoryStore<S> {
+    type Tx = MemoryTx<S>;
+
+    async fn begin(&self) -> Result<MemoryTx<S>, StoreError> {
+        let guard = Arc::clone(&self.committed).lock_owned().await;
+        let work = (*guard).clone();
+        Ok(MemoryTx {
+            guard,
+            work,
+            savepoints: Vec::new(),
+        })
+    }
+
+    async fn claim(
+        &self,
+        tx: &mut MemoryTx<S>,
+        consumer: &str,
+        id: &MessageId,
+    ) -> Result<bool, StoreError> {
+        Ok(tx.work.claims.insert((consumer.to_owned(), id.clone())))
+    }
+
+    async fn unclaim(
+        &self,
+        tx: &mut MemoryTx<S>,
+        consumer: &str,
+        id: &MessageId,
+    ) -> Result<(), StoreError> {
+        tx.work.claims.remove(&(consumer.to_owned(), id.clone()));
+        Ok(())
+    }
+
+    async fn savepoint(&self, tx: &mut MemoryTx<S>) -> Result<(), StoreError> {
+        let copy = tx.work.clone();
+        tx.savepoints.push(copy);
+        Ok(())
+    }
+
+    async fn rollback_to_savepoint(&self, tx: &mut MemoryTx<S>) -> Result<(), StoreError> {
+        if let Some(saved) = tx.savepoints.pop() {
+            tx.work = saved;
+        }
+        Ok(())
+    }
+
+    async fn release_savepoint(&self, tx: &mut MemoryTx<S>) -> Result<(), StoreError> {
+        tx.savepoints.pop();
+        Ok(())
+    }
+
+    async fn commit(&self, mut tx: MemoryTx<S>) -> Result<(), StoreError> {
+        *tx.guard = tx.work;
+        Ok(())
+    }
+
+    async fn rollback(&self, _tx: MemoryTx<S>) -> Result<(), StoreError> {
+        Ok(())
+    }
+}

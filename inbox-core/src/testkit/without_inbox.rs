@@ -1,0 +1,42 @@
+use async_trait::async_trait;
+
+use crate::{InboxStore, InvalidId, MessageId, StoreError};
+
+/// Wraps a store and records nothing: every claim says "new". The consumer still commits
+/// before it acks, so this is the article's variant b, "commit after the database, no inbox",
+/// kept to show the duplicates the inbox prevents. Never use it in production.
+#[derive(Debug, Clone)]
+pub struct WithoutInbox<S>(pub S);
+
+#[async_trait]
+impl<S: InboxStore> InboxStore for WithoutInbox<S> {
+    type Tx = S::Tx;
+
+    async fn begin(&self) -> Result<Self::Tx, StoreError> {
+        self.0.begin().await
+    }
+    async fn claim(&self, _: &mut Self::Tx, _: &str, _: &MessageId) -> Result<bool, StoreError> {
+        Ok(true)
+    }
+    async fn unclaim(&self, _: &mut Self::Tx, _: &str, _: &MessageId) -> Result<(), StoreError> {
+        Ok(())
+    }
+    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
+        self.0.savepoint(tx).await
+    }
+    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
+        self.0.rollback_to_savepoint(tx).await
+    }
+    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
+        self.0.release_savepoint(tx).await
+    }
+    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        self.0.commit(tx).await
+    }
+    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        self.0.rollback(tx).await
+    }
+    fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
+        self.0.check_id(id)
+    }
+}

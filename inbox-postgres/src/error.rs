@@ -1,0 +1,73 @@
+//! Errors of the Postgres store.
+
+use inbox_core::{Recovery, StoreError};
+
+/// What went wrong in the Postgres inbox store.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A schema or table name that is not a plain SQL identifier. Names are quoted into SQL, so
+    /// only plain identifiers are accepted.
+    #[error("{what} name `{name}` is not a plain SQL identifier (a letter or `_`, then letters, digits or `_`, at most 63 bytes)")]
+    InvalidIdentifier {
+        /// `schema` or `table`.
+        what: &'static str,
+        /// The refused name.
+        name: String,
+    },
+    /// The inbox table exists with another key type than configured.
+    #[error("inbox table {table} keeps message IDs as `{found}`, but the store is configured for {expected:?}; use that key mode or another table")]
+    KeyModeMismatch {
+        /// The table.
+        table: String,
+        /// The column type found.
+        found: String,
+        /// The configured mode.
+        expected: crate::KeyMode,
+    },
+    /// The database failed.
+    #[error("database error while {context}: {source}")]
+    Database {
+        /// What was being done.
+        context: &'static str,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+pub(crate) fn db(context: &'static str) -> impl FnOnce(sqlx::Error) -> Error {
+    move |source| Error::Database { context, source }
+}
+
+/// What the consumer should do after `e`: retry transient faults, stop on ones no retry fixes.
+pub(crate) fn recovery(e: &sqlx::Error) -> Recovery {
+    match e {
+        sqlx::Error::Database(db) => match db.code().as_deref() {
+            // undefined table or column, insufficient privilege, invalid schema: run the
+            // migrations or fix the grants.
+            Some("42P01" | "42703" | "42501" | "3F000") => Recovery::Fatal,
+            _ => Recovery::Retry,
+        },
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::Tls(_) => Recovery::Reconnect,
+        sqlx::Error::PoolClosed | sqlx::Error::Configuration(_) => Recovery::Fatal,
+        _ => Recovery::Retry,
+    }
+}
+
+pub(crate) fn store_err(context: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
+    move |e| StoreError::new(recovery(&e), context, e)
+}
+
+impl From<Error> for StoreError {
+    fn from(e: Error) -> Self {
+        let recovery = match &e {
+            Error::Database { source, .. } => recovery(source),
+            _ => Recovery::Fatal,
+        };
+        StoreError::new(recovery, "inbox store", e)
+    }
+}

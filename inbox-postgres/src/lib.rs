@@ -1,0 +1,46 @@
+//! The transactional inbox store on PostgreSQL, for [`inbox_core`].
+//!
+//! ```no_run
+//! use inbox_core::testkit::MemoryBroker;
+//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+//! use inbox_postgres::{PgInbox, PgTx};
+//!
+//! struct Credit;
+//!
+//! #[async_trait]
+//! impl Handler<PgTx> for Credit {
+//!     async fn handle(&self, tx: &mut PgTx, id: &MessageId, message: &Message) -> Result<(), HandlerError> {
+//!         let amount: i64 = message.json()?;
+//!         sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = 1")
+//!             .bind(amount)
+//!             .execute(&mut **tx) // the inbox transaction: commits with the claim, or not at all
+//!             .await?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://postgres:postgres@127.0.0.1:5432/inbox").await?;
+//! let inbox = PgInbox::new(pool);
+//! inbox.migrate().await?;
+//! let broker = MemoryBroker::new(); // or a Kafka, SQS, RabbitMQ or Redis Streams source
+//! Consumer::new("wallet", broker.source(), inbox, Credit).run().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## Bad IDs
+//! The core refuses, and dead-letters, IDs that are empty, longer than 1024 bytes, not UTF-8 or
+//! holding a NUL byte (`text` cannot store NUL). Every other ID is stored verbatim in
+//! [`KeyMode::Text`] and compared byte for byte: whitespace and case matter. [`KeyMode::Uuid`]
+//! additionally refuses IDs that are not UUIDs; [`KeyMode::Hashed`] takes any ID and keeps 16
+//! bytes of it.
+
+mod error;
+mod store;
+mod table;
+#[cfg(feature = "testkit")]
+pub mod testkit;
+
+pub use error::{Error, Result};
+pub use store::{PgInbox, PgTx};
+pub use table::{KeyMode, TableName};

@@ -1,0 +1,349 @@
+//! [`PgInbox`]: the inbox table and the claim, in the caller's transaction.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use inbox_core::{async_trait, InboxStore, InvalidId, MessageId, StoreError};
+use sqlx::{PgPool, Postgres};
+use uuid::Uuid;
+
+use crate::error::{db, store_err};
+use crate::table::hashed_key;
+use crate::{Error, KeyMode, Result, TableName};
+
+/// The open transaction a handler writes its side effect through.
+pub type PgTx = sqlx::Transaction<'static, Postgres>;
+
+/// The transactional inbox on PostgreSQL.
+///
+/// One table (default `inbox`) holds a row per applied message: the message key, the minute it
+/// was processed and a small integer naming the consumer (from a `<table>_consumers` table), so
+/// the consumer name costs 2 bytes per row instead of its text. The primary key is
+/// (consumer, message key), or the hashed key alone in [`KeyMode::Hashed`], whose key already
+/// covers the consumer. A BRIN index on the processed minute serves retention at a few bytes per
+/// thousand rows.
+///
+/// The claim is `INSERT … ON CONFLICT DO NOTHING` in the caller's transaction: one statement for
+/// one ID, one statement with `unnest` for a batch. A racing consumer inserting the same key
+/// waits on the first one's uncommitted row and then finds the conflict: the primary key
+/// serialises them.
+#[derive(Debug, Clone)]
+pub struct PgInbox {
+    pool: PgPool,
+    table: TableName,
+    mode: KeyMode,
+    consumers: Arc<Mutex<HashMap<String, i16>>>,
+}
+
+enum Keys {
+    Text(Vec<String>),
+    Uuid(Vec<Uuid>),
+}
+
+impl PgInbox {
+    /// The inbox in table `inbox` of the connection's `search_path`, keeping IDs as text.
+    pub fn new(pool: PgPool) -> Self {
+        Self {
+            pool,
+            table: TableName::default_inbox(),
+            mode: KeyMode::Text,
+            consumers: Arc::default(),
+        }
+    }
+
+    /// Uses another table (see [`TableName`], which refuses names that are not plain SQL
+    /// identifiers).
+    pub fn with_table(mut self, table: TableName) -> Self {
+        self.table = table;
+        self
+    }
+
+    /// Keeps IDs as `mode` says.
+    pub fn with_key_mode(mut self, mode: KeyMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// The pool this store uses.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The inbox table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// How IDs are kept.
+    pub fn key_mode(&self) -> KeyMode {
+        self.mode
+    }
+
+    /// Creates the inbox tables and indexes if missing; safe to run from many instances at once
+    /// (they serialise on an advisory lock). Fails when the table exists with another key mode.
+    pub async fn migrate(&self) -> Result<()> {
+        let t = &self.table;
+        let mut tx = self
+            .pool
+            .begin()
+            .await
+            .map_err(db("starting the migration"))?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+            .bind(format!("inbox migrate {t}"))
+            .execute(&mut *tx)
+            .await
+            .map_err(db("taking the migration lock"))?;
+        let key = self.mode.column_type();
+        let primary_key = match self.mode {
+            KeyMode::Hashed => "message_id",
+            KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
+        };
+        let statements = [
+            format!(
+                "CREATE TABLE IF NOT EXISTS {consumers} (
+                    id smallint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                    name text NOT NULL UNIQUE)",
+                consumers = t.sibling("consumers")
+            ),
+            // Column order matters for size: the 16-byte key, then the 4-byte minute and the
+            // 2-byte consumer pack into 48 bytes with the tuple header.
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    message_id {key} NOT NULL,
+                    processed_minute integer NOT NULL
+                        DEFAULT (floor(extract(epoch FROM now()) / 60))::integer,
+                    consumer_id smallint NOT NULL,
+                    PRIMARY KEY ({primary_key}))"
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {index} ON {t} USING brin (processed_minute)",
+                index = t.sibling_bare("processed")
+            ),
+        ];
+        for statement in statements {
+            sqlx::query(&statement)
+                .execute(&mut *tx)
+                .await
+                .map_err(db("creating the inbox tables"))?;
+        }
+        let found: String = sqlx::query_scalar(
+            "SELECT format_type(atttypid, atttypmod) FROM pg_attribute
+             WHERE attrelid = $1::regclass AND attname = 'message_id'",
+        )
+        .bind(t.to_string())
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db("checking the inbox key type"))?;
+        if found != key {
+            return Err(Error::KeyModeMismatch {
+                table: t.to_string(),
+                found,
+                expected: self.mode,
+            });
+        }
+        tx.commit().await.map_err(db("committing the migration"))
+    }
+
+    /// The small integer standing for `consumer`, created on first use (outside any message
+    /// transaction, so a rolled-back message never loses the mapping) and cached.
+    pub async fn consumer_id(&self, consumer: &str) -> Result<i16> {
+        if let Some(id) = self.cached(consumer) {
+            return Ok(id);
+        }
+        let consumers = self.table.sibling("consumers");
+        sqlx::query(&format!(
+            "INSERT INTO {consumers} (name) VALUES ($1) ON CONFLICT (name) DO NOTHING"
+        ))
+        .bind(consumer)
+        .execute(&self.pool)
+        .await
+        .map_err(db("registering the consumer name"))?;
+        let id: i16 = sqlx::query_scalar(&format!("SELECT id FROM {consumers} WHERE name = $1"))
+            .bind(consumer)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db("reading the consumer id"))?;
+        self.consumers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(consumer.to_owned(), id);
+        Ok(id)
+    }
+
+    fn cached(&self, consumer: &str) -> Option<i16> {
+        let map = self.consumers.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(consumer).copied()
+    }
+
+    fn keys(&self, consumer: &str, ids: &[MessageId]) -> Result<Keys, StoreError> {
+        Ok(match self.mode {
+            KeyMode::Text => Keys::Text(ids.iter().map(|id| id.as_str().to_owned()).collect()),
+            KeyMode::Uuid => Keys::Uuid(
+                ids.iter()
+                    .map(|id| {
+                        parse_uuid(id).map_err(|e| {
+                            StoreError::new(inbox_core::Recovery::Fatal, "keying the message", e)
+                        })
+                    })
+                    .collect::<Result<_, _>>()?,
+            ),
+            KeyMode::Hashed => Keys::Uuid(
+                ids.iter()
+                    .map(|id| hashed_key(consumer, id.as_str()))
+                    .collect(),
+            ),
+        })
+    }
+
+    async fn store_consumer_id(&self, consumer: &str) -> Result<i16, StoreError> {
+        self.consumer_id(consumer).await.map_err(StoreError::from)
+    }
+}
+
+fn parse_uuid(id: &MessageId) -> Result<Uuid, InvalidId> {
+    Uuid::parse_str(id.as_str()).map_err(|_| {
+        InvalidId::RefusedByStore(format!(
+            "`{}` is not a UUID, and this inbox keeps UUID keys (use KeyMode::Text or KeyMode::Hashed for other IDs)",
+            id.as_str().escape_debug()
+        ))
+    })
+}
+
+#[async_trait]
+impl InboxStore for PgInbox {
+    type Tx = PgTx;
+
+    async fn begin(&self) -> Result<PgTx, StoreError> {
+        self.pool
+            .begin()
+            .await
+            .map_err(store_err("opening a transaction"))
+    }
+
+    async fn claim(
+        &self,
+        tx: &mut PgTx,
+        consumer: &str,
+        id: &MessageId,
+    ) -> Result<bool, StoreError> {
+        let claimed = self
+            .claim_many(tx, consumer, std::slice::from_ref(id))
+            .await?;
+        Ok(claimed.first().copied().unwrap_or(false))
+    }
+
+    async fn claim_many(
+        &self,
+        tx: &mut PgTx,
+        consumer: &str,
+        ids: &[MessageId],
+    ) -> Result<Vec<bool>, StoreError> {
+        let consumer_id = self.store_consumer_id(consumer).await?;
+        let t = &self.table;
+        let keys = self.keys(consumer, ids)?;
+        if ids.len() == 1 {
+            let sql = format!(
+                "INSERT INTO {t} (message_id, consumer_id) VALUES ($1, $2) ON CONFLICT DO NOTHING"
+            );
+            let query = sqlx::query(&sql);
+            let query = match &keys {
+                Keys::Text(k) => query.bind(&k[0]),
+                Keys::Uuid(k) => query.bind(k[0]),
+            };
+            let done = query
+                .bind(consumer_id)
+                .execute(&mut **tx)
+                .await
+                .map_err(store_err("claiming the message ID"))?;
+            return Ok(vec![done.rows_affected() == 1]);
+        }
+        let sql = |array: &str| {
+            format!(
+                "INSERT INTO {t} (message_id, consumer_id) SELECT unnest($1::{array}), $2
+                 ON CONFLICT DO NOTHING RETURNING message_id"
+            )
+        };
+        Ok(match keys {
+            Keys::Text(keys) => {
+                let fresh: HashSet<String> = sqlx::query_scalar(&sql("text[]"))
+                    .bind(&keys)
+                    .bind(consumer_id)
+                    .fetch_all(&mut **tx)
+                    .await
+                    .map_err(store_err("claiming message IDs"))?
+                    .into_iter()
+                    .collect();
+                keys.iter().map(|k| fresh.contains(k)).collect()
+            }
+            Keys::Uuid(keys) => {
+                let fresh: HashSet<Uuid> = sqlx::query_scalar(&sql("uuid[]"))
+                    .bind(&keys)
+                    .bind(consumer_id)
+                    .fetch_all(&mut **tx)
+                    .await
+                    .map_err(store_err("claiming message IDs"))?
+                    .into_iter()
+                    .collect();
+                keys.iter().map(|k| fresh.contains(k)).collect()
+            }
+        })
+    }
+
+    async fn unclaim(
+        &self,
+        tx: &mut PgTx,
+        consumer: &str,
+        id: &MessageId,
+    ) -> Result<(), StoreError> {
+        let consumer_id = self.store_consumer_id(consumer).await?;
+        let t = &self.table;
+        let sql = format!("DELETE FROM {t} WHERE message_id = $1 AND consumer_id = $2");
+        let query = sqlx::query(&sql);
+        let query = match self.keys(consumer, std::slice::from_ref(id))? {
+            Keys::Text(k) => query.bind(k[0].clone()),
+            Keys::Uuid(k) => query.bind(k[0]),
+        };
+        query
+            .bind(consumer_id)
+            .execute(&mut **tx)
+            .await
+            .map_err(store_err("removing a claim"))?;
+        Ok(())
+    }
+
+    async fn savepoint(&self, tx: &mut PgTx) -> Result<(), StoreError> {
+        execute(tx, "SAVEPOINT inbox_message").await
+    }
+
+    async fn rollback_to_savepoint(&self, tx: &mut PgTx) -> Result<(), StoreError> {
+        execute(tx, "ROLLBACK TO SAVEPOINT inbox_message").await?;
+        execute(tx, "RELEASE SAVEPOINT inbox_message").await
+    }
+
+    async fn release_savepoint(&self, tx: &mut PgTx) -> Result<(), StoreError> {
+        execute(tx, "RELEASE SAVEPOINT inbox_message").await
+    }
+
+    async fn commit(&self, tx: PgTx) -> Result<(), StoreError> {
+        tx.commit().await.map_err(store_err("committing"))
+    }
+
+    async fn rollback(&self, tx: PgTx) -> Result<(), StoreError> {
+        tx.rollback().await.map_err(store_err("rolling back"))
+    }
+
+    fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
+        match self.mode {
+            KeyMode::Uuid => parse_uuid(id).map(|_| ()),
+            KeyMode::Text | KeyMode::Hashed => Ok(()),
+        }
+    }
+}
+
+async fn execute(tx: &mut PgTx, sql: &'static str) -> Result<(), StoreError> {
+    sqlx::query(sql)
+        .execute(&mut **tx)
+        .await
+        .map(|_| ())
+        .map_err(store_err("managing a savepoint"))
+}

@@ -1,0 +1,34 @@
+//! Child processes for hard-kill tests: the test binary runs again as the consumer.
+//!
+//! A kill test writes an `#[ignore]` test that is the consumer (it returns at once unless
+//! [`is_child`]), starts it with [`spawn`], and ends it with `Child::kill()`, which is SIGKILL
+//! on Unix: no destructor, no close, no last commit.
+
+use std::process::{Child, Command, Stdio};
+
+/// True inside a process started by [`spawn`].
+pub fn is_child() -> bool {
+    std::env::var_os("INBOX_CHILD").is_some()
+}
+
+/// Runs the current test binary again with only the ignored test `test_name`, with `envs`.
+///
+/// # Panics
+/// When the test binary cannot be started.
+pub fn spawn(test_name: &str, envs: &[(&str, String)]) -> Child {
+    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("no current exe: {e}"));
+    Command::new(exe)
+        .args([
+            "--exact",
+            test_name,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("INBOX_CHILD", "1")
+        .envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start child {test_name}: {e}"))
+}

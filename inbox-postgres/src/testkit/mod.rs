@@ -1,0 +1,104 @@
+//! Test support (feature `testkit`): a throw-away schema per test, the wallet domain the tests
+//! and examples use, and child processes for hard-kill tests.
+
+pub mod child;
+pub mod wallet;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::PgPool;
+
+use crate::{PgInbox, TableName};
+
+/// The database tests use: `DATABASE_URL`, or the local default the services command sets up.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:5432/inbox".to_owned())
+}
+
+/// A schema of its own for one test, holding the wallet tables and a migrated inbox.
+#[derive(Debug)]
+pub struct TestDb {
+    /// Connections whose `search_path` is the schema.
+    pub pool: PgPool,
+    /// The schema's name (random, `t_…`).
+    pub schema: String,
+}
+
+impl TestDb {
+    /// Creates a fresh schema with the wallet tables and a migrated inbox (text keys).
+    ///
+    /// # Panics
+    /// When PostgreSQL cannot be reached: start it with `cargo xtask services` or set
+    /// `DATABASE_URL`.
+    pub async fn new() -> Self {
+        let schema = format!("t_{:016x}", rand::random::<u64>());
+        let url = database_url();
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {url}: {e}; run `cargo xtask services` or set DATABASE_URL"));
+        sqlx::query(&format!("CREATE SCHEMA \"{schema}\""))
+            .execute(&admin)
+            .await
+            .unwrap_or_else(|e| panic!("cannot create schema {schema}: {e}"));
+        admin.close().await;
+        let db = Self::attach(&schema).await;
+        wallet::install(&db.pool)
+            .await
+            .unwrap_or_else(|e| panic!("cannot create the wallet tables: {e}"));
+        db.inbox()
+            .migrate()
+            .await
+            .unwrap_or_else(|e| panic!("cannot migrate the inbox: {e}"));
+        db
+    }
+
+    /// Connects to an existing test schema (from a child process).
+    ///
+    /// # Panics
+    /// When PostgreSQL cannot be reached.
+    pub async fn attach(schema: &str) -> Self {
+        let url = database_url();
+        let options: PgConnectOptions = url
+            .parse()
+            .unwrap_or_else(|e| panic!("DATABASE_URL {url} does not parse: {e}"));
+        let options = options.options([("search_path", schema)]);
+        let pool = PgPoolOptions::new()
+            .max_connections(8)
+            .connect_with(options)
+            .await
+            .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {url}: {e}; run `cargo xtask services` or set DATABASE_URL"));
+        Self {
+            pool,
+            schema: schema.to_owned(),
+        }
+    }
+
+    /// The migrated inbox of this schema (table `inbox`, text keys).
+    pub fn inbox(&self) -> PgInbox {
+        let table = TableName::qualified(&self.schema, "inbox")
+            .unwrap_or_else(|e| panic!("test schema name refused: {e}"));
+        PgInbox::new(self.pool.clone()).with_table(table)
+    }
+
+    /// Rows in the inbox table.
+    pub async fn inbox_rows(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM inbox")
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("cannot count inbox rows: {e}"))
+    }
+
+    /// Drops the schema and everything in it.
+    pub async fn drop(self) {
+        let schema = &self.schema;
+        let result = sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+            .execute(&self.pool)
+            .await;
+        if let Err(e) = result {
+            eprintln!("could not drop test schema {schema}: {e}");
+        }
+        self.pool.close().await;
+    }
+}

@@ -1,0 +1,195 @@
+//! The wallet domain: accounts with balances and a ledger row per applied credit, as in the
+//! article. Every applied credit writes one ledger row carrying its event ID, so duplicates are
+//! `ledger rows − distinct event IDs` and losses `published − distinct event IDs`.
+
+use std::time::Duration;
+
+use inbox_core::{async_trait, Handler, HandlerError, Message, MessageId};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+
+use crate::PgTx;
+
+/// A credit event: add `amount` to account `account_id`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreditEvent {
+    /// The account.
+    pub account_id: i64,
+    /// The amount to add.
+    pub amount: i64,
+    /// Stall on the first handling (see [`Credit::stall`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stall: bool,
+}
+
+impl CreditEvent {
+    /// A plain credit.
+    pub fn new(account_id: i64, amount: i64) -> Self {
+        Self {
+            account_id,
+            amount,
+            stall: false,
+        }
+    }
+
+    /// The JSON payload.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
+/// Creates `accounts`, `ledger` and `wallet_stalls` in the connection's schema if missing.
+pub async fn install(pool: &PgPool) -> Result<(), sqlx::Error> {
+    for statement in [
+        "CREATE TABLE IF NOT EXISTS accounts (
+            id bigint PRIMARY KEY,
+            balance bigint NOT NULL DEFAULT 0)",
+        // No unique constraint on event_id: a duplicate credit must show up as a second row.
+        "CREATE TABLE IF NOT EXISTS ledger (
+            id bigserial PRIMARY KEY,
+            event_id text NOT NULL,
+            account_id bigint NOT NULL,
+            amount bigint NOT NULL,
+            applied_at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        "CREATE TABLE IF NOT EXISTS wallet_stalls (event_id text PRIMARY KEY)",
+    ] {
+        sqlx::query(statement).execute(pool).await?;
+    }
+    Ok(())
+}
+
+/// The credit handler: adds the amount to the balance and writes a ledger row, both through the
+/// inbox transaction.
+#[derive(Debug, Clone)]
+pub struct Credit {
+    pool: PgPool,
+    work: Duration,
+    stall: Duration,
+}
+
+impl Credit {
+    /// A handler writing to the wallet tables reachable through `pool`'s schema.
+    pub fn new(pool: PgPool) -> Self {
+        Self {
+            pool,
+            work: Duration::ZERO,
+            stall: Duration::ZERO,
+        }
+    }
+
+    /// Sleeps `work` per message, standing in for real work.
+    pub fn work(mut self, work: Duration) -> Self {
+        self.work = work;
+        self
+    }
+
+    /// An event with `stall: true` sleeps `stall` on its first handling by any process (recorded
+    /// in `wallet_stalls` outside the transaction), so a zombie test can make a consumer lose
+    /// ownership mid-handler exactly once per such event.
+    pub fn stall(mut self, stall: Duration) -> Self {
+        self.stall = stall;
+        self
+    }
+}
+
+#[async_trait]
+impl Handler<PgTx> for Credit {
+    async fn handle(
+        &self,
+        tx: &mut PgTx,
+        id: &MessageId,
+        message: &Message,
+    ) -> Result<(), HandlerError> {
+        let event: CreditEvent = message.json()?;
+        if !self.work.is_zero() {
+            tokio::time::sleep(self.work).await;
+        }
+        if event.stall && !self.stall.is_zero() {
+            let first = sqlx::query(
+                "INSERT INTO wallet_stalls (event_id) VALUES ($1) ON CONFLICT DO NOTHING",
+            )
+            .bind(id.as_str())
+            .execute(&self.pool)
+            .await?
+            .rows_affected()
+                == 1;
+            if first {
+                tokio::time::sleep(self.stall).await;
+            }
+        }
+        sqlx::query(
+            "INSERT INTO accounts (id, balance) VALUES ($1, $2)
+             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+        )
+        .bind(event.account_id)
+        .bind(event.amount)
+        .execute(&mut **tx)
+        .await?;
+        sqlx::query("INSERT INTO ledger (event_id, account_id, amount) VALUES ($1, $2, $3)")
+            .bind(id.as_str())
+            .bind(event.account_id)
+            .bind(event.amount)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+/// What the ledger says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Summary {
+    /// Ledger rows: applied credits, duplicates included.
+    pub ledger_rows: i64,
+    /// Distinct event IDs in the ledger.
+    pub distinct_events: i64,
+    /// Every account's balance equals the sum of its ledger rows.
+    pub balances_exact: bool,
+    /// The sum of all balances.
+    pub total_balance: i64,
+}
+
+impl Summary {
+    /// Ledger rows beyond the first per event.
+    pub fn duplicates(&self) -> i64 {
+        self.ledger_rows - self.distinct_events
+    }
+
+    /// Published events that never reached the ledger.
+    pub fn lost(&self, published: i64) -> i64 {
+        published - self.distinct_events
+    }
+}
+
+/// Reads the ledger.
+pub async fn summary(pool: &PgPool) -> Result<Summary, sqlx::Error> {
+    let (ledger_rows, distinct_events): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM ledger")
+            .fetch_one(pool)
+            .await?;
+    let (balances_exact, total_balance): (bool, i64) = sqlx::query_as(
+        "SELECT coalesce(bool_and(a.balance = coalesce(l.total, 0)), true),
+                coalesce(sum(a.balance), 0)::bigint
+         FROM accounts a
+         LEFT JOIN (SELECT account_id, sum(amount) AS total FROM ledger GROUP BY account_id) l
+           ON l.account_id = a.id",
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(Summary {
+        ledger_rows,
+        distinct_events,
+        balances_exact,
+        total_balance,
+    })
+}
+
+/// One account's balance (0 when it has none).
+pub async fn balance(pool: &PgPool, account_id: i64) -> i64 {
+    sqlx::query_scalar("SELECT balance FROM accounts WHERE id = $1")
+        .bind(account_id)
+        .fetch_optional(pool)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(0)
+}

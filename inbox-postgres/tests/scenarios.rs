@@ -1,0 +1,452 @@
+//! The article's scenarios on the wallet domain, against a real PostgreSQL. Each would fail
+//! without the inbox; the two anti-pattern tests show the harness can see the failures.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use inbox_core::testkit::{crash_at, AckMode, MemoryBroker, WithoutInbox};
+use inbox_core::{
+    async_trait, Consumer, Error, Handler, HandlerError, Message, MessageId, RetryPolicy, Stage,
+};
+use inbox_postgres::testkit::wallet::{self, balance, Credit, CreditEvent};
+use inbox_postgres::testkit::TestDb;
+use inbox_postgres::PgTx;
+
+fn credit(broker: &MemoryBroker, id: &str, account: i64, amount: i64) {
+    broker.publish(Some(id), CreditEvent::new(account, amount).to_json());
+}
+
+fn fast_retry(max_attempts: u32) -> RetryPolicy {
+    RetryPolicy {
+        max_attempts,
+        initial_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(50),
+    }
+}
+
+#[tokio::test]
+async fn the_same_message_delivered_twice_credits_once() {
+    let db = TestDb::new().await;
+    let broker = MemoryBroker::new();
+    credit(&broker, "evt-1", 1, 100);
+    credit(&broker, "evt-1", 1, 100);
+
+    let stats = Consumer::new(
+        "wallet",
+        broker.source(),
+        db.inbox(),
+        Credit::new(db.pool.clone()),
+    )
+    .run_until_idle()
+    .await
+    .unwrap();
+
+    assert_eq!(balance(&db.pool, 1).await, 100);
+    assert_eq!((stats.applied, stats.skipped_duplicates), (1, 1));
+    assert_eq!(broker.pending(), 0, "both copies are acked");
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_crash_after_commit_before_ack_is_skipped_on_restart() {
+    let db = TestDb::new().await;
+    let broker = MemoryBroker::new();
+    credit(&broker, "evt-1", 1, 100);
+    credit(&broker, "evt-2", 1, 100);
+
+    let first = Consumer::new(
+        "wallet",
+        broker.source(),
+        db.inbox(),
+        Credit::new(db.pool.clone()),
+    )
+    .on_stage(inbox_core::testkit::crash_at_ids(
+        Stage::Committed,
+        [MessageId::new("evt-2").unwrap()],
+    ))
+    .run_until_idle()
+    .await;
+    assert!(matches!(
+        first,
+        Err(Error::Crashed {
+            stage: Stage::Committed,
+            ..
+        })
+    ));
+    assert_eq!(broker.pending(), 1, "evt-2 committed but never acked");
+
+    let restarted = Consumer::new(
+        "wallet",
+        broker.source(),
+        db.inbox(),
+        Credit::new(db.pool.clone()),
+    )
+    .run_until_idle()
+    .await
+    .unwrap();
+
+    assert_eq!(
+        restarted.skipped_duplicates, 1,
+        "the redelivered evt-2 is skipped"
+    );
+    assert_eq!(balance(&db.pool, 1).await, 200);
+    let summary = wallet::summary(&db.pool).await.unwrap();
+    assert_eq!((summary.ledger_rows, summary.distinct_events), (2, 2));
+    assert_eq!(broker.pending(), 0);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn two_consumers_racing_on_one_id_credit_once() {
+    let db = TestDb::new().await;
+    let broker = MemoryBroker::new();
+    // Two copies of the same event, taken by two consumers at the same time. The handler's work
+    // keeps both transactions open together, so the second INSERT waits on the first's row.
+    credit(&broker, "evt-1", 1, 100);
+    credit(&broker, "evt-1", 1, 100);
+    let handler = Credit::new(db.pool.clone()).work(Duration::from_millis(300));
+    let a = Consumer::new("wallet", broker.source(), db.inbox(), handler.clone());
+    let b = Consumer::new("wallet", broker.source(), db.inbox(), handler);
+    // Each takes one copy before either finishes.
+    let (a, b) = tokio::join!(a.run_until_idle(), b.run_until_idle());
+    let (a, b) = (a.unwrap(), b.unwrap());
+
+    assert_eq!(a.received + b.received, 2);
+    assert_eq!(a.applied + b.applied, 1);
+    assert_eq!(a.skipped_duplicates + b.skipped_duplicates, 1);
+    assert_eq!(balance(&db.pool, 1).await, 100);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn ack_before_the_database_loses_the_message_on_a_crash() {
+    // The anti-pattern ("offset first"): the broker forgets the message on receipt.
+    let db = TestDb::new().await;
+    let broker = MemoryBroker::new();
+    credit(&broker, "evt-1", 1, 100);
+
+    let crashed = Consumer::new(
+        "wallet",
+        broker.source_with(AckMode::OnReceive),
+        db.inbox(),
+        Credit::new(db.pool.clone()),
+    )
+    .on_stage(crash_at(Stage::Applied))
+    .run_until_idle()
+    .await;
+    assert!(matches!(crashed, Err(Error::Crashed { .. })));
+
+    let restarted = Consumer::new(
+        "wallet",
+        broker.source(),
+        db.inbox(),
+        Credit::new(db.pool.clone()),
+    )
+    .run_until_idle()
+    .await
+    .unwrap();
+
+    assert_eq!(restarted.received, 0, "nothing comes back");
+    assert_eq!(balance(&db.pool, 1).await, 0, "evt-1 is lost for good");
+    assert_eq!(broker.pending(), 0);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn without_the_inbox_a_crash_after_commit_credits_twice() {
+    // The anti-pattern "commit after the database, no inbox" (the article's variant b).
+    let db = TestDb::new().await;
+    let broker = MemoryBroker::new();
+    credit(&broker, "evt-2", 1, 100);
+    let no_inbox = WithoutInbox(db.inbox());
+
+    let crashed = Consumer::new(
+        "wallet",
+        broker.source(),
+        no_inbox.clone(),
+        Credit::new(db.pool.clone()),
+    )
+    .on_stage(crash_at(Stage::Committed))
+    .run_until_idle()
+    .await;
+    assert!(matches!(crashed, Err(Error::Crashed { .. })));
+    Consumer::new(
+        "wallet",
+        broker.source(),
+        no_inbox,
+        Credit::new(db.pool.clone()),
+    )
+    .run_until_idle()
+    .await
+    .unwrap();
+
+    assert_eq!(
+        balance(&db.pool, 1).await,
+        200,
+        "credited twice: 200, not 100"
+    );
+    let summary = wallet::summary(&db.pool).await.unwrap();
+    assert_eq!(summary.duplicates(), 1);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_message_without_id_is_dead_lettered_and_nothing_is_applied() {
+    let db = TestDb::new().await;
+    let broker = MemoryBroker::new();
+    broker.publish(None, CreditEvent::new(1, 100).to_json());
+    credit(&broker, "", 1, 100); // an empty ID is no ID either
+    credit(&broker, "evt-ok", 1, 5);
+
+    let stats = Consumer::new(
+        "wallet",
+        broker.source(),
+        db.inbox(),
+        Credit::new(db.pool.clone()),
+    )
+    .run_until_idle()
+    .await
+    .unwrap();
+
+    let dead = broker.dead_letters();
+    assert_eq!(dead.len(), 2);
+    assert_eq!(dead[0].1, "message has no ID: id is missing");
+    assert_eq!(
+        dead[1].1,
+        "message ID in id is invalid: the message ID is empty"
+    );
+    assert_eq!(
+        dead[0].0.payload,
+        CreditEvent::new(1, 100).to_json(),
+        "kept whole"
+    );
+    assert_eq!(stats.dead_lettered, 2);
+    assert_eq!(
+        balance(&db.pool, 1).await,
+        5,
+        "only the message with an ID is applied"
+    );
+    assert_eq!(db.inbox_rows().await, 1);
+    assert_eq!(
+        broker.pending(),
+        0,
+        "nothing left behind, nothing silently dropped"
+    );
+    db.drop().await;
+}
+
+/// Fails the first `failures` calls, then credits.
+struct Flaky {
+    inner: Credit,
+    failures: AtomicU32,
+}
+
+#[async_trait]
+impl Handler<PgTx> for Flaky {
+    async fn handle(&self, tx: &mut PgTx, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
+        // Write first, then fail: the rollback must take the credit and the inbox row with it.
+        self.inner.handle(tx, id, m).await?;
+        let left = self.failures.load(Ordering::SeqCst);
+        if left > 0 {
+            self.failures.store(left - 1, Ordering::SeqCst);
+            return Err(HandlerError::transient("downstream timeout"));
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_handler_error_rolls_back_the_inbox_row_and_the_retry_applies_once() {
+    let db = TestDb::new().await;
+    let broker = MemoryBroker::new();
+    credit(&broker, "evt-1", 1, 100);
+    let flaky = Flaky {
+        inner: Credit::new(db.pool.clone()),
+        failures: AtomicU32::new(2),
+    };
+
+    let stats = Consumer::new("wallet", broker.source(), db.inbox(), flaky)
+        .retry(fast_retry(3))
+        .run_until_idle()
+        .await
+        .unwrap();
+
+    assert_eq!(
+        (stats.retried, stats.applied, stats.dead_lettered),
+        (2, 1, 0)
+    );
+    assert_eq!(balance(&db.pool, 1).await, 100);
+    assert_eq!(wallet::summary(&db.pool).await.unwrap().ledger_rows, 1);
+    assert_eq!(db.inbox_rows().await, 1);
+
+    // Past the limit it is dead-lettered, and neither the credit nor the inbox row stays, so a
+    // replay from the dead-letter queue would still be applied.
+    credit(&broker, "evt-2", 1, 7);
+    let always = Flaky {
+        inner: Credit::new(db.pool.clone()),
+        failures: AtomicU32::new(u32::MAX),
+    };
+    let stats = Consumer::new("wallet", broker.source(), db.inbox(), always)
+        .retry(fast_retry(2))
+        .run_until_idle()
+        .await
+        .unwrap();
+    assert_eq!((stats.retried, stats.dead_lettered), (1, 1));
+    assert_eq!(
+        broker.dead_letters()[0].1,
+        "handler failed 2 time(s), last error: downstream timeout"
+    );
+    assert_eq!(balance(&db.pool, 1).await, 100);
+    assert_eq!(db.inbox_rows().await, 1, "evt-2 left no inbox row");
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_poison_message_in_a_batch_is_dead_lettered_and_the_rest_commits_once() {
+    let db = TestDb::new().await;
+    let broker = MemoryBroker::new();
+    for i in 0..10 {
+        if i == 4 {
+            broker.publish(Some("evt-poison"), "{not json");
+        } else {
+            credit(&broker, &format!("evt-{i}"), i, 10);
+        }
+    }
+
+    let stats = Consumer::new(
+        "wallet",
+        broker.source(),
+        db.inbox(),
+        Credit::new(db.pool.clone()),
+    )
+    .batch_size(10)
+    .run_until_idle()
+    .await
+    .unwrap();
+
+    assert_eq!(
+        stats.commits, 1,
+        "one transaction for the nine good messages"
+    );
+    assert_eq!((stats.applied, stats.dead_lettered), (9, 1));
+    let dead = broker.dead_letters();
+    assert_eq!(dead.len(), 1);
+    assert!(
+        dead[0]
+            .1
+            .starts_with("handler refused the message: payload is not valid JSON"),
+        "{}",
+        dead[0].1
+    );
+    let summary = wallet::summary(&db.pool).await.unwrap();
+    assert_eq!(
+        (
+            summary.ledger_rows,
+            summary.distinct_events,
+            summary.total_balance
+        ),
+        (9, 9, 90)
+    );
+    assert_eq!(
+        db.inbox_rows().await,
+        9,
+        "the poison message's claim was undone"
+    );
+    assert_eq!(broker.pending(), 0);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_panicking_handler_does_not_take_the_consumer_down() {
+    struct PanicsOnce(AtomicU32, Credit);
+    #[async_trait]
+    impl Handler<PgTx> for PanicsOnce {
+        async fn handle(
+            &self,
+            tx: &mut PgTx,
+            id: &MessageId,
+            m: &Message,
+        ) -> Result<(), HandlerError> {
+            if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
+                panic!("boom");
+            }
+            self.1.handle(tx, id, m).await
+        }
+    }
+    let db = TestDb::new().await;
+    let broker = MemoryBroker::new();
+    credit(&broker, "evt-1", 1, 100);
+    credit(&broker, "evt-2", 1, 1);
+
+    let stats = Consumer::new(
+        "wallet",
+        broker.source(),
+        db.inbox(),
+        PanicsOnce(AtomicU32::new(0), Credit::new(db.pool.clone())),
+    )
+    .retry(fast_retry(3))
+    .run_until_idle()
+    .await
+    .unwrap();
+
+    assert_eq!((stats.applied, stats.retried), (2, 1));
+    assert_eq!(balance(&db.pool, 1).await, 101);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn graceful_shutdown_finishes_the_batch_in_flight() {
+    let db = TestDb::new().await;
+    let broker = MemoryBroker::new();
+    for i in 0..5 {
+        credit(&broker, &format!("evt-{i}"), 1, 1);
+    }
+    let consumer = Consumer::new(
+        "wallet",
+        broker.source(),
+        db.inbox(),
+        Credit::new(db.pool.clone()).work(Duration::from_millis(100)),
+    )
+    .batch_size(5);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(consumer.run_until(async {
+        let _ = stopped.await;
+    }));
+    // Ask to stop while the batch of five (500 ms of work) is being applied.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let _ = stop.send(());
+    let stats = run.await.unwrap().unwrap();
+
+    assert_eq!(stats.applied, 5);
+    assert_eq!(balance(&db.pool, 1).await, 5);
+    assert_eq!(
+        broker.pending(),
+        0,
+        "the batch in flight was acked before returning"
+    );
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn consumers_with_different_names_each_apply_once() {
+    let db = TestDb::new().await;
+    let broker = MemoryBroker::new();
+    credit(&broker, "evt-1", 1, 100);
+    credit(&broker, "evt-1", 1, 100);
+    credit(&broker, "evt-1", 1, 100);
+    let handler = Arc::new(Credit::new(db.pool.clone()));
+    for name in ["wallet", "audit", "wallet"] {
+        let source = broker.source();
+        Consumer::new(name, source, db.inbox(), Arc::clone(&handler))
+            .batch_size(1)
+            .run_until_idle()
+            .await
+            .unwrap();
+        // Re-publish so every consumer sees a copy.
+        credit(&broker, "evt-1", 1, 100);
+    }
+    // "wallet" applied once, "audit" applied once: two credits in all.
+    assert_eq!(balance(&db.pool, 1).await, 200);
+    db.drop().await;
+}
