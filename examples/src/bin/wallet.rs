@@ -1,0 +1,189 @@
+//! The wallet demo: credit events applied to accounts through the inbox, while the consumer
+//! crashes at random points of claim, apply, commit and ack, and the producer sends some events
+//! twice. The same run without the inbox shows the duplicate credits the inbox prevents.
+//!
+//! ```text
+//! cargo xtask demo                         # services, then this with the defaults
+//! cargo run -p inbox-examples --bin wallet -- demo --events 5000 --crash-probability 0.02
+//! ```
+//!
+//! It needs PostgreSQL at `DATABASE_URL` (default
+//! `postgres://postgres:postgres@127.0.0.1:5432/inbox`); each run uses a schema of its own and
+//! drops it at the end. The broker is the in-memory one from `inbox_core::testkit`, which
+//! redelivers whatever a crashed consumer had not acked.
+
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use inbox_core::testkit::{MemoryBroker, WithoutInbox};
+use inbox_core::{Consumer, Error, HookAction, InboxStore, Stage, StageHook};
+use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
+use inbox_postgres::testkit::TestDb;
+use inbox_postgres::PgTx;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+struct Settings {
+    events: u32,
+    accounts: i64,
+    resend_share: f64,
+    crash_probability: f64,
+    batch: usize,
+    seed: u64,
+}
+
+fn parse(args: &[String]) -> Result<Settings, String> {
+    let mut s = Settings {
+        events: 2_000,
+        accounts: 50,
+        resend_share: 0.1,
+        crash_probability: 0.01,
+        batch: 10,
+        seed: 7,
+    };
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        let bad = |e: &dyn std::fmt::Display| format!("{flag}: {e}");
+        match flag.as_str() {
+            "--events" => s.events = value()?.parse().map_err(|e| bad(&e))?,
+            "--accounts" => s.accounts = value()?.parse().map_err(|e| bad(&e))?,
+            "--resend-share" => s.resend_share = value()?.parse().map_err(|e| bad(&e))?,
+            "--crash-probability" => s.crash_probability = value()?.parse().map_err(|e| bad(&e))?,
+            "--batch" => s.batch = value()?.parse().map_err(|e| bad(&e))?,
+            "--seed" => s.seed = value()?.parse().map_err(|e| bad(&e))?,
+            other => return Err(format!("unknown option {other}")),
+        }
+    }
+    if !(0.0..1.0).contains(&s.crash_probability) {
+        return Err("--crash-probability must be in [0, 1)".into());
+    }
+    Ok(s)
+}
+
+const USAGE: &str = "usage: wallet demo [--events N] [--accounts N] [--resend-share F] [--crash-probability F] [--batch N] [--seed N]";
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+        .init();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let settings = match args.split_first() {
+        Some((cmd, rest)) if cmd == "demo" => parse(rest),
+        _ => Err(USAGE.into()),
+    };
+    let settings = match settings {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("{e}\n{USAGE}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!(
+        "wallet demo: {} credit events over {} accounts, {:.0}% sent twice by the producer, \
+         the consumer crashing with probability {} at each step of each message, batches of {}",
+        settings.events,
+        settings.accounts,
+        settings.resend_share * 100.0,
+        settings.crash_probability,
+        settings.batch
+    );
+    println!("{:<34} {:>8} {:>8} {:>11} {:>5} {:>15} {:>8}", "variant", "crashes", "applied", "duplicates", "lost", "balances exact", "msgs/s");
+    let mut ok = true;
+    for with_inbox in [false, true] {
+        let row = run(&settings, with_inbox).await;
+        ok &= !with_inbox || (row.duplicates == 0 && row.lost == 0 && row.balances_exact);
+        println!(
+            "{:<34} {:>8} {:>8} {:>11} {:>5} {:>15} {:>8.0}",
+            if with_inbox { "c: inbox + ack after commit" } else { "b: ack after commit, no inbox" },
+            row.crashes,
+            row.applied,
+            row.duplicates,
+            row.lost,
+            row.balances_exact,
+            row.rate
+        );
+    }
+    if ok {
+        println!("with the inbox: every event applied exactly once, every balance exact");
+        ExitCode::SUCCESS
+    } else {
+        println!("the inbox variant showed duplicates or losses");
+        ExitCode::FAILURE
+    }
+}
+
+struct Row {
+    crashes: u32,
+    applied: i64,
+    duplicates: i64,
+    lost: i64,
+    balances_exact: bool,
+    rate: f64,
+}
+
+async fn run(s: &Settings, with_inbox: bool) -> Row {
+    let db = TestDb::new().await;
+    let broker = MemoryBroker::new();
+    let mut rng = StdRng::seed_from_u64(s.seed);
+    for i in 0..s.events {
+        let event = CreditEvent::new(rng.random_range(1..=s.accounts), rng.random_range(1..=100));
+        let id = format!("evt-{i}");
+        broker.publish(Some(&id), event.to_json());
+        if rng.random_bool(s.resend_share) {
+            broker.publish(Some(&id), event.to_json()); // a relay publishing twice
+        }
+    }
+    let rng = Arc::new(Mutex::new(StdRng::seed_from_u64(s.seed ^ 0x5eed)));
+    let probability = s.crash_probability;
+    let hook = StageHook::new(move |_stage: Stage, _id| {
+        let mut rng = rng.lock().unwrap_or_else(|e| e.into_inner());
+        if rng.random_bool(probability) {
+            HookAction::Crash
+        } else {
+            HookAction::Continue
+        }
+    });
+    let started = Instant::now();
+    let crashes = if with_inbox {
+        drain(&broker, db.inbox(), &db, &hook, s.batch).await
+    } else {
+        drain(&broker, WithoutInbox(db.inbox()), &db, &hook, s.batch).await
+    };
+    let elapsed = started.elapsed();
+    let summary = wallet::summary(&db.pool).await.unwrap_or_else(|e| panic!("cannot read the ledger: {e}"));
+    db.drop().await;
+    Row {
+        crashes,
+        applied: summary.ledger_rows,
+        duplicates: summary.duplicates(),
+        lost: summary.lost(i64::from(s.events)),
+        balances_exact: summary.balances_exact,
+        rate: summary.ledger_rows as f64 / elapsed.as_secs_f64().max(1e-9),
+    }
+}
+
+/// Runs consumers until the queue is empty, starting a new one after each crash.
+async fn drain<St: InboxStore<Tx = PgTx> + Clone>(
+    broker: &MemoryBroker,
+    store: St,
+    db: &TestDb,
+    hook: &StageHook,
+    batch: usize,
+) -> u32 {
+    let mut crashes = 0;
+    while broker.pending() > 0 {
+        let consumer = Consumer::new("wallet", broker.source(), store.clone(), Credit::new(db.pool.clone()))
+            .batch_size(batch)
+            .error_backoff(Duration::from_millis(10))
+            .on_stage(hook.clone());
+        match consumer.run_until_idle().await {
+            Ok(_) => {}
+            Err(Error::Crashed { .. }) => crashes += 1,
+            Err(e) => panic!("consumer failed: {e}"),
+        }
+    }
+    crashes
+}

@@ -1,0 +1,57 @@
+//! Project tasks, run as `cargo xtask <task>`:
+//!
+//! - `services`: installs what is missing and starts what is not running: PostgreSQL, Redis,
+//!   RabbitMQ, a Kafka-protocol broker (Tansu) and an SQS endpoint (moto). A service already
+//!   listening at its address is reused; nothing is ever stopped. Safe to run twice.
+//! - `test`: `services`, then `cargo fmt --check`, `cargo clippy --all-targets -D warnings`
+//!   and the whole test suite.
+//! - `demo`: `services`, then the wallet demo (extra arguments go to it).
+
+mod services;
+
+use std::process::{Command, ExitCode};
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("services") => services::up(),
+        Some("test") => services::up().and_then(|()| test(&args[1..])),
+        Some("demo") => services::up().and_then(|()| demo(&args[1..])),
+        _ => Err("usage: cargo xtask services | test [cargo test args] | demo [wallet args]".into()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn test(extra: &[String]) -> Result<(), String> {
+    cargo(&["fmt", "--all", "--", "--check"])?;
+    cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?;
+    let mut args = vec!["test", "--workspace"];
+    args.extend(extra.iter().map(String::as_str));
+    cargo(&args)
+}
+
+fn demo(extra: &[String]) -> Result<(), String> {
+    let mut args = vec!["run", "--release", "--quiet", "-p", "inbox-examples", "--bin", "wallet", "--", "demo"];
+    args.extend(extra.iter().map(String::as_str));
+    cargo(&args)
+}
+
+fn cargo(args: &[&str]) -> Result<(), String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    eprintln!("xtask: cargo {}", args.join(" "));
+    let status = Command::new(cargo)
+        .args(args)
+        .status()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("cargo {} failed ({status})", args.join(" ")))
+    }
+}

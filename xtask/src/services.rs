@@ -1,0 +1,287 @@
+//! Bringing up the services the tests and the demo talk to.
+//!
+//! Each address comes from the same environment variable the code reads, with the same local
+//! default. Only a service whose address is on this machine and not listening is installed and
+//! started; a remote address is only checked.
+
+use std::fs::File;
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+type Result<T = (), E = String> = std::result::Result<T, E>;
+
+pub(crate) fn up() -> Result {
+    postgres()?;
+    redis()?;
+    rabbitmq()?;
+    kafka()?;
+    sqs()?;
+    Ok(())
+}
+
+/// `host:port` of a URL such as `scheme://user:pass@host:port/path`.
+fn host_port(url: &str, default_port: u16) -> (String, u16) {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let rest = rest.split(['/', '?']).next().unwrap_or(rest);
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+    match rest.rsplit_once(':') {
+        Some((host, port)) if !host.ends_with(']') || host.starts_with('[') => {
+            (host.to_owned(), port.parse().unwrap_or(default_port))
+        }
+        _ => (rest.to_owned(), default_port),
+    }
+}
+
+fn listening(host: &str, port: u16) -> bool {
+    let Ok(addrs) = (host, port).to_socket_addrs() else {
+        return false;
+    };
+    addrs
+        .into_iter()
+        .any(|a: SocketAddr| TcpStream::connect_timeout(&a, Duration::from_millis(500)).is_ok())
+}
+
+fn is_local(host: &str) -> bool {
+    matches!(host, "localhost" | "127.0.0.1" | "::1" | "[::1]")
+}
+
+fn wait_for(name: &str, host: &str, port: u16, limit: Duration) -> Result {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if listening(host, port) {
+            eprintln!("services: {name} is up on {host}:{port}");
+            return Ok(());
+        }
+        sleep(Duration::from_millis(250));
+    }
+    Err(format!("{name} did not start listening on {host}:{port} within {limit:?}"))
+}
+
+/// Whether a service must be started: false when it listens already (reused) and an error when
+/// it is remote and down.
+fn needs_start(name: &str, var: &str, host: &str, port: u16) -> Result<bool> {
+    if listening(host, port) {
+        eprintln!("services: {name} already listens on {host}:{port}; reusing it");
+        return Ok(false);
+    }
+    if !is_local(host) {
+        return Err(format!("{name} at {host}:{port} (from {var}) does not answer, and it is not on this machine"));
+    }
+    Ok(true)
+}
+
+fn run(program: &str, args: &[&str]) -> Result {
+    let status = Command::new(program)
+        .args(args)
+        .status()
+        .map_err(|e| format!("cannot run {program}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{program} {} failed ({status})", args.join(" ")))
+    }
+}
+
+fn quiet(program: &str, args: &[&str]) -> bool {
+    Command::new(program)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn have(program: &str) -> bool {
+    which(program).is_some()
+}
+
+fn which(program: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    let mut dirs: Vec<PathBuf> = std::env::split_paths(&path).collect();
+    if let Some(home) = std::env::var_os("HOME") {
+        dirs.push(PathBuf::from(home).join(".cargo/bin"));
+    }
+    dirs.into_iter().map(|d| d.join(program)).find(|p| p.is_file())
+}
+
+fn apt_install(packages: &[&str]) -> Result {
+    static UPDATED: std::sync::Once = std::sync::Once::new();
+    UPDATED.call_once(|| {
+        eprintln!("services: apt-get update");
+        let _ = quiet("apt-get", &["update", "-qq"]);
+    });
+    eprintln!("services: installing {}", packages.join(" "));
+    let mut args = vec!["install", "-y", "-qq", "--no-install-recommends"];
+    args.extend_from_slice(packages);
+    let status = Command::new("apt-get")
+        .args(&args)
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .stdout(Stdio::null())
+        .status()
+        .map_err(|e| format!("cannot run apt-get: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("apt-get install {} failed ({status})", packages.join(" ")))
+    }
+}
+
+/// Starts `program` in its own session, detached from this process, logging to `/tmp/<name>.log`.
+fn spawn_detached(name: &str, program: &PathBuf, args: &[&str]) -> Result {
+    let log_path = std::env::temp_dir().join(format!("inbox-{name}.log"));
+    let log = File::create(&log_path).map_err(|e| format!("cannot create {}: {e}", log_path.display()))?;
+    let err = log.try_clone().map_err(|e| e.to_string())?;
+    Command::new("setsid")
+        .arg(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(err)
+        .spawn()
+        .map_err(|e| format!("cannot start {name}: {e}"))?;
+    eprintln!("services: started {name} (log: {})", log_path.display());
+    Ok(())
+}
+
+fn postgres() -> Result {
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:5432/inbox".into());
+    let (host, port) = host_port(&url, 5432);
+    if needs_start("PostgreSQL", "DATABASE_URL", &host, port)? {
+        if !have("pg_ctlcluster") {
+            apt_install(&["postgresql"])?;
+        }
+        let clusters = Command::new("pg_lsclusters")
+            .arg("--no-header")
+            .output()
+            .map_err(|e| format!("cannot run pg_lsclusters: {e}"))?;
+        let listing = String::from_utf8_lossy(&clusters.stdout);
+        let cluster = listing
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|f| f.len() > 2 && f[2] == port.to_string())
+            .ok_or_else(|| format!("no PostgreSQL cluster on port {port}: {listing}"))?;
+        run("pg_ctlcluster", &[cluster[0], cluster[1], "start"])?;
+        wait_for("PostgreSQL", &host, port, Duration::from_secs(30))?;
+    }
+    if quiet("psql", &[&url, "-qAtc", "SELECT 1"]) {
+        return Ok(());
+    }
+    if !is_local(&host) {
+        return Err(format!("PostgreSQL at {host}:{port} refuses DATABASE_URL {url}"));
+    }
+    // The local default: give the postgres role the default password and create the database.
+    eprintln!("services: setting up the local database for {url}");
+    let database = url.rsplit('/').next().unwrap_or("inbox").split('?').next().unwrap_or("inbox");
+    let as_postgres = |sql: &str| quiet("su", &["postgres", "-c", &format!("psql -p {port} -qc \"{sql}\"")]);
+    as_postgres("ALTER USER postgres PASSWORD 'postgres'");
+    as_postgres(&format!("CREATE DATABASE {database}"));
+    if quiet("psql", &[&url, "-qAtc", "SELECT 1"]) {
+        Ok(())
+    } else {
+        Err(format!("cannot connect to {url} after setting it up"))
+    }
+}
+
+fn redis() -> Result {
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let (host, port) = host_port(&url, 6379);
+    if needs_start("Redis", "REDIS_URL", &host, port)? {
+        if !have("redis-server") {
+            apt_install(&["redis-server"])?;
+        }
+        let port_text = port.to_string();
+        run(
+            "redis-server",
+            &["--daemonize", "yes", "--port", &port_text, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        )?;
+        wait_for("Redis", &host, port, Duration::from_secs(20))?;
+    }
+    Ok(())
+}
+
+fn rabbitmq() -> Result {
+    let url = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let (host, port) = host_port(&url, 5672);
+    if needs_start("RabbitMQ", "AMQP_URL", &host, port)? {
+        if !have("rabbitmq-server") {
+            apt_install(&["rabbitmq-server"])?;
+        }
+        run("rabbitmq-server", &["-detached"])?;
+        wait_for("RabbitMQ", &host, port, Duration::from_secs(90))?;
+        run("rabbitmqctl", &["await_startup"])?;
+    }
+    Ok(())
+}
+
+fn kafka() -> Result {
+    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+    let first = brokers.split(',').next().unwrap_or(&brokers);
+    let (host, port) = host_port(first, 9092);
+    if needs_start("Kafka", "KAFKA_BROKERS", &host, port)? {
+        let tansu = match which("tansu") {
+            Some(path) => path,
+            None => {
+                eprintln!("services: building the Tansu broker (cargo install, several minutes)");
+                let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+                run(&cargo, &["install", "tansu", "--locked", "--features", "dynostore"])?;
+                which("tansu").ok_or("tansu was installed but is not on PATH or in ~/.cargo/bin")?
+            }
+        };
+        let listener = format!("tcp://{host}:{port}");
+        spawn_detached(
+            "tansu",
+            &tansu,
+            &TANSU_ARGS.iter().map(|a| a.replace("{listener}", &listener)).collect::<Vec<_>>().iter().map(String::as_str).collect::<Vec<_>>(),
+        )?;
+        wait_for("Kafka (Tansu)", &host, port, Duration::from_secs(30))?;
+    }
+    Ok(())
+}
+
+/// How Tansu is started: in-memory storage, listening and advertised on the Kafka address.
+const TANSU_ARGS: &[&str] = &[
+    "broker",
+    "--storage-engine",
+    "memory://tansu/",
+    "--listener-url",
+    "{listener}",
+    "--advertised-listener-url",
+    "{listener}",
+];
+
+fn sqs() -> Result {
+    let url = std::env::var("AWS_ENDPOINT_URL_SQS").unwrap_or_else(|_| "http://127.0.0.1:4566".into());
+    let (host, port) = host_port(&url, 4566);
+    if needs_start("SQS (moto)", "AWS_ENDPOINT_URL_SQS", &host, port)? {
+        let moto = match which("moto_server").filter(|_| quiet("python3", &["-c", "import moto.server"])) {
+            Some(path) => path,
+            None => {
+                run("python3", &["-m", "pip", "install", "--quiet", "moto[server]"])?;
+                which("moto_server").ok_or("moto_server was installed but is not on PATH")?
+            }
+        };
+        let port_text = port.to_string();
+        spawn_detached("moto", &moto, &["-H", &host, "-p", &port_text])?;
+        wait_for("SQS (moto)", &host, port, Duration::from_secs(30))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_port;
+
+    #[test]
+    fn addresses_come_out_of_urls() {
+        assert_eq!(host_port("postgres://u:p@127.0.0.1:5433/inbox", 5432), ("127.0.0.1".into(), 5433));
+        assert_eq!(host_port("amqp://guest:guest@localhost:5672/%2f", 1), ("localhost".into(), 5672));
+        assert_eq!(host_port("redis://127.0.0.1", 6379), ("127.0.0.1".into(), 6379));
+        assert_eq!(host_port("127.0.0.1:9092", 1), ("127.0.0.1".into(), 9092));
+        assert_eq!(host_port("http://127.0.0.1:4566", 1), ("127.0.0.1".into(), 4566));
+    }
+}
