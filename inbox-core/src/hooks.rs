@@ -30,9 +30,11 @@ pub enum HookAction {
     Crash,
 }
 
+type HookFn = dyn Fn(Stage, &MessageId) -> HookAction + Send + Sync;
+
 /// A callback run at each [`Stage`] of each message.
 #[derive(Clone)]
-pub struct StageHook(Arc<dyn Fn(Stage, &MessageId) -> HookAction + Send + Sync>);
+pub struct StageHook(Arc<HookFn>);
 
 impl StageHook {
     /// Wraps a callback.

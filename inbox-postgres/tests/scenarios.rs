@@ -1,6 +1,8 @@
 //! The article's scenarios on the wallet domain, against a real PostgreSQL. Each would fail
 //! without the inbox; the two anti-pattern tests show the harness can see the failures.
 
+#![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
+
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

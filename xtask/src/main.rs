@@ -17,7 +17,9 @@ fn main() -> ExitCode {
         Some("services") => services::up(),
         Some("test") => services::up().and_then(|()| test(&args[1..])),
         Some("demo") => services::up().and_then(|()| demo(&args[1..])),
-        _ => Err("usage: cargo xtask services | test [cargo test args] | demo [wallet args]".into()),
+        _ => {
+            Err("usage: cargo xtask services | test [cargo test args] | demo [wallet args]".into())
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -30,14 +32,31 @@ fn main() -> ExitCode {
 
 fn test(extra: &[String]) -> Result<(), String> {
     cargo(&["fmt", "--all", "--", "--check"])?;
-    cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?;
+    cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
     let mut args = vec!["test", "--workspace"];
     args.extend(extra.iter().map(String::as_str));
     cargo(&args)
 }
 
 fn demo(extra: &[String]) -> Result<(), String> {
-    let mut args = vec!["run", "--release", "--quiet", "-p", "inbox-examples", "--bin", "wallet", "--", "demo"];
+    let mut args = vec![
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "inbox-examples",
+        "--bin",
+        "wallet",
+        "--",
+        "demo",
+    ];
     args.extend(extra.iter().map(String::as_str));
     cargo(&args)
 }

@@ -57,7 +57,9 @@ fn wait_for(name: &str, host: &str, port: u16, limit: Duration) -> Result {
         }
         sleep(Duration::from_millis(250));
     }
-    Err(format!("{name} did not start listening on {host}:{port} within {limit:?}"))
+    Err(format!(
+        "{name} did not start listening on {host}:{port} within {limit:?}"
+    ))
 }
 
 /// Whether a service must be started: false when it listens already (reused) and an error when
@@ -68,7 +70,9 @@ fn needs_start(name: &str, var: &str, host: &str, port: u16) -> Result<bool> {
         return Ok(false);
     }
     if !is_local(host) {
-        return Err(format!("{name} at {host}:{port} (from {var}) does not answer, and it is not on this machine"));
+        return Err(format!(
+            "{name} at {host}:{port} (from {var}) does not answer, and it is not on this machine"
+        ));
     }
     Ok(true)
 }
@@ -104,7 +108,9 @@ fn which(program: &str) -> Option<PathBuf> {
     if let Some(home) = std::env::var_os("HOME") {
         dirs.push(PathBuf::from(home).join(".cargo/bin"));
     }
-    dirs.into_iter().map(|d| d.join(program)).find(|p| p.is_file())
+    dirs.into_iter()
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
 }
 
 fn apt_install(packages: &[&str]) -> Result {
@@ -125,14 +131,18 @@ fn apt_install(packages: &[&str]) -> Result {
     if status.success() {
         Ok(())
     } else {
-        Err(format!("apt-get install {} failed ({status})", packages.join(" ")))
+        Err(format!(
+            "apt-get install {} failed ({status})",
+            packages.join(" ")
+        ))
     }
 }
 
 /// Starts `program` in its own session, detached from this process, logging to `/tmp/<name>.log`.
 fn spawn_detached(name: &str, program: &PathBuf, args: &[&str]) -> Result {
     let log_path = std::env::temp_dir().join(format!("inbox-{name}.log"));
-    let log = File::create(&log_path).map_err(|e| format!("cannot create {}: {e}", log_path.display()))?;
+    let log = File::create(&log_path)
+        .map_err(|e| format!("cannot create {}: {e}", log_path.display()))?;
     let err = log.try_clone().map_err(|e| e.to_string())?;
     Command::new("setsid")
         .arg(program)
@@ -171,12 +181,25 @@ fn postgres() -> Result {
         return Ok(());
     }
     if !is_local(&host) {
-        return Err(format!("PostgreSQL at {host}:{port} refuses DATABASE_URL {url}"));
+        return Err(format!(
+            "PostgreSQL at {host}:{port} refuses DATABASE_URL {url}"
+        ));
     }
     // The local default: give the postgres role the default password and create the database.
     eprintln!("services: setting up the local database for {url}");
-    let database = url.rsplit('/').next().unwrap_or("inbox").split('?').next().unwrap_or("inbox");
-    let as_postgres = |sql: &str| quiet("su", &["postgres", "-c", &format!("psql -p {port} -qc \"{sql}\"")]);
+    let database = url
+        .rsplit('/')
+        .next()
+        .unwrap_or("inbox")
+        .split('?')
+        .next()
+        .unwrap_or("inbox");
+    let as_postgres = |sql: &str| {
+        quiet(
+            "su",
+            &["postgres", "-c", &format!("psql -p {port} -qc \"{sql}\"")],
+        )
+    };
     as_postgres("ALTER USER postgres PASSWORD 'postgres'");
     as_postgres(&format!("CREATE DATABASE {database}"));
     if quiet("psql", &[&url, "-qAtc", "SELECT 1"]) {
@@ -196,7 +219,18 @@ fn redis() -> Result {
         let port_text = port.to_string();
         run(
             "redis-server",
-            &["--daemonize", "yes", "--port", &port_text, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            &[
+                "--daemonize",
+                "yes",
+                "--port",
+                &port_text,
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
         )?;
         wait_for("Redis", &host, port, Duration::from_secs(20))?;
     }
@@ -228,7 +262,10 @@ fn kafka() -> Result {
             None => {
                 eprintln!("services: building the Tansu broker (cargo install, several minutes)");
                 let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-                run(&cargo, &["install", "tansu", "--locked", "--features", "dynostore"])?;
+                run(
+                    &cargo,
+                    &["install", "tansu", "--locked", "--features", "dynostore"],
+                )?;
                 which("tansu").ok_or("tansu was installed but is not on PATH or in ~/.cargo/bin")?
             }
         };
@@ -236,7 +273,13 @@ fn kafka() -> Result {
         spawn_detached(
             "tansu",
             &tansu,
-            &TANSU_ARGS.iter().map(|a| a.replace("{listener}", &listener)).collect::<Vec<_>>().iter().map(String::as_str).collect::<Vec<_>>(),
+            &TANSU_ARGS
+                .iter()
+                .map(|a| a.replace("{listener}", &listener))
+                .collect::<Vec<_>>()
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>(),
         )?;
         wait_for("Kafka (Tansu)", &host, port, Duration::from_secs(30))?;
     }
@@ -255,13 +298,19 @@ const TANSU_ARGS: &[&str] = &[
 ];
 
 fn sqs() -> Result {
-    let url = std::env::var("AWS_ENDPOINT_URL_SQS").unwrap_or_else(|_| "http://127.0.0.1:4566".into());
+    let url =
+        std::env::var("AWS_ENDPOINT_URL_SQS").unwrap_or_else(|_| "http://127.0.0.1:4566".into());
     let (host, port) = host_port(&url, 4566);
     if needs_start("SQS (moto)", "AWS_ENDPOINT_URL_SQS", &host, port)? {
-        let moto = match which("moto_server").filter(|_| quiet("python3", &["-c", "import moto.server"])) {
+        let moto = match which("moto_server")
+            .filter(|_| quiet("python3", &["-c", "import moto.server"]))
+        {
             Some(path) => path,
             None => {
-                run("python3", &["-m", "pip", "install", "--quiet", "moto[server]"])?;
+                run(
+                    "python3",
+                    &["-m", "pip", "install", "--quiet", "moto[server]"],
+                )?;
                 which("moto_server").ok_or("moto_server was installed but is not on PATH")?
             }
         };
@@ -278,10 +327,22 @@ mod tests {
 
     #[test]
     fn addresses_come_out_of_urls() {
-        assert_eq!(host_port("postgres://u:p@127.0.0.1:5433/inbox", 5432), ("127.0.0.1".into(), 5433));
-        assert_eq!(host_port("amqp://guest:guest@localhost:5672/%2f", 1), ("localhost".into(), 5672));
-        assert_eq!(host_port("redis://127.0.0.1", 6379), ("127.0.0.1".into(), 6379));
+        assert_eq!(
+            host_port("postgres://u:p@127.0.0.1:5433/inbox", 5432),
+            ("127.0.0.1".into(), 5433)
+        );
+        assert_eq!(
+            host_port("amqp://guest:guest@localhost:5672/%2f", 1),
+            ("localhost".into(), 5672)
+        );
+        assert_eq!(
+            host_port("redis://127.0.0.1", 6379),
+            ("127.0.0.1".into(), 6379)
+        );
         assert_eq!(host_port("127.0.0.1:9092", 1), ("127.0.0.1".into(), 9092));
-        assert_eq!(host_port("http://127.0.0.1:4566", 1), ("127.0.0.1".into(), 4566));
+        assert_eq!(
+            host_port("http://127.0.0.1:4566", 1),
+            ("127.0.0.1".into(), 4566)
+        );
     }
 }

@@ -90,14 +90,21 @@ async fn main() -> ExitCode {
         settings.crash_probability,
         settings.batch
     );
-    println!("{:<34} {:>8} {:>8} {:>11} {:>5} {:>15} {:>8}", "variant", "crashes", "applied", "duplicates", "lost", "balances exact", "msgs/s");
+    println!(
+        "{:<34} {:>8} {:>8} {:>11} {:>5} {:>15} {:>8}",
+        "variant", "crashes", "applied", "duplicates", "lost", "balances exact", "msgs/s"
+    );
     let mut ok = true;
     for with_inbox in [false, true] {
         let row = run(&settings, with_inbox).await;
         ok &= !with_inbox || (row.duplicates == 0 && row.lost == 0 && row.balances_exact);
         println!(
             "{:<34} {:>8} {:>8} {:>11} {:>5} {:>15} {:>8.0}",
-            if with_inbox { "c: inbox + ack after commit" } else { "b: ack after commit, no inbox" },
+            if with_inbox {
+                "c: inbox + ack after commit"
+            } else {
+                "b: ack after commit, no inbox"
+            },
             row.crashes,
             row.applied,
             row.duplicates,
@@ -153,7 +160,9 @@ async fn run(s: &Settings, with_inbox: bool) -> Row {
         drain(&broker, WithoutInbox(db.inbox()), &db, &hook, s.batch).await
     };
     let elapsed = started.elapsed();
-    let summary = wallet::summary(&db.pool).await.unwrap_or_else(|e| panic!("cannot read the ledger: {e}"));
+    let summary = wallet::summary(&db.pool)
+        .await
+        .unwrap_or_else(|e| panic!("cannot read the ledger: {e}"));
     db.drop().await;
     Row {
         crashes,
@@ -175,10 +184,15 @@ async fn drain<St: InboxStore<Tx = PgTx> + Clone>(
 ) -> u32 {
     let mut crashes = 0;
     while broker.pending() > 0 {
-        let consumer = Consumer::new("wallet", broker.source(), store.clone(), Credit::new(db.pool.clone()))
-            .batch_size(batch)
-            .error_backoff(Duration::from_millis(10))
-            .on_stage(hook.clone());
+        let consumer = Consumer::new(
+            "wallet",
+            broker.source(),
+            store.clone(),
+            Credit::new(db.pool.clone()),
+        )
+        .batch_size(batch)
+        .error_backoff(Duration::from_millis(10))
+        .on_stage(hook.clone());
         match consumer.run_until_idle().await {
             Ok(_) => {}
             Err(Error::Crashed { .. }) => crashes += 1,

@@ -1,0 +1,226 @@
+//! The algorithm on the in-memory broker and store: fast, deterministic, every crash point.
+
+#![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use inbox_core::testkit::{crash_at, MemoryBroker, MemoryStore, MemoryTx, WithoutInbox};
+use inbox_core::{
+    async_trait, Consumer, Error, Handler, HandlerError, Message, MessageId, RetryPolicy, Stage,
+};
+
+/// Balances per account and the IDs applied, in order.
+#[derive(Debug, Clone, Default)]
+struct Wallet {
+    balances: BTreeMap<u8, i64>,
+    ledger: Vec<String>,
+}
+
+struct Credit;
+
+#[async_trait]
+impl Handler<MemoryTx<Wallet>> for Credit {
+    async fn handle(
+        &self,
+        tx: &mut MemoryTx<Wallet>,
+        id: &MessageId,
+        m: &Message,
+    ) -> Result<(), HandlerError> {
+        let (account, amount): (u8, i64) = m.json()?;
+        if amount < 0 {
+            return Err(HandlerError::transient("negative credit"));
+        }
+        let wallet = tx.state_mut();
+        *wallet.balances.entry(account).or_default() += amount;
+        wallet.ledger.push(id.to_string());
+        Ok(())
+    }
+}
+
+fn publish(broker: &MemoryBroker, id: &str, account: u8, amount: i64) {
+    broker.publish(Some(id), serde_json::to_vec(&(account, amount)).unwrap());
+}
+
+fn fast(max_attempts: u32) -> RetryPolicy {
+    RetryPolicy {
+        max_attempts,
+        initial_backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(2),
+    }
+}
+
+/// Runs consumers (restarting after each crash) until the queue is empty; returns the crashes.
+async fn drain<S: inbox_core::InboxStore<Tx = MemoryTx<Wallet>> + Clone>(
+    broker: &MemoryBroker,
+    store: &S,
+    stage: Stage,
+    batch: usize,
+) -> u32 {
+    let hook = crash_at(stage);
+    let mut crashes = 0;
+    while broker.pending() > 0 {
+        let run = Consumer::new("wallet", broker.source(), store.clone(), Credit)
+            .batch_size(batch)
+            .on_stage(hook.clone())
+            .run_until_idle()
+            .await;
+        match run {
+            Ok(_) => {}
+            Err(Error::Crashed { .. }) => crashes += 1,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    crashes
+}
+
+#[tokio::test]
+async fn every_crash_point_still_applies_each_message_once() {
+    for batch in [1, 4] {
+        for stage in [
+            Stage::Claimed,
+            Stage::Applied,
+            Stage::Committed,
+            Stage::Acked,
+        ] {
+            let broker = MemoryBroker::new();
+            for i in 0..6 {
+                publish(&broker, &format!("evt-{i}"), 1, 10);
+            }
+            let store = MemoryStore::<Wallet>::new();
+            let crashes = drain(&broker, &store, stage, batch).await;
+            let wallet = store.state().await;
+            assert_eq!(crashes, 1, "{stage:?}");
+            assert_eq!(
+                wallet.ledger.len(),
+                6,
+                "{stage:?} batch {batch}: {:?}",
+                wallet.ledger
+            );
+            assert_eq!(wallet.balances[&1], 60, "{stage:?} batch {batch}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn without_the_inbox_a_crash_after_commit_applies_twice() {
+    let broker = MemoryBroker::new();
+    publish(&broker, "evt-1", 1, 10);
+    let store = MemoryStore::<Wallet>::new();
+    drain(&broker, &WithoutInbox(store.clone()), Stage::Committed, 1).await;
+    assert_eq!(store.state().await.ledger, ["evt-1", "evt-1"]);
+}
+
+#[tokio::test]
+async fn duplicates_inside_one_batch_are_applied_once() {
+    let broker = MemoryBroker::new();
+    for _ in 0..3 {
+        publish(&broker, "evt-1", 1, 10);
+    }
+    publish(&broker, "evt-2", 1, 5);
+    let store = MemoryStore::<Wallet>::new();
+    let stats = Consumer::new("wallet", broker.source(), store.clone(), Credit)
+        .batch_size(10)
+        .run_until_idle()
+        .await
+        .unwrap();
+    assert_eq!(
+        (stats.applied, stats.skipped_duplicates, stats.commits),
+        (2, 2, 1)
+    );
+    assert_eq!(store.state().await.balances[&1], 15);
+    assert_eq!(broker.pending(), 0);
+}
+
+#[tokio::test]
+async fn a_transient_failure_is_retried_then_dead_lettered_without_blocking_the_rest() {
+    let broker = MemoryBroker::new();
+    publish(&broker, "evt-1", 1, 10);
+    publish(&broker, "evt-bad", 1, -1);
+    publish(&broker, "evt-3", 1, 10);
+    let store = MemoryStore::<Wallet>::new();
+    let stats = Consumer::new("wallet", broker.source(), store.clone(), Credit)
+        .batch_size(3)
+        .retry(fast(3))
+        .run_until_idle()
+        .await
+        .unwrap();
+    assert_eq!(
+        (stats.applied, stats.retried, stats.dead_lettered),
+        (2, 2, 1)
+    );
+    let dead = broker.dead_letters();
+    assert_eq!(
+        dead[0].1,
+        "handler failed 3 time(s), last error: negative credit"
+    );
+    assert_eq!(store.state().await.ledger, ["evt-1", "evt-3"]);
+    assert_eq!(store.claims().await, 2, "the failed message keeps no claim");
+}
+
+#[tokio::test]
+async fn a_message_redelivered_too_often_is_dead_lettered_before_its_handler() {
+    let broker = MemoryBroker::new();
+    publish(&broker, "evt-1", 1, 10);
+    // Two consumers die holding it, so its third delivery is past a limit of 2.
+    for _ in 0..2 {
+        let hook = crash_at(Stage::Claimed);
+        let crashed = Consumer::new(
+            "wallet",
+            broker.source(),
+            MemoryStore::<Wallet>::new(),
+            Credit,
+        )
+        .on_stage(hook)
+        .run_until_idle()
+        .await;
+        assert!(crashed.is_err());
+    }
+    let store = MemoryStore::<Wallet>::new();
+    let stats = Consumer::new("wallet", broker.source(), store.clone(), Credit)
+        .max_deliveries(2)
+        .run_until_idle()
+        .await
+        .unwrap();
+    assert_eq!(stats.dead_lettered, 1);
+    assert_eq!(
+        broker.dead_letters()[0].1,
+        "delivered 3 times, more than the limit of 2"
+    );
+    assert!(store.state().await.ledger.is_empty());
+}
+
+#[tokio::test]
+async fn bad_configuration_is_refused_with_a_reason() {
+    let broker = MemoryBroker::new();
+    let err = Consumer::new("", broker.source(), MemoryStore::<Wallet>::new(), Credit)
+        .run_until_idle()
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid consumer configuration: the consumer name is empty"
+    );
+    let err = Consumer::new("c", broker.source(), MemoryStore::<Wallet>::new(), Credit)
+        .batch_size(0)
+        .run_until_idle()
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("batch size is 0"));
+}
+
+#[test]
+fn public_types_and_futures_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>(_: &T) {}
+    send_sync::<Message>();
+    send_sync::<MessageId>();
+    send_sync::<Error>();
+    send_sync::<HandlerError>();
+    send_sync::<MemoryStore<Wallet>>();
+    send_sync::<inbox_core::Stats>();
+    let broker = MemoryBroker::new();
+    let consumer = Consumer::new("c", broker.source(), MemoryStore::<Wallet>::new(), Credit);
+    let run = consumer.run_until_idle();
+    send(&run); // the run future can be spawned on a multi-threaded runtime
+}

@@ -1,0 +1,171 @@
+//! Key modes, odd IDs and names, against a real PostgreSQL.
+
+#![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
+
+use inbox_core::testkit::MemoryBroker;
+use inbox_core::{Consumer, InboxStore, MessageId};
+use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
+use inbox_postgres::testkit::TestDb;
+use inbox_postgres::{Error, KeyMode, PgInbox, TableName};
+
+async fn inbox(db: &TestDb, table: &str, mode: KeyMode) -> PgInbox {
+    let inbox = PgInbox::new(db.pool.clone())
+        .with_table(TableName::qualified(&db.schema, table).unwrap())
+        .with_key_mode(mode);
+    inbox.migrate().await.unwrap();
+    inbox
+}
+
+#[tokio::test]
+async fn odd_text_ids_are_kept_verbatim_and_deduplicated_exactly() {
+    let db = TestDb::new().await;
+    let broker = MemoryBroker::new();
+    let long = "x".repeat(MessageId::MAX_LEN);
+    let ids = [
+        "evt-1",
+        "evt-1 ",
+        " evt-1",
+        "EVT-1",
+        "ünï✓ 🚀",
+        "a'b\"c;--",
+        "\t\n",
+        long.as_str(),
+    ];
+    for id in ids {
+        broker.publish(Some(id), CreditEvent::new(1, 1).to_json());
+        broker.publish(Some(id), CreditEvent::new(1, 1).to_json());
+    }
+    let too_long = "x".repeat(MessageId::MAX_LEN + 1);
+    broker.publish(Some(&too_long), CreditEvent::new(1, 1).to_json());
+    broker.publish(Some("nul\0byte"), CreditEvent::new(1, 1).to_json());
+
+    let stats = Consumer::new(
+        "wallet",
+        broker.source(),
+        db.inbox(),
+        Credit::new(db.pool.clone()),
+    )
+    .batch_size(7)
+    .run_until_idle()
+    .await
+    .unwrap();
+
+    assert_eq!(
+        (stats.applied, stats.skipped_duplicates, stats.dead_lettered),
+        (8, 8, 2)
+    );
+    let stored: Vec<String> =
+        sqlx::query_scalar("SELECT message_id FROM inbox ORDER BY message_id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let mut expected: Vec<String> = ids.iter().map(|s| (*s).to_owned()).collect();
+    expected.sort();
+    let mut stored_sorted = stored.clone();
+    stored_sorted.sort();
+    assert_eq!(stored_sorted, expected, "stored byte for byte");
+    let reasons: Vec<String> = broker.dead_letters().into_iter().map(|(_, r)| r).collect();
+    assert_eq!(
+        reasons,
+        [
+            "message ID in id is invalid: the message ID is 1025 bytes long; at most 1024 are accepted",
+            "message ID in id is invalid: the message ID contains a NUL byte"
+        ]
+    );
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn uuid_keys_refuse_ids_that_are_not_uuids() {
+    let db = TestDb::new().await;
+    let store = inbox(&db, "inbox_uuid", KeyMode::Uuid).await;
+    let broker = MemoryBroker::new();
+    let id = MessageId::generate();
+    broker.publish(Some(id.as_str()), CreditEvent::new(1, 5).to_json());
+    // The same UUID in capitals is the same key.
+    broker.publish(
+        Some(&id.as_str().to_uppercase()),
+        CreditEvent::new(1, 5).to_json(),
+    );
+    broker.publish(Some("evt-1"), CreditEvent::new(1, 5).to_json());
+
+    let stats = Consumer::new(
+        "wallet",
+        broker.source(),
+        store,
+        Credit::new(db.pool.clone()),
+    )
+    .run_until_idle()
+    .await
+    .unwrap();
+
+    assert_eq!(
+        (stats.applied, stats.skipped_duplicates, stats.dead_lettered),
+        (1, 1, 1)
+    );
+    let reason = &broker.dead_letters()[0].1;
+    assert!(reason.contains("`evt-1` is not a UUID"), "{reason}");
+    assert_eq!(wallet::balance(&db.pool, 1).await, 5);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn hashed_keys_deduplicate_any_id_per_consumer_in_16_bytes() {
+    let db = TestDb::new().await;
+    let store = inbox(&db, "inbox_hashed", KeyMode::Hashed).await;
+    let broker = MemoryBroker::new();
+    for id in ["order-42/credit", "order-42/credit", "order-43/credit"] {
+        broker.publish(Some(id), CreditEvent::new(1, 10).to_json());
+    }
+    let stats = Consumer::new(
+        "wallet",
+        broker.source(),
+        store.clone(),
+        Credit::new(db.pool.clone()),
+    )
+    .batch_size(3)
+    .run_until_idle()
+    .await
+    .unwrap();
+    assert_eq!((stats.applied, stats.skipped_duplicates), (2, 1));
+
+    // Another consumer name keys the same ID differently, so it applies it too.
+    let mut tx = store.begin().await.unwrap();
+    let id = MessageId::new("order-42/credit").unwrap();
+    assert!(!store.claim(&mut tx, "wallet", &id).await.unwrap());
+    assert!(store.claim(&mut tx, "audit", &id).await.unwrap());
+    store.rollback(tx).await.unwrap();
+
+    let key_bytes: i32 =
+        sqlx::query_scalar("SELECT max(pg_column_size(message_id)) FROM inbox_hashed")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(key_bytes, 16);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn names_that_are_not_plain_identifiers_are_refused_and_key_modes_checked() {
+    let err = TableName::qualified("public", "inbox; DROP TABLE accounts").unwrap_err();
+    assert!(matches!(
+        err,
+        Error::InvalidIdentifier { what: "table", .. }
+    ));
+    assert!(TableName::qualified("bad schema", "inbox").is_err());
+
+    let db = TestDb::new().await;
+    // The test schema's `inbox` table keeps text; opening it as uuid is refused, not mixed up.
+    let wrong = PgInbox::new(db.pool.clone())
+        .with_table(TableName::qualified(&db.schema, "inbox").unwrap())
+        .with_key_mode(KeyMode::Uuid);
+    let err = wrong.migrate().await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("keeps message IDs as `text`, but the store is configured for Uuid"),
+        "{err}"
+    );
+    // Migrating twice is harmless.
+    db.inbox().migrate().await.unwrap();
+    db.drop().await;
+}
