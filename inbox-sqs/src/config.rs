@@ -1,0 +1,248 @@
+//! How an [`SqsSource`](crate::SqsSource) receives, acknowledges and dead-letters.
+
+use std::time::Duration;
+
+use aws_sdk_sqs::types::QueueAttributeName;
+use aws_sdk_sqs::Client;
+
+use crate::dead_letter::DeadLetterTarget;
+use crate::{Error, Result, SqsSource};
+
+/// The message attribute a producer puts the event ID in, unless configured otherwise.
+pub const DEFAULT_ID_ATTRIBUTE: &str = "event_id";
+
+/// SQS's longest long-poll wait.
+const MAX_WAIT: Duration = Duration::from_secs(20);
+/// SQS's longest visibility timeout.
+pub(crate) const MAX_VISIBILITY: Duration = Duration::from_secs(12 * 60 * 60);
+
+/// When a received message is deleted from the queue.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AckMode {
+    /// Delete only after the inbox transaction committed (the default): a crash at any point
+    /// leaves the message on the queue, and its redelivery is skipped as a duplicate.
+    #[default]
+    AfterCommit,
+    /// Delete right after receiving, before the handler runs, and make acks do nothing.
+    ///
+    /// **The anti-pattern**, kept only so the evidence harness can show what it loses: a
+    /// crash between receive and commit loses the message for good (at most once). Never use it
+    /// in production.
+    DeleteOnReceive,
+}
+
+/// Settings shared by a source and every ack it hands out.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub(crate) queue_url: String,
+    pub(crate) id_attribute: String,
+    pub(crate) dedup_id_fallback: bool,
+    pub(crate) wait_time: Duration,
+    pub(crate) max_messages: usize,
+    /// Passed on every receive when set; otherwise the queue's own timeout applies.
+    pub(crate) visibility_timeout: Option<Duration>,
+    /// The timeout in force for received messages: the heartbeat extends to this.
+    pub(crate) effective_visibility: Duration,
+    pub(crate) heartbeat: bool,
+    pub(crate) ack_mode: AckMode,
+    pub(crate) min_retry_delay: Duration,
+}
+
+/// Configures an [`SqsSource`]; made by [`SqsSource::builder`].
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `build` is awaited"]
+pub struct SqsSourceBuilder {
+    client: Client,
+    queue_url: String,
+    id_attribute: String,
+    dedup_id_fallback: bool,
+    wait_time: Duration,
+    max_messages: usize,
+    visibility_timeout: Option<Duration>,
+    heartbeat: bool,
+    dead_letter_queue: Option<String>,
+    ack_mode: AckMode,
+    min_retry_delay: Duration,
+}
+
+impl SqsSourceBuilder {
+    pub(crate) fn new(client: Client, queue_url: String) -> Self {
+        Self {
+            client,
+            queue_url,
+            id_attribute: DEFAULT_ID_ATTRIBUTE.to_owned(),
+            dedup_id_fallback: false,
+            wait_time: MAX_WAIT,
+            max_messages: 10,
+            visibility_timeout: None,
+            heartbeat: true,
+            dead_letter_queue: None,
+            ack_mode: AckMode::AfterCommit,
+            min_retry_delay: Duration::ZERO,
+        }
+    }
+
+    /// The message attribute that holds the message ID (default [`DEFAULT_ID_ATTRIBUTE`],
+    /// `event_id`). String, Number and Binary attributes are all read as the ID's bytes.
+    ///
+    /// The SQS `MessageId` is never used: the queue assigns a new one to every send, so a
+    /// producer's resend would look like a new message.
+    pub fn id_attribute(mut self, name: impl Into<String>) -> Self {
+        self.id_attribute = name.into();
+        self
+    }
+
+    /// On a FIFO queue, use the `MessageDeduplicationId` as the ID of a message that has no ID
+    /// attribute (off by default).
+    ///
+    /// Only opt in when producers set a stable deduplication ID per event (not content-based
+    /// deduplication over a body that may change between resends). SQS itself deduplicates on
+    /// it for only 5 minutes; the inbox keeps it for as long as its retention, so a resend
+    /// after those 5 minutes is still skipped here. A standard queue has no such ID.
+    pub fn dedup_id_fallback(mut self, enabled: bool) -> Self {
+        self.dedup_id_fallback = enabled;
+        self
+    }
+
+    /// How long one receive waits for messages (long polling; default and maximum 20 s,
+    /// rounded down to whole seconds). Shorter waits make an idle consumer stop sooner and
+    /// cost more empty receives.
+    pub fn wait_time(mut self, wait: Duration) -> Self {
+        self.wait_time = wait;
+        self
+    }
+
+    /// The most messages one receive asks for (1 to 10, default 10). The consumer's
+    /// `batch_size` asks for fewer where it is smaller.
+    pub fn max_messages(mut self, n: usize) -> Self {
+        self.max_messages = n;
+        self
+    }
+
+    /// The visibility timeout asked for on every receive (whole seconds, 1 s to 12 h). Without
+    /// it the queue's own `VisibilityTimeout` applies, read once by [`build`](Self::build).
+    pub fn visibility_timeout(mut self, timeout: Duration) -> Self {
+        self.visibility_timeout = Some(timeout);
+        self
+    }
+
+    /// Extend the visibility of each message while it is being handled (default on), so a
+    /// handler slower than the visibility timeout does not see its message handed to another
+    /// consumer under it. Turning it off is safe with the inbox (the second copy is skipped)
+    /// but wastes the second consumer's work.
+    pub fn heartbeat(mut self, enabled: bool) -> Self {
+        self.heartbeat = enabled;
+        self
+    }
+
+    /// Send dead-lettered messages to this queue, with a `reason` attribute, instead of the
+    /// queue's redrive-policy dead-letter queue. See the crate docs, "Dead letters".
+    pub fn dead_letter_queue(mut self, queue_url: impl Into<String>) -> Self {
+        self.dead_letter_queue = Some(queue_url.into());
+        self
+    }
+
+    /// When messages are deleted (default [`AckMode::AfterCommit`]; the other mode is the
+    /// anti-pattern, for demonstrations only).
+    pub fn ack_mode(mut self, mode: AckMode) -> Self {
+        self.ack_mode = mode;
+        self
+    }
+
+    /// The shortest delay before a handed-back (nacked) message is visible again (default 0:
+    /// the consumer's own backoff decides). SQS rounds delays down to whole seconds.
+    pub fn retry_backoff(mut self, min_delay: Duration) -> Self {
+        self.min_retry_delay = min_delay;
+        self
+    }
+
+    /// Checks the settings, reads the queue's attributes (its visibility timeout and redrive
+    /// policy) and returns the source. Fails with [`Error::Config`] on a bad setting and with
+    /// [`Error::Sqs`] when the queue cannot be read (wrong URL, no permission).
+    pub async fn build(self) -> Result<SqsSource> {
+        if self.queue_url.is_empty() {
+            return Err(Error::Config("the queue URL is empty".into()));
+        }
+        if self.id_attribute.is_empty() {
+            return Err(Error::Config("the ID attribute name is empty".into()));
+        }
+        if !(1..=10).contains(&self.max_messages) {
+            return Err(Error::Config(format!(
+                "max_messages is {}; SQS returns 1 to 10 messages per receive",
+                self.max_messages
+            )));
+        }
+        if self.wait_time > MAX_WAIT {
+            return Err(Error::Config(format!(
+                "wait_time is {:?}; SQS long-polls for at most 20 s",
+                self.wait_time
+            )));
+        }
+        if let Some(timeout) = self.visibility_timeout {
+            if timeout < Duration::from_secs(1) || timeout > MAX_VISIBILITY {
+                return Err(Error::Config(format!(
+                    "visibility_timeout is {timeout:?}; use 1 s to 12 h (whole seconds)"
+                )));
+            }
+        }
+
+        let attrs = self
+            .client
+            .get_queue_attributes()
+            .queue_url(&self.queue_url)
+            .attribute_names(QueueAttributeName::VisibilityTimeout)
+            .attribute_names(QueueAttributeName::RedrivePolicy)
+            .send()
+            .await
+            .map_err(|e| Error::sdk("GetQueueAttributes", &self.queue_url, e))?;
+        let attrs = attrs.attributes();
+        let get = |name: QueueAttributeName| attrs.and_then(|a| a.get(&name)).map(String::as_str);
+
+        let effective_visibility = match self.visibility_timeout {
+            Some(timeout) => timeout,
+            None => {
+                let secs = get(QueueAttributeName::VisibilityTimeout)
+                    .and_then(|v| v.parse::<u64>().ok())
+                    // SQS's documented default when a queue reports none.
+                    .unwrap_or(30);
+                Duration::from_secs(secs)
+            }
+        };
+        if self.heartbeat && effective_visibility < Duration::from_secs(1) {
+            return Err(Error::Config(format!(
+                "queue {} has a visibility timeout of 0 s, which no heartbeat can extend in time; \
+                 set visibility_timeout(..) or turn the heartbeat off",
+                self.queue_url
+            )));
+        }
+
+        let dead_letter = match self.dead_letter_queue {
+            Some(url) if url.is_empty() => {
+                return Err(Error::Config("the dead-letter queue URL is empty".into()))
+            }
+            Some(url) => DeadLetterTarget::Queue(url),
+            None => match get(QueueAttributeName::RedrivePolicy) {
+                Some(policy) => {
+                    DeadLetterTarget::from_redrive_policy(&self.client, &self.queue_url, policy)
+                        .await
+                }
+                None => DeadLetterTarget::None,
+            },
+        };
+
+        let settings = Settings {
+            queue_url: self.queue_url,
+            id_attribute: self.id_attribute,
+            dedup_id_fallback: self.dedup_id_fallback,
+            wait_time: self.wait_time,
+            max_messages: self.max_messages,
+            visibility_timeout: self.visibility_timeout,
+            effective_visibility,
+            heartbeat: self.heartbeat && self.ack_mode == AckMode::AfterCommit,
+            ack_mode: self.ack_mode,
+            min_retry_delay: self.min_retry_delay,
+        };
+        Ok(SqsSource::new(self.client, settings, dead_letter))
+    }
+}

@@ -1,0 +1,230 @@
+//! Where a message that cannot be applied goes, and how it gets there.
+
+use std::collections::HashMap;
+
+use aws_sdk_sqs::primitives::Blob;
+use aws_sdk_sqs::types::MessageAttributeValue;
+use aws_sdk_sqs::Client;
+use inbox_core::{Message, Recovery, SourceError};
+use tracing::warn;
+
+use crate::Error;
+
+/// The message attribute that carries why a message was dead-lettered.
+pub const REASON_ATTRIBUTE: &str = "reason";
+
+/// SQS accepts at most this many message attributes per message.
+const MAX_ATTRIBUTES: usize = 10;
+/// A reason longer than this is cut: it is for a person reading the dead-letter queue.
+const MAX_REASON_BYTES: usize = 4096;
+
+/// The dead-letter destination a source resolved when it was built.
+#[derive(Debug, Clone)]
+pub(crate) enum DeadLetterTarget {
+    /// Send the message here with a reason, then the consumer deletes the original.
+    Queue(String),
+    /// The queue has a redrive policy whose dead-letter queue could not be resolved to a URL:
+    /// hand the message back and let SQS move it after `max_receive_count` receives.
+    Redrive {
+        arn: String,
+        max_receive_count: String,
+    },
+    /// Nowhere: dead-lettering is a configuration error.
+    None,
+}
+
+impl DeadLetterTarget {
+    /// Resolves a queue's `RedrivePolicy` to its dead-letter queue's URL, so dead letters
+    /// carry a reason and go there at once. When the URL cannot be read (no permission for
+    /// `GetQueueUrl`, say), falls back to letting SQS's own redrive move the message.
+    pub(crate) async fn from_redrive_policy(
+        client: &Client,
+        queue_url: &str,
+        policy: &str,
+    ) -> Self {
+        let parsed: serde_json::Value = match serde_json::from_str(policy) {
+            Ok(v) => v,
+            Err(e) => {
+                warn!(queue_url, error = %e, policy, "cannot parse the queue's RedrivePolicy; dead letters will fail until a dead-letter queue is configured");
+                return DeadLetterTarget::None;
+            }
+        };
+        let Some(arn) = parsed.get("deadLetterTargetArn").and_then(|v| v.as_str()) else {
+            return DeadLetterTarget::None;
+        };
+        let max_receive_count = match parsed.get("maxReceiveCount") {
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(other) => other.to_string(),
+            None => "?".to_owned(),
+        };
+        // arn:aws:sqs:<region>:<account>:<name>
+        let parts: Vec<&str> = arn.splitn(6, ':').collect();
+        if let [_, _, _, _, account, name] = parts.as_slice() {
+            let mut request = client.get_queue_url().queue_name(*name);
+            if !account.is_empty() {
+                request = request.queue_owner_aws_account_id(*account);
+            }
+            match request.send().await {
+                Ok(out) => {
+                    if let Some(url) = out.queue_url() {
+                        return DeadLetterTarget::Queue(url.to_owned());
+                    }
+                }
+                Err(e) => {
+                    let e = Error::sdk("GetQueueUrl", name, e);
+                    warn!(queue_url, dead_letter_arn = arn, error = %e, "cannot resolve the redrive dead-letter queue; failed messages are handed back until SQS moves them");
+                }
+            }
+        }
+        DeadLetterTarget::Redrive {
+            arn: arn.to_owned(),
+            max_receive_count,
+        }
+    }
+}
+
+/// Sends `message` to the dead-letter queue `dlq_url` with its body, its original attributes
+/// (as received, when `original` has them) and a `reason` attribute.
+pub(crate) async fn send(
+    client: &Client,
+    dlq_url: &str,
+    message: &Message,
+    original: Option<&HashMap<String, MessageAttributeValue>>,
+    reason: &str,
+) -> Result<(), Error> {
+    let body = String::from_utf8_lossy(&message.payload).into_owned();
+    let mut attributes: Vec<(String, MessageAttributeValue)> = match original {
+        Some(original) => original
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+        None => message
+            .headers
+            .iter()
+            .filter_map(|(name, value)| Some((name.clone(), rebuild_attribute(value)?)))
+            .collect(),
+    };
+    attributes.retain(|(name, _)| name != REASON_ATTRIBUTE);
+    attributes.sort_by(|a, b| a.0.cmp(&b.0));
+    if attributes.len() >= MAX_ATTRIBUTES {
+        // Room must be left for the reason; the dropped ones are logged so nothing is silent.
+        let dropped: Vec<String> = attributes
+            .drain(MAX_ATTRIBUTES - 1..)
+            .map(|(name, _)| name)
+            .collect();
+        warn!(
+            dlq_url,
+            ?dropped,
+            "SQS allows 10 message attributes; dropped these to add the reason"
+        );
+    }
+    let reason_value = MessageAttributeValue::builder()
+        .data_type("String")
+        .string_value(truncate(reason, MAX_REASON_BYTES))
+        .build()
+        .map_err(|e| Error::Config(format!("cannot build the reason attribute: {e}")))?;
+    attributes.push((REASON_ATTRIBUTE.to_owned(), reason_value));
+
+    let mut request = client.send_message().queue_url(dlq_url).message_body(body);
+    for (name, value) in attributes {
+        request = request.message_attributes(name, value);
+    }
+    if dlq_url.ends_with(".fifo") {
+        // A FIFO queue needs a group; keep the original's so its order survives, and a
+        // deduplication ID in case the queue has no content-based deduplication.
+        let group = message
+            .key
+            .as_deref()
+            .map(|k| String::from_utf8_lossy(k).into_owned())
+            .unwrap_or_else(|| "dead-letter".to_owned());
+        let dedup = match &message.id {
+            Ok(id) => id.to_string(),
+            Err(_) => message.meta.position.clone(),
+        };
+        request = request
+            .message_group_id(group)
+            .message_deduplication_id(truncate(&dedup, 128));
+    }
+    request
+        .send()
+        .await
+        .map_err(|e| Error::sdk("SendMessage (dead letter)", dlq_url, e))?;
+    Ok(())
+}
+
+/// The error `dead_letter` returns when the queue has a redrive policy but no dead-letter
+/// queue URL could be resolved: the message is handed back for SQS to move.
+pub(crate) fn handed_to_redrive(
+    queue_url: &str,
+    arn: &str,
+    max: &str,
+    reason: &str,
+) -> SourceError {
+    SourceError::new(
+        Recovery::Retry,
+        "dead letter",
+        format!(
+            "message on {queue_url} handed back: the queue's redrive policy moves it to {arn} after \
+             {max} receives (reason here: {reason}); configure dead_letter_queue(..) to send it \
+             there at once with its reason"
+        ),
+    )
+}
+
+/// The error `dead_letter` returns when there is nowhere to put the message.
+pub(crate) fn nowhere(queue_url: &str, reason: &str) -> SourceError {
+    SourceError::new(
+        Recovery::Fatal,
+        "dead letter",
+        format!(
+            "queue {queue_url} has no dead-letter queue, so a message that cannot be applied \
+             ({reason}) has nowhere to go: set SqsSourceBuilder::dead_letter_queue(url) or a \
+             RedrivePolicy on the queue"
+        ),
+    )
+}
+
+/// An attribute from a header's bytes: text stays text, anything else is binary.
+fn rebuild_attribute(value: &[u8]) -> Option<MessageAttributeValue> {
+    let builder = MessageAttributeValue::builder();
+    let builder = match std::str::from_utf8(value) {
+        Ok(text) if !text.is_empty() => builder.data_type("String").string_value(text),
+        _ => builder
+            .data_type("Binary")
+            .binary_value(Blob::new(value.to_vec())),
+    };
+    builder.build().ok()
+}
+
+fn truncate(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_are_cut_on_a_char_boundary() {
+        assert_eq!(truncate("abc", 10), "abc");
+        assert_eq!(truncate("aé", 2), "a");
+    }
+
+    #[test]
+    fn headers_become_text_or_binary_attributes() {
+        let text = rebuild_attribute(b"42").expect("text");
+        assert_eq!(
+            (text.data_type(), text.string_value()),
+            ("String", Some("42"))
+        );
+        let binary = rebuild_attribute(&[0xff]).expect("binary");
+        assert_eq!(binary.data_type(), "Binary");
+    }
+}

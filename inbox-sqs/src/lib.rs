@@ -1,0 +1,140 @@
+//! Effectively-once Amazon SQS consumers: an [`inbox_core`] [`MessageSource`](inbox_core::MessageSource) on `aws-sdk-sqs`.
+//!
+//! SQS delivers at least once, standard and FIFO queues alike: a message whose visibility
+//! timeout runs out while its handler still works is handed to another consumer, a crash
+//! between the database commit and the delete brings the message back, and FIFO
+//! deduplication only covers sends within 5 minutes. With [`inbox_core::Consumer`] and an
+//! inbox store, every such second copy finds its ID already claimed and is skipped.
+//!
+//! ```no_run
+//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+//! use inbox_postgres::{PgInbox, PgTx};
+//! use inbox_sqs::{SqsSender, SqsSource};
+//!
+//! struct Credit;
+//!
+//! #[async_trait]
+//! impl Handler<PgTx> for Credit {
+//!     async fn handle(&self, tx: &mut PgTx, id: &MessageId, message: &Message)
+//!         -> Result<(), HandlerError> {
+//!         let amount: i64 = message.json()?;
+//!         sqlx::query("UPDATE wallet SET balance = balance + $1")
+//!             .bind(amount)
+//!             .execute(&mut **tx)
+//!             .await?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # async fn run(inbox: PgInbox) -> Result<(), Box<dyn std::error::Error>> {
+//! // Credentials, region and endpoint (AWS_ENDPOINT_URL_SQS) come from the environment.
+//! let client = inbox_sqs::connect().await;
+//! let queue_url = "https://sqs.eu-west-1.amazonaws.com/123456789012/payments";
+//!
+//! // Producers put a stable ID in the `event_id` attribute; a resend keeps it.
+//! SqsSender::new(client.clone(), queue_url).send("100").await?;
+//!
+//! let source = SqsSource::builder(client, queue_url)
+//!     .dead_letter_queue("https://sqs.eu-west-1.amazonaws.com/123456789012/payments-dlq")
+//!     .build()
+//!     .await?;
+//! Consumer::new("wallet", source, inbox, Credit)
+//!     .batch_size(10)
+//!     .run()
+//!     .await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # The message ID
+//! It comes from a message attribute, `event_id` unless
+//! [`SqsSourceBuilder::id_attribute`] says otherwise, set by the producer ([`SqsSender`] does
+//! it, with a UUIDv7 by default). Never the SQS `MessageId`: SQS assigns a new one to every
+//! send, so a producer's retry would look new. On FIFO queues,
+//! [`SqsSourceBuilder::dedup_id_fallback`] opts in to the `MessageDeduplicationId` for
+//! messages without the attribute; SQS deduplicates on it for 5 minutes only, the inbox for as
+//! long as it keeps IDs. A message with neither is dead-lettered with the reason.
+//!
+//! # Ack semantics
+//! - **Ack** is `DeleteMessage` with the receipt handle of the receive that returned this
+//!   copy; a batch is deleted with `DeleteMessageBatch`, 10 per call. The consumer acks only
+//!   after the inbox transaction committed. A delete that fails then (network, or a stale
+//!   receipt handle because the visibility ran out) is logged and counted, not fatal: the
+//!   message comes back after its visibility timeout and is skipped as a duplicate.
+//! - **Redelivery**: a message that is not deleted becomes visible again when its visibility
+//!   timeout runs out, to this consumer or another, with `ApproximateReceiveCount` one higher
+//!   ([`Metadata::delivery_count`](inbox_core::Metadata::delivery_count)). That covers crashes,
+//!   kills and dropped receives: nothing is lost.
+//! - **Visibility heartbeat** (on by default, [`SqsSourceBuilder::heartbeat`]): from receive
+//!   until ack or nack, a background task extends each message's visibility
+//!   (`ChangeMessageVisibility`) every third of the timeout, so a slow handler keeps its
+//!   message. It stops when the ack is used or dropped. If an extension finds the receipt
+//!   handle stale (the message was handed out again meanwhile), it logs and stops; the other
+//!   copy finds the ID claimed (waiting for this transaction if it is still open) and is
+//!   skipped.
+//! - **Nack** (a store error, a failed dead letter) is `ChangeMessageVisibility` to the delay,
+//!   at least [`SqsSourceBuilder::retry_backoff`]: the message is visible again after it.
+//!   Handler failures are retried by the consumer in-process first
+//!   ([`RetryPolicy`](inbox_core::RetryPolicy)), under the heartbeat.
+//! - [`AckMode::DeleteOnReceive`] deletes at receive time instead: the at-most-once
+//!   anti-pattern, only for showing what it loses.
+//!
+//! # Dead letters
+//! A message without a usable ID, with a permanent handler error, or failing
+//! `max_attempts` times, is dead-lettered, then deleted:
+//! - with [`SqsSourceBuilder::dead_letter_queue`], it is sent there (`SendMessage`: same body,
+//!   same attributes, plus a [`REASON_ATTRIBUTE`] attribute), and only then deleted from the
+//!   source queue: a failure in between leaves a copy in both, never in neither;
+//! - without one, if the queue has a `RedrivePolicy`, its dead-letter queue is resolved when
+//!   the source is built and used the same way. Where it cannot be resolved (no `GetQueueUrl`
+//!   permission), the message is handed back (nacked) and SQS's redrive moves it after
+//!   `maxReceiveCount` receives, without a reason attribute. Set the consumer's
+//!   [`max_deliveries`](inbox_core::Consumer::max_deliveries) below `maxReceiveCount` so a
+//!   message that crashes the process every time is dead-lettered by the consumer first;
+//! - with neither, dead-lettering fails with a [`Recovery::Fatal`](inbox_core::Recovery)
+//!   error naming both settings, and the consumer stops rather than loop.
+//!
+//! # Batches and order
+//! A receive returns up to 10 messages; the consumer claims and commits them in one
+//! transaction and deletes them in one `DeleteMessageBatch`. Standard queues have no order; on
+//! FIFO queues, messages of one group arrive in order and are applied in that order within a
+//! batch, and a failing message is retried after the rest of its batch.
+
+mod ack;
+mod client;
+mod config;
+mod dead_letter;
+mod error;
+mod heartbeat;
+mod sender;
+mod source;
+
+pub use ack::SqsAck;
+/// Re-exported so callers adjust the loader from [`config_loader`] with the same version.
+pub use aws_config;
+pub use client::{config_loader, connect, connect_to};
+pub use config::{AckMode, SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
+pub use dead_letter::REASON_ATTRIBUTE;
+pub use error::{Error, Result};
+pub use sender::{Outgoing, SqsSender};
+pub use source::SqsSource;
+
+/// Re-exported so callers build clients and queues with the same SDK version.
+pub use aws_sdk_sqs;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync>() {}
+    fn assert_send<T: Send>() {}
+
+    #[test]
+    fn public_types_are_thread_safe() {
+        assert_send_sync::<SqsAck>();
+        assert_send_sync::<SqsSource>();
+        assert_send_sync::<SqsSender>();
+        assert_send_sync::<Error>();
+        assert_send::<SqsSourceBuilder>();
+    }
+}

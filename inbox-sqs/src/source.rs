@@ -1,0 +1,370 @@
+//! The SQS [`MessageSource`]: long-poll receives turned into inbox deliveries.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aws_sdk_sqs::types::{MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName};
+use aws_sdk_sqs::Client;
+use inbox_core::{async_trait, Delivery, IdError, Message, MessageSource, Metadata, SourceError};
+use tracing::warn;
+
+use crate::ack::SqsAck;
+use crate::config::{AckMode, Settings, SqsSourceBuilder};
+use crate::dead_letter::{self, DeadLetterTarget};
+use crate::heartbeat::Heartbeat;
+use crate::{Error, Result};
+
+/// One SQS queue as a [`MessageSource`]. Build it with [`SqsSource::builder`].
+///
+/// See the crate docs for what ack, nack, the heartbeat and dead-lettering do on SQS.
+#[derive(Debug)]
+pub struct SqsSource {
+    client: Client,
+    settings: Settings,
+    queue_url: Arc<str>,
+    dead_letter: DeadLetterTarget,
+    /// The attributes of the last batch received, by SQS message ID, so a dead letter carries
+    /// them with their original data types. The consumer handles one batch completely
+    /// (dead letters included) before it receives again, so one batch is all it needs.
+    last_attributes: HashMap<String, HashMap<String, MessageAttributeValue>>,
+}
+
+impl SqsSource {
+    /// Starts configuring a source on the queue at `queue_url`.
+    pub fn builder(client: Client, queue_url: impl Into<String>) -> SqsSourceBuilder {
+        SqsSourceBuilder::new(client, queue_url.into())
+    }
+
+    pub(crate) fn new(client: Client, settings: Settings, dead_letter: DeadLetterTarget) -> Self {
+        let queue_url = Arc::from(settings.queue_url.as_str());
+        Self {
+            client,
+            settings,
+            queue_url,
+            dead_letter,
+            last_attributes: HashMap::new(),
+        }
+    }
+
+    /// The queue this source receives from.
+    pub fn queue_url(&self) -> &str {
+        &self.queue_url
+    }
+
+    /// The dead-letter queue URL that dead letters are sent to: the configured one, or the
+    /// queue's redrive-policy target. `None` when there is none, or when it could not be
+    /// resolved and SQS's own redrive moves failed messages.
+    pub fn dead_letter_queue(&self) -> Option<&str> {
+        match &self.dead_letter {
+            DeadLetterTarget::Queue(url) => Some(url),
+            _ => None,
+        }
+    }
+
+    /// The visibility timeout in force for received messages.
+    pub fn visibility_timeout(&self) -> Duration {
+        self.settings.effective_visibility
+    }
+
+    /// How long the queue keeps a message (`MessageRetentionPeriod`). An inbox that forgets IDs
+    /// sooner than this could apply a late redelivery twice.
+    pub async fn queue_retention(&self) -> Result<Duration> {
+        let out = self
+            .client
+            .get_queue_attributes()
+            .queue_url(&*self.queue_url)
+            .attribute_names(QueueAttributeName::MessageRetentionPeriod)
+            .send()
+            .await
+            .map_err(|e| Error::sdk("GetQueueAttributes", &self.queue_url, e))?;
+        let seconds = out
+            .attributes()
+            .and_then(|a| a.get(&QueueAttributeName::MessageRetentionPeriod))
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "queue {} reported no MessageRetentionPeriod",
+                    self.queue_url
+                ))
+            })?;
+        Ok(Duration::from_secs(seconds))
+    }
+
+    fn id_field(&self) -> String {
+        format!("message attribute {}", self.settings.id_attribute)
+    }
+
+    /// Turns one received SQS message into an inbox message.
+    fn convert(&self, sqs: &aws_sdk_sqs::types::Message) -> Message {
+        let attributes = sqs.message_attributes();
+        let system = sqs.attributes();
+        let system_attr = |name: MessageSystemAttributeName| system.and_then(|s| s.get(&name));
+
+        let mut headers: Vec<(String, Vec<u8>)> = attributes
+            .into_iter()
+            .flatten()
+            .map(|(name, value)| (name.clone(), attribute_bytes(value)))
+            .collect();
+        // SQS returns attributes as an unordered map; sort them so headers are stable.
+        headers.sort();
+
+        let field = self.id_field();
+        let raw_id = attributes
+            .and_then(|a| a.get(&self.settings.id_attribute))
+            .map(attribute_bytes);
+        let dedup_id = system_attr(MessageSystemAttributeName::MessageDeduplicationId);
+        let id = match (raw_id, dedup_id) {
+            (Some(raw), _) => IdError::parse(&field, Some(&raw)),
+            (None, Some(dedup)) if self.settings.dedup_id_fallback => IdError::parse(
+                "system attribute MessageDeduplicationId",
+                Some(dedup.as_bytes()),
+            ),
+            (None, _) => IdError::parse(&field, None),
+        };
+
+        let delivery_count = system_attr(MessageSystemAttributeName::ApproximateReceiveCount)
+            .and_then(|v| v.parse::<u32>().ok());
+        Message {
+            id,
+            key: system_attr(MessageSystemAttributeName::MessageGroupId)
+                .map(|g| g.as_bytes().to_vec()),
+            payload: sqs.body().unwrap_or_default().as_bytes().to_vec(),
+            headers,
+            meta: Metadata {
+                source: self.queue_url.to_string(),
+                position: format!("message {}", sqs.message_id().unwrap_or("?")),
+                delivery_count,
+                redelivered: delivery_count.is_some_and(|n| n > 1),
+            },
+        }
+    }
+
+    /// Deletes messages right after receiving them: only for [`AckMode::DeleteOnReceive`].
+    async fn delete_on_receive(&self, handles: Vec<String>) -> Result<(), SourceError> {
+        let mut acks = Vec::with_capacity(handles.len());
+        for handle in handles {
+            acks.push(SqsAck::new(
+                self.client.clone(),
+                Arc::clone(&self.queue_url),
+                Arc::from(handle),
+                AckMode::AfterCommit,
+                Duration::ZERO,
+                None,
+            ));
+        }
+        <SqsAck as inbox_core::Ack>::ack_all(acks).await
+    }
+}
+
+#[async_trait]
+impl MessageSource for SqsSource {
+    type Ack = SqsAck;
+
+    async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<SqsAck>>, SourceError> {
+        let max = max.clamp(1, self.settings.max_messages);
+        let wait = i32::try_from(self.settings.wait_time.as_secs()).unwrap_or(20);
+        let mut request = self
+            .client
+            .receive_message()
+            .queue_url(&*self.queue_url)
+            .max_number_of_messages(i32::try_from(max).unwrap_or(10))
+            .wait_time_seconds(wait)
+            .message_attribute_names("All")
+            .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
+            .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId);
+        if self.settings.dedup_id_fallback {
+            request = request
+                .message_system_attribute_names(MessageSystemAttributeName::MessageDeduplicationId);
+        }
+        if let Some(timeout) = self.settings.visibility_timeout {
+            request = request.visibility_timeout(i32::try_from(timeout.as_secs()).unwrap_or(30));
+        }
+        // If the consumer drops this future mid-call, the messages SQS already handed out
+        // simply become visible again after their visibility timeout: nothing is lost.
+        let out = request
+            .send()
+            .await
+            .map_err(|e| Error::sdk("ReceiveMessage", &self.queue_url, e))?;
+
+        self.last_attributes.clear();
+        let mut deliveries = Vec::new();
+        let mut to_delete = Vec::new();
+        for sqs in out.messages() {
+            let Some(handle) = sqs.receipt_handle() else {
+                warn!(queue_url = %self.queue_url, message_id = ?sqs.message_id(), "received a message without a receipt handle; skipping it");
+                continue;
+            };
+            let message = self.convert(sqs);
+            if let (Some(id), Some(attributes)) = (sqs.message_id(), sqs.message_attributes()) {
+                self.last_attributes
+                    .insert(format!("message {id}"), attributes.clone());
+            }
+            let handle: Arc<str> = Arc::from(handle);
+            let heartbeat = self.settings.heartbeat.then(|| {
+                Heartbeat::start(
+                    self.client.clone(),
+                    Arc::clone(&self.queue_url),
+                    Arc::clone(&handle),
+                    self.settings.effective_visibility,
+                )
+            });
+            if self.settings.ack_mode == AckMode::DeleteOnReceive {
+                to_delete.push(handle.to_string());
+            }
+            let ack = SqsAck::new(
+                self.client.clone(),
+                Arc::clone(&self.queue_url),
+                handle,
+                self.settings.ack_mode,
+                self.settings.min_retry_delay,
+                heartbeat,
+            );
+            deliveries.push(Delivery { message, ack });
+        }
+        if !to_delete.is_empty() {
+            // The anti-pattern: the message is gone from the queue before anything applied it.
+            self.delete_on_receive(to_delete).await?;
+        }
+        Ok(deliveries)
+    }
+
+    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        match &self.dead_letter {
+            DeadLetterTarget::Queue(dlq_url) => {
+                let original = self.last_attributes.get(&message.meta.position);
+                dead_letter::send(&self.client, dlq_url, message, original, reason)
+                    .await
+                    .map_err(SourceError::from)
+            }
+            DeadLetterTarget::Redrive {
+                arn,
+                max_receive_count,
+            } => Err(dead_letter::handed_to_redrive(
+                &self.queue_url,
+                arn,
+                max_receive_count,
+                reason,
+            )),
+            DeadLetterTarget::None => Err(dead_letter::nowhere(&self.queue_url, reason)),
+        }
+    }
+}
+
+/// An attribute's value as bytes: the text of a String or Number attribute, the bytes of a
+/// Binary one.
+fn attribute_bytes(value: &MessageAttributeValue) -> Vec<u8> {
+    match (value.string_value(), value.binary_value()) {
+        (Some(text), _) => text.as_bytes().to_vec(),
+        (None, Some(blob)) => blob.as_ref().to_vec(),
+        (None, None) => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use aws_sdk_sqs::config::{BehaviorVersion, Region};
+    use aws_sdk_sqs::primitives::Blob;
+    use aws_sdk_sqs::types::Message as SqsMessage;
+    use inbox_core::MessageId;
+
+    use super::*;
+
+    fn source(dedup_id_fallback: bool) -> SqsSource {
+        let config = aws_sdk_sqs::Config::builder()
+            .behavior_version(BehaviorVersion::latest())
+            .region(Region::new("us-east-1"))
+            .build();
+        let settings = Settings {
+            queue_url: "http://localhost/q".into(),
+            id_attribute: "event_id".into(),
+            dedup_id_fallback,
+            wait_time: Duration::from_secs(1),
+            max_messages: 10,
+            visibility_timeout: None,
+            effective_visibility: Duration::from_secs(30),
+            heartbeat: false,
+            ack_mode: AckMode::AfterCommit,
+            min_retry_delay: Duration::ZERO,
+        };
+        SqsSource::new(Client::from_conf(config), settings, DeadLetterTarget::None)
+    }
+
+    fn text(value: &str) -> MessageAttributeValue {
+        MessageAttributeValue::builder()
+            .data_type("String")
+            .string_value(value)
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn id_and_metadata_come_from_attributes() {
+        let sqs = SqsMessage::builder()
+            .message_id("m-1")
+            .body("{}")
+            .message_attributes("event_id", text("evt-1"))
+            .message_attributes(
+                "blob",
+                MessageAttributeValue::builder()
+                    .data_type("Binary")
+                    .binary_value(Blob::new(vec![0xff, 0]))
+                    .build()
+                    .unwrap(),
+            )
+            .attributes(MessageSystemAttributeName::ApproximateReceiveCount, "3")
+            .build();
+        let message = source(false).convert(&sqs);
+        assert_eq!(message.id, Ok(MessageId::new("evt-1").unwrap()));
+        assert_eq!(message.meta.delivery_count, Some(3));
+        assert!(message.meta.redelivered);
+        assert_eq!(message.meta.position, "message m-1");
+        assert_eq!(message.header("blob"), Some(&[0xff, 0][..]));
+        assert_eq!(message.payload, b"{}");
+    }
+
+    #[test]
+    fn the_sqs_message_id_is_never_the_inbox_id() {
+        let sqs = SqsMessage::builder().message_id("m-1").body("x").build();
+        let message = source(false).convert(&sqs);
+        let err = message.id.unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "message has no ID: message attribute event_id is missing"
+        );
+    }
+
+    #[test]
+    fn dedup_id_is_used_only_when_opted_in() {
+        let sqs = SqsMessage::builder()
+            .body("x")
+            .attributes(MessageSystemAttributeName::MessageDeduplicationId, "d-1")
+            .build();
+        assert!(source(false).convert(&sqs).id.is_err());
+        assert_eq!(
+            source(true).convert(&sqs).id,
+            Ok(MessageId::new("d-1").unwrap())
+        );
+        // The attribute wins over the deduplication ID.
+        let both = SqsMessage::builder()
+            .body("x")
+            .message_attributes("event_id", text("evt-9"))
+            .attributes(MessageSystemAttributeName::MessageDeduplicationId, "d-1")
+            .build();
+        assert_eq!(
+            source(true).convert(&both).id,
+            Ok(MessageId::new("evt-9").unwrap())
+        );
+    }
+
+    #[test]
+    fn an_empty_id_attribute_is_refused() {
+        let sqs = SqsMessage::builder()
+            .body("x")
+            .message_attributes("event_id", text(""))
+            .build();
+        let err = source(false).convert(&sqs).id.unwrap_err();
+        assert!(err.to_string().contains("empty"), "{err}");
+    }
+}

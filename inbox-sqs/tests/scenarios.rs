@@ -1,0 +1,442 @@
+//! The foundation's scenarios over a real SQS endpoint and a real PostgreSQL: double delivery,
+//! a crash between commit and delete, racing consumers, messages without an ID.
+// A test fails by panicking; an unwrap names the failed call in its message.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{client, counts, credit, drain, queue, queue_with_redrive};
+use inbox_core::testkit::crash_at;
+use inbox_core::{Consumer, Error, MessageId, Recovery, Stage};
+use inbox_postgres::testkit::wallet::{balance, summary, Credit};
+use inbox_postgres::testkit::TestDb;
+use inbox_sqs::aws_sdk_sqs::types::MessageAttributeValue;
+use inbox_sqs::{AckMode, Outgoing, SqsSender, SqsSource, REASON_ATTRIBUTE};
+
+const SECOND: Duration = Duration::from_secs(1);
+
+#[tokio::test]
+async fn double_delivery_is_applied_once() {
+    for batch in [1, 10] {
+        let sqs = client().await;
+        let url = queue(&sqs, "double", 3).await;
+        let db = TestDb::new().await;
+        let sender = SqsSender::new(sqs.clone(), &url);
+        let id = MessageId::generate();
+        // The producer sent the same event twice (a retry after a lost response), and another.
+        sender
+            .send_message(&Outgoing::with_id(id.clone(), credit(1, 100)))
+            .await
+            .unwrap();
+        sender
+            .send_message(&Outgoing::with_id(id, credit(1, 100)))
+            .await
+            .unwrap();
+        sender.send(credit(2, 7)).await.unwrap();
+
+        let source = SqsSource::builder(sqs.clone(), &url)
+            .wait_time(SECOND)
+            .build()
+            .await
+            .unwrap();
+        let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+            .batch_size(batch)
+            .run_until_idle()
+            .await
+            .unwrap();
+
+        let ledger = summary(&db.pool).await.unwrap();
+        let left = counts(&sqs, &url).await;
+        println!("double delivery, batch {batch}: {stats:?}, {ledger:?}, queue (visible, in flight) {left:?}");
+        assert_eq!(ledger.ledger_rows, 2);
+        assert_eq!(ledger.distinct_events, 2);
+        assert_eq!(balance(&db.pool, 1).await, 100);
+        assert_eq!(balance(&db.pool, 2).await, 7);
+        assert_eq!(stats.applied, 2);
+        assert_eq!(stats.skipped_duplicates, 1);
+        assert_eq!(left, (0, 0), "every copy is deleted from the queue");
+        common::delete_queue(&sqs, &url).await;
+        db.drop().await;
+    }
+}
+
+#[tokio::test]
+async fn crash_between_commit_and_delete_is_skipped_on_redelivery() {
+    let sqs = client().await;
+    let url = queue(&sqs, "crash", 2).await;
+    let db = TestDb::new().await;
+    SqsSender::new(sqs.clone(), &url)
+        .send(credit(1, 250))
+        .await
+        .unwrap();
+
+    let source = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(SECOND)
+        .build()
+        .await
+        .unwrap();
+    let crashed = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+        .on_stage(crash_at(Stage::Committed))
+        .run_until_idle()
+        .await;
+    assert!(
+        matches!(
+            crashed,
+            Err(Error::Crashed {
+                stage: Stage::Committed,
+                ..
+            })
+        ),
+        "{crashed:?}"
+    );
+    let after_crash = counts(&sqs, &url).await;
+    assert_eq!(
+        after_crash,
+        (0, 1),
+        "committed but not deleted: still in flight"
+    );
+
+    // The visibility timeout (2 s) runs out and SQS hands the message out again.
+    let source = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(Duration::from_secs(6))
+        .build()
+        .await
+        .unwrap();
+    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+        .run_until_idle()
+        .await
+        .unwrap();
+
+    let ledger = summary(&db.pool).await.unwrap();
+    let left = counts(&sqs, &url).await;
+    println!("crash after commit: queue after crash {after_crash:?}; restart {stats:?}; {ledger:?}; queue {left:?}");
+    assert_eq!(stats.received, 1, "the message came back");
+    assert_eq!(stats.skipped_duplicates, 1);
+    assert_eq!(stats.applied, 0);
+    assert_eq!(ledger.ledger_rows, 1);
+    assert_eq!(balance(&db.pool, 1).await, 250);
+    assert_eq!(left, (0, 0));
+    common::delete_queue(&sqs, &url).await;
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn racing_consumers_apply_each_id_once() {
+    const EVENTS: i64 = 20;
+    let sqs = client().await;
+    let url = queue(&sqs, "race", 5).await;
+    let db = TestDb::new().await;
+    // Every event twice, the copies side by side so two consumers tend to get one each.
+    let mut outgoing = Vec::new();
+    for n in 0..EVENTS {
+        let id = MessageId::generate();
+        outgoing.push(Outgoing::with_id(id.clone(), credit(n % 4, 10 + n)));
+        outgoing.push(Outgoing::with_id(id, credit(n % 4, 10 + n)));
+    }
+    SqsSender::new(sqs.clone(), &url)
+        .send_batch(&outgoing)
+        .await
+        .unwrap();
+
+    let consumer = |batch: usize| {
+        let (sqs, url, db_inbox, pool) = (sqs.clone(), url.clone(), db.inbox(), db.pool.clone());
+        async move {
+            let source = SqsSource::builder(sqs, &url)
+                .wait_time(SECOND)
+                .build()
+                .await
+                .unwrap();
+            Consumer::new("wallet", source, db_inbox, Credit::new(pool))
+                .batch_size(batch)
+                .run_until_idle()
+                .await
+                .unwrap()
+        }
+    };
+    let (a, b) = tokio::join!(consumer(1), consumer(2));
+
+    let ledger = summary(&db.pool).await.unwrap();
+    let expected: i64 = (0..EVENTS).map(|n| 10 + n).sum();
+    println!("racing consumers: a {a:?}; b {b:?}; {ledger:?}");
+    assert_eq!(a.received + b.received, 2 * EVENTS as u64);
+    assert_eq!(a.applied + b.applied, EVENTS as u64);
+    assert_eq!(a.skipped_duplicates + b.skipped_duplicates, EVENTS as u64);
+    assert_eq!(ledger.ledger_rows, EVENTS);
+    assert_eq!(ledger.distinct_events, EVENTS);
+    assert!(ledger.balances_exact);
+    assert_eq!(ledger.total_balance, expected);
+    assert_eq!(counts(&sqs, &url).await, (0, 0));
+    common::delete_queue(&sqs, &url).await;
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn messages_without_id_or_unparsable_go_to_the_dead_letter_queue() {
+    let sqs = client().await;
+    let url = queue(&sqs, "noid", 3).await;
+    let dlq = queue(&sqs, "noid-dlq", 30).await;
+    let db = TestDb::new().await;
+    // No ID attribute at all, but another attribute that must survive with its data type.
+    let number = MessageAttributeValue::builder()
+        .data_type("Number")
+        .string_value("42")
+        .build()
+        .unwrap();
+    sqs.send_message()
+        .queue_url(&url)
+        .message_body(credit(1, 500))
+        .message_attributes("tenant", number)
+        .send()
+        .await
+        .unwrap();
+    // An ID, but a body no handler can parse: a permanent failure.
+    let sender = SqsSender::new(sqs.clone(), &url);
+    let bad = sender.send("not json").await.unwrap();
+    sender.send(credit(2, 30)).await.unwrap();
+
+    let source = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(SECOND)
+        .dead_letter_queue(&dlq)
+        .build()
+        .await
+        .unwrap();
+    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+        .batch_size(10)
+        .run_until_idle()
+        .await
+        .unwrap();
+
+    let ledger = summary(&db.pool).await.unwrap();
+    let dead = drain(&sqs, &dlq, SECOND).await;
+    let left = counts(&sqs, &url).await;
+    let reasons: Vec<_> = dead
+        .iter()
+        .map(|m| common::attr(m, REASON_ATTRIBUTE))
+        .collect();
+    println!("dead letters: {stats:?}; {ledger:?}; queue {left:?}; reasons {reasons:?}");
+    assert_eq!(ledger.ledger_rows, 1, "only the good message applied");
+    assert_eq!(balance(&db.pool, 1).await, 0);
+    assert_eq!(stats.dead_lettered, 2);
+    assert_eq!(dead.len(), 2);
+    assert_eq!(
+        left,
+        (0, 0),
+        "dead-lettered messages are deleted from the source queue"
+    );
+
+    let no_id = dead
+        .iter()
+        .find(|m| common::attr(m, "event_id").is_none())
+        .expect("the message without ID is in the DLQ");
+    assert_eq!(no_id.body(), Some(credit(1, 500).as_str()));
+    let reason = common::attr(no_id, REASON_ATTRIBUTE).unwrap();
+    assert!(reason.contains("event_id is missing"), "{reason}");
+    let tenant = &no_id.message_attributes().unwrap()["tenant"];
+    assert_eq!(
+        (tenant.data_type(), tenant.string_value()),
+        ("Number", Some("42"))
+    );
+
+    let unparsable = dead
+        .iter()
+        .find(|m| common::attr(m, "event_id").as_deref() == Some(bad.as_str()))
+        .expect("the unparsable message is in the DLQ with its ID");
+    let reason = common::attr(unparsable, REASON_ATTRIBUTE).unwrap();
+    assert!(reason.contains("not valid JSON"), "{reason}");
+    common::delete_queue(&sqs, &url).await;
+    common::delete_queue(&sqs, &dlq).await;
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn without_explicit_dlq_the_redrive_policy_target_gets_the_dead_letter() {
+    let sqs = client().await;
+    let (url, dlq) = queue_with_redrive(&sqs, "redrive", 3, 5).await;
+    let db = TestDb::new().await;
+    sqs.send_message()
+        .queue_url(&url)
+        .message_body(credit(1, 1))
+        .send()
+        .await
+        .unwrap();
+
+    let source = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(SECOND)
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(
+        source.dead_letter_queue(),
+        Some(dlq.as_str()),
+        "resolved from the RedrivePolicy"
+    );
+    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+        .run_until_idle()
+        .await
+        .unwrap();
+
+    let dead = drain(&sqs, &dlq, SECOND).await;
+    println!("redrive DLQ: {stats:?}; {} dead letter(s)", dead.len());
+    assert_eq!(dead.len(), 1);
+    assert!(common::attr(&dead[0], REASON_ATTRIBUTE)
+        .unwrap()
+        .contains("missing"));
+    assert_eq!(summary(&db.pool).await.unwrap().ledger_rows, 0);
+    assert_eq!(counts(&sqs, &url).await, (0, 0));
+    common::delete_queue(&sqs, &url).await;
+    common::delete_queue(&sqs, &dlq).await;
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn without_any_dead_letter_queue_the_consumer_stops_and_loses_nothing() {
+    let sqs = client().await;
+    let url = queue(&sqs, "nodlq", 2).await;
+    let db = TestDb::new().await;
+    sqs.send_message()
+        .queue_url(&url)
+        .message_body(credit(1, 1))
+        .send()
+        .await
+        .unwrap();
+
+    let source = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(SECOND)
+        .build()
+        .await
+        .unwrap();
+    let result = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+        .run_until_idle()
+        .await;
+    let Err(Error::Source(e)) = &result else {
+        panic!("expected a fatal source error, got {result:?}");
+    };
+    println!("no DLQ: {e}");
+    assert_eq!(e.recovery(), Recovery::Fatal);
+    assert!(e.to_string().contains("dead_letter_queue"), "{e}");
+    let (visible, in_flight) = counts(&sqs, &url).await;
+    assert_eq!(visible + in_flight, 1, "the message is still on the queue");
+    common::delete_queue(&sqs, &url).await;
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn batched_sends_are_all_applied_and_batch_deleted() {
+    const EVENTS: i64 = 25;
+    let sqs = client().await;
+    let url = queue(&sqs, "batch", 10).await;
+    let db = TestDb::new().await;
+    let outgoing: Vec<_> = (0..EVENTS)
+        .map(|n| Outgoing::new(credit(n % 3, n)))
+        .collect();
+    SqsSender::new(sqs.clone(), &url)
+        .send_batch(&outgoing)
+        .await
+        .unwrap();
+    assert_eq!(counts(&sqs, &url).await, (EVENTS as u64, 0));
+
+    let source = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(SECOND)
+        .build()
+        .await
+        .unwrap();
+    let retention = source.queue_retention().await.unwrap();
+    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+        .batch_size(10)
+        .run_until_idle()
+        .await
+        .unwrap();
+    let ledger = summary(&db.pool).await.unwrap();
+    println!("batched: {stats:?}; {ledger:?}; queue retention {retention:?}");
+    assert_eq!(stats.applied, EVENTS as u64);
+    assert_eq!(stats.ack_failures, 0);
+    assert!(stats.commits < EVENTS as u64, "batches share a transaction");
+    assert_eq!(ledger.distinct_events, EVENTS);
+    assert_eq!(ledger.ledger_rows, EVENTS);
+    assert_eq!(ledger.total_balance, (0..EVENTS).sum::<i64>());
+    assert_eq!(counts(&sqs, &url).await, (0, 0));
+    assert!(retention >= Duration::from_secs(60));
+    common::delete_queue(&sqs, &url).await;
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn delete_on_receive_loses_a_message_on_crash() {
+    // The anti-pattern (evidence variant a1): the message is deleted before it is applied, so a
+    // crash before the commit loses it for good.
+    let sqs = client().await;
+    let url = queue(&sqs, "a1", 2).await;
+    let db = TestDb::new().await;
+    SqsSender::new(sqs.clone(), &url)
+        .send(credit(1, 10))
+        .await
+        .unwrap();
+
+    let source = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(SECOND)
+        .ack_mode(AckMode::DeleteOnReceive)
+        .build()
+        .await
+        .unwrap();
+    let crashed = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+        .on_stage(crash_at(Stage::Claimed))
+        .run_until_idle()
+        .await;
+    assert!(crashed.is_err());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let left = counts(&sqs, &url).await;
+    let ledger = summary(&db.pool).await.unwrap();
+    println!("delete on receive + crash: queue {left:?}; {ledger:?}");
+    assert_eq!(left, (0, 0), "nothing comes back");
+    assert_eq!(ledger.ledger_rows, 0, "and nothing was applied: lost");
+    common::delete_queue(&sqs, &url).await;
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn fifo_queue_with_the_deduplication_id_fallback() {
+    let sqs = client().await;
+    let url = common::fifo_queue(&sqs, "fifo", 3).await;
+    let db = TestDb::new().await;
+    let sender = SqsSender::new(sqs.clone(), &url).message_group_id("account-1");
+    let first = sender.send(credit(1, 1)).await.unwrap();
+    sender.send(credit(1, 2)).await.unwrap();
+    // A producer without the attribute, relying on a stable deduplication ID per event.
+    sqs.send_message()
+        .queue_url(&url)
+        .message_body(credit(1, 4))
+        .message_group_id("account-1")
+        .message_deduplication_id("legacy-evt-1")
+        .send()
+        .await
+        .unwrap();
+    // A resend of the first event with its ID: SQS drops it within its 5-minute window, and
+    // the inbox would skip it after that.
+    sender
+        .send_message(&Outgoing::with_id(first, credit(1, 1)))
+        .await
+        .unwrap();
+
+    let source = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(SECOND)
+        .dedup_id_fallback(true)
+        .build()
+        .await
+        .unwrap();
+    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+        .batch_size(10)
+        .run_until_idle()
+        .await
+        .unwrap();
+    let ledger = summary(&db.pool).await.unwrap();
+    println!("fifo: {stats:?}; {ledger:?}");
+    assert_eq!(stats.applied, 3);
+    assert_eq!(stats.dead_lettered, 0);
+    assert_eq!(balance(&db.pool, 1).await, 7);
+    assert_eq!(ledger.ledger_rows, 3);
+    assert_eq!(counts(&sqs, &url).await, (0, 0));
+    common::delete_queue(&sqs, &url).await;
+    db.drop().await;
+}

@@ -1,0 +1,262 @@
+//! Visibility timeouts: the heartbeat, nack delays, and the zombie consumer whose message is
+//! handed to another consumer while it still works on it.
+// A test fails by panicking; an unwrap names the failed call in its message.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{client, counts, credit, queue, stalling_credit};
+use inbox_core::testkit::WithoutInbox;
+use inbox_core::{Ack, Consumer, InboxStore, MessageSource, StatsSnapshot};
+use inbox_postgres::testkit::wallet::{summary, Credit, Summary};
+use inbox_postgres::testkit::TestDb;
+use inbox_postgres::PgTx;
+use inbox_sqs::aws_sdk_sqs::Client;
+use inbox_sqs::{SqsSender, SqsSource};
+
+const SECOND: Duration = Duration::from_secs(1);
+
+/// A receive on the raw client, as another consumer would: how many messages it got.
+async fn steal(sqs: &Client, url: &str) -> usize {
+    let out = sqs
+        .receive_message()
+        .queue_url(url)
+        .max_number_of_messages(10)
+        .wait_time_seconds(0)
+        .send()
+        .await
+        .unwrap();
+    out.messages().len()
+}
+
+#[tokio::test]
+async fn heartbeat_keeps_a_slow_message_invisible_until_acked() {
+    let sqs = client().await;
+    let url = queue(&sqs, "hb", 2).await;
+    SqsSender::new(sqs.clone(), &url)
+        .send(credit(1, 1))
+        .await
+        .unwrap();
+    let mut source = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(SECOND)
+        .build()
+        .await
+        .unwrap();
+    let mut batch = source.receive(10).await.unwrap();
+    assert_eq!(batch.len(), 1);
+    assert_eq!(batch[0].message.meta.delivery_count, Some(1));
+    assert!(!batch[0].message.meta.redelivered);
+
+    // Three visibility timeouts pass while the "handler" works; nobody else gets the message.
+    let mut stolen = 0;
+    for _ in 0..6 {
+        tokio::time::sleep(SECOND).await;
+        stolen += steal(&sqs, &url).await;
+    }
+    let delivery = batch.remove(0);
+    delivery.ack.ack().await.unwrap();
+    let left = counts(&sqs, &url).await;
+    println!("heartbeat: stolen {stolen}, queue after ack {left:?}");
+    assert_eq!(stolen, 0);
+    assert_eq!(left, (0, 0));
+    common::delete_queue(&sqs, &url).await;
+}
+
+#[tokio::test]
+async fn a_dropped_delivery_comes_back_after_the_visibility_timeout() {
+    let sqs = client().await;
+    let url = queue(&sqs, "drop", 2).await;
+    SqsSender::new(sqs.clone(), &url)
+        .send(credit(1, 1))
+        .await
+        .unwrap();
+    let mut source = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(SECOND)
+        .build()
+        .await
+        .unwrap();
+    let batch = source.receive(10).await.unwrap();
+    assert_eq!(batch.len(), 1);
+    // The consumer "crashed": its ack is dropped unused, and the heartbeat with it.
+    drop(batch);
+    let started = Instant::now();
+    let mut again = source.receive(10).await.unwrap();
+    while again.is_empty() && started.elapsed() < Duration::from_secs(10) {
+        again = source.receive(10).await.unwrap();
+    }
+    println!("dropped delivery back after {:?}", started.elapsed());
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].message.meta.delivery_count, Some(2));
+    assert!(again[0].message.meta.redelivered);
+    <inbox_sqs::SqsAck as Ack>::ack_all(again.into_iter().map(|d| d.ack).collect())
+        .await
+        .unwrap();
+    assert_eq!(counts(&sqs, &url).await, (0, 0));
+    common::delete_queue(&sqs, &url).await;
+}
+
+#[tokio::test]
+async fn nack_makes_the_message_visible_after_the_delay() {
+    let sqs = client().await;
+    let url = queue(&sqs, "nack", 30).await;
+    SqsSender::new(sqs.clone(), &url)
+        .send(credit(1, 1))
+        .await
+        .unwrap();
+    let mut source = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(Duration::from_secs(5))
+        .build()
+        .await
+        .unwrap();
+    let mut batch = source.receive(10).await.unwrap();
+    batch
+        .remove(0)
+        .ack
+        .nack(Duration::from_secs(2))
+        .await
+        .unwrap();
+    assert_eq!(steal(&sqs, &url).await, 0, "not visible before the delay");
+    let started = Instant::now();
+    let again = source.receive(10).await.unwrap();
+    println!(
+        "nacked message back after {:?} (visibility timeout 30 s)",
+        started.elapsed()
+    );
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].message.meta.delivery_count, Some(2));
+    assert!(started.elapsed() < Duration::from_secs(10));
+    common::delete_queue(&sqs, &url).await;
+}
+
+/// Sends `stalling` events whose first handling stalls for 5 s and `plain` ones, then runs
+/// three consumers on the queue (visibility timeout 2 s) until everything is applied and every
+/// stall is over. Returns each consumer's counters and the ledger.
+async fn zombie<St>(
+    store: St,
+    db: &TestDb,
+    heartbeat: bool,
+    stalling: i64,
+    plain: i64,
+) -> (Vec<StatsSnapshot>, Summary)
+where
+    St: InboxStore<Tx = PgTx> + Clone,
+{
+    const STALL: Duration = Duration::from_secs(5);
+    let sqs = client().await;
+    let url = queue(&sqs, "zombie", 2).await;
+    let sender = SqsSender::new(sqs.clone(), &url);
+    for n in 0..stalling {
+        sender.send(stalling_credit(n, 100)).await.unwrap();
+    }
+    for n in 0..plain {
+        sender.send(credit(n, 1)).await.unwrap();
+    }
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut consumers = Vec::new();
+    for _ in 0..3 {
+        let source = SqsSource::builder(sqs.clone(), &url)
+            .wait_time(SECOND)
+            .heartbeat(heartbeat)
+            .build()
+            .await
+            .unwrap();
+        let consumer = Consumer::new(
+            "wallet",
+            source,
+            store.clone(),
+            Credit::new(db.pool.clone()).stall(STALL),
+        );
+        let mut stopped = stopped.clone();
+        consumers.push(tokio::spawn(consumer.run_until(async move {
+            let _ = stopped.wait_for(|stop| *stop).await;
+        })));
+    }
+    let started = Instant::now();
+    let events = stalling + plain;
+    let done = common::eventually(Duration::from_secs(60), || async {
+        let ledger = summary(&db.pool).await.unwrap();
+        ledger.distinct_events == events
+            && counts(&sqs, &url).await == (0, 0)
+            && started.elapsed() > STALL + SECOND
+    })
+    .await;
+    // Graceful: every consumer finishes the message it is on (a zombie included) first.
+    stop.send_replace(true);
+    let mut stats = Vec::new();
+    for consumer in consumers {
+        stats.push(consumer.await.unwrap().unwrap());
+    }
+    assert!(done, "not all events applied in time");
+    let ledger = summary(&db.pool).await.unwrap();
+    common::delete_queue(&sqs, &url).await;
+    (stats, ledger)
+}
+
+fn total(stats: &[StatsSnapshot], field: fn(&StatsSnapshot) -> u64) -> u64 {
+    stats.iter().map(field).sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zombie_without_heartbeat_is_harmless_with_the_inbox() {
+    let db = TestDb::new().await;
+    let (stats, ledger) = zombie(db.inbox(), &db, false, 2, 4).await;
+    println!(
+        "zombie, heartbeat off, inbox: received {}, applied {}, skipped duplicates {}, ack failures {}; {ledger:?}",
+        total(&stats, |s| s.received),
+        total(&stats, |s| s.applied),
+        total(&stats, |s| s.skipped_duplicates),
+        total(&stats, |s| s.ack_failures),
+    );
+    assert!(
+        total(&stats, |s| s.received) > 6,
+        "the stalled messages were handed out again"
+    );
+    assert!(total(&stats, |s| s.skipped_duplicates) > 0);
+    assert_eq!(ledger.ledger_rows, 6, "one ledger row per event");
+    assert_eq!(ledger.duplicates(), 0);
+    assert!(ledger.balances_exact);
+    assert_eq!(ledger.total_balance, 2 * 100 + 4);
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zombie_without_heartbeat_duplicates_without_the_inbox() {
+    let db = TestDb::new().await;
+    let (stats, ledger) = zombie(WithoutInbox(db.inbox()), &db, false, 2, 4).await;
+    println!(
+        "zombie, heartbeat off, WITHOUT inbox: received {}, applied {}; {ledger:?}, duplicates {}",
+        total(&stats, |s| s.received),
+        total(&stats, |s| s.applied),
+        ledger.duplicates(),
+    );
+    assert_eq!(ledger.distinct_events, 6);
+    assert!(
+        ledger.duplicates() > 0,
+        "the test can see the duplicates the inbox prevents"
+    );
+    assert!(ledger.total_balance > 2 * 100 + 4);
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zombie_cannot_happen_with_the_heartbeat() {
+    let db = TestDb::new().await;
+    let (stats, ledger) = zombie(db.inbox(), &db, true, 2, 4).await;
+    println!(
+        "zombie, heartbeat on: received {}, applied {}, skipped duplicates {}; {ledger:?}",
+        total(&stats, |s| s.received),
+        total(&stats, |s| s.applied),
+        total(&stats, |s| s.skipped_duplicates),
+    );
+    assert_eq!(
+        total(&stats, |s| s.received),
+        6,
+        "no message was handed out twice"
+    );
+    assert_eq!(total(&stats, |s| s.skipped_duplicates), 0);
+    assert_eq!(ledger.ledger_rows, 6);
+    assert_eq!(ledger.total_balance, 2 * 100 + 4);
+    db.drop().await;
+}
