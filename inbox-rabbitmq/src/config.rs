@@ -1,0 +1,238 @@
+//! What a [`RabbitSource`](crate::RabbitSource) connects to and how it consumes.
+
+use std::time::Duration;
+
+use crate::{Error, Result};
+
+/// The default broker address, also used when `AMQP_URL` is unset.
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// Where the message ID is read from. Never the delivery tag: it numbers deliveries on one
+/// channel, not messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum IdField {
+    /// The AMQP `message_id` property (the default; what [`RabbitPublisher`](crate::RabbitPublisher)
+    /// sets).
+    MessageIdProperty,
+    /// A header: text, bytes or an integer (written in decimal).
+    Header(String),
+}
+
+/// Whether the source declares its queues or expects an operator to have done so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Topology {
+    /// Declare the queue and its dead-letter queue (idempotent; a queue that exists with other
+    /// arguments is a fatal `PRECONDITION_FAILED`). The default.
+    Declare,
+    /// Check with a passive declare that both queues exist, and change nothing: for brokers where
+    /// the application may not declare.
+    Expect,
+}
+
+/// When the source acknowledges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum AckMode {
+    /// Manual acks: `basic.ack` after the database commit (the default, and the only correct
+    /// choice).
+    #[default]
+    AfterCommit,
+    /// **The anti-pattern**, for the evidence harness only: `basic.consume` with `no_ack = true`,
+    /// so the broker forgets each message as it sends it, and a crash before the commit loses it.
+    /// Acks and nacks do nothing in this mode.
+    NoAck,
+}
+
+/// How a [`RabbitSource`](crate::RabbitSource) connects, what it consumes and what topology it
+/// expects.
+///
+/// ```
+/// use std::time::Duration;
+/// use inbox_rabbitmq::RabbitConfig;
+///
+/// let config = RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f", "payments")
+///     .prefetch(50)
+///     .id_header("event_id")
+///     .delivery_limit(10)
+///     .poll_timeout(Duration::from_millis(500));
+/// assert_eq!(config.dead_letter_queue(), "payments.dlq");
+/// ```
+#[derive(Debug, Clone)]
+pub struct RabbitConfig {
+    pub(crate) url: String,
+    pub(crate) queue: String,
+    pub(crate) prefetch: u16,
+    pub(crate) consumer_tag: String,
+    pub(crate) id_field: IdField,
+    pub(crate) topology: Topology,
+    pub(crate) delivery_limit: Option<u32>,
+    pub(crate) ack_mode: AckMode,
+    pub(crate) poll_timeout: Duration,
+    pub(crate) connection_name: Option<String>,
+}
+
+impl RabbitConfig {
+    /// Consumes `queue` on the broker at `url` (`amqp://user:pass@host:port/vhost`; `amqps://`
+    /// needs the `rustls` or `native-tls` feature).
+    pub fn new(url: impl Into<String>, queue: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            queue: queue.into(),
+            prefetch: 20,
+            consumer_tag: String::new(),
+            id_field: IdField::MessageIdProperty,
+            topology: Topology::Declare,
+            delivery_limit: Some(20),
+            ack_mode: AckMode::AfterCommit,
+            poll_timeout: Duration::from_secs(1),
+            connection_name: None,
+        }
+    }
+
+    /// Consumes `queue` on the broker named by `AMQP_URL`, or [`DEFAULT_AMQP_URL`].
+    pub fn from_env(queue: impl Into<String>) -> Self {
+        let url = std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned());
+        Self::new(url, queue)
+    }
+
+    /// Unacked deliveries the broker sends ahead (`basic.qos`, per consumer; default 20). Use at
+    /// least the consumer's batch size; more keeps the pipe full while a batch commits.
+    pub fn prefetch(mut self, n: u16) -> Self {
+        self.prefetch = n;
+        self
+    }
+
+    /// The consumer tag (default: the broker makes one up).
+    pub fn consumer_tag(mut self, tag: impl Into<String>) -> Self {
+        self.consumer_tag = tag.into();
+        self
+    }
+
+    /// Reads the message ID from header `name` instead of the `message_id` property.
+    pub fn id_header(mut self, name: impl Into<String>) -> Self {
+        self.id_field = IdField::Header(name.into());
+        self
+    }
+
+    /// Where the message ID is read from.
+    pub fn id_field(mut self, field: IdField) -> Self {
+        self.id_field = field;
+        self
+    }
+
+    /// Declare the queues (default) or only check that they exist.
+    pub fn topology(mut self, topology: Topology) -> Self {
+        self.topology = topology;
+        self
+    }
+
+    /// The quorum queue's `x-delivery-limit` (default 20): a message returned to the queue more
+    /// often than this (nacked, or in flight when a consumer died) is dead-lettered by the broker
+    /// itself. It is the backstop for a message that crashes the process, which no in-process
+    /// retry count can see. Set the consumer's `max_deliveries` below it so the adapter
+    /// dead-letters with a reason first.
+    pub fn delivery_limit(mut self, limit: u32) -> Self {
+        self.delivery_limit = Some(limit);
+        self
+    }
+
+    /// Declares the queue without `x-delivery-limit`: a message that kills the process loops
+    /// forever.
+    pub fn no_delivery_limit(mut self) -> Self {
+        self.delivery_limit = None;
+        self
+    }
+
+    /// Manual acks after the commit (default) or the no-ack anti-pattern; see [`AckMode`].
+    pub fn ack_mode(mut self, mode: AckMode) -> Self {
+        self.ack_mode = mode;
+        self
+    }
+
+    /// How long a receive waits for the first message before returning an empty batch
+    /// (default 1 s).
+    pub fn poll_timeout(mut self, wait: Duration) -> Self {
+        self.poll_timeout = wait;
+        self
+    }
+
+    /// The client-provided connection name (`connection_name` client property) shown by the
+    /// management UI and `rabbitmqctl list_connections client_properties`. Default:
+    /// `inbox-rabbitmq <queue>`.
+    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
+        self.connection_name = Some(name.into());
+        self
+    }
+
+    /// The broker address.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The queue consumed.
+    pub fn queue(&self) -> &str {
+        &self.queue
+    }
+
+    /// The dead-letter queue: `<queue>.dlq`.
+    pub fn dead_letter_queue(&self) -> String {
+        format!("{}.dlq", self.queue)
+    }
+
+    /// The connection name in use: the one set with [`RabbitConfig::connection_name`], or the
+    /// default.
+    pub fn effective_connection_name(&self) -> String {
+        self.connection_name
+            .clone()
+            .unwrap_or_else(|| format!("inbox-rabbitmq {}", self.queue))
+    }
+
+    pub(crate) fn check(&self) -> Result<()> {
+        if self.queue.is_empty() {
+            return Err(Error::Config("the queue name is empty".into()));
+        }
+        // The `.dlq` suffix must fit the 255-byte AMQP short string too.
+        if self.queue.len() > 251 {
+            return Err(Error::Config(format!(
+                "queue name `{}` is {} bytes; at most 251 leave room for the `.dlq` suffix",
+                self.queue,
+                self.queue.len()
+            )));
+        }
+        if self.prefetch == 0 {
+            return Err(Error::Config(
+                "prefetch is 0, which RabbitMQ reads as unlimited; use at least 1".into(),
+            ));
+        }
+        if self.delivery_limit == Some(0) {
+            return Err(Error::Config(
+                "delivery_limit is 0; use at least 1, or no_delivery_limit()".into(),
+            ));
+        }
+        if let IdField::Header(name) = &self.id_field {
+            if name.is_empty() {
+                return Err(Error::Config("the ID header name is empty".into()));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_settings_are_refused_with_the_fix() {
+        let ok = RabbitConfig::new(DEFAULT_AMQP_URL, "q");
+        assert!(ok.check().is_ok());
+        let e = ok.clone().prefetch(0).check().unwrap_err().to_string();
+        assert!(e.contains("at least 1"), "{e}");
+        assert!(RabbitConfig::new(DEFAULT_AMQP_URL, "").check().is_err());
+        assert!(ok.clone().id_header("").check().is_err());
+        assert!(ok.delivery_limit(0).check().is_err());
+    }
+}

@@ -1,0 +1,51 @@
+//! Opening a connection on the caller's tokio runtime.
+
+use lapin::types::LongString;
+use lapin::{Connection, ConnectionProperties};
+
+use crate::{Error, Result};
+
+/// Connects to `url`, naming the connection `name` (the `connection_name` client property, which
+/// `rabbitmqctl list_connections client_properties` and the management UI show).
+pub(crate) async fn open(url: &str, name: &str) -> Result<Connection> {
+    // lapin runs its I/O loop on an executor and a reactor of our choosing; without a runtime
+    // handle it would panic deep inside, so say what is wrong instead.
+    let handle = tokio::runtime::Handle::try_current().map_err(|_| {
+        Error::Config("the RabbitMQ adapter must run inside a tokio runtime".into())
+    })?;
+    let properties = ConnectionProperties::default()
+        .with_connection_name(LongString::from(name.to_owned()))
+        .with_executor(tokio_executor_trait::Tokio::default().with_handle(handle.clone()))
+        .with_reactor(tokio_reactor_trait::Tokio::default().with_handle(handle));
+    Connection::connect(url, properties)
+        .await
+        .map_err(|e| Error::amqp(format!("connecting to {}", redact(url)), e))
+}
+
+/// The URL without its password, for error messages and logs.
+pub(crate) fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    match rest.split_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split(':').next().unwrap_or_default();
+            format!("{scheme}://{user}:***@{host}")
+        }
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_stay_out_of_messages() {
+        assert_eq!(
+            redact("amqp://guest:secret@127.0.0.1:5672/%2f"),
+            "amqp://guest:***@127.0.0.1:5672/%2f"
+        );
+        assert_eq!(redact("amqp://127.0.0.1"), "amqp://127.0.0.1");
+    }
+}

@@ -1,0 +1,124 @@
+//! This crate's errors, each mapped to what the consumer loop does next.
+
+use inbox_core::{Recovery, SourceError};
+use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+
+/// An error from the RabbitMQ adapter or its publisher.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The configuration cannot work (empty queue name, prefetch of 0, …).
+    #[error("invalid RabbitMQ configuration: {0}")]
+    Config(String),
+    /// A call to the broker failed.
+    #[error("RabbitMQ {context}: {source}")]
+    Amqp {
+        /// What was being done.
+        context: String,
+        /// The client's error.
+        #[source]
+        source: lapin::Error,
+    },
+    /// The broker answered a publish with `basic.nack`: it could not store the message.
+    #[error("RabbitMQ refused to store the message published to `{routing_key}` (basic.nack); publish it again")]
+    Nacked {
+        /// Where it was published.
+        routing_key: String,
+    },
+    /// A mandatory publish found no queue: the topology is missing.
+    #[error("no queue is bound to routing key `{routing_key}` on exchange `{exchange}`; declare the topology first (RabbitConfig::declare_topology)")]
+    Unroutable {
+        /// The exchange published to (`""` is the default exchange).
+        exchange: String,
+        /// The routing key.
+        routing_key: String,
+    },
+    /// An ack or nack could not be sent because its channel is closed. The broker hands the
+    /// delivery out again (flagged `redelivered`); the inbox skips the copy if it was applied.
+    #[error("the channel of delivery {position} closed before its {action} was sent; the broker redelivers it")]
+    ChannelClosed {
+        /// `ack` or `nack`.
+        action: &'static str,
+        /// The delivery's position (connection, channel, tag).
+        position: String,
+    },
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub(crate) fn amqp(context: impl Into<String>, source: lapin::Error) -> Self {
+        Self::Amqp {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// What the consumer does next: reconnect after a lost connection or channel, stop on a
+    /// configuration or permission problem.
+    pub fn recovery(&self) -> Recovery {
+        match self {
+            Error::Config(_) | Error::Unroutable { .. } => Recovery::Fatal,
+            Error::Nacked { .. } => Recovery::Retry,
+            Error::ChannelClosed { .. } => Recovery::Reconnect,
+            Error::Amqp { source, .. } => lapin_recovery(source),
+        }
+    }
+}
+
+/// Soft errors about the topology or permissions will not fix themselves; everything about a
+/// lost socket, channel or connection is cured by reconnecting.
+fn lapin_recovery(e: &lapin::Error) -> Recovery {
+    use lapin::ErrorKind as K;
+    match e.kind() {
+        K::ProtocolError(amqp) => match amqp.kind() {
+            AMQPErrorKind::Soft(
+                AMQPSoftError::ACCESSREFUSED
+                | AMQPSoftError::NOTFOUND
+                | AMQPSoftError::PRECONDITIONFAILED,
+            ) => Recovery::Fatal,
+            AMQPErrorKind::Soft(_) => Recovery::Reconnect,
+            AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED | AMQPHardError::NOTIMPLEMENTED) => {
+                Recovery::Fatal
+            }
+            AMQPErrorKind::Hard(_) => Recovery::Reconnect,
+        },
+        K::IOError(_)
+        | K::InvalidChannel(_)
+        | K::InvalidChannelState(..)
+        | K::InvalidConnectionState(_)
+        | K::MissingHeartbeatError
+        | K::ChannelsLimitReached => Recovery::Reconnect,
+        _ => Recovery::Fatal,
+    }
+}
+
+impl From<Error> for SourceError {
+    fn from(e: Error) -> Self {
+        let recovery = e.recovery();
+        let context = match &e {
+            Error::Config(_) => "configuring the RabbitMQ source",
+            Error::Amqp { .. } => "talking to RabbitMQ",
+            Error::Nacked { .. } | Error::Unroutable { .. } => "publishing to RabbitMQ",
+            Error::ChannelClosed { .. } => "acknowledging to RabbitMQ",
+        };
+        SourceError::new(recovery, context, e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn closed_channels_reconnect_and_config_errors_are_fatal() {
+        let closed = Error::ChannelClosed {
+            action: "ack",
+            position: "connection 1 channel 1 tag 7".into(),
+        };
+        assert_eq!(closed.recovery(), Recovery::Reconnect);
+        assert_eq!(SourceError::from(closed).recovery(), Recovery::Reconnect);
+        assert_eq!(Error::Config("x".into()).recovery(), Recovery::Fatal);
+    }
+}

@@ -1,0 +1,109 @@
+//! The transactional inbox over RabbitMQ, on [`lapin`] and tokio.
+//!
+//! [`RabbitSource`] consumes a quorum queue with manual acks and hands each delivery to
+//! [`inbox_core::Consumer`], which claims the message ID, runs your handler and commits in one
+//! database transaction, and only then acks. [`RabbitPublisher`] publishes persistent,
+//! broker-confirmed messages that carry a `message_id`.
+//!
+//! ```no_run
+//! use inbox_core::Consumer;
+//! use inbox_postgres::testkit::{wallet::Credit, TestDb};
+//! use inbox_rabbitmq::{RabbitConfig, RabbitPublisher, RabbitSource};
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let config = RabbitConfig::from_env("wallet-credits").prefetch(50);
+//! let source = RabbitSource::connect(config.clone()).await?; // declares the queues
+//!
+//! let publisher = RabbitPublisher::connect(config.url(), config.queue()).await?;
+//! let body = br#"{"account_id": 1, "amount": 100}"#;
+//! let id = publisher.publish(body).await?; // a UUIDv7 message_id, confirmed
+//! publisher.publish_with_id(&id, body).await?; // sent twice: applied once
+//!
+//! let db = TestDb::new().await;
+//! Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+//!     .batch_size(20)
+//!     .max_deliveries(10) // below the queue's x-delivery-limit (20)
+//!     .run()
+//!     .await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Topology
+//!
+//! With [`Topology::Declare`] (the default) the source declares, and with [`Topology::Expect`]
+//! it only checks (passive declare), these queues:
+//!
+//! - `<queue>`: durable, `x-queue-type = quorum`, `x-dead-letter-exchange = ""` (the default
+//!   exchange), `x-dead-letter-routing-key = <queue>.dlq`, `x-dead-letter-strategy =
+//!   at-least-once` (with `x-overflow = reject-publish`, which that strategy requires), and
+//!   `x-delivery-limit` ([`RabbitConfig::delivery_limit`], default 20).
+//! - `<queue>.dlq`: durable, quorum.
+//!
+//! Two paths lead to the dead-letter queue, both without loss:
+//! - the adapter's: a message with no usable ID, a permanent handler error, or a handler that
+//!   failed [`RetryPolicy::max_attempts`](inbox_core::RetryPolicy) times in a row is published
+//!   to `<queue>.dlq` with its body, properties and headers plus `x-inbox-reason` (why) and
+//!   `x-inbox-source-queue`, confirmed by the broker, and only then acked;
+//! - the broker's: a message handed out more than `x-delivery-limit` times (requeued by nacks,
+//!   or in flight each time a consumer process died) is moved there by the quorum queue itself,
+//!   with RabbitMQ's `x-death` header. This stops a message that crashes the process from
+//!   looping forever; the retries of ordinary handler failures happen in process, in the core.
+//!
+//! # Ack semantics
+//!
+//! - **Ack** is `basic.ack` on the channel the delivery came on, sent after the transaction that
+//!   recorded the message ID committed. A batch is acked with one `basic.ack` and `multiple = true`
+//!   when its tags are the oldest unsettled ones of the channel (the usual case), else one by one.
+//! - **Redelivery**: RabbitMQ requeues every unacked delivery when its channel or connection
+//!   closes (process killed, network lost, `rabbitmqctl close_connection`, heartbeat missed) and
+//!   hands it out again, to this consumer or another, with `redelivered` set and, on a quorum
+//!   queue, `x-delivery-count` raised ([`Metadata::delivery_count`](inbox_core::Metadata) is
+//!   that count + 1). If the handler had committed, the inbox finds the ID and skips the copy.
+//! - **Ack after the channel closed**: the ack cannot be delivered; it fails with
+//!   [`Recovery::Reconnect`](inbox_core::Recovery), the core logs it, and the redelivered copy
+//!   is skipped. The next receive reconnects (the core backs off between failed attempts) and
+//!   consumes again.
+//! - **Nack** (the core hands a message back after a store error) is a delayed requeue: a
+//!   spawned task waits `retry_after`, then sends `basic.nack` with `requeue = true`. The waiting
+//!   message holds one prefetch slot; the others keep flowing, so it cannot starve the queue.
+//! - **[`AckMode::NoAck`]** consumes with `no_ack = true`: the broker forgets each message as it
+//!   sends it. It exists only to demonstrate the loss it causes; never use it.
+//!
+//! # TLS
+//!
+//! Plain `amqp://` needs no TLS library. For `amqps://` enable this crate's `rustls` or
+//! `native-tls` feature (they switch on lapin's features of the same name).
+
+mod ack;
+mod config;
+mod connect;
+mod error;
+mod publish;
+mod source;
+mod topology;
+
+pub use ack::RabbitAck;
+pub use config::{AckMode, IdField, RabbitConfig, Topology, DEFAULT_AMQP_URL};
+pub use error::{Error, Result};
+pub use lapin;
+pub use publish::RabbitPublisher;
+pub use source::{RabbitSource, REASON_HEADER, SOURCE_QUEUE_HEADER};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+
+    #[test]
+    fn public_types_cross_threads() {
+        send::<RabbitSource>();
+        send_sync::<RabbitAck>();
+        send_sync::<RabbitPublisher>();
+        send_sync::<RabbitConfig>();
+        send_sync::<Error>();
+    }
+}

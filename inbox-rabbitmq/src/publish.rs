@@ -1,0 +1,148 @@
+//! The producing side: [`RabbitPublisher`], publishes confirmed by the broker.
+
+use std::fmt;
+
+use inbox_core::MessageId;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::publisher_confirm::Confirmation;
+use lapin::{BasicProperties, Channel, Connection};
+use tokio::sync::Mutex;
+
+use crate::{connect, Error, Result};
+
+/// AMQP `delivery_mode` 2: the broker writes the message to disk.
+const PERSISTENT: u8 = 2;
+
+/// Publishes with `mandatory` set and waits for the broker's confirm: `Ok` means the message is
+/// stored in a queue.
+pub(crate) async fn publish_confirmed(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    payload: &[u8],
+    properties: BasicProperties,
+) -> Result<()> {
+    let options = BasicPublishOptions {
+        mandatory: true,
+        ..BasicPublishOptions::default()
+    };
+    let context = || format!("publishing to `{routing_key}`");
+    let confirm = channel
+        .basic_publish(exchange, routing_key, options, payload, properties)
+        .await
+        .map_err(|e| Error::amqp(context(), e))?
+        .await
+        .map_err(|e| Error::amqp(context(), e))?;
+    match confirm {
+        // A mandatory message that found no queue is returned, then confirmed.
+        Confirmation::Ack(Some(_returned)) => Err(Error::Unroutable {
+            exchange: exchange.to_owned(),
+            routing_key: routing_key.to_owned(),
+        }),
+        Confirmation::Ack(None) => Ok(()),
+        Confirmation::Nack(_) => Err(Error::Nacked {
+            routing_key: routing_key.to_owned(),
+        }),
+        // The channel is in confirm mode; a missing confirm means it is not what we opened.
+        Confirmation::NotRequested => Err(Error::Config(
+            "publisher confirms are off on this channel".into(),
+        )),
+    }
+}
+
+/// Publishes messages that an inbox consumer can deduplicate: each carries a `message_id`
+/// (a UUIDv7 unless you pass one), is persistent (`delivery_mode = 2`), is `mandatory`, and is
+/// confirmed by the broker before the call returns.
+///
+/// It publishes through the default exchange straight to one queue. A lost connection is
+/// reopened on the next publish; a publish that failed may or may not have reached the queue,
+/// so publish it again **with the same ID** and the inbox drops the extra copy.
+pub struct RabbitPublisher {
+    url: String,
+    name: String,
+    routing_key: String,
+    state: Mutex<Option<(Connection, Channel)>>,
+}
+
+impl fmt::Debug for RabbitPublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitPublisher")
+            .field("url", &connect::redact(&self.url))
+            .field("routing_key", &self.routing_key)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RabbitPublisher {
+    /// Connects to `url` and publishes to `queue` (which must exist: see
+    /// [`RabbitConfig::declare_topology`](crate::RabbitConfig::declare_topology)).
+    pub async fn connect(url: &str, queue: &str) -> Result<Self> {
+        let publisher = Self {
+            url: url.to_owned(),
+            name: format!("inbox-rabbitmq publisher {queue}"),
+            routing_key: queue.to_owned(),
+            state: Mutex::new(None),
+        };
+        publisher.channel().await?;
+        Ok(publisher)
+    }
+
+    /// Publishes `payload` with a fresh UUIDv7 [`MessageId`] and returns the ID.
+    pub async fn publish(&self, payload: &[u8]) -> Result<MessageId> {
+        let id = MessageId::generate();
+        self.publish_with_id(&id, payload).await?;
+        Ok(id)
+    }
+
+    /// Publishes `payload` with message ID `id`: use the same ID when you publish again after an
+    /// error, so the consumer applies it once.
+    pub async fn publish_with_id(&self, id: &MessageId, payload: &[u8]) -> Result<()> {
+        let properties = BasicProperties::default().with_message_id(id.as_str().into());
+        self.publish_with_properties(payload, properties).await
+    }
+
+    /// Publishes `payload` with your `properties` (headers, content type, or no `message_id` at
+    /// all), made persistent.
+    pub async fn publish_with_properties(
+        &self,
+        payload: &[u8],
+        properties: BasicProperties,
+    ) -> Result<()> {
+        let channel = self.channel().await?;
+        let properties = properties.with_delivery_mode(PERSISTENT);
+        let result = publish_confirmed(&channel, "", &self.routing_key, payload, properties).await;
+        if result.is_err() && !channel.status().connected() {
+            // Reconnect on the next publish.
+            *self.state.lock().await = None;
+        }
+        result
+    }
+
+    /// The open confirm-mode channel, reconnecting if it is gone.
+    async fn channel(&self) -> Result<Channel> {
+        let mut state = self.state.lock().await;
+        if let Some((_, channel)) = state.as_ref() {
+            if channel.status().connected() {
+                return Ok(channel.clone());
+            }
+        }
+        let connection = connect::open(&self.url, &self.name).await?;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| Error::amqp("opening the publishing channel", e))?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| Error::amqp("enabling publisher confirms", e))?;
+        *state = Some((connection, channel.clone()));
+        Ok(channel)
+    }
+
+    /// Closes the connection.
+    pub async fn close(self) {
+        if let Some((connection, _)) = self.state.into_inner() {
+            let _ = connection.close(200, "publisher closed").await;
+        }
+    }
+}

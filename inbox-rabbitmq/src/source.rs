@@ -1,0 +1,367 @@
+//! The consuming side: [`RabbitSource`].
+
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use futures_util::{FutureExt, StreamExt};
+use inbox_core::{async_trait, Delivery, IdError, Message, MessageSource, Metadata, SourceError};
+use lapin::options::{BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Channel};
+
+use crate::ack::{Link, RabbitAck};
+use crate::config::IdField;
+use crate::publish::publish_confirmed;
+use crate::{connect, topology, AckMode, Error, RabbitConfig, Result};
+
+/// The header the adapter adds to a dead-lettered message: why it was parked.
+pub const REASON_HEADER: &str = "x-inbox-reason";
+/// The header the adapter adds to a dead-lettered message: the queue it came from.
+pub const SOURCE_QUEUE_HEADER: &str = "x-inbox-source-queue";
+
+/// A RabbitMQ queue as an inbox [`MessageSource`]. See the crate docs for the topology and the
+/// ack semantics.
+pub struct RabbitSource {
+    config: RabbitConfig,
+    generation: u64,
+    live: Option<Live>,
+    /// Original properties of the current batch, by position, so a dead-lettered message keeps
+    /// its typed headers and properties.
+    originals: HashMap<String, BasicProperties>,
+}
+
+struct Live {
+    link: Arc<Link>,
+    consumer: lapin::Consumer,
+    /// A confirm-mode channel for dead-letter publishes.
+    publisher: Channel,
+}
+
+impl fmt::Debug for RabbitSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitSource")
+            .field("queue", &self.config.queue)
+            .field("generation", &self.generation)
+            .field("connected", &self.live.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RabbitSource {
+    /// Connects, declares (or checks) the topology and starts consuming. An error here is a
+    /// configuration, permission or reachability problem; later connection losses are retried
+    /// by [`MessageSource::receive`].
+    pub async fn connect(config: RabbitConfig) -> Result<Self> {
+        config.check()?;
+        let mut source = Self {
+            config,
+            generation: 0,
+            live: None,
+            originals: HashMap::new(),
+        };
+        source.open().await?;
+        Ok(source)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RabbitConfig {
+        &self.config
+    }
+
+    /// Closes the connection now (the broker requeues unacked deliveries). Dropping the source
+    /// does the same in the background.
+    pub async fn close(mut self) {
+        if let Some(live) = self.live.take() {
+            let _ = live.link.connection.close(200, "consumer closed").await;
+        }
+    }
+
+    async fn open(&mut self) -> Result<()> {
+        self.live = None;
+        self.generation += 1;
+        let config = &self.config;
+        let connection = connect::open(&config.url, &config.effective_connection_name()).await?;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| Error::amqp("opening the consuming channel", e))?;
+        topology::prepare(&channel, config).await?;
+        channel
+            .basic_qos(config.prefetch, BasicQosOptions { global: false })
+            .await
+            .map_err(|e| Error::amqp("setting prefetch (basic.qos)", e))?;
+        let publisher = connection
+            .create_channel()
+            .await
+            .map_err(|e| Error::amqp("opening the dead-letter channel", e))?;
+        publisher
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| Error::amqp("enabling publisher confirms", e))?;
+        let options = BasicConsumeOptions {
+            no_ack: config.ack_mode == AckMode::NoAck,
+            ..BasicConsumeOptions::default()
+        };
+        let consumer = channel
+            .basic_consume(
+                &config.queue,
+                &config.consumer_tag,
+                options,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| Error::amqp(format!("consuming queue `{}`", config.queue), e))?;
+        let link = Arc::new(Link {
+            generation: self.generation,
+            connection,
+            channel,
+            unsettled: Mutex::new(BTreeSet::new()),
+        });
+        self.live = Some(Live {
+            link,
+            consumer,
+            publisher,
+        });
+        Ok(())
+    }
+
+    /// Reconnects when the connection or channel is gone. The caller (the core loop) backs off
+    /// between failed attempts.
+    async fn ensure_open(&mut self) -> Result<(), SourceError> {
+        let open = self.live.as_ref().is_some_and(|live| live.link.is_open());
+        if !open {
+            tracing::warn!(queue = %self.config.queue, generation = self.generation + 1, "RabbitMQ connection or channel lost; reconnecting");
+            self.open().await?;
+            tracing::info!(queue = %self.config.queue, generation = self.generation, "reconnected to RabbitMQ; consuming again");
+        }
+        Ok(())
+    }
+
+    fn lost(&mut self, why: String) -> SourceError {
+        self.live = None;
+        SourceError::new(
+            inbox_core::Recovery::Reconnect,
+            format!("consuming queue `{}`", self.config.queue),
+            why,
+        )
+    }
+
+    fn convert(
+        &mut self,
+        link: &Arc<Link>,
+        delivery: lapin::message::Delivery,
+    ) -> Delivery<RabbitAck> {
+        let tag = delivery.delivery_tag;
+        let props = delivery.properties;
+        let headers = props.headers().clone().unwrap_or_default();
+        let id = match &self.config.id_field {
+            IdField::MessageIdProperty => IdError::parse(
+                "property message_id",
+                props.message_id().as_ref().map(|s| s.as_str().as_bytes()),
+            ),
+            IdField::Header(name) => header_id(&headers, name),
+        };
+        // Quorum queues count earlier deliveries in `x-delivery-count`; absent on a first delivery.
+        let delivery_count = match headers.inner().get("x-delivery-count").and_then(as_u64) {
+            Some(n) => u32::try_from(n.saturating_add(1)).ok(),
+            None if !delivery.redelivered => Some(1),
+            None => None,
+        };
+        let position = format!(
+            "connection {} channel {} tag {tag}",
+            link.generation,
+            link.channel.id()
+        );
+        let message = Message {
+            id,
+            key: Some(delivery.routing_key.as_str().as_bytes().to_vec()),
+            payload: delivery.data,
+            headers: headers
+                .inner()
+                .iter()
+                .map(|(k, v)| (k.to_string(), value_bytes(v)))
+                .collect(),
+            meta: Metadata {
+                source: self.config.queue.clone(),
+                position: position.clone(),
+                delivery_count,
+                redelivered: delivery.redelivered,
+            },
+        };
+        self.originals.insert(position, props);
+        let link = match self.config.ack_mode {
+            AckMode::AfterCommit => {
+                link.track(tag);
+                Some(Arc::clone(link))
+            }
+            AckMode::NoAck => None,
+        };
+        Delivery {
+            message,
+            ack: RabbitAck { link, tag },
+        }
+    }
+}
+
+#[async_trait]
+impl MessageSource for RabbitSource {
+    type Ack = RabbitAck;
+
+    /// Waits up to the poll timeout for a first delivery, then takes whatever else is already
+    /// buffered, up to `max` (at most the prefetch). Cancel-safe: the only wait happens before any
+    /// delivery is taken from the channel.
+    async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<RabbitAck>>, SourceError> {
+        // The core settles (acks or dead-letters) a whole batch before it asks for the next one.
+        self.originals.clear();
+        self.ensure_open().await?;
+        let poll = self.config.poll_timeout;
+        let Some(live) = self.live.as_mut() else {
+            return Err(self.lost("not connected".into()));
+        };
+        let link = Arc::clone(&live.link);
+        let first = match tokio::time::timeout(poll, live.consumer.next()).await {
+            Err(_elapsed) => return Ok(Vec::new()),
+            Ok(Some(Ok(delivery))) => delivery,
+            Ok(Some(Err(e))) => return Err(self.lost(format!("the channel failed: {e}"))),
+            Ok(None) => {
+                return Err(self.lost("the broker cancelled the consumer (queue deleted?)".into()))
+            }
+        };
+        let mut raw = vec![first];
+        let mut broken = None;
+        while raw.len() < max {
+            match live.consumer.next().now_or_never() {
+                Some(Some(Ok(delivery))) => raw.push(delivery),
+                Some(Some(Err(e))) => {
+                    broken = Some(format!("the channel failed: {e}"));
+                    break;
+                }
+                Some(None) => {
+                    broken = Some("the broker cancelled the consumer".to_owned());
+                    break;
+                }
+                None => break,
+            }
+        }
+        if let Some(why) = broken {
+            // Hand out what arrived; their acks fail and the broker redelivers them.
+            tracing::warn!(queue = %self.config.queue, %why, "RabbitMQ channel lost; reconnecting on the next receive");
+            self.live = None;
+        }
+        Ok(raw.into_iter().map(|d| self.convert(&link, d)).collect())
+    }
+
+    /// Publishes the message to `<queue>.dlq` through the default exchange, with its original
+    /// body, properties and headers plus [`REASON_HEADER`] and [`SOURCE_QUEUE_HEADER`], and waits
+    /// for the publisher confirm.
+    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        self.ensure_open().await?;
+        let Some(live) = self.live.as_ref() else {
+            return Err(self.lost("not connected".into()));
+        };
+        let props = self
+            .originals
+            .get(&message.meta.position)
+            .cloned()
+            .unwrap_or_else(|| rebuilt_properties(message));
+        let mut headers = props.headers().clone().unwrap_or_default();
+        let text = |s: &str| AMQPValue::LongString(LongString::from(s.to_owned()));
+        headers.insert(REASON_HEADER.into(), text(reason));
+        headers.insert(SOURCE_QUEUE_HEADER.into(), text(&self.config.queue));
+        let props = props.with_headers(headers).with_delivery_mode(2);
+        let dlq = self.config.dead_letter_queue();
+        publish_confirmed(&live.publisher, "", &dlq, &message.payload, props).await?;
+        Ok(())
+    }
+}
+
+/// Properties for a message whose originals are gone (dead-lettered outside its batch).
+fn rebuilt_properties(message: &Message) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    for (k, v) in &message.headers {
+        headers.insert(
+            k.as_str().into(),
+            AMQPValue::LongString(LongString::from(v.clone())),
+        );
+    }
+    let props = BasicProperties::default().with_headers(headers);
+    match &message.id {
+        Ok(id) => props.with_message_id(id.as_str().into()),
+        Err(_) => props,
+    }
+}
+
+fn header_id(headers: &FieldTable, name: &str) -> Result<inbox_core::MessageId, IdError> {
+    let field = format!("header {name}");
+    match headers.inner().get(name) {
+        None => IdError::parse(&field, None),
+        Some(value) => match text_bytes(value) {
+            Some(bytes) => IdError::parse(&field, Some(&bytes)),
+            None => IdError::parse(
+                &format!(
+                    "header {name} as text or integer (it is a {})",
+                    value.get_type()
+                ),
+                None,
+            ),
+        },
+    }
+}
+
+/// A header value as ID text: strings and byte arrays as they are, integers in decimal.
+fn text_bytes(value: &AMQPValue) -> Option<Vec<u8>> {
+    match value {
+        AMQPValue::LongString(s) => Some(s.as_bytes().to_vec()),
+        AMQPValue::ShortString(s) => Some(s.as_str().as_bytes().to_vec()),
+        AMQPValue::ByteArray(b) => Some(b.as_slice().to_vec()),
+        other => as_i128(other).map(|n| n.to_string().into_bytes()),
+    }
+}
+
+/// Any header value as bytes for [`Message::headers`]: text as is, the rest as readable text.
+fn value_bytes(value: &AMQPValue) -> Vec<u8> {
+    match (text_bytes(value), value) {
+        (Some(bytes), _) => bytes,
+        (None, AMQPValue::Boolean(b)) => b.to_string().into_bytes(),
+        (None, other) => format!("{other:?}").into_bytes(),
+    }
+}
+
+fn as_i128(value: &AMQPValue) -> Option<i128> {
+    Some(match value {
+        AMQPValue::ShortShortInt(n) => i128::from(*n),
+        AMQPValue::ShortShortUInt(n) => i128::from(*n),
+        AMQPValue::ShortInt(n) => i128::from(*n),
+        AMQPValue::ShortUInt(n) => i128::from(*n),
+        AMQPValue::LongInt(n) => i128::from(*n),
+        AMQPValue::LongUInt(n) => i128::from(*n),
+        AMQPValue::LongLongInt(n) => i128::from(*n),
+        AMQPValue::Timestamp(n) => i128::from(*n),
+        _ => return None,
+    })
+}
+
+fn as_u64(value: &AMQPValue) -> Option<u64> {
+    as_i128(value).and_then(|n| u64::try_from(n).ok())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_ids_accept_text_and_integers_only() {
+        let mut headers = FieldTable::default();
+        headers.insert("a".into(), AMQPValue::LongString("evt-1".into()));
+        headers.insert("b".into(), AMQPValue::LongLongInt(42));
+        headers.insert("c".into(), AMQPValue::Boolean(true));
+        assert_eq!(header_id(&headers, "a").unwrap().as_str(), "evt-1");
+        assert_eq!(header_id(&headers, "b").unwrap().as_str(), "42");
+        let e = header_id(&headers, "c").unwrap_err().to_string();
+        assert!(e.contains("as text or integer"), "{e}");
+        let e = header_id(&headers, "d").unwrap_err().to_string();
+        assert_eq!(e, "message has no ID: header d is missing");
+    }
+}
