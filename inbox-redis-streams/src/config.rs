@@ -1,0 +1,270 @@
+//! How a [`RedisStreamSource`] is set up.
+
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::Client;
+
+use crate::{Error, RedisStreamSource, Result};
+
+/// When entries leave the consumer group's pending list.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AckMode {
+    /// Entries stay pending until the consumer acks them with `XACK`, after the database
+    /// commit (at-least-once; the inbox makes it effectively-once). The default.
+    #[default]
+    AfterCommit,
+    /// **The anti-pattern, kept only to demonstrate its losses.** Entries are read with
+    /// `XREADGROUP … NOACK`: Redis forgets them on delivery, so the ack does nothing and an entry
+    /// whose process dies before the commit is lost for good (at-most-once).
+    NoAck,
+}
+
+/// Everything a source and its acks need to know, shared between them.
+#[derive(Debug)]
+pub(crate) struct Settings {
+    pub(crate) stream: String,
+    pub(crate) group: String,
+    pub(crate) consumer: String,
+    pub(crate) id_field: String,
+    pub(crate) dead_letter_stream: String,
+    pub(crate) block: Duration,
+    pub(crate) claim_idle: Duration,
+    pub(crate) claim_interval: Duration,
+    pub(crate) ack_mode: AckMode,
+}
+
+/// Builds a [`RedisStreamSource`]; start with [`RedisStreamSource::builder`].
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `connect` is called"]
+pub struct RedisStreamBuilder {
+    stream: String,
+    group: String,
+    consumer: Option<String>,
+    id_field: String,
+    dead_letter_stream: Option<String>,
+    block: Duration,
+    claim_idle: Duration,
+    claim_interval: Duration,
+    ack_mode: AckMode,
+}
+
+impl RedisStreamBuilder {
+    pub(crate) fn new(stream: String, group: String) -> Self {
+        Self {
+            stream,
+            group,
+            consumer: None,
+            id_field: crate::DEFAULT_ID_FIELD.to_owned(),
+            dead_letter_stream: None,
+            block: Duration::from_secs(2),
+            claim_idle: Duration::from_secs(60),
+            claim_interval: Duration::from_secs(5),
+            ack_mode: AckMode::AfterCommit,
+        }
+    }
+
+    /// The consumer's name inside the group (default `<hostname>-<pid>`).
+    ///
+    /// Redis keeps a pending list per consumer name. Give each live process its own name, and
+    /// keep it across restarts where the platform allows (a StatefulSet pod name such as
+    /// `wallet-0`, a systemd instance name): a restarted process then finds its own pending
+    /// entries at once instead of waiting `claim_idle` for `XAUTOCLAIM`. Never let two live
+    /// processes share a name: each would reread the other's in-flight entries at startup (the
+    /// inbox still applies them once, but the work is done twice). Names of processes that are
+    /// gone for good stay listed in `XINFO CONSUMERS`; delete them with `XGROUP DELCONSUMER`
+    /// once they have no pending entries.
+    pub fn consumer_name(mut self, name: impl Into<String>) -> Self {
+        self.consumer = Some(name.into());
+        self
+    }
+
+    /// The entry field holding the producer-set message ID (default `event_id`). The stream
+    /// entry ID is never used: a republished event gets a new one.
+    pub fn id_field(mut self, field: impl Into<String>) -> Self {
+        self.id_field = field.into();
+        self
+    }
+
+    /// Where entries that cannot be applied go (default `<stream>:dlq`).
+    pub fn dead_letter_stream(mut self, stream: impl Into<String>) -> Self {
+        self.dead_letter_stream = Some(stream.into());
+        self
+    }
+
+    /// How long one receive waits for new entries (`XREADGROUP … BLOCK`, default 2 s).
+    pub fn block(mut self, wait: Duration) -> Self {
+        self.block = wait;
+        self
+    }
+
+    /// How long an entry must sit unacked in another consumer's pending list before this one
+    /// takes it over with `XAUTOCLAIM` (default 60 s).
+    ///
+    /// Make it longer than the slowest handler plus commit: an entry whose handler is merely
+    /// slow is claimed too, and then two consumers work on it (the inbox keeps the effect
+    /// single, but the work is done twice). Shorter means faster recovery after a crash.
+    pub fn claim_idle(mut self, idle: Duration) -> Self {
+        self.claim_idle = idle;
+        self
+    }
+
+    /// How often to look for idle entries of dead consumers with `XAUTOCLAIM` (default 5 s).
+    pub fn claim_interval(mut self, every: Duration) -> Self {
+        self.claim_interval = every;
+        self
+    }
+
+    /// When entries leave the pending list (default [`AckMode::AfterCommit`]).
+    pub fn ack_mode(mut self, mode: AckMode) -> Self {
+        self.ack_mode = mode;
+        self
+    }
+
+    /// Connects to `url` (`redis://host:port/db`, `rediss://…`), creates the consumer group if
+    /// it is missing and returns the source.
+    pub async fn connect(self, url: &str) -> Result<RedisStreamSource> {
+        let client = Client::open(url)
+            .map_err(|e| Error::Config(format!("Redis URL {url:?} does not parse: {e}")))?;
+        self.connect_with(client).await
+    }
+
+    /// Like [`RedisStreamBuilder::connect`], with a client you configured.
+    pub async fn connect_with(self, client: Client) -> Result<RedisStreamSource> {
+        let settings = self.settings()?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Duration::from_secs(5))
+            // A half-open TCP connection would otherwise hang a command for ever; the blocking
+            // read may legitimately take `block`.
+            .set_response_timeout(settings.block + Duration::from_secs(10));
+        let connect = |what: &str| format!("connecting to Redis for {what}");
+        // Two connections: a blocking XREADGROUP holds its connection until it returns, and acks
+        // should not queue behind it.
+        let reader = ConnectionManager::new_with_config(client.clone(), config.clone())
+            .await
+            .map_err(|e| Error::redis(connect("reads"), e))?;
+        let commands = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(|e| Error::redis(connect("acks"), e))?;
+        RedisStreamSource::start(settings, Conn(reader), Conn(commands)).await
+    }
+
+    fn settings(self) -> Result<Settings> {
+        let nonempty = |what: &str, value: &str| {
+            if value.is_empty() {
+                Err(Error::Config(format!("the {what} is empty")))
+            } else {
+                Ok(())
+            }
+        };
+        nonempty("stream key", &self.stream)?;
+        nonempty("group name", &self.group)?;
+        nonempty("ID field", &self.id_field)?;
+        if self.id_field == crate::PAYLOAD_FIELD {
+            return Err(Error::Config(format!(
+                "the ID field cannot be `{}`, which holds the payload",
+                crate::PAYLOAD_FIELD
+            )));
+        }
+        let consumer = match self.consumer {
+            Some(name) => name,
+            None => default_consumer_name(),
+        };
+        nonempty("consumer name", &consumer)?;
+        let dead_letter_stream = self
+            .dead_letter_stream
+            .unwrap_or_else(|| format!("{}:dlq", self.stream));
+        if dead_letter_stream == self.stream {
+            return Err(Error::Config(format!(
+                "the dead-letter stream is the stream `{}` itself; pick another key",
+                self.stream
+            )));
+        }
+        // BLOCK 0 means "wait for ever" to Redis, which would hang shutdown-free loops.
+        if self.block < Duration::from_millis(1) {
+            return Err(Error::Config(
+                "block is under 1 ms; use at least 1 ms".into(),
+            ));
+        }
+        if self.claim_idle < Duration::from_millis(1) {
+            return Err(Error::Config(
+                "claim_idle is under 1 ms; use at least 1 ms".into(),
+            ));
+        }
+        Ok(Settings {
+            stream: self.stream,
+            group: self.group,
+            consumer,
+            id_field: self.id_field,
+            dead_letter_stream,
+            block: self.block,
+            claim_idle: self.claim_idle,
+            claim_interval: self.claim_interval,
+            ack_mode: self.ack_mode,
+        })
+    }
+}
+
+/// `<hostname>-<pid>`: unique among live processes on a network, stable for the process's life.
+fn default_consumer_name() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .map(|h| h.trim().to_owned())
+        })
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "consumer".to_owned());
+    format!("{host}-{}", std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_settings_are_refused_with_the_fix() {
+        let b = || RedisStreamBuilder::new("s".into(), "g".into());
+        assert!(b().settings().is_ok());
+        let e = b().id_field("payload").settings().expect_err("refused");
+        assert!(e.to_string().contains("holds the payload"), "{e}");
+        let e = b().block(Duration::ZERO).settings().expect_err("refused");
+        assert!(e.to_string().contains("at least 1 ms"), "{e}");
+        let e = b().dead_letter_stream("s").settings().expect_err("refused");
+        assert!(e.to_string().contains("pick another key"), "{e}");
+        let s = b().settings().expect("parses");
+        assert_eq!(s.dead_letter_stream, "s:dlq");
+        assert!(s.consumer.ends_with(&format!("-{}", std::process::id())));
+    }
+}
+
+/// A reconnecting connection; the client's type has no `Debug`.
+#[derive(Clone)]
+pub(crate) struct Conn(pub(crate) ConnectionManager);
+
+impl Conn {
+    /// Runs a command that is safe to repeat, and repeats it once if the connection had
+    /// dropped: the manager reconnects after that first failure, and an `XACK` lost to it would
+    /// otherwise cost a redelivery after `claim_idle`.
+    pub(crate) async fn idempotent<T: redis::FromRedisValue>(
+        &mut self,
+        cmd: &redis::Cmd,
+    ) -> redis::RedisResult<T> {
+        match cmd.query_async(&mut self.0).await {
+            Err(e) if e.is_connection_dropped() || e.is_io_error() => {
+                tracing::info!(error = %e, "Redis connection lost; retrying the command on a new one");
+                cmd.query_async(&mut self.0).await
+            }
+            other => other,
+        }
+    }
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ConnectionManager")
+    }
+}

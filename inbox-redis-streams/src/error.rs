@@ -1,0 +1,100 @@
+//! This crate's errors, and what the consumer loop does after each.
+
+use inbox_core::{Recovery, SourceError};
+use redis::{RedisError, RetryMethod};
+
+/// Why a Redis stream operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The configuration is unusable; the message says which setting and how to fix it.
+    #[error("invalid Redis stream configuration: {0}")]
+    Config(String),
+    /// Redis refused the command or the connection failed.
+    #[error("{context}: {source}")]
+    Redis {
+        /// What was being done, e.g. `XACK on stream orders`.
+        context: String,
+        /// The client's error.
+        #[source]
+        source: RedisError,
+    },
+    /// Redis answered with a shape this crate does not understand (a server that is not Redis
+    /// 7, or a proxy that rewrites replies).
+    #[error("unexpected reply to {command}: {detail}")]
+    Reply {
+        /// The command.
+        command: &'static str,
+        /// What was wrong with the reply.
+        detail: String,
+    },
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub(crate) fn redis(context: impl Into<String>, source: RedisError) -> Self {
+        Self::Redis {
+            context: context.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn reply(command: &'static str, detail: impl Into<String>) -> Self {
+        Self::Reply {
+            command,
+            detail: detail.into(),
+        }
+    }
+
+    /// What the consumer does next: reconnect after a lost connection, retry after a busy or
+    /// loading server or a deleted group (it is created again), stop on anything else (a wrong
+    /// key type, no permission, a bad configuration).
+    pub fn recovery(&self) -> Recovery {
+        match self {
+            Error::Config(_) | Error::Reply { .. } => Recovery::Fatal,
+            Error::Redis { source, .. } => redis_recovery(source),
+        }
+    }
+
+    /// `NOGROUP`: the stream or its group was deleted under us.
+    pub(crate) fn is_no_group(&self) -> bool {
+        matches!(self, Error::Redis { source, .. } if source.code() == Some("NOGROUP"))
+    }
+}
+
+fn redis_recovery(e: &RedisError) -> Recovery {
+    if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
+        return Recovery::Reconnect;
+    }
+    if e.is_timeout() {
+        return Recovery::Retry;
+    }
+    // Server states that pass by themselves; NOGROUP makes the source create the group again.
+    if let Some(
+        "NOGROUP" | "OOM" | "BUSY" | "LOADING" | "TRYAGAIN" | "MASTERDOWN" | "CLUSTERDOWN",
+    ) = e.code()
+    {
+        return Recovery::Retry;
+    }
+    match e.retry_method() {
+        RetryMethod::Reconnect | RetryMethod::ReconnectFromInitialConnections => {
+            Recovery::Reconnect
+        }
+        RetryMethod::NoRetry => Recovery::Fatal,
+        _ => Recovery::Retry,
+    }
+}
+
+impl From<Error> for SourceError {
+    fn from(e: Error) -> Self {
+        let recovery = e.recovery();
+        let context = match &e {
+            Error::Config(_) => "Redis stream configuration",
+            Error::Redis { .. } => "Redis stream command",
+            Error::Reply { .. } => "Redis stream reply",
+        };
+        SourceError::new(recovery, context, e)
+    }
+}

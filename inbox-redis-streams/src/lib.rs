@@ -1,0 +1,128 @@
+//! Effectively-once consumption of a Redis stream: a consumer group read by an
+//! [`inbox_core::Consumer`], recovering dead consumers' entries with `XAUTOCLAIM`.
+//!
+//! ```no_run
+//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+//! use inbox_postgres::{PgInbox, PgTx};
+//! use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
+//!
+//! /// Adds the amount in each message to account 1.
+//! struct Credit;
+//!
+//! #[async_trait]
+//! impl Handler<PgTx> for Credit {
+//!     async fn handle(&self, tx: &mut PgTx, _id: &MessageId, message: &Message) -> Result<(), HandlerError> {
+//!         let amount: i64 = message.json()?;
+//!         sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = 1")
+//!             .bind(amount)
+//!             .execute(&mut **tx) // the inbox transaction: commits with the claim, or not at all
+//!             .await?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let url = "redis://127.0.0.1:6379";
+//! let producer = RedisStreamProducer::connect(url, "payments").await?;
+//! let id = MessageId::generate();
+//! producer.send_with_id(&id, "100").await?;
+//! producer.send_with_id(&id, "100").await?; // a retried publish: same ID, new entry
+//!
+//! let source = RedisStreamSource::builder("payments", "wallet")
+//!     .consumer_name("wallet-0") // one per process, stable across restarts: see `consumer_name`
+//!     .connect(url)
+//!     .await?;
+//! let pool = sqlx::PgPool::connect("postgres://postgres:postgres@127.0.0.1:5432/inbox").await?;
+//! let inbox = PgInbox::new(pool);
+//! inbox.migrate().await?;
+//! Consumer::new("wallet", source, inbox, Credit) // credits 100 once
+//!     .batch_size(50)
+//!     .max_deliveries(5)
+//!     .run()
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Entry layout
+//!
+//! An entry holds the producer-set message ID in the ID field (default `event_id`, see
+//! [`RedisStreamBuilder::id_field`]), the body in the field `payload`, and any other fields,
+//! which the consumer sees as [`Message::headers`](inbox_core::Message::headers) in entry order.
+//! The stream entry ID (`1718000000000-0`) is only the [position](inbox_core::Metadata::position):
+//! a republished event gets a new one, so it cannot deduplicate. An entry without an ID field
+//! is dead-lettered. [`RedisStreamProducer`] writes this layout.
+//!
+//! # Ack semantics
+//!
+//! - **Ack** is `XACK <stream> <group> <entry ID…>`, sent only after the database transaction
+//!   that recorded the message ID committed, one `XACK` for a whole batch. It removes the
+//!   entries from the group's pending entries list (PEL). A failed ack after the commit is
+//!   logged, not fatal: the entry stays pending, comes back, and is skipped as a duplicate.
+//! - **Never acked** (the process died, or its ack failed): the entry stays in the dead
+//!   consumer's PEL. A process restarted under the same consumer name rereads it first thing
+//!   (`XREADGROUP … 0`); otherwise any consumer takes it over with `XAUTOCLAIM` once it has been
+//!   idle for [`claim_idle`](RedisStreamBuilder::claim_idle). Both raise its delivery count,
+//!   which [`Metadata::delivery_count`](inbox_core::Metadata::delivery_count) reports, so
+//!   [`Consumer::max_deliveries`](inbox_core::Consumer::max_deliveries) dead-letters an entry
+//!   that keeps killing its consumer.
+//! - **Slow, not dead**: an entry whose handler runs longer than `claim_idle` is claimed by
+//!   another consumer while the first still works on it (a zombie). Both then try to apply it;
+//!   the inbox's unique claim lets exactly one commit win and the other skip. Keep `claim_idle`
+//!   above the slowest handler to avoid the wasted work.
+//! - **Nack** leaves the entry pending: Redis cannot delay a redelivery, so it comes back after
+//!   `claim_idle`, through `XAUTOCLAIM`.
+//! - **Dead letter**: `XADD <stream>:dlq * <original fields…> reason <text> original_id <entry ID>`,
+//!   then `XACK`. If the `XACK` fails the entry is dead-lettered again later: the dead-letter
+//!   stream may hold a copy twice, never zero times.
+//! - **Batches**: entries of one batch are applied in stream order in one transaction; a
+//!   reclaimed entry is applied when it is reclaimed, after newer entries, so a stream consumed
+//!   by several consumers (or with recoveries) is not applied in strict stream order.
+//! - [`AckMode::NoAck`] (`XREADGROUP … NOACK`) is the at-most-once anti-pattern, present only to
+//!   show its losses: Redis forgets each entry as it hands it out.
+//!
+//! # Consumer names when scaled
+//!
+//! Every process needs its own consumer name in the group; see
+//! [`RedisStreamBuilder::consumer_name`]. The inbox consumer name given to
+//! [`Consumer::new`](inbox_core::Consumer::new) is a different thing: all instances of one
+//! logical consumer share it (it scopes the applied IDs), while each has its own Redis consumer
+//! name.
+
+mod ack;
+mod config;
+mod error;
+mod producer;
+mod reply;
+mod source;
+
+pub use ack::RedisStreamAck;
+pub use config::{AckMode, RedisStreamBuilder};
+pub use error::{Error, Result};
+pub use producer::{RedisStreamProducer, Sent};
+pub use source::RedisStreamSource;
+
+/// The Redis client this crate uses, for [`RedisStreamBuilder::connect_with`] and
+/// [`RedisStreamProducer::with_connection`].
+pub use redis;
+
+/// The entry field that holds the message ID unless configured otherwise.
+pub const DEFAULT_ID_FIELD: &str = "event_id";
+
+/// The entry field that holds the payload.
+pub const PAYLOAD_FIELD: &str = "payload";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn public_types_cross_threads() {
+        fn send<T: Send>() {}
+        fn send_sync<T: Send + Sync>() {}
+        send::<RedisStreamSource>();
+        send_sync::<RedisStreamAck>();
+        send_sync::<RedisStreamProducer>();
+        send_sync::<RedisStreamBuilder>();
+        send_sync::<Error>();
+    }
+}

@@ -1,0 +1,438 @@
+//! The consumer-group reader: own pending entries first, then reclaimed ones, then new ones.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use inbox_core::{async_trait, Delivery, IdError, Message, MessageSource, Metadata, SourceError};
+use redis::Value;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::config::{Conn, RedisStreamBuilder, Settings};
+use crate::reply::{self, Entry, Fields};
+use crate::{AckMode, Error, RedisStreamAck, Result, PAYLOAD_FIELD};
+
+/// Reads one Redis stream through a consumer group, for an [`inbox_core::Consumer`].
+///
+/// Each [`receive`](MessageSource::receive) returns, in this order of preference:
+/// 1. right after start, this consumer's own pending entries (`XREADGROUP … STREAMS key 0`,
+///    then onwards from the last one read) until none are left: what this consumer name had
+///    read but not acked when its previous process died;
+/// 2. every `claim_interval`, entries idle in any consumer's pending list for longer than
+///    `claim_idle`, taken over with `XAUTOCLAIM` (a full sweep of the pending list, one batch
+///    per receive): the entries of consumers that died and never came back;
+/// 3. new entries (`XREADGROUP … BLOCK … COUNT n STREAMS key >`).
+///
+/// The delivery count of pending and claimed entries comes from `XPENDING` (both paths raise
+/// it); a new entry's is 1.
+#[derive(Debug)]
+pub struct RedisStreamSource {
+    settings: Arc<Settings>,
+    reader: Conn,
+    commands: Conn,
+    /// Where the reread of our own pending list goes on; `None` once it is drained.
+    history: Option<String>,
+    /// Where the `XAUTOCLAIM` sweep goes on.
+    claim_cursor: String,
+    next_claim: Instant,
+    group_ready: bool,
+}
+
+impl RedisStreamSource {
+    /// Starts configuring a source reading `stream` as consumer group `group`.
+    pub fn builder(stream: impl Into<String>, group: impl Into<String>) -> RedisStreamBuilder {
+        RedisStreamBuilder::new(stream.into(), group.into())
+    }
+
+    pub(crate) async fn start(settings: Settings, reader: Conn, commands: Conn) -> Result<Self> {
+        let mut source = Self {
+            settings: Arc::new(settings),
+            reader,
+            commands,
+            history: Some("0".to_owned()),
+            claim_cursor: "0-0".to_owned(),
+            next_claim: Instant::now(),
+            group_ready: false,
+        };
+        source.ensure_group().await?;
+        Ok(source)
+    }
+
+    /// The stream key.
+    pub fn stream(&self) -> &str {
+        &self.settings.stream
+    }
+
+    /// The consumer group.
+    pub fn group(&self) -> &str {
+        &self.settings.group
+    }
+
+    /// This consumer's name inside the group.
+    pub fn consumer_name(&self) -> &str {
+        &self.settings.consumer
+    }
+
+    /// Where dead-lettered entries go.
+    pub fn dead_letter_stream(&self) -> &str {
+        &self.settings.dead_letter_stream
+    }
+
+    /// `XGROUP CREATE … 0 MKSTREAM`: a new group starts at the beginning of the stream, so
+    /// entries added before the first consumer started are not skipped.
+    async fn ensure_group(&mut self) -> Result<()> {
+        if self.group_ready {
+            return Ok(());
+        }
+        let s = &self.settings;
+        let created: redis::RedisResult<Value> = self
+            .commands
+            .idempotent(
+                redis::cmd("XGROUP")
+                    .arg("CREATE")
+                    .arg(&s.stream)
+                    .arg(&s.group)
+                    .arg("0")
+                    .arg("MKSTREAM"),
+            )
+            .await;
+        match created {
+            Ok(_) => info!(stream = %s.stream, group = %s.group, "created consumer group"),
+            Err(e) if e.code() == Some("BUSYGROUP") => {}
+            Err(e) => {
+                let context = format!("XGROUP CREATE {} {}", s.stream, s.group);
+                return Err(Error::redis(context, e));
+            }
+        }
+        self.group_ready = true;
+        Ok(())
+    }
+
+    async fn read(&mut self, max: usize) -> Result<Vec<Delivery<RedisStreamAck>>> {
+        self.ensure_group().await?;
+        if let Some(after) = self.history.clone() {
+            let entries = self.read_group(max, &after, None).await?;
+            match entries.last() {
+                Some(last) => {
+                    self.history = Some(last.id.clone());
+                    return self.deliver_pending(entries).await;
+                }
+                None => {
+                    debug!(consumer = %self.settings.consumer, "own pending entries drained");
+                    self.history = None;
+                }
+            }
+        }
+        if Instant::now() >= self.next_claim {
+            let entries = self.autoclaim(max).await?;
+            if !entries.is_empty() {
+                return self.deliver_pending(entries).await;
+            }
+        }
+        let entries = self.read_group(max, ">", Some(self.settings.block)).await?;
+        Ok(entries
+            .into_iter()
+            .filter_map(|entry| self.delivery(entry, Some(1)))
+            .collect())
+    }
+
+    /// `XREADGROUP GROUP g c COUNT n [BLOCK ms] [NOACK] STREAMS key <after>`.
+    async fn read_group(
+        &mut self,
+        max: usize,
+        after: &str,
+        block: Option<Duration>,
+    ) -> Result<Vec<Entry>> {
+        let s = &self.settings;
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg("GROUP")
+            .arg(&s.group)
+            .arg(&s.consumer)
+            .arg("COUNT")
+            .arg(max);
+        if let Some(block) = block {
+            cmd.arg("BLOCK").arg(block.as_millis().max(1) as u64);
+        }
+        if s.ack_mode == AckMode::NoAck {
+            cmd.arg("NOACK");
+        }
+        cmd.arg("STREAMS").arg(&s.stream).arg(after);
+        // The blocking read has a connection of its own; the others use the command one.
+        let value: redis::RedisResult<Value> = if block.is_some() {
+            // Not repeated: the consumer loop backs off and reads again, and whatever a lost
+            // reply had delivered is pending under this name, to be reclaimed.
+            cmd.query_async(&mut self.reader.0).await
+        } else {
+            self.commands.idempotent(&cmd).await
+        };
+        let value = value
+            .map_err(|e| Error::redis(format!("XREADGROUP {} on stream {}", after, s.stream), e))?;
+        reply::read_reply("XREADGROUP", value)
+    }
+
+    /// One step of the `XAUTOCLAIM` sweep over the whole pending list.
+    async fn autoclaim(&mut self, max: usize) -> Result<Vec<Entry>> {
+        let s = &self.settings;
+        let value: Value = self
+            .commands
+            .idempotent(
+                redis::cmd("XAUTOCLAIM")
+                    .arg(&s.stream)
+                    .arg(&s.group)
+                    .arg(&s.consumer)
+                    .arg(s.claim_idle.as_millis() as u64)
+                    .arg(&self.claim_cursor)
+                    .arg("COUNT")
+                    .arg(max),
+            )
+            .await
+            .map_err(|e| Error::redis(format!("XAUTOCLAIM on stream {}", s.stream), e))?;
+        let (cursor, entries) = reply::autoclaim_reply(value)?;
+        if cursor == "0-0" {
+            // Sweep finished; the next one starts from the beginning after the interval.
+            self.next_claim = Instant::now() + s.claim_interval;
+        }
+        self.claim_cursor = cursor;
+        if !entries.is_empty() {
+            info!(consumer = %s.consumer, stream = %s.stream, entries = entries.len(), "claimed idle pending entries");
+        }
+        Ok(entries)
+    }
+
+    /// Deliveries for entries that were pending: with their delivery counts from `XPENDING`,
+    /// and entries deleted from the stream meanwhile acked away.
+    async fn deliver_pending(
+        &mut self,
+        entries: Vec<Entry>,
+    ) -> Result<Vec<Delivery<RedisStreamAck>>> {
+        let (live, deleted): (Vec<_>, Vec<_>) =
+            entries.into_iter().partition(|e| e.fields.is_some());
+        if !deleted.is_empty() {
+            let ids: Vec<String> = deleted.into_iter().map(|e| e.id).collect();
+            warn!(stream = %self.settings.stream, entries = ?ids, "pending entries were deleted from the stream; nothing to apply, acking them");
+            crate::ack::xack(&mut self.commands, &self.settings, &ids).await?;
+        }
+        let counts = match (live.first(), live.last()) {
+            // Other entries of ours may sit between the first and the last (a nacked one
+            // waiting for its idle time), hence the headroom in the count.
+            (Some(first), Some(last)) => {
+                self.delivery_counts(&first.id, &last.id, live.len() + 1000)
+                    .await?
+            }
+            _ => HashMap::new(),
+        };
+        Ok(live
+            .into_iter()
+            .filter_map(|entry| {
+                let count = counts.get(&entry.id).copied();
+                self.delivery(entry, count)
+            })
+            .collect())
+    }
+
+    /// `XPENDING key group first last n consumer`: the entries were just read or claimed by this
+    /// consumer, so they are all in its pending list.
+    async fn delivery_counts(
+        &mut self,
+        first: &str,
+        last: &str,
+        n: usize,
+    ) -> Result<HashMap<String, u32>> {
+        let s = &self.settings;
+        let value: Value = self
+            .commands
+            .idempotent(
+                redis::cmd("XPENDING")
+                    .arg(&s.stream)
+                    .arg(&s.group)
+                    .arg(first)
+                    .arg(last)
+                    .arg(n)
+                    .arg(&s.consumer),
+            )
+            .await
+            .map_err(|e| Error::redis(format!("XPENDING on stream {}", s.stream), e))?;
+        reply::pending_counts(value)
+    }
+
+    fn delivery(
+        &self,
+        entry: Entry,
+        delivery_count: Option<u32>,
+    ) -> Option<Delivery<RedisStreamAck>> {
+        let fields = entry.fields?;
+        let message = to_message(&self.settings, &entry.id, fields, delivery_count);
+        let ack = RedisStreamAck::new(self.commands.clone(), Arc::clone(&self.settings), entry.id);
+        Some(Delivery { message, ack })
+    }
+
+    /// The entry's own fields, read back so the dead-letter copy is exact (an invalid ID is
+    /// kept as sent); `None` when it is gone from the stream.
+    async fn original_fields(&mut self, entry_id: &str) -> Result<Option<Fields>> {
+        let s = &self.settings;
+        let value: Value = self
+            .commands
+            .idempotent(
+                redis::cmd("XRANGE")
+                    .arg(&s.stream)
+                    .arg(entry_id)
+                    .arg(entry_id),
+            )
+            .await
+            .map_err(|e| Error::redis(format!("XRANGE on stream {}", s.stream), e))?;
+        Ok(reply::range_reply(value)?
+            .into_iter()
+            .find(|e| e.id == entry_id)
+            .and_then(|e| e.fields))
+    }
+
+    async fn park(&mut self, message: &Message, reason: &str) -> Result<()> {
+        let from_here =
+            message.meta.source == self.settings.stream && !message.meta.position.is_empty();
+        let original = if from_here {
+            self.original_fields(&message.meta.position).await?
+        } else {
+            None
+        };
+        let fields = original.unwrap_or_else(|| rebuild_fields(&self.settings, message));
+        let s = &self.settings;
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(&s.dead_letter_stream).arg("*");
+        for (name, value) in &fields {
+            cmd.arg(name.as_slice()).arg(value.as_slice());
+        }
+        cmd.arg("reason").arg(reason);
+        cmd.arg("original_id").arg(&message.meta.position);
+        let _: Value = cmd.query_async(&mut self.commands.0).await.map_err(|e| {
+            Error::redis(
+                format!("XADD to dead-letter stream {}", s.dead_letter_stream),
+                e,
+            )
+        })?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl MessageSource for RedisStreamSource {
+    type Ack = RedisStreamAck;
+
+    async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<Self::Ack>>, SourceError> {
+        match self.read(max.max(1)).await {
+            Ok(deliveries) => Ok(deliveries),
+            Err(e) => {
+                if e.is_no_group() {
+                    // The stream or group was deleted: create it again on the next call.
+                    warn!(stream = %self.settings.stream, group = %self.settings.group, "consumer group is gone; recreating it");
+                    self.group_ready = false;
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    /// `XADD <dead-letter stream> * <original fields…> reason <reason> original_id <entry ID>`.
+    /// The consumer then acks the entry with `XACK`.
+    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        Ok(self.park(message, reason).await?)
+    }
+}
+
+/// Turns a stream entry into a [`Message`]: the ID field is the ID, `payload` the body, every
+/// other field a header, in entry order.
+fn to_message(
+    settings: &Settings,
+    entry_id: &str,
+    fields: Fields,
+    delivery_count: Option<u32>,
+) -> Message {
+    let mut id_raw = None;
+    let mut payload = None;
+    let mut headers = Vec::new();
+    for (name, value) in fields {
+        if id_raw.is_none() && name == settings.id_field.as_bytes() {
+            id_raw = Some(value);
+        } else if payload.is_none() && name == PAYLOAD_FIELD.as_bytes() {
+            payload = Some(value);
+        } else {
+            headers.push((String::from_utf8_lossy(&name).into_owned(), value));
+        }
+    }
+    let field = format!("field {}", settings.id_field);
+    Message {
+        id: IdError::parse(&field, id_raw.as_deref()),
+        key: None,
+        payload: payload.unwrap_or_default(),
+        headers,
+        meta: Metadata {
+            source: settings.stream.clone(),
+            position: entry_id.to_owned(),
+            delivery_count,
+            redelivered: delivery_count.is_some_and(|n| n > 1),
+        },
+    }
+}
+
+/// The fields of a message that is no longer in the stream, as well as they can be rebuilt.
+fn rebuild_fields(settings: &Settings, message: &Message) -> Fields {
+    let mut fields = Vec::with_capacity(message.headers.len() + 2);
+    if let Ok(id) = &message.id {
+        fields.push((
+            settings.id_field.clone().into_bytes(),
+            id.as_str().as_bytes().to_vec(),
+        ));
+    }
+    fields.push((PAYLOAD_FIELD.as_bytes().to_vec(), message.payload.clone()));
+    for (name, value) in &message.headers {
+        fields.push((name.clone().into_bytes(), value.clone()));
+    }
+    fields
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> Settings {
+        Settings {
+            stream: "s".into(),
+            group: "g".into(),
+            consumer: "c".into(),
+            id_field: "event_id".into(),
+            dead_letter_stream: "s:dlq".into(),
+            block: Duration::from_millis(10),
+            claim_idle: Duration::from_secs(1),
+            claim_interval: Duration::from_secs(1),
+            ack_mode: AckMode::AfterCommit,
+        }
+    }
+
+    #[test]
+    fn entries_become_messages() {
+        let fields = vec![
+            (b"trace".to_vec(), b"t1".to_vec()),
+            (b"event_id".to_vec(), b"evt-1".to_vec()),
+            (b"payload".to_vec(), b"{}".to_vec()),
+        ];
+        let m = to_message(&settings(), "5-0", fields, Some(3));
+        assert_eq!(m.id.as_ref().map(|id| id.as_str()), Ok("evt-1"));
+        assert_eq!(m.payload, b"{}");
+        assert_eq!(m.header("trace"), Some(&b"t1"[..]));
+        assert_eq!(m.meta.position, "5-0");
+        assert!(m.meta.redelivered);
+        let rebuilt = rebuild_fields(&settings(), &m);
+        assert_eq!(rebuilt[0], (b"event_id".to_vec(), b"evt-1".to_vec()));
+
+        let no_id = to_message(
+            &settings(),
+            "6-0",
+            vec![(b"payload".to_vec(), b"x".to_vec())],
+            Some(1),
+        );
+        assert_eq!(
+            no_id.id.expect_err("refused").to_string(),
+            "message has no ID: field event_id is missing"
+        );
+    }
+}

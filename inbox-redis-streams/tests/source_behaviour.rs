@@ -1,0 +1,169 @@
+//! What the source itself does over a real Redis, without a database: delivery counts, the
+//! recovery paths, deleted entries, and the NOACK anti-pattern.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use inbox_core::testkit::{crash_at, MemoryStore, MemoryTx};
+use inbox_core::{
+    async_trait, Ack, Consumer, Handler, HandlerError, Message, MessageId, MessageSource, Stage,
+};
+use inbox_redis_streams::AckMode;
+
+/// Sums the JSON amounts.
+struct Sum;
+
+#[async_trait]
+impl Handler<MemoryTx<i64>> for Sum {
+    async fn handle(
+        &self,
+        tx: &mut MemoryTx<i64>,
+        _: &MessageId,
+        m: &Message,
+    ) -> Result<(), HandlerError> {
+        *tx.state_mut() += m.json::<i64>()?;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn delivery_counts_rise_on_reread_and_on_claim() {
+    let stream = stream_key("counts");
+    let producer = producer(&stream).await;
+    let mut first = source(&stream, "c1").await;
+    producer.send("1").await.expect("send");
+
+    let batch = first.receive(10).await.expect("receive");
+    assert_eq!(batch.len(), 1);
+    let m = &batch[0].message;
+    assert_eq!(
+        (m.meta.delivery_count, m.meta.redelivered),
+        (Some(1), false)
+    );
+    assert_eq!(m.meta.source, stream);
+    drop(batch); // the process "died": never acked
+    drop(first);
+
+    // Same name again: its own pending entry comes first, counted a second time.
+    let mut again = source(&stream, "c1").await;
+    let batch = again.receive(10).await.expect("receive");
+    let m = &batch[0].message;
+    println!(
+        "reread: delivery_count={:?} redelivered={}",
+        m.meta.delivery_count, m.meta.redelivered
+    );
+    assert_eq!((m.meta.delivery_count, m.meta.redelivered), (Some(2), true));
+    drop(batch);
+
+    // Another name takes it over once idle.
+    let mut other = builder(&stream, "c2")
+        .claim_idle(Duration::from_millis(300))
+        .connect(&redis_url())
+        .await
+        .expect("connect");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let mut batch = other.receive(10).await.expect("receive");
+    let d = batch.pop().expect("claimed entry");
+    println!(
+        "claimed: delivery_count={:?}",
+        d.message.meta.delivery_count
+    );
+    assert_eq!(d.message.meta.delivery_count, Some(3));
+    d.ack.ack().await.expect("ack");
+    assert_eq!(pending(&stream).await, 0);
+    cleanup(&stream).await;
+}
+
+#[tokio::test]
+async fn an_entry_deleted_while_pending_is_acked_away() {
+    let stream = stream_key("deleted");
+    let producer = producer(&stream).await;
+    let mut first = source(&stream, "c1").await;
+    let sent = producer.send("1").await.expect("send");
+    let batch = first.receive(10).await.expect("receive");
+    assert_eq!(batch.len(), 1);
+    drop((batch, first));
+    let _: i64 = inbox_redis_streams::redis::cmd("XDEL")
+        .arg(&stream)
+        .arg(&sent.entry_id)
+        .query_async(&mut raw().await)
+        .await
+        .expect("XDEL");
+
+    let mut again = source(&stream, "c1").await;
+    let batch = again.receive(10).await.expect("receive");
+    let left = pending(&stream).await;
+    println!(
+        "deleted pending entry: delivered {} times more, {left} left pending",
+        batch.len()
+    );
+    assert!(batch.is_empty());
+    assert_eq!(left, 0);
+    cleanup(&stream).await;
+}
+
+#[tokio::test]
+async fn noack_mode_loses_an_entry_whose_consumer_dies() {
+    let stream = stream_key("noack");
+    let producer = producer(&stream).await;
+    for amount in [10, 20, 30] {
+        producer.send(amount.to_string()).await.expect("send");
+    }
+    let store = MemoryStore::<i64>::new();
+    let src = builder(&stream, "c1")
+        .ack_mode(AckMode::NoAck)
+        .connect(&redis_url())
+        .await
+        .expect("connect");
+    let crashed = Consumer::new("sum", src, store.clone(), Sum)
+        .on_stage(crash_at(Stage::Claimed))
+        .run_until_idle()
+        .await;
+    assert!(crashed.is_err(), "the hook crashes the first message");
+    let src = builder(&stream, "c1")
+        .ack_mode(AckMode::NoAck)
+        .claim_idle(Duration::from_millis(1))
+        .connect(&redis_url())
+        .await
+        .expect("connect");
+    Consumer::new("sum", src, store.clone(), Sum)
+        .run_until_idle()
+        .await
+        .expect("run");
+    let total = store.state().await;
+    println!(
+        "NOACK: total {total} of 60, pending {}",
+        pending(&stream).await
+    );
+    assert_eq!(total, 50, "the entry in flight at the crash is gone");
+    cleanup(&stream).await;
+}
+
+#[tokio::test]
+async fn after_commit_mode_keeps_it() {
+    let stream = stream_key("aftercommit");
+    let producer = producer(&stream).await;
+    for amount in [10, 20, 30] {
+        producer.send(amount.to_string()).await.expect("send");
+    }
+    let store = MemoryStore::<i64>::new();
+    let crashed = Consumer::new("sum", source(&stream, "c1").await, store.clone(), Sum)
+        .on_stage(crash_at(Stage::Claimed))
+        .run_until_idle()
+        .await;
+    assert!(crashed.is_err());
+    Consumer::new("sum", source(&stream, "c1").await, store.clone(), Sum)
+        .run_until_idle()
+        .await
+        .expect("run");
+    let total = store.state().await;
+    println!(
+        "after commit: total {total} of 60, pending {}",
+        pending(&stream).await
+    );
+    assert_eq!(total, 60);
+    assert_eq!(pending(&stream).await, 0);
+    cleanup(&stream).await;
+}
