@@ -36,11 +36,15 @@
 //! bytes of it.
 
 mod error;
+mod retention;
 mod store;
 mod table;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
 pub use error::{Error, Result};
+pub use retention::{
+    spawn_purger, ConsumerWindow, PurgeReport, Storage, DEFAULT_PURGE_BATCH, OLDEST_AGE_GAUGE,
+};
 pub use store::{PgInbox, PgTx};
 pub use table::{KeyMode, TableName};

@@ -1,0 +1,268 @@
+//! `measure-storage`: bytes per remembered ID for each key layout, measured on the database at
+//! hand rather than quoted.
+//!
+//! Each run creates the inbox table through [`PgInbox::migrate`] (so the primary key and the BRIN
+//! retention index are exactly what production gets), fills it with `rows` rows of one consumer
+//! stamped with the current minute, runs `VACUUM (ANALYZE)` and reads `pg_relation_size` (heap,
+//! main fork) and `pg_indexes_size` (every index). Tables live in a scratch schema that is dropped
+//! at the end, also when a run fails.
+
+use std::time::Instant;
+
+use inbox_postgres::{KeyMode, PgInbox, TableName};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::{db, CliError};
+
+/// Client-generated keys travel in arrays of this many.
+const CHUNK: usize = 50_000;
+const CONSUMER: &str = "measure";
+
+#[derive(Debug, Clone, Copy)]
+enum Keys {
+    /// Random UUIDs as text strings (36 characters), like most string IDs: random order.
+    TextV4,
+    /// UUIDv7 strings as text: time-ordered text.
+    TextV7,
+    /// Native `uuid`, random (v4, `gen_random_uuid()`).
+    UuidV4,
+    /// Native `uuid`, time-ordered (v7, generated here as the producer helpers do).
+    UuidV7,
+    /// Hashed mode: the first 16 bytes of SHA-256 over consumer, a zero byte and a random text
+    /// ID, computed in SQL with the formula of `KeyMode::Hashed`.
+    Hashed,
+}
+
+impl Keys {
+    const ALL: [Keys; 5] = [
+        Keys::TextV4,
+        Keys::TextV7,
+        Keys::UuidV4,
+        Keys::UuidV7,
+        Keys::Hashed,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Keys::TextV4 => "text (uuid v4 strings)",
+            Keys::TextV7 => "text (uuid v7 strings)",
+            Keys::UuidV4 => "uuid v4",
+            Keys::UuidV7 => "uuid v7",
+            Keys::Hashed => "hashed (16 bytes)",
+        }
+    }
+
+    fn mode(self) -> KeyMode {
+        match self {
+            Keys::TextV4 | Keys::TextV7 => KeyMode::Text,
+            Keys::UuidV4 | Keys::UuidV7 => KeyMode::Uuid,
+            Keys::Hashed => KeyMode::Hashed,
+        }
+    }
+
+    fn table(self) -> &'static str {
+        match self {
+            Keys::TextV4 => "m_text_v4",
+            Keys::TextV7 => "m_text_v7",
+            Keys::UuidV4 => "m_uuid_v4",
+            Keys::UuidV7 => "m_uuid_v7",
+            Keys::Hashed => "m_hashed",
+        }
+    }
+}
+
+/// One run's bytes per row.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    heap: f64,
+    index: f64,
+}
+
+pub(crate) async fn run(pool: &PgPool, rows: i64, runs: i64) -> Result<(), CliError> {
+    let schema = format!("inbox_measure_{}", Uuid::new_v4().simple());
+    sqlx::query(&format!("CREATE SCHEMA \"{schema}\""))
+        .execute(pool)
+        .await
+        .map_err(db("creating the scratch schema"))?;
+    let result = measure_all(pool, &schema, rows, runs).await;
+    let dropped = sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .execute(pool)
+        .await;
+    if let Err(e) = dropped {
+        eprintln!("inbox-admin: could not drop scratch schema {schema}: {e}");
+    }
+    let results = result?;
+    print_table(rows, runs, &results);
+    Ok(())
+}
+
+async fn measure_all(
+    pool: &PgPool,
+    schema: &str,
+    rows: i64,
+    runs: i64,
+) -> Result<Vec<(Keys, Vec<Sample>)>, CliError> {
+    let mut results = Vec::new();
+    for keys in Keys::ALL {
+        let mut samples = Vec::new();
+        for run in 1..=runs {
+            let started = Instant::now();
+            let sample = measure_one(pool, schema, keys, rows).await?;
+            eprintln!(
+                "{:<24} run {run}/{runs}: heap {:.1} + index {:.1} = {:.1} bytes/row ({:.1}s)",
+                keys.label(),
+                sample.heap,
+                sample.index,
+                sample.heap + sample.index,
+                started.elapsed().as_secs_f64()
+            );
+            samples.push(sample);
+        }
+        results.push((keys, samples));
+    }
+    Ok(results)
+}
+
+async fn measure_one(
+    pool: &PgPool,
+    schema: &str,
+    keys: Keys,
+    rows: i64,
+) -> Result<Sample, CliError> {
+    let table = TableName::qualified(schema, keys.table())?;
+    let inbox = PgInbox::new(pool.clone())
+        .with_table(table.clone())
+        .with_key_mode(keys.mode());
+    inbox.migrate().await?;
+    let consumer = inbox.consumer_id(CONSUMER).await?;
+    insert(pool, &table, keys, consumer, rows).await?;
+    sqlx::raw_sql(&format!("VACUUM (ANALYZE) {table}"))
+        .execute(pool)
+        .await
+        .map_err(db("vacuuming the measured table"))?;
+    let storage = inbox.storage().await?;
+    sqlx::query(&format!("DROP TABLE {table}"))
+        .execute(pool)
+        .await
+        .map_err(db("dropping the measured table"))?;
+    let n = storage.rows.max(1) as f64;
+    Ok(Sample {
+        heap: storage.heap_bytes as f64 / n,
+        index: storage.index_bytes as f64 / n,
+    })
+}
+
+async fn insert(
+    pool: &PgPool,
+    table: &TableName,
+    keys: Keys,
+    consumer: i16,
+    rows: i64,
+) -> Result<(), CliError> {
+    let server_side = |key: &str| {
+        format!(
+            "INSERT INTO {table} (message_id, consumer_id)
+             SELECT {key}, $1 FROM generate_series(1, $2)"
+        )
+    };
+    let sql = match keys {
+        Keys::TextV4 => server_side("gen_random_uuid()::text"),
+        Keys::UuidV4 => server_side("gen_random_uuid()"),
+        Keys::Hashed => server_side(&format!(
+            "encode(substring(sha256(convert_to('{CONSUMER}', 'UTF8') || '\\x00'::bytea
+                 || convert_to(gen_random_uuid()::text, 'UTF8')) FROM 1 FOR 16), 'hex')::uuid"
+        )),
+        Keys::TextV7 | Keys::UuidV7 => {
+            return insert_v7(pool, table, keys, consumer, rows).await;
+        }
+    };
+    sqlx::query(&sql)
+        .bind(consumer)
+        .bind(rows)
+        .execute(pool)
+        .await
+        .map_err(db("inserting measured rows"))?;
+    Ok(())
+}
+
+async fn insert_v7(
+    pool: &PgPool,
+    table: &TableName,
+    keys: Keys,
+    consumer: i16,
+    rows: i64,
+) -> Result<(), CliError> {
+    let array = match keys {
+        Keys::TextV7 => "text[]",
+        _ => "uuid[]",
+    };
+    let sql =
+        format!("INSERT INTO {table} (message_id, consumer_id) SELECT unnest($1::{array}), $2");
+    let mut left = usize::try_from(rows).unwrap_or(usize::MAX);
+    while left > 0 {
+        let n = left.min(CHUNK);
+        left -= n;
+        let ids: Vec<Uuid> = (0..n).map(|_| Uuid::now_v7()).collect();
+        let query = sqlx::query(&sql);
+        let query = match keys {
+            Keys::TextV7 => query.bind(ids.iter().map(Uuid::to_string).collect::<Vec<_>>()),
+            _ => query.bind(ids),
+        };
+        query
+            .bind(consumer)
+            .execute(pool)
+            .await
+            .map_err(db("inserting measured rows"))?;
+    }
+    Ok(())
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.is_empty() {
+        0.0
+    } else if values.len() % 2 == 1 {
+        values[mid]
+    } else {
+        (values[mid - 1] + values[mid]) / 2.0
+    }
+}
+
+fn print_table(rows: i64, runs: i64, results: &[(Keys, Vec<Sample>)]) {
+    println!(
+        "bytes per remembered ID after VACUUM, {rows} rows, median of {runs} run(s); \
+         index = primary key + BRIN on processed_minute"
+    );
+    println!();
+    println!(
+        "{:<24} {:>10} {:>11} {:>11} {:>12} {:>13}",
+        "keys", "heap B/row", "index B/row", "total B/row", "70M rows GB", "190M rows GB"
+    );
+    for (keys, samples) in results {
+        let heap = median(samples.iter().map(|s| s.heap).collect());
+        let index = median(samples.iter().map(|s| s.index).collect());
+        let total = median(samples.iter().map(|s| s.heap + s.index).collect());
+        println!(
+            "{:<24} {heap:>10.1} {index:>11.1} {total:>11.1} {:>12.2} {:>13.2}",
+            keys.label(),
+            total * 70e6 / 1e9,
+            total * 190e6 / 1e9,
+        );
+    }
+    println!();
+    println!("GB = 10^9 bytes: total B/row x 70,000,000 (5M/day x 14 days) and x 190,000,000.");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median;
+
+    #[test]
+    fn median_of_odd_and_even_runs() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median(vec![]), 0.0);
+    }
+}

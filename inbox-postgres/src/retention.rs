@@ -1,0 +1,272 @@
+//! Retention: the batched purge, its single-cleaner lock, the oldest remembered time per
+//! consumer (the window alarm) and the table's storage.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use sha2::{Digest, Sha256};
+use sqlx::{Connection, PgConnection};
+use tokio::task::JoinHandle;
+
+use crate::error::db;
+use crate::{PgInbox, Result};
+
+/// The default number of rows one purge batch deletes: small enough that each batch's locks and
+/// WAL stay short, large enough that a day's rows take a few hundred statements.
+pub const DEFAULT_PURGE_BATCH: i64 = 10_000;
+
+/// The gauge [`PgInbox::oldest_per_consumer`] sets, per `consumer` label: seconds since the
+/// oldest remembered message was processed. Page when it drops below the longest redelivery
+/// window of the consumer's sources.
+pub const OLDEST_AGE_GAUGE: &str = "inbox_oldest_remembered_age_seconds";
+
+/// What a [`PgInbox::purge`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PurgeReport {
+    /// This call held the cleaner lock and deleted in batches.
+    Purged {
+        /// Rows processed before this minute (minutes since the Unix epoch) were deleted.
+        cutoff_minute: i64,
+        /// Rows deleted by each batch, in order; the last one is 0.
+        batches: Vec<u64>,
+    },
+    /// Another cleaner (in this or another process) held the lock, so this call deleted
+    /// nothing. Not an error: that cleaner does the work.
+    SkippedOtherCleaner,
+}
+
+impl PurgeReport {
+    /// Rows deleted in all batches.
+    pub fn deleted(&self) -> u64 {
+        self.batches().iter().sum()
+    }
+
+    /// Rows deleted by each batch (empty when skipped).
+    pub fn batches(&self) -> &[u64] {
+        match self {
+            PurgeReport::Purged { batches, .. } => batches,
+            PurgeReport::SkippedOtherCleaner => &[],
+        }
+    }
+}
+
+/// How far back one consumer's memory reaches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsumerWindow {
+    /// The consumer's name.
+    pub consumer: String,
+    /// When its oldest remembered message was processed (to the minute); `None` without rows.
+    pub oldest: Option<SystemTime>,
+    /// Rows remembered for it.
+    pub rows: i64,
+}
+
+impl ConsumerWindow {
+    /// `now − oldest`: how long a redelivery may lag and still be recognised. `None` without
+    /// rows (nothing remembered, so no window to alarm on).
+    pub fn window(&self, now: SystemTime) -> Option<Duration> {
+        self.oldest
+            .map(|oldest| now.duration_since(oldest).unwrap_or(Duration::ZERO))
+    }
+
+    /// The window alarm: true when this consumer remembers rows but its window is shorter than
+    /// `required` (the longest redelivery window of its sources), so a late redelivery of an
+    /// already-forgotten message would be applied twice.
+    pub fn shorter_than(&self, required: Duration, now: SystemTime) -> bool {
+        self.window(now).is_some_and(|w| w < required)
+    }
+}
+
+/// The size of the inbox table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Storage {
+    /// Rows in the table (an exact count).
+    pub rows: i64,
+    /// The table's main fork (`pg_relation_size`).
+    pub heap_bytes: i64,
+    /// All of the table's indexes: the primary key and the BRIN index (`pg_indexes_size`).
+    pub index_bytes: i64,
+}
+
+impl Storage {
+    /// Heap plus index bytes per row, `None` for an empty table.
+    pub fn bytes_per_row(&self) -> Option<f64> {
+        (self.rows > 0).then(|| (self.heap_bytes + self.index_bytes) as f64 / self.rows as f64)
+    }
+}
+
+impl PgInbox {
+    /// The advisory-lock key cleaners of this table share: the first 8 bytes of SHA-256 over
+    /// `inbox purge <table>`, so inboxes in other tables purge independently.
+    pub fn purge_lock_key(&self) -> i64 {
+        let digest = Sha256::digest(format!("inbox purge {}", self.table()).as_bytes());
+        let mut bytes = [0u8; 8];
+        bytes.copy_from_slice(&digest[..8]);
+        i64::from_be_bytes(bytes)
+    }
+
+    /// Deletes rows processed more than `older_than` ago, `batch` rows per statement (at least
+    /// 1; [`DEFAULT_PURGE_BATCH`] is a good start), until a batch deletes nothing. Each batch is
+    /// its own short transaction, so a purge of millions of rows never holds locks or WAL for
+    /// long, and an interrupted purge keeps what it did.
+    ///
+    /// Only one cleaner runs at a time across all instances: the purge takes a session advisory
+    /// lock ([`purge_lock_key`](Self::purge_lock_key)) on a connection of its own, and returns
+    /// [`PurgeReport::SkippedOtherCleaner`] when another session holds it. The connection is
+    /// detached from the pool and closed afterwards, so a cancelled purge cannot leave the lock
+    /// behind on a pooled connection.
+    ///
+    /// Rows are found through the BRIN index on `processed_minute` (time-ordered inserts keep it
+    /// selective); the cutoff is taken from the database clock, the one the rows were stamped by.
+    pub async fn purge(&self, older_than: Duration, batch: i64) -> Result<PurgeReport> {
+        let batch = batch.max(1);
+        let window_minutes = i64::try_from(older_than.as_secs() / 60).unwrap_or(i64::MAX / 2);
+        let mut conn = self
+            .pool()
+            .acquire()
+            .await
+            .map_err(db("opening the cleaner connection"))?
+            .detach();
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(self.purge_lock_key())
+            .fetch_one(&mut conn)
+            .await
+            .map_err(db("taking the cleaner lock"))?;
+        if !locked {
+            let _ = conn.close().await;
+            return Ok(PurgeReport::SkippedOtherCleaner);
+        }
+        let result = self.purge_batches(&mut conn, window_minutes, batch).await;
+        // Closing the session releases the lock whatever happened above.
+        let _ = conn.close().await;
+        result
+    }
+
+    async fn purge_batches(
+        &self,
+        conn: &mut PgConnection,
+        window_minutes: i64,
+        batch: i64,
+    ) -> Result<PurgeReport> {
+        let t = self.table();
+        let cutoff_minute: i64 =
+            sqlx::query_scalar("SELECT floor(extract(epoch FROM now()) / 60)::bigint - $1")
+                .bind(window_minutes)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(db("reading the database clock"))?;
+        let sql = format!(
+            "DELETE FROM {t} WHERE ctid IN (
+                SELECT ctid FROM {t} WHERE processed_minute < $1 LIMIT $2)"
+        );
+        let mut batches = Vec::new();
+        loop {
+            let deleted = sqlx::query(&sql)
+                .bind(cutoff_minute)
+                .bind(batch)
+                .execute(&mut *conn)
+                .await
+                .map_err(db("deleting expired inbox rows"))?
+                .rows_affected();
+            batches.push(deleted);
+            if deleted == 0 {
+                break;
+            }
+        }
+        Ok(PurgeReport::Purged {
+            cutoff_minute,
+            batches,
+        })
+    }
+
+    /// The oldest remembered time and the row count of every registered consumer, by name, and
+    /// sets the [`OLDEST_AGE_GAUGE`] gauge for each consumer that has rows.
+    ///
+    /// This reads the whole table (there is no index on (consumer, time), which would cost more
+    /// per row than the key itself); run it from a CLI or a periodic task, not per message.
+    pub async fn oldest_per_consumer(&self) -> Result<Vec<ConsumerWindow>> {
+        let t = self.table();
+        let consumers = t.sibling("consumers");
+        let rows: Vec<(String, Option<i32>, i64)> = sqlx::query_as(&format!(
+            "SELECT c.name, min(i.processed_minute), count(i.consumer_id)
+             FROM {consumers} c LEFT JOIN {t} i ON i.consumer_id = c.id
+             GROUP BY c.name ORDER BY c.name"
+        ))
+        .fetch_all(self.pool())
+        .await
+        .map_err(db("reading the oldest remembered time per consumer"))?;
+        let now = SystemTime::now();
+        let windows: Vec<ConsumerWindow> = rows
+            .into_iter()
+            .map(|(consumer, minute, rows)| ConsumerWindow {
+                consumer,
+                oldest: minute.map(minute_to_time),
+                rows,
+            })
+            .collect();
+        for w in &windows {
+            if let Some(age) = w.window(now) {
+                metrics::gauge!(OLDEST_AGE_GAUGE, "consumer" => w.consumer.clone())
+                    .set(age.as_secs_f64());
+            }
+        }
+        Ok(windows)
+    }
+
+    /// The row count and the on-disk size of the table and its indexes.
+    pub async fn storage(&self) -> Result<Storage> {
+        let t = self.table();
+        let (rows, heap_bytes, index_bytes): (i64, i64, i64) = sqlx::query_as(&format!(
+            "SELECT (SELECT count(*) FROM {t}),
+                    pg_relation_size($1::regclass), pg_indexes_size($1::regclass)"
+        ))
+        .bind(t.to_string())
+        .fetch_one(self.pool())
+        .await
+        .map_err(db("measuring the inbox table"))?;
+        Ok(Storage {
+            rows,
+            heap_bytes,
+            index_bytes,
+        })
+    }
+}
+
+/// The start of `minute` (minutes since the Unix epoch).
+fn minute_to_time(minute: i32) -> SystemTime {
+    let secs = u64::try_from(minute).unwrap_or(0) * 60;
+    UNIX_EPOCH + Duration::from_secs(secs)
+}
+
+/// Runs [`PgInbox::purge`] of rows older than `window` every `every` (the first right away),
+/// with [`DEFAULT_PURGE_BATCH`], until the handle is aborted. Any number of instances may run
+/// one: the advisory lock lets one purge at a time and the others skip. After a purge that ran,
+/// it refreshes the [`OLDEST_AGE_GAUGE`] gauge. Failures are logged and retried next period.
+pub fn spawn_purger(inbox: PgInbox, window: Duration, every: Duration) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(every.max(Duration::from_secs(1)));
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            match inbox.purge(window, DEFAULT_PURGE_BATCH).await {
+                Ok(report @ PurgeReport::Purged { .. }) => {
+                    tracing::info!(
+                        table = %inbox.table(),
+                        deleted = report.deleted(),
+                        batches = report.batches().len(),
+                        "inbox purge done"
+                    );
+                    if let Err(e) = inbox.oldest_per_consumer().await {
+                        tracing::warn!(table = %inbox.table(), error = %e, "inbox window gauge not refreshed");
+                    }
+                }
+                Ok(_) => {
+                    tracing::debug!(table = %inbox.table(), "inbox purge skipped: another cleaner runs");
+                }
+                Err(e) => {
+                    tracing::warn!(table = %inbox.table(), error = %e, "inbox purge failed; retrying next period");
+                }
+            }
+        }
+    })
+}
