@@ -1,0 +1,211 @@
+//! The consumer's configuration: inbox settings plus any librdkafka property.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+
+use crate::{Error, KafkaSource, Result};
+
+/// The broker list used when `KAFKA_BROKERS` is unset.
+pub const DEFAULT_BROKERS: &str = "127.0.0.1:9092";
+
+/// The broker list from the `KAFKA_BROKERS` environment variable, or [`DEFAULT_BROKERS`].
+pub fn brokers_from_env() -> String {
+    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| DEFAULT_BROKERS.to_owned())
+}
+
+/// When offsets are committed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AckMode {
+    /// The default and the only safe choice: `enable.auto.commit=false`; an ack commits the
+    /// partition's finished prefix explicitly, after the database transaction committed.
+    #[default]
+    AfterCommit,
+    /// The anti-pattern, kept for the evidence harness (the article's variants a1/a2): the
+    /// client's defaults, auto-commit every `auto.commit.interval.ms` of offsets stored the
+    /// moment a message is received. A crash can lose messages that were received but not
+    /// applied. Acks and nacks do nothing. Never use it in production.
+    AutoCommit,
+}
+
+/// What a [`KafkaSource`] subscribes to and how.
+///
+/// Every librdkafka property can be set with [`KafkaConfig::set`] (all clients: the consumer and
+/// the dead-letter producer) or [`KafkaConfig::set_consumer`] (the consumer only): TLS
+/// (`security.protocol`, `ssl.ca.location`, ... with the crate feature `ssl`), SASL
+/// (`sasl.mechanism`, `sasl.username`, `sasl.password`), timeouts (`session.timeout.ms`,
+/// `max.poll.interval.ms`), so the same code runs against Apache Kafka, MSK, Confluent Cloud,
+/// Redpanda or Tansu.
+///
+/// Defaults set here and overridable: `auto.offset.reset=earliest` (a new group reads the topic
+/// from its start). Enforced in [`AckMode::AfterCommit`]: `enable.auto.commit=false`.
+#[derive(Debug, Clone)]
+pub struct KafkaConfig {
+    pub(crate) brokers: String,
+    pub(crate) group_id: String,
+    pub(crate) topics: Vec<String>,
+    pub(crate) id_header: String,
+    pub(crate) dead_letter_topic: Option<String>,
+    pub(crate) ack_mode: AckMode,
+    pub(crate) poll_timeout: Duration,
+    pub(crate) operation_timeout: Duration,
+    pub(crate) common: BTreeMap<String, String>,
+    pub(crate) consumer: BTreeMap<String, String>,
+}
+
+impl KafkaConfig {
+    /// The header that carries the message ID unless [`KafkaConfig::id_header`] says otherwise.
+    pub const DEFAULT_ID_HEADER: &'static str = "event_id";
+
+    /// Consumes `topics` as member of `group_id`, through `brokers` (`host:port[,host:port]`).
+    pub fn new(
+        brokers: impl Into<String>,
+        group_id: impl Into<String>,
+        topics: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
+        Self {
+            brokers: brokers.into(),
+            group_id: group_id.into(),
+            topics: topics.into_iter().map(Into::into).collect(),
+            id_header: Self::DEFAULT_ID_HEADER.to_owned(),
+            dead_letter_topic: None,
+            ack_mode: AckMode::default(),
+            poll_timeout: Duration::from_secs(1),
+            operation_timeout: Duration::from_secs(10),
+            common: BTreeMap::new(),
+            consumer: BTreeMap::new(),
+        }
+    }
+
+    /// Like [`KafkaConfig::new`], with the brokers from `KAFKA_BROKERS` (default
+    /// `127.0.0.1:9092`).
+    pub fn from_env(
+        group_id: impl Into<String>,
+        topics: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
+        Self::new(brokers_from_env(), group_id, topics)
+    }
+
+    /// The header that holds the message ID (default `event_id`). The ID never comes from the
+    /// offset: a relay that republishes an event gives it a new offset, not a new ID.
+    pub fn id_header(mut self, name: impl Into<String>) -> Self {
+        self.id_header = name.into();
+        self
+    }
+
+    /// Where dead letters go (default: `<topic>.dlq` of the message's own topic).
+    pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
+        self.dead_letter_topic = Some(topic.into());
+        self
+    }
+
+    /// When offsets are committed (default [`AckMode::AfterCommit`]).
+    pub fn ack_mode(mut self, mode: AckMode) -> Self {
+        self.ack_mode = mode;
+        self
+    }
+
+    /// How long a receive waits for a first message before returning an empty batch
+    /// (default 1 s).
+    pub fn poll_timeout(mut self, wait: Duration) -> Self {
+        self.poll_timeout = wait;
+        self
+    }
+
+    /// How long a blocking commit, seek or dead-letter delivery may take (default 10 s).
+    pub fn operation_timeout(mut self, wait: Duration) -> Self {
+        self.operation_timeout = wait;
+        self
+    }
+
+    /// Sets a librdkafka property on every client this source makes (consumer and dead-letter
+    /// producer): TLS, SASL, `client.id`, socket settings.
+    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.common.insert(key.into(), value.into());
+        self
+    }
+
+    /// Sets a librdkafka consumer property (`session.timeout.ms`, `max.poll.interval.ms`,
+    /// `auto.offset.reset`, `partition.assignment.strategy`, ...).
+    pub fn set_consumer(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.consumer.insert(key.into(), value.into());
+        self
+    }
+
+    /// Connects and subscribes.
+    pub fn build(&self) -> Result<KafkaSource> {
+        KafkaSource::new(self)
+    }
+
+    pub(crate) fn consumer_config(&self) -> Result<ClientConfig> {
+        if self.topics.is_empty() {
+            return Err(Error::Config("no topic to subscribe to".into()));
+        }
+        if self.group_id.is_empty() {
+            return Err(Error::Config("the group id is empty".into()));
+        }
+        if self.id_header.is_empty() {
+            return Err(Error::Config("the ID header name is empty".into()));
+        }
+        let mut config = self.client_config();
+        config
+            .set("group.id", &self.group_id)
+            .set("auto.offset.reset", "earliest");
+        if self.ack_mode == AckMode::AfterCommit {
+            config.set("enable.auto.commit", "false");
+        }
+        for (key, value) in &self.consumer {
+            config.set(key, value);
+        }
+        if self.ack_mode == AckMode::AfterCommit
+            && config
+                .get("enable.auto.commit")
+                .is_some_and(|v| v != "false")
+        {
+            return Err(Error::Config(
+                "enable.auto.commit must stay false with AckMode::AfterCommit: offsets are \
+                 committed after the database commit; remove the property"
+                    .into(),
+            ));
+        }
+        Ok(config)
+    }
+
+    pub(crate) fn client_config(&self) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", &self.brokers);
+        for (key, value) in &self.common {
+            config.set(key, value);
+        }
+        config
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn after_commit_refuses_auto_commit() {
+        let config =
+            KafkaConfig::new("b:9092", "g", ["t"]).set_consumer("enable.auto.commit", "true");
+        assert!(matches!(config.consumer_config(), Err(Error::Config(_))));
+        let config = KafkaConfig::new("b:9092", "g", ["t"])
+            .set_consumer("auto.offset.reset", "latest")
+            .set("security.protocol", "plaintext");
+        let client = config.consumer_config().expect("valid");
+        assert_eq!(client.get("enable.auto.commit"), Some("false"));
+        assert_eq!(client.get("auto.offset.reset"), Some("latest"));
+        assert_eq!(client.get("security.protocol"), Some("plaintext"));
+    }
+
+    #[test]
+    fn auto_commit_keeps_the_client_defaults() {
+        let config = KafkaConfig::new("b:9092", "g", ["t"]).ack_mode(AckMode::AutoCommit);
+        let client = config.consumer_config().expect("valid");
+        assert_eq!(client.get("enable.auto.commit"), None);
+        assert_eq!(client.get("enable.auto.offset.store"), None);
+    }
+}

@@ -1,0 +1,104 @@
+//! This crate's errors, and how a Kafka error maps to what the consumer loop does next.
+
+use inbox_core::{Recovery, SourceError};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+
+/// An error from the Kafka adapter.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The configuration is unusable; the message says which setting and how to fix it.
+    #[error("invalid Kafka configuration: {0}")]
+    Config(String),
+    /// librdkafka refused or failed an operation.
+    #[error("{context}: {source}")]
+    Kafka {
+        /// What was being done.
+        context: String,
+        /// The client's error.
+        #[source]
+        source: KafkaError,
+    },
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub(crate) fn kafka(context: impl Into<String>, source: KafkaError) -> Self {
+        Self::Kafka {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// What the consumer loop should do after this error.
+    pub fn recovery(&self) -> Recovery {
+        match self {
+            Error::Config(_) => Recovery::Fatal,
+            Error::Kafka { source, .. } => recovery(source),
+        }
+    }
+
+    /// Wraps this error for the consumer loop.
+    pub(crate) fn into_source(self) -> SourceError {
+        let recovery = self.recovery();
+        match self {
+            Error::Kafka { context, source } => SourceError::new(recovery, context, source),
+            other => SourceError::new(recovery, "Kafka adapter", other),
+        }
+    }
+}
+
+/// Retrying cannot fix missing permissions, failed authentication or a fatal client state;
+/// everything else (a broker down, a leader moving, a coordinator loading) passes.
+pub(crate) fn recovery(e: &KafkaError) -> Recovery {
+    use RDKafkaErrorCode as C;
+    match e.rdkafka_error_code() {
+        Some(
+            C::TopicAuthorizationFailed
+            | C::GroupAuthorizationFailed
+            | C::ClusterAuthorizationFailed
+            | C::SaslAuthenticationFailed
+            | C::InvalidArgument
+            | C::Fatal,
+        ) => Recovery::Fatal,
+        _ if matches!(e, KafkaError::MessageConsumptionFatal(_)) => Recovery::Fatal,
+        _ => Recovery::Retry,
+    }
+}
+
+/// The commit failed because this member no longer owns the partition (a rebalance moved it,
+/// or the group evicted this member). The new owner re-reads from the last committed offset and
+/// finds the inbox rows, so this is logged, not reported.
+pub(crate) fn partition_moved(e: &KafkaError) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        e.rdkafka_error_code(),
+        Some(
+            C::UnknownMemberId
+                | C::RebalanceInProgress
+                | C::IllegalGeneration
+                | C::AssignmentLost
+                | C::StaleMemberEpoch
+                | C::FencedInstanceId
+                | C::State
+        )
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn moved_partitions_are_recognised_and_auth_failures_are_fatal() {
+        let moved = KafkaError::ConsumerCommit(RDKafkaErrorCode::UnknownMemberId);
+        assert!(partition_moved(&moved));
+        assert_eq!(recovery(&moved), Recovery::Retry);
+        let timeout = KafkaError::ConsumerCommit(RDKafkaErrorCode::RequestTimedOut);
+        assert!(!partition_moved(&timeout));
+        let denied = KafkaError::MessageConsumption(RDKafkaErrorCode::TopicAuthorizationFailed);
+        assert_eq!(recovery(&denied), Recovery::Fatal);
+    }
+}

@@ -1,0 +1,128 @@
+//! Effectively-once Kafka consumption: the transactional inbox over a consumer group, on
+//! [`rdkafka`].
+//!
+//! ```no_run
+//! use inbox_core::Consumer;
+//! use inbox_kafka::{KafkaConfig, KafkaProducer, Record};
+//! # use inbox_core::{async_trait, Handler, HandlerError, Message, MessageId};
+//! # use inbox_core::testkit::{MemoryStore, MemoryTx};
+//! # struct Credit;
+//! # #[async_trait]
+//! # impl Handler<MemoryTx<i64>> for Credit {
+//! #     async fn handle(&self, tx: &mut MemoryTx<i64>, _: &MessageId, m: &Message) -> Result<(), HandlerError> {
+//! #         *tx.state_mut() += m.json::<i64>()?;
+//! #         Ok(())
+//! #     }
+//! # }
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let store = MemoryStore::<i64>::new();
+//! // Producer side: every record gets an `event_id` header (a UUIDv7 unless you pass one).
+//! let producer = KafkaProducer::from_env()?;
+//! producer.send("payments", Record::new(r#"100"#).key("account-1")).await?;
+//!
+//! // Consumer side: brokers from KAFKA_BROKERS, group `wallet`, topic `payments`.
+//! let source = KafkaConfig::from_env("wallet", ["payments"])
+//!     .set_consumer("session.timeout.ms", "10000")
+//!     .build()?;
+//! Consumer::new("wallet", source, store, Credit)
+//!     .batch_size(100) // one transaction and one offset commit per poll
+//!     .run()
+//!     .await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! (`store` is any [`inbox_core::InboxStore`], `inbox_postgres::PgInbox` in production.)
+//!
+//! # Ack semantics
+//!
+//! Kafka acknowledges by committing a position per partition: "everything before offset N is
+//! done". Here an ack is that commit, made after the database transaction committed:
+//!
+//! - **Explicit commits, never auto-commit.** The consumer runs with `enable.auto.commit=false`
+//!   and each [`Ack::ack_all`](inbox_core::Ack::ack_all) makes one synchronous offset commit for
+//!   the batch (run off the async workers). It was chosen over auto-commit with
+//!   `enable.auto.offset.store=false` plus storing offsets after the commit because an `Ok` ack
+//!   then means the broker has the offset: a crash after it replays nothing, and nothing waits
+//!   on a timer. The cost is one commit round-trip per batch, which batching amortises.
+//! - **Only the finished prefix.** Offsets in flight are tracked per partition; an ack commits
+//!   the partition up to its first unfinished message. An ack of offset 7 while 5 is still being
+//!   retried commits nothing; when 5 is acked the commit jumps to 8.
+//! - **Redelivery.** A message whose offset was not committed (the process died, the commit
+//!   failed, the partition moved) is read again by whoever owns the partition next, from the last
+//!   committed offset; the inbox finds its ID and skips it. Everything after it on the partition
+//!   is re-read too and skipped the same way.
+//! - **Nack.** Kafka cannot hand out a single record again. A nack seeks the partition back to the
+//!   nacked offset, so it and every later record of that partition are read again (the ones
+//!   already applied are skipped); nothing past it is committed meanwhile. The adapter counts its
+//!   own seeks, so [`Metadata::delivery_count`](inbox_core::Metadata) is set on such re-reads
+//!   (and [`Consumer::max_deliveries`](inbox_core::Consumer::max_deliveries) works within one
+//!   process); Kafka itself does not count deliveries.
+//! - **Rebalances.** When partitions are revoked, their in-flight messages are forgotten: the
+//!   batch in flight still finishes and commits to the database, but its acks commit nothing for
+//!   the lost partitions, and a commit refused with `UNKNOWN_MEMBER_ID`, `REBALANCE_IN_PROGRESS`
+//!   or `ILLEGAL_GENERATION` is logged, not reported. The new owner re-reads and the inbox skips.
+//!   A member evicted for exceeding `max.poll.interval.ms` (a zombie) may still commit its
+//!   database transaction: the inbox's unique claim makes either its write or the new owner's a
+//!   no-op.
+//! - **No ID.** The ID comes from a header (default `event_id`), never from the offset: a relay
+//!   that republishes an event gives it a new offset, not a new ID. A record without one, and a
+//!   record whose handler failed past the retry limit, is produced to the dead-letter topic
+//!   (default `<topic>.dlq`) with its key, value and headers plus `reason`, `original_topic` and
+//!   `original_position` headers; the adapter waits for the delivery report, then the offset is
+//!   committed.
+//! - [`AckMode::AutoCommit`] exists only to measure the anti-pattern: offsets stored on receipt
+//!   and committed by the client's timer lose messages on a crash.
+//!
+//! # Batches, order and parallelism
+//!
+//! A receive waits for one message (up to the poll timeout), then takes whatever else the client
+//! has already fetched, up to the consumer's batch size: one transaction and one commit cover
+//! them. Within a partition messages are applied in offset order (a failing message that is
+//! retried is applied after the rest of its batch). One [`KafkaSource`] is one group member and
+//! processes its batches one after another; to process partitions in parallel, run several
+//! sources with the same group id (one [`inbox_core::Consumer`] each, in one process or many):
+//! the group gives each partition to one member at a time, so order per partition is kept.
+//!
+//! # Configuration
+//!
+//! [`KafkaConfig`] passes any librdkafka property through ([`KafkaConfig::set`],
+//! [`KafkaConfig::set_consumer`]): TLS and SASL (enable the crate feature `ssl` for TLS and
+//! SCRAM), timeouts, assignment strategy. A new group starts at the earliest offset
+//! (`auto.offset.reset=earliest`) unless told otherwise. Lower `session.timeout.ms` to notice a
+//! dead member sooner; keep `max.poll.interval.ms` above the longest batch.
+
+mod ack;
+mod admin;
+mod config;
+mod context;
+mod error;
+mod producer;
+mod source;
+mod tracker;
+
+pub use ack::KafkaAck;
+pub use admin::{KafkaAdmin, Retention};
+pub use config::{brokers_from_env, AckMode, KafkaConfig, DEFAULT_BROKERS};
+pub use error::{Error, Result};
+pub use producer::{KafkaProducer, Record, Sent};
+pub use rdkafka;
+pub use source::{KafkaSource, ORIGINAL_POSITION_HEADER, ORIGINAL_TOPIC_HEADER, REASON_HEADER};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync>() {}
+    fn assert_send<T: Send>() {}
+
+    #[test]
+    fn public_types_are_send_and_sync() {
+        assert_send::<KafkaSource>();
+        assert_send_sync::<KafkaAck>();
+        assert_send_sync::<KafkaProducer>();
+        assert_send_sync::<KafkaConfig>();
+        assert_send_sync::<Error>();
+    }
+}

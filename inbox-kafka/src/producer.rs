@@ -1,0 +1,192 @@
+//! An idempotent producer that puts a message ID header on every record.
+
+use std::fmt;
+use std::time::Duration;
+
+use inbox_core::MessageId;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::ClientConfig;
+
+use crate::context::ProducerContext;
+use crate::source::millis;
+use crate::{brokers_from_env, Error, KafkaConfig, Result};
+
+/// One record to produce.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Record {
+    id: IdChoice,
+    key: Option<Vec<u8>>,
+    payload: Vec<u8>,
+    headers: Vec<(String, Vec<u8>)>,
+    partition: Option<i32>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+enum IdChoice {
+    #[default]
+    Generate,
+    Given(MessageId),
+    None,
+}
+
+impl Record {
+    /// A record with `payload`; its ID is a fresh UUIDv7 unless [`Record::id`] sets one.
+    pub fn new(payload: impl Into<Vec<u8>>) -> Self {
+        Self {
+            payload: payload.into(),
+            ..Self::default()
+        }
+    }
+
+    /// The message ID. Set it from the event's own identity (an outbox row's ID, say) so that a
+    /// resend after a crash carries the same ID and the consumer skips it.
+    pub fn id(mut self, id: MessageId) -> Self {
+        self.id = IdChoice::Given(id);
+        self
+    }
+
+    /// No ID header at all: consumers dead-letter such a record. For tests and migrations.
+    pub fn without_id(mut self) -> Self {
+        self.id = IdChoice::None;
+        self
+    }
+
+    /// The key: records with one key go to one partition and keep their order.
+    pub fn key(mut self, key: impl Into<Vec<u8>>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    /// An extra header.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// Sends to this partition instead of the one the key (or the partitioner) picks.
+    pub fn partition(mut self, partition: i32) -> Self {
+        self.partition = Some(partition);
+        self
+    }
+}
+
+/// Where a produced record landed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Sent {
+    /// The ID header it carries, if any.
+    pub id: Option<MessageId>,
+    /// Its partition.
+    pub partition: i32,
+    /// Its offset.
+    pub offset: i64,
+}
+
+/// An idempotent Kafka producer (`enable.idempotence=true`, so its own retries add no copies)
+/// that sets the ID header (default `event_id`) on every record, a UUIDv7 unless the record
+/// brings its own.
+///
+/// Idempotence covers one producer session only: a process that resends after a restart
+/// produces a second copy with a new offset. Both carry the same ID, which is what the consuming
+/// inbox deduplicates on.
+pub struct KafkaProducer {
+    producer: FutureProducer<ProducerContext>,
+    id_header: String,
+    timeout: Duration,
+}
+
+impl fmt::Debug for KafkaProducer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaProducer")
+            .field("id_header", &self.id_header)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaProducer {
+    /// A producer for the brokers in `KAFKA_BROKERS` (default `127.0.0.1:9092`).
+    pub fn from_env() -> Result<Self> {
+        Self::new(&brokers_from_env())
+    }
+
+    /// A producer for `brokers` (`host:port[,host:port]`).
+    pub fn new(brokers: &str) -> Result<Self> {
+        Self::with_properties(brokers, std::iter::empty::<(String, String)>())
+    }
+
+    /// A producer for `brokers` with extra librdkafka properties (TLS, SASL, `linger.ms`, ...).
+    /// `enable.idempotence=true` is set first and refused if overridden.
+    pub fn with_properties(
+        brokers: &str,
+        properties: impl IntoIterator<Item = (impl Into<String>, impl Into<String>)>,
+    ) -> Result<Self> {
+        let timeout = Duration::from_secs(30);
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", brokers)
+            .set("enable.idempotence", "true")
+            .set("message.timeout.ms", millis(timeout));
+        for (key, value) in properties {
+            config.set(key, value);
+        }
+        if config.get("enable.idempotence") != Some("true") {
+            return Err(Error::Config(
+                "KafkaProducer keeps enable.idempotence=true; remove the property".into(),
+            ));
+        }
+        let producer = config
+            .create_with_context(ProducerContext)
+            .map_err(|e| Error::kafka("creating the Kafka producer", e))?;
+        Ok(Self {
+            producer,
+            id_header: KafkaConfig::DEFAULT_ID_HEADER.to_owned(),
+            timeout,
+        })
+    }
+
+    /// The ID header name (default `event_id`); consumers must read the same one.
+    pub fn id_header(mut self, name: impl Into<String>) -> Self {
+        self.id_header = name.into();
+        self
+    }
+
+    /// Produces `record` to `topic` and waits for the broker's acknowledgement.
+    pub async fn send(&self, topic: &str, record: Record) -> Result<Sent> {
+        let id = match record.id {
+            IdChoice::Generate => Some(MessageId::generate()),
+            IdChoice::Given(id) => Some(id),
+            IdChoice::None => None,
+        };
+        let mut headers = OwnedHeaders::new_with_capacity(record.headers.len() + 1);
+        if let Some(id) = &id {
+            headers = headers.insert(Header {
+                key: &self.id_header,
+                value: Some(id.as_str()),
+            });
+        }
+        for (key, value) in &record.headers {
+            headers = headers.insert(Header {
+                key,
+                value: Some(value),
+            });
+        }
+        let mut out = FutureRecord::<[u8], [u8]>::to(topic)
+            .payload(&record.payload)
+            .headers(headers);
+        if let Some(key) = &record.key {
+            out = out.key(key);
+        }
+        if let Some(partition) = record.partition {
+            out = out.partition(partition);
+        }
+        match self.producer.send(out, self.timeout).await {
+            Ok(delivery) => Ok(Sent {
+                id,
+                partition: delivery.partition,
+                offset: delivery.offset,
+            }),
+            Err((e, _)) => Err(Error::kafka(format!("producing to `{topic}`"), e)),
+        }
+    }
+}

@@ -1,0 +1,252 @@
+//! The [`MessageSource`] over a Kafka consumer group.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use inbox_core::{async_trait, Delivery, IdError, Message, MessageSource, Metadata, SourceError};
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::message::{BorrowedMessage, Header, Headers, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::Message as _;
+use tracing::warn;
+
+use crate::ack::{AckTarget, KafkaAck};
+use crate::context::{InboxContext, ProducerContext};
+use crate::{AckMode, Error, KafkaConfig, Result};
+
+/// The header a dead letter carries with the reason it was parked.
+pub const REASON_HEADER: &str = "reason";
+/// The header a dead letter carries with the topic it came from.
+pub const ORIGINAL_TOPIC_HEADER: &str = "original_topic";
+/// The header a dead letter carries with its original position (`partition 3 offset 17`).
+pub const ORIGINAL_POSITION_HEADER: &str = "original_position";
+
+/// How many immediate polls in a row may come back without a message (librdkafka served a
+/// rebalance or error event instead) before a batch is closed.
+const IDLE_POLLS: u32 = 3;
+
+/// A Kafka consumer-group member as an inbox [`MessageSource`]. Build it with
+/// [`KafkaConfig::build`].
+///
+/// Each [`receive`](MessageSource::receive) waits up to the poll timeout for a first message,
+/// then takes whatever else is already fetched, up to the batch size, so that one transaction
+/// and one offset commit cover the batch. See the crate docs for the ack semantics.
+pub struct KafkaSource {
+    consumer: Arc<StreamConsumer<InboxContext>>,
+    producer: FutureProducer<ProducerContext>,
+    ack_mode: AckMode,
+    id_header: String,
+    id_field: String,
+    dead_letter_topic: Option<String>,
+    poll_timeout: Duration,
+    operation_timeout: Duration,
+    redelivery_window: Option<Duration>,
+}
+
+impl fmt::Debug for KafkaSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaSource")
+            .field("group", &self.consumer.context().group)
+            .field("ack_mode", &self.ack_mode)
+            .field("id_header", &self.id_header)
+            .field("dead_letter_topic", &self.dead_letter_topic)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaSource {
+    pub(crate) fn new(config: &KafkaConfig) -> Result<Self> {
+        let consumer: StreamConsumer<InboxContext> = config
+            .consumer_config()?
+            .create_with_context(InboxContext::new(config.group_id.clone()))
+            .map_err(|e| Error::kafka("creating the Kafka consumer", e))?;
+        let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
+        consumer
+            .subscribe(&topics)
+            .map_err(|e| Error::kafka(format!("subscribing to {topics:?}"), e))?;
+
+        let mut producer_config = config.client_config();
+        // A dead letter is produced once per delivery: the idempotent producer keeps its own
+        // retries from adding copies. The delivery wait is bounded like any other operation.
+        producer_config
+            .set("enable.idempotence", "true")
+            .set("message.timeout.ms", millis(config.operation_timeout));
+        for (key, value) in &config.common {
+            producer_config.set(key, value);
+        }
+        let producer = producer_config
+            .create_with_context(ProducerContext)
+            .map_err(|e| Error::kafka("creating the dead-letter producer", e))?;
+
+        Ok(Self {
+            consumer: Arc::new(consumer),
+            producer,
+            ack_mode: config.ack_mode,
+            id_header: config.id_header.clone(),
+            id_field: format!("header {}", config.id_header),
+            dead_letter_topic: config.dead_letter_topic.clone(),
+            poll_timeout: config.poll_timeout,
+            operation_timeout: config.operation_timeout,
+            redelivery_window: None,
+        })
+    }
+
+    /// Tells the consumer's start-up check how long the topic keeps records, as read with
+    /// [`KafkaAdmin::retention`](crate::KafkaAdmin::retention): the consumer then warns when the
+    /// inbox retention ([`Consumer::inbox_retention`](inbox_core::Consumer::inbox_retention)) is
+    /// shorter. Unlimited retention is reported as the longest duration.
+    pub fn with_retention(mut self, retention: crate::Retention) -> Self {
+        self.redelivery_window = match retention {
+            crate::Retention::Limited(window) => Some(window),
+            crate::Retention::Unlimited => Some(Duration::MAX),
+            crate::Retention::NotReported => None,
+        };
+        self
+    }
+
+    /// The underlying rdkafka consumer, for what this adapter does not wrap (metadata, lag,
+    /// pausing). Committing or seeking through it bypasses the offset tracking.
+    pub fn consumer(&self) -> &StreamConsumer<impl rdkafka::consumer::ConsumerContext> {
+        &self.consumer
+    }
+
+    fn delivery(&self, message: &BorrowedMessage<'_>) -> Delivery<KafkaAck> {
+        let topic = message.topic();
+        let (partition, offset) = (message.partition(), message.offset());
+        let mut headers = Vec::new();
+        let mut raw_id = None;
+        if let Some(list) = message.headers() {
+            for header in list.iter() {
+                if raw_id.is_none() && header.key == self.id_header {
+                    // A header with a null value counts as absent.
+                    raw_id = Some(header.value.map(<[u8]>::to_vec));
+                }
+                let value = header.value.map(<[u8]>::to_vec).unwrap_or_default();
+                headers.push((header.key.to_owned(), value));
+            }
+        }
+        let id = IdError::parse(&self.id_field, raw_id.flatten().as_deref());
+
+        let (ack, delivery_count) = match self.ack_mode {
+            AckMode::AfterCommit => {
+                let tracked = self
+                    .consumer
+                    .context()
+                    .tracker()
+                    .received(topic, partition, offset);
+                let target = AckTarget {
+                    consumer: Arc::clone(&self.consumer),
+                    topic: topic.into(),
+                    partition,
+                    offset,
+                    generation: tracked.generation,
+                    timeout: self.operation_timeout,
+                };
+                (KafkaAck::tracked(target), tracked.delivery_count)
+            }
+            AckMode::AutoCommit => (KafkaAck::auto_commit(), 1),
+        };
+        let message = Message {
+            id,
+            key: message.key().map(<[u8]>::to_vec),
+            payload: message.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+            headers,
+            meta: Metadata {
+                source: topic.to_owned(),
+                position: format!("partition {partition} offset {offset}"),
+                // Kafka does not count deliveries; this adapter counts its own nacks.
+                delivery_count: (delivery_count > 1).then_some(delivery_count),
+                redelivered: delivery_count > 1,
+            },
+        };
+        Delivery { message, ack }
+    }
+}
+
+#[async_trait]
+impl MessageSource for KafkaSource {
+    type Ack = KafkaAck;
+
+    async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<KafkaAck>>, SourceError> {
+        // `recv` is cancellation safe, and after it nothing awaits until the batch is returned,
+        // so a dropped receive loses no message.
+        let first = match tokio::time::timeout(self.poll_timeout, self.consumer.recv()).await {
+            Err(_elapsed) => return Ok(Vec::new()),
+            Ok(Err(e)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::PollExceeded) => {
+                // The batch before this poll took longer than max.poll.interval.ms: the group
+                // evicted this member and gave its partitions away. This poll rejoins; what the
+                // evicted batch wrote is harmless because the inbox already holds its IDs.
+                warn!(group = %self.consumer.context().group, "evicted for exceeding max.poll.interval.ms; rejoining the group");
+                return Ok(Vec::new());
+            }
+            Ok(Err(e)) => return Err(Error::kafka("receiving from Kafka", e).into_source()),
+            Ok(Ok(message)) => message,
+        };
+        let mut batch = vec![self.delivery(&first)];
+        drop(first);
+        let mut idle = 0;
+        while batch.len() < max && idle < IDLE_POLLS {
+            match self.consumer.recv().now_or_never() {
+                Some(Ok(message)) => {
+                    idle = 0;
+                    batch.push(self.delivery(&message));
+                }
+                Some(Err(e)) => {
+                    // The messages already taken are handed out; the error is one-off.
+                    warn!(group = %self.consumer.context().group, error = %e, "consumer error while filling a batch");
+                    break;
+                }
+                None => idle += 1,
+            }
+        }
+        Ok(batch)
+    }
+
+    fn redelivery_window(&self) -> Option<Duration> {
+        self.redelivery_window
+    }
+
+    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        let topic = match &self.dead_letter_topic {
+            Some(topic) => topic.clone(),
+            None => format!("{}.dlq", message.meta.source),
+        };
+        let mut headers = OwnedHeaders::new_with_capacity(message.headers.len() + 3);
+        for (key, value) in &message.headers {
+            headers = headers.insert(Header {
+                key,
+                value: Some(value),
+            });
+        }
+        for (key, value) in [
+            (REASON_HEADER, reason),
+            (ORIGINAL_TOPIC_HEADER, message.meta.source.as_str()),
+            (ORIGINAL_POSITION_HEADER, message.meta.position.as_str()),
+        ] {
+            headers = headers.insert(Header {
+                key,
+                value: Some(value),
+            });
+        }
+        let mut record = FutureRecord::<[u8], [u8]>::to(&topic)
+            .payload(&message.payload)
+            .headers(headers);
+        if let Some(key) = &message.key {
+            record = record.key(key);
+        }
+        // Waits for the delivery report: the core acks the original only after this returns.
+        match self.producer.send(record, self.operation_timeout).await {
+            Ok(_) => Ok(()),
+            Err((e, _)) => Err(
+                Error::kafka(format!("producing the dead letter to `{topic}`"), e).into_source(),
+            ),
+        }
+    }
+}
+
+pub(crate) fn millis(d: Duration) -> String {
+    d.as_millis().to_string()
+}

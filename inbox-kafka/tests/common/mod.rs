@@ -1,0 +1,239 @@
+//! Shared helpers of the Kafka tests: random topics and groups on the real broker, a running
+//! consumer that can be stopped, and what is left on the broker afterwards.
+#![allow(dead_code, unreachable_pub)]
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use inbox_core::{Consumer, InboxStore, Stats, StatsSnapshot};
+use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
+use inbox_kafka::rdkafka::message::{Headers, OwnedMessage};
+use inbox_kafka::rdkafka::{ClientConfig, Message as _, Offset, TopicPartitionList};
+use inbox_kafka::{brokers_from_env, KafkaAdmin, KafkaConfig, KafkaProducer, KafkaSource, Record};
+use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent, Summary};
+use inbox_postgres::PgTx;
+use sqlx::PgPool;
+use std::sync::Arc;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+pub const WAIT: Duration = Duration::from_secs(90);
+
+/// Logs to the test output; `RUST_LOG` filters (default: warnings, which include librdkafka's
+/// `MAXPOLL` eviction and refused commits).
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_test_writer()
+        .try_init();
+}
+
+pub fn random(prefix: &str) -> String {
+    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
+}
+
+/// A fresh topic with `partitions` partitions and its dead-letter topic.
+pub async fn topic(partitions: i32) -> String {
+    init_tracing();
+    let topic = random("inbox-test");
+    let admin = KafkaAdmin::from_env().expect("admin client");
+    admin
+        .create_topic(&topic, partitions)
+        .await
+        .expect("create topic");
+    admin
+        .create_topic(&format!("{topic}.dlq"), 1)
+        .await
+        .expect("create dead-letter topic");
+    topic
+}
+
+/// A source with timeouts short enough for tests: a dead member is noticed after 6 s.
+pub fn config(topic: &str, group: &str) -> KafkaConfig {
+    KafkaConfig::from_env(group, [topic])
+        .poll_timeout(Duration::from_millis(500))
+        .set_consumer("session.timeout.ms", "6000")
+        .set_consumer("heartbeat.interval.ms", "1000")
+}
+
+pub fn source(topic: &str, group: &str) -> KafkaSource {
+    config(topic, group).build().expect("kafka source")
+}
+
+pub fn producer() -> KafkaProducer {
+    KafkaProducer::from_env().expect("producer")
+}
+
+/// Produces `n` credits spread over `partitions`, account `i % 7 + 1`, amount `i % 50 + 1`.
+/// Returns the sum of the amounts.
+pub async fn produce_credits(topic: &str, n: usize, partitions: i32) -> i64 {
+    let producer = producer();
+    let mut total = 0;
+    for i in 0..n {
+        let event = CreditEvent::new((i % 7 + 1) as i64, (i % 50 + 1) as i64);
+        total += event.amount;
+        let record = Record::new(event.to_json()).partition(i as i32 % partitions);
+        producer.send(topic, record).await.expect("produce");
+    }
+    total
+}
+
+/// A consumer running in a task until [`Running::stop`].
+pub struct Running {
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<inbox_core::Result<StatsSnapshot>>,
+    pub stats: Arc<Stats>,
+}
+
+impl Running {
+    pub fn start<St>(
+        name: &str,
+        source: KafkaSource,
+        store: St,
+        handler: Credit,
+        batch: usize,
+    ) -> Self
+    where
+        St: InboxStore<Tx = PgTx>,
+    {
+        let consumer = Consumer::new(name, source, store, handler)
+            .batch_size(batch)
+            .error_backoff(Duration::from_millis(200));
+        Self::spawn(consumer)
+    }
+
+    pub fn spawn<St>(consumer: Consumer<KafkaSource, St, Credit>) -> Self
+    where
+        St: InboxStore<Tx = PgTx>,
+    {
+        let stats = consumer.stats();
+        let (stop, stopped) = oneshot::channel();
+        let task = tokio::spawn(consumer.run_until(async {
+            let _ = stopped.await;
+        }));
+        Self {
+            stop: Some(stop),
+            task,
+            stats,
+        }
+    }
+
+    /// Graceful stop: the batch in flight finishes; the source leaves the group when dropped.
+    pub async fn stop(mut self) -> inbox_core::Result<StatsSnapshot> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        self.task.await.expect("consumer task panicked")
+    }
+
+    /// Waits for the consumer to return by itself (a crash hook).
+    pub async fn join(self) -> inbox_core::Result<StatsSnapshot> {
+        self.task.await.expect("consumer task panicked")
+    }
+}
+
+/// Polls `check` every 100 ms until it is true or `WAIT` passes; returns whether it became true.
+pub async fn eventually<F, Fut>(mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + WAIT;
+    while Instant::now() < deadline {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
+pub async fn summary(pool: &PgPool) -> Summary {
+    wallet::summary(pool).await.expect("ledger summary")
+}
+
+/// Waits until `n` distinct events are in the ledger.
+pub async fn wait_for_events(pool: &PgPool, n: i64) -> bool {
+    eventually(|| async { summary(pool).await.distinct_events >= n }).await
+}
+
+fn plain_consumer(group: &str) -> BaseConsumer {
+    ClientConfig::new()
+        .set("bootstrap.servers", brokers_from_env())
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("plain consumer")
+}
+
+/// Records not yet committed by `group`, summed over the partitions of `topic`.
+pub fn lag(topic: &str, group: &str, partitions: i32) -> i64 {
+    let consumer = plain_consumer(group);
+    let mut list = TopicPartitionList::new();
+    for p in 0..partitions {
+        list.add_partition(topic, p);
+    }
+    let committed = consumer
+        .committed_offsets(list, Duration::from_secs(10))
+        .expect("committed offsets");
+    let mut lag = 0;
+    for p in 0..partitions {
+        let (low, high) = consumer
+            .fetch_watermarks(topic, p, Duration::from_secs(10))
+            .expect("watermarks");
+        let at = match committed.find_partition(topic, p).map(|e| e.offset()) {
+            Some(Offset::Offset(o)) => o,
+            _ => low,
+        };
+        lag += high - at;
+    }
+    lag
+}
+
+/// Waits until `group` has committed everything on `topic`.
+pub async fn wait_for_no_lag(topic: &str, group: &str, partitions: i32) -> i64 {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (t, g) = (topic.to_owned(), group.to_owned());
+        let lag = tokio::task::spawn_blocking(move || lag(&t, &g, partitions))
+            .await
+            .expect("lag task");
+        if lag == 0 || Instant::now() > deadline {
+            return lag;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Every record on partition 0 of `topic`.
+pub async fn read_all(topic: &str) -> Vec<OwnedMessage> {
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let consumer = plain_consumer(&random("reader"));
+        let (low, high) = consumer
+            .fetch_watermarks(&topic, 0, Duration::from_secs(10))
+            .expect("watermarks");
+        let mut list = TopicPartitionList::new();
+        list.add_partition_offset(&topic, 0, Offset::Offset(low))
+            .expect("partition");
+        consumer.assign(&list).expect("assign");
+        let mut out = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while (out.len() as i64) < high - low && Instant::now() < deadline {
+            if let Some(Ok(m)) = consumer.poll(Duration::from_millis(200)) {
+                out.push(m.detach());
+            }
+        }
+        out
+    })
+    .await
+    .expect("reader task")
+}
+
+pub fn header<'a>(message: &'a OwnedMessage, name: &str) -> Option<&'a [u8]> {
+    message
+        .headers()?
+        .iter()
+        .find(|h| h.key == name)
+        .and_then(|h| h.value)
+}
