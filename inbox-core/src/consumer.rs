@@ -64,6 +64,20 @@ pub struct Consumer<S, St, H> {
     source: S,
     core: Core<St, H>,
     batch_size: usize,
+    inbox_retention: Option<Duration>,
+}
+
+/// How much longer the broker can redeliver than the inbox remembers, if at all.
+///
+/// A redelivery older than the inbox's retention finds no row and is applied again, so the
+/// retention must cover the broker's window (plus a margin for replays and redrives).
+pub fn retention_shortfall(
+    inbox_retention: Duration,
+    broker_window: Option<Duration>,
+) -> Option<Duration> {
+    broker_window
+        .filter(|window| *window > inbox_retention)
+        .map(|window| window - inbox_retention)
 }
 
 #[derive(Debug)]
@@ -107,6 +121,7 @@ where
         Self {
             source,
             batch_size: 1,
+            inbox_retention: None,
             core: Core {
                 name: name.into(),
                 store,
@@ -151,6 +166,14 @@ where
     /// Calls `hook` at each [`Stage`] of each message.
     pub fn on_stage(mut self, hook: StageHook) -> Self {
         self.core.hook = Some(hook);
+        self
+    }
+
+    /// How long the inbox store remembers IDs (its purge window). At start the consumer warns
+    /// when the source can redeliver for longer
+    /// ([`MessageSource::redelivery_window`]): such a late copy would be applied again.
+    pub fn inbox_retention(mut self, window: Duration) -> Self {
+        self.inbox_retention = Some(window);
         self
     }
 
@@ -229,6 +252,18 @@ where
         }
         if self.core.retry.max_attempts == 0 {
             return Err(Error::Config("max_attempts is 0; use at least 1".into()));
+        }
+        if let Some(retention) = self.inbox_retention {
+            let window = self.source.redelivery_window();
+            if let Some(gap) = retention_shortfall(retention, window) {
+                warn!(
+                    consumer = %self.core.name,
+                    inbox_retention = ?retention,
+                    broker_window = ?window,
+                    "the inbox forgets IDs {gap:?} before the broker stops redelivering; \
+                     a copy redelivered in that gap would be applied again: raise the inbox retention"
+                );
+            }
         }
         Ok(())
     }

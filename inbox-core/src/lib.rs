@@ -66,7 +66,7 @@ mod store;
 pub mod testkit;
 
 pub use async_trait::async_trait;
-pub use consumer::{Consumer, RetryPolicy};
+pub use consumer::{retention_shortfall, Consumer, RetryPolicy};
 pub use error::{
     BoxError, Error, Failure, HandlerError, Recovery, Result, SourceError, StoreError,
 };

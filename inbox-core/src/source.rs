@@ -58,4 +58,12 @@ pub trait MessageSource: Send {
     /// operator can see and replay it, with `reason`. The consumer acks the delivery only after
     /// this returned `Ok`, so a failed dead-letter loses nothing.
     async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError>;
+
+    /// How long the broker can still hand out a message it once delivered (a topic's
+    /// `retention.ms`, a queue's `MessageRetentionPeriod`), where the adapter can find it out.
+    /// The consumer warns at start when the inbox forgets IDs sooner
+    /// ([`Consumer::inbox_retention`](crate::Consumer::inbox_retention)). Default: unknown.
+    fn redelivery_window(&self) -> Option<Duration> {
+        None
+    }
 }

@@ -224,3 +224,35 @@ fn public_types_and_futures_are_send_and_sync() {
     let run = consumer.run_until_idle();
     send(&run); // the run future can be spawned on a multi-threaded runtime
 }
+
+#[test]
+fn a_retention_shorter_than_the_broker_window_is_reported() {
+    use inbox_core::retention_shortfall;
+    let day = Duration::from_secs(86_400);
+    assert_eq!(retention_shortfall(14 * day, Some(7 * day)), None);
+    assert_eq!(retention_shortfall(3 * day, Some(4 * day)), Some(day));
+    assert_eq!(
+        retention_shortfall(3 * day, None),
+        None,
+        "unknown window: nothing to say"
+    );
+}
+
+#[tokio::test]
+async fn the_consumer_reads_the_broker_window_at_start() {
+    let broker = MemoryBroker::new();
+    broker.set_retention(Duration::from_secs(4 * 86_400));
+    let source = broker.source();
+    assert_eq!(
+        inbox_core::MessageSource::redelivery_window(&source),
+        Some(Duration::from_secs(4 * 86_400))
+    );
+    publish(&broker, "evt-1", 1, 1);
+    // A short retention only warns: the consumer still runs.
+    let stats = Consumer::new("wallet", source, MemoryStore::<Wallet>::new(), Credit)
+        .inbox_retention(Duration::from_secs(86_400))
+        .run_until_idle()
+        .await
+        .unwrap();
+    assert_eq!(stats.applied, 1);
+}

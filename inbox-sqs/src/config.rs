@@ -47,6 +47,8 @@ pub(crate) struct Settings {
     pub(crate) heartbeat: bool,
     pub(crate) ack_mode: AckMode,
     pub(crate) min_retry_delay: Duration,
+    /// The queue's `MessageRetentionPeriod`, read at build.
+    pub(crate) retention: Option<Duration>,
 }
 
 /// Configures an [`SqsSource`]; made by [`SqsSource::builder`].
@@ -193,6 +195,7 @@ impl SqsSourceBuilder {
             .queue_url(&self.queue_url)
             .attribute_names(QueueAttributeName::VisibilityTimeout)
             .attribute_names(QueueAttributeName::RedrivePolicy)
+            .attribute_names(QueueAttributeName::MessageRetentionPeriod)
             .send()
             .await
             .map_err(|e| Error::sdk("GetQueueAttributes", &self.queue_url, e))?;
@@ -242,6 +245,9 @@ impl SqsSourceBuilder {
             heartbeat: self.heartbeat && self.ack_mode == AckMode::AfterCommit,
             ack_mode: self.ack_mode,
             min_retry_delay: self.min_retry_delay,
+            retention: get(QueueAttributeName::MessageRetentionPeriod)
+                .and_then(|v| v.parse::<u64>().ok())
+                .map(Duration::from_secs),
         };
         Ok(SqsSource::new(self.client, settings, dead_letter))
     }

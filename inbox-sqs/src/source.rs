@@ -229,6 +229,12 @@ impl MessageSource for SqsSource {
         Ok(deliveries)
     }
 
+    /// The queue's `MessageRetentionPeriod` as read at build. A message redriven from a FIFO
+    /// dead-letter queue restarts that clock, so leave the inbox a margin beyond it.
+    fn redelivery_window(&self) -> Option<Duration> {
+        self.settings.retention
+    }
+
     async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
         match &self.dead_letter {
             DeadLetterTarget::Queue(dlq_url) => {
@@ -287,6 +293,7 @@ mod tests {
             heartbeat: false,
             ack_mode: AckMode::AfterCommit,
             min_retry_delay: Duration::ZERO,
+            retention: None,
         };
         SqsSource::new(Client::from_conf(config), settings, DeadLetterTarget::None)
     }

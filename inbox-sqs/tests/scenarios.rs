@@ -343,6 +343,11 @@ async fn batched_sends_are_all_applied_and_batch_deleted() {
         .await
         .unwrap();
     let retention = source.queue_retention().await.unwrap();
+    assert_eq!(
+        inbox_core::MessageSource::redelivery_window(&source),
+        Some(retention),
+        "the consumer's start-up check sees the queue's retention"
+    );
     let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
         .batch_size(10)
         .run_until_idle()

@@ -30,6 +30,7 @@ struct State {
     next_tag: u64,
     next_owner: u64,
     acked: u64,
+    retention: Option<Duration>,
 }
 
 #[derive(Debug)]
@@ -89,6 +90,11 @@ impl MemoryBroker {
             mode,
             poll: Duration::from_millis(20),
         }
+    }
+
+    /// Says the broker keeps messages for `retention` (reported as its redelivery window).
+    pub fn set_retention(&self, retention: Duration) {
+        self.state().retention = Some(retention);
     }
 
     /// Messages not yet acked: ready or in flight.
@@ -172,6 +178,10 @@ impl MessageSource for MemorySource {
             .dead
             .push((message.clone(), reason.to_owned()));
         Ok(())
+    }
+
+    fn redelivery_window(&self) -> Option<Duration> {
+        self.broker.state().retention
     }
 }
 
