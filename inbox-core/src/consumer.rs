@@ -196,8 +196,22 @@ where
     /// Runs until `shutdown` completes. Shutdown is graceful: no new batch is received, the batch
     /// in flight is applied, committed and acked, then this returns the counters.
     pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<StatsSnapshot> {
+        self.run_loop(shutdown, false).await
+    }
+
+    /// Runs until a receive comes back empty, then returns: for draining a queue in tools and
+    /// tests.
+    pub async fn run_until_idle(self) -> Result<StatsSnapshot> {
+        self.run_loop(std::future::pending(), true).await
+    }
+
+    async fn run_loop(
         mut self,
         shutdown: impl Future<Output = ()> + Send,
+        until_idle: bool,
     ) -> Result<StatsSnapshot> {
         self.check()?;
         tokio::pin!(shutdown);
@@ -209,27 +223,7 @@ where
                 received = self.source.receive(self.batch_size) => received,
             };
             match received {
-                Ok(batch) => {
-                    failures = 0;
-                    self.core.process(&mut self.source, batch).await?;
-                }
-                Err(e) => {
-                    failures += 1;
-                    self.core.source_failed(e, failures).await?;
-                }
-            }
-        }
-        Ok(self.core.stats.snapshot())
-    }
-
-    /// Runs until a receive comes back empty, then returns: for draining a queue in tools and
-    /// tests.
-    pub async fn run_until_idle(mut self) -> Result<StatsSnapshot> {
-        self.check()?;
-        let mut failures = 0;
-        loop {
-            match self.source.receive(self.batch_size).await {
-                Ok(batch) if batch.is_empty() => break,
+                Ok(batch) if batch.is_empty() && until_idle => break,
                 Ok(batch) => {
                     failures = 0;
                     self.core.process(&mut self.source, batch).await?;
