@@ -48,7 +48,6 @@ fn test(extra: &[String]) -> Result<(), String> {
 fn demo(extra: &[String]) -> Result<(), String> {
     let mut args = vec![
         "run",
-        "--release",
         "--quiet",
         "-p",
         "inbox-examples",

@@ -1,16 +1,6 @@
-//! The wallet demo: credit events applied to accounts through the inbox, while the consumer
-//! crashes at random points of claim, apply, commit and ack, and the producer sends some events
-//! twice. The same run without the inbox shows the duplicate credits the inbox prevents.
-//!
-//! ```text
-//! cargo xtask demo                         # services, then this with the defaults
-//! cargo run -p inbox-examples --bin wallet -- demo --events 5000 --crash-probability 0.02
-//! ```
-//!
-//! It needs PostgreSQL at `DATABASE_URL` (default
-//! `postgres://postgres:postgres@127.0.0.1:5432/inbox`); each run uses a schema of its own and
-//! drops it at the end. The broker is the in-memory one from `inbox_core::testkit`, which
-//! redelivers whatever a crashed consumer had not acked.
+//! `memory-demo`: the wallet on the in-memory broker from `inbox_core::testkit`, crashing at
+//! random points of claim, apply, commit and ack while the producer sends some events twice.
+//! No broker needed, only PostgreSQL.
 
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
@@ -62,19 +52,10 @@ fn parse(args: &[String]) -> Result<Settings, String> {
     Ok(s)
 }
 
-const USAGE: &str = "usage: wallet demo [--events N] [--accounts N] [--resend-share F] [--crash-probability F] [--batch N] [--seed N]";
+const USAGE: &str = "usage: wallet memory-demo [--events N] [--accounts N] [--resend-share F] [--crash-probability F] [--batch N] [--seed N]";
 
-#[tokio::main]
-async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
-        .init();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let settings = match args.split_first() {
-        Some((cmd, rest)) if cmd == "demo" => parse(rest),
-        _ => Err(USAGE.into()),
-    };
-    let settings = match settings {
+pub(crate) async fn main(args: &[String]) -> ExitCode {
+    let settings = match parse(args) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("{e}\n{USAGE}");

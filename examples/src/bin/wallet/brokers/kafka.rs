@@ -1,0 +1,146 @@
+//! Kafka: a 6-partition topic, group = topic name; a1/a2 use the client's auto-commit.
+
+use std::time::Duration;
+
+use futures_util::stream::{self, StreamExt, TryStreamExt};
+use inbox_core::{async_trait, BoxError, MessageId, StatsSnapshot};
+use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
+use inbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use inbox_kafka::{AckMode, KafkaAdmin, KafkaConfig, KafkaProducer, Record};
+use inbox_postgres::testkit::TestDb;
+
+use super::{Broker, Outgoing};
+use crate::cli::{BrokerKind, ConsumerSpec};
+use crate::consume::{self, Shutdown, Watch};
+
+const PARTITIONS: i32 = 6;
+/// As in the article: a dead member is noticed in about 6 s.
+const SESSION_TIMEOUT: Duration = Duration::from_secs(6);
+
+pub(crate) struct Kafka {
+    brokers: String,
+    admin: KafkaAdmin,
+    producer: KafkaProducer,
+}
+
+impl Kafka {
+    pub(crate) async fn connect() -> Result<Self, BoxError> {
+        let brokers = inbox_kafka::brokers_from_env();
+        // librdkafka connects lazily; a plain TCP connect says whether anyone listens.
+        let first = brokers.split(',').next().unwrap_or_default().to_owned();
+        tokio::time::timeout(Duration::from_secs(3), tokio::net::TcpStream::connect(&first))
+            .await
+            .map_err(|_| format!("Kafka at {first} does not answer"))?
+            .map_err(|e| {
+                format!("cannot reach Kafka at {first}: {e}; run `cargo xtask services` or set KAFKA_BROKERS")
+            })?;
+        Ok(Self {
+            admin: KafkaAdmin::new(&brokers)?,
+            producer: KafkaProducer::new(&brokers)?,
+            brokers,
+        })
+    }
+}
+
+#[async_trait]
+impl Broker for Kafka {
+    fn kind(&self) -> BrokerKind {
+        BrokerKind::Kafka
+    }
+
+    async fn create(&self, name: &str) -> Result<(), BoxError> {
+        self.admin.create_topic(name, PARTITIONS).await?;
+        self.admin.create_topic(&format!("{name}.dlq"), 1).await?;
+        Ok(())
+    }
+
+    async fn publish(&self, name: &str, events: &[Outgoing]) -> Result<(), BoxError> {
+        // Keyed by account, so the events spread over the partitions.
+        let mut records = Vec::with_capacity(events.len());
+        for event in events {
+            records.push(
+                Record::new(event.payload.clone())
+                    .id(MessageId::new(event.id.clone())?)
+                    .key(event.key.clone()),
+            );
+        }
+        let producer = &self.producer;
+        stream::iter(records)
+            .map(|record| producer.send(name, record))
+            .buffer_unordered(200)
+            .try_for_each(|_sent| async { Ok(()) })
+            .await?;
+        Ok(())
+    }
+
+    async fn consume(
+        &self,
+        spec: &ConsumerSpec,
+        db: &TestDb,
+        watch: Watch,
+        shutdown: Shutdown,
+    ) -> Result<StatsSnapshot, BoxError> {
+        let mut config = KafkaConfig::from_env(spec.name.clone(), [spec.name.clone()])
+            .set_consumer(
+                "session.timeout.ms",
+                SESSION_TIMEOUT.as_millis().to_string(),
+            );
+        if spec.zombie {
+            // The article's eviction: a handler stalled past this leaves the group.
+            config = config.set_consumer("max.poll.interval.ms", "10000");
+        }
+        if spec.variant.auto_ack() {
+            config = config.ack_mode(AckMode::AutoCommit);
+        }
+        let source = config.build()?;
+        crate::ready();
+        Ok(consume::run(source, spec, db, watch, shutdown).await?)
+    }
+
+    async fn left(&self, name: &str) -> Result<Option<u64>, BoxError> {
+        let (brokers, topic) = (self.brokers.clone(), name.to_owned());
+        Ok(Some(
+            tokio::task::spawn_blocking(move || lag(&brokers, &topic)).await??,
+        ))
+    }
+
+    fn redelivery_delay(&self) -> Duration {
+        SESSION_TIMEOUT * 2
+    }
+
+    async fn remove(&self, _name: &str) {
+        // Topics stay; their names are random.
+    }
+}
+
+/// Records past the group's committed offsets (the group is the topic's name), summed over the
+/// partitions: what a restarted consumer would still read.
+fn lag(brokers: &str, topic: &str) -> Result<u64, BoxError> {
+    let timeout = Duration::from_secs(10);
+    // Never subscribes, so it never joins the group: it only reads the group's offsets.
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", topic)
+        .set("enable.auto.commit", "false")
+        .create()?;
+    let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
+    let partitions = metadata
+        .topics()
+        .first()
+        .map_or(0, |t| t.partitions().len() as i32);
+    let mut list = TopicPartitionList::new();
+    for partition in 0..partitions {
+        list.add_partition(topic, partition);
+    }
+    let committed = consumer.committed_offsets(list, timeout)?;
+    let mut left = 0;
+    for element in committed.elements() {
+        let (low, high) = consumer.fetch_watermarks(topic, element.partition(), timeout)?;
+        let done = match element.offset() {
+            Offset::Offset(o) => o,
+            _ => low,
+        };
+        left += (high - done).max(0) as u64;
+    }
+    Ok(left)
+}

@@ -1,0 +1,103 @@
+//! The article's figure: duplicate and lost credits per run (median), per broker and variant.
+
+use std::path::Path;
+
+use inbox_core::BoxError;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+
+use crate::report::VariantResult;
+
+const DUPLICATES: RGBColor = RGBColor(214, 96, 77);
+const LOST: RGBColor = RGBColor(67, 147, 195);
+
+/// Writes an SVG bar chart to `path`.
+pub(crate) fn write(path: &Path, results: &[VariantResult]) -> Result<(), BoxError> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let n = results.len().max(1);
+    let top = results
+        .iter()
+        .map(|r| r.duplicates().median.max(r.lost().median))
+        .fold(1.0, f64::max)
+        * 1.2;
+    let width = (160 + 110 * n as u32).max(640);
+    let root = SVGBackend::new(path, (width, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let kills = results.first().map_or(0, |r| r.kills_per_run);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!("Duplicate and lost credits per run of {kills} hard kills (median)"),
+            ("sans-serif", 20),
+        )
+        .margin(20)
+        .x_label_area_size(50)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..n as f64, 0f64..top)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(0)
+        .y_desc("credits per run")
+        .draw()?;
+    let bar = |i: usize, left: f64, value: f64, color: RGBColor| {
+        let x = i as f64;
+        Rectangle::new([(x + left, 0.0), (x + left + 0.38, value)], color.filled())
+    };
+    chart
+        .draw_series(
+            results
+                .iter()
+                .enumerate()
+                .map(|(i, r)| bar(i, 0.1, r.duplicates().median, DUPLICATES)),
+        )?
+        .label("duplicate credits")
+        .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], DUPLICATES.filled()));
+    chart
+        .draw_series(
+            results
+                .iter()
+                .enumerate()
+                .map(|(i, r)| bar(i, 0.52, r.lost().median, LOST)),
+        )?
+        .label("lost messages")
+        .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], LOST.filled()));
+    let centred = |size| {
+        ("sans-serif", size)
+            .into_font()
+            .into_text_style(&root)
+            .pos(Pos::new(HPos::Center, VPos::Bottom))
+    };
+    // The values above the bars, and broker + variant under each pair.
+    for (i, r) in results.iter().enumerate() {
+        let x = i as f64;
+        for (left, value) in [(0.29, r.duplicates().median), (0.71, r.lost().median)] {
+            chart.draw_series(std::iter::once(Text::new(
+                format!("{value}"),
+                (x + left, value),
+                centred(12),
+            )))?;
+        }
+        let label = format!("{} {}", r.broker, r.variant.name());
+        chart.draw_series(std::iter::once(
+            EmptyElement::at((x + 0.5, 0.0))
+                + Text::new(
+                    label,
+                    (0, 8),
+                    ("sans-serif", 13)
+                        .into_font()
+                        .into_text_style(&root)
+                        .pos(Pos::new(HPos::Center, VPos::Top)),
+                ),
+        ))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}

@@ -1,0 +1,213 @@
+//! Command-line settings: brokers, variants and the flags of each subcommand.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+/// The four brokers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BrokerKind {
+    Kafka,
+    Sqs,
+    Rabbitmq,
+    Redis,
+}
+
+impl BrokerKind {
+    pub(crate) const ALL: [BrokerKind; 4] = [Self::Kafka, Self::Sqs, Self::Rabbitmq, Self::Redis];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Kafka => "kafka",
+            Self::Sqs => "sqs",
+            Self::Rabbitmq => "rabbitmq",
+            Self::Redis => "redis",
+        }
+    }
+}
+
+impl FromStr for BrokerKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|b| b.name() == s)
+            .ok_or_else(|| format!("unknown broker `{s}`; use kafka, sqs, rabbitmq or redis"))
+    }
+}
+
+impl fmt::Display for BrokerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The article's variants, generalised to each broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Variant {
+    /// The client's automatic ack, one message at a time.
+    A1,
+    /// The same with batches of 100.
+    A2,
+    /// Ack after the DB commit, no inbox.
+    B,
+    /// The inbox, ack after the DB commit.
+    C,
+}
+
+impl Variant {
+    pub(crate) const ALL: [Variant; 4] = [Self::A1, Self::A2, Self::B, Self::C];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::A1 => "a1",
+            Self::A2 => "a2",
+            Self::B => "b",
+            Self::C => "c",
+        }
+    }
+
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Self::A1 => "a1: auto-ack, one at a time",
+            Self::A2 => "a2: auto-ack, batches of 100",
+            Self::B => "b: ack after the DB, no inbox",
+            Self::C => "c: inbox + ack after the DB",
+        }
+    }
+
+    /// The broker's automatic acknowledgement (the at-most-once anti-pattern).
+    pub(crate) fn auto_ack(self) -> bool {
+        matches!(self, Self::A1 | Self::A2)
+    }
+
+    pub(crate) fn batch(self) -> usize {
+        match self {
+            Self::A2 => 100,
+            _ => 1,
+        }
+    }
+}
+
+impl FromStr for Variant {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|v| v.name() == s)
+            .ok_or_else(|| format!("unknown variant `{s}`; use a1, a2, b or c"))
+    }
+}
+
+/// Reads `--flag value` pairs, handing each to `apply`.
+pub(crate) fn parse_flags(
+    args: &[String],
+    mut apply: impl FnMut(&str, &str) -> Result<bool, String>,
+) -> Result<(), String> {
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        if !apply(flag, value).map_err(|e| format!("{flag} {value}: {e}"))? {
+            return Err(format!("unknown option {flag}"));
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn num<T: FromStr>(value: &str) -> Result<T, String>
+where
+    T::Err: fmt::Display,
+{
+    value.parse().map_err(|e: T::Err| e.to_string())
+}
+
+pub(crate) fn list<T: FromStr<Err = String>>(value: &str) -> Result<Vec<T>, String> {
+    value.split(',').map(str::trim).map(T::from_str).collect()
+}
+
+pub(crate) fn probability(value: &str) -> Result<f64, String> {
+    let p: f64 = num(value)?;
+    if (0.0..=1.0).contains(&p) {
+        Ok(p)
+    } else {
+        Err("a probability is between 0 and 1".into())
+    }
+}
+
+/// What one consumer process (or task) does.
+#[derive(Debug, Clone)]
+pub(crate) struct ConsumerSpec {
+    pub(crate) broker: BrokerKind,
+    pub(crate) variant: Variant,
+    /// The queue, topic or stream.
+    pub(crate) name: String,
+    /// The Postgres schema holding the wallet tables and the inbox.
+    pub(crate) schema: String,
+    pub(crate) work: Duration,
+    pub(crate) crash_between_commit_and_ack: f64,
+    /// Which of several concurrent consumers this is (names its connection, Redis consumer).
+    pub(crate) member: usize,
+    /// Zombie-test settings: short ownership (visibility, claim idle, max poll interval).
+    pub(crate) zombie: bool,
+    /// How long a stalling event sleeps on its first handling (zombie test).
+    pub(crate) stall: Duration,
+}
+
+impl ConsumerSpec {
+    pub(crate) fn parse(args: &[String]) -> Result<Self, String> {
+        let mut broker = None;
+        let mut variant = Variant::C;
+        let mut name = None;
+        let mut schema = None;
+        let mut spec_work = 10;
+        let mut crash = 0.0;
+        let mut member = 0;
+        parse_flags(args, |flag, value| {
+            match flag {
+                "--broker" => broker = Some(value.parse()?),
+                "--variant" => variant = value.parse()?,
+                "--name" => name = Some(value.to_owned()),
+                "--schema" => schema = Some(value.to_owned()),
+                "--work-ms" => spec_work = num(value)?,
+                "--crash-between-commit-and-ack" => crash = probability(value)?,
+                "--member" => member = num(value)?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        Ok(Self {
+            broker: broker.ok_or("--broker is required")?,
+            variant,
+            name: name.ok_or("--name (queue, topic or stream) is required")?,
+            schema: schema.ok_or("--schema is required")?,
+            work: Duration::from_millis(spec_work),
+            crash_between_commit_and_ack: crash,
+            member,
+            zombie: false,
+            stall: Duration::ZERO,
+        })
+    }
+
+    /// The arguments that make a `wallet consume` child run this spec.
+    pub(crate) fn to_args(&self) -> Vec<String> {
+        [
+            "consume",
+            "--broker",
+            self.broker.name(),
+            "--variant",
+            self.variant.name(),
+            "--name",
+            &self.name,
+            "--schema",
+            &self.schema,
+            "--work-ms",
+            &self.work.as_millis().to_string(),
+            "--crash-between-commit-and-ack",
+            &self.crash_between_commit_and_ack.to_string(),
+            "--member",
+            &self.member.to_string(),
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    }
+}

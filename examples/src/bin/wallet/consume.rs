@@ -1,0 +1,124 @@
+//! The consumer: the wallet's credit handler behind the variant's store, with the optional
+//! crash between the DB commit and the ack, and the zombie test's stall.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use inbox_core::testkit::WithoutInbox;
+use inbox_core::{
+    async_trait, Consumer, Handler, HandlerError, HookAction, InboxStore, Message, MessageId,
+    MessageSource, Stage, StageHook, StatsSnapshot,
+};
+use inbox_postgres::testkit::wallet::{Credit, CreditEvent};
+use inbox_postgres::testkit::TestDb;
+use inbox_postgres::PgTx;
+use sqlx::PgPool;
+use tokio::sync::mpsc;
+
+use crate::cli::{ConsumerSpec, Variant};
+
+/// Resolves when the consumer should finish its batch and return.
+pub(crate) type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// What the zombie test watches: stalls as they start (by member) and handlings of an event
+/// that had already stalled elsewhere.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Watch {
+    pub(crate) stalled: Option<mpsc::UnboundedSender<usize>>,
+    pub(crate) second_handlings: Arc<AtomicU64>,
+}
+
+/// The wallet credit, plus the zombie test's stall: an event flagged `stall` sleeps on its first
+/// handling by any consumer (recorded outside the transaction) and then still writes.
+#[derive(Debug, Clone)]
+struct Wallet {
+    credit: Credit,
+    pool: PgPool,
+    stall: Duration,
+    member: usize,
+    watch: Watch,
+}
+
+#[async_trait]
+impl Handler<PgTx> for Wallet {
+    async fn handle(
+        &self,
+        tx: &mut PgTx,
+        id: &MessageId,
+        message: &Message,
+    ) -> Result<(), HandlerError> {
+        let event: CreditEvent = message.json()?;
+        if event.stall && !self.stall.is_zero() {
+            let first = sqlx::query(
+                "INSERT INTO wallet_stalls (event_id) VALUES ($1) ON CONFLICT DO NOTHING",
+            )
+            .bind(id.as_str())
+            .execute(&self.pool)
+            .await?
+            .rows_affected()
+                == 1;
+            if first {
+                if let Some(stalled) = &self.watch.stalled {
+                    let _ = stalled.send(self.member);
+                }
+                tokio::time::sleep(self.stall).await;
+            } else {
+                self.watch.second_handlings.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.credit.handle(tx, id, message).await
+    }
+}
+
+/// Runs `spec`'s consumer on `source` until `shutdown`.
+pub(crate) async fn run<S: MessageSource + 'static>(
+    source: S,
+    spec: &ConsumerSpec,
+    db: &TestDb,
+    watch: Watch,
+    shutdown: Shutdown,
+) -> Result<StatsSnapshot, inbox_core::Error> {
+    let handler = Wallet {
+        credit: Credit::new(db.pool.clone()).work(spec.work),
+        pool: db.pool.clone(),
+        stall: spec.stall,
+        member: spec.member,
+        watch,
+    };
+    // b, and the a variants (whose ack already happened on receipt): no inbox claim.
+    if spec.variant == Variant::C {
+        run_with(source, db.inbox(), handler, spec, shutdown).await
+    } else {
+        run_with(source, WithoutInbox(db.inbox()), handler, spec, shutdown).await
+    }
+}
+
+async fn run_with<S, St>(
+    source: S,
+    store: St,
+    handler: Wallet,
+    spec: &ConsumerSpec,
+    shutdown: Shutdown,
+) -> Result<StatsSnapshot, inbox_core::Error>
+where
+    S: MessageSource + 'static,
+    St: InboxStore<Tx = PgTx> + 'static,
+{
+    let mut consumer = Consumer::new("wallet", source, store, handler)
+        .batch_size(spec.variant.batch())
+        .error_backoff(Duration::from_millis(100));
+    let p = spec.crash_between_commit_and_ack;
+    if p > 0.0 {
+        // The evt-2 crash: the transaction committed, the ack not yet sent.
+        consumer = consumer.on_stage(StageHook::new(move |stage, _id| {
+            if stage == Stage::Committed && rand::random_bool(p) {
+                std::process::abort();
+            }
+            HookAction::Continue
+        }));
+    }
+    consumer.run_until(shutdown).await
+}

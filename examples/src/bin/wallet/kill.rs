@@ -1,0 +1,290 @@
+//! `kill-test`: publish N credit events, SIGKILL the consumer process K times on a seeded
+//! schedule, let a final consumer drain, and count duplicates and losses from the ledger.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use inbox_core::BoxError;
+use inbox_postgres::testkit::wallet::{self, CreditEvent};
+use inbox_postgres::testkit::TestDb;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use crate::brokers::{self, Broker, Outgoing};
+use crate::cli::{BrokerKind, ConsumerSpec, Variant};
+use crate::consume::Watch;
+use crate::report::{RunResult, VariantResult};
+use crate::settings::KillSettings;
+
+/// The seeded events of every run: IDs `evt-<i>`, accounts and amounts from `seed`.
+pub(crate) fn events(s: &KillSettings, count: u32) -> (Vec<Outgoing>, HashMap<i64, i64>) {
+    let mut rng = StdRng::seed_from_u64(s.seed);
+    let mut expected = HashMap::new();
+    let events = (0..count)
+        .map(|i| {
+            let event =
+                CreditEvent::new(rng.random_range(1..=s.accounts), rng.random_range(1..=100));
+            *expected.entry(event.account_id).or_insert(0) += event.amount;
+            Outgoing {
+                id: format!("evt-{i}"),
+                key: event.account_id.to_string(),
+                payload: event.to_json(),
+            }
+        })
+        .collect();
+    (events, expected)
+}
+
+/// Seconds of work before each kill of run `run`: the same for every variant and broker.
+fn schedule(s: &KillSettings, run: u32) -> Vec<Duration> {
+    let mut rng = StdRng::seed_from_u64(s.seed ^ (0x6b11 + u64::from(run)));
+    (0..s.kills)
+        .map(|_| Duration::from_millis(rng.random_range(s.kill_after_ms.0..=s.kill_after_ms.1)))
+        .collect()
+}
+
+/// Runs the kill test on one broker for every variant of `s`.
+pub(crate) async fn on_broker(
+    broker: &dyn Broker,
+    s: &KillSettings,
+) -> Result<Vec<VariantResult>, BoxError> {
+    let mut results = Vec::new();
+    for &variant in &s.variants {
+        let mut runs = Vec::new();
+        for run in 0..s.runs {
+            runs.push(run_once(broker, s, variant, run).await?);
+        }
+        let throughput = if s.throughput {
+            Some(throughput(broker, s, variant).await?)
+        } else {
+            None
+        };
+        results.push(VariantResult {
+            broker: broker.kind(),
+            variant,
+            events: s.events,
+            kills_per_run: s.kills,
+            runs,
+            throughput,
+        });
+    }
+    Ok(results)
+}
+
+fn spec(
+    broker: BrokerKind,
+    variant: Variant,
+    name: &str,
+    db: &TestDb,
+    s: &KillSettings,
+) -> ConsumerSpec {
+    ConsumerSpec {
+        broker,
+        variant,
+        name: name.to_owned(),
+        schema: db.schema.clone(),
+        work: Duration::from_millis(s.work_ms),
+        crash_between_commit_and_ack: s.crash_between_commit_and_ack,
+        member: 0,
+        zombie: false,
+        stall: Duration::ZERO,
+    }
+}
+
+async fn run_once(
+    broker: &dyn Broker,
+    s: &KillSettings,
+    variant: Variant,
+    run: u32,
+) -> Result<RunResult, BoxError> {
+    let kind = broker.kind();
+    let db = TestDb::new().await;
+    let name = brokers::fresh_name(&format!("{kind}-{}-{run}", variant.name()));
+    let (events, expected) = events(s, s.events);
+    broker.create(&name).await?;
+    broker.publish(&name, &events).await?;
+    let spec = spec(kind, variant, &name, &db, s);
+    let label = format!("{kind} {} run {}/{}", variant.name(), run + 1, s.runs);
+    let mut self_crashes = 0;
+    for (k, work) in schedule(s, run).into_iter().enumerate() {
+        let mut child = spawn_ready(&spec).await?;
+        let killed_at = Instant::now() + work;
+        // The crash option makes the child abort itself: restart it, the kill clock runs on.
+        while Instant::now() < killed_at {
+            if child.try_wait()?.is_some() {
+                self_crashes += 1;
+                child = spawn_ready(&spec).await?;
+            }
+            let applied = wallet::summary(&db.pool).await?.distinct_events;
+            progress(&format!(
+                "{label}: kill {}/{}, {applied}/{} events applied",
+                k + 1,
+                s.kills,
+                s.events
+            ));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        child.start_kill()?; // SIGKILL: no destructor, no close, no last commit
+        child.wait().await?;
+    }
+    let mut drain_spec = spec.clone();
+    drain_spec.crash_between_commit_and_ack = 0.0;
+    drain(broker, &drain_spec, &db, i64::from(s.events), &label).await?;
+    let result = count(&db, s.events, &expected, s.kills, self_crashes).await?;
+    progress("");
+    db.drop().await;
+    broker.remove(&name).await;
+    Ok(result)
+}
+
+/// A no-kill run: events per second from the consumer's start to its last write.
+async fn throughput(
+    broker: &dyn Broker,
+    s: &KillSettings,
+    variant: Variant,
+) -> Result<f64, BoxError> {
+    let kind = broker.kind();
+    let db = TestDb::new().await;
+    let name = brokers::fresh_name(&format!("{kind}-{}-rate", variant.name()));
+    let (events, _) = events(s, s.throughput_events);
+    broker.create(&name).await?;
+    broker.publish(&name, &events).await?;
+    let mut spec = spec(kind, variant, &name, &db, s);
+    spec.crash_between_commit_and_ack = 0.0;
+    let label = format!("{kind} {} no-kill throughput", variant.name());
+    let elapsed = drain(broker, &spec, &db, i64::from(s.throughput_events), &label).await?;
+    let rows = wallet::summary(&db.pool).await?.ledger_rows;
+    progress("");
+    db.drop().await;
+    broker.remove(&name).await;
+    Ok(rows as f64 / elapsed.as_secs_f64().max(1e-3))
+}
+
+async fn count(
+    db: &TestDb,
+    published: u32,
+    expected: &HashMap<i64, i64>,
+    kills: u32,
+    self_crashes: u32,
+) -> Result<RunResult, BoxError> {
+    let summary = wallet::summary(&db.pool).await?;
+    let balances: Vec<(i64, i64)> = sqlx::query_as("SELECT id, balance FROM accounts")
+        .fetch_all(&db.pool)
+        .await?;
+    let matches = balances.len() == expected.len()
+        && balances
+            .iter()
+            .all(|(id, balance)| expected.get(id) == Some(balance));
+    Ok(RunResult {
+        kills,
+        self_crashes,
+        duplicates: summary.duplicates(),
+        lost: summary.lost(i64::from(published)),
+        balances_exact: summary.balances_exact && matches,
+    })
+}
+
+/// Starts `wallet consume` for `spec` and waits until it has connected.
+pub(crate) async fn spawn_ready(spec: &ConsumerSpec) -> Result<Child, BoxError> {
+    for _ in 0..5 {
+        let mut child = Command::new(std::env::current_exe()?)
+            .args(spec.to_args())
+            .env("WALLET_CHILD", "1")
+            .env(
+                "RUST_LOG",
+                std::env::var("WALLET_CHILD_LOG").unwrap_or_else(|_| "error,lapin=off".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        let stdout = child.stdout.take().ok_or("the child has no stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let ready = tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await;
+        if let Ok(Ok(Some(line))) = ready {
+            if line == "ready" {
+                return Ok(child);
+            }
+        }
+        // It died on the way up (a self-crash on the first message, say): try again.
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Err(format!(
+        "`wallet consume` for {} did not start five times in a row",
+        spec.name
+    )
+    .into())
+}
+
+/// Runs a clean consumer until the ledger is quiet and the broker holds nothing more; returns
+/// the time from its start to its last write.
+pub(crate) async fn drain(
+    broker: &dyn Broker,
+    spec: &ConsumerSpec,
+    db: &TestDb,
+    published: i64,
+    label: &str,
+) -> Result<Duration, BoxError> {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = broker.consume(
+        spec,
+        db,
+        Watch::default(),
+        Box::pin(async {
+            let _ = stopped.await;
+        }),
+    );
+    tokio::pin!(consumer);
+    let start = Instant::now();
+    let (mut rows, mut last_change) = (-1, start);
+    let delay = broker.redelivery_delay();
+    loop {
+        tokio::select! {
+            finished = &mut consumer => {
+                finished?;
+                return Err("the draining consumer stopped by itself".into());
+            }
+            () = tokio::time::sleep(Duration::from_millis(200)) => {}
+        }
+        let summary = wallet::summary(&db.pool).await?;
+        if summary.ledger_rows != rows {
+            rows = summary.ledger_rows;
+            last_change = Instant::now();
+        }
+        progress(&format!(
+            "{label}: draining, {}/{published} events applied",
+            summary.distinct_events
+        ));
+        let quiet = last_change.elapsed();
+        let empty = || async { matches!(broker.left(&spec.name).await, Ok(None | Some(0))) };
+        let done = if summary.distinct_events >= published && quiet >= Duration::from_secs(1) {
+            empty().await
+        } else {
+            quiet >= delay && (empty().await || quiet >= delay + Duration::from_secs(60))
+        };
+        if done {
+            break;
+        }
+    }
+    let _ = stop.send(());
+    match tokio::time::timeout(Duration::from_secs(30), consumer).await {
+        Ok(result) => {
+            result?;
+        }
+        Err(_) => eprintln!("\n{label}: the draining consumer did not stop in 30 s"),
+    }
+    Ok(last_change - start)
+}
+
+/// One progress line on stderr, rewritten in place.
+pub(crate) fn progress(line: &str) {
+    let mut err = std::io::stderr();
+    let _ = write!(err, "\r\x1b[2K{line}");
+    let _ = err.flush();
+}

@@ -1,0 +1,219 @@
+//! The wallet: credit events `{account_id, amount}` with producer-set IDs, applied to accounts
+//! with a ledger row each, on Kafka, SQS, RabbitMQ or Redis Streams; and the evidence that the
+//! inbox makes them effectively-once: the article's kill test and zombie test.
+//!
+//! ```text
+//! cargo xtask demo                      # services, then a short kill test of b and c (RabbitMQ, Redis)
+//! cargo xtask demo --full               # the article's settings: 4 variants, 5 runs of 20 kills
+//! wallet kill-test [--brokers kafka,sqs,rabbitmq,redis] [--variants a1,a2,b,c] [--events 10000]
+//!                  [--kills 20] [--runs 5] [--kill-after-ms 1000..8000] [--work-ms 10] [--seed 42]
+//!                  [--crash-between-commit-and-ack P] [--throughput true] [--throughput-events N]
+//!                  [--chart target/wallet-kill-test.svg] [--require-brokers false]
+//! wallet zombie-test [--brokers …] [--variants b,c] [--events 5000] [--stall-every 500] [--runs 1]
+//! wallet consume --broker B --variant V --name QUEUE --schema S [--work-ms 10]
+//!                [--crash-between-commit-and-ack P]
+//! wallet publish --broker B --name QUEUE [--events N] [--seed S]
+//! wallet memory-demo                    # the in-memory broker with crash points; only PostgreSQL
+//! ```
+//!
+//! Variants: `a1` the broker's automatic ack, one message at a time (Kafka auto-commit, SQS
+//! delete on receive, RabbitMQ `no_ack`, Redis `NOACK`); `a2` the same in batches of 100 (10 on
+//! SQS, its receive limit); `b` ack after the DB commit, no inbox; `c` the inbox.
+//!
+//! Services: PostgreSQL at `DATABASE_URL`, and the brokers at `KAFKA_BROKERS`,
+//! `AWS_ENDPOINT_URL_SQS`, `AMQP_URL`, `REDIS_URL` (the defaults are what `cargo xtask services`
+//! starts). Each run uses a schema and a queue, topic or stream of its own.
+
+mod brokers;
+mod chart;
+mod cli;
+mod consume;
+mod kill;
+mod memory;
+mod report;
+mod settings;
+mod zombie;
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use inbox_core::BoxError;
+use inbox_postgres::testkit::TestDb;
+
+use crate::cli::{num, parse_flags, ConsumerSpec, Variant};
+use crate::consume::Watch;
+use crate::settings::{KillSettings, ZombieSettings};
+
+const USAGE: &str = "usage: wallet demo [--full] [kill-test options] | kill-test [options] | zombie-test [options] | consume … | publish … | memory-demo [options]\n(see the docs at the top of examples/src/bin/wallet/main.rs)";
+
+/// Tells the parent `kill-test` that this `consume` child is connected and consuming.
+pub(crate) fn ready() {
+    if std::env::var_os("WALLET_CHILD").is_some() {
+        let mut out = std::io::stdout();
+        let _ = writeln!(out, "ready");
+        let _ = out.flush();
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "error,lapin=off".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some((command, rest)) = args.split_first() else {
+        eprintln!("{USAGE}");
+        return ExitCode::FAILURE;
+    };
+    let result = match command.as_str() {
+        "demo" => demo(rest).await,
+        "kill-test" => match KillSettings::full().parse(rest) {
+            Ok(s) => kill_test(&s).await,
+            Err(e) => Err(e.into()),
+        },
+        "zombie-test" => match ZombieSettings::parse(rest) {
+            Ok(s) => zombie_test(&s).await,
+            Err(e) => Err(e.into()),
+        },
+        "consume" => consume(rest).await,
+        "publish" => publish(rest).await,
+        "memory-demo" => return memory::main(rest).await,
+        _ => Err(USAGE.into()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("wallet: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The main demo: a short kill test of b and c on every broker that answers; `--full` for
+/// the article's settings.
+async fn demo(args: &[String]) -> Result<(), BoxError> {
+    let settings = match args.split_first() {
+        Some((flag, rest)) if flag == "--full" => KillSettings::full().parse(rest)?,
+        _ => KillSettings::demo().parse(args)?,
+    };
+    println!(
+        "The wallet kill test: {} credit events per run, the consumer process SIGKILLed {} times \
+         per run after {}–{} ms of work, then a last consumer drains. (`cargo xtask demo --full` \
+         runs the article's settings.)",
+        settings.events, settings.kills, settings.kill_after_ms.0, settings.kill_after_ms.1
+    );
+    if settings.crash_between_commit_and_ack > 0.0 {
+        println!(
+            "The consumer also aborts itself right after a DB commit, before its ack, with \
+             probability {} per message (--crash-between-commit-and-ack).",
+            settings.crash_between_commit_and_ack
+        );
+    }
+    kill_test(&settings).await
+}
+
+async fn kill_test(s: &KillSettings) -> Result<(), BoxError> {
+    let mut all = Vec::new();
+    let mut failures = Vec::new();
+    for &kind in &s.brokers {
+        let broker = match brokers::connect(kind).await {
+            Ok(b) => b,
+            Err(e) if !s.require_brokers => {
+                println!("\n{kind}: skipped, {e}");
+                continue;
+            }
+            Err(e) => return Err(format!("{kind}: {e}").into()),
+        };
+        match kill::on_broker(broker.as_ref(), s).await {
+            Ok(results) => {
+                report::table(&results, s.work_ms);
+                all.extend(results);
+            }
+            Err(e) => {
+                kill::progress("");
+                println!("\n{kind}: the kill test failed: {e}");
+                failures.push(format!("{kind}: {e}"));
+            }
+        }
+    }
+    if !all.is_empty() {
+        match chart::write(&s.chart, &all) {
+            Ok(()) => println!("\nchart: {}", s.chart.display()),
+            Err(e) => eprintln!("cannot write the chart {}: {e}", s.chart.display()),
+        }
+        println!();
+        report::json_lines(&all);
+    }
+    let inbox_broken = all
+        .iter()
+        .any(|r| r.variant == Variant::C && (r.duplicates().max > 0 || r.lost().max > 0));
+    if inbox_broken {
+        failures.push("variant c showed duplicates or losses".into());
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("; ").into())
+    }
+}
+
+async fn zombie_test(s: &ZombieSettings) -> Result<(), BoxError> {
+    for &kind in &s.brokers {
+        let broker = match brokers::connect(kind).await {
+            Ok(b) => b,
+            Err(e) if !s.require_brokers => {
+                println!("\n{kind}: skipped, {e}");
+                continue;
+            }
+            Err(e) => return Err(format!("{kind}: {e}").into()),
+        };
+        zombie::on_broker(broker.as_ref(), s).await?;
+    }
+    Ok(())
+}
+
+/// One consumer, until killed or Ctrl-C.
+async fn consume(args: &[String]) -> Result<(), BoxError> {
+    let spec = ConsumerSpec::parse(args)?;
+    let broker = brokers::connect(spec.broker).await?;
+    let db = TestDb::attach(&spec.schema).await;
+    let ctrl_c = Box::pin(async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    });
+    let stats = broker.consume(&spec, &db, Watch::default(), ctrl_c).await?;
+    eprintln!("{stats:?}");
+    Ok(())
+}
+
+/// Creates the queue, topic or stream and publishes seeded credit events to it.
+async fn publish(args: &[String]) -> Result<(), BoxError> {
+    let (mut broker, mut name, mut events, mut seed) = (None, None, 1_000u32, 42u64);
+    parse_flags(args, |flag, value| {
+        match flag {
+            "--broker" => broker = Some(value.parse()?),
+            "--name" => name = Some(value.to_owned()),
+            "--events" => events = num(value)?,
+            "--seed" => seed = num(value)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    })?;
+    let broker = brokers::connect(broker.ok_or("--broker is required")?).await?;
+    let name = name.ok_or("--name is required")?;
+    let settings = KillSettings {
+        events,
+        seed,
+        ..KillSettings::full()
+    };
+    let (outgoing, _) = kill::events(&settings, events);
+    broker.create(&name).await?;
+    broker.publish(&name, &outgoing).await?;
+    println!(
+        "published {events} credit events to {} `{name}`",
+        broker.kind()
+    );
+    Ok(())
+}
