@@ -104,18 +104,8 @@ impl Handler<PgTx> for Credit {
         if !self.work.is_zero() {
             tokio::time::sleep(self.work).await;
         }
-        if event.stall && !self.stall.is_zero() {
-            let first = sqlx::query(
-                "INSERT INTO wallet_stalls (event_id) VALUES ($1) ON CONFLICT DO NOTHING",
-            )
-            .bind(id.as_str())
-            .execute(&self.pool)
-            .await?
-            .rows_affected()
-                == 1;
-            if first {
-                tokio::time::sleep(self.stall).await;
-            }
+        if event.stall && !self.stall.is_zero() && first_handling(&self.pool, id).await? {
+            tokio::time::sleep(self.stall).await;
         }
         sqlx::query(
             "INSERT INTO accounts (id, balance) VALUES ($1, $2)
@@ -133,6 +123,18 @@ impl Handler<PgTx> for Credit {
             .await?;
         Ok(())
     }
+}
+
+/// Records that `id` is being handled, outside any transaction: `true` the first time across
+/// all processes, `false` afterwards. Stalling handlers use it to stall exactly once per event.
+pub async fn first_handling(pool: &PgPool, id: &MessageId) -> Result<bool, sqlx::Error> {
+    let inserted =
+        sqlx::query("INSERT INTO wallet_stalls (event_id) VALUES ($1) ON CONFLICT DO NOTHING")
+            .bind(id.as_str())
+            .execute(pool)
+            .await?
+            .rows_affected();
+    Ok(inserted == 1)
 }
 
 /// What the ledger says.

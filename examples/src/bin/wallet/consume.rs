@@ -12,7 +12,7 @@ use inbox_core::{
     async_trait, Consumer, Handler, HandlerError, HookAction, InboxStore, Message, MessageId,
     MessageSource, Stage, StageHook, StatsSnapshot,
 };
-use inbox_postgres::testkit::wallet::{Credit, CreditEvent};
+use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
 use inbox_postgres::testkit::TestDb;
 use inbox_postgres::PgTx;
 use sqlx::PgPool;
@@ -52,15 +52,7 @@ impl Handler<PgTx> for Wallet {
     ) -> Result<(), HandlerError> {
         let event: CreditEvent = message.json()?;
         if event.stall && !self.stall.is_zero() {
-            let first = sqlx::query(
-                "INSERT INTO wallet_stalls (event_id) VALUES ($1) ON CONFLICT DO NOTHING",
-            )
-            .bind(id.as_str())
-            .execute(&self.pool)
-            .await?
-            .rows_affected()
-                == 1;
-            if first {
+            if wallet::first_handling(&self.pool, id).await? {
                 if let Some(stalled) = &self.watch.stalled {
                     let _ = stalled.send(self.member);
                 }
