@@ -1,6 +1,10 @@
-//! Broker errors that a real broker cannot be made to return on cue, injected with librdkafka's
-//! built-in mock cluster (a real Kafka-protocol server inside the test process; the client is
-//! the real one): offset commits refused because the partition moved are logged, not fatal.
+//! What the broker the services start cannot show, on librdkafka's built-in mock cluster (a
+//! Kafka-protocol server inside the test process; the client is the real one):
+//! - offset commits refused because the partition moved are logged, not fatal (errors injected
+//!   on cue);
+//! - a consumer restarting from a commit inside a producer's record batch reads on from that
+//!   offset. Tansu 0.6 serves such a fetch from the next batch on, skipping the rest of the
+//!   batch, which is why the wallet publishes one record per batch there.
 
 use std::time::Duration;
 
@@ -10,7 +14,15 @@ use inbox_kafka::rdkafka::mocking::MockCluster;
 use inbox_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use inbox_kafka::{KafkaConfig, KafkaProducer, Record};
 
-struct Sum;
+fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_test_writer()
+        .try_init();
+}
+
+/// Adds each message's number to the state, after `0` of pretend work.
+struct Sum(Duration);
 
 #[async_trait]
 impl Handler<MemoryTx<i64>> for Sum {
@@ -20,6 +32,7 @@ impl Handler<MemoryTx<i64>> for Sum {
         _id: &MessageId,
         message: &Message,
     ) -> Result<(), HandlerError> {
+        tokio::time::sleep(self.0).await;
         *tx.state_mut() += message.json::<i64>()?;
         Ok(())
     }
@@ -27,10 +40,7 @@ impl Handler<MemoryTx<i64>> for Sum {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commits_refused_by_a_rebalance_are_not_fatal() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_test_writer()
-        .try_init();
+    init_tracing();
     let mock = MockCluster::new(1).expect("mock cluster");
     mock.create_topic("credits", 3, 1).expect("topic");
     let brokers = mock.bootstrap_servers();
@@ -58,7 +68,8 @@ async fn commits_refused_by_a_rebalance_are_not_fatal() {
         .set_consumer("heartbeat.interval.ms", "500")
         .build()
         .expect("source");
-    let consumer = Consumer::new("wallet", source, store.clone(), Sum).batch_size(5);
+    let consumer =
+        Consumer::new("wallet", source, store.clone(), Sum(Duration::ZERO)).batch_size(5);
     let stats = consumer.stats();
     let run = tokio::spawn(consumer.run_until(async move {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
@@ -80,4 +91,82 @@ async fn commits_refused_by_a_rebalance_are_not_fatal() {
         "moved-partition commit errors are logged, not failures"
     );
     assert_eq!(stats.errors, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_inside_a_record_batch_resumes_at_the_committed_offset() {
+    init_tracing();
+    let mock = MockCluster::new(1).expect("mock cluster");
+    mock.create_topic("credits", 1, 1).expect("topic");
+    let brokers = mock.bootstrap_servers();
+    // Sent together with a linger, the 60 records travel in a few multi-record batches.
+    let producer =
+        KafkaProducer::with_properties(&brokers, [("linger.ms", "100")]).expect("producer");
+    let sends = (1..=60i64).map(|i| producer.send("credits", Record::new(i.to_string())));
+    let sent = futures_util::future::join_all(sends).await;
+    let offsets: Vec<i64> = sent
+        .into_iter()
+        .map(|s| s.expect("produce").offset)
+        .collect();
+    assert_eq!(offsets.len(), 60);
+
+    let store = MemoryStore::<i64>::new();
+    let config = KafkaConfig::new(&brokers, "wallet", ["credits"])
+        .poll_timeout(Duration::from_millis(300))
+        // The mock coordinator hands the partition on once the first member's session ends.
+        .set_consumer("session.timeout.ms", "6000")
+        .set_consumer("heartbeat.interval.ms", "500");
+    // The first consumer stops after a few batches of 7: its last commit lies inside a batch.
+    let first = Consumer::new(
+        "wallet",
+        config.clone().build().expect("source"),
+        store.clone(),
+        Sum(Duration::from_millis(5)),
+    )
+    .batch_size(7);
+    let stats = first.stats();
+    let first = first
+        .run_until(async move {
+            while stats.snapshot().applied < 20 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("first consumer");
+    assert!(
+        first.applied < 60,
+        "the first consumer must stop early: {first:?}"
+    );
+
+    let second = Consumer::new(
+        "wallet",
+        config.build().expect("source"),
+        store.clone(),
+        Sum(Duration::from_millis(5)),
+    )
+    .batch_size(7);
+    let stats = second.stats();
+    let rest = 60 - first.applied;
+    let second = second
+        .run_until(async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            while stats.snapshot().applied < rest && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            // Anything read twice or past the end would show up now.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        })
+        .await
+        .expect("second consumer");
+    println!("first {first:?}\nsecond {second:?}");
+    assert_eq!(
+        first.applied + second.applied,
+        60,
+        "every record applied once, none skipped"
+    );
+    assert_eq!(
+        second.skipped_duplicates, 0,
+        "the second consumer starts at the commit"
+    );
+    assert_eq!(store.state().await, (1..=60).sum::<i64>());
 }
