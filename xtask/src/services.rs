@@ -6,7 +6,7 @@
 
 use std::fs::File;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
@@ -302,20 +302,19 @@ fn sqs() -> Result {
         std::env::var("AWS_ENDPOINT_URL_SQS").unwrap_or_else(|_| "http://127.0.0.1:4566".into());
     let (host, port) = host_port(&url, 4566);
     if needs_start("SQS (moto)", "AWS_ENDPOINT_URL_SQS", &host, port)? {
-        let moto = match which("moto_server")
-            .filter(|_| quiet("python3", &["-c", "import moto.server"]))
-        {
-            Some(path) => path,
-            None => {
-                run(
-                    "python3",
-                    &["-m", "pip", "install", "--quiet", "moto[server]"],
-                )?;
-                which("moto_server").ok_or("moto_server was installed but is not on PATH")?
-            }
-        };
+        if !quiet("python3", &["-c", "import moto.server"]) {
+            run(
+                "python3",
+                &["-m", "pip", "install", "--quiet", "moto[server]"],
+            )?;
+        }
+        let python = which("python3").ok_or("python3 is not on PATH")?;
+        // moto's server through a launcher that keeps its SQS sends and receives from scanning
+        // the whole queue several times per message (see the file).
+        let launcher = Path::new(env!("CARGO_MANIFEST_DIR")).join("moto_server.py");
+        let launcher = launcher.to_str().ok_or("the xtask path is not UTF-8")?;
         let port_text = port.to_string();
-        spawn_detached("moto", &moto, &["-H", &host, "-p", &port_text])?;
+        spawn_detached("moto", &python, &[launcher, "-H", &host, "-p", &port_text])?;
         wait_for("SQS (moto)", &host, port, Duration::from_secs(30))?;
     }
     Ok(())

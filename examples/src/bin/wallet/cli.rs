@@ -5,7 +5,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 /// The four brokers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum BrokerKind {
     Kafka,
     Sqs,
@@ -43,7 +43,7 @@ impl fmt::Display for BrokerKind {
 }
 
 /// The article's variants, generalised to each broker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Variant {
     /// The client's automatic ack, one message at a time.
     A1,

@@ -70,6 +70,7 @@ pub(crate) async fn on_broker(
             kills_per_run: s.kills,
             runs,
             throughput,
+            work_ms: s.work_ms,
         });
     }
     Ok(results)
@@ -112,7 +113,9 @@ async fn run_once(
     let mut self_crashes = 0;
     for (k, work) in schedule(s, run).into_iter().enumerate() {
         let mut child = spawn_ready(&spec).await?;
-        let killed_at = Instant::now() + work;
+        // The clock runs from the child's first write: on Kafka a restarted member waits for the
+        // group to notice the killed one (the session timeout) before it gets partitions.
+        let killed_at = first_write(broker, &name, &db, &mut child).await? + work;
         // The crash option makes the child abort itself: restart it, the kill clock runs on.
         while Instant::now() < killed_at {
             if child.try_wait()?.is_some() {
@@ -139,6 +142,33 @@ async fn run_once(
     db.drop().await;
     broker.remove(&name).await;
     Ok(result)
+}
+
+/// When the child first writes to the ledger; now, if it dies first or the broker holds nothing
+/// more for it (after an automatic ack lost the rest, say), or after 30 s at most.
+async fn first_write(
+    broker: &dyn Broker,
+    name: &str,
+    db: &TestDb,
+    child: &mut Child,
+) -> Result<Instant, BoxError> {
+    let count = || sqlx::query_scalar::<_, i64>("SELECT count(*) FROM ledger").fetch_one(&db.pool);
+    let rows = count().await?;
+    let start = Instant::now();
+    let mut next_look = start;
+    while start.elapsed() < Duration::from_secs(30) && child.try_wait()?.is_none() {
+        if count().await? != rows {
+            break;
+        }
+        if Instant::now() >= next_look {
+            if broker.left(name).await? == Some(0) {
+                break;
+            }
+            next_look = Instant::now() + Duration::from_secs(1);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(Instant::now())
 }
 
 /// A no-kill run: events per second from the consumer's start to its last write.

@@ -3,7 +3,7 @@
 //! inbox makes them effectively-once: the article's kill test and zombie test.
 //!
 //! ```text
-//! cargo xtask demo                      # services, then a short kill test of b and c (RabbitMQ, Redis)
+//! cargo xtask demo                      # services, then a short kill test of b and c on every broker
 //! cargo xtask demo --full               # the article's settings: 4 variants, 5 runs of 20 kills
 //! wallet kill-test [--brokers kafka,sqs,rabbitmq,redis] [--variants a1,a2,b,c] [--events 10000]
 //!                  [--kills 20] [--runs 5] [--kill-after-ms 1000..8000] [--work-ms 10] [--seed 42]
@@ -14,6 +14,7 @@
 //!                [--crash-between-commit-and-ack P]
 //! wallet publish --broker B --name QUEUE [--events N] [--seed S]
 //! wallet memory-demo                    # the in-memory broker with crash points; only PostgreSQL
+//! wallet report [--chart target/wallet-kill-test.svg] FILE…   # tables and chart from saved runs
 //! ```
 //!
 //! Variants: `a1` the broker's automatic ack, one message at a time (Kafka auto-commit, SQS
@@ -35,16 +36,17 @@ mod settings;
 mod zombie;
 
 use std::io::Write;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use inbox_core::BoxError;
 use inbox_postgres::testkit::TestDb;
 
-use crate::cli::{num, parse_flags, ConsumerSpec, Variant};
+use crate::cli::{num, parse_flags, BrokerKind, ConsumerSpec, Variant};
 use crate::consume::Watch;
 use crate::settings::{KillSettings, ZombieSettings};
 
-const USAGE: &str = "usage: wallet demo [--full] [kill-test options] | kill-test [options] | zombie-test [options] | consume … | publish … | memory-demo [options]\n(see the docs at the top of examples/src/bin/wallet/main.rs)";
+const USAGE: &str = "usage: wallet demo [--full] [kill-test options] | kill-test [options] | zombie-test [options] | consume … | publish … | memory-demo [options] | report [--chart SVG] FILE…\n(see the docs at the top of examples/src/bin/wallet/main.rs)";
 
 /// Tells the parent `kill-test` that this `consume` child is connected and consuming.
 pub(crate) fn ready() {
@@ -79,6 +81,7 @@ async fn main() -> ExitCode {
         "consume" => consume(rest).await,
         "publish" => publish(rest).await,
         "memory-demo" => return memory::main(rest).await,
+        "report" => report_from(rest),
         _ => Err(USAGE.into()),
     };
     match result {
@@ -127,7 +130,7 @@ async fn kill_test(s: &KillSettings) -> Result<(), BoxError> {
         };
         match kill::on_broker(broker.as_ref(), s).await {
             Ok(results) => {
-                report::table(&results, s.work_ms);
+                report::table(&results);
                 all.extend(results);
             }
             Err(e) => {
@@ -156,6 +159,38 @@ async fn kill_test(s: &KillSettings) -> Result<(), BoxError> {
     } else {
         Err(failures.join("; ").into())
     }
+}
+
+/// `wallet report`: the tables, one chart and the JSON lines again, from the output of kill
+/// tests run separately (one broker at a time, say).
+fn report_from(args: &[String]) -> Result<(), BoxError> {
+    let mut chart = PathBuf::from("target/wallet-kill-test.svg");
+    let mut files = Vec::new();
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--chart" => chart = args.next().ok_or("--chart needs a path")?.into(),
+            flag if flag.starts_with("--") => return Err(format!("unknown flag {flag}").into()),
+            file => files.push(PathBuf::from(file)),
+        }
+    }
+    if files.is_empty() {
+        return Err("name at least one file holding the JSON lines of `wallet kill-test`".into());
+    }
+    let mut results = report::read_lines(&files)?;
+    results.sort_by_key(|r| (r.broker, r.variant));
+    for broker in BrokerKind::ALL {
+        let of_broker: Vec<_> = results
+            .iter()
+            .filter(|r| r.broker == broker)
+            .cloned()
+            .collect();
+        report::table(&of_broker);
+    }
+    chart::write(&chart, &results)?;
+    println!("\nchart: {}\n", chart.display());
+    report::json_lines(&results);
+    Ok(())
 }
 
 async fn zombie_test(s: &ZombieSettings) -> Result<(), BoxError> {

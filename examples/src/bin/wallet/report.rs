@@ -1,6 +1,9 @@
 //! The article's table per broker, and one JSON line per broker and variant.
 
-use serde::Serialize;
+use std::path::Path;
+
+use inbox_core::BoxError;
+use serde::{Deserialize, Serialize};
 
 use crate::cli::{BrokerKind, Variant};
 
@@ -25,6 +28,8 @@ pub(crate) struct VariantResult {
     pub(crate) runs: Vec<RunResult>,
     /// Messages per second of a run with no kills.
     pub(crate) throughput: Option<f64>,
+    /// How long each handler slept.
+    pub(crate) work_ms: u64,
 }
 
 /// Median, min and max.
@@ -73,8 +78,8 @@ impl VariantResult {
 
     fn json(&self) -> Line {
         Line {
-            broker: self.broker.name(),
-            variant: self.variant.name(),
+            broker: self.broker.name().to_owned(),
+            variant: self.variant.name().to_owned(),
             runs: self.runs.len(),
             kills: self.runs.iter().map(|r| r.kills).sum(),
             self_crashes: self.runs.iter().map(|r| r.self_crashes).sum(),
@@ -85,15 +90,51 @@ impl VariantResult {
             duplicates_per_run: self.runs.iter().map(|r| r.duplicates).collect(),
             lost_per_run: self.runs.iter().map(|r| r.lost).collect(),
             throughput: self.throughput.map(|t| (t * 10.0).round() / 10.0),
+            work_ms: Some(self.work_ms),
         }
+    }
+
+    /// Back from a JSON line. Per-run kills are the same in every run; the line keeps only the
+    /// totals of self-crashes (put on the first run) and of exact balances (put on every run).
+    fn from_line(line: Line) -> Result<Self, String> {
+        let runs = line.duplicates_per_run.len();
+        if runs == 0 || line.lost_per_run.len() != runs {
+            return Err(format!(
+                "{} {}: no runs, or per-run lists of different lengths",
+                line.broker, line.variant
+            ));
+        }
+        let kills = line.kills / runs as u32;
+        let runs = line
+            .duplicates_per_run
+            .iter()
+            .zip(&line.lost_per_run)
+            .enumerate()
+            .map(|(i, (&duplicates, &lost))| RunResult {
+                kills,
+                self_crashes: if i == 0 { line.self_crashes } else { 0 },
+                duplicates,
+                lost,
+                balances_exact: line.balances_exact,
+            })
+            .collect::<Vec<_>>();
+        Ok(Self {
+            broker: line.broker.parse()?,
+            variant: line.variant.parse()?,
+            events: u32::try_from(line.events / runs.len() as u64).map_err(|e| e.to_string())?,
+            kills_per_run: kills,
+            runs,
+            throughput: line.throughput,
+            work_ms: line.work_ms.unwrap_or(10),
+        })
     }
 }
 
-/// The machine-readable summary the smoke test and scripts read.
-#[derive(Debug, Serialize)]
+/// The machine-readable summary the smoke test, scripts and `wallet report` read.
+#[derive(Debug, Serialize, Deserialize)]
 struct Line {
-    broker: &'static str,
-    variant: &'static str,
+    broker: String,
+    variant: String,
     runs: usize,
     kills: u32,
     self_crashes: u32,
@@ -104,19 +145,23 @@ struct Line {
     duplicates_per_run: Vec<i64>,
     lost_per_run: Vec<i64>,
     throughput: Option<f64>,
+    /// Absent in lines written before it was added: 10 ms, the default, then.
+    #[serde(default)]
+    work_ms: Option<u64>,
 }
 
 /// Prints the article's table for one broker.
-pub(crate) fn table(results: &[VariantResult], work_ms: u64) {
+pub(crate) fn table(results: &[VariantResult]) {
     let Some(first) = results.first() else {
         return;
     };
     println!(
-        "\n{}: {} events, {} kills per run, {} runs per variant, handlers sleep {work_ms} ms",
+        "\n{}: {} events, {} kills per run, {} runs per variant, handlers sleep {} ms",
         first.broker,
         first.events,
         first.kills_per_run,
-        first.runs.len()
+        first.runs.len(),
+        first.work_ms
     );
     println!(
         "{:<32} {:>26} {:>22} {:>14} {:>8}",
@@ -152,6 +197,30 @@ pub(crate) fn json_lines(results: &[VariantResult]) {
     }
 }
 
+/// The results in the JSON lines of `files` (other lines, such as the tables, are passed over),
+/// in the order read; a later line for the same broker and variant replaces an earlier one.
+pub(crate) fn read_lines(files: &[impl AsRef<Path>]) -> Result<Vec<VariantResult>, BoxError> {
+    let mut results: Vec<VariantResult> = Vec::new();
+    for file in files {
+        let file = file.as_ref();
+        let text = std::fs::read_to_string(file)
+            .map_err(|e| format!("reading {}: {e}", file.display()))?;
+        for (n, raw) in text.lines().enumerate() {
+            let raw = raw.trim();
+            if !raw.starts_with('{') {
+                continue;
+            }
+            let line: Line = serde_json::from_str(raw)
+                .map_err(|e| format!("{}:{}: {e}", file.display(), n + 1))?;
+            let result = VariantResult::from_line(line)
+                .map_err(|e| format!("{}:{}: {e}", file.display(), n + 1))?;
+            results.retain(|r| (r.broker, r.variant) != (result.broker, result.variant));
+            results.push(result);
+        }
+    }
+    Ok(results)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -162,5 +231,48 @@ mod tests {
         assert_eq!((s.median, s.min, s.max), (5.0, 0, 7));
         assert_eq!(spread([1, 2]).median, 1.5);
         assert_eq!(spread([3, 4]).show(), "3.5 (3–4)");
+    }
+
+    #[test]
+    fn a_json_line_reads_back_to_the_same_line() {
+        let result = VariantResult {
+            broker: BrokerKind::Redis,
+            variant: Variant::B,
+            events: 10_000,
+            kills_per_run: 20,
+            runs: [4, 6]
+                .into_iter()
+                .map(|duplicates| RunResult {
+                    kills: 20,
+                    self_crashes: 3,
+                    duplicates,
+                    lost: 0,
+                    balances_exact: false,
+                })
+                .collect(),
+            throughput: Some(61.5),
+            work_ms: 10,
+        };
+        let line = serde_json::to_string(&result.json()).unwrap();
+        let dir = std::env::temp_dir().join(format!("wallet-report-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("lines.txt");
+        std::fs::write(&file, format!("a table line\n{line}\n")).unwrap();
+        let back = read_lines(&[&file]).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(back.len(), 1);
+        assert_eq!(serde_json::to_string(&back[0].json()).unwrap(), line);
+        assert_eq!(back[0].duplicates(), spread([4, 6]));
+    }
+
+    #[test]
+    fn a_line_with_mismatched_runs_is_refused() {
+        let line: Line = serde_json::from_str(
+            r#"{"broker":"kafka","variant":"c","runs":2,"kills":40,"self_crashes":0,"events":20000,
+               "duplicates":0,"lost":0,"balances_exact":true,"duplicates_per_run":[0,0],
+               "lost_per_run":[0],"throughput":null}"#,
+        )
+        .unwrap();
+        assert!(VariantResult::from_line(line).is_err());
     }
 }
