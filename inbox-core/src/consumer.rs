@@ -1,12 +1,14 @@
 //! The claim/apply/commit/ack algorithm: owned here, once, for every broker and store.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::stream::{self, StreamExt};
 use futures_util::FutureExt;
+use tokio::sync::Mutex;
 use tracing::{field, info, info_span, warn, Instrument};
 
 use crate::error::backoff;
@@ -58,13 +60,32 @@ impl Default for RetryPolicy {
 /// the broker (`nack`), and the loop goes on after a backoff.
 ///
 /// Order: within one batch, messages are applied in the order received; a message that fails and
-/// is retried is applied after the rest of its batch.
+/// is retried is applied after the rest of its batch. With [`Consumer::parallel_lanes`], a batch
+/// is split by [`Metadata::lane`](crate::Metadata::lane) (a Kafka partition, say): each lane
+/// keeps that order and runs in a transaction of its own, several lanes at a time.
 #[derive(Debug)]
 pub struct Consumer<S, St, H> {
     source: S,
     core: Core<St, H>,
     batch_size: usize,
+    lanes: usize,
     inbox_retention: Option<Duration>,
+}
+
+/// Splits a batch by lane, keeping the received order inside each lane; lanes come in the order
+/// of their first message.
+fn split_into_lanes<A>(batch: Vec<Delivery<A>>) -> Vec<Vec<Delivery<A>>> {
+    let mut lanes: Vec<Vec<Delivery<A>>> = Vec::new();
+    let mut index: HashMap<Option<String>, usize> = HashMap::new();
+    for delivery in batch {
+        let lane = delivery.message.meta.lane.clone();
+        let i = *index.entry(lane).or_insert_with(|| {
+            lanes.push(Vec::new());
+            lanes.len() - 1
+        });
+        lanes[i].push(delivery);
+    }
+    lanes
 }
 
 /// How much longer the broker can redeliver than the inbox remembers, if at all.
@@ -121,6 +142,7 @@ where
         Self {
             source,
             batch_size: 1,
+            lanes: 1,
             inbox_retention: None,
             core: Core {
                 name: name.into(),
@@ -139,6 +161,20 @@ where
     /// together (default 1).
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n;
+        self
+    }
+
+    /// Applies up to `n` lanes of a batch at the same time (default 1: the whole batch in one
+    /// transaction). A batch is split by [`Metadata::lane`](crate::Metadata::lane); messages of
+    /// one lane are applied in the order received, in one transaction and one ack per lane, and
+    /// the next batch is received once every lane is done. Sources that set no lane (one queue,
+    /// one order) form a single lane, so this changes nothing for them. Each running lane holds
+    /// one store transaction (one pooled connection). Lanes whose handlers write the same rows
+    /// wait on each other's locks like any concurrent transactions, and a deadlock fails a
+    /// handler, which is then retried after the rest of its lane: key messages so that what
+    /// shares rows shares a lane (Kafka: one account, one partition).
+    pub fn parallel_lanes(mut self, n: usize) -> Self {
+        self.lanes = n;
         self
     }
 
@@ -226,7 +262,7 @@ where
                 Ok(batch) if batch.is_empty() && until_idle => break,
                 Ok(batch) => {
                     failures = 0;
-                    self.core.process(&mut self.source, batch).await?;
+                    self.process(batch).await?;
                 }
                 Err(e) => {
                     failures += 1;
@@ -237,12 +273,32 @@ where
         Ok(self.core.stats.snapshot())
     }
 
+    /// One batch: in one piece, or split into lanes applied `self.lanes` at a time. Every lane
+    /// finishes (commit and ack, or hand back) before an error is returned.
+    async fn process(&mut self, batch: Vec<Delivery<S::Ack>>) -> Result<()> {
+        let source = Mutex::new(&mut self.source);
+        if self.lanes <= 1 {
+            return self.core.process(&source, batch).await;
+        }
+        let core = &self.core;
+        let source = &source;
+        let results: Vec<Result<()>> = stream::iter(split_into_lanes(batch))
+            .map(|lane| core.process(source, lane))
+            .buffer_unordered(self.lanes)
+            .collect()
+            .await;
+        results.into_iter().collect()
+    }
+
     fn check(&self) -> Result<()> {
         if self.core.name.is_empty() {
             return Err(Error::Config("the consumer name is empty".into()));
         }
         if self.batch_size == 0 {
             return Err(Error::Config("the batch size is 0; use at least 1".into()));
+        }
+        if self.lanes == 0 {
+            return Err(Error::Config("parallel_lanes is 0; use at least 1".into()));
         }
         if self.core.retry.max_attempts == 0 {
             return Err(Error::Config("max_attempts is 0; use at least 1".into()));
@@ -270,7 +326,7 @@ where
 {
     async fn process<S: MessageSource>(
         &self,
-        source: &mut S,
+        source: &Mutex<&mut S>,
         deliveries: Vec<Delivery<S::Ack>>,
     ) -> Result<()> {
         if deliveries.is_empty() {
@@ -456,7 +512,7 @@ where
     /// A message whose handler failed inside a batch (or alone): retried on its own.
     async fn retry_alone<S: MessageSource>(
         &self,
-        source: &mut S,
+        source: &Mutex<&mut S>,
         id: MessageId,
         delivery: Delivery<S::Ack>,
         first: HandlerError,
@@ -501,14 +557,20 @@ where
 
     async fn dead_letter<S: MessageSource>(
         &self,
-        source: &mut S,
+        source: &Mutex<&mut S>,
         id: Option<&MessageId>,
         delivery: Delivery<S::Ack>,
         reason: String,
     ) -> Result<()> {
         let shown = id.map_or_else(|| "(no ID)".to_owned(), MessageId::to_string);
         let position = &delivery.message.meta.position;
-        match source.dead_letter(&delivery.message, &reason).await {
+        // Lanes running side by side take turns at the source.
+        let parked = source
+            .lock()
+            .await
+            .dead_letter(&delivery.message, &reason)
+            .await;
+        match parked {
             Ok(()) => {
                 self.count(Counter::DeadLettered, 1);
                 warn!(consumer = %self.name, message_id = %shown, position = %position, outcome = "dead_lettered", %reason, "dead-lettered {shown}");

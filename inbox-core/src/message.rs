@@ -143,6 +143,11 @@ pub struct Metadata {
     pub delivery_count: Option<u32>,
     /// The broker says it delivered this message before.
     pub redelivered: bool,
+    /// The ordering lane: messages of one lane must be applied in the order received; messages
+    /// of different lanes may be applied side by side
+    /// ([`Consumer::parallel_lanes`](crate::Consumer::parallel_lanes)). Kafka sets the topic and
+    /// partition; `None` is one lane for the whole source.
+    pub lane: Option<String>,
 }
 
 /// One message as the consumer sees it.

@@ -42,6 +42,17 @@ fn publish(broker: &MemoryBroker, id: &str, account: u8, amount: i64) {
     broker.publish(Some(id), serde_json::to_vec(&(account, amount)).unwrap());
 }
 
+/// Publishes a message in ordering lane `lane` (a partition, say).
+fn publish_in_lane(broker: &MemoryBroker, lane: &str, id: Option<&str>, amount: i64) {
+    let id = id.map_or(
+        Err(inbox_core::IdError::Missing { field: "id".into() }),
+        |id| Ok(MessageId::new(id).unwrap()),
+    );
+    let mut message = Message::new(id, serde_json::to_vec(&(1u8, amount)).unwrap());
+    message.meta.lane = Some(lane.to_owned());
+    broker.publish_message(message);
+}
+
 fn fast(max_attempts: u32) -> RetryPolicy {
     RetryPolicy {
         max_attempts,
@@ -56,12 +67,14 @@ async fn drain<S: inbox_core::InboxStore<Tx = MemoryTx<Wallet>> + Clone>(
     store: &S,
     stage: Stage,
     batch: usize,
+    lanes: usize,
 ) -> u32 {
     let hook = crash_at(stage);
     let mut crashes = 0;
     while broker.pending() > 0 {
         let run = Consumer::new("wallet", broker.source(), store.clone(), Credit)
             .batch_size(batch)
+            .parallel_lanes(lanes)
             .on_stage(hook.clone())
             .run_until_idle()
             .await;
@@ -76,7 +89,7 @@ async fn drain<S: inbox_core::InboxStore<Tx = MemoryTx<Wallet>> + Clone>(
 
 #[tokio::test]
 async fn every_crash_point_still_applies_each_message_once() {
-    for batch in [1, 4] {
+    for (batch, lanes) in [(1, 1), (4, 1), (6, 3)] {
         for stage in [
             Stage::Claimed,
             Stage::Applied,
@@ -85,10 +98,11 @@ async fn every_crash_point_still_applies_each_message_once() {
         ] {
             let broker = MemoryBroker::new();
             for i in 0..6 {
-                publish(&broker, &format!("evt-{i}"), 1, 10);
+                let id = format!("evt-{i}");
+                publish_in_lane(&broker, &format!("p{}", i % 3), Some(&id), 10);
             }
             let store = MemoryStore::<Wallet>::new();
-            let crashes = drain(&broker, &store, stage, batch).await;
+            let crashes = drain(&broker, &store, stage, batch, lanes).await;
             let wallet = store.state().await;
             assert_eq!(crashes, 1, "{stage:?}");
             assert_eq!(
@@ -107,7 +121,14 @@ async fn without_the_inbox_a_crash_after_commit_applies_twice() {
     let broker = MemoryBroker::new();
     publish(&broker, "evt-1", 1, 10);
     let store = MemoryStore::<Wallet>::new();
-    drain(&broker, &WithoutInbox(store.clone()), Stage::Committed, 1).await;
+    drain(
+        &broker,
+        &WithoutInbox(store.clone()),
+        Stage::Committed,
+        1,
+        1,
+    )
+    .await;
     assert_eq!(store.state().await.ledger, ["evt-1", "evt-1"]);
 }
 
@@ -130,6 +151,48 @@ async fn duplicates_inside_one_batch_are_applied_once() {
     );
     assert_eq!(store.state().await.balances[&1], 15);
     assert_eq!(broker.pending(), 0);
+}
+
+#[tokio::test]
+async fn lanes_keep_their_order_commit_apart_and_dead_letter_side_by_side() {
+    let broker = MemoryBroker::new();
+    for i in 0..12 {
+        let lane = format!("p{}", i % 3);
+        publish_in_lane(&broker, &lane, Some(&format!("{lane}-{i:02}")), 10);
+    }
+    publish_in_lane(&broker, "p1", None, 10);
+    publish_in_lane(&broker, "p2", Some("p2-bad"), -1);
+    let store = MemoryStore::<Wallet>::new();
+    let stats = Consumer::new("wallet", broker.source(), store.clone(), Credit)
+        .batch_size(20)
+        .parallel_lanes(3)
+        .retry(fast(2))
+        .run_until_idle()
+        .await
+        .unwrap();
+    assert_eq!(
+        (stats.applied, stats.dead_lettered, stats.commits),
+        (12, 2, 3),
+        "one transaction per lane: {stats:?}"
+    );
+    let ledger = store.state().await.ledger;
+    for lane in ["p0", "p1", "p2"] {
+        let of_lane: Vec<&String> = ledger.iter().filter(|id| id.starts_with(lane)).collect();
+        let mut sorted = of_lane.clone();
+        sorted.sort();
+        assert_eq!(of_lane, sorted, "lane {lane} applied out of order");
+        assert_eq!(of_lane.len(), 4);
+    }
+    assert_eq!(broker.pending(), 0);
+    let mut reasons: Vec<String> = broker.dead_letters().into_iter().map(|(_, r)| r).collect();
+    reasons.sort();
+    assert_eq!(
+        reasons,
+        [
+            "handler failed 2 time(s), last error: negative credit",
+            "message has no ID: id is missing"
+        ]
+    );
 }
 
 #[tokio::test]
@@ -207,6 +270,12 @@ async fn bad_configuration_is_refused_with_a_reason() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("batch size is 0"));
+    let err = Consumer::new("c", broker.source(), MemoryStore::<Wallet>::new(), Credit)
+        .parallel_lanes(0)
+        .run_until_idle()
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("parallel_lanes is 0"));
 }
 
 #[test]

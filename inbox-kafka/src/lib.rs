@@ -26,7 +26,8 @@
 //!     .set_consumer("session.timeout.ms", "10000")
 //!     .build()?;
 //! Consumer::new("wallet", source, store, Credit)
-//!     .batch_size(100) // one transaction and one offset commit per poll
+//!     .batch_size(100) // up to 100 messages per poll
+//!     .parallel_lanes(8) // partitions side by side, each in offset order, one transaction each
 //!     .run()
 //!     .await?;
 //! # Ok(())
@@ -78,12 +79,18 @@
 //! # Batches, order and parallelism
 //!
 //! A receive waits for one message (up to the poll timeout), then takes whatever else the client
-//! has already fetched, up to the consumer's batch size: one transaction and one commit cover
-//! them. Within a partition messages are applied in offset order (a failing message that is
-//! retried is applied after the rest of its batch). One [`KafkaSource`] is one group member and
-//! processes its batches one after another; to process partitions in parallel, run several
-//! sources with the same group id (one [`inbox_core::Consumer`] each, in one process or many):
-//! the group gives each partition to one member at a time, so order per partition is kept.
+//! has already fetched, up to the consumer's batch size. Each message carries its partition as
+//! its lane ([`Metadata::lane`](inbox_core::Metadata::lane), `topic[partition]`):
+//!
+//! - by default the whole batch is one transaction and one offset commit;
+//! - with [`Consumer::parallel_lanes`](inbox_core::Consumer::parallel_lanes)`(n)` the batch is
+//!   split by partition and up to `n` partitions are applied side by side, each in its own
+//!   transaction with its own commit, while one partition's messages stay in offset order. The
+//!   next batch is received when every partition of this one is done.
+//!
+//! Within a partition messages are applied in offset order, except that a failing message that
+//! is retried is applied after the rest of its partition's batch. Several sources with the same
+//! group id (in one process or many) share the partitions as the group assigns them.
 //!
 //! # Configuration
 //!

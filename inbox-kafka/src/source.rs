@@ -160,6 +160,7 @@ impl KafkaSource {
                 // Kafka does not count deliveries; this adapter counts its own nacks.
                 delivery_count: (delivery_count > 1).then_some(delivery_count),
                 redelivered: delivery_count > 1,
+                lane: Some(format!("{topic}[{partition}]")),
             },
         };
         Delivery { message, ack }

@@ -187,6 +187,8 @@ impl RabbitSource {
                 position: position.clone(),
                 delivery_count,
                 redelivered: delivery.redelivered,
+                // One queue, one order.
+                lane: None,
             },
         };
         self.originals.insert(position, props);

@@ -370,6 +370,8 @@ fn to_message(
             position: entry_id.to_owned(),
             delivery_count,
             redelivered: delivery_count.is_some_and(|n| n > 1),
+            // One stream, one order.
+            lane: None,
         },
     }
 }

@@ -125,10 +125,10 @@ impl SqsSource {
 
         let delivery_count = system_attr(MessageSystemAttributeName::ApproximateReceiveCount)
             .and_then(|v| v.parse::<u32>().ok());
+        let group = system_attr(MessageSystemAttributeName::MessageGroupId);
         Message {
             id,
-            key: system_attr(MessageSystemAttributeName::MessageGroupId)
-                .map(|g| g.as_bytes().to_vec()),
+            key: group.map(|g| g.as_bytes().to_vec()),
             payload: sqs.body().unwrap_or_default().as_bytes().to_vec(),
             headers,
             meta: Metadata {
@@ -136,6 +136,9 @@ impl SqsSource {
                 position: format!("message {}", sqs.message_id().unwrap_or("?")),
                 delivery_count,
                 redelivered: delivery_count.is_some_and(|n| n > 1),
+                // FIFO queues keep order per message group; a standard queue keeps none, but
+                // one lane keeps a batch in one transaction.
+                lane: group.cloned(),
             },
         }
     }

@@ -17,7 +17,7 @@ use tokio::process::{Child, Command};
 use crate::brokers::{self, Broker, Outgoing};
 use crate::cli::{BrokerKind, ConsumerSpec, Variant};
 use crate::consume::Watch;
-use crate::report::{RunResult, VariantResult};
+use crate::report::{self, RunResult, VariantResult};
 use crate::settings::KillSettings;
 
 /// The seeded events of every run: IDs `evt-<i>`, accounts and amounts from `seed`.
@@ -56,14 +56,27 @@ pub(crate) async fn on_broker(
     for &variant in &s.variants {
         let mut runs = Vec::new();
         for run in 0..s.runs {
-            runs.push(run_once(broker, s, variant, run).await?);
+            let r = run_once(broker, s, variant, run).await?;
+            // Kept in the output as it happens, so a long session cut short still shows it.
+            println!(
+                "run done: {} {} run {}/{}: {} duplicates, {} lost, {} kills, {} self-crashes",
+                broker.kind(),
+                variant.name(),
+                run + 1,
+                s.runs,
+                r.duplicates,
+                r.lost,
+                r.kills,
+                r.self_crashes
+            );
+            runs.push(r);
         }
         let throughput = if s.throughput {
             Some(throughput(broker, s, variant).await?)
         } else {
             None
         };
-        results.push(VariantResult {
+        let result = VariantResult {
             broker: broker.kind(),
             variant,
             events: s.events,
@@ -71,7 +84,9 @@ pub(crate) async fn on_broker(
             runs,
             throughput,
             work_ms: s.work_ms,
-        });
+        };
+        println!("{}{}", report::VARIANT_DONE, result.json_line()?);
+        results.push(result);
     }
     Ok(results)
 }

@@ -76,6 +76,11 @@ impl VariantResult {
         spread(self.runs.iter().map(|r| r.lost))
     }
 
+    /// The JSON line of this result.
+    pub(crate) fn json_line(&self) -> Result<String, serde_json::Error> {
+        serde_json::to_string(&self.json())
+    }
+
     fn json(&self) -> Line {
         Line {
             broker: self.broker.name().to_owned(),
@@ -187,18 +192,22 @@ pub(crate) fn table(results: &[VariantResult]) {
     println!("median (min–max) per run; throughput from one run with no kills");
 }
 
+/// Precedes a variant's JSON line as soon as its runs are done, before the summary at the end.
+pub(crate) const VARIANT_DONE: &str = "variant done: ";
+
 /// One JSON line per broker and variant.
 pub(crate) fn json_lines(results: &[VariantResult]) {
     for r in results {
-        match serde_json::to_string(&r.json()) {
+        match r.json_line() {
             Ok(line) => println!("{line}"),
             Err(e) => eprintln!("cannot write the JSON line: {e}"),
         }
     }
 }
 
-/// The results in the JSON lines of `files` (other lines, such as the tables, are passed over),
-/// in the order read; a later line for the same broker and variant replaces an earlier one.
+/// The results in the JSON lines of `files`, also those a cut-short kill test printed after
+/// [`VARIANT_DONE`] (other lines, such as the tables, are passed over), in the order read; a
+/// later line for the same broker and variant replaces an earlier one.
 pub(crate) fn read_lines(files: &[impl AsRef<Path>]) -> Result<Vec<VariantResult>, BoxError> {
     let mut results: Vec<VariantResult> = Vec::new();
     for file in files {
@@ -207,6 +216,11 @@ pub(crate) fn read_lines(files: &[impl AsRef<Path>]) -> Result<Vec<VariantResult
             .map_err(|e| format!("reading {}: {e}", file.display()))?;
         for (n, raw) in text.lines().enumerate() {
             let raw = raw.trim();
+            // After progress lines drawn with carriage returns, the marker is mid-line.
+            let raw = match raw.find(VARIANT_DONE) {
+                Some(at) => &raw[at + VARIANT_DONE.len()..],
+                None => raw,
+            };
             if !raw.starts_with('{') {
                 continue;
             }
@@ -257,7 +271,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("wallet-report-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("lines.txt");
-        std::fs::write(&file, format!("a table line\n{line}\n")).unwrap();
+        std::fs::write(&file, format!("a table line\n{VARIANT_DONE}{line}\n")).unwrap();
         let back = read_lines(&[&file]).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!(back.len(), 1);
