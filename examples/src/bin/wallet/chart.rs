@@ -17,11 +17,13 @@ pub(crate) fn write(path: &Path, results: &[VariantResult]) -> Result<(), BoxErr
         std::fs::create_dir_all(dir)?;
     }
     let n = results.len().max(1);
-    let top = results
+    // Losses of an automatic ack run to thousands, duplicates of `b` to a few: a log scale
+    // (of 1 + v, so that 0 sits on the axis) keeps both readable.
+    let highest = results
         .iter()
         .map(|r| r.duplicates().median.max(r.lost().median))
-        .fold(1.0, f64::max)
-        * 1.2;
+        .fold(10.0, f64::max);
+    let top = scaled(highest) * 1.15;
     let width = (160 + 110 * n as u32).max(640);
     let root = SVGBackend::new(path, (width, 520)).into_drawing_area();
     root.fill(&WHITE)?;
@@ -38,12 +40,34 @@ pub(crate) fn write(path: &Path, results: &[VariantResult]) -> Result<(), BoxErr
     chart
         .configure_mesh()
         .disable_x_mesh()
+        .disable_y_mesh()
         .x_labels(0)
-        .y_desc("credits per run")
+        .y_labels(0)
+        .y_desc("per run (log scale)")
         .draw()?;
+    // The scale's ticks: 0, 1, 10, 100, ...
+    let tick_style = ("sans-serif", 12)
+        .into_font()
+        .into_text_style(&root)
+        .pos(Pos::new(HPos::Right, VPos::Center));
+    let mut tick = 0.0;
+    while scaled(tick) <= top {
+        let y = scaled(tick);
+        chart.draw_series(std::iter::once(PathElement::new(
+            vec![(0.0, y), (n as f64, y)],
+            RGBColor(220, 220, 220),
+        )))?;
+        chart.draw_series(std::iter::once(
+            EmptyElement::at((0.0, y)) + Text::new(format!("{tick}"), (-6, 0), tick_style.clone()),
+        ))?;
+        tick = if tick == 0.0 { 1.0 } else { tick * 10.0 };
+    }
     let bar = |i: usize, left: f64, value: f64, color: RGBColor| {
         let x = i as f64;
-        Rectangle::new([(x + left, 0.0), (x + left + 0.38, value)], color.filled())
+        Rectangle::new(
+            [(x + left, 0.0), (x + left + 0.38, scaled(value))],
+            color.filled(),
+        )
     };
     chart
         .draw_series(
@@ -75,7 +99,7 @@ pub(crate) fn write(path: &Path, results: &[VariantResult]) -> Result<(), BoxErr
         for (left, value) in [(0.29, r.duplicates().median), (0.71, r.lost().median)] {
             chart.draw_series(std::iter::once(Text::new(
                 format!("{value}"),
-                (x + left, value),
+                (x + left, scaled(value)),
                 centred(12),
             )))?;
         }
@@ -100,4 +124,9 @@ pub(crate) fn write(path: &Path, results: &[VariantResult]) -> Result<(), BoxErr
         .draw()?;
     root.present()?;
     Ok(())
+}
+
+/// Where `value` sits on the chart's log scale.
+fn scaled(value: f64) -> f64 {
+    (1.0 + value.max(0.0)).log10()
 }
