@@ -86,7 +86,9 @@ struct ZombieRun {
 
 const EVENTS: i64 = 12;
 /// How long the zombie's handler sleeps mid-write, on its first handling of the stalling event.
-const STALL: Duration = Duration::from_secs(8);
+/// Long enough for the close to land and for the client to notice it before the write ends: on
+/// a machine loaded with other work, `rabbitmqctl close_connection` once took 7 s to return.
+const STALL: Duration = Duration::from_secs(15);
 
 async fn zombie_run<St>(label: &str, db: &TestDb, store: St) -> ZombieRun
 where
