@@ -21,7 +21,9 @@ const SESSION_TIMEOUT: Duration = Duration::from_secs(6);
 /// batch with the batches after it, where Kafka returns the batch holding the offset: a consumer
 /// resuming from a commit in mid-batch would skip the rest of that batch. One record per batch
 /// makes every offset a batch start. Harmless on Apache Kafka; it only slows publishing.
-const ONE_RECORD_PER_BATCH: [(&str, &str); 1] = [("batch.num.messages", "1")];
+const ONE_RECORD_PER_BATCH: (&str, &str) = ("batch.num.messages", "1");
+/// A loaded test machine once kept Tansu from acknowledging within the default 30 s.
+const DELIVERY_TIMEOUT: (&str, &str) = ("message.timeout.ms", "120000");
 
 pub(crate) struct Kafka {
     brokers: String,
@@ -42,7 +44,10 @@ impl Kafka {
             })?;
         Ok(Self {
             admin: KafkaAdmin::new(&brokers)?,
-            producer: KafkaProducer::with_properties(&brokers, ONE_RECORD_PER_BATCH)?,
+            producer: KafkaProducer::with_properties(
+                &brokers,
+                [ONE_RECORD_PER_BATCH, DELIVERY_TIMEOUT],
+            )?,
             brokers,
         })
     }
