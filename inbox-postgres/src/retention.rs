@@ -97,12 +97,23 @@ impl Storage {
 
 impl PgInbox {
     /// The advisory-lock key cleaners of this table share: the first 8 bytes of SHA-256 over
-    /// `inbox purge <table>`, so inboxes in other tables purge independently.
-    pub fn purge_lock_key(&self) -> i64 {
-        let digest = Sha256::digest(format!("inbox purge {}", self.table()).as_bytes());
+    /// `inbox purge <schema>.<table>`, with the schema the table resolves to (through the
+    /// `search_path` when none was given), so inboxes in other tables or schemas purge
+    /// independently.
+    pub async fn purge_lock_key(&self) -> Result<i64> {
+        let t = self.table();
+        let schema: String = sqlx::query_scalar(
+            "SELECT n.nspname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE c.oid = $1::regclass",
+        )
+        .bind(t.to_string())
+        .fetch_one(self.pool())
+        .await
+        .map_err(db("finding the inbox table's schema"))?;
+        let digest = Sha256::digest(format!("inbox purge {schema}.{}", t.table()).as_bytes());
         let mut bytes = [0u8; 8];
         bytes.copy_from_slice(&digest[..8]);
-        i64::from_be_bytes(bytes)
+        Ok(i64::from_be_bytes(bytes))
     }
 
     /// Deletes rows processed more than `older_than` ago, `batch` rows per statement (at least
@@ -121,6 +132,7 @@ impl PgInbox {
     pub async fn purge(&self, older_than: Duration, batch: i64) -> Result<PurgeReport> {
         let batch = batch.max(1);
         let window_minutes = i64::try_from(older_than.as_secs() / 60).unwrap_or(i64::MAX / 2);
+        let key = self.purge_lock_key().await?;
         let mut conn = self
             .pool()
             .acquire()
@@ -128,7 +140,7 @@ impl PgInbox {
             .map_err(db("opening the cleaner connection"))?
             .detach();
         let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-            .bind(self.purge_lock_key())
+            .bind(key)
             .fetch_one(&mut conn)
             .await
             .map_err(db("taking the cleaner lock"))?;
@@ -137,7 +149,13 @@ impl PgInbox {
             return Ok(PurgeReport::SkippedOtherCleaner);
         }
         let result = self.purge_batches(&mut conn, window_minutes, batch).await;
-        // Closing the session releases the lock whatever happened above.
+        // Unlocking explicitly: the server ends a closed session a moment after the client, so
+        // a purge right after this one could otherwise still find the lock taken. Closing the
+        // session releases it anyway, whatever happened above.
+        let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(key)
+            .execute(&mut conn)
+            .await;
         let _ = conn.close().await;
         result
     }

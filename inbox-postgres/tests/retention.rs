@@ -64,7 +64,7 @@ async fn a_second_cleaner_skips_while_one_holds_the_lock() {
         .await
         .unwrap();
     sqlx::query("SELECT pg_advisory_lock($1)")
-        .bind(inbox.purge_lock_key())
+        .bind(inbox.purge_lock_key().await.unwrap())
         .execute(&mut other)
         .await
         .unwrap();
@@ -86,14 +86,15 @@ async fn a_second_cleaner_skips_while_one_holds_the_lock() {
     assert_eq!(a.deleted() + b.deleted(), 30, "{a:?} {b:?}");
     assert_eq!(db.inbox_rows().await, 0);
 
-    // Inboxes in other tables purge independently.
+    // Inboxes in other tables, or of the same name in other schemas, purge independently.
     let other_table = inbox_postgres::TableName::qualified(&db.schema, "inbox2").unwrap();
-    assert_ne!(
-        PgInbox::new(db.pool.clone())
-            .with_table(other_table)
-            .purge_lock_key(),
-        inbox.purge_lock_key()
-    );
+    let other = PgInbox::new(db.pool.clone()).with_table(other_table);
+    other.migrate().await.unwrap();
+    let key = inbox.purge_lock_key().await.unwrap();
+    assert_ne!(other.purge_lock_key().await.unwrap(), key);
+    let elsewhere = TestDb::new().await;
+    assert_ne!(elsewhere.inbox().purge_lock_key().await.unwrap(), key);
+    elsewhere.drop().await;
     db.drop().await;
 }
 
