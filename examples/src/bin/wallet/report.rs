@@ -161,24 +161,26 @@ pub(crate) fn table(results: &[VariantResult]) {
         return;
     };
     println!(
-        "\n{}: {} events, {} kills per run, {} runs per variant, handlers sleep {} ms",
-        first.broker,
-        first.events,
-        first.kills_per_run,
-        first.runs.len(),
-        first.work_ms
+        "\n{}: {} events, {} kills per run, handlers sleep {} ms",
+        first.broker, first.events, first.kills_per_run, first.work_ms
     );
     println!(
-        "{:<32} {:>26} {:>22} {:>14} {:>8}",
-        "variant", "duplicate credits per run", "lost messages per run", "msgs/s no kill", "exact"
+        "{:<32} {:>4} {:>26} {:>22} {:>14} {:>8}",
+        "variant",
+        "runs",
+        "duplicate credits per run",
+        "lost messages per run",
+        "msgs/s no kill",
+        "exact"
     );
     for r in results {
         let rate = r
             .throughput
             .map_or_else(|| "-".to_owned(), |t| format!("{t:.1}"));
         println!(
-            "{:<32} {:>26} {:>22} {:>14} {:>8}",
+            "{:<32} {:>4} {:>26} {:>22} {:>14} {:>8}",
             r.variant.label(),
+            r.runs.len(),
             r.duplicates().show(),
             r.lost().show(),
             rate,
