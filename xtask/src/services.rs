@@ -303,9 +303,10 @@ fn sqs() -> Result {
     let (host, port) = host_port(&url, 4566);
     if needs_start("SQS (moto)", "AWS_ENDPOINT_URL_SQS", &host, port)? {
         if !quiet("python3", &["-c", "import moto.server"]) {
+            // The version the launcher below was written against.
             run(
                 "python3",
-                &["-m", "pip", "install", "--quiet", "moto[server]"],
+                &["-m", "pip", "install", "--quiet", "moto[server]==5.2.1"],
             )?;
         }
         let python = which("python3").ok_or("python3 is not on PATH")?;
