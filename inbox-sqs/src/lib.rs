@@ -112,7 +112,7 @@ mod source;
 pub use ack::SqsAck;
 /// Re-exported so callers adjust the loader from [`config_loader`] with the same version.
 pub use aws_config;
-pub use client::{config_loader, connect, connect_to};
+pub use client::{config_loader, connect, connect_or_local, connect_to};
 pub use config::{AckMode, SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
 pub use dead_letter::REASON_ATTRIBUTE;
 pub use error::{Error, Result};

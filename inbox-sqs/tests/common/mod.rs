@@ -3,11 +3,9 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::collections::HashMap;
-use std::env;
 use std::time::Duration;
 
 use inbox_postgres::testkit::wallet::CreditEvent;
-use inbox_sqs::aws_sdk_sqs::config::{Credentials, Region};
 use inbox_sqs::aws_sdk_sqs::types::{Message, MessageSystemAttributeName, QueueAttributeName};
 use inbox_sqs::aws_sdk_sqs::Client;
 
@@ -17,31 +15,7 @@ pub const LOCAL_ENDPOINT: &str = "http://127.0.0.1:4566";
 /// A client for `AWS_ENDPOINT_URL_SQS` (default the local endpoint), with region us-east-1 and
 /// dummy credentials only where none are configured, so the same tests run against AWS.
 pub async fn client() -> Client {
-    let set = |name: &str| env::var_os(name).is_some_and(|v| !v.is_empty());
-    let mut loader = inbox_sqs::config_loader();
-    if !set("AWS_ENDPOINT_URL_SQS") && !set("AWS_ENDPOINT_URL") {
-        loader = loader.endpoint_url(LOCAL_ENDPOINT);
-    }
-    if !set("AWS_REGION") && !set("AWS_DEFAULT_REGION") && !set("AWS_PROFILE") {
-        loader = loader.region(Region::new("us-east-1"));
-    }
-    let configured = [
-        "AWS_ACCESS_KEY_ID",
-        "AWS_PROFILE",
-        "AWS_WEB_IDENTITY_TOKEN_FILE",
-    ]
-    .iter()
-    .any(|name| set(name));
-    if !configured {
-        loader = loader.credentials_provider(Credentials::new(
-            "test",
-            "test",
-            None,
-            None,
-            "inbox-sqs-tests",
-        ));
-    }
-    Client::new(&loader.load().await)
+    inbox_sqs::connect_or_local(LOCAL_ENDPOINT).await
 }
 
 fn random_name(prefix: &str) -> String {

@@ -4,7 +4,6 @@ use std::time::Duration;
 
 use inbox_core::{async_trait, BoxError, MessageId, StatsSnapshot};
 use inbox_postgres::testkit::TestDb;
-use inbox_sqs::aws_sdk_sqs::config::{Credentials, Region};
 use inbox_sqs::aws_sdk_sqs::types::QueueAttributeName;
 use inbox_sqs::aws_sdk_sqs::Client;
 use inbox_sqs::{AckMode, SqsSender, SqsSource};
@@ -25,26 +24,7 @@ impl Sqs {
     /// A client from the environment; the local endpoint, region us-east-1 and test
     /// credentials only where none are configured.
     pub(crate) async fn connect() -> Result<Self, BoxError> {
-        let set = |name: &str| std::env::var_os(name).is_some_and(|v| !v.is_empty());
-        let mut loader = inbox_sqs::config_loader();
-        if !set("AWS_ENDPOINT_URL_SQS") && !set("AWS_ENDPOINT_URL") {
-            loader = loader.endpoint_url(LOCAL_ENDPOINT);
-        }
-        if !set("AWS_REGION") && !set("AWS_DEFAULT_REGION") && !set("AWS_PROFILE") {
-            loader = loader.region(Region::new("us-east-1"));
-        }
-        let configured = [
-            "AWS_ACCESS_KEY_ID",
-            "AWS_PROFILE",
-            "AWS_WEB_IDENTITY_TOKEN_FILE",
-        ]
-        .iter()
-        .any(|name| set(name));
-        if !configured {
-            loader =
-                loader.credentials_provider(Credentials::new("test", "test", None, None, "wallet"));
-        }
-        let client = Client::new(&loader.load().await);
+        let client = inbox_sqs::connect_or_local(LOCAL_ENDPOINT).await;
         client
             .list_queues()
             .max_results(1)
