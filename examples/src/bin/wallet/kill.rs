@@ -267,8 +267,17 @@ pub(crate) async fn spawn_ready(spec: &ConsumerSpec) -> Result<Child, BoxError> 
     .into())
 }
 
+/// How often a draining consumer that applies nothing while the broker still holds messages is
+/// replaced by a new one before the drain gives up.
+const DRAIN_RESTARTS: u32 = 5;
+
 /// Runs a clean consumer until the ledger is quiet and the broker holds nothing more; returns
 /// the time from its start to its last write.
+///
+/// A consumer that applies nothing for the redelivery delay and 10 s more while the broker still
+/// holds messages is stopped and replaced, at most [`DRAIN_RESTARTS`] times, each said on stderr:
+/// Tansu 0.6 can leave a group whose leader died during a rebalance with an empty assignment for
+/// its last member, which then waits forever; a new member makes the group rebalance.
 pub(crate) async fn drain(
     broker: &dyn Broker,
     spec: &ConsumerSpec,
@@ -276,55 +285,75 @@ pub(crate) async fn drain(
     published: i64,
     label: &str,
 ) -> Result<Duration, BoxError> {
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let consumer = broker.consume(
-        spec,
-        db,
-        Watch::default(),
-        Box::pin(async {
-            let _ = stopped.await;
-        }),
-    );
-    tokio::pin!(consumer);
     let start = Instant::now();
     let (mut rows, mut last_change) = (-1, start);
     let delay = broker.redelivery_delay();
+    let mut restarts = 0;
     loop {
-        tokio::select! {
-            finished = &mut consumer => {
-                finished?;
-                return Err("the draining consumer stopped by itself".into());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let consumer = broker.consume(
+            spec,
+            db,
+            Watch::default(),
+            Box::pin(async {
+                let _ = stopped.await;
+            }),
+        );
+        tokio::pin!(consumer);
+        let member_start = Instant::now();
+        let finished = loop {
+            tokio::select! {
+                finished = &mut consumer => {
+                    finished?;
+                    return Err("the draining consumer stopped by itself".into());
+                }
+                () = tokio::time::sleep(Duration::from_millis(200)) => {}
             }
-            () = tokio::time::sleep(Duration::from_millis(200)) => {}
-        }
-        let summary = wallet::summary(&db.pool).await?;
-        if summary.ledger_rows != rows {
-            rows = summary.ledger_rows;
-            last_change = Instant::now();
-        }
-        progress(&format!(
-            "{label}: draining, {}/{published} events applied",
-            summary.distinct_events
-        ));
-        let quiet = last_change.elapsed();
-        let empty = || async { matches!(broker.left(&spec.name).await, Ok(None | Some(0))) };
-        let done = if summary.distinct_events >= published && quiet >= Duration::from_secs(1) {
-            empty().await
-        } else {
-            quiet >= delay && (empty().await || quiet >= delay + Duration::from_secs(60))
+            let summary = wallet::summary(&db.pool).await?;
+            if summary.ledger_rows != rows {
+                rows = summary.ledger_rows;
+                last_change = Instant::now();
+            }
+            progress(&format!(
+                "{label}: draining, {}/{published} events applied",
+                summary.distinct_events
+            ));
+            let quiet = last_change.elapsed();
+            let empty = |left: &Result<Option<u64>, BoxError>| matches!(left, Ok(None | Some(0)));
+            if summary.distinct_events >= published && quiet >= Duration::from_secs(1) {
+                if empty(&broker.left(&spec.name).await) {
+                    break true;
+                }
+            } else if quiet >= delay {
+                let left = broker.left(&spec.name).await;
+                // Idle since the later of the last write and this member's start.
+                let idle = quiet.min(member_start.elapsed());
+                if empty(&left) || idle >= delay + Duration::from_secs(60) {
+                    break true;
+                }
+                if restarts < DRAIN_RESTARTS && idle >= delay + Duration::from_secs(10) {
+                    eprintln!(
+                        "\n{label}: the draining consumer applied nothing for {} s while the \
+                         broker holds {} messages; replacing it",
+                        idle.as_secs(),
+                        left.ok().flatten().unwrap_or_default()
+                    );
+                    break false;
+                }
+            }
         };
-        if done {
-            break;
+        let _ = stop.send(());
+        match tokio::time::timeout(Duration::from_secs(30), consumer).await {
+            Ok(result) => {
+                result?;
+            }
+            Err(_) => eprintln!("\n{label}: the draining consumer did not stop in 30 s"),
         }
-    }
-    let _ = stop.send(());
-    match tokio::time::timeout(Duration::from_secs(30), consumer).await {
-        Ok(result) => {
-            result?;
+        if finished {
+            return Ok(last_change - start);
         }
-        Err(_) => eprintln!("\n{label}: the draining consumer did not stop in 30 s"),
+        restarts += 1;
     }
-    Ok(last_change - start)
 }
 
 /// One progress line on stderr, rewritten in place.
