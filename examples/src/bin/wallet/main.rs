@@ -2,20 +2,7 @@
 //! with a ledger row each, on Kafka, SQS, RabbitMQ or Redis Streams; and the evidence that the
 //! inbox makes them effectively-once: the article's kill test and zombie test.
 //!
-//! ```text
-//! cargo xtask demo                      # services, then a short kill test of b and c on every broker
-//! cargo xtask demo --full               # the article's settings: 4 variants, 5 runs of 20 kills
-//! wallet kill-test [--brokers kafka,sqs,rabbitmq,redis] [--variants a1,a2,b,c] [--events 10000]
-//!                  [--kills 20] [--runs 5] [--kill-after-ms 1000..8000] [--work-ms 10] [--seed 42]
-//!                  [--crash-between-commit-and-ack P] [--throughput true] [--throughput-events N]
-//!                  [--chart target/wallet-kill-test.svg] [--require-brokers false]
-//! wallet zombie-test [--brokers …] [--variants b,c] [--events 5000] [--stall-every 500] [--runs 1]
-//! wallet consume --broker B --variant V --name QUEUE --schema S [--work-ms 10]
-//!                [--crash-between-commit-and-ack P]
-//! wallet publish --broker B --name QUEUE [--events N] [--seed S]
-//! wallet memory-demo                    # the in-memory broker with crash points; only PostgreSQL
-//! wallet report [--chart target/wallet-kill-test.svg] FILE…   # tables and chart from saved runs
-//! ```
+//! `wallet --help` lists the commands and their options.
 //!
 //! Variants: `a1` the broker's automatic ack, one message at a time (Kafka auto-commit, SQS
 //! delete on receive, RabbitMQ `no_ack`, Redis `NOACK`); `a2` the same in batches of 100 (10 on
@@ -46,7 +33,25 @@ use crate::cli::{num, parse_flags, BrokerKind, ConsumerSpec, Variant};
 use crate::consume::Watch;
 use crate::settings::{KillSettings, ZombieSettings};
 
-const USAGE: &str = "usage: wallet demo [--full] [kill-test options] | kill-test [options] | zombie-test [options] | consume … | publish … | memory-demo [options] | report [--chart SVG] FILE…\n(see the docs at the top of examples/src/bin/wallet/main.rs)";
+/// What `wallet --help` prints.
+const HELP: &str = r"cargo xtask demo                      # services, then a short kill test of b and c on every broker
+cargo xtask demo --full               # the article's settings: 4 variants, 5 runs of 20 kills
+wallet kill-test [--brokers kafka,sqs,rabbitmq,redis] [--variants a1,a2,b,c] [--events 10000]
+                 [--kills 20] [--runs 5] [--kill-after-ms 1000..8000] [--work-ms 10] [--seed 42]
+                 [--crash-between-commit-and-ack P] [--throughput true] [--throughput-events N]
+                 [--chart target/wallet-kill-test.svg] [--require-brokers false]
+wallet zombie-test [--brokers …] [--variants b,c] [--events 5000] [--stall-every 500] [--runs 1]
+wallet consume --broker B --variant V --name QUEUE --schema S [--work-ms 10]
+               [--crash-between-commit-and-ack P]
+wallet publish --broker B --name QUEUE [--events N] [--seed S]
+wallet memory-demo                    # the in-memory broker with crash points; only PostgreSQL
+wallet report [--chart target/wallet-kill-test.svg] FILE…   # tables and chart from saved runs
+variants: a1 the broker's automatic ack, a2 the same in batches, b ack after the DB commit
+without the inbox, c the inbox; services at DATABASE_URL, KAFKA_BROKERS, AWS_ENDPOINT_URL_SQS,
+AMQP_URL, REDIS_URL (defaults: what `cargo xtask services` starts)
+";
+
+const USAGE: &str = "usage: wallet demo [--full] [kill-test options] | kill-test [options] | zombie-test [options] | consume … | publish … | memory-demo [options] | report [--chart SVG] FILE…\n`wallet --help` lists the options";
 
 /// Tells the parent `kill-test` that this `consume` child is connected and consuming.
 pub(crate) fn ready() {
@@ -68,6 +73,13 @@ async fn main() -> ExitCode {
         eprintln!("{USAGE}");
         return ExitCode::FAILURE;
     };
+    if args
+        .iter()
+        .any(|a| matches!(a.as_str(), "--help" | "-h" | "help"))
+    {
+        print!("{HELP}");
+        return ExitCode::SUCCESS;
+    }
     let result = match command.as_str() {
         "demo" => demo(rest).await,
         "kill-test" => match KillSettings::full().parse(rest) {
