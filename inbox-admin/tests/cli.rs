@@ -7,7 +7,6 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use inbox_postgres::testkit::TestDb;
-use inbox_postgres::PgInbox;
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
@@ -20,24 +19,6 @@ fn admin(args: &[&str]) -> Output {
 
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
-}
-
-/// Inserts `n` rows for `consumer`, processed `age` ago.
-async fn insert_rows(db: &TestDb, inbox: &PgInbox, consumer: &str, n: i64, age: Duration) {
-    let id = inbox.consumer_id(consumer).await.unwrap();
-    let minutes = i64::try_from(age.as_secs() / 60).unwrap();
-    sqlx::query(
-        "INSERT INTO inbox (message_id, processed_minute, consumer_id)
-         SELECT $1 || '-' || $3 || '-' || g, (floor(extract(epoch FROM now()) / 60) - $3)::integer, $2
-         FROM generate_series(1, $4) g",
-    )
-    .bind(consumer)
-    .bind(id)
-    .bind(minutes)
-    .bind(n)
-    .execute(&db.pool)
-    .await
-    .unwrap();
 }
 
 #[tokio::test]
@@ -74,9 +55,8 @@ async fn migrate_creates_the_table_in_the_named_schema_with_the_key_mode() {
 #[tokio::test]
 async fn purge_deletes_expired_rows_batch_by_batch_and_keeps_fresh_ones() {
     let db = TestDb::new().await;
-    let inbox = db.inbox();
-    insert_rows(&db, &inbox, "billing", 2_500, 20 * DAY).await;
-    insert_rows(&db, &inbox, "billing", 10, DAY).await;
+    db.insert_aged_rows("billing", 2_500, 20 * DAY).await;
+    db.insert_aged_rows("billing", 10, DAY).await;
 
     let out = admin(&[
         "purge",
@@ -104,8 +84,7 @@ async fn purge_deletes_expired_rows_batch_by_batch_and_keeps_fresh_ones() {
 #[tokio::test]
 async fn stats_exits_2_when_a_consumer_remembers_less_than_the_minimum_window() {
     let db = TestDb::new().await;
-    let inbox = db.inbox();
-    insert_rows(&db, &inbox, "billing", 30, 20 * DAY).await;
+    db.insert_aged_rows("billing", 30, 20 * DAY).await;
 
     let long_enough = admin(&["stats", "--schema", &db.schema, "--min-window", "7d"]);
     assert_eq!(long_enough.status.code(), Some(0), "{long_enough:?}");
@@ -114,7 +93,7 @@ async fn stats_exits_2_when_a_consumer_remembers_less_than_the_minimum_window() 
     assert!(stdout.contains("billing"), "{stdout}");
     assert!(!stdout.contains("SHORTER"), "{stdout}");
 
-    insert_rows(&db, &inbox, "shipping", 5, 2 * DAY).await;
+    db.insert_aged_rows("shipping", 5, 2 * DAY).await;
     let short = admin(&["stats", "--schema", &db.schema, "--min-window", "7d"]);
     assert_eq!(short.status.code(), Some(2), "{short:?}");
     let stdout = text(&short.stdout);

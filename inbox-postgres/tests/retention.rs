@@ -11,30 +11,12 @@ use sqlx::{Connection, PgConnection};
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
-/// Inserts `n` rows for `consumer`, processed `age` ago.
-async fn insert_rows(db: &TestDb, inbox: &PgInbox, consumer: &str, n: i64, age: Duration) {
-    let id = inbox.consumer_id(consumer).await.unwrap();
-    let minutes = i64::try_from(age.as_secs() / 60).unwrap();
-    sqlx::query(
-        "INSERT INTO inbox (message_id, processed_minute, consumer_id)
-         SELECT $1 || '-' || $3 || '-' || g, (floor(extract(epoch FROM now()) / 60) - $3)::integer, $2
-         FROM generate_series(1, $4) g",
-    )
-    .bind(consumer)
-    .bind(id)
-    .bind(minutes)
-    .bind(n)
-    .execute(&db.pool)
-    .await
-    .unwrap();
-}
-
 #[tokio::test]
 async fn purge_deletes_expired_rows_in_batches_and_keeps_recent_ones() {
     let db = TestDb::new().await;
     let inbox = db.inbox();
-    insert_rows(&db, &inbox, "old", 25_000, 20 * DAY).await;
-    insert_rows(&db, &inbox, "fresh", 100, Duration::ZERO).await;
+    db.insert_aged_rows("old", 25_000, 20 * DAY).await;
+    db.insert_aged_rows("fresh", 100, Duration::ZERO).await;
 
     let report = inbox.purge(14 * DAY, 10_000).await.unwrap();
     assert_eq!(report.batches(), &[10_000, 10_000, 5_000, 0]);
@@ -57,7 +39,7 @@ async fn purge_deletes_expired_rows_in_batches_and_keeps_recent_ones() {
 async fn a_second_cleaner_skips_while_one_holds_the_lock() {
     let db = TestDb::new().await;
     let inbox = db.inbox();
-    insert_rows(&db, &inbox, "old", 50, 20 * DAY).await;
+    db.insert_aged_rows("old", 50, 20 * DAY).await;
 
     // Another instance's cleaner, mid-purge.
     let mut other = PgConnection::connect(&inbox_postgres::testkit::database_url())
@@ -80,7 +62,7 @@ async fn a_second_cleaner_skips_while_one_holds_the_lock() {
     assert_eq!(report.batches(), &[50, 0]);
 
     // Two purges started together: exactly one cleaner at a time; whichever ran deleted all.
-    insert_rows(&db, &inbox, "old2", 30, 20 * DAY).await;
+    db.insert_aged_rows("old2", 30, 20 * DAY).await;
     let (a, b) = tokio::join!(inbox.purge(14 * DAY, 7), inbox.purge(14 * DAY, 7));
     let (a, b) = (a.unwrap(), b.unwrap());
     assert_eq!(a.deleted() + b.deleted(), 30, "{a:?} {b:?}");
@@ -102,9 +84,9 @@ async fn a_second_cleaner_skips_while_one_holds_the_lock() {
 async fn oldest_per_consumer_reports_each_consumers_window_and_the_alarm() {
     let db = TestDb::new().await;
     let inbox = db.inbox();
-    insert_rows(&db, &inbox, "billing", 10, 20 * DAY).await;
-    insert_rows(&db, &inbox, "billing", 5, DAY).await;
-    insert_rows(&db, &inbox, "shipping", 3, 2 * DAY).await;
+    db.insert_aged_rows("billing", 10, 20 * DAY).await;
+    db.insert_aged_rows("billing", 5, DAY).await;
+    db.insert_aged_rows("shipping", 3, 2 * DAY).await;
     inbox.consumer_id("idle").await.unwrap();
 
     let now = SystemTime::now();
@@ -145,7 +127,7 @@ async fn storage_counts_rows_heap_and_indexes() {
     let empty = inbox.storage().await.unwrap();
     assert_eq!(empty.rows, 0);
     assert_eq!(empty.bytes_per_row(), None);
-    insert_rows(&db, &inbox, "c", 1_000, Duration::ZERO).await;
+    db.insert_aged_rows("c", 1_000, Duration::ZERO).await;
     let s = inbox.storage().await.unwrap();
     assert_eq!(s.rows, 1_000);
     assert!(s.heap_bytes >= 8192 && s.index_bytes >= 8192, "{s:?}");
@@ -157,7 +139,7 @@ async fn storage_counts_rows_heap_and_indexes() {
 async fn the_background_purger_purges() {
     let db = TestDb::new().await;
     let inbox = db.inbox();
-    insert_rows(&db, &inbox, "old", 20, 20 * DAY).await;
+    db.insert_aged_rows("old", 20, 20 * DAY).await;
     let handle = inbox_postgres::spawn_purger(inbox.clone(), 14 * DAY, Duration::from_secs(3600));
     let mut rows = db.inbox_rows().await;
     for _ in 0..100 {

@@ -90,6 +90,33 @@ impl TestDb {
             .unwrap_or_else(|e| panic!("cannot count inbox rows: {e}"))
     }
 
+    /// Inserts `n` rows into this schema's `inbox` table for `consumer`, processed `age` ago (to
+    /// the minute), with IDs `<consumer>-<minutes>-<i>`: old rows for retention tests.
+    ///
+    /// # Panics
+    /// When the rows cannot be inserted.
+    pub async fn insert_aged_rows(&self, consumer: &str, n: i64, age: std::time::Duration) {
+        let id = self
+            .inbox()
+            .consumer_id(consumer)
+            .await
+            .unwrap_or_else(|e| panic!("cannot register consumer {consumer}: {e}"));
+        let minutes = i64::try_from(age.as_secs() / 60).unwrap_or(i64::MAX);
+        sqlx::query(
+            "INSERT INTO inbox (message_id, processed_minute, consumer_id)
+             SELECT $1 || '-' || $3 || '-' || g,
+                    (floor(extract(epoch FROM now()) / 60) - $3)::integer, $2
+             FROM generate_series(1, $4) g",
+        )
+        .bind(consumer)
+        .bind(id)
+        .bind(minutes)
+        .bind(n)
+        .execute(&self.pool)
+        .await
+        .unwrap_or_else(|e| panic!("cannot insert aged inbox rows: {e}"));
+    }
+
     /// Drops the schema and everything in it.
     pub async fn drop(self) {
         let schema = &self.schema;
