@@ -47,7 +47,7 @@ impl fmt::Display for BrokerKind {
 pub(crate) enum Variant {
     /// The client's automatic ack, one message at a time.
     A1,
-    /// The same with batches of 100.
+    /// The same in batches: 100 messages, 10 on SQS (its largest receive).
     A2,
     /// Ack after the DB commit, no inbox.
     B,
@@ -70,7 +70,7 @@ impl Variant {
     pub(crate) fn label(self) -> &'static str {
         match self {
             Self::A1 => "a1: auto-ack, one at a time",
-            Self::A2 => "a2: auto-ack, batches of 100",
+            Self::A2 => "a2: auto-ack, in batches",
             Self::B => "b: ack after the DB, no inbox",
             Self::C => "c: inbox + ack after the DB",
         }
