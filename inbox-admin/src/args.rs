@@ -1,117 +1,181 @@
-//! The command line, parsed by hand: a command, then `--name value` or `--name=value` options.
+//! The command line, parsed by clap: a command, options shared by every command, and durations
+//! in humantime's forms (`14d`, `36h`, `90m`, `2w`, `1day 12h`).
 
-use std::collections::HashMap;
 use std::time::Duration;
 
-use crate::CliError;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use inbox_postgres::{KeyMode, DEFAULT_PURGE_BATCH};
 
-pub(crate) const USAGE: &str = "\
-usage: inbox-admin <command> [options]
+/// The shortest `purge --older-than` taken without `--force`: anything shorter is almost always a
+/// slipped unit (`14m` for `14d`), and forgets messages a redelivery may still bring back.
+pub(crate) const PURGE_FLOOR: Duration = Duration::from_secs(3600);
 
-commands:
-  migrate                                  create the inbox tables and indexes
-  purge --older-than 14d [--batch 10000]   delete expired rows in batches, printing each batch
-  stats [--min-window 7d]                  rows, bytes per row, oldest remembered time per
-                                           consumer; exit status 2 when a consumer's window
-                                           (now - oldest) is shorter than --min-window
-  measure-storage [--rows 1000000] [--runs 5]
-                                           bytes per row for text, uuid v4, uuid v7 and hashed
-                                           keys, in a scratch schema dropped afterwards
+const DEFAULT_DATABASE_URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/inbox";
 
-options for every command:
-  --database-url URL   default: $DATABASE_URL, else postgres://postgres:postgres@127.0.0.1:5432/inbox
-  --schema NAME        default: the connection's search_path
-  --table NAME         default: inbox
-  --key-mode MODE      text, uuid or hashed (migrate only); default: text
-
-durations: a number and a unit, s, m, h, d or w (14d, 36h).";
-
-/// A parsed command line.
-#[derive(Debug)]
-pub(crate) struct Args {
-    pub(crate) command: String,
-    options: HashMap<String, String>,
+/// The operator CLI of the PostgreSQL inbox.
+#[derive(Debug, Parser)]
+#[command(
+    name = "inbox-admin",
+    version,
+    arg_required_else_help = true,
+    after_help = "\
+Durations: a number and a unit, like 14d, 36h, 90m, 30s or 2w; parts add up (1d 12h).
+Exit status: 0 done; 1 the command failed (database, table name); 2 the command line is wrong;
+3 `stats --min-window` found a consumer whose window is too short."
+)]
+pub(crate) struct Cli {
+    #[command(flatten)]
+    pub(crate) target: Target,
+    #[command(subcommand)]
+    pub(crate) command: Command,
 }
 
-const COMMON: &[&str] = &["database-url", "schema", "table", "key-mode"];
+/// Which database and inbox table a command works on (accepted before or after the command).
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Database and table (any command)")]
+pub(crate) struct Target {
+    /// PostgreSQL connection URL.
+    #[arg(
+        long,
+        global = true,
+        value_name = "URL",
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = DEFAULT_DATABASE_URL
+    )]
+    pub(crate) database_url: String,
+    /// Schema of the inbox table [default: the connection's search_path].
+    #[arg(long, global = true, value_name = "NAME")]
+    pub(crate) schema: Option<String>,
+    /// Name of the inbox table.
+    #[arg(long, global = true, value_name = "NAME", default_value = "inbox")]
+    pub(crate) table: String,
+    /// Key column type; only `migrate` reads it, the other commands work with any.
+    #[arg(
+        long,
+        global = true,
+        value_name = "MODE",
+        value_enum,
+        default_value_t = Keys::Text
+    )]
+    pub(crate) key_mode: Keys,
+}
 
-impl Args {
-    pub(crate) fn parse(mut raw: impl Iterator<Item = String>) -> Result<Self, CliError> {
-        let command = raw
-            .next()
-            .ok_or_else(|| CliError::Usage("no command given".to_owned()))?;
-        let mut options = HashMap::new();
-        while let Some(arg) = raw.next() {
-            let Some(name) = arg.strip_prefix("--") else {
-                return Err(CliError::Usage(format!("unexpected argument `{arg}`")));
-            };
-            let (name, value) = match name.split_once('=') {
-                Some((name, value)) => (name.to_owned(), value.to_owned()),
-                None => {
-                    let value = raw.next().ok_or_else(|| {
-                        CliError::Usage(format!("option `--{name}` needs a value"))
-                    })?;
-                    (name.to_owned(), value)
-                }
-            };
-            options.insert(name, value);
-        }
-        Ok(Self { command, options })
-    }
+/// `--key-mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Keys {
+    /// Message IDs as text, any string.
+    Text,
+    /// Native `uuid` keys; every message ID must be a UUID.
+    Uuid,
+    /// 16 bytes of SHA-256 over consumer and message ID, stored as `uuid`.
+    Hashed,
+}
 
-    /// Refuses options `command` does not take, so a typo is not silently ignored.
-    pub(crate) fn allow(&self, specific: &[&str]) -> Result<(), CliError> {
-        for name in self.options.keys() {
-            if !COMMON.contains(&name.as_str()) && !specific.contains(&name.as_str()) {
-                return Err(CliError::Usage(format!(
-                    "`{}` does not take `--{name}`",
-                    self.command
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    pub(crate) fn get(&self, name: &str) -> Option<&str> {
-        self.options.get(name).map(String::as_str)
-    }
-
-    pub(crate) fn duration(&self, name: &str) -> Result<Option<Duration>, CliError> {
-        self.get(name).map(|v| parse_duration(name, v)).transpose()
-    }
-
-    pub(crate) fn number(&self, name: &str, default: i64) -> Result<i64, CliError> {
-        match self.get(name) {
-            None => Ok(default),
-            Some(v) => v.parse::<i64>().ok().filter(|n| *n > 0).ok_or_else(|| {
-                CliError::Usage(format!("`--{name} {v}` is not a positive whole number"))
-            }),
+impl From<Keys> for KeyMode {
+    fn from(keys: Keys) -> Self {
+        match keys {
+            Keys::Text => KeyMode::Text,
+            Keys::Uuid => KeyMode::Uuid,
+            Keys::Hashed => KeyMode::Hashed,
         }
     }
 }
 
-/// `14d`, `36h`, `90m`, `30s`, `2w`.
-pub(crate) fn parse_duration(name: &str, value: &str) -> Result<Duration, CliError> {
-    let bad = || {
-        CliError::Usage(format!(
-            "`--{name} {value}` is not a duration (a number and s, m, h, d or w, like 14d)"
-        ))
-    };
-    let split = value.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
-    let (number, unit) = value.split_at(split);
-    let number: u64 = number.parse().map_err(|_| bad())?;
-    let seconds = match unit {
-        "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        "d" => 86_400,
-        "w" => 7 * 86_400,
-        _ => return Err(bad()),
-    };
-    number
-        .checked_mul(seconds)
-        .map(Duration::from_secs)
-        .ok_or_else(bad)
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Create the inbox tables and indexes (safe to run again).
+    Migrate,
+    /// Delete expired rows in batches, printing each batch.
+    #[command(
+        long_about = "Delete rows processed longer ago than --older-than, in batches of --batch \
+            rows (each its own short transaction), printing each batch.\n\n\
+            A window below 1h is refused unless --force (or --yes) is given: it is almost always \
+            a slipped unit (14m for 14d), and forgets messages a redelivery may still bring back, \
+            which would then be applied twice."
+    )]
+    Purge(Purge),
+    /// Rows, bytes per row and the oldest remembered time per consumer.
+    #[command(
+        long_about = "Rows, bytes per row and the oldest remembered time per consumer.\n\n\
+            With --min-window, exit status 3 when a consumer's window (now - its oldest row) is \
+            shorter than it: a redelivery older than that window would be applied again."
+    )]
+    Stats(Stats),
+    /// Bytes per row for text, uuid v4, uuid v7 and hashed keys, measured in a scratch schema
+    /// dropped afterwards.
+    MeasureStorage(MeasureStorage),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct Purge {
+    /// Delete rows processed longer ago than this (like 14d); below 1h only with --force.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub(crate) older_than: Duration,
+    /// Rows deleted per statement (each batch is its own short transaction).
+    #[arg(
+        long,
+        value_name = "ROWS",
+        default_value_t = DEFAULT_PURGE_BATCH,
+        value_parser = clap::value_parser!(i64).range(1..)
+    )]
+    pub(crate) batch: i64,
+    /// Purge even when --older-than is below the 1h floor (which usually means a slipped unit,
+    /// like 14m for 14d).
+    #[arg(long, visible_alias = "yes")]
+    pub(crate) force: bool,
+}
+
+impl Purge {
+    /// Why this purge must not run as given: a window below [`PURGE_FLOOR`] without `--force`.
+    pub(crate) fn refusal(&self) -> Option<String> {
+        (self.older_than < PURGE_FLOOR && !self.force).then(|| {
+            format!(
+                "`--older-than {}` is below the {} floor of `purge`: it would forget messages \
+                 processed only that long ago, which a redelivery would apply again; check the \
+                 unit (d is days, m is minutes), or pass `--force` to purge a window this short",
+                humantime::format_duration(self.older_than),
+                humantime::format_duration(PURGE_FLOOR),
+            )
+        })
+    }
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct Stats {
+    /// Alarm (exit status 3) when a consumer's window is shorter than this (like 7d).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub(crate) min_window: Option<Duration>,
+    /// Print one JSON object per consumer (consumer, rows, window_seconds,
+    /// shorter_than_min_window, table) instead of the table.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct MeasureStorage {
+    /// Rows inserted per key layout and run.
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(i64).range(1..))]
+    pub(crate) rows: i64,
+    /// Runs per key layout; the median is printed.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(i64).range(1..))]
+    pub(crate) runs: i64,
+}
+
+/// A command-line value that is not a duration.
+#[derive(Debug, thiserror::Error)]
+#[error("`{value}` is not a duration ({reason}); write a number and a unit, like 14d, 36h or 90m")]
+pub(crate) struct NotADuration {
+    value: String,
+    reason: humantime::DurationError,
+}
+
+/// `14d`, `36h`, `90m`, `30s`, `2w`, `1d 12h`: humantime's forms.
+pub(crate) fn parse_duration(value: &str) -> Result<Duration, NotADuration> {
+    humantime::parse_duration(value).map_err(|reason| NotADuration {
+        value: value.to_owned(),
+        reason,
+    })
 }
 
 /// `1d 2h 3m`, for windows printed back to the operator.
@@ -129,20 +193,40 @@ pub(crate) fn format_duration(d: Duration) -> String {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
+    use clap::CommandFactory;
+
     use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("inbox-admin").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
 
     #[test]
     fn durations_parse() {
-        assert_eq!(
-            parse_duration("x", "14d").unwrap(),
-            Duration::from_secs(14 * 86_400)
-        );
-        assert_eq!(
-            parse_duration("x", "90m").unwrap(),
-            Duration::from_secs(5400)
-        );
-        for bad in ["", "d", "14", "14x", "-1d", "1.5d"] {
-            assert!(parse_duration("x", bad).is_err(), "{bad}");
+        for (text, secs) in [
+            ("14d", 14 * 86_400),
+            ("90m", 5400),
+            ("36h", 36 * 3600),
+            ("30s", 30),
+            ("2w", 14 * 86_400),
+            ("1d 12h", 36 * 3600),
+            ("1.5d", 36 * 3600),
+            ("2 weeks", 14 * 86_400),
+        ] {
+            assert_eq!(
+                parse_duration(text).unwrap(),
+                Duration::from_secs(secs),
+                "{text}"
+            );
+        }
+        for bad in ["", "d", "14", "14x", "-1d", "fortnight", "help"] {
+            let e = parse_duration(bad).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{bad}` is not a duration")), "{e}");
         }
         assert_eq!(
             format_duration(Duration::from_secs(20 * 86_400 + 3600 + 120)),
@@ -151,17 +235,66 @@ mod tests {
     }
 
     #[test]
-    fn options_parse_and_unknown_ones_are_refused() {
-        let args = Args::parse(
-            ["purge", "--older-than", "14d", "--batch=500"]
-                .into_iter()
-                .map(String::from),
-        )
+    fn options_parse_before_or_after_the_command() {
+        let cli = parse(&[
+            "--schema",
+            "ops",
+            "purge",
+            "--older-than",
+            "14d",
+            "--batch=500",
+        ])
         .unwrap();
-        assert_eq!(args.command, "purge");
-        args.allow(&["older-than", "batch"]).unwrap();
-        assert_eq!(args.number("batch", 10_000).unwrap(), 500);
-        assert!(args.allow(&["older-than"]).is_err());
-        assert!(Args::parse(["stats", "--min-window"].into_iter().map(String::from)).is_err());
+        assert_eq!(cli.target.schema.as_deref(), Some("ops"));
+        let Command::Purge(purge) = cli.command else {
+            panic!("not purge: {:?}", cli.command)
+        };
+        assert_eq!(purge.older_than, Duration::from_secs(14 * 86_400));
+        assert_eq!(purge.batch, 500);
+        assert!(purge.refusal().is_none());
+
+        let cli = parse(&["migrate", "--key-mode", "hashed", "--table", "t"]).unwrap();
+        assert_eq!(cli.target.key_mode, Keys::Hashed);
+        assert_eq!(cli.target.table, "t");
+    }
+
+    #[test]
+    fn purge_below_the_floor_needs_force() {
+        let purge = |args: &[&str]| match parse(args).unwrap().command {
+            Command::Purge(p) => p,
+            other => panic!("not purge: {other:?}"),
+        };
+        let refusal = purge(&["purge", "--older-than", "14m"]).refusal().unwrap();
+        assert!(refusal.contains("`--older-than 14m`"), "{refusal}");
+        assert!(refusal.contains("--force"), "{refusal}");
+        assert!(purge(&["purge", "--older-than", "0s"]).refusal().is_some());
+        assert!(purge(&["purge", "--older-than", "59m 59s"])
+            .refusal()
+            .is_some());
+        assert!(purge(&["purge", "--older-than", "1h"]).refusal().is_none());
+        assert!(purge(&["purge", "--older-than", "0s", "--force"])
+            .refusal()
+            .is_none());
+        assert!(purge(&["purge", "--older-than", "14m", "--yes"])
+            .refusal()
+            .is_none());
+    }
+
+    #[test]
+    fn usage_mistakes_are_errors() {
+        for args in [
+            &[][..],
+            &["purge"],
+            &["purge", "--older-than", "14d", "help"],
+            &["purge", "--older-than", "help"],
+            &["purge", "--older-than", "14d", "--batch", "0"],
+            &["stats", "--min-windw", "7d"],
+            &["stats", "--min-window"],
+            &["migrate", "--key-mode", "sha1"],
+            &["measure-storage", "--runs", "-1"],
+        ] {
+            let e = parse(args).unwrap_err();
+            assert_eq!(e.exit_code(), 2, "{args:?}: {e}");
+        }
     }
 }

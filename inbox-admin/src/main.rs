@@ -3,9 +3,13 @@
 //! ```text
 //! inbox-admin migrate --key-mode uuid
 //! inbox-admin purge --older-than 14d --batch 10000
-//! inbox-admin stats --min-window 7d        # exit status 2: some consumer remembers too little
+//! inbox-admin stats --min-window 7d        # exit status 3: some consumer remembers too little
+//! inbox-admin stats --json                 # one JSON object per consumer
 //! inbox-admin measure-storage --rows 1000000 --runs 5
 //! ```
+//!
+//! Exit status: 0 done, 1 the command failed, 2 the command line is wrong (clap's usage errors
+//! and a `purge` window below the floor without `--force`) or the `stats --min-window` alarm.
 
 mod args;
 mod measure;
@@ -13,19 +17,18 @@ mod measure;
 use std::process::ExitCode;
 use std::time::SystemTime;
 
-use inbox_postgres::{KeyMode, PgInbox, PurgeReport, TableName, DEFAULT_PURGE_BATCH};
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser};
+use inbox_postgres::{PgInbox, PurgeReport, TableName};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
 
-use crate::args::{format_duration, Args, USAGE};
+use crate::args::{format_duration, Cli, Command, Purge, Stats, Target};
 
 /// What stopped a command.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub(crate) enum CliError {
-    /// The command line is wrong; the usage text says how to fix it.
-    #[error("{0}")]
-    Usage(String),
     /// The inbox store failed.
     #[error(transparent)]
     Store(#[from] inbox_postgres::Error),
@@ -43,25 +46,19 @@ pub(crate) fn db(context: &'static str) -> impl FnOnce(sqlx::Error) -> CliError 
 }
 
 /// Exit status when `stats` finds a window shorter than `--min-window`.
-const WINDOW_ALARM: u8 = 2;
+const WINDOW_ALARM: u8 = 3;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let raw: Vec<String> = std::env::args().skip(1).collect();
-    if raw.is_empty()
-        || raw
-            .iter()
-            .any(|a| a == "--help" || a == "-h" || a == "help")
-    {
-        println!("{USAGE}");
-        return ExitCode::SUCCESS;
-    }
-    match run(raw).await {
-        Ok(code) => code,
-        Err(CliError::Usage(message)) => {
-            eprintln!("inbox-admin: {message}\n\n{USAGE}");
-            ExitCode::FAILURE
+    // Usage errors exit 2 and `--help`/`--version` exit 0, both inside `parse`.
+    let cli = Cli::parse();
+    if let Command::Purge(purge) = &cli.command {
+        if let Some(refusal) = purge.refusal() {
+            refuse("purge", refusal);
         }
+    }
+    match run(cli).await {
+        Ok(code) => code,
         Err(e) => {
             eprintln!("inbox-admin: {e}");
             ExitCode::FAILURE
@@ -69,66 +66,97 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run(raw: Vec<String>) -> Result<ExitCode, CliError> {
-    let args = Args::parse(raw.into_iter())?;
-    match args.command.as_str() {
-        "migrate" => {
-            args.allow(&[])?;
-            let inbox = inbox(&args).await?;
-            inbox.migrate().await?;
-            println!("migrated {} ({:?} keys)", inbox.table(), inbox.key_mode());
-            Ok(ExitCode::SUCCESS)
-        }
-        "purge" => {
-            args.allow(&["older-than", "batch"])?;
-            let older_than = args.duration("older-than")?.ok_or_else(|| {
-                CliError::Usage("`purge` needs `--older-than` (like 14d)".to_owned())
-            })?;
-            let batch = args.number("batch", DEFAULT_PURGE_BATCH)?;
-            let inbox = inbox(&args).await?;
-            let report = inbox.purge(older_than, batch).await?;
-            match &report {
-                PurgeReport::SkippedOtherCleaner => {
-                    println!("skipped: another cleaner is purging {}", inbox.table());
-                }
-                _ => {
-                    for (i, n) in report.batches().iter().enumerate() {
-                        println!("batch {}: {n} rows", i + 1);
-                    }
-                    println!(
-                        "deleted {} rows older than {}",
-                        report.deleted(),
-                        format_duration(older_than)
-                    );
-                }
-            }
-            Ok(ExitCode::SUCCESS)
-        }
-        "stats" => {
-            args.allow(&["min-window"])?;
-            let min_window = args.duration("min-window")?;
-            let inbox = inbox(&args).await?;
-            stats(&inbox, min_window).await
-        }
-        "measure-storage" => {
-            args.allow(&["rows", "runs"])?;
-            let rows = args.number("rows", 1_000_000)?;
-            let runs = args.number("runs", 5)?;
-            let pool = connect(&args).await?;
-            measure::run(&pool, rows, runs).await?;
-            Ok(ExitCode::SUCCESS)
-        }
-        other => Err(CliError::Usage(format!("unknown command `{other}`"))),
+/// Exits with clap's usage-error status and format, with the usage line of `command`.
+fn refuse(command: &str, message: String) -> ! {
+    let mut cli = Cli::command();
+    cli.build();
+    match cli.find_subcommand_mut(command) {
+        Some(sub) => sub.error(ErrorKind::ValueValidation, message).exit(),
+        None => cli.error(ErrorKind::ValueValidation, message).exit(),
     }
 }
 
-async fn stats(
-    inbox: &PgInbox,
-    min_window: Option<std::time::Duration>,
-) -> Result<ExitCode, CliError> {
-    let storage = inbox.storage().await?;
+async fn run(cli: Cli) -> Result<ExitCode, CliError> {
+    let target = &cli.target;
+    match cli.command {
+        Command::Migrate => {
+            let inbox = inbox(target).await?;
+            inbox.migrate().await?;
+            println!("migrated {} ({:?} keys)", inbox.table(), inbox.key_mode());
+        }
+        Command::Purge(purge) => self::purge(&inbox(target).await?, &purge).await?,
+        Command::Stats(stats) => return self::stats(&inbox(target).await?, &stats).await,
+        Command::MeasureStorage(m) => measure::run(&connect(target).await?, m.rows, m.runs).await?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn purge(inbox: &PgInbox, purge: &Purge) -> Result<(), CliError> {
+    let report = inbox.purge(purge.older_than, purge.batch).await?;
+    match &report {
+        PurgeReport::SkippedOtherCleaner => {
+            println!("skipped: another cleaner is purging {}", inbox.table());
+        }
+        _ => {
+            for (i, n) in report.batches().iter().enumerate() {
+                println!("batch {}: {n} rows", i + 1);
+            }
+            println!(
+                "deleted {} rows older than {}",
+                report.deleted(),
+                format_duration(purge.older_than)
+            );
+        }
+    }
+    Ok(())
+}
+
+async fn stats(inbox: &PgInbox, stats: &Stats) -> Result<ExitCode, CliError> {
+    let min_window = stats.min_window;
     let windows = inbox.oldest_per_consumer().await?;
     let now = SystemTime::now();
+    let short =
+        |w: &inbox_postgres::ConsumerWindow| min_window.is_some_and(|min| w.shorter_than(min, now));
+    if stats.json {
+        for w in &windows {
+            let line = serde_json::json!({
+                "table": inbox.table().to_string(),
+                "consumer": w.consumer,
+                "rows": w.rows,
+                "window_seconds": w.window(now).map(|d| d.as_secs()),
+                "shorter_than_min_window": short(w),
+            });
+            println!("{line}");
+        }
+    } else {
+        print_storage(inbox).await?;
+        println!("{:<24} {:>12} {:>16}  alarm", "consumer", "rows", "window");
+        for w in &windows {
+            let window = w
+                .window(now)
+                .map_or_else(|| "-".to_owned(), format_duration);
+            let alarm = if short(w) {
+                "SHORTER THAN --min-window"
+            } else {
+                ""
+            };
+            println!("{:<24} {:>12} {window:>16}  {alarm}", w.consumer, w.rows);
+        }
+    }
+    match min_window {
+        Some(min) if windows.iter().any(short) => {
+            eprintln!(
+                "inbox-admin: some consumer remembers less than {}: redeliveries older than its window would be applied again",
+                format_duration(min)
+            );
+            Ok(ExitCode::from(WINDOW_ALARM))
+        }
+        _ => Ok(ExitCode::SUCCESS),
+    }
+}
+
+async fn print_storage(inbox: &PgInbox) -> Result<(), CliError> {
+    let storage = inbox.storage().await?;
     println!("table        {}", inbox.table());
     println!("rows         {}", storage.rows);
     println!(
@@ -140,70 +168,23 @@ async fn stats(
         None => println!("bytes/row    - (empty)"),
     }
     println!();
-    println!("{:<24} {:>12} {:>16}  alarm", "consumer", "rows", "window");
-    let mut alarm = false;
-    for w in &windows {
-        let short = min_window.is_some_and(|min| w.shorter_than(min, now));
-        alarm |= short;
-        let window = w
-            .window(now)
-            .map_or_else(|| "-".to_owned(), format_duration);
-        println!(
-            "{:<24} {:>12} {:>16}  {}",
-            w.consumer,
-            w.rows,
-            window,
-            if short {
-                "SHORTER THAN --min-window"
-            } else {
-                ""
-            }
-        );
-    }
-    if alarm {
-        if let Some(min) = min_window {
-            eprintln!(
-                "inbox-admin: some consumer remembers less than {}: redeliveries older than its window would be applied again",
-                format_duration(min)
-            );
-        }
-        return Ok(ExitCode::from(WINDOW_ALARM));
-    }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
-fn database_url(args: &Args) -> String {
-    args.get("database-url")
-        .map(str::to_owned)
-        .or_else(|| std::env::var("DATABASE_URL").ok())
-        .unwrap_or_else(|| "postgres://postgres:postgres@127.0.0.1:5432/inbox".to_owned())
-}
-
-async fn connect(args: &Args) -> Result<PgPool, CliError> {
+async fn connect(target: &Target) -> Result<PgPool, CliError> {
     PgPoolOptions::new()
         .max_connections(4)
-        .connect(&database_url(args))
+        .connect(&target.database_url)
         .await
         .map_err(db("connecting to PostgreSQL"))
 }
 
-async fn inbox(args: &Args) -> Result<PgInbox, CliError> {
-    let table = args.get("table").unwrap_or("inbox");
-    let table = match args.get("schema") {
-        Some(schema) => TableName::qualified(schema, table)?,
-        None => TableName::new(table)?,
+async fn inbox(target: &Target) -> Result<PgInbox, CliError> {
+    let table = match &target.schema {
+        Some(schema) => TableName::qualified(schema, &target.table)?,
+        None => TableName::new(&target.table)?,
     };
-    let mode = match args.get("key-mode").unwrap_or("text") {
-        "text" => KeyMode::Text,
-        "uuid" => KeyMode::Uuid,
-        "hashed" => KeyMode::Hashed,
-        other => {
-            return Err(CliError::Usage(format!(
-                "`--key-mode {other}` is not text, uuid or hashed"
-            )))
-        }
-    };
-    Ok(PgInbox::new(connect(args).await?)
+    Ok(PgInbox::new(connect(target).await?)
         .with_table(table)
-        .with_key_mode(mode))
+        .with_key_mode(target.key_mode.into()))
 }

@@ -95,7 +95,7 @@ async fn stats_exits_2_when_a_consumer_remembers_less_than_the_minimum_window() 
 
     db.insert_aged_rows("shipping", 5, 2 * DAY).await;
     let short = admin(&["stats", "--schema", &db.schema, "--min-window", "7d"]);
-    assert_eq!(short.status.code(), Some(2), "{short:?}");
+    assert_eq!(short.status.code(), Some(3), "{short:?}");
     let stdout = text(&short.stdout);
     let shipping = stdout.lines().find(|l| l.starts_with("shipping")).unwrap();
     assert!(shipping.contains("SHORTER THAN --min-window"), "{shipping}");
@@ -105,32 +105,179 @@ async fn stats_exits_2_when_a_consumer_remembers_less_than_the_minimum_window() 
     db.drop().await;
 }
 
+#[tokio::test]
+async fn purge_refuses_a_window_below_one_hour_unless_forced() {
+    let db = TestDb::new().await;
+    db.insert_aged_rows("billing", 40, 2 * DAY).await;
+
+    for (window, named) in [("0s", "`--older-than 0s`"), ("14m", "`--older-than 14m`")] {
+        let out = admin(&["purge", "--schema", &db.schema, "--older-than", window]);
+        assert_eq!(out.status.code(), Some(2), "{window}: {out:?}");
+        let stderr = text(&out.stderr);
+        for expected in [named, "1h", "--force"] {
+            assert!(
+                stderr.contains(expected),
+                "{window}: `{expected}` missing from:\n{stderr}"
+            );
+        }
+        assert_eq!(db.inbox_rows().await, 40, "{window} purged without --force");
+    }
+
+    let forced = admin(&[
+        "purge",
+        "--schema",
+        &db.schema,
+        "--older-than",
+        "14m",
+        "--force",
+    ]);
+    assert!(forced.status.success(), "{forced:?}");
+    assert!(
+        text(&forced.stdout).contains("deleted 40 rows"),
+        "{forced:?}"
+    );
+    assert_eq!(db.inbox_rows().await, 0);
+
+    // `--yes` is the same confirmation, and the floor itself is not below the floor.
+    db.insert_aged_rows("billing", 3, 2 * DAY).await;
+    for flags in [
+        &["--older-than", "30m", "--yes"][..],
+        &["--older-than", "1h"][..],
+    ] {
+        let mut args = vec!["purge", "--schema", &db.schema];
+        args.extend_from_slice(flags);
+        let out = admin(&args);
+        assert!(out.status.success(), "{flags:?}: {out:?}");
+    }
+    assert_eq!(db.inbox_rows().await, 0);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn help_as_a_value_or_a_stray_word_never_reports_success() {
+    let db = TestDb::new().await;
+    db.insert_aged_rows("billing", 30, 20 * DAY).await;
+
+    // `help` taken as the schema's name: there is no inbox in a schema `help`.
+    let out = admin(&["purge", "--older-than", "14d", "--schema", "help"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(text(&out.stderr).contains("help"), "{out:?}");
+
+    let usage_errors: [&[&str]; 3] = [
+        &["purge", "--schema", &db.schema, "--older-than", "help"],
+        &[
+            "purge",
+            "--schema",
+            &db.schema,
+            "--older-than",
+            "14d",
+            "help",
+        ],
+        &["stats", "--schema", &db.schema, "--min-window", "help"],
+    ];
+    for args in usage_errors {
+        let out = admin(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+        assert!(text(&out.stderr).contains("help"), "{args:?}: {out:?}");
+    }
+    assert_eq!(db.inbox_rows().await, 30);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn purge_takes_weeks_and_other_humantime_durations() {
+    let db = TestDb::new().await;
+    db.insert_aged_rows("billing", 7, 20 * DAY).await;
+    db.insert_aged_rows("billing", 3, 10 * DAY).await;
+    db.insert_aged_rows("billing", 2, DAY).await;
+
+    let out = admin(&["purge", "--schema", &db.schema, "--older-than", "2w"]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(db.inbox_rows().await, 5);
+    let out = admin(&["purge", "--schema", &db.schema, "--older-than", "5days 12h"]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(db.inbox_rows().await, 2);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn stats_json_prints_one_object_per_consumer_and_keeps_the_alarm_status() {
+    let db = TestDb::new().await;
+    db.insert_aged_rows("billing", 30, 20 * DAY).await;
+    db.insert_aged_rows("shipping", 5, 2 * DAY).await;
+
+    let out = admin(&[
+        "stats",
+        "--schema",
+        &db.schema,
+        "--min-window",
+        "7d",
+        "--json",
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    let lines: Vec<serde_json::Value> = text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("`{l}` is not JSON: {e}")))
+        .collect();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    let billing = &lines[0];
+    assert_eq!(billing["consumer"], "billing");
+    assert_eq!(billing["rows"], 30);
+    let window = billing["window_seconds"].as_u64().unwrap();
+    assert!(window >= 20 * DAY.as_secs() - 60, "{billing}");
+    assert_eq!(billing["shorter_than_min_window"], false);
+    let shipping = &lines[1];
+    assert_eq!(shipping["consumer"], "shipping");
+    assert_eq!(shipping["rows"], 5);
+    assert_eq!(shipping["shorter_than_min_window"], true);
+    assert!(text(&out.stderr).contains("less than 7d"), "{out:?}");
+    db.drop().await;
+}
+
 #[test]
-fn bad_input_fails_with_a_message_that_names_it() {
+fn usage_errors_exit_2_and_name_the_input() {
     let cases: [(&[&str], &str); 5] = [
         (
-            &["stats", "--table", "inbox; DROP TABLE x"],
-            "table name `inbox; DROP TABLE x` is not a plain SQL identifier",
-        ),
-        (
             &["migrate", "--key-mode", "sha1"],
-            "`--key-mode sha1` is not text, uuid or hashed",
+            "invalid value 'sha1' for '--key-mode",
         ),
-        (&["purge"], "`purge` needs `--older-than`"),
-        (&["purge", "--older-than", "2 weeks"], "is not a duration"),
-        (
-            &["stats", "--min-windw", "7d"],
-            "`stats` does not take `--min-windw`",
-        ),
+        (&["purge"], "--older-than"),
+        (&["purge", "--older-than", "14"], "`14` is not a duration"),
+        (&["stats", "--min-windw", "7d"], "'--min-windw'"),
+        (&["purge", "--older-than", "14d", "--batch", "0"], "--batch"),
     ];
     for (args, expected) in cases {
         let out = admin(args);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {out:?}");
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
         let stderr = text(&out.stderr);
         assert!(
             stderr.contains(expected),
             "{args:?}: `{expected}` missing from:\n{stderr}"
         );
+    }
+}
+
+#[test]
+fn runtime_errors_exit_1_and_name_the_input() {
+    let args = ["stats", "--table", "inbox; DROP TABLE x"];
+    let out = admin(&args);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = text(&out.stderr);
+    let expected = "table name `inbox; DROP TABLE x` is not a plain SQL identifier";
+    assert!(
+        stderr.contains(expected),
+        "`{expected}` missing from:\n{stderr}"
+    );
+}
+
+#[test]
+fn no_arguments_prints_usage_and_exits_2() {
+    let out = admin(&[]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let usage = text(&out.stderr);
+    assert!(usage.contains("Usage: inbox-admin"), "{usage}");
+    for command in ["migrate", "purge", "stats", "measure-storage"] {
+        assert!(usage.contains(command), "{command} missing:\n{usage}");
     }
 }
 
@@ -142,4 +289,36 @@ fn help_prints_every_command() {
     for command in ["migrate", "purge", "stats", "measure-storage"] {
         assert!(stdout.contains(command), "{command} missing:\n{stdout}");
     }
+}
+
+#[test]
+fn each_command_has_its_own_help_and_the_tool_has_a_version() {
+    let cases: [(&str, &[&str]); 4] = [
+        ("migrate", &["--key-mode", "--schema"]),
+        ("purge", &["--older-than", "--batch", "--force", "1h"]),
+        ("stats", &["--min-window", "--json", "exit status 3"]),
+        ("measure-storage", &["--rows", "--runs"]),
+    ];
+    for (command, expected) in cases {
+        let out = admin(&[command, "--help"]);
+        assert!(out.status.success(), "{command}: {out:?}");
+        let stdout = text(&out.stdout);
+        assert!(
+            stdout.contains(&format!("Usage: inbox-admin {command}")),
+            "{command}:\n{stdout}"
+        );
+        for word in expected {
+            assert!(
+                stdout.contains(word),
+                "{command}: `{word}` missing:\n{stdout}"
+            );
+        }
+    }
+
+    let out = admin(&["--version"]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        text(&out.stdout).trim(),
+        concat!("inbox-admin ", env!("CARGO_PKG_VERSION"))
+    );
 }
