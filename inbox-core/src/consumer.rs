@@ -2,13 +2,14 @@
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
+use std::ops::Range;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::stream::{self, StreamExt};
 use futures_util::FutureExt;
-use tokio::sync::Mutex;
+use tokio::sync::{watch, Mutex};
 use tracing::{field, info, info_span, warn, Instrument};
 
 use crate::error::backoff;
@@ -48,16 +49,23 @@ impl Default for RetryPolicy {
 /// 1. a message without a usable ID, or delivered more often than
 ///    [`Consumer::max_deliveries`], is dead-lettered with the reason, then acked;
 /// 2. the IDs are claimed in one store transaction; an ID already claimed is a duplicate, skipped;
-/// 3. each new message's handler runs in that transaction, behind a savepoint when the batch has
-///    several, so one failing message does not undo the others;
+/// 3. each new message's handler runs in that transaction, with no savepoints;
 /// 4. the transaction commits once, and only then is the batch acked; an ack that fails now is
 ///    logged and counted, not fatal: the redelivered copy will find its ID and be skipped;
-/// 5. a message whose handler failed is retried on its own with backoff, each attempt in a fresh
+/// 5. when a handler fails or the commit is refused (a constraint checked at commit, a handler
+///    that swallowed an SQL error), the transaction rolls back and the batch is applied again in
+///    smaller transactions until the failure is pinned on one message: the result equals
+///    applying the messages one by one;
+/// 6. a message whose handler failed is retried on its own with backoff, each attempt in a fresh
 ///    transaction, up to [`RetryPolicy::max_attempts`], then dead-lettered with the error; a
 ///    permanent failure is dead-lettered at once; a panic counts as a transient failure.
 ///
-/// A broker or store error that is not [`Recovery::Fatal`] is logged, the batch is handed back to
-/// the broker (`nack`), and the loop goes on after a backoff.
+/// While the store cannot be reached ([`Recovery::Reconnect`]) the batch is held and tried again
+/// with a backoff doubling up to 30 s, not handed back: an outage does not use up the broker's
+/// delivery budget (`max_deliveries`, a quorum queue's delivery limit, an SQS redrive policy), so
+/// healthy messages are not dead-lettered because the database was down. Shutdown during an
+/// outage hands the held messages back. A broker error that is not [`Recovery::Fatal`] is
+/// logged and the receive is tried again after a backoff.
 ///
 /// Order: within one batch, messages are applied in the order received; a message that fails and
 /// is retried is applied after the rest of its batch. With [`Consumer::parallel_lanes`], a batch
@@ -113,20 +121,52 @@ struct Core<St, H> {
     stats: Arc<Stats>,
 }
 
+/// The longest wait between tries after a broker or store error.
+const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(30);
+
 enum Outcome {
     Skipped,
     Applied,
     Failed(HandlerError),
+    /// Not applied: handed back to the broker (shutdown during a store outage).
+    HandedBack,
 }
 
-enum Abort {
+/// Why a transaction did not commit.
+enum TxFailure {
+    /// The handler of the message at this index failed; the transaction was rolled back.
+    Handler(usize, HandlerError),
+    /// The store failed (at begin, claim or commit).
     Store(StoreError),
+    /// A stage hook stopped the consumer dead.
     Crash(Error),
 }
 
-impl From<Error> for Abort {
+impl From<Error> for TxFailure {
     fn from(e: Error) -> Self {
-        Abort::Crash(e)
+        TxFailure::Crash(e)
+    }
+}
+
+/// Tells the work in flight that shutdown was asked for.
+#[derive(Debug, Clone)]
+struct Stop(watch::Receiver<bool>);
+
+impl Stop {
+    fn stopping(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    /// Sleeps `wait`, or less when shutdown is asked for; `true` when it was.
+    async fn pause(&self, wait: Duration) -> bool {
+        if self.stopping() {
+            return true;
+        }
+        let mut stop = self.0.clone();
+        tokio::select! {
+            () = tokio::time::sleep(wait) => false,
+            Ok(_) = stop.wait_for(|stopping| *stopping) => true,
+        }
     }
 }
 
@@ -251,8 +291,10 @@ where
     ) -> Result<StatsSnapshot> {
         self.check()?;
         tokio::pin!(shutdown);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let stop = Stop(stop_rx);
         let mut failures = 0;
-        loop {
+        while !stop.stopping() {
             let received = tokio::select! {
                 biased;
                 () = &mut shutdown => break,
@@ -262,7 +304,17 @@ where
                 Ok(batch) if batch.is_empty() && until_idle => break,
                 Ok(batch) => {
                     failures = 0;
-                    self.process(batch).await?;
+                    let work = self.process(batch, &stop);
+                    tokio::pin!(work);
+                    // The batch in flight finishes; a store outage it waits out ends at shutdown.
+                    tokio::select! {
+                        biased;
+                        result = &mut work => result?,
+                        () = &mut shutdown => {
+                            stop_tx.send_replace(true);
+                            work.await?;
+                        }
+                    }
                 }
                 Err(e) => {
                     failures += 1;
@@ -275,15 +327,15 @@ where
 
     /// One batch: in one piece, or split into lanes applied `self.lanes` at a time. Every lane
     /// finishes (commit and ack, or hand back) before an error is returned.
-    async fn process(&mut self, batch: Vec<Delivery<S::Ack>>) -> Result<()> {
+    async fn process(&mut self, batch: Vec<Delivery<S::Ack>>, stop: &Stop) -> Result<()> {
         let source = Mutex::new(&mut self.source);
         if self.lanes <= 1 {
-            return self.core.process(&source, batch).await;
+            return self.core.process(&source, batch, stop).await;
         }
         let core = &self.core;
         let source = &source;
         let results: Vec<Result<()>> = stream::iter(split_into_lanes(batch))
-            .map(|lane| core.process(source, lane))
+            .map(|lane| core.process(source, lane, stop))
             .buffer_unordered(self.lanes)
             .collect()
             .await;
@@ -328,6 +380,7 @@ where
         &self,
         source: &Mutex<&mut S>,
         deliveries: Vec<Delivery<S::Ack>>,
+        stop: &Stop,
     ) -> Result<()> {
         if deliveries.is_empty() {
             return Ok(());
@@ -373,92 +426,142 @@ where
             return self.ack_all(done).await;
         }
 
-        let outcomes = match self.apply_in_tx(&work).await {
-            Ok(outcomes) => outcomes,
-            Err(Abort::Crash(e)) => return Err(e),
-            Err(Abort::Store(e)) => {
-                let acks = work.into_iter().map(|(_, d)| d.ack);
-                let acks = acks.chain(done.into_iter().map(|(_, a)| a)).collect();
-                return self.store_failed(e, acks).await;
-            }
-        };
+        let outcomes = self.apply_all(&work, stop).await?;
         let mut failed = Vec::new();
+        let mut handed_back = Vec::new();
         for ((id, delivery), outcome) in work.into_iter().zip(outcomes) {
             match outcome {
                 Outcome::Skipped | Outcome::Applied => done.push((id, delivery.ack)),
                 Outcome::Failed(e) => failed.push((id, delivery, e)),
+                Outcome::HandedBack => handed_back.push(delivery.ack),
             }
         }
         self.ack_all(done).await?;
+        self.hand_back(handed_back).await;
         for (id, delivery, e) in failed {
-            self.retry_alone(source, id, delivery, e).await?;
+            if stop.stopping() {
+                self.hand_back(vec![delivery.ack]).await;
+                continue;
+            }
+            self.retry_alone(source, id, delivery, e, stop).await?;
         }
         Ok(())
     }
 
-    /// Claims, applies and commits `work` in one transaction. Nothing is acked here.
+    /// Applies `work` in as few transactions as possible: all of it in one, and when that fails,
+    /// in smaller pieces, until each failure is pinned on one message. The outcome is the same as
+    /// applying the messages one by one, in order, with the failed ones left out:
+    /// - a handler failure rolls back its transaction; the messages before it are applied again
+    ///   together, the failing one alone (its failure then stands), the rest after it;
+    /// - a store error that says [`Recovery::Retry`] (a constraint failing at commit, a handler
+    ///   that swallowed an SQL error and left the transaction aborted, a deadlock) halves the
+    ///   piece, and on a single message counts as that message's failure, so it is retried and
+    ///   dead-lettered after [`RetryPolicy::max_attempts`] instead of looping with its neighbours;
+    /// - [`Recovery::Reconnect`] (the store is unreachable) says nothing about the messages:
+    ///   the piece is held and tried again after a backoff until the store is back, so an outage
+    ///   uses up no delivery budget; on shutdown what is held is handed back;
+    /// - [`Recovery::Fatal`] stops the consumer.
+    async fn apply_all<A>(
+        &self,
+        work: &[(MessageId, Delivery<A>)],
+        stop: &Stop,
+    ) -> Result<Vec<Outcome>> {
+        let mut outcomes: Vec<Option<Outcome>> = work.iter().map(|_| None).collect();
+        // Pieces still to apply, the next one last.
+        let mut pieces: Vec<Range<usize>> = Vec::with_capacity(4);
+        pieces.push(0..work.len());
+        let mut outages = 0;
+        while let Some(piece) = pieces.pop() {
+            let (lo, hi) = (piece.start, piece.end);
+            match self.apply_in_tx(&work[piece.clone()]).await {
+                Ok(done) => {
+                    outages = 0;
+                    for (slot, outcome) in outcomes[piece].iter_mut().zip(done) {
+                        *slot = Some(outcome);
+                    }
+                }
+                Err(TxFailure::Crash(e)) => return Err(e),
+                Err(TxFailure::Handler(_, e)) if hi - lo == 1 => {
+                    outcomes[lo] = Some(Outcome::Failed(e))
+                }
+                Err(TxFailure::Handler(i, _)) => {
+                    let at = lo + i;
+                    pieces.extend(
+                        [at + 1..hi, at..at + 1, lo..at]
+                            .into_iter()
+                            .filter(|p| !p.is_empty()),
+                    );
+                }
+                Err(TxFailure::Store(e)) => match e.recovery() {
+                    Recovery::Fatal => {
+                        self.count(Counter::Error, 1);
+                        return Err(Error::Store(e));
+                    }
+                    Recovery::Reconnect => {
+                        self.count(Counter::Error, 1);
+                        outages += 1;
+                        let wait = backoff(self.error_backoff, MAX_ERROR_BACKOFF, outages);
+                        warn!(consumer = %self.name, error = %e, messages = hi - lo, ?wait, "inbox store unreachable; holding the messages until it is back");
+                        pieces.push(piece);
+                        if stop.pause(wait).await {
+                            break;
+                        }
+                    }
+                    Recovery::Retry if hi - lo > 1 => {
+                        let mid = lo + (hi - lo) / 2;
+                        pieces.extend([mid..hi, lo..mid]);
+                    }
+                    Recovery::Retry => {
+                        outcomes[lo] = Some(Outcome::Failed(HandlerError::transient(e)))
+                    }
+                },
+            }
+        }
+        // Stopped during an outage: what was not applied goes back to the broker.
+        Ok(outcomes
+            .into_iter()
+            .map(|o| o.unwrap_or(Outcome::HandedBack))
+            .collect())
+    }
+
+    /// Claims, applies and commits `work` in one transaction, without savepoints: the first
+    /// handler failure rolls everything back. Nothing is acked here.
     async fn apply_in_tx<A>(
         &self,
         work: &[(MessageId, Delivery<A>)],
-    ) -> Result<Vec<Outcome>, Abort> {
+    ) -> Result<Vec<Outcome>, TxFailure> {
         let ids: Vec<MessageId> = work.iter().map(|(id, _)| id.clone()).collect();
-        let mut tx = self.store.begin().await.map_err(Abort::Store)?;
+        let mut tx = self.store.begin().await.map_err(TxFailure::Store)?;
         let claimed = match self.store.claim_many(&mut tx, &self.name, &ids).await {
             Ok(claimed) => claimed,
-            Err(e) => return Err(self.abandon(tx, e).await),
+            Err(e) => return Err(self.abandon(tx, TxFailure::Store(e)).await),
         };
         for ((id, _), _) in work.iter().zip(&claimed).filter(|(_, new)| **new) {
             self.stage(Stage::Claimed, id)?;
         }
-        let fresh = claimed.iter().filter(|new| **new).count();
-        // Savepoints cost two round-trips per message; only a batch with several new messages
-        // needs them to keep one failure from undoing the rest.
-        let isolate = fresh > 1;
         let mut outcomes = Vec::with_capacity(work.len());
-        for ((id, delivery), new) in work.iter().zip(claimed) {
+        for (i, ((id, delivery), new)) in work.iter().zip(claimed).enumerate() {
             if !new {
                 outcomes.push(Outcome::Skipped);
                 continue;
             }
-            if isolate {
-                if let Err(e) = self.store.savepoint(&mut tx).await {
-                    return Err(self.abandon(tx, e).await);
-                }
+            if let Err(failure) = self.call_handler(&mut tx, id, delivery).await {
+                return Err(self.abandon(tx, TxFailure::Handler(i, failure)).await);
             }
-            match self.call_handler(&mut tx, id, delivery).await {
-                Ok(()) => {
-                    if isolate {
-                        if let Err(e) = self.store.release_savepoint(&mut tx).await {
-                            return Err(self.abandon(tx, e).await);
-                        }
-                    }
-                    self.stage(Stage::Applied, id)?;
-                    outcomes.push(Outcome::Applied);
-                }
-                Err(failure) if isolate => {
-                    let undone = match self.store.rollback_to_savepoint(&mut tx).await {
-                        Ok(()) => self.store.unclaim(&mut tx, &self.name, id).await,
-                        Err(e) => Err(e),
-                    };
-                    if let Err(e) = undone {
-                        return Err(self.abandon(tx, e).await);
-                    }
-                    outcomes.push(Outcome::Failed(failure));
-                }
-                Err(failure) => outcomes.push(Outcome::Failed(failure)),
-            }
+            self.stage(Stage::Applied, id)?;
+            outcomes.push(Outcome::Applied);
         }
         let applied = outcomes
             .iter()
             .filter(|o| matches!(o, Outcome::Applied))
             .count();
         if applied == 0 {
-            // Nothing to keep: every message was a duplicate or failed.
+            // Nothing to keep: every message was a duplicate.
             if let Err(e) = self.store.rollback(tx).await {
                 warn!(consumer = %self.name, error = %e, "rollback failed; the store discards the transaction");
             }
         } else {
-            self.store.commit(tx).await.map_err(Abort::Store)?;
+            self.store.commit(tx).await.map_err(TxFailure::Store)?;
             self.count(Counter::Commit, 1);
             self.count(Counter::Applied, applied);
         }
@@ -469,7 +572,7 @@ where
                     self.stage(Stage::Committed, id)?;
                 }
                 Outcome::Skipped => self.skipped(id),
-                Outcome::Failed(_) => {}
+                Outcome::Failed(_) | Outcome::HandedBack => {}
             }
         }
         Ok(outcomes)
@@ -516,41 +619,45 @@ where
         id: MessageId,
         delivery: Delivery<S::Ack>,
         first: HandlerError,
+        stop: &Stop,
     ) -> Result<()> {
         let mut error = first;
         let mut attempt = 1;
-        let mut work = vec![(id, delivery)];
+        let work = [(id, delivery)];
         loop {
-            let (id, _) = &work[0];
+            let id = &work[0].0;
             if error.failure() == Failure::Permanent || attempt >= self.retry.max_attempts {
                 let reason = match error.failure() {
                     Failure::Permanent => format!("handler refused the message: {error}"),
                     _ => format!("handler failed {attempt} time(s), last error: {error}"),
                 };
-                let id = id.clone();
-                let Some((_, delivery)) = work.pop() else {
-                    return Ok(());
-                };
+                let [(id, delivery)] = work;
                 return self.dead_letter(source, Some(&id), delivery, reason).await;
             }
             warn!(consumer = %self.name, message_id = %id, attempt, error = %error, "handler failed; retrying");
             self.count(Counter::Retried, 1);
             let r = &self.retry;
-            tokio::time::sleep(backoff(r.initial_backoff, r.max_backoff, attempt)).await;
-            attempt += 1;
-            match self.apply_in_tx(&work).await {
-                Err(Abort::Crash(e)) => return Err(e),
-                Err(Abort::Store(e)) => {
-                    let acks = work.into_iter().map(|(_, d)| d.ack).collect();
-                    return self.store_failed(e, acks).await;
+            let stopped = stop
+                .pause(backoff(r.initial_backoff, r.max_backoff, attempt))
+                .await;
+            let outcome = if stopped {
+                Outcome::HandedBack
+            } else {
+                attempt += 1;
+                let mut outcomes = self.apply_all(&work, stop).await?;
+                outcomes.pop().unwrap_or(Outcome::HandedBack)
+            };
+            match outcome {
+                Outcome::Failed(e) => error = e,
+                Outcome::HandedBack => {
+                    let [(_, delivery)] = work;
+                    self.hand_back(vec![delivery.ack]).await;
+                    return Ok(());
                 }
-                Ok(mut outcomes) => match outcomes.pop() {
-                    Some(Outcome::Failed(e)) => error = e,
-                    _ => {
-                        let acks = work.into_iter().map(|(id, d)| (id, d.ack)).collect();
-                        return self.ack_all(acks).await;
-                    }
-                },
+                Outcome::Applied | Outcome::Skipped => {
+                    let [(id, delivery)] = work;
+                    return self.ack_all(vec![(id, delivery.ack)]).await;
+                }
             }
         }
     }
@@ -614,27 +721,25 @@ where
         Ok(())
     }
 
-    /// Rolls back after a store error inside the transaction and reports it.
-    async fn abandon(&self, tx: St::Tx, e: StoreError) -> Abort {
+    /// Rolls back a transaction that cannot commit and passes `failure` on.
+    async fn abandon(&self, tx: St::Tx, failure: TxFailure) -> TxFailure {
         if let Err(rollback) = self.store.rollback(tx).await {
-            warn!(consumer = %self.name, error = %rollback, "rollback after a store error failed too");
+            warn!(consumer = %self.name, error = %rollback, "rollback failed too; the store discards the transaction");
         }
-        Abort::Store(e)
+        failure
     }
 
-    async fn store_failed<A: Ack>(&self, e: StoreError, acks: Vec<A>) -> Result<()> {
-        self.count(Counter::Error, 1);
-        if e.recovery() == Recovery::Fatal {
-            return Err(Error::Store(e));
+    /// Gives messages back to the broker unapplied, for redelivery after the error backoff.
+    async fn hand_back<A: Ack>(&self, acks: Vec<A>) {
+        if acks.is_empty() {
+            return;
         }
-        warn!(consumer = %self.name, error = %e, messages = acks.len(), "inbox store error; handing the batch back to the broker");
+        info!(consumer = %self.name, messages = acks.len(), "handing messages back to the broker");
         for ack in acks {
             if let Err(e) = ack.nack(self.error_backoff).await {
                 warn!(consumer = %self.name, error = %e, "nack failed; the broker will redeliver on its own");
             }
         }
-        tokio::time::sleep(self.error_backoff).await;
-        Ok(())
     }
 
     async fn source_failed(&self, e: SourceError, failures: u32) -> Result<()> {
@@ -642,7 +747,7 @@ where
         if e.recovery() == Recovery::Fatal {
             return Err(Error::Source(e));
         }
-        let wait = backoff(self.error_backoff, Duration::from_secs(30), failures);
+        let wait = backoff(self.error_backoff, MAX_ERROR_BACKOFF, failures);
         warn!(consumer = %self.name, error = %e, ?wait, "receive failed; retrying");
         tokio::time::sleep(wait).await;
         Ok(())

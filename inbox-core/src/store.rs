@@ -14,6 +14,11 @@ use crate::{InvalidId, MessageId, StoreError};
 /// earlier delivery, or by a racing consumer that commits first) returns `false`, and the consumer
 /// skips the message. The store's uniqueness constraint is what serialises racing consumers: no
 /// lock outside the database is needed.
+///
+/// Errors carry a [`Recovery`](crate::Recovery): `Reconnect` when the store cannot be reached
+/// (the consumer holds the messages and tries again, using up no delivery budget), `Retry` when
+/// this transaction failed (the consumer splits the batch to find the message that fails and
+/// retries it alone), `Fatal` when nothing will work until someone fixes it.
 #[async_trait]
 pub trait InboxStore: Send + Sync + 'static {
     /// An open transaction, handed to the handler.
@@ -46,26 +51,10 @@ pub trait InboxStore: Send + Sync + 'static {
         Ok(claimed)
     }
 
-    /// Removes a claim made earlier in `tx` (a batch member whose handler failed: the rest of
-    /// the batch commits without it, so that it can be retried or dead-lettered on its own).
-    async fn unclaim(
-        &self,
-        tx: &mut Self::Tx,
-        consumer: &str,
-        id: &MessageId,
-    ) -> Result<(), StoreError>;
-
-    /// Marks a point in `tx` that [`InboxStore::rollback_to_savepoint`] returns to, isolating one
-    /// handler call inside a batch.
-    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError>;
-
-    /// Undoes everything since the last savepoint and removes it.
-    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError>;
-
-    /// Keeps everything since the last savepoint and removes it.
-    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError>;
-
-    /// Commits `tx`.
+    /// Commits `tx`. A transaction the database has already aborted (a handler caught an SQL
+    /// error and returned `Ok`) must fail here with [`Recovery::Retry`](crate::Recovery::Retry),
+    /// never report success: the consumer then isolates the message and retries or
+    /// dead-letters it, instead of acking a message whose effects were rolled back.
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError>;
 
     /// Rolls `tx` back.
@@ -101,23 +90,6 @@ impl<S: InboxStore> InboxStore for Arc<S> {
         ids: &[MessageId],
     ) -> Result<Vec<bool>, StoreError> {
         (**self).claim_many(tx, consumer, ids).await
-    }
-    async fn unclaim(
-        &self,
-        tx: &mut Self::Tx,
-        consumer: &str,
-        id: &MessageId,
-    ) -> Result<(), StoreError> {
-        (**self).unclaim(tx, consumer, id).await
-    }
-    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
-        (**self).savepoint(tx).await
-    }
-    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
-        (**self).rollback_to_savepoint(tx).await
-    }
-    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
-        (**self).release_savepoint(tx).await
     }
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
         (**self).commit(tx).await

@@ -43,16 +43,36 @@ pub(crate) fn db(context: &'static str) -> impl FnOnce(sqlx::Error) -> Error {
     move |source| Error::Database { context, source }
 }
 
-/// What the consumer should do after `e`: retry transient faults, stop on ones no retry fixes.
+/// What the consumer should do after `e`.
+///
+/// - `Reconnect`: the database cannot be reached or cannot work right now (connection lost,
+///   server shutting down or starting, out of connections, disk or memory): nothing about the
+///   messages, so the consumer holds them and tries again.
+/// - `Fatal`: a missing table or column, no privilege, no schema: run the migrations or fix the
+///   grants.
+/// - `Retry`: this transaction failed (a constraint, bad data, an aborted transaction, a deadlock
+///   or serialization failure): the consumer finds the message that fails and retries it alone.
 pub(crate) fn recovery(e: &sqlx::Error) -> Recovery {
     match e {
         sqlx::Error::Database(db) => match db.code().as_deref() {
-            // undefined table or column, insufficient privilege, invalid schema: run the
-            // migrations or fix the grants.
             Some("42P01" | "42703" | "42501" | "3F000") => Recovery::Fatal,
+            // 08: connection exception; 53: insufficient resources; 58: system error;
+            // 57P01-57P03: admin shutdown, crash shutdown, cannot connect now.
+            Some(code)
+                if code.starts_with("08")
+                    || code.starts_with("53")
+                    || code.starts_with("58")
+                    || matches!(code, "57P01" | "57P02" | "57P03") =>
+            {
+                Recovery::Reconnect
+            }
             _ => Recovery::Retry,
         },
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::Tls(_) => Recovery::Reconnect,
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::WorkerCrashed => Recovery::Reconnect,
         sqlx::Error::PoolClosed | sqlx::Error::Configuration(_) => Recovery::Fatal,
         _ => Recovery::Retry,
     }

@@ -7,7 +7,7 @@ use inbox_core::{async_trait, InboxStore, InvalidId, MessageId, StoreError};
 use sqlx::{PgPool, Postgres};
 use uuid::Uuid;
 
-use crate::error::{db, store_err};
+use crate::error::{db, recovery, store_err};
 use crate::table::hashed_key;
 use crate::{Error, KeyMode, Result, TableName};
 
@@ -144,30 +144,62 @@ impl PgInbox {
         tx.commit().await.map_err(db("committing the migration"))
     }
 
-    /// The small integer standing for `consumer`, created on first use (outside any message
-    /// transaction, so a rolled-back message never loses the mapping) and cached.
+    /// The small integer standing for `consumer`, created on first use (in its own transaction,
+    /// so a rolled-back message never loses the mapping) and cached.
     pub async fn consumer_id(&self, consumer: &str) -> Result<i16> {
         if let Some(id) = self.cached(consumer) {
             return Ok(id);
         }
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(db("registering the consumer name"))?;
+        let (id, _) = self.register(&mut conn, consumer).await?;
+        self.cache(consumer, id);
+        Ok(id)
+    }
+
+    /// The id of `consumer` seen from `conn`, inserted when missing. `true` with it when the row
+    /// was inserted here: inside a transaction it exists only if that transaction commits.
+    ///
+    /// Looks up first: `INSERT … ON CONFLICT DO NOTHING` draws an identity value even when the
+    /// name exists, and the `smallint` sequence would run out after 32,767 process starts.
+    async fn register(&self, conn: &mut sqlx::PgConnection, consumer: &str) -> Result<(i16, bool)> {
         let consumers = self.table.sibling("consumers");
-        sqlx::query(&format!(
-            "INSERT INTO {consumers} (name) VALUES ($1) ON CONFLICT (name) DO NOTHING"
-        ))
-        .bind(consumer)
-        .execute(&self.pool)
-        .await
-        .map_err(db("registering the consumer name"))?;
-        let id: i16 = sqlx::query_scalar(&format!("SELECT id FROM {consumers} WHERE name = $1"))
+        let select = format!("SELECT id FROM {consumers} WHERE name = $1");
+        let found: Option<i16> = sqlx::query_scalar(&select)
             .bind(consumer)
-            .fetch_one(&self.pool)
+            .fetch_optional(&mut *conn)
             .await
             .map_err(db("reading the consumer id"))?;
+        if let Some(id) = found {
+            return Ok((id, false));
+        }
+        let inserted: Option<i16> = sqlx::query_scalar(&format!(
+            "INSERT INTO {consumers} (name) VALUES ($1) ON CONFLICT (name) DO NOTHING RETURNING id"
+        ))
+        .bind(consumer)
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(db("registering the consumer name"))?;
+        if let Some(id) = inserted {
+            return Ok((id, true));
+        }
+        // Another process registered it between the two statements.
+        let id = sqlx::query_scalar(&select)
+            .bind(consumer)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(db("reading the consumer id"))?;
+        Ok((id, false))
+    }
+
+    fn cache(&self, consumer: &str, id: i16) {
         self.consumers
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(consumer.to_owned(), id);
-        Ok(id)
     }
 
     fn cached(&self, consumer: &str) -> Option<i16> {
@@ -195,9 +227,25 @@ impl PgInbox {
         })
     }
 
-    async fn store_consumer_id(&self, consumer: &str) -> Result<i16, StoreError> {
-        self.consumer_id(consumer).await.map_err(StoreError::from)
+    /// The consumer's id for a claim in `tx`, registered on the transaction's own connection (a
+    /// second pool connection would deadlock a pool of one). An id inserted by `tx` is cached
+    /// only once another transaction sees it committed.
+    async fn tx_consumer_id(&self, tx: &mut PgTx, consumer: &str) -> Result<i16, StoreError> {
+        if let Some(id) = self.cached(consumer) {
+            return Ok(id);
+        }
+        let (id, inserted) = self.register(tx, consumer).await?;
+        if !inserted {
+            self.cache(consumer, id);
+        }
+        Ok(id)
     }
+}
+
+/// One flag per key: new only for the first occurrence of an inserted key. Two IDs can make one
+/// key (a UUID spelt in capitals, in braces, without hyphens), and the insert keeps one row.
+fn first_claims<K: Eq + std::hash::Hash>(keys: &[K], mut fresh: HashSet<K>) -> Vec<bool> {
+    keys.iter().map(|k| fresh.remove(k)).collect()
 }
 
 fn parse_uuid(id: &MessageId) -> Result<Uuid, InvalidId> {
@@ -238,7 +286,7 @@ impl InboxStore for PgInbox {
         consumer: &str,
         ids: &[MessageId],
     ) -> Result<Vec<bool>, StoreError> {
-        let consumer_id = self.store_consumer_id(consumer).await?;
+        let consumer_id = self.tx_consumer_id(tx, consumer).await?;
         let t = &self.table;
         let keys = self.keys(consumer, ids)?;
         if ids.len() == 1 {
@@ -273,7 +321,7 @@ impl InboxStore for PgInbox {
                     .map_err(store_err("claiming message IDs"))?
                     .into_iter()
                     .collect();
-                keys.iter().map(|k| fresh.contains(k)).collect()
+                first_claims(&keys, fresh)
             }
             Keys::Uuid(keys) => {
                 let fresh: HashSet<Uuid> = sqlx::query_scalar(&sql("uuid[]"))
@@ -284,47 +332,31 @@ impl InboxStore for PgInbox {
                     .map_err(store_err("claiming message IDs"))?
                     .into_iter()
                     .collect();
-                keys.iter().map(|k| fresh.contains(k)).collect()
+                first_claims(&keys, fresh)
             }
         })
     }
 
-    async fn unclaim(
-        &self,
-        tx: &mut PgTx,
-        consumer: &str,
-        id: &MessageId,
-    ) -> Result<(), StoreError> {
-        let consumer_id = self.store_consumer_id(consumer).await?;
-        let t = &self.table;
-        let sql = format!("DELETE FROM {t} WHERE message_id = $1 AND consumer_id = $2");
-        let query = sqlx::query(&sql);
-        let query = match self.keys(consumer, std::slice::from_ref(id))? {
-            Keys::Text(k) => query.bind(k[0].clone()),
-            Keys::Uuid(k) => query.bind(k[0]),
-        };
-        query
-            .bind(consumer_id)
-            .execute(&mut **tx)
-            .await
-            .map_err(store_err("removing a claim"))?;
-        Ok(())
-    }
-
-    async fn savepoint(&self, tx: &mut PgTx) -> Result<(), StoreError> {
-        execute(tx, "SAVEPOINT inbox_message").await
-    }
-
-    async fn rollback_to_savepoint(&self, tx: &mut PgTx) -> Result<(), StoreError> {
-        execute(tx, "ROLLBACK TO SAVEPOINT inbox_message").await?;
-        execute(tx, "RELEASE SAVEPOINT inbox_message").await
-    }
-
-    async fn release_savepoint(&self, tx: &mut PgTx) -> Result<(), StoreError> {
-        execute(tx, "RELEASE SAVEPOINT inbox_message").await
-    }
-
-    async fn commit(&self, tx: PgTx) -> Result<(), StoreError> {
+    async fn commit(&self, mut tx: PgTx) -> Result<(), StoreError> {
+        // PostgreSQL answers COMMIT of an aborted transaction (a statement failed and the
+        // handler ignored the error) with ROLLBACK and no error, which sqlx does not check. A
+        // statement in an aborted transaction fails, so one round-trip finds it before COMMIT.
+        if let Err(e) = sqlx::query("SELECT 1").execute(&mut *tx).await {
+            let recovery = recovery(&e);
+            let aborted =
+                matches!(&e, sqlx::Error::Database(d) if d.code().as_deref() == Some("25P02"));
+            let context = if aborted {
+                "committing: the transaction was aborted by an earlier statement whose error the \
+                 handler did not return (nothing was written; return SQL errors, or run a statement \
+                 that may fail behind a SAVEPOINT)"
+            } else {
+                "committing"
+            };
+            if let Err(rollback) = tx.rollback().await {
+                tracing::warn!(error = %rollback, "rollback of an aborted transaction failed");
+            }
+            return Err(StoreError::new(recovery, context, e));
+        }
         tx.commit().await.map_err(store_err("committing"))
     }
 
@@ -338,12 +370,4 @@ impl InboxStore for PgInbox {
             KeyMode::Text | KeyMode::Hashed => Ok(()),
         }
     }
-}
-
-async fn execute(tx: &mut PgTx, sql: &'static str) -> Result<(), StoreError> {
-    sqlx::query(sql)
-        .execute(&mut **tx)
-        .await
-        .map(|_| ())
-        .map_err(store_err("managing a savepoint"))
 }

@@ -110,6 +110,42 @@ async fn uuid_keys_refuse_ids_that_are_not_uuids() {
 }
 
 #[tokio::test]
+async fn spellings_of_one_uuid_in_one_batch_are_one_key() {
+    let db = TestDb::new().await;
+    let store = inbox(&db, "inbox_uuid", KeyMode::Uuid).await;
+    let broker = MemoryBroker::new();
+    let id = MessageId::generate();
+    let lower = id.as_str().to_lowercase();
+    for spelling in [
+        lower.clone(),
+        lower.to_uppercase(),
+        format!("{{{lower}}}"),
+        lower.replace('-', ""),
+    ] {
+        broker.publish(Some(&spelling), CreditEvent::new(1, 5).to_json());
+    }
+
+    let stats = Consumer::new(
+        "wallet",
+        broker.source(),
+        store,
+        Credit::new(db.pool.clone()),
+    )
+    .batch_size(4)
+    .run_until_idle()
+    .await
+    .unwrap();
+
+    assert_eq!(
+        (stats.applied, stats.skipped_duplicates),
+        (1, 3),
+        "{stats:?}"
+    );
+    assert_eq!(wallet::balance(&db.pool, 1).await, 5);
+    db.drop().await;
+}
+
+#[tokio::test]
 async fn hashed_keys_deduplicate_any_id_per_consumer_in_16_bytes() {
     let db = TestDb::new().await;
     let store = inbox(&db, "inbox_hashed", KeyMode::Hashed).await;

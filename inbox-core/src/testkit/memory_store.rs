@@ -26,7 +26,6 @@ struct Data<S> {
 pub struct MemoryTx<S> {
     guard: OwnedMutexGuard<Data<S>>,
     work: Data<S>,
-    savepoints: Vec<Data<S>>,
 }
 
 impl<S> MemoryTx<S> {
@@ -67,11 +66,7 @@ impl<S: Clone + Default + Send + Sync + 'static> InboxStore for MemoryStore<S> {
     async fn begin(&self) -> Result<MemoryTx<S>, StoreError> {
         let guard = Arc::clone(&self.committed).lock_owned().await;
         let work = (*guard).clone();
-        Ok(MemoryTx {
-            guard,
-            work,
-            savepoints: Vec::new(),
-        })
+        Ok(MemoryTx { guard, work })
     }
 
     async fn claim(
@@ -81,34 +76,6 @@ impl<S: Clone + Default + Send + Sync + 'static> InboxStore for MemoryStore<S> {
         id: &MessageId,
     ) -> Result<bool, StoreError> {
         Ok(tx.work.claims.insert((consumer.to_owned(), id.clone())))
-    }
-
-    async fn unclaim(
-        &self,
-        tx: &mut MemoryTx<S>,
-        consumer: &str,
-        id: &MessageId,
-    ) -> Result<(), StoreError> {
-        tx.work.claims.remove(&(consumer.to_owned(), id.clone()));
-        Ok(())
-    }
-
-    async fn savepoint(&self, tx: &mut MemoryTx<S>) -> Result<(), StoreError> {
-        let copy = tx.work.clone();
-        tx.savepoints.push(copy);
-        Ok(())
-    }
-
-    async fn rollback_to_savepoint(&self, tx: &mut MemoryTx<S>) -> Result<(), StoreError> {
-        if let Some(saved) = tx.savepoints.pop() {
-            tx.work = saved;
-        }
-        Ok(())
-    }
-
-    async fn release_savepoint(&self, tx: &mut MemoryTx<S>) -> Result<(), StoreError> {
-        tx.savepoints.pop();
-        Ok(())
     }
 
     async fn commit(&self, mut tx: MemoryTx<S>) -> Result<(), StoreError> {

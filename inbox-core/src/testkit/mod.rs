@@ -10,11 +10,15 @@
 //!   apply, commit or ack.
 //! - [`WithoutInbox`] wraps any store and claims nothing: the "commit after the database, no
 //!   inbox" anti-pattern, to show what the inbox prevents.
+//! - [`FaultProxy`] sits between a client and a real server and refuses, cuts or black-holes its
+//!   connections on demand: database and broker outages for fault tests.
 
+mod fault_proxy;
 mod memory_broker;
 mod memory_store;
 mod without_inbox;
 
+pub use fault_proxy::{FaultProxy, ProxyMode};
 pub use memory_broker::{AckMode, MemoryAck, MemoryBroker, MemorySource};
 pub use memory_store::{MemoryStore, MemoryTx};
 pub use without_inbox::WithoutInbox;

@@ -18,18 +18,6 @@ impl<S: InboxStore> InboxStore for WithoutInbox<S> {
     async fn claim(&self, _: &mut Self::Tx, _: &str, _: &MessageId) -> Result<bool, StoreError> {
         Ok(true)
     }
-    async fn unclaim(&self, _: &mut Self::Tx, _: &str, _: &MessageId) -> Result<(), StoreError> {
-        Ok(())
-    }
-    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
-        self.0.savepoint(tx).await
-    }
-    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
-        self.0.rollback_to_savepoint(tx).await
-    }
-    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
-        self.0.release_savepoint(tx).await
-    }
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
         self.0.commit(tx).await
     }

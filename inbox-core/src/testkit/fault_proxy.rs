@@ -1,0 +1,153 @@
+//! A TCP proxy on loopback that can refuse, cut or black-hole connections: the network faults
+//! between a consumer and its database or broker, on demand.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::io::AsyncReadExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// What the proxy does with connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyMode {
+    /// Forwards bytes both ways.
+    Pass,
+    /// Closes new connections at once and cuts the open ones: a server that went away.
+    Refuse,
+    /// Accepts connections and holds them open, forwarding nothing either way: a partition, or
+    /// a peer that hangs. Open connections stop moving bytes too.
+    Blackhole,
+}
+
+/// A proxy from a loopback port to `upstream`, stopped when dropped.
+///
+/// Point the client at [`FaultProxy::addr`], then switch modes while it runs. Switching to
+/// [`ProxyMode::Refuse`] or [`FaultProxy::cut`] closes every open connection, including one in
+/// the middle of a request (a `COMMIT` whose outcome the client never learns).
+#[derive(Debug)]
+pub struct FaultProxy {
+    addr: SocketAddr,
+    mode: watch::Sender<ProxyMode>,
+    cuts: watch::Sender<u64>,
+    accept: JoinHandle<()>,
+}
+
+impl FaultProxy {
+    /// Listens on a free loopback port and forwards to `upstream`.
+    ///
+    /// # Errors
+    /// When no loopback port can be bound.
+    pub async fn start(upstream: SocketAddr) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+        let addr = listener.local_addr()?;
+        let (mode, _) = watch::channel(ProxyMode::Pass);
+        let (cuts, _) = watch::channel(0u64);
+        let state = Arc::new((mode.clone(), cuts.clone()));
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let (mode, cuts) = &*state;
+                tokio::spawn(serve(client, upstream, mode.subscribe(), cuts.subscribe()));
+            }
+        });
+        Ok(Self {
+            addr,
+            mode,
+            cuts,
+            accept,
+        })
+    }
+
+    /// The address clients connect to.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Switches mode for new and open connections.
+    pub fn set_mode(&self, mode: ProxyMode) {
+        self.mode.send_replace(mode);
+    }
+
+    /// Closes every open connection; new ones are served as the mode says.
+    pub fn cut(&self) {
+        self.cuts.send_modify(|n| *n += 1);
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.set_mode(ProxyMode::Refuse);
+    }
+}
+
+async fn serve(
+    mut client: TcpStream,
+    upstream: SocketAddr,
+    mut mode: watch::Receiver<ProxyMode>,
+    mut cuts: watch::Receiver<u64>,
+) {
+    cuts.mark_unchanged();
+    let current = *mode.borrow_and_update();
+    match current {
+        ProxyMode::Refuse => return,
+        ProxyMode::Blackhole => {
+            hold(&mut client, &mut mode, &mut cuts).await;
+            return;
+        }
+        ProxyMode::Pass => {}
+    }
+    let Ok(mut server) = TcpStream::connect(upstream).await else {
+        return;
+    };
+    {
+        let copy = tokio::io::copy_bidirectional(&mut client, &mut server);
+        tokio::pin!(copy);
+        loop {
+            let changed = tokio::select! {
+                _ = &mut copy => return,
+                _ = cuts.changed() => return,
+                changed = mode.changed() => changed.is_ok(),
+            };
+            if !changed {
+                return;
+            }
+            match *mode.borrow_and_update() {
+                ProxyMode::Pass => {}
+                ProxyMode::Refuse => return,
+                ProxyMode::Blackhole => break,
+            }
+        }
+    }
+    // Bytes stop moving; the connection stays open until a cut or Refuse, and is not trusted
+    // again after Pass: a black-holed connection is dead to its client.
+    hold(&mut client, &mut mode, &mut cuts).await;
+}
+
+/// Swallows what the client sends until the proxy cuts or refuses.
+async fn hold(
+    client: &mut TcpStream,
+    mode: &mut watch::Receiver<ProxyMode>,
+    cuts: &mut watch::Receiver<u64>,
+) {
+    let mut sink = [0u8; 4096];
+    loop {
+        tokio::select! {
+            read = client.read(&mut sink) => {
+                if matches!(read, Ok(0) | Err(_)) {
+                    return;
+                }
+            }
+            _ = cuts.changed() => return,
+            changed = mode.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+        }
+        if *mode.borrow_and_update() == ProxyMode::Refuse {
+            return;
+        }
+    }
+}

@@ -1,0 +1,381 @@
+//! Faults that come from the database rather than the broker: a handler that swallows a SQL
+//! error, errors that recur at `COMMIT`, a one-connection pool, a worn consumer-id sequence.
+//! Each must end with every message applied once or dead-lettered, never acked unapplied and
+//! never looping for ever.
+
+#![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use inbox_core::testkit::{FaultProxy, MemoryBroker, ProxyMode};
+use inbox_core::{
+    async_trait, Consumer, Handler, HandlerError, HookAction, Message, MessageId, RetryPolicy,
+    Stage, StageHook,
+};
+use inbox_postgres::testkit::wallet::{self, balance, Credit, CreditEvent};
+use inbox_postgres::testkit::TestDb;
+use inbox_postgres::{PgInbox, PgTx, TableName};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+fn credit(broker: &MemoryBroker, id: &str, account: i64, amount: i64) {
+    broker.publish(Some(id), CreditEvent::new(account, amount).to_json());
+}
+
+/// Runs a consumer to idle, failing the test instead of hanging when it loops for ever.
+async fn within<T>(run: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .expect("the consumer did not get through the queue: it loops or stalls")
+}
+
+fn fast_retry(max_attempts: u32) -> RetryPolicy {
+    RetryPolicy {
+        max_attempts,
+        initial_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(50),
+    }
+}
+
+/// Credits, then writes a "best-effort" audit row and ignores its failure, as handlers that
+/// "ignore the unique violation" do. For IDs in `swallow_for`, the audit insert violates the
+/// audit table's key, which aborts the PostgreSQL transaction.
+struct AuditIgnoringErrors {
+    credit: Credit,
+}
+
+#[async_trait]
+impl Handler<PgTx> for AuditIgnoringErrors {
+    async fn handle(
+        &self,
+        tx: &mut PgTx,
+        id: &MessageId,
+        message: &Message,
+    ) -> Result<(), HandlerError> {
+        self.credit.handle(tx, id, message).await?;
+        let audit = sqlx::query("INSERT INTO audit (event_id) VALUES ($1)")
+            .bind(id.as_str())
+            .execute(&mut **tx)
+            .await;
+        if let Err(e) = audit {
+            eprintln!("audit insert failed, ignored: {e}");
+        }
+        Ok(())
+    }
+}
+
+async fn audit_table(db: &TestDb, taken: &[&str]) {
+    sqlx::query("CREATE TABLE audit (event_id text PRIMARY KEY)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    for id in taken {
+        sqlx::query("INSERT INTO audit VALUES ($1)")
+            .bind(id)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_swallowed_sql_error_is_a_failure_not_an_applied_message() {
+    let db = TestDb::new().await;
+    // evt-bad's audit row exists already, so its handler's audit insert aborts the transaction.
+    audit_table(&db, &["evt-bad"]).await;
+    let broker = MemoryBroker::new();
+    credit(&broker, "evt-bad", 1, 100);
+    credit(&broker, "evt-good", 2, 10);
+
+    let handler = AuditIgnoringErrors {
+        credit: Credit::new(db.pool.clone()),
+    };
+    let stats = Consumer::new("wallet", broker.source(), db.inbox(), handler)
+        .retry(fast_retry(2))
+        .run_until_idle();
+    let stats = within(stats).await.unwrap();
+
+    assert_eq!(stats.applied, 1, "only evt-good is applied: {stats:?}");
+    assert_eq!(balance(&db.pool, 2).await, 10);
+    let dead = broker.dead_letters();
+    assert_eq!(
+        dead.len(),
+        1,
+        "evt-bad is dead-lettered, not acked as applied"
+    );
+    assert_eq!(dead[0].0.id.as_ref().unwrap().as_str(), "evt-bad");
+    assert!(dead[0].1.contains("aborted"), "reason: {}", dead[0].1);
+    assert_eq!(broker.pending(), 0);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_swallowed_sql_error_inside_a_batch_fails_only_its_own_message() {
+    let db = TestDb::new().await;
+    audit_table(&db, &["evt-3"]).await;
+    let broker = MemoryBroker::new();
+    for i in 1..=5 {
+        credit(&broker, &format!("evt-{i}"), i, 10);
+    }
+
+    let handler = AuditIgnoringErrors {
+        credit: Credit::new(db.pool.clone()),
+    };
+    let stats = Consumer::new("wallet", broker.source(), db.inbox(), handler)
+        .batch_size(5)
+        .retry(fast_retry(2))
+        .run_until_idle();
+    let stats = within(stats).await.unwrap();
+
+    assert_eq!(stats.applied, 4, "{stats:?}");
+    for account in [1, 2, 4, 5] {
+        assert_eq!(balance(&db.pool, account).await, 10, "account {account}");
+    }
+    assert_eq!(balance(&db.pool, 3).await, 0);
+    let dead = broker.dead_letters();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].0.id.as_ref().unwrap().as_str(), "evt-3");
+    assert_eq!(db.inbox_rows().await, 4);
+    assert_eq!(broker.pending(), 0);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_constraint_failing_at_commit_dead_letters_its_message_and_spares_the_batch() {
+    let db = TestDb::new().await;
+    // A deferred check: credits of account 13 fail only at COMMIT, for ever.
+    sqlx::query(
+        "ALTER TABLE ledger ADD CONSTRAINT no_account_13
+         EXCLUDE USING btree (account_id WITH =) WHERE (account_id = 13)
+         DEFERRABLE INITIALLY DEFERRED",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("INSERT INTO ledger (event_id, account_id, amount) VALUES ('seed', 13, 0)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let broker = MemoryBroker::new();
+    credit(&broker, "evt-1", 1, 10);
+    credit(&broker, "evt-13", 13, 10);
+    credit(&broker, "evt-2", 2, 10);
+
+    let stats = Consumer::new(
+        "wallet",
+        broker.source(),
+        db.inbox(),
+        Credit::new(db.pool.clone()),
+    )
+    .batch_size(3)
+    .retry(fast_retry(3))
+    .error_backoff(Duration::from_millis(10))
+    .run_until_idle();
+    let stats = within(stats).await.unwrap();
+
+    assert_eq!(stats.applied, 2, "{stats:?}");
+    assert_eq!(balance(&db.pool, 1).await, 10);
+    assert_eq!(balance(&db.pool, 2).await, 10);
+    let dead = broker.dead_letters();
+    assert_eq!(
+        dead.len(),
+        1,
+        "the failing message is isolated and dead-lettered"
+    );
+    assert_eq!(dead[0].0.id.as_ref().unwrap().as_str(), "evt-13");
+    assert_eq!(broker.pending(), 0);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_one_connection_pool_does_not_stall() {
+    let db = TestDb::new().await;
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(&inbox_postgres::testkit::database_url())
+        .await
+        .unwrap();
+    let table = TableName::qualified(&db.schema, "inbox").unwrap();
+    let inbox = PgInbox::new(pool.clone()).with_table(table);
+    let broker = MemoryBroker::new();
+    for i in 1..=3 {
+        credit(&broker, &format!("evt-{i}"), 1, 1);
+    }
+
+    let started = std::time::Instant::now();
+    let run = Consumer::new("wallet", broker.source(), inbox, Noop)
+        .batch_size(3)
+        .run_until_idle();
+    let stats = within(run).await.unwrap();
+
+    assert_eq!(stats.applied, 3, "{stats:?}");
+    assert_eq!(stats.errors, 0, "no acquire timed out: {stats:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    pool.close().await;
+    db.drop().await;
+}
+
+/// Applies nothing but the claim.
+struct Noop;
+
+#[async_trait]
+impl Handler<PgTx> for Noop {
+    async fn handle(&self, _: &mut PgTx, _: &MessageId, _: &Message) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn registering_a_known_consumer_burns_no_id() {
+    let db = TestDb::new().await;
+    db.inbox().consumer_id("wallet").await.unwrap();
+    // Wind the id sequence to its last value: one more value drawn and registration fails.
+    let sequence: String =
+        sqlx::query_scalar("SELECT pg_get_serial_sequence('inbox_consumers', 'id')")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    sqlx::query(&format!("ALTER SEQUENCE {sequence} RESTART WITH 32767"))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let last = db.inbox().consumer_id("last").await.unwrap();
+    assert_eq!(last, 32767);
+
+    // Every process start registers its name on a cold cache: a known name must draw nothing.
+    for _ in 0..3 {
+        let id = db.inbox().consumer_id("wallet").await.unwrap();
+        assert_eq!(id, 1);
+        let broker = MemoryBroker::new();
+        credit(&broker, &format!("evt-{}", rand_suffix()), 1, 1);
+        let stats = Consumer::new(
+            "wallet",
+            broker.source(),
+            db.inbox(),
+            Credit::new(db.pool.clone()),
+        )
+        .run_until_idle()
+        .await
+        .unwrap();
+        assert_eq!((stats.applied, stats.errors), (1, 0), "{stats:?}");
+    }
+    assert_eq!(wallet::summary(&db.pool).await.unwrap().ledger_rows, 3);
+    db.drop().await;
+}
+
+fn rand_suffix() -> u64 {
+    rand::random()
+}
+
+/// A pool to the test schema whose connections pass through a [`FaultProxy`].
+async fn pool_through_proxy(db: &TestDb) -> (FaultProxy, PgInbox) {
+    let url = inbox_postgres::testkit::database_url();
+    let options: PgConnectOptions = url.parse().unwrap();
+    let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = FaultProxy::start(upstream).await.unwrap();
+    let options = options
+        .host("127.0.0.1")
+        .port(proxy.addr().port())
+        .options([("search_path", db.schema.as_str())]);
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_lazy_with(options);
+    let table = TableName::qualified(&db.schema, "inbox").unwrap();
+    (proxy, PgInbox::new(pool).with_table(table))
+}
+
+#[tokio::test]
+async fn a_database_outage_uses_up_no_delivery_budget() {
+    let db = TestDb::new().await;
+    let (proxy, inbox) = pool_through_proxy(&db).await;
+    proxy.set_mode(ProxyMode::Refuse);
+    let broker = MemoryBroker::new();
+    for i in 1..=3 {
+        credit(&broker, &format!("evt-{i}"), i, 10);
+    }
+
+    let run = Consumer::new(
+        "wallet",
+        broker.source(),
+        inbox,
+        Credit::new(db.pool.clone()),
+    )
+    .batch_size(3)
+    .max_deliveries(2)
+    .error_backoff(Duration::from_millis(100))
+    .run_until_idle();
+    let outage = async {
+        // Long enough for several tries at the error backoff, each of which would have been a
+        // delivery had the batch been handed back.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        proxy.set_mode(ProxyMode::Pass);
+    };
+    let (stats, ()) = tokio::join!(within(run), outage);
+    let stats = stats.unwrap();
+
+    assert_eq!((stats.applied, stats.dead_lettered), (3, 0), "{stats:?}");
+    assert!(stats.errors >= 3, "the outage was seen: {stats:?}");
+    for account in 1..=3 {
+        assert_eq!(balance(&db.pool, account).await, 10);
+    }
+    assert!(broker.dead_letters().is_empty());
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn connections_cut_around_commit_lose_nothing_and_apply_nothing_twice() {
+    let db = TestDb::new().await;
+    let (proxy, inbox) = pool_through_proxy(&db).await;
+    let proxy = Arc::new(proxy);
+    let broker = MemoryBroker::new();
+    let events = 200;
+    for i in 0..events {
+        credit(&broker, &format!("evt-{i}"), i % 7, 1);
+    }
+    // After the last handler of some batches, cut every connection a moment later: before,
+    // during or after the COMMIT, whose outcome the consumer then does not learn.
+    let cutter = Arc::clone(&proxy);
+    let hook = StageHook::new(move |stage, id| {
+        let n: u64 = id.as_str()[4..].parse().unwrap_or(0);
+        if stage == Stage::Applied && n % 9 == 4 {
+            let proxy = Arc::clone(&cutter);
+            let delay = Duration::from_micros(rand::random::<u64>() % 1500);
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                proxy.cut();
+            });
+        }
+        HookAction::Continue
+    });
+
+    let stats = Consumer::new(
+        "wallet",
+        broker.source(),
+        inbox,
+        Credit::new(db.pool.clone()),
+    )
+    .batch_size(10)
+    .error_backoff(Duration::from_millis(50))
+    .on_stage(hook)
+    .run_until_idle();
+    let stats = within(stats).await.unwrap();
+
+    let summary = wallet::summary(&db.pool).await.unwrap();
+    assert_eq!(summary.duplicates(), 0, "{stats:?}");
+    assert_eq!(summary.lost(events), 0, "{stats:?}");
+    assert!(summary.balances_exact);
+    assert!(stats.errors > 0, "some cuts hit the transaction: {stats:?}");
+    assert!(broker.dead_letters().is_empty());
+    assert_eq!(broker.pending(), 0);
+    db.drop().await;
+}
