@@ -54,9 +54,9 @@ impl SqsAck {
         &self.receipt_handle
     }
 
-    async fn stop_heartbeat(&mut self) {
+    fn stop_heartbeat(&mut self) {
         if let Some(heartbeat) = self.heartbeat.take() {
-            heartbeat.stop().await;
+            heartbeat.stop();
         }
     }
 }
@@ -64,7 +64,7 @@ impl SqsAck {
 #[async_trait]
 impl Ack for SqsAck {
     async fn ack(mut self) -> Result<(), SourceError> {
-        self.stop_heartbeat().await;
+        self.stop_heartbeat();
         if self.mode == AckMode::DeleteOnReceive {
             return Ok(());
         }
@@ -79,13 +79,12 @@ impl Ack for SqsAck {
     }
 
     async fn nack(mut self, retry_after: Duration) -> Result<(), SourceError> {
-        self.stop_heartbeat().await;
+        self.stop_heartbeat();
         if self.mode == AckMode::DeleteOnReceive {
             // Already deleted: there is nothing left to hand back (the anti-pattern's loss).
             return Ok(());
         }
-        let delay = retry_after.max(self.min_retry_delay).min(MAX_VISIBILITY);
-        let seconds = i32::try_from(delay.as_secs()).unwrap_or(i32::MAX);
+        let seconds = visibility_seconds(retry_after.max(self.min_retry_delay));
         let result = self
             .client
             .change_message_visibility()
@@ -110,7 +109,7 @@ impl Ack for SqsAck {
     async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {
         let mut pending: Vec<SqsAck> = Vec::with_capacity(acks.len());
         for mut ack in acks {
-            ack.stop_heartbeat().await;
+            ack.stop_heartbeat();
             if ack.mode == AckMode::AfterCommit {
                 pending.push(ack);
             }
@@ -146,6 +145,14 @@ impl Ack for SqsAck {
             Some(e) => Err(e.into()),
         }
     }
+}
+
+/// A nack delay as the whole seconds `ChangeMessageVisibility` takes, rounded up: rounding
+/// down would make a delay under 1 s no delay at all (visible again at once).
+fn visibility_seconds(delay: Duration) -> i32 {
+    let delay = delay.min(MAX_VISIBILITY);
+    let seconds = delay.as_secs() + u64::from(delay.subsec_nanos() > 0);
+    i32::try_from(seconds).unwrap_or(i32::MAX)
 }
 
 /// Deletes up to 10 messages of one queue; on failure, how many were not deleted and why.
@@ -196,5 +203,77 @@ async fn delete_batch(chunk: &[SqsAck]) -> Result<(), (usize, Error)> {
                 first: format!("{}: {}", entry.code(), entry.message().unwrap_or("")),
             },
         )),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use aws_sdk_sqs::config::{Credentials, Region};
+
+    use super::*;
+
+    #[test]
+    fn nack_delays_round_up_to_whole_seconds() {
+        assert_eq!(visibility_seconds(Duration::ZERO), 0, "no delay stays none");
+        assert_eq!(visibility_seconds(Duration::from_millis(1)), 1);
+        assert_eq!(visibility_seconds(Duration::from_millis(300)), 1);
+        assert_eq!(visibility_seconds(Duration::from_secs(1)), 1);
+        assert_eq!(visibility_seconds(Duration::from_millis(1500)), 2);
+        assert_eq!(visibility_seconds(Duration::from_secs(7)), 7);
+        assert_eq!(
+            visibility_seconds(Duration::from_secs(24 * 60 * 60)),
+            12 * 60 * 60,
+            "capped at SQS's longest visibility timeout"
+        );
+    }
+
+    /// An endpoint that accepts connections and never answers: a hung SQS call.
+    async fn black_hole() -> (Client, tokio::task::JoinHandle<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket);
+            }
+        });
+        let config = crate::config_loader()
+            .endpoint_url(format!("http://{addr}"))
+            .region(Region::new("us-east-1"))
+            .credentials_provider(Credentials::new("test", "test", None, None, "test"))
+            .load()
+            .await;
+        (Client::new(&config), server)
+    }
+
+    #[tokio::test]
+    async fn an_ack_does_not_wait_for_a_hung_heartbeat_extension() {
+        let (client, server) = black_hole().await;
+        let queue_url: Arc<str> = Arc::from("http://localhost/123456789012/q");
+        let handle: Arc<str> = Arc::from("receipt");
+        // Visibility 1 s: the first extension goes out after a third of it and never returns.
+        let heartbeat = Heartbeat::start(
+            client.clone(),
+            Arc::clone(&queue_url),
+            Arc::clone(&handle),
+            Duration::from_secs(1),
+        );
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        // DeleteOnReceive acks make no call of their own: only the heartbeat's stop is timed.
+        let ack = SqsAck::new(
+            client,
+            queue_url,
+            handle,
+            AckMode::DeleteOnReceive,
+            Duration::ZERO,
+            Some(heartbeat),
+        );
+        let acked = tokio::time::timeout(Duration::from_secs(3), ack.ack()).await;
+        server.abort();
+        assert!(
+            acked.is_ok(),
+            "the ack waited for the heartbeat's hung ChangeMessageVisibility"
+        );
     }
 }

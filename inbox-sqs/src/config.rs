@@ -4,8 +4,9 @@ use std::time::Duration;
 
 use aws_sdk_sqs::types::QueueAttributeName;
 use aws_sdk_sqs::Client;
+use tracing::warn;
 
-use crate::dead_letter::DeadLetterTarget;
+use crate::dead_letter::{self, DeadLetterTarget};
 use crate::{Error, Result, SqsSource};
 
 /// The message attribute a producer puts the event ID in, unless configured otherwise.
@@ -15,6 +16,34 @@ pub const DEFAULT_ID_ATTRIBUTE: &str = "event_id";
 const MAX_WAIT: Duration = Duration::from_secs(20);
 /// SQS's longest visibility timeout.
 pub(crate) const MAX_VISIBILITY: Duration = Duration::from_secs(12 * 60 * 60);
+
+/// Refuses client timeouts that would cut every long-poll receive short, and warns when the
+/// client has none (a stalled connection then hangs the consumer).
+fn check_timeouts(client: &Client, queue_url: &str, wait: Duration) -> Result<()> {
+    let timeouts = client.config().timeout_config();
+    let attempt = timeouts.and_then(|t| t.operation_attempt_timeout());
+    let operation = timeouts.and_then(|t| t.operation_timeout());
+    for (name, timeout) in [
+        ("operation_attempt_timeout", attempt),
+        ("operation_timeout", operation),
+    ] {
+        if let Some(timeout) = timeout.filter(|t| *t <= wait) {
+            return Err(Error::Config(format!(
+                "the SQS client's {name} is {timeout:?}, not longer than wait_time {wait:?}, so \
+                 every long-poll receive would time out; raise it (timeout_config on \
+                 inbox_sqs::config_loader()) or shorten wait_time(..)"
+            )));
+        }
+    }
+    if attempt.is_none() && operation.is_none() {
+        warn!(
+            queue_url,
+            "the SQS client has no operation timeout, so a stalled connection can hang the \
+             consumer; build it from inbox_sqs::config_loader() or set timeout_config"
+        );
+    }
+    Ok(())
+}
 
 /// When a received message is deleted from the queue.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -153,15 +182,20 @@ impl SqsSourceBuilder {
     }
 
     /// The shortest delay before a handed-back (nacked) message is visible again (default 0:
-    /// the consumer's own backoff decides). SQS rounds delays down to whole seconds.
+    /// the consumer's own backoff decides). SQS takes whole seconds: a delay with a fraction is
+    /// rounded up (300 ms becomes 1 s), so a short delay never makes the message visible at once.
     pub fn retry_backoff(mut self, min_delay: Duration) -> Self {
         self.min_retry_delay = min_delay;
         self
     }
 
     /// Checks the settings, reads the queue's attributes (its visibility timeout and redrive
-    /// policy) and returns the source. Fails with [`Error::Config`] on a bad setting and with
-    /// [`Error::Sqs`] when the queue cannot be read (wrong URL, no permission).
+    /// policy), checks that the dead-letter queue exists, and returns the source.
+    ///
+    /// Fails with [`Error::Config`] on a bad setting, when the dead-letter queue (configured or
+    /// from the redrive policy) does not exist, or when the client's timeout per attempt is not
+    /// longer than [`wait_time`](Self::wait_time); with [`Error::Sqs`] when the queue cannot be
+    /// read (wrong URL, no permission).
     pub async fn build(self) -> Result<SqsSource> {
         if self.queue_url.is_empty() {
             return Err(Error::Config("the queue URL is empty".into()));
@@ -181,6 +215,7 @@ impl SqsSourceBuilder {
                 self.wait_time
             )));
         }
+        check_timeouts(&self.client, &self.queue_url, self.wait_time)?;
         if let Some(timeout) = self.visibility_timeout {
             if timeout < Duration::from_secs(1) || timeout > MAX_VISIBILITY {
                 return Err(Error::Config(format!(
@@ -224,11 +259,14 @@ impl SqsSourceBuilder {
             Some(url) if url.is_empty() => {
                 return Err(Error::Config("the dead-letter queue URL is empty".into()))
             }
-            Some(url) => DeadLetterTarget::Queue(url),
+            Some(url) => {
+                dead_letter::check_queue(&self.client, &url).await?;
+                DeadLetterTarget::Queue(url)
+            }
             None => match get(QueueAttributeName::RedrivePolicy) {
                 Some(policy) => {
                     DeadLetterTarget::from_redrive_policy(&self.client, &self.queue_url, policy)
-                        .await
+                        .await?
                 }
                 None => DeadLetterTarget::None,
             },
@@ -250,5 +288,38 @@ impl SqsSourceBuilder {
                 .map(Duration::from_secs),
         };
         Ok(SqsSource::new(self.client, settings, dead_letter))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use aws_config::timeout::TimeoutConfig;
+    use aws_sdk_sqs::config::{Credentials, Region};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_client_timeout_shorter_than_the_long_poll_is_refused() {
+        let config = crate::config_loader()
+            // Nothing listens here: the check must fail before any call.
+            .endpoint_url("http://127.0.0.1:9")
+            .region(Region::new("us-east-1"))
+            .credentials_provider(Credentials::new("test", "test", None, None, "test"))
+            .timeout_config(
+                TimeoutConfig::builder()
+                    .operation_attempt_timeout(Duration::from_secs(5))
+                    .build(),
+            )
+            .load()
+            .await;
+        let built = SqsSourceBuilder::new(Client::new(&config), "http://127.0.0.1:9/0/q".into())
+            .wait_time(Duration::from_secs(20))
+            .build()
+            .await;
+        let Err(Error::Config(text)) = built else {
+            panic!("expected a configuration error, got {built:?}");
+        };
+        assert!(text.contains("operation_attempt_timeout"), "{text}");
+        assert!(text.contains("wait_time"), "{text}");
     }
 }

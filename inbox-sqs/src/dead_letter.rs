@@ -2,13 +2,15 @@
 
 use std::collections::HashMap;
 
+use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
+use aws_sdk_sqs::operation::get_queue_url::GetQueueUrlError;
 use aws_sdk_sqs::primitives::Blob;
 use aws_sdk_sqs::types::MessageAttributeValue;
 use aws_sdk_sqs::Client;
-use inbox_core::{Message, Recovery, SourceError};
+use inbox_core::{Message, MessageId, Recovery, SourceError};
 use tracing::warn;
 
-use crate::Error;
+use crate::{fifo, Error};
 
 /// The message attribute that carries why a message was dead-lettered.
 pub const REASON_ATTRIBUTE: &str = "reason";
@@ -36,21 +38,22 @@ pub(crate) enum DeadLetterTarget {
 impl DeadLetterTarget {
     /// Resolves a queue's `RedrivePolicy` to its dead-letter queue's URL, so dead letters
     /// carry a reason and go there at once. When the URL cannot be read (no permission for
-    /// `GetQueueUrl`, say), falls back to letting SQS's own redrive move the message.
+    /// `GetQueueUrl`, say), falls back to letting SQS's own redrive move the message; when the
+    /// dead-letter queue does not exist, fails with [`Error::Config`].
     pub(crate) async fn from_redrive_policy(
         client: &Client,
         queue_url: &str,
         policy: &str,
-    ) -> Self {
+    ) -> Result<Self, Error> {
         let parsed: serde_json::Value = match serde_json::from_str(policy) {
             Ok(v) => v,
             Err(e) => {
                 warn!(queue_url, error = %e, policy, "cannot parse the queue's RedrivePolicy; dead letters will fail until a dead-letter queue is configured");
-                return DeadLetterTarget::None;
+                return Ok(DeadLetterTarget::None);
             }
         };
         let Some(arn) = parsed.get("deadLetterTargetArn").and_then(|v| v.as_str()) else {
-            return DeadLetterTarget::None;
+            return Ok(DeadLetterTarget::None);
         };
         let max_receive_count = match parsed.get("maxReceiveCount") {
             Some(serde_json::Value::String(s)) => s.clone(),
@@ -67,8 +70,15 @@ impl DeadLetterTarget {
             match request.send().await {
                 Ok(out) => {
                     if let Some(url) = out.queue_url() {
-                        return DeadLetterTarget::Queue(url.to_owned());
+                        return Ok(DeadLetterTarget::Queue(url.to_owned()));
                     }
+                }
+                Err(e) if is_missing_queue(&e) => {
+                    return Err(Error::Config(format!(
+                        "queue {queue_url} has a RedrivePolicy to dead-letter queue {arn}, which \
+                         does not exist: create it, fix the RedrivePolicy, or set \
+                         SqsSourceBuilder::dead_letter_queue(url)"
+                    )));
                 }
                 Err(e) => {
                     let e = Error::sdk("GetQueueUrl", name, e);
@@ -76,20 +86,22 @@ impl DeadLetterTarget {
                 }
             }
         }
-        DeadLetterTarget::Redrive {
+        Ok(DeadLetterTarget::Redrive {
             arn: arn.to_owned(),
             max_receive_count,
-        }
+        })
     }
 }
 
 /// Sends `message` to the dead-letter queue `dlq_url` with its body, its original attributes
-/// (as received, when `original` has them) and a `reason` attribute.
+/// (as received, when `original` has them) and a `reason` attribute. `receipt_handle` is the
+/// handle of the receive that returned this copy; on a FIFO queue it makes the deduplication ID.
 pub(crate) async fn send(
     client: &Client,
     dlq_url: &str,
     message: &Message,
     original: Option<&HashMap<String, MessageAttributeValue>>,
+    receipt_handle: Option<&str>,
     reason: &str,
 ) -> Result<(), Error> {
     let body = String::from_utf8_lossy(&message.payload).into_owned();
@@ -132,24 +144,103 @@ pub(crate) async fn send(
     if dlq_url.ends_with(".fifo") {
         // A FIFO queue needs a group; keep the original's so its order survives, and a
         // deduplication ID in case the queue has no content-based deduplication.
-        let group = message
-            .key
-            .as_deref()
-            .map(|k| String::from_utf8_lossy(k).into_owned())
-            .unwrap_or_else(|| "dead-letter".to_owned());
-        let dedup = match &message.id {
-            Ok(id) => id.to_string(),
-            Err(_) => message.meta.position.clone(),
-        };
         request = request
-            .message_group_id(group)
-            .message_deduplication_id(truncate(&dedup, 128));
+            .message_group_id(fifo_group(message))
+            .message_deduplication_id(fifo_dedup_id(receipt_handle));
     }
     request
         .send()
         .await
         .map_err(|e| Error::sdk("SendMessage (dead letter)", dlq_url, e))?;
     Ok(())
+}
+
+/// The message group of a dead letter on a FIFO queue: the original's group, made valid for
+/// SQS (hashed where it is not), so the group's order survives; `dead-letter` without one.
+fn fifo_group(message: &Message) -> String {
+    match message.key.as_deref() {
+        Some(key) if !key.is_empty() => fifo::fifo_id(&String::from_utf8_lossy(key)),
+        _ => "dead-letter".to_owned(),
+    }
+}
+
+/// The deduplication ID of a dead letter on a FIFO queue: new for every delivery, never the
+/// event ID.
+///
+/// With the event ID, a message redriven and dead-lettered again within SQS's 5-minute
+/// deduplication window would be dropped by SQS as a copy of its first dead letter (the send
+/// still succeeds) and then deleted from the source: lost. The receipt handle is new on every
+/// receive, so each delivery's dead letter is its own, while a retry of the same delivery's
+/// send (the SDK's, after a lost response) is still dropped as the duplicate it is. Without a
+/// handle (not expected: the source keeps its last batch's), a fresh UUID: a retried send can
+/// then leave a second copy in the DLQ, which the inbox skips on replay; a duplicate dead
+/// letter is recoverable, a dropped one is not. Both are hashed or generated into SQS's
+/// alphabet, never built from the message ID, which may hold spaces or non-ASCII.
+fn fifo_dedup_id(receipt_handle: Option<&str>) -> String {
+    match receipt_handle {
+        Some(handle) if !handle.is_empty() => fifo::hash_hex(handle.as_bytes()),
+        _ => MessageId::generate().to_string(),
+    }
+}
+
+/// Checks that the dead-letter queue at `dlq_url` exists (`GetQueueUrl` on its name and
+/// account), so a wrong URL fails the build instead of every dead letter later.
+///
+/// Only a missing queue fails; where the check itself is not allowed (no `GetQueueUrl`
+/// permission: dead-lettering needs only `SendMessage`), it logs and lets the build go on.
+pub(crate) async fn check_queue(client: &Client, dlq_url: &str) -> Result<(), Error> {
+    let (account, name) = queue_name(dlq_url).ok_or_else(|| {
+        Error::Config(format!(
+            "dead-letter queue URL {dlq_url} names no queue; expected \
+             https://sqs.<region>.amazonaws.com/<account>/<name>"
+        ))
+    })?;
+    let mut request = client.get_queue_url().queue_name(name);
+    if let Some(account) = account {
+        request = request.queue_owner_aws_account_id(account);
+    }
+    match request.send().await {
+        Ok(_) => Ok(()),
+        Err(e) if is_missing_queue(&e) => Err(Error::Config(format!(
+            "dead-letter queue {dlq_url} does not exist: create it, or point \
+             SqsSourceBuilder::dead_letter_queue(..) at an existing queue"
+        ))),
+        Err(e) => {
+            let e = Error::sdk("GetQueueUrl (dead-letter queue)", dlq_url, e);
+            if e.recovery() == Recovery::Fatal {
+                warn!(dlq_url, error = %e, "cannot check that the dead-letter queue exists (no GetQueueUrl permission?); if it is missing, dead letters fail and their messages are handed back");
+                Ok(())
+            } else {
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The account (when the URL has one) and the queue name of a queue URL
+/// (`https://sqs.<region>.amazonaws.com/<account>/<name>`).
+fn queue_name(url: &str) -> Option<(Option<&str>, &str)> {
+    let path = url.split_once("://").map_or(url, |(_, rest)| rest);
+    // Everything after the host.
+    let segments: Vec<&str> = path.split('/').skip(1).filter(|s| !s.is_empty()).collect();
+    match segments.as_slice() {
+        [.., account, name] if account.bytes().all(|b| b.is_ascii_digit()) => {
+            Some((Some(account), name))
+        }
+        [.., name] => Some((None, name)),
+        [] => None,
+    }
+}
+
+fn is_missing_queue<R>(err: &SdkError<GetQueueUrlError, R>) -> bool {
+    err.as_service_error()
+        .is_some_and(GetQueueUrlError::is_queue_does_not_exist)
+        || err.code().is_some_and(|code| {
+            matches!(
+                code,
+                "AWS.SimpleQueueService.NonExistentQueue" | "QueueDoesNotExist"
+            )
+        })
 }
 
 /// The error `dead_letter` returns when the queue has a redrive policy but no dead-letter
@@ -215,6 +306,42 @@ mod tests {
     fn reasons_are_cut_on_a_char_boundary() {
         assert_eq!(truncate("abc", 10), "abc");
         assert_eq!(truncate("aé", 2), "a");
+    }
+
+    #[test]
+    fn queue_names_come_from_the_url() {
+        assert_eq!(
+            queue_name("https://sqs.eu-west-1.amazonaws.com/123456789012/payments-dlq"),
+            Some((Some("123456789012"), "payments-dlq"))
+        );
+        assert_eq!(
+            queue_name("http://127.0.0.1:4566/000000000000/q.fifo/"),
+            Some((Some("000000000000"), "q.fifo"))
+        );
+        assert_eq!(
+            queue_name("http://localhost:9324/queue/q"),
+            Some((None, "q"))
+        );
+        assert_eq!(queue_name("https://sqs.eu-west-1.amazonaws.com/"), None);
+    }
+
+    #[test]
+    fn fifo_dead_letter_ids_are_valid_and_new_per_delivery() {
+        let a = fifo_dedup_id(Some("AQEB+handle/one=="));
+        assert!(fifo::is_valid_id(&a), "{a}");
+        assert_eq!(
+            a,
+            fifo_dedup_id(Some("AQEB+handle/one==")),
+            "a retried send is dropped"
+        );
+        assert_ne!(
+            a,
+            fifo_dedup_id(Some("AQEB+handle/two==")),
+            "a redelivery is not"
+        );
+        let fresh = fifo_dedup_id(None);
+        assert!(fifo::is_valid_id(&fresh), "{fresh}");
+        assert_ne!(fresh, fifo_dedup_id(None));
     }
 
     #[test]

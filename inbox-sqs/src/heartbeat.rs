@@ -4,19 +4,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aws_sdk_sqs::Client;
-use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
 use crate::Error;
 
-/// A running heartbeat for one received message. Dropping it stops the task at its next tick
-/// (a crashed consumer's messages then come back after one visibility timeout);
-/// [`Heartbeat::stop`] stops it and waits, so that no extension lands after a nack's own
-/// visibility change.
+/// A running heartbeat for one received message. [`Heartbeat::stop`] or dropping it cancels
+/// the task at once, an extension in flight included (a crashed consumer's messages then come
+/// back after one visibility timeout).
+///
+/// Stopping never waits for an extension in flight: with a stalled connection that would hold
+/// the ack (and the consumer) for as long as the call hangs. The price: an extension already on
+/// the wire may still land after a nack's own visibility change, and the message then comes
+/// back after one visibility timeout instead of the nack's delay. Later, never lost; after an
+/// ack's delete it only fails on the stale receipt handle.
 #[derive(Debug)]
 pub(crate) struct Heartbeat {
-    stop: oneshot::Sender<()>,
     task: JoinHandle<()>,
 }
 
@@ -29,17 +32,11 @@ impl Heartbeat {
         receipt_handle: Arc<str>,
         visibility: Duration,
     ) -> Self {
-        let (stop, mut stopped) = oneshot::channel::<()>();
         let period = (visibility / 3).max(Duration::from_millis(200));
         let seconds = i32::try_from(visibility.as_secs()).unwrap_or(i32::MAX);
         let task = tokio::spawn(async move {
             loop {
-                // A stop (or the Ack being dropped) is only seen between calls, never during
-                // one: `stop` then knows no extension is still on its way.
-                tokio::select! {
-                    _ = &mut stopped => return,
-                    () = tokio::time::sleep(period) => {}
-                }
+                tokio::time::sleep(period).await;
                 let result = client
                     .change_message_visibility()
                     .queue_url(&*queue_url)
@@ -62,17 +59,18 @@ impl Heartbeat {
                 }
             }
         });
-        Self { stop, task }
+        Self { task }
     }
 
-    /// Stops the heartbeat and waits until any extension in flight has returned.
-    pub(crate) async fn stop(self) {
-        // The task may have ended already (stale handle); then there is nobody to tell.
-        let _ = self.stop.send(());
-        if let Err(e) = self.task.await {
-            if e.is_panic() {
-                warn!(error = %e, "visibility heartbeat task panicked");
-            }
-        }
+    /// Stops the heartbeat now, cancelling an extension in flight rather than waiting for it.
+    pub(crate) fn stop(self) {
+        drop(self);
+    }
+}
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        // Aborting a task that already ended (stale handle) does nothing.
+        self.task.abort();
     }
 }

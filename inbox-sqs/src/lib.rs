@@ -68,12 +68,15 @@
 //! - **Visibility heartbeat** (on by default, [`SqsSourceBuilder::heartbeat`]): from receive
 //!   until ack or nack, a background task extends each message's visibility
 //!   (`ChangeMessageVisibility`) every third of the timeout, so a slow handler keeps its
-//!   message. It stops when the ack is used or dropped. If an extension finds the receipt
+//!   message. It stops when the ack is used or dropped, at once: an extension in flight is
+//!   cancelled, not waited for (one already on the wire may still land after a nack, which
+//!   then comes back after one visibility timeout instead of its delay). If an extension finds the receipt
 //!   handle stale (the message was handed out again meanwhile), it logs and stops; the other
 //!   copy finds the ID claimed (waiting for this transaction if it is still open) and is
 //!   skipped.
 //! - **Nack** (a store error, a failed dead letter) is `ChangeMessageVisibility` to the delay,
-//!   at least [`SqsSourceBuilder::retry_backoff`]: the message is visible again after it.
+//!   at least [`SqsSourceBuilder::retry_backoff`], rounded up to whole seconds (300 ms is 1 s):
+//!   the message is visible again after it.
 //!   Handler failures are retried by the consumer in-process first
 //!   ([`RetryPolicy`](inbox_core::RetryPolicy)), under the heartbeat.
 //! - [`AckMode::DeleteOnReceive`] deletes at receive time instead: the at-most-once
@@ -84,15 +87,28 @@
 //! `max_attempts` times, is dead-lettered, then deleted:
 //! - with [`SqsSourceBuilder::dead_letter_queue`], it is sent there (`SendMessage`: same body,
 //!   same attributes, plus a [`REASON_ATTRIBUTE`] attribute), and only then deleted from the
-//!   source queue: a failure in between leaves a copy in both, never in neither;
+//!   source queue: a failure in between leaves a copy in both, never in neither. The queue
+//!   must exist: [`SqsSourceBuilder::build`] checks (`GetQueueUrl`) and fails naming it. On a
+//!   FIFO dead-letter queue the `MessageGroupId` is the original's (hashed into SQS's alphabet
+//!   where needed) and the `MessageDeduplicationId` is new per delivery (from its receipt
+//!   handle), never the event ID: a message dead-lettered again within SQS's 5-minute window
+//!   arrives again instead of being dropped as a duplicate;
 //! - without one, if the queue has a `RedrivePolicy`, its dead-letter queue is resolved when
 //!   the source is built and used the same way. Where it cannot be resolved (no `GetQueueUrl`
 //!   permission), the message is handed back (nacked) and SQS's redrive moves it after
-//!   `maxReceiveCount` receives, without a reason attribute. Set the consumer's
+//!   `maxReceiveCount` receives, without a reason attribute. A redrive dead-letter queue that
+//!   does not exist fails the build. Set the consumer's
 //!   [`max_deliveries`](inbox_core::Consumer::max_deliveries) below `maxReceiveCount` so a
 //!   message that crashes the process every time is dead-lettered by the consumer first;
 //! - with neither, dead-lettering fails with a [`Recovery::Fatal`](inbox_core::Recovery)
 //!   error naming both settings, and the consumer stops rather than loop.
+//!
+//! # Timeouts
+//! The clients from [`connect`], [`connect_to`], [`connect_or_local`] and [`config_loader`]
+//! have [`default_timeouts`] (30 s per attempt, longer than the 20 s long poll; 90 s per call),
+//! so a stalled connection fails and is retried instead of hanging the consumer.
+//! [`SqsSourceBuilder::build`] refuses a client whose timeout per attempt is not longer than
+//! the wait time, and warns about one with no timeout at all.
 //!
 //! # Batches and order
 //! A receive returns up to 10 messages; the consumer claims and commits them in one
@@ -105,6 +121,7 @@ mod client;
 mod config;
 mod dead_letter;
 mod error;
+mod fifo;
 mod heartbeat;
 mod sender;
 mod source;
@@ -112,7 +129,7 @@ mod source;
 pub use ack::SqsAck;
 /// Re-exported so callers adjust the loader from [`config_loader`] with the same version.
 pub use aws_config;
-pub use client::{config_loader, connect, connect_or_local, connect_to};
+pub use client::{config_loader, connect, connect_or_local, connect_to, default_timeouts};
 pub use config::{AckMode, SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
 pub use dead_letter::REASON_ATTRIBUTE;
 pub use error::{Error, Result};

@@ -7,6 +7,7 @@ use aws_sdk_sqs::Client;
 use inbox_core::MessageId;
 
 use crate::config::DEFAULT_ID_ATTRIBUTE;
+use crate::fifo;
 use crate::{Error, Result};
 
 /// How often a batch entry SQS refused (throttling, say) is sent again before giving up.
@@ -182,25 +183,7 @@ fn id_attribute(id: &MessageId) -> Result<MessageAttributeValue> {
 /// SQS deduplication IDs are at most 128 characters of a limited alphabet; a UUID fits, and a
 /// longer or odd ID is hashed down to one that does.
 fn dedup_id(id: &MessageId) -> String {
-    let text = id.as_str();
-    let plain = text.len() <= 128
-        && text
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~".contains(c));
-    if plain {
-        return text.to_owned();
-    }
-    // Not cryptographic, only stable: FNV-1a over the bytes, twice with different seeds.
-    let fnv = |seed: u64| {
-        text.bytes().fold(seed, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-        })
-    };
-    format!(
-        "{:016x}{:016x}",
-        fnv(0xcbf2_9ce4_8422_2325),
-        fnv(0x8422_2325_cbf2_9ce4)
-    )
+    fifo::fifo_id(id.as_str())
 }
 
 #[cfg(test)]

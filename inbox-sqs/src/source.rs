@@ -24,10 +24,18 @@ pub struct SqsSource {
     settings: Settings,
     queue_url: Arc<str>,
     dead_letter: DeadLetterTarget,
-    /// The attributes of the last batch received, by SQS message ID, so a dead letter carries
-    /// them with their original data types. The consumer handles one batch completely
-    /// (dead letters included) before it receives again, so one batch is all it needs.
-    last_attributes: HashMap<String, HashMap<String, MessageAttributeValue>>,
+    /// The last batch received, by position (`message <SQS message ID>`), so a dead letter
+    /// carries the attributes with their original data types and a deduplication ID from its
+    /// receipt handle. The consumer handles one batch completely (dead letters included) before
+    /// it receives again, so one batch is all it needs.
+    last_batch: HashMap<String, Received>,
+}
+
+/// What a dead letter needs of a received message beyond the inbox [`Message`].
+#[derive(Debug)]
+struct Received {
+    receipt_handle: Arc<str>,
+    attributes: Option<HashMap<String, MessageAttributeValue>>,
 }
 
 impl SqsSource {
@@ -43,7 +51,7 @@ impl SqsSource {
             settings,
             queue_url,
             dead_letter,
-            last_attributes: HashMap::new(),
+            last_batch: HashMap::new(),
         }
     }
 
@@ -190,7 +198,7 @@ impl MessageSource for SqsSource {
             .await
             .map_err(|e| Error::sdk("ReceiveMessage", &self.queue_url, e))?;
 
-        self.last_attributes.clear();
+        self.last_batch.clear();
         let mut deliveries = Vec::new();
         let mut to_delete = Vec::new();
         for sqs in out.messages() {
@@ -199,11 +207,16 @@ impl MessageSource for SqsSource {
                 continue;
             };
             let message = self.convert(sqs);
-            if let (Some(id), Some(attributes)) = (sqs.message_id(), sqs.message_attributes()) {
-                self.last_attributes
-                    .insert(format!("message {id}"), attributes.clone());
-            }
             let handle: Arc<str> = Arc::from(handle);
+            if sqs.message_id().is_some() {
+                self.last_batch.insert(
+                    message.meta.position.clone(),
+                    Received {
+                        receipt_handle: Arc::clone(&handle),
+                        attributes: sqs.message_attributes().cloned(),
+                    },
+                );
+            }
             let heartbeat = self.settings.heartbeat.then(|| {
                 Heartbeat::start(
                     self.client.clone(),
@@ -241,10 +254,17 @@ impl MessageSource for SqsSource {
     async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
         match &self.dead_letter {
             DeadLetterTarget::Queue(dlq_url) => {
-                let original = self.last_attributes.get(&message.meta.position);
-                dead_letter::send(&self.client, dlq_url, message, original, reason)
-                    .await
-                    .map_err(SourceError::from)
+                let received = self.last_batch.get(&message.meta.position);
+                dead_letter::send(
+                    &self.client,
+                    dlq_url,
+                    message,
+                    received.and_then(|r| r.attributes.as_ref()),
+                    received.map(|r| &*r.receipt_handle),
+                    reason,
+                )
+                .await
+                .map_err(SourceError::from)
             }
             DeadLetterTarget::Redrive {
                 arn,

@@ -130,6 +130,39 @@ async fn nack_makes_the_message_visible_after_the_delay() {
     common::delete_queue(&sqs, &url).await;
 }
 
+#[tokio::test]
+async fn a_sub_second_nack_is_not_visible_at_once() {
+    let sqs = client().await;
+    let url = queue(&sqs, "nack-ms", 30).await;
+    SqsSender::new(sqs.clone(), &url)
+        .send(credit(1, 1))
+        .await
+        .unwrap();
+    let mut source = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(Duration::from_secs(5))
+        .build()
+        .await
+        .unwrap();
+    let mut batch = source.receive(10).await.unwrap();
+    assert_eq!(batch.len(), 1);
+    batch
+        .remove(0)
+        .ack
+        .nack(Duration::from_millis(300))
+        .await
+        .unwrap();
+    // Whole seconds only: 300 ms must become 1 s, not 0 s (visible at once).
+    assert_eq!(
+        steal(&sqs, &url).await,
+        0,
+        "not visible right after the nack"
+    );
+    let again = source.receive(10).await.unwrap();
+    assert_eq!(again.len(), 1, "back after the delay");
+    assert_eq!(again[0].message.meta.delivery_count, Some(2));
+    common::delete_queue(&sqs, &url).await;
+}
+
 /// Sends `stalling` events whose first handling stalls for 5 s and `plain` ones, then runs
 /// three consumers on the queue (visibility timeout 2 s) until everything is applied and every
 /// stall is over. Returns each consumer's counters and the ledger.

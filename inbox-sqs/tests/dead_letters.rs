@@ -1,0 +1,181 @@
+//! Dead letters at the adapter level: what arrives in a FIFO dead-letter queue, and a
+//! dead-letter queue that does not exist.
+// A test fails by panicking; an unwrap names the failed call in its message.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{client, drain, fifo_queue, queue, queue_with_redrive};
+use inbox_core::{Ack, MessageId, MessageSource, Recovery};
+use inbox_sqs::aws_sdk_sqs::types::Message as SqsMessage;
+use inbox_sqs::aws_sdk_sqs::types::MessageSystemAttributeName;
+use inbox_sqs::aws_sdk_sqs::Client;
+use inbox_sqs::{Error, Outgoing, SqsSender, SqsSource, REASON_ATTRIBUTE};
+
+const SECOND: Duration = Duration::from_secs(1);
+
+/// Receives everything visible on the source and dead-letters it, then deletes it, as the
+/// consumer does. Returns how many messages it dead-lettered.
+async fn dead_letter_all(source: &mut SqsSource) -> usize {
+    let mut n = 0;
+    loop {
+        let batch = source.receive(10).await.unwrap();
+        if batch.is_empty() {
+            return n;
+        }
+        for delivery in batch {
+            source
+                .dead_letter(&delivery.message, "test: cannot be applied")
+                .await
+                .unwrap();
+            delivery.ack.ack().await.unwrap();
+            n += 1;
+        }
+    }
+}
+
+/// Every message on `url`, left there (not deleted), with its FIFO system attributes.
+async fn peek(sqs: &Client, url: &str) -> Vec<SqsMessage> {
+    let dead = drain(sqs, url, SECOND).await;
+    assert!(dead.iter().all(|m| m.receipt_handle().is_some()));
+    dead
+}
+
+/// What SQS accepts as a deduplication or group ID: 1 to 128 characters, alphanumeric or
+/// punctuation.
+fn valid_fifo_id(id: &str) -> bool {
+    (1..=128).contains(&id.len())
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c.is_ascii_punctuation())
+}
+
+fn system(message: &SqsMessage, name: MessageSystemAttributeName) -> String {
+    message
+        .attributes()
+        .and_then(|a| a.get(&name))
+        .cloned()
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn one_id_dead_lettered_twice_within_five_minutes_arrives_twice_in_a_fifo_dlq() {
+    let sqs = client().await;
+    let url = queue(&sqs, "dl-twice", 30).await;
+    let dlq = fifo_queue(&sqs, "dl-twice-dlq", 30).await;
+    let mut source = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(SECOND)
+        .dead_letter_queue(&dlq)
+        .build()
+        .await
+        .unwrap();
+    let sender = SqsSender::new(sqs.clone(), &url);
+    let id = MessageId::generate();
+    // The first copy is dead-lettered; then an operator redrives it (or the producer resends
+    // it) and it fails again, all within SQS's 5-minute deduplication window. The first dead
+    // letter is still in the DLQ, where SQS compares deduplication IDs.
+    sender
+        .send_message(&Outgoing::with_id(id.clone(), "first"))
+        .await
+        .unwrap();
+    assert_eq!(dead_letter_all(&mut source).await, 1);
+    sender
+        .send_message(&Outgoing::with_id(id.clone(), "second"))
+        .await
+        .unwrap();
+    assert_eq!(dead_letter_all(&mut source).await, 1);
+
+    let dead = peek(&sqs, &dlq).await;
+    let bodies: Vec<_> = dead.iter().filter_map(SqsMessage::body).collect();
+    println!("dead letters of one ID: {bodies:?}");
+    assert_eq!(bodies, ["first", "second"], "both dead letters arrived");
+    assert!(dead
+        .iter()
+        .all(|m| common::attr(m, "event_id").as_deref() == Some(id.as_str())));
+    assert_eq!(common::counts(&sqs, &url).await, (0, 0));
+    common::delete_queue(&sqs, &url).await;
+    common::delete_queue(&sqs, &dlq).await;
+}
+
+#[tokio::test]
+async fn messages_without_an_id_or_with_a_non_ascii_id_dead_letter_to_a_fifo_dlq() {
+    let sqs = client().await;
+    let url = queue(&sqs, "dl-odd", 30).await;
+    let dlq = fifo_queue(&sqs, "dl-odd-dlq", 30).await;
+    let mut source = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(SECOND)
+        .dead_letter_queue(&dlq)
+        .build()
+        .await
+        .unwrap();
+    sqs.send_message()
+        .queue_url(&url)
+        .message_body("no id")
+        .send()
+        .await
+        .unwrap();
+    let odd = MessageId::new("évènement n°1").unwrap();
+    SqsSender::new(sqs.clone(), &url)
+        .send_message(&Outgoing::with_id(odd.clone(), "non-ascii id"))
+        .await
+        .unwrap();
+    assert_eq!(dead_letter_all(&mut source).await, 2);
+
+    let dead = peek(&sqs, &dlq).await;
+    let mut bodies: Vec<_> = dead.iter().filter_map(SqsMessage::body).collect();
+    bodies.sort_unstable();
+    assert_eq!(bodies, ["no id", "non-ascii id"]);
+    for message in &dead {
+        let dedup = system(message, MessageSystemAttributeName::MessageDeduplicationId);
+        let group = system(message, MessageSystemAttributeName::MessageGroupId);
+        println!("{:?}: dedup {dedup:?}, group {group:?}", message.body());
+        // Real SQS refuses the send otherwise; the message would loop on the source.
+        assert!(valid_fifo_id(&dedup), "deduplication ID {dedup:?}");
+        assert!(valid_fifo_id(&group), "group ID {group:?}");
+        assert!(common::attr(message, REASON_ATTRIBUTE).is_some());
+    }
+    common::delete_queue(&sqs, &url).await;
+    common::delete_queue(&sqs, &dlq).await;
+}
+
+#[tokio::test]
+async fn a_dead_letter_queue_that_does_not_exist_fails_the_build() {
+    let sqs = client().await;
+    let url = queue(&sqs, "dl-missing", 30).await;
+    let missing = format!("{url}-gone");
+    let built = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(SECOND)
+        .dead_letter_queue(&missing)
+        .build()
+        .await;
+    let Err(e) = built else {
+        panic!("built a source whose dead-letter queue {missing} does not exist");
+    };
+    println!("missing DLQ: {e}");
+    assert!(matches!(e, Error::Config(_)), "{e:?}");
+    assert_eq!(e.recovery(), Recovery::Fatal);
+    let text = e.to_string();
+    assert!(text.contains(&missing), "names the queue: {text}");
+    assert!(text.contains("dead_letter_queue"), "names the fix: {text}");
+    common::delete_queue(&sqs, &url).await;
+}
+
+#[tokio::test]
+async fn a_deleted_redrive_dead_letter_queue_fails_the_build() {
+    let sqs = client().await;
+    let (url, dlq) = queue_with_redrive(&sqs, "dl-deleted", 30, 5).await;
+    common::delete_queue(&sqs, &dlq).await;
+    let built = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(SECOND)
+        .build()
+        .await;
+    let Err(e) = built else {
+        panic!("built a source whose redrive dead-letter queue was deleted");
+    };
+    println!("deleted redrive DLQ: {e}");
+    assert!(matches!(e, Error::Config(_)), "{e:?}");
+    assert!(e.to_string().contains("RedrivePolicy"), "{e}");
+    common::delete_queue(&sqs, &url).await;
+}
