@@ -21,9 +21,23 @@ pub(crate) struct Link {
     /// Delivery tags handed to the consumer and not yet acked or nacked, so `ack_all` knows when
     /// one `multiple` ack covers exactly the tags it was given and nothing else.
     pub(crate) unsettled: Mutex<BTreeSet<u64>>,
+    /// Test-only: stops a nack just before its frame is queued.
+    #[cfg(test)]
+    pub(crate) before_nack_frame: tests::Pause,
 }
 
 impl Link {
+    pub(crate) fn new(generation: u64, connection: Connection, channel: Channel) -> Self {
+        Self {
+            generation,
+            connection,
+            channel,
+            unsettled: Mutex::new(BTreeSet::new()),
+            #[cfg(test)]
+            before_nack_frame: tests::Pause::default(),
+        }
+    }
+
     fn unsettled(&self) -> MutexGuard<'_, BTreeSet<u64>> {
         self.unsettled.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -44,6 +58,17 @@ impl Link {
         )
     }
 
+    /// Marks `tags` settled. Call it only once the frame that settles them is queued (or the
+    /// channel is gone): lapin sends a channel's frames in the order they were queued, so a
+    /// `multiple` ack planned after this point reaches the broker after that frame, and one
+    /// planned before it still sees the tags as unsettled and does not pass over them.
+    fn settled(&self, tags: impl IntoIterator<Item = u64>) {
+        let mut unsettled = self.unsettled();
+        for tag in tags {
+            unsettled.remove(&tag);
+        }
+    }
+
     async fn ack(&self, tag: u64, multiple: bool) -> Result<(), Error> {
         // lapin accepts an ack on a channel the broker already closed and then drops it; the
         // delivery is redelivered, so the caller must hear about it.
@@ -56,19 +81,27 @@ impl Link {
             .map_err(|e| self.failed("ack", tag, e))
     }
 
+    /// `basic.nack` with `requeue`, never `basic.reject`: from RabbitMQ 4.3 on a nack does not
+    /// count against the quorum queue's `x-delivery-limit` (a reject does), and the hand-backs
+    /// that reach this point are the store's or the broker's trouble, not the message's.
     async fn nack(&self, tag: u64) -> Result<(), Error> {
-        self.unsettled().remove(&tag);
-        if !self.is_open() {
-            return Err(self.closed("nack", tag));
-        }
-        let options = BasicNackOptions {
-            multiple: false,
-            requeue: true,
+        #[cfg(test)]
+        self.before_nack_frame.point().await;
+        let sent = if self.is_open() {
+            let options = BasicNackOptions {
+                multiple: false,
+                requeue: true,
+            };
+            self.channel
+                .basic_nack(tag, options)
+                .await
+                .map_err(|e| self.failed("nack", tag, e))
+        } else {
+            Err(self.closed("nack", tag))
         };
-        self.channel
-            .basic_nack(tag, options)
-            .await
-            .map_err(|e| self.failed("nack", tag, e))
+        // Only now: until the nack frame is queued, a batch's `multiple` ack must not cover it.
+        self.settled([tag]);
+        sent
     }
 
     fn closed(&self, action: &'static str, tag: u64) -> Error {
@@ -108,8 +141,11 @@ impl fmt::Debug for Link {
 /// - [`Ack::nack`]: a **delayed requeue**: a spawned task sleeps `retry_after`, then sends
 ///   `basic.nack` with `requeue = true`. The message keeps its prefetch slot while it waits, and
 ///   the other `prefetch - 1` slots keep flowing, so one failing message cannot starve the queue.
-///   On a quorum queue the requeue increments `x-delivery-count` and counts toward
-///   `x-delivery-limit`. If the process dies while waiting, the broker requeues it anyway.
+///   Until the nack is sent the delivery stays unsettled, so no batch's `multiple` ack covers it.
+///   On a quorum queue before RabbitMQ 4.3 the requeue raises `x-delivery-count` by one and
+///   counts toward `x-delivery-limit`; from 4.3 on a `basic.nack` no longer counts (see the crate
+///   docs, "Ack semantics"). If the channel closes while it waits, the broker requeues the
+///   delivery (one count) and the nack is not sent.
 #[derive(Debug)]
 pub struct RabbitAck {
     /// `None` in [`AckMode::NoAck`](crate::AckMode::NoAck): the broker already forgot it.
@@ -121,8 +157,9 @@ pub struct RabbitAck {
 impl Ack for RabbitAck {
     async fn ack(self) -> Result<(), SourceError> {
         let Some(link) = self.link else { return Ok(()) };
-        link.unsettled().remove(&self.tag);
-        Ok(link.ack(self.tag, false).await?)
+        let sent = link.ack(self.tag, false).await;
+        link.settled([self.tag]);
+        Ok(sent?)
     }
 
     async fn nack(self, retry_after: Duration) -> Result<(), SourceError> {
@@ -154,7 +191,7 @@ impl Ack for RabbitAck {
         }
         let mut first_error = None;
         for (link, tags) in groups.into_values() {
-            let (multiple_up_to, singles) = plan(&mut link.unsettled(), &tags);
+            let (multiple_up_to, singles) = plan(&link.unsettled(), &tags);
             let mut result = Ok(());
             if let Some(last) = multiple_up_to {
                 result = link.ack(last, true).await;
@@ -165,6 +202,8 @@ impl Ack for RabbitAck {
                 }
                 result = link.ack(tag, false).await;
             }
+            // Every frame is queued, or the channel is gone and the broker requeues the rest.
+            link.settled(tags);
             if let Err(e) = result {
                 first_error.get_or_insert(e);
             }
@@ -176,18 +215,15 @@ impl Ack for RabbitAck {
     }
 }
 
-/// Splits `tags` into one `multiple` ack (up to the returned tag) and single acks, and removes
-/// them all from `unsettled`. The `multiple` ack covers the run of `tags` that begins at the
-/// oldest unsettled tag, and only when that run has at least two tags.
-fn plan(unsettled: &mut BTreeSet<u64>, tags: &BTreeSet<u64>) -> (Option<u64>, Vec<u64>) {
+/// Splits `tags` into one `multiple` ack (up to the returned tag) and single acks. The `multiple`
+/// ack covers the run of `tags` that begins at the oldest unsettled tag, and only when that run
+/// has at least two tags; so it never covers a tag some other ack or nack has yet to send.
+fn plan(unsettled: &BTreeSet<u64>, tags: &BTreeSet<u64>) -> (Option<u64>, Vec<u64>) {
     let run: Vec<u64> = unsettled
         .iter()
         .take_while(|tag| tags.contains(tag))
         .copied()
         .collect();
-    for tag in tags {
-        unsettled.remove(tag);
-    }
     match run.last() {
         Some(&last) if run.len() >= 2 => {
             let singles = tags.iter().copied().filter(|t| *t > last).collect();
@@ -198,8 +234,106 @@ fn plan(unsettled: &mut BTreeSet<u64>, tags: &BTreeSet<u64>) -> (Option<u64>, Ve
 }
 
 #[cfg(test)]
-mod tests {
+#[allow(clippy::unwrap_used)]
+pub(crate) mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use lapin::options::QueueDeleteOptions;
+    use tokio::sync::Notify;
+    use tokio::time::Instant;
+
     use super::*;
+    use crate::{RabbitConfig, RabbitPublisher, RabbitSource};
+    use inbox_core::MessageSource;
+
+    /// A point where a test stops a task and runs something else before letting it go on.
+    #[derive(Debug, Default)]
+    pub(crate) struct Pause {
+        armed: AtomicBool,
+        reached: Notify,
+        release: Notify,
+    }
+
+    impl Pause {
+        fn arm(&self) {
+            self.armed.store(true, Ordering::SeqCst);
+        }
+
+        pub(crate) async fn point(&self) {
+            if self.armed.swap(false, Ordering::SeqCst) {
+                self.reached.notify_one();
+                self.release.notified().await;
+            }
+        }
+    }
+
+    /// The delayed requeue has decided to nack tag 1, but its frame is not queued yet, when the
+    /// batch of tags 2 and 3 is acked. A `multiple` ack of 3 would settle tag 1 too: the message
+    /// would be gone without ever being applied.
+    #[tokio::test]
+    async fn a_batch_ack_never_settles_a_delivery_whose_nack_is_not_yet_sent() {
+        let queue = format!("inbox-test-nackrace-{}", uuid::Uuid::new_v4().simple());
+        let config = RabbitConfig::from_env(queue)
+            .prefetch(10)
+            .poll_timeout(Duration::from_millis(500));
+        config.declare_topology().await.unwrap();
+        let publisher = RabbitPublisher::connect(config.url(), config.queue())
+            .await
+            .unwrap();
+        for i in 0..3 {
+            publisher.publish(format!("m{i}").as_bytes()).await.unwrap();
+        }
+        publisher.close().await;
+
+        let mut source = RabbitSource::connect(config.clone()).await.unwrap();
+        let mut deliveries = Vec::new();
+        while deliveries.len() < 3 {
+            deliveries.extend(source.receive(3).await.unwrap());
+        }
+        let mut deliveries = deliveries.into_iter();
+        let first = deliveries.next().unwrap();
+        let nacked = first.message.id.clone().unwrap();
+        let link = Arc::clone(first.ack.link.as_ref().unwrap());
+        assert_eq!(first.ack.tag, 1);
+
+        link.before_nack_frame.arm();
+        first.ack.nack(Duration::from_millis(1)).await.unwrap();
+        link.before_nack_frame.reached.notified().await;
+        let batch = deliveries.map(|d| d.ack).collect();
+        RabbitAck::ack_all(batch).await.unwrap();
+        link.before_nack_frame.release.notify_one();
+
+        // The nacked message comes back (as tag 4).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut back = None;
+        while back.is_none() && Instant::now() < deadline {
+            match source.receive(1).await {
+                Ok(batch) => back = batch.into_iter().next(),
+                Err(e) => println!("receive: {e}"),
+            }
+        }
+        let back_id = back.as_ref().map(|d| d.message.id.clone().unwrap());
+        println!("nacked {nacked}, came back: {back_id:?}");
+        if let Some(d) = back {
+            d.ack.ack().await.unwrap();
+        }
+        source.close().await;
+        let connection = crate::connect::open(config.url(), "inbox-test cleanup")
+            .await
+            .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        for q in [config.queue().to_owned(), config.dead_letter_queue()] {
+            let _ = channel
+                .queue_delete(&q, QueueDeleteOptions::default())
+                .await;
+        }
+        let _ = connection.close(200, "cleanup").await;
+        assert_eq!(
+            back_id,
+            Some(nacked),
+            "the nacked message was settled by the batch's multiple ack and is lost"
+        );
+    }
 
     fn set(tags: &[u64]) -> BTreeSet<u64> {
         tags.iter().copied().collect()
@@ -207,26 +341,20 @@ mod tests {
 
     #[test]
     fn a_contiguous_batch_is_one_multiple_ack() {
-        let mut unsettled = set(&[1, 2, 3, 4]);
-        assert_eq!(plan(&mut unsettled, &set(&[1, 2, 3])), (Some(3), vec![]));
-        assert_eq!(unsettled, set(&[4]));
+        let unsettled = set(&[1, 2, 3, 4]);
+        assert_eq!(plan(&unsettled, &set(&[1, 2, 3])), (Some(3), vec![]));
     }
 
     #[test]
     fn an_older_unsettled_delivery_forces_single_acks() {
         // Tag 1 waits for a delayed requeue: a multiple ack of 3 would settle it too.
-        let mut unsettled = set(&[1, 2, 3]);
-        assert_eq!(plan(&mut unsettled, &set(&[2, 3])), (None, vec![2, 3]));
-        assert_eq!(unsettled, set(&[1]));
+        let unsettled = set(&[1, 2, 3]);
+        assert_eq!(plan(&unsettled, &set(&[2, 3])), (None, vec![2, 3]));
     }
 
     #[test]
     fn a_gap_splits_the_batch() {
-        let mut unsettled = set(&[5, 6, 7, 8, 9]);
-        assert_eq!(
-            plan(&mut unsettled, &set(&[5, 6, 8, 9])),
-            (Some(6), vec![8, 9])
-        );
-        assert_eq!(unsettled, set(&[7]));
+        let unsettled = set(&[5, 6, 7, 8, 9]);
+        assert_eq!(plan(&unsettled, &set(&[5, 6, 8, 9])), (Some(6), vec![8, 9]));
     }
 }

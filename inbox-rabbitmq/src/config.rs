@@ -70,6 +70,7 @@ pub struct RabbitConfig {
     pub(crate) delivery_limit: Option<u32>,
     pub(crate) ack_mode: AckMode,
     pub(crate) poll_timeout: Duration,
+    pub(crate) operation_timeout: Duration,
     pub(crate) connection_name: Option<String>,
 }
 
@@ -87,6 +88,7 @@ impl RabbitConfig {
             delivery_limit: Some(20),
             ack_mode: AckMode::AfterCommit,
             poll_timeout: Duration::from_secs(1),
+            operation_timeout: Duration::from_secs(10),
             connection_name: None,
         }
     }
@@ -129,8 +131,9 @@ impl RabbitConfig {
     }
 
     /// The quorum queue's `x-delivery-limit` (default 20): a message returned to the queue more
-    /// often than this (nacked, or in flight when a consumer died) is dead-lettered by the broker
-    /// itself. It is the backstop for a message that crashes the process, which no in-process
+    /// often than this (nacked, or in flight when a consumer died; from RabbitMQ 4.3 nacks no
+    /// longer count) is dead-lettered by the broker itself. Before 4.3 the hand-backs of a store
+    /// outage count too: see the crate docs, "Ack semantics". It is the backstop for a message that crashes the process, which no in-process
     /// retry count can see. Set the consumer's `max_deliveries` below it so the adapter
     /// dead-letters with a reason first.
     pub fn delivery_limit(mut self, limit: u32) -> Self {
@@ -158,9 +161,19 @@ impl RabbitConfig {
         self
     }
 
+    /// How long a dead-letter publish may wait for the broker's confirm, connecting included
+    /// (default 10 s). Past it the dead-letter fails with [`Recovery::Retry`](inbox_core::Recovery)
+    /// and the consumer hands the message back, instead of waiting out a broker memory or disk
+    /// alarm, which holds every publish unconfirmed until it clears.
+    pub fn operation_timeout(mut self, wait: Duration) -> Self {
+        self.operation_timeout = wait;
+        self
+    }
+
     /// The client-provided connection name (`connection_name` client property) shown by the
     /// management UI and `rabbitmqctl list_connections client_properties`. Default:
-    /// `inbox-rabbitmq <queue>`.
+    /// `inbox-rabbitmq <queue>`. Dead letters go out on a second connection, named
+    /// `<name> dead letters`.
     pub fn connection_name(mut self, name: impl Into<String>) -> Self {
         self.connection_name = Some(name.into());
         self
@@ -211,6 +224,12 @@ impl RabbitConfig {
                 "delivery_limit is 0; use at least 1, or no_delivery_limit()".into(),
             ));
         }
+        if self.operation_timeout.is_zero() {
+            return Err(Error::Config(
+                "operation_timeout is 0, which fails every dead-letter publish; use at least 1 s"
+                    .into(),
+            ));
+        }
         if let IdField::Header(name) = &self.id_field {
             if name.is_empty() {
                 return Err(Error::Config("the ID header name is empty".into()));
@@ -233,6 +252,7 @@ mod tests {
         assert!(e.contains("at least 1"), "{e}");
         assert!(RabbitConfig::new(DEFAULT_AMQP_URL, "").check().is_err());
         assert!(ok.clone().id_header("").check().is_err());
-        assert!(ok.delivery_limit(0).check().is_err());
+        assert!(ok.clone().delivery_limit(0).check().is_err());
+        assert!(ok.operation_timeout(Duration::ZERO).check().is_err());
     }
 }

@@ -33,6 +33,27 @@ pub enum Error {
         /// The routing key.
         routing_key: String,
     },
+    /// The broker did not confirm a dead-letter publish within
+    /// [`RabbitConfig::operation_timeout`](crate::RabbitConfig::operation_timeout), most often
+    /// because a memory or disk alarm blocks publishers. The message is handed back and
+    /// dead-lettered again later; the unconfirmed copy may still arrive, so the dead-letter
+    /// queue can hold it twice.
+    #[error("RabbitMQ did not confirm the dead letter published to `{routing_key}` within {waited:?} (a memory or disk alarm blocks publishers: see `rabbitmq-diagnostics alarms`); the message is handed back to be dead-lettered again")]
+    ConfirmTimeout {
+        /// Where it was published.
+        routing_key: String,
+        /// How long the publish waited.
+        waited: std::time::Duration,
+    },
+    /// A queue the source needs does not exist, and [`Topology::Expect`](crate::Topology::Expect)
+    /// does not create it.
+    #[error("{role} `{queue}` does not exist on the broker; declare it (RabbitConfig::declare_topology does, and so does a source with Topology::Declare) or fix the queue name")]
+    MissingQueue {
+        /// `queue` or `dead-letter queue`.
+        role: &'static str,
+        /// Its name.
+        queue: String,
+    },
     /// An ack or nack could not be sent because its channel is closed. The broker hands the
     /// delivery out again (flagged `redelivered`); the inbox skips the copy if it was applied.
     #[error("the channel of delivery {position} closed before its {action} was sent; the broker redelivers it")]
@@ -59,8 +80,10 @@ impl Error {
     /// configuration or permission problem.
     pub fn recovery(&self) -> Recovery {
         match self {
-            Error::Config(_) | Error::Unroutable { .. } => Recovery::Fatal,
-            Error::Nacked { .. } => Recovery::Retry,
+            Error::Config(_) | Error::Unroutable { .. } | Error::MissingQueue { .. } => {
+                Recovery::Fatal
+            }
+            Error::Nacked { .. } | Error::ConfirmTimeout { .. } => Recovery::Retry,
             Error::ChannelClosed { .. } => Recovery::Reconnect,
             Error::Amqp { source, .. } => lapin_recovery(source),
         }
@@ -98,9 +121,11 @@ impl From<Error> for SourceError {
     fn from(e: Error) -> Self {
         let recovery = e.recovery();
         let context = match &e {
-            Error::Config(_) => "configuring the RabbitMQ source",
+            Error::Config(_) | Error::MissingQueue { .. } => "configuring the RabbitMQ source",
             Error::Amqp { .. } => "talking to RabbitMQ",
-            Error::Nacked { .. } | Error::Unroutable { .. } => "publishing to RabbitMQ",
+            Error::Nacked { .. } | Error::Unroutable { .. } | Error::ConfirmTimeout { .. } => {
+                "publishing to RabbitMQ"
+            }
             Error::ChannelClosed { .. } => "acknowledging to RabbitMQ",
         };
         SourceError::new(recovery, context, e)
@@ -120,5 +145,10 @@ mod tests {
         assert_eq!(closed.recovery(), Recovery::Reconnect);
         assert_eq!(SourceError::from(closed).recovery(), Recovery::Reconnect);
         assert_eq!(Error::Config("x".into()).recovery(), Recovery::Fatal);
+        let timeout = Error::ConfirmTimeout {
+            routing_key: "q.dlq".into(),
+            waited: std::time::Duration::from_secs(10),
+        };
+        assert_eq!(SourceError::from(timeout).recovery(), Recovery::Retry);
     }
 }

@@ -32,8 +32,10 @@
 //!
 //! # Topology
 //!
-//! With [`Topology::Declare`] (the default) the source declares, and with [`Topology::Expect`]
-//! it only checks (passive declare), these queues:
+//! With [`Topology::Declare`] (the default) the source declares these queues at connect, and
+//! with [`Topology::Expect`] it only checks that they exist (a passive declare on a throwaway
+//! channel each), failing the connect with [`Error::MissingQueue`], which names the queue, when
+//! one is missing:
 //!
 //! - `<queue>`: durable, `x-queue-type = quorum`, `x-dead-letter-exchange = ""` (the default
 //!   exchange), `x-dead-letter-routing-key = <queue>.dlq`, `x-dead-letter-strategy =
@@ -45,7 +47,13 @@
 //! - the adapter's: a message with no usable ID, a permanent handler error, or a handler that
 //!   failed [`RetryPolicy::max_attempts`](inbox_core::RetryPolicy) times in a row is published
 //!   to `<queue>.dlq` with its body, properties and headers plus `x-inbox-reason` (why) and
-//!   `x-inbox-source-queue`, confirmed by the broker, and only then acked;
+//!   `x-inbox-source-queue`, confirmed by the broker, and only then acked. It publishes on a
+//!   second connection (`<connection name> dead letters`): during a memory or disk alarm
+//!   RabbitMQ blocks every connection that publishes, and the consuming one must keep acking. A
+//!   publish not confirmed within [`RabbitConfig::operation_timeout`] (default 10 s) fails with
+//!   [`Error::ConfirmTimeout`], a [`Recovery::Retry`](inbox_core::Recovery): the message is
+//!   handed back and dead-lettered on a later delivery (the late copy may land too, so the
+//!   dead-letter queue can hold it twice);
 //! - the broker's: a message handed out more than `x-delivery-limit` times (requeued by nacks,
 //!   or in flight each time a consumer process died) is moved there by the quorum queue itself,
 //!   with RabbitMQ's `x-death` header. This stops a message that crashes the process from
@@ -56,6 +64,9 @@
 //! - **Ack** is `basic.ack` on the channel the delivery came on, sent after the transaction that
 //!   recorded the message ID committed. A batch is acked with one `basic.ack` and `multiple = true`
 //!   when its tags are the oldest unsettled ones of the channel (the usual case), else one by one.
+//!   A delivery counts as settled only once its ack or nack frame is queued, and lapin sends a
+//!   channel's frames in order, so a `multiple` ack never covers a delivery whose delayed nack
+//!   is still to be sent.
 //! - **Redelivery**: RabbitMQ requeues every unacked delivery when its channel or connection
 //!   closes (process killed, network lost, `rabbitmqctl close_connection`, heartbeat missed) and
 //!   hands it out again, to this consumer or another, with `redelivered` set and, on a quorum
@@ -68,6 +79,21 @@
 //! - **Nack** (the core hands a message back after a store error) is a delayed requeue: a
 //!   spawned task waits `retry_after`, then sends `basic.nack` with `requeue = true`. The waiting
 //!   message holds one prefetch slot; the others keep flowing, so it cannot starve the queue.
+//! - **What counts against `x-delivery-limit`**: the quorum queue's delivery count, which the
+//!   broker compares with the limit, goes up by one each time a delivery returns to the queue
+//!   before RabbitMQ 4.3: a `basic.nack` or `basic.reject` with `requeue`, and equally a channel
+//!   or connection that closed with the delivery unacked (a crash, a lost network, the broker's
+//!   `consumer_timeout`, 30 minutes by default, on a delivery held that long). The local test
+//!   broker (3.10.8) does exactly this: see `tests/delivery_count.rs`. RabbitMQ 4.3 counts only
+//!   failed deliveries: `basic.reject` with `requeue` still counts, `basic.nack` with `requeue`
+//!   no longer does (rabbitmq-server #15387; not checked here, the local broker being older).
+//!   So this adapter hands back with `basic.nack`, once per hand-back, never `basic.reject`, and
+//!   a delayed nack whose channel closed while it waited is dropped, not sent on a new channel:
+//!   a hand-back costs at most one count, and a nack none from 4.3 on. Before 4.3 a store
+//!   outage during which the consumer hands the same messages back again and again spends their
+//!   limit, and past it the broker dead-letters messages that never failed. The cure is in the
+//!   consumer: hold the batch while the store is down instead of handing it back, or choose a
+//!   `delivery_limit` and a `Consumer::error_backoff` that outlast the outages you expect.
 //! - **[`AckMode::NoAck`]** consumes with `no_ack = true`: the broker forgets each message as it
 //!   sends it. It exists only to demonstrate the loss it causes; never use it.
 //!
@@ -79,6 +105,7 @@
 mod ack;
 mod config;
 mod connect;
+mod dead_letter;
 mod error;
 mod publish;
 mod source;

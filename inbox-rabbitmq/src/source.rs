@@ -1,18 +1,18 @@
 //! The consuming side: [`RabbitSource`].
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use futures_util::{FutureExt, StreamExt};
 use inbox_core::{async_trait, Delivery, IdError, Message, MessageSource, Metadata, SourceError};
-use lapin::options::{BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{BasicProperties, Channel};
+use lapin::BasicProperties;
 
 use crate::ack::{Link, RabbitAck};
 use crate::config::IdField;
-use crate::publish::publish_confirmed;
+use crate::dead_letter::DeadLetters;
 use crate::{connect, topology, AckMode, Error, RabbitConfig, Result};
 
 /// The header the adapter adds to a dead-lettered message: why it was parked.
@@ -26,6 +26,7 @@ pub struct RabbitSource {
     config: RabbitConfig,
     generation: u64,
     live: Option<Live>,
+    dead_letters: DeadLetters,
     /// Original properties of the current batch, by position, so a dead-lettered message keeps
     /// its typed headers and properties.
     originals: HashMap<String, BasicProperties>,
@@ -34,8 +35,6 @@ pub struct RabbitSource {
 struct Live {
     link: Arc<Link>,
     consumer: lapin::Consumer,
-    /// A confirm-mode channel for dead-letter publishes.
-    publisher: Channel,
 }
 
 impl fmt::Debug for RabbitSource {
@@ -54,10 +53,16 @@ impl RabbitSource {
     /// by [`MessageSource::receive`].
     pub async fn connect(config: RabbitConfig) -> Result<Self> {
         config.check()?;
+        let dead_letters = DeadLetters::new(
+            &config.url,
+            &config.effective_connection_name(),
+            config.operation_timeout,
+        );
         let mut source = Self {
             config,
             generation: 0,
             live: None,
+            dead_letters,
             originals: HashMap::new(),
         };
         source.open().await?;
@@ -75,6 +80,7 @@ impl RabbitSource {
         if let Some(live) = self.live.take() {
             let _ = live.link.connection.close(200, "consumer closed").await;
         }
+        self.dead_letters.close().await;
     }
 
     async fn open(&mut self) -> Result<()> {
@@ -86,19 +92,11 @@ impl RabbitSource {
             .create_channel()
             .await
             .map_err(|e| Error::amqp("opening the consuming channel", e))?;
-        topology::prepare(&channel, config).await?;
+        topology::prepare(&connection, &channel, config).await?;
         channel
             .basic_qos(config.prefetch, BasicQosOptions { global: false })
             .await
             .map_err(|e| Error::amqp("setting prefetch (basic.qos)", e))?;
-        let publisher = connection
-            .create_channel()
-            .await
-            .map_err(|e| Error::amqp("opening the dead-letter channel", e))?;
-        publisher
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(|e| Error::amqp("enabling publisher confirms", e))?;
         let options = BasicConsumeOptions {
             no_ack: config.ack_mode == AckMode::NoAck,
             ..BasicConsumeOptions::default()
@@ -112,17 +110,8 @@ impl RabbitSource {
             )
             .await
             .map_err(|e| Error::amqp(format!("consuming queue `{}`", config.queue), e))?;
-        let link = Arc::new(Link {
-            generation: self.generation,
-            connection,
-            channel,
-            unsettled: Mutex::new(BTreeSet::new()),
-        });
-        self.live = Some(Live {
-            link,
-            consumer,
-            publisher,
-        });
+        let link = Arc::new(Link::new(self.generation, connection, channel));
+        self.live = Some(Live { link, consumer });
         Ok(())
     }
 
@@ -256,12 +245,10 @@ impl MessageSource for RabbitSource {
 
     /// Publishes the message to `<queue>.dlq` through the default exchange, with its original
     /// body, properties and headers plus [`REASON_HEADER`] and [`SOURCE_QUEUE_HEADER`], and waits
-    /// for the publisher confirm.
+    /// for the publisher confirm, at most [`RabbitConfig::operation_timeout`]. It publishes on a
+    /// connection of its own, so a broker alarm, which blocks publishing connections, never
+    /// holds up the acks of the consuming one.
     async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        self.ensure_open().await?;
-        let Some(live) = self.live.as_ref() else {
-            return Err(self.lost("not connected".into()));
-        };
         let props = self
             .originals
             .get(&message.meta.position)
@@ -273,7 +260,9 @@ impl MessageSource for RabbitSource {
         headers.insert(SOURCE_QUEUE_HEADER.into(), text(&self.config.queue));
         let props = props.with_headers(headers).with_delivery_mode(2);
         let dlq = self.config.dead_letter_queue();
-        publish_confirmed(&live.publisher, "", &dlq, &message.payload, props).await?;
+        self.dead_letters
+            .publish(&dlq, &message.payload, props)
+            .await?;
         Ok(())
     }
 }

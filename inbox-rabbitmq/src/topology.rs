@@ -8,10 +8,15 @@
 //!   so broker-side dead-lettering cannot drop a message; and `x-delivery-limit` when set.
 //! - `<queue>.dlq`: a durable quorum queue. The adapter's own dead-lettering (no ID, handler gave
 //!   up) publishes there through the default exchange, with publisher confirms.
+//!
+//! With [`Topology::Expect`] each queue is checked with a passive declare on a throwaway channel
+//! (a failed passive declare closes its channel), and a missing one fails the connect with
+//! [`Error::MissingQueue`], which names it.
 
 use lapin::options::QueueDeclareOptions;
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::Channel;
+use lapin::{Channel, Connection};
 
 use crate::{Error, RabbitConfig, Result, Topology};
 
@@ -43,32 +48,39 @@ fn dead_letter_arguments() -> FieldTable {
     args
 }
 
-/// Declares (or checks) both queues on `channel`.
-pub(crate) async fn prepare(channel: &Channel, config: &RabbitConfig) -> Result<()> {
+/// Declares both queues on `channel` ([`Topology::Declare`]), or checks that both exist
+/// ([`Topology::Expect`]), each on a throwaway channel of `connection`.
+pub(crate) async fn prepare(
+    connection: &Connection,
+    channel: &Channel,
+    config: &RabbitConfig,
+) -> Result<()> {
+    match config.topology {
+        Topology::Declare => declare(channel, config).await,
+        Topology::Expect => {
+            expect(connection, "queue", &config.queue).await?;
+            expect(connection, "dead-letter queue", &config.dead_letter_queue()).await
+        }
+    }
+}
+
+async fn declare(channel: &Channel, config: &RabbitConfig) -> Result<()> {
     let dlq = config.dead_letter_queue();
-    let passive = config.topology == Topology::Expect;
     let options = QueueDeclareOptions {
-        passive,
         durable: true,
         ..QueueDeclareOptions::default()
     };
-    let (main_args, dlq_args) = if passive {
-        (FieldTable::default(), FieldTable::default())
-    } else {
-        (queue_arguments(config), dead_letter_arguments())
-    };
-    let verb = if passive { "checking" } else { "declaring" };
     channel
-        .queue_declare(&dlq, options, dlq_args)
+        .queue_declare(&dlq, options, dead_letter_arguments())
         .await
-        .map_err(|e| Error::amqp(format!("{verb} dead-letter queue `{dlq}`"), e))?;
+        .map_err(|e| Error::amqp(format!("declaring dead-letter queue `{dlq}`"), e))?;
     channel
-        .queue_declare(&config.queue, options, main_args)
+        .queue_declare(&config.queue, options, queue_arguments(config))
         .await
         .map_err(|e| {
             Error::amqp(
                 format!(
-                    "{verb} queue `{}` (a quorum queue with x-dead-letter-exchange \"\" and \
+                    "declaring queue `{}` (a quorum queue with x-dead-letter-exchange \"\" and \
                      x-dead-letter-routing-key `{dlq}`; an existing queue with other arguments \
                      fails with PRECONDITION_FAILED)",
                     config.queue
@@ -77,6 +89,41 @@ pub(crate) async fn prepare(channel: &Channel, config: &RabbitConfig) -> Result<
             )
         })?;
     Ok(())
+}
+
+/// Checks with a passive declare that `queue` exists, on a channel of its own: the broker closes
+/// the channel of a passive declare that fails.
+async fn expect(connection: &Connection, role: &'static str, queue: &str) -> Result<()> {
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(|e| Error::amqp(format!("opening a channel to check {role} `{queue}`"), e))?;
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    match channel
+        .queue_declare(queue, options, FieldTable::default())
+        .await
+    {
+        Ok(_) => {
+            let _ = channel.close(200, "checked").await;
+            Ok(())
+        }
+        Err(e) if is_not_found(&e) => Err(Error::MissingQueue {
+            role,
+            queue: queue.to_owned(),
+        }),
+        Err(e) => Err(Error::amqp(format!("checking {role} `{queue}`"), e)),
+    }
+}
+
+fn is_not_found(e: &lapin::Error) -> bool {
+    matches!(
+        e.kind(),
+        lapin::ErrorKind::ProtocolError(amqp)
+            if *amqp.kind() == AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
+    )
 }
 
 /// Declares the topology of `config` once, on a short-lived connection: for setup tools and for
@@ -88,7 +135,7 @@ async fn declare_once(config: &RabbitConfig) -> Result<()> {
         .create_channel()
         .await
         .map_err(|e| Error::amqp("opening a channel", e))?;
-    let declared = prepare(&channel, &config.clone().topology(Topology::Declare)).await;
+    let declared = declare(&channel, config).await;
     // Closing is a courtesy; the broker cleans up a dropped connection as well.
     let _ = connection.close(200, "topology declared").await;
     declared
