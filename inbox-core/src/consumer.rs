@@ -10,14 +10,14 @@ use std::time::Duration;
 use futures_util::stream::{self, StreamExt};
 use futures_util::FutureExt;
 use tokio::sync::{watch, Mutex};
-use tracing::{field, info, info_span, warn, Instrument};
+use tracing::{info, info_span, warn, Instrument};
 
 use crate::error::backoff;
 use crate::stats::Counter;
 use crate::{
-    Ack, Delivery, Error, Failure, Handler, HandlerError, HookAction, InboxStore, MessageId,
-    MessageSource, Recovery, Result, SourceError, Stage, StageHook, Stats, StatsSnapshot,
-    StoreError,
+    Ack, BatchHandler, BatchItem, Delivery, Error, Failure, Handler, HandlerError, HookAction,
+    InboxStore, MessageId, MessageSource, PerMessage, Recovery, Result, SourceError, Stage,
+    StageHook, Stats, StatsSnapshot, StoreError,
 };
 
 /// How often a failing handler is tried before its message is dead-lettered, and how long to
@@ -134,8 +134,9 @@ enum Outcome {
 
 /// Why a transaction did not commit.
 enum TxFailure {
-    /// The handler of the message at this index failed; the transaction was rolled back.
-    Handler(usize, HandlerError),
+    /// The handler failed, for the message at this index when known; the transaction was
+    /// rolled back.
+    Handler(Option<usize>, HandlerError),
     /// The store failed (at begin, claim or commit).
     Store(StoreError),
     /// A stage hook stopped the consumer dead.
@@ -146,6 +147,13 @@ impl From<Error> for TxFailure {
     fn from(e: Error) -> Self {
         TxFailure::Crash(e)
     }
+}
+
+/// A message to apply: its ID and what the handler decoded from it.
+struct Work<A, I> {
+    id: MessageId,
+    delivery: Delivery<A>,
+    item: I,
 }
 
 /// Tells the work in flight that shutdown was asked for.
@@ -170,15 +178,29 @@ impl Stop {
     }
 }
 
-impl<S, St, H> Consumer<S, St, H>
+impl<S, St, H> Consumer<S, St, PerMessage<H>>
 where
     S: MessageSource,
     St: InboxStore,
     H: Handler<St::Tx>,
 {
-    /// A consumer named `name`: the inbox scopes IDs per name, so two consumers with different
-    /// names each apply every message once, and instances of one scaled consumer share a name.
+    /// A consumer named `name` running `handler` once per new message: the inbox scopes IDs per
+    /// name, so two consumers with different names each apply every message once, and instances
+    /// of one scaled consumer share a name.
     pub fn new(name: impl Into<String>, source: S, store: St, handler: H) -> Self {
+        Consumer::batched(name, source, store, PerMessage(handler))
+    }
+}
+
+impl<S, St, H> Consumer<S, St, H>
+where
+    S: MessageSource,
+    St: InboxStore,
+    H: BatchHandler<St::Tx>,
+{
+    /// A consumer named `name` handing all new messages of each transaction to `handler` at
+    /// once (see [`BatchHandler`]), for set-based writes. Otherwise as [`Consumer::new`].
+    pub fn batched(name: impl Into<String>, source: S, store: St, handler: H) -> Self {
         Self {
             source,
             batch_size: 1,
@@ -374,7 +396,7 @@ where
 impl<St, H> Core<St, H>
 where
     St: InboxStore,
-    H: Handler<St::Tx>,
+    H: BatchHandler<St::Tx>,
 {
     async fn process<S: MessageSource>(
         &self,
@@ -387,7 +409,8 @@ where
         }
         self.count(Counter::Received, deliveries.len());
         let mut done: Vec<(MessageId, S::Ack)> = Vec::new();
-        let mut work: Vec<(MessageId, Delivery<S::Ack>)> = Vec::with_capacity(deliveries.len());
+        let mut work: Vec<Work<S::Ack, H::Item>> = Vec::with_capacity(deliveries.len());
+        let mut failed = Vec::new();
         let mut seen = HashSet::new();
         for delivery in deliveries {
             let id = match &delivery.message.id {
@@ -420,16 +443,21 @@ where
                 done.push((id, delivery.ack));
                 continue;
             }
-            work.push((id, delivery));
-        }
-        if work.is_empty() {
-            return self.ack_all(done).await;
+            // Decoded before any database work: a message that does not decode never enters a
+            // transaction, and is retried or dead-lettered on its own.
+            match self.handler.decode(&id, &delivery.message) {
+                Ok(item) => work.push(Work { id, delivery, item }),
+                Err(e) => failed.push((id, delivery, e)),
+            }
         }
 
-        let outcomes = self.apply_all(&work, stop).await?;
-        let mut failed = Vec::new();
+        let outcomes = if work.is_empty() {
+            Vec::new()
+        } else {
+            self.apply_all(&work, stop).await?
+        };
         let mut handed_back = Vec::new();
-        for ((id, delivery), outcome) in work.into_iter().zip(outcomes) {
+        for (Work { id, delivery, .. }, outcome) in work.into_iter().zip(outcomes) {
             match outcome {
                 Outcome::Skipped | Outcome::Applied => done.push((id, delivery.ack)),
                 Outcome::Failed(e) => failed.push((id, delivery, e)),
@@ -451,8 +479,9 @@ where
     /// Applies `work` in as few transactions as possible: all of it in one, and when that fails,
     /// in smaller pieces, until each failure is pinned on one message. The outcome is the same as
     /// applying the messages one by one, in order, with the failed ones left out:
-    /// - a handler failure rolls back its transaction; the messages before it are applied again
-    ///   together, the failing one alone (its failure then stands), the rest after it;
+    /// - a handler failure rolls back its transaction; when the handler says which message
+    ///   failed, the messages before it are applied again together, the failing one alone (its
+    ///   failure then stands), the rest after it; otherwise the piece is halved;
     /// - a store error that says [`Recovery::Retry`] (a constraint failing at commit, a handler
     ///   that swallowed an SQL error and left the transaction aborted, a deadlock) halves the
     ///   piece, and on a single message counts as that message's failure, so it is retried and
@@ -461,11 +490,7 @@ where
     ///   the piece is held and tried again after a backoff until the store is back, so an outage
     ///   uses up no delivery budget; on shutdown what is held is handed back;
     /// - [`Recovery::Fatal`] stops the consumer.
-    async fn apply_all<A>(
-        &self,
-        work: &[(MessageId, Delivery<A>)],
-        stop: &Stop,
-    ) -> Result<Vec<Outcome>> {
+    async fn apply_all<A>(&self, work: &[Work<A, H::Item>], stop: &Stop) -> Result<Vec<Outcome>> {
         let mut outcomes: Vec<Option<Outcome>> = work.iter().map(|_| None).collect();
         // Pieces still to apply, the next one last.
         let mut pieces: Vec<Range<usize>> = Vec::with_capacity(4);
@@ -484,7 +509,11 @@ where
                 Err(TxFailure::Handler(_, e)) if hi - lo == 1 => {
                     outcomes[lo] = Some(Outcome::Failed(e))
                 }
-                Err(TxFailure::Handler(i, _)) => {
+                Err(TxFailure::Handler(None, _)) => {
+                    let mid = lo + (hi - lo) / 2;
+                    pieces.extend([mid..hi, lo..mid]);
+                }
+                Err(TxFailure::Handler(Some(i), _)) => {
                     let at = lo + i;
                     pieces.extend(
                         [at + 1..hi, at..at + 1, lo..at]
@@ -524,38 +553,56 @@ where
             .collect())
     }
 
-    /// Claims, applies and commits `work` in one transaction, without savepoints: the first
-    /// handler failure rolls everything back. Nothing is acked here.
-    async fn apply_in_tx<A>(
-        &self,
-        work: &[(MessageId, Delivery<A>)],
-    ) -> Result<Vec<Outcome>, TxFailure> {
-        let ids: Vec<MessageId> = work.iter().map(|(id, _)| id.clone()).collect();
+    /// Claims, applies and commits `work` in one transaction, without savepoints: a handler
+    /// failure rolls everything back. Nothing is acked here.
+    async fn apply_in_tx<A>(&self, work: &[Work<A, H::Item>]) -> Result<Vec<Outcome>, TxFailure> {
+        let ids: Vec<MessageId> = work.iter().map(|w| w.id.clone()).collect();
         let mut tx = self.store.begin().await.map_err(TxFailure::Store)?;
         let claimed = match self.store.claim_many(&mut tx, &self.name, &ids).await {
             Ok(claimed) => claimed,
             Err(e) => return Err(self.abandon(tx, TxFailure::Store(e)).await),
         };
-        for ((id, _), _) in work.iter().zip(&claimed).filter(|(_, new)| **new) {
-            self.stage(Stage::Claimed, id)?;
-        }
-        let mut outcomes = Vec::with_capacity(work.len());
-        for (i, ((id, delivery), new)) in work.iter().zip(claimed).enumerate() {
-            if !new {
-                outcomes.push(Outcome::Skipped);
-                continue;
-            }
-            if let Err(failure) = self.call_handler(&mut tx, id, delivery).await {
-                return Err(self.abandon(tx, TxFailure::Handler(i, failure)).await);
-            }
-            self.stage(Stage::Applied, id)?;
-            outcomes.push(Outcome::Applied);
-        }
-        let applied = outcomes
+        let fresh: Vec<&Work<A, H::Item>> = work
             .iter()
-            .filter(|o| matches!(o, Outcome::Applied))
-            .count();
-        if applied == 0 {
+            .zip(&claimed)
+            .filter(|(_, new)| **new)
+            .map(|(w, _)| w)
+            .collect();
+        for w in &fresh {
+            self.stage(Stage::Claimed, &w.id)?;
+        }
+        if !fresh.is_empty() {
+            let batch: Vec<BatchItem<'_, H::Item>> = fresh
+                .iter()
+                .map(|w| BatchItem {
+                    id: &w.id,
+                    message: &w.delivery.message,
+                    item: &w.item,
+                })
+                .collect();
+            if let Err(failure) = self.call_handler(&mut tx, &batch).await {
+                // The index is within `fresh`; the caller splits `work`.
+                let at = failure.index().and_then(|i| {
+                    let id = &fresh.get(i)?.id;
+                    work.iter().position(|w| &w.id == id)
+                });
+                return Err(self.abandon(tx, TxFailure::Handler(at, failure)).await);
+            }
+            for w in &fresh {
+                self.stage(Stage::Applied, &w.id)?;
+            }
+        }
+        let outcomes: Vec<Outcome> = claimed
+            .iter()
+            .map(|new| {
+                if *new {
+                    Outcome::Applied
+                } else {
+                    Outcome::Skipped
+                }
+            })
+            .collect();
+        if fresh.is_empty() {
             // Nothing to keep: every message was a duplicate.
             if let Err(e) = self.store.rollback(tx).await {
                 warn!(consumer = %self.name, error = %e, "rollback failed; the store discards the transaction");
@@ -563,41 +610,30 @@ where
         } else {
             self.store.commit(tx).await.map_err(TxFailure::Store)?;
             self.count(Counter::Commit, 1);
-            self.count(Counter::Applied, applied);
+            self.count(Counter::Applied, fresh.len());
         }
-        for ((id, delivery), outcome) in work.iter().zip(&outcomes) {
+        for (w, outcome) in work.iter().zip(&outcomes) {
             match outcome {
                 Outcome::Applied => {
-                    info!(consumer = %self.name, message_id = %id, position = %delivery.message.meta.position, outcome = "applied", "applied {id}");
-                    self.stage(Stage::Committed, id)?;
+                    info!(consumer = %self.name, message_id = %w.id, position = %w.delivery.message.meta.position, outcome = "applied", "applied {}", w.id);
+                    self.stage(Stage::Committed, &w.id)?;
                 }
-                Outcome::Skipped => self.skipped(id),
+                Outcome::Skipped => self.skipped(&w.id),
                 Outcome::Failed(_) | Outcome::HandedBack => {}
             }
         }
         Ok(outcomes)
     }
 
-    /// Runs the handler, turning a panic into a transient failure.
-    async fn call_handler<A>(
+    /// Runs the handler over `batch`, turning a panic into a transient failure.
+    async fn call_handler(
         &self,
         tx: &mut St::Tx,
-        id: &MessageId,
-        delivery: &Delivery<A>,
+        batch: &[BatchItem<'_, H::Item>],
     ) -> Result<(), HandlerError> {
-        let span = info_span!(
-            "inbox.message",
-            consumer = %self.name,
-            message_id = %id,
-            position = %delivery.message.meta.position,
-            outcome = field::Empty,
-        );
-        let call = self.handler.handle(tx, id, &delivery.message);
-        let result = match AssertUnwindSafe(call)
-            .catch_unwind()
-            .instrument(span.clone())
-            .await
-        {
+        let span = info_span!("inbox.batch", consumer = %self.name, messages = batch.len());
+        let call = self.handler.handle_batch(tx, batch);
+        match AssertUnwindSafe(call).catch_unwind().instrument(span).await {
             Ok(result) => result,
             Err(panic) => {
                 let text = panic
@@ -607,56 +643,64 @@ where
                     .unwrap_or_else(|| "non-text panic payload".to_owned());
                 Err(HandlerError::transient(format!("handler panicked: {text}")))
             }
-        };
-        span.record("outcome", if result.is_ok() { "handled" } else { "failed" });
-        result
+        }
     }
 
-    /// A message whose handler failed inside a batch (or alone): retried on its own.
+    /// A message whose handler (or decoding) failed inside a batch or alone: retried on its own.
     async fn retry_alone<S: MessageSource>(
         &self,
         source: &Mutex<&mut S>,
-        id: MessageId,
-        delivery: Delivery<S::Ack>,
+        mut id: MessageId,
+        mut delivery: Delivery<S::Ack>,
         first: HandlerError,
         stop: &Stop,
     ) -> Result<()> {
         let mut error = first;
         let mut attempt = 1;
-        let work = [(id, delivery)];
         loop {
-            let id = &work[0].0;
             if error.failure() == Failure::Permanent || attempt >= self.retry.max_attempts {
                 let reason = match error.failure() {
                     Failure::Permanent => format!("handler refused the message: {error}"),
                     _ => format!("handler failed {attempt} time(s), last error: {error}"),
                 };
-                let [(id, delivery)] = work;
                 return self.dead_letter(source, Some(&id), delivery, reason).await;
             }
             warn!(consumer = %self.name, message_id = %id, attempt, error = %error, "handler failed; retrying");
             self.count(Counter::Retried, 1);
             let r = &self.retry;
-            let stopped = stop
+            if stop
                 .pause(backoff(r.initial_backoff, r.max_backoff, attempt))
-                .await;
-            let outcome = if stopped {
-                Outcome::HandedBack
-            } else {
-                attempt += 1;
-                let mut outcomes = self.apply_all(&work, stop).await?;
-                outcomes.pop().unwrap_or(Outcome::HandedBack)
-            };
-            match outcome {
-                Outcome::Failed(e) => error = e,
-                Outcome::HandedBack => {
-                    let [(_, delivery)] = work;
-                    self.hand_back(vec![delivery.ack]).await;
-                    return Ok(());
+                .await
+            {
+                self.hand_back(vec![delivery.ack]).await;
+                return Ok(());
+            }
+            attempt += 1;
+            let item = match self.handler.decode(&id, &delivery.message) {
+                Ok(item) => item,
+                Err(e) => {
+                    error = e;
+                    continue;
                 }
-                Outcome::Applied | Outcome::Skipped => {
-                    let [(id, delivery)] = work;
-                    return self.ack_all(vec![(id, delivery.ack)]).await;
+            };
+            let work = [Work { id, delivery, item }];
+            let outcome = self.apply_all(&work, stop).await?.pop();
+            let [Work {
+                id: same,
+                delivery: back,
+                ..
+            }] = work;
+            match outcome {
+                Some(Outcome::Failed(e)) => {
+                    error = e;
+                    (id, delivery) = (same, back);
+                }
+                Some(Outcome::Applied | Outcome::Skipped) => {
+                    return self.ack_all(vec![(same, back.ack)]).await;
+                }
+                Some(Outcome::HandedBack) | None => {
+                    self.hand_back(vec![back.ack]).await;
+                    return Ok(());
                 }
             }
         }

@@ -95,6 +95,8 @@ pub enum Failure {
 pub struct HandlerError {
     failure: Failure,
     source: BoxError,
+    /// Which message of a batch failed, when known.
+    index: Option<usize>,
 }
 
 impl HandlerError {
@@ -103,6 +105,7 @@ impl HandlerError {
         Self {
             failure: Failure::Transient,
             source: source.into(),
+            index: None,
         }
     }
 
@@ -111,7 +114,22 @@ impl HandlerError {
         Self {
             failure: Failure::Permanent,
             source: source.into(),
+            index: None,
         }
+    }
+
+    /// Says that the message at `index` of the batch given to a
+    /// [`BatchHandler`](crate::BatchHandler) caused this failure, so the consumer can retry the
+    /// others together instead of splitting the batch in halves to find it.
+    #[must_use]
+    pub fn at(mut self, index: usize) -> Self {
+        self.index = Some(index);
+        self
+    }
+
+    /// The index given with [`HandlerError::at`].
+    pub fn index(&self) -> Option<usize> {
+        self.index
     }
 
     /// Transient or permanent.

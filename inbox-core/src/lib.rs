@@ -7,6 +7,9 @@
 //! which writes its side effect through the same transaction; the broker ack comes after the
 //! commit. A redelivered copy finds its ID claimed, is skipped, and is acked.
 //!
+//! A [`BatchHandler`] (with [`Consumer::batched`]) gets all new messages of a transaction at
+//! once, decoded beforehand, for set-based writes.
+//!
 //! This crate has no broker or database dependency. Pick a [`MessageSource`] adapter
 //! (`inbox-kafka`, `inbox-sqs`, `inbox-rabbitmq`, `inbox-redis-streams`) and an [`InboxStore`]
 //! (`inbox-postgres`), or implement the traits for your own.
@@ -70,7 +73,7 @@ pub use consumer::{retention_shortfall, Consumer, RetryPolicy};
 pub use error::{
     BoxError, Error, Failure, HandlerError, Recovery, Result, SourceError, StoreError,
 };
-pub use handler::Handler;
+pub use handler::{BatchHandler, BatchItem, Handler, PerMessage};
 pub use hooks::{HookAction, Stage, StageHook};
 pub use message::{IdError, InvalidId, Message, MessageId, Metadata};
 pub use source::{Ack, Delivery, MessageSource};

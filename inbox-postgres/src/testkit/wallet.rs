@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use inbox_core::{async_trait, Handler, HandlerError, Message, MessageId};
+use inbox_core::{async_trait, BatchHandler, BatchItem, Handler, HandlerError, Message, MessageId};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
@@ -121,6 +121,46 @@ impl Handler<PgTx> for Credit {
             .bind(event.amount)
             .execute(&mut **tx)
             .await?;
+        Ok(())
+    }
+}
+
+/// The credit handler written set-based, for [`Consumer::batched`](inbox_core::Consumer::batched):
+/// one statement per transaction writes every ledger row and adds each account's sum to its
+/// balance, whatever the batch size.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BatchCredit;
+
+#[async_trait]
+impl BatchHandler<PgTx> for BatchCredit {
+    type Item = CreditEvent;
+
+    fn decode(&self, _id: &MessageId, message: &Message) -> Result<CreditEvent, HandlerError> {
+        message.json()
+    }
+
+    async fn handle_batch(
+        &self,
+        tx: &mut PgTx,
+        batch: &[BatchItem<'_, CreditEvent>],
+    ) -> Result<(), HandlerError> {
+        let ids: Vec<&str> = batch.iter().map(|b| b.id.as_str()).collect();
+        let accounts: Vec<i64> = batch.iter().map(|b| b.item.account_id).collect();
+        let amounts: Vec<i64> = batch.iter().map(|b| b.item.amount).collect();
+        sqlx::query(
+            "WITH credited AS (
+                INSERT INTO ledger (event_id, account_id, amount)
+                SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[])
+                RETURNING account_id, amount)
+             INSERT INTO accounts (id, balance)
+             SELECT account_id, sum(amount) FROM credited GROUP BY account_id
+             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+        )
+        .bind(&ids)
+        .bind(&accounts)
+        .bind(&amounts)
+        .execute(&mut **tx)
+        .await?;
         Ok(())
     }
 }
