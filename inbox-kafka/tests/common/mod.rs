@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use inbox_core::{Consumer, InboxStore, Stats, StatsSnapshot};
+use inbox_core::{Consumer, InboxStore, PerMessage, Stats, StatsSnapshot};
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::message::{Headers, OwnedMessage};
 use inbox_kafka::rdkafka::{ClientConfig, Message as _, Offset, TopicPartitionList};
@@ -102,7 +102,7 @@ impl Running {
         Self::spawn(consumer)
     }
 
-    pub fn spawn<St>(consumer: Consumer<KafkaSource, St, Credit>) -> Self
+    pub fn spawn<St>(consumer: Consumer<KafkaSource, St, PerMessage<Credit>>) -> Self
     where
         St: InboxStore<Tx = PgTx>,
     {
