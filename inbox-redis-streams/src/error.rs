@@ -19,6 +19,26 @@ pub enum Error {
         #[source]
         source: RedisError,
     },
+    /// The consumer group, or the whole stream key, was deleted while the source ran (Redis
+    /// answered `NOGROUP`). The source does not create it again: a group made at `0` would
+    /// reread the whole stream, one made at `$` would skip whatever was added meanwhile, and
+    /// only the operator knows which entry to resume from. Fatal: the consumer stops.
+    #[error(
+        "consumer group `{group}` of stream `{stream}` is gone (the group or the stream key was \
+         deleted while the consumer ran); it is not re-created on its own. Create it at the entry \
+         to resume from, `XGROUP CREATE {stream} {group} <entry ID> MKSTREAM` (`$`: new entries \
+         only; `0`: the whole stream again, where the inbox skips the IDs it still holds), then \
+         restart the consumer"
+    )]
+    GroupMissing {
+        /// The stream key.
+        stream: String,
+        /// The consumer group.
+        group: String,
+        /// Redis's `NOGROUP` error.
+        #[source]
+        source: RedisError,
+    },
     /// Redis answered with a shape this crate does not understand (a server that is not Redis
     /// 7, or a proxy that rewrites replies).
     #[error("unexpected reply to {command}: {detail}")]
@@ -49,18 +69,27 @@ impl Error {
     }
 
     /// What the consumer does next: reconnect after a lost connection, retry after a busy or
-    /// loading server or a deleted group (it is created again), stop on anything else (a wrong
-    /// key type, no permission, a bad configuration).
+    /// loading server, stop on anything else (a deleted group, a wrong key type, no
+    /// permission, a bad configuration).
     pub fn recovery(&self) -> Recovery {
         match self {
-            Error::Config(_) | Error::Reply { .. } => Recovery::Fatal,
+            Error::Config(_) | Error::GroupMissing { .. } | Error::Reply { .. } => Recovery::Fatal,
             Error::Redis { source, .. } => redis_recovery(source),
         }
     }
 
-    /// `NOGROUP`: the stream or its group was deleted under us.
-    pub(crate) fn is_no_group(&self) -> bool {
-        matches!(self, Error::Redis { source, .. } if source.code() == Some("NOGROUP"))
+    /// `NOGROUP` becomes [`Error::GroupMissing`], naming the stream and the group.
+    pub(crate) fn no_group(self, stream: &str, group: &str) -> Self {
+        match self {
+            Error::Redis { source, .. } if source.code() == Some("NOGROUP") => {
+                Error::GroupMissing {
+                    stream: stream.to_owned(),
+                    group: group.to_owned(),
+                    source,
+                }
+            }
+            other => other,
+        }
     }
 }
 
@@ -71,11 +100,12 @@ fn redis_recovery(e: &RedisError) -> Recovery {
     if e.is_timeout() {
         return Recovery::Retry;
     }
-    // Server states that pass by themselves; NOGROUP makes the source create the group again.
-    if let Some(
-        "NOGROUP" | "OOM" | "BUSY" | "LOADING" | "TRYAGAIN" | "MASTERDOWN" | "CLUSTERDOWN",
-    ) = e.code()
-    {
+    // A deleted group does not come back by itself; see `Error::GroupMissing`.
+    if e.code() == Some("NOGROUP") {
+        return Recovery::Fatal;
+    }
+    // Server states that pass by themselves.
+    if let Some("OOM" | "BUSY" | "LOADING" | "TRYAGAIN" | "MASTERDOWN" | "CLUSTERDOWN") = e.code() {
         return Recovery::Retry;
     }
     match e.retry_method() {
@@ -93,6 +123,7 @@ impl From<Error> for SourceError {
         let context = match &e {
             Error::Config(_) => "Redis stream configuration",
             Error::Redis { .. } => "Redis stream command",
+            Error::GroupMissing { .. } => "Redis stream consumer group",
             Error::Reply { .. } => "Redis stream reply",
         };
         SourceError::new(recovery, context, e)

@@ -74,11 +74,30 @@
 //! - **Dead letter**: `XADD <stream>:dlq * <original fields…> reason <text> original_id <entry ID>`,
 //!   then `XACK`. If the `XACK` fails the entry is dead-lettered again later: the dead-letter
 //!   stream may hold a copy twice, never zero times.
+//! - **Trimmed or deleted while pending** (`XTRIM`, `XADD … MAXLEN`, `XDEL`): nothing is left
+//!   to apply, so the entry is removed from the PEL with `XACK` and logged (a warning with its
+//!   ID), whether the reread finds it (`[id, nil]`) or `XAUTOCLAIM` does. Redis 7 drops such
+//!   entries from the PEL during `XAUTOCLAIM` and lists their IDs; Redis 6.2 claims them and
+//!   answers a bare nil without the ID, so the source looks them up in its own PEL over the
+//!   range the claim covered and acks those no longer in the stream. The live entries of the
+//!   same reply are delivered either way.
 //! - **Batches**: entries of one batch are applied in stream order in one transaction; a
 //!   reclaimed entry is applied when it is reclaimed, after newer entries, so a stream consumed
 //!   by several consumers (or with recoveries) is not applied in strict stream order.
 //! - [`AckMode::NoAck`] (`XREADGROUP … NOACK`) is the at-most-once anti-pattern, present only to
 //!   show its losses: Redis forgets each entry as it hands it out.
+//!
+//! # A deleted consumer group
+//!
+//! The source creates its group at start if it is missing (`XGROUP CREATE <stream> <group> 0
+//! MKSTREAM`, so entries added before the first start are read). If the group, or the whole
+//! stream key, is deleted while the source runs, it does **not** create it again: a group made
+//! at `0` would silently reread the whole stream, one made at `$` would silently skip what was
+//! added meanwhile. [`receive`](inbox_core::MessageSource::receive) logs an error naming the
+//! stream and group and fails with [`Error::GroupMissing`], which is fatal: the consumer stops.
+//! Re-create the group at the entry to resume from and restart the consumer (a restart without
+//! that creates the group at `0`, as on a first start: the whole stream is read again, and the
+//! inbox skips the IDs it still holds).
 //!
 //! # Consumer names when scaled
 //!

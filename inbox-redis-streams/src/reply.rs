@@ -1,6 +1,7 @@
 //! Parsing of stream replies, by hand rather than through the client's typed replies: those keep
 //! fields in a hash map, losing the entry's field order, and cannot show an entry that was
-//! deleted while pending (its fields come back as nil).
+//! deleted while pending (its fields come back as nil, or, in a Redis 6.2 `XAUTOCLAIM`, the whole
+//! entry does).
 
 use std::collections::HashMap;
 
@@ -40,19 +41,37 @@ pub(crate) fn read_reply(command: &'static str, value: Value) -> Result<Vec<Entr
     };
     let mut entries = Vec::new();
     for stream in streams {
-        entries.extend(entry_list(command, stream)?);
+        // Redis shows a deleted pending entry here as `[id, nil]`, never as a bare nil; one
+        // would carry no ID to act on, so it is skipped rather than failing the whole read.
+        entries.extend(entry_list(command, stream)?.entries);
     }
     Ok(entries)
 }
 
 /// The reply to `XRANGE`: a plain entry list.
 pub(crate) fn range_reply(value: Value) -> Result<Vec<Entry>> {
-    entry_list("XRANGE", value)
+    Ok(entry_list("XRANGE", value)?.entries)
 }
 
-/// An `XAUTOCLAIM` reply: `[next cursor, [entry...], [deleted id...]]` (Redis 7; Redis 6.2 has
-/// no third element).
-pub(crate) fn autoclaim_reply(value: Value) -> Result<(String, Vec<Entry>)> {
+/// One step of an `XAUTOCLAIM` sweep.
+#[derive(Debug)]
+pub(crate) struct Claimed {
+    /// Where the next step starts; `0-0` when the sweep is complete.
+    pub(crate) cursor: String,
+    /// The entries now pending under the claiming consumer, in stream order.
+    pub(crate) entries: Vec<Entry>,
+    /// Redis 6.2: claimed entries that were trimmed or deleted from the stream, each sent as a
+    /// bare nil. They are now pending under the claiming consumer, but the reply has no IDs
+    /// for them: the caller has to find them in its pending list to `XACK` them.
+    pub(crate) vanished: usize,
+    /// Redis 7: IDs of pending entries that were deleted from the stream; Redis already
+    /// removed them from the pending list.
+    pub(crate) deleted: Vec<String>,
+}
+
+/// An `XAUTOCLAIM` reply: `[next cursor, [entry...], [deleted id...]]` (Redis 7) or
+/// `[next cursor, [entry or nil...]]` (Redis 6.2, a nil for each deleted entry it claimed).
+pub(crate) fn autoclaim_reply(value: Value) -> Result<Claimed> {
     const CMD: &str = "XAUTOCLAIM";
     let Value::Array(parts) = value else {
         return Err(Error::reply(CMD, format!("not an array: {value:?}")));
@@ -62,11 +81,29 @@ pub(crate) fn autoclaim_reply(value: Value) -> Result<(String, Vec<Entry>)> {
         Some(v) => text(CMD, v)?,
         None => return Err(Error::reply(CMD, "empty reply")),
     };
-    let entries = match parts.next() {
+    let list = match parts.next() {
         Some(v) => entry_list(CMD, v)?,
-        None => Vec::new(),
+        None => EntryList::default(),
     };
-    Ok((cursor, entries))
+    let deleted = match parts.next() {
+        None | Some(Value::Nil) => Vec::new(),
+        Some(Value::Array(ids)) => ids
+            .into_iter()
+            .map(|id| text(CMD, id))
+            .collect::<Result<_>>()?,
+        Some(other) => {
+            return Err(Error::reply(
+                CMD,
+                format!("deleted IDs are not an array: {other:?}"),
+            ))
+        }
+    };
+    Ok(Claimed {
+        cursor,
+        entries: list.entries,
+        vanished: list.nils,
+        deleted,
+    })
 }
 
 /// The extended `XPENDING` reply: `[[id, consumer, idle ms, delivery count]...]`, as a map from
@@ -96,10 +133,17 @@ pub(crate) fn pending_counts(value: Value) -> Result<HashMap<String, u32>> {
     Ok(counts)
 }
 
-fn entry_list(command: &'static str, value: Value) -> Result<Vec<Entry>> {
+/// The entries of a list, and how many of its elements were a bare nil instead of an entry.
+#[derive(Debug, Default)]
+struct EntryList {
+    entries: Vec<Entry>,
+    nils: usize,
+}
+
+fn entry_list(command: &'static str, value: Value) -> Result<EntryList> {
     let items = match value {
         Value::Array(items) => items,
-        Value::Nil => return Ok(Vec::new()),
+        Value::Nil => return Ok(EntryList::default()),
         other => {
             return Err(Error::reply(
                 command,
@@ -107,7 +151,17 @@ fn entry_list(command: &'static str, value: Value) -> Result<Vec<Entry>> {
             ))
         }
     };
-    items.into_iter().map(|item| entry(command, item)).collect()
+    let mut list = EntryList {
+        entries: Vec::with_capacity(items.len()),
+        nils: 0,
+    };
+    for item in items {
+        match item {
+            Value::Nil => list.nils += 1,
+            item => list.entries.push(entry(command, item)?),
+        }
+    }
+    Ok(list)
 }
 
 fn entry(command: &'static str, value: Value) -> Result<Entry> {
@@ -204,6 +258,24 @@ mod tests {
             .is_empty());
     }
 
+    /// Redis 6.2 answers a claimed entry that was trimmed or deleted with a bare nil in the
+    /// entry list and has no list of deleted IDs; these are the bytes it sends (RESP2).
+    #[test]
+    fn a_redis_6_2_autoclaim_reply_with_a_trimmed_entry_keeps_the_live_ones() {
+        let wire = b"*2\r\n$3\r\n0-0\r\n*3\r\n\
+            *2\r\n$3\r\n1-0\r\n*2\r\n$7\r\npayload\r\n$1\r\na\r\n\
+            $-1\r\n\
+            *2\r\n$3\r\n3-0\r\n*2\r\n$7\r\npayload\r\n$1\r\nc\r\n";
+        let reply = redis::parse_redis_value(wire).expect("valid RESP2");
+        let claimed = autoclaim_reply(reply).expect("a 6.2 reply parses");
+        assert_eq!(claimed.cursor, "0-0");
+        let ids: Vec<&str> = claimed.entries.iter().map(|e| e.id.as_str()).collect();
+        assert_eq!(ids, ["1-0", "3-0"]);
+        assert!(claimed.entries.iter().all(|e| e.fields.is_some()));
+        assert_eq!(claimed.vanished, 1);
+        assert!(claimed.deleted.is_empty());
+    }
+
     #[test]
     fn autoclaim_and_pending_replies_parse() {
         let reply = Value::Array(vec![
@@ -212,11 +284,13 @@ mod tests {
                 s("3-0"),
                 Value::Array(vec![s("x"), s("y")]),
             ])]),
-            Value::Array(vec![]),
+            Value::Array(vec![s("2-0")]),
         ]);
-        let (cursor, entries) = autoclaim_reply(reply).expect("parses");
-        assert_eq!(cursor, "0-0");
-        assert_eq!(entries[0].id, "3-0");
+        let claimed = autoclaim_reply(reply).expect("parses");
+        assert_eq!(claimed.cursor, "0-0");
+        assert_eq!(claimed.entries[0].id, "3-0");
+        assert_eq!(claimed.vanished, 0);
+        assert_eq!(claimed.deleted, ["2-0"]);
         let pending = Value::Array(vec![Value::Array(vec![
             s("3-0"),
             s("c1"),

@@ -7,11 +7,13 @@ use std::time::Duration;
 use inbox_core::{async_trait, Delivery, IdError, Message, MessageSource, Metadata, SourceError};
 use redis::Value;
 use tokio::time::Instant;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::config::{Conn, RedisStreamBuilder, Settings};
 use crate::reply::{self, Entry, Fields};
 use crate::{AckMode, Error, RedisStreamAck, Result, PAYLOAD_FIELD};
+
+mod claim;
 
 /// Reads one Redis stream through a consumer group, for an [`inbox_core::Consumer`].
 ///
@@ -36,7 +38,6 @@ pub struct RedisStreamSource {
     /// Where the `XAUTOCLAIM` sweep goes on.
     claim_cursor: String,
     next_claim: Instant,
-    group_ready: bool,
 }
 
 impl RedisStreamSource {
@@ -53,9 +54,8 @@ impl RedisStreamSource {
             history: Some("0".to_owned()),
             claim_cursor: "0-0".to_owned(),
             next_claim: Instant::now(),
-            group_ready: false,
         };
-        source.ensure_group().await?;
+        source.create_group().await?;
         Ok(source)
     }
 
@@ -79,12 +79,10 @@ impl RedisStreamSource {
         &self.settings.dead_letter_stream
     }
 
-    /// `XGROUP CREATE … 0 MKSTREAM`: a new group starts at the beginning of the stream, so
-    /// entries added before the first consumer started are not skipped.
-    async fn ensure_group(&mut self) -> Result<()> {
-        if self.group_ready {
-            return Ok(());
-        }
+    /// `XGROUP CREATE … 0 MKSTREAM`, once, at start: a new group starts at the beginning of the
+    /// stream, so entries added before the first consumer started are not skipped. A group
+    /// that disappears later is not created again; see [`Error::GroupMissing`].
+    async fn create_group(&mut self) -> Result<()> {
         let s = &self.settings;
         let created: redis::RedisResult<Value> = self
             .commands
@@ -105,12 +103,10 @@ impl RedisStreamSource {
                 return Err(Error::redis(context, e));
             }
         }
-        self.group_ready = true;
         Ok(())
     }
 
     async fn read(&mut self, max: usize) -> Result<Vec<Delivery<RedisStreamAck>>> {
-        self.ensure_group().await?;
         if let Some(after) = self.history.clone() {
             let entries = self.read_group(max, &after, None).await?;
             match entries.last() {
@@ -125,9 +121,11 @@ impl RedisStreamSource {
             }
         }
         if Instant::now() >= self.next_claim {
-            let entries = self.autoclaim(max).await?;
-            if !entries.is_empty() {
-                return self.deliver_pending(entries).await;
+            let start = self.claim_cursor.clone();
+            let reply = self.autoclaim(max).await?;
+            let deliveries = self.deliver_claimed(&start, reply).await?;
+            if !deliveries.is_empty() {
+                return Ok(deliveries);
             }
         }
         let entries = self.read_group(max, ">", Some(self.settings.block)).await?;
@@ -171,35 +169,6 @@ impl RedisStreamSource {
         reply::read_reply("XREADGROUP", value)
     }
 
-    /// One step of the `XAUTOCLAIM` sweep over the whole pending list.
-    async fn autoclaim(&mut self, max: usize) -> Result<Vec<Entry>> {
-        let s = &self.settings;
-        let value: Value = self
-            .commands
-            .idempotent(
-                redis::cmd("XAUTOCLAIM")
-                    .arg(&s.stream)
-                    .arg(&s.group)
-                    .arg(&s.consumer)
-                    .arg(s.claim_idle.as_millis() as u64)
-                    .arg(&self.claim_cursor)
-                    .arg("COUNT")
-                    .arg(max),
-            )
-            .await
-            .map_err(|e| Error::redis(format!("XAUTOCLAIM on stream {}", s.stream), e))?;
-        let (cursor, entries) = reply::autoclaim_reply(value)?;
-        if cursor == "0-0" {
-            // Sweep finished; the next one starts from the beginning after the interval.
-            self.next_claim = Instant::now() + s.claim_interval;
-        }
-        self.claim_cursor = cursor;
-        if !entries.is_empty() {
-            info!(consumer = %s.consumer, stream = %s.stream, entries = entries.len(), "claimed idle pending entries");
-        }
-        Ok(entries)
-    }
-
     /// Deliveries for entries that were pending: with their delivery counts from `XPENDING`,
     /// and entries deleted from the stream meanwhile acked away.
     async fn deliver_pending(
@@ -210,8 +179,12 @@ impl RedisStreamSource {
             entries.into_iter().partition(|e| e.fields.is_some());
         if !deleted.is_empty() {
             let ids: Vec<String> = deleted.into_iter().map(|e| e.id).collect();
-            warn!(stream = %self.settings.stream, entries = ?ids, "pending entries were deleted from the stream; nothing to apply, acking them");
-            crate::ack::xack(&mut self.commands, &self.settings, &ids).await?;
+            warn!(stream = %self.settings.stream, group = %self.settings.group, entries = ids.len(), ids = ?ids, "pending entries were trimmed or deleted from the stream; nothing to apply, acking them");
+            // A failed XACK must not hold up the live entries: these come back and are acked
+            // next time.
+            if let Err(e) = crate::ack::xack(&mut self.commands, &self.settings, &ids).await {
+                warn!(stream = %self.settings.stream, error = %e, "could not ack pending entries deleted from the stream");
+            }
         }
         let counts = match (live.first(), live.last()) {
             // Other entries of ours may sit between the first and the last (a nacked one
@@ -231,8 +204,8 @@ impl RedisStreamSource {
             .collect())
     }
 
-    /// `XPENDING key group first last n consumer`: the entries were just read or claimed by this
-    /// consumer, so they are all in its pending list.
+    /// `XPENDING key group first last n consumer`: this consumer's pending entries from `first`
+    /// to `last`, with their delivery counts (entries just read or claimed are all there).
     async fn delivery_counts(
         &mut self,
         first: &str,
@@ -322,10 +295,10 @@ impl MessageSource for RedisStreamSource {
         match self.read(max.max(1)).await {
             Ok(deliveries) => Ok(deliveries),
             Err(e) => {
-                if e.is_no_group() {
-                    // The stream or group was deleted: create it again on the next call.
-                    warn!(stream = %self.settings.stream, group = %self.settings.group, "consumer group is gone; recreating it");
-                    self.group_ready = false;
+                let s = &self.settings;
+                let e = e.no_group(&s.stream, &s.group);
+                if matches!(e, Error::GroupMissing { .. }) {
+                    error!(stream = %s.stream, group = %s.group, error = %e, "consumer group is gone; stopping instead of re-creating it");
                 }
                 Err(e.into())
             }

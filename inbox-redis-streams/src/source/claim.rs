@@ -1,0 +1,228 @@
+//! Recovery of dead consumers' entries: the `XAUTOCLAIM` sweep, and claimed entries that were
+//! trimmed or deleted from the stream before anyone applied them.
+
+use inbox_core::Delivery;
+use redis::Value;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use super::RedisStreamSource;
+use crate::reply::{self, Entry};
+use crate::{Error, RedisStreamAck, Result};
+
+impl RedisStreamSource {
+    /// One step of the `XAUTOCLAIM` sweep over the whole pending list, from `claim_cursor`.
+    pub(super) async fn autoclaim(&mut self, max: usize) -> Result<Value> {
+        let s = &self.settings;
+        let value: Value = self
+            .commands
+            .idempotent(
+                redis::cmd("XAUTOCLAIM")
+                    .arg(&s.stream)
+                    .arg(&s.group)
+                    .arg(&s.consumer)
+                    .arg(s.claim_idle.as_millis() as u64)
+                    .arg(&self.claim_cursor)
+                    .arg("COUNT")
+                    .arg(max),
+            )
+            .await
+            .map_err(|e| Error::redis(format!("XAUTOCLAIM on stream {}", s.stream), e))?;
+        Ok(value)
+    }
+
+    /// The deliveries in the reply to the sweep step that started at `start`. Claimed entries
+    /// that were trimmed or deleted from the stream cannot be applied: Redis 7 drops them from
+    /// the pending list itself, Redis 6.2 leaves them pending under this consumer, so they are
+    /// acked away here; either way they are logged, and never hold up the live ones.
+    pub(super) async fn deliver_claimed(
+        &mut self,
+        start: &str,
+        value: Value,
+    ) -> Result<Vec<Delivery<RedisStreamAck>>> {
+        let claimed = reply::autoclaim_reply(value)?;
+        let s = &self.settings;
+        if claimed.cursor == "0-0" {
+            // Sweep finished; the next one starts from the beginning after the interval.
+            self.next_claim = Instant::now() + s.claim_interval;
+        }
+        self.claim_cursor = claimed.cursor.clone();
+        if !claimed.entries.is_empty() {
+            info!(consumer = %s.consumer, stream = %s.stream, entries = claimed.entries.len(), "claimed idle pending entries");
+        }
+        if !claimed.deleted.is_empty() {
+            warn!(stream = %s.stream, group = %s.group, entries = claimed.deleted.len(), ids = ?claimed.deleted, "idle pending entries were trimmed or deleted from the stream before they were applied; Redis dropped them from the pending list");
+        }
+        if claimed.vanished > 0 {
+            if let Err(e) = self
+                .ack_vanished(start, &claimed.cursor, &claimed.entries, claimed.vanished)
+                .await
+            {
+                warn!(stream = %self.settings.stream, error = %e, "could not ack claimed entries that were deleted from the stream; the next sweep tries again");
+            }
+        }
+        self.deliver_pending(claimed.entries).await
+    }
+
+    /// Redis 6.2 answers each claimed entry that was trimmed or deleted with a bare nil: it is
+    /// pending under this consumer now, but the reply has no ID for it. It is found among this
+    /// consumer's pending entries in the range the sweep step covered (`start` up to the next
+    /// cursor): those not in the reply and no longer in the stream. Other pending entries of
+    /// ours in that range (nacked ones, not idle long enough to be claimed) are still in the
+    /// stream and left alone.
+    async fn ack_vanished(
+        &mut self,
+        start: &str,
+        cursor: &str,
+        live: &[Entry],
+        vanished: usize,
+    ) -> Result<()> {
+        let end = if cursor == "0-0" {
+            "+".to_owned()
+        } else {
+            format!("({cursor}")
+        };
+        let mut candidates: Vec<String> = self
+            .delivery_counts(start, &end, live.len() + vanished + 1000)
+            .await?
+            .into_keys()
+            .filter(|id| live.iter().all(|e| &e.id != id))
+            .collect();
+        candidates.sort_by_key(|id| entry_id_key(id));
+        let mut gone = Vec::with_capacity(vanished);
+        for id in candidates {
+            if gone.len() == vanished {
+                break;
+            }
+            if self.original_fields(&id).await?.is_none() {
+                gone.push(id);
+            }
+        }
+        let s = &self.settings;
+        if gone.len() < vanished {
+            warn!(stream = %s.stream, group = %s.group, expected = vanished, found = gone.len(), "not every claimed entry reported as deleted was found in the pending list");
+        }
+        if !gone.is_empty() {
+            warn!(stream = %s.stream, group = %s.group, entries = gone.len(), ids = ?gone, "idle pending entries were trimmed or deleted from the stream before they were applied; nothing to apply, acking them");
+            crate::ack::xack(&mut self.commands, &self.settings, &gone).await?;
+        }
+        Ok(())
+    }
+}
+
+/// A stream entry ID as numbers, for ordering (`10-0` after `9-0`); an ID that does not parse
+/// sorts first.
+fn entry_id_key(id: &str) -> (u64, u64) {
+    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
+    (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Redis 6.2 answers `XAUTOCLAIM` for a claimed entry that was trimmed or deleted with a
+    /// bare nil (Redis 7 drops it and lists its ID apart), so the entry stays in the claimer's
+    /// pending list with no ID in the reply. The local Redis is 7, so the state is set up for
+    /// real (three entries pending under `c1`, the middle one deleted) and the reply is the
+    /// bytes 6.2 would send for that claim.
+    #[tokio::test]
+    async fn a_redis_6_2_claim_of_a_trimmed_entry_acks_it_and_delivers_the_rest() {
+        use crate::RedisStreamSource;
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let stream = format!("inbox-test:claim-6.2:{}", uuid::Uuid::new_v4().simple());
+        let mut raw = redis::Client::open(url.as_str())
+            .expect("REDIS_URL parses")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("Redis is reachable at REDIS_URL");
+        let mut ids = Vec::new();
+        for n in 1..=3 {
+            let id: String = redis::cmd("XADD")
+                .arg(&stream)
+                .arg("*")
+                .arg("event_id")
+                .arg(format!("evt-{n}"))
+                .arg("payload")
+                .arg(n)
+                .query_async(&mut raw)
+                .await
+                .expect("XADD");
+            ids.push(id);
+        }
+        let mut source = RedisStreamSource::builder(&stream, "g")
+            .consumer_name("c1")
+            .connect(&url)
+            .await
+            .expect("source connects");
+        let _: Value = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg("g")
+            .arg("c1")
+            .arg("STREAMS")
+            .arg(&stream)
+            .arg(">")
+            .query_async(&mut raw)
+            .await
+            .expect("XREADGROUP");
+        let _: i64 = redis::cmd("XDEL")
+            .arg(&stream)
+            .arg(&ids[1])
+            .query_async(&mut raw)
+            .await
+            .expect("XDEL");
+
+        let entry = |id: &str, n: u8| {
+            format!(
+                "*2\r\n${}\r\n{id}\r\n*4\r\n$8\r\nevent_id\r\n$5\r\nevt-{n}\r\n\
+                 $7\r\npayload\r\n$1\r\n{n}\r\n",
+                id.len()
+            )
+        };
+        let wire = format!(
+            "*2\r\n$3\r\n0-0\r\n*3\r\n{}$-1\r\n{}",
+            entry(&ids[0], 1),
+            entry(&ids[2], 3)
+        );
+        let reply = redis::parse_redis_value(wire.as_bytes()).expect("valid RESP2");
+        let deliveries = source
+            .deliver_claimed("0-0", reply)
+            .await
+            .expect("the live entries are delivered");
+        let positions: Vec<&str> = deliveries
+            .iter()
+            .map(|d| d.message.meta.position.as_str())
+            .collect();
+        assert_eq!(positions, [ids[0].as_str(), ids[2].as_str()]);
+
+        let pending = |raw: &mut redis::aio::MultiplexedConnection| {
+            let mut cmd = redis::cmd("XPENDING");
+            cmd.arg(&stream).arg("g").arg("-").arg("+").arg(10);
+            let raw = raw.clone();
+            async move {
+                let mut raw = raw;
+                let v: Value = cmd.query_async(&mut raw).await.expect("XPENDING");
+                let mut ids: Vec<String> = reply::pending_counts(v)
+                    .expect("parses")
+                    .into_keys()
+                    .collect();
+                ids.sort();
+                ids
+            }
+        };
+        assert_eq!(
+            pending(&mut raw).await,
+            [ids[0].clone(), ids[2].clone()],
+            "the trimmed entry left the pending list"
+        );
+        inbox_core::Ack::ack_all(deliveries.into_iter().map(|d| d.ack).collect())
+            .await
+            .expect("ack");
+        assert!(pending(&mut raw).await.is_empty());
+        let _: i64 = redis::cmd("DEL")
+            .arg(&stream)
+            .query_async(&mut raw)
+            .await
+            .expect("DEL");
+    }
+}
