@@ -48,6 +48,7 @@ pub struct KafkaConfig {
     pub(crate) topics: Vec<String>,
     pub(crate) id_header: String,
     pub(crate) dead_letter_topic: Option<String>,
+    pub(crate) create_dead_letter_topics: bool,
     pub(crate) ack_mode: AckMode,
     pub(crate) poll_timeout: Duration,
     pub(crate) operation_timeout: Duration,
@@ -71,6 +72,7 @@ impl KafkaConfig {
             topics: topics.into_iter().map(Into::into).collect(),
             id_header: Self::DEFAULT_ID_HEADER.to_owned(),
             dead_letter_topic: None,
+            create_dead_letter_topics: false,
             ack_mode: AckMode::default(),
             poll_timeout: Duration::from_secs(1),
             operation_timeout: Duration::from_secs(10),
@@ -96,8 +98,20 @@ impl KafkaConfig {
     }
 
     /// Where dead letters go (default: `<topic>.dlq` of the message's own topic).
+    ///
+    /// The source checks at start that every dead-letter topic exists (for a pattern
+    /// subscription, `^…`, only an explicit one is checked) and fails with [`Error::Config`]
+    /// naming a missing one, unless [`KafkaConfig::create_dead_letter_topics`] allows creating it.
     pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
         self.dead_letter_topic = Some(topic.into());
+        self
+    }
+
+    /// Whether the source creates a missing dead-letter topic at start (default `false`: it
+    /// fails naming the topic). A created topic has one partition and the broker's default
+    /// replication and settings; create it yourself for anything else.
+    pub fn create_dead_letter_topics(mut self, create: bool) -> Self {
+        self.create_dead_letter_topics = create;
         self
     }
 
@@ -134,7 +148,11 @@ impl KafkaConfig {
         self
     }
 
-    /// Connects and subscribes.
+    /// Creates the clients and subscribes. Nothing is fetched yet: the first
+    /// [`receive`](inbox_core::MessageSource::receive) checks that the dead-letter topics exist
+    /// (a metadata request for all topics, waiting up to the operation timeout) before it joins
+    /// the group and reads; a missing one fails it with [`Error::Config`], which stops the
+    /// consumer. The check is not made here because it blocks and this method is not async.
     pub fn build(&self) -> Result<KafkaSource> {
         KafkaSource::new(self)
     }

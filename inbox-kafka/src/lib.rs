@@ -72,7 +72,10 @@
 //!   record whose handler failed past the retry limit, is produced to the dead-letter topic
 //!   (default `<topic>.dlq`) with its key, value and headers plus `reason`, `original_topic` and
 //!   `original_position` headers; the adapter waits for the delivery report, then the offset is
-//!   committed.
+//!   committed. The first receive checks that every dead-letter topic exists and fails, naming
+//!   the topic, if one does not (or creates it, with
+//!   [`KafkaConfig::create_dead_letter_topics`]): a record that cannot be parked would
+//!   otherwise be handed back and fail again, stalling its partition.
 //! - [`AckMode::AutoCommit`] exists only to measure the anti-pattern: offsets stored on receipt
 //!   and committed by the client's timer lose messages on a crash.
 //!
@@ -104,6 +107,7 @@ mod ack;
 mod admin;
 mod config;
 mod context;
+mod dead_letter;
 mod error;
 mod producer;
 mod source;

@@ -15,6 +15,7 @@ use tracing::warn;
 
 use crate::ack::{AckTarget, KafkaAck};
 use crate::context::{InboxContext, ProducerContext};
+use crate::dead_letter::DeadLetterCheck;
 use crate::{AckMode, Error, KafkaConfig, Result};
 
 /// The header a dead letter carries with the reason it was parked.
@@ -44,6 +45,8 @@ pub struct KafkaSource {
     poll_timeout: Duration,
     operation_timeout: Duration,
     redelivery_window: Option<Duration>,
+    /// Made by the first receive; kept until it passes.
+    dead_letter_check: Option<DeadLetterCheck>,
 }
 
 impl fmt::Debug for KafkaSource {
@@ -91,6 +94,7 @@ impl KafkaSource {
             poll_timeout: config.poll_timeout,
             operation_timeout: config.operation_timeout,
             redelivery_window: None,
+            dead_letter_check: Some(DeadLetterCheck::new(config)),
         })
     }
 
@@ -172,6 +176,11 @@ impl MessageSource for KafkaSource {
     type Ack = KafkaAck;
 
     async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<KafkaAck>>, SourceError> {
+        if let Some(check) = &self.dead_letter_check {
+            // Before the first poll, so a source that fails it never joins the group.
+            check.run(&self.producer).await?;
+            self.dead_letter_check = None;
+        }
         // `recv` is cancellation safe, and after it nothing awaits until the batch is returned,
         // so a dropped receive loses no message.
         let first = match tokio::time::timeout(self.poll_timeout, self.consumer.recv()).await {

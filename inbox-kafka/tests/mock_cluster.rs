@@ -43,6 +43,8 @@ async fn commits_refused_by_a_rebalance_are_not_fatal() {
     init_tracing();
     let mock = MockCluster::new(1).expect("mock cluster");
     mock.create_topic("credits", 3, 1).expect("topic");
+    mock.create_topic("credits.dlq", 1, 1)
+        .expect("dead-letter topic");
     let brokers = mock.bootstrap_servers();
     let producer = KafkaProducer::new(&brokers).expect("producer");
     for i in 1..=30i64 {
@@ -98,6 +100,8 @@ async fn a_restart_inside_a_record_batch_resumes_at_the_committed_offset() {
     init_tracing();
     let mock = MockCluster::new(1).expect("mock cluster");
     mock.create_topic("credits", 1, 1).expect("topic");
+    mock.create_topic("credits.dlq", 1, 1)
+        .expect("dead-letter topic");
     let brokers = mock.bootstrap_servers();
     // Sent together with a linger, the 60 records travel in a few multi-record batches.
     let producer =

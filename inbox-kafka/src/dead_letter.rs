@@ -1,0 +1,146 @@
+//! The start-up check that every dead-letter topic exists. Without it the first record that must
+//! be parked fails to produce, is handed back, fails again, and its partition stalls behind it
+//! while the consumer looks healthy.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use inbox_core::{Recovery, SourceError};
+use rdkafka::producer::{FutureProducer, Producer};
+use rdkafka::types::RDKafkaRespErr;
+use tracing::{debug, info};
+
+use crate::context::ProducerContext;
+use crate::{Error, KafkaAdmin, KafkaConfig};
+
+/// The dead-letter topics a source can write to, and what to do when one is missing.
+#[derive(Debug)]
+pub(crate) struct DeadLetterCheck {
+    /// Each dead-letter topic with the subscribed topics whose records go there.
+    topics: BTreeMap<String, Vec<String>>,
+    create: bool,
+    brokers: String,
+    properties: BTreeMap<String, String>,
+    timeout: Duration,
+}
+
+impl DeadLetterCheck {
+    pub(crate) fn new(config: &KafkaConfig) -> Self {
+        let mut topics: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for topic in &config.topics {
+            let dead_letter_topic = match &config.dead_letter_topic {
+                Some(dlq) => dlq.clone(),
+                // A pattern subscription's topics are only known at run time.
+                None if topic.starts_with('^') => {
+                    debug!(pattern = %topic, "the dead-letter topics of a pattern subscription are not checked at start");
+                    continue;
+                }
+                None => format!("{topic}.dlq"),
+            };
+            topics
+                .entry(dead_letter_topic)
+                .or_default()
+                .push(topic.clone());
+        }
+        Self {
+            topics,
+            create: config.create_dead_letter_topics,
+            brokers: config.brokers.clone(),
+            properties: config.common.clone(),
+            timeout: config.operation_timeout,
+        }
+    }
+
+    /// Finds the missing dead-letter topics with a metadata request for all topics (one that
+    /// names a topic makes a broker with `auto.create.topics.enable` create it, and the check
+    /// would pass by accident), then fails naming them, or creates them when allowed.
+    pub(crate) async fn run(
+        &self,
+        producer: &FutureProducer<ProducerContext>,
+    ) -> Result<(), SourceError> {
+        if self.topics.is_empty() {
+            return Ok(());
+        }
+        let existing = self.existing_topics(producer).await?;
+        let missing: Vec<(&String, &Vec<String>)> = self
+            .topics
+            .iter()
+            .filter(|(topic, _)| !existing.contains(*topic))
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        if !self.create {
+            let list = missing
+                .iter()
+                .map(|(dlq, from)| format!("`{dlq}` (for records of {})", quoted(from)))
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Err(Error::Config(format!(
+                "dead-letter topic {list} does not exist, so a record that cannot be applied \
+                 could not be parked and would stall its partition: create it, point \
+                 KafkaConfig::dead_letter_topic at an existing topic, or let the source create \
+                 it with KafkaConfig::create_dead_letter_topics(true)"
+            ))
+            .into_source());
+        }
+        let admin = KafkaAdmin::with_properties(&self.brokers, self.properties.clone())
+            .map_err(Error::into_source)?;
+        for (topic, from) in missing {
+            admin
+                .create_topic(topic, 1)
+                .await
+                .map_err(Error::into_source)?;
+            info!(%topic, for_topics = ?from, "created the missing dead-letter topic");
+        }
+        Ok(())
+    }
+
+    async fn existing_topics(
+        &self,
+        producer: &FutureProducer<ProducerContext>,
+    ) -> Result<BTreeSet<String>, SourceError> {
+        let (producer, timeout) = (producer.clone(), self.timeout);
+        // A blocking request: off the async workers.
+        let metadata =
+            tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, timeout))
+                .await
+                .map_err(|join| {
+                    SourceError::new(Recovery::Retry, "dead-letter topic check failed", join)
+                })?
+                .map_err(|e| {
+                    Error::kafka("listing topics to check the dead-letter topics", e).into_source()
+                })?;
+        // A listed topic exists even if it reports an error (a leader being elected), unless
+        // the error says it does not.
+        Ok(metadata
+            .topics()
+            .iter()
+            .filter(|t| t.error() != Some(RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART))
+            .map(|t| t.name().to_owned())
+            .collect())
+    }
+}
+
+fn quoted(topics: &[String]) -> String {
+    topics
+        .iter()
+        .map(|t| format!("`{t}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_subscribed_topic_has_its_dead_letter_topic_and_patterns_are_skipped() {
+        let config = KafkaConfig::new("b:9092", "g", ["a", "b", "^c.*"]);
+        let check = DeadLetterCheck::new(&config);
+        let topics: Vec<&str> = check.topics.keys().map(String::as_str).collect();
+        assert_eq!(topics, ["a.dlq", "b.dlq"]);
+        let shared = DeadLetterCheck::new(&config.dead_letter_topic("parked"));
+        assert_eq!(shared.topics["parked"], ["a", "b", "^c.*"]);
+    }
+}
