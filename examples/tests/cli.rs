@@ -28,7 +28,19 @@ fn help_lists_every_command_and_succeeds() {
                 "{command} missing: {text}"
             );
         }
+        assert!(
+            text.contains("--kafka-impl tansu|mock"),
+            "--kafka-impl missing: {text}"
+        );
     }
+}
+
+#[test]
+fn an_unknown_kafka_implementation_fails_naming_the_choices() {
+    let out = wallet(&["kill-test", "--kafka-impl", "redpanda"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).expect("utf-8");
+    assert!(err.contains("use tansu or mock"), "{err}");
 }
 
 #[test]

@@ -11,7 +11,7 @@ use std::time::Duration;
 use inbox_core::{async_trait, BoxError, StatsSnapshot};
 use inbox_postgres::testkit::TestDb;
 
-use crate::cli::{BrokerKind, ConsumerSpec};
+use crate::cli::{BrokerKind, ConsumerSpec, KafkaImpl};
 use crate::consume::{Shutdown, Watch};
 
 /// A credit event ready to publish: its producer-set ID and JSON payload.
@@ -55,15 +55,30 @@ pub(crate) trait Broker: Send + Sync {
         Ok(())
     }
 
+    /// How often a draining consumer that applies nothing while the broker still holds messages
+    /// is replaced by a new one; 0: such a stall fails the run (see `kill::drain`).
+    fn drain_restarts(&self) -> u32 {
+        DRAIN_RESTARTS
+    }
+
     /// Deletes `name` (best effort).
     async fn remove(&self, name: &str);
 }
 
-/// Connects to `kind`, failing with the reason when it is not reachable.
-pub(crate) async fn connect(kind: BrokerKind) -> Result<Box<dyn Broker>, BoxError> {
+/// The default of [`Broker::drain_restarts`].
+const DRAIN_RESTARTS: u32 = 5;
+
+/// Connects to `kind`, failing with the reason when it is not reachable; `kafka_impl` says what
+/// `KAFKA_BROKERS` points at.
+pub(crate) async fn connect(
+    kind: BrokerKind,
+    kafka_impl: KafkaImpl,
+) -> Result<Box<dyn Broker>, BoxError> {
+    #[cfg(not(feature = "kafka"))]
+    let _ = kafka_impl;
     Ok(match kind {
         #[cfg(feature = "kafka")]
-        BrokerKind::Kafka => Box::new(kafka::Kafka::connect().await?),
+        BrokerKind::Kafka => Box::new(kafka::Kafka::connect(kafka_impl).await?),
         #[cfg(not(feature = "kafka"))]
         BrokerKind::Kafka => {
             return Err("this wallet binary was built without the `kafka` feature".into())

@@ -42,6 +42,43 @@ impl fmt::Display for BrokerKind {
     }
 }
 
+/// Which Kafka-protocol broker `KAFKA_BROKERS` points at, for the harness work-arounds one needs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum KafkaImpl {
+    /// Tansu 0.6, what `cargo xtask services` starts: one record per produced batch, and a
+    /// draining consumer that applies nothing is replaced (see `brokers/kafka.rs`, `kill.rs`).
+    #[default]
+    Tansu,
+    /// librdkafka's mock cluster (`kafka-mock`): records batched normally, a stalled drain fails
+    /// the run; no CreateTopics, so topics come from `kafka-mock --control` (`KAFKA_MOCK_CONTROL`)
+    /// or are created on first use with the mock's 4 partitions.
+    Mock,
+}
+
+impl KafkaImpl {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Tansu => "tansu",
+            Self::Mock => "mock",
+        }
+    }
+
+    /// Whether the harness works around Tansu 0.6's fetch and group-assignment behaviour.
+    pub(crate) fn tansu_workarounds(self) -> bool {
+        self == Self::Tansu
+    }
+}
+
+impl FromStr for KafkaImpl {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        [Self::Tansu, Self::Mock]
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| format!("unknown Kafka implementation `{s}`; use tansu or mock"))
+    }
+}
+
 /// The article's variants, generalised to each broker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Variant {

@@ -267,17 +267,25 @@ pub(crate) async fn spawn_ready(spec: &ConsumerSpec) -> Result<Child, BoxError> 
     .into())
 }
 
-/// How often a draining consumer that applies nothing while the broker still holds messages is
-/// replaced by a new one before the drain gives up.
-const DRAIN_RESTARTS: u32 = 5;
+/// How a draining member ended.
+enum Drained {
+    /// The ledger holds every event (or the broker nothing more), or the drain gave up.
+    Done,
+    /// It applied nothing while the broker held messages: replace it.
+    Replace,
+    /// The same, on a broker where that is not worked around: fail the run.
+    Stalled(String),
+}
 
 /// Runs a clean consumer until the ledger is quiet and the broker holds nothing more; returns
 /// the time from its start to its last write.
 ///
 /// A consumer that applies nothing for the redelivery delay and 10 s more while the broker still
-/// holds messages is stopped and replaced, at most [`DRAIN_RESTARTS`] times, each said on stderr:
-/// Tansu 0.6 can leave a group whose leader died during a rebalance with an empty assignment for
-/// its last member, which then waits forever; a new member makes the group rebalance.
+/// holds messages is stopped and replaced, at most [`Broker::drain_restarts`] times, each said on
+/// stderr: Tansu 0.6 can leave a group whose leader died during a rebalance with an empty
+/// assignment for its last member, which then waits forever; a new member makes the group
+/// rebalance. Where the broker allows no restarts (librdkafka's mock, `--kafka-impl mock`), such
+/// a stall fails the run instead.
 pub(crate) async fn drain(
     broker: &dyn Broker,
     spec: &ConsumerSpec,
@@ -288,6 +296,7 @@ pub(crate) async fn drain(
     let start = Instant::now();
     let (mut rows, mut last_change) = (-1, start);
     let delay = broker.redelivery_delay();
+    let max_restarts = broker.drain_restarts();
     let mut restarts = 0;
     loop {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -301,7 +310,7 @@ pub(crate) async fn drain(
         );
         tokio::pin!(consumer);
         let member_start = Instant::now();
-        let finished = loop {
+        let drained = loop {
             tokio::select! {
                 finished = &mut consumer => {
                     finished?;
@@ -322,23 +331,30 @@ pub(crate) async fn drain(
             let empty = |left: &Result<Option<u64>, BoxError>| matches!(left, Ok(None | Some(0)));
             if summary.distinct_events >= published && quiet >= Duration::from_secs(1) {
                 if empty(&broker.left(&spec.name).await) {
-                    break true;
+                    break Drained::Done;
                 }
             } else if quiet >= delay {
                 let left = broker.left(&spec.name).await;
                 // Idle since the later of the last write and this member's start.
                 let idle = quiet.min(member_start.elapsed());
                 if empty(&left) || idle >= delay + Duration::from_secs(60) {
-                    break true;
+                    break Drained::Done;
                 }
-                if restarts < DRAIN_RESTARTS && idle >= delay + Duration::from_secs(10) {
-                    eprintln!(
-                        "\n{label}: the draining consumer applied nothing for {} s while the \
-                         broker holds {} messages; replacing it",
+                if idle >= delay + Duration::from_secs(10) {
+                    let stall = format!(
+                        "the draining consumer applied nothing for {} s while the broker holds \
+                         {} messages ({}/{published} events applied)",
                         idle.as_secs(),
-                        left.ok().flatten().unwrap_or_default()
+                        left.ok().flatten().unwrap_or_default(),
+                        summary.distinct_events
                     );
-                    break false;
+                    if max_restarts == 0 {
+                        break Drained::Stalled(stall);
+                    }
+                    if restarts < max_restarts {
+                        eprintln!("\n{label}: {stall}; replacing it");
+                        break Drained::Replace;
+                    }
                 }
             }
         };
@@ -349,10 +365,11 @@ pub(crate) async fn drain(
             }
             Err(_) => eprintln!("\n{label}: the draining consumer did not stop in 30 s"),
         }
-        if finished {
-            return Ok(last_change - start);
+        match drained {
+            Drained::Done => return Ok(last_change - start),
+            Drained::Replace => restarts += 1,
+            Drained::Stalled(stall) => return Err(format!("{label}: {stall}").into()),
         }
-        restarts += 1;
     }
 }
 

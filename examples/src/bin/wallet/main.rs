@@ -29,7 +29,7 @@ use std::process::ExitCode;
 use inbox_core::BoxError;
 use inbox_postgres::testkit::TestDb;
 
-use crate::cli::{num, parse_flags, BrokerKind, ConsumerSpec, Variant};
+use crate::cli::{num, parse_flags, BrokerKind, ConsumerSpec, KafkaImpl, Variant};
 use crate::consume::Watch;
 use crate::settings::{KillSettings, ZombieSettings};
 
@@ -40,15 +40,23 @@ wallet kill-test [--brokers kafka,sqs,rabbitmq,redis] [--variants a1,a2,b,c] [--
                  [--kills 20] [--runs 5] [--kill-after-ms 1000..8000] [--work-ms 10] [--seed 42]
                  [--crash-between-commit-and-ack P] [--throughput true] [--throughput-events N]
                  [--chart target/wallet-kill-test.svg] [--require-brokers false]
+                 [--kafka-impl tansu|mock]
 wallet zombie-test [--brokers …] [--variants b,c] [--events 5000] [--stall-every 500] [--runs 1]
+                   [--kafka-impl tansu|mock]
 wallet consume --broker B --variant V --name QUEUE --schema S [--work-ms 10]
                [--crash-between-commit-and-ack P]
-wallet publish --broker B --name QUEUE [--events N] [--seed S]
+wallet publish --broker B --name QUEUE [--events N] [--seed S] [--kafka-impl tansu|mock]
 wallet memory-demo                    # the in-memory broker with crash points; only PostgreSQL
 wallet report [--chart target/wallet-kill-test.svg] FILE…   # tables and chart from saved runs
 variants: a1 the broker's automatic ack, a2 the same in batches, b ack after the DB commit
 without the inbox, c the inbox; services at DATABASE_URL, KAFKA_BROKERS, AWS_ENDPOINT_URL_SQS,
 AMQP_URL, REDIS_URL (defaults: what `cargo xtask services` starts)
+--kafka-impl: what KAFKA_BROKERS is. tansu (default, what `cargo xtask services` starts): one
+record per produced batch (Tansu 0.6 serves a fetch from mid-batch from the next batch on) and a
+draining consumer that applies nothing is replaced (Tansu can leave the last member with no
+partitions). mock (librdkafka's mock cluster, `cargo run -p inbox-examples --bin kafka-mock`):
+neither work-around, a stalled drain fails the run; topics get 6 partitions through
+`kafka-mock --control ADDR` when KAFKA_MOCK_CONTROL=ADDR, else 4, created on first use
 ";
 
 const USAGE: &str = "usage: wallet demo [--full] [kill-test options] | kill-test [options] | zombie-test [options] | consume … | publish … | memory-demo [options] | report [--chart SVG] FILE…\n`wallet --help` lists the options";
@@ -132,7 +140,7 @@ async fn kill_test(s: &KillSettings) -> Result<(), BoxError> {
     let mut all = Vec::new();
     let mut failures = Vec::new();
     for &kind in &s.brokers {
-        let broker = match brokers::connect(kind).await {
+        let broker = match brokers::connect(kind, s.kafka_impl).await {
             Ok(b) => b,
             Err(e) if !s.require_brokers => {
                 println!("\n{kind}: skipped, {e}");
@@ -140,6 +148,7 @@ async fn kill_test(s: &KillSettings) -> Result<(), BoxError> {
             }
             Err(e) => return Err(format!("{kind}: {e}").into()),
         };
+        kafka_note(kind, s.kafka_impl);
         match kill::on_broker(broker.as_ref(), s).await {
             Ok(results) => {
                 report::table(&results);
@@ -207,7 +216,7 @@ fn report_from(args: &[String]) -> Result<(), BoxError> {
 
 async fn zombie_test(s: &ZombieSettings) -> Result<(), BoxError> {
     for &kind in &s.brokers {
-        let broker = match brokers::connect(kind).await {
+        let broker = match brokers::connect(kind, s.kafka_impl).await {
             Ok(b) => b,
             Err(e) if !s.require_brokers => {
                 println!("\n{kind}: skipped, {e}");
@@ -215,15 +224,39 @@ async fn zombie_test(s: &ZombieSettings) -> Result<(), BoxError> {
             }
             Err(e) => return Err(format!("{kind}: {e}").into()),
         };
+        kafka_note(kind, s.kafka_impl);
         zombie::on_broker(broker.as_ref(), s).await?;
     }
     Ok(())
 }
 
+/// Says in the output which Kafka implementation a run's figures come from.
+fn kafka_note(kind: BrokerKind, kafka_impl: KafkaImpl) {
+    if kind == BrokerKind::Kafka {
+        let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+        match kafka_impl {
+            KafkaImpl::Tansu => println!(
+                "\nkafka at {brokers}: --kafka-impl tansu (one record per produced batch, a \
+                 stalled drain is replaced)"
+            ),
+            KafkaImpl::Mock => println!(
+                "\nkafka at {brokers}: --kafka-impl mock (librdkafka's mock cluster: records \
+                 batched, a stalled drain fails the run, {} partitions per topic)",
+                if std::env::var_os("KAFKA_MOCK_CONTROL").is_some() {
+                    "6"
+                } else {
+                    "4"
+                }
+            ),
+        }
+    }
+}
+
 /// One consumer, until killed or Ctrl-C.
 async fn consume(args: &[String]) -> Result<(), BoxError> {
     let spec = ConsumerSpec::parse(args)?;
-    let broker = brokers::connect(spec.broker).await?;
+    // A consumer neither creates nor publishes: the Kafka implementation makes no difference.
+    let broker = brokers::connect(spec.broker, KafkaImpl::default()).await?;
     let db = TestDb::attach(&spec.schema).await;
     let ctrl_c = Box::pin(async {
         if tokio::signal::ctrl_c().await.is_err() {
@@ -238,9 +271,11 @@ async fn consume(args: &[String]) -> Result<(), BoxError> {
 /// Creates the queue, topic or stream and publishes seeded credit events to it.
 async fn publish(args: &[String]) -> Result<(), BoxError> {
     let (mut broker, mut name, mut events, mut seed) = (None, None, 1_000u32, 42u64);
+    let mut kafka_impl = KafkaImpl::default();
     parse_flags(args, |flag, value| {
         match flag {
             "--broker" => broker = Some(value.parse()?),
+            "--kafka-impl" => kafka_impl = value.parse()?,
             "--name" => name = Some(value.to_owned()),
             "--events" => events = num(value)?,
             "--seed" => seed = num(value)?,
@@ -248,7 +283,7 @@ async fn publish(args: &[String]) -> Result<(), BoxError> {
         }
         Ok(true)
     })?;
-    let broker = brokers::connect(broker.ok_or("--broker is required")?).await?;
+    let broker = brokers::connect(broker.ok_or("--broker is required")?, kafka_impl).await?;
     let name = name.ok_or("--name is required")?;
     let settings = KillSettings {
         events,

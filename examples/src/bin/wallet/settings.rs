@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use crate::cli::{list, num, parse_flags, probability, BrokerKind, Variant};
+use crate::cli::{list, num, parse_flags, probability, BrokerKind, KafkaImpl, Variant};
 
 #[derive(Debug, Clone)]
 pub(crate) struct KillSettings {
@@ -23,6 +23,8 @@ pub(crate) struct KillSettings {
     pub(crate) chart: PathBuf,
     /// Fail (rather than skip) when a broker cannot be reached.
     pub(crate) require_brokers: bool,
+    /// What `KAFKA_BROKERS` is, for the Tansu work-arounds.
+    pub(crate) kafka_impl: KafkaImpl,
 }
 
 impl KillSettings {
@@ -43,6 +45,7 @@ impl KillSettings {
             throughput_events: 10_000,
             chart: PathBuf::from("target/wallet-kill-test.svg"),
             require_brokers: false,
+            kafka_impl: KafkaImpl::default(),
         }
     }
 
@@ -89,6 +92,7 @@ impl KillSettings {
                 "--throughput-events" => throughput_events = Some(num(value)?),
                 "--chart" => self.chart = PathBuf::from(value),
                 "--require-brokers" => self.require_brokers = num(value)?,
+                "--kafka-impl" => self.kafka_impl = value.parse()?,
                 _ => return Ok(false),
             }
             Ok(true)
@@ -111,6 +115,7 @@ pub(crate) struct ZombieSettings {
     pub(crate) runs: u32,
     pub(crate) work_ms: u64,
     pub(crate) require_brokers: bool,
+    pub(crate) kafka_impl: KafkaImpl,
 }
 
 impl ZombieSettings {
@@ -123,6 +128,7 @@ impl ZombieSettings {
             runs: 1,
             work_ms: 2,
             require_brokers: false,
+            kafka_impl: KafkaImpl::default(),
         };
         parse_flags(args, |flag, value| {
             match flag {
@@ -133,6 +139,7 @@ impl ZombieSettings {
                 "--runs" => s.runs = num(value)?,
                 "--work-ms" => s.work_ms = num(value)?,
                 "--require-brokers" => s.require_brokers = num(value)?,
+                "--kafka-impl" => s.kafka_impl = value.parse()?,
                 _ => return Ok(false),
             }
             Ok(true)

@@ -1,4 +1,5 @@
-//! Kafka: a 6-partition topic, group = topic name; a1/a2 use the client's auto-commit.
+//! Kafka: a 6-partition topic (4 on librdkafka's mock without `kafka-mock --control`), group =
+//! topic name; a1/a2 use the client's auto-commit.
 
 use std::time::Duration;
 
@@ -8,9 +9,10 @@ use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
 use inbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use inbox_kafka::{AckMode, KafkaAdmin, KafkaConfig, KafkaProducer, Record};
 use inbox_postgres::testkit::TestDb;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use super::{Broker, Outgoing};
-use crate::cli::{BrokerKind, ConsumerSpec};
+use crate::cli::{BrokerKind, ConsumerSpec, KafkaImpl};
 use crate::consume::{self, Shutdown, Watch};
 
 const PARTITIONS: i32 = 6;
@@ -20,19 +22,21 @@ const SESSION_TIMEOUT: Duration = Duration::from_secs(6);
 /// Tansu 0.6 (what `cargo xtask services` starts) answers a fetch from an offset inside a record
 /// batch with the batches after it, where Kafka returns the batch holding the offset: a consumer
 /// resuming from a commit in mid-batch would skip the rest of that batch. One record per batch
-/// makes every offset a batch start. Harmless on Apache Kafka; it only slows publishing.
+/// makes every offset a batch start. Harmless on Apache Kafka; it only slows publishing. Not set
+/// with `--kafka-impl mock`, whose fetch starts at the offset asked for.
 const ONE_RECORD_PER_BATCH: (&str, &str) = ("batch.num.messages", "1");
 /// A loaded test machine once kept Tansu from acknowledging within the default 30 s.
 const DELIVERY_TIMEOUT: (&str, &str) = ("message.timeout.ms", "120000");
 
 pub(crate) struct Kafka {
     brokers: String,
+    implementation: KafkaImpl,
     admin: KafkaAdmin,
     producer: KafkaProducer,
 }
 
 impl Kafka {
-    pub(crate) async fn connect() -> Result<Self, BoxError> {
+    pub(crate) async fn connect(implementation: KafkaImpl) -> Result<Self, BoxError> {
         let brokers = inbox_kafka::brokers_from_env();
         // librdkafka connects lazily; a plain TCP connect says whether anyone listens.
         let first = brokers.split(',').next().unwrap_or_default().to_owned();
@@ -42,12 +46,14 @@ impl Kafka {
             .map_err(|e| {
                 format!("cannot reach Kafka at {first}: {e}; run `cargo xtask services` or set KAFKA_BROKERS")
             })?;
+        let mut producer_properties = vec![DELIVERY_TIMEOUT];
+        if implementation.tansu_workarounds() {
+            producer_properties.push(ONE_RECORD_PER_BATCH);
+        }
         Ok(Self {
             admin: KafkaAdmin::new(&brokers)?,
-            producer: KafkaProducer::with_properties(
-                &brokers,
-                [ONE_RECORD_PER_BATCH, DELIVERY_TIMEOUT],
-            )?,
+            producer: KafkaProducer::with_properties(&brokers, producer_properties)?,
+            implementation,
             brokers,
         })
     }
@@ -60,6 +66,21 @@ impl Broker for Kafka {
     }
 
     async fn create(&self, name: &str) -> Result<(), BoxError> {
+        if self.implementation == KafkaImpl::Mock {
+            // The mock has no CreateTopics (the request times out): `kafka-mock --control`
+            // creates topics when asked, else a metadata request that allows it creates the
+            // topic, with the mock's default partition count.
+            if let Ok(control) = std::env::var("KAFKA_MOCK_CONTROL") {
+                create_through_control(&control, name, PARTITIONS).await?;
+                return create_through_control(&control, &format!("{name}.dlq"), 1).await;
+            }
+            for topic in [name.to_owned(), format!("{name}.dlq")] {
+                let brokers = self.brokers.clone();
+                tokio::task::spawn_blocking(move || create_on_first_use(&brokers, &topic))
+                    .await??;
+            }
+            return Ok(());
+        }
         self.admin.create_topic(name, PARTITIONS).await?;
         self.admin.create_topic(&format!("{name}.dlq"), 1).await?;
         Ok(())
@@ -119,8 +140,64 @@ impl Broker for Kafka {
         SESSION_TIMEOUT * 2
     }
 
+    fn drain_restarts(&self) -> u32 {
+        // Replacing a stalled member only works around Tansu's empty assignments; elsewhere a
+        // stalled drain is a finding, not something to paper over.
+        if self.implementation.tansu_workarounds() {
+            super::DRAIN_RESTARTS
+        } else {
+            0
+        }
+    }
+
     async fn remove(&self, _name: &str) {
         // Topics stay; their names are random.
+    }
+}
+
+/// Asks `kafka-mock --control` at `control` to create `topic`.
+async fn create_through_control(
+    control: &str,
+    topic: &str,
+    partitions: i32,
+) -> Result<(), BoxError> {
+    let talk = async {
+        let mut stream = tokio::net::TcpStream::connect(control).await?;
+        stream
+            .write_all(format!("create-topic {topic} {partitions}\n").as_bytes())
+            .await?;
+        let mut answer = String::new();
+        BufReader::new(stream).read_line(&mut answer).await?;
+        Ok::<_, std::io::Error>(answer)
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(10), talk)
+        .await
+        .map_err(|_| format!("kafka-mock at KAFKA_MOCK_CONTROL={control} does not answer"))?
+        .map_err(|e| format!("kafka-mock at KAFKA_MOCK_CONTROL={control}: {e}"))?;
+    match answer.trim_end() {
+        "ok" => Ok(()),
+        other => Err(format!("kafka-mock at KAFKA_MOCK_CONTROL={control}: {other}").into()),
+    }
+}
+
+/// Creates `topic` through broker-side automatic creation (librdkafka's mock cluster, which has
+/// no admin API) and checks that it has partitions.
+fn create_on_first_use(brokers: &str, topic: &str) -> Result<(), BoxError> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("allow.auto.create.topics", "true")
+        .create()?;
+    let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
+    match metadata.topics().first() {
+        Some(t) if t.error().is_none() && !t.partitions().is_empty() => Ok(()),
+        Some(t) => Err(format!(
+            "the broker did not create topic `{topic}` on first use ({:?}, {} partitions); is \
+             KAFKA_BROKERS librdkafka's mock cluster (`kafka-mock`)?",
+            t.error(),
+            t.partitions().len()
+        )
+        .into()),
+        None => Err(format!("the broker did not answer for topic `{topic}`").into()),
     }
 }
 
