@@ -318,7 +318,7 @@ pub(crate) mod tests {
             d.ack.ack().await.unwrap();
         }
         source.close().await;
-        let connection = crate::connect::open(config.url(), "inbox-test cleanup")
+        let connection = crate::connect::open(config.url(), "inbox-test cleanup", None)
             .await
             .unwrap();
         let channel = connection.create_channel().await.unwrap();

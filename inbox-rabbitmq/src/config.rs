@@ -72,6 +72,7 @@ pub struct RabbitConfig {
     pub(crate) poll_timeout: Duration,
     pub(crate) operation_timeout: Duration,
     pub(crate) connection_name: Option<String>,
+    pub(crate) heartbeat: Option<Duration>,
 }
 
 impl RabbitConfig {
@@ -90,6 +91,7 @@ impl RabbitConfig {
             poll_timeout: Duration::from_secs(1),
             operation_timeout: Duration::from_secs(10),
             connection_name: None,
+            heartbeat: None,
         }
     }
 
@@ -161,10 +163,18 @@ impl RabbitConfig {
         self
     }
 
-    /// How long a dead-letter publish may wait for the broker's confirm, connecting included
-    /// (default 10 s). Past it the dead-letter fails with [`Recovery::Retry`](inbox_core::Recovery)
-    /// and the consumer hands the message back, instead of waiting out a broker memory or disk
-    /// alarm, which holds every publish unconfirmed until it clears.
+    /// How long connecting may take, and how long a dead-letter publish may wait for the
+    /// broker's confirm, connecting included (default 10 s).
+    ///
+    /// - Connecting (TCP, the AMQP handshake, the channel, the topology, `basic.consume`): past
+    ///   it the attempt fails with [`Error::ConnectTimeout`], a
+    ///   [`Recovery::Reconnect`](inbox_core::Recovery), and the consumer tries again after its
+    ///   backoff. Without it a broker that accepts the TCP connection but never answers (a hung
+    ///   node, a network that drops packets after the handshake started) stalls the consumer for
+    ///   good: no heartbeat runs before the handshake ends.
+    /// - Dead letters: past it the publish fails with [`Recovery::Retry`](inbox_core::Recovery)
+    ///   and the consumer hands the message back, instead of waiting out a broker memory or disk
+    ///   alarm, which holds every publish unconfirmed until it clears.
     pub fn operation_timeout(mut self, wait: Duration) -> Self {
         self.operation_timeout = wait;
         self
@@ -176,6 +186,19 @@ impl RabbitConfig {
     /// `<name> dead letters`.
     pub fn connection_name(mut self, name: impl Into<String>) -> Self {
         self.connection_name = Some(name.into());
+        self
+    }
+
+    /// The AMQP heartbeat interval to ask for (whole seconds, rounded up; default: the broker's,
+    /// 60 s on RabbitMQ). Client and broker each send a frame at least every half interval and
+    /// give the connection up after two intervals without one from the other side, so a
+    /// connection that went silent (a network partition, a black-holing firewall, a frozen
+    /// broker) is noticed after about twice this: the consumer then reconnects, and the broker
+    /// requeues the deliveries the dead connection held. With the default that takes about two
+    /// minutes; 5–20 s is a common choice. The lower of this and the broker's `heartbeat`
+    /// setting applies. It also applies to the dead-letter connection.
+    pub fn heartbeat(mut self, interval: Duration) -> Self {
+        self.heartbeat = Some(interval);
         self
     }
 
@@ -202,6 +225,14 @@ impl RabbitConfig {
             .unwrap_or_else(|| format!("inbox-rabbitmq {}", self.queue))
     }
 
+    /// The heartbeat to ask for, in the whole seconds AMQP uses.
+    pub(crate) fn heartbeat_secs(&self) -> Option<u16> {
+        self.heartbeat.map(|interval| {
+            let secs = interval.as_secs() + u64::from(interval.subsec_nanos() > 0);
+            u16::try_from(secs).unwrap_or(u16::MAX)
+        })
+    }
+
     pub(crate) fn check(&self) -> Result<()> {
         if self.queue.is_empty() {
             return Err(Error::Config("the queue name is empty".into()));
@@ -226,9 +257,18 @@ impl RabbitConfig {
         }
         if self.operation_timeout.is_zero() {
             return Err(Error::Config(
-                "operation_timeout is 0, which fails every dead-letter publish; use at least 1 s"
+                "operation_timeout is 0, which fails every connect and dead-letter publish; use at least 1 s"
                     .into(),
             ));
+        }
+        if let Some(interval) = self.heartbeat {
+            if interval.is_zero() || interval > Duration::from_secs(u64::from(u16::MAX)) {
+                return Err(Error::Config(format!(
+                    "heartbeat {interval:?} is out of range; use 1 s to {} s (AMQP counts it in \
+                     whole seconds; leave it unset for the broker's)",
+                    u16::MAX
+                )));
+            }
         }
         if let IdField::Header(name) = &self.id_field {
             if name.is_empty() {
@@ -253,6 +293,21 @@ mod tests {
         assert!(RabbitConfig::new(DEFAULT_AMQP_URL, "").check().is_err());
         assert!(ok.clone().id_header("").check().is_err());
         assert!(ok.clone().delivery_limit(0).check().is_err());
-        assert!(ok.operation_timeout(Duration::ZERO).check().is_err());
+        assert!(ok
+            .clone()
+            .operation_timeout(Duration::ZERO)
+            .check()
+            .is_err());
+        let e = ok.clone().heartbeat(Duration::ZERO).check().unwrap_err();
+        assert!(e.to_string().contains("1 s to 65535 s"), "{e}");
+        assert!(ok
+            .clone()
+            .heartbeat(Duration::from_millis(1500))
+            .check()
+            .is_ok());
+        assert_eq!(
+            ok.heartbeat(Duration::from_millis(1500)).heartbeat_secs(),
+            Some(2)
+        );
     }
 }

@@ -1,13 +1,18 @@
 //! Opening a connection on the caller's tokio runtime.
 
 use lapin::types::LongString;
+use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
 
 use crate::{Error, Result};
 
 /// Connects to `url`, naming the connection `name` (the `connection_name` client property, which
-/// `rabbitmqctl list_connections client_properties` and the management UI show).
-pub(crate) async fn open(url: &str, name: &str) -> Result<Connection> {
+/// `rabbitmqctl list_connections client_properties` and the management UI show) and asking for
+/// `heartbeat` seconds when set (else the URL's `heartbeat` query parameter, else the broker's).
+///
+/// Not bounded in time: lapin starts its heartbeat only once the handshake is done, so callers
+/// that must not hang wrap it in a timeout.
+pub(crate) async fn open(url: &str, name: &str, heartbeat: Option<u16>) -> Result<Connection> {
     // lapin runs its I/O loop on an executor and a reactor of our choosing; without a runtime
     // handle it would panic deep inside, so say what is wrong instead.
     let handle = tokio::runtime::Handle::try_current().map_err(|_| {
@@ -17,7 +22,16 @@ pub(crate) async fn open(url: &str, name: &str) -> Result<Connection> {
         .with_connection_name(LongString::from(name.to_owned()))
         .with_executor(tokio_executor_trait::Tokio::default().with_handle(handle.clone()))
         .with_reactor(tokio_reactor_trait::Tokio::default().with_handle(handle));
-    Connection::connect(url, properties)
+    let mut uri: AMQPUri = url.parse().map_err(|e| {
+        Error::Config(format!(
+            "the AMQP URL {} does not parse: {e}; write it as amqp://user:password@host:port/vhost",
+            redact(url)
+        ))
+    })?;
+    if let Some(secs) = heartbeat {
+        uri.query.heartbeat = Some(secs);
+    }
+    Connection::connect_uri(uri, properties)
         .await
         .map_err(|e| Error::amqp(format!("connecting to {}", redact(url)), e))
 }

@@ -7,7 +7,7 @@ use lapin::options::ConfirmSelectOptions;
 use lapin::{BasicProperties, Channel, Connection};
 
 use crate::publish::publish_confirmed;
-use crate::{connect, Error, Result};
+use crate::{connect, Error, RabbitConfig, Result};
 
 /// The dead-letter publisher of one [`RabbitSource`](crate::RabbitSource).
 ///
@@ -18,6 +18,7 @@ pub(crate) struct DeadLetters {
     url: String,
     name: String,
     timeout: Duration,
+    heartbeat: Option<u16>,
     open: Option<(Connection, Channel)>,
 }
 
@@ -32,11 +33,12 @@ impl fmt::Debug for DeadLetters {
 }
 
 impl DeadLetters {
-    pub(crate) fn new(url: &str, consumer_connection: &str, timeout: Duration) -> Self {
+    pub(crate) fn new(config: &RabbitConfig) -> Self {
         Self {
-            url: url.to_owned(),
-            name: format!("{consumer_connection} dead letters"),
-            timeout,
+            url: config.url.clone(),
+            name: format!("{} dead letters", config.effective_connection_name()),
+            timeout: config.operation_timeout,
+            heartbeat: config.heartbeat_secs(),
             open: None,
         }
     }
@@ -72,7 +74,7 @@ impl DeadLetters {
         }
         // Dropping the last handle closes a lost connection in the background.
         self.open = None;
-        let connection = connect::open(&self.url, &self.name).await?;
+        let connection = connect::open(&self.url, &self.name, self.heartbeat).await?;
         let channel = connection
             .create_channel()
             .await

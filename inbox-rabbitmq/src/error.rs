@@ -45,6 +45,17 @@ pub enum Error {
         /// How long the publish waited.
         waited: std::time::Duration,
     },
+    /// Connecting (TCP, the AMQP handshake, the channel, the topology, `basic.consume`) took
+    /// longer than [`RabbitConfig::operation_timeout`](crate::RabbitConfig::operation_timeout):
+    /// the broker accepted the connection and then did not answer (a hung node, a network
+    /// dropping packets). The consumer tries again after its backoff.
+    #[error("RabbitMQ at {url} did not complete the connection (handshake, channel, topology, consume) within {waited:?}; the broker hangs or the network drops packets; reconnecting")]
+    ConnectTimeout {
+        /// The broker address, without its password.
+        url: String,
+        /// How long the attempt waited.
+        waited: std::time::Duration,
+    },
     /// A queue the source needs does not exist, and [`Topology::Expect`](crate::Topology::Expect)
     /// does not create it.
     #[error("{role} `{queue}` does not exist on the broker; declare it (RabbitConfig::declare_topology does, and so does a source with Topology::Declare) or fix the queue name")]
@@ -84,7 +95,7 @@ impl Error {
                 Recovery::Fatal
             }
             Error::Nacked { .. } | Error::ConfirmTimeout { .. } => Recovery::Retry,
-            Error::ChannelClosed { .. } => Recovery::Reconnect,
+            Error::ChannelClosed { .. } | Error::ConnectTimeout { .. } => Recovery::Reconnect,
             Error::Amqp { source, .. } => lapin_recovery(source),
         }
     }
@@ -123,6 +134,7 @@ impl From<Error> for SourceError {
         let context = match &e {
             Error::Config(_) | Error::MissingQueue { .. } => "configuring the RabbitMQ source",
             Error::Amqp { .. } => "talking to RabbitMQ",
+            Error::ConnectTimeout { .. } => "connecting to RabbitMQ",
             Error::Nacked { .. } | Error::Unroutable { .. } | Error::ConfirmTimeout { .. } => {
                 "publishing to RabbitMQ"
             }
@@ -150,5 +162,10 @@ mod tests {
             waited: std::time::Duration::from_secs(10),
         };
         assert_eq!(SourceError::from(timeout).recovery(), Recovery::Retry);
+        let hung = Error::ConnectTimeout {
+            url: "amqp://guest:***@127.0.0.1:5672/%2f".into(),
+            waited: std::time::Duration::from_secs(10),
+        };
+        assert_eq!(SourceError::from(hung).recovery(), Recovery::Reconnect);
     }
 }

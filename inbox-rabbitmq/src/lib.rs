@@ -76,6 +76,15 @@
 //!   [`Recovery::Reconnect`](inbox_core::Recovery), the core logs it, and the redelivered copy
 //!   is skipped. The next receive reconnects (the core backs off between failed attempts) and
 //!   consumes again.
+//! - **A connection that goes silent** (a partition, a black-holing firewall, a frozen broker)
+//!   is noticed by the AMQP heartbeat after about two intervals: set
+//!   [`RabbitConfig::heartbeat`] (the broker's default is 60 s, so about two minutes). Until
+//!   then acks are written into the dead socket and report success, though the broker never
+//!   sees them: those messages are redelivered once the broker drops the connection, and the
+//!   inbox skips them. A reconnect that reaches a broker that never answers gives up after
+//!   [`RabbitConfig::operation_timeout`] ([`Error::ConnectTimeout`]) and is tried again.
+//!   `tests/network_faults.rs` and `tests/broker_restart.rs` black-hole, cut and restart the
+//!   broker mid-stream and check that every event is applied once.
 //! - **Nack** (the core hands a message back after a store error) is a delayed requeue: a
 //!   spawned task waits `retry_after`, then sends `basic.nack` with `requeue = true`. The waiting
 //!   message holds one prefetch slot; the others keep flowing, so it cannot starve the queue.

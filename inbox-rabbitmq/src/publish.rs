@@ -126,7 +126,7 @@ impl RabbitPublisher {
                 return Ok(channel.clone());
             }
         }
-        let connection = connect::open(&self.url, &self.name).await?;
+        let connection = connect::open(&self.url, &self.name, None).await?;
         let channel = connection
             .create_channel()
             .await

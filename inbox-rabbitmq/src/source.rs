@@ -53,11 +53,7 @@ impl RabbitSource {
     /// by [`MessageSource::receive`].
     pub async fn connect(config: RabbitConfig) -> Result<Self> {
         config.check()?;
-        let dead_letters = DeadLetters::new(
-            &config.url,
-            &config.effective_connection_name(),
-            config.operation_timeout,
-        );
+        let dead_letters = DeadLetters::new(&config);
         let mut source = Self {
             config,
             generation: 0,
@@ -77,17 +73,39 @@ impl RabbitSource {
     /// Closes the connection now (the broker requeues unacked deliveries). Dropping the source
     /// does the same in the background.
     pub async fn close(mut self) {
+        // Bounded: `connection.close` waits for the broker's `close-ok`, which a dead connection
+        // never sends.
+        let waited = self.config.operation_timeout;
         if let Some(live) = self.live.take() {
-            let _ = live.link.connection.close(200, "consumer closed").await;
+            let closing = live.link.connection.close(200, "consumer closed");
+            let _ = tokio::time::timeout(waited, closing).await;
         }
-        self.dead_letters.close().await;
+        let _ = tokio::time::timeout(waited, self.dead_letters.close()).await;
     }
 
+    /// Connects and starts consuming, within [`RabbitConfig::operation_timeout`]: a broker that
+    /// accepts the TCP connection and then says nothing would otherwise hold this forever.
     async fn open(&mut self) -> Result<()> {
         self.live = None;
         self.generation += 1;
-        let config = &self.config;
-        let connection = connect::open(&config.url, &config.effective_connection_name()).await?;
+        let waited = self.config.operation_timeout;
+        let live = tokio::time::timeout(waited, Self::start(&self.config, self.generation))
+            .await
+            .map_err(|_elapsed| Error::ConnectTimeout {
+                url: connect::redact(&self.config.url),
+                waited,
+            })??;
+        self.live = Some(live);
+        Ok(())
+    }
+
+    async fn start(config: &RabbitConfig, generation: u64) -> Result<Live> {
+        let connection = connect::open(
+            &config.url,
+            &config.effective_connection_name(),
+            config.heartbeat_secs(),
+        )
+        .await?;
         let channel = connection
             .create_channel()
             .await
@@ -110,9 +128,8 @@ impl RabbitSource {
             )
             .await
             .map_err(|e| Error::amqp(format!("consuming queue `{}`", config.queue), e))?;
-        let link = Arc::new(Link::new(self.generation, connection, channel));
-        self.live = Some(Live { link, consumer });
-        Ok(())
+        let link = Arc::new(Link::new(generation, connection, channel));
+        Ok(Live { link, consumer })
     }
 
     /// Reconnects when the connection or channel is gone. The caller (the core loop) backs off

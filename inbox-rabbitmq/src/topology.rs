@@ -130,7 +130,12 @@ fn is_not_found(e: &lapin::Error) -> bool {
 /// publishers that start before any consumer.
 async fn declare_once(config: &RabbitConfig) -> Result<()> {
     config.check()?;
-    let connection = crate::connect::open(&config.url, &config.effective_connection_name()).await?;
+    let connection = crate::connect::open(
+        &config.url,
+        &config.effective_connection_name(),
+        config.heartbeat_secs(),
+    )
+    .await?;
     let channel = connection
         .create_channel()
         .await
@@ -145,7 +150,14 @@ impl RabbitConfig {
     /// Declares the queue and its dead-letter queue now, on a short-lived connection, whatever
     /// [`RabbitConfig::topology`] says: for setup tools, and for producers that start before any
     /// consumer. Idempotent.
+    /// Bounded by [`RabbitConfig::operation_timeout`], like the source's connect.
     pub async fn declare_topology(&self) -> Result<()> {
-        declare_once(self).await
+        let waited = self.operation_timeout;
+        tokio::time::timeout(waited, declare_once(self))
+            .await
+            .map_err(|_elapsed| Error::ConnectTimeout {
+                url: crate::connect::redact(&self.url),
+                waited,
+            })?
     }
 }

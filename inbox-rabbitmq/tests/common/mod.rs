@@ -1,6 +1,8 @@
 //! Shared helpers for the RabbitMQ tests: random queues, publishing, reading queues back.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod stream;
+
 use std::time::Duration;
 
 use inbox_postgres::testkit::wallet::CreditEvent;
