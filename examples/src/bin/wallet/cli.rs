@@ -188,26 +188,58 @@ pub(crate) struct ConsumerSpec {
     pub(crate) zombie: bool,
     /// How long a stalling event sleeps on its first handling (zombie test).
     pub(crate) stall: Duration,
+    /// Messages per transaction; `None`: the variant's.
+    pub(crate) batch: Option<usize>,
+    /// Lanes applied side by side (`Consumer::parallel_lanes`).
+    pub(crate) lanes: usize,
+    /// The set-based `BatchCredit` instead of the per-message credit.
+    pub(crate) batched: bool,
+    /// No database at all: an in-memory store and a handler that only counts (the benchmark's
+    /// "broker alone").
+    pub(crate) no_database: bool,
 }
 
 impl ConsumerSpec {
+    /// A consumer of `name` for `variant`, with the kill test's defaults: 10 ms of work per
+    /// message, the variant's batch size, one lane, the per-message handler.
+    pub(crate) fn new(broker: BrokerKind, variant: Variant, name: &str, schema: &str) -> Self {
+        Self {
+            broker,
+            variant,
+            name: name.to_owned(),
+            schema: schema.to_owned(),
+            work: Duration::from_millis(10),
+            crash_between_commit_and_ack: 0.0,
+            member: 0,
+            zombie: false,
+            stall: Duration::ZERO,
+            batch: None,
+            lanes: 1,
+            batched: false,
+            no_database: false,
+        }
+    }
+
     pub(crate) fn parse(args: &[String]) -> Result<Self, String> {
         let mut broker = None;
         let mut variant = Variant::C;
         let mut name = None;
         let mut schema = None;
-        let mut spec_work = 10;
-        let mut crash = 0.0;
-        let mut member = 0;
+        let mut spec = Self::new(BrokerKind::Redis, variant, "", "");
         parse_flags(args, |flag, value| {
             match flag {
                 "--broker" => broker = Some(value.parse()?),
                 "--variant" => variant = value.parse()?,
                 "--name" => name = Some(value.to_owned()),
                 "--schema" => schema = Some(value.to_owned()),
-                "--work-ms" => spec_work = num(value)?,
-                "--crash-between-commit-and-ack" => crash = probability(value)?,
-                "--member" => member = num(value)?,
+                "--work-ms" => spec.work = Duration::from_millis(num(value)?),
+                "--crash-between-commit-and-ack" => {
+                    spec.crash_between_commit_and_ack = probability(value)?;
+                }
+                "--member" => spec.member = num(value)?,
+                "--batch" => spec.batch = Some(num(value)?),
+                "--lanes" => spec.lanes = num(value)?,
+                "--handler" => spec.batched = value == "batch",
                 _ => return Ok(false),
             }
             Ok(true)
@@ -217,11 +249,7 @@ impl ConsumerSpec {
             variant,
             name: name.ok_or("--name (queue, topic or stream) is required")?,
             schema: schema.ok_or("--schema is required")?,
-            work: Duration::from_millis(spec_work),
-            crash_between_commit_and_ack: crash,
-            member,
-            zombie: false,
-            stall: Duration::ZERO,
+            ..spec
         })
     }
 
@@ -243,8 +271,19 @@ impl ConsumerSpec {
             &self.crash_between_commit_and_ack.to_string(),
             "--member",
             &self.member.to_string(),
+            "--lanes",
+            &self.lanes.to_string(),
+            "--handler",
+            if self.batched { "batch" } else { "message" },
         ]
         .map(str::to_owned)
-        .to_vec()
+        .into_iter()
+        .chain(
+            self.batch
+                .map(|b| ["--batch".to_owned(), b.to_string()])
+                .into_iter()
+                .flatten(),
+        )
+        .collect()
     }
 }

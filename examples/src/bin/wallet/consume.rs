@@ -7,17 +7,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::testkit::WithoutInbox;
+use inbox_core::testkit::{MemoryStore, MemoryTx, WithoutInbox};
 use inbox_core::{
-    async_trait, Consumer, Handler, HandlerError, HookAction, InboxStore, Message, MessageId,
-    MessageSource, Stage, StageHook, StatsSnapshot,
+    async_trait, BatchHandler, BatchItem, Consumer, Handler, HandlerError, HookAction, InboxStore,
+    Message, MessageId, MessageSource, Stage, StageHook, StatsSnapshot,
 };
-use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
+use inbox_postgres::testkit::wallet::{self, BatchCredit, Credit, CreditEvent};
 use inbox_postgres::testkit::TestDb;
 use inbox_postgres::PgTx;
 use sqlx::PgPool;
 use tokio::sync::mpsc;
 
+use crate::bench::Progress;
 use crate::cli::{ConsumerSpec, Variant};
 
 /// Resolves when the consumer should finish its batch and return.
@@ -29,6 +30,8 @@ pub(crate) type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
 pub(crate) struct Watch {
     pub(crate) stalled: Option<mpsc::UnboundedSender<usize>>,
     pub(crate) second_handlings: Arc<AtomicU64>,
+    /// Counts messages as their transaction commits (the benchmark's clock).
+    pub(crate) progress: Option<Arc<Progress>>,
 }
 
 /// The wallet credit, plus the zombie test's stall: an event flagged `stall` sleeps on its first
@@ -65,6 +68,27 @@ impl Handler<PgTx> for Wallet {
     }
 }
 
+/// Counts messages without storing anything: the benchmark's "broker alone".
+#[derive(Debug)]
+struct CountOnly;
+
+#[async_trait]
+impl BatchHandler<MemoryTx<()>> for CountOnly {
+    type Item = ();
+
+    fn decode(&self, _id: &MessageId, _message: &Message) -> Result<(), HandlerError> {
+        Ok(())
+    }
+
+    async fn handle_batch(
+        &self,
+        _tx: &mut MemoryTx<()>,
+        _batch: &[BatchItem<'_, ()>],
+    ) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
 /// Runs `spec`'s consumer on `source` until `shutdown`.
 pub(crate) async fn run<S: MessageSource + 'static>(
     source: S,
@@ -73,6 +97,23 @@ pub(crate) async fn run<S: MessageSource + 'static>(
     watch: Watch,
     shutdown: Shutdown,
 ) -> Result<StatsSnapshot, inbox_core::Error> {
+    let progress = watch.progress.clone();
+    if spec.no_database {
+        let consumer = Consumer::batched("wallet", source, MemoryStore::<()>::new(), CountOnly);
+        return finish(consumer, spec, progress, shutdown).await;
+    }
+    // b, and the a variants (whose ack already happened on receipt): no inbox claim.
+    let with_inbox = spec.variant == Variant::C;
+    if spec.batched {
+        return if with_inbox {
+            let consumer = Consumer::batched("wallet", source, db.inbox(), BatchCredit);
+            finish(consumer, spec, progress, shutdown).await
+        } else {
+            let store = WithoutInbox(db.inbox());
+            let consumer = Consumer::batched("wallet", source, store, BatchCredit);
+            finish(consumer, spec, progress, shutdown).await
+        };
+    }
     let handler = Wallet {
         credit: Credit::new(db.pool.clone()).work(spec.work),
         pool: db.pool.clone(),
@@ -80,34 +121,42 @@ pub(crate) async fn run<S: MessageSource + 'static>(
         member: spec.member,
         watch,
     };
-    // b, and the a variants (whose ack already happened on receipt): no inbox claim.
-    if spec.variant == Variant::C {
-        run_with(source, db.inbox(), handler, spec, shutdown).await
+    if with_inbox {
+        let consumer = Consumer::new("wallet", source, db.inbox(), handler);
+        finish(consumer, spec, progress, shutdown).await
     } else {
-        run_with(source, WithoutInbox(db.inbox()), handler, spec, shutdown).await
+        let consumer = Consumer::new("wallet", source, WithoutInbox(db.inbox()), handler);
+        finish(consumer, spec, progress, shutdown).await
     }
 }
 
-async fn run_with<S, St>(
-    source: S,
-    store: St,
-    handler: Wallet,
+/// Sets `spec`'s batch size, lanes and hooks on `consumer` and runs it until `shutdown`.
+async fn finish<S, St, H>(
+    consumer: Consumer<S, St, H>,
     spec: &ConsumerSpec,
+    progress: Option<Arc<Progress>>,
     shutdown: Shutdown,
 ) -> Result<StatsSnapshot, inbox_core::Error>
 where
     S: MessageSource + 'static,
-    St: InboxStore<Tx = PgTx> + 'static,
+    St: InboxStore + 'static,
+    H: BatchHandler<St::Tx> + 'static,
 {
-    let mut consumer = Consumer::new("wallet", source, store, handler)
-        .batch_size(spec.variant.batch())
+    let mut consumer = consumer
+        .batch_size(spec.batch.unwrap_or_else(|| spec.variant.batch()))
+        .parallel_lanes(spec.lanes)
         .error_backoff(Duration::from_millis(100));
     let p = spec.crash_between_commit_and_ack;
-    if p > 0.0 {
-        // The evt-2 crash: the transaction committed, the ack not yet sent.
+    if p > 0.0 || progress.is_some() {
         consumer = consumer.on_stage(StageHook::new(move |stage, _id| {
-            if stage == Stage::Committed && rand::random_bool(p) {
-                std::process::abort();
+            if stage == Stage::Committed {
+                if let Some(progress) = &progress {
+                    progress.add(1);
+                }
+                // The evt-2 crash: the transaction committed, the ack not yet sent.
+                if p > 0.0 && rand::random_bool(p) {
+                    std::process::abort();
+                }
             }
             HookAction::Continue
         }));

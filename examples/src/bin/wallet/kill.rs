@@ -99,15 +99,9 @@ fn spec(
     s: &KillSettings,
 ) -> ConsumerSpec {
     ConsumerSpec {
-        broker,
-        variant,
-        name: name.to_owned(),
-        schema: db.schema.clone(),
         work: Duration::from_millis(s.work_ms),
         crash_between_commit_and_ack: s.crash_between_commit_and_ack,
-        member: 0,
-        zombie: false,
-        stall: Duration::ZERO,
+        ..ConsumerSpec::new(broker, variant, name, &db.schema)
     }
 }
 

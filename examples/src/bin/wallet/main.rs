@@ -12,6 +12,7 @@
 //! `AWS_ENDPOINT_URL_SQS`, `AMQP_URL`, `REDIS_URL` (the defaults are what `cargo xtask services`
 //! starts). Each run uses a schema and a queue, topic or stream of its own.
 
+mod bench;
 mod brokers;
 mod chart;
 mod cli;
@@ -43,8 +44,14 @@ wallet kill-test [--brokers kafka,sqs,rabbitmq,redis] [--variants a1,a2,b,c] [--
                  [--kafka-impl tansu|mock]
 wallet zombie-test [--brokers …] [--variants b,c] [--events 5000] [--stall-every 500] [--runs 1]
                    [--kafka-impl tansu|mock]
+wallet bench [--brokers kafka,redis,rabbitmq] [--events 200000] [--events-at-batch-1 5000]
+             [--batches 1,100,1000] [--handlers message,batch] [--variants b,c] [--lanes 1,6]
+             [--accounts 1000] [--kafka-impl tansu|mock]
+                                      # msgs/s of b and c beside the broker alone and the
+                                      # database alone, a table and JSON lines
 wallet consume --broker B --variant V --name QUEUE --schema S [--work-ms 10]
-               [--crash-between-commit-and-ack P]
+               [--crash-between-commit-and-ack P] [--batch N] [--lanes N]
+               [--handler message|batch]
 wallet publish --broker B --name QUEUE [--events N] [--seed S] [--kafka-impl tansu|mock]
 wallet memory-demo                    # the in-memory broker with crash points; only PostgreSQL
 wallet report [--chart target/wallet-kill-test.svg] FILE…   # tables and chart from saved runs
@@ -59,7 +66,7 @@ neither work-around, a stalled drain fails the run; topics get 6 partitions thro
 `kafka-mock --control ADDR` when KAFKA_MOCK_CONTROL=ADDR, else 4, created on first use
 ";
 
-const USAGE: &str = "usage: wallet demo [--full] [kill-test options] | kill-test [options] | zombie-test [options] | consume … | publish … | memory-demo [options] | report [--chart SVG] FILE…\n`wallet --help` lists the options";
+const USAGE: &str = "usage: wallet demo [--full] [kill-test options] | kill-test [options] | zombie-test [options] | bench [options] | consume … | publish … | memory-demo [options] | report [--chart SVG] FILE…\n`wallet --help` lists the options";
 
 /// Tells the parent `kill-test` that this `consume` child is connected and consuming.
 pub(crate) fn ready() {
@@ -96,6 +103,10 @@ async fn main() -> ExitCode {
         },
         "zombie-test" => match ZombieSettings::parse(rest) {
             Ok(s) => zombie_test(&s).await,
+            Err(e) => Err(e.into()),
+        },
+        "bench" => match bench::BenchSettings::parse(rest) {
+            Ok(s) => bench::run(&s).await,
             Err(e) => Err(e.into()),
         },
         "consume" => consume(rest).await,

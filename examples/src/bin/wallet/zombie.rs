@@ -116,15 +116,11 @@ async fn run_once(
     let (stop, stopping) = watch::channel(false);
     let specs: Vec<ConsumerSpec> = (0..CONSUMERS)
         .map(|member| ConsumerSpec {
-            broker: kind,
-            variant,
-            name: name.clone(),
-            schema: db.schema.clone(),
             work: Duration::from_millis(s.work_ms),
-            crash_between_commit_and_ack: 0.0,
             member,
             zombie: true,
             stall: stall(kind),
+            ..ConsumerSpec::new(kind, variant, &name, &db.schema)
         })
         .collect();
     let stats: Vec<Result<StatsSnapshot, BoxError>> = {

@@ -1,0 +1,535 @@
+//! `wallet bench`: the consumer's throughput beside the limits of its parts, in one run.
+//!
+//! For each broker: the broker alone (consume and ack, an in-memory store, no database), then
+//! every configuration (variant b or c, per-message or batch handler, batch size, lanes) on a
+//! freshly filled queue, topic or stream; and once, the database alone (the claim and the batch
+//! handler's SQL from a generator, no broker). A consumer is timed from its first applied message
+//! to its last, so group joins and publishing are left out.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use inbox_core::{BatchItem, BoxError, InboxStore, MessageId};
+use inbox_postgres::testkit::wallet::{BatchCredit, CreditEvent};
+use inbox_postgres::testkit::TestDb;
+use inbox_postgres::PgInbox;
+use serde_json::json;
+use tokio::sync::oneshot;
+
+use crate::brokers::{self, Broker, Outgoing};
+use crate::cli::{list, num, parse_flags, BrokerKind, ConsumerSpec, KafkaImpl, Variant};
+use crate::consume::Watch;
+
+/// How a consumer applies its messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HandlerKind {
+    /// `Consumer::new` with the wallet's `Credit`: two statements per message.
+    PerMessage,
+    /// `Consumer::batched` with `BatchCredit`: one statement per transaction.
+    Batch,
+}
+
+impl HandlerKind {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::PerMessage => "message",
+            Self::Batch => "batch",
+        }
+    }
+}
+
+impl std::str::FromStr for HandlerKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "message" => Ok(Self::PerMessage),
+            "batch" => Ok(Self::Batch),
+            _ => Err(format!("unknown handler `{s}`: message or batch")),
+        }
+    }
+}
+
+/// What `wallet bench` runs.
+#[derive(Debug, Clone)]
+pub(crate) struct BenchSettings {
+    pub(crate) brokers: Vec<BrokerKind>,
+    /// Events per run at batch sizes above 1.
+    pub(crate) events: u32,
+    /// Events per run at batch size 1 (a transaction per message is ~100× slower).
+    pub(crate) events_at_batch_1: u32,
+    pub(crate) batches: Vec<usize>,
+    pub(crate) handlers: Vec<HandlerKind>,
+    pub(crate) variants: Vec<Variant>,
+    /// Lanes tried where the broker has them (Kafka partitions); others run one lane.
+    pub(crate) lanes: Vec<usize>,
+    pub(crate) accounts: i64,
+    pub(crate) kafka_impl: KafkaImpl,
+}
+
+impl BenchSettings {
+    pub(crate) fn parse(args: &[String]) -> Result<Self, String> {
+        let mut s = Self {
+            brokers: vec![BrokerKind::Kafka, BrokerKind::Redis, BrokerKind::Rabbitmq],
+            events: 200_000,
+            events_at_batch_1: 5_000,
+            batches: vec![1, 100, 1000],
+            handlers: vec![HandlerKind::PerMessage, HandlerKind::Batch],
+            variants: vec![Variant::B, Variant::C],
+            lanes: vec![1, 6],
+            accounts: 1_000,
+            kafka_impl: KafkaImpl::default(),
+        };
+        parse_flags(args, |flag, value| {
+            match flag {
+                "--brokers" | "--broker" => s.brokers = list(value)?,
+                "--events" => s.events = num(value)?,
+                "--events-at-batch-1" => s.events_at_batch_1 = num(value)?,
+                "--batches" => s.batches = list_of(value)?,
+                "--handlers" => s.handlers = list(value)?,
+                "--variants" => s.variants = list(value)?,
+                "--lanes" => s.lanes = list_of(value)?,
+                "--accounts" => s.accounts = num(value)?,
+                "--kafka-impl" => s.kafka_impl = value.parse()?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        if s.variants
+            .iter()
+            .any(|v| !matches!(v, Variant::B | Variant::C))
+        {
+            return Err("bench compares b and c only".into());
+        }
+        if s.batches.contains(&0) || s.lanes.contains(&0) || s.events == 0 {
+            return Err("batch sizes, lanes and events start at 1".into());
+        }
+        Ok(s)
+    }
+}
+
+fn list_of(value: &str) -> Result<Vec<usize>, String> {
+    value.split(',').map(num).collect()
+}
+
+/// One measured configuration.
+#[derive(Debug, Clone)]
+struct Row {
+    broker: String,
+    /// `b`, `c`, or a limit: `broker alone`, `database alone`.
+    variant: String,
+    handler: &'static str,
+    batch: usize,
+    lanes: usize,
+    events: u64,
+    seconds: f64,
+    peak_rss_mb: f64,
+}
+
+impl Row {
+    fn rate(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.events as f64 / self.seconds
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The limits a row is compared with.
+#[derive(Debug, Default)]
+struct Limits {
+    database: Vec<Row>,
+    broker: Option<Row>,
+}
+
+impl Limits {
+    /// The database-alone rate at `batch` (or the nearest batch size measured).
+    fn database(&self, batch: usize) -> Option<f64> {
+        self.database
+            .iter()
+            .min_by_key(|r| r.batch.abs_diff(batch))
+            .map(Row::rate)
+    }
+}
+
+pub(crate) async fn run(s: &BenchSettings) -> Result<(), BoxError> {
+    println!(
+        "wallet bench: {} events per run ({} at batch size 1), timed from the first applied \
+         message to the last; peak RSS is this process's, reset before each run",
+        s.events, s.events_at_batch_1
+    );
+    let mut rows = Vec::new();
+    let mut limits = Limits::default();
+    for &batch in &[100, 1000] {
+        let row = database_alone(s, batch).await?;
+        print_row(&row, &limits, None);
+        limits.database.push(row.clone());
+        rows.push(row);
+    }
+    for &kind in &s.brokers {
+        let broker = match brokers::connect(kind, s.kafka_impl).await {
+            Ok(b) => b,
+            Err(e) => {
+                println!("{kind}: skipped, {e}");
+                continue;
+            }
+        };
+        let events = events(s, s.events);
+        let alone = broker_alone(broker.as_ref(), &events).await?;
+        print_row(&alone, &limits, None);
+        limits.broker = Some(alone.clone());
+        rows.push(alone);
+        let lanes: Vec<usize> = if kind == BrokerKind::Kafka {
+            s.lanes.clone()
+        } else {
+            vec![1]
+        };
+        for &batch in &s.batches {
+            let n = if batch == 1 {
+                s.events_at_batch_1
+            } else {
+                s.events
+            };
+            let events = events_of(&events, s, n);
+            for &lane_count in &lanes {
+                for &handler in &s.handlers {
+                    let mut b_rate = None;
+                    for &variant in &s.variants {
+                        let spec = Spec {
+                            variant,
+                            handler,
+                            batch,
+                            lanes: lane_count,
+                        };
+                        let row = consumer_run(broker.as_ref(), spec, &events).await?;
+                        print_row(&row, &limits, b_rate);
+                        if variant == Variant::B {
+                            b_rate = Some(row.rate());
+                        }
+                        rows.push(row);
+                    }
+                }
+            }
+        }
+    }
+    println!();
+    for row in &rows {
+        println!("{}", json_line(row, &limits));
+    }
+    Ok(())
+}
+
+fn events(s: &BenchSettings, n: u32) -> Vec<Outgoing> {
+    (0..n)
+        .map(|i| {
+            let account = i64::from(i) % s.accounts + 1;
+            Outgoing {
+                id: format!("evt-{i}"),
+                key: account.to_string(),
+                payload: CreditEvent::new(account, 1).to_json(),
+            }
+        })
+        .collect()
+}
+
+fn events_of(all: &[Outgoing], s: &BenchSettings, n: u32) -> Vec<Outgoing> {
+    if n as usize <= all.len() {
+        all[..n as usize].to_vec()
+    } else {
+        events(s, n)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Spec {
+    variant: Variant,
+    handler: HandlerKind,
+    batch: usize,
+    lanes: usize,
+}
+
+impl fmt::Display for Spec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} {} batch {} lanes {}",
+            self.variant.name(),
+            self.handler.name(),
+            self.batch,
+            self.lanes
+        )
+    }
+}
+
+/// Fills a fresh queue with `events`, runs one consumer in this process until every event is
+/// applied, and times it from the first applied message to the last.
+async fn consumer_run(
+    broker: &dyn Broker,
+    spec: Spec,
+    events: &[Outgoing],
+) -> Result<Row, BoxError> {
+    let name = format!("bench-{:016x}", rand::random::<u64>());
+    broker.create(&name).await?;
+    broker.publish(&name, events).await?;
+    let db = TestDb::new().await;
+    let consumer = ConsumerSpec {
+        batch: Some(spec.batch),
+        lanes: spec.lanes,
+        batched: spec.handler == HandlerKind::Batch,
+        work: Duration::ZERO,
+        ..ConsumerSpec::new(broker.kind(), spec.variant, &name, &db.schema)
+    };
+    let progress = Arc::new(Progress::default());
+    let watch = Watch {
+        progress: Some(Arc::clone(&progress)),
+        ..Watch::default()
+    };
+    reset_peak_rss();
+    let n = events.len() as u64;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let shutdown = Box::pin(async {
+        let _ = stopped.await;
+    });
+    let consume = broker.consume(&consumer, &db, watch, shutdown);
+    let waiting = async {
+        let done = progress.wait_for(n, Duration::from_secs(120)).await;
+        let _ = stop.send(());
+        done
+    };
+    let (stats, done) = tokio::join!(consume, waiting);
+    let stats = stats?;
+    let seconds = done.map_err(|applied| {
+        format!(
+            "{} {spec}: {applied} of {n} applied, then nothing for 120 s ({stats:?})",
+            broker.kind()
+        )
+    })?;
+    let row = Row {
+        broker: broker.kind().to_string(),
+        variant: spec.variant.name().to_owned(),
+        handler: spec.handler.name(),
+        batch: spec.batch,
+        lanes: spec.lanes,
+        events: n,
+        seconds,
+        peak_rss_mb: peak_rss_mb(),
+    };
+    db.drop().await;
+    broker.remove(&name).await;
+    Ok(row)
+}
+
+/// The broker alone: the same consumer at batch size 1000 with an in-memory store and a handler
+/// that only counts, so what is left is receiving and acking.
+async fn broker_alone(broker: &dyn Broker, events: &[Outgoing]) -> Result<Row, BoxError> {
+    let name = format!("bench-{:016x}", rand::random::<u64>());
+    broker.create(&name).await?;
+    broker.publish(&name, events).await?;
+    let consumer = ConsumerSpec {
+        batch: Some(1000),
+        no_database: true,
+        work: Duration::ZERO,
+        ..ConsumerSpec::new(broker.kind(), Variant::B, &name, "unused")
+    };
+    let db = TestDb::new().await;
+    let progress = Arc::new(Progress::default());
+    let watch = Watch {
+        progress: Some(Arc::clone(&progress)),
+        ..Watch::default()
+    };
+    reset_peak_rss();
+    let n = events.len() as u64;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let shutdown = Box::pin(async {
+        let _ = stopped.await;
+    });
+    let consume = broker.consume(&consumer, &db, watch, shutdown);
+    let waiting = async {
+        let done = progress.wait_for(n, Duration::from_secs(120)).await;
+        let _ = stop.send(());
+        done
+    };
+    let (stats, done) = tokio::join!(consume, waiting);
+    stats?;
+    let seconds = done.map_err(|applied| {
+        format!(
+            "{} broker alone: {applied} of {n} received, then nothing for 120 s",
+            broker.kind()
+        )
+    })?;
+    db.drop().await;
+    broker.remove(&name).await;
+    Ok(Row {
+        broker: broker.kind().to_string(),
+        variant: "broker alone".into(),
+        handler: "none",
+        batch: 1000,
+        lanes: 1,
+        events: n,
+        seconds,
+        peak_rss_mb: peak_rss_mb(),
+    })
+}
+
+/// The database alone: transactions of `batch` events from a generator, each the claim plus the
+/// batch handler's statement and the store's commit, on one connection.
+async fn database_alone(s: &BenchSettings, batch: usize) -> Result<Row, BoxError> {
+    let db = TestDb::new().await;
+    let inbox: PgInbox = db.inbox();
+    let n = s.events as usize;
+    let decoded: Vec<(MessageId, inbox_core::Message, CreditEvent)> = events(s, s.events)
+        .into_iter()
+        .map(|e| {
+            let event: CreditEvent = serde_json::from_slice(&e.payload)?;
+            let id = MessageId::new(e.id)?;
+            Ok((
+                id.clone(),
+                inbox_core::Message::new(Ok(id), e.payload),
+                event,
+            ))
+        })
+        .collect::<Result<_, BoxError>>()?;
+    reset_peak_rss();
+    let started = Instant::now();
+    for chunk in decoded.chunks(batch) {
+        let ids: Vec<MessageId> = chunk.iter().map(|(id, _, _)| id.clone()).collect();
+        let mut tx = inbox.begin().await?;
+        let claimed = inbox.claim_many(&mut tx, "wallet", &ids).await?;
+        let items: Vec<BatchItem<'_, CreditEvent>> = chunk
+            .iter()
+            .zip(&claimed)
+            .filter(|(_, new)| **new)
+            .map(|((id, message, event), _)| BatchItem {
+                id,
+                message,
+                item: event,
+            })
+            .collect();
+        inbox_core::BatchHandler::handle_batch(&BatchCredit, &mut tx, &items)
+            .await
+            .map_err(|e| e.to_string())?;
+        inbox.commit(tx).await?;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    db.drop().await;
+    Ok(Row {
+        broker: "postgres".into(),
+        variant: "database alone".into(),
+        handler: "batch",
+        batch,
+        lanes: 1,
+        events: n as u64,
+        seconds,
+        peak_rss_mb: peak_rss_mb(),
+    })
+}
+
+/// Messages applied so far, and when the first and the latest were.
+#[derive(Debug, Default)]
+pub(crate) struct Progress {
+    applied: AtomicU64,
+    span: Mutex<Option<(Instant, Instant)>>,
+}
+
+impl Progress {
+    /// Counts `n` messages applied now.
+    pub(crate) fn add(&self, n: u64) {
+        let now = Instant::now();
+        let mut span = self.span.lock().unwrap_or_else(|e| e.into_inner());
+        *span = Some(match *span {
+            Some((first, _)) => (first, now),
+            None => (now, now),
+        });
+        self.applied.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Waits until `n` are applied: the seconds from the first to the last, or the count reached
+    /// when nothing moved for `stall`.
+    async fn wait_for(&self, n: u64, stall: Duration) -> Result<f64, u64> {
+        let mut last = (0, Instant::now());
+        loop {
+            let applied = self.applied.load(Ordering::Relaxed);
+            if applied >= n {
+                let span = *self.span.lock().unwrap_or_else(|e| e.into_inner());
+                return Ok(span.map_or(0.0, |(first, end)| (end - first).as_secs_f64()));
+            }
+            if applied != last.0 {
+                last = (applied, Instant::now());
+            } else if last.1.elapsed() > stall {
+                return Err(applied);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Resets the kernel's peak-RSS mark of this process (Linux: `clear_refs` 5).
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// This process's peak RSS since the last reset, in MB (0 where /proc has none).
+fn peak_rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+fn print_row(row: &Row, limits: &Limits, b_rate: Option<f64>) {
+    // Only consumer rows (variant b or c) are compared with the limits.
+    let consumer = row.variant.len() == 1;
+    let of_db = limits
+        .database(row.batch)
+        .filter(|_| consumer)
+        .map_or("-".into(), |l| format!("{:.0}%", 100.0 * row.rate() / l));
+    let of_broker = limits
+        .broker
+        .as_ref()
+        .filter(|b| consumer && b.broker == row.broker)
+        .map_or("-".into(), |b| {
+            format!("{:.0}%", 100.0 * row.rate() / b.rate())
+        });
+    let c_over_b = b_rate
+        .filter(|_| row.variant == "c")
+        .map_or("-".into(), |b| format!("{:.2}", row.rate() / b));
+    println!(
+        "{:<9} {:<15} {:<8} batch {:>5} lanes {:>2} {:>8} events {:>9.0} msgs/s  c/b {:>5}  of db {:>5}  of broker {:>5}  peak RSS {:>6.1} MB",
+        row.broker,
+        row.variant,
+        row.handler,
+        row.batch,
+        row.lanes,
+        row.events,
+        row.rate(),
+        c_over_b,
+        of_db,
+        of_broker,
+        row.peak_rss_mb
+    );
+}
+
+fn json_line(row: &Row, limits: &Limits) -> String {
+    json!({
+        "broker": row.broker,
+        "variant": row.variant,
+        "handler": row.handler,
+        "batch": row.batch,
+        "lanes": row.lanes,
+        "events": row.events,
+        "seconds": row.seconds,
+        "msgs_per_s": row.rate(),
+        "database_alone_msgs_per_s": limits.database(row.batch),
+        "broker_alone_msgs_per_s": limits.broker.as_ref().filter(|b| b.broker == row.broker).map(Row::rate),
+        "peak_rss_mb": row.peak_rss_mb,
+    })
+    .to_string()
+}
