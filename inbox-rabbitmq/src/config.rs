@@ -7,6 +7,9 @@ use crate::{Error, Result};
 /// The default broker address, also used when `AMQP_URL` is unset.
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
+/// The smallest prefetch window when it follows the batch size.
+const MIN_PREFETCH: u16 = 20;
+
 /// Where the message ID is read from. Never the delivery tag: it numbers deliveries on one
 /// channel, not messages.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,7 +66,8 @@ pub enum AckMode {
 pub struct RabbitConfig {
     pub(crate) url: String,
     pub(crate) queue: String,
-    pub(crate) prefetch: u16,
+    /// `None`: follow the consumer's batch size.
+    pub(crate) prefetch: Option<u16>,
     pub(crate) consumer_tag: String,
     pub(crate) id_field: IdField,
     pub(crate) topology: Topology,
@@ -82,7 +86,7 @@ impl RabbitConfig {
         Self {
             url: url.into(),
             queue: queue.into(),
-            prefetch: 20,
+            prefetch: None,
             consumer_tag: String::new(),
             id_field: IdField::MessageIdProperty,
             topology: Topology::Declare,
@@ -101,11 +105,19 @@ impl RabbitConfig {
         Self::new(url, queue)
     }
 
-    /// Unacked deliveries the broker sends ahead (`basic.qos`, per consumer; default 20). Use at
-    /// least the consumer's batch size; more keeps the pipe full while a batch commits.
+    /// Unacked deliveries the broker sends ahead (`basic.qos`, per consumer). By default it
+    /// follows the consumer's batch size: twice the largest batch asked for (so the next batch
+    /// arrives while one commits), at least 20, at most 65,535. Set it to fix the window.
     pub fn prefetch(mut self, n: u16) -> Self {
-        self.prefetch = n;
+        self.prefetch = Some(n);
         self
+    }
+
+    /// The prefetch window for batches of up to `batch` messages.
+    pub(crate) fn prefetch_for(&self, batch: usize) -> u16 {
+        self.prefetch.unwrap_or_else(|| {
+            u16::try_from(batch.saturating_mul(2).max(MIN_PREFETCH as usize)).unwrap_or(u16::MAX)
+        })
     }
 
     /// The consumer tag (default: the broker makes one up).
@@ -245,7 +257,7 @@ impl RabbitConfig {
                 self.queue.len()
             )));
         }
-        if self.prefetch == 0 {
+        if self.prefetch == Some(0) {
             return Err(Error::Config(
                 "prefetch is 0, which RabbitMQ reads as unlimited; use at least 1".into(),
             ));

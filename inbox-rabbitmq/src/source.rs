@@ -34,7 +34,8 @@ pub struct RabbitSource {
 
 struct Live {
     link: Arc<Link>,
-    consumer: lapin::Consumer,
+    /// Started by the first receive, whose batch size sets the prefetch window.
+    consumer: Option<lapin::Consumer>,
 }
 
 impl fmt::Debug for RabbitSource {
@@ -111,15 +112,29 @@ impl RabbitSource {
             .await
             .map_err(|e| Error::amqp("opening the consuming channel", e))?;
         topology::prepare(&connection, &channel, config).await?;
-        channel
-            .basic_qos(config.prefetch, BasicQosOptions { global: false })
+        let link = Arc::new(Link::new(generation, connection, channel));
+        Ok(Live {
+            link,
+            consumer: None,
+        })
+    }
+
+    /// Starts consuming with a prefetch window for batches of `batch`. RabbitMQ fixes a
+    /// consumer's window when it starts (a later per-consumer `basic.qos` applies only to
+    /// consumers started after it), so this waits for the first receive to know the batch size.
+    async fn consume(config: &RabbitConfig, link: &Link, batch: usize) -> Result<lapin::Consumer> {
+        link.channel
+            .basic_qos(
+                config.prefetch_for(batch),
+                BasicQosOptions { global: false },
+            )
             .await
             .map_err(|e| Error::amqp("setting prefetch (basic.qos)", e))?;
         let options = BasicConsumeOptions {
             no_ack: config.ack_mode == AckMode::NoAck,
             ..BasicConsumeOptions::default()
         };
-        let consumer = channel
+        link.channel
             .basic_consume(
                 &config.queue,
                 &config.consumer_tag,
@@ -127,9 +142,7 @@ impl RabbitSource {
                 FieldTable::default(),
             )
             .await
-            .map_err(|e| Error::amqp(format!("consuming queue `{}`", config.queue), e))?;
-        let link = Arc::new(Link::new(generation, connection, channel));
-        Ok(Live { link, consumer })
+            .map_err(|e| Error::amqp(format!("consuming queue `{}`", config.queue), e))
     }
 
     /// Reconnects when the connection or channel is gone. The caller (the core loop) backs off
@@ -217,7 +230,8 @@ impl MessageSource for RabbitSource {
     type Ack = RabbitAck;
 
     /// Waits up to the poll timeout for a first delivery, then takes whatever else is already
-    /// buffered, up to `max` (at most the prefetch). Cancel-safe: the only wait happens before any
+    /// buffered, up to `max`. The first receive starts the consumer, with a prefetch window for
+    /// batches of `max` unless one was set. Cancel-safe: the only wait happens before any
     /// delivery is taken from the channel.
     async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<RabbitAck>>, SourceError> {
         // The core settles (acks or dead-letters) a whole batch before it asks for the next one.
@@ -227,8 +241,20 @@ impl MessageSource for RabbitSource {
         let Some(live) = self.live.as_mut() else {
             return Err(self.lost("not connected".into()));
         };
+        if live.consumer.is_none() {
+            match Self::consume(&self.config, &live.link, max).await {
+                Ok(consumer) => live.consumer = Some(consumer),
+                Err(e) => return Err(self.lost(e.to_string())),
+            }
+        }
+        let Some(live) = self.live.as_mut() else {
+            return Err(self.lost("not connected".into()));
+        };
+        let Some(consumer) = live.consumer.as_mut() else {
+            return Err(self.lost("not consuming".into()));
+        };
         let link = Arc::clone(&live.link);
-        let first = match tokio::time::timeout(poll, live.consumer.next()).await {
+        let first = match tokio::time::timeout(poll, consumer.next()).await {
             Err(_elapsed) => return Ok(Vec::new()),
             Ok(Some(Ok(delivery))) => delivery,
             Ok(Some(Err(e))) => return Err(self.lost(format!("the channel failed: {e}"))),
@@ -239,7 +265,7 @@ impl MessageSource for RabbitSource {
         let mut raw = vec![first];
         let mut broken = None;
         while raw.len() < max {
-            match live.consumer.next().now_or_never() {
+            match consumer.next().now_or_never() {
                 Some(Some(Ok(delivery))) => raw.push(delivery),
                 Some(Some(Err(e))) => {
                     broken = Some(format!("the channel failed: {e}"));

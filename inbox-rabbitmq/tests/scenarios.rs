@@ -349,6 +349,29 @@ async fn a_batch_is_acked_in_one_multiple_ack_and_nothing_is_left() {
 }
 
 #[tokio::test]
+async fn the_default_prefetch_follows_the_batch_size() {
+    // No prefetch set: a consumer asking for batches of 100 must be able to get 100 at once.
+    let config = fresh_config("prefetch");
+    let publisher = publisher(&config).await;
+    for i in 0..300 {
+        publisher.publish(format!("m{i}").as_bytes()).await.unwrap();
+    }
+    let mut source = RabbitSource::connect(config.clone()).await.unwrap();
+    let mut largest = 0;
+    for _ in 0..5 {
+        let batch = source.receive(100).await.unwrap();
+        largest = largest.max(batch.len());
+        let acks = batch.into_iter().map(|d| d.ack).collect();
+        inbox_rabbitmq::RabbitAck::ack_all(acks).await.unwrap();
+        // Let the broker refill the prefetch window before the next receive.
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    source.close().await;
+    assert_eq!(largest, 100, "the largest batch received");
+    cleanup(&config).await;
+}
+
+#[tokio::test]
 async fn the_id_can_come_from_a_header() {
     let config = fresh_config("header").id_header("event_id");
     let db = TestDb::new().await;

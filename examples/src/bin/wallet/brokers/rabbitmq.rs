@@ -82,9 +82,9 @@ impl Broker for Rabbit {
         watch: Watch,
         shutdown: Shutdown,
     ) -> Result<StatsSnapshot, BoxError> {
+        // The prefetch window follows the consumer's batch size.
         let mut config = self
             .config(&spec.name)
-            .prefetch(spec.variant.batch().max(20) as u16)
             .connection_name(connection_name(spec));
         if spec.variant.auto_ack() {
             config = config.ack_mode(AckMode::NoAck);
