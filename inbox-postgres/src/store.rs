@@ -27,6 +27,12 @@ pub type PgTx = sqlx::Transaction<'static, Postgres>;
 /// one ID, one statement with `unnest` for a batch. A racing consumer inserting the same key
 /// waits on the first one's uncommitted row and then finds the conflict: the primary key
 /// serialises them.
+///
+/// Round-trips per transaction: `BEGIN`, the claim, the handler's statements, a check that the
+/// transaction was not aborted by a statement whose error the handler swallowed, and `COMMIT`.
+/// sqlx's pool also pings each connection it hands out unless the pool is built with
+/// `PgPoolOptions::test_before_acquire(false)`, which the inbox does not need: a dead connection
+/// fails the transaction's first statement, and the consumer retries on another.
 #[derive(Debug, Clone)]
 pub struct PgInbox {
     pool: PgPool,

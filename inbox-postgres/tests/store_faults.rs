@@ -289,6 +289,7 @@ async fn pool_through_proxy(db: &TestDb) -> (FaultProxy, PgInbox) {
     let pool = PgPoolOptions::new()
         .max_connections(2)
         .acquire_timeout(Duration::from_millis(500))
+        .test_before_acquire(false)
         .connect_lazy_with(options);
     let table = TableName::qualified(&db.schema, "inbox").unwrap();
     (proxy, PgInbox::new(pool).with_table(table))

@@ -64,8 +64,11 @@ impl TestDb {
             .parse()
             .unwrap_or_else(|e| panic!("DATABASE_URL {url} does not parse: {e}"));
         let options = options.options([("search_path", schema)]);
+        // No ping per acquire (a round-trip per transaction): a dead connection fails the
+        // transaction's first statement, and the consumer retries on another.
         let pool = PgPoolOptions::new()
             .max_connections(8)
+            .test_before_acquire(false)
             .connect_with(options)
             .await
             .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {url}: {e}; run `cargo xtask services` or set DATABASE_URL"));
