@@ -129,6 +129,12 @@ impl KafkaConfig {
     }
 
     /// How long a blocking commit, seek or dead-letter delivery may take (default 10 s).
+    ///
+    /// It is also librdkafka's `socket.timeout.ms` for every client this source makes (unless
+    /// set with [`KafkaConfig::set`]): a request without an answer for that long fails and its
+    /// broker connection is closed and made anew. librdkafka's own default is 60 s, so after a
+    /// network black hole of a few seconds the consumer stayed stuck on the dead connection for
+    /// a minute, fetching and committing nothing.
     pub fn operation_timeout(mut self, wait: Duration) -> Self {
         self.operation_timeout = wait;
         self
@@ -193,7 +199,14 @@ impl KafkaConfig {
 
     pub(crate) fn client_config(&self) -> ClientConfig {
         let mut config = ClientConfig::new();
-        config.set("bootstrap.servers", &self.brokers);
+        config.set("bootstrap.servers", &self.brokers).set(
+            "socket.timeout.ms",
+            // librdkafka's bounds for the property.
+            crate::source::millis(
+                self.operation_timeout
+                    .clamp(Duration::from_millis(10), Duration::from_secs(300)),
+            ),
+        );
         for (key, value) in &self.common {
             config.set(key, value);
         }
@@ -217,6 +230,10 @@ mod tests {
         assert_eq!(client.get("enable.auto.commit"), Some("false"));
         assert_eq!(client.get("auto.offset.reset"), Some("latest"));
         assert_eq!(client.get("security.protocol"), Some("plaintext"));
+        assert_eq!(client.get("socket.timeout.ms"), Some("10000"));
+        let own = KafkaConfig::new("b:9092", "g", ["t"]).set("socket.timeout.ms", "30000");
+        let client = own.consumer_config().expect("valid");
+        assert_eq!(client.get("socket.timeout.ms"), Some("30000"));
     }
 
     #[test]

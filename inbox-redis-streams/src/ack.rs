@@ -6,7 +6,8 @@ use std::time::Duration;
 use inbox_core::{async_trait, Ack, SourceError};
 use tracing::debug;
 
-use crate::config::{Conn, Settings};
+use crate::config::Settings;
+use crate::connection::Conn;
 use crate::{AckMode, Error, Result};
 
 /// Acknowledges one stream entry: `XACK <stream> <group> <entry ID>`, which removes it from the

@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Client;
 
+use crate::connection::Conn;
 use crate::{Error, RedisStreamSource, Result};
 
 /// When entries leave the consumer group's pending list.
@@ -48,6 +48,7 @@ pub struct RedisStreamBuilder {
     claim_idle: Duration,
     claim_interval: Duration,
     ack_mode: AckMode,
+    operation_timeout: Duration,
 }
 
 impl RedisStreamBuilder {
@@ -62,6 +63,7 @@ impl RedisStreamBuilder {
             claim_idle: Duration::from_secs(60),
             claim_interval: Duration::from_secs(5),
             ack_mode: AckMode::AfterCommit,
+            operation_timeout: Duration::from_secs(10),
         }
     }
 
@@ -122,6 +124,21 @@ impl RedisStreamBuilder {
         self
     }
 
+    /// How long connecting, or one command, may wait for Redis (default 10 s); the blocking
+    /// read waits its [`block`](Self::block) on top.
+    ///
+    /// Past it the command fails with a [`Recovery::Reconnect`](inbox_core::Recovery) error and
+    /// its connection is dropped: the next command connects anew (within the same bound). A
+    /// connection whose peer went silent (a network that drops packets, a hung server, a
+    /// firewall that forgot the connection) would otherwise never answer again. After any
+    /// lost connection the source rereads its own pending entries first, so what a lost reply
+    /// had delivered, or a failed ack left pending, comes back at once rather than after
+    /// `claim_idle` (entries it had nacked come back early with them).
+    pub fn operation_timeout(mut self, wait: Duration) -> Self {
+        self.operation_timeout = wait;
+        self
+    }
+
     /// Connects to `url` (`redis://host:port/db`, `rediss://…`), creates the consumer group if
     /// it is missing and returns the source.
     pub async fn connect(self, url: &str) -> Result<RedisStreamSource> {
@@ -132,22 +149,18 @@ impl RedisStreamBuilder {
 
     /// Like [`RedisStreamBuilder::connect`], with a client you configured.
     pub async fn connect_with(self, client: Client) -> Result<RedisStreamSource> {
+        let timeout = self.operation_timeout;
         let settings = self.settings()?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Duration::from_secs(5))
-            // A half-open TCP connection would otherwise hang a command for ever; the blocking
-            // read may legitimately take `block`.
-            .set_response_timeout(settings.block + Duration::from_secs(10));
         let connect = |what: &str| format!("connecting to Redis for {what}");
         // Two connections: a blocking XREADGROUP holds its connection until it returns, and acks
         // should not queue behind it.
-        let reader = ConnectionManager::new_with_config(client.clone(), config.clone())
+        let reader = Conn::connect(client.clone(), "reads", timeout)
             .await
             .map_err(|e| Error::redis(connect("reads"), e))?;
-        let commands = ConnectionManager::new_with_config(client, config)
+        let commands = Conn::connect(client, "commands", timeout)
             .await
             .map_err(|e| Error::redis(connect("acks"), e))?;
-        RedisStreamSource::start(settings, Conn(reader), Conn(commands)).await
+        RedisStreamSource::start(settings, reader, commands).await
     }
 
     fn settings(self) -> Result<Settings> {
@@ -185,6 +198,11 @@ impl RedisStreamBuilder {
         if self.block < Duration::from_millis(1) {
             return Err(Error::Config(
                 "block is under 1 ms; use at least 1 ms".into(),
+            ));
+        }
+        if self.operation_timeout < Duration::from_millis(1) {
+            return Err(Error::Config(
+                "operation_timeout is under 1 ms; use at least 1 ms".into(),
             ));
         }
         if self.claim_idle < Duration::from_millis(1) {
@@ -238,33 +256,5 @@ mod tests {
         let s = b().settings().expect("parses");
         assert_eq!(s.dead_letter_stream, "s:dlq");
         assert!(s.consumer.ends_with(&format!("-{}", std::process::id())));
-    }
-}
-
-/// A reconnecting connection; the client's type has no `Debug`.
-#[derive(Clone)]
-pub(crate) struct Conn(pub(crate) ConnectionManager);
-
-impl Conn {
-    /// Runs a command that is safe to repeat, and repeats it once if the connection had
-    /// dropped: the manager reconnects after that first failure, and an `XACK` lost to it would
-    /// otherwise cost a redelivery after `claim_idle`.
-    pub(crate) async fn idempotent<T: redis::FromRedisValue>(
-        &mut self,
-        cmd: &redis::Cmd,
-    ) -> redis::RedisResult<T> {
-        match cmd.query_async(&mut self.0).await {
-            Err(e) if e.is_connection_dropped() || e.is_io_error() => {
-                tracing::info!(error = %e, "Redis connection lost; retrying the command on a new one");
-                cmd.query_async(&mut self.0).await
-            }
-            other => other,
-        }
-    }
-}
-
-impl std::fmt::Debug for Conn {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ConnectionManager")
     }
 }

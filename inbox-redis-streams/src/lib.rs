@@ -69,6 +69,11 @@
 //!   another consumer while the first still works on it (a zombie). Both then try to apply it;
 //!   the inbox's unique claim lets exactly one commit win and the other skip. Keep `claim_idle`
 //!   above the slowest handler to avoid the wasted work.
+//! - **Lost connection**: a command that fails, or gets no reply within
+//!   [`operation_timeout`](RedisStreamBuilder::operation_timeout), drops its connection and the
+//!   next one connects anew. The source then rereads its own pending entries first, so entries
+//!   whose read reply or `XACK` was lost come back at once (and are skipped as duplicates if
+//!   already applied), not after `claim_idle`.
 //! - **Nack** leaves the entry pending: Redis cannot delay a redelivery, so it comes back after
 //!   `claim_idle`, through `XAUTOCLAIM`.
 //! - **Dead letter**: `XADD <stream>:dlq * <original fields…> reason <text> original_id <entry ID>`,
@@ -109,6 +114,7 @@
 
 mod ack;
 mod config;
+mod connection;
 mod error;
 mod producer;
 mod reply;

@@ -3,10 +3,10 @@
 use std::time::Duration;
 
 use inbox_core::MessageId;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManager;
 use redis::Client;
 
-use crate::config::Conn;
+use crate::connection::Conn;
 use crate::{Error, Result, DEFAULT_ID_FIELD, PAYLOAD_FIELD};
 
 /// Adds entries to a stream: `XADD <stream> * <ID field> <id> payload <bytes> [<header> <value>…]`.
@@ -14,11 +14,29 @@ use crate::{Error, Result, DEFAULT_ID_FIELD, PAYLOAD_FIELD};
 /// The message ID is what the consumer deduplicates on, so a retry of a failed `XADD` must
 /// reuse the same ID: use [`RedisStreamProducer::send_with_id`] with an ID you keep, and a retry
 /// that did reach Redis twice is applied once.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct RedisStreamProducer {
-    conn: Conn,
+    conn: Connection,
     stream: String,
     id_field: String,
+}
+
+#[derive(Clone)]
+enum Connection {
+    /// From [`RedisStreamProducer::connect`]: bounded commands, replaced when it fails.
+    Own(Conn),
+    /// The caller's.
+    Manager(ConnectionManager),
+}
+
+// The connection manager has no `Debug`.
+impl std::fmt::Debug for RedisStreamProducer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStreamProducer")
+            .field("stream", &self.stream)
+            .field("id_field", &self.id_field)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What one `XADD` produced.
@@ -36,19 +54,27 @@ impl RedisStreamProducer {
     pub async fn connect(url: &str, stream: impl Into<String>) -> Result<Self> {
         let client = Client::open(url)
             .map_err(|e| Error::Config(format!("Redis URL {url:?} does not parse: {e}")))?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Duration::from_secs(5))
-            .set_response_timeout(Duration::from_secs(10));
-        let conn = ConnectionManager::new_with_config(client, config)
+        // A command gets 10 s; a connection that failed or went silent is replaced by the next
+        // send (a redis-rs `ConnectionManager` keeps one whose reply timed out, and its
+        // reconnect could hang a send for good after a server restart).
+        let conn = Conn::connect(client, "producer", Duration::from_secs(10))
             .await
             .map_err(|e| Error::redis("connecting to Redis for the producer", e))?;
-        Ok(Self::with_connection(conn, stream))
+        Ok(Self {
+            conn: Connection::Own(conn),
+            stream: stream.into(),
+            id_field: DEFAULT_ID_FIELD.to_owned(),
+        })
     }
 
     /// Writes to `stream` over a connection you made.
+    ///
+    /// Its timeouts and reconnects are redis-rs's: a `ConnectionManager` does not reconnect
+    /// after a reply timed out, so a connection that went silent fails every later send. Prefer
+    /// [`RedisStreamProducer::connect`] where that matters.
     pub fn with_connection(conn: ConnectionManager, stream: impl Into<String>) -> Self {
         Self {
-            conn: Conn(conn),
+            conn: Connection::Manager(conn),
             stream: stream.into(),
             id_field: DEFAULT_ID_FIELD.to_owned(),
         }
@@ -94,10 +120,13 @@ impl RedisStreamProducer {
         for (name, value) in headers {
             cmd.arg(*name).arg(*value);
         }
-        let entry_id: String = cmd
-            .query_async(&mut self.conn.0.clone())
-            .await
-            .map_err(|e| Error::redis(format!("XADD to stream {}", self.stream), e))?;
+        // Not repeated on a new connection: only the caller can retry under the same ID.
+        let sent = match &self.conn {
+            Connection::Own(conn) => conn.query(&cmd, Duration::ZERO).await,
+            Connection::Manager(conn) => cmd.query_async(&mut conn.clone()).await,
+        };
+        let entry_id: String =
+            sent.map_err(|e| Error::redis(format!("XADD to stream {}", self.stream), e))?;
         Ok(Sent {
             message_id: id.clone(),
             entry_id,

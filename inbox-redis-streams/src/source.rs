@@ -9,7 +9,8 @@ use redis::Value;
 use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
 
-use crate::config::{Conn, RedisStreamBuilder, Settings};
+use crate::config::{RedisStreamBuilder, Settings};
+use crate::connection::Conn;
 use crate::reply::{self, Entry, Fields};
 use crate::{AckMode, Error, RedisStreamAck, Result, PAYLOAD_FIELD};
 
@@ -38,6 +39,8 @@ pub struct RedisStreamSource {
     /// Where the `XAUTOCLAIM` sweep goes on.
     claim_cursor: String,
     next_claim: Instant,
+    /// Connections made so far, reads and commands: when it grows, one was lost.
+    connections: u64,
 }
 
 impl RedisStreamSource {
@@ -54,7 +57,9 @@ impl RedisStreamSource {
             history: Some("0".to_owned()),
             claim_cursor: "0-0".to_owned(),
             next_claim: Instant::now(),
+            connections: 0,
         };
+        source.connections = source.connections_made();
         source.create_group().await?;
         Ok(source)
     }
@@ -106,7 +111,22 @@ impl RedisStreamSource {
         Ok(())
     }
 
+    fn connections_made(&self) -> u64 {
+        self.reader.made() + self.commands.made()
+    }
+
     async fn read(&mut self, max: usize) -> Result<Vec<Delivery<RedisStreamAck>>> {
+        let made = self.connections_made();
+        if made != self.connections {
+            // A lost connection may have taken with it the reply to a read (its entries are
+            // pending under this name, unseen) or an ack: reread them now, not after
+            // `claim_idle`. The inbox skips those already applied.
+            self.connections = made;
+            if self.history.is_none() {
+                info!(consumer = %self.settings.consumer, "reconnected; rereading own pending entries");
+                self.history = Some("0".to_owned());
+            }
+        }
         if let Some(after) = self.history.clone() {
             let entries = self.read_group(max, &after, None).await?;
             match entries.last() {
@@ -157,10 +177,10 @@ impl RedisStreamSource {
         }
         cmd.arg("STREAMS").arg(&s.stream).arg(after);
         // The blocking read has a connection of its own; the others use the command one.
-        let value: redis::RedisResult<Value> = if block.is_some() {
+        let value: redis::RedisResult<Value> = if let Some(block) = block {
             // Not repeated: the consumer loop backs off and reads again, and whatever a lost
-            // reply had delivered is pending under this name, to be reclaimed.
-            cmd.query_async(&mut self.reader.0).await
+            // reply had delivered is pending under this name, reread after the reconnect.
+            self.reader.query(&cmd, block).await
         } else {
             self.commands.idempotent(&cmd).await
         };
@@ -277,12 +297,16 @@ impl RedisStreamSource {
         }
         cmd.arg("reason").arg(reason);
         cmd.arg("original_id").arg(&message.meta.position);
-        let _: Value = cmd.query_async(&mut self.commands.0).await.map_err(|e| {
-            Error::redis(
-                format!("XADD to dead-letter stream {}", s.dead_letter_stream),
-                e,
-            )
-        })?;
+        let _: Value = self
+            .commands
+            .query(&cmd, Duration::ZERO)
+            .await
+            .map_err(|e| {
+                Error::redis(
+                    format!("XADD to dead-letter stream {}", s.dead_letter_stream),
+                    e,
+                )
+            })?;
         Ok(())
     }
 }

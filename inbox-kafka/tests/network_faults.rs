@@ -1,0 +1,334 @@
+//! The network between the consumer and the broker fails while it consumes: black-holed, or cut
+//! again and again. Kafka clients connect to the address the broker advertises, not the one
+//! they were given, so a proxy in front of a shared broker would only see the bootstrap. Each
+//! test therefore runs a private Tansu listening on one port and advertising a [`FaultProxy`]
+//! that forwards to it: every byte the consumer (and its commits and heartbeats) exchanges with
+//! the broker crosses the proxy. Each fault must end, once the network is back, with every event
+//! in the ledger exactly once and nothing left uncommitted, without restarting the consumer.
+// A test fails by panicking; an unwrap names the failed call in its message.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::Running;
+use inbox_core::testkit::{FaultProxy, ProxyMode};
+use inbox_core::{Stats, StatsSnapshot};
+use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
+use inbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use inbox_kafka::{KafkaAdmin, KafkaConfig, KafkaProducer, Record};
+use inbox_postgres::testkit::wallet::{summary, Credit, CreditEvent, Summary};
+use inbox_postgres::testkit::TestDb;
+use tokio::task::JoinHandle;
+
+const EVENTS: i64 = 300;
+const PARTITIONS: i32 = 3;
+const SECOND: Duration = Duration::from_secs(1);
+
+/// A Tansu broker of this test's own (in-memory storage), reachable only through `proxy`;
+/// killed when dropped, a panicking test included.
+struct PrivateTansu {
+    process: Child,
+    proxy: FaultProxy,
+}
+
+impl PrivateTansu {
+    async fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let listener: SocketAddr = ([127, 0, 0, 1], port).into();
+        let proxy = FaultProxy::start(listener).await.unwrap();
+        let tansu = std::env::var("TANSU").unwrap_or_else(|_| {
+            let home = std::env::var("HOME").unwrap_or_default();
+            format!("{home}/.cargo/bin/tansu")
+        });
+        let process = Command::new(&tansu)
+            .arg("broker")
+            .args(["--storage-engine", "memory://tansu/"])
+            .args(["--listener-url", &format!("tcp://{listener}")])
+            .args([
+                "--advertised-listener-url",
+                &format!("tcp://{}", proxy.addr()),
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {tansu}: {e}; install Tansu or set TANSU"));
+        let server = Self { process, proxy };
+        let up = eventually(10 * SECOND, || async {
+            tokio::net::TcpStream::connect(listener).await.is_ok()
+        })
+        .await;
+        assert!(up, "the private Tansu did not listen on {listener}");
+        server
+    }
+
+    /// Where clients connect: the proxy.
+    fn brokers(&self) -> String {
+        self.proxy.addr().to_string()
+    }
+}
+
+impl Drop for PrivateTansu {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
+/// What one run under a fault came to.
+#[derive(Debug)]
+struct Run {
+    ledger: Summary,
+    stats: StatsSnapshot,
+    /// Records not committed by the group at the end.
+    lag: i64,
+    applied_at_fault: i64,
+    applied_at_restore: i64,
+    /// From the fault's start to the consumer's first failure (a receive or a commit), if any.
+    detected: Option<Duration>,
+    first_progress: Duration,
+    all_done: Duration,
+    fault_lasted: Duration,
+}
+
+impl Run {
+    fn report(&self, name: &str) {
+        println!(
+            "{name}: {EVENTS} events; duplicates {}, lost {}, balances exact {}; fault lasted \
+             {:?} from {} applied events to {}; first failure {:?} after the fault started; \
+             after restore: next event applied in {:?}, all applied and committed in {:?}; \
+             lag {}; {:?}",
+            self.ledger.duplicates(),
+            self.ledger.lost(EVENTS),
+            self.ledger.balances_exact,
+            self.fault_lasted,
+            self.applied_at_fault,
+            self.applied_at_restore,
+            self.detected,
+            self.first_progress,
+            self.all_done,
+            self.lag,
+            self.stats,
+        );
+    }
+
+    fn assert_exactly_once(&self, expected_total: i64) {
+        assert_eq!(self.ledger.duplicates(), 0, "applied twice: {self:?}");
+        assert_eq!(self.ledger.lost(EVENTS), 0, "lost: {self:?}");
+        assert!(self.ledger.balances_exact, "{self:?}");
+        assert_eq!(self.ledger.total_balance, expected_total, "{self:?}");
+        assert_eq!(self.lag, 0, "records left uncommitted: {self:?}");
+        assert_eq!(self.stats.dead_lettered, 0, "{self:?}");
+    }
+}
+
+async fn eventually<F, Fut>(limit: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
+async fn applied(db: &TestDb) -> i64 {
+    summary(&db.pool).await.unwrap().distinct_events
+}
+
+/// Records of `topic` not committed by `group`, summed over its partitions.
+fn lag(brokers: &str, topic: &str, group: &str) -> i64 {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    let mut list = TopicPartitionList::new();
+    for p in 0..PARTITIONS {
+        list.add_partition(topic, p);
+    }
+    let committed = consumer.committed_offsets(list, 10 * SECOND).unwrap();
+    let mut lag = 0;
+    for p in 0..PARTITIONS {
+        let (low, high) = consumer.fetch_watermarks(topic, p, 10 * SECOND).unwrap();
+        let at = match committed.find_partition(topic, p).map(|e| e.offset()) {
+            Some(Offset::Offset(o)) => o,
+            _ => low,
+        };
+        lag += high - at;
+    }
+    lag
+}
+
+/// Notes when the consumer first sees a failure after it starts.
+fn watch_errors(stats: Arc<Stats>) -> (Instant, JoinHandle<Option<Duration>>) {
+    let started = Instant::now();
+    let seen = |s: StatsSnapshot| s.errors + s.ack_failures;
+    let before = seen(stats.snapshot());
+    let task = tokio::spawn(async move {
+        while Instant::now() < started + Duration::from_secs(300) {
+            if seen(stats.snapshot()) > before {
+                return Some(started.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        None
+    });
+    (started, task)
+}
+
+/// Publishes [`EVENTS`] credits to a private broker, consumes them through its proxy with a
+/// fetch queue kept short (so the consumer keeps needing the broker), runs `fault` once a
+/// third is applied and waits for the consumer to finish by itself.
+async fn consume_through(
+    name: &str,
+    tansu: &PrivateTansu,
+    fault: impl Future<Output = ()>,
+) -> (Run, i64) {
+    common::init_tracing();
+    let brokers = tansu.brokers();
+    let topic = common::random("inbox-faults");
+    let group = common::random("wallet");
+    let admin = KafkaAdmin::new(&brokers).unwrap();
+    admin.create_topic(&topic, PARTITIONS).await.unwrap();
+    admin
+        .create_topic(&format!("{topic}.dlq"), 1)
+        .await
+        .unwrap();
+    let producer = KafkaProducer::new(&brokers).unwrap();
+    let mut total = 0;
+    for i in 0..EVENTS {
+        let event = CreditEvent::new(i % 7 + 1, i % 50 + 1);
+        total += event.amount;
+        let record = Record::new(event.to_json()).partition(i as i32 % PARTITIONS);
+        producer.send(&topic, record).await.unwrap();
+    }
+    drop(producer);
+
+    let db = TestDb::new().await;
+    let source = KafkaConfig::new(&brokers, &group, [&topic])
+        .poll_timeout(Duration::from_millis(500))
+        .set_consumer("session.timeout.ms", "6000")
+        .set_consumer("heartbeat.interval.ms", "1000")
+        // A short local queue: the consumer fetches as it goes, so the fault meets fetches as
+        // well as commits.
+        .set_consumer("queued.min.messages", "10")
+        .set_consumer("max.partition.fetch.bytes", "2048")
+        .build()
+        .unwrap();
+    let handler = Credit::new(db.pool.clone()).work(Duration::from_millis(10));
+    let running = Running::start("wallet", source, db.inbox(), handler, 10);
+
+    let started = eventually(60 * SECOND, || async { applied(&db).await >= EVENTS / 3 }).await;
+    assert!(started, "the consumer applied too little before the fault");
+    let applied_at_fault = applied(&db).await;
+    let (fault_started, detecting) = watch_errors(Arc::clone(&running.stats));
+    fault.await;
+    let restored = Instant::now();
+    let fault_lasted = restored - fault_started;
+    let applied_at_restore = applied(&db).await;
+
+    let progressed = eventually(120 * SECOND, || async {
+        let now = applied(&db).await;
+        now > applied_at_restore || now >= EVENTS
+    })
+    .await;
+    let first_progress = restored.elapsed();
+    let lag_now = || {
+        let (b, t, g) = (brokers.clone(), topic.clone(), group.clone());
+        async move {
+            tokio::task::spawn_blocking(move || lag(&b, &t, &g))
+                .await
+                .unwrap()
+        }
+    };
+    let finished = progressed
+        && eventually(120 * SECOND, || async {
+            applied(&db).await >= EVENTS && lag_now().await == 0
+        })
+        .await;
+    let all_done = restored.elapsed();
+
+    let stats = running.stats.snapshot();
+    let stopped = tokio::time::timeout(30 * SECOND, running.stop()).await;
+    detecting.abort();
+    let detected = detecting.await.ok().flatten();
+    let stopped_in_time = stopped.is_ok();
+    let stats = match stopped {
+        Ok(result) => result.expect("the consumer stopped with an error"),
+        Err(_) => stats,
+    };
+    let run = Run {
+        ledger: summary(&db.pool).await.unwrap(),
+        stats,
+        lag: lag_now().await,
+        applied_at_fault,
+        applied_at_restore,
+        detected,
+        first_progress,
+        all_done,
+        fault_lasted,
+    };
+    run.report(name);
+    assert!(
+        progressed,
+        "no progress within 120 s of the network's return: {run:?}"
+    );
+    assert!(
+        finished,
+        "not finished within 120 s of the network's return: {run:?}"
+    );
+    assert!(
+        stopped_in_time,
+        "the consumer did not stop within 30 s: {run:?}"
+    );
+    db.drop().await;
+    (run, total)
+}
+
+#[tokio::test]
+async fn a_black_holed_broker_connection_recovers_by_itself() {
+    let tansu = PrivateTansu::start().await;
+    let fault = async {
+        tansu.proxy.set_mode(ProxyMode::Blackhole);
+        tokio::time::sleep(4 * SECOND).await;
+        tansu.proxy.set_mode(ProxyMode::Pass);
+    };
+    let (run, total) = consume_through("blackhole", &tansu, fault).await;
+    run.assert_exactly_once(total);
+    // The dead connections are given up after the operation timeout (10 s), not librdkafka's
+    // default socket timeout of 60 s.
+    assert!(
+        run.first_progress < 30 * SECOND,
+        "stuck on dead connections long after the network came back: {run:?}"
+    );
+}
+
+#[tokio::test]
+async fn broker_connections_cut_again_and_again_lose_and_repeat_nothing() {
+    let tansu = PrivateTansu::start().await;
+    let fault = async {
+        for _ in 0..15 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            tansu.proxy.cut();
+        }
+    };
+    let (run, total) = consume_through("cuts", &tansu, fault).await;
+    run.assert_exactly_once(total);
+}

@@ -1,0 +1,165 @@
+//! The source's connections to Redis: every command bounded by the operation timeout, and a
+//! connection that failed or went silent replaced by a new one on the next command.
+//!
+//! Not redis-rs's `ConnectionManager`: it keeps a connection whose reply timed out (a timeout
+//! is not a reason to reconnect there), so after a network black hole every later command on
+//! the dead connection timed out too, for good; and its background reconnect, with retries of
+//! its own, could leave a command waiting with no bound after a server restart.
+
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, Client, RedisError, RedisResult};
+use tokio::sync::Mutex;
+use tracing::info;
+
+/// One logical connection to Redis, shared by clones: the source's reads, or its commands and
+/// the acks it hands out.
+#[derive(Clone)]
+pub(crate) struct Conn(Arc<Inner>);
+
+struct Inner {
+    client: Client,
+    /// What the connection is for, in logs: `reads`, `commands`.
+    purpose: &'static str,
+    /// The bound on connecting and on each command.
+    timeout: Duration,
+    /// The connection in use, with its number; `None` after it failed.
+    current: Mutex<Option<(u64, MultiplexedConnection)>>,
+    /// Connections made so far.
+    made: AtomicU64,
+}
+
+impl Conn {
+    /// Connects at once, so a wrong address or a refused login fails the build.
+    pub(crate) async fn connect(
+        client: Client,
+        purpose: &'static str,
+        timeout: Duration,
+    ) -> RedisResult<Self> {
+        let conn = Self(Arc::new(Inner {
+            client,
+            purpose,
+            timeout,
+            current: Mutex::new(None),
+            made: AtomicU64::new(0),
+        }));
+        conn.connection().await?;
+        Ok(conn)
+    }
+
+    /// How many connections were made so far: a change means the last one was lost, with
+    /// whatever replies were on their way.
+    pub(crate) fn made(&self) -> u64 {
+        self.0.made.load(Ordering::Relaxed)
+    }
+
+    /// The connection in use, or a new one.
+    async fn connection(&self) -> RedisResult<(u64, MultiplexedConnection)> {
+        let mut current = self.0.current.lock().await;
+        if let Some(conn) = current.as_ref() {
+            return Ok(conn.clone());
+        }
+        // The handshake (`HELLO`, `SELECT`, `AUTH`) is inside the bound: a server that accepts
+        // the TCP connection and then says nothing does not hold the caller.
+        let config = AsyncConnectionConfig::new().set_connection_timeout(self.0.timeout);
+        let conn = self
+            .0
+            .client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await?;
+        let number = self.0.made.fetch_add(1, Ordering::Relaxed) + 1;
+        if number > 1 {
+            info!(purpose = self.0.purpose, "reconnected to Redis");
+        }
+        *current = Some((number, conn.clone()));
+        Ok((number, conn))
+    }
+
+    /// Runs `cmd`, waiting at most the operation timeout plus `extra` (a blocking read's own
+    /// wait) for the reply. A connection that failed, or gave no reply in time, is dropped:
+    /// the next command makes a new one.
+    pub(crate) async fn query<T: redis::FromRedisValue>(
+        &self,
+        cmd: &redis::Cmd,
+        extra: Duration,
+    ) -> RedisResult<T> {
+        let (number, mut conn) = self.connection().await?;
+        let limit = self.0.timeout + extra;
+        let result = match tokio::time::timeout(limit, cmd.query_async(&mut conn)).await {
+            Ok(result) => result,
+            Err(_) => Err(RedisError::from(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "no reply from Redis within {limit:?} (operation_timeout); the connection is \
+                     dropped and a new one made"
+                ),
+            ))),
+        };
+        if let Err(e) = &result {
+            if connection_is_broken(e) {
+                let mut current = self.0.current.lock().await;
+                // Only the connection this command used: another caller may have replaced it.
+                if current.as_ref().is_some_and(|(n, _)| *n == number) {
+                    info!(purpose = self.0.purpose, error = %e, "dropping the Redis connection");
+                    *current = None;
+                }
+            }
+        }
+        result
+    }
+
+    /// Runs a command that is safe to repeat, and repeats it once on a new connection if the
+    /// first one had dropped: an `XACK` lost to a single dropped connection would otherwise
+    /// cost a redelivery. Not after a timeout, which would only double the wait.
+    pub(crate) async fn idempotent<T: redis::FromRedisValue>(
+        &self,
+        cmd: &redis::Cmd,
+    ) -> RedisResult<T> {
+        match self.query(cmd, Duration::ZERO).await {
+            Err(e) if (e.is_connection_dropped() || e.is_io_error()) && !e.is_timeout() => {
+                info!(error = %e, "Redis connection lost; retrying the command on a new one");
+                self.query(cmd, Duration::ZERO).await
+            }
+            other => other,
+        }
+    }
+}
+
+/// Whether the connection cannot be trusted with another command: it is closed, or a reply
+/// went missing (a peer that went silent, or a network that swallows packets, stays so).
+fn connection_is_broken(e: &RedisError) -> bool {
+    e.is_timeout()
+        || e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn")
+            .field("purpose", &self.0.purpose)
+            .field("timeout", &self.0.timeout)
+            .field("made", &self.made())
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_reply_or_a_closed_socket_breaks_the_connection_a_refused_command_does_not() {
+        let timed_out = RedisError::from(io::Error::from(io::ErrorKind::TimedOut));
+        assert!(connection_is_broken(&timed_out));
+        let reset = RedisError::from(io::Error::from(io::ErrorKind::ConnectionReset));
+        assert!(connection_is_broken(&reset));
+        let refused = RedisError::from((redis::ErrorKind::ResponseError, "NOGROUP", "x".into()));
+        assert!(!connection_is_broken(&refused));
+    }
+}

@@ -1,0 +1,436 @@
+//! The network between the consumer and Redis fails while it consumes: its connections are
+//! black-holed, cut again and again, or the server itself restarts. A producer writes
+//! [`EVENTS`] credits at a steady pace straight to Redis while the consumer, in this process,
+//! applies them to PostgreSQL; each fault must end, once Redis is back, with every event in the
+//! ledger exactly once and nothing left pending, without restarting the consumer.
+// A test fails by panicking; an unwrap names the failed call in its message.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{builder, pending_with, stream_key};
+use inbox_core::testkit::{FaultProxy, ProxyMode};
+use inbox_core::{Consumer, MessageId, Stats, StatsSnapshot};
+use inbox_postgres::testkit::wallet::{summary, Credit, CreditEvent, Summary};
+use inbox_postgres::testkit::TestDb;
+use inbox_redis_streams::redis::{self, Client, ConnectionAddr, IntoConnectionInfo};
+use inbox_redis_streams::RedisStreamProducer;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+const EVENTS: i64 = 300;
+const ACCOUNTS: i64 = 7;
+/// One event every this long: 300 events take about 4.5 s, so the consumer keeps up and sits
+/// in its blocking read much of the time, and the fault hits reads and acks alike.
+const PACE: Duration = Duration::from_millis(15);
+/// How long a command may wait for Redis (the blocking read gets its `block` on top): a
+/// black-holed connection is given up after this.
+const OPERATION_TIMEOUT: Duration = Duration::from_secs(1);
+/// What a lost read or a failed ack left pending is reclaimed after this at the latest.
+const CLAIM_IDLE: Duration = Duration::from_secs(2);
+const SECOND: Duration = Duration::from_secs(1);
+
+/// What one run under a fault came to.
+#[derive(Debug)]
+struct Run {
+    ledger: Summary,
+    stats: StatsSnapshot,
+    pending: i64,
+    /// Entries in the stream at the end (retried sends may add a copy).
+    stream_len: i64,
+    /// Events in the ledger when the fault started and when Redis was back.
+    applied_at_fault: i64,
+    applied_at_restore: i64,
+    /// From the fault's start to the consumer's first failed command, if it saw one.
+    detected: Option<Duration>,
+    /// From Redis's return to the next event applied, and to every event applied with nothing
+    /// pending.
+    first_progress: Duration,
+    all_done: Duration,
+    fault_lasted: Duration,
+}
+
+impl Run {
+    fn report(&self, name: &str) {
+        println!(
+            "{name}: {EVENTS} events; duplicates {}, lost {}, balances exact {}; fault lasted \
+             {:?} from {} applied events to {}; first failed command {:?} after the fault \
+             started; after restore: next event applied in {:?}, all applied and nothing \
+             pending in {:?}; pending {}, stream length {}; {:?}",
+            self.ledger.duplicates(),
+            self.ledger.lost(EVENTS),
+            self.ledger.balances_exact,
+            self.fault_lasted,
+            self.applied_at_fault,
+            self.applied_at_restore,
+            self.detected,
+            self.first_progress,
+            self.all_done,
+            self.pending,
+            self.stream_len,
+            self.stats,
+        );
+    }
+
+    fn assert_exactly_once(&self) {
+        let expected: i64 = (1..=EVENTS).sum();
+        assert_eq!(self.ledger.duplicates(), 0, "applied twice: {self:?}");
+        assert_eq!(self.ledger.lost(EVENTS), 0, "lost: {self:?}");
+        assert!(self.ledger.balances_exact, "{self:?}");
+        assert_eq!(self.ledger.total_balance, expected, "{self:?}");
+        assert_eq!(self.pending, 0, "entries left pending: {self:?}");
+        assert!(
+            self.stream_len >= EVENTS,
+            "entries gone from the stream: {self:?}"
+        );
+        assert_eq!(self.stats.dead_lettered, 0, "{self:?}");
+    }
+}
+
+async fn eventually<F, Fut>(limit: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+async fn applied(db: &TestDb) -> i64 {
+    summary(&db.pool).await.unwrap().distinct_events
+}
+
+/// Writes the credits at [`PACE`], each retried under its own ID until Redis takes it (a retry
+/// that reached Redis twice is applied once).
+fn publish(client: Client, stream: String) -> JoinHandle<()> {
+    let url = format!("redis://{}", client.get_connection_info().addr);
+    tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut producer: Option<RedisStreamProducer> = None;
+        for n in 0..EVENTS {
+            let id = MessageId::generate();
+            let event = CreditEvent::new(1 + n % ACCOUNTS, n + 1).to_json();
+            loop {
+                assert!(Instant::now() < deadline, "could not publish event {n}");
+                let conn = match &producer {
+                    Some(p) => p,
+                    None => match RedisStreamProducer::connect(&url, &stream).await {
+                        Ok(p) => producer.insert(p),
+                        Err(_) => {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            continue;
+                        }
+                    },
+                };
+                match conn.send_with_id(&id, &event).await {
+                    Ok(_) => break,
+                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            }
+            tokio::time::sleep(PACE).await;
+        }
+    })
+}
+
+/// Notes when the consumer first sees a failure (a receive or an ack) after it starts.
+fn watch_errors(stats: Arc<Stats>) -> (Instant, JoinHandle<Option<Duration>>) {
+    let started = Instant::now();
+    let seen = |s: StatsSnapshot| s.errors + s.ack_failures;
+    let before = seen(stats.snapshot());
+    let task = tokio::spawn(async move {
+        while Instant::now() < started + Duration::from_secs(120) {
+            if seen(stats.snapshot()) > before {
+                return Some(started.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        None
+    });
+    (started, task)
+}
+
+/// Consumes the credits over `consumer` (through a proxy or to a private server) while
+/// `direct` publishes them, runs `fault` once a third is applied, and waits for the consumer
+/// to finish by itself once the fault is over.
+async fn consume_through(
+    name: &str,
+    consumer: Client,
+    direct: Client,
+    fault: impl Future<Output = ()>,
+) -> Run {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_test_writer()
+        .try_init();
+    let db = TestDb::new().await;
+    let stream = stream_key(name);
+    let source = builder(&stream, "c1")
+        .claim_idle(CLAIM_IDLE)
+        .operation_timeout(OPERATION_TIMEOUT)
+        .connect_with(consumer)
+        .await
+        .unwrap();
+    let publishing = publish(direct.clone(), stream.clone());
+    let consumer = Consumer::new(
+        "wallet",
+        source,
+        db.inbox(),
+        Credit::new(db.pool.clone()).work(Duration::from_millis(2)),
+    )
+    .batch_size(10)
+    .error_backoff(Duration::from_millis(200));
+    let stats = consumer.stats();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let running = tokio::spawn(consumer.run_until(async {
+        let _ = stopped.await;
+    }));
+
+    let started = eventually(30 * SECOND, || async { applied(&db).await >= EVENTS / 3 }).await;
+    assert!(started, "the consumer applied too little before the fault");
+    let applied_at_fault = applied(&db).await;
+    let (fault_started, detecting) = watch_errors(Arc::clone(&stats));
+    fault.await;
+    let restored = Instant::now();
+    let fault_lasted = restored - fault_started;
+    let applied_at_restore = applied(&db).await;
+
+    let progressed = eventually(30 * SECOND, || async {
+        let now = applied(&db).await;
+        now > applied_at_restore || now >= EVENTS
+    })
+    .await;
+    let first_progress = restored.elapsed();
+    let mut conn = direct.get_multiplexed_async_connection().await.unwrap();
+    let finished = progressed && eventually(60 * SECOND, || {
+        let mut conn = conn.clone();
+        let stream = stream.clone();
+        let db = &db;
+        async move { applied(db).await >= EVENTS && pending_with(&mut conn, &stream).await == 0 }
+    })
+    .await;
+    let all_done = restored.elapsed();
+
+    let _ = stop.send(());
+    let stopped = tokio::time::timeout(30 * SECOND, running).await;
+    detecting.abort();
+    let detected = detecting.await.ok().flatten();
+    let stopped_in_time = stopped.is_ok();
+    let stats = match stopped {
+        Ok(joined) => joined.unwrap().expect("the consumer stopped with an error"),
+        Err(_) => {
+            println!("{name}: the consumer did not stop within 30 s of shutdown");
+            stats.snapshot()
+        }
+    };
+    publishing.abort();
+    let run = Run {
+        ledger: summary(&db.pool).await.unwrap(),
+        stats,
+        pending: pending_with(&mut conn, &stream).await,
+        stream_len: redis::cmd("XLEN")
+            .arg(&stream)
+            .query_async(&mut conn)
+            .await
+            .unwrap(),
+        applied_at_fault,
+        applied_at_restore,
+        detected,
+        first_progress,
+        all_done,
+        fault_lasted,
+    };
+    run.report(name);
+    assert!(
+        progressed,
+        "no progress within 30 s of Redis's return: {run:?}"
+    );
+    assert!(
+        finished,
+        "not finished within 60 s of Redis's return: {run:?}"
+    );
+    assert!(stopped_in_time, "the consumer did not stop: {run:?}");
+    let _: redis::RedisResult<i64> = redis::cmd("DEL").arg(&stream).query_async(&mut conn).await;
+    db.drop().await;
+    run
+}
+
+/// The shared Redis of `REDIS_URL`, and a client for it through `proxy`.
+async fn through_proxy() -> (FaultProxy, Client, Client) {
+    let info = common::redis_url().into_connection_info().unwrap();
+    let ConnectionAddr::Tcp(host, port) = &info.addr else {
+        panic!("REDIS_URL is not plain TCP, so no proxy can sit in front of it");
+    };
+    let upstream: SocketAddr = tokio::net::lookup_host((host.as_str(), *port))
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = FaultProxy::start(upstream).await.unwrap();
+    let mut proxied = info.clone();
+    proxied.addr = ConnectionAddr::Tcp(proxy.addr().ip().to_string(), proxy.addr().port());
+    (
+        proxy,
+        Client::open(proxied).unwrap(),
+        Client::open(info).unwrap(),
+    )
+}
+
+#[tokio::test]
+async fn a_black_holed_connection_is_given_up_and_replaced() {
+    let (proxy, consumer, direct) = through_proxy().await;
+    let fault = async {
+        proxy.set_mode(ProxyMode::Blackhole);
+        tokio::time::sleep(4 * SECOND).await;
+        proxy.set_mode(ProxyMode::Pass);
+    };
+    let run = consume_through("blackhole", consumer, direct, fault).await;
+    run.assert_exactly_once();
+    assert!(
+        run.detected.is_some(),
+        "the black hole went unnoticed: {run:?}"
+    );
+}
+
+#[tokio::test]
+async fn connections_cut_again_and_again_lose_and_repeat_nothing() {
+    let (proxy, consumer, direct) = through_proxy().await;
+    let fault = async {
+        for _ in 0..15 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            proxy.cut();
+        }
+    };
+    let run = consume_through("cuts", consumer, direct, fault).await;
+    run.assert_exactly_once();
+}
+
+/// A `redis-server` of this test's own, persisting every write to its append-only file, killed
+/// when dropped (a panicking test included) with its directory removed.
+struct PrivateRedis {
+    port: u16,
+    dir: PathBuf,
+    process: Option<Child>,
+}
+
+impl PrivateRedis {
+    async fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = std::env::temp_dir().join(format!("inbox-redis-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut server = Self {
+            port,
+            dir,
+            process: None,
+        };
+        server.spawn().await;
+        server
+    }
+
+    fn client(&self) -> Client {
+        Client::open(format!("redis://127.0.0.1:{}", self.port)).unwrap()
+    }
+
+    /// Starts the server on its port and directory and waits for it to answer.
+    async fn spawn(&mut self) {
+        let server = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+        let child = Command::new(&server)
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args([
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+            ])
+            .arg("--dir")
+            .arg(&self.dir)
+            .arg("--logfile")
+            .arg(self.dir.join("redis.log"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("cannot start {server}: {e}; install Redis or set REDIS_SERVER")
+            });
+        self.process = Some(child);
+        let client = self.client();
+        let up = eventually(10 * SECOND, || async {
+            let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+                return false;
+            };
+            redis::cmd("PING")
+                .query_async::<String>(&mut conn)
+                .await
+                .is_ok()
+        })
+        .await;
+        assert!(
+            up,
+            "the private redis-server did not answer on {}",
+            self.port
+        );
+    }
+
+    /// `SHUTDOWN`: Redis closes every client and exits, its append-only file complete.
+    async fn shutdown(&mut self) {
+        let mut conn = self
+            .client()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let _: redis::RedisResult<()> = redis::cmd("SHUTDOWN").query_async(&mut conn).await;
+        let process = self.process.as_mut().unwrap();
+        let exited = eventually(10 * SECOND, || {
+            let done = matches!(process.try_wait(), Ok(Some(_)));
+            async move { done }
+        })
+        .await;
+        assert!(exited, "redis-server did not exit after SHUTDOWN");
+        self.process = None;
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        if let Some(mut process) = self.process.take() {
+            let _ = process.kill();
+            let _ = process.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[tokio::test]
+async fn a_restarted_server_keeps_the_group_and_the_consumer_carries_on() {
+    let mut server = PrivateRedis::start().await;
+    let client = server.client();
+    let fault = async {
+        server.shutdown().await;
+        tokio::time::sleep(2 * SECOND).await;
+        server.spawn().await;
+    };
+    let run = consume_through("restart", client.clone(), client, fault).await;
+    run.assert_exactly_once();
+    assert!(
+        run.detected.is_some(),
+        "the restart went unnoticed: {run:?}"
+    );
+}
