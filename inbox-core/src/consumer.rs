@@ -1,13 +1,15 @@
 //! The claim/apply/commit/ack algorithm: owned here, once, for every broker and store.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashSet, VecDeque};
 use std::future::Future;
 use std::ops::Range;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::stream::{self, StreamExt};
+use tokio::time::{sleep_until, Instant};
+
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use futures_util::FutureExt;
 use tokio::sync::{watch, Mutex};
 use tracing::{info, info_span, warn, Instrument};
@@ -80,20 +82,79 @@ pub struct Consumer<S, St, H> {
     inbox_retention: Option<Duration>,
 }
 
-/// Splits a batch by lane, keeping the received order inside each lane; lanes come in the order
-/// of their first message.
-fn split_into_lanes<A>(batch: Vec<Delivery<A>>) -> Vec<Vec<Delivery<A>>> {
-    let mut lanes: Vec<Vec<Delivery<A>>> = Vec::new();
-    let mut index: HashMap<Option<String>, usize> = HashMap::new();
-    for delivery in batch {
-        let lane = delivery.message.meta.lane.clone();
-        let i = *index.entry(lane).or_insert_with(|| {
-            lanes.push(Vec::new());
-            lanes.len() - 1
-        });
-        lanes[i].push(delivery);
+/// Received messages waiting to be applied, by lane, each lane in received order; a lane with
+/// a chunk being applied is busy and gives out nothing until that chunk is done.
+struct Lanes<A> {
+    lanes: Vec<(Option<String>, VecDeque<Delivery<A>>, bool)>,
+    held: usize,
+}
+
+impl<A> Default for Lanes<A> {
+    fn default() -> Self {
+        Self {
+            lanes: Vec::new(),
+            held: 0,
+        }
     }
-    lanes
+}
+
+impl<A> Lanes<A> {
+    fn add(&mut self, batch: Vec<Delivery<A>>) {
+        self.held += batch.len();
+        for delivery in batch {
+            let lane = &delivery.message.meta.lane;
+            match self.lanes.iter_mut().find(|(l, _, _)| l == lane) {
+                Some((_, queue, _)) => queue.push_back(delivery),
+                None => self
+                    .lanes
+                    .push((lane.clone(), VecDeque::from([delivery]), false)),
+            }
+        }
+    }
+
+    /// Up to `max` messages of the first lane that has some and is not busy; that lane is busy
+    /// until [`Lanes::done`].
+    fn take(&mut self, max: usize) -> Option<(Option<String>, Vec<Delivery<A>>)> {
+        let (lane, queue, busy) = self
+            .lanes
+            .iter_mut()
+            .find(|(_, queue, busy)| !*busy && !queue.is_empty())?;
+        *busy = true;
+        let n = queue.len().min(max);
+        self.held -= n;
+        let chunk: Vec<Delivery<A>> = queue.drain(..n).collect();
+        let lane = lane.clone();
+        // Round robin: the lane goes to the back, so the others get their turn first.
+        if let Some(i) = self.lanes.iter().position(|(l, _, _)| *l == lane) {
+            let entry = self.lanes.remove(i);
+            self.lanes.push(entry);
+        }
+        Some((lane, chunk))
+    }
+
+    fn done(&mut self, lane: &Option<String>) {
+        if let Some(i) = self.lanes.iter().position(|(l, _, _)| l == lane) {
+            if self.lanes[i].1.is_empty() {
+                self.lanes.remove(i);
+            } else {
+                self.lanes[i].2 = false;
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.held
+    }
+
+    /// Everything not yet given out, lanes left as they are.
+    fn drain(&mut self) -> Vec<A> {
+        self.held = 0;
+        self.lanes
+            .iter_mut()
+            .flat_map(|(_, queue, _)| queue.drain(..))
+            .map(|d| d.ack)
+            .collect()
+    }
 }
 
 /// How much longer the broker can redeliver than the inbox remembers, if at all.
@@ -306,6 +367,11 @@ where
         self.run_loop(std::future::pending(), true).await
     }
 
+    /// The pipeline: up to `lanes` chunks of `batch_size` (one per lane, so each lane keeps its
+    /// order) are applied side by side, receiving goes on while a lane is free, and a chunk's acks
+    /// go out while the next chunks are applied. At most `batch_size × lanes` messages are held
+    /// unapplied, so a consumer that dies takes no more deliveries down with it (or onto a
+    /// broker's delivery count) than that. Nothing is acked before the commit of its claim.
     async fn run_loop(
         mut self,
         shutdown: impl Future<Output = ()> + Send,
@@ -315,53 +381,110 @@ where
         tokio::pin!(shutdown);
         let (stop_tx, stop_rx) = watch::channel(false);
         let stop = Stop(stop_rx);
+        let (batch_size, lanes) = (self.batch_size, self.lanes);
+        let core = &self.core;
+        let source = Mutex::new(&mut self.source);
+        let source = &source;
+        let stop = &stop;
+        let capacity = batch_size.saturating_mul(lanes);
+        let mut queued = Lanes::default();
+        let mut working = FuturesUnordered::new();
+        let mut acking = FuturesUnordered::new();
+        let mut receiving = None;
+        let mut receive_after: Option<Instant> = None;
         let mut failures = 0;
-        while !stop.stopping() {
-            let received = tokio::select! {
+        let mut failed: Option<Error> = None;
+        let mut idle = false;
+        loop {
+            let stopping = stop.stopping();
+            while working.len() < lanes && !stopping {
+                let Some((lane, chunk)) = queued.take(batch_size) else {
+                    break;
+                };
+                working.push(async move { (lane, core.process(source, chunk, stop).await) });
+            }
+            let held = queued.len() + working.len() * batch_size;
+            if receiving.is_none()
+                && receive_after.is_none()
+                && !stopping
+                && !idle
+                && held < capacity
+                && acking.len() <= lanes
+            {
+                let n = batch_size
+                    .max(capacity - held)
+                    .min(batch_size.saturating_mul(lanes));
+                receiving = Some(Box::pin(
+                    async move { source.lock().await.receive(n).await },
+                ));
+            }
+            if stopping || idle {
+                core.hand_back(queued.drain()).await;
+                if working.is_empty() && acking.is_empty() && receiving.is_none() {
+                    break;
+                }
+            }
+            tokio::select! {
                 biased;
-                () = &mut shutdown => break,
-                received = self.source.receive(self.batch_size) => received,
-            };
-            match received {
-                Ok(batch) if batch.is_empty() && until_idle => break,
-                Ok(batch) => {
-                    failures = 0;
-                    let work = self.process(batch, &stop);
-                    tokio::pin!(work);
-                    // The batch in flight finishes; a store outage it waits out ends at shutdown.
-                    tokio::select! {
-                        biased;
-                        result = &mut work => result?,
-                        () = &mut shutdown => {
+                () = &mut shutdown, if !stopping => {
+                    stop_tx.send_replace(true);
+                }
+                Some((lane, result)) = working.next() => {
+                    queued.done(&lane);
+                    match result {
+                        Ok(acks) => acking.push(core.ack_all(acks)),
+                        Err(e @ Error::Crashed { .. }) => return Err(e),
+                        Err(e) => {
+                            failed.get_or_insert(e);
                             stop_tx.send_replace(true);
-                            work.await?;
                         }
                     }
                 }
-                Err(e) => {
-                    failures += 1;
-                    self.core.source_failed(e, failures).await?;
+                Some(result) = acking.next() => {
+                    match result {
+                        Ok(()) => {}
+                        Err(e @ Error::Crashed { .. }) => return Err(e),
+                        Err(e) => {
+                            failed.get_or_insert(e);
+                            stop_tx.send_replace(true);
+                        }
+                    }
                 }
+                received = async { receiving.as_mut().expect("guarded by is_some").await }, if receiving.is_some() => {
+                    receiving = None;
+                    match received {
+                        Ok(batch) if batch.is_empty() => {
+                            failures = 0;
+                            if until_idle && working.is_empty() && acking.is_empty() && queued.len() == 0 {
+                                idle = true;
+                            }
+                        }
+                        Ok(batch) => {
+                            failures = 0;
+                            queued.add(batch);
+                        }
+                        Err(e) => {
+                            failures += 1;
+                            match core.source_failed(e, failures) {
+                                Ok(wait) => receive_after = Some(Instant::now() + wait),
+                                Err(e) => {
+                                    failed.get_or_insert(e);
+                                    stop_tx.send_replace(true);
+                                }
+                            }
+                        }
+                    }
+                }
+                () = sleep_until(receive_after.unwrap_or_else(Instant::now)), if receive_after.is_some() => {
+                    receive_after = None;
+                }
+                else => break,
             }
         }
-        Ok(self.core.stats.snapshot())
-    }
-
-    /// One batch: in one piece, or split into lanes applied `self.lanes` at a time. Every lane
-    /// finishes (commit and ack, or hand back) before an error is returned.
-    async fn process(&mut self, batch: Vec<Delivery<S::Ack>>, stop: &Stop) -> Result<()> {
-        let source = Mutex::new(&mut self.source);
-        if self.lanes <= 1 {
-            return self.core.process(&source, batch, stop).await;
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(core.stats.snapshot()),
         }
-        let core = &self.core;
-        let source = &source;
-        let results: Vec<Result<()>> = stream::iter(split_into_lanes(batch))
-            .map(|lane| core.process(source, lane, stop))
-            .buffer_unordered(self.lanes)
-            .collect()
-            .await;
-        results.into_iter().collect()
     }
 
     fn check(&self) -> Result<()> {
@@ -398,14 +521,17 @@ where
     St: InboxStore,
     H: BatchHandler<St::Tx>,
 {
+    /// Applies one chunk of one lane. Returns the acks of the messages settled by the commit,
+    /// for the caller to send behind the next chunk's transaction; dead letters, hand-backs and
+    /// a chunk with failures (acked before its failed messages are retried) are settled here.
     async fn process<S: MessageSource>(
         &self,
         source: &Mutex<&mut S>,
         deliveries: Vec<Delivery<S::Ack>>,
         stop: &Stop,
-    ) -> Result<()> {
+    ) -> Result<Vec<(MessageId, S::Ack)>> {
         if deliveries.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         self.count(Counter::Received, deliveries.len());
         let mut done: Vec<(MessageId, S::Ack)> = Vec::new();
@@ -464,8 +590,11 @@ where
                 Outcome::HandedBack => handed_back.push(delivery.ack),
             }
         }
-        self.ack_all(done).await?;
         self.hand_back(handed_back).await;
+        if failed.is_empty() {
+            return Ok(done);
+        }
+        self.ack_all(done).await?;
         for (id, delivery, e) in failed {
             if stop.stopping() {
                 self.hand_back(vec![delivery.ack]).await;
@@ -473,7 +602,7 @@ where
             }
             self.retry_alone(source, id, delivery, e, stop).await?;
         }
-        Ok(())
+        Ok(Vec::new())
     }
 
     /// Applies `work` in as few transactions as possible: all of it in one, and when that fails,
@@ -786,15 +915,15 @@ where
         }
     }
 
-    async fn source_failed(&self, e: SourceError, failures: u32) -> Result<()> {
+    /// How long to wait before receiving again after `e`, or the error that stops the consumer.
+    fn source_failed(&self, e: SourceError, failures: u32) -> Result<Duration> {
         self.count(Counter::Error, 1);
         if e.recovery() == Recovery::Fatal {
             return Err(Error::Source(e));
         }
         let wait = backoff(self.error_backoff, MAX_ERROR_BACKOFF, failures);
         warn!(consumer = %self.name, error = %e, ?wait, "receive failed; retrying");
-        tokio::time::sleep(wait).await;
-        Ok(())
+        Ok(wait)
     }
 
     fn skipped(&self, id: &MessageId) {

@@ -62,6 +62,7 @@ mod error;
 mod handler;
 mod hooks;
 mod message;
+mod recent;
 mod source;
 mod stats;
 mod store;
@@ -76,6 +77,7 @@ pub use error::{
 pub use handler::{BatchHandler, BatchItem, Handler, PerMessage};
 pub use hooks::{HookAction, Stage, StageHook};
 pub use message::{IdError, InvalidId, Message, MessageId, Metadata};
+pub use recent::Recent;
 pub use source::{Ack, Delivery, MessageSource};
 pub use stats::{Stats, StatsSnapshot};
 pub use store::InboxStore;

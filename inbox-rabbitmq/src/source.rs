@@ -1,11 +1,12 @@
 //! The consuming side: [`RabbitSource`].
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
 use futures_util::{FutureExt, StreamExt};
-use inbox_core::{async_trait, Delivery, IdError, Message, MessageSource, Metadata, SourceError};
+use inbox_core::{
+    async_trait, Delivery, IdError, Message, MessageSource, Metadata, Recent, SourceError,
+};
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::BasicProperties;
@@ -27,10 +28,14 @@ pub struct RabbitSource {
     generation: u64,
     live: Option<Live>,
     dead_letters: DeadLetters,
-    /// Original properties of the current batch, by position, so a dead-lettered message keeps
-    /// its typed headers and properties.
-    originals: HashMap<String, BasicProperties>,
+    /// Original properties of recent deliveries, by position, so a dead-lettered message keeps
+    /// its typed headers and properties. The consumer receives while earlier batches are still
+    /// applied, so this keeps [`RECENT_DELIVERIES`], not one batch.
+    originals: Recent<BasicProperties>,
 }
+
+/// How many deliveries a source remembers for dead-lettering: far more than a consumer holds.
+const RECENT_DELIVERIES: usize = 20_000;
 
 struct Live {
     link: Arc<Link>,
@@ -60,7 +65,7 @@ impl RabbitSource {
             generation: 0,
             live: None,
             dead_letters,
-            originals: HashMap::new(),
+            originals: Recent::new(RECENT_DELIVERIES),
         };
         source.open().await?;
         Ok(source)
@@ -234,8 +239,6 @@ impl MessageSource for RabbitSource {
     /// batches of `max` unless one was set. Cancel-safe: the only wait happens before any
     /// delivery is taken from the channel.
     async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<RabbitAck>>, SourceError> {
-        // The core settles (acks or dead-letters) a whole batch before it asks for the next one.
-        self.originals.clear();
         self.ensure_open().await?;
         let poll = self.config.poll_timeout;
         let Some(live) = self.live.as_mut() else {
@@ -310,7 +313,7 @@ impl MessageSource for RabbitSource {
     }
 }
 
-/// Properties for a message whose originals are gone (dead-lettered outside its batch).
+/// Properties for a message whose originals are gone (dead-lettered long after it arrived).
 fn rebuilt_properties(message: &Message) -> BasicProperties {
     let mut headers = FieldTable::default();
     for (k, v) in &message.headers {

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use aws_sdk_sqs::types::{MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName};
 use aws_sdk_sqs::Client;
-use inbox_core::{async_trait, Delivery, IdError, Message, MessageSource, Metadata, SourceError};
+use inbox_core::{
+    async_trait, Delivery, IdError, Message, MessageSource, Metadata, Recent, SourceError,
+};
 use tracing::warn;
 
 use crate::ack::SqsAck;
@@ -24,12 +26,15 @@ pub struct SqsSource {
     settings: Settings,
     queue_url: Arc<str>,
     dead_letter: DeadLetterTarget,
-    /// The last batch received, by position (`message <SQS message ID>`), so a dead letter
-    /// carries the attributes with their original data types and a deduplication ID from its
-    /// receipt handle. The consumer handles one batch completely (dead letters included) before
-    /// it receives again, so one batch is all it needs.
-    last_batch: HashMap<String, Received>,
+    /// Recent deliveries, by position (`message <SQS message ID>`), so a dead letter carries
+    /// the attributes with their original data types and a deduplication ID from its receipt
+    /// handle. The consumer receives while earlier batches are still applied, so this keeps
+    /// [`RECENT_DELIVERIES`], not one batch.
+    recent: Recent<Received>,
 }
+
+/// How many deliveries a source remembers for dead-lettering: far more than a consumer holds.
+const RECENT_DELIVERIES: usize = 20_000;
 
 /// What a dead letter needs of a received message beyond the inbox [`Message`].
 #[derive(Debug)]
@@ -51,7 +56,7 @@ impl SqsSource {
             settings,
             queue_url,
             dead_letter,
-            last_batch: HashMap::new(),
+            recent: Recent::new(RECENT_DELIVERIES),
         }
     }
 
@@ -198,7 +203,6 @@ impl MessageSource for SqsSource {
             .await
             .map_err(|e| Error::sdk("ReceiveMessage", &self.queue_url, e))?;
 
-        self.last_batch.clear();
         let mut deliveries = Vec::new();
         let mut to_delete = Vec::new();
         for sqs in out.messages() {
@@ -209,7 +213,7 @@ impl MessageSource for SqsSource {
             let message = self.convert(sqs);
             let handle: Arc<str> = Arc::from(handle);
             if sqs.message_id().is_some() {
-                self.last_batch.insert(
+                self.recent.insert(
                     message.meta.position.clone(),
                     Received {
                         receipt_handle: Arc::clone(&handle),
@@ -254,7 +258,7 @@ impl MessageSource for SqsSource {
     async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
         match &self.dead_letter {
             DeadLetterTarget::Queue(dlq_url) => {
-                let received = self.last_batch.get(&message.meta.position);
+                let received = self.recent.get(&message.meta.position);
                 dead_letter::send(
                     &self.client,
                     dlq_url,
