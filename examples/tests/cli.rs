@@ -18,6 +18,7 @@ fn help_lists_every_command_and_succeeds() {
         for command in [
             "kill-test",
             "zombie-test",
+            "soak",
             "consume",
             "publish",
             "memory-demo",

@@ -203,7 +203,7 @@ async fn throughput(
     Ok(rows as f64 / elapsed.as_secs_f64().max(1e-3))
 }
 
-async fn count(
+pub(crate) async fn count(
     db: &TestDb,
     published: u32,
     expected: &HashMap<i64, i64>,
@@ -230,28 +230,10 @@ async fn count(
 /// Starts `wallet consume` for `spec` and waits until it has connected.
 pub(crate) async fn spawn_ready(spec: &ConsumerSpec) -> Result<Child, BoxError> {
     for _ in 0..5 {
-        let mut child = Command::new(std::env::current_exe()?)
-            .args(spec.to_args())
-            .env("WALLET_CHILD", "1")
-            .env(
-                "RUST_LOG",
-                std::env::var("WALLET_CHILD_LOG").unwrap_or_else(|_| "error,lapin=off".into()),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()?;
-        let stdout = child.stdout.take().ok_or("the child has no stdout")?;
-        let mut lines = BufReader::new(stdout).lines();
-        let ready = tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await;
-        if let Ok(Ok(Some(line))) = ready {
-            if line == "ready" {
-                return Ok(child);
-            }
+        if let Some(child) = start_child(spec, &[], Duration::from_secs(60)).await? {
+            return Ok(child);
         }
         // It died on the way up (a self-crash on the first message, say): try again.
-        let _ = child.start_kill();
-        let _ = child.wait().await;
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     Err(format!(
@@ -259,6 +241,38 @@ pub(crate) async fn spawn_ready(spec: &ConsumerSpec) -> Result<Child, BoxError> 
         spec.name
     )
     .into())
+}
+
+/// One attempt to start `wallet consume` for `spec`, with `env` added to its environment: the
+/// child once it says it is connected, `None` when it dies or stays silent for `patience`.
+pub(crate) async fn start_child(
+    spec: &ConsumerSpec,
+    env: &[(&str, String)],
+    patience: Duration,
+) -> Result<Option<Child>, BoxError> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(spec.to_args())
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .env("WALLET_CHILD", "1")
+        .env(
+            "RUST_LOG",
+            std::env::var("WALLET_CHILD_LOG").unwrap_or_else(|_| "error,lapin=off".into()),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let stdout = child.stdout.take().ok_or("the child has no stdout")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let ready = tokio::time::timeout(patience, lines.next_line()).await;
+    if let Ok(Ok(Some(line))) = ready {
+        if line == "ready" {
+            return Ok(Some(child));
+        }
+    }
+    let _ = child.start_kill();
+    let _ = child.wait().await;
+    Ok(None)
 }
 
 /// How a draining member ended.

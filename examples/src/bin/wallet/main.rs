@@ -17,10 +17,12 @@ mod brokers;
 mod chart;
 mod cli;
 mod consume;
+mod faults;
 mod kill;
 mod memory;
 mod report;
 mod settings;
+mod soak;
 mod zombie;
 
 use std::io::Write;
@@ -49,6 +51,15 @@ wallet bench [--brokers kafka,redis,rabbitmq] [--events 200000] [--events-at-bat
              [--accounts 1000] [--kafka-impl tansu|mock]
                                       # msgs/s of b and c beside the broker alone and the
                                       # database alone, a table and JSON lines
+wallet soak [--brokers redis,rabbitmq,kafka] [--events 1000000] [--batch 1000] [--lanes 1]
+            [--handler batch|message] [--kill-every 5..30] [--fault-every 60] [--seed 42]
+            [--accounts 1000] [--work-ms 0] [--max-minutes 60] [--kafka-impl tansu|mock]
+                                      # events published in chunks while one consumer child is
+                                      # SIGKILLed every 5–30 s and restarted, a network fault into
+                                      # its connections every 60 s (database cut, database refused
+                                      # 5 s, broker cut, broker black-holed 10 s; on Kafka the
+                                      # database ones only), then a drain: duplicates, losses and
+                                      # the children's RSS, a line and a JSON line per broker
 wallet consume --broker B --variant V --name QUEUE --schema S [--work-ms 10]
                [--crash-between-commit-and-ack P] [--batch N] [--lanes N]
                [--handler message|batch]
@@ -66,7 +77,7 @@ neither work-around, a stalled drain fails the run; topics get 6 partitions thro
 `kafka-mock --control ADDR` when KAFKA_MOCK_CONTROL=ADDR, else 4, created on first use
 ";
 
-const USAGE: &str = "usage: wallet demo [--full] [kill-test options] | kill-test [options] | zombie-test [options] | bench [options] | consume … | publish … | memory-demo [options] | report [--chart SVG] FILE…\n`wallet --help` lists the options";
+const USAGE: &str = "usage: wallet demo [--full] [kill-test options] | kill-test [options] | zombie-test [options] | bench [options] | soak [options] | consume … | publish … | memory-demo [options] | report [--chart SVG] FILE…\n`wallet --help` lists the options";
 
 /// Tells the parent `kill-test` that this `consume` child is connected and consuming.
 pub(crate) fn ready() {
@@ -107,6 +118,10 @@ async fn main() -> ExitCode {
         },
         "bench" => match bench::BenchSettings::parse(rest) {
             Ok(s) => bench::run(&s).await,
+            Err(e) => Err(e.into()),
+        },
+        "soak" => match soak::SoakSettings::parse(rest) {
+            Ok(s) => soak::run(&s).await,
             Err(e) => Err(e.into()),
         },
         "consume" => consume(rest).await,

@@ -1,0 +1,603 @@
+//! `soak`: a long run per broker. Credit events are published in chunks while one consumer child
+//! at a time works through them, SIGKILLed every few seconds and restarted at once, with a
+//! network fault injected into its connections every minute through fault proxies in this
+//! process; then a clean drain, the ledger counted, and the children's memory (VmRSS) over the run.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use futures_util::stream::{self, StreamExt, TryStreamExt};
+use inbox_core::BoxError;
+use inbox_postgres::testkit::wallet::CreditEvent;
+use inbox_postgres::testkit::TestDb;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::process::Child;
+
+use crate::brokers::{self, Broker, Outgoing};
+use crate::cli::{list, num, parse_flags, BrokerKind, ConsumerSpec, KafkaImpl, Variant};
+use crate::faults::{Fault, Proxies, BROKER_BLACKHOLED_FOR, DB_REFUSED_FOR};
+use crate::kill;
+
+/// Events generated and handed to the broker at a time, and chunks in flight at once.
+const CHUNK: u32 = 10_000;
+const CHUNKS_IN_FLIGHT: usize = 4;
+const PUBLISH_ATTEMPTS: u32 = 10;
+/// A child's RSS is reported at this age.
+const RSS_AGE: Duration = Duration::from_secs(10);
+/// How long a starting child may take to say it is connected before it is replaced, and how
+/// long the harness keeps replacing it (a child started into a refused database dies at once).
+const START_PATIENCE: Duration = Duration::from_secs(30);
+const START_GIVE_UP: Duration = Duration::from_secs(180);
+
+#[derive(Debug, Clone)]
+pub(crate) struct SoakSettings {
+    brokers: Vec<BrokerKind>,
+    events: u32,
+    accounts: i64,
+    batch: usize,
+    lanes: usize,
+    batched: bool,
+    work_ms: u64,
+    /// Seconds of life before each kill, drawn from this range.
+    kill_every: (u64, u64),
+    /// Seconds between faults; 0: none.
+    fault_every: u64,
+    seed: u64,
+    /// After this the kills and faults stop and the drain does the rest.
+    max_minutes: u64,
+    kafka_impl: KafkaImpl,
+}
+
+impl SoakSettings {
+    pub(crate) fn parse(args: &[String]) -> Result<Self, String> {
+        let mut s = Self {
+            brokers: vec![BrokerKind::Redis, BrokerKind::Rabbitmq, BrokerKind::Kafka],
+            events: 1_000_000,
+            accounts: 1_000,
+            batch: 1_000,
+            lanes: 1,
+            batched: true,
+            work_ms: 0,
+            kill_every: (5, 30),
+            fault_every: 60,
+            seed: 42,
+            max_minutes: 60,
+            kafka_impl: KafkaImpl::default(),
+        };
+        parse_flags(args, |flag, value| {
+            match flag {
+                "--brokers" | "--broker" => s.brokers = list(value)?,
+                "--events" => s.events = num(value)?,
+                "--accounts" => s.accounts = num(value)?,
+                "--batch" => s.batch = num(value)?,
+                "--lanes" => s.lanes = num(value)?,
+                "--handler" => {
+                    s.batched = match value {
+                        "batch" => true,
+                        "message" => false,
+                        _ => return Err("use message or batch".into()),
+                    }
+                }
+                "--work-ms" => s.work_ms = num(value)?,
+                "--kill-every" => {
+                    let (lo, hi) = value.split_once("..").ok_or("use MIN..MAX s, e.g. 5..30")?;
+                    s.kill_every = (num(lo)?, num(hi)?);
+                    if s.kill_every.0 == 0 || s.kill_every.0 > s.kill_every.1 {
+                        return Err("MIN must be at least 1 and at most MAX".into());
+                    }
+                }
+                "--fault-every" => s.fault_every = num(value)?,
+                "--seed" => s.seed = num(value)?,
+                "--max-minutes" => s.max_minutes = num(value)?,
+                "--kafka-impl" => s.kafka_impl = value.parse()?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        if s.events == 0 || s.accounts < 1 || s.batch == 0 || s.lanes == 0 {
+            return Err("--events, --accounts, --batch and --lanes must be at least 1".into());
+        }
+        Ok(s)
+    }
+}
+
+/// The seeded events, made a chunk at a time: the same sequence as `kill::events` for a seed.
+struct Events {
+    rng: StdRng,
+    accounts: i64,
+    next: u32,
+    total: u32,
+    expected: HashMap<i64, i64>,
+}
+
+impl Events {
+    fn new(s: &SoakSettings) -> Self {
+        Self {
+            rng: StdRng::seed_from_u64(s.seed),
+            accounts: s.accounts,
+            next: 0,
+            total: s.events,
+            expected: HashMap::new(),
+        }
+    }
+
+    fn chunk(&mut self) -> Vec<Outgoing> {
+        let end = self.total.min(self.next.saturating_add(CHUNK));
+        let chunk = (self.next..end)
+            .map(|i| {
+                let event = CreditEvent::new(
+                    self.rng.random_range(1..=self.accounts),
+                    self.rng.random_range(1..=100),
+                );
+                *self.expected.entry(event.account_id).or_insert(0) += event.amount;
+                Outgoing {
+                    id: format!("evt-{i}"),
+                    key: event.account_id.to_string(),
+                    payload: event.to_json(),
+                }
+            })
+            .collect();
+        self.next = end;
+        chunk
+    }
+}
+
+/// Events handed to the broker, and chunks published again after a failure.
+#[derive(Debug, Default)]
+struct Published {
+    events: AtomicU32,
+    republished_chunks: AtomicU32,
+}
+
+/// Publishes every event, [`CHUNKS_IN_FLIGHT`] chunks at a time; returns the expected balances.
+///
+/// A chunk whose publishing fails (the shared broker restarted by another test, say) is published
+/// again whole: the copies of its first messages carry the same IDs, so the inbox skips them.
+async fn publish(
+    broker: &dyn Broker,
+    name: &str,
+    s: &SoakSettings,
+    published: &Published,
+) -> Result<HashMap<i64, i64>, BoxError> {
+    let mut events = Events::new(s);
+    let chunks = s.events.div_ceil(CHUNK);
+    stream::iter(0..chunks)
+        .map(|_| {
+            let chunk = events.chunk();
+            async move {
+                let mut attempts = 1;
+                loop {
+                    match broker.publish(name, &chunk).await {
+                        Ok(()) => return Ok::<_, BoxError>(chunk.len() as u32),
+                        Err(e) if attempts < PUBLISH_ATTEMPTS => {
+                            eprintln!("\npublishing a chunk to {name} failed ({e}); again in 2 s");
+                            published.republished_chunks.fetch_add(1, Ordering::Relaxed);
+                            attempts += 1;
+                            tokio::time::sleep(Duration::from_secs(2)).await;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+        })
+        .buffer_unordered(CHUNKS_IN_FLIGHT)
+        .try_for_each(|n| {
+            published.events.fetch_add(n, Ordering::Relaxed);
+            async { Ok(()) }
+        })
+        .await?;
+    Ok(events.expected)
+}
+
+/// One child's VmRSS samples, by age.
+#[derive(Debug, Default, Clone, Copy)]
+struct Rss {
+    /// The first sample at [`RSS_AGE`] or later (kB).
+    at_age: Option<u64>,
+    max: u64,
+}
+
+/// The child running now.
+struct Running {
+    child: Child,
+    pid: u32,
+    started: Instant,
+    /// Which child of the run this is, from 0.
+    index: u32,
+    rss: Rss,
+}
+
+/// A fault whose effect is being watched: did the same child apply anything after it ended?
+struct Watched {
+    child: u32,
+    ended: Instant,
+    /// The ledger's highest row ID at the first look after the fault ended.
+    mark: Option<i64>,
+}
+
+/// What the kill phase saw.
+#[derive(Debug, Default)]
+struct Phase {
+    children: u32,
+    kills: u32,
+    /// Children that ended by themselves (a fatal error, a panic), with how.
+    exits: Vec<String>,
+    /// Starts that died or stayed silent before saying they were connected.
+    failed_starts: u32,
+    faults: Vec<(Fault, u32)>,
+    /// Seconds from a fault's end to the same child's next ledger write.
+    recovered_in_place: Vec<f64>,
+    /// Faults after which the child was killed (or ended) before it wrote again.
+    ended_by_kill: u32,
+    /// Faults near the end, after which there was nothing left to write.
+    unresolved: u32,
+    /// RSS at [`RSS_AGE`] of the first and of the last child that reached it, and the highest.
+    rss_first: Option<u64>,
+    rss_last: Option<u64>,
+    rss_max: u64,
+    /// The kill phase hit `--max-minutes`.
+    timed_out: bool,
+    /// How long the kills and faults went on.
+    lasted: Duration,
+}
+
+impl Phase {
+    fn count(&mut self, fault: Fault) {
+        match self.faults.iter_mut().find(|(f, _)| *f == fault) {
+            Some((_, n)) => *n += 1,
+            None => self.faults.push((fault, 1)),
+        }
+    }
+
+    fn retire(&mut self, running: &Running) {
+        if let Some(kb) = running.rss.at_age {
+            self.rss_first.get_or_insert(kb);
+            self.rss_last = Some(kb);
+        }
+        self.rss_max = self.rss_max.max(running.rss.max);
+    }
+}
+
+/// Starts a child, replacing it until it says it is connected (a child started into a refused
+/// database dies at once).
+async fn start(
+    spec: &ConsumerSpec,
+    proxies: &Proxies,
+    phase: &mut Phase,
+) -> Result<Running, BoxError> {
+    let begun = Instant::now();
+    loop {
+        if let Some(child) = kill::start_child(spec, &proxies.env, START_PATIENCE).await? {
+            let pid = child.id().ok_or("a started child has no pid")?;
+            let index = phase.children;
+            phase.children += 1;
+            return Ok(Running {
+                child,
+                pid,
+                started: Instant::now(),
+                index,
+                rss: Rss::default(),
+            });
+        }
+        phase.failed_starts += 1;
+        if begun.elapsed() > START_GIVE_UP {
+            return Err(format!(
+                "`wallet consume` for {} did not start in {} s",
+                spec.name,
+                START_GIVE_UP.as_secs()
+            )
+            .into());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// `VmRSS` of `pid` in kB, from `/proc/<pid>/status`.
+async fn rss_kb(pid: u32) -> Option<u64> {
+    tokio::task::spawn_blocking(move || {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let line = status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?;
+        line.trim().trim_end_matches("kB").trim().parse().ok()
+    })
+    .await
+    .ok()
+    .flatten()
+}
+
+async fn max_ledger_id(db: &TestDb) -> Result<i64, BoxError> {
+    Ok(
+        sqlx::query_scalar::<_, Option<i64>>("SELECT max(id) FROM ledger")
+            .fetch_one(&db.pool)
+            .await?
+            .unwrap_or(0),
+    )
+}
+
+/// Kills and restarts children, injects faults and samples RSS until every event is published
+/// and in the ledger (or `--max-minutes`); the last child is killed too.
+async fn kill_phase(
+    spec: &ConsumerSpec,
+    db: &TestDb,
+    s: &SoakSettings,
+    proxies: &Proxies,
+    published: &Published,
+    label: &str,
+) -> Result<Phase, BoxError> {
+    let mut phase = Phase::default();
+    let mut rng = StdRng::seed_from_u64(s.seed ^ 0x50a4);
+    let mut life = || Duration::from_secs(rng.random_range(s.kill_every.0..=s.kill_every.1));
+    let faults = proxies.faults();
+    let fault_every = Duration::from_secs(s.fault_every);
+    let start_time = Instant::now();
+    let deadline = start_time + Duration::from_secs(s.max_minutes * 60);
+    let mut next_fault = start_time + fault_every;
+    let mut running = start(spec, proxies, &mut phase).await?;
+    let mut kill_at = Instant::now() + life();
+    let mut watched: Vec<Watched> = Vec::new();
+    let mut applied = 0i64;
+    let mut tick = 0u64;
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        tick += 1;
+        if let Some(kb) = rss_kb(running.pid).await {
+            running.rss.max = running.rss.max.max(kb);
+            if running.rss.at_age.is_none() && running.started.elapsed() >= RSS_AGE {
+                running.rss.at_age = Some(kb);
+            }
+        }
+        let top = max_ledger_id(db).await?;
+        watched.retain_mut(|w| {
+            if w.ended > Instant::now() {
+                return true;
+            }
+            if w.child != running.index {
+                phase.ended_by_kill += 1;
+                return false;
+            }
+            match w.mark {
+                None => {
+                    w.mark = Some(top);
+                    true
+                }
+                Some(mark) if top > mark => {
+                    phase
+                        .recovered_in_place
+                        .push(w.ended.elapsed().as_secs_f64());
+                    false
+                }
+                Some(_) => true,
+            }
+        });
+        if tick.is_multiple_of(5) {
+            applied = sqlx::query_scalar("SELECT count(*) FROM ledger")
+                .fetch_one(&db.pool)
+                .await?;
+        }
+        let all_published = published.events.load(Ordering::Relaxed) >= s.events;
+        let done = all_published && applied >= i64::from(s.events);
+        phase.timed_out = Instant::now() >= deadline;
+        let ended = running.child.try_wait()?;
+        if done || phase.timed_out || ended.is_some() || Instant::now() >= kill_at {
+            match ended {
+                Some(status) => phase.exits.push(status.to_string()),
+                None => {
+                    running.child.start_kill()?; // SIGKILL
+                    running.child.wait().await?;
+                    phase.kills += 1;
+                }
+            }
+            phase.retire(&running);
+            if done || phase.timed_out {
+                break;
+            }
+            running = start(spec, proxies, &mut phase).await?;
+            kill_at = Instant::now() + life();
+        }
+        if !faults.is_empty() && s.fault_every > 0 && Instant::now() >= next_fault {
+            let fault =
+                faults[phase.faults.iter().map(|(_, n)| *n as usize).sum::<usize>() % faults.len()];
+            proxies.inject(fault);
+            phase.count(fault);
+            watched.push(Watched {
+                child: running.index,
+                ended: Instant::now() + fault.lasts(),
+                mark: None,
+            });
+            next_fault += fault_every;
+        }
+        kill::progress(&format!(
+            "{label}: {} min, {}/{} published, ~{applied} applied, {} kills, {} faults, child \
+             {} at {} MB",
+            start_time.elapsed().as_secs() / 60,
+            published.events.load(Ordering::Relaxed),
+            s.events,
+            phase.kills,
+            phase.faults.iter().map(|(_, n)| n).sum::<u32>(),
+            running.index + 1,
+            running.rss.max / 1024,
+        ));
+    }
+    // A fault still watched when the work ran out could show no recovery either way.
+    phase.unresolved = watched.len() as u32;
+    phase.lasted = start_time.elapsed();
+    Ok(phase)
+}
+
+/// Runs the soak on every broker of `s`; fails when any shows a duplicate or a loss.
+pub(crate) async fn run(s: &SoakSettings) -> Result<(), BoxError> {
+    println!(
+        "The wallet soak: {} credit events per broker, one consumer (`--batch {} --lanes {} \
+         --handler {}`) SIGKILLed every {}–{} s and restarted at once, a network fault every {} s \
+         (database cut, database refused {} s, broker cut, broker black-holed {} s), then a drain.",
+        s.events,
+        s.batch,
+        s.lanes,
+        if s.batched { "batch" } else { "message" },
+        s.kill_every.0,
+        s.kill_every.1,
+        s.fault_every,
+        DB_REFUSED_FOR.as_secs(),
+        BROKER_BLACKHOLED_FOR.as_secs(),
+    );
+    let mut failures = Vec::new();
+    for &kind in &s.brokers {
+        let broker = brokers::connect(kind, s.kafka_impl).await?;
+        crate::kafka_note(kind, s.kafka_impl);
+        if kind == BrokerKind::Kafka {
+            println!(
+                "kafka: database faults only. A proxy in front of the broker covers only \
+                 bootstrap: the clients then connect to the address the broker advertises."
+            );
+        }
+        let (line, failed) = on_broker(broker.as_ref(), s).await?;
+        println!("{line}");
+        if let Some(f) = failed {
+            failures.push(f);
+        }
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("; ").into())
+    }
+}
+
+async fn on_broker(
+    broker: &dyn Broker,
+    s: &SoakSettings,
+) -> Result<(String, Option<String>), BoxError> {
+    let kind = broker.kind();
+    let began = Instant::now();
+    let db = TestDb::new().await;
+    let name = brokers::fresh_name(&format!("{kind}-soak"));
+    broker.create(&name).await?;
+    let spec = ConsumerSpec {
+        work: Duration::from_millis(s.work_ms),
+        batch: Some(s.batch),
+        lanes: s.lanes,
+        batched: s.batched,
+        ..ConsumerSpec::new(kind, Variant::C, &name, &db.schema)
+    };
+    let proxies = Proxies::start(kind).await?;
+    let published = Published::default();
+    let label = format!("{kind} soak");
+    let publishing = async {
+        let start = Instant::now();
+        let expected = publish(broker, &name, s, &published).await?;
+        Ok::<_, BoxError>((expected, start.elapsed()))
+    };
+    let ((expected, publish_time), phase) = tokio::try_join!(
+        publishing,
+        kill_phase(&spec, &db, s, &proxies, &published, &label)
+    )?;
+    drop(proxies);
+    let drain_start = Instant::now();
+    kill::drain(broker, &spec, &db, i64::from(s.events), &label).await?;
+    let drain_time = drain_start.elapsed();
+    let result = kill::count(&db, s.events, &expected, phase.kills, 0).await?;
+    kill::progress("");
+    let minutes = began.elapsed().as_secs_f64() / 60.0;
+    db.drop().await;
+    broker.remove(&name).await;
+
+    let mb = |kb: Option<u64>| kb.map_or("-".to_owned(), |kb| format!("{:.1}", kb as f64 / 1024.0));
+    let faults: Vec<String> = phase
+        .faults
+        .iter()
+        .map(|(f, n)| format!("{} {n}", f.name()))
+        .collect();
+    let recovery_max = phase.recovered_in_place.iter().copied().fold(0.0, f64::max);
+    let mut line = format!(
+        "{kind}: {} events, {} kills, {} children ({} failed starts, {} exits by themselves), \
+         faults [{}] ({} recovered in place within {recovery_max:.0} s, {} cut short by a \
+         kill, {} at the end), {} duplicates, {} lost, balances {}, {minutes:.1} min (publishing {:.1} min at \
+         {:.0}/s, kills and faults {:.1} min, drain {:.0} s), child RSS MB: {} at 10 s (first), \
+         {} at 10 s (last before the drain), {} max",
+        s.events,
+        phase.kills,
+        phase.children,
+        phase.failed_starts,
+        phase.exits.len(),
+        faults.join(", "),
+        phase.recovered_in_place.len(),
+        phase.ended_by_kill,
+        phase.unresolved,
+        result.duplicates,
+        result.lost,
+        if result.balances_exact {
+            "exact"
+        } else {
+            "WRONG"
+        },
+        publish_time.as_secs_f64() / 60.0,
+        f64::from(s.events) / publish_time.as_secs_f64().max(1e-3),
+        phase.lasted.as_secs_f64() / 60.0,
+        drain_time.as_secs_f64(),
+        mb(phase.rss_first),
+        mb(phase.rss_last),
+        mb(Some(phase.rss_max)),
+    );
+    if phase.timed_out {
+        line.push_str(&format!(
+            "; the kills and faults stopped at --max-minutes {}, the drain applied the rest",
+            s.max_minutes
+        ));
+    }
+    let republished = published.republished_chunks.load(Ordering::Relaxed);
+    if republished > 0 {
+        line.push_str(&format!(
+            "; {republished} chunks of {CHUNK} published again after a publishing error"
+        ));
+    }
+    if !phase.exits.is_empty() {
+        line.push_str(&format!("; exits: {}", phase.exits.join(", ")));
+    }
+    let json = serde_json::json!({
+        "soak": kind.name(),
+        "events": s.events,
+        "batch": s.batch,
+        "lanes": s.lanes,
+        "handler": if s.batched { "batch" } else { "message" },
+        "kill_every_s": [s.kill_every.0, s.kill_every.1],
+        "fault_every_s": s.fault_every,
+        "seed": s.seed,
+        "kills": phase.kills,
+        "children": phase.children,
+        "failed_starts": phase.failed_starts,
+        "exits": phase.exits,
+        "faults": phase.faults.iter().map(|(f, n)| (f.name().to_owned(), *n)).collect::<HashMap<_, _>>(),
+        "faults_recovered_in_place": phase.recovered_in_place.len(),
+        "fault_recovery_max_s": recovery_max,
+        "faults_cut_short_by_kill": phase.ended_by_kill,
+        "faults_at_the_end": phase.unresolved,
+        "broker_faults": kind != BrokerKind::Kafka,
+        "duplicates": result.duplicates,
+        "lost": result.lost,
+        "balances_exact": result.balances_exact,
+        "minutes": minutes,
+        "publish_per_s": f64::from(s.events) / publish_time.as_secs_f64().max(1e-3),
+        "drain_s": drain_time.as_secs_f64(),
+        "republished_chunks": republished,
+        "timed_out": phase.timed_out,
+        "rss_kb_first_at_10s": phase.rss_first,
+        "rss_kb_last_at_10s": phase.rss_last,
+        "rss_kb_max": phase.rss_max,
+    });
+    let line = format!("{line}\n{json}");
+    let failed =
+        (result.duplicates != 0 || result.lost != 0 || !result.balances_exact).then(|| {
+            format!(
+                "{kind}: {} duplicates, {} lost, balances {}",
+                result.duplicates,
+                result.lost,
+                if result.balances_exact {
+                    "exact"
+                } else {
+                    "wrong"
+                }
+            )
+        });
+    Ok((line, failed))
+}
