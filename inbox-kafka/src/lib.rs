@@ -86,10 +86,10 @@
 //! its lane ([`Metadata::lane`](inbox_core::Metadata::lane), `topic[partition]`):
 //!
 //! - by default the whole batch is one transaction and one offset commit;
-//! - with [`Consumer::parallel_lanes`](inbox_core::Consumer::parallel_lanes)`(n)` the batch is
-//!   split by partition and up to `n` partitions are applied side by side, each in its own
-//!   transaction with its own commit, while one partition's messages stay in offset order. The
-//!   next batch is received when every partition of this one is done.
+//! - with [`Consumer::parallel_lanes`](inbox_core::Consumer::parallel_lanes)`(n)` up to `n`
+//!   partitions are applied side by side, each in transactions of its own with its own commit,
+//!   while one partition's messages stay in offset order; the consumer receives again while a
+//!   partition's lane is free.
 //!
 //! Within a partition messages are applied in offset order, except that a failing message that
 //! is retried is applied after the rest of its partition's batch. Several sources with the same
