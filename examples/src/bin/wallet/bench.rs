@@ -271,17 +271,65 @@ async fn consumer_run(
     spec: Spec,
     events: &[Outgoing],
 ) -> Result<Row, BoxError> {
-    let name = format!("bench-{:016x}", rand::random::<u64>());
-    broker.create(&name).await?;
-    broker.publish(&name, events).await?;
-    let db = TestDb::new().await;
-    let consumer = ConsumerSpec {
+    let label = spec.to_string();
+    let (events, seconds) = timed_run(broker, events, &label, |name, schema| ConsumerSpec {
         batch: Some(spec.batch),
         lanes: spec.lanes,
         batched: spec.handler == HandlerKind::Batch,
         work: Duration::ZERO,
-        ..ConsumerSpec::new(broker.kind(), spec.variant, &name, &db.schema)
-    };
+        ..ConsumerSpec::new(broker.kind(), spec.variant, name, schema)
+    })
+    .await?;
+    Ok(Row {
+        broker: broker.kind().to_string(),
+        variant: spec.variant.name().to_owned(),
+        handler: spec.handler.name(),
+        batch: spec.batch,
+        lanes: spec.lanes,
+        events,
+        seconds,
+        peak_rss_mb: peak_rss_mb(),
+    })
+}
+
+/// The broker alone: the same consumer at batch size 1000 with an in-memory store and a handler
+/// that only counts, so what is left is receiving and acking.
+async fn broker_alone(broker: &dyn Broker, events: &[Outgoing]) -> Result<Row, BoxError> {
+    let (events, seconds) = timed_run(broker, events, "broker alone", |name, schema| {
+        ConsumerSpec {
+            batch: Some(1000),
+            no_database: true,
+            work: Duration::ZERO,
+            ..ConsumerSpec::new(broker.kind(), Variant::B, name, schema)
+        }
+    })
+    .await?;
+    Ok(Row {
+        broker: broker.kind().to_string(),
+        variant: "broker alone".into(),
+        handler: "none",
+        batch: 1000,
+        lanes: 1,
+        events,
+        seconds,
+        peak_rss_mb: peak_rss_mb(),
+    })
+}
+
+/// Publishes `events` to a fresh queue, runs the consumer `spec` makes (from the queue name and
+/// a fresh schema) until all are applied, and returns how many and the seconds from the first
+/// applied to the last.
+async fn timed_run(
+    broker: &dyn Broker,
+    events: &[Outgoing],
+    label: &str,
+    spec: impl FnOnce(&str, &str) -> ConsumerSpec,
+) -> Result<(u64, f64), BoxError> {
+    let name = format!("bench-{:016x}", rand::random::<u64>());
+    broker.create(&name).await?;
+    broker.publish(&name, events).await?;
+    let db = TestDb::new().await;
+    let consumer = spec(&name, &db.schema);
     let progress = Arc::new(Progress::default());
     let watch = Watch {
         progress: Some(Arc::clone(&progress)),
@@ -303,75 +351,13 @@ async fn consumer_run(
     let stats = stats?;
     let seconds = done.map_err(|applied| {
         format!(
-            "{} {spec}: {applied} of {n} applied, then nothing for 120 s ({stats:?})",
-            broker.kind()
-        )
-    })?;
-    let row = Row {
-        broker: broker.kind().to_string(),
-        variant: spec.variant.name().to_owned(),
-        handler: spec.handler.name(),
-        batch: spec.batch,
-        lanes: spec.lanes,
-        events: n,
-        seconds,
-        peak_rss_mb: peak_rss_mb(),
-    };
-    db.drop().await;
-    broker.remove(&name).await;
-    Ok(row)
-}
-
-/// The broker alone: the same consumer at batch size 1000 with an in-memory store and a handler
-/// that only counts, so what is left is receiving and acking.
-async fn broker_alone(broker: &dyn Broker, events: &[Outgoing]) -> Result<Row, BoxError> {
-    let name = format!("bench-{:016x}", rand::random::<u64>());
-    broker.create(&name).await?;
-    broker.publish(&name, events).await?;
-    let consumer = ConsumerSpec {
-        batch: Some(1000),
-        no_database: true,
-        work: Duration::ZERO,
-        ..ConsumerSpec::new(broker.kind(), Variant::B, &name, "unused")
-    };
-    let db = TestDb::new().await;
-    let progress = Arc::new(Progress::default());
-    let watch = Watch {
-        progress: Some(Arc::clone(&progress)),
-        ..Watch::default()
-    };
-    reset_peak_rss();
-    let n = events.len() as u64;
-    let (stop, stopped) = oneshot::channel::<()>();
-    let shutdown = Box::pin(async {
-        let _ = stopped.await;
-    });
-    let consume = broker.consume(&consumer, &db, watch, shutdown);
-    let waiting = async {
-        let done = progress.wait_for(n, Duration::from_secs(120)).await;
-        let _ = stop.send(());
-        done
-    };
-    let (stats, done) = tokio::join!(consume, waiting);
-    stats?;
-    let seconds = done.map_err(|applied| {
-        format!(
-            "{} broker alone: {applied} of {n} received, then nothing for 120 s",
+            "{} {label}: {applied} of {n} applied, then nothing for 120 s ({stats:?})",
             broker.kind()
         )
     })?;
     db.drop().await;
     broker.remove(&name).await;
-    Ok(Row {
-        broker: broker.kind().to_string(),
-        variant: "broker alone".into(),
-        handler: "none",
-        batch: 1000,
-        lanes: 1,
-        events: n,
-        seconds,
-        peak_rss_mb: peak_rss_mb(),
-    })
+    Ok((n, seconds))
 }
 
 /// The database alone: transactions of `batch` events from a generator, each the claim plus the
