@@ -419,6 +419,9 @@ where
                 ));
             }
             if stopping || idle {
+                // A receive still waiting (a long poll) is dropped: receives are cancel-safe,
+                // and what a cancelled one took comes back from the broker.
+                receiving = None;
                 core.hand_back(queued.drain()).await;
                 if working.is_empty() && acking.is_empty() && receiving.is_none() {
                     break;
