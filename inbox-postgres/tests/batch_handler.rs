@@ -3,35 +3,22 @@
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
-use std::time::Duration;
-
 use inbox_core::testkit::MemoryBroker;
-use inbox_core::{Consumer, RetryPolicy};
-use inbox_postgres::testkit::wallet::{self, balance, BatchCredit, CreditEvent};
-use inbox_postgres::testkit::TestDb;
-
-fn credit(broker: &MemoryBroker, id: &str, account: i64, amount: i64) {
-    broker.publish(Some(id), CreditEvent::new(account, amount).to_json());
-}
-
-fn fast_retry(max_attempts: u32) -> RetryPolicy {
-    RetryPolicy {
-        max_attempts,
-        initial_backoff: Duration::from_millis(10),
-        max_backoff: Duration::from_millis(50),
-    }
-}
+use inbox_core::Consumer;
+use inbox_postgres::testkit::wallet::publish_credit;
+use inbox_postgres::testkit::wallet::{self, balance, BatchCredit};
+use inbox_postgres::testkit::{fast_retry, TestDb};
 
 #[tokio::test]
 async fn a_batch_is_applied_set_based_in_one_transaction_and_duplicates_skipped() {
     let db = TestDb::new().await;
     let broker = MemoryBroker::new();
     for i in 0..100 {
-        credit(&broker, &format!("evt-{i}"), i % 7, 10);
+        publish_credit(&broker, &format!("evt-{i}"), i % 7, 10);
     }
     // Redelivered copies inside the batch.
-    credit(&broker, "evt-3", 3, 10);
-    credit(&broker, "evt-50", 50 % 7, 10);
+    publish_credit(&broker, "evt-3", 3, 10);
+    publish_credit(&broker, "evt-50", 50 % 7, 10);
 
     let stats = Consumer::batched("wallet", broker.source(), db.inbox(), BatchCredit)
         .batch_size(200)
@@ -52,7 +39,7 @@ async fn a_batch_is_applied_set_based_in_one_transaction_and_duplicates_skipped(
 
     // The same events again, as after a crash before the ack: all skipped, nothing written.
     for i in 0..100 {
-        credit(&broker, &format!("evt-{i}"), i % 7, 10);
+        publish_credit(&broker, &format!("evt-{i}"), i % 7, 10);
     }
     let again = Consumer::batched("wallet", broker.source(), db.inbox(), BatchCredit)
         .batch_size(200)
@@ -72,7 +59,7 @@ async fn an_unparsable_message_is_dead_lettered_before_the_transaction() {
         if i == 4 {
             broker.publish(Some("evt-poison"), "{not json");
         } else {
-            credit(&broker, &format!("evt-{i}"), i, 10);
+            publish_credit(&broker, &format!("evt-{i}"), i, 10);
         }
     }
 
@@ -106,7 +93,7 @@ async fn a_message_the_database_refuses_is_found_and_dead_lettered_alone() {
     let broker = MemoryBroker::new();
     for i in 0..64 {
         let amount = if i == 37 { 13 } else { 1 };
-        credit(&broker, &format!("evt-{i}"), i % 5, amount);
+        publish_credit(&broker, &format!("evt-{i}"), i % 5, amount);
     }
 
     let stats = Consumer::batched("wallet", broker.source(), db.inbox(), BatchCredit)

@@ -8,31 +8,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::testkit::{crash_at, AckMode, MemoryBroker, WithoutInbox};
-use inbox_core::{
-    async_trait, Consumer, Error, Handler, HandlerError, Message, MessageId, RetryPolicy, Stage,
-};
+use inbox_core::{async_trait, Consumer, Error, Handler, HandlerError, Message, MessageId, Stage};
+use inbox_postgres::testkit::wallet::publish_credit;
 use inbox_postgres::testkit::wallet::{self, balance, Credit, CreditEvent};
-use inbox_postgres::testkit::TestDb;
+use inbox_postgres::testkit::{fast_retry, TestDb};
 use inbox_postgres::PgTx;
-
-fn credit(broker: &MemoryBroker, id: &str, account: i64, amount: i64) {
-    broker.publish(Some(id), CreditEvent::new(account, amount).to_json());
-}
-
-fn fast_retry(max_attempts: u32) -> RetryPolicy {
-    RetryPolicy {
-        max_attempts,
-        initial_backoff: Duration::from_millis(10),
-        max_backoff: Duration::from_millis(50),
-    }
-}
 
 #[tokio::test]
 async fn the_same_message_delivered_twice_credits_once() {
     let db = TestDb::new().await;
     let broker = MemoryBroker::new();
-    credit(&broker, "evt-1", 1, 100);
-    credit(&broker, "evt-1", 1, 100);
+    publish_credit(&broker, "evt-1", 1, 100);
+    publish_credit(&broker, "evt-1", 1, 100);
 
     let stats = Consumer::new(
         "wallet",
@@ -54,8 +41,8 @@ async fn the_same_message_delivered_twice_credits_once() {
 async fn a_crash_after_commit_before_ack_is_skipped_on_restart() {
     let db = TestDb::new().await;
     let broker = MemoryBroker::new();
-    credit(&broker, "evt-1", 1, 100);
-    credit(&broker, "evt-2", 1, 100);
+    publish_credit(&broker, "evt-1", 1, 100);
+    publish_credit(&broker, "evt-2", 1, 100);
 
     let first = Consumer::new(
         "wallet",
@@ -105,8 +92,8 @@ async fn two_consumers_racing_on_one_id_credit_once() {
     let broker = MemoryBroker::new();
     // Two copies of the same event, taken by two consumers at the same time. The handler's work
     // keeps both transactions open together, so the second INSERT waits on the first's row.
-    credit(&broker, "evt-1", 1, 100);
-    credit(&broker, "evt-1", 1, 100);
+    publish_credit(&broker, "evt-1", 1, 100);
+    publish_credit(&broker, "evt-1", 1, 100);
     let handler = Credit::new(db.pool.clone()).work(Duration::from_millis(300));
     let a = Consumer::new("wallet", broker.source(), db.inbox(), handler.clone());
     let b = Consumer::new("wallet", broker.source(), db.inbox(), handler);
@@ -126,7 +113,7 @@ async fn ack_before_the_database_loses_the_message_on_a_crash() {
     // The anti-pattern ("offset first"): the broker forgets the message on receipt.
     let db = TestDb::new().await;
     let broker = MemoryBroker::new();
-    credit(&broker, "evt-1", 1, 100);
+    publish_credit(&broker, "evt-1", 1, 100);
 
     let crashed = Consumer::new(
         "wallet",
@@ -160,7 +147,7 @@ async fn without_the_inbox_a_crash_after_commit_credits_twice() {
     // The anti-pattern "commit after the database, no inbox" (the article's variant b).
     let db = TestDb::new().await;
     let broker = MemoryBroker::new();
-    credit(&broker, "evt-2", 1, 100);
+    publish_credit(&broker, "evt-2", 1, 100);
     let no_inbox = WithoutInbox(db.inbox());
 
     let crashed = Consumer::new(
@@ -198,8 +185,8 @@ async fn a_message_without_id_is_dead_lettered_and_nothing_is_applied() {
     let db = TestDb::new().await;
     let broker = MemoryBroker::new();
     broker.publish(None, CreditEvent::new(1, 100).to_json());
-    credit(&broker, "", 1, 100); // an empty ID is no ID either
-    credit(&broker, "evt-ok", 1, 5);
+    publish_credit(&broker, "", 1, 100); // an empty ID is no ID either
+    publish_credit(&broker, "evt-ok", 1, 5);
 
     let stats = Consumer::new(
         "wallet",
@@ -262,7 +249,7 @@ impl Handler<PgTx> for Flaky {
 async fn a_handler_error_rolls_back_the_inbox_row_and_the_retry_applies_once() {
     let db = TestDb::new().await;
     let broker = MemoryBroker::new();
-    credit(&broker, "evt-1", 1, 100);
+    publish_credit(&broker, "evt-1", 1, 100);
     let flaky = Flaky {
         inner: Credit::new(db.pool.clone()),
         failures: AtomicU32::new(2),
@@ -284,7 +271,7 @@ async fn a_handler_error_rolls_back_the_inbox_row_and_the_retry_applies_once() {
 
     // Past the limit it is dead-lettered, and neither the credit nor the inbox row stays, so a
     // replay from the dead-letter queue would still be applied.
-    credit(&broker, "evt-2", 1, 7);
+    publish_credit(&broker, "evt-2", 1, 7);
     let always = Flaky {
         inner: Credit::new(db.pool.clone()),
         failures: AtomicU32::new(u32::MAX),
@@ -312,7 +299,7 @@ async fn a_poison_message_in_a_batch_is_dead_lettered_and_the_rest_commits_once(
         if i == 4 {
             broker.publish(Some("evt-poison"), "{not json");
         } else {
-            credit(&broker, &format!("evt-{i}"), i, 10);
+            publish_credit(&broker, &format!("evt-{i}"), i, 10);
         }
     }
 
@@ -380,8 +367,8 @@ async fn a_panicking_handler_does_not_take_the_consumer_down() {
     }
     let db = TestDb::new().await;
     let broker = MemoryBroker::new();
-    credit(&broker, "evt-1", 1, 100);
-    credit(&broker, "evt-2", 1, 1);
+    publish_credit(&broker, "evt-1", 1, 100);
+    publish_credit(&broker, "evt-2", 1, 1);
 
     let stats = Consumer::new(
         "wallet",
@@ -404,7 +391,7 @@ async fn graceful_shutdown_finishes_the_batch_in_flight() {
     let db = TestDb::new().await;
     let broker = MemoryBroker::new();
     for i in 0..5 {
-        credit(&broker, &format!("evt-{i}"), 1, 1);
+        publish_credit(&broker, &format!("evt-{i}"), 1, 1);
     }
     let consumer = Consumer::new(
         "wallet",
@@ -436,9 +423,9 @@ async fn graceful_shutdown_finishes_the_batch_in_flight() {
 async fn consumers_with_different_names_each_apply_once() {
     let db = TestDb::new().await;
     let broker = MemoryBroker::new();
-    credit(&broker, "evt-1", 1, 100);
-    credit(&broker, "evt-1", 1, 100);
-    credit(&broker, "evt-1", 1, 100);
+    publish_credit(&broker, "evt-1", 1, 100);
+    publish_credit(&broker, "evt-1", 1, 100);
+    publish_credit(&broker, "evt-1", 1, 100);
     let handler = Arc::new(Credit::new(db.pool.clone()));
     for name in ["wallet", "audit", "wallet"] {
         let source = broker.source();
@@ -448,7 +435,7 @@ async fn consumers_with_different_names_each_apply_once() {
             .await
             .unwrap();
         // Re-publish so every consumer sees a copy.
-        credit(&broker, "evt-1", 1, 100);
+        publish_credit(&broker, "evt-1", 1, 100);
     }
     // "wallet" applied once, "audit" applied once: two credits in all.
     assert_eq!(balance(&db.pool, 1).await, 200);

@@ -10,31 +10,19 @@ use std::time::Duration;
 
 use inbox_core::testkit::{FaultProxy, MemoryBroker, ProxyMode};
 use inbox_core::{
-    async_trait, Consumer, Handler, HandlerError, HookAction, Message, MessageId, RetryPolicy,
-    Stage, StageHook,
+    async_trait, Consumer, Handler, HandlerError, HookAction, Message, MessageId, Stage, StageHook,
 };
-use inbox_postgres::testkit::wallet::{self, balance, Credit, CreditEvent};
-use inbox_postgres::testkit::TestDb;
+use inbox_postgres::testkit::wallet::publish_credit;
+use inbox_postgres::testkit::wallet::{self, balance, Credit};
+use inbox_postgres::testkit::{fast_retry, TestDb};
 use inbox_postgres::{PgInbox, PgTx, TableName};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-
-fn credit(broker: &MemoryBroker, id: &str, account: i64, amount: i64) {
-    broker.publish(Some(id), CreditEvent::new(account, amount).to_json());
-}
 
 /// Runs a consumer to idle, failing the test instead of hanging when it loops for ever.
 async fn within<T>(run: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(Duration::from_secs(30), run)
         .await
         .expect("the consumer did not get through the queue: it loops or stalls")
-}
-
-fn fast_retry(max_attempts: u32) -> RetryPolicy {
-    RetryPolicy {
-        max_attempts,
-        initial_backoff: Duration::from_millis(10),
-        max_backoff: Duration::from_millis(50),
-    }
 }
 
 /// Credits, then writes a "best-effort" audit row and ignores its failure, as handlers that
@@ -84,8 +72,8 @@ async fn a_swallowed_sql_error_is_a_failure_not_an_applied_message() {
     // evt-bad's audit row exists already, so its handler's audit insert aborts the transaction.
     audit_table(&db, &["evt-bad"]).await;
     let broker = MemoryBroker::new();
-    credit(&broker, "evt-bad", 1, 100);
-    credit(&broker, "evt-good", 2, 10);
+    publish_credit(&broker, "evt-bad", 1, 100);
+    publish_credit(&broker, "evt-good", 2, 10);
 
     let handler = AuditIgnoringErrors {
         credit: Credit::new(db.pool.clone()),
@@ -115,7 +103,7 @@ async fn a_swallowed_sql_error_inside_a_batch_fails_only_its_own_message() {
     audit_table(&db, &["evt-3"]).await;
     let broker = MemoryBroker::new();
     for i in 1..=5 {
-        credit(&broker, &format!("evt-{i}"), i, 10);
+        publish_credit(&broker, &format!("evt-{i}"), i, 10);
     }
 
     let handler = AuditIgnoringErrors {
@@ -157,9 +145,9 @@ async fn a_constraint_failing_at_commit_dead_letters_its_message_and_spares_the_
         .await
         .unwrap();
     let broker = MemoryBroker::new();
-    credit(&broker, "evt-1", 1, 10);
-    credit(&broker, "evt-13", 13, 10);
-    credit(&broker, "evt-2", 2, 10);
+    publish_credit(&broker, "evt-1", 1, 10);
+    publish_credit(&broker, "evt-13", 13, 10);
+    publish_credit(&broker, "evt-2", 2, 10);
 
     let stats = Consumer::new(
         "wallet",
@@ -200,7 +188,7 @@ async fn a_one_connection_pool_does_not_stall() {
     let inbox = PgInbox::new(pool.clone()).with_table(table);
     let broker = MemoryBroker::new();
     for i in 1..=3 {
-        credit(&broker, &format!("evt-{i}"), 1, 1);
+        publish_credit(&broker, &format!("evt-{i}"), 1, 1);
     }
 
     let started = std::time::Instant::now();
@@ -252,7 +240,7 @@ async fn registering_a_known_consumer_burns_no_id() {
         let id = db.inbox().consumer_id("wallet").await.unwrap();
         assert_eq!(id, 1);
         let broker = MemoryBroker::new();
-        credit(&broker, &format!("evt-{}", rand_suffix()), 1, 1);
+        publish_credit(&broker, &format!("evt-{}", rand::random::<u64>()), 1, 1);
         let stats = Consumer::new(
             "wallet",
             broker.source(),
@@ -266,10 +254,6 @@ async fn registering_a_known_consumer_burns_no_id() {
     }
     assert_eq!(wallet::summary(&db.pool).await.unwrap().ledger_rows, 3);
     db.drop().await;
-}
-
-fn rand_suffix() -> u64 {
-    rand::random()
 }
 
 /// A pool to the test schema whose connections pass through a [`FaultProxy`].
@@ -302,7 +286,7 @@ async fn a_database_outage_uses_up_no_delivery_budget() {
     proxy.set_mode(ProxyMode::Refuse);
     let broker = MemoryBroker::new();
     for i in 1..=3 {
-        credit(&broker, &format!("evt-{i}"), i, 10);
+        publish_credit(&broker, &format!("evt-{i}"), i, 10);
     }
 
     let run = Consumer::new(
@@ -341,7 +325,7 @@ async fn connections_cut_around_commit_lose_nothing_and_apply_nothing_twice() {
     let broker = MemoryBroker::new();
     let events = 200;
     for i in 0..events {
-        credit(&broker, &format!("evt-{i}"), i % 7, 1);
+        publish_credit(&broker, &format!("evt-{i}"), i % 7, 1);
     }
     // After the last handler of some batches, cut every connection a moment later: before,
     // during or after the COMMIT, whose outcome the consumer then does not learn.

@@ -9,6 +9,15 @@ use sqlx::PgPool;
 
 use crate::{PgInbox, TableName};
 
+/// A retry policy for tests: `max_attempts` tries, 10–50 ms apart.
+pub fn fast_retry(max_attempts: u32) -> inbox_core::RetryPolicy {
+    inbox_core::RetryPolicy {
+        max_attempts,
+        initial_backoff: std::time::Duration::from_millis(10),
+        max_backoff: std::time::Duration::from_millis(50),
+    }
+}
+
 /// The database tests use: `DATABASE_URL`, or the local default the services command sets up.
 pub fn database_url() -> String {
     std::env::var("DATABASE_URL")

@@ -38,6 +38,16 @@ impl CreditEvent {
     }
 }
 
+/// Publishes a credit of `amount` to `account` with ID `id` on the in-memory broker.
+pub fn publish_credit(
+    broker: &inbox_core::testkit::MemoryBroker,
+    id: &str,
+    account: i64,
+    amount: i64,
+) {
+    broker.publish(Some(id), CreditEvent::new(account, amount).to_json());
+}
+
 /// Creates `accounts`, `ledger` and `wallet_stalls` in the connection's schema if missing.
 pub async fn install(pool: &PgPool) -> Result<(), sqlx::Error> {
     for statement in [
