@@ -28,6 +28,10 @@ const ONE_RECORD_PER_BATCH: (&str, &str) = ("batch.num.messages", "1");
 /// A loaded test machine once kept Tansu from acknowledging within the default 30 s.
 const DELIVERY_TIMEOUT: (&str, &str) = ("message.timeout.ms", "120000");
 
+/// Sends awaiting their delivery reports at once: with one record per batch, Tansu's throughput
+/// grows with the produce requests in flight.
+const SENDS_IN_FLIGHT: usize = 5_000;
+
 pub(crate) struct Kafka {
     brokers: String,
     implementation: KafkaImpl,
@@ -99,7 +103,7 @@ impl Broker for Kafka {
         let producer = &self.producer;
         stream::iter(records)
             .map(|record| producer.send(name, record))
-            .buffer_unordered(200)
+            .buffer_unordered(SENDS_IN_FLIGHT)
             .try_for_each(|_sent| async { Ok(()) })
             .await?;
         Ok(())

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use futures_util::stream::{self, StreamExt, TryStreamExt};
 use inbox_core::MessageId;
 use inbox_core::{async_trait, BoxError, StatsSnapshot};
 use inbox_postgres::testkit::TestDb;
@@ -13,6 +14,9 @@ use inbox_rabbitmq::{AckMode, RabbitConfig, RabbitPublisher, RabbitSource, DEFAU
 use super::{Broker, Outgoing};
 use crate::cli::{BrokerKind, ConsumerSpec};
 use crate::consume::{self, Shutdown, Watch};
+
+/// Publishes awaiting their confirms at once.
+const PUBLISHES_IN_FLIGHT: usize = 500;
 
 pub(crate) struct Rabbit {
     url: String,
@@ -66,13 +70,23 @@ impl Broker for Rabbit {
     }
 
     async fn publish(&self, name: &str, events: &[Outgoing]) -> Result<(), BoxError> {
+        // Many publishes in flight on the one channel, each awaiting its own confirm: the queue
+        // order does not matter to the wallet, and one at a time is a round-trip per event.
+        let messages = events
+            .iter()
+            .map(|event| Ok((MessageId::new(event.id.clone())?, event.payload.clone())))
+            .collect::<Result<Vec<_>, BoxError>>()?;
         let publisher = RabbitPublisher::connect(&self.url, name).await?;
-        for event in events {
-            let id = MessageId::new(event.id.clone())?;
-            publisher.publish_with_id(&id, &event.payload).await?;
-        }
+        let published = stream::iter(messages)
+            .map(|(id, payload)| {
+                let publisher = &publisher;
+                async move { publisher.publish_with_id(&id, &payload).await }
+            })
+            .buffer_unordered(PUBLISHES_IN_FLIGHT)
+            .try_for_each(|()| async { Ok(()) })
+            .await;
         publisher.close().await;
-        Ok(())
+        Ok(published?)
     }
 
     async fn consume(
