@@ -60,6 +60,7 @@
 mod consumer;
 mod error;
 mod handler;
+mod health;
 mod hooks;
 mod message;
 mod recent;
@@ -70,11 +71,12 @@ mod store;
 pub mod testkit;
 
 pub use async_trait::async_trait;
-pub use consumer::{retention_shortfall, Consumer, RetryPolicy};
+pub use consumer::{retention_shortfall, Consumer, RetryPolicy, DEFAULT_SHUTDOWN_TIMEOUT};
 pub use error::{
     BoxError, Error, Failure, HandlerError, Recovery, Result, SourceError, StoreError,
 };
 pub use handler::{BatchHandler, BatchItem, Handler, PerMessage};
+pub use health::{ConsumerState, Health};
 pub use hooks::{HookAction, Stage, StageHook};
 pub use message::{IdError, InvalidId, Message, MessageId, Metadata};
 pub use recent::Recent;

@@ -1,0 +1,538 @@
+//! Applying one chunk of one lane: dead letters, the claim, the handler and the commit, the
+//! split of a failed transaction, and retries.
+
+use std::collections::HashSet;
+use std::ops::Range;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use tokio::sync::Mutex;
+use tracing::{debug, info, info_span, warn, Instrument};
+
+use super::stop::Stop;
+use super::RetryPolicy;
+use crate::error::backoff;
+use crate::stats::Counter;
+use crate::{
+    Ack, BatchHandler, BatchItem, Delivery, Error, Failure, HandlerError, Health, HookAction,
+    InboxStore, MessageId, MessageSource, Recovery, Result, SourceError, Stage, StageHook, Stats,
+    StoreError,
+};
+
+#[derive(Debug)]
+pub(super) struct Core<St, H> {
+    pub(super) name: String,
+    pub(super) store: St,
+    pub(super) handler: H,
+    pub(super) retry: RetryPolicy,
+    pub(super) max_deliveries: Option<u32>,
+    pub(super) error_backoff: Duration,
+    pub(super) handler_timeout: Option<Duration>,
+    pub(super) health: Health,
+    pub(super) hook: Option<StageHook>,
+    pub(super) stats: Arc<Stats>,
+}
+
+/// The longest wait between tries after a broker or store error.
+const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(30);
+
+enum Outcome {
+    Skipped,
+    Applied,
+    Failed(HandlerError),
+    /// Not applied: handed back to the broker (shutdown during a store outage).
+    HandedBack,
+}
+
+/// Why a transaction did not commit.
+enum TxFailure {
+    /// The handler failed, for the message at this index when known; the transaction was
+    /// rolled back.
+    Handler(Option<usize>, HandlerError),
+    /// The store failed (at begin, claim or commit).
+    Store(StoreError),
+    /// A stage hook stopped the consumer dead.
+    Crash(Error),
+}
+
+impl From<Error> for TxFailure {
+    fn from(e: Error) -> Self {
+        TxFailure::Crash(e)
+    }
+}
+
+/// A message to apply: its ID and what the handler decoded from it.
+struct Work<A, I> {
+    id: MessageId,
+    delivery: Delivery<A>,
+    item: I,
+}
+
+impl<St, H> Core<St, H>
+where
+    St: InboxStore,
+    H: BatchHandler<St::Tx>,
+{
+    /// Applies one chunk of one lane. Returns the acks of the messages settled by the commit,
+    /// for the caller to send behind the next chunk's transaction; dead letters, hand-backs and
+    /// a chunk with failures (acked before its failed messages are retried) are settled here.
+    pub(super) async fn process<S: MessageSource>(
+        &self,
+        source: &Mutex<&mut S>,
+        deliveries: Vec<Delivery<S::Ack>>,
+        stop: &Stop,
+    ) -> Result<Vec<(MessageId, S::Ack)>> {
+        if deliveries.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.count(Counter::Received, deliveries.len());
+        let mut done: Vec<(MessageId, S::Ack)> = Vec::new();
+        let mut work: Vec<Work<S::Ack, H::Item>> = Vec::with_capacity(deliveries.len());
+        let mut failed = Vec::new();
+        let mut seen = HashSet::new();
+        for delivery in deliveries {
+            let id = match &delivery.message.id {
+                Ok(id) => id.clone(),
+                Err(e) => {
+                    let reason = e.to_string();
+                    self.dead_letter(source, None, delivery, reason).await?;
+                    continue;
+                }
+            };
+            if let Err(e) = self.store.check_id(&id) {
+                let reason = format!("message ID {id:?} refused by the inbox store: {e}");
+                self.dead_letter(source, Some(&id), delivery, reason)
+                    .await?;
+                continue;
+            }
+            if let (Some(limit), Some(count)) =
+                (self.max_deliveries, delivery.message.meta.delivery_count)
+            {
+                if count > limit {
+                    let reason = format!("delivered {count} times, more than the limit of {limit}");
+                    self.dead_letter(source, Some(&id), delivery, reason)
+                        .await?;
+                    continue;
+                }
+            }
+            if !seen.insert(id.clone()) {
+                // The same ID twice in one batch: the first copy decides, this one is a duplicate.
+                self.skipped(&id);
+                done.push((id, delivery.ack));
+                continue;
+            }
+            // Decoded before any database work: a message that does not decode never enters a
+            // transaction, and is retried or dead-lettered on its own.
+            match self.handler.decode(&id, &delivery.message) {
+                Ok(item) => work.push(Work { id, delivery, item }),
+                Err(e) => failed.push((id, delivery, e)),
+            }
+        }
+
+        let outcomes = if work.is_empty() {
+            Vec::new()
+        } else {
+            self.apply_or_abort(&work, stop).await?
+        };
+        let mut handed_back = Vec::new();
+        for (Work { id, delivery, .. }, outcome) in work.into_iter().zip(outcomes) {
+            match outcome {
+                Outcome::Skipped | Outcome::Applied => done.push((id, delivery.ack)),
+                Outcome::Failed(e) => failed.push((id, delivery, e)),
+                Outcome::HandedBack => handed_back.push(delivery.ack),
+            }
+        }
+        self.hand_back(handed_back).await;
+        if failed.is_empty() {
+            return Ok(done);
+        }
+        self.ack_all(done).await?;
+        for (id, delivery, e) in failed {
+            if stop.stopping() {
+                self.hand_back(vec![delivery.ack]).await;
+                continue;
+            }
+            self.retry_alone(source, id, delivery, e, stop).await?;
+        }
+        Ok(Vec::new())
+    }
+
+    /// [`Core::apply_all`], unless shutdown cuts the work in flight short first: then the
+    /// transaction in progress is dropped (it rolls back) and every message is handed back.
+    async fn apply_or_abort<A>(
+        &self,
+        work: &[Work<A, H::Item>],
+        stop: &Stop,
+    ) -> Result<Vec<Outcome>> {
+        tokio::select! {
+            biased;
+            outcomes = self.apply_all(work, stop) => outcomes,
+            () = stop.aborted() => Ok(work.iter().map(|_| Outcome::HandedBack).collect()),
+        }
+    }
+
+    /// Applies `work` in as few transactions as possible: all of it in one, and when that fails,
+    /// in smaller pieces, until each failure is pinned on one message. The outcome is the same as
+    /// applying the messages one by one, in order, with the failed ones left out:
+    /// - a handler failure rolls back its transaction; when the handler says which message
+    ///   failed, the messages before it are applied again together, the failing one alone (its
+    ///   failure then stands), the rest after it; otherwise the piece is halved;
+    /// - a store error that says [`Recovery::Retry`] (a constraint failing at commit, a handler
+    ///   that swallowed an SQL error and left the transaction aborted, a deadlock) halves the
+    ///   piece, and on a single message counts as that message's failure, so it is retried and
+    ///   dead-lettered after [`RetryPolicy::max_attempts`] instead of looping with its neighbours;
+    /// - [`Recovery::Reconnect`] (the store is unreachable) says nothing about the messages:
+    ///   the piece is held and tried again after a backoff until the store is back, so an outage
+    ///   uses up no delivery budget; on shutdown what is held is handed back;
+    /// - [`Recovery::Fatal`] stops the consumer.
+    async fn apply_all<A>(&self, work: &[Work<A, H::Item>], stop: &Stop) -> Result<Vec<Outcome>> {
+        let mut outcomes: Vec<Option<Outcome>> = work.iter().map(|_| None).collect();
+        // Pieces still to apply, the next one last.
+        let mut pieces: Vec<Range<usize>> = Vec::with_capacity(4);
+        pieces.push(0..work.len());
+        let mut outages = 0;
+        while let Some(piece) = pieces.pop() {
+            let (lo, hi) = (piece.start, piece.end);
+            match self.apply_in_tx(&work[piece.clone()]).await {
+                Ok(done) => {
+                    if outages > 0 {
+                        self.health.recovered();
+                    }
+                    outages = 0;
+                    for (slot, outcome) in outcomes[piece].iter_mut().zip(done) {
+                        *slot = Some(outcome);
+                    }
+                }
+                Err(TxFailure::Crash(e)) => return Err(e),
+                Err(TxFailure::Handler(_, e)) if hi - lo == 1 => {
+                    outcomes[lo] = Some(Outcome::Failed(e))
+                }
+                Err(TxFailure::Handler(None, _)) => {
+                    let mid = lo + (hi - lo) / 2;
+                    pieces.extend([mid..hi, lo..mid]);
+                }
+                Err(TxFailure::Handler(Some(i), _)) => {
+                    let at = lo + i;
+                    pieces.extend(
+                        [at + 1..hi, at..at + 1, lo..at]
+                            .into_iter()
+                            .filter(|p| !p.is_empty()),
+                    );
+                }
+                Err(TxFailure::Store(e)) => match e.recovery() {
+                    Recovery::Fatal => {
+                        self.count(Counter::Error, 1);
+                        return Err(Error::Store(e));
+                    }
+                    Recovery::Reconnect => {
+                        self.count(Counter::Error, 1);
+                        self.health.failing();
+                        outages += 1;
+                        let wait = backoff(self.error_backoff, MAX_ERROR_BACKOFF, outages);
+                        warn!(consumer = %self.name, error = %e, messages = hi - lo, ?wait, "inbox store unreachable; holding the messages until it is back");
+                        pieces.push(piece);
+                        if stop.pause(wait).await {
+                            break;
+                        }
+                    }
+                    Recovery::Retry if hi - lo > 1 => {
+                        let mid = lo + (hi - lo) / 2;
+                        pieces.extend([mid..hi, lo..mid]);
+                    }
+                    Recovery::Retry => {
+                        outcomes[lo] = Some(Outcome::Failed(HandlerError::transient(e)))
+                    }
+                },
+            }
+        }
+        // Stopped during an outage: what was not applied goes back to the broker.
+        Ok(outcomes
+            .into_iter()
+            .map(|o| o.unwrap_or(Outcome::HandedBack))
+            .collect())
+    }
+
+    /// Claims, applies and commits `work` in one transaction, without savepoints: a handler
+    /// failure rolls everything back. Nothing is acked here.
+    async fn apply_in_tx<A>(&self, work: &[Work<A, H::Item>]) -> Result<Vec<Outcome>, TxFailure> {
+        let ids: Vec<MessageId> = work.iter().map(|w| w.id.clone()).collect();
+        let mut tx = self.store.begin().await.map_err(TxFailure::Store)?;
+        let claimed = match self.store.claim_many(&mut tx, &self.name, &ids).await {
+            Ok(claimed) => claimed,
+            Err(e) => return Err(self.abandon(tx, TxFailure::Store(e)).await),
+        };
+        let fresh: Vec<&Work<A, H::Item>> = work
+            .iter()
+            .zip(&claimed)
+            .filter(|(_, new)| **new)
+            .map(|(w, _)| w)
+            .collect();
+        for w in &fresh {
+            self.stage(Stage::Claimed, &w.id)?;
+        }
+        if !fresh.is_empty() {
+            let batch: Vec<BatchItem<'_, H::Item>> = fresh
+                .iter()
+                .map(|w| BatchItem {
+                    id: &w.id,
+                    message: &w.delivery.message,
+                    item: &w.item,
+                })
+                .collect();
+            if let Err(failure) = self.call_handler(&mut tx, &batch).await {
+                // The index is within `fresh`; the caller splits `work`.
+                let at = failure.index().and_then(|i| {
+                    let id = &fresh.get(i)?.id;
+                    work.iter().position(|w| &w.id == id)
+                });
+                return Err(self.abandon(tx, TxFailure::Handler(at, failure)).await);
+            }
+            for w in &fresh {
+                self.stage(Stage::Applied, &w.id)?;
+            }
+        }
+        let outcomes: Vec<Outcome> = claimed
+            .iter()
+            .map(|new| {
+                if *new {
+                    Outcome::Applied
+                } else {
+                    Outcome::Skipped
+                }
+            })
+            .collect();
+        if fresh.is_empty() {
+            // Nothing to keep: every message was a duplicate.
+            if let Err(e) = self.store.rollback(tx).await {
+                warn!(consumer = %self.name, error = %e, "rollback failed; the store discards the transaction");
+            }
+        } else {
+            self.store.commit(tx).await.map_err(TxFailure::Store)?;
+            self.count(Counter::Commit, 1);
+            self.count(Counter::Applied, fresh.len());
+        }
+        self.health.batch_done();
+        let skipped = work.len() - fresh.len();
+        info!(consumer = %self.name, applied = fresh.len(), skipped, "committed a batch");
+        for (w, outcome) in work.iter().zip(&outcomes) {
+            match outcome {
+                Outcome::Applied => {
+                    debug!(consumer = %self.name, message_id = %w.id.as_str().escape_debug(), position = %w.delivery.message.meta.position.escape_debug(), outcome = "applied", "applied");
+                    self.stage(Stage::Committed, &w.id)?;
+                }
+                Outcome::Skipped => self.skipped(&w.id),
+                Outcome::Failed(_) | Outcome::HandedBack => {}
+            }
+        }
+        Ok(outcomes)
+    }
+
+    /// Runs the handler over `batch`, turning a panic into a transient failure.
+    async fn call_handler(
+        &self,
+        tx: &mut St::Tx,
+        batch: &[BatchItem<'_, H::Item>],
+    ) -> Result<(), HandlerError> {
+        let span = info_span!("inbox.batch", consumer = %self.name, messages = batch.len());
+        let call = AssertUnwindSafe(self.handler.handle_batch(tx, batch))
+            .catch_unwind()
+            .instrument(span);
+        let called = match self.handler_timeout {
+            Some(limit) => match tokio::time::timeout(limit, call).await {
+                Ok(called) => called,
+                Err(_) => {
+                    return Err(HandlerError::transient(format!(
+                        "the handler did not return within the handler timeout of {limit:?}"
+                    )))
+                }
+            },
+            None => call.await,
+        };
+        match called {
+            Ok(result) => result,
+            Err(panic) => {
+                let text = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "non-text panic payload".to_owned());
+                Err(HandlerError::transient(format!("handler panicked: {text}")))
+            }
+        }
+    }
+
+    /// A message whose handler (or decoding) failed inside a batch or alone: retried on its own.
+    async fn retry_alone<S: MessageSource>(
+        &self,
+        source: &Mutex<&mut S>,
+        mut id: MessageId,
+        mut delivery: Delivery<S::Ack>,
+        first: HandlerError,
+        stop: &Stop,
+    ) -> Result<()> {
+        let mut error = first;
+        let mut attempt = 1;
+        loop {
+            if error.failure() == Failure::Permanent || attempt >= self.retry.max_attempts {
+                let reason = match error.failure() {
+                    Failure::Permanent => format!("handler refused the message: {error}"),
+                    _ => format!("handler failed {attempt} time(s), last error: {error}"),
+                };
+                return self.dead_letter(source, Some(&id), delivery, reason).await;
+            }
+            warn!(consumer = %self.name, message_id = %id.as_str().escape_debug(), attempt, error = %error, "handler failed; retrying");
+            self.count(Counter::Retried, 1);
+            let r = &self.retry;
+            if stop
+                .pause(backoff(r.initial_backoff, r.max_backoff, attempt))
+                .await
+            {
+                self.hand_back(vec![delivery.ack]).await;
+                return Ok(());
+            }
+            attempt += 1;
+            let item = match self.handler.decode(&id, &delivery.message) {
+                Ok(item) => item,
+                Err(e) => {
+                    error = e;
+                    continue;
+                }
+            };
+            let work = [Work { id, delivery, item }];
+            let outcome = self.apply_or_abort(&work, stop).await?.pop();
+            let [Work {
+                id: same,
+                delivery: back,
+                ..
+            }] = work;
+            match outcome {
+                Some(Outcome::Failed(e)) => {
+                    error = e;
+                    (id, delivery) = (same, back);
+                }
+                Some(Outcome::Applied | Outcome::Skipped) => {
+                    return self.ack_all(vec![(same, back.ack)]).await;
+                }
+                Some(Outcome::HandedBack) | None => {
+                    self.hand_back(vec![back.ack]).await;
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    async fn dead_letter<S: MessageSource>(
+        &self,
+        source: &Mutex<&mut S>,
+        id: Option<&MessageId>,
+        delivery: Delivery<S::Ack>,
+        reason: String,
+    ) -> Result<()> {
+        let shown = id.map_or_else(
+            || "(no ID)".to_owned(),
+            |id| id.as_str().escape_debug().to_string(),
+        );
+        let position = &delivery.message.meta.position;
+        // Lanes running side by side take turns at the source.
+        let parked = source
+            .lock()
+            .await
+            .dead_letter(&delivery.message, &reason)
+            .await;
+        match parked {
+            Ok(()) => {
+                self.count(Counter::DeadLettered, 1);
+                warn!(consumer = %self.name, message_id = %shown, position = %position, outcome = "dead_lettered", %reason, "dead-lettered {shown}");
+                if let Err(e) = delivery.ack.ack().await {
+                    self.count(Counter::AckFailure, 1);
+                    warn!(consumer = %self.name, message_id = %shown, error = %e, "ack after dead-letter failed; the copy will be dead-lettered again");
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.count(Counter::Error, 1);
+                tracing::error!(consumer = %self.name, message_id = %shown, error = %e, %reason, "dead-letter failed; the message is handed back to the broker");
+                if e.recovery() == Recovery::Fatal {
+                    return Err(Error::Source(e));
+                }
+                if let Err(e) = delivery.ack.nack(self.error_backoff).await {
+                    warn!(consumer = %self.name, error = %e, "nack failed; the broker will redeliver on its own");
+                }
+                Ok(())
+            }
+        }
+    }
+
+    pub(super) async fn ack_all<A: Ack>(&self, acks: Vec<(MessageId, A)>) -> Result<()> {
+        if acks.is_empty() {
+            return Ok(());
+        }
+        let n = acks.len();
+        let (ids, acks): (Vec<_>, Vec<_>) = acks.into_iter().unzip();
+        match A::ack_all(acks).await {
+            Ok(()) => {
+                for id in &ids {
+                    self.stage(Stage::Acked, id)?;
+                }
+            }
+            Err(e) => {
+                self.count(Counter::AckFailure, n);
+                warn!(consumer = %self.name, messages = n, error = %e, "ack failed after commit; redelivered copies will be skipped as duplicates");
+            }
+        }
+        Ok(())
+    }
+
+    /// Rolls back a transaction that cannot commit and passes `failure` on.
+    async fn abandon(&self, tx: St::Tx, failure: TxFailure) -> TxFailure {
+        if let Err(rollback) = self.store.rollback(tx).await {
+            warn!(consumer = %self.name, error = %rollback, "rollback failed too; the store discards the transaction");
+        }
+        failure
+    }
+
+    /// Gives messages back to the broker unapplied, for redelivery after the error backoff.
+    pub(super) async fn hand_back<A: Ack>(&self, acks: Vec<A>) {
+        if acks.is_empty() {
+            return;
+        }
+        info!(consumer = %self.name, messages = acks.len(), "handing messages back to the broker");
+        for ack in acks {
+            if let Err(e) = ack.nack(self.error_backoff).await {
+                warn!(consumer = %self.name, error = %e, "nack failed; the broker will redeliver on its own");
+            }
+        }
+    }
+
+    /// How long to wait before receiving again after `e`, or the error that stops the consumer.
+    pub(super) fn source_failed(&self, e: SourceError, failures: u32) -> Result<Duration> {
+        self.count(Counter::Error, 1);
+        if e.recovery() == Recovery::Fatal {
+            return Err(Error::Source(e));
+        }
+        let wait = backoff(self.error_backoff, MAX_ERROR_BACKOFF, failures);
+        warn!(consumer = %self.name, error = %e, ?wait, "receive failed; retrying");
+        Ok(wait)
+    }
+
+    fn skipped(&self, id: &MessageId) {
+        self.count(Counter::SkippedDuplicate, 1);
+        debug!(consumer = %self.name, message_id = %id.as_str().escape_debug(), outcome = "skipped_duplicate", "skipped a duplicate");
+    }
+
+    fn stage(&self, stage: Stage, id: &MessageId) -> Result<()> {
+        match &self.hook {
+            Some(hook) if hook.call(stage, id) == HookAction::Crash => Err(Error::Crashed {
+                stage,
+                id: id.clone(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn count(&self, counter: Counter, n: usize) {
+        self.stats.add(&self.name, counter, n as u64);
+    }
+}

@@ -1,0 +1,449 @@
+//! The claim/apply/commit/ack algorithm: owned here, once, for every broker and store.
+
+mod apply;
+mod lanes;
+mod stop;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::stream::{self, FuturesUnordered, Stream, StreamExt};
+use tokio::sync::Mutex;
+use tokio::time::{sleep_until, Instant};
+use tracing::warn;
+
+use self::apply::Core;
+use self::lanes::Lanes;
+use self::stop::{Phase, Stop};
+use crate::{
+    BatchHandler, ConsumerState, Error, Handler, Health, InboxStore, MessageSource, PerMessage,
+    Result, StageHook, Stats, StatsSnapshot,
+};
+
+/// How often a failing handler is tried before its message is dead-lettered, and how long to
+/// wait between tries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Handler attempts per delivery, the first included. At least 1.
+    pub max_attempts: u32,
+    /// Wait before the second attempt; doubled for each further one.
+    pub initial_backoff: Duration,
+    /// The longest wait between attempts.
+    pub max_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 3,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Runs a [`Handler`] over a [`MessageSource`] so that each message ID is applied once,
+/// through an [`InboxStore`].
+///
+/// For each batch the source returns:
+/// 1. a message without a usable ID, or delivered more often than
+///    [`Consumer::max_deliveries`], is dead-lettered with the reason, then acked;
+/// 2. the IDs are claimed in one store transaction; an ID already claimed is a duplicate, skipped;
+/// 3. each new message's handler runs in that transaction, with no savepoints;
+/// 4. the transaction commits once, and only then is the batch acked; an ack that fails now is
+///    logged and counted, not fatal: the redelivered copy will find its ID and be skipped;
+/// 5. when a handler fails or the commit is refused (a constraint checked at commit, a handler
+///    that swallowed an SQL error), the transaction rolls back and the batch is applied again in
+///    smaller transactions until the failure is pinned on one message: the result equals
+///    applying the messages one by one;
+/// 6. a message whose handler failed is retried on its own with backoff, each attempt in a fresh
+///    transaction, up to [`RetryPolicy::max_attempts`], then dead-lettered with the error; a
+///    permanent failure is dead-lettered at once; a panic counts as a transient failure.
+///
+/// While the store cannot be reached ([`Recovery::Reconnect`](crate::Recovery::Reconnect)) the
+/// batch is held and tried again with a backoff doubling up to 30 s, not handed back: an outage
+/// does not use up the broker's delivery budget (`max_deliveries`, a quorum queue's delivery
+/// limit, an SQS redrive policy), so healthy messages are not dead-lettered because the database
+/// was down. Shutdown during an outage hands the held messages back. A broker error that is not
+/// [`Recovery::Fatal`](crate::Recovery::Fatal) is
+/// logged and the receive is tried again after a backoff.
+///
+/// Shutdown ([`Consumer::run`] on SIGINT or SIGTERM, or [`Consumer::run_until`]): no new batch
+/// is received, the batches in flight are applied, committed and acked for up to
+/// [`Consumer::shutdown_timeout`]; what has not finished by then (a second signal cuts the wait
+/// short) is rolled back and handed back to the broker, and `run` returns. Nothing is acked that
+/// was not committed, so a consumer that is cut short or killed later loses nothing.
+///
+/// Order: within one batch, messages are applied in the order received; a message that fails and
+/// is retried is applied after the rest of its batch. With [`Consumer::parallel_lanes`], a batch
+/// is split by [`Metadata::lane`](crate::Metadata::lane) (a Kafka partition, say): each lane
+/// keeps that order and runs in a transaction of its own, several lanes at a time.
+#[derive(Debug)]
+pub struct Consumer<S, St, H> {
+    source: S,
+    core: Core<St, H>,
+    batch_size: usize,
+    lanes: usize,
+    inbox_retention: Option<Duration>,
+    shutdown_timeout: Duration,
+}
+
+/// How long the batches in flight may take to finish after shutdown is asked for, by default:
+/// within the 30 s Kubernetes and ECS give a container between SIGTERM and SIGKILL.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How much longer the broker can redeliver than the inbox remembers, if at all.
+///
+/// A redelivery older than the inbox's retention finds no row and is applied again, so the
+/// retention must cover the broker's window (plus a margin for replays and redrives).
+pub fn retention_shortfall(
+    inbox_retention: Duration,
+    broker_window: Option<Duration>,
+) -> Option<Duration> {
+    broker_window
+        .filter(|window| *window > inbox_retention)
+        .map(|window| window - inbox_retention)
+}
+
+impl<S, St, H> Consumer<S, St, PerMessage<H>>
+where
+    S: MessageSource,
+    St: InboxStore,
+    H: Handler<St::Tx>,
+{
+    /// A consumer named `name` running `handler` once per new message: the inbox scopes IDs per
+    /// name, so two consumers with different names each apply every message once, and instances
+    /// of one scaled consumer share a name.
+    pub fn new(name: impl Into<String>, source: S, store: St, handler: H) -> Self {
+        Consumer::batched(name, source, store, PerMessage(handler))
+    }
+}
+
+impl<S, St, H> Consumer<S, St, H>
+where
+    S: MessageSource,
+    St: InboxStore,
+    H: BatchHandler<St::Tx>,
+{
+    /// A consumer named `name` handing all new messages of each transaction to `handler` at
+    /// once (see [`BatchHandler`]), for set-based writes. Otherwise as [`Consumer::new`].
+    pub fn batched(name: impl Into<String>, source: S, store: St, handler: H) -> Self {
+        Self {
+            source,
+            batch_size: 1,
+            lanes: 1,
+            inbox_retention: None,
+            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+            core: Core {
+                name: name.into(),
+                store,
+                handler,
+                retry: RetryPolicy::default(),
+                max_deliveries: None,
+                error_backoff: Duration::from_millis(500),
+                handler_timeout: None,
+                health: Health::default(),
+                hook: None,
+                stats: Arc::new(Stats::default()),
+            },
+        }
+    }
+
+    /// Up to `n` messages per receive, claimed and committed in one transaction and acked
+    /// together (default 1).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// Applies up to `n` lanes of a batch at the same time (default 1: the whole batch in one
+    /// transaction). A batch is split by [`Metadata::lane`](crate::Metadata::lane); messages of
+    /// one lane are applied in the order received, in one transaction and one ack per lane, and
+    /// the next batch is received once every lane is done. Sources that set no lane (one queue,
+    /// one order) form a single lane, so this changes nothing for them. Each running lane holds
+    /// one store transaction (one pooled connection). Lanes whose handlers write the same rows
+    /// wait on each other's locks like any concurrent transactions, and a deadlock fails a
+    /// handler, which is then retried after the rest of its lane: key messages so that what
+    /// shares rows shares a lane (Kafka: one account, one partition).
+    pub fn parallel_lanes(mut self, n: usize) -> Self {
+        self.lanes = n;
+        self
+    }
+
+    /// How failing handlers are retried.
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.core.retry = policy;
+        self
+    }
+
+    /// Dead-letter a message the broker reports having delivered more than `n` times, before
+    /// running its handler: it stops a message that kills the process (and so is never acked or
+    /// dead-lettered by the retry path) from looping forever. Only brokers that count
+    /// deliveries report one.
+    pub fn max_deliveries(mut self, n: u32) -> Self {
+        self.core.max_deliveries = Some(n);
+        self
+    }
+
+    /// The first wait after a broker or store error (doubling up to 30 s while errors repeat).
+    pub fn error_backoff(mut self, wait: Duration) -> Self {
+        self.core.error_backoff = wait;
+        self
+    }
+
+    /// How long the batches in flight may take to finish once shutdown is asked for (default
+    /// [`DEFAULT_SHUTDOWN_TIMEOUT`]). When it runs out, their transactions are rolled back and
+    /// their messages handed back to the broker (a nack; where the broker has none, the
+    /// redelivery that follows an unacked message), and `run` returns. Keep it below your
+    /// orchestrator's grace period (Kubernetes: `terminationGracePeriodSeconds`, 30 s by
+    /// default), so the process exits before it is SIGKILLed.
+    pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
+        self.shutdown_timeout = timeout;
+        self
+    }
+
+    /// Fails a handler call (per message, or per batch for a [`BatchHandler`]) that has not
+    /// returned after `timeout`, as a transient failure: its transaction rolls back, releasing
+    /// its row locks, and the message is retried and dead-lettered like any failure. Without it
+    /// (the default) a handler stuck on a call that never returns holds its transaction, its
+    /// locks and the broker's ownership of its messages for ever. Set it above the slowest
+    /// legitimate batch.
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.core.handler_timeout = Some(timeout);
+        self
+    }
+
+    /// Calls `hook` at each [`Stage`](crate::Stage) of each message.
+    pub fn on_stage(mut self, hook: StageHook) -> Self {
+        self.core.hook = Some(hook);
+        self
+    }
+
+    /// How long the inbox store remembers IDs (its purge window). At start the consumer warns
+    /// when the source can redeliver for longer
+    /// ([`MessageSource::redelivery_window`]): such a late copy would be applied again.
+    pub fn inbox_retention(mut self, window: Duration) -> Self {
+        self.inbox_retention = Some(window);
+        self
+    }
+
+    /// Live counters, readable while the consumer runs.
+    pub fn stats(&self) -> Arc<Stats> {
+        Arc::clone(&self.core.stats)
+    }
+
+    /// Whether the consumer is live and ready, readable while it runs: for liveness and
+    /// readiness probes.
+    pub fn health(&self) -> Health {
+        self.core.health.clone()
+    }
+
+    /// Runs until SIGINT (Ctrl-C) or SIGTERM (what Kubernetes, ECS and systemd send to stop a
+    /// process), then shuts down gracefully (see [`Consumer::shutdown_timeout`]); a second
+    /// signal cuts the wait for the batches in flight short. Returns the counters.
+    pub async fn run(self) -> Result<StatsSnapshot> {
+        self.run_loop(stop::signals(), false).await
+    }
+
+    /// Runs until `shutdown` completes, then shuts down as [`Consumer::run`] does: for
+    /// applications that own their signal handling, or stop consumers on their own terms (pass
+    /// a `CancellationToken::cancelled()`, a `oneshot` receiver, `ctrl_c()`...).
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<StatsSnapshot> {
+        self.run_loop(stream::once(shutdown), false).await
+    }
+
+    /// Runs until a receive comes back empty, then returns: for draining a queue in tools and
+    /// tests.
+    pub async fn run_until_idle(self) -> Result<StatsSnapshot> {
+        self.run_loop(stream::pending(), true).await
+    }
+
+    /// The pipeline: up to `lanes` chunks of `batch_size` (one per lane, so each lane keeps its
+    /// order) are applied side by side, receiving goes on while a lane is free, and a chunk's acks
+    /// go out while the next chunks are applied. At most `batch_size × lanes` messages are held
+    /// unapplied, so a consumer that dies takes no more deliveries down with it (or onto a
+    /// broker's delivery count) than that. Nothing is acked before the commit of its claim.
+    async fn run_loop(
+        mut self,
+        shutdown: impl Stream<Item = ()> + Send,
+        until_idle: bool,
+    ) -> Result<StatsSnapshot> {
+        self.check()?;
+        let health = self.core.health.clone();
+        health.set(ConsumerState::Running);
+        let result = self.pipeline(shutdown, until_idle).await;
+        health.set(ConsumerState::Stopped);
+        result
+    }
+
+    async fn pipeline(
+        &mut self,
+        shutdown: impl Stream<Item = ()> + Send,
+        until_idle: bool,
+    ) -> Result<StatsSnapshot> {
+        let mut shutdown = std::pin::pin!(shutdown.fuse());
+        let (stop_tx, stop) = Stop::new();
+        // Set when shutdown is asked for: when the work in flight is cut short.
+        let mut deadline: Option<Instant> = None;
+        let (batch_size, lanes, timeout) = (self.batch_size, self.lanes, self.shutdown_timeout);
+        let core = &self.core;
+        let health = &core.health;
+        let source = Mutex::new(&mut self.source);
+        let source = &source;
+        let stop = &stop;
+        let capacity = batch_size.saturating_mul(lanes);
+        let mut queued = Lanes::default();
+        let mut working = FuturesUnordered::new();
+        let mut acking = FuturesUnordered::new();
+        let mut receiving = None;
+        let mut receive_after: Option<Instant> = None;
+        let mut failures = 0;
+        let mut failed: Option<Error> = None;
+        let mut idle = false;
+        // Stops receiving; the work in flight has `timeout` to finish.
+        let begin_stop = |deadline: &mut Option<Instant>| {
+            if deadline.is_none() {
+                health.set(ConsumerState::Stopping);
+                stop_tx.send_replace(Phase::Stopping);
+                *deadline = Some(Instant::now() + timeout);
+            }
+        };
+        loop {
+            health.turned();
+            let stopping = stop.stopping();
+            while working.len() < lanes && !stopping {
+                let Some((lane, chunk)) = queued.take(batch_size) else {
+                    break;
+                };
+                working.push(async move { (lane, core.process(source, chunk, stop).await) });
+            }
+            let held = queued.len() + working.len() * batch_size;
+            if receiving.is_none()
+                && receive_after.is_none()
+                && !stopping
+                && !idle
+                && held < capacity
+                && acking.len() <= lanes
+            {
+                let n = batch_size
+                    .max(capacity - held)
+                    .min(batch_size.saturating_mul(lanes));
+                receiving = Some(Box::pin(
+                    async move { source.lock().await.receive(n).await },
+                ));
+            }
+            if stopping || idle {
+                // A receive still waiting (a long poll) is dropped: receives are cancel-safe,
+                // and what a cancelled one took comes back from the broker.
+                receiving = None;
+                core.hand_back(queued.drain()).await;
+                if working.is_empty() && acking.is_empty() {
+                    break;
+                }
+            }
+            tokio::select! {
+                biased;
+                Some(()) = shutdown.next() => {
+                    if stopping {
+                        warn!(consumer = %core.name, "shutdown asked for again: handing back the work in flight");
+                        stop_tx.send_replace(Phase::Aborting);
+                    } else {
+                        begin_stop(&mut deadline);
+                    }
+                }
+                () = sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() && *stop_tx.borrow() == Phase::Stopping => {
+                    warn!(consumer = %core.name, ?timeout, "the work in flight did not finish within the shutdown timeout: handing it back");
+                    stop_tx.send_replace(Phase::Aborting);
+                }
+                Some((lane, result)) = working.next() => {
+                    queued.done(&lane);
+                    match result {
+                        Ok(acks) => acking.push(core.ack_all(acks)),
+                        Err(e @ Error::Crashed { .. }) => return Err(e),
+                        Err(e) => {
+                            failed.get_or_insert(e);
+                            begin_stop(&mut deadline);
+                        }
+                    }
+                }
+                Some(result) = acking.next() => {
+                    match result {
+                        Ok(()) => {}
+                        Err(e @ Error::Crashed { .. }) => return Err(e),
+                        Err(e) => {
+                            failed.get_or_insert(e);
+                            begin_stop(&mut deadline);
+                        }
+                    }
+                }
+                received = async { receiving.as_mut().expect("guarded by is_some").await }, if receiving.is_some() => {
+                    receiving = None;
+                    match received {
+                        Ok(batch) => {
+                            failures = 0;
+                            health.recovered();
+                            if batch.is_empty() {
+                                if until_idle && working.is_empty() && acking.is_empty() && queued.len() == 0 {
+                                    idle = true;
+                                }
+                            } else {
+                                queued.add(batch);
+                            }
+                        }
+                        Err(e) => {
+                            failures += 1;
+                            health.failing();
+                            match core.source_failed(e, failures) {
+                                Ok(wait) => receive_after = Some(Instant::now() + wait),
+                                Err(e) => {
+                                    failed.get_or_insert(e);
+                                    begin_stop(&mut deadline);
+                                }
+                            }
+                        }
+                    }
+                }
+                () = sleep_until(receive_after.unwrap_or_else(Instant::now)), if receive_after.is_some() => {
+                    receive_after = None;
+                }
+                else => break,
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(core.stats.snapshot()),
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.core.name.is_empty() {
+            return Err(Error::Config("the consumer name is empty".into()));
+        }
+        if self.batch_size == 0 {
+            return Err(Error::Config("the batch size is 0; use at least 1".into()));
+        }
+        if self.lanes == 0 {
+            return Err(Error::Config("parallel_lanes is 0; use at least 1".into()));
+        }
+        if self.core.retry.max_attempts == 0 {
+            return Err(Error::Config("max_attempts is 0; use at least 1".into()));
+        }
+        if let Some(retention) = self.inbox_retention {
+            let window = self.source.redelivery_window();
+            if let Some(gap) = retention_shortfall(retention, window) {
+                warn!(
+                    consumer = %self.core.name,
+                    inbox_retention = ?retention,
+                    broker_window = ?window,
+                    "the inbox forgets IDs {gap:?} before the broker stops redelivering; \
+                     a copy redelivered in that gap would be applied again: raise the inbox retention"
+                );
+            }
+        }
+        Ok(())
+    }
+}
