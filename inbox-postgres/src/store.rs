@@ -2,6 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use inbox_core::{async_trait, InboxStore, InvalidId, MessageId, StoreError};
 use sqlx::{PgPool, Postgres};
@@ -39,6 +40,10 @@ pub struct PgInbox {
     table: TableName,
     mode: KeyMode,
     consumers: Arc<Mutex<HashMap<String, i16>>>,
+    /// `BEGIN` and the `SET LOCAL`s of the timeouts, sent as one round-trip; `None`: `BEGIN`.
+    begin: Option<String>,
+    lock_timeout: Option<Duration>,
+    statement_timeout: Option<Duration>,
 }
 
 enum Keys {
@@ -54,6 +59,9 @@ impl PgInbox {
             table: TableName::default_inbox(),
             mode: KeyMode::Text,
             consumers: Arc::default(),
+            begin: None,
+            lock_timeout: None,
+            statement_timeout: None,
         }
     }
 
@@ -68,6 +76,44 @@ impl PgInbox {
     pub fn with_key_mode(mut self, mode: KeyMode) -> Self {
         self.mode = mode;
         self
+    }
+
+    /// Ends a wait for a row lock in the inbox transaction after `timeout` (PostgreSQL's
+    /// `lock_timeout`, for this transaction only). A claim of an ID whose row a peer has
+    /// inserted but not committed waits for that peer; if the peer hangs (a handler stuck on a
+    /// call) the claim would wait for ever and the broker would move the message on to the next
+    /// consumer, which would wait too. With a lock timeout the claim fails as a transient error:
+    /// the rest of the batch goes on and the message is retried. Pair it with
+    /// [`Consumer::handler_timeout`](inbox_core::Consumer::handler_timeout) set below it, so a
+    /// hung handler lets go of its rows first.
+    pub fn lock_timeout(mut self, timeout: Duration) -> Self {
+        self.lock_timeout = Some(timeout);
+        self.begin = self.begin_statement();
+        self
+    }
+
+    /// Cancels any one statement of the inbox transaction (the claim, a handler's query) that
+    /// runs longer than `timeout` (PostgreSQL's `statement_timeout`, for this transaction only):
+    /// it fails as a transient error and the message is retried.
+    pub fn statement_timeout(mut self, timeout: Duration) -> Self {
+        self.statement_timeout = Some(timeout);
+        self.begin = self.begin_statement();
+        self
+    }
+
+    fn begin_statement(&self) -> Option<String> {
+        let settings: Vec<String> = [
+            ("lock_timeout", self.lock_timeout),
+            ("statement_timeout", self.statement_timeout),
+        ]
+        .into_iter()
+        .filter_map(|(name, timeout)| {
+            // At least 1 ms: 0 would mean no timeout at all.
+            let ms = timeout?.as_millis().max(1);
+            Some(format!("SET LOCAL {name} = {ms}"))
+        })
+        .collect();
+        (!settings.is_empty()).then(|| format!("BEGIN; {}", settings.join("; ")))
     }
 
     /// The pool this store uses.
@@ -233,11 +279,19 @@ impl PgInbox {
         })
     }
 
-    /// The consumer's id for a claim in `tx`, registered on the transaction's own connection (a
-    /// second pool connection would deadlock a pool of one). An id inserted by `tx` is cached
-    /// only once another transaction sees it committed.
+    /// The consumer's id for a claim in `tx`. A name seen for the first time is registered on
+    /// its own, committed at once, on a connection the pool has free: registered inside `tx`, its
+    /// uncommitted row would make every other process registering the name wait for `tx`, and
+    /// on a hung `tx` for ever. With no connection free (a pool of one), it is registered on the
+    /// transaction's own connection, which a second connection would deadlock, and cached only
+    /// once another transaction sees it committed.
     async fn tx_consumer_id(&self, tx: &mut PgTx, consumer: &str) -> Result<i16, StoreError> {
         if let Some(id) = self.cached(consumer) {
+            return Ok(id);
+        }
+        if let Some(mut conn) = self.pool.try_acquire() {
+            let (id, _) = self.register(&mut conn, consumer).await?;
+            self.cache(consumer, id);
             return Ok(id);
         }
         let (id, inserted) = self.register(tx, consumer).await?;
@@ -268,10 +322,12 @@ impl InboxStore for PgInbox {
     type Tx = PgTx;
 
     async fn begin(&self) -> Result<PgTx, StoreError> {
-        self.pool
-            .begin()
-            .await
-            .map_err(store_err("opening a transaction"))
+        let begun = match &self.begin {
+            // One round-trip: the simple query protocol runs the statements together.
+            Some(statement) => self.pool.begin_with(statement.clone()).await,
+            None => self.pool.begin().await,
+        };
+        begun.map_err(store_err("opening a transaction"))
     }
 
     async fn claim(

@@ -1,0 +1,144 @@
+//! A hung handler or a hung peer no longer stalls a consumer: the handler timeout fails the
+//! stuck call and the lock timeout ends a claim's wait on a peer's uncommitted row; the rest of
+//! the batch goes on and the stuck message is retried.
+
+#![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
+
+use std::time::{Duration, Instant};
+
+use inbox_core::testkit::MemoryBroker;
+use inbox_core::{Consumer, InboxStore, MessageId};
+use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
+use inbox_postgres::testkit::{fast_retry, TestDb};
+
+/// Longer than any test: a stalled handler is a hung one.
+const HUNG: Duration = Duration::from_secs(3600);
+/// How long a stalled consumer is given before the test calls it stalled.
+const PATIENCE: Duration = Duration::from_secs(3);
+
+/// Publishes `events` credits with IDs `<prefix>-<i>`; the one at index `stalled` (if any)
+/// stalls on its first handling. Each run of a test uses its own prefix: a run given up on may
+/// leave a statement waiting on a lock, holding the rows it inserted before it.
+fn publish(broker: &MemoryBroker, prefix: &str, events: i64, stalled: Option<i64>) {
+    for i in 0..events {
+        let mut event = CreditEvent::new(1 + i % 3, i + 1);
+        event.stall = Some(i) == stalled;
+        broker.publish(Some(&format!("{prefix}-{i}")), event.to_json());
+    }
+}
+
+#[tokio::test]
+async fn a_hung_handler_is_cut_off_by_the_handler_timeout_and_its_message_retried() {
+    let db = TestDb::new().await;
+
+    // Without a handler timeout the consumer waits on the hung handler for ever.
+    let broker = MemoryBroker::new();
+    publish(&broker, "a", 10, Some(3));
+    let stalled = Consumer::new(
+        "wallet",
+        broker.source(),
+        db.inbox(),
+        Credit::new(db.pool.clone()).stall(HUNG),
+    )
+    .batch_size(10)
+    .run_until_idle();
+    assert!(
+        tokio::time::timeout(PATIENCE, stalled).await.is_err(),
+        "without a handler timeout the run should hang"
+    );
+    let summary = wallet::summary(&db.pool).await.unwrap();
+    assert_eq!(summary.ledger_rows, 0, "nothing committed while it hung");
+
+    // Now with a timeout.
+    let broker = MemoryBroker::new();
+    publish(&broker, "b", 11, Some(3));
+    let started = Instant::now();
+    let stats = tokio::time::timeout(
+        Duration::from_secs(30),
+        Consumer::new(
+            "wallet",
+            broker.source(),
+            db.inbox(),
+            Credit::new(db.pool.clone()).stall(HUNG),
+        )
+        .batch_size(11)
+        .handler_timeout(Duration::from_millis(300))
+        .retry(fast_retry(3))
+        .run_until_idle(),
+    )
+    .await
+    .expect("the handler timeout ends the hang")
+    .unwrap();
+
+    // The batch failed on its timeout, was split, and the hung message failed alone; its retry
+    // (no longer its first handling) applied it.
+    assert_eq!(stats.applied, 11, "{stats:?}");
+    assert!(stats.commits >= 2, "the batch was split: {stats:?}");
+    assert!(broker.dead_letters().is_empty());
+    let summary = wallet::summary(&db.pool).await.unwrap();
+    assert_eq!((summary.ledger_rows, summary.distinct_events), (11, 11));
+    assert!(summary.balances_exact);
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_claim_behind_a_hung_peer_gives_up_after_the_lock_timeout() {
+    let db = TestDb::new().await;
+    // A peer that claimed evt-1 and hangs with its transaction open.
+    let peer_store = db.inbox();
+    let mut peer = peer_store.begin().await.unwrap();
+    for id in ["a-1", "b-1"] {
+        let id = MessageId::new(id).unwrap();
+        assert!(peer_store.claim(&mut peer, "wallet", &id).await.unwrap());
+    }
+
+    // Without a lock timeout the claim of a-1 waits on the peer, and the batch with it.
+    let broker = MemoryBroker::new();
+    publish(&broker, "a", 5, None);
+    let stalled = Consumer::new(
+        "wallet",
+        broker.source(),
+        db.inbox(),
+        Credit::new(db.pool.clone()),
+    )
+    .batch_size(5)
+    .run_until_idle();
+    assert!(
+        tokio::time::timeout(PATIENCE, stalled).await.is_err(),
+        "without a lock timeout the run should wait on the peer"
+    );
+    assert_eq!(wallet::summary(&db.pool).await.unwrap().ledger_rows, 0);
+
+    let broker = MemoryBroker::new();
+    publish(&broker, "b", 5, None);
+    let stats = tokio::time::timeout(
+        Duration::from_secs(30),
+        Consumer::new(
+            "wallet",
+            broker.source(),
+            db.inbox().lock_timeout(Duration::from_millis(200)),
+            Credit::new(db.pool.clone()),
+        )
+        .batch_size(5)
+        .retry(fast_retry(2))
+        .run_until_idle(),
+    )
+    .await
+    .expect("the lock timeout ends the wait")
+    .unwrap();
+
+    // Everything but the peer's message applied; that one failed on the lock each time and was
+    // dead-lettered with the reason, not applied behind the peer's back.
+    let dead = broker.dead_letters();
+    assert_eq!(stats.applied, 4, "{stats:?} {dead:?}");
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].0.id.as_ref().unwrap().as_str(), "b-1");
+    assert!(dead[0].1.contains("lock timeout"), "{}", dead[0].1);
+    let summary = wallet::summary(&db.pool).await.unwrap();
+    assert_eq!((summary.ledger_rows, summary.distinct_events), (4, 4));
+    peer_store.rollback(peer).await.unwrap();
+}
