@@ -1,4 +1,6 @@
-//! What an ack is on Kafka: committing the partition's finished prefix after the database commit.
+//! What an ack is on Kafka: marking the message finished after the database commit, so that its
+//! partition's finished prefix is committed (by the commit task, or right away with a zero commit
+//! interval).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -6,12 +8,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{async_trait, Ack, Recovery, SourceError};
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::{Offset, TopicPartitionList};
+use rdkafka::consumer::Consumer;
+use rdkafka::Offset;
 use tracing::{debug, warn};
 
-use crate::context::InboxContext;
+use crate::commit::commit_sync;
 use crate::error::{partition_moved, Error};
+use crate::shared_consumer::SharedConsumer;
+use crate::tracker::Commit;
 
 /// The acknowledgement handle of a Kafka delivery. See the crate docs, "Ack semantics".
 pub struct KafkaAck(Inner);
@@ -23,7 +27,7 @@ enum Inner {
 }
 
 pub(crate) struct AckTarget {
-    pub(crate) consumer: Arc<StreamConsumer<InboxContext>>,
+    pub(crate) consumer: SharedConsumer,
     pub(crate) topic: Arc<str>,
     pub(crate) partition: i32,
     pub(crate) offset: i64,
@@ -100,12 +104,13 @@ impl Ack for KafkaAck {
         }
     }
 
-    /// Marks every delivery finished and commits, in one request, the new finished prefix of
-    /// each partition they touched; a partition with an earlier message still unfinished is not
-    /// committed yet.
+    /// Marks every delivery finished. With a commit interval that is all: the commit task
+    /// commits the new finished prefixes. With a zero interval, the new finished prefix of each
+    /// partition they touched is committed here, in one synchronous request; a partition with an
+    /// earlier message still unfinished is not committed yet.
     async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {
         let mut consumer = None;
-        let mut commits: HashMap<(Arc<str>, i32), i64> = HashMap::new();
+        let mut commits: HashMap<(Arc<str>, i32), (u64, i64)> = HashMap::new();
         for ack in acks {
             let Inner::Tracked(t) = ack.0 else { continue };
             let next = t.consumer.context().tracker().finish(
@@ -117,31 +122,40 @@ impl Ack for KafkaAck {
             if let Some(next) = next {
                 let slot = commits
                     .entry((Arc::clone(&t.topic), t.partition))
-                    .or_insert(next);
-                *slot = (*slot).max(next);
+                    .or_insert((t.generation, next));
+                slot.1 = slot.1.max(next);
             }
-            consumer.get_or_insert((t.consumer, t.timeout));
+            consumer.get_or_insert(t.consumer);
         }
-        let Some((consumer, _timeout)) = consumer else {
+        let Some(consumer) = consumer else {
             return Ok(());
         };
+        if !consumer.context().commit_interval.is_zero() {
+            return Ok(());
+        }
         if commits.is_empty() {
             debug!("acked messages wait behind unfinished earlier offsets; nothing to commit yet");
             return Ok(());
         }
-        let mut list = TopicPartitionList::with_capacity(commits.len());
-        for ((topic, partition), next) in &commits {
-            list.add_partition_offset(topic, *partition, Offset::Offset(*next))
-                .map_err(|e| Error::kafka("building the offset commit", e).into_source())?;
-        }
-        // A synchronous commit returns only once the coordinator answered, so `Ok` means the
-        // offsets are stored; it blocks, so it runs off the async workers.
-        let result =
-            tokio::task::spawn_blocking(move || consumer.commit(&list, CommitMode::Sync)).await;
-        match result {
+        let partitions = commits.len();
+        let commits: Vec<Commit> = {
+            let mut tracker = consumer.context().tracker();
+            commits
+                .into_iter()
+                .map(|((topic, partition), (generation, offset))| {
+                    tracker.sending(&topic, partition, generation, offset);
+                    Commit {
+                        topic: topic.to_string(),
+                        partition,
+                        offset,
+                    }
+                })
+                .collect()
+        };
+        match commit_sync(consumer, commits).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) if partition_moved(&e) => {
-                warn!(error = %e, partitions = commits.len(), "offset commit refused: the partitions moved to another member; it re-reads them and the inbox skips what was applied");
+                warn!(error = %e, partitions, "offset commit refused: the partitions moved to another member; it re-reads them and the inbox skips what was applied");
                 Ok(())
             }
             Ok(Err(e)) => Err(Error::kafka("committing offsets", e).into_source()),

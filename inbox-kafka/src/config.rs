@@ -52,6 +52,7 @@ pub struct KafkaConfig {
     pub(crate) ack_mode: AckMode,
     pub(crate) poll_timeout: Duration,
     pub(crate) operation_timeout: Duration,
+    pub(crate) commit_interval: Duration,
     pub(crate) common: BTreeMap<String, String>,
     pub(crate) consumer: BTreeMap<String, String>,
 }
@@ -59,6 +60,10 @@ pub struct KafkaConfig {
 impl KafkaConfig {
     /// The header that carries the message ID unless [`KafkaConfig::id_header`] says otherwise.
     pub const DEFAULT_ID_HEADER: &'static str = "event_id";
+
+    /// How often acked offsets are committed unless [`KafkaConfig::commit_interval`] says
+    /// otherwise.
+    pub const DEFAULT_COMMIT_INTERVAL: Duration = Duration::from_millis(250);
 
     /// Consumes `topics` as member of `group_id`, through `brokers` (`host:port[,host:port]`).
     pub fn new(
@@ -76,6 +81,7 @@ impl KafkaConfig {
             ack_mode: AckMode::default(),
             poll_timeout: Duration::from_secs(1),
             operation_timeout: Duration::from_secs(10),
+            commit_interval: Self::DEFAULT_COMMIT_INTERVAL,
             common: BTreeMap::new(),
             consumer: BTreeMap::new(),
         }
@@ -137,6 +143,19 @@ impl KafkaConfig {
     /// a minute, fetching and committing nothing.
     pub fn operation_timeout(mut self, wait: Duration) -> Self {
         self.operation_timeout = wait;
+        self
+    }
+
+    /// How often the offsets acked since the last commit are committed, in one request for all
+    /// partitions (default 250 ms; see the crate docs, "Ack semantics").
+    ///
+    /// An ack then only records its offsets; a commit task commits each partition's finished
+    /// prefix at this interval, and a revoke and the source's close commit what is left. A crash
+    /// costs the redelivery of up to an interval of acked messages, which the inbox skips.
+    /// `Duration::ZERO` commits synchronously in every ack instead: one round-trip per batch
+    /// (per lane), and an ack's `Ok` means the broker has the offset.
+    pub fn commit_interval(mut self, every: Duration) -> Self {
+        self.commit_interval = every;
         self
     }
 

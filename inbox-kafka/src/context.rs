@@ -1,13 +1,15 @@
 //! librdkafka callbacks: its log lines go to `tracing`, and rebalances reach the offset tracker.
 
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use rdkafka::client::ClientContext;
 use rdkafka::config::RDKafkaLogLevel;
-use rdkafka::consumer::{BaseConsumer, ConsumerContext, Rebalance};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::KafkaError;
 use tracing::{debug, error, info, warn};
 
+use crate::commit::{commit_on_revoke, OffsetCommits};
 use crate::tracker::Tracker;
 
 /// Sends librdkafka's log lines (`MAXPOLL`, `REQTMOUT`, `FAIL`, ...) to `tracing`.
@@ -38,17 +40,23 @@ impl ClientContext for ProducerContext {
     }
 }
 
-/// The consumer's context: logging, and the rebalance hooks that keep the tracker honest.
+/// The consumer's context: logging, the offset tracker and commit counters, and the rebalance
+/// hook that commits what was acked of the revoked partitions and forgets the rest.
 #[derive(Debug)]
 pub(crate) struct InboxContext {
     pub(crate) group: String,
+    /// `Duration::ZERO`: every ack commits; otherwise the commit task does, this often.
+    pub(crate) commit_interval: Duration,
+    pub(crate) commits: OffsetCommits,
     tracker: Arc<Mutex<Tracker>>,
 }
 
 impl InboxContext {
-    pub(crate) fn new(group: String) -> Self {
+    pub(crate) fn new(group: String, commit_interval: Duration) -> Self {
         Self {
             group,
+            commit_interval,
+            commits: OffsetCommits::default(),
             tracker: Arc::default(),
         }
     }
@@ -70,19 +78,30 @@ impl ClientContext for InboxContext {
 }
 
 impl ConsumerContext for InboxContext {
-    fn pre_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         match rebalance {
             Rebalance::Revoke(partitions) => {
                 let mut tracker = self.tracker();
-                for p in partitions.elements() {
-                    tracker.revoke(p.topic(), p.partition());
+                let last: Vec<_> = partitions
+                    .elements()
+                    .iter()
+                    .filter_map(|p| tracker.revoke(p.topic(), p.partition()))
+                    .collect();
+                let unfinished = tracker.unfinished();
+                drop(tracker);
+                // A lost assignment (this member was evicted) can no longer commit.
+                let lost = consumer.assignment_lost();
+                if !last.is_empty() && !lost {
+                    commit_on_revoke(consumer, &last);
                 }
                 info!(
                     group = %self.group,
                     partitions = %describe(partitions),
-                    unfinished_elsewhere = tracker.unfinished(),
-                    "partitions revoked; their in-flight messages will not be committed here, \
-                     the new owner re-reads them and the inbox skips what was applied"
+                    last_commits = if lost { 0 } else { last.len() },
+                    assignment_lost = lost,
+                    unfinished_elsewhere = unfinished,
+                    "partitions revoked; what was acked is committed, messages in flight are \
+                     not: the new owner re-reads them and the inbox skips what was applied"
                 );
             }
             Rebalance::Assign(partitions) => {

@@ -39,17 +39,32 @@
 //! # Ack semantics
 //!
 //! Kafka acknowledges by committing a position per partition: "everything before offset N is
-//! done". Here an ack is that commit, made after the database transaction committed:
+//! done". Here an ack marks the message finished after the database transaction committed, and
+//! the partition's finished prefix is committed from there:
 //!
-//! - **Explicit commits, never auto-commit.** The consumer runs with `enable.auto.commit=false`
-//!   and each [`Ack::ack_all`](inbox_core::Ack::ack_all) makes one synchronous offset commit for
-//!   the batch (run off the async workers). It was chosen over auto-commit with
-//!   `enable.auto.offset.store=false` plus storing offsets after the commit because an `Ok` ack
-//!   then means the broker has the offset: a crash after it replays nothing, and nothing waits
-//!   on a timer. The cost is one commit round-trip per batch, which batching amortises.
-//! - **Only the finished prefix.** Offsets in flight are tracked per partition; an ack commits
+//! - **Explicit commits, never auto-commit, coalesced.** The consumer runs with
+//!   `enable.auto.commit=false`. An [`Ack::ack_all`](inbox_core::Ack::ack_all) only records its
+//!   offsets, with no broker call; a commit task commits the finished prefix of every partition
+//!   that moved, in one synchronous request (on tokio's blocking pool), every
+//!   [`KafkaConfig::commit_interval`] (default 250 ms). When partitions are revoked, the acked
+//!   prefix of each is committed right away, and librdkafka completes the rebalance only after
+//!   that commit, so the partition's next owner starts behind it. Dropping the source (the end of
+//!   [`Consumer::run_until`](inbox_core::Consumer::run_until)) revokes everything the same way
+//!   before it leaves the group. A failed commit is logged, counted in
+//!   [`KafkaSource::offset_commits`], and retried at the next interval; it is not an ack failure.
+//! - **What a crash costs.** A process that dies between its database commits and the next
+//!   offset commit leaves up to one interval of applied messages uncommitted (plus a commit in
+//!   flight): the partitions' next owner reads them again and the inbox skips each, as it skips
+//!   any redelivery. Nothing is lost and nothing is applied twice; what it costs is re-reading
+//!   those messages. No offset is ever committed past a message whose transaction has not
+//!   committed, because only acked messages move the prefix.
+//! - **Synchronous per ack.** With `commit_interval(Duration::ZERO)` every ack commits its
+//!   partitions' new prefixes itself, synchronously, so its `Ok` means the broker has the offset
+//!   and a commit failure is an ack failure. It costs one commit round-trip per batch (per lane
+//!   with [`Consumer::parallel_lanes`](inbox_core::Consumer::parallel_lanes)).
+//! - **Only the finished prefix.** Offsets in flight are tracked per partition; a commit covers
 //!   the partition up to its first unfinished message. An ack of offset 7 while 5 is still being
-//!   retried commits nothing; when 5 is acked the commit jumps to 8.
+//!   retried moves nothing; when 5 is acked the next commit jumps to 8.
 //! - **Redelivery.** A message whose offset was not committed (the process died, the commit
 //!   failed, the partition moved) is read again by whoever owns the partition next, from the last
 //!   committed offset; the inbox finds its ID and skips it. Everything after it on the partition
@@ -85,9 +100,9 @@
 //! has already fetched, up to the consumer's batch size. Each message carries its partition as
 //! its lane ([`Metadata::lane`](inbox_core::Metadata::lane), `topic[partition]`):
 //!
-//! - by default the whole batch is one transaction and one offset commit;
+//! - by default the whole batch is one transaction;
 //! - with [`Consumer::parallel_lanes`](inbox_core::Consumer::parallel_lanes)`(n)` up to `n`
-//!   partitions are applied side by side, each in transactions of its own with its own commit,
+//!   partitions are applied side by side, each in transactions of its own,
 //!   while one partition's messages stay in offset order; the consumer receives again while a
 //!   partition's lane is free.
 //!
@@ -105,16 +120,19 @@
 
 mod ack;
 mod admin;
+mod commit;
 mod config;
 mod context;
 mod dead_letter;
 mod error;
 mod producer;
+mod shared_consumer;
 mod source;
 mod tracker;
 
 pub use ack::KafkaAck;
 pub use admin::{KafkaAdmin, Retention};
+pub use commit::OffsetCommits;
 pub use config::{brokers_from_env, AckMode, KafkaConfig, DEFAULT_BROKERS};
 pub use error::{Error, Result};
 pub use producer::{KafkaProducer, Record, Sent};
@@ -134,6 +152,7 @@ mod tests {
         assert_send_sync::<KafkaAck>();
         assert_send_sync::<KafkaProducer>();
         assert_send_sync::<KafkaConfig>();
+        assert_send_sync::<OffsetCommits>();
         assert_send_sync::<Error>();
     }
 }

@@ -1,7 +1,6 @@
 //! The [`MessageSource`] over a Kafka consumer group.
 
 use std::fmt;
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
@@ -11,11 +10,14 @@ use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{BorrowedMessage, Header, Headers, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::Message as _;
+use tokio::task::JoinHandle;
 use tracing::warn;
 
 use crate::ack::{AckTarget, KafkaAck};
+use crate::commit::{commit_task, OffsetCommits};
 use crate::context::{InboxContext, ProducerContext};
 use crate::dead_letter::DeadLetterCheck;
+use crate::shared_consumer::SharedConsumer;
 use crate::{AckMode, Error, KafkaConfig, Result};
 
 /// The header a dead letter carries with the reason it was parked.
@@ -34,9 +36,13 @@ const IDLE_POLLS: u32 = 3;
 ///
 /// Each [`receive`](MessageSource::receive) waits up to the poll timeout for a first message,
 /// then takes whatever else is already fetched, up to the batch size, so that one transaction
-/// and one offset commit cover the batch. See the crate docs for the ack semantics.
+/// covers the batch. See the crate docs for the ack semantics.
+///
+/// Dropping the source closes its consumer on tokio's blocking pool (outside a runtime: in
+/// place): librdkafka revokes the partitions, which commits what was acked, waits for that
+/// commit, and leaves the group. A runtime waits for its blocking pool when it shuts down.
 pub struct KafkaSource {
-    consumer: Arc<StreamConsumer<InboxContext>>,
+    consumer: SharedConsumer,
     producer: FutureProducer<ProducerContext>,
     ack_mode: AckMode,
     id_header: String,
@@ -47,6 +53,16 @@ pub struct KafkaSource {
     redelivery_window: Option<Duration>,
     /// Made by the first receive; kept until it passes.
     dead_letter_check: Option<DeadLetterCheck>,
+    /// Started by the first receive, when commits are coalesced; aborted on drop.
+    commit_task: Option<JoinHandle<()>>,
+}
+
+impl Drop for KafkaSource {
+    fn drop(&mut self) {
+        if let Some(task) = self.commit_task.take() {
+            task.abort();
+        }
+    }
 }
 
 impl fmt::Debug for KafkaSource {
@@ -54,6 +70,7 @@ impl fmt::Debug for KafkaSource {
         f.debug_struct("KafkaSource")
             .field("group", &self.consumer.context().group)
             .field("ack_mode", &self.ack_mode)
+            .field("commit_interval", &self.consumer.context().commit_interval)
             .field("id_header", &self.id_header)
             .field("dead_letter_topic", &self.dead_letter_topic)
             .finish_non_exhaustive()
@@ -64,7 +81,10 @@ impl KafkaSource {
     pub(crate) fn new(config: &KafkaConfig) -> Result<Self> {
         let consumer: StreamConsumer<InboxContext> = config
             .consumer_config()?
-            .create_with_context(InboxContext::new(config.group_id.clone()))
+            .create_with_context(InboxContext::new(
+                config.group_id.clone(),
+                config.commit_interval,
+            ))
             .map_err(|e| Error::kafka("creating the Kafka consumer", e))?;
         let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
         consumer
@@ -85,7 +105,7 @@ impl KafkaSource {
             .map_err(|e| Error::kafka("creating the dead-letter producer", e))?;
 
         Ok(Self {
-            consumer: Arc::new(consumer),
+            consumer: SharedConsumer::new(consumer),
             producer,
             ack_mode: config.ack_mode,
             id_header: config.id_header.clone(),
@@ -95,7 +115,14 @@ impl KafkaSource {
             operation_timeout: config.operation_timeout,
             redelivery_window: None,
             dead_letter_check: Some(DeadLetterCheck::new(config)),
+            commit_task: None,
         })
+    }
+
+    /// Counters of this source's offset commit requests, to watch how many acks one request
+    /// covers. Take them before handing the source to the consumer.
+    pub fn offset_commits(&self) -> OffsetCommits {
+        self.consumer.context().commits.clone()
     }
 
     /// Tells the consumer's start-up check how long the topic keeps records, as read with
@@ -142,7 +169,7 @@ impl KafkaSource {
                     .tracker()
                     .received(topic, partition, offset);
                 let target = AckTarget {
-                    consumer: Arc::clone(&self.consumer),
+                    consumer: self.consumer.clone(),
                     topic: topic.into(),
                     partition,
                     offset,
@@ -180,6 +207,15 @@ impl MessageSource for KafkaSource {
             // Before the first poll, so a source that fails it never joins the group.
             check.run(&self.producer).await?;
             self.dead_letter_check = None;
+        }
+        let interval = self.consumer.context().commit_interval;
+        if self.commit_task.is_none()
+            && self.ack_mode == AckMode::AfterCommit
+            && !interval.is_zero()
+        {
+            // Here rather than in `build`, which may run outside a runtime.
+            let consumer = self.consumer.downgrade();
+            self.commit_task = Some(tokio::spawn(commit_task(consumer, interval)));
         }
         // `recv` is cancellation safe, and after it nothing awaits until the batch is returned,
         // so a dropped receive loses no message.

@@ -8,6 +8,10 @@
 //! Each partition's state carries a generation, renewed when the partition is revoked and later
 //! seen again, so an ack of a message received before a rebalance never commits for the new
 //! assignment.
+//!
+//! The tracker also remembers, per partition, the end of the finished prefix and the highest
+//! offset already handed to a commit request: a partition whose prefix grew past it is *dirty*,
+//! and the next commit (the commit task's, a revoke's, the close's) takes it.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -27,6 +31,25 @@ struct Partition {
     in_flight: BTreeMap<i64, bool>,
     /// Offsets handed back with a nack, and how often.
     nacked: HashMap<i64, u32>,
+    /// The offset after the finished prefix: what may be committed.
+    finished_to: Option<i64>,
+    /// The highest offset handed to a commit request; below `finished_to`, the partition is dirty.
+    sent: Option<i64>,
+}
+
+impl Partition {
+    /// The offset to commit, if the finished prefix grew past what was last sent.
+    fn dirty(&self) -> Option<i64> {
+        self.finished_to.filter(|&to| self.sent < Some(to))
+    }
+}
+
+/// One partition's offset to commit: the next offset to read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Commit {
+    pub(crate) topic: String,
+    pub(crate) partition: i32,
+    pub(crate) offset: i64,
 }
 
 /// In-flight offsets of every partition this consumer has received from.
@@ -81,7 +104,50 @@ impl Tracker {
             commit = Some(*entry.key() + 1);
             entry.remove();
         }
+        if commit.is_some() {
+            state.finished_to = commit;
+        }
         commit
+    }
+
+    /// Takes every dirty partition's offset for one commit request; they count as sent.
+    pub(crate) fn take_dirty(&mut self) -> Vec<Commit> {
+        let mut out = Vec::new();
+        for (topic, partitions) in &mut self.partitions {
+            for (&partition, state) in partitions.iter_mut() {
+                if let Some(offset) = state.dirty() {
+                    state.sent = Some(offset);
+                    out.push(Commit {
+                        topic: topic.clone(),
+                        partition,
+                        offset,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// `offset` is being committed for the partition by a request made elsewhere (a synchronous
+    /// ack).
+    pub(crate) fn sending(&mut self, topic: &str, partition: i32, generation: u64, offset: i64) {
+        if let Some(state) = self.current(topic, partition, generation) {
+            state.sent = state.sent.max(Some(offset));
+        }
+    }
+
+    /// A commit of `offset` failed: unless a later request covers the partition, it is dirty
+    /// again and the next commit retries it.
+    pub(crate) fn commit_failed(&mut self, topic: &str, partition: i32, offset: i64) {
+        let state = self
+            .partitions
+            .get_mut(topic)
+            .and_then(|partitions| partitions.get_mut(&partition));
+        if let Some(state) = state {
+            if state.sent <= Some(offset) {
+                state.sent = None;
+            }
+        }
     }
 
     /// A message is handed back: it and everything received after it on its partition will be
@@ -106,11 +172,15 @@ impl Tracker {
         true
     }
 
-    /// The partition was revoked: forget its in-flight messages; late acks for them are ignored.
-    pub(crate) fn revoke(&mut self, topic: &str, partition: i32) {
-        if let Some(partitions) = self.partitions.get_mut(topic) {
-            partitions.remove(&partition);
-        }
+    /// The partition was revoked: forget its in-flight messages (late acks for them are
+    /// ignored) and return its finished prefix if it was not committed yet, for a last commit.
+    pub(crate) fn revoke(&mut self, topic: &str, partition: i32) -> Option<Commit> {
+        let state = self.partitions.get_mut(topic)?.remove(&partition)?;
+        state.dirty().map(|offset| Commit {
+            topic: topic.to_owned(),
+            partition,
+            offset,
+        })
     }
 
     /// The number of unfinished messages, for logs.
@@ -168,6 +238,63 @@ mod tests {
         assert_ne!(old, new);
         assert_eq!(t.finish("t", 0, old, 5), None);
         assert_eq!(t.finish("t", 0, new, 5), Some(6));
+    }
+
+    #[test]
+    fn finished_prefixes_are_taken_once_and_again_after_a_failed_commit() {
+        let mut t = Tracker::default();
+        let g = t.received("t", 0, 5).generation;
+        t.received("t", 0, 6);
+        t.received("t", 1, 0);
+        assert!(t.take_dirty().is_empty(), "nothing finished");
+        t.finish("t", 0, g, 6);
+        assert!(t.take_dirty().is_empty(), "5 is unfinished");
+        t.finish("t", 0, g, 5);
+        let commit = Commit {
+            topic: "t".into(),
+            partition: 0,
+            offset: 7,
+        };
+        assert_eq!(t.take_dirty(), vec![commit.clone()]);
+        assert!(t.take_dirty().is_empty(), "already sent");
+        t.commit_failed("t", 0, 7);
+        assert_eq!(
+            t.take_dirty(),
+            vec![commit.clone()],
+            "retried after the failure"
+        );
+        t.received("t", 0, 7);
+        t.finish("t", 0, g, 7);
+        t.sending("t", 0, g, 8);
+        t.commit_failed("t", 0, 7);
+        assert!(
+            t.take_dirty().is_empty(),
+            "a later commit covers the failed one"
+        );
+    }
+
+    #[test]
+    fn a_revoke_hands_over_the_uncommitted_prefix_only() {
+        let mut t = Tracker::default();
+        let g = t.received("t", 0, 5).generation;
+        t.received("t", 0, 6);
+        t.received("t", 1, 0);
+        t.finish("t", 0, g, 5);
+        assert_eq!(
+            t.revoke("t", 0),
+            Some(Commit {
+                topic: "t".into(),
+                partition: 0,
+                offset: 6
+            }),
+            "5 is finished, 6 is not"
+        );
+        assert_eq!(t.revoke("t", 0), None, "gone");
+        let g1 = t.received("t", 1, 1).generation;
+        t.finish("t", 1, g1, 0);
+        t.finish("t", 1, g1, 1);
+        assert_eq!(t.take_dirty().len(), 1);
+        assert_eq!(t.revoke("t", 1), None, "already committed");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! What the broker the services start cannot show, on librdkafka's built-in mock cluster (a
 //! Kafka-protocol server inside the test process; the client is the real one):
-//! - offset commits refused because the partition moved are logged, not fatal (errors injected
-//!   on cue);
+//! - offset commits refused because the partition moved are logged, not fatal, whether the
+//!   commit task or an ack (with a zero commit interval) meets them (errors injected on cue);
 //! - a consumer restarting from a commit inside a producer's record batch reads on from that
 //!   offset. Tansu 0.6 serves such a fetch from the next batch on, skipping the rest of the
 //!   batch, which is why the wallet publishes one record per batch there.
@@ -9,10 +9,10 @@
 use std::time::Duration;
 
 use inbox_core::testkit::{MemoryStore, MemoryTx};
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, StatsSnapshot};
 use inbox_kafka::rdkafka::mocking::MockCluster;
 use inbox_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
-use inbox_kafka::{KafkaConfig, KafkaProducer, Record};
+use inbox_kafka::{KafkaConfig, KafkaProducer, OffsetCommits, Record};
 
 fn init_tracing() {
     let _ = tracing_subscriber::fmt()
@@ -38,8 +38,9 @@ impl Handler<MemoryTx<i64>> for Sum {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn commits_refused_by_a_rebalance_are_not_fatal() {
+/// 30 records over 3 partitions, the first three offset commits refused as when the partitions
+/// moved; the consumer commits every `commit_interval`.
+async fn consume_with_refused_commits(commit_interval: Duration) -> (StatsSnapshot, OffsetCommits) {
     init_tracing();
     let mock = MockCluster::new(1).expect("mock cluster");
     mock.create_topic("credits", 3, 1).expect("topic");
@@ -63,6 +64,7 @@ async fn commits_refused_by_a_rebalance_are_not_fatal() {
     let store = MemoryStore::<i64>::new();
     let source = KafkaConfig::new(&brokers, "wallet", ["credits"])
         .poll_timeout(Duration::from_millis(500))
+        .commit_interval(commit_interval)
         // A refused commit makes the member rejoin; the mock coordinator waits for the old
         // member's session to end first.
         .set_consumer("session.timeout.ms", "6000")
@@ -70,6 +72,7 @@ async fn commits_refused_by_a_rebalance_are_not_fatal() {
         .set_consumer("heartbeat.interval.ms", "500")
         .build()
         .expect("source");
+    let commits = source.offset_commits();
     let consumer =
         Consumer::new("wallet", source, store.clone(), Sum(Duration::ZERO)).batch_size(5);
     let stats = consumer.stats();
@@ -85,14 +88,33 @@ async fn commits_refused_by_a_rebalance_are_not_fatal() {
         .await
         .expect("task")
         .expect("the consumer keeps running");
-    println!("mock cluster with refused commits: {stats:?}");
+    println!("mock cluster with refused commits, commit interval {commit_interval:?}: {stats:?} {commits:?}");
     assert_eq!(stats.applied, 30);
     assert_eq!(store.state().await, (1..=30).sum::<i64>());
+    assert_eq!(stats.errors, 0);
+    (stats, commits)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commits_refused_by_a_rebalance_are_not_fatal() {
+    let (_, commits) = consume_with_refused_commits(KafkaConfig::DEFAULT_COMMIT_INTERVAL).await;
+    assert!(
+        commits.failed() >= 1,
+        "the commit task met the refusals: {commits:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_refused_by_a_rebalance_are_not_ack_failures() {
+    let (stats, commits) = consume_with_refused_commits(Duration::ZERO).await;
+    assert!(
+        commits.failed() >= 1,
+        "the acks met the refusals: {commits:?}"
+    );
     assert_eq!(
         stats.ack_failures, 0,
         "moved-partition commit errors are logged, not failures"
     );
-    assert_eq!(stats.errors, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

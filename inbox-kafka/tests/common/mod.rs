@@ -1,5 +1,10 @@
 //! Shared helpers of the Kafka tests: random topics and groups on the real broker, a running
 //! consumer that can be stopped, and what is left on the broker afterwards.
+//!
+//! The same tests run on librdkafka's mock cluster, the `kafka-mock` process of the examples
+//! (`KAFKA_BROKERS` its bootstrap address, `KAFKA_MOCK_CONTROL` its `--control` address). The
+//! mock has no CreateTopics, so topics are then made through its control port; a test that needs
+//! what the mock lacks skips itself with [`skip_on_mock`].
 #![allow(dead_code, unreachable_pub)]
 
 use std::future::Future;
@@ -14,6 +19,7 @@ use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent, Summary};
 use inbox_postgres::PgTx;
 use sqlx::PgPool;
 use std::sync::Arc;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -32,19 +38,57 @@ pub fn random(prefix: &str) -> String {
     format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
 }
 
+/// The `kafka-mock --control` address, when the tests run on librdkafka's mock cluster.
+pub fn mock_control() -> Option<String> {
+    std::env::var("KAFKA_MOCK_CONTROL").ok()
+}
+
+/// On the mock cluster, says why the test is skipped and returns `true`.
+pub fn skip_on_mock(reason: &str) -> bool {
+    if mock_control().is_none() {
+        return false;
+    }
+    println!("skipped on librdkafka's mock cluster (KAFKA_MOCK_CONTROL is set): {reason}");
+    true
+}
+
+/// Creates `topic` with `partitions` partitions: with the admin API, or on the mock cluster
+/// through `kafka-mock --control`.
+pub async fn create_topic(topic: &str, partitions: i32) {
+    let Some(control) = mock_control() else {
+        KafkaAdmin::from_env()
+            .expect("admin client")
+            .create_topic(topic, partitions)
+            .await
+            .unwrap_or_else(|e| panic!("creating topic `{topic}`: {e}"));
+        return;
+    };
+    let talk = async {
+        let mut stream = tokio::net::TcpStream::connect(&control).await?;
+        stream
+            .write_all(format!("create-topic {topic} {partitions}\n").as_bytes())
+            .await?;
+        let mut answer = String::new();
+        BufReader::new(stream).read_line(&mut answer).await?;
+        Ok::<_, std::io::Error>(answer)
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(30), talk)
+        .await
+        .unwrap_or_else(|_| panic!("kafka-mock at KAFKA_MOCK_CONTROL={control} does not answer"))
+        .unwrap_or_else(|e| panic!("kafka-mock at KAFKA_MOCK_CONTROL={control}: {e}"));
+    assert_eq!(
+        answer.trim_end(),
+        "ok",
+        "kafka-mock at KAFKA_MOCK_CONTROL={control} creating topic `{topic}`"
+    );
+}
+
 /// A fresh topic with `partitions` partitions and its dead-letter topic.
 pub async fn topic(partitions: i32) -> String {
     init_tracing();
     let topic = random("inbox-test");
-    let admin = KafkaAdmin::from_env().expect("admin client");
-    admin
-        .create_topic(&topic, partitions)
-        .await
-        .expect("create topic");
-    admin
-        .create_topic(&format!("{topic}.dlq"), 1)
-        .await
-        .expect("create dead-letter topic");
+    create_topic(&topic, partitions).await;
+    create_topic(&format!("{topic}.dlq"), 1).await;
     topic
 }
 
