@@ -10,6 +10,10 @@
 //! A [`BatchHandler`] (with [`Consumer::batched`]) gets all new messages of a transaction at
 //! once, decoded beforehand, for set-based writes.
 //!
+//! A side effect outside the database (an HTTP call, an email) cannot join that transaction;
+//! [`effect::EffectConsumer`] keeps processing and done states with a lease and a
+//! fencing token for it, and passes the provider an idempotency key per message.
+//!
 //! This crate has no broker or database dependency. Pick a [`MessageSource`] adapter
 //! (`inbox-kafka`, `inbox-sqs`, `inbox-rabbitmq`, `inbox-redis-streams`) and an [`InboxStore`]
 //! (`inbox-postgres`), or implement the traits for your own.
@@ -58,6 +62,7 @@
 //! `inbox_ack_failures_total`, labelled by consumer).
 
 mod consumer;
+pub mod effect;
 mod error;
 mod handler;
 mod health;

@@ -46,6 +46,27 @@ impl MessageId {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The idempotency key for a call `consumer` makes to a downstream provider because of this
+    /// message (an `Idempotency-Key` header): `<consumer>:<id>`. It is the same on every
+    /// redelivery and every retry, so the provider's deduplication catches a second call for a
+    /// message whose first call landed; and it differs per consumer, so two consumers of one
+    /// message (a mailer and a biller) do not swallow each other's calls.
+    ///
+    /// A key protects only while the provider remembers it, and providers forget sooner than
+    /// brokers redeliver: Stripe may drop a key once it is 24 hours old, while SQS can hand a
+    /// message out for up to 14 days, a Kafka topic keeps 7 by default, and a dead-letter replay
+    /// reaches further still. The [`EffectConsumer`](crate::effect::EffectConsumer) covers the
+    /// late copies with its done rows (keep them as long as the inbox rows); what the key alone
+    /// cannot cover is a call whose outcome stayed unknown for longer than the provider keeps
+    /// keys: [`Effect::since_first`](crate::effect::Effect::since_first) tells a handler how old
+    /// its message's first attempt is.
+    ///
+    /// Providers bound the key's length (Stripe: 255 characters); a UUID ID plus a short
+    /// consumer name stays far below.
+    pub fn idempotency_key(&self, consumer: &str) -> String {
+        format!("{consumer}:{}", self.0)
+    }
 }
 
 impl fmt::Display for MessageId {
@@ -217,6 +238,18 @@ mod tests {
             MessageId::from_bytes(&[0xff, 0xfe]),
             Err(InvalidId::NotUtf8)
         );
+    }
+
+    #[test]
+    fn idempotency_keys_are_stable_per_consumer() {
+        let id = MessageId::new("evt-1").unwrap();
+        let again = MessageId::new("evt-1").unwrap();
+        assert_eq!(id.idempotency_key("mailer"), "mailer:evt-1");
+        assert_eq!(
+            id.idempotency_key("mailer"),
+            again.idempotency_key("mailer")
+        );
+        assert_ne!(id.idempotency_key("mailer"), id.idempotency_key("biller"));
     }
 
     #[test]

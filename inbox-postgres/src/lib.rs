@@ -34,8 +34,14 @@
 //! [`KeyMode::Text`] and compared byte for byte: whitespace and case matter. [`KeyMode::Uuid`]
 //! additionally refuses IDs that are not UUIDs; [`KeyMode::Hashed`] takes any ID and keeps 16
 //! bytes of it.
+//!
+//! ## Side effects outside the database: leases
+//! A call to a provider (a payment API, an email service) cannot join the inbox transaction.
+//! [`PgLeases`] keeps the processing and done rows with a lease and a fencing token that
+//! [`inbox_core::effect::EffectConsumer`] needs for it; see [`PgLeases`] for an example.
 
 mod error;
+mod lease;
 mod retention;
 mod store;
 mod table;
@@ -43,6 +49,7 @@ mod table;
 pub mod testkit;
 
 pub use error::{Error, Result};
+pub use lease::PgLeases;
 pub use retention::{
     spawn_purger, ConsumerWindow, PurgeReport, Storage, DEFAULT_PURGE_BATCH, OLDEST_AGE_GAUGE,
 };

@@ -16,6 +16,7 @@
 mod fault_proxy;
 mod memory_broker;
 mod memory_store;
+pub mod provider;
 mod without_inbox;
 
 pub use fault_proxy::{FaultProxy, ProxyMode};

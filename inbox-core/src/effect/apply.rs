@@ -1,0 +1,563 @@
+//! The per-message algorithm of an [`EffectConsumer`](super::EffectConsumer): lease, decide,
+//! call, mark done, ack, or hand back or dead-letter.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use tokio::time::Instant;
+use tracing::{debug, info, info_span, warn, Instrument};
+
+use super::consumer::Stop;
+use super::stats::Counter;
+use super::{
+    is_not_applied, Acquired, Attempt, Effect, EffectHandler, EffectStats, Landed, LeaseStore,
+    OnUnknown, Release, Settled,
+};
+use crate::error::backoff;
+use crate::{
+    Ack, Delivery, Error, Failure, HandlerError, HookAction, Message, MessageId, MessageSource,
+    Recent, Recovery, Result, RetryPolicy, SourceError, Stage, StageHook, StoreError,
+};
+
+/// The longest wait between tries after a broker or store error.
+const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Added to the rest of a live lease before a busy copy comes back, so it does not come back
+/// a moment too early and find the lease still live.
+const BUSY_MARGIN: Duration = Duration::from_millis(50);
+
+/// An effect consumer's settings and state, which each delivery is applied with.
+#[derive(Debug)]
+pub(super) struct Core<L, H> {
+    pub(super) name: String,
+    pub(super) leases: L,
+    pub(super) handler: H,
+    pub(super) lease: Duration,
+    pub(super) retry: RetryPolicy,
+    pub(super) error_backoff: Duration,
+    pub(super) hook: Option<StageHook>,
+    pub(super) stats: Arc<EffectStats>,
+    /// When each recently handed-back message may be tried again.
+    pub(super) not_before: Mutex<Recent<Instant>>,
+}
+
+/// Why a done transaction did not commit.
+enum DoneFailure {
+    Store(StoreError),
+    Handler(HandlerError),
+}
+
+impl<L, H> Core<L, H>
+where
+    L: LeaseStore,
+    H: EffectHandler<L::Tx>,
+{
+    pub(super) async fn process<S: MessageSource>(
+        &self,
+        source: &mut S,
+        delivery: Delivery<S::Ack>,
+        stop: &Stop,
+    ) -> Result<()> {
+        self.count(Counter::Received);
+        let id = match &delivery.message.id {
+            Ok(id) => id.clone(),
+            Err(e) => {
+                let reason = e.to_string();
+                return self.dead_letter(source, None, delivery, reason).await;
+            }
+        };
+        if let Err(e) = self.leases.check_id(&id) {
+            let reason = format!("message ID {id:?} refused by the lease store: {e}");
+            return self.dead_letter(source, Some(&id), delivery, reason).await;
+        }
+        let span = info_span!(
+            "inbox.effect",
+            consumer = %self.name,
+            message_id = %id,
+            position = %delivery.message.meta.position,
+        );
+        self.lease_and_apply(source, id, delivery, stop)
+            .instrument(span)
+            .await
+    }
+
+    async fn lease_and_apply<S: MessageSource>(
+        &self,
+        source: &mut S,
+        id: MessageId,
+        delivery: Delivery<S::Ack>,
+        stop: &Stop,
+    ) -> Result<()> {
+        if let Some(wait) = self.too_early(&id) {
+            debug!(?wait, "came back before its hand-back delay (the broker does not delay a nack); waiting here");
+            if stop.pause(wait).await {
+                self.hand_back(delivery.ack).await;
+                return Ok(());
+            }
+        }
+        let mut outages = 0;
+        let (acquired, started) = loop {
+            let started = Instant::now();
+            match self.leases.acquire(&self.name, &id, self.lease).await {
+                Ok(acquired) => break (acquired, started),
+                Err(e) if e.recovery() == Recovery::Fatal => {
+                    self.count(Counter::Error);
+                    return Err(Error::Store(e));
+                }
+                Err(e) => {
+                    self.count(Counter::Error);
+                    outages += 1;
+                    let wait = backoff(self.error_backoff, MAX_ERROR_BACKOFF, outages);
+                    warn!(error = %e, ?wait, "lease store failed; holding the message and trying again");
+                    if stop.pause(wait).await {
+                        self.hand_back(delivery.ack).await;
+                        return Ok(());
+                    }
+                }
+            }
+        };
+        match acquired {
+            Acquired::Done => {
+                self.count(Counter::SkippedDuplicate);
+                info!(
+                    outcome = "skipped_duplicate",
+                    "skipped duplicate {id}: already done"
+                );
+                self.ack(&id, delivery.ack).await
+            }
+            Acquired::Busy { retry_after } => {
+                self.count(Counter::Busy);
+                let wait = retry_after + BUSY_MARGIN;
+                info!(
+                    outcome = "busy",
+                    ?wait,
+                    "{id} is leased by another attempt; handed back until its lease ends"
+                );
+                self.hand_back_for(&id, delivery.ack, wait).await;
+                Ok(())
+            }
+            Acquired::Leased(lease) => {
+                let effect = Effect::new(&self.name, id, lease, started + self.lease);
+                self.stage(Stage::Claimed, effect.id())?;
+                self.apply(source, effect, delivery, stop).await
+            }
+        }
+    }
+
+    /// Decides between calling, confirming and skipping; calls; then marks done.
+    async fn apply<S: MessageSource>(
+        &self,
+        source: &mut S,
+        effect: Effect,
+        delivery: Delivery<S::Ack>,
+        stop: &Stop,
+    ) -> Result<()> {
+        let message = &delivery.message;
+        let decided = match effect.attempt() {
+            Attempt::First | Attempt::AfterNotApplied => None,
+            Attempt::AfterExpiry => {
+                let landed = self
+                    .bounded(&effect, self.handler.landed(&effect, message))
+                    .await;
+                match landed {
+                    Ok(Landed::Yes) => Some(Settled::Landed),
+                    Ok(Landed::No) => None,
+                    Ok(Landed::Unknown) => match self.handler.on_unknown() {
+                        OnUnknown::Retry => None,
+                        OnUnknown::Skip => Some(Settled::Skipped),
+                    },
+                    Ok(Landed::Pending) => {
+                        let e =
+                            HandlerError::transient("the provider still works on an earlier call");
+                        return self.failed(source, effect, delivery, e, false).await;
+                    }
+                    Err(e) => return self.failed(source, effect, delivery, e, false).await,
+                }
+            }
+        };
+        let settled = match decided {
+            Some(settled) => settled,
+            None if effect.attempts() > self.retry.max_attempts => {
+                // Earlier leases ended without an error the consumer saw: crashes or hangs.
+                let reason = format!(
+                    "leased {} times, more than the {} attempts allowed (earlier attempts crashed or hung; \
+                     one of their calls may have landed under key {})",
+                    effect.attempts(),
+                    self.retry.max_attempts,
+                    effect.idempotency_key()
+                );
+                let not_applied = effect.attempt() == Attempt::AfterNotApplied;
+                return self
+                    .dead_letter_leased(source, &effect, delivery, reason, not_applied)
+                    .await;
+            }
+            None => match self
+                .bounded(&effect, self.handler.call(&effect, message))
+                .await
+            {
+                Ok(()) => {
+                    self.stage(Stage::Applied, effect.id())?;
+                    Settled::Called
+                }
+                Err(e) => return self.failed(source, effect, delivery, e, true).await,
+            },
+        };
+        self.finish(source, effect, settled, delivery, stop).await
+    }
+
+    /// Runs a handler future until the lease ends, a panic counting as a transient failure.
+    async fn bounded<T>(
+        &self,
+        effect: &Effect,
+        work: impl Future<Output = Result<T, HandlerError>>,
+    ) -> Result<T, HandlerError> {
+        let work = AssertUnwindSafe(work).catch_unwind();
+        match tokio::time::timeout_at(effect.ends(), work).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(panic)) => {
+                let text = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "non-text panic payload".to_owned());
+                Err(HandlerError::transient(format!("handler panicked: {text}")))
+            }
+            Err(_) => Err(HandlerError::transient(format!(
+                "still running when its lease of {:?} ran out; dropped, outcome unknown",
+                self.lease
+            ))),
+        }
+    }
+
+    /// A call (`called`) or a status lookup that failed: retried through the broker, or
+    /// dead-lettered.
+    async fn failed<S: MessageSource>(
+        &self,
+        source: &mut S,
+        effect: Effect,
+        delivery: Delivery<S::Ack>,
+        error: HandlerError,
+        called: bool,
+    ) -> Result<()> {
+        let permanent = error.failure() == Failure::Permanent;
+        // A call failing for good is the provider refusing it, so it did not apply. A lookup
+        // that fails says nothing about the earlier call.
+        let not_applied = called && (permanent || is_not_applied(&error));
+        if permanent || effect.attempts() >= self.retry.max_attempts {
+            let reason = if permanent {
+                format!("handler refused the message: {error}")
+            } else {
+                format!(
+                    "handler failed {} time(s), last error: {error}",
+                    effect.attempts()
+                )
+            };
+            return self
+                .dead_letter_leased(source, &effect, delivery, reason, not_applied)
+                .await;
+        }
+        self.count(Counter::Retried);
+        let r = &self.retry;
+        let wait = backoff(r.initial_backoff, r.max_backoff, effect.attempts());
+        warn!(attempt = effect.attempts(), error = %error, not_applied, ?wait, "call failed; handed back for a retry");
+        self.release(
+            &effect,
+            Release {
+                not_applied,
+                dead_lettered: false,
+            },
+        )
+        .await;
+        self.hand_back_for(effect.id(), delivery.ack, wait).await;
+        Ok(())
+    }
+
+    /// The done transaction, tried again while it fails, then the ack.
+    async fn finish<S: MessageSource>(
+        &self,
+        source: &mut S,
+        effect: Effect,
+        settled: Settled,
+        delivery: Delivery<S::Ack>,
+        stop: &Stop,
+    ) -> Result<()> {
+        let (mut tries, mut outages) = (0, 0);
+        loop {
+            let wait = match self.mark_done(&effect, settled, &delivery.message).await {
+                Ok(true) => break,
+                Ok(false) => {
+                    self.count(Counter::Fenced);
+                    warn!(token = effect.token(), outcome = "fenced", "not marked done: a newer lease took over {} while this attempt ran; handed back for its holder to finish", effect.id());
+                    self.hand_back(delivery.ack).await;
+                    return Ok(());
+                }
+                Err(DoneFailure::Store(e)) if e.recovery() == Recovery::Fatal => {
+                    self.count(Counter::Error);
+                    return Err(Error::Store(e));
+                }
+                Err(DoneFailure::Store(e)) if e.recovery() == Recovery::Reconnect => {
+                    self.count(Counter::Error);
+                    outages += 1;
+                    let wait = backoff(self.error_backoff, MAX_ERROR_BACKOFF, outages);
+                    warn!(error = %e, ?wait, "lease store unreachable; holding the message until it is back");
+                    wait
+                }
+                Err(failure) => {
+                    let error = match failure {
+                        DoneFailure::Handler(e) => e,
+                        DoneFailure::Store(e) => HandlerError::transient(e),
+                    };
+                    tries += 1;
+                    if error.failure() == Failure::Permanent || tries >= self.retry.max_attempts {
+                        let reason = format!(
+                            "the done mark failed {tries} time(s) after the effect was {}: {error}",
+                            settled.as_str()
+                        );
+                        return self
+                            .dead_letter_leased(source, &effect, delivery, reason, false)
+                            .await;
+                    }
+                    self.count(Counter::Retried);
+                    warn!(error = %error, tries, "done transaction failed; trying it again");
+                    let r = &self.retry;
+                    backoff(r.initial_backoff, r.max_backoff, tries)
+                }
+            };
+            if stop.pause(wait).await {
+                self.release(&effect, Release::unknown()).await;
+                self.hand_back(delivery.ack).await;
+                return Ok(());
+            }
+        }
+        self.stage(Stage::Committed, effect.id())?;
+        let (counter, outcome) = match settled {
+            Settled::Called => (Counter::Applied, "applied"),
+            Settled::Landed => (Counter::Confirmed, "confirmed"),
+            Settled::Skipped => (Counter::SkippedUnknown, "skipped_unknown"),
+        };
+        self.count(counter);
+        if settled == Settled::Skipped {
+            warn!(outcome, "{} marked done without a call after an unknown outcome, as OnUnknown::Skip says: its effect may be missing", effect.id());
+        } else {
+            info!(outcome, token = effect.token(), "{outcome} {}", effect.id());
+        }
+        self.ack(effect.id(), delivery.ack).await
+    }
+
+    /// Marks done and runs the handler's writes in one transaction. `false`: fenced out.
+    async fn mark_done(
+        &self,
+        effect: &Effect,
+        settled: Settled,
+        message: &Message,
+    ) -> Result<bool, DoneFailure> {
+        let mut tx = self.leases.begin().await.map_err(DoneFailure::Store)?;
+        let marked = self
+            .leases
+            .complete(&mut tx, &self.name, effect.id(), effect.token())
+            .await;
+        match marked {
+            Ok(true) => {}
+            Ok(false) => {
+                self.rollback(tx).await;
+                return Ok(false);
+            }
+            Err(e) => {
+                self.rollback(tx).await;
+                return Err(DoneFailure::Store(e));
+            }
+        }
+        let record = self.handler.record(&mut tx, effect, settled, message);
+        let recorded = match AssertUnwindSafe(record).catch_unwind().await {
+            Ok(result) => result,
+            Err(_) => Err(HandlerError::transient("record panicked")),
+        };
+        if let Err(e) = recorded {
+            self.rollback(tx).await;
+            return Err(DoneFailure::Handler(e));
+        }
+        self.leases.commit(tx).await.map_err(DoneFailure::Store)?;
+        Ok(true)
+    }
+
+    async fn rollback(&self, tx: L::Tx) {
+        if let Err(e) = self.leases.rollback(tx).await {
+            warn!(error = %e, "rollback failed; the store discards the transaction");
+        }
+    }
+
+    async fn release(&self, effect: &Effect, release: Release) {
+        match self
+            .leases
+            .release(&self.name, effect.id(), effect.token(), release)
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => debug!(
+                token = effect.token(),
+                "lease already taken over; nothing to release"
+            ),
+            Err(e) => {
+                warn!(error = %e, "releasing the lease failed; the next copy waits for it to run out")
+            }
+        }
+    }
+
+    /// Dead-letters a message this attempt holds the lease of, then releases the lease (as
+    /// dead-lettered when parked, so a replay starts a fresh budget).
+    async fn dead_letter_leased<S: MessageSource>(
+        &self,
+        source: &mut S,
+        effect: &Effect,
+        delivery: Delivery<S::Ack>,
+        reason: String,
+        not_applied: bool,
+    ) -> Result<()> {
+        let parked = self
+            .park(source, Some(effect.id()), &delivery, &reason)
+            .await;
+        let dead_lettered = matches!(parked, Ok(true));
+        let release = Release {
+            not_applied,
+            dead_lettered,
+        };
+        self.release(effect, release).await;
+        self.settle_dead_letter(parked, delivery.ack).await
+    }
+
+    async fn dead_letter<S: MessageSource>(
+        &self,
+        source: &mut S,
+        id: Option<&MessageId>,
+        delivery: Delivery<S::Ack>,
+        reason: String,
+    ) -> Result<()> {
+        let parked = self.park(source, id, &delivery, &reason).await;
+        self.settle_dead_letter(parked, delivery.ack).await
+    }
+
+    /// Parks the message; `Ok(false)` when that failed and the message goes back to the broker.
+    async fn park<S: MessageSource>(
+        &self,
+        source: &mut S,
+        id: Option<&MessageId>,
+        delivery: &Delivery<S::Ack>,
+        reason: &str,
+    ) -> Result<bool, SourceError> {
+        let shown = id.map_or_else(|| "(no ID)".to_owned(), MessageId::to_string);
+        let position = &delivery.message.meta.position;
+        match source.dead_letter(&delivery.message, reason).await {
+            Ok(()) => {
+                self.count(Counter::DeadLettered);
+                warn!(consumer = %self.name, message_id = %shown, %position, outcome = "dead_lettered", %reason, "dead-lettered {shown}");
+                Ok(true)
+            }
+            Err(e) if e.recovery() == Recovery::Fatal => Err(e),
+            Err(e) => {
+                self.count(Counter::Error);
+                tracing::error!(consumer = %self.name, message_id = %shown, error = %e, %reason, "dead-letter failed; the message is handed back to the broker");
+                Ok(false)
+            }
+        }
+    }
+
+    async fn settle_dead_letter<A: Ack>(
+        &self,
+        parked: Result<bool, SourceError>,
+        ack: A,
+    ) -> Result<()> {
+        match parked {
+            Ok(true) => {
+                if let Err(e) = ack.ack().await {
+                    self.count(Counter::AckFailure);
+                    warn!(consumer = %self.name, error = %e, "ack after dead-letter failed; the copy will be dead-lettered again");
+                }
+                Ok(())
+            }
+            Ok(false) => {
+                self.hand_back(ack).await;
+                Ok(())
+            }
+            Err(e) => {
+                self.count(Counter::Error);
+                Err(Error::Source(e))
+            }
+        }
+    }
+
+    async fn ack<A: Ack>(&self, id: &MessageId, ack: A) -> Result<()> {
+        match ack.ack().await {
+            Ok(()) => self.stage(Stage::Acked, id),
+            Err(e) => {
+                self.count(Counter::AckFailure);
+                warn!(consumer = %self.name, message_id = %id, error = %e, "ack failed after the done mark; the redelivered copy will be skipped");
+                Ok(())
+            }
+        }
+    }
+
+    /// Gives a message back to the broker, for redelivery after the error backoff.
+    pub(super) async fn hand_back<A: Ack>(&self, ack: A) {
+        if let Err(e) = ack.nack(self.error_backoff).await {
+            warn!(consumer = %self.name, error = %e, "nack failed; the broker will redeliver on its own");
+        }
+    }
+
+    /// Gives a message back for redelivery after `wait`, and remembers not to try it sooner.
+    async fn hand_back_for<A: Ack>(&self, id: &MessageId, ack: A, wait: Duration) {
+        self.not_before
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_string(), Instant::now() + wait);
+        if let Err(e) = ack.nack(wait).await {
+            warn!(consumer = %self.name, error = %e, "nack failed; the broker will redeliver on its own");
+        }
+    }
+
+    /// How much longer a message handed back with a delay must wait, if it came back early.
+    fn too_early(&self, id: &MessageId) -> Option<Duration> {
+        let not_before = self.not_before.lock().unwrap_or_else(|e| e.into_inner());
+        let wait = not_before
+            .get(id.as_str())?
+            .saturating_duration_since(Instant::now());
+        (!wait.is_zero()).then_some(wait)
+    }
+
+    /// How long to wait before receiving again after `e`, or the error that stops the consumer.
+    pub(super) fn source_failed(&self, e: SourceError, failures: u32) -> Result<Duration> {
+        self.count(Counter::Error);
+        if e.recovery() == Recovery::Fatal {
+            return Err(Error::Source(e));
+        }
+        let wait = backoff(self.error_backoff, MAX_ERROR_BACKOFF, failures);
+        warn!(consumer = %self.name, error = %e, ?wait, "receive failed; retrying");
+        Ok(wait)
+    }
+
+    fn stage(&self, stage: Stage, id: &MessageId) -> Result<()> {
+        match &self.hook {
+            Some(hook) if hook.call(stage, id) == HookAction::Crash => Err(Error::Crashed {
+                stage,
+                id: id.clone(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn count(&self, counter: Counter) {
+        self.stats.add(&self.name, counter);
+    }
+}
+
+impl Release {
+    /// A lease given up with its call's outcome unknown.
+    fn unknown() -> Self {
+        Release {
+            not_applied: false,
+            dead_lettered: false,
+        }
+    }
+}

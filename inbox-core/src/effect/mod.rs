@@ -1,0 +1,364 @@
+//! Side effects outside the database: a call to a payment API, an email provider, a webhook.
+//!
+//! [`Consumer`](crate::Consumer) makes a handler effectively-once by committing its writes in the
+//! transaction that records the message ID. A call out of the process cannot join that
+//! transaction, so [`EffectConsumer`] keeps a row per message in two states, processing and
+//! done, with a lease:
+//!
+//! 1. **Lease.** The row is inserted as *processing* with `locked_until` (the lease) and a
+//!    fencing token (1, then one more with every new lease on the row), and committed on its own.
+//! 2. **Call.** [`EffectHandler::call`] calls the provider with the message's idempotency key
+//!    ([`Effect::idempotency_key`], `<consumer>:<message ID>`, the same on every redelivery) and
+//!    the token.
+//! 3. **Done.** The row is marked done, only if the token is still the current one, in one
+//!    transaction with the handler's own database writes ([`EffectHandler::record`]); then the
+//!    broker is acked.
+//!
+//! A redelivered copy finds the row:
+//! - *done*: skipped and acked;
+//! - *processing, lease live*: someone works on it. The copy is handed back to the broker to
+//!   come again once the lease has run out (a nack delayed by the rest of the lease), neither
+//!   acked nor counted as an attempt;
+//! - *processing, lease over*: its holder died, hung past its lease, or failed without knowing
+//!   whether its call landed. A new lease with a higher token is taken, then
+//!   [`EffectHandler::landed`] is asked whether the earlier call landed: yes, the row is marked
+//!   done without calling again; no, the provider is called again with the same key; unknown,
+//!   the handler's [`OnUnknown`] decides.
+//!
+//! A holder whose lease ran out (a zombie: paused, slow, cut off) cannot mark the row done: the
+//! done mark compares its token in the same statement, a newer lease has a higher one, so the
+//! zombie's transaction, with its database writes, never commits, and its delivery is handed
+//! back instead of acked. A call is given until its lease ends; one still running then is
+//! dropped, its outcome unknown.
+//!
+//! # Which provider, which choice
+//!
+//! | the provider has | implement | after an unknown outcome | result |
+//! |---|---|---|---|
+//! | idempotency keys (Stripe's `Idempotency-Key`) | `on_unknown` → [`OnUnknown::Retry`] | the same key again; the provider answers with the first result | no duplicate and no loss, while the provider keeps the key (Stripe: at least 24 h) |
+//! | a status lookup ("did payment X go through?") | [`EffectHandler::landed`] | marked done if it landed, called again if not, asked again later while [`Landed::Pending`] | no duplicate and no loss |
+//! | neither | `on_unknown` → [`OnUnknown::Retry`] or [`OnUnknown::Skip`] | called again, or marked done without a call | Retry: a rare duplicate; Skip: a rare loss |
+//!
+//! With neither keys nor a lookup no clever fix exists; pick whichever costs less. "Unknown" is
+//! rare: a crash or a lease running out between sending the call and committing the done mark,
+//! or a call that fails without saying whether it applied (a timeout, a cut connection). A call
+//! that fails and knows the provider did not apply it (a `429`, a refused connection) returns
+//! [`not_applied`] and is retried whatever the choice.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use std::time::Duration;
+//!
+//! use inbox_core::effect::{not_applied, Effect, EffectConsumer, EffectHandler, LeaseStore, OnUnknown};
+//! use inbox_core::{async_trait, HandlerError, Message, MessageSource};
+//!
+//! /// Sends each invoice through an email provider that takes idempotency keys.
+//! struct SendInvoice;
+//!
+//! #[async_trait]
+//! impl<Tx: Send> EffectHandler<Tx> for SendInvoice {
+//!     fn on_unknown(&self) -> OnUnknown {
+//!         OnUnknown::Retry // the provider deduplicates on the key: a retry cannot send twice
+//!     }
+//!
+//!     async fn call(&self, effect: &Effect, message: &Message) -> Result<(), HandlerError> {
+//!         // `?` on a timeout or a cut connection: a transient error, outcome unknown.
+//!         let status = send_email(effect.idempotency_key(), effect.token(), &message.payload).await?;
+//!         match status {
+//!             200..=299 => Ok(()),
+//!             429 => Err(not_applied("rate limited")), // refused before doing anything
+//!             400..=499 => Err(HandlerError::permanent(format!("invoice refused: {status}"))),
+//!             _ => Err(HandlerError::transient(format!("provider answered {status}"))),
+//!         }
+//!     }
+//! }
+//! # async fn send_email(_key: &str, _token: u64, _body: &[u8]) -> std::io::Result<u16> { Ok(200) }
+//!
+//! async fn run<S: MessageSource, L: LeaseStore>(source: S, leases: L) -> inbox_core::Result<()> {
+//!     // `leases`: `inbox_postgres::PgLeases`, say.
+//!     EffectConsumer::new("invoices", source, leases, SendInvoice)
+//!         .lease(Duration::from_secs(30)) // longer than the slowest call
+//!         .run() // until Ctrl-C
+//!         .await?;
+//!     Ok(())
+//! }
+//! ```
+//!
+//! Counters go through the `metrics` facade as `inbox_effects_<counter>_total` (see
+//! [`EffectStatsSnapshot`]), labelled by consumer; each message gets a `tracing` span with the
+//! consumer, message ID and broker position.
+
+mod apply;
+mod consumer;
+mod lease;
+mod stats;
+
+pub use consumer::{EffectConsumer, DEFAULT_LEASE};
+pub use lease::{Acquired, Lease, LeaseStore, Release};
+pub use stats::{EffectStats, EffectStatsSnapshot};
+
+use std::fmt;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::time::Instant;
+
+use crate::{BoxError, HandlerError, Message, MessageId};
+
+/// Which lease on its message an attempt holds, and what the attempts before it left behind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Attempt {
+    /// The first lease: nothing was called before.
+    First,
+    /// The attempt before failed and knew the provider had not applied its call
+    /// ([`not_applied`]): calling again cannot apply twice.
+    AfterNotApplied,
+    /// A lease before this one ended without a known outcome: its holder crashed, hung past the
+    /// lease, or its call failed without saying whether it applied. That call may have landed.
+    AfterExpiry,
+}
+
+/// The answer of a status lookup ([`EffectHandler::landed`]): did an earlier call for this
+/// message land at the provider?
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Landed {
+    /// It landed: the row is marked done without calling again.
+    Yes,
+    /// It did not, and no earlier call can land any more: the provider is called again.
+    No,
+    /// The provider still works on an earlier call (a payment "processing"): the message is
+    /// handed back and asked about again after the retry backoff; each look counts as an
+    /// attempt. Answer `No` only when no call in flight can still land, or a late one lands
+    /// beside the new call.
+    Pending,
+    /// The lookup cannot tell, or the provider has none (the default): the handler's
+    /// [`OnUnknown`] decides.
+    Unknown,
+}
+
+/// What to do with a message whose earlier call may or may not have landed, when no status
+/// lookup can tell. A required choice: nothing can make it safe without help from the provider.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnUnknown {
+    /// Call again. Safe with a provider that deduplicates on the idempotency key; without one,
+    /// the rare unknown outcome becomes a duplicate (a second email, a second charge).
+    Retry,
+    /// Mark the row done without calling. The rare unknown outcome becomes a loss when the
+    /// earlier call did not land after all. [`Settled::Skipped`] tells
+    /// [`EffectHandler::record`], so the case can be flagged for a person.
+    Skip,
+}
+
+/// How a message reached its done mark, as [`EffectHandler::record`] is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Settled {
+    /// This attempt called the provider and the call returned `Ok`.
+    Called,
+    /// The status lookup said an earlier call landed; not called again.
+    Landed,
+    /// An earlier call's outcome was unknown and [`OnUnknown::Skip`] said not to call again:
+    /// the effect may be missing.
+    Skipped,
+}
+
+impl Settled {
+    /// `called`, `landed` or `skipped`: for logs and columns.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Settled::Called => "called",
+            Settled::Landed => "landed",
+            Settled::Skipped => "skipped",
+        }
+    }
+}
+
+/// One attempt at a message's side effect: what a handler passes to the provider.
+#[derive(Debug, Clone)]
+pub struct Effect {
+    id: MessageId,
+    key: String,
+    lease: Lease,
+    ends: Instant,
+}
+
+impl Effect {
+    pub(crate) fn new(consumer: &str, id: MessageId, lease: Lease, ends: Instant) -> Self {
+        Self {
+            key: id.idempotency_key(consumer),
+            id,
+            lease,
+            ends,
+        }
+    }
+
+    /// The message ID.
+    pub fn id(&self) -> &MessageId {
+        &self.id
+    }
+
+    /// The key to send as the provider's idempotency key: `<consumer>:<message ID>`
+    /// ([`MessageId::idempotency_key`]), the same for every attempt at this message.
+    pub fn idempotency_key(&self) -> &str {
+        &self.key
+    }
+
+    /// This attempt's fencing token: higher than every earlier lease's on the message. A
+    /// provider that stores it can refuse a call carrying a lower one (a zombie's).
+    pub fn token(&self) -> u64 {
+        self.lease.token
+    }
+
+    /// What the attempts before this one left behind.
+    pub fn attempt(&self) -> Attempt {
+        self.lease.attempt
+    }
+
+    /// Leases taken on this message so far, this one included (reset when it is
+    /// dead-lettered, so a replay gets a full budget).
+    pub fn attempts(&self) -> u32 {
+        self.lease.attempts
+    }
+
+    /// How long ago the first lease on this message was taken. Once this is longer than the
+    /// provider keeps idempotency keys (Stripe: 24 h), a retry on the key alone may apply twice.
+    pub fn since_first(&self) -> Duration {
+        self.lease.since_first
+    }
+
+    /// The time left on this attempt's lease: the call is dropped when it runs out, so a client
+    /// timeout shorter than this gets an answer instead of a cut.
+    pub fn remaining(&self) -> Duration {
+        self.ends.saturating_duration_since(Instant::now())
+    }
+
+    pub(crate) fn ends(&self) -> Instant {
+        self.ends
+    }
+}
+
+/// Calls a provider once per message, through an [`EffectConsumer`].
+///
+/// The handler gets nothing that could ack the message: the consumer acks only after the done
+/// mark committed.
+#[async_trait]
+pub trait EffectHandler<Tx: Send>: Send + Sync {
+    /// What to do when an earlier call's outcome is unknown and [`landed`](Self::landed) cannot
+    /// tell: [`OnUnknown::Retry`] (a rare duplicate unless the provider takes idempotency
+    /// keys) or [`OnUnknown::Skip`] (a rare loss).
+    fn on_unknown(&self) -> OnUnknown;
+
+    /// Makes the call. Pass [`Effect::idempotency_key`] (and [`Effect::token`], where the
+    /// provider can use it).
+    ///
+    /// - `Ok(())`: the provider applied it, now or on an earlier call with the same key.
+    /// - a transient error: whether it applied is unknown (a timeout, a cut connection, a
+    ///   `5xx`); the message is handed back and retried with backoff, and the next attempt
+    ///   asks [`landed`](Self::landed) first. Use [`not_applied`] when the provider surely did
+    ///   not apply it. After [`RetryPolicy::max_attempts`](crate::RetryPolicy::max_attempts)
+    ///   attempts the message is dead-lettered.
+    /// - a permanent error: the provider refused it and no retry can help; dead-lettered now.
+    /// - a panic counts as a transient error.
+    async fn call(&self, effect: &Effect, message: &Message) -> Result<(), HandlerError>;
+
+    /// Asks the provider whether an earlier call for this message landed; called before a
+    /// retry whose earlier outcome is unknown ([`Attempt::AfterExpiry`]). Look the call up by
+    /// its idempotency key or whatever reference the call carried. An error counts as an
+    /// attempt that failed with an unknown outcome. The default: [`Landed::Unknown`].
+    async fn landed(&self, effect: &Effect, message: &Message) -> Result<Landed, HandlerError> {
+        let _ = (effect, message);
+        Ok(Landed::Unknown)
+    }
+
+    /// Writes to the database what goes with the effect (the order is paid, the email was
+    /// sent), in the transaction that marks the message done: both commit or neither. Runs
+    /// once the done mark is taken, so a zombie's writes never happen. An error rolls both
+    /// back; the done transaction is tried again up to
+    /// [`RetryPolicy::max_attempts`](crate::RetryPolicy::max_attempts) times without calling
+    /// the provider again. The default writes nothing.
+    async fn record(
+        &self,
+        tx: &mut Tx,
+        effect: &Effect,
+        settled: Settled,
+        message: &Message,
+    ) -> Result<(), HandlerError> {
+        let _ = (tx, effect, settled, message);
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl<Tx: Send, H: EffectHandler<Tx> + ?Sized> EffectHandler<Tx> for std::sync::Arc<H> {
+    fn on_unknown(&self) -> OnUnknown {
+        (**self).on_unknown()
+    }
+    async fn call(&self, effect: &Effect, message: &Message) -> Result<(), HandlerError> {
+        (**self).call(effect, message).await
+    }
+    async fn landed(&self, effect: &Effect, message: &Message) -> Result<Landed, HandlerError> {
+        (**self).landed(effect, message).await
+    }
+    async fn record(
+        &self,
+        tx: &mut Tx,
+        effect: &Effect,
+        settled: Settled,
+        message: &Message,
+    ) -> Result<(), HandlerError> {
+        (**self).record(tx, effect, settled, message).await
+    }
+}
+
+/// A transient failure of a call that the provider surely did not apply: it refused the call
+/// before doing anything (a `429`, a `503` from a gateway in front of it), or the call never
+/// left (a refused connection). The next attempt calls again without asking
+/// [`EffectHandler::landed`] and without consulting [`OnUnknown`].
+///
+/// Claim it only when it is certain: a timeout or a connection cut after sending is unknown.
+pub fn not_applied(source: impl Into<BoxError>) -> HandlerError {
+    HandlerError::transient(NotApplied(source.into()))
+}
+
+/// Whether `e` came from [`not_applied`].
+pub(crate) fn is_not_applied(e: &HandlerError) -> bool {
+    e.source().downcast_ref::<NotApplied>().is_some()
+}
+
+/// The marker [`not_applied`] wraps its error in.
+struct NotApplied(BoxError);
+
+impl fmt::Display for NotApplied {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (not applied)", self.0)
+    }
+}
+
+impl fmt::Debug for NotApplied {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("NotApplied").field(&self.0).finish()
+    }
+}
+
+impl std::error::Error for NotApplied {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Failure;
+
+    #[test]
+    fn not_applied_is_a_transient_error_the_consumer_can_recognise() {
+        let e = not_applied("rate limited");
+        assert_eq!(e.failure(), Failure::Transient);
+        assert!(is_not_applied(&e));
+        assert_eq!(e.to_string(), "rate limited (not applied)");
+        assert!(!is_not_applied(&HandlerError::transient("timed out")));
+    }
+}

@@ -1,0 +1,433 @@
+//! [`PgLeases`]: processing and done rows with a lease and a fencing token, for side effects
+//! outside the database ([`inbox_core::effect`]).
+
+use std::time::Duration;
+
+use inbox_core::effect::{Acquired, Attempt, Lease, LeaseStore, Release};
+use inbox_core::{async_trait, InboxStore, InvalidId, MessageId, Recovery, StoreError};
+use uuid::Uuid;
+
+use crate::error::{db, store_err};
+use crate::table::hashed_key;
+use crate::{Error, KeyMode, PgInbox, PgTx, Result, TableName};
+
+/// The SQLSTATE the done mark raises when a token is fenced out.
+const FENCED: &str = "IB001";
+
+/// The lease store on PostgreSQL: one row per consumer and message in table
+/// `<inbox table>_effects` (or one given to [`PgLeases::with_table`]), keyed like the inbox (the
+/// same [`KeyMode`] and the inbox's consumer-name ids).
+///
+/// - **Lease**, one statement, committed on its own: `INSERT … ON CONFLICT … DO UPDATE SET
+///   token = token + 1, … WHERE done_at IS NULL AND locked_until <= now() RETURNING …`. A new
+///   row gets token 1; a processing row whose lease ran out gets the next token; a live or done
+///   row is left alone (then one more statement reads which it was). Racing consumers serialise
+///   on the row: the first to commit wins the lease, the other sees it live.
+/// - **Done**, in the handler's transaction: `UPDATE … SET done_at = now() WHERE … AND token =
+///   $token AND done_at IS NULL`, in a statement that raises an error (SQLSTATE `IB001`) when
+///   no row matched, so a fenced-out transaction is aborted by the database itself and nothing
+///   written in it can commit. The update holds the row lock until commit, so a new lease
+///   cannot be taken while the done transaction is open.
+/// - Leases and done marks use the database clock (`now()`), one clock for every consumer.
+///
+/// Keep done rows as long as the broker can redeliver, as for the inbox: purge them with
+/// [`PgLeases::purge`]. Processing rows are never purged: each is a message whose effect is
+/// unsettled (its consumer died and the message was not redelivered, or it was dead-lettered),
+/// for a person to look at.
+///
+/// # Example
+///
+/// ```no_run
+/// use inbox_core::effect::{Effect, EffectConsumer, EffectHandler, OnUnknown, Settled};
+/// use inbox_core::testkit::MemoryBroker;
+/// use inbox_core::{async_trait, HandlerError, Message};
+/// use inbox_postgres::{PgInbox, PgLeases, PgTx};
+///
+/// /// Charges a card through a payment API that takes idempotency keys, and records the payment.
+/// struct Charge;
+///
+/// #[async_trait]
+/// impl EffectHandler<PgTx> for Charge {
+///     fn on_unknown(&self) -> OnUnknown {
+///         OnUnknown::Retry // the API deduplicates on the key: a retry cannot charge twice
+///     }
+///
+///     async fn call(&self, effect: &Effect, message: &Message) -> Result<(), HandlerError> {
+///         charge(effect.idempotency_key(), &message.payload).await?;
+///         Ok(())
+///     }
+///
+///     async fn record(&self, tx: &mut PgTx, effect: &Effect, settled: Settled, _: &Message) -> Result<(), HandlerError> {
+///         sqlx::query("INSERT INTO payments (message_id, settled) VALUES ($1, $2)")
+///             .bind(effect.id().as_str())
+///             .bind(settled.as_str())
+///             .execute(&mut **tx) // commits with the done mark, or not at all
+///             .await?;
+///         Ok(())
+///     }
+/// }
+/// # async fn charge(_key: &str, _body: &[u8]) -> std::io::Result<()> { Ok(()) }
+///
+/// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = sqlx::PgPool::connect("postgres://postgres:postgres@127.0.0.1:5432/inbox").await?;
+/// let leases = PgLeases::new(PgInbox::new(pool))?; // table `inbox_effects`
+/// leases.migrate().await?;
+/// let broker = MemoryBroker::new(); // or a Kafka, SQS, RabbitMQ or Redis Streams source
+/// EffectConsumer::new("payments", broker.source(), leases, Charge).run().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct PgLeases {
+    inbox: PgInbox,
+    table: TableName,
+}
+
+impl PgLeases {
+    /// The lease table `<inbox table>_effects`, beside `inbox`, whose consumer-name ids and key
+    /// mode it shares.
+    ///
+    /// # Errors
+    /// [`Error::InvalidIdentifier`] when `<inbox table>_effects` is longer than PostgreSQL's 63
+    /// bytes: name one with [`PgLeases::with_table`].
+    pub fn new(inbox: PgInbox) -> Result<Self> {
+        let t = inbox.table();
+        let name = format!("{}_effects", t.table());
+        let table = match t.schema() {
+            Some(schema) => TableName::qualified(schema, &name)?,
+            None => TableName::new(&name)?,
+        };
+        Ok(Self { inbox, table })
+    }
+
+    /// The lease table `table`, sharing `inbox`'s consumer-name ids and key mode.
+    pub fn with_table(inbox: PgInbox, table: TableName) -> Self {
+        Self { inbox, table }
+    }
+
+    /// The lease table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// The inbox whose consumer names and key mode this store shares.
+    pub fn inbox(&self) -> &PgInbox {
+        &self.inbox
+    }
+
+    /// Migrates the inbox (for its consumer-name table), then creates the lease table, its
+    /// index and the function the done mark raises through, if missing. Safe to run from many
+    /// instances at once. Fails when the table exists with another key mode.
+    pub async fn migrate(&self) -> Result<()> {
+        self.inbox.migrate().await?;
+        let t = &self.table;
+        let mode = self.inbox.key_mode();
+        let key = mode.column_type();
+        let primary_key = match mode {
+            KeyMode::Hashed => "message_id",
+            KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
+        };
+        let mut tx = self
+            .inbox
+            .pool()
+            .begin()
+            .await
+            .map_err(db("starting the migration"))?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+            .bind(format!("inbox migrate {t}"))
+            .execute(&mut *tx)
+            .await
+            .map_err(db("taking the migration lock"))?;
+        let statements = [
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    message_id {key} NOT NULL,
+                    consumer_id smallint NOT NULL,
+                    token bigint NOT NULL DEFAULT 1,
+                    -- the last token whose call surely did not apply (see Release::not_applied)
+                    clean_token bigint NOT NULL DEFAULT 0,
+                    attempts integer NOT NULL DEFAULT 1,
+                    locked_until timestamptz NOT NULL,
+                    done_at timestamptz,
+                    first_leased_at timestamptz NOT NULL DEFAULT now(),
+                    PRIMARY KEY ({primary_key}))"
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {index} ON {t} USING brin (done_at)",
+                index = t.sibling_bare("done")
+            ),
+            format!(
+                "CREATE OR REPLACE FUNCTION {fenced}(stale bigint) RETURNS boolean
+                 LANGUAGE plpgsql AS $$
+                 BEGIN
+                     RAISE EXCEPTION 'lease token % is fenced out: a newer lease took over, or the message is done', stale
+                         USING ERRCODE = '{FENCED}';
+                 END $$",
+                fenced = t.sibling("fenced")
+            ),
+        ];
+        for statement in statements {
+            sqlx::query(&statement)
+                .execute(&mut *tx)
+                .await
+                .map_err(db("creating the lease table"))?;
+        }
+        let found: String = sqlx::query_scalar(
+            "SELECT format_type(atttypid, atttypmod) FROM pg_attribute
+             WHERE attrelid = $1::regclass AND attname = 'message_id'",
+        )
+        .bind(t.to_string())
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db("checking the lease table's key type"))?;
+        if found != key {
+            return Err(Error::KeyModeMismatch {
+                table: t.to_string(),
+                found,
+                expected: mode,
+            });
+        }
+        tx.commit().await.map_err(db("committing the migration"))
+    }
+
+    /// Deletes done rows marked more than `older_than` ago, `batch` rows per statement (at
+    /// least 1), each statement its own transaction, until one deletes nothing; returns how
+    /// many. Processing rows stay. Several cleaners at once do no harm, only wasted work.
+    pub async fn purge(&self, older_than: Duration, batch: i64) -> Result<u64> {
+        let t = &self.table;
+        let sql = format!(
+            "DELETE FROM {t} WHERE ctid IN (
+                SELECT ctid FROM {t} WHERE done_at < now() - $1 * interval '1 second' LIMIT $2)"
+        );
+        let mut deleted = 0;
+        loop {
+            let n = sqlx::query(&sql)
+                .bind(older_than.as_secs_f64())
+                .bind(batch.max(1))
+                .execute(self.inbox.pool())
+                .await
+                .map_err(db("deleting done lease rows"))?
+                .rows_affected();
+            if n == 0 {
+                return Ok(deleted);
+            }
+            deleted += n;
+        }
+    }
+
+    /// The message's key as text, cast to the key column's type in SQL.
+    fn key(&self, consumer: &str, id: &MessageId) -> Result<String, StoreError> {
+        Ok(match self.inbox.key_mode() {
+            KeyMode::Uuid => parse_uuid(id)
+                .map_err(|e| StoreError::new(Recovery::Fatal, "keying the message", e))?
+                .to_string(),
+            KeyMode::Hashed => hashed_key(consumer, id.as_str()).to_string(),
+            KeyMode::Text => id.as_str().to_owned(),
+        })
+    }
+
+    /// `message_id = $1 AND consumer_id = $2`, with the key cast to the column type.
+    fn row(&self) -> String {
+        let key = self.inbox.key_mode().column_type();
+        format!("message_id = $1::text::{key} AND consumer_id = $2")
+    }
+
+    /// What a row that could not be leased holds: done, or the time left on its lease.
+    async fn not_leased(
+        &self,
+        key: &str,
+        consumer_id: i16,
+    ) -> Result<Option<Acquired>, StoreError> {
+        let found: Option<(bool, f64)> = sqlx::query_as(&format!(
+            "SELECT done_at IS NOT NULL,
+                    greatest(extract(epoch FROM locked_until - now()), 0)::float8
+             FROM {t} WHERE {row}",
+            t = self.table,
+            row = self.row()
+        ))
+        .bind(key)
+        .bind(consumer_id)
+        .fetch_optional(self.inbox.pool())
+        .await
+        .map_err(store_err("reading the lease"))?;
+        Ok(found.map(|(done, left)| {
+            if done {
+                Acquired::Done
+            } else {
+                Acquired::Busy {
+                    retry_after: Duration::try_from_secs_f64(left).unwrap_or(Duration::ZERO),
+                }
+            }
+        }))
+    }
+}
+
+fn parse_uuid(id: &MessageId) -> Result<Uuid, InvalidId> {
+    Uuid::parse_str(id.as_str()).map_err(|_| {
+        InvalidId::RefusedByStore(format!(
+            "`{}` is not a UUID, and this lease table keeps UUID keys (use KeyMode::Text or KeyMode::Hashed for other IDs)",
+            id.as_str().escape_debug()
+        ))
+    })
+}
+
+fn attempt(token: i64, clean_token: i64) -> Attempt {
+    if token == 1 {
+        Attempt::First
+    } else if clean_token == token - 1 {
+        Attempt::AfterNotApplied
+    } else {
+        Attempt::AfterExpiry
+    }
+}
+
+#[async_trait]
+impl LeaseStore for PgLeases {
+    type Tx = PgTx;
+
+    async fn acquire(
+        &self,
+        consumer: &str,
+        id: &MessageId,
+        lease: Duration,
+    ) -> Result<Acquired, StoreError> {
+        let consumer_id = self.inbox.consumer_id(consumer).await?;
+        let key = self.key(consumer, id)?;
+        let t = &self.table;
+        let conflict = match self.inbox.key_mode() {
+            KeyMode::Hashed => "message_id",
+            KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
+        };
+        let sql = format!(
+            "INSERT INTO {t} AS e (message_id, consumer_id, locked_until)
+             VALUES ($1::text::{k}, $2, now() + $3 * interval '1 second')
+             ON CONFLICT ({conflict}) DO UPDATE
+             SET token = e.token + 1, attempts = e.attempts + 1, locked_until = EXCLUDED.locked_until
+             WHERE e.done_at IS NULL AND e.locked_until <= now()
+             RETURNING token, clean_token, attempts,
+                       greatest(extract(epoch FROM now() - first_leased_at), 0)::float8",
+            k = self.inbox.key_mode().column_type()
+        );
+        // A row found neither leasable nor there (purged between the two statements) is
+        // looked at again; a done row is the only kind a purge removes, so this ends.
+        for _ in 0..3 {
+            let leased: Option<(i64, i64, i32, f64)> = sqlx::query_as(&sql)
+                .bind(&key)
+                .bind(consumer_id)
+                .bind(lease.as_secs_f64())
+                .fetch_optional(self.inbox.pool())
+                .await
+                .map_err(store_err("taking a lease"))?;
+            if let Some((token, clean_token, attempts, since)) = leased {
+                return Ok(Acquired::Leased(Lease {
+                    token: u64::try_from(token).unwrap_or(0),
+                    attempt: attempt(token, clean_token),
+                    attempts: u32::try_from(attempts).unwrap_or(0),
+                    since_first: Duration::try_from_secs_f64(since).unwrap_or(Duration::ZERO),
+                }));
+            }
+            if let Some(found) = self.not_leased(&key, consumer_id).await? {
+                return Ok(found);
+            }
+        }
+        Err(StoreError::new(
+            Recovery::Retry,
+            "taking a lease",
+            format!("the lease row of {id:?} disappeared while it was being read"),
+        ))
+    }
+
+    async fn release(
+        &self,
+        consumer: &str,
+        id: &MessageId,
+        token: u64,
+        release: Release,
+    ) -> Result<bool, StoreError> {
+        let consumer_id = self.inbox.consumer_id(consumer).await?;
+        let key = self.key(consumer, id)?;
+        let done = sqlx::query(&format!(
+            "UPDATE {t} SET locked_until = now(),
+                 clean_token = CASE WHEN $4 THEN token ELSE clean_token END,
+                 attempts = CASE WHEN $5 THEN 0 ELSE attempts END
+             WHERE {row} AND token = $3 AND done_at IS NULL",
+            t = self.table,
+            row = self.row()
+        ))
+        .bind(&key)
+        .bind(consumer_id)
+        .bind(i64::try_from(token).unwrap_or(i64::MAX))
+        .bind(release.not_applied)
+        .bind(release.dead_lettered)
+        .execute(self.inbox.pool())
+        .await
+        .map_err(store_err("releasing a lease"))?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn begin(&self) -> Result<PgTx, StoreError> {
+        InboxStore::begin(&self.inbox).await
+    }
+
+    async fn complete(
+        &self,
+        tx: &mut PgTx,
+        consumer: &str,
+        id: &MessageId,
+        token: u64,
+    ) -> Result<bool, StoreError> {
+        let consumer_id = self.inbox.consumer_id(consumer).await?;
+        let key = self.key(consumer, id)?;
+        // The CASE runs the raising function only when no row matched (it is volatile, so it
+        // is not evaluated ahead of time).
+        let sql = format!(
+            "WITH done AS (
+                 UPDATE {t} SET done_at = now(), locked_until = now()
+                 WHERE {row} AND token = $3 AND done_at IS NULL
+                 RETURNING 1)
+             SELECT CASE WHEN EXISTS (SELECT 1 FROM done) THEN true ELSE {fenced}($3) END",
+            t = self.table,
+            row = self.row(),
+            fenced = self.table.sibling("fenced")
+        );
+        let marked = sqlx::query_scalar::<_, bool>(&sql)
+            .bind(&key)
+            .bind(consumer_id)
+            .bind(i64::try_from(token).unwrap_or(i64::MAX))
+            .fetch_one(&mut **tx)
+            .await;
+        match marked {
+            Ok(marked) => Ok(marked),
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(FENCED) => Ok(false),
+            Err(e) => Err(store_err("marking the message done")(e)),
+        }
+    }
+
+    async fn commit(&self, tx: PgTx) -> Result<(), StoreError> {
+        InboxStore::commit(&self.inbox, tx).await
+    }
+
+    async fn rollback(&self, tx: PgTx) -> Result<(), StoreError> {
+        InboxStore::rollback(&self.inbox, tx).await
+    }
+
+    fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
+        match self.inbox.key_mode() {
+            KeyMode::Uuid => parse_uuid(id).map(|_| ()),
+            KeyMode::Text | KeyMode::Hashed => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_attempt_follows_from_the_tokens() {
+        assert_eq!(attempt(1, 0), Attempt::First);
+        assert_eq!(attempt(2, 1), Attempt::AfterNotApplied);
+        assert_eq!(attempt(2, 0), Attempt::AfterExpiry);
+        // Not applied two leases ago, then a lease that ended unknown.
+        assert_eq!(attempt(3, 1), Attempt::AfterExpiry);
+    }
+}
