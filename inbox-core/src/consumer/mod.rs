@@ -2,7 +2,7 @@
 
 mod apply;
 mod lanes;
-mod stop;
+pub(crate) mod stop;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -7,7 +7,7 @@ use tokio::sync::watch;
 
 /// Where shutdown stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(super) enum Phase {
+pub(crate) enum Phase {
     Running,
     /// No new batch is received; the work in flight finishes.
     Stopping,
@@ -18,20 +18,20 @@ pub(super) enum Phase {
 
 /// Tells the work in flight that shutdown was asked for.
 #[derive(Debug, Clone)]
-pub(super) struct Stop(watch::Receiver<Phase>);
+pub(crate) struct Stop(watch::Receiver<Phase>);
 
 impl Stop {
-    pub(super) fn new() -> (watch::Sender<Phase>, Self) {
+    pub(crate) fn new() -> (watch::Sender<Phase>, Self) {
         let (tx, rx) = watch::channel(Phase::Running);
         (tx, Self(rx))
     }
 
-    pub(super) fn stopping(&self) -> bool {
+    pub(crate) fn stopping(&self) -> bool {
         *self.0.borrow() >= Phase::Stopping
     }
 
     /// Sleeps `wait`, or less when shutdown is asked for; `true` when it was.
-    pub(super) async fn pause(&self, wait: Duration) -> bool {
+    pub(crate) async fn pause(&self, wait: Duration) -> bool {
         if self.stopping() {
             return true;
         }
@@ -43,7 +43,7 @@ impl Stop {
     }
 
     /// Completes when the work in flight must be cut short; never, if it need not.
-    pub(super) async fn aborted(&self) {
+    pub(crate) async fn aborted(&self) {
         let mut stop = self.0.clone();
         if stop
             .wait_for(|phase| *phase == Phase::Aborting)
@@ -57,7 +57,7 @@ impl Stop {
 
 /// SIGINT (Ctrl-C) or SIGTERM, as a stream: one item per signal. Where no handler can be
 /// installed, a stream that never yields, so the consumer runs until the process ends.
-pub(super) fn signals() -> impl Stream<Item = ()> + Send {
+pub(crate) fn signals() -> impl Stream<Item = ()> + Send {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};

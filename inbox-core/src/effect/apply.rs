@@ -10,7 +10,7 @@ use futures_util::FutureExt;
 use tokio::time::Instant;
 use tracing::{debug, info, info_span, warn, Instrument};
 
-use super::consumer::Stop;
+use crate::consumer::stop::Stop;
 use super::stats::Counter;
 use super::{
     is_not_applied, Acquired, Attempt, Effect, EffectHandler, EffectStats, Landed, LeaseStore,

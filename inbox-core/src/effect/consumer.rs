@@ -5,10 +5,11 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use futures_util::StreamExt;
 
 use super::apply::Core;
 use super::{EffectHandler, EffectStats, EffectStatsSnapshot, LeaseStore};
+use crate::consumer::stop::{self, Phase, Stop};
 use crate::{Error, MessageSource, Recent, Result, RetryPolicy, StageHook};
 
 /// The lease [`EffectConsumer::new`] starts with.
@@ -52,28 +53,6 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 pub struct EffectConsumer<S, L, H> {
     source: S,
     core: Core<L, H>,
-}
-
-/// Tells the work in flight that shutdown was asked for.
-#[derive(Debug, Clone)]
-pub(super) struct Stop(watch::Receiver<bool>);
-
-impl Stop {
-    pub(super) fn stopping(&self) -> bool {
-        *self.0.borrow()
-    }
-
-    /// Sleeps `wait`, or less when shutdown is asked for; `true` when it was.
-    pub(super) async fn pause(&self, wait: Duration) -> bool {
-        if self.stopping() {
-            return true;
-        }
-        let mut stop = self.0.clone();
-        tokio::select! {
-            () = tokio::time::sleep(wait) => false,
-            Ok(_) = stop.wait_for(|stopping| *stopping) => true,
-        }
-    }
 }
 
 impl<S, L, H> EffectConsumer<S, L, H>
@@ -135,13 +114,10 @@ where
         Arc::clone(&self.core.stats)
     }
 
-    /// Runs until Ctrl-C (SIGINT), then finishes the message in flight and returns.
+    /// Runs until SIGINT (Ctrl-C) or SIGTERM, then finishes the message in flight and returns.
     pub async fn run(self) -> Result<EffectStatsSnapshot> {
         self.run_until(async {
-            // If no signal handler can be installed, run until the process ends.
-            if tokio::signal::ctrl_c().await.is_err() {
-                std::future::pending::<()>().await;
-            }
+            std::pin::pin!(stop::signals()).next().await;
         })
         .await
     }
@@ -169,8 +145,7 @@ where
     ) -> Result<EffectStatsSnapshot> {
         self.check()?;
         tokio::pin!(shutdown);
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let stop = Stop(stop_rx);
+        let (stop_tx, stop) = Stop::new();
         let core = &self.core;
         let source = &mut self.source;
         let mut failures = 0;
@@ -209,7 +184,7 @@ where
                     tokio::select! {
                         biased;
                         () = &mut shutdown, if !stop.stopping() => {
-                            stop_tx.send_replace(true);
+                            stop_tx.send_replace(Phase::Stopping);
                         }
                         result = &mut work => {
                             result?;
