@@ -14,6 +14,10 @@
 //! [`effect::EffectConsumer`] keeps processing and done states with a lease and a
 //! fencing token for it, and passes the provider an idempotency key per message.
 //!
+//! A message for another broker can join it: the handler writes it into an outbox table
+//! through the same transaction (`inbox_postgres::Outbox`), and a relay publishes it under a
+//! stable ID through [`Publish`], the producing side every adapter's producer implements.
+//!
 //! This crate has no broker or database dependency. Pick a [`MessageSource`] adapter
 //! (`inbox-kafka`, `inbox-sqs`, `inbox-rabbitmq`, `inbox-redis-streams`) and an [`InboxStore`]
 //! (`inbox-postgres`), or implement the traits for your own.
@@ -68,6 +72,7 @@ mod handler;
 mod health;
 mod hooks;
 mod message;
+mod publish;
 mod recent;
 mod source;
 mod stats;
@@ -84,6 +89,7 @@ pub use handler::{BatchHandler, BatchItem, Handler, PerMessage};
 pub use health::{ConsumerState, Health};
 pub use hooks::{HookAction, Stage, StageHook};
 pub use message::{IdError, InvalidId, Message, MessageId, Metadata};
+pub use publish::{Destinations, OutgoingMessage, Publish, PublishError};
 pub use recent::Recent;
 pub use source::{Ack, Delivery, MessageSource};
 pub use stats::{Stats, StatsSnapshot};

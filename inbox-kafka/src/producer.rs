@@ -3,7 +3,8 @@
 use std::fmt;
 use std::time::Duration;
 
-use inbox_core::MessageId;
+use futures_util::future::try_join_all;
+use inbox_core::{async_trait, MessageId, OutgoingMessage, Publish, PublishError};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
@@ -188,5 +189,34 @@ impl KafkaProducer {
             }),
             Err((e, _)) => Err(Error::kafka(format!("producing to `{topic}`"), e)),
         }
+    }
+}
+
+/// `destination` is the topic; a message's key is the record key (one partition per key). Every
+/// record of the batch is handed to librdkafka before the first delivery report is awaited, so
+/// the batch travels in a few produce requests; with idempotence on, records of one partition
+/// keep their order, retries included.
+#[async_trait]
+impl Publish for KafkaProducer {
+    async fn publish_to(
+        &self,
+        destination: &str,
+        messages: &[OutgoingMessage],
+    ) -> Result<(), PublishError> {
+        let sends = messages.iter().map(|message| {
+            let mut record = Record::new(message.payload.as_slice()).id(message.id.clone());
+            if let Some(key) = &message.key {
+                record = record.key(key.as_bytes());
+            }
+            self.send(destination, record)
+        });
+        try_join_all(sends).await.map_err(|e| {
+            PublishError::new(
+                e.recovery(),
+                format!("producing to Kafka topic `{destination}`"),
+                e,
+            )
+        })?;
+        Ok(())
     }
 }

@@ -35,6 +35,12 @@
 //! additionally refuses IDs that are not UUIDs; [`KeyMode::Hashed`] takes any ID and keeps 16
 //! bytes of it.
 //!
+//! ## Side effects on a broker: the outbox
+//! A handler that must publish writes the message into an [`Outbox`] table through the same
+//! transaction ([`Outbox::write`]); an [`OutboxRelay`] publishes the committed rows through any
+//! adapter's producer ([`inbox_core::Publish`]) under a stable message ID and marks them sent
+//! once the broker confirmed. See [`Outbox`] for an example, delivery and order.
+//!
 //! ## Side effects outside the database: leases
 //! A call to a provider (a payment API, an email service) cannot join the inbox transaction.
 //! [`PgLeases`] keeps the processing and done rows with a lease and a fencing token that
@@ -42,6 +48,7 @@
 
 mod error;
 mod lease;
+mod outbox;
 mod retention;
 mod store;
 mod table;
@@ -50,6 +57,10 @@ pub mod testkit;
 
 pub use error::{Error, Result};
 pub use lease::PgLeases;
+pub use outbox::{
+    spawn_outbox_purger, Outbox, OutboxRelay, RelayError, RelayStats, OUTBOX_ERRORS_COUNTER,
+    OUTBOX_OLDEST_UNSENT_GAUGE, OUTBOX_PUBLISHED_COUNTER,
+};
 pub use retention::{
     spawn_purger, ConsumerWindow, PurgeReport, Storage, DEFAULT_PURGE_BATCH, OLDEST_AGE_GAUGE,
 };

@@ -2,7 +2,8 @@
 
 use std::fmt;
 
-use inbox_core::MessageId;
+use futures_util::future::try_join_all;
+use inbox_core::{async_trait, MessageId, OutgoingMessage, Publish, PublishError};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::publisher_confirm::Confirmation;
 use lapin::{BasicProperties, Channel, Connection};
@@ -144,5 +145,87 @@ impl RabbitPublisher {
         if let Some((connection, _)) = self.state.into_inner() {
             let _ = connection.close(200, "publisher closed").await;
         }
+    }
+}
+
+/// `destination` must be the queue this publisher was built for: a publisher refuses any other
+/// with a [`Recovery::Fatal`](inbox_core::Recovery::Fatal) error ([`Error::Config`]); make one
+/// per queue and route them with [`Destinations`](inbox_core::Destinations). Keys are ignored: a
+/// queue has one order for all its messages.
+///
+/// Each message is published as by [`RabbitPublisher::publish_with_id`] (persistent,
+/// `mandatory`, `message_id` set), all of them before the first confirm is awaited; `Ok` once the
+/// broker confirmed every one.
+#[async_trait]
+impl Publish for RabbitPublisher {
+    async fn publish_to(
+        &self,
+        destination: &str,
+        messages: &[OutgoingMessage],
+    ) -> Result<(), PublishError> {
+        let failed = |e: Error| {
+            PublishError::new(
+                e.recovery(),
+                format!("publishing to RabbitMQ queue `{destination}`"),
+                e,
+            )
+        };
+        if destination != self.routing_key {
+            return Err(failed(Error::Config(format!(
+                "this RabbitPublisher publishes to queue `{}`, not `{destination}`; make one \
+                 publisher per queue and route them with inbox_core::Destinations",
+                self.routing_key
+            ))));
+        }
+        let channel = self.channel().await.map_err(failed)?;
+        let routing_key = self.routing_key.as_str();
+        let context = || format!("publishing to `{routing_key}`");
+        let options = BasicPublishOptions {
+            mandatory: true,
+            ..BasicPublishOptions::default()
+        };
+        let result = async {
+            // Each publish's frames are queued on its first poll, in slice order.
+            let confirms = try_join_all(messages.iter().map(|message| {
+                let properties = BasicProperties::default()
+                    .with_message_id(message.id.as_str().into())
+                    .with_delivery_mode(PERSISTENT);
+                channel.basic_publish("", routing_key, options, &message.payload, properties)
+            }))
+            .await
+            .map_err(|e| Error::amqp(context(), e))?;
+            let confirmations = try_join_all(confirms)
+                .await
+                .map_err(|e| Error::amqp(context(), e))?;
+            for confirmation in confirmations {
+                match confirmation {
+                    Confirmation::Ack(None) => {}
+                    // A mandatory message that found no queue is returned, then confirmed.
+                    Confirmation::Ack(Some(_returned)) => {
+                        return Err(Error::Unroutable {
+                            exchange: String::new(),
+                            routing_key: routing_key.to_owned(),
+                        })
+                    }
+                    Confirmation::Nack(_) => {
+                        return Err(Error::Nacked {
+                            routing_key: routing_key.to_owned(),
+                        })
+                    }
+                    Confirmation::NotRequested => {
+                        return Err(Error::Config(
+                            "publisher confirms are off on this channel".into(),
+                        ))
+                    }
+                }
+            }
+            Ok(())
+        }
+        .await;
+        if result.is_err() && !channel.status().connected() {
+            // Reconnect on the next publish.
+            *self.state.lock().await = None;
+        }
+        result.map_err(failed)
     }
 }

@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
 use aws_sdk_sqs::Client;
-use inbox_core::MessageId;
+use inbox_core::{async_trait, MessageId, OutgoingMessage, Publish, PublishError, Recovery};
+use tokio::task::JoinSet;
 
 use crate::config::DEFAULT_ID_ATTRIBUTE;
 use crate::fifo;
@@ -184,6 +185,112 @@ fn id_attribute(id: &MessageId) -> Result<MessageAttributeValue> {
 /// longer or odd ID is hashed down to one that does.
 fn dedup_id(id: &MessageId) -> String {
     fifo::fifo_id(id.as_str())
+}
+
+/// `destination` must be this sender's queue, by URL or by name (the URL's last segment): a
+/// sender refuses any other with a [`Recovery::Fatal`] error ([`Error::Config`]); make one per
+/// queue and route them with [`Destinations`](inbox_core::Destinations). Payloads must be UTF-8
+/// (SQS bodies are text); any other payload is refused, fatally, before anything is sent.
+///
+/// A standard queue gets `SendMessageBatch` calls of 10, up to 10 calls at a time, and ignores
+/// keys (it keeps no order). A FIFO queue (URL ending in `.fifo`) gets each message's key as its
+/// `MessageGroupId` (made to fit SQS's rules as the consumer's IDs are), or the sender's
+/// [`message_group_id`](SqsSender::message_group_id) for messages without one, and the calls go
+/// one after the other in slice order, so each group keeps its order.
+#[async_trait]
+impl Publish for SqsSender {
+    async fn publish_to(
+        &self,
+        destination: &str,
+        messages: &[OutgoingMessage],
+    ) -> Result<(), PublishError> {
+        const CALLS_AT_ONCE: usize = 10;
+        let failed = |e: Error| {
+            PublishError::new(
+                e.recovery(),
+                format!("sending to SQS queue `{destination}`"),
+                e,
+            )
+        };
+        let queue_name = self.queue_url.rsplit('/').next().unwrap_or_default();
+        if destination != self.queue_url && destination != queue_name {
+            return Err(failed(Error::Config(format!(
+                "this SqsSender sends to queue `{}`, not `{destination}`; make one sender per \
+                 queue and route them with inbox_core::Destinations",
+                self.queue_url
+            ))));
+        }
+        let mut outgoing = Vec::with_capacity(messages.len());
+        for message in messages {
+            let body = String::from_utf8(message.payload.clone()).map_err(|_| {
+                failed(Error::Config(format!(
+                    "message {} has a payload that is not UTF-8, and SQS bodies are text; \
+                     encode it (base64, JSON) before writing it",
+                    message.id
+                )))
+            })?;
+            outgoing.push((
+                message.key.as_deref(),
+                Outgoing::with_id(message.id.clone(), body),
+            ));
+        }
+
+        if queue_name.ends_with(".fifo") {
+            // Runs of messages with one group, in order, one call after the other.
+            let mut start = 0;
+            while start < outgoing.len() {
+                let key = outgoing[start].0;
+                let end = outgoing[start..]
+                    .iter()
+                    .position(|(k, _)| *k != key)
+                    .map_or(outgoing.len(), |n| start + n);
+                let sender = match key {
+                    Some(key) => self.clone().message_group_id(fifo::fifo_id(key)),
+                    None if self.message_group_id.is_some() => self.clone(),
+                    None => {
+                        return Err(failed(Error::Config(format!(
+                            "message {} has no key, and FIFO queue {} needs a message group: \
+                             give it a key, or set SqsSender::message_group_id",
+                            outgoing[start].1.id, self.queue_url
+                        ))))
+                    }
+                };
+                let run: Vec<Outgoing> = outgoing[start..end]
+                    .iter()
+                    .map(|(_, m)| m.clone())
+                    .collect();
+                sender.send_batch(&run).await.map_err(failed)?;
+                start = end;
+            }
+            return Ok(());
+        }
+
+        let mut rest = outgoing.into_iter().map(|(_, message)| message);
+        let mut calls = JoinSet::new();
+        loop {
+            while calls.len() < CALLS_AT_ONCE {
+                let chunk: Vec<Outgoing> = rest.by_ref().take(10).collect();
+                if chunk.is_empty() {
+                    break;
+                }
+                let sender = self.clone();
+                calls.spawn(async move { sender.send_batch(&chunk).await });
+            }
+            // Dropping `calls` on an error aborts the calls still running.
+            match calls.join_next().await {
+                None => return Ok(()),
+                Some(Ok(Ok(()))) => {}
+                Some(Ok(Err(e))) => return Err(failed(e)),
+                Some(Err(e)) => {
+                    return Err(PublishError::new(
+                        Recovery::Retry,
+                        format!("sending to SQS queue `{destination}`"),
+                        e,
+                    ))
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]

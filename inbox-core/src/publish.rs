@@ -1,0 +1,262 @@
+//! The producing side: [`Publish`], which every adapter's producer implements, so an outbox
+//! relay (or any caller) can send through any broker the same way.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+
+use crate::{BoxError, MessageId, Recovery};
+
+/// One message to publish: the ID the consuming inbox deduplicates on, the body, and an optional
+/// ordering key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutgoingMessage {
+    /// The message ID. Keep it when sending the same message again (after an error, from an
+    /// outbox row), so the consumer applies it once.
+    pub id: MessageId,
+    /// The body.
+    pub payload: Vec<u8>,
+    /// Messages with one key keep their order where the broker has per-key order: the Kafka
+    /// record key (one partition per key), the SQS FIFO `MessageGroupId`. RabbitMQ queues and
+    /// Redis streams have one order for all their messages and ignore it.
+    pub key: Option<String>,
+}
+
+impl OutgoingMessage {
+    /// A message with ID `id` and no key.
+    pub fn new(id: MessageId, payload: impl Into<Vec<u8>>) -> Self {
+        Self {
+            id,
+            payload: payload.into(),
+            key: None,
+        }
+    }
+
+    /// A message with a fresh UUIDv7 ID and no key.
+    pub fn generate(payload: impl Into<Vec<u8>>) -> Self {
+        Self::new(MessageId::generate(), payload)
+    }
+
+    /// Sets the ordering key.
+    #[must_use]
+    pub fn key(mut self, key: impl Into<String>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+}
+
+/// Sends messages to a broker and returns once the broker confirmed every one of them.
+///
+/// `destination` names a topic, queue or stream: what it means, and which destinations one
+/// publisher serves, is each implementation's to say (a producer bound to one queue refuses
+/// others with a [`Recovery::Fatal`] error; [`Destinations`] routes names to publishers).
+///
+/// Contract:
+/// - `Ok` only after the broker confirmed every message (stored, replicated as configured).
+/// - Messages go out in slice order where the broker keeps an order (a Kafka partition, a FIFO
+///   group, a queue, a stream), as long as nothing fails; implementations send a batch
+///   pipelined (all in flight, then the confirms), not one round-trip per message.
+/// - On `Err`, any subset may have reached the broker: send them all again **with the same
+///   IDs**, and the consuming inbox skips the copies. The error's [`Recovery`] says whether
+///   another attempt can help.
+#[async_trait]
+pub trait Publish: Send + Sync {
+    /// Publishes `messages` to `destination`, confirmed. (Not `publish`: `RabbitPublisher`
+    /// has an inherent `publish(payload)`, which would shadow it.)
+    async fn publish_to(
+        &self,
+        destination: &str,
+        messages: &[OutgoingMessage],
+    ) -> Result<(), PublishError>;
+}
+
+#[async_trait]
+impl<P: Publish + ?Sized> Publish for Arc<P> {
+    async fn publish_to(
+        &self,
+        destination: &str,
+        messages: &[OutgoingMessage],
+    ) -> Result<(), PublishError> {
+        (**self).publish_to(destination, messages).await
+    }
+}
+
+#[async_trait]
+impl<P: Publish + ?Sized> Publish for Box<P> {
+    async fn publish_to(
+        &self,
+        destination: &str,
+        messages: &[OutgoingMessage],
+    ) -> Result<(), PublishError> {
+        (**self).publish_to(destination, messages).await
+    }
+}
+
+/// Why a [`Publish::publish_to`] failed, and whether trying again can help.
+#[derive(Debug, thiserror::Error)]
+#[error("{context}: {source}")]
+pub struct PublishError {
+    recovery: Recovery,
+    context: String,
+    #[source]
+    source: BoxError,
+}
+
+impl PublishError {
+    /// Wraps a broker error with what was being done and what to do next.
+    pub fn new(
+        recovery: Recovery,
+        context: impl Into<String>,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        Self {
+            recovery,
+            context: context.into(),
+            source: source.into(),
+        }
+    }
+
+    /// What the caller does next: [`Recovery::Retry`] or [`Recovery::Reconnect`] after a
+    /// backoff (the publisher reconnects on its next call), [`Recovery::Fatal`] stop and report.
+    pub fn recovery(&self) -> Recovery {
+        self.recovery
+    }
+}
+
+/// A [`Publish`] that hands each destination to the publisher registered for it: one
+/// `RabbitPublisher` per queue, one `RedisStreamProducer` per stream, or different brokers for
+/// different destinations.
+///
+/// ```
+/// # use inbox_core::{async_trait, Destinations, OutgoingMessage, Publish, PublishError};
+/// # struct Producer;
+/// # #[async_trait]
+/// # impl Publish for Producer {
+/// #     async fn publish_to(&self, _: &str, _: &[OutgoingMessage]) -> Result<(), PublishError> { Ok(()) }
+/// # }
+/// # let (orders_queue, payments_stream) = (Producer, Producer);
+/// let publisher = Destinations::new()
+///     .route("orders", orders_queue)
+///     .route("payments", payments_stream);
+/// ```
+///
+/// A destination with no route fails with [`Recovery::Fatal`], naming it.
+#[derive(Default)]
+pub struct Destinations {
+    routes: HashMap<String, Box<dyn Publish>>,
+}
+
+impl Destinations {
+    /// No routes yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sends messages for `destination` through `publisher` (replacing an earlier route).
+    #[must_use]
+    pub fn route(
+        mut self,
+        destination: impl Into<String>,
+        publisher: impl Publish + 'static,
+    ) -> Self {
+        self.routes.insert(destination.into(), Box::new(publisher));
+        self
+    }
+}
+
+impl fmt::Debug for Destinations {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut names: Vec<&str> = self.routes.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        f.debug_struct("Destinations")
+            .field("routes", &names)
+            .finish()
+    }
+}
+
+#[async_trait]
+impl Publish for Destinations {
+    async fn publish_to(
+        &self,
+        destination: &str,
+        messages: &[OutgoingMessage],
+    ) -> Result<(), PublishError> {
+        match self.routes.get(destination) {
+            Some(publisher) => publisher.publish_to(destination, messages).await,
+            None => {
+                let mut known: Vec<&str> = self.routes.keys().map(String::as_str).collect();
+                known.sort_unstable();
+                Err(PublishError::new(
+                    Recovery::Fatal,
+                    format!("publishing to `{destination}`"),
+                    format!(
+                        "no publisher is routed for destination `{destination}` (routed: {}); \
+                         add one with Destinations::route",
+                        known.join(", ")
+                    ),
+                ))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<(String, usize)>>);
+
+    #[async_trait]
+    impl Publish for Recorder {
+        async fn publish_to(
+            &self,
+            destination: &str,
+            messages: &[OutgoingMessage],
+        ) -> Result<(), PublishError> {
+            let mut seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            seen.push((destination.to_owned(), messages.len()));
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn destinations_route_by_name_and_refuse_unknown_ones() {
+        let orders = Arc::new(Recorder::default());
+        let payments = Arc::new(Recorder::default());
+        let publisher = Destinations::new()
+            .route("orders", Arc::clone(&orders))
+            .route("payments", Arc::clone(&payments));
+        let batch = [
+            OutgoingMessage::generate("a"),
+            OutgoingMessage::generate("b"),
+        ];
+        publisher.publish_to("orders", &batch).await.unwrap();
+        publisher.publish_to("payments", &batch[..1]).await.unwrap();
+        assert_eq!(*orders.0.lock().unwrap(), [("orders".to_owned(), 2)]);
+        assert_eq!(*payments.0.lock().unwrap(), [("payments".to_owned(), 1)]);
+
+        let e = publisher.publish_to("refunds", &batch).await.unwrap_err();
+        assert_eq!(e.recovery(), Recovery::Fatal);
+        assert_eq!(
+            e.to_string(),
+            "publishing to `refunds`: no publisher is routed for destination `refunds` \
+             (routed: orders, payments); add one with Destinations::route"
+        );
+    }
+
+    #[test]
+    fn publishers_and_their_futures_are_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<Destinations>();
+        assert_send_sync::<PublishError>();
+        assert_send_sync::<Arc<dyn Publish>>();
+        fn assert_send<T: Send>(_: &T) {}
+        let publisher = Destinations::new();
+        let batch = [OutgoingMessage::generate("a")];
+        assert_send(&publisher.publish_to("x", &batch));
+    }
+}

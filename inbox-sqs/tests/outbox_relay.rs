@@ -1,0 +1,216 @@
+//! Inbox, then outbox, on SQS: outbox rows written in transactions are published by
+//! `OutboxRelay` through `SqsSender`, a standard queue in concurrent batches of 10, a FIFO queue
+//! with each row's key as its message group, in order; rows SQS cannot take stay unsent.
+
+#![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::*;
+use inbox_core::{Consumer, OutgoingMessage, Recovery};
+use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
+use inbox_postgres::testkit::TestDb;
+use inbox_postgres::{Outbox, RelayError};
+use inbox_sqs::aws_sdk_sqs::types::MessageSystemAttributeName;
+use inbox_sqs::{SqsSender, SqsSource};
+
+async fn outbox(db: &TestDb) -> Outbox {
+    let outbox = Outbox::new(db.pool.clone());
+    outbox.migrate().await.unwrap();
+    outbox
+}
+
+async fn outbox_ids(db: &TestDb) -> Vec<String> {
+    sqlx::query_scalar("SELECT message_id FROM outbox ORDER BY id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+}
+
+async fn unsent(db: &TestDb) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox WHERE sent_at IS NULL")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// The queue's name: what outbox rows name as their destination.
+fn name(url: &str) -> &str {
+    url.rsplit('/').next().unwrap()
+}
+
+#[tokio::test]
+async fn the_relay_sends_every_row_once_and_the_downstream_inbox_applies_each() {
+    const ROWS: i64 = 95; // ten calls, the last one short
+    let sqs = client().await;
+    let url = queue(&sqs, "outbox", 30).await;
+    let db = TestDb::new().await;
+    let outbox = outbox(&db).await;
+    let mut total = 0;
+    let mut tx = db.pool.begin().await.unwrap();
+    for i in 0..ROWS {
+        let event = CreditEvent::new(1 + i % 3, i + 1);
+        total += event.amount;
+        outbox
+            .write(&mut tx, name(&url), event.to_json())
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+
+    let relayed = outbox
+        .relay(SqsSender::new(sqs.clone(), &url))
+        .batch_size(100)
+        .run_until_idle()
+        .await
+        .unwrap();
+    let source = SqsSource::builder(sqs.clone(), &url)
+        .wait_time(Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap();
+    let applied = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+        .batch_size(10)
+        .run_until_idle()
+        .await
+        .unwrap();
+
+    assert_eq!(relayed.published, ROWS as u64);
+    assert_eq!(unsent(&db).await, 0);
+    assert_eq!(
+        (
+            applied.received,
+            applied.applied,
+            applied.skipped_duplicates
+        ),
+        (ROWS as u64, ROWS as u64, 0),
+        "each row sent once"
+    );
+    let mut ledger: Vec<String> = sqlx::query_scalar("SELECT event_id FROM ledger")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    ledger.sort();
+    let mut written = outbox_ids(&db).await;
+    written.sort();
+    assert_eq!(ledger, written, "under the rows' IDs");
+    assert_eq!(
+        wallet::summary(&db.pool).await.unwrap().total_balance,
+        total
+    );
+    delete_queue(&sqs, &url).await;
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_fifo_queue_gets_each_key_as_its_message_group_in_the_order_written() {
+    let sqs = client().await;
+    let url = fifo_queue(&sqs, "outbox", 30).await;
+    let db = TestDb::new().await;
+    let outbox = outbox(&db).await;
+    let mut written: HashMap<String, Vec<String>> = HashMap::new();
+    let messages: Vec<OutgoingMessage> = (0..30)
+        .map(|i: i64| {
+            let key = format!("account {}", i % 3); // a space: SQS refuses it, so it is hashed
+            let message = OutgoingMessage::generate(CreditEvent::new(1, i).to_json()).key(&key);
+            written.entry(key).or_default().push(message.id.to_string());
+            message
+        })
+        .collect();
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox.write_all(&mut tx, &url, &messages).await.unwrap();
+    tx.commit().await.unwrap();
+
+    outbox
+        .relay(SqsSender::new(sqs.clone(), &url))
+        .run_until_idle()
+        .await
+        .unwrap();
+    let received = drain(&sqs, &url, Duration::from_secs(2)).await;
+
+    assert_eq!(received.len(), 30);
+    let mut by_group: HashMap<String, Vec<String>> = HashMap::new();
+    for message in &received {
+        let group = message
+            .attributes()
+            .and_then(|a| a.get(&MessageSystemAttributeName::MessageGroupId))
+            .unwrap()
+            .clone();
+        by_group
+            .entry(group)
+            .or_default()
+            .push(attr(message, "event_id").unwrap());
+    }
+    assert_eq!(by_group.len(), 3, "one group per key");
+    let mut groups: Vec<Vec<String>> = by_group.into_values().collect();
+    let mut keys: Vec<Vec<String>> = written.into_values().collect();
+    groups.sort();
+    keys.sort();
+    assert_eq!(
+        groups, keys,
+        "each key's messages in one group, in the order written"
+    );
+    delete_queue(&sqs, &url).await;
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn rows_sqs_cannot_take_stop_the_relay_and_stay_unsent() {
+    let sqs = client().await;
+    let url = fifo_queue(&sqs, "outbox-refused", 30).await;
+    let db = TestDb::new().await;
+    let outbox = outbox(&db).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    // No key, and the sender has no message group: a FIFO queue cannot take it.
+    outbox.write(&mut tx, name(&url), b"{}").await.unwrap();
+    tx.commit().await.unwrap();
+
+    let error = outbox
+        .relay(SqsSender::new(sqs.clone(), &url))
+        .run_until_idle()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, RelayError::Publish { row: 1, .. }),
+        "{error}"
+    );
+    assert_eq!(error.recovery(), Recovery::Fatal);
+    assert!(
+        error.to_string().contains("needs a message group"),
+        "{error}"
+    );
+
+    // A body that is not text, on a standard queue.
+    let standard = queue(&sqs, "outbox-binary", 30).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .write(&mut tx, name(&standard), [0xff, 0xfe])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let sender = inbox_core::Destinations::new()
+        .route(
+            name(&url),
+            SqsSender::new(sqs.clone(), &url).message_group_id("g"),
+        )
+        .route(name(&standard), SqsSender::new(sqs.clone(), &standard));
+    let error = outbox.relay(sender).run_until_idle().await.unwrap_err();
+    assert!(
+        matches!(error, RelayError::Publish { row: 2, .. }),
+        "{error}"
+    );
+    assert!(error.to_string().contains("not UTF-8"), "{error}");
+
+    assert_eq!(unsent(&db).await, 1, "the FIFO row went out with the group");
+    assert_eq!(
+        drain(&sqs, &standard, Duration::from_secs(1)).await.len(),
+        0
+    );
+    assert_eq!(drain(&sqs, &url, Duration::from_secs(1)).await.len(), 1);
+    delete_queue(&sqs, &url).await;
+    delete_queue(&sqs, &standard).await;
+    db.drop().await;
+}
