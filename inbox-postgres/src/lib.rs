@@ -49,6 +49,7 @@
 mod error;
 mod lease;
 mod outbox;
+mod relay;
 mod retention;
 mod store;
 mod table;
@@ -58,9 +59,10 @@ pub mod testkit;
 pub use error::{Error, Result};
 pub use lease::PgLeases;
 pub use outbox::{
-    spawn_outbox_purger, Outbox, OutboxRelay, RelayError, RelayStats, OUTBOX_ERRORS_COUNTER,
-    OUTBOX_OLDEST_UNSENT_GAUGE, OUTBOX_PUBLISHED_COUNTER,
+    spawn_outbox_purger, Outbox, OUTBOX_ERRORS_COUNTER, OUTBOX_OLDEST_UNSENT_GAUGE,
+    OUTBOX_PUBLISHED_COUNTER,
 };
+pub use relay::{OutboxRelay, RelayError, RelayStats};
 pub use retention::{
     spawn_purger, ConsumerWindow, PurgeReport, Storage, DEFAULT_PURGE_BATCH, OLDEST_AGE_GAUGE,
 };
