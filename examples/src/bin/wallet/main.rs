@@ -17,9 +17,12 @@ mod brokers;
 mod chart;
 mod cli;
 mod consume;
+mod effects;
+mod effects_child;
 mod faults;
 mod kill;
 mod memory;
+mod outbox_chain;
 mod report;
 mod settings;
 mod soak;
@@ -60,6 +63,17 @@ wallet soak [--brokers redis,rabbitmq,kafka] [--events 1000000] [--batch 1000] [
                                       # 5 s, broker cut, broker black-holed 10 s; on Kafka the
                                       # database ones only), then a drain: duplicates, losses and
                                       # the children's RSS, a line and a JSON line per broker
+wallet effects-test [--brokers kafka,sqs,rabbitmq,redis] [--modes keys,lookup,neither+retry,neither+skip]
+                    [--events 500] [--sqs-events 200] [--kills 10] [--runs 5]
+                    [--kill-after-ms 1000..4000] [--work-ms 40] [--seed 42] [--e2e false]
+                                      # side effects outside the database: an effect consumer
+                                      # child calling a test provider (first call per key slow,
+                                      # --work-ms) is SIGKILLed and restarted, then drains;
+                                      # duplicate and lost effects counted at the provider per
+                                      # mode, a table and JSON lines. --e2e true: the outbox
+                                      # chain instead, consumer A (inbox + outbox) on X, the
+                                      # relay to Y, consumer B (the credit) on Y, each killed in
+                                      # turn; B must credit every event once
 wallet consume --broker B --variant V --name QUEUE --schema S [--work-ms 10]
                [--crash-between-commit-and-ack P] [--batch N] [--lanes N]
                [--handler message|batch]
@@ -124,6 +138,11 @@ async fn main() -> ExitCode {
             Ok(s) => soak::run(&s).await,
             Err(e) => Err(e.into()),
         },
+        "effects-test" => match effects::EffectsSettings::parse(rest) {
+            Ok(s) => effects::main(&s).await,
+            Err(e) => Err(e.into()),
+        },
+        "effects-child" => effects_child::main(rest).await,
         "consume" => consume(rest).await,
         "publish" => publish(rest).await,
         "memory-demo" => return memory::main(rest).await,

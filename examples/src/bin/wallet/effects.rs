@@ -1,0 +1,377 @@
+//! `effects-test`: side effects outside the database, counted at the provider.
+//!
+//! Per broker and provider mode: publish N events, run an effect consumer child (an
+//! `EffectConsumer` on `PgLeases`) that calls a `TestProvider` running in this process over
+//! HTTP, SIGKILL the child every 1–4 s and start another, then let a last child drain. The
+//! provider counts effects per idempotency key: duplicates are effects beyond one per event,
+//! losses events without one. The first call of each key is slow (it applies after `--work-ms`,
+//! whether or not the caller is still there), so kills land inside calls.
+//!
+//! With `--e2e true`, the outbox chain instead (see `outbox_chain.rs`).
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use inbox_core::testkit::provider::{Behaviour, ProviderMode, TestProvider};
+use inbox_core::{BoxError, MessageId};
+use inbox_postgres::testkit::wallet::CreditEvent;
+use inbox_postgres::testkit::TestDb;
+use inbox_postgres::PgLeases;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use crate::brokers::{self, Broker, Outgoing};
+use crate::cli::{list, num, parse_flags, BrokerKind, KafkaImpl};
+use crate::effects_child::{ChildSpec, Mode, Role, EFFECT_CONSUMER, PROVIDER_ENV};
+use crate::kill::progress;
+use crate::report::{spread, Spread};
+
+/// `effects-test` settings.
+#[derive(Debug, Clone)]
+pub(crate) struct EffectsSettings {
+    pub(crate) brokers: Vec<BrokerKind>,
+    pub(crate) modes: Vec<Mode>,
+    pub(crate) events: u32,
+    /// Events on SQS (moto is slow).
+    pub(crate) sqs_events: u32,
+    pub(crate) kills: u32,
+    pub(crate) runs: u32,
+    pub(crate) kill_after_ms: (u64, u64),
+    /// How long the provider takes over each key's first call (effects); the handlers' sleep
+    /// (the outbox chain).
+    pub(crate) work_ms: u64,
+    pub(crate) seed: u64,
+    pub(crate) e2e: bool,
+    pub(crate) kafka_impl: KafkaImpl,
+}
+
+impl EffectsSettings {
+    pub(crate) fn parse(args: &[String]) -> Result<Self, String> {
+        let mut s = Self {
+            brokers: BrokerKind::ALL.to_vec(),
+            modes: Mode::ALL.to_vec(),
+            events: 500,
+            sqs_events: 200,
+            kills: 10,
+            runs: 5,
+            kill_after_ms: (1_000, 4_000),
+            work_ms: 40,
+            seed: 42,
+            e2e: false,
+            kafka_impl: KafkaImpl::default(),
+        };
+        parse_flags(args, |flag, value| {
+            match flag {
+                "--brokers" | "--broker" => s.brokers = list(value)?,
+                "--modes" | "--mode" => s.modes = list(value)?,
+                "--events" => s.events = num(value)?,
+                "--sqs-events" => s.sqs_events = num(value)?,
+                "--kills" => s.kills = num(value)?,
+                "--runs" => s.runs = num(value)?,
+                "--kill-after-ms" => {
+                    let (lo, hi) = value.split_once("..").ok_or("use LOW..HIGH")?;
+                    s.kill_after_ms = (num(lo)?, num(hi)?);
+                    if s.kill_after_ms.0 > s.kill_after_ms.1 {
+                        return Err("LOW is above HIGH".into());
+                    }
+                }
+                "--work-ms" => s.work_ms = num(value)?,
+                "--seed" => s.seed = num(value)?,
+                "--e2e" => s.e2e = num(value)?,
+                "--kafka-impl" => s.kafka_impl = value.parse()?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        if s.runs == 0 {
+            return Err("--runs must be at least 1".into());
+        }
+        Ok(s)
+    }
+
+    pub(crate) fn events_on(&self, kind: BrokerKind) -> u32 {
+        if kind == BrokerKind::Sqs {
+            self.sqs_events.min(self.events)
+        } else {
+            self.events
+        }
+    }
+}
+
+/// One run's figures, counted at the provider.
+#[derive(Debug, Clone, Copy)]
+struct EffectRun {
+    kills: u32,
+    duplicates: i64,
+    lost: i64,
+    calls: i64,
+}
+
+/// `wallet effects-test`.
+pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
+    if s.e2e {
+        return crate::outbox_chain::main(s).await;
+    }
+    let mut rows = Vec::new();
+    for &kind in &s.brokers {
+        let broker = match brokers::connect(kind, s.kafka_impl).await {
+            Ok(b) => b,
+            Err(e) => {
+                println!("\n{kind}: skipped, {e}");
+                continue;
+            }
+        };
+        for &mode in &s.modes {
+            let mut runs = Vec::new();
+            for run in 0..s.runs {
+                let r = run_once(broker.as_ref(), s, mode, run).await?;
+                progress("");
+                println!(
+                    "run done: {kind} {} run {}/{}: {} duplicate effects, {} lost, {} kills, {} provider calls",
+                    mode.name(),
+                    run + 1,
+                    s.runs,
+                    r.duplicates,
+                    r.lost,
+                    r.kills,
+                    r.calls
+                );
+                runs.push(r);
+            }
+            rows.push((kind, mode, s.events_on(kind), runs));
+        }
+    }
+    println!();
+    println!(
+        "| broker | mode | events | runs | kills/run | duplicate effects/run | lost/run | provider calls/run |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for (kind, mode, events, runs) in &rows {
+        println!(
+            "| {kind} | {} | {events} | {} | {} | {} | {} | {} |",
+            mode.name(),
+            runs.len(),
+            show(spread(runs.iter().map(|r| i64::from(r.kills)))),
+            show(spread(runs.iter().map(|r| r.duplicates))),
+            show(spread(runs.iter().map(|r| r.lost))),
+            show(spread(runs.iter().map(|r| r.calls))),
+        );
+    }
+    println!();
+    for (kind, mode, events, runs) in &rows {
+        let line = serde_json::json!({
+            "test": "effects",
+            "broker": kind.name(),
+            "mode": mode.name(),
+            "events": events,
+            "runs": runs.len(),
+            "kills": runs.iter().map(|r| r.kills).collect::<Vec<_>>(),
+            "duplicates": runs.iter().map(|r| r.duplicates).collect::<Vec<_>>(),
+            "lost": runs.iter().map(|r| r.lost).collect::<Vec<_>>(),
+            "provider_calls": runs.iter().map(|r| r.calls).collect::<Vec<_>>(),
+            "work_ms": s.work_ms,
+            "kill_after_ms": [s.kill_after_ms.0, s.kill_after_ms.1],
+        });
+        println!("{line}");
+    }
+    // What each mode promises: keys and lookup neither duplicate nor lose; retry never loses;
+    // skip never duplicates.
+    let broken: Vec<String> = rows
+        .iter()
+        .filter(|(_, mode, _, runs)| {
+            runs.iter().any(|r| match mode {
+                Mode::Keys | Mode::Lookup => r.duplicates > 0 || r.lost > 0,
+                Mode::NeitherRetry => r.lost > 0,
+                Mode::NeitherSkip => r.duplicates > 0,
+            })
+        })
+        .map(|(kind, mode, _, _)| format!("{kind} {}", mode.name()))
+        .collect();
+    if broken.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("outside what the mode promises: {}", broken.join(", ")).into())
+    }
+}
+
+pub(crate) fn show(s: Spread) -> String {
+    let median = if s.median.fract() == 0.0 {
+        format!("{}", s.median)
+    } else {
+        format!("{:.1}", s.median)
+    };
+    format!("{median} ({}–{})", s.min, s.max)
+}
+
+/// The seeded credit events `evt-<i>` and the balances they add up to.
+pub(crate) fn events(seed: u64, count: u32) -> (Vec<Outgoing>, HashMap<i64, i64>) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut expected = HashMap::new();
+    let events = (0..count)
+        .map(|i| {
+            let event = CreditEvent::new(rng.random_range(1..=100), rng.random_range(1..=100));
+            *expected.entry(event.account_id).or_insert(0) += event.amount;
+            Outgoing {
+                id: format!("evt-{i}"),
+                key: event.account_id.to_string(),
+                payload: event.to_json(),
+            }
+        })
+        .collect();
+    (events, expected)
+}
+
+/// The waits before each kill of run `run`.
+pub(crate) fn schedule(s: &EffectsSettings, run: u32) -> Vec<Duration> {
+    let mut rng = StdRng::seed_from_u64(s.seed ^ (0xeffe + u64::from(run)));
+    (0..s.kills)
+        .map(|_| Duration::from_millis(rng.random_range(s.kill_after_ms.0..=s.kill_after_ms.1)))
+        .collect()
+}
+
+async fn run_once(
+    broker: &dyn Broker,
+    s: &EffectsSettings,
+    mode: Mode,
+    run: u32,
+) -> Result<EffectRun, BoxError> {
+    let kind = broker.kind();
+    let count = s.events_on(kind);
+    let label = format!("{kind} {} run {}", mode.name(), run + 1);
+    let db = TestDb::new().await;
+    let leases = PgLeases::new(db.inbox())?;
+    leases.migrate().await?;
+    let provider = TestProvider::start(match mode {
+        Mode::Keys => ProviderMode::Keys,
+        Mode::Lookup => ProviderMode::StatusLookup,
+        Mode::NeitherRetry | Mode::NeitherSkip => ProviderMode::Neither,
+    })
+    .await?;
+    let (events, _) = events(s.seed, count);
+    let keys: Vec<String> = events
+        .iter()
+        .map(|e| MessageId::new(e.id.clone()).map(|id| id.idempotency_key(EFFECT_CONSUMER)))
+        .collect::<Result<_, _>>()?;
+    for key in &keys {
+        provider.next_call(key, Behaviour::Slow(Duration::from_millis(s.work_ms)));
+    }
+    let name = brokers::fresh_name(&format!("{kind}-fx-{run}"));
+    broker.create(&name).await?;
+    broker.publish(&name, &events).await?;
+    let spec = ChildSpec {
+        role: Role::Effect,
+        broker: kind,
+        name: name.clone(),
+        destination: String::new(),
+        schema: db.schema.clone(),
+        mode,
+        work_ms: s.work_ms,
+    };
+    let env = [(PROVIDER_ENV, provider.addr().to_string())];
+    let done_query = format!(
+        "SELECT count(*) FROM {} WHERE done_at IS NOT NULL",
+        leases.table()
+    );
+    let (done_query, pool) = (done_query.as_str(), &db.pool);
+    let done = || async move {
+        sqlx::query_scalar::<_, i64>(done_query)
+            .fetch_one(pool)
+            .await
+    };
+    let mut kills = 0;
+    for wait in schedule(s, run) {
+        let mut child = spawn(&spec, &env).await?;
+        tokio::time::sleep(wait).await;
+        let settled = done().await?;
+        kill(&mut child).await;
+        if settled >= i64::from(count) {
+            break;
+        }
+        kills += 1;
+        progress(&format!("{label}: {kills} kills, {settled}/{count} done"));
+    }
+    // The drain: one child, until every event is done or nothing moves for long.
+    let mut child = spawn(&spec, &env).await?;
+    let delay = broker.redelivery_delay();
+    let (mut last, mut since, mut restarts) = (-1, Instant::now(), 0);
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let settled = done().await?;
+        progress(&format!("{label}: draining, {settled}/{count} done"));
+        if settled >= i64::from(count) {
+            break;
+        }
+        if settled != last {
+            (last, since) = (settled, Instant::now());
+        } else if since.elapsed() >= delay + Duration::from_secs(60) {
+            eprintln!("\n{label}: the drain stopped at {settled}/{count} done");
+            break;
+        } else if since.elapsed() >= delay + Duration::from_secs(10) && restarts < 5 {
+            // Tansu can leave a lone group member without partitions: a new member rebalances.
+            eprintln!("\n{label}: the drain applies nothing at {settled}/{count}; replacing it");
+            kill(&mut child).await;
+            child = spawn(&spec, &env).await?;
+            restarts += 1;
+        }
+    }
+    kill(&mut child).await;
+    provider.wait_settled(Duration::from_secs(10)).await;
+    let mut per_key: HashMap<&str, i64> = HashMap::new();
+    for applied in provider.applied() {
+        if let Some(key) = keys.iter().find(|k| **k == applied.key) {
+            *per_key.entry(key.as_str()).or_default() += 1;
+        }
+    }
+    let duplicates = per_key.values().map(|n| n - 1).sum();
+    let lost = keys.len() as i64 - per_key.len() as i64;
+    let calls = keys.iter().map(|k| provider.calls(k).len() as i64).sum();
+    db.drop().await;
+    broker.remove(&name).await;
+    Ok(EffectRun {
+        kills,
+        duplicates,
+        lost,
+        calls,
+    })
+}
+
+/// Starts `wallet effects-child` for `spec` and waits for its `ready`, trying up to 5 times.
+pub(crate) async fn spawn(spec: &ChildSpec, env: &[(&str, String)]) -> Result<Child, BoxError> {
+    for _ in 0..5 {
+        let mut child = Command::new(std::env::current_exe()?)
+            .arg("effects-child")
+            .args(spec.to_args())
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .env("WALLET_CHILD", "1")
+            .env(
+                "RUST_LOG",
+                std::env::var("WALLET_CHILD_LOG").unwrap_or_else(|_| "error,lapin=off".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        let stdout = child.stdout.take().ok_or("the child has no stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let ready = tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await;
+        if matches!(ready, Ok(Ok(Some(ref line))) if line == "ready") {
+            return Ok(child);
+        }
+        kill(&mut child).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Err(format!(
+        "`wallet effects-child` for {} did not start five times in a row",
+        spec.name
+    )
+    .into())
+}
+
+/// SIGKILL, then reap.
+pub(crate) async fn kill(child: &mut Child) {
+    let _ = child.start_kill();
+    let _ = child.wait().await;
+}

@@ -1,0 +1,239 @@
+//! `effects-test --e2e true`: the outbox end to end under kills. Consumer A (inbox + outbox)
+//! reads X and, in its inbox transaction, writes each event into the outbox; an `OutboxRelay`
+//! publishes the outbox to Y through the broker's producer (`Publish`); consumer B (the wallet
+//! credit, inbox) reads Y. A, the relay and B are child processes, SIGKILLed in turn every
+//! 1–4 s and restarted, then all three drain. B must have applied every event exactly once.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use inbox_core::BoxError;
+use inbox_postgres::testkit::wallet;
+use inbox_postgres::testkit::TestDb;
+use inbox_postgres::Outbox;
+
+use crate::brokers::{self, Broker};
+use crate::effects::{events, kill, schedule, show, spawn, EffectsSettings};
+use crate::effects_child::{ChildSpec, Mode, Role};
+use crate::kill::progress;
+use crate::report::spread;
+
+/// One run's figures, counted in B's ledger and the outbox.
+#[derive(Debug, Clone, Copy)]
+struct ChainRun {
+    kills: u32,
+    duplicates: i64,
+    lost: i64,
+    balances_exact: bool,
+    /// Outbox rows A wrote: one per event when A is effectively-once.
+    outbox_rows: i64,
+    unsent: i64,
+}
+
+pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
+    let mut rows = Vec::new();
+    for &kind in &s.brokers {
+        let broker = match brokers::connect(kind, s.kafka_impl).await {
+            Ok(b) => b,
+            Err(e) => {
+                println!("\n{kind}: skipped, {e}");
+                continue;
+            }
+        };
+        let mut runs = Vec::new();
+        for run in 0..s.runs {
+            let r = run_once(broker.as_ref(), s, run).await?;
+            progress("");
+            println!(
+                "run done: {kind} outbox chain run {}/{}: {} duplicates, {} lost, balances {}, \
+                 {} kills, {} outbox rows ({} unsent)",
+                run + 1,
+                s.runs,
+                r.duplicates,
+                r.lost,
+                if r.balances_exact { "exact" } else { "WRONG" },
+                r.kills,
+                r.outbox_rows,
+                r.unsent
+            );
+            runs.push(r);
+        }
+        rows.push((kind, s.events_on(kind), runs));
+    }
+    println!();
+    println!(
+        "| broker | events | runs | kills/run (A, relay, B in turn) | duplicates/run | lost/run | balances exact | outbox rows/run |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for (kind, events, runs) in &rows {
+        println!(
+            "| {kind} | {events} | {} | {} | {} | {} | {}/{} | {} |",
+            runs.len(),
+            show(spread(runs.iter().map(|r| i64::from(r.kills)))),
+            show(spread(runs.iter().map(|r| r.duplicates))),
+            show(spread(runs.iter().map(|r| r.lost))),
+            runs.iter().filter(|r| r.balances_exact).count(),
+            runs.len(),
+            show(spread(runs.iter().map(|r| r.outbox_rows))),
+        );
+    }
+    println!();
+    for (kind, events, runs) in &rows {
+        let line = serde_json::json!({
+            "test": "outbox_chain",
+            "broker": kind.name(),
+            "events": events,
+            "runs": runs.len(),
+            "kills": runs.iter().map(|r| r.kills).collect::<Vec<_>>(),
+            "duplicates": runs.iter().map(|r| r.duplicates).collect::<Vec<_>>(),
+            "lost": runs.iter().map(|r| r.lost).collect::<Vec<_>>(),
+            "balances_exact": runs.iter().map(|r| r.balances_exact).collect::<Vec<_>>(),
+            "outbox_rows": runs.iter().map(|r| r.outbox_rows).collect::<Vec<_>>(),
+            "unsent": runs.iter().map(|r| r.unsent).collect::<Vec<_>>(),
+            "work_ms": s.work_ms,
+            "kill_after_ms": [s.kill_after_ms.0, s.kill_after_ms.1],
+        });
+        println!("{line}");
+    }
+    let broken: Vec<String> = rows
+        .iter()
+        .filter(|(_, events, runs)| {
+            runs.iter().any(|r| {
+                r.duplicates > 0
+                    || r.lost > 0
+                    || !r.balances_exact
+                    || r.outbox_rows != i64::from(*events)
+            })
+        })
+        .map(|(kind, _, _)| kind.to_string())
+        .collect();
+    if broken.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "the outbox chain was not exactly-once on: {}",
+            broken.join(", ")
+        )
+        .into())
+    }
+}
+
+async fn run_once(
+    broker: &dyn Broker,
+    s: &EffectsSettings,
+    run: u32,
+) -> Result<ChainRun, BoxError> {
+    let kind = broker.kind();
+    let count = s.events_on(kind);
+    let label = format!("{kind} outbox chain run {}", run + 1);
+    let db = TestDb::new().await;
+    let outbox = Outbox::new(db.pool.clone());
+    outbox.migrate().await?;
+    let (events, expected) = events(s.seed, count);
+    let x = brokers::fresh_name(&format!("{kind}-x-{run}"));
+    let y = brokers::fresh_name(&format!("{kind}-y-{run}"));
+    broker.create(&x).await?;
+    broker.create(&y).await?;
+    broker.publish(&x, &events).await?;
+    let spec = |role: Role, name: &str| ChildSpec {
+        role,
+        broker: kind,
+        name: name.to_owned(),
+        destination: y.clone(),
+        schema: db.schema.clone(),
+        mode: Mode::Keys,
+        work_ms: s.work_ms,
+    };
+    let specs = [
+        spec(Role::Forward, &x),
+        spec(Role::Relay, &y),
+        spec(Role::Credit, &y),
+    ];
+    let mut children = Vec::new();
+    for spec in &specs {
+        children.push(spawn(spec, &[]).await?);
+    }
+    let pool = &db.pool;
+    let applied = || async move { wallet::summary(pool).await };
+    let mut kills = 0;
+    for (i, wait) in schedule(s, run).into_iter().enumerate() {
+        tokio::time::sleep(wait).await;
+        if applied().await?.distinct_events >= i64::from(count) {
+            break;
+        }
+        let which = i % specs.len();
+        kill(&mut children[which]).await;
+        kills += 1;
+        children[which] = spawn(&specs[which], &[]).await?;
+        progress(&format!(
+            "{label}: {kills} kills (last: {}), {}/{count} credited",
+            specs[which].role.name(),
+            applied().await?.distinct_events
+        ));
+    }
+    // The drain: all three run unharmed until B has every event and is quiet.
+    let delay = broker.redelivery_delay();
+    let (mut last, mut since, mut restarts) = (-1, Instant::now(), 0);
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let summary = applied().await?;
+        progress(&format!(
+            "{label}: draining, {}/{count} credited",
+            summary.distinct_events
+        ));
+        if summary.ledger_rows != last {
+            (last, since) = (summary.ledger_rows, Instant::now());
+        } else if summary.distinct_events >= i64::from(count)
+            && since.elapsed() >= Duration::from_secs(2)
+        {
+            break;
+        } else if since.elapsed() >= delay + Duration::from_secs(60) {
+            eprintln!(
+                "\n{label}: the drain stopped at {}/{count} credited",
+                summary.distinct_events
+            );
+            break;
+        } else if since.elapsed() >= delay + Duration::from_secs(10)
+            && summary.distinct_events < i64::from(count)
+            && restarts < 5
+        {
+            // Tansu can leave a lone group member without partitions: new members rebalance.
+            eprintln!(
+                "\n{label}: the drain applies nothing at {}/{count}; replacing the children",
+                summary.distinct_events
+            );
+            for (child, spec) in children.iter_mut().zip(&specs) {
+                kill(child).await;
+                *child = spawn(spec, &[]).await?;
+            }
+            restarts += 1;
+            since = Instant::now();
+        }
+    }
+    for child in &mut children {
+        kill(child).await;
+    }
+    let summary = applied().await?;
+    let balances: HashMap<i64, i64> =
+        sqlx::query_as::<_, (i64, i64)>("SELECT id, balance FROM accounts")
+            .fetch_all(&db.pool)
+            .await?
+            .into_iter()
+            .collect();
+    let (outbox_rows, unsent): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(*) FILTER (WHERE sent_at IS NULL) FROM outbox")
+            .fetch_one(&db.pool)
+            .await?;
+    let result = ChainRun {
+        kills,
+        duplicates: summary.duplicates(),
+        lost: summary.lost(i64::from(count)),
+        balances_exact: summary.balances_exact && balances == expected,
+        outbox_rows,
+        unsent,
+    };
+    db.drop().await;
+    broker.remove(&x).await;
+    broker.remove(&y).await;
+    Ok(result)
+}
