@@ -1,7 +1,7 @@
 //! [`Health`]: whether a running consumer is live and ready, for liveness and readiness probes.
 
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// What a consumer is doing, as [`Health::state`] reports it.
@@ -60,6 +60,30 @@ struct Cells {
     /// Milliseconds since the Unix epoch; 0 for never.
     last_turn_ms: AtomicU64,
     last_batch_ms: AtomicU64,
+    /// Set when the consumer starts: its name and its state gauges.
+    gauges: OnceLock<Gauges>,
+}
+
+/// `inbox_consumer_ready` and `inbox_consumer_state` of one consumer.
+#[derive(Debug)]
+struct Gauges {
+    consumer: String,
+    ready: metrics::Gauge,
+    /// One per [`ConsumerState::ALL`], in that order.
+    states: Vec<metrics::Gauge>,
+}
+
+impl Gauges {
+    fn show(&self, state: ConsumerState) {
+        self.ready.set(if state == ConsumerState::Running {
+            1.0
+        } else {
+            0.0
+        });
+        for (gauge, s) in self.states.iter().zip(ConsumerState::ALL) {
+            gauge.set(if s == state { 1.0 } else { 0.0 });
+        }
+    }
 }
 
 fn now_ms() -> u64 {
@@ -99,6 +123,11 @@ impl Health {
         self.state() == ConsumerState::Running
     }
 
+    /// The name of the consumer this handle watches, once it has started.
+    pub fn consumer(&self) -> Option<&str> {
+        self.0.gauges.get().map(|g| g.consumer.as_str())
+    }
+
     /// When the loop last turned.
     pub fn last_turn(&self) -> Option<SystemTime> {
         time_of(self.0.last_turn_ms.load(Ordering::Relaxed))
@@ -117,6 +146,29 @@ impl Health {
         self.0
             .state
             .store(u8::try_from(index).unwrap_or(0), Ordering::Relaxed);
+        if let Some(gauges) = self.0.gauges.get() {
+            gauges.show(state);
+        }
+    }
+
+    /// Names the consumer and registers its state gauges (`inbox_consumer_ready`,
+    /// `inbox_consumer_state`) with the recorder installed now; they follow every state change.
+    pub(crate) fn attach(&self, consumer: &str) {
+        let gauges = self.0.gauges.get_or_init(|| Gauges {
+            consumer: consumer.to_owned(),
+            ready: metrics::gauge!(crate::telemetry::CONSUMER_READY, "consumer" => consumer.to_owned()),
+            states: ConsumerState::ALL
+                .iter()
+                .map(|s| {
+                    metrics::gauge!(
+                        crate::telemetry::CONSUMER_STATE,
+                        "consumer" => consumer.to_owned(),
+                        "state" => s.as_str()
+                    )
+                })
+                .collect(),
+        });
+        gauges.show(self.state());
     }
 
     /// From backoff back to running, leaving a stopping consumer as it is.

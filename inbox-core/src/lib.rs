@@ -60,10 +60,17 @@
 //! # }
 //! ```
 //!
-//! Logging goes through `tracing` (a span per handled message with consumer, message ID, broker
-//! position and outcome); counters go through the `metrics` facade (`inbox_messages_applied_total`,
+//! Logging goes through `tracing`: one line per batch at `info`, per-message lines at `debug`
+//! with escaped IDs, and spans after the OpenTelemetry messaging conventions (`inbox.process`
+//! per transaction, `inbox.settle` per ack, nack or dead letter). Metrics go through the
+//! `metrics` facade, labelled by consumer: counters (`inbox_messages_applied_total`,
 //! `inbox_duplicates_skipped_total`, `inbox_retries_total`, `inbox_dead_lettered_total`,
-//! `inbox_ack_failures_total`, labelled by consumer).
+//! `inbox_ack_failures_total`, ...), histograms (`inbox_handler_duration_seconds`,
+//! `inbox_end_to_end_lag_seconds`, ...) and gauges (`inbox_in_flight_messages`,
+//! `inbox_consumer_ready`); [`telemetry`] lists them all and propagates W3C `traceparent`
+//! headers. With the feature `http`, `http::Endpoint` serves `/healthz`, `/readyz` and
+//! `/metrics`; with the feature `opentelemetry`, a message's `traceparent` becomes the parent of
+//! its processing span.
 
 mod consumer;
 pub mod effect;
@@ -71,12 +78,16 @@ mod error;
 mod handler;
 mod health;
 mod hooks;
+#[cfg(feature = "http")]
+pub mod http;
 mod message;
 mod publish;
 mod recent;
+mod redact;
 mod source;
 mod stats;
 mod store;
+pub mod telemetry;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
@@ -91,6 +102,8 @@ pub use hooks::{HookAction, Stage, StageHook};
 pub use message::{IdError, InvalidId, Message, MessageId, Metadata};
 pub use publish::{Destinations, OutgoingMessage, Publish, PublishError};
 pub use recent::Recent;
+pub use redact::{is_secret_setting, redact_url, REDACTED};
 pub use source::{Ack, Delivery, MessageSource};
 pub use stats::{Stats, StatsSnapshot};
 pub use store::InboxStore;
+pub use telemetry::{describe_metrics, TraceParent};

@@ -66,4 +66,10 @@ pub trait MessageSource: Send {
     fn redelivery_window(&self) -> Option<Duration> {
         None
     }
+
+    /// The broker, as the OpenTelemetry `messaging.system` attribute names it (`kafka`,
+    /// `aws_sqs`, `rabbitmq`, `redis`), for the consumer's spans. Default: `unknown`.
+    fn system(&self) -> &'static str {
+        "unknown"
+    }
 }

@@ -51,15 +51,16 @@ pub(crate) enum Counter {
 
 impl Counter {
     fn metric_name(self) -> &'static str {
+        use crate::telemetry as t;
         match self {
-            Counter::Received => "inbox_messages_received_total",
-            Counter::Applied => "inbox_messages_applied_total",
-            Counter::SkippedDuplicate => "inbox_duplicates_skipped_total",
-            Counter::Retried => "inbox_retries_total",
-            Counter::DeadLettered => "inbox_dead_lettered_total",
-            Counter::AckFailure => "inbox_ack_failures_total",
-            Counter::Commit => "inbox_commits_total",
-            Counter::Error => "inbox_errors_total",
+            Counter::Received => t::MESSAGES_RECEIVED,
+            Counter::Applied => t::MESSAGES_APPLIED,
+            Counter::SkippedDuplicate => t::DUPLICATES_SKIPPED,
+            Counter::Retried => t::RETRIES,
+            Counter::DeadLettered => t::DEAD_LETTERED,
+            Counter::AckFailure => t::ACK_FAILURES,
+            Counter::Commit => t::COMMITS,
+            Counter::Error => t::ERRORS,
         }
     }
 }

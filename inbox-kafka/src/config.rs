@@ -1,6 +1,7 @@
 //! The consumer's configuration: inbox settings plus any librdkafka property.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
@@ -41,7 +42,11 @@ pub enum AckMode {
 ///
 /// Defaults set here and overridable: `auto.offset.reset=earliest` (a new group reads the topic
 /// from its start). Enforced in [`AckMode::AfterCommit`]: `enable.auto.commit=false`.
-#[derive(Debug, Clone)]
+///
+/// Its `Debug` output shows `***` for the value of every property that holds a secret
+/// (`sasl.password`, `ssl.key.password`, any name with `password` or `secret`, a private key):
+/// see [`inbox_core::is_secret_setting`].
+#[derive(Clone)]
 pub struct KafkaConfig {
     pub(crate) brokers: String,
     pub(crate) group_id: String,
@@ -55,6 +60,43 @@ pub struct KafkaConfig {
     pub(crate) commit_interval: Duration,
     pub(crate) common: BTreeMap<String, String>,
     pub(crate) consumer: BTreeMap<String, String>,
+}
+
+impl fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("group_id", &self.group_id)
+            .field("topics", &self.topics)
+            .field("id_header", &self.id_header)
+            .field("dead_letter_topic", &self.dead_letter_topic)
+            .field("create_dead_letter_topics", &self.create_dead_letter_topics)
+            .field("ack_mode", &self.ack_mode)
+            .field("poll_timeout", &self.poll_timeout)
+            .field("operation_timeout", &self.operation_timeout)
+            .field("commit_interval", &self.commit_interval)
+            .field("common", &Redacted(&self.common))
+            .field("consumer", &Redacted(&self.consumer))
+            .finish()
+    }
+}
+
+/// librdkafka properties with the values of secret ones hidden.
+struct Redacted<'a>(&'a BTreeMap<String, String>);
+
+impl fmt::Debug for Redacted<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map()
+            .entries(self.0.iter().map(|(key, value)| {
+                let shown = if inbox_core::is_secret_setting(key) {
+                    inbox_core::REDACTED
+                } else {
+                    value.as_str()
+                };
+                (key, shown)
+            }))
+            .finish()
+    }
 }
 
 impl KafkaConfig {
@@ -253,6 +295,27 @@ mod tests {
         let own = KafkaConfig::new("b:9092", "g", ["t"]).set("socket.timeout.ms", "30000");
         let client = own.consumer_config().expect("valid");
         assert_eq!(client.get("socket.timeout.ms"), Some("30000"));
+    }
+
+    #[test]
+    fn debug_output_hides_secret_properties() {
+        let config = KafkaConfig::new("b:9092", "g", ["t"])
+            .set("sasl.username", "app")
+            .set("sasl.password", "pw-one")
+            .set("ssl.key.password", "pw-two")
+            .set("sasl.oauthbearer.client.secret", "pw-three")
+            .set_consumer("Custom.Secret.Token", "pw-four");
+        let shown = format!("{config:?}");
+        for secret in ["pw-one", "pw-two", "pw-three", "pw-four"] {
+            assert!(!shown.contains(secret), "{secret} shown in {shown}");
+        }
+        // What is not secret still shows, so the output stays useful.
+        assert!(shown.contains(r#""sasl.username": "app""#), "{shown}");
+        assert!(shown.contains(r#""sasl.password": "***""#), "{shown}");
+        assert!(shown.contains("b:9092"), "{shown}");
+        // The client configuration itself keeps the real values.
+        let client = config.consumer_config().expect("valid");
+        assert_eq!(client.get("sasl.password"), Some("pw-one"));
     }
 
     #[test]

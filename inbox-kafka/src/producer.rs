@@ -4,6 +4,7 @@ use std::fmt;
 use std::time::Duration;
 
 use futures_util::future::try_join_all;
+use inbox_core::telemetry::TRACEPARENT_HEADER;
 use inbox_core::{async_trait, MessageId, OutgoingMessage, Publish, PublishError};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -170,6 +171,17 @@ impl KafkaProducer {
             headers = headers.insert(Header {
                 key,
                 value: Some(value),
+            });
+        }
+        // The current span's trace context (feature `opentelemetry` of inbox-core), unless the
+        // record brings its own.
+        let traceparent = inbox_core::TraceParent::current()
+            .filter(|_| !record.headers.iter().any(|(k, _)| k == TRACEPARENT_HEADER))
+            .map(|parent| parent.to_string());
+        if let Some(traceparent) = &traceparent {
+            headers = headers.insert(Header {
+                key: TRACEPARENT_HEADER,
+                value: Some(traceparent.as_str()),
             });
         }
         let mut out = FutureRecord::<[u8], [u8]>::to(topic)

@@ -192,6 +192,11 @@ impl KafkaSource {
                 delivery_count: (delivery_count > 1).then_some(delivery_count),
                 redelivered: delivery_count > 1,
                 lane: Some(format!("{topic}[{partition}]")),
+                timestamp: message
+                    .timestamp()
+                    .to_millis()
+                    .and_then(|ms| u64::try_from(ms).ok())
+                    .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms)),
             },
         };
         Delivery { message, ack }
@@ -249,6 +254,10 @@ impl MessageSource for KafkaSource {
             }
         }
         Ok(batch)
+    }
+
+    fn system(&self) -> &'static str {
+        "kafka"
     }
 
     fn redelivery_window(&self) -> Option<Duration> {

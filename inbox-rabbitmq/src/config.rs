@@ -62,7 +62,9 @@ pub enum AckMode {
 ///     .poll_timeout(Duration::from_millis(500));
 /// assert_eq!(config.dead_letter_queue(), "payments.dlq");
 /// ```
-#[derive(Debug, Clone)]
+///
+/// Its `Debug` output shows the URL with the password as `***`.
+#[derive(Clone)]
 pub struct RabbitConfig {
     pub(crate) url: String,
     pub(crate) queue: String,
@@ -77,6 +79,25 @@ pub struct RabbitConfig {
     pub(crate) operation_timeout: Duration,
     pub(crate) connection_name: Option<String>,
     pub(crate) heartbeat: Option<Duration>,
+}
+
+impl std::fmt::Debug for RabbitConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitConfig")
+            .field("url", &inbox_core::redact_url(&self.url))
+            .field("queue", &self.queue)
+            .field("prefetch", &self.prefetch)
+            .field("consumer_tag", &self.consumer_tag)
+            .field("id_field", &self.id_field)
+            .field("topology", &self.topology)
+            .field("delivery_limit", &self.delivery_limit)
+            .field("ack_mode", &self.ack_mode)
+            .field("poll_timeout", &self.poll_timeout)
+            .field("operation_timeout", &self.operation_timeout)
+            .field("connection_name", &self.connection_name)
+            .field("heartbeat", &self.heartbeat)
+            .finish()
+    }
 }
 
 impl RabbitConfig {

@@ -38,16 +38,7 @@ pub(crate) async fn open(url: &str, name: &str, heartbeat: Option<u16>) -> Resul
 
 /// The URL without its password, for error messages and logs.
 pub(crate) fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    match rest.split_once('@') {
-        Some((userinfo, host)) => {
-            let user = userinfo.split(':').next().unwrap_or_default();
-            format!("{scheme}://{user}:***@{host}")
-        }
-        None => url.to_owned(),
-    }
+    inbox_core::redact_url(url)
 }
 
 #[cfg(test)]
@@ -61,5 +52,21 @@ mod tests {
             "amqp://guest:***@127.0.0.1:5672/%2f"
         );
         assert_eq!(redact("amqp://127.0.0.1"), "amqp://127.0.0.1");
+        // An unencoded `@` in the password does not let its tail through.
+        assert_eq!(
+            redact("amqp://guest:se@cret@127.0.0.1/%2f"),
+            "amqp://guest:***@127.0.0.1/%2f"
+        );
+    }
+
+    #[test]
+    fn config_debug_output_hides_the_password() {
+        let config = crate::RabbitConfig::new("amqp://app:hunter2@broker:5672/%2f", "payments");
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("amqp://app:***@broker:5672/%2f"), "{shown}");
+        assert!(shown.contains("payments"), "{shown}");
+        // The password is still what connects.
+        assert_eq!(config.url(), "amqp://app:hunter2@broker:5672/%2f");
     }
 }

@@ -3,9 +3,11 @@
 use std::fmt;
 
 use futures_util::future::try_join_all;
+use inbox_core::telemetry::TRACEPARENT_HEADER;
 use inbox_core::{async_trait, MessageId, OutgoingMessage, Publish, PublishError};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::publisher_confirm::Confirmation;
+use lapin::types::AMQPValue;
 use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::Mutex;
 
@@ -49,6 +51,27 @@ pub(crate) async fn publish_confirmed(
             "publisher confirms are off on this channel".into(),
         )),
     }
+}
+
+/// `properties` with a `traceparent` header from the current span's trace context (feature
+/// `opentelemetry` of inbox-core), unless they carry one.
+fn with_traceparent(properties: BasicProperties) -> BasicProperties {
+    let Some(parent) = inbox_core::TraceParent::current() else {
+        return properties;
+    };
+    let mut headers = properties.headers().clone().unwrap_or_default();
+    if headers
+        .inner()
+        .keys()
+        .any(|k| k.as_str() == TRACEPARENT_HEADER)
+    {
+        return properties;
+    }
+    headers.insert(
+        TRACEPARENT_HEADER.into(),
+        AMQPValue::LongString(parent.to_string().into()),
+    );
+    properties.with_headers(headers)
 }
 
 /// Publishes messages that an inbox consumer can deduplicate: each carries a `message_id`
@@ -110,7 +133,7 @@ impl RabbitPublisher {
         properties: BasicProperties,
     ) -> Result<()> {
         let channel = self.channel().await?;
-        let properties = properties.with_delivery_mode(PERSISTENT);
+        let properties = with_traceparent(properties).with_delivery_mode(PERSISTENT);
         let result = publish_confirmed(&channel, "", &self.routing_key, payload, properties).await;
         if result.is_err() && !channel.status().connected() {
             // Reconnect on the next publish.

@@ -213,6 +213,7 @@ impl RabbitSource {
                 redelivered: delivery.redelivered,
                 // One queue, one order.
                 lane: None,
+                timestamp: sent_at(&headers, *props.timestamp()),
             },
         };
         self.originals.insert(position, props);
@@ -233,6 +234,10 @@ impl RabbitSource {
 #[async_trait]
 impl MessageSource for RabbitSource {
     type Ack = RabbitAck;
+
+    fn system(&self) -> &'static str {
+        "rabbitmq"
+    }
 
     /// Waits up to the poll timeout for a first delivery, then takes whatever else is already
     /// buffered, up to `max`. The first receive starts the consumer, with a prefetch window for
@@ -383,6 +388,16 @@ fn as_u64(value: &AMQPValue) -> Option<u64> {
     as_i128(value).and_then(|n| u64::try_from(n).ok())
 }
 
+/// When the message was published: the `timestamp_in_ms` header (RabbitMQ's message timestamp
+/// plugin), else the `timestamp` property (seconds), where the publisher or broker set one.
+fn sent_at(headers: &FieldTable, seconds: Option<u64>) -> Option<std::time::SystemTime> {
+    let since_epoch = match headers.inner().get("timestamp_in_ms").and_then(as_u64) {
+        Some(ms) => std::time::Duration::from_millis(ms),
+        None => std::time::Duration::from_secs(seconds?),
+    };
+    std::time::UNIX_EPOCH.checked_add(since_epoch)
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -400,5 +415,24 @@ mod tests {
         assert!(e.contains("as text or integer"), "{e}");
         let e = header_id(&headers, "d").unwrap_err().to_string();
         assert_eq!(e, "message has no ID: header d is missing");
+    }
+
+    #[test]
+    fn the_send_time_comes_from_the_plugin_header_or_the_property() {
+        let at = |ms| std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms);
+        let mut headers = FieldTable::default();
+        assert_eq!(sent_at(&headers, None), None);
+        assert_eq!(
+            sent_at(&headers, Some(1_700_000_000)),
+            Some(at(1_700_000_000_000))
+        );
+        headers.insert(
+            "timestamp_in_ms".into(),
+            AMQPValue::LongLongInt(1_700_000_000_123),
+        );
+        assert_eq!(
+            sent_at(&headers, Some(1_700_000_000)),
+            Some(at(1_700_000_000_123))
+        );
     }
 }

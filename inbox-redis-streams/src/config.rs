@@ -142,8 +142,12 @@ impl RedisStreamBuilder {
     /// Connects to `url` (`redis://host:port/db`, `rediss://…`), creates the consumer group if
     /// it is missing and returns the source.
     pub async fn connect(self, url: &str) -> Result<RedisStreamSource> {
-        let client = Client::open(url)
-            .map_err(|e| Error::Config(format!("Redis URL {url:?} does not parse: {e}")))?;
+        let client = Client::open(url).map_err(|e| {
+            Error::Config(format!(
+                "Redis URL {:?} does not parse: {e}",
+                inbox_core::redact_url(url)
+            ))
+        })?;
         self.connect_with(client).await
     }
 

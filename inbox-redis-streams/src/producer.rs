@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use inbox_core::telemetry::TRACEPARENT_HEADER;
 use inbox_core::{async_trait, MessageId, OutgoingMessage, Publish, PublishError};
 use redis::aio::ConnectionManager;
 use redis::Client;
@@ -119,6 +120,13 @@ impl RedisStreamProducer {
             .arg(payload.as_ref());
         for (name, value) in headers {
             cmd.arg(*name).arg(*value);
+        }
+        // The current span's trace context (feature `opentelemetry` of inbox-core), unless the
+        // caller passed one.
+        if let Some(parent) = inbox_core::TraceParent::current() {
+            if !headers.iter().any(|(name, _)| *name == TRACEPARENT_HEADER) {
+                cmd.arg(TRACEPARENT_HEADER).arg(parent.to_string());
+            }
         }
         // Not repeated on a new connection: only the caller can retry under the same ID.
         let sent = match &self.conn {

@@ -315,6 +315,10 @@ impl RedisStreamSource {
 impl MessageSource for RedisStreamSource {
     type Ack = RedisStreamAck;
 
+    fn system(&self) -> &'static str {
+        "redis"
+    }
+
     async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<Self::Ack>>, SourceError> {
         match self.read(max.max(1)).await {
             Ok(deliveries) => Ok(deliveries),
@@ -369,8 +373,15 @@ fn to_message(
             redelivered: delivery_count.is_some_and(|n| n > 1),
             // One stream, one order.
             lane: None,
+            timestamp: entry_time(entry_id),
         },
     }
+}
+
+/// When Redis added the entry: the milliseconds part of its ID (`<ms>-<seq>`).
+fn entry_time(entry_id: &str) -> Option<std::time::SystemTime> {
+    let ms: u64 = entry_id.split_once('-')?.0.parse().ok()?;
+    Some(std::time::UNIX_EPOCH + Duration::from_millis(ms))
 }
 
 /// The fields of a message that is no longer in the stream, as well as they can be rebuilt.
@@ -419,6 +430,10 @@ mod tests {
         assert_eq!(m.payload, b"{}");
         assert_eq!(m.header("trace"), Some(&b"t1"[..]));
         assert_eq!(m.meta.position, "5-0");
+        assert_eq!(
+            m.meta.timestamp,
+            Some(std::time::UNIX_EPOCH + Duration::from_millis(5))
+        );
         assert!(m.meta.redelivered);
         let rebuilt = rebuild_fields(&settings(), &m);
         assert_eq!(rebuilt[0], (b"event_id".to_vec(), b"evt-1".to_vec()));

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
 use aws_sdk_sqs::Client;
+use inbox_core::telemetry::TRACEPARENT_HEADER;
 use inbox_core::{async_trait, MessageId, OutgoingMessage, Publish, PublishError, Recovery};
 use tokio::task::JoinSet;
 
@@ -100,6 +101,9 @@ impl SqsSender {
             .queue_url(&self.queue_url)
             .message_body(&message.body)
             .message_attributes(&self.id_attribute, id_attribute(&message.id)?);
+        if let Some(traceparent) = traceparent_attribute()? {
+            request = request.message_attributes(TRACEPARENT_HEADER, traceparent);
+        }
         if let Some(group) = &self.message_group_id {
             request = request
                 .message_group_id(group)
@@ -125,6 +129,7 @@ impl SqsSender {
     async fn send_chunk(&self, chunk: &[Outgoing]) -> Result<()> {
         let mut pending: Vec<usize> = (0..chunk.len()).collect();
         let mut attempt = 1;
+        let traceparent = traceparent_attribute()?;
         loop {
             let mut request = self.client.send_message_batch().queue_url(&self.queue_url);
             for &i in &pending {
@@ -133,6 +138,9 @@ impl SqsSender {
                     .id(i.to_string())
                     .message_body(&message.body)
                     .message_attributes(&self.id_attribute, id_attribute(&message.id)?);
+                if let Some(traceparent) = &traceparent {
+                    entry = entry.message_attributes(TRACEPARENT_HEADER, traceparent.clone());
+                }
                 if let Some(group) = &self.message_group_id {
                     entry = entry
                         .message_group_id(group)
@@ -179,6 +187,20 @@ fn id_attribute(id: &MessageId) -> Result<MessageAttributeValue> {
         .string_value(id.as_str())
         .build()
         .map_err(|e| Error::Config(format!("cannot build the ID attribute: {e}")))
+}
+
+/// The current span's trace context (feature `opentelemetry` of inbox-core) as a `traceparent`
+/// message attribute.
+fn traceparent_attribute() -> Result<Option<MessageAttributeValue>> {
+    let Some(parent) = inbox_core::TraceParent::current() else {
+        return Ok(None);
+    };
+    MessageAttributeValue::builder()
+        .data_type("String")
+        .string_value(parent.to_string())
+        .build()
+        .map(Some)
+        .map_err(|e| Error::Config(format!("cannot build the traceparent attribute: {e}")))
 }
 
 /// SQS deduplication IDs are at most 128 characters of a limited alphabet; a UUID fits, and a

@@ -152,6 +152,9 @@ impl SqsSource {
                 // FIFO queues keep order per message group; a standard queue keeps none, but
                 // one lane keeps a batch in one transaction.
                 lane: group.cloned(),
+                timestamp: system_attr(MessageSystemAttributeName::SentTimestamp)
+                    .and_then(|ms| ms.parse::<u64>().ok())
+                    .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms)),
             },
         }
     }
@@ -188,7 +191,8 @@ impl MessageSource for SqsSource {
             .wait_time_seconds(wait)
             .message_attribute_names("All")
             .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
-            .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId);
+            .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId)
+            .message_system_attribute_names(MessageSystemAttributeName::SentTimestamp);
         if self.settings.dedup_id_fallback {
             request = request
                 .message_system_attribute_names(MessageSystemAttributeName::MessageDeduplicationId);
@@ -247,6 +251,10 @@ impl MessageSource for SqsSource {
             self.delete_on_receive(to_delete).await?;
         }
         Ok(deliveries)
+    }
+
+    fn system(&self) -> &'static str {
+        "aws_sqs"
     }
 
     /// The queue's `MessageRetentionPeriod` as read at build. A message redriven from a FIFO

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::ops::Range;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 use tokio::sync::Mutex;
@@ -15,6 +15,7 @@ use super::stop::Stop;
 use super::RetryPolicy;
 use crate::error::backoff;
 use crate::stats::Counter;
+use crate::telemetry::{self, dead_letter_span, process_span, seconds_since, ConsumerMetrics};
 use crate::{
     Ack, BatchHandler, BatchItem, Delivery, Error, Failure, HandlerError, Health, HookAction,
     InboxStore, MessageId, MessageSource, Recovery, Result, SourceError, Stage, StageHook, Stats,
@@ -33,6 +34,10 @@ pub(super) struct Core<St, H> {
     pub(super) health: Health,
     pub(super) hook: Option<StageHook>,
     pub(super) stats: Arc<Stats>,
+    /// The source's `messaging.system`, for spans; set when the consumer starts.
+    pub(super) system: &'static str,
+    /// Histogram and gauge handles; registered when the consumer starts.
+    pub(super) metrics: ConsumerMetrics,
 }
 
 /// The longest wait between tries after a broker or store error.
@@ -120,6 +125,7 @@ where
             if !seen.insert(id.clone()) {
                 // The same ID twice in one batch: the first copy decides, this one is a duplicate.
                 self.skipped(&id);
+                self.metrics.lag(std::iter::once(&delivery.message));
                 done.push((id, delivery.ack));
                 continue;
             }
@@ -257,9 +263,25 @@ where
     /// Claims, applies and commits `work` in one transaction, without savepoints: a handler
     /// failure rolls everything back. Nothing is acked here.
     async fn apply_in_tx<A>(&self, work: &[Work<A, H::Item>]) -> Result<Vec<Outcome>, TxFailure> {
+        let span = process_span(
+            &self.name,
+            self.system,
+            work.iter().map(|w| (&w.id, &w.delivery.message)),
+        );
+        self.claim_apply_commit(work).instrument(span).await
+    }
+
+    /// [`Core::apply_in_tx`], inside its span.
+    async fn claim_apply_commit<A>(
+        &self,
+        work: &[Work<A, H::Item>],
+    ) -> Result<Vec<Outcome>, TxFailure> {
         let ids: Vec<MessageId> = work.iter().map(|w| w.id.clone()).collect();
         let mut tx = self.store.begin().await.map_err(TxFailure::Store)?;
-        let claimed = match self.store.claim_many(&mut tx, &self.name, &ids).await {
+        let started = Instant::now();
+        let claimed = self.store.claim_many(&mut tx, &self.name, &ids).await;
+        self.metrics.claim.record(seconds_since(started));
+        let claimed = match claimed {
             Ok(claimed) => claimed,
             Err(e) => return Err(self.abandon(tx, TxFailure::Store(e)).await),
         };
@@ -309,10 +331,15 @@ where
                 warn!(consumer = %self.name, error = %e, "rollback failed; the store discards the transaction");
             }
         } else {
-            self.store.commit(tx).await.map_err(TxFailure::Store)?;
+            let started = Instant::now();
+            let committed = self.store.commit(tx).await;
+            self.metrics.commit.record(seconds_since(started));
+            committed.map_err(TxFailure::Store)?;
             self.count(Counter::Commit, 1);
             self.count(Counter::Applied, fresh.len());
         }
+        self.metrics.batch_size.record(work.len() as f64);
+        self.metrics.lag(work.iter().map(|w| &w.delivery.message));
         self.health.batch_done();
         let skipped = work.len() - fresh.len();
         info!(consumer = %self.name, applied = fresh.len(), skipped, "committed a batch");
@@ -339,17 +366,20 @@ where
         let call = AssertUnwindSafe(self.handler.handle_batch(tx, batch))
             .catch_unwind()
             .instrument(span);
+        let started = Instant::now();
         let called = match self.handler_timeout {
             Some(limit) => match tokio::time::timeout(limit, call).await {
                 Ok(called) => called,
                 Err(_) => {
+                    self.metrics.handler.record(seconds_since(started));
                     return Err(HandlerError::transient(format!(
                         "the handler did not return within the handler timeout of {limit:?}"
-                    )))
+                    )));
                 }
             },
             None => call.await,
         };
+        self.metrics.handler.record(seconds_since(started));
         match called {
             Ok(result) => result,
             Err(panic) => {
@@ -430,6 +460,20 @@ where
         delivery: Delivery<S::Ack>,
         reason: String,
     ) -> Result<()> {
+        let span = dead_letter_span(&self.name, self.system, id, &delivery.message);
+        self.park(source, id, delivery, reason)
+            .instrument(span)
+            .await
+    }
+
+    /// [`Core::dead_letter`], inside its span.
+    async fn park<S: MessageSource>(
+        &self,
+        source: &Mutex<&mut S>,
+        id: Option<&MessageId>,
+        delivery: Delivery<S::Ack>,
+        reason: String,
+    ) -> Result<()> {
         let shown = id.map_or_else(
             || "(no ID)".to_owned(),
             |id| id.as_str().escape_debug().to_string(),
@@ -471,7 +515,11 @@ where
         }
         let n = acks.len();
         let (ids, acks): (Vec<_>, Vec<_>) = acks.into_iter().unzip();
-        match A::ack_all(acks).await {
+        let span = telemetry::settle_span(&self.name, self.system, "ack", n);
+        let started = Instant::now();
+        let acked = A::ack_all(acks).instrument(span).await;
+        self.metrics.ack.record(seconds_since(started));
+        match acked {
             Ok(()) => {
                 for id in &ids {
                     self.stage(Stage::Acked, id)?;
@@ -499,11 +547,16 @@ where
             return;
         }
         info!(consumer = %self.name, messages = acks.len(), "handing messages back to the broker");
-        for ack in acks {
-            if let Err(e) = ack.nack(self.error_backoff).await {
-                warn!(consumer = %self.name, error = %e, "nack failed; the broker will redeliver on its own");
+        let span = telemetry::settle_span(&self.name, self.system, "nack", acks.len());
+        async {
+            for ack in acks {
+                if let Err(e) = ack.nack(self.error_backoff).await {
+                    warn!(consumer = %self.name, error = %e, "nack failed; the broker will redeliver on its own");
+                }
             }
         }
+        .instrument(span)
+        .await;
     }
 
     /// How long to wait before receiving again after `e`, or the error that stops the consumer.

@@ -16,6 +16,7 @@ use tracing::warn;
 use self::apply::Core;
 use self::lanes::Lanes;
 use self::stop::{Phase, Stop};
+use crate::telemetry::{self, ConsumerMetrics};
 use crate::{
     BatchHandler, ConsumerState, Error, Handler, Health, InboxStore, MessageSource, PerMessage,
     Result, StageHook, Stats, StatsSnapshot,
@@ -146,6 +147,8 @@ where
                 health: Health::default(),
                 hook: None,
                 stats: Arc::new(Stats::default()),
+                system: "unknown",
+                metrics: ConsumerMetrics::default(),
             },
         }
     }
@@ -273,6 +276,15 @@ where
         until_idle: bool,
     ) -> Result<StatsSnapshot> {
         self.check()?;
+        // Registered now, with the recorder the application installed before starting.
+        self.core.system = self.source.system();
+        self.core.metrics = ConsumerMetrics::register(&self.core.name);
+        self.core.health.attach(&self.core.name);
+        telemetry::windows(
+            &self.core.name,
+            self.inbox_retention,
+            self.source.redelivery_window(),
+        );
         let health = self.core.health.clone();
         health.set(ConsumerState::Running);
         let result = self.pipeline(shutdown, until_idle).await;
@@ -304,6 +316,9 @@ where
         let mut failures = 0;
         let mut failed: Option<Error> = None;
         let mut idle = false;
+        // Received and not yet settled: queued, being applied, or being acked.
+        let mut in_flight: usize = 0;
+        let in_flight_gauge = core.metrics.in_flight.clone();
         // Stops receiving; the work in flight has `timeout` to finish.
         let begin_stop = |deadline: &mut Option<Instant>| {
             if deadline.is_none() {
@@ -314,12 +329,14 @@ where
         };
         loop {
             health.turned();
+            in_flight_gauge.set(in_flight as f64);
             let stopping = stop.stopping();
             while working.len() < lanes && !stopping {
                 let Some((lane, chunk)) = queued.take(batch_size) else {
                     break;
                 };
-                working.push(async move { (lane, core.process(source, chunk, stop).await) });
+                let n = chunk.len();
+                working.push(async move { (lane, n, core.process(source, chunk, stop).await) });
             }
             let held = queued.len() + working.len() * batch_size;
             if receiving.is_none()
@@ -340,7 +357,9 @@ where
                 // A receive still waiting (a long poll) is dropped: receives are cancel-safe,
                 // and what a cancelled one took comes back from the broker.
                 receiving = None;
-                core.hand_back(queued.drain()).await;
+                let back = queued.drain();
+                in_flight = in_flight.saturating_sub(back.len());
+                core.hand_back(back).await;
                 if working.is_empty() && acking.is_empty() {
                     break;
                 }
@@ -359,10 +378,15 @@ where
                     warn!(consumer = %core.name, ?timeout, "the work in flight did not finish within the shutdown timeout: handing it back");
                     stop_tx.send_replace(Phase::Aborting);
                 }
-                Some((lane, result)) = working.next() => {
+                Some((lane, n, result)) = working.next() => {
                     queued.done(&lane);
+                    in_flight = in_flight.saturating_sub(n);
                     match result {
-                        Ok(acks) => acking.push(core.ack_all(acks)),
+                        Ok(acks) => {
+                            let n = acks.len();
+                            in_flight += n;
+                            acking.push(async move { (n, core.ack_all(acks).await) });
+                        }
                         Err(e @ Error::Crashed { .. }) => return Err(e),
                         Err(e) => {
                             failed.get_or_insert(e);
@@ -370,7 +394,8 @@ where
                         }
                     }
                 }
-                Some(result) = acking.next() => {
+                Some((n, result)) = acking.next() => {
+                    in_flight = in_flight.saturating_sub(n);
                     match result {
                         Ok(()) => {}
                         Err(e @ Error::Crashed { .. }) => return Err(e),
@@ -391,6 +416,7 @@ where
                                     idle = true;
                                 }
                             } else {
+                                in_flight += batch.len();
                                 queued.add(batch);
                             }
                         }
@@ -413,6 +439,7 @@ where
                 else => break,
             }
         }
+        in_flight_gauge.set(0.0);
         match failed {
             Some(e) => Err(e),
             None => Ok(core.stats.snapshot()),

@@ -10,12 +10,12 @@ use futures_util::FutureExt;
 use tokio::time::Instant;
 use tracing::{debug, info, info_span, warn, Instrument};
 
-use crate::consumer::stop::Stop;
 use super::stats::Counter;
 use super::{
     is_not_applied, Acquired, Attempt, Effect, EffectHandler, EffectStats, Landed, LeaseStore,
     OnUnknown, Release, Settled,
 };
+use crate::consumer::stop::Stop;
 use crate::error::backoff;
 use crate::{
     Ack, Delivery, Error, Failure, HandlerError, HookAction, Message, MessageId, MessageSource,

@@ -1,0 +1,166 @@
+//! A wallet consumer run the way production runs it: Redis Streams into PostgreSQL, with
+//! Prometheus metrics (`metrics-exporter-prometheus`), the probe endpoint of `inbox_core::http`
+//! (`/healthz`, `/readyz`, `/metrics`), the inbox purger with its window gauge, and a graceful
+//! stop on SIGTERM or Ctrl-C.
+//!
+//! ```sh
+//! cargo run -p inbox-examples --bin observability -- --listen 127.0.0.1:9464
+//! curl -s 127.0.0.1:9464/metrics | grep inbox_
+//! ```
+//!
+//! Publish credit events (`{"account_id": 1, "amount": 5}` with an `event_id` field) to the
+//! stream; `docs/dashboards/inbox.json` and `docs/alerts/inbox.rules.yml` read what it exports.
+//! It prints `listening on http://<address>` once the endpoint is up.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+use inbox_core::http::Endpoint;
+use inbox_core::{BoxError, Consumer};
+use inbox_postgres::testkit::wallet::{self, BatchCredit};
+use inbox_postgres::{spawn_purger, PgInbox, TableName};
+use inbox_redis_streams::RedisStreamSource;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+/// Histogram buckets of the `*_seconds` metrics: 1 ms to 1 min.
+const SECONDS_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+/// Buckets of `inbox_batch_size`.
+const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0];
+
+/// One wallet consumer on Redis Streams with metrics and probes.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Where `/healthz`, `/readyz` and `/metrics` are served (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    listen: SocketAddr,
+    /// The stream to consume.
+    #[arg(long, default_value = "wallet-credits")]
+    stream: String,
+    /// The Redis consumer group.
+    #[arg(long, default_value = "wallet")]
+    group: String,
+    /// The inbox consumer name (the `consumer` label of every metric).
+    #[arg(long, default_value = "wallet-credits")]
+    consumer: String,
+    /// Messages per transaction.
+    #[arg(long, default_value_t = 100)]
+    batch: usize,
+    /// The PostgreSQL schema of the wallet tables and the inbox; created if missing.
+    #[arg(long, default_value = "public")]
+    schema: String,
+    /// How long the inbox remembers IDs (purged after that).
+    #[arg(long, default_value = "7d", value_parser = humantime::parse_duration)]
+    retention: Duration,
+    /// How often the purger runs and refreshes `inbox_oldest_remembered_age_seconds`.
+    #[arg(long, default_value = "1m", value_parser = humantime::parse_duration)]
+    purge_every: Duration,
+    /// PostgreSQL.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres:postgres@127.0.0.1:5432/inbox",
+        hide_env_values = true
+    )]
+    database_url: String,
+    /// Redis.
+    #[arg(
+        long,
+        env = "REDIS_URL",
+        default_value = "redis://127.0.0.1:6379",
+        hide_env_values = true
+    )]
+    redis_url: String,
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+
+    // Real histograms (buckets) rather than summaries, so quantiles aggregate across instances.
+    let prometheus = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)?
+        .set_buckets_for_metric(
+            Matcher::Full(inbox_core::telemetry::BATCH_SIZE.into()),
+            BATCH_BUCKETS,
+        )?
+        .install_recorder()?;
+    inbox_core::describe_metrics();
+    let upkeep = {
+        let prometheus = prometheus.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                every.tick().await;
+                prometheus.run_upkeep();
+            }
+        })
+    };
+
+    let options: PgConnectOptions = args.database_url.parse()?;
+    let schema = TableName::qualified(&args.schema, "inbox")?;
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options.options([("search_path", args.schema.as_str())]))
+        .await
+        .map_err(|e| {
+            format!(
+                "cannot reach PostgreSQL at {}: {e}",
+                inbox_core::redact_url(&args.database_url)
+            )
+        })?;
+    sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS \"{}\"", args.schema))
+        .execute(&pool)
+        .await?;
+    wallet::install(&pool).await?;
+    let inbox = PgInbox::new(pool).with_table(schema);
+    inbox.migrate().await?;
+
+    let source = RedisStreamSource::builder(&args.stream, &args.group)
+        .consumer_name(format!("{}-{}", args.consumer, std::process::id()))
+        .connect(&args.redis_url)
+        .await?;
+    let consumer = Consumer::batched(&args.consumer, source, inbox.clone(), BatchCredit)
+        .batch_size(args.batch)
+        .inbox_retention(args.retention)
+        .handler_timeout(Duration::from_secs(30));
+    let purger = spawn_purger(inbox, args.retention, args.purge_every);
+
+    let server = Endpoint::new()
+        .consumer(consumer.health())
+        .metrics(move || prometheus.render())
+        .bind(args.listen)
+        .await?;
+    let mut stdout = std::io::stdout();
+    writeln!(stdout, "listening on http://{}", server.local_addr()?)?;
+    stdout.flush()?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(server.run_until(async {
+        let _ = stopped.await;
+    }));
+
+    // Until SIGTERM or Ctrl-C; the batch in flight is finished and acked first.
+    let ran = consumer.run().await;
+    purger.abort();
+    upkeep.abort();
+    let _ = stop.send(());
+    let _ = serving.await;
+    let stats = ran?;
+    writeln!(
+        stdout,
+        "stopped: applied {}, skipped {}, dead-lettered {}",
+        stats.applied, stats.skipped_duplicates, stats.dead_lettered
+    )?;
+    Ok(())
+}

@@ -1,0 +1,269 @@
+//! Metrics and traces: the name, unit and meaning of every metric the consumer records, and
+//! W3C trace context (`traceparent`) propagation through the brokers.
+//!
+//! # Metrics
+//!
+//! Everything goes through the [`metrics`] facade, labelled `consumer` (the consumer's name);
+//! install any recorder (`metrics-exporter-prometheus`, say) before the consumer starts. The
+//! consumer describes its metrics (unit and help text) when it starts; call
+//! [`describe_metrics`] yourself to have them described before that.
+//!
+//! | metric | kind | what |
+//! |---|---|---|
+//! | `inbox_messages_received_total` | counter | deliveries taken from the broker |
+//! | `inbox_messages_applied_total` | counter | messages whose side effect committed |
+//! | `inbox_duplicates_skipped_total` | counter | deliveries skipped: their ID was applied before |
+//! | `inbox_retries_total` | counter | handler attempts repeated after a transient failure |
+//! | `inbox_dead_lettered_total` | counter | messages parked in the dead-letter destination |
+//! | `inbox_ack_failures_total` | counter | acks that failed after their commit (the redelivery is skipped) |
+//! | `inbox_commits_total` | counter | store transactions committed |
+//! | `inbox_errors_total` | counter | broker and store errors the consumer recovered from |
+//! | `inbox_batch_size` | histogram | messages per store transaction, duplicates included |
+//! | `inbox_claim_duration_seconds` | histogram | the claim statement of one transaction |
+//! | `inbox_handler_duration_seconds` | histogram | one handler call: a batch for a `BatchHandler`, a transaction's messages in turn for a `Handler` |
+//! | `inbox_commit_duration_seconds` | histogram | one `COMMIT` |
+//! | `inbox_ack_duration_seconds` | histogram | one broker ack round-trip for the messages of a transaction |
+//! | `inbox_end_to_end_lag_seconds` | histogram | from the broker's timestamp of a message to its commit (or its skip) |
+//! | `inbox_in_flight_messages` | gauge | received, not yet acked, dead-lettered or handed back |
+//! | `inbox_consumer_ready` | gauge | 1 while running with broker and store answering, else 0 |
+//! | `inbox_consumer_state` | gauge | 1 for the current `state` label (`starting`, `running`, `backoff`, `stopping`, `stopped`), 0 for the others |
+//! | `inbox_retention_seconds` | gauge | the inbox retention given to [`Consumer::inbox_retention`](crate::Consumer::inbox_retention) |
+//! | `inbox_redelivery_window_seconds` | gauge | how long the broker can redeliver, where the source knows ([`MessageSource::redelivery_window`](crate::MessageSource::redelivery_window)) |
+//! | `inbox_oldest_remembered_age_seconds` | gauge | set by stores that track it (`inbox-postgres`): how far back the inbox remembers IDs |
+//!
+//! The lag needs a timestamp from the broker ([`Metadata::timestamp`](crate::Metadata::timestamp)):
+//! Kafka's record timestamp, SQS `SentTimestamp`, the RabbitMQ `timestamp` property (set by the
+//! publisher; whole seconds) or a `timestamp_in_ms` header, a Redis stream entry ID. Clocks of
+//! other hosts are compared with this one's, so skew shows up in it.
+//!
+//! # Traces
+//!
+//! Spans follow the OpenTelemetry messaging conventions: `inbox.process` per store transaction
+//! (`messaging.operation.type = process`) and `inbox.settle` per ack, nack or dead letter
+//! (`settle`), with `messaging.system`, `messaging.destination.name`,
+//! `messaging.consumer.group.name` (the consumer's name), `messaging.message.id` (for one
+//! message) or `messaging.batch.message_count`, plus `otel.name` and `otel.kind` for
+//! `tracing-opentelemetry`.
+//!
+//! Producers put a W3C `traceparent` header ([`TraceParent`]) on each message; the process span
+//! of a transaction of one message records it in its `traceparent` field. With the crate feature
+//! `opentelemetry`, the producer helpers take the header from the current span's OpenTelemetry
+//! context ([`TraceParent::current`]), and the consumer makes it the parent of the process span
+//! (one message) or a link of it (a batch: one link per message), as the conventions say.
+
+mod trace;
+
+use std::time::{Duration, Instant, SystemTime};
+
+use metrics::{Gauge, Histogram, Unit};
+
+use crate::Message;
+
+pub(crate) use trace::{dead_letter_span, process_span, settle_span};
+pub use trace::{InvalidTraceParent, TraceParent, TRACEPARENT_HEADER};
+
+/// Counter: deliveries taken from the broker.
+pub const MESSAGES_RECEIVED: &str = "inbox_messages_received_total";
+/// Counter: messages whose side effect committed.
+pub const MESSAGES_APPLIED: &str = "inbox_messages_applied_total";
+/// Counter: deliveries skipped because their ID was already applied.
+pub const DUPLICATES_SKIPPED: &str = "inbox_duplicates_skipped_total";
+/// Counter: handler attempts repeated after a transient failure.
+pub const RETRIES: &str = "inbox_retries_total";
+/// Counter: messages parked in the dead-letter destination.
+pub const DEAD_LETTERED: &str = "inbox_dead_lettered_total";
+/// Counter: acks that failed after their transaction committed.
+pub const ACK_FAILURES: &str = "inbox_ack_failures_total";
+/// Counter: store transactions committed.
+pub const COMMITS: &str = "inbox_commits_total";
+/// Counter: broker or store errors the consumer recovered from.
+pub const ERRORS: &str = "inbox_errors_total";
+/// Histogram: messages per store transaction.
+pub const BATCH_SIZE: &str = "inbox_batch_size";
+/// Histogram: seconds the claim statement of one transaction took.
+pub const CLAIM_DURATION: &str = "inbox_claim_duration_seconds";
+/// Histogram: seconds one handler call took.
+pub const HANDLER_DURATION: &str = "inbox_handler_duration_seconds";
+/// Histogram: seconds one commit took.
+pub const COMMIT_DURATION: &str = "inbox_commit_duration_seconds";
+/// Histogram: seconds one broker ack round-trip took.
+pub const ACK_DURATION: &str = "inbox_ack_duration_seconds";
+/// Histogram: seconds from a message's broker timestamp to its commit.
+pub const END_TO_END_LAG: &str = "inbox_end_to_end_lag_seconds";
+/// Gauge: messages received and not yet settled.
+pub const IN_FLIGHT: &str = "inbox_in_flight_messages";
+/// Gauge: 1 while the consumer is ready, else 0.
+pub const CONSUMER_READY: &str = "inbox_consumer_ready";
+/// Gauge: 1 for the consumer's current `state` label, 0 for the others.
+pub const CONSUMER_STATE: &str = "inbox_consumer_state";
+/// Gauge: the inbox retention the consumer was given, in seconds.
+pub const RETENTION: &str = "inbox_retention_seconds";
+/// Gauge: how long the broker can redeliver a message, in seconds, where the source knows.
+pub const REDELIVERY_WINDOW: &str = "inbox_redelivery_window_seconds";
+/// Gauge (set by stores that track it): seconds since the oldest remembered ID was processed.
+pub const OLDEST_REMEMBERED_AGE: &str = "inbox_oldest_remembered_age_seconds";
+
+/// Registers the unit and help text of every metric above with the installed recorder. The
+/// consumer calls it when it starts; call it yourself after installing the recorder to have the
+/// descriptions before that. Calling it again does no harm.
+pub fn describe_metrics() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
+    let counters = [
+        (MESSAGES_RECEIVED, "Deliveries taken from the broker."),
+        (MESSAGES_APPLIED, "Messages whose side effect committed."),
+        (
+            DUPLICATES_SKIPPED,
+            "Deliveries skipped because their ID was already applied.",
+        ),
+        (
+            RETRIES,
+            "Handler attempts repeated after a transient failure.",
+        ),
+        (
+            DEAD_LETTERED,
+            "Messages parked in the dead-letter destination.",
+        ),
+        (
+            ACK_FAILURES,
+            "Acks that failed after their transaction committed; the redelivered copies are skipped.",
+        ),
+        (COMMITS, "Store transactions committed."),
+        (
+            ERRORS,
+            "Broker or store errors the consumer recovered from.",
+        ),
+    ];
+    for (name, help) in counters {
+        describe_counter!(name, Unit::Count, help);
+    }
+    describe_histogram!(
+        BATCH_SIZE,
+        Unit::Count,
+        "Messages per store transaction, duplicates included."
+    );
+    let durations = [
+        (
+            CLAIM_DURATION,
+            "Seconds the claim of a transaction's message IDs took.",
+        ),
+        (
+            HANDLER_DURATION,
+            "Seconds one handler call took (a batch, or a transaction's messages in turn).",
+        ),
+        (COMMIT_DURATION, "Seconds one store commit took."),
+        (
+            ACK_DURATION,
+            "Seconds one broker ack round-trip took, for the messages of a transaction.",
+        ),
+        (
+            END_TO_END_LAG,
+            "Seconds from a message's broker timestamp to its commit or skip.",
+        ),
+    ];
+    for (name, help) in durations {
+        describe_histogram!(name, Unit::Seconds, help);
+    }
+    describe_gauge!(
+        IN_FLIGHT,
+        Unit::Count,
+        "Messages received and not yet acked, dead-lettered or handed back."
+    );
+    describe_gauge!(
+        CONSUMER_READY,
+        Unit::Count,
+        "1 while the consumer runs with its broker and store answering, else 0."
+    );
+    describe_gauge!(
+        CONSUMER_STATE,
+        Unit::Count,
+        "1 for the consumer's current state label, 0 for the other states."
+    );
+    describe_gauge!(
+        RETENTION,
+        Unit::Seconds,
+        "How long the inbox is configured to remember IDs."
+    );
+    describe_gauge!(
+        REDELIVERY_WINDOW,
+        Unit::Seconds,
+        "How long the broker can still redeliver a message, where the source knows."
+    );
+    describe_gauge!(
+        OLDEST_REMEMBERED_AGE,
+        Unit::Seconds,
+        "Seconds since the oldest ID the inbox remembers was processed."
+    );
+}
+
+/// One running consumer's histogram and gauge handles, registered once when it starts (a
+/// recorder installed later would not see handles taken earlier).
+#[derive(Debug, Clone)]
+pub(crate) struct ConsumerMetrics {
+    pub(crate) batch_size: Histogram,
+    pub(crate) claim: Histogram,
+    pub(crate) handler: Histogram,
+    pub(crate) commit: Histogram,
+    pub(crate) ack: Histogram,
+    pub(crate) lag: Histogram,
+    pub(crate) in_flight: Gauge,
+}
+
+impl Default for ConsumerMetrics {
+    fn default() -> Self {
+        Self {
+            batch_size: Histogram::noop(),
+            claim: Histogram::noop(),
+            handler: Histogram::noop(),
+            commit: Histogram::noop(),
+            ack: Histogram::noop(),
+            lag: Histogram::noop(),
+            in_flight: Gauge::noop(),
+        }
+    }
+}
+
+impl ConsumerMetrics {
+    /// Describes every metric and registers this consumer's handles.
+    pub(crate) fn register(consumer: &str) -> Self {
+        describe_metrics();
+        let histogram =
+            |name: &'static str| metrics::histogram!(name, "consumer" => consumer.to_owned());
+        Self {
+            batch_size: histogram(BATCH_SIZE),
+            claim: histogram(CLAIM_DURATION),
+            handler: histogram(HANDLER_DURATION),
+            commit: histogram(COMMIT_DURATION),
+            ack: histogram(ACK_DURATION),
+            lag: histogram(END_TO_END_LAG),
+            in_flight: metrics::gauge!(IN_FLIGHT, "consumer" => consumer.to_owned()),
+        }
+    }
+
+    /// Records, per message with a broker timestamp, how long ago it was sent.
+    pub(crate) fn lag<'a>(&self, messages: impl Iterator<Item = &'a Message>) {
+        let now = SystemTime::now();
+        for message in messages {
+            if let Some(sent) = message.meta.timestamp {
+                // A timestamp ahead of this clock (skew) counts as no lag.
+                let lag = now.duration_since(sent).unwrap_or(Duration::ZERO);
+                self.lag.record(lag.as_secs_f64());
+            }
+        }
+    }
+}
+
+/// Seconds since `start`, for a histogram.
+pub(crate) fn seconds_since(start: Instant) -> f64 {
+    start.elapsed().as_secs_f64()
+}
+
+/// Sets the configured retention and the broker's redelivery window gauges of `consumer`.
+pub(crate) fn windows(consumer: &str, retention: Option<Duration>, broker: Option<Duration>) {
+    if let Some(retention) = retention {
+        metrics::gauge!(RETENTION, "consumer" => consumer.to_owned()).set(retention.as_secs_f64());
+    }
+    if let Some(window) = broker {
+        metrics::gauge!(REDELIVERY_WINDOW, "consumer" => consumer.to_owned())
+            .set(window.as_secs_f64());
+    }
+}
