@@ -53,8 +53,12 @@ pub struct Sent {
 impl RedisStreamProducer {
     /// Connects to `url` and writes to `stream`.
     pub async fn connect(url: &str, stream: impl Into<String>) -> Result<Self> {
-        let client = Client::open(url)
-            .map_err(|e| Error::Config(format!("Redis URL {url:?} does not parse: {e}")))?;
+        let client = Client::open(url).map_err(|e| {
+            Error::Config(format!(
+                "Redis URL {} does not parse: {e}",
+                inbox_core::redact_url(url)
+            ))
+        })?;
         // A command gets 10 s; a connection that failed or went silent is replaced by the next
         // send (a redis-rs `ConnectionManager` keeps one whose reply timed out, and its
         // reconnect could hang a send for good after a server restart).

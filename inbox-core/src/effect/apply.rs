@@ -76,7 +76,7 @@ where
         let span = info_span!(
             "inbox.effect",
             consumer = %self.name,
-            message_id = %id,
+            message_id = %id.as_str().escape_debug(),
             position = %delivery.message.meta.position,
         );
         self.lease_and_apply(source, id, delivery, stop)
@@ -447,7 +447,10 @@ where
         delivery: &Delivery<S::Ack>,
         reason: &str,
     ) -> Result<bool, SourceError> {
-        let shown = id.map_or_else(|| "(no ID)".to_owned(), MessageId::to_string);
+        let shown = id.map_or_else(
+            || "(no ID)".to_owned(),
+            |id| id.as_str().escape_debug().to_string(),
+        );
         let position = &delivery.message.meta.position;
         match source.dead_letter(&delivery.message, reason).await {
             Ok(()) => {
@@ -493,7 +496,7 @@ where
             Ok(()) => self.stage(Stage::Acked, id),
             Err(e) => {
                 self.count(Counter::AckFailure);
-                warn!(consumer = %self.name, message_id = %id, error = %e, "ack failed after the done mark; the redelivered copy will be skipped");
+                warn!(consumer = %self.name, message_id = %id.as_str().escape_debug(), error = %e, "ack failed after the done mark; the redelivered copy will be skipped");
                 Ok(())
             }
         }
