@@ -280,17 +280,35 @@ impl PgInbox {
     }
 
     /// The consumer's id for a claim in `tx`. A name seen for the first time is registered on
-    /// its own, committed at once, on a connection the pool has free: registered inside `tx`, its
-    /// uncommitted row would make every other process registering the name wait for `tx`, and
-    /// on a hung `tx` for ever. With no connection free (a pool of one), it is registered on the
-    /// transaction's own connection, which a second connection would deadlock, and cached only
-    /// once another transaction sees it committed.
+    /// its own connection and committed at once, under the same lock timeout as the inbox
+    /// transaction: registered inside `tx`, its uncommitted row would make every other process
+    /// registering the name wait for `tx`, and on a hung `tx` for ever. Only when the pool has
+    /// no connection to spare (a pool of one) is it registered on the transaction's own
+    /// connection, which a second connection would deadlock, and cached once another
+    /// transaction sees it committed.
     async fn tx_consumer_id(&self, tx: &mut PgTx, consumer: &str) -> Result<i16, StoreError> {
         if let Some(id) = self.cached(consumer) {
             return Ok(id);
         }
-        if let Some(mut conn) = self.pool.try_acquire() {
-            let (id, _) = self.register(&mut conn, consumer).await?;
+        let spare = match self.pool.try_acquire() {
+            Some(conn) => Some(conn),
+            None if self.pool.size() < self.pool.options().get_max_connections() => {
+                Some(self.pool.acquire().await.map_err(store_err(
+                    "opening a connection to register the consumer name",
+                ))?)
+            }
+            None => None,
+        };
+        if let Some(mut conn) = spare {
+            let mut own = match &self.begin {
+                Some(statement) => sqlx::Connection::begin_with(&mut *conn, statement.clone()).await,
+                None => sqlx::Connection::begin(&mut *conn).await,
+            }
+            .map_err(store_err("registering the consumer name"))?;
+            let (id, _) = self.register(&mut own, consumer).await?;
+            own.commit()
+                .await
+                .map_err(store_err("registering the consumer name"))?;
             self.cache(consumer, id);
             return Ok(id);
         }

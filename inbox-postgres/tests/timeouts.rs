@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use inbox_core::testkit::MemoryBroker;
 use inbox_core::{Consumer, InboxStore, MessageId};
 use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
-use inbox_postgres::testkit::{fast_retry, TestDb};
+use inbox_postgres::testkit::{database_url, fast_retry, TestDb};
+use inbox_postgres::PgInbox;
+use sqlx::postgres::PgPoolOptions;
 
 /// Longer than any test: a stalled handler is a hung one.
 const HUNG: Duration = Duration::from_secs(3600);
@@ -88,8 +90,15 @@ async fn a_hung_handler_is_cut_off_by_the_handler_timeout_and_its_message_retrie
 #[tokio::test]
 async fn a_claim_behind_a_hung_peer_gives_up_after_the_lock_timeout() {
     let db = TestDb::new().await;
-    // A peer that claimed evt-1 and hangs with its transaction open.
-    let peer_store = db.inbox();
+    // A peer that claimed a-1 and b-1 and hangs with its transaction open. Its pool is fresh, so
+    // it has no idle connection when it registers the consumer name: the registration must
+    // still commit on its own, or every other process registering the name waits for the peer.
+    let peer_pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&database_url())
+        .await
+        .unwrap();
+    let peer_store = PgInbox::new(peer_pool).with_table(db.inbox().table().clone());
     let mut peer = peer_store.begin().await.unwrap();
     for id in ["a-1", "b-1"] {
         let id = MessageId::new(id).unwrap();
