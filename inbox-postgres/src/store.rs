@@ -301,7 +301,9 @@ impl PgInbox {
         };
         if let Some(mut conn) = spare {
             let mut own = match &self.begin {
-                Some(statement) => sqlx::Connection::begin_with(&mut *conn, statement.clone()).await,
+                Some(statement) => {
+                    sqlx::Connection::begin_with(&mut *conn, statement.clone()).await
+                }
                 None => sqlx::Connection::begin(&mut *conn).await,
             }
             .map_err(store_err("registering the consumer name"))?;
