@@ -56,7 +56,14 @@ async fn a_second_cleaner_skips_while_one_holds_the_lock() {
     assert_eq!(b.unwrap(), PurgeReport::SkippedOtherCleaner);
     assert_eq!(db.inbox_rows().await, 50, "a skipped purge deletes nothing");
 
-    // Once the other cleaner is gone, a purge runs.
+    // Once the other cleaner is done, a purge runs. (It unlocks before it leaves, as `purge`
+    // does: the server ends a closed session a moment after the client, so a bare close could
+    // leave the lock held for the next line.)
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(inbox.purge_lock_key().await.unwrap())
+        .execute(&mut other)
+        .await
+        .unwrap();
     other.close().await.unwrap();
     let report = inbox.purge(14 * DAY, 10_000).await.unwrap();
     assert_eq!(report.batches(), &[50, 0]);
