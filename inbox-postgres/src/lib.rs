@@ -35,6 +35,13 @@
 //! additionally refuses IDs that are not UUIDs; [`KeyMode::Hashed`] takes any ID and keeps 16
 //! bytes of it.
 //!
+//! ## Retention at ingest speed: partitions
+//! [`PgInbox::purge`] deletes expired rows in batches, which at tens of thousands of messages a
+//! second costs about what the claims cost. [`PgInbox::partitioned`] lays the table out in
+//! partitions by UUIDv7 key range, one per day by default, and the same purge then drops a
+//! day's partition whole; see [`Partitions`] for the layout, what happens to IDs from a skewed
+//! clock or a replay, and the locks a drop takes.
+//!
 //! ## Side effects on a broker: the outbox
 //! A handler that must publish writes the message into an [`Outbox`] table through the same
 //! transaction ([`Outbox::write`]); an [`OutboxRelay`] publishes the committed rows through any
@@ -49,6 +56,7 @@
 mod error;
 mod lease;
 mod outbox;
+mod partition;
 mod relay;
 mod retention;
 mod store;
@@ -62,6 +70,7 @@ pub use outbox::{
     spawn_outbox_purger, Outbox, OUTBOX_ERRORS_COUNTER, OUTBOX_OLDEST_UNSENT_GAUGE,
     OUTBOX_PUBLISHED_COUNTER,
 };
+pub use partition::{Conversion, DroppedPartition, PartitionInfo, PartitionRange, Partitions};
 pub use relay::{OutboxRelay, RelayError, RelayStats};
 pub use retention::{
     spawn_purger, ConsumerWindow, PurgeReport, Storage, DEFAULT_PURGE_BATCH, OLDEST_AGE_GAUGE,

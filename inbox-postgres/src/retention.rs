@@ -1,5 +1,6 @@
-//! Retention: the batched purge, its single-cleaner lock, the oldest remembered time per
-//! consumer (the window alarm) and the table's storage.
+//! Retention: the batched purge (and on the partitioned layout, the partition drops), its
+//! single-cleaner lock, the oldest remembered time per consumer (the window alarm) and the
+//! table's storage.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -8,6 +9,7 @@ use sqlx::{Connection, PgConnection};
 use tokio::task::JoinHandle;
 
 use crate::error::db;
+use crate::partition::{is_partitioned, Bound, DropOutcome, DroppedPartition};
 use crate::{PgInbox, Result};
 
 /// The default number of rows one purge batch deletes: small enough that each batch's locks and
@@ -24,11 +26,20 @@ pub const OLDEST_AGE_GAUGE: &str = "inbox_oldest_remembered_age_seconds";
 #[non_exhaustive]
 pub enum PurgeReport {
     /// This call held the cleaner lock and deleted in batches.
+    #[non_exhaustive]
     Purged {
         /// Rows processed before this minute (minutes since the Unix epoch) were deleted.
         cutoff_minute: i64,
-        /// Rows deleted by each batch, in order; the last one is 0.
+        /// Rows deleted by each batch, in order; the last one is 0. On the partitioned layout,
+        /// the batches of every partition purged by `DELETE` that deleted rows, then one 0.
         batches: Vec<u64>,
+        /// Partitioned layout: the partitions dropped whole.
+        dropped: Vec<DroppedPartition>,
+        /// Partitioned layout: partitions due but not detached within the attempts (claims held
+        /// the table); the next purge tries again.
+        postponed: Vec<String>,
+        /// Partitioned layout: the partitions created ahead.
+        created: Vec<String>,
     },
     /// Another cleaner (in this or another process) held the lock, so this call deleted
     /// nothing. Not an error: that cleaner does the work.
@@ -45,6 +56,30 @@ impl PurgeReport {
     pub fn batches(&self) -> &[u64] {
         match self {
             PurgeReport::Purged { batches, .. } => batches,
+            PurgeReport::SkippedOtherCleaner => &[],
+        }
+    }
+
+    /// The partitions dropped whole (partitioned layout).
+    pub fn dropped(&self) -> &[DroppedPartition] {
+        match self {
+            PurgeReport::Purged { dropped, .. } => dropped,
+            PurgeReport::SkippedOtherCleaner => &[],
+        }
+    }
+
+    /// The partitions due but postponed (partitioned layout).
+    pub fn postponed(&self) -> &[String] {
+        match self {
+            PurgeReport::Purged { postponed, .. } => postponed,
+            PurgeReport::SkippedOtherCleaner => &[],
+        }
+    }
+
+    /// The partitions created ahead (partitioned layout).
+    pub fn created(&self) -> &[String] {
+        match self {
+            PurgeReport::Purged { created, .. } => created,
             PurgeReport::SkippedOtherCleaner => &[],
         }
     }
@@ -77,14 +112,15 @@ impl ConsumerWindow {
     }
 }
 
-/// The size of the inbox table.
+/// The size of the inbox table (of all its partitions, when partitioned).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Storage {
     /// Rows in the table (an exact count).
     pub rows: i64,
-    /// The table's main fork (`pg_relation_size`).
+    /// The table's main fork (`pg_relation_size`), summed over the partitions.
     pub heap_bytes: i64,
-    /// All of the table's indexes: the primary key and the BRIN index (`pg_indexes_size`).
+    /// All of the table's indexes: the primary key and the BRIN index (`pg_indexes_size`),
+    /// summed over the partitions.
     pub index_bytes: i64,
 }
 
@@ -101,6 +137,12 @@ impl PgInbox {
     /// `search_path` when none was given), so inboxes in other tables or schemas purge
     /// independently.
     pub async fn purge_lock_key(&self) -> Result<i64> {
+        self.table_lock_key("inbox purge").await
+    }
+
+    /// An advisory-lock key for `purpose` on this table: the first 8 bytes of SHA-256 over
+    /// `<purpose> <schema>.<table>`.
+    pub(crate) async fn table_lock_key(&self, purpose: &str) -> Result<i64> {
         let t = self.table();
         let schema: String = sqlx::query_scalar(
             "SELECT n.nspname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
@@ -110,7 +152,7 @@ impl PgInbox {
         .fetch_one(self.pool())
         .await
         .map_err(db("finding the inbox table's schema"))?;
-        let digest = Sha256::digest(format!("inbox purge {schema}.{}", t.table()).as_bytes());
+        let digest = Sha256::digest(format!("{purpose} {schema}.{}", t.table()).as_bytes());
         let mut bytes = [0u8; 8];
         bytes.copy_from_slice(&digest[..8]);
         Ok(i64::from_be_bytes(bytes))
@@ -129,6 +171,12 @@ impl PgInbox {
     ///
     /// Rows are found through the BRIN index on `processed_minute` (time-ordered inserts keep it
     /// selective); the cutoff is taken from the database clock, the one the rows were stamped by.
+    ///
+    /// On a partitioned table (see [`Partitions`](crate::Partitions)) it first creates the
+    /// partitions ahead, then drops the partitions whose whole key range is older than the
+    /// cutoff and deletes, in batches, only the rows no drop can take: those of the default
+    /// partition and the few whose ID time is far from their processing time. The layout is
+    /// read from the catalog, so any instance purges either.
     pub async fn purge(&self, older_than: Duration, batch: i64) -> Result<PurgeReport> {
         let batch = batch.max(1);
         let window_minutes = i64::try_from(older_than.as_secs() / 60).unwrap_or(i64::MAX / 2);
@@ -148,7 +196,14 @@ impl PgInbox {
             let _ = conn.close().await;
             return Ok(PurgeReport::SkippedOtherCleaner);
         }
-        let result = self.purge_batches(&mut conn, window_minutes, batch).await;
+        let result = match is_partitioned(&mut conn, self.table()).await {
+            Ok(true) => {
+                self.purge_partitioned(&mut conn, window_minutes, batch)
+                    .await
+            }
+            Ok(false) => self.purge_batches(&mut conn, window_minutes, batch).await,
+            Err(e) => Err(e),
+        };
         // Unlocking explicitly: the server ends a closed session a moment after the client, so
         // a purge right after this one could otherwise still find the lock taken. Closing the
         // session releases it anyway, whatever happened above.
@@ -167,33 +222,71 @@ impl PgInbox {
         batch: i64,
     ) -> Result<PurgeReport> {
         let t = self.table();
-        let cutoff_minute: i64 =
-            sqlx::query_scalar("SELECT floor(extract(epoch FROM now()) / 60)::bigint - $1")
-                .bind(window_minutes)
-                .fetch_one(&mut *conn)
-                .await
-                .map_err(db("reading the database clock"))?;
-        let sql = format!(
-            "DELETE FROM {t} WHERE ctid IN (
-                SELECT ctid FROM {t} WHERE processed_minute < $1 LIMIT $2)"
-        );
+        let cutoff_minute = cutoff_minute(conn, window_minutes).await?;
         let mut batches = Vec::new();
-        loop {
-            let deleted = sqlx::query(&sql)
-                .bind(cutoff_minute)
-                .bind(batch)
-                .execute(&mut *conn)
-                .await
-                .map_err(db("deleting expired inbox rows"))?
-                .rows_affected();
-            batches.push(deleted);
-            if deleted == 0 {
-                break;
-            }
-        }
+        delete_expired(conn, &t.to_string(), cutoff_minute, batch, &mut batches).await?;
+        batches.push(0);
         Ok(PurgeReport::Purged {
             cutoff_minute,
             batches,
+            dropped: Vec::new(),
+            postponed: Vec::new(),
+            created: Vec::new(),
+        })
+    }
+
+    /// The purge of a partitioned table; see [`crate::Partitions`] for the rules.
+    async fn purge_partitioned(
+        &self,
+        conn: &mut PgConnection,
+        window_minutes: i64,
+        batch: i64,
+    ) -> Result<PurgeReport> {
+        let t = self.table();
+        // The checks and deletes below must read the BRIN index, never scan a whole partition:
+        // a partition's statistics can be stale. The session is this purge's own.
+        sqlx::query("SET enable_seqscan = off")
+            .execute(&mut *conn)
+            .await
+            .map_err(db("preparing the cleaner session"))?;
+        let created = match self.create_ahead(conn).await {
+            Ok(created) => created,
+            Err(e) => {
+                tracing::warn!(table = %t, error = %e, "inbox partitions not created ahead; keys beyond the last range go to the default partition");
+                Vec::new()
+            }
+        };
+        self.drop_leftovers(conn).await?;
+        let cutoff_minute = cutoff_minute(conn, window_minutes).await?;
+        let cutoff_ms = cutoff_minute.saturating_mul(60_000);
+        let mut dropped = Vec::new();
+        let mut postponed = Vec::new();
+        let mut to_delete = Vec::new();
+        for leaf in self.leaves(conn).await? {
+            match leaf.bound {
+                Bound::Range(_, to) if to <= cutoff_ms => {
+                    match self.drop_due(conn, &leaf, cutoff_minute).await? {
+                        DropOutcome::Dropped(d) => dropped.push(d),
+                        DropOutcome::Live => to_delete.push(leaf),
+                        DropOutcome::Postponed => postponed.push(leaf.name),
+                    }
+                }
+                // Straddles the cutoff: dropped whole once due.
+                Bound::Range(from, _) if from < cutoff_ms => {}
+                _ => to_delete.push(leaf),
+            }
+        }
+        let mut batches = Vec::new();
+        for leaf in &to_delete {
+            delete_expired(conn, &leaf.sql, cutoff_minute, batch, &mut batches).await?;
+        }
+        batches.push(0);
+        Ok(PurgeReport::Purged {
+            cutoff_minute,
+            batches,
+            dropped,
+            postponed,
+            created,
         })
     }
 
@@ -231,12 +324,16 @@ impl PgInbox {
         Ok(windows)
     }
 
-    /// The row count and the on-disk size of the table and its indexes.
+    /// The row count and the on-disk size of the table and its indexes (of its partitions).
     pub async fn storage(&self) -> Result<Storage> {
         let t = self.table();
         let (rows, heap_bytes, index_bytes): (i64, i64, i64) = sqlx::query_as(&format!(
             "SELECT (SELECT count(*) FROM {t}),
-                    pg_relation_size($1::regclass), pg_indexes_size($1::regclass)"
+                    coalesce(sum(pg_relation_size(relid)), 0)::bigint,
+                    coalesce(sum(pg_indexes_size(relid)), 0)::bigint
+             FROM (SELECT relid FROM pg_partition_tree($1::regclass) WHERE isleaf
+                   -- A plain table is in no partition tree.
+                   UNION SELECT oid FROM pg_class WHERE oid = $1::regclass AND relkind = 'r') leaves"
         ))
         .bind(t.to_string())
         .fetch_one(self.pool())
@@ -247,6 +344,45 @@ impl PgInbox {
             heap_bytes,
             index_bytes,
         })
+    }
+}
+
+/// The minute (since the Unix epoch) `window_minutes` before now, on the database clock.
+async fn cutoff_minute(conn: &mut PgConnection, window_minutes: i64) -> Result<i64> {
+    sqlx::query_scalar("SELECT floor(extract(epoch FROM now()) / 60)::bigint - $1")
+        .bind(window_minutes)
+        .fetch_one(conn)
+        .await
+        .map_err(db("reading the database clock"))
+}
+
+/// Deletes the rows of the plain table (or partition) `table` processed before
+/// `cutoff_minute`, `batch` per statement until one deletes nothing; pushes each batch that
+/// deleted rows.
+async fn delete_expired(
+    conn: &mut PgConnection,
+    table: &str,
+    cutoff_minute: i64,
+    batch: i64,
+    batches: &mut Vec<u64>,
+) -> Result<()> {
+    // `ctid` is unique within one table only: never run this on a partitioned parent.
+    let sql = format!(
+        "DELETE FROM {table} WHERE ctid IN (
+            SELECT ctid FROM {table} WHERE processed_minute < $1 LIMIT $2)"
+    );
+    loop {
+        let deleted = sqlx::query(&sql)
+            .bind(cutoff_minute)
+            .bind(batch)
+            .execute(&mut *conn)
+            .await
+            .map_err(db("deleting expired inbox rows"))?
+            .rows_affected();
+        if deleted == 0 {
+            return Ok(());
+        }
+        batches.push(deleted);
     }
 }
 
@@ -272,6 +408,9 @@ pub fn spawn_purger(inbox: PgInbox, window: Duration, every: Duration) -> JoinHa
                         table = %inbox.table(),
                         deleted = report.deleted(),
                         batches = report.batches().len(),
+                        dropped_partitions = report.dropped().len(),
+                        postponed_partitions = report.postponed().len(),
+                        created_partitions = report.created().len(),
                         "inbox purge done"
                     );
                     if let Err(e) = inbox.oldest_per_consumer().await {

@@ -1,6 +1,7 @@
 //! [`PgInbox`]: the inbox table and the claim, in the caller's transaction.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -9,8 +10,9 @@ use sqlx::{PgPool, Postgres};
 use uuid::Uuid;
 
 use crate::error::{db, recovery, store_err};
+use crate::partition::{hashed_key_with_time, is_partitioned, name_prefix, qualify};
 use crate::table::hashed_key;
-use crate::{Error, KeyMode, Result, TableName};
+use crate::{Error, KeyMode, Partitions, Result, TableName};
 
 /// The open transaction a handler writes its side effect through.
 pub type PgTx = sqlx::Transaction<'static, Postgres>;
@@ -44,7 +46,16 @@ pub struct PgInbox {
     begin: Option<String>,
     lock_timeout: Option<Duration>,
     statement_timeout: Option<Duration>,
+    /// The layout `migrate` creates and the purge keeps; `None`: plain.
+    pub(crate) partitions: Option<Partitions>,
+    /// The table's layout as `migrate` found it ([`LAYOUT_UNKNOWN`] before): hashed keys
+    /// follow the table, not the configuration.
+    layout: Arc<AtomicU8>,
 }
+
+const LAYOUT_UNKNOWN: u8 = 0;
+const LAYOUT_PLAIN: u8 = 1;
+const LAYOUT_PARTITIONED: u8 = 2;
 
 enum Keys {
     Text(Vec<String>),
@@ -62,6 +73,8 @@ impl PgInbox {
             begin: None,
             lock_timeout: None,
             statement_timeout: None,
+            partitions: None,
+            layout: Arc::new(AtomicU8::new(LAYOUT_UNKNOWN)),
         }
     }
 
@@ -133,6 +146,11 @@ impl PgInbox {
 
     /// Creates the inbox tables and indexes if missing; safe to run from many instances at once
     /// (they serialise on an advisory lock). Fails when the table exists with another key mode.
+    ///
+    /// With [`partitioned`](Self::partitioned), a missing table is created partitioned, with
+    /// its default partition; the partitions of a partitioned table (whichever created it) are
+    /// then created up to the configured number ahead. A table that exists keeps its layout
+    /// (a warning says when it is not the configured one), and claims follow it.
     pub async fn migrate(&self) -> Result<()> {
         let t = &self.table;
         let mut tx = self
@@ -150,6 +168,7 @@ impl PgInbox {
             KeyMode::Hashed => "message_id",
             KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
         };
+        let partitioned_statements = self.partitioned_table_statements(&t.to_string(), t.table());
         let statements = [
             format!(
                 "CREATE TABLE IF NOT EXISTS {consumers} (
@@ -157,20 +176,19 @@ impl PgInbox {
                     name text NOT NULL UNIQUE)",
                 consumers = t.sibling("consumers")
             ),
-            // Column order matters for size: the 16-byte key, then the 4-byte minute and the
-            // 2-byte consumer pack into 48 bytes with the tuple header.
-            format!(
-                "CREATE TABLE IF NOT EXISTS {t} (
-                    message_id {key} NOT NULL,
-                    processed_minute integer NOT NULL
-                        DEFAULT (floor(extract(epoch FROM now()) / 60))::integer,
-                    consumer_id smallint NOT NULL,
-                    PRIMARY KEY ({primary_key}))"
-            ),
-            format!(
-                "CREATE INDEX IF NOT EXISTS {index} ON {t} USING brin (processed_minute)",
-                index = t.sibling_bare("processed")
-            ),
+            match self.partitions {
+                Some(_) => partitioned_statements[0].clone(),
+                // Column order matters for size: the 16-byte key, then the 4-byte minute and
+                // the 2-byte consumer pack into 48 bytes with the tuple header.
+                None => format!(
+                    "CREATE TABLE IF NOT EXISTS {t} (
+                        message_id {key} NOT NULL,
+                        processed_minute integer NOT NULL
+                            DEFAULT (floor(extract(epoch FROM now()) / 60))::integer,
+                        consumer_id smallint NOT NULL,
+                        PRIMARY KEY ({primary_key}))"
+                ),
+            },
         ];
         for statement in statements {
             sqlx::query(&statement)
@@ -193,7 +211,77 @@ impl PgInbox {
                 expected: self.mode,
             });
         }
-        tx.commit().await.map_err(db("committing the migration"))
+        let partitioned = is_partitioned(&mut tx, t).await?;
+        let mut statements = Vec::new();
+        if partitioned {
+            // `CREATE INDEX IF NOT EXISTS` locks the table (and here every partition) in SHARE
+            // mode before it finds the index: ask the catalog first.
+            let has_index: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+                .bind(qualify(t, &format!("{}_processed", t.table())))
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(db("looking for the BRIN index"))?;
+            if !has_index {
+                statements.push(partitioned_statements[1].clone());
+            }
+            let has_default: bool = sqlx::query_scalar(
+                "SELECT partdefid <> 0 FROM pg_partitioned_table WHERE partrelid = $1::regclass",
+            )
+            .bind(t.to_string())
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db("looking for the default partition"))?;
+            if !has_default {
+                let default = qualify(t, &format!("{}_default", name_prefix(t.table())));
+                statements.push(format!("CREATE TABLE {default} PARTITION OF {t} DEFAULT"));
+            }
+        } else {
+            statements.push(format!(
+                "CREATE INDEX IF NOT EXISTS {index} ON {t} USING brin (processed_minute)",
+                index = t.sibling_bare("processed")
+            ));
+        }
+        for statement in statements {
+            sqlx::query(&statement)
+                .execute(&mut *tx)
+                .await
+                .map_err(db("creating the inbox tables"))?;
+        }
+        tx.commit().await.map_err(db("committing the migration"))?;
+        self.layout.store(
+            if partitioned {
+                LAYOUT_PARTITIONED
+            } else {
+                LAYOUT_PLAIN
+            },
+            Ordering::Relaxed,
+        );
+        if partitioned != self.partitions.is_some() {
+            tracing::warn!(
+                table = %t,
+                partitioned,
+                "the inbox table's layout is not the configured one; it keeps its layout (convert a plain table with `inbox-admin partition`)"
+            );
+        }
+        if partitioned {
+            let mut conn = self
+                .pool
+                .acquire()
+                .await
+                .map_err(db("creating partitions"))?;
+            self.create_ahead(&mut conn).await?;
+        }
+        Ok(())
+    }
+
+    /// Whether hashed keys take the partitioned layout's form: the table's layout once
+    /// `migrate` saw it, else the configured one.
+    fn keys_with_time(&self) -> bool {
+        match self.layout.load(Ordering::Relaxed) {
+            LAYOUT_PARTITIONED => true,
+            LAYOUT_PLAIN => false,
+            _ => self.partitions.is_some(),
+        }
     }
 
     /// The small integer standing for `consumer`, created on first use (in its own transaction,
@@ -270,6 +358,11 @@ impl PgInbox {
                         })
                     })
                     .collect::<Result<_, _>>()?,
+            ),
+            KeyMode::Hashed if self.keys_with_time() => Keys::Uuid(
+                ids.iter()
+                    .map(|id| hashed_key_with_time(consumer, id.as_str()))
+                    .collect(),
             ),
             KeyMode::Hashed => Keys::Uuid(
                 ids.iter()

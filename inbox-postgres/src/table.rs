@@ -105,7 +105,9 @@ pub enum KeyMode {
     /// Any text ID, kept as 16 bytes: the first 128 bits of SHA-256 over the consumer name, a
     /// zero byte and the ID, in a `uuid` column. Two different IDs collide with probability about
     /// n²/2¹²⁹ among n remembered IDs (below 10⁻²² at 190 million), and a collision can only make
-    /// a message be skipped as a duplicate. The original ID is not stored.
+    /// a message be skipped as a duplicate. The original ID is not stored. On the partitioned
+    /// layout the key of a UUIDv7 ID starts with the ID's time instead (see
+    /// [`Partitions`](crate::Partitions)).
     Hashed,
 }
 

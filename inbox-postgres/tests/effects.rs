@@ -925,18 +925,8 @@ async fn purge_deletes_old_done_rows_and_keeps_unsettled_ones() {
 async fn uuid_and_hashed_keys_lease_and_fence_like_text() {
     let db = TestDb::new().await;
     let table = |name: &str| TableName::qualified(&db.schema, name).unwrap();
-    let uuids = PgLeases::new(
-        PgInbox::new(db.pool.clone())
-            .with_table(table("inbox_u"))
-            .with_key_mode(KeyMode::Uuid),
-    )
-    .unwrap();
-    let hashed = PgLeases::new(
-        PgInbox::new(db.pool.clone())
-            .with_table(table("inbox_h"))
-            .with_key_mode(KeyMode::Hashed),
-    )
-    .unwrap();
+    let uuids = PgLeases::new(db.inbox_named("inbox_u", KeyMode::Uuid)).unwrap();
+    let hashed = PgLeases::new(db.inbox_named("inbox_h", KeyMode::Hashed)).unwrap();
     uuids.migrate().await.unwrap();
     hashed.migrate().await.unwrap();
 

@@ -9,9 +9,7 @@ use inbox_postgres::testkit::TestDb;
 use inbox_postgres::{Error, KeyMode, PgInbox, TableName};
 
 async fn inbox(db: &TestDb, table: &str, mode: KeyMode) -> PgInbox {
-    let inbox = PgInbox::new(db.pool.clone())
-        .with_table(TableName::qualified(&db.schema, table).unwrap())
-        .with_key_mode(mode);
+    let inbox = db.inbox_named(table, mode);
     inbox.migrate().await.unwrap();
     inbox
 }

@@ -7,7 +7,7 @@ pub mod wallet;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
-use crate::{PgInbox, TableName};
+use crate::{KeyMode, Partitions, PgInbox, TableName};
 
 /// A retry policy for tests: `max_attempts` tries, 10–50 ms apart.
 pub fn fast_retry(max_attempts: u32) -> inbox_core::RetryPolicy {
@@ -24,6 +24,20 @@ pub fn database_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:5432/inbox".to_owned())
 }
 
+/// Whether the tests' inboxes take the partitioned layout: `INBOX_TEST_LAYOUT=partitioned` runs
+/// the store's suites on it (daily partitions and a default one), `plain` or unset on the plain
+/// table.
+///
+/// # Panics
+/// On another value.
+pub fn partitioned_layout() -> bool {
+    match std::env::var("INBOX_TEST_LAYOUT").as_deref() {
+        Ok("partitioned") => true,
+        Ok("plain" | "") | Err(_) => false,
+        Ok(other) => panic!("INBOX_TEST_LAYOUT={other}: write plain or partitioned"),
+    }
+}
+
 /// A schema of its own for one test, holding the wallet tables and a migrated inbox.
 #[derive(Debug)]
 pub struct TestDb {
@@ -34,7 +48,8 @@ pub struct TestDb {
 }
 
 impl TestDb {
-    /// Creates a fresh schema with the wallet tables and a migrated inbox (text keys).
+    /// Creates a fresh schema with the wallet tables and a migrated inbox (text keys, the layout
+    /// [`partitioned_layout`] says).
     ///
     /// # Panics
     /// When PostgreSQL cannot be reached: start it with `cargo xtask services` or set
@@ -46,7 +61,7 @@ impl TestDb {
             .max_connections(1)
             .connect(&url)
             .await
-            .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {url}: {e}; run `cargo xtask services` or set DATABASE_URL"));
+            .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {}: {e}; run `cargo xtask services` or set DATABASE_URL", inbox_core::redact_url(&url)));
         sqlx::query(&format!("CREATE SCHEMA \"{schema}\""))
             .execute(&admin)
             .await
@@ -60,6 +75,11 @@ impl TestDb {
             .migrate()
             .await
             .unwrap_or_else(|e| panic!("cannot migrate the inbox: {e}"));
+        let partitioned = db.inbox().is_partitioned().await;
+        assert!(
+            matches!(partitioned, Ok(p) if p == partitioned_layout()),
+            "the test inbox is not in the INBOX_TEST_LAYOUT layout: {partitioned:?}"
+        );
         db
     }
 
@@ -69,9 +89,12 @@ impl TestDb {
     /// When PostgreSQL cannot be reached.
     pub async fn attach(schema: &str) -> Self {
         let url = database_url();
-        let options: PgConnectOptions = url
-            .parse()
-            .unwrap_or_else(|e| panic!("DATABASE_URL {url} does not parse: {e}"));
+        let options: PgConnectOptions = url.parse().unwrap_or_else(|e| {
+            panic!(
+                "DATABASE_URL {} does not parse: {e}",
+                inbox_core::redact_url(&url)
+            )
+        });
         let options = options.options([("search_path", schema)]);
         // No ping per acquire (a round-trip per transaction): a dead connection fails the
         // transaction's first statement, and the consumer retries on another.
@@ -80,7 +103,7 @@ impl TestDb {
             .test_before_acquire(false)
             .connect_with(options)
             .await
-            .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {url}: {e}; run `cargo xtask services` or set DATABASE_URL"));
+            .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {}: {e}; run `cargo xtask services` or set DATABASE_URL", inbox_core::redact_url(&url)));
         Self {
             pool,
             schema: schema.to_owned(),
@@ -89,9 +112,25 @@ impl TestDb {
 
     /// The migrated inbox of this schema (table `inbox`, text keys).
     pub fn inbox(&self) -> PgInbox {
-        let table = TableName::qualified(&self.schema, "inbox")
-            .unwrap_or_else(|e| panic!("test schema name refused: {e}"));
-        PgInbox::new(self.pool.clone()).with_table(table)
+        self.inbox_named("inbox", KeyMode::Text)
+    }
+
+    /// An inbox in table `table` of this schema with `mode` keys, in the layout
+    /// [`partitioned_layout`] says (not migrated: call `migrate`).
+    ///
+    /// # Panics
+    /// When `table` is not a plain SQL identifier.
+    pub fn inbox_named(&self, table: &str, mode: KeyMode) -> PgInbox {
+        let table = TableName::qualified(&self.schema, table)
+            .unwrap_or_else(|e| panic!("test table name refused: {e}"));
+        let inbox = PgInbox::new(self.pool.clone())
+            .with_table(table)
+            .with_key_mode(mode);
+        if partitioned_layout() {
+            inbox.partitioned(Partitions::default())
+        } else {
+            inbox
+        }
     }
 
     /// Rows in the inbox table.

@@ -1,0 +1,230 @@
+//! [`PgInbox::migrate_to_partitioned`]: a plain inbox table converted in place, while consumers
+//! run, by making it the default partition of a new partitioned table.
+
+use std::time::Duration;
+
+use sqlx::{Connection, PgConnection};
+
+use super::{
+    bound_literal, db_now_ms, is_partitioned, lock_contended, ms_to_time, name_prefix,
+    partition_name, qualify, Conversion, Partitions, MAX_MS,
+};
+use crate::error::db;
+use crate::{KeyMode, PgInbox, Result};
+
+impl PgInbox {
+    /// Converts the plain inbox table to the partitioned layout, in place and while consumers
+    /// run; the configured [`Partitions`] (or the default) cut it.
+    ///
+    /// The plain table becomes the default partition (`<table>_default`) of a new partitioned
+    /// table of the same name, so its rows are neither copied nor moved and stay deduplicated.
+    /// Ranges start at the first partition boundary at least one span ahead, and cover `window`
+    /// (the purge window) plus the partitions ahead: until they run out the former table's rows
+    /// have expired, and a new range never has to scan a large default partition.
+    ///
+    /// Steps: the partitioned table and its ranges are created beside the plain one; the plain
+    /// table gets a `CHECK` that its keys are outside the ranges (`NOT VALID`: a brief `ACCESS
+    /// EXCLUSIVE` lock), its rows inside them are moved over, and the check is validated (a scan
+    /// under `SHARE UPDATE EXCLUSIVE`, which claims do not wait for); one short transaction then
+    /// renames the tables and attaches the plain one as the default partition, which the check
+    /// proves without a scan, and drops the check. Meanwhile a claim of a key inside the ranges
+    /// fails (the check) and is retried; the first range starts a span ahead so current keys are
+    /// outside it. It holds the migration and the cleaner locks throughout, so `migrate` and
+    /// the purge wait for it. On a failure the changes are undone.
+    ///
+    /// Hashed tables are refused: their keys would have to be recomputed from IDs they do not
+    /// store. Every instance must run a version that knows the layout before the conversion:
+    /// an older purge would delete from the partitioned table by `ctid`, which partitions repeat.
+    pub async fn migrate_to_partitioned(&self, window: Duration) -> Result<Conversion> {
+        if self.key_mode() == KeyMode::Hashed {
+            return Ok(Conversion::Refused {
+                reason: "a partitioned hashed table keys a UUIDv7 ID by its time, a plain one does not, \
+                         and the IDs are not stored to recompute the keys; create the partitioned table \
+                         under a new name for a new consumer, or keep this one plain"
+                    .to_owned(),
+            });
+        }
+        let t = self.table();
+        let mut conn = self
+            .pool()
+            .acquire()
+            .await
+            .map_err(db("converting the inbox table"))?
+            .detach();
+        let migrate_key = format!("inbox migrate {t}");
+        let purge_key = self.purge_lock_key().await?;
+        sqlx::query("SELECT pg_advisory_lock(hashtext($1)), pg_advisory_lock($2)")
+            .bind(&migrate_key)
+            .bind(purge_key)
+            .execute(&mut conn)
+            .await
+            .map_err(db("taking the migration and cleaner locks"))?;
+        let result = self.convert(&mut conn, window).await;
+        let _ = sqlx::query("SELECT pg_advisory_unlock(hashtext($1)), pg_advisory_unlock($2)")
+            .bind(&migrate_key)
+            .bind(purge_key)
+            .execute(&mut conn)
+            .await;
+        let _ = conn.close().await;
+        result
+    }
+
+    async fn convert(&self, conn: &mut PgConnection, window: Duration) -> Result<Conversion> {
+        let t = self.table();
+        if is_partitioned(conn, t).await? {
+            return Ok(Conversion::AlreadyPartitioned);
+        }
+        let p = self.partitions.unwrap_or_default();
+        let w = p.width_ms();
+        let now = db_now_ms(conn).await?;
+        // The first boundary at least one span ahead: current keys stay outside the ranges.
+        let first = (now + 2 * w - 1).div_euclid(w) * w;
+        let window_ms = i64::try_from(window.as_millis()).unwrap_or(MAX_MS);
+        let count = (window_ms + w - 1) / w + i64::from(p.ahead) + 1;
+        let end = first + count * w;
+        let prefix = name_prefix(t.table());
+        let new = qualify(t, &format!("{prefix}_partitioned"));
+        let check = format!("\"{prefix}_outside_ranges\"");
+        let (from, to) = (
+            bound_literal(self.key_mode(), first),
+            bound_literal(self.key_mode(), end),
+        );
+
+        // 1. The partitioned table and its ranges, beside the plain one.
+        let mut tx = conn
+            .begin()
+            .await
+            .map_err(db("converting the inbox table"))?;
+        for statement in self.partitioned_table_statements(&new, &format!("{prefix}_partitioned")) {
+            sqlx::query(&statement).execute(&mut *tx).await.map_err(db(
+                "creating the partitioned table beside the plain one (a table `<inbox>_partitioned` left by a failed conversion must be dropped first)",
+            ))?;
+        }
+        let mut created = Vec::new();
+        for i in 0..count {
+            let lo = first + i * w;
+            let name = partition_name(t.table(), lo);
+            sqlx::query(&format!(
+                "CREATE TABLE {} PARTITION OF {new} FOR VALUES FROM ('{}') TO ('{}')",
+                qualify(t, &name),
+                bound_literal(self.key_mode(), lo),
+                bound_literal(self.key_mode(), lo + w)
+            ))
+            .execute(&mut *tx)
+            .await
+            .map_err(db("creating the range partitions"))?;
+            created.push(name);
+        }
+        tx.commit()
+            .await
+            .map_err(db("converting the inbox table"))?;
+
+        let steps = async {
+            // 2. From here no new row of the plain table falls in the ranges.
+            self.with_lock_retries(conn, &p, &format!(
+                "ALTER TABLE {t} ADD CONSTRAINT {check} CHECK (message_id < '{from}' OR message_id >= '{to}') NOT VALID"
+            ))
+            .await?;
+            // 3. The rows that already do move over (keys from a clock far ahead, random UUIDs).
+            let moved = sqlx::query(&format!(
+                "WITH moved AS (
+                    DELETE FROM {t} WHERE message_id >= '{from}' AND message_id < '{to}'
+                    RETURNING message_id, processed_minute, consumer_id)
+                 INSERT INTO {new} (message_id, processed_minute, consumer_id)
+                 SELECT message_id, processed_minute, consumer_id FROM moved"
+            ))
+            .execute(&mut *conn)
+            .await?
+            .rows_affected();
+            sqlx::query(&format!("ALTER TABLE {t} VALIDATE CONSTRAINT {check}"))
+                .execute(&mut *conn)
+                .await?;
+            // 4. The swap.
+            let pkey: Option<String> = sqlx::query_scalar(
+                "SELECT conname::text FROM pg_constraint WHERE conrelid = $1::regclass AND contype = 'p'",
+            )
+            .bind(t.to_string())
+            .fetch_optional(&mut *conn)
+            .await?;
+            let default = qualify(t, &format!("{prefix}_default"));
+            let mut swap = vec![format!("ALTER TABLE {t} RENAME TO \"{prefix}_default\"")];
+            if let Some(pkey) = pkey {
+                swap.push(format!(
+                    "ALTER TABLE {default} RENAME CONSTRAINT \"{pkey}\" TO \"{prefix}_default_pkey\""
+                ));
+            }
+            swap.extend([
+                format!(
+                    "ALTER INDEX IF EXISTS {} RENAME TO \"{prefix}_default_processed\"",
+                    t.sibling("processed")
+                ),
+                format!("ALTER TABLE {new} RENAME TO \"{}\"", t.table()),
+                format!(
+                    "ALTER TABLE {t} RENAME CONSTRAINT \"{prefix}_partitioned_pkey\" TO \"{}_pkey\"",
+                    t.table()
+                ),
+                format!(
+                    "ALTER INDEX {} RENAME TO \"{}_processed\"",
+                    qualify(t, &format!("{prefix}_partitioned_processed")),
+                    t.table()
+                ),
+                format!("ALTER TABLE {t} ATTACH PARTITION {default} DEFAULT"),
+                format!("ALTER TABLE {default} DROP CONSTRAINT {check}"),
+            ]);
+            self.with_lock_retries(conn, &p, &swap.join("; ")).await?;
+            Ok::<u64, sqlx::Error>(moved)
+        }
+        .await;
+        match steps {
+            Ok(moved_rows) => {
+                tracing::info!(table = %t, ranges = created.len(), moved_rows, "inbox table converted to the partitioned layout");
+                Ok(Conversion::Converted {
+                    created,
+                    ranges_from: ms_to_time(first),
+                    moved_rows,
+                })
+            }
+            Err(e) => {
+                // Undo: rows back, the check and the new table gone. The swap is one
+                // transaction, so either all of it happened or none.
+                let undo = format!(
+                    "ALTER TABLE {t} DROP CONSTRAINT IF EXISTS {check};
+                     INSERT INTO {t} (message_id, processed_minute, consumer_id)
+                        SELECT message_id, processed_minute, consumer_id FROM {new};
+                     DROP TABLE {new}"
+                );
+                if let Err(undo) = self.with_lock_retries(conn, &p, &undo).await {
+                    tracing::error!(table = %t, error = %undo, "undoing a failed conversion failed: drop the constraint `<inbox>_outside_ranges` now, or claims of keys in its ranges keep failing");
+                }
+                Err(db("converting the inbox table")(e))
+            }
+        }
+    }
+
+    /// Runs `sql` (one or more statements) in a transaction with the configured lock timeout,
+    /// retried while locks are contended.
+    async fn with_lock_retries(
+        &self,
+        conn: &mut PgConnection,
+        p: &Partitions,
+        sql: &str,
+    ) -> Result<(), sqlx::Error> {
+        let mut attempt = 1;
+        loop {
+            let result = sqlx::raw_sql(&format!("BEGIN; {}; {sql}; COMMIT", p.lock_timeout_sql()))
+                .execute(&mut *conn)
+                .await;
+            match result {
+                Ok(_) => return Ok(()),
+                Err(e) => {
+                    let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
+                    if !lock_contended(&e) || attempt >= p.attempts {
+                        return Err(e);
+                    }
+                    attempt += 1;
+                    tokio::time::sleep(p.lock_timeout).await;
+                }
+            }
+        }
+    }
+}
