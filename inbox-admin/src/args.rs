@@ -85,7 +85,15 @@ impl From<Keys> for KeyMode {
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
     /// Create the inbox tables and indexes (safe to run again).
-    Migrate,
+    #[command(
+        long_about = "Create the inbox tables and indexes (safe to run again).\n\n\
+            With --partitioned a missing table is created range-partitioned by its message key: \
+            with UUIDv7 IDs one partition per --partition-every of ID time, plus a default \
+            partition, so that `purge` drops a whole partition instead of deleting its rows. The \
+            partitions up to --partitions-ahead after the current one are created now and by \
+            every purge. An existing table keeps its layout (see `partition`)."
+    )]
+    Migrate(Migrate),
     /// Delete expired rows in batches, printing each batch.
     #[command(
         long_about = "Delete rows processed longer ago than --older-than, in batches of --batch \
@@ -105,6 +113,56 @@ pub(crate) enum Command {
     /// Bytes per row for text, uuid v4, uuid v7 and hashed keys, measured in a scratch schema
     /// dropped afterwards.
     MeasureStorage(MeasureStorage),
+    /// Convert a plain inbox table to the partitioned layout, in place, while consumers run.
+    #[command(
+        long_about = "Convert a plain inbox table to the partitioned layout, in place, while \
+            consumers run: the plain table becomes the default partition `<table>_default` of a \
+            new partitioned table of the same name, so its rows stay deduplicated without being \
+            copied. Ranges start one --partition-every ahead and cover --window (the purge \
+            window) and --partitions-ahead more; keys of earlier times keep going to the default \
+            partition, purged by DELETE until they expire.\n\n\
+            Claims wait at most a few 200 ms lock waits; a claim of a key inside the new ranges \
+            (a clock far ahead) fails and is retried until the switch. Every instance must run a \
+            version that knows the partitioned layout first. Hashed tables are refused: their \
+            keys cannot be recomputed (exit status 1)."
+    )]
+    Partition(Partition),
+    /// The partitions of a partitioned inbox: key-time range, rows and bytes.
+    Partitions(ListPartitions),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct Migrate {
+    /// Create the table partitioned by message-key range (UUIDv7 time).
+    #[arg(long)]
+    pub(crate) partitioned: bool,
+    /// With --partitioned: one partition per this span of ID time (whole minutes, like 1d or 6h).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "1d", requires = "partitioned")]
+    pub(crate) partition_every: Duration,
+    /// With --partitioned: partitions kept ready after the current one.
+    #[arg(long, value_name = "N", default_value_t = 3, requires = "partitioned")]
+    pub(crate) partitions_ahead: u32,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct Partition {
+    /// The purge window (like 14d): ranges are created this far ahead, so that none has to be
+    /// added while the former table still holds many rows.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub(crate) window: Duration,
+    /// One partition per this span of ID time (whole minutes, like 1d or 6h).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "1d")]
+    pub(crate) partition_every: Duration,
+    /// Partitions kept ready after the current one.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub(crate) partitions_ahead: u32,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ListPartitions {
+    /// One JSON object per partition (table, name, from, to, default, approx_rows, bytes).
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -256,6 +314,33 @@ mod tests {
         let cli = parse(&["migrate", "--key-mode", "hashed", "--table", "t"]).unwrap();
         assert_eq!(cli.target.key_mode, Keys::Hashed);
         assert_eq!(cli.target.table, "t");
+        let Command::Migrate(migrate) = cli.command else {
+            panic!("not migrate: {:?}", cli.command)
+        };
+        assert!(!migrate.partitioned);
+    }
+
+    #[test]
+    fn partition_options_parse() {
+        let cli = parse(&["migrate", "--partitioned", "--partition-every", "6h"]).unwrap();
+        let Command::Migrate(migrate) = cli.command else {
+            panic!("not migrate: {:?}", cli.command)
+        };
+        assert!(migrate.partitioned);
+        assert_eq!(migrate.partition_every, Duration::from_secs(6 * 3600));
+        assert_eq!(migrate.partitions_ahead, 3);
+
+        let cli = parse(&["partition", "--window", "14d", "--partitions-ahead", "5"]).unwrap();
+        let Command::Partition(partition) = cli.command else {
+            panic!("not partition: {:?}", cli.command)
+        };
+        assert_eq!(partition.window, Duration::from_secs(14 * 86_400));
+        assert_eq!(partition.partition_every, Duration::from_secs(86_400));
+        assert_eq!(partition.partitions_ahead, 5);
+        assert!(matches!(
+            parse(&["partitions", "--json"]).unwrap().command,
+            Command::Partitions(ListPartitions { json: true })
+        ));
     }
 
     #[test]
@@ -292,6 +377,10 @@ mod tests {
             &["stats", "--min-window"],
             &["migrate", "--key-mode", "sha1"],
             &["measure-storage", "--runs", "-1"],
+            &["migrate", "--partition-every", "1d"],
+            &["partition"],
+            &["partition", "--window", "14"],
+            &["partitions", "--window", "14d"],
         ] {
             let e = parse(args).unwrap_err();
             assert_eq!(e.exit_code(), 2, "{args:?}: {e}");

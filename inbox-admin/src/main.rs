@@ -2,6 +2,9 @@
 //!
 //! ```text
 //! inbox-admin migrate --key-mode uuid
+//! inbox-admin migrate --key-mode uuid --partitioned --partition-every 1d
+//! inbox-admin partition --window 14d          # a plain table converted in place
+//! inbox-admin partitions                      # ranges, rows and bytes per partition
 //! inbox-admin purge --older-than 14d --batch 10000
 //! inbox-admin stats --min-window 7d        # exit status 3: some consumer remembers too little
 //! inbox-admin stats --json                 # one JSON object per consumer
@@ -13,13 +16,14 @@
 
 mod args;
 mod measure;
+mod partitions;
 
 use std::process::ExitCode;
 use std::time::SystemTime;
 
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser};
-use inbox_postgres::{PgInbox, PurgeReport, TableName};
+use inbox_postgres::{Partitions, PgInbox, PurgeReport, TableName};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
 
@@ -39,6 +43,9 @@ pub(crate) enum CliError {
         #[source]
         source: sqlx::Error,
     },
+    /// The store declined to do what was asked, and said why.
+    #[error("{0}")]
+    Refused(String),
 }
 
 pub(crate) fn db(context: &'static str) -> impl FnOnce(sqlx::Error) -> CliError {
@@ -79,11 +86,26 @@ fn refuse(command: &str, message: String) -> ! {
 async fn run(cli: Cli) -> Result<ExitCode, CliError> {
     let target = &cli.target;
     match cli.command {
-        Command::Migrate => {
-            let inbox = inbox(target).await?;
+        Command::Migrate(m) => {
+            let mut inbox = inbox(target).await?;
+            if m.partitioned {
+                inbox = inbox
+                    .partitioned(Partitions::every(m.partition_every).ahead(m.partitions_ahead));
+            }
             inbox.migrate().await?;
-            println!("migrated {} ({:?} keys)", inbox.table(), inbox.key_mode());
+            let layout = if inbox.is_partitioned().await? {
+                "partitioned"
+            } else {
+                "plain"
+            };
+            println!(
+                "migrated {} ({:?} keys, {layout})",
+                inbox.table(),
+                inbox.key_mode()
+            );
         }
+        Command::Partition(p) => print(partitions::convert(inbox(target).await?, &p).await?),
+        Command::Partitions(l) => print(partitions::list(&inbox(target).await?, &l).await?),
         Command::Purge(purge) => self::purge(&inbox(target).await?, &purge).await?,
         Command::Stats(stats) => return self::stats(&inbox(target).await?, &stats).await,
         Command::MeasureStorage(m) => measure::run(&connect(target).await?, m.rows, m.runs).await?,
@@ -106,9 +128,16 @@ async fn purge(inbox: &PgInbox, purge: &Purge) -> Result<(), CliError> {
                 report.deleted(),
                 format_duration(purge.older_than)
             );
+            print(partitions::purge_lines(&report));
         }
     }
     Ok(())
+}
+
+fn print(lines: Vec<String>) {
+    for line in lines {
+        println!("{line}");
+    }
 }
 
 async fn stats(inbox: &PgInbox, stats: &Stats) -> Result<ExitCode, CliError> {
