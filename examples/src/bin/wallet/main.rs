@@ -24,6 +24,7 @@ mod kill;
 mod memory;
 mod outbox_chain;
 mod report;
+mod retention_bench;
 mod settings;
 mod soak;
 mod zombie;
@@ -74,6 +75,12 @@ wallet effects-test [--brokers kafka,sqs,rabbitmq,redis] [--modes keys,lookup,ne
                                       # chain instead, consumer A (inbox + outbox) on X, the
                                       # relay to Y, consumer B (the credit) on Y, each killed in
                                       # turn; B must credit every event once
+wallet retention-bench [--rows-per-day 1000000] [--days 3] [--window-days 2] [--claim-seconds 10]
+                       [--batch 1000] [--purge-batch 10000] [--layouts plain,partitioned]
+                                      # cleanup at ingest speed: claim msgs/s alone and while the
+                                      # batched DELETE purge or the partition drop removes the
+                                      # oldest simulated day, rows/s, claim latency, bytes/row;
+                                      # only PostgreSQL; a table and JSON lines
 wallet consume --broker B --variant V --name QUEUE --schema S [--work-ms 10]
                [--crash-between-commit-and-ack P] [--batch N] [--lanes N]
                [--handler message|batch]
@@ -91,7 +98,7 @@ neither work-around, a stalled drain fails the run; topics get 6 partitions thro
 `kafka-mock --control ADDR` when KAFKA_MOCK_CONTROL=ADDR, else 4, created on first use
 ";
 
-const USAGE: &str = "usage: wallet demo [--full] [kill-test options] | kill-test [options] | zombie-test [options] | bench [options] | soak [options] | consume … | publish … | memory-demo [options] | report [--chart SVG] FILE…\n`wallet --help` lists the options";
+const USAGE: &str = "usage: wallet demo [--full] [kill-test options] | kill-test [options] | zombie-test [options] | bench [options] | soak [options] | retention-bench [options] | consume … | publish … | memory-demo [options] | report [--chart SVG] FILE…\n`wallet --help` lists the options";
 
 /// Tells the parent `kill-test` that this `consume` child is connected and consuming.
 pub(crate) fn ready() {
@@ -143,6 +150,10 @@ async fn main() -> ExitCode {
             Err(e) => Err(e.into()),
         },
         "effects-child" => effects_child::main(rest).await,
+        "retention-bench" => match retention_bench::RetentionSettings::parse(rest) {
+            Ok(s) => retention_bench::run(&s).await,
+            Err(e) => Err(e.into()),
+        },
         "consume" => consume(rest).await,
         "publish" => publish(rest).await,
         "memory-demo" => return memory::main(rest).await,
