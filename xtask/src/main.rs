@@ -4,7 +4,8 @@
 //!   RabbitMQ, a Kafka-protocol broker (Tansu) and an SQS endpoint (moto). A service already
 //!   listening at its address is reused; nothing is ever stopped. Safe to run twice.
 //! - `test`: `services`, then `cargo fmt --check`, `cargo clippy --all-targets -D warnings`
-//!   and the whole test suite.
+//!   and the whole test suite, then the store's suite (`inbox-postgres`) again on the
+//!   partitioned inbox layout (`INBOX_TEST_LAYOUT=partitioned`).
 //! - `demo`: `services`, then the wallet demo (extra arguments go to it).
 
 mod services;
@@ -42,7 +43,12 @@ fn test(extra: &[String]) -> Result<(), String> {
     ])?;
     let mut args = vec!["test", "--workspace"];
     args.extend(extra.iter().map(String::as_str));
-    cargo(&args)
+    cargo(&args)?;
+    // Both inbox layouts pass the store's whole suite: the second pass puts every test inbox of
+    // `inbox-postgres` in the partitioned one.
+    let mut args = vec!["test", "-p", "inbox-postgres"];
+    args.extend(extra.iter().map(String::as_str));
+    cargo_with(&args, &[("INBOX_TEST_LAYOUT", "partitioned")])
 }
 
 fn demo(extra: &[String]) -> Result<(), String> {
@@ -61,10 +67,16 @@ fn demo(extra: &[String]) -> Result<(), String> {
 }
 
 fn cargo(args: &[&str]) -> Result<(), String> {
+    cargo_with(args, &[])
+}
+
+fn cargo_with(args: &[&str], env: &[(&str, &str)]) -> Result<(), String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    eprintln!("xtask: cargo {}", args.join(" "));
+    let vars: String = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
+    eprintln!("xtask: {vars}cargo {}", args.join(" "));
     let status = Command::new(cargo)
         .args(args)
+        .envs(env.iter().copied())
         .status()
         .map_err(|e| format!("cannot run cargo: {e}"))?;
     if status.success() {
