@@ -1,0 +1,58 @@
+//! Effectively-once message handlers on any broker: the transactional inbox.
+//!
+//! One dependency and a feature per broker and store:
+//!
+//! ```sh
+//! cargo add inbox -F kafka,postgres
+//! ```
+//!
+//! | feature | module | crate |
+//! |---|---|---|
+//! | (always) | the crate root: [`Consumer`], [`Handler`], [`BatchHandler`], [`MessageId`], … | `inbox-core` |
+//! | `postgres` | `inbox::postgres` (`PgInbox`, `Outbox`, `PgLeases`) | `inbox-postgres` |
+//! | `kafka` | `inbox::kafka` | `inbox-kafka` (rdkafka, librdkafka built from source) |
+//! | `sqs` | `inbox::sqs` | `inbox-sqs` (aws-sdk-sqs) |
+//! | `rabbitmq` | `inbox::rabbitmq` | `inbox-rabbitmq` (lapin) |
+//! | `redis-streams` | `inbox::redis_streams` | `inbox-redis-streams` (redis) |
+//! | `http`, `opentelemetry` | `inbox::http`, trace propagation | `inbox-core` features |
+//!
+//! Every item of `inbox-core` is at the crate root, so a handler reads the same with either
+//! dependency:
+//!
+//! ```
+//! use inbox::{async_trait, Handler, HandlerError, Message, MessageId};
+//!
+//! struct Audit;
+//!
+//! #[async_trait]
+//! impl<Tx: Send + 'static> Handler<Tx> for Audit {
+//!     async fn handle(&self, _tx: &mut Tx, id: &MessageId, message: &Message) -> Result<(), HandlerError> {
+//!         println!("{id}: {} bytes", message.payload.len());
+//!         Ok(())
+//!     }
+//! }
+//! ```
+//!
+//! The runnable programs per broker are in the repository's `examples/examples/` directory.
+
+pub use inbox_core::*;
+
+/// The transactional inbox store on PostgreSQL: [`inbox_postgres`].
+#[cfg(feature = "postgres")]
+pub use inbox_postgres as postgres;
+
+/// The Kafka adapter: [`inbox_kafka`].
+#[cfg(feature = "kafka")]
+pub use inbox_kafka as kafka;
+
+/// The Amazon SQS adapter: [`inbox_sqs`].
+#[cfg(feature = "sqs")]
+pub use inbox_sqs as sqs;
+
+/// The RabbitMQ adapter: [`inbox_rabbitmq`].
+#[cfg(feature = "rabbitmq")]
+pub use inbox_rabbitmq as rabbitmq;
+
+/// The Redis Streams adapter: [`inbox_redis_streams`].
+#[cfg(feature = "redis-streams")]
+pub use inbox_redis_streams as redis_streams;
