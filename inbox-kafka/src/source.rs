@@ -4,9 +4,11 @@ use std::fmt;
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use inbox_core::{async_trait, Delivery, IdError, Message, MessageSource, Metadata, SourceError};
+use inbox_core::{
+    async_trait, Delivery, IdError, Message, MessageSource, Metadata, Recovery, SourceError,
+};
 use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Header, Headers, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::Message as _;
@@ -224,17 +226,30 @@ impl MessageSource for KafkaSource {
         }
         // `recv` is cancellation safe, and after it nothing awaits until the batch is returned,
         // so a dropped receive loses no message.
-        let first = match tokio::time::timeout(self.poll_timeout, self.consumer.recv()).await {
-            Err(_elapsed) => return Ok(Vec::new()),
-            Ok(Err(e)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::PollExceeded) => {
-                // The batch before this poll took longer than max.poll.interval.ms: the group
-                // evicted this member and gave its partitions away. This poll rejoins; what the
-                // evicted batch wrote is harmless because the inbox already holds its IDs.
-                warn!(group = %self.consumer.context().group, "evicted for exceeding max.poll.interval.ms; rejoining the group");
-                return Ok(Vec::new());
+        let deadline = tokio::time::Instant::now() + self.poll_timeout;
+        let first = loop {
+            match tokio::time::timeout_at(deadline, self.consumer.recv()).await {
+                Err(_elapsed) => return Ok(Vec::new()),
+                Ok(Err(e)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::PollExceeded) => {
+                    // The batch before this poll took longer than max.poll.interval.ms: the
+                    // group evicted this member and gave its partitions away. This poll
+                    // rejoins; what the evicted batch wrote is harmless because the inbox
+                    // already holds its IDs.
+                    warn!(group = %self.consumer.context().group, "evicted for exceeding max.poll.interval.ms; rejoining the group");
+                    return Ok(Vec::new());
+                }
+                Ok(Err(e)) if informational(&e) => {
+                    // A broker down, all brokers down, a connection refused: librdkafka
+                    // reconnects and rejoins by itself, but only while it is polled. Handing
+                    // the error to the consumer would make it back off (up to 30 s) between
+                    // polls, and after max.poll.interval.ms without one librdkafka leaves the
+                    // group: the consumer would stay without partitions after the brokers
+                    // came back.
+                    warn!(group = %self.consumer.context().group, error = %e, "broker error; librdkafka reconnects by itself, polling on");
+                }
+                Ok(Err(e)) => return Err(Error::kafka("receiving from Kafka", e).into_source()),
+                Ok(Ok(message)) => break message,
             }
-            Ok(Err(e)) => return Err(Error::kafka("receiving from Kafka", e).into_source()),
-            Ok(Ok(message)) => message,
         };
         let mut batch = vec![self.delivery(&first)];
         drop(first);
@@ -304,4 +319,11 @@ impl MessageSource for KafkaSource {
 
 pub(crate) fn millis(d: Duration) -> String {
     d.as_millis().to_string()
+}
+
+/// Whether a consumer error is one librdkafka reports for information and recovers from by
+/// itself (its documentation: consumer errors are informational, the consumer retries every
+/// kind of error but the fatal ones).
+fn informational(e: &KafkaError) -> bool {
+    matches!(e, KafkaError::MessageConsumption(_)) && crate::error::recovery(e) != Recovery::Fatal
 }
