@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use tokio::time::Instant;
-use tracing::{debug, info, info_span, warn, Instrument};
+use tracing::field::{display, Empty};
+use tracing::{debug, info, info_span, warn, Instrument, Span};
 
-use super::stats::Counter;
+use super::stats::{Counter, EffectMetrics};
 use super::{
     is_not_applied, Acquired, Attempt, Effect, EffectHandler, EffectStats, Landed, LeaseStore,
     OnUnknown, Release, Settled,
@@ -19,7 +20,7 @@ use crate::consumer::stop::Stop;
 use crate::error::backoff;
 use crate::{
     Ack, Delivery, Error, Failure, HandlerError, HookAction, Message, MessageId, MessageSource,
-    Recent, Recovery, Result, RetryPolicy, SourceError, Stage, StageHook, StoreError,
+    Recent, Recovery, Result, RetryPolicy, SourceError, Stage, StageHook, StoreError, TraceParent,
 };
 
 /// The longest wait between tries after a broker or store error.
@@ -40,6 +41,8 @@ pub(super) struct Core<L, H> {
     pub(super) error_backoff: Duration,
     pub(super) hook: Option<StageHook>,
     pub(super) stats: Arc<EffectStats>,
+    /// Histogram handles, registered when the consumer starts.
+    pub(super) metrics: EffectMetrics,
     /// When each recently handed-back message may be tried again.
     pub(super) not_before: Mutex<Recent<Instant>>,
 }
@@ -73,12 +76,21 @@ where
             let reason = format!("message ID {id:?} refused by the lease store: {e}");
             return self.dead_letter(source, Some(&id), delivery, reason).await;
         }
+        let message = &delivery.message;
         let span = info_span!(
             "inbox.effect",
             consumer = %self.name,
             message_id = %id.as_str().escape_debug(),
-            position = %delivery.message.meta.position,
+            position = %message.meta.position,
+            "messaging.system" = source.system(),
+            traceparent = Empty,
+            token = Empty,
+            outcome = Empty,
         );
+        // Joins the logs to the producer's trace.
+        if let Some(parent) = TraceParent::from_message(message) {
+            span.record("traceparent", display(parent));
+        }
         self.lease_and_apply(source, id, delivery, stop)
             .instrument(span)
             .await
@@ -94,6 +106,7 @@ where
         if let Some(wait) = self.too_early(&id) {
             debug!(?wait, "came back before its hand-back delay (the broker does not delay a nack); waiting here");
             if stop.pause(wait).await {
+                outcome("handed_back");
                 self.hand_back(delivery.ack).await;
                 return Ok(());
             }
@@ -101,7 +114,9 @@ where
         let mut outages = 0;
         let (acquired, started) = loop {
             let started = Instant::now();
-            match self.leases.acquire(&self.name, &id, self.lease).await {
+            let acquired = self.leases.acquire(&self.name, &id, self.lease).await;
+            self.metrics.acquire.record(started.elapsed().as_secs_f64());
+            match acquired {
                 Ok(acquired) => break (acquired, started),
                 Err(e) if e.recovery() == Recovery::Fatal => {
                     self.count(Counter::Error);
@@ -113,6 +128,7 @@ where
                     let wait = backoff(self.error_backoff, MAX_ERROR_BACKOFF, outages);
                     warn!(error = %e, ?wait, "lease store failed; holding the message and trying again");
                     if stop.pause(wait).await {
+                        outcome("handed_back");
                         self.hand_back(delivery.ack).await;
                         return Ok(());
                     }
@@ -122,6 +138,7 @@ where
         match acquired {
             Acquired::Done => {
                 self.count(Counter::SkippedDuplicate);
+                outcome("skipped_duplicate");
                 info!(
                     outcome = "skipped_duplicate",
                     "skipped duplicate {id}: already done"
@@ -130,6 +147,7 @@ where
             }
             Acquired::Busy { retry_after } => {
                 self.count(Counter::Busy);
+                outcome("busy");
                 let wait = retry_after + BUSY_MARGIN;
                 info!(
                     outcome = "busy",
@@ -140,6 +158,7 @@ where
                 Ok(())
             }
             Acquired::Leased(lease) => {
+                Span::current().record("token", lease.token);
                 let effect = Effect::new(&self.name, id, lease, started + self.lease);
                 self.stage(Stage::Claimed, effect.id())?;
                 self.apply(source, effect, delivery, stop).await
@@ -159,9 +178,9 @@ where
         let decided = match effect.attempt() {
             Attempt::First | Attempt::AfterNotApplied => None,
             Attempt::AfterExpiry => {
-                let landed = self
-                    .bounded(&effect, self.handler.landed(&effect, message))
-                    .await;
+                let span = info_span!("inbox.effect.landed", token = effect.token());
+                let lookup = self.handler.landed(&effect, message).instrument(span);
+                let landed = self.bounded(&effect, lookup).await;
                 match landed {
                     Ok(Landed::Yes) => Some(Settled::Landed),
                     Ok(Landed::No) => None,
@@ -194,16 +213,24 @@ where
                     .dead_letter_leased(source, &effect, delivery, reason, not_applied)
                     .await;
             }
-            None => match self
-                .bounded(&effect, self.handler.call(&effect, message))
-                .await
-            {
-                Ok(()) => {
-                    self.stage(Stage::Applied, effect.id())?;
-                    Settled::Called
+            None => {
+                let span = info_span!(
+                    "inbox.effect.call",
+                    token = effect.token(),
+                    attempt = effect.attempts(),
+                );
+                let call = self.handler.call(&effect, message).instrument(span);
+                let started = Instant::now();
+                let called = self.bounded(&effect, call).await;
+                self.metrics.call.record(started.elapsed().as_secs_f64());
+                match called {
+                    Ok(()) => {
+                        self.stage(Stage::Applied, effect.id())?;
+                        Settled::Called
+                    }
+                    Err(e) => return self.failed(source, effect, delivery, e, true).await,
                 }
-                Err(e) => return self.failed(source, effect, delivery, e, true).await,
-            },
+            }
         };
         self.finish(source, effect, settled, delivery, stop).await
     }
@@ -260,6 +287,7 @@ where
                 .await;
         }
         self.count(Counter::Retried);
+        outcome("retried");
         let r = &self.retry;
         let wait = backoff(r.initial_backoff, r.max_backoff, effect.attempts());
         warn!(attempt = effect.attempts(), error = %error, not_applied, ?wait, "call failed; handed back for a retry");
@@ -286,10 +314,14 @@ where
     ) -> Result<()> {
         let (mut tries, mut outages) = (0, 0);
         loop {
-            let wait = match self.mark_done(&effect, settled, &delivery.message).await {
+            let started = Instant::now();
+            let marked = self.mark_done(&effect, settled, &delivery.message).await;
+            self.metrics.done.record(started.elapsed().as_secs_f64());
+            let wait = match marked {
                 Ok(true) => break,
                 Ok(false) => {
                     self.count(Counter::Fenced);
+                    outcome("fenced");
                     warn!(token = effect.token(), outcome = "fenced", "not marked done: a newer lease took over {} while this attempt ran; handed back for its holder to finish", effect.id());
                     self.hand_back(delivery.ack).await;
                     return Ok(());
@@ -327,6 +359,7 @@ where
                 }
             };
             if stop.pause(wait).await {
+                outcome("handed_back");
                 self.release(&effect, Release::unknown()).await;
                 self.hand_back(delivery.ack).await;
                 return Ok(());
@@ -339,6 +372,7 @@ where
             Settled::Skipped => (Counter::SkippedUnknown, "skipped_unknown"),
         };
         self.count(counter);
+        self::outcome(outcome);
         if settled == Settled::Skipped {
             warn!(outcome, "{} marked done without a call after an unknown outcome, as OnUnknown::Skip says: its effect may be missing", effect.id());
         } else {
@@ -455,12 +489,14 @@ where
         match source.dead_letter(&delivery.message, reason).await {
             Ok(()) => {
                 self.count(Counter::DeadLettered);
+                outcome("dead_lettered");
                 warn!(consumer = %self.name, message_id = %shown, %position, outcome = "dead_lettered", %reason, "dead-lettered {shown}");
                 Ok(true)
             }
             Err(e) if e.recovery() == Recovery::Fatal => Err(e),
             Err(e) => {
                 self.count(Counter::Error);
+                outcome("handed_back");
                 tracing::error!(consumer = %self.name, message_id = %shown, error = %e, %reason, "dead-letter failed; the message is handed back to the broker");
                 Ok(false)
             }
@@ -492,7 +528,10 @@ where
     }
 
     async fn ack<A: Ack>(&self, id: &MessageId, ack: A) -> Result<()> {
-        match ack.ack().await {
+        let started = Instant::now();
+        let acked = ack.ack().await;
+        self.metrics.ack.record(started.elapsed().as_secs_f64());
+        match acked {
             Ok(()) => self.stage(Stage::Acked, id),
             Err(e) => {
                 self.count(Counter::AckFailure);
@@ -553,6 +592,11 @@ where
     fn count(&self, counter: Counter) {
         self.stats.add(&self.name, counter);
     }
+}
+
+/// Records how the current message's `inbox.effect` span ended.
+fn outcome(outcome: &'static str) {
+    Span::current().record("outcome", outcome);
 }
 
 impl Release {

@@ -8,6 +8,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 
 use super::apply::Core;
+use super::stats::EffectMetrics;
 use super::{EffectHandler, EffectStats, EffectStatsSnapshot, LeaseStore};
 use crate::consumer::stop::{self, Phase, Stop};
 use crate::{Error, MessageSource, Recent, Result, RetryPolicy, StageHook};
@@ -76,6 +77,7 @@ where
                 error_backoff: Duration::from_millis(500),
                 hook: None,
                 stats: Arc::new(EffectStats::default()),
+                metrics: EffectMetrics::default(),
                 not_before: Mutex::new(Recent::new(1024)),
             },
         }
@@ -144,6 +146,7 @@ where
         until_idle: bool,
     ) -> Result<EffectStatsSnapshot> {
         self.check()?;
+        self.core.metrics = EffectMetrics::register(&self.core.name);
         tokio::pin!(shutdown);
         let (stop_tx, stop) = Stop::new();
         let core = &self.core;

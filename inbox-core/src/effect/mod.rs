@@ -85,9 +85,15 @@
 //! }
 //! ```
 //!
+//! # Telemetry
+//!
 //! Counters go through the `metrics` facade as `inbox_effects_<counter>_total` (see
-//! [`EffectStatsSnapshot`]), labelled by consumer; each message gets a `tracing` span with the
-//! consumer, message ID and broker position.
+//! [`EffectStatsSnapshot`]), and durations as the histograms [`ACQUIRE_DURATION`],
+//! [`CALL_DURATION`], [`DONE_DURATION`] and [`ACK_DURATION`], all labelled by consumer and
+//! described when the consumer starts ([`describe_effect_metrics`]). Each message gets an
+//! `inbox.effect` span with the consumer, message ID, broker position, `messaging.system`, the
+//! message's `traceparent` (when it has a valid one), the lease's `token` and the `outcome`;
+//! inside it, `inbox.effect.call` spans each call and `inbox.effect.landed` each status lookup.
 
 mod apply;
 mod consumer;
@@ -96,7 +102,10 @@ mod stats;
 
 pub use consumer::{EffectConsumer, DEFAULT_LEASE};
 pub use lease::{Acquired, Lease, LeaseStore, Release};
-pub use stats::{EffectStats, EffectStatsSnapshot};
+pub use stats::{
+    describe_effect_metrics, EffectStats, EffectStatsSnapshot, ACK_DURATION, ACQUIRE_DURATION,
+    CALL_DURATION, DONE_DURATION,
+};
 
 use std::fmt;
 use std::time::Duration;

@@ -1,7 +1,23 @@
 //! Counters of an [`EffectConsumer`](super::EffectConsumer), kept for callers and tests and sent
-//! to the `metrics` facade.
+//! to the `metrics` facade, and its duration histograms.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use metrics::{Histogram, Unit};
+
+/// Histogram: seconds one lease statement ([`LeaseStore::acquire`](super::LeaseStore::acquire))
+/// took.
+pub const ACQUIRE_DURATION: &str = "inbox_effects_acquire_duration_seconds";
+/// Histogram: seconds one provider call ([`EffectHandler::call`](super::EffectHandler::call))
+/// took, failed calls included (a call dropped at the end of its lease counts the time until
+/// then).
+pub const CALL_DURATION: &str = "inbox_effects_call_duration_seconds";
+/// Histogram: seconds one done transaction took (the done mark,
+/// [`EffectHandler::record`](super::EffectHandler::record), the commit), fenced and failed ones
+/// included.
+pub const DONE_DURATION: &str = "inbox_effects_done_duration_seconds";
+/// Histogram: seconds one broker ack took.
+pub const ACK_DURATION: &str = "inbox_effects_ack_duration_seconds";
 
 /// What an effect consumer has done so far. Cheap to read at any time through
 /// [`EffectConsumer::stats`](super::EffectConsumer::stats).
@@ -71,6 +87,24 @@ impl Counter {
         Counter::Error,
     ];
 
+    fn help(self) -> &'static str {
+        match self {
+            Counter::Received => "Deliveries the effect consumer took from the broker.",
+            Counter::Applied => "Messages called and marked done.",
+            Counter::Confirmed => "Messages marked done without a call: an earlier call landed.",
+            Counter::SkippedUnknown => {
+                "Messages marked done without a call after an unknown outcome: maybe lost."
+            }
+            Counter::SkippedDuplicate => "Copies of messages already done, skipped.",
+            Counter::Busy => "Copies handed back while another lease on their message was live.",
+            Counter::Fenced => "Done marks refused because a newer lease had taken over.",
+            Counter::Retried => "Attempts handed back or repeated for a retry.",
+            Counter::DeadLettered => "Messages parked in the dead-letter destination.",
+            Counter::AckFailure => "Acks that failed after the done mark.",
+            Counter::Error => "Broker or store errors the effect consumer recovered from.",
+        }
+    }
+
     fn metric_name(self) -> &'static str {
         match self {
             Counter::Received => "inbox_effects_received_total",
@@ -84,6 +118,66 @@ impl Counter {
             Counter::DeadLettered => "inbox_effects_dead_lettered_total",
             Counter::AckFailure => "inbox_effects_ack_failures_total",
             Counter::Error => "inbox_effects_errors_total",
+        }
+    }
+}
+
+/// Registers the unit and help text of every effect consumer metric: the counters
+/// `inbox_effects_<counter>_total` and the histograms above. An effect consumer calls it when it
+/// starts; calling it again does no harm.
+pub fn describe_effect_metrics() {
+    for counter in Counter::ALL {
+        metrics::describe_counter!(counter.metric_name(), Unit::Count, counter.help());
+    }
+    let durations = [
+        (ACQUIRE_DURATION, "Seconds one lease statement took."),
+        (
+            CALL_DURATION,
+            "Seconds one provider call took, failed and timed-out calls included.",
+        ),
+        (
+            DONE_DURATION,
+            "Seconds one done transaction (done mark, record, commit) took.",
+        ),
+        (ACK_DURATION, "Seconds one broker ack took."),
+    ];
+    for (name, help) in durations {
+        metrics::describe_histogram!(name, Unit::Seconds, help);
+    }
+}
+
+/// One running effect consumer's histogram handles, registered when it starts (a recorder
+/// installed later would not see handles taken earlier).
+#[derive(Debug, Clone)]
+pub(crate) struct EffectMetrics {
+    pub(crate) acquire: Histogram,
+    pub(crate) call: Histogram,
+    pub(crate) done: Histogram,
+    pub(crate) ack: Histogram,
+}
+
+impl Default for EffectMetrics {
+    fn default() -> Self {
+        Self {
+            acquire: Histogram::noop(),
+            call: Histogram::noop(),
+            done: Histogram::noop(),
+            ack: Histogram::noop(),
+        }
+    }
+}
+
+impl EffectMetrics {
+    /// Describes every effect metric and registers the handles of `consumer`.
+    pub(crate) fn register(consumer: &str) -> Self {
+        describe_effect_metrics();
+        let histogram =
+            |name: &'static str| metrics::histogram!(name, "consumer" => consumer.to_owned());
+        Self {
+            acquire: histogram(ACQUIRE_DURATION),
+            call: histogram(CALL_DURATION),
+            done: histogram(DONE_DURATION),
+            ack: histogram(ACK_DURATION),
         }
     }
 }
@@ -109,6 +203,198 @@ impl EffectStats {
             dead_lettered: get(Counter::DeadLettered),
             ack_failures: get(Counter::AckFailure),
             errors: get(Counter::Error),
+        }
+    }
+}
+
+#[cfg(all(test, feature = "testkit"))]
+#[allow(clippy::unwrap_used)] // a poisoned lock should fail the test loudly
+mod tests {
+    use std::collections::{HashMap, HashSet};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use metrics::{
+        Counter as MetricCounter, CounterFn, Gauge, Histogram, HistogramFn, Key, KeyName, Metadata,
+        Recorder, SharedString, Unit,
+    };
+
+    use super::*;
+    use crate::effect::{
+        Acquired, Attempt, Effect, EffectConsumer, EffectHandler, Lease, LeaseStore, OnUnknown,
+        Release,
+    };
+    use crate::testkit::MemoryBroker;
+    use crate::{async_trait, HandlerError, Message, MessageId, StoreError};
+
+    /// Samples per series (`name{consumer=…}`), and the unit of each described metric.
+    #[derive(Default)]
+    struct Capture {
+        series: Mutex<HashMap<String, Arc<Samples>>>,
+        described: Mutex<HashMap<String, Option<Unit>>>,
+    }
+
+    #[derive(Default)]
+    struct Samples(Mutex<Vec<f64>>);
+
+    impl CounterFn for Samples {
+        fn increment(&self, value: u64) {
+            self.0.lock().unwrap().push(value as f64);
+        }
+        fn absolute(&self, value: u64) {
+            self.0.lock().unwrap().push(value as f64);
+        }
+    }
+
+    impl HistogramFn for Samples {
+        fn record(&self, value: f64) {
+            self.0.lock().unwrap().push(value);
+        }
+    }
+
+    impl Capture {
+        fn series(&self, key: &Key) -> Arc<Samples> {
+            let labels: Vec<String> = key
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
+            let id = format!("{}{{{}}}", key.name(), labels.join(","));
+            Arc::clone(self.series.lock().unwrap().entry(id).or_default())
+        }
+
+        fn samples(&self, name: &str) -> Vec<f64> {
+            let id = format!("{name}{{consumer=mailer}}");
+            self.series
+                .lock()
+                .unwrap()
+                .get(&id)
+                .map(|s| s.0.lock().unwrap().clone())
+                .unwrap_or_default()
+        }
+    }
+
+    impl Recorder for Capture {
+        fn describe_counter(&self, key: KeyName, unit: Option<Unit>, _: SharedString) {
+            self.described
+                .lock()
+                .unwrap()
+                .insert(key.as_str().into(), unit);
+        }
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, key: KeyName, unit: Option<Unit>, _: SharedString) {
+            self.described
+                .lock()
+                .unwrap()
+                .insert(key.as_str().into(), unit);
+        }
+        fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> MetricCounter {
+            MetricCounter::from_arc(self.series(key))
+        }
+        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::noop()
+        }
+        fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::from_arc(self.series(key))
+        }
+    }
+
+    /// Leases every new message with token 1; done rows stay done.
+    #[derive(Default)]
+    struct Leases(Mutex<HashSet<String>>);
+
+    #[async_trait]
+    impl LeaseStore for Leases {
+        type Tx = ();
+
+        async fn acquire(
+            &self,
+            _: &str,
+            id: &MessageId,
+            _: Duration,
+        ) -> Result<Acquired, StoreError> {
+            if self.0.lock().unwrap().contains(id.as_str()) {
+                return Ok(Acquired::Done);
+            }
+            Ok(Acquired::Leased(Lease {
+                token: 1,
+                attempt: Attempt::First,
+                attempts: 1,
+                since_first: Duration::ZERO,
+            }))
+        }
+        async fn release(
+            &self,
+            _: &str,
+            _: &MessageId,
+            _: u64,
+            _: Release,
+        ) -> Result<bool, StoreError> {
+            Ok(true)
+        }
+        async fn begin(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+        async fn complete(
+            &self,
+            _: &mut (),
+            _: &str,
+            id: &MessageId,
+            _: u64,
+        ) -> Result<bool, StoreError> {
+            Ok(self.0.lock().unwrap().insert(id.to_string()))
+        }
+        async fn commit(&self, _: ()) -> Result<(), StoreError> {
+            Ok(())
+        }
+        async fn rollback(&self, _: ()) -> Result<(), StoreError> {
+            Ok(())
+        }
+    }
+
+    struct Call;
+
+    #[async_trait]
+    impl EffectHandler<()> for Call {
+        fn on_unknown(&self) -> OnUnknown {
+            OnUnknown::Retry
+        }
+        async fn call(&self, _: &Effect, _: &Message) -> Result<(), HandlerError> {
+            Ok(())
+        }
+    }
+
+    // One thread: the recorder is the thread's default while the consumer runs.
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_effect_consumer_records_its_durations_labelled_and_described() {
+        let capture = Capture::default();
+        let _recorder = metrics::set_default_local_recorder(&capture);
+        let broker = MemoryBroker::new();
+        for id in ["a", "b", "a"] {
+            broker.publish(Some(id), "{}");
+        }
+        let stats = EffectConsumer::new("mailer", broker.source(), Leases::default(), Call)
+            .run_until_idle()
+            .await
+            .unwrap();
+        assert_eq!((stats.applied, stats.skipped_duplicates), (2, 1));
+
+        let count = |name: &str| capture.samples(name).len();
+        assert_eq!(
+            count(ACQUIRE_DURATION),
+            3,
+            "one lease statement per delivery"
+        );
+        assert_eq!(count(CALL_DURATION), 2, "one call per new message");
+        assert_eq!(count(DONE_DURATION), 2);
+        assert_eq!(count(ACK_DURATION), 3, "the duplicate is acked too");
+        assert_eq!(count("inbox_effects_applied_total"), 2);
+        let described = capture.described.lock().unwrap().clone();
+        for name in [ACQUIRE_DURATION, CALL_DURATION, DONE_DURATION, ACK_DURATION] {
+            assert_eq!(described.get(name), Some(&Some(Unit::Seconds)), "{name}");
+        }
+        for counter in Counter::ALL {
+            let name = counter.metric_name();
+            assert_eq!(described.get(name), Some(&Some(Unit::Count)), "{name}");
         }
     }
 }
