@@ -91,7 +91,9 @@ pub(crate) enum Command {
             with UUIDv7 IDs one partition per --partition-every of ID time, plus a default \
             partition, so that `purge` drops a whole partition instead of deleting its rows. The \
             partitions up to --partitions-ahead after the current one are created now and by \
-            every purge. An existing table keeps its layout (see `partition`)."
+            every purge. An existing table keeps its layout (see `partition`).\n\n\
+            With --print-sql nothing is run: the statements are printed, for a schema applied \
+            by your own migration tool, and no database is contacted."
     )]
     Migrate(Migrate),
     /// Delete expired rows in batches, printing each batch.
@@ -142,6 +144,10 @@ pub(crate) struct Migrate {
     /// With --partitioned: partitions kept ready after the current one.
     #[arg(long, value_name = "N", default_value_t = 3, requires = "partitioned")]
     pub(crate) partitions_ahead: u32,
+    /// Print the SQL that creates the table, for your own migrations, instead of running it
+    /// (connects to nothing).
+    #[arg(long)]
+    pub(crate) print_sql: bool,
 }
 
 #[derive(Debug, Args)]
@@ -318,6 +324,13 @@ mod tests {
             panic!("not migrate: {:?}", cli.command)
         };
         assert!(!migrate.partitioned);
+        assert!(!migrate.print_sql);
+
+        let cli = parse(&["migrate", "--print-sql", "--partitioned"]).unwrap();
+        let Command::Migrate(migrate) = cli.command else {
+            panic!("not migrate: {:?}", cli.command)
+        };
+        assert!(migrate.print_sql && migrate.partitioned);
     }
 
     #[test]

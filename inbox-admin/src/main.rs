@@ -3,6 +3,7 @@
 //! ```text
 //! inbox-admin migrate --key-mode uuid
 //! inbox-admin migrate --key-mode uuid --partitioned --partition-every 1d
+//! inbox-admin migrate --key-mode uuid --print-sql > migrations/0001_inbox.sql
 //! inbox-admin partition --window 14d          # a plain table converted in place
 //! inbox-admin partitions                      # ranges, rows and bytes per partition
 //! inbox-admin purge --older-than 14d --batch 10000
@@ -24,7 +25,7 @@ use std::time::SystemTime;
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser};
 use inbox_postgres::{Partitions, PgInbox, PurgeReport, TableName};
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
 use crate::args::{format_duration, Cli, Command, Purge, Stats, Target};
@@ -87,10 +88,23 @@ async fn run(cli: Cli) -> Result<ExitCode, CliError> {
     let target = &cli.target;
     match cli.command {
         Command::Migrate(m) => {
-            let mut inbox = inbox(target).await?;
+            let mut inbox = if m.print_sql {
+                // A pool that never connects: the SQL is built from the options alone.
+                let pool =
+                    PgPoolOptions::new().connect_lazy_with(PgConnectOptions::new_without_pgpass());
+                PgInbox::new(pool)
+                    .with_table(table(target)?)
+                    .with_key_mode(target.key_mode.into())
+            } else {
+                inbox(target).await?
+            };
             if m.partitioned {
                 inbox = inbox
                     .partitioned(Partitions::every(m.partition_every).ahead(m.partitions_ahead));
+            }
+            if m.print_sql {
+                print!("{}", inbox.migration_sql());
+                return Ok(ExitCode::SUCCESS);
             }
             inbox.migrate().await?;
             let layout = if inbox.is_partitioned().await? {
@@ -208,11 +222,16 @@ async fn connect(target: &Target) -> Result<PgPool, CliError> {
         .map_err(db("connecting to PostgreSQL"))
 }
 
-async fn inbox(target: &Target) -> Result<PgInbox, CliError> {
-    let table = match &target.schema {
+/// The inbox table `target` names.
+fn table(target: &Target) -> Result<TableName, CliError> {
+    Ok(match &target.schema {
         Some(schema) => TableName::qualified(schema, &target.table)?,
         None => TableName::new(&target.table)?,
-    };
+    })
+}
+
+async fn inbox(target: &Target) -> Result<PgInbox, CliError> {
+    let table = table(target)?;
     Ok(PgInbox::new(connect(target).await?)
         .with_table(table)
         .with_key_mode(target.key_mode.into()))

@@ -258,6 +258,53 @@ fn usage_errors_exit_2_and_name_the_input() {
 }
 
 #[test]
+fn migrate_print_sql_prints_the_statements_without_a_database() {
+    // Nothing listens on port 1: a connection attempt would fail the command.
+    let nowhere = "postgres://nobody:secret@127.0.0.1:1/none";
+    let args = [
+        "migrate",
+        "--print-sql",
+        "--database-url",
+        nowhere,
+        "--schema",
+        "billing",
+        "--key-mode",
+        "uuid",
+    ];
+    let out = admin(&args);
+    assert!(out.status.success(), "{out:?}");
+    assert!(out.stderr.is_empty(), "{out:?}");
+    let sql = text(&out.stdout);
+    assert!(sql.starts_with("-- "), "stdout is not only SQL:\n{sql}");
+    for expected in [
+        r#"CREATE TABLE IF NOT EXISTS "billing"."inbox_consumers" ("#,
+        r#"CREATE TABLE IF NOT EXISTS "billing"."inbox" ("#,
+        "message_id uuid NOT NULL",
+        "USING brin (processed_minute);",
+    ] {
+        assert!(sql.contains(expected), "`{expected}` missing from:\n{sql}");
+    }
+    assert!(!sql.contains("PARTITION"), "{sql}");
+
+    let out = admin(&[
+        "migrate",
+        "--print-sql",
+        "--partitioned",
+        "--database-url",
+        nowhere,
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let sql = text(&out.stdout);
+    for expected in [
+        r#"CREATE TABLE IF NOT EXISTS "inbox" ("#,
+        "PARTITION BY RANGE (message_id);",
+        r#"CREATE TABLE "inbox_default" PARTITION OF "inbox" DEFAULT;"#,
+    ] {
+        assert!(sql.contains(expected), "`{expected}` missing from:\n{sql}");
+    }
+}
+
+#[test]
 fn runtime_errors_exit_1_and_name_the_input() {
     let args = ["stats", "--table", "inbox; DROP TABLE x"];
     let out = admin(&args);
@@ -294,7 +341,7 @@ fn help_prints_every_command() {
 #[test]
 fn each_command_has_its_own_help_and_the_tool_has_a_version() {
     let cases: [(&str, &[&str]); 4] = [
-        ("migrate", &["--key-mode", "--schema"]),
+        ("migrate", &["--key-mode", "--schema", "--print-sql"]),
         ("purge", &["--older-than", "--batch", "--force", "1h"]),
         ("stats", &["--min-window", "--json", "exit status 3"]),
         ("measure-storage", &["--rows", "--runs"]),

@@ -55,6 +55,7 @@
 
 mod error;
 mod lease;
+mod migration;
 mod outbox;
 mod partition;
 mod relay;

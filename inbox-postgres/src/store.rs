@@ -10,7 +10,7 @@ use sqlx::{PgPool, Postgres};
 use uuid::Uuid;
 
 use crate::error::{db, recovery, store_err};
-use crate::partition::{hashed_key_with_time, is_partitioned, name_prefix, qualify};
+use crate::partition::{hashed_key_with_time, is_partitioned, qualify};
 use crate::table::hashed_key;
 use crate::{Error, KeyMode, Partitions, Result, TableName};
 
@@ -151,6 +151,9 @@ impl PgInbox {
     /// its default partition; the partitions of a partitioned table (whichever created it) are
     /// then created up to the configured number ahead. A table that exists keeps its layout
     /// (a warning says when it is not the configured one), and claims follow it.
+    ///
+    /// [`migration_sql`](Self::migration_sql) gives the same statements as text, for a schema
+    /// applied by your own migration tool.
     pub async fn migrate(&self) -> Result<()> {
         let t = &self.table;
         let mut tx = self
@@ -164,33 +167,8 @@ impl PgInbox {
             .await
             .map_err(db("taking the migration lock"))?;
         let key = self.mode.column_type();
-        let primary_key = match self.mode {
-            KeyMode::Hashed => "message_id",
-            KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
-        };
-        let partitioned_statements = self.partitioned_table_statements(&t.to_string(), t.table());
-        let statements = [
-            format!(
-                "CREATE TABLE IF NOT EXISTS {consumers} (
-                    id smallint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-                    name text NOT NULL UNIQUE)",
-                consumers = t.sibling("consumers")
-            ),
-            match self.partitions {
-                Some(_) => partitioned_statements[0].clone(),
-                // Column order matters for size: the 16-byte key, then the 4-byte minute and
-                // the 2-byte consumer pack into 48 bytes with the tuple header.
-                None => format!(
-                    "CREATE TABLE IF NOT EXISTS {t} (
-                        message_id {key} NOT NULL,
-                        processed_minute integer NOT NULL
-                            DEFAULT (floor(extract(epoch FROM now()) / 60))::integer,
-                        consumer_id smallint NOT NULL,
-                        PRIMARY KEY ({primary_key}))"
-                ),
-            },
-        ];
-        for statement in statements {
+        // The builders `migration_sql` prints too (`migration.rs`).
+        for statement in [self.consumers_table_sql(), self.inbox_table_sql()] {
             sqlx::query(&statement)
                 .execute(&mut *tx)
                 .await
@@ -222,7 +200,8 @@ impl PgInbox {
                 .await
                 .map_err(db("looking for the BRIN index"))?;
             if !has_index {
-                statements.push(partitioned_statements[1].clone());
+                let [_, index] = self.partitioned_table_statements(&t.to_string(), t.table());
+                statements.push(index);
             }
             let has_default: bool = sqlx::query_scalar(
                 "SELECT partdefid <> 0 FROM pg_partitioned_table WHERE partrelid = $1::regclass",
@@ -232,14 +211,10 @@ impl PgInbox {
             .await
             .map_err(db("looking for the default partition"))?;
             if !has_default {
-                let default = qualify(t, &format!("{}_default", name_prefix(t.table())));
-                statements.push(format!("CREATE TABLE {default} PARTITION OF {t} DEFAULT"));
+                statements.push(self.default_partition_sql());
             }
         } else {
-            statements.push(format!(
-                "CREATE INDEX IF NOT EXISTS {index} ON {t} USING brin (processed_minute)",
-                index = t.sibling_bare("processed")
-            ));
+            statements.push(self.plain_index_sql());
         }
         for statement in statements {
             sqlx::query(&statement)

@@ -1,0 +1,122 @@
+//! The statements that create the inbox tables: run by [`PgInbox::migrate`], printed by
+//! [`PgInbox::migration_sql`] for schemas applied with another migration tool.
+
+use crate::partition::{name_prefix, qualify};
+use crate::{KeyMode, PgInbox};
+
+impl PgInbox {
+    /// The SQL that creates this inbox's tables and indexes, as [`migrate`](Self::migrate)
+    /// creates them in an empty schema, for its table name, key mode and layout: for
+    /// applications whose schema is applied by their own migration tool (sqlx, refinery, Flyway).
+    /// Reads nothing from the database; the statements are the ones `migrate` runs.
+    ///
+    /// The plain layout's statements all say `IF NOT EXISTS`, so running them twice changes
+    /// nothing, and `migrate` afterwards changes nothing either. The partitioned layout's
+    /// table, index and default partition are all there is to create once; its range
+    /// partitions follow the clock, so they are not in the SQL: `migrate`, every
+    /// [`purge`](Self::purge) and [`create_partitions`](Self::create_partitions) add them
+    /// (until a range covers a key, its row goes to the default partition, which is correct,
+    /// only slower to clean up).
+    ///
+    /// ```
+    /// use inbox_postgres::{KeyMode, PgInbox, TableName};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// // A pool that never connects: printing the SQL needs no database.
+    /// let pool = sqlx::PgPool::connect_lazy("postgres://127.0.0.1/inbox")?;
+    /// let inbox = PgInbox::new(pool)
+    ///     .with_table(TableName::qualified("billing", "inbox")?)
+    ///     .with_key_mode(KeyMode::Uuid);
+    /// let sql = inbox.migration_sql();
+    /// assert!(sql.contains(r#"CREATE TABLE IF NOT EXISTS "billing"."inbox" ("#));
+    /// assert!(sql.contains("message_id uuid NOT NULL"));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn migration_sql(&self) -> String {
+        let t = self.table();
+        let mut statements = vec![self.consumers_table_sql(), self.inbox_table_sql()];
+        let layout = if self.partitions.is_some() {
+            let [_, index] = self.partitioned_table_statements(&t.to_string(), t.table());
+            statements.extend([index, self.default_partition_sql()]);
+            "partitioned"
+        } else {
+            statements.push(self.plain_index_sql());
+            "plain"
+        };
+        let keys = match self.key_mode() {
+            KeyMode::Text => "text",
+            KeyMode::Uuid => "uuid",
+            KeyMode::Hashed => "hashed",
+        };
+        let mut sql = format!(
+            "-- The inbox {t}: {keys} keys, {layout} layout; what PgInbox::migrate creates.\n"
+        );
+        if self.partitions.is_some() {
+            sql.push_str(
+                "-- Run once. Range partitions follow the clock: PgInbox::migrate and every purge \
+                 add them.\n",
+            );
+        }
+        for statement in statements {
+            // The builders indent for the Rust source; the printed SQL indents continuation
+            // lines once.
+            let lines: Vec<&str> = statement.lines().map(str::trim).collect();
+            sql.push('\n');
+            sql.push_str(&lines.join("\n    "));
+            sql.push_str(";\n");
+        }
+        sql
+    }
+
+    /// `<table>_consumers`: the small integer that stands for each consumer name.
+    pub(crate) fn consumers_table_sql(&self) -> String {
+        format!(
+            "CREATE TABLE IF NOT EXISTS {consumers} (
+                id smallint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                name text NOT NULL UNIQUE)",
+            consumers = self.table().sibling("consumers")
+        )
+    }
+
+    /// The inbox table in the configured layout.
+    pub(crate) fn inbox_table_sql(&self) -> String {
+        let t = self.table();
+        if self.partitions.is_some() {
+            let [table, _] = self.partitioned_table_statements(&t.to_string(), t.table());
+            return table;
+        }
+        let key = self.key_mode().column_type();
+        let primary_key = match self.key_mode() {
+            KeyMode::Hashed => "message_id",
+            KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
+        };
+        // Column order matters for size: the 16-byte key, then the 4-byte minute and the
+        // 2-byte consumer pack into 48 bytes with the tuple header.
+        format!(
+            "CREATE TABLE IF NOT EXISTS {t} (
+                message_id {key} NOT NULL,
+                processed_minute integer NOT NULL
+                    DEFAULT (floor(extract(epoch FROM now()) / 60))::integer,
+                consumer_id smallint NOT NULL,
+                PRIMARY KEY ({primary_key}))"
+        )
+    }
+
+    /// The BRIN index on the processed minute of a plain table, which serves the purge.
+    pub(crate) fn plain_index_sql(&self) -> String {
+        let t = self.table();
+        format!(
+            "CREATE INDEX IF NOT EXISTS {index} ON {t} USING brin (processed_minute)",
+            index = t.sibling_bare("processed")
+        )
+    }
+
+    /// The default partition of a partitioned table: it takes every key outside the ranges.
+    pub(crate) fn default_partition_sql(&self) -> String {
+        let t = self.table();
+        let default = qualify(t, &format!("{}_default", name_prefix(t.table())));
+        format!("CREATE TABLE {default} PARTITION OF {t} DEFAULT")
+    }
+}
