@@ -36,6 +36,9 @@
 //!
 //! (`store` is any [`inbox_core::InboxStore`], `inbox_postgres::PgInbox` in production.)
 //!
+//! A whole program to copy, with `PgInbox`, a topic of its own and a check of the balance:
+//! `examples/examples/kafka.rs` (`cargo run -p inbox-examples --example kafka`).
+//!
 //! # Ack semantics
 //!
 //! Kafka acknowledges by committing a position per partition: "everything before offset N is

@@ -6,9 +6,24 @@
 //! broker-confirmed messages that carry a `message_id`.
 //!
 //! ```no_run
-//! use inbox_core::Consumer;
-//! use inbox_postgres::testkit::{wallet::Credit, TestDb};
+//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+//! use inbox_postgres::{PgInbox, PgTx};
 //! use inbox_rabbitmq::{RabbitConfig, RabbitPublisher, RabbitSource};
+//!
+//! /// Adds the amount in each message to account 1.
+//! struct Credit;
+//!
+//! #[async_trait]
+//! impl Handler<PgTx> for Credit {
+//!     async fn handle(&self, tx: &mut PgTx, _id: &MessageId, message: &Message) -> Result<(), HandlerError> {
+//!         let amount: i64 = message.json()?;
+//!         sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = 1")
+//!             .bind(amount)
+//!             .execute(&mut **tx) // the inbox transaction: commits with the claim, or not at all
+//!             .await?;
+//!         Ok(())
+//!     }
+//! }
 //!
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -16,12 +31,13 @@
 //! let source = RabbitSource::connect(config.clone()).await?; // declares the queues
 //!
 //! let publisher = RabbitPublisher::connect(config.url(), config.queue()).await?;
-//! let body = br#"{"account_id": 1, "amount": 100}"#;
-//! let id = publisher.publish(body).await?; // a UUIDv7 message_id, confirmed
-//! publisher.publish_with_id(&id, body).await?; // sent twice: applied once
+//! let id = publisher.publish(b"100").await?; // a UUIDv7 message_id, confirmed
+//! publisher.publish_with_id(&id, b"100").await?; // sent twice: applied once
 //!
-//! let db = TestDb::new().await;
-//! Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+//! let pool = sqlx::PgPool::connect("postgres://postgres:postgres@127.0.0.1:5432/inbox").await?;
+//! let inbox = PgInbox::new(pool);
+//! inbox.migrate().await?;
+//! Consumer::new("wallet", source, inbox, Credit)
 //!     .batch_size(20)
 //!     .max_deliveries(10) // below the queue's x-delivery-limit (20)
 //!     .run()
@@ -29,6 +45,9 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! A whole program to copy, with a queue of its own and a check of the balance:
+//! `examples/examples/rabbitmq.rs` (`cargo run -p inbox-examples --example rabbitmq`).
 //!
 //! # Topology
 //!

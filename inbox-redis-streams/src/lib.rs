@@ -43,6 +43,9 @@
 //! # Ok(()) }
 //! ```
 //!
+//! A whole program to copy, with a stream of its own and a check of the balance:
+//! `examples/examples/redis_streams.rs` (`cargo run -p inbox-examples --example redis_streams`).
+//!
 //! # Entry layout
 //!
 //! An entry holds the producer-set message ID in the ID field (default `event_id`, see

@@ -46,6 +46,9 @@
 //! # }
 //! ```
 //!
+//! A whole program to copy, with a queue of its own and a check of the balance:
+//! `examples/examples/sqs.rs` (`cargo run -p inbox-examples --example sqs`).
+//!
 //! # The message ID
 //! It comes from a message attribute, `event_id` unless
 //! [`SqsSourceBuilder::id_attribute`] says otherwise, set by the producer ([`SqsSender`] does
