@@ -5,12 +5,25 @@
 //!   listening at its address is reused; nothing is ever stopped. Safe to run twice.
 //! - `test`: `services`, then `cargo fmt --check`, `cargo clippy --all-targets -D warnings`
 //!   and the whole test suite, then the store's suite (`inbox-postgres`) again on the
-//!   partitioned inbox layout (`INBOX_TEST_LAYOUT=partitioned`).
+//!   partitioned inbox layout (`INBOX_TEST_LAYOUT=partitioned`), then the examples
+//!   (`examples/examples/*.rs`) against the services, then `cargo package` for every library
+//!   crate.
 //! - `demo`: `services`, then the wallet demo (extra arguments go to it).
 
 mod services;
 
 use std::process::{Command, ExitCode};
+
+/// The programs users copy, one per broker, then the side effects outside the database: each
+/// fails when an effect is lost or applied twice.
+const EXAMPLES: [&str; 6] = [
+    "kafka",
+    "sqs",
+    "rabbitmq",
+    "redis_streams",
+    "effect_call",
+    "outbox",
+];
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -48,7 +61,31 @@ fn test(extra: &[String]) -> Result<(), String> {
     // `inbox-postgres` in the partitioned one.
     let mut args = vec!["test", "-p", "inbox-postgres"];
     args.extend(extra.iter().map(String::as_str));
-    cargo_with(&args, &[("INBOX_TEST_LAYOUT", "partitioned")])
+    cargo_with(&args, &[("INBOX_TEST_LAYOUT", "partitioned")])?;
+    // Built by `cargo test` already; this runs them.
+    for example in EXAMPLES {
+        cargo(&[
+            "run",
+            "--quiet",
+            "-p",
+            "inbox-examples",
+            "--example",
+            example,
+        ])?;
+    }
+    // Every library crate packages (its manifest, its files, the versions of its workspace
+    // dependencies). Without verifying: that would build each package and all its
+    // dependencies once more, from scratch, for the same code `cargo test` just built.
+    cargo(&[
+        "package",
+        "--workspace",
+        "--no-verify",
+        "--allow-dirty",
+        "--exclude",
+        "inbox-examples",
+        "--exclude",
+        "xtask",
+    ])
 }
 
 fn demo(extra: &[String]) -> Result<(), String> {
