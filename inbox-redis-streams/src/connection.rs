@@ -64,8 +64,12 @@ impl Conn {
             return Ok(conn.clone());
         }
         // The handshake (`HELLO`, `SELECT`, `AUTH`) is inside the bound: a server that accepts
-        // the TCP connection and then says nothing does not hold the caller.
-        let config = AsyncConnectionConfig::new().set_connection_timeout(self.0.timeout);
+        // the TCP connection and then says nothing does not hold the caller. No response timeout
+        // of the client's (its default, 500 ms, would cut a blocking `XREADGROUP` short): `query`
+        // bounds each command itself, and drops the connection when the bound passes.
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.0.timeout))
+            .set_response_timeout(None);
         let conn = self
             .0
             .client
@@ -159,7 +163,7 @@ mod tests {
         assert!(connection_is_broken(&timed_out));
         let reset = RedisError::from(io::Error::from(io::ErrorKind::ConnectionReset));
         assert!(connection_is_broken(&reset));
-        let refused = RedisError::from((redis::ErrorKind::ResponseError, "NOGROUP", "x".into()));
+        let refused = redis::make_extension_error("NOGROUP".into(), Some("x".into()));
         assert!(!connection_is_broken(&refused));
     }
 }

@@ -112,7 +112,9 @@ fn redis_recovery(e: &RedisError) -> Recovery {
         RetryMethod::Reconnect | RetryMethod::ReconnectFromInitialConnections => {
             Recovery::Reconnect
         }
-        RetryMethod::NoRetry => Recovery::Fatal,
+        // `READONLY` (a replica refusing writes) asks a cluster client to refresh its slot map;
+        // one server's connection has none, and the same command fails again.
+        RetryMethod::NoRetry | RetryMethod::RefreshSlotsAndRetry => Recovery::Fatal,
         _ => Recovery::Retry,
     }
 }
@@ -127,5 +129,40 @@ impl From<Error> for SourceError {
             Error::Reply { .. } => "Redis stream reply",
         };
         SourceError::new(recovery, context, e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server error as the client parses it off the wire.
+    fn server_error(line: &str) -> RedisError {
+        match redis::parse_redis_value(format!("-{line}\r\n").as_bytes()) {
+            Ok(redis::Value::ServerError(e)) => e.into(),
+            other => panic!("not a server error: {other:?}"),
+        }
+    }
+
+    fn recovery(e: RedisError) -> Recovery {
+        Error::redis("test", e).recovery()
+    }
+
+    #[test]
+    fn each_server_error_and_lost_connection_has_its_next_step() {
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert_eq!(recovery(reset.into()), Recovery::Reconnect);
+        let timed_out = std::io::Error::from(std::io::ErrorKind::TimedOut);
+        assert_eq!(recovery(timed_out.into()), Recovery::Reconnect);
+        for (reply, next) in [
+            ("LOADING loading the dataset", Recovery::Retry),
+            ("BUSY a script is running", Recovery::Retry),
+            ("NOGROUP no such group", Recovery::Fatal),
+            ("READONLY a replica", Recovery::Fatal),
+            ("WRONGTYPE not a stream", Recovery::Fatal),
+            ("NOPERM no permission", Recovery::Fatal),
+        ] {
+            assert_eq!(recovery(server_error(reply)), next, "{reply}");
+        }
     }
 }

@@ -30,7 +30,8 @@ enum Connection {
     Manager(ConnectionManager),
 }
 
-// The connection manager has no `Debug`.
+// Not derived: the stream and the ID field say which producer this is; a caller's connection
+// manager would add its whole client configuration.
 impl std::fmt::Debug for RedisStreamProducer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStreamProducer")

@@ -39,7 +39,7 @@ async fn groups(stream: &str) -> usize {
     match v {
         Ok(Value::Array(groups)) => groups.len(),
         Ok(other) => panic!("XINFO GROUPS: {other:?}"),
-        Err(e) if e.kind() == redis::ErrorKind::ResponseError => 0, // no such key
+        Err(e) if e.code() == Some("ERR") => 0, // no such key
         Err(e) => panic!("XINFO GROUPS: {e}"),
     }
 }

@@ -116,7 +116,7 @@ async fn applied(db: &TestDb) -> i64 {
 /// Writes the credits at [`PACE`], each retried under its own ID until Redis takes it (a retry
 /// that reached Redis twice is applied once).
 fn publish(client: Client, stream: String) -> JoinHandle<()> {
-    let url = format!("redis://{}", client.get_connection_info().addr);
+    let url = format!("redis://{}", client.get_connection_info().addr());
     tokio::spawn(async move {
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut producer: Option<RedisStreamProducer> = None;
@@ -270,7 +270,7 @@ async fn consume_through(
 /// The shared Redis of `REDIS_URL`, and a client for it through `proxy`.
 async fn through_proxy() -> (FaultProxy, Client, Client) {
     let info = common::redis_url().into_connection_info().unwrap();
-    let ConnectionAddr::Tcp(host, port) = &info.addr else {
+    let ConnectionAddr::Tcp(host, port) = info.addr() else {
         panic!("REDIS_URL is not plain TCP, so no proxy can sit in front of it");
     };
     let upstream: SocketAddr = tokio::net::lookup_host((host.as_str(), *port))
@@ -279,8 +279,10 @@ async fn through_proxy() -> (FaultProxy, Client, Client) {
         .next()
         .unwrap();
     let proxy = FaultProxy::start(upstream).await.unwrap();
-    let mut proxied = info.clone();
-    proxied.addr = ConnectionAddr::Tcp(proxy.addr().ip().to_string(), proxy.addr().port());
+    let proxied = info.clone().set_addr(ConnectionAddr::Tcp(
+        proxy.addr().ip().to_string(),
+        proxy.addr().port(),
+    ));
     (
         proxy,
         Client::open(proxied).unwrap(),

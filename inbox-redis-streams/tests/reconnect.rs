@@ -62,11 +62,11 @@ async fn send(producer: &RedisStreamProducer, amount: i64) {
 
 #[tokio::test]
 async fn the_source_reconnects_after_redis_drops_its_connections() {
-    let mut info = redis_url()
+    let info = redis_url()
         .into_connection_info()
         .expect("REDIS_URL parses");
-    info.redis.db = DB;
-    let client = Client::open(info).expect("client");
+    let db = info.redis_settings().clone().set_db(DB);
+    let client = Client::open(info.set_redis_settings(db)).expect("client");
     let stream = stream_key("reconnect");
     let producer = RedisStreamProducer::with_connection(
         ConnectionManager::new(client.clone())

@@ -167,3 +167,26 @@ async fn after_commit_mode_keeps_it() {
     assert_eq!(pending(&stream).await, 0);
     cleanup(&stream).await;
 }
+
+/// A blocking read longer than the Redis client's own default reply timeout (500 ms) waits its
+/// whole `block`: an entry added a second into the wait arrives on it, with no error and no
+/// new connection.
+#[tokio::test]
+async fn a_blocking_read_longer_than_half_a_second_waits_for_its_entry() {
+    let stream = stream_key("long-block");
+    let producer = producer(&stream).await;
+    let mut source = builder(&stream, "c1")
+        .block(Duration::from_secs(3))
+        .connect(&redis_url())
+        .await
+        .expect("source connects");
+    let send = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        producer.send("7").await.expect("send");
+    });
+    let batch = source.receive(10).await.expect("the blocked read answers");
+    send.await.expect("the sender finished");
+    assert_eq!(batch.len(), 1);
+    assert_eq!(batch[0].message.payload, b"7");
+    cleanup(&stream).await;
+}

@@ -4,8 +4,9 @@ use std::time::Duration;
 
 use inbox_core::{async_trait, BoxError, MessageId, StatsSnapshot};
 use inbox_postgres::testkit::TestDb;
+use inbox_redis_streams::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use inbox_redis_streams::redis::streams::StreamInfoGroupsReply;
-use inbox_redis_streams::redis::{self, aio::ConnectionManager, AsyncCommands};
+use inbox_redis_streams::redis::{self, AsyncCommands};
 use inbox_redis_streams::{AckMode, RedisStreamProducer, RedisStreamSource};
 
 use super::{Broker, Outgoing};
@@ -29,7 +30,12 @@ impl Redis {
             format!("cannot reach Redis at {url}: {e}; run `cargo xtask services` or set REDIS_URL")
         };
         let client = redis::Client::open(url.as_str()).map_err(unreachable)?;
-        let conn = ConnectionManager::new(client).await.map_err(unreachable)?;
+        // No reply timeout (redis-rs's default is 500 ms): a publish on a machine busy with a
+        // soak run waits for its reply rather than failing the run.
+        let config = ConnectionManagerConfig::new().set_response_timeout(None);
+        let conn = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(unreachable)?;
         Ok(Self { url, conn })
     }
 }
