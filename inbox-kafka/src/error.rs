@@ -64,6 +64,8 @@ pub(crate) fn recovery(e: &KafkaError) -> Recovery {
             | C::Fatal,
         ) => Recovery::Fatal,
         _ if matches!(e, KafkaError::MessageConsumptionFatal(_)) => Recovery::Fatal,
+        // A topic name with a NUL byte never becomes valid.
+        _ if matches!(e, KafkaError::Nul(_)) => Recovery::Fatal,
         _ => Recovery::Retry,
     }
 }
@@ -100,5 +102,17 @@ mod tests {
         assert!(!partition_moved(&timeout));
         let denied = KafkaError::MessageConsumption(RDKafkaErrorCode::TopicAuthorizationFailed);
         assert_eq!(recovery(&denied), Recovery::Fatal);
+    }
+
+    /// rdkafka reports a topic name with a NUL byte as an error (it used to panic).
+    #[tokio::test]
+    async fn a_topic_name_with_a_nul_byte_is_refused_for_good() {
+        // Nothing listens on port 9: the name is refused before any broker is asked.
+        let producer = crate::KafkaProducer::new("127.0.0.1:9").expect("a producer");
+        let e = producer
+            .send("orders\0x", crate::Record::new("x"))
+            .await
+            .expect_err("the name is refused");
+        assert_eq!(e.recovery(), Recovery::Fatal, "{e}");
     }
 }

@@ -117,7 +117,9 @@
 //!
 //! [`KafkaConfig`] passes any librdkafka property through ([`KafkaConfig::set`],
 //! [`KafkaConfig::set_consumer`]): TLS and SASL (enable the crate feature `ssl` for TLS and
-//! SCRAM), timeouts, assignment strategy. A new group starts at the earliest offset
+//! SCRAM), timeouts, assignment strategy. zstd compression (`compression.type=zstd` on a
+//! producer, and reading batches another producer compressed with zstd) needs the crate
+//! feature `zstd`; gzip (`libz`) is always built in. A new group starts at the earliest offset
 //! (`auto.offset.reset=earliest`) unless told otherwise. Lower `session.timeout.ms` to notice a
 //! dead member sooner; keep `max.poll.interval.ms` above the longest batch.
 

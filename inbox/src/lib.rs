@@ -11,6 +11,7 @@
 //! | (always) | the crate root: [`Consumer`], [`Handler`], [`BatchHandler`], [`MessageId`], … | `inbox-core` |
 //! | `postgres` | `inbox::postgres` (`PgInbox`, `Outbox`, `PgLeases`) | `inbox-postgres` |
 //! | `kafka` | `inbox::kafka` | `inbox-kafka` (rdkafka, librdkafka built from source) |
+//! | `kafka-zstd` | `kafka`, with zstd compression | `inbox-kafka`'s feature `zstd` |
 //! | `sqs` | `inbox::sqs` | `inbox-sqs` (aws-sdk-sqs) |
 //! | `rabbitmq` | `inbox::rabbitmq` | `inbox-rabbitmq` (lapin) |
 //! | `redis-streams` | `inbox::redis_streams` | `inbox-redis-streams` (redis) |

@@ -1,0 +1,47 @@
+//! Feature `zstd`: records a producer compressed with zstd come back to the source as sent.
+
+#![cfg(feature = "zstd")]
+
+mod common;
+
+use std::time::Duration;
+
+use inbox_core::{Ack, MessageSource};
+use inbox_kafka::{brokers_from_env, KafkaProducer, Record};
+
+#[tokio::test]
+async fn zstd_compressed_records_are_read_back_as_sent() {
+    let topic = common::topic(1).await;
+    let producer = KafkaProducer::with_properties(
+        &brokers_from_env(),
+        [("compression.type", "zstd"), ("linger.ms", "50")],
+    )
+    .expect("a producer with zstd");
+    // Repetitive payloads, several per batch, so the batch is worth compressing.
+    let payloads: Vec<String> = (0..20)
+        .map(|n| format!("{{\"n\":{n},\"pad\":\"{}\"}}", "x".repeat(500)))
+        .collect();
+    let sends = payloads
+        .iter()
+        .map(|p| producer.send(&topic, Record::new(p.as_bytes())));
+    futures_util::future::try_join_all(sends)
+        .await
+        .expect("produced");
+
+    let mut source = common::source(&topic, &common::random("g"));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut received = Vec::new();
+    while received.len() < payloads.len() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} of {} received",
+            received.len(),
+            payloads.len()
+        );
+        for delivery in source.receive(100).await.expect("receives") {
+            received.push(String::from_utf8(delivery.message.payload).expect("UTF-8"));
+            delivery.ack.ack().await.expect("acked");
+        }
+    }
+    assert_eq!(received, payloads);
+}
