@@ -1,46 +1,115 @@
-//! `wallet --help` and a wrong command: what a user types first.
+//! `wallet --help`, `--version` and wrong command lines: what a user types first, and what
+//! scripts rely on (a usage on stderr and a non-zero status for anything wrong).
 
-use std::process::Command;
+use std::process::{Command, Output};
 
-fn wallet(args: &[&str]) -> std::process::Output {
+fn wallet(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_wallet"))
         .args(args)
         .output()
         .expect("the wallet binary runs")
 }
 
+fn stdout(out: &Output) -> String {
+    String::from_utf8(out.stdout.clone()).expect("utf-8")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8(out.stderr.clone()).expect("utf-8")
+}
+
 #[test]
 fn help_lists_every_command_and_succeeds() {
-    for args in [&["--help"][..], &["kill-test", "--help"], &["-h"]] {
+    for args in [&["--help"][..], &["-h"], &["help"]] {
         let out = wallet(args);
         assert!(out.status.success(), "{args:?}: {out:?}");
-        let text = String::from_utf8(out.stdout).expect("utf-8");
+        let text = stdout(&out);
+        assert!(text.contains("Usage: wallet"), "{text}");
         for command in [
+            "demo",
             "kill-test",
             "zombie-test",
+            "bench",
             "soak",
+            "effects-test",
+            "retention-bench",
             "consume",
             "publish",
             "memory-demo",
             "report",
         ] {
             assert!(
-                text.contains(&format!("wallet {command}")),
+                text.lines()
+                    .any(|l| l.trim_start().starts_with(&format!("{command} "))),
                 "{command} missing: {text}"
             );
         }
-        assert!(
-            text.contains("--kafka-impl tansu|mock"),
-            "--kafka-impl missing: {text}"
-        );
     }
+}
+
+#[test]
+fn each_command_has_its_own_help() {
+    for (command, flags) in [
+        (
+            "kill-test",
+            &["--brokers", "--variants", "--kill-after-ms", "--kafka-impl"][..],
+        ),
+        (
+            "soak",
+            &[
+                "--kill-every",
+                "--max-minutes",
+                "--fault-every",
+                "--kafka-impl",
+            ],
+        ),
+        ("bench", &["--events-at-batch-1", "--batches", "--lanes"]),
+        ("effects-test", &["--e2e", "--modes", "--sqs-events"]),
+        (
+            "retention-bench",
+            &["--rows-per-day", "--window-days", "--layouts"],
+        ),
+        ("demo", &["--full", "--brokers"]),
+    ] {
+        let out = wallet(&[command, "--help"]);
+        assert!(out.status.success(), "{command}: {out:?}");
+        let text = stdout(&out);
+        assert!(
+            text.contains(&format!("Usage: wallet {command}")),
+            "{command}: {text}"
+        );
+        for flag in flags {
+            assert!(text.contains(flag), "{command} {flag} missing: {text}");
+        }
+    }
+    let text = stdout(&wallet(&["kill-test", "--help"]));
+    assert!(text.contains("--kafka-impl <tansu|mock>"), "{text}");
+}
+
+#[test]
+fn version_succeeds() {
+    let out = wallet(&["--version"]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        stdout(&out).starts_with(&format!("wallet {}", env!("CARGO_PKG_VERSION"))),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn no_arguments_fail_with_the_usage() {
+    let out = wallet(&[]);
+    assert!(!out.status.success());
+    assert!(out.stdout.is_empty(), "{out:?}");
+    let err = stderr(&out);
+    assert!(err.contains("Usage: wallet <COMMAND>"), "{err}");
 }
 
 #[test]
 fn an_unknown_kafka_implementation_fails_naming_the_choices() {
     let out = wallet(&["kill-test", "--kafka-impl", "redpanda"]);
     assert!(!out.status.success());
-    let err = String::from_utf8(out.stderr).expect("utf-8");
+    let err = stderr(&out);
     assert!(err.contains("use tansu or mock"), "{err}");
 }
 
@@ -48,7 +117,47 @@ fn an_unknown_kafka_implementation_fails_naming_the_choices() {
 fn an_unknown_command_fails_with_the_usage() {
     let out = wallet(&["bogus"]);
     assert!(!out.status.success());
-    let err = String::from_utf8(out.stderr).expect("utf-8");
-    assert!(err.contains("usage: wallet"), "{err}");
+    let err = stderr(&out);
+    assert!(err.contains("bogus"), "{err}");
+    assert!(err.contains("Usage: wallet"), "{err}");
     assert!(err.contains("--help"), "{err}");
+}
+
+#[test]
+fn an_unknown_flag_of_a_command_fails_naming_it() {
+    let out = wallet(&["soak", "--kill-evry", "5..30"]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("--kill-evry"), "{err}");
+    assert!(err.contains("Usage: wallet soak"), "{err}");
+}
+
+#[test]
+fn a_bad_number_fails_saying_which_flag_and_why() {
+    let out = wallet(&["bench", "--events", "20k"]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("invalid value '20k' for '--events <N>'"),
+        "{err}"
+    );
+    assert!(err.contains("invalid digit"), "{err}");
+
+    let out = wallet(&["soak", "--kill-every", "30..5"]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("--kill-every"), "{err}");
+    assert!(err.contains("MIN is above MAX"), "{err}");
+}
+
+#[test]
+fn a_check_across_flags_fails_with_the_usage() {
+    let out = wallet(&["retention-bench", "--days", "2", "--window-days", "2"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = stderr(&out);
+    assert!(
+        err.contains("--window-days must be at least 1 and below --days"),
+        "{err}"
+    );
+    assert!(err.contains("Usage: wallet retention-bench"), "{err}");
 }

@@ -19,99 +19,60 @@ use serde_json::json;
 use tokio::sync::oneshot;
 
 use crate::brokers::{self, Broker, Outgoing};
-use crate::cli::{list, num, parse_flags, BrokerKind, ConsumerSpec, KafkaImpl, Variant};
+use crate::cli::{
+    positive, BrokerKind, ConsumerSpec, HandlerKind, KafkaImpl, Variant, KAFKA_IMPL_HELP,
+    KAFKA_IMPL_LONG_HELP,
+};
 use crate::consume::Watch;
 
-/// How a consumer applies its messages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum HandlerKind {
-    /// `Consumer::new` with the wallet's `Credit`: two statements per message.
-    PerMessage,
-    /// `Consumer::batched` with `BatchCredit`: one statement per transaction.
-    Batch,
-}
-
-impl HandlerKind {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::PerMessage => "message",
-            Self::Batch => "batch",
-        }
-    }
-}
-
-impl std::str::FromStr for HandlerKind {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "message" => Ok(Self::PerMessage),
-            "batch" => Ok(Self::Batch),
-            _ => Err(format!("unknown handler `{s}`: message or batch")),
-        }
-    }
-}
-
-/// What `wallet bench` runs.
-#[derive(Debug, Clone)]
+/// `bench`: msgs/s of variants b and c beside the broker alone and the database alone, for
+/// each broker, batch size, handler and lane count; a table and JSON lines.
+#[derive(Debug, Clone, clap::Args)]
 pub(crate) struct BenchSettings {
+    /// Brokers to measure.
+    #[arg(
+        long,
+        alias = "broker",
+        value_delimiter = ',',
+        value_name = "BROKER,…",
+        default_value = "kafka,redis,rabbitmq"
+    )]
     pub(crate) brokers: Vec<BrokerKind>,
     /// Events per run at batch sizes above 1.
+    #[arg(long, value_name = "N", default_value = "200000", value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) events: u32,
     /// Events per run at batch size 1 (a transaction per message is ~100× slower).
+    #[arg(long, value_name = "N", default_value = "5000")]
     pub(crate) events_at_batch_1: u32,
+    /// Messages per transaction.
+    #[arg(long, value_delimiter = ',', value_name = "N,…", default_value = "1,100,1000", value_parser = positive)]
     pub(crate) batches: Vec<usize>,
+    /// The per-message handler, the set-based batch handler, or both.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "message|batch,…",
+        default_value = "message,batch"
+    )]
     pub(crate) handlers: Vec<HandlerKind>,
+    /// Variants to compare: b, c or both.
+    #[arg(long, value_delimiter = ',', value_name = "b|c,…", default_value = "b,c", value_parser = b_or_c)]
     pub(crate) variants: Vec<Variant>,
     /// Lanes tried where the broker has them (Kafka partitions); others run one lane.
+    #[arg(long, value_delimiter = ',', value_name = "N,…", default_value = "1,6", value_parser = positive)]
     pub(crate) lanes: Vec<usize>,
+    /// Accounts the events credit.
+    #[arg(long, value_name = "N", default_value = "1000", value_parser = clap::value_parser!(i64).range(1..))]
     pub(crate) accounts: i64,
+    #[arg(long, value_name = "tansu|mock", default_value = "tansu", help = KAFKA_IMPL_HELP, long_help = KAFKA_IMPL_LONG_HELP)]
     pub(crate) kafka_impl: KafkaImpl,
 }
 
-impl BenchSettings {
-    pub(crate) fn parse(args: &[String]) -> Result<Self, String> {
-        let mut s = Self {
-            brokers: vec![BrokerKind::Kafka, BrokerKind::Redis, BrokerKind::Rabbitmq],
-            events: 200_000,
-            events_at_batch_1: 5_000,
-            batches: vec![1, 100, 1000],
-            handlers: vec![HandlerKind::PerMessage, HandlerKind::Batch],
-            variants: vec![Variant::B, Variant::C],
-            lanes: vec![1, 6],
-            accounts: 1_000,
-            kafka_impl: KafkaImpl::default(),
-        };
-        parse_flags(args, |flag, value| {
-            match flag {
-                "--brokers" | "--broker" => s.brokers = list(value)?,
-                "--events" => s.events = num(value)?,
-                "--events-at-batch-1" => s.events_at_batch_1 = num(value)?,
-                "--batches" => s.batches = list_of(value)?,
-                "--handlers" => s.handlers = list(value)?,
-                "--variants" => s.variants = list(value)?,
-                "--lanes" => s.lanes = list_of(value)?,
-                "--accounts" => s.accounts = num(value)?,
-                "--kafka-impl" => s.kafka_impl = value.parse()?,
-                _ => return Ok(false),
-            }
-            Ok(true)
-        })?;
-        if s.variants
-            .iter()
-            .any(|v| !matches!(v, Variant::B | Variant::C))
-        {
-            return Err("bench compares b and c only".into());
-        }
-        if s.batches.contains(&0) || s.lanes.contains(&0) || s.events == 0 {
-            return Err("batch sizes, lanes and events start at 1".into());
-        }
-        Ok(s)
+fn b_or_c(value: &str) -> Result<Variant, String> {
+    match value.parse()? {
+        v @ (Variant::B | Variant::C) => Ok(v),
+        _ => Err("bench compares b and c only".into()),
     }
-}
-
-fn list_of(value: &str) -> Result<Vec<usize>, String> {
-    value.split(',').map(num).collect()
 }
 
 /// One measured configuration.

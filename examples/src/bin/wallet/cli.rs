@@ -31,7 +31,7 @@ impl FromStr for BrokerKind {
     fn from_str(s: &str) -> Result<Self, String> {
         Self::ALL
             .into_iter()
-            .find(|b| b.name() == s)
+            .find(|b| b.name() == s.trim())
             .ok_or_else(|| format!("unknown broker `{s}`; use kafka, sqs, rabbitmq or redis"))
     }
 }
@@ -74,7 +74,7 @@ impl FromStr for KafkaImpl {
     fn from_str(s: &str) -> Result<Self, String> {
         [Self::Tansu, Self::Mock]
             .into_iter()
-            .find(|k| k.name() == s)
+            .find(|k| k.name() == s.trim())
             .ok_or_else(|| format!("unknown Kafka implementation `{s}`; use tansu or mock"))
     }
 }
@@ -131,43 +131,180 @@ impl FromStr for Variant {
     fn from_str(s: &str) -> Result<Self, String> {
         Self::ALL
             .into_iter()
-            .find(|v| v.name() == s)
+            .find(|v| v.name() == s.trim())
             .ok_or_else(|| format!("unknown variant `{s}`; use a1, a2, b or c"))
     }
 }
 
-/// Reads `--flag value` pairs, handing each to `apply`.
-pub(crate) fn parse_flags(
-    args: &[String],
-    mut apply: impl FnMut(&str, &str) -> Result<bool, String>,
-) -> Result<(), String> {
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
-        if !apply(flag, value).map_err(|e| format!("{flag} {value}: {e}"))? {
-            return Err(format!("unknown option {flag}"));
-        }
-    }
-    Ok(())
-}
+/// The one-line help of every `--kafka-impl`.
+pub(crate) const KAFKA_IMPL_HELP: &str = "What KAFKA_BROKERS is: tansu or mock";
 
-pub(crate) fn num<T: FromStr>(value: &str) -> Result<T, String>
-where
-    T::Err: fmt::Display,
-{
-    value.parse().map_err(|e: T::Err| e.to_string())
-}
+/// The long help of every `--kafka-impl`.
+pub(crate) const KAFKA_IMPL_LONG_HELP: &str = "What KAFKA_BROKERS is.
+tansu (what `cargo xtask services` starts): one record per produced batch (Tansu 0.6 serves a \
+fetch from mid-batch from the next batch on) and a draining consumer that applies nothing is \
+replaced (Tansu can leave the last member with no partitions).
+mock (librdkafka's mock cluster, `cargo run -p inbox-examples --bin kafka-mock`): neither \
+work-around, a stalled drain fails the run; topics get 6 partitions through \
+`kafka-mock --control ADDR` when KAFKA_MOCK_CONTROL=ADDR, else 4, created on first use.";
 
-pub(crate) fn list<T: FromStr<Err = String>>(value: &str) -> Result<Vec<T>, String> {
-    value.split(',').map(str::trim).map(T::from_str).collect()
-}
-
+/// A probability: a number from 0 to 1.
 pub(crate) fn probability(value: &str) -> Result<f64, String> {
-    let p: f64 = num(value)?;
+    let p: f64 = value.trim().parse().map_err(|e| format!("{e}"))?;
     if (0.0..=1.0).contains(&p) {
         Ok(p)
     } else {
         Err("a probability is between 0 and 1".into())
+    }
+}
+
+/// A count from 1 up.
+pub(crate) fn positive(value: &str) -> Result<usize, String> {
+    match value.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A duration flag in `unit`: a plain number counts in that unit, as the flag's name says
+/// (`--work-ms 10`), and a humantime duration is converted to it (`--work-ms 1s`).
+fn duration_in(value: &str, unit: Duration, unit_name: &str) -> Result<u64, String> {
+    let value = value.trim();
+    if let Ok(n) = value.parse::<u64>() {
+        return Ok(n);
+    }
+    let d = humantime::parse_duration(value).map_err(|e| {
+        format!("`{value}` is neither a number of {unit_name} nor a duration such as 1500ms or 2m ({e})")
+    })?;
+    if d.as_nanos() % unit.as_nanos() != 0 {
+        return Err(format!("`{value}` is not a whole number of {unit_name}"));
+    }
+    u64::try_from(d.as_nanos() / unit.as_nanos()).map_err(|_| format!("`{value}` is too long"))
+}
+
+/// Milliseconds: `10`, or a duration such as `1s`.
+pub(crate) fn millis(value: &str) -> Result<u64, String> {
+    duration_in(value, Duration::from_millis(1), "milliseconds")
+}
+
+/// Seconds: `60`, or a duration such as `1m`.
+pub(crate) fn seconds(value: &str) -> Result<u64, String> {
+    duration_in(value, Duration::from_secs(1), "seconds")
+}
+
+/// Minutes: `60`, or a duration such as `2h`.
+pub(crate) fn minutes(value: &str) -> Result<u64, String> {
+    duration_in(value, Duration::from_secs(60), "minutes")
+}
+
+/// `MIN..MAX`, both read by `one`.
+fn range(
+    value: &str,
+    one: fn(&str) -> Result<u64, String>,
+    example: &str,
+) -> Result<(u64, u64), String> {
+    let (lo, hi) = value
+        .split_once("..")
+        .ok_or_else(|| format!("use MIN..MAX, e.g. {example}"))?;
+    let (lo, hi) = (one(lo)?, one(hi)?);
+    if lo > hi {
+        return Err("MIN is above MAX".into());
+    }
+    Ok((lo, hi))
+}
+
+/// A range of milliseconds: `1000..8000` or `1s..8s`.
+pub(crate) fn millis_range(value: &str) -> Result<(u64, u64), String> {
+    range(value, millis, "1000..8000 or 1s..8s")
+}
+
+/// A range of seconds from 1 up: `5..30` or `5s..1m`.
+pub(crate) fn seconds_range(value: &str) -> Result<(u64, u64), String> {
+    let (lo, hi) = range(value, seconds, "5..30 or 5s..1m")?;
+    if lo == 0 {
+        return Err("MIN must be at least 1 s".into());
+    }
+    Ok((lo, hi))
+}
+
+/// How a consumer applies its messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HandlerKind {
+    /// `Consumer::new` with the wallet's `Credit`: two statements per message.
+    PerMessage,
+    /// `Consumer::batched` with `BatchCredit`: one statement per transaction.
+    Batch,
+}
+
+impl HandlerKind {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::PerMessage => "message",
+            Self::Batch => "batch",
+        }
+    }
+}
+
+impl FromStr for HandlerKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "message" => Ok(Self::PerMessage),
+            "batch" => Ok(Self::Batch),
+            _ => Err(format!("unknown handler `{s}`; use message or batch")),
+        }
+    }
+}
+
+/// `wallet consume`: what one consumer child of the kill test runs (see [`ConsumerSpec::to_args`]).
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct ConsumeArgs {
+    /// The broker to consume from.
+    #[arg(long, value_name = "kafka|sqs|rabbitmq|redis")]
+    broker: BrokerKind,
+    /// a1 the broker's automatic ack, a2 the same in batches, b ack after the DB commit without
+    /// the inbox, c the inbox.
+    #[arg(long, value_name = "a1|a2|b|c", default_value = "c")]
+    variant: Variant,
+    /// The queue, topic or stream.
+    #[arg(long, value_name = "QUEUE")]
+    name: String,
+    /// The Postgres schema holding the wallet tables and the inbox.
+    #[arg(long)]
+    schema: String,
+    /// The handler's work per message: milliseconds, or a duration such as 10ms.
+    #[arg(long, value_name = "MS", default_value = "10", value_parser = millis)]
+    work_ms: u64,
+    /// Probability per message of aborting between the DB commit and the ack.
+    #[arg(long, value_name = "P", default_value = "0", value_parser = probability)]
+    crash_between_commit_and_ack: f64,
+    /// Which of several concurrent consumers this is.
+    #[arg(long, value_name = "N", default_value = "0")]
+    member: usize,
+    /// Messages per transaction [default: the variant's].
+    #[arg(long, value_name = "N", value_parser = positive)]
+    batch: Option<usize>,
+    /// Lanes applied side by side.
+    #[arg(long, value_name = "N", default_value = "1", value_parser = positive)]
+    lanes: usize,
+    /// The per-message handler or the set-based batch one.
+    #[arg(long, value_name = "message|batch", default_value = "message")]
+    handler: HandlerKind,
+}
+
+impl ConsumeArgs {
+    pub(crate) fn spec(self) -> ConsumerSpec {
+        ConsumerSpec {
+            work: Duration::from_millis(self.work_ms),
+            crash_between_commit_and_ack: self.crash_between_commit_and_ack,
+            member: self.member,
+            batch: self.batch,
+            lanes: self.lanes,
+            batched: self.handler == HandlerKind::Batch,
+            ..ConsumerSpec::new(self.broker, self.variant, &self.name, &self.schema)
+        }
     }
 }
 
@@ -218,39 +355,6 @@ impl ConsumerSpec {
             batched: false,
             no_database: false,
         }
-    }
-
-    pub(crate) fn parse(args: &[String]) -> Result<Self, String> {
-        let mut broker = None;
-        let mut variant = Variant::C;
-        let mut name = None;
-        let mut schema = None;
-        let mut spec = Self::new(BrokerKind::Redis, variant, "", "");
-        parse_flags(args, |flag, value| {
-            match flag {
-                "--broker" => broker = Some(value.parse()?),
-                "--variant" => variant = value.parse()?,
-                "--name" => name = Some(value.to_owned()),
-                "--schema" => schema = Some(value.to_owned()),
-                "--work-ms" => spec.work = Duration::from_millis(num(value)?),
-                "--crash-between-commit-and-ack" => {
-                    spec.crash_between_commit_and_ack = probability(value)?;
-                }
-                "--member" => spec.member = num(value)?,
-                "--batch" => spec.batch = Some(num(value)?),
-                "--lanes" => spec.lanes = num(value)?,
-                "--handler" => spec.batched = value == "batch",
-                _ => return Ok(false),
-            }
-            Ok(true)
-        })?;
-        Ok(Self {
-            broker: broker.ok_or("--broker is required")?,
-            variant,
-            name: name.ok_or("--name (queue, topic or stream) is required")?,
-            schema: schema.ok_or("--schema is required")?,
-            ..spec
-        })
     }
 
     /// The arguments that make a `wallet consume` child run this spec.

@@ -24,74 +24,69 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 use crate::brokers::{self, Broker, Outgoing};
-use crate::cli::{list, num, parse_flags, BrokerKind, KafkaImpl};
+use crate::cli::{
+    millis, millis_range, BrokerKind, KafkaImpl, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
+};
 use crate::effects_child::{ChildSpec, Mode, Role, EFFECT_CONSUMER, PROVIDER_ENV};
-use crate::kill::progress;
+use crate::progress;
 use crate::report::{spread, Spread};
 
-/// `effects-test` settings.
-#[derive(Debug, Clone)]
+/// `effects-test`: side effects outside the database. An effect consumer child calling a test
+/// provider (the first call per key slow, `--work-ms`) is SIGKILLed and restarted, then drains;
+/// duplicate and lost effects are counted at the provider per mode, a table and JSON lines.
+/// `--e2e true`: the outbox chain instead, consumer A (inbox + outbox) on X, the relay to Y,
+/// consumer B (the credit) on Y, each killed in turn; B must credit every event once.
+#[derive(Debug, Clone, clap::Args)]
 pub(crate) struct EffectsSettings {
+    /// Brokers to test; one that does not answer is skipped.
+    #[arg(
+        long,
+        alias = "broker",
+        value_delimiter = ',',
+        value_name = "BROKER,…",
+        default_value = "kafka,sqs,rabbitmq,redis"
+    )]
     pub(crate) brokers: Vec<BrokerKind>,
+    /// What the provider offers and what the handler does after an unknown outcome.
+    #[arg(
+        long,
+        alias = "mode",
+        value_delimiter = ',',
+        value_name = "MODE,…",
+        default_value = "keys,lookup,neither+retry,neither+skip"
+    )]
     pub(crate) modes: Vec<Mode>,
+    /// Events per run.
+    #[arg(long, value_name = "N", default_value = "500")]
     pub(crate) events: u32,
-    /// Events on SQS (moto is slow).
+    /// Events per run on SQS (moto is slow).
+    #[arg(long, value_name = "N", default_value = "200")]
     pub(crate) sqs_events: u32,
+    /// SIGKILLs per run.
+    #[arg(long, value_name = "N", default_value = "10")]
     pub(crate) kills: u32,
+    /// Runs per broker and mode.
+    #[arg(long, value_name = "N", default_value = "5", value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) runs: u32,
+    /// A child's work before its kill, drawn from MIN..MAX: milliseconds, or durations such as
+    /// 1s..4s.
+    #[arg(long, value_name = "MIN..MAX", default_value = "1000..4000", value_parser = millis_range)]
     pub(crate) kill_after_ms: (u64, u64),
     /// How long the provider takes over each key's first call (effects); the handlers' sleep
-    /// (the outbox chain).
+    /// (the outbox chain): milliseconds, or a duration such as 40ms.
+    #[arg(long, value_name = "MS", default_value = "40", value_parser = millis)]
     pub(crate) work_ms: u64,
+    /// Seed of the events and the kill schedule.
+    #[arg(long, value_name = "N", default_value = "42")]
     pub(crate) seed: u64,
+    /// The outbox chain instead of the effect consumer.
+    #[arg(long, value_name = "BOOL", default_value = "false", action = clap::ArgAction::Set)]
     pub(crate) e2e: bool,
+    #[arg(long, value_name = "tansu|mock", default_value = "tansu", help = KAFKA_IMPL_HELP, long_help = KAFKA_IMPL_LONG_HELP)]
     pub(crate) kafka_impl: KafkaImpl,
 }
 
 impl EffectsSettings {
-    pub(crate) fn parse(args: &[String]) -> Result<Self, String> {
-        let mut s = Self {
-            brokers: BrokerKind::ALL.to_vec(),
-            modes: Mode::ALL.to_vec(),
-            events: 500,
-            sqs_events: 200,
-            kills: 10,
-            runs: 5,
-            kill_after_ms: (1_000, 4_000),
-            work_ms: 40,
-            seed: 42,
-            e2e: false,
-            kafka_impl: KafkaImpl::default(),
-        };
-        parse_flags(args, |flag, value| {
-            match flag {
-                "--brokers" | "--broker" => s.brokers = list(value)?,
-                "--modes" | "--mode" => s.modes = list(value)?,
-                "--events" => s.events = num(value)?,
-                "--sqs-events" => s.sqs_events = num(value)?,
-                "--kills" => s.kills = num(value)?,
-                "--runs" => s.runs = num(value)?,
-                "--kill-after-ms" => {
-                    let (lo, hi) = value.split_once("..").ok_or("use LOW..HIGH")?;
-                    s.kill_after_ms = (num(lo)?, num(hi)?);
-                    if s.kill_after_ms.0 > s.kill_after_ms.1 {
-                        return Err("LOW is above HIGH".into());
-                    }
-                }
-                "--work-ms" => s.work_ms = num(value)?,
-                "--seed" => s.seed = num(value)?,
-                "--e2e" => s.e2e = num(value)?,
-                "--kafka-impl" => s.kafka_impl = value.parse()?,
-                _ => return Ok(false),
-            }
-            Ok(true)
-        })?;
-        if s.runs == 0 {
-            return Err("--runs must be at least 1".into());
-        }
-        Ok(s)
-    }
-
     pub(crate) fn events_on(&self, kind: BrokerKind) -> u32 {
         if kind == BrokerKind::Sqs {
             self.sqs_events.min(self.events)
@@ -128,7 +123,7 @@ pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
             let mut runs = Vec::new();
             for run in 0..s.runs {
                 let r = run_once(broker.as_ref(), s, mode, run).await?;
-                progress("");
+                progress::finish();
                 println!(
                     "run done: {kind} {} run {}/{}: {} duplicate effects, {} lost, {} kills, {} provider calls",
                     mode.name(),
@@ -291,7 +286,7 @@ async fn run_once(
             break;
         }
         kills += 1;
-        progress(&format!("{label}: {kills} kills, {settled}/{count} done"));
+        progress::show(&format!("{label}: {kills} kills, {settled}/{count} done"));
     }
     // The drain: one child, until every event is done or nothing moves for long.
     let mut child = spawn(&spec, &env).await?;
@@ -300,18 +295,22 @@ async fn run_once(
     loop {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let settled = done().await?;
-        progress(&format!("{label}: draining, {settled}/{count} done"));
+        progress::show(&format!("{label}: draining, {settled}/{count} done"));
         if settled >= i64::from(count) {
             break;
         }
         if settled != last {
             (last, since) = (settled, Instant::now());
         } else if since.elapsed() >= delay + Duration::from_secs(60) {
-            eprintln!("\n{label}: the drain stopped at {settled}/{count} done");
+            progress::note(&format!(
+                "{label}: the drain stopped at {settled}/{count} done"
+            ));
             break;
         } else if since.elapsed() >= delay + Duration::from_secs(10) && restarts < 5 {
             // Tansu can leave a lone group member without partitions: a new member rebalances.
-            eprintln!("\n{label}: the drain applies nothing at {settled}/{count}; replacing it");
+            progress::note(&format!(
+                "{label}: the drain applies nothing at {settled}/{count}; replacing it"
+            ));
             kill(&mut child).await;
             child = spawn(&spec, &env).await?;
             restarts += 1;

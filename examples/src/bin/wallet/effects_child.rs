@@ -15,7 +15,7 @@ use inbox_postgres::testkit::wallet::Credit;
 use inbox_postgres::testkit::{fast_retry, TestDb};
 use inbox_postgres::{Outbox, PgLeases, PgTx};
 
-use crate::cli::{num, parse_flags, BrokerKind};
+use crate::cli::{millis, BrokerKind};
 
 /// The environment variable the parent passes the provider's address in.
 pub(crate) const PROVIDER_ENV: &str = "EFFECTS_PROVIDER";
@@ -99,17 +99,30 @@ impl std::str::FromStr for Role {
     }
 }
 
-/// A child's command line.
-#[derive(Debug, Clone)]
+/// A child's command line: `wallet effects-child`, started by `effects-test` (see
+/// [`ChildSpec::to_args`]).
+#[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ChildSpec {
+    /// Which process this child is.
+    #[arg(long, value_name = "effect|forward|relay|credit")]
     pub(crate) role: Role,
+    /// The broker it reads or writes.
+    #[arg(long, value_name = "kafka|sqs|rabbitmq|redis")]
     pub(crate) broker: BrokerKind,
     /// The queue, topic or stream read (the relay: the one written).
+    #[arg(long, value_name = "QUEUE")]
     pub(crate) name: String,
     /// Where the forwarder's outbox rows go (its destination), for `Forward`.
+    #[arg(long, value_name = "QUEUE", default_value = "")]
     pub(crate) destination: String,
+    /// The Postgres schema of the run.
+    #[arg(long)]
     pub(crate) schema: String,
+    /// What the provider offers and what the handler does after an unknown outcome.
+    #[arg(long, value_name = "MODE", default_value = "keys")]
     pub(crate) mode: Mode,
+    /// The provider's slow first call (effects), the handlers' sleep (the outbox chain).
+    #[arg(long, value_name = "MS", default_value = "0", value_parser = millis)]
     pub(crate) work_ms: u64,
 }
 
@@ -128,40 +141,13 @@ impl ChildSpec {
         .flat_map(|(flag, value)| [flag.to_owned(), value])
         .collect()
     }
-
-    fn parse(args: &[String]) -> Result<Self, String> {
-        let mut s = ChildSpec {
-            role: Role::Effect,
-            broker: BrokerKind::Redis,
-            name: String::new(),
-            destination: String::new(),
-            schema: String::new(),
-            mode: Mode::Keys,
-            work_ms: 0,
-        };
-        parse_flags(args, |flag, value| {
-            match flag {
-                "--role" => s.role = value.parse()?,
-                "--broker" => s.broker = value.parse()?,
-                "--name" => s.name = value.to_owned(),
-                "--destination" => s.destination = value.to_owned(),
-                "--schema" => s.schema = value.to_owned(),
-                "--mode" => s.mode = value.parse()?,
-                "--work-ms" => s.work_ms = num(value)?,
-                _ => return Ok(false),
-            }
-            Ok(true)
-        })?;
-        Ok(s)
-    }
 }
 
 /// `wallet effects-child …`: one child, until killed or Ctrl-C.
-pub(crate) async fn main(args: &[String]) -> Result<(), BoxError> {
-    let spec = ChildSpec::parse(args)?;
+pub(crate) async fn main(spec: &ChildSpec) -> Result<(), BoxError> {
     let db = TestDb::attach(&spec.schema).await;
     if spec.role == Role::Relay {
-        return relay(&spec, &db).await;
+        return relay(spec, &db).await;
     }
     match spec.broker {
         BrokerKind::Redis => {
@@ -174,7 +160,7 @@ pub(crate) async fn main(args: &[String]) -> Result<(), BoxError> {
                 .claim_interval(Duration::from_secs(1))
                 .connect(&url)
                 .await?;
-            run(source, &spec, &db).await
+            run(source, spec, &db).await
         }
         BrokerKind::Rabbitmq => {
             let url = std::env::var("AMQP_URL")
@@ -183,7 +169,7 @@ pub(crate) async fn main(args: &[String]) -> Result<(), BoxError> {
                 .no_delivery_limit()
                 .poll_timeout(Duration::from_millis(500));
             let source = inbox_rabbitmq::RabbitSource::connect(config).await?;
-            run(source, &spec, &db).await
+            run(source, spec, &db).await
         }
         BrokerKind::Sqs => {
             let client = inbox_sqs::connect_or_local(SQS_LOCAL).await;
@@ -195,14 +181,14 @@ pub(crate) async fn main(args: &[String]) -> Result<(), BoxError> {
                 .max_messages(1)
                 .build()
                 .await?;
-            run(source, &spec, &db).await
+            run(source, spec, &db).await
         }
         #[cfg(feature = "kafka")]
         BrokerKind::Kafka => {
             let source = inbox_kafka::KafkaConfig::from_env(spec.name.clone(), [spec.name.clone()])
                 .set_consumer("session.timeout.ms", "6000")
                 .build()?;
-            run(source, &spec, &db).await
+            run(source, spec, &db).await
         }
         #[cfg(not(feature = "kafka"))]
         BrokerKind::Kafka => Err("this wallet binary was built without the `kafka` feature".into()),

@@ -2,7 +2,6 @@
 //! schedule, let a final consumer drain, and count duplicates and losses from the ledger.
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -17,6 +16,7 @@ use tokio::process::{Child, Command};
 use crate::brokers::{self, Broker, Outgoing};
 use crate::cli::{BrokerKind, ConsumerSpec, Variant};
 use crate::consume::Watch;
+use crate::progress;
 use crate::report::{self, RunResult, VariantResult};
 use crate::settings::KillSettings;
 
@@ -132,7 +132,7 @@ async fn run_once(
                 child = spawn_ready(&spec).await?;
             }
             let applied = wallet::summary(&db.pool).await?.distinct_events;
-            progress(&format!(
+            progress::show(&format!(
                 "{label}: kill {}/{}, {applied}/{} events applied",
                 k + 1,
                 s.kills,
@@ -147,7 +147,7 @@ async fn run_once(
     drain_spec.crash_between_commit_and_ack = 0.0;
     drain(broker, &drain_spec, &db, i64::from(s.events), &label).await?;
     let result = count(&db, s.events, &expected, s.kills, self_crashes).await?;
-    progress("");
+    progress::finish();
     db.drop().await;
     broker.remove(&name).await;
     Ok(result)
@@ -197,7 +197,7 @@ async fn throughput(
     let label = format!("{kind} {} no-kill throughput", variant.name());
     let elapsed = drain(broker, &spec, &db, i64::from(s.throughput_events), &label).await?;
     let rows = wallet::summary(&db.pool).await?.ledger_rows;
-    progress("");
+    progress::finish();
     db.drop().await;
     broker.remove(&name).await;
     Ok(rows as f64 / elapsed.as_secs_f64().max(1e-3))
@@ -331,7 +331,7 @@ pub(crate) async fn drain(
                 rows = summary.ledger_rows;
                 last_change = Instant::now();
             }
-            progress(&format!(
+            progress::show(&format!(
                 "{label}: draining, {}/{published} events applied",
                 summary.distinct_events
             ));
@@ -360,7 +360,7 @@ pub(crate) async fn drain(
                         break Drained::Stalled(stall);
                     }
                     if restarts < max_restarts {
-                        eprintln!("\n{label}: {stall}; replacing it");
+                        progress::note(&format!("{label}: {stall}; replacing it"));
                         break Drained::Replace;
                     }
                 }
@@ -371,7 +371,9 @@ pub(crate) async fn drain(
             Ok(result) => {
                 result?;
             }
-            Err(_) => eprintln!("\n{label}: the draining consumer did not stop in 30 s"),
+            Err(_) => progress::note(&format!(
+                "{label}: the draining consumer did not stop in 30 s"
+            )),
         }
         match drained {
             Drained::Done => return Ok(last_change - start),
@@ -379,11 +381,4 @@ pub(crate) async fn drain(
             Drained::Stalled(stall) => return Err(format!("{label}: {stall}").into()),
         }
     }
-}
-
-/// One progress line on stderr, rewritten in place.
-pub(crate) fn progress(line: &str) {
-    let mut err = std::io::stderr();
-    let _ = write!(err, "\r\x1b[2K{line}");
-    let _ = err.flush();
 }

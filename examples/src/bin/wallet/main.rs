@@ -23,6 +23,7 @@ mod faults;
 mod kill;
 mod memory;
 mod outbox_chain;
+mod progress;
 mod report;
 mod retention_bench;
 mod settings;
@@ -33,72 +34,107 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use clap::{CommandFactory, Parser, Subcommand};
 use inbox_core::BoxError;
 use inbox_postgres::testkit::TestDb;
 
-use crate::cli::{num, parse_flags, BrokerKind, ConsumerSpec, KafkaImpl, Variant};
+use crate::cli::{
+    BrokerKind, ConsumeArgs, KafkaImpl, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
+};
 use crate::consume::Watch;
-use crate::settings::{KillSettings, ZombieSettings};
+use crate::settings::{KillArgs, KillSettings, ZombieSettings};
 
-/// What `wallet --help` prints.
-const HELP: &str = r"cargo xtask demo                      # services, then a short kill test of b and c on every broker
-cargo xtask demo --full               # the article's settings: 4 variants, 5 runs of 20 kills
-wallet kill-test [--brokers kafka,sqs,rabbitmq,redis] [--variants a1,a2,b,c] [--events 10000]
-                 [--kills 20] [--runs 5] [--kill-after-ms 1000..8000] [--work-ms 10] [--seed 42]
-                 [--crash-between-commit-and-ack P] [--throughput true] [--throughput-events N]
-                 [--chart target/wallet-kill-test.svg] [--require-brokers false]
-                 [--kafka-impl tansu|mock]
-wallet zombie-test [--brokers …] [--variants b,c] [--events 5000] [--stall-every 500] [--runs 1]
-                   [--kafka-impl tansu|mock]
-wallet bench [--brokers kafka,redis,rabbitmq] [--events 200000] [--events-at-batch-1 5000]
-             [--batches 1,100,1000] [--handlers message,batch] [--variants b,c] [--lanes 1,6]
-             [--accounts 1000] [--kafka-impl tansu|mock]
-                                      # msgs/s of b and c beside the broker alone and the
-                                      # database alone, a table and JSON lines
-wallet soak [--brokers redis,rabbitmq,kafka] [--events 1000000] [--batch 1000] [--lanes 1]
-            [--handler batch|message] [--kill-every 5..30] [--fault-every 60] [--seed 42]
-            [--accounts 1000] [--work-ms 0] [--max-minutes 60] [--kafka-impl tansu|mock]
-                                      # events published in chunks while one consumer child is
-                                      # SIGKILLed every 5–30 s and restarted, a network fault into
-                                      # its connections every 60 s (database cut, database refused
-                                      # 5 s, broker cut, broker black-holed 10 s; on Kafka the
-                                      # database ones only), then a drain: duplicates, losses and
-                                      # the children's RSS, a line and a JSON line per broker
-wallet effects-test [--brokers kafka,sqs,rabbitmq,redis] [--modes keys,lookup,neither+retry,neither+skip]
-                    [--events 500] [--sqs-events 200] [--kills 10] [--runs 5]
-                    [--kill-after-ms 1000..4000] [--work-ms 40] [--seed 42] [--e2e false]
-                                      # side effects outside the database: an effect consumer
-                                      # child calling a test provider (first call per key slow,
-                                      # --work-ms) is SIGKILLed and restarted, then drains;
-                                      # duplicate and lost effects counted at the provider per
-                                      # mode, a table and JSON lines. --e2e true: the outbox
-                                      # chain instead, consumer A (inbox + outbox) on X, the
-                                      # relay to Y, consumer B (the credit) on Y, each killed in
-                                      # turn; B must credit every event once
-wallet retention-bench [--rows-per-day 1000000] [--days 3] [--window-days 2] [--claim-seconds 10]
-                       [--batch 1000] [--purge-batch 10000] [--layouts plain,partitioned]
-                                      # cleanup at ingest speed: claim msgs/s alone and while the
-                                      # batched DELETE purge or the partition drop removes the
-                                      # oldest simulated day, rows/s, claim latency, bytes/row;
-                                      # only PostgreSQL; a table and JSON lines
-wallet consume --broker B --variant V --name QUEUE --schema S [--work-ms 10]
-               [--crash-between-commit-and-ack P] [--batch N] [--lanes N]
-               [--handler message|batch]
-wallet publish --broker B --name QUEUE [--events N] [--seed S] [--kafka-impl tansu|mock]
-wallet memory-demo                    # the in-memory broker with crash points; only PostgreSQL
-wallet report [--chart target/wallet-kill-test.svg] FILE…   # tables and chart from saved runs
-variants: a1 the broker's automatic ack, a2 the same in batches, b ack after the DB commit
-without the inbox, c the inbox; services at DATABASE_URL, KAFKA_BROKERS, AWS_ENDPOINT_URL_SQS,
-AMQP_URL, REDIS_URL (defaults: what `cargo xtask services` starts)
---kafka-impl: what KAFKA_BROKERS is. tansu (default, what `cargo xtask services` starts): one
-record per produced batch (Tansu 0.6 serves a fetch from mid-batch from the next batch on) and a
-draining consumer that applies nothing is replaced (Tansu can leave the last member with no
-partitions). mock (librdkafka's mock cluster, `cargo run -p inbox-examples --bin kafka-mock`):
-neither work-around, a stalled drain fails the run; topics get 6 partitions through
-`kafka-mock --control ADDR` when KAFKA_MOCK_CONTROL=ADDR, else 4, created on first use
-";
+/// The notes under `wallet --help`.
+const NOTES: &str = "\
+Variants: a1 the broker's automatic ack, one at a time; a2 the same in batches; b ack after the \
+DB commit, without the inbox; c the inbox.
+Services: DATABASE_URL, KAFKA_BROKERS, AWS_ENDPOINT_URL_SQS, AMQP_URL, REDIS_URL (defaults: what \
+`cargo xtask services` starts). `cargo xtask demo` starts them, then runs `wallet demo`.
+`wallet COMMAND --help` lists a command's options.";
 
-const USAGE: &str = "usage: wallet demo [--full] [kill-test options] | kill-test [options] | zombie-test [options] | bench [options] | soak [options] | retention-bench [options] | consume … | publish … | memory-demo [options] | report [--chart SVG] FILE…\n`wallet --help` lists the options";
+/// The wallet: credit events applied effectively-once through the inbox, on Kafka, SQS,
+/// RabbitMQ or Redis Streams, and the tests that show it.
+#[derive(Debug, Parser)]
+#[command(name = "wallet", version, after_help = NOTES)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// A short kill test of b and c on every broker that answers; `--full` for the article's
+    /// settings (4 variants, 5 runs of 20 kills).
+    Demo {
+        /// The article's settings instead of the short demo's.
+        #[arg(long)]
+        full: bool,
+        #[command(flatten)]
+        kill: KillArgs,
+    },
+    /// The kill test: the consumer process SIGKILLed again and again while it works through the
+    /// credit events, then a last consumer drains; duplicates, losses and balances per variant,
+    /// a table, a chart and JSON lines.
+    KillTest(KillArgs),
+    /// The zombie test: a consumer stalls past the broker's ownership while another takes its
+    /// messages over.
+    ZombieTest(ZombieSettings),
+    /// msgs/s of b and c beside the broker alone and the database alone, a table and JSON lines.
+    Bench(bench::BenchSettings),
+    /// A long run per broker under SIGKILLs and network faults, then a drain: duplicates, losses
+    /// and the children's RSS, a line and a JSON line per broker.
+    Soak(soak::SoakSettings),
+    /// Side effects outside the database under SIGKILLs, counted at a test provider; `--e2e
+    /// true`: the outbox chain across two queues.
+    EffectsTest(effects::EffectsSettings),
+    /// Cleanup at ingest speed: the batched DELETE purge beside the partition drop, while claims
+    /// run; only PostgreSQL, a table and JSON lines.
+    RetentionBench(retention_bench::RetentionSettings),
+    /// One consumer, until killed or Ctrl-C (what the kill test's children run).
+    Consume(ConsumeArgs),
+    /// Creates a queue, topic or stream and publishes seeded credit events to it.
+    Publish(PublishArgs),
+    /// The wallet on the in-memory broker with crash points; only PostgreSQL.
+    MemoryDemo(memory::Settings),
+    /// The tables, one chart and the JSON lines again, from saved `kill-test` output.
+    Report(ReportArgs),
+    /// A child of `effects-test`.
+    #[command(hide = true)]
+    EffectsChild(effects_child::ChildSpec),
+}
+
+/// `wallet publish`.
+#[derive(Debug, clap::Args)]
+struct PublishArgs {
+    #[arg(long, value_name = "kafka|sqs|rabbitmq|redis")]
+    broker: BrokerKind,
+    /// The queue, topic or stream.
+    #[arg(long, value_name = "QUEUE")]
+    name: String,
+    /// Credit events to publish.
+    #[arg(long, value_name = "N", default_value = "1000")]
+    events: u32,
+    /// Seed of the events.
+    #[arg(long, value_name = "N", default_value = "42")]
+    seed: u64,
+    #[arg(long, value_name = "tansu|mock", default_value = "tansu", help = KAFKA_IMPL_HELP, long_help = KAFKA_IMPL_LONG_HELP)]
+    kafka_impl: KafkaImpl,
+}
+
+/// `wallet report`.
+#[derive(Debug, clap::Args)]
+struct ReportArgs {
+    /// Where the chart goes.
+    #[arg(
+        long,
+        value_name = "SVG",
+        default_value = "target/wallet-kill-test.svg"
+    )]
+    chart: PathBuf,
+    /// Files holding the output (the JSON lines) of `wallet kill-test`.
+    #[arg(value_name = "FILE", required = true)]
+    files: Vec<PathBuf>,
+}
 
 /// Tells the parent `kill-test` that this `consume` child is connected and consuming.
 pub(crate) fn ready() {
@@ -111,54 +147,27 @@ pub(crate) fn ready() {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "error,lapin=off".into()))
         .with_writer(std::io::stderr)
         .init();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some((command, rest)) = args.split_first() else {
-        eprintln!("{USAGE}");
-        return ExitCode::FAILURE;
-    };
-    if args
-        .iter()
-        .any(|a| matches!(a.as_str(), "--help" | "-h" | "help"))
-    {
-        print!("{HELP}");
-        return ExitCode::SUCCESS;
-    }
-    let result = match command.as_str() {
-        "demo" => demo(rest).await,
-        "kill-test" => match KillSettings::full().parse(rest) {
-            Ok(s) => kill_test(&s).await,
-            Err(e) => Err(e.into()),
+    let result = match cli.command {
+        Command::Demo { full, kill } => demo(full, kill).await,
+        Command::KillTest(args) => kill_test(&args.apply(KillSettings::full())).await,
+        Command::ZombieTest(s) => zombie_test(&s).await,
+        Command::Bench(s) => bench::run(&s).await,
+        Command::Soak(s) => soak::run(&s).await,
+        Command::EffectsTest(s) => effects::main(&s).await,
+        Command::EffectsChild(spec) => effects_child::main(&spec).await,
+        Command::RetentionBench(s) => match s.check() {
+            Ok(()) => retention_bench::run(&s).await,
+            Err(e) => usage_error("retention-bench", &e),
         },
-        "zombie-test" => match ZombieSettings::parse(rest) {
-            Ok(s) => zombie_test(&s).await,
-            Err(e) => Err(e.into()),
-        },
-        "bench" => match bench::BenchSettings::parse(rest) {
-            Ok(s) => bench::run(&s).await,
-            Err(e) => Err(e.into()),
-        },
-        "soak" => match soak::SoakSettings::parse(rest) {
-            Ok(s) => soak::run(&s).await,
-            Err(e) => Err(e.into()),
-        },
-        "effects-test" => match effects::EffectsSettings::parse(rest) {
-            Ok(s) => effects::main(&s).await,
-            Err(e) => Err(e.into()),
-        },
-        "effects-child" => effects_child::main(rest).await,
-        "retention-bench" => match retention_bench::RetentionSettings::parse(rest) {
-            Ok(s) => retention_bench::run(&s).await,
-            Err(e) => Err(e.into()),
-        },
-        "consume" => consume(rest).await,
-        "publish" => publish(rest).await,
-        "memory-demo" => return memory::main(rest).await,
-        "report" => report_from(rest),
-        _ => Err(USAGE.into()),
+        Command::Consume(args) => consume(args).await,
+        Command::Publish(args) => publish(args).await,
+        Command::MemoryDemo(s) => return memory::main(&s).await,
+        Command::Report(args) => report_from(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -169,13 +178,26 @@ async fn main() -> ExitCode {
     }
 }
 
+/// Exits as clap does for a bad flag (usage on stderr, status 2), for what the flags cannot say
+/// one at a time.
+fn usage_error(command: &str, message: &str) -> ! {
+    let mut cli = Cli::command();
+    cli.build();
+    let sub = cli.find_subcommand_mut(command).cloned();
+    sub.unwrap_or(cli)
+        .bin_name(format!("wallet {command}"))
+        .error(clap::error::ErrorKind::ValueValidation, message)
+        .exit()
+}
+
 /// The main demo: a short kill test of b and c on every broker that answers; `--full` for
 /// the article's settings.
-async fn demo(args: &[String]) -> Result<(), BoxError> {
-    let settings = match args.split_first() {
-        Some((flag, rest)) if flag == "--full" => KillSettings::full().parse(rest)?,
-        _ => KillSettings::demo().parse(args)?,
-    };
+async fn demo(full: bool, args: KillArgs) -> Result<(), BoxError> {
+    let settings = args.apply(if full {
+        KillSettings::full()
+    } else {
+        KillSettings::demo()
+    });
     println!(
         "The wallet kill test: {} credit events per run, the consumer process SIGKILLed {} times \
          per run after {}–{} ms of work, then a last consumer drains. (`cargo xtask demo --full` \
@@ -211,7 +233,7 @@ async fn kill_test(s: &KillSettings) -> Result<(), BoxError> {
                 all.extend(results);
             }
             Err(e) => {
-                kill::progress("");
+                progress::finish();
                 println!("\n{kind}: the kill test failed: {e}");
                 failures.push(format!("{kind}: {e}"));
             }
@@ -240,21 +262,9 @@ async fn kill_test(s: &KillSettings) -> Result<(), BoxError> {
 
 /// `wallet report`: the tables, one chart and the JSON lines again, from the output of kill
 /// tests run separately (one broker at a time, say).
-fn report_from(args: &[String]) -> Result<(), BoxError> {
-    let mut chart = PathBuf::from("target/wallet-kill-test.svg");
-    let mut files = Vec::new();
-    let mut args = args.iter();
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--chart" => chart = args.next().ok_or("--chart needs a path")?.into(),
-            flag if flag.starts_with("--") => return Err(format!("unknown flag {flag}").into()),
-            file => files.push(PathBuf::from(file)),
-        }
-    }
-    if files.is_empty() {
-        return Err("name at least one file holding the JSON lines of `wallet kill-test`".into());
-    }
-    let mut results = report::read_lines(&files)?;
+fn report_from(args: &ReportArgs) -> Result<(), BoxError> {
+    let (chart, files) = (&args.chart, &args.files);
+    let mut results = report::read_lines(files)?;
     results.sort_by_key(|r| (r.broker, r.variant));
     for broker in BrokerKind::ALL {
         let of_broker: Vec<_> = results
@@ -264,7 +274,7 @@ fn report_from(args: &[String]) -> Result<(), BoxError> {
             .collect();
         report::table(&of_broker);
     }
-    chart::write(&chart, &results)?;
+    chart::write(chart, &results)?;
     println!("\nchart: {}\n", chart.display());
     report::json_lines(&results);
     Ok(())
@@ -309,8 +319,8 @@ fn kafka_note(kind: BrokerKind, kafka_impl: KafkaImpl) {
 }
 
 /// One consumer, until killed or Ctrl-C.
-async fn consume(args: &[String]) -> Result<(), BoxError> {
-    let spec = ConsumerSpec::parse(args)?;
+async fn consume(args: ConsumeArgs) -> Result<(), BoxError> {
+    let spec = args.spec();
     // A consumer neither creates nor publishes: the Kafka implementation makes no difference.
     let broker = brokers::connect(spec.broker, KafkaImpl::default()).await?;
     let db = TestDb::attach(&spec.schema).await;
@@ -325,22 +335,15 @@ async fn consume(args: &[String]) -> Result<(), BoxError> {
 }
 
 /// Creates the queue, topic or stream and publishes seeded credit events to it.
-async fn publish(args: &[String]) -> Result<(), BoxError> {
-    let (mut broker, mut name, mut events, mut seed) = (None, None, 1_000u32, 42u64);
-    let mut kafka_impl = KafkaImpl::default();
-    parse_flags(args, |flag, value| {
-        match flag {
-            "--broker" => broker = Some(value.parse()?),
-            "--kafka-impl" => kafka_impl = value.parse()?,
-            "--name" => name = Some(value.to_owned()),
-            "--events" => events = num(value)?,
-            "--seed" => seed = num(value)?,
-            _ => return Ok(false),
-        }
-        Ok(true)
-    })?;
-    let broker = brokers::connect(broker.ok_or("--broker is required")?, kafka_impl).await?;
-    let name = name.ok_or("--name is required")?;
+async fn publish(args: PublishArgs) -> Result<(), BoxError> {
+    let PublishArgs {
+        broker,
+        name,
+        events,
+        seed,
+        kafka_impl,
+    } = args;
+    let broker = brokers::connect(broker, kafka_impl).await?;
     let settings = KillSettings {
         events,
         seed,
@@ -354,4 +357,132 @@ async fn publish(args: &[String]) -> Result<(), BoxError> {
         broker.kind()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    // A failed parse should fail the test loudly.
+    #![allow(clippy::unwrap_used)]
+
+    use clap::{CommandFactory, Parser};
+
+    use super::{Cli, Command};
+    use crate::cli::{BrokerKind, ConsumerSpec, Variant};
+    use crate::effects_child::{ChildSpec, Mode, Role};
+    use crate::settings::KillSettings;
+
+    fn parse(args: &[&str]) -> Command {
+        Cli::try_parse_from(std::iter::once("wallet").chain(args.iter().copied()))
+            .unwrap()
+            .command
+    }
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn list_defaults_are_split_and_flags_override_them() {
+        let Command::KillTest(args) = parse(&["kill-test"]) else {
+            panic!("not kill-test")
+        };
+        let s = args.apply(KillSettings::full());
+        assert_eq!(s.brokers, BrokerKind::ALL);
+        assert_eq!(s.variants, Variant::ALL);
+        assert_eq!(
+            (s.events, s.throughput_events, s.kill_after_ms),
+            (10_000, 10_000, (1_000, 8_000))
+        );
+
+        let Command::Demo { full: false, kill } =
+            parse(&["demo", "--broker", "redis", "--events", "300"])
+        else {
+            panic!("not the short demo")
+        };
+        let s = kill.apply(KillSettings::demo());
+        assert_eq!(s.brokers, [BrokerKind::Redis]);
+        assert_eq!(s.variants, [Variant::B, Variant::C]);
+        assert_eq!((s.events, s.throughput_events, s.kills), (300, 300, 4));
+    }
+
+    #[test]
+    fn durations_take_plain_numbers_in_the_flags_unit_or_humantime() {
+        let Command::KillTest(args) = parse(&[
+            "kill-test",
+            "--kill-after-ms",
+            "1s..2500ms",
+            "--work-ms",
+            "3",
+        ]) else {
+            panic!("not kill-test")
+        };
+        let s = args.apply(KillSettings::full());
+        assert_eq!((s.kill_after_ms, s.work_ms), ((1_000, 2_500), 3));
+        for ok in [
+            &["soak", "--kill-every", "5..30", "--max-minutes", "100"][..],
+            &[
+                "soak",
+                "--kill-every",
+                "5s..1m",
+                "--max-minutes",
+                "1h30m",
+                "--fault-every",
+                "2m",
+            ],
+        ] {
+            assert!(matches!(parse(ok), Command::Soak(_)), "{ok:?}");
+        }
+        for bad in [
+            &["soak", "--kill-every", "0..30"][..],
+            &["soak", "--kill-every", "30..5"],
+            &["soak", "--max-minutes", "90s"],
+            &["kill-test", "--kill-after-ms", "1000"],
+            &["bench", "--variants", "a1"],
+            &["bench", "--batches", "1,0"],
+        ] {
+            assert!(
+                Cli::try_parse_from(std::iter::once("wallet").chain(bad.iter().copied())).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_children_command_lines_parse_back_to_their_specs() {
+        let spec = ConsumerSpec {
+            crash_between_commit_and_ack: 0.005,
+            member: 2,
+            batch: Some(100),
+            lanes: 6,
+            batched: true,
+            ..ConsumerSpec::new(BrokerKind::Kafka, Variant::A2, "kafka-a2-0", "wallet_x")
+        };
+        let args: Vec<String> = spec.to_args();
+        let Command::Consume(parsed) = parse(&args.iter().map(String::as_str).collect::<Vec<_>>())
+        else {
+            panic!("not consume: {args:?}")
+        };
+        assert_eq!(format!("{:?}", parsed.spec()), format!("{spec:?}"));
+
+        let child = ChildSpec {
+            role: Role::Relay,
+            broker: BrokerKind::Sqs,
+            name: "y".into(),
+            destination: String::new(),
+            schema: "wallet_y".into(),
+            mode: Mode::NeitherSkip,
+            work_ms: 40,
+        };
+        let args: Vec<String> = ["effects-child".to_owned()]
+            .into_iter()
+            .chain(child.to_args())
+            .collect();
+        let Command::EffectsChild(parsed) =
+            parse(&args.iter().map(String::as_str).collect::<Vec<_>>())
+        else {
+            panic!("not effects-child: {args:?}")
+        };
+        assert_eq!(format!("{parsed:?}"), format!("{child:?}"));
+    }
 }

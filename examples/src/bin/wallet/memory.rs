@@ -14,54 +14,40 @@ use inbox_postgres::PgTx;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-struct Settings {
+use crate::cli::{positive, probability};
+
+/// `memory-demo`: the in-memory broker with crash points, without and with the inbox; only
+/// PostgreSQL.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct Settings {
+    /// Credit events.
+    #[arg(long, value_name = "N", default_value = "2000")]
     events: u32,
+    /// Accounts the events credit.
+    #[arg(long, value_name = "N", default_value = "50", value_parser = clap::value_parser!(i64).range(1..))]
     accounts: i64,
+    /// Share of the events the producer sends twice.
+    #[arg(long, value_name = "F", default_value = "0.1", value_parser = probability)]
     resend_share: f64,
+    /// Probability of a crash at each step of each message, below 1.
+    #[arg(long, value_name = "P", default_value = "0.01", value_parser = below_1)]
     crash_probability: f64,
+    /// Messages per transaction.
+    #[arg(long, value_name = "N", default_value = "10", value_parser = positive)]
     batch: usize,
+    /// Seed of the events and the crashes.
+    #[arg(long, value_name = "N", default_value = "7")]
     seed: u64,
 }
 
-fn parse(args: &[String]) -> Result<Settings, String> {
-    let mut s = Settings {
-        events: 2_000,
-        accounts: 50,
-        resend_share: 0.1,
-        crash_probability: 0.01,
-        batch: 10,
-        seed: 7,
-    };
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
-        let bad = |e: &dyn std::fmt::Display| format!("{flag}: {e}");
-        match flag.as_str() {
-            "--events" => s.events = value()?.parse().map_err(|e| bad(&e))?,
-            "--accounts" => s.accounts = value()?.parse().map_err(|e| bad(&e))?,
-            "--resend-share" => s.resend_share = value()?.parse().map_err(|e| bad(&e))?,
-            "--crash-probability" => s.crash_probability = value()?.parse().map_err(|e| bad(&e))?,
-            "--batch" => s.batch = value()?.parse().map_err(|e| bad(&e))?,
-            "--seed" => s.seed = value()?.parse().map_err(|e| bad(&e))?,
-            other => return Err(format!("unknown option {other}")),
-        }
+fn below_1(value: &str) -> Result<f64, String> {
+    match probability(value)? {
+        p if p < 1.0 => Ok(p),
+        _ => Err("must be below 1: a consumer that always crashes never finishes".into()),
     }
-    if !(0.0..1.0).contains(&s.crash_probability) {
-        return Err("--crash-probability must be in [0, 1)".into());
-    }
-    Ok(s)
 }
 
-const USAGE: &str = "usage: wallet memory-demo [--events N] [--accounts N] [--resend-share F] [--crash-probability F] [--batch N] [--seed N]";
-
-pub(crate) async fn main(args: &[String]) -> ExitCode {
-    let settings = match parse(args) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("{e}\n{USAGE}");
-            return ExitCode::FAILURE;
-        }
-    };
+pub(crate) async fn main(settings: &Settings) -> ExitCode {
     println!(
         "wallet demo: {} credit events over {} accounts, {:.0}% sent twice by the producer, \
          the consumer crashing with probability {} at each step of each message, batches of {}",
@@ -77,7 +63,7 @@ pub(crate) async fn main(args: &[String]) -> ExitCode {
     );
     let mut ok = true;
     for with_inbox in [false, true] {
-        let row = run(&settings, with_inbox).await;
+        let row = run(settings, with_inbox).await;
         ok &= !with_inbox || (row.duplicates == 0 && row.lost == 0 && row.balances_exact);
         println!(
             "{:<34} {:>8} {:>8} {:>11} {:>5} {:>15} {:>8.0}",

@@ -15,7 +15,7 @@ use inbox_postgres::Outbox;
 use crate::brokers::{self, Broker};
 use crate::effects::{events, kill, schedule, show, spawn, EffectsSettings};
 use crate::effects_child::{ChildSpec, Mode, Role};
-use crate::kill::progress;
+use crate::progress;
 use crate::report::spread;
 
 /// One run's figures, counted in B's ledger and the outbox.
@@ -43,7 +43,7 @@ pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
         let mut runs = Vec::new();
         for run in 0..s.runs {
             let r = run_once(broker.as_ref(), s, run).await?;
-            progress("");
+            progress::finish();
             println!(
                 "run done: {kind} outbox chain run {}/{}: {} duplicates, {} lost, balances {}, \
                  {} kills, {} outbox rows ({} unsent)",
@@ -165,7 +165,7 @@ async fn run_once(
         kill(&mut children[which]).await;
         kills += 1;
         children[which] = spawn(&specs[which], &[]).await?;
-        progress(&format!(
+        progress::show(&format!(
             "{label}: {kills} kills (last: {}), {}/{count} credited",
             specs[which].role.name(),
             applied().await?.distinct_events
@@ -177,7 +177,7 @@ async fn run_once(
     loop {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let summary = applied().await?;
-        progress(&format!(
+        progress::show(&format!(
             "{label}: draining, {}/{count} credited",
             summary.distinct_events
         ));
@@ -188,20 +188,20 @@ async fn run_once(
         {
             break;
         } else if since.elapsed() >= delay + Duration::from_secs(60) {
-            eprintln!(
-                "\n{label}: the drain stopped at {}/{count} credited",
+            progress::note(&format!(
+                "{label}: the drain stopped at {}/{count} credited",
                 summary.distinct_events
-            );
+            ));
             break;
         } else if since.elapsed() >= delay + Duration::from_secs(10)
             && summary.distinct_events < i64::from(count)
             && restarts < 5
         {
             // Tansu can leave a lone group member without partitions: new members rebalance.
-            eprintln!(
-                "\n{label}: the drain applies nothing at {}/{count}; replacing the children",
+            progress::note(&format!(
+                "{label}: the drain applies nothing at {}/{count}; replacing the children",
                 summary.distinct_events
-            );
+            ));
             for (child, spec) in children.iter_mut().zip(&specs) {
                 kill(child).await;
                 *child = spawn(spec, &[]).await?;

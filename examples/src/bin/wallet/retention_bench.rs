@@ -26,7 +26,7 @@ use inbox_postgres::{KeyMode, Partitions, PgInbox, Storage, TableName};
 use serde_json::json;
 use uuid::{NoContext, Timestamp, Uuid};
 
-use crate::cli::{num, parse_flags};
+use crate::cli::{positive, seconds};
 
 const DAY_MS: i64 = 86_400_000;
 /// The throughput this project aims for, msgs/s: the full rate the figures are scaled to.
@@ -38,15 +38,36 @@ const MIN_SPAN: Duration = Duration::from_secs(5);
 /// Claims before the baseline starts: connections, prepared statements, caches.
 const WARM_UP: Duration = Duration::from_secs(2);
 
-/// What `wallet retention-bench` runs.
-#[derive(Debug, Clone)]
+/// `retention-bench`: cleanup at ingest speed. Claim msgs/s alone and while the batched
+/// `DELETE` purge or the partition drop removes the oldest simulated day; rows/s, claim latency,
+/// bytes/row. Only PostgreSQL; a table and JSON lines.
+#[derive(Debug, Clone, clap::Args)]
 pub(crate) struct RetentionSettings {
+    /// Inbox rows per simulated day.
+    #[arg(long, value_name = "N", default_value = "1000000", value_parser = clap::value_parser!(u64).range(1..))]
     rows_per_day: u64,
+    /// Simulated days of history.
+    #[arg(long, value_name = "N", default_value = "3")]
     days: u32,
+    /// Days kept: the cleanup removes what is older (at least 1, below --days).
+    #[arg(long, value_name = "N", default_value = "2")]
     window_days: u32,
+    /// How long the claims run alone: seconds, or a duration such as 10s.
+    #[arg(long, value_name = "SECONDS", default_value = "10", value_parser = seconds)]
     claim_seconds: u64,
+    /// Messages per claim transaction.
+    #[arg(long, value_name = "N", default_value = "1000", value_parser = positive)]
     batch: usize,
+    /// Rows per `DELETE` of the purge.
+    #[arg(long, value_name = "N", default_value_t = inbox_postgres::DEFAULT_PURGE_BATCH, value_parser = clap::value_parser!(i64).range(1..))]
     purge_batch: i64,
+    /// The plain table, the partitioned one, or both.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "plain|partitioned,…",
+        default_value = "plain,partitioned"
+    )]
     layouts: Vec<Layout>,
 }
 
@@ -65,46 +86,26 @@ impl Layout {
     }
 }
 
+impl std::str::FromStr for Layout {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "plain" => Ok(Layout::Plain),
+            "partitioned" => Ok(Layout::Partitioned),
+            other => Err(format!(
+                "unknown layout `{other}`; use plain or partitioned"
+            )),
+        }
+    }
+}
+
 impl RetentionSettings {
-    pub(crate) fn parse(args: &[String]) -> Result<Self, String> {
-        let mut s = Self {
-            rows_per_day: 1_000_000,
-            days: 3,
-            window_days: 2,
-            claim_seconds: 10,
-            batch: 1000,
-            purge_batch: inbox_postgres::DEFAULT_PURGE_BATCH,
-            layouts: vec![Layout::Plain, Layout::Partitioned],
-        };
-        parse_flags(args, |flag, value| {
-            match flag {
-                "--rows-per-day" => s.rows_per_day = num(value)?,
-                "--days" => s.days = num(value)?,
-                "--window-days" => s.window_days = num(value)?,
-                "--claim-seconds" => s.claim_seconds = num(value)?,
-                "--batch" => s.batch = num(value)?,
-                "--purge-batch" => s.purge_batch = num(value)?,
-                "--layouts" => {
-                    s.layouts = value
-                        .split(',')
-                        .map(|l| match l.trim() {
-                            "plain" => Ok(Layout::Plain),
-                            "partitioned" => Ok(Layout::Partitioned),
-                            other => Err(format!("unknown layout `{other}`: plain or partitioned")),
-                        })
-                        .collect::<Result<_, _>>()?;
-                }
-                _ => return Ok(false),
-            }
-            Ok(true)
-        })?;
-        if s.window_days == 0 || s.window_days >= s.days {
+    /// What the flags cannot say one at a time.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        if self.window_days == 0 || self.window_days >= self.days {
             return Err("--window-days must be at least 1 and below --days".into());
         }
-        if s.batch == 0 || s.rows_per_day == 0 || s.purge_batch < 1 {
-            return Err("--batch, --rows-per-day and --purge-batch must be positive".into());
-        }
-        Ok(s)
+        Ok(())
     }
 }
 

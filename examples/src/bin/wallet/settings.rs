@@ -2,7 +2,10 @@
 
 use std::path::PathBuf;
 
-use crate::cli::{list, num, parse_flags, probability, BrokerKind, KafkaImpl, Variant};
+use crate::cli::{
+    millis, millis_range, probability, BrokerKind, KafkaImpl, Variant, KAFKA_IMPL_HELP,
+    KAFKA_IMPL_LONG_HELP,
+};
 
 #[derive(Debug, Clone)]
 pub(crate) struct KillSettings {
@@ -63,90 +66,140 @@ impl KillSettings {
             ..Self::full()
         }
     }
+}
 
-    pub(crate) fn parse(mut self, args: &[String]) -> Result<Self, String> {
-        let mut throughput_events = None;
-        parse_flags(args, |flag, value| {
-            match flag {
-                "--brokers" | "--broker" => self.brokers = list(value)?,
-                "--variants" | "--variant" => self.variants = list(value)?,
-                "--events" => self.events = num(value)?,
-                "--accounts" => self.accounts = num(value)?,
-                "--kills" => self.kills = num(value)?,
-                "--runs" => self.runs = num(value)?,
-                "--kill-after-ms" => {
-                    let (lo, hi) = value
-                        .split_once("..")
-                        .ok_or("use MIN..MAX, e.g. 1000..8000")?;
-                    self.kill_after_ms = (num(lo)?, num(hi)?);
-                    if self.kill_after_ms.0 > self.kill_after_ms.1 {
-                        return Err("MIN is above MAX".into());
-                    }
-                }
-                "--work-ms" => self.work_ms = num(value)?,
-                "--seed" => self.seed = num(value)?,
-                "--crash-between-commit-and-ack" => {
-                    self.crash_between_commit_and_ack = probability(value)?;
-                }
-                "--throughput" => self.throughput = num(value)?,
-                "--throughput-events" => throughput_events = Some(num(value)?),
-                "--chart" => self.chart = PathBuf::from(value),
-                "--require-brokers" => self.require_brokers = num(value)?,
-                "--kafka-impl" => self.kafka_impl = value.parse()?,
-                _ => return Ok(false),
-            }
-            Ok(true)
-        })?;
-        self.throughput_events = throughput_events.unwrap_or(self.events);
-        if self.accounts < 1 || self.runs < 1 {
-            return Err("--accounts and --runs must be at least 1".into());
+/// The flags of `kill-test` and `demo`. Where the short demo differs from the article's
+/// settings (`kill-test`, `demo --full`), a flag left out keeps the value of the settings it is
+/// applied to.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct KillArgs {
+    /// Brokers to test; one that does not answer is skipped.
+    #[arg(
+        long,
+        alias = "broker",
+        value_delimiter = ',',
+        value_name = "BROKER,…",
+        default_value = "kafka,sqs,rabbitmq,redis"
+    )]
+    brokers: Vec<BrokerKind>,
+    /// Variants to run [default: a1,a2,b,c; demo: b,c].
+    #[arg(
+        long,
+        alias = "variant",
+        value_delimiter = ',',
+        value_name = "VARIANT,…"
+    )]
+    variants: Option<Vec<Variant>>,
+    /// Credit events per run [default: 10000; demo: 800].
+    #[arg(long, value_name = "N")]
+    events: Option<u32>,
+    /// Accounts the events credit.
+    #[arg(long, value_name = "N", default_value = "100", value_parser = clap::value_parser!(i64).range(1..))]
+    accounts: i64,
+    /// SIGKILLs of the consumer per run [default: 20; demo: 4].
+    #[arg(long, value_name = "N")]
+    kills: Option<u32>,
+    /// Runs per variant [default: 5; demo: 1].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    runs: Option<u32>,
+    /// Work before each kill, drawn from MIN..MAX: milliseconds, or durations such as 1s..8s
+    /// [default: 1000..8000; demo: 1000..4000].
+    #[arg(long, value_name = "MIN..MAX", value_parser = millis_range)]
+    kill_after_ms: Option<(u64, u64)>,
+    /// The handler's work per message: milliseconds, or a duration such as 10ms.
+    #[arg(long, value_name = "MS", default_value = "10", value_parser = millis)]
+    work_ms: u64,
+    /// Seed of the events and the kill schedule.
+    #[arg(long, value_name = "N", default_value = "42")]
+    seed: u64,
+    /// Probability per message that the consumer aborts itself between its DB commit and its
+    /// ack [default: 0; demo: 0.005].
+    #[arg(long, value_name = "P", value_parser = probability)]
+    crash_between_commit_and_ack: Option<f64>,
+    /// Also measure a run with no kills.
+    #[arg(long, value_name = "BOOL", default_value = "true", action = clap::ArgAction::Set)]
+    throughput: bool,
+    /// Events of the no-kill run [default: --events].
+    #[arg(long, value_name = "N")]
+    throughput_events: Option<u32>,
+    /// Where the chart goes.
+    #[arg(
+        long,
+        value_name = "SVG",
+        default_value = "target/wallet-kill-test.svg"
+    )]
+    chart: PathBuf,
+    /// Fail, rather than skip, when a broker cannot be reached.
+    #[arg(long, value_name = "BOOL", default_value = "false", action = clap::ArgAction::Set)]
+    require_brokers: bool,
+    #[arg(long, value_name = "tansu|mock", default_value = "tansu", help = KAFKA_IMPL_HELP, long_help = KAFKA_IMPL_LONG_HELP)]
+    kafka_impl: KafkaImpl,
+}
+
+impl KillArgs {
+    /// `base` with the flags given applied.
+    pub(crate) fn apply(self, base: KillSettings) -> KillSettings {
+        let events = self.events.unwrap_or(base.events);
+        KillSettings {
+            brokers: self.brokers,
+            variants: self.variants.unwrap_or(base.variants),
+            events,
+            accounts: self.accounts,
+            kills: self.kills.unwrap_or(base.kills),
+            runs: self.runs.unwrap_or(base.runs),
+            kill_after_ms: self.kill_after_ms.unwrap_or(base.kill_after_ms),
+            work_ms: self.work_ms,
+            seed: self.seed,
+            crash_between_commit_and_ack: self
+                .crash_between_commit_and_ack
+                .unwrap_or(base.crash_between_commit_and_ack),
+            throughput: self.throughput,
+            throughput_events: self.throughput_events.unwrap_or(events),
+            chart: self.chart,
+            require_brokers: self.require_brokers,
+            kafka_impl: self.kafka_impl,
         }
-        Ok(self)
     }
 }
 
-#[derive(Debug, Clone)]
+/// `zombie-test`: three consumers of a queue, one event in `--stall-every` stalls on its first
+/// handling past the broker's ownership (visibility timeout, claim idle, max poll interval), so
+/// another consumer takes the event over while the first still holds it.
+#[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ZombieSettings {
+    /// Brokers to test; one that does not answer is skipped.
+    #[arg(
+        long,
+        alias = "broker",
+        value_delimiter = ',',
+        value_name = "BROKER,…",
+        default_value = "kafka,sqs,rabbitmq,redis"
+    )]
     pub(crate) brokers: Vec<BrokerKind>,
+    /// Variants to run.
+    #[arg(
+        long,
+        alias = "variant",
+        value_delimiter = ',',
+        value_name = "VARIANT,…",
+        default_value = "b,c"
+    )]
     pub(crate) variants: Vec<Variant>,
+    /// Credit events per run.
+    #[arg(long, value_name = "N", default_value = "5000")]
     pub(crate) events: u32,
     /// One event in this many stalls on its first handling.
+    #[arg(long, value_name = "N", default_value = "500", value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) stall_every: u32,
+    /// Runs per variant.
+    #[arg(long, value_name = "N", default_value = "1")]
     pub(crate) runs: u32,
+    /// The handler's work per message: milliseconds, or a duration such as 2ms.
+    #[arg(long, value_name = "MS", default_value = "2", value_parser = millis)]
     pub(crate) work_ms: u64,
+    /// Fail, rather than skip, when a broker cannot be reached.
+    #[arg(long, value_name = "BOOL", default_value = "false", action = clap::ArgAction::Set)]
     pub(crate) require_brokers: bool,
+    #[arg(long, value_name = "tansu|mock", default_value = "tansu", help = KAFKA_IMPL_HELP, long_help = KAFKA_IMPL_LONG_HELP)]
     pub(crate) kafka_impl: KafkaImpl,
-}
-
-impl ZombieSettings {
-    pub(crate) fn parse(args: &[String]) -> Result<Self, String> {
-        let mut s = Self {
-            brokers: BrokerKind::ALL.to_vec(),
-            variants: vec![Variant::B, Variant::C],
-            events: 5_000,
-            stall_every: 500,
-            runs: 1,
-            work_ms: 2,
-            require_brokers: false,
-            kafka_impl: KafkaImpl::default(),
-        };
-        parse_flags(args, |flag, value| {
-            match flag {
-                "--brokers" | "--broker" => s.brokers = list(value)?,
-                "--variants" | "--variant" => s.variants = list(value)?,
-                "--events" => s.events = num(value)?,
-                "--stall-every" => s.stall_every = num(value)?,
-                "--runs" => s.runs = num(value)?,
-                "--work-ms" => s.work_ms = num(value)?,
-                "--require-brokers" => s.require_brokers = num(value)?,
-                "--kafka-impl" => s.kafka_impl = value.parse()?,
-                _ => return Ok(false),
-            }
-            Ok(true)
-        })?;
-        if s.stall_every == 0 {
-            return Err("--stall-every must be at least 1".into());
-        }
-        Ok(s)
-    }
 }

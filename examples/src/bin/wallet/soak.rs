@@ -16,9 +16,13 @@ use rand::{Rng, SeedableRng};
 use tokio::process::Child;
 
 use crate::brokers::{self, Broker, Outgoing};
-use crate::cli::{list, num, parse_flags, BrokerKind, ConsumerSpec, KafkaImpl, Variant};
+use crate::cli::{
+    millis, minutes, positive, seconds, seconds_range, BrokerKind, ConsumerSpec, HandlerKind,
+    KafkaImpl, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
+};
 use crate::faults::{Fault, Proxies, BROKER_BLACKHOLED_FOR, DB_REFUSED_FOR};
 use crate::kill;
+use crate::progress;
 
 /// Events generated and handed to the broker at a time, and chunks in flight at once.
 const CHUNK: u32 = 10_000;
@@ -31,76 +35,55 @@ const RSS_AGE: Duration = Duration::from_secs(10);
 const START_PATIENCE: Duration = Duration::from_secs(30);
 const START_GIVE_UP: Duration = Duration::from_secs(180);
 
-#[derive(Debug, Clone)]
+/// `soak`: per broker, events published in chunks while one consumer child is SIGKILLed every
+/// 5–30 s and restarted, with a network fault injected into its connections every 60 s (database
+/// cut, database refused 5 s, broker cut, broker black-holed 10 s; on Kafka the database ones
+/// only); then a drain: duplicates, losses and the children's RSS, a line and a JSON line per
+/// broker.
+#[derive(Debug, Clone, clap::Args)]
 pub(crate) struct SoakSettings {
+    /// Brokers to soak, one after the other.
+    #[arg(
+        long,
+        alias = "broker",
+        value_delimiter = ',',
+        value_name = "BROKER,…",
+        default_value = "redis,rabbitmq,kafka"
+    )]
     brokers: Vec<BrokerKind>,
+    /// Credit events per broker.
+    #[arg(long, value_name = "N", default_value = "1000000", value_parser = clap::value_parser!(u32).range(1..))]
     events: u32,
+    /// Accounts the events credit.
+    #[arg(long, value_name = "N", default_value = "1000", value_parser = clap::value_parser!(i64).range(1..))]
     accounts: i64,
+    /// Messages per transaction.
+    #[arg(long, value_name = "N", default_value = "1000", value_parser = positive)]
     batch: usize,
+    /// Lanes applied side by side.
+    #[arg(long, value_name = "N", default_value = "1", value_parser = positive)]
     lanes: usize,
-    batched: bool,
+    /// The set-based batch handler or the per-message one.
+    #[arg(long, value_name = "batch|message", default_value = "batch")]
+    handler: HandlerKind,
+    /// The handler's work per message: milliseconds, or a duration such as 1ms.
+    #[arg(long, value_name = "MS", default_value = "0", value_parser = millis)]
     work_ms: u64,
-    /// Seconds of life before each kill, drawn from this range.
+    /// A child's life before its kill, drawn from MIN..MAX: seconds, or durations such as 5s..1m.
+    #[arg(long, value_name = "MIN..MAX", default_value = "5..30", value_parser = seconds_range)]
     kill_every: (u64, u64),
-    /// Seconds between faults; 0: none.
+    /// Time between network faults: seconds, or a duration such as 1m; 0: none.
+    #[arg(long, value_name = "SECONDS", default_value = "60", value_parser = seconds)]
     fault_every: u64,
+    /// Seed of the events, the kill schedule and the faults.
+    #[arg(long, value_name = "N", default_value = "42")]
     seed: u64,
-    /// After this the kills and faults stop and the drain does the rest.
+    /// After this the kills and faults stop and the drain does the rest: minutes, or a duration
+    /// such as 1h30m.
+    #[arg(long, value_name = "MINUTES", default_value = "60", value_parser = minutes)]
     max_minutes: u64,
+    #[arg(long, value_name = "tansu|mock", default_value = "tansu", help = KAFKA_IMPL_HELP, long_help = KAFKA_IMPL_LONG_HELP)]
     kafka_impl: KafkaImpl,
-}
-
-impl SoakSettings {
-    pub(crate) fn parse(args: &[String]) -> Result<Self, String> {
-        let mut s = Self {
-            brokers: vec![BrokerKind::Redis, BrokerKind::Rabbitmq, BrokerKind::Kafka],
-            events: 1_000_000,
-            accounts: 1_000,
-            batch: 1_000,
-            lanes: 1,
-            batched: true,
-            work_ms: 0,
-            kill_every: (5, 30),
-            fault_every: 60,
-            seed: 42,
-            max_minutes: 60,
-            kafka_impl: KafkaImpl::default(),
-        };
-        parse_flags(args, |flag, value| {
-            match flag {
-                "--brokers" | "--broker" => s.brokers = list(value)?,
-                "--events" => s.events = num(value)?,
-                "--accounts" => s.accounts = num(value)?,
-                "--batch" => s.batch = num(value)?,
-                "--lanes" => s.lanes = num(value)?,
-                "--handler" => {
-                    s.batched = match value {
-                        "batch" => true,
-                        "message" => false,
-                        _ => return Err("use message or batch".into()),
-                    }
-                }
-                "--work-ms" => s.work_ms = num(value)?,
-                "--kill-every" => {
-                    let (lo, hi) = value.split_once("..").ok_or("use MIN..MAX s, e.g. 5..30")?;
-                    s.kill_every = (num(lo)?, num(hi)?);
-                    if s.kill_every.0 == 0 || s.kill_every.0 > s.kill_every.1 {
-                        return Err("MIN must be at least 1 and at most MAX".into());
-                    }
-                }
-                "--fault-every" => s.fault_every = num(value)?,
-                "--seed" => s.seed = num(value)?,
-                "--max-minutes" => s.max_minutes = num(value)?,
-                "--kafka-impl" => s.kafka_impl = value.parse()?,
-                _ => return Ok(false),
-            }
-            Ok(true)
-        })?;
-        if s.events == 0 || s.accounts < 1 || s.batch == 0 || s.lanes == 0 {
-            return Err("--events, --accounts, --batch and --lanes must be at least 1".into());
-        }
-        Ok(s)
-    }
 }
 
 /// The seeded events, made a chunk at a time: the same sequence as `kill::events` for a seed.
@@ -172,7 +155,9 @@ async fn publish(
                     match broker.publish(name, &chunk).await {
                         Ok(()) => return Ok::<_, BoxError>(chunk.len() as u32),
                         Err(e) if attempts < PUBLISH_ATTEMPTS => {
-                            eprintln!("\npublishing a chunk to {name} failed ({e}); again in 2 s");
+                            progress::note(&format!(
+                                "publishing a chunk to {name} failed ({e}); again in 2 s"
+                            ));
                             published.republished_chunks.fetch_add(1, Ordering::Relaxed);
                             attempts += 1;
                             tokio::time::sleep(Duration::from_secs(2)).await;
@@ -407,7 +392,7 @@ async fn kill_phase(
             });
             next_fault += fault_every;
         }
-        kill::progress(&format!(
+        progress::show(&format!(
             "{label}: {} min, {}/{} published, ~{applied} applied, {} kills, {} faults, child \
              {} at {} MB",
             start_time.elapsed().as_secs() / 60,
@@ -434,7 +419,7 @@ pub(crate) async fn run(s: &SoakSettings) -> Result<(), BoxError> {
         s.events,
         s.batch,
         s.lanes,
-        if s.batched { "batch" } else { "message" },
+        s.handler.name(),
         s.kill_every.0,
         s.kill_every.1,
         s.fault_every,
@@ -477,7 +462,7 @@ async fn on_broker(
         work: Duration::from_millis(s.work_ms),
         batch: Some(s.batch),
         lanes: s.lanes,
-        batched: s.batched,
+        batched: s.handler == HandlerKind::Batch,
         ..ConsumerSpec::new(kind, Variant::C, &name, &db.schema)
     };
     let proxies = Proxies::start(kind).await?;
@@ -497,7 +482,7 @@ async fn on_broker(
     kill::drain(broker, &spec, &db, i64::from(s.events), &label).await?;
     let drain_time = drain_start.elapsed();
     let result = kill::count(&db, s.events, &expected, phase.kills, 0).await?;
-    kill::progress("");
+    progress::finish();
     let minutes = began.elapsed().as_secs_f64() / 60.0;
     db.drop().await;
     broker.remove(&name).await;
@@ -559,7 +544,7 @@ async fn on_broker(
         "events": s.events,
         "batch": s.batch,
         "lanes": s.lanes,
-        "handler": if s.batched { "batch" } else { "message" },
+        "handler": s.handler.name(),
         "kill_every_s": [s.kill_every.0, s.kill_every.1],
         "fault_every_s": s.fault_every,
         "seed": s.seed,

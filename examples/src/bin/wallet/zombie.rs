@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, watch};
 use crate::brokers::{self, Broker, Outgoing};
 use crate::cli::{BrokerKind, ConsumerSpec, Variant};
 use crate::consume::Watch;
-use crate::kill::progress;
+use crate::progress;
 use crate::settings::ZombieSettings;
 
 const CONSUMERS: usize = 3;
@@ -153,7 +153,7 @@ async fn run_once(
                     // messages away where the broker needs a push.
                     tokio::time::sleep(Duration::from_millis(200)).await;
                     if let Err(e) = broker.take_away(&specs[member]).await {
-                        eprintln!("\ncannot take the stalled consumer's messages away: {e}");
+                        progress::note(&format!("cannot take the stalled consumer's messages away: {e}"));
                     }
                 }
                 () = tokio::time::sleep(Duration::from_millis(250)) => {
@@ -162,7 +162,7 @@ async fn run_once(
                         rows = summary.ledger_rows;
                         last_change = Instant::now();
                     }
-                    progress(&format!("{label}: {}/{published} events applied", summary.distinct_events));
+                    progress::show(&format!("{label}: {}/{published} events applied", summary.distinct_events));
                     let quiet = last_change.elapsed();
                     let stalls = stall_rows(&db).await?;
                     let done = summary.distinct_events >= published && stalls >= expected_stalls
@@ -174,7 +174,7 @@ async fn run_once(
             }
         }
     };
-    progress("");
+    progress::finish();
     let mut skipped = 0;
     for result in stats {
         skipped += result?.skipped_duplicates;
