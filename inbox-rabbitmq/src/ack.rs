@@ -324,10 +324,10 @@ pub(crate) mod tests {
         let channel = connection.create_channel().await.unwrap();
         for q in [config.queue().to_owned(), config.dead_letter_queue()] {
             let _ = channel
-                .queue_delete(&q, QueueDeleteOptions::default())
+                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
                 .await;
         }
-        let _ = connection.close(200, "cleanup").await;
+        let _ = connection.close(200, "cleanup".into()).await;
         assert_eq!(
             back_id,
             Some(nacked),

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::short_string::short_string;
 use crate::{Error, Result};
 
 /// The default broker address, also used when `AMQP_URL` is unset.
@@ -307,7 +308,9 @@ impl RabbitConfig {
             if name.is_empty() {
                 return Err(Error::Config("the ID header name is empty".into()));
             }
+            short_string("ID header name", name)?;
         }
+        short_string("consumer tag", &self.consumer_tag)?;
         Ok(())
     }
 }

@@ -13,15 +13,18 @@ use crate::{Error, Result};
 /// Not bounded in time: lapin starts its heartbeat only once the handshake is done, so callers
 /// that must not hang wrap it in a timeout.
 pub(crate) async fn open(url: &str, name: &str, heartbeat: Option<u16>) -> Result<Connection> {
-    // lapin runs its I/O loop on an executor and a reactor of our choosing; without a runtime
-    // handle it would panic deep inside, so say what is wrong instead.
-    let handle = tokio::runtime::Handle::try_current().map_err(|_| {
-        Error::Config("the RabbitMQ adapter must run inside a tokio runtime".into())
-    })?;
-    let properties = ConnectionProperties::default()
-        .with_connection_name(LongString::from(name.to_owned()))
-        .with_executor(tokio_executor_trait::Tokio::default().with_handle(handle.clone()))
-        .with_reactor(tokio_reactor_trait::Tokio::default().with_handle(handle));
+    // With its `tokio` feature lapin runs its I/O loop on the runtime it is called from; without
+    // one it would panic deep inside, so say what is wrong instead.
+    if tokio::runtime::Handle::try_current().is_err() {
+        return Err(Error::Config(
+            "the RabbitMQ adapter must run inside a tokio runtime".into(),
+        ));
+    }
+    // lapin 4's automatic recovery stays off (its default): it would reopen channels and consume
+    // again behind the source's back, which reconnects itself into a new generation instead, so
+    // that no ack goes to a channel its delivery did not come on.
+    let properties =
+        ConnectionProperties::default().with_connection_name(LongString::from(name.to_owned()));
     let mut uri: AMQPUri = url.parse().map_err(|e| {
         Error::Config(format!(
             "the AMQP URL {} does not parse: {e}; write it as amqp://user:password@host:port/vhost",

@@ -89,7 +89,7 @@ impl DeadLetters {
 
     pub(crate) async fn close(self) {
         if let Some((connection, _)) = self.open {
-            let _ = connection.close(200, "consumer closed").await;
+            let _ = connection.close(200, "consumer closed".into()).await;
         }
     }
 }

@@ -65,6 +65,17 @@ pub enum Error {
         /// Its name.
         queue: String,
     },
+    /// A name or ID does not fit the 255 bytes of an AMQP short string: a queue name, routing
+    /// key, consumer tag, header name or `message_id`.
+    #[error("{what} `{value}` is {len} bytes, and AMQP carries at most 255 there; shorten it")]
+    TooLong {
+        /// What it is (`message ID`, `routing key`, …).
+        what: &'static str,
+        /// Its first 64 characters.
+        value: String,
+        /// Its length in bytes.
+        len: usize,
+    },
     /// An ack or nack could not be sent because its channel is closed. The broker hands the
     /// delivery out again (flagged `redelivered`); the inbox skips the copy if it was applied.
     #[error("the channel of delivery {position} closed before its {action} was sent; the broker redelivers it")]
@@ -91,9 +102,10 @@ impl Error {
     /// configuration or permission problem.
     pub fn recovery(&self) -> Recovery {
         match self {
-            Error::Config(_) | Error::Unroutable { .. } | Error::MissingQueue { .. } => {
-                Recovery::Fatal
-            }
+            Error::Config(_)
+            | Error::Unroutable { .. }
+            | Error::MissingQueue { .. }
+            | Error::TooLong { .. } => Recovery::Fatal,
             Error::Nacked { .. } | Error::ConfirmTimeout { .. } => Recovery::Retry,
             Error::ChannelClosed { .. } | Error::ConnectTimeout { .. } => Recovery::Reconnect,
             Error::Amqp { source, .. } => lapin_recovery(source),
@@ -118,7 +130,9 @@ fn lapin_recovery(e: &lapin::Error) -> Recovery {
             }
             AMQPErrorKind::Hard(_) => Recovery::Reconnect,
         },
+        // A runtime shutting down under the I/O was an `IOError` before lapin 4.
         K::IOError(_)
+        | K::RuntimeShutdownError(_)
         | K::InvalidChannel(_)
         | K::InvalidChannelState(..)
         | K::InvalidConnectionState(_)
@@ -132,7 +146,9 @@ impl From<Error> for SourceError {
     fn from(e: Error) -> Self {
         let recovery = e.recovery();
         let context = match &e {
-            Error::Config(_) | Error::MissingQueue { .. } => "configuring the RabbitMQ source",
+            Error::Config(_) | Error::MissingQueue { .. } | Error::TooLong { .. } => {
+                "configuring the RabbitMQ source"
+            }
             Error::Amqp { .. } => "talking to RabbitMQ",
             Error::ConnectTimeout { .. } => "connecting to RabbitMQ",
             Error::Nacked { .. } | Error::Unroutable { .. } | Error::ConfirmTimeout { .. } => {

@@ -127,8 +127,9 @@
 //!
 //! # TLS
 //!
-//! Plain `amqp://` needs no TLS library. For `amqps://` enable this crate's `rustls` or
-//! `native-tls` feature (they switch on lapin's features of the same name).
+//! Plain `amqp://` needs no TLS library. For `amqps://` enable this crate's `rustls` feature
+//! (rustls on aws-lc-rs, trusting the system's root certificates: lapin's `rustls-native-certs`)
+//! or its `native-tls` feature (lapin's feature of that name).
 
 mod ack;
 mod config;
@@ -136,6 +137,7 @@ mod connect;
 mod dead_letter;
 mod error;
 mod publish;
+mod short_string;
 mod source;
 mod topology;
 

@@ -6,11 +6,11 @@ use futures_util::future::try_join_all;
 use inbox_core::telemetry::TRACEPARENT_HEADER;
 use inbox_core::{async_trait, MessageId, OutgoingMessage, Publish, PublishError};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::publisher_confirm::Confirmation;
 use lapin::types::AMQPValue;
-use lapin::{BasicProperties, Channel, Connection};
+use lapin::{BasicProperties, Channel, Confirmation, Connection};
 use tokio::sync::Mutex;
 
+use crate::short_string::short_string;
 use crate::{connect, Error, Result};
 
 /// AMQP `delivery_mode` 2: the broker writes the message to disk.
@@ -31,7 +31,13 @@ pub(crate) async fn publish_confirmed(
     };
     let context = || format!("publishing to `{routing_key}`");
     let confirm = channel
-        .basic_publish(exchange, routing_key, options, payload, properties)
+        .basic_publish(
+            short_string("exchange", exchange)?,
+            short_string("routing key", routing_key)?,
+            options,
+            payload,
+            properties,
+        )
         .await
         .map_err(|e| Error::amqp(context(), e))?
         .await
@@ -101,6 +107,7 @@ impl RabbitPublisher {
     /// Connects to `url` and publishes to `queue` (which must exist: see
     /// [`RabbitConfig::declare_topology`](crate::RabbitConfig::declare_topology)).
     pub async fn connect(url: &str, queue: &str) -> Result<Self> {
+        short_string("queue name", queue)?;
         let publisher = Self {
             url: url.to_owned(),
             name: format!("inbox-rabbitmq publisher {queue}"),
@@ -121,7 +128,8 @@ impl RabbitPublisher {
     /// Publishes `payload` with message ID `id`: use the same ID when you publish again after an
     /// error, so the consumer applies it once.
     pub async fn publish_with_id(&self, id: &MessageId, payload: &[u8]) -> Result<()> {
-        let properties = BasicProperties::default().with_message_id(id.as_str().into());
+        let properties =
+            BasicProperties::default().with_message_id(short_string("message ID", id.as_str())?);
         self.publish_with_properties(payload, properties).await
     }
 
@@ -166,7 +174,7 @@ impl RabbitPublisher {
     /// Closes the connection.
     pub async fn close(self) {
         if let Some((connection, _)) = self.state.into_inner() {
-            let _ = connection.close(200, "publisher closed").await;
+            let _ = connection.close(200, "publisher closed".into()).await;
         }
     }
 }
@@ -200,8 +208,15 @@ impl Publish for RabbitPublisher {
                 self.routing_key
             ))));
         }
+        // Checked before anything is sent, so a batch goes out whole or not at all.
+        let ids = messages
+            .iter()
+            .map(|message| short_string("message ID", message.id.as_str()))
+            .collect::<Result<Vec<_>>>()
+            .map_err(failed)?;
         let channel = self.channel().await.map_err(failed)?;
         let routing_key = self.routing_key.as_str();
+        let queue = short_string("queue name", routing_key).map_err(failed)?;
         let context = || format!("publishing to `{routing_key}`");
         let options = BasicPublishOptions {
             mandatory: true,
@@ -209,11 +224,17 @@ impl Publish for RabbitPublisher {
         };
         let result = async {
             // Each publish's frames are queued on its first poll, in slice order.
-            let confirms = try_join_all(messages.iter().map(|message| {
+            let confirms = try_join_all(messages.iter().zip(ids).map(|(message, id)| {
                 let properties = BasicProperties::default()
-                    .with_message_id(message.id.as_str().into())
+                    .with_message_id(id)
                     .with_delivery_mode(PERSISTENT);
-                channel.basic_publish("", routing_key, options, &message.payload, properties)
+                channel.basic_publish(
+                    "".into(),
+                    queue.clone(),
+                    options,
+                    &message.payload,
+                    properties,
+                )
             }))
             .await
             .map_err(|e| Error::amqp(context(), e))?;

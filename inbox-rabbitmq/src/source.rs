@@ -14,6 +14,7 @@ use lapin::BasicProperties;
 use crate::ack::{Link, RabbitAck};
 use crate::config::IdField;
 use crate::dead_letter::DeadLetters;
+use crate::short_string::short_string;
 use crate::{connect, topology, AckMode, Error, RabbitConfig, Result};
 
 /// The header the adapter adds to a dead-lettered message: why it was parked.
@@ -83,7 +84,7 @@ impl RabbitSource {
         // never sends.
         let waited = self.config.operation_timeout;
         if let Some(live) = self.live.take() {
-            let closing = live.link.connection.close(200, "consumer closed");
+            let closing = live.link.connection.close(200, "consumer closed".into());
             let _ = tokio::time::timeout(waited, closing).await;
         }
         let _ = tokio::time::timeout(waited, self.dead_letters.close()).await;
@@ -141,8 +142,8 @@ impl RabbitSource {
         };
         link.channel
             .basic_consume(
-                &config.queue,
-                &config.consumer_tag,
+                short_string("queue name", &config.queue)?,
+                short_string("consumer tag", &config.consumer_tag)?,
                 options,
                 FieldTable::default(),
             )
@@ -319,18 +320,23 @@ impl MessageSource for RabbitSource {
 }
 
 /// Properties for a message whose originals are gone (dead-lettered long after it arrived).
+/// An ID read from a header may be longer than `message_id` holds; the header keeps it then.
 fn rebuilt_properties(message: &Message) -> BasicProperties {
     let mut headers = FieldTable::default();
     for (k, v) in &message.headers {
-        headers.insert(
-            k.as_str().into(),
-            AMQPValue::LongString(LongString::from(v.clone())),
-        );
+        // Every name came from an AMQP header, so none is too long.
+        if let Ok(name) = short_string("header name", k) {
+            headers.insert(name, AMQPValue::LongString(LongString::from(v.clone())));
+        }
     }
     let props = BasicProperties::default().with_headers(headers);
-    match &message.id {
-        Ok(id) => props.with_message_id(id.as_str().into()),
-        Err(_) => props,
+    match message
+        .id
+        .as_ref()
+        .map(|id| short_string("message ID", id.as_str()))
+    {
+        Ok(Ok(id)) => props.with_message_id(id),
+        Ok(Err(_)) | Err(_) => props,
     }
 }
 

@@ -18,6 +18,7 @@ use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Connection};
 
+use crate::short_string::short_string;
 use crate::{Error, RabbitConfig, Result, Topology};
 
 /// The arguments of the consumed queue.
@@ -71,11 +72,19 @@ async fn declare(channel: &Channel, config: &RabbitConfig) -> Result<()> {
         ..QueueDeclareOptions::default()
     };
     channel
-        .queue_declare(&dlq, options, dead_letter_arguments())
+        .queue_declare(
+            short_string("dead-letter queue name", &dlq)?,
+            options,
+            dead_letter_arguments(),
+        )
         .await
         .map_err(|e| Error::amqp(format!("declaring dead-letter queue `{dlq}`"), e))?;
     channel
-        .queue_declare(&config.queue, options, queue_arguments(config))
+        .queue_declare(
+            short_string("queue name", &config.queue)?,
+            options,
+            queue_arguments(config),
+        )
         .await
         .map_err(|e| {
             Error::amqp(
@@ -94,6 +103,7 @@ async fn declare(channel: &Channel, config: &RabbitConfig) -> Result<()> {
 /// Checks with a passive declare that `queue` exists, on a channel of its own: the broker closes
 /// the channel of a passive declare that fails.
 async fn expect(connection: &Connection, role: &'static str, queue: &str) -> Result<()> {
+    let name = short_string("queue name", queue)?;
     let channel = connection
         .create_channel()
         .await
@@ -103,11 +113,11 @@ async fn expect(connection: &Connection, role: &'static str, queue: &str) -> Res
         ..QueueDeclareOptions::default()
     };
     match channel
-        .queue_declare(queue, options, FieldTable::default())
+        .queue_declare(name, options, FieldTable::default())
         .await
     {
         Ok(_) => {
-            let _ = channel.close(200, "checked").await;
+            let _ = channel.close(200, "checked".into()).await;
             Ok(())
         }
         Err(e) if is_not_found(&e) => Err(Error::MissingQueue {
@@ -142,7 +152,7 @@ async fn declare_once(config: &RabbitConfig) -> Result<()> {
         .map_err(|e| Error::amqp("opening a channel", e))?;
     let declared = declare(&channel, config).await;
     // Closing is a courtesy; the broker cleans up a dropped connection as well.
-    let _ = connection.close(200, "topology declared").await;
+    let _ = connection.close(200, "topology declared".into()).await;
     declared
 }
 

@@ -319,7 +319,7 @@ async fn drain_count(queue: String) -> u32 {
         ..QueueDeclareOptions::default()
     };
     channel
-        .queue_declare(&queue, options, FieldTable::default())
+        .queue_declare(queue.as_str().into(), options, FieldTable::default())
         .await
         .map(|q| q.message_count())
         .unwrap_or(0)

@@ -17,7 +17,7 @@ async fn dead_letter_queue_exists(queue: &str) -> bool {
         ..QueueDeclareOptions::default()
     };
     channel
-        .queue_declare(queue, options, FieldTable::default())
+        .queue_declare(queue.into(), options, FieldTable::default())
         .await
         .is_ok()
 }
@@ -29,7 +29,10 @@ async fn a_missing_dead_letter_queue_fails_the_connect_with_its_name_and_the_fix
     config.declare_topology().await.unwrap();
     let (_connection, channel) = admin_channel().await;
     channel
-        .queue_delete(&config.dead_letter_queue(), QueueDeleteOptions::default())
+        .queue_delete(
+            config.dead_letter_queue().into(),
+            QueueDeleteOptions::default(),
+        )
         .await
         .unwrap();
 

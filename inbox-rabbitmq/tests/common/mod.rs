@@ -41,14 +41,10 @@ pub fn credit(account_id: i64, amount: i64) -> Vec<u8> {
 
 /// A plain lapin channel for inspecting queues.
 pub async fn admin_channel() -> (Connection, Channel) {
-    let connection = Connection::connect(
-        &amqp_url(),
-        ConnectionProperties::default()
-            .with_executor(tokio_executor_trait::Tokio::current())
-            .with_reactor(tokio_reactor_trait::Tokio::current()),
-    )
-    .await
-    .expect("admin connection");
+    // lapin's `tokio` feature: its I/O runs on this test's runtime.
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .expect("admin connection");
     let channel = connection.create_channel().await.expect("admin channel");
     (connection, channel)
 }
@@ -64,7 +60,7 @@ pub async fn left_on(queue: &str) -> u32 {
     };
     for _ in 0..300 {
         let q = channel
-            .queue_declare(queue, options, FieldTable::default())
+            .queue_declare(queue.into(), options, FieldTable::default())
             .await
             .expect("passive declare");
         if q.consumer_count() == 0 {
@@ -102,7 +98,7 @@ pub async fn drain(queue: &str) -> Vec<Parked> {
     let (_connection, channel) = admin_channel().await;
     let mut out = Vec::new();
     while let Some(got) = channel
-        .basic_get(queue, BasicGetOptions::default())
+        .basic_get(queue.into(), BasicGetOptions::default())
         .await
         .expect("basic.get")
     {
@@ -121,7 +117,7 @@ pub async fn cleanup(config: &RabbitConfig) {
     let (_connection, channel) = admin_channel().await;
     for queue in [config.queue().to_owned(), config.dead_letter_queue()] {
         let _ = channel
-            .queue_delete(&queue, QueueDeleteOptions::default())
+            .queue_delete(queue.into(), QueueDeleteOptions::default())
             .await;
     }
 }

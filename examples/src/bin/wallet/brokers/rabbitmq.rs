@@ -27,18 +27,14 @@ pub(crate) struct Rabbit {
 impl Rabbit {
     pub(crate) async fn connect() -> Result<Self, BoxError> {
         let url = std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned());
-        let connection = Connection::connect(
-            &url,
-            ConnectionProperties::default()
-                .with_executor(tokio_executor_trait::Tokio::current())
-                .with_reactor(tokio_reactor_trait::Tokio::current()),
-        )
-        .await
-        .map_err(|e| {
-            format!(
+        // lapin's I/O runs on the wallet's tokio runtime (lapin's `tokio` feature).
+        let connection = Connection::connect(&url, ConnectionProperties::default())
+            .await
+            .map_err(|e| {
+                format!(
                 "cannot reach RabbitMQ at {url}: {e}; run `cargo xtask services` or set AMQP_URL"
             )
-        })?;
+            })?;
         let channel = connection.create_channel().await?;
         Ok(Self {
             url,
@@ -116,7 +112,7 @@ impl Broker for Rabbit {
         let queue = self
             .admin
             .1
-            .queue_declare(name, options, FieldTable::default())
+            .queue_declare(name.into(), options, FieldTable::default())
             .await?;
         Ok(Some(u64::from(queue.message_count())))
     }
@@ -166,7 +162,7 @@ impl Broker for Rabbit {
             let _ = self
                 .admin
                 .1
-                .queue_delete(&queue, QueueDeleteOptions::default())
+                .queue_delete(queue.into(), QueueDeleteOptions::default())
                 .await;
         }
     }
