@@ -39,13 +39,23 @@ async fn a_hand_back_costs_at_most_one_delivery_count() {
 
     let second = receive_one(&mut source).await;
     let nacked_count = second.message.meta.delivery_count;
-    second.ack.nack(Duration::from_secs(2)).await.unwrap();
-    close_connection(&config.effective_connection_name()).await;
+    // Listed before the nack, so that only the close (one rabbitmqctl call) runs while the
+    // delayed nack waits: a nack firing before the close would be a second, real hand-back.
+    let pids = connection_pids(&config.effective_connection_name()).await;
+    let nack_delay = Duration::from_secs(5);
+    let nacked_at = tokio::time::Instant::now();
+    second.ack.nack(nack_delay).await.unwrap();
+    close_pids(&pids).await;
+    assert!(
+        nacked_at.elapsed() < nack_delay,
+        "the connection was closed {:?} after the nack, too late to test a late nack",
+        nacked_at.elapsed()
+    );
 
     let third = receive_one(&mut source).await;
     let lost_count = third.message.meta.delivery_count;
     // The delayed nack fires on the closed channel and goes nowhere.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep_until(nacked_at + nack_delay + Duration::from_secs(1)).await;
     third.ack.ack().await.unwrap();
     source.close().await;
     println!(
