@@ -10,7 +10,6 @@
 //! With `--e2e true`, the outbox chain instead (see `outbox_chain.rs`).
 
 use std::collections::HashMap;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use inbox_core::testkit::provider::{Behaviour, ProviderMode, TestProvider};
@@ -21,13 +20,14 @@ use inbox_postgres::PgLeases;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 
 use crate::brokers::{self, Broker, Outgoing};
 use crate::cli::{
     millis, millis_range, BrokerKind, KafkaImpl, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
 };
 use crate::effects_child::{ChildSpec, Mode, Role, EFFECT_CONSUMER, PROVIDER_ENV};
+use crate::kill;
 use crate::progress;
 use crate::report::{spread, Spread};
 
@@ -340,19 +340,9 @@ async fn run_once(
 /// Starts `wallet effects-child` for `spec` and waits for its `ready`, trying up to 5 times.
 pub(crate) async fn spawn(spec: &ChildSpec, env: &[(&str, String)]) -> Result<Child, BoxError> {
     for _ in 0..5 {
-        let mut child = Command::new(std::env::current_exe()?)
-            .arg("effects-child")
-            .args(spec.to_args())
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .env("WALLET_CHILD", "1")
-            .env(
-                "RUST_LOG",
-                std::env::var("WALLET_CHILD_LOG").unwrap_or_else(|_| "error,lapin=off".into()),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()?;
+        let mut args = vec!["effects-child".to_owned()];
+        args.extend(spec.to_args());
+        let mut child = kill::child_command(args, env)?.spawn()?;
         let stdout = child.stdout.take().ok_or("the child has no stdout")?;
         let mut lines = BufReader::new(stdout).lines();
         let ready = tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await;

@@ -243,15 +243,13 @@ pub(crate) async fn spawn_ready(spec: &ConsumerSpec) -> Result<Child, BoxError> 
     .into())
 }
 
-/// One attempt to start `wallet consume` for `spec`, with `env` added to its environment: the
-/// child once it says it is connected, `None` when it dies or stays silent for `patience`.
-pub(crate) async fn start_child(
-    spec: &ConsumerSpec,
-    env: &[(&str, String)],
-    patience: Duration,
-) -> Result<Option<Child>, BoxError> {
-    let mut child = Command::new(std::env::current_exe()?)
-        .args(spec.to_args())
+/// This wallet binary run as a child with `args` and `env` added: marked as a child, its logs
+/// off unless `WALLET_CHILD_LOG` says otherwise, stdout piped for its `ready` line, killed when
+/// dropped.
+pub(crate) fn child_command(args: Vec<String>, env: &[(&str, String)]) -> std::io::Result<Command> {
+    let mut command = Command::new(std::env::current_exe()?);
+    command
+        .args(args)
         .envs(env.iter().map(|(k, v)| (k, v)))
         .env("WALLET_CHILD", "1")
         .env(
@@ -260,8 +258,18 @@ pub(crate) async fn start_child(
         )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()?;
+        .kill_on_drop(true);
+    Ok(command)
+}
+
+/// One attempt to start `wallet consume` for `spec`, with `env` added to its environment: the
+/// child once it says it is connected, `None` when it dies or stays silent for `patience`.
+pub(crate) async fn start_child(
+    spec: &ConsumerSpec,
+    env: &[(&str, String)],
+    patience: Duration,
+) -> Result<Option<Child>, BoxError> {
+    let mut child = child_command(spec.to_args(), env)?.spawn()?;
     let stdout = child.stdout.take().ok_or("the child has no stdout")?;
     let mut lines = BufReader::new(stdout).lines();
     let ready = tokio::time::timeout(patience, lines.next_line()).await;
