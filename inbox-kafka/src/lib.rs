@@ -4,19 +4,23 @@
 //! ```no_run
 //! use inbox_core::Consumer;
 //! use inbox_kafka::{KafkaConfig, KafkaProducer, Record};
+//! use inbox_postgres::PgInbox;
 //! # use inbox_core::{async_trait, Handler, HandlerError, Message, MessageId};
-//! # use inbox_core::testkit::{MemoryStore, MemoryTx};
+//! # use inbox_postgres::PgTx;
 //! # struct Credit;
 //! # #[async_trait]
-//! # impl Handler<MemoryTx<i64>> for Credit {
-//! #     async fn handle(&self, tx: &mut MemoryTx<i64>, _: &MessageId, m: &Message) -> Result<(), HandlerError> {
-//! #         *tx.state_mut() += m.json::<i64>()?;
+//! # impl Handler<PgTx> for Credit {
+//! #     async fn handle(&self, tx: &mut PgTx, _: &MessageId, m: &Message) -> Result<(), HandlerError> {
+//! #         sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = 1")
+//! #             .bind(m.json::<i64>()?)
+//! #             .execute(&mut **tx)
+//! #             .await?;
 //! #         Ok(())
 //! #     }
 //! # }
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! # let store = MemoryStore::<i64>::new();
+//! let store = PgInbox::new(sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?);
 //! // Producer side: every record gets an `event_id` header (a UUIDv7 unless you pass one).
 //! let producer = KafkaProducer::from_env()?;
 //! producer.send("payments", Record::new(r#"100"#).key("account-1")).await?;
@@ -34,7 +38,7 @@
 //! # }
 //! ```
 //!
-//! (`store` is any [`inbox_core::InboxStore`], `inbox_postgres::PgInbox` in production.)
+//! (`Credit` is your [`Handler`](inbox_core::Handler), as in the `inbox-postgres` example.)
 //!
 //! A whole program to copy, with `PgInbox`, a topic of its own and a check of the balance:
 //! `examples/examples/kafka.rs` (`cargo run -p inbox-examples --example kafka`).

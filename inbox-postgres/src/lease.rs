@@ -39,8 +39,7 @@ const FENCED: &str = "IB001";
 ///
 /// ```no_run
 /// use inbox_core::effect::{Effect, EffectConsumer, EffectHandler, OnUnknown, Settled};
-/// use inbox_core::testkit::MemoryBroker;
-/// use inbox_core::{async_trait, HandlerError, Message};
+/// use inbox_core::{async_trait, HandlerError, Message, MessageSource};
 /// use inbox_postgres::{PgInbox, PgLeases, PgTx};
 ///
 /// /// Charges a card through a payment API that takes idempotency keys, and records the payment.
@@ -68,13 +67,14 @@ const FENCED: &str = "IB001";
 /// }
 /// # async fn charge(_key: &str, _body: &[u8]) -> std::io::Result<()> { Ok(()) }
 ///
-/// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// let pool = sqlx::PgPool::connect("postgres://postgres:postgres@127.0.0.1:5432/inbox").await?;
-/// let leases = PgLeases::new(PgInbox::new(pool))?; // table `inbox_effects`
-/// leases.migrate().await?;
-/// let broker = MemoryBroker::new(); // or a Kafka, SQS, RabbitMQ or Redis Streams source
-/// EffectConsumer::new("payments", broker.source(), leases, Charge).run().await?;
-/// # Ok(()) }
+/// /// `source`: a Kafka, SQS, RabbitMQ or Redis Streams adapter's source.
+/// async fn run(source: impl MessageSource) -> Result<(), Box<dyn std::error::Error>> {
+///     let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?;
+///     let leases = PgLeases::new(PgInbox::new(pool))?; // table `inbox_effects`
+///     leases.migrate().await?;
+///     EffectConsumer::new("payments", source, leases, Charge).run().await?;
+///     Ok(())
+/// }
 /// ```
 #[derive(Debug, Clone)]
 pub struct PgLeases {

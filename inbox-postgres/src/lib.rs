@@ -1,8 +1,7 @@
 //! The transactional inbox store on PostgreSQL, for [`inbox_core`].
 //!
 //! ```no_run
-//! use inbox_core::testkit::MemoryBroker;
-//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, MessageSource};
 //! use inbox_postgres::{PgInbox, PgTx};
 //!
 //! struct Credit;
@@ -19,13 +18,14 @@
 //!     }
 //! }
 //!
-//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! let pool = sqlx::PgPool::connect("postgres://postgres:postgres@127.0.0.1:5432/inbox").await?;
-//! let inbox = PgInbox::new(pool);
-//! inbox.migrate().await?;
-//! let broker = MemoryBroker::new(); // or a Kafka, SQS, RabbitMQ or Redis Streams source
-//! Consumer::new("wallet", broker.source(), inbox, Credit).run().await?;
-//! # Ok(()) }
+//! /// `source`: a Kafka, SQS, RabbitMQ or Redis Streams adapter's source.
+//! async fn run(source: impl MessageSource) -> Result<(), Box<dyn std::error::Error>> {
+//!     let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?;
+//!     let inbox = PgInbox::new(pool);
+//!     inbox.migrate().await?;
+//!     Consumer::new("wallet", source, inbox, Credit).run().await?;
+//!     Ok(())
+//! }
 //! ```
 //!
 //! ## Bad IDs

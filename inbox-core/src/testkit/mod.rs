@@ -12,6 +12,46 @@
 //!   inbox" anti-pattern, to show what the inbox prevents.
 //! - [`FaultProxy`] sits between a client and a real server and refuses, cuts or black-holes its
 //!   connections on demand: database and broker outages for fault tests.
+//!
+//! Never in production: nothing here is durable.
+//!
+//! ```
+//! use inbox_core::testkit::{MemoryBroker, MemoryStore, MemoryTx};
+//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+//!
+//! /// Adds the amount in each message to a balance.
+//! struct Credit;
+//!
+//! #[async_trait]
+//! impl Handler<MemoryTx<i64>> for Credit {
+//!     async fn handle(
+//!         &self,
+//!         tx: &mut MemoryTx<i64>,
+//!         _id: &MessageId,
+//!         message: &Message,
+//!     ) -> Result<(), HandlerError> {
+//!         let amount: i64 = message.json()?;
+//!         *tx.state_mut() += amount;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), inbox_core::Error> {
+//! let broker = MemoryBroker::new();
+//! broker.publish(Some("evt-1"), "100");
+//! broker.publish(Some("evt-1"), "100"); // the producer sent it twice
+//! let store = MemoryStore::<i64>::new();
+//!
+//! let stats = Consumer::new("wallet", broker.source(), store.clone(), Credit)
+//!     .run_until_idle()
+//!     .await?;
+//!
+//! assert_eq!(store.state().await, 100); // credited once
+//! assert_eq!(stats.skipped_duplicates, 1);
+//! # Ok(())
+//! # }
+//! ```
 
 mod fault_proxy;
 mod memory_broker;
