@@ -1,10 +1,12 @@
 //! Credits from a RabbitMQ queue, each applied once though one is published twice:
 //! `cargo run -p inbox-examples --example rabbitmq` (`AMQP_URL`, `DATABASE_URL`).
 
+mod common; // the wallet table, the events and the check, shared by the four examples
+
+use common::{BoxError, Wallet};
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
-use inbox_postgres::{PgInbox, PgTx};
+use inbox_postgres::PgTx;
 use inbox_rabbitmq::{RabbitConfig, RabbitPublisher, RabbitSource};
-use std::time::Duration;
 
 struct Credit;
 
@@ -22,49 +24,16 @@ impl Handler<PgTx> for Credit {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:5432/inbox".into());
-    let pool = sqlx::PgPool::connect(&url).await?;
-    let inbox = PgInbox::new(pool.clone());
-    inbox.migrate().await?;
-    sqlx::query("CREATE TABLE IF NOT EXISTS accounts (id bigserial PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)")
-        .execute(&pool)
-        .await?;
-    let account: i64 = sqlx::query_scalar("INSERT INTO accounts DEFAULT VALUES RETURNING id")
-        .fetch_one(&pool)
-        .await?;
-
+async fn main() -> Result<(), BoxError> {
+    let wallet = Wallet::open().await?;
+    // AMQP_URL, and a queue of the example's own.
     let config = RabbitConfig::from_env(format!("inbox-example-{}", uuid::Uuid::new_v4()));
     let source = RabbitSource::connect(config.clone()).await?; // declares the queue and its .dlq
     let publisher = RabbitPublisher::connect(config.url(), config.queue()).await?;
-    let ids: Vec<MessageId> = (0..3).map(|_| MessageId::generate()).collect();
-    let amounts = [100, 250, 40];
-    for i in [0, 1, 2, 0] {
-        // Event 0 twice, under one ID: a producer retrying after a lost confirm.
-        let body = format!("[{account},{}]", amounts[i]);
-        publisher.publish_with_id(&ids[i], body.as_bytes()).await?;
+    for (id, body) in wallet.sends() {
+        publisher.publish_with_id(&id, body.as_bytes()).await?;
     }
 
-    let consumer = Consumer::new("example-credits", source, inbox, Credit);
-    let seen = consumer.stats();
-    let all_seen = async move {
-        while seen.snapshot().applied + seen.snapshot().skipped_duplicates < 4 {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
-    // Stops once the four deliveries are applied or skipped; gives up after a minute.
-    let stats =
-        tokio::time::timeout(Duration::from_secs(60), consumer.run_until(all_seen)).await??;
-
-    let balance: i64 = sqlx::query_scalar("SELECT balance FROM accounts WHERE id = $1")
-        .bind(account)
-        .fetch_one(&pool)
-        .await?;
-    let expected: i64 = amounts.iter().sum();
-    println!("rabbitmq: balance {balance}, expected {expected}; {stats:?}");
-    if balance != expected {
-        return Err("the balance is not the sum of the distinct events".into());
-    }
-    Ok(())
+    let consumer = Consumer::new("example-credits", source, wallet.inbox.clone(), Credit);
+    wallet.run_and_check(consumer).await
 }

@@ -1,10 +1,12 @@
 //! Credits from an SQS queue, each applied once though one is sent twice:
 //! `cargo run -p inbox-examples --example sqs` (`AWS_ENDPOINT_URL_SQS`, `DATABASE_URL`).
 
+mod common; // the wallet table, the events and the check, shared by the four examples
+
+use common::{BoxError, Wallet};
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
-use inbox_postgres::{PgInbox, PgTx};
+use inbox_postgres::PgTx;
 use inbox_sqs::{Outgoing, SqsSender, SqsSource};
-use std::time::Duration;
 
 struct Credit;
 
@@ -22,55 +24,19 @@ impl Handler<PgTx> for Credit {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:5432/inbox".into());
-    let pool = sqlx::PgPool::connect(&url).await?;
-    let inbox = PgInbox::new(pool.clone());
-    inbox.migrate().await?;
-    sqlx::query("CREATE TABLE IF NOT EXISTS accounts (id bigserial PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)")
-        .execute(&pool)
-        .await?;
-    let account: i64 = sqlx::query_scalar("INSERT INTO accounts DEFAULT VALUES RETURNING id")
-        .fetch_one(&pool)
-        .await?;
-
+async fn main() -> Result<(), BoxError> {
+    let wallet = Wallet::open().await?;
     // Endpoint (AWS_ENDPOINT_URL_SQS), region and credentials from the environment, else moto's.
     let client = inbox_sqs::connect_or_local("http://127.0.0.1:4566").await;
     let name = format!("inbox-example-{}", uuid::Uuid::new_v4());
     let created = client.create_queue().queue_name(name).send().await?;
     let queue = created.queue_url().ok_or("CreateQueue returned no URL")?;
     let sender = SqsSender::new(client.clone(), queue);
-    let ids: Vec<MessageId> = (0..3).map(|_| MessageId::generate()).collect();
-    let amounts = [100, 250, 40];
-    for i in [0, 1, 2, 0] {
-        // Event 0 twice, under one ID: a producer retrying after a lost acknowledgement.
-        let body = format!("[{account},{}]", amounts[i]);
-        sender
-            .send_message(&Outgoing::with_id(ids[i].clone(), body))
-            .await?;
+    for (id, body) in wallet.sends() {
+        sender.send_message(&Outgoing::with_id(id, body)).await?;
     }
 
     let source = SqsSource::builder(client, queue).build().await?;
-    let consumer = Consumer::new("example-credits", source, inbox, Credit);
-    let seen = consumer.stats();
-    let all_seen = async move {
-        while seen.snapshot().applied + seen.snapshot().skipped_duplicates < 4 {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
-    // Stops once the four deliveries are applied or skipped; gives up after a minute.
-    let stats =
-        tokio::time::timeout(Duration::from_secs(60), consumer.run_until(all_seen)).await??;
-
-    let balance: i64 = sqlx::query_scalar("SELECT balance FROM accounts WHERE id = $1")
-        .bind(account)
-        .fetch_one(&pool)
-        .await?;
-    let expected: i64 = amounts.iter().sum();
-    println!("sqs: balance {balance}, expected {expected}; {stats:?}");
-    if balance != expected {
-        return Err("the balance is not the sum of the distinct events".into());
-    }
-    Ok(())
+    let consumer = Consumer::new("example-credits", source, wallet.inbox.clone(), Credit);
+    wallet.run_and_check(consumer).await
 }
