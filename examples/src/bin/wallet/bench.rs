@@ -24,6 +24,7 @@ use crate::cli::{
     KAFKA_IMPL_LONG_HELP,
 };
 use crate::consume::Watch;
+use crate::progress;
 
 /// `bench`: msgs/s of variants b and c beside the broker alone and the database alone, for
 /// each broker, batch size, handler and lane count; a table and JSON lines.
@@ -124,8 +125,9 @@ pub(crate) async fn run(s: &BenchSettings) -> Result<(), BoxError> {
     );
     let mut rows = Vec::new();
     let mut limits = Limits::default();
+    let mut runs = Runs::new(s);
     for &batch in &[100, 1000] {
-        let row = database_alone(s, batch).await?;
+        let row = database_alone(s, batch, &runs.next()).await?;
         print_row(&row, &limits, None);
         limits.database.push(row.clone());
         rows.push(row);
@@ -135,19 +137,16 @@ pub(crate) async fn run(s: &BenchSettings) -> Result<(), BoxError> {
             Ok(b) => b,
             Err(e) => {
                 println!("{kind}: skipped, {e}");
+                runs.total -= Runs::on(s, kind);
                 continue;
             }
         };
         let events = events(s, s.events);
-        let alone = broker_alone(broker.as_ref(), &events).await?;
+        let alone = broker_alone(broker.as_ref(), &events, &runs.next()).await?;
         print_row(&alone, &limits, None);
         limits.broker = Some(alone.clone());
         rows.push(alone);
-        let lanes: Vec<usize> = if kind == BrokerKind::Kafka {
-            s.lanes.clone()
-        } else {
-            vec![1]
-        };
+        let lanes = lanes(s, kind);
         for &batch in &s.batches {
             let n = if batch == 1 {
                 s.events_at_batch_1
@@ -165,7 +164,8 @@ pub(crate) async fn run(s: &BenchSettings) -> Result<(), BoxError> {
                             batch,
                             lanes: lane_count,
                         };
-                        let row = consumer_run(broker.as_ref(), spec, &events).await?;
+                        let row =
+                            consumer_run(broker.as_ref(), spec, &events, &runs.next()).await?;
                         print_row(&row, &limits, b_rate);
                         if variant == Variant::B {
                             b_rate = Some(row.rate());
@@ -181,6 +181,44 @@ pub(crate) async fn run(s: &BenchSettings) -> Result<(), BoxError> {
         println!("{}", json_line(row, &limits));
     }
     Ok(())
+}
+
+/// Lanes tried on `kind`: the settings' on Kafka, one elsewhere.
+fn lanes(s: &BenchSettings, kind: BrokerKind) -> Vec<usize> {
+    if kind == BrokerKind::Kafka {
+        s.lanes.clone()
+    } else {
+        vec![1]
+    }
+}
+
+/// Runs done and planned, for the progress bars' labels.
+#[derive(Debug)]
+struct Runs {
+    done: usize,
+    total: usize,
+}
+
+impl Runs {
+    fn new(s: &BenchSettings) -> Self {
+        let total = 2 + s
+            .brokers
+            .iter()
+            .map(|&kind| Self::on(s, kind))
+            .sum::<usize>();
+        Self { done: 0, total }
+    }
+
+    /// Runs on one broker: the broker alone, then every configuration.
+    fn on(s: &BenchSettings, kind: BrokerKind) -> usize {
+        1 + s.batches.len() * lanes(s, kind).len() * s.handlers.len() * s.variants.len()
+    }
+
+    /// `run 3/26` for the next run.
+    fn next(&mut self) -> String {
+        self.done += 1;
+        format!("run {}/{}", self.done, self.total)
+    }
 }
 
 fn events(s: &BenchSettings, n: u32) -> Vec<Outgoing> {
@@ -231,9 +269,10 @@ async fn consumer_run(
     broker: &dyn Broker,
     spec: Spec,
     events: &[Outgoing],
+    run: &str,
 ) -> Result<Row, BoxError> {
     let label = spec.to_string();
-    let (events, seconds) = timed_run(broker, events, &label, |name, schema| ConsumerSpec {
+    let (events, seconds) = timed_run(broker, events, &label, run, |name, schema| ConsumerSpec {
         batch: Some(spec.batch),
         lanes: spec.lanes,
         batched: spec.handler == HandlerKind::Batch,
@@ -255,8 +294,12 @@ async fn consumer_run(
 
 /// The broker alone: the same consumer at batch size 1000 with an in-memory store and a handler
 /// that only counts, so what is left is receiving and acking.
-async fn broker_alone(broker: &dyn Broker, events: &[Outgoing]) -> Result<Row, BoxError> {
-    let (events, seconds) = timed_run(broker, events, "broker alone", |name, schema| {
+async fn broker_alone(
+    broker: &dyn Broker,
+    events: &[Outgoing],
+    run: &str,
+) -> Result<Row, BoxError> {
+    let (events, seconds) = timed_run(broker, events, "broker alone", run, |name, schema| {
         ConsumerSpec {
             batch: Some(1000),
             no_database: true,
@@ -284,6 +327,7 @@ async fn timed_run(
     broker: &dyn Broker,
     events: &[Outgoing],
     label: &str,
+    run: &str,
     spec: impl FnOnce(&str, &str) -> ConsumerSpec,
 ) -> Result<(u64, f64), BoxError> {
     let name = format!("bench-{:016x}", rand::random::<u64>());
@@ -296,20 +340,22 @@ async fn timed_run(
         progress: Some(Arc::clone(&progress)),
         ..Watch::default()
     };
-    reset_peak_rss();
     let n = events.len() as u64;
+    let bar = progress::Bar::new(format!("bench {run}: {} {label}", broker.kind()), n, "msgs");
+    reset_peak_rss();
     let (stop, stopped) = oneshot::channel::<()>();
     let shutdown = Box::pin(async {
         let _ = stopped.await;
     });
     let consume = broker.consume(&consumer, &db, watch, shutdown);
     let waiting = async {
-        let done = progress.wait_for(n, Duration::from_secs(120)).await;
+        let done = progress.wait_for(n, Duration::from_secs(120), &bar).await;
         let _ = stop.send(());
         done
     };
     let (stats, done) = tokio::join!(consume, waiting);
     let stats = stats?;
+    bar.finish();
     let seconds = done.map_err(|applied| {
         format!(
             "{} {label}: {applied} of {n} applied, then nothing for 120 s ({stats:?})",
@@ -323,7 +369,7 @@ async fn timed_run(
 
 /// The database alone: transactions of `batch` events from a generator, each the claim plus the
 /// batch handler's statement and the store's commit, on one connection.
-async fn database_alone(s: &BenchSettings, batch: usize) -> Result<Row, BoxError> {
+async fn database_alone(s: &BenchSettings, batch: usize, run: &str) -> Result<Row, BoxError> {
     let db = TestDb::new().await;
     let inbox: PgInbox = db.inbox();
     let n = s.events as usize;
@@ -339,9 +385,11 @@ async fn database_alone(s: &BenchSettings, batch: usize) -> Result<Row, BoxError
             ))
         })
         .collect::<Result<_, BoxError>>()?;
+    let label = format!("bench {run}: postgres database alone batch {batch}");
+    let bar = progress::Bar::new(label, n as u64, "msgs");
     reset_peak_rss();
     let started = Instant::now();
-    for chunk in decoded.chunks(batch) {
+    for (i, chunk) in decoded.chunks(batch).enumerate() {
         let ids: Vec<MessageId> = chunk.iter().map(|(id, _, _)| id.clone()).collect();
         let mut tx = inbox.begin().await?;
         let claimed = inbox.claim_many(&mut tx, "wallet", &ids).await?;
@@ -359,8 +407,10 @@ async fn database_alone(s: &BenchSettings, batch: usize) -> Result<Row, BoxError
             .await
             .map_err(|e| e.to_string())?;
         inbox.commit(tx).await?;
+        bar.set_applied((i * batch + chunk.len()) as u64);
     }
     let seconds = started.elapsed().as_secs_f64();
+    bar.finish();
     db.drop().await;
     Ok(Row {
         broker: "postgres".into(),
@@ -395,10 +445,11 @@ impl Progress {
 
     /// Waits until `n` are applied: the seconds from the first to the last, or the count reached
     /// when nothing moved for `stall`.
-    async fn wait_for(&self, n: u64, stall: Duration) -> Result<f64, u64> {
+    async fn wait_for(&self, n: u64, stall: Duration, bar: &progress::Bar) -> Result<f64, u64> {
         let mut last = (0, Instant::now());
         loop {
             let applied = self.applied.load(Ordering::Relaxed);
+            bar.set_applied(applied);
             if applied >= n {
                 let span = *self.span.lock().unwrap_or_else(|e| e.into_inner());
                 return Ok(span.map_or(0.0, |(first, end)| (end - first).as_secs_f64()));

@@ -123,7 +123,6 @@ pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
             let mut runs = Vec::new();
             for run in 0..s.runs {
                 let r = run_once(broker.as_ref(), s, mode, run).await?;
-                progress::finish();
                 println!(
                     "run done: {kind} {} run {}/{}: {} duplicate effects, {} lost, {} kills, {} provider calls",
                     mode.name(),
@@ -235,7 +234,8 @@ async fn run_once(
 ) -> Result<EffectRun, BoxError> {
     let kind = broker.kind();
     let count = s.events_on(kind);
-    let label = format!("{kind} {} run {}", mode.name(), run + 1);
+    let label = format!("{kind} {} run {}/{}", mode.name(), run + 1, s.runs);
+    let bar = progress::Bar::new(&label, u64::from(count), "done");
     let db = TestDb::new().await;
     let leases = PgLeases::new(db.inbox())?;
     leases.migrate().await?;
@@ -286,29 +286,31 @@ async fn run_once(
             break;
         }
         kills += 1;
-        progress::show(&format!("{label}: {kills} kills, {settled}/{count} done"));
+        bar.set_message(format!("{kills} kills"));
+        bar.set_applied(settled);
     }
     // The drain: one child, until every event is done or nothing moves for long.
     let mut child = spawn(&spec, &env).await?;
     let delay = broker.redelivery_delay();
     let (mut last, mut since, mut restarts) = (-1, Instant::now(), 0);
+    bar.set_message(format!("{kills} kills, draining"));
     loop {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let settled = done().await?;
-        progress::show(&format!("{label}: draining, {settled}/{count} done"));
+        bar.set_applied(settled);
         if settled >= i64::from(count) {
             break;
         }
         if settled != last {
             (last, since) = (settled, Instant::now());
         } else if since.elapsed() >= delay + Duration::from_secs(60) {
-            progress::note(&format!(
+            bar.note(&format!(
                 "{label}: the drain stopped at {settled}/{count} done"
             ));
             break;
         } else if since.elapsed() >= delay + Duration::from_secs(10) && restarts < 5 {
             // Tansu can leave a lone group member without partitions: a new member rebalances.
-            progress::note(&format!(
+            bar.note(&format!(
                 "{label}: the drain applies nothing at {settled}/{count}; replacing it"
             ));
             kill(&mut child).await;

@@ -119,25 +119,21 @@ async fn run_once(
     broker.publish(&name, &events).await?;
     let spec = spec(kind, variant, &name, &db, s);
     let label = format!("{kind} {} run {}/{}", variant.name(), run + 1, s.runs);
+    let bar = progress::Bar::new(label, u64::from(s.events), "events applied");
     let mut self_crashes = 0;
     for (k, work) in schedule(s, run).into_iter().enumerate() {
         let mut child = spawn_ready(&spec).await?;
         // The clock runs from the child's first write: on Kafka a restarted member waits for the
         // group to notice the killed one (the session timeout) before it gets partitions.
         let killed_at = first_write(broker, &name, &db, &mut child).await? + work;
+        bar.set_message(format!("kill {}/{}", k + 1, s.kills));
         // The crash option makes the child abort itself: restart it, the kill clock runs on.
         while Instant::now() < killed_at {
             if child.try_wait()?.is_some() {
                 self_crashes += 1;
                 child = spawn_ready(&spec).await?;
             }
-            let applied = wallet::summary(&db.pool).await?.distinct_events;
-            progress::show(&format!(
-                "{label}: kill {}/{}, {applied}/{} events applied",
-                k + 1,
-                s.kills,
-                s.events
-            ));
+            bar.set_applied(wallet::summary(&db.pool).await?.distinct_events);
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         child.start_kill()?; // SIGKILL: no destructor, no close, no last commit
@@ -145,9 +141,9 @@ async fn run_once(
     }
     let mut drain_spec = spec.clone();
     drain_spec.crash_between_commit_and_ack = 0.0;
-    drain(broker, &drain_spec, &db, i64::from(s.events), &label).await?;
+    drain(broker, &drain_spec, &db, i64::from(s.events), &bar).await?;
     let result = count(&db, s.events, &expected, s.kills, self_crashes).await?;
-    progress::finish();
+    bar.finish();
     db.drop().await;
     broker.remove(&name).await;
     Ok(result)
@@ -195,9 +191,10 @@ async fn throughput(
     let mut spec = spec(kind, variant, &name, &db, s);
     spec.crash_between_commit_and_ack = 0.0;
     let label = format!("{kind} {} no-kill throughput", variant.name());
-    let elapsed = drain(broker, &spec, &db, i64::from(s.throughput_events), &label).await?;
+    let bar = progress::Bar::new(label, u64::from(s.throughput_events), "events applied");
+    let elapsed = drain(broker, &spec, &db, i64::from(s.throughput_events), &bar).await?;
     let rows = wallet::summary(&db.pool).await?.ledger_rows;
-    progress::finish();
+    bar.finish();
     db.drop().await;
     broker.remove(&name).await;
     Ok(rows as f64 / elapsed.as_secs_f64().max(1e-3))
@@ -307,8 +304,10 @@ pub(crate) async fn drain(
     spec: &ConsumerSpec,
     db: &TestDb,
     published: i64,
-    label: &str,
+    bar: &progress::Bar,
 ) -> Result<Duration, BoxError> {
+    let label = bar.label();
+    bar.set_message("draining");
     let start = Instant::now();
     let (mut rows, mut last_change) = (-1, start);
     let delay = broker.redelivery_delay();
@@ -339,10 +338,7 @@ pub(crate) async fn drain(
                 rows = summary.ledger_rows;
                 last_change = Instant::now();
             }
-            progress::show(&format!(
-                "{label}: draining, {}/{published} events applied",
-                summary.distinct_events
-            ));
+            bar.set_applied(summary.distinct_events);
             let quiet = last_change.elapsed();
             let empty = |left: &Result<Option<u64>, BoxError>| matches!(left, Ok(None | Some(0)));
             if summary.distinct_events >= published && quiet >= Duration::from_secs(1) {
@@ -368,7 +364,7 @@ pub(crate) async fn drain(
                         break Drained::Stalled(stall);
                     }
                     if restarts < max_restarts {
-                        progress::note(&format!("{label}: {stall}; replacing it"));
+                        bar.note(&format!("{label}: {stall}; replacing it"));
                         break Drained::Replace;
                     }
                 }
@@ -379,7 +375,7 @@ pub(crate) async fn drain(
             Ok(result) => {
                 result?;
             }
-            Err(_) => progress::note(&format!(
+            Err(_) => bar.note(&format!(
                 "{label}: the draining consumer did not stop in 30 s"
             )),
         }

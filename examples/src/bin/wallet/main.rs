@@ -233,7 +233,6 @@ async fn kill_test(s: &KillSettings) -> Result<(), BoxError> {
                 all.extend(results);
             }
             Err(e) => {
-                progress::finish();
                 println!("\n{kind}: the kill test failed: {e}");
                 failures.push(format!("{kind}: {e}"));
             }

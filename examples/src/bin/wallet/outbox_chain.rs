@@ -43,7 +43,6 @@ pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
         let mut runs = Vec::new();
         for run in 0..s.runs {
             let r = run_once(broker.as_ref(), s, run).await?;
-            progress::finish();
             println!(
                 "run done: {kind} outbox chain run {}/{}: {} duplicates, {} lost, balances {}, \
                  {} kills, {} outbox rows ({} unsent)",
@@ -125,7 +124,8 @@ async fn run_once(
 ) -> Result<ChainRun, BoxError> {
     let kind = broker.kind();
     let count = s.events_on(kind);
-    let label = format!("{kind} outbox chain run {}", run + 1);
+    let label = format!("{kind} outbox chain run {}/{}", run + 1, s.runs);
+    let bar = progress::Bar::new(&label, u64::from(count), "credited");
     let db = TestDb::new().await;
     let outbox = Outbox::new(db.pool.clone());
     outbox.migrate().await?;
@@ -165,22 +165,20 @@ async fn run_once(
         kill(&mut children[which]).await;
         kills += 1;
         children[which] = spawn(&specs[which], &[]).await?;
-        progress::show(&format!(
-            "{label}: {kills} kills (last: {}), {}/{count} credited",
-            specs[which].role.name(),
-            applied().await?.distinct_events
+        bar.set_message(format!(
+            "{kills} kills (last: {})",
+            specs[which].role.name()
         ));
+        bar.set_applied(applied().await?.distinct_events);
     }
     // The drain: all three run unharmed until B has every event and is quiet.
     let delay = broker.redelivery_delay();
     let (mut last, mut since, mut restarts) = (-1, Instant::now(), 0);
+    bar.set_message(format!("{kills} kills, draining"));
     loop {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let summary = applied().await?;
-        progress::show(&format!(
-            "{label}: draining, {}/{count} credited",
-            summary.distinct_events
-        ));
+        bar.set_applied(summary.distinct_events);
         if summary.ledger_rows != last {
             (last, since) = (summary.ledger_rows, Instant::now());
         } else if summary.distinct_events >= i64::from(count)
@@ -188,7 +186,7 @@ async fn run_once(
         {
             break;
         } else if since.elapsed() >= delay + Duration::from_secs(60) {
-            progress::note(&format!(
+            bar.note(&format!(
                 "{label}: the drain stopped at {}/{count} credited",
                 summary.distinct_events
             ));
@@ -198,7 +196,7 @@ async fn run_once(
             && restarts < 5
         {
             // Tansu can leave a lone group member without partitions: new members rebalance.
-            progress::note(&format!(
+            bar.note(&format!(
                 "{label}: the drain applies nothing at {}/{count}; replacing the children",
                 summary.distinct_events
             ));

@@ -308,7 +308,7 @@ async fn kill_phase(
     s: &SoakSettings,
     proxies: &Proxies,
     published: &Published,
-    label: &str,
+    bar: &progress::Bar,
 ) -> Result<Phase, BoxError> {
     let mut phase = Phase::default();
     let mut rng = StdRng::seed_from_u64(s.seed ^ 0x50a4);
@@ -392,10 +392,8 @@ async fn kill_phase(
             });
             next_fault += fault_every;
         }
-        progress::show(&format!(
-            "{label}: {} min, {}/{} published, ~{applied} applied, {} kills, {} faults, child \
-             {} at {} MB",
-            start_time.elapsed().as_secs() / 60,
+        bar.set_message(format!(
+            "{}/{} published, {} kills, {} faults, child {} at {} MB",
             published.events.load(Ordering::Relaxed),
             s.events,
             phase.kills,
@@ -403,6 +401,7 @@ async fn kill_phase(
             running.index + 1,
             running.rss.max / 1024,
         ));
+        bar.set_applied(applied);
     }
     // A fault still watched when the work ran out could show no recovery either way.
     phase.unresolved = watched.len() as u32;
@@ -467,7 +466,7 @@ async fn on_broker(
     };
     let proxies = Proxies::start(kind).await?;
     let published = Published::default();
-    let label = format!("{kind} soak");
+    let bar = progress::Bar::new(format!("{kind} soak"), s.events.into(), "events applied");
     let publishing = async {
         let start = Instant::now();
         let expected = publish(broker, &name, s, &published).await?;
@@ -475,14 +474,14 @@ async fn on_broker(
     };
     let ((expected, publish_time), phase) = tokio::try_join!(
         publishing,
-        kill_phase(&spec, &db, s, &proxies, &published, &label)
+        kill_phase(&spec, &db, s, &proxies, &published, &bar)
     )?;
     drop(proxies);
     let drain_start = Instant::now();
-    kill::drain(broker, &spec, &db, i64::from(s.events), &label).await?;
+    kill::drain(broker, &spec, &db, i64::from(s.events), &bar).await?;
     let drain_time = drain_start.elapsed();
     let result = kill::count(&db, s.events, &expected, phase.kills, 0).await?;
-    progress::finish();
+    bar.finish();
     let minutes = began.elapsed().as_secs_f64() / 60.0;
     db.drop().await;
     broker.remove(&name).await;

@@ -145,6 +145,7 @@ async fn run_once(
             run + 1,
             s.runs
         );
+        let bar = progress::Bar::new(label, u64::from(s.events), "events applied");
         loop {
             tokio::select! {
                 finished = &mut consumers => break finished,
@@ -153,7 +154,7 @@ async fn run_once(
                     // messages away where the broker needs a push.
                     tokio::time::sleep(Duration::from_millis(200)).await;
                     if let Err(e) = broker.take_away(&specs[member]).await {
-                        progress::note(&format!("cannot take the stalled consumer's messages away: {e}"));
+                        bar.note(&format!("cannot take the stalled consumer's messages away: {e}"));
                     }
                 }
                 () = tokio::time::sleep(Duration::from_millis(250)) => {
@@ -162,9 +163,10 @@ async fn run_once(
                         rows = summary.ledger_rows;
                         last_change = Instant::now();
                     }
-                    progress::show(&format!("{label}: {}/{published} events applied", summary.distinct_events));
                     let quiet = last_change.elapsed();
                     let stalls = stall_rows(&db).await?;
+                    bar.set_message(format!("{stalls}/{expected_stalls} stalls"));
+                    bar.set_applied(summary.distinct_events);
                     let done = summary.distinct_events >= published && stalls >= expected_stalls
                         && quiet >= stall(kind) + broker.redelivery_delay();
                     if done || quiet >= Duration::from_secs(120) {
@@ -174,7 +176,6 @@ async fn run_once(
             }
         }
     };
-    progress::finish();
     let mut skipped = 0;
     for result in stats {
         skipped += result?.skipped_duplicates;
