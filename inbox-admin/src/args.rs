@@ -21,7 +21,9 @@ const DEFAULT_DATABASE_URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/
     after_help = "\
 Durations: a number and a unit, like 14d, 36h, 90m, 30s or 2w; parts add up (1d 12h).
 Exit status: 0 done; 1 the command failed (database, table name); 2 the command line is wrong;
-3 `stats --min-window` found a consumer whose window is too short."
+3 `stats --min-window` found a consumer whose window is too short.
+Progress: purge and measure-storage draw it on stderr when stderr is a terminal; elsewhere, and
+with --json, a plain line every 10s (INBOX_ADMIN_PROGRESS_EVERY=30s sets the period, =off none)."
 )]
 pub(crate) struct Cli {
     #[command(flatten)]
@@ -148,6 +150,9 @@ pub(crate) struct Migrate {
     /// (connects to nothing).
     #[arg(long)]
     pub(crate) print_sql: bool,
+    /// Print one JSON object (table, key_mode, layout) instead of the sentence.
+    #[arg(long, conflicts_with = "print_sql")]
+    pub(crate) json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -162,6 +167,10 @@ pub(crate) struct Partition {
     /// Partitions kept ready after the current one.
     #[arg(long, value_name = "N", default_value_t = 3)]
     pub(crate) partitions_ahead: u32,
+    /// Print one JSON object (table, converted, ranges_from, created_partitions, moved_rows,
+    /// partitions) instead of the lines.
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -188,6 +197,10 @@ pub(crate) struct Purge {
     /// like 14m for 14d).
     #[arg(long, visible_alias = "yes")]
     pub(crate) force: bool,
+    /// Print one JSON object (deleted_rows, batch_deleted_rows, elapsed_ms, partitions dropped,
+    /// ...) instead of the lines; no progress is drawn.
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 impl Purge {
@@ -224,6 +237,10 @@ pub(crate) struct MeasureStorage {
     /// Runs per key layout; the median is printed.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(i64).range(1..))]
     pub(crate) runs: i64,
+    /// Print one JSON object (per key layout: median bytes per row, projections and every run)
+    /// instead of the table; no progress is drawn.
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 /// A command-line value that is not a duration.
@@ -316,6 +333,27 @@ mod tests {
         assert_eq!(purge.older_than, Duration::from_secs(14 * 86_400));
         assert_eq!(purge.batch, 500);
         assert!(purge.refusal().is_none());
+        assert!(!purge.json);
+
+        let cli = parse(&["purge", "--older-than", "14d", "--json"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Purge(Purge { json: true, .. })
+        ));
+        let cli = parse(&["measure-storage", "--json", "--rows", "10"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::MeasureStorage(MeasureStorage {
+                json: true,
+                rows: 10,
+                runs: 5
+            })
+        ));
+        let cli = parse(&["migrate", "--json"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Migrate(Migrate { json: true, .. })
+        ));
 
         let cli = parse(&["migrate", "--key-mode", "hashed", "--table", "t"]).unwrap();
         assert_eq!(cli.target.key_mode, Keys::Hashed);
@@ -394,6 +432,7 @@ mod tests {
             &["partition"],
             &["partition", "--window", "14"],
             &["partitions", "--window", "14d"],
+            &["migrate", "--print-sql", "--json"],
         ] {
             let e = parse(args).unwrap_err();
             assert_eq!(e.exit_code(), 2, "{args:?}: {e}");

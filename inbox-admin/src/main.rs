@@ -7,10 +7,14 @@
 //! inbox-admin partition --window 14d          # a plain table converted in place
 //! inbox-admin partitions                      # ranges, rows and bytes per partition
 //! inbox-admin purge --older-than 14d --batch 10000
+//! inbox-admin purge --older-than 14d --json  # one JSON object: deleted_rows, elapsed_ms, ...
 //! inbox-admin stats --min-window 7d        # exit status 3: some consumer remembers too little
 //! inbox-admin stats --json                 # one JSON object per consumer
 //! inbox-admin measure-storage --rows 1000000 --runs 5
+//! inbox-admin measure-storage --json       # one JSON object: bytes per row per key layout
 //! ```
+//!
+//! `purge` and `measure-storage` show their progress on stderr (see [`progress`]).
 //!
 //! Exit status: 0 done, 1 the command failed, 2 the command line is wrong (clap's usage errors
 //! and a `purge` window below the floor without `--force`) or the `stats --min-window` alarm.
@@ -18,17 +22,19 @@
 mod args;
 mod measure;
 mod partitions;
+mod progress;
+mod purge;
 
 use std::process::ExitCode;
 use std::time::SystemTime;
 
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser};
-use inbox_postgres::{Partitions, PgInbox, PurgeReport, TableName};
+use inbox_postgres::{KeyMode, Partitions, PgInbox, TableName};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
-use crate::args::{format_duration, Cli, Command, Purge, Stats, Target};
+use crate::args::{format_duration, Cli, Command, Stats, Target};
 
 /// What stopped a command.
 #[derive(Debug, thiserror::Error)]
@@ -112,45 +118,43 @@ async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             } else {
                 "plain"
             };
-            println!(
-                "migrated {} ({:?} keys, {layout})",
-                inbox.table(),
-                inbox.key_mode()
-            );
+            if m.json {
+                let line = serde_json::json!({
+                    "table": inbox.table().to_string(),
+                    "key_mode": key_mode_name(inbox.key_mode()),
+                    "layout": layout,
+                });
+                println!("{line}");
+            } else {
+                println!(
+                    "migrated {} ({:?} keys, {layout})",
+                    inbox.table(),
+                    inbox.key_mode()
+                );
+            }
         }
         Command::Partition(p) => print(partitions::convert(inbox(target).await?, &p).await?),
         Command::Partitions(l) => print(partitions::list(&inbox(target).await?, &l).await?),
-        Command::Purge(purge) => self::purge(&inbox(target).await?, &purge).await?,
+        Command::Purge(p) => print(purge::run(&inbox(target).await?, &p).await?),
         Command::Stats(stats) => return self::stats(&inbox(target).await?, &stats).await,
-        Command::MeasureStorage(m) => measure::run(&connect(target).await?, m.rows, m.runs).await?,
+        Command::MeasureStorage(m) => print(measure::run(&connect(target).await?, &m).await?),
     }
     Ok(ExitCode::SUCCESS)
-}
-
-async fn purge(inbox: &PgInbox, purge: &Purge) -> Result<(), CliError> {
-    let report = inbox.purge(purge.older_than, purge.batch).await?;
-    match &report {
-        PurgeReport::SkippedOtherCleaner => {
-            println!("skipped: another cleaner is purging {}", inbox.table());
-        }
-        _ => {
-            for (i, n) in report.batches().iter().enumerate() {
-                println!("batch {}: {n} rows", i + 1);
-            }
-            println!(
-                "deleted {} rows older than {}",
-                report.deleted(),
-                format_duration(purge.older_than)
-            );
-            print(partitions::purge_lines(&report));
-        }
-    }
-    Ok(())
 }
 
 fn print(lines: Vec<String>) {
     for line in lines {
         println!("{line}");
+    }
+}
+
+/// `--key-mode`'s spelling of `mode`.
+fn key_mode_name(mode: KeyMode) -> &'static str {
+    match mode {
+        KeyMode::Text => "text",
+        KeyMode::Uuid => "uuid",
+        KeyMode::Hashed => "hashed",
+        _ => "other",
     }
 }
 

@@ -6,13 +6,19 @@
 //! stamped with the current minute, runs `VACUUM (ANALYZE)` and reads `pg_relation_size` (heap,
 //! main fork) and `pg_indexes_size` (every index). Tables live in a scratch schema that is dropped
 //! at the end, also when a run fails.
+//!
+//! Progress counts the rows inserted over all layouts and runs; each run's figures get a line on
+//! stderr (not with `--json`, whose object holds them).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use inbox_postgres::{KeyMode, PgInbox, TableName};
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use crate::args::MeasureStorage;
+use crate::progress::{Counting, Progress};
+use crate::purge::millis;
 use crate::{db, CliError};
 
 /// Client-generated keys travel in arrays of this many.
@@ -61,6 +67,17 @@ impl Keys {
         }
     }
 
+    /// The layout's name in JSON.
+    fn name(self) -> &'static str {
+        match self {
+            Keys::TextV4 => "text_v4",
+            Keys::TextV7 => "text_v7",
+            Keys::UuidV4 => "uuid_v4",
+            Keys::UuidV7 => "uuid_v7",
+            Keys::Hashed => "hashed",
+        }
+    }
+
     fn table(self) -> &'static str {
         match self {
             Keys::TextV4 => "m_text_v4",
@@ -77,15 +94,30 @@ impl Keys {
 struct Sample {
     heap: f64,
     index: f64,
+    elapsed: Duration,
 }
 
-pub(crate) async fn run(pool: &PgPool, rows: i64, runs: i64) -> Result<(), CliError> {
+const COUNTING: Counting = Counting {
+    command: "measure-storage",
+    unit: "rows",
+    verb: "inserted",
+};
+
+/// Measures every layout and returns what to print on stdout: the table, or one JSON object.
+pub(crate) async fn run(pool: &PgPool, args: &MeasureStorage) -> Result<Vec<String>, CliError> {
+    let (rows, runs) = (args.rows, args.runs);
+    let started = Instant::now();
+    let total = u64::try_from(rows.saturating_mul(runs))
+        .ok()
+        .map(|n| n.saturating_mul(Keys::ALL.len() as u64));
+    let progress = Progress::start(COUNTING, total, false, args.json);
     let schema = format!("inbox_measure_{}", Uuid::new_v4().simple());
     sqlx::query(&format!("CREATE SCHEMA \"{schema}\""))
         .execute(pool)
         .await
         .map_err(db("creating the scratch schema"))?;
-    let result = measure_all(pool, &schema, rows, runs).await;
+    let result = measure_all(pool, &schema, args, &progress).await;
+    drop(progress);
     let dropped = sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
         .execute(pool)
         .await;
@@ -93,30 +125,41 @@ pub(crate) async fn run(pool: &PgPool, rows: i64, runs: i64) -> Result<(), CliEr
         eprintln!("inbox-admin: could not drop scratch schema {schema}: {e}");
     }
     let results = result?;
-    print_table(rows, runs, &results);
-    Ok(())
+    Ok(if args.json {
+        vec![json(rows, runs, &results, started.elapsed()).to_string()]
+    } else {
+        table_lines(rows, runs, &results)
+    })
 }
 
 async fn measure_all(
     pool: &PgPool,
     schema: &str,
-    rows: i64,
-    runs: i64,
+    args: &MeasureStorage,
+    progress: &Progress,
 ) -> Result<Vec<(Keys, Vec<Sample>)>, CliError> {
+    let (rows, runs) = (args.rows, args.runs);
     let mut results = Vec::new();
     for keys in Keys::ALL {
         let mut samples = Vec::new();
         for run in 1..=runs {
+            progress.set_message(&format!("{}, run {run}/{runs}", keys.label()));
             let started = Instant::now();
-            let sample = measure_one(pool, schema, keys, rows).await?;
-            eprintln!(
-                "{:<24} run {run}/{runs}: heap {:.1} + index {:.1} = {:.1} bytes/row ({:.1}s)",
-                keys.label(),
-                sample.heap,
-                sample.index,
-                sample.heap + sample.index,
-                started.elapsed().as_secs_f64()
-            );
+            let sample = measure_one(pool, schema, keys, rows, progress).await?;
+            let sample = Sample {
+                elapsed: started.elapsed(),
+                ..sample
+            };
+            if !args.json {
+                progress.println(&format!(
+                    "{:<24} run {run}/{runs}: heap {:.1} + index {:.1} = {:.1} bytes/row ({:.1}s)",
+                    keys.label(),
+                    sample.heap,
+                    sample.index,
+                    sample.heap + sample.index,
+                    sample.elapsed.as_secs_f64()
+                ));
+            }
             samples.push(sample);
         }
         results.push((keys, samples));
@@ -129,6 +172,7 @@ async fn measure_one(
     schema: &str,
     keys: Keys,
     rows: i64,
+    progress: &Progress,
 ) -> Result<Sample, CliError> {
     let table = TableName::qualified(schema, keys.table())?;
     let inbox = PgInbox::new(pool.clone())
@@ -136,7 +180,7 @@ async fn measure_one(
         .with_key_mode(keys.mode());
     inbox.migrate().await?;
     let consumer = inbox.consumer_id(CONSUMER).await?;
-    insert(pool, &table, keys, consumer, rows).await?;
+    insert(pool, &table, keys, consumer, rows, progress).await?;
     sqlx::raw_sql(&format!("VACUUM (ANALYZE) {table}"))
         .execute(pool)
         .await
@@ -150,6 +194,7 @@ async fn measure_one(
     Ok(Sample {
         heap: storage.heap_bytes as f64 / n,
         index: storage.index_bytes as f64 / n,
+        elapsed: Duration::ZERO,
     })
 }
 
@@ -159,6 +204,7 @@ async fn insert(
     keys: Keys,
     consumer: i16,
     rows: i64,
+    progress: &Progress,
 ) -> Result<(), CliError> {
     let server_side = |key: &str| {
         format!(
@@ -174,7 +220,7 @@ async fn insert(
                  || convert_to(gen_random_uuid()::text, 'UTF8')) FROM 1 FOR 16), 'hex')::uuid"
         )),
         Keys::TextV7 | Keys::UuidV7 => {
-            return insert_v7(pool, table, keys, consumer, rows).await;
+            return insert_v7(pool, table, keys, consumer, rows, progress).await;
         }
     };
     sqlx::query(&sql)
@@ -183,6 +229,7 @@ async fn insert(
         .execute(pool)
         .await
         .map_err(db("inserting measured rows"))?;
+    progress.inc(u64::try_from(rows).unwrap_or(0));
     Ok(())
 }
 
@@ -192,6 +239,7 @@ async fn insert_v7(
     keys: Keys,
     consumer: i16,
     rows: i64,
+    progress: &Progress,
 ) -> Result<(), CliError> {
     let array = match keys {
         Keys::TextV7 => "text[]",
@@ -214,6 +262,7 @@ async fn insert_v7(
             .execute(pool)
             .await
             .map_err(db("inserting measured rows"))?;
+        progress.inc(n as u64);
     }
     Ok(())
 }
@@ -230,29 +279,89 @@ fn median(mut values: Vec<f64>) -> f64 {
     }
 }
 
-fn print_table(rows: i64, runs: i64, results: &[(Keys, Vec<Sample>)]) {
-    println!(
-        "bytes per remembered ID after VACUUM, {rows} rows, median of {runs} run(s); \
-         index = primary key + BRIN on processed_minute"
-    );
-    println!();
-    println!(
-        "{:<24} {:>10} {:>11} {:>11} {:>12} {:>13}",
-        "keys", "heap B/row", "index B/row", "total B/row", "70M rows GB", "190M rows GB"
-    );
+/// The medians of one layout's runs: heap, index and total bytes per row.
+fn medians(samples: &[Sample]) -> (f64, f64, f64) {
+    (
+        median(samples.iter().map(|s| s.heap).collect()),
+        median(samples.iter().map(|s| s.index).collect()),
+        median(samples.iter().map(|s| s.heap + s.index).collect()),
+    )
+}
+
+/// Gigabytes (10^9 bytes) for `rows` rows of `total` bytes each.
+fn gb(total: f64, rows: f64) -> f64 {
+    total * rows / 1e9
+}
+
+fn table_lines(rows: i64, runs: i64, results: &[(Keys, Vec<Sample>)]) -> Vec<String> {
+    let mut lines = vec![
+        format!(
+            "bytes per remembered ID after VACUUM, {rows} rows, median of {runs} run(s); \
+             index = primary key + BRIN on processed_minute"
+        ),
+        String::new(),
+        format!(
+            "{:<24} {:>10} {:>11} {:>11} {:>12} {:>13}",
+            "keys", "heap B/row", "index B/row", "total B/row", "70M rows GB", "190M rows GB"
+        ),
+    ];
     for (keys, samples) in results {
-        let heap = median(samples.iter().map(|s| s.heap).collect());
-        let index = median(samples.iter().map(|s| s.index).collect());
-        let total = median(samples.iter().map(|s| s.heap + s.index).collect());
-        println!(
+        let (heap, index, total) = medians(samples);
+        lines.push(format!(
             "{:<24} {heap:>10.1} {index:>11.1} {total:>11.1} {:>12.2} {:>13.2}",
             keys.label(),
-            total * 70e6 / 1e9,
-            total * 190e6 / 1e9,
-        );
+            gb(total, 70e6),
+            gb(total, 190e6),
+        ));
     }
-    println!();
-    println!("GB = 10^9 bytes: total B/row x 70,000,000 (5M/day x 14 days) and x 190,000,000.");
+    lines.push(String::new());
+    lines.push(
+        "GB = 10^9 bytes: total B/row x 70,000,000 (5M/day x 14 days) and x 190,000,000."
+            .to_owned(),
+    );
+    lines
+}
+
+/// The figures of [`table_lines`] and of every run, as one JSON object.
+fn json(
+    rows: i64,
+    runs: i64,
+    results: &[(Keys, Vec<Sample>)],
+    elapsed: Duration,
+) -> serde_json::Value {
+    let layouts: Vec<_> = results
+        .iter()
+        .map(|(keys, samples)| {
+            let (heap, index, total) = medians(samples);
+            let runs: Vec<_> = samples
+                .iter()
+                .map(|s| {
+                    serde_json::json!({
+                        "heap_bytes_per_row": s.heap,
+                        "index_bytes_per_row": s.index,
+                        "total_bytes_per_row": s.heap + s.index,
+                        "elapsed_ms": millis(s.elapsed),
+                    })
+                })
+                .collect();
+            serde_json::json!({
+                "keys": keys.name(),
+                "label": keys.label(),
+                "heap_bytes_per_row": heap,
+                "index_bytes_per_row": index,
+                "total_bytes_per_row": total,
+                "gb_for_70m_rows": gb(total, 70e6),
+                "gb_for_190m_rows": gb(total, 190e6),
+                "runs": runs,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "rows_per_run": rows,
+        "runs_per_layout": runs,
+        "layouts": layouts,
+        "elapsed_ms": millis(elapsed),
+    })
 }
 
 #[cfg(test)]

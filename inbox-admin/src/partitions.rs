@@ -4,17 +4,45 @@
 
 use std::time::SystemTime;
 
-use inbox_postgres::{Conversion, PartitionRange, Partitions, PgInbox, PurgeReport};
+use inbox_postgres::{Conversion, PartitionInfo, PartitionRange, Partitions, PgInbox, PurgeReport};
 
 use crate::args::{ListPartitions, Partition};
 use crate::CliError;
 
-/// `partition`: the conversion's outcome, or [`CliError::Refused`].
+/// `partition`: the conversion's outcome (lines, or one JSON object), or
+/// [`CliError::Refused`].
 pub(crate) async fn convert(inbox: PgInbox, args: &Partition) -> Result<Vec<String>, CliError> {
     let inbox =
         inbox.partitioned(Partitions::every(args.partition_every).ahead(args.partitions_ahead));
     let t = inbox.table().to_string();
-    match inbox.migrate_to_partitioned(args.window).await? {
+    let conversion = inbox.migrate_to_partitioned(args.window).await?;
+    if args.json {
+        let (converted, ranges_from, created, moved_rows) = match &conversion {
+            Conversion::AlreadyPartitioned => (false, None, &[][..], 0),
+            Conversion::Converted {
+                created,
+                ranges_from,
+                moved_rows,
+            } => (true, Some(utc(*ranges_from)), &created[..], *moved_rows),
+            other => return Err(refused(&t, other)),
+        };
+        let partitions: Vec<_> = inbox
+            .partitions()
+            .await?
+            .iter()
+            .map(|p| partition_json(&t, p))
+            .collect();
+        let object = serde_json::json!({
+            "table": t,
+            "converted": converted,
+            "ranges_from": ranges_from,
+            "created_partitions": created,
+            "moved_rows": moved_rows,
+            "partitions": partitions,
+        });
+        return Ok(vec![object.to_string()]);
+    }
+    match conversion {
         Conversion::AlreadyPartitioned => {
             Ok(vec![format!("{t} is partitioned already; nothing changed")])
         }
@@ -36,13 +64,15 @@ pub(crate) async fn convert(inbox: PgInbox, args: &Partition) -> Result<Vec<Stri
             lines.extend(list_lines(&inbox).await?);
             Ok(lines)
         }
-        Conversion::Refused { reason } => {
-            Err(CliError::Refused(format!("cannot partition {t}: {reason}")))
-        }
-        other => Err(CliError::Refused(format!(
-            "cannot partition {t}: {other:?}"
-        ))),
+        other => Err(refused(&t, &other)),
     }
+}
+
+fn refused(t: &str, conversion: &Conversion) -> CliError {
+    CliError::Refused(match conversion {
+        Conversion::Refused { reason } => format!("cannot partition {t}: {reason}"),
+        other => format!("cannot partition {t}: {other:?}"),
+    })
 }
 
 /// `partitions`: a table, or one JSON object per partition.
@@ -54,24 +84,26 @@ pub(crate) async fn list(inbox: &PgInbox, args: &ListPartitions) -> Result<Vec<S
     Ok(inbox
         .partitions()
         .await?
-        .into_iter()
-        .map(|p| {
-            let (from, to) = match &p.range {
-                PartitionRange::Time { from, to } => (Some(utc(*from)), Some(utc(*to))),
-                _ => (None, None),
-            };
-            serde_json::json!({
-                "table": t,
-                "name": p.name,
-                "from": from,
-                "to": to,
-                "default": p.range == PartitionRange::Default,
-                "approx_rows": p.approx_rows,
-                "bytes": p.bytes,
-            })
-            .to_string()
-        })
+        .iter()
+        .map(|p| partition_json(&t, p).to_string())
         .collect())
+}
+
+/// One partition as `partitions --json` prints it.
+fn partition_json(t: &str, p: &PartitionInfo) -> serde_json::Value {
+    let (from, to) = match &p.range {
+        PartitionRange::Time { from, to } => (Some(utc(*from)), Some(utc(*to))),
+        _ => (None, None),
+    };
+    serde_json::json!({
+        "table": t,
+        "name": p.name,
+        "from": from,
+        "to": to,
+        "default": p.range == PartitionRange::Default,
+        "approx_rows": p.approx_rows,
+        "bytes": p.bytes,
+    })
 }
 
 async fn list_lines(inbox: &PgInbox) -> Result<Vec<String>, CliError> {
@@ -157,6 +189,7 @@ mod tests {
             window: Duration::from_secs(2 * 86_400),
             partition_every: Duration::from_secs(86_400),
             partitions_ahead: 1,
+            json: false,
         };
         let lines = convert(inbox.clone(), &args).await.unwrap();
         assert!(lines[0].starts_with("converted "), "{lines:?}");
@@ -189,6 +222,43 @@ mod tests {
         let refused = convert(hashed, &args).await.unwrap_err().to_string();
         assert!(refused.contains("cannot partition"), "{refused}");
         assert!(refused.contains("not stored"), "{refused}");
+        db.drop().await;
+    }
+
+    #[tokio::test]
+    async fn partition_json_is_one_object_with_the_conversion_and_the_partitions() {
+        let db = TestDb::new().await;
+        let inbox = store(&db, "payments", KeyMode::Uuid);
+        inbox.migrate().await.unwrap();
+        let args = Partition {
+            window: Duration::from_secs(2 * 86_400),
+            partition_every: Duration::from_secs(86_400),
+            partitions_ahead: 1,
+            json: true,
+        };
+        let lines = convert(inbox.clone(), &args).await.unwrap();
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        let object: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
+        assert_eq!(object["converted"], true, "{object}");
+        assert_eq!(object["moved_rows"], 0, "{object}");
+        assert_eq!(object["table"], inbox.table().to_string());
+        assert!(object["ranges_from"]
+            .as_str()
+            .unwrap()
+            .ends_with("T00:00:00Z"));
+        let created = object["created_partitions"].as_array().unwrap();
+        assert_eq!(created.len(), 4, "{object}");
+        let partitions = object["partitions"].as_array().unwrap();
+        assert_eq!(partitions.len(), 5, "{object}");
+        assert_eq!(partitions[4]["name"], "payments_default");
+        assert_eq!(partitions[4]["default"], true);
+
+        let again = convert(inbox, &args).await.unwrap();
+        let object: serde_json::Value = serde_json::from_str(&again[0]).unwrap();
+        assert_eq!(object["converted"], false, "{object}");
+        assert_eq!(object["created_partitions"], serde_json::json!([]));
+        assert!(object["ranges_from"].is_null(), "{object}");
+        assert_eq!(object["partitions"].as_array().unwrap().len(), 5);
         db.drop().await;
     }
 }
