@@ -3,16 +3,22 @@
 //! - `services`: installs what is missing and starts what is not running: PostgreSQL, Redis,
 //!   RabbitMQ, a Kafka-protocol broker (Tansu) and an SQS endpoint (moto). A service already
 //!   listening at its address is reused; nothing is ever stopped. Safe to run twice.
-//! - `test`: `services`, then `cargo fmt --check`, `cargo clippy --all-targets -D warnings`
-//!   and the whole test suite, then the store's suite (`inbox-postgres`) again on the
-//!   partitioned inbox layout (`INBOX_TEST_LAYOUT=partitioned`), then the examples
-//!   (`examples/examples/*.rs`) against the services, then `cargo package` for every library
-//!   crate.
-//! - `demo`: `services`, then the wallet demo (extra arguments go to it).
+//! - `test`: `services` with the workspace's test build beside the installs, then
+//!   `cargo fmt --check`, `cargo clippy --all-targets -D warnings` and the whole test suite, then
+//!   the store's suite (`inbox-postgres`) again on the partitioned inbox layout
+//!   (`INBOX_TEST_LAYOUT=partitioned`), then the examples (`examples/examples/*.rs`) against the
+//!   services, then `cargo package` for every library crate.
+//! - `demo`: the services with the wallet's build beside the installs, then the wallet demo
+//!   (extra arguments go to it). Where no Kafka broker listens and Tansu is not built yet, the
+//!   demo's Kafka is librdkafka's mock cluster (the `kafka-mock` program), started for the demo
+//!   and stopped after it, rather than a wait of several minutes for Tansu to compile.
 
 mod services;
 
-use std::process::{Command, ExitCode};
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
 
 /// The programs users copy, one per broker, then the side effects outside the database: each
 /// fails when an effect is lost or applied twice.
@@ -28,9 +34,9 @@ const EXAMPLES: [&str; 6] = [
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
-        Some("services") => services::up(),
-        Some("test") => services::up().and_then(|()| test(&args[1..])),
-        Some("demo") => services::up().and_then(|()| demo(&args[1..])),
+        Some("services") => services::up(None),
+        Some("test") => test(&args[1..]),
+        Some("demo") => demo(&args[1..]),
         _ => {
             Err("usage: cargo xtask services | test [cargo test args] | demo [wallet args]".into())
         }
@@ -45,6 +51,7 @@ fn main() -> ExitCode {
 }
 
 fn test(extra: &[String]) -> Result<(), String> {
+    services::up(Some(&["test", "--workspace", "--no-run", "--quiet"]))?;
     cargo(&["fmt", "--all", "--", "--check"])?;
     cargo(&[
         "clippy",
@@ -89,6 +96,8 @@ fn test(extra: &[String]) -> Result<(), String> {
 }
 
 fn demo(extra: &[String]) -> Result<(), String> {
+    let build = ["build", "--quiet", "-p", "inbox-examples", "--bins"];
+    let kafka = services::up_for_demo(&build)?;
     let mut args = vec![
         "run",
         "--quiet",
@@ -100,7 +109,152 @@ fn demo(extra: &[String]) -> Result<(), String> {
         "demo",
     ];
     args.extend(extra.iter().map(String::as_str));
-    cargo(&args)
+    match kafka {
+        services::DemoKafka::Ready => cargo(&args),
+        services::DemoKafka::Mock => {
+            let mock = MockKafka::start()?;
+            eprintln!(
+                "xtask: no Kafka broker listens and Tansu is not built yet (`cargo xtask services` \
+                 builds it); the demo's Kafka is librdkafka's mock cluster at {}",
+                mock.servers
+            );
+            if !extra.iter().any(|a| a.starts_with("--kafka-impl")) {
+                args.extend(["--kafka-impl", "mock"]);
+            }
+            let env = [
+                ("KAFKA_BROKERS", mock.servers.as_str()),
+                ("KAFKA_MOCK_CONTROL", mock.control.as_str()),
+            ];
+            cargo_with(&args, &env)
+        }
+    }
+}
+
+/// librdkafka's mock cluster in a process of its own, for the length of the demo.
+struct MockKafka {
+    servers: String,
+    control: String,
+    address_file: std::path::PathBuf,
+    _process: Background,
+}
+
+impl Drop for MockKafka {
+    fn drop(&mut self) {
+        // Stopped with SIGKILL, the mock leaves its address file behind.
+        let _ = std::fs::remove_file(&self.address_file);
+    }
+}
+
+impl MockKafka {
+    fn start() -> Result<Self, String> {
+        let dir = std::env::temp_dir();
+        let address_file = dir.join(format!("inbox-kafka-mock-{}.addr", std::process::id()));
+        let address = address_file
+            .to_str()
+            .ok_or("the temporary directory is not UTF-8")?;
+        let control = free_port()?;
+        let process = Background::cargo_logged(
+            &[
+                "run",
+                "--quiet",
+                "-p",
+                "inbox-examples",
+                "--bin",
+                "kafka-mock",
+                "--",
+                "--address-file",
+                address,
+                "--control",
+                &control,
+            ],
+            &dir.join("inbox-kafka-mock.log"),
+        )?;
+        let start = Instant::now();
+        let servers = loop {
+            if let Ok(text) = std::fs::read_to_string(&address_file) {
+                break text.trim().to_owned();
+            }
+            if start.elapsed() > Duration::from_secs(120) {
+                return Err("kafka-mock did not write its address within 120 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        Ok(Self {
+            servers,
+            control,
+            address_file,
+            _process: process,
+        })
+    }
+}
+
+/// A `127.0.0.1` port nothing listens on now.
+fn free_port() -> Result<String, String> {
+    let listener =
+        TcpListener::bind("127.0.0.1:0").map_err(|e| format!("finding a free port: {e}"))?;
+    let address = listener.local_addr().map_err(|e| e.to_string())?;
+    Ok(address.to_string())
+}
+
+/// A cargo command running beside this process; stopped if dropped before [`Background::wait`].
+pub(crate) struct Background {
+    child: Option<Child>,
+    what: String,
+}
+
+impl Background {
+    /// Output on this process's stdout and stderr.
+    pub(crate) fn cargo(args: &[&str]) -> Result<Self, String> {
+        Self::spawn(args, None)
+    }
+
+    /// Output in `log`, which the error names if it fails.
+    pub(crate) fn cargo_logged(args: &[&str], log: &Path) -> Result<Self, String> {
+        Self::spawn(args, Some(log))
+    }
+
+    fn spawn(args: &[&str], log: Option<&Path>) -> Result<Self, String> {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut what = format!("cargo {}", args.join(" "));
+        eprintln!("xtask: {what} (in the background)");
+        let mut command = Command::new(cargo);
+        command.args(args).stdin(Stdio::null());
+        if let Some(log) = log {
+            let out = std::fs::File::create(log)
+                .map_err(|e| format!("cannot create {}: {e}", log.display()))?;
+            let err = out.try_clone().map_err(|e| e.to_string())?;
+            command.stdout(out).stderr(err);
+            what = format!("{what} (log: {})", log.display());
+        }
+        let child = command
+            .spawn()
+            .map_err(|e| format!("cannot run {what}: {e}"))?;
+        Ok(Self {
+            child: Some(child),
+            what,
+        })
+    }
+
+    pub(crate) fn wait(mut self) -> Result<(), String> {
+        let mut child = self.child.take().expect("waited once");
+        let status = child
+            .wait()
+            .map_err(|e| format!("waiting for {}: {e}", self.what))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(format!("{} failed ({status})", self.what))
+        }
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.child {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 fn cargo(args: &[&str]) -> Result<(), String> {

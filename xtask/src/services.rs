@@ -13,13 +13,48 @@ use std::time::{Duration, Instant};
 
 type Result<T = (), E = String> = std::result::Result<T, E>;
 
-pub(crate) fn up() -> Result {
+/// Installs what is missing and starts what is not running. Building Tansu is by far the longest
+/// install (several minutes of compiling), so it starts first, in the background, and `beside` (a
+/// cargo command such as the workspace build) runs next to it and the other installs.
+pub(crate) fn up(beside: Option<&[&str]>) -> Result {
+    let tansu = tansu_build()?;
+    let beside = beside.map(crate::Background::cargo).transpose()?;
     postgres()?;
     redis()?;
     rabbitmq()?;
-    kafka()?;
     sqs()?;
-    Ok(())
+    if let Some(beside) = beside {
+        beside.wait()?;
+    }
+    if let Some(tansu) = tansu {
+        tansu.wait()?;
+    }
+    kafka()
+}
+
+/// The Kafka-protocol broker the demo talks to.
+pub(crate) enum DemoKafka {
+    /// One listens already, or Tansu is installed and was started.
+    Ready,
+    /// None listens on the local default address and Tansu is not built: the demo runs on
+    /// librdkafka's mock cluster instead of waiting for Tansu to compile.
+    Mock,
+}
+
+/// Brings up the demo's services, with `beside` (the wallet's build) running next to the
+/// installs. Unlike [`up`], it does not build Tansu when it is missing.
+pub(crate) fn up_for_demo(beside: &[&str]) -> Result<DemoKafka> {
+    let beside = crate::Background::cargo(beside)?;
+    postgres()?;
+    redis()?;
+    rabbitmq()?;
+    sqs()?;
+    beside.wait()?;
+    if tansu_build_needed()? {
+        Ok(DemoKafka::Mock)
+    } else {
+        kafka().map(|()| DemoKafka::Ready)
+    }
 }
 
 /// `host:port` of a URL such as `scheme://user:pass@host:port/path`.
@@ -252,23 +287,49 @@ fn rabbitmq() -> Result {
     Ok(())
 }
 
-fn kafka() -> Result {
+/// Where `KAFKA_BROKERS` points first.
+fn kafka_address() -> (String, u16) {
     let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
     let first = brokers.split(',').next().unwrap_or(&brokers);
-    let (host, port) = host_port(first, 9092);
+    host_port(first, 9092)
+}
+
+/// Whether Kafka must be started here and Tansu is not built yet.
+fn tansu_build_needed() -> Result<bool> {
+    let (host, port) = kafka_address();
+    if listening(&host, port) {
+        return Ok(false);
+    }
+    if !is_local(&host) {
+        // `kafka` reports it.
+        return Ok(false);
+    }
+    Ok(which("tansu").is_none())
+}
+
+/// Starts `cargo install tansu` in the background when Kafka must be started here and Tansu is
+/// missing. Only the features the project uses: `dynostore`, for its in-memory storage engine.
+fn tansu_build() -> Result<Option<crate::Background>> {
+    if !tansu_build_needed()? {
+        return Ok(None);
+    }
+    let log = std::env::temp_dir().join("inbox-tansu-build.log");
+    eprintln!(
+        "services: building the Tansu broker in the background (cargo install, the longest step \
+         of a first run; log: {})",
+        log.display()
+    );
+    crate::Background::cargo_logged(
+        &["install", "tansu", "--locked", "--features", "dynostore"],
+        &log,
+    )
+    .map(Some)
+}
+
+fn kafka() -> Result {
+    let (host, port) = kafka_address();
     if needs_start("Kafka", "KAFKA_BROKERS", &host, port)? {
-        let tansu = match which("tansu") {
-            Some(path) => path,
-            None => {
-                eprintln!("services: building the Tansu broker (cargo install, several minutes)");
-                let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-                run(
-                    &cargo,
-                    &["install", "tansu", "--locked", "--features", "dynostore"],
-                )?;
-                which("tansu").ok_or("tansu was installed but is not on PATH or in ~/.cargo/bin")?
-            }
-        };
+        let tansu = which("tansu").ok_or("tansu is not installed, on PATH or in ~/.cargo/bin")?;
         let listener = format!("tcp://{host}:{port}");
         spawn_detached(
             "tansu",
