@@ -356,7 +356,10 @@ pub async fn a_failing_handler_is_retried_then_dead_lettered<B: TestBroker>(brok
 
 /// A message that kills its consumer every time (the process dies before the commit, so the
 /// retry path never sees it) comes back with a rising delivery count until
-/// `max_deliveries` parks it. Only where the broker counts deliveries.
+/// `max_deliveries` parks it; a message sent after it is applied. Only where the broker counts
+/// deliveries. (The message after it is sent once it is parked: a broker that hands consumers
+/// messages ahead, as RabbitMQ's prefetch does, counts a delivery to each message in that window
+/// at every crash, and would park those too.)
 pub async fn a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_count<
     B: TestBroker,
 >(
@@ -370,7 +373,7 @@ pub async fn a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_
     }
     send_credit(&queue, 1, 1).await;
     let poison = send_credit(&queue, 1, 1000).await;
-    send_credit(&queue, 1, 2).await;
+    let mut after_sent = false;
 
     let limit = 3;
     let handler = Credit::new(db.pool.clone());
@@ -397,6 +400,10 @@ pub async fn a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_
         match run {
             Err(Error::Crashed { .. }) => crashes += 1,
             other => totals.add(&other.expect("run")),
+        }
+        if totals.dead_lettered > 0 && !after_sent {
+            send_credit(&queue, 1, 2).await;
+            after_sent = true;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
