@@ -1,4 +1,6 @@
-//! The foundation's scenarios over a real RabbitMQ queue and a real PostgreSQL inbox.
+//! What is RabbitMQ's own, over a real queue and a real PostgreSQL inbox: what a dead letter
+//! keeps, the quorum queue's `x-delivery-limit`, multiple acks, the prefetch window and IDs in
+//! headers. The scenarios every adapter shares are in `conformance.rs`.
 // A failed step should fail the test loudly, with its error.
 #![allow(clippy::unwrap_used)]
 
@@ -7,136 +9,19 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use inbox_core::testkit::crash_at;
-use inbox_core::{
-    async_trait, Ack, Consumer, Error, Handler, HandlerError, Message, MessageId, MessageSource,
-    RetryPolicy, Stage,
-};
-use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
+use inbox_core::{Ack, Consumer, MessageSource};
+use inbox_postgres::testkit::wallet::{self, Credit};
 use inbox_postgres::testkit::TestDb;
-use inbox_postgres::PgTx;
 use inbox_rabbitmq::lapin::types::{AMQPValue, FieldTable};
 use inbox_rabbitmq::lapin::BasicProperties;
 use inbox_rabbitmq::{RabbitSource, REASON_HEADER};
 
+/// What the adapter's dead letters keep of the message: the body, the headers and properties
+/// (`message_id`, `content_type`), with the reason in `x-inbox-reason`. That they are parked at
+/// all is the conformance suite's.
 #[tokio::test]
-async fn a_message_published_twice_is_credited_once() {
-    let config = fresh_config("double");
-    let db = TestDb::new().await;
-    let publisher = publisher(&config).await;
-    let id = MessageId::generate();
-    publisher
-        .publish_with_id(&id, &credit(1, 100))
-        .await
-        .unwrap();
-    publisher
-        .publish_with_id(&id, &credit(1, 100))
-        .await
-        .unwrap();
-
-    let source = RabbitSource::connect(config.clone()).await.unwrap();
-    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
-        .run_until_idle()
-        .await
-        .unwrap();
-
-    let summary = wallet::summary(&db.pool).await.unwrap();
-    let left = left_on(config.queue()).await;
-    println!("double delivery: {stats:?}, {summary:?}, left on queue {left}");
-    assert_eq!(wallet::balance(&db.pool, 1).await, 100);
-    assert_eq!((summary.ledger_rows, summary.distinct_events), (1, 1));
-    assert_eq!((stats.applied, stats.skipped_duplicates), (1, 1));
-    assert_eq!(left, 0);
-    cleanup(&config).await;
-    db.drop().await;
-}
-
-#[tokio::test]
-async fn a_crash_between_commit_and_ack_is_skipped_on_redelivery() {
-    let config = fresh_config("crash");
-    let db = TestDb::new().await;
-    let publisher = publisher(&config).await;
-    publisher.publish(&credit(7, 250)).await.unwrap();
-
-    let source = RabbitSource::connect(config.clone()).await.unwrap();
-    let crashed = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
-        .on_stage(crash_at(Stage::Committed))
-        .run_until_idle()
-        .await;
-    // The consumer (and with it the source and its channel) is gone: the broker requeues.
-    assert!(
-        matches!(
-            crashed,
-            Err(Error::Crashed {
-                stage: Stage::Committed,
-                ..
-            })
-        ),
-        "{crashed:?}"
-    );
-
-    let source = RabbitSource::connect(config.clone()).await.unwrap();
-    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
-        .run_until_idle()
-        .await
-        .unwrap();
-
-    let summary = wallet::summary(&db.pool).await.unwrap();
-    let left = left_on(config.queue()).await;
-    println!("crash after commit: restarted {stats:?}, {summary:?}, left on queue {left}");
-    assert_eq!(
-        (stats.received, stats.applied, stats.skipped_duplicates),
-        (1, 0, 1)
-    );
-    assert_eq!(wallet::balance(&db.pool, 7).await, 250);
-    assert_eq!(summary.ledger_rows, 1);
-    assert!(summary.balances_exact);
-    assert_eq!(left, 0);
-    cleanup(&config).await;
-    db.drop().await;
-}
-
-#[tokio::test]
-async fn racing_consumers_credit_one_id_once() {
-    let config = fresh_config("race").prefetch(1);
-    let db = TestDb::new().await;
-    let publisher = publisher(&config).await;
-    // Both consumers are subscribed before the copies arrive, so each gets one.
-    let a = RabbitSource::connect(config.clone()).await.unwrap();
-    let b = RabbitSource::connect(config.clone()).await.unwrap();
-    let id = MessageId::generate();
-    publisher
-        .publish_with_id(&id, &credit(3, 40))
-        .await
-        .unwrap();
-    publisher
-        .publish_with_id(&id, &credit(3, 40))
-        .await
-        .unwrap();
-
-    let slow = Credit::new(db.pool.clone()).work(Duration::from_millis(200));
-    let (sa, sb) = tokio::join!(
-        Consumer::new("wallet", a, db.inbox(), slow.clone()).run_until_idle(),
-        Consumer::new("wallet", b, db.inbox(), slow).run_until_idle(),
-    );
-    let (sa, sb) = (sa.unwrap(), sb.unwrap());
-
-    let summary = wallet::summary(&db.pool).await.unwrap();
-    let left = left_on(config.queue()).await;
-    println!("racing consumers: a {sa:?}, b {sb:?}, {summary:?}, left on queue {left}");
-    assert_eq!(sa.received + sb.received, 2);
-    assert_eq!(sa.applied + sb.applied, 1);
-    assert_eq!(sa.skipped_duplicates + sb.skipped_duplicates, 1);
-    assert_eq!(wallet::balance(&db.pool, 3).await, 40);
-    assert_eq!(summary.ledger_rows, 1);
-    assert_eq!(left, 0);
-    cleanup(&config).await;
-    db.drop().await;
-}
-
-#[tokio::test]
-async fn a_message_without_id_is_dead_lettered_with_a_reason() {
-    let config = fresh_config("noid");
+async fn a_dead_letter_keeps_the_properties_and_the_reason_header() {
+    let config = fresh_config("dlq-props");
     let db = TestDb::new().await;
     let publisher = publisher(&config).await;
     let mut headers = FieldTable::default();
@@ -148,7 +33,7 @@ async fn a_message_without_id_is_dead_lettered_with_a_reason() {
         .publish_with_properties(&credit(9, 5), props)
         .await
         .unwrap();
-    publisher.publish(&credit(9, 1)).await.unwrap();
+    let bad = publisher.publish(b"not json").await.unwrap();
 
     let source = RabbitSource::connect(config.clone()).await.unwrap();
     let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
@@ -157,20 +42,18 @@ async fn a_message_without_id_is_dead_lettered_with_a_reason() {
         .unwrap();
 
     let parked = drain(&config.dead_letter_queue()).await;
-    let summary = wallet::summary(&db.pool).await.unwrap();
-    let left = left_on(config.queue()).await;
-    println!(
-        "no ID: {stats:?}, {summary:?}, dead-lettered {}, left on queue {left}",
-        parked.len()
-    );
-    assert_eq!(parked.len(), 1);
-    let reason = parked[0].header(REASON_HEADER).unwrap_or_default();
-    println!("  reason: {reason}");
-    assert_eq!(reason, "message has no ID: property message_id is missing");
-    assert_eq!(parked[0].body, credit(9, 5));
-    assert_eq!(parked[0].header("tenant").as_deref(), Some("acme"));
+    println!("dead letters: {stats:?}, parked {parked:?}");
+    assert_eq!(parked.len(), 2);
+    let no_id = &parked[0];
+    assert_eq!(no_id.body, credit(9, 5));
     assert_eq!(
-        parked[0]
+        no_id.header(REASON_HEADER).as_deref(),
+        Some("message has no ID: property message_id is missing")
+    );
+    assert_eq!(no_id.message_id(), None);
+    assert_eq!(no_id.header("tenant").as_deref(), Some("acme"));
+    assert_eq!(
+        no_id
             .properties
             .content_type()
             .as_ref()
@@ -178,80 +61,12 @@ async fn a_message_without_id_is_dead_lettered_with_a_reason() {
             .as_deref(),
         Some("application/json")
     );
-    assert_eq!(
-        wallet::balance(&db.pool, 9).await,
-        1,
-        "only the message with an ID applied"
-    );
-    assert_eq!((stats.applied, stats.dead_lettered), (1, 1));
-    assert_eq!(left, 0);
-    cleanup(&config).await;
-    db.drop().await;
-}
-
-/// Credits normally, except account 666, whose credits always fail (transiently).
-struct FailingAccount(Credit);
-
-#[async_trait]
-impl Handler<PgTx> for FailingAccount {
-    async fn handle(&self, tx: &mut PgTx, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
-        let event: CreditEvent = m.json()?;
-        if event.account_id == 666 {
-            return Err(HandlerError::transient("account 666 is locked"));
-        }
-        self.0.handle(tx, id, m).await
-    }
-}
-
-#[tokio::test]
-async fn a_poison_message_reaches_the_dlq_after_the_retry_limit_and_the_rest_is_applied() {
-    let config = fresh_config("poison");
-    let db = TestDb::new().await;
-    let publisher = publisher(&config).await;
-    let mut expected = 0;
-    let mut poison_id = None;
-    for i in 0..20 {
-        if i == 7 {
-            poison_id = Some(publisher.publish(&credit(666, 1)).await.unwrap());
-        }
-        publisher.publish(&credit(1 + i % 4, i + 1)).await.unwrap();
-        expected += i + 1;
-    }
-
-    let source = RabbitSource::connect(config.clone()).await.unwrap();
-    let retry = RetryPolicy {
-        max_attempts: 3,
-        initial_backoff: Duration::from_millis(20),
-        max_backoff: Duration::from_millis(100),
-    };
-    let handler = FailingAccount(Credit::new(db.pool.clone()));
-    let stats = Consumer::new("wallet", source, db.inbox(), handler)
-        .batch_size(5)
-        .retry(retry)
-        .run_until_idle()
-        .await
-        .unwrap();
-
-    let parked = drain(&config.dead_letter_queue()).await;
-    let summary = wallet::summary(&db.pool).await.unwrap();
-    let left = left_on(config.queue()).await;
-    println!(
-        "poison: {stats:?}, {summary:?}, dead-lettered {}, left {left}",
-        parked.len()
-    );
-    assert_eq!(parked.len(), 1);
-    let reason = parked[0].header(REASON_HEADER).unwrap_or_default();
-    println!("  reason: {reason}");
-    assert!(reason.contains("failed 3 time(s)"), "{reason}");
-    assert_eq!(parked[0].message_id(), poison_id.map(|id| id.to_string()));
-    assert_eq!((summary.ledger_rows, summary.distinct_events), (20, 20));
-    assert_eq!(summary.total_balance, expected);
-    assert!(summary.balances_exact);
-    assert_eq!(
-        (stats.applied, stats.retried, stats.dead_lettered),
-        (20, 2, 1)
-    );
-    assert_eq!(left, 0);
+    let not_json = &parked[1];
+    assert_eq!(not_json.body, b"not json");
+    assert_eq!(not_json.message_id(), Some(bad.to_string()));
+    let reason = not_json.header(REASON_HEADER).unwrap_or_default();
+    assert!(reason.contains("not valid JSON"), "{reason}");
+    assert_eq!(left_on(config.queue()).await, 0);
     cleanup(&config).await;
     db.drop().await;
 }
