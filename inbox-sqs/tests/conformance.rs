@@ -1,0 +1,127 @@
+//! The conformance suite (`inbox-conformance`) on a real SQS endpoint.
+
+mod common;
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use common::{attr, client, delete_queue, drain, queue};
+use inbox_conformance::{async_trait, DeadLetter, TestBroker, TestQueue};
+use inbox_sqs::aws_sdk_sqs::types::{
+    MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
+};
+use inbox_sqs::aws_sdk_sqs::Client;
+use inbox_sqs::{SqsSource, DEFAULT_ID_ATTRIBUTE, REASON_ATTRIBUTE};
+
+/// A message a crashed consumer held is visible again after this.
+const VISIBILITY_SECS: u32 = 2;
+/// A receive waits longer than the visibility timeout, so a restarted consumer goes idle only
+/// after what its crashed predecessor held is visible again: a committed but undeleted message
+/// then comes back to it (and is skipped) even when the others were applied first. One second
+/// more than the timeout because moto's long poll looks for visible messages once a second.
+const WAIT: Duration = Duration::from_secs(VISIBILITY_SECS as u64 + 1);
+
+struct Sqs;
+
+/// A standard queue of its own and its dead-letter queue (the source's `dead_letter_queue`).
+struct Queue {
+    sqs: Client,
+    url: String,
+    dlq: String,
+    /// The dead letters received (and deleted) from the DLQ so far.
+    dead: Mutex<Vec<DeadLetter>>,
+}
+
+#[async_trait]
+impl TestBroker for Sqs {
+    type Queue = Queue;
+    async fn queue(&self, scenario: &str) -> Queue {
+        let sqs = client().await;
+        let url = queue(&sqs, scenario, VISIBILITY_SECS).await;
+        let dlq = queue(&sqs, &format!("{scenario}-dlq"), 30).await;
+        Queue {
+            sqs,
+            url,
+            dlq,
+            dead: Mutex::default(),
+        }
+    }
+}
+
+#[async_trait]
+impl TestQueue for Queue {
+    type Source = SqsSource;
+
+    fn counts_deliveries(&self) -> bool {
+        true // ApproximateReceiveCount
+    }
+
+    async fn send(&self, id: Option<&str>, payload: &[u8]) {
+        let mut request = self
+            .sqs
+            .send_message()
+            .queue_url(&self.url)
+            .message_body(String::from_utf8_lossy(payload));
+        if let Some(id) = id {
+            let value = MessageAttributeValue::builder()
+                .data_type("String")
+                .string_value(id)
+                .build()
+                .expect("ID attribute");
+            request = request.message_attributes(DEFAULT_ID_ATTRIBUTE, value);
+        }
+        request.send().await.expect("send");
+    }
+
+    async fn source(&self, _member: &str) -> SqsSource {
+        // SQS has no group members: every source shares the queue.
+        SqsSource::builder(self.sqs.clone(), &self.url)
+            .wait_time(WAIT)
+            .dead_letter_queue(&self.dlq)
+            .build()
+            .await
+            .expect("source")
+    }
+
+    async fn dead_letters(&self) -> Vec<DeadLetter> {
+        let mut received = drain(&self.sqs, &self.dlq, Duration::from_secs(1)).await;
+        received.sort_by_key(|m| {
+            m.attributes()
+                .and_then(|a| a.get(&MessageSystemAttributeName::SentTimestamp))
+                .and_then(|t| t.parse::<u64>().ok())
+        });
+        let mut dead = self.dead.lock().expect("dead letters");
+        dead.extend(received.iter().map(|m| DeadLetter {
+            payload: m.body().unwrap_or_default().as_bytes().to_vec(),
+            reason: attr(m, REASON_ATTRIBUTE).unwrap_or_default(),
+        }));
+        dead.clone()
+    }
+
+    async fn left(&self) -> u64 {
+        let names = [
+            QueueAttributeName::ApproximateNumberOfMessages,
+            QueueAttributeName::ApproximateNumberOfMessagesNotVisible,
+            QueueAttributeName::ApproximateNumberOfMessagesDelayed,
+        ];
+        let out = self
+            .sqs
+            .get_queue_attributes()
+            .queue_url(&self.url)
+            .set_attribute_names(Some(names.to_vec()))
+            .send()
+            .await
+            .expect("get queue counts");
+        names
+            .iter()
+            .filter_map(|name| out.attributes()?.get(name)?.parse::<u64>().ok())
+            .sum()
+    }
+
+    async fn cleanup(&self) {
+        delete_queue(&self.sqs, &self.url).await;
+        delete_queue(&self.sqs, &self.dlq).await;
+    }
+}
+
+inbox_conformance::suite!(Sqs);
