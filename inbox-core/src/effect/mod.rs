@@ -97,6 +97,7 @@
 
 mod apply;
 mod consumer;
+mod dead_letter;
 mod lease;
 mod stats;
 

@@ -1,0 +1,236 @@
+//! Hand-backs and attempt budgets of the effect consumer against a real PostgreSQL and a real
+//! HTTP provider: a live lease hands the message back without using an attempt (and without a
+//! busy loop on a broker that cannot delay), a call that surely did not apply is retried even
+//! when unknowns are skipped, and dead-lettered messages get a fresh budget on replay.
+
+#![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
+
+mod common_effects;
+
+use std::time::Duration;
+
+use common_effects::*;
+use inbox_core::testkit::provider::{Behaviour, ProviderMode};
+use inbox_core::testkit::{crash_at_ids, MemoryAck, MemoryBroker, MemorySource};
+use inbox_core::{
+    async_trait, Ack, Delivery, Error, Message, MessageId, MessageSource, SourceError, Stage,
+};
+use inbox_postgres::testkit::fast_retry;
+
+/// For the tests that count hand-backs during a dead consumer's lease: long enough that the
+/// next consumer surely starts inside it.
+const LONG_LEASE: Duration = Duration::from_secs(3);
+
+#[tokio::test]
+async fn a_live_lease_hands_the_message_back_without_using_its_attempts() {
+    let env = Env::new(ProviderMode::Keys).await;
+    let broker = MemoryBroker::new();
+    broker.publish(Some("evt-1"), "notify");
+    let handler = Setup::Keys.handler(&env.provider);
+    // Two attempts allowed: the dead consumer's lease and the one after it.
+    let crashed = env
+        .consumer(broker.source(), handler.clone())
+        .lease(LONG_LEASE)
+        .retry(fast_retry(2))
+        .on_stage(crash_at_ids(Stage::Claimed, [id("evt-1")]))
+        .run_until(std::future::pending())
+        .await;
+    assert!(matches!(crashed, Err(Error::Crashed { .. })));
+
+    let stats = patiently(
+        env.consumer(broker.source(), handler)
+            .lease(LONG_LEASE)
+            .retry(fast_retry(2))
+            .run_until(drained(&broker)),
+    )
+    .await
+    .unwrap();
+
+    assert_eq!(env.provider.effects(&key("evt-1")), 1);
+    assert!(
+        broker.dead_letters().is_empty(),
+        "the hand-back used up no attempt"
+    );
+    assert_eq!(
+        stats.busy, 1,
+        "handed back once, delayed by the rest of the lease: no busy loop"
+    );
+    assert_eq!(broker.acked(), 1, "acked once, after the done mark");
+    let sent = env.sent("evt-1").await;
+    assert_eq!(
+        sent[0].2,
+        Some(3),
+        "the broker handed it out 3 times, one more than the 2 attempts allowed"
+    );
+    assert_eq!(env.row("evt-1").await, (2, 2, true));
+    env.db.drop().await;
+}
+
+/// A source whose nack cannot delay, like a Kafka rewind: a handed-back message comes straight
+/// back.
+struct NoDelay(MemorySource);
+
+#[derive(Debug)]
+struct NoDelayAck(MemoryAck);
+
+#[async_trait]
+impl Ack for NoDelayAck {
+    async fn ack(self) -> Result<(), SourceError> {
+        self.0.ack().await
+    }
+    async fn nack(self, _retry_after: Duration) -> Result<(), SourceError> {
+        self.0.nack(Duration::ZERO).await
+    }
+}
+
+#[async_trait]
+impl MessageSource for NoDelay {
+    type Ack = NoDelayAck;
+    async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<NoDelayAck>>, SourceError> {
+        let batch = self.0.receive(max).await?;
+        Ok(batch
+            .into_iter()
+            .map(|d| Delivery {
+                message: d.message,
+                ack: NoDelayAck(d.ack),
+            })
+            .collect())
+    }
+    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        self.0.dead_letter(message, reason).await
+    }
+}
+
+#[tokio::test]
+async fn a_broker_that_cannot_delay_a_hand_back_does_not_make_a_busy_loop() {
+    let env = Env::new(ProviderMode::Keys).await;
+    let broker = MemoryBroker::new();
+    broker.publish(Some("evt-1"), "notify");
+    let handler = Setup::Keys.handler(&env.provider);
+    let crashed = env
+        .consumer(broker.source(), handler.clone())
+        .lease(LONG_LEASE)
+        .on_stage(crash_at_ids(Stage::Claimed, [id("evt-1")]))
+        .run_until(std::future::pending())
+        .await;
+    assert!(matches!(crashed, Err(Error::Crashed { .. })));
+
+    let stats = patiently(
+        env.consumer(NoDelay(broker.source()), handler)
+            .lease(LONG_LEASE)
+            .run_until(drained(&broker)),
+    )
+    .await
+    .unwrap();
+
+    assert_eq!(env.provider.effects(&key("evt-1")), 1);
+    assert_eq!(
+        stats.busy, 1,
+        "the copy that came straight back waited out the lease instead of asking again"
+    );
+    assert_eq!(
+        env.sent("evt-1").await[0].2,
+        Some(3),
+        "handed out once more, not hundreds of times"
+    );
+    env.db.drop().await;
+}
+
+#[tokio::test]
+async fn a_call_that_surely_did_not_apply_is_retried_even_when_unknowns_are_skipped() {
+    let env = Env::new(ProviderMode::Neither).await;
+    let broker = MemoryBroker::new();
+    broker.publish(Some("evt-1"), "notify");
+    broker.publish(Some("evt-2"), "notify");
+    // evt-1: "503, not applied" (the handler says `not_applied`); evt-2: "500", which could
+    // mean anything, so its outcome is unknown.
+    env.provider
+        .next_call(&key("evt-1"), Behaviour::Refuse(503));
+    env.provider
+        .next_call(&key("evt-2"), Behaviour::Refuse(500));
+    let stats = patiently(
+        env.consumer(broker.source(), Setup::BlindSkip.handler(&env.provider))
+            .run_until(drained(&broker)),
+    )
+    .await
+    .unwrap();
+
+    assert_eq!(env.provider.effects(&key("evt-1")), 1, "retried: no loss");
+    assert_eq!(env.sent("evt-1").await[0].1, "called");
+    assert_eq!(
+        env.provider.effects(&key("evt-2")),
+        0,
+        "skipped after an unknown outcome: the documented loss"
+    );
+    assert_eq!(env.sent("evt-2").await[0].1, "skipped");
+    assert_eq!(
+        (stats.applied, stats.skipped_unknown, stats.retried),
+        (1, 1, 2)
+    );
+    env.db.drop().await;
+}
+
+#[tokio::test]
+async fn failed_messages_are_dead_lettered_and_a_replay_gets_a_fresh_budget() {
+    let env = Env::new(ProviderMode::Keys).await;
+    let broker = MemoryBroker::new();
+    broker.publish(Some("evt-1"), "notify");
+    broker.publish(Some("evt-2"), "notify");
+    broker.publish(None, "notify"); // no ID
+    for _ in 0..3 {
+        env.provider
+            .next_call(&key("evt-1"), Behaviour::Refuse(503));
+    }
+    env.provider
+        .next_call(&key("evt-2"), Behaviour::Refuse(422));
+    let handler = Setup::Keys.handler(&env.provider);
+    let stats = patiently(
+        env.consumer(broker.source(), handler.clone())
+            .retry(fast_retry(3))
+            .run_until(drained(&broker)),
+    )
+    .await
+    .unwrap();
+
+    let dead = broker.dead_letters();
+    let reason = |evt: Option<&str>| {
+        dead.iter()
+            .find(|(m, _)| m.id.as_ref().ok().map(MessageId::as_str) == evt)
+            .map(|(_, reason)| reason.clone())
+            .unwrap_or_default()
+    };
+    assert_eq!((dead.len(), stats.dead_lettered), (3, 3));
+    assert!(reason(Some("evt-1")).contains("failed 3 time(s)"));
+    assert!(reason(Some("evt-2")).contains("refused"));
+    assert!(reason(None).contains("no ID"));
+    assert_eq!(env.provider.calls(&key("evt-1")).len(), 3);
+    assert_eq!(
+        env.provider.calls(&key("evt-2")).len(),
+        1,
+        "permanent: not retried"
+    );
+    assert_eq!(env.provider.applied().len(), 0);
+    assert_eq!(env.sent_total().await, 0);
+    assert_eq!(
+        env.row("evt-1").await,
+        (3, 0, false),
+        "unsettled, count reset"
+    );
+
+    // An operator replays the dead letter: it is applied, within a fresh budget of 3.
+    let (replay, _) = dead
+        .into_iter()
+        .find(|(m, _)| m.id.as_ref().is_ok_and(|i| i.as_str() == "evt-1"))
+        .unwrap();
+    broker.publish_message(replay);
+    patiently(
+        env.consumer(broker.source(), handler)
+            .retry(fast_retry(3))
+            .run_until(drained(&broker)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(env.provider.effects(&key("evt-1")), 1);
+    assert_eq!(env.row("evt-1").await, (4, 1, true));
+    env.db.drop().await;
+}
