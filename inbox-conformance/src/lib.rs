@@ -25,12 +25,14 @@
 //!         // A queue (topic, stream) no other test uses, with its dead-letter destination.
 //!         MyQueue::create(scenario).await
 //!     }
+//!     async fn attach(&self, name: &str) -> MyQueue { MyQueue::open(name) }
 //! }
 //!
 //! #[async_trait]
 //! impl TestQueue for MyQueue {
 //!     type Source = MySource;
 //!     fn counts_deliveries(&self) -> bool { true }
+//!     fn name(&self) -> String { /* what `attach` takes, in a child process */ }
 //!     async fn send(&self, id: Option<&str>, payload: &[u8]) { /* raw send, ID as given */ }
 //!     async fn source(&self, member: &str) -> MySource { /* a consumer-group member */ }
 //!     async fn dead_letters(&self) -> Vec<DeadLetter> { /* payload and reason of each */ }
@@ -41,9 +43,11 @@
 //! inbox_conformance::suite!(MyBroker);
 //! ```
 //!
-//! `cargo test --test conformance` then runs every scenario. The adapter keeps only the tests
+//! `cargo test --test conformance` then runs every scenario; the kill scenario starts the test
+//! binary again as its consumer process (the ignored test `conformance_child`) and SIGKILLs it. The adapter keeps only the tests
 //! of what is its own (rebalances, visibility heartbeats, `XAUTOCLAIM`, connection loss).
 
+mod kill;
 pub mod scenarios;
 
 pub use async_trait::async_trait;
@@ -77,6 +81,10 @@ pub trait TestBroker: Send + Sync + 'static {
     /// A new, empty queue no other test uses; `scenario` is part of its name, to find it on the
     /// broker when a test fails.
     async fn queue(&self, scenario: &str) -> Self::Queue;
+
+    /// The queue [`TestQueue::name`] names, from another process: the kill scenario's consumer
+    /// runs in a child process.
+    async fn attach(&self, name: &str) -> Self::Queue;
 }
 
 /// One queue of the broker under test, seen from its producers and consumers.
@@ -90,6 +98,9 @@ pub trait TestQueue: Send + Sync + 'static {
     ///
     /// [`Consumer::max_deliveries`]: inbox_core::Consumer::max_deliveries
     fn counts_deliveries(&self) -> bool;
+
+    /// What [`TestBroker::attach`] finds this queue by (its name, URL, or whatever it needs).
+    fn name(&self) -> String;
 
     /// Sends `payload` with the message ID `id` set exactly as given (not validated), or with no
     /// ID at all.
@@ -124,7 +135,14 @@ macro_rules! suite {
             a_failing_handler_is_retried_then_dead_lettered,
             a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_count,
             batches_over_lanes_apply_everything_once,
+            a_consumer_process_killed_mid_stream_loses_nothing_and_applies_nothing_twice,
         );
+        /// The consumer process of the kill scenario, started by it; not a test of its own.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        #[ignore = "the consumer process of the kill scenario; runs only as its child"]
+        async fn conformance_child() {
+            $crate::scenarios::consumer_process(&$broker).await;
+        }
     };
     (@tests $broker:expr; $($name:ident),* $(,)?) => {
         $(

@@ -13,6 +13,10 @@ use inbox_postgres::PgTx;
 
 use crate::{TestBroker, TestQueue};
 
+pub use crate::kill::{
+    a_consumer_process_killed_mid_stream_loses_nothing_and_applies_nothing_twice, consumer_process,
+};
+
 /// How long a scenario waits for the queue to drain.
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -31,7 +35,7 @@ async fn send_credit<Q: TestQueue>(queue: &Q, account: i64, amount: i64) -> Mess
 
 /// The counters of all the runs of a scenario.
 #[derive(Debug, Default, Clone, Copy)]
-struct Totals {
+pub(crate) struct Totals {
     runs: u64,
     received: u64,
     applied: u64,
@@ -56,8 +60,13 @@ impl Totals {
 /// Runs consumers (`run`, given a new source of `member`) until idle, one after another, until
 /// `done` holds or [`LIMIT`] passes; a message a consumer died holding comes back after the
 /// broker's own delay (a visibility timeout, a claim interval).
-async fn drain<Q, R, F, D, G>(queue: &Q, member: &str, totals: &mut Totals, mut run: R, done: D)
-where
+pub(crate) async fn drain<Q, R, F, D, G>(
+    queue: &Q,
+    member: &str,
+    totals: &mut Totals,
+    mut run: R,
+    done: D,
+) where
     Q: TestQueue,
     R: FnMut(Q::Source) -> F,
     F: Future<Output = inbox_core::Result<StatsSnapshot>>,
@@ -83,7 +92,7 @@ where
 
 /// What is left on the broker once it had a few seconds to settle (an offset commit, a
 /// delete, a requeue in flight).
-async fn left<Q: TestQueue>(queue: &Q) -> u64 {
+pub(crate) async fn left<Q: TestQueue>(queue: &Q) -> u64 {
     let start = Instant::now();
     loop {
         let left = queue.left().await;
@@ -94,17 +103,17 @@ async fn left<Q: TestQueue>(queue: &Q) -> u64 {
     }
 }
 
-async fn setup<B: TestBroker>(broker: &B, scenario: &str) -> (TestDb, B::Queue) {
+pub(crate) async fn setup<B: TestBroker>(broker: &B, scenario: &str) -> (TestDb, B::Queue) {
     (TestDb::new().await, broker.queue(scenario).await)
 }
 
-async fn finish<Q: TestQueue>(db: TestDb, queue: Q) {
+pub(crate) async fn finish<Q: TestQueue>(db: TestDb, queue: Q) {
     queue.cleanup().await;
     db.drop().await;
 }
 
 /// Whether the ledger holds `n` distinct events.
-async fn ledger_has(db: &TestDb, n: i64) -> bool {
+pub(crate) async fn ledger_has(db: &TestDb, n: i64) -> bool {
     wallet::summary(&db.pool)
         .await
         .is_ok_and(|s| s.distinct_events >= n)

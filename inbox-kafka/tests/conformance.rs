@@ -38,9 +38,13 @@ impl TestBroker for Kafka {
         let name = random(&format!("inbox-conformance-{scenario}"));
         create_topic(&name, PARTITIONS).await;
         create_topic(&format!("{name}.dlq"), 1).await;
+        self.attach(&name).await
+    }
+
+    async fn attach(&self, name: &str) -> Topic {
         Topic {
             group: format!("{name}-group"),
-            name,
+            name: name.to_owned(),
             producer: producer(),
             next: AtomicI32::new(0),
         }
@@ -102,6 +106,10 @@ impl TestQueue for Topic {
 
     fn counts_deliveries(&self) -> bool {
         false // a record has an offset, not a delivery count
+    }
+
+    fn name(&self) -> String {
+        self.name.clone()
     }
 
     async fn send(&self, id: Option<&str>, payload: &[u8]) {

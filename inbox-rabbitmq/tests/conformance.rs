@@ -24,7 +24,11 @@ struct Queue {
 impl TestBroker for Rabbit {
     type Queue = Queue;
     async fn queue(&self, scenario: &str) -> Queue {
-        let config = fresh_config(scenario).poll_timeout(Duration::from_millis(200));
+        self.attach(fresh_config(scenario).queue()).await
+    }
+
+    async fn attach(&self, name: &str) -> Queue {
+        let config = RabbitConfig::new(amqp_url(), name).poll_timeout(Duration::from_millis(200));
         Queue {
             publisher: publisher(&config).await, // declares the queue and its DLQ
             config,
@@ -39,6 +43,10 @@ impl TestQueue for Queue {
 
     fn counts_deliveries(&self) -> bool {
         true // the quorum queue's x-delivery-count
+    }
+
+    fn name(&self) -> String {
+        self.config.queue().to_owned()
     }
 
     async fn send(&self, id: Option<&str>, payload: &[u8]) {

@@ -17,6 +17,10 @@ impl TestBroker for Redis {
     async fn queue(&self, scenario: &str) -> Stream {
         Stream(stream_key(scenario))
     }
+
+    async fn attach(&self, name: &str) -> Stream {
+        Stream(name.to_owned())
+    }
 }
 
 #[async_trait]
@@ -25,6 +29,10 @@ impl TestQueue for Stream {
 
     fn counts_deliveries(&self) -> bool {
         true // XPENDING's delivery counter
+    }
+
+    fn name(&self) -> String {
+        self.0.clone()
     }
 
     async fn send(&self, id: Option<&str>, payload: &[u8]) {

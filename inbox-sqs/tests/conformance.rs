@@ -46,6 +46,17 @@ impl TestBroker for Sqs {
             dead: Mutex::default(),
         }
     }
+
+    /// `name`: the queue's URL and its dead-letter queue's, separated by a space.
+    async fn attach(&self, name: &str) -> Queue {
+        let (url, dlq) = name.split_once(' ').expect("two queue URLs");
+        Queue {
+            sqs: client().await,
+            url: url.to_owned(),
+            dlq: dlq.to_owned(),
+            dead: Mutex::default(),
+        }
+    }
 }
 
 #[async_trait]
@@ -54,6 +65,10 @@ impl TestQueue for Queue {
 
     fn counts_deliveries(&self) -> bool {
         true // ApproximateReceiveCount
+    }
+
+    fn name(&self) -> String {
+        format!("{} {}", self.url, self.dlq)
     }
 
     async fn send(&self, id: Option<&str>, payload: &[u8]) {

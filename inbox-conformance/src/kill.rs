@@ -1,0 +1,127 @@
+//! The article's headline scenario: the consumer process is SIGKILLed mid-stream, again and
+//! again, and restarted. SIGKILL runs no destructor: no close, no last ack, no last commit.
+
+use std::time::{Duration, Instant};
+
+use inbox_core::{Consumer, MessageId};
+use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
+use inbox_postgres::testkit::{child, TestDb};
+
+use crate::scenarios::{drain, ledger_has, left, setup, Totals};
+use crate::{TestBroker, TestQueue};
+
+const EVENTS: i64 = 300;
+const KILLS: i64 = 4;
+const ACCOUNTS: i64 = 7;
+/// Each message's handler sleeps this long, so that kills land mid-stream.
+const WORK: Duration = Duration::from_millis(5);
+/// The name [`crate::suite!`] gives the child's test.
+const CHILD_TEST: &str = "conformance_child";
+
+/// Starts the consumer as a child process (the test binary again, running only
+/// [`consumer_process`]), kills it with SIGKILL once it applied a share of the events, and
+/// again; then a last consumer drains what is left. Every event ends up in the ledger exactly
+/// once.
+pub async fn a_consumer_process_killed_mid_stream_loses_nothing_and_applies_nothing_twice<
+    B: TestBroker,
+>(
+    broker: &B,
+) {
+    if child::is_child() {
+        return;
+    }
+    let (db, queue) = setup(broker, "hard-kill").await;
+    let mut expected_total = 0;
+    for i in 0..EVENTS {
+        expected_total += i + 1;
+        let event = CreditEvent::new(1 + i % ACCOUNTS, i + 1);
+        queue
+            .send(Some(MessageId::generate().as_str()), &event.to_json())
+            .await;
+    }
+
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for kill in 1..=KILLS {
+        let mut process = child::spawn(
+            CHILD_TEST,
+            &[
+                ("INBOX_SCHEMA", db.schema.clone()),
+                ("INBOX_QUEUE", queue.name()),
+            ],
+        );
+        // Killed once it made progress of its own, so that each kill lands mid-stream.
+        let target = kill * EVENTS / (KILLS + 2);
+        loop {
+            let done = wallet::summary(&db.pool)
+                .await
+                .expect("summary")
+                .distinct_events;
+            if done >= target {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no progress: {done} of {target} applied"
+            );
+            if let Ok(Some(status)) = process.try_wait() {
+                panic!("the consumer process exited by itself: {status}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // A random extra moment, so that kills also land between a commit and its ack.
+        let jitter = u64::from(MessageId::generate().as_str().as_bytes()[35] % 40);
+        tokio::time::sleep(Duration::from_millis(jitter)).await;
+        process.kill().expect("SIGKILL");
+        process.wait().expect("reap");
+        let summary = wallet::summary(&db.pool).await.expect("summary");
+        println!(
+            "kill {kill}: {} of {EVENTS} events applied, {} ledger rows",
+            summary.distinct_events, summary.ledger_rows
+        );
+    }
+
+    // The last restart, in this process.
+    let handler = Credit::new(db.pool.clone()).work(WORK);
+    let mut totals = Totals::default();
+    drain(
+        &queue,
+        "c1",
+        &mut totals,
+        |source| {
+            Consumer::new("wallet", source, db.inbox(), handler.clone())
+                .batch_size(5)
+                .run_until_idle()
+        },
+        |_| ledger_has(&db, EVENTS),
+    )
+    .await;
+    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let left = left(&queue).await;
+    println!(
+        "hard kill: {EVENTS} events, {KILLS} kills; the last consumer: {totals:?}; {summary:?}; \
+         expected total {expected_total}; left {left}"
+    );
+    assert_eq!(summary.distinct_events, EVENTS, "every event applied");
+    assert_eq!(summary.ledger_rows, EVENTS, "none twice");
+    assert!(summary.balances_exact);
+    assert_eq!(summary.total_balance, expected_total);
+    assert_eq!(left, 0);
+    crate::scenarios::finish(db, queue).await;
+}
+
+/// The consumer process of the kill scenario: runs until it is killed, and only in a process
+/// the scenario started (elsewhere it returns at once).
+pub async fn consumer_process<B: TestBroker>(broker: &B) {
+    if !child::is_child() {
+        return;
+    }
+    let var = |name: &str| std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set"));
+    let db = TestDb::attach(&var("INBOX_SCHEMA")).await;
+    let queue = broker.attach(&var("INBOX_QUEUE")).await;
+    let handler = Credit::new(db.pool.clone()).work(WORK);
+    Consumer::new("wallet", queue.source("c1").await, db.inbox(), handler)
+        .batch_size(5)
+        .run()
+        .await
+        .expect("consumer");
+}
