@@ -21,6 +21,7 @@ use inbox_core::{async_trait, HandlerError, Message, MessageId};
 use inbox_postgres::{PgInbox, PgLeases, PgTx};
 use inbox_redis_streams::{redis, RedisStreamProducer, RedisStreamSource};
 use sqlx::postgres::{PgConnectOptions, PgPool};
+use sqlx::AssertSqlSafe;
 
 const DATABASE_URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/inbox";
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
@@ -58,7 +59,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let options: PgConnectOptions = db_url.parse()?;
     let pool = PgPool::connect_with(options.options([("search_path", &schema)])).await?;
     let create = format!("CREATE SCHEMA {schema}");
-    sqlx::raw_sql(&create).execute(&pool).await?;
+    sqlx::raw_sql(AssertSqlSafe(create)).execute(&pool).await?;
     let leases = PgLeases::new(PgInbox::new(pool.clone()))?; // table `inbox_effects`
     leases.migrate().await?;
     let provider = TestProvider::start(ProviderMode::Keys).await?;
@@ -86,7 +87,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         stats.applied, stats.skipped_duplicates
     );
     let drop_schema = format!("DROP SCHEMA {schema} CASCADE");
-    sqlx::raw_sql(&drop_schema).execute(&pool).await?;
+    sqlx::raw_sql(AssertSqlSafe(drop_schema))
+        .execute(&pool)
+        .await?;
     let client = redis::Client::open(redis_url)?;
     let mut conn = client.get_multiplexed_async_connection().await?;
     redis::cmd("DEL").arg(&stream).exec_async(&mut conn).await?;

@@ -16,6 +16,7 @@ use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageI
 use inbox_postgres::{Outbox, PgInbox, PgTx};
 use inbox_redis_streams::{redis, RedisStreamProducer, RedisStreamSource};
 use sqlx::postgres::{PgConnectOptions, PgPool};
+use sqlx::AssertSqlSafe;
 
 const DATABASE_URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/inbox";
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
@@ -64,7 +65,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
          CREATE TABLE {schema}.accounts (id bigint PRIMARY KEY, balance bigint NOT NULL);
          INSERT INTO {schema}.accounts VALUES (1, 0), (2, 0);"
     );
-    sqlx::raw_sql(&setup).execute(&pool).await?;
+    sqlx::raw_sql(AssertSqlSafe(setup)).execute(&pool).await?;
     let (inbox, outbox) = (PgInbox::new(pool.clone()), Outbox::new(pool.clone()));
     inbox.migrate().await?;
     outbox.migrate().await?;
@@ -102,7 +103,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         a.applied, a.skipped_duplicates, relay.published, b.applied
     );
     let drop_schema = format!("DROP SCHEMA {schema} CASCADE");
-    sqlx::raw_sql(&drop_schema).execute(&pool).await?;
+    sqlx::raw_sql(AssertSqlSafe(drop_schema))
+        .execute(&pool)
+        .await?;
     let client = redis::Client::open(redis_url.as_str())?;
     let mut conn = client.get_multiplexed_async_connection().await?;
     let keys = [&orders, &credits];

@@ -13,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use inbox_postgres::{KeyMode, PgInbox, TableName};
-use sqlx::PgPool;
+use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
 use crate::args::MeasureStorage;
@@ -112,13 +112,13 @@ pub(crate) async fn run(pool: &PgPool, args: &MeasureStorage) -> Result<Vec<Stri
         .map(|n| n.saturating_mul(Keys::ALL.len() as u64));
     let progress = Progress::start(COUNTING, total, false, args.json);
     let schema = format!("inbox_measure_{}", Uuid::new_v4().simple());
-    sqlx::query(&format!("CREATE SCHEMA \"{schema}\""))
+    sqlx::query(AssertSqlSafe(format!("CREATE SCHEMA \"{schema}\"")))
         .execute(pool)
         .await
         .map_err(db("creating the scratch schema"))?;
     let result = measure_all(pool, &schema, args, &progress).await;
     drop(progress);
-    let dropped = sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+    let dropped = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
         .execute(pool)
         .await;
     if let Err(e) = dropped {
@@ -181,12 +181,12 @@ async fn measure_one(
     inbox.migrate().await?;
     let consumer = inbox.consumer_id(CONSUMER).await?;
     insert(pool, &table, keys, consumer, rows, progress).await?;
-    sqlx::raw_sql(&format!("VACUUM (ANALYZE) {table}"))
+    sqlx::raw_sql(AssertSqlSafe(format!("VACUUM (ANALYZE) {table}")))
         .execute(pool)
         .await
         .map_err(db("vacuuming the measured table"))?;
     let storage = inbox.storage().await?;
-    sqlx::query(&format!("DROP TABLE {table}"))
+    sqlx::query(AssertSqlSafe(format!("DROP TABLE {table}")))
         .execute(pool)
         .await
         .map_err(db("dropping the measured table"))?;
@@ -223,7 +223,7 @@ async fn insert(
             return insert_v7(pool, table, keys, consumer, rows, progress).await;
         }
     };
-    sqlx::query(&sql)
+    sqlx::query(AssertSqlSafe(sql))
         .bind(consumer)
         .bind(rows)
         .execute(pool)
@@ -252,7 +252,7 @@ async fn insert_v7(
         let n = left.min(CHUNK);
         left -= n;
         let ids: Vec<Uuid> = (0..n).map(|_| Uuid::now_v7()).collect();
-        let query = sqlx::query(&sql);
+        let query = sqlx::query(AssertSqlSafe(sql.as_str()));
         let query = match keys {
             Keys::TextV7 => query.bind(ids.iter().map(Uuid::to_string).collect::<Vec<_>>()),
             _ => query.bind(ids),

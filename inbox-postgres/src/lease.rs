@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use inbox_core::effect::{Acquired, Attempt, Lease, LeaseStore, Release};
 use inbox_core::{async_trait, InboxStore, InvalidId, MessageId, Recovery, StoreError};
+use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
 use crate::error::{db, store_err};
@@ -166,7 +167,7 @@ impl PgLeases {
             ),
         ];
         for statement in statements {
-            sqlx::query(&statement)
+            sqlx::query(AssertSqlSafe(statement))
                 .execute(&mut *tx)
                 .await
                 .map_err(db("creating the lease table"))?;
@@ -200,7 +201,7 @@ impl PgLeases {
         );
         let mut deleted = 0;
         loop {
-            let n = sqlx::query(&sql)
+            let n = sqlx::query(AssertSqlSafe(sql.as_str()))
                 .bind(older_than.as_secs_f64())
                 .bind(batch.max(1))
                 .execute(self.inbox.pool())
@@ -237,13 +238,13 @@ impl PgLeases {
         key: &str,
         consumer_id: i16,
     ) -> Result<Option<Acquired>, StoreError> {
-        let found: Option<(bool, f64)> = sqlx::query_as(&format!(
+        let found: Option<(bool, f64)> = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT done_at IS NOT NULL,
                     greatest(extract(epoch FROM locked_until - now()), 0)::float8
              FROM {t} WHERE {row}",
             t = self.table,
             row = self.row()
-        ))
+        )))
         .bind(key)
         .bind(consumer_id)
         .fetch_optional(self.inbox.pool())
@@ -310,7 +311,7 @@ impl LeaseStore for PgLeases {
         // A row found neither leasable nor there (purged between the two statements) is
         // looked at again; a done row is the only kind a purge removes, so this ends.
         for _ in 0..3 {
-            let leased: Option<(i64, i64, i32, f64)> = sqlx::query_as(&sql)
+            let leased: Option<(i64, i64, i32, f64)> = sqlx::query_as(AssertSqlSafe(sql.as_str()))
                 .bind(&key)
                 .bind(consumer_id)
                 .bind(lease.as_secs_f64())
@@ -345,14 +346,14 @@ impl LeaseStore for PgLeases {
     ) -> Result<bool, StoreError> {
         let consumer_id = self.inbox.consumer_id(consumer).await?;
         let key = self.key(consumer, id)?;
-        let done = sqlx::query(&format!(
+        let done = sqlx::query(AssertSqlSafe(format!(
             "UPDATE {t} SET locked_until = now(),
                  clean_token = CASE WHEN $4 THEN token ELSE clean_token END,
                  attempts = CASE WHEN $5 THEN 0 ELSE attempts END
              WHERE {row} AND token = $3 AND done_at IS NULL",
             t = self.table,
             row = self.row()
-        ))
+        )))
         .bind(&key)
         .bind(consumer_id)
         .bind(i64::try_from(token).unwrap_or(i64::MAX))
@@ -389,7 +390,7 @@ impl LeaseStore for PgLeases {
             row = self.row(),
             fenced = self.table.sibling("fenced")
         );
-        let marked = sqlx::query_scalar::<_, bool>(&sql)
+        let marked = sqlx::query_scalar::<_, bool>(AssertSqlSafe(sql))
             .bind(&key)
             .bind(consumer_id)
             .bind(i64::try_from(token).unwrap_or(i64::MAX))

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use inbox_core::{MessageId, OutgoingMessage, Publish};
 use sqlx::types::chrono::{DateTime, Utc};
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::{AssertSqlSafe, PgPool, Postgres, Transaction};
 use tokio::task::JoinHandle;
 
 use crate::error::db;
@@ -156,7 +156,7 @@ impl Outbox {
             ),
         ];
         for statement in statements {
-            sqlx::query(&statement)
+            sqlx::query(AssertSqlSafe(statement))
                 .execute(&mut *tx)
                 .await
                 .map_err(db("creating the outbox table"))?;
@@ -189,9 +189,9 @@ impl Outbox {
         message: &OutgoingMessage,
     ) -> Result<()> {
         let t = &self.table;
-        sqlx::query(&format!(
+        sqlx::query(AssertSqlSafe(format!(
             "INSERT INTO {t} (message_id, destination, key, payload) VALUES ($1, $2, $3, $4)"
-        ))
+        )))
         .bind(message.id.as_str())
         .bind(destination)
         .bind(message.key.as_deref())
@@ -217,12 +217,12 @@ impl Outbox {
         let keys: Vec<Option<&str>> = messages.iter().map(|m| m.key.as_deref()).collect();
         let payloads: Vec<&[u8]> = messages.iter().map(|m| m.payload.as_slice()).collect();
         let t = &self.table;
-        sqlx::query(&format!(
+        sqlx::query(AssertSqlSafe(format!(
             "INSERT INTO {t} (message_id, destination, key, payload)
              SELECT m, $1, k, p
              FROM unnest($2::text[], $3::text[], $4::bytea[]) WITH ORDINALITY AS u(m, k, p, n)
              ORDER BY n"
-        ))
+        )))
         .bind(destination)
         .bind(&ids)
         .bind(&keys)
@@ -261,7 +261,7 @@ impl Outbox {
         );
         let mut deleted = 0;
         loop {
-            let n = sqlx::query(&sql)
+            let n = sqlx::query(AssertSqlSafe(sql.as_str()))
                 .bind(cutoff)
                 .bind(batch.max(1))
                 .execute(&self.pool)
@@ -280,10 +280,10 @@ impl Outbox {
     /// none). One probe of the unsent-rows index: cheap enough to run every few seconds.
     pub async fn oldest_unsent(&self) -> Result<Option<Duration>> {
         let t = &self.table;
-        let age: Option<f64> = sqlx::query_scalar(&format!(
+        let age: Option<f64> = sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT extract(epoch FROM now() - created_at)::float8 FROM {t}
              WHERE sent_at IS NULL ORDER BY id LIMIT 1"
-        ))
+        )))
         .fetch_optional(&self.pool)
         .await
         .map_err(db("reading the oldest unsent outbox row"))?;

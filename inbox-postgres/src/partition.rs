@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use sha2::{Digest, Sha256};
-use sqlx::{Connection, PgConnection};
+use sqlx::{AssertSqlSafe, Connection, PgConnection};
 use uuid::Uuid;
 
 use crate::error::db;
@@ -538,7 +538,7 @@ impl PgInbox {
         for attempt in 1..=p.attempts {
             let mut tx = conn.begin().await.map_err(db("creating a partition"))?;
             let result: Result<Option<()>, sqlx::Error> = async {
-                sqlx::query(&p.lock_timeout_sql()).execute(&mut *tx).await?;
+                sqlx::query(AssertSqlSafe(p.lock_timeout_sql())).execute(&mut *tx).await?;
                 // Creators (migrate on every instance, the purge) take turns.
                 sqlx::query("SELECT pg_advisory_xact_lock($1)")
                     .bind(key)
@@ -551,30 +551,32 @@ impl PgInbox {
                 if exists {
                     return Ok(None);
                 }
-                sqlx::query(&format!(
+                sqlx::query(AssertSqlSafe(format!(
                     "CREATE TABLE {qualified} (LIKE {t} INCLUDING DEFAULTS)"
-                ))
+                )))
                 .execute(&mut *tx)
                 .await?;
                 if let Some(default) = default {
                     let d = &default.sql;
                     // Blocks only claims that land in the default partition, until the commit.
-                    sqlx::query(&format!("LOCK TABLE {d} IN SHARE ROW EXCLUSIVE MODE"))
-                        .execute(&mut *tx)
-                        .await?;
-                    sqlx::query(&format!(
+                    sqlx::query(AssertSqlSafe(format!(
+                        "LOCK TABLE {d} IN SHARE ROW EXCLUSIVE MODE"
+                    )))
+                    .execute(&mut *tx)
+                    .await?;
+                    sqlx::query(AssertSqlSafe(format!(
                         "WITH moved AS (
                             DELETE FROM {d} WHERE message_id >= '{from}' AND message_id < '{to}'
                             RETURNING message_id, processed_minute, consumer_id)
                          INSERT INTO {qualified} (message_id, processed_minute, consumer_id)
                          SELECT message_id, processed_minute, consumer_id FROM moved"
-                    ))
+                    )))
                     .execute(&mut *tx)
                     .await?;
                 }
-                sqlx::query(&format!(
+                sqlx::query(AssertSqlSafe(format!(
                     "ALTER TABLE {t} ATTACH PARTITION {qualified} FOR VALUES FROM ('{from}') TO ('{to}')"
-                ))
+                )))
                 .execute(&mut *tx)
                 .await?;
                 Ok(Some(()))
@@ -619,22 +621,26 @@ impl PgInbox {
             let started = Instant::now();
             let mut tx = conn.begin().await.map_err(db("detaching a partition"))?;
             let result: Result<bool, sqlx::Error> = async {
-                sqlx::query(&p.lock_timeout_sql()).execute(&mut *tx).await?;
-                sqlx::query(&format!("LOCK TABLE {l} IN SHARE MODE"))
+                sqlx::query(AssertSqlSafe(p.lock_timeout_sql()))
                     .execute(&mut *tx)
                     .await?;
-                let live: bool = sqlx::query_scalar(&format!(
+                sqlx::query(AssertSqlSafe(format!("LOCK TABLE {l} IN SHARE MODE")))
+                    .execute(&mut *tx)
+                    .await?;
+                let live: bool = sqlx::query_scalar(AssertSqlSafe(format!(
                     "SELECT EXISTS (SELECT 1 FROM {l} WHERE processed_minute >= $1)"
-                ))
+                )))
                 .bind(cutoff_minute)
                 .fetch_one(&mut *tx)
                 .await?;
                 if live {
                     return Ok(false);
                 }
-                sqlx::query(&format!("ALTER TABLE {t} DETACH PARTITION {l}"))
-                    .execute(&mut *tx)
-                    .await?;
+                sqlx::query(AssertSqlSafe(format!(
+                    "ALTER TABLE {t} DETACH PARTITION {l}"
+                )))
+                .execute(&mut *tx)
+                .await?;
                 Ok(true)
             }
             .await;
@@ -675,8 +681,10 @@ impl PgInbox {
     async fn drop_detached(&self, conn: &mut PgConnection, p: &Partitions, sql: &str) {
         let result: Result<(), sqlx::Error> = async {
             let mut tx = conn.begin().await?;
-            sqlx::query(&p.lock_timeout_sql()).execute(&mut *tx).await?;
-            sqlx::query(&format!("DROP TABLE {sql}"))
+            sqlx::query(AssertSqlSafe(p.lock_timeout_sql()))
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(AssertSqlSafe(format!("DROP TABLE {sql}")))
                 .execute(&mut *tx)
                 .await?;
             tx.commit().await

@@ -5,6 +5,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use inbox_core::{MessageId, OutgoingMessage, Publish, PublishError, Recovery};
+use sqlx::AssertSqlSafe;
 
 use crate::error::{db, recovery};
 use crate::outbox::{OUTBOX_ERRORS_COUNTER, OUTBOX_PUBLISHED_COUNTER};
@@ -252,10 +253,10 @@ impl<P: Publish> OutboxRelay<P> {
             .await
             .map_err(db("starting an outbox relay transaction"))
             .map_err(database)?;
-        let rows: Vec<Row> = sqlx::query_as(&format!(
+        let rows: Vec<Row> = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT id, message_id, destination, key, payload FROM {t}
              WHERE sent_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
-        ))
+        )))
         .bind(self.batch_size)
         .fetch_all(&mut *tx)
         .await
@@ -301,9 +302,9 @@ impl<P: Publish> OutboxRelay<P> {
             0
         } else {
             let mark = async {
-                sqlx::query(&format!(
+                sqlx::query(AssertSqlSafe(format!(
                     "UPDATE {t} SET sent_at = clock_timestamp() WHERE id = ANY($1)"
-                ))
+                )))
                 .bind(&confirmed)
                 .execute(&mut *tx)
                 .await

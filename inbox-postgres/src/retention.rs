@@ -5,7 +5,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sha2::{Digest, Sha256};
-use sqlx::{Connection, PgConnection};
+use sqlx::{AssertSqlSafe, Connection, PgConnection};
 use tokio::task::JoinHandle;
 
 use crate::error::db;
@@ -298,11 +298,11 @@ impl PgInbox {
     pub async fn oldest_per_consumer(&self) -> Result<Vec<ConsumerWindow>> {
         let t = self.table();
         let consumers = t.sibling("consumers");
-        let rows: Vec<(String, Option<i32>, i64)> = sqlx::query_as(&format!(
+        let rows: Vec<(String, Option<i32>, i64)> = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT c.name, min(i.processed_minute), count(i.consumer_id)
              FROM {consumers} c LEFT JOIN {t} i ON i.consumer_id = c.id
              GROUP BY c.name ORDER BY c.name"
-        ))
+        )))
         .fetch_all(self.pool())
         .await
         .map_err(db("reading the oldest remembered time per consumer"))?;
@@ -327,14 +327,14 @@ impl PgInbox {
     /// The row count and the on-disk size of the table and its indexes (of its partitions).
     pub async fn storage(&self) -> Result<Storage> {
         let t = self.table();
-        let (rows, heap_bytes, index_bytes): (i64, i64, i64) = sqlx::query_as(&format!(
+        let (rows, heap_bytes, index_bytes): (i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT (SELECT count(*) FROM {t}),
                     coalesce(sum(pg_relation_size(relid)), 0)::bigint,
                     coalesce(sum(pg_indexes_size(relid)), 0)::bigint
              FROM (SELECT relid FROM pg_partition_tree($1::regclass) WHERE isleaf
                    -- A plain table is in no partition tree.
                    UNION SELECT oid FROM pg_class WHERE oid = $1::regclass AND relkind = 'r') leaves"
-        ))
+        )))
         .bind(t.to_string())
         .fetch_one(self.pool())
         .await
@@ -372,7 +372,7 @@ async fn delete_expired(
             SELECT ctid FROM {table} WHERE processed_minute < $1 LIMIT $2)"
     );
     loop {
-        let deleted = sqlx::query(&sql)
+        let deleted = sqlx::query(AssertSqlSafe(sql.as_str()))
             .bind(cutoff_minute)
             .bind(batch)
             .execute(&mut *conn)

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inbox_core::{async_trait, InboxStore, InvalidId, MessageId, StoreError};
-use sqlx::{PgPool, Postgres};
+use sqlx::{AssertSqlSafe, PgPool, Postgres};
 use uuid::Uuid;
 
 use crate::error::{db, recovery, store_err};
@@ -169,7 +169,7 @@ impl PgInbox {
         let key = self.mode.column_type();
         // The builders `migration_sql` prints too (`migration.rs`).
         for statement in [self.consumers_table_sql(), self.inbox_table_sql()] {
-            sqlx::query(&statement)
+            sqlx::query(AssertSqlSafe(statement))
                 .execute(&mut *tx)
                 .await
                 .map_err(db("creating the inbox tables"))?;
@@ -217,7 +217,7 @@ impl PgInbox {
             statements.push(self.plain_index_sql());
         }
         for statement in statements {
-            sqlx::query(&statement)
+            sqlx::query(AssertSqlSafe(statement))
                 .execute(&mut *tx)
                 .await
                 .map_err(db("creating the inbox tables"))?;
@@ -283,7 +283,7 @@ impl PgInbox {
     async fn register(&self, conn: &mut sqlx::PgConnection, consumer: &str) -> Result<(i16, bool)> {
         let consumers = self.table.sibling("consumers");
         let select = format!("SELECT id FROM {consumers} WHERE name = $1");
-        let found: Option<i16> = sqlx::query_scalar(&select)
+        let found: Option<i16> = sqlx::query_scalar(AssertSqlSafe(select.as_str()))
             .bind(consumer)
             .fetch_optional(&mut *conn)
             .await
@@ -291,9 +291,9 @@ impl PgInbox {
         if let Some(id) = found {
             return Ok((id, false));
         }
-        let inserted: Option<i16> = sqlx::query_scalar(&format!(
+        let inserted: Option<i16> = sqlx::query_scalar(AssertSqlSafe(format!(
             "INSERT INTO {consumers} (name) VALUES ($1) ON CONFLICT (name) DO NOTHING RETURNING id"
-        ))
+        )))
         .bind(consumer)
         .fetch_optional(&mut *conn)
         .await
@@ -302,7 +302,7 @@ impl PgInbox {
             return Ok((id, true));
         }
         // Another process registered it between the two statements.
-        let id = sqlx::query_scalar(&select)
+        let id = sqlx::query_scalar(AssertSqlSafe(select.as_str()))
             .bind(consumer)
             .fetch_one(&mut *conn)
             .await
@@ -370,7 +370,7 @@ impl PgInbox {
         if let Some(mut conn) = spare {
             let mut own = match &self.begin {
                 Some(statement) => {
-                    sqlx::Connection::begin_with(&mut *conn, statement.clone()).await
+                    sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(statement.clone())).await
                 }
                 None => sqlx::Connection::begin(&mut *conn).await,
             }
@@ -412,7 +412,7 @@ impl InboxStore for PgInbox {
     async fn begin(&self) -> Result<PgTx, StoreError> {
         let begun = match &self.begin {
             // One round-trip: the simple query protocol runs the statements together.
-            Some(statement) => self.pool.begin_with(statement.clone()).await,
+            Some(statement) => self.pool.begin_with(AssertSqlSafe(statement.clone())).await,
             None => self.pool.begin().await,
         };
         begun.map_err(store_err("opening a transaction"))
@@ -443,7 +443,7 @@ impl InboxStore for PgInbox {
             let sql = format!(
                 "INSERT INTO {t} (message_id, consumer_id) VALUES ($1, $2) ON CONFLICT DO NOTHING"
             );
-            let query = sqlx::query(&sql);
+            let query = sqlx::query(AssertSqlSafe(sql));
             let query = match &keys {
                 Keys::Text(k) => query.bind(&k[0]),
                 Keys::Uuid(k) => query.bind(k[0]),
@@ -463,7 +463,7 @@ impl InboxStore for PgInbox {
         };
         Ok(match keys {
             Keys::Text(keys) => {
-                let fresh: HashSet<String> = sqlx::query_scalar(&sql("text[]"))
+                let fresh: HashSet<String> = sqlx::query_scalar(AssertSqlSafe(sql("text[]")))
                     .bind(&keys)
                     .bind(consumer_id)
                     .fetch_all(&mut **tx)
@@ -474,7 +474,7 @@ impl InboxStore for PgInbox {
                 first_claims(&keys, fresh)
             }
             Keys::Uuid(keys) => {
-                let fresh: HashSet<Uuid> = sqlx::query_scalar(&sql("uuid[]"))
+                let fresh: HashSet<Uuid> = sqlx::query_scalar(AssertSqlSafe(sql("uuid[]")))
                     .bind(&keys)
                     .bind(consumer_id)
                     .fetch_all(&mut **tx)

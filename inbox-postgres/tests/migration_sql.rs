@@ -7,6 +7,7 @@
 use inbox_core::{InboxStore, MessageId};
 use inbox_postgres::testkit::TestDb;
 use inbox_postgres::{KeyMode, Partitions, PgInbox, TableName};
+use sqlx::AssertSqlSafe;
 
 const MODES: [KeyMode; 3] = [KeyMode::Text, KeyMode::Uuid, KeyMode::Hashed];
 
@@ -77,7 +78,7 @@ async fn printed_sql_is_a_migration(mode: KeyMode, partitioned: bool) {
     let by_sql = TestDb::new().await;
     let by_migrate = TestDb::new().await;
     let sql = owned_inbox(&by_sql, mode, partitioned).migration_sql();
-    sqlx::raw_sql(&sql)
+    sqlx::raw_sql(AssertSqlSafe(sql.as_str()))
         .execute(&by_sql.pool)
         .await
         .unwrap_or_else(|e| panic!("{case}: the printed SQL fails: {e}\n{sql}"));
@@ -124,7 +125,10 @@ async fn printed_sql_is_a_migration(mode: KeyMode, partitioned: bool) {
 
     if !partitioned {
         // Every statement says IF NOT EXISTS: running the SQL again changes nothing.
-        sqlx::raw_sql(&sql).execute(&by_sql.pool).await.unwrap();
+        sqlx::raw_sql(AssertSqlSafe(sql.as_str()))
+            .execute(&by_sql.pool)
+            .await
+            .unwrap();
         assert_eq!(shape(&by_sql).await.0, made, "{case}");
     }
     by_sql.drop().await;

@@ -13,6 +13,7 @@ use std::time::Duration;
 use inbox_core::{async_trait, Destinations, OutgoingMessage, Publish, PublishError, Recovery};
 use inbox_postgres::testkit::TestDb;
 use inbox_postgres::{Outbox, RelayError, TableName, OUTBOX_OLDEST_UNSENT_GAUGE};
+use sqlx::AssertSqlSafe;
 
 /// Keeps every batch it is handed, per destination; fails the first `fail_first` calls to
 /// `failing` (after keeping them, as a broker that stored them and lost the confirm would).
@@ -245,9 +246,9 @@ async fn purge_removes_only_sent_rows_older_than_the_cutoff() {
         ),
         (vec![8, 9], "NULL", "now() - interval '3 hours'"),
     ] {
-        sqlx::query(&format!(
+        sqlx::query(AssertSqlSafe(format!(
             "UPDATE outbox SET sent_at = {sent_at}, created_at = {created_at} WHERE id = ANY($1)"
-        ))
+        )))
         .bind(ids)
         .execute(&db.pool)
         .await

@@ -11,7 +11,7 @@ use inbox_postgres::testkit::TestDb;
 use inbox_postgres::{
     Conversion, KeyMode, PartitionRange, Partitions, PgInbox, PurgeReport, TableName,
 };
-use sqlx::PgPool;
+use sqlx::{AssertSqlSafe, PgPool};
 use uuid::{NoContext, Timestamp, Uuid};
 
 const MINUTE: i64 = 60_000;
@@ -66,11 +66,11 @@ async fn insert_processed(inbox: &PgInbox, consumer: &str, rows: &[(Uuid, i64)])
         .iter()
         .map(|&(id, ms)| (id, i32::try_from(ms / MINUTE).unwrap()))
         .unzip();
-    sqlx::query(&format!(
+    sqlx::query(AssertSqlSafe(format!(
         "INSERT INTO {} (message_id, processed_minute, consumer_id)
          SELECT unnest($1::uuid[]), unnest($2::int[]), $3",
         inbox.table()
-    ))
+    )))
     .bind(ids)
     .bind(minutes)
     .bind(consumer)
@@ -87,10 +87,10 @@ async fn partitions_of(inbox: &PgInbox, keys: &[String]) -> Vec<String> {
     };
     let mut found = Vec::new();
     for key in keys {
-        let name: String = sqlx::query_scalar(&format!(
+        let name: String = sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT tableoid::regclass::text FROM {} WHERE message_id = $1{cast}",
             inbox.table()
-        ))
+        )))
         .bind(key)
         .fetch_one(inbox.pool())
         .await
@@ -118,10 +118,13 @@ async fn range_of(inbox: &PgInbox, ms: i64) -> String {
 }
 
 async fn rows(inbox: &PgInbox) -> i64 {
-    sqlx::query_scalar(&format!("SELECT count(*) FROM {}", inbox.table()))
-        .fetch_one(inbox.pool())
-        .await
-        .unwrap()
+    sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {}",
+        inbox.table()
+    )))
+    .fetch_one(inbox.pool())
+    .await
+    .unwrap()
 }
 
 async fn exists(pool: &PgPool, name: &str) -> bool {
@@ -237,9 +240,9 @@ async fn keys_land_by_uuidv7_time_and_every_key_deduplicates_wherever_it_lands()
         match mode {
             KeyMode::Hashed => {
                 // Keys are not the IDs; count per partition instead.
-                let per: Vec<(String, i64)> = sqlx::query_as(&format!(
+                let per: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(format!(
                     "SELECT tableoid::regclass::text, count(*) FROM {table} GROUP BY 1 ORDER BY 1"
-                ))
+                )))
                 .fetch_all(&db.pool)
                 .await
                 .unwrap();
@@ -390,10 +393,10 @@ async fn a_due_partition_holding_a_row_processed_in_the_window_is_kept_until_it_
     assert_eq!(partition_of(&inbox, &late.to_string()).await, a);
 
     // Once the late row is older than the window too, the partition goes whole.
-    sqlx::query(&format!(
+    sqlx::query(AssertSqlSafe(format!(
         "UPDATE {} SET processed_minute = processed_minute - 600",
         inbox.table()
-    ))
+    )))
     .execute(&db.pool)
     .await
     .unwrap();
@@ -538,9 +541,9 @@ async fn a_plain_table_is_converted_in_place_and_every_key_stays_deduplicated() 
             (default.name.clone(), &default.range),
             (format!("{table}_default"), &PartitionRange::Default)
         );
-        let in_ranges: i64 = sqlx::query_scalar(&format!(
+        let in_ranges: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT count(*) FROM {table} WHERE tableoid <> '{table}_default'::regclass"
-        ))
+        )))
         .fetch_one(&db.pool)
         .await
         .unwrap();

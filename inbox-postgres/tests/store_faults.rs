@@ -17,6 +17,7 @@ use inbox_postgres::testkit::wallet::{self, balance, Credit};
 use inbox_postgres::testkit::{fast_retry, TestDb};
 use inbox_postgres::{PgInbox, PgTx, TableName};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::AssertSqlSafe;
 
 /// Runs a consumer to idle, failing the test instead of hanging when it loops for ever.
 async fn within<T>(run: impl std::future::Future<Output = T>) -> T {
@@ -228,10 +229,12 @@ async fn registering_a_known_consumer_burns_no_id() {
             .fetch_one(&db.pool)
             .await
             .unwrap();
-    sqlx::query(&format!("ALTER SEQUENCE {sequence} RESTART WITH 32767"))
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "ALTER SEQUENCE {sequence} RESTART WITH 32767"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
     let last = db.inbox().consumer_id("last").await.unwrap();
     assert_eq!(last, 32767);
 

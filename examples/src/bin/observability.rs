@@ -24,6 +24,7 @@ use inbox_postgres::{spawn_purger, PgInbox, TableName};
 use inbox_redis_streams::RedisStreamSource;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::AssertSqlSafe;
 
 /// Histogram buckets of the `*_seconds` metrics: 1 ms to 1 min.
 const SECONDS_BUCKETS: &[f64] = &[
@@ -120,9 +121,12 @@ async fn main() -> Result<(), BoxError> {
                 inbox_core::redact_url(&args.database_url)
             )
         })?;
-    sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS \"{}\"", args.schema))
-        .execute(&pool)
-        .await?;
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE SCHEMA IF NOT EXISTS \"{}\"",
+        args.schema
+    )))
+    .execute(&pool)
+    .await?;
     wallet::install(&pool).await?;
     let inbox = PgInbox::new(pool).with_table(schema);
     inbox.migrate().await?;

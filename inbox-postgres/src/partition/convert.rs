@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use sqlx::{Connection, PgConnection};
+use sqlx::{AssertSqlSafe, Connection, PgConnection};
 
 use super::{
     bound_literal, db_now_ms, is_partitioned, lock_contended, ms_to_time, name_prefix,
@@ -96,7 +96,7 @@ impl PgInbox {
             .await
             .map_err(db("converting the inbox table"))?;
         for statement in self.partitioned_table_statements(&new, &format!("{prefix}_partitioned")) {
-            sqlx::query(&statement).execute(&mut *tx).await.map_err(db(
+            sqlx::query(AssertSqlSafe(statement)).execute(&mut *tx).await.map_err(db(
                 "creating the partitioned table beside the plain one (a table `<inbox>_partitioned` left by a failed conversion must be dropped first)",
             ))?;
         }
@@ -104,12 +104,12 @@ impl PgInbox {
         for i in 0..count {
             let lo = first + i * w;
             let name = partition_name(t.table(), lo);
-            sqlx::query(&format!(
+            sqlx::query(AssertSqlSafe(format!(
                 "CREATE TABLE {} PARTITION OF {new} FOR VALUES FROM ('{}') TO ('{}')",
                 qualify(t, &name),
                 bound_literal(self.key_mode(), lo),
                 bound_literal(self.key_mode(), lo + w)
-            ))
+            )))
             .execute(&mut *tx)
             .await
             .map_err(db("creating the range partitions"))?;
@@ -126,17 +126,17 @@ impl PgInbox {
             ))
             .await?;
             // 3. The rows that already do move over (keys from a clock far ahead, random UUIDs).
-            let moved = sqlx::query(&format!(
+            let moved = sqlx::query(AssertSqlSafe(format!(
                 "WITH moved AS (
                     DELETE FROM {t} WHERE message_id >= '{from}' AND message_id < '{to}'
                     RETURNING message_id, processed_minute, consumer_id)
                  INSERT INTO {new} (message_id, processed_minute, consumer_id)
                  SELECT message_id, processed_minute, consumer_id FROM moved"
-            ))
+            )))
             .execute(&mut *conn)
             .await?
             .rows_affected();
-            sqlx::query(&format!("ALTER TABLE {t} VALIDATE CONSTRAINT {check}"))
+            sqlx::query(AssertSqlSafe(format!("ALTER TABLE {t} VALIDATE CONSTRAINT {check}")))
                 .execute(&mut *conn)
                 .await?;
             // 4. The swap.
@@ -211,9 +211,12 @@ impl PgInbox {
     ) -> Result<(), sqlx::Error> {
         let mut attempt = 1;
         loop {
-            let result = sqlx::raw_sql(&format!("BEGIN; {}; {sql}; COMMIT", p.lock_timeout_sql()))
-                .execute(&mut *conn)
-                .await;
+            let result = sqlx::raw_sql(AssertSqlSafe(format!(
+                "BEGIN; {}; {sql}; COMMIT",
+                p.lock_timeout_sql()
+            )))
+            .execute(&mut *conn)
+            .await;
             match result {
                 Ok(_) => return Ok(()),
                 Err(e) => {

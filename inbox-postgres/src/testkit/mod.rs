@@ -5,7 +5,7 @@ pub mod child;
 pub mod wallet;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::PgPool;
+use sqlx::{AssertSqlSafe, PgPool};
 
 use crate::{KeyMode, Partitions, PgInbox, TableName};
 
@@ -62,7 +62,7 @@ impl TestDb {
             .connect(&url)
             .await
             .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {}: {e}; run `cargo xtask services` or set DATABASE_URL", inbox_core::redact_url(&url)));
-        sqlx::query(&format!("CREATE SCHEMA \"{schema}\""))
+        sqlx::query(AssertSqlSafe(format!("CREATE SCHEMA \"{schema}\"")))
             .execute(&admin)
             .await
             .unwrap_or_else(|e| panic!("cannot create schema {schema}: {e}"));
@@ -171,7 +171,7 @@ impl TestDb {
     /// Drops the schema and everything in it.
     pub async fn drop(self) {
         let schema = &self.schema;
-        let result = sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        let result = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
             .execute(&self.pool)
             .await;
         if let Err(e) = result {

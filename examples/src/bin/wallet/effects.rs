@@ -19,6 +19,7 @@ use inbox_postgres::testkit::TestDb;
 use inbox_postgres::PgLeases;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use sqlx::AssertSqlSafe;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Child;
 
@@ -272,7 +273,7 @@ async fn run_once(
     );
     let (done_query, pool) = (done_query.as_str(), &db.pool);
     let done = || async move {
-        sqlx::query_scalar::<_, i64>(done_query)
+        sqlx::query_scalar::<_, i64>(AssertSqlSafe(done_query))
             .fetch_one(pool)
             .await
     };

@@ -24,6 +24,7 @@ use inbox_core::{BoxError, InboxStore, MessageId};
 use inbox_postgres::testkit::TestDb;
 use inbox_postgres::{KeyMode, Partitions, PgInbox, Storage, TableName};
 use serde_json::json;
+use sqlx::AssertSqlSafe;
 use uuid::{NoContext, Timestamp, Uuid};
 
 use crate::cli::{positive, seconds};
@@ -198,7 +199,7 @@ async fn measure(
     let started = Instant::now();
     fill(&inbox, s, start, today).await?;
     let fill_seconds = started.elapsed().as_secs_f64();
-    sqlx::raw_sql(&format!("VACUUM (ANALYZE) {}", inbox.table()))
+    sqlx::raw_sql(AssertSqlSafe(format!("VACUUM (ANALYZE) {}", inbox.table())))
         .execute(&db.pool)
         .await?;
     let filled = inbox.storage().await?;
@@ -207,9 +208,9 @@ async fn measure(
     let expired = |table: String| {
         let pool = db.pool.clone();
         async move {
-            sqlx::query_scalar::<_, i64>(&format!(
+            sqlx::query_scalar::<_, i64>(AssertSqlSafe(format!(
                 "SELECT count(*) FROM {table} WHERE processed_minute < $1"
-            ))
+            )))
             .bind(cutoff / 60_000)
             .fetch_one(&pool)
             .await
@@ -236,7 +237,7 @@ async fn measure(
     let purge_ended = Instant::now();
     // The rest of the cleanup: dead rows a DELETE leaves are reclaimed only by a VACUUM (here
     // at once rather than whenever autovacuum comes), heap and every index; a drop leaves none.
-    sqlx::raw_sql(&format!("VACUUM {}", inbox.table()))
+    sqlx::raw_sql(AssertSqlSafe(format!("VACUUM {}", inbox.table())))
         .execute(&db.pool)
         .await?;
     let cleanup_ended = Instant::now();
@@ -300,7 +301,7 @@ async fn fill(inbox: &PgInbox, s: &RetentionSettings, from: i64, to: i64) -> Res
                 (id, i32::try_from(ms / 60_000).unwrap_or(i32::MAX))
             })
             .unzip();
-        sqlx::query(&sql)
+        sqlx::query(AssertSqlSafe(sql.as_str()))
             .bind(ids)
             .bind(minutes)
             .bind(consumer)
