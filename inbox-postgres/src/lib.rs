@@ -78,3 +78,8 @@ pub use retention::{
 };
 pub use store::{PgInbox, PgTx};
 pub use table::{KeyMode, TableName};
+
+/// The sqlx this crate is built on: its pool, transaction ([`PgTx`]) and error types are the
+/// ones in this crate's API. Name sqlx through this re-export (`use inbox_postgres::sqlx;`) so
+/// your queries use the same sqlx version as the store.
+pub use sqlx;
