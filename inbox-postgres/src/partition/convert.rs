@@ -140,8 +140,9 @@ impl PgInbox {
                 .execute(&mut *conn)
                 .await?;
             // 4. The swap.
+            // Quoted by PostgreSQL: a name given by hand may hold any character, `"` too.
             let pkey: Option<String> = sqlx::query_scalar(
-                "SELECT conname::text FROM pg_constraint WHERE conrelid = $1::regclass AND contype = 'p'",
+                "SELECT quote_ident(conname) FROM pg_constraint WHERE conrelid = $1::regclass AND contype = 'p'",
             )
             .bind(t.to_string())
             .fetch_optional(&mut *conn)
@@ -150,7 +151,7 @@ impl PgInbox {
             let mut swap = vec![format!("ALTER TABLE {t} RENAME TO \"{prefix}_default\"")];
             if let Some(pkey) = pkey {
                 swap.push(format!(
-                    "ALTER TABLE {default} RENAME CONSTRAINT \"{pkey}\" TO \"{prefix}_default_pkey\""
+                    "ALTER TABLE {default} RENAME CONSTRAINT {pkey} TO \"{prefix}_default_pkey\""
                 ));
             }
             swap.extend([
