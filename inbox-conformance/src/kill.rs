@@ -1,5 +1,8 @@
 //! The article's headline scenario: the consumer process is SIGKILLed mid-stream, again and
-//! again, and restarted. SIGKILL runs no destructor: no close, no last ack, no last commit.
+//! again, and restarted. SIGKILL runs no destructor: no close, no last ack, no last commit. Each
+//! restart is a new group member (a new consumer name), so what a dead one held comes back the
+//! way the broker gives a dead member's messages to another: a rebalance, a requeue, a
+//! visibility timeout, `XAUTOCLAIM`.
 
 use std::time::{Duration, Instant};
 
@@ -47,6 +50,7 @@ pub async fn a_consumer_process_killed_mid_stream_loses_nothing_and_applies_noth
             &[
                 ("INBOX_SCHEMA", db.schema.clone()),
                 ("INBOX_QUEUE", queue.name()),
+                ("INBOX_MEMBER", format!("killed-{kill}")),
             ],
         );
         // Killed once it made progress of its own, so that each kill lands mid-stream.
@@ -85,7 +89,7 @@ pub async fn a_consumer_process_killed_mid_stream_loses_nothing_and_applies_noth
     let mut totals = Totals::default();
     drain(
         &queue,
-        "c1",
+        "survivor",
         &mut totals,
         |source| {
             Consumer::new("wallet", source, db.inbox(), handler.clone())
@@ -119,7 +123,8 @@ pub async fn consumer_process<B: TestBroker>(broker: &B) {
     let db = TestDb::attach(&var("INBOX_SCHEMA")).await;
     let queue = broker.attach(&var("INBOX_QUEUE")).await;
     let handler = Credit::new(db.pool.clone()).work(WORK);
-    Consumer::new("wallet", queue.source("c1").await, db.inbox(), handler)
+    let member = var("INBOX_MEMBER");
+    Consumer::new("wallet", queue.source(&member).await, db.inbox(), handler)
         .batch_size(5)
         .run()
         .await

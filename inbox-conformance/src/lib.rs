@@ -109,7 +109,8 @@ pub trait TestQueue: Send + Sync + 'static {
     /// A source for the consumer-group member `member`. Two sources of the same member are the
     /// same consumer restarted; of two members, the broker shares the queue between them. The
     /// source should poll briefly (about 200 ms) so that `run_until_idle` returns soon after the
-    /// queue is drained, and a message a consumer died holding should come back within seconds.
+    /// queue is drained, and a message a consumer died holding should come back within seconds,
+    /// to the same member and to another (the kill scenario restarts under new member names).
     async fn source(&self, member: &str) -> Self::Source;
 
     /// The dead-letter destination's messages so far, oldest first.

@@ -2,6 +2,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::*;
 use inbox_conformance::{async_trait, DeadLetter, TestBroker, TestQueue};
 use inbox_redis_streams::RedisStreamSource;
@@ -44,7 +46,12 @@ impl TestQueue for Stream {
     }
 
     async fn source(&self, member: &str) -> RedisStreamSource {
-        source(&self.0, member).await
+        // A dead member's pending entries go to another after 1.5 s idle, through XAUTOCLAIM.
+        builder(&self.0, member)
+            .claim_idle(Duration::from_millis(1500))
+            .connect(&redis_url())
+            .await
+            .expect("source connects")
     }
 
     async fn dead_letters(&self) -> Vec<DeadLetter> {
