@@ -56,13 +56,13 @@ impl KillSettings {
     pub(crate) fn demo() -> Self {
         Self {
             variants: vec![Variant::B, Variant::C],
-            events: 800,
+            events: 400,
             kills: 4,
             runs: 1,
-            kill_after_ms: (1_000, 4_000),
-            throughput_events: 800,
+            kill_after_ms: (500, 2_000),
+            throughput_events: 400,
             // So that b shows its duplicates even in a short run (the article saw 5 per 20 kills).
-            crash_between_commit_and_ack: 0.005,
+            crash_between_commit_and_ack: 0.02,
             ..Self::full()
         }
     }
