@@ -19,18 +19,22 @@ pub enum Recovery {
     Fatal,
 }
 
-/// An error from a [`MessageSource`](crate::MessageSource) or an [`Ack`](crate::Ack).
+/// An operation on a broker or a store failed: what was being done, the underlying error, and
+/// what to do next ([`Recovery`]).
+///
+/// Sources, acks, stores and publishers all fail with this one type, under the names their
+/// traits use: [`SourceError`], [`StoreError`] and [`PublishError`](crate::PublishError).
 #[derive(Debug, thiserror::Error)]
 #[error("{context}: {source}")]
-pub struct SourceError {
+pub struct OperationError {
     recovery: Recovery,
     context: String,
     #[source]
     source: BoxError,
 }
 
-impl SourceError {
-    /// Wraps a broker error with what was being done and what to do next.
+impl OperationError {
+    /// Wraps a broker or database error with what was being done and what to do next.
     pub fn new(
         recovery: Recovery,
         context: impl Into<String>,
@@ -43,41 +47,24 @@ impl SourceError {
         }
     }
 
-    /// What the consumer does next.
+    /// What the caller does next: [`Recovery::Retry`] or [`Recovery::Reconnect`] after a
+    /// backoff (the adapter or pool reconnects on its next call), [`Recovery::Fatal`] stop and
+    /// report.
     pub fn recovery(&self) -> Recovery {
         self.recovery
     }
+
+    /// What was being done when it failed.
+    pub fn context(&self) -> &str {
+        &self.context
+    }
 }
+
+/// An error from a [`MessageSource`](crate::MessageSource) or an [`Ack`](crate::Ack).
+pub type SourceError = OperationError;
 
 /// An error from an [`InboxStore`](crate::InboxStore).
-#[derive(Debug, thiserror::Error)]
-#[error("{context}: {source}")]
-pub struct StoreError {
-    recovery: Recovery,
-    context: String,
-    #[source]
-    source: BoxError,
-}
-
-impl StoreError {
-    /// Wraps a database error with what was being done and what to do next.
-    pub fn new(
-        recovery: Recovery,
-        context: impl Into<String>,
-        source: impl Into<BoxError>,
-    ) -> Self {
-        Self {
-            recovery,
-            context: context.into(),
-            source: source.into(),
-        }
-    }
-
-    /// What the consumer does next.
-    pub fn recovery(&self) -> Recovery {
-        self.recovery
-    }
-}
+pub type StoreError = OperationError;
 
 /// How a handler failure is treated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -91,7 +91,8 @@ pub mod testkit;
 pub use async_trait::async_trait;
 pub use consumer::{retention_shortfall, Consumer, RetryPolicy, DEFAULT_SHUTDOWN_TIMEOUT};
 pub use error::{
-    BoxError, Error, Failure, HandlerError, Recovery, Result, SourceError, StoreError,
+    BoxError, Error, Failure, HandlerError, OperationError, Recovery, Result, SourceError,
+    StoreError,
 };
 pub use handler::{BatchHandler, BatchItem, Handler, PerMessage};
 pub use health::{ConsumerState, Health};
@@ -100,7 +101,7 @@ pub use message::{IdError, InvalidId, Message, MessageId, Metadata};
 pub use publish::{Destinations, OutgoingMessage, Publish, PublishError};
 pub use recent::Recent;
 pub use redact::{is_secret_setting, redact_url, REDACTED};
-pub use source::{Ack, Delivery, MessageSource};
+pub use source::{dead_letter, Ack, Capabilities, Delivery, MessageSource};
 pub use stats::{Stats, StatsSnapshot};
 pub use store::InboxStore;
 pub use telemetry::{describe_metrics, TraceParent};

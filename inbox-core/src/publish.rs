@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use crate::{BoxError, MessageId, Recovery};
+use crate::{MessageId, Recovery};
 
 /// One message to publish: the ID the consuming inbox deduplicates on, the body, and an optional
 /// ordering key.
@@ -63,67 +63,61 @@ impl OutgoingMessage {
 ///   another attempt can help.
 #[async_trait]
 pub trait Publish: Send + Sync {
-    /// Publishes `messages` to `destination`, confirmed. (Not `publish`: `RabbitPublisher`
-    /// has an inherent `publish(payload)`, which would shadow it.)
-    async fn publish_to(
+    /// Sends `messages` to `destination`, each under its own ID, pipelined, and returns once the
+    /// broker confirmed them all.
+    async fn send_batch(
         &self,
         destination: &str,
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError>;
+
+    /// Sends `payload` to `destination` under a fresh UUIDv7 ID, confirmed, and returns the ID.
+    /// To send it again after an error, use [`Publish::send_with_id`] with that ID.
+    async fn send(&self, destination: &str, payload: &[u8]) -> Result<MessageId, PublishError> {
+        let id = MessageId::generate();
+        self.send_with_id(destination, &id, payload).await?;
+        Ok(id)
+    }
+
+    /// Sends `payload` to `destination` under `id`, confirmed. Sending again with the same ID
+    /// is safe: the consuming inbox applies the message once.
+    async fn send_with_id(
+        &self,
+        destination: &str,
+        id: &MessageId,
+        payload: &[u8],
+    ) -> Result<(), PublishError> {
+        let message = OutgoingMessage::new(id.clone(), payload);
+        self.send_batch(destination, std::slice::from_ref(&message))
+            .await
+    }
 }
 
 #[async_trait]
 impl<P: Publish + ?Sized> Publish for Arc<P> {
-    async fn publish_to(
+    async fn send_batch(
         &self,
         destination: &str,
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
-        (**self).publish_to(destination, messages).await
+        (**self).send_batch(destination, messages).await
     }
 }
 
 #[async_trait]
 impl<P: Publish + ?Sized> Publish for Box<P> {
-    async fn publish_to(
+    async fn send_batch(
         &self,
         destination: &str,
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
-        (**self).publish_to(destination, messages).await
+        (**self).send_batch(destination, messages).await
     }
 }
 
-/// Why a [`Publish::publish_to`] failed, and whether trying again can help.
-#[derive(Debug, thiserror::Error)]
-#[error("{context}: {source}")]
-pub struct PublishError {
-    recovery: Recovery,
-    context: String,
-    #[source]
-    source: BoxError,
-}
-
-impl PublishError {
-    /// Wraps a broker error with what was being done and what to do next.
-    pub fn new(
-        recovery: Recovery,
-        context: impl Into<String>,
-        source: impl Into<BoxError>,
-    ) -> Self {
-        Self {
-            recovery,
-            context: context.into(),
-            source: source.into(),
-        }
-    }
-
-    /// What the caller does next: [`Recovery::Retry`] or [`Recovery::Reconnect`] after a
-    /// backoff (the publisher reconnects on its next call), [`Recovery::Fatal`] stop and report.
-    pub fn recovery(&self) -> Recovery {
-        self.recovery
-    }
-}
+/// Why a [`Publish::send_batch`] failed, and whether trying again can help: the same
+/// [`OperationError`](crate::OperationError) sources and stores fail with.
+pub type PublishError = crate::OperationError;
 
 /// A [`Publish`] that hands each destination to the publisher registered for it: one
 /// `RabbitPublisher` per queue, one `RedisStreamProducer` per stream, or different brokers for
@@ -134,7 +128,7 @@ impl PublishError {
 /// # struct Producer;
 /// # #[async_trait]
 /// # impl Publish for Producer {
-/// #     async fn publish_to(&self, _: &str, _: &[OutgoingMessage]) -> Result<(), PublishError> { Ok(()) }
+/// #     async fn send_batch(&self, _: &str, _: &[OutgoingMessage]) -> Result<(), PublishError> { Ok(()) }
 /// # }
 /// # let (orders_queue, payments_stream) = (Producer, Producer);
 /// let publisher = Destinations::new()
@@ -178,13 +172,13 @@ impl fmt::Debug for Destinations {
 
 #[async_trait]
 impl Publish for Destinations {
-    async fn publish_to(
+    async fn send_batch(
         &self,
         destination: &str,
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
         match self.routes.get(destination) {
-            Some(publisher) => publisher.publish_to(destination, messages).await,
+            Some(publisher) => publisher.send_batch(destination, messages).await,
             None => {
                 let mut known: Vec<&str> = self.routes.keys().map(String::as_str).collect();
                 known.sort_unstable();
@@ -212,7 +206,7 @@ mod tests {
 
     #[async_trait]
     impl Publish for Recorder {
-        async fn publish_to(
+        async fn send_batch(
             &self,
             destination: &str,
             messages: &[OutgoingMessage],
@@ -234,18 +228,52 @@ mod tests {
             OutgoingMessage::generate("a"),
             OutgoingMessage::generate("b"),
         ];
-        publisher.publish_to("orders", &batch).await.unwrap();
-        publisher.publish_to("payments", &batch[..1]).await.unwrap();
+        publisher.send_batch("orders", &batch).await.unwrap();
+        publisher.send_batch("payments", &batch[..1]).await.unwrap();
         assert_eq!(*orders.0.lock().unwrap(), [("orders".to_owned(), 2)]);
         assert_eq!(*payments.0.lock().unwrap(), [("payments".to_owned(), 1)]);
 
-        let e = publisher.publish_to("refunds", &batch).await.unwrap_err();
+        let e = publisher.send_batch("refunds", &batch).await.unwrap_err();
         assert_eq!(e.recovery(), Recovery::Fatal);
         assert_eq!(
             e.to_string(),
             "publishing to `refunds`: no publisher is routed for destination `refunds` \
              (routed: orders, payments); add one with Destinations::route"
         );
+    }
+
+    #[derive(Default)]
+    struct Keeper(Mutex<Vec<OutgoingMessage>>);
+
+    #[async_trait]
+    impl Publish for Keeper {
+        async fn send_batch(
+            &self,
+            _destination: &str,
+            messages: &[OutgoingMessage],
+        ) -> Result<(), PublishError> {
+            let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            kept.extend_from_slice(messages);
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn send_generates_a_fresh_id_and_send_with_id_keeps_the_given_one() {
+        let keeper = Keeper::default();
+        let first = keeper.send("orders", b"a").await.unwrap();
+        let second = keeper.send("orders", b"b").await.unwrap();
+        assert_ne!(first, second);
+        keeper.send_with_id("orders", &first, b"a").await.unwrap();
+        let kept = keeper.0.lock().unwrap();
+        let ids: Vec<&MessageId> = kept.iter().map(|m| &m.id).collect();
+        assert_eq!(ids, [&first, &second, &first]);
+        assert_eq!(kept[1].payload, b"b");
+        assert!(uuid_v7(first.as_str()), "{first} is not a UUIDv7");
+    }
+
+    fn uuid_v7(id: &str) -> bool {
+        id.len() == 36 && id.as_bytes()[14] == b'7'
     }
 
     #[test]
@@ -257,6 +285,6 @@ mod tests {
         fn assert_send<T: Send>(_: &T) {}
         let publisher = Destinations::new();
         let batch = [OutgoingMessage::generate("a")];
-        assert_send(&publisher.publish_to("x", &batch));
+        assert_send(&publisher.send_batch("x", &batch));
     }
 }

@@ -72,4 +72,88 @@ pub trait MessageSource: Send {
     fn system(&self) -> &'static str {
         "unknown"
     }
+
+    /// What this source's broker can do. The consumer warns at start when it is asked for
+    /// something the source cannot give (a delivery budget without delivery counts, parallel
+    /// lanes on a source of one order). Default: nothing.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::NONE
+    }
+}
+
+/// What a [`MessageSource`] can do, as it reports it ([`MessageSource::capabilities`]).
+///
+/// | | delivery count | delayed nack | lanes |
+/// |---|---|---|---|
+/// | Kafka | no | no | yes (partitions) |
+/// | SQS | yes | yes (visibility) | yes (FIFO message groups) |
+/// | RabbitMQ | yes (quorum queues) | no | no |
+/// | Redis Streams | yes | no | no |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Capabilities {
+    delivery_count: bool,
+    delayed_nack: bool,
+    lanes: bool,
+}
+
+impl Capabilities {
+    /// None of them.
+    pub const NONE: Self = Self {
+        delivery_count: false,
+        delayed_nack: false,
+        lanes: false,
+    };
+
+    /// Every delivery carries [`Metadata::delivery_count`](crate::Metadata::delivery_count),
+    /// so [`Consumer::max_deliveries`](crate::Consumer::max_deliveries) can park a message that
+    /// kills its consumer before any retry is counted.
+    #[must_use]
+    pub const fn with_delivery_count(mut self) -> Self {
+        self.delivery_count = true;
+        self
+    }
+
+    /// [`Ack::nack`] keeps the message away for `retry_after` (otherwise it comes back as soon
+    /// as the broker can, and the consumer's backoff is the only delay).
+    #[must_use]
+    pub const fn with_delayed_nack(mut self) -> Self {
+        self.delayed_nack = true;
+        self
+    }
+
+    /// Deliveries carry an ordering lane ([`Metadata::lane`](crate::Metadata::lane)) that
+    /// [`Consumer::parallel_lanes`](crate::Consumer::parallel_lanes) applies side by side.
+    #[must_use]
+    pub const fn with_lanes(mut self) -> Self {
+        self.lanes = true;
+        self
+    }
+
+    /// See [`Capabilities::with_delivery_count`].
+    pub const fn delivery_count(&self) -> bool {
+        self.delivery_count
+    }
+
+    /// See [`Capabilities::with_delayed_nack`].
+    pub const fn delayed_nack(&self) -> bool {
+        self.delayed_nack
+    }
+
+    /// See [`Capabilities::with_lanes`].
+    pub const fn lanes(&self) -> bool {
+        self.lanes
+    }
+}
+
+/// The names every adapter gives the metadata of a dead-lettered message (a Kafka or RabbitMQ
+/// header, an SQS message attribute, a Redis stream field), beside the original payload, key
+/// and ID.
+pub mod dead_letter {
+    /// Why the message was parked, as the consumer wrote it.
+    pub const REASON: &str = "reason";
+    /// The topic, queue or stream the message was read from.
+    pub const ORIGINAL_SOURCE: &str = "original_source";
+    /// Where it was in that source: `partition 3 offset 17`, a stream entry ID, an SQS message
+    /// ID ([`Metadata::position`](crate::Metadata::position)).
+    pub const ORIGINAL_POSITION: &str = "original_position";
 }

@@ -210,7 +210,7 @@ impl KafkaProducer {
 /// keep their order, retries included.
 #[async_trait]
 impl Publish for KafkaProducer {
-    async fn publish_to(
+    async fn send_batch(
         &self,
         destination: &str,
         messages: &[OutgoingMessage],

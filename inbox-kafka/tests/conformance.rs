@@ -98,6 +98,10 @@ impl MessageSource for Member {
     fn system(&self) -> &'static str {
         self.0.system()
     }
+
+    fn capabilities(&self) -> inbox_core::Capabilities {
+        self.0.capabilities()
+    }
 }
 
 #[async_trait]

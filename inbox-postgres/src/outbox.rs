@@ -84,7 +84,7 @@ pub const OUTBOX_ERRORS_COUNTER: &str = "inbox_outbox_errors_total";
 /// ## Order
 ///
 /// A relay publishes the unsent rows it locked in `id` order, in one
-/// [`Publish::publish_to`] call per destination, so rows written by one transaction, and by
+/// [`Publish::send_batch`] call per destination, so rows written by one transaction, and by
 /// transactions that ran one after the other (as one consumer lane's do), reach a destination in
 /// the order written. Rows of transactions that overlap go out in the order of their `id`s among
 /// those committed when the relay looks, so a transaction that commits late may see its rows

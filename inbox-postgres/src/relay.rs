@@ -66,7 +66,7 @@ pub struct RelayStats {
 /// Publishes an [`Outbox`]'s rows through a [`Publish`] and marks them sent.
 ///
 /// Each round is one transaction: `SELECT … WHERE sent_at IS NULL ORDER BY id LIMIT n FOR UPDATE
-/// SKIP LOCKED`, one [`Publish::publish_to`] per destination of the batch (in order of each
+/// SKIP LOCKED`, one [`Publish::send_batch`] per destination of the batch (in order of each
 /// destination's first row), `UPDATE … SET sent_at` for the rows whose destination confirmed,
 /// `COMMIT`. Relays running at once (in one process or many) lock disjoint rows, so a row is in
 /// one relay's hands at a time; only a relay that dies, or loses its database connection,
@@ -134,7 +134,7 @@ impl<P: Publish> OutboxRelay<P> {
         self
     }
 
-    /// How long one [`Publish::publish_to`] call may take before the relay gives up on it, keeps
+    /// How long one [`Publish::send_batch`] call may take before the relay gives up on it, keeps
     /// its rows unsent and retries after a backoff (default 60 s): a broker that blocks
     /// publishers (a RabbitMQ memory alarm) or a network that swallows packets must not hold
     /// the rows' locks, or a shutdown, for good. Copies that the broker still stores after the
@@ -333,7 +333,7 @@ impl<P: Publish> OutboxRelay<P> {
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
         let limit = self.publish_timeout;
-        match tokio::time::timeout(limit, self.publisher.publish_to(destination, messages)).await {
+        match tokio::time::timeout(limit, self.publisher.send_batch(destination, messages)).await {
             Ok(result) => result,
             Err(_) => Err(PublishError::new(
                 Recovery::Retry,

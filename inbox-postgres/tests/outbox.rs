@@ -46,7 +46,7 @@ impl Recorder {
 
 #[async_trait]
 impl Publish for Recorder {
-    async fn publish_to(
+    async fn send_batch(
         &self,
         destination: &str,
         messages: &[OutgoingMessage],

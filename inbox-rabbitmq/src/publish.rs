@@ -189,7 +189,7 @@ impl RabbitPublisher {
 /// broker confirmed every one.
 #[async_trait]
 impl Publish for RabbitPublisher {
-    async fn publish_to(
+    async fn send_batch(
         &self,
         destination: &str,
         messages: &[OutgoingMessage],

@@ -47,12 +47,12 @@ struct LoseFirstConfirm {
 
 #[async_trait]
 impl Publish for LoseFirstConfirm {
-    async fn publish_to(
+    async fn send_batch(
         &self,
         destination: &str,
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
-        self.inner.publish_to(destination, messages).await?;
+        self.inner.send_batch(destination, messages).await?;
         if !self.lost.swap(true, Ordering::SeqCst) {
             return Err(PublishError::new(
                 Recovery::Reconnect,
@@ -250,7 +250,7 @@ async fn a_publisher_refuses_a_destination_other_than_its_queue() {
     let config = fresh_config("outbox-wrong");
     let publisher = publisher(&config).await;
     let e = publisher
-        .publish_to("elsewhere", &[OutgoingMessage::generate("x")])
+        .send_batch("elsewhere", &[OutgoingMessage::generate("x")])
         .await
         .unwrap_err();
     assert_eq!(e.recovery(), Recovery::Fatal);

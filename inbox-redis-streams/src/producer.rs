@@ -158,7 +158,7 @@ impl RedisStreamProducer {
 /// permission.
 #[async_trait]
 impl Publish for RedisStreamProducer {
-    async fn publish_to(
+    async fn send_batch(
         &self,
         destination: &str,
         messages: &[OutgoingMessage],

@@ -51,12 +51,12 @@ struct HoldAfterPublish<P> {
 
 #[async_trait]
 impl<P: Publish> Publish for HoldAfterPublish<P> {
-    async fn publish_to(
+    async fn send_batch(
         &self,
         destination: &str,
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
-        self.inner.publish_to(destination, messages).await?;
+        self.inner.send_batch(destination, messages).await?;
         match self.after {
             Some(wait) => tokio::time::sleep(wait).await,
             None => std::future::pending().await,
@@ -420,7 +420,7 @@ async fn a_producer_refuses_a_destination_other_than_its_stream() {
     let stream = stream_key("outbox-wrong");
     let producer = producer(&stream).await;
     let e = producer
-        .publish_to("elsewhere", &[OutgoingMessage::generate("x")])
+        .send_batch("elsewhere", &[OutgoingMessage::generate("x")])
         .await
         .unwrap_err();
     assert_eq!(e.recovery(), inbox_core::Recovery::Fatal);

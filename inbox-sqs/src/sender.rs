@@ -221,7 +221,7 @@ fn dedup_id(id: &MessageId) -> String {
 /// one after the other in slice order, so each group keeps its order.
 #[async_trait]
 impl Publish for SqsSender {
-    async fn publish_to(
+    async fn send_batch(
         &self,
         destination: &str,
         messages: &[OutgoingMessage],

@@ -459,6 +459,24 @@ where
         if self.core.retry.max_attempts == 0 {
             return Err(Error::Config("max_attempts is 0; use at least 1".into()));
         }
+        let capabilities = self.source.capabilities();
+        if self.core.max_deliveries.is_some() && !capabilities.delivery_count() {
+            warn!(
+                consumer = %self.core.name,
+                system = self.source.system(),
+                "max_deliveries is set, but this source counts no deliveries: a message that \
+                 kills its consumer comes back until the retry budget or handler_timeout stops it"
+            );
+        }
+        if self.lanes > 1 && !capabilities.lanes() {
+            warn!(
+                consumer = %self.core.name,
+                system = self.source.system(),
+                lanes = self.lanes,
+                "parallel_lanes is above 1, but this source has one order: its messages are \
+                 applied one chunk at a time"
+            );
+        }
         if let Some(retention) = self.inbox_retention {
             let window = self.source.redelivery_window();
             if let Some(gap) = retention_shortfall(retention, window) {

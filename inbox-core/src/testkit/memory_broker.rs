@@ -183,6 +183,12 @@ impl MessageSource for MemorySource {
     fn redelivery_window(&self) -> Option<Duration> {
         self.broker.state().retention
     }
+
+    fn capabilities(&self) -> crate::Capabilities {
+        crate::Capabilities::NONE
+            .with_delivery_count()
+            .with_delayed_nack()
+    }
 }
 
 impl MemorySource {
