@@ -207,7 +207,7 @@ impl EffectStats {
     }
 }
 
-#[cfg(all(test, feature = "testkit"))]
+#[cfg(test)]
 #[allow(clippy::unwrap_used)] // a poisoned lock should fail the test loudly
 mod tests {
     use std::collections::{HashMap, HashSet};
@@ -224,8 +224,10 @@ mod tests {
         Acquired, Attempt, Effect, EffectConsumer, EffectHandler, Lease, LeaseStore, OnUnknown,
         Release,
     };
-    use crate::testkit::MemoryBroker;
-    use crate::{async_trait, HandlerError, Message, MessageId, StoreError};
+    use crate::{
+        async_trait, Ack, Delivery, HandlerError, Message, MessageId, MessageSource, SourceError,
+        StoreError,
+    };
 
     /// Samples per series (`name{consumer=…}`), and the unit of each described metric.
     #[derive(Default)]
@@ -351,6 +353,34 @@ mod tests {
         }
     }
 
+    /// Hands out its deliveries once, then nothing; acks do nothing.
+    struct Deliveries(Vec<Delivery<NoAck>>);
+
+    struct NoAck;
+
+    #[async_trait]
+    impl Ack for NoAck {
+        async fn ack(self) -> Result<(), SourceError> {
+            Ok(())
+        }
+        async fn nack(self, _: Duration) -> Result<(), SourceError> {
+            Ok(())
+        }
+    }
+
+    #[async_trait]
+    impl MessageSource for Deliveries {
+        type Ack = NoAck;
+
+        async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<NoAck>>, SourceError> {
+            let n = max.min(self.0.len());
+            Ok(self.0.drain(..n).collect())
+        }
+        async fn dead_letter(&mut self, _: &Message, _: &str) -> Result<(), SourceError> {
+            Ok(())
+        }
+    }
+
     struct Call;
 
     #[async_trait]
@@ -368,11 +398,12 @@ mod tests {
     async fn an_effect_consumer_records_its_durations_labelled_and_described() {
         let capture = Capture::default();
         let _recorder = metrics::set_default_local_recorder(&capture);
-        let broker = MemoryBroker::new();
-        for id in ["a", "b", "a"] {
-            broker.publish(Some(id), "{}");
-        }
-        let stats = EffectConsumer::new("mailer", broker.source(), Leases::default(), Call)
+        let deliveries = ["a", "b", "a"].map(|id| Delivery {
+            message: Message::new(Ok(MessageId::new(id).unwrap()), "{}"),
+            ack: NoAck,
+        });
+        let source = Deliveries(deliveries.into());
+        let stats = EffectConsumer::new("mailer", source, Leases::default(), Call)
             .run_until_idle()
             .await
             .unwrap();
