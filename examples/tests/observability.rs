@@ -13,10 +13,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, TraceParent};
-use inbox_postgres::testkit::wallet::{self, CreditEvent};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::PgTx;
 use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
+use inbox_testkit::wallet::{self, CreditEvent};
+use inbox_testkit::TestDb;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::process::Command;
@@ -113,7 +113,7 @@ async fn the_example_exports_moving_series_and_is_ready_while_it_runs() {
         .args(["--consumer", &consumer, "--schema", &db.schema])
         .args(["--batch", "10", "--retention", "7d", "--purge-every", "1s"])
         .env("REDIS_URL", redis_url())
-        .env("DATABASE_URL", inbox_postgres::testkit::database_url())
+        .env("DATABASE_URL", inbox_testkit::database_url())
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .kill_on_drop(true)

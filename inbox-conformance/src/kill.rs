@@ -7,8 +7,8 @@
 use std::time::{Duration, Instant};
 
 use inbox_core::{Consumer, MessageId};
-use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
-use inbox_postgres::testkit::{child, TestDb};
+use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::{child, TestDb};
 
 use crate::scenarios::{drain, ledger_has, left, setup, Totals};
 use crate::{TestBroker, TestQueue};

@@ -2,7 +2,7 @@
 //! [`TestBroker`] and [`TestQueue`] in a few lines of its tests, and [`suite!`] turns every
 //! scenario into a `#[tokio::test]` run against the real broker and a real PostgreSQL inbox.
 //!
-//! The scenarios ([`scenarios`]) credit the test kit's wallet (`inbox_postgres::testkit::wallet`)
+//! The scenarios ([`scenarios`]) credit the test kit's wallet (`inbox_testkit::wallet`)
 //! in a schema of their own, and check what a user cares about: every message applied once,
 //! nothing lost, nothing left on the broker, and what could not be applied parked in the
 //! dead-letter destination with its payload and a reason.

@@ -3,13 +3,13 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use inbox_core::testkit::{crash_at, crash_at_ids};
 use inbox_core::{
     async_trait, Consumer, Error, Handler, HandlerError, Message, MessageId, Stage, StatsSnapshot,
 };
-use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
-use inbox_postgres::testkit::{fast_retry, TestDb};
 use inbox_postgres::PgTx;
+use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::{crash_at, crash_at_ids};
+use inbox_testkit::{fast_retry, TestDb};
 
 use crate::{TestBroker, TestQueue};
 

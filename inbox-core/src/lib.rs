@@ -54,8 +54,8 @@
 //! }
 //! ```
 //!
-//! Testing a handler needs no broker or database: the `testkit` module (feature `testkit`) has
-//! an in-memory broker and store, with crash points.
+//! Testing a handler needs no broker or database: the crate `inbox-testkit` has an in-memory
+//! broker and store, with crash points.
 //!
 //! Logging goes through `tracing`: one line per batch at `info`, per-message lines at `debug`
 //! with escaped IDs, and spans after the OpenTelemetry messaging conventions (`inbox.process`
@@ -85,8 +85,6 @@ mod source;
 mod stats;
 mod store;
 pub mod telemetry;
-#[cfg(feature = "testkit")]
-pub mod testkit;
 
 pub use async_trait::async_trait;
 pub use consumer::{retention_shortfall, Consumer, RetryPolicy, DEFAULT_SHUTDOWN_TIMEOUT};

@@ -5,10 +5,10 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use inbox_core::testkit::{crash_at, MemoryBroker, MemoryStore, MemoryTx, WithoutInbox};
 use inbox_core::{
     async_trait, Consumer, Error, Handler, HandlerError, Message, MessageId, RetryPolicy, Stage,
 };
+use inbox_testkit::{crash_at, MemoryBroker, MemoryStore, MemoryTx, WithoutInbox};
 
 /// Balances per account and the IDs applied, in order.
 #[derive(Debug, Clone, Default)]

@@ -8,10 +8,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::testkit::{MemoryBroker, MemoryStore, MemoryTx};
 use inbox_core::{
     async_trait, BatchHandler, BatchItem, Consumer, HandlerError, Message, MessageId, RetryPolicy,
 };
+use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
 
 /// Appends each amount to a list; an amount of 13 fails the whole batch, placed or not.
 struct Append {

@@ -6,8 +6,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use inbox_core::http::Endpoint;
-use inbox_core::testkit::{MemoryBroker, MemoryStore, MemoryTx};
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;

@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use inbox_core::telemetry::{self as t};
-use inbox_core::testkit::{MemoryBroker, MemoryStore, MemoryTx};
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
 use metrics::{
     Counter, CounterFn, Gauge, GaugeFn, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
     SharedString, Unit,

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use inbox_kafka::OffsetCommits;
-use inbox_postgres::testkit::wallet::Credit;
-use inbox_postgres::testkit::TestDb;
+use inbox_testkit::wallet::Credit;
+use inbox_testkit::TestDb;
 
 /// Longer than any test: the commit task never fires, so whatever is committed was committed
 /// by a revoke or a close.

@@ -7,11 +7,11 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use inbox_core::testkit::{MemoryStore, MemoryTx};
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::ClientConfig;
 use inbox_kafka::{brokers_from_env, Record, REASON_HEADER};
+use inbox_testkit::{MemoryStore, MemoryTx};
 
 /// Adds each message's number to the state.
 struct Sum;

@@ -8,11 +8,11 @@
 
 use std::time::Duration;
 
-use inbox_core::testkit::{MemoryStore, MemoryTx};
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, StatsSnapshot};
 use inbox_kafka::rdkafka::mocking::MockCluster;
 use inbox_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use inbox_kafka::{KafkaConfig, KafkaProducer, OffsetCommits, Record};
+use inbox_testkit::{MemoryStore, MemoryTx};
 
 fn init_tracing() {
     let _ = tracing_subscriber::fmt()

@@ -17,13 +17,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::Running;
-use inbox_core::testkit::{FaultProxy, ProxyMode};
 use inbox_core::{Stats, StatsSnapshot};
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use inbox_kafka::{KafkaAdmin, KafkaConfig, KafkaProducer, Record};
-use inbox_postgres::testkit::wallet::{summary, Credit, CreditEvent, Summary};
-use inbox_postgres::testkit::TestDb;
+use inbox_testkit::wallet::{summary, Credit, CreditEvent, Summary};
+use inbox_testkit::TestDb;
+use inbox_testkit::{FaultProxy, ProxyMode};
 use tokio::task::JoinHandle;
 
 const EVENTS: i64 = 300;

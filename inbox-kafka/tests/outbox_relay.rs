@@ -14,9 +14,9 @@ use inbox_core::OutgoingMessage;
 use inbox_kafka::brokers_from_env;
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use inbox_postgres::testkit::wallet::{Credit, CreditEvent};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::Outbox;
+use inbox_testkit::wallet::{Credit, CreditEvent};
+use inbox_testkit::TestDb;
 
 const PARTITIONS: i32 = 3;
 

@@ -14,9 +14,9 @@ use std::time::Duration;
 use common::*;
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
 use inbox_kafka::Record;
-use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::PgTx;
+use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::TestDb;
 
 /// The wallet's credit, watched: how many run at once, and the order of each partition.
 #[derive(Clone)]

@@ -6,12 +6,12 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use inbox_core::testkit::WithoutInbox;
 use inbox_core::InboxStore;
 use inbox_kafka::Record;
-use inbox_postgres::testkit::wallet::{Credit, CreditEvent, Summary};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::PgTx;
+use inbox_testkit::wallet::{Credit, CreditEvent, Summary};
+use inbox_testkit::TestDb;
+use inbox_testkit::WithoutInbox;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_joining_and_another_leaving_lose_and_duplicate_nothing() {

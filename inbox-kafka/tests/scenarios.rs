@@ -8,14 +8,14 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use inbox_core::testkit::crash_at;
 use inbox_core::{Consumer, Error, Stage};
 use inbox_kafka::rdkafka::Message as _;
 use inbox_kafka::{
     AckMode, Record, Retention, ORIGINAL_POSITION_HEADER, ORIGINAL_TOPIC_HEADER, REASON_HEADER,
 };
-use inbox_postgres::testkit::wallet::{Credit, CreditEvent};
-use inbox_postgres::testkit::TestDb;
+use inbox_testkit::crash_at;
+use inbox_testkit::wallet::{Credit, CreditEvent};
+use inbox_testkit::TestDb;
 
 /// What the dead-letter topic keeps of a record it parks, here one without an ID (the
 /// conformance suite checks the payload, the reason and the commit): its key and headers, and

@@ -62,8 +62,6 @@ mod relay;
 mod retention;
 mod store;
 mod table;
-#[cfg(feature = "testkit")]
-pub mod testkit;
 
 pub use error::{Error, Result};
 pub use lease::PgLeases;

@@ -10,12 +10,12 @@ mod common_effects;
 use std::time::Duration;
 
 use common_effects::*;
-use inbox_core::testkit::provider::{Behaviour, ProviderMode};
-use inbox_core::testkit::{crash_at_ids, MemoryAck, MemoryBroker, MemorySource};
 use inbox_core::{
     async_trait, Ack, Delivery, Error, Message, MessageId, MessageSource, SourceError, Stage,
 };
-use inbox_postgres::testkit::fast_retry;
+use inbox_testkit::fast_retry;
+use inbox_testkit::provider::{Behaviour, ProviderMode};
+use inbox_testkit::{crash_at_ids, MemoryAck, MemoryBroker, MemorySource};
 
 /// For the tests that count hand-backs during a dead consumer's lease: long enough that the
 /// next consumer surely starts inside it.

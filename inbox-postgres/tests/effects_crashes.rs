@@ -9,10 +9,10 @@
 mod common_effects;
 
 use common_effects::*;
-use inbox_core::testkit::crash_at_ids;
-use inbox_core::testkit::provider::Behaviour;
-use inbox_core::testkit::MemoryBroker;
 use inbox_core::{Error, Stage};
+use inbox_testkit::crash_at_ids;
+use inbox_testkit::provider::Behaviour;
+use inbox_testkit::MemoryBroker;
 
 const SETUPS: [Setup; 4] = [
     Setup::Keys,

@@ -12,11 +12,11 @@ use std::time::Duration;
 
 use common_effects::*;
 use inbox_core::effect::{Acquired, Attempt, EffectConsumer, Lease, LeaseStore, Release};
-use inbox_core::testkit::provider::{Behaviour, ProviderMode};
-use inbox_core::testkit::MemoryBroker;
 use inbox_core::{async_trait, InvalidId, MessageId, StoreError};
-use inbox_postgres::testkit::fast_retry;
 use inbox_postgres::{PgLeases, PgTx};
+use inbox_testkit::fast_retry;
+use inbox_testkit::provider::{Behaviour, ProviderMode};
+use inbox_testkit::MemoryBroker;
 
 #[tokio::test]
 async fn tokens_grow_with_every_lease_and_the_database_refuses_a_stale_one() {

@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use common_effects::*;
 use inbox_core::effect::{EffectConsumer, EffectStatsSnapshot};
-use inbox_core::testkit::provider::Behaviour;
 use inbox_core::MessageId;
-use inbox_postgres::testkit::fast_retry;
 use inbox_redis_streams::redis::{self, Value};
 use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
+use inbox_testkit::fast_retry;
+use inbox_testkit::provider::Behaviour;
 
 fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())

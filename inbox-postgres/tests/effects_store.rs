@@ -12,11 +12,11 @@ use common_effects::*;
 use inbox_core::effect::{
     Acquired, EffectConsumer, EffectStatsSnapshot, Lease, LeaseStore, OnUnknown,
 };
-use inbox_core::testkit::provider::{ProviderClient, ProviderMode};
-use inbox_core::testkit::MemoryBroker;
 use inbox_core::MessageId;
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::{Error as PgError, KeyMode, PgInbox, PgLeases, TableName};
+use inbox_testkit::provider::{ProviderClient, ProviderMode};
+use inbox_testkit::MemoryBroker;
+use inbox_testkit::TestDb;
 
 #[tokio::test]
 async fn purge_deletes_old_done_rows_and_keeps_unsettled_ones() {

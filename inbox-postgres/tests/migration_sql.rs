@@ -5,8 +5,8 @@
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
 use inbox_core::{InboxStore, MessageId};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::{KeyMode, Partitions, PgInbox, TableName};
+use inbox_testkit::TestDb;
 use sqlx::AssertSqlSafe;
 
 const MODES: [KeyMode; 3] = [KeyMode::Text, KeyMode::Uuid, KeyMode::Hashed];

@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex, Once, OnceLock};
 use std::time::Duration;
 
 use inbox_core::{async_trait, Destinations, OutgoingMessage, Publish, PublishError, Recovery};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::{Outbox, RelayError, TableName, OUTBOX_OLDEST_UNSENT_GAUGE};
+use inbox_testkit::TestDb;
 use sqlx::AssertSqlSafe;
 
 /// Keeps every batch it is handed, per destination; fails the first `fail_first` calls to

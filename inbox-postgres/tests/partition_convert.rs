@@ -6,10 +6,10 @@
 use std::time::Duration;
 
 use inbox_core::{InboxStore, MessageId};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::{
     Conversion, KeyMode, PartitionRange, Partitions, PgInbox, PurgeReport, TableName,
 };
+use inbox_testkit::TestDb;
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 

@@ -7,8 +7,8 @@
 use std::time::{Duration, SystemTime};
 
 use inbox_core::{InboxStore, MessageId};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::{KeyMode, PartitionRange, Partitions, PgInbox};
+use inbox_testkit::TestDb;
 use sqlx::AssertSqlSafe;
 
 mod common_partitions;

@@ -16,11 +16,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use inbox_core::testkit::MemoryBroker;
 use inbox_core::{Consumer, HookAction, Stage, StageHook};
-use inbox_postgres::testkit::wallet::{self, publish_credit, Credit};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::{PgInbox, TableName};
+use inbox_testkit::wallet::{self, publish_credit, Credit};
+use inbox_testkit::MemoryBroker;
+use inbox_testkit::TestDb;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 const CLUSTER: &str = "inbox_restart";

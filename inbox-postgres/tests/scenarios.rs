@@ -7,12 +7,12 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::testkit::{crash_at, AckMode, MemoryBroker, WithoutInbox};
 use inbox_core::{async_trait, Consumer, Error, Handler, HandlerError, Message, MessageId, Stage};
-use inbox_postgres::testkit::wallet::publish_credit;
-use inbox_postgres::testkit::wallet::{self, balance, Credit, CreditEvent};
-use inbox_postgres::testkit::{fast_retry, TestDb};
 use inbox_postgres::PgTx;
+use inbox_testkit::wallet::publish_credit;
+use inbox_testkit::wallet::{self, balance, Credit, CreditEvent};
+use inbox_testkit::{crash_at, AckMode, MemoryBroker, WithoutInbox};
+use inbox_testkit::{fast_retry, TestDb};
 
 #[tokio::test]
 async fn the_same_message_delivered_twice_credits_once() {
@@ -50,7 +50,7 @@ async fn a_crash_after_commit_before_ack_is_skipped_on_restart() {
         db.inbox(),
         Credit::new(db.pool.clone()),
     )
-    .on_stage(inbox_core::testkit::crash_at_ids(
+    .on_stage(inbox_testkit::crash_at_ids(
         Stage::Committed,
         [MessageId::new("evt-2").unwrap()],
     ))

@@ -6,11 +6,11 @@
 
 use std::time::{Duration, Instant};
 
-use inbox_core::testkit::MemoryBroker;
 use inbox_core::{Consumer, InboxStore, MessageId};
-use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
-use inbox_postgres::testkit::{database_url, fast_retry, TestDb};
 use inbox_postgres::PgInbox;
+use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::MemoryBroker;
+use inbox_testkit::{database_url, fast_retry, TestDb};
 use sqlx::postgres::PgPoolOptions;
 
 /// Longer than any test: a stalled handler is a hung one.

@@ -9,15 +9,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use inbox_core::testkit::WithoutInbox;
 use inbox_core::{
     Ack, Consumer, HookAction, InboxStore, MessageId, MessageSource, Recovery, Stage, StageHook,
     Stats,
 };
-use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::PgTx;
 use inbox_rabbitmq::RabbitSource;
+use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::TestDb;
+use inbox_testkit::WithoutInbox;
 use tokio::sync::{mpsc, watch};
 
 #[tokio::test]

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use common::stream::{broker_addr, url_via, Stream};
 use common::*;
-use inbox_core::testkit::{FaultProxy, ProxyMode};
 use inbox_rabbitmq::RabbitConfig;
+use inbox_testkit::{FaultProxy, ProxyMode};
 use tokio::time::Instant;
 
 const EVENTS: i64 = 300;

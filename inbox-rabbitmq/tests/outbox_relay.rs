@@ -14,10 +14,10 @@ use inbox_core::{
     async_trait, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish,
     PublishError, Recovery,
 };
-use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::{Outbox, PgTx, RelayError};
 use inbox_rabbitmq::{RabbitPublisher, RabbitSource};
+use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::TestDb;
 
 /// The upstream handler: forwards each credit to another queue through the outbox, in the
 /// inbox transaction.

@@ -10,11 +10,11 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::{Ack, Consumer, MessageSource};
-use inbox_postgres::testkit::wallet::{self, Credit};
-use inbox_postgres::testkit::TestDb;
 use inbox_rabbitmq::lapin::types::{AMQPValue, FieldTable};
 use inbox_rabbitmq::lapin::BasicProperties;
 use inbox_rabbitmq::{RabbitSource, REASON_HEADER};
+use inbox_testkit::wallet::{self, Credit};
+use inbox_testkit::TestDb;
 
 /// What the adapter's dead letters keep of the message: the body, the headers and properties
 /// (`message_id`, `content_type`), with the reason in `x-inbox-reason`. That they are parked at

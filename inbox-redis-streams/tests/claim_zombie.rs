@@ -7,11 +7,11 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use inbox_core::testkit::WithoutInbox;
 use inbox_core::{Consumer, InboxStore, MessageId, StatsSnapshot};
-use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent, Summary};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::PgTx;
+use inbox_testkit::wallet::{self, Credit, CreditEvent, Summary};
+use inbox_testkit::TestDb;
+use inbox_testkit::WithoutInbox;
 
 const CLAIM_IDLE: Duration = Duration::from_millis(1000);
 const STALL: Duration = Duration::from_millis(3000);

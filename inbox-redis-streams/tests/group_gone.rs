@@ -7,11 +7,11 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use inbox_core::testkit::{MemoryStore, MemoryTx};
 use inbox_core::{
     async_trait, Ack, Consumer, Handler, HandlerError, Message, MessageId, MessageSource, Recovery,
 };
 use inbox_redis_streams::redis::{self, Value};
+use inbox_testkit::{MemoryStore, MemoryTx};
 
 /// Sums the JSON amounts.
 struct Sum;

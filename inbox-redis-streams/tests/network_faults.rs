@@ -16,12 +16,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{builder, pending_with, stream_key};
-use inbox_core::testkit::{FaultProxy, ProxyMode};
 use inbox_core::{Consumer, MessageId, Stats, StatsSnapshot};
-use inbox_postgres::testkit::wallet::{summary, Credit, CreditEvent, Summary};
-use inbox_postgres::testkit::TestDb;
 use inbox_redis_streams::redis::{self, Client, ConnectionAddr, IntoConnectionInfo};
 use inbox_redis_streams::RedisStreamProducer;
+use inbox_testkit::wallet::{summary, Credit, CreditEvent, Summary};
+use inbox_testkit::TestDb;
+use inbox_testkit::{FaultProxy, ProxyMode};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 

@@ -16,10 +16,10 @@ use inbox_core::{
     async_trait, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish,
     PublishError,
 };
-use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
-use inbox_postgres::testkit::{child, TestDb};
 use inbox_postgres::{Outbox, PgTx};
 use inbox_redis_streams::redis::{self, Value};
+use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::{child, TestDb};
 use tokio::sync::oneshot;
 
 /// The upstream handler: forwards each credit to another stream through the outbox, in the

@@ -9,11 +9,11 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use inbox_core::testkit::{MemoryStore, MemoryTx};
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
 use inbox_redis_streams::redis::aio::ConnectionManager;
 use inbox_redis_streams::redis::{self, Client, IntoConnectionInfo};
 use inbox_redis_streams::RedisStreamProducer;
+use inbox_testkit::{MemoryStore, MemoryTx};
 
 const DB: i64 = 9;
 

@@ -7,10 +7,10 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use inbox_core::testkit::crash_at;
 use inbox_core::{Consumer, Stage};
-use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
-use inbox_postgres::testkit::TestDb;
+use inbox_testkit::crash_at;
+use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::TestDb;
 
 fn credit(account: i64, amount: i64) -> Vec<u8> {
     CreditEvent::new(account, amount).to_json()

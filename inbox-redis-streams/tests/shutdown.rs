@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use inbox_core::{Consumer, MessageId};
-use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
-use inbox_postgres::testkit::{child, TestDb};
+use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::{child, TestDb};
 
 const EVENTS: i64 = 200;
 const ACCOUNTS: i64 = 5;

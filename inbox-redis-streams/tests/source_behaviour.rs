@@ -6,11 +6,11 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use inbox_core::testkit::{crash_at, MemoryStore, MemoryTx};
 use inbox_core::{
     async_trait, Ack, Consumer, Handler, HandlerError, Message, MessageId, MessageSource, Stage,
 };
 use inbox_redis_streams::AckMode;
+use inbox_testkit::{crash_at, MemoryStore, MemoryTx};
 
 /// Sums the JSON amounts.
 struct Sum;

@@ -12,14 +12,14 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::{counts, credit, drain};
-use inbox_core::testkit::{FaultProxy, ProxyMode};
 use inbox_core::{Consumer, StatsSnapshot};
-use inbox_postgres::testkit::wallet::{summary, Credit, Summary};
-use inbox_postgres::testkit::TestDb;
 use inbox_sqs::aws_sdk_sqs::config::timeout::TimeoutConfig;
 use inbox_sqs::aws_sdk_sqs::config::{Credentials, Region};
 use inbox_sqs::aws_sdk_sqs::Client;
 use inbox_sqs::{Outgoing, SqsSender, SqsSource};
+use inbox_testkit::wallet::{summary, Credit, Summary};
+use inbox_testkit::TestDb;
+use inbox_testkit::{FaultProxy, ProxyMode};
 use tokio::sync::oneshot;
 
 const EVENTS: i64 = 300;

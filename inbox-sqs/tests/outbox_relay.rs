@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::{Consumer, OutgoingMessage, Recovery};
-use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::{Outbox, RelayError};
 use inbox_sqs::aws_sdk_sqs::types::MessageSystemAttributeName;
 use inbox_sqs::{SqsSender, SqsSource};
+use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::TestDb;
 
 async fn outbox(db: &TestDb) -> Outbox {
     let outbox = Outbox::new(db.pool.clone());

@@ -10,12 +10,12 @@ mod common;
 use std::time::Duration;
 
 use common::{client, counts, credit, drain, queue, queue_with_redrive};
-use inbox_core::testkit::crash_at;
 use inbox_core::{Consumer, Error, MessageId, Recovery, Stage};
-use inbox_postgres::testkit::wallet::{balance, summary, Credit};
-use inbox_postgres::testkit::TestDb;
 use inbox_sqs::aws_sdk_sqs::types::MessageAttributeValue;
 use inbox_sqs::{AckMode, Outgoing, SqsSender, SqsSource, REASON_ATTRIBUTE};
+use inbox_testkit::crash_at;
+use inbox_testkit::wallet::{balance, summary, Credit};
+use inbox_testkit::TestDb;
 
 const SECOND: Duration = Duration::from_secs(1);
 

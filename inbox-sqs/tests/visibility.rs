@@ -8,13 +8,13 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{client, counts, credit, queue, stalling_credit};
-use inbox_core::testkit::WithoutInbox;
 use inbox_core::{Ack, Consumer, InboxStore, MessageSource, StatsSnapshot};
-use inbox_postgres::testkit::wallet::{summary, Credit, Summary};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::PgTx;
 use inbox_sqs::aws_sdk_sqs::Client;
 use inbox_sqs::{SqsSender, SqsSource};
+use inbox_testkit::wallet::{summary, Credit, Summary};
+use inbox_testkit::TestDb;
+use inbox_testkit::WithoutInbox;
 
 const SECOND: Duration = Duration::from_secs(1);
 

@@ -1,6 +1,6 @@
 //! Shared helpers of the effect-consumer tests (`tests/effects_*.rs`): the effect consumer and
 //! `PgLeases` against a real PostgreSQL, with a real HTTP provider on loopback
-//! (`inbox_core::testkit::provider`). Effects are counted at the provider: with idempotency keys
+//! (`inbox_testkit::provider`). Effects are counted at the provider: with idempotency keys
 //! or a status lookup there is no duplicate and no loss at any crash point; with neither, the
 //! handler's choice shows as a duplicate (retry) or a missing effect (skip).
 #![allow(dead_code, unreachable_pub)]
@@ -11,11 +11,11 @@ use std::time::Duration;
 use inbox_core::effect::{
     not_applied, Effect, EffectConsumer, EffectHandler, Landed, OnUnknown, Settled,
 };
-use inbox_core::testkit::provider::{CallStatus, ProviderClient, ProviderMode, TestProvider};
-use inbox_core::testkit::MemoryBroker;
 use inbox_core::{async_trait, HandlerError, Message, MessageId, MessageSource};
-use inbox_postgres::testkit::{fast_retry, TestDb};
 use inbox_postgres::{PgLeases, PgTx};
+use inbox_testkit::provider::{CallStatus, ProviderClient, ProviderMode, TestProvider};
+use inbox_testkit::MemoryBroker;
+use inbox_testkit::{fast_retry, TestDb};
 
 pub const CONSUMER: &str = "mailer";
 /// Long enough for any normal call on a busy 2-core machine; short enough to wait out.

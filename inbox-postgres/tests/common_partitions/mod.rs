@@ -6,8 +6,8 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use inbox_core::{InboxStore, MessageId};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::{KeyMode, PartitionRange, Partitions, PgInbox, TableName};
+use inbox_testkit::TestDb;
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::{NoContext, Timestamp, Uuid};
 

@@ -5,13 +5,13 @@ pub mod stream;
 
 use std::time::Duration;
 
-use inbox_postgres::testkit::wallet::CreditEvent;
 use inbox_rabbitmq::lapin::options::{
     BasicAckOptions, BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use inbox_rabbitmq::lapin::types::{AMQPValue, FieldTable};
 use inbox_rabbitmq::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use inbox_rabbitmq::{RabbitConfig, RabbitPublisher, DEFAULT_AMQP_URL};
+use inbox_testkit::wallet::CreditEvent;
 
 pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned())

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{Consumer, Stats, StatsSnapshot};
-use inbox_postgres::testkit::wallet::{self, Credit, Summary};
-use inbox_postgres::testkit::TestDb;
 use inbox_rabbitmq::{RabbitConfig, RabbitSource};
+use inbox_testkit::wallet::{self, Credit, Summary};
+use inbox_testkit::TestDb;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;

@@ -5,9 +5,9 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use inbox_postgres::testkit::wallet::CreditEvent;
 use inbox_sqs::aws_sdk_sqs::types::{Message, MessageSystemAttributeName, QueueAttributeName};
 use inbox_sqs::aws_sdk_sqs::Client;
+use inbox_testkit::wallet::CreditEvent;
 
 /// The local SQS endpoint (moto's standalone server) used when the environment names none.
 pub const LOCAL_ENDPOINT: &str = "http://127.0.0.1:4566";

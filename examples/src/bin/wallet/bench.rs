@@ -12,9 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use inbox_core::{BatchItem, BoxError, InboxStore, MessageId};
-use inbox_postgres::testkit::wallet::{BatchCredit, CreditEvent};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::PgInbox;
+use inbox_testkit::wallet::{BatchCredit, CreditEvent};
+use inbox_testkit::TestDb;
 use serde_json::json;
 use tokio::sync::oneshot;
 

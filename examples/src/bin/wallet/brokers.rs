@@ -9,7 +9,7 @@ mod sqs;
 use std::time::Duration;
 
 use inbox_core::{async_trait, BoxError, StatsSnapshot};
-use inbox_postgres::testkit::TestDb;
+use inbox_testkit::TestDb;
 
 use crate::cli::{BrokerKind, ConsumerSpec, KafkaImpl};
 use crate::consume::{Shutdown, Watch};

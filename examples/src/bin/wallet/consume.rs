@@ -7,14 +7,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::testkit::{MemoryStore, MemoryTx, WithoutInbox};
 use inbox_core::{
     async_trait, BatchHandler, BatchItem, Consumer, Handler, HandlerError, HookAction, InboxStore,
     Message, MessageId, MessageSource, Stage, StageHook, StatsSnapshot,
 };
-use inbox_postgres::testkit::wallet::{self, BatchCredit, Credit, CreditEvent};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::PgTx;
+use inbox_testkit::wallet::{self, BatchCredit, Credit, CreditEvent};
+use inbox_testkit::TestDb;
+use inbox_testkit::{MemoryStore, MemoryTx, WithoutInbox};
 use sqlx::PgPool;
 use tokio::sync::mpsc;
 

@@ -12,11 +12,11 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use inbox_core::testkit::provider::{Behaviour, ProviderMode, TestProvider};
 use inbox_core::{BoxError, MessageId};
-use inbox_postgres::testkit::wallet::CreditEvent;
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::PgLeases;
+use inbox_testkit::provider::{Behaviour, ProviderMode, TestProvider};
+use inbox_testkit::wallet::CreditEvent;
+use inbox_testkit::TestDb;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sqlx::AssertSqlSafe;

@@ -6,14 +6,14 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use inbox_core::effect::{not_applied, Effect, EffectConsumer, EffectHandler, Landed, OnUnknown};
-use inbox_core::testkit::provider::{CallStatus, ProviderClient};
 use inbox_core::{
     async_trait, BoxError, Consumer, Handler, HandlerError, Message, MessageId, MessageSource,
     Publish,
 };
-use inbox_postgres::testkit::wallet::Credit;
-use inbox_postgres::testkit::{fast_retry, TestDb};
 use inbox_postgres::{Outbox, PgLeases, PgTx};
+use inbox_testkit::provider::{CallStatus, ProviderClient};
+use inbox_testkit::wallet::Credit;
+use inbox_testkit::{fast_retry, TestDb};
 
 use crate::cli::{millis, BrokerKind};
 

@@ -6,8 +6,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use inbox_core::BoxError;
-use inbox_postgres::testkit::wallet::{self, CreditEvent};
-use inbox_postgres::testkit::TestDb;
+use inbox_testkit::wallet::{self, CreditEvent};
+use inbox_testkit::TestDb;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::io::{AsyncBufReadExt, BufReader};

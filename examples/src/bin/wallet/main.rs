@@ -36,7 +36,7 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
 use inbox_core::BoxError;
-use inbox_postgres::testkit::TestDb;
+use inbox_testkit::TestDb;
 
 use crate::cli::{
     BrokerKind, ConsumeArgs, KafkaImpl, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,

@@ -1,4 +1,4 @@
-//! `memory-demo`: the wallet on the in-memory broker from `inbox_core::testkit`, crashing at
+//! `memory-demo`: the wallet on the in-memory broker from `inbox_testkit`, crashing at
 //! random points of claim, apply, commit and ack while the producer sends some events twice.
 //! No broker needed, only PostgreSQL.
 
@@ -6,11 +6,11 @@ use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use inbox_core::testkit::{MemoryBroker, WithoutInbox};
 use inbox_core::{Consumer, Error, HookAction, InboxStore, Stage, StageHook};
-use inbox_postgres::testkit::wallet::{self, Credit, CreditEvent};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::PgTx;
+use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::TestDb;
+use inbox_testkit::{MemoryBroker, WithoutInbox};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

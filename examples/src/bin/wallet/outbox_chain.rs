@@ -8,9 +8,9 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use inbox_core::BoxError;
-use inbox_postgres::testkit::wallet;
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::Outbox;
+use inbox_testkit::wallet;
+use inbox_testkit::TestDb;
 
 use crate::brokers::{self, Broker};
 use crate::effects::{events, kill, schedule, show, spawn, EffectsSettings};

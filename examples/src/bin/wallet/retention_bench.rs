@@ -21,8 +21,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use inbox_core::{BoxError, InboxStore, MessageId};
-use inbox_postgres::testkit::TestDb;
 use inbox_postgres::{KeyMode, Partitions, PgInbox, Storage, TableName};
+use inbox_testkit::TestDb;
 use serde_json::json;
 use sqlx::AssertSqlSafe;
 use uuid::{NoContext, Timestamp, Uuid};

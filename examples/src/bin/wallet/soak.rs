@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use futures_util::stream::{self, StreamExt, TryStreamExt};
 use inbox_core::BoxError;
-use inbox_postgres::testkit::wallet::CreditEvent;
-use inbox_postgres::testkit::TestDb;
+use inbox_testkit::wallet::CreditEvent;
+use inbox_testkit::TestDb;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::process::Child;

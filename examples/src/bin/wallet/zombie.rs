@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use inbox_core::{BoxError, StatsSnapshot};
-use inbox_postgres::testkit::wallet::{self, CreditEvent};
-use inbox_postgres::testkit::TestDb;
+use inbox_testkit::wallet::{self, CreditEvent};
+use inbox_testkit::TestDb;
 use serde::Serialize;
 use tokio::sync::{mpsc, watch};
 

@@ -8,7 +8,7 @@ use inbox_core::{async_trait, BoxError, MessageId, StatsSnapshot};
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
 use inbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use inbox_kafka::{AckMode, KafkaAdmin, KafkaConfig, KafkaProducer, Record};
-use inbox_postgres::testkit::TestDb;
+use inbox_testkit::TestDb;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use super::{Broker, Outgoing};

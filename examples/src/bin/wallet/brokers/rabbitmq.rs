@@ -5,11 +5,11 @@ use std::time::Duration;
 use futures_util::stream::{self, StreamExt, TryStreamExt};
 use inbox_core::MessageId;
 use inbox_core::{async_trait, BoxError, StatsSnapshot};
-use inbox_postgres::testkit::TestDb;
 use inbox_rabbitmq::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use inbox_rabbitmq::lapin::types::FieldTable;
 use inbox_rabbitmq::lapin::{Channel, Connection, ConnectionProperties};
 use inbox_rabbitmq::{AckMode, RabbitConfig, RabbitPublisher, RabbitSource, DEFAULT_AMQP_URL};
+use inbox_testkit::TestDb;
 
 use super::{Broker, Outgoing};
 use crate::cli::{BrokerKind, ConsumerSpec};

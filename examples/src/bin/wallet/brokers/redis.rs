@@ -3,11 +3,11 @@
 use std::time::Duration;
 
 use inbox_core::{async_trait, BoxError, MessageId, StatsSnapshot};
-use inbox_postgres::testkit::TestDb;
 use inbox_redis_streams::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use inbox_redis_streams::redis::streams::StreamInfoGroupsReply;
 use inbox_redis_streams::redis::{self, AsyncCommands};
 use inbox_redis_streams::{AckMode, RedisStreamProducer, RedisStreamSource};
+use inbox_testkit::TestDb;
 
 use super::{Broker, Outgoing};
 use crate::cli::{BrokerKind, ConsumerSpec};

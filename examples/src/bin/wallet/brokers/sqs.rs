@@ -3,10 +3,10 @@
 use std::time::Duration;
 
 use inbox_core::{async_trait, BoxError, MessageId, StatsSnapshot};
-use inbox_postgres::testkit::TestDb;
 use inbox_sqs::aws_sdk_sqs::types::QueueAttributeName;
 use inbox_sqs::aws_sdk_sqs::Client;
 use inbox_sqs::{AckMode, SqsSender, SqsSource};
+use inbox_testkit::TestDb;
 
 use super::{Broker, Outgoing};
 use crate::cli::{BrokerKind, ConsumerSpec};

@@ -8,7 +8,7 @@ use inbox_core::{async_trait, BatchHandler, BatchItem, Handler, HandlerError, Me
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
-use crate::PgTx;
+use inbox_postgres::PgTx;
 
 /// A credit event: add `amount` to account `account_id`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,12 +39,7 @@ impl CreditEvent {
 }
 
 /// Publishes a credit of `amount` to `account` with ID `id` on the in-memory broker.
-pub fn publish_credit(
-    broker: &inbox_core::testkit::MemoryBroker,
-    id: &str,
-    account: i64,
-    amount: i64,
-) {
+pub fn publish_credit(broker: &crate::MemoryBroker, id: &str, account: i64, amount: i64) {
     broker.publish(Some(id), CreditEvent::new(account, amount).to_json());
 }
 

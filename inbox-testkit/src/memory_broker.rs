@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
-use crate::{Ack, Delivery, IdError, Message, MessageId, MessageSource, SourceError};
+use inbox_core::{Ack, Delivery, IdError, Message, MessageId, MessageSource, SourceError};
 
 /// When a [`MemorySource`] acknowledges.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -184,8 +184,8 @@ impl MessageSource for MemorySource {
         self.broker.state().retention
     }
 
-    fn capabilities(&self) -> crate::Capabilities {
-        crate::Capabilities::NONE
+    fn capabilities(&self) -> inbox_core::Capabilities {
+        inbox_core::Capabilities::NONE
             .with_delivery_count()
             .with_delayed_nack()
     }

@@ -1,22 +1,22 @@
-//! Test kit: an in-memory broker and store with crash points, for fast, deterministic tests of
-//! the algorithm and of handlers (feature `testkit`).
+//! Test support for inbox: never in production, nothing here is durable.
+//!
+//! An in-memory broker and store with crash points, for fast, deterministic tests of the
+//! algorithm and of handlers:
 //!
 //! - [`MemoryBroker`] delivers at least once: a delivery not acked when its [`MemorySource`] is
 //!   dropped (the consumer "died") goes back to the queue, flagged redelivered, like a RabbitMQ
 //!   channel closing.
 //! - [`MemoryStore`] keeps a state `S` of your choice and the inbox claims; a transaction works
 //!   on a copy and publishes it on commit, so a crash before commit leaves nothing behind.
-//! - [`crash_at`] builds a [`StageHook`](crate::StageHook) that kills the consumer after claim,
+//! - [`crash_at`] builds a [`StageHook`](inbox_core::StageHook) that kills the consumer after claim,
 //!   apply, commit or ack.
-//! - [`WithoutInbox`] wraps any store and claims nothing: the "commit after the database, no
-//!   inbox" anti-pattern, to show what the inbox prevents.
+//! - `WithoutInbox` (feature `never-in-production`) wraps any store and claims nothing: the
+//!   "commit after the database, no inbox" anti-pattern, to show what the inbox prevents.
 //! - [`FaultProxy`] sits between a client and a real server and refuses, cuts or black-holes its
 //!   connections on demand: database and broker outages for fault tests.
 //!
-//! Never in production: nothing here is durable.
-//!
 //! ```
-//! use inbox_core::testkit::{MemoryBroker, MemoryStore, MemoryTx};
+//! use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
 //! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
 //!
 //! /// Adds the amount in each message to a balance.
@@ -52,47 +52,27 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! For tests against a real PostgreSQL: [`TestDb`] makes a throw-away schema per test,
+//! [`wallet`] is the domain the tests and examples use (accounts, a ledger, a credit handler),
+//! and [`child`] runs the test binary again as a child process to SIGKILL.
 
+pub mod child;
+mod crash;
+mod db;
 mod fault_proxy;
 mod memory_broker;
 mod memory_store;
 pub mod provider;
+pub mod wallet;
+#[cfg(feature = "never-in-production")]
 mod without_inbox;
 
+pub use crash::{crash_at, crash_at_ids};
+pub use db::{database_url, fast_retry, partitioned_layout, TestDb};
 pub use fault_proxy::{FaultProxy, ProxyMode};
 pub use memory_broker::{AckMode, MemoryAck, MemoryBroker, MemorySource};
 pub use memory_store::{MemoryStore, MemoryTx};
+pub use provider::TestProvider;
+#[cfg(feature = "never-in-production")]
 pub use without_inbox::WithoutInbox;
-
-use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
-
-use crate::{HookAction, MessageId, Stage, StageHook};
-
-/// A hook that crashes the consumer the first time any message reaches `stage`, then lets
-/// every later call pass (so a restarted consumer with the same hook runs on).
-pub fn crash_at(stage: Stage) -> StageHook {
-    let fired = Arc::new(Mutex::new(false));
-    StageHook::new(move |at, _id| {
-        let mut fired = fired.lock().unwrap_or_else(|e| e.into_inner());
-        if at == stage && !*fired {
-            *fired = true;
-            HookAction::Crash
-        } else {
-            HookAction::Continue
-        }
-    })
-}
-
-/// A hook that crashes the consumer when one of `ids` reaches `stage`, once per ID.
-pub fn crash_at_ids(stage: Stage, ids: impl IntoIterator<Item = MessageId>) -> StageHook {
-    let armed: Arc<Mutex<HashSet<MessageId>>> = Arc::new(Mutex::new(ids.into_iter().collect()));
-    StageHook::new(move |at, id| {
-        let mut armed = armed.lock().unwrap_or_else(|e| e.into_inner());
-        if at == stage && armed.remove(id) {
-            HookAction::Crash
-        } else {
-            HookAction::Continue
-        }
-    })
-}

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use crate::{InboxStore, MessageId, StoreError};
+use inbox_core::{InboxStore, MessageId, StoreError};
 
 /// An in-memory inbox store holding a user state `S` beside the claims.
 ///

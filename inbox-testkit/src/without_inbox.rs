@@ -1,6 +1,6 @@
 use async_trait::async_trait;
 
-use crate::{InboxStore, InvalidId, MessageId, StoreError};
+use inbox_core::{InboxStore, InvalidId, MessageId, StoreError};
 
 /// Wraps a store and records nothing: every claim says "new". The consumer still commits
 /// before it acks, so this is the article's variant b, "commit after the database, no inbox",

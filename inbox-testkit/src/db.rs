@@ -1,13 +1,10 @@
-//! Test support (feature `testkit`): a throw-away schema per test, the wallet domain the tests
-//! and examples use, and child processes for hard-kill tests.
-
-pub mod child;
-pub mod wallet;
-
+//! A throw-away PostgreSQL schema per test, and the settings tests share.
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
 
-use crate::{KeyMode, Partitions, PgInbox, TableName};
+use inbox_postgres::{KeyMode, Partitions, PgInbox, TableName};
+
+use crate::wallet;
 
 /// A retry policy for tests: `max_attempts` tries, 10–50 ms apart.
 pub fn fast_retry(max_attempts: u32) -> inbox_core::RetryPolicy {
