@@ -16,7 +16,7 @@ use std::time::Duration;
 use inbox_core::effect::{not_applied, Effect, EffectConsumer, EffectHandler, OnUnknown};
 // A real HTTP server on loopback that deduplicates on `Idempotency-Key`: it stands in for a
 // payment provider such as Stripe, and its client for the provider's SDK.
-use inbox_core::{async_trait, HandlerError, Message, MessageId};
+use inbox_core::{async_trait, HandlerError, Message, MessageId, Publish};
 use inbox_postgres::{PgInbox, PgLeases, PgTx};
 use inbox_redis_streams::{redis, RedisStreamProducer, RedisStreamSource};
 use inbox_testkit::provider::{ProviderClient, ProviderMode, TestProvider};
@@ -64,16 +64,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     leases.migrate().await?;
     let provider = TestProvider::start(ProviderMode::Keys).await?;
 
-    let producer = RedisStreamProducer::connect(&redis_url, &stream).await?;
+    let producer = RedisStreamProducer::builder()
+        .url(&redis_url)
+        .connect()
+        .await?;
     let ids: Vec<MessageId> = (0..4).map(|_| MessageId::generate()).collect();
     for (id, cents) in ids.iter().zip([1000, 2500, 300, 50]) {
-        producer.send_with_id(id, cents.to_string()).await?;
+        let payload = cents.to_string();
+        producer
+            .send_with_id(&stream, id, payload.as_bytes())
+            .await?;
     }
-    producer.send_with_id(&ids[0], "1000").await?; // a retried publish: same ID
+    producer.send_with_id(&stream, &ids[0], b"1000").await?; // a retried publish: same ID
 
     let source = RedisStreamSource::builder(&stream, CONSUMER)
-        .block(Duration::from_millis(200)) // the poll wait: `run_until_idle` returns this soon
-        .connect(&redis_url)
+        .poll_timeout(Duration::from_millis(200)) // `run_until_idle` returns this soon
+        .url(&redis_url)
+        .connect()
         .await?;
     let charge = Charge(provider.client());
     let consumer = EffectConsumer::new(CONSUMER, source, leases, charge);

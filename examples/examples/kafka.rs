@@ -4,8 +4,8 @@
 mod common; // the wallet table, the events and the check, shared by the four examples
 
 use common::{BoxError, Wallet};
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
-use inbox_kafka::{KafkaAdmin, KafkaConfig, KafkaProducer, Record};
+use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish};
+use inbox_kafka::{KafkaAdmin, KafkaProducer, KafkaSource};
 use inbox_postgres::PgTx;
 
 struct Credit;
@@ -28,14 +28,17 @@ async fn main() -> Result<(), BoxError> {
     let wallet = Wallet::open().await?;
     let topic = format!("inbox-example-{}", uuid::Uuid::new_v4());
     KafkaAdmin::from_env()?.create_topic(&topic, 1).await?;
-    let producer = KafkaProducer::from_env()?; // brokers from KAFKA_BROKERS
+    let producer = KafkaProducer::builder().connect().await?; // brokers from KAFKA_BROKERS
     for (id, payload) in wallet.sends() {
-        producer.send(&topic, Record::new(payload).id(id)).await?;
+        producer
+            .send_with_id(&topic, &id, payload.as_bytes())
+            .await?;
     }
 
-    let source = KafkaConfig::from_env(&topic, [&topic]) // group, topics
+    let source = KafkaSource::builder([&topic], &topic) // topics, group
         .create_dead_letter_topics(true)
-        .build()?;
+        .connect()
+        .await?;
     let consumer = Consumer::new("example-credits", source, wallet.inbox.clone(), Credit);
     wallet.run_and_check(consumer).await
 }

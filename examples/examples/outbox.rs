@@ -12,7 +12,7 @@
 use std::env::var;
 use std::time::Duration;
 
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish};
 use inbox_postgres::{Outbox, PgInbox, PgTx};
 use inbox_redis_streams::{redis, RedisStreamProducer, RedisStreamSource};
 use sqlx::postgres::{PgConnectOptions, PgPool};
@@ -70,27 +70,31 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     inbox.migrate().await?;
     outbox.migrate().await?;
 
-    let producer = RedisStreamProducer::connect(&redis_url, &orders).await?;
+    // One producer for both streams: each send names its stream.
+    let producer = RedisStreamProducer::builder()
+        .url(&redis_url)
+        .connect()
+        .await?;
     let ids: Vec<MessageId> = (0..4).map(|_| MessageId::generate()).collect();
     let orders_json = ["[1, 100]", "[2, 250]", "[1, 30]", "[2, 5]"]; // [account, amount]
     for (id, order) in ids.iter().zip(orders_json) {
-        producer.send_with_id(id, order).await?;
+        producer.send_with_id(&orders, id, order.as_bytes()).await?;
     }
-    producer.send_with_id(&ids[0], orders_json[0]).await?; // a retried publish: same ID
+    let retry = orders_json[0].as_bytes();
+    producer.send_with_id(&orders, &ids[0], retry).await?; // a retried publish: same ID
 
     // A short poll wait, so that each `run_until_idle` returns soon after the stream is read.
     let poll = Duration::from_millis(200);
     let source = |stream: &str, group: &str| {
-        let builder = RedisStreamSource::builder(stream, group).block(poll);
-        builder.connect(&redis_url)
+        let builder = RedisStreamSource::builder(stream, group).poll_timeout(poll);
+        builder.url(&redis_url).connect()
     };
     // In production the three run side by side, each with `run()`; here one after the other.
     let forward = Forward(outbox.clone(), credits.clone());
     let from_orders = source(&orders, "forward").await?;
     let a = Consumer::new("forward", from_orders, inbox.clone(), forward);
     let a = a.run_until_idle().await?;
-    let to_credits = RedisStreamProducer::connect(&redis_url, &credits).await?;
-    let relay = outbox.relay(to_credits).run_until_idle().await?;
+    let relay = outbox.relay(producer).run_until_idle().await?; // to `credits`, from the rows
     let from_credits = source(&credits, "credit").await?;
     let b = Consumer::new("credit", from_credits, inbox, Credit);
     let b = b.run_until_idle().await?;

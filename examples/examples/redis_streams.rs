@@ -4,7 +4,7 @@
 mod common; // the wallet table, the events and the check, shared by the four examples
 
 use common::{BoxError, Wallet};
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish};
 use inbox_postgres::PgTx;
 use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
 
@@ -26,15 +26,16 @@ impl Handler<PgTx> for Credit {
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let wallet = Wallet::open().await?;
-    let redis = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     let stream = format!("inbox-example-{}", uuid::Uuid::new_v4());
-    let producer = RedisStreamProducer::connect(&redis, &stream).await?;
+    let producer = RedisStreamProducer::builder().connect().await?; // Redis at REDIS_URL
     for (id, payload) in wallet.sends() {
-        producer.send_with_id(&id, payload).await?;
+        producer
+            .send_with_id(&stream, &id, payload.as_bytes())
+            .await?;
     }
 
     let source = RedisStreamSource::builder(&stream, "example-credits") // stream, group
-        .connect(&redis)
+        .connect()
         .await?;
     let consumer = Consumer::new("example-credits", source, wallet.inbox.clone(), Credit);
     wallet.run_and_check(consumer).await

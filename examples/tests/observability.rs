@@ -12,7 +12,9 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, TraceParent};
+use inbox_core::{
+    async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish, TraceParent,
+};
 use inbox_postgres::PgTx;
 use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
 use inbox_testkit::wallet::{self, CreditEvent};
@@ -91,12 +93,13 @@ async fn scrape_until(
     }
 }
 
-async fn publish(producer: &RedisStreamProducer, events: &[(&str, i64, i64)]) {
+async fn publish(producer: &RedisStreamProducer, stream: &str, events: &[(&str, i64, i64)]) {
     for (id, account, amount) in events {
         producer
             .send_with_id(
+                stream,
                 &MessageId::new(*id).unwrap(),
-                CreditEvent::new(*account, *amount).to_json(),
+                &CreditEvent::new(*account, *amount).to_json(),
             )
             .await
             .unwrap();
@@ -156,11 +159,14 @@ async fn the_example_exports_moving_series_and_is_ready_while_it_runs() {
     assert_eq!(value(&before, "inbox_retention_seconds", &label), 604_800.0);
     assert_eq!(value(&before, "inbox_messages_applied_total", &label), 0.0);
 
-    let producer = RedisStreamProducer::connect(&redis_url(), &stream)
+    let producer = RedisStreamProducer::builder()
+        .url(redis_url())
+        .connect()
         .await
         .unwrap();
     publish(
         &producer,
+        &stream,
         &[
             ("obs-1", 1, 10),
             ("obs-2", 2, 20),
@@ -214,7 +220,7 @@ async fn the_example_exports_moving_series_and_is_ready_while_it_runs() {
     assert_eq!(wallet::balance(&db.pool, 2).await, 20);
 
     // More work: the counters and histograms move.
-    publish(&producer, &[("obs-5", 3, 2), ("obs-6", 4, 7)]).await;
+    publish(&producer, &stream, &[("obs-5", 3, 2), ("obs-6", 4, 7)]).await;
     let (_, second) = scrape_until(&addr, "6 applied", |p| {
         value(p, "inbox_messages_applied_total", &label) == 6.0
     })
@@ -292,7 +298,9 @@ async fn a_trace_crosses_redis_into_the_handler() {
 
     let db = TestDb::new().await;
     let stream = unique("inbox-test:traceparent");
-    let producer = RedisStreamProducer::connect(&redis_url(), &stream)
+    let producer = RedisStreamProducer::builder()
+        .url(redis_url())
+        .connect()
         .await
         .unwrap();
     // Produced inside a request's span: the entry carries that span's context.
@@ -300,7 +308,7 @@ async fn a_trace_crosses_redis_into_the_handler() {
     let sent_from = async {
         let here = TraceParent::current().expect("an OpenTelemetry context");
         producer
-            .send_with_id(&MessageId::new("traced").unwrap(), "{}")
+            .send_with_id(&stream, &MessageId::new("traced").unwrap(), b"{}")
             .await
             .unwrap();
         here
@@ -309,13 +317,14 @@ async fn a_trace_crosses_redis_into_the_handler() {
     .await;
     // And one produced outside any span: no header, a trace of its own.
     producer
-        .send_with_id(&MessageId::new("untraced").unwrap(), "{}")
+        .send_with_id(&stream, &MessageId::new("untraced").unwrap(), b"{}")
         .await
         .unwrap();
 
     let source = RedisStreamSource::builder(&stream, "g")
-        .block(Duration::from_millis(200))
-        .connect(&redis_url())
+        .poll_timeout(Duration::from_millis(200))
+        .url(redis_url())
+        .connect()
         .await
         .unwrap();
     let seen = SeenTraces::default();

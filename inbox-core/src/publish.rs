@@ -49,9 +49,9 @@ impl OutgoingMessage {
 
 /// Sends messages to a broker and returns once the broker confirmed every one of them.
 ///
-/// `destination` names a topic, queue or stream: what it means, and which destinations one
-/// publisher serves, is each implementation's to say (a producer bound to one queue refuses
-/// others with a [`Recovery::Fatal`] error; [`Destinations`] routes names to publishers).
+/// `destination` names a topic, queue or stream, per call: every adapter's producer
+/// (`KafkaProducer`, `SqsProducer`, `RabbitProducer`, `RedisStreamProducer`) serves any
+/// destination of its broker. [`Destinations`] routes names to producers of different brokers.
 ///
 /// Contract:
 /// - `Ok` only after the broker confirmed every message (stored, replicated as configured).
@@ -119,9 +119,8 @@ impl<P: Publish + ?Sized> Publish for Box<P> {
 /// [`OperationError`](crate::OperationError) sources and stores fail with.
 pub type PublishError = crate::OperationError;
 
-/// A [`Publish`] that hands each destination to the publisher registered for it: one
-/// `RabbitPublisher` per queue, one `RedisStreamProducer` per stream, or different brokers for
-/// different destinations.
+/// A [`Publish`] that hands each destination to the publisher registered for it: different
+/// brokers (or differently configured producers) for different destinations.
 ///
 /// ```
 /// # use inbox_core::{async_trait, Destinations, OutgoingMessage, Publish, PublishError};

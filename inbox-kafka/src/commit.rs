@@ -20,7 +20,7 @@ use crate::tracker::Commit;
 
 /// Counters of a source's offset commit requests, readable while its consumer runs (get them
 /// with [`KafkaSource::offset_commits`](crate::KafkaSource::offset_commits) before handing the
-/// source to the consumer). With a [commit interval](crate::KafkaConfig::commit_interval) a
+/// source to the consumer). With a [commit interval](crate::KafkaSourceBuilder::commit_interval) a
 /// commit failure is not an ack failure: it is logged, counted here, and retried at the next
 /// interval.
 #[derive(Clone, Default)]

@@ -1,4 +1,4 @@
-//! The consumer's configuration: inbox settings plus any librdkafka property.
+//! How a [`KafkaSource`] is set up: inbox settings plus any librdkafka property.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -31,11 +31,15 @@ pub enum AckMode {
     AutoCommit,
 }
 
-/// What a [`KafkaSource`] subscribes to and how.
+/// Builds a [`KafkaSource`]: what it subscribes to and how. Start with [`KafkaSource::builder`],
+/// finish with [`KafkaSourceBuilder::connect`].
 ///
-/// Every librdkafka property can be set with [`KafkaConfig::set`] (all clients: the consumer and
-/// the dead-letter producer) or [`KafkaConfig::set_consumer`] (the consumer only): TLS
-/// (`security.protocol`, `ssl.ca.location`, ... with the crate feature `ssl`), SASL
+/// The brokers come from the `KAFKA_BROKERS` environment variable (default `127.0.0.1:9092`)
+/// unless [`KafkaSourceBuilder::brokers`] sets them.
+///
+/// Every librdkafka property can be set with [`KafkaSourceBuilder::set`] (all clients: the
+/// consumer and the dead-letter producer) or [`KafkaSourceBuilder::set_consumer`] (the consumer
+/// only): TLS (`security.protocol`, `ssl.ca.location`, ... with the crate feature `ssl`), SASL
 /// (`sasl.mechanism`, `sasl.username`, `sasl.password`), timeouts (`session.timeout.ms`,
 /// `max.poll.interval.ms`), so the same code runs against Apache Kafka, MSK, Confluent Cloud,
 /// Redpanda or Tansu.
@@ -47,8 +51,9 @@ pub enum AckMode {
 /// (`sasl.password`, `ssl.key.password`, any name with `password` or `secret`, a private key):
 /// see [`inbox_core::is_secret_setting`].
 #[derive(Clone)]
-pub struct KafkaConfig {
-    pub(crate) brokers: String,
+#[must_use = "a builder does nothing until `connect` is called"]
+pub struct KafkaSourceBuilder {
+    pub(crate) brokers: Option<String>,
     pub(crate) group_id: String,
     pub(crate) topics: Vec<String>,
     pub(crate) id_header: String,
@@ -62,9 +67,9 @@ pub struct KafkaConfig {
     pub(crate) consumer: BTreeMap<String, String>,
 }
 
-impl fmt::Debug for KafkaConfig {
+impl fmt::Debug for KafkaSourceBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("KafkaConfig")
+        f.debug_struct("KafkaSourceBuilder")
             .field("brokers", &self.brokers)
             .field("group_id", &self.group_id)
             .field("topics", &self.topics)
@@ -99,22 +104,21 @@ impl fmt::Debug for Redacted<'_> {
     }
 }
 
-impl KafkaConfig {
-    /// The header that carries the message ID unless [`KafkaConfig::id_header`] says otherwise.
+impl KafkaSourceBuilder {
+    /// The header that carries the message ID unless [`KafkaSourceBuilder::id_header`] says
+    /// otherwise.
     pub const DEFAULT_ID_HEADER: &'static str = "event_id";
 
-    /// How often acked offsets are committed unless [`KafkaConfig::commit_interval`] says
-    /// otherwise.
+    /// How often acked offsets are committed unless [`KafkaSourceBuilder::commit_interval`]
+    /// says otherwise.
     pub const DEFAULT_COMMIT_INTERVAL: Duration = Duration::from_millis(250);
 
-    /// Consumes `topics` as member of `group_id`, through `brokers` (`host:port[,host:port]`).
-    pub fn new(
-        brokers: impl Into<String>,
-        group_id: impl Into<String>,
+    pub(crate) fn new(
         topics: impl IntoIterator<Item = impl Into<String>>,
+        group_id: impl Into<String>,
     ) -> Self {
         Self {
-            brokers: brokers.into(),
+            brokers: None,
             group_id: group_id.into(),
             topics: topics.into_iter().map(Into::into).collect(),
             id_header: Self::DEFAULT_ID_HEADER.to_owned(),
@@ -129,13 +133,10 @@ impl KafkaConfig {
         }
     }
 
-    /// Like [`KafkaConfig::new`], with the brokers from `KAFKA_BROKERS` (default
-    /// `127.0.0.1:9092`).
-    pub fn from_env(
-        group_id: impl Into<String>,
-        topics: impl IntoIterator<Item = impl Into<String>>,
-    ) -> Self {
-        Self::new(brokers_from_env(), group_id, topics)
+    /// The brokers to bootstrap from (`host:port[,host:port]`), instead of `KAFKA_BROKERS`.
+    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
+        self.brokers = Some(brokers.into());
+        self
     }
 
     /// The header that holds the message ID (default `event_id`). The ID never comes from the
@@ -149,7 +150,8 @@ impl KafkaConfig {
     ///
     /// The source checks at start that every dead-letter topic exists (for a pattern
     /// subscription, `^…`, only an explicit one is checked) and fails with [`Error::Config`]
-    /// naming a missing one, unless [`KafkaConfig::create_dead_letter_topics`] allows creating it.
+    /// naming a missing one, unless [`KafkaSourceBuilder::create_dead_letter_topics`] allows
+    /// creating it.
     pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
         self.dead_letter_topic = Some(topic.into());
         self
@@ -179,10 +181,10 @@ impl KafkaConfig {
     /// How long a blocking commit, seek or dead-letter delivery may take (default 10 s).
     ///
     /// It is also librdkafka's `socket.timeout.ms` for every client this source makes (unless
-    /// set with [`KafkaConfig::set`]): a request without an answer for that long fails and its
-    /// broker connection is closed and made anew. librdkafka's own default is 60 s, so after a
-    /// network black hole of a few seconds the consumer stayed stuck on the dead connection for
-    /// a minute, fetching and committing nothing.
+    /// set with [`KafkaSourceBuilder::set`]): a request without an answer for that long fails
+    /// and its broker connection is closed and made anew. librdkafka's own default is 60 s, so
+    /// after a network black hole of a few seconds the consumer stayed stuck on the dead
+    /// connection for a minute, fetching and committing nothing.
     pub fn operation_timeout(mut self, wait: Duration) -> Self {
         self.operation_timeout = wait;
         self
@@ -215,13 +217,19 @@ impl KafkaConfig {
         self
     }
 
-    /// Creates the clients and subscribes. Nothing is fetched yet: the first
+    /// Creates the clients and subscribes. librdkafka connects in the background, so a broker
+    /// that is down does not fail this. Nothing is fetched yet: the first
     /// [`receive`](inbox_core::MessageSource::receive) checks that the dead-letter topics exist
     /// (a metadata request for all topics, waiting up to the operation timeout) before it joins
     /// the group and reads; a missing one fails it with [`Error::Config`], which stops the
-    /// consumer. The check is not made here because it blocks and this method is not async.
-    pub fn build(&self) -> Result<KafkaSource> {
-        KafkaSource::new(self)
+    /// consumer, and unreachable brokers fail it with an error naming them.
+    pub async fn connect(self) -> Result<KafkaSource> {
+        KafkaSource::new(&self)
+    }
+
+    /// The brokers this builder connects to: the ones set, or `KAFKA_BROKERS`, or the default.
+    pub(crate) fn resolved_brokers(&self) -> String {
+        self.brokers.clone().unwrap_or_else(brokers_from_env)
     }
 
     pub(crate) fn consumer_config(&self) -> Result<ClientConfig> {
@@ -260,14 +268,16 @@ impl KafkaConfig {
 
     pub(crate) fn client_config(&self) -> ClientConfig {
         let mut config = ClientConfig::new();
-        config.set("bootstrap.servers", &self.brokers).set(
-            "socket.timeout.ms",
-            // librdkafka's bounds for the property.
-            crate::source::millis(
-                self.operation_timeout
-                    .clamp(Duration::from_millis(10), Duration::from_secs(300)),
-            ),
-        );
+        config
+            .set("bootstrap.servers", self.resolved_brokers())
+            .set(
+                "socket.timeout.ms",
+                // librdkafka's bounds for the property.
+                crate::source::millis(
+                    self.operation_timeout
+                        .clamp(Duration::from_millis(10), Duration::from_secs(300)),
+                ),
+            );
         for (key, value) in &self.common {
             config.set(key, value);
         }
@@ -281,10 +291,12 @@ mod tests {
 
     #[test]
     fn after_commit_refuses_auto_commit() {
-        let config =
-            KafkaConfig::new("b:9092", "g", ["t"]).set_consumer("enable.auto.commit", "true");
+        let config = KafkaSourceBuilder::new(["t"], "g")
+            .brokers("b:9092")
+            .set_consumer("enable.auto.commit", "true");
         assert!(matches!(config.consumer_config(), Err(Error::Config(_))));
-        let config = KafkaConfig::new("b:9092", "g", ["t"])
+        let config = KafkaSourceBuilder::new(["t"], "g")
+            .brokers("b:9092")
             .set_consumer("auto.offset.reset", "latest")
             .set("security.protocol", "plaintext");
         let client = config.consumer_config().expect("valid");
@@ -292,14 +304,17 @@ mod tests {
         assert_eq!(client.get("auto.offset.reset"), Some("latest"));
         assert_eq!(client.get("security.protocol"), Some("plaintext"));
         assert_eq!(client.get("socket.timeout.ms"), Some("10000"));
-        let own = KafkaConfig::new("b:9092", "g", ["t"]).set("socket.timeout.ms", "30000");
+        let own = KafkaSourceBuilder::new(["t"], "g")
+            .brokers("b:9092")
+            .set("socket.timeout.ms", "30000");
         let client = own.consumer_config().expect("valid");
         assert_eq!(client.get("socket.timeout.ms"), Some("30000"));
     }
 
     #[test]
     fn debug_output_hides_secret_properties() {
-        let config = KafkaConfig::new("b:9092", "g", ["t"])
+        let config = KafkaSourceBuilder::new(["t"], "g")
+            .brokers("b:9092")
             .set("sasl.username", "app")
             .set("sasl.password", "pw-one")
             .set("ssl.key.password", "pw-two")
@@ -320,7 +335,9 @@ mod tests {
 
     #[test]
     fn auto_commit_keeps_the_client_defaults() {
-        let config = KafkaConfig::new("b:9092", "g", ["t"]).ack_mode(AckMode::AutoCommit);
+        let config = KafkaSourceBuilder::new(["t"], "g")
+            .brokers("b:9092")
+            .ack_mode(AckMode::AutoCommit);
         let client = config.consumer_config().expect("valid");
         assert_eq!(client.get("enable.auto.commit"), None);
         assert_eq!(client.get("enable.auto.offset.store"), None);

@@ -11,7 +11,7 @@ use rdkafka::types::RDKafkaRespErr;
 use tracing::{debug, info};
 
 use crate::context::ProducerContext;
-use crate::{Error, KafkaAdmin, KafkaConfig};
+use crate::{Error, KafkaAdmin, KafkaSourceBuilder};
 
 /// The dead-letter topics a source can write to, and what to do when one is missing.
 #[derive(Debug)]
@@ -25,7 +25,7 @@ pub(crate) struct DeadLetterCheck {
 }
 
 impl DeadLetterCheck {
-    pub(crate) fn new(config: &KafkaConfig) -> Self {
+    pub(crate) fn new(config: &KafkaSourceBuilder) -> Self {
         let mut topics: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for topic in &config.topics {
             let dead_letter_topic = match &config.dead_letter_topic {
@@ -45,7 +45,7 @@ impl DeadLetterCheck {
         Self {
             topics,
             create: config.create_dead_letter_topics,
-            brokers: config.brokers.clone(),
+            brokers: config.resolved_brokers(),
             properties: config.common.clone(),
             timeout: config.operation_timeout,
         }
@@ -79,8 +79,8 @@ impl DeadLetterCheck {
             return Err(Error::Config(format!(
                 "dead-letter topic {list} does not exist, so a record that cannot be applied \
                  could not be parked and would stall its partition: create it, point \
-                 KafkaConfig::dead_letter_topic at an existing topic, or let the source create \
-                 it with KafkaConfig::create_dead_letter_topics(true)"
+                 KafkaSourceBuilder::dead_letter_topic at an existing topic, or let the source \
+                 create it with KafkaSourceBuilder::create_dead_letter_topics(true)"
             ))
             .into_source());
         }
@@ -101,6 +101,7 @@ impl DeadLetterCheck {
         producer: &FutureProducer<ProducerContext>,
     ) -> Result<BTreeSet<String>, SourceError> {
         let (producer, timeout) = (producer.clone(), self.timeout);
+        let brokers = &self.brokers;
         // A blocking request: off the async workers.
         let metadata =
             tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, timeout))
@@ -109,7 +110,11 @@ impl DeadLetterCheck {
                     SourceError::new(Recovery::Retry, "dead-letter topic check failed", join)
                 })?
                 .map_err(|e| {
-                    Error::kafka("listing topics to check the dead-letter topics", e).into_source()
+                    let context = format!(
+                        "listing the topics of the brokers {brokers} (KAFKA_BROKERS or \
+                         KafkaSourceBuilder::brokers) to check the dead-letter topics"
+                    );
+                    Error::kafka(context, e).into_source()
                 })?;
         // A listed topic exists even if it reports an error (a leader being elected), unless
         // the error says it does not.
@@ -136,7 +141,7 @@ mod tests {
 
     #[test]
     fn each_subscribed_topic_has_its_dead_letter_topic_and_patterns_are_skipped() {
-        let config = KafkaConfig::new("b:9092", "g", ["a", "b", "^c.*"]);
+        let config = KafkaSourceBuilder::new(["a", "b", "^c.*"], "g").brokers("b:9092");
         let check = DeadLetterCheck::new(&config);
         let topics: Vec<&str> = check.topics.keys().map(String::as_str).collect();
         assert_eq!(topics, ["a.dlq", "b.dlq"]);

@@ -108,9 +108,13 @@ mod tests {
     #[tokio::test]
     async fn a_topic_name_with_a_nul_byte_is_refused_for_good() {
         // Nothing listens on port 9: the name is refused before any broker is asked.
-        let producer = crate::KafkaProducer::new("127.0.0.1:9").expect("a producer");
+        let producer = crate::KafkaProducer::builder()
+            .brokers("127.0.0.1:9")
+            .connect()
+            .await
+            .expect("a producer");
         let e = producer
-            .send("orders\0x", crate::Record::new("x"))
+            .send_record("orders\0x", crate::Record::new("x"))
             .await
             .expect_err("the name is refused");
         assert_eq!(e.recovery(), Recovery::Fatal, "{e}");

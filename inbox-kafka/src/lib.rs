@@ -2,8 +2,8 @@
 //! [`rdkafka`].
 //!
 //! ```no_run
-//! use inbox_core::Consumer;
-//! use inbox_kafka::{KafkaConfig, KafkaProducer, Record};
+//! use inbox_core::{Consumer, Publish};
+//! use inbox_kafka::{KafkaProducer, KafkaSource, Record};
 //! use inbox_postgres::PgInbox;
 //! # use inbox_core::{async_trait, Handler, HandlerError, Message, MessageId};
 //! # use inbox_postgres::PgTx;
@@ -21,14 +21,18 @@
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let store = PgInbox::new(sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?);
-//! // Producer side: every record gets an `event_id` header (a UUIDv7 unless you pass one).
-//! let producer = KafkaProducer::from_env()?;
-//! producer.send("payments", Record::new(r#"100"#).key("account-1")).await?;
+//! // Producer side (brokers from KAFKA_BROKERS): every record gets an `event_id` header, a
+//! // UUIDv7 unless you pass one.
+//! let producer = KafkaProducer::builder().connect().await?;
+//! let id = producer.send("payments", b"100").await?;
+//! producer.send_with_id("payments", &id, b"100").await?; // a retry: same ID, applied once
+//! producer.send_record("payments", Record::new("100").key("account-1")).await?;
 //!
-//! // Consumer side: brokers from KAFKA_BROKERS, group `wallet`, topic `payments`.
-//! let source = KafkaConfig::from_env("wallet", ["payments"])
+//! // Consumer side: brokers from KAFKA_BROKERS, topic `payments`, group `wallet`.
+//! let source = KafkaSource::builder(["payments"], "wallet")
 //!     .set_consumer("session.timeout.ms", "10000")
-//!     .build()?;
+//!     .connect()
+//!     .await?;
 //! Consumer::new("wallet", source, store, Credit)
 //!     .batch_size(100) // up to 100 messages per poll
 //!     .parallel_lanes(8) // partitions side by side, each in offset order, one transaction each
@@ -53,11 +57,11 @@
 //!   `enable.auto.commit=false`. An [`Ack::ack_all`](inbox_core::Ack::ack_all) only records its
 //!   offsets, with no broker call; a commit task commits the finished prefix of every partition
 //!   that moved, in one synchronous request (on tokio's blocking pool), every
-//!   [`KafkaConfig::commit_interval`] (default 250 ms). When partitions are revoked, the acked
-//!   prefix of each is committed right away, and librdkafka completes the rebalance only after
-//!   that commit, so the partition's next owner starts behind it. Dropping the source (the end of
-//!   [`Consumer::run_until`](inbox_core::Consumer::run_until)) revokes everything the same way
-//!   before it leaves the group. A failed commit is logged, counted in
+//!   [`KafkaSourceBuilder::commit_interval`] (default 250 ms). When partitions are revoked, the
+//!   acked prefix of each is committed right away, and librdkafka completes the rebalance only
+//!   after that commit, so the partition's next owner starts behind it. Dropping the source (the
+//!   end of [`Consumer::run_until`](inbox_core::Consumer::run_until)) revokes everything the
+//!   same way before it leaves the group. A failed commit is logged, counted in
 //!   [`KafkaSource::offset_commits`], and retried at the next interval; it is not an ack failure.
 //! - **What a crash costs.** A process that dies between its database commits and the next
 //!   offset commit leaves up to one interval of applied messages uncommitted (plus a commit in
@@ -92,11 +96,12 @@
 //! - **No ID.** The ID comes from a header (default `event_id`), never from the offset: a relay
 //!   that republishes an event gives it a new offset, not a new ID. A record without one, and a
 //!   record whose handler failed past the retry limit, is produced to the dead-letter topic
-//!   (default `<topic>.dlq`) with its key, value and headers plus `reason`, `original_topic` and
-//!   `original_position` headers; the adapter waits for the delivery report, then the offset is
+//!   (default `<topic>.dlq`) with its key, value and headers plus the headers `reason`,
+//!   `original_source` (the topic) and `original_position` (`partition 3 offset 17`), named by
+//!   [`inbox_core::dead_letter`]; the adapter waits for the delivery report, then the offset is
 //!   committed. The first receive checks that every dead-letter topic exists and fails, naming
 //!   the topic, if one does not (or creates it, with
-//!   [`KafkaConfig::create_dead_letter_topics`]): a record that cannot be parked would
+//!   [`KafkaSourceBuilder::create_dead_letter_topics`]): a record that cannot be parked would
 //!   otherwise be handed back and fail again, stalling its partition.
 //! - [`AckMode::AutoCommit`] exists only to measure the anti-pattern: offsets stored on receipt
 //!   and committed by the client's timer lose messages on a crash.
@@ -119,13 +124,16 @@
 //!
 //! # Configuration
 //!
-//! [`KafkaConfig`] passes any librdkafka property through ([`KafkaConfig::set`],
-//! [`KafkaConfig::set_consumer`]): TLS and SASL (enable the crate feature `ssl` for TLS and
-//! SCRAM), timeouts, assignment strategy. zstd compression (`compression.type=zstd` on a
-//! producer, and reading batches another producer compressed with zstd) needs the crate
-//! feature `zstd`; gzip (`libz`) is always built in. A new group starts at the earliest offset
-//! (`auto.offset.reset=earliest`) unless told otherwise. Lower `session.timeout.ms` to notice a
-//! dead member sooner; keep `max.poll.interval.ms` above the longest batch.
+//! The brokers come from `KAFKA_BROKERS` (default `127.0.0.1:9092`) unless
+//! [`KafkaSourceBuilder::brokers`] or [`KafkaProducerBuilder::brokers`] names them.
+//! [`KafkaSourceBuilder`] passes any librdkafka property through ([`KafkaSourceBuilder::set`],
+//! [`KafkaSourceBuilder::set_consumer`]), and so does [`KafkaProducerBuilder::set`]: TLS and
+//! SASL (enable the crate feature `ssl` for TLS and SCRAM), timeouts, assignment strategy. zstd
+//! compression (`compression.type=zstd` on a producer, and reading batches another producer
+//! compressed with zstd) needs the crate feature `zstd`; gzip (`libz`) is always built in. A
+//! new group starts at the earliest offset (`auto.offset.reset=earliest`) unless told otherwise.
+//! Lower `session.timeout.ms` to notice a dead member sooner; keep `max.poll.interval.ms` above
+//! the longest batch.
 
 mod ack;
 mod admin;
@@ -142,11 +150,11 @@ mod tracker;
 pub use ack::KafkaAck;
 pub use admin::{KafkaAdmin, Retention};
 pub use commit::OffsetCommits;
-pub use config::{brokers_from_env, AckMode, KafkaConfig, DEFAULT_BROKERS};
+pub use config::{brokers_from_env, AckMode, KafkaSourceBuilder, DEFAULT_BROKERS};
 pub use error::{Error, Result};
-pub use producer::{KafkaProducer, Record, Sent};
+pub use producer::{KafkaProducer, KafkaProducerBuilder, Record, Sent};
 pub use rdkafka;
-pub use source::{KafkaSource, ORIGINAL_POSITION_HEADER, ORIGINAL_TOPIC_HEADER, REASON_HEADER};
+pub use source::KafkaSource;
 
 #[cfg(test)]
 mod tests {
@@ -160,7 +168,8 @@ mod tests {
         assert_send::<KafkaSource>();
         assert_send_sync::<KafkaAck>();
         assert_send_sync::<KafkaProducer>();
-        assert_send_sync::<KafkaConfig>();
+        assert_send_sync::<KafkaSourceBuilder>();
+        assert_send_sync::<KafkaProducerBuilder>();
         assert_send_sync::<OffsetCommits>();
         assert_send_sync::<Error>();
     }

@@ -1,5 +1,6 @@
 //! An idempotent producer that puts a message ID header on every record.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
@@ -12,7 +13,7 @@ use rdkafka::ClientConfig;
 
 use crate::context::ProducerContext;
 use crate::source::millis;
-use crate::{brokers_from_env, Error, KafkaConfig, Result};
+use crate::{brokers_from_env, Error, KafkaSourceBuilder, Result};
 
 /// One record to produce.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -87,7 +88,8 @@ pub struct Sent {
 
 /// An idempotent Kafka producer (`enable.idempotence=true`, so its own retries add no copies)
 /// that sets the ID header (default `event_id`) on every record, a UUIDv7 unless the record
-/// brings its own.
+/// brings its own. Build it with [`KafkaProducer::builder`]; send with the [`Publish`] methods
+/// (`send`, `send_with_id`, `send_batch`, each naming the topic) or [`KafkaProducer::send_record`].
 ///
 /// Idempotence covers one producer session only: a process that resends after a restart
 /// produces a second copy with a new offset. Both carry the same ID, which is what the consuming
@@ -106,30 +108,84 @@ impl fmt::Debug for KafkaProducer {
     }
 }
 
-impl KafkaProducer {
-    /// A producer for the brokers in `KAFKA_BROKERS` (default `127.0.0.1:9092`).
-    pub fn from_env() -> Result<Self> {
-        Self::new(&brokers_from_env())
+/// Builds a [`KafkaProducer`]; start with [`KafkaProducer::builder`].
+///
+/// The brokers come from the `KAFKA_BROKERS` environment variable (default `127.0.0.1:9092`)
+/// unless [`KafkaProducerBuilder::brokers`] sets them. Its `Debug` output hides the values of
+/// secret properties, like [`KafkaSourceBuilder`]'s.
+#[derive(Clone)]
+#[must_use = "a builder does nothing until `connect` is called"]
+pub struct KafkaProducerBuilder {
+    brokers: Option<String>,
+    id_header: String,
+    operation_timeout: Duration,
+    properties: BTreeMap<String, String>,
+}
+
+impl fmt::Debug for KafkaProducerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let properties: BTreeMap<&str, &str> = self
+            .properties
+            .iter()
+            .map(|(key, value)| {
+                let shown = if inbox_core::is_secret_setting(key) {
+                    inbox_core::REDACTED
+                } else {
+                    value.as_str()
+                };
+                (key.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("KafkaProducerBuilder")
+            .field("brokers", &self.brokers)
+            .field("id_header", &self.id_header)
+            .field("operation_timeout", &self.operation_timeout)
+            .field("properties", &properties)
+            .finish()
+    }
+}
+
+impl KafkaProducerBuilder {
+    /// The brokers to bootstrap from (`host:port[,host:port]`), instead of `KAFKA_BROKERS`.
+    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
+        self.brokers = Some(brokers.into());
+        self
     }
 
-    /// A producer for `brokers` (`host:port[,host:port]`).
-    pub fn new(brokers: &str) -> Result<Self> {
-        Self::with_properties(brokers, std::iter::empty::<(String, String)>())
+    /// The header the message ID goes in (default `event_id`); consumers must read the same
+    /// one.
+    pub fn id_header(mut self, name: impl Into<String>) -> Self {
+        self.id_header = name.into();
+        self
     }
 
-    /// A producer for `brokers` with extra librdkafka properties (TLS, SASL, `linger.ms`, ...).
-    /// `enable.idempotence=true` is set first and refused if overridden.
-    pub fn with_properties(
-        brokers: &str,
-        properties: impl IntoIterator<Item = (impl Into<String>, impl Into<String>)>,
-    ) -> Result<Self> {
-        let timeout = Duration::from_secs(30);
+    /// How long a send waits for the broker's acknowledgement, retries included
+    /// (librdkafka's `message.timeout.ms`, default 30 s).
+    pub fn operation_timeout(mut self, wait: Duration) -> Self {
+        self.operation_timeout = wait;
+        self
+    }
+
+    /// Sets a librdkafka producer property (TLS, SASL, `linger.ms`, `compression.type`, ...).
+    /// `enable.idempotence` must stay `true`.
+    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.properties.insert(key.into(), value.into());
+        self
+    }
+
+    /// Creates the producer. librdkafka connects in the background: brokers that are down fail
+    /// the first send (after the operation timeout), not this.
+    pub async fn connect(self) -> Result<KafkaProducer> {
+        if self.id_header.is_empty() {
+            return Err(Error::Config("the ID header name is empty".into()));
+        }
+        let brokers = self.brokers.unwrap_or_else(brokers_from_env);
         let mut config = ClientConfig::new();
         config
-            .set("bootstrap.servers", brokers)
+            .set("bootstrap.servers", &brokers)
             .set("enable.idempotence", "true")
-            .set("message.timeout.ms", millis(timeout));
-        for (key, value) in properties {
+            .set("message.timeout.ms", millis(self.operation_timeout));
+        for (key, value) in &self.properties {
             config.set(key, value);
         }
         if config.get("enable.idempotence") != Some("true") {
@@ -139,22 +195,41 @@ impl KafkaProducer {
         }
         let producer = config
             .create_with_context(ProducerContext)
-            .map_err(|e| Error::kafka("creating the Kafka producer", e))?;
-        Ok(Self {
+            .map_err(|e| Error::kafka(format!("creating the Kafka producer for {brokers}"), e))?;
+        Ok(KafkaProducer {
             producer,
-            id_header: KafkaConfig::DEFAULT_ID_HEADER.to_owned(),
-            timeout,
+            id_header: self.id_header,
+            timeout: self.operation_timeout,
         })
     }
+}
 
-    /// The ID header name (default `event_id`); consumers must read the same one.
-    pub fn id_header(mut self, name: impl Into<String>) -> Self {
-        self.id_header = name.into();
-        self
+impl KafkaProducer {
+    /// Starts configuring a producer. It is not bound to a topic: each send names one.
+    ///
+    /// ```no_run
+    /// use inbox_core::Publish;
+    /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+    /// let producer = inbox_kafka::KafkaProducer::builder()
+    ///     .set("linger.ms", "5")
+    ///     .connect()
+    ///     .await?;
+    /// let id = producer.send("payments", br#"{"amount":100}"#).await?;
+    /// # let _ = id; Ok(()) }
+    /// ```
+    pub fn builder() -> KafkaProducerBuilder {
+        KafkaProducerBuilder {
+            brokers: None,
+            id_header: KafkaSourceBuilder::DEFAULT_ID_HEADER.to_owned(),
+            operation_timeout: Duration::from_secs(30),
+            properties: BTreeMap::new(),
+        }
     }
 
-    /// Produces `record` to `topic` and waits for the broker's acknowledgement.
-    pub async fn send(&self, topic: &str, record: Record) -> Result<Sent> {
+    /// Produces `record` to `topic` and waits for the broker's acknowledgement: for what the
+    /// [`Publish`] methods do not set (a record key without an ID of yours, a partition,
+    /// headers, no ID at all).
+    pub async fn send_record(&self, topic: &str, record: Record) -> Result<Sent> {
         let id = match record.id {
             IdChoice::Generate => Some(MessageId::generate()),
             IdChoice::Given(id) => Some(id),
@@ -220,7 +295,7 @@ impl Publish for KafkaProducer {
             if let Some(key) = &message.key {
                 record = record.key(key.as_bytes());
             }
-            self.send(destination, record)
+            self.send_record(destination, record)
         });
         try_join_all(sends).await.map_err(|e| {
             PublishError::new(
@@ -230,5 +305,34 @@ impl Publish for KafkaProducer {
             )
         })?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_builder_hides_secret_properties() {
+        let builder = KafkaProducer::builder()
+            .brokers("b:9092")
+            .set("sasl.username", "app")
+            .set("sasl.password", "pw-one");
+        let shown = format!("{builder:?}");
+        assert!(!shown.contains("pw-one"), "{shown}");
+        assert!(shown.contains(r#""sasl.username": "app""#), "{shown}");
+        assert!(shown.contains("b:9092"), "{shown}");
+    }
+
+    #[tokio::test]
+    async fn idempotence_cannot_be_turned_off() {
+        let e = KafkaProducer::builder()
+            .brokers("127.0.0.1:9")
+            .set("enable.idempotence", "false")
+            .connect()
+            .await
+            .expect_err("refused");
+        assert!(matches!(e, Error::Config(_)), "{e}");
+        assert!(e.to_string().contains("enable.idempotence"), "{e}");
     }
 }

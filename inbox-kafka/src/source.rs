@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use inbox_core::{
-    async_trait, Delivery, IdError, Message, MessageSource, Metadata, Recovery, SourceError,
+    async_trait, dead_letter, Capabilities, Delivery, IdError, Message, MessageSource, Metadata,
+    Recovery, SourceError,
 };
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -20,21 +21,14 @@ use crate::commit::{commit_task, OffsetCommits};
 use crate::context::{InboxContext, ProducerContext};
 use crate::dead_letter::DeadLetterCheck;
 use crate::shared_consumer::SharedConsumer;
-use crate::{AckMode, Error, KafkaConfig, Result};
-
-/// The header a dead letter carries with the reason it was parked.
-pub const REASON_HEADER: &str = "reason";
-/// The header a dead letter carries with the topic it came from.
-pub const ORIGINAL_TOPIC_HEADER: &str = "original_topic";
-/// The header a dead letter carries with its original position (`partition 3 offset 17`).
-pub const ORIGINAL_POSITION_HEADER: &str = "original_position";
+use crate::{AckMode, Error, KafkaSourceBuilder, Result};
 
 /// How many immediate polls in a row may come back without a message (librdkafka served a
 /// rebalance or error event instead) before a batch is closed.
 const IDLE_POLLS: u32 = 3;
 
 /// A Kafka consumer-group member as an inbox [`MessageSource`]. Build it with
-/// [`KafkaConfig::build`].
+/// [`KafkaSource::builder`].
 ///
 /// Each [`receive`](MessageSource::receive) waits up to the poll timeout for a first message,
 /// then takes whatever else is already fetched, up to the batch size, so that one transaction
@@ -80,7 +74,25 @@ impl fmt::Debug for KafkaSource {
 }
 
 impl KafkaSource {
-    pub(crate) fn new(config: &KafkaConfig) -> Result<Self> {
+    /// Starts configuring a source that consumes `topics` (names, or `^`-prefixed patterns) as
+    /// member of the consumer group `group`.
+    ///
+    /// ```no_run
+    /// # async fn f() -> inbox_kafka::Result<()> {
+    /// let source = inbox_kafka::KafkaSource::builder(["payments"], "wallet")
+    ///     .dead_letter_topic("payments.parked")
+    ///     .connect()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn builder(
+        topics: impl IntoIterator<Item = impl Into<String>>,
+        group: impl Into<String>,
+    ) -> KafkaSourceBuilder {
+        KafkaSourceBuilder::new(topics, group)
+    }
+
+    pub(crate) fn new(config: &KafkaSourceBuilder) -> Result<Self> {
         let consumer: StreamConsumer<InboxContext> = config
             .consumer_config()?
             .create_with_context(InboxContext::new(
@@ -279,6 +291,13 @@ impl MessageSource for KafkaSource {
         self.redelivery_window
     }
 
+    /// Lanes (a message's partition). No delivery count: Kafka does not count deliveries, and
+    /// the count this source keeps of its own nacks is lost with the process, so a message that
+    /// kills its consumer is never counted. No delayed nack: a nack seeks back at once.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::NONE.with_lanes()
+    }
+
     async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
         let topic = match &self.dead_letter_topic {
             Some(topic) => topic.clone(),
@@ -292,9 +311,12 @@ impl MessageSource for KafkaSource {
             });
         }
         for (key, value) in [
-            (REASON_HEADER, reason),
-            (ORIGINAL_TOPIC_HEADER, message.meta.source.as_str()),
-            (ORIGINAL_POSITION_HEADER, message.meta.position.as_str()),
+            (dead_letter::REASON, reason),
+            (dead_letter::ORIGINAL_SOURCE, message.meta.source.as_str()),
+            (
+                dead_letter::ORIGINAL_POSITION,
+                message.meta.position.as_str(),
+            ),
         ] {
             headers = headers.insert(Header {
                 key,

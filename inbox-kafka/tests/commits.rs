@@ -34,7 +34,7 @@ async fn one_message_batches(events: usize, commit_interval: Option<Duration>) -
     if let Some(every) = commit_interval {
         config = config.commit_interval(every);
     }
-    let source = config.build().expect("source");
+    let source = config.connect().await.expect("source");
     let commits: OffsetCommits = source.offset_commits();
     let started = Instant::now();
     let consumer = Running::start(
@@ -106,7 +106,8 @@ async fn a_graceful_stop_commits_what_was_acked() {
     produce_credits(&topic, EVENTS, 3).await;
     let source = config(&topic, &group)
         .commit_interval(NEVER)
-        .build()
+        .connect()
+        .await
         .expect("source");
     let commits = source.offset_commits();
     let consumer = Running::start(
@@ -153,10 +154,11 @@ async fn a_revoke_commits_what_was_acked_before_the_partitions_move() {
     let group = random("group");
     let db = TestDb::new().await;
     produce_credits(&topic, EVENTS, PARTITIONS).await;
-    let member = || {
+    let member = || async {
         let source = config(&topic, &group)
             .commit_interval(NEVER)
-            .build()
+            .connect()
+            .await
             .expect("source");
         let commits = source.offset_commits();
         let running = Running::start(
@@ -168,7 +170,7 @@ async fn a_revoke_commits_what_was_acked_before_the_partitions_move() {
         );
         (running, commits)
     };
-    let (first, first_commits) = member();
+    let (first, first_commits) = member().await;
     assert!(wait_for_events(&db.pool, EVENTS as i64).await);
     let lag_now = || {
         let (t, g) = (topic.clone(), group.clone());
@@ -180,7 +182,7 @@ async fn a_revoke_commits_what_was_acked_before_the_partitions_move() {
     };
     let lag_alone = lag_now().await;
     // The second member makes the group rebalance: the first's partitions are revoked.
-    let (second, _) = member();
+    let (second, _) = member().await;
     let committed = eventually(|| async { lag_now().await == 0 }).await;
     let lag_rebalanced = lag_now().await;
     let (s1, s2) = (

@@ -7,28 +7,29 @@ mod common;
 use std::time::Duration;
 
 use inbox_core::{Ack, MessageSource};
-use inbox_kafka::{brokers_from_env, KafkaProducer, Record};
+use inbox_kafka::{KafkaProducer, Record};
 
 #[tokio::test]
 async fn zstd_compressed_records_are_read_back_as_sent() {
     let topic = common::topic(1).await;
-    let producer = KafkaProducer::with_properties(
-        &brokers_from_env(),
-        [("compression.type", "zstd"), ("linger.ms", "50")],
-    )
-    .expect("a producer with zstd");
+    let producer = KafkaProducer::builder()
+        .set("compression.type", "zstd")
+        .set("linger.ms", "50")
+        .connect()
+        .await
+        .expect("a producer with zstd");
     // Repetitive payloads, several per batch, so the batch is worth compressing.
     let payloads: Vec<String> = (0..20)
         .map(|n| format!("{{\"n\":{n},\"pad\":\"{}\"}}", "x".repeat(500)))
         .collect();
     let sends = payloads
         .iter()
-        .map(|p| producer.send(&topic, Record::new(p.as_bytes())));
+        .map(|p| producer.send_record(&topic, Record::new(p.as_bytes())));
     futures_util::future::try_join_all(sends)
         .await
         .expect("produced");
 
-    let mut source = common::source(&topic, &common::random("g"));
+    let mut source = common::source(&topic, &common::random("g")).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     let mut received = Vec::new();
     while received.len() < payloads.len() {

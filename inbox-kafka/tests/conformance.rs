@@ -7,10 +7,11 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use inbox_conformance::{async_trait, DeadLetter, TestBroker, TestQueue};
+use inbox_core::dead_letter::REASON;
 use inbox_core::{Delivery, Message, MessageSource, SourceError};
 use inbox_kafka::rdkafka::consumer::Consumer as _;
 use inbox_kafka::rdkafka::Message as _;
-use inbox_kafka::{KafkaAck, KafkaProducer, KafkaSource, Record, REASON_HEADER};
+use inbox_kafka::{KafkaAck, KafkaProducer, KafkaSource, Record};
 
 const PARTITIONS: i32 = 2;
 
@@ -45,7 +46,7 @@ impl TestBroker for Kafka {
         Topic {
             group: format!("{name}-group"),
             name: name.to_owned(),
-            producer: producer(),
+            producer: producer().await,
             next: AtomicI32::new(0),
         }
     }
@@ -124,7 +125,7 @@ impl TestQueue for Topic {
             record = record.header("event_id", id);
         }
         self.producer
-            .send(&self.name, record)
+            .send_record(&self.name, record)
             .await
             .expect("produce");
     }
@@ -143,7 +144,8 @@ impl TestQueue for Topic {
             .set_consumer("heartbeat.interval.ms", "200")
             .set_consumer("client.id", member)
             .commit_interval(Duration::from_millis(50))
-            .build()
+            .connect()
+            .await
             .expect("kafka source");
         Member(source)
     }
@@ -154,7 +156,7 @@ impl TestQueue for Topic {
             .iter()
             .map(|letter| DeadLetter {
                 payload: letter.payload().unwrap_or_default().to_vec(),
-                reason: header(letter, REASON_HEADER)
+                reason: header(letter, REASON)
                     .map(|r| String::from_utf8_lossy(r).into_owned())
                     .unwrap_or_default(),
             })

@@ -7,10 +7,11 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use inbox_core::dead_letter::REASON;
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::ClientConfig;
-use inbox_kafka::{brokers_from_env, Record, REASON_HEADER};
+use inbox_kafka::{brokers_from_env, Record};
 use inbox_testkit::{MemoryStore, MemoryTx};
 
 /// Adds each message's number to the state.
@@ -52,13 +53,13 @@ async fn topic_with_a_poison_record() -> String {
     init_tracing();
     let topic = random("inbox-test");
     create_topic(&topic, 1).await;
-    let producer = producer();
+    let producer = producer().await;
     producer
-        .send(&topic, Record::new("7").without_id())
+        .send_record(&topic, Record::new("7").without_id())
         .await
         .expect("produce");
     producer
-        .send(&topic, Record::new("5"))
+        .send_record(&topic, Record::new("5"))
         .await
         .expect("produce");
     topic
@@ -70,7 +71,8 @@ async fn a_missing_dead_letter_topic_stops_the_consumer_at_start() {
     let dlq = format!("{topic}.dlq");
     let source = config(&topic, &random("group"))
         .operation_timeout(Duration::from_secs(3))
-        .build()
+        .connect()
+        .await
         .expect("source");
     let store = MemoryStore::<i64>::new();
     let run = Consumer::new("sum", source, store.clone(), Sum)
@@ -116,7 +118,8 @@ async fn a_missing_dead_letter_topic_is_created_when_allowed_and_receives_the_re
     let dlq = format!("{topic}.dlq");
     let source = config(&topic, &random("group"))
         .create_dead_letter_topics(true)
-        .build()
+        .connect()
+        .await
         .expect("source");
     let store = MemoryStore::<i64>::new();
     let run = Consumer::new("sum", source, store.clone(), Sum).run_until_idle();
@@ -131,7 +134,7 @@ async fn a_missing_dead_letter_topic_is_created_when_allowed_and_receives_the_re
     );
     assert_eq!(stats.dead_lettered, 1);
     assert_eq!(dead.len(), 1);
-    let reason = String::from_utf8_lossy(header(&dead[0], REASON_HEADER).expect("reason"));
+    let reason = String::from_utf8_lossy(header(&dead[0], REASON).expect("reason"));
     assert!(reason.contains("event_id"), "{reason}");
     assert_eq!(store.state().await, 5, "the good record was applied");
 }

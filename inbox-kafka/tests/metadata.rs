@@ -15,10 +15,11 @@ async fn a_record_carries_its_timestamp_and_trace_parent() {
     let topic = common::topic(1).await;
     let before = SystemTime::now() - Duration::from_secs(5);
     common::producer()
-        .send(&topic, Record::new("{}").header("traceparent", TRACEPARENT))
+        .await
+        .send_record(&topic, Record::new("{}").header("traceparent", TRACEPARENT))
         .await
         .expect("produced");
-    let mut source = common::source(&topic, &common::random("g"));
+    let mut source = common::source(&topic, &common::random("g")).await;
     assert_eq!(source.system(), "kafka");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     let mut batch = Vec::new();

@@ -11,7 +11,7 @@ use std::time::Duration;
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, StatsSnapshot};
 use inbox_kafka::rdkafka::mocking::MockCluster;
 use inbox_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
-use inbox_kafka::{KafkaConfig, KafkaProducer, OffsetCommits, Record};
+use inbox_kafka::{KafkaProducer, KafkaSource, KafkaSourceBuilder, OffsetCommits, Record};
 use inbox_testkit::{MemoryStore, MemoryTx};
 
 fn init_tracing() {
@@ -47,10 +47,17 @@ async fn consume_with_refused_commits(commit_interval: Duration) -> (StatsSnapsh
     mock.create_topic("credits.dlq", 1, 1)
         .expect("dead-letter topic");
     let brokers = mock.bootstrap_servers();
-    let producer = KafkaProducer::new(&brokers).expect("producer");
+    let producer = KafkaProducer::builder()
+        .brokers(&brokers)
+        .connect()
+        .await
+        .expect("producer");
     for i in 1..=30i64 {
         let record = Record::new(i.to_string()).partition((i % 3) as i32);
-        producer.send("credits", record).await.expect("produce");
+        producer
+            .send_record("credits", record)
+            .await
+            .expect("produce");
     }
     mock.request_errors(
         RDKafkaApiKey::OffsetCommit,
@@ -62,7 +69,8 @@ async fn consume_with_refused_commits(commit_interval: Duration) -> (StatsSnapsh
     );
 
     let store = MemoryStore::<i64>::new();
-    let source = KafkaConfig::new(&brokers, "wallet", ["credits"])
+    let source = KafkaSource::builder(["credits"], "wallet")
+        .brokers(&brokers)
         .poll_timeout(Duration::from_millis(500))
         .commit_interval(commit_interval)
         // A refused commit makes the member rejoin; the mock coordinator waits for the old
@@ -70,7 +78,8 @@ async fn consume_with_refused_commits(commit_interval: Duration) -> (StatsSnapsh
         .set_consumer("session.timeout.ms", "6000")
         .set_consumer("max.poll.interval.ms", "6000")
         .set_consumer("heartbeat.interval.ms", "500")
-        .build()
+        .connect()
+        .await
         .expect("source");
     let commits = source.offset_commits();
     let consumer =
@@ -97,7 +106,8 @@ async fn consume_with_refused_commits(commit_interval: Duration) -> (StatsSnapsh
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commits_refused_by_a_rebalance_are_not_fatal() {
-    let (_, commits) = consume_with_refused_commits(KafkaConfig::DEFAULT_COMMIT_INTERVAL).await;
+    let (_, commits) =
+        consume_with_refused_commits(KafkaSourceBuilder::DEFAULT_COMMIT_INTERVAL).await;
     assert!(
         commits.failed() >= 1,
         "the commit task met the refusals: {commits:?}"
@@ -126,9 +136,13 @@ async fn a_restart_inside_a_record_batch_resumes_at_the_committed_offset() {
         .expect("dead-letter topic");
     let brokers = mock.bootstrap_servers();
     // Sent together with a linger, the 60 records travel in a few multi-record batches.
-    let producer =
-        KafkaProducer::with_properties(&brokers, [("linger.ms", "100")]).expect("producer");
-    let sends = (1..=60i64).map(|i| producer.send("credits", Record::new(i.to_string())));
+    let producer = KafkaProducer::builder()
+        .brokers(&brokers)
+        .set("linger.ms", "100")
+        .connect()
+        .await
+        .expect("producer");
+    let sends = (1..=60i64).map(|i| producer.send_record("credits", Record::new(i.to_string())));
     let sent = futures_util::future::join_all(sends).await;
     let offsets: Vec<i64> = sent
         .into_iter()
@@ -137,7 +151,8 @@ async fn a_restart_inside_a_record_batch_resumes_at_the_committed_offset() {
     assert_eq!(offsets.len(), 60);
 
     let store = MemoryStore::<i64>::new();
-    let config = KafkaConfig::new(&brokers, "wallet", ["credits"])
+    let config = KafkaSource::builder(["credits"], "wallet")
+        .brokers(&brokers)
         .poll_timeout(Duration::from_millis(300))
         // The mock coordinator hands the partition on once the first member's session ends.
         .set_consumer("session.timeout.ms", "6000")
@@ -145,7 +160,7 @@ async fn a_restart_inside_a_record_batch_resumes_at_the_committed_offset() {
     // The first consumer stops after a few batches of 7: its last commit lies inside a batch.
     let first = Consumer::new(
         "wallet",
-        config.clone().build().expect("source"),
+        config.clone().connect().await.expect("source"),
         store.clone(),
         Sum(Duration::from_millis(5)),
     )
@@ -166,7 +181,7 @@ async fn a_restart_inside_a_record_batch_resumes_at_the_committed_offset() {
 
     let second = Consumer::new(
         "wallet",
-        config.build().expect("source"),
+        config.connect().await.expect("source"),
         store.clone(),
         Sum(Duration::from_millis(5)),
     )
@@ -210,25 +225,34 @@ async fn a_broker_restart_mid_stream_loses_nothing_and_applies_nothing_twice() {
     mock.create_topic("credits.dlq", 1, 3)
         .expect("dead-letter topic");
     let brokers = mock.bootstrap_servers();
-    let producer = KafkaProducer::new(&brokers).expect("producer");
+    let producer = KafkaProducer::builder()
+        .brokers(&brokers)
+        .connect()
+        .await
+        .expect("producer");
     let (half, total) = (150i64, 300i64);
     let produce = |range: std::ops::RangeInclusive<i64>| {
         let producer = &producer;
         async move {
             for i in range {
                 let record = Record::new(i.to_string()).partition((i % 3) as i32);
-                producer.send("credits", record).await.expect("produce");
+                producer
+                    .send_record("credits", record)
+                    .await
+                    .expect("produce");
             }
         }
     };
     produce(1..=half).await;
 
     let store = MemoryStore::<i64>::new();
-    let source = KafkaConfig::new(&brokers, "wallet", ["credits"])
+    let source = KafkaSource::builder(["credits"], "wallet")
+        .brokers(&brokers)
         .poll_timeout(Duration::from_millis(300))
         .set_consumer("session.timeout.ms", "6000")
         .set_consumer("heartbeat.interval.ms", "500")
-        .build()
+        .connect()
+        .await
         .expect("source");
     let consumer = Consumer::new(
         "wallet",

@@ -20,7 +20,7 @@ use common::Running;
 use inbox_core::{Stats, StatsSnapshot};
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use inbox_kafka::{KafkaAdmin, KafkaConfig, KafkaProducer, Record};
+use inbox_kafka::{KafkaAdmin, KafkaProducer, KafkaSource, Record};
 use inbox_testkit::wallet::{summary, Credit, CreditEvent, Summary};
 use inbox_testkit::TestDb;
 use inbox_testkit::{FaultProxy, ProxyMode};
@@ -211,18 +211,23 @@ async fn consume_through(
         .create_topic(&format!("{topic}.dlq"), 1)
         .await
         .unwrap();
-    let producer = KafkaProducer::new(&brokers).unwrap();
+    let producer = KafkaProducer::builder()
+        .brokers(&brokers)
+        .connect()
+        .await
+        .unwrap();
     let mut total = 0;
     for i in 0..EVENTS {
         let event = CreditEvent::new(i % 7 + 1, i % 50 + 1);
         total += event.amount;
         let record = Record::new(event.to_json()).partition(i as i32 % PARTITIONS);
-        producer.send(&topic, record).await.unwrap();
+        producer.send_record(&topic, record).await.unwrap();
     }
     drop(producer);
 
     let db = TestDb::new().await;
-    let source = KafkaConfig::new(&brokers, &group, [&topic])
+    let source = KafkaSource::builder([&topic], &group)
+        .brokers(&brokers)
         .poll_timeout(Duration::from_millis(500))
         .set_consumer("session.timeout.ms", "6000")
         .set_consumer("heartbeat.interval.ms", "1000")
@@ -230,7 +235,8 @@ async fn consume_through(
         // well as commits.
         .set_consumer("queued.min.messages", "10")
         .set_consumer("max.partition.fetch.bytes", "2048")
-        .build()
+        .connect()
+        .await
         .unwrap();
     let handler = Credit::new(db.pool.clone()).work(Duration::from_millis(10));
     let running = Running::start("wallet", source, db.inbox(), handler, 10);

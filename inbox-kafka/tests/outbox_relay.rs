@@ -83,14 +83,14 @@ async fn the_relay_publishes_each_row_once_by_key_and_the_downstream_inbox_appli
     }
 
     let relayed = outbox
-        .relay(producer())
+        .relay(producer().await)
         .batch_size(50)
         .run_until_idle()
         .await
         .unwrap();
     let consumer = Running::start(
         "wallet",
-        source(&topic, &random("group")),
+        source(&topic, &random("group")).await,
         db.inbox(),
         Credit::new(db.pool.clone()),
         20,

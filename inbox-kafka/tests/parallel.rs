@@ -66,14 +66,14 @@ async fn partitions_are_applied_side_by_side_each_in_offset_order() {
     let db = TestDb::new().await;
     // Keyed as a real producer would: one account's credits on one partition, so the lanes'
     // transactions never wait on each other's row locks.
-    let producer = producer();
+    let producer = producer().await;
     let mut total = 0;
     for i in 0..90 {
         let partition = i % partitions;
         let event = CreditEvent::new(i64::from(partition) + 1, i64::from(i % 50) + 1);
         total += event.amount;
         let record = Record::new(event.to_json()).partition(partition);
-        producer.send(&topic, record).await.unwrap();
+        producer.send_record(&topic, record).await.unwrap();
     }
     let watched = Watched {
         // Long enough for the partitions' transactions to overlap.
@@ -84,7 +84,7 @@ async fn partitions_are_applied_side_by_side_each_in_offset_order() {
     };
     let consumer = Consumer::new(
         "wallet",
-        source(&topic, &group),
+        source(&topic, &group).await,
         db.inbox(),
         watched.clone(),
     )

@@ -24,9 +24,21 @@ async fn a_member_joining_and_another_leaving_lose_and_duplicate_nothing() {
     let handler = || Credit::new(db.pool.clone()).work(Duration::from_millis(10));
 
     let started = Instant::now();
-    let first = Running::start("wallet", source(&topic, &group), db.inbox(), handler(), 10);
+    let first = Running::start(
+        "wallet",
+        source(&topic, &group).await,
+        db.inbox(),
+        handler(),
+        10,
+    );
     assert!(wait_for_events(&db.pool, 60).await);
-    let second = Running::start("wallet", source(&topic, &group), db.inbox(), handler(), 10);
+    let second = Running::start(
+        "wallet",
+        source(&topic, &group).await,
+        db.inbox(),
+        handler(),
+        10,
+    );
     println!(
         "second member joined at {} events ({:?})",
         summary(&db.pool).await.distinct_events,
@@ -77,22 +89,23 @@ where
     const PARTITIONS: i32 = 3;
     let topic = topic(PARTITIONS).await;
     let group = random("group");
-    let producer = producer();
+    let producer = producer().await;
     for i in 0..ZOMBIE_EVENTS {
         let mut event = CreditEvent::new((i % 5 + 1) as i64, 10);
         event.stall = i % (ZOMBIE_EVENTS / STALLS) == 7;
         let record = Record::new(event.to_json()).partition(i as i32 % PARTITIONS);
-        producer.send(&topic, record).await.expect("produce");
+        producer.send_record(&topic, record).await.expect("produce");
     }
-    let member = || {
+    let member = || async {
         let source = config(&topic, &group)
             .set_consumer("max.poll.interval.ms", "6000")
-            .build()
+            .connect()
+            .await
             .expect("source");
         let handler = Credit::new(db.pool.clone()).stall(Duration::from_secs(10));
         Running::start("wallet", source, store(), handler, 5)
     };
-    let (a, b) = (member(), member());
+    let (a, b) = (member().await, member().await);
     let stalls_done = eventually(|| async {
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM wallet_stalls")
             .fetch_one(&db.pool)

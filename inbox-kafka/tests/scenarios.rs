@@ -8,11 +8,10 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{Consumer, Error, Stage};
 use inbox_kafka::rdkafka::Message as _;
-use inbox_kafka::{
-    AckMode, Record, Retention, ORIGINAL_POSITION_HEADER, ORIGINAL_TOPIC_HEADER, REASON_HEADER,
-};
+use inbox_kafka::{AckMode, Record, Retention};
 use inbox_testkit::crash_at;
 use inbox_testkit::wallet::{Credit, CreditEvent};
 use inbox_testkit::TestDb;
@@ -31,11 +30,15 @@ async fn a_dead_letter_keeps_the_key_and_headers_and_names_its_origin() {
         .key("account-5")
         .header("trace", "abc")
         .partition(1);
-    producer().send(&topic, record).await.expect("produce");
+    producer()
+        .await
+        .send_record(&topic, record)
+        .await
+        .expect("produce");
 
     let consumer = Running::start(
         "wallet",
-        source(&topic, &group),
+        source(&topic, &group).await,
         db.inbox(),
         Credit::new(db.pool.clone()),
         10,
@@ -50,19 +53,19 @@ async fn a_dead_letter_keeps_the_key_and_headers_and_names_its_origin() {
     assert_eq!(dead.len(), 1);
     let letter = &dead[0];
     let text = |name| header(letter, name).map(|v| String::from_utf8_lossy(v).into_owned());
-    let reason = text(REASON_HEADER).expect("reason header");
+    let reason = text(REASON).expect("reason header");
     println!(
         "dead letter: reason {reason:?}, from {:?} at {:?}",
-        text(ORIGINAL_TOPIC_HEADER),
-        text(ORIGINAL_POSITION_HEADER)
+        text(ORIGINAL_SOURCE),
+        text(ORIGINAL_POSITION)
     );
     assert_eq!(letter.key(), Some(&b"account-5"[..]));
     assert_eq!(letter.payload(), Some(payload.as_slice()));
     assert_eq!(header(letter, "trace"), Some(&b"abc"[..]));
     assert!(reason.contains("event_id"), "{reason}");
-    assert_eq!(text(ORIGINAL_TOPIC_HEADER), Some(topic.clone()));
+    assert_eq!(text(ORIGINAL_SOURCE), Some(topic.clone()));
     assert_eq!(
-        text(ORIGINAL_POSITION_HEADER).as_deref(),
+        text(ORIGINAL_POSITION).as_deref(),
         Some("partition 1 offset 0")
     );
     db.drop().await;
@@ -83,7 +86,8 @@ async fn the_topic_retention_is_readable() {
     println!("retention.ms of {topic} created with 3600000: {retention:?}");
     assert_eq!(retention, Retention::Limited(Duration::from_secs(3600)));
     let source = config(&topic, &random("group"))
-        .build()
+        .connect()
+        .await
         .expect("source")
         .with_retention(retention);
     assert_eq!(
@@ -105,7 +109,8 @@ async fn auto_commit_mode_loses_a_batch_that_crashed_before_the_database_commit(
     let auto = config(&topic, &group)
         .ack_mode(AckMode::AutoCommit)
         .set_consumer("auto.commit.interval.ms", "100")
-        .build()
+        .connect()
+        .await
         .expect("source");
     let crashing = Consumer::new("wallet", auto, db.inbox(), Credit::new(db.pool.clone()))
         .batch_size(10)
@@ -116,7 +121,7 @@ async fn auto_commit_mode_loses_a_batch_that_crashed_before_the_database_commit(
     // A correct consumer in the same group starts from what auto-commit committed.
     let restarted = Running::start(
         "wallet",
-        source(&topic, &group),
+        source(&topic, &group).await,
         db.inbox(),
         Credit::new(db.pool.clone()),
         10,

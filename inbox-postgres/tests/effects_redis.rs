@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common_effects::*;
 use inbox_core::effect::{EffectConsumer, EffectStatsSnapshot};
-use inbox_core::MessageId;
+use inbox_core::{MessageId, Publish};
 use inbox_redis_streams::redis::{self, Value};
 use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
 use inbox_testkit::fast_retry;
@@ -50,13 +50,18 @@ struct RedisRun {
 async fn call_outliving_its_lease_on_redis(setup: Setup) -> RedisRun {
     let env = Env::new(setup.mode()).await;
     let stream = format!("inbox-test:effects:{}", uuid::Uuid::new_v4().simple());
-    let producer = RedisStreamProducer::connect(&redis_url(), stream.as_str())
+    let producer = RedisStreamProducer::builder()
+        .url(redis_url())
+        .connect()
         .await
         .unwrap();
     let evt = MessageId::generate();
     let evt_key = evt.idempotency_key(CONSUMER);
     env.provider.next_call(&evt_key, Behaviour::Slow(LEASE * 3));
-    producer.send_with_id(&evt, "notify").await.unwrap();
+    producer
+        .send_with_id(&stream, &evt, b"notify")
+        .await
+        .unwrap();
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let start = |name: &'static str| {
@@ -69,10 +74,11 @@ async fn call_outliving_its_lease_on_redis(setup: Setup) -> RedisRun {
         tokio::spawn(async move {
             let source = RedisStreamSource::builder(stream, CONSUMER)
                 .consumer_name(name)
-                .block(Duration::from_millis(100))
+                .poll_timeout(Duration::from_millis(100))
                 .claim_idle(Duration::from_millis(300))
                 .claim_interval(Duration::from_millis(100))
-                .connect(&redis_url())
+                .url(redis_url())
+                .connect()
                 .await
                 .unwrap();
             EffectConsumer::new(CONSUMER, source, leases, handler)

@@ -29,37 +29,98 @@ pub(crate) struct Settings {
     pub(crate) consumer: String,
     pub(crate) id_field: String,
     pub(crate) dead_letter_stream: String,
-    pub(crate) block: Duration,
+    pub(crate) poll_timeout: Duration,
     pub(crate) claim_idle: Duration,
     pub(crate) claim_interval: Duration,
     pub(crate) ack_mode: AckMode,
 }
 
-/// Builds a [`RedisStreamSource`]; start with [`RedisStreamSource::builder`].
-#[derive(Debug, Clone)]
+/// Builds a [`RedisStreamSource`]; start with [`RedisStreamSource::builder`], finish with
+/// [`RedisStreamSourceBuilder::connect`].
+///
+/// Redis is reached at the `REDIS_URL` environment variable (default `redis://127.0.0.1:6379`)
+/// unless [`RedisStreamSourceBuilder::url`] or [`RedisStreamSourceBuilder::client`] says
+/// otherwise. Its `Debug` output hides a password in the URL.
+#[derive(Clone)]
 #[must_use = "a builder does nothing until `connect` is called"]
-pub struct RedisStreamBuilder {
+pub struct RedisStreamSourceBuilder {
+    server: Server,
     stream: String,
     group: String,
     consumer: Option<String>,
     id_field: String,
     dead_letter_stream: Option<String>,
-    block: Duration,
+    poll_timeout: Duration,
     claim_idle: Duration,
     claim_interval: Duration,
     ack_mode: AckMode,
     operation_timeout: Duration,
 }
 
-impl RedisStreamBuilder {
+impl std::fmt::Debug for RedisStreamSourceBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStreamSourceBuilder")
+            .field("server", &self.server)
+            .field("stream", &self.stream)
+            .field("group", &self.group)
+            .field("consumer", &self.consumer)
+            .field("id_field", &self.id_field)
+            .field("dead_letter_stream", &self.dead_letter_stream)
+            .field("poll_timeout", &self.poll_timeout)
+            .field("claim_idle", &self.claim_idle)
+            .field("claim_interval", &self.claim_interval)
+            .field("ack_mode", &self.ack_mode)
+            .field("operation_timeout", &self.operation_timeout)
+            .finish()
+    }
+}
+
+/// Where Redis is: the environment, a URL, or a client made by the caller.
+#[derive(Clone)]
+pub(crate) enum Server {
+    Env,
+    Url(String),
+    Client(Client),
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Server::Env => f.write_str("REDIS_URL"),
+            Server::Url(url) => write!(f, "{:?}", inbox_core::redact_url(url)),
+            Server::Client(_) => f.write_str("a given client"),
+        }
+    }
+}
+
+impl Server {
+    /// The client, and how to name the server in errors (the URL without its password).
+    pub(crate) fn client(self) -> Result<(Client, String)> {
+        let url = match self {
+            Server::Client(client) => {
+                let shown = client.get_connection_info().addr().to_string();
+                return Ok((client, shown));
+            }
+            Server::Url(url) => url,
+            Server::Env => crate::url_from_env(),
+        };
+        let shown = inbox_core::redact_url(&url).to_string();
+        let client = Client::open(url.as_str())
+            .map_err(|e| Error::Config(format!("Redis URL {shown:?} does not parse: {e}")))?;
+        Ok((client, shown))
+    }
+}
+
+impl RedisStreamSourceBuilder {
     pub(crate) fn new(stream: String, group: String) -> Self {
         Self {
+            server: Server::Env,
             stream,
             group,
             consumer: None,
             id_field: crate::DEFAULT_ID_FIELD.to_owned(),
             dead_letter_stream: None,
-            block: Duration::from_secs(2),
+            poll_timeout: Duration::from_secs(2),
             claim_idle: Duration::from_secs(60),
             claim_interval: Duration::from_secs(5),
             ack_mode: AckMode::AfterCommit,
@@ -95,9 +156,21 @@ impl RedisStreamBuilder {
         self
     }
 
+    /// Connects to `url` (`redis://host:port/db`, `rediss://…`) instead of `REDIS_URL`.
+    pub fn url(mut self, url: impl Into<String>) -> Self {
+        self.server = Server::Url(url.into());
+        self
+    }
+
+    /// Connects with a client you configured instead of `REDIS_URL`.
+    pub fn client(mut self, client: Client) -> Self {
+        self.server = Server::Client(client);
+        self
+    }
+
     /// How long one receive waits for new entries (`XREADGROUP … BLOCK`, default 2 s).
-    pub fn block(mut self, wait: Duration) -> Self {
-        self.block = wait;
+    pub fn poll_timeout(mut self, wait: Duration) -> Self {
+        self.poll_timeout = wait;
         self
     }
 
@@ -125,7 +198,7 @@ impl RedisStreamBuilder {
     }
 
     /// How long connecting, or one command, may wait for Redis (default 10 s); the blocking
-    /// read waits its [`block`](Self::block) on top.
+    /// read waits its [`poll_timeout`](Self::poll_timeout) on top.
     ///
     /// Past it the command fails with a [`Recovery::Reconnect`](inbox_core::Recovery) error and
     /// its connection is dropped: the next command connects anew (within the same bound). A
@@ -139,23 +212,14 @@ impl RedisStreamBuilder {
         self
     }
 
-    /// Connects to `url` (`redis://host:port/db`, `rediss://…`), creates the consumer group if
-    /// it is missing and returns the source.
-    pub async fn connect(self, url: &str) -> Result<RedisStreamSource> {
-        let client = Client::open(url).map_err(|e| {
-            Error::Config(format!(
-                "Redis URL {:?} does not parse: {e}",
-                inbox_core::redact_url(url)
-            ))
-        })?;
-        self.connect_with(client).await
-    }
-
-    /// Like [`RedisStreamBuilder::connect`], with a client you configured.
-    pub async fn connect_with(self, client: Client) -> Result<RedisStreamSource> {
+    /// Connects, creates the consumer group if it is missing and returns the source. A server
+    /// that cannot be reached fails this, with an error naming it.
+    pub async fn connect(self) -> Result<RedisStreamSource> {
         let timeout = self.operation_timeout;
+        let server = self.server.clone();
         let settings = self.settings()?;
-        let connect = |what: &str| format!("connecting to Redis for {what}");
+        let (client, shown) = server.client()?;
+        let connect = |what: &str| format!("connecting to Redis at {shown} for {what}");
         // Two connections: a blocking XREADGROUP holds its connection until it returns, and acks
         // should not queue behind it.
         let reader = Conn::connect(client.clone(), "reads", timeout)
@@ -199,9 +263,9 @@ impl RedisStreamBuilder {
             )));
         }
         // BLOCK 0 means "wait for ever" to Redis, which would hang shutdown-free loops.
-        if self.block < Duration::from_millis(1) {
+        if self.poll_timeout < Duration::from_millis(1) {
             return Err(Error::Config(
-                "block is under 1 ms; use at least 1 ms".into(),
+                "poll_timeout is under 1 ms; use at least 1 ms".into(),
             ));
         }
         if self.operation_timeout < Duration::from_millis(1) {
@@ -220,7 +284,7 @@ impl RedisStreamBuilder {
             consumer,
             id_field: self.id_field,
             dead_letter_stream,
-            block: self.block,
+            poll_timeout: self.poll_timeout,
             claim_idle: self.claim_idle,
             claim_interval: self.claim_interval,
             ack_mode: self.ack_mode,
@@ -249,11 +313,14 @@ mod tests {
 
     #[test]
     fn bad_settings_are_refused_with_the_fix() {
-        let b = || RedisStreamBuilder::new("s".into(), "g".into());
+        let b = || RedisStreamSourceBuilder::new("s".into(), "g".into());
         assert!(b().settings().is_ok());
         let e = b().id_field("payload").settings().expect_err("refused");
         assert!(e.to_string().contains("holds the payload"), "{e}");
-        let e = b().block(Duration::ZERO).settings().expect_err("refused");
+        let e = b()
+            .poll_timeout(Duration::ZERO)
+            .settings()
+            .expect_err("refused");
         assert!(e.to_string().contains("at least 1 ms"), "{e}");
         let e = b().dead_letter_stream("s").settings().expect_err("refused");
         assert!(e.to_string().contains("pick another key"), "{e}");

@@ -2,7 +2,7 @@
 //! [`inbox_core::Consumer`], recovering dead consumers' entries with `XAUTOCLAIM`.
 //!
 //! ```no_run
-//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish};
 //! use inbox_postgres::{PgInbox, PgTx};
 //! use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
 //!
@@ -22,15 +22,14 @@
 //! }
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! let url = "redis://127.0.0.1:6379";
-//! let producer = RedisStreamProducer::connect(url, "payments").await?;
-//! let id = MessageId::generate();
-//! producer.send_with_id(&id, "100").await?;
-//! producer.send_with_id(&id, "100").await?; // a retried publish: same ID, new entry
+//! // Redis at REDIS_URL, or redis://127.0.0.1:6379; `.url(..)` or `.client(..)` to say otherwise.
+//! let producer = RedisStreamProducer::builder().connect().await?;
+//! let id = producer.send("payments", b"100").await?;
+//! producer.send_with_id("payments", &id, b"100").await?; // a retried publish: same ID, new entry
 //!
 //! let source = RedisStreamSource::builder("payments", "wallet")
 //!     .consumer_name("wallet-0") // one per process, stable across restarts: see `consumer_name`
-//!     .connect(url)
+//!     .connect()
 //!     .await?;
 //! let pool = sqlx::PgPool::connect("postgres://postgres:postgres@127.0.0.1:5432/inbox").await?;
 //! let inbox = PgInbox::new(pool);
@@ -49,7 +48,7 @@
 //! # Entry layout
 //!
 //! An entry holds the producer-set message ID in the ID field (default `event_id`, see
-//! [`RedisStreamBuilder::id_field`]), the body in the field `payload`, and any other fields,
+//! [`RedisStreamSourceBuilder::id_field`]), the body in the field `payload`, and any other fields,
 //! which the consumer sees as [`Message::headers`](inbox_core::Message::headers) in entry order.
 //! The stream entry ID (`1718000000000-0`) is only the [position](inbox_core::Metadata::position):
 //! a republished event gets a new one, so it cannot deduplicate. An entry without an ID field
@@ -64,7 +63,7 @@
 //! - **Never acked** (the process died, or its ack failed): the entry stays in the dead
 //!   consumer's PEL. A process restarted under the same consumer name rereads it first thing
 //!   (`XREADGROUP … 0`); otherwise any consumer takes it over with `XAUTOCLAIM` once it has been
-//!   idle for [`claim_idle`](RedisStreamBuilder::claim_idle). Both raise its delivery count,
+//!   idle for [`claim_idle`](RedisStreamSourceBuilder::claim_idle). Both raise its delivery count,
 //!   which [`Metadata::delivery_count`](inbox_core::Metadata::delivery_count) reports, so
 //!   [`Consumer::max_deliveries`](inbox_core::Consumer::max_deliveries) dead-letters an entry
 //!   that keeps killing its consumer.
@@ -73,14 +72,15 @@
 //!   the inbox's unique claim lets exactly one commit win and the other skip. Keep `claim_idle`
 //!   above the slowest handler to avoid the wasted work.
 //! - **Lost connection**: a command that fails, or gets no reply within
-//!   [`operation_timeout`](RedisStreamBuilder::operation_timeout), drops its connection and the
-//!   next one connects anew. The source then rereads its own pending entries first, so entries
-//!   whose read reply or `XACK` was lost come back at once (and are skipped as duplicates if
-//!   already applied), not after `claim_idle`.
+//!   [`operation_timeout`](RedisStreamSourceBuilder::operation_timeout), drops its connection and
+//!   the next one connects anew. The source then rereads its own pending entries first, so
+//!   entries whose read reply or `XACK` was lost come back at once (and are skipped as
+//!   duplicates if already applied), not after `claim_idle`.
 //! - **Nack** leaves the entry pending: Redis cannot delay a redelivery, so it comes back after
 //!   `claim_idle`, through `XAUTOCLAIM`.
-//! - **Dead letter**: `XADD <stream>:dlq * <original fields…> reason <text> original_id <entry ID>`,
-//!   then `XACK`. If the `XACK` fails the entry is dead-lettered again later: the dead-letter
+//! - **Dead letter**: `XADD <stream>:dlq * <original fields…> reason <text> original_source
+//!   <stream> original_position <entry ID>` (the names of [`inbox_core::dead_letter`]), then
+//!   `XACK`. If the `XACK` fails the entry is dead-lettered again later: the dead-letter
 //!   stream may hold a copy twice, never zero times.
 //! - **Trimmed or deleted while pending** (`XTRIM`, `XADD … MAXLEN`, `XDEL`): nothing is left
 //!   to apply, so the entry is removed from the PEL with `XACK` and logged (a warning with its
@@ -110,7 +110,7 @@
 //! # Consumer names when scaled
 //!
 //! Every process needs its own consumer name in the group; see
-//! [`RedisStreamBuilder::consumer_name`]. The inbox consumer name given to
+//! [`RedisStreamSourceBuilder::consumer_name`]. The inbox consumer name given to
 //! [`Consumer::new`](inbox_core::Consumer::new) is a different thing: all instances of one
 //! logical consumer share it (it scopes the applied IDs), while each has its own Redis consumer
 //! name.
@@ -124,14 +124,22 @@ mod reply;
 mod source;
 
 pub use ack::RedisStreamAck;
-pub use config::{AckMode, RedisStreamBuilder};
+pub use config::{AckMode, RedisStreamSourceBuilder};
 pub use error::{Error, Result};
-pub use producer::{RedisStreamProducer, Sent};
+pub use producer::{RedisStreamProducer, RedisStreamProducerBuilder, Sent};
 pub use source::RedisStreamSource;
 
-/// The Redis client this crate uses, for [`RedisStreamBuilder::connect_with`] and
-/// [`RedisStreamProducer::with_connection`].
+/// The Redis client this crate uses, for [`RedisStreamSourceBuilder::client`],
+/// [`RedisStreamProducerBuilder::client`] and [`RedisStreamProducerBuilder::connection_manager`].
 pub use redis;
+
+/// The Redis URL used when `REDIS_URL` is unset.
+pub const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
+
+/// The Redis URL from the `REDIS_URL` environment variable, or [`DEFAULT_URL`].
+pub fn url_from_env() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
+}
 
 /// The entry field that holds the message ID unless configured otherwise.
 pub const DEFAULT_ID_FIELD: &str = "event_id";
@@ -150,7 +158,8 @@ mod tests {
         send::<RedisStreamSource>();
         send_sync::<RedisStreamAck>();
         send_sync::<RedisStreamProducer>();
-        send_sync::<RedisStreamBuilder>();
+        send_sync::<RedisStreamSourceBuilder>();
+        send_sync::<RedisStreamProducerBuilder>();
         send_sync::<Error>();
     }
 }

@@ -7,37 +7,140 @@ use inbox_core::{async_trait, MessageId, OutgoingMessage, Publish, PublishError}
 use redis::aio::ConnectionManager;
 use redis::Client;
 
+use crate::config::Server;
 use crate::connection::Conn;
 use crate::{Error, Result, DEFAULT_ID_FIELD, PAYLOAD_FIELD};
 
-/// Adds entries to a stream: `XADD <stream> * <ID field> <id> payload <bytes> [<header> <value>…]`.
+/// Adds entries to streams:
+/// `XADD <stream> * <ID field> <id> payload <bytes> [<header> <value>…]`.
+/// Build it with [`RedisStreamProducer::builder`]; it is not bound to a stream: send with the
+/// [`Publish`] methods (`send`, `send_with_id`, `send_batch`, each naming the stream) or
+/// [`RedisStreamProducer::send_with_fields`] for extra fields.
 ///
 /// The message ID is what the consumer deduplicates on, so a retry of a failed `XADD` must
-/// reuse the same ID: use [`RedisStreamProducer::send_with_id`] with an ID you keep, and a retry
-/// that did reach Redis twice is applied once.
+/// reuse the same ID: use [`Publish::send_with_id`] with an ID you keep, and a retry that did
+/// reach Redis twice is applied once.
 #[derive(Clone)]
 pub struct RedisStreamProducer {
     conn: Connection,
-    stream: String,
     id_field: String,
 }
 
 #[derive(Clone)]
 enum Connection {
-    /// From [`RedisStreamProducer::connect`]: bounded commands, replaced when it fails.
+    /// Made by [`RedisStreamProducerBuilder::connect`]: bounded commands, replaced when it
+    /// fails.
     Own(Conn),
     /// The caller's.
     Manager(ConnectionManager),
 }
 
-// Not derived: the stream and the ID field say which producer this is; a caller's connection
-// manager would add its whole client configuration.
+// Not derived: the ID field says which producer this is; a caller's connection manager would
+// add its whole client configuration.
 impl std::fmt::Debug for RedisStreamProducer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStreamProducer")
-            .field("stream", &self.stream)
             .field("id_field", &self.id_field)
             .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`RedisStreamProducer`]; start with [`RedisStreamProducer::builder`].
+///
+/// Redis is reached at the `REDIS_URL` environment variable (default `redis://127.0.0.1:6379`)
+/// unless [`url`](Self::url), [`client`](Self::client) or
+/// [`connection_manager`](Self::connection_manager) says otherwise.
+#[derive(Clone)]
+#[must_use = "a builder does nothing until `connect` is called"]
+pub struct RedisStreamProducerBuilder {
+    server: Server,
+    manager: Option<ConnectionManager>,
+    id_field: String,
+    operation_timeout: Duration,
+}
+
+impl std::fmt::Debug for RedisStreamProducerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStreamProducerBuilder")
+            .field("server", &self.server)
+            .field("connection_manager", &self.manager.is_some())
+            .field("id_field", &self.id_field)
+            .field("operation_timeout", &self.operation_timeout)
+            .finish()
+    }
+}
+
+impl RedisStreamProducerBuilder {
+    /// Connects to `url` (`redis://host:port/db`, `rediss://…`) instead of `REDIS_URL`.
+    pub fn url(mut self, url: impl Into<String>) -> Self {
+        self.server = Server::Url(url.into());
+        self
+    }
+
+    /// Connects with a client you configured instead of `REDIS_URL`.
+    pub fn client(mut self, client: Client) -> Self {
+        self.server = Server::Client(client);
+        self
+    }
+
+    /// Sends over a connection you made instead of one of its own.
+    ///
+    /// Its timeouts and reconnects are then redis-rs's: a `ConnectionManager` does not
+    /// reconnect after a reply timed out, so a connection that went silent fails every later
+    /// send. Prefer the producer's own connection where that matters.
+    pub fn connection_manager(mut self, conn: ConnectionManager) -> Self {
+        self.manager = Some(conn);
+        self
+    }
+
+    /// The field the ID goes in (default `event_id`); must match the consumer's.
+    pub fn id_field(mut self, field: impl Into<String>) -> Self {
+        self.id_field = field.into();
+        self
+    }
+
+    /// How long connecting, or one `XADD`, may wait for Redis (default 10 s). A connection that
+    /// failed or went silent is replaced by the next send.
+    pub fn operation_timeout(mut self, wait: Duration) -> Self {
+        self.operation_timeout = wait;
+        self
+    }
+
+    /// Connects (unless given a connection manager) and returns the producer. A server that
+    /// cannot be reached fails this, with an error naming it.
+    pub async fn connect(self) -> Result<RedisStreamProducer> {
+        if self.id_field.is_empty() || self.id_field == PAYLOAD_FIELD {
+            return Err(Error::Config(format!(
+                "the ID field `{}` is empty or the payload field; pick another name",
+                self.id_field
+            )));
+        }
+        if self.operation_timeout < Duration::from_millis(1) {
+            return Err(Error::Config(
+                "operation_timeout is under 1 ms; use at least 1 ms".into(),
+            ));
+        }
+        let conn = match self.manager {
+            Some(manager) => Connection::Manager(manager),
+            None => {
+                let (client, shown) = self.server.client()?;
+                // Not a redis-rs `ConnectionManager`: it keeps a connection whose reply timed
+                // out, and its reconnect could hang a send for good after a server restart.
+                let conn = Conn::connect(client, "producer", self.operation_timeout)
+                    .await
+                    .map_err(|e| {
+                        Error::redis(
+                            format!("connecting to Redis at {shown} for the producer"),
+                            e,
+                        )
+                    })?;
+                Connection::Own(conn)
+            }
+        };
+        Ok(RedisStreamProducer {
+            conn,
+            id_field: self.id_field,
+        })
     }
 }
 
@@ -52,59 +155,31 @@ pub struct Sent {
 }
 
 impl RedisStreamProducer {
-    /// Connects to `url` and writes to `stream`.
-    pub async fn connect(url: &str, stream: impl Into<String>) -> Result<Self> {
-        let client = Client::open(url).map_err(|e| {
-            Error::Config(format!(
-                "Redis URL {} does not parse: {e}",
-                inbox_core::redact_url(url)
-            ))
-        })?;
-        // A command gets 10 s; a connection that failed or went silent is replaced by the next
-        // send (a redis-rs `ConnectionManager` keeps one whose reply timed out, and its
-        // reconnect could hang a send for good after a server restart).
-        let conn = Conn::connect(client, "producer", Duration::from_secs(10))
-            .await
-            .map_err(|e| Error::redis("connecting to Redis for the producer", e))?;
-        Ok(Self {
-            conn: Connection::Own(conn),
-            stream: stream.into(),
-            id_field: DEFAULT_ID_FIELD.to_owned(),
-        })
-    }
-
-    /// Writes to `stream` over a connection you made.
+    /// Starts configuring a producer.
     ///
-    /// Its timeouts and reconnects are redis-rs's: a `ConnectionManager` does not reconnect
-    /// after a reply timed out, so a connection that went silent fails every later send. Prefer
-    /// [`RedisStreamProducer::connect`] where that matters.
-    pub fn with_connection(conn: ConnectionManager, stream: impl Into<String>) -> Self {
-        Self {
-            conn: Connection::Manager(conn),
-            stream: stream.into(),
+    /// ```no_run
+    /// use inbox_core::Publish;
+    /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+    /// let producer = inbox_redis_streams::RedisStreamProducer::builder()
+    ///     .connect() // REDIS_URL, or redis://127.0.0.1:6379
+    ///     .await?;
+    /// let id = producer.send("payments", b"100").await?;
+    /// # let _ = id; Ok(()) }
+    /// ```
+    pub fn builder() -> RedisStreamProducerBuilder {
+        RedisStreamProducerBuilder {
+            server: Server::Env,
+            manager: None,
             id_field: DEFAULT_ID_FIELD.to_owned(),
+            operation_timeout: Duration::from_secs(10),
         }
     }
 
-    /// The field the ID goes in (default `event_id`); must match the consumer's.
-    pub fn id_field(mut self, field: impl Into<String>) -> Self {
-        self.id_field = field.into();
-        self
-    }
-
-    /// Adds `payload` under a fresh UUIDv7 ID.
-    pub async fn send(&self, payload: impl AsRef<[u8]>) -> Result<Sent> {
-        self.send_with(&MessageId::generate(), payload, &[]).await
-    }
-
-    /// Adds `payload` under `id`.
-    pub async fn send_with_id(&self, id: &MessageId, payload: impl AsRef<[u8]>) -> Result<Sent> {
-        self.send_with(id, payload, &[]).await
-    }
-
-    /// Adds `payload` under `id`, with extra fields that the consumer sees as headers.
-    pub async fn send_with(
+    /// Adds `payload` to `stream` under `id`, with extra fields that the consumer sees as
+    /// headers, and returns the entry ID Redis assigned.
+    pub async fn send_with_fields(
         &self,
+        stream: &str,
         id: &MessageId,
         payload: impl AsRef<[u8]>,
         headers: &[(&str, &[u8])],
@@ -117,7 +192,7 @@ impl RedisStreamProducer {
             }
         }
         let mut cmd = redis::cmd("XADD");
-        cmd.arg(&self.stream)
+        cmd.arg(stream)
             .arg("*")
             .arg(&self.id_field)
             .arg(id.as_str())
@@ -139,7 +214,7 @@ impl RedisStreamProducer {
             Connection::Manager(conn) => cmd.query_async(&mut conn.clone()).await,
         };
         let entry_id: String =
-            sent.map_err(|e| Error::redis(format!("XADD to stream {}", self.stream), e))?;
+            sent.map_err(|e| Error::redis(format!("XADD to stream {stream}"), e))?;
         Ok(Sent {
             message_id: id.clone(),
             entry_id,
@@ -147,17 +222,36 @@ impl RedisStreamProducer {
     }
 }
 
-/// `destination` must be the stream this producer writes to: a producer refuses any other with
-/// a [`Recovery::Fatal`](inbox_core::Recovery::Fatal) error ([`Error::Config`]); make one per
-/// stream and route them with [`Destinations`](inbox_core::Destinations). Keys are ignored: a
-/// stream has one order for all its entries.
+/// `destination` is the stream key. Keys are ignored: a stream has one order for all its
+/// entries.
 ///
-/// The whole batch is one command, an `EVAL` of a script that runs one `XADD` per message in
+/// One message (`send`, `send_with_id`) is one `XADD`. A batch is one command, an `EVAL` of a
+/// script that runs one `XADD` per message in
 /// slice order (one round-trip, and Redis runs it without interleaving other clients'
 /// commands); `Ok` once Redis answered that it added them all. The script needs `EVAL`
 /// permission.
 #[async_trait]
 impl Publish for RedisStreamProducer {
+    /// One `XADD`, with the current span's trace context as `traceparent` (feature
+    /// `opentelemetry` of inbox-core), as [`RedisStreamProducer::send_with_fields`] does.
+    async fn send_with_id(
+        &self,
+        destination: &str,
+        id: &MessageId,
+        payload: &[u8],
+    ) -> Result<(), PublishError> {
+        self.send_with_fields(destination, id, payload, &[])
+            .await
+            .map_err(|e| {
+                PublishError::new(
+                    e.recovery(),
+                    format!("adding to Redis stream `{destination}`"),
+                    e,
+                )
+            })?;
+        Ok(())
+    }
+
     async fn send_batch(
         &self,
         destination: &str,
@@ -177,20 +271,13 @@ impl Publish for RedisStreamProducer {
                 e,
             )
         };
-        if destination != self.stream {
-            return Err(failed(Error::Config(format!(
-                "this RedisStreamProducer writes to stream `{}`, not `{destination}`; make one \
-                 producer per stream and route them with inbox_core::Destinations",
-                self.stream
-            ))));
-        }
         if messages.is_empty() {
             return Ok(());
         }
         let mut cmd = redis::cmd("EVAL");
         cmd.arg(XADD_ALL)
             .arg(1)
-            .arg(&self.stream)
+            .arg(destination)
             .arg(&self.id_field)
             .arg(PAYLOAD_FIELD);
         for message in messages {
@@ -203,7 +290,7 @@ impl Publish for RedisStreamProducer {
         };
         let added: usize = added.map_err(|e| {
             failed(Error::redis(
-                format!("EVAL of XADDs to stream {}", self.stream),
+                format!("EVAL of XADDs to stream {destination}"),
                 e,
             ))
         })?;

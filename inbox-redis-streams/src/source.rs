@@ -4,12 +4,15 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::{async_trait, Delivery, IdError, Message, MessageSource, Metadata, SourceError};
+use inbox_core::{
+    async_trait, dead_letter, Capabilities, Delivery, IdError, Message, MessageSource, Metadata,
+    SourceError,
+};
 use redis::Value;
 use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
 
-use crate::config::{RedisStreamBuilder, Settings};
+use crate::config::{RedisStreamSourceBuilder, Settings};
 use crate::connection::Conn;
 use crate::reply::{self, Entry, Fields};
 use crate::{AckMode, Error, RedisStreamAck, Result, PAYLOAD_FIELD};
@@ -45,8 +48,20 @@ pub struct RedisStreamSource {
 
 impl RedisStreamSource {
     /// Starts configuring a source reading `stream` as consumer group `group`.
-    pub fn builder(stream: impl Into<String>, group: impl Into<String>) -> RedisStreamBuilder {
-        RedisStreamBuilder::new(stream.into(), group.into())
+    ///
+    /// ```no_run
+    /// # async fn f() -> inbox_redis_streams::Result<()> {
+    /// let source = inbox_redis_streams::RedisStreamSource::builder("payments", "wallet")
+    ///     .consumer_name("wallet-0")
+    ///     .connect() // REDIS_URL, or redis://127.0.0.1:6379
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn builder(
+        stream: impl Into<String>,
+        group: impl Into<String>,
+    ) -> RedisStreamSourceBuilder {
+        RedisStreamSourceBuilder::new(stream.into(), group.into())
     }
 
     pub(crate) async fn start(settings: Settings, reader: Conn, commands: Conn) -> Result<Self> {
@@ -148,7 +163,9 @@ impl RedisStreamSource {
                 return Ok(deliveries);
             }
         }
-        let entries = self.read_group(max, ">", Some(self.settings.block)).await?;
+        let entries = self
+            .read_group(max, ">", Some(self.settings.poll_timeout))
+            .await?;
         Ok(entries
             .into_iter()
             .filter_map(|entry| self.delivery(entry, Some(1)))
@@ -295,8 +312,11 @@ impl RedisStreamSource {
         for (name, value) in &fields {
             cmd.arg(name.as_slice()).arg(value.as_slice());
         }
-        cmd.arg("reason").arg(reason);
-        cmd.arg("original_id").arg(&message.meta.position);
+        cmd.arg(dead_letter::REASON).arg(reason);
+        cmd.arg(dead_letter::ORIGINAL_SOURCE)
+            .arg(&message.meta.source);
+        cmd.arg(dead_letter::ORIGINAL_POSITION)
+            .arg(&message.meta.position);
         let _: Value = self
             .commands
             .query(&cmd, Duration::ZERO)
@@ -319,6 +339,13 @@ impl MessageSource for RedisStreamSource {
         "redis"
     }
 
+    /// Delivery counts: a new entry's is 1, a reread or reclaimed one's comes from `XPENDING`.
+    /// No delayed nack: a nacked entry stays pending and comes back after `claim_idle`, whatever
+    /// the nack asked for. No lanes: one stream, one order.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::NONE.with_delivery_count()
+    }
+
     async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<Self::Ack>>, SourceError> {
         match self.read(max.max(1)).await {
             Ok(deliveries) => Ok(deliveries),
@@ -333,7 +360,8 @@ impl MessageSource for RedisStreamSource {
         }
     }
 
-    /// `XADD <dead-letter stream> * <original fields…> reason <reason> original_id <entry ID>`.
+    /// `XADD <dead-letter stream> * <original fields…> reason <reason> original_source <stream>
+    /// original_position <entry ID>` (the names of [`inbox_core::dead_letter`]).
     /// The consumer then acks the entry with `XACK`.
     async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
         Ok(self.park(message, reason).await?)
@@ -411,7 +439,7 @@ mod tests {
             consumer: "c".into(),
             id_field: "event_id".into(),
             dead_letter_stream: "s:dlq".into(),
-            block: Duration::from_millis(10),
+            poll_timeout: Duration::from_millis(10),
             claim_idle: Duration::from_secs(1),
             claim_interval: Duration::from_secs(1),
             ack_mode: AckMode::AfterCommit,

@@ -7,6 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use inbox_core::Publish;
 use inbox_core::{Consumer, InboxStore, MessageId, StatsSnapshot};
 use inbox_postgres::PgTx;
 use inbox_testkit::wallet::{self, Credit, CreditEvent, Summary};
@@ -30,7 +31,7 @@ where
     St: InboxStore<Tx = PgTx> + Clone,
 {
     let stream = stream_key(&format!("zombie-{label}"));
-    let producer = producer(&stream).await;
+    let producer = producer().await;
     let stalled = MessageId::generate();
     let event = CreditEvent {
         account_id: 1,
@@ -38,12 +39,12 @@ where
         stall: true,
     };
     producer
-        .send_with_id(&stalled, event.to_json())
+        .send_with_id(&stream, &stalled, event.to_json().as_slice())
         .await
         .expect("send");
     for i in 0..NORMAL_EVENTS {
         producer
-            .send(CreditEvent::new(2, i + 1).to_json())
+            .send(&stream, CreditEvent::new(2, i + 1).to_json().as_slice())
             .await
             .expect("send");
     }
@@ -60,7 +61,7 @@ where
         tokio::spawn(async move {
             let source = builder(&stream, name)
                 .claim_idle(CLAIM_IDLE)
-                .connect(&redis_url())
+                .connect()
                 .await
                 .expect("connect");
             Consumer::new("wallet", source, store, handler)

@@ -49,7 +49,7 @@ impl TestQueue for Stream {
         // A dead member's pending entries go to another after 1.5 s idle, through XAUTOCLAIM.
         builder(&self.0, member)
             .claim_idle(Duration::from_millis(1500))
-            .connect(&redis_url())
+            .connect()
             .await
             .expect("source connects")
     }

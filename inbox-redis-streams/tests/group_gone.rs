@@ -7,6 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use inbox_core::Publish;
 use inbox_core::{
     async_trait, Ack, Consumer, Handler, HandlerError, Message, MessageId, MessageSource, Recovery,
 };
@@ -56,10 +57,13 @@ async fn exists(key: &str) -> bool {
 #[tokio::test]
 async fn a_deleted_group_is_a_fatal_error_not_a_silent_reread() {
     let stream = stream_key("group-gone");
-    let producer = producer(&stream).await;
+    let producer = producer().await;
     let mut src = source(&stream, "c1").await;
     for amount in [10, 20] {
-        producer.send(amount.to_string()).await.expect("send");
+        producer
+            .send(&stream, amount.to_string().as_bytes())
+            .await
+            .expect("send");
     }
     let batch = src.receive(10).await.expect("receive");
     assert_eq!(batch.len(), 2);
@@ -74,7 +78,7 @@ async fn a_deleted_group_is_a_fatal_error_not_a_silent_reread() {
         .query_async(&mut raw().await)
         .await
         .expect("XGROUP DESTROY");
-    producer.send("5").await.expect("send");
+    producer.send(&stream, b"5").await.expect("send");
 
     let e = src.receive(10).await.expect_err("the group is gone");
     let text = format!(
@@ -96,9 +100,12 @@ async fn a_deleted_group_is_a_fatal_error_not_a_silent_reread() {
 #[tokio::test]
 async fn a_deleted_stream_stops_the_consumer_and_is_not_re_created() {
     let stream = stream_key("stream-gone");
-    let producer = producer(&stream).await;
+    let producer = producer().await;
     for amount in [10, 20, 30] {
-        producer.send(amount.to_string()).await.expect("send");
+        producer
+            .send(&stream, amount.to_string().as_bytes())
+            .await
+            .expect("send");
     }
     let store = MemoryStore::<i64>::new();
     Consumer::new("sum", source(&stream, "c1").await, store.clone(), Sum)

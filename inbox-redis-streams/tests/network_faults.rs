@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{builder, pending_with, stream_key};
-use inbox_core::{Consumer, MessageId, Stats, StatsSnapshot};
+use inbox_core::{Consumer, MessageId, Publish, Stats, StatsSnapshot};
 use inbox_redis_streams::redis::{self, Client, ConnectionAddr, IntoConnectionInfo};
 use inbox_redis_streams::RedisStreamProducer;
 use inbox_testkit::wallet::{summary, Credit, CreditEvent, Summary};
@@ -127,7 +127,7 @@ fn publish(client: Client, stream: String) -> JoinHandle<()> {
                 assert!(Instant::now() < deadline, "could not publish event {n}");
                 let conn = match &producer {
                     Some(p) => p,
-                    None => match RedisStreamProducer::connect(&url, &stream).await {
+                    None => match RedisStreamProducer::builder().url(&url).connect().await {
                         Ok(p) => producer.insert(p),
                         Err(_) => {
                             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -135,7 +135,7 @@ fn publish(client: Client, stream: String) -> JoinHandle<()> {
                         }
                     },
                 };
-                match conn.send_with_id(&id, &event).await {
+                match conn.send_with_id(&stream, &id, &event).await {
                     Ok(_) => break,
                     Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
                 }
@@ -180,7 +180,8 @@ async fn consume_through(
     let source = builder(&stream, "c1")
         .claim_idle(CLAIM_IDLE)
         .operation_timeout(OPERATION_TIMEOUT)
-        .connect_with(consumer)
+        .client(consumer)
+        .connect()
         .await
         .unwrap();
     let publishing = publish(direct.clone(), stream.clone());

@@ -9,7 +9,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish};
 use inbox_redis_streams::redis::aio::ConnectionManager;
 use inbox_redis_streams::redis::{self, Client, IntoConnectionInfo};
 use inbox_redis_streams::RedisStreamProducer;
@@ -46,10 +46,13 @@ async fn wait_for(store: &MemoryStore<i64>, total: i64) {
 
 /// Sends with retries under one ID, as a producer should: a retry that did reach Redis twice
 /// is still applied once.
-async fn send(producer: &RedisStreamProducer, amount: i64) {
+async fn send(producer: &RedisStreamProducer, stream: &str, amount: i64) {
     let id = MessageId::generate();
     for attempt in 1..=10 {
-        match producer.send_with_id(&id, amount.to_string()).await {
+        match producer
+            .send_with_id(stream, &id, amount.to_string().as_bytes())
+            .await
+        {
             Ok(_) => return,
             Err(e) => {
                 println!("send attempt {attempt} failed: {e}");
@@ -68,14 +71,18 @@ async fn the_source_reconnects_after_redis_drops_its_connections() {
     let db = info.redis_settings().clone().set_db(DB);
     let client = Client::open(info.set_redis_settings(db)).expect("client");
     let stream = stream_key("reconnect");
-    let producer = RedisStreamProducer::with_connection(
-        ConnectionManager::new(client.clone())
-            .await
-            .expect("connect"),
-        &stream,
-    );
+    let producer = RedisStreamProducer::builder()
+        .connection_manager(
+            ConnectionManager::new(client.clone())
+                .await
+                .expect("connect"),
+        )
+        .connect()
+        .await
+        .expect("producer");
     let source = builder(&stream, "c1")
-        .connect_with(client.clone())
+        .client(client.clone())
+        .connect()
         .await
         .expect("connect");
     let store = MemoryStore::<i64>::new();
@@ -87,7 +94,7 @@ async fn the_source_reconnects_after_redis_drops_its_connections() {
     }));
 
     for amount in [1, 2, 3] {
-        send(&producer, amount).await;
+        send(&producer, &stream, amount).await;
     }
     wait_for(&store, 6).await;
 
@@ -130,7 +137,7 @@ async fn the_source_reconnects_after_redis_drops_its_connections() {
     );
 
     for amount in [10, 20, 30] {
-        send(&producer, amount).await;
+        send(&producer, &stream, amount).await;
     }
     wait_for(&store, 66).await;
     let _ = stop.send(());

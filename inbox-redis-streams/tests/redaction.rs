@@ -33,9 +33,9 @@ async fn a_source_connected_with_a_password_shows_none() {
         .expect("ACL SETUSER (Redis 6 or later)");
 
     let url = with_credentials(&redis_url(), &user, &secret);
-    let builder = RedisStreamSource::builder(stream_key("redaction"), "g");
+    let builder = RedisStreamSource::builder(stream_key("redaction"), "g").url(&url);
     let shown_builder = format!("{builder:?}");
-    let connected = builder.connect(&url).await;
+    let connected = builder.connect().await;
     let _: () = redis::cmd("ACL")
         .arg("DELUSER")
         .arg(&user)
@@ -53,7 +53,8 @@ async fn a_source_connected_with_a_password_shows_none() {
 async fn a_url_that_does_not_parse_is_reported_without_its_password() {
     let url = "redis://app:pw-9f8e7d@127.0.0.1:notaport/0";
     let error = RedisStreamSource::builder(stream_key("redaction"), "g")
-        .connect(url)
+        .url(url)
+        .connect()
         .await
         .expect_err("the port does not parse");
     for shown in [error.to_string(), format!("{error:?}")] {

@@ -7,7 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use inbox_core::{Consumer, Stage};
+use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
+use inbox_core::{Consumer, Publish, Stage};
 use inbox_testkit::crash_at;
 use inbox_testkit::wallet::{self, Credit, CreditEvent};
 use inbox_testkit::TestDb;
@@ -21,9 +22,12 @@ fn credit(account: i64, amount: i64) -> Vec<u8> {
 async fn a_crash_between_commit_and_ack_is_claimed_and_skipped_by_another_consumer() {
     let db = TestDb::new().await;
     let stream = stream_key("crash-other");
-    let producer = producer(&stream).await;
+    let producer = producer().await;
     for amount in [10, 20, 30] {
-        producer.send(credit(1, amount)).await.expect("send");
+        producer
+            .send(&stream, &credit(1, amount))
+            .await
+            .expect("send");
     }
     let handler = Credit::new(db.pool.clone());
     let crashed = Consumer::new(
@@ -40,7 +44,7 @@ async fn a_crash_between_commit_and_ack_is_claimed_and_skipped_by_another_consum
     let claim_idle = Duration::from_millis(300);
     let other = builder(&stream, "c2")
         .claim_idle(claim_idle)
-        .connect(&redis_url())
+        .connect()
         .await
         .expect("connect");
     tokio::time::sleep(claim_idle + Duration::from_millis(200)).await;
@@ -98,9 +102,10 @@ async fn entries_without_an_id_are_dead_lettered_with_a_reason() {
             .map(|(_, v)| v.clone())
     };
     assert_eq!(dead.len(), 3);
-    assert_eq!(field(&dead[0], "original_id"), Some(no_id));
+    assert_eq!(field(&dead[0], ORIGINAL_POSITION), Some(no_id));
+    assert_eq!(field(&dead[0], ORIGINAL_SOURCE), Some(stream.clone()));
     assert_eq!(
-        field(&dead[0], "reason").as_deref(),
+        field(&dead[0], REASON).as_deref(),
         Some("message has no ID: field event_id is missing")
     );
     assert_eq!(field(&dead[0], "payload"), Some(payload.clone()));
@@ -109,15 +114,15 @@ async fn entries_without_an_id_are_dead_lettered_with_a_reason() {
         Some("t-1"),
         "the original fields are kept"
     );
-    assert_eq!(field(&dead[1], "original_id"), Some(empty_id));
+    assert_eq!(field(&dead[1], ORIGINAL_POSITION), Some(empty_id));
     assert_eq!(
         field(&dead[1], "event_id").as_deref(),
         Some(""),
         "kept as sent"
     );
-    assert!(field(&dead[1], "reason").is_some_and(|r| r.contains("empty")));
-    assert_eq!(field(&dead[2], "original_id"), Some(not_json));
-    assert!(field(&dead[2], "reason").is_some_and(|r| r.contains("not valid JSON")));
+    assert!(field(&dead[1], REASON).is_some_and(|r| r.contains("empty")));
+    assert_eq!(field(&dead[2], ORIGINAL_POSITION), Some(not_json));
+    assert!(field(&dead[2], REASON).is_some_and(|r| r.contains("not valid JSON")));
     assert_eq!(summary.ledger_rows, 0);
     assert_eq!(db.inbox_rows().await, 0, "no ID was recorded");
     assert_eq!(left, 0, "dead-lettered entries are acked");

@@ -9,7 +9,7 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::*;
-use inbox_core::{Consumer, MessageId};
+use inbox_core::{Consumer, MessageId, Publish};
 use inbox_testkit::wallet::{self, Credit, CreditEvent};
 use inbox_testkit::{child, TestDb};
 
@@ -32,7 +32,7 @@ async fn shutdown_child() {
     let timeout = Duration::from_millis(var("INBOX_SHUTDOWN_MS").parse().expect("a number"));
     let source = builder(&var("INBOX_STREAM"), "child")
         .claim_idle(CLAIM_IDLE)
-        .connect(&redis_url())
+        .connect()
         .await
         .expect("connect");
     let handler = Credit::new(db.pool.clone()).work(WORK).stall(HUNG);
@@ -46,14 +46,14 @@ async fn shutdown_child() {
 
 /// Publishes the events, one of them (`stalled`) stalling on its first handling.
 async fn publish(stream: &str, stalled: Option<i64>) -> i64 {
-    let producer = producer(stream).await;
+    let producer = producer().await;
     let mut total = 0;
     for i in 0..EVENTS {
         let mut event = CreditEvent::new(1 + i % ACCOUNTS, i + 1);
         event.stall = Some(i) == stalled;
         total += event.amount;
         producer
-            .send_with_id(&MessageId::generate(), event.to_json())
+            .send_with_id(stream, &MessageId::generate(), event.to_json().as_slice())
             .await
             .expect("send");
     }
@@ -119,7 +119,7 @@ async fn stalls(db: &TestDb) -> i64 {
 async fn drain_and_check(db: &TestDb, stream: &str, total: i64) {
     let source = builder(stream, "drain")
         .claim_idle(CLAIM_IDLE)
-        .connect(&redis_url())
+        .connect()
         .await
         .expect("connect");
     let pool = db.pool.clone();

@@ -6,6 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use inbox_core::Publish;
 use inbox_core::{
     async_trait, Ack, Consumer, Handler, HandlerError, Message, MessageId, MessageSource, Stage,
 };
@@ -31,9 +32,9 @@ impl Handler<MemoryTx<i64>> for Sum {
 #[tokio::test]
 async fn delivery_counts_rise_on_reread_and_on_claim() {
     let stream = stream_key("counts");
-    let producer = producer(&stream).await;
+    let producer = producer().await;
     let mut first = source(&stream, "c1").await;
-    producer.send("1").await.expect("send");
+    producer.send(&stream, b"1").await.expect("send");
 
     let batch = first.receive(10).await.expect("receive");
     assert_eq!(batch.len(), 1);
@@ -60,7 +61,7 @@ async fn delivery_counts_rise_on_reread_and_on_claim() {
     // Another name takes it over once idle.
     let mut other = builder(&stream, "c2")
         .claim_idle(Duration::from_millis(300))
-        .connect(&redis_url())
+        .connect()
         .await
         .expect("connect");
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -79,9 +80,12 @@ async fn delivery_counts_rise_on_reread_and_on_claim() {
 #[tokio::test]
 async fn an_entry_deleted_while_pending_is_acked_away() {
     let stream = stream_key("deleted");
-    let producer = producer(&stream).await;
+    let producer = producer().await;
     let mut first = source(&stream, "c1").await;
-    let sent = producer.send("1").await.expect("send");
+    let sent = producer
+        .send_with_fields(&stream, &MessageId::generate(), b"1", &[])
+        .await
+        .expect("send");
     let batch = first.receive(10).await.expect("receive");
     assert_eq!(batch.len(), 1);
     drop((batch, first));
@@ -107,14 +111,17 @@ async fn an_entry_deleted_while_pending_is_acked_away() {
 #[tokio::test]
 async fn noack_mode_loses_an_entry_whose_consumer_dies() {
     let stream = stream_key("noack");
-    let producer = producer(&stream).await;
+    let producer = producer().await;
     for amount in [10, 20, 30] {
-        producer.send(amount.to_string()).await.expect("send");
+        producer
+            .send(&stream, amount.to_string().as_bytes())
+            .await
+            .expect("send");
     }
     let store = MemoryStore::<i64>::new();
     let src = builder(&stream, "c1")
         .ack_mode(AckMode::NoAck)
-        .connect(&redis_url())
+        .connect()
         .await
         .expect("connect");
     let crashed = Consumer::new("sum", src, store.clone(), Sum)
@@ -125,7 +132,7 @@ async fn noack_mode_loses_an_entry_whose_consumer_dies() {
     let src = builder(&stream, "c1")
         .ack_mode(AckMode::NoAck)
         .claim_idle(Duration::from_millis(1))
-        .connect(&redis_url())
+        .connect()
         .await
         .expect("connect");
     Consumer::new("sum", src, store.clone(), Sum)
@@ -144,9 +151,12 @@ async fn noack_mode_loses_an_entry_whose_consumer_dies() {
 #[tokio::test]
 async fn after_commit_mode_keeps_it() {
     let stream = stream_key("aftercommit");
-    let producer = producer(&stream).await;
+    let producer = producer().await;
     for amount in [10, 20, 30] {
-        producer.send(amount.to_string()).await.expect("send");
+        producer
+            .send(&stream, amount.to_string().as_bytes())
+            .await
+            .expect("send");
     }
     let store = MemoryStore::<i64>::new();
     let crashed = Consumer::new("sum", source(&stream, "c1").await, store.clone(), Sum)
@@ -169,20 +179,21 @@ async fn after_commit_mode_keeps_it() {
 }
 
 /// A blocking read longer than the Redis client's own default reply timeout (500 ms) waits its
-/// whole `block`: an entry added a second into the wait arrives on it, with no error and no
+/// whole `poll_timeout`: an entry added a second into the wait arrives on it, with no error and no
 /// new connection.
 #[tokio::test]
 async fn a_blocking_read_longer_than_half_a_second_waits_for_its_entry() {
     let stream = stream_key("long-block");
-    let producer = producer(&stream).await;
+    let producer = producer().await;
     let mut source = builder(&stream, "c1")
-        .block(Duration::from_secs(3))
-        .connect(&redis_url())
+        .poll_timeout(Duration::from_secs(3))
+        .connect()
         .await
         .expect("source connects");
+    let to = stream.clone();
     let send = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_secs(1)).await;
-        producer.send("7").await.expect("send");
+        producer.send(&to, b"7").await.expect("send");
     });
     let batch = source.receive(10).await.expect("the blocked read answers");
     send.await.expect("the sender finished");

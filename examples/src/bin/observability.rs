@@ -133,7 +133,8 @@ async fn main() -> Result<(), BoxError> {
 
     let source = RedisStreamSource::builder(&args.stream, &args.group)
         .consumer_name(format!("{}-{}", args.consumer, std::process::id()))
-        .connect(&args.redis_url)
+        .url(&args.redis_url)
+        .connect()
         .await?;
     let consumer = Consumer::batched(&args.consumer, source, inbox.clone(), BatchCredit)
         .batch_size(args.batch)

@@ -14,7 +14,9 @@ use inbox_core::{Consumer, InboxStore, PerMessage, Stats, StatsSnapshot};
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::message::{Headers, OwnedMessage};
 use inbox_kafka::rdkafka::{ClientConfig, Message as _, Offset, TopicPartitionList};
-use inbox_kafka::{brokers_from_env, KafkaAdmin, KafkaConfig, KafkaProducer, KafkaSource, Record};
+use inbox_kafka::{
+    brokers_from_env, KafkaAdmin, KafkaProducer, KafkaSource, KafkaSourceBuilder, Record,
+};
 use inbox_postgres::PgTx;
 use inbox_testkit::wallet::{self, Credit, CreditEvent, Summary};
 use sqlx::PgPool;
@@ -93,31 +95,31 @@ pub async fn topic(partitions: i32) -> String {
 }
 
 /// A source with timeouts short enough for tests: a dead member is noticed after 6 s.
-pub fn config(topic: &str, group: &str) -> KafkaConfig {
-    KafkaConfig::from_env(group, [topic])
+pub fn config(topic: &str, group: &str) -> KafkaSourceBuilder {
+    KafkaSource::builder([topic], group)
         .poll_timeout(Duration::from_millis(500))
         .set_consumer("session.timeout.ms", "6000")
         .set_consumer("heartbeat.interval.ms", "1000")
 }
 
-pub fn source(topic: &str, group: &str) -> KafkaSource {
-    config(topic, group).build().expect("kafka source")
+pub async fn source(topic: &str, group: &str) -> KafkaSource {
+    config(topic, group).connect().await.expect("kafka source")
 }
 
-pub fn producer() -> KafkaProducer {
-    KafkaProducer::from_env().expect("producer")
+pub async fn producer() -> KafkaProducer {
+    KafkaProducer::builder().connect().await.expect("producer")
 }
 
 /// Produces `n` credits spread over `partitions`, account `i % 7 + 1`, amount `i % 50 + 1`.
 /// Returns the sum of the amounts.
 pub async fn produce_credits(topic: &str, n: usize, partitions: i32) -> i64 {
-    let producer = producer();
+    let producer = producer().await;
     let mut total = 0;
     for i in 0..n {
         let event = CreditEvent::new((i % 7 + 1) as i64, (i % 50 + 1) as i64);
         total += event.amount;
         let record = Record::new(event.to_json()).partition(i as i32 % partitions);
-        producer.send(topic, record).await.expect("produce");
+        producer.send_record(topic, record).await.expect("produce");
     }
     total
 }

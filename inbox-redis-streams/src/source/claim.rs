@@ -152,7 +152,8 @@ mod tests {
         }
         let mut source = RedisStreamSource::builder(&stream, "g")
             .consumer_name("c1")
-            .connect(&url)
+            .url(&url)
+            .connect()
             .await
             .expect("source connects");
         let _: Value = redis::cmd("XREADGROUP")

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use inbox_redis_streams::redis::{self, aio::MultiplexedConnection, Value};
-use inbox_redis_streams::{RedisStreamBuilder, RedisStreamProducer, RedisStreamSource};
+use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource, RedisStreamSourceBuilder};
 
 pub const GROUP: &str = "wallet";
 
@@ -27,23 +27,24 @@ pub async fn raw() -> MultiplexedConnection {
         .expect("Redis is reachable at REDIS_URL")
 }
 
-pub async fn producer(stream: &str) -> RedisStreamProducer {
-    RedisStreamProducer::connect(&redis_url(), stream)
+pub async fn producer() -> RedisStreamProducer {
+    RedisStreamProducer::builder()
+        .connect()
         .await
         .expect("producer connects")
 }
 
-/// A builder with test-friendly timings: short blocks, fast claim sweeps.
-pub fn builder(stream: &str, consumer: &str) -> RedisStreamBuilder {
+/// A builder with test-friendly timings: short polls, fast claim sweeps.
+pub fn builder(stream: &str, consumer: &str) -> RedisStreamSourceBuilder {
     RedisStreamSource::builder(stream, GROUP)
         .consumer_name(consumer)
-        .block(Duration::from_millis(200))
+        .poll_timeout(Duration::from_millis(200))
         .claim_interval(Duration::from_millis(200))
 }
 
 pub async fn source(stream: &str, consumer: &str) -> RedisStreamSource {
     builder(stream, consumer)
-        .connect(&redis_url())
+        .connect()
         .await
         .expect("source connects")
 }

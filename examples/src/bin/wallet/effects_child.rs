@@ -151,14 +151,13 @@ pub(crate) async fn main(spec: &ChildSpec) -> Result<(), BoxError> {
     }
     match spec.broker {
         BrokerKind::Redis => {
-            let url =
-                std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+            // Redis at REDIS_URL, or the local default.
             let source = inbox_redis_streams::RedisStreamSource::builder(spec.name.clone(), GROUP)
                 .consumer_name(format!("{}-0", spec.role.name()))
-                .block(Duration::from_millis(500))
+                .poll_timeout(Duration::from_millis(500))
                 .claim_idle(Duration::from_secs(5))
                 .claim_interval(Duration::from_secs(1))
-                .connect(&url)
+                .connect()
                 .await?;
             run(source, spec, &db).await
         }
@@ -185,9 +184,10 @@ pub(crate) async fn main(spec: &ChildSpec) -> Result<(), BoxError> {
         }
         #[cfg(feature = "kafka")]
         BrokerKind::Kafka => {
-            let source = inbox_kafka::KafkaConfig::from_env(spec.name.clone(), [spec.name.clone()])
+            let source = inbox_kafka::KafkaSource::builder([spec.name.clone()], spec.name.clone())
                 .set_consumer("session.timeout.ms", "6000")
-                .build()?;
+                .connect()
+                .await?;
             run(source, spec, &db).await
         }
         #[cfg(not(feature = "kafka"))]
@@ -267,13 +267,11 @@ async fn run<S: MessageSource + 'static>(
 async fn relay(spec: &ChildSpec, db: &TestDb) -> Result<(), BoxError> {
     let outbox = Outbox::new(db.pool.clone());
     let publisher: Box<dyn Publish> = match spec.broker {
-        BrokerKind::Redis => {
-            let url =
-                std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-            Box::new(
-                inbox_redis_streams::RedisStreamProducer::connect(&url, spec.name.clone()).await?,
-            )
-        }
+        BrokerKind::Redis => Box::new(
+            inbox_redis_streams::RedisStreamProducer::builder()
+                .connect()
+                .await?,
+        ),
         BrokerKind::Rabbitmq => {
             let url = std::env::var("AMQP_URL")
                 .unwrap_or_else(|_| inbox_rabbitmq::DEFAULT_AMQP_URL.to_owned());
@@ -287,13 +285,13 @@ async fn relay(spec: &ChildSpec, db: &TestDb) -> Result<(), BoxError> {
         #[cfg(feature = "kafka")]
         // One record per batch, as the wallet's publisher: Tansu 0.6 serves a fetch from
         // mid-batch from the next batch on (see `brokers/kafka.rs`); harmless elsewhere.
-        BrokerKind::Kafka => Box::new(inbox_kafka::KafkaProducer::with_properties(
-            &inbox_kafka::brokers_from_env(),
-            [
-                ("batch.num.messages", "1"),
-                ("message.timeout.ms", "120000"),
-            ],
-        )?),
+        BrokerKind::Kafka => Box::new(
+            inbox_kafka::KafkaProducer::builder()
+                .set("batch.num.messages", "1")
+                .operation_timeout(Duration::from_secs(120))
+                .connect()
+                .await?,
+        ),
         #[cfg(not(feature = "kafka"))]
         BrokerKind::Kafka => {
             return Err("this wallet binary was built without the `kafka` feature".into())

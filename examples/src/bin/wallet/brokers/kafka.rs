@@ -7,7 +7,7 @@ use futures_util::stream::{self, StreamExt, TryStreamExt};
 use inbox_core::{async_trait, BoxError, MessageId, StatsSnapshot};
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
 use inbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use inbox_kafka::{AckMode, KafkaAdmin, KafkaConfig, KafkaProducer, Record};
+use inbox_kafka::{AckMode, KafkaAdmin, KafkaProducer, KafkaSource, Record};
 use inbox_testkit::TestDb;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
@@ -26,7 +26,7 @@ const SESSION_TIMEOUT: Duration = Duration::from_secs(6);
 /// with `--kafka-impl mock`, whose fetch starts at the offset asked for.
 const ONE_RECORD_PER_BATCH: (&str, &str) = ("batch.num.messages", "1");
 /// A loaded test machine once kept Tansu from acknowledging within the default 30 s.
-const DELIVERY_TIMEOUT: (&str, &str) = ("message.timeout.ms", "120000");
+const DELIVERY_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Sends awaiting their delivery reports at once: with one record per batch, Tansu's throughput
 /// grows with the produce requests in flight.
@@ -50,13 +50,16 @@ impl Kafka {
             .map_err(|e| {
                 format!("cannot reach Kafka at {first}: {e}; run `cargo xtask services` or set KAFKA_BROKERS")
             })?;
-        let mut producer_properties = vec![DELIVERY_TIMEOUT];
+        let mut producer = KafkaProducer::builder()
+            .brokers(&brokers)
+            .operation_timeout(DELIVERY_TIMEOUT);
         if implementation.tansu_workarounds() {
-            producer_properties.push(ONE_RECORD_PER_BATCH);
+            let (key, value) = ONE_RECORD_PER_BATCH;
+            producer = producer.set(key, value);
         }
         Ok(Self {
             admin: KafkaAdmin::new(&brokers)?,
-            producer: KafkaProducer::with_properties(&brokers, producer_properties)?,
+            producer: producer.connect().await?,
             implementation,
             brokers,
         })
@@ -102,7 +105,7 @@ impl Broker for Kafka {
         }
         let producer = &self.producer;
         stream::iter(records)
-            .map(|record| producer.send(name, record))
+            .map(|record| producer.send_record(name, record))
             .buffer_unordered(SENDS_IN_FLIGHT)
             .try_for_each(|_sent| async { Ok(()) })
             .await?;
@@ -116,7 +119,8 @@ impl Broker for Kafka {
         watch: Watch,
         shutdown: Shutdown,
     ) -> Result<StatsSnapshot, BoxError> {
-        let mut config = KafkaConfig::from_env(spec.name.clone(), [spec.name.clone()])
+        let mut config = KafkaSource::builder([spec.name.clone()], spec.name.clone())
+            .brokers(&self.brokers)
             .set_consumer(
                 "session.timeout.ms",
                 SESSION_TIMEOUT.as_millis().to_string(),
@@ -128,7 +132,7 @@ impl Broker for Kafka {
         if spec.variant.auto_ack() {
             config = config.ack_mode(AckMode::AutoCommit);
         }
-        let source = config.build()?;
+        let source = config.connect().await?;
         crate::ready();
         Ok(consume::run(source, spec, db, watch, shutdown).await?)
     }

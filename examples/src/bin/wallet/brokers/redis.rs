@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use inbox_core::{async_trait, BoxError, MessageId, StatsSnapshot};
+use inbox_core::{async_trait, BoxError, MessageId, Publish, StatsSnapshot};
 use inbox_redis_streams::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use inbox_redis_streams::redis::streams::StreamInfoGroupsReply;
 use inbox_redis_streams::redis::{self, AsyncCommands};
@@ -21,6 +21,7 @@ const ZOMBIE_CLAIM_IDLE: Duration = Duration::from_secs(3);
 pub(crate) struct Redis {
     url: String,
     conn: ConnectionManager,
+    producer: RedisStreamProducer,
 }
 
 impl Redis {
@@ -36,7 +37,15 @@ impl Redis {
         let conn = ConnectionManager::new_with_config(client, config)
             .await
             .map_err(unreachable)?;
-        Ok(Self { url, conn })
+        let producer = RedisStreamProducer::builder()
+            .connection_manager(conn.clone())
+            .connect()
+            .await?;
+        Ok(Self {
+            url,
+            conn,
+            producer,
+        })
     }
 }
 
@@ -52,10 +61,10 @@ impl Broker for Redis {
     }
 
     async fn publish(&self, name: &str, events: &[Outgoing]) -> Result<(), BoxError> {
-        let producer = RedisStreamProducer::with_connection(self.conn.clone(), name);
         for event in events {
-            producer
-                .send_with_id(&MessageId::new(event.id.clone())?, &event.payload)
+            let id = MessageId::new(event.id.clone())?;
+            self.producer
+                .send_with_id(name, &id, &event.payload)
                 .await?;
         }
         Ok(())
@@ -76,13 +85,13 @@ impl Broker for Redis {
         // A stable name per member: a restarted consumer rereads its own pending entries.
         let mut builder = RedisStreamSource::builder(spec.name.clone(), GROUP)
             .consumer_name(format!("wallet-{}", spec.member))
-            .block(Duration::from_millis(500))
+            .poll_timeout(Duration::from_millis(500))
             .claim_idle(claim_idle)
             .claim_interval(Duration::from_secs(1));
         if spec.variant.auto_ack() {
             builder = builder.ack_mode(AckMode::NoAck);
         }
-        let source = builder.connect(&self.url).await?;
+        let source = builder.url(&self.url).connect().await?;
         crate::ready();
         Ok(consume::run(source, spec, db, watch, shutdown).await?)
     }

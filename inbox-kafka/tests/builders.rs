@@ -1,0 +1,175 @@
+//! How a source and a producer are built and what they report: the brokers come from
+//! `KAFKA_BROKERS` unless the builder names them, the capabilities match what deliveries carry,
+//! and one producer sends to any topic.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use common::*;
+use inbox_core::{Ack, Delivery, MessageId, MessageSource, OutgoingMessage, Publish};
+use inbox_kafka::{brokers_from_env, KafkaAck, KafkaSource};
+
+/// Set in the child process of [`a_source_without_brokers_uses_kafka_brokers`]: the topic it
+/// reads.
+const CHILD_TOPIC: &str = "INBOX_TEST_CHILD_TOPIC";
+/// The brokers that do run, for the child (whose `KAFKA_BROKERS` points nowhere).
+const REAL_BROKERS: &str = "INBOX_TEST_REAL_BROKERS";
+
+/// Receives until `n` deliveries arrived or [`WAIT`] passed.
+async fn receive(source: &mut KafkaSource, n: usize) -> Vec<Delivery<KafkaAck>> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut out = Vec::new();
+    while out.len() < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} of {n} received",
+            out.len()
+        );
+        out.extend(source.receive(n - out.len()).await.expect("receives"));
+    }
+    out
+}
+
+/// The test runs itself again in a child process with `KAFKA_BROKERS` set to a port nothing
+/// listens on (the environment of a running test cannot be changed safely). There, a source
+/// built without `brokers` fails its first receive naming that address, and one built with
+/// `brokers` reads.
+#[tokio::test]
+async fn a_source_without_brokers_uses_kafka_brokers() {
+    if let Ok(topic) = std::env::var(CHILD_TOPIC) {
+        child(&topic).await;
+        return;
+    }
+    if skip_on_mock("the child process reads the brokers, not the mock's control port") {
+        return;
+    }
+    let topic = topic(1).await;
+    let exe = std::env::current_exe().expect("the test binary");
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(exe)
+            .args([
+                "--exact",
+                "a_source_without_brokers_uses_kafka_brokers",
+                "--nocapture",
+            ])
+            .env(CHILD_TOPIC, &topic)
+            .env(REAL_BROKERS, brokers_from_env())
+            .env("KAFKA_BROKERS", "127.0.0.1:1")
+            .output()
+            .expect("the child runs")
+    })
+    .await
+    .expect("child task");
+    let shown = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "child failed:\n{shown}");
+    assert!(
+        shown.contains("1 passed"),
+        "the child ran no test:\n{shown}"
+    );
+}
+
+async fn child(topic: &str) {
+    let mut nowhere = KafkaSource::builder([topic], random("group"))
+        .operation_timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .expect("connect does not wait for the brokers");
+    let e = nowhere
+        .receive(1)
+        .await
+        .expect_err("nothing listens on KAFKA_BROKERS");
+    assert!(e.to_string().contains("127.0.0.1:1"), "{e}");
+
+    let real = std::env::var(REAL_BROKERS).expect("the parent sets it");
+    let mut given = KafkaSource::builder([topic], random("group"))
+        .brokers(real)
+        .poll_timeout(Duration::from_millis(200))
+        .connect()
+        .await
+        .expect("source");
+    given.receive(1).await.expect("the given brokers answer");
+}
+
+#[tokio::test]
+async fn capabilities_match_what_deliveries_carry() {
+    let topic = topic(1).await;
+    let producer = producer().await;
+    let id = producer.send(&topic, b"1").await.expect("sent");
+    let mut source = source(&topic, &random("group")).await;
+    let capabilities = source.capabilities();
+    assert!(capabilities.lanes());
+    assert!(!capabilities.delivery_count());
+    assert!(!capabilities.delayed_nack());
+
+    let first = receive(&mut source, 1).await.remove(0);
+    assert_eq!(first.message.id.as_ref().ok(), Some(&id));
+    // Lanes: every delivery carries its partition.
+    assert_eq!(
+        first.message.meta.lane.as_deref(),
+        Some(format!("{topic}[0]").as_str())
+    );
+    // No delivery count: a first delivery does not carry one.
+    assert_eq!(first.message.meta.delivery_count, None);
+
+    // No delayed nack: the record is back long before the minute asked for.
+    first.ack.nack(Duration::from_secs(60)).await.expect("nack");
+    let started = tokio::time::Instant::now();
+    let again = receive(&mut source, 1).await.remove(0);
+    assert!(started.elapsed() < Duration::from_secs(30));
+    assert_eq!(again.message.id.as_ref().ok(), Some(&id));
+    assert!(again.message.meta.redelivered);
+    assert_eq!(
+        again.message.meta.lane.as_deref(),
+        Some(format!("{topic}[0]").as_str())
+    );
+    again.ack.ack().await.expect("ack");
+}
+
+#[tokio::test]
+async fn one_producer_sends_to_two_topics() {
+    let (a, b) = (topic(1).await, topic(1).await);
+    let producer = producer().await;
+    let mut sent = BTreeSet::new();
+    let generated = producer.send(&a, b"a1").await.expect("send");
+    sent.insert((a.clone(), generated.to_string(), "a1".to_owned()));
+    let given = MessageId::generate();
+    producer
+        .send_with_id(&b, &given, b"b1")
+        .await
+        .expect("send_with_id");
+    sent.insert((b.clone(), given.to_string(), "b1".to_owned()));
+    for (topic, payloads) in [(&a, ["a2", "a3"]), (&b, ["b2", "b3"])] {
+        let batch: Vec<OutgoingMessage> = payloads
+            .iter()
+            .map(|p| OutgoingMessage::new(MessageId::generate(), p.as_bytes()))
+            .collect();
+        producer
+            .send_batch(topic, &batch)
+            .await
+            .expect("send_batch");
+        for (message, payload) in batch.iter().zip(payloads) {
+            sent.insert((topic.clone(), message.id.to_string(), payload.to_owned()));
+        }
+    }
+
+    let mut source = KafkaSource::builder([&a, &b], random("group"))
+        .poll_timeout(Duration::from_millis(500))
+        .connect()
+        .await
+        .expect("source");
+    let mut received = BTreeSet::new();
+    for delivery in receive(&mut source, sent.len()).await {
+        let m = &delivery.message;
+        let id = m.id.as_ref().expect("an ID").to_string();
+        let payload = String::from_utf8(m.payload.clone()).expect("UTF-8");
+        received.insert((m.meta.source.clone(), id, payload));
+        delivery.ack.ack().await.expect("ack");
+    }
+    assert_eq!(received, sent);
+}

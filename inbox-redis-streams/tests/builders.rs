@@ -1,0 +1,177 @@
+//! How a source and a producer are built and what they report: Redis is found at `REDIS_URL`
+//! unless the builder names it, the capabilities match what deliveries carry, and one producer
+//! sends to any stream.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use common::*;
+use inbox_core::{Ack, Delivery, MessageId, MessageSource, OutgoingMessage, Publish};
+use inbox_redis_streams::{RedisStreamAck, RedisStreamProducer, RedisStreamSource};
+
+/// Set in the child process of [`builders_without_an_address_use_redis_url`]: the stream it
+/// reads.
+const CHILD_STREAM: &str = "INBOX_TEST_CHILD_STREAM";
+/// The Redis that does run, for the child (whose `REDIS_URL` points nowhere).
+const REAL_URL: &str = "INBOX_TEST_REAL_REDIS_URL";
+
+/// Receives until `n` deliveries arrived, for at most 30 s.
+async fn receive(source: &mut RedisStreamSource, n: usize) -> Vec<Delivery<RedisStreamAck>> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut out = Vec::new();
+    while out.len() < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} of {n} received",
+            out.len()
+        );
+        out.extend(source.receive(n - out.len()).await.expect("receives"));
+    }
+    out
+}
+
+/// The test runs itself again in a child process with `REDIS_URL` set to a port nothing listens
+/// on (the environment of a running test cannot be changed safely). There, a source and a
+/// producer built without `url` fail to connect naming that address, and with `url` connect.
+#[tokio::test]
+async fn builders_without_an_address_use_redis_url() {
+    if let Ok(stream) = std::env::var(CHILD_STREAM) {
+        child(&stream).await;
+        return;
+    }
+    let stream = stream_key("env");
+    let to_child = stream.clone();
+    let exe = std::env::current_exe().expect("the test binary");
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(exe)
+            .args([
+                "--exact",
+                "builders_without_an_address_use_redis_url",
+                "--nocapture",
+            ])
+            .env(CHILD_STREAM, to_child)
+            .env(REAL_URL, redis_url())
+            .env("REDIS_URL", "redis://127.0.0.1:1")
+            .output()
+            .expect("the child runs")
+    })
+    .await
+    .expect("child task");
+    let shown = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "child failed:\n{shown}");
+    assert!(
+        shown.contains("1 passed"),
+        "the child ran no test:\n{shown}"
+    );
+    cleanup(&stream).await;
+}
+
+async fn child(stream: &str) {
+    let e = RedisStreamSource::builder(stream, GROUP)
+        .operation_timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .expect_err("nothing listens at REDIS_URL");
+    assert!(e.to_string().contains("127.0.0.1:1"), "{e}");
+    let e = RedisStreamProducer::builder()
+        .operation_timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .expect_err("nothing listens at REDIS_URL");
+    assert!(e.to_string().contains("127.0.0.1:1"), "{e}");
+
+    let real = std::env::var(REAL_URL).expect("the parent sets it");
+    RedisStreamSource::builder(stream, GROUP)
+        .url(&real)
+        .connect()
+        .await
+        .expect("the given URL answers");
+    RedisStreamProducer::builder()
+        .url(&real)
+        .connect()
+        .await
+        .expect("the given URL answers");
+}
+
+#[tokio::test]
+async fn capabilities_match_what_deliveries_carry() {
+    let stream = stream_key("capabilities");
+    let producer = producer().await;
+    let mut source = builder(&stream, "c1")
+        .claim_idle(Duration::from_millis(300))
+        .claim_interval(Duration::from_millis(100))
+        .connect()
+        .await
+        .expect("source connects");
+    let capabilities = source.capabilities();
+    assert!(capabilities.delivery_count());
+    assert!(!capabilities.lanes());
+    assert!(!capabilities.delayed_nack());
+
+    let id = producer.send(&stream, b"1").await.expect("send");
+    let first = receive(&mut source, 1).await.remove(0);
+    assert_eq!(first.message.id.as_ref().ok(), Some(&id));
+    // Delivery count: a first delivery carries 1.
+    assert_eq!(first.message.meta.delivery_count, Some(1));
+    // No lanes.
+    assert_eq!(first.message.meta.lane, None);
+
+    // No delayed nack: the entry is back after `claim_idle`, long before the minute asked for,
+    // counted as a second delivery.
+    first.ack.nack(Duration::from_secs(60)).await.expect("nack");
+    let again = receive(&mut source, 1).await.remove(0);
+    assert_eq!(again.message.id.as_ref().ok(), Some(&id));
+    assert_eq!(again.message.meta.delivery_count, Some(2));
+    assert!(again.message.meta.redelivered);
+    again.ack.ack().await.expect("ack");
+    assert_eq!(pending(&stream).await, 0);
+    cleanup(&stream).await;
+}
+
+#[tokio::test]
+async fn one_producer_sends_to_two_streams() {
+    let (a, b) = (stream_key("two-a"), stream_key("two-b"));
+    let producer = producer().await;
+    let mut sent = BTreeSet::new();
+    let generated = producer.send(&a, b"a1").await.expect("send");
+    sent.insert((a.clone(), generated.to_string(), "a1".to_owned()));
+    let given = MessageId::generate();
+    producer
+        .send_with_id(&b, &given, b"b1")
+        .await
+        .expect("send_with_id");
+    sent.insert((b.clone(), given.to_string(), "b1".to_owned()));
+    for (stream, payloads) in [(&a, ["a2", "a3"]), (&b, ["b2", "b3"])] {
+        let batch: Vec<OutgoingMessage> = payloads
+            .iter()
+            .map(|p| OutgoingMessage::new(MessageId::generate(), p.as_bytes()))
+            .collect();
+        producer
+            .send_batch(stream, &batch)
+            .await
+            .expect("send_batch");
+        for (message, payload) in batch.iter().zip(payloads) {
+            sent.insert((stream.clone(), message.id.to_string(), payload.to_owned()));
+        }
+    }
+
+    let mut received = BTreeSet::new();
+    for stream in [&a, &b] {
+        let mut source = source(stream, "c1").await;
+        for delivery in receive(&mut source, 3).await {
+            let m = &delivery.message;
+            let id = m.id.as_ref().expect("an ID").to_string();
+            let payload = String::from_utf8(m.payload.clone()).expect("UTF-8");
+            received.insert((m.meta.source.clone(), id, payload));
+            delivery.ack.ack().await.expect("ack");
+        }
+        cleanup(stream).await;
+    }
+    assert_eq!(received, sent);
+}
