@@ -22,7 +22,8 @@ pub struct KafkaAck(Inner);
 
 enum Inner {
     Tracked(AckTarget),
-    /// [`AckMode::AutoCommit`](crate::AckMode::AutoCommit): the client commits on its timer.
+    /// `AckMode::AutoCommit` (feature `never-in-production`): the client commits on its timer.
+    #[cfg_attr(not(feature = "never-in-production"), allow(dead_code))]
     AutoCommit,
 }
 
@@ -54,6 +55,7 @@ impl KafkaAck {
         Self(Inner::Tracked(target))
     }
 
+    #[cfg_attr(not(feature = "never-in-production"), allow(dead_code))]
     pub(crate) fn auto_commit() -> Self {
         Self(Inner::AutoCommit)
     }

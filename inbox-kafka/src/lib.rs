@@ -103,8 +103,9 @@
 //!   the topic, if one does not (or creates it, with
 //!   [`KafkaSourceBuilder::create_dead_letter_topics`]): a record that cannot be parked would
 //!   otherwise be handed back and fail again, stalling its partition.
-//! - [`AckMode::AutoCommit`] exists only to measure the anti-pattern: offsets stored on receipt
-//!   and committed by the client's timer lose messages on a crash.
+//! - `AckMode::AutoCommit` exists only to measure the anti-pattern, with the feature
+//!   `never-in-production`: offsets stored on receipt and committed by the client's timer lose
+//!   messages on a crash.
 //!
 //! # Batches, order and parallelism
 //!

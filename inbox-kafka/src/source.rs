@@ -192,6 +192,7 @@ impl KafkaSource {
                 };
                 (KafkaAck::tracked(target), tracked.delivery_count)
             }
+            #[cfg(feature = "never-in-production")]
             AckMode::AutoCommit => (KafkaAck::auto_commit(), 1),
         };
         let message = Message {

@@ -8,15 +8,15 @@ use tracing::debug;
 
 use crate::config::Settings;
 use crate::connection::Conn;
-use crate::{AckMode, Error, Result};
+use crate::{Error, Result};
 
 /// Acknowledges one stream entry: `XACK <stream> <group> <entry ID>`, which removes it from the
 /// group's pending list.
 ///
 /// [`Ack::nack`] leaves the entry pending: Redis cannot delay a redelivery, so the entry comes
 /// back once it has been idle for `claim_idle`, through `XAUTOCLAIM` (by this consumer or
-/// another), with its delivery count raised. In [`AckMode::NoAck`] both do nothing: Redis forgot
-/// the entry when it handed it out.
+/// another), with its delivery count raised. In `AckMode::NoAck` (feature
+/// `never-in-production`) both do nothing: Redis forgot the entry when it handed it out.
 #[derive(Debug)]
 pub struct RedisStreamAck {
     conn: Conn,
@@ -41,7 +41,7 @@ impl RedisStreamAck {
 
 /// One `XACK` for many entries of one stream and group.
 pub(crate) async fn xack(conn: &mut Conn, s: &Settings, ids: &[String]) -> Result<()> {
-    if ids.is_empty() || s.ack_mode == AckMode::NoAck {
+    if ids.is_empty() || s.ack_mode.forgets_on_delivery() {
         return Ok(());
     }
     let mut cmd = redis::cmd("XACK");

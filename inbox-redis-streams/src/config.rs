@@ -17,8 +17,24 @@ pub enum AckMode {
     AfterCommit,
     /// **The anti-pattern, kept only to demonstrate its losses.** Entries are read with
     /// `XREADGROUP … NOACK`: Redis forgets them on delivery, so the ack does nothing and an entry
-    /// whose process dies before the commit is lost for good (at-most-once).
+    /// whose process dies before the commit is lost for good (at-most-once). Exists only with
+    /// the crate feature `never-in-production`.
+    #[cfg(feature = "never-in-production")]
     NoAck,
+}
+
+impl AckMode {
+    /// Entries are read with `NOACK`: Redis forgets them on delivery.
+    #[cfg(feature = "never-in-production")]
+    pub(crate) fn forgets_on_delivery(self) -> bool {
+        self == Self::NoAck
+    }
+
+    /// Entries are read with `NOACK`: never without the feature `never-in-production`.
+    #[cfg(not(feature = "never-in-production"))]
+    pub(crate) fn forgets_on_delivery(self) -> bool {
+        false
+    }
 }
 
 /// Everything a source and its acks need to know, shared between them.

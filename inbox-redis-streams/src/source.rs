@@ -15,7 +15,7 @@ use tracing::{debug, error, info, warn};
 use crate::config::{RedisStreamSourceBuilder, Settings};
 use crate::connection::Conn;
 use crate::reply::{self, Entry, Fields};
-use crate::{AckMode, Error, RedisStreamAck, Result, PAYLOAD_FIELD};
+use crate::{Error, RedisStreamAck, Result, PAYLOAD_FIELD};
 
 mod claim;
 
@@ -189,7 +189,7 @@ impl RedisStreamSource {
         if let Some(block) = block {
             cmd.arg("BLOCK").arg(block.as_millis().max(1) as u64);
         }
-        if s.ack_mode == AckMode::NoAck {
+        if s.ack_mode.forgets_on_delivery() {
             cmd.arg("NOACK");
         }
         cmd.arg("STREAMS").arg(&s.stream).arg(after);
@@ -442,7 +442,7 @@ mod tests {
             poll_timeout: Duration::from_millis(10),
             claim_idle: Duration::from_secs(1),
             claim_interval: Duration::from_secs(1),
-            ack_mode: AckMode::AfterCommit,
+            ack_mode: crate::AckMode::AfterCommit,
         }
     }
 
