@@ -4,9 +4,9 @@
 mod common; // the wallet table, the events and the check, shared by the four examples
 
 use common::{BoxError, Wallet};
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish};
 use inbox_postgres::PgTx;
-use inbox_rabbitmq::{RabbitConfig, RabbitPublisher, RabbitSource};
+use inbox_rabbitmq::{RabbitProducer, RabbitSource};
 
 struct Credit;
 
@@ -26,12 +26,12 @@ impl Handler<PgTx> for Credit {
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let wallet = Wallet::open().await?;
-    // AMQP_URL, and a queue of the example's own.
-    let config = RabbitConfig::from_env(format!("inbox-example-{}", uuid::Uuid::new_v4()));
-    let source = RabbitSource::connect(config.clone()).await?; // declares the queue and its .dlq
-    let publisher = RabbitPublisher::connect(config.url(), config.queue()).await?;
+    // The broker from AMQP_URL (else the local default), and a queue of the example's own.
+    let queue = format!("inbox-example-{}", uuid::Uuid::new_v4());
+    let source = RabbitSource::builder(&queue).connect().await?; // declares the queue and its .dlq
+    let producer = RabbitProducer::builder().connect().await?;
     for (id, body) in wallet.sends() {
-        publisher.publish_with_id(&id, body.as_bytes()).await?;
+        producer.send_with_id(&queue, &id, body.as_bytes()).await?;
     }
 
     let consumer = Consumer::new("example-credits", source, wallet.inbox.clone(), Credit);

@@ -6,7 +6,7 @@ mod common; // the wallet table, the events and the check, shared by the four ex
 use common::{BoxError, Wallet};
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
 use inbox_postgres::PgTx;
-use inbox_sqs::{Outgoing, SqsSender, SqsSource};
+use inbox_sqs::{Outgoing, SqsProducer, SqsSource};
 
 struct Credit;
 
@@ -31,12 +31,17 @@ async fn main() -> Result<(), BoxError> {
     let name = format!("inbox-example-{}", uuid::Uuid::new_v4());
     let created = client.create_queue().queue_name(name).send().await?;
     let queue = created.queue_url().ok_or("CreateQueue returned no URL")?;
-    let sender = SqsSender::new(client.clone(), queue);
+    let producer = SqsProducer::builder()
+        .client(client.clone())
+        .connect()
+        .await?;
     for (id, body) in wallet.sends() {
-        sender.send_message(&Outgoing::with_id(id, body)).await?;
+        producer
+            .send_message(queue, &Outgoing::with_id(id, body))
+            .await?;
     }
 
-    let source = SqsSource::builder(client, queue).build().await?;
+    let source = SqsSource::builder(queue).client(client).connect().await?;
     let consumer = Consumer::new("example-credits", source, wallet.inbox.clone(), Credit);
     wallet.run_and_check(consumer).await
 }

@@ -57,8 +57,8 @@ pub const OUTBOX_ERRORS_COUNTER: &str = "inbox_outbox_errors_total";
 ///     }
 /// }
 ///
-/// /// `source`: any adapter's source; `publisher`: a `KafkaProducer`, `SqsSender`,
-/// /// `RabbitPublisher` or `RedisStreamProducer` for `shipments`, or `Destinations` of several.
+/// /// `source`: any adapter's source; `publisher`: a `KafkaProducer`, `SqsProducer`,
+/// /// `RabbitProducer` or `RedisStreamProducer`, or `Destinations` of several.
 /// async fn run(
 ///     source: impl MessageSource,
 ///     publisher: impl Publish + 'static,

@@ -243,8 +243,9 @@ pub(crate) mod tests {
     use tokio::time::Instant;
 
     use super::*;
-    use crate::{RabbitConfig, RabbitPublisher, RabbitSource};
+    use crate::{RabbitProducer, RabbitSource};
     use inbox_core::MessageSource;
+    use inbox_core::Publish;
 
     /// A point where a test stops a task and runs something else before letting it go on.
     #[derive(Debug, Default)]
@@ -273,19 +274,25 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn a_batch_ack_never_settles_a_delivery_whose_nack_is_not_yet_sent() {
         let queue = format!("inbox-test-nackrace-{}", uuid::Uuid::new_v4().simple());
-        let config = RabbitConfig::from_env(queue)
+        let config = RabbitSource::builder(queue)
             .prefetch(10)
             .poll_timeout(Duration::from_millis(500));
         config.declare_topology().await.unwrap();
-        let publisher = RabbitPublisher::connect(config.url(), config.queue())
+        let producer = RabbitProducer::builder()
+            .url(config.broker_url())
+            .connect()
             .await
             .unwrap();
         for i in 0..3 {
-            publisher.publish(format!("m{i}").as_bytes()).await.unwrap();
+            let payload = format!("m{i}");
+            producer
+                .send(config.queue(), payload.as_bytes())
+                .await
+                .unwrap();
         }
-        publisher.close().await;
+        producer.close().await;
 
-        let mut source = RabbitSource::connect(config.clone()).await.unwrap();
+        let mut source = config.clone().connect().await.unwrap();
         let mut deliveries = Vec::new();
         while deliveries.len() < 3 {
             deliveries.extend(source.receive(3).await.unwrap());
@@ -318,7 +325,7 @@ pub(crate) mod tests {
             d.ack.ack().await.unwrap();
         }
         source.close().await;
-        let connection = crate::connect::open(config.url(), "inbox-test cleanup", None)
+        let connection = crate::connect::open(config.broker_url(), "inbox-test cleanup", None)
             .await
             .unwrap();
         let channel = connection.create_channel().await.unwrap();

@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::short_string::short_string;
 use crate::{Error, Result};
 
-/// The default broker address, also used when `AMQP_URL` is unset.
+/// The broker address a source or producer uses when neither `url(..)` nor `AMQP_URL` names one.
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 /// The smallest prefetch window when it follows the batch size.
@@ -16,7 +16,7 @@ const MIN_PREFETCH: u16 = 20;
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum IdField {
-    /// The AMQP `message_id` property (the default; what [`RabbitPublisher`](crate::RabbitPublisher)
+    /// The AMQP `message_id` property (the default; what [`RabbitProducer`](crate::RabbitProducer)
     /// sets).
     MessageIdProperty,
     /// A header: text, bytes or an integer (written in decimal).
@@ -49,24 +49,31 @@ pub enum AckMode {
     NoAck,
 }
 
-/// How a [`RabbitSource`](crate::RabbitSource) connects, what it consumes and what topology it
-/// expects.
+/// Configures a [`RabbitSource`](crate::RabbitSource): how it connects, what it consumes and
+/// what topology it expects. Made by [`RabbitSource::builder`](crate::RabbitSource::builder),
+/// finished by [`connect`](Self::connect).
 ///
-/// ```
+/// ```no_run
+/// # async fn run() -> Result<(), inbox_rabbitmq::Error> {
 /// use std::time::Duration;
-/// use inbox_rabbitmq::RabbitConfig;
+/// use inbox_rabbitmq::RabbitSource;
 ///
-/// let config = RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f", "payments")
+/// // The broker from `AMQP_URL` (default `DEFAULT_AMQP_URL`) unless `.url(..)` names one.
+/// let builder = RabbitSource::builder("payments")
 ///     .prefetch(50)
 ///     .id_header("event_id")
 ///     .delivery_limit(10)
 ///     .poll_timeout(Duration::from_millis(500));
-/// assert_eq!(config.dead_letter_queue(), "payments.dlq");
+/// assert_eq!(builder.dead_letter_queue(), "payments.dlq");
+/// let source = builder.connect().await?; // declares `payments` and `payments.dlq`
+/// # Ok(())
+/// # }
 /// ```
 ///
 /// Its `Debug` output shows the URL with the password as `***`.
 #[derive(Clone)]
-pub struct RabbitConfig {
+#[must_use = "a builder does nothing until `connect` is awaited"]
+pub struct RabbitSourceBuilder {
     pub(crate) url: String,
     pub(crate) queue: String,
     /// `None`: follow the consumer's batch size.
@@ -82,9 +89,9 @@ pub struct RabbitConfig {
     pub(crate) heartbeat: Option<Duration>,
 }
 
-impl std::fmt::Debug for RabbitConfig {
+impl std::fmt::Debug for RabbitSourceBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RabbitConfig")
+        f.debug_struct("RabbitSourceBuilder")
             .field("url", &inbox_core::redact_url(&self.url))
             .field("queue", &self.queue)
             .field("prefetch", &self.prefetch)
@@ -101,10 +108,17 @@ impl std::fmt::Debug for RabbitConfig {
     }
 }
 
-impl RabbitConfig {
-    /// Consumes `queue` on the broker at `url` (`amqp://user:pass@host:port/vhost`; `amqps://`
-    /// needs the `rustls` or `native-tls` feature).
-    pub fn new(url: impl Into<String>, queue: impl Into<String>) -> Self {
+/// The broker address from `AMQP_URL`, or [`DEFAULT_AMQP_URL`].
+pub(crate) fn url_from_env() -> String {
+    std::env::var("AMQP_URL")
+        .ok()
+        .filter(|url| !url.is_empty())
+        .unwrap_or_else(|| DEFAULT_AMQP_URL.to_owned())
+}
+
+impl RabbitSourceBuilder {
+    /// Consumes `queue` on the broker at `url`.
+    pub(crate) fn new(url: impl Into<String>, queue: impl Into<String>) -> Self {
         Self {
             url: url.into(),
             queue: queue.into(),
@@ -121,10 +135,11 @@ impl RabbitConfig {
         }
     }
 
-    /// Consumes `queue` on the broker named by `AMQP_URL`, or [`DEFAULT_AMQP_URL`].
-    pub fn from_env(queue: impl Into<String>) -> Self {
-        let url = std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned());
-        Self::new(url, queue)
+    /// The broker to connect to (`amqp://user:pass@host:port/vhost`; `amqps://` needs the
+    /// `rustls` or `native-tls` feature), instead of `AMQP_URL` or [`DEFAULT_AMQP_URL`].
+    pub fn url(mut self, url: impl Into<String>) -> Self {
+        self.url = url.into();
+        self
     }
 
     /// Unacked deliveries the broker sends ahead (`basic.qos`, per consumer). By default it
@@ -236,8 +251,10 @@ impl RabbitConfig {
         self
     }
 
-    /// The broker address.
-    pub fn url(&self) -> &str {
+    /// The broker address it connects to: the one set with [`url`](Self::url), else
+    /// `AMQP_URL` (read by [`RabbitSource::builder`](crate::RabbitSource::builder)), else
+    /// [`DEFAULT_AMQP_URL`].
+    pub fn broker_url(&self) -> &str {
         &self.url
     }
 
@@ -251,8 +268,8 @@ impl RabbitConfig {
         format!("{}.dlq", self.queue)
     }
 
-    /// The connection name in use: the one set with [`RabbitConfig::connection_name`], or the
-    /// default.
+    /// The connection name in use: the one set with [`connection_name`](Self::connection_name),
+    /// or the default.
     pub fn effective_connection_name(&self) -> String {
         self.connection_name
             .clone()
@@ -322,11 +339,13 @@ mod tests {
 
     #[test]
     fn bad_settings_are_refused_with_the_fix() {
-        let ok = RabbitConfig::new(DEFAULT_AMQP_URL, "q");
+        let ok = RabbitSourceBuilder::new(DEFAULT_AMQP_URL, "q");
         assert!(ok.check().is_ok());
         let e = ok.clone().prefetch(0).check().unwrap_err().to_string();
         assert!(e.contains("at least 1"), "{e}");
-        assert!(RabbitConfig::new(DEFAULT_AMQP_URL, "").check().is_err());
+        assert!(RabbitSourceBuilder::new(DEFAULT_AMQP_URL, "")
+            .check()
+            .is_err());
         assert!(ok.clone().id_header("").check().is_err());
         assert!(ok.clone().delivery_limit(0).check().is_err());
         assert!(ok

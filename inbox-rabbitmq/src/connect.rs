@@ -64,12 +64,13 @@ mod tests {
 
     #[test]
     fn config_debug_output_hides_the_password() {
-        let config = crate::RabbitConfig::new("amqp://app:hunter2@broker:5672/%2f", "payments");
+        let config =
+            crate::RabbitSource::builder("payments").url("amqp://app:hunter2@broker:5672/%2f");
         let shown = format!("{config:?}");
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("amqp://app:***@broker:5672/%2f"), "{shown}");
         assert!(shown.contains("payments"), "{shown}");
         // The password is still what connects.
-        assert_eq!(config.url(), "amqp://app:hunter2@broker:5672/%2f");
+        assert_eq!(config.broker_url(), "amqp://app:hunter2@broker:5672/%2f");
     }
 }

@@ -6,8 +6,8 @@ use std::time::Duration;
 use lapin::options::ConfirmSelectOptions;
 use lapin::{BasicProperties, Channel, Connection};
 
-use crate::publish::publish_confirmed;
-use crate::{connect, Error, RabbitConfig, Result};
+use crate::producer::publish_confirmed;
+use crate::{connect, Error, RabbitSourceBuilder, Result};
 
 /// The dead-letter publisher of one [`RabbitSource`](crate::RabbitSource).
 ///
@@ -33,7 +33,7 @@ impl fmt::Debug for DeadLetters {
 }
 
 impl DeadLetters {
-    pub(crate) fn new(config: &RabbitConfig) -> Self {
+    pub(crate) fn new(config: &RabbitSourceBuilder) -> Self {
         Self {
             url: config.url.clone(),
             name: format!("{} dead letters", config.effective_connection_name()),

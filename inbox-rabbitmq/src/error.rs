@@ -26,7 +26,7 @@ pub enum Error {
         routing_key: String,
     },
     /// A mandatory publish found no queue: the topology is missing.
-    #[error("no queue is bound to routing key `{routing_key}` on exchange `{exchange}`; declare the topology first (RabbitConfig::declare_topology)")]
+    #[error("no queue is bound to routing key `{routing_key}` on exchange `{exchange}`; declare the topology first (RabbitSource::builder(queue).declare_topology())")]
     Unroutable {
         /// The exchange published to (`""` is the default exchange).
         exchange: String,
@@ -34,7 +34,7 @@ pub enum Error {
         routing_key: String,
     },
     /// The broker did not confirm a dead-letter publish within
-    /// [`RabbitConfig::operation_timeout`](crate::RabbitConfig::operation_timeout), most often
+    /// [`operation_timeout`](crate::RabbitSourceBuilder::operation_timeout), most often
     /// because a memory or disk alarm blocks publishers. The message is handed back and
     /// dead-lettered again later; the unconfirmed copy may still arrive, so the dead-letter
     /// queue can hold it twice.
@@ -46,7 +46,7 @@ pub enum Error {
         waited: std::time::Duration,
     },
     /// Connecting (TCP, the AMQP handshake, the channel, the topology, `basic.consume`) took
-    /// longer than [`RabbitConfig::operation_timeout`](crate::RabbitConfig::operation_timeout):
+    /// longer than [`operation_timeout`](crate::RabbitSourceBuilder::operation_timeout):
     /// the broker accepted the connection and then did not answer (a hung node, a network
     /// dropping packets). The consumer tries again after its backoff.
     #[error("RabbitMQ at {url} did not complete the connection (handshake, channel, topology, consume) within {waited:?}; the broker hangs or the network drops packets; reconnecting")]
@@ -58,7 +58,7 @@ pub enum Error {
     },
     /// A queue the source needs does not exist, and [`Topology::Expect`](crate::Topology::Expect)
     /// does not create it.
-    #[error("{role} `{queue}` does not exist on the broker; declare it (RabbitConfig::declare_topology does, and so does a source with Topology::Declare) or fix the queue name")]
+    #[error("{role} `{queue}` does not exist on the broker; declare it (RabbitSource::builder(queue).declare_topology() does, and so does a source with Topology::Declare) or fix the queue name")]
     MissingQueue {
         /// `queue` or `dead-letter queue`.
         role: &'static str,

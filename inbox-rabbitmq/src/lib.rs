@@ -2,13 +2,14 @@
 //!
 //! [`RabbitSource`] consumes a quorum queue with manual acks and hands each delivery to
 //! [`inbox_core::Consumer`], which claims the message ID, runs your handler and commits in one
-//! database transaction, and only then acks. [`RabbitPublisher`] publishes persistent,
-//! broker-confirmed messages that carry a `message_id`.
+//! database transaction, and only then acks. [`RabbitProducer`] publishes persistent,
+//! broker-confirmed messages that carry a `message_id`, to any queue, through
+//! [`inbox_core::Publish`].
 //!
 //! ```no_run
-//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish};
 //! use inbox_postgres::{PgInbox, PgTx};
-//! use inbox_rabbitmq::{RabbitConfig, RabbitPublisher, RabbitSource};
+//! use inbox_rabbitmq::{RabbitProducer, RabbitSource};
 //!
 //! /// Adds the amount in each message to account 1.
 //! struct Credit;
@@ -27,12 +28,15 @@
 //!
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! let config = RabbitConfig::from_env("wallet-credits").prefetch(50);
-//! let source = RabbitSource::connect(config.clone()).await?; // declares the queues
+//! // The broker from AMQP_URL (default DEFAULT_AMQP_URL) unless `.url(..)` names one.
+//! let source = RabbitSource::builder("wallet-credits")
+//!     .prefetch(50)
+//!     .connect() // declares the queues
+//!     .await?;
 //!
-//! let publisher = RabbitPublisher::connect(config.url(), config.queue()).await?;
-//! let id = publisher.publish(b"100").await?; // a UUIDv7 message_id, confirmed
-//! publisher.publish_with_id(&id, b"100").await?; // sent twice: applied once
+//! let producer = RabbitProducer::builder().connect().await?;
+//! let id = producer.send("wallet-credits", b"100").await?; // a UUIDv7 message_id, confirmed
+//! producer.send_with_id("wallet-credits", &id, b"100").await?; // sent twice: applied once
 //!
 //! let pool = sqlx::PgPool::connect("postgres://postgres:postgres@127.0.0.1:5432/inbox").await?;
 //! let inbox = PgInbox::new(pool);
@@ -59,17 +63,24 @@
 //! - `<queue>`: durable, `x-queue-type = quorum`, `x-dead-letter-exchange = ""` (the default
 //!   exchange), `x-dead-letter-routing-key = <queue>.dlq`, `x-dead-letter-strategy =
 //!   at-least-once` (with `x-overflow = reject-publish`, which that strategy requires), and
-//!   `x-delivery-limit` ([`RabbitConfig::delivery_limit`], default 20).
+//!   `x-delivery-limit` ([`RabbitSourceBuilder::delivery_limit`], default 20).
 //! - `<queue>.dlq`: durable, quorum.
+//!
+//! So with [`Topology::Declare`] the queue is a quorum queue and
+//! [`MessageSource::capabilities`](inbox_core::MessageSource::capabilities) reports a delivery
+//! count; with [`Topology::Expect`] the queue may be a classic one, whose redeliveries carry no
+//! count, and it reports none.
 //!
 //! Two paths lead to the dead-letter queue, both without loss:
 //! - the adapter's: a message with no usable ID, a permanent handler error, or a handler that
 //!   failed [`RetryPolicy::max_attempts`](inbox_core::RetryPolicy) times in a row is published
-//!   to `<queue>.dlq` with its body, properties and headers plus `x-inbox-reason` (why) and
-//!   `x-inbox-source-queue`, confirmed by the broker, and only then acked. It publishes on a
-//!   second connection (`<connection name> dead letters`): during a memory or disk alarm
-//!   RabbitMQ blocks every connection that publishes, and the consuming one must keep acking. A
-//!   publish not confirmed within [`RabbitConfig::operation_timeout`] (default 10 s) fails with
+//!   to `<queue>.dlq` with its body, properties and headers plus the headers named in
+//!   [`inbox_core::dead_letter`]: `reason` (why), `original_source` (the queue) and
+//!   `original_position` (connection, channel and delivery tag), confirmed by the broker, and
+//!   only then acked. It publishes on a second connection (`<connection name> dead letters`):
+//!   during a memory or disk alarm RabbitMQ blocks every connection that publishes, and the
+//!   consuming one must keep acking. A publish not confirmed within
+//!   [`RabbitSourceBuilder::operation_timeout`] (default 10 s) fails with
 //!   [`Error::ConfirmTimeout`], a [`Recovery::Retry`](inbox_core::Recovery): the message is
 //!   handed back and dead-lettered on a later delivery (the late copy may land too, so the
 //!   dead-letter queue can hold it twice);
@@ -97,11 +108,12 @@
 //!   consumes again.
 //! - **A connection that goes silent** (a partition, a black-holing firewall, a frozen broker)
 //!   is noticed by the AMQP heartbeat after about two intervals: set
-//!   [`RabbitConfig::heartbeat`] (the broker's default is 60 s, so about two minutes). Until
+//!   [`RabbitSourceBuilder::heartbeat`] (the broker's default is 60 s, so about two minutes).
+//!   Until
 //!   then acks are written into the dead socket and report success, though the broker never
 //!   sees them: those messages are redelivered once the broker drops the connection, and the
 //!   inbox skips them. A reconnect that reaches a broker that never answers gives up after
-//!   [`RabbitConfig::operation_timeout`] ([`Error::ConnectTimeout`]) and is tried again.
+//!   [`RabbitSourceBuilder::operation_timeout`] ([`Error::ConnectTimeout`]) and is tried again.
 //!   `tests/network_faults.rs` and `tests/broker_restart.rs` black-hole, cut and restart the
 //!   broker mid-stream and check that every event is applied once.
 //! - **Nack** (the core hands a message back after a store error) is a delayed requeue: a
@@ -136,17 +148,17 @@ mod config;
 mod connect;
 mod dead_letter;
 mod error;
-mod publish;
+mod producer;
 mod short_string;
 mod source;
 mod topology;
 
 pub use ack::RabbitAck;
-pub use config::{AckMode, IdField, RabbitConfig, Topology, DEFAULT_AMQP_URL};
+pub use config::{AckMode, IdField, RabbitSourceBuilder, Topology, DEFAULT_AMQP_URL};
 pub use error::{Error, Result};
 pub use lapin;
-pub use publish::RabbitPublisher;
-pub use source::{RabbitSource, REASON_HEADER, SOURCE_QUEUE_HEADER};
+pub use producer::{RabbitProducer, RabbitProducerBuilder};
+pub use source::RabbitSource;
 
 #[cfg(test)]
 mod tests {
@@ -159,8 +171,9 @@ mod tests {
     fn public_types_cross_threads() {
         send::<RabbitSource>();
         send_sync::<RabbitAck>();
-        send_sync::<RabbitPublisher>();
-        send_sync::<RabbitConfig>();
+        send_sync::<RabbitProducer>();
+        send_sync::<RabbitSourceBuilder>();
+        send_sync::<RabbitProducerBuilder>();
         send_sync::<Error>();
     }
 }

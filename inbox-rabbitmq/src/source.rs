@@ -4,28 +4,25 @@ use std::fmt;
 use std::sync::Arc;
 
 use futures_util::{FutureExt, StreamExt};
+use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{
-    async_trait, Delivery, IdError, Message, MessageSource, Metadata, Recent, SourceError,
+    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, Metadata, Recent,
+    SourceError,
 };
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::BasicProperties;
 
 use crate::ack::{Link, RabbitAck};
-use crate::config::IdField;
+use crate::config::{url_from_env, IdField};
 use crate::dead_letter::DeadLetters;
 use crate::short_string::short_string;
-use crate::{connect, topology, AckMode, Error, RabbitConfig, Result};
-
-/// The header the adapter adds to a dead-lettered message: why it was parked.
-pub const REASON_HEADER: &str = "x-inbox-reason";
-/// The header the adapter adds to a dead-lettered message: the queue it came from.
-pub const SOURCE_QUEUE_HEADER: &str = "x-inbox-source-queue";
+use crate::{connect, topology, AckMode, Error, RabbitSourceBuilder, Result, Topology};
 
 /// A RabbitMQ queue as an inbox [`MessageSource`]. See the crate docs for the topology and the
 /// ack semantics.
 pub struct RabbitSource {
-    config: RabbitConfig,
+    config: RabbitSourceBuilder,
     generation: u64,
     live: Option<Live>,
     dead_letters: DeadLetters,
@@ -54,15 +51,15 @@ impl fmt::Debug for RabbitSource {
     }
 }
 
-impl RabbitSource {
+impl RabbitSourceBuilder {
     /// Connects, declares (or checks) the topology and starts consuming. An error here is a
     /// configuration, permission or reachability problem; later connection losses are retried
     /// by [`MessageSource::receive`].
-    pub async fn connect(config: RabbitConfig) -> Result<Self> {
-        config.check()?;
-        let dead_letters = DeadLetters::new(&config);
-        let mut source = Self {
-            config,
+    pub async fn connect(self) -> Result<RabbitSource> {
+        self.check()?;
+        let dead_letters = DeadLetters::new(&self);
+        let mut source = RabbitSource {
+            config: self,
             generation: 0,
             live: None,
             dead_letters,
@@ -71,10 +68,25 @@ impl RabbitSource {
         source.open().await?;
         Ok(source)
     }
+}
 
-    /// The configuration.
-    pub fn config(&self) -> &RabbitConfig {
+impl RabbitSource {
+    /// Starts configuring a source that consumes `queue`, on the broker named by `AMQP_URL`
+    /// ([`DEFAULT_AMQP_URL`](crate::DEFAULT_AMQP_URL) when unset) unless
+    /// [`url`](RabbitSourceBuilder::url) names one; finish with
+    /// [`connect`](RabbitSourceBuilder::connect).
+    pub fn builder(queue: impl Into<String>) -> RabbitSourceBuilder {
+        RabbitSourceBuilder::new(url_from_env(), queue)
+    }
+
+    /// The settings it was built with (the broker, the queue, the connection name, ...).
+    pub fn settings(&self) -> &RabbitSourceBuilder {
         &self.config
+    }
+
+    /// The queue consumed.
+    pub fn queue(&self) -> &str {
+        &self.config.queue
     }
 
     /// Closes the connection now (the broker requeues unacked deliveries). Dropping the source
@@ -90,8 +102,8 @@ impl RabbitSource {
         let _ = tokio::time::timeout(waited, self.dead_letters.close()).await;
     }
 
-    /// Connects and starts consuming, within [`RabbitConfig::operation_timeout`]: a broker that
-    /// accepts the TCP connection and then says nothing would otherwise hold this forever.
+    /// Connects and starts consuming, within [`RabbitSourceBuilder::operation_timeout`]: a broker
+    /// that accepts the TCP connection and then says nothing would otherwise hold this forever.
     async fn open(&mut self) -> Result<()> {
         self.live = None;
         self.generation += 1;
@@ -106,7 +118,7 @@ impl RabbitSource {
         Ok(())
     }
 
-    async fn start(config: &RabbitConfig, generation: u64) -> Result<Live> {
+    async fn start(config: &RabbitSourceBuilder, generation: u64) -> Result<Live> {
         let connection = connect::open(
             &config.url,
             &config.effective_connection_name(),
@@ -128,7 +140,11 @@ impl RabbitSource {
     /// Starts consuming with a prefetch window for batches of `batch`. RabbitMQ fixes a
     /// consumer's window when it starts (a later per-consumer `basic.qos` applies only to
     /// consumers started after it), so this waits for the first receive to know the batch size.
-    async fn consume(config: &RabbitConfig, link: &Link, batch: usize) -> Result<lapin::Consumer> {
+    async fn consume(
+        config: &RabbitSourceBuilder,
+        link: &Link,
+        batch: usize,
+    ) -> Result<lapin::Consumer> {
         link.channel
             .basic_qos(
                 config.prefetch_for(batch),
@@ -240,6 +256,17 @@ impl MessageSource for RabbitSource {
         "rabbitmq"
     }
 
+    /// A delivery count with [`Topology::Declare`], which makes the queue a quorum queue (its
+    /// `x-delivery-count`); nothing with [`Topology::Expect`], whose queue may be a classic one,
+    /// where a redelivery carries no count. A nack requeues at once, after the wait in process,
+    /// so the broker holds nothing back: no delayed nack. One queue is one order: no lanes.
+    fn capabilities(&self) -> Capabilities {
+        match self.config.topology {
+            Topology::Declare => Capabilities::NONE.with_delivery_count(),
+            Topology::Expect => Capabilities::NONE,
+        }
+    }
+
     /// Waits up to the poll timeout for a first delivery, then takes whatever else is already
     /// buffered, up to `max`. The first receive starts the consumer, with a prefetch window for
     /// batches of `max` unless one was set. Cancel-safe: the only wait happens before any
@@ -296,10 +323,11 @@ impl MessageSource for RabbitSource {
     }
 
     /// Publishes the message to `<queue>.dlq` through the default exchange, with its original
-    /// body, properties and headers plus [`REASON_HEADER`] and [`SOURCE_QUEUE_HEADER`], and waits
-    /// for the publisher confirm, at most [`RabbitConfig::operation_timeout`]. It publishes on a
-    /// connection of its own, so a broker alarm, which blocks publishing connections, never
-    /// holds up the acks of the consuming one.
+    /// body, properties and headers plus the [`inbox_core::dead_letter`] headers (`reason`,
+    /// `original_source`: the queue, `original_position`: connection, channel and tag), and waits
+    /// for the publisher confirm, at most [`RabbitSourceBuilder::operation_timeout`]. It
+    /// publishes on a connection of its own, so a broker alarm, which blocks publishing
+    /// connections, never holds up the acks of the consuming one.
     async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
         let props = self
             .originals
@@ -308,8 +336,9 @@ impl MessageSource for RabbitSource {
             .unwrap_or_else(|| rebuilt_properties(message));
         let mut headers = props.headers().clone().unwrap_or_default();
         let text = |s: &str| AMQPValue::LongString(LongString::from(s.to_owned()));
-        headers.insert(REASON_HEADER.into(), text(reason));
-        headers.insert(SOURCE_QUEUE_HEADER.into(), text(&self.config.queue));
+        headers.insert(REASON.into(), text(reason));
+        headers.insert(ORIGINAL_SOURCE.into(), text(&self.config.queue));
+        headers.insert(ORIGINAL_POSITION.into(), text(&message.meta.position));
         let props = props.with_headers(headers).with_delivery_mode(2);
         let dlq = self.config.dead_letter_queue();
         self.dead_letters

@@ -19,10 +19,10 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Connection};
 
 use crate::short_string::short_string;
-use crate::{Error, RabbitConfig, Result, Topology};
+use crate::{Error, RabbitSourceBuilder, Result, Topology};
 
 /// The arguments of the consumed queue.
-pub(crate) fn queue_arguments(config: &RabbitConfig) -> FieldTable {
+pub(crate) fn queue_arguments(config: &RabbitSourceBuilder) -> FieldTable {
     let mut args = FieldTable::default();
     let text = |s: &str| AMQPValue::LongString(LongString::from(s.to_owned()));
     args.insert("x-queue-type".into(), text("quorum"));
@@ -54,7 +54,7 @@ fn dead_letter_arguments() -> FieldTable {
 pub(crate) async fn prepare(
     connection: &Connection,
     channel: &Channel,
-    config: &RabbitConfig,
+    config: &RabbitSourceBuilder,
 ) -> Result<()> {
     match config.topology {
         Topology::Declare => declare(channel, config).await,
@@ -65,7 +65,7 @@ pub(crate) async fn prepare(
     }
 }
 
-async fn declare(channel: &Channel, config: &RabbitConfig) -> Result<()> {
+async fn declare(channel: &Channel, config: &RabbitSourceBuilder) -> Result<()> {
     let dlq = config.dead_letter_queue();
     let options = QueueDeclareOptions {
         durable: true,
@@ -137,8 +137,8 @@ fn is_not_found(e: &lapin::Error) -> bool {
 }
 
 /// Declares the topology of `config` once, on a short-lived connection: for setup tools and for
-/// publishers that start before any consumer.
-async fn declare_once(config: &RabbitConfig) -> Result<()> {
+/// producers that start before any consumer.
+async fn declare_once(config: &RabbitSourceBuilder) -> Result<()> {
     config.check()?;
     let connection = crate::connect::open(
         &config.url,
@@ -156,11 +156,11 @@ async fn declare_once(config: &RabbitConfig) -> Result<()> {
     declared
 }
 
-impl RabbitConfig {
+impl RabbitSourceBuilder {
     /// Declares the queue and its dead-letter queue now, on a short-lived connection, whatever
-    /// [`RabbitConfig::topology`] says: for setup tools, and for producers that start before any
-    /// consumer. Idempotent.
-    /// Bounded by [`RabbitConfig::operation_timeout`], like the source's connect.
+    /// [`topology`](Self::topology) says: for setup tools, and for producers that start before
+    /// any consumer. Idempotent. Bounded by [`operation_timeout`](Self::operation_timeout), like
+    /// the source's connect.
     pub async fn declare_topology(&self) -> Result<()> {
         let waited = self.operation_timeout;
         tokio::time::timeout(waited, declare_once(self))

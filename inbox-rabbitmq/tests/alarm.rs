@@ -9,8 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::*;
-use inbox_core::{Ack, MessageSource, Recovery};
-use inbox_rabbitmq::RabbitSource;
+use inbox_core::{Ack, MessageSource, Publish, Recovery};
 
 fn rabbitmqctl(args: &[&str]) -> String {
     let output = Command::new("rabbitmqctl")
@@ -73,10 +72,10 @@ fn connection_state(name: &str) -> String {
 async fn a_dead_letter_during_a_memory_alarm_times_out_and_acks_keep_flowing() {
     let config = fresh_config("alarm").operation_timeout(Duration::from_secs(2));
     let publisher = publisher(&config).await;
-    publisher.publish(b"to park").await.unwrap();
-    publisher.publish(b"to ack").await.unwrap();
+    publisher.send(config.queue(), b"to park").await.unwrap();
+    publisher.send(config.queue(), b"to ack").await.unwrap();
     publisher.close().await;
-    let mut source = RabbitSource::connect(config.clone()).await.unwrap();
+    let mut source = config.clone().connect().await.unwrap();
     let mut deliveries = Vec::new();
     while deliveries.len() < 2 {
         deliveries.extend(source.receive(2).await.unwrap());

@@ -7,15 +7,16 @@ use std::time::Duration;
 
 use common::*;
 use inbox_conformance::{async_trait, DeadLetter, TestBroker, TestQueue};
+use inbox_core::dead_letter::REASON;
 use inbox_rabbitmq::lapin::BasicProperties;
-use inbox_rabbitmq::{RabbitConfig, RabbitPublisher, RabbitSource, REASON_HEADER};
+use inbox_rabbitmq::{RabbitProducer, RabbitSource, RabbitSourceBuilder};
 
 struct Rabbit;
 
 /// A quorum queue of its own; its dead letters go to `<queue>.dlq`.
 struct Queue {
-    config: RabbitConfig,
-    publisher: RabbitPublisher,
+    config: RabbitSourceBuilder,
+    publisher: RabbitProducer,
     /// What `dead_letters` took off the DLQ so far.
     parked: Mutex<Vec<DeadLetter>>,
 }
@@ -28,7 +29,9 @@ impl TestBroker for Rabbit {
     }
 
     async fn attach(&self, name: &str) -> Queue {
-        let config = RabbitConfig::new(amqp_url(), name).poll_timeout(Duration::from_millis(200));
+        let config = RabbitSource::builder(name)
+            .url(amqp_url())
+            .poll_timeout(Duration::from_millis(200));
         Queue {
             publisher: publisher(&config).await, // declares the queue and its DLQ
             config,
@@ -55,7 +58,7 @@ impl TestQueue for Queue {
             None => BasicProperties::default(),
         };
         self.publisher
-            .publish_with_properties(payload, props)
+            .publish_with_properties(self.config.queue(), payload, props)
             .await
             .expect("publish");
     }
@@ -66,7 +69,7 @@ impl TestQueue for Queue {
             "inbox-conformance {} {member}",
             self.config.queue()
         ));
-        RabbitSource::connect(config).await.expect("connect source")
+        config.connect().await.expect("connect source")
     }
 
     async fn dead_letters(&self) -> Vec<DeadLetter> {
@@ -76,7 +79,7 @@ impl TestQueue for Queue {
             DeadLetter {
                 // A message the broker parked (x-delivery-limit) has no reason of the consumer's.
                 reason: p
-                    .header(REASON_HEADER)
+                    .header(REASON)
                     .or_else(|| p.header("x-first-death-reason"))
                     .unwrap_or_default(),
                 payload: p.body,

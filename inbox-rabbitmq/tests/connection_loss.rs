@@ -10,11 +10,10 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::{
-    Ack, Consumer, HookAction, InboxStore, MessageId, MessageSource, Recovery, Stage, StageHook,
-    Stats,
+    Ack, Consumer, HookAction, InboxStore, MessageId, MessageSource, Publish, Recovery, Stage,
+    StageHook, Stats,
 };
 use inbox_postgres::PgTx;
-use inbox_rabbitmq::RabbitSource;
 use inbox_testkit::wallet::{self, Credit, CreditEvent};
 use inbox_testkit::TestDb;
 use inbox_testkit::WithoutInbox;
@@ -24,9 +23,9 @@ use tokio::sync::{mpsc, watch};
 async fn an_ack_on_a_closed_connection_fails_and_receive_reconnects() {
     let config = fresh_config("reconnect");
     let publisher = publisher(&config).await;
-    let id = publisher.publish(b"hello").await.unwrap();
+    let id = publisher.send(config.queue(), b"hello").await.unwrap();
 
-    let mut source = RabbitSource::connect(config.clone()).await.unwrap();
+    let mut source = config.clone().connect().await.unwrap();
     let first = source.receive(1).await.unwrap().pop().expect("a delivery");
     assert_eq!(first.message.id.as_ref().ok(), Some(&id));
     assert_eq!(
@@ -103,7 +102,10 @@ where
             amount: 10 + i,
             stall: i == 0,
         };
-        let id = publisher.publish(&event.to_json()).await.unwrap();
+        let id = publisher
+            .send(config.queue(), &event.to_json())
+            .await
+            .unwrap();
         stall_id.get_or_insert(id);
     }
     let stall_id: MessageId = stall_id.unwrap();
@@ -115,7 +117,8 @@ where
     let mut stats: Vec<(&'static str, Vec<String>, Arc<Stats>)> = Vec::new();
     for name in ["a", "b"] {
         let conn_name = format!("{} {name}", config.effective_connection_name());
-        let source = RabbitSource::connect(config.clone().connection_name(conn_name.clone()))
+        let source = (config.clone().connection_name(conn_name.clone()))
+            .connect()
             .await
             .unwrap();
         let tx = claimed_tx.clone();

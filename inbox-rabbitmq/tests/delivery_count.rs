@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use inbox_core::{Ack, Delivery, MessageSource};
+use inbox_core::{Ack, Delivery, MessageSource, Publish};
 use inbox_rabbitmq::{RabbitAck, RabbitSource};
 
 async fn receive_one(source: &mut RabbitSource) -> Delivery<RabbitAck> {
@@ -30,8 +30,11 @@ async fn receive_one(source: &mut RabbitSource) -> Delivery<RabbitAck> {
 async fn a_hand_back_costs_at_most_one_delivery_count() {
     let config = fresh_config("count");
     let publisher = publisher(&config).await;
-    publisher.publish(b"handed back").await.unwrap();
-    let mut source = RabbitSource::connect(config.clone()).await.unwrap();
+    publisher
+        .send(config.queue(), b"handed back")
+        .await
+        .unwrap();
+    let mut source = config.clone().connect().await.unwrap();
 
     let first = receive_one(&mut source).await;
     let first_count = first.message.meta.delivery_count;

@@ -5,10 +5,9 @@ mod common;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use inbox_core::{Ack, MessageSource, TraceParent};
+use inbox_core::{Ack, MessageSource, Publish, TraceParent};
 use inbox_rabbitmq::lapin::types::{AMQPValue, FieldTable};
 use inbox_rabbitmq::lapin::BasicProperties;
-use inbox_rabbitmq::RabbitSource;
 
 const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
@@ -27,6 +26,7 @@ async fn a_delivery_carries_its_timestamp_and_trace_parent() {
     );
     publisher
         .publish_with_properties(
+            config.queue(),
             b"{}",
             BasicProperties::default()
                 .with_message_id("m-1".into())
@@ -36,11 +36,12 @@ async fn a_delivery_carries_its_timestamp_and_trace_parent() {
         .await
         .expect("published");
     // Without a timestamp: no lag to report.
-    publisher.publish(b"{}").await.expect("published");
-
-    let mut source = RabbitSource::connect(config.clone())
+    publisher
+        .send(config.queue(), b"{}")
         .await
-        .expect("connects");
+        .expect("published");
+
+    let mut source = config.clone().connect().await.expect("connects");
     assert_eq!(source.system(), "rabbitmq");
     let mut batch = Vec::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);

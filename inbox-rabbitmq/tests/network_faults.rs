@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::stream::{broker_addr, url_via, Stream};
 use common::*;
-use inbox_rabbitmq::RabbitConfig;
+use inbox_rabbitmq::{RabbitSource, RabbitSourceBuilder};
 use inbox_testkit::{FaultProxy, ProxyMode};
 use tokio::time::Instant;
 
@@ -22,9 +22,10 @@ const HEARTBEAT: Duration = Duration::from_secs(2);
 const TEST_LIMIT: Duration = Duration::from_secs(150);
 
 /// The test's own config (straight to the broker) and the consumer's (through `proxy`).
-fn configs(label: &str, proxy: &FaultProxy) -> (RabbitConfig, RabbitConfig) {
+fn configs(label: &str, proxy: &FaultProxy) -> (RabbitSourceBuilder, RabbitSourceBuilder) {
     let direct = fresh_config(label).prefetch(20);
-    let consumer = RabbitConfig::new(url_via(direct.url(), proxy.addr()), direct.queue())
+    let consumer = RabbitSource::builder(direct.queue())
+        .url(url_via(direct.broker_url(), proxy.addr()))
         .prefetch(20)
         .poll_timeout(Duration::from_millis(500))
         .heartbeat(HEARTBEAT)

@@ -1,5 +1,5 @@
 //! Inbox, then outbox, on RabbitMQ: an inbox consumer's handler writes outbox rows in its
-//! transaction, `OutboxRelay` publishes them with `RabbitPublisher`, and a downstream inbox
+//! transaction, `OutboxRelay` publishes them with `RabbitProducer`, and a downstream inbox
 //! consumer applies them once, also when a lost confirm makes the relay publish a batch again.
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
@@ -15,7 +15,7 @@ use inbox_core::{
     PublishError, Recovery,
 };
 use inbox_postgres::{Outbox, PgTx, RelayError};
-use inbox_rabbitmq::{RabbitPublisher, RabbitSource};
+use inbox_rabbitmq::RabbitProducer;
 use inbox_testkit::wallet::{self, Credit, CreditEvent};
 use inbox_testkit::TestDb;
 
@@ -41,7 +41,7 @@ impl Handler<PgTx> for Forward {
 
 /// Publishes for real, and the first time reports the confirm as lost.
 struct LoseFirstConfirm {
-    inner: RabbitPublisher,
+    inner: RabbitProducer,
     lost: AtomicBool,
 }
 
@@ -99,13 +99,13 @@ async fn a_handler_writes_the_outbox_the_relay_publishes_and_the_downstream_inbo
         total += event.amount;
         let id = MessageId::generate();
         producer
-            .publish_with_id(&id, &event.to_json())
+            .send_with_id(upstream.queue(), &id, &event.to_json())
             .await
             .unwrap();
         if i < 20 {
             // Published twice upstream: forwarded once.
             producer
-                .publish_with_id(&id, &event.to_json())
+                .send_with_id(upstream.queue(), &id, &event.to_json())
                 .await
                 .unwrap();
         }
@@ -115,7 +115,7 @@ async fn a_handler_writes_the_outbox_the_relay_publishes_and_the_downstream_inbo
         outbox: outbox.clone(),
         to: downstream.queue().to_owned(),
     };
-    let source = RabbitSource::connect(upstream.clone()).await.unwrap();
+    let source = upstream.clone().connect().await.unwrap();
     let forwarded = Consumer::new("forward", source, db.inbox(), forward)
         .batch_size(50)
         .run_until_idle()
@@ -127,7 +127,7 @@ async fn a_handler_writes_the_outbox_the_relay_publishes_and_the_downstream_inbo
         .run_until_idle()
         .await
         .unwrap();
-    let source = RabbitSource::connect(downstream.clone()).await.unwrap();
+    let source = downstream.clone().connect().await.unwrap();
     let applied = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
         .batch_size(50)
         .run_until_idle()
@@ -191,7 +191,7 @@ async fn a_lost_confirm_publishes_the_batch_again_under_the_same_ids_and_the_inb
         .run_until_idle()
         .await
         .unwrap();
-    let source = RabbitSource::connect(config.clone()).await.unwrap();
+    let source = config.clone().connect().await.unwrap();
     let applied = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
         .batch_size(50)
         .run_until_idle()
@@ -227,9 +227,7 @@ async fn a_queue_that_does_not_exist_stops_the_relay_and_leaves_the_rows_unsent(
     outbox.write(&mut tx, config.queue(), b"x").await.unwrap();
     tx.commit().await.unwrap();
 
-    let publisher = RabbitPublisher::connect(config.url(), config.queue())
-        .await
-        .unwrap();
+    let publisher = RabbitProducer::builder().connect().await.unwrap();
     let error = outbox.relay(publisher).run_until_idle().await.unwrap_err();
 
     assert!(
@@ -243,22 +241,4 @@ async fn a_queue_that_does_not_exist_stops_the_relay_and_leaves_the_rows_unsent(
     );
     assert_eq!(unsent(&db).await, 1);
     db.drop().await;
-}
-
-#[tokio::test]
-async fn a_publisher_refuses_a_destination_other_than_its_queue() {
-    let config = fresh_config("outbox-wrong");
-    let publisher = publisher(&config).await;
-    let e = publisher
-        .send_batch("elsewhere", &[OutgoingMessage::generate("x")])
-        .await
-        .unwrap_err();
-    assert_eq!(e.recovery(), Recovery::Fatal);
-    assert!(
-        e.to_string()
-            .contains("route them with inbox_core::Destinations"),
-        "{e}"
-    );
-    assert_eq!(left_on(config.queue()).await, 0, "nothing was published");
-    cleanup(&config).await;
 }

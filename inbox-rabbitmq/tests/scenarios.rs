@@ -9,16 +9,16 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use inbox_core::{Ack, Consumer, MessageSource};
+use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
+use inbox_core::{Ack, Consumer, MessageSource, Publish};
 use inbox_rabbitmq::lapin::types::{AMQPValue, FieldTable};
 use inbox_rabbitmq::lapin::BasicProperties;
-use inbox_rabbitmq::{RabbitSource, REASON_HEADER};
 use inbox_testkit::wallet::{self, Credit};
 use inbox_testkit::TestDb;
 
 /// What the adapter's dead letters keep of the message: the body, the headers and properties
-/// (`message_id`, `content_type`), with the reason in `x-inbox-reason`. That they are parked at
-/// all is the conformance suite's.
+/// (`message_id`, `content_type`), with the `inbox_core::dead_letter` headers: the reason, the
+/// source queue and the position. That they are parked at all is the conformance suite's.
 #[tokio::test]
 async fn a_dead_letter_keeps_the_properties_and_the_reason_header() {
     let config = fresh_config("dlq-props");
@@ -30,12 +30,12 @@ async fn a_dead_letter_keeps_the_properties_and_the_reason_header() {
         .with_headers(headers)
         .with_content_type("application/json".into());
     publisher
-        .publish_with_properties(&credit(9, 5), props)
+        .publish_with_properties(config.queue(), &credit(9, 5), props)
         .await
         .unwrap();
-    let bad = publisher.publish(b"not json").await.unwrap();
+    let bad = publisher.send(config.queue(), b"not json").await.unwrap();
 
-    let source = RabbitSource::connect(config.clone()).await.unwrap();
+    let source = config.clone().connect().await.unwrap();
     let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
         .run_until_idle()
         .await
@@ -47,10 +47,16 @@ async fn a_dead_letter_keeps_the_properties_and_the_reason_header() {
     let no_id = &parked[0];
     assert_eq!(no_id.body, credit(9, 5));
     assert_eq!(
-        no_id.header(REASON_HEADER).as_deref(),
+        no_id.header(REASON).as_deref(),
         Some("message has no ID: property message_id is missing")
     );
     assert_eq!(no_id.message_id(), None);
+    assert_eq!(
+        no_id.header(ORIGINAL_SOURCE).as_deref(),
+        Some(config.queue())
+    );
+    let position = no_id.header(ORIGINAL_POSITION).unwrap_or_default();
+    assert!(position.contains(" tag "), "{position}");
     assert_eq!(no_id.header("tenant").as_deref(), Some("acme"));
     assert_eq!(
         no_id
@@ -64,7 +70,7 @@ async fn a_dead_letter_keeps_the_properties_and_the_reason_header() {
     let not_json = &parked[1];
     assert_eq!(not_json.body, b"not json");
     assert_eq!(not_json.message_id(), Some(bad.to_string()));
-    let reason = not_json.header(REASON_HEADER).unwrap_or_default();
+    let reason = not_json.header(REASON).unwrap_or_default();
     assert!(reason.contains("not valid JSON"), "{reason}");
     assert_eq!(left_on(config.queue()).await, 0);
     cleanup(&config).await;
@@ -77,15 +83,15 @@ async fn a_dead_letter_keeps_the_properties_and_the_reason_header() {
 async fn a_requeue_loop_ends_in_the_dlq_without_starving_the_rest() {
     let config = fresh_config("requeue").delivery_limit(2).prefetch(4);
     let publisher = publisher(&config).await;
-    let poison = publisher.publish(b"poison").await.unwrap();
+    let poison = publisher.send(config.queue(), b"poison").await.unwrap();
     for i in 0..6 {
         publisher
-            .publish(format!("good {i}").as_bytes())
+            .send(config.queue(), format!("good {i}").as_bytes())
             .await
             .unwrap();
     }
 
-    let mut source = RabbitSource::connect(config.clone()).await.unwrap();
+    let mut source = config.clone().connect().await.unwrap();
     let mut good = 0;
     let mut poison_counts = Vec::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
@@ -122,7 +128,7 @@ async fn a_requeue_loop_ends_in_the_dlq_without_starving_the_rest() {
     cleanup(&config).await;
 }
 
-async fn left_ready(config: &inbox_rabbitmq::RabbitConfig) -> bool {
+async fn left_ready(config: &inbox_rabbitmq::RabbitSourceBuilder) -> bool {
     drain_count(config.dead_letter_queue()).await == 0
 }
 
@@ -145,9 +151,12 @@ async fn a_batch_is_acked_in_one_multiple_ack_and_nothing_is_left() {
     let config = fresh_config("batch").prefetch(10);
     let publisher = publisher(&config).await;
     for i in 0..8 {
-        publisher.publish(format!("m{i}").as_bytes()).await.unwrap();
+        publisher
+            .send(config.queue(), format!("m{i}").as_bytes())
+            .await
+            .unwrap();
     }
-    let mut source = RabbitSource::connect(config.clone()).await.unwrap();
+    let mut source = config.clone().connect().await.unwrap();
     let mut seen = 0;
     while seen < 8 {
         let batch = source.receive(8).await.unwrap();
@@ -169,9 +178,12 @@ async fn the_default_prefetch_follows_the_batch_size() {
     let config = fresh_config("prefetch");
     let publisher = publisher(&config).await;
     for i in 0..300 {
-        publisher.publish(format!("m{i}").as_bytes()).await.unwrap();
+        publisher
+            .send(config.queue(), format!("m{i}").as_bytes())
+            .await
+            .unwrap();
     }
-    let mut source = RabbitSource::connect(config.clone()).await.unwrap();
+    let mut source = config.clone().connect().await.unwrap();
     let mut largest = 0;
     for _ in 0..5 {
         let batch = source.receive(100).await.unwrap();
@@ -196,11 +208,11 @@ async fn the_id_can_come_from_a_header() {
         headers.insert("event_id".into(), AMQPValue::LongString("order-17".into()));
         let props = BasicProperties::default().with_headers(headers);
         publisher
-            .publish_with_properties(&credit(2, 30), props)
+            .publish_with_properties(config.queue(), &credit(2, 30), props)
             .await
             .unwrap();
     }
-    let source = RabbitSource::connect(config.clone()).await.unwrap();
+    let source = config.clone().connect().await.unwrap();
     let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
         .run_until_idle()
         .await

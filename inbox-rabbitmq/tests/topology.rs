@@ -8,7 +8,7 @@ use common::*;
 use inbox_core::Recovery;
 use inbox_rabbitmq::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use inbox_rabbitmq::lapin::types::FieldTable;
-use inbox_rabbitmq::{RabbitSource, Topology};
+use inbox_rabbitmq::Topology;
 
 async fn dead_letter_queue_exists(queue: &str) -> bool {
     let (_connection, channel) = admin_channel().await;
@@ -36,7 +36,7 @@ async fn a_missing_dead_letter_queue_fails_the_connect_with_its_name_and_the_fix
         .await
         .unwrap();
 
-    let error = RabbitSource::connect(config.clone()).await.unwrap_err();
+    let error = config.clone().connect().await.unwrap_err();
     let text = error.to_string();
     println!("missing DLQ, Topology::Expect: {text}");
     assert_eq!(error.recovery(), Recovery::Fatal);
@@ -49,11 +49,7 @@ async fn a_missing_dead_letter_queue_fails_the_connect_with_its_name_and_the_fix
 
     // A source that may declare creates it.
     let declaring = config.clone().topology(Topology::Declare);
-    RabbitSource::connect(declaring)
-        .await
-        .unwrap()
-        .close()
-        .await;
+    declaring.connect().await.unwrap().close().await;
     assert!(dead_letter_queue_exists(&config.dead_letter_queue()).await);
     cleanup(&config).await;
 }
@@ -61,7 +57,7 @@ async fn a_missing_dead_letter_queue_fails_the_connect_with_its_name_and_the_fix
 #[tokio::test]
 async fn a_missing_queue_fails_the_connect_with_its_name_and_the_fix() {
     let config = fresh_config("noqueue").topology(Topology::Expect);
-    let error = RabbitSource::connect(config.clone()).await.unwrap_err();
+    let error = config.clone().connect().await.unwrap_err();
     let text = error.to_string();
     println!("missing queue, Topology::Expect: {text}");
     assert_eq!(error.recovery(), Recovery::Fatal);

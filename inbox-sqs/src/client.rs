@@ -60,8 +60,8 @@ pub async fn connect_or_local(local_endpoint: &str) -> Client {
 /// a loader from plain `aws_config::defaults` would have no HTTP client at all.
 ///
 /// Other timeouts replace the defaults with `.timeout_config(..)`; keep the timeout per attempt
-/// longer than the source's [`wait_time`](crate::SqsSourceBuilder::wait_time), which
-/// [`build`](crate::SqsSourceBuilder::build) checks.
+/// longer than the source's [`poll_timeout`](crate::SqsSourceBuilder::poll_timeout), which
+/// [`connect`](crate::SqsSourceBuilder::connect) checks.
 pub fn config_loader() -> aws_config::ConfigLoader {
     let http = aws_smithy_http_client::Builder::new()
         .tls_provider(Provider::Rustls(CryptoMode::Ring))

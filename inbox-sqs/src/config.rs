@@ -19,7 +19,7 @@ pub(crate) const MAX_VISIBILITY: Duration = Duration::from_secs(12 * 60 * 60);
 
 /// Refuses client timeouts that would cut every long-poll receive short, and warns when the
 /// client has none (a stalled connection then hangs the consumer).
-fn check_timeouts(client: &Client, queue_url: &str, wait: Duration) -> Result<()> {
+fn check_timeouts(client: &Client, queue_url: &str, poll: Duration) -> Result<()> {
     let timeouts = client.config().timeout_config();
     let attempt = timeouts.and_then(|t| t.operation_attempt_timeout());
     let operation = timeouts.and_then(|t| t.operation_timeout());
@@ -27,11 +27,11 @@ fn check_timeouts(client: &Client, queue_url: &str, wait: Duration) -> Result<()
         ("operation_attempt_timeout", attempt),
         ("operation_timeout", operation),
     ] {
-        if let Some(timeout) = timeout.filter(|t| *t <= wait) {
+        if let Some(timeout) = timeout.filter(|t| *t <= poll) {
             return Err(Error::Config(format!(
-                "the SQS client's {name} is {timeout:?}, not longer than wait_time {wait:?}, so \
-                 every long-poll receive would time out; raise it (timeout_config on \
-                 inbox_sqs::config_loader()) or shorten wait_time(..)"
+                "the SQS client's {name} is {timeout:?}, not longer than poll_timeout {poll:?}, \
+                 so every long-poll receive would time out; raise it (timeout_config on \
+                 inbox_sqs::config_loader()) or shorten poll_timeout(..)"
             )));
         }
     }
@@ -67,7 +67,7 @@ pub(crate) struct Settings {
     pub(crate) queue_url: String,
     pub(crate) id_attribute: String,
     pub(crate) dedup_id_fallback: bool,
-    pub(crate) wait_time: Duration,
+    pub(crate) poll_timeout: Duration,
     pub(crate) max_messages: usize,
     /// Passed on every receive when set; otherwise the queue's own timeout applies.
     pub(crate) visibility_timeout: Option<Duration>,
@@ -76,19 +76,37 @@ pub(crate) struct Settings {
     pub(crate) heartbeat: bool,
     pub(crate) ack_mode: AckMode,
     pub(crate) min_retry_delay: Duration,
-    /// The queue's `MessageRetentionPeriod`, read at build.
+    /// The queue's `MessageRetentionPeriod`, read at connect.
     pub(crate) retention: Option<Duration>,
+    /// A FIFO queue (its name ends in `.fifo`): deliveries carry their message group as lane.
+    pub(crate) fifo: bool,
 }
 
-/// Configures an [`SqsSource`]; made by [`SqsSource::builder`].
+/// Configures an [`SqsSource`]; made by [`SqsSource::builder`], finished by
+/// [`connect`](Self::connect).
+///
+/// ```no_run
+/// # async fn run() -> Result<(), inbox_sqs::Error> {
+/// use std::time::Duration;
+/// use inbox_sqs::SqsSource;
+///
+/// // The client comes from the environment (see `inbox_sqs::connect`) unless `.client(..)`.
+/// let source = SqsSource::builder("https://sqs.eu-west-1.amazonaws.com/123456789012/payments")
+///     .poll_timeout(Duration::from_secs(5))
+///     .dead_letter_queue("https://sqs.eu-west-1.amazonaws.com/123456789012/payments-dlq")
+///     .connect()
+///     .await?;
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug, Clone)]
-#[must_use = "a builder does nothing until `build` is awaited"]
+#[must_use = "a builder does nothing until `connect` is awaited"]
 pub struct SqsSourceBuilder {
-    client: Client,
+    client: Option<Client>,
     queue_url: String,
     id_attribute: String,
     dedup_id_fallback: bool,
-    wait_time: Duration,
+    poll_timeout: Duration,
     max_messages: usize,
     visibility_timeout: Option<Duration>,
     heartbeat: bool,
@@ -98,13 +116,13 @@ pub struct SqsSourceBuilder {
 }
 
 impl SqsSourceBuilder {
-    pub(crate) fn new(client: Client, queue_url: String) -> Self {
+    pub(crate) fn new(queue_url: String) -> Self {
         Self {
-            client,
+            client: None,
             queue_url,
             id_attribute: DEFAULT_ID_ATTRIBUTE.to_owned(),
             dedup_id_fallback: false,
-            wait_time: MAX_WAIT,
+            poll_timeout: MAX_WAIT,
             max_messages: 10,
             visibility_timeout: None,
             heartbeat: true,
@@ -112,6 +130,15 @@ impl SqsSourceBuilder {
             ack_mode: AckMode::AfterCommit,
             min_retry_delay: Duration::ZERO,
         }
+    }
+
+    /// The SQS client to use. Without one, [`connect`](Self::connect) builds one from the
+    /// environment as [`crate::connect`] does: credentials, region, and the endpoint from
+    /// `AWS_ENDPOINT_URL_SQS` (or `AWS_ENDPOINT_URL`), else AWS's. For a local endpoint without
+    /// AWS settings, pass [`crate::connect_or_local`]'s client.
+    pub fn client(mut self, client: Client) -> Self {
+        self.client = Some(client);
+        self
     }
 
     /// The message attribute that holds the message ID (default [`DEFAULT_ID_ATTRIBUTE`],
@@ -139,8 +166,8 @@ impl SqsSourceBuilder {
     /// How long one receive waits for messages (long polling; default and maximum 20 s,
     /// rounded down to whole seconds). Shorter waits make an idle consumer stop sooner and
     /// cost more empty receives.
-    pub fn wait_time(mut self, wait: Duration) -> Self {
-        self.wait_time = wait;
+    pub fn poll_timeout(mut self, wait: Duration) -> Self {
+        self.poll_timeout = wait;
         self
     }
 
@@ -152,7 +179,7 @@ impl SqsSourceBuilder {
     }
 
     /// The visibility timeout asked for on every receive (whole seconds, 1 s to 12 h). Without
-    /// it the queue's own `VisibilityTimeout` applies, read once by [`build`](Self::build).
+    /// it the queue's own `VisibilityTimeout` applies, read once by [`connect`](Self::connect).
     pub fn visibility_timeout(mut self, timeout: Duration) -> Self {
         self.visibility_timeout = Some(timeout);
         self
@@ -167,7 +194,8 @@ impl SqsSourceBuilder {
         self
     }
 
-    /// Send dead-lettered messages to this queue, with a `reason` attribute, instead of the
+    /// Send dead-lettered messages to this queue, with the attributes named in
+    /// [`inbox_core::dead_letter`] (`reason`, `original_source`, `original_position`), instead of the
     /// queue's redrive-policy dead-letter queue. See the crate docs, "Dead letters".
     pub fn dead_letter_queue(mut self, queue_url: impl Into<String>) -> Self {
         self.dead_letter_queue = Some(queue_url.into());
@@ -189,14 +217,14 @@ impl SqsSourceBuilder {
         self
     }
 
-    /// Checks the settings, reads the queue's attributes (its visibility timeout and redrive
+    /// Builds the client unless one was given, checks the settings, reads the queue's attributes (its visibility timeout and redrive
     /// policy), checks that the dead-letter queue exists, and returns the source.
     ///
     /// Fails with [`Error::Config`] on a bad setting, when the dead-letter queue (configured or
     /// from the redrive policy) does not exist, or when the client's timeout per attempt is not
-    /// longer than [`wait_time`](Self::wait_time); with [`Error::Sqs`] when the queue cannot be
-    /// read (wrong URL, no permission).
-    pub async fn build(self) -> Result<SqsSource> {
+    /// longer than [`poll_timeout`](Self::poll_timeout); with [`Error::Sqs`] when the queue
+    /// cannot be read (wrong URL, unreachable endpoint, no permission).
+    pub async fn connect(self) -> Result<SqsSource> {
         if self.queue_url.is_empty() {
             return Err(Error::Config("the queue URL is empty".into()));
         }
@@ -209,13 +237,17 @@ impl SqsSourceBuilder {
                 self.max_messages
             )));
         }
-        if self.wait_time > MAX_WAIT {
+        if self.poll_timeout > MAX_WAIT {
             return Err(Error::Config(format!(
-                "wait_time is {:?}; SQS long-polls for at most 20 s",
-                self.wait_time
+                "poll_timeout is {:?}; SQS long-polls for at most 20 s",
+                self.poll_timeout
             )));
         }
-        check_timeouts(&self.client, &self.queue_url, self.wait_time)?;
+        let client = match self.client {
+            Some(client) => client,
+            None => crate::connect().await,
+        };
+        check_timeouts(&client, &self.queue_url, self.poll_timeout)?;
         if let Some(timeout) = self.visibility_timeout {
             if timeout < Duration::from_secs(1) || timeout > MAX_VISIBILITY {
                 return Err(Error::Config(format!(
@@ -224,8 +256,7 @@ impl SqsSourceBuilder {
             }
         }
 
-        let attrs = self
-            .client
+        let attrs = client
             .get_queue_attributes()
             .queue_url(&self.queue_url)
             .attribute_names(QueueAttributeName::VisibilityTimeout)
@@ -260,23 +291,23 @@ impl SqsSourceBuilder {
                 return Err(Error::Config("the dead-letter queue URL is empty".into()))
             }
             Some(url) => {
-                dead_letter::check_queue(&self.client, &url).await?;
+                dead_letter::check_queue(&client, &url).await?;
                 DeadLetterTarget::Queue(url)
             }
             None => match get(QueueAttributeName::RedrivePolicy) {
                 Some(policy) => {
-                    DeadLetterTarget::from_redrive_policy(&self.client, &self.queue_url, policy)
-                        .await?
+                    DeadLetterTarget::from_redrive_policy(&client, &self.queue_url, policy).await?
                 }
                 None => DeadLetterTarget::None,
             },
         };
 
+        let fifo = self.queue_url.trim_end_matches('/').ends_with(".fifo");
         let settings = Settings {
             queue_url: self.queue_url,
             id_attribute: self.id_attribute,
             dedup_id_fallback: self.dedup_id_fallback,
-            wait_time: self.wait_time,
+            poll_timeout: self.poll_timeout,
             max_messages: self.max_messages,
             visibility_timeout: self.visibility_timeout,
             effective_visibility,
@@ -286,8 +317,9 @@ impl SqsSourceBuilder {
             retention: get(QueueAttributeName::MessageRetentionPeriod)
                 .and_then(|v| v.parse::<u64>().ok())
                 .map(Duration::from_secs),
+            fifo,
         };
-        Ok(SqsSource::new(self.client, settings, dead_letter))
+        Ok(SqsSource::new(client, settings, dead_letter))
     }
 }
 
@@ -312,14 +344,15 @@ mod tests {
             )
             .load()
             .await;
-        let built = SqsSourceBuilder::new(Client::new(&config), "http://127.0.0.1:9/0/q".into())
-            .wait_time(Duration::from_secs(20))
-            .build()
+        let built = SqsSourceBuilder::new("http://127.0.0.1:9/0/q".into())
+            .client(Client::new(&config))
+            .poll_timeout(Duration::from_secs(20))
+            .connect()
             .await;
         let Err(Error::Config(text)) = built else {
             panic!("expected a configuration error, got {built:?}");
         };
         assert!(text.contains("operation_attempt_timeout"), "{text}");
-        assert!(text.contains("wait_time"), "{text}");
+        assert!(text.contains("poll_timeout"), "{text}");
     }
 }

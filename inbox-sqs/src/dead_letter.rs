@@ -7,16 +7,16 @@ use aws_sdk_sqs::operation::get_queue_url::GetQueueUrlError;
 use aws_sdk_sqs::primitives::Blob;
 use aws_sdk_sqs::types::MessageAttributeValue;
 use aws_sdk_sqs::Client;
+use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{Message, MessageId, Recovery, SourceError};
 use tracing::warn;
 
 use crate::{fifo, Error};
 
-/// The message attribute that carries why a message was dead-lettered.
-pub const REASON_ATTRIBUTE: &str = "reason";
-
 /// SQS accepts at most this many message attributes per message.
 const MAX_ATTRIBUTES: usize = 10;
+/// The attributes a dead letter adds: why, and where it was read from.
+const ADDED: [&str; 3] = [REASON, ORIGINAL_SOURCE, ORIGINAL_POSITION];
 /// A reason longer than this is cut: it is for a person reading the dead-letter queue.
 const MAX_REASON_BYTES: usize = 4096;
 
@@ -94,7 +94,8 @@ impl DeadLetterTarget {
 }
 
 /// Sends `message` to the dead-letter queue `dlq_url` with its body, its original attributes
-/// (as received, when `original` has them) and a `reason` attribute. `receipt_handle` is the
+/// (as received, when `original` has them) and the [`inbox_core::dead_letter`] attributes:
+/// the reason, the source queue URL and the SQS message ID (`message <id>`). `receipt_handle` is the
 /// handle of the receive that returned this copy; on a FIFO queue it makes the deduplication ID.
 pub(crate) async fn send(
     client: &Client,
@@ -116,26 +117,36 @@ pub(crate) async fn send(
             .filter_map(|(name, value)| Some((name.clone(), rebuild_attribute(value)?)))
             .collect(),
     };
-    attributes.retain(|(name, _)| name != REASON_ATTRIBUTE);
+    attributes.retain(|(name, _)| !ADDED.contains(&name.as_str()));
     attributes.sort_by(|a, b| a.0.cmp(&b.0));
-    if attributes.len() >= MAX_ATTRIBUTES {
-        // Room must be left for the reason; the dropped ones are logged so nothing is silent.
-        let dropped: Vec<String> = attributes
-            .drain(MAX_ATTRIBUTES - 1..)
-            .map(|(name, _)| name)
-            .collect();
+    let room = MAX_ATTRIBUTES - ADDED.len();
+    if attributes.len() > room {
+        // Room must be left for the added three; the dropped ones are logged so nothing is
+        // silent.
+        let dropped: Vec<String> = attributes.drain(room..).map(|(name, _)| name).collect();
         warn!(
             dlq_url,
             ?dropped,
-            "SQS allows 10 message attributes; dropped these to add the reason"
+            "SQS allows 10 message attributes; dropped these to add the dead-letter attributes"
         );
     }
-    let reason_value = MessageAttributeValue::builder()
-        .data_type("String")
-        .string_value(truncate(reason, MAX_REASON_BYTES))
-        .build()
-        .map_err(|e| Error::Config(format!("cannot build the reason attribute: {e}")))?;
-    attributes.push((REASON_ATTRIBUTE.to_owned(), reason_value));
+    let added = [
+        (REASON, truncate(reason, MAX_REASON_BYTES)),
+        (ORIGINAL_SOURCE, message.meta.source.clone()),
+        (ORIGINAL_POSITION, message.meta.position.clone()),
+    ];
+    for (name, value) in added {
+        if value.is_empty() {
+            // SQS refuses an empty String attribute.
+            continue;
+        }
+        let value = MessageAttributeValue::builder()
+            .data_type("String")
+            .string_value(value)
+            .build()
+            .map_err(|e| Error::Config(format!("cannot build the {name} attribute: {e}")))?;
+        attributes.push((name.to_owned(), value));
+    }
 
     let mut request = client.send_message().queue_url(dlq_url).message_body(body);
     for (name, value) in attributes {

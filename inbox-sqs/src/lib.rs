@@ -7,9 +7,9 @@
 //! inbox store, every such second copy finds its ID already claimed and is skipped.
 //!
 //! ```no_run
-//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish};
 //! use inbox_postgres::{PgInbox, PgTx};
-//! use inbox_sqs::{SqsSender, SqsSource};
+//! use inbox_sqs::{SqsProducer, SqsSource};
 //!
 //! struct Credit;
 //!
@@ -27,16 +27,18 @@
 //! }
 //!
 //! # async fn run(inbox: PgInbox) -> Result<(), Box<dyn std::error::Error>> {
-//! // Credentials, region and endpoint (AWS_ENDPOINT_URL_SQS) come from the environment.
-//! let client = inbox_sqs::connect().await;
+//! // Credentials, region and endpoint (AWS_ENDPOINT_URL_SQS) come from the environment
+//! // unless `.client(..)` is given.
 //! let queue_url = "https://sqs.eu-west-1.amazonaws.com/123456789012/payments";
 //!
 //! // Producers put a stable ID in the `event_id` attribute; a resend keeps it.
-//! SqsSender::new(client.clone(), queue_url).send("100").await?;
+//! let producer = SqsProducer::builder().connect().await?;
+//! let id = producer.send(queue_url, b"100").await?;
+//! producer.send_with_id(queue_url, &id, b"100").await?; // sent twice: applied once
 //!
-//! let source = SqsSource::builder(client, queue_url)
+//! let source = SqsSource::builder(queue_url)
 //!     .dead_letter_queue("https://sqs.eu-west-1.amazonaws.com/123456789012/payments-dlq")
-//!     .build()
+//!     .connect()
 //!     .await?;
 //! Consumer::new("wallet", source, inbox, Credit)
 //!     .batch_size(10)
@@ -51,8 +53,8 @@
 //!
 //! # The message ID
 //! It comes from a message attribute, `event_id` unless
-//! [`SqsSourceBuilder::id_attribute`] says otherwise, set by the producer ([`SqsSender`] does
-//! it, with a UUIDv7 by default). Never the SQS `MessageId`: SQS assigns a new one to every
+//! [`SqsSourceBuilder::id_attribute`] says otherwise, set by the producer ([`SqsProducer`] does
+//! it, with a UUIDv7 from [`Publish::send`](inbox_core::Publish::send)). Never the SQS `MessageId`: SQS assigns a new one to every
 //! send, so a producer's retry would look new. On FIFO queues,
 //! [`SqsSourceBuilder::dedup_id_fallback`] opts in to the `MessageDeduplicationId` for
 //! messages without the attribute; SQS deduplicates on it for 5 minutes only, the inbox for as
@@ -89,18 +91,21 @@
 //! A message without a usable ID, with a permanent handler error, or failing
 //! `max_attempts` times, is dead-lettered, then deleted:
 //! - with [`SqsSourceBuilder::dead_letter_queue`], it is sent there (`SendMessage`: same body,
-//!   same attributes, plus a [`REASON_ATTRIBUTE`] attribute), and only then deleted from the
-//!   source queue: a failure in between leaves a copy in both, never in neither. The queue
-//!   must exist: [`SqsSourceBuilder::build`] checks (`GetQueueUrl`) and fails naming it. On a
+//!   same attributes, plus the attributes [`REASON`](inbox_core::dead_letter::REASON),
+//!   [`ORIGINAL_SOURCE`](inbox_core::dead_letter::ORIGINAL_SOURCE) (the queue URL) and
+//!   [`ORIGINAL_POSITION`](inbox_core::dead_letter::ORIGINAL_POSITION) (`message <SQS message
+//!   ID>`); SQS allows 10 attributes, so the last original ones by name give way to these),
+//!   and only then deleted from the source queue: a failure in between leaves a copy in both,
+//!   never in neither. The queue must exist: [`SqsSourceBuilder::connect`] checks (`GetQueueUrl`) and fails naming it. On a
 //!   FIFO dead-letter queue the `MessageGroupId` is the original's (hashed into SQS's alphabet
 //!   where needed) and the `MessageDeduplicationId` is new per delivery (from its receipt
 //!   handle), never the event ID: a message dead-lettered again within SQS's 5-minute window
 //!   arrives again instead of being dropped as a duplicate;
 //! - without one, if the queue has a `RedrivePolicy`, its dead-letter queue is resolved when
-//!   the source is built and used the same way. Where it cannot be resolved (no `GetQueueUrl`
+//!   the source connects, and used the same way. Where it cannot be resolved (no `GetQueueUrl`
 //!   permission), the message is handed back (nacked) and SQS's redrive moves it after
 //!   `maxReceiveCount` receives, without a reason attribute. A redrive dead-letter queue that
-//!   does not exist fails the build. Set the consumer's
+//!   does not exist fails the connect. Set the consumer's
 //!   [`max_deliveries`](inbox_core::Consumer::max_deliveries) below `maxReceiveCount` so a
 //!   message that crashes the process every time is dead-lettered by the consumer first;
 //! - with neither, dead-lettering fails with a [`Recovery::Fatal`](inbox_core::Recovery)
@@ -110,8 +115,14 @@
 //! The clients from [`connect`], [`connect_to`], [`connect_or_local`] and [`config_loader`]
 //! have [`default_timeouts`] (30 s per attempt, longer than the 20 s long poll; 90 s per call),
 //! so a stalled connection fails and is retried instead of hanging the consumer.
-//! [`SqsSourceBuilder::build`] refuses a client whose timeout per attempt is not longer than
-//! the wait time, and warns about one with no timeout at all.
+//! [`SqsSourceBuilder::connect`] refuses a client whose timeout per attempt is not longer than
+//! the [poll timeout](SqsSourceBuilder::poll_timeout), and warns about one with no timeout at
+//! all.
+//!
+//! # Capabilities
+//! [`MessageSource::capabilities`](inbox_core::MessageSource::capabilities) reports a delivery
+//! count (`ApproximateReceiveCount`) and a delayed nack (the visibility timeout) on every queue,
+//! and lanes (the message group) on a FIFO queue, whose URL ends in `.fifo`.
 //!
 //! # Batches and order
 //! A receive returns up to 10 messages; the consumer claims and commits them in one
@@ -126,7 +137,7 @@ mod dead_letter;
 mod error;
 mod fifo;
 mod heartbeat;
-mod sender;
+mod producer;
 mod source;
 
 pub use ack::SqsAck;
@@ -134,9 +145,8 @@ pub use ack::SqsAck;
 pub use aws_config;
 pub use client::{config_loader, connect, connect_or_local, connect_to, default_timeouts};
 pub use config::{AckMode, SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
-pub use dead_letter::REASON_ATTRIBUTE;
 pub use error::{Error, Result};
-pub use sender::{Outgoing, SqsSender};
+pub use producer::{Outgoing, SqsProducer, SqsProducerBuilder};
 pub use source::SqsSource;
 
 /// Re-exported so callers build clients and queues with the same SDK version.
@@ -153,8 +163,9 @@ mod tests {
     fn public_types_are_thread_safe() {
         assert_send_sync::<SqsAck>();
         assert_send_sync::<SqsSource>();
-        assert_send_sync::<SqsSender>();
+        assert_send_sync::<SqsProducer>();
         assert_send_sync::<Error>();
         assert_send::<SqsSourceBuilder>();
+        assert_send::<SqsProducerBuilder>();
     }
 }

@@ -7,7 +7,8 @@ use std::time::Duration;
 use aws_sdk_sqs::types::{MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName};
 use aws_sdk_sqs::Client;
 use inbox_core::{
-    async_trait, Delivery, IdError, Message, MessageSource, Metadata, Recent, SourceError,
+    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, Metadata, Recent,
+    SourceError,
 };
 use tracing::warn;
 
@@ -44,9 +45,10 @@ struct Received {
 }
 
 impl SqsSource {
-    /// Starts configuring a source on the queue at `queue_url`.
-    pub fn builder(client: Client, queue_url: impl Into<String>) -> SqsSourceBuilder {
-        SqsSourceBuilder::new(client, queue_url.into())
+    /// Starts configuring a source on the queue at `queue_url`; finish with
+    /// [`SqsSourceBuilder::connect`].
+    pub fn builder(queue_url: impl Into<String>) -> SqsSourceBuilder {
+        SqsSourceBuilder::new(queue_url.into())
     }
 
     pub(crate) fn new(client: Client, settings: Settings, dead_letter: DeadLetterTarget) -> Self {
@@ -182,7 +184,7 @@ impl MessageSource for SqsSource {
 
     async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<SqsAck>>, SourceError> {
         let max = max.clamp(1, self.settings.max_messages);
-        let wait = i32::try_from(self.settings.wait_time.as_secs()).unwrap_or(20);
+        let wait = i32::try_from(self.settings.poll_timeout.as_secs()).unwrap_or(20);
         let mut request = self
             .client
             .receive_message()
@@ -257,7 +259,18 @@ impl MessageSource for SqsSource {
         "aws_sqs"
     }
 
-    /// The queue's `MessageRetentionPeriod` as read at build. A message redriven from a FIFO
+    /// Every delivery carries `ApproximateReceiveCount`, and a nack sets the message's
+    /// visibility to the delay; on a FIFO queue each delivery's lane is its message group.
+    fn capabilities(&self) -> Capabilities {
+        let capabilities = Capabilities::NONE.with_delivery_count().with_delayed_nack();
+        if self.settings.fifo {
+            capabilities.with_lanes()
+        } else {
+            capabilities
+        }
+    }
+
+    /// The queue's `MessageRetentionPeriod` as read at connect. A message redriven from a FIFO
     /// dead-letter queue restarts that clock, so leave the inbox a margin beyond it.
     fn redelivery_window(&self) -> Option<Duration> {
         self.settings.retention
@@ -321,7 +334,7 @@ mod tests {
             queue_url: "http://localhost/q".into(),
             id_attribute: "event_id".into(),
             dedup_id_fallback,
-            wait_time: Duration::from_secs(1),
+            poll_timeout: Duration::from_secs(1),
             max_messages: 10,
             visibility_timeout: None,
             effective_visibility: Duration::from_secs(30),
@@ -329,6 +342,7 @@ mod tests {
             ack_mode: AckMode::AfterCommit,
             min_retry_delay: Duration::ZERO,
             retention: None,
+            fifo: false,
         };
         SqsSource::new(Client::from_conf(config), settings, DeadLetterTarget::None)
     }

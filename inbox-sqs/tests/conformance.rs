@@ -7,11 +7,12 @@ use std::time::Duration;
 
 use common::{attr, client, delete_queue, drain, queue};
 use inbox_conformance::{async_trait, DeadLetter, TestBroker, TestQueue};
+use inbox_core::dead_letter::REASON;
 use inbox_sqs::aws_sdk_sqs::types::{
     MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
 };
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_sqs::{SqsSource, DEFAULT_ID_ATTRIBUTE, REASON_ATTRIBUTE};
+use inbox_sqs::{SqsSource, DEFAULT_ID_ATTRIBUTE};
 
 /// A message a crashed consumer held is visible again after this.
 const VISIBILITY_SECS: u32 = 2;
@@ -90,10 +91,11 @@ impl TestQueue for Queue {
 
     async fn source(&self, _member: &str) -> SqsSource {
         // SQS has no group members: every source shares the queue.
-        SqsSource::builder(self.sqs.clone(), &self.url)
-            .wait_time(WAIT)
+        SqsSource::builder(&self.url)
+            .client(self.sqs.clone())
+            .poll_timeout(WAIT)
             .dead_letter_queue(&self.dlq)
-            .build()
+            .connect()
             .await
             .expect("source")
     }
@@ -108,7 +110,7 @@ impl TestQueue for Queue {
         let mut dead = self.dead.lock().expect("dead letters");
         dead.extend(received.iter().map(|m| DeadLetter {
             payload: m.body().unwrap_or_default().as_bytes().to_vec(),
-            reason: attr(m, REASON_ATTRIBUTE).unwrap_or_default(),
+            reason: attr(m, REASON).unwrap_or_default(),
         }));
         dead.clone()
     }

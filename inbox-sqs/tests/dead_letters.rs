@@ -8,11 +8,12 @@ mod common;
 use std::time::Duration;
 
 use common::{client, drain, fifo_queue, queue, queue_with_redrive};
+use inbox_core::dead_letter::REASON;
 use inbox_core::{Ack, MessageId, MessageSource, Recovery};
 use inbox_sqs::aws_sdk_sqs::types::Message as SqsMessage;
 use inbox_sqs::aws_sdk_sqs::types::MessageSystemAttributeName;
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_sqs::{Error, Outgoing, SqsSender, SqsSource, REASON_ATTRIBUTE};
+use inbox_sqs::{Error, Outgoing, SqsProducer, SqsSource};
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -65,24 +66,29 @@ async fn one_id_dead_lettered_twice_within_five_minutes_arrives_twice_in_a_fifo_
     let sqs = client().await;
     let url = queue(&sqs, "dl-twice", 30).await;
     let dlq = fifo_queue(&sqs, "dl-twice-dlq", 30).await;
-    let mut source = SqsSource::builder(sqs.clone(), &url)
-        .wait_time(SECOND)
+    let mut source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
         .dead_letter_queue(&dlq)
-        .build()
+        .connect()
         .await
         .unwrap();
-    let sender = SqsSender::new(sqs.clone(), &url);
+    let sender = SqsProducer::builder()
+        .client(sqs.clone())
+        .connect()
+        .await
+        .unwrap();
     let id = MessageId::generate();
     // The first copy is dead-lettered; then an operator redrives it (or the producer resends
     // it) and it fails again, all within SQS's 5-minute deduplication window. The first dead
     // letter is still in the DLQ, where SQS compares deduplication IDs.
     sender
-        .send_message(&Outgoing::with_id(id.clone(), "first"))
+        .send_message(&url, &Outgoing::with_id(id.clone(), "first"))
         .await
         .unwrap();
     assert_eq!(dead_letter_all(&mut source).await, 1);
     sender
-        .send_message(&Outgoing::with_id(id.clone(), "second"))
+        .send_message(&url, &Outgoing::with_id(id.clone(), "second"))
         .await
         .unwrap();
     assert_eq!(dead_letter_all(&mut source).await, 1);
@@ -104,10 +110,11 @@ async fn messages_without_an_id_or_with_a_non_ascii_id_dead_letter_to_a_fifo_dlq
     let sqs = client().await;
     let url = queue(&sqs, "dl-odd", 30).await;
     let dlq = fifo_queue(&sqs, "dl-odd-dlq", 30).await;
-    let mut source = SqsSource::builder(sqs.clone(), &url)
-        .wait_time(SECOND)
+    let mut source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
         .dead_letter_queue(&dlq)
-        .build()
+        .connect()
         .await
         .unwrap();
     sqs.send_message()
@@ -117,8 +124,12 @@ async fn messages_without_an_id_or_with_a_non_ascii_id_dead_letter_to_a_fifo_dlq
         .await
         .unwrap();
     let odd = MessageId::new("évènement n°1").unwrap();
-    SqsSender::new(sqs.clone(), &url)
-        .send_message(&Outgoing::with_id(odd.clone(), "non-ascii id"))
+    SqsProducer::builder()
+        .client(sqs.clone())
+        .connect()
+        .await
+        .unwrap()
+        .send_message(&url, &Outgoing::with_id(odd.clone(), "non-ascii id"))
         .await
         .unwrap();
     assert_eq!(dead_letter_all(&mut source).await, 2);
@@ -134,7 +145,7 @@ async fn messages_without_an_id_or_with_a_non_ascii_id_dead_letter_to_a_fifo_dlq
         // Real SQS refuses the send otherwise; the message would loop on the source.
         assert!(valid_fifo_id(&dedup), "deduplication ID {dedup:?}");
         assert!(valid_fifo_id(&group), "group ID {group:?}");
-        assert!(common::attr(message, REASON_ATTRIBUTE).is_some());
+        assert!(common::attr(message, REASON).is_some());
     }
     common::delete_queue(&sqs, &url).await;
     common::delete_queue(&sqs, &dlq).await;
@@ -145,10 +156,11 @@ async fn a_dead_letter_queue_that_does_not_exist_fails_the_build() {
     let sqs = client().await;
     let url = queue(&sqs, "dl-missing", 30).await;
     let missing = format!("{url}-gone");
-    let built = SqsSource::builder(sqs.clone(), &url)
-        .wait_time(SECOND)
+    let built = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
         .dead_letter_queue(&missing)
-        .build()
+        .connect()
         .await;
     let Err(e) = built else {
         panic!("built a source whose dead-letter queue {missing} does not exist");
@@ -167,9 +179,10 @@ async fn a_deleted_redrive_dead_letter_queue_fails_the_build() {
     let sqs = client().await;
     let (url, dlq) = queue_with_redrive(&sqs, "dl-deleted", 30, 5).await;
     common::delete_queue(&sqs, &dlq).await;
-    let built = SqsSource::builder(sqs.clone(), &url)
-        .wait_time(SECOND)
-        .build()
+    let built = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
+        .connect()
         .await;
     let Err(e) = built else {
         panic!("built a source whose redrive dead-letter queue was deleted");

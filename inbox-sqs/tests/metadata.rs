@@ -33,9 +33,10 @@ async fn a_message_carries_its_sent_timestamp_and_trace_parent() {
         .send()
         .await
         .expect("sent");
-    let mut source = SqsSource::builder(client, &queue)
-        .wait_time(Duration::from_secs(1))
-        .build()
+    let mut source = SqsSource::builder(&queue)
+        .client(client)
+        .poll_timeout(Duration::from_secs(1))
+        .connect()
         .await
         .expect("the source builds");
     assert_eq!(source.system(), "aws_sqs");

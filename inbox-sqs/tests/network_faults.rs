@@ -16,7 +16,7 @@ use inbox_core::{Consumer, StatsSnapshot};
 use inbox_sqs::aws_sdk_sqs::config::timeout::TimeoutConfig;
 use inbox_sqs::aws_sdk_sqs::config::{Credentials, Region};
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_sqs::{Outgoing, SqsSender, SqsSource};
+use inbox_sqs::{Outgoing, SqsProducer, SqsSource};
 use inbox_testkit::wallet::{summary, Credit, Summary};
 use inbox_testkit::TestDb;
 use inbox_testkit::{FaultProxy, ProxyMode};
@@ -181,14 +181,19 @@ async fn consume_through(name: &str, fault: Fault) -> Option<Run> {
     let outgoing: Vec<_> = (0..EVENTS)
         .map(|n| Outgoing::new(credit(n % 10, n + 1)))
         .collect();
-    SqsSender::new(sqs.clone(), &url)
-        .send_batch(&outgoing)
+    SqsProducer::builder()
+        .client(sqs.clone())
+        .connect()
+        .await
+        .unwrap()
+        .send_messages(&url, &outgoing)
         .await
         .unwrap();
 
-    let source = SqsSource::builder(proxied_client(&proxy).await, &url)
-        .wait_time(WAIT)
-        .build()
+    let source = SqsSource::builder(&url)
+        .client(proxied_client(&proxy).await)
+        .poll_timeout(WAIT)
+        .connect()
         .await
         .unwrap();
     // Resolved through the proxy, so with the proxy's address: compare the queue names.

@@ -1,5 +1,5 @@
 //! Inbox, then outbox, on SQS: outbox rows written in transactions are published by
-//! `OutboxRelay` through `SqsSender`, a standard queue in concurrent batches of 10, a FIFO queue
+//! `OutboxRelay` through `SqsProducer`, a standard queue in concurrent batches of 10, a FIFO queue
 //! with each row's key as its message group, in order; rows SQS cannot take stay unsent.
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
@@ -13,7 +13,7 @@ use common::*;
 use inbox_core::{Consumer, OutgoingMessage, Recovery};
 use inbox_postgres::{Outbox, RelayError};
 use inbox_sqs::aws_sdk_sqs::types::MessageSystemAttributeName;
-use inbox_sqs::{SqsSender, SqsSource};
+use inbox_sqs::{SqsProducer, SqsSource};
 use inbox_testkit::wallet::{self, Credit, CreditEvent};
 use inbox_testkit::TestDb;
 
@@ -62,14 +62,21 @@ async fn the_relay_sends_every_row_once_and_the_downstream_inbox_applies_each() 
     tx.commit().await.unwrap();
 
     let relayed = outbox
-        .relay(SqsSender::new(sqs.clone(), &url))
+        .relay(
+            SqsProducer::builder()
+                .client(sqs.clone())
+                .connect()
+                .await
+                .unwrap(),
+        )
         .batch_size(100)
         .run_until_idle()
         .await
         .unwrap();
-    let source = SqsSource::builder(sqs.clone(), &url)
-        .wait_time(Duration::from_secs(1))
-        .build()
+    let source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(Duration::from_secs(1))
+        .connect()
         .await
         .unwrap();
     let applied = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
@@ -125,7 +132,13 @@ async fn a_fifo_queue_gets_each_key_as_its_message_group_in_the_order_written() 
     tx.commit().await.unwrap();
 
     outbox
-        .relay(SqsSender::new(sqs.clone(), &url))
+        .relay(
+            SqsProducer::builder()
+                .client(sqs.clone())
+                .connect()
+                .await
+                .unwrap(),
+        )
         .run_until_idle()
         .await
         .unwrap();
@@ -169,7 +182,13 @@ async fn rows_sqs_cannot_take_stop_the_relay_and_stay_unsent() {
     tx.commit().await.unwrap();
 
     let error = outbox
-        .relay(SqsSender::new(sqs.clone(), &url))
+        .relay(
+            SqsProducer::builder()
+                .client(sqs.clone())
+                .connect()
+                .await
+                .unwrap(),
+        )
         .run_until_idle()
         .await
         .unwrap_err();
@@ -194,9 +213,21 @@ async fn rows_sqs_cannot_take_stop_the_relay_and_stay_unsent() {
     let sender = inbox_core::Destinations::new()
         .route(
             name(&url),
-            SqsSender::new(sqs.clone(), &url).message_group_id("g"),
+            SqsProducer::builder()
+                .client(sqs.clone())
+                .message_group_id("g")
+                .connect()
+                .await
+                .unwrap(),
         )
-        .route(name(&standard), SqsSender::new(sqs.clone(), &standard));
+        .route(
+            name(&standard),
+            SqsProducer::builder()
+                .client(sqs.clone())
+                .connect()
+                .await
+                .unwrap(),
+        );
     let error = outbox.relay(sender).run_until_idle().await.unwrap_err();
     assert!(
         matches!(error, RelayError::Publish { row: 2, .. }),

@@ -5,7 +5,7 @@ mod common;
 
 use inbox_sqs::aws_sdk_sqs::config::{Credentials, Region};
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_sqs::{SqsSender, SqsSource};
+use inbox_sqs::{SqsProducer, SqsSource};
 
 const SECRET_KEY: &str = "wJalrXUtnFEMI-secret-7c2a";
 const SESSION_TOKEN: &str = "session-token-5b1d";
@@ -29,8 +29,15 @@ async fn debug_output_shows_no_credentials() {
     let client = Client::new(&config);
     let url = format!("{endpoint}/000000000000/inbox-redaction");
     let shown = [
-        format!("{:?}", SqsSource::builder(client.clone(), &url)),
-        format!("{:?}", SqsSender::new(client.clone(), &url)),
+        format!("{:?}", SqsSource::builder(&url).client(client.clone())),
+        format!(
+            "{:?}",
+            SqsProducer::builder()
+                .client(client.clone())
+                .connect()
+                .await
+                .unwrap()
+        ),
         format!("{client:?}"),
     ];
     let local =
@@ -38,8 +45,9 @@ async fn debug_output_shows_no_credentials() {
     let built = if local {
         // The local endpoint takes any credentials: build the source the consumer would get.
         let queue = common::queue(&client, "redaction", 30).await;
-        let source = SqsSource::builder(client, &queue)
-            .build()
+        let source = SqsSource::builder(&queue)
+            .client(client)
+            .connect()
             .await
             .expect("the source builds against the local endpoint");
         Some(format!("{source:?}"))

@@ -10,9 +10,10 @@ mod common;
 use std::time::Duration;
 
 use common::{client, counts, credit, drain, queue, queue_with_redrive};
-use inbox_core::{Consumer, Error, MessageId, Recovery, Stage};
+use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
+use inbox_core::{Consumer, Error, MessageId, Publish, Recovery, Stage};
 use inbox_sqs::aws_sdk_sqs::types::MessageAttributeValue;
-use inbox_sqs::{AckMode, Outgoing, SqsSender, SqsSource, REASON_ATTRIBUTE};
+use inbox_sqs::{AckMode, Outgoing, SqsProducer, SqsSource};
 use inbox_testkit::crash_at;
 use inbox_testkit::wallet::{balance, summary, Credit};
 use inbox_testkit::TestDb;
@@ -26,18 +27,23 @@ async fn the_same_id_twice_in_one_receive_is_applied_once() {
     let sqs = client().await;
     let url = queue(&sqs, "double", 3).await;
     let db = TestDb::new().await;
-    let sender = SqsSender::new(sqs.clone(), &url);
+    let sender = SqsProducer::builder()
+        .client(sqs.clone())
+        .connect()
+        .await
+        .unwrap();
     let id = MessageId::generate();
     let twice = [
         Outgoing::with_id(id.clone(), credit(1, 100)),
         Outgoing::new(credit(2, 7)),
         Outgoing::with_id(id, credit(1, 100)),
     ];
-    sender.send_batch(&twice).await.unwrap();
+    sender.send_messages(&url, &twice).await.unwrap();
 
-    let source = SqsSource::builder(sqs.clone(), &url)
-        .wait_time(SECOND)
-        .build()
+    let source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
+        .connect()
         .await
         .unwrap();
     let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
@@ -59,7 +65,8 @@ async fn the_same_id_twice_in_one_receive_is_applied_once() {
 
 /// A dead letter in a standard dead-letter queue keeps the original's attributes with their
 /// data types (the `event_id` of the unparsable one, a Number attribute of the one without an
-/// ID) and carries why in the [`REASON_ATTRIBUTE`] attribute.
+/// ID) and carries why, and where it was read from, in the [`inbox_core::dead_letter`]
+/// attributes.
 #[tokio::test]
 async fn a_dead_letter_keeps_its_attributes_and_carries_a_reason_attribute() {
     let sqs = client().await;
@@ -80,15 +87,20 @@ async fn a_dead_letter_keeps_its_attributes_and_carries_a_reason_attribute() {
         .await
         .unwrap();
     // An ID, but a body no handler can parse: a permanent failure.
-    let bad = SqsSender::new(sqs.clone(), &url)
-        .send("not json")
+    let bad = SqsProducer::builder()
+        .client(sqs.clone())
+        .connect()
+        .await
+        .unwrap()
+        .send(&url, b"not json")
         .await
         .unwrap();
 
-    let source = SqsSource::builder(sqs.clone(), &url)
-        .wait_time(SECOND)
+    let source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
         .dead_letter_queue(&dlq)
-        .build()
+        .connect()
         .await
         .unwrap();
     let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
@@ -98,10 +110,7 @@ async fn a_dead_letter_keeps_its_attributes_and_carries_a_reason_attribute() {
         .unwrap();
 
     let dead = drain(&sqs, &dlq, SECOND).await;
-    let reasons: Vec<_> = dead
-        .iter()
-        .map(|m| common::attr(m, REASON_ATTRIBUTE))
-        .collect();
+    let reasons: Vec<_> = dead.iter().map(|m| common::attr(m, REASON)).collect();
     println!("dead letters: {stats:?}; reasons {reasons:?}");
     assert_eq!(dead.len(), 2);
 
@@ -109,7 +118,7 @@ async fn a_dead_letter_keeps_its_attributes_and_carries_a_reason_attribute() {
         .iter()
         .find(|m| common::attr(m, "event_id").is_none())
         .expect("the message without ID is in the DLQ");
-    let reason = common::attr(no_id, REASON_ATTRIBUTE).unwrap();
+    let reason = common::attr(no_id, REASON).unwrap();
     assert!(reason.contains("event_id is missing"), "{reason}");
     let tenant = &no_id.message_attributes().unwrap()["tenant"];
     assert_eq!(
@@ -121,8 +130,14 @@ async fn a_dead_letter_keeps_its_attributes_and_carries_a_reason_attribute() {
         .iter()
         .find(|m| common::attr(m, "event_id").as_deref() == Some(bad.as_str()))
         .expect("the unparsable message is in the DLQ with its ID");
-    let reason = common::attr(unparsable, REASON_ATTRIBUTE).unwrap();
+    let reason = common::attr(unparsable, REASON).unwrap();
     assert!(reason.contains("not valid JSON"), "{reason}");
+    assert_eq!(
+        common::attr(unparsable, ORIGINAL_SOURCE).as_deref(),
+        Some(url.as_str())
+    );
+    let position = common::attr(unparsable, ORIGINAL_POSITION).unwrap_or_default();
+    assert!(position.starts_with("message "), "{position}");
     common::delete_queue(&sqs, &url).await;
     common::delete_queue(&sqs, &dlq).await;
     db.drop().await;
@@ -140,9 +155,10 @@ async fn without_explicit_dlq_the_redrive_policy_target_gets_the_dead_letter() {
         .await
         .unwrap();
 
-    let source = SqsSource::builder(sqs.clone(), &url)
-        .wait_time(SECOND)
-        .build()
+    let source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
+        .connect()
         .await
         .unwrap();
     assert_eq!(
@@ -158,9 +174,7 @@ async fn without_explicit_dlq_the_redrive_policy_target_gets_the_dead_letter() {
     let dead = drain(&sqs, &dlq, SECOND).await;
     println!("redrive DLQ: {stats:?}; {} dead letter(s)", dead.len());
     assert_eq!(dead.len(), 1);
-    assert!(common::attr(&dead[0], REASON_ATTRIBUTE)
-        .unwrap()
-        .contains("missing"));
+    assert!(common::attr(&dead[0], REASON).unwrap().contains("missing"));
     assert_eq!(summary(&db.pool).await.unwrap().ledger_rows, 0);
     assert_eq!(counts(&sqs, &url).await, (0, 0));
     common::delete_queue(&sqs, &url).await;
@@ -180,9 +194,10 @@ async fn without_any_dead_letter_queue_the_consumer_stops_and_loses_nothing() {
         .await
         .unwrap();
 
-    let source = SqsSource::builder(sqs.clone(), &url)
-        .wait_time(SECOND)
-        .build()
+    let source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
+        .connect()
         .await
         .unwrap();
     let result = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
@@ -209,15 +224,20 @@ async fn batched_sends_are_all_applied_and_batch_deleted() {
     let outgoing: Vec<_> = (0..EVENTS)
         .map(|n| Outgoing::new(credit(n % 3, n)))
         .collect();
-    SqsSender::new(sqs.clone(), &url)
-        .send_batch(&outgoing)
+    SqsProducer::builder()
+        .client(sqs.clone())
+        .connect()
+        .await
+        .unwrap()
+        .send_messages(&url, &outgoing)
         .await
         .unwrap();
     assert_eq!(counts(&sqs, &url).await, (EVENTS as u64, 0));
 
-    let source = SqsSource::builder(sqs.clone(), &url)
-        .wait_time(SECOND)
-        .build()
+    let source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
+        .connect()
         .await
         .unwrap();
     let retention = source.queue_retention().await.unwrap();
@@ -252,15 +272,20 @@ async fn delete_on_receive_loses_a_message_on_crash() {
     let sqs = client().await;
     let url = queue(&sqs, "a1", 2).await;
     let db = TestDb::new().await;
-    SqsSender::new(sqs.clone(), &url)
-        .send(credit(1, 10))
+    SqsProducer::builder()
+        .client(sqs.clone())
+        .connect()
+        .await
+        .unwrap()
+        .send(&url, credit(1, 10).as_bytes())
         .await
         .unwrap();
 
-    let source = SqsSource::builder(sqs.clone(), &url)
-        .wait_time(SECOND)
+    let source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
         .ack_mode(AckMode::DeleteOnReceive)
-        .build()
+        .connect()
         .await
         .unwrap();
     let crashed = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
@@ -283,9 +308,14 @@ async fn fifo_queue_with_the_deduplication_id_fallback() {
     let sqs = client().await;
     let url = common::fifo_queue(&sqs, "fifo", 3).await;
     let db = TestDb::new().await;
-    let sender = SqsSender::new(sqs.clone(), &url).message_group_id("account-1");
-    let first = sender.send(credit(1, 1)).await.unwrap();
-    sender.send(credit(1, 2)).await.unwrap();
+    let sender = SqsProducer::builder()
+        .client(sqs.clone())
+        .message_group_id("account-1")
+        .connect()
+        .await
+        .unwrap();
+    let first = sender.send(&url, credit(1, 1).as_bytes()).await.unwrap();
+    sender.send(&url, credit(1, 2).as_bytes()).await.unwrap();
     // A producer without the attribute, relying on a stable deduplication ID per event.
     sqs.send_message()
         .queue_url(&url)
@@ -298,14 +328,15 @@ async fn fifo_queue_with_the_deduplication_id_fallback() {
     // A resend of the first event with its ID: SQS drops it within its 5-minute window, and
     // the inbox would skip it after that.
     sender
-        .send_message(&Outgoing::with_id(first, credit(1, 1)))
+        .send_message(&url, &Outgoing::with_id(first, credit(1, 1)))
         .await
         .unwrap();
 
-    let source = SqsSource::builder(sqs.clone(), &url)
-        .wait_time(SECOND)
+    let source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
         .dedup_id_fallback(true)
-        .build()
+        .connect()
         .await
         .unwrap();
     let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))

@@ -8,10 +8,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{client, counts, credit, queue, stalling_credit};
-use inbox_core::{Ack, Consumer, InboxStore, MessageSource, StatsSnapshot};
+use inbox_core::{Ack, Consumer, InboxStore, MessageSource, Publish, StatsSnapshot};
 use inbox_postgres::PgTx;
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_sqs::{SqsSender, SqsSource};
+use inbox_sqs::{SqsProducer, SqsSource};
 use inbox_testkit::wallet::{summary, Credit, Summary};
 use inbox_testkit::TestDb;
 use inbox_testkit::WithoutInbox;
@@ -35,13 +35,18 @@ async fn steal(sqs: &Client, url: &str) -> usize {
 async fn heartbeat_keeps_a_slow_message_invisible_until_acked() {
     let sqs = client().await;
     let url = queue(&sqs, "hb", 2).await;
-    SqsSender::new(sqs.clone(), &url)
-        .send(credit(1, 1))
+    SqsProducer::builder()
+        .client(sqs.clone())
+        .connect()
+        .await
+        .unwrap()
+        .send(&url, credit(1, 1).as_bytes())
         .await
         .unwrap();
-    let mut source = SqsSource::builder(sqs.clone(), &url)
-        .wait_time(SECOND)
-        .build()
+    let mut source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
+        .connect()
         .await
         .unwrap();
     let mut batch = source.receive(10).await.unwrap();
@@ -68,13 +73,18 @@ async fn heartbeat_keeps_a_slow_message_invisible_until_acked() {
 async fn a_dropped_delivery_comes_back_after_the_visibility_timeout() {
     let sqs = client().await;
     let url = queue(&sqs, "drop", 2).await;
-    SqsSender::new(sqs.clone(), &url)
-        .send(credit(1, 1))
+    SqsProducer::builder()
+        .client(sqs.clone())
+        .connect()
+        .await
+        .unwrap()
+        .send(&url, credit(1, 1).as_bytes())
         .await
         .unwrap();
-    let mut source = SqsSource::builder(sqs.clone(), &url)
-        .wait_time(SECOND)
-        .build()
+    let mut source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
+        .connect()
         .await
         .unwrap();
     let batch = source.receive(10).await.unwrap();
@@ -101,13 +111,18 @@ async fn a_dropped_delivery_comes_back_after_the_visibility_timeout() {
 async fn nack_makes_the_message_visible_after_the_delay() {
     let sqs = client().await;
     let url = queue(&sqs, "nack", 30).await;
-    SqsSender::new(sqs.clone(), &url)
-        .send(credit(1, 1))
+    SqsProducer::builder()
+        .client(sqs.clone())
+        .connect()
+        .await
+        .unwrap()
+        .send(&url, credit(1, 1).as_bytes())
         .await
         .unwrap();
-    let mut source = SqsSource::builder(sqs.clone(), &url)
-        .wait_time(Duration::from_secs(5))
-        .build()
+    let mut source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(Duration::from_secs(5))
+        .connect()
         .await
         .unwrap();
     let mut batch = source.receive(10).await.unwrap();
@@ -134,13 +149,18 @@ async fn nack_makes_the_message_visible_after_the_delay() {
 async fn a_sub_second_nack_is_not_visible_at_once() {
     let sqs = client().await;
     let url = queue(&sqs, "nack-ms", 30).await;
-    SqsSender::new(sqs.clone(), &url)
-        .send(credit(1, 1))
+    SqsProducer::builder()
+        .client(sqs.clone())
+        .connect()
+        .await
+        .unwrap()
+        .send(&url, credit(1, 1).as_bytes())
         .await
         .unwrap();
-    let mut source = SqsSource::builder(sqs.clone(), &url)
-        .wait_time(Duration::from_secs(5))
-        .build()
+    let mut source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(Duration::from_secs(5))
+        .connect()
         .await
         .unwrap();
     let mut batch = source.receive(10).await.unwrap();
@@ -179,20 +199,28 @@ where
     const STALL: Duration = Duration::from_secs(5);
     let sqs = client().await;
     let url = queue(&sqs, "zombie", 2).await;
-    let sender = SqsSender::new(sqs.clone(), &url);
+    let sender = SqsProducer::builder()
+        .client(sqs.clone())
+        .connect()
+        .await
+        .unwrap();
     for n in 0..stalling {
-        sender.send(stalling_credit(n, 100)).await.unwrap();
+        sender
+            .send(&url, stalling_credit(n, 100).as_bytes())
+            .await
+            .unwrap();
     }
     for n in 0..plain {
-        sender.send(credit(n, 1)).await.unwrap();
+        sender.send(&url, credit(n, 1).as_bytes()).await.unwrap();
     }
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut consumers = Vec::new();
     for _ in 0..3 {
-        let source = SqsSource::builder(sqs.clone(), &url)
-            .wait_time(SECOND)
+        let source = SqsSource::builder(&url)
+            .client(sqs.clone())
+            .poll_timeout(SECOND)
             .heartbeat(heartbeat)
-            .build()
+            .connect()
             .await
             .unwrap();
         let consumer = Consumer::new(

@@ -10,7 +10,7 @@ use inbox_rabbitmq::lapin::options::{
 };
 use inbox_rabbitmq::lapin::types::{AMQPValue, FieldTable};
 use inbox_rabbitmq::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use inbox_rabbitmq::{RabbitConfig, RabbitPublisher, DEFAULT_AMQP_URL};
+use inbox_rabbitmq::{RabbitProducer, RabbitSource, RabbitSourceBuilder, DEFAULT_AMQP_URL};
 use inbox_testkit::wallet::CreditEvent;
 
 pub fn amqp_url() -> String {
@@ -18,9 +18,10 @@ pub fn amqp_url() -> String {
 }
 
 /// A config for a fresh, randomly named queue.
-pub fn fresh_config(label: &str) -> RabbitConfig {
+pub fn fresh_config(label: &str) -> RabbitSourceBuilder {
     let queue = format!("inbox-test-{label}-{}", uuid::Uuid::new_v4().simple());
-    RabbitConfig::new(amqp_url(), queue)
+    RabbitSource::builder(queue)
+        .url(amqp_url())
         .poll_timeout(Duration::from_millis(500))
         .connection_name(format!(
             "inbox-test {label} {}",
@@ -28,11 +29,13 @@ pub fn fresh_config(label: &str) -> RabbitConfig {
         ))
 }
 
-pub async fn publisher(config: &RabbitConfig) -> RabbitPublisher {
+pub async fn publisher(config: &RabbitSourceBuilder) -> RabbitProducer {
     config.declare_topology().await.expect("declare topology");
-    RabbitPublisher::connect(config.url(), config.queue())
+    RabbitProducer::builder()
+        .url(config.broker_url())
+        .connect()
         .await
-        .expect("connect publisher")
+        .expect("connect the producer")
 }
 
 pub fn credit(account_id: i64, amount: i64) -> Vec<u8> {
@@ -113,7 +116,7 @@ pub async fn drain(queue: &str) -> Vec<Parked> {
 }
 
 /// Deletes the queue and its DLQ.
-pub async fn cleanup(config: &RabbitConfig) {
+pub async fn cleanup(config: &RabbitSourceBuilder) {
     let (_connection, channel) = admin_channel().await;
     for queue in [config.queue().to_owned(), config.dead_letter_queue()] {
         let _ = channel

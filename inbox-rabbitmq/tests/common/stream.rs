@@ -5,8 +5,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use inbox_core::Publish;
 use inbox_core::{Consumer, Stats, StatsSnapshot};
-use inbox_rabbitmq::{RabbitConfig, RabbitSource};
+use inbox_rabbitmq::RabbitSourceBuilder;
 use inbox_testkit::wallet::{self, Credit, Summary};
 use inbox_testkit::TestDb;
 use tokio::sync::watch;
@@ -47,7 +48,7 @@ pub async fn broker_addr() -> SocketAddr {
 pub struct Stream {
     pub db: TestDb,
     /// The queue's config as the test (publisher, admin) sees it: straight to the broker.
-    pub direct: RabbitConfig,
+    pub direct: RabbitSourceBuilder,
     pub events: i64,
     expected_total: i64,
     stats: Arc<Stats>,
@@ -89,7 +90,11 @@ impl Outcome {
 impl Stream {
     /// Publishes `events` credits to `direct`'s queue, then starts a consumer whose source uses
     /// `consumer` (the same queue, perhaps another URL).
-    pub async fn start(direct: RabbitConfig, consumer: RabbitConfig, events: i64) -> Self {
+    pub async fn start(
+        direct: RabbitSourceBuilder,
+        consumer: RabbitSourceBuilder,
+        events: i64,
+    ) -> Self {
         assert_eq!(direct.queue(), consumer.queue());
         let db = TestDb::new().await;
         let publisher = publisher(&direct).await;
@@ -97,16 +102,14 @@ impl Stream {
         for i in 0..events {
             let amount = 1 + i % 17;
             publisher
-                .publish(&credit(1 + i % 10, amount))
+                .send(direct.queue(), &credit(1 + i % 10, amount))
                 .await
                 .expect("publish");
             expected_total += amount;
         }
         publisher.close().await;
 
-        let source = RabbitSource::connect(consumer)
-            .await
-            .expect("the consumer connects");
+        let source = consumer.connect().await.expect("the consumer connects");
         // A little work per message keeps the stream going while the test breaks things.
         let handler = Credit::new(db.pool.clone()).work(Duration::from_millis(10));
         let consumer = Consumer::new("wallet", source, db.inbox(), handler)

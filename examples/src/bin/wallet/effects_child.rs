@@ -162,23 +162,24 @@ pub(crate) async fn main(spec: &ChildSpec) -> Result<(), BoxError> {
             run(source, spec, &db).await
         }
         BrokerKind::Rabbitmq => {
-            let url = std::env::var("AMQP_URL")
-                .unwrap_or_else(|_| inbox_rabbitmq::DEFAULT_AMQP_URL.to_owned());
-            let config = inbox_rabbitmq::RabbitConfig::new(&url, &spec.name)
+            // The broker from AMQP_URL, else the local default.
+            let source = inbox_rabbitmq::RabbitSource::builder(&spec.name)
                 .no_delivery_limit()
-                .poll_timeout(Duration::from_millis(500));
-            let source = inbox_rabbitmq::RabbitSource::connect(config).await?;
+                .poll_timeout(Duration::from_millis(500))
+                .connect()
+                .await?;
             run(source, spec, &db).await
         }
         BrokerKind::Sqs => {
             let client = inbox_sqs::connect_or_local(SQS_LOCAL).await;
             let url = sqs_url(&client, &spec.name).await?;
             let dlq = sqs_url(&client, &format!("{}-dlq", spec.name)).await?;
-            let source = inbox_sqs::SqsSource::builder(client, url)
+            let source = inbox_sqs::SqsSource::builder(url)
+                .client(client)
                 .dead_letter_queue(dlq)
-                .wait_time(Duration::from_secs(1))
+                .poll_timeout(Duration::from_secs(1))
                 .max_messages(1)
-                .build()
+                .connect()
                 .await?;
             run(source, spec, &db).await
         }
@@ -273,14 +274,17 @@ async fn relay(spec: &ChildSpec, db: &TestDb) -> Result<(), BoxError> {
                 .await?,
         ),
         BrokerKind::Rabbitmq => {
-            let url = std::env::var("AMQP_URL")
-                .unwrap_or_else(|_| inbox_rabbitmq::DEFAULT_AMQP_URL.to_owned());
-            Box::new(inbox_rabbitmq::RabbitPublisher::connect(&url, &spec.name).await?)
+            Box::new(inbox_rabbitmq::RabbitProducer::builder().connect().await?)
         }
         BrokerKind::Sqs => {
             let client = inbox_sqs::connect_or_local(SQS_LOCAL).await;
-            let url = sqs_url(&client, &spec.name).await?;
-            Box::new(inbox_sqs::SqsSender::new(client, url))
+            // Destinations are queue names, resolved to URLs by the producer.
+            Box::new(
+                inbox_sqs::SqsProducer::builder()
+                    .client(client)
+                    .connect()
+                    .await?,
+            )
         }
         #[cfg(feature = "kafka")]
         // One record per batch, as the wallet's publisher: Tansu 0.6 serves a fetch from

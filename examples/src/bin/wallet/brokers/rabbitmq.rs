@@ -3,12 +3,13 @@
 use std::time::Duration;
 
 use futures_util::stream::{self, StreamExt, TryStreamExt};
-use inbox_core::MessageId;
-use inbox_core::{async_trait, BoxError, StatsSnapshot};
+use inbox_core::{async_trait, BoxError, MessageId, Publish, StatsSnapshot};
 use inbox_rabbitmq::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use inbox_rabbitmq::lapin::types::FieldTable;
 use inbox_rabbitmq::lapin::{Channel, Connection, ConnectionProperties};
-use inbox_rabbitmq::{AckMode, RabbitConfig, RabbitPublisher, RabbitSource, DEFAULT_AMQP_URL};
+use inbox_rabbitmq::{
+    AckMode, RabbitProducer, RabbitSource, RabbitSourceBuilder, DEFAULT_AMQP_URL,
+};
 use inbox_testkit::TestDb;
 
 use super::{Broker, Outgoing};
@@ -42,10 +43,11 @@ impl Rabbit {
         })
     }
 
-    fn config(&self, name: &str) -> RabbitConfig {
+    fn config(&self, name: &str) -> RabbitSourceBuilder {
         // No broker-side delivery limit: a message the kills requeue often must not be parked,
         // or it would count as lost.
-        RabbitConfig::new(&self.url, name)
+        RabbitSource::builder(name)
+            .url(&self.url)
             .no_delivery_limit()
             .poll_timeout(Duration::from_millis(500))
     }
@@ -72,11 +74,11 @@ impl Broker for Rabbit {
             .iter()
             .map(|event| Ok((MessageId::new(event.id.clone())?, event.payload.clone())))
             .collect::<Result<Vec<_>, BoxError>>()?;
-        let publisher = RabbitPublisher::connect(&self.url, name).await?;
+        let publisher = RabbitProducer::builder().url(&self.url).connect().await?;
         let published = stream::iter(messages)
             .map(|(id, payload)| {
                 let publisher = &publisher;
-                async move { publisher.publish_with_id(&id, &payload).await }
+                async move { publisher.send_with_id(name, &id, &payload).await }
             })
             .buffer_unordered(PUBLISHES_IN_FLIGHT)
             .try_for_each(|()| async { Ok(()) })
@@ -99,7 +101,7 @@ impl Broker for Rabbit {
         if spec.variant.auto_ack() {
             config = config.ack_mode(AckMode::NoAck);
         }
-        let source = RabbitSource::connect(config).await?;
+        let source = config.connect().await?;
         crate::ready();
         Ok(consume::run(source, spec, db, watch, shutdown).await?)
     }

@@ -5,7 +5,7 @@ use std::time::Duration;
 use inbox_core::{async_trait, BoxError, MessageId, StatsSnapshot};
 use inbox_sqs::aws_sdk_sqs::types::QueueAttributeName;
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_sqs::{AckMode, SqsSender, SqsSource};
+use inbox_sqs::{AckMode, SqsProducer, SqsSource};
 use inbox_testkit::TestDb;
 
 use super::{Broker, Outgoing};
@@ -62,7 +62,10 @@ impl Broker for Sqs {
     }
 
     async fn publish(&self, name: &str, events: &[Outgoing]) -> Result<(), BoxError> {
-        let sender = SqsSender::new(self.client.clone(), self.url(name).await?);
+        let producer = SqsProducer::builder()
+            .client(self.client.clone())
+            .connect()
+            .await?;
         let mut batch = Vec::with_capacity(events.len());
         for event in events {
             let body = String::from_utf8(event.payload.clone())?;
@@ -71,7 +74,7 @@ impl Broker for Sqs {
                 body,
             ));
         }
-        Ok(sender.send_batch(&batch).await?)
+        Ok(producer.send_messages(name, &batch).await?)
     }
 
     async fn consume(
@@ -81,9 +84,10 @@ impl Broker for Sqs {
         watch: Watch,
         shutdown: Shutdown,
     ) -> Result<StatsSnapshot, BoxError> {
-        let mut builder = SqsSource::builder(self.client.clone(), self.url(&spec.name).await?)
+        let mut builder = SqsSource::builder(self.url(&spec.name).await?)
+            .client(self.client.clone())
             .dead_letter_queue(self.url(&format!("{}-dlq", spec.name)).await?)
-            .wait_time(Duration::from_secs(1))
+            .poll_timeout(Duration::from_secs(1))
             .max_messages(spec.variant.batch().clamp(1, 10))
             // Off in the zombie test: the stalled handler loses its message when the
             // visibility timeout runs out.
@@ -91,7 +95,7 @@ impl Broker for Sqs {
         if spec.variant.auto_ack() {
             builder = builder.ack_mode(AckMode::DeleteOnReceive);
         }
-        let source = builder.build().await?;
+        let source = builder.connect().await?;
         crate::ready();
         Ok(consume::run(source, spec, db, watch, shutdown).await?)
     }

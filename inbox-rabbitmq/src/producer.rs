@@ -1,15 +1,16 @@
-//! The producing side: [`RabbitPublisher`], publishes confirmed by the broker.
+//! The producing side: [`RabbitProducer`], publishes confirmed by the broker.
 
 use std::fmt;
 
 use futures_util::future::try_join_all;
 use inbox_core::telemetry::TRACEPARENT_HEADER;
-use inbox_core::{async_trait, MessageId, OutgoingMessage, Publish, PublishError};
+use inbox_core::{async_trait, OutgoingMessage, Publish, PublishError};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::AMQPValue;
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
 use tokio::sync::Mutex;
 
+use crate::config::url_from_env;
 use crate::short_string::short_string;
 use crate::{connect, Error, Result};
 
@@ -80,69 +81,113 @@ fn with_traceparent(properties: BasicProperties) -> BasicProperties {
     properties.with_headers(headers)
 }
 
-/// Publishes messages that an inbox consumer can deduplicate: each carries a `message_id`
-/// (a UUIDv7 unless you pass one), is persistent (`delivery_mode = 2`), is `mandatory`, and is
-/// confirmed by the broker before the call returns.
+/// Configures a [`RabbitProducer`]; made by [`RabbitProducer::builder`], finished by
+/// [`connect`](Self::connect).
+#[derive(Clone)]
+#[must_use = "a builder does nothing until `connect` is awaited"]
+pub struct RabbitProducerBuilder {
+    url: String,
+    connection_name: String,
+}
+
+impl fmt::Debug for RabbitProducerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitProducerBuilder")
+            .field("url", &connect::redact(&self.url))
+            .field("connection_name", &self.connection_name)
+            .finish()
+    }
+}
+
+impl RabbitProducerBuilder {
+    /// The broker to connect to (`amqp://user:pass@host:port/vhost`), instead of `AMQP_URL` or
+    /// [`DEFAULT_AMQP_URL`](crate::DEFAULT_AMQP_URL).
+    pub fn url(mut self, url: impl Into<String>) -> Self {
+        self.url = url.into();
+        self
+    }
+
+    /// The client-provided connection name the management UI shows (default
+    /// `inbox-rabbitmq producer`).
+    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
+        self.connection_name = name.into();
+        self
+    }
+
+    /// Connects and opens a channel in confirm mode. Fails when the broker cannot be reached
+    /// or refuses the login.
+    pub async fn connect(self) -> Result<RabbitProducer> {
+        let producer = RabbitProducer {
+            url: self.url,
+            name: self.connection_name,
+            state: Mutex::new(None),
+        };
+        producer.channel().await?;
+        Ok(producer)
+    }
+}
+
+/// Publishes messages that an inbox consumer can deduplicate, to any queue: each carries a
+/// `message_id` (a UUIDv7 unless you pass one), is persistent (`delivery_mode = 2`), is
+/// `mandatory`, and is confirmed by the broker before the call returns.
 ///
-/// It publishes through the default exchange straight to one queue. A lost connection is
-/// reopened on the next publish; a publish that failed may or may not have reached the queue,
-/// so publish it again **with the same ID** and the inbox drops the extra copy.
-pub struct RabbitPublisher {
+/// Send through [`Publish`]: `send(queue, payload)`, `send_with_id(queue, &id, payload)`,
+/// `send_batch(queue, &messages)`. The destination is a queue name: the message goes through the
+/// default exchange with the queue name as routing key, so the queue must exist (see
+/// [`RabbitSourceBuilder::declare_topology`](crate::RabbitSourceBuilder::declare_topology)); one
+/// that does not fails with [`Error::Unroutable`]. A lost connection is reopened on the next
+/// publish; a publish that failed may or may not have reached the queue, so publish it again
+/// **with the same ID** and the inbox drops the extra copy.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use inbox_core::Publish;
+/// use inbox_rabbitmq::RabbitProducer;
+///
+/// let producer = RabbitProducer::builder().connect().await?; // AMQP_URL, else the default
+/// let id = producer.send("payments", b"100").await?; // a UUIDv7 message_id, confirmed
+/// producer.send_with_id("payments", &id, b"100").await?; // sent twice: applied once
+/// # Ok(())
+/// # }
+/// ```
+pub struct RabbitProducer {
     url: String,
     name: String,
-    routing_key: String,
     state: Mutex<Option<(Connection, Channel)>>,
 }
 
-impl fmt::Debug for RabbitPublisher {
+impl fmt::Debug for RabbitProducer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RabbitPublisher")
+        f.debug_struct("RabbitProducer")
             .field("url", &connect::redact(&self.url))
-            .field("routing_key", &self.routing_key)
+            .field("connection_name", &self.name)
             .finish_non_exhaustive()
     }
 }
 
-impl RabbitPublisher {
-    /// Connects to `url` and publishes to `queue` (which must exist: see
-    /// [`RabbitConfig::declare_topology`](crate::RabbitConfig::declare_topology)).
-    pub async fn connect(url: &str, queue: &str) -> Result<Self> {
-        short_string("queue name", queue)?;
-        let publisher = Self {
-            url: url.to_owned(),
-            name: format!("inbox-rabbitmq publisher {queue}"),
-            routing_key: queue.to_owned(),
-            state: Mutex::new(None),
-        };
-        publisher.channel().await?;
-        Ok(publisher)
+impl RabbitProducer {
+    /// Starts configuring a producer on the broker named by `AMQP_URL`
+    /// ([`DEFAULT_AMQP_URL`](crate::DEFAULT_AMQP_URL) when unset) unless
+    /// [`url`](RabbitProducerBuilder::url) names one; finish with
+    /// [`connect`](RabbitProducerBuilder::connect).
+    pub fn builder() -> RabbitProducerBuilder {
+        RabbitProducerBuilder {
+            url: url_from_env(),
+            connection_name: "inbox-rabbitmq producer".to_owned(),
+        }
     }
 
-    /// Publishes `payload` with a fresh UUIDv7 [`MessageId`] and returns the ID.
-    pub async fn publish(&self, payload: &[u8]) -> Result<MessageId> {
-        let id = MessageId::generate();
-        self.publish_with_id(&id, payload).await?;
-        Ok(id)
-    }
-
-    /// Publishes `payload` with message ID `id`: use the same ID when you publish again after an
-    /// error, so the consumer applies it once.
-    pub async fn publish_with_id(&self, id: &MessageId, payload: &[u8]) -> Result<()> {
-        let properties =
-            BasicProperties::default().with_message_id(short_string("message ID", id.as_str())?);
-        self.publish_with_properties(payload, properties).await
-    }
-
-    /// Publishes `payload` with your `properties` (headers, content type, or no `message_id` at
-    /// all), made persistent.
+    /// Publishes `payload` to `queue` with your `properties` (headers, content type, a
+    /// timestamp, or no `message_id` at all), made persistent, and waits for the confirm.
     pub async fn publish_with_properties(
         &self,
+        queue: &str,
         payload: &[u8],
         properties: BasicProperties,
     ) -> Result<()> {
         let channel = self.channel().await?;
         let properties = with_traceparent(properties).with_delivery_mode(PERSISTENT);
-        let result = publish_confirmed(&channel, "", &self.routing_key, payload, properties).await;
+        let result = publish_confirmed(&channel, "", queue, payload, properties).await;
         if result.is_err() && !channel.status().connected() {
             // Reconnect on the next publish.
             *self.state.lock().await = None;
@@ -174,21 +219,19 @@ impl RabbitPublisher {
     /// Closes the connection.
     pub async fn close(self) {
         if let Some((connection, _)) = self.state.into_inner() {
-            let _ = connection.close(200, "publisher closed".into()).await;
+            let _ = connection.close(200, "producer closed".into()).await;
         }
     }
 }
 
-/// `destination` must be the queue this publisher was built for: a publisher refuses any other
-/// with a [`Recovery::Fatal`](inbox_core::Recovery::Fatal) error ([`Error::Config`]); make one
-/// per queue and route them with [`Destinations`](inbox_core::Destinations). Keys are ignored: a
+/// `destination` is a queue name, the routing key on the default exchange. Keys are ignored: a
 /// queue has one order for all its messages.
 ///
-/// Each message is published as by [`RabbitPublisher::publish_with_id`] (persistent,
-/// `mandatory`, `message_id` set), all of them before the first confirm is awaited; `Ok` once the
-/// broker confirmed every one.
+/// Each message is published persistent, `mandatory`, with its ID as `message_id` (and the
+/// current trace as `traceparent`), all of them before the first confirm is awaited; `Ok` once
+/// the broker confirmed every one.
 #[async_trait]
-impl Publish for RabbitPublisher {
+impl Publish for RabbitProducer {
     async fn send_batch(
         &self,
         destination: &str,
@@ -201,13 +244,6 @@ impl Publish for RabbitPublisher {
                 e,
             )
         };
-        if destination != self.routing_key {
-            return Err(failed(Error::Config(format!(
-                "this RabbitPublisher publishes to queue `{}`, not `{destination}`; make one \
-                 publisher per queue and route them with inbox_core::Destinations",
-                self.routing_key
-            ))));
-        }
         // Checked before anything is sent, so a batch goes out whole or not at all.
         let ids = messages
             .iter()
@@ -215,7 +251,7 @@ impl Publish for RabbitPublisher {
             .collect::<Result<Vec<_>>>()
             .map_err(failed)?;
         let channel = self.channel().await.map_err(failed)?;
-        let routing_key = self.routing_key.as_str();
+        let routing_key = destination;
         let queue = short_string("queue name", routing_key).map_err(failed)?;
         let context = || format!("publishing to `{routing_key}`");
         let options = BasicPublishOptions {
@@ -225,8 +261,7 @@ impl Publish for RabbitPublisher {
         let result = async {
             // Each publish's frames are queued on its first poll, in slice order.
             let confirms = try_join_all(messages.iter().zip(ids).map(|(message, id)| {
-                let properties = BasicProperties::default()
-                    .with_message_id(id)
+                let properties = with_traceparent(BasicProperties::default().with_message_id(id))
                     .with_delivery_mode(PERSISTENT);
                 channel.basic_publish(
                     "".into(),
