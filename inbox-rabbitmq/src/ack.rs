@@ -148,7 +148,7 @@ impl fmt::Debug for Link {
 ///   delivery (one count) and the nack is not sent.
 #[derive(Debug)]
 pub struct RabbitAck {
-    /// `None` in [`AckMode::NoAck`](crate::AckMode::NoAck): the broker already forgot it.
+    /// `None` in `AckMode::NoAck`: the broker already forgot it.
     pub(crate) link: Option<Arc<Link>>,
     pub(crate) tag: u64,
 }

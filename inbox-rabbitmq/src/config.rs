@@ -45,8 +45,24 @@ pub enum AckMode {
     AfterCommit,
     /// **The anti-pattern**, for the evidence harness only: `basic.consume` with `no_ack = true`,
     /// so the broker forgets each message as it sends it, and a crash before the commit loses it.
-    /// Acks and nacks do nothing in this mode.
+    /// Acks and nacks do nothing in this mode. It exists only with the crate feature
+    /// `never-in-production`.
+    #[cfg(feature = "never-in-production")]
     NoAck,
+}
+
+impl AckMode {
+    /// The broker forgets each message as it sends it.
+    #[cfg(feature = "never-in-production")]
+    pub(crate) fn forgets_on_delivery(self) -> bool {
+        self == Self::NoAck
+    }
+
+    /// The broker forgets each message as it sends it: never without `never-in-production`.
+    #[cfg(not(feature = "never-in-production"))]
+    pub(crate) fn forgets_on_delivery(self) -> bool {
+        false
+    }
 }
 
 /// Configures a [`RabbitSource`](crate::RabbitSource): how it connects, what it consumes and

@@ -153,7 +153,7 @@ impl RabbitSource {
             .await
             .map_err(|e| Error::amqp("setting prefetch (basic.qos)", e))?;
         let options = BasicConsumeOptions {
-            no_ack: config.ack_mode == AckMode::NoAck,
+            no_ack: config.ack_mode.forgets_on_delivery(),
             ..BasicConsumeOptions::default()
         };
         link.channel
@@ -239,6 +239,7 @@ impl RabbitSource {
                 link.track(tag);
                 Some(Arc::clone(link))
             }
+            #[cfg(feature = "never-in-production")]
             AckMode::NoAck => None,
         };
         Delivery {

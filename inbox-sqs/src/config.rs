@@ -57,8 +57,23 @@ pub enum AckMode {
     ///
     /// **The anti-pattern**, kept only so the evidence harness can show what it loses: a
     /// crash between receive and commit loses the message for good (at most once). Never use it
-    /// in production.
+    /// in production: it exists only with the crate feature `never-in-production`.
+    #[cfg(feature = "never-in-production")]
     DeleteOnReceive,
+}
+
+impl AckMode {
+    /// Messages are deleted as they are received.
+    #[cfg(feature = "never-in-production")]
+    pub(crate) fn deletes_on_receive(self) -> bool {
+        self == Self::DeleteOnReceive
+    }
+
+    /// Messages are deleted as they are received: never without `never-in-production`.
+    #[cfg(not(feature = "never-in-production"))]
+    pub(crate) fn deletes_on_receive(self) -> bool {
+        false
+    }
 }
 
 /// Settings shared by a source and every ack it hands out.

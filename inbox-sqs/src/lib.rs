@@ -84,8 +84,8 @@
 //!   the message is visible again after it.
 //!   Handler failures are retried by the consumer in-process first
 //!   ([`RetryPolicy`](inbox_core::RetryPolicy)), under the heartbeat.
-//! - [`AckMode::DeleteOnReceive`] deletes at receive time instead: the at-most-once
-//!   anti-pattern, only for showing what it loses.
+//! - `AckMode::DeleteOnReceive` (feature `never-in-production`) deletes at receive time
+//!   instead: the at-most-once anti-pattern, only for showing what it loses.
 //!
 //! # Dead letters
 //! A message without a usable ID, with a permanent handler error, or failing

@@ -161,7 +161,8 @@ impl SqsSource {
         }
     }
 
-    /// Deletes messages right after receiving them: only for [`AckMode::DeleteOnReceive`].
+    /// Deletes messages right after receiving them: only for `AckMode::DeleteOnReceive`.
+    #[cfg_attr(not(feature = "never-in-production"), allow(dead_code))]
     async fn delete_on_receive(&self, handles: Vec<String>) -> Result<(), SourceError> {
         let mut acks = Vec::with_capacity(handles.len());
         for handle in handles {
@@ -235,7 +236,7 @@ impl MessageSource for SqsSource {
                     self.settings.effective_visibility,
                 )
             });
-            if self.settings.ack_mode == AckMode::DeleteOnReceive {
+            if self.settings.ack_mode.deletes_on_receive() {
                 to_delete.push(handle.to_string());
             }
             let ack = SqsAck::new(
