@@ -4,9 +4,9 @@
 mod common; // the wallet table, the events and the check, shared by the four examples
 
 use common::{BoxError, Wallet};
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish};
 use inbox_postgres::PgTx;
-use inbox_sqs::{Outgoing, SqsProducer, SqsSource};
+use inbox_sqs::{SqsProducer, SqsSource};
 
 struct Credit;
 
@@ -36,9 +36,7 @@ async fn main() -> Result<(), BoxError> {
         .connect()
         .await?;
     for (id, body) in wallet.sends() {
-        producer
-            .send_message(queue, &Outgoing::with_id(id, body))
-            .await?;
+        producer.send_with_id(queue, &id, body.as_bytes()).await?;
     }
 
     let source = SqsSource::builder(queue).client(client).connect().await?;
