@@ -124,9 +124,14 @@ pub async fn consumer_process<B: TestBroker>(broker: &B) {
     let queue = broker.attach(&var("INBOX_QUEUE")).await;
     let handler = Credit::new(db.pool.clone()).work(WORK);
     let member = var("INBOX_MEMBER");
-    Consumer::new("wallet", queue.source(&member).await, db.inbox(), handler)
-        .batch_size(5)
-        .run()
-        .await
-        .expect("consumer");
+    Consumer::new(
+        "wallet",
+        crate::scenarios::source(&queue, &member).await,
+        db.inbox(),
+        handler,
+    )
+    .batch_size(5)
+    .run()
+    .await
+    .expect("consumer");
 }

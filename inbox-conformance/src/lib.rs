@@ -5,16 +5,30 @@
 //! The scenarios ([`scenarios`]) credit the test kit's wallet (`inbox_testkit::wallet`)
 //! in a schema of their own, and check what a user cares about: every message applied once,
 //! nothing lost, nothing left on the broker, and what could not be applied parked in the
-//! dead-letter destination with its payload and a reason.
+//! dead-letter destination with its payload and a reason. They cover duplicates, crashes at each
+//! stage and of the whole process, racing members, retries and dead letters, batches, a member
+//! that loses its message to another while its handler stalls (a "zombie"), the outbox relay
+//! (forwarding, a lost confirm, two relays at once) and network faults (a black hole, cut
+//! connections).
+//!
+//! Every source a scenario runs is held to what it reports of itself
+//! ([`MessageSource::capabilities`], see [`Checked`]):
+//! a source that claims delivery counts must set
+//! [`Metadata::delivery_count`](inbox_core::Metadata::delivery_count) on every delivery, and one
+//! that claims lanes [`Metadata::lane`](inbox_core::Metadata::lane). The scenario of a message
+//! that kills its consumer runs only where the source claims delivery counts; elsewhere it says
+//! why it is skipped.
 //!
 //! # Writing an adapter
 //!
-//! An adapter is a [`MessageSource`](inbox_core::MessageSource) with its
+//! An adapter is a [`MessageSource`] with its
 //! [`Ack`](inbox_core::Ack), and a producer. To run the whole suite against it, add
 //! `inbox-conformance` and `tokio` as dev-dependencies, then in `tests/conformance.rs`:
 //!
 //! ```ignore
-//! use inbox_conformance::{async_trait, DeadLetter, TestBroker, TestQueue};
+//! use std::sync::Arc;
+//! use inbox_conformance::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
+//! use inbox_core::Publish;
 //!
 //! struct MyBroker;
 //!
@@ -31,10 +45,17 @@
 //! #[async_trait]
 //! impl TestQueue for MyQueue {
 //!     type Source = MySource;
-//!     fn counts_deliveries(&self) -> bool { true }
 //!     fn name(&self) -> String { /* what `attach` takes, in a child process */ }
 //!     async fn send(&self, id: Option<&str>, payload: &[u8]) { /* raw send, ID as given */ }
 //!     async fn source(&self, member: &str) -> MySource { /* a consumer-group member */ }
+//!     async fn losing_source(&self, member: &str) -> Option<LosingSource<MySource>> {
+//!         /* a member whose hold on a message runs out while its handler stalls */
+//!     }
+//!     async fn proxied_source(&self, member: &str) -> Option<Proxied<MySource>> {
+//!         /* a member connected through a `FaultProxy` in front of the broker */
+//!     }
+//!     async fn producer(&self) -> Arc<dyn Publish> { /* the adapter's producer */ }
+//!     fn destination(&self) -> String { /* what outbox rows name to reach this queue */ }
 //!     async fn dead_letters(&self) -> Vec<DeadLetter> { /* payload and reason of each */ }
 //!     async fn left(&self) -> u64 { /* messages not yet acked, delivered or not */ }
 //!     async fn cleanup(&self) { /* delete the queue and its dead-letter destination */ }
@@ -44,15 +65,29 @@
 //! ```
 //!
 //! `cargo test --test conformance` then runs every scenario; the kill scenario starts the test
-//! binary again as its consumer process (the ignored test `conformance_child`) and SIGKILLs it. The adapter keeps only the tests
-//! of what is its own (rebalances, visibility heartbeats, `XAUTOCLAIM`, connection loss).
+//! binary again as its consumer process (the ignored test `conformance_child`) and SIGKILLs it.
+//! An adapter that cannot offer a scenario what it needs (a broker that cannot take a message
+//! away from a stalled consumer, one no proxy can stand in front of) returns `None` from
+//! [`TestQueue::losing_source`] or [`TestQueue::proxied_source`], and the scenario says why it
+//! is skipped. The adapter keeps only the tests of what is its own (rebalances, visibility
+//! heartbeats, `XAUTOCLAIM`, FIFO groups, broker restarts).
 
+mod checked;
 mod kill;
+mod network;
+mod outbox;
 pub mod scenarios;
+mod zombie;
+
+pub use checked::Checked;
 
 pub use async_trait::async_trait;
 
-use inbox_core::MessageSource;
+use std::sync::Arc;
+use std::time::Duration;
+
+use inbox_core::{MessageSource, Publish};
+use inbox_testkit::FaultProxy;
 
 /// A message parked in a dead-letter destination, as the broker holds it.
 #[derive(Clone, PartialEq, Eq)]
@@ -70,6 +105,29 @@ impl std::fmt::Debug for DeadLetter {
             .field("reason", &self.reason)
             .finish()
     }
+}
+
+/// A source that loses what it holds when its handler stalls, and for how long to stall:
+/// what [`TestQueue::losing_source`] returns.
+#[derive(Debug)]
+pub struct LosingSource<S> {
+    /// The member's source.
+    pub source: S,
+    /// How long the handler stalls on its message: past the moment the broker hands it to
+    /// another member, with time left for that member to receive it.
+    pub stall: Duration,
+}
+
+/// A source connected through a fault proxy: what [`TestQueue::proxied_source`] returns.
+#[derive(Debug)]
+pub struct Proxied<S> {
+    /// The member's source, connected through `proxy`.
+    pub source: S,
+    /// The proxy in front of the broker.
+    pub proxy: FaultProxy,
+    /// How long a black hole lasts: past the moment the source gives up on a silent
+    /// connection, so that its first reconnects land in the hole too.
+    pub blackhole: Duration,
 }
 
 /// A broker under test: each scenario asks it for a queue of its own.
@@ -93,12 +151,6 @@ pub trait TestQueue: Send + Sync + 'static {
     /// The adapter's source, consuming this queue.
     type Source: MessageSource + Send + 'static;
 
-    /// Whether the broker counts deliveries ([`Consumer::max_deliveries`] works): the scenario
-    /// of a message that kills its consumer runs only where it does.
-    ///
-    /// [`Consumer::max_deliveries`]: inbox_core::Consumer::max_deliveries
-    fn counts_deliveries(&self) -> bool;
-
     /// What [`TestBroker::attach`] finds this queue by (its name, URL, or whatever it needs).
     fn name(&self) -> String;
 
@@ -112,6 +164,35 @@ pub trait TestQueue: Send + Sync + 'static {
     /// queue is drained, and a message a consumer died holding should come back within seconds,
     /// to the same member and to another (the kill scenario restarts under new member names).
     async fn source(&self, member: &str) -> Self::Source;
+
+    /// A source of `member` that loses a message it delivered to another member while the
+    /// handler stalls on it (a Kafka `max.poll.interval.ms`, an SQS visibility timeout with the
+    /// heartbeat off, a Redis `XAUTOCLAIM` after a short idle), and how long to stall; `None`
+    /// where the broker cannot take a message away reliably, and the ownership-loss scenario is
+    /// skipped with the reason printed.
+    async fn losing_source(&self, member: &str) -> Option<LosingSource<Self::Source>>;
+
+    /// Takes away what `member` (a source of [`TestQueue::losing_source`]) holds, where the
+    /// broker does not do it by itself after a time: RabbitMQ closes the member's connection.
+    /// Called once the member's handler stalls. Default: nothing, the broker's timeout does it.
+    async fn take_away(&self, member: &str) {
+        let _ = member;
+    }
+
+    /// A source of `member` whose connections to the broker go through a [`FaultProxy`] that
+    /// the network-fault scenarios black-hole and cut, with how long a black hole lasts; `None`
+    /// where no proxy can stand between the broker and its clients (Kafka clients connect to
+    /// the address the broker advertises), and those scenarios are skipped with the reason
+    /// printed. The source should give up on a silent connection within seconds (an operation
+    /// timeout, a heartbeat).
+    async fn proxied_source(&self, member: &str) -> Option<Proxied<Self::Source>>;
+
+    /// The adapter's producer, as the outbox relay uses it.
+    async fn producer(&self) -> Arc<dyn Publish>;
+
+    /// What outbox rows name as their destination to reach this queue through
+    /// [`TestQueue::producer`]: a topic, a queue name or URL, a stream key.
+    fn destination(&self) -> String;
 
     /// The dead-letter destination's messages so far, oldest first.
     async fn dead_letters(&self) -> Vec<DeadLetter>;
@@ -137,6 +218,12 @@ macro_rules! suite {
             a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_count,
             batches_over_lanes_apply_everything_once,
             a_consumer_process_killed_mid_stream_loses_nothing_and_applies_nothing_twice,
+            a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice,
+            a_handler_writes_the_outbox_the_relay_publishes_and_the_downstream_inbox_applies_each_once,
+            a_lost_confirm_publishes_again_under_the_same_ids_and_the_inbox_skips_the_copies,
+            two_relays_at_once_publish_every_row_once,
+            a_black_holed_connection_is_given_up_and_replaced,
+            connections_cut_again_and_again_lose_and_repeat_nothing,
         );
         /// The consumer process of the kill scenario, started by it; not a test of its own.
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,11 +11,22 @@ use inbox_testkit::wallet::{self, Credit, CreditEvent};
 use inbox_testkit::{crash_at, crash_at_ids};
 use inbox_testkit::{fast_retry, TestDb};
 
+use crate::checked::Checked;
 use crate::{TestBroker, TestQueue};
 
 pub use crate::kill::{
     a_consumer_process_killed_mid_stream_loses_nothing_and_applies_nothing_twice, consumer_process,
 };
+pub use crate::network::{
+    a_black_holed_connection_is_given_up_and_replaced,
+    connections_cut_again_and_again_lose_and_repeat_nothing,
+};
+pub use crate::outbox::{
+    a_handler_writes_the_outbox_the_relay_publishes_and_the_downstream_inbox_applies_each_once,
+    a_lost_confirm_publishes_again_under_the_same_ids_and_the_inbox_skips_the_copies,
+    two_relays_at_once_publish_every_row_once,
+};
+pub use crate::zombie::a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice;
 
 /// How long a scenario waits for the queue to drain.
 const LIMIT: Duration = Duration::from_secs(60);
@@ -33,16 +44,21 @@ async fn send_credit<Q: TestQueue>(queue: &Q, account: i64, amount: i64) -> Mess
     id
 }
 
+/// A source of `member` on `queue`, held to what it claims (see [`Checked`]).
+pub(crate) async fn source<Q: TestQueue>(queue: &Q, member: &str) -> Checked<Q::Source> {
+    Checked::new(queue.source(member).await)
+}
+
 /// The counters of all the runs of a scenario.
 #[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct Totals {
-    runs: u64,
-    received: u64,
-    applied: u64,
-    skipped: u64,
-    retried: u64,
-    dead_lettered: u64,
-    commits: u64,
+    pub(crate) runs: u64,
+    pub(crate) received: u64,
+    pub(crate) applied: u64,
+    pub(crate) skipped: u64,
+    pub(crate) retried: u64,
+    pub(crate) dead_lettered: u64,
+    pub(crate) commits: u64,
 }
 
 impl Totals {
@@ -68,14 +84,14 @@ pub(crate) async fn drain<Q, R, F, D, G>(
     done: D,
 ) where
     Q: TestQueue,
-    R: FnMut(Q::Source) -> F,
+    R: FnMut(Checked<Q::Source>) -> F,
     F: Future<Output = inbox_core::Result<StatsSnapshot>>,
     D: Fn(Totals) -> G,
     G: Future<Output = bool>,
 {
     let start = Instant::now();
     loop {
-        let stats = run(queue.source(member).await)
+        let stats = run(source(queue, member).await)
             .await
             .unwrap_or_else(|e| panic!("consumer {member}: {e}"));
         totals.add(&stats);
@@ -170,7 +186,7 @@ pub async fn a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice<B: Te
         let handler = Credit::new(db.pool.clone());
         let crashed = Consumer::new(
             "wallet",
-            queue.source("c1").await,
+            source(&queue, "c1").await,
             db.inbox(),
             handler.clone(),
         )
@@ -229,7 +245,7 @@ pub async fn racing_consumers_apply_each_id_once<B: TestBroker>(broker: &B) {
         queue.send(Some(id.as_str()), &payload).await;
     }
     let handler = Credit::new(db.pool.clone()).work(Duration::from_millis(2));
-    let (c1, c2) = (queue.source("c1").await, queue.source("c2").await);
+    let (c1, c2) = (source(&queue, "c1").await, source(&queue, "c2").await);
     let (a, b) = tokio::join!(
         Consumer::new("wallet", c1, db.inbox(), handler.clone()).run_until_idle(),
         Consumer::new("wallet", c2, db.inbox(), handler.clone()).run_until_idle(),
@@ -380,8 +396,12 @@ pub async fn a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_
     broker: &B,
 ) {
     let (db, queue) = setup(broker, "poison").await;
-    if !queue.counts_deliveries() {
-        println!("poison: this broker does not count deliveries; max_deliveries does not apply");
+    let claims = source(&queue, "c1").await.claims();
+    if !claims.delivery_count() {
+        println!(
+            "poison: skipped: the source does not claim delivery counts ({claims:?}), so \
+             max_deliveries does not apply"
+        );
         finish(db, queue).await;
         return;
     }
@@ -403,7 +423,7 @@ pub async fn a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_
         // Each run is a restart of the same consumer.
         let run = Consumer::new(
             "wallet",
-            queue.source("c1").await,
+            source(&queue, "c1").await,
             db.inbox(),
             handler.clone(),
         )

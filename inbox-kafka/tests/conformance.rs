@@ -3,15 +3,16 @@
 mod common;
 
 use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use inbox_conformance::{async_trait, DeadLetter, TestBroker, TestQueue};
+use inbox_conformance::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
 use inbox_core::dead_letter::REASON;
-use inbox_core::{Delivery, Message, MessageSource, SourceError};
+use inbox_core::{Delivery, Message, MessageSource, Publish, SourceError};
 use inbox_kafka::rdkafka::consumer::Consumer as _;
 use inbox_kafka::rdkafka::Message as _;
-use inbox_kafka::{KafkaAck, KafkaProducer, KafkaSource, Record};
+use inbox_kafka::{KafkaAck, KafkaProducer, KafkaSource, KafkaSourceBuilder, Record};
 
 const PARTITIONS: i32 = 2;
 
@@ -105,13 +106,28 @@ impl MessageSource for Member {
     }
 }
 
+impl Topic {
+    /// The settings of `member`'s source.
+    fn builder(&self, member: &str) -> KafkaSourceBuilder {
+        // librdkafka keeps one fetch in flight per broker, and the broker holds a fetch that
+        // finds nothing for `fetch.wait.max.ms` (default 500 ms), so a partition whose start is
+        // still being looked up (no committed offset) is read only by the next fetch. With a
+        // poll as long as that wait, `run_until_idle` went idle before reading it: after the
+        // crash at `Acked` one partition was committed and the other not, and every restart read
+        // the first and stopped. Hence a 100 ms wait under a 500 ms poll, and a 200 ms heartbeat
+        // so that a member sees the rebalance of a second member's join sooner.
+        config(&self.name, &self.group)
+            .poll_timeout(Duration::from_millis(500))
+            .set_consumer("fetch.wait.max.ms", "100")
+            .set_consumer("heartbeat.interval.ms", "200")
+            .set_consumer("client.id", member)
+            .commit_interval(Duration::from_millis(50))
+    }
+}
+
 #[async_trait]
 impl TestQueue for Topic {
     type Source = Member;
-
-    fn counts_deliveries(&self) -> bool {
-        false // a record has an offset, not a delivery count
-    }
 
     fn name(&self) -> String {
         self.name.clone()
@@ -131,23 +147,39 @@ impl TestQueue for Topic {
     }
 
     async fn source(&self, member: &str) -> Member {
-        // librdkafka keeps one fetch in flight per broker, and the broker holds a fetch that
-        // finds nothing for `fetch.wait.max.ms` (default 500 ms), so a partition whose start is
-        // still being looked up (no committed offset) is read only by the next fetch. With a
-        // poll as long as that wait, `run_until_idle` went idle before reading it: after the
-        // crash at `Acked` one partition was committed and the other not, and every restart read
-        // the first and stopped. Hence a 100 ms wait under a 500 ms poll, and a 200 ms heartbeat
-        // so that a member sees the rebalance of a second member's join sooner.
-        let source = config(&self.name, &self.group)
-            .poll_timeout(Duration::from_millis(500))
-            .set_consumer("fetch.wait.max.ms", "100")
-            .set_consumer("heartbeat.interval.ms", "200")
-            .set_consumer("client.id", member)
-            .commit_interval(Duration::from_millis(50))
+        Member(self.builder(member).connect().await.expect("kafka source"))
+    }
+
+    async fn losing_source(&self, member: &str) -> Option<LosingSource<Member>> {
+        // A member that does not poll for `max.poll.interval.ms` leaves the group, and the
+        // rebalance hands its partitions to the other member, which reads from the last
+        // committed offset.
+        let source = self
+            .builder(member)
+            .set_consumer("session.timeout.ms", "3000")
+            .set_consumer("max.poll.interval.ms", "3000")
             .connect()
             .await
             .expect("kafka source");
-        Member(source)
+        Some(LosingSource {
+            source: Member(source),
+            stall: Duration::from_secs(10),
+        })
+    }
+
+    async fn proxied_source(&self, _member: &str) -> Option<Proxied<Member>> {
+        // A Kafka client connects to the address the broker advertises, not the one it was
+        // given: a proxy in front of the shared broker would carry only the bootstrap.
+        // tests/network_faults.rs runs a broker of its own, advertising its proxy.
+        None
+    }
+
+    async fn producer(&self) -> Arc<dyn Publish> {
+        Arc::new(producer().await)
+    }
+
+    fn destination(&self) -> String {
+        self.name.clone()
     }
 
     async fn dead_letters(&self) -> Vec<DeadLetter> {

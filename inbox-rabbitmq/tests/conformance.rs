@@ -2,14 +2,17 @@
 
 mod common;
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::stream::{broker_addr, url_via};
 use common::*;
-use inbox_conformance::{async_trait, DeadLetter, TestBroker, TestQueue};
+use inbox_conformance::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
 use inbox_core::dead_letter::REASON;
+use inbox_core::Publish;
 use inbox_rabbitmq::lapin::BasicProperties;
 use inbox_rabbitmq::{RabbitProducer, RabbitSource, RabbitSourceBuilder};
+use inbox_testkit::FaultProxy;
 
 struct Rabbit;
 
@@ -40,13 +43,16 @@ impl TestBroker for Rabbit {
     }
 }
 
+impl Queue {
+    /// The broker connection name of `member`'s source.
+    fn connection(&self, member: &str) -> String {
+        format!("inbox-conformance {} {member}", self.config.queue())
+    }
+}
+
 #[async_trait]
 impl TestQueue for Queue {
     type Source = RabbitSource;
-
-    fn counts_deliveries(&self) -> bool {
-        true // the quorum queue's x-delivery-count
-    }
 
     fn name(&self) -> String {
         self.config.queue().to_owned()
@@ -64,12 +70,49 @@ impl TestQueue for Queue {
     }
 
     async fn source(&self, member: &str) -> RabbitSource {
-        // Members share the queue; the name only tells their connections apart on the broker.
-        let config = self.config.clone().connection_name(format!(
-            "inbox-conformance {} {member}",
-            self.config.queue()
-        ));
+        // Members share the queue; the name tells their connections apart on the broker.
+        let config = self.config.clone().connection_name(self.connection(member));
         config.connect().await.expect("connect source")
+    }
+
+    async fn losing_source(&self, member: &str) -> Option<LosingSource<RabbitSource>> {
+        // RabbitMQ has no per-delivery timeout short enough for a test (`consumer_timeout` is
+        // checked once a minute): `take_away` closes the member's connection, and the broker
+        // requeues what it held.
+        Some(LosingSource {
+            source: self.source(member).await,
+            stall: Duration::from_secs(8),
+        })
+    }
+
+    async fn take_away(&self, member: &str) {
+        close_connection(&self.connection(member)).await;
+    }
+
+    async fn proxied_source(&self, member: &str) -> Option<Proxied<RabbitSource>> {
+        let proxy = FaultProxy::start(broker_addr().await).await.expect("proxy");
+        // A silent peer is declared dead after two heartbeats without a frame (4 s); a
+        // reconnect that lands in the hole gives up after 5 s and tries again.
+        let config = RabbitSource::builder(self.config.queue())
+            .url(url_via(&amqp_url(), proxy.addr()))
+            .poll_timeout(Duration::from_millis(200))
+            .heartbeat(Duration::from_secs(2))
+            .operation_timeout(Duration::from_secs(5))
+            .connection_name(self.connection(member));
+        let source = config.connect().await.expect("connect source");
+        Some(Proxied {
+            source,
+            proxy,
+            blackhole: Duration::from_secs(10),
+        })
+    }
+
+    async fn producer(&self) -> Arc<dyn Publish> {
+        Arc::new(publisher(&self.config).await)
+    }
+
+    fn destination(&self) -> String {
+        self.config.queue().to_owned()
     }
 
     async fn dead_letters(&self) -> Vec<DeadLetter> {

@@ -2,11 +2,19 @@
 
 mod common;
 
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use inbox_conformance::{async_trait, DeadLetter, TestBroker, TestQueue};
+use inbox_conformance::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
+use inbox_core::Publish;
+use inbox_redis_streams::redis::{Client, ConnectionAddr, IntoConnectionInfo};
 use inbox_redis_streams::RedisStreamSource;
+use inbox_testkit::FaultProxy;
+
+/// A member's pending entry goes to another after this long idle, through `XAUTOCLAIM`.
+const CLAIM_IDLE: Duration = Duration::from_millis(1500);
 
 struct Redis;
 
@@ -29,10 +37,6 @@ impl TestBroker for Redis {
 impl TestQueue for Stream {
     type Source = RedisStreamSource;
 
-    fn counts_deliveries(&self) -> bool {
-        true // XPENDING's delivery counter
-    }
-
     fn name(&self) -> String {
         self.0.clone()
     }
@@ -46,12 +50,58 @@ impl TestQueue for Stream {
     }
 
     async fn source(&self, member: &str) -> RedisStreamSource {
-        // A dead member's pending entries go to another after 1.5 s idle, through XAUTOCLAIM.
         builder(&self.0, member)
-            .claim_idle(Duration::from_millis(1500))
+            .claim_idle(CLAIM_IDLE)
             .connect()
             .await
             .expect("source connects")
+    }
+
+    async fn losing_source(&self, member: &str) -> Option<LosingSource<RedisStreamSource>> {
+        // Any member loses an entry it holds for `CLAIM_IDLE` to the next sweep of another
+        // (every 200 ms).
+        Some(LosingSource {
+            source: self.source(member).await,
+            stall: CLAIM_IDLE * 3,
+        })
+    }
+
+    async fn proxied_source(&self, member: &str) -> Option<Proxied<RedisStreamSource>> {
+        let info = redis_url().into_connection_info().expect("REDIS_URL");
+        let ConnectionAddr::Tcp(host, port) = info.addr() else {
+            return None; // a Unix socket or TLS: no TCP proxy can stand in front of it
+        };
+        let upstream: SocketAddr = tokio::net::lookup_host((host.as_str(), *port))
+            .await
+            .expect("resolve REDIS_URL")
+            .next()?;
+        let proxy = FaultProxy::start(upstream).await.expect("proxy");
+        let proxied = info.clone().set_addr(ConnectionAddr::Tcp(
+            proxy.addr().ip().to_string(),
+            proxy.addr().port(),
+        ));
+        // A command on a silent connection is given up after 1 s (the blocking read gets its
+        // block on top); what a lost read or a failed ack left pending is claimed after 2 s.
+        let source = builder(&self.0, member)
+            .claim_idle(Duration::from_secs(2))
+            .operation_timeout(Duration::from_secs(1))
+            .client(Client::open(proxied).expect("client"))
+            .connect()
+            .await
+            .expect("source connects");
+        Some(Proxied {
+            source,
+            proxy,
+            blackhole: Duration::from_secs(4),
+        })
+    }
+
+    async fn producer(&self) -> Arc<dyn Publish> {
+        Arc::new(producer().await)
+    }
+
+    fn destination(&self) -> String {
+        self.0.clone()
     }
 
     async fn dead_letters(&self) -> Vec<DeadLetter> {

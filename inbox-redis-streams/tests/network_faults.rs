@@ -1,15 +1,14 @@
-//! The network between the consumer and Redis fails while it consumes: its connections are
-//! black-holed, cut again and again, or the server itself restarts. A producer writes
-//! [`EVENTS`] credits at a steady pace straight to Redis while the consumer, in this process,
-//! applies them to PostgreSQL; each fault must end, once Redis is back, with every event in the
-//! ledger exactly once and nothing left pending, without restarting the consumer.
+//! Redis itself restarts while the consumer consumes (black-holed and cut connections are in the
+//! conformance suite). A producer writes [`EVENTS`] credits at a steady pace straight to Redis
+//! while the consumer, in this process, applies them to PostgreSQL; the restart must end, once
+//! Redis is back, with every event in the ledger exactly once and nothing left pending, without
+//! restarting the consumer.
 // A test fails by panicking; an unwrap names the failed call in its message.
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -17,11 +16,10 @@ use std::time::{Duration, Instant};
 
 use common::{builder, pending_with, stream_key};
 use inbox_core::{Consumer, MessageId, Publish, Stats, StatsSnapshot};
-use inbox_redis_streams::redis::{self, Client, ConnectionAddr, IntoConnectionInfo};
+use inbox_redis_streams::redis::{self, Client};
 use inbox_redis_streams::RedisStreamProducer;
 use inbox_testkit::wallet::{summary, Credit, CreditEvent, Summary};
 use inbox_testkit::TestDb;
-use inbox_testkit::{FaultProxy, ProxyMode};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -266,58 +264,6 @@ async fn consume_through(
     let _: redis::RedisResult<i64> = redis::cmd("DEL").arg(&stream).query_async(&mut conn).await;
     db.drop().await;
     run
-}
-
-/// The shared Redis of `REDIS_URL`, and a client for it through `proxy`.
-async fn through_proxy() -> (FaultProxy, Client, Client) {
-    let info = common::redis_url().into_connection_info().unwrap();
-    let ConnectionAddr::Tcp(host, port) = info.addr() else {
-        panic!("REDIS_URL is not plain TCP, so no proxy can sit in front of it");
-    };
-    let upstream: SocketAddr = tokio::net::lookup_host((host.as_str(), *port))
-        .await
-        .unwrap()
-        .next()
-        .unwrap();
-    let proxy = FaultProxy::start(upstream).await.unwrap();
-    let proxied = info.clone().set_addr(ConnectionAddr::Tcp(
-        proxy.addr().ip().to_string(),
-        proxy.addr().port(),
-    ));
-    (
-        proxy,
-        Client::open(proxied).unwrap(),
-        Client::open(info).unwrap(),
-    )
-}
-
-#[tokio::test]
-async fn a_black_holed_connection_is_given_up_and_replaced() {
-    let (proxy, consumer, direct) = through_proxy().await;
-    let fault = async {
-        proxy.set_mode(ProxyMode::Blackhole);
-        tokio::time::sleep(4 * SECOND).await;
-        proxy.set_mode(ProxyMode::Pass);
-    };
-    let run = consume_through("blackhole", consumer, direct, fault).await;
-    run.assert_exactly_once();
-    assert!(
-        run.detected.is_some(),
-        "the black hole went unnoticed: {run:?}"
-    );
-}
-
-#[tokio::test]
-async fn connections_cut_again_and_again_lose_and_repeat_nothing() {
-    let (proxy, consumer, direct) = through_proxy().await;
-    let fault = async {
-        for _ in 0..15 {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            proxy.cut();
-        }
-    };
-    let run = consume_through("cuts", consumer, direct, fault).await;
-    run.assert_exactly_once();
 }
 
 /// A `redis-server` of this test's own, persisting every write to its append-only file, killed

@@ -2,17 +2,19 @@
 
 mod common;
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{attr, client, delete_queue, drain, queue};
-use inbox_conformance::{async_trait, DeadLetter, TestBroker, TestQueue};
+use common::{attr, client, delete_queue, drain, plain_http_endpoint, proxied_client, queue};
+use inbox_conformance::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
 use inbox_core::dead_letter::REASON;
+use inbox_core::Publish;
 use inbox_sqs::aws_sdk_sqs::types::{
     MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
 };
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_sqs::{SqsSource, DEFAULT_ID_ATTRIBUTE};
+use inbox_sqs::{SqsProducer, SqsSource, DEFAULT_ID_ATTRIBUTE};
+use inbox_testkit::FaultProxy;
 
 /// A message a crashed consumer held is visible again after this.
 const VISIBILITY_SECS: u32 = 2;
@@ -64,10 +66,6 @@ impl TestBroker for Sqs {
 impl TestQueue for Queue {
     type Source = SqsSource;
 
-    fn counts_deliveries(&self) -> bool {
-        true // ApproximateReceiveCount
-    }
-
     fn name(&self) -> String {
         format!("{} {}", self.url, self.dlq)
     }
@@ -98,6 +96,59 @@ impl TestQueue for Queue {
             .connect()
             .await
             .expect("source")
+    }
+
+    async fn losing_source(&self, _member: &str) -> Option<LosingSource<SqsSource>> {
+        // With the heartbeat off, a message comes back after the visibility timeout, however
+        // long its handler runs.
+        let source = SqsSource::builder(&self.url)
+            .client(self.sqs.clone())
+            .poll_timeout(WAIT)
+            .heartbeat(false)
+            .dead_letter_queue(&self.dlq)
+            .connect()
+            .await
+            .expect("source");
+        Some(LosingSource {
+            source,
+            stall: Duration::from_secs(u64::from(VISIBILITY_SECS)) + 2 * WAIT,
+        })
+    }
+
+    async fn proxied_source(&self, _member: &str) -> Option<Proxied<SqsSource>> {
+        // The proxy forwards bytes: it cannot stand between a client and an HTTPS endpoint.
+        let upstream = plain_http_endpoint().await?;
+        let proxy = FaultProxy::start(upstream).await.expect("proxy");
+        // A call on a silent connection fails after 2 s per attempt, 5 s in all; the long poll
+        // is shorter than an attempt, as the source requires.
+        let source = SqsSource::builder(&self.url)
+            .client(proxied_client(&proxy).await)
+            .poll_timeout(Duration::from_secs(1))
+            .dead_letter_queue(&self.dlq)
+            .connect()
+            .await
+            .expect("source");
+        Some(Proxied {
+            source,
+            proxy,
+            // Longer than a delete and then a receive can take to fail, and several visibility
+            // timeouts: receives, deletes and heartbeat extensions all hang and time out.
+            blackhole: Duration::from_secs(12),
+        })
+    }
+
+    async fn producer(&self) -> Arc<dyn Publish> {
+        Arc::new(
+            SqsProducer::builder()
+                .client(self.sqs.clone())
+                .connect()
+                .await
+                .expect("producer"),
+        )
+    }
+
+    fn destination(&self) -> String {
+        self.url.clone()
     }
 
     async fn dead_letters(&self) -> Vec<DeadLetter> {

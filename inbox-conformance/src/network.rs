@@ -1,0 +1,290 @@
+//! The network between the consumer and the broker fails while it consumes: its connections are
+//! black-holed, or cut again and again, through a [`FaultProxy`]
+//! ([`TestQueue::proxied_source`]). Credits are sent at a steady pace straight to the broker
+//! meanwhile; each fault must end, once the network is back, with every credit in the ledger
+//! exactly once, nothing left on the broker and nothing dead-lettered, without restarting the
+//! consumer.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use inbox_core::{Consumer, MessageId, StatsSnapshot};
+use inbox_testkit::wallet::{self, Credit, CreditEvent, Summary};
+use inbox_testkit::TestDb;
+use inbox_testkit::{FaultProxy, ProxyMode};
+
+use crate::checked::Checked;
+use crate::scenarios::{finish, left, setup};
+use crate::{Proxied, TestBroker, TestQueue};
+
+const EVENTS: i64 = 300;
+const ACCOUNTS: i64 = 7;
+/// One credit every this long: 300 take about 4.5 s, so the consumer keeps up and waits on the
+/// broker much of the time, and the fault meets receives and acks alike.
+const PACE: Duration = Duration::from_millis(15);
+
+/// What one run under a fault came to.
+#[derive(Debug)]
+struct Run {
+    ledger: Summary,
+    stats: StatsSnapshot,
+    /// The sum of the credits sent.
+    total: i64,
+    left: u64,
+    dead_letters: usize,
+    /// Credits in the ledger when the fault started and when the network was back.
+    applied_at_fault: i64,
+    applied_at_restore: i64,
+    /// From the fault's start to the consumer's first failed receive or ack, if it saw one.
+    detected: Option<Duration>,
+    fault_lasted: Duration,
+    /// From the network's return to the next credit applied, and to every credit applied.
+    first_progress: Duration,
+    all_done: Duration,
+}
+
+impl Run {
+    fn report(&self, name: &str) {
+        println!(
+            "{name}: {EVENTS} events; duplicates {}, lost {}, balances exact {}; fault lasted \
+             {:?} from {} applied events to {}; first failed receive or ack {:?} after the \
+             fault started; after restore: next event applied in {:?}, all applied in {:?}; left {}, dead letters {}; {:?}",
+            self.ledger.duplicates(),
+            self.ledger.lost(EVENTS),
+            self.ledger.balances_exact,
+            self.fault_lasted,
+            self.applied_at_fault,
+            self.applied_at_restore,
+            self.detected,
+            self.first_progress,
+            self.all_done,
+            self.left,
+            self.dead_letters,
+            self.stats,
+        );
+    }
+
+    fn assert_exactly_once(&self) {
+        assert_eq!(self.ledger.duplicates(), 0, "applied twice: {self:?}");
+        assert_eq!(self.ledger.lost(EVENTS), 0, "lost: {self:?}");
+        assert!(self.ledger.balances_exact, "{self:?}");
+        assert_eq!(self.ledger.total_balance, self.total, "{self:?}");
+        assert_eq!(self.left, 0, "left on the broker: {self:?}");
+        assert_eq!(self.stats.dead_lettered, 0, "{self:?}");
+        assert_eq!(
+            self.dead_letters, 0,
+            "healthy messages dead-lettered: {self:?}"
+        );
+    }
+}
+
+/// A fault between the consumer and the broker.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// Connections stay open and carry nothing, for the adapter's [`Proxied::blackhole`].
+    Blackhole,
+    /// Every open connection is cut, 15 times, 300 ms apart.
+    Cuts,
+}
+
+impl Fault {
+    /// Applies the fault; returns when the network is back.
+    async fn run(self, proxy: &FaultProxy, blackhole: Duration) {
+        match self {
+            Fault::Blackhole => {
+                proxy.set_mode(ProxyMode::Blackhole);
+                tokio::time::sleep(blackhole).await;
+                proxy.set_mode(ProxyMode::Pass);
+            }
+            Fault::Cuts => {
+                for _ in 0..15 {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    proxy.cut();
+                }
+            }
+        }
+    }
+}
+
+async fn applied(db: &TestDb) -> i64 {
+    wallet::summary(&db.pool)
+        .await
+        .expect("summary")
+        .distinct_events
+}
+
+async fn eventually<F, Fut>(limit: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// Sends the credits at [`PACE`], straight to the broker; returns the sum of the amounts.
+async fn publish<Q: TestQueue>(queue: &Q) -> i64 {
+    let mut total = 0;
+    for n in 0..EVENTS {
+        let event = CreditEvent::new(1 + n % ACCOUNTS, n + 1);
+        total += event.amount;
+        queue
+            .send(Some(MessageId::generate().as_str()), &event.to_json())
+            .await;
+        tokio::time::sleep(PACE).await;
+    }
+    total
+}
+
+/// Consumes the credits through the proxy while they are sent, runs `fault` once a third is
+/// applied, and waits for the consumer to finish by itself once the fault is over. `None`
+/// where the adapter has no proxied source.
+async fn consume_through<Q: TestQueue>(
+    name: &str,
+    db: &TestDb,
+    queue: &Q,
+    fault: Fault,
+) -> Option<Run> {
+    let Some(Proxied {
+        source,
+        proxy,
+        blackhole,
+    }) = queue.proxied_source("c1").await
+    else {
+        println!(
+            "{name}: skipped: no proxy can stand between this broker and its consumer (the \
+             adapter's own tests cover its network faults)"
+        );
+        return None;
+    };
+    let consumer = Consumer::new(
+        "wallet",
+        Checked::new(source),
+        db.inbox(),
+        Credit::new(db.pool.clone()).work(Duration::from_millis(2)),
+    )
+    .batch_size(10)
+    .error_backoff(Duration::from_millis(200));
+    let stats = consumer.stats();
+    let (stop, stopping) = tokio::sync::oneshot::channel::<()>();
+    let running = consumer.run_until(async {
+        let _ = stopping.await;
+    });
+    let over = AtomicBool::new(false);
+
+    let observing = async {
+        let started = eventually(Duration::from_secs(30), || async {
+            applied(db).await >= EVENTS / 3
+        })
+        .await;
+        assert!(started, "the consumer applied too little before the fault");
+        let applied_at_fault = applied(db).await;
+        let seen = |s: StatsSnapshot| s.errors + s.ack_failures;
+        let before = seen(stats.snapshot());
+        let fault_started = Instant::now();
+        let watching = async {
+            while !over.load(Ordering::Relaxed) {
+                if seen(stats.snapshot()) > before {
+                    return Some(fault_started.elapsed());
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            None
+        };
+        let faulting = async {
+            fault.run(&proxy, blackhole).await;
+            let restored = Instant::now();
+            let applied_at_restore = applied(db).await;
+            let progressed = eventually(Duration::from_secs(60), || async {
+                let now = applied(db).await;
+                now > applied_at_restore || now >= EVENTS
+            })
+            .await;
+            let first_progress = restored.elapsed();
+            let finished = progressed
+                && eventually(Duration::from_secs(90), || async {
+                    applied(db).await >= EVENTS
+                })
+                .await;
+            over.store(true, Ordering::Relaxed);
+            (restored, applied_at_restore, first_progress, finished)
+        };
+        let (detected, (restored, applied_at_restore, first_progress, finished)) =
+            tokio::join!(watching, faulting);
+        let _ = stop.send(());
+        (
+            applied_at_fault,
+            applied_at_restore,
+            detected,
+            restored - fault_started,
+            first_progress,
+            restored.elapsed(),
+            finished,
+        )
+    };
+    let stopped = async { tokio::time::timeout(Duration::from_secs(150), running).await };
+    let (stopped, total, observed) = tokio::join!(stopped, publish(queue), observing);
+    let (
+        applied_at_fault,
+        applied_at_restore,
+        detected,
+        fault_lasted,
+        first_progress,
+        all_done,
+        finished,
+    ) = observed;
+    let stats = stopped
+        .unwrap_or_else(|_| panic!("{name}: the consumer was still running 150 s after its start"))
+        .unwrap_or_else(|e| panic!("{name}: the consumer stopped with an error: {e}"));
+    let run = Run {
+        ledger: wallet::summary(&db.pool).await.expect("summary"),
+        stats,
+        total,
+        left: left(queue).await,
+        dead_letters: queue.dead_letters().await.len(),
+        applied_at_fault,
+        applied_at_restore,
+        detected,
+        fault_lasted,
+        first_progress,
+        all_done,
+    };
+    run.report(name);
+    assert!(
+        finished,
+        "{name}: not finished within 90 s of the network's return: {run:?}"
+    );
+    Some(run)
+}
+
+/// The consumer's connections carry nothing for a while (longer than the source waits on a
+/// silent connection): it notices, gives them up and reconnects once the network is back.
+pub async fn a_black_holed_connection_is_given_up_and_replaced<B: TestBroker>(broker: &B) {
+    let (db, queue) = setup(broker, "blackhole").await;
+    if let Some(run) = consume_through("black hole", &db, &queue, Fault::Blackhole).await {
+        run.assert_exactly_once();
+        // Noticed by the source's own timeout or heartbeat, not only once the network is back.
+        assert!(
+            run.detected.is_some_and(|after| after < run.fault_lasted),
+            "the black hole went unnoticed while it lasted: {run:?}"
+        );
+    }
+    finish(db, queue).await;
+}
+
+/// The consumer's connections are cut every 300 ms, 15 times: each cut loses nothing and
+/// applies nothing twice.
+pub async fn connections_cut_again_and_again_lose_and_repeat_nothing<B: TestBroker>(broker: &B) {
+    let (db, queue) = setup(broker, "cuts").await;
+    if let Some(run) = consume_through("cuts", &db, &queue, Fault::Cuts).await {
+        run.assert_exactly_once();
+    }
+    finish(db, queue).await;
+}

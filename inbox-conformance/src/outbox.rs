@@ -1,0 +1,352 @@
+//! Inbox, then outbox: a handler writes outbox rows ([`Outbox`]) in its inbox transaction, an
+//! [`OutboxRelay`](inbox_postgres::OutboxRelay) publishes them through the adapter's producer
+//! ([`TestQueue::producer`]), and a downstream inbox consumer applies each once: also when a
+//! lost confirm makes the relay publish a batch again, and when two relays run at once.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use inbox_core::{
+    async_trait, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish,
+    PublishError, Recovery,
+};
+use inbox_postgres::sqlx;
+use inbox_postgres::{Outbox, PgTx};
+use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::TestDb;
+
+use crate::scenarios::{drain, finish, left, setup, Totals};
+use crate::{TestBroker, TestQueue};
+
+/// The upstream handler: forwards each credit to another queue through the outbox, in the
+/// inbox transaction.
+#[derive(Clone)]
+struct Forward {
+    outbox: Outbox,
+    to: String,
+}
+
+#[async_trait]
+impl Handler<PgTx> for Forward {
+    async fn handle(
+        &self,
+        tx: &mut PgTx,
+        _: &MessageId,
+        message: &Message,
+    ) -> Result<(), HandlerError> {
+        self.outbox.write(tx, &self.to, &message.payload).await?;
+        Ok(())
+    }
+}
+
+/// Publishes for real, and the first time reports the confirms as lost.
+struct LoseFirstConfirm {
+    inner: Arc<dyn Publish>,
+    lost: AtomicBool,
+}
+
+#[async_trait]
+impl Publish for LoseFirstConfirm {
+    async fn send_batch(
+        &self,
+        destination: &str,
+        messages: &[OutgoingMessage],
+    ) -> Result<(), PublishError> {
+        self.inner.send_batch(destination, messages).await?;
+        if !self.lost.swap(true, Ordering::SeqCst) {
+            return Err(PublishError::new(
+                Recovery::Reconnect,
+                format!("publishing to `{destination}`"),
+                "connection lost before the confirms arrived",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Publishes for real, then waits a little, as a broker across a network takes: a relay holds
+/// its rows locked long enough for another relay to take the next ones.
+struct Slow(Arc<dyn Publish>);
+
+#[async_trait]
+impl Publish for Slow {
+    async fn send_batch(
+        &self,
+        destination: &str,
+        messages: &[OutgoingMessage],
+    ) -> Result<(), PublishError> {
+        self.0.send_batch(destination, messages).await?;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        Ok(())
+    }
+}
+
+async fn outbox(db: &TestDb) -> Outbox {
+    let outbox = Outbox::new(db.pool.clone());
+    outbox.migrate().await.expect("outbox table");
+    outbox
+}
+
+async fn outbox_ids(db: &TestDb) -> HashSet<String> {
+    sqlx::query_scalar("SELECT message_id FROM outbox")
+        .fetch_all(&db.pool)
+        .await
+        .expect("outbox rows")
+        .into_iter()
+        .collect()
+}
+
+async fn ledger_ids(db: &TestDb) -> HashSet<String> {
+    sqlx::query_scalar("SELECT event_id FROM ledger")
+        .fetch_all(&db.pool)
+        .await
+        .expect("ledger rows")
+        .into_iter()
+        .collect()
+}
+
+async fn unsent(db: &TestDb) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox WHERE sent_at IS NULL")
+        .fetch_one(&db.pool)
+        .await
+        .expect("unsent rows")
+}
+
+/// Writes `n` credits for `destination` in transactions of 100; returns the sum of the amounts.
+async fn write_credits(db: &TestDb, outbox: &Outbox, destination: &str, n: i64) -> i64 {
+    let mut total = 0;
+    for chunk in (0..n).collect::<Vec<_>>().chunks(100) {
+        let mut tx = db.pool.begin().await.expect("begin");
+        for i in chunk {
+            let event = CreditEvent::new(1 + i % 7, i + 1);
+            total += event.amount;
+            outbox
+                .write(&mut tx, destination, event.to_json())
+                .await
+                .expect("outbox row");
+        }
+        tx.commit().await.expect("commit");
+    }
+    total
+}
+
+/// Drains `queue` with the wallet's handler until `done`.
+async fn apply_downstream<Q, D, G>(db: &TestDb, queue: &Q, done: D) -> Totals
+where
+    Q: TestQueue,
+    D: Fn(Totals) -> G,
+    G: Future<Output = bool>,
+{
+    let handler = Credit::new(db.pool.clone());
+    let mut totals = Totals::default();
+    drain(
+        queue,
+        "wallet",
+        &mut totals,
+        |source| {
+            Consumer::new("wallet", source, db.inbox(), handler.clone())
+                .batch_size(50)
+                .run_until_idle()
+        },
+        done,
+    )
+    .await;
+    totals
+}
+
+/// Upstream messages (some sent twice) are forwarded by a handler through the outbox; the relay
+/// publishes each row once and the downstream inbox applies each, under the rows' IDs.
+pub async fn a_handler_writes_the_outbox_the_relay_publishes_and_the_downstream_inbox_applies_each_once<
+    B: TestBroker,
+>(
+    broker: &B,
+) {
+    const EVENTS: i64 = 100;
+    const RESENT: i64 = 20;
+    let (db, upstream) = setup(broker, "outbox-in").await;
+    let downstream = broker.queue("outbox-out").await;
+    let outbox = outbox(&db).await;
+    let mut total = 0;
+    for i in 0..EVENTS {
+        let event = CreditEvent::new(1 + i % 5, i + 1);
+        total += event.amount;
+        let id = MessageId::generate();
+        upstream.send(Some(id.as_str()), &event.to_json()).await;
+        if i < RESENT {
+            // The upstream producer resent some: its inbox forwards them once.
+            upstream.send(Some(id.as_str()), &event.to_json()).await;
+        }
+    }
+
+    let forward = Forward {
+        outbox: outbox.clone(),
+        to: downstream.destination(),
+    };
+    let mut forwarded = Totals::default();
+    drain(
+        &upstream,
+        "forward",
+        &mut forwarded,
+        |source| {
+            Consumer::new("forward", source, db.inbox(), forward.clone())
+                .batch_size(50)
+                .run_until_idle()
+        },
+        |t| async move { t.applied + t.skipped >= (EVENTS + RESENT) as u64 },
+    )
+    .await;
+    let relayed = outbox
+        .relay(downstream.producer().await)
+        .batch_size(64)
+        .run_until_idle()
+        .await
+        .expect("relay");
+    let applied = apply_downstream(
+        &db,
+        &downstream,
+        |t| async move { t.applied >= EVENTS as u64 },
+    )
+    .await;
+
+    let written = outbox_ids(&db).await;
+    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let left = left(&downstream).await;
+    println!(
+        "outbox: forwarded {forwarded:?}; relayed {relayed:?}; applied downstream {applied:?}; \
+         {summary:?}; left downstream {left}"
+    );
+    assert_eq!(
+        forwarded.skipped, RESENT as u64,
+        "the resent ones forwarded once"
+    );
+    assert_eq!(
+        written.len(),
+        EVENTS as usize,
+        "one outbox row per upstream event"
+    );
+    assert_eq!(relayed.published, EVENTS as u64);
+    assert_eq!(unsent(&db).await, 0);
+    assert_eq!(
+        (applied.applied, applied.skipped),
+        (EVENTS as u64, 0),
+        "each row reached the queue once"
+    );
+    assert_eq!(ledger_ids(&db).await, written, "under the rows' IDs");
+    assert!(summary.balances_exact);
+    assert_eq!(summary.total_balance, total);
+    assert_eq!(left, 0);
+    downstream.cleanup().await;
+    finish(db, upstream).await;
+}
+
+/// The broker stores a batch but its confirms are lost: the relay keeps the rows unsent and
+/// publishes them again under the same IDs; the downstream inbox applies each once and skips
+/// the copies.
+pub async fn a_lost_confirm_publishes_again_under_the_same_ids_and_the_inbox_skips_the_copies<
+    B: TestBroker,
+>(
+    broker: &B,
+) {
+    const ROWS: i64 = 40;
+    let (db, queue) = setup(broker, "outbox-lost-confirm").await;
+    let outbox = outbox(&db).await;
+    let total = write_credits(&db, &outbox, &queue.destination(), ROWS).await;
+
+    let publisher = LoseFirstConfirm {
+        inner: queue.producer().await,
+        lost: AtomicBool::new(false),
+    };
+    let relayed = outbox
+        .relay(publisher)
+        .batch_size(100)
+        .error_backoff(Duration::from_millis(20))
+        .run_until_idle()
+        .await
+        .expect("relay");
+    let applied = apply_downstream(&db, &queue, |t| async move {
+        t.applied + t.skipped >= 2 * ROWS as u64
+    })
+    .await;
+
+    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let left = left(&queue).await;
+    println!("lost confirm: relayed {relayed:?}; applied {applied:?}; {summary:?}; left {left}");
+    assert_eq!((relayed.published, relayed.errors), (ROWS as u64, 1));
+    assert_eq!(
+        (applied.applied, applied.skipped),
+        (ROWS as u64, ROWS as u64),
+        "the batch went out twice, the second time under the same IDs"
+    );
+    assert_eq!(ledger_ids(&db).await, outbox_ids(&db).await);
+    assert_eq!(summary.duplicates(), 0);
+    assert_eq!(summary.ledger_rows, ROWS);
+    assert_eq!(summary.total_balance, total);
+    assert_eq!(left, 0);
+    finish(db, queue).await;
+}
+
+/// Two relays on one outbox at once: each row is locked by one of them, so each is published
+/// once, and both do part of the work.
+pub async fn two_relays_at_once_publish_every_row_once<B: TestBroker>(broker: &B) {
+    const ROWS: i64 = 300;
+    let (db, queue) = setup(broker, "outbox-two-relays").await;
+    let outbox = outbox(&db).await;
+    let total = write_credits(&db, &outbox, &queue.destination(), ROWS).await;
+
+    let mut relays = Vec::new();
+    let mut stops = Vec::new();
+    for _ in 0..2 {
+        let (stop, stopping) = tokio::sync::oneshot::channel::<()>();
+        stops.push(stop);
+        relays.push(tokio::spawn(
+            outbox
+                .relay(Slow(queue.producer().await))
+                .batch_size(20)
+                .poll_interval(Duration::from_millis(10))
+                .run_until(async {
+                    let _ = stopping.await;
+                }),
+        ));
+    }
+    let start = Instant::now();
+    while unsent(&db).await > 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the relays did not send every row within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for stop in stops {
+        let _ = stop.send(());
+    }
+    let mut published = Vec::new();
+    for relay in relays {
+        published.push(relay.await.expect("relay task").expect("relay").published);
+    }
+    let applied = apply_downstream(&db, &queue, |t| async move { t.applied >= ROWS as u64 }).await;
+
+    let summary = wallet::summary(&db.pool).await.expect("summary");
+    // A row published twice would be a copy skipped by the inbox, or one still on the broker.
+    let left = left(&queue).await;
+    println!(
+        "two relays: published {published:?} in {:?}; applied {applied:?}; {summary:?}; left {left}",
+        start.elapsed()
+    );
+    assert_eq!(published.iter().sum::<u64>(), ROWS as u64);
+    assert!(
+        published.iter().all(|&n| n > 0),
+        "both relays published: {published:?}"
+    );
+    assert_eq!(
+        (applied.applied, applied.skipped),
+        (ROWS as u64, 0),
+        "no row published twice"
+    );
+    assert_eq!(ledger_ids(&db).await, outbox_ids(&db).await);
+    assert_eq!(summary.total_balance, total);
+    assert_eq!(left, 0);
+    finish(db, queue).await;
+}
