@@ -5,7 +5,6 @@
 //! exactly once, nothing left on the broker and nothing dead-lettered, without restarting the
 //! consumer.
 
-use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -17,6 +16,7 @@ use inbox_testkit::{FaultProxy, ProxyMode};
 use crate::checked::Checked;
 use crate::scenarios::{finish, left, setup};
 use crate::{Proxied, TestBroker, TestQueue};
+use inbox_testkit::eventually;
 
 const EVENTS: i64 = 300;
 const ACCOUNTS: i64 = 7;
@@ -107,28 +107,6 @@ impl Fault {
     }
 }
 
-async fn applied(db: &TestDb) -> i64 {
-    wallet::summary(&db.pool)
-        .await
-        .expect("summary")
-        .distinct_events
-}
-
-async fn eventually<F, Fut>(limit: Duration, mut check: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if check().await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    false
-}
-
 /// Sends the credits at [`PACE`], straight to the broker; returns the sum of the amounts.
 async fn publish<Q: TestQueue>(queue: &Q) -> i64 {
     let mut total = 0;
@@ -181,11 +159,11 @@ async fn consume_through<Q: TestQueue>(
 
     let observing = async {
         let started = eventually(Duration::from_secs(30), || async {
-            applied(db).await >= EVENTS / 3
+            wallet::applied(&db.pool).await >= EVENTS / 3
         })
         .await;
         assert!(started, "the consumer applied too little before the fault");
-        let applied_at_fault = applied(db).await;
+        let applied_at_fault = wallet::applied(&db.pool).await;
         let seen = |s: StatsSnapshot| s.errors + s.ack_failures;
         let before = seen(stats.snapshot());
         let fault_started = Instant::now();
@@ -201,16 +179,16 @@ async fn consume_through<Q: TestQueue>(
         let faulting = async {
             fault.run(&proxy, blackhole).await;
             let restored = Instant::now();
-            let applied_at_restore = applied(db).await;
+            let applied_at_restore = wallet::applied(&db.pool).await;
             let progressed = eventually(Duration::from_secs(60), || async {
-                let now = applied(db).await;
+                let now = wallet::applied(&db.pool).await;
                 now > applied_at_restore || now >= EVENTS
             })
             .await;
             let first_progress = restored.elapsed();
             let finished = progressed
                 && eventually(Duration::from_secs(90), || async {
-                    applied(db).await >= EVENTS
+                    wallet::applied(&db.pool).await >= EVENTS
                 })
                 .await;
             over.store(true, Ordering::Relaxed);

@@ -8,29 +8,14 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use common::*;
-use inbox_core::{Ack, Delivery, MessageId, MessageSource, OutgoingMessage, Publish};
-use inbox_kafka::{brokers_from_env, KafkaAck, KafkaSource};
+use inbox_core::{Ack, MessageId, MessageSource, OutgoingMessage, Publish};
+use inbox_kafka::{brokers_from_env, KafkaSource};
 
 /// Set in the child process of [`a_source_without_brokers_uses_kafka_brokers`]: the topic it
 /// reads.
 const CHILD_TOPIC: &str = "INBOX_TEST_CHILD_TOPIC";
 /// The brokers that do run, for the child (whose `KAFKA_BROKERS` points nowhere).
 const REAL_BROKERS: &str = "INBOX_TEST_REAL_BROKERS";
-
-/// Receives until `n` deliveries arrived or [`WAIT`] passed.
-async fn receive(source: &mut KafkaSource, n: usize) -> Vec<Delivery<KafkaAck>> {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    let mut out = Vec::new();
-    while out.len() < n {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{} of {n} received",
-            out.len()
-        );
-        out.extend(source.receive(n - out.len()).await.expect("receives"));
-    }
-    out
-}
 
 /// The test runs itself again in a child process with `KAFKA_BROKERS` set to a port nothing
 /// listens on (the environment of a running test cannot be changed safely). There, a source
@@ -46,32 +31,16 @@ async fn a_source_without_brokers_uses_kafka_brokers() {
         return;
     }
     let topic = topic(1).await;
-    let exe = std::env::current_exe().expect("the test binary");
-    let output = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(exe)
-            .args([
-                "--exact",
-                "a_source_without_brokers_uses_kafka_brokers",
-                "--nocapture",
-            ])
-            .env(CHILD_TOPIC, &topic)
-            .env(REAL_BROKERS, brokers_from_env())
-            .env("KAFKA_BROKERS", "127.0.0.1:1")
-            .output()
-            .expect("the child runs")
-    })
-    .await
-    .expect("child task");
-    let shown = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(output.status.success(), "child failed:\n{shown}");
-    assert!(
-        shown.contains("1 passed"),
-        "the child ran no test:\n{shown}"
-    );
+    let ran = inbox_testkit::child::run(
+        "a_source_without_brokers_uses_kafka_brokers",
+        &[
+            (CHILD_TOPIC, topic),
+            (REAL_BROKERS, brokers_from_env()),
+            ("KAFKA_BROKERS", "127.0.0.1:1".to_owned()),
+        ],
+    )
+    .await;
+    assert!(ran.passed, "the child failed:\n{}", ran.printed);
 }
 
 async fn child(topic: &str) {
@@ -107,7 +76,7 @@ async fn capabilities_match_what_deliveries_carry() {
     assert!(!capabilities.delivery_count());
     assert!(!capabilities.delayed_nack());
 
-    let first = receive(&mut source, 1).await.remove(0);
+    let first = inbox_testkit::receive(&mut source, 1, WAIT).await.remove(0);
     assert_eq!(first.message.id.as_ref().ok(), Some(&id));
     // Lanes: every delivery carries its partition.
     assert_eq!(
@@ -120,7 +89,7 @@ async fn capabilities_match_what_deliveries_carry() {
     // No delayed nack: the record is back long before the minute asked for.
     first.ack.nack(Duration::from_secs(60)).await.expect("nack");
     let started = tokio::time::Instant::now();
-    let again = receive(&mut source, 1).await.remove(0);
+    let again = inbox_testkit::receive(&mut source, 1, WAIT).await.remove(0);
     assert!(started.elapsed() < Duration::from_secs(30));
     assert_eq!(again.message.id.as_ref().ok(), Some(&id));
     assert!(again.message.meta.redelivered);
@@ -164,7 +133,7 @@ async fn one_producer_sends_to_two_topics() {
         .await
         .expect("source");
     let mut received = BTreeSet::new();
-    for delivery in receive(&mut source, sent.len()).await {
+    for delivery in inbox_testkit::receive(&mut source, sent.len(), WAIT).await {
         let m = &delivery.message;
         let id = m.id.as_ref().expect("an ID").to_string();
         let payload = String::from_utf8(m.payload.clone()).expect("UTF-8");

@@ -17,14 +17,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::Running;
-use inbox_core::{Stats, StatsSnapshot};
+use inbox_core::StatsSnapshot;
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use inbox_kafka::{KafkaAdmin, KafkaProducer, KafkaSource, Record};
 use inbox_testkit::wallet::{summary, Credit, CreditEvent, Summary};
 use inbox_testkit::TestDb;
+use inbox_testkit::{eventually, watch_errors};
 use inbox_testkit::{FaultProxy, ProxyMode};
-use tokio::task::JoinHandle;
 
 const EVENTS: i64 = 300;
 const PARTITIONS: i32 = 3;
@@ -132,25 +132,6 @@ impl Run {
     }
 }
 
-async fn eventually<F, Fut>(limit: Duration, mut check: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if check().await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    false
-}
-
-async fn applied(db: &TestDb) -> i64 {
-    summary(&db.pool).await.unwrap().distinct_events
-}
-
 /// Records of `topic` not committed by `group`, summed over its partitions.
 fn lag(brokers: &str, topic: &str, group: &str) -> i64 {
     let consumer: BaseConsumer = ClientConfig::new()
@@ -174,23 +155,6 @@ fn lag(brokers: &str, topic: &str, group: &str) -> i64 {
         lag += high - at;
     }
     lag
-}
-
-/// Notes when the consumer first sees a failure after it starts.
-fn watch_errors(stats: Arc<Stats>) -> (Instant, JoinHandle<Option<Duration>>) {
-    let started = Instant::now();
-    let seen = |s: StatsSnapshot| s.errors + s.ack_failures;
-    let before = seen(stats.snapshot());
-    let task = tokio::spawn(async move {
-        while Instant::now() < started + Duration::from_secs(300) {
-            if seen(stats.snapshot()) > before {
-                return Some(started.elapsed());
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        None
-    });
-    (started, task)
 }
 
 /// Publishes [`EVENTS`] credits to a private broker, consumes them through its proxy with a
@@ -241,17 +205,20 @@ async fn consume_through(
     let handler = Credit::new(db.pool.clone()).work(Duration::from_millis(10));
     let running = Running::start("wallet", source, db.inbox(), handler, 10);
 
-    let started = eventually(60 * SECOND, || async { applied(&db).await >= EVENTS / 3 }).await;
+    let started = eventually(60 * SECOND, || async {
+        inbox_testkit::wallet::applied(&db.pool).await >= EVENTS / 3
+    })
+    .await;
     assert!(started, "the consumer applied too little before the fault");
-    let applied_at_fault = applied(&db).await;
+    let applied_at_fault = inbox_testkit::wallet::applied(&db.pool).await;
     let (fault_started, detecting) = watch_errors(Arc::clone(&running.stats));
     fault.await;
     let restored = Instant::now();
     let fault_lasted = restored - fault_started;
-    let applied_at_restore = applied(&db).await;
+    let applied_at_restore = inbox_testkit::wallet::applied(&db.pool).await;
 
     let progressed = eventually(120 * SECOND, || async {
-        let now = applied(&db).await;
+        let now = inbox_testkit::wallet::applied(&db.pool).await;
         now > applied_at_restore || now >= EVENTS
     })
     .await;
@@ -266,7 +233,7 @@ async fn consume_through(
     };
     let finished = progressed
         && eventually(120 * SECOND, || async {
-            applied(&db).await >= EVENTS && lag_now().await == 0
+            inbox_testkit::wallet::applied(&db.pool).await >= EVENTS && lag_now().await == 0
         })
         .await;
     let all_done = restored.elapsed();

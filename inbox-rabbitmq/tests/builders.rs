@@ -7,7 +7,6 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::process::Command;
 use std::time::Duration;
 
 use common::*;
@@ -20,20 +19,14 @@ const CHILD_QUEUE: &str = "INBOX_RABBITMQ_TEST_CHILD_QUEUE";
 /// Runs [`child_connects_from_the_environment`] in a process of its own with `AMQP_URL=url`
 /// (changing the environment of this process would race the other tests), and returns what it
 /// printed.
-fn connect_in_child(url: &str, queue: &str) -> String {
-    let output = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "child_connects_from_the_environment",
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("AMQP_URL", url)
-        .env(CHILD_QUEUE, queue)
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&output.stdout).into_owned() + &String::from_utf8_lossy(&output.stderr)
+async fn connect_in_child(url: &str, queue: &str) -> String {
+    let envs = [
+        ("AMQP_URL", url.to_owned()),
+        (CHILD_QUEUE, queue.to_owned()),
+    ];
+    inbox_testkit::child::run("child_connects_from_the_environment", &envs)
+        .await
+        .printed
 }
 
 /// Not a test of its own: the child process of
@@ -63,12 +56,12 @@ async fn child_connects_from_the_environment() {
 #[tokio::test]
 async fn source_and_producer_take_the_broker_from_amqp_url() {
     let config = fresh_config("env");
-    let printed = connect_in_child(&amqp_url(), config.queue());
+    let printed = connect_in_child(&amqp_url(), config.queue()).await;
     assert!(printed.contains("SOURCE CONNECTED"), "{printed}");
     assert!(printed.contains("PRODUCER CONNECTED"), "{printed}");
 
     // Nothing listens on port 1: both fail, naming the address they were given.
-    let printed = connect_in_child("amqp://guest:guest@127.0.0.1:1/%2f", config.queue());
+    let printed = connect_in_child("amqp://guest:guest@127.0.0.1:1/%2f", config.queue()).await;
     assert!(printed.contains("SOURCE FAILED"), "{printed}");
     assert!(printed.contains("PRODUCER FAILED"), "{printed}");
     assert!(printed.contains("127.0.0.1:1"), "{printed}");

@@ -8,29 +8,14 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use common::*;
-use inbox_core::{Ack, Delivery, MessageId, MessageSource, OutgoingMessage, Publish};
-use inbox_redis_streams::{RedisStreamAck, RedisStreamProducer, RedisStreamSource};
+use inbox_core::{Ack, MessageId, MessageSource, OutgoingMessage, Publish};
+use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
 
 /// Set in the child process of [`builders_without_an_address_use_redis_url`]: the stream it
 /// reads.
 const CHILD_STREAM: &str = "INBOX_TEST_CHILD_STREAM";
 /// The Redis that does run, for the child (whose `REDIS_URL` points nowhere).
 const REAL_URL: &str = "INBOX_TEST_REAL_REDIS_URL";
-
-/// Receives until `n` deliveries arrived, for at most 30 s.
-async fn receive(source: &mut RedisStreamSource, n: usize) -> Vec<Delivery<RedisStreamAck>> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let mut out = Vec::new();
-    while out.len() < n {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{} of {n} received",
-            out.len()
-        );
-        out.extend(source.receive(n - out.len()).await.expect("receives"));
-    }
-    out
-}
 
 /// The test runs itself again in a child process with `REDIS_URL` set to a port nothing listens
 /// on (the environment of a running test cannot be changed safely). There, a source and a
@@ -42,33 +27,16 @@ async fn builders_without_an_address_use_redis_url() {
         return;
     }
     let stream = stream_key("env");
-    let to_child = stream.clone();
-    let exe = std::env::current_exe().expect("the test binary");
-    let output = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(exe)
-            .args([
-                "--exact",
-                "builders_without_an_address_use_redis_url",
-                "--nocapture",
-            ])
-            .env(CHILD_STREAM, to_child)
-            .env(REAL_URL, redis_url())
-            .env("REDIS_URL", "redis://127.0.0.1:1")
-            .output()
-            .expect("the child runs")
-    })
-    .await
-    .expect("child task");
-    let shown = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(output.status.success(), "child failed:\n{shown}");
-    assert!(
-        shown.contains("1 passed"),
-        "the child ran no test:\n{shown}"
-    );
+    let ran = inbox_testkit::child::run(
+        "builders_without_an_address_use_redis_url",
+        &[
+            (CHILD_STREAM, stream.clone()),
+            (REAL_URL, redis_url()),
+            ("REDIS_URL", "redis://127.0.0.1:1".to_owned()),
+        ],
+    )
+    .await;
+    assert!(ran.passed, "the child failed:\n{}", ran.printed);
     cleanup(&stream).await;
 }
 
@@ -115,7 +83,9 @@ async fn capabilities_match_what_deliveries_carry() {
     assert!(!capabilities.delayed_nack());
 
     let id = producer.send(&stream, b"1").await.expect("send");
-    let first = receive(&mut source, 1).await.remove(0);
+    let first = inbox_testkit::receive(&mut source, 1, Duration::from_secs(30))
+        .await
+        .remove(0);
     assert_eq!(first.message.id.as_ref().ok(), Some(&id));
     // Delivery count: a first delivery carries 1.
     assert_eq!(first.message.meta.delivery_count, Some(1));
@@ -125,7 +95,9 @@ async fn capabilities_match_what_deliveries_carry() {
     // No delayed nack: the entry is back after `claim_idle`, long before the minute asked for,
     // counted as a second delivery.
     first.ack.nack(Duration::from_secs(60)).await.expect("nack");
-    let again = receive(&mut source, 1).await.remove(0);
+    let again = inbox_testkit::receive(&mut source, 1, Duration::from_secs(30))
+        .await
+        .remove(0);
     assert_eq!(again.message.id.as_ref().ok(), Some(&id));
     assert_eq!(again.message.meta.delivery_count, Some(2));
     assert!(again.message.meta.redelivered);
@@ -164,7 +136,7 @@ async fn one_producer_sends_to_two_streams() {
     let mut received = BTreeSet::new();
     for stream in [&a, &b] {
         let mut source = source(stream, "c1").await;
-        for delivery in receive(&mut source, 3).await {
+        for delivery in inbox_testkit::receive(&mut source, 3, Duration::from_secs(30)).await {
             let m = &delivery.message;
             let id = m.id.as_ref().expect("an ID").to_string();
             let payload = String::from_utf8(m.payload.clone()).expect("UTF-8");

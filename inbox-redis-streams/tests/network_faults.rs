@@ -15,11 +15,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{builder, pending_with, stream_key};
-use inbox_core::{Consumer, MessageId, Publish, Stats, StatsSnapshot};
+use inbox_core::{Consumer, MessageId, Publish, StatsSnapshot};
 use inbox_redis_streams::redis::{self, Client};
 use inbox_redis_streams::RedisStreamProducer;
 use inbox_testkit::wallet::{summary, Credit, CreditEvent, Summary};
 use inbox_testkit::TestDb;
+use inbox_testkit::{eventually, watch_errors};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -92,25 +93,6 @@ impl Run {
     }
 }
 
-async fn eventually<F, Fut>(limit: Duration, mut check: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if check().await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    false
-}
-
-async fn applied(db: &TestDb) -> i64 {
-    summary(&db.pool).await.unwrap().distinct_events
-}
-
 /// Writes the credits at [`PACE`], each retried under its own ID until Redis takes it (a retry
 /// that reached Redis twice is applied once).
 fn publish(client: Client, stream: String) -> JoinHandle<()> {
@@ -141,23 +123,6 @@ fn publish(client: Client, stream: String) -> JoinHandle<()> {
             tokio::time::sleep(PACE).await;
         }
     })
-}
-
-/// Notes when the consumer first sees a failure (a receive or an ack) after it starts.
-fn watch_errors(stats: Arc<Stats>) -> (Instant, JoinHandle<Option<Duration>>) {
-    let started = Instant::now();
-    let seen = |s: StatsSnapshot| s.errors + s.ack_failures;
-    let before = seen(stats.snapshot());
-    let task = tokio::spawn(async move {
-        while Instant::now() < started + Duration::from_secs(120) {
-            if seen(stats.snapshot()) > before {
-                return Some(started.elapsed());
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        None
-    });
-    (started, task)
 }
 
 /// Consumes the credits over `consumer` (through a proxy or to a private server) while
@@ -197,29 +162,36 @@ async fn consume_through(
         let _ = stopped.await;
     }));
 
-    let started = eventually(30 * SECOND, || async { applied(&db).await >= EVENTS / 3 }).await;
+    let started = eventually(30 * SECOND, || async {
+        inbox_testkit::wallet::applied(&db.pool).await >= EVENTS / 3
+    })
+    .await;
     assert!(started, "the consumer applied too little before the fault");
-    let applied_at_fault = applied(&db).await;
+    let applied_at_fault = inbox_testkit::wallet::applied(&db.pool).await;
     let (fault_started, detecting) = watch_errors(Arc::clone(&stats));
     fault.await;
     let restored = Instant::now();
     let fault_lasted = restored - fault_started;
-    let applied_at_restore = applied(&db).await;
+    let applied_at_restore = inbox_testkit::wallet::applied(&db.pool).await;
 
     let progressed = eventually(30 * SECOND, || async {
-        let now = applied(&db).await;
+        let now = inbox_testkit::wallet::applied(&db.pool).await;
         now > applied_at_restore || now >= EVENTS
     })
     .await;
     let first_progress = restored.elapsed();
     let mut conn = direct.get_multiplexed_async_connection().await.unwrap();
-    let finished = progressed && eventually(60 * SECOND, || {
-        let mut conn = conn.clone();
-        let stream = stream.clone();
-        let db = &db;
-        async move { applied(db).await >= EVENTS && pending_with(&mut conn, &stream).await == 0 }
-    })
-    .await;
+    let finished = progressed
+        && eventually(60 * SECOND, || {
+            let mut conn = conn.clone();
+            let stream = stream.clone();
+            let db = &db;
+            async move {
+                inbox_testkit::wallet::applied(&db.pool).await >= EVENTS
+                    && pending_with(&mut conn, &stream).await == 0
+            }
+        })
+        .await;
     let all_done = restored.elapsed();
 
     let _ = stop.send(());

@@ -6,7 +6,6 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::process::Command;
 use std::time::Duration;
 
 use common::{client, delete_queue, fifo_queue, queue, LOCAL_ENDPOINT};
@@ -21,18 +20,11 @@ const CHILD_QUEUE: &str = "INBOX_SQS_TEST_CHILD_QUEUE";
 /// Runs [`child_connects_from_the_environment`] in a process of its own with
 /// `AWS_ENDPOINT_URL_SQS=endpoint` (changing the environment of this process would race the
 /// other tests), and returns whether it connected and what it printed.
-fn connect_in_child(endpoint: &str, queue_url: &str) -> (bool, String) {
-    let mut command = Command::new(std::env::current_exe().unwrap());
-    command
-        .args([
-            "--exact",
-            "child_connects_from_the_environment",
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("AWS_ENDPOINT_URL_SQS", endpoint)
-        .env(CHILD_QUEUE, queue_url);
+async fn connect_in_child(endpoint: &str, queue_url: &str) -> (bool, String) {
+    let mut envs = vec![
+        ("AWS_ENDPOINT_URL_SQS", endpoint.to_owned()),
+        (CHILD_QUEUE, queue_url.to_owned()),
+    ];
     // Credentials and region as the local endpoint takes them, where none are configured.
     for (name, value) in [
         ("AWS_ACCESS_KEY_ID", "test"),
@@ -40,13 +32,11 @@ fn connect_in_child(endpoint: &str, queue_url: &str) -> (bool, String) {
         ("AWS_REGION", "us-east-1"),
     ] {
         if std::env::var_os(name).is_none() {
-            command.env(name, value);
+            envs.push((name, value.to_owned()));
         }
     }
-    let output = command.output().unwrap();
-    let printed = String::from_utf8_lossy(&output.stdout).into_owned()
-        + &String::from_utf8_lossy(&output.stderr);
-    (printed.contains("CONNECTED"), printed)
+    let ran = inbox_testkit::child::run("child_connects_from_the_environment", &envs).await;
+    (ran.printed.contains("CONNECTED"), ran.printed)
 }
 
 /// Not a test of its own: the child process of
@@ -74,11 +64,11 @@ async fn connect_without_a_client_takes_the_endpoint_from_the_environment() {
     let endpoint =
         std::env::var("AWS_ENDPOINT_URL_SQS").unwrap_or_else(|_| LOCAL_ENDPOINT.to_owned());
 
-    let (connected, printed) = connect_in_child(&endpoint, &url);
+    let (connected, printed) = connect_in_child(&endpoint, &url).await;
     assert!(connected, "connects through {endpoint}: {printed}");
     // Nothing listens on port 9: the same queue URL fails there, so the endpoint came from
     // the variable, not from the queue URL.
-    let (connected, printed) = connect_in_child("http://127.0.0.1:9", &url);
+    let (connected, printed) = connect_in_child("http://127.0.0.1:9", &url).await;
     assert!(!connected, "{printed}");
     assert!(printed.contains("FAILED"), "{printed}");
     delete_queue(&sqs, &url).await;

@@ -80,10 +80,6 @@ impl Run {
     }
 }
 
-async fn applied(db: &TestDb) -> i64 {
-    summary(&db.pool).await.unwrap().distinct_events
-}
-
 /// Publishes [`EVENTS`] credits, consumes them through a proxy, applies `fault` once a third is
 /// applied, and waits for the consumer to finish the queue by itself once the network is back.
 async fn consume_through(name: &str, refused: Duration) -> Option<Run> {
@@ -133,28 +129,29 @@ async fn consume_through(name: &str, refused: Duration) -> Option<Run> {
         let _ = stopped.await;
     }));
 
-    let started = common::eventually(Duration::from_secs(30), || async {
-        applied(&db).await >= EVENTS / 3
+    let started = inbox_testkit::eventually(Duration::from_secs(30), || async {
+        inbox_testkit::wallet::applied(&db.pool).await >= EVENTS / 3
     })
     .await;
     assert!(started, "the consumer applied too little before the fault");
-    let applied_at_fault = applied(&db).await;
+    let applied_at_fault = inbox_testkit::wallet::applied(&db.pool).await;
     let fault_started = Instant::now();
     proxy.set_mode(ProxyMode::Refuse);
     tokio::time::sleep(refused).await;
     proxy.set_mode(ProxyMode::Pass);
     let restored = Instant::now();
     let fault_lasted = restored - fault_started;
-    let applied_at_restore = applied(&db).await;
+    let applied_at_restore = inbox_testkit::wallet::applied(&db.pool).await;
 
-    let progressed = common::eventually(Duration::from_secs(60), || async {
-        let now = applied(&db).await;
+    let progressed = inbox_testkit::eventually(Duration::from_secs(60), || async {
+        let now = inbox_testkit::wallet::applied(&db.pool).await;
         now > applied_at_restore || now >= EVENTS
     })
     .await;
     let first_progress = restored.elapsed();
-    let finished = common::eventually(Duration::from_secs(90), || async {
-        applied(&db).await >= EVENTS && counts(&sqs, &url).await == (0, 0)
+    let finished = inbox_testkit::eventually(Duration::from_secs(90), || async {
+        inbox_testkit::wallet::applied(&db.pool).await >= EVENTS
+            && counts(&sqs, &url).await == (0, 0)
     })
     .await;
     let all_done = restored.elapsed();

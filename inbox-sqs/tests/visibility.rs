@@ -236,7 +236,7 @@ where
     }
     let started = Instant::now();
     let events = stalling + plain;
-    let done = common::eventually(Duration::from_secs(60), || async {
+    let done = inbox_testkit::eventually(Duration::from_secs(60), || async {
         let ledger = summary(&db.pool).await.unwrap();
         ledger.distinct_events == events
             && counts(&sqs, &url).await == (0, 0)

@@ -32,3 +32,42 @@ pub fn spawn(test_name: &str, envs: &[(&str, String)]) -> Child {
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start child {test_name}: {e}"))
 }
+
+/// What a test run by [`run`] printed, and whether it passed.
+#[derive(Debug)]
+pub struct Ran {
+    /// The process exited with success and its test harness reported one test passed.
+    pub passed: bool,
+    /// Its stdout, then its stderr.
+    pub printed: String,
+}
+
+/// Runs the current test binary's test `test_name` (ignored or not) to its end in a process of
+/// its own, with `envs` on top of this process's environment: for testing what a client reads
+/// from the environment, which a running test cannot change safely.
+///
+/// # Panics
+/// When the test binary cannot be started.
+pub async fn run(test_name: &str, envs: &[(&str, String)]) -> Ran {
+    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("no current exe: {e}"));
+    let output = tokio::process::Command::new(exe)
+        .args([
+            "--exact",
+            test_name,
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("INBOX_CHILD", "1")
+        .envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("cannot run child {test_name}: {e}"));
+    let printed = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    Ran {
+        passed: output.status.success() && printed.contains("1 passed"),
+        printed,
+    }
+}

@@ -64,6 +64,7 @@ mod fault_proxy;
 mod memory_broker;
 mod memory_store;
 pub mod provider;
+mod wait;
 pub mod wallet;
 #[cfg(feature = "never-in-production")]
 mod without_inbox;
@@ -74,5 +75,6 @@ pub use fault_proxy::{FaultProxy, ProxyMode};
 pub use memory_broker::{AckMode, MemoryAck, MemoryBroker, MemorySource};
 pub use memory_store::{MemoryStore, MemoryTx};
 pub use provider::TestProvider;
+pub use wait::{eventually, receive, watch_errors};
 #[cfg(feature = "never-in-production")]
 pub use without_inbox::WithoutInbox;

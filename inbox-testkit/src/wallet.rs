@@ -207,6 +207,11 @@ impl Summary {
     }
 }
 
+/// How many distinct events the ledger holds: the events applied so far.
+pub async fn applied(pool: &PgPool) -> i64 {
+    summary(pool).await.map_or(0, |s| s.distinct_events)
+}
+
 /// Reads the ledger.
 pub async fn summary(pool: &PgPool) -> Result<Summary, sqlx::Error> {
     let (ledger_rows, distinct_events): (i64, i64) =

@@ -178,20 +178,13 @@ impl Running {
     }
 }
 
-/// Polls `check` every 100 ms until it is true or `WAIT` passes; returns whether it became true.
-pub async fn eventually<F, Fut>(mut check: F) -> bool
+/// Polls `check` until it is true or `WAIT` passes; returns whether it became true.
+pub async fn eventually<F, Fut>(check: F) -> bool
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
-    let deadline = Instant::now() + WAIT;
-    while Instant::now() < deadline {
-        if check().await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    false
+    inbox_testkit::eventually(WAIT, check).await
 }
 
 pub async fn summary(pool: &PgPool) -> Summary {

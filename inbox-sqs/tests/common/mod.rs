@@ -189,24 +189,6 @@ fn json(event: CreditEvent) -> String {
     String::from_utf8(event.to_json()).expect("JSON is UTF-8")
 }
 
-/// Polls `check` every 100 ms until it returns true or `limit` passes; returns whether it did.
-pub async fn eventually<F, Fut>(limit: Duration, mut check: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if check().await {
-            return true;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// The SQS endpoint's socket address, when it is plain HTTP (a local endpoint such as moto): the
 /// proxy forwards bytes, so it cannot stand between a client and an HTTPS endpoint such as AWS.
 pub async fn plain_http_endpoint() -> Option<SocketAddr> {
