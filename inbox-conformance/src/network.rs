@@ -9,9 +9,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use inbox_core::{Consumer, MessageId, StatsSnapshot};
-use inbox_testkit::wallet::{self, Credit, CreditEvent, Summary};
+use inbox_testkit::wallet::{self, Credit, CreditEvent};
 use inbox_testkit::TestDb;
-use inbox_testkit::{FaultProxy, ProxyMode};
+use inbox_testkit::{wait_for_a_third, FaultProxy, FaultRun, ProxyMode, Restored};
 
 use crate::checked::Checked;
 use crate::scenarios::{finish, left, setup};
@@ -24,59 +24,26 @@ const ACCOUNTS: i64 = 7;
 /// broker much of the time, and the fault meets receives and acks alike.
 const PACE: Duration = Duration::from_millis(15);
 
-/// What one run under a fault came to.
+/// What the broker had left at the end.
 #[derive(Debug)]
-struct Run {
-    ledger: Summary,
-    stats: StatsSnapshot,
-    /// The sum of the credits sent.
-    total: i64,
+struct Left {
+    /// Messages still on the broker.
     left: u64,
+    /// Messages dead-lettered.
     dead_letters: usize,
-    /// Credits in the ledger when the fault started and when the network was back.
-    applied_at_fault: i64,
-    applied_at_restore: i64,
-    /// From the fault's start to the consumer's first failed receive or ack, if it saw one.
-    detected: Option<Duration>,
-    fault_lasted: Duration,
-    /// From the network's return to the next credit applied, and to every credit applied.
-    first_progress: Duration,
-    all_done: Duration,
 }
 
-impl Run {
-    fn report(&self, name: &str) {
-        println!(
-            "{name}: {EVENTS} events; duplicates {}, lost {}, balances exact {}; fault lasted \
-             {:?} from {} applied events to {}; first failed receive or ack {:?} after the \
-             fault started; after restore: next event applied in {:?}, all applied in {:?}; left {}, dead letters {}; {:?}",
-            self.ledger.duplicates(),
-            self.ledger.lost(EVENTS),
-            self.ledger.balances_exact,
-            self.fault_lasted,
-            self.applied_at_fault,
-            self.applied_at_restore,
-            self.detected,
-            self.first_progress,
-            self.all_done,
-            self.left,
-            self.dead_letters,
-            self.stats,
-        );
-    }
+type Run = FaultRun<Left>;
 
-    fn assert_exactly_once(&self) {
-        assert_eq!(self.ledger.duplicates(), 0, "applied twice: {self:?}");
-        assert_eq!(self.ledger.lost(EVENTS), 0, "lost: {self:?}");
-        assert!(self.ledger.balances_exact, "{self:?}");
-        assert_eq!(self.ledger.total_balance, self.total, "{self:?}");
-        assert_eq!(self.left, 0, "left on the broker: {self:?}");
-        assert_eq!(self.stats.dead_lettered, 0, "{self:?}");
-        assert_eq!(
-            self.dead_letters, 0,
-            "healthy messages dead-lettered: {self:?}"
-        );
-    }
+/// Every credit applied once, adding up to `total`, nothing left on the broker and nothing
+/// dead-lettered.
+fn assert_exactly_once(run: &Run, total: i64) {
+    run.assert_exactly_once(EVENTS, total);
+    assert_eq!(run.broker.left, 0, "left on the broker: {run:?}");
+    assert_eq!(
+        run.broker.dead_letters, 0,
+        "healthy messages dead-lettered: {run:?}"
+    );
 }
 
 /// A fault between the consumer and the broker.
@@ -122,14 +89,14 @@ async fn publish<Q: TestQueue>(queue: &Q) -> i64 {
 }
 
 /// Consumes the credits through the proxy while they are sent, runs `fault` once a third is
-/// applied, and waits for the consumer to finish by itself once the fault is over. `None`
-/// where the adapter has no proxied source.
+/// applied, and waits for the consumer to finish by itself once the fault is over; returns the
+/// run and the sum of the credits sent. `None` where the adapter has no proxied source.
 async fn consume_through<Q: TestQueue>(
     name: &str,
     db: &TestDb,
     queue: &Q,
     fault: Fault,
-) -> Option<Run> {
+) -> Option<(Run, i64)> {
     let Some(Proxied {
         source,
         proxy,
@@ -158,12 +125,7 @@ async fn consume_through<Q: TestQueue>(
     let over = AtomicBool::new(false);
 
     let observing = async {
-        let started = eventually(Duration::from_secs(30), || async {
-            wallet::applied(&db.pool).await >= EVENTS / 3
-        })
-        .await;
-        assert!(started, "the consumer applied too little before the fault");
-        let applied_at_fault = wallet::applied(&db.pool).await;
+        let applied_at_fault = wait_for_a_third(&db.pool, EVENTS, Duration::from_secs(30)).await;
         let seen = |s: StatsSnapshot| s.errors + s.ack_failures;
         let before = seen(stats.snapshot());
         let fault_started = Instant::now();
@@ -178,14 +140,12 @@ async fn consume_through<Q: TestQueue>(
         };
         let faulting = async {
             fault.run(&proxy, blackhole).await;
-            let restored = Instant::now();
-            let applied_at_restore = wallet::applied(&db.pool).await;
-            let progressed = eventually(Duration::from_secs(60), || async {
-                let now = wallet::applied(&db.pool).await;
-                now > applied_at_restore || now >= EVENTS
-            })
-            .await;
-            let first_progress = restored.elapsed();
+            let Restored {
+                at: restored,
+                applied: applied_at_restore,
+                progressed,
+                first_progress,
+            } = Restored::measure(&db.pool, EVENTS, Duration::from_secs(60)).await;
             let finished = progressed
                 && eventually(Duration::from_secs(90), || async {
                     wallet::applied(&db.pool).await >= EVENTS
@@ -221,33 +181,35 @@ async fn consume_through<Q: TestQueue>(
     let stats = stopped
         .unwrap_or_else(|_| panic!("{name}: the consumer was still running 150 s after its start"))
         .unwrap_or_else(|e| panic!("{name}: the consumer stopped with an error: {e}"));
+    let broker = Left {
+        left: left(queue).await,
+        dead_letters: queue.dead_letters().await.len(),
+    };
     let run = Run {
         ledger: wallet::summary(&db.pool).await.expect("summary"),
         stats,
-        total,
-        left: left(queue).await,
-        dead_letters: queue.dead_letters().await.len(),
         applied_at_fault,
         applied_at_restore,
         detected,
         fault_lasted,
         first_progress,
         all_done,
+        broker,
     };
-    run.report(name);
+    run.report(name, EVENTS);
     assert!(
         finished,
         "{name}: not finished within 90 s of the network's return: {run:?}"
     );
-    Some(run)
+    Some((run, total))
 }
 
 /// The consumer's connections carry nothing for a while (longer than the source waits on a
 /// silent connection): it notices, gives them up and reconnects once the network is back.
 pub async fn a_black_holed_connection_is_given_up_and_replaced<B: TestBroker>(broker: &B) {
     let (db, queue) = setup(broker, "blackhole").await;
-    if let Some(run) = consume_through("black hole", &db, &queue, Fault::Blackhole).await {
-        run.assert_exactly_once();
+    if let Some((run, total)) = consume_through("black hole", &db, &queue, Fault::Blackhole).await {
+        assert_exactly_once(&run, total);
         // Noticed by the source's own timeout or heartbeat, not only once the network is back.
         assert!(
             run.detected.is_some_and(|after| after < run.fault_lasted),
@@ -261,8 +223,8 @@ pub async fn a_black_holed_connection_is_given_up_and_replaced<B: TestBroker>(br
 /// applies nothing twice.
 pub async fn connections_cut_again_and_again_lose_and_repeat_nothing<B: TestBroker>(broker: &B) {
     let (db, queue) = setup(broker, "cuts").await;
-    if let Some(run) = consume_through("cuts", &db, &queue, Fault::Cuts).await {
-        run.assert_exactly_once();
+    if let Some((run, total)) = consume_through("cuts", &db, &queue, Fault::Cuts).await {
+        assert_exactly_once(&run, total);
     }
     finish(db, queue).await;
 }

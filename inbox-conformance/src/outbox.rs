@@ -15,6 +15,7 @@ use inbox_core::{
 };
 use inbox_postgres::sqlx;
 use inbox_postgres::{Outbox, PgTx};
+use inbox_testkit::outbox::{migrated, unsent, write_credits};
 use inbox_testkit::wallet::{self, Credit, CreditEvent};
 use inbox_testkit::TestDb;
 
@@ -84,12 +85,6 @@ impl Publish for Slow {
     }
 }
 
-async fn outbox(db: &TestDb) -> Outbox {
-    let outbox = Outbox::new(db.pool.clone());
-    outbox.migrate().await.expect("outbox table");
-    outbox
-}
-
 async fn outbox_ids(db: &TestDb) -> HashSet<String> {
     sqlx::query_scalar("SELECT message_id FROM outbox")
         .fetch_all(&db.pool)
@@ -106,31 +101,6 @@ async fn ledger_ids(db: &TestDb) -> HashSet<String> {
         .expect("ledger rows")
         .into_iter()
         .collect()
-}
-
-async fn unsent(db: &TestDb) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM outbox WHERE sent_at IS NULL")
-        .fetch_one(&db.pool)
-        .await
-        .expect("unsent rows")
-}
-
-/// Writes `n` credits for `destination` in transactions of 100; returns the sum of the amounts.
-async fn write_credits(db: &TestDb, outbox: &Outbox, destination: &str, n: i64) -> i64 {
-    let mut total = 0;
-    for chunk in (0..n).collect::<Vec<_>>().chunks(100) {
-        let mut tx = db.pool.begin().await.expect("begin");
-        for i in chunk {
-            let event = CreditEvent::new(1 + i % 7, i + 1);
-            total += event.amount;
-            outbox
-                .write(&mut tx, destination, event.to_json())
-                .await
-                .expect("outbox row");
-        }
-        tx.commit().await.expect("commit");
-    }
-    total
 }
 
 /// Drains `queue` with the wallet's handler until `done`.
@@ -168,7 +138,7 @@ pub async fn a_handler_writes_the_outbox_the_relay_publishes_and_the_downstream_
     const RESENT: i64 = 20;
     let (db, upstream) = setup(broker, "outbox-in").await;
     let downstream = broker.queue("outbox-out").await;
-    let outbox = outbox(&db).await;
+    let outbox = migrated(&db).await;
     let mut total = 0;
     for i in 0..EVENTS {
         let event = CreditEvent::new(1 + i % 5, i + 1);
@@ -252,7 +222,7 @@ pub async fn a_lost_confirm_publishes_again_under_the_same_ids_and_the_inbox_ski
 ) {
     const ROWS: i64 = 40;
     let (db, queue) = setup(broker, "outbox-lost-confirm").await;
-    let outbox = outbox(&db).await;
+    let outbox = migrated(&db).await;
     let total = write_credits(&db, &outbox, &queue.destination(), ROWS).await;
 
     let publisher = LoseFirstConfirm {
@@ -293,7 +263,7 @@ pub async fn a_lost_confirm_publishes_again_under_the_same_ids_and_the_inbox_ski
 pub async fn two_relays_at_once_publish_every_row_once<B: TestBroker>(broker: &B) {
     const ROWS: i64 = 300;
     let (db, queue) = setup(broker, "outbox-two-relays").await;
-    let outbox = outbox(&db).await;
+    let outbox = migrated(&db).await;
     let total = write_credits(&db, &outbox, &queue.destination(), ROWS).await;
 
     let mut relays = Vec::new();

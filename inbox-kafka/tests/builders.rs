@@ -8,8 +8,9 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use common::*;
-use inbox_core::{Ack, MessageId, MessageSource, OutgoingMessage, Publish};
+use inbox_core::{Ack, MessageSource, Publish};
 use inbox_kafka::{brokers_from_env, KafkaSource};
+use inbox_testkit::publish::{as_sent, send_each_way};
 
 /// Set in the child process of [`a_source_without_brokers_uses_kafka_brokers`]: the topic it
 /// reads.
@@ -104,28 +105,7 @@ async fn capabilities_match_what_deliveries_carry() {
 async fn one_producer_sends_to_two_topics() {
     let (a, b) = (topic(1).await, topic(1).await);
     let producer = producer().await;
-    let mut sent = BTreeSet::new();
-    let generated = producer.send(&a, b"a1").await.expect("send");
-    sent.insert((a.clone(), generated.to_string(), "a1".to_owned()));
-    let given = MessageId::generate();
-    producer
-        .send_with_id(&b, &given, b"b1")
-        .await
-        .expect("send_with_id");
-    sent.insert((b.clone(), given.to_string(), "b1".to_owned()));
-    for (topic, payloads) in [(&a, ["a2", "a3"]), (&b, ["b2", "b3"])] {
-        let batch: Vec<OutgoingMessage> = payloads
-            .iter()
-            .map(|p| OutgoingMessage::new(MessageId::generate(), p.as_bytes()))
-            .collect();
-        producer
-            .send_batch(topic, &batch)
-            .await
-            .expect("send_batch");
-        for (message, payload) in batch.iter().zip(payloads) {
-            sent.insert((topic.clone(), message.id.to_string(), payload.to_owned()));
-        }
-    }
+    let sent = send_each_way(&producer, &a, &b).await;
 
     let mut source = KafkaSource::builder([&a, &b], random("group"))
         .poll_timeout(Duration::from_millis(500))
@@ -134,10 +114,7 @@ async fn one_producer_sends_to_two_topics() {
         .expect("source");
     let mut received = BTreeSet::new();
     for delivery in inbox_testkit::receive(&mut source, sent.len(), WAIT).await {
-        let m = &delivery.message;
-        let id = m.id.as_ref().expect("an ID").to_string();
-        let payload = String::from_utf8(m.payload.clone()).expect("UTF-8");
-        received.insert((m.meta.source.clone(), id, payload));
+        received.insert(as_sent(&delivery.message));
         delivery.ack.ack().await.expect("ack");
     }
     assert_eq!(received, sent);

@@ -8,27 +8,11 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::dead_letter::REASON;
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+use inbox_core::Consumer;
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::ClientConfig;
 use inbox_kafka::{brokers_from_env, Record};
-use inbox_testkit::{MemoryStore, MemoryTx};
-
-/// Adds each message's number to the state.
-struct Sum;
-
-#[async_trait]
-impl Handler<MemoryTx<i64>> for Sum {
-    async fn handle(
-        &self,
-        tx: &mut MemoryTx<i64>,
-        _id: &MessageId,
-        message: &Message,
-    ) -> Result<(), HandlerError> {
-        *tx.state_mut() += message.json::<i64>()?;
-        Ok(())
-    }
-}
+use inbox_testkit::{MemoryStore, Sum};
 
 /// Whether the broker knows `topic`, from a metadata request for all topics (one naming the
 /// topic could make a broker that auto-creates topics create it).

@@ -14,17 +14,17 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::Running;
-use inbox_core::StatsSnapshot;
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use inbox_kafka::{KafkaAdmin, KafkaProducer, KafkaSource, Record};
-use inbox_testkit::wallet::{summary, Credit, CreditEvent, Summary};
+use inbox_testkit::wallet::{summary, Credit, CreditEvent};
 use inbox_testkit::TestDb;
 use inbox_testkit::{eventually, watch_errors};
-use inbox_testkit::{FaultProxy, ProxyMode};
+use inbox_testkit::{wait_for_a_third, Restored};
+use inbox_testkit::{FaultProxy, FaultRun, ProxyMode};
 
 const EVENTS: i64 = 300;
 const PARTITIONS: i32 = 3;
@@ -85,51 +85,22 @@ impl Drop for PrivateTansu {
     }
 }
 
-/// What one run under a fault came to.
+/// What the group had left at the end.
 #[derive(Debug)]
-struct Run {
-    ledger: Summary,
-    stats: StatsSnapshot,
-    /// Records not committed by the group at the end.
-    lag: i64,
-    applied_at_fault: i64,
-    applied_at_restore: i64,
-    /// From the fault's start to the consumer's first failure (a receive or a commit), if any.
-    detected: Option<Duration>,
-    first_progress: Duration,
-    all_done: Duration,
-    fault_lasted: Duration,
+struct Left {
+    /// Records not committed by the group.
+    uncommitted: i64,
 }
 
-impl Run {
-    fn report(&self, name: &str) {
-        println!(
-            "{name}: {EVENTS} events; duplicates {}, lost {}, balances exact {}; fault lasted \
-             {:?} from {} applied events to {}; first failure {:?} after the fault started; \
-             after restore: next event applied in {:?}, all applied and committed in {:?}; \
-             lag {}; {:?}",
-            self.ledger.duplicates(),
-            self.ledger.lost(EVENTS),
-            self.ledger.balances_exact,
-            self.fault_lasted,
-            self.applied_at_fault,
-            self.applied_at_restore,
-            self.detected,
-            self.first_progress,
-            self.all_done,
-            self.lag,
-            self.stats,
-        );
-    }
+type Run = FaultRun<Left>;
 
-    fn assert_exactly_once(&self, expected_total: i64) {
-        assert_eq!(self.ledger.duplicates(), 0, "applied twice: {self:?}");
-        assert_eq!(self.ledger.lost(EVENTS), 0, "lost: {self:?}");
-        assert!(self.ledger.balances_exact, "{self:?}");
-        assert_eq!(self.ledger.total_balance, expected_total, "{self:?}");
-        assert_eq!(self.lag, 0, "records left uncommitted: {self:?}");
-        assert_eq!(self.stats.dead_lettered, 0, "{self:?}");
-    }
+/// Every event applied once, adding up to `total`, and every record committed.
+fn assert_exactly_once(run: &Run, total: i64) {
+    run.assert_exactly_once(EVENTS, total);
+    assert_eq!(
+        run.broker.uncommitted, 0,
+        "records left uncommitted: {run:?}"
+    );
 }
 
 /// Records of `topic` not committed by `group`, summed over its partitions.
@@ -205,24 +176,16 @@ async fn consume_through(
     let handler = Credit::new(db.pool.clone()).work(Duration::from_millis(10));
     let running = Running::start("wallet", source, db.inbox(), handler, 10);
 
-    let started = eventually(60 * SECOND, || async {
-        inbox_testkit::wallet::applied(&db.pool).await >= EVENTS / 3
-    })
-    .await;
-    assert!(started, "the consumer applied too little before the fault");
-    let applied_at_fault = inbox_testkit::wallet::applied(&db.pool).await;
+    let applied_at_fault = wait_for_a_third(&db.pool, EVENTS, 60 * SECOND).await;
     let (fault_started, detecting) = watch_errors(Arc::clone(&running.stats));
     fault.await;
-    let restored = Instant::now();
+    let Restored {
+        at: restored,
+        applied: applied_at_restore,
+        progressed,
+        first_progress,
+    } = Restored::measure(&db.pool, EVENTS, 120 * SECOND).await;
     let fault_lasted = restored - fault_started;
-    let applied_at_restore = inbox_testkit::wallet::applied(&db.pool).await;
-
-    let progressed = eventually(120 * SECOND, || async {
-        let now = inbox_testkit::wallet::applied(&db.pool).await;
-        now > applied_at_restore || now >= EVENTS
-    })
-    .await;
-    let first_progress = restored.elapsed();
     let lag_now = || {
         let (b, t, g) = (brokers.clone(), topic.clone(), group.clone());
         async move {
@@ -250,15 +213,17 @@ async fn consume_through(
     let run = Run {
         ledger: summary(&db.pool).await.unwrap(),
         stats,
-        lag: lag_now().await,
         applied_at_fault,
         applied_at_restore,
         detected,
+        fault_lasted,
         first_progress,
         all_done,
-        fault_lasted,
+        broker: Left {
+            uncommitted: lag_now().await,
+        },
     };
-    run.report(name);
+    run.report(name, EVENTS);
     assert!(
         progressed,
         "no progress within 120 s of the network's return: {run:?}"
@@ -297,7 +262,7 @@ async fn a_black_holed_broker_connection_recovers_by_itself() {
         tansu.proxy.set_mode(ProxyMode::Pass);
     };
     let (run, total) = consume_through("blackhole", &tansu, fault).await;
-    run.assert_exactly_once(total);
+    assert_exactly_once(&run, total);
     // The dead connections are given up after the operation timeout (10 s), not librdkafka's
     // default socket timeout of 60 s.
     assert!(
@@ -319,5 +284,5 @@ async fn broker_connections_cut_again_and_again_lose_and_repeat_nothing() {
         }
     };
     let (run, total) = consume_through("cuts", &tansu, fault).await;
-    run.assert_exactly_once(total);
+    assert_exactly_once(&run, total);
 }

@@ -5,11 +5,10 @@ mod common;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use inbox_core::{Ack, MessageSource, Publish, TraceParent};
+use inbox_core::{Ack, MessageSource, Publish};
 use inbox_rabbitmq::lapin::types::{AMQPValue, FieldTable};
 use inbox_rabbitmq::lapin::BasicProperties;
-
-const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+use inbox_testkit::metadata::{assert_traced, TRACEPARENT};
 
 #[tokio::test]
 async fn a_delivery_carries_its_timestamp_and_trace_parent() {
@@ -58,10 +57,7 @@ async fn a_delivery_carries_its_timestamp_and_trace_parent() {
         stamped.meta.timestamp,
         Some(UNIX_EPOCH + Duration::from_secs(sent_at))
     );
-    assert_eq!(
-        TraceParent::from_message(stamped).map(|p| p.to_string()),
-        Some(TRACEPARENT.to_owned())
-    );
+    assert_traced(stamped);
     assert_eq!(batch[1].message.meta.timestamp, None);
     for delivery in batch {
         delivery.ack.ack().await.expect("acked");

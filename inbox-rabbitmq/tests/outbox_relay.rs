@@ -8,28 +8,16 @@ mod common;
 
 use common::*;
 use inbox_core::Recovery;
-use inbox_postgres::{Outbox, RelayError};
+use inbox_postgres::RelayError;
 use inbox_rabbitmq::RabbitProducer;
+use inbox_testkit::outbox::{migrated, unsent};
 use inbox_testkit::TestDb;
-
-async fn outbox(db: &TestDb) -> Outbox {
-    let outbox = Outbox::new(db.pool.clone());
-    outbox.migrate().await.unwrap();
-    outbox
-}
-
-async fn unsent(db: &TestDb) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM outbox WHERE sent_at IS NULL")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap()
-}
 
 #[tokio::test]
 async fn a_queue_that_does_not_exist_stops_the_relay_and_leaves_the_rows_unsent() {
     let config = fresh_config("outbox-missing"); // never declared
     let db = TestDb::new().await;
-    let outbox = outbox(&db).await;
+    let outbox = migrated(&db).await;
     let mut tx = db.pool.begin().await.unwrap();
     outbox.write(&mut tx, config.queue(), b"x").await.unwrap();
     tx.commit().await.unwrap();

@@ -8,8 +8,9 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use common::*;
-use inbox_core::{Ack, MessageId, MessageSource, OutgoingMessage, Publish};
+use inbox_core::{Ack, MessageSource, Publish};
 use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
+use inbox_testkit::publish::{as_sent, send_each_way};
 
 /// Set in the child process of [`builders_without_an_address_use_redis_url`]: the stream it
 /// reads.
@@ -110,37 +111,13 @@ async fn capabilities_match_what_deliveries_carry() {
 async fn one_producer_sends_to_two_streams() {
     let (a, b) = (stream_key("two-a"), stream_key("two-b"));
     let producer = producer().await;
-    let mut sent = BTreeSet::new();
-    let generated = producer.send(&a, b"a1").await.expect("send");
-    sent.insert((a.clone(), generated.to_string(), "a1".to_owned()));
-    let given = MessageId::generate();
-    producer
-        .send_with_id(&b, &given, b"b1")
-        .await
-        .expect("send_with_id");
-    sent.insert((b.clone(), given.to_string(), "b1".to_owned()));
-    for (stream, payloads) in [(&a, ["a2", "a3"]), (&b, ["b2", "b3"])] {
-        let batch: Vec<OutgoingMessage> = payloads
-            .iter()
-            .map(|p| OutgoingMessage::new(MessageId::generate(), p.as_bytes()))
-            .collect();
-        producer
-            .send_batch(stream, &batch)
-            .await
-            .expect("send_batch");
-        for (message, payload) in batch.iter().zip(payloads) {
-            sent.insert((stream.clone(), message.id.to_string(), payload.to_owned()));
-        }
-    }
+    let sent = send_each_way(&producer, &a, &b).await;
 
     let mut received = BTreeSet::new();
     for stream in [&a, &b] {
         let mut source = source(stream, "c1").await;
         for delivery in inbox_testkit::receive(&mut source, 3, Duration::from_secs(30)).await {
-            let m = &delivery.message;
-            let id = m.id.as_ref().expect("an ID").to_string();
-            let payload = String::from_utf8(m.payload.clone()).expect("UTF-8");
-            received.insert((m.meta.source.clone(), id, payload));
+            received.insert(as_sent(&delivery.message));
             delivery.ack.ack().await.expect("ack");
         }
         cleanup(stream).await;

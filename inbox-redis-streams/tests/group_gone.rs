@@ -8,27 +8,9 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::Publish;
-use inbox_core::{
-    async_trait, Ack, Consumer, Handler, HandlerError, Message, MessageId, MessageSource, Recovery,
-};
+use inbox_core::{Ack, Consumer, MessageSource, Recovery};
 use inbox_redis_streams::redis::{self, Value};
-use inbox_testkit::{MemoryStore, MemoryTx};
-
-/// Sums the JSON amounts.
-struct Sum;
-
-#[async_trait]
-impl Handler<MemoryTx<i64>> for Sum {
-    async fn handle(
-        &self,
-        tx: &mut MemoryTx<i64>,
-        _: &MessageId,
-        m: &Message,
-    ) -> Result<(), HandlerError> {
-        *tx.state_mut() += m.json::<i64>()?;
-        Ok(())
-    }
-}
+use inbox_testkit::{MemoryStore, Sum};
 
 /// The groups of `stream`, as `XINFO GROUPS` lists them (none if the key is gone).
 async fn groups(stream: &str) -> usize {

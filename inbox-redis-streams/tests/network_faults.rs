@@ -15,12 +15,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{builder, pending_with, stream_key};
-use inbox_core::{Consumer, MessageId, Publish, StatsSnapshot};
+use inbox_core::{Consumer, MessageId, Publish};
 use inbox_redis_streams::redis::{self, Client};
 use inbox_redis_streams::RedisStreamProducer;
-use inbox_testkit::wallet::{summary, Credit, CreditEvent, Summary};
-use inbox_testkit::TestDb;
+use inbox_testkit::wallet::{summary, Credit, CreditEvent};
 use inbox_testkit::{eventually, watch_errors};
+use inbox_testkit::{wait_for_a_third, FaultRun, Restored, TestDb};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -36,61 +36,25 @@ const OPERATION_TIMEOUT: Duration = Duration::from_secs(1);
 const CLAIM_IDLE: Duration = Duration::from_secs(2);
 const SECOND: Duration = Duration::from_secs(1);
 
-/// What one run under a fault came to.
+/// What the stream had left at the end.
 #[derive(Debug)]
-struct Run {
-    ledger: Summary,
-    stats: StatsSnapshot,
+struct Left {
+    /// Entries read by the group and not acked.
     pending: i64,
-    /// Entries in the stream at the end (retried sends may add a copy).
+    /// Entries in the stream (retried sends may add a copy).
     stream_len: i64,
-    /// Events in the ledger when the fault started and when Redis was back.
-    applied_at_fault: i64,
-    applied_at_restore: i64,
-    /// From the fault's start to the consumer's first failed command, if it saw one.
-    detected: Option<Duration>,
-    /// From Redis's return to the next event applied, and to every event applied with nothing
-    /// pending.
-    first_progress: Duration,
-    all_done: Duration,
-    fault_lasted: Duration,
 }
 
-impl Run {
-    fn report(&self, name: &str) {
-        println!(
-            "{name}: {EVENTS} events; duplicates {}, lost {}, balances exact {}; fault lasted \
-             {:?} from {} applied events to {}; first failed command {:?} after the fault \
-             started; after restore: next event applied in {:?}, all applied and nothing \
-             pending in {:?}; pending {}, stream length {}; {:?}",
-            self.ledger.duplicates(),
-            self.ledger.lost(EVENTS),
-            self.ledger.balances_exact,
-            self.fault_lasted,
-            self.applied_at_fault,
-            self.applied_at_restore,
-            self.detected,
-            self.first_progress,
-            self.all_done,
-            self.pending,
-            self.stream_len,
-            self.stats,
-        );
-    }
+type Run = FaultRun<Left>;
 
-    fn assert_exactly_once(&self) {
-        let expected: i64 = (1..=EVENTS).sum();
-        assert_eq!(self.ledger.duplicates(), 0, "applied twice: {self:?}");
-        assert_eq!(self.ledger.lost(EVENTS), 0, "lost: {self:?}");
-        assert!(self.ledger.balances_exact, "{self:?}");
-        assert_eq!(self.ledger.total_balance, expected, "{self:?}");
-        assert_eq!(self.pending, 0, "entries left pending: {self:?}");
-        assert!(
-            self.stream_len >= EVENTS,
-            "entries gone from the stream: {self:?}"
-        );
-        assert_eq!(self.stats.dead_lettered, 0, "{self:?}");
-    }
+/// Every event applied once, nothing pending, and the stream still holding every entry.
+fn assert_exactly_once(run: &Run) {
+    run.assert_exactly_once(EVENTS, (1..=EVENTS).sum());
+    assert_eq!(run.broker.pending, 0, "entries left pending: {run:?}");
+    assert!(
+        run.broker.stream_len >= EVENTS,
+        "entries gone from the stream: {run:?}"
+    );
 }
 
 /// Writes the credits at [`PACE`], each retried under its own ID until Redis takes it (a retry
@@ -162,24 +126,16 @@ async fn consume_through(
         let _ = stopped.await;
     }));
 
-    let started = eventually(30 * SECOND, || async {
-        inbox_testkit::wallet::applied(&db.pool).await >= EVENTS / 3
-    })
-    .await;
-    assert!(started, "the consumer applied too little before the fault");
-    let applied_at_fault = inbox_testkit::wallet::applied(&db.pool).await;
+    let applied_at_fault = wait_for_a_third(&db.pool, EVENTS, 30 * SECOND).await;
     let (fault_started, detecting) = watch_errors(Arc::clone(&stats));
     fault.await;
-    let restored = Instant::now();
+    let Restored {
+        at: restored,
+        applied: applied_at_restore,
+        progressed,
+        first_progress,
+    } = Restored::measure(&db.pool, EVENTS, 30 * SECOND).await;
     let fault_lasted = restored - fault_started;
-    let applied_at_restore = inbox_testkit::wallet::applied(&db.pool).await;
-
-    let progressed = eventually(30 * SECOND, || async {
-        let now = inbox_testkit::wallet::applied(&db.pool).await;
-        now > applied_at_restore || now >= EVENTS
-    })
-    .await;
-    let first_progress = restored.elapsed();
     let mut conn = direct.get_multiplexed_async_connection().await.unwrap();
     let finished = progressed
         && eventually(60 * SECOND, || {
@@ -207,23 +163,26 @@ async fn consume_through(
         }
     };
     publishing.abort();
-    let run = Run {
-        ledger: summary(&db.pool).await.unwrap(),
-        stats,
+    let broker = Left {
         pending: pending_with(&mut conn, &stream).await,
         stream_len: redis::cmd("XLEN")
             .arg(&stream)
             .query_async(&mut conn)
             .await
             .unwrap(),
+    };
+    let run = Run {
+        ledger: summary(&db.pool).await.unwrap(),
+        stats,
         applied_at_fault,
         applied_at_restore,
         detected,
+        fault_lasted,
         first_progress,
         all_done,
-        fault_lasted,
+        broker,
     };
-    run.report(name);
+    run.report(name, EVENTS);
     assert!(
         progressed,
         "no progress within 30 s of Redis's return: {run:?}"
@@ -349,7 +308,7 @@ async fn a_restarted_server_keeps_the_group_and_the_consumer_carries_on() {
         server.spawn().await;
     };
     let run = consume_through("restart", client.clone(), client, fault).await;
-    run.assert_exactly_once();
+    assert_exactly_once(&run);
     assert!(
         run.detected.is_some(),
         "the restart went unnoticed: {run:?}"

@@ -13,7 +13,8 @@ use common::*;
 use inbox_core::{async_trait, Consumer, OutgoingMessage, Publish, PublishError};
 use inbox_postgres::Outbox;
 use inbox_redis_streams::redis::{self, Value};
-use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::outbox::{migrated, unsent, write_credits};
+use inbox_testkit::wallet::{self, Credit};
 use inbox_testkit::{child, TestDb};
 
 /// Publishes through the real producer, then waits forever: the window between the broker's
@@ -30,12 +31,6 @@ impl<P: Publish> Publish for HoldAfterPublish<P> {
         self.0.send_batch(destination, messages).await?;
         std::future::pending().await
     }
-}
-
-async fn outbox(db: &TestDb) -> Outbox {
-    let outbox = Outbox::new(db.pool.clone());
-    outbox.migrate().await.unwrap();
-    outbox
 }
 
 /// A stream entry: its ID and its fields.
@@ -71,36 +66,11 @@ async fn stream_len(stream: &str) -> usize {
     }
 }
 
-async fn unsent(db: &TestDb) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM outbox WHERE sent_at IS NULL")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap()
-}
-
 async fn outbox_ids(db: &TestDb) -> Vec<String> {
     sqlx::query_scalar("SELECT message_id FROM outbox ORDER BY id")
         .fetch_all(&db.pool)
         .await
         .unwrap()
-}
-
-/// Writes `n` credits for `destination` in transactions of 100; returns the sum of the amounts.
-async fn write_credits(db: &TestDb, outbox: &Outbox, destination: &str, n: i64) -> i64 {
-    let mut total = 0;
-    for chunk in (0..n).collect::<Vec<_>>().chunks(100) {
-        let mut tx = db.pool.begin().await.unwrap();
-        for i in chunk {
-            let event = CreditEvent::new(1 + i % 7, i + 1);
-            total += event.amount;
-            outbox
-                .write(&mut tx, destination, event.to_json())
-                .await
-                .unwrap();
-        }
-        tx.commit().await.unwrap();
-    }
-    total
 }
 
 async fn until(what: &str, deadline: Duration, mut done: impl AsyncFnMut() -> bool) {
@@ -141,7 +111,7 @@ async fn a_relay_killed_after_the_confirm_leaves_its_rows_to_be_published_again_
     }
     const ROWS: i64 = 80;
     let db = TestDb::new().await;
-    let outbox = outbox(&db).await;
+    let outbox = migrated(&db).await;
     let stream = stream_key("outbox-killed-relay");
     let total = write_credits(&db, &outbox, &stream, ROWS).await;
 

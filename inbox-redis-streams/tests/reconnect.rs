@@ -9,28 +9,13 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish};
+use inbox_core::{Consumer, MessageId, Publish};
 use inbox_redis_streams::redis::aio::ConnectionManager;
 use inbox_redis_streams::redis::{self, Client, IntoConnectionInfo};
 use inbox_redis_streams::RedisStreamProducer;
-use inbox_testkit::{MemoryStore, MemoryTx};
+use inbox_testkit::{MemoryStore, Sum};
 
 const DB: i64 = 9;
-
-struct Sum;
-
-#[async_trait]
-impl Handler<MemoryTx<i64>> for Sum {
-    async fn handle(
-        &self,
-        tx: &mut MemoryTx<i64>,
-        _: &MessageId,
-        m: &Message,
-    ) -> Result<(), HandlerError> {
-        *tx.state_mut() += m.json::<i64>()?;
-        Ok(())
-    }
-}
 
 async fn wait_for(store: &MemoryStore<i64>, total: i64) {
     let deadline = Instant::now() + Duration::from_secs(20);

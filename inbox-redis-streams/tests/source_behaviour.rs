@@ -7,27 +7,9 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::Publish;
-use inbox_core::{
-    async_trait, Ack, Consumer, Handler, HandlerError, Message, MessageId, MessageSource, Stage,
-};
+use inbox_core::{Ack, Consumer, MessageId, MessageSource, Stage};
 use inbox_redis_streams::AckMode;
-use inbox_testkit::{crash_at, MemoryStore, MemoryTx};
-
-/// Sums the JSON amounts.
-struct Sum;
-
-#[async_trait]
-impl Handler<MemoryTx<i64>> for Sum {
-    async fn handle(
-        &self,
-        tx: &mut MemoryTx<i64>,
-        _: &MessageId,
-        m: &Message,
-    ) -> Result<(), HandlerError> {
-        *tx.state_mut() += m.json::<i64>()?;
-        Ok(())
-    }
-}
+use inbox_testkit::{crash_at, MemoryStore, Sum};
 
 #[tokio::test]
 async fn delivery_counts_rise_on_reread_and_on_claim() {

@@ -5,11 +5,11 @@ mod common;
 
 use std::time::{Duration, SystemTime};
 
-use inbox_core::{Ack, MessageSource, TraceParent};
+use inbox_core::{Ack, MessageSource};
 use inbox_sqs::aws_sdk_sqs::types::MessageAttributeValue;
 use inbox_sqs::SqsSource;
-
-const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+use inbox_testkit::metadata::{assert_sent_since, assert_traced, TRACEPARENT};
+use inbox_testkit::receive;
 
 fn text(value: &str) -> MessageAttributeValue {
     MessageAttributeValue::builder()
@@ -40,26 +40,10 @@ async fn a_message_carries_its_sent_timestamp_and_trace_parent() {
         .await
         .expect("the source builds");
     assert_eq!(source.system(), "aws_sqs");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let mut batch = Vec::new();
-    while batch.is_empty() {
-        assert!(tokio::time::Instant::now() < deadline, "nothing received");
-        batch = source.receive(10).await.expect("receives");
-    }
-    let delivery = batch.remove(0);
-    let sent = delivery
-        .message
-        .meta
-        .timestamp
-        .expect("SentTimestamp was asked for");
-    assert!(sent >= before, "{sent:?} is before the send");
-    assert!(
-        sent <= SystemTime::now() + Duration::from_secs(5),
-        "{sent:?} is in the future"
-    );
-    assert_eq!(
-        TraceParent::from_message(&delivery.message).map(|p| p.to_string()),
-        Some(TRACEPARENT.to_owned())
-    );
+    let delivery = receive(&mut source, 1, Duration::from_secs(30))
+        .await
+        .remove(0);
+    assert_sent_since(&delivery.message, before);
+    assert_traced(&delivery.message);
     delivery.ack.ack().await.expect("deleted");
 }

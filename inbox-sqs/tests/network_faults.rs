@@ -8,14 +8,15 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use common::{counts, credit, drain, plain_http_endpoint, proxied_client};
-use inbox_core::{Consumer, StatsSnapshot};
+use inbox_core::Consumer;
 use inbox_sqs::{Outgoing, SqsProducer, SqsSource};
-use inbox_testkit::wallet::{summary, Credit, Summary};
+use inbox_testkit::wallet::{summary, Credit};
 use inbox_testkit::TestDb;
-use inbox_testkit::{FaultProxy, ProxyMode};
+use inbox_testkit::{wait_for_a_third, watch_errors, FaultProxy, FaultRun, ProxyMode, Restored};
 use tokio::sync::oneshot;
 
 const EVENTS: i64 = 300;
@@ -28,56 +29,29 @@ const VISIBILITY_SECS: u32 = 3;
 /// SQS's own redrive: far more receives than any fault here should cost a message.
 const MAX_RECEIVES: u32 = 10;
 
-/// What one run under a fault came to.
+/// What SQS had left at the end.
 #[derive(Debug)]
-struct Run {
-    ledger: Summary,
-    stats: StatsSnapshot,
+struct Left {
+    /// Messages on the dead-letter queue.
     dead_letters: usize,
-    left: (u64, u64),
-    /// Events in the ledger when the fault started and when the network came back.
-    applied_at_fault: i64,
-    applied_at_restore: i64,
-    /// From the network's return to the next event applied (or to the end, when nothing was
-    /// left to apply), and to every event applied with the queue empty.
-    first_progress: Duration,
-    all_done: Duration,
-    fault_lasted: Duration,
+    /// Copies on the queue: visible, and in flight.
+    queue: (u64, u64),
 }
 
-impl Run {
-    fn report(&self, name: &str) {
-        println!(
-            "{name}: {EVENTS} events; duplicates {}, lost {}, balances exact {}; \
-             fault lasted {:?} from {} applied events to {}; after restore: next event applied \
-             in {:?}, all applied and queue empty in {:?}; dead letters {}; queue {:?}; {:?}",
-            self.ledger.duplicates(),
-            self.ledger.lost(EVENTS),
-            self.ledger.balances_exact,
-            self.fault_lasted,
-            self.applied_at_fault,
-            self.applied_at_restore,
-            self.first_progress,
-            self.all_done,
-            self.dead_letters,
-            self.left,
-            self.stats,
-        );
-    }
+type Run = FaultRun<Left>;
 
-    fn assert_exactly_once(&self) {
-        let expected: i64 = (0..EVENTS).map(|n| n + 1).sum();
-        assert_eq!(self.ledger.duplicates(), 0, "applied twice: {self:?}");
-        assert_eq!(self.ledger.lost(EVENTS), 0, "lost: {self:?}");
-        assert!(self.ledger.balances_exact, "{self:?}");
-        assert_eq!(self.ledger.total_balance, expected, "{self:?}");
-        assert_eq!(self.left, (0, 0), "copies left on the queue: {self:?}");
-        assert_eq!(self.stats.dead_lettered, 0, "{self:?}");
-        assert_eq!(
-            self.dead_letters, 0,
-            "healthy messages dead-lettered: {self:?}"
-        );
-    }
+/// Every event applied once, every copy deleted from the queue and none dead-lettered.
+fn assert_exactly_once(run: &Run) {
+    run.assert_exactly_once(EVENTS, (0..EVENTS).map(|n| n + 1).sum());
+    assert_eq!(
+        run.broker.queue,
+        (0, 0),
+        "copies left on the queue: {run:?}"
+    );
+    assert_eq!(
+        run.broker.dead_letters, 0,
+        "healthy messages dead-lettered: {run:?}"
+    );
 }
 
 /// Publishes [`EVENTS`] credits, consumes them through a proxy, applies `fault` once a third is
@@ -125,30 +99,23 @@ async fn consume_through(name: &str, refused: Duration) -> Option<Run> {
     )
     .batch_size(10)
     .error_backoff(Duration::from_millis(200));
+    let stats = consumer.stats();
     let running = tokio::spawn(consumer.run_until(async {
         let _ = stopped.await;
     }));
 
-    let started = inbox_testkit::eventually(Duration::from_secs(30), || async {
-        inbox_testkit::wallet::applied(&db.pool).await >= EVENTS / 3
-    })
-    .await;
-    assert!(started, "the consumer applied too little before the fault");
-    let applied_at_fault = inbox_testkit::wallet::applied(&db.pool).await;
-    let fault_started = Instant::now();
+    let applied_at_fault = wait_for_a_third(&db.pool, EVENTS, Duration::from_secs(30)).await;
+    let (fault_started, detecting) = watch_errors(Arc::clone(&stats));
     proxy.set_mode(ProxyMode::Refuse);
     tokio::time::sleep(refused).await;
     proxy.set_mode(ProxyMode::Pass);
-    let restored = Instant::now();
+    let Restored {
+        at: restored,
+        applied: applied_at_restore,
+        progressed,
+        first_progress,
+    } = Restored::measure(&db.pool, EVENTS, Duration::from_secs(60)).await;
     let fault_lasted = restored - fault_started;
-    let applied_at_restore = inbox_testkit::wallet::applied(&db.pool).await;
-
-    let progressed = inbox_testkit::eventually(Duration::from_secs(60), || async {
-        let now = inbox_testkit::wallet::applied(&db.pool).await;
-        now > applied_at_restore || now >= EVENTS
-    })
-    .await;
-    let first_progress = restored.elapsed();
     let finished = inbox_testkit::eventually(Duration::from_secs(90), || async {
         inbox_testkit::wallet::applied(&db.pool).await >= EVENTS
             && counts(&sqs, &url).await == (0, 0)
@@ -162,18 +129,24 @@ async fn consume_through(name: &str, refused: Duration) -> Option<Run> {
         .expect("the consumer did not stop within 30 s of shutdown")
         .unwrap()
         .expect("the consumer stopped with an error");
+    detecting.abort();
+    let detected = detecting.await.ok().flatten();
+    let broker = Left {
+        dead_letters: drain(&sqs, &dlq, Duration::from_secs(1)).await.len(),
+        queue: counts(&sqs, &url).await,
+    };
     let run = Run {
         ledger: summary(&db.pool).await.unwrap(),
         stats,
-        dead_letters: drain(&sqs, &dlq, Duration::from_secs(1)).await.len(),
-        left: counts(&sqs, &url).await,
         applied_at_fault,
         applied_at_restore,
+        detected,
+        fault_lasted,
         first_progress,
         all_done,
-        fault_lasted,
+        broker,
     };
-    run.report(name);
+    run.report(name, EVENTS);
     assert!(
         progressed,
         "no progress within 60 s of the network's return: {run:?}"
@@ -193,7 +166,7 @@ async fn a_refused_endpoint_dead_letters_nothing_and_recovers() {
     let Some(run) = consume_through("refused", 5 * SECOND).await else {
         return;
     };
-    run.assert_exactly_once();
+    assert_exactly_once(&run);
     assert!(
         run.stats.errors + run.stats.ack_failures > 0,
         "the refusal was not felt: {run:?}"

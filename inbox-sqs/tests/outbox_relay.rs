@@ -12,24 +12,12 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::{OutgoingMessage, Recovery};
-use inbox_postgres::{Outbox, RelayError};
+use inbox_postgres::RelayError;
 use inbox_sqs::aws_sdk_sqs::types::MessageSystemAttributeName;
 use inbox_sqs::SqsProducer;
+use inbox_testkit::outbox::{migrated, unsent};
 use inbox_testkit::wallet::CreditEvent;
 use inbox_testkit::TestDb;
-
-async fn outbox(db: &TestDb) -> Outbox {
-    let outbox = Outbox::new(db.pool.clone());
-    outbox.migrate().await.unwrap();
-    outbox
-}
-
-async fn unsent(db: &TestDb) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM outbox WHERE sent_at IS NULL")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap()
-}
 
 /// The queue's name: what outbox rows name as their destination.
 fn name(url: &str) -> &str {
@@ -41,7 +29,7 @@ async fn a_fifo_queue_gets_each_key_as_its_message_group_in_the_order_written() 
     let sqs = client().await;
     let url = fifo_queue(&sqs, "outbox", 30).await;
     let db = TestDb::new().await;
-    let outbox = outbox(&db).await;
+    let outbox = migrated(&db).await;
     let mut written: HashMap<String, Vec<String>> = HashMap::new();
     let messages: Vec<OutgoingMessage> = (0..30)
         .map(|i: i64| {
@@ -99,7 +87,7 @@ async fn rows_sqs_cannot_take_stop_the_relay_and_stay_unsent() {
     let sqs = client().await;
     let url = fifo_queue(&sqs, "outbox-refused", 30).await;
     let db = TestDb::new().await;
-    let outbox = outbox(&db).await;
+    let outbox = migrated(&db).await;
     let mut tx = db.pool.begin().await.unwrap();
     // No key, and the sender has no message group: a FIFO queue cannot take it.
     outbox.write(&mut tx, name(&url), b"{}").await.unwrap();

@@ -56,14 +56,25 @@
 //! For tests against a real PostgreSQL: [`TestDb`] makes a throw-away schema per test,
 //! [`wallet`] is the domain the tests and examples use (accounts, a ledger, a credit handler),
 //! and [`child`] runs the test binary again as a child process to SIGKILL.
+//!
+//! What the adapters' tests share: [`FaultRun`], what a run under a network fault came to, with
+//! [`wait_for_a_third`] and [`Restored`] to time the fault; [`outbox`], a migrated outbox and
+//! its unsent rows; [`publish`], one producer sending every way; [`metadata`], a trace parent to
+//! send and the checks on what a source reports; [`Sum`], a handler summing numbers in a
+//! [`MemoryStore`].
 
 pub mod child;
 mod crash;
 mod db;
 mod fault_proxy;
+mod fault_run;
 mod memory_broker;
 mod memory_store;
+pub mod metadata;
+pub mod outbox;
 pub mod provider;
+pub mod publish;
+mod sum;
 mod wait;
 pub mod wallet;
 #[cfg(feature = "never-in-production")]
@@ -72,9 +83,11 @@ mod without_inbox;
 pub use crash::{crash_at, crash_at_ids};
 pub use db::{database_url, fast_retry, partitioned_layout, TestDb};
 pub use fault_proxy::{FaultProxy, ProxyMode};
+pub use fault_run::{wait_for_a_third, FaultRun, Restored};
 pub use memory_broker::{AckMode, MemoryAck, MemoryBroker, MemorySource};
 pub use memory_store::{MemoryStore, MemoryTx};
 pub use provider::TestProvider;
+pub use sum::Sum;
 pub use wait::{eventually, receive, watch_errors};
 #[cfg(feature = "never-in-production")]
 pub use without_inbox::WithoutInbox;
