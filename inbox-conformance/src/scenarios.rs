@@ -4,11 +4,11 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use inbox_core::{
-    async_trait, Consumer, Error, Handler, HandlerError, Message, MessageId, Stage, StatsSnapshot,
+    async_trait, Consumer, Handler, HandlerError, Message, MessageId, Stage, StatsSnapshot,
 };
 use inbox_postgres::PgTx;
 use inbox_testkit::wallet::{self, Credit, CreditEvent};
-use inbox_testkit::{crash_at, crash_at_ids};
+use inbox_testkit::Crash;
 use inbox_testkit::{fast_retry, TestDb};
 
 use crate::checked::Checked;
@@ -184,17 +184,16 @@ pub async fn a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice<B: Te
             send_credit(&queue, 1, amount).await;
         }
         let handler = Credit::new(db.pool.clone());
-        let crashed = Consumer::new(
+        let crash = Crash::at(stage);
+        let consumer = Consumer::new(
             "wallet",
-            source(&queue, "c1").await,
-            db.inbox(),
-            handler.clone(),
-        )
-        .on_stage(crash_at(stage))
-        .run_until_idle()
-        .await;
+            crash.source(source(&queue, "c1").await),
+            crash.store(db.inbox()),
+            crash.handler(handler.clone()),
+        );
+        let crashed = crash.run(consumer.run_until_idle()).await;
         assert!(
-            matches!(&crashed, Err(Error::Crashed { stage: s, .. }) if *s == stage),
+            matches!(&crashed, Err(c) if c.stage == stage),
             "{stage:?}: {crashed:?}"
         );
 
@@ -421,19 +420,17 @@ pub async fn a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_
             "not settled within {LIMIT:?}: {crashes} crashes, {totals:?}"
         );
         // Each run is a restart of the same consumer.
-        let run = Consumer::new(
+        let crash = Crash::at_ids(Stage::Applied, [poison.clone()]);
+        let consumer = Consumer::new(
             "wallet",
             source(&queue, "c1").await,
             db.inbox(),
-            handler.clone(),
+            crash.handler(handler.clone()),
         )
-        .max_deliveries(limit)
-        .on_stage(crash_at_ids(Stage::Applied, [poison.clone()]))
-        .run_until_idle()
-        .await;
-        match run {
-            Err(Error::Crashed { .. }) => crashes += 1,
-            other => totals.add(&other.expect("run")),
+        .max_deliveries(limit);
+        match crash.run(consumer.run_until_idle()).await {
+            Err(_) => crashes += 1,
+            Ok(run) => totals.add(&run.expect("run")),
         }
         if totals.dead_lettered > 0 && !after_sent {
             send_credit(&queue, 1, 2).await;

@@ -161,15 +161,6 @@ pub enum Error {
     /// The store said retrying cannot help (run the migrations? check permissions?).
     #[error("inbox store failed for good: {0}")]
     Store(#[source] StoreError),
-    /// A stage hook asked the consumer to stop dead at `stage`, as a crash would: nothing after
-    /// that point ran (used by crash tests and the kill harness).
-    #[error("crashed on purpose after {stage:?} of message {id}")]
-    Crashed {
-        /// Where it stopped.
-        stage: crate::Stage,
-        /// The message being handled.
-        id: crate::MessageId,
-    },
     /// The configuration is unusable.
     #[error("invalid consumer configuration: {0}")]
     Config(String),

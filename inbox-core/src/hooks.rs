@@ -1,4 +1,4 @@
-//! Stage hooks: observe each step of the algorithm, or stop dead there as a crash would.
+//! Stage hooks: observe each step of the algorithm as a message reaches it.
 
 use std::fmt;
 use std::sync::Arc;
@@ -19,30 +19,22 @@ pub enum Stage {
     Acked,
 }
 
-/// What a hook tells the consumer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum HookAction {
-    /// Carry on.
-    Continue,
-    /// Stop at once, as if the process died here: no rollback call, no ack, no further message.
-    /// [`Consumer::run`](crate::Consumer::run) returns [`Error::Crashed`](crate::Error::Crashed).
-    Crash,
-}
+type HookFn = dyn Fn(Stage, &MessageId) + Send + Sync;
 
-type HookFn = dyn Fn(Stage, &MessageId) -> HookAction + Send + Sync;
-
-/// A callback run at each [`Stage`] of each message.
+/// A callback run at each [`Stage`] of each message, on the consumer's task: keep it short.
+///
+/// It observes; it cannot change what the consumer does. (The test kit's crash points, which
+/// stop a consumer dead at a stage, wrap the store, the handler and the source instead.)
 #[derive(Clone)]
 pub struct StageHook(Arc<HookFn>);
 
 impl StageHook {
     /// Wraps a callback.
-    pub fn new(f: impl Fn(Stage, &MessageId) -> HookAction + Send + Sync + 'static) -> Self {
+    pub fn new(f: impl Fn(Stage, &MessageId) + Send + Sync + 'static) -> Self {
         Self(Arc::new(f))
     }
 
-    pub(crate) fn call(&self, stage: Stage, id: &MessageId) -> HookAction {
+    pub(crate) fn call(&self, stage: Stage, id: &MessageId) {
         (self.0)(stage, id)
     }
 }

@@ -94,7 +94,7 @@ pub use error::{
 };
 pub use handler::{BatchHandler, BatchItem, Handler, PerMessage};
 pub use health::{ConsumerState, Health};
-pub use hooks::{HookAction, Stage, StageHook};
+pub use hooks::{Stage, StageHook};
 pub use message::{IdError, InvalidId, Message, MessageId, Metadata};
 pub use publish::{Destinations, OutgoingMessage, Publish, PublishError};
 pub use recent::Recent;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use inbox_core::{
     async_trait, Consumer, Error, Handler, HandlerError, Message, MessageId, RetryPolicy, Stage,
 };
-use inbox_testkit::{crash_at, MemoryBroker, MemoryStore, MemoryTx, WithoutInbox};
+use inbox_testkit::{Crash, MemoryBroker, MemoryStore, MemoryTx, WithoutInbox};
 
 /// Balances per account and the IDs applied, in order.
 #[derive(Debug, Clone, Default)]
@@ -69,19 +69,21 @@ async fn drain<S: inbox_core::InboxStore<Tx = MemoryTx<Wallet>> + Clone>(
     batch: usize,
     lanes: usize,
 ) -> u32 {
-    let hook = crash_at(stage);
+    let crash = Crash::at(stage);
     let mut crashes = 0;
     while broker.pending() > 0 {
-        let run = Consumer::new("wallet", broker.source(), store.clone(), Credit)
-            .batch_size(batch)
-            .parallel_lanes(lanes)
-            .on_stage(hook.clone())
-            .run_until_idle()
-            .await;
-        match run {
-            Ok(_) => {}
-            Err(Error::Crashed { .. }) => crashes += 1,
-            Err(e) => panic!("{e}"),
+        let consumer = Consumer::new(
+            "wallet",
+            crash.source(broker.source()),
+            crash.store(store.clone()),
+            crash.handler(Credit),
+        )
+        .batch_size(batch)
+        .parallel_lanes(lanes);
+        match crash.run(consumer.run_until_idle()).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => panic!("{e}"),
+            Err(_) => crashes += 1,
         }
     }
     crashes
@@ -227,17 +229,15 @@ async fn a_message_redelivered_too_often_is_dead_lettered_before_its_handler() {
     publish(&broker, "evt-1", 1, 10);
     // Two consumers die holding it, so its third delivery is past a limit of 2.
     for _ in 0..2 {
-        let hook = crash_at(Stage::Claimed);
+        let crash = Crash::at(Stage::Claimed);
         let crashed = Consumer::new(
             "wallet",
             broker.source(),
-            MemoryStore::<Wallet>::new(),
+            crash.store(MemoryStore::<Wallet>::new()),
             Credit,
-        )
-        .on_stage(hook)
-        .run_until_idle()
-        .await;
-        assert!(crashed.is_err());
+        );
+        let crashed = crash.run(crashed.run_until_idle()).await;
+        assert!(crashed.is_err(), "{crashed:?}");
     }
     let store = MemoryStore::<Wallet>::new();
     let stats = Consumer::new("wallet", broker.source(), store.clone(), Credit)

@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
-use inbox_core::{Consumer, Error, Stage};
+use inbox_core::{Consumer, Stage};
 use inbox_kafka::rdkafka::Message as _;
 use inbox_kafka::{AckMode, Record, Retention};
-use inbox_testkit::crash_at;
 use inbox_testkit::wallet::{Credit, CreditEvent};
+use inbox_testkit::Crash;
 use inbox_testkit::TestDb;
 
 /// What the dead-letter topic keeps of a record it parks, here one without an ID (the
@@ -112,11 +112,16 @@ async fn auto_commit_mode_loses_a_batch_that_crashed_before_the_database_commit(
         .connect()
         .await
         .expect("source");
-    let crashing = Consumer::new("wallet", auto, db.inbox(), Credit::new(db.pool.clone()))
-        .batch_size(10)
-        .on_stage(crash_at(Stage::Claimed));
-    let crashed = Running::spawn(crashing).join().await;
-    assert!(matches!(crashed, Err(Error::Crashed { .. })), "{crashed:?}");
+    let crash = Crash::at(Stage::Claimed);
+    let crashing = Consumer::new(
+        "wallet",
+        auto,
+        crash.store(db.inbox()),
+        Credit::new(db.pool.clone()),
+    )
+    .batch_size(10);
+    let crashed = crash.run(crashing.run_until(std::future::pending())).await;
+    assert!(crashed.is_err(), "{crashed:?}");
 
     // A correct consumer in the same group starts from what auto-commit committed.
     let restarted = Running::start(

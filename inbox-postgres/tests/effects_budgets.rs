@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use common_effects::*;
 use inbox_core::{
-    async_trait, Ack, Delivery, Error, Message, MessageId, MessageSource, SourceError, Stage,
+    async_trait, Ack, Delivery, Message, MessageId, MessageSource, SourceError, Stage,
 };
 use inbox_testkit::fast_retry;
 use inbox_testkit::provider::{Behaviour, ProviderMode};
-use inbox_testkit::{crash_at_ids, MemoryAck, MemoryBroker, MemorySource};
+use inbox_testkit::{Crash, MemoryAck, MemoryBroker, MemorySource};
 
 /// For the tests that count hand-backs during a dead consumer's lease: long enough that the
 /// next consumer surely starts inside it.
@@ -28,14 +28,13 @@ async fn a_live_lease_hands_the_message_back_without_using_its_attempts() {
     broker.publish(Some("evt-1"), "notify");
     let handler = Setup::Keys.handler(&env.provider);
     // Two attempts allowed: the dead consumer's lease and the one after it.
-    let crashed = env
-        .consumer(broker.source(), handler.clone())
+    let crash = Crash::at_ids(Stage::Claimed, [id("evt-1")]);
+    let consumer = env
+        .crashing_consumer(&crash, broker.source(), handler.clone())
         .lease(LONG_LEASE)
-        .retry(fast_retry(2))
-        .on_stage(crash_at_ids(Stage::Claimed, [id("evt-1")]))
-        .run_until(std::future::pending())
-        .await;
-    assert!(matches!(crashed, Err(Error::Crashed { .. })));
+        .retry(fast_retry(2));
+    let crashed = crash.run(consumer.run_until(std::future::pending())).await;
+    assert!(crashed.is_err(), "{crashed:?}");
 
     let stats = patiently(
         env.consumer(broker.source(), handler)
@@ -107,13 +106,12 @@ async fn a_broker_that_cannot_delay_a_hand_back_does_not_make_a_busy_loop() {
     let broker = MemoryBroker::new();
     broker.publish(Some("evt-1"), "notify");
     let handler = Setup::Keys.handler(&env.provider);
-    let crashed = env
-        .consumer(broker.source(), handler.clone())
-        .lease(LONG_LEASE)
-        .on_stage(crash_at_ids(Stage::Claimed, [id("evt-1")]))
-        .run_until(std::future::pending())
-        .await;
-    assert!(matches!(crashed, Err(Error::Crashed { .. })));
+    let crash = Crash::at_ids(Stage::Claimed, [id("evt-1")]);
+    let consumer = env
+        .crashing_consumer(&crash, broker.source(), handler.clone())
+        .lease(LONG_LEASE);
+    let crashed = crash.run(consumer.run_until(std::future::pending())).await;
+    assert!(crashed.is_err(), "{crashed:?}");
 
     let stats = patiently(
         env.consumer(NoDelay(broker.source()), handler)

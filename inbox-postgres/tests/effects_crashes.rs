@@ -9,9 +9,9 @@
 mod common_effects;
 
 use common_effects::*;
-use inbox_core::{Error, Stage};
-use inbox_testkit::crash_at_ids;
+use inbox_core::Stage;
 use inbox_testkit::provider::Behaviour;
+use inbox_testkit::Crash as CrashPoint;
 use inbox_testkit::MemoryBroker;
 
 const SETUPS: [Setup; 4] = [
@@ -85,13 +85,11 @@ async fn crash_then_redeliver(setup: Setup, crash: Crash) -> Seen {
                 Crash::AfterCall => Stage::Applied,
                 _ => Stage::Committed,
             };
-            let crashed = env
-                .consumer(broker.source(), handler.clone())
-                .on_stage(crash_at_ids(stage, [target.clone()]))
-                .run_until(std::future::pending())
-                .await;
+            let point = CrashPoint::at_ids(stage, [target.clone()]);
+            let consumer = env.crashing_consumer(&point, broker.source(), handler.clone());
+            let crashed = point.run(consumer.run_until(std::future::pending())).await;
             assert!(
-                matches!(crashed, Err(Error::Crashed { stage: s, .. }) if s == stage),
+                matches!(&crashed, Err(c) if c.stage == stage),
                 "{crashed:?}"
             );
         }

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use inbox_core::{Consumer, HookAction, Stage, StageHook};
+use inbox_core::{Consumer, Stage, StageHook};
 use inbox_postgres::{PgInbox, TableName};
 use inbox_testkit::wallet::{self, publish_credit, Credit};
 use inbox_testkit::MemoryBroker;
@@ -185,7 +185,6 @@ async fn a_postgresql_restart_mid_stream_loses_nothing_and_applies_nothing_twice
                     }));
                 }
             }
-            HookAction::Continue
         })
     };
 

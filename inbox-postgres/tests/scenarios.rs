@@ -7,12 +7,12 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::{async_trait, Consumer, Error, Handler, HandlerError, Message, MessageId, Stage};
+use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Stage};
 use inbox_postgres::PgTx;
 use inbox_testkit::wallet::publish_credit;
 use inbox_testkit::wallet::{self, balance, Credit, CreditEvent};
-use inbox_testkit::{crash_at, AckMode, MemoryBroker, WithoutInbox};
 use inbox_testkit::{fast_retry, TestDb};
+use inbox_testkit::{AckMode, Crash, MemoryBroker, WithoutInbox};
 
 #[tokio::test]
 async fn the_same_message_delivered_twice_credits_once() {
@@ -44,25 +44,18 @@ async fn a_crash_after_commit_before_ack_is_skipped_on_restart() {
     publish_credit(&broker, "evt-1", 1, 100);
     publish_credit(&broker, "evt-2", 1, 100);
 
+    let crash = Crash::at_ids(Stage::Committed, [MessageId::new("evt-2").unwrap()]);
     let first = Consumer::new(
         "wallet",
-        broker.source(),
+        crash.source(broker.source()),
         db.inbox(),
         Credit::new(db.pool.clone()),
-    )
-    .on_stage(inbox_testkit::crash_at_ids(
-        Stage::Committed,
-        [MessageId::new("evt-2").unwrap()],
-    ))
-    .run_until_idle()
-    .await;
-    assert!(matches!(
-        first,
-        Err(Error::Crashed {
-            stage: Stage::Committed,
-            ..
-        })
-    ));
+    );
+    let first = crash.run(first.run_until_idle()).await;
+    assert!(
+        matches!(&first, Err(c) if c.stage == Stage::Committed),
+        "{first:?}"
+    );
     assert_eq!(broker.pending(), 1, "evt-2 committed but never acked");
 
     let restarted = Consumer::new(
@@ -115,16 +108,15 @@ async fn ack_before_the_database_loses_the_message_on_a_crash() {
     let broker = MemoryBroker::new();
     publish_credit(&broker, "evt-1", 1, 100);
 
+    let crash = Crash::at(Stage::Applied);
     let crashed = Consumer::new(
         "wallet",
         broker.source_with(AckMode::OnReceive),
         db.inbox(),
-        Credit::new(db.pool.clone()),
-    )
-    .on_stage(crash_at(Stage::Applied))
-    .run_until_idle()
-    .await;
-    assert!(matches!(crashed, Err(Error::Crashed { .. })));
+        crash.handler(Credit::new(db.pool.clone())),
+    );
+    let crashed = crash.run(crashed.run_until_idle()).await;
+    assert!(crashed.is_err(), "{crashed:?}");
 
     let restarted = Consumer::new(
         "wallet",
@@ -150,16 +142,15 @@ async fn without_the_inbox_a_crash_after_commit_credits_twice() {
     publish_credit(&broker, "evt-2", 1, 100);
     let no_inbox = WithoutInbox(db.inbox());
 
+    let crash = Crash::at(Stage::Committed);
     let crashed = Consumer::new(
         "wallet",
-        broker.source(),
+        crash.source(broker.source()),
         no_inbox.clone(),
         Credit::new(db.pool.clone()),
-    )
-    .on_stage(crash_at(Stage::Committed))
-    .run_until_idle()
-    .await;
-    assert!(matches!(crashed, Err(Error::Crashed { .. })));
+    );
+    let crashed = crash.run(crashed.run_until_idle()).await;
+    assert!(crashed.is_err(), "{crashed:?}");
     Consumer::new(
         "wallet",
         broker.source(),

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{
-    async_trait, Consumer, Handler, HandlerError, HookAction, Message, MessageId, Stage, StageHook,
+    async_trait, Consumer, Handler, HandlerError, Message, MessageId, Stage, StageHook,
 };
 use inbox_postgres::{PgInbox, PgTx, TableName};
 use inbox_testkit::wallet::publish_credit;
@@ -343,7 +343,6 @@ async fn connections_cut_around_commit_lose_nothing_and_apply_nothing_twice() {
                 proxy.cut();
             });
         }
-        HookAction::Continue
     });
 
     let stats = Consumer::new(

@@ -10,8 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::{
-    Ack, Consumer, HookAction, InboxStore, MessageId, MessageSource, Publish, Recovery, Stage,
-    StageHook, Stats,
+    Ack, Consumer, InboxStore, MessageId, MessageSource, Publish, Recovery, Stage, StageHook, Stats,
 };
 use inbox_postgres::PgTx;
 use inbox_testkit::wallet::{self, Credit, CreditEvent};
@@ -127,7 +126,6 @@ where
             if stage == Stage::Claimed && *id == watched {
                 let _ = tx.send(name);
             }
-            HookAction::Continue
         });
         let handler = Credit::new(db.pool.clone()).stall(STALL);
         let consumer = Consumer::new("wallet", source, store.clone(), handler)

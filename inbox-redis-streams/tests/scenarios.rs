@@ -9,8 +9,8 @@ use std::time::Duration;
 use common::*;
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{Consumer, Publish, Stage};
-use inbox_testkit::crash_at;
 use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::Crash;
 use inbox_testkit::TestDb;
 
 fn credit(account: i64, amount: i64) -> Vec<u8> {
@@ -30,16 +30,15 @@ async fn a_crash_between_commit_and_ack_is_claimed_and_skipped_by_another_consum
             .expect("send");
     }
     let handler = Credit::new(db.pool.clone());
-    let crashed = Consumer::new(
+    let crash = Crash::at(Stage::Committed);
+    let consumer = Consumer::new(
         "wallet",
-        source(&stream, "c1").await,
+        crash.source(source(&stream, "c1").await),
         db.inbox(),
         handler.clone(),
-    )
-    .on_stage(crash_at(Stage::Committed))
-    .run_until_idle()
-    .await;
-    assert!(crashed.is_err());
+    );
+    let crashed = crash.run(consumer.run_until_idle()).await;
+    assert!(crashed.is_err(), "{crashed:?}");
 
     let claim_idle = Duration::from_millis(300);
     let other = builder(&stream, "c2")

@@ -9,7 +9,7 @@ use common::*;
 use inbox_core::Publish;
 use inbox_core::{Ack, Consumer, MessageId, MessageSource, Stage};
 use inbox_redis_streams::AckMode;
-use inbox_testkit::{crash_at, MemoryStore, Sum};
+use inbox_testkit::{Crash, MemoryStore, Sum};
 
 #[tokio::test]
 async fn delivery_counts_rise_on_reread_and_on_claim() {
@@ -106,11 +106,10 @@ async fn noack_mode_loses_an_entry_whose_consumer_dies() {
         .connect()
         .await
         .expect("connect");
-    let crashed = Consumer::new("sum", src, store.clone(), Sum)
-        .on_stage(crash_at(Stage::Claimed))
-        .run_until_idle()
-        .await;
-    assert!(crashed.is_err(), "the hook crashes the first message");
+    let crash = Crash::at(Stage::Claimed);
+    let consumer = Consumer::new("sum", src, crash.store(store.clone()), Sum);
+    let crashed = crash.run(consumer.run_until_idle()).await;
+    assert!(crashed.is_err(), "the first message crashes the consumer");
     let src = builder(&stream, "c1")
         .ack_mode(AckMode::NoAck)
         .claim_idle(Duration::from_millis(1))
@@ -141,11 +140,15 @@ async fn after_commit_mode_keeps_it() {
             .expect("send");
     }
     let store = MemoryStore::<i64>::new();
-    let crashed = Consumer::new("sum", source(&stream, "c1").await, store.clone(), Sum)
-        .on_stage(crash_at(Stage::Claimed))
-        .run_until_idle()
-        .await;
-    assert!(crashed.is_err());
+    let crash = Crash::at(Stage::Claimed);
+    let consumer = Consumer::new(
+        "sum",
+        source(&stream, "c1").await,
+        crash.store(store.clone()),
+        Sum,
+    );
+    let crashed = crash.run(consumer.run_until_idle()).await;
+    assert!(crashed.is_err(), "{crashed:?}");
     Consumer::new("sum", source(&stream, "c1").await, store.clone(), Sum)
         .run_until_idle()
         .await

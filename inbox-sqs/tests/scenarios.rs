@@ -14,8 +14,8 @@ use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{Consumer, Error, MessageId, Publish, Recovery, Stage};
 use inbox_sqs::aws_sdk_sqs::types::MessageAttributeValue;
 use inbox_sqs::{AckMode, Outgoing, SqsProducer, SqsSource};
-use inbox_testkit::crash_at;
 use inbox_testkit::wallet::{balance, summary, Credit};
+use inbox_testkit::Crash;
 use inbox_testkit::TestDb;
 
 const SECOND: Duration = Duration::from_secs(1);
@@ -288,11 +288,15 @@ async fn delete_on_receive_loses_a_message_on_crash() {
         .connect()
         .await
         .unwrap();
-    let crashed = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
-        .on_stage(crash_at(Stage::Claimed))
-        .run_until_idle()
-        .await;
-    assert!(crashed.is_err());
+    let crash = Crash::at(Stage::Claimed);
+    let consumer = Consumer::new(
+        "wallet",
+        source,
+        crash.store(db.inbox()),
+        Credit::new(db.pool.clone()),
+    );
+    let crashed = crash.run(consumer.run_until_idle()).await;
+    assert!(crashed.is_err(), "{crashed:?}");
     tokio::time::sleep(Duration::from_secs(3)).await;
     let left = counts(&sqs, &url).await;
     let ledger = summary(&db.pool).await.unwrap();

@@ -8,8 +8,8 @@
 //!   channel closing.
 //! - [`MemoryStore`] keeps a state `S` of your choice and the inbox claims; a transaction works
 //!   on a copy and publishes it on commit, so a crash before commit leaves nothing behind.
-//! - [`crash_at`] builds a [`StageHook`](inbox_core::StageHook) that kills the consumer after claim,
-//!   apply, commit or ack.
+//! - [`Crash`] wraps a consumer's store, handler and source, and stops the consumer dead after
+//!   claim, apply, commit or ack, as a crash there would.
 //! - `WithoutInbox` (feature `never-in-production`) wraps any store and claims nothing: the
 //!   "commit after the database, no inbox" anti-pattern, to show what the inbox prevents.
 //! - [`FaultProxy`] sits between a client and a real server and refuses, cuts or black-holes its
@@ -80,7 +80,7 @@ pub mod wallet;
 #[cfg(feature = "never-in-production")]
 mod without_inbox;
 
-pub use crash::{crash_at, crash_at_ids};
+pub use crash::{Crash, Crashed, Crashing, CrashingAck};
 pub use db::{database_url, fast_retry, partitioned_layout, TestDb};
 pub use fault_proxy::{FaultProxy, ProxyMode};
 pub use fault_run::{wait_for_a_third, FaultRun, Restored};

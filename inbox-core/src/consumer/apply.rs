@@ -17,9 +17,8 @@ use crate::error::backoff;
 use crate::stats::Counter;
 use crate::telemetry::{self, dead_letter_span, process_span, seconds_since, ConsumerMetrics};
 use crate::{
-    Ack, BatchHandler, BatchItem, Delivery, Error, Failure, HandlerError, Health, HookAction,
-    InboxStore, MessageId, MessageSource, Recovery, Result, SourceError, Stage, StageHook, Stats,
-    StoreError,
+    Ack, BatchHandler, BatchItem, Delivery, Error, Failure, HandlerError, Health, InboxStore,
+    MessageId, MessageSource, Recovery, Result, SourceError, Stage, StageHook, Stats, StoreError,
 };
 
 #[derive(Debug)]
@@ -58,14 +57,6 @@ enum TxFailure {
     Handler(Option<usize>, HandlerError),
     /// The store failed (at begin, claim or commit).
     Store(StoreError),
-    /// A stage hook stopped the consumer dead.
-    Crash(Error),
-}
-
-impl From<Error> for TxFailure {
-    fn from(e: Error) -> Self {
-        TxFailure::Crash(e)
-    }
 }
 
 /// A message to apply: its ID and what the handler decoded from it.
@@ -154,7 +145,7 @@ where
         if failed.is_empty() {
             return Ok(done);
         }
-        self.ack_all(done).await?;
+        self.ack_all(done).await;
         for (id, delivery, e) in failed {
             if stop.stopping() {
                 self.hand_back(vec![delivery.ack]).await;
@@ -211,7 +202,6 @@ where
                         *slot = Some(outcome);
                     }
                 }
-                Err(TxFailure::Crash(e)) => return Err(e),
                 Err(TxFailure::Handler(_, e)) if hi - lo == 1 => {
                     outcomes[lo] = Some(Outcome::Failed(e))
                 }
@@ -292,7 +282,7 @@ where
             .map(|(w, _)| w)
             .collect();
         for w in &fresh {
-            self.stage(Stage::Claimed, &w.id)?;
+            self.stage(Stage::Claimed, &w.id);
         }
         if !fresh.is_empty() {
             let batch: Vec<BatchItem<'_, H::Item>> = fresh
@@ -312,7 +302,7 @@ where
                 return Err(self.abandon(tx, TxFailure::Handler(at, failure)).await);
             }
             for w in &fresh {
-                self.stage(Stage::Applied, &w.id)?;
+                self.stage(Stage::Applied, &w.id);
             }
         }
         let outcomes: Vec<Outcome> = claimed
@@ -347,7 +337,7 @@ where
             match outcome {
                 Outcome::Applied => {
                     debug!(consumer = %self.name, message_id = %w.id.as_str().escape_debug(), position = %w.delivery.message.meta.position.escape_debug(), outcome = "applied", "applied");
-                    self.stage(Stage::Committed, &w.id)?;
+                    self.stage(Stage::Committed, &w.id);
                 }
                 Outcome::Skipped => self.skipped(&w.id),
                 Outcome::Failed(_) | Outcome::HandedBack => {}
@@ -443,7 +433,8 @@ where
                     (id, delivery) = (same, back);
                 }
                 Some(Outcome::Applied | Outcome::Skipped) => {
-                    return self.ack_all(vec![(same, back.ack)]).await;
+                    self.ack_all(vec![(same, back.ack)]).await;
+                    return Ok(());
                 }
                 Some(Outcome::HandedBack) | None => {
                     self.hand_back(vec![back.ack]).await;
@@ -509,9 +500,9 @@ where
         }
     }
 
-    pub(super) async fn ack_all<A: Ack>(&self, acks: Vec<(MessageId, A)>) -> Result<()> {
+    pub(super) async fn ack_all<A: Ack>(&self, acks: Vec<(MessageId, A)>) {
         if acks.is_empty() {
-            return Ok(());
+            return;
         }
         let n = acks.len();
         let (ids, acks): (Vec<_>, Vec<_>) = acks.into_iter().unzip();
@@ -522,7 +513,7 @@ where
         match acked {
             Ok(()) => {
                 for id in &ids {
-                    self.stage(Stage::Acked, id)?;
+                    self.stage(Stage::Acked, id);
                 }
             }
             Err(e) => {
@@ -530,7 +521,6 @@ where
                 warn!(consumer = %self.name, messages = n, error = %e, "ack failed after commit; redelivered copies will be skipped as duplicates");
             }
         }
-        Ok(())
     }
 
     /// Rolls back a transaction that cannot commit and passes `failure` on.
@@ -575,13 +565,9 @@ where
         debug!(consumer = %self.name, message_id = %id.as_str().escape_debug(), outcome = "skipped_duplicate", "skipped a duplicate");
     }
 
-    fn stage(&self, stage: Stage, id: &MessageId) -> Result<()> {
-        match &self.hook {
-            Some(hook) if hook.call(stage, id) == HookAction::Crash => Err(Error::Crashed {
-                stage,
-                id: id.clone(),
-            }),
-            _ => Ok(()),
+    fn stage(&self, stage: Stage, id: &MessageId) {
+        if let Some(hook) = &self.hook {
+            hook.call(stage, id);
         }
     }
 

@@ -385,25 +385,19 @@ where
                         Ok(acks) => {
                             let n = acks.len();
                             in_flight += n;
-                            acking.push(async move { (n, core.ack_all(acks).await) });
+                            acking.push(async move {
+                                core.ack_all(acks).await;
+                                n
+                            });
                         }
-                        Err(e @ Error::Crashed { .. }) => return Err(e),
                         Err(e) => {
                             failed.get_or_insert(e);
                             begin_stop(&mut deadline);
                         }
                     }
                 }
-                Some((n, result)) = acking.next() => {
+                Some(n) = acking.next() => {
                     in_flight = in_flight.saturating_sub(n);
-                    match result {
-                        Ok(()) => {}
-                        Err(e @ Error::Crashed { .. }) => return Err(e),
-                        Err(e) => {
-                            failed.get_or_insert(e);
-                            begin_stop(&mut deadline);
-                        }
-                    }
                 }
                 received = async { receiving.as_mut().expect("guarded by is_some").await }, if receiving.is_some() => {
                     receiving = None;

@@ -20,8 +20,8 @@ use super::{
 use crate::consumer::stop::Stop;
 use crate::error::backoff;
 use crate::{
-    Ack, Delivery, Error, Failure, HandlerError, HookAction, Message, MessageId, MessageSource,
-    Recent, Recovery, Result, RetryPolicy, SourceError, Stage, StageHook, StoreError, TraceParent,
+    Ack, Delivery, Error, Failure, HandlerError, Message, MessageId, MessageSource, Recent,
+    Recovery, Result, RetryPolicy, SourceError, Stage, StageHook, StoreError, TraceParent,
 };
 
 /// The longest wait between tries after a broker or store error.
@@ -144,7 +144,8 @@ where
                     outcome = "skipped_duplicate",
                     "skipped duplicate {id}: already done"
                 );
-                self.ack(&id, delivery.ack).await
+                self.ack(&id, delivery.ack).await;
+                Ok(())
             }
             Acquired::Busy { retry_after } => {
                 self.count(Counter::Busy);
@@ -161,7 +162,7 @@ where
             Acquired::Leased(lease) => {
                 Span::current().record("token", lease.token);
                 let effect = Effect::new(&self.name, id, lease, started + self.lease);
-                self.stage(Stage::Claimed, effect.id())?;
+                self.stage(Stage::Claimed, effect.id());
                 self.apply(source, effect, delivery, stop).await
             }
         }
@@ -226,7 +227,7 @@ where
                 self.metrics.call.record(started.elapsed().as_secs_f64());
                 match called {
                     Ok(()) => {
-                        self.stage(Stage::Applied, effect.id())?;
+                        self.stage(Stage::Applied, effect.id());
                         Settled::Called
                     }
                     Err(e) => return self.failed(source, effect, delivery, e, true).await,
@@ -366,7 +367,7 @@ where
                 return Ok(());
             }
         }
-        self.stage(Stage::Committed, effect.id())?;
+        self.stage(Stage::Committed, effect.id());
         let (counter, outcome) = match settled {
             Settled::Called => (Counter::Applied, "applied"),
             Settled::Landed => (Counter::Confirmed, "confirmed"),
@@ -379,7 +380,8 @@ where
         } else {
             info!(outcome, token = effect.token(), "{outcome} {}", effect.id());
         }
-        self.ack(effect.id(), delivery.ack).await
+        self.ack(effect.id(), delivery.ack).await;
+        Ok(())
     }
 
     /// Marks done and runs the handler's writes in one transaction. `false`: fenced out.
@@ -441,7 +443,7 @@ where
         }
     }
 
-    async fn ack<A: Ack>(&self, id: &MessageId, ack: A) -> Result<()> {
+    async fn ack<A: Ack>(&self, id: &MessageId, ack: A) {
         let started = Instant::now();
         let acked = ack.ack().await;
         self.metrics.ack.record(started.elapsed().as_secs_f64());
@@ -450,7 +452,6 @@ where
             Err(e) => {
                 self.count(Counter::AckFailure);
                 warn!(consumer = %self.name, message_id = %id.as_str().escape_debug(), error = %e, "ack failed after the done mark; the redelivered copy will be skipped");
-                Ok(())
             }
         }
     }
@@ -493,13 +494,9 @@ where
         Ok(wait)
     }
 
-    fn stage(&self, stage: Stage, id: &MessageId) -> Result<()> {
-        match &self.hook {
-            Some(hook) if hook.call(stage, id) == HookAction::Crash => Err(Error::Crashed {
-                stage,
-                id: id.clone(),
-            }),
-            _ => Ok(()),
+    fn stage(&self, stage: Stage, id: &MessageId) {
+        if let Some(hook) = &self.hook {
+            hook.call(stage, id);
         }
     }
 

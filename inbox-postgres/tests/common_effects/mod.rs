@@ -14,8 +14,8 @@ use inbox_core::effect::{
 use inbox_core::{async_trait, HandlerError, Message, MessageId, MessageSource};
 use inbox_postgres::{PgLeases, PgTx};
 use inbox_testkit::provider::{CallStatus, ProviderClient, ProviderMode, TestProvider};
-use inbox_testkit::MemoryBroker;
 use inbox_testkit::{fast_retry, TestDb};
+use inbox_testkit::{Crash, Crashing, MemoryBroker};
 
 pub const CONSUMER: &str = "mailer";
 /// Long enough for any normal call on a busy 2-core machine; short enough to wait out.
@@ -154,6 +154,23 @@ impl Env {
         EffectConsumer::new(CONSUMER, source, self.leases.clone(), handler)
             .lease(LEASE)
             .retry(fast_retry(5))
+    }
+
+    /// [`Env::consumer`] with its source, leases and handler wrapped by `crash`.
+    pub fn crashing_consumer<S: MessageSource>(
+        &self,
+        crash: &Crash,
+        source: S,
+        handler: Notify,
+    ) -> EffectConsumer<Crashing<S>, Crashing<PgLeases>, Crashing<Notify>> {
+        EffectConsumer::new(
+            CONSUMER,
+            crash.source(source),
+            crash.leases(self.leases.clone()),
+            crash.handler(handler),
+        )
+        .lease(LEASE)
+        .retry(fast_retry(5))
     }
 
     /// `sent` rows of `id`: (token, settled, deliveries), in token order.

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{
-    async_trait, BatchHandler, BatchItem, Consumer, Handler, HandlerError, HookAction, InboxStore,
-    Message, MessageId, MessageSource, Stage, StageHook, StatsSnapshot,
+    async_trait, BatchHandler, BatchItem, Consumer, Handler, HandlerError, InboxStore, Message,
+    MessageId, MessageSource, Stage, StageHook, StatsSnapshot,
 };
 use inbox_postgres::PgTx;
 use inbox_testkit::wallet::{self, BatchCredit, Credit, CreditEvent};
@@ -158,7 +158,6 @@ where
                     std::process::abort();
                 }
             }
-            HookAction::Continue
         }));
     }
     consumer.run_until(shutdown).await

@@ -3,14 +3,13 @@
 //! No broker needed, only PostgreSQL.
 
 use std::process::ExitCode;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use inbox_core::{Consumer, Error, HookAction, InboxStore, Stage, StageHook};
+use inbox_core::{Consumer, InboxStore};
 use inbox_postgres::PgTx;
 use inbox_testkit::wallet::{self, Credit, CreditEvent};
 use inbox_testkit::TestDb;
-use inbox_testkit::{MemoryBroker, WithoutInbox};
+use inbox_testkit::{Crash, MemoryBroker, WithoutInbox};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -110,21 +109,12 @@ async fn run(s: &Settings, with_inbox: bool) -> Row {
             broker.publish(Some(&id), event.to_json()); // a relay publishing twice
         }
     }
-    let rng = Arc::new(Mutex::new(StdRng::seed_from_u64(s.seed ^ 0x5eed)));
-    let probability = s.crash_probability;
-    let hook = StageHook::new(move |_stage: Stage, _id| {
-        let mut rng = rng.lock().unwrap_or_else(|e| e.into_inner());
-        if rng.random_bool(probability) {
-            HookAction::Crash
-        } else {
-            HookAction::Continue
-        }
-    });
+    let crash = Crash::anywhere(s.crash_probability, s.seed ^ 0x5eed);
     let started = Instant::now();
     let crashes = if with_inbox {
-        drain(&broker, db.inbox(), &db, &hook, s.batch).await
+        drain(&broker, db.inbox(), &db, &crash, s.batch).await
     } else {
-        drain(&broker, WithoutInbox(db.inbox()), &db, &hook, s.batch).await
+        drain(&broker, WithoutInbox(db.inbox()), &db, &crash, s.batch).await
     };
     let elapsed = started.elapsed();
     let summary = wallet::summary(&db.pool)
@@ -146,24 +136,23 @@ async fn drain<St: InboxStore<Tx = PgTx> + Clone>(
     broker: &MemoryBroker,
     store: St,
     db: &TestDb,
-    hook: &StageHook,
+    crash: &Crash,
     batch: usize,
 ) -> u32 {
     let mut crashes = 0;
     while broker.pending() > 0 {
         let consumer = Consumer::new(
             "wallet",
-            broker.source(),
-            store.clone(),
-            Credit::new(db.pool.clone()),
+            crash.source(broker.source()),
+            crash.store(store.clone()),
+            crash.handler(Credit::new(db.pool.clone())),
         )
         .batch_size(batch)
-        .error_backoff(Duration::from_millis(10))
-        .on_stage(hook.clone());
-        match consumer.run_until_idle().await {
-            Ok(_) => {}
-            Err(Error::Crashed { .. }) => crashes += 1,
-            Err(e) => panic!("consumer failed: {e}"),
+        .error_backoff(Duration::from_millis(10));
+        match crash.run(consumer.run_until_idle()).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => panic!("consumer failed: {e}"),
+            Err(_) => crashes += 1,
         }
     }
     crashes
