@@ -81,6 +81,9 @@ impl Ack for NoDelayAck {
     async fn nack(self, _retry_after: Duration) -> Result<(), SourceError> {
         self.0.nack(Duration::ZERO).await
     }
+    async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        self.0.dead_letter(message, reason).await
+    }
 }
 
 #[async_trait]
@@ -95,9 +98,6 @@ impl MessageSource for NoDelay {
                 ack: NoDelayAck(d.ack),
             })
             .collect())
-    }
-    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        self.0.dead_letter(message, reason).await
     }
 }
 

@@ -17,8 +17,8 @@ use inbox_sqs::{Error, Outgoing, SqsProducer, SqsSource};
 
 const SECOND: Duration = Duration::from_secs(1);
 
-/// Receives everything visible on the source and dead-letters it, then deletes it, as the
-/// consumer does. Returns how many messages it dead-lettered.
+/// Receives everything visible on the source and dead-letters it (sent to the dead-letter
+/// queue, then deleted), as the consumer does. Returns how many messages it dead-lettered.
 async fn dead_letter_all(source: &mut SqsSource) -> usize {
     let mut n = 0;
     loop {
@@ -27,11 +27,11 @@ async fn dead_letter_all(source: &mut SqsSource) -> usize {
             return n;
         }
         for delivery in batch {
-            source
+            delivery
+                .ack
                 .dead_letter(&delivery.message, "test: cannot be applied")
                 .await
                 .unwrap();
-            delivery.ack.ack().await.unwrap();
             n += 1;
         }
     }
