@@ -282,3 +282,38 @@ impl Drop for MemorySource {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_dead_letter_parks_and_acks_and_a_failed_one_hands_the_delivery_back() {
+        let broker = MemoryBroker::new();
+        broker.publish(Some("evt-1"), "x");
+        let mut source = broker.source();
+        broker.fail_dead_letters(1);
+
+        let first = source.receive(1).await.unwrap().pop().unwrap();
+        let e = first
+            .ack
+            .dead_letter(&first.message, "bad")
+            .await
+            .unwrap_err();
+        assert_eq!(e.recovery(), Recovery::Retry);
+        assert!(broker.dead_letters().is_empty());
+        assert_eq!((broker.pending(), broker.acked()), (1, 0), "not acked");
+
+        let again = source.receive(1).await.unwrap().pop().expect("handed back");
+        assert_eq!(again.message.meta.delivery_count, Some(2));
+        again.ack.dead_letter(&again.message, "bad").await.unwrap();
+        let dead = broker.dead_letters();
+        assert_eq!(dead.len(), 1);
+        assert_eq!(dead[0].1, "bad");
+        assert_eq!(
+            (broker.pending(), broker.acked()),
+            (0, 1),
+            "parked and acked"
+        );
+    }
+}
