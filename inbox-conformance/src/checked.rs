@@ -61,10 +61,6 @@ impl<S: MessageSource> MessageSource for Checked<S> {
         Ok(batch)
     }
 
-    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        self.inner.dead_letter(message, reason).await
-    }
-
     fn redelivery_window(&self) -> Option<Duration> {
         self.inner.redelivery_window()
     }

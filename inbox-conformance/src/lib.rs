@@ -21,9 +21,12 @@
 //!
 //! # Writing an adapter
 //!
-//! An adapter is a [`MessageSource`] with its
-//! [`Ack`](inbox_core::Ack), and a producer. To run the whole suite against it, add
-//! `inbox-conformance` and `tokio` as dev-dependencies, then in `tests/conformance.rs`:
+//! An adapter is a [`MessageSource`], which receives, with its [`Ack`](inbox_core::Ack) handle,
+//! which settles each delivery (ack, nack, and dead-letter: park the message with the
+//! [`inbox_core::dead_letter`] metadata, then ack it; on failure leave it to come back), and a
+//! producer. The handle carries what it needs for all three (a cheap clone of the client and
+//! the dead-letter destination, shared by the source's acks). To run the whole suite against
+//! it, add `inbox-conformance` and `tokio` as dev-dependencies, then in `tests/conformance.rs`:
 //!
 //! ```ignore
 //! use std::sync::Arc;

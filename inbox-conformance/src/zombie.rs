@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use inbox_core::{
-    async_trait, Capabilities, Consumer, Delivery, Message, MessageId, MessageSource, SourceError,
+    async_trait, Capabilities, Consumer, Delivery, MessageId, MessageSource, SourceError,
 };
 use inbox_postgres::sqlx;
 use inbox_testkit::wallet::{self, Credit, CreditEvent};
@@ -35,10 +35,6 @@ impl<S: MessageSource> MessageSource for Noting<S> {
         let mut seen = self.seen.lock().expect("seen IDs");
         seen.extend(batch.iter().filter_map(|d| d.message.id.clone().ok()));
         Ok(batch)
-    }
-
-    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        self.inner.dead_letter(message, reason).await
     }
 
     fn system(&self) -> &'static str {

@@ -1,15 +1,16 @@
-//! What an adapter remembers of recent deliveries for dead-lettering them later.
+//! A bounded memory of recent deliveries, by key.
 
 use std::collections::{HashMap, VecDeque};
 
-/// Details of the most recent deliveries, by broker position (a receipt handle's attributes, a
-/// message's original properties), for a [`MessageSource`](crate::MessageSource) whose
-/// `dead_letter` needs more than the [`Message`](crate::Message).
+/// Details of the most recent deliveries, by key (a broker position, a message ID), for what
+/// must be remembered of deliveries beyond the [`Message`](crate::Message) and its
+/// [`Ack`](crate::Ack) handle (the effect consumer keeps here when each message it handed back
+/// may be tried again).
 ///
-/// The consumer goes on receiving while earlier deliveries are still being applied (and maybe
-/// dead-lettered), so a source cannot forget a batch when the next one arrives. This keeps the
-/// last `capacity` entries and forgets the oldest first; size it well above the deliveries a
-/// consumer holds (its batch size times its lanes).
+/// The consumer goes on receiving while earlier deliveries are still being applied, so this
+/// cannot forget a batch when the next one arrives. It keeps the last `capacity` entries and
+/// forgets the oldest first; size it well above the deliveries a consumer holds (its batch size
+/// times its lanes).
 #[derive(Debug)]
 pub struct Recent<V> {
     capacity: usize,

@@ -1,4 +1,5 @@
-//! What a broker adapter implements: receiving deliveries, acknowledging them, dead-lettering.
+//! What a broker adapter implements: receiving deliveries, and settling each one through its
+//! handle (ack, nack or dead-letter).
 
 use std::time::Duration;
 
@@ -15,7 +16,8 @@ pub struct Delivery<A> {
     pub ack: A,
 }
 
-/// Acknowledges one delivery to its broker.
+/// Settles one delivery with its broker: ack, nack or dead-letter, each consuming the handle, so
+/// a delivery is settled once.
 ///
 /// The consumer calls [`Ack::ack`] (or [`Ack::ack_all`]) only after the database transaction that
 /// recorded the message's ID has committed. Each adapter documents what "ack" is on its broker and
@@ -39,9 +41,24 @@ pub trait Ack: Send + Sized + 'static {
         }
         Ok(())
     }
+
+    /// Parks `message` (this delivery's) where an operator can see and replay it, then acks the
+    /// delivery: for a message that cannot be applied (no ID, unparsable, failed too often).
+    ///
+    /// The dead letter keeps the payload, key and headers and adds `reason` and where the
+    /// message was read, under the names of [`dead_letter`]: [`dead_letter::REASON`],
+    /// [`dead_letter::ORIGINAL_SOURCE`] and [`dead_letter::ORIGINAL_POSITION`]. The delivery is
+    /// acked only once the dead letter is stored (in one step where the broker allows).
+    ///
+    /// On an error the delivery stays unacked and comes back (handed back as a nack would, or
+    /// as a delivery never acked does), so nothing is lost; the message may then be parked
+    /// twice. A source with nowhere to park returns [`Recovery::Fatal`](crate::Recovery::Fatal)
+    /// with the setting to fix.
+    async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError>;
 }
 
-/// A broker subscription: a topic, a queue or a stream, as seen by one consumer.
+/// A broker subscription: a topic, a queue or a stream, as seen by one consumer. What becomes of
+/// each delivery (ack, nack, dead letter) goes through its [`Ack`] handle.
 #[async_trait]
 pub trait MessageSource: Send {
     /// This broker's acknowledgement handle.
@@ -53,11 +70,6 @@ pub trait MessageSource: Send {
     /// The consumer may drop this future at shutdown. An adapter must then lose nothing: a
     /// message it had already taken from the broker comes back as an unacked delivery would.
     async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<Self::Ack>>, SourceError>;
-
-    /// Parks a message that cannot be applied (no ID, unparsable, failed too often) where an
-    /// operator can see and replay it, with `reason`. The consumer acks the delivery only after
-    /// this returned `Ok`, so a failed dead-letter loses nothing.
-    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError>;
 
     /// How long the broker can still hand out a message it once delivered (a topic's
     /// `retention.ms`, a queue's `MessageRetentionPeriod`), where the adapter can find it out.
@@ -147,8 +159,10 @@ impl Capabilities {
 
 /// The names every adapter gives the metadata of a dead-lettered message (a Kafka or RabbitMQ
 /// header, an SQS message attribute, a Redis stream field), beside the original payload, key
-/// and ID.
+/// and ID; and how soon a message whose dead letter failed comes back.
 pub mod dead_letter {
+    use std::time::Duration;
+
     /// Why the message was parked, as the consumer wrote it.
     pub const REASON: &str = "reason";
     /// The topic, queue or stream the message was read from.
@@ -156,4 +170,10 @@ pub mod dead_letter {
     /// Where it was in that source: `partition 3 offset 17`, a stream entry ID, an SQS message
     /// ID ([`Metadata::position`](crate::Metadata::position)).
     pub const ORIGINAL_POSITION: &str = "original_position";
+
+    /// How long a message whose dead letter failed ([`Ack::dead_letter`](crate::Ack::dead_letter)
+    /// returned an error) stays away, where the adapter can delay its return (an SQS visibility
+    /// change, a RabbitMQ delayed requeue): a dead-letter destination that refuses everything
+    /// is then not asked again in a tight loop.
+    pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 }

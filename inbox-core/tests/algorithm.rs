@@ -254,6 +254,37 @@ async fn a_message_redelivered_too_often_is_dead_lettered_before_its_handler() {
 }
 
 #[tokio::test]
+async fn a_dead_letter_that_fails_leaves_the_message_to_come_back_and_park_later() {
+    let broker = MemoryBroker::new();
+    broker.publish(None, serde_json::to_vec(&(1u8, 10i64)).unwrap());
+    publish(&broker, "evt-1", 1, 10);
+    // The dead-letter destination refuses the first two tries.
+    broker.fail_dead_letters(2);
+    let store = MemoryStore::<Wallet>::new();
+    let stats = Consumer::new("wallet", broker.source(), store.clone(), Credit)
+        .batch_size(1)
+        .run_until_idle()
+        .await
+        .unwrap();
+    assert_eq!(
+        (stats.applied, stats.dead_lettered, stats.errors),
+        (1, 1, 2),
+        "{stats:?}"
+    );
+    let dead = broker.dead_letters();
+    assert_eq!(dead.len(), 1, "parked once, when the destination took it");
+    assert_eq!(dead[0].1, "message has no ID: id is missing");
+    assert_eq!(
+        dead[0].0.meta.delivery_count,
+        Some(3),
+        "each failed dead letter handed the message back"
+    );
+    assert_eq!(broker.pending(), 0, "nothing left unacked");
+    assert_eq!(broker.acked(), 2);
+    assert_eq!(store.state().await.ledger, ["evt-1"]);
+}
+
+#[tokio::test]
 async fn bad_configuration_is_refused_with_a_reason() {
     let broker = MemoryBroker::new();
     let err = Consumer::new("", broker.source(), MemoryStore::<Wallet>::new(), Credit)

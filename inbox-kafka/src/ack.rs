@@ -1,24 +1,33 @@
 //! What an ack is on Kafka: marking the message finished after the database commit, so that its
 //! partition's finished prefix is committed (by the commit task, or right away with a zero commit
-//! interval).
+//! interval). A dead letter is produced to the dead-letter topic first, then acked the same way.
 
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::{async_trait, Ack, Recovery, SourceError};
+use inbox_core::{async_trait, Ack, Message, Recovery, SourceError};
 use rdkafka::consumer::Consumer;
 use rdkafka::Offset;
 use tracing::{debug, warn};
 
 use crate::commit::commit_sync;
+use crate::dead_letter::DeadLetterProducer;
 use crate::error::{partition_moved, Error};
 use crate::shared_consumer::SharedConsumer;
 use crate::tracker::Commit;
 
 /// The acknowledgement handle of a Kafka delivery. See the crate docs, "Ack semantics".
-pub struct KafkaAck(Inner);
+///
+/// [`Ack::dead_letter`] produces the record to the dead-letter topic (`<topic>.dlq` unless
+/// [`KafkaSourceBuilder::dead_letter_topic`](crate::KafkaSourceBuilder::dead_letter_topic) names
+/// one), waits for the delivery report, then acks. When the produce fails it hands the record
+/// back as [`Ack::nack`] does (its partition is sought back to it).
+pub struct KafkaAck {
+    inner: Inner,
+    dead_letters: Arc<DeadLetterProducer>,
+}
 
 enum Inner {
     Tracked(AckTarget),
@@ -38,7 +47,7 @@ pub(crate) struct AckTarget {
 
 impl fmt::Debug for KafkaAck {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.0 {
+        match &self.inner {
             Inner::Tracked(t) => f
                 .debug_struct("KafkaAck")
                 .field("topic", &t.topic)
@@ -51,13 +60,19 @@ impl fmt::Debug for KafkaAck {
 }
 
 impl KafkaAck {
-    pub(crate) fn tracked(target: AckTarget) -> Self {
-        Self(Inner::Tracked(target))
+    pub(crate) fn tracked(target: AckTarget, dead_letters: Arc<DeadLetterProducer>) -> Self {
+        Self {
+            inner: Inner::Tracked(target),
+            dead_letters,
+        }
     }
 
     #[cfg_attr(not(feature = "never-in-production"), allow(dead_code))]
-    pub(crate) fn auto_commit() -> Self {
-        Self(Inner::AutoCommit)
+    pub(crate) fn auto_commit(dead_letters: Arc<DeadLetterProducer>) -> Self {
+        Self {
+            inner: Inner::AutoCommit,
+            dead_letters,
+        }
     }
 }
 
@@ -72,7 +87,7 @@ impl Ack for KafkaAck {
     /// were applied are then skipped by the inbox). `retry_after` is not honoured: the core's
     /// own backoff already applies. Nothing past this offset is committed until it is acked.
     async fn nack(self, _retry_after: Duration) -> Result<(), SourceError> {
-        let Inner::Tracked(t) = self.0 else {
+        let Inner::Tracked(t) = self.inner else {
             return Ok(());
         };
         let rewind =
@@ -106,6 +121,21 @@ impl Ack for KafkaAck {
         }
     }
 
+    /// Produces the dead letter, then acks; on a failed produce, seeks back as a nack does.
+    /// See the type's docs.
+    async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        let dead_letters = Arc::clone(&self.dead_letters);
+        match dead_letters.publish(message, reason).await {
+            Ok(()) => self.ack().await,
+            Err(e) => {
+                if let Err(nack) = self.nack(Duration::ZERO).await {
+                    warn!(error = %nack, "seek back after a failed dead letter failed; the record comes back from the last committed offset");
+                }
+                Err(e)
+            }
+        }
+    }
+
     /// Marks every delivery finished. With a commit interval that is all: the commit task
     /// commits the new finished prefixes. With a zero interval, the new finished prefix of each
     /// partition they touched is committed here, in one synchronous request; a partition with an
@@ -114,7 +144,9 @@ impl Ack for KafkaAck {
         let mut consumer = None;
         let mut commits: HashMap<(Arc<str>, i32), (u64, i64)> = HashMap::new();
         for ack in acks {
-            let Inner::Tracked(t) = ack.0 else { continue };
+            let Inner::Tracked(t) = ack.inner else {
+                continue;
+            };
             let next = t.consumer.context().tracker().finish(
                 &t.topic,
                 t.partition,

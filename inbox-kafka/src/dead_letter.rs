@@ -1,17 +1,82 @@
-//! The start-up check that every dead-letter topic exists. Without it the first record that must
-//! be parked fails to produce, is handed back, fails again, and its partition stalls behind it
-//! while the consumer looks healthy.
+//! Dead letters: producing them ([`DeadLetterProducer`], shared by every ack of a source), and the
+//! start-up check that every dead-letter topic exists. Without the check the first record that
+//! must be parked fails to produce, is handed back, fails again, and its partition stalls behind
+//! it while the consumer looks healthy.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
 use std::time::Duration;
 
-use inbox_core::{Recovery, SourceError};
-use rdkafka::producer::{FutureProducer, Producer};
+use inbox_core::{dead_letter, Message, Recovery, SourceError};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::types::RDKafkaRespErr;
 use tracing::{debug, info};
 
 use crate::context::ProducerContext;
 use crate::{Error, KafkaAdmin, KafkaSourceBuilder};
+
+/// What a [`KafkaAck`](crate::KafkaAck) needs to park its record: the source's dead-letter
+/// producer and topic, shared by all its acks.
+pub(crate) struct DeadLetterProducer {
+    pub(crate) producer: FutureProducer<ProducerContext>,
+    /// `None`: `<original topic>.dlq`.
+    pub(crate) topic: Option<String>,
+    pub(crate) timeout: Duration,
+}
+
+impl fmt::Debug for DeadLetterProducer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeadLetterProducer")
+            .field("topic", &self.topic)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DeadLetterProducer {
+    /// Produces `message` to its dead-letter topic with its key, payload and headers plus the
+    /// [`inbox_core::dead_letter`] headers, and waits for the delivery report.
+    pub(crate) async fn publish(&self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        let topic = match &self.topic {
+            Some(topic) => topic.clone(),
+            None => format!("{}.dlq", message.meta.source),
+        };
+        let mut headers = OwnedHeaders::new_with_capacity(message.headers.len() + 3);
+        for (key, value) in &message.headers {
+            headers = headers.insert(Header {
+                key,
+                value: Some(value),
+            });
+        }
+        for (key, value) in [
+            (dead_letter::REASON, reason),
+            (dead_letter::ORIGINAL_SOURCE, message.meta.source.as_str()),
+            (
+                dead_letter::ORIGINAL_POSITION,
+                message.meta.position.as_str(),
+            ),
+        ] {
+            headers = headers.insert(Header {
+                key,
+                value: Some(value),
+            });
+        }
+        let mut record = FutureRecord::<[u8], [u8]>::to(&topic)
+            .payload(&message.payload)
+            .headers(headers);
+        if let Some(key) = &message.key {
+            record = record.key(key);
+        }
+        // Waits for the delivery report: the ack follows only once the copy is stored.
+        match self.producer.send(record, self.timeout).await {
+            Ok(_) => Ok(()),
+            Err((e, _)) => Err(
+                Error::kafka(format!("producing the dead letter to `{topic}`"), e).into_source(),
+            ),
+        }
+    }
+}
 
 /// The dead-letter topics a source can write to, and what to do when one is missing.
 #[derive(Debug)]

@@ -98,9 +98,11 @@
 //!   record whose handler failed past the retry limit, is produced to the dead-letter topic
 //!   (default `<topic>.dlq`) with its key, value and headers plus the headers `reason`,
 //!   `original_source` (the topic) and `original_position` (`partition 3 offset 17`), named by
-//!   [`inbox_core::dead_letter`]; the adapter waits for the delivery report, then the offset is
-//!   committed. The first receive checks that every dead-letter topic exists and fails, naming
-//!   the topic, if one does not (or creates it, with
+//!   [`inbox_core::dead_letter`], through the delivery's handle ([`KafkaAck`]'s
+//!   [`Ack::dead_letter`](inbox_core::Ack::dead_letter)); it waits for the delivery report, then
+//!   the offset is committed. A produce that fails seeks the partition back to the record, as a
+//!   nack does, so it comes again. The first receive checks that every dead-letter topic exists
+//!   and fails, naming the topic, if one does not (or creates it, with
 //!   [`KafkaSourceBuilder::create_dead_letter_topics`]): a record that cannot be parked would
 //!   otherwise be handed back and fail again, stalling its partition.
 //! - `AckMode::AutoCommit` exists only to measure the anti-pattern, with the feature

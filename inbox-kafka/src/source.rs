@@ -1,17 +1,17 @@
 //! The [`MessageSource`] over a Kafka consumer group.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
 use inbox_core::{
-    async_trait, dead_letter, Capabilities, Delivery, IdError, Message, MessageSource, Metadata,
-    Recovery, SourceError,
+    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, Metadata, Recovery,
+    SourceError,
 };
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{BorrowedMessage, Header, Headers, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::message::{BorrowedMessage, Headers};
 use rdkafka::Message as _;
 use tokio::task::JoinHandle;
 use tracing::warn;
@@ -19,7 +19,7 @@ use tracing::warn;
 use crate::ack::{AckTarget, KafkaAck};
 use crate::commit::{commit_task, OffsetCommits};
 use crate::context::{InboxContext, ProducerContext};
-use crate::dead_letter::DeadLetterCheck;
+use crate::dead_letter::{DeadLetterCheck, DeadLetterProducer};
 use crate::shared_consumer::SharedConsumer;
 use crate::{AckMode, Error, KafkaSourceBuilder, Result};
 
@@ -39,11 +39,11 @@ const IDLE_POLLS: u32 = 3;
 /// commit, and leaves the group. A runtime waits for its blocking pool when it shuts down.
 pub struct KafkaSource {
     consumer: SharedConsumer,
-    producer: FutureProducer<ProducerContext>,
+    /// The dead-letter producer and topic, shared by every ack.
+    dead_letters: Arc<DeadLetterProducer>,
     ack_mode: AckMode,
     id_header: String,
     id_field: String,
-    dead_letter_topic: Option<String>,
     poll_timeout: Duration,
     operation_timeout: Duration,
     redelivery_window: Option<Duration>,
@@ -68,7 +68,7 @@ impl fmt::Debug for KafkaSource {
             .field("ack_mode", &self.ack_mode)
             .field("commit_interval", &self.consumer.context().commit_interval)
             .field("id_header", &self.id_header)
-            .field("dead_letter_topic", &self.dead_letter_topic)
+            .field("dead_letter_topic", &self.dead_letters.topic)
             .finish_non_exhaustive()
     }
 }
@@ -117,14 +117,18 @@ impl KafkaSource {
         let producer = producer_config
             .create_with_context(ProducerContext)
             .map_err(|e| Error::kafka("creating the dead-letter producer", e))?;
+        let dead_letters = Arc::new(DeadLetterProducer {
+            producer,
+            topic: config.dead_letter_topic.clone(),
+            timeout: config.operation_timeout,
+        });
 
         Ok(Self {
             consumer: SharedConsumer::new(consumer),
-            producer,
+            dead_letters,
             ack_mode: config.ack_mode,
             id_header: config.id_header.clone(),
             id_field: format!("header {}", config.id_header),
-            dead_letter_topic: config.dead_letter_topic.clone(),
             poll_timeout: config.poll_timeout,
             operation_timeout: config.operation_timeout,
             redelivery_window: None,
@@ -190,10 +194,11 @@ impl KafkaSource {
                     generation: tracked.generation,
                     timeout: self.operation_timeout,
                 };
-                (KafkaAck::tracked(target), tracked.delivery_count)
+                let ack = KafkaAck::tracked(target, Arc::clone(&self.dead_letters));
+                (ack, tracked.delivery_count)
             }
             #[cfg(feature = "never-in-production")]
-            AckMode::AutoCommit => (KafkaAck::auto_commit(), 1),
+            AckMode::AutoCommit => (KafkaAck::auto_commit(Arc::clone(&self.dead_letters)), 1),
         };
         let message = Message {
             id,
@@ -225,7 +230,7 @@ impl MessageSource for KafkaSource {
     async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<KafkaAck>>, SourceError> {
         if let Some(check) = &self.dead_letter_check {
             // Before the first poll, so a source that fails it never joins the group.
-            check.run(&self.producer).await?;
+            check.run(&self.dead_letters.producer).await?;
             self.dead_letter_check = None;
         }
         let interval = self.consumer.context().commit_interval;
@@ -297,46 +302,6 @@ impl MessageSource for KafkaSource {
     /// kills its consumer is never counted. No delayed nack: a nack seeks back at once.
     fn capabilities(&self) -> Capabilities {
         Capabilities::NONE.with_lanes()
-    }
-
-    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        let topic = match &self.dead_letter_topic {
-            Some(topic) => topic.clone(),
-            None => format!("{}.dlq", message.meta.source),
-        };
-        let mut headers = OwnedHeaders::new_with_capacity(message.headers.len() + 3);
-        for (key, value) in &message.headers {
-            headers = headers.insert(Header {
-                key,
-                value: Some(value),
-            });
-        }
-        for (key, value) in [
-            (dead_letter::REASON, reason),
-            (dead_letter::ORIGINAL_SOURCE, message.meta.source.as_str()),
-            (
-                dead_letter::ORIGINAL_POSITION,
-                message.meta.position.as_str(),
-            ),
-        ] {
-            headers = headers.insert(Header {
-                key,
-                value: Some(value),
-            });
-        }
-        let mut record = FutureRecord::<[u8], [u8]>::to(&topic)
-            .payload(&message.payload)
-            .headers(headers);
-        if let Some(key) = &message.key {
-            record = record.key(key);
-        }
-        // Waits for the delivery report: the core acks the original only after this returns.
-        match self.producer.send(record, self.operation_timeout).await {
-            Ok(_) => Ok(()),
-            Err((e, _)) => Err(
-                Error::kafka(format!("producing the dead letter to `{topic}`"), e).into_source(),
-            ),
-        }
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use inbox_conformance::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
 use inbox_core::dead_letter::REASON;
-use inbox_core::{Delivery, Message, MessageSource, Publish, SourceError};
+use inbox_core::{Delivery, MessageSource, Publish, SourceError};
 use inbox_kafka::rdkafka::consumer::Consumer as _;
 use inbox_kafka::rdkafka::Message as _;
 use inbox_kafka::{KafkaAck, KafkaProducer, KafkaSource, KafkaSourceBuilder, Record};
@@ -87,10 +87,6 @@ impl MessageSource for Member {
                 return Ok(batch);
             }
         }
-    }
-
-    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        self.0.dead_letter(message, reason).await
     }
 
     fn redelivery_window(&self) -> Option<Duration> {

@@ -2,16 +2,23 @@
 //! Kafka-protocol server inside the test process; the client is the real one):
 //! - offset commits refused because the partition moved are logged, not fatal, whether the
 //!   commit task or an ack (with a zero commit interval) meets them (errors injected on cue);
+//! - a dead letter whose produce is refused hands its record back (errors injected on cue);
 //! - a consumer restarting from a commit inside a producer's record batch reads on from that
 //!   offset. Tansu 0.6 serves such a fetch from the next batch on, skipping the rest of the
 //!   batch, which is why the wallet publishes one record per batch there.
 
 use std::time::Duration;
 
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, StatsSnapshot};
+use inbox_core::{
+    async_trait, Ack, Consumer, Delivery, Handler, HandlerError, Message, MessageId, MessageSource,
+    StatsSnapshot,
+};
+use inbox_kafka::rdkafka::consumer::Consumer as _;
 use inbox_kafka::rdkafka::mocking::MockCluster;
 use inbox_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
-use inbox_kafka::{KafkaProducer, KafkaSource, KafkaSourceBuilder, OffsetCommits, Record};
+use inbox_kafka::{
+    KafkaAck, KafkaProducer, KafkaSource, KafkaSourceBuilder, OffsetCommits, Record,
+};
 use inbox_testkit::{MemoryStore, MemoryTx};
 
 fn init_tracing() {
@@ -305,4 +312,70 @@ async fn a_broker_restart_mid_stream_loses_nothing_and_applies_nothing_twice() {
     assert_eq!(stats.applied, total as u64, "every record applied once");
     assert_eq!(store.state().await, (1..=total).sum::<i64>());
     assert_eq!(stats.dead_lettered, 0);
+}
+
+/// The next delivery from `source`, within 30 s.
+async fn next_delivery(source: &mut KafkaSource) -> Delivery<KafkaAck> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let batch = source.receive(1).await.expect("receive");
+        if let Some(delivery) = batch.into_iter().next() {
+            return delivery;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "nothing received");
+    }
+}
+
+/// A dead letter whose produce the broker refuses seeks the partition back, as a nack does: the
+/// record comes again (and is parked on the next try) instead of its partition stalling behind
+/// an offset that is never finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_whose_produce_fails_hands_the_record_back() {
+    init_tracing();
+    let mock = MockCluster::new(1).expect("mock cluster");
+    mock.create_topic("parked", 1, 1).expect("topic");
+    mock.create_topic("parked.dlq", 1, 1)
+        .expect("dead-letter topic");
+    let brokers = mock.bootstrap_servers();
+    KafkaProducer::builder()
+        .brokers(&brokers)
+        .connect()
+        .await
+        .expect("producer")
+        .send_record("parked", Record::new("1"))
+        .await
+        .expect("produce");
+    let mut source = KafkaSource::builder(["parked"], "wallet")
+        .brokers(&brokers)
+        .poll_timeout(Duration::from_millis(300))
+        .connect()
+        .await
+        .expect("source");
+
+    let first = next_delivery(&mut source).await;
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE],
+    );
+    let e = first
+        .ack
+        .dead_letter(&first.message, "test: cannot be applied")
+        .await
+        .expect_err("the broker refuses the dead letter");
+    println!("failed dead letter: {e}");
+    mock.clear_request_errors(RDKafkaApiKey::Produce);
+
+    let again = next_delivery(&mut source).await;
+    assert_eq!(again.message.meta.position, first.message.meta.position);
+    assert_eq!(again.message.meta.delivery_count, Some(2));
+    again
+        .ack
+        .dead_letter(&again.message, "test: cannot be applied")
+        .await
+        .expect("parked on the next try");
+    let (_, parked) = source
+        .consumer()
+        .fetch_watermarks("parked.dlq", 0, Duration::from_secs(5))
+        .expect("watermarks");
+    assert_eq!(parked, 1, "one dead letter");
 }

@@ -1,7 +1,8 @@
 //! Hand-backs and attempt budgets of the effect consumer against a real PostgreSQL and a real
 //! HTTP provider: a live lease hands the message back without using an attempt (and without a
 //! busy loop on a broker that cannot delay), a call that surely did not apply is retried even
-//! when unknowns are skipped, and dead-lettered messages get a fresh budget on replay.
+//! when unknowns are skipped, dead-lettered messages get a fresh budget on replay, and a dead
+//! letter that fails leaves the message to come back.
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
@@ -80,6 +81,9 @@ impl Ack for NoDelayAck {
     async fn nack(self, _retry_after: Duration) -> Result<(), SourceError> {
         self.0.nack(Duration::ZERO).await
     }
+    async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        self.0.dead_letter(message, reason).await
+    }
 }
 
 #[async_trait]
@@ -94,9 +98,6 @@ impl MessageSource for NoDelay {
                 ack: NoDelayAck(d.ack),
             })
             .collect())
-    }
-    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        self.0.dead_letter(message, reason).await
     }
 }
 
@@ -230,5 +231,40 @@ async fn failed_messages_are_dead_lettered_and_a_replay_gets_a_fresh_budget() {
     .unwrap();
     assert_eq!(env.provider.effects(&key("evt-1")), 1);
     assert_eq!(env.row("evt-1").await, (4, 1, true));
+    env.db.drop().await;
+}
+
+#[tokio::test]
+async fn a_dead_letter_that_fails_leaves_the_lease_unsettled_and_the_message_comes_back() {
+    let env = Env::new(ProviderMode::Keys).await;
+    let broker = MemoryBroker::new();
+    broker.publish(Some("evt-1"), "notify");
+    for _ in 0..2 {
+        env.provider
+            .next_call(&key("evt-1"), Behaviour::Refuse(422));
+    }
+    // The first dead letter fails: the message must come back, not be lost or marked parked.
+    broker.fail_dead_letters(1);
+    let stats = patiently(
+        env.consumer(broker.source(), Setup::Keys.handler(&env.provider))
+            .run_until(drained(&broker)),
+    )
+    .await
+    .unwrap();
+
+    let dead = broker.dead_letters();
+    assert_eq!((dead.len(), stats.dead_lettered, stats.errors), (1, 1, 1));
+    assert_eq!(
+        dead[0].0.meta.delivery_count,
+        Some(2),
+        "parked from its second delivery"
+    );
+    assert_eq!(env.provider.calls(&key("evt-1")).len(), 2);
+    assert_eq!(env.provider.effects(&key("evt-1")), 0);
+    assert_eq!(
+        env.row("evt-1").await,
+        (2, 0, false),
+        "leased twice, released as dead-lettered once parked"
+    );
     env.db.drop().await;
 }

@@ -1,14 +1,16 @@
-//! `basic.ack` after the commit, batched with `multiple` where that is safe; delayed requeues.
+//! `basic.ack` after the commit, batched with `multiple` where that is safe; delayed requeues;
+//! dead letters published and confirmed, then acked.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use inbox_core::{async_trait, Ack, SourceError};
+use inbox_core::{async_trait, Ack, Message, SourceError};
 use lapin::options::{BasicAckOptions, BasicNackOptions};
-use lapin::{Channel, Connection};
+use lapin::{BasicProperties, Channel, Connection};
 
+use crate::dead_letter::DeadLetters;
 use crate::Error;
 
 /// One connection and its consuming channel. Deliveries keep it alive until they are settled:
@@ -146,11 +148,32 @@ impl fmt::Debug for Link {
 ///   counts toward `x-delivery-limit`; from 4.3 on a `basic.nack` no longer counts (see the crate
 ///   docs, "Ack semantics"). If the channel closes while it waits, the broker requeues the
 ///   delivery (one count) and the nack is not sent.
-#[derive(Debug)]
+/// - [`Ack::dead_letter`]: publishes the message to `<queue>.dlq` through the default exchange,
+///   with its original body, properties and headers plus the [`inbox_core::dead_letter`]
+///   headers (`reason`, `original_source`: the queue, `original_position`: connection, channel
+///   and tag), waits for the publisher confirm, at most
+///   [`RabbitSourceBuilder::operation_timeout`](crate::RabbitSourceBuilder::operation_timeout),
+///   then acks. It publishes on a connection of its own, shared by the source's acks, so a
+///   broker alarm, which blocks publishing connections, never holds up the acks of the
+///   consuming one. When the publish fails the delivery is nacked as above, after
+///   [`inbox_core::dead_letter::RETRY_AFTER`].
 pub struct RabbitAck {
     /// `None` in `AckMode::NoAck`: the broker already forgot it.
     pub(crate) link: Option<Arc<Link>>,
     pub(crate) tag: u64,
+    /// The source's dead-letter publisher.
+    pub(crate) dead_letters: Arc<DeadLetters>,
+    /// The delivery's own properties, so a dead letter keeps its typed headers and properties.
+    pub(crate) properties: BasicProperties,
+}
+
+impl fmt::Debug for RabbitAck {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitAck")
+            .field("link", &self.link)
+            .field("tag", &self.tag)
+            .finish_non_exhaustive()
+    }
 }
 
 #[async_trait]
@@ -175,6 +198,20 @@ impl Ack for RabbitAck {
             }
         });
         Ok(())
+    }
+
+    /// Publishes the dead letter, waits for its confirm, then acks; see the type's docs.
+    async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        let dead_letters = Arc::clone(&self.dead_letters);
+        match dead_letters.park(message, &self.properties, reason).await {
+            Ok(()) => self.ack().await,
+            Err(e) => {
+                if let Err(nack) = self.nack(inbox_core::dead_letter::RETRY_AFTER).await {
+                    tracing::warn!(error = %nack, "requeue after a failed dead letter failed; the broker redelivers the message when the channel closes");
+                }
+                Err(e.into())
+            }
+        }
     }
 
     async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {

@@ -3,13 +3,18 @@
 use std::fmt;
 use std::time::Duration;
 
+use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
+use inbox_core::Message;
 use lapin::options::ConfirmSelectOptions;
+use lapin::types::{AMQPValue, LongString};
 use lapin::{BasicProperties, Channel, Connection};
+use tokio::sync::Mutex;
 
 use crate::producer::publish_confirmed;
 use crate::{connect, Error, RabbitSourceBuilder, Result};
 
-/// The dead-letter publisher of one [`RabbitSource`](crate::RabbitSource).
+/// The dead-letter publisher of one [`RabbitSource`](crate::RabbitSource), shared by all its
+/// acks.
 ///
 /// Its own connection, because RabbitMQ blocks a whole connection once it publishes during a
 /// memory or disk alarm: on the consuming connection the acks would stop too. Opened at the
@@ -19,15 +24,18 @@ pub(crate) struct DeadLetters {
     name: String,
     timeout: Duration,
     heartbeat: Option<u16>,
-    open: Option<(Connection, Channel)>,
+    /// The queue consumed, and its dead-letter queue.
+    queue: String,
+    dead_letter_queue: String,
+    open: Mutex<Option<(Connection, Channel)>>,
 }
 
 impl fmt::Debug for DeadLetters {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DeadLetters")
             .field("name", &self.name)
+            .field("dead_letter_queue", &self.dead_letter_queue)
             .field("timeout", &self.timeout)
-            .field("connected", &self.open.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -39,14 +47,36 @@ impl DeadLetters {
             name: format!("{} dead letters", config.effective_connection_name()),
             timeout: config.operation_timeout,
             heartbeat: config.heartbeat_secs(),
-            open: None,
+            queue: config.queue.clone(),
+            dead_letter_queue: config.dead_letter_queue(),
+            open: Mutex::new(None),
         }
+    }
+
+    /// Publishes `message` to the dead-letter queue through the default exchange, with its
+    /// original body, properties and headers plus the [`inbox_core::dead_letter`] headers
+    /// (`reason`, `original_source`: the queue, `original_position`: connection, channel and
+    /// tag), persistent.
+    pub(crate) async fn park(
+        &self,
+        message: &Message,
+        original: &BasicProperties,
+        reason: &str,
+    ) -> Result<()> {
+        let mut headers = original.headers().clone().unwrap_or_default();
+        let text = |s: &str| AMQPValue::LongString(LongString::from(s.to_owned()));
+        headers.insert(REASON.into(), text(reason));
+        headers.insert(ORIGINAL_SOURCE.into(), text(&self.queue));
+        headers.insert(ORIGINAL_POSITION.into(), text(&message.meta.position));
+        let props = original.clone().with_headers(headers).with_delivery_mode(2);
+        self.publish(&self.dead_letter_queue, &message.payload, props)
+            .await
     }
 
     /// Publishes to `queue` through the default exchange and waits for the confirm, for at most
     /// the timeout: a broker that cannot store it (an alarm) must not stall the consumer.
-    pub(crate) async fn publish(
-        &mut self,
+    async fn publish(
+        &self,
         queue: &str,
         payload: &[u8],
         properties: BasicProperties,
@@ -66,14 +96,17 @@ impl DeadLetters {
         }
     }
 
-    async fn channel(&mut self) -> Result<Channel> {
-        if let Some((_, channel)) = &self.open {
+    /// The open channel, or a new connection and channel. Concurrent dead letters (of parallel
+    /// lanes) wait here for one connection rather than each opening its own.
+    async fn channel(&self) -> Result<Channel> {
+        let mut open = self.open.lock().await;
+        if let Some((_, channel)) = open.as_ref() {
             if channel.status().connected() {
                 return Ok(channel.clone());
             }
         }
         // Dropping the last handle closes a lost connection in the background.
-        self.open = None;
+        *open = None;
         let connection = connect::open(&self.url, &self.name, self.heartbeat).await?;
         let channel = connection
             .create_channel()
@@ -83,12 +116,14 @@ impl DeadLetters {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(|e| Error::amqp("enabling publisher confirms", e))?;
-        self.open = Some((connection, channel.clone()));
+        *open = Some((connection, channel.clone()));
         Ok(channel)
     }
 
-    pub(crate) async fn close(self) {
-        if let Some((connection, _)) = self.open {
+    /// Closes the connection, if open; a later dead letter opens a new one.
+    pub(crate) async fn close(&self) {
+        let open = self.open.lock().await.take();
+        if let Some((connection, _)) = open {
             let _ = connection.close(200, "consumer closed".into()).await;
         }
     }

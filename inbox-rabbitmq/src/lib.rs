@@ -77,13 +77,15 @@
 //!   to `<queue>.dlq` with its body, properties and headers plus the headers named in
 //!   [`inbox_core::dead_letter`]: `reason` (why), `original_source` (the queue) and
 //!   `original_position` (connection, channel and delivery tag), confirmed by the broker, and
-//!   only then acked. It publishes on a second connection (`<connection name> dead letters`):
-//!   during a memory or disk alarm RabbitMQ blocks every connection that publishes, and the
-//!   consuming one must keep acking. A publish not confirmed within
-//!   [`RabbitSourceBuilder::operation_timeout`] (default 10 s) fails with
-//!   [`Error::ConfirmTimeout`], a [`Recovery::Retry`](inbox_core::Recovery): the message is
-//!   handed back and dead-lettered on a later delivery (the late copy may land too, so the
-//!   dead-letter queue can hold it twice);
+//!   only then acked, all by the delivery's handle ([`RabbitAck`]'s
+//!   [`Ack::dead_letter`](inbox_core::Ack::dead_letter)). It publishes on a second connection
+//!   (`<connection name> dead letters`, shared by the source's acks): during a memory or disk
+//!   alarm RabbitMQ blocks every connection that publishes, and the consuming one must keep
+//!   acking. A publish not confirmed within [`RabbitSourceBuilder::operation_timeout`] (default
+//!   10 s) fails with [`Error::ConfirmTimeout`], a [`Recovery::Retry`](inbox_core::Recovery): the
+//!   message is requeued after [`RETRY_AFTER`](inbox_core::dead_letter::RETRY_AFTER) and
+//!   dead-lettered on a later delivery (the late copy may land too, so the dead-letter queue
+//!   can hold it twice);
 //! - the broker's: a message handed out more than `x-delivery-limit` times (requeued by nacks,
 //!   or in flight each time a consumer process died) is moved there by the quorum queue itself,
 //!   with RabbitMQ's `x-death` header. This stops a message that crashes the process from

@@ -4,14 +4,11 @@ use std::fmt;
 use std::sync::Arc;
 
 use futures_util::{FutureExt, StreamExt};
-use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{
-    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, Metadata, Recent,
-    SourceError,
+    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, Metadata, SourceError,
 };
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable};
 
 use crate::ack::{Link, RabbitAck};
 use crate::config::{url_from_env, IdField};
@@ -25,15 +22,9 @@ pub struct RabbitSource {
     config: RabbitSourceBuilder,
     generation: u64,
     live: Option<Live>,
-    dead_letters: DeadLetters,
-    /// Original properties of recent deliveries, by position, so a dead-lettered message keeps
-    /// its typed headers and properties. The consumer receives while earlier batches are still
-    /// applied, so this keeps [`RECENT_DELIVERIES`], not one batch.
-    originals: Recent<BasicProperties>,
+    /// The dead-letter publisher, shared by every ack.
+    dead_letters: Arc<DeadLetters>,
 }
-
-/// How many deliveries a source remembers for dead-lettering: far more than a consumer holds.
-const RECENT_DELIVERIES: usize = 20_000;
 
 struct Live {
     link: Arc<Link>,
@@ -57,13 +48,12 @@ impl RabbitSourceBuilder {
     /// by [`MessageSource::receive`].
     pub async fn connect(self) -> Result<RabbitSource> {
         self.check()?;
-        let dead_letters = DeadLetters::new(&self);
+        let dead_letters = Arc::new(DeadLetters::new(&self));
         let mut source = RabbitSource {
             config: self,
             generation: 0,
             live: None,
             dead_letters,
-            originals: Recent::new(RECENT_DELIVERIES),
         };
         source.open().await?;
         Ok(source)
@@ -233,7 +223,6 @@ impl RabbitSource {
                 timestamp: sent_at(&headers, *props.timestamp()),
             },
         };
-        self.originals.insert(position, props);
         let link = match self.config.ack_mode {
             AckMode::AfterCommit => {
                 link.track(tag);
@@ -244,7 +233,12 @@ impl RabbitSource {
         };
         Delivery {
             message,
-            ack: RabbitAck { link, tag },
+            ack: RabbitAck {
+                link,
+                tag,
+                dead_letters: Arc::clone(&self.dead_letters),
+                properties: props,
+            },
         }
     }
 }
@@ -321,52 +315,6 @@ impl MessageSource for RabbitSource {
             self.live = None;
         }
         Ok(raw.into_iter().map(|d| self.convert(&link, d)).collect())
-    }
-
-    /// Publishes the message to `<queue>.dlq` through the default exchange, with its original
-    /// body, properties and headers plus the [`inbox_core::dead_letter`] headers (`reason`,
-    /// `original_source`: the queue, `original_position`: connection, channel and tag), and waits
-    /// for the publisher confirm, at most [`RabbitSourceBuilder::operation_timeout`]. It
-    /// publishes on a connection of its own, so a broker alarm, which blocks publishing
-    /// connections, never holds up the acks of the consuming one.
-    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        let props = self
-            .originals
-            .get(&message.meta.position)
-            .cloned()
-            .unwrap_or_else(|| rebuilt_properties(message));
-        let mut headers = props.headers().clone().unwrap_or_default();
-        let text = |s: &str| AMQPValue::LongString(LongString::from(s.to_owned()));
-        headers.insert(REASON.into(), text(reason));
-        headers.insert(ORIGINAL_SOURCE.into(), text(&self.config.queue));
-        headers.insert(ORIGINAL_POSITION.into(), text(&message.meta.position));
-        let props = props.with_headers(headers).with_delivery_mode(2);
-        let dlq = self.config.dead_letter_queue();
-        self.dead_letters
-            .publish(&dlq, &message.payload, props)
-            .await?;
-        Ok(())
-    }
-}
-
-/// Properties for a message whose originals are gone (dead-lettered long after it arrived).
-/// An ID read from a header may be longer than `message_id` holds; the header keeps it then.
-fn rebuilt_properties(message: &Message) -> BasicProperties {
-    let mut headers = FieldTable::default();
-    for (k, v) in &message.headers {
-        // Every name came from an AMQP header, so none is too long.
-        if let Ok(name) = short_string("header name", k) {
-            headers.insert(name, AMQPValue::LongString(LongString::from(v.clone())));
-        }
-    }
-    let props = BasicProperties::default().with_headers(headers);
-    match message
-        .id
-        .as_ref()
-        .map(|id| short_string("message ID", id.as_str()))
-    {
-        Ok(Ok(id)) => props.with_message_id(id),
-        Ok(Err(_)) | Err(_) => props,
     }
 }
 

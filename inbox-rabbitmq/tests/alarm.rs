@@ -86,7 +86,9 @@ async fn a_dead_letter_during_a_memory_alarm_times_out_and_acks_keep_flowing() {
     let alarm = MemoryAlarm::raise().await;
     let parked = tokio::time::timeout(
         Duration::from_secs(30),
-        source.dead_letter(&to_park.message, "test: parked during an alarm"),
+        to_park
+            .ack
+            .dead_letter(&to_park.message, "test: parked during an alarm"),
     )
     .await;
     let consuming = connection_state(&config.effective_connection_name());
@@ -107,18 +109,17 @@ async fn a_dead_letter_during_a_memory_alarm_times_out_and_acks_keep_flowing() {
         .expect("the ack hung for 10 s during the alarm")
         .unwrap();
 
-    // Handed back, it is dead-lettered on a later attempt.
-    to_park.ack.nack(Duration::ZERO).await.unwrap();
+    // Handed back by the failed dead letter, it is dead-lettered on a later attempt.
     let again = loop {
         if let Some(d) = source.receive(1).await.unwrap().pop() {
             break d;
         }
     };
-    source
+    again
+        .ack
         .dead_letter(&again.message, "test: parked after the alarm")
         .await
         .unwrap();
-    again.ack.ack().await.unwrap();
     source.close().await;
     let parked = drain(&config.dead_letter_queue()).await;
     assert!(!parked.is_empty() && parked.len() <= 2, "{}", parked.len());

@@ -78,10 +78,13 @@
 //!   duplicates if already applied), not after `claim_idle`.
 //! - **Nack** leaves the entry pending: Redis cannot delay a redelivery, so it comes back after
 //!   `claim_idle`, through `XAUTOCLAIM`.
-//! - **Dead letter**: `XADD <stream>:dlq * <original fields…> reason <text> original_source
-//!   <stream> original_position <entry ID>` (the names of [`inbox_core::dead_letter`]), then
-//!   `XACK`. If the `XACK` fails the entry is dead-lettered again later: the dead-letter
-//!   stream may hold a copy twice, never zero times.
+//! - **Dead letter** ([`RedisStreamAck`]'s [`Ack::dead_letter`](inbox_core::Ack::dead_letter)):
+//!   `XADD <stream>:dlq * <original fields…> reason <text> original_source <stream>
+//!   original_position <entry ID>` (the names of [`inbox_core::dead_letter`]) and `XACK`, in
+//!   one script: the `XACK` runs only if the `XADD` did (inside `MULTI` it would run even when
+//!   the `XADD` failed, and the entry would be lost). If the script fails, or its reply is lost,
+//!   the entry stays pending and is dead-lettered again later: the dead-letter stream may hold
+//!   a copy twice, never zero times.
 //! - **Trimmed or deleted while pending** (`XTRIM`, `XADD … MAXLEN`, `XDEL`): nothing is left
 //!   to apply, so the entry is removed from the PEL with `XACK` and logged (a warning with its
 //!   ID), whether the reread finds it (`[id, nil]`) or `XAUTOCLAIM` does. Redis 7 drops such

@@ -5,8 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{
-    async_trait, dead_letter, Capabilities, Delivery, IdError, Message, MessageSource, Metadata,
-    SourceError,
+    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, Metadata, SourceError,
 };
 use redis::Value;
 use tokio::time::Instant;
@@ -276,59 +275,6 @@ impl RedisStreamSource {
         let ack = RedisStreamAck::new(self.commands.clone(), Arc::clone(&self.settings), entry.id);
         Some(Delivery { message, ack })
     }
-
-    /// The entry's own fields, read back so the dead-letter copy is exact (an invalid ID is
-    /// kept as sent); `None` when it is gone from the stream.
-    async fn original_fields(&mut self, entry_id: &str) -> Result<Option<Fields>> {
-        let s = &self.settings;
-        let value: Value = self
-            .commands
-            .idempotent(
-                redis::cmd("XRANGE")
-                    .arg(&s.stream)
-                    .arg(entry_id)
-                    .arg(entry_id),
-            )
-            .await
-            .map_err(|e| Error::redis(format!("XRANGE on stream {}", s.stream), e))?;
-        Ok(reply::range_reply(value)?
-            .into_iter()
-            .find(|e| e.id == entry_id)
-            .and_then(|e| e.fields))
-    }
-
-    async fn park(&mut self, message: &Message, reason: &str) -> Result<()> {
-        let from_here =
-            message.meta.source == self.settings.stream && !message.meta.position.is_empty();
-        let original = if from_here {
-            self.original_fields(&message.meta.position).await?
-        } else {
-            None
-        };
-        let fields = original.unwrap_or_else(|| rebuild_fields(&self.settings, message));
-        let s = &self.settings;
-        let mut cmd = redis::cmd("XADD");
-        cmd.arg(&s.dead_letter_stream).arg("*");
-        for (name, value) in &fields {
-            cmd.arg(name.as_slice()).arg(value.as_slice());
-        }
-        cmd.arg(dead_letter::REASON).arg(reason);
-        cmd.arg(dead_letter::ORIGINAL_SOURCE)
-            .arg(&message.meta.source);
-        cmd.arg(dead_letter::ORIGINAL_POSITION)
-            .arg(&message.meta.position);
-        let _: Value = self
-            .commands
-            .query(&cmd, Duration::ZERO)
-            .await
-            .map_err(|e| {
-                Error::redis(
-                    format!("XADD to dead-letter stream {}", s.dead_letter_stream),
-                    e,
-                )
-            })?;
-        Ok(())
-    }
 }
 
 #[async_trait]
@@ -358,13 +304,6 @@ impl MessageSource for RedisStreamSource {
                 Err(e.into())
             }
         }
-    }
-
-    /// `XADD <dead-letter stream> * <original fields…> reason <reason> original_source <stream>
-    /// original_position <entry ID>` (the names of [`inbox_core::dead_letter`]).
-    /// The consumer then acks the entry with `XACK`.
-    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        Ok(self.park(message, reason).await?)
     }
 }
 
@@ -413,7 +352,7 @@ fn entry_time(entry_id: &str) -> Option<std::time::SystemTime> {
 }
 
 /// The fields of a message that is no longer in the stream, as well as they can be rebuilt.
-fn rebuild_fields(settings: &Settings, message: &Message) -> Fields {
+pub(crate) fn rebuild_fields(settings: &Settings, message: &Message) -> Fields {
     let mut fields = Vec::with_capacity(message.headers.len() + 2);
     if let Ok(id) = &message.id {
         fields.push((

@@ -186,3 +186,69 @@ async fn a_blocking_read_longer_than_half_a_second_waits_for_its_entry() {
     assert_eq!(batch[0].message.payload, b"7");
     cleanup(&stream).await;
 }
+
+/// The dead letter carries the entry's own fields and the reason, and the entry is acked by the
+/// same call: nothing is left pending.
+#[tokio::test]
+async fn a_dead_letter_is_parked_and_acked_in_one_step() {
+    let stream = stream_key("park");
+    xadd_raw(&stream, &[("trace", "t1"), ("payload", "not a number")]).await;
+    let mut source = source(&stream, "c1").await;
+    let d = source
+        .receive(10)
+        .await
+        .expect("receive")
+        .pop()
+        .expect("entry");
+    let position = d.message.meta.position.clone();
+    d.ack
+        .dead_letter(&d.message, "test: no ID")
+        .await
+        .expect("dead letter");
+    assert_eq!(pending(&stream).await, 0, "acked by the dead letter");
+    let dead = dead_letters(&stream).await;
+    let field = |name: &str| {
+        dead[0]
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(dead.len(), 1);
+    assert_eq!(field("trace").as_deref(), Some("t1"));
+    assert_eq!(field("payload").as_deref(), Some("not a number"));
+    assert_eq!(field("reason").as_deref(), Some("test: no ID"));
+    assert_eq!(field("original_source"), Some(stream.clone()));
+    assert_eq!(field("original_position"), Some(position));
+    cleanup(&stream).await;
+}
+
+/// The dead-letter stream's key holds another type, so its `XADD` fails when it runs: the entry
+/// must stay pending (inside a `MULTI` the `XACK` would still run, and the entry would be gone
+/// with no copy anywhere).
+#[tokio::test]
+async fn a_dead_letter_that_cannot_be_written_leaves_the_entry_pending() {
+    let stream = stream_key("park-fails");
+    xadd_raw(&stream, &[("payload", "x")]).await;
+    let _: () = inbox_redis_streams::redis::cmd("SET")
+        .arg(format!("{stream}:dlq"))
+        .arg("not a stream")
+        .query_async(&mut raw().await)
+        .await
+        .expect("SET");
+    let mut source = source(&stream, "c1").await;
+    let d = source
+        .receive(10)
+        .await
+        .expect("receive")
+        .pop()
+        .expect("entry");
+    let e = d
+        .ack
+        .dead_letter(&d.message, "test: no ID")
+        .await
+        .expect_err("XADD onto a string key fails");
+    println!("failed dead letter: {e}");
+    assert!(e.to_string().contains("WRONGTYPE"), "{e}");
+    assert_eq!(pending(&stream).await, 1, "the entry is still pending");
+    cleanup(&stream).await;
+}

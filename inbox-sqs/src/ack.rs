@@ -1,16 +1,29 @@
-//! Acknowledging SQS deliveries: delete on ack, change visibility on nack.
+//! Acknowledging SQS deliveries: delete on ack, change visibility on nack, send to the
+//! dead-letter queue then delete on dead-letter.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aws_sdk_sqs::types::DeleteMessageBatchRequestEntry;
+use aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, MessageAttributeValue};
 use aws_sdk_sqs::Client;
-use inbox_core::{async_trait, Ack, SourceError};
-use tracing::debug;
+use inbox_core::{async_trait, Ack, Message, SourceError};
+use tracing::{debug, warn};
 
 use crate::config::{AckMode, MAX_VISIBILITY};
+use crate::dead_letter::{self, DeadLetterTarget};
 use crate::heartbeat::Heartbeat;
 use crate::Error;
+
+/// What every ack of one source shares: its client, queue, settings and dead-letter queue.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) client: Client,
+    pub(crate) queue_url: Arc<str>,
+    pub(crate) mode: AckMode,
+    pub(crate) min_retry_delay: Duration,
+    pub(crate) dead_letter: DeadLetterTarget,
+}
 
 /// The acknowledgement handle of one SQS delivery: its queue and the receipt handle of the
 /// receive that returned it.
@@ -18,33 +31,33 @@ use crate::Error;
 /// - [`Ack::ack`] deletes the message (`DeleteMessage`); [`Ack::ack_all`] deletes many with
 ///   `DeleteMessageBatch`, 10 per call.
 /// - [`Ack::nack`] makes the message visible again after the delay (`ChangeMessageVisibility`).
+/// - [`Ack::dead_letter`] sends the message to the dead-letter queue (see the crate docs, "Dead
+///   letters"), with the attributes it was received with, then deletes it. When the send fails
+///   it is nacked for [`inbox_core::dead_letter::RETRY_AFTER`] (at least the source's
+///   `retry_backoff`); a source with no dead-letter queue fails with
+///   [`Recovery::Fatal`](inbox_core::Recovery::Fatal) naming the setting.
 /// - Dropping it without either (the consumer crashed) stops its visibility heartbeat; the
 ///   message becomes visible again when its visibility timeout runs out.
 #[derive(Debug)]
 pub struct SqsAck {
-    client: Client,
-    queue_url: Arc<str>,
+    shared: Arc<Shared>,
     receipt_handle: Arc<str>,
-    mode: AckMode,
-    min_retry_delay: Duration,
+    /// The message attributes as received, with their data types, for a dead letter.
+    attributes: Option<HashMap<String, MessageAttributeValue>>,
     heartbeat: Option<Heartbeat>,
 }
 
 impl SqsAck {
     pub(crate) fn new(
-        client: Client,
-        queue_url: Arc<str>,
+        shared: Arc<Shared>,
         receipt_handle: Arc<str>,
-        mode: AckMode,
-        min_retry_delay: Duration,
+        attributes: Option<HashMap<String, MessageAttributeValue>>,
         heartbeat: Option<Heartbeat>,
     ) -> Self {
         Self {
-            client,
-            queue_url,
+            shared,
             receipt_handle,
-            mode,
-            min_retry_delay,
+            attributes,
             heartbeat,
         }
     }
@@ -65,35 +78,37 @@ impl SqsAck {
 impl Ack for SqsAck {
     async fn ack(mut self) -> Result<(), SourceError> {
         self.stop_heartbeat();
-        if self.mode.deletes_on_receive() {
+        let s = &self.shared;
+        if s.mode.deletes_on_receive() {
             return Ok(());
         }
-        self.client
+        s.client
             .delete_message()
-            .queue_url(&*self.queue_url)
+            .queue_url(&*s.queue_url)
             .receipt_handle(&*self.receipt_handle)
             .send()
             .await
-            .map_err(|e| Error::sdk("DeleteMessage", &self.queue_url, e))?;
+            .map_err(|e| Error::sdk("DeleteMessage", &s.queue_url, e))?;
         Ok(())
     }
 
     async fn nack(mut self, retry_after: Duration) -> Result<(), SourceError> {
         self.stop_heartbeat();
-        if self.mode.deletes_on_receive() {
+        let s = &self.shared;
+        if s.mode.deletes_on_receive() {
             // Already deleted: there is nothing left to hand back (the anti-pattern's loss).
             return Ok(());
         }
-        let seconds = visibility_seconds(retry_after.max(self.min_retry_delay));
-        let result = self
+        let seconds = visibility_seconds(retry_after.max(s.min_retry_delay));
+        let result = s
             .client
             .change_message_visibility()
-            .queue_url(&*self.queue_url)
+            .queue_url(&*s.queue_url)
             .receipt_handle(&*self.receipt_handle)
             .visibility_timeout(seconds)
             .send()
             .await
-            .map_err(|e| Error::sdk("ChangeMessageVisibility (nack)", &self.queue_url, e));
+            .map_err(|e| Error::sdk("ChangeMessageVisibility (nack)", &s.queue_url, e));
         match result {
             Ok(_) => Ok(()),
             // The copy is no longer ours (its visibility ran out and another receive took it):
@@ -106,20 +121,56 @@ impl Ack for SqsAck {
         }
     }
 
+    /// Sends the dead letter, then deletes the message; see the type's docs.
+    async fn dead_letter(mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        let shared = Arc::clone(&self.shared);
+        let sent = match &shared.dead_letter {
+            DeadLetterTarget::Queue(dlq_url) => dead_letter::send(
+                &shared.client,
+                dlq_url,
+                message,
+                self.attributes.take().as_ref(),
+                Some(&self.receipt_handle),
+                reason,
+            )
+            .await
+            .map_err(SourceError::from),
+            DeadLetterTarget::Redrive {
+                arn,
+                max_receive_count,
+            } => Err(dead_letter::handed_to_redrive(
+                &shared.queue_url,
+                arn,
+                max_receive_count,
+                reason,
+            )),
+            DeadLetterTarget::None => Err(dead_letter::nowhere(&shared.queue_url, reason)),
+        };
+        match sent {
+            Ok(()) => self.ack().await,
+            Err(e) => {
+                if let Err(nack) = self.nack(inbox_core::dead_letter::RETRY_AFTER).await {
+                    warn!(error = %nack, "nack after a failed dead letter failed; the message is visible again when its visibility timeout runs out");
+                }
+                Err(e)
+            }
+        }
+    }
+
     async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {
         let mut pending: Vec<SqsAck> = Vec::with_capacity(acks.len());
         for mut ack in acks {
             ack.stop_heartbeat();
-            if ack.mode == AckMode::AfterCommit {
+            if ack.shared.mode == AckMode::AfterCommit {
                 pending.push(ack);
             }
         }
         // One batch call per queue and per 10 messages; normally all share one queue.
-        pending.sort_by(|a, b| a.queue_url.cmp(&b.queue_url));
+        pending.sort_by(|a, b| a.shared.queue_url.cmp(&b.shared.queue_url));
         let mut first_error: Option<Error> = None;
         let mut failed = 0;
         let total = pending.len();
-        for group in pending.chunk_by(|a, b| a.queue_url == b.queue_url) {
+        for group in pending.chunk_by(|a, b| a.shared.queue_url == b.shared.queue_url) {
             for chunk in group.chunks(10) {
                 if let Err((n, e)) = delete_batch(chunk).await {
                     failed += n;
@@ -160,10 +211,11 @@ async fn delete_batch(chunk: &[SqsAck]) -> Result<(), (usize, Error)> {
     let Some(first) = chunk.first() else {
         return Ok(());
     };
-    let queue_url = &*first.queue_url;
+    let queue_url = &*first.shared.queue_url;
     if let [only] = chunk {
         // One message: the plain call is as cheap and its error is simpler.
         return only
+            .shared
             .client
             .delete_message()
             .queue_url(queue_url)
@@ -173,7 +225,11 @@ async fn delete_batch(chunk: &[SqsAck]) -> Result<(), (usize, Error)> {
             .map(|_| ())
             .map_err(|e| (1, Error::sdk("DeleteMessage", queue_url, e)));
     }
-    let mut request = first.client.delete_message_batch().queue_url(queue_url);
+    let mut request = first
+        .shared
+        .client
+        .delete_message_batch()
+        .queue_url(queue_url);
     for (i, ack) in chunk.iter().enumerate() {
         let entry = DeleteMessageBatchRequestEntry::builder()
             .id(i.to_string())
@@ -262,14 +318,14 @@ mod tests {
         );
         tokio::time::sleep(Duration::from_millis(700)).await;
         // DeleteOnReceive acks make no call of their own: only the heartbeat's stop is timed.
-        let ack = SqsAck::new(
+        let shared = Shared {
             client,
             queue_url,
-            handle,
-            AckMode::DeleteOnReceive,
-            Duration::ZERO,
-            Some(heartbeat),
-        );
+            mode: AckMode::DeleteOnReceive,
+            min_retry_delay: Duration::ZERO,
+            dead_letter: DeadLetterTarget::None,
+        };
+        let ack = SqsAck::new(Arc::new(shared), handle, None, Some(heartbeat));
         let acked = tokio::time::timeout(Duration::from_secs(3), ack.ack()).await;
         server.abort();
         assert!(

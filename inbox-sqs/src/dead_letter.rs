@@ -23,7 +23,7 @@ const MAX_REASON_BYTES: usize = 4096;
 /// The dead-letter destination a source resolved when it was built.
 #[derive(Debug, Clone)]
 pub(crate) enum DeadLetterTarget {
-    /// Send the message here with a reason, then the consumer deletes the original.
+    /// Send the message here with a reason, then delete the original.
     Queue(String),
     /// The queue has a redrive policy whose dead-letter queue could not be resolved to a URL:
     /// hand the message back and let SQS move it after `max_receive_count` receives.
@@ -183,7 +183,7 @@ fn fifo_group(message: &Message) -> String {
 /// still succeeds) and then deleted from the source: lost. The receipt handle is new on every
 /// receive, so each delivery's dead letter is its own, while a retry of the same delivery's
 /// send (the SDK's, after a lost response) is still dropped as the duplicate it is. Without a
-/// handle (not expected: the source keeps its last batch's), a fresh UUID: a retried send can
+/// handle (not expected: every ack carries its own), a fresh UUID: a retried send can
 /// then leave a second copy in the DLQ, which the inbox skips on replay; a duplicate dead
 /// letter is recoverable, a dropped one is not. Both are hashed or generated into SQS's
 /// alphabet, never built from the message ID, which may hold spaces or non-ASCII.

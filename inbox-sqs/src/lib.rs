@@ -81,7 +81,8 @@
 //!   skipped.
 //! - **Nack** (a store error, a failed dead letter) is `ChangeMessageVisibility` to the delay,
 //!   at least [`SqsSourceBuilder::retry_backoff`], rounded up to whole seconds (300 ms is 1 s):
-//!   the message is visible again after it.
+//!   the message is visible again after it. A failed dead letter is nacked by its handle with
+//!   [`RETRY_AFTER`](inbox_core::dead_letter::RETRY_AFTER) (1 s).
 //!   Handler failures are retried by the consumer in-process first
 //!   ([`RetryPolicy`](inbox_core::RetryPolicy)), under the heartbeat.
 //! - `AckMode::DeleteOnReceive` (feature `never-in-production`) deletes at receive time
@@ -89,7 +90,9 @@
 //!
 //! # Dead letters
 //! A message without a usable ID, with a permanent handler error, or failing
-//! `max_attempts` times, is dead-lettered, then deleted:
+//! `max_attempts` times, is dead-lettered, then deleted, by its handle ([`SqsAck`]'s
+//! [`Ack::dead_letter`](inbox_core::Ack::dead_letter), which keeps the attributes the message
+//! was received with):
 //! - with [`SqsSourceBuilder::dead_letter_queue`], it is sent there (`SendMessage`: same body,
 //!   same attributes, plus the attributes [`REASON`](inbox_core::dead_letter::REASON),
 //!   [`ORIGINAL_SOURCE`](inbox_core::dead_letter::ORIGINAL_SOURCE) (the queue URL) and

@@ -1,20 +1,18 @@
 //! The SQS [`MessageSource`]: long-poll receives turned into inbox deliveries.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use aws_sdk_sqs::types::{MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName};
 use aws_sdk_sqs::Client;
 use inbox_core::{
-    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, Metadata, Recent,
-    SourceError,
+    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, Metadata, SourceError,
 };
 use tracing::warn;
 
-use crate::ack::SqsAck;
+use crate::ack::{Shared, SqsAck};
 use crate::config::{AckMode, Settings, SqsSourceBuilder};
-use crate::dead_letter::{self, DeadLetterTarget};
+use crate::dead_letter::DeadLetterTarget;
 use crate::heartbeat::Heartbeat;
 use crate::{Error, Result};
 
@@ -26,22 +24,8 @@ pub struct SqsSource {
     client: Client,
     settings: Settings,
     queue_url: Arc<str>,
-    dead_letter: DeadLetterTarget,
-    /// Recent deliveries, by position (`message <SQS message ID>`), so a dead letter carries
-    /// the attributes with their original data types and a deduplication ID from its receipt
-    /// handle. The consumer receives while earlier batches are still applied, so this keeps
-    /// [`RECENT_DELIVERIES`], not one batch.
-    recent: Recent<Received>,
-}
-
-/// How many deliveries a source remembers for dead-lettering: far more than a consumer holds.
-const RECENT_DELIVERIES: usize = 20_000;
-
-/// What a dead letter needs of a received message beyond the inbox [`Message`].
-#[derive(Debug)]
-struct Received {
-    receipt_handle: Arc<str>,
-    attributes: Option<HashMap<String, MessageAttributeValue>>,
+    /// What every ack shares, the dead-letter queue included.
+    acks: Arc<Shared>,
 }
 
 impl SqsSource {
@@ -52,13 +36,19 @@ impl SqsSource {
     }
 
     pub(crate) fn new(client: Client, settings: Settings, dead_letter: DeadLetterTarget) -> Self {
-        let queue_url = Arc::from(settings.queue_url.as_str());
+        let queue_url: Arc<str> = Arc::from(settings.queue_url.as_str());
+        let acks = Arc::new(Shared {
+            client: client.clone(),
+            queue_url: Arc::clone(&queue_url),
+            mode: settings.ack_mode,
+            min_retry_delay: settings.min_retry_delay,
+            dead_letter,
+        });
         Self {
             client,
             settings,
             queue_url,
-            dead_letter,
-            recent: Recent::new(RECENT_DELIVERIES),
+            acks,
         }
     }
 
@@ -71,7 +61,7 @@ impl SqsSource {
     /// queue's redrive-policy target. `None` when there is none, or when it could not be
     /// resolved and SQS's own redrive moves failed messages.
     pub fn dead_letter_queue(&self) -> Option<&str> {
-        match &self.dead_letter {
+        match &self.acks.dead_letter {
             DeadLetterTarget::Queue(url) => Some(url),
             _ => None,
         }
@@ -164,14 +154,19 @@ impl SqsSource {
     /// Deletes messages right after receiving them: only for `AckMode::DeleteOnReceive`.
     #[cfg_attr(not(feature = "never-in-production"), allow(dead_code))]
     async fn delete_on_receive(&self, handles: Vec<String>) -> Result<(), SourceError> {
+        let shared = Arc::new(Shared {
+            client: self.client.clone(),
+            queue_url: Arc::clone(&self.queue_url),
+            mode: AckMode::AfterCommit,
+            min_retry_delay: Duration::ZERO,
+            dead_letter: DeadLetterTarget::None,
+        });
         let mut acks = Vec::with_capacity(handles.len());
         for handle in handles {
             acks.push(SqsAck::new(
-                self.client.clone(),
-                Arc::clone(&self.queue_url),
+                Arc::clone(&shared),
                 Arc::from(handle),
-                AckMode::AfterCommit,
-                Duration::ZERO,
+                None,
                 None,
             ));
         }
@@ -219,15 +214,6 @@ impl MessageSource for SqsSource {
             };
             let message = self.convert(sqs);
             let handle: Arc<str> = Arc::from(handle);
-            if sqs.message_id().is_some() {
-                self.recent.insert(
-                    message.meta.position.clone(),
-                    Received {
-                        receipt_handle: Arc::clone(&handle),
-                        attributes: sqs.message_attributes().cloned(),
-                    },
-                );
-            }
             let heartbeat = self.settings.heartbeat.then(|| {
                 Heartbeat::start(
                     self.client.clone(),
@@ -240,11 +226,9 @@ impl MessageSource for SqsSource {
                 to_delete.push(handle.to_string());
             }
             let ack = SqsAck::new(
-                self.client.clone(),
-                Arc::clone(&self.queue_url),
+                Arc::clone(&self.acks),
                 handle,
-                self.settings.ack_mode,
-                self.settings.min_retry_delay,
+                sqs.message_attributes().cloned(),
                 heartbeat,
             );
             deliveries.push(Delivery { message, ack });
@@ -275,34 +259,6 @@ impl MessageSource for SqsSource {
     /// dead-letter queue restarts that clock, so leave the inbox a margin beyond it.
     fn redelivery_window(&self) -> Option<Duration> {
         self.settings.retention
-    }
-
-    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        match &self.dead_letter {
-            DeadLetterTarget::Queue(dlq_url) => {
-                let received = self.recent.get(&message.meta.position);
-                dead_letter::send(
-                    &self.client,
-                    dlq_url,
-                    message,
-                    received.and_then(|r| r.attributes.as_ref()),
-                    received.map(|r| &*r.receipt_handle),
-                    reason,
-                )
-                .await
-                .map_err(SourceError::from)
-            }
-            DeadLetterTarget::Redrive {
-                arn,
-                max_receive_count,
-            } => Err(dead_letter::handed_to_redrive(
-                &self.queue_url,
-                arn,
-                max_receive_count,
-                reason,
-            )),
-            DeadLetterTarget::None => Err(dead_letter::nowhere(&self.queue_url, reason)),
-        }
     }
 }
 

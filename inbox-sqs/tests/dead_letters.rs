@@ -1,5 +1,5 @@
-//! Dead letters at the adapter level: what arrives in a FIFO dead-letter queue, and a
-//! dead-letter queue that does not exist.
+//! Dead letters at the adapter level: what arrives in a FIFO dead-letter queue, a send that
+//! fails, and a dead-letter queue that does not exist.
 // A test fails by panicking; an unwrap names the failed call in its message.
 #![allow(clippy::unwrap_used)]
 
@@ -17,8 +17,8 @@ use inbox_sqs::{Error, Outgoing, SqsProducer, SqsSource};
 
 const SECOND: Duration = Duration::from_secs(1);
 
-/// Receives everything visible on the source and dead-letters it, then deletes it, as the
-/// consumer does. Returns how many messages it dead-lettered.
+/// Receives everything visible on the source and dead-letters it (sent to the dead-letter
+/// queue, then deleted), as the consumer does. Returns how many messages it dead-lettered.
 async fn dead_letter_all(source: &mut SqsSource) -> usize {
     let mut n = 0;
     loop {
@@ -27,11 +27,11 @@ async fn dead_letter_all(source: &mut SqsSource) -> usize {
             return n;
         }
         for delivery in batch {
-            source
+            delivery
+                .ack
                 .dead_letter(&delivery.message, "test: cannot be applied")
                 .await
                 .unwrap();
-            delivery.ack.ack().await.unwrap();
             n += 1;
         }
     }
@@ -149,6 +149,55 @@ async fn messages_without_an_id_or_with_a_non_ascii_id_dead_letter_to_a_fifo_dlq
     }
     common::delete_queue(&sqs, &url).await;
     common::delete_queue(&sqs, &dlq).await;
+}
+
+/// The dead-letter queue is deleted after the source was built, so the send fails: the message
+/// is not deleted but handed back, visible again after `dead_letter::RETRY_AFTER` (1 s) rather
+/// than after its 30 s visibility timeout.
+#[tokio::test]
+async fn a_dead_letter_whose_send_fails_hands_the_message_back() {
+    let sqs = client().await;
+    let url = queue(&sqs, "dl-fails", 30).await;
+    let dlq = queue(&sqs, "dl-fails-dlq", 30).await;
+    let mut source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
+        .dead_letter_queue(&dlq)
+        .connect()
+        .await
+        .unwrap();
+    common::delete_queue(&sqs, &dlq).await;
+    sqs.send_message()
+        .queue_url(&url)
+        .message_body("no id")
+        .send()
+        .await
+        .unwrap();
+    let first = loop {
+        if let Some(d) = source.receive(1).await.unwrap().pop() {
+            break d;
+        }
+    };
+    let e = first
+        .ack
+        .dead_letter(&first.message, "test: cannot be applied")
+        .await
+        .expect_err("the dead-letter queue is gone");
+    println!("failed dead letter ({:?}): {e}", e.recovery());
+
+    let mut again = None;
+    for _ in 0..5 {
+        again = source.receive(1).await.unwrap().pop();
+        if again.is_some() {
+            break;
+        }
+    }
+    let again = again.expect("handed back within seconds, not after its visibility timeout");
+    assert_eq!(again.message.payload, b"no id");
+    assert_eq!(again.message.meta.delivery_count, Some(2));
+    again.ack.ack().await.unwrap();
+    assert_eq!(common::counts(&sqs, &url).await, (0, 0));
+    common::delete_queue(&sqs, &url).await;
 }
 
 #[tokio::test]

@@ -416,10 +416,6 @@ impl<S: MessageSource> MessageSource for Crashing<S> {
             .collect())
     }
 
-    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        self.inner.dead_letter(message, reason).await
-    }
-
     fn redelivery_window(&self) -> Option<Duration> {
         self.inner.redelivery_window()
     }
@@ -453,6 +449,10 @@ impl<A: Ack> Ack for CrashingAck<A> {
 
     async fn nack(self, retry_after: Duration) -> Result<(), SourceError> {
         self.inner.nack(retry_after).await
+    }
+
+    async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        self.inner.dead_letter(message, reason).await
     }
 
     async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {

@@ -4,7 +4,9 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
-use inbox_core::{Ack, Delivery, IdError, Message, MessageId, MessageSource, SourceError};
+use inbox_core::{
+    Ack, Delivery, IdError, Message, MessageId, MessageSource, Recovery, SourceError,
+};
 
 /// When a [`MemorySource`] acknowledges.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +29,8 @@ struct State {
     ready: VecDeque<Queued>,
     in_flight: HashMap<u64, (u64, Queued)>,
     dead: Vec<(Message, String)>,
+    /// How many of the next dead letters fail.
+    failing_dead_letters: u32,
     next_tag: u64,
     next_owner: u64,
     acked: u64,
@@ -113,6 +117,13 @@ impl MemoryBroker {
         self.state().dead.clone()
     }
 
+    /// Makes the next `n` dead letters fail, as an unreachable dead-letter destination would:
+    /// [`Ack::dead_letter`] then parks nothing, returns a [`Recovery::Retry`] error and puts the
+    /// delivery back in the queue at once (no delay, to keep tests fast).
+    pub fn fail_dead_letters(&self, n: u32) {
+        self.state().failing_dead_letters = n;
+    }
+
     fn requeue(&self, tag: u64, delay: Option<Duration>) {
         let mut state = self.state();
         if let Some((_, mut queued)) = state.in_flight.remove(&tag) {
@@ -157,6 +168,31 @@ impl Ack for MemoryAck {
         }
         Ok(())
     }
+
+    /// Keeps the message and reason for [`MemoryBroker::dead_letters`] and acks the delivery,
+    /// in one step; see [`MemoryBroker::fail_dead_letters`] for a failing one.
+    async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        let mut state = self.broker.state();
+        if state.failing_dead_letters > 0 {
+            state.failing_dead_letters -= 1;
+            drop(state);
+            if let Some(tag) = self.tag {
+                self.broker.requeue(tag, None);
+            }
+            return Err(SourceError::new(
+                Recovery::Retry,
+                "dead letter",
+                format!("the memory broker was told to fail this dead letter ({reason})"),
+            ));
+        }
+        state.dead.push((message.clone(), reason.to_owned()));
+        if let Some(tag) = self.tag {
+            if state.in_flight.remove(&tag).is_some() {
+                state.acked += 1;
+            }
+        }
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -170,14 +206,6 @@ impl MessageSource for MemorySource {
             return Ok(self.take(max));
         }
         Ok(batch)
-    }
-
-    async fn dead_letter(&mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        self.broker
-            .state()
-            .dead
-            .push((message.clone(), reason.to_owned()));
-        Ok(())
     }
 
     fn redelivery_window(&self) -> Option<Duration> {
@@ -252,5 +280,40 @@ impl Drop for MemorySource {
                 state.ready.push_front(queued);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_dead_letter_parks_and_acks_and_a_failed_one_hands_the_delivery_back() {
+        let broker = MemoryBroker::new();
+        broker.publish(Some("evt-1"), "x");
+        let mut source = broker.source();
+        broker.fail_dead_letters(1);
+
+        let first = source.receive(1).await.unwrap().pop().unwrap();
+        let e = first
+            .ack
+            .dead_letter(&first.message, "bad")
+            .await
+            .unwrap_err();
+        assert_eq!(e.recovery(), Recovery::Retry);
+        assert!(broker.dead_letters().is_empty());
+        assert_eq!((broker.pending(), broker.acked()), (1, 0), "not acked");
+
+        let again = source.receive(1).await.unwrap().pop().expect("handed back");
+        assert_eq!(again.message.meta.delivery_count, Some(2));
+        again.ack.dead_letter(&again.message, "bad").await.unwrap();
+        let dead = broker.dead_letters();
+        assert_eq!(dead.len(), 1);
+        assert_eq!(dead[0].1, "bad");
+        assert_eq!(
+            (broker.pending(), broker.acked()),
+            (0, 1),
+            "parked and acked"
+        );
     }
 }

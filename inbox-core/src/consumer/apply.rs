@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
-use tokio::sync::Mutex;
 use tracing::{debug, info, info_span, warn, Instrument};
 
 use super::stop::Stop;
@@ -18,7 +17,7 @@ use crate::stats::Counter;
 use crate::telemetry::{self, dead_letter_span, process_span, seconds_since, ConsumerMetrics};
 use crate::{
     Ack, BatchHandler, BatchItem, Delivery, Error, Failure, HandlerError, Health, InboxStore,
-    MessageId, MessageSource, Recovery, Result, SourceError, Stage, StageHook, Stats, StoreError,
+    MessageId, Recovery, Result, SourceError, Stage, StageHook, Stats, StoreError,
 };
 
 #[derive(Debug)]
@@ -74,18 +73,17 @@ where
     /// Applies one chunk of one lane. Returns the acks of the messages settled by the commit,
     /// for the caller to send behind the next chunk's transaction; dead letters, hand-backs and
     /// a chunk with failures (acked before its failed messages are retried) are settled here.
-    pub(super) async fn process<S: MessageSource>(
+    pub(super) async fn process<A: Ack>(
         &self,
-        source: &Mutex<&mut S>,
-        deliveries: Vec<Delivery<S::Ack>>,
+        deliveries: Vec<Delivery<A>>,
         stop: &Stop,
-    ) -> Result<Vec<(MessageId, S::Ack)>> {
+    ) -> Result<Vec<(MessageId, A)>> {
         if deliveries.is_empty() {
             return Ok(Vec::new());
         }
         self.count(Counter::Received, deliveries.len());
-        let mut done: Vec<(MessageId, S::Ack)> = Vec::new();
-        let mut work: Vec<Work<S::Ack, H::Item>> = Vec::with_capacity(deliveries.len());
+        let mut done: Vec<(MessageId, A)> = Vec::new();
+        let mut work: Vec<Work<A, H::Item>> = Vec::with_capacity(deliveries.len());
         let mut failed = Vec::new();
         let mut seen = HashSet::new();
         for delivery in deliveries {
@@ -93,14 +91,13 @@ where
                 Ok(id) => id.clone(),
                 Err(e) => {
                     let reason = e.to_string();
-                    self.dead_letter(source, None, delivery, reason).await?;
+                    self.dead_letter(None, delivery, reason).await?;
                     continue;
                 }
             };
             if let Err(e) = self.store.check_id(&id) {
                 let reason = format!("message ID {id:?} refused by the inbox store: {e}");
-                self.dead_letter(source, Some(&id), delivery, reason)
-                    .await?;
+                self.dead_letter(Some(&id), delivery, reason).await?;
                 continue;
             }
             if let (Some(limit), Some(count)) =
@@ -108,8 +105,7 @@ where
             {
                 if count > limit {
                     let reason = format!("delivered {count} times, more than the limit of {limit}");
-                    self.dead_letter(source, Some(&id), delivery, reason)
-                        .await?;
+                    self.dead_letter(Some(&id), delivery, reason).await?;
                     continue;
                 }
             }
@@ -151,7 +147,7 @@ where
                 self.hand_back(vec![delivery.ack]).await;
                 continue;
             }
-            self.retry_alone(source, id, delivery, e, stop).await?;
+            self.retry_alone(id, delivery, e, stop).await?;
         }
         Ok(Vec::new())
     }
@@ -384,11 +380,10 @@ where
     }
 
     /// A message whose handler (or decoding) failed inside a batch or alone: retried on its own.
-    async fn retry_alone<S: MessageSource>(
+    async fn retry_alone<A: Ack>(
         &self,
-        source: &Mutex<&mut S>,
         mut id: MessageId,
-        mut delivery: Delivery<S::Ack>,
+        mut delivery: Delivery<A>,
         first: HandlerError,
         stop: &Stop,
     ) -> Result<()> {
@@ -400,7 +395,7 @@ where
                     Failure::Permanent => format!("handler refused the message: {error}"),
                     _ => format!("handler failed {attempt} time(s), last error: {error}"),
                 };
-                return self.dead_letter(source, Some(&id), delivery, reason).await;
+                return self.dead_letter(Some(&id), delivery, reason).await;
             }
             warn!(consumer = %self.name, message_id = %id.as_str().escape_debug(), attempt, error = %error, "handler failed; retrying");
             self.count(Counter::Retried, 1);
@@ -444,56 +439,40 @@ where
         }
     }
 
-    async fn dead_letter<S: MessageSource>(
+    async fn dead_letter<A: Ack>(
         &self,
-        source: &Mutex<&mut S>,
         id: Option<&MessageId>,
-        delivery: Delivery<S::Ack>,
+        delivery: Delivery<A>,
         reason: String,
     ) -> Result<()> {
         let span = dead_letter_span(&self.name, self.system, id, &delivery.message);
-        self.park(source, id, delivery, reason)
-            .instrument(span)
-            .await
+        self.park(id, delivery, reason).instrument(span).await
     }
 
-    /// [`Core::dead_letter`], inside its span.
-    async fn park<S: MessageSource>(
+    /// [`Core::dead_letter`], inside its span: parks and acks the message through its handle.
+    async fn park<A: Ack>(
         &self,
-        source: &Mutex<&mut S>,
         id: Option<&MessageId>,
-        delivery: Delivery<S::Ack>,
+        delivery: Delivery<A>,
         reason: String,
     ) -> Result<()> {
         let shown = id.map_or_else(
             || "(no ID)".to_owned(),
             |id| id.as_str().escape_debug().to_string(),
         );
-        let position = &delivery.message.meta.position;
-        // Lanes running side by side take turns at the source.
-        let parked = source
-            .lock()
-            .await
-            .dead_letter(&delivery.message, &reason)
-            .await;
-        match parked {
+        let Delivery { message, ack } = delivery;
+        match ack.dead_letter(&message, &reason).await {
             Ok(()) => {
                 self.count(Counter::DeadLettered, 1);
-                warn!(consumer = %self.name, message_id = %shown, position = %position, outcome = "dead_lettered", %reason, "dead-lettered {shown}");
-                if let Err(e) = delivery.ack.ack().await {
-                    self.count(Counter::AckFailure, 1);
-                    warn!(consumer = %self.name, message_id = %shown, error = %e, "ack after dead-letter failed; the copy will be dead-lettered again");
-                }
+                warn!(consumer = %self.name, message_id = %shown, position = %message.meta.position, outcome = "dead_lettered", %reason, "dead-lettered {shown}");
                 Ok(())
             }
             Err(e) => {
                 self.count(Counter::Error, 1);
-                tracing::error!(consumer = %self.name, message_id = %shown, error = %e, %reason, "dead-letter failed; the message is handed back to the broker");
+                // The handle left the delivery unacked: it comes back and is tried again.
+                tracing::error!(consumer = %self.name, message_id = %shown, error = %e, %reason, "dead-letter failed; the message is not acked and comes back from the broker");
                 if e.recovery() == Recovery::Fatal {
                     return Err(Error::Source(e));
-                }
-                if let Err(e) = delivery.ack.nack(self.error_backoff).await {
-                    warn!(consumer = %self.name, error = %e, "nack failed; the broker will redeliver on its own");
                 }
                 Ok(())
             }

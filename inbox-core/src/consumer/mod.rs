@@ -336,7 +336,7 @@ where
                     break;
                 };
                 let n = chunk.len();
-                working.push(async move { (lane, n, core.process(source, chunk, stop).await) });
+                working.push(async move { (lane, n, core.process(chunk, stop).await) });
             }
             let held = queued.len() + working.len() * batch_size;
             if receiving.is_none()

@@ -70,12 +70,12 @@ where
             Ok(id) => id.clone(),
             Err(e) => {
                 let reason = e.to_string();
-                return self.dead_letter(source, None, delivery, reason).await;
+                return self.dead_letter(None, delivery, reason).await;
             }
         };
         if let Err(e) = self.leases.check_id(&id) {
             let reason = format!("message ID {id:?} refused by the lease store: {e}");
-            return self.dead_letter(source, Some(&id), delivery, reason).await;
+            return self.dead_letter(Some(&id), delivery, reason).await;
         }
         let message = &delivery.message;
         let span = info_span!(
@@ -92,16 +92,15 @@ where
         if let Some(parent) = TraceParent::from_message(message) {
             span.record("traceparent", display(parent));
         }
-        self.lease_and_apply(source, id, delivery, stop)
+        self.lease_and_apply(id, delivery, stop)
             .instrument(span)
             .await
     }
 
-    async fn lease_and_apply<S: MessageSource>(
+    async fn lease_and_apply<A: Ack>(
         &self,
-        source: &mut S,
         id: MessageId,
-        delivery: Delivery<S::Ack>,
+        delivery: Delivery<A>,
         stop: &Stop,
     ) -> Result<()> {
         if let Some(wait) = self.too_early(&id) {
@@ -163,17 +162,16 @@ where
                 Span::current().record("token", lease.token);
                 let effect = Effect::new(&self.name, id, lease, started + self.lease);
                 self.stage(Stage::Claimed, effect.id());
-                self.apply(source, effect, delivery, stop).await
+                self.apply(effect, delivery, stop).await
             }
         }
     }
 
     /// Decides between calling, confirming and skipping; calls; then marks done.
-    async fn apply<S: MessageSource>(
+    async fn apply<A: Ack>(
         &self,
-        source: &mut S,
         effect: Effect,
-        delivery: Delivery<S::Ack>,
+        delivery: Delivery<A>,
         stop: &Stop,
     ) -> Result<()> {
         let message = &delivery.message;
@@ -193,9 +191,9 @@ where
                     Ok(Landed::Pending) => {
                         let e =
                             HandlerError::transient("the provider still works on an earlier call");
-                        return self.failed(source, effect, delivery, e, false).await;
+                        return self.failed(effect, delivery, e, false).await;
                     }
-                    Err(e) => return self.failed(source, effect, delivery, e, false).await,
+                    Err(e) => return self.failed(effect, delivery, e, false).await,
                 }
             }
         };
@@ -212,7 +210,7 @@ where
                 );
                 let not_applied = effect.attempt() == Attempt::AfterNotApplied;
                 return self
-                    .dead_letter_leased(source, &effect, delivery, reason, not_applied)
+                    .dead_letter_leased(&effect, delivery, reason, not_applied)
                     .await;
             }
             None => {
@@ -230,11 +228,11 @@ where
                         self.stage(Stage::Applied, effect.id());
                         Settled::Called
                     }
-                    Err(e) => return self.failed(source, effect, delivery, e, true).await,
+                    Err(e) => return self.failed(effect, delivery, e, true).await,
                 }
             }
         };
-        self.finish(source, effect, settled, delivery, stop).await
+        self.finish(effect, settled, delivery, stop).await
     }
 
     /// Runs a handler future until the lease ends, a panic counting as a transient failure.
@@ -263,11 +261,10 @@ where
 
     /// A call (`called`) or a status lookup that failed: retried through the broker, or
     /// dead-lettered.
-    async fn failed<S: MessageSource>(
+    async fn failed<A: Ack>(
         &self,
-        source: &mut S,
         effect: Effect,
-        delivery: Delivery<S::Ack>,
+        delivery: Delivery<A>,
         error: HandlerError,
         called: bool,
     ) -> Result<()> {
@@ -285,7 +282,7 @@ where
                 )
             };
             return self
-                .dead_letter_leased(source, &effect, delivery, reason, not_applied)
+                .dead_letter_leased(&effect, delivery, reason, not_applied)
                 .await;
         }
         self.count(Counter::Retried);
@@ -306,12 +303,11 @@ where
     }
 
     /// The done transaction, tried again while it fails, then the ack.
-    async fn finish<S: MessageSource>(
+    async fn finish<A: Ack>(
         &self,
-        source: &mut S,
         effect: Effect,
         settled: Settled,
-        delivery: Delivery<S::Ack>,
+        delivery: Delivery<A>,
         stop: &Stop,
     ) -> Result<()> {
         let (mut tries, mut outages) = (0, 0);
@@ -351,7 +347,7 @@ where
                             settled.as_str()
                         );
                         return self
-                            .dead_letter_leased(source, &effect, delivery, reason, false)
+                            .dead_letter_leased(&effect, delivery, reason, false)
                             .await;
                     }
                     self.count(Counter::Retried);

@@ -366,6 +366,9 @@ mod tests {
         async fn nack(self, _: Duration) -> Result<(), SourceError> {
             Ok(())
         }
+        async fn dead_letter(self, _: &Message, _: &str) -> Result<(), SourceError> {
+            Ok(())
+        }
     }
 
     #[async_trait]
@@ -375,9 +378,6 @@ mod tests {
         async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<NoAck>>, SourceError> {
             let n = max.min(self.0.len());
             Ok(self.0.drain(..n).collect())
-        }
-        async fn dead_letter(&mut self, _: &Message, _: &str) -> Result<(), SourceError> {
-            Ok(())
         }
     }
 

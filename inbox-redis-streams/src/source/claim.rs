@@ -94,7 +94,8 @@ impl RedisStreamSource {
             if gone.len() == vanished {
                 break;
             }
-            if self.original_fields(&id).await?.is_none() {
+            let fields = crate::ack::entry_fields(&self.commands, &self.settings, &id).await?;
+            if fields.is_none() {
                 gone.push(id);
             }
         }
