@@ -97,7 +97,7 @@ pub use health::{ConsumerState, Health};
 pub use hooks::{Stage, StageHook};
 pub use message::{IdError, InvalidId, Message, MessageId, Metadata};
 pub use publish::{Destinations, OutgoingMessage, Publish, PublishError};
-pub use recent::Recent;
+use recent::Recent;
 pub use redact::{is_secret_setting, redact_url, REDACTED};
 pub use source::{dead_letter, Ack, Capabilities, Delivery, MessageSource};
 pub use stats::{Stats, StatsSnapshot};

@@ -12,7 +12,7 @@ use std::collections::{HashMap, VecDeque};
 /// forgets the oldest first; size it well above the deliveries a consumer holds (its batch size
 /// times its lanes).
 #[derive(Debug)]
-pub struct Recent<V> {
+pub(crate) struct Recent<V> {
     capacity: usize,
     order: VecDeque<String>,
     entries: HashMap<String, V>,
@@ -20,7 +20,7 @@ pub struct Recent<V> {
 
 impl<V> Recent<V> {
     /// Remembers at most `capacity` deliveries (at least 1).
-    pub fn new(capacity: usize) -> Self {
+    pub(crate) fn new(capacity: usize) -> Self {
         Self {
             capacity: capacity.max(1),
             order: VecDeque::new(),
@@ -29,7 +29,7 @@ impl<V> Recent<V> {
     }
 
     /// Remembers `value` for the delivery at `position`, forgetting the oldest when full.
-    pub fn insert(&mut self, position: String, value: V) {
+    pub(crate) fn insert(&mut self, position: String, value: V) {
         if self.entries.insert(position.clone(), value).is_none() {
             self.order.push_back(position);
         }
@@ -41,18 +41,14 @@ impl<V> Recent<V> {
     }
 
     /// What was remembered for `position`, if it is still there.
-    pub fn get(&self, position: &str) -> Option<&V> {
+    pub(crate) fn get(&self, position: &str) -> Option<&V> {
         self.entries.get(position)
     }
 
     /// How many deliveries are remembered.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.entries.len()
-    }
-
-    /// Whether nothing is remembered.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
     }
 }
 

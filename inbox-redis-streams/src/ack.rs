@@ -94,6 +94,8 @@ impl RedisStreamAck {
 /// stream (`KEYS[2]`) for group `ARGV[1]`. A script, not `MULTI`: inside `MULTI` an `XADD` that
 /// fails when it runs (the key holds another type) does not stop the `XACK`, and the entry
 /// would be acked with no copy anywhere; a failing `redis.call` ends the script before it.
+/// A script's keys must share a hash slot on a Redis Cluster: name the streams with one hash tag
+/// there (`{orders}` and `{orders}:dlq`).
 const PARK: &str = r"
 local added = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 4))
 if ARGV[3] == '1' then
@@ -155,7 +157,7 @@ impl Ack for RedisStreamAck {
         Ok(())
     }
 
-    /// `XADD` to the dead-letter stream and `XACK` in one `MULTI`; see the type's docs.
+    /// `XADD` to the dead-letter stream and `XACK` in one script; see the type's docs.
     async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {
         Ok(self.park(message, reason).await?)
     }

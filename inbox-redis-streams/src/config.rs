@@ -166,7 +166,9 @@ impl RedisStreamSourceBuilder {
         self
     }
 
-    /// Where entries that cannot be applied go (default `<stream>:dlq`).
+    /// Where entries that cannot be applied go (default `<stream>:dlq`). A dead letter's copy and
+    /// its `XACK` run in one script, whose two streams must share a hash slot on a Redis Cluster
+    /// (a hash tag: `{orders}` and `{orders}:dlq`).
     pub fn dead_letter_stream(mut self, stream: impl Into<String>) -> Self {
         self.dead_letter_stream = Some(stream.into());
         self
