@@ -266,14 +266,17 @@ pub async fn two_relays_at_once_publish_every_row_once<B: TestBroker>(broker: &B
     let outbox = migrated(&db).await;
     let total = write_credits(&db, &outbox, &queue.destination(), ROWS).await;
 
+    // Both producers connect before either relay starts: otherwise the first relay can send
+    // every row while the second is still connecting.
+    let producers = [queue.producer().await, queue.producer().await];
     let mut relays = Vec::new();
     let mut stops = Vec::new();
-    for _ in 0..2 {
+    for producer in producers {
         let (stop, stopping) = tokio::sync::oneshot::channel::<()>();
         stops.push(stop);
         relays.push(tokio::spawn(
             outbox
-                .relay(Slow(queue.producer().await))
+                .relay(Slow(producer))
                 .batch_size(20)
                 .poll_interval(Duration::from_millis(10))
                 .run_until(async {
