@@ -207,12 +207,12 @@ impl MessageSource for SqsSource {
 
         let mut deliveries = Vec::new();
         let mut to_delete = Vec::new();
-        for sqs in out.messages() {
+        for mut sqs in out.messages.unwrap_or_default() {
             let Some(handle) = sqs.receipt_handle() else {
                 warn!(queue_url = %self.queue_url, message_id = ?sqs.message_id(), "received a message without a receipt handle; skipping it");
                 continue;
             };
-            let message = self.convert(sqs);
+            let message = self.convert(&sqs);
             let handle: Arc<str> = Arc::from(handle);
             let heartbeat = self.settings.heartbeat.then(|| {
                 Heartbeat::start(
@@ -228,7 +228,8 @@ impl MessageSource for SqsSource {
             let ack = SqsAck::new(
                 Arc::clone(&self.acks),
                 handle,
-                sqs.message_attributes().cloned(),
+                // Moved, not copied: kept for a dead letter only.
+                sqs.message_attributes.take(),
                 heartbeat,
             );
             deliveries.push(Delivery { message, ack });
