@@ -8,7 +8,7 @@
 //!   the store's suite (`inbox-postgres`) again on the partitioned inbox layout
 //!   (`INBOX_TEST_LAYOUT=partitioned`), then the examples (`examples/examples/*.rs`) against the
 //!   services, then `cargo package` for every library crate.
-//! - `demo`: the services with the wallet's build beside the installs, then the wallet demo
+//! - `demo`: the services with the evidence tool's build beside the installs, then its wallet demo
 //!   (extra arguments go to it). Where no Kafka broker listens and Tansu is not built yet, the
 //!   demo's Kafka is librdkafka's mock cluster (the `kafka-mock` program), started for the demo
 //!   and stopped after it, rather than a wait of several minutes for Tansu to compile.
@@ -37,9 +37,10 @@ fn main() -> ExitCode {
         Some("services") => services::up(None),
         Some("test") => test(&args[1..]),
         Some("demo") => demo(&args[1..]),
-        _ => {
-            Err("usage: cargo xtask services | test [cargo test args] | demo [wallet args]".into())
-        }
+        _ => Err(
+            "usage: cargo xtask services | test [cargo test args] | demo [evidence demo args]"
+                .into(),
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -91,20 +92,22 @@ fn test(extra: &[String]) -> Result<(), String> {
         "--exclude",
         "inbox-examples",
         "--exclude",
+        "inbox-evidence",
+        "--exclude",
         "xtask",
     ])
 }
 
 fn demo(extra: &[String]) -> Result<(), String> {
-    let build = ["build", "--quiet", "-p", "inbox-examples", "--bins"];
+    let build = ["build", "--quiet", "-p", "inbox-evidence", "--bins"];
     let kafka = services::up_for_demo(&build)?;
     let mut args = vec![
         "run",
         "--quiet",
         "-p",
-        "inbox-examples",
+        "inbox-evidence",
         "--bin",
-        "wallet",
+        "evidence",
         "--",
         "demo",
     ];
@@ -158,7 +161,7 @@ impl MockKafka {
                 "run",
                 "--quiet",
                 "-p",
-                "inbox-examples",
+                "inbox-evidence",
                 "--bin",
                 "kafka-mock",
                 "--",

@@ -41,7 +41,7 @@ pub(crate) enum DemoKafka {
     Mock,
 }
 
-/// Brings up the demo's services, with `beside` (the wallet's build) running next to the
+/// Brings up the demo's services, with `beside` (the evidence tool's build) running next to the
 /// installs. Unlike [`up`], it does not build Tansu when it is missing.
 pub(crate) fn up_for_demo(beside: &[&str]) -> Result<DemoKafka> {
     let beside = crate::Background::cargo(beside)?;

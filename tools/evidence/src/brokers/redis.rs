@@ -1,4 +1,4 @@
-//! Redis Streams: a consumer group `wallet`; a1/a2 read with `XREADGROUP … NOACK`.
+//! Redis Streams: a consumer group `evidence`; a1/a2 read with `XREADGROUP … NOACK`.
 
 use std::time::Duration;
 

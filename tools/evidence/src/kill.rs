@@ -224,7 +224,7 @@ pub(crate) async fn count(
     })
 }
 
-/// Starts `wallet consume` for `spec` and waits until it has connected.
+/// Starts `evidence consume` for `spec` and waits until it has connected.
 pub(crate) async fn spawn_ready(spec: &ConsumerSpec) -> Result<Child, BoxError> {
     for _ in 0..5 {
         if let Some(child) = start_child(spec, &[], Duration::from_secs(60)).await? {
@@ -234,13 +234,13 @@ pub(crate) async fn spawn_ready(spec: &ConsumerSpec) -> Result<Child, BoxError> 
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     Err(format!(
-        "`wallet consume` for {} did not start five times in a row",
+        "`evidence consume` for {} did not start five times in a row",
         spec.name
     )
     .into())
 }
 
-/// This wallet binary run as a child with `args` and `env` added: marked as a child, its logs
+/// This binary run as a child with `args` and `env` added: marked as a child, its logs
 /// off unless `WALLET_CHILD_LOG` says otherwise, stdout piped for its `ready` line, killed when
 /// dropped.
 pub(crate) fn child_command(args: Vec<String>, env: &[(&str, String)]) -> std::io::Result<Command> {
@@ -259,7 +259,7 @@ pub(crate) fn child_command(args: Vec<String>, env: &[(&str, String)]) -> std::i
     Ok(command)
 }
 
-/// One attempt to start `wallet consume` for `spec`, with `env` added to its environment: the
+/// One attempt to start `evidence consume` for `spec`, with `env` added to its environment: the
 /// child once it says it is connected, `None` when it dies or stays silent for `patience`.
 pub(crate) async fn start_child(
     spec: &ConsumerSpec,

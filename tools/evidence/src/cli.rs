@@ -144,7 +144,7 @@ pub(crate) const KAFKA_IMPL_LONG_HELP: &str = "What KAFKA_BROKERS is.
 tansu (what `cargo xtask services` starts): one record per produced batch (Tansu 0.6 serves a \
 fetch from mid-batch from the next batch on) and a draining consumer that applies nothing is \
 replaced (Tansu can leave the last member with no partitions).
-mock (librdkafka's mock cluster, `cargo run -p inbox-examples --bin kafka-mock`): neither \
+mock (librdkafka's mock cluster, `cargo run -p inbox-evidence --bin kafka-mock`): neither \
 work-around, a stalled drain fails the run; topics get 6 partitions through \
 `kafka-mock --control ADDR` when KAFKA_MOCK_CONTROL=ADDR, else 4, created on first use.";
 
@@ -258,7 +258,7 @@ impl FromStr for HandlerKind {
     }
 }
 
-/// `wallet consume`: what one consumer child of the kill test runs (see [`ConsumerSpec::to_args`]).
+/// `evidence consume`: what one consumer child of the kill test runs (see [`ConsumerSpec::to_args`]).
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ConsumeArgs {
     /// The broker to consume from.
@@ -357,7 +357,7 @@ impl ConsumerSpec {
         }
     }
 
-    /// The arguments that make a `wallet consume` child run this spec.
+    /// The arguments that make a `evidence consume` child run this spec.
     pub(crate) fn to_args(&self) -> Vec<String> {
         [
             "consume",

@@ -99,7 +99,7 @@ impl std::str::FromStr for Role {
     }
 }
 
-/// A child's command line: `wallet effects-child`, started by `effects-test` (see
+/// A child's command line: `evidence effects-child`, started by `effects-test` (see
 /// [`ChildSpec::to_args`]).
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ChildSpec {
@@ -143,7 +143,7 @@ impl ChildSpec {
     }
 }
 
-/// `wallet effects-child …`: one child, until killed or Ctrl-C.
+/// `evidence effects-child …`: one child, until killed or Ctrl-C.
 pub(crate) async fn main(spec: &ChildSpec) -> Result<(), BoxError> {
     let db = TestDb::attach(&spec.schema).await;
     if spec.role == Role::Relay {
@@ -192,7 +192,9 @@ pub(crate) async fn main(spec: &ChildSpec) -> Result<(), BoxError> {
             run(source, spec, &db).await
         }
         #[cfg(not(feature = "kafka"))]
-        BrokerKind::Kafka => Err("this wallet binary was built without the `kafka` feature".into()),
+        BrokerKind::Kafka => {
+            Err("this evidence binary was built without the `kafka` feature".into())
+        }
     }
 }
 
@@ -298,7 +300,7 @@ async fn relay(spec: &ChildSpec, db: &TestDb) -> Result<(), BoxError> {
         ),
         #[cfg(not(feature = "kafka"))]
         BrokerKind::Kafka => {
-            return Err("this wallet binary was built without the `kafka` feature".into())
+            return Err("this evidence binary was built without the `kafka` feature".into())
         }
     };
     crate::ready();

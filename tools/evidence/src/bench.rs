@@ -1,4 +1,4 @@
-//! `wallet bench`: the consumer's throughput beside the limits of its parts, in one run.
+//! `evidence bench`: the consumer's throughput beside the limits of its parts, in one run.
 //!
 //! For each broker: the broker alone (consume and ack, an in-memory store, no database), then
 //! every configuration (variant b or c, per-message or batch handler, batch size, lanes) on a

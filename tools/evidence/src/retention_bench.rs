@@ -1,4 +1,4 @@
-//! `wallet retention-bench`: cleanup at ingest speed, the batched `DELETE` purge of the plain
+//! `evidence retention-bench`: cleanup at ingest speed, the batched `DELETE` purge of the plain
 //! table beside the partition drop of the partitioned one, in one run.
 //!
 //! Per layout, in a schema of its own with UUIDv7 keys ([`KeyMode::Uuid`]): the inbox is filled
@@ -6,7 +6,7 @@
 //! minutes are spread evenly over the days before today 00:00 UTC (the scale against the full
 //! rate is printed), then `VACUUM (ANALYZE)` and its size is read. Then the claim load starts:
 //! transactions of `--batch` fresh UUIDv7 IDs, each the set-based claim and the commit, on one
-//! connection, as the database-alone row of `wallet bench` does (without the handler's
+//! connection, as the database-alone row of `evidence bench` does (without the handler's
 //! statement). After a warm-up it runs alone for `--claim-seconds`, then goes on while the
 //! cleanup removes the oldest day: the purge (the window puts the cutoff on a day boundary, so
 //! both layouts remove the same rows: a `DELETE` in batches there, one partition drop here),

@@ -10,11 +10,11 @@ use std::process::Command;
 
 use serde_json::Value;
 
-/// Runs `wallet kill-test` and returns its JSON lines.
+/// Runs `evidence kill-test` and returns its JSON lines.
 fn kill_test(broker: &str, args: &[&str]) -> Vec<Value> {
     let chart =
         std::env::temp_dir().join(format!("wallet-smoke-{broker}-{}.svg", std::process::id()));
-    let output = Command::new(env!("CARGO_BIN_EXE_wallet"))
+    let output = Command::new(env!("CARGO_BIN_EXE_evidence"))
         .args([
             "kill-test",
             "--brokers",
@@ -34,7 +34,7 @@ fn kill_test(broker: &str, args: &[&str]) -> Vec<Value> {
     println!("{stdout}");
     assert!(
         output.status.success(),
-        "wallet kill-test {broker} {args:?} failed: {}\n{stdout}",
+        "evidence kill-test {broker} {args:?} failed: {}\n{stdout}",
         String::from_utf8_lossy(&output.stderr)
     );
     let _ = std::fs::remove_file(chart);

@@ -1,13 +1,13 @@
-//! `wallet --help`, `--version` and wrong command lines: what a user types first, and what
+//! `evidence --help`, `--version` and wrong command lines: what a user types first, and what
 //! scripts rely on (a usage on stderr and a non-zero status for anything wrong).
 
 use std::process::{Command, Output};
 
-fn wallet(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_wallet"))
+fn evidence(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_evidence"))
         .args(args)
         .output()
-        .expect("the wallet binary runs")
+        .expect("the evidence binary runs")
 }
 
 fn stdout(out: &Output) -> String {
@@ -21,10 +21,10 @@ fn stderr(out: &Output) -> String {
 #[test]
 fn help_lists_every_command_and_succeeds() {
     for args in [&["--help"][..], &["-h"], &["help"]] {
-        let out = wallet(args);
+        let out = evidence(args);
         assert!(out.status.success(), "{args:?}: {out:?}");
         let text = stdout(&out);
-        assert!(text.contains("Usage: wallet"), "{text}");
+        assert!(text.contains("Usage: evidence"), "{text}");
         for command in [
             "demo",
             "kill-test",
@@ -71,43 +71,43 @@ fn each_command_has_its_own_help() {
         ),
         ("demo", &["--full", "--brokers"]),
     ] {
-        let out = wallet(&[command, "--help"]);
+        let out = evidence(&[command, "--help"]);
         assert!(out.status.success(), "{command}: {out:?}");
         let text = stdout(&out);
         assert!(
-            text.contains(&format!("Usage: wallet {command}")),
+            text.contains(&format!("Usage: evidence {command}")),
             "{command}: {text}"
         );
         for flag in flags {
             assert!(text.contains(flag), "{command} {flag} missing: {text}");
         }
     }
-    let text = stdout(&wallet(&["kill-test", "--help"]));
+    let text = stdout(&evidence(&["kill-test", "--help"]));
     assert!(text.contains("--kafka-impl <tansu|mock>"), "{text}");
 }
 
 #[test]
 fn version_succeeds() {
-    let out = wallet(&["--version"]);
+    let out = evidence(&["--version"]);
     assert!(out.status.success(), "{out:?}");
     assert!(
-        stdout(&out).starts_with(&format!("wallet {}", env!("CARGO_PKG_VERSION"))),
+        stdout(&out).starts_with(&format!("evidence {}", env!("CARGO_PKG_VERSION"))),
         "{out:?}"
     );
 }
 
 #[test]
 fn no_arguments_fail_with_the_usage() {
-    let out = wallet(&[]);
+    let out = evidence(&[]);
     assert!(!out.status.success());
     assert!(out.stdout.is_empty(), "{out:?}");
     let err = stderr(&out);
-    assert!(err.contains("Usage: wallet <COMMAND>"), "{err}");
+    assert!(err.contains("Usage: evidence <COMMAND>"), "{err}");
 }
 
 #[test]
 fn an_unknown_kafka_implementation_fails_naming_the_choices() {
-    let out = wallet(&["kill-test", "--kafka-impl", "redpanda"]);
+    let out = evidence(&["kill-test", "--kafka-impl", "redpanda"]);
     assert!(!out.status.success());
     let err = stderr(&out);
     assert!(err.contains("use tansu or mock"), "{err}");
@@ -115,26 +115,26 @@ fn an_unknown_kafka_implementation_fails_naming_the_choices() {
 
 #[test]
 fn an_unknown_command_fails_with_the_usage() {
-    let out = wallet(&["bogus"]);
+    let out = evidence(&["bogus"]);
     assert!(!out.status.success());
     let err = stderr(&out);
     assert!(err.contains("bogus"), "{err}");
-    assert!(err.contains("Usage: wallet"), "{err}");
+    assert!(err.contains("Usage: evidence"), "{err}");
     assert!(err.contains("--help"), "{err}");
 }
 
 #[test]
 fn an_unknown_flag_of_a_command_fails_naming_it() {
-    let out = wallet(&["soak", "--kill-evry", "5..30"]);
+    let out = evidence(&["soak", "--kill-evry", "5..30"]);
     assert!(!out.status.success());
     let err = stderr(&out);
     assert!(err.contains("--kill-evry"), "{err}");
-    assert!(err.contains("Usage: wallet soak"), "{err}");
+    assert!(err.contains("Usage: evidence soak"), "{err}");
 }
 
 #[test]
 fn a_bad_number_fails_saying_which_flag_and_why() {
-    let out = wallet(&["bench", "--events", "20k"]);
+    let out = evidence(&["bench", "--events", "20k"]);
     assert!(!out.status.success());
     let err = stderr(&out);
     assert!(
@@ -143,7 +143,7 @@ fn a_bad_number_fails_saying_which_flag_and_why() {
     );
     assert!(err.contains("invalid digit"), "{err}");
 
-    let out = wallet(&["soak", "--kill-every", "30..5"]);
+    let out = evidence(&["soak", "--kill-every", "30..5"]);
     assert!(!out.status.success());
     let err = stderr(&out);
     assert!(err.contains("--kill-every"), "{err}");
@@ -152,12 +152,12 @@ fn a_bad_number_fails_saying_which_flag_and_why() {
 
 #[test]
 fn a_check_across_flags_fails_with_the_usage() {
-    let out = wallet(&["retention-bench", "--days", "2", "--window-days", "2"]);
+    let out = evidence(&["retention-bench", "--days", "2", "--window-days", "2"]);
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     let err = stderr(&out);
     assert!(
         err.contains("--window-days must be at least 1 and below --days"),
         "{err}"
     );
-    assert!(err.contains("Usage: wallet retention-bench"), "{err}");
+    assert!(err.contains("Usage: evidence retention-bench"), "{err}");
 }

@@ -2,8 +2,8 @@
 //! for the tests next to the one `cargo xtask services` starts.
 //!
 //! ```text
-//! cargo run -p inbox-examples --bin kafka-mock -- --address-file target/kafka-mock.addr &
-//! KAFKA_BROKERS=$(cat target/kafka-mock.addr) cargo run -p inbox-examples --bin wallet -- \
+//! cargo run -p inbox-evidence --bin kafka-mock -- --address-file target/kafka-mock.addr &
+//! KAFKA_BROKERS=$(cat target/kafka-mock.addr) cargo run -p inbox-evidence -- \
 //!     kill-test --brokers kafka --kafka-impl mock
 //! ```
 //!
@@ -45,7 +45,7 @@ struct Args {
     #[arg(long = "topic", value_name = "NAME:PARTITIONS", value_parser = topic)]
     topics: Vec<(String, i32)>,
     /// Also listen here for lines `create-topic NAME PARTITIONS` (answered `ok` or `error: …`),
-    /// the CreateTopics the mock lacks; the wallet uses it when KAFKA_MOCK_CONTROL names it.
+    /// the CreateTopics the mock lacks; the evidence tool uses it when KAFKA_MOCK_CONTROL names it.
     #[arg(long, value_name = "HOST:PORT")]
     control: Option<String>,
 }

@@ -1,8 +1,9 @@
-//! The wallet: credit events `{account_id, amount}` with producer-set IDs, applied to accounts
-//! with a ledger row each, on Kafka, SQS, RabbitMQ or Redis Streams; and the evidence that the
-//! inbox makes them effectively-once: the article's kill test and zombie test.
+//! The evidence tool: the article's kill and zombie tests, the effect and fault tests, soak runs
+//! and benchmarks, on Kafka, SQS, RabbitMQ or Redis Streams. Its workload is the wallet: credit
+//! events `{account_id, amount}` with producer-set IDs, applied to accounts with a ledger row
+//! each; what it shows is whether the inbox makes them effectively-once.
 //!
-//! `wallet --help` lists the commands and their options.
+//! `evidence --help` lists the commands and their options.
 //!
 //! Variants: `a1` the broker's automatic ack, one message at a time (Kafka auto-commit, SQS
 //! delete on receive, RabbitMQ `no_ack`, Redis `NOACK`); `a2` the same in batches of 100 (10 on
@@ -44,18 +45,18 @@ use crate::cli::{
 use crate::consume::Watch;
 use crate::settings::{KillArgs, KillSettings, ZombieSettings};
 
-/// The notes under `wallet --help`.
+/// The notes under `evidence --help`.
 const NOTES: &str = "\
 Variants: a1 the broker's automatic ack, one at a time; a2 the same in batches; b ack after the \
 DB commit, without the inbox; c the inbox.
 Services: DATABASE_URL, KAFKA_BROKERS, AWS_ENDPOINT_URL_SQS, AMQP_URL, REDIS_URL (defaults: what \
-`cargo xtask services` starts). `cargo xtask demo` starts them, then runs `wallet demo`.
-`wallet COMMAND --help` lists a command's options.";
+`cargo xtask services` starts). `cargo xtask demo` starts them, then runs `evidence demo`.
+`evidence COMMAND --help` lists a command's options.";
 
-/// The wallet: credit events applied effectively-once through the inbox, on Kafka, SQS,
-/// RabbitMQ or Redis Streams, and the tests that show it.
+/// The evidence that the inbox applies wallet credits effectively-once on Kafka, SQS, RabbitMQ
+/// or Redis Streams: the kill, zombie, effect and fault tests, soak runs and benchmarks.
 #[derive(Debug, Parser)]
-#[command(name = "wallet", version, after_help = NOTES)]
+#[command(name = "evidence", version, after_help = NOTES)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -103,7 +104,7 @@ enum Command {
     EffectsChild(effects_child::ChildSpec),
 }
 
-/// `wallet publish`.
+/// `evidence publish`.
 #[derive(Debug, clap::Args)]
 struct PublishArgs {
     #[arg(long, value_name = "kafka|sqs|rabbitmq|redis")]
@@ -121,7 +122,7 @@ struct PublishArgs {
     kafka_impl: KafkaImpl,
 }
 
-/// `wallet report`.
+/// `evidence report`.
 #[derive(Debug, clap::Args)]
 struct ReportArgs {
     /// Where the chart goes.
@@ -131,7 +132,7 @@ struct ReportArgs {
         default_value = "target/wallet-kill-test.svg"
     )]
     chart: PathBuf,
-    /// Files holding the output (the JSON lines) of `wallet kill-test`.
+    /// Files holding the output (the JSON lines) of `evidence kill-test`.
     #[arg(value_name = "FILE", required = true)]
     files: Vec<PathBuf>,
 }
@@ -172,7 +173,7 @@ async fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("wallet: {e}");
+            eprintln!("evidence: {e}");
             ExitCode::FAILURE
         }
     }
@@ -185,7 +186,7 @@ fn usage_error(command: &str, message: &str) -> ! {
     cli.build();
     let sub = cli.find_subcommand_mut(command).cloned();
     sub.unwrap_or(cli)
-        .bin_name(format!("wallet {command}"))
+        .bin_name(format!("evidence {command}"))
         .error(clap::error::ErrorKind::ValueValidation, message)
         .exit()
 }
@@ -259,7 +260,7 @@ async fn kill_test(s: &KillSettings) -> Result<(), BoxError> {
     }
 }
 
-/// `wallet report`: the tables, one chart and the JSON lines again, from the output of kill
+/// `evidence report`: the tables, one chart and the JSON lines again, from the output of kill
 /// tests run separately (one broker at a time, say).
 fn report_from(args: &ReportArgs) -> Result<(), BoxError> {
     let (chart, files) = (&args.chart, &args.files);
@@ -371,7 +372,7 @@ mod tests {
     use crate::settings::KillSettings;
 
     fn parse(args: &[&str]) -> Command {
-        Cli::try_parse_from(std::iter::once("wallet").chain(args.iter().copied()))
+        Cli::try_parse_from(std::iter::once("evidence").chain(args.iter().copied()))
             .unwrap()
             .command
     }
@@ -441,7 +442,8 @@ mod tests {
             &["bench", "--batches", "1,0"],
         ] {
             assert!(
-                Cli::try_parse_from(std::iter::once("wallet").chain(bad.iter().copied())).is_err(),
+                Cli::try_parse_from(std::iter::once("evidence").chain(bad.iter().copied()))
+                    .is_err(),
                 "{bad:?}"
             );
         }

@@ -81,7 +81,7 @@ pub(crate) async fn connect(
         BrokerKind::Kafka => Box::new(kafka::Kafka::connect(kafka_impl).await?),
         #[cfg(not(feature = "kafka"))]
         BrokerKind::Kafka => {
-            return Err("this wallet binary was built without the `kafka` feature".into())
+            return Err("this evidence binary was built without the `kafka` feature".into())
         }
         BrokerKind::Sqs => Box::new(sqs::Sqs::connect().await?),
         BrokerKind::Rabbitmq => Box::new(rabbitmq::Rabbit::connect().await?),

@@ -135,7 +135,7 @@ impl VariantResult {
     }
 }
 
-/// The machine-readable summary the smoke test, scripts and `wallet report` read.
+/// The machine-readable summary the smoke test, scripts and `evidence report` read.
 #[derive(Debug, Serialize, Deserialize)]
 struct Line {
     broker: String,

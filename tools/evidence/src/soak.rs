@@ -269,7 +269,7 @@ async fn start(
         phase.failed_starts += 1;
         if begun.elapsed() > START_GIVE_UP {
             return Err(format!(
-                "`wallet consume` for {} did not start in {} s",
+                "`evidence consume` for {} did not start in {} s",
                 spec.name,
                 START_GIVE_UP.as_secs()
             )

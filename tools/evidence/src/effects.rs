@@ -106,7 +106,7 @@ struct EffectRun {
     calls: i64,
 }
 
-/// `wallet effects-test`.
+/// `evidence effects-test`.
 pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
     if s.e2e {
         return crate::outbox_chain::main(s).await;
@@ -340,7 +340,7 @@ async fn run_once(
     })
 }
 
-/// Starts `wallet effects-child` for `spec` and waits for its `ready`, trying up to 5 times.
+/// Starts `evidence effects-child` for `spec` and waits for its `ready`, trying up to 5 times.
 pub(crate) async fn spawn(spec: &ChildSpec, env: &[(&str, String)]) -> Result<Child, BoxError> {
     for _ in 0..5 {
         let mut args = vec!["effects-child".to_owned()];
@@ -356,7 +356,7 @@ pub(crate) async fn spawn(spec: &ChildSpec, env: &[(&str, String)]) -> Result<Ch
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     Err(format!(
-        "`wallet effects-child` for {} did not start five times in a row",
+        "`evidence effects-child` for {} did not start five times in a row",
         spec.name
     )
     .into())
