@@ -79,6 +79,8 @@ mod checked;
 mod kill;
 mod network;
 mod outbox;
+#[cfg(feature = "redis")]
+pub mod redis;
 pub mod scenarios;
 mod zombie;
 
@@ -91,6 +93,11 @@ use std::time::Duration;
 
 use inbox_core::{MessageSource, Publish};
 use inbox_testkit::FaultProxy;
+
+/// A name no other test uses: `prefix`, a dash and 12 random hex digits.
+pub fn unique_name(prefix: &str) -> String {
+    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
+}
 
 /// A message parked in a dead-letter destination, as the broker holds it.
 #[derive(Clone, PartialEq, Eq)]
