@@ -76,6 +76,8 @@
 //! heartbeats, `XAUTOCLAIM`, FIFO groups, broker restarts).
 
 mod checked;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 mod kill;
 mod network;
 mod outbox;
