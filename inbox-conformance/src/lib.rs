@@ -84,6 +84,8 @@ mod outbox;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub mod scenarios;
+#[cfg(feature = "sqs")]
+pub mod sqs;
 mod zombie;
 
 pub use checked::Checked;
