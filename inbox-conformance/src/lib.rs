@@ -81,6 +81,8 @@ pub mod kafka;
 mod kill;
 mod network;
 mod outbox;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub mod scenarios;
