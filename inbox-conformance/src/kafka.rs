@@ -206,7 +206,21 @@ impl TestQueue for Topic {
         None
     }
 
+    #[cfg(feature = "at-most-once")]
+    async fn at_most_once_source(&self, member: &str) -> Option<Member> {
+        let source = self
+            .builder(member)
+            .ack_mode(inbox_kafka::AckMode::AutoCommit)
+            .connect()
+            .await
+            .expect("kafka source");
+        Some(Member::new(source))
+    }
 
+    fn redelivery_delay(&self) -> Duration {
+        // The session timeout for the broker to notice, as much again for the rebalance.
+        self.kafka.session_timeout * 2
+    }
 
     async fn producer(&self) -> Arc<dyn Publish> {
         Arc::new(self.kafka.producer().await)

@@ -203,6 +203,21 @@ pub trait TestQueue: Send + Sync + 'static {
     /// timeout, a heartbeat).
     async fn proxied_source(&self, member: &str) -> Option<Proxied<Self::Source>>;
 
+    /// A source of `member` that acks each message as it receives it, before the handler runs
+    /// (Kafka's auto-commit, SQS's delete on receive, RabbitMQ's and Redis's `NOACK` reads): the
+    /// anti-pattern, for tools that show what it loses when a consumer dies. Default `None`;
+    /// the four brokers of this crate return one with its feature `at-most-once`.
+    async fn at_most_once_source(&self, member: &str) -> Option<Self::Source> {
+        let _ = member;
+        None
+    }
+
+    /// How long a message held (not acked) by a consumer that died takes to come back to
+    /// another member: the broker's own timeout plus a margin (Kafka's session timeout twice,
+    /// SQS's visibility timeout, RabbitMQ's notice of the closed connection, the Redis claim
+    /// idle and sweep).
+    fn redelivery_delay(&self) -> Duration;
+
     /// The adapter's producer, as the outbox relay uses it.
     async fn producer(&self) -> Arc<dyn Publish>;
 

@@ -181,7 +181,21 @@ impl TestQueue for Stream {
         })
     }
 
+    #[cfg(feature = "at-most-once")]
+    async fn at_most_once_source(&self, member: &str) -> Option<RedisStreamSource> {
+        let source = self
+            .redis
+            .source_builder(&self.key, member)
+            .ack_mode(inbox_redis_streams::AckMode::NoAck)
+            .connect()
+            .await
+            .expect("source connects");
+        Some(source)
+    }
 
+    fn redelivery_delay(&self) -> Duration {
+        self.redis.claim_idle + self.redis.claim_interval + Duration::from_secs(1)
+    }
 
     async fn producer(&self) -> Arc<dyn Publish> {
         Arc::new(producer().await)
