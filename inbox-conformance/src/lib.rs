@@ -21,15 +21,32 @@
 //!
 //! # Writing an adapter
 //!
+//! The four adapters of this workspace are implemented here, each behind a feature of its name:
+//! `kafka::Kafka` (feature `kafka`), `sqs::Sqs` (`sqs`), `rabbitmq::RabbitMq` (`rabbitmq`) and
+//! `redis::Redis` (`redis`), each with the suite's settings as its
+//! `Default` and a few builder methods for tools that need others (partitions, timeouts). An
+//! adapter's `tests/conformance.rs` is then one line, with the feature on in its dev-dependency
+//! on `inbox-conformance`:
+//!
+//! ```ignore
+//! inbox_conformance::suite!(inbox_conformance::redis::Redis::default());
+//! ```
+//!
+//! The feature `at-most-once` turns on each enabled adapter's `never-in-production` feature, and
+//! with it [`TestQueue::at_most_once_source`]: the ack-on-receipt anti-pattern, for tools that
+//! measure what it loses.
+//!
 //! An adapter is a [`MessageSource`], which receives, with its [`Ack`](inbox_core::Ack) handle,
 //! which settles each delivery (ack, nack, and dead-letter: park the message with the
 //! [`inbox_core::dead_letter`] metadata, then ack it; on failure leave it to come back), and a
 //! producer. The handle carries what it needs for all three (a cheap clone of the client and
 //! the dead-letter destination, shared by the source's acks). To run the whole suite against
-//! it, add `inbox-conformance` and `tokio` as dev-dependencies, then in `tests/conformance.rs`:
+//! a new one, add `inbox-conformance` and `tokio` as dev-dependencies, then in
+//! `tests/conformance.rs` (or in a module of this crate, behind a feature, for a tool to share):
 //!
 //! ```ignore
 //! use std::sync::Arc;
+//! use std::time::Duration;
 //! use inbox_conformance::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
 //! use inbox_core::Publish;
 //!
@@ -57,6 +74,7 @@
 //!     async fn proxied_source(&self, member: &str) -> Option<Proxied<MySource>> {
 //!         /* a member connected through a `FaultProxy` in front of the broker */
 //!     }
+//!     fn redelivery_delay(&self) -> Duration { /* how soon a dead member's message is back */ }
 //!     async fn producer(&self) -> Arc<dyn Publish> { /* the adapter's producer */ }
 //!     fn destination(&self) -> String { /* what outbox rows name to reach this queue */ }
 //!     async fn dead_letters(&self) -> Vec<DeadLetter> { /* payload and reason of each */ }
