@@ -21,15 +21,32 @@
 //!
 //! # Writing an adapter
 //!
+//! The four adapters of this workspace are implemented here, each behind a feature of its name:
+//! `kafka::Kafka` (feature `kafka`), `sqs::Sqs` (`sqs`), `rabbitmq::RabbitMq` (`rabbitmq`) and
+//! `redis::Redis` (`redis`), each with the suite's settings as its
+//! `Default` and a few builder methods for tools that need others (partitions, timeouts). An
+//! adapter's `tests/conformance.rs` is then one line, with the feature on in its dev-dependency
+//! on `inbox-conformance`:
+//!
+//! ```ignore
+//! inbox_conformance::suite!(inbox_conformance::redis::Redis::default());
+//! ```
+//!
+//! The feature `at-most-once` turns on each enabled adapter's `never-in-production` feature, and
+//! with it [`TestQueue::at_most_once_source`]: the ack-on-receipt anti-pattern, for tools that
+//! measure what it loses.
+//!
 //! An adapter is a [`MessageSource`], which receives, with its [`Ack`](inbox_core::Ack) handle,
 //! which settles each delivery (ack, nack, and dead-letter: park the message with the
 //! [`inbox_core::dead_letter`] metadata, then ack it; on failure leave it to come back), and a
 //! producer. The handle carries what it needs for all three (a cheap clone of the client and
 //! the dead-letter destination, shared by the source's acks). To run the whole suite against
-//! it, add `inbox-conformance` and `tokio` as dev-dependencies, then in `tests/conformance.rs`:
+//! a new one, add `inbox-conformance` and `tokio` as dev-dependencies, then in
+//! `tests/conformance.rs` (or in a module of this crate, behind a feature, for a tool to share):
 //!
 //! ```ignore
 //! use std::sync::Arc;
+//! use std::time::Duration;
 //! use inbox_conformance::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
 //! use inbox_core::Publish;
 //!
@@ -57,6 +74,7 @@
 //!     async fn proxied_source(&self, member: &str) -> Option<Proxied<MySource>> {
 //!         /* a member connected through a `FaultProxy` in front of the broker */
 //!     }
+//!     fn redelivery_delay(&self) -> Duration { /* how soon a dead member's message is back */ }
 //!     async fn producer(&self) -> Arc<dyn Publish> { /* the adapter's producer */ }
 //!     fn destination(&self) -> String { /* what outbox rows name to reach this queue */ }
 //!     async fn dead_letters(&self) -> Vec<DeadLetter> { /* payload and reason of each */ }
@@ -76,10 +94,18 @@
 //! heartbeats, `XAUTOCLAIM`, FIFO groups, broker restarts).
 
 mod checked;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 mod kill;
 mod network;
 mod outbox;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
+#[cfg(feature = "redis")]
+pub mod redis;
 pub mod scenarios;
+#[cfg(feature = "sqs")]
+pub mod sqs;
 mod zombie;
 
 pub use checked::Checked;
@@ -91,6 +117,11 @@ use std::time::Duration;
 
 use inbox_core::{MessageSource, Publish};
 use inbox_testkit::FaultProxy;
+
+/// A name no other test uses: `prefix`, a dash and 12 random hex digits.
+pub fn unique_name(prefix: &str) -> String {
+    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
+}
 
 /// A message parked in a dead-letter destination, as the broker holds it.
 #[derive(Clone, PartialEq, Eq)]
@@ -189,6 +220,21 @@ pub trait TestQueue: Send + Sync + 'static {
     /// printed. The source should give up on a silent connection within seconds (an operation
     /// timeout, a heartbeat).
     async fn proxied_source(&self, member: &str) -> Option<Proxied<Self::Source>>;
+
+    /// A source of `member` that acks each message as it receives it, before the handler runs
+    /// (Kafka's auto-commit, SQS's delete on receive, RabbitMQ's and Redis's `NOACK` reads): the
+    /// anti-pattern, for tools that show what it loses when a consumer dies. Default `None`;
+    /// the four brokers of this crate return one with its feature `at-most-once`.
+    async fn at_most_once_source(&self, member: &str) -> Option<Self::Source> {
+        let _ = member;
+        None
+    }
+
+    /// How long a message held (not acked) by a consumer that died takes to come back to
+    /// another member: the broker's own timeout plus a margin (Kafka's session timeout twice,
+    /// SQS's visibility timeout, RabbitMQ's notice of the closed connection, the Redis claim
+    /// idle and sweep).
+    fn redelivery_delay(&self) -> Duration;
 
     /// The adapter's producer, as the outbox relay uses it.
     async fn producer(&self) -> Arc<dyn Publish>;

@@ -1,27 +1,27 @@
 //! Shared helpers of the Kafka tests: random topics and groups on the real broker, a running
-//! consumer that can be stopped, and what is left on the broker afterwards.
+//! consumer that can be stopped, and what is left on the broker afterwards (the conformance
+//! suite's, `inbox_conformance::kafka`, where it has them).
 //!
 //! The same tests run on librdkafka's mock cluster, the `kafka-mock` process of the examples
 //! (`KAFKA_BROKERS` its bootstrap address, `KAFKA_MOCK_CONTROL` its `--control` address). The
 //! mock has no CreateTopics, so topics are then made through its control port; a test that needs
 //! what the mock lacks skips itself with [`skip_on_mock`].
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unused_imports, unreachable_pub)]
+
+pub use inbox_conformance::kafka::{
+    config, create_topic, header, lag, mock_control, producer, read_all,
+};
+pub use inbox_conformance::unique_name as random;
 
 use std::future::Future;
 use std::time::{Duration, Instant};
 
 use inbox_core::{Consumer, InboxStore, PerMessage, Stats, StatsSnapshot};
-use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
-use inbox_kafka::rdkafka::message::{Headers, OwnedMessage};
-use inbox_kafka::rdkafka::{ClientConfig, Message as _, Offset, TopicPartitionList};
-use inbox_kafka::{
-    brokers_from_env, KafkaAdmin, KafkaProducer, KafkaSource, KafkaSourceBuilder, Record,
-};
+use inbox_kafka::{KafkaSource, Record};
 use inbox_postgres::PgTx;
 use inbox_testkit::wallet::{self, Credit, CreditEvent, Summary};
 use sqlx::PgPool;
 use std::sync::Arc;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -36,15 +36,6 @@ pub fn init_tracing() {
         .try_init();
 }
 
-pub fn random(prefix: &str) -> String {
-    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
-}
-
-/// The `kafka-mock --control` address, when the tests run on librdkafka's mock cluster.
-pub fn mock_control() -> Option<String> {
-    std::env::var("KAFKA_MOCK_CONTROL").ok()
-}
-
 /// On the mock cluster, says why the test is skipped and returns `true`.
 pub fn skip_on_mock(reason: &str) -> bool {
     if mock_control().is_none() {
@@ -52,37 +43,6 @@ pub fn skip_on_mock(reason: &str) -> bool {
     }
     println!("skipped on librdkafka's mock cluster (KAFKA_MOCK_CONTROL is set): {reason}");
     true
-}
-
-/// Creates `topic` with `partitions` partitions: with the admin API, or on the mock cluster
-/// through `kafka-mock --control`.
-pub async fn create_topic(topic: &str, partitions: i32) {
-    let Some(control) = mock_control() else {
-        KafkaAdmin::from_env()
-            .expect("admin client")
-            .create_topic(topic, partitions)
-            .await
-            .unwrap_or_else(|e| panic!("creating topic `{topic}`: {e}"));
-        return;
-    };
-    let talk = async {
-        let mut stream = tokio::net::TcpStream::connect(&control).await?;
-        stream
-            .write_all(format!("create-topic {topic} {partitions}\n").as_bytes())
-            .await?;
-        let mut answer = String::new();
-        BufReader::new(stream).read_line(&mut answer).await?;
-        Ok::<_, std::io::Error>(answer)
-    };
-    let answer = tokio::time::timeout(Duration::from_secs(30), talk)
-        .await
-        .unwrap_or_else(|_| panic!("kafka-mock at KAFKA_MOCK_CONTROL={control} does not answer"))
-        .unwrap_or_else(|e| panic!("kafka-mock at KAFKA_MOCK_CONTROL={control}: {e}"));
-    assert_eq!(
-        answer.trim_end(),
-        "ok",
-        "kafka-mock at KAFKA_MOCK_CONTROL={control} creating topic `{topic}`"
-    );
 }
 
 /// A fresh topic with `partitions` partitions and its dead-letter topic.
@@ -94,20 +54,8 @@ pub async fn topic(partitions: i32) -> String {
     topic
 }
 
-/// A source with timeouts short enough for tests: a dead member is noticed after 6 s.
-pub fn config(topic: &str, group: &str) -> KafkaSourceBuilder {
-    KafkaSource::builder([topic], group)
-        .poll_timeout(Duration::from_millis(500))
-        .set_consumer("session.timeout.ms", "6000")
-        .set_consumer("heartbeat.interval.ms", "1000")
-}
-
 pub async fn source(topic: &str, group: &str) -> KafkaSource {
     config(topic, group).connect().await.expect("kafka source")
-}
-
-pub async fn producer() -> KafkaProducer {
-    KafkaProducer::builder().connect().await.expect("producer")
 }
 
 /// Produces `n` credits spread over `partitions`, account `i % 7 + 1`, amount `i % 50 + 1`.
@@ -196,39 +144,6 @@ pub async fn wait_for_events(pool: &PgPool, n: i64) -> bool {
     eventually(|| async { summary(pool).await.distinct_events >= n }).await
 }
 
-fn plain_consumer(group: &str) -> BaseConsumer {
-    ClientConfig::new()
-        .set("bootstrap.servers", brokers_from_env())
-        .set("group.id", group)
-        .set("enable.auto.commit", "false")
-        .create()
-        .expect("plain consumer")
-}
-
-/// Records not yet committed by `group`, summed over the partitions of `topic`.
-pub fn lag(topic: &str, group: &str, partitions: i32) -> i64 {
-    let consumer = plain_consumer(group);
-    let mut list = TopicPartitionList::new();
-    for p in 0..partitions {
-        list.add_partition(topic, p);
-    }
-    let committed = consumer
-        .committed_offsets(list, Duration::from_secs(10))
-        .expect("committed offsets");
-    let mut lag = 0;
-    for p in 0..partitions {
-        let (low, high) = consumer
-            .fetch_watermarks(topic, p, Duration::from_secs(10))
-            .expect("watermarks");
-        let at = match committed.find_partition(topic, p).map(|e| e.offset()) {
-            Some(Offset::Offset(o)) => o,
-            _ => low,
-        };
-        lag += high - at;
-    }
-    lag
-}
-
 /// Waits until `group` has committed everything on `topic`.
 pub async fn wait_for_no_lag(topic: &str, group: &str, partitions: i32) -> i64 {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -242,37 +157,4 @@ pub async fn wait_for_no_lag(topic: &str, group: &str, partitions: i32) -> i64 {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-}
-
-/// Every record on partition 0 of `topic`.
-pub async fn read_all(topic: &str) -> Vec<OwnedMessage> {
-    let topic = topic.to_owned();
-    tokio::task::spawn_blocking(move || {
-        let consumer = plain_consumer(&random("reader"));
-        let (low, high) = consumer
-            .fetch_watermarks(&topic, 0, Duration::from_secs(10))
-            .expect("watermarks");
-        let mut list = TopicPartitionList::new();
-        list.add_partition_offset(&topic, 0, Offset::Offset(low))
-            .expect("partition");
-        consumer.assign(&list).expect("assign");
-        let mut out = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while (out.len() as i64) < high - low && Instant::now() < deadline {
-            if let Some(Ok(m)) = consumer.poll(Duration::from_millis(200)) {
-                out.push(m.detach());
-            }
-        }
-        out
-    })
-    .await
-    .expect("reader task")
-}
-
-pub fn header<'a>(message: &'a OwnedMessage, name: &str) -> Option<&'a [u8]> {
-    message
-        .headers()?
-        .iter()
-        .find(|h| h.key == name)
-        .and_then(|h| h.value)
 }

@@ -1,156 +1,17 @@
 //! Helpers shared by the integration tests: a random stream per test, a raw connection to
-//! look at what is left on the broker.
+//! look at what is left on the broker (the conformance suite's, `inbox_conformance::redis`).
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unused_imports, unreachable_pub)]
 
-use std::time::Duration;
-
-use inbox_redis_streams::redis::{self, aio::MultiplexedConnection, Value};
-use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource, RedisStreamSourceBuilder};
-
-pub const GROUP: &str = "wallet";
-
-pub fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
-}
-
-/// A stream key no other test uses.
-pub fn stream_key(test: &str) -> String {
-    format!("inbox-test:{test}:{}", uuid::Uuid::new_v4().simple())
-}
-
-pub async fn raw() -> MultiplexedConnection {
-    redis::Client::open(redis_url())
-        .expect("REDIS_URL parses")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("Redis is reachable at REDIS_URL")
-}
-
-pub async fn producer() -> RedisStreamProducer {
-    RedisStreamProducer::builder()
-        .connect()
-        .await
-        .expect("producer connects")
-}
-
-/// A builder with test-friendly timings: short polls, fast claim sweeps.
-pub fn builder(stream: &str, consumer: &str) -> RedisStreamSourceBuilder {
-    RedisStreamSource::builder(stream, GROUP)
-        .consumer_name(consumer)
-        .poll_timeout(Duration::from_millis(200))
-        .claim_interval(Duration::from_millis(200))
-}
+pub use inbox_conformance::redis::{
+    builder, cleanup, dead_letters, lag, pending, pending_with, producer, raw, redis_url,
+    stream_key, xadd_raw, GROUP,
+};
+use inbox_redis_streams::RedisStreamSource;
 
 pub async fn source(stream: &str, consumer: &str) -> RedisStreamSource {
     builder(stream, consumer)
         .connect()
         .await
         .expect("source connects")
-}
-
-/// Entries delivered to the group and not acked yet.
-pub async fn pending(stream: &str) -> i64 {
-    pending_with(&mut raw().await, stream).await
-}
-
-/// [`pending`] over a connection of your own (another database number).
-pub async fn pending_with(conn: &mut MultiplexedConnection, stream: &str) -> i64 {
-    let v: Value = redis::cmd("XPENDING")
-        .arg(stream)
-        .arg(GROUP)
-        .query_async(conn)
-        .await
-        .expect("XPENDING");
-    match v {
-        Value::Array(parts) => match parts.first() {
-            Some(Value::Int(n)) => *n,
-            other => panic!("unexpected XPENDING reply {other:?}"),
-        },
-        other => panic!("unexpected XPENDING reply {other:?}"),
-    }
-}
-
-/// Entries not yet handed to any consumer of the group (`lag` in `XINFO GROUPS`).
-pub async fn lag(stream: &str) -> i64 {
-    let v: Value = redis::cmd("XINFO")
-        .arg("GROUPS")
-        .arg(stream)
-        .query_async(&mut raw().await)
-        .await
-        .expect("XINFO GROUPS");
-    let Value::Array(groups) = v else {
-        panic!("XINFO GROUPS: {v:?}")
-    };
-    for group in groups {
-        let fields: Vec<Value> = match group {
-            Value::Array(f) => f,
-            Value::Map(m) => m.into_iter().flat_map(|(k, v)| [k, v]).collect(),
-            other => panic!("XINFO group: {other:?}"),
-        };
-        let mut it = fields.into_iter();
-        while let (Some(k), Some(v)) = (it.next(), it.next()) {
-            if matches!(&k, Value::BulkString(b) if b == b"lag") {
-                return match v {
-                    Value::Int(n) => n,
-                    other => panic!("lag: {other:?}"),
-                };
-            }
-        }
-    }
-    panic!("no lag for {stream}")
-}
-
-/// The dead-letter stream's entries, each as its fields.
-pub async fn dead_letters(stream: &str) -> Vec<Vec<(String, String)>> {
-    let v: Value = redis::cmd("XRANGE")
-        .arg(format!("{stream}:dlq"))
-        .arg("-")
-        .arg("+")
-        .query_async(&mut raw().await)
-        .await
-        .expect("XRANGE dlq");
-    let Value::Array(entries) = v else {
-        return Vec::new();
-    };
-    entries
-        .into_iter()
-        .map(|e| {
-            let Value::Array(mut parts) = e else {
-                panic!("entry {e:?}")
-            };
-            let Value::Array(flat) = parts.remove(1) else {
-                panic!("fields")
-            };
-            let text = |v: Value| match v {
-                Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
-                other => format!("{other:?}"),
-            };
-            let mut out = Vec::new();
-            let mut it = flat.into_iter();
-            while let (Some(k), Some(v)) = (it.next(), it.next()) {
-                out.push((text(k), text(v)));
-            }
-            out
-        })
-        .collect()
-}
-
-/// Adds an entry with exactly these fields.
-pub async fn xadd_raw(stream: &str, fields: &[(&str, &str)]) -> String {
-    let mut cmd = redis::cmd("XADD");
-    cmd.arg(stream).arg("*");
-    for (k, v) in fields {
-        cmd.arg(*k).arg(*v);
-    }
-    cmd.query_async(&mut raw().await).await.expect("XADD")
-}
-
-/// Deletes the test's stream and its dead-letter stream.
-pub async fn cleanup(stream: &str) {
-    let _: redis::RedisResult<i64> = redis::cmd("DEL")
-        .arg(stream)
-        .arg(format!("{stream}:dlq"))
-        .query_async(&mut raw().await)
-        .await;
 }

@@ -1,0 +1,262 @@
+//! The suite on a Kafka-protocol broker (feature `kafka`): [`Kafka`] gives each scenario a topic
+//! of its own, read by the group `<topic>-group` and dead-lettered to `<topic>.dlq`.
+//!
+//! The brokers come from `KAFKA_BROKERS` (default `127.0.0.1:9092`); with `KAFKA_MOCK_CONTROL`
+//! set, topics are created through librdkafka's mock cluster (`kafka-mock --control`).
+
+mod member;
+mod topics;
+
+pub use member::Member;
+pub use topics::{create_topic, header, lag, mock_control, read_all};
+
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use inbox_core::dead_letter::REASON;
+use inbox_core::Publish;
+use inbox_kafka::rdkafka::Message as _;
+use inbox_kafka::{KafkaProducer, KafkaProducerBuilder, KafkaSource, KafkaSourceBuilder, Record};
+
+use crate::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
+
+/// A source of `topic` in `group` with timeouts short enough for tests: a dead member is noticed
+/// after 6 s.
+pub fn config(topic: &str, group: &str) -> KafkaSourceBuilder {
+    KafkaSource::builder([topic], group)
+        .poll_timeout(Duration::from_millis(500))
+        .set_consumer("session.timeout.ms", "6000")
+        .set_consumer("heartbeat.interval.ms", "1000")
+}
+
+/// A producer with the adapter's defaults.
+pub async fn producer() -> KafkaProducer {
+    KafkaProducer::builder().connect().await.expect("producer")
+}
+
+/// A Kafka-protocol broker under test. The default is the suite's: two partitions per topic, so
+/// that two members of a group each own one, a 6 s session timeout, and the producer's defaults.
+#[derive(Debug, Clone, Copy)]
+pub struct Kafka {
+    partitions: i32,
+    session_timeout: Duration,
+    one_record_per_batch: bool,
+    delivery_timeout: Duration,
+}
+
+impl Default for Kafka {
+    fn default() -> Self {
+        Self {
+            partitions: 2,
+            session_timeout: Duration::from_secs(6),
+            one_record_per_batch: false,
+            delivery_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl Kafka {
+    /// The partitions of each topic (default 2). Its dead-letter topic has one.
+    pub fn partitions(mut self, partitions: i32) -> Self {
+        self.partitions = partitions;
+        self
+    }
+
+    /// The consumers' `session.timeout.ms` (default 6 s): a member that died is noticed after
+    /// this, and its partitions go to the others.
+    pub fn session_timeout(mut self, timeout: Duration) -> Self {
+        self.session_timeout = timeout;
+        self
+    }
+
+    /// Producers send one record per batch (`batch.num.messages=1`; default off). Tansu 0.6
+    /// answers a fetch from an offset inside a record batch with the batches after it, where
+    /// Kafka returns the batch holding the offset: a consumer resuming from a commit in
+    /// mid-batch would skip the rest of that batch. One record per batch makes every offset a
+    /// batch start; it only slows publishing.
+    pub fn one_record_per_batch(mut self, on: bool) -> Self {
+        self.one_record_per_batch = on;
+        self
+    }
+
+    /// How long a producer's send waits for the broker, retries included (default 30 s, the
+    /// adapter's): a loaded machine once kept Tansu from acknowledging within it.
+    pub fn delivery_timeout(mut self, timeout: Duration) -> Self {
+        self.delivery_timeout = timeout;
+        self
+    }
+
+    fn producer_builder(&self) -> KafkaProducerBuilder {
+        let builder = KafkaProducer::builder().operation_timeout(self.delivery_timeout);
+        if self.one_record_per_batch {
+            builder.set("batch.num.messages", "1")
+        } else {
+            builder
+        }
+    }
+
+    async fn producer(&self) -> KafkaProducer {
+        self.producer_builder().connect().await.expect("producer")
+    }
+}
+
+/// A topic of its own and its dead-letter topic `<topic>.dlq`.
+#[derive(Debug)]
+pub struct Topic {
+    name: String,
+    group: String,
+    kafka: Kafka,
+    producer: KafkaProducer,
+    /// The partition of the next send: round robin, so that two sends of one ID in a row land
+    /// on different partitions.
+    next: AtomicI32,
+}
+
+#[async_trait]
+impl TestBroker for Kafka {
+    type Queue = Topic;
+
+    async fn queue(&self, scenario: &str) -> Topic {
+        let name = crate::unique_name(&format!("inbox-conformance-{scenario}"));
+        create_topic(&name, self.partitions).await;
+        create_topic(&format!("{name}.dlq"), 1).await;
+        self.attach(&name).await
+    }
+
+    async fn attach(&self, name: &str) -> Topic {
+        Topic {
+            group: format!("{name}-group"),
+            name: name.to_owned(),
+            kafka: *self,
+            producer: self.producer().await,
+            next: AtomicI32::new(0),
+        }
+    }
+}
+
+impl Topic {
+    /// The settings of `member`'s source.
+    fn builder(&self, member: &str) -> KafkaSourceBuilder {
+        // librdkafka keeps one fetch in flight per broker, and the broker holds a fetch that
+        // finds nothing for `fetch.wait.max.ms` (default 500 ms), so a partition whose start is
+        // still being looked up (no committed offset) is read only by the next fetch. With a
+        // poll as long as that wait, `run_until_idle` went idle before reading it: after the
+        // crash at `Acked` one partition was committed and the other not, and every restart read
+        // the first and stopped. Hence a 100 ms wait under a 500 ms poll, and a 200 ms heartbeat
+        // so that a member sees the rebalance of a second member's join sooner.
+        config(&self.name, &self.group)
+            .set_consumer(
+                "session.timeout.ms",
+                self.kafka.session_timeout.as_millis().to_string(),
+            )
+            .set_consumer("fetch.wait.max.ms", "100")
+            .set_consumer("heartbeat.interval.ms", "200")
+            .set_consumer("client.id", member)
+            .commit_interval(Duration::from_millis(50))
+    }
+}
+
+#[async_trait]
+impl TestQueue for Topic {
+    type Source = Member;
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    async fn send(&self, id: Option<&str>, payload: &[u8]) {
+        let partition = self.next.fetch_add(1, Ordering::Relaxed) % self.kafka.partitions;
+        // The raw header, not `Record::id`, which takes only a valid ID.
+        let mut record = Record::new(payload).without_id().partition(partition);
+        if let Some(id) = id {
+            record = record.header("event_id", id);
+        }
+        self.producer
+            .send_record(&self.name, record)
+            .await
+            .expect("produce");
+    }
+
+    async fn source(&self, member: &str) -> Member {
+        Member::new(self.builder(member).connect().await.expect("kafka source"))
+    }
+
+    async fn losing_source(&self, member: &str) -> Option<LosingSource<Member>> {
+        // A member that does not poll for `max.poll.interval.ms` leaves the group, and the
+        // rebalance hands its partitions to the other member, which reads from the last
+        // committed offset.
+        let source = self
+            .builder(member)
+            .set_consumer("session.timeout.ms", "3000")
+            .set_consumer("max.poll.interval.ms", "3000")
+            .connect()
+            .await
+            .expect("kafka source");
+        Some(LosingSource {
+            source: Member::new(source),
+            stall: Duration::from_secs(10),
+        })
+    }
+
+    async fn proxied_source(&self, _member: &str) -> Option<Proxied<Member>> {
+        // A Kafka client connects to the address the broker advertises, not the one it was
+        // given: a proxy in front of the shared broker would carry only the bootstrap.
+        // inbox-kafka's tests/network_faults.rs runs a broker of its own, advertising its proxy.
+        None
+    }
+
+    #[cfg(feature = "at-most-once")]
+    async fn at_most_once_source(&self, member: &str) -> Option<Member> {
+        let source = self
+            .builder(member)
+            .ack_mode(inbox_kafka::AckMode::AutoCommit)
+            .connect()
+            .await
+            .expect("kafka source");
+        Some(Member::new(source))
+    }
+
+    fn redelivery_delay(&self) -> Duration {
+        // The session timeout for the broker to notice, as much again for the rebalance.
+        self.kafka.session_timeout * 2
+    }
+
+    async fn producer(&self) -> Arc<dyn Publish> {
+        Arc::new(self.kafka.producer().await)
+    }
+
+    fn destination(&self) -> String {
+        self.name.clone()
+    }
+
+    async fn dead_letters(&self) -> Vec<DeadLetter> {
+        read_all(&format!("{}.dlq", self.name))
+            .await
+            .iter()
+            .map(|letter| DeadLetter {
+                payload: letter.payload().unwrap_or_default().to_vec(),
+                reason: header(letter, REASON)
+                    .map(|r| String::from_utf8_lossy(r).into_owned())
+                    .unwrap_or_default(),
+            })
+            .collect()
+    }
+
+    async fn left(&self) -> u64 {
+        // Per partition, the records after the group's committed offset (all of them before
+        // its first commit).
+        let (topic, group) = (self.name.clone(), self.group.clone());
+        let partitions = self.kafka.partitions;
+        let lag = tokio::task::spawn_blocking(move || lag(&topic, &group, partitions))
+            .await
+            .expect("lag task");
+        u64::try_from(lag).unwrap_or(0)
+    }
+
+    async fn cleanup(&self) {
+        // Left on the broker (Tansu keeps them in memory): deleting them made librdkafka 2.12
+        // crash now and then (SIGSEGV in `rd_kafka_metadata_cache_find`, on its main thread,
+        // when a metadata update follows the deletion).
+    }
+}

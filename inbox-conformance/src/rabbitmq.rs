@@ -1,0 +1,215 @@
+//! The suite on RabbitMQ (feature `rabbitmq`): [`RabbitMq`] gives each scenario a quorum queue of
+//! its own, dead-lettered to `<queue>.dlq`.
+//!
+//! The broker is at `AMQP_URL` (default the adapter's `DEFAULT_AMQP_URL`); closing a member's
+//! connection runs `rabbitmqctl`, which must be on the `PATH`.
+
+mod address;
+mod admin;
+
+pub use address::{amqp_url, broker_addr, url_via};
+pub use admin::{
+    admin_channel, cleanup, close_connection, close_pids, connection_pids, drain, left_on, Parked,
+};
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use inbox_core::dead_letter::REASON;
+use inbox_core::Publish;
+use inbox_rabbitmq::lapin::BasicProperties;
+use inbox_rabbitmq::{RabbitProducer, RabbitSource, RabbitSourceBuilder};
+use inbox_testkit::FaultProxy;
+
+use crate::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
+
+/// A config for a fresh, randomly named queue, `label` in its name and its connection's.
+pub fn fresh_config(label: &str) -> RabbitSourceBuilder {
+    RabbitSource::builder(crate::unique_name(&format!("inbox-test-{label}")))
+        .url(amqp_url())
+        .poll_timeout(Duration::from_millis(500))
+        .connection_name(crate::unique_name(&format!("inbox-test {label}")))
+}
+
+/// A producer for the broker of `config`, once the queue of `config` and its DLQ are declared.
+pub async fn publisher(config: &RabbitSourceBuilder) -> RabbitProducer {
+    config.declare_topology().await.expect("declare topology");
+    RabbitProducer::builder()
+        .url(config.broker_url())
+        .connect()
+        .await
+        .expect("connect the producer")
+}
+
+/// RabbitMQ under test. The default is the suite's: receives that wait 200 ms.
+#[derive(Debug, Clone, Copy)]
+pub struct RabbitMq {
+    poll_timeout: Duration,
+}
+
+impl Default for RabbitMq {
+    fn default() -> Self {
+        Self {
+            poll_timeout: Duration::from_millis(200),
+        }
+    }
+}
+
+impl RabbitMq {
+    /// How long a receive waits for a message (default 200 ms).
+    pub fn poll_timeout(mut self, wait: Duration) -> Self {
+        self.poll_timeout = wait;
+        self
+    }
+}
+
+/// A quorum queue of its own; its dead letters go to `<queue>.dlq`.
+#[derive(Debug)]
+pub struct Queue {
+    config: RabbitSourceBuilder,
+    publisher: RabbitProducer,
+    /// What `dead_letters` took off the DLQ so far.
+    parked: Mutex<Vec<DeadLetter>>,
+}
+
+#[async_trait]
+impl TestBroker for RabbitMq {
+    type Queue = Queue;
+
+    async fn queue(&self, scenario: &str) -> Queue {
+        self.attach(fresh_config(scenario).queue()).await
+    }
+
+    async fn attach(&self, name: &str) -> Queue {
+        let config = RabbitSource::builder(name)
+            .url(amqp_url())
+            .poll_timeout(self.poll_timeout);
+        Queue {
+            publisher: publisher(&config).await, // declares the queue and its DLQ
+            config,
+            parked: Mutex::default(),
+        }
+    }
+}
+
+impl Queue {
+    /// The broker connection name of `member`'s source.
+    fn connection(&self, member: &str) -> String {
+        format!("inbox-conformance {} {member}", self.config.queue())
+    }
+
+    /// The settings of `member`'s source.
+    fn builder(&self, member: &str) -> RabbitSourceBuilder {
+        // Members share the queue; the name tells their connections apart on the broker.
+        self.config.clone().connection_name(self.connection(member))
+    }
+}
+
+#[async_trait]
+impl TestQueue for Queue {
+    type Source = RabbitSource;
+
+    fn name(&self) -> String {
+        self.config.queue().to_owned()
+    }
+
+    async fn send(&self, id: Option<&str>, payload: &[u8]) {
+        let props = match id {
+            Some(id) => BasicProperties::default().with_message_id(id.into()),
+            None => BasicProperties::default(),
+        };
+        self.publisher
+            .publish_with_properties(self.config.queue(), payload, props)
+            .await
+            .expect("publish");
+    }
+
+    async fn source(&self, member: &str) -> RabbitSource {
+        self.builder(member)
+            .connect()
+            .await
+            .expect("connect source")
+    }
+
+    async fn losing_source(&self, member: &str) -> Option<LosingSource<RabbitSource>> {
+        // RabbitMQ has no per-delivery timeout short enough for a test (`consumer_timeout` is
+        // checked once a minute): `take_away` closes the member's connection, and the broker
+        // requeues what it held.
+        Some(LosingSource {
+            source: self.source(member).await,
+            stall: Duration::from_secs(8),
+        })
+    }
+
+    async fn take_away(&self, member: &str) {
+        close_connection(&self.connection(member)).await;
+    }
+
+    async fn proxied_source(&self, member: &str) -> Option<Proxied<RabbitSource>> {
+        let proxy = FaultProxy::start(broker_addr().await).await.expect("proxy");
+        // A silent peer is declared dead after two heartbeats without a frame (4 s); a
+        // reconnect that lands in the hole gives up after 5 s and tries again.
+        let config = RabbitSource::builder(self.config.queue())
+            .url(url_via(&amqp_url(), proxy.addr()))
+            .poll_timeout(Duration::from_millis(200))
+            .heartbeat(Duration::from_secs(2))
+            .operation_timeout(Duration::from_secs(5))
+            .connection_name(self.connection(member));
+        let source = config.connect().await.expect("connect source");
+        Some(Proxied {
+            source,
+            proxy,
+            blackhole: Duration::from_secs(10),
+        })
+    }
+
+    #[cfg(feature = "at-most-once")]
+    async fn at_most_once_source(&self, member: &str) -> Option<RabbitSource> {
+        let source = self
+            .builder(member)
+            .ack_mode(inbox_rabbitmq::AckMode::NoAck)
+            .connect()
+            .await
+            .expect("connect source");
+        Some(source)
+    }
+
+    fn redelivery_delay(&self) -> Duration {
+        // The broker requeues what a connection held as soon as it sees the connection close;
+        // a dead process's socket closes with it.
+        Duration::from_secs(3)
+    }
+
+    async fn producer(&self) -> Arc<dyn Publish> {
+        Arc::new(publisher(&self.config).await)
+    }
+
+    fn destination(&self) -> String {
+        self.config.queue().to_owned()
+    }
+
+    async fn dead_letters(&self) -> Vec<DeadLetter> {
+        let taken = drain(&self.config.dead_letter_queue()).await;
+        let mut parked = self.parked.lock().expect("parked");
+        parked.extend(taken.into_iter().map(|p| {
+            DeadLetter {
+                // A message the broker parked (x-delivery-limit) has no reason of the consumer's.
+                reason: p
+                    .header(REASON)
+                    .or_else(|| p.header("x-first-death-reason"))
+                    .unwrap_or_default(),
+                payload: p.body,
+            }
+        }));
+        parked.clone()
+    }
+
+    async fn left(&self) -> u64 {
+        // Ready messages once no consumer holds any: unacked ones are back in the queue by then.
+        left_on(self.config.queue()).await.into()
+    }
+
+    async fn cleanup(&self) {
+        cleanup(&self.config).await;
+    }
+}

@@ -1,0 +1,237 @@
+//! The suite on Redis Streams (feature `redis`): [`Redis`] gives each scenario a stream of its
+//! own, consumed by the group [`GROUP`] and dead-lettered to `<stream>:dlq`.
+//!
+//! Redis is found at `REDIS_URL` (default `redis://127.0.0.1:6379`).
+
+mod inspect;
+
+pub use inspect::{cleanup, dead_letters, lag, pending, pending_with, raw, xadd_raw};
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use inbox_core::Publish;
+use inbox_redis_streams::redis::{Client, ConnectionAddr, IntoConnectionInfo};
+use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource, RedisStreamSourceBuilder};
+use inbox_testkit::FaultProxy;
+
+use crate::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
+
+/// The consumer group of every source.
+pub const GROUP: &str = "wallet";
+
+/// `REDIS_URL`, or the local default.
+pub fn redis_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+/// A stream key no other test uses, with `test` in it.
+pub fn stream_key(test: &str) -> String {
+    crate::unique_name(&format!("inbox-test:{test}"))
+}
+
+/// A source of the group [`GROUP`] as `consumer`, with test-friendly timings: 200 ms polls and
+/// claim sweeps.
+pub fn builder(stream: &str, consumer: &str) -> RedisStreamSourceBuilder {
+    RedisStreamSource::builder(stream, GROUP)
+        .consumer_name(consumer)
+        .poll_timeout(Duration::from_millis(200))
+        .claim_interval(Duration::from_millis(200))
+}
+
+/// A producer with the adapter's defaults.
+pub async fn producer() -> RedisStreamProducer {
+    RedisStreamProducer::builder()
+        .connect()
+        .await
+        .expect("producer connects")
+}
+
+/// Redis Streams under test. The default has the suite's timings: an entry left pending by a
+/// member is claimed by another after 1.5 s idle, sweeps and polls every 200 ms.
+#[derive(Debug, Clone, Copy)]
+pub struct Redis {
+    claim_idle: Duration,
+    claim_interval: Duration,
+    poll_timeout: Duration,
+}
+
+impl Default for Redis {
+    fn default() -> Self {
+        Self {
+            claim_idle: Duration::from_millis(1500),
+            claim_interval: Duration::from_millis(200),
+            poll_timeout: Duration::from_millis(200),
+        }
+    }
+}
+
+impl Redis {
+    /// How long an entry stays pending with a member before another claims it (default 1.5 s).
+    pub fn claim_idle(mut self, idle: Duration) -> Self {
+        self.claim_idle = idle;
+        self
+    }
+
+    /// How often a source looks for entries to claim (default 200 ms).
+    pub fn claim_interval(mut self, every: Duration) -> Self {
+        self.claim_interval = every;
+        self
+    }
+
+    /// How long a read blocks when the stream is empty (default 200 ms).
+    pub fn poll_timeout(mut self, wait: Duration) -> Self {
+        self.poll_timeout = wait;
+        self
+    }
+
+    fn source_builder(&self, stream: &str, member: &str) -> RedisStreamSourceBuilder {
+        builder(stream, member)
+            .poll_timeout(self.poll_timeout)
+            .claim_interval(self.claim_interval)
+            .claim_idle(self.claim_idle)
+    }
+}
+
+/// A stream of its own; its dead letters go to `<stream>:dlq`.
+#[derive(Debug)]
+pub struct Stream {
+    key: String,
+    redis: Redis,
+}
+
+#[async_trait]
+impl TestBroker for Redis {
+    type Queue = Stream;
+
+    async fn queue(&self, scenario: &str) -> Stream {
+        self.attach(&stream_key(scenario)).await
+    }
+
+    async fn attach(&self, name: &str) -> Stream {
+        Stream {
+            key: name.to_owned(),
+            redis: *self,
+        }
+    }
+}
+
+#[async_trait]
+impl TestQueue for Stream {
+    type Source = RedisStreamSource;
+
+    fn name(&self) -> String {
+        self.key.clone()
+    }
+
+    async fn send(&self, id: Option<&str>, payload: &[u8]) {
+        let payload = String::from_utf8_lossy(payload);
+        match id {
+            Some(id) => xadd_raw(&self.key, &[("event_id", id), ("payload", &payload)]).await,
+            None => xadd_raw(&self.key, &[("payload", &payload)]).await,
+        };
+    }
+
+    async fn source(&self, member: &str) -> RedisStreamSource {
+        self.redis
+            .source_builder(&self.key, member)
+            .connect()
+            .await
+            .expect("source connects")
+    }
+
+    async fn losing_source(&self, member: &str) -> Option<LosingSource<RedisStreamSource>> {
+        // Any member loses an entry it holds for the claim idle to the next sweep of another.
+        Some(LosingSource {
+            source: self.source(member).await,
+            stall: self.redis.claim_idle * 3,
+        })
+    }
+
+    async fn proxied_source(&self, member: &str) -> Option<Proxied<RedisStreamSource>> {
+        let info = redis_url().into_connection_info().expect("REDIS_URL");
+        let ConnectionAddr::Tcp(host, port) = info.addr() else {
+            return None; // a Unix socket or TLS: no TCP proxy can stand in front of it
+        };
+        let upstream: SocketAddr = tokio::net::lookup_host((host.as_str(), *port))
+            .await
+            .expect("resolve REDIS_URL")
+            .next()?;
+        let proxy = FaultProxy::start(upstream).await.expect("proxy");
+        let proxied = info.clone().set_addr(ConnectionAddr::Tcp(
+            proxy.addr().ip().to_string(),
+            proxy.addr().port(),
+        ));
+        // A command on a silent connection is given up after 1 s (the blocking read gets its
+        // block on top); what a lost read or a failed ack left pending is claimed after 2 s.
+        let source = self
+            .redis
+            .source_builder(&self.key, member)
+            .claim_idle(Duration::from_secs(2))
+            .operation_timeout(Duration::from_secs(1))
+            .client(Client::open(proxied).expect("client"))
+            .connect()
+            .await
+            .expect("source connects");
+        Some(Proxied {
+            source,
+            proxy,
+            blackhole: Duration::from_secs(4),
+        })
+    }
+
+    #[cfg(feature = "at-most-once")]
+    async fn at_most_once_source(&self, member: &str) -> Option<RedisStreamSource> {
+        let source = self
+            .redis
+            .source_builder(&self.key, member)
+            .ack_mode(inbox_redis_streams::AckMode::NoAck)
+            .connect()
+            .await
+            .expect("source connects");
+        Some(source)
+    }
+
+    fn redelivery_delay(&self) -> Duration {
+        self.redis.claim_idle + self.redis.claim_interval + Duration::from_secs(1)
+    }
+
+    async fn producer(&self) -> Arc<dyn Publish> {
+        Arc::new(producer().await)
+    }
+
+    fn destination(&self) -> String {
+        self.key.clone()
+    }
+
+    async fn dead_letters(&self) -> Vec<DeadLetter> {
+        let field = |entry: &[(String, String)], name: &str| {
+            entry
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+                .unwrap_or_default()
+        };
+        dead_letters(&self.key)
+            .await
+            .iter()
+            .map(|entry| DeadLetter {
+                payload: field(entry, "payload").into_bytes(),
+                reason: field(entry, "reason"),
+            })
+            .collect()
+    }
+
+    async fn left(&self) -> u64 {
+        // Delivered and not acked, and not delivered yet (a stream no consumer read has no
+        // group: everything in it is left).
+        let pending = pending(&self.key).await;
+        let lag = lag(&self.key).await;
+        u64::try_from(pending + lag).unwrap_or(0)
+    }
+
+    async fn cleanup(&self) {
+        cleanup(&self.key).await;
+    }
+}

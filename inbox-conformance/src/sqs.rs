@@ -1,0 +1,263 @@
+//! The suite on SQS (feature `sqs`): [`Sqs`] gives each scenario a standard queue of its own and
+//! a dead-letter queue that the source parks messages in.
+//!
+//! The endpoint is `AWS_ENDPOINT_URL_SQS` (default [`LOCAL_ENDPOINT`], moto), with dummy
+//! credentials where none are configured.
+
+mod endpoint;
+mod queues;
+
+pub use endpoint::{
+    client, plain_http_endpoint, proxied_client, ATTEMPT_TIMEOUT, LOCAL_ENDPOINT, OPERATION_TIMEOUT,
+};
+pub use queues::{attr, create_queue, delete_queue, drain, queue, queue_name};
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use inbox_core::dead_letter::REASON;
+use inbox_core::Publish;
+use inbox_sqs::aws_sdk_sqs::types::{
+    MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
+};
+use inbox_sqs::aws_sdk_sqs::Client;
+use inbox_sqs::{SqsProducer, SqsSource, SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
+use inbox_testkit::FaultProxy;
+
+use crate::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
+
+/// SQS under test. The default is the suite's: a 2 s visibility timeout, and receives that wait
+/// 1 s longer than it.
+#[derive(Debug, Clone, Copy)]
+pub struct Sqs {
+    visibility_secs: u32,
+    poll_timeout: Option<Duration>,
+}
+
+impl Default for Sqs {
+    fn default() -> Self {
+        Self {
+            visibility_secs: 2,
+            poll_timeout: None,
+        }
+    }
+}
+
+impl Sqs {
+    /// The queues' visibility timeout, in whole seconds rounded up (default 2 s): a message a
+    /// consumer died holding is visible again after this.
+    pub fn visibility_timeout(mut self, timeout: Duration) -> Self {
+        let secs = timeout.as_secs() + u64::from(timeout.subsec_nanos() > 0);
+        self.visibility_secs = u32::try_from(secs).unwrap_or(u32::MAX);
+        self
+    }
+
+    /// How long a receive waits for a message (default the visibility timeout plus 1 s).
+    ///
+    /// The default makes a restarted consumer go idle only after what its crashed predecessor
+    /// held is visible again: a committed but undeleted message then comes back to it (and is
+    /// skipped) even when the others were applied first. One second more than the timeout
+    /// because moto's long poll looks for visible messages once a second.
+    pub fn poll_timeout(mut self, wait: Duration) -> Self {
+        self.poll_timeout = Some(wait);
+        self
+    }
+
+    fn visibility(&self) -> Duration {
+        Duration::from_secs(u64::from(self.visibility_secs))
+    }
+
+    fn wait(&self) -> Duration {
+        self.poll_timeout
+            .unwrap_or(self.visibility() + Duration::from_secs(1))
+    }
+}
+
+/// A standard queue of its own and its dead-letter queue (the source's `dead_letter_queue`).
+#[derive(Debug)]
+pub struct Queue {
+    sqs: Client,
+    settings: Sqs,
+    url: String,
+    dlq: String,
+    /// The dead letters received (and deleted) from the DLQ so far.
+    dead: Mutex<Vec<DeadLetter>>,
+}
+
+#[async_trait]
+impl TestBroker for Sqs {
+    type Queue = Queue;
+
+    async fn queue(&self, scenario: &str) -> Queue {
+        let sqs = client().await;
+        let url = queue(&sqs, scenario, self.visibility_secs).await;
+        let dlq = queue(&sqs, &format!("{scenario}-dlq"), 30).await;
+        Queue {
+            sqs,
+            settings: *self,
+            url,
+            dlq,
+            dead: Mutex::default(),
+        }
+    }
+
+    /// `name`: the queue's URL and its dead-letter queue's, separated by a space.
+    async fn attach(&self, name: &str) -> Queue {
+        let (url, dlq) = name.split_once(' ').expect("two queue URLs");
+        Queue {
+            sqs: client().await,
+            settings: *self,
+            url: url.to_owned(),
+            dlq: dlq.to_owned(),
+            dead: Mutex::default(),
+        }
+    }
+}
+
+impl Queue {
+    /// The settings of every source of this queue.
+    fn builder(&self) -> SqsSourceBuilder {
+        SqsSource::builder(&self.url)
+            .client(self.sqs.clone())
+            .poll_timeout(self.settings.wait())
+            .dead_letter_queue(&self.dlq)
+    }
+}
+
+#[async_trait]
+impl TestQueue for Queue {
+    type Source = SqsSource;
+
+    fn name(&self) -> String {
+        format!("{} {}", self.url, self.dlq)
+    }
+
+    async fn send(&self, id: Option<&str>, payload: &[u8]) {
+        let mut request = self
+            .sqs
+            .send_message()
+            .queue_url(&self.url)
+            .message_body(String::from_utf8_lossy(payload));
+        if let Some(id) = id {
+            let value = MessageAttributeValue::builder()
+                .data_type("String")
+                .string_value(id)
+                .build()
+                .expect("ID attribute");
+            request = request.message_attributes(DEFAULT_ID_ATTRIBUTE, value);
+        }
+        request.send().await.expect("send");
+    }
+
+    async fn source(&self, _member: &str) -> SqsSource {
+        // SQS has no group members: every source shares the queue.
+        self.builder().connect().await.expect("source")
+    }
+
+    async fn losing_source(&self, _member: &str) -> Option<LosingSource<SqsSource>> {
+        // With the heartbeat off, a message comes back after the visibility timeout, however
+        // long its handler runs.
+        let source = self
+            .builder()
+            .heartbeat(false)
+            .connect()
+            .await
+            .expect("source");
+        Some(LosingSource {
+            source,
+            stall: self.settings.visibility() + 2 * self.settings.wait(),
+        })
+    }
+
+    async fn proxied_source(&self, _member: &str) -> Option<Proxied<SqsSource>> {
+        // The proxy forwards bytes: it cannot stand between a client and an HTTPS endpoint.
+        let upstream = plain_http_endpoint().await?;
+        let proxy = FaultProxy::start(upstream).await.expect("proxy");
+        // A call on a silent connection fails after 2 s per attempt, 5 s in all; the long poll
+        // is shorter than an attempt, as the source requires.
+        let source = SqsSource::builder(&self.url)
+            .client(proxied_client(&proxy).await)
+            .poll_timeout(Duration::from_secs(1))
+            .dead_letter_queue(&self.dlq)
+            .connect()
+            .await
+            .expect("source");
+        Some(Proxied {
+            source,
+            proxy,
+            // Longer than a delete and then a receive can take to fail, and several visibility
+            // timeouts: receives, deletes and heartbeat extensions all hang and time out.
+            blackhole: Duration::from_secs(12),
+        })
+    }
+
+    #[cfg(feature = "at-most-once")]
+    async fn at_most_once_source(&self, _member: &str) -> Option<SqsSource> {
+        let source = self
+            .builder()
+            .ack_mode(inbox_sqs::AckMode::DeleteOnReceive)
+            .connect()
+            .await
+            .expect("source");
+        Some(source)
+    }
+
+    fn redelivery_delay(&self) -> Duration {
+        // moto looks for visible messages once a second; a receive may be waiting already.
+        self.settings.visibility() + Duration::from_secs(3)
+    }
+
+    async fn producer(&self) -> Arc<dyn Publish> {
+        Arc::new(
+            SqsProducer::builder()
+                .client(self.sqs.clone())
+                .connect()
+                .await
+                .expect("producer"),
+        )
+    }
+
+    fn destination(&self) -> String {
+        self.url.clone()
+    }
+
+    async fn dead_letters(&self) -> Vec<DeadLetter> {
+        let mut received = drain(&self.sqs, &self.dlq, Duration::from_secs(1)).await;
+        received.sort_by_key(|m| {
+            m.attributes()
+                .and_then(|a| a.get(&MessageSystemAttributeName::SentTimestamp))
+                .and_then(|t| t.parse::<u64>().ok())
+        });
+        let mut dead = self.dead.lock().expect("dead letters");
+        dead.extend(received.iter().map(|m| DeadLetter {
+            payload: m.body().unwrap_or_default().as_bytes().to_vec(),
+            reason: attr(m, REASON).unwrap_or_default(),
+        }));
+        dead.clone()
+    }
+
+    async fn left(&self) -> u64 {
+        let names = [
+            QueueAttributeName::ApproximateNumberOfMessages,
+            QueueAttributeName::ApproximateNumberOfMessagesNotVisible,
+            QueueAttributeName::ApproximateNumberOfMessagesDelayed,
+        ];
+        let out = self
+            .sqs
+            .get_queue_attributes()
+            .queue_url(&self.url)
+            .set_attribute_names(Some(names.to_vec()))
+            .send()
+            .await
+            .expect("get queue counts");
+        names
+            .iter()
+            .filter_map(|name| out.attributes()?.get(name)?.parse::<u64>().ok())
+            .sum()
+    }
+
+    async fn cleanup(&self) {
+        delete_queue(&self.sqs, &self.url).await;
+        delete_queue(&self.sqs, &self.dlq).await;
+    }
+}
