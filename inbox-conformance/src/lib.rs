@@ -249,6 +249,14 @@ pub trait TestQueue: Send + Sync + 'static {
     /// Messages not acked yet, delivered or not.
     async fn left(&self) -> u64;
 
+    /// Messages not acked yet, counted while consumers run: a harness's "is the queue drained
+    /// yet". Default: [`TestQueue::left`]. Where the broker counts delivered, unacked messages
+    /// only once their consumers are gone (RabbitMQ, whose `left` waits for that), this counts
+    /// the messages waiting for delivery.
+    async fn waiting(&self) -> u64 {
+        self.left().await
+    }
+
     /// Deletes the queue and its dead-letter destination.
     async fn cleanup(&self);
 }

@@ -8,6 +8,7 @@ mod address;
 mod admin;
 
 pub use address::{amqp_url, broker_addr, url_via};
+use admin::ready_on;
 pub use admin::{
     admin_channel, cleanup, close_connection, close_pids, connection_pids, drain, left_on, Parked,
 };
@@ -41,16 +42,19 @@ pub async fn publisher(config: &RabbitSourceBuilder) -> RabbitProducer {
         .expect("connect the producer")
 }
 
-/// RabbitMQ under test. The default is the suite's: receives that wait 200 ms.
+/// RabbitMQ under test. The default is the suite's: receives that wait 200 ms, queues declared
+/// with the adapter's default `x-delivery-limit`.
 #[derive(Debug, Clone, Copy)]
 pub struct RabbitMq {
     poll_timeout: Duration,
+    delivery_limit: bool,
 }
 
 impl Default for RabbitMq {
     fn default() -> Self {
         Self {
             poll_timeout: Duration::from_millis(200),
+            delivery_limit: true,
         }
     }
 }
@@ -59,6 +63,15 @@ impl RabbitMq {
     /// How long a receive waits for a message (default 200 ms).
     pub fn poll_timeout(mut self, wait: Duration) -> Self {
         self.poll_timeout = wait;
+        self
+    }
+
+    /// Declares the queues without `x-delivery-limit`
+    /// ([`RabbitSourceBuilder::no_delivery_limit`]): a run that kills its consumers many times
+    /// requeues each prefetched message once per kill, and with a limit those messages would be
+    /// parked rather than applied.
+    pub fn no_delivery_limit(mut self) -> Self {
+        self.delivery_limit = false;
         self
     }
 }
@@ -81,9 +94,12 @@ impl TestBroker for RabbitMq {
     }
 
     async fn attach(&self, name: &str) -> Queue {
-        let config = RabbitSource::builder(name)
+        let mut config = RabbitSource::builder(name)
             .url(amqp_url())
             .poll_timeout(self.poll_timeout);
+        if !self.delivery_limit {
+            config = config.no_delivery_limit();
+        }
         Queue {
             publisher: publisher(&config).await, // declares the queue and its DLQ
             config,
@@ -207,6 +223,10 @@ impl TestQueue for Queue {
     async fn left(&self) -> u64 {
         // Ready messages once no consumer holds any: unacked ones are back in the queue by then.
         left_on(self.config.queue()).await.into()
+    }
+
+    async fn waiting(&self) -> u64 {
+        ready_on(self.config.queue()).await.into()
     }
 
     async fn cleanup(&self) {

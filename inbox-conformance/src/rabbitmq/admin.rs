@@ -7,7 +7,7 @@ use inbox_rabbitmq::lapin::options::{
     BasicAckOptions, BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use inbox_rabbitmq::lapin::types::{AMQPValue, FieldTable};
-use inbox_rabbitmq::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use inbox_rabbitmq::lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Queue};
 use inbox_rabbitmq::RabbitSourceBuilder;
 
 use super::amqp_url;
@@ -22,26 +22,38 @@ pub async fn admin_channel() -> (Connection, Channel) {
     (connection, channel)
 }
 
+/// Messages ready in `queue` now: neither delivered nor in flight to a consumer.
+pub async fn ready_on(queue: &str) -> u32 {
+    passive_declare(&admin_channel().await.1, queue)
+        .await
+        .message_count()
+}
+
 /// Messages in `queue` once no consumer holds any (waits for closed consumers to go away,
 /// so their unacked deliveries are counted too). A dropped source closes its connection in
 /// the background; on a loaded machine the broker has been seen to list it for over 10 s.
 pub async fn left_on(queue: &str) -> u32 {
     let (_connection, channel) = admin_channel().await;
-    let options = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
-    };
     for _ in 0..300 {
-        let q = channel
-            .queue_declare(queue.into(), options, FieldTable::default())
-            .await
-            .expect("passive declare");
+        let q = passive_declare(&channel, queue).await;
         if q.consumer_count() == 0 {
             return q.message_count();
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     panic!("queue {queue} still has consumers after 30 s");
+}
+
+/// `queue` as the broker reports it, without declaring it.
+async fn passive_declare(channel: &Channel, queue: &str) -> Queue {
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare(queue.into(), options, FieldTable::default())
+        .await
+        .expect("passive declare")
 }
 
 /// A dead-lettered message as read back from the DLQ.
