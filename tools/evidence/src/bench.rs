@@ -330,8 +330,7 @@ async fn timed_run(
     run: &str,
     spec: impl FnOnce(&str, &str) -> ConsumerSpec,
 ) -> Result<(u64, f64), BoxError> {
-    let name = format!("bench-{:016x}", rand::random::<u64>());
-    broker.create(&name).await?;
+    let name = broker.create("bench").await?;
     broker.publish(&name, events).await?;
     let db = TestDb::new().await;
     let consumer = spec(&name, &db.schema);

@@ -1,18 +1,23 @@
-//! One small trait over the four brokers, so the kill and zombie tests share their harness.
+//! The four brokers, as the conformance suite drives them (`inbox_conformance`'s `TestBroker`
+//! and `TestQueue`): the harness creates, fills, consumes, counts and deletes queues through
+//! that one trait, so the evidence runs on exactly the adapters' configuration the suite checks.
+//! What is the harness's own is here: a broker picked at run time behind one object, the
+//! suite's panics turned into errors, and the Tansu workarounds.
 
-#[cfg(feature = "kafka")]
-mod kafka;
-mod rabbitmq;
-mod redis;
-mod sqs;
-
+use std::any::Any;
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::{async_trait, BoxError, StatsSnapshot};
+use inbox_conformance::{TestBroker, TestQueue};
+use inbox_core::{async_trait, BoxError, MessageId, MessageSource, OutgoingMessage, StatsSnapshot};
 use inbox_testkit::TestDb;
+use tokio::sync::Mutex;
 
 use crate::cli::{BrokerKind, ConsumerSpec, KafkaImpl};
-use crate::consume::{Shutdown, Watch};
+use crate::consume::{self, Shutdown, Watch};
+use crate::effects_child::{self, ChildSpec, Role};
 
 /// A credit event ready to publish: its producer-set ID and JSON payload.
 #[derive(Debug, Clone)]
@@ -23,15 +28,24 @@ pub(crate) struct Outgoing {
     pub(crate) payload: Vec<u8>,
 }
 
-/// What the harness needs from a broker.
+/// Messages per `Publish::send_batch` call while filling a queue.
+const PUBLISH_CHUNK: usize = 5_000;
+
+/// How often a draining consumer that applies nothing while the broker still holds messages is
+/// replaced by a new one (see `kill::drain`), where the broker needs it.
+const DRAIN_RESTARTS: u32 = 5;
+
+/// What the harness needs from a broker: [`TestBroker`] and [`TestQueue`], with queues found by
+/// name, behind one object for every broker.
 #[async_trait]
 pub(crate) trait Broker: Send + Sync {
     fn kind(&self) -> BrokerKind;
 
-    /// Creates a fresh queue, topic (6 partitions) or stream called `name`.
-    async fn create(&self, name: &str) -> Result<(), BoxError>;
+    /// A fresh, empty queue, topic or stream with its dead-letter destination; returns its name,
+    /// which `label` is part of.
+    async fn create(&self, label: &str) -> Result<String, BoxError>;
 
-    /// Publishes `events` to `name`, in order.
+    /// Publishes `events` to `name`, confirmed.
     async fn publish(&self, name: &str, events: &[Outgoing]) -> Result<(), BoxError>;
 
     /// Runs one consumer of `spec` in this process until `shutdown`.
@@ -43,30 +57,37 @@ pub(crate) trait Broker: Send + Sync {
         shutdown: Shutdown,
     ) -> Result<StatsSnapshot, BoxError>;
 
-    /// Messages still on the broker, in flight included, where the broker can tell.
+    /// Messages on `name` not acked yet, as far as the broker can tell while consumers run
+    /// ([`TestQueue::waiting`]).
     async fn left(&self, name: &str) -> Result<Option<u64>, BoxError>;
 
-    /// How long a dead consumer's unacked messages may take to come back to another.
-    fn redelivery_delay(&self) -> Duration;
+    /// How long a dead consumer's unacked messages on `name` may take to come back to another.
+    async fn redelivery_delay(&self, name: &str) -> Result<Duration, BoxError>;
 
     /// Takes a stalled consumer's messages away from it where the broker needs a push to do so
     /// (RabbitMQ: the broker closes its connection). Others lose ownership on a timer.
-    async fn take_away(&self, _spec: &ConsumerSpec) -> Result<(), BoxError> {
-        Ok(())
-    }
+    async fn take_away(&self, spec: &ConsumerSpec) -> Result<(), BoxError>;
 
     /// How often a draining consumer that applies nothing while the broker still holds messages
     /// is replaced by a new one; 0: such a stall fails the run (see `kill::drain`).
-    fn drain_restarts(&self) -> u32 {
-        DRAIN_RESTARTS
-    }
+    fn drain_restarts(&self) -> u32;
 
-    /// Deletes `name` (best effort).
+    /// Deletes `name` and its dead-letter destination (best effort).
     async fn remove(&self, name: &str);
+
+    /// What outbox rows name as their destination to reach `name` through the broker's producer.
+    async fn destination(&self, name: &str) -> Result<String, BoxError>;
+
+    /// Runs the `effects-test` child `spec` on its queue until it is killed or Ctrl-C: a
+    /// consumer reading `spec.name`, or the relay publishing through the broker's producer.
+    async fn run_child(&self, spec: &ChildSpec, db: &TestDb) -> Result<(), BoxError>;
 }
 
-/// The default of [`Broker::drain_restarts`].
-const DRAIN_RESTARTS: u32 = 5;
+/// The consumer-group member of `spec`: the same for a restarted consumer of one member, so that
+/// it takes back what it held (a Redis consumer's pending entries).
+fn member(spec: &ConsumerSpec) -> String {
+    format!("wallet-{}", spec.member)
+}
 
 /// Connects to `kind`, failing with the reason when it is not reachable; `kafka_impl` says what
 /// `KAFKA_BROKERS` points at.
@@ -78,18 +99,239 @@ pub(crate) async fn connect(
     let _ = kafka_impl;
     Ok(match kind {
         #[cfg(feature = "kafka")]
-        BrokerKind::Kafka => Box::new(kafka::Kafka::connect(kafka_impl).await?),
+        BrokerKind::Kafka => {
+            let broker = inbox_conformance::kafka::Kafka::default()
+                .partitions(6)
+                .session_timeout(Duration::from_secs(6))
+                .one_record_per_batch(kafka_impl.tansu_workarounds());
+            Box::new(On::new(kind, broker, kafka_impl.tansu_workarounds()))
+        }
         #[cfg(not(feature = "kafka"))]
         BrokerKind::Kafka => {
             return Err("this evidence binary was built without the `kafka` feature".into())
         }
-        BrokerKind::Sqs => Box::new(sqs::Sqs::connect().await?),
-        BrokerKind::Rabbitmq => Box::new(rabbitmq::Rabbit::connect().await?),
-        BrokerKind::Redis => Box::new(redis::Redis::connect().await?),
+        BrokerKind::Sqs => Box::new(On::new(kind, inbox_conformance::sqs::Sqs::default(), true)),
+        BrokerKind::Rabbitmq => {
+            let broker = inbox_conformance::rabbitmq::RabbitMq::default().no_delivery_limit();
+            Box::new(On::new(kind, broker, true))
+        }
+        BrokerKind::Redis => Box::new(On::new(
+            kind,
+            inbox_conformance::redis::Redis::default(),
+            true,
+        )),
     })
 }
 
-/// A throw-away name for one run's queue, topic or stream.
-pub(crate) fn fresh_name(label: &str) -> String {
-    format!("wallet-{label}-{:08x}", rand::random::<u32>())
+/// A conformance-suite broker, its queues by name.
+struct On<B: TestBroker> {
+    kind: BrokerKind,
+    broker: Arc<B>,
+    queues: Mutex<HashMap<String, Arc<B::Queue>>>,
+    /// Whether a stalled drain may be replaced (see [`Broker::drain_restarts`]).
+    restarts: bool,
+}
+
+impl<B: TestBroker> On<B> {
+    fn new(kind: BrokerKind, broker: B, restarts: bool) -> Self {
+        Self {
+            kind,
+            broker: Arc::new(broker),
+            queues: Mutex::new(HashMap::new()),
+            restarts,
+        }
+    }
+
+    /// The queue called `name`: one this process created, else the broker's by that name (a
+    /// child process's).
+    async fn queue(&self, name: &str) -> Result<Arc<B::Queue>, BoxError> {
+        let mut queues = self.queues.lock().await;
+        if let Some(queue) = queues.get(name) {
+            return Ok(queue.clone());
+        }
+        let (broker, owned) = (self.broker.clone(), name.to_owned());
+        let queue = Arc::new(
+            caught(
+                "opening the queue",
+                async move { broker.attach(&owned).await },
+            )
+            .await?,
+        );
+        queues.insert(name.to_owned(), queue.clone());
+        Ok(queue)
+    }
+}
+
+/// The source a queue of `B` hands out.
+type SourceOf<B> = <<B as TestBroker>::Queue as TestQueue>::Source;
+
+#[async_trait]
+impl<B: TestBroker> Broker for On<B>
+where
+    // The consumer keeps deliveries across awaits of its `Send` future.
+    <SourceOf<B> as MessageSource>::Ack: Sync,
+{
+    fn kind(&self) -> BrokerKind {
+        self.kind
+    }
+
+    async fn create(&self, label: &str) -> Result<String, BoxError> {
+        let (broker, label) = (self.broker.clone(), format!("wallet-{label}"));
+        let queue = caught(
+            &format!(
+                "creating a queue on {} (is it up? `cargo xtask services`)",
+                self.kind
+            ),
+            async move { broker.queue(&label).await },
+        )
+        .await?;
+        let name = queue.name();
+        self.queues
+            .lock()
+            .await
+            .insert(name.clone(), Arc::new(queue));
+        Ok(name)
+    }
+
+    async fn publish(&self, name: &str, events: &[Outgoing]) -> Result<(), BoxError> {
+        let queue = self.queue(name).await?;
+        let producer = caught(
+            "connecting a producer",
+            async move { queue.producer().await },
+        )
+        .await?;
+        let destination = self.queue(name).await?.destination();
+        for chunk in events.chunks(PUBLISH_CHUNK) {
+            let mut messages = Vec::with_capacity(chunk.len());
+            for event in chunk {
+                let message =
+                    OutgoingMessage::new(MessageId::new(event.id.clone())?, event.payload.clone());
+                // Only Kafka's partitions follow the key; an SQS key would be a FIFO group.
+                messages.push(if self.kind == BrokerKind::Kafka {
+                    message.key(event.key.clone())
+                } else {
+                    message
+                });
+            }
+            producer.send_batch(&destination, &messages).await?;
+        }
+        Ok(())
+    }
+
+    async fn consume(
+        &self,
+        spec: &ConsumerSpec,
+        db: &TestDb,
+        watch: Watch,
+        shutdown: Shutdown,
+    ) -> Result<StatsSnapshot, BoxError> {
+        let queue = self.queue(&spec.name).await?;
+        let (member, at_most_once, zombie) = (member(spec), spec.variant.auto_ack(), spec.zombie);
+        let source = caught("connecting a consumer", async move {
+            if at_most_once {
+                queue.at_most_once_source(&member).await
+            } else if zombie {
+                queue
+                    .losing_source(&member)
+                    .await
+                    .map(|losing| losing.source)
+            } else {
+                Some(queue.source(&member).await)
+            }
+        })
+        .await?
+        .ok_or_else(|| {
+            format!(
+                "{} offers no source for variant {} here (zombie: {zombie})",
+                self.kind,
+                spec.variant.name()
+            )
+        })?;
+        crate::ready();
+        Ok(consume::run(source, spec, db, watch, shutdown).await?)
+    }
+
+    async fn left(&self, name: &str) -> Result<Option<u64>, BoxError> {
+        let queue = self.queue(name).await?;
+        Ok(Some(
+            caught(
+                "counting what is left",
+                async move { queue.waiting().await },
+            )
+            .await?,
+        ))
+    }
+
+    async fn redelivery_delay(&self, name: &str) -> Result<Duration, BoxError> {
+        Ok(self.queue(name).await?.redelivery_delay())
+    }
+
+    async fn take_away(&self, spec: &ConsumerSpec) -> Result<(), BoxError> {
+        let queue = self.queue(&spec.name).await?;
+        let member = member(spec);
+        caught("taking messages away", async move {
+            queue.take_away(&member).await
+        })
+        .await
+    }
+
+    fn drain_restarts(&self) -> u32 {
+        if self.restarts {
+            DRAIN_RESTARTS
+        } else {
+            0
+        }
+    }
+
+    async fn remove(&self, name: &str) {
+        let Ok(queue) = self.queue(name).await else {
+            return;
+        };
+        let _ = caught("deleting the queue", async move { queue.cleanup().await }).await;
+        self.queues.lock().await.remove(name);
+    }
+
+    async fn destination(&self, name: &str) -> Result<String, BoxError> {
+        Ok(self.queue(name).await?.destination())
+    }
+
+    async fn run_child(&self, spec: &ChildSpec, db: &TestDb) -> Result<(), BoxError> {
+        let queue = self.queue(&spec.name).await?;
+        if spec.role == Role::Relay {
+            let producer = caught(
+                "connecting a producer",
+                async move { queue.producer().await },
+            )
+            .await?;
+            return effects_child::relay(producer, db).await;
+        }
+        let member = format!("{}-0", spec.role.name());
+        let source = caught("connecting a consumer", async move {
+            queue.source(&member).await
+        })
+        .await?;
+        effects_child::run(source, spec, db).await
+    }
+}
+
+/// Runs `work`, whose failures are panics (the conformance suite's style), and turns a panic
+/// into an error naming `what` and the panic's message.
+async fn caught<T: Send + 'static>(
+    what: &str,
+    work: impl Future<Output = T> + Send + 'static,
+) -> Result<T, BoxError> {
+    tokio::spawn(work).await.map_err(|e| {
+        let message = e
+            .try_into_panic()
+            .map_or_else(|e| e.to_string(), |panic| panic_message(panic.as_ref()));
+        format!("{what}: {message}").into()
+    })
+}
+
+fn panic_message(panic: &(dyn Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_else(|| "panicked".to_owned())
 }

@@ -254,8 +254,7 @@ async fn run_once(
     for key in &keys {
         provider.next_call(key, Behaviour::Slow(Duration::from_millis(s.work_ms)));
     }
-    let name = brokers::fresh_name(&format!("{kind}-fx-{run}"));
-    broker.create(&name).await?;
+    let name = broker.create(&format!("{kind}-fx-{run}")).await?;
     broker.publish(&name, &events).await?;
     let spec = ChildSpec {
         role: Role::Effect,
@@ -292,7 +291,7 @@ async fn run_once(
     }
     // The drain: one child, until every event is done or nothing moves for long.
     let mut child = spawn(&spec, &env).await?;
-    let delay = broker.redelivery_delay();
+    let delay = broker.redelivery_delay(&name).await?;
     let (mut last, mut since, mut restarts) = (-1, Instant::now(), 0);
     bar.set_message(format!("{kills} kills, draining"));
     loop {

@@ -1,8 +1,10 @@
 //! The children of `effects-test`: an effect consumer calling the parent's test provider, and
-//! the three processes of the outbox chain (forwarder, relay, wallet credit). Each builds its
-//! own broker source, says `ready`, and runs until killed or Ctrl-C.
+//! the three processes of the outbox chain (forwarder, relay, wallet credit). Each takes its
+//! broker source from the conformance suite's broker (`brokers.rs`), says `ready`, and runs
+//! until killed or Ctrl-C.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::effect::{not_applied, Effect, EffectConsumer, EffectHandler, Landed, OnUnknown};
@@ -15,7 +17,7 @@ use inbox_testkit::provider::{CallStatus, ProviderClient};
 use inbox_testkit::wallet::Credit;
 use inbox_testkit::{fast_retry, TestDb};
 
-use crate::cli::{millis, BrokerKind};
+use crate::cli::{millis, BrokerKind, KafkaImpl};
 
 /// The environment variable the parent passes the provider's address in.
 pub(crate) const PROVIDER_ENV: &str = "EFFECTS_PROVIDER";
@@ -23,8 +25,6 @@ pub(crate) const PROVIDER_ENV: &str = "EFFECTS_PROVIDER";
 pub(crate) const EFFECT_CONSUMER: &str = "notify";
 /// A lease longer than any call (the slow first call included) on a busy machine.
 pub(crate) const LEASE: Duration = Duration::from_secs(2);
-/// The Redis and RabbitMQ group / SQS and Kafka consumer settings shared by every child.
-const GROUP: &str = "wallet";
 
 /// What the provider offers and what the handler does after an unknown outcome.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,63 +146,8 @@ impl ChildSpec {
 /// `evidence effects-child …`: one child, until killed or Ctrl-C.
 pub(crate) async fn main(spec: &ChildSpec) -> Result<(), BoxError> {
     let db = TestDb::attach(&spec.schema).await;
-    if spec.role == Role::Relay {
-        return relay(spec, &db).await;
-    }
-    match spec.broker {
-        BrokerKind::Redis => {
-            // Redis at REDIS_URL, or the local default.
-            let source = inbox_redis_streams::RedisStreamSource::builder(spec.name.clone(), GROUP)
-                .consumer_name(format!("{}-0", spec.role.name()))
-                .poll_timeout(Duration::from_millis(500))
-                .claim_idle(Duration::from_secs(5))
-                .claim_interval(Duration::from_secs(1))
-                .connect()
-                .await?;
-            run(source, spec, &db).await
-        }
-        BrokerKind::Rabbitmq => {
-            // The broker from AMQP_URL, else the local default.
-            let source = inbox_rabbitmq::RabbitSource::builder(&spec.name)
-                .no_delivery_limit()
-                .poll_timeout(Duration::from_millis(500))
-                .connect()
-                .await?;
-            run(source, spec, &db).await
-        }
-        BrokerKind::Sqs => {
-            let client = inbox_sqs::connect_or_local(SQS_LOCAL).await;
-            let url = sqs_url(&client, &spec.name).await?;
-            let dlq = sqs_url(&client, &format!("{}-dlq", spec.name)).await?;
-            let source = inbox_sqs::SqsSource::builder(url)
-                .client(client)
-                .dead_letter_queue(dlq)
-                .poll_timeout(Duration::from_secs(1))
-                .max_messages(1)
-                .connect()
-                .await?;
-            run(source, spec, &db).await
-        }
-        #[cfg(feature = "kafka")]
-        BrokerKind::Kafka => {
-            let source = inbox_kafka::KafkaSource::builder([spec.name.clone()], spec.name.clone())
-                .set_consumer("session.timeout.ms", "6000")
-                .connect()
-                .await?;
-            run(source, spec, &db).await
-        }
-        #[cfg(not(feature = "kafka"))]
-        BrokerKind::Kafka => {
-            Err("this evidence binary was built without the `kafka` feature".into())
-        }
-    }
-}
-
-const SQS_LOCAL: &str = "http://127.0.0.1:4566";
-
-async fn sqs_url(client: &inbox_sqs::aws_sdk_sqs::Client, name: &str) -> Result<String, BoxError> {
-    let out = client.get_queue_url().queue_name(name).send().await?;
-    Ok(out.queue_url().unwrap_or_default().to_owned())
+    let broker = crate::brokers::connect(spec.broker, KafkaImpl::default()).await?;
+    broker.run_child(spec, &db).await
 }
 
 async fn ctrl_c() {
@@ -211,7 +156,8 @@ async fn ctrl_c() {
     }
 }
 
-async fn run<S: MessageSource + 'static>(
+/// Runs the consumer of `spec` (not the relay) on `source`.
+pub(crate) async fn run<S: MessageSource + 'static>(
     source: S,
     spec: &ChildSpec,
     db: &TestDb,
@@ -266,43 +212,9 @@ async fn run<S: MessageSource + 'static>(
     Ok(())
 }
 
-/// The relay child: the outbox to `spec.name` through the broker's producer.
-async fn relay(spec: &ChildSpec, db: &TestDb) -> Result<(), BoxError> {
+/// The relay child: the outbox through `publisher`, the broker's producer.
+pub(crate) async fn relay(publisher: Arc<dyn Publish>, db: &TestDb) -> Result<(), BoxError> {
     let outbox = Outbox::new(db.pool.clone());
-    let publisher: Box<dyn Publish> = match spec.broker {
-        BrokerKind::Redis => Box::new(
-            inbox_redis_streams::RedisStreamProducer::builder()
-                .connect()
-                .await?,
-        ),
-        BrokerKind::Rabbitmq => {
-            Box::new(inbox_rabbitmq::RabbitProducer::builder().connect().await?)
-        }
-        BrokerKind::Sqs => {
-            let client = inbox_sqs::connect_or_local(SQS_LOCAL).await;
-            // Destinations are queue names, resolved to URLs by the producer.
-            Box::new(
-                inbox_sqs::SqsProducer::builder()
-                    .client(client)
-                    .connect()
-                    .await?,
-            )
-        }
-        #[cfg(feature = "kafka")]
-        // One record per batch, as the wallet's publisher: Tansu 0.6 serves a fetch from
-        // mid-batch from the next batch on (see `brokers/kafka.rs`); harmless elsewhere.
-        BrokerKind::Kafka => Box::new(
-            inbox_kafka::KafkaProducer::builder()
-                .set("batch.num.messages", "1")
-                .operation_timeout(Duration::from_secs(120))
-                .connect()
-                .await?,
-        ),
-        #[cfg(not(feature = "kafka"))]
-        BrokerKind::Kafka => {
-            return Err("this evidence binary was built without the `kafka` feature".into())
-        }
-    };
     crate::ready();
     outbox
         .relay(publisher)

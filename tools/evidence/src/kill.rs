@@ -13,7 +13,7 @@ use rand::{Rng, SeedableRng};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use crate::brokers::{self, Broker, Outgoing};
+use crate::brokers::{Broker, Outgoing};
 use crate::cli::{BrokerKind, ConsumerSpec, Variant};
 use crate::consume::Watch;
 use crate::progress;
@@ -113,9 +113,10 @@ async fn run_once(
 ) -> Result<RunResult, BoxError> {
     let kind = broker.kind();
     let db = TestDb::new().await;
-    let name = brokers::fresh_name(&format!("{kind}-{}-{run}", variant.name()));
+    let name = broker
+        .create(&format!("{kind}-{}-{run}", variant.name()))
+        .await?;
     let (events, expected) = events(s, s.events);
-    broker.create(&name).await?;
     broker.publish(&name, &events).await?;
     let spec = spec(kind, variant, &name, &db, s);
     let label = format!("{kind} {} run {}/{}", variant.name(), run + 1, s.runs);
@@ -184,9 +185,10 @@ async fn throughput(
 ) -> Result<f64, BoxError> {
     let kind = broker.kind();
     let db = TestDb::new().await;
-    let name = brokers::fresh_name(&format!("{kind}-{}-rate", variant.name()));
+    let name = broker
+        .create(&format!("{kind}-{}-rate", variant.name()))
+        .await?;
     let (events, _) = events(s, s.throughput_events);
-    broker.create(&name).await?;
     broker.publish(&name, &events).await?;
     let mut spec = spec(kind, variant, &name, &db, s);
     spec.crash_between_commit_and_ack = 0.0;
@@ -310,7 +312,7 @@ pub(crate) async fn drain(
     bar.set_message("draining");
     let start = Instant::now();
     let (mut rows, mut last_change) = (-1, start);
-    let delay = broker.redelivery_delay();
+    let delay = broker.redelivery_delay(&spec.name).await?;
     let max_restarts = broker.drain_restarts();
     let mut restarts = 0;
     loop {

@@ -350,7 +350,7 @@ async fn publish(args: PublishArgs) -> Result<(), BoxError> {
         ..KillSettings::full()
     };
     let (outgoing, _) = kill::events(&settings, events);
-    broker.create(&name).await?;
+    let name = broker.create(&name).await?;
     broker.publish(&name, &outgoing).await?;
     println!(
         "published {events} credit events to {} `{name}`",

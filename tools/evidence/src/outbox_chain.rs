@@ -130,16 +130,15 @@ async fn run_once(
     let outbox = Outbox::new(db.pool.clone());
     outbox.migrate().await?;
     let (events, expected) = events(s.seed, count);
-    let x = brokers::fresh_name(&format!("{kind}-x-{run}"));
-    let y = brokers::fresh_name(&format!("{kind}-y-{run}"));
-    broker.create(&x).await?;
-    broker.create(&y).await?;
+    let x = broker.create(&format!("{kind}-x-{run}")).await?;
+    let y = broker.create(&format!("{kind}-y-{run}")).await?;
     broker.publish(&x, &events).await?;
+    let destination = broker.destination(&y).await?;
     let spec = |role: Role, name: &str| ChildSpec {
         role,
         broker: kind,
         name: name.to_owned(),
-        destination: y.clone(),
+        destination: destination.clone(),
         schema: db.schema.clone(),
         mode: Mode::Keys,
         work_ms: s.work_ms,
@@ -172,7 +171,7 @@ async fn run_once(
         bar.set_applied(applied().await?.distinct_events);
     }
     // The drain: all three run unharmed until B has every event and is quiet.
-    let delay = broker.redelivery_delay();
+    let delay = broker.redelivery_delay(&y).await?;
     let (mut last, mut since, mut restarts) = (-1, Instant::now(), 0);
     bar.set_message(format!("{kills} kills, draining"));
     loop {

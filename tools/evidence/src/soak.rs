@@ -455,8 +455,7 @@ async fn on_broker(
     let kind = broker.kind();
     let began = Instant::now();
     let db = TestDb::new().await;
-    let name = brokers::fresh_name(&format!("{kind}-soak"));
-    broker.create(&name).await?;
+    let name = broker.create(&format!("{kind}-soak")).await?;
     let spec = ConsumerSpec {
         work: Duration::from_millis(s.work_ms),
         batch: Some(s.batch),

@@ -11,7 +11,7 @@ use inbox_testkit::TestDb;
 use serde::Serialize;
 use tokio::sync::{mpsc, watch};
 
-use crate::brokers::{self, Broker, Outgoing};
+use crate::brokers::{Broker, Outgoing};
 use crate::cli::{BrokerKind, ConsumerSpec, Variant};
 use crate::consume::Watch;
 use crate::progress;
@@ -91,7 +91,9 @@ async fn run_once(
 ) -> Result<ZombieCounts, BoxError> {
     let kind = broker.kind();
     let db = TestDb::new().await;
-    let name = brokers::fresh_name(&format!("{kind}-zombie-{}-{run}", variant.name()));
+    let name = broker
+        .create(&format!("{kind}-zombie-{}-{run}", variant.name()))
+        .await?;
     let events: Vec<Outgoing> = (0..s.events)
         .map(|i| {
             let event = CreditEvent {
@@ -105,8 +107,8 @@ async fn run_once(
             }
         })
         .collect();
-    broker.create(&name).await?;
     broker.publish(&name, &events).await?;
+    let redelivery = broker.redelivery_delay(&name).await?;
 
     let (stalled_tx, mut stalled_rx) = mpsc::unbounded_channel();
     let watch = Watch {
@@ -168,7 +170,7 @@ async fn run_once(
                     bar.set_message(format!("{stalls}/{expected_stalls} stalls"));
                     bar.set_applied(summary.distinct_events);
                     let done = summary.distinct_events >= published && stalls >= expected_stalls
-                        && quiet >= stall(kind) + broker.redelivery_delay();
+                        && quiet >= stall(kind) + redelivery;
                     if done || quiet >= Duration::from_secs(120) {
                         let _ = stop.send(true);
                     }
