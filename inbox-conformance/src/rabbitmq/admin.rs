@@ -23,7 +23,7 @@ pub async fn admin_channel() -> (Connection, Channel) {
 }
 
 /// Messages ready in `queue` now: neither delivered nor in flight to a consumer.
-pub async fn ready_on(queue: &str) -> u32 {
+pub(super) async fn ready_on(queue: &str) -> u32 {
     passive_declare(&admin_channel().await.1, queue)
         .await
         .message_count()

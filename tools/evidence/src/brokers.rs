@@ -89,8 +89,9 @@ fn member(spec: &ConsumerSpec) -> String {
     format!("wallet-{}", spec.member)
 }
 
-/// Connects to `kind`, failing with the reason when it is not reachable; `kafka_impl` says what
-/// `KAFKA_BROKERS` points at.
+/// The broker `kind`, with the harness's settings; `kafka_impl` says what `KAFKA_BROKERS` points
+/// at. Nothing connects before the first queue is created or opened: an unreachable broker
+/// fails there, with the reason.
 pub(crate) async fn connect(
     kind: BrokerKind,
     kafka_impl: KafkaImpl,
@@ -103,7 +104,9 @@ pub(crate) async fn connect(
             let broker = inbox_conformance::kafka::Kafka::default()
                 .partitions(6)
                 .session_timeout(Duration::from_secs(6))
-                .one_record_per_batch(kafka_impl.tansu_workarounds());
+                .one_record_per_batch(kafka_impl.tansu_workarounds())
+                // A loaded test machine once kept Tansu from acknowledging within 30 s.
+                .delivery_timeout(Duration::from_secs(120));
             Box::new(On::new(kind, broker, kafka_impl.tansu_workarounds()))
         }
         #[cfg(not(feature = "kafka"))]
