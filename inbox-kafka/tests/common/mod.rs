@@ -17,7 +17,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use inbox_core::{Consumer, InboxStore, PerMessage, Stats, StatsSnapshot};
-use inbox_kafka::{KafkaSource, Record};
+use inbox_kafka::{KafkaProducer, KafkaSource, Record};
 use inbox_postgres::PgTx;
 use inbox_testkit::wallet::{self, Credit, CreditEvent, Summary};
 use sqlx::PgPool;
@@ -61,9 +61,19 @@ pub async fn source(topic: &str, group: &str) -> KafkaSource {
 /// Produces `n` credits spread over `partitions`, account `i % 7 + 1`, amount `i % 50 + 1`.
 /// Returns the sum of the amounts.
 pub async fn produce_credits(topic: &str, n: usize, partitions: i32) -> i64 {
-    let producer = producer().await;
+    produce_credit_range(&producer().await, topic, 0..n, partitions).await
+}
+
+/// Produces the credits `range` of the sequence [`produce_credits`] starts, through `producer`.
+/// Returns the sum of their amounts.
+pub async fn produce_credit_range(
+    producer: &KafkaProducer,
+    topic: &str,
+    range: std::ops::Range<usize>,
+    partitions: i32,
+) -> i64 {
     let mut total = 0;
-    for i in 0..n {
+    for i in range {
         let event = CreditEvent::new((i % 7 + 1) as i64, (i % 50 + 1) as i64);
         total += event.amount;
         let record = Record::new(event.to_json()).partition(i as i32 % partitions);
