@@ -10,7 +10,8 @@ mod admin;
 pub use address::{amqp_url, broker_addr, url_via};
 use admin::ready_on;
 pub use admin::{
-    admin_channel, cleanup, close_connection, close_pids, connection_pids, drain, left_on, Parked,
+    admin_channel, cleanup, close_connection, close_pids, connection_pids, drain, left_on,
+    passive_declare, Parked,
 };
 
 use std::sync::{Arc, Mutex};

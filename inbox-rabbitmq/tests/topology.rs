@@ -6,20 +6,12 @@ mod common;
 
 use common::*;
 use inbox_core::Recovery;
-use inbox_rabbitmq::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
-use inbox_rabbitmq::lapin::types::FieldTable;
+use inbox_rabbitmq::lapin::options::QueueDeleteOptions;
 use inbox_rabbitmq::Topology;
 
 async fn dead_letter_queue_exists(queue: &str) -> bool {
     let (_connection, channel) = admin_channel().await;
-    let options = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
-    };
-    channel
-        .queue_declare(queue.into(), options, FieldTable::default())
-        .await
-        .is_ok()
+    passive_declare(&channel, queue).await.is_ok()
 }
 
 #[tokio::test]

@@ -26,6 +26,7 @@ pub async fn admin_channel() -> (Connection, Channel) {
 pub(super) async fn ready_on(queue: &str) -> u32 {
     passive_declare(&admin_channel().await.1, queue)
         .await
+        .expect("passive declare")
         .message_count()
 }
 
@@ -35,7 +36,9 @@ pub(super) async fn ready_on(queue: &str) -> u32 {
 pub async fn left_on(queue: &str) -> u32 {
     let (_connection, channel) = admin_channel().await;
     for _ in 0..300 {
-        let q = passive_declare(&channel, queue).await;
+        let q = passive_declare(&channel, queue)
+            .await
+            .expect("passive declare");
         if q.consumer_count() == 0 {
             return q.message_count();
         }
@@ -44,8 +47,12 @@ pub async fn left_on(queue: &str) -> u32 {
     panic!("queue {queue} still has consumers after 30 s");
 }
 
-/// `queue` as the broker reports it, without declaring it.
-async fn passive_declare(channel: &Channel, queue: &str) -> Queue {
+/// `queue` as the broker reports it (its messages and consumers), without declaring it; an
+/// error where no such queue exists.
+pub async fn passive_declare(
+    channel: &Channel,
+    queue: &str,
+) -> Result<Queue, inbox_rabbitmq::lapin::Error> {
     let options = QueueDeclareOptions {
         passive: true,
         ..QueueDeclareOptions::default()
@@ -53,7 +60,6 @@ async fn passive_declare(channel: &Channel, queue: &str) -> Queue {
     channel
         .queue_declare(queue.into(), options, FieldTable::default())
         .await
-        .expect("passive declare")
 }
 
 /// A dead-lettered message as read back from the DLQ.

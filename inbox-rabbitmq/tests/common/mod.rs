@@ -6,7 +6,7 @@ pub mod stream;
 
 pub use inbox_conformance::rabbitmq::{
     admin_channel, amqp_url, cleanup, close_connection, close_pids, connection_pids, drain,
-    fresh_config, left_on, publisher, Parked,
+    fresh_config, left_on, passive_declare, publisher, Parked,
 };
 use inbox_testkit::wallet::CreditEvent;
 
