@@ -198,12 +198,12 @@ where
 
     async fn publish(&self, name: &str, events: &[Outgoing]) -> Result<(), BoxError> {
         let queue = self.queue(name).await?;
+        let destination = queue.destination();
         let producer = caught(
             "connecting a producer",
             async move { queue.producer().await },
         )
         .await?;
-        let destination = self.queue(name).await?.destination();
         for chunk in events.chunks(PUBLISH_CHUNK) {
             let mut messages = Vec::with_capacity(chunk.len());
             for event in chunk {
