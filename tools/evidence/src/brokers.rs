@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_conformance::{TestBroker, TestQueue};
-use inbox_core::{async_trait, BoxError, MessageId, MessageSource, OutgoingMessage, StatsSnapshot};
+use inbox_core::{
+    async_trait, BoxError, MessageId, MessageSource, OutgoingMessage, Publish, StatsSnapshot,
+};
 use inbox_testkit::TestDb;
 use tokio::sync::Mutex;
 
@@ -131,6 +133,8 @@ struct On<B: TestBroker> {
     kind: BrokerKind,
     broker: Arc<B>,
     queues: Mutex<HashMap<String, Arc<B::Queue>>>,
+    /// One producer per queue published to, kept for the next chunk (a soak publishes many).
+    producers: Mutex<HashMap<String, Arc<dyn Publish>>>,
     /// Whether a stalled drain may be replaced (see [`Broker::drain_restarts`]).
     restarts: bool,
 }
@@ -141,6 +145,7 @@ impl<B: TestBroker> On<B> {
             kind,
             broker: Arc::new(broker),
             queues: Mutex::new(HashMap::new()),
+            producers: Mutex::new(HashMap::new()),
             restarts,
         }
     }
@@ -162,6 +167,22 @@ impl<B: TestBroker> On<B> {
         );
         queues.insert(name.to_owned(), queue.clone());
         Ok(queue)
+    }
+
+    /// The producer of the queue called `name`, connected on first use.
+    async fn producer(&self, name: &str) -> Result<Arc<dyn Publish>, BoxError> {
+        let mut producers = self.producers.lock().await;
+        if let Some(producer) = producers.get(name) {
+            return Ok(producer.clone());
+        }
+        let queue = self.queue(name).await?;
+        let producer = caught(
+            "connecting a producer",
+            async move { queue.producer().await },
+        )
+        .await?;
+        producers.insert(name.to_owned(), producer.clone());
+        Ok(producer)
     }
 }
 
@@ -197,13 +218,8 @@ where
     }
 
     async fn publish(&self, name: &str, events: &[Outgoing]) -> Result<(), BoxError> {
-        let queue = self.queue(name).await?;
-        let destination = queue.destination();
-        let producer = caught(
-            "connecting a producer",
-            async move { queue.producer().await },
-        )
-        .await?;
+        let destination = self.queue(name).await?.destination();
+        let producer = self.producer(name).await?;
         for chunk in events.chunks(PUBLISH_CHUNK) {
             let mut messages = Vec::with_capacity(chunk.len());
             for event in chunk {
@@ -292,6 +308,7 @@ where
         };
         let _ = caught("deleting the queue", async move { queue.cleanup().await }).await;
         self.queues.lock().await.remove(name);
+        self.producers.lock().await.remove(name);
     }
 
     async fn destination(&self, name: &str) -> Result<String, BoxError> {
