@@ -6,49 +6,34 @@
 // A failed step should fail the test loudly, with its error.
 #![allow(clippy::unwrap_used)]
 
-use std::process::Command;
+mod common;
 
+use common::{evidence, one};
 use serde_json::Value;
 
-/// Runs `evidence kill-test` and returns its JSON lines.
+/// Runs `evidence kill-test` on `broker`, one run, and returns its JSON lines.
 fn kill_test(broker: &str, args: &[&str]) -> Vec<Value> {
     let chart =
         std::env::temp_dir().join(format!("wallet-smoke-{broker}-{}.svg", std::process::id()));
-    let output = Command::new(env!("CARGO_BIN_EXE_evidence"))
-        .args([
-            "kill-test",
-            "--brokers",
-            broker,
-            "--runs",
-            "1",
-            "--throughput",
-            "false",
-        ])
-        .args(["--require-brokers", "true", "--work-ms", "3"])
-        .arg("--chart")
-        .arg(&chart)
-        .args(args)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    println!("{stdout}");
-    assert!(
-        output.status.success(),
-        "evidence kill-test {broker} {args:?} failed: {}\n{stdout}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let chart = chart.to_str().unwrap();
+    let base = [
+        "kill-test",
+        "--brokers",
+        broker,
+        "--runs",
+        "1",
+        "--throughput",
+        "false",
+        "--require-brokers",
+        "true",
+        "--work-ms",
+        "3",
+        "--chart",
+        chart,
+    ];
+    let lines = evidence(&[&base[..], args].concat());
     let _ = std::fs::remove_file(chart);
-    stdout
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
-fn one(lines: &[Value], variant: &str) -> Value {
-    let found: Vec<&Value> = lines.iter().filter(|l| l["variant"] == variant).collect();
-    assert_eq!(found.len(), 1, "one JSON line for {variant}: {lines:?}");
-    found[0].clone()
+    lines
 }
 
 fn smoke(broker: &str) {
@@ -65,7 +50,7 @@ fn smoke(broker: &str) {
             "700..1500",
         ],
     );
-    let c = one(&lines, "c");
+    let c = one(&lines, "variant", "c");
     assert_eq!(c["broker"], broker);
     assert_eq!(c["kills"], 2);
     assert_eq!(c["duplicates"], 0, "the inbox let a duplicate through: {c}");
@@ -87,7 +72,7 @@ fn smoke(broker: &str) {
             "0.5",
         ],
     );
-    let b = one(&lines, "b");
+    let b = one(&lines, "variant", "b");
     assert!(
         b["self_crashes"].as_u64().unwrap() > 0,
         "the consumer never crashed: {b}"
