@@ -23,13 +23,14 @@
 //!
 //! The four adapters of this workspace are implemented here, each behind a feature of its name:
 //! `kafka::Kafka` (feature `kafka`), `sqs::Sqs` (`sqs`), `rabbitmq::RabbitMq` (`rabbitmq`) and
-//! `redis::Redis` (`redis`), each with the suite's settings as its
-//! `Default` and a few builder methods for tools that need others (partitions, timeouts). An
+//! `redis::Redis` (`redis`), each with the suite's settings (Kafka's and RabbitMQ's as their
+//! `Default`); a tool that runs them longer or harder sets Kafka's partitions and timeouts and
+//! RabbitMQ's delivery limit. An
 //! adapter's `tests/conformance.rs` is then one line, with the feature on in its dev-dependency
 //! on `inbox-conformance`:
 //!
 //! ```ignore
-//! inbox_conformance::suite!(inbox_conformance::redis::Redis::default());
+//! inbox_conformance::suite!(inbox_conformance::redis::Redis);
 //! ```
 //!
 //! The feature `at-most-once` turns on each enabled adapter's `never-in-production` feature, and

@@ -47,26 +47,18 @@ pub async fn publisher(config: &RabbitSourceBuilder) -> RabbitProducer {
 /// with the adapter's default `x-delivery-limit`.
 #[derive(Debug, Clone, Copy)]
 pub struct RabbitMq {
-    poll_timeout: Duration,
     delivery_limit: bool,
 }
 
 impl Default for RabbitMq {
     fn default() -> Self {
         Self {
-            poll_timeout: Duration::from_millis(200),
             delivery_limit: true,
         }
     }
 }
 
 impl RabbitMq {
-    /// How long a receive waits for a message (default 200 ms).
-    pub fn poll_timeout(mut self, wait: Duration) -> Self {
-        self.poll_timeout = wait;
-        self
-    }
-
     /// Declares the queues without `x-delivery-limit`
     /// ([`RabbitSourceBuilder::no_delivery_limit`]): a run that kills its consumers many times
     /// requeues each prefetched message once per kill, and with a limit those messages would be
@@ -97,7 +89,7 @@ impl TestBroker for RabbitMq {
     async fn attach(&self, name: &str) -> Queue {
         let mut config = RabbitSource::builder(name)
             .url(amqp_url())
-            .poll_timeout(self.poll_timeout);
+            .poll_timeout(Duration::from_millis(200));
         if !self.delivery_limit {
             config = config.no_delivery_limit();
         }

@@ -48,57 +48,25 @@ pub async fn producer() -> RedisStreamProducer {
         .expect("producer connects")
 }
 
-/// Redis Streams under test. The default has the suite's timings: an entry left pending by a
-/// member is claimed by another after 1.5 s idle, sweeps and polls every 200 ms.
+/// Redis Streams under test, with the suite's timings: an entry left pending by a member is
+/// claimed by another after 1.5 s idle, sweeps and polls every 200 ms.
 #[derive(Debug, Clone, Copy)]
-pub struct Redis {
-    claim_idle: Duration,
-    claim_interval: Duration,
-    poll_timeout: Duration,
-}
+pub struct Redis;
 
-impl Default for Redis {
-    fn default() -> Self {
-        Self {
-            claim_idle: Duration::from_millis(1500),
-            claim_interval: Duration::from_millis(200),
-            poll_timeout: Duration::from_millis(200),
-        }
-    }
-}
+/// How long an entry stays pending with a member before another claims it.
+const CLAIM_IDLE: Duration = Duration::from_millis(1500);
+/// How often a source looks for entries to claim ([`builder`]'s).
+const CLAIM_INTERVAL: Duration = Duration::from_millis(200);
 
-impl Redis {
-    /// How long an entry stays pending with a member before another claims it (default 1.5 s).
-    pub fn claim_idle(mut self, idle: Duration) -> Self {
-        self.claim_idle = idle;
-        self
-    }
-
-    /// How often a source looks for entries to claim (default 200 ms).
-    pub fn claim_interval(mut self, every: Duration) -> Self {
-        self.claim_interval = every;
-        self
-    }
-
-    /// How long a read blocks when the stream is empty (default 200 ms).
-    pub fn poll_timeout(mut self, wait: Duration) -> Self {
-        self.poll_timeout = wait;
-        self
-    }
-
-    fn source_builder(&self, stream: &str, member: &str) -> RedisStreamSourceBuilder {
-        builder(stream, member)
-            .poll_timeout(self.poll_timeout)
-            .claim_interval(self.claim_interval)
-            .claim_idle(self.claim_idle)
-    }
+/// A source of `stream` as `member`, with the suite's timings.
+fn source_builder(stream: &str, member: &str) -> RedisStreamSourceBuilder {
+    builder(stream, member).claim_idle(CLAIM_IDLE)
 }
 
 /// A stream of its own; its dead letters go to `<stream>:dlq`.
 #[derive(Debug)]
 pub struct Stream {
     key: String,
-    redis: Redis,
 }
 
 #[async_trait]
@@ -112,7 +80,6 @@ impl TestBroker for Redis {
     async fn attach(&self, name: &str) -> Stream {
         Stream {
             key: name.to_owned(),
-            redis: *self,
         }
     }
 }
@@ -134,8 +101,7 @@ impl TestQueue for Stream {
     }
 
     async fn source(&self, member: &str) -> RedisStreamSource {
-        self.redis
-            .source_builder(&self.key, member)
+        source_builder(&self.key, member)
             .connect()
             .await
             .expect("source connects")
@@ -145,7 +111,7 @@ impl TestQueue for Stream {
         // Any member loses an entry it holds for the claim idle to the next sweep of another.
         Some(LosingSource {
             source: self.source(member).await,
-            stall: self.redis.claim_idle * 3,
+            stall: CLAIM_IDLE * 3,
         })
     }
 
@@ -165,9 +131,7 @@ impl TestQueue for Stream {
         ));
         // A command on a silent connection is given up after 1 s (the blocking read gets its
         // block on top); what a lost read or a failed ack left pending is claimed after 2 s.
-        let source = self
-            .redis
-            .source_builder(&self.key, member)
+        let source = source_builder(&self.key, member)
             .claim_idle(Duration::from_secs(2))
             .operation_timeout(Duration::from_secs(1))
             .client(Client::open(proxied).expect("client"))
@@ -183,9 +147,7 @@ impl TestQueue for Stream {
 
     #[cfg(feature = "at-most-once")]
     async fn at_most_once_source(&self, member: &str) -> Option<RedisStreamSource> {
-        let source = self
-            .redis
-            .source_builder(&self.key, member)
+        let source = source_builder(&self.key, member)
             .ack_mode(inbox_redis_streams::AckMode::NoAck)
             .connect()
             .await
@@ -194,7 +156,7 @@ impl TestQueue for Stream {
     }
 
     fn redelivery_delay(&self) -> Duration {
-        self.redis.claim_idle + self.redis.claim_interval + Duration::from_secs(1)
+        CLAIM_IDLE + CLAIM_INTERVAL + Duration::from_secs(1)
     }
 
     async fn producer(&self) -> Arc<dyn Publish> {

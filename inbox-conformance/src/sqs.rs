@@ -26,58 +26,26 @@ use inbox_testkit::FaultProxy;
 
 use crate::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
 
-/// SQS under test. The default is the suite's: a 2 s visibility timeout, and receives that wait
+/// SQS under test, with the suite's timings: a 2 s visibility timeout, and receives that wait
 /// 1 s longer than it.
 #[derive(Debug, Clone, Copy)]
-pub struct Sqs {
-    visibility_secs: u32,
-    poll_timeout: Option<Duration>,
-}
+pub struct Sqs;
 
-impl Default for Sqs {
-    fn default() -> Self {
-        Self {
-            visibility_secs: 2,
-            poll_timeout: None,
-        }
-    }
-}
+/// The queues' visibility timeout, in whole seconds: a message a consumer died holding is
+/// visible again after this.
+const VISIBILITY_SECS: u32 = 2;
+const VISIBILITY: Duration = Duration::from_secs(VISIBILITY_SECS as u64);
 
-impl Sqs {
-    /// The queues' visibility timeout, in whole seconds rounded up (default 2 s): a message a
-    /// consumer died holding is visible again after this.
-    pub fn visibility_timeout(mut self, timeout: Duration) -> Self {
-        let secs = timeout.as_secs() + u64::from(timeout.subsec_nanos() > 0);
-        self.visibility_secs = u32::try_from(secs).unwrap_or(u32::MAX);
-        self
-    }
-
-    /// How long a receive waits for a message (default the visibility timeout plus 1 s).
-    ///
-    /// The default makes a restarted consumer go idle only after what its crashed predecessor
-    /// held is visible again: a committed but undeleted message then comes back to it (and is
-    /// skipped) even when the others were applied first. One second more than the timeout
-    /// because moto's long poll looks for visible messages once a second.
-    pub fn poll_timeout(mut self, wait: Duration) -> Self {
-        self.poll_timeout = Some(wait);
-        self
-    }
-
-    fn visibility(&self) -> Duration {
-        Duration::from_secs(u64::from(self.visibility_secs))
-    }
-
-    fn wait(&self) -> Duration {
-        self.poll_timeout
-            .unwrap_or(self.visibility() + Duration::from_secs(1))
-    }
-}
+/// How long a receive waits for a message. A restarted consumer then goes idle only after what
+/// its crashed predecessor held is visible again: a committed but undeleted message comes back
+/// to it (and is skipped) even when the others were applied first. One second more than the
+/// visibility timeout because moto's long poll looks for visible messages once a second.
+const WAIT: Duration = Duration::from_secs(VISIBILITY_SECS as u64 + 1);
 
 /// A standard queue of its own and its dead-letter queue (the source's `dead_letter_queue`).
 #[derive(Debug)]
 pub struct Queue {
     sqs: Client,
-    settings: Sqs,
     url: String,
     dlq: String,
     /// The dead letters received (and deleted) from the DLQ so far.
@@ -90,11 +58,10 @@ impl TestBroker for Sqs {
 
     async fn queue(&self, scenario: &str) -> Queue {
         let sqs = client().await;
-        let url = queue(&sqs, scenario, self.visibility_secs).await;
+        let url = queue(&sqs, scenario, VISIBILITY_SECS).await;
         let dlq = queue(&sqs, &format!("{scenario}-dlq"), 30).await;
         Queue {
             sqs,
-            settings: *self,
             url,
             dlq,
             dead: Mutex::default(),
@@ -106,7 +73,6 @@ impl TestBroker for Sqs {
         let (url, dlq) = name.split_once(' ').expect("two queue URLs");
         Queue {
             sqs: client().await,
-            settings: *self,
             url: url.to_owned(),
             dlq: dlq.to_owned(),
             dead: Mutex::default(),
@@ -119,7 +85,7 @@ impl Queue {
     fn builder(&self) -> SqsSourceBuilder {
         SqsSource::builder(&self.url)
             .client(self.sqs.clone())
-            .poll_timeout(self.settings.wait())
+            .poll_timeout(WAIT)
             .dead_letter_queue(&self.dlq)
     }
 }
@@ -165,7 +131,7 @@ impl TestQueue for Queue {
             .expect("source");
         Some(LosingSource {
             source,
-            stall: self.settings.visibility() + 2 * self.settings.wait(),
+            stall: VISIBILITY + 2 * WAIT,
         })
     }
 
@@ -204,7 +170,7 @@ impl TestQueue for Queue {
 
     fn redelivery_delay(&self) -> Duration {
         // moto looks for visible messages once a second; a receive may be waiting already.
-        self.settings.visibility() + Duration::from_secs(3)
+        VISIBILITY + Duration::from_secs(3)
     }
 
     async fn producer(&self) -> Arc<dyn Publish> {

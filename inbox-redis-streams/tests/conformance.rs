@@ -1,3 +1,3 @@
 //! The conformance suite (`inbox-conformance`) on a real Redis stream.
 
-inbox_conformance::suite!(inbox_conformance::redis::Redis::default());
+inbox_conformance::suite!(inbox_conformance::redis::Redis);

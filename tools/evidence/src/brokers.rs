@@ -115,16 +115,12 @@ pub(crate) async fn connect(
         BrokerKind::Kafka => {
             return Err("this evidence binary was built without the `kafka` feature".into())
         }
-        BrokerKind::Sqs => Box::new(On::new(kind, inbox_conformance::sqs::Sqs::default(), true)),
+        BrokerKind::Sqs => Box::new(On::new(kind, inbox_conformance::sqs::Sqs, true)),
         BrokerKind::Rabbitmq => {
             let broker = inbox_conformance::rabbitmq::RabbitMq::default().no_delivery_limit();
             Box::new(On::new(kind, broker, true))
         }
-        BrokerKind::Redis => Box::new(On::new(
-            kind,
-            inbox_conformance::redis::Redis::default(),
-            true,
-        )),
+        BrokerKind::Redis => Box::new(On::new(kind, inbox_conformance::redis::Redis, true)),
     })
 }
 
