@@ -84,7 +84,7 @@ pub use crash::{Crash, Crashed, Crashing, CrashingAck};
 pub use db::{database_url, fast_retry, partitioned_layout, TestDb};
 pub use fault_proxy::{FaultProxy, ProxyMode};
 pub use fault_run::{wait_for_a_third, FaultRun, Restored};
-pub use memory_broker::{AckMode, MemoryAck, MemoryBroker, MemorySource};
+pub use memory_broker::{AckMode, MemoryAck, MemoryBroker, MemorySource, Redelivery};
 pub use memory_store::{MemoryStore, MemoryTx};
 pub use provider::TestProvider;
 pub use sum::Sum;

@@ -42,6 +42,22 @@ struct Queued {
     message: Message,
     deliveries: u32,
     not_before: Option<Instant>,
+    /// A second copy of a delivery still in flight under this tag: taking it hands out the same
+    /// handle again ([`Redelivery::SameHandle`]).
+    copy_of: Option<u64>,
+}
+
+/// How [`MemoryBroker::redeliver_in_flight`] hands out again what a consumer holds unsettled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Redelivery {
+    /// The broker takes the delivery back and hands it out anew: the old handle is stale, its
+    /// ack, nack and dead letter do nothing (a Kafka partition revoked and assigned again, a
+    /// visibility timeout that ran out, a Redis entry claimed by `XAUTOCLAIM`).
+    StaleHandle,
+    /// The broker hands the same entry out once more while the first copy is unsettled, and
+    /// either copy's handle settles it (a Kafka seek back within one generation: both copies
+    /// are one offset).
+    SameHandle,
 }
 
 impl MemoryBroker {
@@ -73,6 +89,7 @@ impl MemoryBroker {
             message,
             deliveries: 0,
             not_before: None,
+            copy_of: None,
         });
     }
 
@@ -107,6 +124,11 @@ impl MemoryBroker {
         state.ready.len() + state.in_flight.len()
     }
 
+    /// Messages handed out and not yet settled.
+    pub fn in_flight(&self) -> usize {
+        self.state().in_flight.len()
+    }
+
     /// How many deliveries were acked.
     pub fn acked(&self) -> u64 {
         self.state().acked
@@ -122,6 +144,41 @@ impl MemoryBroker {
     /// delivery back in the queue at once (no delay, to keep tests fast).
     pub fn fail_dead_letters(&self, n: u32) {
         self.state().failing_dead_letters = n;
+    }
+
+    /// Hands the deliveries of message `id` now in flight out again, ahead of the queue, as
+    /// `how` says, while the consumer that holds them may still be working on them. Returns how
+    /// many.
+    pub fn redeliver(&self, id: &str, how: Redelivery) -> usize {
+        let mut state = self.state();
+        let mut tags: Vec<u64> = state
+            .in_flight
+            .iter()
+            .filter(|(_, (_, q))| q.message.id.as_ref().is_ok_and(|m| m.as_str() == id))
+            .map(|(tag, _)| *tag)
+            .collect();
+        tags.sort_unstable();
+        for &tag in tags.iter().rev() {
+            let copy = match how {
+                Redelivery::StaleHandle => match state.in_flight.remove(&tag) {
+                    Some((_, queued)) => queued,
+                    None => continue,
+                },
+                Redelivery::SameHandle => {
+                    let Some((_, queued)) = state.in_flight.get(&tag) else {
+                        continue;
+                    };
+                    Queued {
+                        message: queued.message.clone(),
+                        deliveries: queued.deliveries,
+                        not_before: None,
+                        copy_of: Some(tag),
+                    }
+                }
+            };
+            state.ready.push_front(copy);
+        }
+        tags.len()
     }
 
     fn requeue(&self, tag: u64, delay: Option<Duration>) {
@@ -231,6 +288,25 @@ impl MemorySource {
             };
             if queued.not_before.is_some_and(|t| t > now) {
                 waiting.push_back(queued);
+                continue;
+            }
+            if let Some(tag) = queued.copy_of {
+                // A second copy under the first one's handle, unless that one settled meanwhile.
+                let Some((_, first)) = state.in_flight.get_mut(&tag) else {
+                    continue;
+                };
+                first.deliveries += 1;
+                let mut message = first.message.clone();
+                message.meta.delivery_count = Some(first.deliveries);
+                message.meta.redelivered = true;
+                message.meta.position = format!("tag {tag}");
+                batch.push(Delivery {
+                    message,
+                    ack: MemoryAck {
+                        broker: self.broker.clone(),
+                        tag: Some(tag),
+                    },
+                });
                 continue;
             }
             queued.deliveries += 1;

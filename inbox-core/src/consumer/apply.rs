@@ -82,9 +82,15 @@ where
             return Ok(Vec::new());
         }
         self.count(Counter::Received, deliveries.len());
-        let mut done: Vec<(MessageId, A)> = Vec::new();
         let mut work: Vec<Work<A, H::Item>> = Vec::with_capacity(deliveries.len());
         let mut failed = Vec::new();
+        // Later copies of an ID already in this chunk: one broker entry handed out twice (a
+        // partition revoked and assigned back, a seek, a visibility timeout or an `XAUTOCLAIM`
+        // while the first copy waited in its lane) or a producer's duplicate. Each follows the
+        // first copy's outcome: acked once that one is applied, skipped or dead-lettered, handed
+        // back with it otherwise. Acked on its own, a copy could settle the entry (or move a
+        // Kafka offset) past a first copy that then fails and is handed back: lost.
+        let mut copies: Vec<(MessageId, Delivery<A>)> = Vec::new();
         let mut seen = HashSet::new();
         for delivery in deliveries {
             let id = match &delivery.message.id {
@@ -110,10 +116,7 @@ where
                 }
             }
             if !seen.insert(id.clone()) {
-                // The same ID twice in one batch: the first copy decides, this one is a duplicate.
-                self.skipped(&id);
-                self.metrics.lag(std::iter::once(&delivery.message));
-                done.push((id, delivery.ack));
+                copies.push((id, delivery));
                 continue;
             }
             // Decoded before any database work: a message that does not decode never enters a
@@ -129,12 +132,30 @@ where
         } else {
             self.apply_or_abort(&work, stop).await?
         };
+        let mut done: Vec<(MessageId, A)> = Vec::new();
         let mut handed_back = Vec::new();
+        let mut settled = HashSet::new();
         for (Work { id, delivery, .. }, outcome) in work.into_iter().zip(outcomes) {
             match outcome {
-                Outcome::Skipped | Outcome::Applied => done.push((id, delivery.ack)),
+                Outcome::Skipped | Outcome::Applied => {
+                    settled.insert(id.clone());
+                    done.push((id, delivery.ack));
+                }
                 Outcome::Failed(e) => failed.push((id, delivery, e)),
                 Outcome::HandedBack => handed_back.push(delivery.ack),
+            }
+        }
+        let retrying: HashSet<MessageId> = failed.iter().map(|(id, _, _)| id.clone()).collect();
+        let mut waiting = Vec::new();
+        for (id, copy) in copies {
+            if settled.contains(&id) {
+                self.skipped(&id);
+                self.metrics.lag(std::iter::once(&copy.message));
+                done.push((id, copy.ack));
+            } else if retrying.contains(&id) {
+                waiting.push((id, copy));
+            } else {
+                handed_back.push(copy.ack);
             }
         }
         self.hand_back(handed_back).await;
@@ -143,11 +164,24 @@ where
         }
         self.ack_all(done).await;
         for (id, delivery, e) in failed {
-            if stop.stopping() {
+            let settled = if stop.stopping() {
                 self.hand_back(vec![delivery.ack]).await;
-                continue;
+                false
+            } else {
+                self.retry_alone(id.clone(), delivery, e, stop).await?
+            };
+            let (same, rest): (Vec<_>, Vec<_>) = waiting.into_iter().partition(|(c, _)| *c == id);
+            waiting = rest;
+            if settled {
+                for _ in &same {
+                    self.skipped(&id);
+                }
+                self.ack_all(same.into_iter().map(|(id, copy)| (id, copy.ack)).collect())
+                    .await;
+            } else {
+                self.hand_back(same.into_iter().map(|(_, copy)| copy.ack).collect())
+                    .await;
             }
-            self.retry_alone(id, delivery, e, stop).await?;
         }
         Ok(Vec::new())
     }
@@ -380,13 +414,15 @@ where
     }
 
     /// A message whose handler (or decoding) failed inside a batch or alone: retried on its own.
+    /// `true` when it is settled for good (applied, skipped or dead-lettered), `false` when it
+    /// goes back to the broker (handed back, or its dead letter failed).
     async fn retry_alone<A: Ack>(
         &self,
         mut id: MessageId,
         mut delivery: Delivery<A>,
         first: HandlerError,
         stop: &Stop,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let mut error = first;
         let mut attempt = 1;
         loop {
@@ -405,7 +441,7 @@ where
                 .await
             {
                 self.hand_back(vec![delivery.ack]).await;
-                return Ok(());
+                return Ok(false);
             }
             attempt += 1;
             let item = match self.handler.decode(&id, &delivery.message) {
@@ -429,22 +465,24 @@ where
                 }
                 Some(Outcome::Applied | Outcome::Skipped) => {
                     self.ack_all(vec![(same, back.ack)]).await;
-                    return Ok(());
+                    return Ok(true);
                 }
                 Some(Outcome::HandedBack) | None => {
                     self.hand_back(vec![back.ack]).await;
-                    return Ok(());
+                    return Ok(false);
                 }
             }
         }
     }
 
+    /// Parks the message and acks it; `true` when it was parked, `false` when the dead letter
+    /// failed and the message comes back from the broker.
     async fn dead_letter<A: Ack>(
         &self,
         id: Option<&MessageId>,
         delivery: Delivery<A>,
         reason: String,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let span = dead_letter_span(&self.name, self.system, id, &delivery.message);
         self.park(id, delivery, reason).instrument(span).await
     }
@@ -455,7 +493,7 @@ where
         id: Option<&MessageId>,
         delivery: Delivery<A>,
         reason: String,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let shown = id.map_or_else(
             || "(no ID)".to_owned(),
             |id| id.as_str().escape_debug().to_string(),
@@ -465,7 +503,7 @@ where
             Ok(()) => {
                 self.count(Counter::DeadLettered, 1);
                 warn!(consumer = %self.name, message_id = %shown, position = %message.meta.position, outcome = "dead_lettered", %reason, "dead-lettered {shown}");
-                Ok(())
+                Ok(true)
             }
             Err(e) => {
                 self.count(Counter::Error, 1);
@@ -474,7 +512,7 @@ where
                 if e.recovery() == Recovery::Fatal {
                     return Err(Error::Source(e));
                 }
-                Ok(())
+                Ok(false)
             }
         }
     }
