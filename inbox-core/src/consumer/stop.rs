@@ -36,9 +36,11 @@ impl Stop {
             return true;
         }
         let mut stop = self.0.clone();
+        // Biased: when both are ready, shutdown wins, and one schedule always ends one way.
         tokio::select! {
-            () = tokio::time::sleep(wait) => false,
+            biased;
             Ok(_) = stop.wait_for(|phase| *phase >= Phase::Stopping) => true,
+            () = tokio::time::sleep(wait) => false,
         }
     }
 
