@@ -309,6 +309,31 @@ async fn bad_configuration_is_refused_with_a_reason() {
     assert!(err.to_string().contains("parallel_lanes is 0"));
 }
 
+#[tokio::test]
+async fn a_consumer_name_with_a_control_character_is_refused_at_start() {
+    let broker = MemoryBroker::new();
+    publish(&broker, "evt-1", 1, 10);
+    for name in ["wallet\0", "wallet\n"] {
+        let err = Consumer::new(name, broker.source(), MemoryStore::<Wallet>::new(), Credit)
+            .run_until_idle()
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("control character"),
+            "{name:?}: {err}"
+        );
+    }
+    assert!(
+        broker.dead_letters().is_empty(),
+        "nothing was dead-lettered"
+    );
+    assert_eq!(
+        broker.pending(),
+        1,
+        "the message waits for a consumer that can start"
+    );
+}
+
 #[test]
 fn public_types_and_futures_are_send_and_sync() {
     fn send_sync<T: Send + Sync>() {}

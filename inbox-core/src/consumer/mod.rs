@@ -444,6 +444,15 @@ where
         if self.core.name.is_empty() {
             return Err(Error::Config("the consumer name is empty".into()));
         }
+        if self.core.name.contains(char::is_control) {
+            // PostgreSQL text refuses NUL: every claim would fail and every message be
+            // dead-lettered. Refused here, before anything is received.
+            return Err(Error::Config(format!(
+                "the consumer name {:?} contains a control character; use letters, digits, \
+                 `-`, `_` or `.`",
+                self.core.name
+            )));
+        }
         if self.batch_size == 0 {
             return Err(Error::Config("the batch size is 0; use at least 1".into()));
         }
