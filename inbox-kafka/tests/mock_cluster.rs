@@ -3,6 +3,8 @@
 //! - offset commits refused because the partition moved are logged, not fatal, whether the
 //!   commit task or an ack (with a zero commit interval) meets them (errors injected on cue);
 //! - a dead letter whose produce is refused hands its record back (errors injected on cue);
+//! - records sought back within one generation queue behind their first copies, and a second
+//!   copy in one chunk never commits the offset past a first copy that failed;
 //! - a consumer restarting from a commit inside a producer's record batch reads on from that
 //!   offset. Tansu 0.6 serves such a fetch from the next batch on, skipping the rest of the
 //!   batch, which is why the wallet publishes one record per batch there.
@@ -378,4 +380,147 @@ async fn a_dead_letter_whose_produce_fails_hands_the_record_back() {
         .fetch_watermarks("parked.dlq", 0, Duration::from_secs(5))
         .expect("watermarks");
     assert_eq!(parked, 1, "one dead letter");
+}
+
+/// Records the IDs applied; `bad` fails while `failures` lasts, and says so on `failed` each time;
+/// every message takes `work`, so a chunk keeps its lane busy while more arrive.
+struct Ledger {
+    bad: MessageId,
+    failures: std::sync::atomic::AtomicU32,
+    failed: tokio::sync::mpsc::UnboundedSender<()>,
+    work: Duration,
+}
+
+#[async_trait]
+impl Handler<MemoryTx<Vec<String>>> for Ledger {
+    async fn handle(
+        &self,
+        tx: &mut MemoryTx<Vec<String>>,
+        id: &MessageId,
+        _message: &Message,
+    ) -> Result<(), HandlerError> {
+        use std::sync::atomic::Ordering;
+        tokio::time::sleep(self.work).await;
+        if *id == self.bad
+            && self
+                .failures
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        {
+            let _ = self.failed.send(());
+            return Err(HandlerError::transient("the downstream is down"));
+        }
+        tx.state_mut().push(id.to_string());
+        Ok(())
+    }
+}
+
+/// One partition read twice in one generation: a dead letter whose produce fails seeks the
+/// partition back while later records wait in their lane (lanes 4, batch 50), so their second
+/// copies queue behind their first and one chunk holds both. A record of that chunk fails twice
+/// and the consumer stops during its retry: its second copy must go back with it, not commit the
+/// offset past it. After a restart the record is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_read_twice_in_one_chunk_is_not_committed_past_its_failed_first_copy() {
+    init_tracing();
+    let mock = MockCluster::new(1).expect("mock cluster");
+    mock.create_topic("ledger", 1, 1).expect("topic");
+    mock.create_topic("ledger.dlq", 1, 1)
+        .expect("dead-letter topic");
+    let brokers = mock.bootstrap_servers();
+    let producer = KafkaProducer::builder()
+        .brokers(&brokers)
+        .connect()
+        .await
+        .expect("producer");
+    // Offsets 0..60; offset 49, the last of the first chunk, has no ID; offset 52 fails twice.
+    for i in 0..60 {
+        let record = if i == 49 {
+            Record::new("{}").without_id()
+        } else {
+            Record::new("{}").id(MessageId::new(format!("evt-{i}")).expect("id"))
+        };
+        producer
+            .send_record("ledger", record)
+            .await
+            .expect("produce");
+    }
+    let source = || async {
+        KafkaSource::builder(["ledger"], "ledger")
+            .brokers(&brokers)
+            .poll_timeout(Duration::from_millis(200))
+            // The mock coordinator hands the partition on once the first member's session ends.
+            .set_consumer("session.timeout.ms", "6000")
+            .set_consumer("heartbeat.interval.ms", "500")
+            .connect()
+            .await
+            .expect("source")
+    };
+    let store = MemoryStore::<Vec<String>>::new();
+    let (failed_tx, mut failed) = tokio::sync::mpsc::unbounded_channel();
+    let handler = Ledger {
+        bad: MessageId::new("evt-52").expect("id"),
+        failures: 2.into(),
+        failed: failed_tx.clone(),
+        // The first chunk takes 1.5 s: the records sought back arrive meanwhile.
+        work: Duration::from_millis(30),
+    };
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE],
+    );
+    let stats = Consumer::new("ledger", source().await, store.clone(), handler)
+        .batch_size(50)
+        .parallel_lanes(4)
+        .retry(inbox_core::RetryPolicy {
+            max_attempts: 5,
+            initial_backoff: Duration::from_secs(30),
+            max_backoff: Duration::from_secs(30),
+        })
+        .run_until(async move {
+            // Stopped while evt-52 waits for its third try.
+            for _ in 0..2 {
+                failed.recv().await;
+            }
+        })
+        .await
+        .expect("the first consumer stops cleanly");
+    println!("first consumer: {stats:?}");
+    assert!(
+        !store.state().await.contains(&"evt-52".to_owned()),
+        "evt-52 failed until the stop"
+    );
+
+    let handler = Ledger {
+        bad: MessageId::new("none").expect("id"),
+        failures: 0.into(),
+        failed: failed_tx,
+        work: Duration::ZERO,
+    };
+    let ledger = store.clone();
+    let stats = Consumer::new("ledger", source().await, store.clone(), handler)
+        .batch_size(50)
+        .run_until(async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            while !ledger.state().await.contains(&"evt-52".to_owned())
+                && tokio::time::Instant::now() < deadline
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            // Anything read twice would show up now.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        })
+        .await
+        .expect("the second consumer stops cleanly");
+    println!("after the restart: {stats:?}");
+    let ledger = store.state().await;
+    assert!(
+        ledger.contains(&"evt-52".to_owned()),
+        "evt-52 was lost: its second copy committed the offset past its first"
+    );
+    let mut distinct = ledger.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), ledger.len(), "nothing applied twice");
+    assert_eq!(ledger.len(), 59, "every record with an ID applied once");
 }
