@@ -88,8 +88,8 @@ impl PgLeases {
     /// mode it shares.
     ///
     /// # Errors
-    /// [`Error::InvalidIdentifier`] when `<inbox table>_effects` is longer than PostgreSQL's 63
-    /// bytes: name one with [`PgLeases::with_table`].
+    /// [`Error::TableNameTooLong`] when `<inbox table>_effects` is longer than
+    /// [`TableName::MAX_LEN`]: name one with [`PgLeases::with_table`].
     pub fn new(inbox: PgInbox) -> Result<Self> {
         let t = inbox.table();
         let name = format!("{}_effects", t.table());
