@@ -48,14 +48,22 @@ pub struct PgInbox {
     statement_timeout: Option<Duration>,
     /// The layout `migrate` creates and the purge keeps; `None`: plain.
     pub(crate) partitions: Option<Partitions>,
-    /// The table's layout as `migrate` found it ([`LAYOUT_UNKNOWN`] before): hashed keys
-    /// follow the table, not the configuration.
+    /// The table's layout as `migrate` or the first hashed claim found it ([`LAYOUT_UNKNOWN`]
+    /// before), shared by the clones: hashed keys follow the table, not the configuration.
     layout: Arc<AtomicU8>,
 }
 
 const LAYOUT_UNKNOWN: u8 = 0;
 const LAYOUT_PLAIN: u8 = 1;
 const LAYOUT_PARTITIONED: u8 = 2;
+
+fn layout(partitioned: bool) -> u8 {
+    if partitioned {
+        LAYOUT_PARTITIONED
+    } else {
+        LAYOUT_PLAIN
+    }
+}
 
 enum Keys {
     Text(Vec<String>),
@@ -223,14 +231,7 @@ impl PgInbox {
                 .map_err(db("creating the inbox tables"))?;
         }
         tx.commit().await.map_err(db("committing the migration"))?;
-        self.layout.store(
-            if partitioned {
-                LAYOUT_PARTITIONED
-            } else {
-                LAYOUT_PLAIN
-            },
-            Ordering::Relaxed,
-        );
+        self.layout.store(layout(partitioned), Ordering::Relaxed);
         if partitioned != self.partitions.is_some() {
             tracing::warn!(
                 table = %t,
@@ -249,14 +250,20 @@ impl PgInbox {
         Ok(())
     }
 
-    /// Whether hashed keys take the partitioned layout's form: the table's layout once
-    /// `migrate` saw it, else the configured one.
-    fn keys_with_time(&self) -> bool {
+    /// Whether hashed keys take the partitioned layout's form: whether the table is
+    /// partitioned, read from the catalog in `tx` the first time (one query per store and its
+    /// clones) unless `migrate` saw it. Never the configured layout: a table made by another
+    /// tool, or before a release that changed `.partitioned()`, keys its rows as it is laid out,
+    /// and a key of the other form would make every redelivery a new message.
+    async fn keys_with_time(&self, tx: &mut PgTx) -> Result<bool, StoreError> {
         match self.layout.load(Ordering::Relaxed) {
-            LAYOUT_PARTITIONED => true,
-            LAYOUT_PLAIN => false,
-            _ => self.partitions.is_some(),
+            LAYOUT_PARTITIONED => return Ok(true),
+            LAYOUT_PLAIN => return Ok(false),
+            _ => {}
         }
+        let partitioned = is_partitioned(tx, &self.table).await?;
+        self.layout.store(layout(partitioned), Ordering::Relaxed);
+        Ok(partitioned)
     }
 
     /// The small integer standing for `consumer`, created on first use (in its own transaction,
@@ -322,7 +329,8 @@ impl PgInbox {
         map.get(consumer).copied()
     }
 
-    fn keys(&self, consumer: &str, ids: &[MessageId]) -> Result<Keys, StoreError> {
+    /// The keys of `ids`; `with_time`: hashed keys in the partitioned layout's form.
+    fn keys(&self, consumer: &str, ids: &[MessageId], with_time: bool) -> Result<Keys, StoreError> {
         Ok(match self.mode {
             KeyMode::Text => Keys::Text(ids.iter().map(|id| id.as_str().to_owned()).collect()),
             KeyMode::Uuid => Keys::Uuid(
@@ -334,7 +342,7 @@ impl PgInbox {
                     })
                     .collect::<Result<_, _>>()?,
             ),
-            KeyMode::Hashed if self.keys_with_time() => Keys::Uuid(
+            KeyMode::Hashed if with_time => Keys::Uuid(
                 ids.iter()
                     .map(|id| hashed_key_with_time(consumer, id.as_str()))
                     .collect(),
@@ -438,7 +446,8 @@ impl InboxStore for PgInbox {
     ) -> Result<Vec<bool>, StoreError> {
         let consumer_id = self.tx_consumer_id(tx, consumer).await?;
         let t = &self.table;
-        let keys = self.keys(consumer, ids)?;
+        let with_time = self.mode == KeyMode::Hashed && self.keys_with_time(tx).await?;
+        let keys = self.keys(consumer, ids, with_time)?;
         if ids.len() == 1 {
             let sql = format!(
                 "INSERT INTO {t} (message_id, consumer_id) VALUES ($1, $2) ON CONFLICT DO NOTHING"
