@@ -46,6 +46,8 @@ pub struct PgInbox {
     begin: Option<String>,
     lock_timeout: Option<Duration>,
     statement_timeout: Option<Duration>,
+    /// The consumer's handler timeout, which bounds each statement too.
+    handler_timeout: Option<Duration>,
     /// The layout `migrate` creates and the purge keeps; `None`: plain.
     pub(crate) partitions: Option<Partitions>,
     /// The table's layout as `migrate` or the first hashed claim found it ([`LAYOUT_UNKNOWN`]
@@ -81,6 +83,7 @@ impl PgInbox {
             begin: None,
             lock_timeout: None,
             statement_timeout: None,
+            handler_timeout: None,
             partitions: None,
             layout: Arc::new(AtomicU8::new(LAYOUT_UNKNOWN)),
         }
@@ -123,9 +126,13 @@ impl PgInbox {
     }
 
     fn begin_statement(&self) -> Option<String> {
+        let statement_timeout = match (self.statement_timeout, self.handler_timeout) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let settings: Vec<String> = [
             ("lock_timeout", self.lock_timeout),
-            ("statement_timeout", self.statement_timeout),
+            ("statement_timeout", statement_timeout),
         ]
         .into_iter()
         .filter_map(|(name, timeout)| {
@@ -528,5 +535,17 @@ impl InboxStore for PgInbox {
             KeyMode::Uuid => parse_uuid(id).map(|_| ()),
             KeyMode::Text | KeyMode::Hashed => Ok(()),
         }
+    }
+
+    /// Bounds every statement of the inbox transaction by `timeout` as
+    /// [`statement_timeout`](Self::statement_timeout) does (the shorter of the two counts),
+    /// sent with `BEGIN` in the same round-trip. A handler cut off by the consumer's handler
+    /// timeout is only dropped: sqlx sends no cancel request, and the rollback after it waits
+    /// for the handler's statement to end. A statement waiting on a row lock another session
+    /// holds would keep the consumer waiting, with its own locks held, until that lock is
+    /// released; the server now cancels it after `timeout` at the latest.
+    fn set_handler_timeout(&mut self, timeout: Duration) {
+        self.handler_timeout = Some(timeout);
+        self.begin = self.begin_statement();
     }
 }
