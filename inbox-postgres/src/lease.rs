@@ -37,7 +37,9 @@ pub const DEFAULT_LEASE_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 ///   $token AND done_at IS NULL`, in a statement that raises an error (SQLSTATE `IB001`) when
 ///   no row matched, so a fenced-out transaction is aborted by the database itself and nothing
 ///   written in it can commit. The update holds the row lock until commit, so a new lease
-///   cannot be taken while the done transaction is open.
+///   cannot be taken while the done transaction is open; and the same statement sets the
+///   transaction's `statement_timeout` to what is left of the lease (or keeps a shorter one),
+///   so a statement of the handler's `record` cannot hold the row past the lease.
 /// - Leases and done marks use the database clock (`now()`), one clock for every consumer.
 ///
 /// Keep done rows as long as the broker can redeliver, as for the inbox: purge them with
@@ -434,13 +436,23 @@ impl LeaseStore for PgLeases {
         let consumer_id = self.inbox.consumer_id(consumer).await?;
         let key = self.key(consumer, id)?;
         // The CASE runs the raising function only when no row matched (it is volatile, so it
-        // is not evaluated ahead of time).
+        // is not evaluated ahead of time). When a row matched, the rest of the transaction
+        // gets what is left of the lease as its statement timeout, unless it has a shorter
+        // one: `lease` reads the row as it was before the update.
         let sql = format!(
-            "WITH done AS (
+            "WITH lease AS (
+                 SELECT greatest(ceil(extract(epoch FROM locked_until - clock_timestamp()) * 1000), 1)::bigint AS ms
+                 FROM {t} WHERE {row} AND token = $3 AND done_at IS NULL),
+             done AS (
                  UPDATE {t} SET done_at = now(), locked_until = now()
                  WHERE {row} AND token = $3 AND done_at IS NULL
                  RETURNING 1)
-             SELECT CASE WHEN EXISTS (SELECT 1 FROM done) THEN true ELSE {fenced}($3) END",
+             SELECT CASE WHEN EXISTS (SELECT 1 FROM done)
+                 THEN set_config('statement_timeout', coalesce(
+                     (SELECT least(lease.ms, nullif(s.setting::bigint, 0))::text
+                      FROM lease, pg_settings s WHERE s.name = 'statement_timeout'),
+                     current_setting('statement_timeout')), true) IS NOT NULL
+                 ELSE {fenced}($3) END",
             t = self.table,
             row = self.row(),
             fenced = self.table.sibling("fenced")
