@@ -1,6 +1,7 @@
 //! What an inbox store implements: a transaction in which message IDs are claimed.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 
@@ -66,6 +67,15 @@ pub trait InboxStore: Send + Sync + 'static {
         let _ = id;
         Ok(())
     }
+
+    /// Told the consumer's [`handler_timeout`](crate::Consumer::handler_timeout) when it is
+    /// set. A handler cut off by it is dropped, but a statement it sent may keep running in the
+    /// store, and the rollback that follows waits for it, with the transaction's locks held: a
+    /// statement waiting on a lock would keep the consumer waiting as long. A store that can
+    /// end its statements after `timeout` does so from now on. The default does nothing.
+    fn set_handler_timeout(&mut self, timeout: Duration) {
+        let _ = timeout;
+    }
 }
 
 #[async_trait]
@@ -99,5 +109,11 @@ impl<S: InboxStore> InboxStore for Arc<S> {
     }
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         (**self).check_id(id)
+    }
+    /// Passed on only while this is the one `Arc` of the store.
+    fn set_handler_timeout(&mut self, timeout: Duration) {
+        if let Some(store) = Arc::get_mut(self) {
+            store.set_handler_timeout(timeout);
+        }
     }
 }

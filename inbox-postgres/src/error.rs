@@ -15,6 +15,17 @@ pub enum Error {
         /// The refused name.
         name: String,
     },
+    /// A table name so long that a name the store derives from it would be over PostgreSQL's
+    /// limit of 63 bytes, which PostgreSQL would cut short silently.
+    #[error("table name `{name}` is too long for the names derived from it: `{derived}` would be {bytes} bytes, over PostgreSQL's limit of 63 for identifiers (it would be cut short silently); use a table name of at most {max} bytes", max = crate::TableName::MAX_LEN)]
+    TableNameTooLong {
+        /// The refused name.
+        name: String,
+        /// The longest name derived from it.
+        derived: String,
+        /// Its length in bytes.
+        bytes: usize,
+    },
     /// The inbox table exists with another key type than configured.
     #[error("inbox table {table} keeps message IDs as `{found}`, but the store is configured for {expected:?}; use that key mode or another table")]
     KeyModeMismatch {

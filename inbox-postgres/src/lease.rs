@@ -15,6 +15,12 @@ use crate::{Error, KeyMode, PgInbox, PgTx, Result, TableName};
 /// The SQLSTATE the done mark raises when a token is fenced out.
 const FENCED: &str = "IB001";
 
+/// The SQLSTATE of a lock wait ended by `lock_timeout`.
+const LOCK_TIMED_OUT: &str = "55P03";
+
+/// How long a lease waits for its row by default ([`PgLeases::lock_timeout`]).
+pub const DEFAULT_LEASE_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// The lease store on PostgreSQL: one row per consumer and message in table
 /// `<inbox table>_effects` (or one given to [`PgLeases::with_table`]), keyed like the inbox (the
 /// same [`KeyMode`] and the inbox's consumer-name ids).
@@ -23,12 +29,17 @@ const FENCED: &str = "IB001";
 ///   token = token + 1, … WHERE done_at IS NULL AND locked_until <= now() RETURNING …`. A new
 ///   row gets token 1; a processing row whose lease ran out gets the next token; a live or done
 ///   row is left alone (then one more statement reads which it was). Racing consumers serialise
-///   on the row: the first to commit wins the lease, the other sees it live.
+///   on the row: the first to commit wins the lease, the other sees it live. The statement waits
+///   for the row at most [`PgLeases::lock_timeout`] (its own `lock_timeout`, set inside it): a
+///   row that another transaction keeps locked (a done mark not yet committed) answers
+///   [`Acquired::Busy`] then, instead of holding up the consumer until that transaction ends.
 /// - **Done**, in the handler's transaction: `UPDATE … SET done_at = now() WHERE … AND token =
 ///   $token AND done_at IS NULL`, in a statement that raises an error (SQLSTATE `IB001`) when
 ///   no row matched, so a fenced-out transaction is aborted by the database itself and nothing
 ///   written in it can commit. The update holds the row lock until commit, so a new lease
-///   cannot be taken while the done transaction is open.
+///   cannot be taken while the done transaction is open; and the same statement sets the
+///   transaction's `statement_timeout` to what is left of the lease (or keeps a shorter one),
+///   so a statement of the handler's `record` cannot hold the row past the lease.
 /// - Leases and done marks use the database clock (`now()`), one clock for every consumer.
 ///
 /// Keep done rows as long as the broker can redeliver, as for the inbox: purge them with
@@ -81,6 +92,7 @@ const FENCED: &str = "IB001";
 pub struct PgLeases {
     inbox: PgInbox,
     table: TableName,
+    lock_timeout: Duration,
 }
 
 impl PgLeases {
@@ -88,8 +100,8 @@ impl PgLeases {
     /// mode it shares.
     ///
     /// # Errors
-    /// [`Error::InvalidIdentifier`] when `<inbox table>_effects` is longer than PostgreSQL's 63
-    /// bytes: name one with [`PgLeases::with_table`].
+    /// [`Error::TableNameTooLong`] when `<inbox table>_effects` is longer than
+    /// [`TableName::MAX_LEN`]: name one with [`PgLeases::with_table`].
     pub fn new(inbox: PgInbox) -> Result<Self> {
         let t = inbox.table();
         let name = format!("{}_effects", t.table());
@@ -97,12 +109,27 @@ impl PgLeases {
             Some(schema) => TableName::qualified(schema, &name)?,
             None => TableName::new(&name)?,
         };
-        Ok(Self { inbox, table })
+        Ok(Self::with_table(inbox, table))
     }
 
     /// The lease table `table`, sharing `inbox`'s consumer-name ids and key mode.
     pub fn with_table(inbox: PgInbox, table: TableName) -> Self {
-        Self { inbox, table }
+        Self {
+            inbox,
+            table,
+            lock_timeout: DEFAULT_LEASE_LOCK_TIMEOUT,
+        }
+    }
+
+    /// How long taking a lease waits for its row while another transaction holds it (default
+    /// [`DEFAULT_LEASE_LOCK_TIMEOUT`], at least 1 ms). A racing lease holds the row for one
+    /// statement, a done mark until its transaction commits; one that stays open longer (a
+    /// zombie paused before `COMMIT`, a `record` that hangs) makes the lease answer
+    /// [`Acquired::Busy`] after this wait, to be tried again after the rest of the row's lease
+    /// or this wait, whichever is longer.
+    pub fn lock_timeout(mut self, timeout: Duration) -> Self {
+        self.lock_timeout = timeout.max(Duration::from_millis(1));
+        self
     }
 
     /// The lease table.
@@ -232,6 +259,22 @@ impl PgLeases {
         format!("message_id = $1::text::{key} AND consumer_id = $2")
     }
 
+    /// What a row that another transaction kept locked past the lock timeout holds, as last
+    /// committed: done (the lock's holder committed meanwhile), or busy for the rest of its
+    /// lease, and at least the lock timeout, since the lock's holder may hold on past its lease.
+    async fn locked(&self, key: &str, consumer_id: i16) -> Result<Acquired, StoreError> {
+        Ok(match self.not_leased(key, consumer_id).await? {
+            Some(Acquired::Busy { retry_after }) => Acquired::Busy {
+                retry_after: retry_after.max(self.lock_timeout),
+            },
+            Some(found) => found,
+            // Inserted by a transaction not yet committed.
+            None => Acquired::Busy {
+                retry_after: self.lock_timeout,
+            },
+        })
+    }
+
     /// What a row that could not be leased holds: done, or the time left on its lease.
     async fn not_leased(
         &self,
@@ -298,9 +341,12 @@ impl LeaseStore for PgLeases {
             KeyMode::Hashed => "message_id",
             KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
         };
+        // `set_config(…, true)` sets the lock timeout for this statement's own transaction,
+        // before the insert waits on the row: no round-trip of its own.
         let sql = format!(
             "INSERT INTO {t} AS e (message_id, consumer_id, locked_until)
-             VALUES ($1::text::{k}, $2, now() + $3 * interval '1 second')
+             SELECT $1::text::{k}, $2, now() + $3 * interval '1 second'
+             FROM (SELECT set_config('lock_timeout', $4, true)) AS bounded
              ON CONFLICT ({conflict}) DO UPDATE
              SET token = e.token + 1, attempts = e.attempts + 1, locked_until = EXCLUDED.locked_until
              WHERE e.done_at IS NULL AND e.locked_until <= now()
@@ -310,14 +356,25 @@ impl LeaseStore for PgLeases {
         );
         // A row found neither leasable nor there (purged between the two statements) is
         // looked at again; a done row is the only kind a purge removes, so this ends.
+        let lock_ms = self.lock_timeout.as_millis().to_string();
         for _ in 0..3 {
-            let leased: Option<(i64, i64, i32, f64)> = sqlx::query_as(AssertSqlSafe(sql.as_str()))
-                .bind(&key)
-                .bind(consumer_id)
-                .bind(lease.as_secs_f64())
-                .fetch_optional(self.inbox.pool())
-                .await
-                .map_err(store_err("taking a lease"))?;
+            let leased: Option<(i64, i64, i32, f64)> =
+                match sqlx::query_as(AssertSqlSafe(sql.as_str()))
+                    .bind(&key)
+                    .bind(consumer_id)
+                    .bind(lease.as_secs_f64())
+                    .bind(&lock_ms)
+                    .fetch_optional(self.inbox.pool())
+                    .await
+                {
+                    Ok(leased) => leased,
+                    Err(sqlx::Error::Database(e))
+                        if e.code().as_deref() == Some(LOCK_TIMED_OUT) =>
+                    {
+                        return self.locked(&key, consumer_id).await;
+                    }
+                    Err(e) => return Err(store_err("taking a lease")(e)),
+                };
             if let Some((token, clean_token, attempts, since)) = leased {
                 return Ok(Acquired::Leased(Lease {
                     token: u64::try_from(token).unwrap_or(0),
@@ -379,13 +436,23 @@ impl LeaseStore for PgLeases {
         let consumer_id = self.inbox.consumer_id(consumer).await?;
         let key = self.key(consumer, id)?;
         // The CASE runs the raising function only when no row matched (it is volatile, so it
-        // is not evaluated ahead of time).
+        // is not evaluated ahead of time). When a row matched, the rest of the transaction
+        // gets what is left of the lease as its statement timeout, unless it has a shorter
+        // one: `lease` reads the row as it was before the update.
         let sql = format!(
-            "WITH done AS (
+            "WITH lease AS (
+                 SELECT greatest(ceil(extract(epoch FROM locked_until - clock_timestamp()) * 1000), 1)::bigint AS ms
+                 FROM {t} WHERE {row} AND token = $3 AND done_at IS NULL),
+             done AS (
                  UPDATE {t} SET done_at = now(), locked_until = now()
                  WHERE {row} AND token = $3 AND done_at IS NULL
                  RETURNING 1)
-             SELECT CASE WHEN EXISTS (SELECT 1 FROM done) THEN true ELSE {fenced}($3) END",
+             SELECT CASE WHEN EXISTS (SELECT 1 FROM done)
+                 THEN set_config('statement_timeout', coalesce(
+                     (SELECT least(lease.ms, nullif(s.setting::bigint, 0))::text
+                      FROM lease, pg_settings s WHERE s.name = 'statement_timeout'),
+                     current_setting('statement_timeout')), true) IS NOT NULL
+                 ELSE {fenced}($3) END",
             t = self.table,
             row = self.row(),
             fenced = self.table.sibling("fenced")

@@ -64,7 +64,7 @@ mod store;
 mod table;
 
 pub use error::{Error, Result};
-pub use lease::PgLeases;
+pub use lease::{PgLeases, DEFAULT_LEASE_LOCK_TIMEOUT};
 pub use outbox::{
     spawn_outbox_purger, Outbox, OUTBOX_ERRORS_COUNTER, OUTBOX_OLDEST_UNSENT_GAUGE,
     OUTBOX_PUBLISHED_COUNTER,

@@ -46,16 +46,26 @@ pub struct PgInbox {
     begin: Option<String>,
     lock_timeout: Option<Duration>,
     statement_timeout: Option<Duration>,
+    /// The consumer's handler timeout, which bounds each statement too.
+    handler_timeout: Option<Duration>,
     /// The layout `migrate` creates and the purge keeps; `None`: plain.
     pub(crate) partitions: Option<Partitions>,
-    /// The table's layout as `migrate` found it ([`LAYOUT_UNKNOWN`] before): hashed keys
-    /// follow the table, not the configuration.
+    /// The table's layout as `migrate` or the first hashed claim found it ([`LAYOUT_UNKNOWN`]
+    /// before), shared by the clones: hashed keys follow the table, not the configuration.
     layout: Arc<AtomicU8>,
 }
 
 const LAYOUT_UNKNOWN: u8 = 0;
 const LAYOUT_PLAIN: u8 = 1;
 const LAYOUT_PARTITIONED: u8 = 2;
+
+fn layout(partitioned: bool) -> u8 {
+    if partitioned {
+        LAYOUT_PARTITIONED
+    } else {
+        LAYOUT_PLAIN
+    }
+}
 
 enum Keys {
     Text(Vec<String>),
@@ -73,6 +83,7 @@ impl PgInbox {
             begin: None,
             lock_timeout: None,
             statement_timeout: None,
+            handler_timeout: None,
             partitions: None,
             layout: Arc::new(AtomicU8::new(LAYOUT_UNKNOWN)),
         }
@@ -115,9 +126,13 @@ impl PgInbox {
     }
 
     fn begin_statement(&self) -> Option<String> {
+        let statement_timeout = match (self.statement_timeout, self.handler_timeout) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let settings: Vec<String> = [
             ("lock_timeout", self.lock_timeout),
-            ("statement_timeout", self.statement_timeout),
+            ("statement_timeout", statement_timeout),
         ]
         .into_iter()
         .filter_map(|(name, timeout)| {
@@ -223,14 +238,7 @@ impl PgInbox {
                 .map_err(db("creating the inbox tables"))?;
         }
         tx.commit().await.map_err(db("committing the migration"))?;
-        self.layout.store(
-            if partitioned {
-                LAYOUT_PARTITIONED
-            } else {
-                LAYOUT_PLAIN
-            },
-            Ordering::Relaxed,
-        );
+        self.layout.store(layout(partitioned), Ordering::Relaxed);
         if partitioned != self.partitions.is_some() {
             tracing::warn!(
                 table = %t,
@@ -249,14 +257,20 @@ impl PgInbox {
         Ok(())
     }
 
-    /// Whether hashed keys take the partitioned layout's form: the table's layout once
-    /// `migrate` saw it, else the configured one.
-    fn keys_with_time(&self) -> bool {
+    /// Whether hashed keys take the partitioned layout's form: whether the table is
+    /// partitioned, read from the catalog in `tx` the first time (one query per store and its
+    /// clones) unless `migrate` saw it. Never the configured layout: a table made by another
+    /// tool, or before a release that changed `.partitioned()`, keys its rows as it is laid out,
+    /// and a key of the other form would make every redelivery a new message.
+    async fn keys_with_time(&self, tx: &mut PgTx) -> Result<bool, StoreError> {
         match self.layout.load(Ordering::Relaxed) {
-            LAYOUT_PARTITIONED => true,
-            LAYOUT_PLAIN => false,
-            _ => self.partitions.is_some(),
+            LAYOUT_PARTITIONED => return Ok(true),
+            LAYOUT_PLAIN => return Ok(false),
+            _ => {}
         }
+        let partitioned = is_partitioned(tx, &self.table).await?;
+        self.layout.store(layout(partitioned), Ordering::Relaxed);
+        Ok(partitioned)
     }
 
     /// The small integer standing for `consumer`, created on first use (in its own transaction,
@@ -322,7 +336,8 @@ impl PgInbox {
         map.get(consumer).copied()
     }
 
-    fn keys(&self, consumer: &str, ids: &[MessageId]) -> Result<Keys, StoreError> {
+    /// The keys of `ids`; `with_time`: hashed keys in the partitioned layout's form.
+    fn keys(&self, consumer: &str, ids: &[MessageId], with_time: bool) -> Result<Keys, StoreError> {
         Ok(match self.mode {
             KeyMode::Text => Keys::Text(ids.iter().map(|id| id.as_str().to_owned()).collect()),
             KeyMode::Uuid => Keys::Uuid(
@@ -334,7 +349,7 @@ impl PgInbox {
                     })
                     .collect::<Result<_, _>>()?,
             ),
-            KeyMode::Hashed if self.keys_with_time() => Keys::Uuid(
+            KeyMode::Hashed if with_time => Keys::Uuid(
                 ids.iter()
                     .map(|id| hashed_key_with_time(consumer, id.as_str()))
                     .collect(),
@@ -438,7 +453,8 @@ impl InboxStore for PgInbox {
     ) -> Result<Vec<bool>, StoreError> {
         let consumer_id = self.tx_consumer_id(tx, consumer).await?;
         let t = &self.table;
-        let keys = self.keys(consumer, ids)?;
+        let with_time = self.mode == KeyMode::Hashed && self.keys_with_time(tx).await?;
+        let keys = self.keys(consumer, ids, with_time)?;
         if ids.len() == 1 {
             let sql = format!(
                 "INSERT INTO {t} (message_id, consumer_id) VALUES ($1, $2) ON CONFLICT DO NOTHING"
@@ -519,5 +535,17 @@ impl InboxStore for PgInbox {
             KeyMode::Uuid => parse_uuid(id).map(|_| ()),
             KeyMode::Text | KeyMode::Hashed => Ok(()),
         }
+    }
+
+    /// Bounds every statement of the inbox transaction by `timeout` as
+    /// [`statement_timeout`](Self::statement_timeout) does (the shorter of the two counts),
+    /// sent with `BEGIN` in the same round-trip. A handler cut off by the consumer's handler
+    /// timeout is only dropped: sqlx sends no cancel request, and the rollback after it waits
+    /// for the handler's statement to end. A statement waiting on a row lock another session
+    /// holds would keep the consumer waiting, with its own locks held, until that lock is
+    /// released; the server now cancels it after `timeout` at the latest.
+    fn set_handler_timeout(&mut self, timeout: Duration) {
+        self.handler_timeout = Some(timeout);
+        self.begin = self.begin_statement();
     }
 }

@@ -203,3 +203,78 @@ async fn names_that_are_not_plain_identifiers_are_refused_and_key_modes_checked(
     db.inbox().migrate().await.unwrap();
     db.drop().await;
 }
+
+#[tokio::test]
+async fn table_names_too_long_for_their_derived_names_are_refused_at_construction() {
+    // `<table>_consumers` and `<table>_processed` add 10 bytes: PostgreSQL would cut a longer
+    // name to 63 bytes without an error, and the cut name can be another table's.
+    let longest = format!("i{}", "x".repeat(52));
+    let too_long = format!("{longest}y");
+    let err = TableName::new(&too_long).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "table name `{too_long}` is too long for the names derived from it: \
+             `{too_long}_consumers` would be 64 bytes, over PostgreSQL's limit of 63 for \
+             identifiers (it would be cut short silently); use a table name of at most 53 bytes"
+        )
+    );
+    assert!(TableName::qualified("public", &too_long).is_err());
+    assert!(TableName::new(&"t".repeat(63)).is_err());
+
+    // At 53 bytes every derived name is whole, and the inbox and its outbox work.
+    let db = TestDb::new().await;
+    let table = TableName::qualified(&db.schema, &longest).unwrap();
+    let store = PgInbox::new(db.pool.clone())
+        .with_table(table.clone())
+        .with_key_mode(KeyMode::Hashed);
+    store.migrate().await.unwrap();
+    let id = MessageId::generate();
+    let partitioned_name = format!("p{}", "x".repeat(52));
+    let partitioned = PgInbox::new(db.pool.clone())
+        .with_table(TableName::qualified(&db.schema, &partitioned_name).unwrap())
+        .partitioned(inbox_postgres::Partitions::default());
+    partitioned.migrate().await.unwrap();
+    let mut tx = partitioned.begin().await.unwrap();
+    assert!(partitioned.claim(&mut tx, "audit", &id).await.unwrap());
+    partitioned.commit(tx).await.unwrap();
+    let outbox_name = format!("o{}", "x".repeat(52));
+    let outbox = inbox_postgres::Outbox::new(db.pool.clone())
+        .with_table(TableName::qualified(&db.schema, &outbox_name).unwrap());
+    outbox.migrate().await.unwrap();
+    for new in [true, false] {
+        let mut tx = store.begin().await.unwrap();
+        assert_eq!(store.claim(&mut tx, "audit", &id).await.unwrap(), new);
+        store.commit(tx).await.unwrap();
+    }
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+         WHERE n.nspname = $1 AND relname LIKE '_xxxx%' ORDER BY 1",
+    )
+    .bind(&db.schema)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    for name in [
+        format!("{longest}_consumers"),
+        format!("{longest}_processed"),
+        format!("{partitioned_name}_consumers"),
+        format!("{partitioned_name}_processed"),
+        format!("{outbox_name}_unsent"),
+    ] {
+        assert!(names.contains(&name), "{name}: {names:?}");
+    }
+    // Partition names take a shortened prefix, the default partition's too.
+    let default = names
+        .iter()
+        .find(|n| n.starts_with('p') && n.ends_with("_default"));
+    assert!(default.is_some_and(|n| n.len() <= 63), "{names:?}");
+    // The lease table `<inbox>_effects` is a table name too: 61 bytes leave no room.
+    let err = inbox_postgres::PgLeases::new(store).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains(&format!("`{longest}_effects_consumers` would be 71 bytes")),
+        "{err}"
+    );
+    db.drop().await;
+}

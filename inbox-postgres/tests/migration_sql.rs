@@ -4,9 +4,10 @@
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
-use inbox_core::{InboxStore, MessageId};
+use inbox_core::{Consumer, InboxStore, MessageId};
 use inbox_postgres::{KeyMode, Partitions, PgInbox, TableName};
-use inbox_testkit::TestDb;
+use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::{MemoryBroker, TestDb};
 use sqlx::AssertSqlSafe;
 
 const MODES: [KeyMode; 3] = [KeyMode::Text, KeyMode::Uuid, KeyMode::Hashed];
@@ -178,4 +179,57 @@ async fn the_sql_names_the_table_key_mode_and_layout() {
         );
     }
     db.drop().await;
+}
+
+/// Hashed keys on the partitioned layout start with the ID's time, so they differ from the plain
+/// layout's: a store must key by the table it finds, not by its configuration, or a deploy that
+/// adds (or drops) `.partitioned()` before anyone runs `migrate` applies every redelivery again.
+#[tokio::test]
+async fn hashed_keys_follow_the_table_layout_not_the_configuration() {
+    for table_partitioned in [false, true] {
+        let case = format!("a table made partitioned: {table_partitioned}");
+        let db = TestDb::new().await;
+        let sql = owned_inbox(&db, KeyMode::Hashed, table_partitioned).migration_sql();
+        sqlx::raw_sql(AssertSqlSafe(sql.as_str()))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        let id = MessageId::generate();
+        let credit = CreditEvent::new(1, 5).to_json();
+
+        // The release before the deploy, configured as the table is; neither migrates.
+        let broker = MemoryBroker::new();
+        broker.publish(Some(id.as_str()), credit.clone());
+        let before = Consumer::new(
+            "wallet",
+            broker.source(),
+            owned_inbox(&db, KeyMode::Hashed, table_partitioned),
+            Credit::new(db.pool.clone()),
+        )
+        .run_until_idle()
+        .await
+        .unwrap();
+        assert_eq!(before.applied, 1, "{case}: {before:?}");
+
+        // The release after it, configured the other way, gets the message redelivered.
+        broker.publish(Some(id.as_str()), credit);
+        let after = Consumer::new(
+            "wallet",
+            broker.source(),
+            owned_inbox(&db, KeyMode::Hashed, !table_partitioned),
+            Credit::new(db.pool.clone()),
+        )
+        .run_until_idle()
+        .await
+        .unwrap();
+
+        let summary = wallet::summary(&db.pool).await.unwrap();
+        assert_eq!(
+            (summary.ledger_rows, summary.distinct_events),
+            (1, 1),
+            "{case}: the redelivery was applied again: {after:?}"
+        );
+        assert_eq!(after.skipped_duplicates, 1, "{case}: {after:?}");
+        db.drop().await;
+    }
 }

@@ -1,6 +1,7 @@
 //! A hung handler or a hung peer no longer stalls a consumer: the handler timeout fails the
-//! stuck call and the lock timeout ends a claim's wait on a peer's uncommitted row; the rest of
-//! the batch goes on and the stuck message is retried.
+//! stuck call (and ends a statement it left waiting in PostgreSQL) and the lock timeout ends a
+//! claim's wait on a peer's uncommitted row; the rest of the batch goes on and the stuck message
+//! is retried.
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
@@ -8,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use inbox_core::{Consumer, InboxStore, MessageId};
 use inbox_postgres::PgInbox;
+use inbox_testkit::eventually;
 use inbox_testkit::wallet::{self, Credit, CreditEvent};
 use inbox_testkit::MemoryBroker;
 use inbox_testkit::{database_url, fast_retry, TestDb};
@@ -150,4 +152,96 @@ async fn a_claim_behind_a_hung_peer_gives_up_after_the_lock_timeout() {
     let summary = wallet::summary(&db.pool).await.unwrap();
     assert_eq!((summary.ledger_rows, summary.distinct_events), (4, 4));
     peer_store.rollback(peer).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_handler_waiting_on_a_row_lock_is_cut_off_by_the_handler_timeout() {
+    let db = TestDb::new().await;
+    // Another session holds account 1's row for longer than the test runs.
+    sqlx::query("INSERT INTO accounts (id, balance) VALUES (1, 0)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut holder = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM accounts WHERE id = 1 FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+
+    // The first message's handler waits on that row; the 19 after it credit account 2.
+    let broker = MemoryBroker::new();
+    wallet::publish_credit(&broker, "blocked", 1, 1);
+    for i in 0..19 {
+        wallet::publish_credit(&broker, &format!("free-{i}"), 2, 1);
+    }
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = Consumer::new(
+        "wallet",
+        broker.source(),
+        db.inbox(),
+        Credit::new(db.pool.clone()),
+    )
+    .batch_size(1)
+    .handler_timeout(Duration::from_millis(300))
+    .retry(fast_retry(3));
+    let stats = consumer.stats();
+    let started = Instant::now();
+    let run = tokio::spawn(consumer.run_until(async {
+        let _ = stopped.await;
+    }));
+
+    // The blocked message fails on its timeout three times and is dead-lettered; the lane goes
+    // on while the lock is still held.
+    let pool = db.pool.clone();
+    let all_applied = eventually(Duration::from_secs(15), || {
+        let pool = pool.clone();
+        async move { wallet::applied(&pool).await == 19 }
+    })
+    .await;
+    let applied = wallet::applied(&db.pool).await;
+    assert!(
+        all_applied,
+        "{applied} of 19 messages applied in {:?} while a handler waited on a lock: {:?}",
+        started.elapsed(),
+        stats.snapshot()
+    );
+    eprintln!(
+        "19 messages applied past the lock in {:?}",
+        started.elapsed()
+    );
+    let dead = broker.dead_letters();
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].0.id.as_ref().unwrap().as_str(), "blocked");
+    assert!(dead[0].1.contains("timeout"), "{}", dead[0].1);
+
+    // Stopping while a handler waits on the lock does not wait for the lock either: the
+    // message is handed back, not applied.
+    wallet::publish_credit(&broker, "blocked-again", 1, 1);
+    let s = stats.clone();
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            let received = s.snapshot().received;
+            async move { received == 21 }
+        })
+        .await
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let stopping = Instant::now();
+    stop.send(()).unwrap();
+    let stopped = tokio::time::timeout(Duration::from_secs(10), run).await;
+    assert!(
+        stopped.is_ok(),
+        "the consumer was still stopping after 10 s: it waits for the lock"
+    );
+    stopped.unwrap().unwrap().unwrap();
+    eprintln!(
+        "stopped in {:?} with a handler waiting on the lock",
+        stopping.elapsed()
+    );
+    assert_eq!(broker.pending(), 1, "blocked-again is handed back");
+    let summary = wallet::summary(&db.pool).await.unwrap();
+    assert_eq!((summary.ledger_rows, summary.distinct_events), (19, 19));
+
+    holder.rollback().await.unwrap();
+    db.drop().await;
 }

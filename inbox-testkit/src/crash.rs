@@ -279,6 +279,10 @@ impl<S: InboxStore> InboxStore for Crashing<S> {
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         self.inner.check_id(id)
     }
+
+    fn set_handler_timeout(&mut self, timeout: Duration) {
+        self.inner.set_handler_timeout(timeout);
+    }
 }
 
 #[async_trait]

@@ -27,4 +27,7 @@ impl<S: InboxStore> InboxStore for WithoutInbox<S> {
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         self.0.check_id(id)
     }
+    fn set_handler_timeout(&mut self, timeout: std::time::Duration) {
+        self.0.set_handler_timeout(timeout);
+    }
 }

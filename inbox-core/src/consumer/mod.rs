@@ -211,9 +211,12 @@ where
     /// its row locks, and the message is retried and dead-lettered like any failure. Without it
     /// (the default) a handler stuck on a call that never returns holds its transaction, its
     /// locks and the broker's ownership of its messages for ever. Set it above the slowest
-    /// legitimate batch.
+    /// legitimate batch. The store is told it ([`InboxStore::set_handler_timeout`]), so a
+    /// statement the handler left running (waiting on a lock) ends too and the rollback does
+    /// not wait for it.
     pub fn handler_timeout(mut self, timeout: Duration) -> Self {
         self.core.handler_timeout = Some(timeout);
+        self.core.store.set_handler_timeout(timeout);
         self
     }
 

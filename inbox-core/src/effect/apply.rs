@@ -350,6 +350,18 @@ where
                             .dead_letter_leased(&effect, delivery, reason, false)
                             .await;
                     }
+                    if effect.remaining().is_zero() {
+                        // No time is left to mark done under this lease: the next lease settles
+                        // the message, asking first whether this attempt's call landed.
+                        self.count(Counter::Retried);
+                        outcome("retried");
+                        let r = &self.retry;
+                        let wait = backoff(r.initial_backoff, r.max_backoff, effect.attempts());
+                        warn!(error = %error, ?wait, "the done mark did not commit within the lease; handed back for the next lease to settle");
+                        self.release(&effect, Release::unknown()).await;
+                        self.hand_back_for(effect.id(), delivery.ack, wait).await;
+                        return Ok(());
+                    }
                     self.count(Counter::Retried);
                     warn!(error = %error, tries, "done transaction failed; trying it again");
                     let r = &self.retry;
@@ -403,11 +415,20 @@ where
                 return Err(DoneFailure::Store(e));
             }
         }
+        // Bounded by the lease: past it, the open transaction would keep the row from the
+        // next lease, and the consumer from its next message.
         let record = self.handler.record(&mut tx, effect, settled, message);
-        let recorded = match AssertUnwindSafe(record).catch_unwind().await {
-            Ok(result) => result,
-            Err(_) => Err(HandlerError::transient("record panicked")),
-        };
+        let recorded =
+            match tokio::time::timeout_at(effect.ends(), AssertUnwindSafe(record).catch_unwind())
+                .await
+            {
+                Ok(Ok(result)) => result,
+                Ok(Err(_)) => Err(HandlerError::transient("record panicked")),
+                Err(_) => Err(HandlerError::transient(format!(
+                    "record was still running when the lease of {:?} ran out; dropped",
+                    self.lease
+                ))),
+            };
         if let Err(e) = recorded {
             self.rollback(tx).await;
             return Err(DoneFailure::Handler(e));

@@ -35,7 +35,10 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 ///    - `Ok`: the done transaction ([`LeaseStore::complete`], then [`EffectHandler::record`],
 ///      then commit) and the ack. A done mark refused because a newer lease took over (this
 ///      attempt was a zombie) rolls back and hands the delivery back: the newer holder
-///      finishes it, and the copy is later skipped as done;
+///      finishes it, and the copy is later skipped as done. A done transaction that fails is
+///      tried again while the lease lasts; once it has run out (a `record` still running then
+///      is dropped), the lease is released and the message handed back with the retry
+///      backoff, for the next lease to settle;
 ///    - a transient error (or a panic, or the lease running out): the lease is released and the
 ///      message handed back with the retry backoff, to be leased again; after
 ///      [`RetryPolicy::max_attempts`] attempts it is dead-lettered;

@@ -27,8 +27,9 @@ pub enum Acquired {
     /// The row was new (inserted as processing) or its lease had run out (leased again with a
     /// higher token); the lease is committed.
     Leased(Lease),
-    /// Another lease is live: the caller hands the message back for `retry_after`, the time
-    /// left on that lease. Nothing was changed.
+    /// Another lease is live, or another transaction holds the row longer than the store waits
+    /// for it (a done mark not yet committed): the caller hands the message back for
+    /// `retry_after`, the time left on that lease (or the store's wait). Nothing was changed.
     Busy {
         /// The time left on the live lease.
         retry_after: Duration,
@@ -68,7 +69,9 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// In one atomic step, committed on its own: inserts the row as processing with a lease of
     /// `lease` and token 1; or, if the row is processing and its lease has run out, takes a new
     /// lease with the token raised by one; or reports a live lease ([`Acquired::Busy`]) or a
-    /// done row ([`Acquired::Done`]) and changes nothing.
+    /// done row ([`Acquired::Done`]) and changes nothing. It must not wait for the row without
+    /// limit: a row another transaction keeps locked is [`Acquired::Busy`] after a bounded
+    /// wait, or the sequential effect consumer waits as long.
     async fn acquire(
         &self,
         consumer: &str,

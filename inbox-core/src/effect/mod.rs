@@ -29,7 +29,9 @@
 //! done mark compares its token in the same statement, a newer lease has a higher one, so the
 //! zombie's transaction, with its database writes, never commits, and its delivery is handed
 //! back instead of acked. A call is given until its lease ends; one still running then is
-//! dropped, its outcome unknown.
+//! dropped, its outcome unknown. The done mark is bounded by the lease too: a
+//! [`record`](EffectHandler::record) still running when the lease ends is dropped, its
+//! transaction rolled back, and the message handed back for the next lease to settle.
 //!
 //! # Which provider, which choice
 //!
@@ -287,7 +289,10 @@ pub trait EffectHandler<Tx: Send>: Send + Sync {
     /// once the done mark is taken, so a zombie's writes never happen. An error rolls both
     /// back; the done transaction is tried again up to
     /// [`RetryPolicy::max_attempts`](crate::RetryPolicy::max_attempts) times without calling
-    /// the provider again. The default writes nothing.
+    /// the provider again. It runs until the lease ends at most (the store may bound its
+    /// statements by the lease as well): after that, its transaction is rolled back and the
+    /// message handed back, and the next lease asks [`landed`](Self::landed). The default
+    /// writes nothing.
     async fn record(
         &self,
         tx: &mut Tx,

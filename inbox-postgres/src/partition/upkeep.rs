@@ -17,7 +17,9 @@ impl PgInbox {
     /// Lays the table out partitioned when [`migrate`](Self::migrate) creates it (see
     /// [`Partitions`]), and keeps its partitions: created ahead by `migrate` and by every
     /// purge, dropped by the purge. A table that exists already keeps its layout: convert a
-    /// plain one with [`migrate_to_partitioned`](Self::migrate_to_partitioned).
+    /// plain one with [`migrate_to_partitioned`](Self::migrate_to_partitioned). Claims follow
+    /// the table's layout, read from the catalog before the first hashed claim, not this
+    /// setting: [`KeyMode::Hashed`] keys differ between the layouts.
     pub fn partitioned(mut self, partitions: Partitions) -> Self {
         self.partitions = Some(partitions);
         self
