@@ -110,10 +110,17 @@ impl<S: InboxStore> InboxStore for Arc<S> {
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         (**self).check_id(id)
     }
-    /// Passed on only while this is the one `Arc` of the store.
+    /// Passed on only while this is the one `Arc` of the store; otherwise a warning says so.
     fn set_handler_timeout(&mut self, timeout: Duration) {
-        if let Some(store) = Arc::get_mut(self) {
-            store.set_handler_timeout(timeout);
+        match Arc::get_mut(self) {
+            Some(store) => store.set_handler_timeout(timeout),
+            None => tracing::warn!(
+                ?timeout,
+                "the inbox store is shared through an Arc: the handler timeout cannot reach its \
+                 statements, so a handler cut off while a statement waits on a lock keeps its \
+                 lane waiting; give the consumer its own store (clone it), or bound the store's \
+                 statements yourself"
+            ),
         }
     }
 }
