@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
+use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -86,12 +87,8 @@ impl Link {
         if !self.is_open() {
             return Err(self.closed("ack", tag));
         }
-        #[cfg(test)]
-        self.injected_failure("ack", tag)?;
-        self.channel
-            .basic_ack(tag, BasicAckOptions { multiple })
-            .await
-            .map_err(|e| self.failed("ack", tag, e))?;
+        let frame = self.channel.basic_ack(tag, BasicAckOptions { multiple });
+        self.send("ack", tag, frame).await?;
         if multiple {
             self.unsettled().retain(|t| *t > tag);
         } else {
@@ -106,27 +103,29 @@ impl Link {
     async fn nack(&self, tag: u64) -> Result<(), Error> {
         #[cfg(test)]
         self.before_nack_frame.point().await;
-        let sent = if self.is_open() {
-            #[cfg(test)]
-            self.injected_failure("nack", tag)?;
-            let options = BasicNackOptions {
-                multiple: false,
-                requeue: true,
-            };
-            self.channel
-                .basic_nack(tag, options)
-                .await
-                .map_err(|e| self.failed("nack", tag, e))
-        } else {
-            Err(self.closed("nack", tag))
+        if !self.is_open() {
+            return Err(self.closed("nack", tag));
+        }
+        let options = BasicNackOptions {
+            multiple: false,
+            requeue: true,
         };
-        // Only now: until the nack frame is queued, a batch's `multiple` ack must not cover it.
+        self.send("nack", tag, self.channel.basic_nack(tag, options))
+            .await?;
+        // Only now: until the nack frame is queued, a batch's `multiple` ack must not cover it;
+        // and if it failed, the message is still the broker's to hand out again, never to ack.
         self.settled([tag]);
-        sent
+        Ok(())
     }
 
-    #[cfg(test)]
-    fn injected_failure(&self, action: &'static str, tag: u64) -> Result<(), Error> {
+    /// Queues an ack's or nack's `frame` (lapin queues it when the future is first polled).
+    async fn send(
+        &self,
+        action: &'static str,
+        tag: u64,
+        frame: impl Future<Output = lapin::Result<()>>,
+    ) -> Result<(), Error> {
+        #[cfg(test)]
         if self
             .fail_next_frame
             .swap(false, std::sync::atomic::Ordering::SeqCst)
@@ -134,7 +133,7 @@ impl Link {
             let lost = std::io::Error::other("test: the frame was not sent");
             return Err(self.failed(action, tag, lost.into()));
         }
-        Ok(())
+        frame.await.map_err(|e| self.failed(action, tag, e))
     }
 
     fn closed(&self, action: &'static str, tag: u64) -> Error {
@@ -181,7 +180,9 @@ impl fmt::Debug for Link {
 ///   On a quorum queue before RabbitMQ 4.3 the requeue raises `x-delivery-count` by one and
 ///   counts toward `x-delivery-limit`; from 4.3 on a `basic.nack` no longer counts (see the crate
 ///   docs, "Ack semantics"). If the channel closes while it waits, the broker requeues the
-///   delivery (one count) and the nack is not sent.
+///   delivery (one count) and the nack is not sent. A nack that fails on a channel that stays
+///   open leaves the delivery unsettled, so no `multiple` ack covers it either; it comes back
+///   when the channel closes.
 /// - [`Ack::dead_letter`]: publishes the message to `<queue>.dlq` through the default exchange,
 ///   with its original body, properties and headers plus the [`inbox_core::dead_letter`]
 ///   headers (`reason`, `original_source`: the queue, `original_position`: connection, channel
@@ -505,6 +506,36 @@ pub(crate) mod tests {
             back,
             ["m0", "m1"],
             "the later batch acked deliveries whose own ack never reached the broker"
+        );
+    }
+
+    /// The hand-back (nack) of tag 1 fails on a live channel, nothing sent, so the broker still
+    /// holds it unacked. The batch of 2 and 3 must not cover it with a `multiple` ack: message 1
+    /// was never applied, and would be gone.
+    #[tokio::test]
+    async fn a_failed_nack_leaves_its_delivery_to_come_back() {
+        let (config, source, deliveries) = received("nackfail", 3).await;
+        let mut acks: Vec<RabbitAck> = deliveries.into_iter().map(|d| d.ack).collect();
+        let link = Arc::clone(acks[0].link.as_ref().unwrap());
+        let batch = acks.split_off(1);
+
+        link.fail_next_frame.store(true, Ordering::SeqCst);
+        let e = acks
+            .pop()
+            .unwrap()
+            .nack(Duration::ZERO)
+            .await
+            .expect_err("the nack frame failed");
+        println!("failed nack: {e}");
+        assert!(link.is_open(), "the channel is still open");
+        RabbitAck::ack_all(batch).await.unwrap();
+
+        let back = close_and_drain(config, source).await;
+        println!("came back after the channel closed: {back:?}");
+        assert_eq!(
+            back,
+            ["m0"],
+            "the message whose nack failed was acked by the batch: lost"
         );
     }
 
