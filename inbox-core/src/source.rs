@@ -72,7 +72,8 @@ pub trait MessageSource: Send {
     async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<Self::Ack>>, SourceError>;
 
     /// How long the broker can still hand out a message it once delivered (a topic's
-    /// `retention.ms`, a queue's `MessageRetentionPeriod`), where the adapter can find it out.
+    /// `retention.ms` plus `segment.ms`, a queue's `MessageRetentionPeriod`), where the adapter
+    /// can find it out.
     /// The consumer warns at start when the inbox forgets IDs sooner
     /// ([`Consumer::inbox_retention`](crate::Consumer::inbox_retention)). Default: unknown.
     fn redelivery_window(&self) -> Option<Duration> {

@@ -92,11 +92,11 @@ impl KafkaAdmin {
         Ok(())
     }
 
-    /// The topic's `retention.ms`: how long the broker keeps a record. An inbox that forgets IDs
-    /// sooner than this can apply an old replayed record twice, so keep inbox rows at least this
-    /// long.
+    /// How long the broker keeps a record of `topic` readable, from its `cleanup.policy`,
+    /// `retention.ms` and `segment.ms` (see [`Retention`]). An inbox that forgets IDs sooner
+    /// can apply an old replayed record twice, so keep inbox rows at least this long.
     pub async fn retention(&self, topic: &str) -> Result<Retention> {
-        let context = || format!("reading retention.ms of topic `{topic}`");
+        let context = || format!("reading the retention settings of topic `{topic}`");
         let results = self
             .client
             .describe_configs([&ResourceSpecifier::Topic(topic)], &self.options)
@@ -107,31 +107,148 @@ impl KafkaAdmin {
             .next()
             .ok_or_else(|| Error::Config(format!("{}: the broker returned nothing", context())))?
             .map_err(|code| Error::kafka(context(), KafkaError::AdminOp(code)))?;
-        let Some(value) = resource
-            .get("retention.ms")
-            .and_then(|entry| entry.value.clone())
-        else {
-            return Ok(Retention::NotReported);
-        };
-        let ms: i64 = value
-            .parse()
-            .map_err(|_| Error::Config(format!("{}: `{value}` is not a number", context())))?;
-        Ok(match u64::try_from(ms) {
-            Ok(ms) => Retention::Limited(Duration::from_millis(ms)),
-            Err(_) => Retention::Unlimited,
-        })
+        let value = |name: &str| resource.get(name).and_then(|entry| entry.value.clone());
+        Retention::from_settings(
+            topic,
+            value("cleanup.policy").as_deref(),
+            value("retention.ms").as_deref(),
+            value("segment.ms").as_deref(),
+        )
     }
 }
 
-/// A topic's retention, as the broker reports it.
+/// Kafka's `segment.ms` (`log.roll.ms`) when the broker does not report it: 7 days.
+const DEFAULT_SEGMENT: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+
+/// How long a topic keeps a record readable, and so how late the broker can hand it out again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Retention {
-    /// Records are deleted after this long.
+    /// A record can still be read up to this long after it was written: `retention.ms` plus
+    /// `segment.ms`. The broker deletes a whole segment only once its newest record is older
+    /// than `retention.ms`, and a segment takes records for up to `segment.ms` before it rolls,
+    /// so its first record outlives `retention.ms` by that much. `segment.ms` counts as Kafka's
+    /// default, 7 days, where the broker does not report it.
     Limited(Duration),
     /// `retention.ms=-1`: records are kept forever.
     Unlimited,
+    /// `cleanup.policy=compact` without `delete`: the last record of every key is kept
+    /// forever, so a replay can hand out a key's last record however old it is.
+    Compacted,
     /// The broker does not report `retention.ms` for the topic (some Kafka-compatible brokers
     /// report only the properties set on the topic).
     NotReported,
+}
+
+impl Retention {
+    /// The retention of `topic` with these settings, each as the broker reports it (`None`
+    /// when it does not). An error names the setting that is not a number.
+    fn from_settings(
+        topic: &str,
+        cleanup_policy: Option<&str>,
+        retention_ms: Option<&str>,
+        segment_ms: Option<&str>,
+    ) -> Result<Self> {
+        // Kafka's default policy is `delete`; `compact,delete` compacts and deletes by time.
+        let policies: Vec<&str> = cleanup_policy
+            .unwrap_or("delete")
+            .split(',')
+            .map(str::trim)
+            .collect();
+        if policies.contains(&"compact") && !policies.contains(&"delete") {
+            return Ok(Retention::Compacted);
+        }
+        let Some(retention_ms) = retention_ms else {
+            return Ok(Retention::NotReported);
+        };
+        let Ok(retention) = u64::try_from(millis(topic, "retention.ms", retention_ms)?) else {
+            return Ok(Retention::Unlimited);
+        };
+        let segment = match segment_ms {
+            Some(ms) => u64::try_from(millis(topic, "segment.ms", ms)?)
+                .map(Duration::from_millis)
+                .map_err(|_| {
+                    Error::Config(format!(
+                        "topic `{topic}` reports a negative segment.ms `{ms}`"
+                    ))
+                })?,
+            None => DEFAULT_SEGMENT,
+        };
+        Ok(Retention::Limited(
+            Duration::from_millis(retention).saturating_add(segment),
+        ))
+    }
+}
+
+/// A setting of `topic` in milliseconds, as the broker reports it.
+fn millis(topic: &str, name: &str, value: &str) -> Result<i64> {
+    value.trim().parse().map_err(|_| {
+        Error::Config(format!(
+            "topic `{topic}` reports {name} `{value}`, which is not a number of milliseconds"
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    fn retention(
+        policy: Option<&str>,
+        retention: Option<&str>,
+        segment: Option<&str>,
+    ) -> Retention {
+        Retention::from_settings("t", policy, retention, segment).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn a_record_is_readable_for_retention_plus_segment_time() {
+        assert_eq!(
+            retention(Some("delete"), Some("3600000"), Some("600000")),
+            Retention::Limited(HOUR + Duration::from_secs(600))
+        );
+        assert_eq!(
+            retention(None, Some("3600000"), None),
+            Retention::Limited(HOUR + DEFAULT_SEGMENT),
+            "Kafka's default policy and segment time where the broker reports neither"
+        );
+    }
+
+    #[test]
+    fn a_compacted_topic_keeps_records_for_ever_unless_it_also_deletes() {
+        for policy in ["compact", " compact "] {
+            assert_eq!(
+                retention(Some(policy), Some("3600000"), Some("600000")),
+                Retention::Compacted
+            );
+        }
+        assert_eq!(retention(Some("compact"), None, None), Retention::Compacted);
+        assert_eq!(
+            retention(Some("compact,delete"), Some("3600000"), Some("600000")),
+            Retention::Limited(HOUR + Duration::from_secs(600)),
+            "compacted and deleted by time"
+        );
+    }
+
+    #[test]
+    fn infinite_and_unreported_retention() {
+        assert_eq!(
+            retention(Some("delete"), Some("-1"), Some("600000")),
+            Retention::Unlimited
+        );
+        assert_eq!(
+            retention(Some("delete"), None, Some("600000")),
+            Retention::NotReported
+        );
+    }
+
+    #[test]
+    fn a_setting_that_is_not_a_number_is_named() {
+        let e = Retention::from_settings("t", None, Some("3600000"), Some("soon")).unwrap_err();
+        assert!(e.to_string().contains("segment.ms `soon`"), "{e}");
+        let e = Retention::from_settings("t", None, Some("1h"), None).unwrap_err();
+        assert!(e.to_string().contains("retention.ms `1h`"), "{e}");
+    }
 }

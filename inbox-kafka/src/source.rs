@@ -146,11 +146,12 @@ impl KafkaSource {
     /// Tells the consumer's start-up check how long the topic keeps records, as read with
     /// [`KafkaAdmin::retention`](crate::KafkaAdmin::retention): the consumer then warns when the
     /// inbox retention ([`Consumer::inbox_retention`](inbox_core::Consumer::inbox_retention)) is
-    /// shorter. Unlimited retention is reported as the longest duration.
+    /// shorter. Unlimited retention and a compacted topic (which keeps each key's last record
+    /// forever) are reported as the longest duration, so the consumer always warns.
     pub fn with_retention(mut self, retention: crate::Retention) -> Self {
         self.redelivery_window = match retention {
             crate::Retention::Limited(window) => Some(window),
-            crate::Retention::Unlimited => Some(Duration::MAX),
+            crate::Retention::Unlimited | crate::Retention::Compacted => Some(Duration::MAX),
             crate::Retention::NotReported => None,
         };
         self

@@ -11,7 +11,7 @@ use common::*;
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{Consumer, Stage};
 use inbox_kafka::rdkafka::Message as _;
-use inbox_kafka::{AckMode, Record, Retention};
+use inbox_kafka::{AckMode, Record};
 use inbox_testkit::wallet::{Credit, CreditEvent};
 use inbox_testkit::Crash;
 use inbox_testkit::TestDb;
@@ -71,29 +71,60 @@ async fn a_dead_letter_keeps_the_key_and_headers_and_names_its_origin() {
     db.drop().await;
 }
 
+/// The redelivery window a source reports for `topic`, as the consumer's start-up check sees
+/// it, read from the broker's topic configuration.
+async fn window_of(topic: &str) -> Option<Duration> {
+    let admin = inbox_kafka::KafkaAdmin::from_env().expect("admin");
+    let retention = admin.retention(topic).await.expect("describe configs");
+    println!("retention of {topic}: {retention:?}");
+    let source = config(topic, &random("group"))
+        .connect()
+        .await
+        .expect("source")
+        .with_retention(retention);
+    inbox_core::MessageSource::redelivery_window(&source)
+}
+
+/// The broker deletes a whole segment once its newest record is older than `retention.ms`, and
+/// a segment takes records for up to `segment.ms`: its first record stays readable for both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_topic_retention_is_readable() {
+async fn the_redelivery_window_is_retention_plus_segment_time() {
     if skip_on_mock("the mock lacks CreateTopics with configs and DescribeConfigs") {
         return;
     }
     let admin = inbox_kafka::KafkaAdmin::from_env().expect("admin");
     let topic = random("inbox-retention");
+    let properties = [("retention.ms", "3600000"), ("segment.ms", "600000")];
     admin
-        .create_topic_with(&topic, 1, &[("retention.ms", "3600000")])
+        .create_topic_with(&topic, 1, &properties)
         .await
         .expect("create topic");
-    let retention = admin.retention(&topic).await.expect("describe configs");
-    println!("retention.ms of {topic} created with 3600000: {retention:?}");
-    assert_eq!(retention, Retention::Limited(Duration::from_secs(3600)));
-    let source = config(&topic, &random("group"))
-        .connect()
-        .await
-        .expect("source")
-        .with_retention(retention);
     assert_eq!(
-        inbox_core::MessageSource::redelivery_window(&source),
-        Some(Duration::from_secs(3600)),
-        "the consumer's start-up check sees the topic's retention"
+        window_of(&topic).await,
+        Some(Duration::from_secs(3600 + 600)),
+        "a record can be read up to retention.ms + segment.ms after it was written"
+    );
+}
+
+/// A compacted topic keeps the last record of every key, however old: the consumer must warn
+/// whatever the inbox retention.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compacted_topic_can_redeliver_arbitrarily_late() {
+    if skip_on_mock("the mock lacks CreateTopics with configs and DescribeConfigs") {
+        return;
+    }
+    let admin = inbox_kafka::KafkaAdmin::from_env().expect("admin");
+    let topic = random("inbox-compacted");
+    let properties = [("cleanup.policy", "compact"), ("retention.ms", "3600000")];
+    admin
+        .create_topic_with(&topic, 1, &properties)
+        .await
+        .expect("create topic");
+    let window = window_of(&topic).await;
+    let a_year = Duration::from_secs(365 * 24 * 3600);
+    assert!(
+        inbox_core::retention_shortfall(a_year, window).is_some(),
+        "an inbox keeping IDs for a year is not warned about a compacted topic (window {window:?})"
     );
 }
 

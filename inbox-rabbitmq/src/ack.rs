@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
+use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -26,6 +27,9 @@ pub(crate) struct Link {
     /// Test-only: stops a nack just before its frame is queued.
     #[cfg(test)]
     pub(crate) before_nack_frame: tests::Pause,
+    /// Test-only: the next ack or nack fails as a lost socket does, its frame not sent.
+    #[cfg(test)]
+    pub(crate) fail_next_frame: std::sync::atomic::AtomicBool,
 }
 
 impl Link {
@@ -37,6 +41,8 @@ impl Link {
             unsettled: Mutex::new(BTreeSet::new()),
             #[cfg(test)]
             before_nack_frame: tests::Pause::default(),
+            #[cfg(test)]
+            fail_next_frame: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -60,10 +66,12 @@ impl Link {
         )
     }
 
-    /// Marks `tags` settled. Call it only once the frame that settles them is queued (or the
-    /// channel is gone): lapin sends a channel's frames in the order they were queued, so a
+    /// Marks `tags` settled. Call it only once the frame that settles them is queued, never for
+    /// a frame that failed: lapin sends a channel's frames in the order they were queued, so a
     /// `multiple` ack planned after this point reaches the broker after that frame, and one
-    /// planned before it still sees the tags as unsettled and does not pass over them.
+    /// planned before it still sees the tags as unsettled and does not pass over them. A tag
+    /// whose frame was never sent stays unsettled, so no later `multiple` ack covers it; the
+    /// broker hands it out again when the channel closes.
     fn settled(&self, tags: impl IntoIterator<Item = u64>) {
         let mut unsettled = self.unsettled();
         for tag in tags {
@@ -71,16 +79,22 @@ impl Link {
         }
     }
 
+    /// Sends `basic.ack` of `tag` (and, with `multiple`, of every unsettled tag below it), and
+    /// marks settled what the frame settles once it is queued.
     async fn ack(&self, tag: u64, multiple: bool) -> Result<(), Error> {
         // lapin accepts an ack on a channel the broker already closed and then drops it; the
         // delivery is redelivered, so the caller must hear about it.
         if !self.is_open() {
             return Err(self.closed("ack", tag));
         }
-        self.channel
-            .basic_ack(tag, BasicAckOptions { multiple })
-            .await
-            .map_err(|e| self.failed("ack", tag, e))
+        let frame = self.channel.basic_ack(tag, BasicAckOptions { multiple });
+        self.send("ack", tag, frame).await?;
+        if multiple {
+            self.unsettled().retain(|t| *t > tag);
+        } else {
+            self.settled([tag]);
+        }
+        Ok(())
     }
 
     /// `basic.nack` with `requeue`, never `basic.reject`: from RabbitMQ 4.3 on a nack does not
@@ -89,21 +103,37 @@ impl Link {
     async fn nack(&self, tag: u64) -> Result<(), Error> {
         #[cfg(test)]
         self.before_nack_frame.point().await;
-        let sent = if self.is_open() {
-            let options = BasicNackOptions {
-                multiple: false,
-                requeue: true,
-            };
-            self.channel
-                .basic_nack(tag, options)
-                .await
-                .map_err(|e| self.failed("nack", tag, e))
-        } else {
-            Err(self.closed("nack", tag))
+        if !self.is_open() {
+            return Err(self.closed("nack", tag));
+        }
+        let options = BasicNackOptions {
+            multiple: false,
+            requeue: true,
         };
-        // Only now: until the nack frame is queued, a batch's `multiple` ack must not cover it.
+        self.send("nack", tag, self.channel.basic_nack(tag, options))
+            .await?;
+        // Only now: until the nack frame is queued, a batch's `multiple` ack must not cover it;
+        // and if it failed, the message is still the broker's to hand out again, never to ack.
         self.settled([tag]);
-        sent
+        Ok(())
+    }
+
+    /// Queues an ack's or nack's `frame` (lapin queues it when the future is first polled).
+    async fn send(
+        &self,
+        action: &'static str,
+        tag: u64,
+        frame: impl Future<Output = lapin::Result<()>>,
+    ) -> Result<(), Error> {
+        #[cfg(test)]
+        if self
+            .fail_next_frame
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            let lost = std::io::Error::other("test: the frame was not sent");
+            return Err(self.failed(action, tag, lost.into()));
+        }
+        frame.await.map_err(|e| self.failed(action, tag, e))
     }
 
     fn closed(&self, action: &'static str, tag: u64) -> Error {
@@ -139,7 +169,10 @@ impl fmt::Debug for Link {
 ///   and the broker redelivers the message (flagged `redelivered`), which the inbox skips.
 /// - [`Ack::ack_all`]: one `basic.ack` with `multiple = true` for the longest run of the batch
 ///   that starts at the channel's oldest unsettled delivery (so it cannot settle a delivery the
-///   batch does not own, such as one waiting for a delayed requeue); the rest one by one.
+///   batch does not own, such as one waiting for a delayed requeue); the rest one by one. When
+///   an ack fails on a channel that stays open, the deliveries it did not ack stay unsettled:
+///   no later `multiple` ack covers them (later batches on that channel are acked one by
+///   one), and the broker hands them out again when the channel closes.
 /// - [`Ack::nack`]: a **delayed requeue**: a spawned task sleeps `retry_after`, then sends
 ///   `basic.nack` with `requeue = true`. The message keeps its prefetch slot while it waits, and
 ///   the other `prefetch - 1` slots keep flowing, so one failing message cannot starve the queue.
@@ -147,7 +180,9 @@ impl fmt::Debug for Link {
 ///   On a quorum queue before RabbitMQ 4.3 the requeue raises `x-delivery-count` by one and
 ///   counts toward `x-delivery-limit`; from 4.3 on a `basic.nack` no longer counts (see the crate
 ///   docs, "Ack semantics"). If the channel closes while it waits, the broker requeues the
-///   delivery (one count) and the nack is not sent.
+///   delivery (one count) and the nack is not sent. A nack that fails on a channel that stays
+///   open leaves the delivery unsettled, so no `multiple` ack covers it either; it comes back
+///   when the channel closes.
 /// - [`Ack::dead_letter`]: publishes the message to `<queue>.dlq` through the default exchange,
 ///   with its original body, properties and headers plus the [`inbox_core::dead_letter`]
 ///   headers (`reason`, `original_source`: the queue, `original_position`: connection, channel
@@ -180,9 +215,7 @@ impl fmt::Debug for RabbitAck {
 impl Ack for RabbitAck {
     async fn ack(self) -> Result<(), SourceError> {
         let Some(link) = self.link else { return Ok(()) };
-        let sent = link.ack(self.tag, false).await;
-        link.settled([self.tag]);
-        Ok(sent?)
+        Ok(link.ack(self.tag, false).await?)
     }
 
     async fn nack(self, retry_after: Duration) -> Result<(), SourceError> {
@@ -239,8 +272,8 @@ impl Ack for RabbitAck {
                 }
                 result = link.ack(tag, false).await;
             }
-            // Every frame is queued, or the channel is gone and the broker requeues the rest.
-            link.settled(tags);
+            // Settled as each frame was queued. After a failure the rest stay unsettled: the
+            // broker never got their ack, so no later `multiple` ack may cover them.
             if let Err(e) = result {
                 first_error.get_or_insert(e);
             }
@@ -376,6 +409,133 @@ pub(crate) mod tests {
             back_id,
             Some(nacked),
             "the nacked message was settled by the batch's multiple ack and is lost"
+        );
+    }
+
+    /// A fresh queue holding `n` messages, and a source that has received them all (tags 1 to
+    /// `n`, in order).
+    async fn received(
+        prefix: &str,
+        n: usize,
+    ) -> (
+        crate::RabbitSourceBuilder,
+        RabbitSource,
+        Vec<inbox_core::Delivery<RabbitAck>>,
+    ) {
+        let queue = format!("inbox-test-{prefix}-{}", uuid::Uuid::new_v4().simple());
+        let config = RabbitSource::builder(queue)
+            .prefetch(10)
+            .poll_timeout(Duration::from_millis(500));
+        config.declare_topology().await.unwrap();
+        let producer = RabbitProducer::builder()
+            .url(config.broker_url())
+            .connect()
+            .await
+            .unwrap();
+        for i in 0..n {
+            let payload = format!("m{i}");
+            producer
+                .send(config.queue(), payload.as_bytes())
+                .await
+                .unwrap();
+        }
+        producer.close().await;
+        let mut source = config.clone().connect().await.unwrap();
+        let mut deliveries = Vec::new();
+        while deliveries.len() < n {
+            deliveries.extend(source.receive(n).await.unwrap());
+        }
+        let tags: Vec<u64> = deliveries.iter().map(|d| d.ack.tag).collect();
+        assert_eq!(tags, (1..=n as u64).collect::<Vec<_>>());
+        (config, source, deliveries)
+    }
+
+    /// Closes `source` (the broker requeues whatever it did not get an ack or nack for), takes
+    /// everything left on the queue with a new source, and deletes the queues. The payloads that
+    /// came back, sorted.
+    async fn close_and_drain(
+        config: crate::RabbitSourceBuilder,
+        source: RabbitSource,
+    ) -> Vec<String> {
+        source.close().await;
+        let mut source = config.clone().connect().await.unwrap();
+        let mut back = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            for d in source.receive(10).await.unwrap() {
+                back.push(String::from_utf8(d.message.payload.clone()).unwrap());
+                d.ack.ack().await.unwrap();
+            }
+        }
+        source.close().await;
+        let connection = crate::connect::open(config.broker_url(), "inbox-test cleanup", None)
+            .await
+            .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        for q in [config.queue().to_owned(), config.dead_letter_queue()] {
+            let _ = channel
+                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                .await;
+        }
+        let _ = connection.close(200, "cleanup".into()).await;
+        back.sort();
+        back
+    }
+
+    /// The batch ack of tags 1 and 2 fails on a live channel, nothing sent. The next batch (3
+    /// and 4) must ack only its own deliveries: a `multiple` ack of 4 would ack 1 and 2 as well,
+    /// though no ack of theirs reached the broker. They come back when the channel closes.
+    #[tokio::test]
+    async fn a_failed_batch_ack_leaves_its_deliveries_to_come_back() {
+        let (config, source, deliveries) = received("ackfail", 4).await;
+        let mut acks: Vec<RabbitAck> = deliveries.into_iter().map(|d| d.ack).collect();
+        let link = Arc::clone(acks[0].link.as_ref().unwrap());
+        let later = acks.split_off(2);
+
+        link.fail_next_frame.store(true, Ordering::SeqCst);
+        let e = RabbitAck::ack_all(acks)
+            .await
+            .expect_err("the ack frame failed");
+        println!("failed batch ack: {e}");
+        assert!(link.is_open(), "the channel is still open");
+        RabbitAck::ack_all(later).await.unwrap();
+
+        let back = close_and_drain(config, source).await;
+        println!("came back after the channel closed: {back:?}");
+        assert_eq!(
+            back,
+            ["m0", "m1"],
+            "the later batch acked deliveries whose own ack never reached the broker"
+        );
+    }
+
+    /// The hand-back (nack) of tag 1 fails on a live channel, nothing sent, so the broker still
+    /// holds it unacked. The batch of 2 and 3 must not cover it with a `multiple` ack: message 1
+    /// was never applied, and would be gone.
+    #[tokio::test]
+    async fn a_failed_nack_leaves_its_delivery_to_come_back() {
+        let (config, source, deliveries) = received("nackfail", 3).await;
+        let mut acks: Vec<RabbitAck> = deliveries.into_iter().map(|d| d.ack).collect();
+        let link = Arc::clone(acks[0].link.as_ref().unwrap());
+        let batch = acks.split_off(1);
+
+        link.fail_next_frame.store(true, Ordering::SeqCst);
+        let e = acks
+            .pop()
+            .unwrap()
+            .nack(Duration::ZERO)
+            .await
+            .expect_err("the nack frame failed");
+        println!("failed nack: {e}");
+        assert!(link.is_open(), "the channel is still open");
+        RabbitAck::ack_all(batch).await.unwrap();
+
+        let back = close_and_drain(config, source).await;
+        println!("came back after the channel closed: {back:?}");
+        assert_eq!(
+            back,
+            ["m0"],
+            "the message whose nack failed was acked by the batch: lost"
         );
     }
 

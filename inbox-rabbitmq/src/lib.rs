@@ -98,7 +98,7 @@
 //!   when its tags are the oldest unsettled ones of the channel (the usual case), else one by one.
 //!   A delivery counts as settled only once its ack or nack frame is queued, and lapin sends a
 //!   channel's frames in order, so a `multiple` ack never covers a delivery whose delayed nack
-//!   is still to be sent.
+//!   is still to be sent, nor one whose own ack or nack failed.
 //! - **Redelivery**: RabbitMQ requeues every unacked delivery when its channel or connection
 //!   closes (process killed, network lost, `rabbitmqctl close_connection`, heartbeat missed) and
 //!   hands it out again, to this consumer or another, with `redelivered` set and, on a quorum

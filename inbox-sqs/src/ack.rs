@@ -20,6 +20,8 @@ use crate::Error;
 pub(crate) struct Shared {
     pub(crate) client: Client,
     pub(crate) queue_url: Arc<str>,
+    /// The message attribute the source reads the ID from: a dead letter carries the ID in it.
+    pub(crate) id_attribute: Arc<str>,
     pub(crate) mode: AckMode,
     pub(crate) min_retry_delay: Duration,
     pub(crate) dead_letter: DeadLetterTarget,
@@ -32,7 +34,8 @@ pub(crate) struct Shared {
 ///   `DeleteMessageBatch`, 10 per call.
 /// - [`Ack::nack`] makes the message visible again after the delay (`ChangeMessageVisibility`).
 /// - [`Ack::dead_letter`] sends the message to the dead-letter queue (see the crate docs, "Dead
-///   letters"), with the attributes it was received with, then deletes it. When the send fails
+///   letters"), with the attributes it was received with and its ID in the ID attribute, then
+///   deletes it. When the send fails
 ///   it is nacked for [`inbox_core::dead_letter::RETRY_AFTER`] (at least the source's
 ///   `retry_backoff`); a source with no dead-letter queue fails with
 ///   [`Recovery::Fatal`](inbox_core::Recovery::Fatal) naming the setting.
@@ -128,6 +131,7 @@ impl Ack for SqsAck {
             DeadLetterTarget::Queue(dlq_url) => dead_letter::send(
                 &shared.client,
                 dlq_url,
+                &shared.id_attribute,
                 message,
                 self.attributes.take().as_ref(),
                 Some(&self.receipt_handle),
@@ -321,6 +325,7 @@ mod tests {
         let shared = Shared {
             client,
             queue_url,
+            id_attribute: Arc::from(crate::DEFAULT_ID_ATTRIBUTE),
             mode: AckMode::DeleteOnReceive,
             min_retry_delay: Duration::ZERO,
             dead_letter: DeadLetterTarget::None,

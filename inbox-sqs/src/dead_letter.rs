@@ -95,11 +95,15 @@ impl DeadLetterTarget {
 
 /// Sends `message` to the dead-letter queue `dlq_url` with its body, its original attributes
 /// (as received, when `original` has them) and the [`inbox_core::dead_letter`] attributes:
-/// the reason, the source queue URL and the SQS message ID (`message <id>`). `receipt_handle` is the
-/// handle of the receive that returned this copy; on a FIFO queue it makes the deduplication ID.
+/// the reason, the source queue URL and the SQS message ID (`message <id>`). The message ID
+/// always goes in the attribute `id_attribute`, the one the source reads, even when the
+/// attributes must be cut or the ID came from the `MessageDeduplicationId`: a dead letter
+/// replayed into the source then keeps its ID. `receipt_handle` is the handle of the receive
+/// that returned this copy; on a FIFO queue it makes the deduplication ID.
 pub(crate) async fn send(
     client: &Client,
     dlq_url: &str,
+    id_attribute: &str,
     message: &Message,
     original: Option<&HashMap<String, MessageAttributeValue>>,
     receipt_handle: Option<&str>,
@@ -117,12 +121,13 @@ pub(crate) async fn send(
             .filter_map(|(name, value)| Some((name.clone(), rebuild_attribute(value)?)))
             .collect(),
     };
+    let id = id_attribute_of(&mut attributes, id_attribute, message)?;
     attributes.retain(|(name, _)| !ADDED.contains(&name.as_str()));
     attributes.sort_by(|a, b| a.0.cmp(&b.0));
-    let room = MAX_ATTRIBUTES - ADDED.len();
+    let room = MAX_ATTRIBUTES - ADDED.len() - usize::from(id.is_some());
     if attributes.len() > room {
-        // Room must be left for the added three; the dropped ones are logged so nothing is
-        // silent.
+        // Room must be left for the ID and the added three; the dropped ones are logged so
+        // nothing is silent.
         let dropped: Vec<String> = attributes.drain(room..).map(|(name, _)| name).collect();
         warn!(
             dlq_url,
@@ -130,6 +135,7 @@ pub(crate) async fn send(
             "SQS allows 10 message attributes; dropped these to add the dead-letter attributes"
         );
     }
+    attributes.extend(id);
     let added = [
         (REASON, truncate(reason, MAX_REASON_BYTES)),
         (ORIGINAL_SOURCE, message.meta.source.clone()),
@@ -164,6 +170,28 @@ pub(crate) async fn send(
         .await
         .map_err(|e| Error::sdk("SendMessage (dead letter)", dlq_url, e))?;
     Ok(())
+}
+
+/// Takes the ID attribute out of `attributes`, to be kept whatever else is cut: the one the
+/// message was received with, else (the ID was the `MessageDeduplicationId`, a system attribute
+/// a send cannot copy) one made from the message's ID. `None` when the message has no ID.
+fn id_attribute_of(
+    attributes: &mut Vec<(String, MessageAttributeValue)>,
+    name: &str,
+    message: &Message,
+) -> Result<Option<(String, MessageAttributeValue)>, Error> {
+    if let Some(i) = attributes.iter().position(|(n, _)| n == name) {
+        return Ok(Some(attributes.swap_remove(i)));
+    }
+    let Ok(id) = &message.id else {
+        return Ok(None);
+    };
+    let value = MessageAttributeValue::builder()
+        .data_type("String")
+        .string_value(id.as_str())
+        .build()
+        .map_err(|e| Error::Config(format!("cannot build the ID attribute {name}: {e}")))?;
+    Ok(Some((name.to_owned(), value)))
 }
 
 /// The message group of a dead letter on a FIFO queue: the original's group, made valid for

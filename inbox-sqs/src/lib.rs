@@ -97,7 +97,9 @@
 //!   same attributes, plus the attributes [`REASON`](inbox_core::dead_letter::REASON),
 //!   [`ORIGINAL_SOURCE`](inbox_core::dead_letter::ORIGINAL_SOURCE) (the queue URL) and
 //!   [`ORIGINAL_POSITION`](inbox_core::dead_letter::ORIGINAL_POSITION) (`message <SQS message
-//!   ID>`); SQS allows 10 attributes, so the last original ones by name give way to these),
+//!   ID>`), and the ID in the source's ID attribute (written from the ID when it was the
+//!   `MessageDeduplicationId`, which a send cannot copy), so a replay into the source keeps
+//!   it; SQS allows 10 attributes, so the last other original ones by name give way to these),
 //!   and only then deleted from the source queue: a failure in between leaves a copy in both,
 //!   never in neither. The queue must exist: [`SqsSourceBuilder::connect`] checks (`GetQueueUrl`) and fails naming it. On a
 //!   FIFO dead-letter queue the `MessageGroupId` is the original's (hashed into SQS's alphabet

@@ -40,6 +40,7 @@ impl SqsSource {
         let acks = Arc::new(Shared {
             client: client.clone(),
             queue_url: Arc::clone(&queue_url),
+            id_attribute: Arc::from(settings.id_attribute.as_str()),
             mode: settings.ack_mode,
             min_retry_delay: settings.min_retry_delay,
             dead_letter,
@@ -157,6 +158,7 @@ impl SqsSource {
         let shared = Arc::new(Shared {
             client: self.client.clone(),
             queue_url: Arc::clone(&self.queue_url),
+            id_attribute: Arc::clone(&self.acks.id_attribute),
             mode: AckMode::AfterCommit,
             min_retry_delay: Duration::ZERO,
             dead_letter: DeadLetterTarget::None,

@@ -1,5 +1,5 @@
-//! Dead letters at the adapter level: what arrives in a FIFO dead-letter queue, a send that
-//! fails, and a dead-letter queue that does not exist.
+//! Dead letters at the adapter level: what arrives in a FIFO dead-letter queue, the ID a dead
+//! letter keeps, a send that fails, and a dead-letter queue that does not exist.
 // A test fails by panicking; an unwrap names the failed call in its message.
 #![allow(clippy::unwrap_used)]
 
@@ -11,7 +11,7 @@ use common::{client, drain, fifo_queue, queue, queue_with_redrive};
 use inbox_core::dead_letter::REASON;
 use inbox_core::{Ack, MessageId, MessageSource, Recovery};
 use inbox_sqs::aws_sdk_sqs::types::Message as SqsMessage;
-use inbox_sqs::aws_sdk_sqs::types::MessageSystemAttributeName;
+use inbox_sqs::aws_sdk_sqs::types::{MessageAttributeValue, MessageSystemAttributeName};
 use inbox_sqs::aws_sdk_sqs::Client;
 use inbox_sqs::{Error, Outgoing, SqsProducer, SqsSource};
 
@@ -240,4 +240,100 @@ async fn a_deleted_redrive_dead_letter_queue_fails_the_build() {
     assert!(matches!(e, Error::Config(_)), "{e:?}");
     assert!(e.to_string().contains("RedrivePolicy"), "{e}");
     common::delete_queue(&sqs, &url).await;
+}
+
+/// Receives the one message on the dead-letter queue `dlq` as a source configured like the
+/// original (`id_attribute`), as a replay from the dead-letter queue into the source would.
+async fn replayed_id(sqs: &Client, dlq: &str, id_attribute: &str) -> Option<MessageId> {
+    let mut replay = SqsSource::builder(dlq)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
+        .id_attribute(id_attribute)
+        .connect()
+        .await
+        .unwrap();
+    for _ in 0..5 {
+        if let Some(delivery) = replay.receive(1).await.unwrap().pop() {
+            println!(
+                "read back from the dead-letter queue: {:?}",
+                delivery.message.id
+            );
+            return delivery.message.id.ok();
+        }
+    }
+    panic!("nothing arrived on the dead-letter queue {dlq}");
+}
+
+/// SQS takes 10 message attributes and a dead letter adds 3; the 9 user attributes here all
+/// sort before `event_id`, so the ID is the one an order-by-name cut would drop.
+#[tokio::test]
+async fn a_dead_letter_keeps_the_id_attribute_when_attributes_are_cut() {
+    let sqs = client().await;
+    let url = queue(&sqs, "dl-cut", 30).await;
+    let dlq = queue(&sqs, "dl-cut-dlq", 30).await;
+    let mut source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
+        .dead_letter_queue(&dlq)
+        .connect()
+        .await
+        .unwrap();
+    let id = MessageId::generate();
+    let mut send = sqs
+        .send_message()
+        .queue_url(&url)
+        .message_body("many attributes")
+        .message_attributes("event_id", text(id.as_str()));
+    for i in 0..9 {
+        send = send.message_attributes(format!("a{i}"), text("user value"));
+    }
+    send.send().await.unwrap();
+    assert_eq!(dead_letter_all(&mut source).await, 1);
+
+    assert_eq!(replayed_id(&sqs, &dlq, "event_id").await, Some(id));
+    common::delete_queue(&sqs, &url).await;
+    common::delete_queue(&sqs, &dlq).await;
+}
+
+/// With `dedup_id_fallback`, the ID is the FIFO message's `MessageDeduplicationId`, a system
+/// attribute a send cannot copy: the dead letter must carry it as the ID attribute, under the
+/// name the source reads, or each dead letter of one message replays as a new ID.
+#[tokio::test]
+async fn a_dead_letter_carries_an_id_taken_from_the_deduplication_id() {
+    let sqs = client().await;
+    let url = fifo_queue(&sqs, "dl-dedup", 30).await;
+    let dlq = queue(&sqs, "dl-dedup-dlq", 30).await;
+    let mut source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
+        .id_attribute("order_ref")
+        .dedup_id_fallback(true)
+        .dead_letter_queue(&dlq)
+        .connect()
+        .await
+        .unwrap();
+    sqs.send_message()
+        .queue_url(&url)
+        .message_body("id in the deduplication ID")
+        .message_group_id("orders")
+        .message_deduplication_id("order-42")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(dead_letter_all(&mut source).await, 1);
+
+    assert_eq!(
+        replayed_id(&sqs, &dlq, "order_ref").await,
+        Some(MessageId::new("order-42").unwrap())
+    );
+    common::delete_queue(&sqs, &url).await;
+    common::delete_queue(&sqs, &dlq).await;
+}
+
+fn text(value: &str) -> MessageAttributeValue {
+    MessageAttributeValue::builder()
+        .data_type("String")
+        .string_value(value)
+        .build()
+        .unwrap()
 }

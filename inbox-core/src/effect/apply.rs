@@ -14,8 +14,8 @@ use tracing::{debug, info, info_span, warn, Instrument, Span};
 
 use super::stats::{Counter, EffectMetrics};
 use super::{
-    is_not_applied, Acquired, Attempt, Effect, EffectHandler, EffectStats, Landed, LeaseStore,
-    OnUnknown, Release, Settled,
+    escaped, is_not_applied, Acquired, Attempt, Effect, EffectHandler, EffectStats, Landed,
+    LeaseStore, OnUnknown, Release, Settled,
 };
 use crate::consumer::stop::Stop;
 use crate::error::backoff;
@@ -81,8 +81,8 @@ where
         let span = info_span!(
             "inbox.effect",
             consumer = %self.name,
-            message_id = %id.as_str().escape_debug(),
-            position = %message.meta.position,
+            message_id = %escaped(&id),
+            position = %message.meta.position.escape_debug(),
             "messaging.system" = source.system(),
             traceparent = Empty,
             token = Empty,
@@ -141,7 +141,8 @@ where
                 outcome("skipped_duplicate");
                 info!(
                     outcome = "skipped_duplicate",
-                    "skipped duplicate {id}: already done"
+                    "skipped duplicate {}: already done",
+                    escaped(&id)
                 );
                 self.ack(&id, delivery.ack).await;
                 Ok(())
@@ -153,7 +154,8 @@ where
                 info!(
                     outcome = "busy",
                     ?wait,
-                    "{id} is leased by another attempt; handed back until its lease ends"
+                    "{} is leased by another attempt; handed back until its lease ends",
+                    escaped(&id)
                 );
                 self.hand_back_for(&id, delivery.ack, wait).await;
                 Ok(())
@@ -206,7 +208,7 @@ where
                      one of their calls may have landed under key {})",
                     effect.attempts(),
                     self.retry.max_attempts,
-                    effect.idempotency_key()
+                    effect.idempotency_key().escape_debug()
                 );
                 let not_applied = effect.attempt() == Attempt::AfterNotApplied;
                 return self
@@ -320,7 +322,7 @@ where
                 Ok(false) => {
                     self.count(Counter::Fenced);
                     outcome("fenced");
-                    warn!(token = effect.token(), outcome = "fenced", "not marked done: a newer lease took over {} while this attempt ran; handed back for its holder to finish", effect.id());
+                    warn!(token = effect.token(), outcome = "fenced", "not marked done: a newer lease took over {} while this attempt ran; handed back for its holder to finish", escaped(effect.id()));
                     self.hand_back(delivery.ack).await;
                     return Ok(());
                 }
@@ -384,9 +386,14 @@ where
         self.count(counter);
         self::outcome(outcome);
         if settled == Settled::Skipped {
-            warn!(outcome, "{} marked done without a call after an unknown outcome, as OnUnknown::Skip says: its effect may be missing", effect.id());
+            warn!(outcome, "{} marked done without a call after an unknown outcome, as OnUnknown::Skip says: its effect may be missing", escaped(effect.id()));
         } else {
-            info!(outcome, token = effect.token(), "{outcome} {}", effect.id());
+            info!(
+                outcome,
+                token = effect.token(),
+                "{outcome} {}",
+                escaped(effect.id())
+            );
         }
         self.ack(effect.id(), delivery.ack).await;
         Ok(())
@@ -468,7 +475,7 @@ where
             Ok(()) => self.stage(Stage::Acked, id),
             Err(e) => {
                 self.count(Counter::AckFailure);
-                warn!(consumer = %self.name, message_id = %id.as_str().escape_debug(), error = %e, "ack failed after the done mark; the redelivered copy will be skipped");
+                warn!(consumer = %self.name, message_id = %escaped(id), error = %e, "ack failed after the done mark; the redelivered copy will be skipped");
             }
         }
     }

@@ -6,7 +6,7 @@ use tracing::warn;
 
 use super::apply::{outcome, Core};
 use super::stats::Counter;
-use super::{Effect, EffectHandler, LeaseStore, Release};
+use super::{escaped, Effect, EffectHandler, LeaseStore, Release};
 use crate::{Ack, Delivery, Error, MessageId, Recovery, Result, SourceError};
 
 impl<L, H> Core<L, H>
@@ -49,12 +49,9 @@ where
         delivery: Delivery<A>,
         reason: &str,
     ) -> Result<bool, SourceError> {
-        let shown = id.map_or_else(
-            || "(no ID)".to_owned(),
-            |id| id.as_str().escape_debug().to_string(),
-        );
+        let shown = id.map_or_else(|| "(no ID)".to_owned(), |id| escaped(id).to_string());
         let Delivery { message, ack } = delivery;
-        let position = &message.meta.position;
+        let position = message.meta.position.escape_debug();
         match ack.dead_letter(&message, reason).await {
             Ok(()) => {
                 self.count(Counter::DeadLettered);

@@ -1,0 +1,172 @@
+//! What the effect consumer writes to the log about a message whose ID holds a newline: the ID
+//! is escaped on every path (applied, fenced, busy, skipped, dead-lettered), so a producer
+//! cannot forge log lines through it.
+// A test fails by panicking; an unwrap names the failed call in its message.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use inbox_core::effect::{
+    Acquired, Attempt, Effect, EffectConsumer, EffectHandler, Lease, LeaseStore, OnUnknown, Release,
+};
+use inbox_core::{async_trait, HandlerError, Message, MessageId, StoreError};
+use inbox_testkit::MemoryBroker;
+
+/// The ID's second half: a line of its own in the log if the newline before it is written raw.
+const FORGED: &str = "FORGED  WARN inbox: all payments refunded";
+
+/// Answers `acquire` and `complete` from a script, in call order; then `Done` and `true`.
+#[derive(Default)]
+struct Scripted {
+    acquire: Mutex<VecDeque<Acquired>>,
+    complete: Mutex<VecDeque<bool>>,
+}
+
+#[async_trait]
+impl LeaseStore for Scripted {
+    type Tx = ();
+
+    async fn acquire(&self, _: &str, _: &MessageId, _: Duration) -> Result<Acquired, StoreError> {
+        Ok(self
+            .acquire
+            .lock()
+            .unwrap()
+            .pop_front()
+            .unwrap_or(Acquired::Done))
+    }
+    async fn release(
+        &self,
+        _: &str,
+        _: &MessageId,
+        _: u64,
+        _: Release,
+    ) -> Result<bool, StoreError> {
+        Ok(true)
+    }
+    async fn begin(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+    async fn complete(
+        &self,
+        _: &mut (),
+        _: &str,
+        _: &MessageId,
+        _: u64,
+    ) -> Result<bool, StoreError> {
+        Ok(self.complete.lock().unwrap().pop_front().unwrap_or(true))
+    }
+    async fn commit(&self, _: ()) -> Result<(), StoreError> {
+        Ok(())
+    }
+    async fn rollback(&self, _: ()) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+/// Every call succeeds; an unknown outcome is marked done without a call.
+struct Call;
+
+#[async_trait]
+impl EffectHandler<()> for Call {
+    fn on_unknown(&self) -> OnUnknown {
+        OnUnknown::Skip
+    }
+    async fn call(&self, _: &Effect, _: &Message) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+fn leased(token: u64, attempt: Attempt, attempts: u32) -> Acquired {
+    Acquired::Leased(Lease {
+        token,
+        attempt,
+        attempts,
+        since_first: Duration::ZERO,
+    })
+}
+
+/// The log, as the fmt subscriber writes it.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+// One thread: the subscriber is the thread's default while the consumer runs.
+#[tokio::test(flavor = "current_thread")]
+async fn the_effect_consumer_escapes_a_newline_in_a_message_id() {
+    let log = Captured::default();
+    let writer = log.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let guard = tracing::subscriber::set_default(subscriber);
+
+    let id = format!("evt-1\n{FORGED}");
+    let broker = MemoryBroker::new();
+    for _ in 0..4 {
+        broker.publish(Some(&id), "{}");
+    }
+    let leases = Scripted::default();
+    leases.acquire.lock().unwrap().extend([
+        leased(1, Attempt::First, 1), // called, then fenced out: handed back
+        Acquired::Busy {
+            retry_after: Duration::from_millis(1),
+        }, // handed back
+        leased(2, Attempt::First, 2), // called and done
+        Acquired::Done,               // skipped
+        leased(3, Attempt::AfterExpiry, 1), // unknown outcome, marked done without a call
+        leased(4, Attempt::AfterNotApplied, 9), // over the budget: dead-lettered
+    ]);
+    leases.complete.lock().unwrap().push_back(false);
+
+    let consumer = EffectConsumer::new("mailer", broker.source(), leases, Call)
+        .error_backoff(Duration::from_millis(1));
+    let drained = {
+        let broker = broker.clone();
+        async move {
+            while broker.pending() > 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    let stats = tokio::time::timeout(Duration::from_secs(10), consumer.run_until(drained))
+        .await
+        .expect("every copy settled")
+        .unwrap();
+    drop(guard);
+
+    let log = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
+    println!("{log}");
+    println!("{stats:?}");
+    assert_eq!(broker.dead_letters().len(), 1);
+    for logged in [
+        "a newer lease took over",
+        "is leased by another attempt",
+        "applied",
+        "skipped duplicate",
+        "marked done without a call",
+        "dead-lettered",
+    ] {
+        assert!(log.contains(logged), "nothing logged {logged:?}");
+    }
+    let forged: Vec<&str> = log.lines().filter(|l| l.starts_with("FORGED")).collect();
+    assert!(
+        forged.is_empty(),
+        "the ID's newline was written raw, forging {} log line(s): {forged:#?}",
+        forged.len()
+    );
+    assert!(log.contains(r"evt-1\nFORGED"), "the ID is logged, escaped");
+}
