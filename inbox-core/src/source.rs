@@ -55,6 +55,15 @@ pub trait Ack: Send + Sized + 'static {
     /// twice. A source with nowhere to park returns [`Recovery::Fatal`](crate::Recovery::Fatal)
     /// with the setting to fix.
     async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError>;
+
+    /// Whether the broker has already taken this delivery back while the consumer held it (a
+    /// Kafka partition revoked since it was received): settling it would do nothing, and the
+    /// message comes again (or already came) under a new handle. The consumer drops such a
+    /// delivery before its claim instead of applying it. `true` only when the broker is sure
+    /// to hand the message out again. Default: `false`, never known.
+    fn is_stale(&self) -> bool {
+        false
+    }
 }
 
 /// A broker subscription: a topic, a queue or a stream, as seen by one consumer. What becomes of

@@ -138,3 +138,44 @@ async fn a_second_copy_with_a_fresh_handle_is_handed_back_with_the_first() {
 async fn a_second_copy_with_the_same_handle_is_handed_back_with_the_first() {
     second_copy_in_one_chunk(Redelivery::SameHandle).await;
 }
+
+/// A copy whose handle went stale while it waited in its lane is dropped before its claim: the
+/// new copy is the one applied and acked, and nothing counts as a duplicate.
+#[tokio::test]
+async fn a_copy_taken_back_while_it_waited_is_dropped_for_its_new_copy() {
+    let broker = MemoryBroker::new();
+    let store = MemoryStore::<Ledger>::new();
+    let release = Arc::new(Notify::new());
+    let handler = Record {
+        release: Arc::clone(&release),
+        failing: Arc::new(AtomicBool::new(false)),
+        failed: Mutex::new(None),
+    };
+    broker.publish_message(in_lane("slow"));
+    let consumer = Consumer::new("ledger", broker.source(), store.clone(), handler)
+        .batch_size(10)
+        .parallel_lanes(2);
+    let drained = broker.clone();
+    let running = tokio::spawn(consumer.run_until(async move {
+        until("the broker is drained", || drained.pending() == 0).await;
+    }));
+
+    until("`slow` is being applied", || broker.in_flight() == 1).await;
+    broker.publish_message(in_lane("taken-back"));
+    until("`taken-back` is received", || broker.in_flight() == 2).await;
+    assert_eq!(broker.redeliver("taken-back", Redelivery::StaleHandle), 1);
+    until("the new copy is received", || {
+        broker.pending() == broker.in_flight()
+    })
+    .await;
+    release.notify_one();
+
+    let stats = running.await.unwrap().unwrap();
+    assert_eq!(store.state().await, ["slow", "taken-back"]);
+    assert_eq!(
+        (stats.applied, stats.skipped_duplicates),
+        (2, 0),
+        "the stale copy was applied, its new copy skipped: {stats:?}"
+    );
+    assert_eq!(broker.acked(), 2);
+}

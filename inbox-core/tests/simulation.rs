@@ -44,15 +44,15 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 /// Seeds a plain `cargo test` runs.
-const CI_SEEDS: u64 = 3_000;
+const CI_SEEDS: u64 = 5_000;
 
 /// The brokers' redelivery rules, as far as the consumer can tell them apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Model {
     /// Kafka: three partitions (lanes), each handed out in offset order. A rebalance revokes
     /// every partition and assigns it back: the held copies' handles go stale (a new
-    /// generation) and everything from each partition's first unsettled offset is read again,
-    /// settled entries after it included. A nack seeks back: the entry and every later entry
+    /// generation, which the adapter can tell: `Ack::is_stale`) and everything from each
+    /// partition's first unsettled offset is read again, settled entries after it included. A nack seeks back: the entry and every later entry
     /// of its partition still held are read again under the same handles (one generation, one
     /// offset).
     Log,
@@ -370,6 +370,13 @@ impl Ack for SimAck {
             w.release(i);
         }
         Ok(())
+    }
+
+    /// Kafka's adapter knows a revoked generation; the others cannot tell a stale handle.
+    fn is_stale(&self) -> bool {
+        let w = world(&self.world);
+        let entry = &w.entries[self.entry];
+        w.model == Model::Log && (entry.state != State::Held || entry.handle != self.handle)
     }
 
     async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {

@@ -121,6 +121,20 @@ impl Ack for KafkaAck {
         }
     }
 
+    /// Received before its partition was revoked: the partition is read again from its last
+    /// commit, by whichever member holds it now.
+    fn is_stale(&self) -> bool {
+        match &self.inner {
+            Inner::Tracked(t) => {
+                !t.consumer
+                    .context()
+                    .tracker()
+                    .is_current(&t.topic, t.partition, t.generation)
+            }
+            Inner::AutoCommit => false,
+        }
+    }
+
     /// Produces the dead letter, then acks; on a failed produce, seeks back as a nack does.
     /// See the type's docs.
     async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {

@@ -183,6 +183,12 @@ impl Tracker {
         })
     }
 
+    /// Whether a message received in `generation` still belongs to the partition's current
+    /// assignment; after a revoke its acks do nothing and the partition is read again.
+    pub(crate) fn is_current(&mut self, topic: &str, partition: i32, generation: u64) -> bool {
+        self.current(topic, partition, generation).is_some()
+    }
+
     /// The number of unfinished messages, for logs.
     pub(crate) fn unfinished(&self) -> usize {
         self.partitions

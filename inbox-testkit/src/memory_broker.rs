@@ -226,6 +226,12 @@ impl Ack for MemoryAck {
         Ok(())
     }
 
+    /// The broker requeued or settled this delivery since it was handed out.
+    fn is_stale(&self) -> bool {
+        self.tag
+            .is_some_and(|tag| !self.broker.state().in_flight.contains_key(&tag))
+    }
+
     /// Keeps the message and reason for [`MemoryBroker::dead_letters`] and acks the delivery,
     /// in one step; see [`MemoryBroker::fail_dead_letters`] for a failing one.
     async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {

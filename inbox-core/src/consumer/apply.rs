@@ -92,7 +92,13 @@ where
         // Kafka offset) past a first copy that then fails and is handed back: lost.
         let mut copies: Vec<(MessageId, Delivery<A>)> = Vec::new();
         let mut seen = HashSet::new();
+        let mut stale = 0;
         for delivery in deliveries {
+            if delivery.ack.is_stale() {
+                // Taken back while it waited in its lane: its new copy is the one to apply.
+                stale += 1;
+                continue;
+            }
             let id = match &delivery.message.id {
                 Ok(id) => id.clone(),
                 Err(e) => {
@@ -127,6 +133,9 @@ where
             }
         }
 
+        if stale > 0 {
+            info!(consumer = %self.name, messages = stale, "dropped deliveries the broker took back while they waited; their new copies are applied instead");
+        }
         let outcomes = if work.is_empty() {
             Vec::new()
         } else {
