@@ -100,6 +100,7 @@ fn spec(
 ) -> ConsumerSpec {
     ConsumerSpec {
         work: Duration::from_millis(s.work_ms),
+        lanes: s.lanes,
         crash_between_commit_and_ack: s.crash_between_commit_and_ack,
         ..ConsumerSpec::new(broker, variant, name, &db.schema)
     }

@@ -216,6 +216,12 @@ async fn demo(full: bool, args: KillArgs) -> Result<(), BoxError> {
 }
 
 async fn kill_test(s: &KillSettings) -> Result<(), BoxError> {
+    if s.lanes > 1 {
+        println!(
+            "Each consumer applies up to {} lanes side by side (--lanes).",
+            s.lanes
+        );
+    }
     let mut all = Vec::new();
     let mut failures = Vec::new();
     for &kind in &s.brokers {

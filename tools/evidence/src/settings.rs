@@ -18,6 +18,8 @@ pub(crate) struct KillSettings {
     /// Work before each kill, drawn from this range (ms).
     pub(crate) kill_after_ms: (u64, u64),
     pub(crate) work_ms: u64,
+    /// Lanes each consumer applies side by side (`Consumer::parallel_lanes`).
+    pub(crate) lanes: usize,
     pub(crate) seed: u64,
     pub(crate) crash_between_commit_and_ack: f64,
     /// Also measure a run with no kills.
@@ -42,6 +44,7 @@ impl KillSettings {
             runs: 5,
             kill_after_ms: (1_000, 8_000),
             work_ms: 10,
+            lanes: 1,
             seed: 42,
             crash_between_commit_and_ack: 0.0,
             throughput: true,
@@ -109,6 +112,10 @@ pub(crate) struct KillArgs {
     /// The handler's work per message: milliseconds, or a duration such as 10ms.
     #[arg(long, value_name = "MS", default_value = "10", value_parser = millis)]
     work_ms: u64,
+    /// Lanes each consumer applies side by side (`Consumer::parallel_lanes`): Kafka
+    /// partitions, SQS FIFO groups; one lane on sources of one order.
+    #[arg(long, value_name = "N", default_value = "1", value_parser = clap::value_parser!(u64).range(1..))]
+    lanes: u64,
     /// Seed of the events and the kill schedule.
     #[arg(long, value_name = "N", default_value = "42")]
     seed: u64,
@@ -149,6 +156,7 @@ impl KillArgs {
             runs: self.runs.unwrap_or(base.runs),
             kill_after_ms: self.kill_after_ms.unwrap_or(base.kill_after_ms),
             work_ms: self.work_ms,
+            lanes: usize::try_from(self.lanes).unwrap_or(usize::MAX),
             seed: self.seed,
             crash_between_commit_and_ack: self
                 .crash_between_commit_and_ack
