@@ -34,11 +34,14 @@ fn unique(prefix: &str) -> String {
 
 /// `GET path` over a fresh connection: the status and the body.
 async fn get(addr: &str, path: &str) -> (u16, String) {
+    request(addr, "GET", path).await
+}
+
+/// `method path` over a fresh connection: the status and the body.
+async fn request(addr: &str, method: &str, path: &str) -> (u16, String) {
     let mut stream = TcpStream::connect(addr).await.unwrap();
-    stream
-        .write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
+    let head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(head.as_bytes()).await.unwrap();
     let mut reply = Vec::new();
     timeout(Duration::from_secs(10), stream.read_to_end(&mut reply))
         .await
@@ -144,6 +147,12 @@ async fn the_example_exports_moving_series_and_is_ready_while_it_runs() {
         sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(get(&addr, "/healthz").await.0, 200);
+    assert_eq!(
+        request(&addr, "HEAD", "/readyz").await,
+        (200, String::new())
+    );
+    assert_eq!(request(&addr, "POST", "/readyz").await.0, 405);
+    assert_eq!(get(&addr, "/nothing-here").await.0, 404);
 
     // Before any message: described, ready, nothing applied.
     let (page, before) = scrape(&addr).await;

@@ -65,9 +65,9 @@
 //! `inbox_ack_failures_total`, ...), histograms (`inbox_handler_duration_seconds`,
 //! `inbox_end_to_end_lag_seconds`, ...) and gauges (`inbox_in_flight_messages`,
 //! `inbox_consumer_ready`); [`telemetry`] lists them all and propagates W3C `traceparent`
-//! headers. With the feature `http`, `http::Endpoint` serves `/healthz`, `/readyz` and
-//! `/metrics`; with the feature `opentelemetry`, a message's `traceparent` becomes the parent of
-//! its processing span.
+//! headers. [`Probes`] says what `/healthz` and `/readyz` answer, for the HTTP server the
+//! application already runs; with the feature `opentelemetry`, a message's `traceparent` becomes
+//! the parent of its processing span.
 
 mod consumer;
 pub mod effect;
@@ -75,9 +75,8 @@ mod error;
 mod handler;
 mod health;
 mod hooks;
-#[cfg(feature = "http")]
-pub mod http;
 mod message;
+mod probes;
 mod publish;
 mod recent;
 mod redact;
@@ -96,6 +95,7 @@ pub use handler::{BatchHandler, BatchItem, Handler, PerMessage};
 pub use health::{ConsumerState, Health};
 pub use hooks::{Stage, StageHook};
 pub use message::{IdError, InvalidId, Message, MessageId, Metadata};
+pub use probes::{Answer, Probes};
 pub use publish::{Destinations, OutgoingMessage, Publish, PublishError};
 use recent::Recent;
 pub use redact::{is_secret_setting, redact_url, REDACTED};

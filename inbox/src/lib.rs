@@ -15,7 +15,7 @@
 //! | `sqs` | `inbox::sqs` | `inbox-sqs` (aws-sdk-sqs) |
 //! | `rabbitmq` | `inbox::rabbitmq` | `inbox-rabbitmq` (lapin) |
 //! | `redis-streams` | `inbox::redis_streams` | `inbox-redis-streams` (redis) |
-//! | `http`, `opentelemetry` | `inbox::http`, trace propagation | `inbox-core` features |
+//! | `opentelemetry` | trace propagation | `inbox-core`'s feature |
 //!
 //! Every item of `inbox-core` is at the crate root, so a handler reads the same with either
 //! dependency:

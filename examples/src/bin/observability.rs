@@ -1,7 +1,7 @@
 //! A wallet consumer run the way production runs it: Redis Streams into PostgreSQL, with
-//! Prometheus metrics (`metrics-exporter-prometheus`), the probe endpoint of `inbox_core::http`
-//! (`/healthz`, `/readyz`, `/metrics`), the inbox purger with its window gauge, and a graceful
-//! stop on SIGTERM or Ctrl-C.
+//! Prometheus metrics (`metrics-exporter-prometheus`), `/healthz`, `/readyz` (what
+//! `inbox_core::Probes` answers) and `/metrics` served by hyper, the inbox purger with its
+//! window gauge, and a graceful stop on SIGTERM or Ctrl-C.
 //!
 //! ```sh
 //! cargo run -p inbox-examples --bin observability -- --listen 127.0.0.1:9464
@@ -12,13 +12,18 @@
 //! stream; `docs/dashboards/inbox.json` and `docs/alerts/inbox.rules.yml` read what it exports.
 //! It prints `listening on http://<address>` once the endpoint is up.
 
+use std::convert::Infallible;
 use std::io::Write;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use inbox_core::http::Endpoint;
-use inbox_core::{BoxError, Consumer};
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use inbox_core::{BoxError, Consumer, Probes};
 use inbox_postgres::{spawn_purger, PgInbox, TableName};
 use inbox_redis_streams::RedisStreamSource;
 use inbox_testkit::wallet::{self, BatchCredit};
@@ -142,25 +147,18 @@ async fn main() -> Result<(), BoxError> {
         .handler_timeout(Duration::from_secs(30));
     let purger = spawn_purger(inbox, args.retention, args.purge_every);
 
-    let server = Endpoint::new()
-        .consumer(consumer.health())
-        .metrics(move || prometheus.render())
-        .bind(args.listen)
-        .await?;
+    let probes = Probes::new().consumer(consumer.health());
+    let render = move || prometheus.render();
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let mut stdout = std::io::stdout();
-    writeln!(stdout, "listening on http://{}", server.local_addr()?)?;
+    writeln!(stdout, "listening on http://{}", listener.local_addr()?)?;
     stdout.flush()?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(server.run_until(async {
-        let _ = stopped.await;
-    }));
-
+    let serving = tokio::spawn(serve(listener, probes, render));
     // Until SIGTERM or Ctrl-C; the batch in flight is finished and acked first.
     let ran = consumer.run().await;
     purger.abort();
     upkeep.abort();
-    let _ = stop.send(());
-    let _ = serving.await;
+    serving.abort();
     let stats = ran?;
     writeln!(
         stdout,
@@ -168,4 +166,74 @@ async fn main() -> Result<(), BoxError> {
         stats.applied, stats.skipped_duplicates, stats.dead_lettered
     )?;
     Ok(())
+}
+
+/// Serves `/healthz`, `/livez`, `/readyz` and `/metrics` (GET or HEAD) until aborted, one task
+/// per connection.
+async fn serve(
+    listener: tokio::net::TcpListener,
+    probes: Probes,
+    render: impl Fn() -> String + Send + Sync + 'static,
+) {
+    let routes = Arc::new((probes, render));
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors, say: wait instead of spinning.
+                tracing::warn!(error = %e, "cannot accept a probe connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let routes = Arc::clone(&routes);
+        let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+            let (probes, render) = &*routes;
+            let response = respond(&request, probes, render);
+            async move { Ok::<_, Infallible>(response) }
+        });
+        tokio::spawn(async move {
+            let served = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+            if let Err(e) = served {
+                tracing::debug!(error = %e, "probe connection failed");
+            }
+        });
+    }
+}
+
+fn respond(
+    request: &Request<Incoming>,
+    probes: &Probes,
+    render: &impl Fn() -> String,
+) -> Response<Full<Bytes>> {
+    if request.method() != Method::GET && request.method() != Method::HEAD {
+        return text(StatusCode::METHOD_NOT_ALLOWED, "GET or HEAD\n".into());
+    }
+    let path = request.uri().path();
+    if path == "/metrics" {
+        let mut response = text(StatusCode::OK, render());
+        response.headers_mut().insert(
+            hyper::header::CONTENT_TYPE,
+            hyper::header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        );
+        return response;
+    }
+    match probes.answer(path) {
+        Some(answer) => text(
+            StatusCode::from_u16(answer.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            answer.body,
+        ),
+        None => text(
+            StatusCode::NOT_FOUND,
+            "not found; try /healthz, /readyz or /metrics\n".into(),
+        ),
+    }
+}
+
+fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response
 }
