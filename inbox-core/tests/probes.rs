@@ -2,31 +2,16 @@
 
 use std::time::Duration;
 
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Probes};
-use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
+use inbox_core::{Consumer, Probes};
+use inbox_testkit::{MemoryBroker, MemoryStore, Sum};
 use tokio::sync::oneshot;
-
-struct Add;
-
-#[async_trait]
-impl Handler<MemoryTx<i64>> for Add {
-    async fn handle(
-        &self,
-        tx: &mut MemoryTx<i64>,
-        _id: &MessageId,
-        message: &Message,
-    ) -> Result<(), HandlerError> {
-        *tx.state_mut() += message.json::<i64>()?;
-        Ok(())
-    }
-}
 
 #[tokio::test]
 async fn probes_follow_the_consumer_from_start_to_stop() {
     let broker = MemoryBroker::new();
     broker.publish(Some("a"), "5");
     let store = MemoryStore::<i64>::new();
-    let consumer = Consumer::new("probed", broker.source(), store.clone(), Add);
+    let consumer = Consumer::new("probed", broker.source(), store.clone(), Sum);
     let probes = Probes::new().consumer(consumer.health());
 
     // Built, not running: live, not ready.
