@@ -9,7 +9,9 @@
 //! flight short at once, as a second signal does), or by running dry. Faults come throughout: receives that fail, copies of held entries handed out
 //! again, acks and dead letters that fail, store transactions that fail to begin, claim or
 //! commit, commits that succeed but report a lost connection, handlers that fail (transient,
-//! permanent), panic or run past their timeout. Then a fault-free consumer drains what is left.
+//! permanent), panic or run past their timeout; a third of the consumers take a set-based
+//! handler instead, whose decoding fails now and then and whose failing batches name no message.
+//! Then a fault-free consumer drains what is left.
 //!
 //! The invariants:
 //! - nothing is applied twice: every committed transaction applies only IDs new to the store;
@@ -37,8 +39,9 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use inbox_core::{
-    async_trait, Ack, Capabilities, Consumer, Delivery, Handler, HandlerError, InboxStore, Message,
-    MessageId, MessageSource, Recovery, RetryPolicy, SourceError, StoreError,
+    async_trait, Ack, BatchHandler, BatchItem, Capabilities, Consumer, Delivery, Handler,
+    HandlerError, InboxStore, Message, MessageId, MessageSource, Recovery, RetryPolicy,
+    SourceError, StoreError,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -560,6 +563,94 @@ enum End {
     Idle,
 }
 
+/// One consumer's settings and how its life ends.
+#[derive(Debug)]
+struct Life {
+    batch: usize,
+    lanes: usize,
+    attempts: u32,
+    max_deliveries: Option<u32>,
+    handler_timeout: Option<Duration>,
+    shutdown: Duration,
+    end: End,
+}
+
+/// Runs `consumer` with `life`'s settings until its life ends: `None` when it crashed.
+async fn live<H: BatchHandler<SimTx>>(
+    consumer: Consumer<SimSource, SimStore, H>,
+    life: Life,
+) -> Option<inbox_core::Result<inbox_core::StatsSnapshot>> {
+    let mut consumer = consumer
+        .batch_size(life.batch)
+        .parallel_lanes(life.lanes)
+        .retry(RetryPolicy {
+            max_attempts: life.attempts,
+            initial_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_millis(200),
+        })
+        .error_backoff(Duration::from_millis(20))
+        .shutdown_timeout(life.shutdown);
+    if let Some(n) = life.max_deliveries {
+        consumer = consumer.max_deliveries(n);
+    }
+    if let Some(limit) = life.handler_timeout {
+        consumer = consumer.handler_timeout(limit);
+    }
+    match life.end {
+        End::Idle => Some(consumer.run_until_idle().await),
+        End::Crash { polls } => {
+            CrashAfter {
+                inner: Box::pin(consumer.run_until_idle()),
+                polls,
+            }
+            .await
+        }
+        End::Stop { after } => Some(consumer.run_until(tokio::time::sleep(after)).await),
+    }
+}
+
+/// A set-based handler: decoding fails now and then (a permanent or a transient error, before
+/// any transaction), and a failing batch says not which message failed, so the consumer halves
+/// it.
+#[derive(Debug)]
+struct SimBatch {
+    world: Shared,
+}
+
+#[async_trait]
+impl BatchHandler<SimTx> for SimBatch {
+    type Item = ();
+
+    fn decode(&self, _id: &MessageId, _message: &Message) -> Result<(), HandlerError> {
+        let mut w = world(&self.world);
+        let roll: f64 = if w.faults { w.rng.random() } else { 1.0 };
+        if roll < 0.02 {
+            return Err(HandlerError::permanent("the payload does not parse"));
+        }
+        if roll < 0.04 {
+            return Err(HandlerError::transient("the schema registry is down"));
+        }
+        Ok(())
+    }
+
+    async fn handle_batch(
+        &self,
+        tx: &mut SimTx,
+        batch: &[BatchItem<'_, ()>],
+    ) -> Result<(), HandlerError> {
+        let failing = {
+            let mut w = world(&self.world);
+            let faults = w.faults;
+            batch.iter().any(|_| faults && w.rng.random_bool(0.05))
+        };
+        if failing {
+            return Err(HandlerError::transient("one row of the batch failed"));
+        }
+        tx.applied.extend(batch.iter().map(|b| b.id.to_string()));
+        Ok(())
+    }
+}
+
 /// What one seed came to: its schedule and the invariants it broke.
 #[derive(Debug, PartialEq, Eq)]
 struct Run {
@@ -614,7 +705,7 @@ async fn run_seed(seed: u64) -> Run {
 
     for life in 0..lives + 50 {
         let last = life >= lives;
-        let (consumer, end) = {
+        let (settings, set_based) = {
             let mut w = world(&shared);
             if last {
                 w.faults = false;
@@ -643,48 +734,44 @@ async fn run_seed(seed: u64) -> Run {
                     _ => End::Idle,
                 }
             };
+            let set_based = rng.random_bool(0.3);
             w.note(format!(
                 "life {life}: batch {batch}, lanes {lanes}, attempts {attempts}, \
                  max_deliveries {max_deliveries:?}, handler_timeout {handler_timeout:?}, \
-                 shutdown_timeout {shutdown:?}, ends {end:?}"
+                 shutdown_timeout {shutdown:?}, set-based handler {set_based}, ends {end:?}"
             ));
-            let mut consumer = Consumer::new(
-                "sim",
-                SimSource {
-                    world: Arc::clone(&shared),
-                },
-                store.clone(),
-                SimHandler {
-                    world: Arc::clone(&shared),
-                },
-            )
-            .batch_size(batch)
-            .parallel_lanes(lanes)
-            .retry(RetryPolicy {
-                max_attempts: attempts,
-                initial_backoff: Duration::from_millis(20),
-                max_backoff: Duration::from_millis(200),
-            })
-            .error_backoff(Duration::from_millis(20))
-            .shutdown_timeout(shutdown);
-            if let Some(n) = max_deliveries {
-                consumer = consumer.max_deliveries(n);
-            }
-            if let Some(limit) = handler_timeout {
-                consumer = consumer.handler_timeout(limit);
-            }
-            (consumer, end)
+            let settings = Life {
+                batch,
+                lanes,
+                attempts,
+                max_deliveries,
+                handler_timeout,
+                shutdown,
+                end,
+            };
+            (settings, set_based)
         };
-        let result = match end {
-            End::Idle => Some(consumer.run_until_idle().await),
-            End::Crash { polls } => {
-                CrashAfter {
-                    inner: Box::pin(consumer.run_until_idle()),
-                    polls,
-                }
-                .await
-            }
-            End::Stop { after } => Some(consumer.run_until(tokio::time::sleep(after)).await),
+        let source = SimSource {
+            world: Arc::clone(&shared),
+        };
+        let result = if set_based {
+            let handler = SimBatch {
+                world: Arc::clone(&shared),
+            };
+            live(
+                Consumer::batched("sim", source, store.clone(), handler),
+                settings,
+            )
+            .await
+        } else {
+            let handler = SimHandler {
+                world: Arc::clone(&shared),
+            };
+            live(
+                Consumer::new("sim", source, store.clone(), handler),
+                settings,
+            )
+            .await
         };
         let mut w = world(&shared);
         match result {
