@@ -5,10 +5,11 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use inbox_core::effect::{Effect, EffectConsumer, EffectHandler, OnUnknown};
 use inbox_core::{
     async_trait, Consumer, Error, Handler, HandlerError, Message, MessageId, RetryPolicy, Stage,
 };
-use inbox_testkit::{Crash, MemoryBroker, MemoryStore, MemoryTx, WithoutInbox};
+use inbox_testkit::{Crash, MemoryBroker, MemoryStore, MemoryTx, ScriptedLeases, WithoutInbox};
 
 /// Balances per account and the IDs applied, in order.
 #[derive(Debug, Clone, Default)]
@@ -323,6 +324,16 @@ async fn a_consumer_name_with_a_control_character_is_refused_at_start() {
             "{name:?}: {err}"
         );
     }
+    let err = EffectConsumer::new(
+        "mailer\0",
+        broker.source(),
+        ScriptedLeases::default(),
+        NoCall,
+    )
+    .run_until_idle()
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("control character"), "{err}");
     assert!(
         broker.dead_letters().is_empty(),
         "nothing was dead-lettered"
@@ -332,6 +343,19 @@ async fn a_consumer_name_with_a_control_character_is_refused_at_start() {
         1,
         "the message waits for a consumer that can start"
     );
+}
+
+/// An effect handler that never gets to call.
+struct NoCall;
+
+#[async_trait]
+impl EffectHandler<()> for NoCall {
+    fn on_unknown(&self) -> OnUnknown {
+        OnUnknown::Skip
+    }
+    async fn call(&self, _: &Effect, _: &Message) -> Result<(), HandlerError> {
+        unreachable!("the consumer never starts")
+    }
 }
 
 #[test]

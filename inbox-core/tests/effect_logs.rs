@@ -4,67 +4,18 @@
 // A test fails by panicking; an unwrap names the failed call in its message.
 #![allow(clippy::unwrap_used)]
 
-use std::collections::VecDeque;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inbox_core::effect::{
-    Acquired, Attempt, Effect, EffectConsumer, EffectHandler, Lease, LeaseStore, OnUnknown, Release,
+    Acquired, Attempt, Effect, EffectConsumer, EffectHandler, Lease, OnUnknown,
 };
-use inbox_core::{async_trait, HandlerError, Message, MessageId, StoreError};
-use inbox_testkit::MemoryBroker;
+use inbox_core::{async_trait, HandlerError, Message};
+use inbox_testkit::{MemoryBroker, ScriptedLeases};
 
 /// The ID's second half: a line of its own in the log if the newline before it is written raw.
 const FORGED: &str = "FORGED  WARN inbox: all payments refunded";
-
-/// Answers `acquire` and `complete` from a script, in call order; then `Done` and `true`.
-#[derive(Default)]
-struct Scripted {
-    acquire: Mutex<VecDeque<Acquired>>,
-    complete: Mutex<VecDeque<bool>>,
-}
-
-#[async_trait]
-impl LeaseStore for Scripted {
-    type Tx = ();
-
-    async fn acquire(&self, _: &str, _: &MessageId, _: Duration) -> Result<Acquired, StoreError> {
-        Ok(self
-            .acquire
-            .lock()
-            .unwrap()
-            .pop_front()
-            .unwrap_or(Acquired::Done))
-    }
-    async fn release(
-        &self,
-        _: &str,
-        _: &MessageId,
-        _: u64,
-        _: Release,
-    ) -> Result<bool, StoreError> {
-        Ok(true)
-    }
-    async fn begin(&self) -> Result<(), StoreError> {
-        Ok(())
-    }
-    async fn complete(
-        &self,
-        _: &mut (),
-        _: &str,
-        _: &MessageId,
-        _: u64,
-    ) -> Result<bool, StoreError> {
-        Ok(self.complete.lock().unwrap().pop_front().unwrap_or(true))
-    }
-    async fn commit(&self, _: ()) -> Result<(), StoreError> {
-        Ok(())
-    }
-    async fn rollback(&self, _: ()) -> Result<(), StoreError> {
-        Ok(())
-    }
-}
 
 /// Every call succeeds; an unknown outcome is marked done without a call.
 struct Call;
@@ -119,8 +70,8 @@ async fn the_effect_consumer_escapes_a_newline_in_a_message_id() {
     for _ in 0..4 {
         broker.publish(Some(&id), "{}");
     }
-    let leases = Scripted::default();
-    leases.acquire.lock().unwrap().extend([
+    let leases = ScriptedLeases::default();
+    leases.then_acquire([
         leased(1, Attempt::First, 1), // called, then fenced out: handed back
         Acquired::Busy {
             retry_after: Duration::from_millis(1),
@@ -130,7 +81,7 @@ async fn the_effect_consumer_escapes_a_newline_in_a_message_id() {
         leased(3, Attempt::AfterExpiry, 1), // unknown outcome, marked done without a call
         leased(4, Attempt::AfterNotApplied, 9), // over the budget: dead-lettered
     ]);
-    leases.complete.lock().unwrap().push_back(false);
+    leases.then_complete([false]);
 
     let consumer = EffectConsumer::new("mailer", broker.source(), leases, Call)
         .error_backoff(Duration::from_millis(1));

@@ -12,6 +12,7 @@
 //!   claim, apply, commit or ack, as a crash there would.
 //! - `WithoutInbox` (feature `never-in-production`) wraps any store and claims nothing: the
 //!   "commit after the database, no inbox" anti-pattern, to show what the inbox prevents.
+//! - [`ScriptedLeases`] answers the effect consumer's lease calls from a script.
 //! - [`FaultProxy`] sits between a client and a real server and refuses, cuts or black-holes its
 //!   connections on demand: database and broker outages for fault tests.
 //!
@@ -74,6 +75,7 @@ pub mod metadata;
 pub mod outbox;
 pub mod provider;
 pub mod publish;
+mod scripted_leases;
 mod sum;
 mod wait;
 pub mod wallet;
@@ -87,6 +89,7 @@ pub use fault_run::{wait_for_a_third, FaultRun, Restored};
 pub use memory_broker::{AckMode, MemoryAck, MemoryBroker, MemorySource, Redelivery};
 pub use memory_store::{MemoryStore, MemoryTx};
 pub use provider::TestProvider;
+pub use scripted_leases::ScriptedLeases;
 pub use sum::Sum;
 pub use wait::{eventually, receive, watch_errors};
 #[cfg(feature = "never-in-production")]

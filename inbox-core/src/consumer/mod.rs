@@ -94,6 +94,22 @@ pub struct Consumer<S, St, H> {
 /// within the 30 s Kubernetes and ECS give a container between SIGTERM and SIGKILL.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// Refuses a consumer name no store can keep, before anything is received: an empty one, or
+/// one with a control character (PostgreSQL text refuses NUL: every claim would fail and every
+/// message be dead-lettered).
+pub(crate) fn check_name(name: &str) -> Result<()> {
+    if name.is_empty() {
+        return Err(Error::Config("the consumer name is empty".into()));
+    }
+    if name.contains(char::is_control) {
+        return Err(Error::Config(format!(
+            "the consumer name {name:?} contains a control character; use letters, digits, \
+             `-`, `_` or `.`"
+        )));
+    }
+    Ok(())
+}
+
 /// How much longer the broker can redeliver than the inbox remembers, if at all.
 ///
 /// A redelivery older than the inbox's retention finds no row and is applied again, so the
@@ -444,18 +460,7 @@ where
     }
 
     fn check(&self) -> Result<()> {
-        if self.core.name.is_empty() {
-            return Err(Error::Config("the consumer name is empty".into()));
-        }
-        if self.core.name.contains(char::is_control) {
-            // PostgreSQL text refuses NUL: every claim would fail and every message be
-            // dead-lettered. Refused here, before anything is received.
-            return Err(Error::Config(format!(
-                "the consumer name {:?} contains a control character; use letters, digits, \
-                 `-`, `_` or `.`",
-                self.core.name
-            )));
-        }
+        check_name(&self.core.name)?;
         if self.batch_size == 0 {
             return Err(Error::Config("the batch size is 0; use at least 1".into()));
         }

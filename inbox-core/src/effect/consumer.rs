@@ -205,9 +205,7 @@ where
 
     fn check(&self) -> Result<()> {
         let core = &self.core;
-        if core.name.is_empty() {
-            return Err(Error::Config("the consumer name is empty".into()));
-        }
+        crate::consumer::check_name(&core.name)?;
         if core.lease.is_zero() {
             return Err(Error::Config(
                 "the lease is 0; use longer than the slowest call".into(),
