@@ -47,7 +47,7 @@ struct Queued {
     copy_of: Option<u64>,
 }
 
-/// How [`MemoryBroker::redeliver_in_flight`] hands out again what a consumer holds unsettled.
+/// How [`MemoryBroker::redeliver`] hands out again what a consumer holds unsettled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Redelivery {
     /// The broker takes the delivery back and hands it out anew: the old handle is stale, its
