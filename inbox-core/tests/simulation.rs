@@ -5,13 +5,14 @@
 //! model and runs consumers one after another, each with a random batch size, lane count, retry
 //! budget, delivery limit, handler timeout and shutdown timeout, each ended by a crash at a
 //! random await point (the future is dropped: what it held unacked goes back to the broker, its
-//! open transaction rolls back), by a stop at a random time (a shutdown timeout of 0 cuts the work in
-//! flight short at once, as a second signal does), or by running dry. Faults come throughout: receives that fail, copies of held entries handed out
-//! again, acks and dead letters that fail, store transactions that fail to begin, claim or
-//! commit, commits that succeed but report a lost connection, handlers that fail (transient,
-//! permanent), panic or run past their timeout; a third of the consumers take a set-based
-//! handler instead, whose decoding fails now and then and whose failing batches name no message.
-//! Then a fault-free consumer drains what is left.
+//! open transaction rolls back), by a stop at a random time (a shutdown timeout of 0 cuts the
+//! work in flight short at once, as a second signal does), or by running dry. Faults come
+//! throughout: receives that fail, copies of held entries handed out again, acks and dead
+//! letters that fail, store transactions that fail to begin, claim or commit, commits that
+//! succeed but report a lost connection, handlers that fail (transient, permanent), panic or run
+//! past their timeout; a third of the consumers take a set-based handler instead, whose decoding
+//! fails now and then and whose failing batches name no message. Then a fault-free consumer
+//! drains what is left.
 //!
 //! The invariants:
 //! - nothing is applied twice: every committed transaction applies only IDs new to the store;
@@ -24,7 +25,7 @@
 //! looks like (a stale handle or the same one), in what order first deliveries come, and what a
 //! nack does.
 //!
-//! Time is tokio's paused clock, so a run takes microseconds and replays exactly:
+//! Time is tokio's paused clock, so a seed takes tens of microseconds and replays exactly:
 //! `SIM_SEED=42 cargo test -p inbox-core --test simulation -- --nocapture` runs seed 42 alone and
 //! prints its schedule; `SIM_SEEDS=1000000 cargo test --release -p inbox-core --test simulation`
 //! runs a million (CI runs the default, [`CI_SEEDS`]).
