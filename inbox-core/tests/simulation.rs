@@ -56,9 +56,9 @@ enum Model {
     /// Kafka: three partitions (lanes), each handed out in offset order. A rebalance revokes
     /// every partition and assigns it back: the held copies' handles go stale (a new
     /// generation, which the adapter can tell: `Ack::is_stale`) and everything from each
-    /// partition's first unsettled offset is read again, settled entries after it included. A nack seeks back: the entry and every later entry
-    /// of its partition still held are read again under the same handles (one generation, one
-    /// offset).
+    /// partition's first unsettled offset is read again, settled entries after it included. A
+    /// nack seeks back: the entry and every later entry of its partition still held are read
+    /// again under the same handles (one generation, one offset).
     Log,
     /// SQS FIFO: three message groups (lanes); a group with a message in flight gives out
     /// nothing more, an unlocked group gives its messages in order. A visibility timeout that
