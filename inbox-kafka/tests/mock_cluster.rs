@@ -391,6 +391,29 @@ struct Ledger {
     work: Duration,
 }
 
+impl Ledger {
+    /// Fails `bad` `failures` times; the receiver hears of each failure.
+    fn failing(
+        bad: &str,
+        failures: u32,
+        work: Duration,
+    ) -> (Self, tokio::sync::mpsc::UnboundedReceiver<()>) {
+        let (failed, heard) = tokio::sync::mpsc::unbounded_channel();
+        let ledger = Self {
+            bad: MessageId::new(bad).expect("id"),
+            failures: failures.into(),
+            failed,
+            work,
+        };
+        (ledger, heard)
+    }
+
+    /// Applies everything.
+    fn working(work: Duration) -> Self {
+        Self::failing("none", 0, work).0
+    }
+}
+
 #[async_trait]
 impl Handler<MemoryTx<Vec<String>>> for Ledger {
     async fn handle(
@@ -413,6 +436,69 @@ impl Handler<MemoryTx<Vec<String>>> for Ledger {
         tx.state_mut().push(id.to_string());
         Ok(())
     }
+}
+
+/// A member of group `topic` on `topic`.
+async fn member(brokers: &str, topic: &str) -> KafkaSource {
+    KafkaSource::builder([topic], topic)
+        .brokers(brokers)
+        .poll_timeout(Duration::from_millis(200))
+        // The mock coordinator hands partitions on once a member's session ends.
+        .set_consumer("session.timeout.ms", "6000")
+        .set_consumer("heartbeat.interval.ms", "500")
+        .connect()
+        .await
+        .expect("source")
+}
+
+/// Retries far enough apart that a stop always comes during the wait.
+fn retry_later() -> inbox_core::RetryPolicy {
+    inbox_core::RetryPolicy {
+        max_attempts: 5,
+        initial_backoff: Duration::from_secs(30),
+        max_backoff: Duration::from_secs(30),
+    }
+}
+
+/// A restarted member of `topic` applying everything over `lanes`, until `done` holds of the
+/// ledger (30 s at most), then 1 s more for anything read twice to show up.
+async fn restart(
+    brokers: &str,
+    topic: &str,
+    lanes: usize,
+    store: &MemoryStore<Vec<String>>,
+    done: impl Fn(&[String]) -> bool + Send + Sync + 'static,
+) -> StatsSnapshot {
+    let ledger = store.clone();
+    let stats = Consumer::new(
+        "ledger",
+        member(brokers, topic).await,
+        store.clone(),
+        Ledger::working(Duration::ZERO),
+    )
+    .batch_size(50)
+    .parallel_lanes(lanes)
+    .run_until(async move {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while !done(&ledger.state().await) && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    })
+    .await
+    .expect("the restarted member stops cleanly");
+    println!("after the restart: {stats:?}");
+    stats
+}
+
+/// `ledger` holds `count` IDs, `must` among them, none twice.
+fn assert_each_once(ledger: &[String], count: usize, must: &str, lost: &str) {
+    let mut distinct = ledger.to_vec();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), ledger.len(), "nothing applied twice");
+    assert!(ledger.iter().any(|id| id == must), "{lost}");
+    assert_eq!(ledger.len(), count, "every record with an ID applied once");
 }
 
 /// One partition read twice in one generation: a dead letter whose produce fails seeks the
@@ -445,84 +531,46 @@ async fn a_record_read_twice_in_one_chunk_is_not_committed_past_its_failed_first
             .await
             .expect("produce");
     }
-    let source = || async {
-        KafkaSource::builder(["ledger"], "ledger")
-            .brokers(&brokers)
-            .poll_timeout(Duration::from_millis(200))
-            // The mock coordinator hands the partition on once the first member's session ends.
-            .set_consumer("session.timeout.ms", "6000")
-            .set_consumer("heartbeat.interval.ms", "500")
-            .connect()
-            .await
-            .expect("source")
-    };
     let store = MemoryStore::<Vec<String>>::new();
-    let (failed_tx, mut failed) = tokio::sync::mpsc::unbounded_channel();
-    let handler = Ledger {
-        bad: MessageId::new("evt-52").expect("id"),
-        failures: 2.into(),
-        failed: failed_tx.clone(),
-        // The first chunk takes 1.5 s: the records sought back arrive meanwhile.
-        work: Duration::from_millis(30),
-    };
+    // The first chunk takes 1.5 s: the records sought back arrive meanwhile.
+    let (handler, mut failed) = Ledger::failing("evt-52", 2, Duration::from_millis(30));
     mock.request_errors(
         RDKafkaApiKey::Produce,
         &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE],
     );
-    let stats = Consumer::new("ledger", source().await, store.clone(), handler)
-        .batch_size(50)
-        .parallel_lanes(4)
-        .retry(inbox_core::RetryPolicy {
-            max_attempts: 5,
-            initial_backoff: Duration::from_secs(30),
-            max_backoff: Duration::from_secs(30),
-        })
-        .run_until(async move {
-            // Stopped while evt-52 waits for its third try.
-            for _ in 0..2 {
-                failed.recv().await;
-            }
-        })
-        .await
-        .expect("the first consumer stops cleanly");
+    let stats = Consumer::new(
+        "ledger",
+        member(&brokers, "ledger").await,
+        store.clone(),
+        handler,
+    )
+    .batch_size(50)
+    .parallel_lanes(4)
+    .retry(retry_later())
+    .run_until(async move {
+        // Stopped while evt-52 waits for its third try.
+        for _ in 0..2 {
+            failed.recv().await;
+        }
+    })
+    .await
+    .expect("the first consumer stops cleanly");
     println!("first consumer: {stats:?}");
     assert!(
         !store.state().await.contains(&"evt-52".to_owned()),
         "evt-52 failed until the stop"
     );
 
-    let handler = Ledger {
-        bad: MessageId::new("none").expect("id"),
-        failures: 0.into(),
-        failed: failed_tx,
-        work: Duration::ZERO,
-    };
-    let ledger = store.clone();
-    let stats = Consumer::new("ledger", source().await, store.clone(), handler)
-        .batch_size(50)
-        .run_until(async move {
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-            while !ledger.state().await.contains(&"evt-52".to_owned())
-                && tokio::time::Instant::now() < deadline
-            {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            // Anything read twice would show up now.
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        })
-        .await
-        .expect("the second consumer stops cleanly");
-    println!("after the restart: {stats:?}");
-    let ledger = store.state().await;
-    assert!(
-        ledger.contains(&"evt-52".to_owned()),
-        "evt-52 was lost: its second copy committed the offset past its first"
+    restart(&brokers, "ledger", 1, &store, |ledger| {
+        ledger.iter().any(|id| id == "evt-52")
+    })
+    .await;
+    assert_each_once(
+        &store.state().await,
+        59,
+        "evt-52",
+        "evt-52 was lost: its second copy committed the offset past its first",
     );
-    let mut distinct = ledger.clone();
-    distinct.sort();
-    distinct.dedup();
-    assert_eq!(distinct.len(), ledger.len(), "nothing applied twice");
-    assert_eq!(ledger.len(), 59, "every record with an ID applied once");
 }
 
 /// A rebalance under lanes 4 and batch 50: a second member joining revokes the first member's
@@ -542,8 +590,8 @@ async fn records_read_again_after_a_member_joins_and_leaves_are_each_applied_onc
         .connect()
         .await
         .expect("producer");
-    const RECORDS: i32 = 400;
-    for i in 0..RECORDS {
+    const RECORDS: usize = 400;
+    for i in 0..RECORDS as i32 {
         let record = Record::new("{}")
             .id(MessageId::new(format!("evt-{i}")).expect("id"))
             .partition(i % 4);
@@ -552,47 +600,20 @@ async fn records_read_again_after_a_member_joins_and_leaves_are_each_applied_onc
             .await
             .expect("produce");
     }
-    let source = || async {
-        KafkaSource::builder(["moves"], "moves")
-            .brokers(&brokers)
-            .poll_timeout(Duration::from_millis(200))
-            .set_consumer("session.timeout.ms", "6000")
-            .set_consumer("heartbeat.interval.ms", "500")
-            .connect()
-            .await
-            .expect("source")
-    };
-    let ledger = |bad: &str, failures: u32, work: u64| {
-        let (failed, _) = tokio::sync::mpsc::unbounded_channel();
-        Ledger {
-            bad: MessageId::new(bad).expect("id"),
-            failures: failures.into(),
-            failed,
-            work: Duration::from_millis(work),
-        }
-    };
     let store = MemoryStore::<Vec<String>>::new();
-    let retry = inbox_core::RetryPolicy {
-        max_attempts: 5,
-        initial_backoff: Duration::from_secs(30),
-        max_backoff: Duration::from_secs(30),
-    };
 
     // The first member: evt-201 (partition 1, offset 50) fails twice; it stops during the
     // retry that follows, or after 60 s.
-    let (failed_tx, mut failed) = tokio::sync::mpsc::unbounded_channel();
+    let (handler, mut failed) = Ledger::failing("evt-201", 2, Duration::from_millis(20));
     let first = Consumer::new(
         "ledger",
-        source().await,
+        member(&brokers, "moves").await,
         store.clone(),
-        Ledger {
-            failed: failed_tx,
-            ..ledger("evt-201", 2, 20)
-        },
+        handler,
     )
     .batch_size(50)
     .parallel_lanes(4)
-    .retry(retry.clone());
+    .retry(retry_later());
     let applied = first.stats();
     let first = tokio::spawn(first.run_until(async move {
         let deadline = tokio::time::sleep(Duration::from_secs(60));
@@ -611,9 +632,9 @@ async fn records_read_again_after_a_member_joins_and_leaves_are_each_applied_onc
     }
     let second = Consumer::new(
         "ledger",
-        source().await,
+        member(&brokers, "moves").await,
         store.clone(),
-        ledger("none", 0, 20),
+        Ledger::working(Duration::from_millis(20)),
     )
     .batch_size(50)
     .parallel_lanes(4)
@@ -626,36 +647,14 @@ async fn records_read_again_after_a_member_joins_and_leaves_are_each_applied_onc
         .expect("the first member stops cleanly");
     println!("first member: {first:?}\nsecond member: {second:?}");
 
-    let watched = store.clone();
-    let rest = Consumer::new(
-        "ledger",
-        source().await,
-        store.clone(),
-        ledger("none", 0, 0),
-    )
-    .batch_size(50)
-    .parallel_lanes(4)
-    .run_until(async move {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        while watched.state().await.len() < RECORDS as usize
-            && tokio::time::Instant::now() < deadline
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        // Anything read twice would show up now.
-        tokio::time::sleep(Duration::from_secs(1)).await;
+    restart(&brokers, "moves", 4, &store, |ledger| {
+        ledger.len() >= RECORDS
     })
-    .await
-    .expect("the last member stops cleanly");
-    println!("after the restart: {rest:?}");
-    let ledger = store.state().await;
-    let mut distinct = ledger.clone();
-    distinct.sort();
-    distinct.dedup();
-    assert_eq!(distinct.len(), ledger.len(), "nothing applied twice");
-    assert!(
-        ledger.contains(&"evt-201".to_owned()),
-        "evt-201 was lost: a copy read again committed the offset past it"
+    .await;
+    assert_each_once(
+        &store.state().await,
+        RECORDS,
+        "evt-201",
+        "evt-201 was lost: a copy read again committed the offset past it",
     );
-    assert_eq!(ledger.len(), RECORDS as usize, "every record applied once");
 }
