@@ -343,30 +343,7 @@ pub(crate) mod tests {
     /// would be gone without ever being applied.
     #[tokio::test]
     async fn a_batch_ack_never_settles_a_delivery_whose_nack_is_not_yet_sent() {
-        let queue = format!("inbox-test-nackrace-{}", uuid::Uuid::new_v4().simple());
-        let config = RabbitSource::builder(queue)
-            .prefetch(10)
-            .poll_timeout(Duration::from_millis(500));
-        config.declare_topology().await.unwrap();
-        let producer = RabbitProducer::builder()
-            .url(config.broker_url())
-            .connect()
-            .await
-            .unwrap();
-        for i in 0..3 {
-            let payload = format!("m{i}");
-            producer
-                .send(config.queue(), payload.as_bytes())
-                .await
-                .unwrap();
-        }
-        producer.close().await;
-
-        let mut source = config.clone().connect().await.unwrap();
-        let mut deliveries = Vec::new();
-        while deliveries.len() < 3 {
-            deliveries.extend(source.receive(3).await.unwrap());
-        }
+        let (config, mut source, deliveries) = received("nackrace", 3).await;
         let mut deliveries = deliveries.into_iter();
         let first = deliveries.next().unwrap();
         let nacked = first.message.id.clone().unwrap();
@@ -395,16 +372,7 @@ pub(crate) mod tests {
             d.ack.ack().await.unwrap();
         }
         source.close().await;
-        let connection = crate::connect::open(config.broker_url(), "inbox-test cleanup", None)
-            .await
-            .unwrap();
-        let channel = connection.create_channel().await.unwrap();
-        for q in [config.queue().to_owned(), config.dead_letter_queue()] {
-            let _ = channel
-                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-                .await;
-        }
-        let _ = connection.close(200, "cleanup".into()).await;
+        delete_queues(&config).await;
         assert_eq!(
             back_id,
             Some(nacked),
@@ -468,6 +436,13 @@ pub(crate) mod tests {
             }
         }
         source.close().await;
+        delete_queues(&config).await;
+        back.sort();
+        back
+    }
+
+    /// Deletes the test's queue and its dead-letter queue.
+    async fn delete_queues(config: &crate::RabbitSourceBuilder) {
         let connection = crate::connect::open(config.broker_url(), "inbox-test cleanup", None)
             .await
             .unwrap();
@@ -478,8 +453,6 @@ pub(crate) mod tests {
                 .await;
         }
         let _ = connection.close(200, "cleanup".into()).await;
-        back.sort();
-        back
     }
 
     /// The batch ack of tags 1 and 2 fails on a live channel, nothing sent. The next batch (3
