@@ -7,11 +7,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{client, drain, fifo_queue, queue, queue_with_redrive};
+use common::{client, drain, fifo_queue, queue, queue_with_redrive, text};
 use inbox_core::dead_letter::REASON;
 use inbox_core::{Ack, MessageId, MessageSource, Recovery};
 use inbox_sqs::aws_sdk_sqs::types::Message as SqsMessage;
-use inbox_sqs::aws_sdk_sqs::types::{MessageAttributeValue, MessageSystemAttributeName};
+use inbox_sqs::aws_sdk_sqs::types::MessageSystemAttributeName;
 use inbox_sqs::aws_sdk_sqs::Client;
 use inbox_sqs::{Error, Outgoing, SqsProducer, SqsSource};
 
@@ -328,12 +328,4 @@ async fn a_dead_letter_carries_an_id_taken_from_the_deduplication_id() {
     );
     common::delete_queue(&sqs, &url).await;
     common::delete_queue(&sqs, &dlq).await;
-}
-
-fn text(value: &str) -> MessageAttributeValue {
-    MessageAttributeValue::builder()
-        .data_type("String")
-        .string_value(value)
-        .build()
-        .unwrap()
 }

@@ -5,19 +5,11 @@ mod common;
 
 use std::time::{Duration, SystemTime};
 
+use common::text;
 use inbox_core::{Ack, MessageSource};
-use inbox_sqs::aws_sdk_sqs::types::MessageAttributeValue;
 use inbox_sqs::SqsSource;
 use inbox_testkit::metadata::{assert_sent_since, assert_traced, TRACEPARENT};
 use inbox_testkit::receive;
-
-fn text(value: &str) -> MessageAttributeValue {
-    MessageAttributeValue::builder()
-        .data_type("String")
-        .string_value(value)
-        .build()
-        .expect("a valid attribute")
-}
 
 #[tokio::test]
 async fn a_message_carries_its_sent_timestamp_and_trace_parent() {

@@ -7,7 +7,7 @@ pub use inbox_conformance::sqs::{
     attr, client, create_queue, delete_queue, drain, plain_http_endpoint, proxied_client, queue,
     queue_name, ATTEMPT_TIMEOUT, LOCAL_ENDPOINT, OPERATION_TIMEOUT,
 };
-use inbox_sqs::aws_sdk_sqs::types::QueueAttributeName;
+use inbox_sqs::aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName};
 use inbox_sqs::aws_sdk_sqs::Client;
 use inbox_testkit::wallet::CreditEvent;
 
@@ -98,4 +98,13 @@ pub fn stalling_credit(account_id: i64, amount: i64) -> String {
 
 fn json(event: CreditEvent) -> String {
     String::from_utf8(event.to_json()).expect("JSON is UTF-8")
+}
+
+/// A String message attribute.
+pub fn text(value: &str) -> MessageAttributeValue {
+    MessageAttributeValue::builder()
+        .data_type("String")
+        .string_value(value)
+        .build()
+        .expect("a valid attribute")
 }
