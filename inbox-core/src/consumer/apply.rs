@@ -143,18 +143,22 @@ where
         };
         let mut done: Vec<(MessageId, A)> = Vec::new();
         let mut handed_back = Vec::new();
-        let mut settled = HashSet::new();
         for (Work { id, delivery, .. }, outcome) in work.into_iter().zip(outcomes) {
             match outcome {
-                Outcome::Skipped | Outcome::Applied => {
-                    settled.insert(id.clone());
-                    done.push((id, delivery.ack));
-                }
+                Outcome::Skipped | Outcome::Applied => done.push((id, delivery.ack)),
                 Outcome::Failed(e) => failed.push((id, delivery, e)),
                 Outcome::HandedBack => handed_back.push(delivery.ack),
             }
         }
-        let retrying: HashSet<MessageId> = failed.iter().map(|(id, _, _)| id.clone()).collect();
+        // Sets of IDs only when the chunk holds copies: the common chunk has none.
+        let (settled, retrying): (HashSet<MessageId>, HashSet<MessageId>) = if copies.is_empty() {
+            Default::default()
+        } else {
+            (
+                done.iter().map(|(id, _)| id.clone()).collect(),
+                failed.iter().map(|(id, _, _)| id.clone()).collect(),
+            )
+        };
         let mut waiting = Vec::new();
         for (id, copy) in copies {
             if settled.contains(&id) {
