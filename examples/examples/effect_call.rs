@@ -1,4 +1,4 @@
-//! A call out of the process, made once per event: an `EffectConsumer` reads payments from a
+//! A call out of the process, made once per event: `Consumer::effects` reads payments from a
 //! Redis stream and charges each through an HTTP payment provider, passing the event's
 //! idempotency key and the lease's fencing token; `PgLeases` keeps each event's processing and
 //! done row in PostgreSQL. Four events are published, one of them twice (same ID); then the
@@ -13,10 +13,10 @@
 use std::env::var;
 use std::time::Duration;
 
-use inbox_core::effect::{not_applied, Effect, EffectConsumer, EffectHandler, OnUnknown};
+use inbox_core::effect::{not_applied, Effect, EffectHandler, OnUnknown};
 // A real HTTP server on loopback that deduplicates on `Idempotency-Key`: it stands in for a
 // payment provider such as Stripe, and its client for the provider's SDK.
-use inbox_core::{async_trait, HandlerError, Message, MessageId, Publish};
+use inbox_core::{async_trait, Consumer, HandlerError, Message, MessageId, Publish};
 use inbox_postgres::{PgInbox, PgLeases, PgTx};
 use inbox_redis_streams::{redis, RedisStreamProducer, RedisStreamSource};
 use inbox_testkit::provider::{ProviderClient, ProviderMode, TestProvider};
@@ -83,7 +83,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .connect()
         .await?;
     let charge = Charge(provider.client());
-    let consumer = EffectConsumer::new(CONSUMER, source, leases, charge);
+    let consumer = Consumer::effects(CONSUMER, source, leases, charge);
     let stats = consumer.run_until_idle().await?;
 
     let charged = |id: &MessageId| provider.effects(&id.idempotency_key(CONSUMER));

@@ -11,7 +11,7 @@
 //! once, decoded beforehand, for set-based writes.
 //!
 //! A side effect outside the database (an HTTP call, an email) cannot join that transaction;
-//! [`effect::EffectConsumer`] keeps processing and done states with a lease and a
+//! [`Consumer::effects`] keeps processing and done states with a lease and a
 //! fencing token for it, and passes the provider an idempotency key per message.
 //!
 //! A message for another broker can join it: the handler writes it into an outbox table
@@ -86,7 +86,7 @@ mod store;
 pub mod telemetry;
 
 pub use async_trait::async_trait;
-pub use consumer::{retention_shortfall, Consumer, RetryPolicy, DEFAULT_SHUTDOWN_TIMEOUT};
+pub use consumer::{retention_shortfall, Consumer, Inbox, RetryPolicy, DEFAULT_SHUTDOWN_TIMEOUT};
 pub use error::{
     BoxError, Error, Failure, HandlerError, OperationError, Recovery, Result, SourceError,
     StoreError,

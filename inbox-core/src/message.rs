@@ -56,7 +56,7 @@ impl MessageId {
     /// A key protects only while the provider remembers it, and providers forget sooner than
     /// brokers redeliver: Stripe may drop a key once it is 24 hours old, while SQS can hand a
     /// message out for up to 14 days, a Kafka topic keeps 7 by default, and a dead-letter replay
-    /// reaches further still. The [`EffectConsumer`](crate::effect::EffectConsumer) covers the
+    /// reaches further still. [`Consumer::effects`](crate::Consumer::effects) covers the
     /// late copies with its done rows (keep them as long as the inbox rows); what the key alone
     /// cannot cover is a call whose outcome stayed unknown for longer than the provider keeps
     /// keys: [`Effect::since_first`](crate::effect::Effect::since_first) tells a handler how old

@@ -14,6 +14,10 @@ pub struct Stats {
     ack_failures: AtomicU64,
     commits: AtomicU64,
     errors: AtomicU64,
+    confirmed: AtomicU64,
+    skipped_unknown: AtomicU64,
+    busy: AtomicU64,
+    fenced: AtomicU64,
 }
 
 /// A copy of [`Stats`] at one moment.
@@ -35,6 +39,19 @@ pub struct StatsSnapshot {
     pub commits: u64,
     /// Broker or store errors the consumer recovered from.
     pub errors: u64,
+    /// [`Consumer::effects`](crate::Consumer::effects): messages marked done without a call
+    /// because the status lookup said an earlier call landed.
+    pub confirmed: u64,
+    /// [`Consumer::effects`](crate::Consumer::effects): messages marked done without a call
+    /// after an unknown outcome, as [`OnUnknown::Skip`](crate::effect::OnUnknown::Skip) says:
+    /// each may be a lost effect.
+    pub skipped_unknown: u64,
+    /// [`Consumer::effects`](crate::Consumer::effects): copies handed back because another
+    /// lease on their message was live.
+    pub busy: u64,
+    /// [`Consumer::effects`](crate::Consumer::effects): done marks refused because a newer
+    /// lease had taken over (that attempt was a zombie).
+    pub fenced: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -47,6 +64,10 @@ pub(crate) enum Counter {
     AckFailure,
     Commit,
     Error,
+    Confirmed,
+    SkippedUnknown,
+    Busy,
+    Fenced,
 }
 
 impl Counter {
@@ -61,6 +82,10 @@ impl Counter {
             Counter::AckFailure => t::ACK_FAILURES,
             Counter::Commit => t::COMMITS,
             Counter::Error => t::ERRORS,
+            Counter::Confirmed => t::EFFECTS_CONFIRMED,
+            Counter::SkippedUnknown => t::EFFECTS_SKIPPED_UNKNOWN,
+            Counter::Busy => t::EFFECTS_BUSY,
+            Counter::Fenced => t::EFFECTS_FENCED,
         }
     }
 }
@@ -79,6 +104,10 @@ impl Stats {
             Counter::AckFailure => &self.ack_failures,
             Counter::Commit => &self.commits,
             Counter::Error => &self.errors,
+            Counter::Confirmed => &self.confirmed,
+            Counter::SkippedUnknown => &self.skipped_unknown,
+            Counter::Busy => &self.busy,
+            Counter::Fenced => &self.fenced,
         };
         cell.fetch_add(n, Ordering::Relaxed);
         metrics::counter!(counter.metric_name(), "consumer" => consumer.to_owned()).increment(n);
@@ -96,6 +125,10 @@ impl Stats {
             ack_failures: get(&self.ack_failures),
             commits: get(&self.commits),
             errors: get(&self.errors),
+            confirmed: get(&self.confirmed),
+            skipped_unknown: get(&self.skipped_unknown),
+            busy: get(&self.busy),
+            fenced: get(&self.fenced),
         }
     }
 }

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use inbox_core::effect::{Effect, EffectConsumer, EffectHandler, OnUnknown};
+use inbox_core::effect::{Acquired, Attempt, Effect, EffectHandler, Lease, OnUnknown};
 use inbox_core::{
     async_trait, Consumer, Error, Handler, HandlerError, Message, MessageId, RetryPolicy, Stage,
 };
@@ -324,7 +324,7 @@ async fn a_consumer_name_with_a_control_character_is_refused_at_start() {
             "{name:?}: {err}"
         );
     }
-    let err = EffectConsumer::new(
+    let err = Consumer::effects(
         "mailer\0",
         broker.source(),
         ScriptedLeases::default(),
@@ -404,4 +404,90 @@ async fn the_consumer_reads_the_broker_window_at_start() {
         .await
         .unwrap();
     assert_eq!(stats.applied, 1);
+}
+
+/// An effect handler whose calls each wait for another call to be in flight beside them.
+struct Pair(tokio::sync::Barrier);
+
+#[async_trait]
+impl EffectHandler<()> for Pair {
+    fn on_unknown(&self) -> OnUnknown {
+        OnUnknown::Retry
+    }
+    async fn call(&self, _: &Effect, _: &Message) -> Result<(), HandlerError> {
+        tokio::time::timeout(Duration::from_secs(5), self.0.wait())
+            .await
+            .map(drop)
+            .map_err(|_| HandlerError::permanent("no call ran beside this one"))
+    }
+}
+
+#[tokio::test]
+async fn the_effect_step_calls_its_lanes_side_by_side() {
+    let broker = MemoryBroker::new();
+    let leases = ScriptedLeases::default();
+    leases.then_acquire([leased(); 4]);
+    for (lane, id) in [("p0", "a"), ("p1", "b"), ("p0", "c"), ("p1", "d")] {
+        publish_in_lane(&broker, lane, Some(id), 1);
+    }
+    let stats = Consumer::effects(
+        "mailer",
+        broker.source(),
+        leases,
+        Pair(tokio::sync::Barrier::new(2)),
+    )
+    .parallel_lanes(2)
+    .run_until_idle()
+    .await
+    .unwrap();
+    assert_eq!(
+        (stats.applied, stats.dead_lettered),
+        (4, 0),
+        "each call found one beside it: {stats:?}"
+    );
+}
+
+fn leased() -> Acquired {
+    Acquired::Leased(Lease {
+        token: 1,
+        attempt: Attempt::First,
+        attempts: 1,
+        since_first: Duration::ZERO,
+    })
+}
+
+/// An effect handler whose call never returns.
+struct Hang;
+
+#[async_trait]
+impl EffectHandler<()> for Hang {
+    fn on_unknown(&self) -> OnUnknown {
+        OnUnknown::Retry
+    }
+    async fn call(&self, _: &Effect, _: &Message) -> Result<(), HandlerError> {
+        std::future::pending().await
+    }
+}
+
+#[tokio::test]
+async fn a_hung_effect_call_is_cut_short_at_the_shutdown_timeout_and_its_message_kept() {
+    let broker = MemoryBroker::new();
+    publish(&broker, "evt-1", 1, 10);
+    let leases = ScriptedLeases::default();
+    leases.then_acquire([leased()]);
+    let consumer = Consumer::effects("mailer", broker.source(), leases, Hang)
+        .lease(Duration::from_secs(600))
+        .shutdown_timeout(Duration::from_millis(200));
+    let started = std::time::Instant::now();
+    let stats = consumer
+        .run_until(tokio::time::sleep(Duration::from_millis(100)))
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "stopped after {:?}, not at the shutdown timeout",
+        started.elapsed()
+    );
+    assert_eq!((stats.applied, broker.acked()), (0, 0), "{stats:?}");
+    assert_eq!(broker.pending(), 1, "the message goes back to the broker");
 }

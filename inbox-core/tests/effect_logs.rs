@@ -8,10 +8,8 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use inbox_core::effect::{
-    Acquired, Attempt, Effect, EffectConsumer, EffectHandler, Lease, OnUnknown,
-};
-use inbox_core::{async_trait, HandlerError, Message};
+use inbox_core::effect::{Acquired, Attempt, Effect, EffectHandler, Lease, OnUnknown};
+use inbox_core::{async_trait, Consumer, HandlerError, Message};
 use inbox_testkit::{MemoryBroker, ScriptedLeases};
 
 /// The ID's second half: a line of its own in the log if the newline before it is written raw.
@@ -83,7 +81,7 @@ async fn the_effect_consumer_escapes_a_newline_in_a_message_id() {
     ]);
     leases.then_complete([false]);
 
-    let consumer = EffectConsumer::new("mailer", broker.source(), leases, Call)
+    let consumer = Consumer::effects("mailer", broker.source(), leases, Call)
         .error_backoff(Duration::from_millis(1));
     let drained = {
         let broker = broker.clone();

@@ -1,15 +1,19 @@
 //! What the consumer reports through the `metrics` facade, captured by a recorder of this test:
 //! every metric described with a unit, counters and histograms labelled by consumer, the
-//! in-flight gauge back at 0 and the state gauges following the consumer.
+//! in-flight gauge back at 0 and the state gauges following the consumer, for the inbox step and
+//! the effect step alike.
 // A poisoned lock should fail the test loudly.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use std::time::Duration;
+
+use inbox_core::effect::{Acquired, Attempt, Effect, EffectHandler, Lease, OnUnknown};
 use inbox_core::telemetry::{self as t};
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
-use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
+use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx, ScriptedLeases};
 use metrics::{
     Counter, CounterFn, Gauge, GaugeFn, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
     SharedString, Unit,
@@ -206,5 +210,83 @@ async fn the_consumer_records_its_metrics_labelled_and_described() {
         (t::OLDEST_REMEMBERED_AGE, Unit::Seconds),
     ] {
         assert_eq!(described.get(name), Some(&Some(unit)), "{name}");
+    }
+}
+
+struct Call;
+
+#[async_trait]
+impl EffectHandler<()> for Call {
+    fn on_unknown(&self) -> OnUnknown {
+        OnUnknown::Retry
+    }
+    async fn call(&self, _: &Effect, _: &Message) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+// One thread: the recorder is the thread's default while the consumer runs.
+#[tokio::test(flavor = "current_thread")]
+async fn the_effect_step_records_the_same_metrics_plus_its_own_counters() {
+    let capture = Capture::default();
+    let _recorder = metrics::set_default_local_recorder(&capture);
+
+    let broker = MemoryBroker::new();
+    for id in ["a", "b", "a"] {
+        broker.publish(Some(id), "{}");
+    }
+    let first = Acquired::Leased(Lease {
+        token: 1,
+        attempt: Attempt::First,
+        attempts: 1,
+        since_first: Duration::ZERO,
+    });
+    let leases = ScriptedLeases::default();
+    leases.then_acquire([
+        first,
+        first,
+        Acquired::Done,
+        Acquired::Busy {
+            retry_after: Duration::from_millis(1),
+        },
+    ]);
+    let consumer = Consumer::effects("mailer", broker.source(), leases, Call);
+    let health = consumer.health();
+    let stats = consumer.run_until_idle().await.expect("runs");
+    assert_eq!((stats.applied, stats.skipped_duplicates), (2, 1));
+    assert_eq!(
+        health.consumer(),
+        Some("mailer"),
+        "the effect step has health too"
+    );
+
+    let label = "{consumer=mailer}";
+    let count = |name: &str| capture.values(&format!("{name}{label}")).len();
+    assert_eq!(
+        count(t::CLAIM_DURATION),
+        3,
+        "one lease statement per delivery"
+    );
+    assert_eq!(count(t::HANDLER_DURATION), 2, "one call per new message");
+    assert_eq!(
+        count(t::COMMIT_DURATION),
+        2,
+        "one done transaction per call"
+    );
+    assert_eq!(count(t::ACK_DURATION), 3, "the duplicate is acked too");
+    let last = |name: &str| capture.values(&format!("{name}{label}")).last().copied();
+    assert_eq!(last(t::MESSAGES_APPLIED), Some(2.0));
+    assert_eq!(last(t::COMMITS), Some(2.0));
+    let in_flight = capture.values(&format!("{}{label}", t::IN_FLIGHT));
+    assert_eq!(in_flight.last(), Some(&0.0), "{in_flight:?}");
+
+    let described = capture.described.lock().unwrap().clone();
+    for name in [
+        t::EFFECTS_CONFIRMED,
+        t::EFFECTS_SKIPPED_UNKNOWN,
+        t::EFFECTS_BUSY,
+        t::EFFECTS_FENCED,
+    ] {
+        assert_eq!(described.get(name), Some(&Some(Unit::Count)), "{name}");
     }
 }

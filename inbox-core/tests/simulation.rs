@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use inbox_core::{
     async_trait, Ack, BatchHandler, BatchItem, Capabilities, Consumer, Delivery, Handler,
-    HandlerError, InboxStore, Message, MessageId, MessageSource, Recovery, RetryPolicy,
+    HandlerError, Inbox, InboxStore, Message, MessageId, MessageSource, Recovery, RetryPolicy,
     SourceError, StoreError,
 };
 use rand::rngs::StdRng;
@@ -578,7 +578,7 @@ struct Life {
 
 /// Runs `consumer` with `life`'s settings until its life ends: `None` when it crashed.
 async fn live<H: BatchHandler<SimTx>>(
-    consumer: Consumer<SimSource, SimStore, H>,
+    consumer: Consumer<SimSource, Inbox<SimStore, H>>,
     life: Life,
 ) -> Option<inbox_core::Result<inbox_core::StatsSnapshot>> {
     let mut consumer = consumer

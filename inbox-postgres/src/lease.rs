@@ -50,8 +50,8 @@ pub const DEFAULT_LEASE_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 /// # Example
 ///
 /// ```no_run
-/// use inbox_core::effect::{Effect, EffectConsumer, EffectHandler, OnUnknown, Settled};
-/// use inbox_core::{async_trait, HandlerError, Message, MessageSource};
+/// use inbox_core::effect::{Effect, EffectHandler, OnUnknown, Settled};
+/// use inbox_core::{async_trait, Consumer, HandlerError, Message, MessageSource};
 /// use inbox_postgres::{PgInbox, PgLeases, PgTx};
 ///
 /// /// Charges a card through a payment API that takes idempotency keys, and records the payment.
@@ -84,7 +84,7 @@ pub const DEFAULT_LEASE_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 ///     let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?;
 ///     let leases = PgLeases::new(PgInbox::new(pool))?; // table `inbox_effects`
 ///     leases.migrate().await?;
-///     EffectConsumer::new("payments", source, leases, Charge).run().await?;
+///     Consumer::effects("payments", source, leases, Charge).run().await?;
 ///     Ok(())
 /// }
 /// ```

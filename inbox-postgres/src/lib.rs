@@ -51,7 +51,7 @@
 //! ## Side effects outside the database: leases
 //! A call to a provider (a payment API, an email service) cannot join the inbox transaction.
 //! [`PgLeases`] keeps the processing and done rows with a lease and a fencing token that
-//! [`inbox_core::effect::EffectConsumer`] needs for it; see [`PgLeases`] for an example.
+//! [`inbox_core::Consumer::effects`] needs for it; see [`PgLeases`] for an example.
 
 mod error;
 mod lease;

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common_effects::*;
-use inbox_core::effect::{Acquired, Attempt, EffectConsumer, Lease, LeaseStore, Release};
-use inbox_core::{async_trait, InvalidId, MessageId, StoreError};
+use inbox_core::effect::{Acquired, Attempt, Lease, LeaseStore, Release};
+use inbox_core::{async_trait, Consumer, InvalidId, MessageId, StoreError};
 use inbox_postgres::{PgLeases, PgTx};
 use inbox_testkit::fast_retry;
 use inbox_testkit::provider::{Behaviour, ProviderMode};
@@ -192,7 +192,7 @@ async fn a_zombie_paused_past_its_lease_cannot_mark_done() {
     env.provider
         .next_call(&key("evt-1"), Behaviour::Slow(Duration::from_millis(1400)));
     let handler = Setup::Keys.handler(&env.provider);
-    let zombie = EffectConsumer::new(
+    let zombie = Consumer::effects(
         CONSUMER,
         broker.source(),
         PausedBeforeDone {

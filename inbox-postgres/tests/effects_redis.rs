@@ -10,7 +10,7 @@ mod common_effects;
 use std::time::Duration;
 
 use common_effects::*;
-use inbox_core::effect::{EffectConsumer, EffectStatsSnapshot};
+use inbox_core::{Consumer, StatsSnapshot};
 use inbox_core::{MessageId, Publish};
 use inbox_redis_streams::redis::{self, Value};
 use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
@@ -41,7 +41,7 @@ struct RedisRun {
     effects: usize,
     calls: usize,
     settled: String,
-    stats: [EffectStatsSnapshot; 2],
+    stats: [StatsSnapshot; 2],
 }
 
 /// Consumer `a` takes the message and calls a provider that takes three leases to apply; its
@@ -81,7 +81,7 @@ async fn call_outliving_its_lease_on_redis(setup: Setup) -> RedisRun {
                 .connect()
                 .await
                 .unwrap();
-            EffectConsumer::new(CONSUMER, source, leases, handler)
+            Consumer::effects(CONSUMER, source, leases, handler)
                 .lease(LEASE)
                 .retry(fast_retry(20))
                 .run_until(async move {

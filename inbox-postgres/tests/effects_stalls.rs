@@ -9,10 +9,8 @@ mod common_effects;
 use std::time::{Duration, Instant};
 
 use common_effects::*;
-use inbox_core::effect::{
-    Acquired, Effect, EffectConsumer, EffectHandler, Landed, LeaseStore, OnUnknown, Settled,
-};
-use inbox_core::{async_trait, HandlerError, Message};
+use inbox_core::effect::{Acquired, Effect, EffectHandler, Landed, LeaseStore, OnUnknown, Settled};
+use inbox_core::{async_trait, Consumer, HandlerError, Message};
 use inbox_postgres::PgTx;
 use inbox_testkit::provider::ProviderMode;
 use inbox_testkit::{eventually, fast_retry, MemoryBroker};
@@ -137,7 +135,7 @@ async fn a_record_waiting_on_a_row_lock_is_cut_off_when_its_lease_ends() {
     }
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let handler = RecordWaitsOnALock(Setup::Keys.handler(&env.provider));
-    let consumer = EffectConsumer::new(CONSUMER, broker.source(), env.leases.clone(), handler)
+    let consumer = Consumer::effects(CONSUMER, broker.source(), env.leases.clone(), handler)
         .lease(LEASE)
         .retry(fast_retry(5));
     let started = Instant::now();

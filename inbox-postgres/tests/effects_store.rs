@@ -9,10 +9,8 @@ mod common_effects;
 use std::time::Duration;
 
 use common_effects::*;
-use inbox_core::effect::{
-    Acquired, EffectConsumer, EffectStatsSnapshot, Lease, LeaseStore, OnUnknown,
-};
-use inbox_core::MessageId;
+use inbox_core::effect::{Acquired, Lease, LeaseStore, OnUnknown};
+use inbox_core::{Consumer, MessageId, StatsSnapshot};
 use inbox_postgres::{Error as PgError, KeyMode, PgInbox, PgLeases, TableName};
 use inbox_testkit::provider::{ProviderClient, ProviderMode};
 use inbox_testkit::MemoryBroker;
@@ -119,7 +117,7 @@ async fn the_effect_consumer_and_its_future_are_send() {
     fn send<T: Send>(_: &T) {}
     fn send_sync<T: Send + Sync>() {}
     send_sync::<PgLeases>();
-    send_sync::<EffectStatsSnapshot>();
+    send_sync::<StatsSnapshot>();
     let broker = MemoryBroker::new();
     let pool = sqlx::postgres::PgPoolOptions::new()
         .connect_lazy("postgres://unused@127.0.0.1/unused")
@@ -131,7 +129,7 @@ async fn the_effect_consumer_and_its_future_are_send() {
         lookup: false,
         on_unknown: OnUnknown::Retry,
     };
-    let consumer = EffectConsumer::new(CONSUMER, broker.source(), leases, handler);
+    let consumer = Consumer::effects(CONSUMER, broker.source(), leases, handler);
     send(&consumer);
     let run = consumer.run_until(async {});
     send(&run);

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use inbox_core::{BatchHandler, Consumer, MessageId, MessageSource};
+use inbox_core::{BatchHandler, Consumer, Inbox, MessageId, MessageSource};
 use inbox_postgres::{PgInbox, PgTx};
 
 pub(crate) type BoxError = Box<dyn std::error::Error>;
@@ -55,7 +55,7 @@ impl Wallet {
     /// checks the balance is the sum of the three distinct events.
     pub(crate) async fn run_and_check<S, H>(
         &self,
-        consumer: Consumer<S, PgInbox, H>,
+        consumer: Consumer<S, Inbox<PgInbox, H>>,
     ) -> Result<(), BoxError>
     where
         S: MessageSource,

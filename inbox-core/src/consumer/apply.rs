@@ -4,42 +4,31 @@
 use std::collections::HashSet;
 use std::ops::Range;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 use tracing::{debug, info, info_span, warn, Instrument};
 
+use super::common::{Common, MAX_ERROR_BACKOFF};
 use super::stop::Stop;
-use super::RetryPolicy;
 use crate::error::backoff;
 use crate::stats::Counter;
-use crate::telemetry::{self, dead_letter_span, process_span, seconds_since, ConsumerMetrics};
+use crate::telemetry::{process_span, seconds_since};
 use crate::{
-    Ack, BatchHandler, BatchItem, Delivery, Error, Failure, HandlerError, Health, InboxStore,
-    MessageId, Recovery, Result, SourceError, Stage, StageHook, Stats, StoreError,
+    Ack, BatchHandler, BatchItem, Delivery, Error, Failure, HandlerError, InboxStore, MessageId,
+    Recovery, Result, Stage, StoreError,
 };
 
+/// The inbox step: each chunk claimed, applied and committed in one store transaction, then
+/// acked. Made by [`Consumer::new`] and [`Consumer::batched`].
 #[derive(Debug)]
-pub(super) struct Core<St, H> {
-    pub(super) name: String,
+pub struct Inbox<St, H> {
+    pub(super) common: Common,
     pub(super) store: St,
     pub(super) handler: H,
-    pub(super) retry: RetryPolicy,
     pub(super) max_deliveries: Option<u32>,
-    pub(super) error_backoff: Duration,
     pub(super) handler_timeout: Option<Duration>,
-    pub(super) health: Health,
-    pub(super) hook: Option<StageHook>,
-    pub(super) stats: Arc<Stats>,
-    /// The source's `messaging.system`, for spans; set when the consumer starts.
-    pub(super) system: &'static str,
-    /// Histogram and gauge handles; registered when the consumer starts.
-    pub(super) metrics: ConsumerMetrics,
 }
-
-/// The longest wait between tries after a broker or store error.
-const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(30);
 
 enum Outcome {
     Skipped,
@@ -65,7 +54,7 @@ struct Work<A, I> {
     item: I,
 }
 
-impl<St, H> Core<St, H>
+impl<St, H> Inbox<St, H>
 where
     St: InboxStore,
     H: BatchHandler<St::Tx>,
@@ -73,7 +62,7 @@ where
     /// Applies one chunk of one lane. Returns the acks of the messages settled by the commit,
     /// for the caller to send behind the next chunk's transaction; dead letters, hand-backs and
     /// a chunk with failures (acked before its failed messages are retried) are settled here.
-    pub(super) async fn process<A: Ack>(
+    pub(super) async fn apply_chunk<A: Ack>(
         &self,
         deliveries: Vec<Delivery<A>>,
         stop: &Stop,
@@ -81,7 +70,7 @@ where
         if deliveries.is_empty() {
             return Ok(Vec::new());
         }
-        self.count(Counter::Received, deliveries.len());
+        self.common.count(Counter::Received, deliveries.len());
         let mut work: Vec<Work<A, H::Item>> = Vec::with_capacity(deliveries.len());
         let mut failed = Vec::new();
         // Later copies of an ID already in this chunk: one broker entry handed out twice (a
@@ -103,13 +92,13 @@ where
                 Ok(id) => id.clone(),
                 Err(e) => {
                     let reason = e.to_string();
-                    self.dead_letter(None, delivery, reason).await?;
+                    self.common.dead_letter(None, delivery, reason).await?;
                     continue;
                 }
             };
             if let Err(e) = self.store.check_id(&id) {
                 let reason = format!("message ID {id:?} refused by the inbox store: {e}");
-                self.dead_letter(Some(&id), delivery, reason).await?;
+                self.common.dead_letter(Some(&id), delivery, reason).await?;
                 continue;
             }
             if let (Some(limit), Some(count)) =
@@ -117,7 +106,7 @@ where
             {
                 if count > limit {
                     let reason = format!("delivered {count} times, more than the limit of {limit}");
-                    self.dead_letter(Some(&id), delivery, reason).await?;
+                    self.common.dead_letter(Some(&id), delivery, reason).await?;
                     continue;
                 }
             }
@@ -134,7 +123,7 @@ where
         }
 
         if stale > 0 {
-            info!(consumer = %self.name, messages = stale, "dropped deliveries the broker took back while they waited; their new copies are applied instead");
+            info!(consumer = %self.common.name, messages = stale, "dropped deliveries the broker took back while they waited; their new copies are applied instead");
         }
         let outcomes = if work.is_empty() {
             Vec::new()
@@ -162,8 +151,8 @@ where
         let mut waiting = Vec::new();
         for (id, copy) in copies {
             if settled.contains(&id) {
-                self.skipped(&id);
-                self.metrics.lag(std::iter::once(&copy.message));
+                self.common.skipped(&id);
+                self.common.metrics.lag(std::iter::once(&copy.message));
                 done.push((id, copy.ack));
             } else if retrying.contains(&id) {
                 waiting.push((id, copy));
@@ -171,14 +160,14 @@ where
                 handed_back.push(copy.ack);
             }
         }
-        self.hand_back(handed_back).await;
+        self.common.hand_back(handed_back).await;
         if failed.is_empty() {
             return Ok(done);
         }
-        self.ack_all(done).await;
+        self.common.ack_all(done).await;
         for (id, delivery, e) in failed {
             let settled = if stop.stopping() {
-                self.hand_back(vec![delivery.ack]).await;
+                self.common.hand_back(vec![delivery.ack]).await;
                 false
             } else {
                 self.retry_alone(id.clone(), delivery, e, stop).await?
@@ -187,19 +176,21 @@ where
             waiting = rest;
             if settled {
                 for _ in &same {
-                    self.skipped(&id);
+                    self.common.skipped(&id);
                 }
-                self.ack_all(same.into_iter().map(|(id, copy)| (id, copy.ack)).collect())
+                self.common
+                    .ack_all(same.into_iter().map(|(id, copy)| (id, copy.ack)).collect())
                     .await;
             } else {
-                self.hand_back(same.into_iter().map(|(_, copy)| copy.ack).collect())
+                self.common
+                    .hand_back(same.into_iter().map(|(_, copy)| copy.ack).collect())
                     .await;
             }
         }
         Ok(Vec::new())
     }
 
-    /// [`Core::apply_all`], unless shutdown cuts the work in flight short first: then the
+    /// [`Inbox::apply_all`], unless shutdown cuts the work in flight short first: then the
     /// transaction in progress is dropped (it rolls back) and every message is handed back.
     async fn apply_or_abort<A>(
         &self,
@@ -238,7 +229,7 @@ where
             match self.apply_in_tx(&work[piece.clone()]).await {
                 Ok(done) => {
                     if outages > 0 {
-                        self.health.recovered();
+                        self.common.health.recovered();
                     }
                     outages = 0;
                     for (slot, outcome) in outcomes[piece].iter_mut().zip(done) {
@@ -262,15 +253,15 @@ where
                 }
                 Err(TxFailure::Store(e)) => match e.recovery() {
                     Recovery::Fatal => {
-                        self.count(Counter::Error, 1);
+                        self.common.count(Counter::Error, 1);
                         return Err(Error::Store(e));
                     }
                     Recovery::Reconnect => {
-                        self.count(Counter::Error, 1);
-                        self.health.failing();
+                        self.common.count(Counter::Error, 1);
+                        self.common.health.failing();
                         outages += 1;
-                        let wait = backoff(self.error_backoff, MAX_ERROR_BACKOFF, outages);
-                        warn!(consumer = %self.name, error = %e, messages = hi - lo, ?wait, "inbox store unreachable; holding the messages until it is back");
+                        let wait = backoff(self.common.error_backoff, MAX_ERROR_BACKOFF, outages);
+                        warn!(consumer = %self.common.name, error = %e, messages = hi - lo, ?wait, "inbox store unreachable; holding the messages until it is back");
                         pieces.push(piece);
                         if stop.pause(wait).await {
                             break;
@@ -297,14 +288,14 @@ where
     /// failure rolls everything back. Nothing is acked here.
     async fn apply_in_tx<A>(&self, work: &[Work<A, H::Item>]) -> Result<Vec<Outcome>, TxFailure> {
         let span = process_span(
-            &self.name,
-            self.system,
+            &self.common.name,
+            self.common.system,
             work.iter().map(|w| (&w.id, &w.delivery.message)),
         );
         self.claim_apply_commit(work).instrument(span).await
     }
 
-    /// [`Core::apply_in_tx`], inside its span.
+    /// [`Inbox::apply_in_tx`], inside its span.
     async fn claim_apply_commit<A>(
         &self,
         work: &[Work<A, H::Item>],
@@ -312,8 +303,11 @@ where
         let ids: Vec<MessageId> = work.iter().map(|w| w.id.clone()).collect();
         let mut tx = self.store.begin().await.map_err(TxFailure::Store)?;
         let started = Instant::now();
-        let claimed = self.store.claim_many(&mut tx, &self.name, &ids).await;
-        self.metrics.claim.record(seconds_since(started));
+        let claimed = self
+            .store
+            .claim_many(&mut tx, &self.common.name, &ids)
+            .await;
+        self.common.metrics.claim.record(seconds_since(started));
         let claimed = match claimed {
             Ok(claimed) => claimed,
             Err(e) => return Err(self.abandon(tx, TxFailure::Store(e)).await),
@@ -325,7 +319,7 @@ where
             .map(|(w, _)| w)
             .collect();
         for w in &fresh {
-            self.stage(Stage::Claimed, &w.id);
+            self.common.stage(Stage::Claimed, &w.id);
         }
         if !fresh.is_empty() {
             let batch: Vec<BatchItem<'_, H::Item>> = fresh
@@ -345,7 +339,7 @@ where
                 return Err(self.abandon(tx, TxFailure::Handler(at, failure)).await);
             }
             for w in &fresh {
-                self.stage(Stage::Applied, &w.id);
+                self.common.stage(Stage::Applied, &w.id);
             }
         }
         let outcomes: Vec<Outcome> = claimed
@@ -361,28 +355,30 @@ where
         if fresh.is_empty() {
             // Nothing to keep: every message was a duplicate.
             if let Err(e) = self.store.rollback(tx).await {
-                warn!(consumer = %self.name, error = %e, "rollback failed; the store discards the transaction");
+                warn!(consumer = %self.common.name, error = %e, "rollback failed; the store discards the transaction");
             }
         } else {
             let started = Instant::now();
             let committed = self.store.commit(tx).await;
-            self.metrics.commit.record(seconds_since(started));
+            self.common.metrics.commit.record(seconds_since(started));
             committed.map_err(TxFailure::Store)?;
-            self.count(Counter::Commit, 1);
-            self.count(Counter::Applied, fresh.len());
+            self.common.count(Counter::Commit, 1);
+            self.common.count(Counter::Applied, fresh.len());
         }
-        self.metrics.batch_size.record(work.len() as f64);
-        self.metrics.lag(work.iter().map(|w| &w.delivery.message));
-        self.health.batch_done();
+        self.common.metrics.batch_size.record(work.len() as f64);
+        self.common
+            .metrics
+            .lag(work.iter().map(|w| &w.delivery.message));
+        self.common.health.batch_done();
         let skipped = work.len() - fresh.len();
-        info!(consumer = %self.name, applied = fresh.len(), skipped, "committed a batch");
+        info!(consumer = %self.common.name, applied = fresh.len(), skipped, "committed a batch");
         for (w, outcome) in work.iter().zip(&outcomes) {
             match outcome {
                 Outcome::Applied => {
-                    debug!(consumer = %self.name, message_id = %w.id.as_str().escape_debug(), position = %w.delivery.message.meta.position.escape_debug(), outcome = "applied", "applied");
-                    self.stage(Stage::Committed, &w.id);
+                    debug!(consumer = %self.common.name, message_id = %w.id.as_str().escape_debug(), position = %w.delivery.message.meta.position.escape_debug(), outcome = "applied", "applied");
+                    self.common.stage(Stage::Committed, &w.id);
                 }
-                Outcome::Skipped => self.skipped(&w.id),
+                Outcome::Skipped => self.common.skipped(&w.id),
                 Outcome::Failed(_) | Outcome::HandedBack => {}
             }
         }
@@ -395,7 +391,7 @@ where
         tx: &mut St::Tx,
         batch: &[BatchItem<'_, H::Item>],
     ) -> Result<(), HandlerError> {
-        let span = info_span!("inbox.batch", consumer = %self.name, messages = batch.len());
+        let span = info_span!("inbox.batch", consumer = %self.common.name, messages = batch.len());
         let call = AssertUnwindSafe(self.handler.handle_batch(tx, batch))
             .catch_unwind()
             .instrument(span);
@@ -404,7 +400,7 @@ where
             Some(limit) => match tokio::time::timeout(limit, call).await {
                 Ok(called) => called,
                 Err(_) => {
-                    self.metrics.handler.record(seconds_since(started));
+                    self.common.metrics.handler.record(seconds_since(started));
                     return Err(HandlerError::transient(format!(
                         "the handler did not return within the handler timeout of {limit:?}"
                     )));
@@ -412,7 +408,7 @@ where
             },
             None => call.await,
         };
-        self.metrics.handler.record(seconds_since(started));
+        self.common.metrics.handler.record(seconds_since(started));
         match called {
             Ok(result) => result,
             Err(panic) => {
@@ -439,21 +435,21 @@ where
         let mut error = first;
         let mut attempt = 1;
         loop {
-            if error.failure() == Failure::Permanent || attempt >= self.retry.max_attempts {
+            if error.failure() == Failure::Permanent || attempt >= self.common.retry.max_attempts {
                 let reason = match error.failure() {
                     Failure::Permanent => format!("handler refused the message: {error}"),
                     _ => format!("handler failed {attempt} time(s), last error: {error}"),
                 };
-                return self.dead_letter(Some(&id), delivery, reason).await;
+                return self.common.dead_letter(Some(&id), delivery, reason).await;
             }
-            warn!(consumer = %self.name, message_id = %id.as_str().escape_debug(), attempt, error = %error, "handler failed; retrying");
-            self.count(Counter::Retried, 1);
-            let r = &self.retry;
+            warn!(consumer = %self.common.name, message_id = %id.as_str().escape_debug(), attempt, error = %error, "handler failed; retrying");
+            self.common.count(Counter::Retried, 1);
+            let r = &self.common.retry;
             if stop
                 .pause(backoff(r.initial_backoff, r.max_backoff, attempt))
                 .await
             {
-                self.hand_back(vec![delivery.ack]).await;
+                self.common.hand_back(vec![delivery.ack]).await;
                 return Ok(false);
             }
             attempt += 1;
@@ -477,78 +473,13 @@ where
                     (id, delivery) = (same, back);
                 }
                 Some(Outcome::Applied | Outcome::Skipped) => {
-                    self.ack_all(vec![(same, back.ack)]).await;
+                    self.common.ack_all(vec![(same, back.ack)]).await;
                     return Ok(true);
                 }
                 Some(Outcome::HandedBack) | None => {
-                    self.hand_back(vec![back.ack]).await;
+                    self.common.hand_back(vec![back.ack]).await;
                     return Ok(false);
                 }
-            }
-        }
-    }
-
-    /// Parks the message and acks it; `true` when it was parked, `false` when the dead letter
-    /// failed and the message comes back from the broker.
-    async fn dead_letter<A: Ack>(
-        &self,
-        id: Option<&MessageId>,
-        delivery: Delivery<A>,
-        reason: String,
-    ) -> Result<bool> {
-        let span = dead_letter_span(&self.name, self.system, id, &delivery.message);
-        self.park(id, delivery, reason).instrument(span).await
-    }
-
-    /// [`Core::dead_letter`], inside its span: parks and acks the message through its handle.
-    async fn park<A: Ack>(
-        &self,
-        id: Option<&MessageId>,
-        delivery: Delivery<A>,
-        reason: String,
-    ) -> Result<bool> {
-        let shown = id.map_or_else(
-            || "(no ID)".to_owned(),
-            |id| id.as_str().escape_debug().to_string(),
-        );
-        let Delivery { message, ack } = delivery;
-        match ack.dead_letter(&message, &reason).await {
-            Ok(()) => {
-                self.count(Counter::DeadLettered, 1);
-                warn!(consumer = %self.name, message_id = %shown, position = %message.meta.position, outcome = "dead_lettered", %reason, "dead-lettered {shown}");
-                Ok(true)
-            }
-            Err(e) => {
-                self.count(Counter::Error, 1);
-                // The handle left the delivery unacked: it comes back and is tried again.
-                tracing::error!(consumer = %self.name, message_id = %shown, error = %e, %reason, "dead-letter failed; the message is not acked and comes back from the broker");
-                if e.recovery() == Recovery::Fatal {
-                    return Err(Error::Source(e));
-                }
-                Ok(false)
-            }
-        }
-    }
-
-    pub(super) async fn ack_all<A: Ack>(&self, acks: Vec<(MessageId, A)>) {
-        if acks.is_empty() {
-            return;
-        }
-        let n = acks.len();
-        let (ids, acks): (Vec<_>, Vec<_>) = acks.into_iter().unzip();
-        let span = telemetry::settle_span(&self.name, self.system, "ack", n);
-        let started = Instant::now();
-        let acked = A::ack_all(acks).instrument(span).await;
-        self.metrics.ack.record(seconds_since(started));
-        match acked {
-            Ok(()) => {
-                for id in &ids {
-                    self.stage(Stage::Acked, id);
-                }
-            }
-            Err(e) => {
-                self.count(Counter::AckFailure, n);
-                warn!(consumer = %self.name, messages = n, error = %e, "ack failed after commit; redelivered copies will be skipped as duplicates");
             }
         }
     }
@@ -556,52 +487,8 @@ where
     /// Rolls back a transaction that cannot commit and passes `failure` on.
     async fn abandon(&self, tx: St::Tx, failure: TxFailure) -> TxFailure {
         if let Err(rollback) = self.store.rollback(tx).await {
-            warn!(consumer = %self.name, error = %rollback, "rollback failed too; the store discards the transaction");
+            warn!(consumer = %self.common.name, error = %rollback, "rollback failed too; the store discards the transaction");
         }
         failure
-    }
-
-    /// Gives messages back to the broker unapplied, for redelivery after the error backoff.
-    pub(super) async fn hand_back<A: Ack>(&self, acks: Vec<A>) {
-        if acks.is_empty() {
-            return;
-        }
-        info!(consumer = %self.name, messages = acks.len(), "handing messages back to the broker");
-        let span = telemetry::settle_span(&self.name, self.system, "nack", acks.len());
-        async {
-            for ack in acks {
-                if let Err(e) = ack.nack(self.error_backoff).await {
-                    warn!(consumer = %self.name, error = %e, "nack failed; the broker will redeliver on its own");
-                }
-            }
-        }
-        .instrument(span)
-        .await;
-    }
-
-    /// How long to wait before receiving again after `e`, or the error that stops the consumer.
-    pub(super) fn source_failed(&self, e: SourceError, failures: u32) -> Result<Duration> {
-        self.count(Counter::Error, 1);
-        if e.recovery() == Recovery::Fatal {
-            return Err(Error::Source(e));
-        }
-        let wait = backoff(self.error_backoff, MAX_ERROR_BACKOFF, failures);
-        warn!(consumer = %self.name, error = %e, ?wait, "receive failed; retrying");
-        Ok(wait)
-    }
-
-    fn skipped(&self, id: &MessageId) {
-        self.count(Counter::SkippedDuplicate, 1);
-        debug!(consumer = %self.name, message_id = %id.as_str().escape_debug(), outcome = "skipped_duplicate", "skipped a duplicate");
-    }
-
-    fn stage(&self, stage: Stage, id: &MessageId) {
-        if let Some(hook) = &self.hook {
-            hook.call(stage, id);
-        }
-    }
-
-    fn count(&self, counter: Counter, n: usize) {
-        self.stats.add(&self.name, counter, n as u64);
     }
 }

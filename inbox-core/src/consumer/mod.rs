@@ -1,6 +1,7 @@
 //! The claim/apply/commit/ack algorithm: owned here, once, for every broker and store.
 
 mod apply;
+pub(crate) mod common;
 mod lanes;
 pub(crate) mod stop;
 
@@ -13,13 +14,15 @@ use tokio::sync::Mutex;
 use tokio::time::{sleep_until, Instant};
 use tracing::warn;
 
-use self::apply::Core;
+pub use self::apply::Inbox;
+use self::common::Common;
 use self::lanes::Lanes;
 use self::stop::{Phase, Stop};
+use crate::effect::{EffectHandler, Effects, LeaseStore};
 use crate::telemetry::{self, ConsumerMetrics};
 use crate::{
-    BatchHandler, ConsumerState, Error, Handler, Health, InboxStore, MessageSource, PerMessage,
-    Result, StageHook, Stats, StatsSnapshot,
+    Ack, BatchHandler, Capabilities, ConsumerState, Delivery, Error, Handler, Health, InboxStore,
+    MessageId, MessageSource, PerMessage, Result, StageHook, Stats, StatsSnapshot,
 };
 
 /// How often a failing handler is tried before its message is dead-lettered, and how long to
@@ -80,10 +83,15 @@ impl Default for RetryPolicy {
 /// is retried is applied after the rest of its batch. With [`Consumer::parallel_lanes`], a batch
 /// is split by [`Metadata::lane`](crate::Metadata::lane) (a Kafka partition, say): each lane
 /// keeps that order and runs in a transaction of its own, several lanes at a time.
+///
+/// The same pipeline runs calls out of the process, with a lease per message instead of the
+/// inbox's claim: see [`Consumer::effects`]. `W` is the step each chunk goes through:
+/// [`Inbox`] for [`Consumer::new`] and [`Consumer::batched`], [`Effects`] for
+/// [`Consumer::effects`].
 #[derive(Debug)]
-pub struct Consumer<S, St, H> {
+pub struct Consumer<S, W> {
     source: S,
-    core: Core<St, H>,
+    step: W,
     batch_size: usize,
     lanes: usize,
     inbox_retention: Option<Duration>,
@@ -123,7 +131,61 @@ pub fn retention_shortfall(
         .map(|window| window - inbox_retention)
 }
 
-impl<S, St, H> Consumer<S, St, PerMessage<H>>
+/// One step of the consumer pipeline: what happens to each chunk of one lane between its
+/// receive and its ack. [`Inbox`] and [`Effects`] are the two.
+pub(crate) trait Step: Send + Sync {
+    fn common(&self) -> &Common;
+
+    fn common_mut(&mut self) -> &mut Common;
+
+    /// Refuses settings this step cannot run with, and warns about ones the source cannot
+    /// honour.
+    fn check(&self, capabilities: Capabilities) -> Result<()>;
+
+    /// Applies one chunk of one lane. Returns the acks to send once the chunk is done (the
+    /// pipeline sends them behind the next chunk's work); everything else it settles itself.
+    fn process<A: Ack>(
+        &self,
+        chunk: Vec<Delivery<A>>,
+        stop: &Stop,
+    ) -> impl Future<Output = Result<Vec<(MessageId, A)>>>;
+}
+
+impl<St, H> Step for Inbox<St, H>
+where
+    St: InboxStore,
+    H: BatchHandler<St::Tx>,
+{
+    fn common(&self) -> &Common {
+        &self.common
+    }
+
+    fn common_mut(&mut self) -> &mut Common {
+        &mut self.common
+    }
+
+    fn check(&self, capabilities: Capabilities) -> Result<()> {
+        if self.max_deliveries.is_some() && !capabilities.delivery_count() {
+            warn!(
+                consumer = %self.common.name,
+                system = self.common.system,
+                "max_deliveries is set, but this source counts no deliveries: a message that \
+                 kills its consumer comes back until the retry budget or handler_timeout stops it"
+            );
+        }
+        Ok(())
+    }
+
+    fn process<A: Ack>(
+        &self,
+        chunk: Vec<Delivery<A>>,
+        stop: &Stop,
+    ) -> impl Future<Output = Result<Vec<(MessageId, A)>>> {
+        self.apply_chunk(chunk, stop)
+    }
+}
+
+impl<S, St, H> Consumer<S, Inbox<St, PerMessage<H>>>
 where
     S: MessageSource,
     St: InboxStore,
@@ -137,7 +199,7 @@ where
     }
 }
 
-impl<S, St, H> Consumer<S, St, H>
+impl<S, St, H> Consumer<S, Inbox<St, H>>
 where
     S: MessageSource,
     St: InboxStore,
@@ -146,26 +208,91 @@ where
     /// A consumer named `name` handing all new messages of each transaction to `handler` at
     /// once (see [`BatchHandler`]), for set-based writes. Otherwise as [`Consumer::new`].
     pub fn batched(name: impl Into<String>, source: S, store: St, handler: H) -> Self {
+        Consumer::with_step(
+            source,
+            Inbox {
+                common: Common::new(name.into()),
+                store,
+                handler,
+                max_deliveries: None,
+                handler_timeout: None,
+            },
+        )
+    }
+
+    /// Dead-letter a message the broker reports having delivered more than `n` times, before
+    /// running its handler: it stops a message that kills the process (and so is never acked or
+    /// dead-lettered by the retry path) from looping forever. Only brokers that count
+    /// deliveries report one.
+    pub fn max_deliveries(mut self, n: u32) -> Self {
+        self.step.max_deliveries = Some(n);
+        self
+    }
+
+    /// Fails a handler call (per message, or per batch for a [`BatchHandler`]) that has not
+    /// returned after `timeout`, as a transient failure: its transaction rolls back, releasing
+    /// its row locks, and the message is retried and dead-lettered like any failure. Without it
+    /// (the default) a handler stuck on a call that never returns holds its transaction, its
+    /// locks and the broker's ownership of its messages for ever. Set it above the slowest
+    /// legitimate batch. The store is told it ([`InboxStore::set_handler_timeout`]), so a
+    /// statement the handler left running (waiting on a lock) ends too and the rollback does
+    /// not wait for it.
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.step.handler_timeout = Some(timeout);
+        self.step.store.set_handler_timeout(timeout);
+        self
+    }
+}
+
+impl<S, L, H> Consumer<S, Effects<L, H>>
+where
+    S: MessageSource,
+    L: LeaseStore,
+    H: EffectHandler<L::Tx>,
+{
+    /// A consumer named `name` running an [`EffectHandler`] (a call out of the process: a
+    /// payment API, an email provider) so that each message's call is made once, as far as the
+    /// provider allows, with its state in a [`LeaseStore`]: see the
+    /// [`effect`](crate::effect) module for the algorithm. The name is part of every
+    /// idempotency key, so instances of one scaled consumer share it and different consumers
+    /// do not.
+    ///
+    /// The messages of a chunk are called one after the other, each under its own lease; with
+    /// [`Consumer::parallel_lanes`] the lanes call side by side. Shutdown lets the calls in
+    /// flight finish for up to [`Consumer::shutdown_timeout`]; a call still running then is
+    /// dropped as a crash would drop it, its lease left to run out, and the next attempt asks
+    /// the handler whether it landed.
+    pub fn effects(name: impl Into<String>, source: S, leases: L, handler: H) -> Self {
+        Consumer::with_step(
+            source,
+            Effects::new(Common::new(name.into()), leases, handler),
+        )
+    }
+
+    /// How long an attempt owns its message (default [`DEFAULT_LEASE`](crate::effect::DEFAULT_LEASE)):
+    /// longer than the slowest call you expect, since a call is dropped when its lease ends,
+    /// and short enough that a crashed attempt's message is taken over soon.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.step.lease = lease;
+        self
+    }
+}
+
+// `Step` is the crate's own: users pick a step through the constructors above.
+#[allow(private_bounds)]
+impl<S, W> Consumer<S, W>
+where
+    S: MessageSource,
+    W: Step,
+{
+    fn with_step(source: S, step: W) -> Self {
         Self {
             source,
+            step,
             batch_size: 1,
             lanes: 1,
             inbox_retention: None,
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
-            core: Core {
-                name: name.into(),
-                store,
-                handler,
-                retry: RetryPolicy::default(),
-                max_deliveries: None,
-                error_backoff: Duration::from_millis(500),
-                handler_timeout: None,
-                health: Health::default(),
-                hook: None,
-                stats: Arc::new(Stats::default()),
-                system: "unknown",
-                metrics: ConsumerMetrics::default(),
-            },
         }
     }
 
@@ -190,24 +317,17 @@ where
         self
     }
 
-    /// How failing handlers are retried.
+    /// How failing handlers are retried. For [`Consumer::effects`] the attempts are counted
+    /// in leases, in the store, so a message that kills the process is dead-lettered after
+    /// `max_attempts` leases too.
     pub fn retry(mut self, policy: RetryPolicy) -> Self {
-        self.core.retry = policy;
-        self
-    }
-
-    /// Dead-letter a message the broker reports having delivered more than `n` times, before
-    /// running its handler: it stops a message that kills the process (and so is never acked or
-    /// dead-lettered by the retry path) from looping forever. Only brokers that count
-    /// deliveries report one.
-    pub fn max_deliveries(mut self, n: u32) -> Self {
-        self.core.max_deliveries = Some(n);
+        self.step.common_mut().retry = policy;
         self
     }
 
     /// The first wait after a broker or store error (doubling up to 30 s while errors repeat).
     pub fn error_backoff(mut self, wait: Duration) -> Self {
-        self.core.error_backoff = wait;
+        self.step.common_mut().error_backoff = wait;
         self
     }
 
@@ -222,23 +342,11 @@ where
         self
     }
 
-    /// Fails a handler call (per message, or per batch for a [`BatchHandler`]) that has not
-    /// returned after `timeout`, as a transient failure: its transaction rolls back, releasing
-    /// its row locks, and the message is retried and dead-lettered like any failure. Without it
-    /// (the default) a handler stuck on a call that never returns holds its transaction, its
-    /// locks and the broker's ownership of its messages for ever. Set it above the slowest
-    /// legitimate batch. The store is told it ([`InboxStore::set_handler_timeout`]), so a
-    /// statement the handler left running (waiting on a lock) ends too and the rollback does
-    /// not wait for it.
-    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
-        self.core.handler_timeout = Some(timeout);
-        self.core.store.set_handler_timeout(timeout);
-        self
-    }
-
-    /// Calls `hook` at each [`Stage`](crate::Stage) of each message.
+    /// Calls `hook` at each [`Stage`](crate::Stage) of each message. For
+    /// [`Consumer::effects`]: `Claimed` once the lease is committed, `Applied` once the call
+    /// returned `Ok`, `Committed` once the done mark is, `Acked` after the ack.
     pub fn on_stage(mut self, hook: StageHook) -> Self {
-        self.core.hook = Some(hook);
+        self.step.common_mut().hook = Some(hook);
         self
     }
 
@@ -252,13 +360,13 @@ where
 
     /// Live counters, readable while the consumer runs.
     pub fn stats(&self) -> Arc<Stats> {
-        Arc::clone(&self.core.stats)
+        Arc::clone(&self.step.common().stats)
     }
 
     /// Whether the consumer is live and ready, readable while it runs: for liveness and
     /// readiness probes.
     pub fn health(&self) -> Health {
-        self.core.health.clone()
+        self.step.common().health.clone()
     }
 
     /// Runs until SIGINT (Ctrl-C) or SIGTERM (what Kubernetes, ECS and systemd send to stop a
@@ -294,17 +402,19 @@ where
         shutdown: impl Stream<Item = ()> + Send,
         until_idle: bool,
     ) -> Result<StatsSnapshot> {
-        self.check()?;
         // Registered now, with the recorder the application installed before starting.
-        self.core.system = self.source.system();
-        self.core.metrics = ConsumerMetrics::register(&self.core.name);
-        self.core.health.attach(&self.core.name);
+        let system = self.source.system();
+        self.step.common_mut().system = system;
+        self.check()?;
+        let common = self.step.common_mut();
+        common.metrics = ConsumerMetrics::register(&common.name);
+        common.health.attach(&common.name);
         telemetry::windows(
-            &self.core.name,
+            &common.name,
             self.inbox_retention,
             self.source.redelivery_window(),
         );
-        let health = self.core.health.clone();
+        let health = common.health.clone();
         health.set(ConsumerState::Running);
         let result = self.pipeline(shutdown, until_idle).await;
         health.set(ConsumerState::Stopped);
@@ -321,8 +431,9 @@ where
         // Set when shutdown is asked for: when the work in flight is cut short.
         let mut deadline: Option<Instant> = None;
         let (batch_size, lanes, timeout) = (self.batch_size, self.lanes, self.shutdown_timeout);
-        let core = &self.core;
-        let health = &core.health;
+        let step = &self.step;
+        let common = step.common();
+        let health = &common.health;
         let source = Mutex::new(&mut self.source);
         let source = &source;
         let stop = &stop;
@@ -337,7 +448,7 @@ where
         let mut idle = false;
         // Received and not yet settled: queued, being applied, or being acked.
         let mut in_flight: usize = 0;
-        let in_flight_gauge = core.metrics.in_flight.clone();
+        let in_flight_gauge = common.metrics.in_flight.clone();
         // Stops receiving; the work in flight has `timeout` to finish.
         let begin_stop = |deadline: &mut Option<Instant>| {
             if deadline.is_none() {
@@ -355,7 +466,7 @@ where
                     break;
                 };
                 let n = chunk.len();
-                working.push(async move { (lane, n, core.process(chunk, stop).await) });
+                working.push(async move { (lane, n, step.process(chunk, stop).await) });
             }
             let held = queued.len() + working.len() * batch_size;
             if receiving.is_none()
@@ -378,7 +489,7 @@ where
                 receiving = None;
                 let back = queued.drain();
                 in_flight = in_flight.saturating_sub(back.len());
-                core.hand_back(back).await;
+                common.hand_back(back).await;
                 if working.is_empty() && acking.is_empty() {
                     break;
                 }
@@ -387,14 +498,14 @@ where
                 biased;
                 Some(()) = shutdown.next() => {
                     if stopping {
-                        warn!(consumer = %core.name, "shutdown asked for again: handing back the work in flight");
+                        warn!(consumer = %common.name, "shutdown asked for again: handing back the work in flight");
                         stop_tx.send_replace(Phase::Aborting);
                     } else {
                         begin_stop(&mut deadline);
                     }
                 }
                 () = sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() && *stop_tx.borrow() == Phase::Stopping => {
-                    warn!(consumer = %core.name, ?timeout, "the work in flight did not finish within the shutdown timeout: handing it back");
+                    warn!(consumer = %common.name, ?timeout, "the work in flight did not finish within the shutdown timeout: handing it back");
                     stop_tx.send_replace(Phase::Aborting);
                 }
                 Some((lane, n, result)) = working.next() => {
@@ -405,7 +516,7 @@ where
                             let n = acks.len();
                             in_flight += n;
                             acking.push(async move {
-                                core.ack_all(acks).await;
+                                common.ack_all(acks).await;
                                 n
                             });
                         }
@@ -436,7 +547,7 @@ where
                         Err(e) => {
                             failures += 1;
                             health.failing();
-                            match core.source_failed(e, failures) {
+                            match common.source_failed(e, failures) {
                                 Ok(wait) => receive_after = Some(Instant::now() + wait),
                                 Err(e) => {
                                     failed.get_or_insert(e);
@@ -455,33 +566,27 @@ where
         in_flight_gauge.set(0.0);
         match failed {
             Some(e) => Err(e),
-            None => Ok(core.stats.snapshot()),
+            None => Ok(common.stats.snapshot()),
         }
     }
 
     fn check(&self) -> Result<()> {
-        check_name(&self.core.name)?;
+        let common = self.step.common();
+        check_name(&common.name)?;
         if self.batch_size == 0 {
             return Err(Error::Config("the batch size is 0; use at least 1".into()));
         }
         if self.lanes == 0 {
             return Err(Error::Config("parallel_lanes is 0; use at least 1".into()));
         }
-        if self.core.retry.max_attempts == 0 {
+        if common.retry.max_attempts == 0 {
             return Err(Error::Config("max_attempts is 0; use at least 1".into()));
         }
         let capabilities = self.source.capabilities();
-        if self.core.max_deliveries.is_some() && !capabilities.delivery_count() {
-            warn!(
-                consumer = %self.core.name,
-                system = self.source.system(),
-                "max_deliveries is set, but this source counts no deliveries: a message that \
-                 kills its consumer comes back until the retry budget or handler_timeout stops it"
-            );
-        }
+        self.step.check(capabilities)?;
         if self.lanes > 1 && !capabilities.lanes() {
             warn!(
-                consumer = %self.core.name,
+                consumer = %common.name,
                 system = self.source.system(),
                 lanes = self.lanes,
                 "parallel_lanes is above 1, but this source has one order: its messages are \
@@ -492,7 +597,7 @@ where
             let window = self.source.redelivery_window();
             if let Some(gap) = retention_shortfall(retention, window) {
                 warn!(
-                    consumer = %self.core.name,
+                    consumer = %common.name,
                     inbox_retention = ?retention,
                     broker_window = ?window,
                     "the inbox forgets IDs {gap:?} before the broker stops redelivering; \

@@ -1,10 +1,9 @@
-//! The per-message algorithm of an [`EffectConsumer`](super::EffectConsumer): lease, decide,
+//! The step of [`Consumer::effects`](crate::Consumer::effects), per message: lease, decide,
 //! call, mark done, ack, or hand back or dead-letter.
-//! The dead-letter path is in [`dead_letter`](super::dead_letter).
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use futures_util::FutureExt;
@@ -12,40 +11,34 @@ use tokio::time::Instant;
 use tracing::field::{display, Empty};
 use tracing::{debug, info, info_span, warn, Instrument, Span};
 
-use super::stats::{Counter, EffectMetrics};
 use super::{
-    escaped, is_not_applied, Acquired, Attempt, Effect, EffectHandler, EffectStats, Landed,
-    LeaseStore, OnUnknown, Release, Settled,
+    escaped, is_not_applied, Acquired, Attempt, Effect, EffectHandler, Landed, LeaseStore,
+    OnUnknown, Release, Settled, DEFAULT_LEASE,
 };
+use crate::consumer::common::{Common, MAX_ERROR_BACKOFF};
 use crate::consumer::stop::Stop;
+use crate::consumer::Step;
 use crate::error::backoff;
+use crate::stats::Counter;
 use crate::{
-    Ack, Delivery, Error, Failure, HandlerError, Message, MessageId, MessageSource, Recent,
-    Recovery, Result, RetryPolicy, SourceError, Stage, StageHook, StoreError, TraceParent,
+    Ack, Capabilities, Delivery, Error, Failure, HandlerError, Message, MessageId, Recent,
+    Recovery, Result, Stage, StoreError, TraceParent,
 };
-
-/// The longest wait between tries after a broker or store error.
-const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(30);
 
 /// Added to the rest of a live lease before a busy copy comes back, so it does not come back
 /// a moment too early and find the lease still live.
 const BUSY_MARGIN: Duration = Duration::from_millis(50);
 
-/// An effect consumer's settings and state, which each delivery is applied with.
+/// The effect step: each message leased, called and marked done, then acked. Made by
+/// [`Consumer::effects`](crate::Consumer::effects).
 #[derive(Debug)]
-pub(super) struct Core<L, H> {
-    pub(super) name: String,
-    pub(super) leases: L,
-    pub(super) handler: H,
-    pub(super) lease: Duration,
-    pub(super) retry: RetryPolicy,
-    pub(super) error_backoff: Duration,
-    pub(super) hook: Option<StageHook>,
-    pub(super) stats: Arc<EffectStats>,
-    /// Histogram handles, registered when the consumer starts.
-    pub(super) metrics: EffectMetrics,
+pub struct Effects<L, H> {
+    common: Common,
+    leases: L,
+    handler: H,
+    pub(crate) lease: Duration,
     /// When each recently handed-back message may be tried again.
-    pub(super) not_before: Mutex<Recent<Instant>>,
+    not_before: Mutex<Recent<Instant>>,
 }
 
 /// Why a done transaction did not commit.
@@ -54,17 +47,69 @@ enum DoneFailure {
     Handler(HandlerError),
 }
 
-impl<L, H> Core<L, H>
+impl<L, H> Step for Effects<L, H>
 where
     L: LeaseStore,
     H: EffectHandler<L::Tx>,
 {
-    pub(super) async fn process<S: MessageSource>(
+    fn common(&self) -> &Common {
+        &self.common
+    }
+
+    fn common_mut(&mut self) -> &mut Common {
+        &mut self.common
+    }
+
+    fn check(&self, _: Capabilities) -> Result<()> {
+        if self.lease.is_zero() {
+            return Err(Error::Config(
+                "the lease is 0; use longer than the slowest call".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Leases, calls and settles the messages of a chunk one after the other (each is a call
+    /// out, and its lease is its own). On shutdown the rest of the chunk is handed back; when
+    /// the work in flight is cut short, the call is dropped as a crash would drop it.
+    async fn process<A: Ack>(
         &self,
-        source: &mut S,
-        delivery: Delivery<S::Ack>,
+        chunk: Vec<Delivery<A>>,
         stop: &Stop,
-    ) -> Result<()> {
+    ) -> Result<Vec<(MessageId, A)>> {
+        for delivery in chunk {
+            if stop.stopping() {
+                self.common.hand_back(vec![delivery.ack]).await;
+                continue;
+            }
+            tokio::select! {
+                biased;
+                done = self.process_one(delivery, stop) => done?,
+                () = stop.aborted() => {
+                    warn!(consumer = %self.common.name, "shutdown cut a call short: its lease runs out, and the next attempt asks whether it landed");
+                }
+            }
+        }
+        Ok(Vec::new())
+    }
+}
+
+impl<L, H> Effects<L, H>
+where
+    L: LeaseStore,
+    H: EffectHandler<L::Tx>,
+{
+    pub(crate) fn new(common: Common, leases: L, handler: H) -> Self {
+        Self {
+            common,
+            leases,
+            handler,
+            lease: DEFAULT_LEASE,
+            not_before: Mutex::new(Recent::new(1024)),
+        }
+    }
+
+    async fn process_one<A: Ack>(&self, delivery: Delivery<A>, stop: &Stop) -> Result<()> {
         self.count(Counter::Received);
         let id = match &delivery.message.id {
             Ok(id) => id.clone(),
@@ -80,10 +125,10 @@ where
         let message = &delivery.message;
         let span = info_span!(
             "inbox.effect",
-            consumer = %self.name,
+            consumer = %self.common.name,
             message_id = %escaped(&id),
             position = %message.meta.position.escape_debug(),
-            "messaging.system" = source.system(),
+            "messaging.system" = self.common.system,
             traceparent = Empty,
             token = Empty,
             outcome = Empty,
@@ -114,8 +159,14 @@ where
         let mut outages = 0;
         let (acquired, started) = loop {
             let started = Instant::now();
-            let acquired = self.leases.acquire(&self.name, &id, self.lease).await;
-            self.metrics.acquire.record(started.elapsed().as_secs_f64());
+            let acquired = self
+                .leases
+                .acquire(&self.common.name, &id, self.lease)
+                .await;
+            self.common
+                .metrics
+                .claim
+                .record(started.elapsed().as_secs_f64());
             match acquired {
                 Ok(acquired) => break (acquired, started),
                 Err(e) if e.recovery() == Recovery::Fatal => {
@@ -125,7 +176,7 @@ where
                 Err(e) => {
                     self.count(Counter::Error);
                     outages += 1;
-                    let wait = backoff(self.error_backoff, MAX_ERROR_BACKOFF, outages);
+                    let wait = backoff(self.common.error_backoff, MAX_ERROR_BACKOFF, outages);
                     warn!(error = %e, ?wait, "lease store failed; holding the message and trying again");
                     if stop.pause(wait).await {
                         outcome("handed_back");
@@ -162,7 +213,7 @@ where
             }
             Acquired::Leased(lease) => {
                 Span::current().record("token", lease.token);
-                let effect = Effect::new(&self.name, id, lease, started + self.lease);
+                let effect = Effect::new(&self.common.name, id, lease, started + self.lease);
                 self.stage(Stage::Claimed, effect.id());
                 self.apply(effect, delivery, stop).await
             }
@@ -201,13 +252,13 @@ where
         };
         let settled = match decided {
             Some(settled) => settled,
-            None if effect.attempts() > self.retry.max_attempts => {
+            None if effect.attempts() > self.common.retry.max_attempts => {
                 // Earlier leases ended without an error the consumer saw: crashes or hangs.
                 let reason = format!(
                     "leased {} times, more than the {} attempts allowed (earlier attempts crashed or hung; \
                      one of their calls may have landed under key {})",
                     effect.attempts(),
-                    self.retry.max_attempts,
+                    self.common.retry.max_attempts,
                     effect.idempotency_key().escape_debug()
                 );
                 let not_applied = effect.attempt() == Attempt::AfterNotApplied;
@@ -224,7 +275,10 @@ where
                 let call = self.handler.call(&effect, message).instrument(span);
                 let started = Instant::now();
                 let called = self.bounded(&effect, call).await;
-                self.metrics.call.record(started.elapsed().as_secs_f64());
+                self.common
+                    .metrics
+                    .handler
+                    .record(started.elapsed().as_secs_f64());
                 match called {
                     Ok(()) => {
                         self.stage(Stage::Applied, effect.id());
@@ -274,7 +328,7 @@ where
         // A call failing for good is the provider refusing it, so it did not apply. A lookup
         // that fails says nothing about the earlier call.
         let not_applied = called && (permanent || is_not_applied(&error));
-        if permanent || effect.attempts() >= self.retry.max_attempts {
+        if permanent || effect.attempts() >= self.common.retry.max_attempts {
             let reason = if permanent {
                 format!("handler refused the message: {error}")
             } else {
@@ -289,7 +343,7 @@ where
         }
         self.count(Counter::Retried);
         outcome("retried");
-        let r = &self.retry;
+        let r = &self.common.retry;
         let wait = backoff(r.initial_backoff, r.max_backoff, effect.attempts());
         warn!(attempt = effect.attempts(), error = %error, not_applied, ?wait, "call failed; handed back for a retry");
         self.release(
@@ -316,9 +370,15 @@ where
         loop {
             let started = Instant::now();
             let marked = self.mark_done(&effect, settled, &delivery.message).await;
-            self.metrics.done.record(started.elapsed().as_secs_f64());
+            self.common
+                .metrics
+                .commit
+                .record(started.elapsed().as_secs_f64());
             let wait = match marked {
-                Ok(true) => break,
+                Ok(true) => {
+                    self.count(Counter::Commit);
+                    break;
+                }
                 Ok(false) => {
                     self.count(Counter::Fenced);
                     outcome("fenced");
@@ -333,7 +393,7 @@ where
                 Err(DoneFailure::Store(e)) if e.recovery() == Recovery::Reconnect => {
                     self.count(Counter::Error);
                     outages += 1;
-                    let wait = backoff(self.error_backoff, MAX_ERROR_BACKOFF, outages);
+                    let wait = backoff(self.common.error_backoff, MAX_ERROR_BACKOFF, outages);
                     warn!(error = %e, ?wait, "lease store unreachable; holding the message until it is back");
                     wait
                 }
@@ -343,7 +403,9 @@ where
                         DoneFailure::Store(e) => HandlerError::transient(e),
                     };
                     tries += 1;
-                    if error.failure() == Failure::Permanent || tries >= self.retry.max_attempts {
+                    if error.failure() == Failure::Permanent
+                        || tries >= self.common.retry.max_attempts
+                    {
                         let reason = format!(
                             "the done mark failed {tries} time(s) after the effect was {}: {error}",
                             settled.as_str()
@@ -357,7 +419,7 @@ where
                         // the message, asking first whether this attempt's call landed.
                         self.count(Counter::Retried);
                         outcome("retried");
-                        let r = &self.retry;
+                        let r = &self.common.retry;
                         let wait = backoff(r.initial_backoff, r.max_backoff, effect.attempts());
                         warn!(error = %error, ?wait, "the done mark did not commit within the lease; handed back for the next lease to settle");
                         self.release(&effect, Release::unknown()).await;
@@ -366,7 +428,7 @@ where
                     }
                     self.count(Counter::Retried);
                     warn!(error = %error, tries, "done transaction failed; trying it again");
-                    let r = &self.retry;
+                    let r = &self.common.retry;
                     backoff(r.initial_backoff, r.max_backoff, tries)
                 }
             };
@@ -409,7 +471,7 @@ where
         let mut tx = self.leases.begin().await.map_err(DoneFailure::Store)?;
         let marked = self
             .leases
-            .complete(&mut tx, &self.name, effect.id(), effect.token())
+            .complete(&mut tx, &self.common.name, effect.id(), effect.token())
             .await;
         match marked {
             Ok(true) => {}
@@ -450,10 +512,10 @@ where
         }
     }
 
-    pub(super) async fn release(&self, effect: &Effect, release: Release) {
+    async fn release(&self, effect: &Effect, release: Release) {
         match self
             .leases
-            .release(&self.name, effect.id(), effect.token(), release)
+            .release(&self.common.name, effect.id(), effect.token(), release)
             .await
         {
             Ok(true) => {}
@@ -468,23 +530,11 @@ where
     }
 
     async fn ack<A: Ack>(&self, id: &MessageId, ack: A) {
-        let started = Instant::now();
-        let acked = ack.ack().await;
-        self.metrics.ack.record(started.elapsed().as_secs_f64());
-        match acked {
-            Ok(()) => self.stage(Stage::Acked, id),
-            Err(e) => {
-                self.count(Counter::AckFailure);
-                warn!(consumer = %self.name, message_id = %escaped(id), error = %e, "ack failed after the done mark; the redelivered copy will be skipped");
-            }
-        }
+        self.common.ack_all(vec![(id.clone(), ack)]).await;
     }
 
-    /// Gives a message back to the broker, for redelivery after the error backoff.
-    pub(super) async fn hand_back<A: Ack>(&self, ack: A) {
-        if let Err(e) = ack.nack(self.error_backoff).await {
-            warn!(consumer = %self.name, error = %e, "nack failed; the broker will redeliver on its own");
-        }
+    async fn hand_back<A: Ack>(&self, ack: A) {
+        self.common.hand_back(vec![ack]).await;
     }
 
     /// Gives a message back for redelivery after `wait`, and remembers not to try it sooner.
@@ -493,9 +543,7 @@ where
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id.to_string(), Instant::now() + wait);
-        if let Err(e) = ack.nack(wait).await {
-            warn!(consumer = %self.name, error = %e, "nack failed; the broker will redeliver on its own");
-        }
+        self.common.nack(ack, wait).await;
     }
 
     /// How much longer a message handed back with a delay must wait, if it came back early.
@@ -507,30 +555,62 @@ where
         (!wait.is_zero()).then_some(wait)
     }
 
-    /// How long to wait before receiving again after `e`, or the error that stops the consumer.
-    pub(super) fn source_failed(&self, e: SourceError, failures: u32) -> Result<Duration> {
-        self.count(Counter::Error);
-        if e.recovery() == Recovery::Fatal {
-            return Err(Error::Source(e));
+    /// Dead-letters a message this attempt holds the lease of, then releases the lease (as
+    /// dead-lettered when parked, so a replay starts a fresh budget).
+    async fn dead_letter_leased<A: Ack>(
+        &self,
+        effect: &Effect,
+        delivery: Delivery<A>,
+        reason: String,
+        not_applied: bool,
+    ) -> Result<()> {
+        let parked = self.park(Some(effect.id()), delivery, reason).await;
+        let release = Release {
+            not_applied,
+            dead_lettered: matches!(parked, Ok(true)),
+        };
+        self.release(effect, release).await;
+        parked.map(drop)
+    }
+
+    async fn dead_letter<A: Ack>(
+        &self,
+        id: Option<&MessageId>,
+        delivery: Delivery<A>,
+        reason: String,
+    ) -> Result<()> {
+        self.park(id, delivery, reason).await.map(drop)
+    }
+
+    /// Parks and acks the message; `Ok(false)` when that failed and the message comes back.
+    async fn park<A: Ack>(
+        &self,
+        id: Option<&MessageId>,
+        delivery: Delivery<A>,
+        reason: String,
+    ) -> Result<bool> {
+        let parked = self.common.dead_letter(id, delivery, reason).await;
+        if let Ok(parked) = parked {
+            outcome(if parked {
+                "dead_lettered"
+            } else {
+                "handed_back"
+            });
         }
-        let wait = backoff(self.error_backoff, MAX_ERROR_BACKOFF, failures);
-        warn!(consumer = %self.name, error = %e, ?wait, "receive failed; retrying");
-        Ok(wait)
+        parked
     }
 
     fn stage(&self, stage: Stage, id: &MessageId) {
-        if let Some(hook) = &self.hook {
-            hook.call(stage, id);
-        }
+        self.common.stage(stage, id);
     }
 
-    pub(super) fn count(&self, counter: Counter) {
-        self.stats.add(&self.name, counter);
+    fn count(&self, counter: Counter) {
+        self.common.count(counter, 1);
     }
 }
 
 /// Records how the current message's `inbox.effect` span ended.
-pub(super) fn outcome(outcome: &'static str) {
+fn outcome(outcome: &'static str) {
     Span::current().record("outcome", outcome);
 }
 

@@ -51,7 +51,7 @@ pub struct Release {
 }
 
 /// Rows of processing and done messages, one per consumer and message ID, with a lease and a
-/// fencing token: what an [`EffectConsumer`](super::EffectConsumer) keeps its state in.
+/// fencing token: what [`Consumer::effects`](crate::Consumer::effects) keeps its state in.
 ///
 /// The fencing token is what keeps a zombie out: every new lease on a row gets a higher token,
 /// and [`complete`](Self::complete) marks the row done only if the caller's token is still the

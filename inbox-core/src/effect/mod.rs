@@ -2,7 +2,7 @@
 //!
 //! [`Consumer`](crate::Consumer) makes a handler effectively-once by committing its writes in the
 //! transaction that records the message ID. A call out of the process cannot join that
-//! transaction, so [`EffectConsumer`] keeps a row per message in two states, processing and
+//! transaction, so [`Consumer::effects`](crate::Consumer::effects) keeps a row per message in two states, processing and
 //! done, with a lease:
 //!
 //! 1. **Lease.** The row is inserted as *processing* with `locked_until` (the lease) and a
@@ -33,6 +33,42 @@
 //! [`record`](EffectHandler::record) still running when the lease ends is dropped, its
 //! transaction rolled back, and the message handed back for the next lease to settle.
 //!
+//! # Each delivery
+//!
+//! 1. a message without a usable ID is dead-lettered with the reason, then acked;
+//! 2. [`LeaseStore::acquire`] takes a lease, committed on its own. Done: skipped and acked.
+//!    Another lease live: handed back with a nack delayed by the rest of that lease; neither
+//!    acked nor counted as an attempt. When the broker cannot delay (Kafka rewinds at once,
+//!    Redis leaves it pending until `claim_idle`) and the copy comes back early, the consumer
+//!    waits out the rest of the lease before asking again, so nothing spins;
+//! 3. after an unknown outcome ([`Attempt::AfterExpiry`]) the handler's status lookup
+//!    ([`EffectHandler::landed`]) and then its [`OnUnknown`] decide between calling again and
+//!    marking done without a call;
+//! 4. the call runs until the lease ends at most; its outcome decides:
+//!    - `Ok`: the done transaction ([`LeaseStore::complete`], then [`EffectHandler::record`],
+//!      then commit) and the ack. A done mark refused because a newer lease took over (this
+//!      attempt was a zombie) rolls back and hands the delivery back: the newer holder
+//!      finishes it, and the copy is later skipped as done. A done transaction that fails is
+//!      tried again while the lease lasts; once it has run out (a `record` still running then
+//!      is dropped), the lease is released and the message handed back with the retry
+//!      backoff, for the next lease to settle;
+//!    - a transient error (or a panic, or the lease running out): the lease is released and the
+//!      message handed back with the retry backoff, to be leased again; after
+//!      [`RetryPolicy::max_attempts`](crate::RetryPolicy::max_attempts) attempts it is
+//!      dead-lettered;
+//!    - a permanent error: dead-lettered at once.
+//!
+//! The budget is counted in leases, in the store: every lease is an attempt, whether it ended
+//! in an error, a crash or a hang, so a message that kills the process is dead-lettered after
+//! `max_attempts` leases too. A copy handed back because of a live lease takes no lease and
+//! uses up nothing. The broker's own counters do not see the difference: set a broker-side
+//! limit (an SQS `maxReceiveCount`, a quorum queue's delivery limit) well above `max_attempts`,
+//! or a message held by a slow call elsewhere is dead-lettered by the broker.
+//!
+//! While the store cannot be reached, the message is held and tried again with a backoff
+//! doubling up to 30 s. Everything else (lanes, health, shutdown, the counters) is the one
+//! [`Consumer`](crate::Consumer)'s.
+//!
 //! # Which provider, which choice
 //!
 //! | the provider has | implement | after an unknown outcome | result |
@@ -52,8 +88,8 @@
 //! ```no_run
 //! use std::time::Duration;
 //!
-//! use inbox_core::effect::{not_applied, Effect, EffectConsumer, EffectHandler, LeaseStore, OnUnknown};
-//! use inbox_core::{async_trait, HandlerError, Message, MessageSource};
+//! use inbox_core::effect::{not_applied, Effect, EffectHandler, LeaseStore, OnUnknown};
+//! use inbox_core::{async_trait, Consumer, HandlerError, Message, MessageSource};
 //!
 //! /// Sends each invoice through an email provider that takes idempotency keys.
 //! struct SendInvoice;
@@ -79,7 +115,7 @@
 //!
 //! async fn run<S: MessageSource, L: LeaseStore>(source: S, leases: L) -> inbox_core::Result<()> {
 //!     // `leases`: `inbox_postgres::PgLeases`, say.
-//!     EffectConsumer::new("invoices", source, leases, SendInvoice)
+//!     Consumer::effects("invoices", source, leases, SendInvoice)
 //!         .lease(Duration::from_secs(30)) // longer than the slowest call
 //!         .run() // until Ctrl-C
 //!         .await?;
@@ -89,26 +125,22 @@
 //!
 //! # Telemetry
 //!
-//! Counters go through the `metrics` facade as `inbox_effects_<counter>_total` (see
-//! [`EffectStatsSnapshot`]), and durations as the histograms [`ACQUIRE_DURATION`],
-//! [`CALL_DURATION`], [`DONE_DURATION`] and [`ACK_DURATION`], all labelled by consumer and
-//! described when the consumer starts ([`describe_effect_metrics`]). Each message gets an
+//! The counters and histograms are the consumer's (see [`telemetry`](crate::telemetry)): a
+//! lease statement is timed as the claim, a call as the handler, a done transaction as the
+//! commit; [`StatsSnapshot`](crate::StatsSnapshot) adds the effect counters `confirmed`,
+//! `skipped_unknown`, `busy` and `fenced` (`inbox_effects_<counter>_total`). Each message gets an
 //! `inbox.effect` span with the consumer, message ID, broker position, `messaging.system`, the
 //! message's `traceparent` (when it has a valid one), the lease's `token` and the `outcome`;
 //! inside it, `inbox.effect.call` spans each call and `inbox.effect.landed` each status lookup.
 
 mod apply;
-mod consumer;
-mod dead_letter;
 mod lease;
-mod stats;
 
-pub use consumer::{EffectConsumer, DEFAULT_LEASE};
+pub use apply::Effects;
 pub use lease::{Acquired, Lease, LeaseStore, Release};
-pub use stats::{
-    describe_effect_metrics, EffectStats, EffectStatsSnapshot, ACK_DURATION, ACQUIRE_DURATION,
-    CALL_DURATION, DONE_DURATION,
-};
+
+/// The lease [`Consumer::effects`](crate::Consumer::effects) starts with.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
 use std::fmt;
 use std::time::Duration;
@@ -257,7 +289,7 @@ impl Effect {
     }
 }
 
-/// Calls a provider once per message, through an [`EffectConsumer`].
+/// Calls a provider once per message, through [`Consumer::effects`](crate::Consumer::effects).
 ///
 /// The handler gets nothing that could ack the message: the consumer acks only after the done
 /// mark committed.

@@ -78,13 +78,29 @@ pub const ACK_FAILURES: &str = "inbox_ack_failures_total";
 pub const COMMITS: &str = "inbox_commits_total";
 /// Counter: broker or store errors the consumer recovered from.
 pub const ERRORS: &str = "inbox_errors_total";
+/// Counter ([`Consumer::effects`](crate::Consumer::effects)): messages marked done without a
+/// call because the status lookup said an earlier call landed.
+pub const EFFECTS_CONFIRMED: &str = "inbox_effects_confirmed_total";
+/// Counter ([`Consumer::effects`](crate::Consumer::effects)): messages marked done without a
+/// call after an unknown outcome, as `OnUnknown::Skip` says: each may be a lost effect.
+pub const EFFECTS_SKIPPED_UNKNOWN: &str = "inbox_effects_skipped_unknown_total";
+/// Counter ([`Consumer::effects`](crate::Consumer::effects)): copies handed back because
+/// another lease on their message was live.
+pub const EFFECTS_BUSY: &str = "inbox_effects_busy_total";
+/// Counter ([`Consumer::effects`](crate::Consumer::effects)): done marks refused because a
+/// newer lease had taken over.
+pub const EFFECTS_FENCED: &str = "inbox_effects_fenced_total";
 /// Histogram: messages per store transaction.
 pub const BATCH_SIZE: &str = "inbox_batch_size";
-/// Histogram: seconds the claim statement of one transaction took.
+/// Histogram: seconds the claim statement of one transaction took (for
+/// [`Consumer::effects`](crate::Consumer::effects): one lease statement).
 pub const CLAIM_DURATION: &str = "inbox_claim_duration_seconds";
-/// Histogram: seconds one handler call took.
+/// Histogram: seconds one handler call took (for
+/// [`Consumer::effects`](crate::Consumer::effects): one provider call, failed calls and calls
+/// cut at the end of their lease included).
 pub const HANDLER_DURATION: &str = "inbox_handler_duration_seconds";
-/// Histogram: seconds one commit took.
+/// Histogram: seconds one commit took (for [`Consumer::effects`](crate::Consumer::effects):
+/// one done transaction, with the done mark and `EffectHandler::record`).
 pub const COMMIT_DURATION: &str = "inbox_commit_duration_seconds";
 /// Histogram: seconds one broker ack round-trip took.
 pub const ACK_DURATION: &str = "inbox_ack_duration_seconds";
@@ -131,6 +147,22 @@ pub fn describe_metrics() {
         (
             ERRORS,
             "Broker or store errors the consumer recovered from.",
+        ),
+        (
+            EFFECTS_CONFIRMED,
+            "Effects marked done without a call: an earlier call landed.",
+        ),
+        (
+            EFFECTS_SKIPPED_UNKNOWN,
+            "Effects marked done without a call after an unknown outcome: maybe lost.",
+        ),
+        (
+            EFFECTS_BUSY,
+            "Copies handed back while another lease on their message was live.",
+        ),
+        (
+            EFFECTS_FENCED,
+            "Done marks refused because a newer lease had taken over.",
         ),
     ];
     for (name, help) in counters {

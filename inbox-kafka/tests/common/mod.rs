@@ -16,7 +16,7 @@ pub use inbox_conformance::unique_name as random;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use inbox_core::{Consumer, InboxStore, PerMessage, Stats, StatsSnapshot};
+use inbox_core::{Consumer, Inbox, InboxStore, PerMessage, Stats, StatsSnapshot};
 use inbox_kafka::{KafkaProducer, KafkaSource, Record};
 use inbox_postgres::PgTx;
 use inbox_testkit::wallet::{self, Credit, CreditEvent, Summary};
@@ -106,7 +106,7 @@ impl Running {
         Self::spawn(consumer)
     }
 
-    pub fn spawn<St>(consumer: Consumer<KafkaSource, St, PerMessage<Credit>>) -> Self
+    pub fn spawn<St>(consumer: Consumer<KafkaSource, Inbox<St, PerMessage<Credit>>>) -> Self
     where
         St: InboxStore<Tx = PgTx>,
     {

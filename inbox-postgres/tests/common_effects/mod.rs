@@ -8,10 +8,8 @@
 use std::future::Future;
 use std::time::Duration;
 
-use inbox_core::effect::{
-    not_applied, Effect, EffectConsumer, EffectHandler, Landed, OnUnknown, Settled,
-};
-use inbox_core::{async_trait, HandlerError, Message, MessageId, MessageSource};
+use inbox_core::effect::{not_applied, Effect, EffectHandler, Effects, Landed, OnUnknown, Settled};
+use inbox_core::{async_trait, Consumer, HandlerError, Message, MessageId, MessageSource};
 use inbox_postgres::{PgLeases, PgTx};
 use inbox_testkit::provider::{CallStatus, ProviderClient, ProviderMode, TestProvider};
 use inbox_testkit::{fast_retry, TestDb};
@@ -150,8 +148,8 @@ impl Env {
         &self,
         source: S,
         handler: Notify,
-    ) -> EffectConsumer<S, PgLeases, Notify> {
-        EffectConsumer::new(CONSUMER, source, self.leases.clone(), handler)
+    ) -> Consumer<S, Effects<PgLeases, Notify>> {
+        Consumer::effects(CONSUMER, source, self.leases.clone(), handler)
             .lease(LEASE)
             .retry(fast_retry(5))
     }
@@ -162,8 +160,8 @@ impl Env {
         crash: &Crash,
         source: S,
         handler: Notify,
-    ) -> EffectConsumer<Crashing<S>, Crashing<PgLeases>, Crashing<Notify>> {
-        EffectConsumer::new(
+    ) -> Consumer<Crashing<S>, Effects<Crashing<PgLeases>, Crashing<Notify>>> {
+        Consumer::effects(
             CONSUMER,
             crash.source(source),
             crash.leases(self.leases.clone()),

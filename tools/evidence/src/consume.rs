@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{
-    async_trait, BatchHandler, BatchItem, Consumer, Handler, HandlerError, InboxStore, Message,
-    MessageId, MessageSource, Stage, StageHook, StatsSnapshot,
+    async_trait, BatchHandler, BatchItem, Consumer, Handler, HandlerError, Inbox, InboxStore,
+    Message, MessageId, MessageSource, Stage, StageHook, StatsSnapshot,
 };
 use inbox_postgres::PgTx;
 use inbox_testkit::wallet::{self, BatchCredit, Credit, CreditEvent};
@@ -132,7 +132,7 @@ pub(crate) async fn run<S: MessageSource + 'static>(
 
 /// Sets `spec`'s batch size, lanes and hooks on `consumer` and runs it until `shutdown`.
 async fn finish<S, St, H>(
-    consumer: Consumer<S, St, H>,
+    consumer: Consumer<S, Inbox<St, H>>,
     spec: &ConsumerSpec,
     progress: Option<Arc<Progress>>,
     shutdown: Shutdown,

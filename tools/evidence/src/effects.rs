@@ -1,7 +1,7 @@
 //! `effects-test`: side effects outside the database, counted at the provider.
 //!
 //! Per broker and provider mode: publish N events, run an effect consumer child (an
-//! `EffectConsumer` on `PgLeases`) that calls a `TestProvider` running in this process over
+//! `Consumer::effects` on `PgLeases`) that calls a `TestProvider` running in this process over
 //! HTTP, SIGKILL the child every 1–4 s and start another, then let a last child drain. The
 //! provider counts effects per idempotency key: duplicates are effects beyond one per event,
 //! losses events without one. The first call of each key is slow (it applies after `--work-ms`,

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::effect::{not_applied, Effect, EffectConsumer, EffectHandler, Landed, OnUnknown};
+use inbox_core::effect::{not_applied, Effect, EffectHandler, Landed, OnUnknown};
 use inbox_core::{
     async_trait, BoxError, Consumer, Handler, HandlerError, Message, MessageId, MessageSource,
     Publish,
@@ -174,7 +174,7 @@ pub(crate) async fn run<S: MessageSource + 'static>(
             };
             let leases = PgLeases::new(db.inbox())?;
             crate::ready();
-            EffectConsumer::new(EFFECT_CONSUMER, source, leases, handler)
+            Consumer::effects(EFFECT_CONSUMER, source, leases, handler)
                 .lease(LEASE)
                 .retry(fast_retry(10))
                 .error_backoff(Duration::from_millis(100))

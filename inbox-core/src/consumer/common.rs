@@ -1,0 +1,165 @@
+//! What every consumer shares, whichever step it runs (the inbox's claim and commit, or an
+//! effect's lease and call): its name, retry policy, counters, stage hook and health, and the
+//! ways a message is settled: acked, handed back, or dead-lettered.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, info, warn, Instrument};
+
+use super::RetryPolicy;
+use crate::error::backoff;
+use crate::stats::Counter;
+use crate::telemetry::{self, dead_letter_span, seconds_since, ConsumerMetrics};
+use crate::{
+    Ack, Delivery, Error, Health, MessageId, Recovery, Result, SourceError, Stage, StageHook, Stats,
+};
+
+/// The longest wait between tries after a broker or store error.
+pub(crate) const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(30);
+
+#[derive(Debug)]
+pub(crate) struct Common {
+    pub(crate) name: String,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) error_backoff: Duration,
+    pub(crate) hook: Option<StageHook>,
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) health: Health,
+    /// The source's `messaging.system`, for spans; set when the consumer starts.
+    pub(crate) system: &'static str,
+    /// Histogram and gauge handles; registered when the consumer starts.
+    pub(crate) metrics: ConsumerMetrics,
+}
+
+impl Common {
+    pub(crate) fn new(name: String) -> Self {
+        Self {
+            name,
+            retry: RetryPolicy::default(),
+            error_backoff: Duration::from_millis(500),
+            hook: None,
+            stats: Arc::new(Stats::default()),
+            health: Health::default(),
+            system: "unknown",
+            metrics: ConsumerMetrics::default(),
+        }
+    }
+
+    pub(crate) fn count(&self, counter: Counter, n: usize) {
+        self.stats.add(&self.name, counter, n as u64);
+    }
+
+    pub(crate) fn stage(&self, stage: Stage, id: &MessageId) {
+        if let Some(hook) = &self.hook {
+            hook.call(stage, id);
+        }
+    }
+
+    pub(crate) fn skipped(&self, id: &MessageId) {
+        self.count(Counter::SkippedDuplicate, 1);
+        debug!(consumer = %self.name, message_id = %id.as_str().escape_debug(), outcome = "skipped_duplicate", "skipped a duplicate");
+    }
+
+    /// Acks settled messages, in one call where the broker allows. An ack that fails is logged
+    /// and counted, not fatal: the redelivered copy finds its ID and is skipped.
+    pub(crate) async fn ack_all<A: Ack>(&self, acks: Vec<(MessageId, A)>) {
+        if acks.is_empty() {
+            return;
+        }
+        let n = acks.len();
+        let (ids, acks): (Vec<_>, Vec<_>) = acks.into_iter().unzip();
+        let span = telemetry::settle_span(&self.name, self.system, "ack", n);
+        let started = Instant::now();
+        let acked = A::ack_all(acks).instrument(span).await;
+        self.metrics.ack.record(seconds_since(started));
+        match acked {
+            Ok(()) => {
+                for id in &ids {
+                    self.stage(Stage::Acked, id);
+                }
+            }
+            Err(e) => {
+                self.count(Counter::AckFailure, n);
+                warn!(consumer = %self.name, messages = n, error = %e, "ack failed after commit; redelivered copies will be skipped as duplicates");
+            }
+        }
+    }
+
+    /// Gives messages back to the broker unapplied, for redelivery after the error backoff.
+    pub(crate) async fn hand_back<A: Ack>(&self, acks: Vec<A>) {
+        if acks.is_empty() {
+            return;
+        }
+        info!(consumer = %self.name, messages = acks.len(), "handing messages back to the broker");
+        let span = telemetry::settle_span(&self.name, self.system, "nack", acks.len());
+        async {
+            for ack in acks {
+                self.nack(ack, self.error_backoff).await;
+            }
+        }
+        .instrument(span)
+        .await;
+    }
+
+    /// Gives one message back for redelivery after `wait`.
+    pub(crate) async fn nack<A: Ack>(&self, ack: A, wait: Duration) {
+        if let Err(e) = ack.nack(wait).await {
+            warn!(consumer = %self.name, error = %e, "nack failed; the broker will redeliver on its own");
+        }
+    }
+
+    /// How long to wait before receiving again after `e`, or the error that stops the consumer.
+    pub(crate) fn source_failed(&self, e: SourceError, failures: u32) -> Result<Duration> {
+        self.count(Counter::Error, 1);
+        if e.recovery() == Recovery::Fatal {
+            return Err(Error::Source(e));
+        }
+        let wait = backoff(self.error_backoff, MAX_ERROR_BACKOFF, failures);
+        warn!(consumer = %self.name, error = %e, ?wait, "receive failed; retrying");
+        Ok(wait)
+    }
+
+    /// Parks the message on the source's dead-letter destination and acks it; `true` when it
+    /// was parked, `false` when the dead letter failed and the message comes back from the
+    /// broker.
+    pub(crate) async fn dead_letter<A: Ack>(
+        &self,
+        id: Option<&MessageId>,
+        delivery: Delivery<A>,
+        reason: String,
+    ) -> Result<bool> {
+        let span = dead_letter_span(&self.name, self.system, id, &delivery.message);
+        self.park(id, delivery, reason).instrument(span).await
+    }
+
+    /// [`Common::dead_letter`], inside its span.
+    async fn park<A: Ack>(
+        &self,
+        id: Option<&MessageId>,
+        delivery: Delivery<A>,
+        reason: String,
+    ) -> Result<bool> {
+        let shown = id.map_or_else(
+            || "(no ID)".to_owned(),
+            |id| id.as_str().escape_debug().to_string(),
+        );
+        let Delivery { message, ack } = delivery;
+        match ack.dead_letter(&message, &reason).await {
+            Ok(()) => {
+                self.count(Counter::DeadLettered, 1);
+                warn!(consumer = %self.name, message_id = %shown, position = %message.meta.position.escape_debug(), outcome = "dead_lettered", %reason, "dead-lettered {shown}");
+                Ok(true)
+            }
+            Err(e) => {
+                self.count(Counter::Error, 1);
+                // The handle left the delivery unacked: it comes back and is tried again.
+                tracing::error!(consumer = %self.name, message_id = %shown, error = %e, %reason, "dead-letter failed; the message is not acked and comes back from the broker");
+                if e.recovery() == Recovery::Fatal {
+                    return Err(Error::Source(e));
+                }
+                Ok(false)
+            }
+        }
+    }
+}
