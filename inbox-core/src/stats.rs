@@ -22,6 +22,7 @@ pub struct Stats {
 
 /// A copy of [`Stats`] at one moment.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StatsSnapshot {
     /// Deliveries taken from the broker.
     pub received: u64,

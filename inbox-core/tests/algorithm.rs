@@ -55,11 +55,9 @@ fn publish_in_lane(broker: &MemoryBroker, lane: &str, id: Option<&str>, amount: 
 }
 
 fn fast(max_attempts: u32) -> RetryPolicy {
-    RetryPolicy {
-        max_attempts,
-        initial_backoff: Duration::from_millis(1),
-        max_backoff: Duration::from_millis(2),
-    }
+    RetryPolicy::default()
+        .max_attempts(max_attempts)
+        .backoff(Duration::from_millis(1), Duration::from_millis(2))
 }
 
 /// Runs consumers (restarting after each crash) until the queue is empty; returns the crashes.

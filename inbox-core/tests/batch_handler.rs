@@ -61,11 +61,11 @@ async fn run(place_failures: bool, panic_on_13: bool) -> (Vec<i64>, Vec<String>,
     };
     let stats = Consumer::batched("sums", broker.source(), store.clone(), handler)
         .batch_size(32)
-        .retry(RetryPolicy {
-            max_attempts: 2,
-            initial_backoff: Duration::from_millis(1),
-            max_backoff: Duration::from_millis(2),
-        })
+        .retry(
+            RetryPolicy::default()
+                .max_attempts(2)
+                .backoff(Duration::from_millis(1), Duration::from_millis(2)),
+        )
         .run_until_idle()
         .await
         .unwrap();

@@ -85,11 +85,11 @@ async fn second_copy_in_one_chunk(how: Redelivery) {
         .parallel_lanes(2)
         // The hand-back's delay: `bad` is ready again at once.
         .error_backoff(Duration::from_millis(1))
-        .retry(RetryPolicy {
-            max_attempts: 3,
-            initial_backoff: Duration::from_secs(30),
-            max_backoff: Duration::from_secs(30),
-        });
+        .retry(
+            RetryPolicy::default()
+                .max_attempts(3)
+                .backoff(Duration::from_secs(30), Duration::from_secs(30)),
+        );
     let running = tokio::spawn(consumer.run_until(async {
         let _ = failed.await;
     }));

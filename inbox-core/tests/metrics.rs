@@ -148,10 +148,7 @@ async fn the_consumer_records_its_metrics_labelled_and_described() {
     let store = MemoryStore::<i64>::new();
     let consumer = Consumer::new("metered", broker.source(), store.clone(), Add)
         .batch_size(10)
-        .retry(inbox_core::RetryPolicy {
-            max_attempts: 1,
-            ..Default::default()
-        });
+        .retry(inbox_core::RetryPolicy::default().max_attempts(1));
     let health = consumer.health();
     let stats = consumer.run_until_idle().await.expect("runs");
     assert_eq!(store.state().await, 6);

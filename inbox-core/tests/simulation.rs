@@ -584,11 +584,11 @@ async fn live<H: BatchHandler<SimTx>>(
     let mut consumer = consumer
         .batch_size(life.batch)
         .parallel_lanes(life.lanes)
-        .retry(RetryPolicy {
-            max_attempts: life.attempts,
-            initial_backoff: Duration::from_millis(20),
-            max_backoff: Duration::from_millis(200),
-        })
+        .retry(
+            RetryPolicy::default()
+                .max_attempts(life.attempts)
+                .backoff(Duration::from_millis(20), Duration::from_millis(200)),
+        )
         .error_backoff(Duration::from_millis(20))
         .shutdown_timeout(life.shutdown);
     if let Some(n) = life.max_deliveries {

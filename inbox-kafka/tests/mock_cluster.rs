@@ -453,11 +453,9 @@ async fn member(brokers: &str, topic: &str) -> KafkaSource {
 
 /// Retries far enough apart that a stop always comes during the wait.
 fn retry_later() -> inbox_core::RetryPolicy {
-    inbox_core::RetryPolicy {
-        max_attempts: 5,
-        initial_backoff: Duration::from_secs(30),
-        max_backoff: Duration::from_secs(30),
-    }
+    inbox_core::RetryPolicy::default()
+        .max_attempts(5)
+        .backoff(Duration::from_secs(30), Duration::from_secs(30))
 }
 
 /// A restarted member of `topic` applying everything over `lanes`, until `done` holds of the

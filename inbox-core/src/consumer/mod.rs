@@ -27,7 +27,17 @@ use crate::{
 
 /// How often a failing handler is tried before its message is dead-lettered, and how long to
 /// wait between tries.
+///
+/// ```
+/// use std::time::Duration;
+/// # use inbox_core::RetryPolicy;
+/// let policy = RetryPolicy::default()
+///     .max_attempts(5)
+///     .backoff(Duration::from_millis(200), Duration::from_secs(10));
+/// assert_eq!(policy.max_attempts, 5);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RetryPolicy {
     /// Handler attempts per delivery, the first included. At least 1.
     pub max_attempts: u32,
@@ -35,6 +45,24 @@ pub struct RetryPolicy {
     pub initial_backoff: Duration,
     /// The longest wait between attempts.
     pub max_backoff: Duration,
+}
+
+impl RetryPolicy {
+    /// `n` handler attempts per delivery, the first included (default 3).
+    #[must_use]
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = n;
+        self
+    }
+
+    /// Waits `initial` before the second attempt (default 100 ms), doubling for each further
+    /// one up to `max` (default 5 s).
+    #[must_use]
+    pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.initial_backoff = initial;
+        self.max_backoff = max;
+        self
+    }
 }
 
 impl Default for RetryPolicy {
@@ -89,6 +117,7 @@ impl Default for RetryPolicy {
 /// [`Inbox`] for [`Consumer::new`] and [`Consumer::batched`], [`Effects`] for
 /// [`Consumer::effects`].
 #[derive(Debug)]
+#[must_use = "a consumer does nothing until it is run"]
 pub struct Consumer<S, W> {
     source: S,
     step: W,
