@@ -101,5 +101,5 @@ use recent::Recent;
 pub use redact::{is_secret_setting, redact_url, REDACTED};
 pub use source::{dead_letter, Ack, Capabilities, Delivery, MessageSource};
 pub use stats::{Stats, StatsSnapshot};
-pub use store::InboxStore;
+pub use store::{InboxStore, Transaction};
 pub use telemetry::{describe_metrics, TraceParent};

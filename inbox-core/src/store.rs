@@ -1,4 +1,5 @@
-//! What an inbox store implements: a transaction in which message IDs are claimed.
+//! What an inbox store implements: a transaction in which message IDs are claimed, and the
+//! transaction itself, which ends itself.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -6,6 +7,35 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::{InvalidId, MessageId, StoreError};
+
+/// An open store transaction, consumed by its end: [`commit`](Transaction::commit) or
+/// [`rollback`](Transaction::rollback), as `sqlx::Transaction` is. One type for the inbox's
+/// claims ([`InboxStore::Tx`]) and an effect's done mark
+/// ([`LeaseStore::Tx`](crate::effect::LeaseStore::Tx)). Dropped without either (a crash, a
+/// cancelled future), it must leave nothing behind.
+#[async_trait]
+pub trait Transaction: Send + 'static {
+    /// Commits. A transaction the database has already aborted (a handler caught an SQL error
+    /// and returned `Ok`) must fail here with [`Recovery::Retry`](crate::Recovery::Retry), never
+    /// report success: the consumer then isolates the message and retries or dead-letters it,
+    /// instead of acking a message whose effects were rolled back.
+    async fn commit(self) -> Result<(), StoreError>;
+
+    /// Rolls back.
+    async fn rollback(self) -> Result<(), StoreError>;
+}
+
+/// No transaction: for a lease store with nothing to write beside its done mark, and for
+/// tests.
+#[async_trait]
+impl Transaction for () {
+    async fn commit(self) -> Result<(), StoreError> {
+        Ok(())
+    }
+    async fn rollback(self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
 
 /// A transactional store that remembers which message IDs each consumer has applied.
 ///
@@ -22,8 +52,8 @@ use crate::{InvalidId, MessageId, StoreError};
 /// retries it alone), `Fatal` when nothing will work until someone fixes it.
 #[async_trait]
 pub trait InboxStore: Send + Sync + 'static {
-    /// An open transaction, handed to the handler.
-    type Tx: Send;
+    /// An open transaction, handed to the handler; it commits or rolls back itself.
+    type Tx: Transaction;
 
     /// Opens a transaction.
     async fn begin(&self) -> Result<Self::Tx, StoreError>;
@@ -51,15 +81,6 @@ pub trait InboxStore: Send + Sync + 'static {
         }
         Ok(claimed)
     }
-
-    /// Commits `tx`. A transaction the database has already aborted (a handler caught an SQL
-    /// error and returned `Ok`) must fail here with [`Recovery::Retry`](crate::Recovery::Retry),
-    /// never report success: the consumer then isolates the message and retries or
-    /// dead-letters it, instead of acking a message whose effects were rolled back.
-    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError>;
-
-    /// Rolls `tx` back.
-    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError>;
 
     /// Refuses an ID this store cannot keep (a non-UUID for a uuid key column, say), before any
     /// transaction; the consumer dead-letters such a message. The default accepts every ID.
@@ -100,12 +121,6 @@ impl<S: InboxStore> InboxStore for Arc<S> {
         ids: &[MessageId],
     ) -> Result<Vec<bool>, StoreError> {
         (**self).claim_many(tx, consumer, ids).await
-    }
-    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        (**self).commit(tx).await
-    }
-    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        (**self).rollback(tx).await
     }
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         (**self).check_id(id)

@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 use inbox_core::{
     async_trait, Ack, BatchHandler, BatchItem, Capabilities, Consumer, Delivery, Handler,
     HandlerError, Inbox, InboxStore, Message, MessageId, MessageSource, Recovery, RetryPolicy,
-    SourceError, StoreError,
+    SourceError, StoreError, Transaction,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -417,6 +417,7 @@ struct SimStore {
 
 #[derive(Debug)]
 struct SimTx {
+    world: Shared,
     _turn: tokio::sync::OwnedMutexGuard<()>,
     claims: Vec<String>,
     applied: Vec<String>,
@@ -438,6 +439,7 @@ impl InboxStore for SimStore {
             return Err(store_error(Recovery::Reconnect, "begin"));
         }
         Ok(SimTx {
+            world: Arc::clone(&self.world),
             _turn: turn,
             claims: Vec::new(),
             applied: Vec::new(),
@@ -462,8 +464,11 @@ impl InboxStore for SimStore {
         }
         Ok(new)
     }
+}
 
-    async fn commit(&self, tx: SimTx) -> Result<(), StoreError> {
+#[async_trait]
+impl Transaction for SimTx {
+    async fn commit(self) -> Result<(), StoreError> {
         let mut w = world(&self.world);
         let roll: f64 = if w.faults { w.rng.random() } else { 1.0 };
         if roll < 0.02 {
@@ -474,8 +479,8 @@ impl InboxStore for SimStore {
             w.note("connection lost before the commit".into());
             return Err(store_error(Recovery::Reconnect, "commit"));
         }
-        for id in &tx.applied {
-            if !tx.claims.contains(id) {
+        for id in &self.applied {
+            if !self.claims.contains(id) {
                 w.violation(format!("{id} applied without its claim in the transaction"));
             }
             let n = {
@@ -487,8 +492,8 @@ impl InboxStore for SimStore {
                 w.violation(format!("{id} applied {n} times"));
             }
         }
-        w.claims.extend(tx.claims.iter().cloned());
-        w.note(format!("committed claims {:?}", tx.claims));
+        w.claims.extend(self.claims.iter().cloned());
+        w.note(format!("committed claims {:?}", self.claims));
         if roll < 0.06 {
             w.note("connection lost after the commit: outcome unknown".into());
             return Err(store_error(Recovery::Reconnect, "commit"));
@@ -496,7 +501,7 @@ impl InboxStore for SimStore {
         Ok(())
     }
 
-    async fn rollback(&self, _tx: SimTx) -> Result<(), StoreError> {
+    async fn rollback(self) -> Result<(), StoreError> {
         Ok(())
     }
 }

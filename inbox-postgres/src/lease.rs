@@ -470,14 +470,6 @@ impl LeaseStore for PgLeases {
         }
     }
 
-    async fn commit(&self, tx: PgTx) -> Result<(), StoreError> {
-        InboxStore::commit(&self.inbox, tx).await
-    }
-
-    async fn rollback(&self, tx: PgTx) -> Result<(), StoreError> {
-        InboxStore::rollback(&self.inbox, tx).await
-    }
-
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         match self.inbox.key_mode() {
             KeyMode::Uuid => parse_uuid(id).map(|_| ()),

@@ -62,6 +62,7 @@ mod relay;
 mod retention;
 mod store;
 mod table;
+mod tx;
 
 pub use error::{Error, Result};
 pub use lease::{PgLeases, DEFAULT_LEASE_LOCK_TIMEOUT};
@@ -74,10 +75,11 @@ pub use relay::{OutboxRelay, RelayError, RelayStats};
 pub use retention::{
     spawn_purger, ConsumerWindow, PurgeReport, Storage, DEFAULT_PURGE_BATCH, OLDEST_AGE_GAUGE,
 };
-pub use store::{PgInbox, PgTx};
+pub use store::PgInbox;
 pub use table::{KeyMode, TableName};
+pub use tx::PgTx;
 
-/// The sqlx this crate is built on: its pool, transaction ([`PgTx`]) and error types are the
+/// The sqlx this crate is built on: its pool, connection (behind [`PgTx`]) and error types are the
 /// ones in this crate's API. Name sqlx through this re-export (`use inbox_postgres::sqlx;`) so
 /// your queries use the same sqlx version as the store.
 pub use sqlx;

@@ -4,11 +4,12 @@
 //!
 //! See [`Outbox`] for an example, delivery and order.
 
+use std::ops::DerefMut;
 use std::time::Duration;
 
 use inbox_core::{MessageId, OutgoingMessage, Publish};
 use sqlx::types::chrono::{DateTime, Utc};
-use sqlx::{AssertSqlSafe, PgPool, Postgres, Transaction};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 use tokio::task::JoinHandle;
 
 use crate::error::db;
@@ -171,7 +172,7 @@ impl Outbox {
     /// carry on every publish.
     pub async fn write(
         &self,
-        tx: &mut Transaction<'_, Postgres>,
+        tx: &mut (impl DerefMut<Target = PgConnection> + Send),
         destination: &str,
         payload: impl AsRef<[u8]>,
     ) -> Result<MessageId> {
@@ -184,7 +185,7 @@ impl Outbox {
     /// `destination`, in `tx`.
     pub async fn write_message(
         &self,
-        tx: &mut Transaction<'_, Postgres>,
+        tx: &mut (impl DerefMut<Target = PgConnection> + Send),
         destination: &str,
         message: &OutgoingMessage,
     ) -> Result<()> {
@@ -206,7 +207,7 @@ impl Outbox {
     /// order they are published in).
     pub async fn write_all(
         &self,
-        tx: &mut Transaction<'_, Postgres>,
+        tx: &mut (impl DerefMut<Target = PgConnection> + Send),
         destination: &str,
         messages: &[OutgoingMessage],
     ) -> Result<()> {

@@ -6,16 +6,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inbox_core::{async_trait, InboxStore, InvalidId, MessageId, StoreError};
-use sqlx::{AssertSqlSafe, PgPool, Postgres};
+use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
-use crate::error::{db, recovery, store_err};
+use crate::error::{db, store_err};
 use crate::partition::{hashed_key_with_time, is_partitioned, qualify};
 use crate::table::hashed_key;
-use crate::{Error, KeyMode, Partitions, Result, TableName};
-
-/// The open transaction a handler writes its side effect through.
-pub type PgTx = sqlx::Transaction<'static, Postgres>;
+use crate::{Error, KeyMode, Partitions, PgTx, Result, TableName};
 
 /// The transactional inbox on PostgreSQL.
 ///
@@ -430,7 +427,9 @@ impl InboxStore for PgInbox {
             Some(statement) => self.pool.begin_with(AssertSqlSafe(statement.clone())).await,
             None => self.pool.begin().await,
         };
-        begun.map_err(store_err("opening a transaction"))
+        begun
+            .map(PgTx::new)
+            .map_err(store_err("opening a transaction"))
     }
 
     async fn claim(
@@ -501,33 +500,6 @@ impl InboxStore for PgInbox {
                 first_claims(&keys, fresh)
             }
         })
-    }
-
-    async fn commit(&self, mut tx: PgTx) -> Result<(), StoreError> {
-        // PostgreSQL answers COMMIT of an aborted transaction (a statement failed and the
-        // handler ignored the error) with ROLLBACK and no error, which sqlx does not check. A
-        // statement in an aborted transaction fails, so one round-trip finds it before COMMIT.
-        if let Err(e) = sqlx::query("SELECT 1").execute(&mut *tx).await {
-            let recovery = recovery(&e);
-            let aborted =
-                matches!(&e, sqlx::Error::Database(d) if d.code().as_deref() == Some("25P02"));
-            let context = if aborted {
-                "committing: the transaction was aborted by an earlier statement whose error the \
-                 handler did not return (nothing was written; return SQL errors, or run a statement \
-                 that may fail behind a SAVEPOINT)"
-            } else {
-                "committing"
-            };
-            if let Err(rollback) = tx.rollback().await {
-                tracing::warn!(error = %rollback, "rollback of an aborted transaction failed");
-            }
-            return Err(StoreError::new(recovery, context, e));
-        }
-        tx.commit().await.map_err(store_err("committing"))
-    }
-
-    async fn rollback(&self, tx: PgTx) -> Result<(), StoreError> {
-        tx.rollback().await.map_err(store_err("rolling back"))
     }
 
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {

@@ -6,6 +6,7 @@
 
 mod common_effects;
 
+use inbox_core::Transaction as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,7 +53,7 @@ async fn tokens_grow_with_every_lease_and_the_database_refuses_a_stale_one() {
         .unwrap();
     assert!(!leases.complete(&mut tx, CONSUMER, &evt, 1).await.unwrap());
     assert!(
-        leases.commit(tx).await.is_err(),
+        tx.commit().await.is_err(),
         "the database aborted the zombie's transaction: nothing it wrote can commit"
     );
     assert_eq!(env.sent_total().await, 0, "the zombie's write rolled back");
@@ -75,7 +76,7 @@ async fn tokens_grow_with_every_lease_and_the_database_refuses_a_stale_one() {
         .await
         .unwrap();
     assert!(leases.complete(&mut tx, CONSUMER, &evt, 2).await.unwrap());
-    leases.commit(tx).await.unwrap();
+    tx.commit().await.unwrap();
     assert_eq!(
         env.sent("evt-1").await,
         vec![(2, "called".to_owned(), None)]
@@ -86,7 +87,7 @@ async fn tokens_grow_with_every_lease_and_the_database_refuses_a_stale_one() {
     );
     let mut tx = leases.begin().await.unwrap();
     assert!(!leases.complete(&mut tx, CONSUMER, &evt, 2).await.unwrap());
-    leases.rollback(tx).await.unwrap();
+    tx.rollback().await.unwrap();
 
     // A released lease can be taken at once, and says what the release knew.
     let evt = id("evt-2");
@@ -165,12 +166,6 @@ impl LeaseStore for PausedBeforeDone {
         token: u64,
     ) -> Result<bool, StoreError> {
         self.inner.complete(tx, consumer, id, token).await
-    }
-    async fn commit(&self, tx: PgTx) -> Result<(), StoreError> {
-        self.inner.commit(tx).await
-    }
-    async fn rollback(&self, tx: PgTx) -> Result<(), StoreError> {
-        self.inner.rollback(tx).await
     }
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         self.inner.check_id(id)

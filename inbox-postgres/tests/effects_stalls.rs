@@ -6,6 +6,7 @@
 
 mod common_effects;
 
+use inbox_core::Transaction as _;
 use std::time::{Duration, Instant};
 
 use common_effects::*;
@@ -49,7 +50,7 @@ async fn an_acquire_behind_an_open_done_transaction_is_busy_instead_of_waiting()
     assert_eq!(env.row("evt-1").await, (1, 1, false), "nothing changed");
 
     // Once the zombie commits, the message is done: the busy answer took nothing from it.
-    leases.commit(done).await.unwrap();
+    done.commit().await.unwrap();
     assert_eq!(
         leases.acquire(CONSUMER, &evt, LEASE).await.unwrap(),
         Acquired::Done

@@ -6,6 +6,7 @@
 
 mod common_effects;
 
+use inbox_core::Transaction as _;
 use std::time::Duration;
 
 use common_effects::*;
@@ -31,7 +32,7 @@ async fn purge_deletes_old_done_rows_and_keeps_unsettled_ones() {
                 .complete(&mut tx, CONSUMER, &id(evt), lease.token)
                 .await
                 .unwrap());
-            leases.commit(tx).await.unwrap();
+            tx.commit().await.unwrap();
         }
     }
     sqlx::query(
@@ -82,13 +83,13 @@ async fn uuid_and_hashed_keys_lease_and_fence_like_text() {
             .complete(&mut tx, CONSUMER, &evt, lease.token + 1)
             .await
             .unwrap());
-        leases.rollback(tx).await.unwrap();
+        tx.rollback().await.unwrap();
         let mut tx = leases.begin().await.unwrap();
         assert!(leases
             .complete(&mut tx, CONSUMER, &evt, lease.token)
             .await
             .unwrap());
-        leases.commit(tx).await.unwrap();
+        tx.commit().await.unwrap();
         assert_eq!(
             leases.acquire(CONSUMER, &evt, LEASE).await.unwrap(),
             Acquired::Done

@@ -2,6 +2,7 @@
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
+use inbox_core::Transaction as _;
 use inbox_core::{Consumer, InboxStore, MessageId};
 use inbox_postgres::{Error, KeyMode, PgInbox, TableName};
 use inbox_testkit::wallet::{self, Credit, CreditEvent};
@@ -168,7 +169,7 @@ async fn hashed_keys_deduplicate_any_id_per_consumer_in_16_bytes() {
     let id = MessageId::new("order-42/credit").unwrap();
     assert!(!store.claim(&mut tx, "wallet", &id).await.unwrap());
     assert!(store.claim(&mut tx, "audit", &id).await.unwrap());
-    store.rollback(tx).await.unwrap();
+    tx.rollback().await.unwrap();
 
     let key_bytes: i32 =
         sqlx::query_scalar("SELECT max(pg_column_size(message_id)) FROM inbox_hashed")
@@ -237,7 +238,7 @@ async fn table_names_too_long_for_their_derived_names_are_refused_at_constructio
     partitioned.migrate().await.unwrap();
     let mut tx = partitioned.begin().await.unwrap();
     assert!(partitioned.claim(&mut tx, "audit", &id).await.unwrap());
-    partitioned.commit(tx).await.unwrap();
+    tx.commit().await.unwrap();
     let outbox_name = format!("o{}", "x".repeat(52));
     let outbox = inbox_postgres::Outbox::new(db.pool.clone())
         .with_table(TableName::qualified(&db.schema, &outbox_name).unwrap());
@@ -245,7 +246,7 @@ async fn table_names_too_long_for_their_derived_names_are_refused_at_constructio
     for new in [true, false] {
         let mut tx = store.begin().await.unwrap();
         assert_eq!(store.claim(&mut tx, "audit", &id).await.unwrap(), new);
-        store.commit(tx).await.unwrap();
+        tx.commit().await.unwrap();
     }
     let names: Vec<String> = sqlx::query_scalar(
         "SELECT relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace

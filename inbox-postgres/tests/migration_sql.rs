@@ -4,6 +4,7 @@
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
+use inbox_core::Transaction as _;
 use inbox_core::{Consumer, InboxStore, MessageId};
 use inbox_postgres::{KeyMode, Partitions, PgInbox, TableName};
 use inbox_testkit::wallet::{self, Credit, CreditEvent};
@@ -70,7 +71,7 @@ async fn shape(db: &TestDb) -> (Vec<String>, Vec<String>) {
 async fn claim(inbox: &PgInbox, consumer: &str, id: &MessageId) -> bool {
     let mut tx = inbox.begin().await.unwrap();
     let claimed = inbox.claim(&mut tx, consumer, id).await.unwrap();
-    inbox.commit(tx).await.unwrap();
+    tx.commit().await.unwrap();
     claimed
 }
 

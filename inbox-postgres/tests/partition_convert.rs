@@ -3,6 +3,7 @@
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
+use inbox_core::Transaction as _;
 use std::time::Duration;
 
 use inbox_core::{InboxStore, MessageId};
@@ -19,7 +20,7 @@ use common_partitions::*;
 async fn claim_all(inbox: &PgInbox, ids: &[MessageId]) -> Vec<bool> {
     let mut tx = inbox.begin().await.unwrap();
     let new = inbox.claim_many(&mut tx, "wallet", ids).await.unwrap();
-    inbox.commit(tx).await.unwrap();
+    tx.commit().await.unwrap();
     new
 }
 

@@ -4,6 +4,7 @@
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
+use inbox_core::Transaction as _;
 use std::time::{Duration, SystemTime};
 
 use inbox_core::{InboxStore, MessageId};
@@ -317,7 +318,7 @@ async fn a_drop_behind_an_open_claim_is_postponed_and_claims_around_it_all_succe
         10,
         "a postponed partition keeps its rows"
     );
-    inbox.commit(tx).await.unwrap();
+    tx.commit().await.unwrap();
 
     // Claims from two connections the whole time the next purge runs: none fails, none is
     // lost, and the partition goes.

@@ -5,6 +5,7 @@
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
+use inbox_core::Transaction as _;
 use std::time::{Duration, Instant};
 
 use inbox_core::{Consumer, InboxStore, MessageId};
@@ -151,7 +152,7 @@ async fn a_claim_behind_a_hung_peer_gives_up_after_the_lock_timeout() {
     assert!(dead[0].1.contains("lock timeout"), "{}", dead[0].1);
     let summary = wallet::summary(&db.pool).await.unwrap();
     assert_eq!((summary.ledger_rows, summary.distinct_events), (4, 4));
-    peer_store.rollback(peer).await.unwrap();
+    peer.rollback().await.unwrap();
 }
 
 #[tokio::test]

@@ -268,14 +268,6 @@ impl<S: InboxStore> InboxStore for Crashing<S> {
         Ok(new)
     }
 
-    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        self.inner.commit(tx).await
-    }
-
-    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        self.inner.rollback(tx).await
-    }
-
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         self.inner.check_id(id)
     }
@@ -324,14 +316,6 @@ impl<L: LeaseStore> LeaseStore for Crashing<L> {
         token: u64,
     ) -> Result<bool, StoreError> {
         self.inner.complete(tx, consumer, id, token).await
-    }
-
-    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        self.inner.commit(tx).await
-    }
-
-    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        self.inner.rollback(tx).await
     }
 
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {

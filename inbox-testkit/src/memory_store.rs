@@ -4,7 +4,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use inbox_core::{InboxStore, MessageId, StoreError};
+use inbox_core::{InboxStore, MessageId, StoreError, Transaction};
 
 /// An in-memory inbox store holding a user state `S` beside the claims.
 ///
@@ -77,13 +77,16 @@ impl<S: Clone + Default + Send + Sync + 'static> InboxStore for MemoryStore<S> {
     ) -> Result<bool, StoreError> {
         Ok(tx.work.claims.insert((consumer.to_owned(), id.clone())))
     }
+}
 
-    async fn commit(&self, mut tx: MemoryTx<S>) -> Result<(), StoreError> {
-        *tx.guard = tx.work;
+#[async_trait]
+impl<S: Send + Sync + 'static> Transaction for MemoryTx<S> {
+    async fn commit(mut self) -> Result<(), StoreError> {
+        *self.guard = self.work;
         Ok(())
     }
 
-    async fn rollback(&self, _tx: MemoryTx<S>) -> Result<(), StoreError> {
+    async fn rollback(self) -> Result<(), StoreError> {
         Ok(())
     }
 }

@@ -61,10 +61,4 @@ impl LeaseStore for ScriptedLeases {
     ) -> Result<bool, StoreError> {
         Ok(lock(&self.complete).pop_front().unwrap_or(true))
     }
-    async fn commit(&self, _: ()) -> Result<(), StoreError> {
-        Ok(())
-    }
-    async fn rollback(&self, _: ()) -> Result<(), StoreError> {
-        Ok(())
-    }
 }

@@ -18,12 +18,6 @@ impl<S: InboxStore> InboxStore for WithoutInbox<S> {
     async fn claim(&self, _: &mut Self::Tx, _: &str, _: &MessageId) -> Result<bool, StoreError> {
         Ok(true)
     }
-    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        self.0.commit(tx).await
-    }
-    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        self.0.rollback(tx).await
-    }
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         self.0.check_id(id)
     }

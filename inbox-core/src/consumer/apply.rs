@@ -16,7 +16,7 @@ use crate::stats::Counter;
 use crate::telemetry::{process_span, seconds_since};
 use crate::{
     Ack, BatchHandler, BatchItem, Delivery, Error, Failure, HandlerError, InboxStore, MessageId,
-    Recovery, Result, Stage, StoreError,
+    Recovery, Result, Stage, StoreError, Transaction,
 };
 
 /// The inbox step: each chunk claimed, applied and committed in one store transaction, then
@@ -354,12 +354,10 @@ where
             .collect();
         if fresh.is_empty() {
             // Nothing to keep: every message was a duplicate.
-            if let Err(e) = self.store.rollback(tx).await {
-                warn!(consumer = %self.common.name, error = %e, "rollback failed; the store discards the transaction");
-            }
+            self.common.rollback(tx).await;
         } else {
             let started = Instant::now();
-            let committed = self.store.commit(tx).await;
+            let committed = tx.commit().await;
             self.common.metrics.commit.record(seconds_since(started));
             committed.map_err(TxFailure::Store)?;
             self.common.count(Counter::Commit, 1);
@@ -486,9 +484,7 @@ where
 
     /// Rolls back a transaction that cannot commit and passes `failure` on.
     async fn abandon(&self, tx: St::Tx, failure: TxFailure) -> TxFailure {
-        if let Err(rollback) = self.store.rollback(tx).await {
-            warn!(consumer = %self.common.name, error = %rollback, "rollback failed too; the store discards the transaction");
-        }
+        self.common.rollback(tx).await;
         failure
     }
 }

@@ -12,7 +12,8 @@ use crate::error::backoff;
 use crate::stats::Counter;
 use crate::telemetry::{self, dead_letter_span, seconds_since, ConsumerMetrics};
 use crate::{
-    Ack, Delivery, Error, Health, MessageId, Recovery, Result, SourceError, Stage, StageHook, Stats,
+    Ack, Delivery, Error, Health, MessageId, Recovery, Result, SourceError, Stage, StageHook,
+    Stats, Transaction,
 };
 
 /// The longest wait between tries after a broker or store error.
@@ -106,6 +107,14 @@ impl Common {
     pub(crate) async fn nack<A: Ack>(&self, ack: A, wait: Duration) {
         if let Err(e) = ack.nack(wait).await {
             warn!(consumer = %self.name, error = %e, "nack failed; the broker will redeliver on its own");
+        }
+    }
+
+    /// Rolls `tx` back; a rollback that fails is logged, as the store discards the
+    /// transaction anyway.
+    pub(crate) async fn rollback<T: Transaction>(&self, tx: T) {
+        if let Err(e) = tx.rollback().await {
+            warn!(consumer = %self.name, error = %e, "rollback failed; the store discards the transaction");
         }
     }
 

@@ -22,7 +22,7 @@ use crate::error::backoff;
 use crate::stats::Counter;
 use crate::{
     Ack, Capabilities, Delivery, Error, Failure, HandlerError, Message, MessageId, Recent,
-    Recovery, Result, Stage, StoreError, TraceParent,
+    Recovery, Result, Stage, StoreError, TraceParent, Transaction,
 };
 
 /// Added to the rest of a live lease before a busy copy comes back, so it does not come back
@@ -476,11 +476,11 @@ where
         match marked {
             Ok(true) => {}
             Ok(false) => {
-                self.rollback(tx).await;
+                self.common.rollback(tx).await;
                 return Ok(false);
             }
             Err(e) => {
-                self.rollback(tx).await;
+                self.common.rollback(tx).await;
                 return Err(DoneFailure::Store(e));
             }
         }
@@ -499,17 +499,11 @@ where
                 ))),
             };
         if let Err(e) = recorded {
-            self.rollback(tx).await;
+            self.common.rollback(tx).await;
             return Err(DoneFailure::Handler(e));
         }
-        self.leases.commit(tx).await.map_err(DoneFailure::Store)?;
+        tx.commit().await.map_err(DoneFailure::Store)?;
         Ok(true)
-    }
-
-    async fn rollback(&self, tx: L::Tx) {
-        if let Err(e) = self.leases.rollback(tx).await {
-            warn!(error = %e, "rollback failed; the store discards the transaction");
-        }
     }
 
     async fn release(&self, effect: &Effect, release: Release) {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use super::Attempt;
-use crate::{InvalidId, MessageId, StoreError};
+use crate::{InvalidId, MessageId, StoreError, Transaction};
 
 /// A lease taken on a message's row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,8 +63,9 @@ pub struct Release {
 /// transaction retries it, `Fatal` stops the consumer.
 #[async_trait]
 pub trait LeaseStore: Send + Sync + 'static {
-    /// An open transaction, in which the done mark and the handler's writes commit together.
-    type Tx: Send;
+    /// An open transaction, in which the done mark and the handler's writes commit together;
+    /// it commits or rolls back itself.
+    type Tx: Transaction;
 
     /// In one atomic step, committed on its own: inserts the row as processing with a lease of
     /// `lease` and token 1; or, if the row is processing and its lease has run out, takes a new
@@ -103,13 +104,6 @@ pub trait LeaseStore: Send + Sync + 'static {
         id: &MessageId,
         token: u64,
     ) -> Result<bool, StoreError>;
-
-    /// Commits `tx`. A transaction the database has already aborted must fail here, never
-    /// report success (see [`InboxStore::commit`](crate::InboxStore::commit)).
-    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError>;
-
-    /// Rolls `tx` back.
-    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError>;
 
     /// Refuses an ID this store cannot keep, before any lease; the consumer dead-letters such a
     /// message. The default accepts every ID.
@@ -151,12 +145,6 @@ impl<L: LeaseStore> LeaseStore for Arc<L> {
         token: u64,
     ) -> Result<bool, StoreError> {
         (**self).complete(tx, consumer, id, token).await
-    }
-    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        (**self).commit(tx).await
-    }
-    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        (**self).rollback(tx).await
     }
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         (**self).check_id(id)

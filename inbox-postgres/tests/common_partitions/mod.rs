@@ -3,6 +3,7 @@
 #![allow(dead_code, unreachable_pub)] // each test file uses its own part
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
+use inbox_core::Transaction as _;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use inbox_core::{InboxStore, MessageId};
@@ -48,7 +49,7 @@ pub async fn claim(inbox: &PgInbox, consumer: &str, ids: &[String]) -> Vec<bool>
     let ids: Vec<MessageId> = ids.iter().map(|id| MessageId::new(id).unwrap()).collect();
     let mut tx = inbox.begin().await.unwrap();
     let claimed = inbox.claim_many(&mut tx, consumer, &ids).await.unwrap();
-    inbox.commit(tx).await.unwrap();
+    tx.commit().await.unwrap();
     claimed
 }
 

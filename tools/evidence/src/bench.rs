@@ -6,6 +6,7 @@
 //! handler's SQL from a generator, no broker). A consumer is timed from its first applied message
 //! to its last, so group joins and publishing are left out.
 
+use inbox_core::Transaction as _;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -405,7 +406,7 @@ async fn database_alone(s: &BenchSettings, batch: usize, run: &str) -> Result<Ro
         inbox_core::BatchHandler::handle_batch(&BatchCredit, &mut tx, &items)
             .await
             .map_err(|e| e.to_string())?;
-        inbox.commit(tx).await?;
+        tx.commit().await?;
         bar.set_applied((i * batch + chunk.len()) as u64);
     }
     let seconds = started.elapsed().as_secs_f64();

@@ -16,6 +16,7 @@
 //! its start), the cleanup's rows/s, the longest claim transaction that overlapped it, and the
 //! share of a full-rate day's claim capacity the cleanup would cost (see [`cost_share`]).
 
+use inbox_core::Transaction as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -334,7 +335,7 @@ impl ClaimLoad {
                 let began = Instant::now();
                 let mut tx = inbox.begin().await?;
                 let claimed = inbox.claim_many(&mut tx, "wallet", &ids).await?;
-                inbox.commit(tx).await?;
+                tx.commit().await?;
                 if claimed.iter().any(|new| !new) {
                     return Err("a fresh ID was found as a duplicate".into());
                 }
