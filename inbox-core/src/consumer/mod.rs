@@ -3,21 +3,19 @@
 mod apply;
 pub(crate) mod common;
 mod lanes;
+mod pipeline;
 pub(crate) mod stop;
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::stream::{self, FuturesUnordered, Stream, StreamExt};
-use tokio::sync::Mutex;
-use tokio::time::{sleep_until, Instant};
+use futures_util::stream::{self, Stream};
 use tracing::warn;
 
 pub use self::apply::Inbox;
 use self::common::Common;
-use self::lanes::Lanes;
-use self::stop::{Phase, Stop};
+use self::stop::Stop;
 use crate::effect::{EffectHandler, Effects, LeaseStore};
 use crate::telemetry::{self, ConsumerMetrics};
 use crate::{
@@ -448,155 +446,6 @@ where
         let result = self.pipeline(shutdown, until_idle).await;
         health.set(ConsumerState::Stopped);
         result
-    }
-
-    async fn pipeline(
-        &mut self,
-        shutdown: impl Stream<Item = ()> + Send,
-        until_idle: bool,
-    ) -> Result<StatsSnapshot> {
-        let mut shutdown = std::pin::pin!(shutdown.fuse());
-        let (stop_tx, stop) = Stop::new();
-        // Set when shutdown is asked for: when the work in flight is cut short.
-        let mut deadline: Option<Instant> = None;
-        let (batch_size, lanes, timeout) = (self.batch_size, self.lanes, self.shutdown_timeout);
-        let step = &self.step;
-        let common = step.common();
-        let health = &common.health;
-        let source = Mutex::new(&mut self.source);
-        let source = &source;
-        let stop = &stop;
-        let capacity = batch_size.saturating_mul(lanes);
-        let mut queued = Lanes::default();
-        let mut working = FuturesUnordered::new();
-        let mut acking = FuturesUnordered::new();
-        let mut receiving = None;
-        let mut receive_after: Option<Instant> = None;
-        let mut failures = 0;
-        let mut failed: Option<Error> = None;
-        let mut idle = false;
-        // Received and not yet settled: queued, being applied, or being acked.
-        let mut in_flight: usize = 0;
-        let in_flight_gauge = common.metrics.in_flight.clone();
-        // Stops receiving; the work in flight has `timeout` to finish.
-        let begin_stop = |deadline: &mut Option<Instant>| {
-            if deadline.is_none() {
-                health.set(ConsumerState::Stopping);
-                stop_tx.send_replace(Phase::Stopping);
-                *deadline = Some(Instant::now() + timeout);
-            }
-        };
-        loop {
-            health.turned();
-            in_flight_gauge.set(in_flight as f64);
-            let stopping = stop.stopping();
-            while working.len() < lanes && !stopping {
-                let Some((lane, chunk)) = queued.take(batch_size) else {
-                    break;
-                };
-                let n = chunk.len();
-                working.push(async move { (lane, n, step.process(chunk, stop).await) });
-            }
-            let held = queued.len() + working.len() * batch_size;
-            if receiving.is_none()
-                && receive_after.is_none()
-                && !stopping
-                && !idle
-                && held < capacity
-                && acking.len() <= lanes
-            {
-                let n = batch_size
-                    .max(capacity - held)
-                    .min(batch_size.saturating_mul(lanes));
-                receiving = Some(Box::pin(
-                    async move { source.lock().await.receive(n).await },
-                ));
-            }
-            if stopping || idle {
-                // A receive still waiting (a long poll) is dropped: receives are cancel-safe,
-                // and what a cancelled one took comes back from the broker.
-                receiving = None;
-                let back = queued.drain();
-                in_flight = in_flight.saturating_sub(back.len());
-                common.hand_back(back).await;
-                if working.is_empty() && acking.is_empty() {
-                    break;
-                }
-            }
-            tokio::select! {
-                biased;
-                Some(()) = shutdown.next() => {
-                    if stopping {
-                        warn!(consumer = %common.name, "shutdown asked for again: handing back the work in flight");
-                        stop_tx.send_replace(Phase::Aborting);
-                    } else {
-                        begin_stop(&mut deadline);
-                    }
-                }
-                () = sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() && *stop_tx.borrow() == Phase::Stopping => {
-                    warn!(consumer = %common.name, ?timeout, "the work in flight did not finish within the shutdown timeout: handing it back");
-                    stop_tx.send_replace(Phase::Aborting);
-                }
-                Some((lane, n, result)) = working.next() => {
-                    queued.done(&lane);
-                    in_flight = in_flight.saturating_sub(n);
-                    match result {
-                        Ok(acks) => {
-                            let n = acks.len();
-                            in_flight += n;
-                            acking.push(async move {
-                                common.ack_all(acks).await;
-                                n
-                            });
-                        }
-                        Err(e) => {
-                            failed.get_or_insert(e);
-                            begin_stop(&mut deadline);
-                        }
-                    }
-                }
-                Some(n) = acking.next() => {
-                    in_flight = in_flight.saturating_sub(n);
-                }
-                received = async { receiving.as_mut().expect("guarded by is_some").await }, if receiving.is_some() => {
-                    receiving = None;
-                    match received {
-                        Ok(batch) => {
-                            failures = 0;
-                            health.recovered();
-                            if batch.is_empty() {
-                                if until_idle && working.is_empty() && acking.is_empty() && queued.len() == 0 {
-                                    idle = true;
-                                }
-                            } else {
-                                in_flight += batch.len();
-                                queued.add(batch);
-                            }
-                        }
-                        Err(e) => {
-                            failures += 1;
-                            health.failing();
-                            match common.source_failed(e, failures) {
-                                Ok(wait) => receive_after = Some(Instant::now() + wait),
-                                Err(e) => {
-                                    failed.get_or_insert(e);
-                                    begin_stop(&mut deadline);
-                                }
-                            }
-                        }
-                    }
-                }
-                () = sleep_until(receive_after.unwrap_or_else(Instant::now)), if receive_after.is_some() => {
-                    receive_after = None;
-                }
-                else => break,
-            }
-        }
-        in_flight_gauge.set(0.0);
-        match failed {
-            Some(e) => Err(e),
-            None => Ok(common.stats.snapshot()),
-        }
     }
 
     fn check(&self) -> Result<()> {

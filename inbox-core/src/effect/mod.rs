@@ -135,6 +135,7 @@
 
 mod apply;
 mod lease;
+mod settle;
 
 pub use apply::Effects;
 pub use lease::{Acquired, Lease, LeaseStore, Release};
