@@ -21,7 +21,7 @@ const MAX_MS: i64 = (1 << 48) - 1;
 /// The longest table name whose partition names (`_p20250301_0000`) still fit in 63 bytes.
 const LONGEST_PREFIX: usize = 48;
 
-/// The partitioned layout of the inbox table ([`PgInbox::partitioned`]): range-partitioned by
+/// The partitioned layout of the inbox table ([`PgInbox::partitioned`](crate::PgInbox::partitioned)): range-partitioned by
 /// its message key, so that cleanup is dropping a partition instead of deleting its rows.
 ///
 /// ```no_run
@@ -65,7 +65,7 @@ const LONGEST_PREFIX: usize = 48;
 ///
 /// ## Retention
 /// A row is kept at least the purge window after it was processed, on both layouts. The purge
-/// ([`PgInbox::purge`]) sorts the range partitions by how their key range stands to the cutoff
+/// ([`PgInbox::purge`](crate::PgInbox::purge)) sorts the range partitions by how their key range stands to the cutoff
 /// (now − window, on the database clock):
 ///
 /// - Due (the whole range older than the cutoff): dropped whole, unless a row in it was processed
@@ -79,7 +79,7 @@ const LONGEST_PREFIX: usize = 48;
 ///   are deleted, found through the BRIN index.
 /// - The default partition: purged by `DELETE`, like the plain table.
 ///
-/// So the window alarm ([`PgInbox::oldest_per_consumer`]) and the start-up retention check read
+/// So the window alarm ([`PgInbox::oldest_per_consumer`](crate::PgInbox::oldest_per_consumer)) and the start-up retention check read
 /// the same on both layouts: everything processed within the window is remembered, and the oldest
 /// remembered row is at most about one partition span older than the cutoff.
 ///
@@ -92,7 +92,7 @@ const LONGEST_PREFIX: usize = 48;
 /// processed. A non-v7 UUID lands wherever its bytes sort, which is just as correct.
 ///
 /// ## Maintenance and locks
-/// Partitions are created ahead ([`Partitions::ahead`]) by [`PgInbox::migrate`] and by every
+/// Partitions are created ahead ([`Partitions::ahead`]) by [`PgInbox::migrate`](crate::PgInbox::migrate) and by every
 /// purge, as a table of their own attached with `ATTACH PARTITION`, which takes `SHARE UPDATE
 /// EXCLUSIVE` on the inbox table and so does not block claims. Rows of the new range already in
 /// the default partition (keys from a clock far ahead) are moved into it in the same transaction;
@@ -112,7 +112,7 @@ const LONGEST_PREFIX: usize = 48;
 /// either.
 ///
 /// ## Converting a plain table
-/// [`PgInbox::migrate_to_partitioned`] (`inbox-admin partition --window 14d`) turns a plain
+/// [`PgInbox::migrate_to_partitioned`](crate::PgInbox::migrate_to_partitioned) (`inbox-admin partition --window 14d`) turns a plain
 /// table into the default partition of a partitioned table of the same name, while consumers
 /// run; see there for the steps and their locks. Its rows are neither copied nor re-keyed, so
 /// they deduplicate as before, and leave by `DELETE` as they expire.
@@ -187,7 +187,7 @@ impl Partitions {
     }
 }
 
-/// One partition of a partitioned inbox ([`PgInbox::partitions`]).
+/// One partition of a partitioned inbox ([`PgInbox::partitions`](crate::PgInbox::partitions)).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PartitionInfo {
@@ -232,7 +232,7 @@ pub struct DroppedPartition {
     pub lock_wait: Duration,
 }
 
-/// What [`PgInbox::migrate_to_partitioned`] did.
+/// What [`PgInbox::migrate_to_partitioned`](crate::PgInbox::migrate_to_partitioned) did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Conversion {

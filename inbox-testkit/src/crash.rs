@@ -98,7 +98,8 @@ struct Inner {
     notify: Notify,
 }
 
-/// A crash point, shared by the wrappers it makes: see the [module docs](self).
+/// A crash point, shared by the wrappers it makes ([`Crashing`], [`CrashingAck`]): it stops
+/// the consumer dead at one [`Stage`] of a message, as a crash there would.
 ///
 /// Clones share the crash point, so a consumer restarted with freshly wrapped parts runs on
 /// past a point that already fired.

@@ -4,7 +4,8 @@
 //!   RabbitMQ, a Kafka-protocol broker (Tansu) and an SQS endpoint (moto). A service already
 //!   listening at its address is reused; nothing is ever stopped. Safe to run twice.
 //! - `test`: `services` with the workspace's test build beside the installs, then
-//!   `cargo fmt --check`, `cargo clippy --all-targets -D warnings` and the whole test suite, then
+//!   `cargo fmt --check`, `cargo clippy --all-targets -D warnings`, `cargo doc` with broken links
+//!   refused, and the whole test suite, then
 //!   the store's suite (`inbox-postgres`) again on the partitioned inbox layout
 //!   (`INBOX_TEST_LAYOUT=partitioned`), then the examples (`examples/examples/*.rs`) against the
 //!   services, then `cargo package` for every library crate.
@@ -62,6 +63,11 @@ fn test(extra: &[String]) -> Result<(), String> {
         "-D",
         "warnings",
     ])?;
+    // The API docs build without a broken link.
+    cargo_with(
+        &["doc", "--workspace", "--no-deps", "--quiet"],
+        &[("RUSTDOCFLAGS", "-D warnings")],
+    )?;
     let mut args = vec!["test", "--workspace"];
     args.extend(extra.iter().map(String::as_str));
     cargo(&args)?;

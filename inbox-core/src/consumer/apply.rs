@@ -20,7 +20,8 @@ use crate::{
 };
 
 /// The inbox step: each chunk claimed, applied and committed in one store transaction, then
-/// acked. Made by [`Consumer::new`] and [`Consumer::batched`].
+/// acked. Made by [`Consumer::new`](crate::Consumer::new) and
+/// [`Consumer::batched`](crate::Consumer::batched).
 #[derive(Debug)]
 pub struct Inbox<St, H> {
     pub(super) common: Common,
