@@ -33,7 +33,7 @@
 //! inbox_conformance::suite!(inbox_conformance::redis::Redis);
 //! ```
 //!
-//! The feature `at-most-once` adds [`TestQueue::at_most_once_source`]: the queue's source
+//! The feature `at-most-once` adds `TestQueue::at_most_once_source`: the queue's source
 //! wrapped in the test kit's `AckOnReceive`, the ack-on-receipt anti-pattern, for tools that
 //! measure what it loses.
 //!
