@@ -206,15 +206,17 @@ impl TestQueue for Topic {
         None
     }
 
+    /// Offsets acked on receipt and committed every 5 s: `enable.auto.commit` with its default
+    /// `auto.commit.interval.ms`.
     #[cfg(feature = "at-most-once")]
-    async fn at_most_once_source(&self, member: &str) -> Option<Member> {
+    async fn at_most_once_source(&self, member: &str) -> inbox_testkit::AckOnReceive<Member> {
         let source = self
             .builder(member)
-            .ack_mode(inbox_kafka::AckMode::AutoCommit)
+            .commit_interval(Duration::from_secs(5))
             .connect()
             .await
             .expect("kafka source");
-        Some(Member::new(source))
+        inbox_testkit::AckOnReceive::new(Member::new(source))
     }
 
     fn redelivery_delay(&self) -> Duration {

@@ -33,8 +33,8 @@
 //! inbox_conformance::suite!(inbox_conformance::redis::Redis);
 //! ```
 //!
-//! The feature `at-most-once` turns on each enabled adapter's `never-in-production` feature, and
-//! with it [`TestQueue::at_most_once_source`]: the ack-on-receipt anti-pattern, for tools that
+//! The feature `at-most-once` adds `TestQueue::at_most_once_source`: the queue's source
+//! wrapped in the test kit's `AckOnReceive`, the ack-on-receipt anti-pattern, for tools that
 //! measure what it loses.
 //!
 //! An adapter is a [`MessageSource`], which receives, with its [`Ack`](inbox_core::Ack) handle,
@@ -117,6 +117,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{MessageSource, Publish};
+#[cfg(feature = "at-most-once")]
+use inbox_testkit::AckOnReceive;
 use inbox_testkit::FaultProxy;
 
 /// A name no other test uses: `prefix`, a dash and 12 random hex digits.
@@ -222,13 +224,13 @@ pub trait TestQueue: Send + Sync + 'static {
     /// timeout, a heartbeat).
     async fn proxied_source(&self, member: &str) -> Option<Proxied<Self::Source>>;
 
-    /// A source of `member` that acks each message as it receives it, before the handler runs
-    /// (Kafka's auto-commit, SQS's delete on receive, RabbitMQ's and Redis's `NOACK` reads): the
-    /// anti-pattern, for tools that show what it loses when a consumer dies. Default `None`;
-    /// the four brokers of this crate return one with its feature `at-most-once`.
-    async fn at_most_once_source(&self, member: &str) -> Option<Self::Source> {
-        let _ = member;
-        None
+    /// A source of `member` that acks each message as it receives it, before the handler runs:
+    /// the anti-pattern, for tools that show what it loses when a consumer dies. Default:
+    /// [`TestQueue::source`] in an `AckOnReceive`; Kafka's commits what it acked every 5 s, as
+    /// `enable.auto.commit` does.
+    #[cfg(feature = "at-most-once")]
+    async fn at_most_once_source(&self, member: &str) -> AckOnReceive<Self::Source> {
+        AckOnReceive::new(self.source(member).await)
     }
 
     /// How long a message held (not acked) by a consumer that died takes to come back to

@@ -172,17 +172,6 @@ impl TestQueue for Queue {
         })
     }
 
-    #[cfg(feature = "at-most-once")]
-    async fn at_most_once_source(&self, member: &str) -> Option<RabbitSource> {
-        let source = self
-            .builder(member)
-            .ack_mode(inbox_rabbitmq::AckMode::NoAck)
-            .connect()
-            .await
-            .expect("connect source");
-        Some(source)
-    }
-
     fn redelivery_delay(&self) -> Duration {
         // The broker requeues what a connection held as soon as it sees the connection close;
         // a dead process's socket closes with it.

@@ -145,16 +145,6 @@ impl TestQueue for Stream {
         })
     }
 
-    #[cfg(feature = "at-most-once")]
-    async fn at_most_once_source(&self, member: &str) -> Option<RedisStreamSource> {
-        let source = source_builder(&self.key, member)
-            .ack_mode(inbox_redis_streams::AckMode::NoAck)
-            .connect()
-            .await
-            .expect("source connects");
-        Some(source)
-    }
-
     fn redelivery_delay(&self) -> Duration {
         CLAIM_IDLE + CLAIM_INTERVAL + Duration::from_secs(1)
     }

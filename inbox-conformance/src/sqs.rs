@@ -157,17 +157,6 @@ impl TestQueue for Queue {
         })
     }
 
-    #[cfg(feature = "at-most-once")]
-    async fn at_most_once_source(&self, _member: &str) -> Option<SqsSource> {
-        let source = self
-            .builder()
-            .ack_mode(inbox_sqs::AckMode::DeleteOnReceive)
-            .connect()
-            .await
-            .expect("source");
-        Some(source)
-    }
-
     fn redelivery_delay(&self) -> Duration {
         // moto looks for visible messages once a second; a receive may be waiting already.
         VISIBILITY + Duration::from_secs(3)

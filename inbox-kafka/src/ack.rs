@@ -25,15 +25,8 @@ use crate::tracker::Commit;
 /// one), waits for the delivery report, then acks. When the produce fails it hands the record
 /// back as [`Ack::nack`] does (its partition is sought back to it).
 pub struct KafkaAck {
-    inner: Inner,
+    target: AckTarget,
     dead_letters: Arc<DeadLetterProducer>,
-}
-
-enum Inner {
-    Tracked(AckTarget),
-    /// `AckMode::AutoCommit` (feature `never-in-production`): the client commits on its timer.
-    #[cfg_attr(not(feature = "never-in-production"), allow(dead_code))]
-    AutoCommit,
 }
 
 pub(crate) struct AckTarget {
@@ -47,30 +40,18 @@ pub(crate) struct AckTarget {
 
 impl fmt::Debug for KafkaAck {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.inner {
-            Inner::Tracked(t) => f
-                .debug_struct("KafkaAck")
-                .field("topic", &t.topic)
-                .field("partition", &t.partition)
-                .field("offset", &t.offset)
-                .finish(),
-            Inner::AutoCommit => f.write_str("KafkaAck(auto-commit)"),
-        }
+        f.debug_struct("KafkaAck")
+            .field("topic", &self.target.topic)
+            .field("partition", &self.target.partition)
+            .field("offset", &self.target.offset)
+            .finish()
     }
 }
 
 impl KafkaAck {
-    pub(crate) fn tracked(target: AckTarget, dead_letters: Arc<DeadLetterProducer>) -> Self {
+    pub(crate) fn new(target: AckTarget, dead_letters: Arc<DeadLetterProducer>) -> Self {
         Self {
-            inner: Inner::Tracked(target),
-            dead_letters,
-        }
-    }
-
-    #[cfg_attr(not(feature = "never-in-production"), allow(dead_code))]
-    pub(crate) fn auto_commit(dead_letters: Arc<DeadLetterProducer>) -> Self {
-        Self {
-            inner: Inner::AutoCommit,
+            target,
             dead_letters,
         }
     }
@@ -87,9 +68,7 @@ impl Ack for KafkaAck {
     /// were applied are then skipped by the inbox). `retry_after` is not honoured: the core's
     /// own backoff already applies. Nothing past this offset is committed until it is acked.
     async fn nack(self, _retry_after: Duration) -> Result<(), SourceError> {
-        let Inner::Tracked(t) = self.inner else {
-            return Ok(());
-        };
+        let t = self.target;
         let rewind =
             t.consumer
                 .context()
@@ -124,15 +103,11 @@ impl Ack for KafkaAck {
     /// Received before its partition was revoked: the partition is read again from its last
     /// commit, by whichever member holds it now.
     fn is_stale(&self) -> bool {
-        match &self.inner {
-            Inner::Tracked(t) => {
-                !t.consumer
-                    .context()
-                    .tracker()
-                    .is_current(&t.topic, t.partition, t.generation)
-            }
-            Inner::AutoCommit => false,
-        }
+        let t = &self.target;
+        !t.consumer
+            .context()
+            .tracker()
+            .is_current(&t.topic, t.partition, t.generation)
     }
 
     /// Produces the dead letter, then acks; on a failed produce, seeks back as a nack does.
@@ -158,9 +133,7 @@ impl Ack for KafkaAck {
         let mut consumer = None;
         let mut commits: HashMap<(Arc<str>, i32), (u64, i64)> = HashMap::new();
         for ack in acks {
-            let Inner::Tracked(t) = ack.inner else {
-                continue;
-            };
+            let t = ack.target;
             let next = t.consumer.context().tracker().finish(
                 &t.topic,
                 t.partition,

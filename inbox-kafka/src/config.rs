@@ -16,23 +16,6 @@ pub fn brokers_from_env() -> String {
     std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| DEFAULT_BROKERS.to_owned())
 }
 
-/// When offsets are committed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum AckMode {
-    /// The default and the only safe choice: `enable.auto.commit=false`; an ack commits the
-    /// partition's finished prefix explicitly, after the database transaction committed.
-    #[default]
-    AfterCommit,
-    /// The anti-pattern, kept for the evidence harness (the article's variants a1/a2): the
-    /// client's defaults, auto-commit every `auto.commit.interval.ms` of offsets stored the
-    /// moment a message is received. A crash can lose messages that were received but not
-    /// applied. Acks and nacks do nothing. Never use it in production: it exists only with the
-    /// crate feature `never-in-production`.
-    #[cfg(feature = "never-in-production")]
-    AutoCommit,
-}
-
 /// Builds a [`KafkaSource`]: what it subscribes to and how. Start with [`KafkaSource::builder`],
 /// finish with [`KafkaSourceBuilder::connect`].
 ///
@@ -47,7 +30,7 @@ pub enum AckMode {
 /// Redpanda or Tansu.
 ///
 /// Defaults set here and overridable: `auto.offset.reset=earliest` (a new group reads the topic
-/// from its start). Enforced in [`AckMode::AfterCommit`]: `enable.auto.commit=false`.
+/// from its start). Enforced: `enable.auto.commit=false`.
 ///
 /// Its `Debug` output shows `***` for the value of every property that holds a secret
 /// (`sasl.password`, `ssl.key.password`, any name with `password` or `secret`, a private key):
@@ -61,7 +44,6 @@ pub struct KafkaSourceBuilder {
     pub(crate) id_header: String,
     pub(crate) dead_letter_topic: Option<String>,
     pub(crate) create_dead_letter_topics: bool,
-    pub(crate) ack_mode: AckMode,
     pub(crate) poll_timeout: Duration,
     pub(crate) operation_timeout: Duration,
     pub(crate) commit_interval: Duration,
@@ -78,7 +60,6 @@ impl fmt::Debug for KafkaSourceBuilder {
             .field("id_header", &self.id_header)
             .field("dead_letter_topic", &self.dead_letter_topic)
             .field("create_dead_letter_topics", &self.create_dead_letter_topics)
-            .field("ack_mode", &self.ack_mode)
             .field("poll_timeout", &self.poll_timeout)
             .field("operation_timeout", &self.operation_timeout)
             .field("commit_interval", &self.commit_interval)
@@ -126,7 +107,6 @@ impl KafkaSourceBuilder {
             id_header: Self::DEFAULT_ID_HEADER.to_owned(),
             dead_letter_topic: None,
             create_dead_letter_topics: false,
-            ack_mode: AckMode::default(),
             poll_timeout: Duration::from_secs(1),
             operation_timeout: Duration::from_secs(10),
             commit_interval: Self::DEFAULT_COMMIT_INTERVAL,
@@ -164,12 +144,6 @@ impl KafkaSourceBuilder {
     /// replication and settings; create it yourself for anything else.
     pub fn create_dead_letter_topics(mut self, create: bool) -> Self {
         self.create_dead_letter_topics = create;
-        self
-    }
-
-    /// When offsets are committed (default [`AckMode::AfterCommit`]).
-    pub fn ack_mode(mut self, mode: AckMode) -> Self {
-        self.ack_mode = mode;
         self
     }
 
@@ -247,21 +221,18 @@ impl KafkaSourceBuilder {
         let mut config = self.client_config();
         config
             .set("group.id", &self.group_id)
-            .set("auto.offset.reset", "earliest");
-        if self.ack_mode == AckMode::AfterCommit {
-            config.set("enable.auto.commit", "false");
-        }
+            .set("auto.offset.reset", "earliest")
+            .set("enable.auto.commit", "false");
         for (key, value) in &self.consumer {
             config.set(key, value);
         }
-        if self.ack_mode == AckMode::AfterCommit
-            && config
-                .get("enable.auto.commit")
-                .is_some_and(|v| v != "false")
+        if config
+            .get("enable.auto.commit")
+            .is_some_and(|v| v != "false")
         {
             return Err(Error::Config(
-                "enable.auto.commit must stay false with AckMode::AfterCommit: offsets are \
-                 committed after the database commit; remove the property"
+                "enable.auto.commit must stay false: offsets are committed after the database \
+                 commit; remove the property"
                     .into(),
             ));
         }
@@ -292,7 +263,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn after_commit_refuses_auto_commit() {
+    fn enable_auto_commit_is_refused() {
         let config = KafkaSourceBuilder::new(["t"], "g")
             .brokers("b:9092")
             .set_consumer("enable.auto.commit", "true");
@@ -333,16 +304,5 @@ mod tests {
         // The client configuration itself keeps the real values.
         let client = config.consumer_config().expect("valid");
         assert_eq!(client.get("sasl.password"), Some("pw-one"));
-    }
-
-    #[cfg(feature = "never-in-production")]
-    #[test]
-    fn auto_commit_keeps_the_client_defaults() {
-        let config = KafkaSourceBuilder::new(["t"], "g")
-            .brokers("b:9092")
-            .ack_mode(AckMode::AutoCommit);
-        let client = config.consumer_config().expect("valid");
-        assert_eq!(client.get("enable.auto.commit"), None);
-        assert_eq!(client.get("enable.auto.offset.store"), None);
     }
 }

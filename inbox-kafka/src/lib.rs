@@ -105,9 +105,6 @@
 //!   and fails, naming the topic, if one does not (or creates it, with
 //!   [`KafkaSourceBuilder::create_dead_letter_topics`]): a record that cannot be parked would
 //!   otherwise be handed back and fail again, stalling its partition.
-//! - `AckMode::AutoCommit` exists only to measure the anti-pattern, with the feature
-//!   `never-in-production`: offsets stored on receipt and committed by the client's timer lose
-//!   messages on a crash.
 //!
 //! # Batches, order and parallelism
 //!
@@ -153,7 +150,7 @@ mod tracker;
 pub use ack::KafkaAck;
 pub use admin::{KafkaAdmin, Retention};
 pub use commit::OffsetCommits;
-pub use config::{brokers_from_env, AckMode, KafkaSourceBuilder, DEFAULT_BROKERS};
+pub use config::{brokers_from_env, KafkaSourceBuilder, DEFAULT_BROKERS};
 pub use error::{Error, Result};
 pub use producer::{KafkaProducer, KafkaProducerBuilder, Record, Sent};
 pub use rdkafka;

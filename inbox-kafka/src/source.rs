@@ -21,7 +21,7 @@ use crate::commit::{commit_task, OffsetCommits};
 use crate::context::{InboxContext, ProducerContext};
 use crate::dead_letter::{DeadLetterCheck, DeadLetterProducer};
 use crate::shared_consumer::SharedConsumer;
-use crate::{AckMode, Error, KafkaSourceBuilder, Result};
+use crate::{Error, KafkaSourceBuilder, Result};
 
 /// How many immediate polls in a row may come back without a message (librdkafka served a
 /// rebalance or error event instead) before a batch is closed.
@@ -41,7 +41,6 @@ pub struct KafkaSource {
     consumer: SharedConsumer,
     /// The dead-letter producer and topic, shared by every ack.
     dead_letters: Arc<DeadLetterProducer>,
-    ack_mode: AckMode,
     id_header: String,
     id_field: String,
     poll_timeout: Duration,
@@ -65,7 +64,6 @@ impl fmt::Debug for KafkaSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KafkaSource")
             .field("group", &self.consumer.context().group)
-            .field("ack_mode", &self.ack_mode)
             .field("commit_interval", &self.consumer.context().commit_interval)
             .field("id_header", &self.id_header)
             .field("dead_letter_topic", &self.dead_letters.topic)
@@ -126,7 +124,6 @@ impl KafkaSource {
         Ok(Self {
             consumer: SharedConsumer::new(consumer),
             dead_letters,
-            ack_mode: config.ack_mode,
             id_header: config.id_header.clone(),
             id_field: format!("header {}", config.id_header),
             poll_timeout: config.poll_timeout,
@@ -180,27 +177,21 @@ impl KafkaSource {
         }
         let id = IdError::parse(&self.id_field, raw_id.flatten().as_deref());
 
-        let (ack, delivery_count) = match self.ack_mode {
-            AckMode::AfterCommit => {
-                let tracked = self
-                    .consumer
-                    .context()
-                    .tracker()
-                    .received(topic, partition, offset);
-                let target = AckTarget {
-                    consumer: self.consumer.clone(),
-                    topic: topic.into(),
-                    partition,
-                    offset,
-                    generation: tracked.generation,
-                    timeout: self.operation_timeout,
-                };
-                let ack = KafkaAck::tracked(target, Arc::clone(&self.dead_letters));
-                (ack, tracked.delivery_count)
-            }
-            #[cfg(feature = "never-in-production")]
-            AckMode::AutoCommit => (KafkaAck::auto_commit(Arc::clone(&self.dead_letters)), 1),
+        let tracked = self
+            .consumer
+            .context()
+            .tracker()
+            .received(topic, partition, offset);
+        let delivery_count = tracked.delivery_count;
+        let target = AckTarget {
+            consumer: self.consumer.clone(),
+            topic: topic.into(),
+            partition,
+            offset,
+            generation: tracked.generation,
+            timeout: self.operation_timeout,
         };
+        let ack = KafkaAck::new(target, Arc::clone(&self.dead_letters));
         let message = Message {
             id,
             key: message.key().map(<[u8]>::to_vec),
@@ -235,10 +226,7 @@ impl MessageSource for KafkaSource {
             self.dead_letter_check = None;
         }
         let interval = self.consumer.context().commit_interval;
-        if self.commit_task.is_none()
-            && self.ack_mode == AckMode::AfterCommit
-            && !interval.is_zero()
-        {
+        if self.commit_task.is_none() && !interval.is_zero() {
             // Here rather than in `build`, which may run outside a runtime.
             let consumer = self.consumer.downgrade();
             self.commit_task = Some(tokio::spawn(commit_task(consumer, interval)));

@@ -11,10 +11,10 @@ use common::*;
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{Consumer, Stage};
 use inbox_kafka::rdkafka::Message as _;
-use inbox_kafka::{AckMode, Record};
+use inbox_kafka::Record;
 use inbox_testkit::wallet::{Credit, CreditEvent};
-use inbox_testkit::Crash;
 use inbox_testkit::TestDb;
+use inbox_testkit::{AckOnReceive, Crash};
 
 /// What the dead-letter topic keeps of a record it parks, here one without an ID (the
 /// conformance suite checks the payload, the reason and the commit): its key and headers, and
@@ -128,25 +128,24 @@ async fn a_compacted_topic_can_redeliver_arbitrarily_late() {
     );
 }
 
-/// The anti-pattern mode kept for the evidence harness: offsets stored on receipt and committed
-/// by the client (here on close), so a crash before the database commit loses the batch.
+/// The anti-pattern the evidence measures, auto-commit: offsets acked on receipt and committed
+/// on a timer (here also on close), so a crash before the database commit loses the batch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn auto_commit_mode_loses_a_batch_that_crashed_before_the_database_commit() {
+async fn acked_on_receipt_a_batch_that_crashed_before_the_database_commit_is_lost() {
     let topic = topic(1).await;
     let group = random("group");
     let db = TestDb::new().await;
     produce_credits(&topic, 10, 1).await;
 
     let auto = config(&topic, &group)
-        .ack_mode(AckMode::AutoCommit)
-        .set_consumer("auto.commit.interval.ms", "100")
+        .commit_interval(Duration::from_millis(100))
         .connect()
         .await
         .expect("source");
     let crash = Crash::at(Stage::Claimed);
     let crashing = Consumer::new(
         "wallet",
-        auto,
+        AckOnReceive::new(auto),
         crash.store(db.inbox()),
         Credit::new(db.pool.clone()),
     )
@@ -154,7 +153,7 @@ async fn auto_commit_mode_loses_a_batch_that_crashed_before_the_database_commit(
     let crashed = crash.run(crashing.run_until(std::future::pending())).await;
     assert!(crashed.is_err(), "{crashed:?}");
 
-    // A correct consumer in the same group starts from what auto-commit committed.
+    // A correct consumer in the same group starts from what was committed.
     let restarted = Running::start(
         "wallet",
         source(&topic, &group).await,
@@ -167,12 +166,12 @@ async fn auto_commit_mode_loses_a_batch_that_crashed_before_the_database_commit(
     let summary = summary(&db.pool).await;
     let lag = wait_for_no_lag(&topic, &group, 1).await;
     println!(
-        "auto-commit crash: restarted {stats:?} {summary:?} lost={} lag={lag}",
+        "acked on receipt, crashed: restarted {stats:?} {summary:?} lost={} lag={lag}",
         summary.lost(10)
     );
     assert!(
         summary.lost(10) > 0,
-        "auto-commit committed offsets of messages never applied"
+        "committed offsets of messages never applied"
     );
     assert_eq!(lag, 0, "the broker considers them done");
     db.drop().await;

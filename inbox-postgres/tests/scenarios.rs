@@ -12,7 +12,7 @@ use inbox_postgres::PgTx;
 use inbox_testkit::wallet::publish_credit;
 use inbox_testkit::wallet::{self, balance, Credit, CreditEvent};
 use inbox_testkit::{fast_retry, TestDb};
-use inbox_testkit::{AckMode, Crash, MemoryBroker, WithoutInbox};
+use inbox_testkit::{AckOnReceive, Crash, MemoryBroker, WithoutInbox};
 
 #[tokio::test]
 async fn the_same_message_delivered_twice_credits_once() {
@@ -111,7 +111,7 @@ async fn ack_before_the_database_loses_the_message_on_a_crash() {
     let crash = Crash::at(Stage::Applied);
     let crashed = Consumer::new(
         "wallet",
-        broker.source_with(AckMode::OnReceive),
+        AckOnReceive::new(broker.source()),
         db.inbox(),
         crash.handler(Credit::new(db.pool.clone())),
     );

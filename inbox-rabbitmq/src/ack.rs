@@ -193,8 +193,7 @@ impl fmt::Debug for Link {
 ///   consuming one. When the publish fails the delivery is nacked as above, after
 ///   [`inbox_core::dead_letter::RETRY_AFTER`].
 pub struct RabbitAck {
-    /// `None` in `AckMode::NoAck`: the broker already forgot it.
-    pub(crate) link: Option<Arc<Link>>,
+    pub(crate) link: Arc<Link>,
     pub(crate) tag: u64,
     /// The source's dead-letter publisher.
     pub(crate) dead_letters: Arc<DeadLetters>,
@@ -214,12 +213,11 @@ impl fmt::Debug for RabbitAck {
 #[async_trait]
 impl Ack for RabbitAck {
     async fn ack(self) -> Result<(), SourceError> {
-        let Some(link) = self.link else { return Ok(()) };
-        Ok(link.ack(self.tag, false).await?)
+        Ok(self.link.ack(self.tag, false).await?)
     }
 
     async fn nack(self, retry_after: Duration) -> Result<(), SourceError> {
-        let Some(link) = self.link else { return Ok(()) };
+        let link = self.link;
         if retry_after.is_zero() {
             return Ok(link.nack(self.tag).await?);
         }
@@ -251,13 +249,11 @@ impl Ack for RabbitAck {
         // Group by link: deliveries of a closed connection cannot be acked with the live ones.
         let mut groups: HashMap<u64, (Arc<Link>, BTreeSet<u64>)> = HashMap::new();
         for ack in acks {
-            if let Some(link) = ack.link {
-                groups
-                    .entry(link.generation)
-                    .or_insert_with(|| (link, BTreeSet::new()))
-                    .1
-                    .insert(ack.tag);
-            }
+            groups
+                .entry(ack.link.generation)
+                .or_insert_with(|| (ack.link, BTreeSet::new()))
+                .1
+                .insert(ack.tag);
         }
         let mut first_error = None;
         for (link, tags) in groups.into_values() {
@@ -347,7 +343,7 @@ pub(crate) mod tests {
         let mut deliveries = deliveries.into_iter();
         let first = deliveries.next().unwrap();
         let nacked = first.message.id.clone().unwrap();
-        let link = Arc::clone(first.ack.link.as_ref().unwrap());
+        let link = Arc::clone(&first.ack.link);
         assert_eq!(first.ack.tag, 1);
 
         link.before_nack_frame.arm();
@@ -462,7 +458,7 @@ pub(crate) mod tests {
     async fn a_failed_batch_ack_leaves_its_deliveries_to_come_back() {
         let (config, source, deliveries) = received("ackfail", 4).await;
         let mut acks: Vec<RabbitAck> = deliveries.into_iter().map(|d| d.ack).collect();
-        let link = Arc::clone(acks[0].link.as_ref().unwrap());
+        let link = Arc::clone(&acks[0].link);
         let later = acks.split_off(2);
 
         link.fail_next_frame.store(true, Ordering::SeqCst);
@@ -489,7 +485,7 @@ pub(crate) mod tests {
     async fn a_failed_nack_leaves_its_delivery_to_come_back() {
         let (config, source, deliveries) = received("nackfail", 3).await;
         let mut acks: Vec<RabbitAck> = deliveries.into_iter().map(|d| d.ack).collect();
-        let link = Arc::clone(acks[0].link.as_ref().unwrap());
+        let link = Arc::clone(&acks[0].link);
         let batch = acks.split_off(1);
 
         link.fail_next_frame.store(true, Ordering::SeqCst);

@@ -35,36 +35,6 @@ pub enum Topology {
     Expect,
 }
 
-/// When the source acknowledges.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum AckMode {
-    /// Manual acks: `basic.ack` after the database commit (the default, and the only correct
-    /// choice).
-    #[default]
-    AfterCommit,
-    /// **The anti-pattern**, for the evidence harness only: `basic.consume` with `no_ack = true`,
-    /// so the broker forgets each message as it sends it, and a crash before the commit loses it.
-    /// Acks and nacks do nothing in this mode. It exists only with the crate feature
-    /// `never-in-production`.
-    #[cfg(feature = "never-in-production")]
-    NoAck,
-}
-
-impl AckMode {
-    /// The broker forgets each message as it sends it.
-    #[cfg(feature = "never-in-production")]
-    pub(crate) fn forgets_on_delivery(self) -> bool {
-        self == Self::NoAck
-    }
-
-    /// The broker forgets each message as it sends it: never without `never-in-production`.
-    #[cfg(not(feature = "never-in-production"))]
-    pub(crate) fn forgets_on_delivery(self) -> bool {
-        false
-    }
-}
-
 /// Configures a [`RabbitSource`](crate::RabbitSource): how it connects, what it consumes and
 /// what topology it expects. Made by [`RabbitSource::builder`](crate::RabbitSource::builder),
 /// finished by [`connect`](Self::connect).
@@ -98,7 +68,6 @@ pub struct RabbitSourceBuilder {
     pub(crate) id_field: IdField,
     pub(crate) topology: Topology,
     pub(crate) delivery_limit: Option<u32>,
-    pub(crate) ack_mode: AckMode,
     pub(crate) poll_timeout: Duration,
     pub(crate) operation_timeout: Duration,
     pub(crate) connection_name: Option<String>,
@@ -115,7 +84,6 @@ impl std::fmt::Debug for RabbitSourceBuilder {
             .field("id_field", &self.id_field)
             .field("topology", &self.topology)
             .field("delivery_limit", &self.delivery_limit)
-            .field("ack_mode", &self.ack_mode)
             .field("poll_timeout", &self.poll_timeout)
             .field("operation_timeout", &self.operation_timeout)
             .field("connection_name", &self.connection_name)
@@ -143,7 +111,6 @@ impl RabbitSourceBuilder {
             id_field: IdField::MessageIdProperty,
             topology: Topology::Declare,
             delivery_limit: Some(20),
-            ack_mode: AckMode::AfterCommit,
             poll_timeout: Duration::from_secs(1),
             operation_timeout: Duration::from_secs(10),
             connection_name: None,
@@ -212,12 +179,6 @@ impl RabbitSourceBuilder {
     /// forever.
     pub fn no_delivery_limit(mut self) -> Self {
         self.delivery_limit = None;
-        self
-    }
-
-    /// Manual acks after the commit (default) or the no-ack anti-pattern; see [`AckMode`].
-    pub fn ack_mode(mut self, mode: AckMode) -> Self {
-        self.ack_mode = mode;
         self
     }
 

@@ -136,9 +136,6 @@
 //!   limit, and past it the broker dead-letters messages that never failed. The cure is in the
 //!   consumer: hold the batch while the store is down instead of handing it back, or choose a
 //!   `delivery_limit` and a `Consumer::error_backoff` that outlast the outages you expect.
-//! - **`AckMode::NoAck`** consumes with `no_ack = true`: the broker forgets each message as it
-//!   sends it. It exists only to demonstrate the loss it causes, with the feature
-//!   `never-in-production`; never use it.
 //!
 //! # TLS
 //!
@@ -157,7 +154,7 @@ mod source;
 mod topology;
 
 pub use ack::RabbitAck;
-pub use config::{AckMode, IdField, RabbitSourceBuilder, Topology, DEFAULT_AMQP_URL};
+pub use config::{IdField, RabbitSourceBuilder, Topology, DEFAULT_AMQP_URL};
 pub use error::{Error, Result};
 pub use lapin;
 pub use producer::{RabbitProducer, RabbitProducerBuilder};

@@ -14,7 +14,7 @@ use crate::ack::{Link, RabbitAck};
 use crate::config::{url_from_env, IdField};
 use crate::dead_letter::DeadLetters;
 use crate::short_string::short_string;
-use crate::{connect, topology, AckMode, Error, RabbitSourceBuilder, Result, Topology};
+use crate::{connect, topology, Error, RabbitSourceBuilder, Result, Topology};
 
 /// A RabbitMQ queue as an inbox [`MessageSource`]. See the crate docs for the topology and the
 /// ack semantics.
@@ -142,15 +142,11 @@ impl RabbitSource {
             )
             .await
             .map_err(|e| Error::amqp("setting prefetch (basic.qos)", e))?;
-        let options = BasicConsumeOptions {
-            no_ack: config.ack_mode.forgets_on_delivery(),
-            ..BasicConsumeOptions::default()
-        };
         link.channel
             .basic_consume(
                 short_string("queue name", &config.queue)?,
                 short_string("consumer tag", &config.consumer_tag)?,
-                options,
+                BasicConsumeOptions::default(),
                 FieldTable::default(),
             )
             .await
@@ -223,18 +219,11 @@ impl RabbitSource {
                 timestamp: sent_at(&headers, *props.timestamp()),
             },
         };
-        let link = match self.config.ack_mode {
-            AckMode::AfterCommit => {
-                link.track(tag);
-                Some(Arc::clone(link))
-            }
-            #[cfg(feature = "never-in-production")]
-            AckMode::NoAck => None,
-        };
+        link.track(tag);
         Delivery {
             message,
             ack: RabbitAck {
-                link,
+                link: Arc::clone(link),
                 tag,
                 dead_letters: Arc::clone(&self.dead_letters),
                 properties: props,

@@ -19,8 +19,7 @@ use crate::{Error, Result};
 ///
 /// [`Ack::nack`] leaves the entry pending: Redis cannot delay a redelivery, so the entry comes
 /// back once it has been idle for `claim_idle`, through `XAUTOCLAIM` (by this consumer or
-/// another), with its delivery count raised. In `AckMode::NoAck` (feature
-/// `never-in-production`) both do nothing: Redis forgot the entry when it handed it out.
+/// another), with its delivery count raised.
 ///
 /// [`Ack::dead_letter`] reads the entry's own fields back (`XRANGE`), then, in one script
 /// (`EVAL`), `XADD <dead-letter stream> * <original fields…> reason <reason> original_source
@@ -53,19 +52,13 @@ impl RedisStreamAck {
         let original = entry_fields(&self.conn, &self.settings, &self.entry_id).await?;
         let s = &self.settings;
         let fields = original.unwrap_or_else(|| rebuild_fields(s, message));
-        let ack = if s.ack_mode.forgets_on_delivery() {
-            "0"
-        } else {
-            "1"
-        };
         let mut cmd = redis::cmd("EVAL");
         cmd.arg(PARK)
             .arg(2)
             .arg(&s.dead_letter_stream)
             .arg(&s.stream)
             .arg(&s.group)
-            .arg(&self.entry_id)
-            .arg(ack);
+            .arg(&self.entry_id);
         for (name, value) in &fields {
             cmd.arg(name.as_slice()).arg(value.as_slice());
         }
@@ -90,17 +83,15 @@ impl RedisStreamAck {
 }
 
 /// Parks an entry and acks it in one step: `XADD` to the dead-letter stream (`KEYS[1]`) with the
-/// fields from `ARGV[4]` on, then, when `ARGV[3]` is `1`, `XACK` of entry `ARGV[2]` of the
-/// stream (`KEYS[2]`) for group `ARGV[1]`. A script, not `MULTI`: inside `MULTI` an `XADD` that
-/// fails when it runs (the key holds another type) does not stop the `XACK`, and the entry
-/// would be acked with no copy anywhere; a failing `redis.call` ends the script before it.
+/// fields from `ARGV[3]` on, then `XACK` of entry `ARGV[2]` of the stream (`KEYS[2]`) for group
+/// `ARGV[1]`. A script, not `MULTI`: inside `MULTI` an `XADD` that fails when it runs (the key
+/// holds another type) does not stop the `XACK`, and the entry would be acked with no copy
+/// anywhere; a failing `redis.call` ends the script before it.
 /// A script's keys must share a hash slot on a Redis Cluster: name the streams with one hash tag
 /// there (`{orders}` and `{orders}:dlq`).
 const PARK: &str = r"
-local added = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 4))
-if ARGV[3] == '1' then
-    redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
-end
+local added = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
 return added
 ";
 
@@ -128,7 +119,7 @@ pub(crate) async fn entry_fields(
 
 /// One `XACK` for many entries of one stream and group.
 pub(crate) async fn xack(conn: &mut Conn, s: &Settings, ids: &[String]) -> Result<()> {
-    if ids.is_empty() || s.ack_mode.forgets_on_delivery() {
+    if ids.is_empty() {
         return Ok(());
     }
     let mut cmd = redis::cmd("XACK");

@@ -7,36 +7,6 @@ use redis::Client;
 use crate::connection::Conn;
 use crate::{Error, RedisStreamSource, Result};
 
-/// When entries leave the consumer group's pending list.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum AckMode {
-    /// Entries stay pending until the consumer acks them with `XACK`, after the database
-    /// commit (at-least-once; the inbox makes it effectively-once). The default.
-    #[default]
-    AfterCommit,
-    /// **The anti-pattern, kept only to demonstrate its losses.** Entries are read with
-    /// `XREADGROUP … NOACK`: Redis forgets them on delivery, so the ack does nothing and an entry
-    /// whose process dies before the commit is lost for good (at-most-once). Exists only with
-    /// the crate feature `never-in-production`.
-    #[cfg(feature = "never-in-production")]
-    NoAck,
-}
-
-impl AckMode {
-    /// Entries are read with `NOACK`: Redis forgets them on delivery.
-    #[cfg(feature = "never-in-production")]
-    pub(crate) fn forgets_on_delivery(self) -> bool {
-        self == Self::NoAck
-    }
-
-    /// Entries are read with `NOACK`: never without the feature `never-in-production`.
-    #[cfg(not(feature = "never-in-production"))]
-    pub(crate) fn forgets_on_delivery(self) -> bool {
-        false
-    }
-}
-
 /// Everything a source and its acks need to know, shared between them.
 #[derive(Debug)]
 pub(crate) struct Settings {
@@ -48,7 +18,6 @@ pub(crate) struct Settings {
     pub(crate) poll_timeout: Duration,
     pub(crate) claim_idle: Duration,
     pub(crate) claim_interval: Duration,
-    pub(crate) ack_mode: AckMode,
 }
 
 /// Builds a [`RedisStreamSource`]; start with [`RedisStreamSource::builder`], finish with
@@ -69,7 +38,6 @@ pub struct RedisStreamSourceBuilder {
     poll_timeout: Duration,
     claim_idle: Duration,
     claim_interval: Duration,
-    ack_mode: AckMode,
     operation_timeout: Duration,
 }
 
@@ -85,7 +53,6 @@ impl std::fmt::Debug for RedisStreamSourceBuilder {
             .field("poll_timeout", &self.poll_timeout)
             .field("claim_idle", &self.claim_idle)
             .field("claim_interval", &self.claim_interval)
-            .field("ack_mode", &self.ack_mode)
             .field("operation_timeout", &self.operation_timeout)
             .finish()
     }
@@ -139,7 +106,6 @@ impl RedisStreamSourceBuilder {
             poll_timeout: Duration::from_secs(2),
             claim_idle: Duration::from_secs(60),
             claim_interval: Duration::from_secs(5),
-            ack_mode: AckMode::AfterCommit,
             operation_timeout: Duration::from_secs(10),
         }
     }
@@ -206,12 +172,6 @@ impl RedisStreamSourceBuilder {
     /// How often to look for idle entries of dead consumers with `XAUTOCLAIM` (default 5 s).
     pub fn claim_interval(mut self, every: Duration) -> Self {
         self.claim_interval = every;
-        self
-    }
-
-    /// When entries leave the pending list (default [`AckMode::AfterCommit`]).
-    pub fn ack_mode(mut self, mode: AckMode) -> Self {
-        self.ack_mode = mode;
         self
     }
 
@@ -305,7 +265,6 @@ impl RedisStreamSourceBuilder {
             poll_timeout: self.poll_timeout,
             claim_idle: self.claim_idle,
             claim_interval: self.claim_interval,
-            ack_mode: self.ack_mode,
         })
     }
 }

@@ -95,9 +95,6 @@
 //! - **Batches**: entries of one batch are applied in stream order in one transaction; a
 //!   reclaimed entry is applied when it is reclaimed, after newer entries, so a stream consumed
 //!   by several consumers (or with recoveries) is not applied in strict stream order.
-//! - `AckMode::NoAck` (`XREADGROUP … NOACK`) is the at-most-once anti-pattern, present only to
-//!   show its losses (with the feature `never-in-production`): Redis forgets each entry as it
-//!   hands it out.
 //!
 //! # A deleted consumer group
 //!
@@ -128,7 +125,7 @@ mod reply;
 mod source;
 
 pub use ack::RedisStreamAck;
-pub use config::{AckMode, RedisStreamSourceBuilder};
+pub use config::RedisStreamSourceBuilder;
 pub use error::{Error, Result};
 pub use producer::{RedisStreamProducer, RedisStreamProducerBuilder, Sent};
 pub use source::RedisStreamSource;

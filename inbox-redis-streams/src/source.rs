@@ -171,7 +171,7 @@ impl RedisStreamSource {
             .collect())
     }
 
-    /// `XREADGROUP GROUP g c COUNT n [BLOCK ms] [NOACK] STREAMS key <after>`.
+    /// `XREADGROUP GROUP g c COUNT n [BLOCK ms] STREAMS key <after>`.
     async fn read_group(
         &mut self,
         max: usize,
@@ -187,9 +187,6 @@ impl RedisStreamSource {
             .arg(max);
         if let Some(block) = block {
             cmd.arg("BLOCK").arg(block.as_millis().max(1) as u64);
-        }
-        if s.ack_mode.forgets_on_delivery() {
-            cmd.arg("NOACK");
         }
         cmd.arg("STREAMS").arg(&s.stream).arg(after);
         // The blocking read has a connection of its own; the others use the command one.
@@ -381,7 +378,6 @@ mod tests {
             poll_timeout: Duration::from_millis(10),
             claim_idle: Duration::from_secs(1),
             claim_interval: Duration::from_secs(1),
-            ack_mode: crate::AckMode::AfterCommit,
         }
     }
 

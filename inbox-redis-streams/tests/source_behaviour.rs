@@ -1,5 +1,5 @@
 //! What the source itself does over a real Redis, without a database: delivery counts, the
-//! recovery paths, deleted entries, and the NOACK anti-pattern.
+//! recovery paths, deleted entries, and the ack-on-receipt anti-pattern.
 
 mod common;
 
@@ -8,8 +8,7 @@ use std::time::Duration;
 use common::*;
 use inbox_core::Publish;
 use inbox_core::{Ack, Consumer, MessageId, MessageSource, Stage};
-use inbox_redis_streams::AckMode;
-use inbox_testkit::{Crash, MemoryStore, Sum};
+use inbox_testkit::{AckOnReceive, Crash, MemoryStore, Sum};
 
 #[tokio::test]
 async fn delivery_counts_rise_on_reread_and_on_claim() {
@@ -91,7 +90,7 @@ async fn an_entry_deleted_while_pending_is_acked_away() {
 }
 
 #[tokio::test]
-async fn noack_mode_loses_an_entry_whose_consumer_dies() {
+async fn an_entry_acked_on_receipt_is_lost_when_its_consumer_dies() {
     let stream = stream_key("noack");
     let producer = producer().await;
     for amount in [10, 20, 30] {
@@ -101,28 +100,28 @@ async fn noack_mode_loses_an_entry_whose_consumer_dies() {
             .expect("send");
     }
     let store = MemoryStore::<i64>::new();
-    let src = builder(&stream, "c1")
-        .ack_mode(AckMode::NoAck)
-        .connect()
-        .await
-        .expect("connect");
+    let src = builder(&stream, "c1").connect().await.expect("connect");
     let crash = Crash::at(Stage::Claimed);
-    let consumer = Consumer::new("sum", src, crash.store(store.clone()), Sum);
+    let consumer = Consumer::new(
+        "sum",
+        AckOnReceive::new(src),
+        crash.store(store.clone()),
+        Sum,
+    );
     let crashed = crash.run(consumer.run_until_idle()).await;
     assert!(crashed.is_err(), "the first message crashes the consumer");
     let src = builder(&stream, "c1")
-        .ack_mode(AckMode::NoAck)
         .claim_idle(Duration::from_millis(1))
         .connect()
         .await
         .expect("connect");
-    Consumer::new("sum", src, store.clone(), Sum)
+    Consumer::new("sum", AckOnReceive::new(src), store.clone(), Sum)
         .run_until_idle()
         .await
         .expect("run");
     let total = store.state().await;
     println!(
-        "NOACK: total {total} of 60, pending {}",
+        "acked on receipt: total {total} of 60, pending {}",
         pending(&stream).await
     );
     assert_eq!(total, 50, "the entry in flight at the crash is gone");

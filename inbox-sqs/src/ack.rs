@@ -10,7 +10,7 @@ use aws_sdk_sqs::Client;
 use inbox_core::{async_trait, Ack, Message, SourceError};
 use tracing::{debug, warn};
 
-use crate::config::{AckMode, MAX_VISIBILITY};
+use crate::config::MAX_VISIBILITY;
 use crate::dead_letter::{self, DeadLetterTarget};
 use crate::heartbeat::Heartbeat;
 use crate::Error;
@@ -22,7 +22,6 @@ pub(crate) struct Shared {
     pub(crate) queue_url: Arc<str>,
     /// The message attribute the source reads the ID from: a dead letter carries the ID in it.
     pub(crate) id_attribute: Arc<str>,
-    pub(crate) mode: AckMode,
     pub(crate) min_retry_delay: Duration,
     pub(crate) dead_letter: DeadLetterTarget,
 }
@@ -82,9 +81,6 @@ impl Ack for SqsAck {
     async fn ack(mut self) -> Result<(), SourceError> {
         self.stop_heartbeat();
         let s = &self.shared;
-        if s.mode.deletes_on_receive() {
-            return Ok(());
-        }
         s.client
             .delete_message()
             .queue_url(&*s.queue_url)
@@ -98,10 +94,6 @@ impl Ack for SqsAck {
     async fn nack(mut self, retry_after: Duration) -> Result<(), SourceError> {
         self.stop_heartbeat();
         let s = &self.shared;
-        if s.mode.deletes_on_receive() {
-            // Already deleted: there is nothing left to hand back (the anti-pattern's loss).
-            return Ok(());
-        }
         let seconds = visibility_seconds(retry_after.max(s.min_retry_delay));
         let result = s
             .client
@@ -161,13 +153,9 @@ impl Ack for SqsAck {
         }
     }
 
-    async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {
-        let mut pending: Vec<SqsAck> = Vec::with_capacity(acks.len());
-        for mut ack in acks {
+    async fn ack_all(mut pending: Vec<Self>) -> Result<(), SourceError> {
+        for ack in &mut pending {
             ack.stop_heartbeat();
-            if ack.shared.mode == AckMode::AfterCommit {
-                pending.push(ack);
-            }
         }
         // One batch call per queue and per 10 messages; normally all share one queue.
         pending.sort_by(|a, b| a.shared.queue_url.cmp(&b.shared.queue_url));
@@ -269,6 +257,9 @@ async fn delete_batch(chunk: &[SqsAck]) -> Result<(), (usize, Error)> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use std::net::SocketAddr;
+
+    use aws_sdk_sqs::config::retry::RetryConfig;
     use aws_sdk_sqs::config::{Credentials, Region};
 
     use super::*;
@@ -288,6 +279,18 @@ mod tests {
         );
     }
 
+    /// A client of the endpoint at `addr` that does not retry.
+    async fn client_at(addr: SocketAddr) -> Client {
+        let config = crate::config_loader()
+            .endpoint_url(format!("http://{addr}"))
+            .region(Region::new("us-east-1"))
+            .credentials_provider(Credentials::new("test", "test", None, None, "test"))
+            .retry_config(RetryConfig::disabled())
+            .load()
+            .await;
+        Client::new(&config)
+    }
+
     /// An endpoint that accepts connections and never answers: a hung SQS call.
     async fn black_hole() -> (Client, tokio::task::JoinHandle<()>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -298,16 +301,17 @@ mod tests {
                 held.push(socket);
             }
         });
-        let config = crate::config_loader()
-            .endpoint_url(format!("http://{addr}"))
-            .region(Region::new("us-east-1"))
-            .credentials_provider(Credentials::new("test", "test", None, None, "test"))
-            .load()
-            .await;
-        (Client::new(&config), server)
+        (client_at(addr).await, server)
     }
 
-    #[cfg(feature = "never-in-production")]
+    /// An endpoint where nothing listens: every call fails at once.
+    async fn refusing() -> Client {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        client_at(addr).await
+    }
+
     #[tokio::test]
     async fn an_ack_does_not_wait_for_a_hung_heartbeat_extension() {
         let (client, server) = black_hole().await;
@@ -315,18 +319,17 @@ mod tests {
         let handle: Arc<str> = Arc::from("receipt");
         // Visibility 1 s: the first extension goes out after a third of it and never returns.
         let heartbeat = Heartbeat::start(
-            client.clone(),
+            client,
             Arc::clone(&queue_url),
             Arc::clone(&handle),
             Duration::from_secs(1),
         );
         tokio::time::sleep(Duration::from_millis(700)).await;
-        // DeleteOnReceive acks make no call of their own: only the heartbeat's stop is timed.
+        // The ack's own delete fails at once: only the heartbeat's stop can hold it up.
         let shared = Shared {
-            client,
+            client: refusing().await,
             queue_url,
             id_attribute: Arc::from(crate::DEFAULT_ID_ATTRIBUTE),
-            mode: AckMode::DeleteOnReceive,
             min_retry_delay: Duration::ZERO,
             dead_letter: DeadLetterTarget::None,
         };

@@ -45,37 +45,6 @@ fn check_timeouts(client: &Client, queue_url: &str, poll: Duration) -> Result<()
     Ok(())
 }
 
-/// When a received message is deleted from the queue.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum AckMode {
-    /// Delete only after the inbox transaction committed (the default): a crash at any point
-    /// leaves the message on the queue, and its redelivery is skipped as a duplicate.
-    #[default]
-    AfterCommit,
-    /// Delete right after receiving, before the handler runs, and make acks do nothing.
-    ///
-    /// **The anti-pattern**, kept only so the evidence harness can show what it loses: a
-    /// crash between receive and commit loses the message for good (at most once). Never use it
-    /// in production: it exists only with the crate feature `never-in-production`.
-    #[cfg(feature = "never-in-production")]
-    DeleteOnReceive,
-}
-
-impl AckMode {
-    /// Messages are deleted as they are received.
-    #[cfg(feature = "never-in-production")]
-    pub(crate) fn deletes_on_receive(self) -> bool {
-        self == Self::DeleteOnReceive
-    }
-
-    /// Messages are deleted as they are received: never without `never-in-production`.
-    #[cfg(not(feature = "never-in-production"))]
-    pub(crate) fn deletes_on_receive(self) -> bool {
-        false
-    }
-}
-
 /// Settings shared by a source and every ack it hands out.
 #[derive(Debug, Clone)]
 pub(crate) struct Settings {
@@ -89,7 +58,6 @@ pub(crate) struct Settings {
     /// The timeout in force for received messages: the heartbeat extends to this.
     pub(crate) effective_visibility: Duration,
     pub(crate) heartbeat: bool,
-    pub(crate) ack_mode: AckMode,
     pub(crate) min_retry_delay: Duration,
     /// The queue's `MessageRetentionPeriod`, read at connect.
     pub(crate) retention: Option<Duration>,
@@ -126,7 +94,6 @@ pub struct SqsSourceBuilder {
     visibility_timeout: Option<Duration>,
     heartbeat: bool,
     dead_letter_queue: Option<String>,
-    ack_mode: AckMode,
     min_retry_delay: Duration,
 }
 
@@ -142,7 +109,6 @@ impl SqsSourceBuilder {
             visibility_timeout: None,
             heartbeat: true,
             dead_letter_queue: None,
-            ack_mode: AckMode::AfterCommit,
             min_retry_delay: Duration::ZERO,
         }
     }
@@ -214,13 +180,6 @@ impl SqsSourceBuilder {
     /// queue's redrive-policy dead-letter queue. See the crate docs, "Dead letters".
     pub fn dead_letter_queue(mut self, queue_url: impl Into<String>) -> Self {
         self.dead_letter_queue = Some(queue_url.into());
-        self
-    }
-
-    /// When messages are deleted (default [`AckMode::AfterCommit`]; the other mode is the
-    /// anti-pattern, for demonstrations only).
-    pub fn ack_mode(mut self, mode: AckMode) -> Self {
-        self.ack_mode = mode;
         self
     }
 
@@ -326,8 +285,7 @@ impl SqsSourceBuilder {
             max_messages: self.max_messages,
             visibility_timeout: self.visibility_timeout,
             effective_visibility,
-            heartbeat: self.heartbeat && self.ack_mode == AckMode::AfterCommit,
-            ack_mode: self.ack_mode,
+            heartbeat: self.heartbeat,
             min_retry_delay: self.min_retry_delay,
             retention: get(QueueAttributeName::MessageRetentionPeriod)
                 .and_then(|v| v.parse::<u64>().ok())

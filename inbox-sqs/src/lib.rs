@@ -85,8 +85,6 @@
 //!   [`RETRY_AFTER`](inbox_core::dead_letter::RETRY_AFTER) (1 s).
 //!   Handler failures are retried by the consumer in-process first
 //!   ([`RetryPolicy`](inbox_core::RetryPolicy)), under the heartbeat.
-//! - `AckMode::DeleteOnReceive` (feature `never-in-production`) deletes at receive time
-//!   instead: the at-most-once anti-pattern, only for showing what it loses.
 //!
 //! # Dead letters
 //! A message without a usable ID, with a permanent handler error, or failing
@@ -149,7 +147,7 @@ pub use ack::SqsAck;
 /// Re-exported so callers adjust the loader from [`config_loader`] with the same version.
 pub use aws_config;
 pub use client::{config_loader, connect, connect_or_local, connect_to, default_timeouts};
-pub use config::{AckMode, SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
+pub use config::{SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
 pub use error::{Error, Result};
 pub use producer::{Outgoing, SqsProducer, SqsProducerBuilder};
 pub use source::SqsSource;

@@ -11,7 +11,7 @@ use inbox_core::{
 use tracing::warn;
 
 use crate::ack::{Shared, SqsAck};
-use crate::config::{AckMode, Settings, SqsSourceBuilder};
+use crate::config::{Settings, SqsSourceBuilder};
 use crate::dead_letter::DeadLetterTarget;
 use crate::heartbeat::Heartbeat;
 use crate::{Error, Result};
@@ -41,7 +41,6 @@ impl SqsSource {
             client: client.clone(),
             queue_url: Arc::clone(&queue_url),
             id_attribute: Arc::from(settings.id_attribute.as_str()),
-            mode: settings.ack_mode,
             min_retry_delay: settings.min_retry_delay,
             dead_letter,
         });
@@ -151,29 +150,6 @@ impl SqsSource {
             },
         }
     }
-
-    /// Deletes messages right after receiving them: only for `AckMode::DeleteOnReceive`.
-    #[cfg_attr(not(feature = "never-in-production"), allow(dead_code))]
-    async fn delete_on_receive(&self, handles: Vec<String>) -> Result<(), SourceError> {
-        let shared = Arc::new(Shared {
-            client: self.client.clone(),
-            queue_url: Arc::clone(&self.queue_url),
-            id_attribute: Arc::clone(&self.acks.id_attribute),
-            mode: AckMode::AfterCommit,
-            min_retry_delay: Duration::ZERO,
-            dead_letter: DeadLetterTarget::None,
-        });
-        let mut acks = Vec::with_capacity(handles.len());
-        for handle in handles {
-            acks.push(SqsAck::new(
-                Arc::clone(&shared),
-                Arc::from(handle),
-                None,
-                None,
-            ));
-        }
-        <SqsAck as inbox_core::Ack>::ack_all(acks).await
-    }
 }
 
 #[async_trait]
@@ -208,7 +184,6 @@ impl MessageSource for SqsSource {
             .map_err(|e| Error::sdk("ReceiveMessage", &self.queue_url, e))?;
 
         let mut deliveries = Vec::new();
-        let mut to_delete = Vec::new();
         for mut sqs in out.messages.unwrap_or_default() {
             let Some(handle) = sqs.receipt_handle() else {
                 warn!(queue_url = %self.queue_url, message_id = ?sqs.message_id(), "received a message without a receipt handle; skipping it");
@@ -224,9 +199,6 @@ impl MessageSource for SqsSource {
                     self.settings.effective_visibility,
                 )
             });
-            if self.settings.ack_mode.deletes_on_receive() {
-                to_delete.push(handle.to_string());
-            }
             let ack = SqsAck::new(
                 Arc::clone(&self.acks),
                 handle,
@@ -235,10 +207,6 @@ impl MessageSource for SqsSource {
                 heartbeat,
             );
             deliveries.push(Delivery { message, ack });
-        }
-        if !to_delete.is_empty() {
-            // The anti-pattern: the message is gone from the queue before anything applied it.
-            self.delete_on_receive(to_delete).await?;
         }
         Ok(deliveries)
     }
@@ -299,7 +267,6 @@ mod tests {
             visibility_timeout: None,
             effective_visibility: Duration::from_secs(30),
             heartbeat: false,
-            ack_mode: AckMode::AfterCommit,
             min_retry_delay: Duration::ZERO,
             retention: None,
             fifo: false,

@@ -13,10 +13,10 @@ use common::{client, counts, credit, drain, queue, queue_with_redrive};
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{Consumer, Error, MessageId, Publish, Recovery, Stage};
 use inbox_sqs::aws_sdk_sqs::types::MessageAttributeValue;
-use inbox_sqs::{AckMode, Outgoing, SqsProducer, SqsSource};
+use inbox_sqs::{Outgoing, SqsProducer, SqsSource};
 use inbox_testkit::wallet::{balance, summary, Credit};
-use inbox_testkit::Crash;
 use inbox_testkit::TestDb;
+use inbox_testkit::{AckOnReceive, Crash};
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -267,8 +267,8 @@ async fn batched_sends_are_all_applied_and_batch_deleted() {
 
 #[tokio::test]
 async fn delete_on_receive_loses_a_message_on_crash() {
-    // The anti-pattern (evidence variant a1): the message is deleted before it is applied, so a
-    // crash before the commit loses it for good.
+    // The anti-pattern (evidence variant a1), the source in `AckOnReceive`: the message is
+    // deleted before it is applied, so a crash before the commit loses it for good.
     let sqs = client().await;
     let url = queue(&sqs, "a1", 2).await;
     let db = TestDb::new().await;
@@ -284,14 +284,13 @@ async fn delete_on_receive_loses_a_message_on_crash() {
     let source = SqsSource::builder(&url)
         .client(sqs.clone())
         .poll_timeout(SECOND)
-        .ack_mode(AckMode::DeleteOnReceive)
         .connect()
         .await
         .unwrap();
     let crash = Crash::at(Stage::Claimed);
     let consumer = Consumer::new(
         "wallet",
-        source,
+        AckOnReceive::new(source),
         crash.store(db.inbox()),
         Credit::new(db.pool.clone()),
     );

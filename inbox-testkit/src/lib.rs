@@ -10,8 +10,10 @@
 //!   on a copy and publishes it on commit, so a crash before commit leaves nothing behind.
 //! - [`Crash`] wraps a consumer's store, handler and source, and stops the consumer dead after
 //!   claim, apply, commit or ack, as a crash there would.
-//! - `WithoutInbox` (feature `never-in-production`) wraps any store and claims nothing: the
-//!   "commit after the database, no inbox" anti-pattern, to show what the inbox prevents.
+//! - Two anti-patterns, to show what the inbox prevents (feature `never-in-production`):
+//!   `WithoutInbox` wraps any store and claims nothing ("commit after the database, no
+//!   inbox"); `AckOnReceive` wraps any source and acks each delivery as it is received ("ack
+//!   first", at-most-once).
 //! - [`ScriptedLeases`] answers the effect consumer's lease calls from a script.
 //! - [`FaultProxy`] sits between a client and a real server and refuses, cuts or black-holes its
 //!   connections on demand: database and broker outages for fault tests.
@@ -64,6 +66,8 @@
 //! send and the checks on what a source reports; [`Sum`], a handler summing numbers in a
 //! [`MemoryStore`].
 
+#[cfg(feature = "never-in-production")]
+mod ack_on_receive;
 pub mod child;
 mod crash;
 mod db;
@@ -82,11 +86,13 @@ pub mod wallet;
 #[cfg(feature = "never-in-production")]
 mod without_inbox;
 
+#[cfg(feature = "never-in-production")]
+pub use ack_on_receive::{AckOnReceive, AckedOnReceive};
 pub use crash::{Crash, Crashed, Crashing, CrashingAck};
 pub use db::{database_url, fast_retry, partitioned_layout, TestDb};
 pub use fault_proxy::{FaultProxy, ProxyMode};
 pub use fault_run::{wait_for_a_third, FaultRun, Restored};
-pub use memory_broker::{AckMode, MemoryAck, MemoryBroker, MemorySource, Redelivery};
+pub use memory_broker::{MemoryAck, MemoryBroker, MemorySource, Redelivery};
 pub use memory_store::{MemoryStore, MemoryTx};
 pub use provider::TestProvider;
 pub use scripted_leases::ScriptedLeases;

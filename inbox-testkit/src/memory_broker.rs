@@ -8,16 +8,6 @@ use inbox_core::{
     Ack, Delivery, IdError, Message, MessageId, MessageSource, Recovery, SourceError,
 };
 
-/// When a [`MemorySource`] acknowledges.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AckMode {
-    /// The delivery stays in flight until the consumer acks it (at-least-once; the default).
-    AfterCommit,
-    /// The broker forgets a message as soon as it is received ("offset first", at-most-once),
-    /// and the consumer's ack does nothing: the anti-pattern, for showing its losses.
-    OnReceive,
-}
-
 /// An in-memory queue with at-least-once delivery.
 #[derive(Debug, Clone, Default)]
 pub struct MemoryBroker {
@@ -95,11 +85,6 @@ impl MemoryBroker {
 
     /// A new consumer connection. Dropping it returns its unacked deliveries to the queue.
     pub fn source(&self) -> MemorySource {
-        self.source_with(AckMode::AfterCommit)
-    }
-
-    /// A new consumer connection with the given ack mode.
-    pub fn source_with(&self, mode: AckMode) -> MemorySource {
         let owner = {
             let mut state = self.state();
             state.next_owner += 1;
@@ -108,7 +93,6 @@ impl MemoryBroker {
         MemorySource {
             broker: self.clone(),
             owner,
-            mode,
             poll: Duration::from_millis(20),
         }
     }
@@ -195,7 +179,6 @@ impl MemoryBroker {
 pub struct MemorySource {
     broker: MemoryBroker,
     owner: u64,
-    mode: AckMode,
     poll: Duration,
 }
 
@@ -203,33 +186,27 @@ pub struct MemorySource {
 #[derive(Debug)]
 pub struct MemoryAck {
     broker: MemoryBroker,
-    /// `None` when the broker already forgot the message ([`AckMode::OnReceive`]).
-    tag: Option<u64>,
+    tag: u64,
 }
 
 #[async_trait]
 impl Ack for MemoryAck {
     async fn ack(self) -> Result<(), SourceError> {
-        if let Some(tag) = self.tag {
-            let mut state = self.broker.state();
-            if state.in_flight.remove(&tag).is_some() {
-                state.acked += 1;
-            }
+        let mut state = self.broker.state();
+        if state.in_flight.remove(&self.tag).is_some() {
+            state.acked += 1;
         }
         Ok(())
     }
 
     async fn nack(self, retry_after: Duration) -> Result<(), SourceError> {
-        if let Some(tag) = self.tag {
-            self.broker.requeue(tag, Some(retry_after));
-        }
+        self.broker.requeue(self.tag, Some(retry_after));
         Ok(())
     }
 
     /// The broker requeued or settled this delivery since it was handed out.
     fn is_stale(&self) -> bool {
-        self.tag
-            .is_some_and(|tag| !self.broker.state().in_flight.contains_key(&tag))
+        !self.broker.state().in_flight.contains_key(&self.tag)
     }
 
     /// Keeps the message and reason for [`MemoryBroker::dead_letters`] and acks the delivery,
@@ -239,9 +216,7 @@ impl Ack for MemoryAck {
         if state.failing_dead_letters > 0 {
             state.failing_dead_letters -= 1;
             drop(state);
-            if let Some(tag) = self.tag {
-                self.broker.requeue(tag, None);
-            }
+            self.broker.requeue(self.tag, None);
             return Err(SourceError::new(
                 Recovery::Retry,
                 "dead letter",
@@ -249,10 +224,8 @@ impl Ack for MemoryAck {
             ));
         }
         state.dead.push((message.clone(), reason.to_owned()));
-        if let Some(tag) = self.tag {
-            if state.in_flight.remove(&tag).is_some() {
-                state.acked += 1;
-            }
+        if state.in_flight.remove(&self.tag).is_some() {
+            state.acked += 1;
         }
         Ok(())
     }
@@ -310,7 +283,7 @@ impl MemorySource {
                     message,
                     ack: MemoryAck {
                         broker: self.broker.clone(),
-                        tag: Some(tag),
+                        tag,
                     },
                 });
                 continue;
@@ -322,16 +295,7 @@ impl MemorySource {
             state.next_tag += 1;
             let tag = state.next_tag;
             message.meta.position = format!("tag {tag}");
-            let tag = match self.mode {
-                AckMode::AfterCommit => {
-                    state.in_flight.insert(tag, (self.owner, queued));
-                    Some(tag)
-                }
-                AckMode::OnReceive => {
-                    state.acked += 1;
-                    None
-                }
-            };
+            state.in_flight.insert(tag, (self.owner, queued));
             batch.push(Delivery {
                 message,
                 ack: MemoryAck {

@@ -241,11 +241,17 @@ where
         shutdown: Shutdown,
     ) -> Result<StatsSnapshot, BoxError> {
         let queue = self.queue(&spec.name).await?;
-        let (member, at_most_once, zombie) = (member(spec), spec.variant.auto_ack(), spec.zombie);
-        let source = caught("connecting a consumer", async move {
-            if at_most_once {
+        let (member, zombie) = (member(spec), spec.zombie);
+        if spec.variant.auto_ack() {
+            let source = caught("connecting a consumer", async move {
                 queue.at_most_once_source(&member).await
-            } else if zombie {
+            })
+            .await?;
+            crate::ready();
+            return Ok(consume::run(source, spec, db, watch, shutdown).await?);
+        }
+        let source = caught("connecting a consumer", async move {
+            if zombie {
                 queue
                     .losing_source(&member)
                     .await
@@ -255,13 +261,7 @@ where
             }
         })
         .await?
-        .ok_or_else(|| {
-            format!(
-                "{} offers no source for variant {} here (zombie: {zombie})",
-                self.kind,
-                spec.variant.name()
-            )
-        })?;
+        .ok_or_else(|| format!("{} offers no source for the zombie test here", self.kind))?;
         crate::ready();
         Ok(consume::run(source, spec, db, watch, shutdown).await?)
     }

@@ -17,7 +17,7 @@ pub(crate) fn write(path: &Path, results: &[VariantResult]) -> Result<(), BoxErr
         std::fs::create_dir_all(dir)?;
     }
     let n = results.len().max(1);
-    // Losses of an automatic ack run to thousands, duplicates of `b` to a few: a log scale
+    // Losses of an ack on receipt run to hundreds or thousands, duplicates of `b` to a few: a log scale
     // (of 1 + v, so that 0 sits on the axis) keeps both readable.
     let highest = results
         .iter()

@@ -82,7 +82,7 @@ impl FromStr for KafkaImpl {
 /// The article's variants, generalised to each broker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Variant {
-    /// The client's automatic ack, one message at a time.
+    /// Ack on receipt, one message at a time.
     A1,
     /// The same in batches: 100 messages, 10 on SQS (its largest receive).
     A2,
@@ -113,7 +113,7 @@ impl Variant {
         }
     }
 
-    /// The broker's automatic acknowledgement (the at-most-once anti-pattern).
+    /// Acked on receipt (the at-most-once anti-pattern): the source in `AckOnReceive`.
     pub(crate) fn auto_ack(self) -> bool {
         matches!(self, Self::A1 | Self::A2)
     }
@@ -264,7 +264,7 @@ pub(crate) struct ConsumeArgs {
     /// The broker to consume from.
     #[arg(long, value_name = "kafka|sqs|rabbitmq|redis")]
     broker: BrokerKind,
-    /// a1 the broker's automatic ack, a2 the same in batches, b ack after the DB commit without
+    /// a1 ack on receipt, a2 the same in batches, b ack after the DB commit without
     /// the inbox, c the inbox.
     #[arg(long, value_name = "a1|a2|b|c", default_value = "c")]
     variant: Variant,

@@ -152,7 +152,7 @@ async fn run_once(
 }
 
 /// When the child first writes to the ledger; now, if it dies first or the broker holds nothing
-/// more for it (after an automatic ack lost the rest, say), or after 30 s at most.
+/// more for it (after an ack on receipt lost the rest, say), or after 30 s at most.
 async fn first_write(
     broker: &dyn Broker,
     name: &str,

@@ -5,9 +5,10 @@
 //!
 //! `evidence --help` lists the commands and their options.
 //!
-//! Variants: `a1` the broker's automatic ack, one message at a time (Kafka auto-commit, SQS
-//! delete on receive, RabbitMQ `no_ack`, Redis `NOACK`); `a2` the same in batches of 100 (10 on
-//! SQS, its receive limit); `b` ack after the DB commit, no inbox; `c` the inbox.
+//! Variants: `a1` ack on receipt, one message at a time (the test kit's `AckOnReceive` around
+//! the source; on Kafka with offsets committed every 5 s, as auto-commit does); `a2` the same in
+//! batches of 100 (10 on SQS, its receive limit); `b` ack after the DB commit, no inbox; `c` the
+//! inbox.
 //!
 //! Services: PostgreSQL at `DATABASE_URL`, and the brokers at `KAFKA_BROKERS`,
 //! `AWS_ENDPOINT_URL_SQS`, `AMQP_URL`, `REDIS_URL` (the defaults are what `cargo xtask services`
@@ -47,8 +48,8 @@ use crate::settings::{KillArgs, KillSettings, ZombieSettings};
 
 /// The notes under `evidence --help`.
 const NOTES: &str = "\
-Variants: a1 the broker's automatic ack, one at a time; a2 the same in batches; b ack after the \
-DB commit, without the inbox; c the inbox.
+Variants: a1 ack on receipt, one at a time; a2 the same in batches; b ack after the DB commit, \
+without the inbox; c the inbox.
 Services: DATABASE_URL, KAFKA_BROKERS, AWS_ENDPOINT_URL_SQS, AMQP_URL, REDIS_URL (defaults: what \
 `cargo xtask services` starts). `cargo xtask demo` starts them, then runs `evidence demo`.
 `evidence COMMAND --help` lists a command's options.";
