@@ -152,6 +152,7 @@ impl IdError {
 
 /// Where a message came from and how often the broker has handed it out.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Metadata {
     /// The topic, queue or stream.
     pub source: String,
@@ -175,8 +176,10 @@ pub struct Metadata {
     pub timestamp: Option<std::time::SystemTime>,
 }
 
-/// One message as the consumer sees it.
+/// One message as the consumer sees it. Made with [`Message::new`], its other fields set
+/// after.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Message {
     /// The producer-set ID, or why there is none.
     pub id: Result<MessageId, IdError>,

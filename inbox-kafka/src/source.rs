@@ -6,8 +6,7 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use inbox_core::{
-    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, Metadata, Recovery,
-    SourceError,
+    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, Recovery, SourceError,
 };
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -192,25 +191,22 @@ impl KafkaSource {
             timeout: self.operation_timeout,
         };
         let ack = KafkaAck::new(target, Arc::clone(&self.dead_letters));
-        let message = Message {
-            id,
-            key: message.key().map(<[u8]>::to_vec),
-            payload: message.payload().map(<[u8]>::to_vec).unwrap_or_default(),
-            headers,
-            meta: Metadata {
-                source: topic.to_owned(),
-                position: format!("partition {partition} offset {offset}"),
-                // Kafka does not count deliveries; this adapter counts its own nacks.
-                delivery_count: (delivery_count > 1).then_some(delivery_count),
-                redelivered: delivery_count > 1,
-                lane: Some(format!("{topic}[{partition}]")),
-                timestamp: message
-                    .timestamp()
-                    .to_millis()
-                    .and_then(|ms| u64::try_from(ms).ok())
-                    .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms)),
-            },
-        };
+        let record = message;
+        let mut message = Message::new(id, record.payload().unwrap_or_default());
+        message.key = record.key().map(<[u8]>::to_vec);
+        message.headers = headers;
+        let meta = &mut message.meta;
+        meta.source = topic.to_owned();
+        meta.position = format!("partition {partition} offset {offset}");
+        // Kafka does not count deliveries; this adapter counts its own nacks.
+        meta.delivery_count = (delivery_count > 1).then_some(delivery_count);
+        meta.redelivered = delivery_count > 1;
+        meta.lane = Some(format!("{topic}[{partition}]"));
+        meta.timestamp = record
+            .timestamp()
+            .to_millis()
+            .and_then(|ms| u64::try_from(ms).ok())
+            .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms));
         Delivery { message, ack }
     }
 }

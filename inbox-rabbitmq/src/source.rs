@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use futures_util::{FutureExt, StreamExt};
 use inbox_core::{
-    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, Metadata, SourceError,
+    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, SourceError,
 };
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
@@ -200,25 +200,20 @@ impl RabbitSource {
             link.generation,
             link.channel.id()
         );
-        let message = Message {
-            id,
-            key: Some(delivery.routing_key.as_str().as_bytes().to_vec()),
-            payload: delivery.data,
-            headers: headers
-                .inner()
-                .iter()
-                .map(|(k, v)| (k.to_string(), value_bytes(v)))
-                .collect(),
-            meta: Metadata {
-                source: self.config.queue.clone(),
-                position: position.clone(),
-                delivery_count,
-                redelivered: delivery.redelivered,
-                // One queue, one order.
-                lane: None,
-                timestamp: sent_at(&headers, *props.timestamp()),
-            },
-        };
+        let mut message = Message::new(id, delivery.data);
+        message.key = Some(delivery.routing_key.as_str().as_bytes().to_vec());
+        message.headers = headers
+            .inner()
+            .iter()
+            .map(|(k, v)| (k.to_string(), value_bytes(v)))
+            .collect();
+        let meta = &mut message.meta;
+        meta.source = self.config.queue.clone();
+        meta.position = position.clone();
+        meta.delivery_count = delivery_count;
+        meta.redelivered = delivery.redelivered;
+        // One queue, one order: no lane.
+        meta.timestamp = sent_at(&headers, *props.timestamp());
         link.track(tag);
         Delivery {
             message,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{
-    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, Metadata, SourceError,
+    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, SourceError,
 };
 use redis::Value;
 use tokio::time::Instant;
@@ -325,21 +325,19 @@ fn to_message(
         }
     }
     let field = format!("field {}", settings.id_field);
-    Message {
-        id: IdError::parse(&field, id_raw.as_deref()),
-        key: None,
-        payload: payload.unwrap_or_default(),
-        headers,
-        meta: Metadata {
-            source: settings.stream.clone(),
-            position: entry_id.to_owned(),
-            delivery_count,
-            redelivered: delivery_count.is_some_and(|n| n > 1),
-            // One stream, one order.
-            lane: None,
-            timestamp: entry_time(entry_id),
-        },
-    }
+    let mut message = Message::new(
+        IdError::parse(&field, id_raw.as_deref()),
+        payload.unwrap_or_default(),
+    );
+    message.headers = headers;
+    let meta = &mut message.meta;
+    meta.source = settings.stream.clone();
+    meta.position = entry_id.to_owned();
+    meta.delivery_count = delivery_count;
+    meta.redelivered = delivery_count.is_some_and(|n| n > 1);
+    // One stream, one order: no lane.
+    meta.timestamp = entry_time(entry_id);
+    message
 }
 
 /// When Redis added the entry: the milliseconds part of its ID (`<ms>-<seq>`).

@@ -6,7 +6,7 @@ use std::time::Duration;
 use aws_sdk_sqs::types::{MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName};
 use aws_sdk_sqs::Client;
 use inbox_core::{
-    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, Metadata, SourceError,
+    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, SourceError,
 };
 use tracing::warn;
 
@@ -131,24 +131,21 @@ impl SqsSource {
         let delivery_count = system_attr(MessageSystemAttributeName::ApproximateReceiveCount)
             .and_then(|v| v.parse::<u32>().ok());
         let group = system_attr(MessageSystemAttributeName::MessageGroupId);
-        Message {
-            id,
-            key: group.map(|g| g.as_bytes().to_vec()),
-            payload: sqs.body().unwrap_or_default().as_bytes().to_vec(),
-            headers,
-            meta: Metadata {
-                source: self.queue_url.to_string(),
-                position: format!("message {}", sqs.message_id().unwrap_or("?")),
-                delivery_count,
-                redelivered: delivery_count.is_some_and(|n| n > 1),
-                // FIFO queues keep order per message group; a standard queue keeps none, but
-                // one lane keeps a batch in one transaction.
-                lane: group.cloned(),
-                timestamp: system_attr(MessageSystemAttributeName::SentTimestamp)
-                    .and_then(|ms| ms.parse::<u64>().ok())
-                    .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms)),
-            },
-        }
+        let mut message = Message::new(id, sqs.body().unwrap_or_default());
+        message.key = group.map(|g| g.as_bytes().to_vec());
+        message.headers = headers;
+        let meta = &mut message.meta;
+        meta.source = self.queue_url.to_string();
+        meta.position = format!("message {}", sqs.message_id().unwrap_or("?"));
+        meta.delivery_count = delivery_count;
+        meta.redelivered = delivery_count.is_some_and(|n| n > 1);
+        // FIFO queues keep order per message group; a standard queue keeps none, but one lane
+        // keeps a batch in one transaction.
+        meta.lane = group.cloned();
+        meta.timestamp = system_attr(MessageSystemAttributeName::SentTimestamp)
+            .and_then(|ms| ms.parse::<u64>().ok())
+            .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms));
+        message
     }
 }
 
