@@ -10,8 +10,6 @@ use inbox_postgres::{KeyMode, DEFAULT_PURGE_BATCH};
 /// slipped unit (`14m` for `14d`), and forgets messages a redelivery may still bring back.
 pub(crate) const PURGE_FLOOR: Duration = Duration::from_secs(3600);
 
-const DEFAULT_DATABASE_URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/inbox";
-
 /// The operator CLI of the PostgreSQL inbox.
 #[derive(Debug, Parser)]
 #[command(
@@ -36,16 +34,15 @@ pub(crate) struct Cli {
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Database and table (any command)")]
 pub(crate) struct Target {
-    /// PostgreSQL connection URL.
+    /// PostgreSQL connection URL (required by every command that reads or writes the database).
     #[arg(
         long,
         global = true,
         value_name = "URL",
         env = "DATABASE_URL",
-        hide_env_values = true,
-        default_value = DEFAULT_DATABASE_URL
+        hide_env_values = true
     )]
-    pub(crate) database_url: String,
+    pub(crate) database_url: Option<String>,
     /// Schema of the inbox table [default: the connection's search_path].
     #[arg(long, global = true, value_name = "NAME")]
     pub(crate) schema: Option<String>,

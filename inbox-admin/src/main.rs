@@ -219,9 +219,14 @@ async fn print_storage(inbox: &PgInbox) -> Result<(), CliError> {
 }
 
 async fn connect(target: &Target) -> Result<PgPool, CliError> {
+    let Some(url) = &target.database_url else {
+        return Err(CliError::Refused(
+            "no database to connect to: pass --database-url or set DATABASE_URL".into(),
+        ));
+    };
     PgPoolOptions::new()
         .max_connections(4)
-        .connect(&target.database_url)
+        .connect(url)
         .await
         .map_err(db("connecting to PostgreSQL"))
 }

@@ -3,6 +3,8 @@
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
+use std::process::Command;
+
 use inbox_testkit::TestDb;
 
 mod common;
@@ -208,6 +210,28 @@ fn usage_errors_exit_2_and_name_the_input() {
             "{args:?}: `{expected}` missing from:\n{stderr}"
         );
     }
+}
+
+#[test]
+fn a_command_without_a_database_url_names_the_setting_and_touches_nothing() {
+    let out = Command::new(env!("CARGO_BIN_EXE_inbox-admin"))
+        .arg("stats")
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("the inbox-admin binary runs");
+    assert!(!out.status.success(), "{out:?}");
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("--database-url") && stderr.contains("DATABASE_URL"),
+        "the error names neither way to set it:\n{stderr}"
+    );
+    // The DDL needs no database.
+    let out = Command::new(env!("CARGO_BIN_EXE_inbox-admin"))
+        .args(["migrate", "--print-sql"])
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("the inbox-admin binary runs");
+    assert!(out.status.success(), "{out:?}");
 }
 
 #[test]
