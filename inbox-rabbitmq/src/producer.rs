@@ -43,7 +43,12 @@ pub(crate) async fn publish_confirmed(
         .map_err(|e| Error::amqp(context(), e))?
         .await
         .map_err(|e| Error::amqp(context(), e))?;
-    match confirm {
+    confirmed(confirm, exchange, routing_key)
+}
+
+/// What a publisher confirm says: `Ok` only for a message stored in a queue.
+fn confirmed(confirmation: Confirmation, exchange: &str, routing_key: &str) -> Result<()> {
+    match confirmation {
         // A mandatory message that found no queue is returned, then confirmed.
         Confirmation::Ack(Some(_returned)) => Err(Error::Unroutable {
             exchange: exchange.to_owned(),
@@ -295,29 +300,9 @@ impl Publish for RabbitProducer {
             let confirmations = try_join_all(confirms)
                 .await
                 .map_err(|e| Error::amqp(context(), e))?;
-            for confirmation in confirmations {
-                match confirmation {
-                    Confirmation::Ack(None) => {}
-                    // A mandatory message that found no queue is returned, then confirmed.
-                    Confirmation::Ack(Some(_returned)) => {
-                        return Err(Error::Unroutable {
-                            exchange: String::new(),
-                            routing_key: routing_key.to_owned(),
-                        })
-                    }
-                    Confirmation::Nack(_) => {
-                        return Err(Error::Nacked {
-                            routing_key: routing_key.to_owned(),
-                        })
-                    }
-                    Confirmation::NotRequested => {
-                        return Err(Error::Config(
-                            "publisher confirms are off on this channel".into(),
-                        ))
-                    }
-                }
-            }
-            Ok(())
+            confirmations
+                .into_iter()
+                .try_for_each(|confirmation| confirmed(confirmation, "", routing_key))
         }
         .await;
         if result.is_err() && !channel.status().connected() {
