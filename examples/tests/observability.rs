@@ -1,7 +1,8 @@
 //! The `observability` example as an operator sees it: started as a process, fed through Redis,
 //! scraped over HTTP. Its series exist and move with the work, `/readyz` answers 200 while it
 //! runs, and SIGTERM stops it cleanly. And a trace started by a producer continues in the
-//! consumer's handler, through the `traceparent` field of the stream entry.
+//! consumer's handler, through the `traceparent` field of the stream entry, also when the
+//! message went through an outbox row and its relay.
 //!
 //! Needs PostgreSQL and Redis (`cargo xtask services`).
 // A failed step should fail the test loudly, with its error.
@@ -13,9 +14,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inbox_core::{
-    async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish, TraceParent,
+    async_trait, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish,
+    TraceParent,
 };
-use inbox_postgres::PgTx;
+use inbox_postgres::{Outbox, PgTx};
 use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
 use inbox_testkit::wallet::{self, CreditEvent};
 use inbox_testkit::TestDb;
@@ -312,7 +314,10 @@ async fn a_trace_crosses_redis_into_the_handler() {
         .connect()
         .await
         .unwrap();
-    // Produced inside a request's span: the entry carries that span's context.
+    let outbox = Outbox::new(db.pool.clone());
+    outbox.migrate().await.unwrap();
+    // Produced inside a request's span: the entry carries that span's context, and so does an
+    // outbox row written in it.
     let request = tracing::info_span!("checkout");
     let sent_from = async {
         let here = TraceParent::current().expect("an OpenTelemetry context");
@@ -320,6 +325,13 @@ async fn a_trace_crosses_redis_into_the_handler() {
             .send_with_id(&stream, &MessageId::new("traced").unwrap(), b"{}")
             .await
             .unwrap();
+        let relayed = OutgoingMessage::new(MessageId::new("relayed").unwrap(), "{}");
+        let mut tx = db.pool.begin().await.unwrap();
+        outbox
+            .write_message(&mut tx, &stream, &relayed)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
         here
     }
     .instrument(request)
@@ -329,6 +341,9 @@ async fn a_trace_crosses_redis_into_the_handler() {
         .send_with_id(&stream, &MessageId::new("untraced").unwrap(), b"{}")
         .await
         .unwrap();
+    // The relay runs outside any span: the row brings its writer's context.
+    let relay = outbox.relay(producer.clone()).run_until_idle();
+    assert_eq!(relay.await.unwrap().published, 1);
 
     let source = RedisStreamSource::builder(&stream, "g")
         .poll_timeout(Duration::from_millis(200))
@@ -343,7 +358,7 @@ async fn a_trace_crosses_redis_into_the_handler() {
         .unwrap();
 
     let seen = seen.0.lock().unwrap().clone();
-    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(seen.len(), 3, "{seen:?}");
     let (id, traced) = &seen[0];
     assert_eq!(id, "traced");
     let traced = traced.expect("the handler runs in a trace");
@@ -362,6 +377,13 @@ async fn a_trace_crosses_redis_into_the_handler() {
     assert_ne!(
         untraced.expect("still traced, as a new trace").trace_id(),
         sent_from.trace_id()
+    );
+    let (id, relayed) = &seen[2];
+    assert_eq!(id, "relayed");
+    assert_eq!(
+        relayed.expect("traced").trace_id(),
+        sent_from.trace_id(),
+        "the handler continues the outbox writer's trace, not the relay's"
     );
     db.drop().await;
 }

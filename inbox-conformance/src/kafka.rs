@@ -16,8 +16,10 @@ use std::time::Duration;
 
 use inbox_core::dead_letter::REASON;
 use inbox_core::Publish;
+use inbox_kafka::rdkafka::message::{Header, OwnedHeaders};
+use inbox_kafka::rdkafka::producer::FutureRecord;
 use inbox_kafka::rdkafka::Message as _;
-use inbox_kafka::{KafkaProducer, KafkaProducerBuilder, KafkaSource, KafkaSourceBuilder, Record};
+use inbox_kafka::{KafkaProducer, KafkaProducerBuilder, KafkaSource, KafkaSourceBuilder};
 
 use crate::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
 
@@ -33,6 +35,41 @@ pub fn config(topic: &str, group: &str) -> KafkaSourceBuilder {
 /// A producer with the adapter's defaults.
 pub async fn producer() -> KafkaProducer {
     KafkaProducer::builder().connect().await.expect("producer")
+}
+
+/// Produces a record through `producer`'s client with exactly the `headers` given: without the
+/// producer's own ID header, so that an `event_id` among them may be missing or invalid, for
+/// records a consumer must dead-letter. To `partition` when given.
+pub async fn send_raw(
+    producer: &KafkaProducer,
+    topic: &str,
+    partition: Option<i32>,
+    key: Option<&str>,
+    headers: &[(&str, &str)],
+    payload: &[u8],
+) {
+    let mut owned = OwnedHeaders::new_with_capacity(headers.len());
+    for &(key, value) in headers {
+        owned = owned.insert(Header {
+            key,
+            value: Some(value),
+        });
+    }
+    let mut record = FutureRecord::<str, [u8]>::to(topic)
+        .payload(payload)
+        .headers(owned);
+    if let Some(key) = key {
+        record = record.key(key);
+    }
+    if let Some(partition) = partition {
+        record = record.partition(partition);
+    }
+    producer
+        .client()
+        .send(record, Duration::from_secs(30))
+        .await
+        .map_err(|(e, _)| e)
+        .expect("produce");
 }
 
 /// A Kafka-protocol broker under test. The default is the suite's: two partitions per topic, so
@@ -167,15 +204,16 @@ impl TestQueue for Topic {
 
     async fn send(&self, id: Option<&str>, payload: &[u8]) {
         let partition = self.next.fetch_add(1, Ordering::Relaxed) % self.kafka.partitions;
-        // The raw header, not `Record::id`, which takes only a valid ID.
-        let mut record = Record::new(payload).without_id().partition(partition);
-        if let Some(id) = id {
-            record = record.header("event_id", id);
-        }
-        self.producer
-            .send_record(&self.name, record)
-            .await
-            .expect("produce");
+        let headers: Vec<(&str, &str)> = id.map(|id| ("event_id", id)).into_iter().collect();
+        send_raw(
+            &self.producer,
+            &self.name,
+            Some(partition),
+            None,
+            &headers,
+            payload,
+        )
+        .await;
     }
 
     async fn source(&self, member: &str) -> Member {

@@ -8,7 +8,7 @@
 //! dead-letter destination with its payload and a reason. They cover duplicates, crashes at each
 //! stage and of the whole process, racing members, retries and dead letters, batches, a member
 //! that loses its message to another while its handler stalls (a "zombie"), the outbox relay
-//! (forwarding, a lost confirm, two relays at once) and network faults (a black hole, cut
+//! (forwarding, a lost confirm, two relays at once, a row's headers) and network faults (a black hole, cut
 //! connections).
 //!
 //! Every source a scenario runs is held to what it reports of itself
@@ -282,6 +282,7 @@ macro_rules! suite {
             a_handler_writes_the_outbox_the_relay_publishes_and_the_downstream_inbox_applies_each_once,
             a_lost_confirm_publishes_again_under_the_same_ids_and_the_inbox_skips_the_copies,
             two_relays_at_once_publish_every_row_once,
+            headers_written_with_an_outbox_row_reach_the_consumer,
             a_black_holed_connection_is_given_up_and_replaced,
             connections_cut_again_and_again_lose_and_repeat_nothing,
         );

@@ -1,7 +1,8 @@
 //! Inbox, then outbox: a handler writes outbox rows ([`Outbox`]) in its inbox transaction, an
 //! [`OutboxRelay`](inbox_postgres::OutboxRelay) publishes them through the adapter's producer
 //! ([`TestQueue::producer`]), and a downstream inbox consumer applies each once: also when a
-//! lost confirm makes the relay publish a batch again, and when two relays run at once.
+//! lost confirm makes the relay publish a batch again, and when two relays run at once. A row's
+//! headers (its writer's `traceparent`) reach the consumer with it.
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -9,17 +10,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use inbox_core::telemetry::TRACEPARENT_HEADER;
 use inbox_core::{
-    async_trait, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish,
-    PublishError, Recovery,
+    async_trait, Ack, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage,
+    Publish, PublishError, Recovery, TraceParent,
 };
 use inbox_postgres::sqlx;
 use inbox_postgres::{Outbox, PgTx};
+use inbox_testkit::metadata::{assert_traced, TRACEPARENT};
 use inbox_testkit::outbox::{migrated, unsent, write_credits};
 use inbox_testkit::wallet::{self, Credit, CreditEvent};
-use inbox_testkit::TestDb;
+use inbox_testkit::{receive, TestDb};
 
-use crate::scenarios::{drain, finish, left, setup, Totals};
+use crate::scenarios::{drain, finish, left, setup, source, Totals};
 use crate::{TestBroker, TestQueue};
 
 /// The upstream handler: forwards each credit to another queue through the outbox, in the
@@ -321,5 +324,58 @@ pub async fn two_relays_at_once_publish_every_row_once<B: TestBroker>(broker: &B
     assert_eq!(ledger_ids(&db).await, outbox_ids(&db).await);
     assert_eq!(summary.total_balance, total);
     assert_eq!(left, 0);
+    finish(db, queue).await;
+}
+
+/// A row written with a `traceparent` and an application header reaches the consumer with both,
+/// through the relay and the adapter's producer; a row written without headers gets none.
+pub async fn headers_written_with_an_outbox_row_reach_the_consumer<B: TestBroker>(broker: &B) {
+    let (db, queue) = setup(broker, "outbox-headers").await;
+    let outbox = migrated(&db).await;
+    let traced = OutgoingMessage::generate(CreditEvent::new(1, 5).to_json())
+        .header(TRACEPARENT_HEADER, TRACEPARENT)
+        .header("tenant", "acme");
+    let plain = OutgoingMessage::generate(CreditEvent::new(2, 7).to_json());
+    let mut tx = db.pool.begin().await.expect("begin");
+    let rows = [traced.clone(), plain.clone()];
+    outbox
+        .write_all(&mut tx, &queue.destination(), &rows)
+        .await
+        .expect("outbox rows");
+    tx.commit().await.expect("commit");
+    let relayed = outbox
+        .relay(queue.producer().await)
+        .run_until_idle()
+        .await
+        .expect("relay");
+
+    let mut source = source(&queue, "reader").await;
+    let deliveries = receive(&mut source, 2, Duration::from_secs(60)).await;
+    let received = |id: &MessageId| {
+        let found = deliveries.iter().find(|d| d.message.id.as_ref() == Ok(id));
+        &found.unwrap_or_else(|| panic!("{id} not received")).message
+    };
+    let (got_traced, got_plain) = (received(&traced.id), received(&plain.id));
+    let shown = |message: &Message| -> Vec<String> {
+        let text = |value: &[u8]| String::from_utf8_lossy(value).into_owned();
+        message
+            .headers
+            .iter()
+            .map(|(k, v)| format!("{k}={}", text(v)))
+            .collect()
+    };
+    println!(
+        "outbox headers: relayed {relayed:?}; received {:?} and {:?}",
+        shown(got_traced),
+        shown(got_plain)
+    );
+    assert_eq!(relayed.published, 2);
+    assert_traced(got_traced);
+    assert_eq!(got_traced.header("tenant"), Some(&b"acme"[..]));
+    assert_eq!(TraceParent::from_message(got_plain), None);
+    assert_eq!(got_plain.header("tenant"), None);
+    for delivery in deliveries {
+        delivery.ack.ack().await.expect("ack");
+    }
     finish(db, queue).await;
 }

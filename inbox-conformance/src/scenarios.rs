@@ -24,6 +24,7 @@ pub use crate::network::{
 pub use crate::outbox::{
     a_handler_writes_the_outbox_the_relay_publishes_and_the_downstream_inbox_applies_each_once,
     a_lost_confirm_publishes_again_under_the_same_ids_and_the_inbox_skips_the_copies,
+    headers_written_with_an_outbox_row_reach_the_consumer,
     two_relays_at_once_publish_every_row_once,
 };
 pub use crate::zombie::a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice;

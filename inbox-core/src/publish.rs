@@ -1,17 +1,29 @@
 //! The producing side: [`Publish`], which every adapter's producer implements, so an outbox
 //! relay (or any caller) can send through any broker the same way.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
 
+use crate::telemetry::{TraceParent, TRACEPARENT_HEADER};
 use crate::{MessageId, Recovery};
 
-/// One message to publish: the ID the consuming inbox deduplicates on, the body, and an optional
-/// ordering key.
+/// One message to publish: the ID the consuming inbox deduplicates on, the body, an optional
+/// ordering key and headers. Every adapter's producer and the outbox take it.
+///
+/// ```
+/// use inbox_core::OutgoingMessage;
+///
+/// let message = OutgoingMessage::generate(r#"{"amount":100}"#)
+///     .key("account-1")
+///     .header("content-type", "application/json");
+/// assert_eq!(message.headers, [("content-type".to_owned(), b"application/json".to_vec())]);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct OutgoingMessage {
     /// The message ID. Keep it when sending the same message again (after an error, from an
     /// outbox row), so the consumer applies it once.
@@ -22,19 +34,26 @@ pub struct OutgoingMessage {
     /// record key (one partition per key), the SQS FIFO `MessageGroupId`. RabbitMQ queues and
     /// Redis streams have one order for all their messages and ignore it.
     pub key: Option<String>,
+    /// Headers, in order, as the consumer finds them in [`Message::headers`](crate::Message):
+    /// Kafka record headers, SQS message attributes (`String`, or `Binary` for a value that is
+    /// not UTF-8), AMQP headers (long strings), Redis stream fields. SQS and AMQP keep one
+    /// value per name and hand them out sorted by name. A name may not be the adapter's ID
+    /// header (or, on Redis, the `payload` field).
+    pub headers: Vec<(String, Vec<u8>)>,
 }
 
 impl OutgoingMessage {
-    /// A message with ID `id` and no key.
+    /// A message with ID `id`, no key and no headers.
     pub fn new(id: MessageId, payload: impl Into<Vec<u8>>) -> Self {
         Self {
             id,
             payload: payload.into(),
             key: None,
+            headers: Vec::new(),
         }
     }
 
-    /// A message with a fresh UUIDv7 ID and no key.
+    /// A message with a fresh UUIDv7 ID, no key and no headers.
     pub fn generate(payload: impl Into<Vec<u8>>) -> Self {
         Self::new(MessageId::generate(), payload)
     }
@@ -44,6 +63,31 @@ impl OutgoingMessage {
     pub fn key(mut self, key: impl Into<String>) -> Self {
         self.key = Some(key.into());
         self
+    }
+
+    /// Adds a header (after those already set).
+    #[must_use]
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// The headers a producer sends (and the outbox stores): [`headers`](Self::headers), then
+    /// the current span's trace context as [`TRACEPARENT_HEADER`]
+    /// ([`TraceParent::current`], feature `opentelemetry`) unless the headers carry one.
+    pub fn traced_headers(&self) -> impl Iterator<Item = (&str, Cow<'_, [u8]>)> {
+        let traced = self
+            .headers
+            .iter()
+            .any(|(name, _)| name == TRACEPARENT_HEADER);
+        let current = if traced { None } else { TraceParent::current() };
+        self.headers
+            .iter()
+            .map(|(name, value)| (name.as_str(), Cow::Borrowed(value.as_slice())))
+            .chain(current.map(|parent| {
+                let value = parent.to_string().into_bytes();
+                (TRACEPARENT_HEADER, Cow::Owned(value))
+            }))
     }
 }
 
@@ -273,6 +317,27 @@ mod tests {
 
     fn uuid_v7(id: &str) -> bool {
         id.len() == 36 && id.as_bytes()[14] == b'7'
+    }
+
+    #[test]
+    fn headers_go_out_in_order_and_a_traceparent_of_their_own_is_not_replaced() {
+        let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let message = OutgoingMessage::generate("x")
+            .header("b", "2")
+            .header(TRACEPARENT_HEADER, parent)
+            .header("a", [0xff]);
+        let sent: Vec<(&str, Vec<u8>)> = message
+            .traced_headers()
+            .map(|(name, value)| (name, value.into_owned()))
+            .collect();
+        assert_eq!(
+            sent,
+            [
+                ("b", b"2".to_vec()),
+                (TRACEPARENT_HEADER, parent.as_bytes().to_vec()),
+                ("a", vec![0xff]),
+            ]
+        );
     }
 
     #[test]

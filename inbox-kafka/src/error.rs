@@ -114,7 +114,11 @@ mod tests {
             .await
             .expect("a producer");
         let e = producer
-            .send_record("orders\0x", crate::Record::new("x"))
+            .send_to(
+                "orders\0x",
+                None,
+                &inbox_core::OutgoingMessage::generate("x"),
+            )
             .await
             .expect_err("the name is refused");
         assert_eq!(e.recovery(), Recovery::Fatal, "{e}");

@@ -2,8 +2,8 @@
 //! [`rdkafka`].
 //!
 //! ```no_run
-//! use inbox_core::{Consumer, Publish};
-//! use inbox_kafka::{KafkaProducer, KafkaSource, Record};
+//! use inbox_core::{Consumer, OutgoingMessage, Publish};
+//! use inbox_kafka::{KafkaProducer, KafkaSource};
 //! use inbox_postgres::PgInbox;
 //! # use inbox_core::{async_trait, Handler, HandlerError, Message, MessageId};
 //! # use inbox_postgres::PgTx;
@@ -26,7 +26,8 @@
 //! let producer = KafkaProducer::builder().connect().await?;
 //! let id = producer.send("payments", b"100").await?;
 //! producer.send_with_id("payments", &id, b"100").await?; // a retry: same ID, applied once
-//! producer.send_record("payments", Record::new("100").key("account-1")).await?;
+//! let keyed = OutgoingMessage::generate("100").key("account-1"); // one partition per account
+//! producer.send_batch("payments", &[keyed]).await?;
 //!
 //! // Consumer side: brokers from KAFKA_BROKERS, topic `payments`, group `wallet`.
 //! let source = KafkaSource::builder(["payments"], "wallet")
@@ -152,7 +153,7 @@ pub use admin::{KafkaAdmin, Retention};
 pub use commit::OffsetCommits;
 pub use config::{brokers_from_env, KafkaSourceBuilder, DEFAULT_BROKERS};
 pub use error::{Error, Result};
-pub use producer::{KafkaProducer, KafkaProducerBuilder, Record, Sent};
+pub use producer::{KafkaProducer, KafkaProducerBuilder};
 pub use rdkafka;
 pub use source::KafkaSource;
 

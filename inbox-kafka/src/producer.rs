@@ -5,8 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use futures_util::future::try_join_all;
-use inbox_core::telemetry::TRACEPARENT_HEADER;
-use inbox_core::{async_trait, MessageId, OutgoingMessage, Publish, PublishError};
+use inbox_core::{async_trait, OutgoingMessage, Publish, PublishError};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
@@ -15,81 +14,11 @@ use crate::context::ProducerContext;
 use crate::source::millis;
 use crate::{brokers_from_env, Error, KafkaSourceBuilder, Result};
 
-/// One record to produce.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Record {
-    id: IdChoice,
-    key: Option<Vec<u8>>,
-    payload: Vec<u8>,
-    headers: Vec<(String, Vec<u8>)>,
-    partition: Option<i32>,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-enum IdChoice {
-    #[default]
-    Generate,
-    Given(MessageId),
-    None,
-}
-
-impl Record {
-    /// A record with `payload`; its ID is a fresh UUIDv7 unless [`Record::id`] sets one.
-    pub fn new(payload: impl Into<Vec<u8>>) -> Self {
-        Self {
-            payload: payload.into(),
-            ..Self::default()
-        }
-    }
-
-    /// The message ID. Set it from the event's own identity (an outbox row's ID, say) so that a
-    /// resend after a crash carries the same ID and the consumer skips it.
-    pub fn id(mut self, id: MessageId) -> Self {
-        self.id = IdChoice::Given(id);
-        self
-    }
-
-    /// No ID header at all: consumers dead-letter such a record. For tests and migrations.
-    pub fn without_id(mut self) -> Self {
-        self.id = IdChoice::None;
-        self
-    }
-
-    /// The key: records with one key go to one partition and keep their order.
-    pub fn key(mut self, key: impl Into<Vec<u8>>) -> Self {
-        self.key = Some(key.into());
-        self
-    }
-
-    /// An extra header.
-    pub fn header(mut self, name: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
-        self.headers.push((name.into(), value.into()));
-        self
-    }
-
-    /// Sends to this partition instead of the one the key (or the partitioner) picks.
-    pub fn partition(mut self, partition: i32) -> Self {
-        self.partition = Some(partition);
-        self
-    }
-}
-
-/// Where a produced record landed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Sent {
-    /// The ID header it carries, if any.
-    pub id: Option<MessageId>,
-    /// Its partition.
-    pub partition: i32,
-    /// Its offset.
-    pub offset: i64,
-}
-
 /// An idempotent Kafka producer (`enable.idempotence=true`, so its own retries add no copies)
-/// that sets the ID header (default `event_id`) on every record, a UUIDv7 unless the record
-/// brings its own. Build it with [`KafkaProducer::builder`]; send with the [`Publish`] methods
-/// (`send`, `send_with_id`, `send_batch`, each naming the topic) or [`KafkaProducer::send_record`].
+/// that sets the ID header (default `event_id`) on every record, and a message's headers as
+/// record headers. Build it with [`KafkaProducer::builder`]; send with the [`Publish`] methods
+/// (`send`, `send_with_id`, `send_batch`, each naming the topic) or [`KafkaProducer::send_to`]
+/// for a partition of your choosing.
 ///
 /// Idempotence covers one producer session only: a process that resends after a restart
 /// produces a second copy with a new offset. Both carry the same ID, which is what the consuming
@@ -226,56 +155,58 @@ impl KafkaProducer {
         }
     }
 
-    /// Produces `record` to `topic` and waits for the broker's acknowledgement: for what the
-    /// [`Publish`] methods do not set (a record key without an ID of yours, a partition,
-    /// headers, no ID at all).
-    pub async fn send_record(&self, topic: &str, record: Record) -> Result<Sent> {
-        let id = match record.id {
-            IdChoice::Generate => Some(MessageId::generate()),
-            IdChoice::Given(id) => Some(id),
-            IdChoice::None => None,
-        };
-        let mut headers = OwnedHeaders::new_with_capacity(record.headers.len() + 1);
-        if let Some(id) = &id {
-            headers = headers.insert(Header {
-                key: &self.id_header,
-                value: Some(id.as_str()),
-            });
+    /// Produces `message` to `topic` and waits for the broker's acknowledgement, for what the
+    /// [`Publish`] methods do not offer: a `partition` of your choosing (`None`: the key's, or
+    /// the partitioner's pick), and where the record landed: its partition and offset.
+    ///
+    /// Every record of this producer carries a valid ID; to produce one the consumer must
+    /// dead-letter (no ID header, an invalid one), use [`client`](Self::client).
+    pub async fn send_to(
+        &self,
+        topic: &str,
+        partition: Option<i32>,
+        message: &OutgoingMessage,
+    ) -> Result<(i32, i64)> {
+        if message
+            .headers
+            .iter()
+            .any(|(name, _)| *name == self.id_header)
+        {
+            return Err(Error::Config(format!(
+                "header `{}` would shadow the ID header; rename it",
+                self.id_header
+            )));
         }
-        for (key, value) in &record.headers {
+        let traced: Vec<_> = message.traced_headers().collect();
+        let mut headers = OwnedHeaders::new_with_capacity(traced.len() + 1).insert(Header {
+            key: &self.id_header,
+            value: Some(message.id.as_str()),
+        });
+        for (key, value) in &traced {
             headers = headers.insert(Header {
                 key,
-                value: Some(value),
+                value: Some(value.as_ref()),
             });
         }
-        // The current span's trace context (feature `opentelemetry` of inbox-core), unless the
-        // record brings its own.
-        let traceparent = inbox_core::TraceParent::current()
-            .filter(|_| !record.headers.iter().any(|(k, _)| k == TRACEPARENT_HEADER))
-            .map(|parent| parent.to_string());
-        if let Some(traceparent) = &traceparent {
-            headers = headers.insert(Header {
-                key: TRACEPARENT_HEADER,
-                value: Some(traceparent.as_str()),
-            });
-        }
-        let mut out = FutureRecord::<[u8], [u8]>::to(topic)
-            .payload(&record.payload)
+        let mut record = FutureRecord::<str, [u8]>::to(topic)
+            .payload(&message.payload)
             .headers(headers);
-        if let Some(key) = &record.key {
-            out = out.key(key);
+        if let Some(key) = &message.key {
+            record = record.key(key.as_str());
         }
-        if let Some(partition) = record.partition {
-            out = out.partition(partition);
+        if let Some(partition) = partition {
+            record = record.partition(partition);
         }
-        match self.producer.send(out, self.timeout).await {
-            Ok(delivery) => Ok(Sent {
-                id,
-                partition: delivery.partition,
-                offset: delivery.offset,
-            }),
+        match self.producer.send(record, self.timeout).await {
+            Ok(delivery) => Ok((delivery.partition, delivery.offset)),
             Err((e, _)) => Err(Error::kafka(format!("producing to `{topic}`"), e)),
         }
+    }
+
+    /// The underlying rdkafka producer, for records this one does not make (no ID header, an
+    /// invalid one, a key that is not UTF-8).
+    pub fn client(&self) -> &FutureProducer<impl rdkafka::ClientContext + 'static> {
+        &self.producer
     }
 }
 
@@ -290,13 +221,9 @@ impl Publish for KafkaProducer {
         destination: &str,
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
-        let sends = messages.iter().map(|message| {
-            let mut record = Record::new(message.payload.as_slice()).id(message.id.clone());
-            if let Some(key) = &message.key {
-                record = record.key(key.as_bytes());
-            }
-            self.send_record(destination, record)
-        });
+        let sends = messages
+            .iter()
+            .map(|message| self.send_to(destination, None, message));
         try_join_all(sends).await.map_err(|e| {
             PublishError::new(
                 e.recovery(),

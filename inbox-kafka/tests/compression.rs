@@ -6,8 +6,8 @@ mod common;
 
 use std::time::Duration;
 
-use inbox_core::{Ack, MessageSource};
-use inbox_kafka::{KafkaProducer, Record};
+use inbox_core::{Ack, MessageSource, OutgoingMessage, Publish};
+use inbox_kafka::KafkaProducer;
 
 #[tokio::test]
 async fn zstd_compressed_records_are_read_back_as_sent() {
@@ -22,10 +22,13 @@ async fn zstd_compressed_records_are_read_back_as_sent() {
     let payloads: Vec<String> = (0..20)
         .map(|n| format!("{{\"n\":{n},\"pad\":\"{}\"}}", "x".repeat(500)))
         .collect();
-    let sends = payloads
+    // One batch: every record in flight at once, so they share record batches.
+    let messages: Vec<OutgoingMessage> = payloads
         .iter()
-        .map(|p| producer.send_record(&topic, Record::new(p.as_bytes())));
-    futures_util::future::try_join_all(sends)
+        .map(|p| OutgoingMessage::generate(p.as_bytes()))
+        .collect();
+    producer
+        .send_batch(&topic, &messages)
         .await
         .expect("produced");
 

@@ -8,10 +8,10 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::dead_letter::REASON;
-use inbox_core::Consumer;
+use inbox_core::{Consumer, Publish};
+use inbox_kafka::brokers_from_env;
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::ClientConfig;
-use inbox_kafka::{brokers_from_env, Record};
 use inbox_testkit::{MemoryStore, Sum};
 
 /// Whether the broker knows `topic`, from a metadata request for all topics (one naming the
@@ -38,14 +38,8 @@ async fn topic_with_a_poison_record() -> String {
     let topic = random("inbox-test");
     create_topic(&topic, 1).await;
     let producer = producer().await;
-    producer
-        .send_record(&topic, Record::new("7").without_id())
-        .await
-        .expect("produce");
-    producer
-        .send_record(&topic, Record::new("5"))
-        .await
-        .expect("produce");
+    send_raw(&producer, &topic, None, None, &[], b"7").await;
+    producer.send(&topic, b"5").await.expect("produce");
     topic
 }
 

@@ -5,8 +5,8 @@ mod common;
 
 use std::time::{Duration, SystemTime};
 
-use inbox_core::{Ack, MessageSource};
-use inbox_kafka::Record;
+use inbox_core::telemetry::TRACEPARENT_HEADER;
+use inbox_core::{Ack, MessageSource, OutgoingMessage, Publish};
 use inbox_testkit::metadata::{assert_sent_since, assert_traced, TRACEPARENT};
 use inbox_testkit::receive;
 
@@ -16,7 +16,10 @@ async fn a_record_carries_its_timestamp_and_trace_parent() {
     let before = SystemTime::now() - Duration::from_secs(5);
     common::producer()
         .await
-        .send_record(&topic, Record::new("{}").header("traceparent", TRACEPARENT))
+        .send_batch(
+            &topic,
+            &[OutgoingMessage::generate("{}").header(TRACEPARENT_HEADER, TRACEPARENT)],
+        )
         .await
         .expect("produced");
     let mut source = common::source(&topic, &common::random("g")).await;

@@ -11,17 +11,21 @@
 
 use std::time::Duration;
 
+use inbox_conformance::kafka::send_raw;
 use inbox_core::{
     async_trait, Ack, Consumer, Delivery, Handler, HandlerError, Message, MessageId, MessageSource,
-    StatsSnapshot,
+    OutgoingMessage, Publish, StatsSnapshot,
 };
 use inbox_kafka::rdkafka::consumer::Consumer as _;
 use inbox_kafka::rdkafka::mocking::MockCluster;
 use inbox_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
-use inbox_kafka::{
-    KafkaAck, KafkaProducer, KafkaSource, KafkaSourceBuilder, OffsetCommits, Record,
-};
+use inbox_kafka::{KafkaAck, KafkaProducer, KafkaSource, KafkaSourceBuilder, OffsetCommits};
 use inbox_testkit::{MemoryStore, MemoryTx};
+
+/// The ID `evt-<i>`.
+fn evt(i: i32) -> MessageId {
+    MessageId::new(format!("evt-{i}")).expect("id")
+}
 
 fn init_tracing() {
     let _ = tracing_subscriber::fmt()
@@ -62,9 +66,9 @@ async fn consume_with_refused_commits(commit_interval: Duration) -> (StatsSnapsh
         .await
         .expect("producer");
     for i in 1..=30i64 {
-        let record = Record::new(i.to_string()).partition((i % 3) as i32);
+        let credit = OutgoingMessage::generate(i.to_string());
         producer
-            .send_record("credits", record)
+            .send_to("credits", Some((i % 3) as i32), &credit)
             .await
             .expect("produce");
     }
@@ -151,13 +155,13 @@ async fn a_restart_inside_a_record_batch_resumes_at_the_committed_offset() {
         .connect()
         .await
         .expect("producer");
-    let sends = (1..=60i64).map(|i| producer.send_record("credits", Record::new(i.to_string())));
-    let sent = futures_util::future::join_all(sends).await;
-    let offsets: Vec<i64> = sent
-        .into_iter()
-        .map(|s| s.expect("produce").offset)
+    let credits: Vec<OutgoingMessage> = (1..=60i64)
+        .map(|i| OutgoingMessage::generate(i.to_string()))
         .collect();
-    assert_eq!(offsets.len(), 60);
+    producer
+        .send_batch("credits", &credits)
+        .await
+        .expect("produce");
 
     let store = MemoryStore::<i64>::new();
     let config = KafkaSource::builder(["credits"], "wallet")
@@ -244,9 +248,9 @@ async fn a_broker_restart_mid_stream_loses_nothing_and_applies_nothing_twice() {
         let producer = &producer;
         async move {
             for i in range {
-                let record = Record::new(i.to_string()).partition((i % 3) as i32);
+                let credit = OutgoingMessage::generate(i.to_string());
                 producer
-                    .send_record("credits", record)
+                    .send_to("credits", Some((i % 3) as i32), &credit)
                     .await
                     .expect("produce");
             }
@@ -344,7 +348,7 @@ async fn a_dead_letter_whose_produce_fails_hands_the_record_back() {
         .connect()
         .await
         .expect("producer")
-        .send_record("parked", Record::new("1"))
+        .send("parked", b"1")
         .await
         .expect("produce");
     let mut source = KafkaSource::builder(["parked"], "wallet")
@@ -519,15 +523,14 @@ async fn a_record_read_twice_in_one_chunk_is_not_committed_past_its_failed_first
         .expect("producer");
     // Offsets 0..60; offset 49, the last of the first chunk, has no ID; offset 52 fails twice.
     for i in 0..60 {
-        let record = if i == 49 {
-            Record::new("{}").without_id()
+        if i == 49 {
+            send_raw(&producer, "ledger", None, None, &[], b"{}").await;
         } else {
-            Record::new("{}").id(MessageId::new(format!("evt-{i}")).expect("id"))
-        };
-        producer
-            .send_record("ledger", record)
-            .await
-            .expect("produce");
+            producer
+                .send_with_id("ledger", &evt(i), b"{}")
+                .await
+                .expect("produce");
+        }
     }
     let store = MemoryStore::<Vec<String>>::new();
     // The first chunk takes 1.5 s: the records sought back arrive meanwhile.
@@ -590,11 +593,9 @@ async fn records_read_again_after_a_member_joins_and_leaves_are_each_applied_onc
         .expect("producer");
     const RECORDS: usize = 400;
     for i in 0..RECORDS as i32 {
-        let record = Record::new("{}")
-            .id(MessageId::new(format!("evt-{i}")).expect("id"))
-            .partition(i % 4);
+        let record = OutgoingMessage::new(evt(i), "{}");
         producer
-            .send_record("moves", record)
+            .send_to("moves", Some(i % 4), &record)
             .await
             .expect("produce");
     }

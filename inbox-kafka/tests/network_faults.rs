@@ -17,9 +17,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::Running;
+use inbox_core::OutgoingMessage;
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use inbox_kafka::{KafkaAdmin, KafkaProducer, KafkaSource, Record};
+use inbox_kafka::{KafkaAdmin, KafkaProducer, KafkaSource};
 use inbox_testkit::wallet::{summary, Credit, CreditEvent};
 use inbox_testkit::TestDb;
 use inbox_testkit::{eventually, watch_errors};
@@ -155,8 +156,9 @@ async fn consume_through(
     for i in 0..EVENTS {
         let event = CreditEvent::new(i % 7 + 1, i % 50 + 1);
         total += event.amount;
-        let record = Record::new(event.to_json()).partition(i as i32 % PARTITIONS);
-        producer.send_record(&topic, record).await.unwrap();
+        let credit = OutgoingMessage::generate(event.to_json());
+        let partition = Some(i as i32 % PARTITIONS);
+        producer.send_to(&topic, partition, &credit).await.unwrap();
     }
     drop(producer);
 

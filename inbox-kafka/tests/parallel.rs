@@ -12,8 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
-use inbox_kafka::Record;
+use inbox_core::{
+    async_trait, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage,
+};
 use inbox_postgres::PgTx;
 use inbox_testkit::wallet::{self, Credit, CreditEvent};
 use inbox_testkit::TestDb;
@@ -72,8 +73,11 @@ async fn partitions_are_applied_side_by_side_each_in_offset_order() {
         let partition = i % partitions;
         let event = CreditEvent::new(i64::from(partition) + 1, i64::from(i % 50) + 1);
         total += event.amount;
-        let record = Record::new(event.to_json()).partition(partition);
-        producer.send_record(&topic, record).await.unwrap();
+        let credit = OutgoingMessage::generate(event.to_json());
+        producer
+            .send_to(&topic, Some(partition), &credit)
+            .await
+            .unwrap();
     }
     let watched = Watched {
         // Long enough for the partitions' transactions to overlap.

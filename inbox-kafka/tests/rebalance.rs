@@ -6,8 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use inbox_core::InboxStore;
-use inbox_kafka::Record;
+use inbox_core::{InboxStore, OutgoingMessage};
 use inbox_postgres::PgTx;
 use inbox_testkit::wallet::{Credit, CreditEvent, Summary};
 use inbox_testkit::TestDb;
@@ -103,8 +102,12 @@ where
     for i in 0..ZOMBIE_EVENTS {
         let mut event = CreditEvent::new((i % 5 + 1) as i64, 10);
         event.stall = i % (ZOMBIE_EVENTS / STALLS) == 7;
-        let record = Record::new(event.to_json()).partition(i as i32 % PARTITIONS);
-        producer.send_record(&topic, record).await.expect("produce");
+        let credit = OutgoingMessage::generate(event.to_json());
+        let partition = Some(i as i32 % PARTITIONS);
+        producer
+            .send_to(&topic, partition, &credit)
+            .await
+            .expect("produce");
     }
     let member = || async {
         let source = config(&topic, &group)

@@ -11,7 +11,6 @@ use common::*;
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{Consumer, Stage};
 use inbox_kafka::rdkafka::Message as _;
-use inbox_kafka::Record;
 use inbox_testkit::wallet::{Credit, CreditEvent};
 use inbox_testkit::TestDb;
 use inbox_testkit::{AckOnReceive, Crash};
@@ -25,16 +24,9 @@ async fn a_dead_letter_keeps_the_key_and_headers_and_names_its_origin() {
     let group = random("group");
     let db = TestDb::new().await;
     let payload = CreditEvent::new(5, 70).to_json();
-    let record = Record::new(payload.clone())
-        .without_id()
-        .key("account-5")
-        .header("trace", "abc")
-        .partition(1);
-    producer()
-        .await
-        .send_record(&topic, record)
-        .await
-        .expect("produce");
+    let headers = [("trace", "abc")];
+    let key = Some("account-5");
+    send_raw(&producer().await, &topic, Some(1), key, &headers, &payload).await;
 
     let consumer = Running::start(
         "wallet",

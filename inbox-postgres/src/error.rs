@@ -36,6 +36,14 @@ pub enum Error {
         /// The configured mode.
         expected: crate::KeyMode,
     },
+    /// An outbox message's header value is not UTF-8: the outbox keeps headers as JSON text.
+    #[error("header `{name}` of outbox message {id} is not UTF-8 text, and the outbox keeps headers as JSON text; encode the value (base64, hex) before writing it")]
+    HeaderNotText {
+        /// The message's ID.
+        id: String,
+        /// The header's name.
+        name: String,
+    },
     /// The database failed.
     #[error("database error while {context}: {source}")]
     Database {

@@ -44,9 +44,11 @@
 //!
 //! ## Side effects on a broker: the outbox
 //! A handler that must publish writes the message into an [`Outbox`] table through the same
-//! transaction ([`Outbox::write`]); an [`OutboxRelay`] publishes the committed rows through any
-//! adapter's producer ([`inbox_core::Publish`]) under a stable message ID and marks them sent
-//! once the broker confirmed. See [`Outbox`] for an example, delivery and order.
+//! transaction ([`Outbox::write`], or [`Outbox::write_message`] with a key and headers); an
+//! [`OutboxRelay`] publishes the committed rows, headers and the writer's `traceparent`
+//! included, through any adapter's producer ([`inbox_core::Publish`]) under a stable message ID
+//! and marks them sent once the broker confirmed. See [`Outbox`] for an example, delivery and
+//! order.
 //!
 //! ## Side effects outside the database: leases
 //! A call to a provider (a payment API, an email service) cannot join the inbox transaction.

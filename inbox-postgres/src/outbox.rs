@@ -13,7 +13,7 @@ use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 use tokio::task::JoinHandle;
 
 use crate::error::db;
-use crate::{OutboxRelay, Result, TableName};
+use crate::{Error, OutboxRelay, Result, TableName};
 
 /// The gauge [`Outbox::oldest_unsent`] sets, per `outbox` label (`schema.table` or `table`):
 /// seconds since the next row to publish was written, 0 when every row is sent. Page when it
@@ -30,8 +30,9 @@ pub const OUTBOX_ERRORS_COUNTER: &str = "inbox_outbox_errors_total";
 ///
 /// One row per message: `id` (`bigint` identity, the publishing order), `message_id` (`text`),
 /// `destination` (`text`, a topic, queue or stream name for the relay's [`Publish`]), `key`
-/// (`text`, nullable), `payload` (`bytea`), `created_at` and `sent_at` (`timestamptz`, null until
-/// the broker confirmed). A partial index on `id` over the unsent rows keeps finding them cheap
+/// (`text`, nullable), `payload` (`bytea`), `headers` (`jsonb`, an array of `[name, value]`
+/// text pairs, `[]` for none), `created_at` and `sent_at` (`timestamptz`, null until the broker
+/// confirmed). A partial index on `id` over the unsent rows keeps finding them cheap
 /// however many sent rows wait for [`purge_sent`](Outbox::purge_sent).
 ///
 /// ```no_run
@@ -148,12 +149,24 @@ impl Outbox {
                     destination text NOT NULL,
                     key text,
                     payload bytea NOT NULL,
+                    headers jsonb NOT NULL DEFAULT '[]',
                     created_at timestamptz NOT NULL DEFAULT now(),
                     sent_at timestamptz)"
             ),
             format!(
                 "CREATE INDEX IF NOT EXISTS {index} ON {t} (id) WHERE sent_at IS NULL",
                 index = t.sibling_bare("unsent")
+            ),
+            // A table made before the column gains it. The catalog is asked first: `ALTER TABLE`
+            // takes its exclusive lock even when the column is there, and would queue behind a
+            // relay's open transaction, and every writer behind it.
+            format!(
+                "DO $$ BEGIN
+                    IF NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = '{t}'::regclass
+                                   AND attname = 'headers' AND NOT attisdropped) THEN
+                        ALTER TABLE {t} ADD COLUMN IF NOT EXISTS headers jsonb NOT NULL DEFAULT '[]';
+                    END IF;
+                END $$"
             ),
         ];
         for statement in statements {
@@ -181,8 +194,14 @@ impl Outbox {
         Ok(message.id)
     }
 
-    /// Writes `message` (its own ID, say one derived from the incoming message's, and key) for
-    /// `destination`, in `tx`.
+    /// Writes `message` (its own ID, say one derived from the incoming message's, key and
+    /// headers) for `destination`, in `tx`. The current span's trace context is stored with it
+    /// as `traceparent` unless it has one ([`OutgoingMessage::traced_headers`]), so the
+    /// consumer's trace continues the writer's, not the relay's.
+    ///
+    /// # Errors
+    /// [`Error::HeaderNotText`](crate::Error::HeaderNotText) for a header value that is not
+    /// UTF-8; a database error.
     pub async fn write_message(
         &self,
         tx: &mut (impl DerefMut<Target = PgConnection> + Send),
@@ -191,12 +210,14 @@ impl Outbox {
     ) -> Result<()> {
         let t = &self.table;
         sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {t} (message_id, destination, key, payload) VALUES ($1, $2, $3, $4)"
+            "INSERT INTO {t} (message_id, destination, key, payload, headers)
+             VALUES ($1, $2, $3, $4, $5::jsonb)"
         )))
         .bind(message.id.as_str())
         .bind(destination)
         .bind(message.key.as_deref())
         .bind(&message.payload)
+        .bind(headers_json(message)?)
         .execute(&mut **tx)
         .await
         .map_err(db("writing an outbox row"))?;
@@ -204,7 +225,8 @@ impl Outbox {
     }
 
     /// Writes all `messages` for `destination` in one statement, in `tx`, in slice order (the
-    /// order they are published in).
+    /// order they are published in), their headers as [`write_message`](Self::write_message)
+    /// does.
     pub async fn write_all(
         &self,
         tx: &mut (impl DerefMut<Target = PgConnection> + Send),
@@ -217,17 +239,23 @@ impl Outbox {
         let ids: Vec<&str> = messages.iter().map(|m| m.id.as_str()).collect();
         let keys: Vec<Option<&str>> = messages.iter().map(|m| m.key.as_deref()).collect();
         let payloads: Vec<&[u8]> = messages.iter().map(|m| m.payload.as_slice()).collect();
+        let headers = messages
+            .iter()
+            .map(headers_json)
+            .collect::<Result<Vec<String>>>()?;
         let t = &self.table;
         sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {t} (message_id, destination, key, payload)
-             SELECT m, $1, k, p
-             FROM unnest($2::text[], $3::text[], $4::bytea[]) WITH ORDINALITY AS u(m, k, p, n)
+            "INSERT INTO {t} (message_id, destination, key, payload, headers)
+             SELECT m, $1, k, p, h::jsonb
+             FROM unnest($2::text[], $3::text[], $4::bytea[], $5::text[])
+                 WITH ORDINALITY AS u(m, k, p, h, n)
              ORDER BY n"
         )))
         .bind(destination)
         .bind(&ids)
         .bind(&keys)
         .bind(&payloads)
+        .bind(&headers)
         .execute(&mut **tx)
         .await
         .map_err(db("writing outbox rows"))?;
@@ -301,6 +329,20 @@ impl Outbox {
             None => self.table.table().to_owned(),
         }
     }
+}
+
+/// The `headers` column's JSON for `message`: its [`traced_headers`](OutgoingMessage::traced_headers)
+/// as `[name, value]` pairs, in order.
+fn headers_json(message: &OutgoingMessage) -> Result<String> {
+    let mut pairs = Vec::new();
+    for (name, value) in message.traced_headers() {
+        let value = String::from_utf8(value.into_owned()).map_err(|_| Error::HeaderNotText {
+            id: message.id.to_string(),
+            name: name.to_owned(),
+        })?;
+        pairs.push(serde_json::json!([name, value]));
+    }
+    Ok(serde_json::Value::Array(pairs).to_string())
 }
 
 /// Runs [`Outbox::purge_sent`] of rows sent more than `retention` ago, then refreshes the

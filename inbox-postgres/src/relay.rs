@@ -98,8 +98,8 @@ pub struct OutboxRelay<P> {
     publish_timeout: Duration,
 }
 
-/// One row as the relay reads it.
-type Row = (i64, String, String, Option<String>, Vec<u8>);
+/// One row as the relay reads it: id, message ID, destination, key, payload, headers (JSON).
+type Row = (i64, String, String, Option<String>, Vec<u8>, String);
 
 impl<P: Publish> OutboxRelay<P> {
     /// A relay of `outbox` through `publisher` (see also [`Outbox::relay`]).
@@ -254,7 +254,7 @@ impl<P: Publish> OutboxRelay<P> {
             .map_err(db("starting an outbox relay transaction"))
             .map_err(database)?;
         let rows: Vec<Row> = sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT id, message_id, destination, key, payload FROM {t}
+            "SELECT id, message_id, destination, key, payload, headers::text FROM {t}
              WHERE sent_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
         )))
         .bind(self.batch_size)
@@ -368,7 +368,8 @@ struct Group {
     destination: String,
     rows: Vec<i64>,
     messages: Vec<OutgoingMessage>,
-    /// A row whose stored message ID is unusable (written by hand): the group is not published.
+    /// A row whose stored message ID or headers are unusable (written by hand): the group is
+    /// not published.
     unusable: Option<PublishError>,
 }
 
@@ -376,7 +377,7 @@ struct Group {
 fn by_destination(rows: Vec<Row>) -> Vec<Group> {
     let mut groups: Vec<Group> = Vec::new();
     let mut index: HashMap<String, usize> = HashMap::new();
-    for (row, message_id, destination, key, payload) in rows {
+    for (row, message_id, destination, key, payload, headers) in rows {
         let slot = *index.entry(destination.clone()).or_insert_with(|| {
             groups.push(Group {
                 destination,
@@ -388,20 +389,39 @@ fn by_destination(rows: Vec<Row>) -> Vec<Group> {
         });
         let group = &mut groups[slot];
         group.rows.push(row);
-        match MessageId::new(message_id) {
-            Ok(id) => group.messages.push(OutgoingMessage { id, payload, key }),
+        match message(message_id, payload, key, &headers) {
+            Ok(message) => group.messages.push(message),
             Err(e) => {
                 group.unusable.get_or_insert_with(|| {
                     PublishError::new(
                         Recovery::Fatal,
                         format!("reading outbox row {row}"),
-                        format!("its message_id is unusable ({e}); fix or delete the row"),
+                        format!("{e}; fix or delete the row"),
                     )
                 });
             }
         }
     }
     groups
+}
+
+/// The message a row stores, or what is wrong with it.
+fn message(
+    id: String,
+    payload: Vec<u8>,
+    key: Option<String>,
+    headers: &str,
+) -> Result<OutgoingMessage, String> {
+    let id = MessageId::new(id).map_err(|e| format!("its message_id is unusable ({e})"))?;
+    let headers: Vec<(String, String)> = serde_json::from_str(headers)
+        .map_err(|e| format!("its headers are not an array of [name, value] text pairs ({e})"))?;
+    let mut message = OutgoingMessage::new(id, payload);
+    message.key = key;
+    message.headers = headers
+        .into_iter()
+        .map(|(name, value)| (name, value.into_bytes()))
+        .collect();
+    Ok(message)
 }
 
 /// `initial`, doubling per repeated failure, capped at 30 s.

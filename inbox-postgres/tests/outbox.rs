@@ -10,8 +10,12 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Once, OnceLock};
 use std::time::Duration;
 
-use inbox_core::{async_trait, Destinations, OutgoingMessage, Publish, PublishError, Recovery};
-use inbox_postgres::{Outbox, RelayError, TableName, OUTBOX_OLDEST_UNSENT_GAUGE};
+use inbox_core::telemetry::TRACEPARENT_HEADER;
+use inbox_core::{
+    async_trait, Destinations, MessageId, OutgoingMessage, Publish, PublishError, Recovery,
+};
+use inbox_postgres::{Error, Outbox, RelayError, TableName, OUTBOX_OLDEST_UNSENT_GAUGE};
+use inbox_testkit::metadata::TRACEPARENT;
 use inbox_testkit::TestDb;
 use sqlx::AssertSqlSafe;
 
@@ -219,6 +223,104 @@ async fn a_destination_nobody_publishes_stops_the_relay_and_keeps_its_rows_while
         .collect();
     assert_eq!(unsent, ["nowhere"]);
     db.drop().await;
+}
+
+#[tokio::test]
+async fn headers_are_published_with_their_row_in_order_and_a_value_that_is_not_text_is_refused() {
+    let db = TestDb::new().await;
+    let outbox = outbox(&db).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    let traced = OutgoingMessage::generate("a")
+        .header(TRACEPARENT_HEADER, TRACEPARENT)
+        .header("tenant", "acme");
+    outbox
+        .write_message(&mut tx, "orders", &traced)
+        .await
+        .unwrap();
+    let plain = OutgoingMessage::generate("b").key("k");
+    let tagged = OutgoingMessage::generate("c").header("tenant", "umbrella");
+    let batch = [plain.clone(), tagged.clone()];
+    outbox.write_all(&mut tx, "orders", &batch).await.unwrap();
+    let binary = OutgoingMessage::generate("d").header("blob", [0xff]);
+    let e = outbox
+        .write_message(&mut tx, "orders", &binary)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::HeaderNotText { .. }), "{e}");
+    assert!(e.to_string().contains("header `blob`"), "{e}");
+    tx.commit().await.unwrap();
+
+    let recorder = Arc::new(Recorder::default());
+    let relay = outbox.relay(Arc::clone(&recorder));
+    relay.run_until_idle().await.unwrap();
+    assert_eq!(recorder.to("orders"), [traced, plain, tagged]);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn migrate_adds_the_headers_column_to_an_outbox_table_made_before_it() {
+    let db = TestDb::new().await;
+    sqlx::query(
+        "CREATE TABLE outbox (
+            id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            message_id text NOT NULL,
+            destination text NOT NULL,
+            key text,
+            payload bytea NOT NULL,
+            created_at timestamptz NOT NULL DEFAULT now(),
+            sent_at timestamptz)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let id = MessageId::generate();
+    sqlx::query("INSERT INTO outbox (message_id, destination, payload) VALUES ($1, 'orders', 'x')")
+        .bind(id.as_str())
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+    let outbox = outbox(&db).await;
+    outbox.migrate().await.unwrap(); // again: a no-op
+    let recorder = Arc::new(Recorder::default());
+    let relay = outbox.relay(Arc::clone(&recorder));
+    relay.run_until_idle().await.unwrap();
+    assert_eq!(recorder.to("orders"), [OutgoingMessage::new(id, "x")]);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_row_whose_id_or_headers_were_spoiled_by_hand_stops_the_relay_naming_the_row() {
+    for (column, value, says) in [
+        ("message_id", "''", "message_id is unusable"),
+        (
+            "headers",
+            r#"'{"tenant": "acme"}'"#,
+            "headers are not an array",
+        ),
+    ] {
+        let db = TestDb::new().await;
+        let outbox = outbox(&db).await;
+        let mut tx = db.pool.begin().await.unwrap();
+        outbox.write(&mut tx, "orders", b"x").await.unwrap();
+        tx.commit().await.unwrap();
+        sqlx::query(AssertSqlSafe(format!(
+            "UPDATE outbox SET {column} = {value}"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+        let recorder = Arc::new(Recorder::default());
+        let relay = outbox.relay(Arc::clone(&recorder));
+        let e = relay.run_until_idle().await.unwrap_err();
+        assert_eq!(e.recovery(), Recovery::Fatal);
+        let text = e.to_string();
+        assert!(text.contains("reading outbox row 1"), "{text}");
+        assert!(text.contains(says), "{text}");
+        assert!(recorder.to("orders").is_empty());
+        db.drop().await;
+    }
 }
 
 #[tokio::test]

@@ -6,7 +6,7 @@ use futures_util::future::try_join_all;
 use inbox_core::telemetry::TRACEPARENT_HEADER;
 use inbox_core::{async_trait, OutgoingMessage, Publish, PublishError};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::types::AMQPValue;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
 use tokio::sync::Mutex;
 
@@ -43,7 +43,12 @@ pub(crate) async fn publish_confirmed(
         .map_err(|e| Error::amqp(context(), e))?
         .await
         .map_err(|e| Error::amqp(context(), e))?;
-    match confirm {
+    confirmed(confirm, exchange, routing_key)
+}
+
+/// What a publisher confirm says: `Ok` only for a message stored in a queue.
+fn confirmed(confirmation: Confirmation, exchange: &str, routing_key: &str) -> Result<()> {
+    match confirmation {
         // A mandatory message that found no queue is returned, then confirmed.
         Confirmation::Ack(Some(_returned)) => Err(Error::Unroutable {
             exchange: exchange.to_owned(),
@@ -79,6 +84,25 @@ fn with_traceparent(properties: BasicProperties) -> BasicProperties {
         AMQPValue::LongString(parent.to_string().into()),
     );
     properties.with_headers(headers)
+}
+
+/// The persistent properties of `message`: its ID as `message_id`, its
+/// [`traced_headers`](OutgoingMessage::traced_headers) as AMQP headers (long strings).
+fn properties(message: &OutgoingMessage) -> Result<BasicProperties> {
+    let id = short_string("message ID", message.id.as_str())?;
+    let properties = BasicProperties::default()
+        .with_message_id(id)
+        .with_delivery_mode(PERSISTENT);
+    let mut headers = FieldTable::default();
+    for (name, value) in message.traced_headers() {
+        let value = AMQPValue::LongString(value.into_owned().into());
+        headers.insert(short_string("header name", name)?, value);
+    }
+    Ok(if headers.inner().is_empty() {
+        properties
+    } else {
+        properties.with_headers(headers)
+    })
 }
 
 /// Configures a [`RabbitProducer`]; made by [`RabbitProducer::builder`], finished by
@@ -227,9 +251,9 @@ impl RabbitProducer {
 /// `destination` is a queue name, the routing key on the default exchange. Keys are ignored: a
 /// queue has one order for all its messages.
 ///
-/// Each message is published persistent, `mandatory`, with its ID as `message_id` (and the
-/// current trace as `traceparent`), all of them before the first confirm is awaited; `Ok` once
-/// the broker confirmed every one.
+/// Each message is published persistent, `mandatory`, with its ID as `message_id` and its
+/// headers (and the current trace as `traceparent`) as AMQP headers, all of them before the first
+/// confirm is awaited; `Ok` once the broker confirmed every one.
 #[async_trait]
 impl Publish for RabbitProducer {
     async fn send_batch(
@@ -245,9 +269,9 @@ impl Publish for RabbitProducer {
             )
         };
         // Checked before anything is sent, so a batch goes out whole or not at all.
-        let ids = messages
+        let properties = messages
             .iter()
-            .map(|message| short_string("message ID", message.id.as_str()))
+            .map(properties)
             .collect::<Result<Vec<_>>>()
             .map_err(failed)?;
         let channel = self.channel().await.map_err(failed)?;
@@ -260,45 +284,25 @@ impl Publish for RabbitProducer {
         };
         let result = async {
             // Each publish's frames are queued on its first poll, in slice order.
-            let confirms = try_join_all(messages.iter().zip(ids).map(|(message, id)| {
-                let properties = with_traceparent(BasicProperties::default().with_message_id(id))
-                    .with_delivery_mode(PERSISTENT);
-                channel.basic_publish(
-                    "".into(),
-                    queue.clone(),
-                    options,
-                    &message.payload,
-                    properties,
-                )
-            }))
+            let confirms = try_join_all(messages.iter().zip(properties).map(
+                |(message, properties)| {
+                    channel.basic_publish(
+                        "".into(),
+                        queue.clone(),
+                        options,
+                        &message.payload,
+                        properties,
+                    )
+                },
+            ))
             .await
             .map_err(|e| Error::amqp(context(), e))?;
             let confirmations = try_join_all(confirms)
                 .await
                 .map_err(|e| Error::amqp(context(), e))?;
-            for confirmation in confirmations {
-                match confirmation {
-                    Confirmation::Ack(None) => {}
-                    // A mandatory message that found no queue is returned, then confirmed.
-                    Confirmation::Ack(Some(_returned)) => {
-                        return Err(Error::Unroutable {
-                            exchange: String::new(),
-                            routing_key: routing_key.to_owned(),
-                        })
-                    }
-                    Confirmation::Nack(_) => {
-                        return Err(Error::Nacked {
-                            routing_key: routing_key.to_owned(),
-                        })
-                    }
-                    Confirmation::NotRequested => {
-                        return Err(Error::Config(
-                            "publisher confirms are off on this channel".into(),
-                        ))
-                    }
-                }
-            }
-            Ok(())
+            confirmations
+                .into_iter()
+                .try_for_each(|confirmation| confirmed(confirmation, "", routing_key))
         }
         .await;
         if result.is_err() && !channel.status().connected() {

@@ -127,7 +127,7 @@ mod source;
 pub use ack::RedisStreamAck;
 pub use config::RedisStreamSourceBuilder;
 pub use error::{Error, Result};
-pub use producer::{RedisStreamProducer, RedisStreamProducerBuilder, Sent};
+pub use producer::{RedisStreamProducer, RedisStreamProducerBuilder};
 pub use source::RedisStreamSource;
 
 /// The Redis client this crate uses, for [`RedisStreamSourceBuilder::client`],

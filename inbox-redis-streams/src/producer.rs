@@ -2,8 +2,7 @@
 
 use std::time::Duration;
 
-use inbox_core::telemetry::TRACEPARENT_HEADER;
-use inbox_core::{async_trait, MessageId, OutgoingMessage, Publish, PublishError};
+use inbox_core::{async_trait, OutgoingMessage, Publish, PublishError};
 use redis::aio::ConnectionManager;
 use redis::Client;
 
@@ -12,10 +11,10 @@ use crate::connection::Conn;
 use crate::{Error, Result, DEFAULT_ID_FIELD, PAYLOAD_FIELD};
 
 /// Adds entries to streams:
-/// `XADD <stream> * <ID field> <id> payload <bytes> [<header> <value>…]`.
-/// Build it with [`RedisStreamProducer::builder`]; it is not bound to a stream: send with the
-/// [`Publish`] methods (`send`, `send_with_id`, `send_batch`, each naming the stream) or
-/// [`RedisStreamProducer::send_with_fields`] for extra fields.
+/// `XADD <stream> * <ID field> <id> payload <bytes> [<header> <value>…]`, a message's headers
+/// as the further fields. Build it with [`RedisStreamProducer::builder`]; it is not bound to a
+/// stream: send with the [`Publish`] methods (`send`, `send_with_id`, `send_batch`, each naming
+/// the stream), or [`RedisStreamProducer::add`] for the entry ID Redis assigns.
 ///
 /// The message ID is what the consumer deduplicates on, so a retry of a failed `XADD` must
 /// reuse the same ID: use [`Publish::send_with_id`] with an ID you keep, and a retry that did
@@ -144,16 +143,6 @@ impl RedisStreamProducerBuilder {
     }
 }
 
-/// What one `XADD` produced.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Sent {
-    /// The message ID written to the ID field.
-    pub message_id: MessageId,
-    /// The stream entry ID Redis assigned.
-    pub entry_id: String,
-}
-
 impl RedisStreamProducer {
     /// Starts configuring a producer.
     ///
@@ -175,92 +164,70 @@ impl RedisStreamProducer {
         }
     }
 
-    /// Adds `payload` to `stream` under `id`, with extra fields that the consumer sees as
-    /// headers, and returns the entry ID Redis assigned.
-    pub async fn send_with_fields(
-        &self,
-        stream: &str,
-        id: &MessageId,
-        payload: impl AsRef<[u8]>,
-        headers: &[(&str, &[u8])],
-    ) -> Result<Sent> {
-        for (name, _) in headers {
-            if *name == self.id_field || *name == PAYLOAD_FIELD {
+    /// Adds `message` to `stream` with one `XADD` and returns the entry ID Redis assigned.
+    pub async fn add(&self, stream: &str, message: &OutgoingMessage) -> Result<String> {
+        self.check_headers(message)?;
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(stream)
+            .arg("*")
+            .arg(&self.id_field)
+            .arg(message.id.as_str())
+            .arg(PAYLOAD_FIELD)
+            .arg(message.payload.as_slice());
+        for (name, value) in message.traced_headers() {
+            cmd.arg(name).arg(value.as_ref());
+        }
+        self.query(&cmd)
+            .await
+            .map_err(|e| Error::redis(format!("XADD to stream {stream}"), e))
+    }
+
+    /// Refuses a header of `message` that would shadow its ID or payload field.
+    fn check_headers(&self, message: &OutgoingMessage) -> Result<()> {
+        for (name, _) in &message.headers {
+            if *name == self.id_field || name == PAYLOAD_FIELD {
                 return Err(Error::Config(format!(
                     "header `{name}` would shadow the ID or payload field; rename it"
                 )));
             }
         }
-        let mut cmd = redis::cmd("XADD");
-        cmd.arg(stream)
-            .arg("*")
-            .arg(&self.id_field)
-            .arg(id.as_str())
-            .arg(PAYLOAD_FIELD)
-            .arg(payload.as_ref());
-        for (name, value) in headers {
-            cmd.arg(*name).arg(*value);
-        }
-        // The current span's trace context (feature `opentelemetry` of inbox-core), unless the
-        // caller passed one.
-        if let Some(parent) = inbox_core::TraceParent::current() {
-            if !headers.iter().any(|(name, _)| *name == TRACEPARENT_HEADER) {
-                cmd.arg(TRACEPARENT_HEADER).arg(parent.to_string());
-            }
-        }
-        // Not repeated on a new connection: only the caller can retry under the same ID.
-        let sent = match &self.conn {
-            Connection::Own(conn) => conn.query(&cmd, Duration::ZERO).await,
+        Ok(())
+    }
+
+    /// Runs `cmd` once. Not repeated on a new connection: only the caller can retry under the
+    /// same IDs.
+    async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
+        match &self.conn {
+            Connection::Own(conn) => conn.query(cmd, Duration::ZERO).await,
             Connection::Manager(conn) => cmd.query_async(&mut conn.clone()).await,
-        };
-        let entry_id: String =
-            sent.map_err(|e| Error::redis(format!("XADD to stream {stream}"), e))?;
-        Ok(Sent {
-            message_id: id.clone(),
-            entry_id,
-        })
+        }
     }
 }
 
 /// `destination` is the stream key. Keys are ignored: a stream has one order for all its
 /// entries.
 ///
-/// One message (`send`, `send_with_id`) is one `XADD`. A batch is one command, an `EVAL` of a
-/// script that runs one `XADD` per message in
-/// slice order (one round-trip, and Redis runs it without interleaving other clients'
-/// commands); `Ok` once Redis answered that it added them all. The script needs `EVAL`
-/// permission.
+/// One message is one `XADD` ([`RedisStreamProducer::add`]). A batch is one command, an `EVAL`
+/// of a script that runs one `XADD` per message in slice order (one round-trip, and Redis runs
+/// it without interleaving other clients' commands); `Ok` once Redis answered that it added them
+/// all. The script needs `EVAL` permission.
 #[async_trait]
 impl Publish for RedisStreamProducer {
-    /// One `XADD`, with the current span's trace context as `traceparent` (feature
-    /// `opentelemetry` of inbox-core), as [`RedisStreamProducer::send_with_fields`] does.
-    async fn send_with_id(
-        &self,
-        destination: &str,
-        id: &MessageId,
-        payload: &[u8],
-    ) -> Result<(), PublishError> {
-        self.send_with_fields(destination, id, payload, &[])
-            .await
-            .map_err(|e| {
-                PublishError::new(
-                    e.recovery(),
-                    format!("adding to Redis stream `{destination}`"),
-                    e,
-                )
-            })?;
-        Ok(())
-    }
-
     async fn send_batch(
         &self,
         destination: &str,
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
-        /// `XADD` per (ID, payload) pair after the ID and payload field names.
-        const XADD_ALL: &str = "local n = 0
-            for i = 3, #ARGV, 2 do
-                redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[i], ARGV[2], ARGV[i + 1])
+        /// Per message: its ID, payload, header count, then the headers' names and values; one
+        /// `XADD` each, with the ID and payload field names first.
+        const XADD_ALL: &str = "local i, n = 3, 0
+            while i <= #ARGV do
+                local fields = {ARGV[1], ARGV[i], ARGV[2], ARGV[i + 1]}
+                for j = 1, 2 * tonumber(ARGV[i + 2]) do
+                    fields[4 + j] = ARGV[i + 2 + j]
+                end
+                redis.call('XADD', KEYS[1], '*', unpack(fields))
+                i = i + 3 + 2 * tonumber(ARGV[i + 2])
                 n = n + 1
             end
             return n";
@@ -271,6 +238,10 @@ impl Publish for RedisStreamProducer {
                 e,
             )
         };
+        if let [message] = messages {
+            self.add(destination, message).await.map_err(failed)?;
+            return Ok(());
+        }
         if messages.is_empty() {
             return Ok(());
         }
@@ -281,14 +252,16 @@ impl Publish for RedisStreamProducer {
             .arg(&self.id_field)
             .arg(PAYLOAD_FIELD);
         for message in messages {
-            cmd.arg(message.id.as_str()).arg(message.payload.as_slice());
+            self.check_headers(message).map_err(failed)?;
+            let headers: Vec<_> = message.traced_headers().collect();
+            cmd.arg(message.id.as_str())
+                .arg(message.payload.as_slice())
+                .arg(headers.len());
+            for (name, value) in headers {
+                cmd.arg(name).arg(value.as_ref());
+            }
         }
-        // Not repeated on a new connection here: the relay retries under the same IDs.
-        let added = match &self.conn {
-            Connection::Own(conn) => conn.query(&cmd, Duration::ZERO).await,
-            Connection::Manager(conn) => cmd.query_async(&mut conn.clone()).await,
-        };
-        let added: usize = added.map_err(|e| {
+        let added: usize = self.query(&cmd).await.map_err(|e| {
             failed(Error::redis(
                 format!("EVAL of XADDs to stream {destination}"),
                 e,

@@ -1,5 +1,6 @@
 //! What the source itself does over a real Redis, without a database: delivery counts, the
-//! recovery paths, deleted entries, and the ack-on-receipt anti-pattern.
+//! recovery paths, deleted entries, the ack-on-receipt anti-pattern, and the producer's headers
+//! as fields.
 
 mod common;
 
@@ -7,8 +8,8 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::Publish;
-use inbox_core::{Ack, Consumer, MessageId, MessageSource, Stage};
-use inbox_testkit::{AckOnReceive, Crash, MemoryStore, Sum};
+use inbox_core::{Ack, Consumer, MessageSource, OutgoingMessage, Stage};
+use inbox_testkit::{receive, AckOnReceive, Crash, MemoryStore, Sum};
 
 #[tokio::test]
 async fn delivery_counts_rise_on_reread_and_on_claim() {
@@ -63,8 +64,8 @@ async fn an_entry_deleted_while_pending_is_acked_away() {
     let stream = stream_key("deleted");
     let producer = producer().await;
     let mut first = source(&stream, "c1").await;
-    let sent = producer
-        .send_with_fields(&stream, &MessageId::generate(), b"1", &[])
+    let entry = producer
+        .add(&stream, &OutgoingMessage::generate("1"))
         .await
         .expect("send");
     let batch = first.receive(10).await.expect("receive");
@@ -72,7 +73,7 @@ async fn an_entry_deleted_while_pending_is_acked_away() {
     drop((batch, first));
     let _: i64 = inbox_redis_streams::redis::cmd("XDEL")
         .arg(&stream)
-        .arg(&sent.entry_id)
+        .arg(&entry)
         .query_async(&mut raw().await)
         .await
         .expect("XDEL");
@@ -249,5 +250,42 @@ async fn a_dead_letter_that_cannot_be_written_leaves_the_entry_pending() {
     println!("failed dead letter: {e}");
     assert!(e.to_string().contains("WRONGTYPE"), "{e}");
     assert_eq!(pending(&stream).await, 1, "the entry is still pending");
+    cleanup(&stream).await;
+}
+
+#[tokio::test]
+async fn headers_go_out_as_fields_alone_and_in_a_batch_and_may_not_shadow_the_id_or_payload() {
+    let stream = stream_key("headers");
+    let producer = producer().await;
+    let one = OutgoingMessage::generate("1").header("tenant", "acme");
+    producer.add(&stream, &one).await.expect("XADD");
+    let batch = [
+        OutgoingMessage::generate("2")
+            .header("tenant", "umbrella")
+            .header("region", "eu"),
+        OutgoingMessage::generate("3"),
+    ];
+    producer.send_batch(&stream, &batch).await.expect("EVAL");
+    for field in ["event_id", "payload"] {
+        let shadow = OutgoingMessage::generate("4").header(field, "x");
+        let e = producer.add(&stream, &shadow).await.unwrap_err();
+        assert!(e.to_string().contains("would shadow"), "{e}");
+    }
+
+    let mut source = source(&stream, "c1").await;
+    let got = receive(&mut source, 3, Duration::from_secs(10)).await;
+    let headers: Vec<_> = got.iter().map(|d| d.message.headers.clone()).collect();
+    let header = |name: &str, value: &str| (name.to_owned(), value.as_bytes().to_vec());
+    assert_eq!(
+        headers,
+        [
+            vec![header("tenant", "acme")],
+            vec![header("tenant", "umbrella"), header("region", "eu")],
+            vec![],
+        ]
+    );
+    for delivery in got {
+        delivery.ack.ack().await.expect("ack");
+    }
     cleanup(&stream).await;
 }

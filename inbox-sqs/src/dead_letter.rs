@@ -118,7 +118,7 @@ pub(crate) async fn send(
         None => message
             .headers
             .iter()
-            .filter_map(|(name, value)| Some((name.clone(), rebuild_attribute(value)?)))
+            .filter_map(|(name, value)| Some((name.clone(), attribute(value)?)))
             .collect(),
     };
     let id = id_attribute_of(&mut attributes, id_attribute, message)?;
@@ -314,8 +314,9 @@ pub(crate) fn nowhere(queue_url: &str, reason: &str) -> SourceError {
     )
 }
 
-/// An attribute from a header's bytes: text stays text, anything else is binary.
-fn rebuild_attribute(value: &[u8]) -> Option<MessageAttributeValue> {
+/// An attribute from a header's bytes: text stays text, anything else (empty text too, which
+/// SQS refuses as a `String`) is binary; the source reads both back as the same bytes.
+pub(crate) fn attribute(value: &[u8]) -> Option<MessageAttributeValue> {
     let builder = MessageAttributeValue::builder();
     let builder = match std::str::from_utf8(value) {
         Ok(text) if !text.is_empty() => builder.data_type("String").string_value(text),
@@ -385,12 +386,12 @@ mod tests {
 
     #[test]
     fn headers_become_text_or_binary_attributes() {
-        let text = rebuild_attribute(b"42").expect("text");
+        let text = attribute(b"42").expect("text");
         assert_eq!(
             (text.data_type(), text.string_value()),
             ("String", Some("42"))
         );
-        let binary = rebuild_attribute(&[0xff]).expect("binary");
+        let binary = attribute(&[0xff]).expect("binary");
         assert_eq!(binary.data_type(), "Binary");
     }
 }

@@ -149,7 +149,7 @@ pub use aws_config;
 pub use client::{config_loader, connect, connect_or_local, connect_to, default_timeouts};
 pub use config::{SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
 pub use error::{Error, Result};
-pub use producer::{Outgoing, SqsProducer, SqsProducerBuilder};
+pub use producer::{SqsProducer, SqsProducerBuilder};
 pub use source::SqsSource;
 
 /// Re-exported so callers build clients and queues with the same SDK version.

@@ -5,54 +5,17 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
+use aws_sdk_sqs::types::SendMessageBatchRequestEntry;
 use aws_sdk_sqs::Client;
-use inbox_core::telemetry::TRACEPARENT_HEADER;
 use inbox_core::{async_trait, MessageId, OutgoingMessage, Publish, PublishError, Recovery};
 use tokio::task::JoinSet;
 
 use crate::config::DEFAULT_ID_ATTRIBUTE;
-use crate::fifo;
+use crate::{dead_letter, fifo};
 use crate::{Error, Result};
 
 /// How often a batch entry SQS refused (throttling, say) is sent again before giving up.
 const BATCH_ATTEMPTS: u32 = 3;
-
-/// One message to send: its ID, its body and, for a FIFO queue, its message group.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Outgoing {
-    /// The ID the consumers deduplicate on. Keep it when resending the same event.
-    pub id: MessageId,
-    /// The message body (SQS bodies are text; JSON is usual).
-    pub body: String,
-    /// The `MessageGroupId` on a FIFO queue (made to fit SQS's rules, hashed where it does not);
-    /// `None` takes the producer's [`message_group_id`](SqsProducerBuilder::message_group_id).
-    /// Standard queues ignore it.
-    pub group: Option<String>,
-}
-
-impl Outgoing {
-    /// A message with a fresh UUIDv7 ID.
-    pub fn new(body: impl Into<String>) -> Self {
-        Self::with_id(MessageId::generate(), body)
-    }
-
-    /// A message with the given ID (a resend of an event keeps its ID).
-    pub fn with_id(id: MessageId, body: impl Into<String>) -> Self {
-        Self {
-            id,
-            body: body.into(),
-            group: None,
-        }
-    }
-
-    /// Sets the FIFO message group.
-    #[must_use]
-    pub fn group(mut self, group: impl Into<String>) -> Self {
-        self.group = Some(group.into());
-        self
-    }
-}
 
 /// Configures an [`SqsProducer`]; made by [`SqsProducer::builder`], finished by
 /// [`connect`](Self::connect).
@@ -79,8 +42,8 @@ impl SqsProducerBuilder {
         self
     }
 
-    /// The message group for FIFO queues, for messages that name none (an [`Outgoing`] without
-    /// [`group`](Outgoing::group), an [`OutgoingMessage`] without a key). On a FIFO queue the
+    /// The message group for FIFO queues, for messages that name none (an [`OutgoingMessage`]
+    /// without a key). On a FIFO queue the
     /// message ID is also sent as the `MessageDeduplicationId`, so SQS drops a resend within its
     /// 5-minute window and the inbox any later one.
     pub fn message_group_id(mut self, group: impl Into<String>) -> Self {
@@ -107,11 +70,12 @@ impl SqsProducerBuilder {
     }
 }
 
-/// Sends messages with their ID in a message attribute (default `event_id`), to any queue.
+/// Sends messages with their ID in a message attribute (default `event_id`) and their headers
+/// as further message attributes, to any queue.
 ///
 /// Send through [`Publish`]: `send(queue, payload)` (a fresh UUIDv7 ID, returned),
-/// `send_with_id(queue, &id, payload)`, `send_batch(queue, &messages)`; or
-/// [`send_message`](Self::send_message) for a message with its own FIFO group. The queue is a
+/// `send_with_id(queue, &id, payload)`, `send_batch(queue, &messages)` (each message's key its
+/// FIFO group). The queue is a
 /// queue URL, used as given, or a queue name, resolved with `GetQueueUrl` on first use and
 /// remembered (in the producer and its clones).
 ///
@@ -209,87 +173,79 @@ impl SqsProducer {
         Ok(Queue { url, fifo })
     }
 
-    /// The message group of `message` on a FIFO queue: its own, else the producer's.
-    fn group(&self, queue: &Queue, message: &Outgoing) -> Result<Option<String>> {
+    /// The message group of `message` on a FIFO queue: its key, else the producer's.
+    fn group(&self, queue: &Queue, message: &OutgoingMessage) -> Result<Option<String>> {
         if !queue.fifo {
             return Ok(None);
         }
-        match message
-            .group
-            .as_deref()
-            .or(self.message_group_id.as_deref())
-        {
+        match message.key.as_deref().or(self.message_group_id.as_deref()) {
             Some(group) => Ok(Some(fifo::fifo_id(group))),
             None => Err(Error::Config(format!(
-                "message {} has no group, and FIFO queue {} needs a message group: set \
-                 Outgoing::group, a key on the OutgoingMessage, or \
-                 SqsProducerBuilder::message_group_id",
+                "message {} has no key, and FIFO queue {} needs a message group: set a key on \
+                 the OutgoingMessage, or SqsProducerBuilder::message_group_id",
                 message.id, queue.url
             ))),
         }
     }
 
-    /// Sends one message with its ID to `queue` (a URL or a name), with its FIFO group.
-    pub async fn send_message(&self, queue: &str, message: &Outgoing) -> Result<()> {
-        let queue = self.resolve(queue).await?;
-        let mut request = self
-            .client
-            .send_message()
-            .queue_url(&queue.url)
-            .message_body(&message.body)
-            .message_attributes(&self.id_attribute, id_attribute(&message.id)?);
-        if let Some(traceparent) = traceparent_attribute()? {
-            request = request.message_attributes(TRACEPARENT_HEADER, traceparent);
+    /// The `SendMessageBatch` entry `index` for `message`: its body, its ID and headers as
+    /// message attributes, and on a FIFO queue its group and deduplication ID.
+    fn entry(
+        &self,
+        index: usize,
+        queue: &Queue,
+        message: &OutgoingMessage,
+    ) -> Result<SendMessageBatchRequestEntry> {
+        let body = std::str::from_utf8(&message.payload).map_err(|_| {
+            Error::Config(format!(
+                "message {} has a payload that is not UTF-8, and SQS bodies are text; encode it \
+                 (base64, JSON) before writing it",
+                message.id
+            ))
+        })?;
+        let attribute = |name: &str, value: &[u8]| {
+            dead_letter::attribute(value).ok_or_else(|| {
+                Error::Config(format!("cannot build the message attribute `{name}`"))
+            })
+        };
+        let id = attribute(&self.id_attribute, message.id.as_str().as_bytes())?;
+        let mut entry = SendMessageBatchRequestEntry::builder()
+            .id(index.to_string())
+            .message_body(body)
+            .message_attributes(&self.id_attribute, id);
+        for (name, value) in message.traced_headers() {
+            if name == self.id_attribute {
+                return Err(Error::Config(format!(
+                    "header `{name}` would shadow the ID attribute; rename it"
+                )));
+            }
+            entry = entry.message_attributes(name, attribute(name, &value)?);
         }
-        if let Some(group) = self.group(&queue, message)? {
-            request = request
+        if let Some(group) = self.group(queue, message)? {
+            entry = entry
                 .message_group_id(group)
                 .message_deduplication_id(dedup_id(&message.id));
         }
-        request
-            .send()
-            .await
-            .map_err(|e| Error::sdk("SendMessage", &queue.url, e))?;
-        Ok(())
+        entry
+            .build()
+            .map_err(|e| Error::Config(format!("cannot build a batch entry: {e}")))
     }
 
-    /// Sends many messages to `queue` (a URL or a name) with `SendMessageBatch`, 10 per call,
-    /// one call after the other, in order. Entries SQS refuses are sent again (up to 3 attempts
-    /// in all); what still fails is reported as [`Error::Batch`], and sending all again is safe.
-    pub async fn send_messages(&self, queue: &str, messages: &[Outgoing]) -> Result<()> {
-        let queue = self.resolve(queue).await?;
-        for chunk in messages.chunks(10) {
-            self.send_chunk(&queue, chunk).await?;
-        }
-        Ok(())
-    }
-
-    async fn send_chunk(&self, queue: &Queue, chunk: &[Outgoing]) -> Result<()> {
-        let mut pending: Vec<usize> = (0..chunk.len()).collect();
+    /// Sends up to 10 entries with one `SendMessageBatch`. Entries SQS refuses are sent again
+    /// (up to 3 attempts in all); what still fails is reported as [`Error::Batch`].
+    async fn send_chunk(
+        &self,
+        queue: &Queue,
+        chunk: &[SendMessageBatchRequestEntry],
+    ) -> Result<()> {
+        let mut pending = chunk.to_vec();
         let mut attempt = 1;
-        let traceparent = traceparent_attribute()?;
         loop {
-            let mut request = self.client.send_message_batch().queue_url(&queue.url);
-            for &i in &pending {
-                let message = &chunk[i];
-                let mut entry = SendMessageBatchRequestEntry::builder()
-                    .id(i.to_string())
-                    .message_body(&message.body)
-                    .message_attributes(&self.id_attribute, id_attribute(&message.id)?);
-                if let Some(traceparent) = &traceparent {
-                    entry = entry.message_attributes(TRACEPARENT_HEADER, traceparent.clone());
-                }
-                if let Some(group) = self.group(queue, message)? {
-                    entry = entry
-                        .message_group_id(group)
-                        .message_deduplication_id(dedup_id(&message.id));
-                }
-                let entry = entry
-                    .build()
-                    .map_err(|e| Error::Config(format!("cannot build a batch entry: {e}")))?;
-                request = request.entries(entry);
-            }
-            let out = request
+            let out = self
+                .client
+                .send_message_batch()
+                .queue_url(&queue.url)
+                .set_entries(Some(pending.clone()))
                 .send()
                 .await
                 .map_err(|e| Error::sdk("SendMessageBatch", &queue.url, e))?;
@@ -312,33 +268,11 @@ impl SqsProducer {
                     ),
                 });
             }
-            pending = failed.iter().filter_map(|f| f.id().parse().ok()).collect();
+            pending.retain(|entry| failed.iter().any(|f| f.id() == entry.id()));
             tokio::time::sleep(Duration::from_millis(100) * 2u32.pow(attempt)).await;
             attempt += 1;
         }
     }
-}
-
-fn id_attribute(id: &MessageId) -> Result<MessageAttributeValue> {
-    MessageAttributeValue::builder()
-        .data_type("String")
-        .string_value(id.as_str())
-        .build()
-        .map_err(|e| Error::Config(format!("cannot build the ID attribute: {e}")))
-}
-
-/// The current span's trace context (feature `opentelemetry` of inbox-core) as a `traceparent`
-/// message attribute.
-fn traceparent_attribute() -> Result<Option<MessageAttributeValue>> {
-    let Some(parent) = inbox_core::TraceParent::current() else {
-        return Ok(None);
-    };
-    MessageAttributeValue::builder()
-        .data_type("String")
-        .string_value(parent.to_string())
-        .build()
-        .map(Some)
-        .map_err(|e| Error::Config(format!("cannot build the traceparent attribute: {e}")))
 }
 
 /// SQS deduplication IDs are at most 128 characters of a limited alphabet; a UUID fits, and a
@@ -349,7 +283,8 @@ fn dedup_id(id: &MessageId) -> String {
 
 /// `destination` is a queue URL or a queue name (resolved once, as by
 /// [`SqsProducer::queue_url`]). Payloads must be UTF-8 (SQS bodies are text); any other payload
-/// is refused, fatally, before anything is sent.
+/// is refused, fatally, before anything is sent. Headers go as message attributes beside the ID
+/// (SQS takes 10 attributes per message, the ID and `traceparent` among them).
 ///
 /// A standard queue gets `SendMessageBatch` calls of 10, up to 10 calls at a time, and ignores
 /// keys (it keeps no order). A FIFO queue (URL ending in `.fifo`) gets each message's key as its
@@ -371,51 +306,34 @@ impl Publish for SqsProducer {
                 e,
             )
         };
-        let mut outgoing = Vec::with_capacity(messages.len());
-        for message in messages {
-            let body = String::from_utf8(message.payload.clone()).map_err(|_| {
-                failed(Error::Config(format!(
-                    "message {} has a payload that is not UTF-8, and SQS bodies are text; \
-                     encode it (base64, JSON) before writing it",
-                    message.id
-                )))
-            })?;
-            let mut one = Outgoing::with_id(message.id.clone(), body);
-            one.group.clone_from(&message.key);
-            outgoing.push(one);
-        }
-        if outgoing.is_empty() {
+        if messages.is_empty() {
             return Ok(());
         }
         let queue = self.resolve(destination).await.map_err(failed)?;
+        // Built before anything is sent, so a batch that cannot be sent goes out not at all.
+        let entries = messages
+            .iter()
+            .enumerate()
+            .map(|(i, message)| self.entry(i, &queue, message))
+            .collect::<Result<Vec<_>>>()
+            .map_err(failed)?;
 
         if queue.fifo {
             // Runs of messages with one group, in order, one call after the other.
-            for message in &outgoing {
-                // Checked before anything is sent, so a batch goes out whole or not at all.
-                self.group(&queue, message).map_err(failed)?;
-            }
-            let mut start = 0;
-            while start < outgoing.len() {
-                let group = &outgoing[start].group;
-                let end = outgoing[start..]
-                    .iter()
-                    .position(|m| m.group != *group)
-                    .map_or(outgoing.len(), |n| start + n);
-                for chunk in outgoing[start..end].chunks(10) {
+            for run in entries.chunk_by(|a, b| a.message_group_id() == b.message_group_id()) {
+                for chunk in run.chunks(10) {
                     self.send_chunk(&queue, chunk).await.map_err(failed)?;
                 }
-                start = end;
             }
             return Ok(());
         }
 
         let queue = Arc::new(queue);
-        let mut rest = outgoing.into_iter();
+        let mut rest = entries.into_iter();
         let mut calls = JoinSet::new();
         loop {
             while calls.len() < CALLS_AT_ONCE {
-                let chunk: Vec<Outgoing> = rest.by_ref().take(10).collect();
+                let chunk: Vec<SendMessageBatchRequestEntry> = rest.by_ref().take(10).collect();
                 if chunk.is_empty() {
                     break;
                 }

@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use common::{client, drain, fifo_queue, queue, queue_with_redrive, text};
 use inbox_core::dead_letter::REASON;
-use inbox_core::{Ack, MessageId, MessageSource, Recovery};
+use inbox_core::{Ack, MessageId, MessageSource, Publish, Recovery};
 use inbox_sqs::aws_sdk_sqs::types::Message as SqsMessage;
 use inbox_sqs::aws_sdk_sqs::types::MessageSystemAttributeName;
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_sqs::{Error, Outgoing, SqsProducer, SqsSource};
+use inbox_sqs::{Error, SqsProducer, SqsSource};
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -82,15 +82,9 @@ async fn one_id_dead_lettered_twice_within_five_minutes_arrives_twice_in_a_fifo_
     // The first copy is dead-lettered; then an operator redrives it (or the producer resends
     // it) and it fails again, all within SQS's 5-minute deduplication window. The first dead
     // letter is still in the DLQ, where SQS compares deduplication IDs.
-    sender
-        .send_message(&url, &Outgoing::with_id(id.clone(), "first"))
-        .await
-        .unwrap();
+    sender.send_with_id(&url, &id, b"first").await.unwrap();
     assert_eq!(dead_letter_all(&mut source).await, 1);
-    sender
-        .send_message(&url, &Outgoing::with_id(id.clone(), "second"))
-        .await
-        .unwrap();
+    sender.send_with_id(&url, &id, b"second").await.unwrap();
     assert_eq!(dead_letter_all(&mut source).await, 1);
 
     let dead = peek(&sqs, &dlq).await;
@@ -129,7 +123,7 @@ async fn messages_without_an_id_or_with_a_non_ascii_id_dead_letter_to_a_fifo_dlq
         .connect()
         .await
         .unwrap()
-        .send_message(&url, &Outgoing::with_id(odd.clone(), "non-ascii id"))
+        .send_with_id(&url, &odd, b"non-ascii id")
         .await
         .unwrap();
     assert_eq!(dead_letter_all(&mut source).await, 2);

@@ -1,28 +1,31 @@
 //! What the SQS source tells the consumer's telemetry about a message: the broker, its
-//! `SentTimestamp` (for the end-to-end lag) and the producer's `traceparent` attribute.
+//! `SentTimestamp` (for the end-to-end lag) and the producer's `traceparent` attribute, and the
+//! producer's headers as message attributes, text or not.
 
 mod common;
 
 use std::time::{Duration, SystemTime};
 
-use common::text;
-use inbox_core::{Ack, MessageSource};
-use inbox_sqs::SqsSource;
+use inbox_core::telemetry::TRACEPARENT_HEADER;
+use inbox_core::{Ack, MessageSource, OutgoingMessage, Publish};
+use inbox_sqs::{SqsProducer, SqsSource};
 use inbox_testkit::metadata::{assert_sent_since, assert_traced, TRACEPARENT};
 use inbox_testkit::receive;
 
 #[tokio::test]
-async fn a_message_carries_its_sent_timestamp_and_trace_parent() {
+async fn a_message_carries_its_sent_timestamp_trace_parent_and_headers() {
     let client = common::client().await;
     let queue = common::queue(&client, "metadata", 30).await;
     let before = SystemTime::now() - Duration::from_secs(5);
-    client
-        .send_message()
-        .queue_url(&queue)
-        .message_body("{}")
-        .message_attributes("event_id", text("m-1"))
-        .message_attributes("traceparent", text(TRACEPARENT))
-        .send()
+    let message = OutgoingMessage::generate("{}")
+        .header(TRACEPARENT_HEADER, TRACEPARENT)
+        .header("digest", [0xde, 0xad, 0xff]);
+    SqsProducer::builder()
+        .client(client.clone())
+        .connect()
+        .await
+        .expect("a producer")
+        .send_batch(&queue, std::slice::from_ref(&message))
         .await
         .expect("sent");
     let mut source = SqsSource::builder(&queue)
@@ -37,5 +40,10 @@ async fn a_message_carries_its_sent_timestamp_and_trace_parent() {
         .remove(0);
     assert_sent_since(&delivery.message, before);
     assert_traced(&delivery.message);
+    assert_eq!(
+        delivery.message.header("digest"),
+        Some(&[0xde, 0xad, 0xff][..])
+    );
+    assert_eq!(delivery.message.id.as_ref(), Ok(&message.id));
     delivery.ack.ack().await.expect("deleted");
 }

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{counts, credit, drain, plain_http_endpoint, proxied_client};
-use inbox_core::Consumer;
-use inbox_sqs::{Outgoing, SqsProducer, SqsSource};
+use inbox_core::{Consumer, OutgoingMessage, Publish};
+use inbox_sqs::{SqsProducer, SqsSource};
 use inbox_testkit::wallet::{summary, Credit};
 use inbox_testkit::TestDb;
 use inbox_testkit::{wait_for_a_third, watch_errors, FaultProxy, FaultRun, ProxyMode, Restored};
@@ -66,14 +66,14 @@ async fn consume_through(name: &str, refused: Duration) -> Option<Run> {
     let (url, dlq) = common::queue_with_redrive(&sqs, name, VISIBILITY_SECS, MAX_RECEIVES).await;
     let db = TestDb::new().await;
     let outgoing: Vec<_> = (0..EVENTS)
-        .map(|n| Outgoing::new(credit(n % 10, n + 1)))
+        .map(|n| OutgoingMessage::generate(credit(n % 10, n + 1)))
         .collect();
     SqsProducer::builder()
         .client(sqs.clone())
         .connect()
         .await
         .unwrap()
-        .send_messages(&url, &outgoing)
+        .send_batch(&url, &outgoing)
         .await
         .unwrap();
 

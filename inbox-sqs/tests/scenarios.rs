@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use common::{client, counts, credit, drain, queue, queue_with_redrive};
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
-use inbox_core::{Consumer, Error, MessageId, Publish, Recovery, Stage};
+use inbox_core::{Consumer, Error, MessageId, OutgoingMessage, Publish, Recovery, Stage};
 use inbox_sqs::aws_sdk_sqs::types::MessageAttributeValue;
-use inbox_sqs::{Outgoing, SqsProducer, SqsSource};
+use inbox_sqs::{SqsProducer, SqsSource};
 use inbox_testkit::wallet::{balance, summary, Credit};
 use inbox_testkit::TestDb;
 use inbox_testkit::{AckOnReceive, Crash};
@@ -34,11 +34,11 @@ async fn the_same_id_twice_in_one_receive_is_applied_once() {
         .unwrap();
     let id = MessageId::generate();
     let twice = [
-        Outgoing::with_id(id.clone(), credit(1, 100)),
-        Outgoing::new(credit(2, 7)),
-        Outgoing::with_id(id, credit(1, 100)),
+        OutgoingMessage::new(id.clone(), credit(1, 100)),
+        OutgoingMessage::generate(credit(2, 7)),
+        OutgoingMessage::new(id, credit(1, 100)),
     ];
-    sender.send_messages(&url, &twice).await.unwrap();
+    sender.send_batch(&url, &twice).await.unwrap();
 
     let source = SqsSource::builder(&url)
         .client(sqs.clone())
@@ -222,14 +222,14 @@ async fn batched_sends_are_all_applied_and_batch_deleted() {
     let url = queue(&sqs, "batch", 10).await;
     let db = TestDb::new().await;
     let outgoing: Vec<_> = (0..EVENTS)
-        .map(|n| Outgoing::new(credit(n % 3, n)))
+        .map(|n| OutgoingMessage::generate(credit(n % 3, n)))
         .collect();
     SqsProducer::builder()
         .client(sqs.clone())
         .connect()
         .await
         .unwrap()
-        .send_messages(&url, &outgoing)
+        .send_batch(&url, &outgoing)
         .await
         .unwrap();
     assert_eq!(counts(&sqs, &url).await, (EVENTS as u64, 0));
@@ -331,7 +331,7 @@ async fn fifo_queue_with_the_deduplication_id_fallback() {
     // A resend of the first event with its ID: SQS drops it within its 5-minute window, and
     // the inbox would skip it after that.
     sender
-        .send_message(&url, &Outgoing::with_id(first, credit(1, 1)))
+        .send_with_id(&url, &first, credit(1, 1).as_bytes())
         .await
         .unwrap();
 

@@ -9,15 +9,15 @@
 #![allow(dead_code, unused_imports, unreachable_pub)]
 
 pub use inbox_conformance::kafka::{
-    config, create_topic, header, lag, mock_control, producer, read_all,
+    config, create_topic, header, lag, mock_control, producer, read_all, send_raw,
 };
 pub use inbox_conformance::unique_name as random;
 
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use inbox_core::{Consumer, Inbox, InboxStore, PerMessage, Stats, StatsSnapshot};
-use inbox_kafka::{KafkaProducer, KafkaSource, Record};
+use inbox_core::{Consumer, Inbox, InboxStore, OutgoingMessage, PerMessage, Stats, StatsSnapshot};
+use inbox_kafka::{KafkaProducer, KafkaSource};
 use inbox_postgres::PgTx;
 use inbox_testkit::wallet::{self, Credit, CreditEvent, Summary};
 use sqlx::PgPool;
@@ -76,8 +76,12 @@ pub async fn produce_credit_range(
     for i in range {
         let event = CreditEvent::new((i % 7 + 1) as i64, (i % 50 + 1) as i64);
         total += event.amount;
-        let record = Record::new(event.to_json()).partition(i as i32 % partitions);
-        producer.send_record(topic, record).await.expect("produce");
+        let credit = OutgoingMessage::generate(event.to_json());
+        let partition = Some(i as i32 % partitions);
+        producer
+            .send_to(topic, partition, &credit)
+            .await
+            .expect("produce");
     }
     total
 }

@@ -12,14 +12,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use inbox_core::{BatchItem, BoxError, InboxStore, MessageId};
+use inbox_core::{BatchItem, BoxError, InboxStore, MessageId, OutgoingMessage};
 use inbox_postgres::PgInbox;
 use inbox_testkit::wallet::{BatchCredit, CreditEvent};
 use inbox_testkit::TestDb;
 use serde_json::json;
 use tokio::sync::oneshot;
 
-use crate::brokers::{self, Broker, Outgoing};
+use crate::brokers::{self, Broker};
 use crate::cli::{
     positive, BrokerKind, ConsumerSpec, HandlerKind, KafkaImpl, Variant, KAFKA_IMPL_HELP,
     KAFKA_IMPL_LONG_HELP,
@@ -222,20 +222,13 @@ impl Runs {
     }
 }
 
-fn events(s: &BenchSettings, n: u32) -> Vec<Outgoing> {
+fn events(s: &BenchSettings, n: u32) -> Vec<OutgoingMessage> {
     (0..n)
-        .map(|i| {
-            let account = i64::from(i) % s.accounts + 1;
-            Outgoing {
-                id: format!("evt-{i}"),
-                key: account.to_string(),
-                payload: CreditEvent::new(account, 1).to_json(),
-            }
-        })
+        .map(|i| brokers::credit(i, &CreditEvent::new(i64::from(i) % s.accounts + 1, 1)))
         .collect()
 }
 
-fn events_of(all: &[Outgoing], s: &BenchSettings, n: u32) -> Vec<Outgoing> {
+fn events_of(all: &[OutgoingMessage], s: &BenchSettings, n: u32) -> Vec<OutgoingMessage> {
     if n as usize <= all.len() {
         all[..n as usize].to_vec()
     } else {
@@ -269,7 +262,7 @@ impl fmt::Display for Spec {
 async fn consumer_run(
     broker: &dyn Broker,
     spec: Spec,
-    events: &[Outgoing],
+    events: &[OutgoingMessage],
     run: &str,
 ) -> Result<Row, BoxError> {
     let label = spec.to_string();
@@ -297,7 +290,7 @@ async fn consumer_run(
 /// that only counts, so what is left is receiving and acking.
 async fn broker_alone(
     broker: &dyn Broker,
-    events: &[Outgoing],
+    events: &[OutgoingMessage],
     run: &str,
 ) -> Result<Row, BoxError> {
     let (events, seconds) = timed_run(broker, events, "broker alone", run, |name, schema| {
@@ -326,7 +319,7 @@ async fn broker_alone(
 /// applied to the last.
 async fn timed_run(
     broker: &dyn Broker,
-    events: &[Outgoing],
+    events: &[OutgoingMessage],
     label: &str,
     run: &str,
     spec: impl FnOnce(&str, &str) -> ConsumerSpec,
@@ -377,10 +370,9 @@ async fn database_alone(s: &BenchSettings, batch: usize, run: &str) -> Result<Ro
         .into_iter()
         .map(|e| {
             let event: CreditEvent = serde_json::from_slice(&e.payload)?;
-            let id = MessageId::new(e.id)?;
             Ok((
-                id.clone(),
-                inbox_core::Message::new(Ok(id), e.payload),
+                e.id.clone(),
+                inbox_core::Message::new(Ok(e.id), e.payload),
                 event,
             ))
         })

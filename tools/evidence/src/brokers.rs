@@ -14,6 +14,7 @@ use inbox_conformance::{TestBroker, TestQueue};
 use inbox_core::{
     async_trait, BoxError, MessageId, MessageSource, OutgoingMessage, Publish, StatsSnapshot,
 };
+use inbox_testkit::wallet::CreditEvent;
 use inbox_testkit::TestDb;
 use tokio::sync::Mutex;
 
@@ -21,13 +22,11 @@ use crate::cli::{BrokerKind, ConsumerSpec, KafkaImpl};
 use crate::consume::{self, Shutdown, Watch};
 use crate::effects_child::{self, ChildSpec, Role};
 
-/// A credit event ready to publish: its producer-set ID and JSON payload.
-#[derive(Debug, Clone)]
-pub(crate) struct Outgoing {
-    pub(crate) id: String,
-    /// Kafka's record key (the account), which picks the partition.
-    pub(crate) key: String,
-    pub(crate) payload: Vec<u8>,
+/// Credit event `i` ready to publish: ID `evt-<i>`, its JSON, keyed by its account (Kafka's
+/// partition follows the key; [`Broker::publish`] drops it elsewhere).
+pub(crate) fn credit(i: u32, event: &CreditEvent) -> OutgoingMessage {
+    let id = MessageId::new(format!("evt-{i}")).expect("`evt-<n>` is a valid ID");
+    OutgoingMessage::new(id, event.to_json()).key(event.account_id.to_string())
 }
 
 /// Messages per `Publish::send_batch` call while filling a queue.
@@ -48,7 +47,7 @@ pub(crate) trait Broker: Send + Sync {
     async fn create(&self, label: &str) -> Result<String, BoxError>;
 
     /// Publishes `events` to `name`, confirmed.
-    async fn publish(&self, name: &str, events: &[Outgoing]) -> Result<(), BoxError>;
+    async fn publish(&self, name: &str, events: &[OutgoingMessage]) -> Result<(), BoxError>;
 
     /// Runs one consumer of `spec` in this process until `shutdown`.
     async fn consume(
@@ -213,22 +212,20 @@ where
         Ok(name)
     }
 
-    async fn publish(&self, name: &str, events: &[Outgoing]) -> Result<(), BoxError> {
+    async fn publish(&self, name: &str, events: &[OutgoingMessage]) -> Result<(), BoxError> {
         let destination = self.queue(name).await?.destination();
         let producer = self.producer(name).await?;
         for chunk in events.chunks(PUBLISH_CHUNK) {
-            let mut messages = Vec::with_capacity(chunk.len());
-            for event in chunk {
-                let message =
-                    OutgoingMessage::new(MessageId::new(event.id.clone())?, event.payload.clone());
-                // Only Kafka's partitions follow the key; an SQS key would be a FIFO group.
-                messages.push(if self.kind == BrokerKind::Kafka {
-                    message.key(event.key.clone())
-                } else {
-                    message
-                });
+            if self.kind == BrokerKind::Kafka {
+                producer.send_batch(&destination, chunk).await?;
+                continue;
             }
-            producer.send_batch(&destination, &messages).await?;
+            // Only Kafka's partitions follow the key; an SQS key would be a FIFO group.
+            let mut unkeyed = chunk.to_vec();
+            for message in &mut unkeyed {
+                message.key = None;
+            }
+            producer.send_batch(&destination, &unkeyed).await?;
         }
         Ok(())
     }

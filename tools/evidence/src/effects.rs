@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use inbox_core::{BoxError, MessageId};
+use inbox_core::{BoxError, OutgoingMessage};
 use inbox_postgres::PgLeases;
 use inbox_testkit::provider::{Behaviour, ProviderMode, TestProvider};
 use inbox_testkit::wallet::CreditEvent;
@@ -23,7 +23,7 @@ use sqlx::AssertSqlSafe;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Child;
 
-use crate::brokers::{self, Broker, Outgoing};
+use crate::brokers::{self, Broker};
 use crate::cli::{
     millis, millis_range, BrokerKind, KafkaImpl, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
 };
@@ -202,18 +202,14 @@ pub(crate) fn show(s: Spread) -> String {
 }
 
 /// The seeded credit events `evt-<i>` and the balances they add up to.
-pub(crate) fn events(seed: u64, count: u32) -> (Vec<Outgoing>, HashMap<i64, i64>) {
+pub(crate) fn events(seed: u64, count: u32) -> (Vec<OutgoingMessage>, HashMap<i64, i64>) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut expected = HashMap::new();
     let events = (0..count)
         .map(|i| {
             let event = CreditEvent::new(rng.random_range(1..=100), rng.random_range(1..=100));
             *expected.entry(event.account_id).or_insert(0) += event.amount;
-            Outgoing {
-                id: format!("evt-{i}"),
-                key: event.account_id.to_string(),
-                payload: event.to_json(),
-            }
+            brokers::credit(i, &event)
         })
         .collect();
     (events, expected)
@@ -249,8 +245,8 @@ async fn run_once(
     let (events, _) = events(s.seed, count);
     let keys: Vec<String> = events
         .iter()
-        .map(|e| MessageId::new(e.id.clone()).map(|id| id.idempotency_key(EFFECT_CONSUMER)))
-        .collect::<Result<_, _>>()?;
+        .map(|e| e.id.idempotency_key(EFFECT_CONSUMER))
+        .collect();
     for key in &keys {
         provider.next_call(key, Behaviour::Slow(Duration::from_millis(s.work_ms)));
     }

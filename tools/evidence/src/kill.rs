@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use inbox_core::BoxError;
+use inbox_core::{BoxError, OutgoingMessage};
 use inbox_testkit::wallet::{self, CreditEvent};
 use inbox_testkit::TestDb;
 use rand::rngs::StdRng;
@@ -13,7 +13,7 @@ use rand::{Rng, SeedableRng};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use crate::brokers::{Broker, Outgoing};
+use crate::brokers::{self, Broker};
 use crate::cli::{BrokerKind, ConsumerSpec, Variant};
 use crate::consume::Watch;
 use crate::progress;
@@ -21,7 +21,7 @@ use crate::report::{self, RunResult, VariantResult};
 use crate::settings::KillSettings;
 
 /// The seeded events of every run: IDs `evt-<i>`, accounts and amounts from `seed`.
-pub(crate) fn events(s: &KillSettings, count: u32) -> (Vec<Outgoing>, HashMap<i64, i64>) {
+pub(crate) fn events(s: &KillSettings, count: u32) -> (Vec<OutgoingMessage>, HashMap<i64, i64>) {
     let mut rng = StdRng::seed_from_u64(s.seed);
     let mut expected = HashMap::new();
     let events = (0..count)
@@ -29,11 +29,7 @@ pub(crate) fn events(s: &KillSettings, count: u32) -> (Vec<Outgoing>, HashMap<i6
             let event =
                 CreditEvent::new(rng.random_range(1..=s.accounts), rng.random_range(1..=100));
             *expected.entry(event.account_id).or_insert(0) += event.amount;
-            Outgoing {
-                id: format!("evt-{i}"),
-                key: event.account_id.to_string(),
-                payload: event.to_json(),
-            }
+            brokers::credit(i, &event)
         })
         .collect();
     (events, expected)

@@ -8,14 +8,14 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use futures_util::stream::{self, StreamExt, TryStreamExt};
-use inbox_core::BoxError;
+use inbox_core::{BoxError, OutgoingMessage};
 use inbox_testkit::wallet::CreditEvent;
 use inbox_testkit::TestDb;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::process::Child;
 
-use crate::brokers::{self, Broker, Outgoing};
+use crate::brokers::{self, Broker};
 use crate::cli::{
     millis, minutes, positive, seconds, seconds_range, BrokerKind, ConsumerSpec, HandlerKind,
     KafkaImpl, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
@@ -106,7 +106,7 @@ impl Events {
         }
     }
 
-    fn chunk(&mut self) -> Vec<Outgoing> {
+    fn chunk(&mut self) -> Vec<OutgoingMessage> {
         let end = self.total.min(self.next.saturating_add(CHUNK));
         let chunk = (self.next..end)
             .map(|i| {
@@ -115,11 +115,7 @@ impl Events {
                     self.rng.random_range(1..=100),
                 );
                 *self.expected.entry(event.account_id).or_insert(0) += event.amount;
-                Outgoing {
-                    id: format!("evt-{i}"),
-                    key: event.account_id.to_string(),
-                    payload: event.to_json(),
-                }
+                brokers::credit(i, &event)
             })
             .collect();
         self.next = end;

@@ -5,13 +5,13 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
-use inbox_core::{BoxError, StatsSnapshot};
+use inbox_core::{BoxError, OutgoingMessage, StatsSnapshot};
 use inbox_testkit::wallet::{self, CreditEvent};
 use inbox_testkit::TestDb;
 use serde::Serialize;
 use tokio::sync::{mpsc, watch};
 
-use crate::brokers::{Broker, Outgoing};
+use crate::brokers::{self, Broker};
 use crate::cli::{BrokerKind, ConsumerSpec, Variant};
 use crate::consume::Watch;
 use crate::progress;
@@ -94,17 +94,13 @@ async fn run_once(
     let name = broker
         .create(&format!("{kind}-zombie-{}-{run}", variant.name()))
         .await?;
-    let events: Vec<Outgoing> = (0..s.events)
+    let events: Vec<OutgoingMessage> = (0..s.events)
         .map(|i| {
             let event = CreditEvent {
                 stall: i % s.stall_every == s.stall_every / 2,
                 ..CreditEvent::new(1 + i64::from(i % 100), 1 + i64::from(i % 37))
             };
-            Outgoing {
-                id: format!("evt-{i}"),
-                key: event.account_id.to_string(),
-                payload: event.to_json(),
-            }
+            brokers::credit(i, &event)
         })
         .collect();
     broker.publish(&name, &events).await?;
