@@ -26,8 +26,10 @@ impl Handler<PgTx> for Credit {
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let wallet = Wallet::open().await?;
-    // Endpoint (AWS_ENDPOINT_URL_SQS), region and credentials from the environment, else moto's.
-    let client = inbox_sqs::connect_or_local("http://127.0.0.1:4566").await;
+    // Endpoint (AWS_ENDPOINT_URL_SQS), region and credentials from the environment, else the
+    // local moto's that `cargo xtask services` starts (test support; in production,
+    // `inbox_sqs::connect()`).
+    let client = inbox_conformance::sqs::client().await;
     let name = format!("inbox-example-{}", uuid::Uuid::new_v4());
     let created = client.create_queue().queue_name(name).send().await?;
     let queue = created.queue_url().ok_or("CreateQueue returned no URL")?;

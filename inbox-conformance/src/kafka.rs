@@ -23,10 +23,22 @@ use inbox_kafka::{KafkaProducer, KafkaProducerBuilder, KafkaSource, KafkaSourceB
 
 use crate::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
 
+/// The local broker `cargo xtask services` starts: the tests' default, never the adapter's.
+pub const LOCAL_BROKERS: &str = "127.0.0.1:9092";
+
+/// `KAFKA_BROKERS`, or [`LOCAL_BROKERS`].
+pub fn brokers() -> String {
+    std::env::var("KAFKA_BROKERS")
+        .ok()
+        .filter(|b| !b.trim().is_empty())
+        .unwrap_or_else(|| LOCAL_BROKERS.to_owned())
+}
+
 /// A source of `topic` in `group` with timeouts short enough for tests: a dead member is noticed
 /// after 6 s.
 pub fn config(topic: &str, group: &str) -> KafkaSourceBuilder {
     KafkaSource::builder([topic], group)
+        .brokers(brokers())
         .poll_timeout(Duration::from_millis(500))
         .set_consumer("session.timeout.ms", "6000")
         .set_consumer("heartbeat.interval.ms", "1000")
@@ -34,7 +46,11 @@ pub fn config(topic: &str, group: &str) -> KafkaSourceBuilder {
 
 /// A producer with the adapter's defaults.
 pub async fn producer() -> KafkaProducer {
-    KafkaProducer::builder().connect().await.expect("producer")
+    KafkaProducer::builder()
+        .brokers(brokers())
+        .connect()
+        .await
+        .expect("producer")
 }
 
 /// Produces a record through `producer`'s client with exactly the `headers` given: without the

@@ -1,13 +1,13 @@
 //! The suite on RabbitMQ (feature `rabbitmq`): [`RabbitMq`] gives each scenario a quorum queue of
 //! its own, dead-lettered to `<queue>.dlq`.
 //!
-//! The broker is at `AMQP_URL` (default the adapter's `DEFAULT_AMQP_URL`); closing a member's
+//! The broker is at `AMQP_URL` (default [`LOCAL_AMQP_URL`]); closing a member's
 //! connection runs `rabbitmqctl`, which must be on the `PATH`.
 
 mod address;
 mod admin;
 
-pub use address::{amqp_url, broker_addr, url_via};
+pub use address::{amqp_url, broker_addr, url_via, LOCAL_AMQP_URL};
 use admin::ready_on;
 pub use admin::{
     admin_channel, cleanup, close_connection, close_pids, connection_pids, drain, left_on,

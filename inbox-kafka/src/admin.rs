@@ -23,9 +23,9 @@ impl fmt::Debug for KafkaAdmin {
 }
 
 impl KafkaAdmin {
-    /// An admin client for the brokers in `KAFKA_BROKERS` (default `127.0.0.1:9092`).
+    /// An admin client for the brokers in `KAFKA_BROKERS` (an error when it is unset).
     pub fn from_env() -> Result<Self> {
-        Self::new(&brokers_from_env())
+        Self::new(&brokers_from_env()?)
     }
 
     /// An admin client for `brokers`.

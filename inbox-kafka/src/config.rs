@@ -8,19 +8,22 @@ use rdkafka::ClientConfig;
 
 use crate::{Error, KafkaSource, Result};
 
-/// The broker list used when `KAFKA_BROKERS` is unset.
-pub const DEFAULT_BROKERS: &str = "127.0.0.1:9092";
-
-/// The broker list from the `KAFKA_BROKERS` environment variable, or [`DEFAULT_BROKERS`].
-pub fn brokers_from_env() -> String {
-    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| DEFAULT_BROKERS.to_owned())
+/// The broker list from the `KAFKA_BROKERS` environment variable; unset or empty is an error
+/// that says so. There is no default: a missing setting must not reach a broker on localhost.
+pub fn brokers_from_env() -> Result<String> {
+    match std::env::var("KAFKA_BROKERS") {
+        Ok(brokers) if !brokers.trim().is_empty() => Ok(brokers),
+        _ => Err(Error::Config(
+            "no Kafka brokers: set KAFKA_BROKERS or call `.brokers(..)`".into(),
+        )),
+    }
 }
 
 /// Builds a [`KafkaSource`]: what it subscribes to and how. Start with [`KafkaSource::builder`],
 /// finish with [`KafkaSourceBuilder::connect`].
 ///
-/// The brokers come from the `KAFKA_BROKERS` environment variable (default `127.0.0.1:9092`)
-/// unless [`KafkaSourceBuilder::brokers`] sets them.
+/// The brokers come from the `KAFKA_BROKERS` environment variable unless
+/// [`KafkaSourceBuilder::brokers`] sets them; with neither, `connect` fails saying so.
 ///
 /// Every librdkafka property can be set with [`KafkaSourceBuilder::set`] (all clients: the
 /// consumer and the dead-letter producer) or [`KafkaSourceBuilder::set_consumer`] (the consumer
@@ -203,9 +206,12 @@ impl KafkaSourceBuilder {
         KafkaSource::new(&self)
     }
 
-    /// The brokers this builder connects to: the ones set, or `KAFKA_BROKERS`, or the default.
-    pub(crate) fn resolved_brokers(&self) -> String {
-        self.brokers.clone().unwrap_or_else(brokers_from_env)
+    /// The brokers this builder connects to: the ones set, or `KAFKA_BROKERS`.
+    pub(crate) fn resolved_brokers(&self) -> Result<String> {
+        match &self.brokers {
+            Some(brokers) => Ok(brokers.clone()),
+            None => brokers_from_env(),
+        }
     }
 
     pub(crate) fn consumer_config(&self) -> Result<ClientConfig> {
@@ -218,7 +224,7 @@ impl KafkaSourceBuilder {
         if self.id_header.is_empty() {
             return Err(Error::Config("the ID header name is empty".into()));
         }
-        let mut config = self.client_config();
+        let mut config = self.client_config()?;
         config
             .set("group.id", &self.group_id)
             .set("auto.offset.reset", "earliest")
@@ -239,10 +245,10 @@ impl KafkaSourceBuilder {
         Ok(config)
     }
 
-    pub(crate) fn client_config(&self) -> ClientConfig {
+    pub(crate) fn client_config(&self) -> Result<ClientConfig> {
         let mut config = ClientConfig::new();
         config
-            .set("bootstrap.servers", self.resolved_brokers())
+            .set("bootstrap.servers", self.resolved_brokers()?)
             .set(
                 "socket.timeout.ms",
                 // librdkafka's bounds for the property.
@@ -254,7 +260,7 @@ impl KafkaSourceBuilder {
         for (key, value) in &self.common {
             config.set(key, value);
         }
-        config
+        Ok(config)
     }
 }
 

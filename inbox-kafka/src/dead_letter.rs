@@ -90,7 +90,7 @@ pub(crate) struct DeadLetterCheck {
 }
 
 impl DeadLetterCheck {
-    pub(crate) fn new(config: &KafkaSourceBuilder) -> Self {
+    pub(crate) fn new(config: &KafkaSourceBuilder) -> crate::Result<Self> {
         let mut topics: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for topic in &config.topics {
             let dead_letter_topic = match &config.dead_letter_topic {
@@ -107,13 +107,13 @@ impl DeadLetterCheck {
                 .or_default()
                 .push(topic.clone());
         }
-        Self {
+        Ok(Self {
             topics,
             create: config.create_dead_letter_topics,
-            brokers: config.resolved_brokers(),
+            brokers: config.resolved_brokers()?,
             properties: config.common.clone(),
             timeout: config.operation_timeout,
-        }
+        })
     }
 
     /// Finds the missing dead-letter topics with a metadata request for all topics (one that
@@ -207,10 +207,10 @@ mod tests {
     #[test]
     fn each_subscribed_topic_has_its_dead_letter_topic_and_patterns_are_skipped() {
         let config = KafkaSourceBuilder::new(["a", "b", "^c.*"], "g").brokers("b:9092");
-        let check = DeadLetterCheck::new(&config);
+        let check = DeadLetterCheck::new(&config).unwrap();
         let topics: Vec<&str> = check.topics.keys().map(String::as_str).collect();
         assert_eq!(topics, ["a.dlq", "b.dlq"]);
-        let shared = DeadLetterCheck::new(&config.dead_letter_topic("parked"));
+        let shared = DeadLetterCheck::new(&config.dead_letter_topic("parked")).unwrap();
         assert_eq!(shared.topics["parked"], ["a", "b", "^c.*"]);
     }
 }

@@ -125,8 +125,9 @@
 //!
 //! # Configuration
 //!
-//! The brokers come from `KAFKA_BROKERS` (default `127.0.0.1:9092`) unless
-//! [`KafkaSourceBuilder::brokers`] or [`KafkaProducerBuilder::brokers`] names them.
+//! The brokers come from `KAFKA_BROKERS` unless
+//! [`KafkaSourceBuilder::brokers`] or [`KafkaProducerBuilder::brokers`] names them; with neither,
+//! connecting fails with an error that says so (there is no default).
 //! [`KafkaSourceBuilder`] passes any librdkafka property through ([`KafkaSourceBuilder::set`],
 //! [`KafkaSourceBuilder::set_consumer`]), and so does [`KafkaProducerBuilder::set`]: TLS and
 //! SASL (enable the crate feature `ssl` for TLS and SCRAM), timeouts, assignment strategy. zstd
@@ -151,7 +152,7 @@ mod tracker;
 pub use ack::KafkaAck;
 pub use admin::{KafkaAdmin, Retention};
 pub use commit::OffsetCommits;
-pub use config::{brokers_from_env, KafkaSourceBuilder, DEFAULT_BROKERS};
+pub use config::{brokers_from_env, KafkaSourceBuilder};
 pub use error::{Error, Result};
 pub use producer::{KafkaProducer, KafkaProducerBuilder};
 pub use rdkafka;

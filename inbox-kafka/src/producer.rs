@@ -39,8 +39,8 @@ impl fmt::Debug for KafkaProducer {
 
 /// Builds a [`KafkaProducer`]; start with [`KafkaProducer::builder`].
 ///
-/// The brokers come from the `KAFKA_BROKERS` environment variable (default `127.0.0.1:9092`)
-/// unless [`KafkaProducerBuilder::brokers`] sets them. Its `Debug` output hides the values of
+/// The brokers come from the `KAFKA_BROKERS` environment variable unless
+/// [`KafkaProducerBuilder::brokers`] sets them; with neither, `connect` fails saying so. Its `Debug` output hides the values of
 /// secret properties, like [`KafkaSourceBuilder`]'s.
 #[derive(Clone)]
 #[must_use = "a builder does nothing until `connect` is called"]
@@ -108,7 +108,10 @@ impl KafkaProducerBuilder {
         if self.id_header.is_empty() {
             return Err(Error::Config("the ID header name is empty".into()));
         }
-        let brokers = self.brokers.unwrap_or_else(brokers_from_env);
+        let brokers = match self.brokers {
+            Some(brokers) => brokers,
+            None => brokers_from_env()?,
+        };
         let mut config = ClientConfig::new();
         config
             .set("bootstrap.servers", &brokers)

@@ -102,7 +102,7 @@ impl KafkaSource {
             .subscribe(&topics)
             .map_err(|e| Error::kafka(format!("subscribing to {topics:?}"), e))?;
 
-        let mut producer_config = config.client_config();
+        let mut producer_config = config.client_config()?;
         // A dead letter is produced once per delivery: the idempotent producer keeps its own
         // retries from adding copies. The delivery wait is bounded like any other operation.
         producer_config
@@ -128,7 +128,7 @@ impl KafkaSource {
             poll_timeout: config.poll_timeout,
             operation_timeout: config.operation_timeout,
             redelivery_window: None,
-            dead_letter_check: Some(DeadLetterCheck::new(config)),
+            dead_letter_check: Some(DeadLetterCheck::new(config)?),
             commit_task: None,
         })
     }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::{Ack, MessageSource, Publish};
-use inbox_kafka::{brokers_from_env, KafkaSource};
+use inbox_kafka::KafkaSource;
 use inbox_testkit::publish::{as_sent, send_each_way};
 
 /// Set in the child process of [`a_source_without_brokers_uses_kafka_brokers`]: the topic it
@@ -36,7 +36,7 @@ async fn a_source_without_brokers_uses_kafka_brokers() {
         "a_source_without_brokers_uses_kafka_brokers",
         &[
             (CHILD_TOPIC, topic),
-            (REAL_BROKERS, brokers_from_env()),
+            (REAL_BROKERS, inbox_conformance::kafka::brokers()),
             ("KAFKA_BROKERS", "127.0.0.1:1".to_owned()),
         ],
     )
@@ -118,4 +118,30 @@ async fn one_producer_sends_to_two_topics() {
         delivery.ack.ack().await.expect("ack");
     }
     assert_eq!(received, sent);
+}
+
+/// Without `brokers` and with `KAFKA_BROKERS` unset or empty, a source and a producer refuse to
+/// connect, naming both ways to set the brokers: no silent broker on localhost. Run in a child
+/// process whose `KAFKA_BROKERS` is empty.
+#[tokio::test]
+async fn without_brokers_anywhere_connect_fails_naming_kafka_brokers() {
+    if inbox_testkit::child::is_child() {
+        let e = KafkaSource::builder(["t"], "g")
+            .connect()
+            .await
+            .expect_err("no brokers anywhere");
+        assert!(e.to_string().contains("KAFKA_BROKERS"), "{e}");
+        let e = inbox_kafka::KafkaProducer::builder()
+            .connect()
+            .await
+            .expect_err("no brokers anywhere");
+        assert!(e.to_string().contains("KAFKA_BROKERS"), "{e}");
+        return;
+    }
+    let ran = inbox_testkit::child::run(
+        "without_brokers_anywhere_connect_fails_naming_kafka_brokers",
+        &[("KAFKA_BROKERS", String::new())],
+    )
+    .await;
+    assert!(ran.passed, "the child failed:\n{}", ran.printed);
 }

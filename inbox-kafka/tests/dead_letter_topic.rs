@@ -9,7 +9,6 @@ use std::time::Duration;
 use common::*;
 use inbox_core::dead_letter::REASON;
 use inbox_core::{Consumer, Publish};
-use inbox_kafka::brokers_from_env;
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::ClientConfig;
 use inbox_testkit::{MemoryStore, Sum};
@@ -20,7 +19,7 @@ async fn topic_exists(topic: &str) -> bool {
     let topic = topic.to_owned();
     tokio::task::spawn_blocking(move || {
         let client: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", brokers_from_env())
+            .set("bootstrap.servers", inbox_conformance::kafka::brokers())
             .create()
             .expect("client");
         let metadata = client

@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use inbox_core::OutgoingMessage;
-use inbox_kafka::brokers_from_env;
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use inbox_testkit::wallet::{Credit, CreditEvent};
@@ -26,7 +25,7 @@ async fn ids_on(topic: &str) -> Vec<String> {
     let topic = topic.to_owned();
     tokio::task::spawn_blocking(move || {
         let consumer: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", brokers_from_env())
+            .set("bootstrap.servers", inbox_conformance::kafka::brokers())
             .set("group.id", random("reader"))
             .set("enable.auto.commit", "false")
             .create()

@@ -5,9 +5,6 @@ use std::time::Duration;
 use crate::short_string::short_string;
 use crate::{Error, Result};
 
-/// The broker address a source or producer uses when neither `url(..)` nor `AMQP_URL` names one.
-pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-
 /// The smallest prefetch window when it follows the batch size.
 const MIN_PREFETCH: u16 = 20;
 
@@ -44,7 +41,7 @@ pub enum Topology {
 /// use std::time::Duration;
 /// use inbox_rabbitmq::RabbitSource;
 ///
-/// // The broker from `AMQP_URL` (default `DEFAULT_AMQP_URL`) unless `.url(..)` names one.
+/// // The broker from `AMQP_URL` unless `.url(..)` names one (with neither, connect fails).
 /// let builder = RabbitSource::builder("payments")
 ///     .prefetch(50)
 ///     .id_header("event_id")
@@ -92,12 +89,11 @@ impl std::fmt::Debug for RabbitSourceBuilder {
     }
 }
 
-/// The broker address from `AMQP_URL`, or [`DEFAULT_AMQP_URL`].
+/// The broker address from `AMQP_URL`; empty when it is unset, which connecting refuses with
+/// an error saying so. There is no default: a missing setting must not reach a broker on
+/// localhost with the `guest` account.
 pub(crate) fn url_from_env() -> String {
-    std::env::var("AMQP_URL")
-        .ok()
-        .filter(|url| !url.is_empty())
-        .unwrap_or_else(|| DEFAULT_AMQP_URL.to_owned())
+    std::env::var("AMQP_URL").unwrap_or_default()
 }
 
 impl RabbitSourceBuilder {
@@ -119,7 +115,7 @@ impl RabbitSourceBuilder {
     }
 
     /// The broker to connect to (`amqp://user:pass@host:port/vhost`; `amqps://` needs the
-    /// `rustls` or `native-tls` feature), instead of `AMQP_URL` or [`DEFAULT_AMQP_URL`].
+    /// `rustls` or `native-tls` feature), instead of `AMQP_URL`.
     pub fn url(mut self, url: impl Into<String>) -> Self {
         self.url = url.into();
         self
@@ -229,8 +225,8 @@ impl RabbitSourceBuilder {
     }
 
     /// The broker address it connects to: the one set with [`url`](Self::url), else
-    /// `AMQP_URL` (read by [`RabbitSource::builder`](crate::RabbitSource::builder)), else
-    /// [`DEFAULT_AMQP_URL`].
+    /// `AMQP_URL` (read by [`RabbitSource::builder`](crate::RabbitSource::builder)); empty when neither
+    /// names one.
     pub fn broker_url(&self) -> &str {
         &self.url
     }
@@ -316,11 +312,11 @@ mod tests {
 
     #[test]
     fn bad_settings_are_refused_with_the_fix() {
-        let ok = RabbitSourceBuilder::new(DEFAULT_AMQP_URL, "q");
+        let ok = RabbitSourceBuilder::new("amqp://localhost", "q");
         assert!(ok.check().is_ok());
         let e = ok.clone().prefetch(0).check().unwrap_err().to_string();
         assert!(e.contains("at least 1"), "{e}");
-        assert!(RabbitSourceBuilder::new(DEFAULT_AMQP_URL, "")
+        assert!(RabbitSourceBuilder::new("amqp://localhost", "")
             .check()
             .is_err());
         assert!(ok.clone().id_header("").check().is_err());

@@ -15,6 +15,11 @@ use crate::{Error, Result};
 pub(crate) async fn open(url: &str, name: &str, heartbeat: Option<u16>) -> Result<Connection> {
     // With its `tokio` feature lapin runs its I/O loop on the runtime it is called from; without
     // one it would panic deep inside, so say what is wrong instead.
+    if url.trim().is_empty() {
+        return Err(Error::Config(
+            "no RabbitMQ broker: set AMQP_URL or call `.url(..)`".into(),
+        ));
+    }
     if tokio::runtime::Handle::try_current().is_err() {
         return Err(Error::Config(
             "the RabbitMQ adapter must run inside a tokio runtime".into(),

@@ -28,7 +28,7 @@
 //!
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! // The broker from AMQP_URL (default DEFAULT_AMQP_URL) unless `.url(..)` names one.
+//! // The broker from AMQP_URL unless `.url(..)` names one (with neither, connect fails).
 //! let source = RabbitSource::builder("wallet-credits")
 //!     .prefetch(50)
 //!     .connect() // declares the queues
@@ -154,7 +154,7 @@ mod source;
 mod topology;
 
 pub use ack::RabbitAck;
-pub use config::{IdField, RabbitSourceBuilder, Topology, DEFAULT_AMQP_URL};
+pub use config::{IdField, RabbitSourceBuilder, Topology};
 pub use error::{Error, Result};
 pub use lapin;
 pub use producer::{RabbitProducer, RabbitProducerBuilder};

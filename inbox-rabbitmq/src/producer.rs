@@ -124,8 +124,7 @@ impl fmt::Debug for RabbitProducerBuilder {
 }
 
 impl RabbitProducerBuilder {
-    /// The broker to connect to (`amqp://user:pass@host:port/vhost`), instead of `AMQP_URL` or
-    /// [`DEFAULT_AMQP_URL`](crate::DEFAULT_AMQP_URL).
+    /// The broker to connect to (`amqp://user:pass@host:port/vhost`), instead of `AMQP_URL`.
     pub fn url(mut self, url: impl Into<String>) -> Self {
         self.url = url.into();
         self
@@ -190,8 +189,7 @@ impl fmt::Debug for RabbitProducer {
 }
 
 impl RabbitProducer {
-    /// Starts configuring a producer on the broker named by `AMQP_URL`
-    /// ([`DEFAULT_AMQP_URL`](crate::DEFAULT_AMQP_URL) when unset) unless
+    /// Starts configuring a producer on the broker named by `AMQP_URL` unless
     /// [`url`](RabbitProducerBuilder::url) names one; finish with
     /// [`connect`](RabbitProducerBuilder::connect).
     pub fn builder() -> RabbitProducerBuilder {

@@ -61,8 +61,7 @@ impl RabbitSourceBuilder {
 }
 
 impl RabbitSource {
-    /// Starts configuring a source that consumes `queue`, on the broker named by `AMQP_URL`
-    /// ([`DEFAULT_AMQP_URL`](crate::DEFAULT_AMQP_URL) when unset) unless
+    /// Starts configuring a source that consumes `queue`, on the broker named by `AMQP_URL` unless
     /// [`url`](RabbitSourceBuilder::url) names one; finish with
     /// [`connect`](RabbitSourceBuilder::connect).
     pub fn builder(queue: impl Into<String>) -> RabbitSourceBuilder {

@@ -168,3 +168,23 @@ async fn one_producer_sends_to_two_queues() {
     cleanup(&first).await;
     cleanup(&second).await;
 }
+
+/// Without `url` and with `AMQP_URL` unset or empty, a source and a producer refuse to connect,
+/// naming both ways to set the broker: no silent `guest` login on localhost. Run in a child
+/// process whose `AMQP_URL` is empty.
+#[tokio::test]
+async fn without_a_url_anywhere_connect_fails_naming_amqp_url() {
+    if inbox_testkit::child::is_child() {
+        let e = RabbitSource::builder("q").connect().await.unwrap_err();
+        assert!(e.to_string().contains("AMQP_URL"), "{e}");
+        let e = RabbitProducer::builder().connect().await.unwrap_err();
+        assert!(e.to_string().contains("AMQP_URL"), "{e}");
+        return;
+    }
+    let ran = inbox_testkit::child::run(
+        "without_a_url_anywhere_connect_fails_naming_amqp_url",
+        &[("AMQP_URL", String::new())],
+    )
+    .await;
+    assert!(ran.passed, "the child failed:\n{}", ran.printed);
+}

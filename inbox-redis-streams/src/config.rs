@@ -23,7 +23,7 @@ pub(crate) struct Settings {
 /// Builds a [`RedisStreamSource`]; start with [`RedisStreamSource::builder`], finish with
 /// [`RedisStreamSourceBuilder::connect`].
 ///
-/// Redis is reached at the `REDIS_URL` environment variable (default `redis://127.0.0.1:6379`)
+/// Redis is reached at the `REDIS_URL` environment variable (no default: unset, connect fails)
 /// unless [`RedisStreamSourceBuilder::url`] or [`RedisStreamSourceBuilder::client`] says
 /// otherwise. Its `Debug` output hides a password in the URL.
 #[derive(Clone)]
@@ -85,7 +85,7 @@ impl Server {
                 return Ok((client, shown));
             }
             Server::Url(url) => url,
-            Server::Env => crate::url_from_env(),
+            Server::Env => crate::url_from_env()?,
         };
         let shown = inbox_core::redact_url(&url).to_string();
         let client = Client::open(url.as_str())

@@ -134,12 +134,15 @@ pub use source::RedisStreamSource;
 /// [`RedisStreamProducerBuilder::client`] and [`RedisStreamProducerBuilder::connection_manager`].
 pub use redis;
 
-/// The Redis URL used when `REDIS_URL` is unset.
-pub const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
-
-/// The Redis URL from the `REDIS_URL` environment variable, or [`DEFAULT_URL`].
-pub fn url_from_env() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
+/// The Redis URL from the `REDIS_URL` environment variable; unset or empty is an error that
+/// says so. There is no default: a missing setting must not reach a Redis on localhost.
+pub fn url_from_env() -> Result<String> {
+    match std::env::var("REDIS_URL") {
+        Ok(url) if !url.trim().is_empty() => Ok(url),
+        _ => Err(Error::Config(
+            "no Redis server: set REDIS_URL or call `.url(..)`".into(),
+        )),
+    }
 }
 
 /// The entry field that holds the message ID unless configured otherwise.

@@ -46,7 +46,7 @@ impl std::fmt::Debug for RedisStreamProducer {
 
 /// Builds a [`RedisStreamProducer`]; start with [`RedisStreamProducer::builder`].
 ///
-/// Redis is reached at the `REDIS_URL` environment variable (default `redis://127.0.0.1:6379`)
+/// Redis is reached at the `REDIS_URL` environment variable (no default: unset, connect fails)
 /// unless [`url`](Self::url), [`client`](Self::client) or
 /// [`connection_manager`](Self::connection_manager) says otherwise.
 #[derive(Clone)]

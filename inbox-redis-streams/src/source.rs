@@ -52,7 +52,7 @@ impl RedisStreamSource {
     /// # async fn f() -> inbox_redis_streams::Result<()> {
     /// let source = inbox_redis_streams::RedisStreamSource::builder("payments", "wallet")
     ///     .consumer_name("wallet-0")
-    ///     .connect() // REDIS_URL, or redis://127.0.0.1:6379
+    ///     .connect() // the server at REDIS_URL
     ///     .await?;
     /// # Ok(()) }
     /// ```

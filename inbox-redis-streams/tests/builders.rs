@@ -124,3 +124,29 @@ async fn one_producer_sends_to_two_streams() {
     }
     assert_eq!(received, sent);
 }
+
+/// Without `url` or `client` and with `REDIS_URL` unset or empty, a source and a producer
+/// refuse to connect, naming both ways to set the server: no silent Redis on localhost. Run in
+/// a child process whose `REDIS_URL` is empty.
+#[tokio::test]
+async fn without_a_url_anywhere_connect_fails_naming_redis_url() {
+    if inbox_testkit::child::is_child() {
+        let e = RedisStreamSource::builder("s", "g")
+            .connect()
+            .await
+            .expect_err("no server anywhere");
+        assert!(e.to_string().contains("REDIS_URL"), "{e}");
+        let e = RedisStreamProducer::builder()
+            .connect()
+            .await
+            .expect_err("no server anywhere");
+        assert!(e.to_string().contains("REDIS_URL"), "{e}");
+        return;
+    }
+    let ran = inbox_testkit::child::run(
+        "without_a_url_anywhere_connect_fails_naming_redis_url",
+        &[("REDIS_URL", String::new())],
+    )
+    .await;
+    assert!(ran.passed, "the child failed:\n{}", ran.printed);
+}

@@ -4,7 +4,6 @@ use std::time::Duration;
 
 use aws_config::timeout::TimeoutConfig;
 use aws_config::BehaviorVersion;
-use aws_sdk_sqs::config::{Credentials, Region};
 use aws_sdk_sqs::Client;
 use aws_smithy_http_client::tls::{rustls_provider::CryptoMode, Provider};
 
@@ -23,33 +22,6 @@ pub async fn connect() -> Client {
 /// over the environment.
 pub async fn connect_to(endpoint_url: &str) -> Client {
     Client::new(&sdk_config(Some(endpoint_url)).await)
-}
-
-/// For tests and demos: like [`connect`] where the environment configures AWS, and otherwise a
-/// local SQS-compatible endpoint (`local_endpoint`, e.g. moto's `http://127.0.0.1:4566`) with
-/// region `us-east-1` and dummy credentials. Each of the three falls back on its own: no
-/// `AWS_ENDPOINT_URL_SQS`/`AWS_ENDPOINT_URL` means the local endpoint, no region or profile
-/// means `us-east-1`, no key, profile or web identity means the dummy credentials.
-pub async fn connect_or_local(local_endpoint: &str) -> Client {
-    let set = |name: &str| std::env::var_os(name).is_some_and(|v| !v.is_empty());
-    let mut loader = config_loader();
-    if !set("AWS_ENDPOINT_URL_SQS") && !set("AWS_ENDPOINT_URL") {
-        loader = loader.endpoint_url(local_endpoint);
-    }
-    if !set("AWS_REGION") && !set("AWS_DEFAULT_REGION") && !set("AWS_PROFILE") {
-        loader = loader.region(Region::new("us-east-1"));
-    }
-    let configured = [
-        "AWS_ACCESS_KEY_ID",
-        "AWS_PROFILE",
-        "AWS_WEB_IDENTITY_TOKEN_FILE",
-    ]
-    .iter()
-    .any(|name| set(name));
-    if !configured {
-        loader = loader.credentials_provider(Credentials::new("test", "test", None, None, "local"));
-    }
-    Client::new(&loader.load().await)
 }
 
 /// The standard AWS configuration loader with this crate's HTTPS client and
@@ -71,7 +43,7 @@ pub fn config_loader() -> aws_config::ConfigLoader {
         .timeout_config(default_timeouts())
 }
 
-/// The timeouts [`config_loader`] (and so [`connect`], [`connect_to`], [`connect_or_local`])
+/// The timeouts [`config_loader`] (and so [`connect`] and [`connect_to`])
 /// sets: 3.1 s to connect (the SDK's own default), 30 s per attempt, 90 s per call with its
 /// retries.
 ///
@@ -97,6 +69,7 @@ async fn sdk_config(endpoint_url: Option<&str>) -> aws_config::SdkConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use aws_sdk_sqs::config::{Credentials, Region};
 
     #[tokio::test]
     async fn the_loader_sets_timeouts_that_outlast_a_long_poll() {

@@ -116,7 +116,7 @@ impl SqsSourceBuilder {
     /// The SQS client to use. Without one, [`connect`](Self::connect) builds one from the
     /// environment as [`crate::connect`] does: credentials, region, and the endpoint from
     /// `AWS_ENDPOINT_URL_SQS` (or `AWS_ENDPOINT_URL`), else AWS's. For a local endpoint without
-    /// AWS settings, pass [`crate::connect_or_local`]'s client.
+    /// AWS settings, pass a client of [`crate::connect_to`] or [`crate::config_loader`].
     pub fn client(mut self, client: Client) -> Self {
         self.client = Some(client);
         self

@@ -115,7 +115,7 @@
 //!   error naming both settings, and the consumer stops rather than loop.
 //!
 //! # Timeouts
-//! The clients from [`connect`], [`connect_to`], [`connect_or_local`] and [`config_loader`]
+//! The clients from [`connect`], [`connect_to`] and [`config_loader`]
 //! have [`default_timeouts`] (30 s per attempt, longer than the 20 s long poll; 90 s per call),
 //! so a stalled connection fails and is retried instead of hanging the consumer.
 //! [`SqsSourceBuilder::connect`] refuses a client whose timeout per attempt is not longer than
@@ -146,7 +146,7 @@ mod source;
 pub use ack::SqsAck;
 /// Re-exported so callers adjust the loader from [`config_loader`] with the same version.
 pub use aws_config;
-pub use client::{config_loader, connect, connect_or_local, connect_to, default_timeouts};
+pub use client::{config_loader, connect, connect_to, default_timeouts};
 pub use config::{SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
 pub use error::{Error, Result};
 pub use producer::{SqsProducer, SqsProducerBuilder};

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::message::{Headers, OwnedMessage};
 use inbox_kafka::rdkafka::{ClientConfig, Message as _, Offset, TopicPartitionList};
-use inbox_kafka::{brokers_from_env, KafkaAdmin};
+use inbox_kafka::KafkaAdmin;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 /// The `kafka-mock --control` address, when the tests run on librdkafka's mock cluster.
@@ -22,7 +22,7 @@ pub fn mock_control() -> Option<String> {
 /// through `kafka-mock --control`.
 pub async fn create_topic(topic: &str, partitions: i32) {
     let Some(control) = mock_control() else {
-        KafkaAdmin::from_env()
+        KafkaAdmin::new(&super::brokers())
             .expect("admin client")
             .create_topic(topic, partitions)
             .await
@@ -51,7 +51,7 @@ pub async fn create_topic(topic: &str, partitions: i32) {
 
 fn plain_consumer(group: &str) -> BaseConsumer {
     ClientConfig::new()
-        .set("bootstrap.servers", brokers_from_env())
+        .set("bootstrap.servers", super::brokers())
         .set("group.id", group)
         .set("enable.auto.commit", "false")
         .create()

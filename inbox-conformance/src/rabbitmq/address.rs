@@ -2,11 +2,12 @@
 
 use std::net::SocketAddr;
 
-use inbox_rabbitmq::DEFAULT_AMQP_URL;
+/// The local broker `cargo xtask services` starts: the tests' default, never the adapter's.
+pub const LOCAL_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
-/// `AMQP_URL`, or the adapter's default.
+/// `AMQP_URL`, or [`LOCAL_AMQP_URL`].
 pub fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned())
+    std::env::var("AMQP_URL").unwrap_or_else(|_| LOCAL_AMQP_URL.to_owned())
 }
 
 /// `url` with its host and port replaced by `addr` (user, password and vhost kept).

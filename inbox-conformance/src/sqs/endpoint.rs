@@ -16,10 +16,30 @@ pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The timeout per call of [`proxied_client`], its retries included.
 pub const OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// A client for `AWS_ENDPOINT_URL_SQS` (default the local endpoint), with region us-east-1 and
-/// dummy credentials only where none are configured, so the same tests run against AWS.
+/// A client configured as the environment says where it says (so the same tests run against
+/// AWS), and otherwise for the local endpoint: no `AWS_ENDPOINT_URL_SQS`/`AWS_ENDPOINT_URL`
+/// means [`LOCAL_ENDPOINT`], no region or profile means `us-east-1`, no key, profile or web
+/// identity means dummy credentials.
 pub async fn client() -> Client {
-    inbox_sqs::connect_or_local(LOCAL_ENDPOINT).await
+    let set = |name: &str| std::env::var_os(name).is_some_and(|v| !v.is_empty());
+    let mut loader = inbox_sqs::config_loader();
+    if !set("AWS_ENDPOINT_URL_SQS") && !set("AWS_ENDPOINT_URL") {
+        loader = loader.endpoint_url(LOCAL_ENDPOINT);
+    }
+    if !set("AWS_REGION") && !set("AWS_DEFAULT_REGION") && !set("AWS_PROFILE") {
+        loader = loader.region(Region::new("us-east-1"));
+    }
+    let configured = [
+        "AWS_ACCESS_KEY_ID",
+        "AWS_PROFILE",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+    ]
+    .iter()
+    .any(|name| set(name));
+    if !configured {
+        loader = loader.credentials_provider(Credentials::new("test", "test", None, None, "local"));
+    }
+    Client::new(&loader.load().await)
 }
 
 /// The SQS endpoint's socket address, when it is plain HTTP (a local endpoint such as moto): the

@@ -68,7 +68,11 @@ impl Proxies {
                 let (var, default, port) = if kind == BrokerKind::Redis {
                     ("REDIS_URL", "redis://127.0.0.1:6379", 6379)
                 } else {
-                    ("AMQP_URL", inbox_rabbitmq::DEFAULT_AMQP_URL, 5672)
+                    (
+                        "AMQP_URL",
+                        inbox_conformance::rabbitmq::LOCAL_AMQP_URL,
+                        5672,
+                    )
                 };
                 let url = std::env::var(var).unwrap_or_else(|_| default.to_owned());
                 let (proxy, url) = proxied(var, &url, port).await?;
