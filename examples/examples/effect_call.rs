@@ -16,10 +16,10 @@ use std::time::Duration;
 use inbox_core::effect::{not_applied, Effect, EffectHandler, OnUnknown};
 // A real HTTP server on loopback that deduplicates on `Idempotency-Key`: it stands in for a
 // payment provider such as Stripe, and its client for the provider's SDK.
+use inbox_conformance::provider::{ProviderClient, ProviderMode, TestProvider};
 use inbox_core::{async_trait, Consumer, HandlerError, Message, MessageId, Publish};
 use inbox_postgres::{PgInbox, PgLeases, PgTx};
 use inbox_redis_streams::{redis, RedisStreamProducer, RedisStreamSource};
-use inbox_testkit::provider::{ProviderClient, ProviderMode, TestProvider};
 use sqlx::postgres::{PgConnectOptions, PgPool};
 use sqlx::AssertSqlSafe;
 

@@ -13,14 +13,14 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use inbox_conformance::wallet::{self, CreditEvent};
+use inbox_conformance::TestDb;
 use inbox_core::{
     async_trait, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish,
     TraceParent,
 };
 use inbox_postgres::{Outbox, PgTx};
 use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
-use inbox_testkit::wallet::{self, CreditEvent};
-use inbox_testkit::TestDb;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::process::Command;
@@ -121,7 +121,7 @@ async fn the_example_exports_moving_series_and_is_ready_while_it_runs() {
         .args(["--consumer", &consumer, "--schema", &db.schema])
         .args(["--batch", "10", "--retention", "7d", "--purge-every", "1s"])
         .env("REDIS_URL", redis_url())
-        .env("DATABASE_URL", inbox_testkit::database_url())
+        .env("DATABASE_URL", inbox_conformance::database_url())
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .kill_on_drop(true)

@@ -166,8 +166,8 @@ mod tests {
 
     use std::time::Duration;
 
+    use inbox_conformance::TestDb;
     use inbox_postgres::{KeyMode, TableName};
-    use inbox_testkit::TestDb;
 
     use super::*;
 

@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-use inbox_testkit::TestDb;
+use inbox_conformance::TestDb;
 
 mod common;
 use common::*;

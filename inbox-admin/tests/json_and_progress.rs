@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
-use inbox_testkit::TestDb;
+use inbox_conformance::TestDb;
 
 mod common;
 use common::*;

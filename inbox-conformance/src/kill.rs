@@ -6,9 +6,9 @@
 
 use std::time::{Duration, Instant};
 
+use crate::wallet::{self, Credit, CreditEvent};
+use crate::{child, TestDb};
 use inbox_core::{Consumer, MessageId};
-use inbox_testkit::wallet::{self, Credit, CreditEvent};
-use inbox_testkit::{child, TestDb};
 
 use crate::scenarios::{drain, ledger_has, left, setup, Totals};
 use crate::{TestBroker, TestQueue};

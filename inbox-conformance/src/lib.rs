@@ -2,7 +2,7 @@
 //! [`TestBroker`] and [`TestQueue`] in a few lines of its tests, and [`suite!`] turns every
 //! scenario into a `#[tokio::test]` run against the real broker and a real PostgreSQL inbox.
 //!
-//! The scenarios ([`scenarios`]) credit the test kit's wallet (`inbox_testkit::wallet`)
+//! The scenarios ([`scenarios`]) credit the [`wallet`]
 //! in a schema of their own, and check what a user cares about: every message applied once,
 //! nothing lost, nothing left on the broker, and what could not be applied parked in the
 //! dead-letter destination with its payload and a reason. They cover duplicates, crashes at each
@@ -95,11 +95,17 @@
 //! heartbeats, `XAUTOCLAIM`, FIFO groups, broker restarts).
 
 mod checked;
+pub mod child;
+mod db;
+mod fault_proxy;
+mod fault_run;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 mod kill;
 mod network;
 mod outbox;
+pub mod outbox_table;
+pub mod provider;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
 #[cfg(feature = "redis")]
@@ -107,9 +113,14 @@ pub mod redis;
 pub mod scenarios;
 #[cfg(feature = "sqs")]
 pub mod sqs;
+pub mod wallet;
 mod zombie;
 
 pub use checked::Checked;
+pub use db::{database_url, partitioned_layout, TestDb};
+pub use fault_proxy::{FaultProxy, ProxyMode};
+pub use fault_run::{wait_for_a_third, FaultRun, Restored};
+pub use provider::TestProvider;
 
 pub use async_trait::async_trait;
 
@@ -119,7 +130,6 @@ use std::time::Duration;
 use inbox_core::{MessageSource, Publish};
 #[cfg(feature = "at-most-once")]
 use inbox_testkit::AckOnReceive;
-use inbox_testkit::FaultProxy;
 
 /// A name no other test uses: `prefix`, a dash and 12 random hex digits.
 pub fn unique_name(prefix: &str) -> String {

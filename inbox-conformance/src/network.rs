@@ -8,10 +8,10 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::wallet::{self, Credit, CreditEvent};
+use crate::TestDb;
+use crate::{wait_for_a_third, FaultProxy, FaultRun, ProxyMode, Restored};
 use inbox_core::{Consumer, MessageId, StatsSnapshot};
-use inbox_testkit::wallet::{self, Credit, CreditEvent};
-use inbox_testkit::TestDb;
-use inbox_testkit::{wait_for_a_third, FaultProxy, FaultRun, ProxyMode, Restored};
 
 use crate::checked::Checked;
 use crate::scenarios::{finish, left, setup};

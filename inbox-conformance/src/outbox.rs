@@ -10,6 +10,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::outbox_table::{migrated, unsent, write_credits};
+use crate::wallet::{self, Credit, CreditEvent};
+use crate::TestDb;
 use inbox_core::telemetry::TRACEPARENT_HEADER;
 use inbox_core::{
     async_trait, Ack, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage,
@@ -18,9 +21,7 @@ use inbox_core::{
 use inbox_postgres::sqlx;
 use inbox_postgres::{Outbox, PgTx};
 use inbox_testkit::metadata::{assert_traced, TRACEPARENT};
-use inbox_testkit::outbox::{migrated, unsent, write_credits};
-use inbox_testkit::wallet::{self, Credit, CreditEvent};
-use inbox_testkit::{receive, TestDb};
+use inbox_testkit::receive;
 
 use crate::scenarios::{drain, finish, left, setup, source, Totals};
 use crate::{TestBroker, TestQueue};

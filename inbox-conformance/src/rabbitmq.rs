@@ -17,11 +17,11 @@ pub use admin::{
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::FaultProxy;
 use inbox_core::dead_letter::REASON;
 use inbox_core::Publish;
 use inbox_rabbitmq::lapin::BasicProperties;
 use inbox_rabbitmq::{RabbitProducer, RabbitSource, RabbitSourceBuilder};
-use inbox_testkit::FaultProxy;
 
 use crate::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
 

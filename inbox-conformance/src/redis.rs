@@ -11,10 +11,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::FaultProxy;
 use inbox_core::Publish;
 use inbox_redis_streams::redis::{Client, ConnectionAddr, IntoConnectionInfo};
 use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource, RedisStreamSourceBuilder};
-use inbox_testkit::FaultProxy;
 
 use crate::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
 

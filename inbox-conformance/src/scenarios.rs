@@ -3,13 +3,14 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
+use crate::wallet::{self, Credit, CreditEvent};
+use crate::TestDb;
 use inbox_core::{
     async_trait, Consumer, Handler, HandlerError, Message, MessageId, Stage, StatsSnapshot,
 };
 use inbox_postgres::PgTx;
-use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::fast_retry;
 use inbox_testkit::Crash;
-use inbox_testkit::{fast_retry, TestDb};
 
 use crate::checked::Checked;
 use crate::{TestBroker, TestQueue};

@@ -15,6 +15,7 @@ pub use queues::{attr, create_queue, delete_queue, drain, queue, queue_name};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::FaultProxy;
 use inbox_core::dead_letter::REASON;
 use inbox_core::Publish;
 use inbox_sqs::aws_sdk_sqs::types::{
@@ -22,7 +23,6 @@ use inbox_sqs::aws_sdk_sqs::types::{
 };
 use inbox_sqs::aws_sdk_sqs::Client;
 use inbox_sqs::{SqsProducer, SqsSource, SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
-use inbox_testkit::FaultProxy;
 
 use crate::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
 

@@ -6,12 +6,12 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::wallet::{self, Credit, CreditEvent};
+use crate::TestDb;
 use inbox_core::{
     async_trait, Capabilities, Consumer, Delivery, MessageId, MessageSource, SourceError,
 };
 use inbox_postgres::sqlx;
-use inbox_testkit::wallet::{self, Credit, CreditEvent};
-use inbox_testkit::TestDb;
 
 use crate::checked::Checked;
 use crate::scenarios::{drain, finish, ledger_has, left, setup, Totals};

@@ -22,37 +22,40 @@
 //! (`inbox-kafka`, `inbox-sqs`, `inbox-rabbitmq`, `inbox-redis-streams`) and an [`InboxStore`]
 //! (`inbox-postgres`), or implement the traits for your own.
 //!
-//! ```no_run
-//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, MessageSource};
-//! use inbox_postgres::{PgInbox, PgTx};
+//! ```
+//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+//! use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
 //!
-//! /// Adds the amount in each message to an account's balance.
+//! /// Adds the amount in each message to a balance.
 //! struct Credit;
 //!
 //! #[async_trait]
-//! impl Handler<PgTx> for Credit {
-//!     async fn handle(&self, tx: &mut PgTx, _id: &MessageId, message: &Message) -> Result<(), HandlerError> {
+//! impl Handler<MemoryTx<i64>> for Credit {
+//!     async fn handle(&self, tx: &mut MemoryTx<i64>, _id: &MessageId, message: &Message) -> Result<(), HandlerError> {
 //!         let amount: i64 = message.json()?; // unparsable: dead-lettered, never retried
-//!         sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = 1")
-//!             .bind(amount)
-//!             .execute(&mut **tx) // the inbox transaction: commits with the claim, or not at all
-//!             .await?;
+//!         *tx.state_mut() += amount; // the inbox transaction: commits with the claim, or not at all
 //!         Ok(())
 //!     }
 //! }
 //!
-//! /// `source`: a Kafka, SQS, RabbitMQ or Redis Streams adapter's source.
-//! async fn run(source: impl MessageSource) -> Result<(), Box<dyn std::error::Error>> {
-//!     let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?;
-//!     let inbox = PgInbox::new(pool);
-//!     inbox.migrate().await?;
-//!     Consumer::new("wallet", source, inbox, Credit)
-//!         .batch_size(100) // one transaction and one ack round trip per 100 messages
-//!         .run() // until SIGINT or SIGTERM, then finishes the batch in flight
-//!         .await?;
-//!     Ok(())
-//! }
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), inbox_core::Error> {
+//! // Any adapter's source and any store; here the in-memory ones of `inbox-testkit`.
+//! let broker = MemoryBroker::new();
+//! broker.publish(Some("evt-1"), "100");
+//! broker.publish(Some("evt-1"), "100"); // the same message again: a producer's resend
+//! let store = MemoryStore::<i64>::new();
+//! let stats = Consumer::new("wallet", broker.source(), store.clone(), Credit)
+//!     .batch_size(100) // one transaction and one ack round trip per 100 messages
+//!     .run_until_idle() // in production `run()`: until SIGINT or SIGTERM
+//!     .await?;
+//! assert_eq!(store.state().await, 100); // credited once
+//! assert_eq!(stats.skipped_duplicates, 1);
+//! # Ok(()) }
 //! ```
+//!
+//! On PostgreSQL the handler is a `Handler<inbox_postgres::PgTx>` that writes through
+//! `&mut **tx` with sqlx, and the store is `inbox_postgres::PgInbox`: see that crate.
 //!
 //! Testing a handler needs no broker or database: the crate `inbox-testkit` has an in-memory
 //! broker and store, with crash points.

@@ -32,7 +32,7 @@ async fn a_source_without_brokers_uses_kafka_brokers() {
         return;
     }
     let topic = topic(1).await;
-    let ran = inbox_testkit::child::run(
+    let ran = inbox_conformance::child::run(
         "a_source_without_brokers_uses_kafka_brokers",
         &[
             (CHILD_TOPIC, topic),
@@ -125,7 +125,7 @@ async fn one_producer_sends_to_two_topics() {
 /// process whose `KAFKA_BROKERS` is empty.
 #[tokio::test]
 async fn without_brokers_anywhere_connect_fails_naming_kafka_brokers() {
-    if inbox_testkit::child::is_child() {
+    if inbox_conformance::child::is_child() {
         let e = KafkaSource::builder(["t"], "g")
             .connect()
             .await
@@ -138,7 +138,7 @@ async fn without_brokers_anywhere_connect_fails_naming_kafka_brokers() {
         assert!(e.to_string().contains("KAFKA_BROKERS"), "{e}");
         return;
     }
-    let ran = inbox_testkit::child::run(
+    let ran = inbox_conformance::child::run(
         "without_brokers_anywhere_connect_fails_naming_kafka_brokers",
         &[("KAFKA_BROKERS", String::new())],
     )

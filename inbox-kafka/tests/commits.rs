@@ -7,9 +7,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use inbox_conformance::wallet::Credit;
+use inbox_conformance::TestDb;
 use inbox_kafka::OffsetCommits;
-use inbox_testkit::wallet::Credit;
-use inbox_testkit::TestDb;
 
 /// Longer than any test: the commit task never fires, so whatever is committed was committed
 /// by a revoke or a close.

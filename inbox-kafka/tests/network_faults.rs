@@ -17,15 +17,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::Running;
+use inbox_conformance::wallet::{summary, Credit, CreditEvent};
+use inbox_conformance::TestDb;
+use inbox_conformance::{wait_for_a_third, Restored};
+use inbox_conformance::{FaultProxy, FaultRun, ProxyMode};
 use inbox_core::OutgoingMessage;
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use inbox_kafka::{KafkaAdmin, KafkaProducer, KafkaSource};
-use inbox_testkit::wallet::{summary, Credit, CreditEvent};
-use inbox_testkit::TestDb;
 use inbox_testkit::{eventually, watch_errors};
-use inbox_testkit::{wait_for_a_third, Restored};
-use inbox_testkit::{FaultProxy, FaultRun, ProxyMode};
 
 const EVENTS: i64 = 300;
 const PARTITIONS: i32 = 3;
@@ -198,7 +198,7 @@ async fn consume_through(
     };
     let finished = progressed
         && eventually(120 * SECOND, || async {
-            inbox_testkit::wallet::applied(&db.pool).await >= EVENTS && lag_now().await == 0
+            inbox_conformance::wallet::applied(&db.pool).await >= EVENTS && lag_now().await == 0
         })
         .await;
     let all_done = restored.elapsed();

@@ -10,11 +10,11 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use common::*;
+use inbox_conformance::wallet::{Credit, CreditEvent};
+use inbox_conformance::TestDb;
 use inbox_core::OutgoingMessage;
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use inbox_testkit::wallet::{Credit, CreditEvent};
-use inbox_testkit::TestDb;
 
 const PARTITIONS: i32 = 3;
 
@@ -58,7 +58,7 @@ async fn the_relay_publishes_each_row_once_by_key_and_the_downstream_inbox_appli
     const ACCOUNTS: i64 = 4;
     let topic = topic(PARTITIONS).await;
     let db = TestDb::new().await;
-    let outbox = inbox_testkit::outbox::migrated(&db).await;
+    let outbox = inbox_conformance::outbox_table::migrated(&db).await;
     let mut written: HashMap<i64, Vec<String>> = HashMap::new();
     for chunk in (0..ROWS).collect::<Vec<_>>().chunks(40) {
         let mut tx = db.pool.begin().await.unwrap();

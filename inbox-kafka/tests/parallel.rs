@@ -12,12 +12,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
+use inbox_conformance::wallet::{self, Credit, CreditEvent};
+use inbox_conformance::TestDb;
 use inbox_core::{
     async_trait, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage,
 };
 use inbox_postgres::PgTx;
-use inbox_testkit::wallet::{self, Credit, CreditEvent};
-use inbox_testkit::TestDb;
 
 /// The wallet's credit, watched: how many run at once, and the order of each partition.
 #[derive(Clone)]

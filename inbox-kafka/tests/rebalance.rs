@@ -6,10 +6,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use inbox_conformance::wallet::{Credit, CreditEvent, Summary};
+use inbox_conformance::TestDb;
 use inbox_core::{InboxStore, OutgoingMessage};
 use inbox_postgres::PgTx;
-use inbox_testkit::wallet::{Credit, CreditEvent, Summary};
-use inbox_testkit::TestDb;
 use inbox_testkit::WithoutInbox;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,11 +8,11 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use inbox_conformance::wallet::{Credit, CreditEvent};
+use inbox_conformance::TestDb;
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{Consumer, Stage};
 use inbox_kafka::rdkafka::Message as _;
-use inbox_testkit::wallet::{Credit, CreditEvent};
-use inbox_testkit::TestDb;
 use inbox_testkit::{AckOnReceive, Crash};
 
 /// What the dead-letter topic keeps of a record it parks, here one without an ID (the

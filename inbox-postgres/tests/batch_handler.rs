@@ -3,11 +3,12 @@
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
+use inbox_conformance::wallet::publish_credit;
+use inbox_conformance::wallet::{self, balance, BatchCredit};
+use inbox_conformance::TestDb;
 use inbox_core::Consumer;
-use inbox_testkit::wallet::publish_credit;
-use inbox_testkit::wallet::{self, balance, BatchCredit};
+use inbox_testkit::fast_retry;
 use inbox_testkit::MemoryBroker;
-use inbox_testkit::{fast_retry, TestDb};
 
 #[tokio::test]
 async fn a_batch_is_applied_set_based_in_one_transaction_and_duplicates_skipped() {

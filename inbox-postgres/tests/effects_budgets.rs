@@ -11,11 +11,11 @@ mod common_effects;
 use std::time::Duration;
 
 use common_effects::*;
+use inbox_conformance::provider::{Behaviour, ProviderMode};
 use inbox_core::{
     async_trait, Ack, Delivery, Message, MessageId, MessageSource, SourceError, Stage,
 };
 use inbox_testkit::fast_retry;
-use inbox_testkit::provider::{Behaviour, ProviderMode};
 use inbox_testkit::{Crash, MemoryAck, MemoryBroker, MemorySource};
 
 /// For the tests that count hand-backs during a dead consumer's lease: long enough that the

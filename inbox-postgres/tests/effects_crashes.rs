@@ -9,8 +9,8 @@
 mod common_effects;
 
 use common_effects::*;
+use inbox_conformance::provider::Behaviour;
 use inbox_core::Stage;
-use inbox_testkit::provider::Behaviour;
 use inbox_testkit::Crash as CrashPoint;
 use inbox_testkit::MemoryBroker;
 

@@ -12,11 +12,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common_effects::*;
+use inbox_conformance::provider::{Behaviour, ProviderMode};
 use inbox_core::effect::{Acquired, Attempt, Lease, LeaseStore, Release};
 use inbox_core::{async_trait, Consumer, InvalidId, MessageId, StoreError};
 use inbox_postgres::{PgLeases, PgTx};
 use inbox_testkit::fast_retry;
-use inbox_testkit::provider::{Behaviour, ProviderMode};
 use inbox_testkit::MemoryBroker;
 
 #[tokio::test]

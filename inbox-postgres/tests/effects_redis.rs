@@ -10,12 +10,12 @@ mod common_effects;
 use std::time::Duration;
 
 use common_effects::*;
+use inbox_conformance::provider::Behaviour;
 use inbox_core::{Consumer, StatsSnapshot};
 use inbox_core::{MessageId, Publish};
 use inbox_redis_streams::redis::{self, Value};
 use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
 use inbox_testkit::fast_retry;
-use inbox_testkit::provider::Behaviour;
 
 fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())

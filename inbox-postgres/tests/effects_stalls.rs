@@ -10,10 +10,10 @@ use inbox_core::Transaction as _;
 use std::time::{Duration, Instant};
 
 use common_effects::*;
+use inbox_conformance::provider::ProviderMode;
 use inbox_core::effect::{Acquired, Effect, EffectHandler, Landed, LeaseStore, OnUnknown, Settled};
 use inbox_core::{async_trait, Consumer, HandlerError, Message};
 use inbox_postgres::PgTx;
-use inbox_testkit::provider::ProviderMode;
 use inbox_testkit::{eventually, fast_retry, MemoryBroker};
 
 /// How long an acquire may take before the test calls it hung: far above the lock timeout.

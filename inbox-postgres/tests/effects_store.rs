@@ -10,12 +10,12 @@ use inbox_core::Transaction as _;
 use std::time::Duration;
 
 use common_effects::*;
+use inbox_conformance::provider::{ProviderClient, ProviderMode};
+use inbox_conformance::TestDb;
 use inbox_core::effect::{Acquired, Lease, LeaseStore, OnUnknown};
 use inbox_core::{Consumer, MessageId, StatsSnapshot};
 use inbox_postgres::{Error as PgError, KeyMode, PgInbox, PgLeases, TableName};
-use inbox_testkit::provider::{ProviderClient, ProviderMode};
 use inbox_testkit::MemoryBroker;
-use inbox_testkit::TestDb;
 
 #[tokio::test]
 async fn purge_deletes_old_done_rows_and_keeps_unsettled_ones() {

@@ -2,12 +2,12 @@
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
+use inbox_conformance::wallet::{self, Credit, CreditEvent};
+use inbox_conformance::TestDb;
 use inbox_core::Transaction as _;
 use inbox_core::{Consumer, InboxStore, MessageId};
 use inbox_postgres::{Error, KeyMode, PgInbox, TableName};
-use inbox_testkit::wallet::{self, Credit, CreditEvent};
 use inbox_testkit::MemoryBroker;
-use inbox_testkit::TestDb;
 
 async fn inbox(db: &TestDb, table: &str, mode: KeyMode) -> PgInbox {
     let inbox = db.inbox_named(table, mode);

@@ -4,11 +4,12 @@
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
+use inbox_conformance::wallet::{self, Credit, CreditEvent};
+use inbox_conformance::TestDb;
 use inbox_core::Transaction as _;
 use inbox_core::{Consumer, InboxStore, MessageId};
 use inbox_postgres::{KeyMode, Partitions, PgInbox, TableName};
-use inbox_testkit::wallet::{self, Credit, CreditEvent};
-use inbox_testkit::{MemoryBroker, TestDb};
+use inbox_testkit::MemoryBroker;
 use sqlx::AssertSqlSafe;
 
 const MODES: [KeyMode; 3] = [KeyMode::Text, KeyMode::Uuid, KeyMode::Hashed];

@@ -10,13 +10,13 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Once, OnceLock};
 use std::time::Duration;
 
+use inbox_conformance::TestDb;
 use inbox_core::telemetry::TRACEPARENT_HEADER;
 use inbox_core::{
     async_trait, Destinations, MessageId, OutgoingMessage, Publish, PublishError, Recovery,
 };
 use inbox_postgres::{Error, Outbox, RelayError, TableName, OUTBOX_OLDEST_UNSENT_GAUGE};
 use inbox_testkit::metadata::TRACEPARENT;
-use inbox_testkit::TestDb;
 use sqlx::AssertSqlSafe;
 
 /// Keeps every batch it is handed, per destination; fails the first `fail_first` calls to

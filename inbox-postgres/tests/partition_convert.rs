@@ -6,11 +6,11 @@
 use inbox_core::Transaction as _;
 use std::time::Duration;
 
+use inbox_conformance::TestDb;
 use inbox_core::{InboxStore, MessageId};
 use inbox_postgres::{
     Conversion, KeyMode, PartitionRange, Partitions, PgInbox, PurgeReport, TableName,
 };
-use inbox_testkit::TestDb;
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 

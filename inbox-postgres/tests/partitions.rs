@@ -7,9 +7,9 @@
 use inbox_core::Transaction as _;
 use std::time::{Duration, SystemTime};
 
+use inbox_conformance::TestDb;
 use inbox_core::{InboxStore, MessageId};
 use inbox_postgres::{KeyMode, PartitionRange, Partitions, PgInbox};
-use inbox_testkit::TestDb;
 use sqlx::AssertSqlSafe;
 
 mod common_partitions;

@@ -7,11 +7,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use inbox_conformance::wallet::{Credit, CreditEvent};
+use inbox_conformance::TestDb;
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
 use inbox_postgres::PgTx;
-use inbox_testkit::wallet::{Credit, CreditEvent};
 use inbox_testkit::MemoryBroker;
-use inbox_testkit::TestDb;
 
 /// The wallet credit, recording how many handlers run at once.
 struct Counting {

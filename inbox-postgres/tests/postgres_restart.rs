@@ -16,11 +16,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use inbox_conformance::wallet::{self, publish_credit, Credit};
+use inbox_conformance::TestDb;
 use inbox_core::{Consumer, Stage, StageHook};
 use inbox_postgres::{PgInbox, TableName};
-use inbox_testkit::wallet::{self, publish_credit, Credit};
 use inbox_testkit::MemoryBroker;
-use inbox_testkit::TestDb;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 const CLUSTER: &str = "inbox_restart";

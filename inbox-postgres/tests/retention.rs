@@ -5,8 +5,8 @@
 
 use std::time::{Duration, SystemTime};
 
+use inbox_conformance::TestDb;
 use inbox_postgres::{PgInbox, PurgeReport};
-use inbox_testkit::TestDb;
 use sqlx::{Connection, PgConnection};
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
@@ -42,7 +42,7 @@ async fn a_second_cleaner_skips_while_one_holds_the_lock() {
     db.insert_aged_rows("old", 50, 20 * DAY).await;
 
     // Another instance's cleaner, mid-purge.
-    let mut other = PgConnection::connect(&inbox_testkit::database_url())
+    let mut other = PgConnection::connect(&inbox_conformance::database_url())
         .await
         .unwrap();
     sqlx::query("SELECT pg_advisory_lock($1)")

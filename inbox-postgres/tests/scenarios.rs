@@ -7,11 +7,12 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use inbox_conformance::wallet::publish_credit;
+use inbox_conformance::wallet::{self, balance, Credit, CreditEvent};
+use inbox_conformance::TestDb;
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Stage};
 use inbox_postgres::PgTx;
-use inbox_testkit::wallet::publish_credit;
-use inbox_testkit::wallet::{self, balance, Credit, CreditEvent};
-use inbox_testkit::{fast_retry, TestDb};
+use inbox_testkit::fast_retry;
 use inbox_testkit::{AckOnReceive, Crash, MemoryBroker, WithoutInbox};
 
 #[tokio::test]

@@ -8,14 +8,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use inbox_conformance::wallet::publish_credit;
+use inbox_conformance::wallet::{self, balance, Credit};
+use inbox_conformance::TestDb;
+use inbox_conformance::{FaultProxy, ProxyMode};
 use inbox_core::{
     async_trait, Consumer, Handler, HandlerError, Message, MessageId, Stage, StageHook,
 };
 use inbox_postgres::{PgInbox, PgTx, TableName};
-use inbox_testkit::wallet::publish_credit;
-use inbox_testkit::wallet::{self, balance, Credit};
-use inbox_testkit::{fast_retry, TestDb};
-use inbox_testkit::{FaultProxy, MemoryBroker, ProxyMode};
+use inbox_testkit::fast_retry;
+use inbox_testkit::MemoryBroker;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::AssertSqlSafe;
 
@@ -182,7 +184,7 @@ async fn a_one_connection_pool_does_not_stall() {
     let pool = PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(Duration::from_secs(2))
-        .connect(&inbox_testkit::database_url())
+        .connect(&inbox_conformance::database_url())
         .await
         .unwrap();
     let table = TableName::qualified(&db.schema, "inbox").unwrap();
@@ -261,7 +263,7 @@ async fn registering_a_known_consumer_burns_no_id() {
 
 /// A pool to the test schema whose connections pass through a [`FaultProxy`].
 async fn pool_through_proxy(db: &TestDb) -> (FaultProxy, PgInbox) {
-    let url = inbox_testkit::database_url();
+    let url = inbox_conformance::database_url();
     let options: PgConnectOptions = url.parse().unwrap();
     let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
         .await

@@ -8,12 +8,13 @@
 use inbox_core::Transaction as _;
 use std::time::{Duration, Instant};
 
+use inbox_conformance::wallet::{self, Credit, CreditEvent};
+use inbox_conformance::{database_url, TestDb};
 use inbox_core::{Consumer, InboxStore, MessageId};
 use inbox_postgres::PgInbox;
 use inbox_testkit::eventually;
-use inbox_testkit::wallet::{self, Credit, CreditEvent};
+use inbox_testkit::fast_retry;
 use inbox_testkit::MemoryBroker;
-use inbox_testkit::{database_url, fast_retry, TestDb};
 use sqlx::postgres::PgPoolOptions;
 
 /// Longer than any test: a stalled handler is a hung one.

@@ -24,7 +24,7 @@ async fn connect_in_child(url: &str, queue: &str) -> String {
         ("AMQP_URL", url.to_owned()),
         (CHILD_QUEUE, queue.to_owned()),
     ];
-    inbox_testkit::child::run("child_connects_from_the_environment", &envs)
+    inbox_conformance::child::run("child_connects_from_the_environment", &envs)
         .await
         .printed
 }
@@ -174,14 +174,14 @@ async fn one_producer_sends_to_two_queues() {
 /// process whose `AMQP_URL` is empty.
 #[tokio::test]
 async fn without_a_url_anywhere_connect_fails_naming_amqp_url() {
-    if inbox_testkit::child::is_child() {
+    if inbox_conformance::child::is_child() {
         let e = RabbitSource::builder("q").connect().await.unwrap_err();
         assert!(e.to_string().contains("AMQP_URL"), "{e}");
         let e = RabbitProducer::builder().connect().await.unwrap_err();
         assert!(e.to_string().contains("AMQP_URL"), "{e}");
         return;
     }
-    let ran = inbox_testkit::child::run(
+    let ran = inbox_conformance::child::run(
         "without_a_url_anywhere_connect_fails_naming_amqp_url",
         &[("AMQP_URL", String::new())],
     )

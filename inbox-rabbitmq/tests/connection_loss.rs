@@ -9,12 +9,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use inbox_conformance::wallet::{self, Credit, CreditEvent};
+use inbox_conformance::TestDb;
 use inbox_core::{
     Ack, Consumer, InboxStore, MessageId, MessageSource, Publish, Recovery, Stage, StageHook, Stats,
 };
 use inbox_postgres::PgTx;
-use inbox_testkit::wallet::{self, Credit, CreditEvent};
-use inbox_testkit::TestDb;
 use inbox_testkit::WithoutInbox;
 use tokio::sync::{mpsc, watch};
 

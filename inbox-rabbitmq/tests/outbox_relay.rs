@@ -7,11 +7,11 @@
 mod common;
 
 use common::*;
+use inbox_conformance::outbox_table::{migrated, unsent};
+use inbox_conformance::TestDb;
 use inbox_core::Recovery;
 use inbox_postgres::RelayError;
 use inbox_rabbitmq::RabbitProducer;
-use inbox_testkit::outbox::{migrated, unsent};
-use inbox_testkit::TestDb;
 
 #[tokio::test]
 async fn a_queue_that_does_not_exist_stops_the_relay_and_leaves_the_rows_unsent() {

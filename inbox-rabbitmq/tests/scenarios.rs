@@ -9,12 +9,12 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use inbox_conformance::wallet::{self, Credit};
+use inbox_conformance::TestDb;
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{Ack, Consumer, MessageSource, Publish};
 use inbox_rabbitmq::lapin::types::{AMQPValue, FieldTable};
 use inbox_rabbitmq::lapin::BasicProperties;
-use inbox_testkit::wallet::{self, Credit};
-use inbox_testkit::TestDb;
 
 /// What the adapter's dead letters keep of the message: the body, the headers and properties
 /// (`message_id`, `content_type`), with the `inbox_core::dead_letter` headers: the reason, the

@@ -28,7 +28,7 @@ async fn builders_without_an_address_use_redis_url() {
         return;
     }
     let stream = stream_key("env");
-    let ran = inbox_testkit::child::run(
+    let ran = inbox_conformance::child::run(
         "builders_without_an_address_use_redis_url",
         &[
             (CHILD_STREAM, stream.clone()),
@@ -130,7 +130,7 @@ async fn one_producer_sends_to_two_streams() {
 /// a child process whose `REDIS_URL` is empty.
 #[tokio::test]
 async fn without_a_url_anywhere_connect_fails_naming_redis_url() {
-    if inbox_testkit::child::is_child() {
+    if inbox_conformance::child::is_child() {
         let e = RedisStreamSource::builder("s", "g")
             .connect()
             .await
@@ -143,7 +143,7 @@ async fn without_a_url_anywhere_connect_fails_naming_redis_url() {
         assert!(e.to_string().contains("REDIS_URL"), "{e}");
         return;
     }
-    let ran = inbox_testkit::child::run(
+    let ran = inbox_conformance::child::run(
         "without_a_url_anywhere_connect_fails_naming_redis_url",
         &[("REDIS_URL", String::new())],
     )

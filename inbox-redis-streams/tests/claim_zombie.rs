@@ -7,11 +7,11 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use inbox_conformance::wallet::{self, Credit, CreditEvent, Summary};
+use inbox_conformance::TestDb;
 use inbox_core::Publish;
 use inbox_core::{Consumer, InboxStore, MessageId, StatsSnapshot};
 use inbox_postgres::PgTx;
-use inbox_testkit::wallet::{self, Credit, CreditEvent, Summary};
-use inbox_testkit::TestDb;
 use inbox_testkit::WithoutInbox;
 
 const CLAIM_IDLE: Duration = Duration::from_millis(1000);

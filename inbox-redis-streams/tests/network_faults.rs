@@ -15,12 +15,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{builder, pending_with, stream_key};
+use inbox_conformance::wallet::{summary, Credit, CreditEvent};
+use inbox_conformance::{wait_for_a_third, FaultRun, Restored, TestDb};
 use inbox_core::{Consumer, MessageId, Publish};
 use inbox_redis_streams::redis::{self, Client};
 use inbox_redis_streams::RedisStreamProducer;
-use inbox_testkit::wallet::{summary, Credit, CreditEvent};
 use inbox_testkit::{eventually, watch_errors};
-use inbox_testkit::{wait_for_a_third, FaultRun, Restored, TestDb};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -143,7 +143,7 @@ async fn consume_through(
             let stream = stream.clone();
             let db = &db;
             async move {
-                inbox_testkit::wallet::applied(&db.pool).await >= EVENTS
+                inbox_conformance::wallet::applied(&db.pool).await >= EVENTS
                     && pending_with(&mut conn, &stream).await == 0
             }
         })

@@ -10,12 +10,12 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use inbox_conformance::outbox_table::{migrated, unsent, write_credits};
+use inbox_conformance::wallet::{self, Credit};
+use inbox_conformance::{child, TestDb};
 use inbox_core::{async_trait, Consumer, OutgoingMessage, Publish, PublishError};
 use inbox_postgres::Outbox;
 use inbox_redis_streams::redis::{self, Value};
-use inbox_testkit::outbox::{migrated, unsent, write_credits};
-use inbox_testkit::wallet::{self, Credit};
-use inbox_testkit::{child, TestDb};
 
 /// Publishes through the real producer, then waits forever: the window between the broker's
 /// confirm and the relay's commit, held open.

@@ -7,11 +7,11 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use inbox_conformance::wallet::{self, Credit, CreditEvent};
+use inbox_conformance::TestDb;
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{Consumer, Publish, Stage};
-use inbox_testkit::wallet::{self, Credit, CreditEvent};
 use inbox_testkit::Crash;
-use inbox_testkit::TestDb;
 
 fn credit(account: i64, amount: i64) -> Vec<u8> {
     CreditEvent::new(account, amount).to_json()

@@ -9,9 +9,9 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::*;
+use inbox_conformance::wallet::{self, Credit, CreditEvent};
+use inbox_conformance::{child, TestDb};
 use inbox_core::{Consumer, MessageId, Publish};
-use inbox_testkit::wallet::{self, Credit, CreditEvent};
-use inbox_testkit::{child, TestDb};
 
 const EVENTS: i64 = 200;
 const ACCOUNTS: i64 = 5;

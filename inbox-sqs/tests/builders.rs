@@ -35,7 +35,7 @@ async fn connect_in_child(endpoint: &str, queue_url: &str) -> (bool, String) {
             envs.push((name, value.to_owned()));
         }
     }
-    let ran = inbox_testkit::child::run("child_connects_from_the_environment", &envs).await;
+    let ran = inbox_conformance::child::run("child_connects_from_the_environment", &envs).await;
     (ran.printed.contains("CONNECTED"), ran.printed)
 }
 

@@ -12,11 +12,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{counts, credit, drain, plain_http_endpoint, proxied_client};
+use inbox_conformance::wallet::{summary, Credit};
+use inbox_conformance::TestDb;
+use inbox_conformance::{wait_for_a_third, FaultProxy, FaultRun, ProxyMode, Restored};
 use inbox_core::{Consumer, OutgoingMessage, Publish};
 use inbox_sqs::{SqsProducer, SqsSource};
-use inbox_testkit::wallet::{summary, Credit};
-use inbox_testkit::TestDb;
-use inbox_testkit::{wait_for_a_third, watch_errors, FaultProxy, FaultRun, ProxyMode, Restored};
+use inbox_testkit::watch_errors;
 use tokio::sync::oneshot;
 
 const EVENTS: i64 = 300;
@@ -117,7 +118,7 @@ async fn consume_through(name: &str, refused: Duration) -> Option<Run> {
     } = Restored::measure(&db.pool, EVENTS, Duration::from_secs(60)).await;
     let fault_lasted = restored - fault_started;
     let finished = inbox_testkit::eventually(Duration::from_secs(90), || async {
-        inbox_testkit::wallet::applied(&db.pool).await >= EVENTS
+        inbox_conformance::wallet::applied(&db.pool).await >= EVENTS
             && counts(&sqs, &url).await == (0, 0)
     })
     .await;

@@ -11,13 +11,13 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::*;
+use inbox_conformance::outbox_table::{migrated, unsent};
+use inbox_conformance::wallet::CreditEvent;
+use inbox_conformance::TestDb;
 use inbox_core::{OutgoingMessage, Recovery};
 use inbox_postgres::RelayError;
 use inbox_sqs::aws_sdk_sqs::types::MessageSystemAttributeName;
 use inbox_sqs::SqsProducer;
-use inbox_testkit::outbox::{migrated, unsent};
-use inbox_testkit::wallet::CreditEvent;
-use inbox_testkit::TestDb;
 
 /// The queue's name: what outbox rows name as their destination.
 fn name(url: &str) -> &str {

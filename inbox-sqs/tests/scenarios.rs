@@ -10,12 +10,12 @@ mod common;
 use std::time::Duration;
 
 use common::{client, counts, credit, drain, queue, queue_with_redrive};
+use inbox_conformance::wallet::{balance, summary, Credit};
+use inbox_conformance::TestDb;
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{Consumer, Error, MessageId, OutgoingMessage, Publish, Recovery, Stage};
 use inbox_sqs::aws_sdk_sqs::types::MessageAttributeValue;
 use inbox_sqs::{SqsProducer, SqsSource};
-use inbox_testkit::wallet::{balance, summary, Credit};
-use inbox_testkit::TestDb;
 use inbox_testkit::{AckOnReceive, Crash};
 
 const SECOND: Duration = Duration::from_secs(1);

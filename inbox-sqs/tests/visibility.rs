@@ -8,12 +8,12 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{client, counts, credit, queue, stalling_credit};
+use inbox_conformance::wallet::{summary, Credit, Summary};
+use inbox_conformance::TestDb;
 use inbox_core::{Ack, Consumer, InboxStore, MessageSource, Publish, StatsSnapshot};
 use inbox_postgres::PgTx;
 use inbox_sqs::aws_sdk_sqs::Client;
 use inbox_sqs::{SqsProducer, SqsSource};
-use inbox_testkit::wallet::{summary, Credit, Summary};
-use inbox_testkit::TestDb;
 use inbox_testkit::WithoutInbox;
 
 const SECOND: Duration = Duration::from_secs(1);

@@ -15,8 +15,6 @@
 //!   inbox"); `AckOnReceive` wraps any source and acks each delivery as it is received ("ack
 //!   first", at-most-once).
 //! - [`ScriptedLeases`] answers the effect consumer's lease calls from a script.
-//! - [`FaultProxy`] sits between a client and a real server and refuses, cuts or black-holes its
-//!   connections on demand: database and broker outages for fault tests.
 //!
 //! ```
 //! use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
@@ -56,47 +54,45 @@
 //! # }
 //! ```
 //!
-//! For tests against a real PostgreSQL: [`TestDb`] makes a throw-away schema per test,
-//! [`wallet`] is the domain the tests and examples use (accounts, a ledger, a credit handler),
-//! and [`child`] runs the test binary again as a child process to SIGKILL.
+//! This crate depends on `inbox-core` alone (as `tower-test` on `tower-service`), so the core's
+//! tests compile no database or broker client. What needs a real server (a throw-away
+//! PostgreSQL schema per test, the wallet domain, the fault proxy, the child-process runner, the
+//! local HTTP provider) is in `inbox-conformance`, beside the suite that uses it.
 //!
-//! What the adapters' tests share: [`FaultRun`], what a run under a network fault came to, with
-//! [`wait_for_a_third`] and [`Restored`] to time the fault; [`outbox`], a migrated outbox and
-//! its unsent rows; [`publish`], one producer sending every way; [`metadata`], a trace parent to
-//! send and the checks on what a source reports; [`Sum`], a handler summing numbers in a
-//! [`MemoryStore`].
+//! What the adapters' tests share besides: [`publish`], one producer sending every way;
+//! [`metadata`], a trace parent to send and the checks on what a source reports; [`Sum`], a
+//! handler summing numbers in a [`MemoryStore`].
 
 #[cfg(feature = "never-in-production")]
 mod ack_on_receive;
-pub mod child;
 mod crash;
-mod db;
-mod fault_proxy;
-mod fault_run;
 mod memory_broker;
 mod memory_store;
 pub mod metadata;
-pub mod outbox;
-pub mod provider;
 pub mod publish;
 mod scripted_leases;
 mod sum;
 mod wait;
-pub mod wallet;
 #[cfg(feature = "never-in-production")]
 mod without_inbox;
 
 #[cfg(feature = "never-in-production")]
 pub use ack_on_receive::{AckOnReceive, AckedOnReceive};
 pub use crash::{Crash, Crashed, Crashing, CrashingAck};
-pub use db::{database_url, fast_retry, partitioned_layout, TestDb};
-pub use fault_proxy::{FaultProxy, ProxyMode};
-pub use fault_run::{wait_for_a_third, FaultRun, Restored};
 pub use memory_broker::{MemoryAck, MemoryBroker, MemorySource, Redelivery};
 pub use memory_store::{MemoryStore, MemoryTx};
-pub use provider::TestProvider;
 pub use scripted_leases::ScriptedLeases;
 pub use sum::Sum;
 pub use wait::{eventually, receive, watch_errors};
 #[cfg(feature = "never-in-production")]
 pub use without_inbox::WithoutInbox;
+
+/// A retry policy for tests: `max_attempts` tries, 10–50 ms apart.
+pub fn fast_retry(max_attempts: u32) -> inbox_core::RetryPolicy {
+    inbox_core::RetryPolicy::default()
+        .max_attempts(max_attempts)
+        .backoff(
+            std::time::Duration::from_millis(10),
+            std::time::Duration::from_millis(50),
+        )
+}

@@ -15,7 +15,7 @@ pub fn admin_with(args: &[&str], envs: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_inbox-admin"))
         .args(args)
         .env_remove("INBOX_ADMIN_PROGRESS_EVERY")
-        .env("DATABASE_URL", inbox_testkit::database_url())
+        .env("DATABASE_URL", inbox_conformance::database_url())
         .envs(envs.iter().copied())
         .output()
         .expect("the inbox-admin binary runs")

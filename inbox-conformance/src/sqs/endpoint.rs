@@ -3,10 +3,10 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::FaultProxy;
 use inbox_sqs::aws_sdk_sqs::config::timeout::TimeoutConfig;
 use inbox_sqs::aws_sdk_sqs::config::{Credentials, Region};
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_testkit::FaultProxy;
 
 /// The local SQS endpoint (moto's standalone server) used when the environment names none.
 pub const LOCAL_ENDPOINT: &str = "http://127.0.0.1:4566";

@@ -16,10 +16,10 @@ pub use inbox_conformance::unique_name as random;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
+use inbox_conformance::wallet::{self, Credit, CreditEvent, Summary};
 use inbox_core::{Consumer, Inbox, InboxStore, OutgoingMessage, PerMessage, Stats, StatsSnapshot};
 use inbox_kafka::{KafkaProducer, KafkaSource};
 use inbox_postgres::PgTx;
-use inbox_testkit::wallet::{self, Credit, CreditEvent, Summary};
 use sqlx::PgPool;
 use std::sync::Arc;
 use tokio::sync::oneshot;

@@ -8,11 +8,12 @@
 use std::future::Future;
 use std::time::Duration;
 
+use inbox_conformance::provider::{CallStatus, ProviderClient, ProviderMode, TestProvider};
+use inbox_conformance::TestDb;
 use inbox_core::effect::{not_applied, Effect, EffectHandler, Effects, Landed, OnUnknown, Settled};
 use inbox_core::{async_trait, Consumer, HandlerError, Message, MessageId, MessageSource};
 use inbox_postgres::{PgLeases, PgTx};
-use inbox_testkit::provider::{CallStatus, ProviderClient, ProviderMode, TestProvider};
-use inbox_testkit::{fast_retry, TestDb};
+use inbox_testkit::fast_retry;
 use inbox_testkit::{Crash, Crashing, MemoryBroker};
 
 pub const CONSUMER: &str = "mailer";

@@ -6,9 +6,9 @@
 use inbox_core::Transaction as _;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use inbox_conformance::TestDb;
 use inbox_core::{InboxStore, MessageId};
 use inbox_postgres::{KeyMode, PartitionRange, Partitions, PgInbox, TableName};
-use inbox_testkit::TestDb;
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::{NoContext, Timestamp, Uuid};
 

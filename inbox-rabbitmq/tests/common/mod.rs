@@ -8,7 +8,7 @@ pub use inbox_conformance::rabbitmq::{
     admin_channel, amqp_url, cleanup, close_connection, close_pids, connection_pids, drain,
     fresh_config, left_on, passive_declare, publisher, Parked,
 };
-use inbox_testkit::wallet::CreditEvent;
+use inbox_conformance::wallet::CreditEvent;
 
 pub fn credit(account_id: i64, amount: i64) -> Vec<u8> {
     CreditEvent::new(account_id, amount).to_json()

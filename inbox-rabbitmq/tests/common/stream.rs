@@ -4,11 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use inbox_conformance::wallet::{self, Credit, Summary};
+use inbox_conformance::TestDb;
 use inbox_core::Publish;
 use inbox_core::{Consumer, Stats, StatsSnapshot};
 use inbox_rabbitmq::RabbitSourceBuilder;
-use inbox_testkit::wallet::{self, Credit, Summary};
-use inbox_testkit::TestDb;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;

@@ -7,9 +7,9 @@ pub use inbox_conformance::sqs::{
     attr, client, create_queue, delete_queue, drain, plain_http_endpoint, proxied_client, queue,
     queue_name, ATTEMPT_TIMEOUT, LOCAL_ENDPOINT, OPERATION_TIMEOUT,
 };
+use inbox_conformance::wallet::CreditEvent;
 use inbox_sqs::aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName};
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_testkit::wallet::CreditEvent;
 
 /// Creates a FIFO queue (no content-based deduplication) with a random name.
 pub async fn fifo_queue(client: &Client, prefix: &str, visibility_secs: u32) -> String {

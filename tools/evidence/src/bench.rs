@@ -12,10 +12,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use inbox_conformance::wallet::{BatchCredit, CreditEvent};
+use inbox_conformance::TestDb;
 use inbox_core::{BatchItem, BoxError, InboxStore, MessageId, OutgoingMessage};
 use inbox_postgres::PgInbox;
-use inbox_testkit::wallet::{BatchCredit, CreditEvent};
-use inbox_testkit::TestDb;
 use serde_json::json;
 use tokio::sync::oneshot;
 

@@ -10,12 +10,12 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use inbox_conformance::wallet::CreditEvent;
+use inbox_conformance::TestDb;
 use inbox_conformance::{TestBroker, TestQueue};
 use inbox_core::{
     async_trait, BoxError, MessageId, MessageSource, OutgoingMessage, Publish, StatsSnapshot,
 };
-use inbox_testkit::wallet::CreditEvent;
-use inbox_testkit::TestDb;
 use tokio::sync::Mutex;
 
 use crate::cli::{BrokerKind, ConsumerSpec, KafkaImpl};

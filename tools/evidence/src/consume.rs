@@ -7,13 +7,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use inbox_conformance::wallet::{self, BatchCredit, Credit, CreditEvent};
+use inbox_conformance::TestDb;
 use inbox_core::{
     async_trait, BatchHandler, BatchItem, Consumer, Handler, HandlerError, Inbox, InboxStore,
     Message, MessageId, MessageSource, Stage, StageHook, StatsSnapshot,
 };
 use inbox_postgres::PgTx;
-use inbox_testkit::wallet::{self, BatchCredit, Credit, CreditEvent};
-use inbox_testkit::TestDb;
 use inbox_testkit::{MemoryStore, MemoryTx, WithoutInbox};
 use sqlx::PgPool;
 use tokio::sync::mpsc;

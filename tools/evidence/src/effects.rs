@@ -12,11 +12,11 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use inbox_conformance::provider::{Behaviour, ProviderMode, TestProvider};
+use inbox_conformance::wallet::CreditEvent;
+use inbox_conformance::TestDb;
 use inbox_core::{BoxError, OutgoingMessage};
 use inbox_postgres::PgLeases;
-use inbox_testkit::provider::{Behaviour, ProviderMode, TestProvider};
-use inbox_testkit::wallet::CreditEvent;
-use inbox_testkit::TestDb;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sqlx::AssertSqlSafe;

@@ -7,15 +7,16 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use inbox_conformance::provider::{CallStatus, ProviderClient};
+use inbox_conformance::wallet::Credit;
+use inbox_conformance::TestDb;
 use inbox_core::effect::{not_applied, Effect, EffectHandler, Landed, OnUnknown};
 use inbox_core::{
     async_trait, BoxError, Consumer, Handler, HandlerError, Message, MessageId, MessageSource,
     Publish,
 };
 use inbox_postgres::{Outbox, PgLeases, PgTx};
-use inbox_testkit::provider::{CallStatus, ProviderClient};
-use inbox_testkit::wallet::Credit;
-use inbox_testkit::{fast_retry, TestDb};
+use inbox_testkit::fast_retry;
 
 use crate::cli::{millis, BrokerKind, KafkaImpl};
 

@@ -5,9 +5,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use inbox_conformance::database_url;
+use inbox_conformance::{FaultProxy, ProxyMode};
 use inbox_core::BoxError;
-use inbox_testkit::database_url;
-use inbox_testkit::{FaultProxy, ProxyMode};
 
 use crate::cli::BrokerKind;
 

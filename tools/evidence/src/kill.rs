@@ -5,9 +5,9 @@ use std::collections::HashMap;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use inbox_conformance::wallet::{self, CreditEvent};
+use inbox_conformance::TestDb;
 use inbox_core::{BoxError, OutgoingMessage};
-use inbox_testkit::wallet::{self, CreditEvent};
-use inbox_testkit::TestDb;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::io::{AsyncBufReadExt, BufReader};

@@ -37,8 +37,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
+use inbox_conformance::TestDb;
 use inbox_core::BoxError;
-use inbox_testkit::TestDb;
 
 use crate::cli::{
     BrokerKind, ConsumeArgs, KafkaImpl, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,

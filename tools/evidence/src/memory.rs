@@ -5,10 +5,10 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use inbox_conformance::wallet::{self, Credit, CreditEvent};
+use inbox_conformance::TestDb;
 use inbox_core::{Consumer, InboxStore};
 use inbox_postgres::PgTx;
-use inbox_testkit::wallet::{self, Credit, CreditEvent};
-use inbox_testkit::TestDb;
 use inbox_testkit::{Crash, MemoryBroker, WithoutInbox};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

@@ -7,10 +7,10 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use inbox_conformance::wallet;
+use inbox_conformance::TestDb;
 use inbox_core::BoxError;
 use inbox_postgres::Outbox;
-use inbox_testkit::wallet;
-use inbox_testkit::TestDb;
 
 use crate::brokers::{self, Broker};
 use crate::effects::{events, kill, schedule, show, spawn, EffectsSettings};

@@ -21,9 +21,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use inbox_conformance::TestDb;
 use inbox_core::{BoxError, InboxStore, MessageId};
 use inbox_postgres::{KeyMode, Partitions, PgInbox, Storage, TableName};
-use inbox_testkit::TestDb;
 use serde_json::json;
 use sqlx::AssertSqlSafe;
 use uuid::{NoContext, Timestamp, Uuid};

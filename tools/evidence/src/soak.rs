@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use futures_util::stream::{self, StreamExt, TryStreamExt};
+use inbox_conformance::wallet::CreditEvent;
+use inbox_conformance::TestDb;
 use inbox_core::{BoxError, OutgoingMessage};
-use inbox_testkit::wallet::CreditEvent;
-use inbox_testkit::TestDb;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::process::Child;

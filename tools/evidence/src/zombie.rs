@@ -5,9 +5,9 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
+use inbox_conformance::wallet::{self, CreditEvent};
+use inbox_conformance::TestDb;
 use inbox_core::{BoxError, OutgoingMessage, StatsSnapshot};
-use inbox_testkit::wallet::{self, CreditEvent};
-use inbox_testkit::TestDb;
 use serde::Serialize;
 use tokio::sync::{mpsc, watch};
 

@@ -6,16 +6,6 @@ use inbox_postgres::{KeyMode, Partitions, PgInbox, TableName};
 
 use crate::wallet;
 
-/// A retry policy for tests: `max_attempts` tries, 10–50 ms apart.
-pub fn fast_retry(max_attempts: u32) -> inbox_core::RetryPolicy {
-    inbox_core::RetryPolicy::default()
-        .max_attempts(max_attempts)
-        .backoff(
-            std::time::Duration::from_millis(10),
-            std::time::Duration::from_millis(50),
-        )
-}
-
 /// The database tests use: `DATABASE_URL`, or the local default the services command sets up.
 pub fn database_url() -> String {
     std::env::var("DATABASE_URL")

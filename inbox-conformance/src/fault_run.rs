@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use inbox_core::StatsSnapshot;
 use sqlx::PgPool;
 
-use crate::eventually;
 use crate::wallet::{applied, Summary};
+use inbox_testkit::eventually;
 
 /// What one run under a fault came to. `B` is what the broker had left at the end, in the
 /// adapter's own terms (records not committed, entries pending, copies on the queue); it shows in

@@ -39,7 +39,7 @@ impl CreditEvent {
 }
 
 /// Publishes a credit of `amount` to `account` with ID `id` on the in-memory broker.
-pub fn publish_credit(broker: &crate::MemoryBroker, id: &str, account: i64, amount: i64) {
+pub fn publish_credit(broker: &inbox_testkit::MemoryBroker, id: &str, account: i64, amount: i64) {
     broker.publish(Some(id), CreditEvent::new(account, amount).to_json());
 }
 
