@@ -141,7 +141,9 @@ impl Kafka {
     }
 
     fn producer_builder(&self) -> KafkaProducerBuilder {
-        let builder = KafkaProducer::builder().operation_timeout(self.delivery_timeout);
+        let builder = KafkaProducer::builder()
+            .brokers(brokers())
+            .operation_timeout(self.delivery_timeout);
         if self.one_record_per_batch {
             builder.set("batch.num.messages", "1")
         } else {

@@ -35,6 +35,7 @@ pub fn stream_key(test: &str) -> String {
 /// claim sweeps.
 pub fn builder(stream: &str, consumer: &str) -> RedisStreamSourceBuilder {
     RedisStreamSource::builder(stream, GROUP)
+        .url(redis_url())
         .consumer_name(consumer)
         .poll_timeout(Duration::from_millis(200))
         .claim_interval(Duration::from_millis(200))
@@ -43,6 +44,7 @@ pub fn builder(stream: &str, consumer: &str) -> RedisStreamSourceBuilder {
 /// A producer with the adapter's defaults.
 pub async fn producer() -> RedisStreamProducer {
     RedisStreamProducer::builder()
+        .url(redis_url())
         .connect()
         .await
         .expect("producer connects")

@@ -9,8 +9,9 @@ use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
 use crate::error::{db, store_err};
+use crate::migration::Migration;
 use crate::table::hashed_key;
-use crate::{Error, KeyMode, PgInbox, PgTx, Result, TableName};
+use crate::{KeyMode, PgInbox, PgTx, Result, TableName};
 
 /// The SQLSTATE the done mark raises when a token is fenced out.
 const FENCED: &str = "IB001";
@@ -154,17 +155,9 @@ impl PgLeases {
             KeyMode::Hashed => "message_id",
             KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
         };
-        let mut tx = self
-            .inbox
-            .pool()
-            .begin()
-            .await
-            .map_err(db("starting the migration"))?;
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-            .bind(format!("inbox migrate {t}"))
-            .execute(&mut *tx)
-            .await
-            .map_err(db("taking the migration lock"))?;
+        let lock = format!("inbox migrate {t}");
+        let mut migration =
+            Migration::begin(self.inbox.pool(), lock, "creating the lease table").await?;
         let statements = [
             format!(
                 "CREATE TABLE IF NOT EXISTS {t} (
@@ -193,28 +186,9 @@ impl PgLeases {
                 fenced = t.sibling("fenced")
             ),
         ];
-        for statement in statements {
-            sqlx::query(AssertSqlSafe(statement))
-                .execute(&mut *tx)
-                .await
-                .map_err(db("creating the lease table"))?;
-        }
-        let found: String = sqlx::query_scalar(
-            "SELECT format_type(atttypid, atttypmod) FROM pg_attribute
-             WHERE attrelid = $1::regclass AND attname = 'message_id'",
-        )
-        .bind(t.to_string())
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(db("checking the lease table's key type"))?;
-        if found != key {
-            return Err(Error::KeyModeMismatch {
-                table: t.to_string(),
-                found,
-                expected: mode,
-            });
-        }
-        tx.commit().await.map_err(db("committing the migration"))
+        migration.run(statements).await?;
+        migration.check_key_type(t, mode).await?;
+        migration.commit().await
     }
 
     /// Deletes done rows marked more than `older_than` ago, `batch` rows per statement (at

@@ -1,8 +1,11 @@
 //! The statements that create the inbox tables: run by [`PgInbox::migrate`], printed by
 //! [`PgInbox::migration_sql`] for schemas applied with another migration tool.
 
+use sqlx::{AssertSqlSafe, PgConnection, PgPool};
+
+use crate::error::db;
 use crate::partition::{name_prefix, qualify};
-use crate::{KeyMode, PgInbox};
+use crate::{Error, KeyMode, PgInbox, Result, TableName};
 
 impl PgInbox {
     /// The SQL that creates this inbox's tables and indexes, as [`migrate`](Self::migrate)
@@ -118,5 +121,70 @@ impl PgInbox {
         let t = self.table();
         let default = qualify(t, &format!("{}_default", name_prefix(t.table())));
         format!("CREATE TABLE {default} PARTITION OF {t} DEFAULT")
+    }
+}
+
+/// The one skeleton of every `migrate` (inbox, leases, outbox): a transaction under an advisory
+/// lock named after the table, so instances migrating at once take turns, its statements run in
+/// order, the key type checked where the table has one, and the commit.
+pub(crate) struct Migration {
+    tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    what: &'static str,
+}
+
+impl Migration {
+    /// Opens the transaction and takes the lock `lock`; `what` names the tables in errors.
+    pub(crate) async fn begin(pool: &PgPool, lock: String, what: &'static str) -> Result<Self> {
+        let mut tx = pool.begin().await.map_err(db("starting a migration"))?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+            .bind(lock)
+            .execute(&mut *tx)
+            .await
+            .map_err(db("taking the migration lock"))?;
+        Ok(Self { tx, what })
+    }
+
+    /// The open transaction, for what a migration reads between its statements.
+    pub(crate) fn tx(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+
+    /// Runs `statements` in order.
+    pub(crate) async fn run(&mut self, statements: impl IntoIterator<Item = String>) -> Result<()> {
+        for statement in statements {
+            sqlx::query(AssertSqlSafe(statement))
+                .execute(&mut *self.tx)
+                .await
+                .map_err(db(self.what))?;
+        }
+        Ok(())
+    }
+
+    /// Fails when `table`'s `message_id` column is not of `mode`'s type: a table made with
+    /// another key mode.
+    pub(crate) async fn check_key_type(&mut self, table: &TableName, mode: KeyMode) -> Result<()> {
+        let found: String = sqlx::query_scalar(
+            "SELECT format_type(atttypid, atttypmod) FROM pg_attribute
+             WHERE attrelid = $1::regclass AND attname = 'message_id'",
+        )
+        .bind(table.to_string())
+        .fetch_one(&mut *self.tx)
+        .await
+        .map_err(db("checking the key type"))?;
+        if found != mode.column_type() {
+            return Err(Error::KeyModeMismatch {
+                table: table.to_string(),
+                found,
+                expected: mode,
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn commit(self) -> Result<()> {
+        self.tx
+            .commit()
+            .await
+            .map_err(db("committing the migration"))
     }
 }

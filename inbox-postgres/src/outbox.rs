@@ -13,6 +13,7 @@ use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 use tokio::task::JoinHandle;
 
 use crate::error::db;
+use crate::migration::Migration;
 use crate::{Error, OutboxRelay, Result, TableName};
 
 /// The gauge [`Outbox::oldest_unsent`] sets, per `outbox` label (`schema.table` or `table`):
@@ -131,16 +132,8 @@ impl Outbox {
     /// once (they serialise on an advisory lock).
     pub async fn migrate(&self) -> Result<()> {
         let t = &self.table;
-        let mut tx = self
-            .pool
-            .begin()
-            .await
-            .map_err(db("starting the outbox migration"))?;
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-            .bind(format!("inbox outbox migrate {t}"))
-            .execute(&mut *tx)
-            .await
-            .map_err(db("taking the outbox migration lock"))?;
+        let lock = format!("inbox outbox migrate {t}");
+        let mut migration = Migration::begin(&self.pool, lock, "creating the outbox table").await?;
         let statements = [
             format!(
                 "CREATE TABLE IF NOT EXISTS {t} (
@@ -169,15 +162,8 @@ impl Outbox {
                 END $$"
             ),
         ];
-        for statement in statements {
-            sqlx::query(AssertSqlSafe(statement))
-                .execute(&mut *tx)
-                .await
-                .map_err(db("creating the outbox table"))?;
-        }
-        tx.commit()
-            .await
-            .map_err(db("committing the outbox migration"))
+        migration.run(statements).await?;
+        migration.commit().await
     }
 
     /// Writes `payload` for `destination` under a fresh UUIDv7 ID, in `tx` (the handler's inbox

@@ -10,9 +10,10 @@ use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
 use crate::error::{db, store_err};
+use crate::migration::Migration;
 use crate::partition::{hashed_key_with_time, is_partitioned, qualify};
 use crate::table::hashed_key;
-use crate::{Error, KeyMode, Partitions, PgTx, Result, TableName};
+use crate::{KeyMode, Partitions, PgTx, Result, TableName};
 
 /// The transactional inbox on PostgreSQL.
 ///
@@ -168,47 +169,21 @@ impl PgInbox {
     /// applied by your own migration tool.
     pub async fn migrate(&self) -> Result<()> {
         let t = &self.table;
-        let mut tx = self
-            .pool
-            .begin()
-            .await
-            .map_err(db("starting the migration"))?;
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-            .bind(format!("inbox migrate {t}"))
-            .execute(&mut *tx)
-            .await
-            .map_err(db("taking the migration lock"))?;
-        let key = self.mode.column_type();
+        let lock = format!("inbox migrate {t}");
+        let mut migration = Migration::begin(&self.pool, lock, "creating the inbox tables").await?;
         // The builders `migration_sql` prints too (`migration.rs`).
-        for statement in [self.consumers_table_sql(), self.inbox_table_sql()] {
-            sqlx::query(AssertSqlSafe(statement))
-                .execute(&mut *tx)
-                .await
-                .map_err(db("creating the inbox tables"))?;
-        }
-        let found: String = sqlx::query_scalar(
-            "SELECT format_type(atttypid, atttypmod) FROM pg_attribute
-             WHERE attrelid = $1::regclass AND attname = 'message_id'",
-        )
-        .bind(t.to_string())
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(db("checking the inbox key type"))?;
-        if found != key {
-            return Err(Error::KeyModeMismatch {
-                table: t.to_string(),
-                found,
-                expected: self.mode,
-            });
-        }
-        let partitioned = is_partitioned(&mut tx, t).await?;
+        migration
+            .run([self.consumers_table_sql(), self.inbox_table_sql()])
+            .await?;
+        migration.check_key_type(t, self.mode).await?;
+        let partitioned = is_partitioned(migration.tx(), t).await?;
         let mut statements = Vec::new();
         if partitioned {
             // `CREATE INDEX IF NOT EXISTS` locks the table (and here every partition) in SHARE
             // mode before it finds the index: ask the catalog first.
             let has_index: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
                 .bind(qualify(t, &format!("{}_processed", t.table())))
-                .fetch_one(&mut *tx)
+                .fetch_one(migration.tx())
                 .await
                 .map_err(db("looking for the BRIN index"))?;
             if !has_index {
@@ -219,7 +194,7 @@ impl PgInbox {
                 "SELECT partdefid <> 0 FROM pg_partitioned_table WHERE partrelid = $1::regclass",
             )
             .bind(t.to_string())
-            .fetch_one(&mut *tx)
+            .fetch_one(migration.tx())
             .await
             .map_err(db("looking for the default partition"))?;
             if !has_default {
@@ -228,13 +203,8 @@ impl PgInbox {
         } else {
             statements.push(self.plain_index_sql());
         }
-        for statement in statements {
-            sqlx::query(AssertSqlSafe(statement))
-                .execute(&mut *tx)
-                .await
-                .map_err(db("creating the inbox tables"))?;
-        }
-        tx.commit().await.map_err(db("committing the migration"))?;
+        migration.run(statements).await?;
+        migration.commit().await?;
         self.layout.store(layout(partitioned), Ordering::Relaxed);
         if partitioned != self.partitions.is_some() {
             tracing::warn!(
