@@ -256,6 +256,10 @@ async fn the_effect_step_records_the_same_metrics_plus_its_own_counters() {
         Some("mailer"),
         "the effect step has health too"
     );
+    assert!(
+        health.last_batch().is_some(),
+        "a done mark counts as a batch"
+    );
 
     let label = "{consumer=mailer}";
     let count = |name: &str| capture.values(&format!("{name}{label}")).len();

@@ -168,13 +168,19 @@ where
                 .claim
                 .record(started.elapsed().as_secs_f64());
             match acquired {
-                Ok(acquired) => break (acquired, started),
+                Ok(acquired) => {
+                    if outages > 0 {
+                        self.common.health.recovered();
+                    }
+                    break (acquired, started);
+                }
                 Err(e) if e.recovery() == Recovery::Fatal => {
                     self.count(Counter::Error);
                     return Err(Error::Store(e));
                 }
                 Err(e) => {
                     self.count(Counter::Error);
+                    self.common.health.failing();
                     outages += 1;
                     let wait = backoff(self.common.error_backoff, MAX_ERROR_BACKOFF, outages);
                     warn!(error = %e, ?wait, "lease store failed; holding the message and trying again");
@@ -376,7 +382,11 @@ where
                 .record(started.elapsed().as_secs_f64());
             let wait = match marked {
                 Ok(true) => {
+                    if outages > 0 {
+                        self.common.health.recovered();
+                    }
                     self.count(Counter::Commit);
+                    self.common.health.batch_done();
                     break;
                 }
                 Ok(false) => {
@@ -392,6 +402,7 @@ where
                 }
                 Err(DoneFailure::Store(e)) if e.recovery() == Recovery::Reconnect => {
                     self.count(Counter::Error);
+                    self.common.health.failing();
                     outages += 1;
                     let wait = backoff(self.common.error_backoff, MAX_ERROR_BACKOFF, outages);
                     warn!(error = %e, ?wait, "lease store unreachable; holding the message until it is back");
