@@ -89,6 +89,7 @@ pub struct RelayStats {
 /// unsent rows of one destination come first in every batch, so a destination that stays down
 /// with a backlog of `batch_size` rows holds back the others.
 #[derive(Debug)]
+#[must_use = "a relay does nothing until it is run or spawned"]
 pub struct OutboxRelay<P> {
     outbox: Outbox,
     publisher: P,
