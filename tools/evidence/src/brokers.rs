@@ -348,3 +348,25 @@ fn panic_message(panic: &(dyn Any + Send)) -> String {
         .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
         .unwrap_or_else(|| "panicked".to_owned())
 }
+
+/// Says in the output which Kafka implementation a run's figures come from.
+pub(crate) fn kafka_note(kind: BrokerKind, kafka_impl: KafkaImpl) {
+    if kind == BrokerKind::Kafka {
+        let brokers = inbox_conformance::kafka::brokers();
+        match kafka_impl {
+            KafkaImpl::Tansu => println!(
+                "\nkafka at {brokers}: --kafka-impl tansu (one record per produced batch, a \
+                 stalled drain is replaced)"
+            ),
+            KafkaImpl::Mock => println!(
+                "\nkafka at {brokers}: --kafka-impl mock (librdkafka's mock cluster: records \
+                 batched, a stalled drain fails the run, {} partitions per topic)",
+                if std::env::var_os("KAFKA_MOCK_CONTROL").is_some() {
+                    "6"
+                } else {
+                    "4"
+                }
+            ),
+        }
+    }
+}

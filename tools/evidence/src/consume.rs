@@ -10,8 +10,8 @@ use std::time::Duration;
 use inbox_conformance::wallet::{self, BatchCredit, Credit, CreditEvent};
 use inbox_conformance::TestDb;
 use inbox_core::{
-    async_trait, BatchHandler, BatchItem, Consumer, Handler, HandlerError, Inbox, InboxStore,
-    Message, MessageId, MessageSource, Stage, StageHook, StatsSnapshot,
+    async_trait, BatchHandler, BatchItem, BoxError, Consumer, Handler, HandlerError, Inbox,
+    InboxStore, Message, MessageId, MessageSource, Stage, StageHook, StatsSnapshot,
 };
 use inbox_postgres::PgTx;
 use inbox_testkit::{MemoryStore, MemoryTx, WithoutInbox};
@@ -19,7 +19,8 @@ use sqlx::PgPool;
 use tokio::sync::mpsc;
 
 use crate::bench::Progress;
-use crate::cli::{ConsumerSpec, Variant};
+use crate::brokers;
+use crate::cli::{ConsumeArgs, ConsumerSpec, KafkaImpl, Variant};
 
 /// Resolves when the consumer should finish its batch and return.
 pub(crate) type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -161,4 +162,20 @@ where
         }));
     }
     consumer.run_until(shutdown).await
+}
+
+/// One consumer, until killed or Ctrl-C.
+pub(crate) async fn main(args: ConsumeArgs) -> Result<(), BoxError> {
+    let spec = args.spec();
+    // A consumer neither creates nor publishes: the Kafka implementation makes no difference.
+    let broker = brokers::connect(spec.broker, KafkaImpl::default()).await?;
+    let db = TestDb::attach(&spec.schema).await;
+    let ctrl_c = Box::pin(async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    });
+    let stats = broker.consume(&spec, &db, Watch::default(), ctrl_c).await?;
+    eprintln!("{stats:?}");
+    Ok(())
 }

@@ -14,11 +14,14 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 use crate::brokers::{self, Broker};
-use crate::cli::{BrokerKind, ConsumerSpec, Variant};
+use crate::chart;
+use crate::cli::{
+    BrokerKind, ConsumerSpec, KafkaImpl, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
+};
 use crate::consume::Watch;
 use crate::progress;
 use crate::report::{self, RunResult, VariantResult};
-use crate::settings::KillSettings;
+use crate::settings::{KillArgs, KillSettings};
 
 /// The seeded events of every run: IDs `evt-<i>`, accounts and amounts from `seed`.
 pub(crate) fn events(s: &KillSettings, count: u32) -> (Vec<OutgoingMessage>, HashMap<i64, i64>) {
@@ -384,4 +387,123 @@ pub(crate) async fn drain(
             Drained::Stalled(stall) => return Err(format!("{label}: {stall}").into()),
         }
     }
+}
+
+/// The main demo: a short kill test of b and c on every broker that answers; `--full` for
+/// the article's settings.
+pub(crate) async fn demo(full: bool, args: KillArgs) -> Result<(), BoxError> {
+    let settings = args.apply(if full {
+        KillSettings::full()
+    } else {
+        KillSettings::demo()
+    });
+    println!(
+        "The wallet kill test: {} credit events per run, the consumer process SIGKILLed {} times \
+         per run after {}–{} ms of work, then a last consumer drains. (`cargo xtask demo --full` \
+         runs the article's settings.)",
+        settings.events, settings.kills, settings.kill_after_ms.0, settings.kill_after_ms.1
+    );
+    if settings.crash_between_commit_and_ack > 0.0 {
+        println!(
+            "The consumer also aborts itself right after a DB commit, before its ack, with \
+             probability {} per message (--crash-between-commit-and-ack).",
+            settings.crash_between_commit_and_ack
+        );
+    }
+    run(&settings).await
+}
+
+/// `evidence kill-test`: the kill test on every broker asked for that answers.
+pub(crate) async fn run(s: &KillSettings) -> Result<(), BoxError> {
+    if s.lanes > 1 {
+        println!(
+            "Each consumer applies up to {} lanes side by side (--lanes).",
+            s.lanes
+        );
+    }
+    let mut all = Vec::new();
+    let mut failures = Vec::new();
+    for &kind in &s.brokers {
+        let broker = match brokers::connect(kind, s.kafka_impl).await {
+            Ok(b) => b,
+            Err(e) if !s.require_brokers => {
+                println!("\n{kind}: skipped, {e}");
+                continue;
+            }
+            Err(e) => return Err(format!("{kind}: {e}").into()),
+        };
+        brokers::kafka_note(kind, s.kafka_impl);
+        match on_broker(broker.as_ref(), s).await {
+            Ok(results) => {
+                report::table(&results);
+                all.extend(results);
+            }
+            Err(e) => {
+                println!("\n{kind}: the kill test failed: {e}");
+                failures.push(format!("{kind}: {e}"));
+            }
+        }
+    }
+    if !all.is_empty() {
+        match chart::write(&s.chart, &all) {
+            Ok(()) => println!("\nchart: {}", s.chart.display()),
+            Err(e) => eprintln!("cannot write the chart {}: {e}", s.chart.display()),
+        }
+        println!();
+        report::json_lines(&all);
+    }
+    let inbox_broken = all
+        .iter()
+        .any(|r| r.variant == Variant::C && (r.duplicates().max > 0 || r.lost().max > 0));
+    if inbox_broken {
+        failures.push("variant c showed duplicates or losses".into());
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("; ").into())
+    }
+}
+
+/// `evidence publish`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct PublishArgs {
+    #[arg(long, value_name = "kafka|sqs|rabbitmq|redis")]
+    broker: BrokerKind,
+    /// The queue, topic or stream.
+    #[arg(long, value_name = "QUEUE")]
+    name: String,
+    /// Credit events to publish.
+    #[arg(long, value_name = "N", default_value = "1000")]
+    events: u32,
+    /// Seed of the events.
+    #[arg(long, value_name = "N", default_value = "42")]
+    seed: u64,
+    #[arg(long, value_name = "tansu|mock", default_value = "tansu", help = KAFKA_IMPL_HELP, long_help = KAFKA_IMPL_LONG_HELP)]
+    kafka_impl: KafkaImpl,
+}
+
+/// Creates the queue, topic or stream and publishes seeded credit events to it.
+pub(crate) async fn publish(args: PublishArgs) -> Result<(), BoxError> {
+    let PublishArgs {
+        broker,
+        name,
+        events,
+        seed,
+        kafka_impl,
+    } = args;
+    let broker = brokers::connect(broker, kafka_impl).await?;
+    let settings = KillSettings {
+        events,
+        seed,
+        ..KillSettings::full()
+    };
+    let (outgoing, _) = self::events(&settings, events);
+    let name = broker.create(&name).await?;
+    broker.publish(&name, &outgoing).await?;
+    println!(
+        "published {events} credit events to {} `{name}`",
+        broker.kind()
+    );
+    Ok(())
 }

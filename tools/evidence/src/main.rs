@@ -33,17 +33,11 @@ mod soak;
 mod zombie;
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
-use inbox_conformance::TestDb;
-use inbox_core::BoxError;
 
-use crate::cli::{
-    BrokerKind, ConsumeArgs, KafkaImpl, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
-};
-use crate::consume::Watch;
+use crate::cli::ConsumeArgs;
 use crate::settings::{KillArgs, KillSettings, ZombieSettings};
 
 /// The notes under `evidence --help`.
@@ -95,47 +89,14 @@ enum Command {
     /// One consumer, until killed or Ctrl-C (what the kill test's children run).
     Consume(ConsumeArgs),
     /// Creates a queue, topic or stream and publishes seeded credit events to it.
-    Publish(PublishArgs),
+    Publish(kill::PublishArgs),
     /// The wallet on the in-memory broker with crash points; only PostgreSQL.
     MemoryDemo(memory::Settings),
     /// The tables, one chart and the JSON lines again, from saved `kill-test` output.
-    Report(ReportArgs),
+    Report(report::ReportArgs),
     /// A child of `effects-test`.
     #[command(hide = true)]
     EffectsChild(effects_child::ChildSpec),
-}
-
-/// `evidence publish`.
-#[derive(Debug, clap::Args)]
-struct PublishArgs {
-    #[arg(long, value_name = "kafka|sqs|rabbitmq|redis")]
-    broker: BrokerKind,
-    /// The queue, topic or stream.
-    #[arg(long, value_name = "QUEUE")]
-    name: String,
-    /// Credit events to publish.
-    #[arg(long, value_name = "N", default_value = "1000")]
-    events: u32,
-    /// Seed of the events.
-    #[arg(long, value_name = "N", default_value = "42")]
-    seed: u64,
-    #[arg(long, value_name = "tansu|mock", default_value = "tansu", help = KAFKA_IMPL_HELP, long_help = KAFKA_IMPL_LONG_HELP)]
-    kafka_impl: KafkaImpl,
-}
-
-/// `evidence report`.
-#[derive(Debug, clap::Args)]
-struct ReportArgs {
-    /// Where the chart goes.
-    #[arg(
-        long,
-        value_name = "SVG",
-        default_value = "target/wallet-kill-test.svg"
-    )]
-    chart: PathBuf,
-    /// Files holding the output (the JSON lines) of `evidence kill-test`.
-    #[arg(value_name = "FILE", required = true)]
-    files: Vec<PathBuf>,
 }
 
 /// Tells the parent `kill-test` that this `consume` child is connected and consuming.
@@ -155,9 +116,9 @@ async fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.command {
-        Command::Demo { full, kill } => demo(full, kill).await,
-        Command::KillTest(args) => kill_test(&args.apply(KillSettings::full())).await,
-        Command::ZombieTest(s) => zombie_test(&s).await,
+        Command::Demo { full, kill } => kill::demo(full, kill).await,
+        Command::KillTest(args) => kill::run(&args.apply(KillSettings::full())).await,
+        Command::ZombieTest(s) => zombie::run(&s).await,
         Command::Bench(s) => bench::run(&s).await,
         Command::Soak(s) => soak::run(&s).await,
         Command::EffectsTest(s) => effects::main(&s).await,
@@ -166,10 +127,10 @@ async fn main() -> ExitCode {
             Ok(()) => retention_bench::run(&s).await,
             Err(e) => usage_error("retention-bench", &e),
         },
-        Command::Consume(args) => consume(args).await,
-        Command::Publish(args) => publish(args).await,
+        Command::Consume(args) => consume::main(args).await,
+        Command::Publish(args) => kill::publish(args).await,
         Command::MemoryDemo(s) => return memory::main(&s).await,
-        Command::Report(args) => report_from(&args),
+        Command::Report(args) => report::from_files(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -190,180 +151,6 @@ fn usage_error(command: &str, message: &str) -> ! {
         .bin_name(format!("evidence {command}"))
         .error(clap::error::ErrorKind::ValueValidation, message)
         .exit()
-}
-
-/// The main demo: a short kill test of b and c on every broker that answers; `--full` for
-/// the article's settings.
-async fn demo(full: bool, args: KillArgs) -> Result<(), BoxError> {
-    let settings = args.apply(if full {
-        KillSettings::full()
-    } else {
-        KillSettings::demo()
-    });
-    println!(
-        "The wallet kill test: {} credit events per run, the consumer process SIGKILLed {} times \
-         per run after {}–{} ms of work, then a last consumer drains. (`cargo xtask demo --full` \
-         runs the article's settings.)",
-        settings.events, settings.kills, settings.kill_after_ms.0, settings.kill_after_ms.1
-    );
-    if settings.crash_between_commit_and_ack > 0.0 {
-        println!(
-            "The consumer also aborts itself right after a DB commit, before its ack, with \
-             probability {} per message (--crash-between-commit-and-ack).",
-            settings.crash_between_commit_and_ack
-        );
-    }
-    kill_test(&settings).await
-}
-
-async fn kill_test(s: &KillSettings) -> Result<(), BoxError> {
-    if s.lanes > 1 {
-        println!(
-            "Each consumer applies up to {} lanes side by side (--lanes).",
-            s.lanes
-        );
-    }
-    let mut all = Vec::new();
-    let mut failures = Vec::new();
-    for &kind in &s.brokers {
-        let broker = match brokers::connect(kind, s.kafka_impl).await {
-            Ok(b) => b,
-            Err(e) if !s.require_brokers => {
-                println!("\n{kind}: skipped, {e}");
-                continue;
-            }
-            Err(e) => return Err(format!("{kind}: {e}").into()),
-        };
-        kafka_note(kind, s.kafka_impl);
-        match kill::on_broker(broker.as_ref(), s).await {
-            Ok(results) => {
-                report::table(&results);
-                all.extend(results);
-            }
-            Err(e) => {
-                println!("\n{kind}: the kill test failed: {e}");
-                failures.push(format!("{kind}: {e}"));
-            }
-        }
-    }
-    if !all.is_empty() {
-        match chart::write(&s.chart, &all) {
-            Ok(()) => println!("\nchart: {}", s.chart.display()),
-            Err(e) => eprintln!("cannot write the chart {}: {e}", s.chart.display()),
-        }
-        println!();
-        report::json_lines(&all);
-    }
-    let inbox_broken = all
-        .iter()
-        .any(|r| r.variant == Variant::C && (r.duplicates().max > 0 || r.lost().max > 0));
-    if inbox_broken {
-        failures.push("variant c showed duplicates or losses".into());
-    }
-    if failures.is_empty() {
-        Ok(())
-    } else {
-        Err(failures.join("; ").into())
-    }
-}
-
-/// `evidence report`: the tables, one chart and the JSON lines again, from the output of kill
-/// tests run separately (one broker at a time, say).
-fn report_from(args: &ReportArgs) -> Result<(), BoxError> {
-    let (chart, files) = (&args.chart, &args.files);
-    let mut results = report::read_lines(files)?;
-    results.sort_by_key(|r| (r.broker, r.variant));
-    for broker in BrokerKind::ALL {
-        let of_broker: Vec<_> = results
-            .iter()
-            .filter(|r| r.broker == broker)
-            .cloned()
-            .collect();
-        report::table(&of_broker);
-    }
-    chart::write(chart, &results)?;
-    println!("\nchart: {}\n", chart.display());
-    report::json_lines(&results);
-    Ok(())
-}
-
-async fn zombie_test(s: &ZombieSettings) -> Result<(), BoxError> {
-    for &kind in &s.brokers {
-        let broker = match brokers::connect(kind, s.kafka_impl).await {
-            Ok(b) => b,
-            Err(e) if !s.require_brokers => {
-                println!("\n{kind}: skipped, {e}");
-                continue;
-            }
-            Err(e) => return Err(format!("{kind}: {e}").into()),
-        };
-        kafka_note(kind, s.kafka_impl);
-        zombie::on_broker(broker.as_ref(), s).await?;
-    }
-    Ok(())
-}
-
-/// Says in the output which Kafka implementation a run's figures come from.
-fn kafka_note(kind: BrokerKind, kafka_impl: KafkaImpl) {
-    if kind == BrokerKind::Kafka {
-        let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
-        match kafka_impl {
-            KafkaImpl::Tansu => println!(
-                "\nkafka at {brokers}: --kafka-impl tansu (one record per produced batch, a \
-                 stalled drain is replaced)"
-            ),
-            KafkaImpl::Mock => println!(
-                "\nkafka at {brokers}: --kafka-impl mock (librdkafka's mock cluster: records \
-                 batched, a stalled drain fails the run, {} partitions per topic)",
-                if std::env::var_os("KAFKA_MOCK_CONTROL").is_some() {
-                    "6"
-                } else {
-                    "4"
-                }
-            ),
-        }
-    }
-}
-
-/// One consumer, until killed or Ctrl-C.
-async fn consume(args: ConsumeArgs) -> Result<(), BoxError> {
-    let spec = args.spec();
-    // A consumer neither creates nor publishes: the Kafka implementation makes no difference.
-    let broker = brokers::connect(spec.broker, KafkaImpl::default()).await?;
-    let db = TestDb::attach(&spec.schema).await;
-    let ctrl_c = Box::pin(async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    });
-    let stats = broker.consume(&spec, &db, Watch::default(), ctrl_c).await?;
-    eprintln!("{stats:?}");
-    Ok(())
-}
-
-/// Creates the queue, topic or stream and publishes seeded credit events to it.
-async fn publish(args: PublishArgs) -> Result<(), BoxError> {
-    let PublishArgs {
-        broker,
-        name,
-        events,
-        seed,
-        kafka_impl,
-    } = args;
-    let broker = brokers::connect(broker, kafka_impl).await?;
-    let settings = KillSettings {
-        events,
-        seed,
-        ..KillSettings::full()
-    };
-    let (outgoing, _) = kill::events(&settings, events);
-    let name = broker.create(&name).await?;
-    broker.publish(&name, &outgoing).await?;
-    println!(
-        "published {events} credit events to {} `{name}`",
-        broker.kind()
-    );
-    Ok(())
 }
 
 #[cfg(test)]

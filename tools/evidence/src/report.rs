@@ -1,10 +1,11 @@
 //! The article's table per broker, and one JSON line per broker and variant.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use inbox_core::BoxError;
 use serde::{Deserialize, Serialize};
 
+use crate::chart;
 use crate::cli::{BrokerKind, Variant};
 
 /// What one run of the kill test counted.
@@ -291,4 +292,39 @@ mod tests {
         .unwrap();
         assert!(VariantResult::from_line(line).is_err());
     }
+}
+
+/// `evidence report`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct ReportArgs {
+    /// Where the chart goes.
+    #[arg(
+        long,
+        value_name = "SVG",
+        default_value = "target/wallet-kill-test.svg"
+    )]
+    pub(crate) chart: PathBuf,
+    /// Files holding the output (the JSON lines) of `evidence kill-test`.
+    #[arg(value_name = "FILE", required = true)]
+    pub(crate) files: Vec<PathBuf>,
+}
+
+/// `evidence report`: the tables, one chart and the JSON lines again, from the output of kill
+/// tests run separately (one broker at a time, say).
+pub(crate) fn from_files(args: &ReportArgs) -> Result<(), BoxError> {
+    let (chart, files) = (&args.chart, &args.files);
+    let mut results = read_lines(files)?;
+    results.sort_by_key(|r| (r.broker, r.variant));
+    for broker in BrokerKind::ALL {
+        let of_broker: Vec<_> = results
+            .iter()
+            .filter(|r| r.broker == broker)
+            .cloned()
+            .collect();
+        table(&of_broker);
+    }
+    chart::write(chart, &results)?;
+    println!("\nchart: {}\n", chart.display());
+    json_lines(&results);
+    Ok(())
 }

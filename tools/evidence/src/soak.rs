@@ -424,7 +424,7 @@ pub(crate) async fn run(s: &SoakSettings) -> Result<(), BoxError> {
     let mut failures = Vec::new();
     for &kind in &s.brokers {
         let broker = brokers::connect(kind, s.kafka_impl).await?;
-        crate::kafka_note(kind, s.kafka_impl);
+        brokers::kafka_note(kind, s.kafka_impl);
         if kind == BrokerKind::Kafka {
             println!(
                 "kafka: database faults only. A proxy in front of the broker covers only \

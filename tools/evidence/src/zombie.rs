@@ -196,3 +196,20 @@ async fn stall_rows(db: &TestDb) -> Result<i64, sqlx::Error> {
         .fetch_one(&db.pool)
         .await
 }
+
+/// `evidence zombie-test`: the zombie test on every broker asked for that answers.
+pub(crate) async fn run(s: &ZombieSettings) -> Result<(), BoxError> {
+    for &kind in &s.brokers {
+        let broker = match brokers::connect(kind, s.kafka_impl).await {
+            Ok(b) => b,
+            Err(e) if !s.require_brokers => {
+                println!("\n{kind}: skipped, {e}");
+                continue;
+            }
+            Err(e) => return Err(format!("{kind}: {e}").into()),
+        };
+        brokers::kafka_note(kind, s.kafka_impl);
+        on_broker(broker.as_ref(), s).await?;
+    }
+    Ok(())
+}
