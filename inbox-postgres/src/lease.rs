@@ -101,7 +101,7 @@ impl PgLeases {
     /// mode it shares.
     ///
     /// # Errors
-    /// [`Error::TableNameTooLong`] when `<inbox table>_effects` is longer than
+    /// [`Error::TableNameTooLong`](crate::Error::TableNameTooLong) when `<inbox table>_effects` is longer than
     /// [`TableName::MAX_LEN`]: name one with [`PgLeases::with_table`].
     pub fn new(inbox: PgInbox) -> Result<Self> {
         let t = inbox.table();
