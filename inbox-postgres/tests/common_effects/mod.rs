@@ -1,6 +1,6 @@
 //! Shared helpers of the effect-consumer tests (`tests/effects_*.rs`): the effect consumer and
 //! `PgLeases` against a real PostgreSQL, with a real HTTP provider on loopback
-//! (`inbox_testkit::provider`). Effects are counted at the provider: with idempotency keys
+//! (`inbox_conformance::provider`). Effects are counted at the provider: with idempotency keys
 //! or a status lookup there is no duplicate and no loss at any crash point; with neither, the
 //! handler's choice shows as a duplicate (retry) or a missing effect (skip).
 #![allow(dead_code, unreachable_pub)]
