@@ -18,9 +18,34 @@ use inbox_core::{
 };
 use inbox_kafka::rdkafka::consumer::Consumer as _;
 use inbox_kafka::rdkafka::mocking::MockCluster;
+use inbox_kafka::rdkafka::producer::DefaultProducerContext;
 use inbox_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use inbox_kafka::{KafkaAck, KafkaProducer, KafkaSource, KafkaSourceBuilder, OffsetCommits};
 use inbox_testkit::{MemoryStore, MemoryTx};
+
+/// A mock cluster of `nodes` brokers with `topic` (`partitions` partitions) and its dead-letter
+/// topic, each replicated on every broker, and its bootstrap address.
+fn cluster(
+    nodes: i32,
+    topic: &str,
+    partitions: i32,
+) -> (MockCluster<'static, DefaultProducerContext>, String) {
+    init_tracing();
+    let mock = MockCluster::new(nodes).expect("mock cluster");
+    mock.create_topic(topic, partitions, nodes).expect("topic");
+    mock.create_topic(&format!("{topic}.dlq"), 1, nodes)
+        .expect("dead-letter topic");
+    let brokers = mock.bootstrap_servers();
+    (mock, brokers)
+}
+
+async fn producer(brokers: &str) -> KafkaProducer {
+    KafkaProducer::builder()
+        .brokers(brokers)
+        .connect()
+        .await
+        .expect("producer")
+}
 
 /// The ID `evt-<i>`.
 fn evt(i: i32) -> MessageId {
@@ -54,17 +79,8 @@ impl Handler<MemoryTx<i64>> for Sum {
 /// 30 records over 3 partitions, the first three offset commits refused as when the partitions
 /// moved; the consumer commits every `commit_interval`.
 async fn consume_with_refused_commits(commit_interval: Duration) -> (StatsSnapshot, OffsetCommits) {
-    init_tracing();
-    let mock = MockCluster::new(1).expect("mock cluster");
-    mock.create_topic("credits", 3, 1).expect("topic");
-    mock.create_topic("credits.dlq", 1, 1)
-        .expect("dead-letter topic");
-    let brokers = mock.bootstrap_servers();
-    let producer = KafkaProducer::builder()
-        .brokers(&brokers)
-        .connect()
-        .await
-        .expect("producer");
+    let (mock, brokers) = cluster(1, "credits", 3);
+    let producer = producer(&brokers).await;
     for i in 1..=30i64 {
         let credit = OutgoingMessage::generate(i.to_string());
         producer
@@ -142,12 +158,7 @@ async fn acks_refused_by_a_rebalance_are_not_ack_failures() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_inside_a_record_batch_resumes_at_the_committed_offset() {
-    init_tracing();
-    let mock = MockCluster::new(1).expect("mock cluster");
-    mock.create_topic("credits", 1, 1).expect("topic");
-    mock.create_topic("credits.dlq", 1, 1)
-        .expect("dead-letter topic");
-    let brokers = mock.bootstrap_servers();
+    let (_mock, brokers) = cluster(1, "credits", 1);
     // Sent together with a linger, the 60 records travel in a few multi-record batches.
     let producer = KafkaProducer::builder()
         .brokers(&brokers)
@@ -232,17 +243,8 @@ async fn a_restart_inside_a_record_batch_resumes_at_the_committed_offset() {
 /// the sum is exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_restart_mid_stream_loses_nothing_and_applies_nothing_twice() {
-    init_tracing();
-    let mock = MockCluster::new(3).expect("mock cluster");
-    mock.create_topic("credits", 3, 3).expect("topic");
-    mock.create_topic("credits.dlq", 1, 3)
-        .expect("dead-letter topic");
-    let brokers = mock.bootstrap_servers();
-    let producer = KafkaProducer::builder()
-        .brokers(&brokers)
-        .connect()
-        .await
-        .expect("producer");
+    let (mock, brokers) = cluster(3, "credits", 3);
+    let producer = producer(&brokers).await;
     let (half, total) = (150i64, 300i64);
     let produce = |range: std::ops::RangeInclusive<i64>| {
         let producer = &producer;
@@ -337,17 +339,9 @@ async fn next_delivery(source: &mut KafkaSource) -> Delivery<KafkaAck> {
 /// an offset that is never finished.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_whose_produce_fails_hands_the_record_back() {
-    init_tracing();
-    let mock = MockCluster::new(1).expect("mock cluster");
-    mock.create_topic("parked", 1, 1).expect("topic");
-    mock.create_topic("parked.dlq", 1, 1)
-        .expect("dead-letter topic");
-    let brokers = mock.bootstrap_servers();
-    KafkaProducer::builder()
-        .brokers(&brokers)
-        .connect()
+    let (mock, brokers) = cluster(1, "parked", 1);
+    producer(&brokers)
         .await
-        .expect("producer")
         .send("parked", b"1")
         .await
         .expect("produce");
@@ -510,17 +504,8 @@ fn assert_each_once(ledger: &[String], count: usize, must: &str, lost: &str) {
 /// offset past it. After a restart the record is applied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_read_twice_in_one_chunk_is_not_committed_past_its_failed_first_copy() {
-    init_tracing();
-    let mock = MockCluster::new(1).expect("mock cluster");
-    mock.create_topic("ledger", 1, 1).expect("topic");
-    mock.create_topic("ledger.dlq", 1, 1)
-        .expect("dead-letter topic");
-    let brokers = mock.bootstrap_servers();
-    let producer = KafkaProducer::builder()
-        .brokers(&brokers)
-        .connect()
-        .await
-        .expect("producer");
+    let (mock, brokers) = cluster(1, "ledger", 1);
+    let producer = producer(&brokers).await;
     // Offsets 0..60; offset 49, the last of the first chunk, has no ID; offset 52 fails twice.
     for i in 0..60 {
         if i == 49 {
@@ -580,17 +565,8 @@ async fn a_record_read_twice_in_one_chunk_is_not_committed_past_its_failed_first
 /// first member stops during its retry; after a restart every record is in the ledger once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_read_again_after_a_member_joins_and_leaves_are_each_applied_once() {
-    init_tracing();
-    let mock = MockCluster::new(1).expect("mock cluster");
-    mock.create_topic("moves", 4, 1).expect("topic");
-    mock.create_topic("moves.dlq", 1, 1)
-        .expect("dead-letter topic");
-    let brokers = mock.bootstrap_servers();
-    let producer = KafkaProducer::builder()
-        .brokers(&brokers)
-        .connect()
-        .await
-        .expect("producer");
+    let (_mock, brokers) = cluster(1, "moves", 4);
+    let producer = producer(&brokers).await;
     const RECORDS: usize = 400;
     for i in 0..RECORDS as i32 {
         let record = OutgoingMessage::new(evt(i), "{}");
