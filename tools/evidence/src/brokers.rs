@@ -93,6 +93,23 @@ fn member(spec: &ConsumerSpec) -> String {
 /// The broker `kind`, with the harness's settings; `kafka_impl` says what `KAFKA_BROKERS` points
 /// at. Nothing connects before the first queue is created or opened: an unreachable broker
 /// fails there, with the reason.
+/// The broker `kind`, or `None` (said on stdout) when it does not answer and `required` is
+/// false.
+pub(crate) async fn connect_or_skip(
+    kind: BrokerKind,
+    kafka_impl: KafkaImpl,
+    required: bool,
+) -> Result<Option<Box<dyn Broker>>, BoxError> {
+    match connect(kind, kafka_impl).await {
+        Ok(broker) => Ok(Some(broker)),
+        Err(e) if !required => {
+            println!("\n{kind}: skipped, {e}");
+            Ok(None)
+        }
+        Err(e) => Err(format!("{kind}: {e}").into()),
+    }
+}
+
 pub(crate) async fn connect(
     kind: BrokerKind,
     kafka_impl: KafkaImpl,

@@ -113,12 +113,8 @@ pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
     }
     let mut rows = Vec::new();
     for &kind in &s.brokers {
-        let broker = match brokers::connect(kind, s.kafka_impl).await {
-            Ok(b) => b,
-            Err(e) => {
-                println!("\n{kind}: skipped, {e}");
-                continue;
-            }
+        let Some(broker) = brokers::connect_or_skip(kind, s.kafka_impl, false).await? else {
+            continue;
         };
         for &mode in &s.modes {
             let mut runs = Vec::new();

@@ -424,13 +424,9 @@ pub(crate) async fn run(s: &KillSettings) -> Result<(), BoxError> {
     let mut all = Vec::new();
     let mut failures = Vec::new();
     for &kind in &s.brokers {
-        let broker = match brokers::connect(kind, s.kafka_impl).await {
-            Ok(b) => b,
-            Err(e) if !s.require_brokers => {
-                println!("\n{kind}: skipped, {e}");
-                continue;
-            }
-            Err(e) => return Err(format!("{kind}: {e}").into()),
+        let Some(broker) = brokers::connect_or_skip(kind, s.kafka_impl, s.require_brokers).await?
+        else {
+            continue;
         };
         brokers::kafka_note(kind, s.kafka_impl);
         match on_broker(broker.as_ref(), s).await {

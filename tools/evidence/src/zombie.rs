@@ -200,13 +200,9 @@ async fn stall_rows(db: &TestDb) -> Result<i64, sqlx::Error> {
 /// `evidence zombie-test`: the zombie test on every broker asked for that answers.
 pub(crate) async fn run(s: &ZombieSettings) -> Result<(), BoxError> {
     for &kind in &s.brokers {
-        let broker = match brokers::connect(kind, s.kafka_impl).await {
-            Ok(b) => b,
-            Err(e) if !s.require_brokers => {
-                println!("\n{kind}: skipped, {e}");
-                continue;
-            }
-            Err(e) => return Err(format!("{kind}: {e}").into()),
+        let Some(broker) = brokers::connect_or_skip(kind, s.kafka_impl, s.require_brokers).await?
+        else {
+            continue;
         };
         brokers::kafka_note(kind, s.kafka_impl);
         on_broker(broker.as_ref(), s).await?;
