@@ -33,6 +33,10 @@ pub async fn a_consumer_process_killed_mid_stream_loses_nothing_and_applies_noth
     if child::is_child() {
         return;
     }
+    if !broker.reaches_other_processes() {
+        println!("hard kill: skipped: the broker lives in the test process, which the kill ends");
+        return;
+    }
     let (db, queue) = setup(broker, "hard-kill").await;
     let mut expected_total = 0;
     for i in 0..EVENTS {

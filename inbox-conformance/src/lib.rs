@@ -21,7 +21,9 @@
 //!
 //! # Writing an adapter
 //!
-//! The four adapters of this workspace are implemented here, each behind a feature of its name:
+//! The test kit's in-memory broker is [`memory::Memory`]: the suite on it runs in seconds and
+//! is the PostgreSQL store's own scenario test. The four adapters of this workspace are
+//! implemented here, each behind a feature of its name:
 //! `kafka::Kafka` (feature `kafka`), `sqs::Sqs` (`sqs`), `rabbitmq::RabbitMq` (`rabbitmq`) and
 //! `redis::Redis` (`redis`), each with the suite's settings (Kafka's and RabbitMQ's as their
 //! `Default`); a tool that runs them longer or harder sets Kafka's partitions and timeouts and
@@ -102,6 +104,7 @@ mod fault_run;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 mod kill;
+pub mod memory;
 mod network;
 mod outbox;
 pub mod outbox_table;
@@ -190,6 +193,13 @@ pub trait TestBroker: Send + Sync + 'static {
     /// The queue [`TestQueue::name`] names, from another process: the kill scenario's consumer
     /// runs in a child process.
     async fn attach(&self, name: &str) -> Self::Queue;
+
+    /// Whether a child process can [`attach`](TestBroker::attach) to this broker's queues:
+    /// `false` for a broker inside the test process ([`memory::Memory`]), and the process-kill
+    /// scenario is skipped with the reason printed. Default: `true`.
+    fn reaches_other_processes(&self) -> bool {
+        true
+    }
 }
 
 /// One queue of the broker under test, seen from its producers and consumers.

@@ -1,106 +1,25 @@
-//! The article's scenarios on the wallet domain, against a real PostgreSQL. Each would fail
-//! without the inbox; the two anti-pattern tests show the harness can see the failures.
+//! The article's scenarios on the wallet domain, against a real PostgreSQL: the conformance
+//! suite on the in-memory broker (duplicates, crashes at each stage, racing members, bad input,
+//! retries, delivery counts, batches over lanes, a zombie, the outbox relay), then what is the
+//! store's own: a rollback taking the claim with it, a poison message in a batch, a panicking
+//! handler, shutdown mid-batch, consumer names. The two anti-pattern tests show the harness can
+//! see the failures the inbox prevents.
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
+
+inbox_conformance::suite!(inbox_conformance::memory::Memory);
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_conformance::wallet::publish_credit;
-use inbox_conformance::wallet::{self, balance, Credit, CreditEvent};
+use inbox_conformance::wallet::{self, balance, Credit};
 use inbox_conformance::TestDb;
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Stage};
 use inbox_postgres::PgTx;
 use inbox_testkit::fast_retry;
 use inbox_testkit::{AckOnReceive, Crash, MemoryBroker, WithoutInbox};
-
-#[tokio::test]
-async fn the_same_message_delivered_twice_credits_once() {
-    let db = TestDb::new().await;
-    let broker = MemoryBroker::new();
-    publish_credit(&broker, "evt-1", 1, 100);
-    publish_credit(&broker, "evt-1", 1, 100);
-
-    let stats = Consumer::new(
-        "wallet",
-        broker.source(),
-        db.inbox(),
-        Credit::new(db.pool.clone()),
-    )
-    .run_until_idle()
-    .await
-    .unwrap();
-
-    assert_eq!(balance(&db.pool, 1).await, 100);
-    assert_eq!((stats.applied, stats.skipped_duplicates), (1, 1));
-    assert_eq!(broker.pending(), 0, "both copies are acked");
-    db.drop().await;
-}
-
-#[tokio::test]
-async fn a_crash_after_commit_before_ack_is_skipped_on_restart() {
-    let db = TestDb::new().await;
-    let broker = MemoryBroker::new();
-    publish_credit(&broker, "evt-1", 1, 100);
-    publish_credit(&broker, "evt-2", 1, 100);
-
-    let crash = Crash::at_ids(Stage::Committed, [MessageId::new("evt-2").unwrap()]);
-    let first = Consumer::new(
-        "wallet",
-        crash.source(broker.source()),
-        db.inbox(),
-        Credit::new(db.pool.clone()),
-    );
-    let first = crash.run(first.run_until_idle()).await;
-    assert!(
-        matches!(&first, Err(c) if c.stage == Stage::Committed),
-        "{first:?}"
-    );
-    assert_eq!(broker.pending(), 1, "evt-2 committed but never acked");
-
-    let restarted = Consumer::new(
-        "wallet",
-        broker.source(),
-        db.inbox(),
-        Credit::new(db.pool.clone()),
-    )
-    .run_until_idle()
-    .await
-    .unwrap();
-
-    assert_eq!(
-        restarted.skipped_duplicates, 1,
-        "the redelivered evt-2 is skipped"
-    );
-    assert_eq!(balance(&db.pool, 1).await, 200);
-    let summary = wallet::summary(&db.pool).await.unwrap();
-    assert_eq!((summary.ledger_rows, summary.distinct_events), (2, 2));
-    assert_eq!(broker.pending(), 0);
-    db.drop().await;
-}
-
-#[tokio::test]
-async fn two_consumers_racing_on_one_id_credit_once() {
-    let db = TestDb::new().await;
-    let broker = MemoryBroker::new();
-    // Two copies of the same event, taken by two consumers at the same time. The handler's work
-    // keeps both transactions open together, so the second INSERT waits on the first's row.
-    publish_credit(&broker, "evt-1", 1, 100);
-    publish_credit(&broker, "evt-1", 1, 100);
-    let handler = Credit::new(db.pool.clone()).work(Duration::from_millis(300));
-    let a = Consumer::new("wallet", broker.source(), db.inbox(), handler.clone());
-    let b = Consumer::new("wallet", broker.source(), db.inbox(), handler);
-    // Each takes one copy before either finishes.
-    let (a, b) = tokio::join!(a.run_until_idle(), b.run_until_idle());
-    let (a, b) = (a.unwrap(), b.unwrap());
-
-    assert_eq!(a.received + b.received, 2);
-    assert_eq!(a.applied + b.applied, 1);
-    assert_eq!(a.skipped_duplicates + b.skipped_duplicates, 1);
-    assert_eq!(balance(&db.pool, 1).await, 100);
-    db.drop().await;
-}
 
 #[tokio::test]
 async fn ack_before_the_database_loses_the_message_on_a_crash() {
@@ -169,51 +88,6 @@ async fn without_the_inbox_a_crash_after_commit_credits_twice() {
     );
     let summary = wallet::summary(&db.pool).await.unwrap();
     assert_eq!(summary.duplicates(), 1);
-    db.drop().await;
-}
-
-#[tokio::test]
-async fn a_message_without_id_is_dead_lettered_and_nothing_is_applied() {
-    let db = TestDb::new().await;
-    let broker = MemoryBroker::new();
-    broker.publish(None, CreditEvent::new(1, 100).to_json());
-    publish_credit(&broker, "", 1, 100); // an empty ID is no ID either
-    publish_credit(&broker, "evt-ok", 1, 5);
-
-    let stats = Consumer::new(
-        "wallet",
-        broker.source(),
-        db.inbox(),
-        Credit::new(db.pool.clone()),
-    )
-    .run_until_idle()
-    .await
-    .unwrap();
-
-    let dead = broker.dead_letters();
-    assert_eq!(dead.len(), 2);
-    assert_eq!(dead[0].1, "message has no ID: id is missing");
-    assert_eq!(
-        dead[1].1,
-        "message ID in id is invalid: the message ID is empty"
-    );
-    assert_eq!(
-        dead[0].0.payload,
-        CreditEvent::new(1, 100).to_json(),
-        "kept whole"
-    );
-    assert_eq!(stats.dead_lettered, 2);
-    assert_eq!(
-        balance(&db.pool, 1).await,
-        5,
-        "only the message with an ID is applied"
-    );
-    assert_eq!(db.inbox_rows().await, 1);
-    assert_eq!(
-        broker.pending(),
-        0,
-        "nothing left behind, nothing silently dropped"
-    );
     db.drop().await;
 }
 

@@ -79,7 +79,7 @@ mod without_inbox;
 #[cfg(feature = "never-in-production")]
 pub use ack_on_receive::{AckOnReceive, AckedOnReceive};
 pub use crash::{Crash, Crashed, Crashing, CrashingAck};
-pub use memory_broker::{MemoryAck, MemoryBroker, MemorySource, Redelivery};
+pub use memory_broker::{Connection, MemoryAck, MemoryBroker, MemorySource, Redelivery};
 pub use memory_store::{MemoryStore, MemoryTx};
 pub use scripted_leases::ScriptedLeases;
 pub use sum::Sum;

@@ -5,7 +5,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 
 use inbox_core::{
-    Ack, Delivery, IdError, Message, MessageId, MessageSource, Recovery, SourceError,
+    Ack, Delivery, IdError, Message, MessageId, MessageSource, OutgoingMessage, Publish,
+    PublishError, Recovery, SourceError,
 };
 
 /// An in-memory queue with at-least-once delivery.
@@ -165,6 +166,28 @@ impl MemoryBroker {
         tags.len()
     }
 
+    /// Closes the connection of the source that [`MemorySource::connection`] named, as a broker
+    /// does to a consumer it gave up on: every delivery it holds unsettled goes back to the
+    /// queue, ahead of the rest, and its handles go stale (their ack, nack and dead letter do
+    /// nothing). The source itself keeps receiving, as a new connection would. Returns how many
+    /// deliveries went back.
+    pub fn disconnect(&self, connection: Connection) -> usize {
+        let mut state = self.state();
+        let mut mine: Vec<u64> = state
+            .in_flight
+            .iter()
+            .filter(|(_, (owner, _))| *owner == connection.0)
+            .map(|(tag, _)| *tag)
+            .collect();
+        mine.sort_unstable();
+        for &tag in mine.iter().rev() {
+            if let Some((_, queued)) = state.in_flight.remove(&tag) {
+                state.ready.push_front(queued);
+            }
+        }
+        mine.len()
+    }
+
     fn requeue(&self, tag: u64, delay: Option<Duration>) {
         let mut state = self.state();
         if let Some((_, mut queued)) = state.in_flight.remove(&tag) {
@@ -173,6 +196,10 @@ impl MemoryBroker {
         }
     }
 }
+
+/// Names one [`MemorySource`]'s connection, for [`MemoryBroker::disconnect`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Connection(u64);
 
 /// One consumer's connection to a [`MemoryBroker`].
 #[derive(Debug)]
@@ -256,6 +283,12 @@ impl MessageSource for MemorySource {
 }
 
 impl MemorySource {
+    /// This source's connection, to close it under a running consumer with
+    /// [`MemoryBroker::disconnect`].
+    pub fn connection(&self) -> Connection {
+        Connection(self.owner)
+    }
+
     fn take(&mut self, max: usize) -> Vec<Delivery<MemoryAck>> {
         let now = Instant::now();
         let mut state = self.broker.state();
@@ -314,18 +347,26 @@ impl MemorySource {
 impl Drop for MemorySource {
     /// The connection closed: every delivery it had not acked goes back to the queue.
     fn drop(&mut self) {
-        let mut state = self.broker.state();
-        let mine: Vec<u64> = state
-            .in_flight
-            .iter()
-            .filter(|(_, (owner, _))| *owner == self.owner)
-            .map(|(tag, _)| *tag)
-            .collect();
-        for tag in mine {
-            if let Some((_, queued)) = state.in_flight.remove(&tag) {
-                state.ready.push_front(queued);
-            }
+        self.broker.disconnect(self.connection());
+    }
+}
+
+/// Enqueues each message with its ID, key and headers, whatever the destination: the broker is
+/// one queue. Route destinations to brokers with [`inbox_core::Destinations`].
+#[async_trait]
+impl Publish for MemoryBroker {
+    async fn send_batch(
+        &self,
+        _destination: &str,
+        messages: &[OutgoingMessage],
+    ) -> Result<(), PublishError> {
+        for outgoing in messages {
+            let mut message = Message::new(Ok(outgoing.id.clone()), outgoing.payload.clone());
+            message.key = outgoing.key.clone().map(String::into_bytes);
+            message.headers = outgoing.headers.clone();
+            self.publish_message(message);
         }
+        Ok(())
     }
 }
 
