@@ -13,15 +13,16 @@
 use std::env::var;
 use std::time::Duration;
 
-use inbox_core::effect::{not_applied, Effect, EffectHandler, OnUnknown};
+use transactional_inbox::effect::{not_applied, Effect, EffectHandler, OnUnknown};
+use transactional_inbox::postgres::sqlx;
 // A real HTTP server on loopback that deduplicates on `Idempotency-Key`: it stands in for a
 // payment provider such as Stripe, and its client for the provider's SDK.
 use inbox_conformance::provider::{ProviderClient, ProviderMode, TestProvider};
-use inbox_core::{async_trait, Consumer, HandlerError, Message, MessageId, Publish};
-use inbox_postgres::{PgInbox, PgLeases, PgTx};
-use inbox_redis_streams::{redis, RedisStreamProducer, RedisStreamSource};
 use sqlx::postgres::{PgConnectOptions, PgPool};
 use sqlx::AssertSqlSafe;
+use transactional_inbox::postgres::{PgInbox, PgLeases, PgTx};
+use transactional_inbox::redis_streams::{redis, RedisStreamProducer, RedisStreamSource};
+use transactional_inbox::{async_trait, Consumer, HandlerError, Message, MessageId, Publish};
 
 const DATABASE_URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/inbox";
 const REDIS_URL: &str = "redis://127.0.0.1:6379";

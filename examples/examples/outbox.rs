@@ -12,11 +12,14 @@
 use std::env::var;
 use std::time::Duration;
 
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish};
-use inbox_postgres::{Outbox, PgInbox, PgTx};
-use inbox_redis_streams::{redis, RedisStreamProducer, RedisStreamSource};
 use sqlx::postgres::{PgConnectOptions, PgPool};
 use sqlx::AssertSqlSafe;
+use transactional_inbox::postgres::sqlx;
+use transactional_inbox::postgres::{Outbox, PgInbox, PgTx};
+use transactional_inbox::redis_streams::{redis, RedisStreamProducer, RedisStreamSource};
+use transactional_inbox::{
+    async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish,
+};
 
 const DATABASE_URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/inbox";
 const REDIS_URL: &str = "redis://127.0.0.1:6379";

@@ -4,9 +4,12 @@
 mod common; // the wallet table, the events and the check, shared by the four examples
 
 use common::{BoxError, Wallet};
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish};
-use inbox_postgres::PgTx;
-use inbox_rabbitmq::{RabbitProducer, RabbitSource};
+use transactional_inbox::postgres::sqlx;
+use transactional_inbox::postgres::PgTx;
+use transactional_inbox::rabbitmq::{RabbitProducer, RabbitSource};
+use transactional_inbox::{
+    async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish,
+};
 
 struct Credit;
 

@@ -4,9 +4,12 @@
 mod common; // the wallet table, the events and the check, shared by the four examples
 
 use common::{BoxError, Wallet};
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish};
-use inbox_postgres::PgTx;
-use inbox_sqs::{SqsProducer, SqsSource};
+use transactional_inbox::postgres::sqlx;
+use transactional_inbox::postgres::PgTx;
+use transactional_inbox::sqs::{SqsProducer, SqsSource};
+use transactional_inbox::{
+    async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish,
+};
 
 struct Credit;
 
@@ -28,7 +31,7 @@ async fn main() -> Result<(), BoxError> {
     let wallet = Wallet::open().await?;
     // Endpoint (AWS_ENDPOINT_URL_SQS), region and credentials from the environment, else the
     // local moto's that `cargo xtask services` starts (test support; in production,
-    // `inbox_sqs::connect()`).
+    // `transactional_inbox::sqs::connect()`).
     let client = inbox_conformance::sqs::client().await;
     let name = format!("inbox-example-{}", uuid::Uuid::new_v4());
     let created = client.create_queue().queue_name(name).send().await?;

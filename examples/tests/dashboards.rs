@@ -10,8 +10,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use inbox_core::telemetry as t;
 use serde_json::Value;
+use transactional_inbox::telemetry as t;
 
 const DASHBOARD: &str = include_str!("../../docs/dashboards/inbox.json");
 const RULES: &str = include_str!("../../docs/alerts/inbox.rules.yml");
@@ -32,7 +32,7 @@ fn exported() -> BTreeSet<String> {
         t::CONSUMER_STATE,
         t::RETENTION,
         t::REDELIVERY_WINDOW,
-        inbox_postgres::OLDEST_AGE_GAUGE,
+        transactional_inbox::postgres::OLDEST_AGE_GAUGE,
     ]
     .iter()
     .map(|s| (*s).to_owned())
@@ -163,7 +163,7 @@ fn the_dashboard_has_its_panels_and_reads_exported_metrics_only() {
         t::IN_FLIGHT,
         t::CONSUMER_READY,
         t::ACK_FAILURES,
-        inbox_postgres::OLDEST_AGE_GAUGE,
+        transactional_inbox::postgres::OLDEST_AGE_GAUGE,
         t::RETENTION,
     ] {
         assert!(read.contains(needed), "no panel shows {needed}");
@@ -304,7 +304,10 @@ fn the_alert_rules_cover_what_pages_and_read_exported_metrics_only() {
         .flat_map(|r| metrics_in(&r.fields["expr"]))
         .collect();
     for (needed, why) in [
-        (inbox_postgres::OLDEST_AGE_GAUGE, "the inbox window"),
+        (
+            transactional_inbox::postgres::OLDEST_AGE_GAUGE,
+            "the inbox window",
+        ),
         (t::RETENTION, "the configured retention"),
         (t::DEAD_LETTERED, "dead letters"),
         (t::ACK_FAILURES, "ack failures"),

@@ -15,16 +15,16 @@ use std::time::Duration;
 
 use inbox_conformance::wallet::{self, CreditEvent};
 use inbox_conformance::TestDb;
-use inbox_core::{
-    async_trait, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish,
-    TraceParent,
-};
-use inbox_postgres::{Outbox, PgTx};
-use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::process::Command;
 use tokio::time::{sleep, timeout, Instant};
+use transactional_inbox::postgres::{Outbox, PgTx};
+use transactional_inbox::redis_streams::{RedisStreamProducer, RedisStreamSource};
+use transactional_inbox::{
+    async_trait, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish,
+    TraceParent,
+};
 
 fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())

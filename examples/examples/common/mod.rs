@@ -3,8 +3,9 @@
 
 use std::time::Duration;
 
-use inbox_core::{BatchHandler, Consumer, Inbox, MessageId, MessageSource};
-use inbox_postgres::{PgInbox, PgTx};
+use transactional_inbox::postgres::sqlx;
+use transactional_inbox::postgres::{PgInbox, PgTx};
+use transactional_inbox::{BatchHandler, Consumer, Inbox, MessageId, MessageSource};
 
 pub(crate) type BoxError = Box<dyn std::error::Error>;
 

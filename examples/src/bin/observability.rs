@@ -1,6 +1,6 @@
 //! A wallet consumer run the way production runs it: Redis Streams into PostgreSQL, with
 //! Prometheus metrics (`metrics-exporter-prometheus`), `/healthz`, `/readyz` (what
-//! `inbox_core::Probes` answers) and `/metrics` served by hyper, the inbox purger with its
+//! `transactional_inbox::Probes` answers) and `/metrics` served by hyper, the inbox purger with its
 //! window gauge, and a graceful stop on SIGTERM or Ctrl-C.
 //!
 //! ```sh
@@ -24,12 +24,13 @@ use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use inbox_conformance::wallet::{self, BatchCredit};
-use inbox_core::{BoxError, Consumer, Probes};
-use inbox_postgres::{spawn_purger, PgInbox, TableName};
-use inbox_redis_streams::RedisStreamSource;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::AssertSqlSafe;
+use transactional_inbox::postgres::sqlx;
+use transactional_inbox::postgres::{spawn_purger, PgInbox, TableName};
+use transactional_inbox::redis_streams::RedisStreamSource;
+use transactional_inbox::{BoxError, Consumer, Probes};
 
 /// Histogram buckets of the `*_seconds` metrics: 1 ms to 1 min.
 const SECONDS_BUCKETS: &[f64] = &[
@@ -98,11 +99,11 @@ async fn main() -> Result<(), BoxError> {
     let prometheus = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)?
         .set_buckets_for_metric(
-            Matcher::Full(inbox_core::telemetry::BATCH_SIZE.into()),
+            Matcher::Full(transactional_inbox::telemetry::BATCH_SIZE.into()),
             BATCH_BUCKETS,
         )?
         .install_recorder()?;
-    inbox_core::describe_metrics();
+    transactional_inbox::describe_metrics();
     let upkeep = {
         let prometheus = prometheus.clone();
         tokio::spawn(async move {
@@ -123,7 +124,7 @@ async fn main() -> Result<(), BoxError> {
         .map_err(|e| {
             format!(
                 "cannot reach PostgreSQL at {}: {e}",
-                inbox_core::redact_url(&args.database_url)
+                transactional_inbox::redact_url(&args.database_url)
             )
         })?;
     sqlx::query(AssertSqlSafe(format!(

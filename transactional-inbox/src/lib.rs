@@ -3,25 +3,25 @@
 //! One dependency and a feature per broker and store:
 //!
 //! ```sh
-//! cargo add inbox -F kafka,postgres
+//! cargo add transactional-inbox -F kafka,postgres
 //! ```
 //!
 //! | feature | module | crate |
 //! |---|---|---|
 //! | (always) | the crate root: [`Consumer`], [`Handler`], [`BatchHandler`], [`MessageId`], … | `inbox-core` |
-//! | `postgres` | `inbox::postgres` (`PgInbox`, `Outbox`, `PgLeases`) | `inbox-postgres` |
-//! | `kafka` | `inbox::kafka` | `inbox-kafka` (rdkafka, librdkafka built from source) |
+//! | `postgres` | `transactional_inbox::postgres` (`PgInbox`, `Outbox`, `PgLeases`) | `inbox-postgres` |
+//! | `kafka` | `transactional_inbox::kafka` | `inbox-kafka` (rdkafka, librdkafka built from source) |
 //! | `kafka-zstd` | `kafka`, with zstd compression | `inbox-kafka`'s feature `zstd` |
-//! | `sqs` | `inbox::sqs` | `inbox-sqs` (aws-sdk-sqs) |
-//! | `rabbitmq` | `inbox::rabbitmq` | `inbox-rabbitmq` (lapin) |
-//! | `redis-streams` | `inbox::redis_streams` | `inbox-redis-streams` (redis) |
+//! | `sqs` | `transactional_inbox::sqs` | `inbox-sqs` (aws-sdk-sqs) |
+//! | `rabbitmq` | `transactional_inbox::rabbitmq` | `inbox-rabbitmq` (lapin) |
+//! | `redis-streams` | `transactional_inbox::redis_streams` | `inbox-redis-streams` (redis) |
 //! | `opentelemetry` | trace propagation | `inbox-core`'s feature |
 //!
 //! Every item of `inbox-core` is at the crate root, so a handler reads the same with either
 //! dependency:
 //!
 //! ```
-//! use inbox::{async_trait, Handler, HandlerError, Message, MessageId};
+//! use transactional_inbox::{async_trait, Handler, HandlerError, Message, MessageId};
 //!
 //! struct Audit;
 //!
@@ -57,3 +57,9 @@ pub use inbox_rabbitmq as rabbitmq;
 /// The Redis Streams adapter: [`inbox_redis_streams`].
 #[cfg(feature = "redis-streams")]
 pub use inbox_redis_streams as redis_streams;
+
+/// The README's quick start, compiled as a doctest (`no_run`: it needs the services), so the
+/// first program a user copies stays true. Its fragments are `ignore`.
+#[cfg(all(doctest, feature = "postgres", feature = "redis-streams"))]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeQuickStart;
