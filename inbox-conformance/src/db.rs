@@ -43,19 +43,26 @@ impl TestDb {
     /// When PostgreSQL cannot be reached: start it with `cargo xtask services` or set
     /// `DATABASE_URL`.
     pub async fn new() -> Self {
+        Self::at(&database_url()).await
+    }
+
+    /// [`TestDb::new`] on the server at `url` (a cluster of the test's own).
+    ///
+    /// # Panics
+    /// When that server cannot be reached.
+    pub async fn at(url: &str) -> Self {
         let schema = format!("t_{:016x}", rand::random::<u64>());
-        let url = database_url();
         let admin = PgPoolOptions::new()
             .max_connections(1)
-            .connect(&url)
+            .connect(url)
             .await
-            .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {}: {e}; run `cargo xtask services` or set DATABASE_URL", inbox_core::redact_url(&url)));
+            .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {}: {e}; run `cargo xtask services` or set DATABASE_URL", inbox_core::redact_url(url)));
         sqlx::query(AssertSqlSafe(format!("CREATE SCHEMA \"{schema}\"")))
             .execute(&admin)
             .await
             .unwrap_or_else(|e| panic!("cannot create schema {schema}: {e}"));
         admin.close().await;
-        let db = Self::attach(&schema).await;
+        let db = Self::attach_at(url, &schema).await;
         wallet::install(&db.pool)
             .await
             .unwrap_or_else(|e| panic!("cannot create the wallet tables: {e}"));
@@ -76,11 +83,18 @@ impl TestDb {
     /// # Panics
     /// When PostgreSQL cannot be reached.
     pub async fn attach(schema: &str) -> Self {
-        let url = database_url();
+        Self::attach_at(&database_url(), schema).await
+    }
+
+    /// [`TestDb::attach`] on the server at `url`.
+    ///
+    /// # Panics
+    /// When that server cannot be reached.
+    pub async fn attach_at(url: &str, schema: &str) -> Self {
         let options: PgConnectOptions = url.parse().unwrap_or_else(|e| {
             panic!(
                 "DATABASE_URL {} does not parse: {e}",
-                inbox_core::redact_url(&url)
+                inbox_core::redact_url(url)
             )
         });
         let options = options.options([("search_path", schema)]);
@@ -91,7 +105,7 @@ impl TestDb {
             .test_before_acquire(false)
             .connect_with(options)
             .await
-            .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {}: {e}; run `cargo xtask services` or set DATABASE_URL", inbox_core::redact_url(&url)));
+            .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {}: {e}; run `cargo xtask services` or set DATABASE_URL", inbox_core::redact_url(url)));
         Self {
             pool,
             schema: schema.to_owned(),

@@ -108,6 +108,7 @@ pub mod memory;
 mod network;
 mod outbox;
 pub mod outbox_table;
+pub mod pg_cluster;
 pub mod provider;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
@@ -116,6 +117,7 @@ pub mod redis;
 pub mod scenarios;
 #[cfg(feature = "sqs")]
 pub mod sqs;
+pub mod tls;
 pub mod wallet;
 mod zombie;
 

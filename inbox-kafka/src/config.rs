@@ -27,7 +27,7 @@ pub fn brokers_from_env() -> Result<String> {
 ///
 /// Every librdkafka property can be set with [`KafkaSourceBuilder::set`] (all clients: the
 /// consumer and the dead-letter producer) or [`KafkaSourceBuilder::set_consumer`] (the consumer
-/// only): TLS (`security.protocol`, `ssl.ca.location`, ... with the crate feature `ssl`), SASL
+/// only): TLS (`security.protocol`, `ssl.ca.location`, ... with the crate feature `tls`), SASL
 /// (`sasl.mechanism`, `sasl.username`, `sasl.password`), timeouts (`session.timeout.ms`,
 /// `max.poll.interval.ms`), so the same code runs against Apache Kafka, MSK, Confluent Cloud,
 /// Redpanda or Tansu.

@@ -130,7 +130,7 @@
 //! connecting fails with an error that says so (there is no default).
 //! [`KafkaSourceBuilder`] passes any librdkafka property through ([`KafkaSourceBuilder::set`],
 //! [`KafkaSourceBuilder::set_consumer`]), and so does [`KafkaProducerBuilder::set`]: TLS and
-//! SASL (enable the crate feature `ssl` for TLS and SCRAM), timeouts, assignment strategy. zstd
+//! SASL (enable the crate feature `tls` for TLS and SCRAM), timeouts, assignment strategy. zstd
 //! compression (`compression.type=zstd` on a producer, and reading batches another producer
 //! compressed with zstd) needs the crate feature `zstd`; gzip (`libz`) is always built in. A
 //! new group starts at the earliest offset (`auto.offset.reset=earliest`) unless told otherwise.

@@ -11,11 +11,11 @@
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use inbox_conformance::pg_cluster::{ClusterSettings, PgCluster};
 use inbox_conformance::wallet::{self, publish_credit, Credit};
 use inbox_conformance::TestDb;
 use inbox_core::{Consumer, Stage, StageHook};
@@ -23,128 +23,19 @@ use inbox_postgres::{PgInbox, TableName};
 use inbox_testkit::MemoryBroker;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-const CLUSTER: &str = "inbox_restart";
-
-/// The test's own PostgreSQL cluster, stopped on drop when this test started it.
-struct Cluster {
-    version: String,
-    port: u16,
-    started_here: bool,
-}
-
-impl Cluster {
-    /// The cluster, created and started as needed; `None` (and why) where that cannot be done.
-    fn up() -> Result<Self, String> {
-        let port: u16 = std::env::var("INBOX_RESTART_PG_PORT")
-            .ok()
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(5439);
-        let uid = output("id", &["-u"])?;
-        if uid.trim() != "0" {
-            return Err("needs root to run pg_createcluster and pg_ctlcluster".into());
-        }
-        let listing = output("pg_lsclusters", &["--no-header"])?;
-        let clusters: Vec<Vec<&str>> = listing
-            .lines()
-            .map(|l| l.split_whitespace().collect())
-            .filter(|f: &Vec<&str>| f.len() > 3)
-            .collect();
-        let version = clusters
-            .first()
-            .map(|f| f[0].to_owned())
-            .ok_or("pg_lsclusters lists no cluster to take the version from")?;
-        let mut started_here = false;
-        match clusters.iter().find(|f| f[1] == CLUSTER) {
-            Some(f) if f[2] != port.to_string() => {
-                return Err(format!(
-                    "cluster {CLUSTER} listens on {}, not INBOX_RESTART_PG_PORT={port}",
-                    f[2]
-                ))
-            }
-            Some(f) if f[3] == "online" => {}
-            Some(_) => {
-                run("pg_ctlcluster", &[&version, CLUSTER, "start"])?;
-                started_here = true;
-            }
-            None => {
-                run(
-                    "pg_createcluster",
-                    &[&version, CLUSTER, "--port", &port.to_string(), "--start"],
-                )?;
-                started_here = true;
-                let sql = "ALTER USER postgres PASSWORD 'postgres'; CREATE DATABASE inbox";
-                for statement in sql.split("; ") {
-                    run(
-                        "su",
-                        &[
-                            "postgres",
-                            "-c",
-                            &format!("psql -p {port} -qc \"{statement}\""),
-                        ],
-                    )?;
-                }
-            }
-        }
-        Ok(Self {
-            version,
-            port,
-            started_here,
-        })
-    }
-
-    fn url(&self) -> String {
-        format!("postgres://postgres:postgres@127.0.0.1:{}/inbox", self.port)
-    }
-
-    /// Restarts the server: fast shutdown (sessions terminated, transactions rolled back), start.
-    fn restart(&self) {
-        run(
-            "pg_ctlcluster",
-            &["--mode", "fast", &self.version, CLUSTER, "restart"],
-        )
-        .unwrap();
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        if self.started_here {
-            let _ = run("pg_ctlcluster", &[&self.version, CLUSTER, "stop"]);
-        }
-    }
-}
-
-fn output(program: &str, args: &[&str]) -> Result<String, String> {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .map_err(|e| format!("cannot run {program}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{program} {args:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn run(program: &str, args: &[&str]) -> Result<(), String> {
-    output(program, args).map(drop)
-}
-
 #[tokio::test]
 async fn a_postgresql_restart_mid_stream_loses_nothing_and_applies_nothing_twice() {
-    let cluster = match Cluster::up() {
+    let settings = ClusterSettings::default();
+    let cluster = match PgCluster::up("inbox_restart", "INBOX_RESTART_PG_PORT", 5439, &settings) {
         Ok(cluster) => cluster,
         Err(why) => {
             println!("skipped: no PostgreSQL cluster of its own to restart: {why}");
             return;
         }
     };
-    // This file holds one test, so its process talks to the restarted cluster only.
-    std::env::set_var("DATABASE_URL", cluster.url());
-    let db = TestDb::new().await;
-    let options: PgConnectOptions = cluster.url().parse().unwrap();
+    let url = cluster.url("127.0.0.1", "");
+    let db = TestDb::at(&url).await;
+    let options: PgConnectOptions = url.parse().unwrap();
     let pool = PgPoolOptions::new()
         .max_connections(2)
         .acquire_timeout(Duration::from_millis(500))
@@ -211,7 +102,7 @@ async fn a_postgresql_restart_mid_stream_loses_nothing_and_applies_nothing_twice
         .map(|t| t.saturating_duration_since(restart_done));
     println!("restart: {stats:?}; first commit {recovered:?} after the server was back");
     // A fresh pool: the test pool's sessions were terminated by the restart.
-    let check = TestDb::attach(&db.schema).await;
+    let check = TestDb::attach_at(&url, &db.schema).await;
     let summary = wallet::summary(&check.pool).await.unwrap();
     assert_eq!(summary.duplicates(), 0, "{stats:?}");
     assert_eq!(summary.lost(events), 0, "{stats:?}");

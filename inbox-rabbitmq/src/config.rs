@@ -115,7 +115,7 @@ impl RabbitSourceBuilder {
     }
 
     /// The broker to connect to (`amqp://user:pass@host:port/vhost`; `amqps://` needs the
-    /// `rustls` or `native-tls` feature), instead of `AMQP_URL`.
+    /// `tls` or `native-tls` feature), instead of `AMQP_URL`.
     pub fn url(mut self, url: impl Into<String>) -> Self {
         self.url = url.into();
         self

@@ -139,9 +139,10 @@
 //!
 //! # TLS
 //!
-//! Plain `amqp://` needs no TLS library. For `amqps://` enable this crate's `rustls` feature
-//! (rustls on aws-lc-rs, trusting the system's root certificates: lapin's `rustls-native-certs`)
-//! or its `native-tls` feature (lapin's feature of that name).
+//! Plain `amqp://` needs no TLS library. For `amqps://` enable this crate's `tls` feature
+//! (rustls on ring, trusting the system's root certificates: lapin's `rustls-native-certs`),
+//! the same name as on every crate of this workspace, or its `native-tls` feature (lapin's
+//! feature of that name).
 
 mod ack;
 mod config;

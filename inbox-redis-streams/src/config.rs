@@ -63,7 +63,8 @@ impl std::fmt::Debug for RedisStreamSourceBuilder {
 pub(crate) enum Server {
     Env,
     Url(String),
-    Client(Client),
+    /// Boxed: a client with TLS certificates is several times the other variants' size.
+    Client(Box<Client>),
 }
 
 impl std::fmt::Debug for Server {
@@ -82,7 +83,7 @@ impl Server {
         let url = match self {
             Server::Client(client) => {
                 let shown = client.get_connection_info().addr().to_string();
-                return Ok((client, shown));
+                return Ok((*client, shown));
             }
             Server::Url(url) => url,
             Server::Env => crate::url_from_env()?,
@@ -148,7 +149,7 @@ impl RedisStreamSourceBuilder {
 
     /// Connects with a client you configured instead of `REDIS_URL`.
     pub fn client(mut self, client: Client) -> Self {
-        self.server = Server::Client(client);
+        self.server = Server::Client(Box::new(client));
         self
     }
 

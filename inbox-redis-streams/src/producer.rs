@@ -78,7 +78,7 @@ impl RedisStreamProducerBuilder {
 
     /// Connects with a client you configured instead of `REDIS_URL`.
     pub fn client(mut self, client: Client) -> Self {
-        self.server = Server::Client(client);
+        self.server = Server::Client(Box::new(client));
         self
     }
 

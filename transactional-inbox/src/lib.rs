@@ -16,6 +16,7 @@
 //! | `rabbitmq` | `transactional_inbox::rabbitmq` | `inbox-rabbitmq` (lapin) |
 //! | `redis-streams` | `transactional_inbox::redis_streams` | `inbox-redis-streams` (redis) |
 //! | `opentelemetry` | trace propagation | `inbox-core`'s feature |
+//! | `tls` (default) | TLS on every connection: rustls on ring where the client allows (PostgreSQL: `sslmode=verify-full&sslrootcert=…` in the URL; `rediss://`; `amqps://`), Kafka through the system's OpenSSL | each crate's feature `tls` |
 //!
 //! Every item of `inbox-core` is at the crate root, so a handler reads the same with either
 //! dependency:

@@ -1,0 +1,162 @@
+//! Redis over TLS only (feature `tls`): a `redis-server` of the test's own, listening with TLS
+//! alone on a free port, with a certificate from a CA made at test time. The consumer and the
+//! producer run over `rediss://`; a wrong CA, a wrong host name and a plaintext `redis://` are
+//! refused, each with an error that says why, and none hangs.
+
+#![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use inbox_conformance::tls::TestCa;
+use inbox_conformance::wallet::{self, Credit, CreditEvent};
+use inbox_conformance::{unique_name, TestDb};
+use inbox_core::{Consumer, MessageId, OutgoingMessage, Publish};
+use inbox_redis_streams::redis::{Client, TlsCertificates};
+use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
+use inbox_testkit::eventually;
+
+/// A `redis-server` taking TLS only; killed on drop.
+struct TlsRedis {
+    process: Child,
+    port: u16,
+}
+
+impl TlsRedis {
+    async fn start(ca: &TestCa) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let path = |p: &Path| p.display().to_string();
+        let process = Command::new("redis-server")
+            .args(["--port", "0", "--tls-port", &port.to_string()])
+            .args([
+                "--tls-cert-file",
+                &path(&ca.cert),
+                "--tls-key-file",
+                &path(&ca.key),
+            ])
+            .args([
+                "--tls-ca-cert-file",
+                &path(&ca.ca),
+                "--tls-auth-clients",
+                "no",
+            ])
+            .args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server (run `cargo xtask services` to install it)");
+        let up = eventually(Duration::from_secs(10), || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+        })
+        .await;
+        assert!(up, "the TLS redis-server did not listen on {port}");
+        Self { process, port }
+    }
+
+    /// A client of `url` trusting `ca`.
+    fn client(url: &str, ca: &TestCa) -> Client {
+        let root_cert = std::fs::read(&ca.ca).unwrap();
+        let certificates = TlsCertificates {
+            client_tls: None,
+            root_cert: Some(root_cert),
+        };
+        Client::build_with_tls(url, certificates).unwrap()
+    }
+}
+
+impl Drop for TlsRedis {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
+/// The error of a producer connecting through `client`, within 10 s.
+async fn connect_error(client: Client) -> String {
+    let started = Instant::now();
+    let connecting = RedisStreamProducer::builder()
+        .client(client)
+        .operation_timeout(Duration::from_secs(3))
+        .connect();
+    let result = tokio::time::timeout(Duration::from_secs(10), connecting)
+        .await
+        .expect("connecting hangs");
+    let Err(error) = result else {
+        panic!("connected")
+    };
+    let error = error.to_string();
+    println!("refused in {:?}: {error}", started.elapsed());
+    error
+}
+
+#[tokio::test]
+async fn a_consumer_runs_over_tls_and_wrong_certificates_or_plaintext_are_refused_clearly() {
+    let dir = std::env::temp_dir().join(unique_name("inbox-redis-tls"));
+    let ca = TestCa::new(&dir.join("server"), &["localhost"]).unwrap();
+    let other_ca = TestCa::new(&dir.join("other"), &["localhost"]).unwrap();
+    let redis = TlsRedis::start(&ca).await;
+    let url = |scheme: &str, host: &str| format!("{scheme}://{host}:{}", redis.port);
+
+    // End to end over rediss://: every credit once.
+    let db = TestDb::new().await;
+    let stream = unique_name("tls");
+    let client = TlsRedis::client(&url("rediss", "localhost"), &ca);
+    let producer = RedisStreamProducer::builder()
+        .client(client.clone())
+        .connect()
+        .await
+        .unwrap();
+    let events: i64 = 200;
+    let mut batch = Vec::new();
+    for i in 0..events {
+        let message =
+            OutgoingMessage::new(MessageId::generate(), CreditEvent::new(i % 7, 1).to_json());
+        if i % 10 == 0 {
+            batch.push(message.clone()); // a resent copy
+        }
+        batch.push(message);
+    }
+    producer.send_batch(&stream, &batch).await.unwrap();
+    let source = RedisStreamSource::builder(&stream, "wallet")
+        .client(client)
+        .poll_timeout(Duration::from_millis(200))
+        .connect()
+        .await
+        .unwrap();
+    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+        .batch_size(20)
+        .run_until_idle()
+        .await
+        .unwrap();
+    let summary = wallet::summary(&db.pool).await.unwrap();
+    println!("over TLS: {stats:?}; {summary:?}");
+    assert_eq!(
+        (summary.duplicates(), summary.lost(events)),
+        (0, 0),
+        "{summary:?}"
+    );
+    assert_eq!(stats.skipped_duplicates, 20);
+    db.drop().await;
+
+    // A certificate from a CA the client does not trust.
+    let wrong_ca = connect_error(TlsRedis::client(&url("rediss", "localhost"), &other_ca)).await;
+    assert!(wrong_ca.contains("UnknownIssuer"), "{wrong_ca}");
+
+    // A certificate for another name: issued for localhost, reached as 127.0.0.1.
+    let wrong_name = connect_error(TlsRedis::client(&url("rediss", "127.0.0.1"), &ca)).await;
+    assert!(wrong_name.contains("not valid for name"), "{wrong_name}");
+
+    // Plaintext to a server that takes TLS only.
+    let plaintext = connect_error(Client::open(url("redis", "127.0.0.1")).unwrap()).await;
+    assert!(
+        plaintext.contains("Connection reset by peer"),
+        "{plaintext}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
