@@ -45,7 +45,7 @@ use inbox_core::{
     SourceError, StoreError, Transaction,
 };
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 
 /// Seeds a plain `cargo test` runs.
 const CI_SEEDS: u64 = 5_000;

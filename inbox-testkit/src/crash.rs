@@ -53,7 +53,7 @@ use inbox_core::{
     InboxStore, InvalidId, Message, MessageId, MessageSource, SourceError, Stage, StoreError,
 };
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use tokio::sync::Notify;
 
 /// Where a [`Crash`] stopped the consumer.

@@ -18,7 +18,7 @@ use inbox_conformance::TestDb;
 use inbox_core::{BoxError, OutgoingMessage};
 use inbox_postgres::PgLeases;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use sqlx::AssertSqlSafe;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Child;

@@ -9,7 +9,7 @@ use inbox_conformance::wallet::{self, CreditEvent};
 use inbox_conformance::TestDb;
 use inbox_core::{BoxError, OutgoingMessage};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 

@@ -11,7 +11,7 @@ use inbox_core::{Consumer, InboxStore};
 use inbox_postgres::PgTx;
 use inbox_testkit::{Crash, MemoryBroker, WithoutInbox};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 
 use crate::cli::{positive, probability};
 

@@ -12,7 +12,7 @@ use inbox_conformance::wallet::CreditEvent;
 use inbox_conformance::TestDb;
 use inbox_core::{BoxError, OutgoingMessage};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use tokio::process::Child;
 
 use crate::brokers::{self, Broker};
