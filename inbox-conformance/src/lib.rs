@@ -295,6 +295,7 @@ macro_rules! suite {
             headers_written_with_an_outbox_row_reach_the_consumer,
             a_black_holed_connection_is_given_up_and_replaced,
             connections_cut_again_and_again_lose_and_repeat_nothing,
+            a_refused_broker_is_retried_until_it_is_back,
         );
         /// The consumer process of the kill scenario, started by it; not a test of its own.
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

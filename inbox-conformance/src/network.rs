@@ -1,5 +1,5 @@
 //! The network between the consumer and the broker fails while it consumes: its connections are
-//! black-holed, or cut again and again, through a [`FaultProxy`]
+//! black-holed, cut again and again, or refused, through a [`FaultProxy`]
 //! ([`TestQueue::proxied_source`]). Credits are sent at a steady pace straight to the broker
 //! meanwhile; each fault must end, once the network is back, with every credit in the ledger
 //! exactly once, nothing left on the broker and nothing dead-lettered, without restarting the
@@ -53,6 +53,8 @@ enum Fault {
     Blackhole,
     /// Every open connection is cut, 15 times, 300 ms apart.
     Cuts,
+    /// New connections are closed at once and open ones cut, for 5 s: a broker that went away.
+    Refused,
 }
 
 impl Fault {
@@ -69,6 +71,11 @@ impl Fault {
                     tokio::time::sleep(Duration::from_millis(300)).await;
                     proxy.cut();
                 }
+            }
+            Fault::Refused => {
+                proxy.set_mode(ProxyMode::Refuse);
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                proxy.set_mode(ProxyMode::Pass);
             }
         }
     }
@@ -225,6 +232,20 @@ pub async fn connections_cut_again_and_again_lose_and_repeat_nothing<B: TestBrok
     let (db, queue) = setup(broker, "cuts").await;
     if let Some((run, total)) = consume_through("cuts", &db, &queue, Fault::Cuts).await {
         assert_exactly_once(&run, total);
+    }
+    finish(db, queue).await;
+}
+
+/// The broker refuses the consumer's connections for 5 s: it fails, backs off and carries on
+/// once the broker is back, with nothing dead-lettered for the outage.
+pub async fn a_refused_broker_is_retried_until_it_is_back<B: TestBroker>(broker: &B) {
+    let (db, queue) = setup(broker, "refused").await;
+    if let Some((run, total)) = consume_through("refused", &db, &queue, Fault::Refused).await {
+        assert_exactly_once(&run, total);
+        assert!(
+            run.stats.errors + run.stats.ack_failures > 0,
+            "the refusal was not felt: {run:?}"
+        );
     }
     finish(db, queue).await;
 }
