@@ -169,6 +169,7 @@ impl TestQueue for Queue {
             source,
             proxy,
             blackhole: Duration::from_secs(10),
+            counts_faults: true,
         })
     }
 

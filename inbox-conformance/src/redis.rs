@@ -144,6 +144,7 @@ impl TestQueue for Stream {
             source,
             proxy,
             blackhole: Duration::from_secs(4),
+            counts_faults: true,
         })
     }
 
