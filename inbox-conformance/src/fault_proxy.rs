@@ -21,17 +21,28 @@ pub enum ProxyMode {
     Blackhole,
 }
 
-/// A proxy from a loopback port to `upstream`, stopped when dropped.
+/// A proxy from a loopback port to `upstream`, stopped when its last clone is dropped.
 ///
 /// Point the client at [`FaultProxy::addr`], then switch modes while it runs. Switching to
 /// [`ProxyMode::Refuse`] or [`FaultProxy::cut`] closes every open connection, including one in
 /// the middle of a request (a `COMMIT` whose outcome the client never learns).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct FaultProxy {
     addr: SocketAddr,
     mode: watch::Sender<ProxyMode>,
     cuts: watch::Sender<u64>,
-    accept: JoinHandle<()>,
+    _accept: Arc<Accepting>,
+}
+
+/// The accepting task, stopped (and every connection closed) when the last clone goes.
+#[derive(Debug)]
+struct Accepting(JoinHandle<()>, watch::Sender<ProxyMode>);
+
+impl Drop for Accepting {
+    fn drop(&mut self) {
+        self.0.abort();
+        self.1.send_replace(ProxyMode::Refuse);
+    }
 }
 
 impl FaultProxy {
@@ -53,9 +64,9 @@ impl FaultProxy {
         });
         Ok(Self {
             addr,
+            _accept: Arc::new(Accepting(accept, mode.clone())),
             mode,
             cuts,
-            accept,
         })
     }
 
@@ -72,13 +83,6 @@ impl FaultProxy {
     /// Closes every open connection; new ones are served as the mode says.
     pub fn cut(&self) {
         self.cuts.send_modify(|n| *n += 1);
-    }
-}
-
-impl Drop for FaultProxy {
-    fn drop(&mut self) {
-        self.accept.abort();
-        self.set_mode(ProxyMode::Refuse);
     }
 }
 

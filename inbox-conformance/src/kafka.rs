@@ -2,13 +2,18 @@
 //! of its own, read by the group `<topic>-group` and dead-lettered to `<topic>.dlq`.
 //!
 //! The brokers come from `KAFKA_BROKERS` (default `127.0.0.1:9092`); with `KAFKA_MOCK_CONTROL`
-//! set, topics are created through librdkafka's mock cluster (`kafka-mock --control`).
+//! set, topics are created through librdkafka's mock cluster (`kafka-mock --control`). The
+//! network-fault scenarios run on a twin of the topic on a Tansu of their own, which advertises
+//! the fault proxy in front of it (`TANSU` names the binary, default `~/.cargo/bin/tansu`).
 
 mod member;
+mod private;
 mod topics;
 
 pub use member::Member;
+use private::PrivateTansu;
 pub use topics::{create_topic, header, lag, mock_control, read_all};
+use topics::{create_topic_on, lag_on, read_all_on};
 
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
@@ -21,7 +26,7 @@ use inbox_kafka::rdkafka::producer::FutureRecord;
 use inbox_kafka::rdkafka::Message as _;
 use inbox_kafka::{KafkaProducer, KafkaProducerBuilder, KafkaSource, KafkaSourceBuilder};
 
-use crate::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
+use crate::{async_trait, DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// The local broker `cargo xtask services` starts: the tests' default, never the adapter's.
 pub const LOCAL_BROKERS: &str = "127.0.0.1:9092";
@@ -140,9 +145,9 @@ impl Kafka {
         self
     }
 
-    fn producer_builder(&self) -> KafkaProducerBuilder {
+    fn producer_builder(&self, brokers: &str) -> KafkaProducerBuilder {
         let builder = KafkaProducer::builder()
-            .brokers(brokers())
+            .brokers(brokers)
             .operation_timeout(self.delivery_timeout);
         if self.one_record_per_batch {
             builder.set("batch.num.messages", "1")
@@ -151,8 +156,23 @@ impl Kafka {
         }
     }
 
-    async fn producer(&self) -> KafkaProducer {
-        self.producer_builder().connect().await.expect("producer")
+    async fn producer(&self, brokers: &str) -> KafkaProducer {
+        self.producer_builder(brokers)
+            .connect()
+            .await
+            .expect("producer")
+    }
+
+    fn topic(&self, name: &str, brokers: String, producer: KafkaProducer) -> Topic {
+        Topic {
+            group: format!("{name}-group"),
+            name: name.to_owned(),
+            kafka: *self,
+            producer,
+            next: AtomicI32::new(0),
+            brokers,
+            private: None,
+        }
     }
 }
 
@@ -166,6 +186,10 @@ pub struct Topic {
     /// The partition of the next send: round robin, so that two sends of one ID in a row land
     /// on different partitions.
     next: AtomicI32,
+    /// The broker: `KAFKA_BROKERS`, or the proxy of `private`.
+    brokers: String,
+    /// The broker of this topic's own, where it is a twin for the network-fault scenarios.
+    private: Option<PrivateTansu>,
 }
 
 #[async_trait]
@@ -180,13 +204,8 @@ impl TestBroker for Kafka {
     }
 
     async fn attach(&self, name: &str) -> Topic {
-        Topic {
-            group: format!("{name}-group"),
-            name: name.to_owned(),
-            kafka: *self,
-            producer: self.producer().await,
-            next: AtomicI32::new(0),
-        }
+        let producer = self.producer(&brokers()).await;
+        self.topic(name, brokers(), producer)
     }
 }
 
@@ -201,6 +220,7 @@ impl Topic {
         // the first and stopped. Hence a 100 ms wait under a 500 ms poll, and a 200 ms heartbeat
         // so that a member sees the rebalance of a second member's join sooner.
         config(&self.name, &self.group)
+            .brokers(&self.brokers)
             .set_consumer(
                 "session.timeout.ms",
                 self.kafka.session_timeout.as_millis().to_string(),
@@ -255,11 +275,59 @@ impl TestQueue for Topic {
         })
     }
 
-    async fn proxied_source(&self, _member: &str) -> Option<Proxied<Member>> {
-        // A Kafka client connects to the address the broker advertises, not the one it was
-        // given: a proxy in front of the shared broker would carry only the bootstrap.
-        // inbox-kafka's tests/network_faults.rs runs a broker of its own, advertising its proxy.
-        None
+    async fn proxied_source(&self, member: &str) -> Option<Proxied<Member>> {
+        // Only on a twin: a proxy in front of the shared broker would carry only the bootstrap.
+        let proxy = self.private.as_ref()?.proxy.clone();
+        // A request without an answer for 3 s closes its connection, and a new one is made.
+        let source = self
+            .builder(member)
+            .operation_timeout(Duration::from_secs(3))
+            .connect()
+            .await
+            .expect("kafka source");
+        Some(Proxied {
+            source: Member::new(source),
+            proxy,
+            blackhole: Duration::from_secs(8),
+            counts_faults: false,
+        })
+    }
+
+    async fn proxied_twin(&self) -> Option<Topic> {
+        if mock_control().is_some() {
+            println!(
+                "no proxied twin on librdkafka's mock cluster (KAFKA_MOCK_CONTROL is set): it \
+                 advertises its own listeners, so clients would bypass a proxy; the Tansu run \
+                 covers the network faults"
+            );
+            return None;
+        }
+        let tansu = PrivateTansu::start().await;
+        let brokers = tansu.brokers();
+        create_topic_on(&brokers, &self.name, self.kafka.partitions).await;
+        create_topic_on(&brokers, &format!("{}.dlq", self.name), 1).await;
+        // The producer's connections cross the proxy too: a request lost in a black hole is
+        // given up after 3 s and sent again, well within the minute a send may take.
+        let producer = Kafka {
+            delivery_timeout: self.kafka.delivery_timeout.max(Duration::from_secs(60)),
+            ..self.kafka
+        }
+        .producer_builder(&brokers)
+        .set("socket.timeout.ms", "3000")
+        .connect()
+        .await
+        .expect("producer");
+        let mut twin = self.kafka.topic(&self.name, brokers, producer);
+        twin.private = Some(tansu);
+        Some(twin)
+    }
+
+    async fn restartable(&self) -> Result<Restartable<Topic>, String> {
+        Err(
+            "the Tansu built here keeps topics in memory only, so a restart would lose them \
+             (inbox-kafka's tests/mock_cluster.rs restarts librdkafka's mock brokers)"
+                .into(),
+        )
     }
 
     /// Offsets acked on receipt and committed every 5 s: `enable.auto.commit` with its default
@@ -281,7 +349,7 @@ impl TestQueue for Topic {
     }
 
     async fn producer(&self) -> Arc<dyn Publish> {
-        Arc::new(self.kafka.producer().await)
+        Arc::new(self.kafka.producer(&self.brokers).await)
     }
 
     fn destination(&self) -> String {
@@ -289,7 +357,7 @@ impl TestQueue for Topic {
     }
 
     async fn dead_letters(&self) -> Vec<DeadLetter> {
-        read_all(&format!("{}.dlq", self.name))
+        read_all_on(&self.brokers, &format!("{}.dlq", self.name))
             .await
             .iter()
             .map(|letter| DeadLetter {
@@ -305,8 +373,8 @@ impl TestQueue for Topic {
         // Per partition, the records after the group's committed offset (all of them before
         // its first commit).
         let (topic, group) = (self.name.clone(), self.group.clone());
-        let partitions = self.kafka.partitions;
-        let lag = tokio::task::spawn_blocking(move || lag(&topic, &group, partitions))
+        let (brokers, partitions) = (self.brokers.clone(), self.kafka.partitions);
+        let lag = tokio::task::spawn_blocking(move || lag_on(&brokers, &topic, &group, partitions))
             .await
             .expect("lag task");
         u64::try_from(lag).unwrap_or(0)

@@ -8,8 +8,8 @@
 //! dead-letter destination with its payload and a reason. They cover duplicates, crashes at each
 //! stage and of the whole process, racing members, retries and dead letters, batches, a member
 //! that loses its message to another while its handler stalls (a "zombie"), the outbox relay
-//! (forwarding, a lost confirm, two relays at once, a row's headers) and network faults (a black hole, cut
-//! connections).
+//! (forwarding, a lost confirm, two relays at once, a row's headers), network faults (a black
+//! hole, cut connections, a refused broker) and a broker restart.
 //!
 //! Every source a scenario runs is held to what it reports of itself
 //! ([`MessageSource::capabilities`], see [`Checked`]):
@@ -91,10 +91,13 @@
 //! `cargo test --test conformance` then runs every scenario; the kill scenario starts the test
 //! binary again as its consumer process (the ignored test `conformance_child`) and SIGKILLs it.
 //! An adapter that cannot offer a scenario what it needs (a broker that cannot take a message
-//! away from a stalled consumer, one no proxy can stand in front of) returns `None` from
-//! [`TestQueue::losing_source`] or [`TestQueue::proxied_source`], and the scenario says why it
-//! is skipped. The adapter keeps only the tests of what is its own (rebalances, visibility
-//! heartbeats, `XAUTOCLAIM`, FIFO groups, broker restarts).
+//! away from a stalled consumer, one no proxy can stand in front of, one no test may restart)
+//! returns `None` from [`TestQueue::losing_source`] or [`TestQueue::proxied_source`], or an
+//! error from [`TestQueue::restartable`], and the scenario says why it is skipped. Where a proxy
+//! in front of the shared broker cannot carry every connection, [`TestQueue::proxied_twin`]
+//! gives the network-fault scenarios a queue on a broker of the adapter's own. The adapter keeps
+//! only the tests of what is its own (rebalances, visibility heartbeats, `XAUTOCLAIM`, FIFO
+//! groups).
 
 mod checked;
 pub mod child;
@@ -125,6 +128,7 @@ pub use checked::Checked;
 pub use db::{database_url, partitioned_layout, TestDb};
 pub use fault_proxy::{FaultProxy, ProxyMode};
 pub use fault_run::{wait_for_a_third, FaultRun, Restored};
+pub use network::{Restart, Restartable};
 pub use provider::TestProvider;
 
 pub use async_trait::async_trait;
@@ -180,6 +184,10 @@ pub struct Proxied<S> {
     /// How long a black hole lasts: past the moment the source gives up on a silent
     /// connection, so that its first reconnects land in the hole too.
     pub blackhole: Duration,
+    /// Whether the consumer counts the faults as errors or failed acks; `false` where the
+    /// client rides them out by itself and only logs them (librdkafka reconnects and resends on
+    /// its own), and the scenarios check instead that it applies again soon after.
+    pub counts_faults: bool,
 }
 
 /// A broker under test: each scenario asks it for a queue of its own.
@@ -239,12 +247,35 @@ pub trait TestQueue: Send + Sync + 'static {
     }
 
     /// A source of `member` whose connections to the broker go through a [`FaultProxy`] that
-    /// the network-fault scenarios black-hole and cut, with how long a black hole lasts; `None`
-    /// where no proxy can stand between the broker and its clients (Kafka clients connect to
-    /// the address the broker advertises), and those scenarios are skipped with the reason
-    /// printed. The source should give up on a silent connection within seconds (an operation
-    /// timeout, a heartbeat).
+    /// the network-fault scenarios black-hole, cut and refuse, with how long a black hole lasts;
+    /// `None` where no proxy can stand between the broker and its clients (an HTTPS endpoint,
+    /// the shared Kafka broker), and those scenarios are skipped with the reason printed. The
+    /// source should give up on a silent connection within seconds (an operation timeout, a
+    /// heartbeat).
     async fn proxied_source(&self, member: &str) -> Option<Proxied<Self::Source>>;
+
+    /// A queue like this one on a broker of the adapter's own, which the network-fault scenarios
+    /// send to, consume through [`TestQueue::proxied_source`] and inspect instead of this one,
+    /// where a proxy in front of the shared broker would not carry every connection: a Kafka
+    /// client connects to the address the broker advertises, so Kafka's twin is a topic on a
+    /// private Tansu that advertises its proxy (killed when the twin is dropped). Default:
+    /// `None`, the scenarios run on this queue.
+    async fn proxied_twin(&self) -> Option<Self>
+    where
+        Self: Sized,
+    {
+        None
+    }
+
+    /// A queue like this one on a server the broker-restart scenario may stop and start again
+    /// (Redis: a `redis-server` of its own with an append-only file), or why there is none, which
+    /// the scenario prints as it skips. Default: none.
+    async fn restartable(&self) -> Result<Restartable<Self>, String>
+    where
+        Self: Sized,
+    {
+        Err("the adapter offers no server a test may restart".into())
+    }
 
     /// A source of `member` that acks each message as it receives it, before the handler runs:
     /// the anti-pattern, for tools that show what it loses when a consumer dies. Default:
@@ -307,6 +338,8 @@ macro_rules! suite {
             headers_written_with_an_outbox_row_reach_the_consumer,
             a_black_holed_connection_is_given_up_and_replaced,
             connections_cut_again_and_again_lose_and_repeat_nothing,
+            a_refused_broker_is_retried_until_it_is_back,
+            a_broker_restarted_mid_stream_loses_and_repeats_nothing,
         );
         /// The consumer process of the kill scenario, started by it; not a test of its own.
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,6 +6,7 @@
 
 mod address;
 mod admin;
+mod restart;
 
 pub use address::{amqp_url, broker_addr, url_via, LOCAL_AMQP_URL};
 use admin::ready_on;
@@ -23,7 +24,7 @@ use inbox_core::Publish;
 use inbox_rabbitmq::lapin::BasicProperties;
 use inbox_rabbitmq::{RabbitProducer, RabbitSource, RabbitSourceBuilder};
 
-use crate::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
+use crate::{async_trait, DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// A config for a fresh, randomly named queue, `label` in its name and its connection's.
 pub fn fresh_config(label: &str) -> RabbitSourceBuilder {
@@ -44,16 +45,18 @@ pub async fn publisher(config: &RabbitSourceBuilder) -> RabbitProducer {
 }
 
 /// RabbitMQ under test. The default is the suite's: receives that wait 200 ms, queues declared
-/// with the adapter's default `x-delivery-limit`.
+/// with the adapter's default `x-delivery-limit`, and a broker no scenario restarts.
 #[derive(Debug, Clone, Copy)]
 pub struct RabbitMq {
     delivery_limit: bool,
+    restarts: bool,
 }
 
 impl Default for RabbitMq {
     fn default() -> Self {
         Self {
             delivery_limit: true,
+            restarts: false,
         }
     }
 }
@@ -67,11 +70,21 @@ impl RabbitMq {
         self.delivery_limit = false;
         self
     }
+
+    /// Lets the broker-restart scenario stop and start the broker's application
+    /// (`rabbitmqctl stop_app`, 3 s, `start_app`; default off). Every other test on the broker
+    /// fails meanwhile: for a test binary of its own (cargo runs them one after another), not
+    /// for the suite's, whose scenarios run at once.
+    pub fn restarts(mut self, on: bool) -> Self {
+        self.restarts = on;
+        self
+    }
 }
 
 /// A quorum queue of its own; its dead letters go to `<queue>.dlq`.
 #[derive(Debug)]
 pub struct Queue {
+    broker: RabbitMq,
     config: RabbitSourceBuilder,
     publisher: RabbitProducer,
     /// What `dead_letters` took off the DLQ so far.
@@ -94,6 +107,7 @@ impl TestBroker for RabbitMq {
             config = config.no_delivery_limit();
         }
         Queue {
+            broker: *self,
             publisher: publisher(&config).await, // declares the queue and its DLQ
             config,
             parked: Mutex::default(),
@@ -169,6 +183,21 @@ impl TestQueue for Queue {
             source,
             proxy,
             blackhole: Duration::from_secs(10),
+            counts_faults: true,
+        })
+    }
+
+    async fn restartable(&self) -> Result<Restartable<Queue>, String> {
+        if !self.broker.restarts {
+            return Err(
+                "restarting the shared broker would fail every scenario running beside \
+                        it; inbox-rabbitmq's tests/broker_restart.rs runs this one alone"
+                    .into(),
+            );
+        }
+        Ok(Restartable {
+            queue: self.broker.attach(self.config.queue()).await,
+            server: Box::<restart::App>::default(),
         })
     }
 

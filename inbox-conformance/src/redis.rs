@@ -4,8 +4,11 @@
 //! Redis is found at `REDIS_URL` (default `redis://127.0.0.1:6379`).
 
 mod inspect;
+mod private;
 
 pub use inspect::{cleanup, dead_letters, lag, pending, pending_with, raw, xadd_raw};
+use inspect::{cleanup_with, dead_letters_with, lag_with, raw_at, xadd_with};
+use private::PrivateRedis;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,7 +19,7 @@ use inbox_core::Publish;
 use inbox_redis_streams::redis::{Client, ConnectionAddr, IntoConnectionInfo};
 use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource, RedisStreamSourceBuilder};
 
-use crate::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
+use crate::{async_trait, DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// The consumer group of every source.
 pub const GROUP: &str = "wallet";
@@ -69,6 +72,8 @@ fn source_builder(stream: &str, member: &str) -> RedisStreamSourceBuilder {
 #[derive(Debug)]
 pub struct Stream {
     key: String,
+    /// The server: `REDIS_URL`, or a private one's.
+    url: String,
 }
 
 #[async_trait]
@@ -82,6 +87,7 @@ impl TestBroker for Redis {
     async fn attach(&self, name: &str) -> Stream {
         Stream {
             key: name.to_owned(),
+            url: redis_url(),
         }
     }
 }
@@ -96,14 +102,18 @@ impl TestQueue for Stream {
 
     async fn send(&self, id: Option<&str>, payload: &[u8]) {
         let payload = String::from_utf8_lossy(payload);
+        let conn = &mut raw_at(&self.url).await;
         match id {
-            Some(id) => xadd_raw(&self.key, &[("event_id", id), ("payload", &payload)]).await,
-            None => xadd_raw(&self.key, &[("payload", &payload)]).await,
+            Some(id) => {
+                xadd_with(conn, &self.key, &[("event_id", id), ("payload", &payload)]).await
+            }
+            None => xadd_with(conn, &self.key, &[("payload", &payload)]).await,
         };
     }
 
     async fn source(&self, member: &str) -> RedisStreamSource {
         source_builder(&self.key, member)
+            .url(&self.url)
             .connect()
             .await
             .expect("source connects")
@@ -144,6 +154,18 @@ impl TestQueue for Stream {
             source,
             proxy,
             blackhole: Duration::from_secs(4),
+            counts_faults: true,
+        })
+    }
+
+    async fn restartable(&self) -> Result<Restartable<Stream>, String> {
+        let server = PrivateRedis::start().await;
+        Ok(Restartable {
+            queue: Stream {
+                key: self.key.clone(),
+                url: server.url(),
+            },
+            server: Box::new(server),
         })
     }
 
@@ -167,7 +189,7 @@ impl TestQueue for Stream {
                 .map(|(_, v)| v.clone())
                 .unwrap_or_default()
         };
-        dead_letters(&self.key)
+        dead_letters_with(&mut raw_at(&self.url).await, &self.key)
             .await
             .iter()
             .map(|entry| DeadLetter {
@@ -180,12 +202,13 @@ impl TestQueue for Stream {
     async fn left(&self) -> u64 {
         // Delivered and not acked, and not delivered yet (a stream no consumer read has no
         // group: everything in it is left).
-        let pending = pending(&self.key).await;
-        let lag = lag(&self.key).await;
+        let conn = &mut raw_at(&self.url).await;
+        let pending = pending_with(conn, &self.key).await;
+        let lag = lag_with(conn, &self.key).await;
         u64::try_from(pending + lag).unwrap_or(0)
     }
 
     async fn cleanup(&self) {
-        cleanup(&self.key).await;
+        cleanup_with(&mut raw_at(&self.url).await, &self.key).await;
     }
 }

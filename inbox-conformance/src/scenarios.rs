@@ -20,6 +20,8 @@ pub use crate::kill::{
 };
 pub use crate::network::{
     a_black_holed_connection_is_given_up_and_replaced,
+    a_broker_restarted_mid_stream_loses_and_repeats_nothing,
+    a_refused_broker_is_retried_until_it_is_back,
     connections_cut_again_and_again_lose_and_repeat_nothing,
 };
 pub use crate::outbox::{

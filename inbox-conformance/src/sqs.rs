@@ -24,7 +24,7 @@ use inbox_sqs::aws_sdk_sqs::types::{
 use inbox_sqs::aws_sdk_sqs::Client;
 use inbox_sqs::{SqsProducer, SqsSource, SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
 
-use crate::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
+use crate::{async_trait, DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// SQS under test, with the suite's timings: a 2 s visibility timeout, and receives that wait
 /// 1 s longer than it.
@@ -154,7 +154,12 @@ impl TestQueue for Queue {
             // Longer than a delete and then a receive can take to fail, and several visibility
             // timeouts: receives, deletes and heartbeat extensions all hang and time out.
             blackhole: Duration::from_secs(12),
+            counts_faults: true,
         })
+    }
+
+    async fn restartable(&self) -> Result<Restartable<Queue>, String> {
+        Err("moto keeps its queues in memory, so a restart would lose them".into())
     }
 
     fn redelivery_delay(&self) -> Duration {

@@ -116,8 +116,8 @@
 //!   sees them: those messages are redelivered once the broker drops the connection, and the
 //!   inbox skips them. A reconnect that reaches a broker that never answers gives up after
 //!   [`RabbitSourceBuilder::operation_timeout`] ([`Error::ConnectTimeout`]) and is tried again.
-//!   `tests/network_faults.rs` and `tests/broker_restart.rs` black-hole, cut and restart the
-//!   broker mid-stream and check that every event is applied once.
+//!   The conformance suite's network-fault scenarios and `tests/broker_restart.rs` black-hole,
+//!   cut, refuse and restart the broker mid-stream and check that every event is applied once.
 //! - **Nack** (the core hands a message back after a store error) is a delayed requeue: a
 //!   spawned task waits `retry_after`, then sends `basic.nack` with `requeue = true`. The waiting
 //!   message holds one prefetch slot; the others keep flowing, so it cannot starve the queue.

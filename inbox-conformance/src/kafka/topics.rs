@@ -22,12 +22,7 @@ pub fn mock_control() -> Option<String> {
 /// through `kafka-mock --control`.
 pub async fn create_topic(topic: &str, partitions: i32) {
     let Some(control) = mock_control() else {
-        KafkaAdmin::new(&super::brokers())
-            .expect("admin client")
-            .create_topic(topic, partitions)
-            .await
-            .unwrap_or_else(|e| panic!("creating topic `{topic}`: {e}"));
-        return;
+        return create_topic_on(&super::brokers(), topic, partitions).await;
     };
     let talk = async {
         let mut stream = tokio::net::TcpStream::connect(&control).await?;
@@ -49,9 +44,18 @@ pub async fn create_topic(topic: &str, partitions: i32) {
     );
 }
 
-fn plain_consumer(group: &str) -> BaseConsumer {
+/// Creates `topic` with `partitions` partitions on `brokers`, with the admin API.
+pub(super) async fn create_topic_on(brokers: &str, topic: &str, partitions: i32) {
+    KafkaAdmin::new(brokers)
+        .expect("admin client")
+        .create_topic(topic, partitions)
+        .await
+        .unwrap_or_else(|e| panic!("creating topic `{topic}` on {brokers}: {e}"));
+}
+
+fn plain_consumer(brokers: &str, group: &str) -> BaseConsumer {
     ClientConfig::new()
-        .set("bootstrap.servers", super::brokers())
+        .set("bootstrap.servers", brokers)
         .set("group.id", group)
         .set("enable.auto.commit", "false")
         .create()
@@ -61,8 +65,13 @@ fn plain_consumer(group: &str) -> BaseConsumer {
 /// Records not yet committed by `group`, summed over the partitions of `topic` (blocking:
 /// call it from `spawn_blocking`).
 pub fn lag(topic: &str, group: &str, partitions: i32) -> i64 {
+    lag_on(&super::brokers(), topic, group, partitions)
+}
+
+/// [`lag`] on `brokers`.
+pub(super) fn lag_on(brokers: &str, topic: &str, group: &str, partitions: i32) -> i64 {
     // Never subscribes, so it never joins the group: it only reads the group's offsets.
-    let consumer = plain_consumer(group);
+    let consumer = plain_consumer(brokers, group);
     let mut list = TopicPartitionList::new();
     for p in 0..partitions {
         list.add_partition(topic, p);
@@ -86,9 +95,14 @@ pub fn lag(topic: &str, group: &str, partitions: i32) -> i64 {
 
 /// Every record on partition 0 of `topic`.
 pub async fn read_all(topic: &str) -> Vec<OwnedMessage> {
-    let topic = topic.to_owned();
+    read_all_on(&super::brokers(), topic).await
+}
+
+/// [`read_all`] on `brokers`.
+pub(super) async fn read_all_on(brokers: &str, topic: &str) -> Vec<OwnedMessage> {
+    let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
     tokio::task::spawn_blocking(move || {
-        let consumer = plain_consumer(&crate::unique_name("reader"));
+        let consumer = plain_consumer(&brokers, &crate::unique_name("reader"));
         let (low, high) = consumer
             .fetch_watermarks(&topic, 0, Duration::from_secs(10))
             .expect("watermarks");

@@ -7,11 +7,16 @@ use super::{redis_url, GROUP};
 
 /// A plain connection to `REDIS_URL`.
 pub async fn raw() -> MultiplexedConnection {
-    redis::Client::open(redis_url())
-        .expect("REDIS_URL parses")
+    raw_at(&redis_url()).await
+}
+
+/// A plain connection to the Redis at `url`.
+pub(super) async fn raw_at(url: &str) -> MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap_or_else(|e| panic!("{url}: {e}"))
         .get_multiplexed_async_connection()
         .await
-        .expect("Redis is reachable at REDIS_URL")
+        .unwrap_or_else(|e| panic!("Redis at {url}: {e}"))
 }
 
 /// Entries delivered to the group [`GROUP`] and not acked yet.
@@ -38,10 +43,15 @@ pub async fn pending_with(conn: &mut MultiplexedConnection, stream: &str) -> i64
 
 /// Entries not yet handed to any consumer of the group (`lag` in `XINFO GROUPS`).
 pub async fn lag(stream: &str) -> i64 {
+    lag_with(&mut raw().await, stream).await
+}
+
+/// [`lag`] over a connection of your own.
+pub(super) async fn lag_with(conn: &mut MultiplexedConnection, stream: &str) -> i64 {
     let v: Value = redis::cmd("XINFO")
         .arg("GROUPS")
         .arg(stream)
-        .query_async(&mut raw().await)
+        .query_async(conn)
         .await
         .expect("XINFO GROUPS");
     let Value::Array(groups) = v else {
@@ -68,11 +78,19 @@ pub async fn lag(stream: &str) -> i64 {
 
 /// The dead-letter stream's (`<stream>:dlq`) entries, each as its fields.
 pub async fn dead_letters(stream: &str) -> Vec<Vec<(String, String)>> {
+    dead_letters_with(&mut raw().await, stream).await
+}
+
+/// [`dead_letters`] over a connection of your own.
+pub(super) async fn dead_letters_with(
+    conn: &mut MultiplexedConnection,
+    stream: &str,
+) -> Vec<Vec<(String, String)>> {
     let v: Value = redis::cmd("XRANGE")
         .arg(format!("{stream}:dlq"))
         .arg("-")
         .arg("+")
-        .query_async(&mut raw().await)
+        .query_async(conn)
         .await
         .expect("XRANGE dlq");
     let Value::Array(entries) = v else {
@@ -103,19 +121,33 @@ pub async fn dead_letters(stream: &str) -> Vec<Vec<(String, String)>> {
 
 /// Adds an entry with exactly these fields; returns its ID.
 pub async fn xadd_raw(stream: &str, fields: &[(&str, &str)]) -> String {
+    xadd_with(&mut raw().await, stream, fields).await
+}
+
+/// [`xadd_raw`] over a connection of your own.
+pub(super) async fn xadd_with(
+    conn: &mut MultiplexedConnection,
+    stream: &str,
+    fields: &[(&str, &str)],
+) -> String {
     let mut cmd = redis::cmd("XADD");
     cmd.arg(stream).arg("*");
     for (k, v) in fields {
         cmd.arg(*k).arg(*v);
     }
-    cmd.query_async(&mut raw().await).await.expect("XADD")
+    cmd.query_async(conn).await.expect("XADD")
 }
 
 /// Deletes `stream` and its dead-letter stream.
 pub async fn cleanup(stream: &str) {
+    cleanup_with(&mut raw().await, stream).await;
+}
+
+/// [`cleanup`] over a connection of your own.
+pub(super) async fn cleanup_with(conn: &mut MultiplexedConnection, stream: &str) {
     let _: redis::RedisResult<i64> = redis::cmd("DEL")
         .arg(stream)
         .arg(format!("{stream}:dlq"))
-        .query_async(&mut raw().await)
+        .query_async(conn)
         .await;
 }

@@ -2,8 +2,6 @@
 //! conformance suite's, `inbox_conformance::rabbitmq`).
 #![allow(dead_code, unused_imports, unreachable_pub)]
 
-pub mod stream;
-
 pub use inbox_conformance::rabbitmq::{
     admin_channel, amqp_url, cleanup, close_connection, close_pids, connection_pids, drain,
     fresh_config, left_on, passive_declare, publisher, Parked,

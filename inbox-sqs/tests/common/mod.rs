@@ -4,8 +4,8 @@
 #![allow(dead_code, unused_imports, unreachable_pub)]
 
 pub use inbox_conformance::sqs::{
-    attr, client, create_queue, delete_queue, drain, plain_http_endpoint, proxied_client, queue,
-    queue_name, ATTEMPT_TIMEOUT, LOCAL_ENDPOINT, OPERATION_TIMEOUT,
+    attr, client, create_queue, delete_queue, drain, queue, queue_name, ATTEMPT_TIMEOUT,
+    LOCAL_ENDPOINT, OPERATION_TIMEOUT,
 };
 use inbox_conformance::wallet::CreditEvent;
 use inbox_sqs::aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName};

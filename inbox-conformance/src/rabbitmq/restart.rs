@@ -1,0 +1,57 @@
+//! The broker's application stopped and started again (`rabbitmqctl stop_app`, `start_app`): the
+//! quorum queues survive, every client connection is closed.
+
+use std::time::Duration;
+
+use crate::{async_trait, Restart};
+
+/// How long the application stays down.
+const DOWN: Duration = Duration::from_secs(3);
+
+/// The broker at `AMQP_URL`, restarted with `rabbitmqctl`; started again when dropped in the
+/// middle of a restart, so a failing test does not leave it down for every test after it.
+#[derive(Debug, Default)]
+pub(super) struct App {
+    down: bool,
+}
+
+async fn rabbitmqctl(command: &str) {
+    let output = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new("rabbitmqctl")
+            .arg(command)
+            .output(),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("rabbitmqctl {command} did not return within 60 s"))
+    .unwrap_or_else(|e| panic!("run rabbitmqctl {command}: {e}"));
+    assert!(
+        output.status.success(),
+        "rabbitmqctl {command} failed: {output:?}"
+    );
+}
+
+#[async_trait]
+impl Restart for App {
+    async fn restart(&mut self) {
+        // Marked down before the stop: a stop that fails half-way is undone too.
+        self.down = true;
+        rabbitmqctl("stop_app").await;
+        tokio::time::sleep(DOWN).await;
+        rabbitmqctl("start_app").await;
+        self.down = false;
+    }
+}
+
+impl Drop for App {
+    fn drop(&mut self) {
+        if self.down {
+            // Blocking is fine here: the test is failing, and the broker must come back
+            // whatever state the runtime is in.
+            let status = std::process::Command::new("rabbitmqctl")
+                .arg("start_app")
+                .status();
+            eprintln!("broker restart: start_app after a failure: {status:?}");
+        }
+    }
+}
