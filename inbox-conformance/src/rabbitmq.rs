@@ -7,6 +7,7 @@
 mod address;
 mod admin;
 mod restart;
+pub mod tls_node;
 
 pub use address::{amqp_url, broker_addr, url_via, LOCAL_AMQP_URL};
 use admin::ready_on;

@@ -439,9 +439,10 @@ pub(crate) mod tests {
 
     /// Deletes the test's queue and its dead-letter queue.
     async fn delete_queues(config: &crate::RabbitSourceBuilder) {
-        let connection = crate::connect::open(config.broker_url(), "inbox-test cleanup", None)
-            .await
-            .unwrap();
+        let connection =
+            crate::connect::open(config.broker_url(), None, "inbox-test cleanup", None)
+                .await
+                .unwrap();
         let channel = connection.create_channel().await.unwrap();
         for q in [config.queue().to_owned(), config.dead_letter_queue()] {
             let _ = channel

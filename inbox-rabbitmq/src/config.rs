@@ -69,6 +69,7 @@ pub struct RabbitSourceBuilder {
     pub(crate) operation_timeout: Duration,
     pub(crate) connection_name: Option<String>,
     pub(crate) heartbeat: Option<Duration>,
+    pub(crate) ca_certificates: Option<String>,
 }
 
 impl std::fmt::Debug for RabbitSourceBuilder {
@@ -85,6 +86,10 @@ impl std::fmt::Debug for RabbitSourceBuilder {
             .field("operation_timeout", &self.operation_timeout)
             .field("connection_name", &self.connection_name)
             .field("heartbeat", &self.heartbeat)
+            .field(
+                "ca_certificates",
+                &self.ca_certificates.as_ref().map(|_| "given"),
+            )
             .finish()
     }
 }
@@ -111,6 +116,7 @@ impl RabbitSourceBuilder {
             operation_timeout: Duration::from_secs(10),
             connection_name: None,
             heartbeat: None,
+            ca_certificates: None,
         }
     }
 
@@ -208,6 +214,13 @@ impl RabbitSourceBuilder {
     /// `<name> dead letters`.
     pub fn connection_name(mut self, name: impl Into<String>) -> Self {
         self.connection_name = Some(name.into());
+        self
+    }
+
+    /// For `amqps://` (feature `tls`): trust the certificate authorities in `pem` (one or more
+    /// PEM certificates) instead of the system's roots: a private CA, a managed broker's own.
+    pub fn ca_certificates(mut self, pem: impl Into<String>) -> Self {
+        self.ca_certificates = Some(pem.into());
         self
     }
 

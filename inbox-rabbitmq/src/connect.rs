@@ -1,5 +1,6 @@
 //! Opening a connection on the caller's tokio runtime.
 
+use lapin::tcp::OwnedTLSConfig;
 use lapin::types::LongString;
 use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
@@ -12,7 +13,14 @@ use crate::{Error, Result};
 ///
 /// Not bounded in time: lapin starts its heartbeat only once the handshake is done, so callers
 /// that must not hang wrap it in a timeout.
-pub(crate) async fn open(url: &str, name: &str, heartbeat: Option<u16>) -> Result<Connection> {
+/// For `amqps://`, the server's certificate chains up to `ca` (PEM) when given, else to the
+/// system's roots.
+pub(crate) async fn open(
+    url: &str,
+    ca: Option<&str>,
+    name: &str,
+    heartbeat: Option<u16>,
+) -> Result<Connection> {
     // With its `tokio` feature lapin runs its I/O loop on the runtime it is called from; without
     // one it would panic deep inside, so say what is wrong instead.
     if url.trim().is_empty() {
@@ -39,7 +47,13 @@ pub(crate) async fn open(url: &str, name: &str, heartbeat: Option<u16>) -> Resul
     if let Some(secs) = heartbeat {
         uri.query.heartbeat = Some(secs);
     }
-    Connection::connect_uri(uri, properties)
+    let tls = OwnedTLSConfig {
+        identity: None,
+        cert_chain: ca.map(str::to_owned),
+    };
+    let runtime = lapin::runtime::default_runtime()
+        .map_err(|e| Error::amqp("finding the tokio runtime", e))?;
+    Connection::connect_uri_with_config(uri, properties, tls, runtime)
         .await
         .map_err(|e| Error::amqp(format!("connecting to {}", redact(url)), e))
 }

@@ -21,6 +21,7 @@ use crate::{connect, Error, RabbitSourceBuilder, Result};
 /// first dead letter and reopened when lost.
 pub(crate) struct DeadLetters {
     url: String,
+    ca_certificates: Option<String>,
     name: String,
     timeout: Duration,
     heartbeat: Option<u16>,
@@ -44,6 +45,7 @@ impl DeadLetters {
     pub(crate) fn new(config: &RabbitSourceBuilder) -> Self {
         Self {
             url: config.url.clone(),
+            ca_certificates: config.ca_certificates.clone(),
             name: format!("{} dead letters", config.effective_connection_name()),
             timeout: config.operation_timeout,
             heartbeat: config.heartbeat_secs(),
@@ -107,7 +109,13 @@ impl DeadLetters {
         }
         // Dropping the last handle closes a lost connection in the background.
         *open = None;
-        let connection = connect::open(&self.url, &self.name, self.heartbeat).await?;
+        let connection = connect::open(
+            &self.url,
+            self.ca_certificates.as_deref(),
+            &self.name,
+            self.heartbeat,
+        )
+        .await?;
         let channel = connection
             .create_channel()
             .await

@@ -142,7 +142,11 @@
 //! Plain `amqp://` needs no TLS library. For `amqps://` enable this crate's `tls` feature
 //! (rustls on ring, trusting the system's root certificates: lapin's `rustls-native-certs`),
 //! the same name as on every crate of this workspace, or its `native-tls` feature (lapin's
-//! feature of that name).
+//! feature of that name). A broker whose certificate comes from a CA of its own (a private one,
+//! a managed broker's) is trusted with `ca_certificates(pem)` on the source's and the producer's
+//! builders. A certificate from another CA or for another host name is refused at connect with
+//! an error that says so (`invalid peer certificate: UnknownIssuer`, `certificate not valid for
+//! name …`); `tests/tls.rs` shows each on a TLS-only node of its own.
 
 mod ack;
 mod config;

@@ -111,6 +111,7 @@ fn properties(message: &OutgoingMessage) -> Result<BasicProperties> {
 #[must_use = "a builder does nothing until `connect` is awaited"]
 pub struct RabbitProducerBuilder {
     url: String,
+    ca_certificates: Option<String>,
     connection_name: String,
 }
 
@@ -118,6 +119,10 @@ impl fmt::Debug for RabbitProducerBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RabbitProducerBuilder")
             .field("url", &connect::redact(&self.url))
+            .field(
+                "ca_certificates",
+                &self.ca_certificates.as_ref().map(|_| "given"),
+            )
             .field("connection_name", &self.connection_name)
             .finish()
     }
@@ -127,6 +132,13 @@ impl RabbitProducerBuilder {
     /// The broker to connect to (`amqp://user:pass@host:port/vhost`), instead of `AMQP_URL`.
     pub fn url(mut self, url: impl Into<String>) -> Self {
         self.url = url.into();
+        self
+    }
+
+    /// For `amqps://` (feature `tls`): trust the certificate authorities in `pem` instead of the
+    /// system's roots, as [`RabbitSourceBuilder::ca_certificates`](crate::RabbitSourceBuilder::ca_certificates).
+    pub fn ca_certificates(mut self, pem: impl Into<String>) -> Self {
+        self.ca_certificates = Some(pem.into());
         self
     }
 
@@ -142,6 +154,7 @@ impl RabbitProducerBuilder {
     pub async fn connect(self) -> Result<RabbitProducer> {
         let producer = RabbitProducer {
             url: self.url,
+            ca_certificates: self.ca_certificates,
             name: self.connection_name,
             state: Mutex::new(None),
         };
@@ -175,6 +188,7 @@ impl RabbitProducerBuilder {
 /// ```
 pub struct RabbitProducer {
     url: String,
+    ca_certificates: Option<String>,
     name: String,
     state: Mutex<Option<(Connection, Channel)>>,
 }
@@ -195,6 +209,7 @@ impl RabbitProducer {
     pub fn builder() -> RabbitProducerBuilder {
         RabbitProducerBuilder {
             url: url_from_env(),
+            ca_certificates: None,
             connection_name: "inbox-rabbitmq producer".to_owned(),
         }
     }
@@ -225,7 +240,8 @@ impl RabbitProducer {
                 return Ok(channel.clone());
             }
         }
-        let connection = connect::open(&self.url, &self.name, None).await?;
+        let connection =
+            connect::open(&self.url, self.ca_certificates.as_deref(), &self.name, None).await?;
         let channel = connection
             .create_channel()
             .await

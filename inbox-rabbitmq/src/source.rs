@@ -110,6 +110,7 @@ impl RabbitSource {
     async fn start(config: &RabbitSourceBuilder, generation: u64) -> Result<Live> {
         let connection = connect::open(
             &config.url,
+            config.ca_certificates.as_deref(),
             &config.effective_connection_name(),
             config.heartbeat_secs(),
         )

@@ -142,6 +142,7 @@ async fn declare_once(config: &RabbitSourceBuilder) -> Result<()> {
     config.check()?;
     let connection = crate::connect::open(
         &config.url,
+        config.ca_certificates.as_deref(),
         &config.effective_connection_name(),
         config.heartbeat_secs(),
     )

@@ -1,0 +1,109 @@
+//! RabbitMQ over TLS only (feature `tls`): a node of the test's own beside the shared broker,
+//! listening with `amqps` alone, with a certificate from a CA made at test time. The consumer
+//! and the producer run over `amqps://` trusting that CA; a wrong CA, a wrong host name and a
+//! plaintext `amqp://` are refused, each with an error that says why, and none hangs.
+
+#![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
+
+use std::time::{Duration, Instant};
+
+use inbox_conformance::rabbitmq::tls_node::TlsNode;
+use inbox_conformance::tls::TestCa;
+use inbox_conformance::wallet::{self, Credit, CreditEvent};
+use inbox_conformance::{unique_name, TestDb};
+use inbox_core::{Consumer, MessageId, OutgoingMessage, Publish};
+use inbox_rabbitmq::{RabbitProducer, RabbitSource};
+
+/// The error of a producer connecting to `url` trusting `ca`, within 15 s.
+async fn connect_error(url: &str, ca: &str) -> String {
+    let started = Instant::now();
+    let connecting = RabbitProducer::builder()
+        .url(url)
+        .ca_certificates(ca)
+        .connect();
+    let result = tokio::time::timeout(Duration::from_secs(15), connecting)
+        .await
+        .unwrap_or_else(|_| panic!("connecting to {url} hangs"));
+    let Err(error) = result else {
+        panic!("connected to {url}")
+    };
+    println!("{url}: refused in {:?}: {error}", started.elapsed());
+    error.to_string()
+}
+
+#[tokio::test]
+async fn a_consumer_runs_over_tls_and_wrong_certificates_or_plaintext_are_refused_clearly() {
+    let dir = std::env::temp_dir().join(unique_name("inbox-rabbitmq-tls"));
+    let ca = TestCa::new(&dir.join("server"), &["localhost"]).unwrap();
+    let other_ca = TestCa::new(&dir.join("other"), &["localhost"]).unwrap();
+    let node = match TlsNode::start(&ca).await {
+        Ok(node) => node,
+        Err(why) => {
+            println!("skipped: no RabbitMQ node of its own: {why}");
+            return;
+        }
+    };
+    let url =
+        |scheme: &str, host: &str| format!("{scheme}://guest:guest@{host}:{}/%2f", node.port());
+    let pem = std::fs::read_to_string(&ca.ca).unwrap();
+    let other_pem = std::fs::read_to_string(&other_ca.ca).unwrap();
+
+    // End to end over amqps://: every credit once.
+    let db = TestDb::new().await;
+    let queue = unique_name("tls");
+    let source = RabbitSource::builder(&queue)
+        .url(url("amqps", "localhost"))
+        .ca_certificates(pem.clone())
+        .poll_timeout(Duration::from_millis(300))
+        .connect()
+        .await
+        .unwrap();
+    let producer = RabbitProducer::builder()
+        .url(url("amqps", "localhost"))
+        .ca_certificates(pem.clone())
+        .connect()
+        .await
+        .unwrap();
+    let events: i64 = 200;
+    let mut batch = Vec::new();
+    for i in 0..events {
+        let credit = CreditEvent::new(i % 7, 1).to_json();
+        let message = OutgoingMessage::new(MessageId::generate(), credit);
+        if i % 10 == 0 {
+            batch.push(message.clone()); // a resent copy
+        }
+        batch.push(message);
+    }
+    producer.send_batch(&queue, &batch).await.unwrap();
+    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+        .batch_size(20)
+        .run_until_idle()
+        .await
+        .unwrap();
+    let summary = wallet::summary(&db.pool).await.unwrap();
+    println!("over TLS: {stats:?}; {summary:?}");
+    assert_eq!(
+        (summary.duplicates(), summary.lost(events)),
+        (0, 0),
+        "{summary:?}"
+    );
+    assert_eq!(stats.skipped_duplicates, 20);
+    db.drop().await;
+
+    // A certificate from a CA the client does not trust.
+    let wrong_ca = connect_error(&url("amqps", "localhost"), &other_pem).await;
+    assert!(wrong_ca.contains("UnknownIssuer"), "{wrong_ca}");
+
+    // A certificate for another name: issued for localhost, reached as 127.0.0.1.
+    let wrong_name = connect_error(&url("amqps", "127.0.0.1"), &pem).await;
+    assert!(wrong_name.contains("not valid for name"), "{wrong_name}");
+
+    // Plaintext to a listener that takes TLS only.
+    let plaintext = connect_error(&url("amqp", "localhost"), &pem).await;
+    assert!(
+        plaintext.contains("connecting to amqp://guest:***@localhost"),
+        "{plaintext}"
+    );
+    drop(node);
+    let _ = std::fs::remove_dir_all(dir);
+}
