@@ -21,6 +21,8 @@
 //!
 //! # Writing an adapter
 //!
+//! The scenarios every inbox store passes are in [`store`], run with [`store_suite!`].
+//!
 //! The test kit's in-memory broker is [`memory::Memory`]: the suite on it runs in seconds and
 //! is the PostgreSQL store's own scenario test. The four adapters of this workspace are
 //! implemented here, each behind a feature of its name:
@@ -120,6 +122,7 @@ pub mod redis;
 pub mod scenarios;
 #[cfg(feature = "sqs")]
 pub mod sqs;
+pub mod store;
 pub mod tls;
 pub mod wallet;
 mod zombie;

@@ -1,4 +1,5 @@
-//! Key modes, odd IDs and names, against a real PostgreSQL.
+//! Key modes and names, against a real PostgreSQL (odd IDs are in the store suite,
+//! `tests/store_suite.rs`).
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
@@ -13,65 +14,6 @@ async fn inbox(db: &TestDb, table: &str, mode: KeyMode) -> PgInbox {
     let inbox = db.inbox_named(table, mode);
     inbox.migrate().await.unwrap();
     inbox
-}
-
-#[tokio::test]
-async fn odd_text_ids_are_kept_verbatim_and_deduplicated_exactly() {
-    let db = TestDb::new().await;
-    let broker = MemoryBroker::new();
-    let long = "x".repeat(MessageId::MAX_LEN);
-    let ids = [
-        "evt-1",
-        "evt-1 ",
-        " evt-1",
-        "EVT-1",
-        "ünï✓ 🚀",
-        "a'b\"c;--",
-        "\t\n",
-        long.as_str(),
-    ];
-    for id in ids {
-        broker.publish(Some(id), CreditEvent::new(1, 1).to_json());
-        broker.publish(Some(id), CreditEvent::new(1, 1).to_json());
-    }
-    let too_long = "x".repeat(MessageId::MAX_LEN + 1);
-    broker.publish(Some(&too_long), CreditEvent::new(1, 1).to_json());
-    broker.publish(Some("nul\0byte"), CreditEvent::new(1, 1).to_json());
-
-    let stats = Consumer::new(
-        "wallet",
-        broker.source(),
-        db.inbox(),
-        Credit::new(db.pool.clone()),
-    )
-    .batch_size(7)
-    .run_until_idle()
-    .await
-    .unwrap();
-
-    assert_eq!(
-        (stats.applied, stats.skipped_duplicates, stats.dead_lettered),
-        (8, 8, 2)
-    );
-    let stored: Vec<String> =
-        sqlx::query_scalar("SELECT message_id FROM inbox ORDER BY message_id")
-            .fetch_all(&db.pool)
-            .await
-            .unwrap();
-    let mut expected: Vec<String> = ids.iter().map(|s| (*s).to_owned()).collect();
-    expected.sort();
-    let mut stored_sorted = stored.clone();
-    stored_sorted.sort();
-    assert_eq!(stored_sorted, expected, "stored byte for byte");
-    let reasons: Vec<String> = broker.dead_letters().into_iter().map(|(_, r)| r).collect();
-    assert_eq!(
-        reasons,
-        [
-            "message ID in id is invalid: the message ID is 1025 bytes long; at most 1024 are accepted",
-            "message ID in id is invalid: the message ID contains a NUL byte"
-        ]
-    );
-    db.drop().await;
 }
 
 #[tokio::test]

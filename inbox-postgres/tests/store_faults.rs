@@ -70,37 +70,6 @@ async fn audit_table(db: &TestDb, taken: &[&str]) {
 }
 
 #[tokio::test]
-async fn a_swallowed_sql_error_is_a_failure_not_an_applied_message() {
-    let db = TestDb::new().await;
-    // evt-bad's audit row exists already, so its handler's audit insert aborts the transaction.
-    audit_table(&db, &["evt-bad"]).await;
-    let broker = MemoryBroker::new();
-    publish_credit(&broker, "evt-bad", 1, 100);
-    publish_credit(&broker, "evt-good", 2, 10);
-
-    let handler = AuditIgnoringErrors {
-        credit: Credit::new(db.pool.clone()),
-    };
-    let stats = Consumer::new("wallet", broker.source(), db.inbox(), handler)
-        .retry(fast_retry(2))
-        .run_until_idle();
-    let stats = within(stats).await.unwrap();
-
-    assert_eq!(stats.applied, 1, "only evt-good is applied: {stats:?}");
-    assert_eq!(balance(&db.pool, 2).await, 10);
-    let dead = broker.dead_letters();
-    assert_eq!(
-        dead.len(),
-        1,
-        "evt-bad is dead-lettered, not acked as applied"
-    );
-    assert_eq!(dead[0].0.id.as_ref().unwrap().as_str(), "evt-bad");
-    assert!(dead[0].1.contains("aborted"), "reason: {}", dead[0].1);
-    assert_eq!(broker.pending(), 0);
-    db.drop().await;
-}
-
-#[tokio::test]
 async fn a_swallowed_sql_error_inside_a_batch_fails_only_its_own_message() {
     let db = TestDb::new().await;
     audit_table(&db, &["evt-3"]).await;

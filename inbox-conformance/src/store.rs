@@ -1,0 +1,426 @@
+//! The scenarios every [`InboxStore`] passes, written once, as [`suite!`](crate::suite!) is for
+//! brokers: a store implements [`StoreUnderTest`] in a few lines of its tests, and
+//! [`store_suite!`](crate::store_suite!) turns every scenario into a `#[tokio::test]`.
+//!
+//! What they check is what the consumer relies on: a claim is seen once across concurrent
+//! transactions (the second waits for the first, and skips after its commit or takes the ID
+//! over after its rollback); a rollback takes the claim and the effect with it; a transaction a
+//! handler broke (a failed statement it swallowed) never commits as applied; odd IDs are kept
+//! apart exactly; an ID the store refuses ([`InboxStore::check_id`]) is dead-lettered; a batch
+//! claim answers as one-by-one claims do; and a purged claim is forgotten while a recent one
+//! still deduplicates.
+//!
+//! ```ignore
+//! inbox_conformance::store_suite!(text, inbox_conformance::store::Postgres::new(KeyMode::Text));
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use inbox_core::{
+    Consumer, Handler, HandlerError, InboxStore, Message, MessageId, Transaction as _,
+};
+use inbox_testkit::MemoryBroker;
+
+mod postgres;
+
+pub use postgres::Postgres;
+
+/// The open transaction of the store under test.
+pub type Tx<T> = <<T as StoreUnderTest>::Store as InboxStore>::Tx;
+
+/// A store under test: one fresh, empty store per scenario, a side effect to write through
+/// its transactions and a way to count what committed.
+#[async_trait]
+pub trait StoreUnderTest: Send + Sync + 'static {
+    /// The store.
+    type Store: InboxStore + Clone;
+
+    /// The store, migrated and empty, with room for the effects [`apply`](Self::apply) writes.
+    fn store(&self) -> Self::Store;
+
+    /// The handler's side effect for `id`, written through `tx`: it commits with the claim or
+    /// not at all.
+    async fn apply(&self, tx: &mut Tx<Self>, id: &MessageId) -> Result<(), HandlerError>;
+
+    /// Runs a statement that fails inside `tx` and ignores the error, as a handler that
+    /// swallowed a database error would: the transaction cannot commit what it did.
+    async fn fail_and_swallow(&self, tx: &mut Tx<Self>);
+
+    /// How many effects of `id` committed.
+    async fn applied(&self, id: &MessageId) -> u64;
+
+    /// An ID this store refuses in [`InboxStore::check_id`], if it refuses any (a key column of
+    /// UUIDs refuses other text). Default: none, and that scenario is skipped.
+    fn refused_id(&self) -> Option<MessageId> {
+        None
+    }
+
+    /// Makes every claim so far older than the store keeps claims, and purges: how many claims
+    /// were removed. `None` where the store forgets nothing (the scenario is skipped).
+    async fn age_and_purge(&self) -> Option<u64>;
+
+    /// Removes the store and what it holds.
+    async fn cleanup(self);
+}
+
+/// A handler writing the store's effect; a message whose payload is `swallow` breaks its
+/// transaction first.
+struct Apply<T>(Arc<T>);
+
+#[async_trait]
+impl<T: StoreUnderTest> Handler<Tx<T>> for Apply<T>
+where
+    Tx<T>: Send + 'static,
+{
+    async fn handle(
+        &self,
+        tx: &mut Tx<T>,
+        id: &MessageId,
+        message: &Message,
+    ) -> Result<(), HandlerError> {
+        if message.payload == b"swallow" {
+            self.0.fail_and_swallow(tx).await;
+        }
+        self.0.apply(tx, id).await
+    }
+}
+
+fn id(text: &str) -> MessageId {
+    MessageId::new(text).unwrap_or_else(|e| panic!("{text:?}: {e}"))
+}
+
+/// Runs a consumer named `consumer` on `broker` until it is idle.
+async fn drain<T: StoreUnderTest>(
+    under_test: &Arc<T>,
+    broker: &MemoryBroker,
+    consumer: &str,
+    batch: usize,
+) -> inbox_core::StatsSnapshot
+where
+    Tx<T>: Send + 'static,
+{
+    let run = Consumer::new(
+        consumer,
+        broker.source(),
+        under_test.store(),
+        Apply(Arc::clone(under_test)),
+    )
+    .batch_size(batch)
+    .retry(inbox_testkit::fast_retry(2))
+    .run_until_idle();
+    tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("the consumer got through the queue within 60 s")
+        .expect("the consumer runs")
+}
+
+/// Two transactions claim one ID: the second waits while the first is open, then skips it
+/// after the first commits; in the other order of events, takes it over after the first rolls
+/// back.
+pub async fn a_claim_is_seen_once_across_concurrent_transactions<T: StoreUnderTest>(under_test: T)
+where
+    Tx<T>: Send + 'static,
+{
+    let store = under_test.store();
+    for commit_first in [true, false] {
+        let claimed = MessageId::generate();
+        let mut first = store.begin().await.expect("begin");
+        assert!(store.claim(&mut first, "c", &claimed).await.expect("claim"));
+        let second = {
+            let (store, claimed) = (store.clone(), claimed.clone());
+            tokio::spawn(async move {
+                let mut tx = store.begin().await.expect("begin");
+                let new = store.claim(&mut tx, "c", &claimed).await.expect("claim");
+                (tx, new)
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !second.is_finished(),
+            "the second claim waits while the first transaction is open"
+        );
+        if commit_first {
+            first.commit().await.expect("commit");
+        } else {
+            first.rollback().await.expect("rollback");
+        }
+        let (tx, new) = tokio::time::timeout(Duration::from_secs(10), second)
+            .await
+            .expect("the second claim returns once the first transaction ended")
+            .expect("the second claim");
+        tx.rollback().await.expect("rollback");
+        assert_eq!(
+            new,
+            !commit_first,
+            "after a {}, the second claim {}",
+            if commit_first { "commit" } else { "rollback" },
+            if commit_first {
+                "skips"
+            } else {
+                "takes the ID over"
+            }
+        );
+    }
+    under_test.cleanup().await;
+}
+
+/// A rolled-back claim and its effect are gone: the ID claims as new, and once committed it
+/// skips.
+pub async fn a_rollback_releases_the_claim_and_its_effect<T: StoreUnderTest>(under_test: T)
+where
+    Tx<T>: Send + 'static,
+{
+    let store = under_test.store();
+    let claimed = MessageId::generate();
+    let mut tx = store.begin().await.expect("begin");
+    assert!(store.claim(&mut tx, "c", &claimed).await.expect("claim"));
+    under_test.apply(&mut tx, &claimed).await.expect("apply");
+    tx.rollback().await.expect("rollback");
+    assert_eq!(
+        under_test.applied(&claimed).await,
+        0,
+        "the effect rolled back"
+    );
+
+    let mut tx = store.begin().await.expect("begin");
+    assert!(
+        store.claim(&mut tx, "c", &claimed).await.expect("claim"),
+        "new again"
+    );
+    under_test.apply(&mut tx, &claimed).await.expect("apply");
+    tx.commit().await.expect("commit");
+    let mut tx = store.begin().await.expect("begin");
+    assert!(
+        !store.claim(&mut tx, "c", &claimed).await.expect("claim"),
+        "seen"
+    );
+    tx.rollback().await.expect("rollback");
+    assert_eq!(under_test.applied(&claimed).await, 1);
+    under_test.cleanup().await;
+}
+
+/// A handler that swallowed a failed statement returns `Ok`, but its transaction cannot commit
+/// what it did: the message is not counted applied, its effect is not there, and it is
+/// dead-lettered after its retries; the messages around it are applied once.
+pub async fn a_transaction_a_handler_broke_never_reports_success<T: StoreUnderTest>(under_test: T)
+where
+    Tx<T>: Send + 'static,
+{
+    let under_test = Arc::new(under_test);
+    let broker = MemoryBroker::new();
+    let (before, broken, after) = (
+        MessageId::generate(),
+        MessageId::generate(),
+        MessageId::generate(),
+    );
+    broker.publish(Some(before.as_str()), "ok");
+    broker.publish(Some(broken.as_str()), "swallow");
+    broker.publish(Some(after.as_str()), "ok");
+    let stats = drain(&under_test, &broker, "c", 3).await;
+    println!("a broken transaction: {stats:?}");
+    assert_eq!((stats.applied, stats.dead_lettered), (2, 1), "{stats:?}");
+    assert_eq!(under_test.applied(&broken).await, 0);
+    assert_eq!(under_test.applied(&before).await, 1);
+    assert_eq!(under_test.applied(&after).await, 1);
+    assert_eq!(broker.pending(), 0);
+    Arc::into_inner(under_test)
+        .expect("one owner")
+        .cleanup()
+        .await;
+}
+
+/// IDs that differ only in case, spacing, accents or quoting are different IDs; each copy of
+/// each is applied once, the longest ID accepted included.
+pub async fn odd_ids_are_kept_apart_and_each_applied_once<T: StoreUnderTest>(under_test: T)
+where
+    Tx<T>: Send + 'static,
+{
+    let under_test = Arc::new(under_test);
+    let broker = MemoryBroker::new();
+    let long = "x".repeat(MessageId::MAX_LEN);
+    let store = under_test.store();
+    let ids: Vec<&str> = [
+        "evt-1",
+        "evt-1 ",
+        " evt-1",
+        "EVT-1",
+        "ünï✓ 🚀",
+        "a'b\"c;--",
+        "\t\n",
+        &long,
+    ]
+    .into_iter()
+    .filter(|text| store.check_id(&id(text)).is_ok())
+    .collect();
+    if ids.is_empty() {
+        println!("odd IDs: skipped: this store refuses them all (check_id)");
+        Arc::into_inner(under_test)
+            .expect("one owner")
+            .cleanup()
+            .await;
+        return;
+    }
+    for &text in &ids {
+        broker.publish(Some(text), "ok");
+        broker.publish(Some(text), "ok");
+    }
+    let stats = drain(&under_test, &broker, "c", 5).await;
+    assert_eq!(
+        (stats.applied, stats.skipped_duplicates, stats.dead_lettered),
+        (ids.len() as u64, ids.len() as u64, 0),
+        "{stats:?}"
+    );
+    for &text in &ids {
+        assert_eq!(under_test.applied(&id(text)).await, 1, "{text:?}");
+    }
+    Arc::into_inner(under_test)
+        .expect("one owner")
+        .cleanup()
+        .await;
+}
+
+/// An ID the store refuses is dead-lettered with the store's reason before any transaction;
+/// the next message is applied.
+pub async fn an_id_the_store_refuses_is_dead_lettered<T: StoreUnderTest>(under_test: T)
+where
+    Tx<T>: Send + 'static,
+{
+    let Some(refused) = under_test.refused_id() else {
+        println!("refused IDs: skipped: this store keeps every ID");
+        under_test.cleanup().await;
+        return;
+    };
+    let under_test = Arc::new(under_test);
+    let reason = under_test
+        .store()
+        .check_id(&refused)
+        .expect_err("check_id refuses it");
+    let broker = MemoryBroker::new();
+    let fine = MessageId::generate();
+    broker.publish(Some(refused.as_str()), "ok");
+    broker.publish(Some(fine.as_str()), "ok");
+    let stats = drain(&under_test, &broker, "c", 2).await;
+    let dead = broker.dead_letters();
+    println!("refused ID: {stats:?}; {dead:?}");
+    assert_eq!((stats.applied, stats.dead_lettered), (1, 1), "{stats:?}");
+    assert!(dead[0].1.contains(&reason.to_string()), "{}", dead[0].1);
+    assert_eq!(under_test.applied(&fine).await, 1);
+    Arc::into_inner(under_test)
+        .expect("one owner")
+        .cleanup()
+        .await;
+}
+
+/// [`InboxStore::claim_many`] answers as claims one by one would: new IDs `true`, IDs claimed
+/// before `false`, per consumer.
+pub async fn a_batch_claim_answers_as_one_by_one_claims<T: StoreUnderTest>(under_test: T)
+where
+    Tx<T>: Send + 'static,
+{
+    let store = under_test.store();
+    let ids: Vec<MessageId> = (0..10).map(|_| MessageId::generate()).collect();
+    let mut tx = store.begin().await.expect("begin");
+    for seen in ids.iter().step_by(3) {
+        assert!(store.claim(&mut tx, "c", seen).await.expect("claim"));
+    }
+    tx.commit().await.expect("commit");
+
+    let mut tx = store.begin().await.expect("begin");
+    let batch = store
+        .claim_many(&mut tx, "c", &ids)
+        .await
+        .expect("claim_many");
+    let other = store
+        .claim_many(&mut tx, "other", &ids)
+        .await
+        .expect("claim_many");
+    tx.rollback().await.expect("rollback");
+    let mut tx = store.begin().await.expect("begin");
+    let mut one_by_one = Vec::new();
+    for each in &ids {
+        one_by_one.push(store.claim(&mut tx, "c", each).await.expect("claim"));
+    }
+    tx.rollback().await.expect("rollback");
+    let expected: Vec<bool> = (0..ids.len()).map(|i| i % 3 != 0).collect();
+    assert_eq!(batch, expected);
+    assert_eq!(one_by_one, expected);
+    assert_eq!(
+        other,
+        vec![true; ids.len()],
+        "another consumer's claims are its own"
+    );
+    under_test.cleanup().await;
+}
+
+/// Claims older than the store keeps are purged and their IDs are new again (the retention
+/// window is what the guarantee covers); a recent claim still skips its copy.
+pub async fn a_purged_claim_is_forgotten_and_a_recent_one_kept<T: StoreUnderTest>(under_test: T)
+where
+    Tx<T>: Send + 'static,
+{
+    let under_test = Arc::new(under_test);
+    let broker = MemoryBroker::new();
+    let (old, recent) = (MessageId::generate(), MessageId::generate());
+    broker.publish(Some(old.as_str()), "ok");
+    drain(&under_test, &broker, "c", 2).await;
+    let Some(purged) = under_test.age_and_purge().await else {
+        println!("retention: skipped: this store forgets nothing");
+        Arc::into_inner(under_test)
+            .expect("one owner")
+            .cleanup()
+            .await;
+        return;
+    };
+    assert_eq!(purged, 1, "the aged claim was purged");
+    broker.publish(Some(recent.as_str()), "ok");
+    drain(&under_test, &broker, "c", 2).await;
+    broker.publish(Some(old.as_str()), "ok");
+    broker.publish(Some(recent.as_str()), "ok");
+    let stats = drain(&under_test, &broker, "c", 2).await;
+    assert_eq!(
+        (stats.applied, stats.skipped_duplicates),
+        (1, 1),
+        "{stats:?}"
+    );
+    assert_eq!(
+        under_test.applied(&old).await,
+        2,
+        "past the window, applied again"
+    );
+    assert_eq!(under_test.applied(&recent).await, 1);
+    Arc::into_inner(under_test)
+        .expect("one owner")
+        .cleanup()
+        .await;
+}
+
+/// One `#[tokio::test]` per store scenario, in a module `$name`, each on a fresh store made by
+/// `$make` (an async expression of a type implementing [`StoreUnderTest`]).
+#[macro_export]
+macro_rules! store_suite {
+    ($name:ident, $make:expr) => {
+        $crate::store_suite!(@tests $name, $make;
+            a_claim_is_seen_once_across_concurrent_transactions,
+            a_rollback_releases_the_claim_and_its_effect,
+            a_transaction_a_handler_broke_never_reports_success,
+            odd_ids_are_kept_apart_and_each_applied_once,
+            an_id_the_store_refuses_is_dead_lettered,
+            a_batch_claim_answers_as_one_by_one_claims,
+            a_purged_claim_is_forgotten_and_a_recent_one_kept,
+        );
+    };
+    (@tests $name:ident, $make:expr; $($scenario:ident),* $(,)?) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    $crate::store::$scenario($make.await).await;
+                }
+            )*
+        }
+    };
+}
