@@ -7,8 +7,10 @@
 //! over after its rollback); a rollback takes the claim and the effect with it; a transaction a
 //! handler broke (a failed statement it swallowed) never commits as applied; odd IDs are kept
 //! apart exactly; an ID the store refuses ([`InboxStore::check_id`]) is dead-lettered; a batch
-//! claim answers as one-by-one claims do; and a purged claim is forgotten while a recent one
-//! still deduplicates.
+//! claim answers as one-by-one claims do; a purged claim is forgotten while a recent one still
+//! deduplicates; a store outage uses up no delivery budget; and a commit whose outcome the
+//! consumer never learns (the connection cut around it) is retried with nothing lost or
+//! applied twice.
 //!
 //! ```ignore
 //! inbox_conformance::store_suite!(text, inbox_conformance::store::Postgres::new(KeyMode::Text));
@@ -19,9 +21,12 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use inbox_core::{
-    Consumer, Handler, HandlerError, InboxStore, Message, MessageId, Transaction as _,
+    Consumer, Handler, HandlerError, InboxStore, Message, MessageId, Stage, StageHook,
+    StatsSnapshot, Transaction as _,
 };
 use inbox_testkit::MemoryBroker;
+
+use crate::{FaultProxy, ProxyMode};
 
 mod postgres;
 
@@ -61,6 +66,10 @@ pub trait StoreUnderTest: Send + Sync + 'static {
     /// were removed. `None` where the store forgets nothing (the scenario is skipped).
     async fn age_and_purge(&self) -> Option<u64>;
 
+    /// The same store with its connections through a [`FaultProxy`] the scenarios refuse and
+    /// cut; `None` where no proxy can stand in front of it (those scenarios are skipped).
+    async fn proxied(&self) -> Option<(Self::Store, FaultProxy)>;
+
     /// Removes the store and what it holds.
     async fn cleanup(self);
 }
@@ -97,19 +106,29 @@ async fn drain<T: StoreUnderTest>(
     broker: &MemoryBroker,
     consumer: &str,
     batch: usize,
-) -> inbox_core::StatsSnapshot
+) -> StatsSnapshot
 where
     Tx<T>: Send + 'static,
 {
-    let run = Consumer::new(
+    let consumer = Consumer::new(
         consumer,
         broker.source(),
         under_test.store(),
         Apply(Arc::clone(under_test)),
+    );
+    within(
+        consumer
+            .batch_size(batch)
+            .retry(inbox_testkit::fast_retry(2))
+            .run_until_idle(),
     )
-    .batch_size(batch)
-    .retry(inbox_testkit::fast_retry(2))
-    .run_until_idle();
+    .await
+}
+
+/// A consumer run to idle, failing the test instead of hanging when it loops or stalls.
+async fn within(
+    run: impl std::future::Future<Output = Result<StatsSnapshot, inbox_core::Error>>,
+) -> StatsSnapshot {
     tokio::time::timeout(Duration::from_secs(60), run)
         .await
         .expect("the consumer got through the queue within 60 s")
@@ -396,6 +415,104 @@ where
         .await;
 }
 
+/// The store refuses connections for 3 s: the consumer waits it out at its error backoff, and
+/// no try counts as a delivery (`max_deliveries(2)` dead-letters nothing), since the batch is
+/// never handed back to the broker.
+pub async fn a_store_outage_uses_up_no_delivery_budget<T: StoreUnderTest>(under_test: T)
+where
+    Tx<T>: Send + 'static,
+{
+    let Some((store, proxy)) = under_test.proxied().await else {
+        println!("store outage: skipped: no proxy can stand in front of this store");
+        under_test.cleanup().await;
+        return;
+    };
+    let under_test = Arc::new(under_test);
+    let broker = MemoryBroker::new();
+    let ids: Vec<MessageId> = (0..3).map(|_| MessageId::generate()).collect();
+    for each in &ids {
+        broker.publish(Some(each.as_str()), "ok");
+    }
+    proxy.set_mode(ProxyMode::Refuse);
+    let run = Consumer::new("c", broker.source(), store, Apply(Arc::clone(&under_test)))
+        .batch_size(3)
+        .max_deliveries(2)
+        .error_backoff(Duration::from_millis(100))
+        .run_until_idle();
+    let outage = async {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        proxy.set_mode(ProxyMode::Pass);
+    };
+    let (stats, ()) = tokio::join!(within(run), outage);
+    println!("store outage: {stats:?}");
+    assert_eq!((stats.applied, stats.dead_lettered), (3, 0), "{stats:?}");
+    assert!(stats.errors >= 3, "the outage was seen: {stats:?}");
+    for each in &ids {
+        assert_eq!(under_test.applied(each).await, 1);
+    }
+    Arc::into_inner(under_test)
+        .expect("one owner")
+        .cleanup()
+        .await;
+}
+
+/// The store's connections are cut just before, during or just after some commits, whose
+/// outcome the consumer then does not learn: it tries again, and every message is applied
+/// exactly once, nothing dead-lettered.
+pub async fn a_commit_whose_outcome_is_unknown_is_retried_safely<T: StoreUnderTest>(under_test: T)
+where
+    Tx<T>: Send + 'static,
+{
+    let Some((store, proxy)) = under_test.proxied().await else {
+        println!("unknown commits: skipped: no proxy can stand in front of this store");
+        under_test.cleanup().await;
+        return;
+    };
+    let under_test = Arc::new(under_test);
+    let proxy = Arc::new(proxy);
+    let broker = MemoryBroker::new();
+    let ids: Vec<MessageId> = (0..200).map(|_| MessageId::generate()).collect();
+    for each in &ids {
+        broker.publish(Some(each.as_str()), "ok");
+    }
+    // After the last handler of some batches, every connection is cut a moment later.
+    let (cutter, cut_after) = (Arc::clone(&proxy), ids.clone());
+    let hook = StageHook::new(move |stage, id| {
+        let n = cut_after.iter().position(|each| each == id).unwrap_or(0);
+        if stage == Stage::Applied && n % 9 == 4 {
+            let proxy = Arc::clone(&cutter);
+            let delay = Duration::from_micros(rand::random::<u64>() % 1500);
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                proxy.cut();
+            });
+        }
+    });
+    let run = Consumer::new("c", broker.source(), store, Apply(Arc::clone(&under_test)))
+        .batch_size(10)
+        .error_backoff(Duration::from_millis(50))
+        .on_stage(hook)
+        .run_until_idle();
+    let stats = within(run).await;
+    let mut counts = Vec::new();
+    for each in &ids {
+        counts.push(under_test.applied(each).await);
+    }
+    let (lost, twice) = (
+        counts.iter().filter(|&&n| n == 0).count(),
+        counts.iter().filter(|&&n| n > 1).count(),
+    );
+    println!("unknown commits: {stats:?}; lost {lost}, applied twice {twice}");
+    assert_eq!((lost, twice), (0, 0), "{stats:?}");
+    assert!(stats.errors > 0, "some cuts hit a transaction: {stats:?}");
+    assert!(broker.dead_letters().is_empty());
+    assert_eq!(broker.pending(), 0);
+    Arc::into_inner(under_test)
+        .expect("one owner")
+        .cleanup()
+        .await;
+}
+
 /// One `#[tokio::test]` per store scenario, in a module `$name`, each on a fresh store made by
 /// `$make` (an async expression of a type implementing [`StoreUnderTest`]).
 #[macro_export]
@@ -409,6 +526,8 @@ macro_rules! store_suite {
             an_id_the_store_refuses_is_dead_lettered,
             a_batch_claim_answers_as_one_by_one_claims,
             a_purged_claim_is_forgotten_and_a_recent_one_kept,
+            a_store_outage_uses_up_no_delivery_budget,
+            a_commit_whose_outcome_is_unknown_is_retried_safely,
         );
     };
     (@tests $name:ident, $make:expr; $($scenario:ident),* $(,)?) => {

@@ -1,24 +1,22 @@
-//! Faults that come from the database rather than the broker: a handler that swallows a SQL
-//! error, errors that recur at `COMMIT`, a one-connection pool, a worn consumer-id sequence.
+//! Faults that come from the database rather than the broker, beyond the store suite's
+//! (`tests/store_suite.rs`: a swallowed SQL error, an outage, connections cut around commit):
+//! a swallowed error inside a batch, errors that recur at `COMMIT`, a one-connection pool, a
+//! worn consumer-id sequence.
 //! Each must end with every message applied once or dead-lettered, never acked unapplied and
 //! never looping for ever.
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_conformance::wallet::publish_credit;
 use inbox_conformance::wallet::{self, balance, Credit};
 use inbox_conformance::TestDb;
-use inbox_conformance::{FaultProxy, ProxyMode};
-use inbox_core::{
-    async_trait, Consumer, Handler, HandlerError, Message, MessageId, Stage, StageHook,
-};
+use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
 use inbox_postgres::{PgInbox, PgTx, TableName};
 use inbox_testkit::fast_retry;
 use inbox_testkit::MemoryBroker;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgPoolOptions;
 use sqlx::AssertSqlSafe;
 
 /// Runs a consumer to idle, failing the test instead of hanging when it loops for ever.
@@ -227,113 +225,5 @@ async fn registering_a_known_consumer_burns_no_id() {
         assert_eq!((stats.applied, stats.errors), (1, 0), "{stats:?}");
     }
     assert_eq!(wallet::summary(&db.pool).await.unwrap().ledger_rows, 3);
-    db.drop().await;
-}
-
-/// A pool to the test schema whose connections pass through a [`FaultProxy`].
-async fn pool_through_proxy(db: &TestDb) -> (FaultProxy, PgInbox) {
-    let url = inbox_conformance::database_url();
-    let options: PgConnectOptions = url.parse().unwrap();
-    let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
-        .await
-        .unwrap()
-        .next()
-        .unwrap();
-    let proxy = FaultProxy::start(upstream).await.unwrap();
-    let options = options
-        .host("127.0.0.1")
-        .port(proxy.addr().port())
-        .options([("search_path", db.schema.as_str())]);
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(Duration::from_millis(500))
-        .test_before_acquire(false)
-        .connect_lazy_with(options);
-    let table = TableName::qualified(&db.schema, "inbox").unwrap();
-    (proxy, PgInbox::new(pool).with_table(table))
-}
-
-#[tokio::test]
-async fn a_database_outage_uses_up_no_delivery_budget() {
-    let db = TestDb::new().await;
-    let (proxy, inbox) = pool_through_proxy(&db).await;
-    proxy.set_mode(ProxyMode::Refuse);
-    let broker = MemoryBroker::new();
-    for i in 1..=3 {
-        publish_credit(&broker, &format!("evt-{i}"), i, 10);
-    }
-
-    let run = Consumer::new(
-        "wallet",
-        broker.source(),
-        inbox,
-        Credit::new(db.pool.clone()),
-    )
-    .batch_size(3)
-    .max_deliveries(2)
-    .error_backoff(Duration::from_millis(100))
-    .run_until_idle();
-    let outage = async {
-        // Long enough for several tries at the error backoff, each of which would have been a
-        // delivery had the batch been handed back.
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        proxy.set_mode(ProxyMode::Pass);
-    };
-    let (stats, ()) = tokio::join!(within(run), outage);
-    let stats = stats.unwrap();
-
-    assert_eq!((stats.applied, stats.dead_lettered), (3, 0), "{stats:?}");
-    assert!(stats.errors >= 3, "the outage was seen: {stats:?}");
-    for account in 1..=3 {
-        assert_eq!(balance(&db.pool, account).await, 10);
-    }
-    assert!(broker.dead_letters().is_empty());
-    db.drop().await;
-}
-
-#[tokio::test]
-async fn connections_cut_around_commit_lose_nothing_and_apply_nothing_twice() {
-    let db = TestDb::new().await;
-    let (proxy, inbox) = pool_through_proxy(&db).await;
-    let proxy = Arc::new(proxy);
-    let broker = MemoryBroker::new();
-    let events = 200;
-    for i in 0..events {
-        publish_credit(&broker, &format!("evt-{i}"), i % 7, 1);
-    }
-    // After the last handler of some batches, cut every connection a moment later: before,
-    // during or after the COMMIT, whose outcome the consumer then does not learn.
-    let cutter = Arc::clone(&proxy);
-    let hook = StageHook::new(move |stage, id| {
-        let n: u64 = id.as_str()[4..].parse().unwrap_or(0);
-        if stage == Stage::Applied && n % 9 == 4 {
-            let proxy = Arc::clone(&cutter);
-            let delay = Duration::from_micros(rand::random::<u64>() % 1500);
-            tokio::spawn(async move {
-                tokio::time::sleep(delay).await;
-                proxy.cut();
-            });
-        }
-    });
-
-    let stats = Consumer::new(
-        "wallet",
-        broker.source(),
-        inbox,
-        Credit::new(db.pool.clone()),
-    )
-    .batch_size(10)
-    .error_backoff(Duration::from_millis(50))
-    .on_stage(hook)
-    .run_until_idle();
-    let stats = within(stats).await.unwrap();
-
-    let summary = wallet::summary(&db.pool).await.unwrap();
-    assert_eq!(summary.duplicates(), 0, "{stats:?}");
-    assert_eq!(summary.lost(events), 0, "{stats:?}");
-    assert!(summary.balances_exact);
-    assert!(stats.errors > 0, "some cuts hit the transaction: {stats:?}");
-    assert!(broker.dead_letters().is_empty());
-    assert_eq!(broker.pending(), 0);
     db.drop().await;
 }

@@ -5,10 +5,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use inbox_core::{HandlerError, MessageId};
-use inbox_postgres::{KeyMode, PgInbox, PgTx};
+use inbox_postgres::{KeyMode, PgInbox, PgTx, TableName};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use super::StoreUnderTest;
-use crate::TestDb;
+use crate::{database_url, FaultProxy, TestDb};
 
 /// How long the suite's purge keeps claims; [`StoreUnderTest::age_and_purge`] ages them twice
 /// as much.
@@ -82,6 +83,35 @@ impl StoreUnderTest for Postgres {
             .expect("age the claims");
         let report = self.inbox.purge(KEPT, 1000).await.expect("purge");
         Some(report.deleted())
+    }
+
+    async fn proxied(&self) -> Option<(PgInbox, FaultProxy)> {
+        let options: PgConnectOptions = database_url().parse().expect("DATABASE_URL parses");
+        let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
+            .await
+            .expect("resolve the database")
+            .next()
+            .expect("the database has an address");
+        let proxy = FaultProxy::start(upstream).await.expect("the proxy");
+        let options = options
+            .host("127.0.0.1")
+            .port(proxy.addr().port())
+            .options([("search_path", self.db.schema.as_str())]);
+        // No ping per acquire; a short acquire timeout, so a refused connection is an error the
+        // consumer sees, not a wait.
+        let pool = PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_millis(500))
+            .test_before_acquire(false)
+            .connect_lazy_with(options);
+        let table = TableName::qualified(&self.db.schema, "store_inbox").expect("table name");
+        let mut inbox = PgInbox::new(pool)
+            .with_table(table)
+            .with_key_mode(self.mode);
+        if crate::partitioned_layout() {
+            inbox = inbox.partitioned(inbox_postgres::Partitions::default());
+        }
+        Some((inbox, proxy))
     }
 
     async fn cleanup(self) {
