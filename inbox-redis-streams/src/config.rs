@@ -383,4 +383,30 @@ mod tests {
         assert_eq!(s.dead_letter_stream, "s:dlq");
         assert!(s.consumer.ends_with(&format!("-{}", std::process::id())));
     }
+
+    #[cfg(feature = "cluster")]
+    #[test]
+    fn on_a_cluster_the_dead_letter_stream_shares_the_slot_and_passwords_stay_hidden() {
+        let b = |stream: &str| {
+            RedisStreamSourceBuilder::new(stream.into(), "g".into())
+                .cluster(["redis://:hunter2@127.0.0.1:7000"])
+        };
+        assert_eq!(
+            b("orders").settings().expect("parses").dead_letter_stream,
+            "{orders}:dlq"
+        );
+        assert_eq!(
+            b("{orders}").settings().expect("parses").dead_letter_stream,
+            "{orders}:dlq"
+        );
+        let e = b("orders")
+            .dead_letter_stream("orders:dlq")
+            .settings()
+            .expect_err("another slot");
+        assert!(e.to_string().contains("hash slot"), "{e}");
+        assert!(b("a}b{").settings().is_err());
+        let shown = format!("{:?}", b("orders"));
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("127.0.0.1:7000"), "{shown}");
+    }
 }

@@ -379,3 +379,19 @@ impl Publish for RedisStreamProducer {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_wait_for_replicas_of_no_time_is_refused_before_connecting() {
+        let e = RedisStreamProducer::builder()
+            .url("redis://127.0.0.1:1")
+            .wait_for_replicas(1, Duration::ZERO)
+            .connect()
+            .await
+            .expect_err("WAIT 1 0 would wait for ever");
+        assert!(e.to_string().contains("at least 1 ms"), "{e}");
+    }
+}
