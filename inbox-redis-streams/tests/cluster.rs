@@ -1,7 +1,7 @@
 //! The source and the producer on a Redis Cluster of the test's own (three masters, three
 //! replicas, started by [`LocalCluster`]): a master killed mid-stream loses and duplicates
 //! nothing, and a dead member's entries are claimed and a poison one dead-lettered after the
-//! stream's master failed over.
+//! stream's slot changed hands (a failover to its replica, or a migration to another master).
 //!
 //! Needs the feature `cluster` and `redis-server` and `redis-cli` on the `PATH`.
 
@@ -190,8 +190,27 @@ async fn a_master_killed_mid_stream_loses_and_duplicates_nothing() {
     db.drop().await;
 }
 
+/// How the stream's slot changes hands while a dead member's entries are pending.
+#[derive(Debug, Clone, Copy)]
+enum Handover {
+    /// Its replica takes over (`CLUSTER FAILOVER`).
+    Failover,
+    /// The slot moves to another master (`MIGRATE`), pending list and all.
+    Migration,
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_members_entries_are_claimed_and_a_poison_one_dead_lettered_after_a_failover() {
+    claim_after(Handover::Failover).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_members_entries_are_claimed_and_a_poison_one_dead_lettered_after_a_slot_migration()
+{
+    claim_after(Handover::Migration).await;
+}
+
+async fn claim_after(handover: Handover) {
     let cluster = LocalCluster::start().await;
     let db = TestDb::new().await;
     let stream = format!("{{{}}}", stream_key("cluster-claim"));
@@ -219,15 +238,25 @@ async fn a_dead_members_entries_are_claimed_and_a_poison_one_dead_lettered_after
     }
     drop(dead);
 
-    // The stream's master hands over to its replica, which has the entries and the pending list.
-    let old = cluster.master_of(&stream).await.expect("a master");
-    let new = cluster.fail_over(&stream).await;
-
+    // Connected before the handover, as the producer: both learn of it from `MOVED`.
     let alive = source(&cluster, &stream, "alive")
         .claim_idle(Duration::from_millis(1000))
         .connect()
         .await
         .expect("source connects");
+
+    // The slot changes hands with the entries and the pending list: to the master's replica, or
+    // to another master.
+    let old = cluster.master_of(&stream).await.expect("a master");
+    let new = match handover {
+        Handover::Failover => cluster.fail_over(&stream).await,
+        Handover::Migration => cluster.migrate(&stream).await,
+    };
+    producer
+        .send(&stream, CreditEvent::new(1, 6).to_json().as_slice())
+        .await
+        .expect("send after the handover");
+
     let consumer = Consumer::new("wallet", alive, db.inbox(), Credit::new(db.pool.clone()))
         .error_backoff(Duration::from_millis(100));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -237,7 +266,7 @@ async fn a_dead_members_entries_are_claimed_and_a_poison_one_dead_lettered_after
     let mut conn = cluster.master_conn(&stream).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        if wallet::applied(&db.pool).await == 5
+        if wallet::applied(&db.pool).await == 6
             && dead_letters_with(&mut conn, &stream).await.len() == 1
             && pending_with(&mut conn, &stream).await == 0
         {
@@ -261,7 +290,7 @@ async fn a_dead_members_entries_are_claimed_and_a_poison_one_dead_lettered_after
             .unwrap_or_default()
     };
     println!(
-        "cluster claim: master :{old} failed over to :{new}; the member `alive` received {} \
+        "cluster claim after {handover:?}: the slot moved from :{old} to :{new}; the member `alive` received {} \
          applied {} dead-lettered {}; dead letter: payload {:?}, reason {:?}",
         stats.received,
         stats.applied,
@@ -273,8 +302,8 @@ async fn a_dead_members_entries_are_claimed_and_a_poison_one_dead_lettered_after
     assert_eq!(field("payload"), "not a credit");
     assert!(field("reason").contains("JSON"), "{}", field("reason"));
     assert_eq!(field("original_source"), stream);
-    assert_eq!(wallet::balance(&db.pool, 1).await, 15);
-    assert_eq!(stats.applied, 5);
+    assert_eq!(wallet::balance(&db.pool, 1).await, 21);
+    assert_eq!(stats.applied, 6);
     assert_eq!(stats.dead_lettered, 1);
     assert_eq!(lag_with(&mut conn, &stream).await, 0);
     db.drop().await;

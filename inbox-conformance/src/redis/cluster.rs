@@ -325,6 +325,77 @@ impl LocalCluster {
     }
 }
 
+impl LocalCluster {
+    /// Moves `key`'s slot, with every key in it, from its master to another master, as
+    /// `redis-cli --cluster reshard` does: `CLUSTER SETSLOT … IMPORTING` on the target,
+    /// `MIGRATING` on the source, `MIGRATE` of the slot's keys, then `SETSLOT … NODE` on every
+    /// master. Returns the new master's port once the cluster agrees.
+    ///
+    /// # Panics
+    /// When a step fails or the cluster does not agree within 20 s.
+    pub async fn migrate(&self, key: &str) -> u16 {
+        let slot = self.slot(key).await;
+        let from = self.master_of(key).await.expect("a master serves the key");
+        let nodes = self.nodes_view().await.expect("CLUSTER NODES");
+        let masters: Vec<&NodeLine> = nodes.iter().filter(|n| n.master && !n.failed).collect();
+        let source = masters.iter().find(|n| n.port == from).expect("the master");
+        let target = masters
+            .iter()
+            .find(|n| n.port != from && !n.slots.is_empty())
+            .expect("another master");
+        let mut to = connect(target.port).await.expect("the target answers");
+        let mut src = connect(from).await.expect("the source answers");
+        let setslot = |state: &'static str, id: &str| {
+            let mut cmd = redis::cmd("CLUSTER");
+            cmd.arg("SETSLOT").arg(slot).arg(state).arg(id);
+            cmd
+        };
+        let _: () = setslot("IMPORTING", &source.id)
+            .query_async(&mut to)
+            .await
+            .expect("SETSLOT IMPORTING");
+        let _: () = setslot("MIGRATING", &target.id)
+            .query_async(&mut src)
+            .await
+            .expect("SETSLOT MIGRATING");
+        loop {
+            let keys: Vec<String> = redis::cmd("CLUSTER")
+                .arg("GETKEYSINSLOT")
+                .arg(slot)
+                .arg(100)
+                .query_async(&mut src)
+                .await
+                .expect("GETKEYSINSLOT");
+            if keys.is_empty() {
+                break;
+            }
+            let _: () = redis::cmd("MIGRATE")
+                .arg("127.0.0.1")
+                .arg(target.port)
+                .arg("")
+                .arg(0)
+                .arg(5000)
+                .arg("KEYS")
+                .arg(&keys)
+                .query_async(&mut src)
+                .await
+                .expect("MIGRATE");
+        }
+        for master in &masters {
+            let mut conn = connect(master.port).await.expect("a master answers");
+            let _: () = setslot("NODE", &target.id)
+                .query_async(&mut conn)
+                .await
+                .expect("SETSLOT NODE");
+        }
+        let (port, _) = self
+            .wait_for_new_master(key, from, Instant::now(), Duration::from_secs(20))
+            .await
+            .expect("the cluster agrees on the slot's new master");
+        port
+    }
+}
+
 impl Drop for LocalCluster {
     fn drop(&mut self) {
         for (_, child) in &mut self.nodes {
