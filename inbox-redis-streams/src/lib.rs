@@ -151,8 +151,10 @@
 //!   not replicated is gone after a failover too: the entry is pending again (or undelivered)
 //!   and comes back, and the inbox skips it. A dead letter's copy and ack replicate together.
 //! - **During the failover** (`cluster-node-timeout` plus the election) the stream's slot has no
-//!   master: commands fail, the consumer backs off and retries, and the source reconnects and
-//!   rereads its own pending entries as after any lost connection.
+//!   master: commands fail, the consumer backs off and retries. A command that lost its
+//!   connection or timed out makes the source connect anew and reread its own pending entries,
+//!   as on one server; an entry whose ack was lost without that comes back through `XAUTOCLAIM`
+//!   after `claim_idle`.
 //!
 //! # Consumer names when scaled
 //!
