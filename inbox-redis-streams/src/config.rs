@@ -173,7 +173,7 @@ impl RedisStreamSourceBuilder {
     }
 
     /// Where entries that cannot be applied go (default `<stream>:dlq`; on a Redis Cluster
-    /// `{<stream>}:dlq` unless the stream has a hash tag, see [`cluster`](Self::cluster)). A
+    /// `{<stream>}:dlq` unless the stream has a hash tag, see [Redis Cluster](crate#redis-cluster)). A
     /// dead letter's copy and its `XACK` run in one script, whose two streams must share a hash
     /// slot on a cluster: `connect` refuses two slots there.
     pub fn dead_letter_stream(mut self, stream: impl Into<String>) -> Self {

@@ -111,8 +111,8 @@
 //!
 //! # Redis Cluster
 //!
-//! With the feature `cluster`, [`RedisStreamSourceBuilder::cluster`] and
-//! [`RedisStreamProducerBuilder::cluster`] take the URLs of some of a cluster's nodes instead of
+//! With the feature `cluster`, `RedisStreamSourceBuilder::cluster` and
+//! `RedisStreamProducerBuilder::cluster` take the URLs of some of a cluster's nodes instead of
 //! one server's; every other option is the same, and so is the source. Each command goes to the
 //! master of the stream's hash slot; the client follows `MOVED` and `ASK` through slot
 //! migrations and finds the new master after a failover.
