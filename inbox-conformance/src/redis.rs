@@ -3,11 +3,15 @@
 //!
 //! Redis is found at `REDIS_URL` (default `redis://127.0.0.1:6379`).
 
+mod cluster;
 mod inspect;
 mod private;
 
-pub use inspect::{cleanup, dead_letters, lag, pending, pending_with, raw, xadd_raw};
-use inspect::{cleanup_with, dead_letters_with, lag_with, raw_at, xadd_with};
+pub use cluster::LocalCluster;
+pub use inspect::{
+    cleanup, dead_letters, dead_letters_with, lag, lag_with, pending, pending_with, raw, xadd_raw,
+};
+use inspect::{cleanup_with, raw_at, xadd_with};
 use private::PrivateRedis;
 
 use std::net::SocketAddr;

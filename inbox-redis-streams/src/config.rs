@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use redis::Client;
 
-use crate::connection::Conn;
+use crate::connection::{Conn, Target};
 use crate::{Error, RedisStreamSource, Result};
 
 /// Everything a source and its acks need to know, shared between them.
@@ -58,13 +58,17 @@ impl std::fmt::Debug for RedisStreamSourceBuilder {
     }
 }
 
-/// Where Redis is: the environment, a URL, or a client made by the caller.
+/// Where Redis is: the environment, a URL, a client made by the caller, or a cluster's seed
+/// nodes.
 #[derive(Clone)]
 pub(crate) enum Server {
     Env,
     Url(String),
     /// Boxed: a client with TLS certificates is several times the other variants' size.
     Client(Box<Client>),
+    /// The URLs of some of a Redis Cluster's nodes; the others are learnt from them.
+    #[cfg(feature = "cluster")]
+    Cluster(Vec<String>),
 }
 
 impl std::fmt::Debug for Server {
@@ -73,26 +77,61 @@ impl std::fmt::Debug for Server {
             Server::Env => f.write_str("REDIS_URL"),
             Server::Url(url) => write!(f, "{:?}", inbox_core::redact_url(url)),
             Server::Client(_) => f.write_str("a given client"),
+            #[cfg(feature = "cluster")]
+            Server::Cluster(nodes) => f.debug_tuple("Cluster").field(&shown_nodes(nodes)).finish(),
         }
     }
 }
 
 impl Server {
-    /// The client, and how to name the server in errors (the URL without its password).
-    pub(crate) fn client(self) -> Result<(Client, String)> {
+    /// Whether this is a Redis Cluster, where a script's keys must share a hash slot.
+    #[cfg(feature = "cluster")]
+    pub(crate) fn is_cluster(&self) -> bool {
+        matches!(self, Server::Cluster(_))
+    }
+
+    /// Where to connect, and how to name it in errors (URLs without their passwords). `timeout`
+    /// bounds each connection attempt.
+    pub(crate) fn target(self, timeout: Duration) -> Result<(Target, String)> {
         let url = match self {
             Server::Client(client) => {
                 let shown = client.get_connection_info().addr().to_string();
-                return Ok((*client, shown));
+                return Ok((Target::Server(client), shown));
             }
             Server::Url(url) => url,
             Server::Env => crate::url_from_env()?,
+            #[cfg(feature = "cluster")]
+            Server::Cluster(nodes) => {
+                let shown = format!("the cluster of {}", shown_nodes(&nodes).join(", "));
+                if nodes.is_empty() {
+                    return Err(Error::Config(
+                        "no Redis Cluster node: give `cluster` at least one node URL".into(),
+                    ));
+                }
+                // No response timeout of the client's: each command is bounded by the source's
+                // own (a blocking read needs longer than the others).
+                let client = redis::cluster::ClusterClient::builder(nodes)
+                    .connection_timeout(timeout)
+                    .build()
+                    .map_err(|e| Error::Config(format!("{shown}: {e}")))?;
+                return Ok((Target::Cluster(Box::new(client)), shown));
+            }
         };
+        let _ = timeout; // a server's connections are bounded in `Conn`
         let shown = inbox_core::redact_url(&url).to_string();
         let client = Client::open(url.as_str())
             .map_err(|e| Error::Config(format!("Redis URL {shown:?} does not parse: {e}")))?;
-        Ok((client, shown))
+        Ok((Target::Server(Box::new(client)), shown))
     }
+}
+
+/// Node URLs without their passwords.
+#[cfg(feature = "cluster")]
+fn shown_nodes(nodes: &[String]) -> Vec<String> {
+    nodes
+        .iter()
+        .map(|url| inbox_core::redact_url(url).to_string())
+        .collect()
 }
 
 impl RedisStreamSourceBuilder {
@@ -133,9 +172,10 @@ impl RedisStreamSourceBuilder {
         self
     }
 
-    /// Where entries that cannot be applied go (default `<stream>:dlq`). A dead letter's copy and
-    /// its `XACK` run in one script, whose two streams must share a hash slot on a Redis Cluster
-    /// (a hash tag: `{orders}` and `{orders}:dlq`).
+    /// Where entries that cannot be applied go (default `<stream>:dlq`; on a Redis Cluster
+    /// `{<stream>}:dlq` unless the stream has a hash tag, see [Redis Cluster](crate#redis-cluster)). A
+    /// dead letter's copy and its `XACK` run in one script, whose two streams must share a hash
+    /// slot on a cluster: `connect` refuses two slots there.
     pub fn dead_letter_stream(mut self, stream: impl Into<String>) -> Self {
         self.dead_letter_stream = Some(stream.into());
         self
@@ -150,6 +190,36 @@ impl RedisStreamSourceBuilder {
     /// Connects with a client you configured instead of `REDIS_URL`.
     pub fn client(mut self, client: Client) -> Self {
         self.server = Server::Client(Box::new(client));
+        self
+    }
+
+    /// Connects to the Redis Cluster these nodes belong to (feature `cluster`) instead of
+    /// `REDIS_URL`: `redis://host:port` URLs of one or more of its nodes, from which the others
+    /// are learnt. Every command goes to the master holding the stream's hash slot, following
+    /// the cluster through failovers and slot migrations.
+    ///
+    /// The stream and its dead-letter stream must share a hash slot: the default dead-letter
+    /// stream is `<stream>:dlq` when the stream has a hash tag (`{orders}` → `{orders}:dlq`)
+    /// and `{<stream>}:dlq` when it has none (`orders` → `{orders}:dlq`, whose tag hashes to
+    /// the slot of `orders`). A [`dead_letter_stream`](Self::dead_letter_stream) in another
+    /// slot fails `connect`.
+    ///
+    /// ```no_run
+    /// # async fn f() -> inbox_redis_streams::Result<()> {
+    /// let source = inbox_redis_streams::RedisStreamSource::builder("{payments}", "wallet")
+    ///     .cluster(["redis://10.0.0.1:6379", "redis://10.0.0.2:6379"])
+    ///     .consumer_name("wallet-0")
+    ///     .connect() // dead letters go to `{payments}:dlq`
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "cluster")]
+    pub fn cluster<I>(mut self, nodes: I) -> Self
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        self.server = Server::Cluster(nodes.into_iter().map(Into::into).collect());
         self
     }
 
@@ -197,14 +267,14 @@ impl RedisStreamSourceBuilder {
         let timeout = self.operation_timeout;
         let server = self.server.clone();
         let settings = self.settings()?;
-        let (client, shown) = server.client()?;
+        let (target, shown) = server.target(timeout)?;
         let connect = |what: &str| format!("connecting to Redis at {shown} for {what}");
         // Two connections: a blocking XREADGROUP holds its connection until it returns, and acks
         // should not queue behind it.
-        let reader = Conn::connect(client.clone(), "reads", timeout)
+        let reader = Conn::connect(target.clone(), "reads", timeout)
             .await
             .map_err(|e| Error::redis(connect("reads"), e))?;
-        let commands = Conn::connect(client, "commands", timeout)
+        let commands = Conn::connect(target, "commands", timeout)
             .await
             .map_err(|e| Error::redis(connect("acks"), e))?;
         RedisStreamSource::start(settings, reader, commands).await
@@ -232,14 +302,21 @@ impl RedisStreamSourceBuilder {
             None => default_consumer_name(),
         };
         nonempty("consumer name", &consumer)?;
-        let dead_letter_stream = self
-            .dead_letter_stream
-            .unwrap_or_else(|| format!("{}:dlq", self.stream));
+        let dead_letter_stream = match self.dead_letter_stream {
+            Some(name) => name,
+            #[cfg(feature = "cluster")]
+            None if self.server.is_cluster() => crate::cluster::dead_letter_stream(&self.stream),
+            None => format!("{}:dlq", self.stream),
+        };
         if dead_letter_stream == self.stream {
             return Err(Error::Config(format!(
                 "the dead-letter stream is the stream `{}` itself; pick another key",
                 self.stream
             )));
+        }
+        #[cfg(feature = "cluster")]
+        if self.server.is_cluster() {
+            crate::cluster::check_same_slot(&self.stream, &dead_letter_stream)?;
         }
         // BLOCK 0 means "wait for ever" to Redis, which would hang shutdown-free loops.
         if self.poll_timeout < Duration::from_millis(1) {
@@ -305,5 +382,31 @@ mod tests {
         let s = b().settings().expect("parses");
         assert_eq!(s.dead_letter_stream, "s:dlq");
         assert!(s.consumer.ends_with(&format!("-{}", std::process::id())));
+    }
+
+    #[cfg(feature = "cluster")]
+    #[test]
+    fn on_a_cluster_the_dead_letter_stream_shares_the_slot_and_passwords_stay_hidden() {
+        let b = |stream: &str| {
+            RedisStreamSourceBuilder::new(stream.into(), "g".into())
+                .cluster(["redis://:hunter2@127.0.0.1:7000"])
+        };
+        assert_eq!(
+            b("orders").settings().expect("parses").dead_letter_stream,
+            "{orders}:dlq"
+        );
+        assert_eq!(
+            b("{orders}").settings().expect("parses").dead_letter_stream,
+            "{orders}:dlq"
+        );
+        let e = b("orders")
+            .dead_letter_stream("orders:dlq")
+            .settings()
+            .expect_err("another slot");
+        assert!(e.to_string().contains("hash slot"), "{e}");
+        assert!(b("a}b{").settings().is_err());
+        let shown = format!("{:?}", b("orders"));
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("127.0.0.1:7000"), "{shown}");
     }
 }

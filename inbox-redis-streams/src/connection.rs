@@ -1,20 +1,93 @@
-//! The source's connections to Redis: every command bounded by the operation timeout, and a
-//! connection that failed or went silent replaced by a new one on the next command.
+//! The source's and the producer's connections to Redis: every command bounded by the operation
+//! timeout, and a connection that failed or went silent replaced by a new one on the next
+//! command.
 //!
 //! Not redis-rs's `ConnectionManager`: it keeps a connection whose reply timed out (a timeout
 //! is not a reason to reconnect there), so after a network black hole every later command on
 //! the dead connection timed out too, for good; and its background reconnect, with retries of
 //! its own, could leave a command waiting with no bound after a server restart.
+//!
+//! One server or a whole cluster, through one path: both connections are redis-rs
+//! `ConnectionLike`s, and [`Link`] is either. A cluster connection follows `MOVED` and `ASK`,
+//! refreshes its slot map and reconnects to nodes by itself; the bound and the replacement here
+//! come on top, for a cluster that stays silent.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, Client, RedisError, RedisResult};
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::{
+    AsyncConnectionConfig, Client, Cmd, Pipeline, RedisError, RedisFuture, RedisResult, Value,
+};
 use tokio::sync::Mutex;
 use tracing::info;
+
+/// Where connections go: one server, or a Redis Cluster (feature `cluster`).
+#[derive(Clone)]
+pub(crate) enum Target {
+    /// Boxed, as the cluster's: a client with TLS certificates is large.
+    Server(Box<Client>),
+    #[cfg(feature = "cluster")]
+    Cluster(Box<redis::cluster::ClusterClient>),
+}
+
+/// A connection to one server or to a cluster.
+#[derive(Clone)]
+enum Link {
+    Server(MultiplexedConnection),
+    #[cfg(feature = "cluster")]
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl ConnectionLike for Link {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Link::Server(conn) => conn.req_packed_command(cmd),
+            #[cfg(feature = "cluster")]
+            Link::Cluster(conn) => conn.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Link::Server(conn) => conn.req_packed_commands(pipeline, offset, count),
+            #[cfg(feature = "cluster")]
+            Link::Cluster(conn) => conn.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Link::Server(conn) => conn.get_db(),
+            #[cfg(feature = "cluster")]
+            Link::Cluster(conn) => conn.get_db(),
+        }
+    }
+}
+
+/// One command, or several sent together on one connection (a pipeline: on a cluster, to the
+/// node of its first key).
+#[derive(Clone, Copy)]
+pub(crate) enum Request<'a> {
+    Cmd(&'a Cmd),
+    Pipeline(&'a Pipeline),
+}
+
+impl Request<'_> {
+    async fn send<T: redis::FromRedisValue>(self, conn: &mut Link) -> RedisResult<T> {
+        match self {
+            Request::Cmd(cmd) => cmd.query_async(conn).await,
+            Request::Pipeline(pipeline) => pipeline.query_async(conn).await,
+        }
+    }
+}
 
 /// One logical connection to Redis, shared by clones: the source's reads, or its commands and
 /// the acks it hands out.
@@ -22,13 +95,13 @@ use tracing::info;
 pub(crate) struct Conn(Arc<Inner>);
 
 struct Inner {
-    client: Client,
+    target: Target,
     /// What the connection is for, in logs: `reads`, `commands`.
     purpose: &'static str,
     /// The bound on connecting and on each command.
     timeout: Duration,
     /// The connection in use, with its number; `None` after it failed.
-    current: Mutex<Option<(u64, MultiplexedConnection)>>,
+    current: Mutex<Option<(u64, Link)>>,
     /// Connections made so far.
     made: AtomicU64,
 }
@@ -36,12 +109,12 @@ struct Inner {
 impl Conn {
     /// Connects at once, so a wrong address or a refused login fails the build.
     pub(crate) async fn connect(
-        client: Client,
+        target: Target,
         purpose: &'static str,
         timeout: Duration,
     ) -> RedisResult<Self> {
         let conn = Self(Arc::new(Inner {
-            client,
+            target,
             purpose,
             timeout,
             current: Mutex::new(None),
@@ -58,23 +131,38 @@ impl Conn {
     }
 
     /// The connection in use, or a new one.
-    async fn connection(&self) -> RedisResult<(u64, MultiplexedConnection)> {
+    async fn connection(&self) -> RedisResult<(u64, Link)> {
         let mut current = self.0.current.lock().await;
         if let Some(conn) = current.as_ref() {
             return Ok(conn.clone());
         }
-        // The handshake (`HELLO`, `SELECT`, `AUTH`) is inside the bound: a server that accepts
-        // the TCP connection and then says nothing does not hold the caller. No response timeout
-        // of the client's (its default, 500 ms, would cut a blocking `XREADGROUP` short): `query`
-        // bounds each command itself, and drops the connection when the bound passes.
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(self.0.timeout))
-            .set_response_timeout(None);
-        let conn = self
-            .0
-            .client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await?;
+        let conn = match &self.0.target {
+            Target::Server(client) => {
+                // The handshake (`HELLO`, `SELECT`, `AUTH`) is inside the bound: a server that
+                // accepts the TCP connection and then says nothing does not hold the caller. No
+                // response timeout of the client's (its default, 500 ms, would cut a blocking
+                // `XREADGROUP` short): `query` bounds each command itself, and drops the
+                // connection when the bound passes.
+                let config = AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(self.0.timeout))
+                    .set_response_timeout(None);
+                Link::Server(
+                    client
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await?,
+                )
+            }
+            // Built with the connection timeout and no response timeout (see `config.rs`); the
+            // slot map is read from the first seed node that answers, within the same bound.
+            #[cfg(feature = "cluster")]
+            Target::Cluster(client) => {
+                let connect = client.get_async_connection();
+                match tokio::time::timeout(self.0.timeout, connect).await {
+                    Ok(conn) => Link::Cluster(conn?),
+                    Err(_) => return Err(timed_out(self.0.timeout, "no cluster node answered")),
+                }
+            }
+        };
         let number = self.0.made.fetch_add(1, Ordering::Relaxed) + 1;
         if number > 1 {
             info!(purpose = self.0.purpose, "reconnected to Redis");
@@ -91,17 +179,20 @@ impl Conn {
         cmd: &redis::Cmd,
         extra: Duration,
     ) -> RedisResult<T> {
+        self.request(Request::Cmd(cmd), extra).await
+    }
+
+    /// [`query`](Self::query) for a command or a pipeline.
+    pub(crate) async fn request<T: redis::FromRedisValue>(
+        &self,
+        request: Request<'_>,
+        extra: Duration,
+    ) -> RedisResult<T> {
         let (number, mut conn) = self.connection().await?;
         let limit = self.0.timeout + extra;
-        let result = match tokio::time::timeout(limit, cmd.query_async(&mut conn)).await {
+        let result = match tokio::time::timeout(limit, request.send(&mut conn)).await {
             Ok(result) => result,
-            Err(_) => Err(RedisError::from(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!(
-                    "no reply from Redis within {limit:?} (operation_timeout); the connection is \
-                     dropped and a new one made"
-                ),
-            ))),
+            Err(_) => Err(timed_out(limit, "no reply from Redis")),
         };
         if let Err(e) = &result {
             if connection_is_broken(e) {
@@ -133,6 +224,17 @@ impl Conn {
     }
 }
 
+/// A timeout as an I/O error, so that it counts as a lost connection.
+fn timed_out(limit: Duration, what: &str) -> RedisError {
+    RedisError::from(io::Error::new(
+        io::ErrorKind::TimedOut,
+        format!(
+            "{what} within {limit:?} (operation_timeout); the connection is dropped and a new \
+             one made"
+        ),
+    ))
+}
+
 /// Whether the connection cannot be trusted with another command: it is closed, or a reply
 /// went missing (a peer that went silent, or a network that swallows packets, stays so).
 fn connection_is_broken(e: &RedisError) -> bool {
@@ -145,7 +247,13 @@ fn connection_is_broken(e: &RedisError) -> bool {
 
 impl std::fmt::Debug for Conn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let target = match &self.0.target {
+            Target::Server(_) => "server",
+            #[cfg(feature = "cluster")]
+            Target::Cluster(_) => "cluster",
+        };
         f.debug_struct("Conn")
+            .field("target", &target)
             .field("purpose", &self.0.purpose)
             .field("timeout", &self.0.timeout)
             .field("made", &self.made())

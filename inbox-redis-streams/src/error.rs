@@ -39,6 +39,25 @@ pub enum Error {
         #[source]
         source: RedisError,
     },
+    /// The master added the entries, but fewer replicas than
+    /// [`wait_for_replicas`](crate::RedisStreamProducerBuilder::wait_for_replicas) asks for
+    /// confirmed them in time: a failover now could lose them. Retry under the same message IDs;
+    /// the consumer applies a message that arrives twice once.
+    #[error(
+        "the master added to stream `{stream}`, but only {confirmed} of {wanted} replicas \
+         confirmed it within {timeout:?}; a failover could lose it: send again under the same \
+         message ID (the consumer skips a second copy)"
+    )]
+    NotReplicated {
+        /// The stream key.
+        stream: String,
+        /// Replicas that confirmed (`WAIT`'s reply).
+        confirmed: u32,
+        /// Replicas asked for.
+        wanted: u32,
+        /// How long `WAIT` waited.
+        timeout: std::time::Duration,
+    },
     /// Redis answered with a shape this crate does not understand (a server that is not Redis
     /// 7, or a proxy that rewrites replies).
     #[error("unexpected reply to {command}: {detail}")]
@@ -75,6 +94,8 @@ impl Error {
         match self {
             Error::Config(_) | Error::GroupMissing { .. } | Error::Reply { .. } => Recovery::Fatal,
             Error::Redis { source, .. } => redis_recovery(source),
+            // Replicas catch up, or a failover ends: the same send succeeds later.
+            Error::NotReplicated { .. } => Recovery::Retry,
         }
     }
 
@@ -127,6 +148,7 @@ impl From<Error> for SourceError {
             Error::Redis { .. } => "Redis stream command",
             Error::GroupMissing { .. } => "Redis stream consumer group",
             Error::Reply { .. } => "Redis stream reply",
+            Error::NotReplicated { .. } => "Redis replication",
         };
         SourceError::new(recovery, context, e)
     }

@@ -80,7 +80,8 @@
 //!   `claim_idle`, through `XAUTOCLAIM`.
 //! - **Dead letter** ([`RedisStreamAck`]'s [`Ack::dead_letter`](inbox_core::Ack::dead_letter)):
 //!   `XADD <stream>:dlq * <original fields…> reason <text> original_source <stream>
-//!   original_position <entry ID>` (the names of [`inbox_core::dead_letter`]) and `XACK`, in
+//!   original_position <entry ID>` (the names of [`inbox_core::dead_letter`]; the dead-letter
+//!   stream's name on a cluster: see [Redis Cluster](#redis-cluster)) and `XACK`, in
 //!   one script: the `XACK` runs only if the `XADD` did (inside `MULTI` it would run even when
 //!   the `XADD` failed, and the entry would be lost). If the script fails, or its reply is lost,
 //!   the entry stays pending and is dead-lettered again later: the dead-letter stream may hold
@@ -108,6 +109,53 @@
 //! that creates the group at `0`, as on a first start: the whole stream is read again, and the
 //! inbox skips the IDs it still holds).
 //!
+//! # Redis Cluster
+//!
+//! With the feature `cluster`, `RedisStreamSourceBuilder::cluster` and
+//! `RedisStreamProducerBuilder::cluster` take the URLs of some of a cluster's nodes instead of
+//! one server's; every other option is the same, and so is the source. Each command goes to the
+//! master of the stream's hash slot; the client follows `MOVED` and `ASK` through slot
+//! migrations and finds the new master after a failover.
+//!
+//! ```no_run
+//! # #[cfg(feature = "cluster")]
+//! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
+//! use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
+//!
+//! let nodes = ["redis://10.0.0.1:6379", "redis://10.0.0.2:6379"];
+//! let producer = RedisStreamProducer::builder()
+//!     .cluster(nodes)
+//!     .wait_for_replicas(1, Duration::from_secs(1)) // survive the master's death
+//!     .connect()
+//!     .await?;
+//! let source = RedisStreamSource::builder("{payments}", "wallet")
+//!     .cluster(nodes)
+//!     .consumer_name("wallet-0")
+//!     .connect() // dead letters to `{payments}:dlq`, in the same slot
+//!     .await?;
+//! # let _ = (producer, source); Ok(()) }
+//! ```
+//!
+//! - **Keys**: the stream, its group and its dead-letter stream must share a hash slot (the
+//!   dead-letter script touches both streams). The default dead-letter stream is `<stream>:dlq`
+//!   when the stream has a hash tag (`{payments}` → `{payments}:dlq`) and `{<stream>}:dlq` when
+//!   it has none (`payments` → `{payments}:dlq`, whose tag hashes to the slot of `payments`).
+//!   A dead-letter stream in another slot fails `connect`.
+//! - **Lost writes**: Redis replicates asynchronously, so an `XADD` the master answered can die
+//!   with it, before any replica had it: the send returned `Ok` and the entry never reaches a
+//!   consumer. [`RedisStreamProducerBuilder::wait_for_replicas`] makes a send return `Ok` only
+//!   once replicas have it (`WAIT`); without it, a failover loses the last writes the old
+//!   master had not streamed to its replica.
+//! - **Lost acks and reads**: an `XACK`, or the record of a delivery, that the old master had
+//!   not replicated is gone after a failover too: the entry is pending again (or undelivered)
+//!   and comes back, and the inbox skips it. A dead letter's copy and ack replicate together.
+//! - **During the failover** (`cluster-node-timeout` plus the election) the stream's slot has no
+//!   master: commands fail, the consumer backs off and retries. A command that lost its
+//!   connection or timed out makes the source connect anew and reread its own pending entries,
+//!   as on one server; an entry whose ack was lost without that comes back through `XAUTOCLAIM`
+//!   after `claim_idle`.
+//!
 //! # Consumer names when scaled
 //!
 //! Every process needs its own consumer name in the group; see
@@ -117,6 +165,8 @@
 //! name.
 
 mod ack;
+#[cfg(feature = "cluster")]
+mod cluster;
 mod config;
 mod connection;
 mod error;

@@ -7,7 +7,7 @@ use redis::aio::ConnectionManager;
 use redis::Client;
 
 use crate::config::Server;
-use crate::connection::Conn;
+use crate::connection::{Conn, Request};
 use crate::{Error, Result, DEFAULT_ID_FIELD, PAYLOAD_FIELD};
 
 /// Adds entries to streams:
@@ -23,6 +23,14 @@ use crate::{Error, Result, DEFAULT_ID_FIELD, PAYLOAD_FIELD};
 pub struct RedisStreamProducer {
     conn: Connection,
     id_field: String,
+    replicas: Option<Replicas>,
+}
+
+/// How many replicas must confirm each write (`WAIT`), and how long to wait for them.
+#[derive(Debug, Clone, Copy)]
+struct Replicas {
+    count: u32,
+    timeout: Duration,
 }
 
 #[derive(Clone)]
@@ -40,6 +48,7 @@ impl std::fmt::Debug for RedisStreamProducer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStreamProducer")
             .field("id_field", &self.id_field)
+            .field("replicas", &self.replicas)
             .finish_non_exhaustive()
     }
 }
@@ -56,6 +65,7 @@ pub struct RedisStreamProducerBuilder {
     manager: Option<ConnectionManager>,
     id_field: String,
     operation_timeout: Duration,
+    replicas: Option<Replicas>,
 }
 
 impl std::fmt::Debug for RedisStreamProducerBuilder {
@@ -65,6 +75,7 @@ impl std::fmt::Debug for RedisStreamProducerBuilder {
             .field("connection_manager", &self.manager.is_some())
             .field("id_field", &self.id_field)
             .field("operation_timeout", &self.operation_timeout)
+            .field("replicas", &self.replicas)
             .finish()
     }
 }
@@ -79,6 +90,43 @@ impl RedisStreamProducerBuilder {
     /// Connects with a client you configured instead of `REDIS_URL`.
     pub fn client(mut self, client: Client) -> Self {
         self.server = Server::Client(Box::new(client));
+        self
+    }
+
+    /// Connects to the Redis Cluster these nodes belong to (feature `cluster`) instead of
+    /// `REDIS_URL`: `redis://host:port` URLs of one or more of its nodes, from which the others
+    /// are learnt. Each `XADD` (and a batch's script, whose only key is the stream) goes to the
+    /// master holding the stream's hash slot, following the cluster through failovers and slot
+    /// migrations. See [`wait_for_replicas`](Self::wait_for_replicas): without it a failover
+    /// can lose writes the old master had confirmed.
+    #[cfg(feature = "cluster")]
+    pub fn cluster<I>(mut self, nodes: I) -> Self
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        self.server = Server::Cluster(nodes.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Confirms each send only once `replicas` replicas have it too (`WAIT <replicas> <timeout>`
+    /// right after the `XADD`, on the same connection); default: no wait.
+    ///
+    /// Redis replicates asynchronously: an `XADD` its master answered may not have reached any
+    /// replica yet, and if the master dies then, the replica promoted in its place (a Redis
+    /// Cluster failover, Sentinel) never had the entry. The send succeeded and the entry is
+    /// gone. With the wait, a send that returns `Ok` survives the loss of its master as long as
+    /// one of those replicas takes over. When fewer replicas confirm within `timeout` the send
+    /// fails with [`Error::NotReplicated`] ([`Recovery::Retry`](inbox_core::Recovery)): the
+    /// entry may or may not survive, so send again under the same message ID, and the consumer
+    /// applies it once either way. `WAIT` is not a transaction: it cannot undo the write, and a
+    /// replica that confirmed can still lose the failover election to one that did not (rare;
+    /// Redis prefers the replica with the most data).
+    pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.replicas = Some(Replicas {
+            count: replicas,
+            timeout,
+        });
         self
     }
 
@@ -119,13 +167,21 @@ impl RedisStreamProducerBuilder {
                 "operation_timeout is under 1 ms; use at least 1 ms".into(),
             ));
         }
+        if let Some(r) = self.replicas {
+            // `WAIT n 0` waits for ever.
+            if r.timeout < Duration::from_millis(1) {
+                return Err(Error::Config(
+                    "the wait for replicas is under 1 ms; use at least 1 ms".into(),
+                ));
+            }
+        }
         let conn = match self.manager {
             Some(manager) => Connection::Manager(manager),
             None => {
-                let (client, shown) = self.server.client()?;
+                let (target, shown) = self.server.target(self.operation_timeout)?;
                 // Not a redis-rs `ConnectionManager`: it keeps a connection whose reply timed
                 // out, and its reconnect could hang a send for good after a server restart.
-                let conn = Conn::connect(client, "producer", self.operation_timeout)
+                let conn = Conn::connect(target, "producer", self.operation_timeout)
                     .await
                     .map_err(|e| {
                         Error::redis(
@@ -139,6 +195,7 @@ impl RedisStreamProducerBuilder {
         Ok(RedisStreamProducer {
             conn,
             id_field: self.id_field,
+            replicas: self.replicas,
         })
     }
 }
@@ -161,6 +218,7 @@ impl RedisStreamProducer {
             manager: None,
             id_field: DEFAULT_ID_FIELD.to_owned(),
             operation_timeout: Duration::from_secs(10),
+            replicas: None,
         }
     }
 
@@ -177,9 +235,8 @@ impl RedisStreamProducer {
         for (name, value) in message.traced_headers() {
             cmd.arg(name).arg(value.as_ref());
         }
-        self.query(&cmd)
+        self.write(&cmd, stream, || format!("XADD to stream {stream}"))
             .await
-            .map_err(|e| Error::redis(format!("XADD to stream {stream}"), e))
     }
 
     /// Refuses a header of `message` that would shadow its ID or payload field.
@@ -194,12 +251,58 @@ impl RedisStreamProducer {
         Ok(())
     }
 
-    /// Runs `cmd` once. Not repeated on a new connection: only the caller can retry under the
-    /// same IDs.
-    async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
-        match &self.conn {
-            Connection::Own(conn) => conn.query(cmd, Duration::ZERO).await,
-            Connection::Manager(conn) => cmd.query_async(&mut conn.clone()).await,
+    /// Runs the write `cmd` to `stream`, followed by `WAIT` on the same connection when
+    /// replicas must confirm it; `context` names it in errors.
+    async fn write<T: redis::FromRedisValue>(
+        &self,
+        cmd: &redis::Cmd,
+        stream: &str,
+        context: impl Fn() -> String,
+    ) -> Result<T> {
+        let Some(replicas) = self.replicas else {
+            return self
+                .request(Request::Cmd(cmd), Duration::ZERO)
+                .await
+                .map_err(|e| Error::redis(context(), e));
+        };
+        // One pipeline: on a cluster it goes to the node of the stream's slot, where `WAIT`
+        // waits for this connection's writes, the `XADD` included.
+        let mut pipeline = redis::pipe();
+        pipeline
+            .add_command(cmd.clone())
+            .cmd("WAIT")
+            .arg(replicas.count)
+            .arg(replicas.timeout.as_millis().max(1) as u64);
+        let (written, confirmed): (T, u32) = self
+            .request(Request::Pipeline(&pipeline), replicas.timeout)
+            .await
+            .map_err(|e| Error::redis(format!("{} and WAIT", context()), e))?;
+        if confirmed < replicas.count {
+            return Err(Error::NotReplicated {
+                stream: stream.to_owned(),
+                confirmed,
+                wanted: replicas.count,
+                timeout: replicas.timeout,
+            });
+        }
+        Ok(written)
+    }
+
+    /// Runs `request` once, waiting the operation timeout plus `extra`. Not repeated on a new
+    /// connection: only the caller can retry under the same IDs.
+    async fn request<T: redis::FromRedisValue>(
+        &self,
+        request: Request<'_>,
+        extra: Duration,
+    ) -> redis::RedisResult<T> {
+        match (&self.conn, request) {
+            (Connection::Own(conn), request) => conn.request(request, extra).await,
+            (Connection::Manager(conn), Request::Cmd(cmd)) => {
+                cmd.query_async(&mut conn.clone()).await
+            }
+            (Connection::Manager(conn), Request::Pipeline(pipeline)) => {
+                pipeline.query_async(&mut conn.clone()).await
+            }
         }
     }
 }
@@ -261,12 +364,12 @@ impl Publish for RedisStreamProducer {
                 cmd.arg(name).arg(value.as_ref());
             }
         }
-        let added: usize = self.query(&cmd).await.map_err(|e| {
-            failed(Error::redis(
-                format!("EVAL of XADDs to stream {destination}"),
-                e,
-            ))
-        })?;
+        let added: usize = self
+            .write(&cmd, destination, || {
+                format!("EVAL of XADDs to stream {destination}")
+            })
+            .await
+            .map_err(failed)?;
         if added != messages.len() {
             return Err(failed(Error::reply(
                 "EVAL",
@@ -274,5 +377,21 @@ impl Publish for RedisStreamProducer {
             )));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_wait_for_replicas_of_no_time_is_refused_before_connecting() {
+        let e = RedisStreamProducer::builder()
+            .url("redis://127.0.0.1:1")
+            .wait_for_replicas(1, Duration::ZERO)
+            .connect()
+            .await
+            .expect_err("WAIT 1 0 would wait for ever");
+        assert!(e.to_string().contains("at least 1 ms"), "{e}");
     }
 }

@@ -47,7 +47,7 @@ pub async fn lag(stream: &str) -> i64 {
 }
 
 /// [`lag`] over a connection of your own.
-pub(super) async fn lag_with(conn: &mut MultiplexedConnection, stream: &str) -> i64 {
+pub async fn lag_with(conn: &mut MultiplexedConnection, stream: &str) -> i64 {
     let v: Value = redis::cmd("XINFO")
         .arg("GROUPS")
         .arg(stream)
@@ -82,7 +82,7 @@ pub async fn dead_letters(stream: &str) -> Vec<Vec<(String, String)>> {
 }
 
 /// [`dead_letters`] over a connection of your own.
-pub(super) async fn dead_letters_with(
+pub async fn dead_letters_with(
     conn: &mut MultiplexedConnection,
     stream: &str,
 ) -> Vec<Vec<(String, String)>> {
