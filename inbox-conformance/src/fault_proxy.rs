@@ -31,6 +31,7 @@ pub struct FaultProxy {
     addr: SocketAddr,
     mode: watch::Sender<ProxyMode>,
     cuts: watch::Sender<u64>,
+    upstream: watch::Sender<SocketAddr>,
     _accept: Arc<Accepting>,
 }
 
@@ -55,10 +56,12 @@ impl FaultProxy {
         let addr = listener.local_addr()?;
         let (mode, _) = watch::channel(ProxyMode::Pass);
         let (cuts, _) = watch::channel(0u64);
-        let state = Arc::new((mode.clone(), cuts.clone()));
+        let (upstream, _) = watch::channel(upstream);
+        let state = Arc::new((mode.clone(), cuts.clone(), upstream.clone()));
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                let (mode, cuts) = &*state;
+                let (mode, cuts, upstream) = &*state;
+                let upstream = *upstream.borrow();
                 tokio::spawn(serve(client, upstream, mode.subscribe(), cuts.subscribe()));
             }
         });
@@ -67,6 +70,7 @@ impl FaultProxy {
             _accept: Arc::new(Accepting(accept, mode.clone())),
             mode,
             cuts,
+            upstream,
         })
     }
 
@@ -83,6 +87,14 @@ impl FaultProxy {
     /// Closes every open connection; new ones are served as the mode says.
     pub fn cut(&self) {
         self.cuts.send_modify(|n| *n += 1);
+    }
+
+    /// Forwards new connections to `upstream` from now on and cuts the open ones: a failover
+    /// behind one address (a virtual IP, a DNS name, a connection pooler moving to the new
+    /// primary).
+    pub fn redirect(&self, upstream: SocketAddr) {
+        self.upstream.send_replace(upstream);
+        self.cut();
     }
 }
 

@@ -98,6 +98,82 @@ impl PgCluster {
         Ok(cluster)
     }
 
+    /// [`PgCluster::up`] on a new cluster: one of that name left by an earlier run is dropped
+    /// first, data and all.
+    ///
+    /// # Errors
+    /// As [`PgCluster::up`], or when the old cluster cannot be dropped.
+    pub fn fresh(
+        name: &str,
+        port_var: &str,
+        default_port: u16,
+        settings: &ClusterSettings,
+    ) -> Result<Self, String> {
+        drop_cluster(name)?;
+        Self::up(name, port_var, default_port, settings)
+    }
+
+    /// A new streaming standby of `primary` (dropped first if it exists), copied with
+    /// `pg_basebackup` and connecting as `application_name` `name` (what
+    /// `synchronous_standby_names` names), started. It reaches the primary at `primary_port`
+    /// on loopback: the primary's own port, or a proxy's in front of it, to slow or cut the
+    /// replication link.
+    ///
+    /// # Errors
+    /// When a step fails.
+    pub fn standby_of(
+        primary: &PgCluster,
+        primary_port: u16,
+        name: &str,
+        port_var: &str,
+        default_port: u16,
+    ) -> Result<Self, String> {
+        drop_cluster(name)?;
+        let port: u16 = std::env::var(port_var)
+            .ok()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(default_port);
+        let version = primary.version.clone();
+        run(
+            "pg_createcluster",
+            &[&version, name, "--port", &port.to_string()],
+        )?;
+        let data = format!("/var/lib/postgresql/{version}/{name}");
+        std::fs::remove_dir_all(&data).map_err(|e| format!("cannot empty {data}: {e}"))?;
+        let conninfo = format!(
+            "host=127.0.0.1 port={primary_port} user=postgres password=postgres \
+             application_name={name}"
+        );
+        let copy = format!("pg_basebackup -d '{conninfo}' -D {data} -R -X stream -c fast");
+        run("su", &["postgres", "-c", &copy])?;
+        let standby = Self {
+            version,
+            name: name.to_owned(),
+            port,
+            started_here: true,
+        };
+        standby.ctl("start")?;
+        Ok(standby)
+    }
+
+    /// Stops the server at once, as a crash would (`immediate` mode: no checkpoint, sessions
+    /// dropped, the next start recovers from the WAL).
+    ///
+    /// # Panics
+    /// When `pg_ctlcluster` fails.
+    pub fn crash(&self) {
+        self.ctl_with(&["--mode", "immediate"], "stop")
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Promotes a standby to primary.
+    ///
+    /// # Panics
+    /// When `pg_ctlcluster` fails.
+    pub fn promote(&self) {
+        self.ctl("promote").unwrap_or_else(|e| panic!("{e}"));
+    }
+
     /// The port it listens on.
     pub fn port(&self) -> u16 {
         self.port
@@ -161,6 +237,30 @@ impl Drop for PgCluster {
             let _ = self.ctl("stop");
         }
     }
+}
+
+/// Drops the cluster `name` of the first version `pg_lsclusters` lists, if it exists.
+fn drop_cluster(name: &str) -> Result<(), String> {
+    if output("id", &["-u"])?.trim() != "0" {
+        return Err("needs root to run pg_createcluster and pg_ctlcluster".into());
+    }
+    let listing = output("pg_lsclusters", &["--no-header"])?;
+    for fields in listing
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+    {
+        if fields.len() > 1 && fields[1] == name {
+            run("pg_dropcluster", &["--stop", fields[0], name])?;
+            // pg_dropcluster leaves the files it did not make (the tests' settings in conf.d),
+            // which a new cluster of the name would pick up.
+            let config = format!("/etc/postgresql/{}/{name}", fields[0]);
+            if std::path::Path::new(&config).exists() {
+                std::fs::remove_dir_all(&config)
+                    .map_err(|e| format!("cannot remove {config}: {e}"))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 pub(crate) fn output(program: &str, args: &[&str]) -> Result<String, String> {
