@@ -44,7 +44,7 @@ impl KafkaAdmin {
             config.set(key, value);
         }
         let client = config
-            .create_with_context(ProducerContext)
+            .create_with_context(ProducerContext::default())
             .map_err(|e| Error::kafka("creating the Kafka admin client", e))?;
         let timeout = Some(Duration::from_secs(30));
         Ok(Self {

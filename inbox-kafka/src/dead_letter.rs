@@ -14,6 +14,7 @@ use rdkafka::types::RDKafkaRespErr;
 use tracing::{debug, info};
 
 use crate::context::ProducerContext;
+use crate::failure::Failures;
 use crate::{Error, KafkaAdmin, KafkaSourceBuilder};
 
 /// What a [`KafkaAck`](crate::KafkaAck) needs to park its record: the source's dead-letter
@@ -23,6 +24,8 @@ pub(crate) struct DeadLetterProducer {
     /// `None`: `<original topic>.dlq`.
     pub(crate) topic: Option<String>,
     pub(crate) timeout: Duration,
+    /// The connection failures of the producer (and of the source's consumer).
+    pub(crate) failures: Failures,
 }
 
 impl fmt::Debug for DeadLetterProducer {
@@ -119,14 +122,13 @@ impl DeadLetterCheck {
     /// Finds the missing dead-letter topics with a metadata request for all topics (one that
     /// names a topic makes a broker with `auto.create.topics.enable` create it, and the check
     /// would pass by accident), then fails naming them, or creates them when allowed.
-    pub(crate) async fn run(
-        &self,
-        producer: &FutureProducer<ProducerContext>,
-    ) -> Result<(), SourceError> {
+    pub(crate) async fn run(&self, producer: &DeadLetterProducer) -> Result<(), SourceError> {
         if self.topics.is_empty() {
             return Ok(());
         }
-        let existing = self.existing_topics(producer).await?;
+        let existing = self
+            .existing_topics(&producer.producer, &producer.failures)
+            .await?;
         let missing: Vec<(&String, &Vec<String>)> = self
             .topics
             .iter()
@@ -164,23 +166,33 @@ impl DeadLetterCheck {
     async fn existing_topics(
         &self,
         producer: &FutureProducer<ProducerContext>,
+        failures: &Failures,
     ) -> Result<BTreeSet<String>, SourceError> {
         let (producer, timeout) = (producer.clone(), self.timeout);
         let brokers = &self.brokers;
-        // A blocking request: off the async workers.
-        let metadata =
-            tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, timeout))
-                .await
-                .map_err(|join| {
-                    SourceError::new(Recovery::Retry, "dead-letter topic check failed", join)
-                })?
-                .map_err(|e| {
-                    let context = format!(
-                        "listing the topics of the brokers {brokers} (KAFKA_BROKERS or \
-                         KafkaSourceBuilder::brokers) to check the dead-letter topics"
-                    );
-                    Error::kafka(context, e).into_source()
-                })?;
+        // A blocking request: off the async workers. A TLS handshake or a login the brokers
+        // refuse fails the check at once, saying why, rather than at the timeout.
+        let fetch =
+            tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, timeout));
+        let metadata = tokio::select! {
+            refused = failures.refused() => return Err(refused.into_source()),
+            fetched = fetch => fetched,
+        };
+        let metadata = metadata
+            .map_err(|join| {
+                SourceError::new(Recovery::Retry, "dead-letter topic check failed", join)
+            })?
+            .map_err(|e| {
+                let last = failures
+                    .take_reason()
+                    .map(|reason| format!("; the last connection failure: {reason}"))
+                    .unwrap_or_default();
+                let context = format!(
+                    "listing the topics of the brokers {brokers} (KAFKA_BROKERS or \
+                     KafkaSourceBuilder::brokers) to check the dead-letter topics{last}"
+                );
+                Error::kafka(context, e).into_source()
+            })?;
         // A listed topic exists even if it reports an error (a leader being elected), unless
         // the error says it does not.
         Ok(metadata

@@ -144,9 +144,11 @@ mod config;
 mod context;
 mod dead_letter;
 mod error;
+mod failure;
 mod producer;
 mod shared_consumer;
 mod source;
+mod token;
 mod tracker;
 
 pub use ack::KafkaAck;
@@ -157,6 +159,7 @@ pub use error::{Error, Result};
 pub use producer::{KafkaProducer, KafkaProducerBuilder};
 pub use rdkafka;
 pub use source::KafkaSource;
+pub use token::{Token, TokenError, TokenProvider};
 
 #[cfg(test)]
 mod tests {
@@ -173,6 +176,7 @@ mod tests {
         assert_send_sync::<KafkaSourceBuilder>();
         assert_send_sync::<KafkaProducerBuilder>();
         assert_send_sync::<OffsetCommits>();
+        assert_send_sync::<Token>();
         assert_send_sync::<Error>();
     }
 }

@@ -47,9 +47,11 @@ impl PrivateTansuBuilder {
     }
 
     /// Tansu's `--authentication`: every request but the SASL handshake needs a login first.
-    /// Tansu 0.6 accepts PLAIN with any password (it checks that one is given, not what it
-    /// is), and SCRAM only for users its storage holds: the in-memory storage holds none
-    /// (its `upsert_user_scram_credential` stores nothing), so every SCRAM login fails.
+    /// No login succeeds on Tansu 0.6 as built here: its SASL library is built without PLAIN
+    /// (a PLAIN handshake closes the connection), its in-memory storage keeps no SCRAM users
+    /// (`upsert_user_scram_credential` stores nothing, and `tansu user create` would need a
+    /// login first), and it offers OAUTHBEARER but refuses every token (its check knows PLAIN
+    /// and SCRAM only). What it shows is how a client reports a refused login.
     pub fn authentication(mut self, on: bool) -> Self {
         self.authentication = on;
         self
