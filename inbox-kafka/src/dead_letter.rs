@@ -11,6 +11,7 @@ use inbox_core::{dead_letter, Message, Recovery, SourceError};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::types::RDKafkaRespErr;
+use rdkafka::ClientConfig;
 use tracing::{debug, info};
 
 use crate::context::ProducerContext;
@@ -82,18 +83,32 @@ impl DeadLetterProducer {
 }
 
 /// The dead-letter topics a source can write to, and what to do when one is missing.
-#[derive(Debug)]
 pub(crate) struct DeadLetterCheck {
     /// Each dead-letter topic with the subscribed topics whose records go there.
     topics: BTreeMap<String, Vec<String>>,
     create: bool,
     brokers: String,
-    properties: BTreeMap<String, String>,
+    /// For an admin client that creates missing topics: the source's client settings (TLS,
+    /// SASL) and context (its token provider).
+    admin: (ClientConfig, ProducerContext),
     timeout: Duration,
 }
 
+impl fmt::Debug for DeadLetterCheck {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeadLetterCheck")
+            .field("topics", &self.topics)
+            .field("create", &self.create)
+            .field("brokers", &self.brokers)
+            .finish_non_exhaustive()
+    }
+}
+
 impl DeadLetterCheck {
-    pub(crate) fn new(config: &KafkaSourceBuilder) -> crate::Result<Self> {
+    pub(crate) fn new(
+        config: &KafkaSourceBuilder,
+        context: ProducerContext,
+    ) -> crate::Result<Self> {
         let mut topics: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for topic in &config.topics {
             let dead_letter_topic = match &config.dead_letter_topic {
@@ -114,7 +129,7 @@ impl DeadLetterCheck {
             topics,
             create: config.create_dead_letter_topics,
             brokers: config.resolved_brokers()?,
-            properties: config.common.clone(),
+            admin: (config.client_config()?, context),
             timeout: config.operation_timeout,
         })
     }
@@ -151,8 +166,9 @@ impl DeadLetterCheck {
             ))
             .into_source());
         }
-        let admin = KafkaAdmin::with_properties(&self.brokers, self.properties.clone())
-            .map_err(Error::into_source)?;
+        let (admin_config, context) = &self.admin;
+        let admin =
+            KafkaAdmin::with_config(admin_config, context.clone()).map_err(Error::into_source)?;
         for (topic, from) in missing {
             admin
                 .create_topic(topic, 1)
@@ -219,10 +235,14 @@ mod tests {
     #[test]
     fn each_subscribed_topic_has_its_dead_letter_topic_and_patterns_are_skipped() {
         let config = KafkaSourceBuilder::new(["a", "b", "^c.*"], "g").brokers("b:9092");
-        let check = DeadLetterCheck::new(&config).unwrap();
+        let check = DeadLetterCheck::new(&config, ProducerContext::default()).unwrap();
         let topics: Vec<&str> = check.topics.keys().map(String::as_str).collect();
         assert_eq!(topics, ["a.dlq", "b.dlq"]);
-        let shared = DeadLetterCheck::new(&config.dead_letter_topic("parked")).unwrap();
+        let shared = DeadLetterCheck::new(
+            &config.dead_letter_topic("parked"),
+            ProducerContext::default(),
+        )
+        .unwrap();
         assert_eq!(shared.topics["parked"], ["a", "b", "^c.*"]);
     }
 }

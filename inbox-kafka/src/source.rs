@@ -124,9 +124,16 @@ impl KafkaSource {
         let producer = producer_config
             .create_with_context(ProducerContext {
                 failures: failures.clone(),
-                token,
+                token: token.clone(),
             })
             .map_err(|e| Error::kafka("creating the dead-letter producer", e))?;
+        let dead_letter_check = DeadLetterCheck::new(
+            config,
+            ProducerContext {
+                failures: failures.clone(),
+                token,
+            },
+        )?;
         let dead_letters = Arc::new(DeadLetterProducer {
             producer,
             topic: config.dead_letter_topic.clone(),
@@ -142,7 +149,7 @@ impl KafkaSource {
             poll_timeout: config.poll_timeout,
             operation_timeout: config.operation_timeout,
             redelivery_window: None,
-            dead_letter_check: Some(DeadLetterCheck::new(config)?),
+            dead_letter_check: Some(dead_letter_check),
             commit_task: None,
         })
     }

@@ -81,10 +81,6 @@ async fn a_consumer_over_tls_applies_every_credit_once() {
     let topic = random("inbox-tls");
     let admin = KafkaAdmin::with_properties(&brokers, settings.clone()).unwrap();
     admin.create_topic(&topic, 2).await.unwrap();
-    admin
-        .create_topic(&format!("{topic}.dlq"), 1)
-        .await
-        .unwrap();
 
     let mut producer = KafkaProducer::builder().brokers(&brokers);
     for (key, value) in &settings {
@@ -95,7 +91,9 @@ async fn a_consumer_over_tls_applies_every_credit_once() {
     let total = produce_credit_range(&producer, &topic, 0..published, 2).await;
 
     let db = TestDb::new().await;
+    // The dead-letter topic is made by the source's own admin client, over TLS too.
     let source = source_builder(&topic, &brokers, &settings)
+        .create_dead_letter_topics(true)
         .connect()
         .await
         .unwrap();
