@@ -266,9 +266,10 @@ impl MessageSource for KafkaSource {
                     // A TLS handshake or a login the brokers refused: librdkafka would retry it
                     // forever in the background; the source says why instead.
                     let failures = &self.consumer.context().failures;
-                    if let Some(refusal) = failures.refusal_of(&e) {
-                        return Err(refusal.into_source());
-                    }
+                    let refusal = failures
+                        .refusal_of(&e)
+                        .unwrap_or_else(|| Error::kafka("receiving from Kafka", e));
+                    return Err(refusal.into_source());
                 }
                 Ok(Err(e)) if informational(&e) => {
                     // A broker down, all brokers down, a connection refused: librdkafka

@@ -133,6 +133,29 @@ async fn a_certificate_another_ca_signed_is_refused_saying_so() {
     assert!(shown.contains("TLS handshake"), "{shown}");
     assert!(shown.contains("certificate verify failed"), "{shown}");
     assert!(shown.contains("ssl.ca.location"), "{shown}");
+
+    // A consumer on such a source stops, and `run` returns the error.
+    let db = TestDb::new().await;
+    let source = source_builder("inbox-tls-refused", &tansu.brokers(), &tls(&other.ca))
+        .connect()
+        .await
+        .unwrap();
+    let running = Running::start(
+        "wallet-tls-refused",
+        source,
+        db.inbox(),
+        Credit::new(db.pool.clone()),
+        10,
+    );
+    let stopped = tokio::time::timeout(Duration::from_secs(60), running.join())
+        .await
+        .expect("the consumer stopped by itself");
+    let Err(e) = stopped else {
+        panic!("the consumer ran on over a refused TLS handshake")
+    };
+    println!("the consumer stopped: {e}");
+    assert!(e.to_string().contains("certificate verify failed"), "{e}");
+    db.drop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
