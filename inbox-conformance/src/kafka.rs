@@ -4,14 +4,16 @@
 //! The brokers come from `KAFKA_BROKERS` (default `127.0.0.1:9092`); with `KAFKA_MOCK_CONTROL`
 //! set, topics are created through librdkafka's mock cluster (`kafka-mock --control`). The
 //! network-fault scenarios run on a twin of the topic on a Tansu of their own, which advertises
-//! the fault proxy in front of it (`TANSU` names the binary, default `~/.cargo/bin/tansu`).
+//! the fault proxy in front of it (`TANSU` names the binary, default `~/.cargo/bin/tansu`);
+//! [`PrivateTansu`] starts such a broker for a test, also with TLS in front of it or with
+//! authentication.
 
 mod member;
 mod private;
 mod topics;
 
 pub use member::Member;
-use private::PrivateTansu;
+pub use private::{PrivateTansu, PrivateTansuBuilder};
 pub use topics::{create_topic, header, lag, mock_control, read_all};
 use topics::{create_topic_on, lag_on, read_all_on};
 

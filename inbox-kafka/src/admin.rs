@@ -43,8 +43,14 @@ impl KafkaAdmin {
         for (key, value) in properties {
             config.set(key, value);
         }
+        Self::with_config(&config, ProducerContext::default())
+    }
+
+    /// An admin client made like a source's other clients: its configuration, and its context
+    /// (the token provider, where connection failures are kept).
+    pub(crate) fn with_config(config: &ClientConfig, context: ProducerContext) -> Result<Self> {
         let client = config
-            .create_with_context(ProducerContext)
+            .create_with_context(context)
             .map_err(|e| Error::kafka("creating the Kafka admin client", e))?;
         let timeout = Some(Duration::from_secs(30));
         Ok(Self {

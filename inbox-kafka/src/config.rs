@@ -2,11 +2,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
 
-use crate::{Error, KafkaSource, Result};
+use crate::{Error, KafkaSource, Result, TokenProvider};
 
 /// The broker list from the `KAFKA_BROKERS` environment variable; unset or empty is an error
 /// that says so. There is no default: a missing setting must not reach a broker on localhost.
@@ -52,6 +53,7 @@ pub struct KafkaSourceBuilder {
     pub(crate) commit_interval: Duration,
     pub(crate) common: BTreeMap<String, String>,
     pub(crate) consumer: BTreeMap<String, String>,
+    pub(crate) token_provider: Option<Arc<dyn TokenProvider>>,
 }
 
 impl fmt::Debug for KafkaSourceBuilder {
@@ -68,6 +70,7 @@ impl fmt::Debug for KafkaSourceBuilder {
             .field("commit_interval", &self.commit_interval)
             .field("common", &Redacted(&self.common))
             .field("consumer", &Redacted(&self.consumer))
+            .field("token_provider", &self.token_provider.is_some())
             .finish()
     }
 }
@@ -115,6 +118,7 @@ impl KafkaSourceBuilder {
             commit_interval: Self::DEFAULT_COMMIT_INTERVAL,
             common: BTreeMap::new(),
             consumer: BTreeMap::new(),
+            token_provider: None,
         }
     }
 
@@ -196,6 +200,15 @@ impl KafkaSourceBuilder {
         self
     }
 
+    /// Logs in with SASL OAUTHBEARER tokens from `provider` (see [`TokenProvider`]): every
+    /// client this source makes asks it for a token at start and again before the token
+    /// expires. Sets `sasl.mechanism=OAUTHBEARER` (another mechanism is refused at `connect`);
+    /// `security.protocol` stays yours to set, `sasl_ssl` in production.
+    pub fn token_provider(mut self, provider: impl TokenProvider) -> Self {
+        self.token_provider = Some(Arc::new(provider));
+        self
+    }
+
     /// Creates the clients and subscribes. librdkafka connects in the background, so a broker
     /// that is down does not fail this. Nothing is fetched yet: the first
     /// [`receive`](inbox_core::MessageSource::receive) checks that the dead-letter topics exist
@@ -247,6 +260,7 @@ impl KafkaSourceBuilder {
 
     pub(crate) fn client_config(&self) -> Result<ClientConfig> {
         let mut config = ClientConfig::new();
+        crate::failure::log_connection_failures(&mut config);
         config
             .set("bootstrap.servers", self.resolved_brokers()?)
             .set(
@@ -259,6 +273,9 @@ impl KafkaSourceBuilder {
             );
         for (key, value) in &self.common {
             config.set(key, value);
+        }
+        if self.token_provider.is_some() {
+            crate::token::require_oauthbearer(&mut config)?;
         }
         Ok(config)
     }

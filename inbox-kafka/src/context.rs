@@ -1,15 +1,19 @@
-//! librdkafka callbacks: its log lines go to `tracing`, and rebalances reach the offset tracker.
+//! librdkafka callbacks: its log lines go to `tracing`, connection failures are kept for the
+//! source to report, OAUTHBEARER tokens come from the token provider, and rebalances reach the
+//! offset tracker.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use rdkafka::client::ClientContext;
+use rdkafka::client::{ClientContext, OAuthToken};
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::KafkaError;
 use tracing::{debug, error, info, warn};
 
 use crate::commit::{commit_on_revoke, OffsetCommits};
+use crate::failure::Failures;
+use crate::token::TokenRefresh;
 use crate::tracker::Tracker;
 
 /// Sends librdkafka's log lines (`MAXPOLL`, `REQTMOUT`, `FAIL`, ...) to `tracing`.
@@ -27,16 +31,41 @@ fn log(client: &str, level: RDKafkaLogLevel, facility: &str, line: &str) {
     }
 }
 
-/// The context of producers: logging only.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct ProducerContext;
+/// What a client without a token provider answers librdkafka's token refresh with.
+const NO_PROVIDER: &str = "sasl.mechanism=OAUTHBEARER needs a token: set one with \
+                           `.token_provider(..)` on the builder, or use librdkafka's \
+                           sasl.oauthbearer.method=oidc";
+
+fn token(refresh: Option<&TokenRefresh>) -> Result<OAuthToken, Box<dyn std::error::Error>> {
+    match refresh {
+        Some(refresh) => refresh.fetch(),
+        None => Err(NO_PROVIDER.into()),
+    }
+}
+
+/// The context of producers and admin clients: logging, connection failures, tokens.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ProducerContext {
+    pub(crate) failures: Failures,
+    pub(crate) token: Option<TokenRefresh>,
+}
 
 impl ClientContext for ProducerContext {
+    const ENABLE_REFRESH_OAUTH_TOKEN: bool = true;
+
     fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        self.failures.log(fac, log_message);
         log("producer", level, fac, log_message);
     }
     fn error(&self, error: KafkaError, reason: &str) {
+        self.failures.error(&error, reason);
         warn!(client = "producer", %error, "librdkafka: {reason}");
+    }
+    fn generate_oauth_token(
+        &self,
+        _config: Option<&str>,
+    ) -> Result<OAuthToken, Box<dyn std::error::Error>> {
+        token(self.token.as_ref())
     }
 }
 
@@ -48,15 +77,25 @@ pub(crate) struct InboxContext {
     /// `Duration::ZERO`: every ack commits; otherwise the commit task does, this often.
     pub(crate) commit_interval: Duration,
     pub(crate) commits: OffsetCommits,
+    /// Shared with the source's dead-letter producer.
+    pub(crate) failures: Failures,
+    token: Option<TokenRefresh>,
     tracker: Arc<Mutex<Tracker>>,
 }
 
 impl InboxContext {
-    pub(crate) fn new(group: String, commit_interval: Duration) -> Self {
+    pub(crate) fn new(
+        group: String,
+        commit_interval: Duration,
+        failures: Failures,
+        token: Option<TokenRefresh>,
+    ) -> Self {
         Self {
             group,
             commit_interval,
             commits: OffsetCommits::default(),
+            failures,
+            token,
             tracker: Arc::default(),
         }
     }
@@ -69,11 +108,21 @@ impl InboxContext {
 }
 
 impl ClientContext for InboxContext {
+    const ENABLE_REFRESH_OAUTH_TOKEN: bool = true;
+
     fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        self.failures.log(fac, log_message);
         log(&self.group, level, fac, log_message);
     }
     fn error(&self, error: KafkaError, reason: &str) {
+        self.failures.error(&error, reason);
         warn!(group = %self.group, %error, "librdkafka: {reason}");
+    }
+    fn generate_oauth_token(
+        &self,
+        _config: Option<&str>,
+    ) -> Result<OAuthToken, Box<dyn std::error::Error>> {
+        token(self.token.as_ref())
     }
 }
 

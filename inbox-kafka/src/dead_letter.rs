@@ -11,9 +11,11 @@ use inbox_core::{dead_letter, Message, Recovery, SourceError};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::types::RDKafkaRespErr;
+use rdkafka::ClientConfig;
 use tracing::{debug, info};
 
 use crate::context::ProducerContext;
+use crate::failure::Failures;
 use crate::{Error, KafkaAdmin, KafkaSourceBuilder};
 
 /// What a [`KafkaAck`](crate::KafkaAck) needs to park its record: the source's dead-letter
@@ -23,6 +25,8 @@ pub(crate) struct DeadLetterProducer {
     /// `None`: `<original topic>.dlq`.
     pub(crate) topic: Option<String>,
     pub(crate) timeout: Duration,
+    /// The connection failures of the producer (and of the source's consumer).
+    pub(crate) failures: Failures,
 }
 
 impl fmt::Debug for DeadLetterProducer {
@@ -79,18 +83,32 @@ impl DeadLetterProducer {
 }
 
 /// The dead-letter topics a source can write to, and what to do when one is missing.
-#[derive(Debug)]
 pub(crate) struct DeadLetterCheck {
     /// Each dead-letter topic with the subscribed topics whose records go there.
     topics: BTreeMap<String, Vec<String>>,
     create: bool,
     brokers: String,
-    properties: BTreeMap<String, String>,
+    /// For an admin client that creates missing topics: the source's client settings (TLS,
+    /// SASL) and context (its token provider).
+    admin: (ClientConfig, ProducerContext),
     timeout: Duration,
 }
 
+impl fmt::Debug for DeadLetterCheck {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeadLetterCheck")
+            .field("topics", &self.topics)
+            .field("create", &self.create)
+            .field("brokers", &self.brokers)
+            .finish_non_exhaustive()
+    }
+}
+
 impl DeadLetterCheck {
-    pub(crate) fn new(config: &KafkaSourceBuilder) -> crate::Result<Self> {
+    pub(crate) fn new(
+        config: &KafkaSourceBuilder,
+        context: ProducerContext,
+    ) -> crate::Result<Self> {
         let mut topics: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for topic in &config.topics {
             let dead_letter_topic = match &config.dead_letter_topic {
@@ -111,7 +129,7 @@ impl DeadLetterCheck {
             topics,
             create: config.create_dead_letter_topics,
             brokers: config.resolved_brokers()?,
-            properties: config.common.clone(),
+            admin: (config.client_config()?, context),
             timeout: config.operation_timeout,
         })
     }
@@ -119,14 +137,13 @@ impl DeadLetterCheck {
     /// Finds the missing dead-letter topics with a metadata request for all topics (one that
     /// names a topic makes a broker with `auto.create.topics.enable` create it, and the check
     /// would pass by accident), then fails naming them, or creates them when allowed.
-    pub(crate) async fn run(
-        &self,
-        producer: &FutureProducer<ProducerContext>,
-    ) -> Result<(), SourceError> {
+    pub(crate) async fn run(&self, producer: &DeadLetterProducer) -> Result<(), SourceError> {
         if self.topics.is_empty() {
             return Ok(());
         }
-        let existing = self.existing_topics(producer).await?;
+        let existing = self
+            .existing_topics(&producer.producer, &producer.failures)
+            .await?;
         let missing: Vec<(&String, &Vec<String>)> = self
             .topics
             .iter()
@@ -149,8 +166,9 @@ impl DeadLetterCheck {
             ))
             .into_source());
         }
-        let admin = KafkaAdmin::with_properties(&self.brokers, self.properties.clone())
-            .map_err(Error::into_source)?;
+        let (admin_config, context) = &self.admin;
+        let admin =
+            KafkaAdmin::with_config(admin_config, context.clone()).map_err(Error::into_source)?;
         for (topic, from) in missing {
             admin
                 .create_topic(topic, 1)
@@ -164,23 +182,33 @@ impl DeadLetterCheck {
     async fn existing_topics(
         &self,
         producer: &FutureProducer<ProducerContext>,
+        failures: &Failures,
     ) -> Result<BTreeSet<String>, SourceError> {
         let (producer, timeout) = (producer.clone(), self.timeout);
         let brokers = &self.brokers;
-        // A blocking request: off the async workers.
-        let metadata =
-            tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, timeout))
-                .await
-                .map_err(|join| {
-                    SourceError::new(Recovery::Retry, "dead-letter topic check failed", join)
-                })?
-                .map_err(|e| {
-                    let context = format!(
-                        "listing the topics of the brokers {brokers} (KAFKA_BROKERS or \
-                         KafkaSourceBuilder::brokers) to check the dead-letter topics"
-                    );
-                    Error::kafka(context, e).into_source()
-                })?;
+        // A blocking request: off the async workers. A TLS handshake or a login the brokers
+        // refuse fails the check at once, saying why, rather than at the timeout.
+        let fetch =
+            tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, timeout));
+        let metadata = tokio::select! {
+            refused = failures.refused() => return Err(refused.into_source()),
+            fetched = fetch => fetched,
+        };
+        let metadata = metadata
+            .map_err(|join| {
+                SourceError::new(Recovery::Retry, "dead-letter topic check failed", join)
+            })?
+            .map_err(|e| {
+                let last = failures
+                    .take_reason()
+                    .map(|reason| format!("; the last connection failure: {reason}"))
+                    .unwrap_or_default();
+                let context = format!(
+                    "listing the topics of the brokers {brokers} (KAFKA_BROKERS or \
+                     KafkaSourceBuilder::brokers) to check the dead-letter topics{last}"
+                );
+                Error::kafka(context, e).into_source()
+            })?;
         // A listed topic exists even if it reports an error (a leader being elected), unless
         // the error says it does not.
         Ok(metadata
@@ -207,10 +235,14 @@ mod tests {
     #[test]
     fn each_subscribed_topic_has_its_dead_letter_topic_and_patterns_are_skipped() {
         let config = KafkaSourceBuilder::new(["a", "b", "^c.*"], "g").brokers("b:9092");
-        let check = DeadLetterCheck::new(&config).unwrap();
+        let check = DeadLetterCheck::new(&config, ProducerContext::default()).unwrap();
         let topics: Vec<&str> = check.topics.keys().map(String::as_str).collect();
         assert_eq!(topics, ["a.dlq", "b.dlq"]);
-        let shared = DeadLetterCheck::new(&config.dead_letter_topic("parked")).unwrap();
+        let shared = DeadLetterCheck::new(
+            &config.dead_letter_topic("parked"),
+            ProducerContext::default(),
+        )
+        .unwrap();
         assert_eq!(shared.topics["parked"], ["a", "b", "^c.*"]);
     }
 }

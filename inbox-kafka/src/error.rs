@@ -10,6 +10,26 @@ pub enum Error {
     /// The configuration is unusable; the message says which setting and how to fix it.
     #[error("invalid Kafka configuration: {0}")]
     Config(String),
+    /// The TLS handshake with a broker failed: the CA in `ssl.ca.location` did not sign the
+    /// broker's certificate, or the certificate does not name the host the client connected to.
+    /// Retrying cannot fix it: the consumer stops.
+    #[error(
+        "the TLS handshake with the Kafka brokers failed: {0}; check that ssl.ca.location holds \
+         the CA that signed the brokers' certificates and that they name the hosts in the broker \
+         list (and what the brokers advertise)"
+    )]
+    Tls(String),
+    /// A broker refused the SASL login: a wrong user name or password, a mechanism the broker
+    /// does not offer, a token it does not accept. Retrying cannot fix it: the consumer stops.
+    #[error(
+        "the Kafka brokers refused the SASL login: {0}; check sasl.mechanism, sasl.username and \
+         sasl.password (or what the token provider returns)"
+    )]
+    Authentication(String),
+    /// The [`TokenProvider`](crate::TokenProvider) failed; librdkafka asks it again 10 s
+    /// later, and a token with life left stays in use meanwhile.
+    #[error("no OAUTHBEARER token for Kafka: {0}")]
+    TokenProvider(String),
     /// librdkafka refused or failed an operation.
     #[error("{context}: {source}")]
     Kafka {
@@ -35,7 +55,8 @@ impl Error {
     /// What the consumer loop should do after this error.
     pub fn recovery(&self) -> Recovery {
         match self {
-            Error::Config(_) => Recovery::Fatal,
+            Error::Config(_) | Error::Tls(_) | Error::Authentication(_) => Recovery::Fatal,
+            Error::TokenProvider(_) => Recovery::Retry,
             Error::Kafka { source, .. } => recovery(source),
         }
     }
@@ -45,6 +66,9 @@ impl Error {
         let recovery = self.recovery();
         match self {
             Error::Kafka { context, source } => SourceError::new(recovery, context, source),
+            refused @ (Error::Tls(_) | Error::Authentication(_) | Error::TokenProvider(_)) => {
+                SourceError::new(recovery, "connecting to Kafka", refused)
+            }
             other => SourceError::new(recovery, "Kafka adapter", other),
         }
     }
@@ -60,6 +84,8 @@ pub(crate) fn recovery(e: &KafkaError) -> Recovery {
             | C::GroupAuthorizationFailed
             | C::ClusterAuthorizationFailed
             | C::SaslAuthenticationFailed
+            // A TLS handshake that failed (a connection lost during one is a transport error).
+            | C::SSL
             | C::InvalidArgument
             | C::Fatal,
         ) => Recovery::Fatal,

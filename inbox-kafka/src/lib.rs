@@ -130,12 +130,59 @@
 //! connecting fails with an error that says so (there is no default).
 //! [`KafkaSourceBuilder`] passes any librdkafka property through ([`KafkaSourceBuilder::set`],
 //! [`KafkaSourceBuilder::set_consumer`]), and so does [`KafkaProducerBuilder::set`]: TLS and
-//! SASL (enable the crate feature `tls` for TLS and SCRAM), timeouts, assignment strategy. zstd
+//! SASL (enable the crate feature `tls` for TLS, SCRAM and OAUTHBEARER), timeouts, assignment
+//! strategy. zstd
 //! compression (`compression.type=zstd` on a producer, and reading batches another producer
 //! compressed with zstd) needs the crate feature `zstd`; gzip (`libz`) is always built in. A
 //! new group starts at the earliest offset (`auto.offset.reset=earliest`) unless told otherwise.
 //! Lower `session.timeout.ms` to notice a dead member sooner; keep `max.poll.interval.ms` above
 //! the longest batch.
+//!
+//! # TLS, SASL and tokens
+//!
+//! ```no_run
+//! # use std::time::{Duration, SystemTime};
+//! use inbox_core::async_trait;
+//! use inbox_kafka::{KafkaSource, Token, TokenError, TokenProvider};
+//!
+//! /// Tokens from your cloud's IAM library (AWS MSK IAM, Azure Event Hubs, Confluent Cloud).
+//! struct Iam;
+//!
+//! #[async_trait]
+//! impl TokenProvider for Iam {
+//!     async fn token(&self) -> Result<Token, TokenError> {
+//!         Ok(Token {
+//!             value: "signed-by-the-iam-library".into(),
+//!             principal: "wallet".into(),
+//!             expires_at: SystemTime::now() + Duration::from_secs(900),
+//!         })
+//!     }
+//! }
+//!
+//! # async fn f() -> inbox_kafka::Result<()> {
+//! // SCRAM over TLS, from configuration; `Debug` shows `***` for the password.
+//! let scram = KafkaSource::builder(["payments"], "wallet")
+//!     .set("security.protocol", "sasl_ssl")
+//!     .set("ssl.ca.location", "/etc/kafka/ca.pem")
+//!     .set("sasl.mechanism", "SCRAM-SHA-512")
+//!     .set("sasl.username", "wallet")
+//!     .set("sasl.password", "from-your-secret-store")
+//!     .connect()
+//!     .await?;
+//! // OAUTHBEARER with tokens from a provider (sets `sasl.mechanism`).
+//! let oauth = KafkaSource::builder(["payments"], "wallet")
+//!     .set("security.protocol", "sasl_ssl")
+//!     .token_provider(Iam)
+//!     .connect()
+//!     .await?;
+//! # let _ = (scram, oauth); Ok(()) }
+//! ```
+//!
+//! librdkafka retries a refused TLS handshake or login forever in the background; the source
+//! instead fails its next receive at once with the reason: [`Error::Tls`] (the CA in
+//! `ssl.ca.location` did not sign the broker's certificate, or the certificate does not name
+//! the host) and [`Error::Authentication`] stop the consumer; [`Error::TokenProvider`] (the
+//! provider's own error) is retried. See [`TokenProvider`] for when tokens are asked for.
 
 mod ack;
 mod admin;
@@ -144,9 +191,11 @@ mod config;
 mod context;
 mod dead_letter;
 mod error;
+mod failure;
 mod producer;
 mod shared_consumer;
 mod source;
+mod token;
 mod tracker;
 
 pub use ack::KafkaAck;
@@ -157,6 +206,7 @@ pub use error::{Error, Result};
 pub use producer::{KafkaProducer, KafkaProducerBuilder};
 pub use rdkafka;
 pub use source::KafkaSource;
+pub use token::{Token, TokenError, TokenProvider};
 
 #[cfg(test)]
 mod tests {
@@ -173,6 +223,7 @@ mod tests {
         assert_send_sync::<KafkaSourceBuilder>();
         assert_send_sync::<KafkaProducerBuilder>();
         assert_send_sync::<OffsetCommits>();
+        assert_send_sync::<Token>();
         assert_send_sync::<Error>();
     }
 }

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::try_join_all;
@@ -11,8 +12,9 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
 
 use crate::context::ProducerContext;
+use crate::failure::Failures;
 use crate::source::millis;
-use crate::{brokers_from_env, Error, KafkaSourceBuilder, Result};
+use crate::{brokers_from_env, Error, KafkaSourceBuilder, Result, TokenProvider};
 
 /// An idempotent Kafka producer (`enable.idempotence=true`, so its own retries add no copies)
 /// that sets the ID header (default `event_id`) on every record, and a message's headers as
@@ -49,6 +51,7 @@ pub struct KafkaProducerBuilder {
     id_header: String,
     operation_timeout: Duration,
     properties: BTreeMap<String, String>,
+    token_provider: Option<Arc<dyn TokenProvider>>,
 }
 
 impl fmt::Debug for KafkaProducerBuilder {
@@ -70,6 +73,7 @@ impl fmt::Debug for KafkaProducerBuilder {
             .field("id_header", &self.id_header)
             .field("operation_timeout", &self.operation_timeout)
             .field("properties", &properties)
+            .field("token_provider", &self.token_provider.is_some())
             .finish()
     }
 }
@@ -102,6 +106,14 @@ impl KafkaProducerBuilder {
         self
     }
 
+    /// Logs in with SASL OAUTHBEARER tokens from `provider` (see [`TokenProvider`]), asked at
+    /// start and again before each token expires. Sets `sasl.mechanism=OAUTHBEARER` (another
+    /// mechanism is refused at `connect`); `security.protocol` stays yours to set.
+    pub fn token_provider(mut self, provider: impl TokenProvider) -> Self {
+        self.token_provider = Some(Arc::new(provider));
+        self
+    }
+
     /// Creates the producer. librdkafka connects in the background: brokers that are down fail
     /// the first send (after the operation timeout), not this.
     pub async fn connect(self) -> Result<KafkaProducer> {
@@ -113,6 +125,7 @@ impl KafkaProducerBuilder {
             None => brokers_from_env()?,
         };
         let mut config = ClientConfig::new();
+        crate::failure::log_connection_failures(&mut config);
         config
             .set("bootstrap.servers", &brokers)
             .set("enable.idempotence", "true")
@@ -125,8 +138,17 @@ impl KafkaProducerBuilder {
                 "KafkaProducer keeps enable.idempotence=true; remove the property".into(),
             ));
         }
+        if self.token_provider.is_some() {
+            crate::token::require_oauthbearer(&mut config)?;
+        }
+        let failures = Failures::default();
+        let token = crate::token::refresh_for(
+            self.token_provider.as_ref(),
+            self.operation_timeout,
+            &failures,
+        )?;
         let producer = config
-            .create_with_context(ProducerContext)
+            .create_with_context(ProducerContext { failures, token })
             .map_err(|e| Error::kafka(format!("creating the Kafka producer for {brokers}"), e))?;
         Ok(KafkaProducer {
             producer,
@@ -155,6 +177,7 @@ impl KafkaProducer {
             id_header: KafkaSourceBuilder::DEFAULT_ID_HEADER.to_owned(),
             operation_timeout: Duration::from_secs(30),
             properties: BTreeMap::new(),
+            token_provider: None,
         }
     }
 

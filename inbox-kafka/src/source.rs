@@ -19,7 +19,9 @@ use crate::ack::{AckTarget, KafkaAck};
 use crate::commit::{commit_task, OffsetCommits};
 use crate::context::{InboxContext, ProducerContext};
 use crate::dead_letter::{DeadLetterCheck, DeadLetterProducer};
+use crate::failure::Failures;
 use crate::shared_consumer::SharedConsumer;
+use crate::token;
 use crate::{Error, KafkaSourceBuilder, Result};
 
 /// How many immediate polls in a row may come back without a message (librdkafka served a
@@ -90,11 +92,19 @@ impl KafkaSource {
     }
 
     pub(crate) fn new(config: &KafkaSourceBuilder) -> Result<Self> {
+        let failures = Failures::default();
+        let token = token::refresh_for(
+            config.token_provider.as_ref(),
+            config.operation_timeout,
+            &failures,
+        )?;
         let consumer: StreamConsumer<InboxContext> = config
             .consumer_config()?
             .create_with_context(InboxContext::new(
                 config.group_id.clone(),
                 config.commit_interval,
+                failures.clone(),
+                token.clone(),
             ))
             .map_err(|e| Error::kafka("creating the Kafka consumer", e))?;
         let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
@@ -112,12 +122,23 @@ impl KafkaSource {
             producer_config.set(key, value);
         }
         let producer = producer_config
-            .create_with_context(ProducerContext)
+            .create_with_context(ProducerContext {
+                failures: failures.clone(),
+                token: token.clone(),
+            })
             .map_err(|e| Error::kafka("creating the dead-letter producer", e))?;
+        let dead_letter_check = DeadLetterCheck::new(
+            config,
+            ProducerContext {
+                failures: failures.clone(),
+                token,
+            },
+        )?;
         let dead_letters = Arc::new(DeadLetterProducer {
             producer,
             topic: config.dead_letter_topic.clone(),
             timeout: config.operation_timeout,
+            failures,
         });
 
         Ok(Self {
@@ -128,7 +149,7 @@ impl KafkaSource {
             poll_timeout: config.poll_timeout,
             operation_timeout: config.operation_timeout,
             redelivery_window: None,
-            dead_letter_check: Some(DeadLetterCheck::new(config)?),
+            dead_letter_check: Some(dead_letter_check),
             commit_task: None,
         })
     }
@@ -218,7 +239,7 @@ impl MessageSource for KafkaSource {
     async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<KafkaAck>>, SourceError> {
         if let Some(check) = &self.dead_letter_check {
             // Before the first poll, so a source that fails it never joins the group.
-            check.run(&self.dead_letters.producer).await?;
+            check.run(&self.dead_letters).await?;
             self.dead_letter_check = None;
         }
         let interval = self.consumer.context().commit_interval;
@@ -240,6 +261,15 @@ impl MessageSource for KafkaSource {
                     // already holds its IDs.
                     warn!(group = %self.consumer.context().group, "evicted for exceeding max.poll.interval.ms; rejoining the group");
                     return Ok(Vec::new());
+                }
+                Ok(Err(e)) if refused(&e) => {
+                    // A TLS handshake or a login the brokers refused: librdkafka would retry it
+                    // forever in the background; the source says why instead.
+                    let failures = &self.consumer.context().failures;
+                    let refusal = failures
+                        .refusal_of(&e)
+                        .unwrap_or_else(|| Error::kafka("receiving from Kafka", e));
+                    return Err(refusal.into_source());
                 }
                 Ok(Err(e)) if informational(&e) => {
                     // A broker down, all brokers down, a connection refused: librdkafka
@@ -292,6 +322,15 @@ impl MessageSource for KafkaSource {
 
 pub(crate) fn millis(d: Duration) -> String {
     d.as_millis().to_string()
+}
+
+/// Whether a consumer error says a broker refused the connection: TLS or SASL.
+fn refused(e: &KafkaError) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        e.rdkafka_error_code(),
+        Some(C::SSL | C::Authentication | C::SaslAuthenticationFailed)
+    )
 }
 
 /// Whether a consumer error is one librdkafka reports for information and recovers from by
