@@ -19,6 +19,7 @@ type Result<T = (), E = String> = std::result::Result<T, E>;
 pub(crate) fn up(beside: Option<&[&str]>) -> Result {
     let tansu = tansu_build()?;
     let beside = beside.map(crate::Background::cargo).transpose()?;
+    test_tools()?;
     postgres()?;
     redis()?;
     rabbitmq()?;
@@ -30,6 +31,20 @@ pub(crate) fn up(beside: Option<&[&str]>) -> Result {
         tansu.wait()?;
     }
     kafka()
+}
+
+/// What the tests use beside the services: `openssl` makes their throw-away certificate
+/// authorities, `socat` serves TLS in front of their own Kafka broker (Tansu has none).
+fn test_tools() -> Result {
+    let missing: Vec<&str> = ["openssl", "socat"]
+        .into_iter()
+        .filter(|tool| !have(tool))
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        apt_install(&missing)
+    }
 }
 
 /// The Kafka-protocol broker the demo talks to.
