@@ -2,6 +2,9 @@
 
 use std::time::Duration;
 
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::ExchangeKind;
+
 use crate::short_string::short_string;
 use crate::{Error, Result};
 
@@ -70,6 +73,16 @@ pub struct RabbitSourceBuilder {
     pub(crate) connection_name: Option<String>,
     pub(crate) heartbeat: Option<Duration>,
     pub(crate) ca_certificates: Option<String>,
+    pub(crate) bindings: Vec<Binding>,
+    pub(crate) queue_arguments: FieldTable,
+}
+
+/// The queue bound to an exchange: what [`RabbitSourceBuilder::bind`] declares.
+#[derive(Debug, Clone)]
+pub(crate) struct Binding {
+    pub(crate) exchange: String,
+    pub(crate) kind: ExchangeKind,
+    pub(crate) routing_key: String,
 }
 
 impl std::fmt::Debug for RabbitSourceBuilder {
@@ -90,6 +103,8 @@ impl std::fmt::Debug for RabbitSourceBuilder {
                 "ca_certificates",
                 &self.ca_certificates.as_ref().map(|_| "given"),
             )
+            .field("bindings", &self.bindings)
+            .field("queue_arguments", &self.queue_arguments)
             .finish()
     }
 }
@@ -117,6 +132,8 @@ impl RabbitSourceBuilder {
             connection_name: None,
             heartbeat: None,
             ca_certificates: None,
+            bindings: Vec::new(),
+            queue_arguments: FieldTable::default(),
         }
     }
 
@@ -221,6 +238,38 @@ impl RabbitSourceBuilder {
     /// PEM certificates) instead of the system's roots: a private CA, a managed broker's own.
     pub fn ca_certificates(mut self, pem: impl Into<String>) -> Self {
         self.ca_certificates = Some(pem.into());
+        self
+    }
+
+    /// Binds the queue to `exchange`, a durable exchange of `kind`, with `routing_key`
+    /// (ignored by a fanout exchange; a pattern such as `orders.*` or `orders.#` for a topic
+    /// one), declaring both at connect with [`Topology::Declare`]; with [`Topology::Expect`]
+    /// bindings are the operator's and this declares nothing. Call it once per binding: a queue
+    /// may take messages from several exchanges, or several keys of one. Each consumer group
+    /// is one queue: bind a queue per group to fan a message out to every group, each applying
+    /// it once through its own inbox consumer name.
+    pub fn bind(
+        mut self,
+        exchange: impl Into<String>,
+        kind: ExchangeKind,
+        routing_key: impl Into<String>,
+    ) -> Self {
+        self.bindings.push(Binding {
+            exchange: exchange.into(),
+            kind,
+            routing_key: routing_key.into(),
+        });
+        self
+    }
+
+    /// Sets a queue argument (`x-max-length`, `x-queue-type`, `x-overflow`, ...), replacing the
+    /// adapter's where it sets the same one. The defaults: a quorum queue, dead-lettering to
+    /// `<queue>.dlq` at least once (`x-dead-letter-strategy = at-least-once`, which needs
+    /// `x-overflow = reject-publish` and a quorum queue), and [`delivery_limit`](Self::delivery_limit).
+    /// Arguments are fixed when the queue is first declared: a queue that exists with other
+    /// arguments fails the connect with `PRECONDITION_FAILED`.
+    pub fn queue_argument(mut self, name: impl Into<String>, value: AMQPValue) -> Self {
+        self.queue_arguments.insert(name.into().into(), value);
         self
     }
 

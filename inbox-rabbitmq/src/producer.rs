@@ -113,6 +113,7 @@ pub struct RabbitProducerBuilder {
     url: String,
     ca_certificates: Option<String>,
     connection_name: String,
+    exchange: String,
 }
 
 impl fmt::Debug for RabbitProducerBuilder {
@@ -124,6 +125,7 @@ impl fmt::Debug for RabbitProducerBuilder {
                 &self.ca_certificates.as_ref().map(|_| "given"),
             )
             .field("connection_name", &self.connection_name)
+            .field("exchange", &self.exchange)
             .finish()
     }
 }
@@ -142,6 +144,17 @@ impl RabbitProducerBuilder {
         self
     }
 
+    /// Publishes to `exchange` instead of straight to queues (the default exchange, `""`): a
+    /// destination given to [`Publish`] is then the routing key (for a fanout exchange any key,
+    /// `""` say; for a topic exchange `orders.created`). Publishes are mandatory: one that no
+    /// bound queue takes fails with [`Error::Unroutable`](crate::Error::Unroutable) rather than
+    /// vanishing. Route destinations to producers of different exchanges with
+    /// [`inbox_core::Destinations`].
+    pub fn exchange(mut self, exchange: impl Into<String>) -> Self {
+        self.exchange = exchange.into();
+        self
+    }
+
     /// The client-provided connection name the management UI shows (default
     /// `inbox-rabbitmq producer`).
     pub fn connection_name(mut self, name: impl Into<String>) -> Self {
@@ -156,6 +169,7 @@ impl RabbitProducerBuilder {
             url: self.url,
             ca_certificates: self.ca_certificates,
             name: self.connection_name,
+            exchange: self.exchange,
             state: Mutex::new(None),
         };
         producer.channel().await?;
@@ -190,6 +204,8 @@ pub struct RabbitProducer {
     url: String,
     ca_certificates: Option<String>,
     name: String,
+    /// `""`: the default exchange, a destination is a queue.
+    exchange: String,
     state: Mutex<Option<(Connection, Channel)>>,
 }
 
@@ -198,6 +214,7 @@ impl fmt::Debug for RabbitProducer {
         f.debug_struct("RabbitProducer")
             .field("url", &connect::redact(&self.url))
             .field("connection_name", &self.name)
+            .field("exchange", &self.exchange)
             .finish_non_exhaustive()
     }
 }
@@ -210,12 +227,14 @@ impl RabbitProducer {
         RabbitProducerBuilder {
             url: url_from_env(),
             ca_certificates: None,
+            exchange: String::new(),
             connection_name: "inbox-rabbitmq producer".to_owned(),
         }
     }
 
-    /// Publishes `payload` to `queue` with your `properties` (headers, content type, a
-    /// timestamp, or no `message_id` at all), made persistent, and waits for the confirm.
+    /// Publishes `payload` to `queue` (with [`exchange`](RabbitProducerBuilder::exchange): under
+    /// that routing key) with your `properties` (headers, content type, a timestamp, or no
+    /// `message_id` at all), made persistent, and waits for the confirm.
     pub async fn publish_with_properties(
         &self,
         queue: &str,
@@ -224,7 +243,7 @@ impl RabbitProducer {
     ) -> Result<()> {
         let channel = self.channel().await?;
         let properties = with_traceparent(properties).with_delivery_mode(PERSISTENT);
-        let result = publish_confirmed(&channel, "", queue, payload, properties).await;
+        let result = publish_confirmed(&channel, &self.exchange, queue, payload, properties).await;
         if result.is_err() && !channel.status().connected() {
             // Reconnect on the next publish.
             *self.state.lock().await = None;
@@ -275,13 +294,16 @@ impl Publish for RabbitProducer {
         destination: &str,
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
-        let failed = |e: Error| {
-            PublishError::new(
-                e.recovery(),
-                format!("publishing to RabbitMQ queue `{destination}`"),
-                e,
+        let target = if self.exchange.is_empty() {
+            format!("RabbitMQ queue `{destination}`")
+        } else {
+            format!(
+                "RabbitMQ exchange `{}` with routing key `{destination}`",
+                self.exchange
             )
         };
+        let failed =
+            |e: Error| PublishError::new(e.recovery(), format!("publishing to {target}"), e);
         // Checked before anything is sent, so a batch goes out whole or not at all.
         let properties = messages
             .iter()
@@ -290,7 +312,8 @@ impl Publish for RabbitProducer {
             .map_err(failed)?;
         let channel = self.channel().await.map_err(failed)?;
         let routing_key = destination;
-        let queue = short_string("queue name", routing_key).map_err(failed)?;
+        let exchange = short_string("exchange", &self.exchange).map_err(failed)?;
+        let queue = short_string("routing key", routing_key).map_err(failed)?;
         let context = || format!("publishing to `{routing_key}`");
         let options = BasicPublishOptions {
             mandatory: true,
@@ -301,7 +324,7 @@ impl Publish for RabbitProducer {
             let confirms = try_join_all(messages.iter().zip(properties).map(
                 |(message, properties)| {
                     channel.basic_publish(
-                        "".into(),
+                        exchange.clone(),
                         queue.clone(),
                         options,
                         &message.payload,
@@ -316,7 +339,7 @@ impl Publish for RabbitProducer {
                 .map_err(|e| Error::amqp(context(), e))?;
             confirmations
                 .into_iter()
-                .try_for_each(|confirmation| confirmed(confirmation, "", routing_key))
+                .try_for_each(|confirmation| confirmed(confirmation, &self.exchange, routing_key))
         }
         .await;
         if result.is_err() && !channel.status().connected() {

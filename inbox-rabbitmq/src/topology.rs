@@ -9,11 +9,14 @@
 //! - `<queue>.dlq`: a durable quorum queue. The adapter's own dead-lettering (no ID, handler gave
 //!   up) publishes there through the default exchange, with publisher confirms.
 //!
+//! - each exchange of [`RabbitSourceBuilder::bind`]: durable, of its kind, with `<queue>` bound
+//!   to it under the routing key given.
+//!
 //! With [`Topology::Expect`] each queue is checked with a passive declare on a throwaway channel
 //! (a failed passive declare closes its channel), and a missing one fails the connect with
 //! [`Error::MissingQueue`], which names it.
 
-use lapin::options::QueueDeclareOptions;
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Connection};
@@ -36,6 +39,9 @@ pub(crate) fn queue_arguments(config: &RabbitSourceBuilder) -> FieldTable {
     if let Some(limit) = config.delivery_limit {
         let limit = i64::from(limit);
         args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit));
+    }
+    for (name, value) in config.queue_arguments.inner() {
+        args.insert(name.clone(), value.clone());
     }
     args
 }
@@ -97,6 +103,48 @@ async fn declare(channel: &Channel, config: &RabbitSourceBuilder) -> Result<()> 
                 e,
             )
         })?;
+    for binding in &config.bindings {
+        let exchange = short_string("exchange name", &binding.exchange)?;
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        channel
+            .exchange_declare(
+                exchange.clone(),
+                binding.kind.clone(),
+                durable,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| {
+                let kind = &binding.kind;
+                let name = &binding.exchange;
+                Error::amqp(
+                    format!(
+                        "declaring exchange `{name}` ({kind:?}, durable; an existing exchange \
+                         of another kind fails with PRECONDITION_FAILED)"
+                    ),
+                    e,
+                )
+            })?;
+        channel
+            .queue_bind(
+                short_string("queue name", &config.queue)?,
+                exchange,
+                short_string("routing key", &binding.routing_key)?,
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| {
+                let (queue, name, key) = (&config.queue, &binding.exchange, &binding.routing_key);
+                Error::amqp(
+                    format!("binding queue `{queue}` to exchange `{name}` with key `{key}`"),
+                    e,
+                )
+            })?;
+    }
     Ok(())
 }
 
