@@ -125,6 +125,23 @@ where
     .await
 }
 
+/// Removes the store once the scenario holds the last handle on it.
+async fn finish<T: StoreUnderTest>(under_test: Arc<T>) {
+    Arc::into_inner(under_test)
+        .expect("one owner")
+        .cleanup()
+        .await;
+}
+
+/// Publishes `n` messages with fresh IDs to `broker`; returns the IDs.
+fn published(broker: &MemoryBroker, n: usize) -> Vec<MessageId> {
+    let ids: Vec<MessageId> = (0..n).map(|_| MessageId::generate()).collect();
+    for each in &ids {
+        broker.publish(Some(each.as_str()), "ok");
+    }
+    ids
+}
+
 /// A consumer run to idle, failing the test instead of hanging when it loops or stalls.
 async fn within(
     run: impl std::future::Future<Output = Result<StatsSnapshot, inbox_core::Error>>,
@@ -244,10 +261,7 @@ where
     assert_eq!(under_test.applied(&before).await, 1);
     assert_eq!(under_test.applied(&after).await, 1);
     assert_eq!(broker.pending(), 0);
-    Arc::into_inner(under_test)
-        .expect("one owner")
-        .cleanup()
-        .await;
+    finish(under_test).await;
 }
 
 /// IDs that differ only in case, spacing, accents or quoting are different IDs; each copy of
@@ -275,10 +289,7 @@ where
     .collect();
     if ids.is_empty() {
         println!("odd IDs: skipped: this store refuses them all (check_id)");
-        Arc::into_inner(under_test)
-            .expect("one owner")
-            .cleanup()
-            .await;
+        finish(under_test).await;
         return;
     }
     for &text in &ids {
@@ -294,10 +305,7 @@ where
     for &text in &ids {
         assert_eq!(under_test.applied(&id(text)).await, 1, "{text:?}");
     }
-    Arc::into_inner(under_test)
-        .expect("one owner")
-        .cleanup()
-        .await;
+    finish(under_test).await;
 }
 
 /// An ID the store refuses is dead-lettered with the store's reason before any transaction;
@@ -326,10 +334,7 @@ where
     assert_eq!((stats.applied, stats.dead_lettered), (1, 1), "{stats:?}");
     assert!(dead[0].1.contains(&reason.to_string()), "{}", dead[0].1);
     assert_eq!(under_test.applied(&fine).await, 1);
-    Arc::into_inner(under_test)
-        .expect("one owner")
-        .cleanup()
-        .await;
+    finish(under_test).await;
 }
 
 /// [`InboxStore::claim_many`] answers as claims one by one would: new IDs `true`, IDs claimed
@@ -386,10 +391,7 @@ where
     drain(&under_test, &broker, "c", 2).await;
     let Some(purged) = under_test.age_and_purge().await else {
         println!("retention: skipped: this store forgets nothing");
-        Arc::into_inner(under_test)
-            .expect("one owner")
-            .cleanup()
-            .await;
+        finish(under_test).await;
         return;
     };
     assert_eq!(purged, 1, "the aged claim was purged");
@@ -409,10 +411,7 @@ where
         "past the window, applied again"
     );
     assert_eq!(under_test.applied(&recent).await, 1);
-    Arc::into_inner(under_test)
-        .expect("one owner")
-        .cleanup()
-        .await;
+    finish(under_test).await;
 }
 
 /// The store refuses connections for 3 s: the consumer waits it out at its error backoff, and
@@ -429,10 +428,7 @@ where
     };
     let under_test = Arc::new(under_test);
     let broker = MemoryBroker::new();
-    let ids: Vec<MessageId> = (0..3).map(|_| MessageId::generate()).collect();
-    for each in &ids {
-        broker.publish(Some(each.as_str()), "ok");
-    }
+    let ids = published(&broker, 3);
     proxy.set_mode(ProxyMode::Refuse);
     let run = Consumer::new("c", broker.source(), store, Apply(Arc::clone(&under_test)))
         .batch_size(3)
@@ -450,10 +446,7 @@ where
     for each in &ids {
         assert_eq!(under_test.applied(each).await, 1);
     }
-    Arc::into_inner(under_test)
-        .expect("one owner")
-        .cleanup()
-        .await;
+    finish(under_test).await;
 }
 
 /// The store's connections are cut just before, during or just after some commits, whose
@@ -469,18 +462,14 @@ where
         return;
     };
     let under_test = Arc::new(under_test);
-    let proxy = Arc::new(proxy);
     let broker = MemoryBroker::new();
-    let ids: Vec<MessageId> = (0..200).map(|_| MessageId::generate()).collect();
-    for each in &ids {
-        broker.publish(Some(each.as_str()), "ok");
-    }
+    let ids = published(&broker, 200);
     // After the last handler of some batches, every connection is cut a moment later.
-    let (cutter, cut_after) = (Arc::clone(&proxy), ids.clone());
+    let (cutter, cut_after) = (proxy.clone(), ids.clone());
     let hook = StageHook::new(move |stage, id| {
         let n = cut_after.iter().position(|each| each == id).unwrap_or(0);
         if stage == Stage::Applied && n % 9 == 4 {
-            let proxy = Arc::clone(&cutter);
+            let proxy = cutter.clone();
             let delay = Duration::from_micros(rand::random::<u64>() % 1500);
             tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
@@ -507,10 +496,7 @@ where
     assert!(stats.errors > 0, "some cuts hit a transaction: {stats:?}");
     assert!(broker.dead_letters().is_empty());
     assert_eq!(broker.pending(), 0);
-    Arc::into_inner(under_test)
-        .expect("one owner")
-        .cleanup()
-        .await;
+    finish(under_test).await;
 }
 
 /// One `#[tokio::test]` per store scenario, in a module `$name`, each on a fresh store made by

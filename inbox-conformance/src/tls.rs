@@ -1,7 +1,12 @@
 //! A throw-away certificate authority and server certificate, made at test time with the
 //! `openssl` command, for servers the tests start with TLS only.
 
+use std::fmt::Display;
+use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use inbox_core::{MessageId, OutgoingMessage};
 
 use crate::pg_cluster::run;
 
@@ -83,4 +88,42 @@ impl TestCa {
         run("chown", &["-R", user, &path(&self.dir)])?;
         run("chmod", &["0600", &path(&self.key)])
     }
+}
+
+/// Credits the TLS tests send end to end: [`CREDITS`] wallet credits under fresh IDs, every
+/// tenth twice (a resent copy), so a run applies [`CREDITS`] and skips a tenth as many.
+pub fn credits_with_resent_copies() -> Vec<OutgoingMessage> {
+    let mut batch = Vec::new();
+    for i in 0..CREDITS {
+        let credit = crate::wallet::CreditEvent::new(i % 7, 1).to_json();
+        let message = OutgoingMessage::new(MessageId::generate(), credit);
+        if i % 10 == 0 {
+            batch.push(message.clone());
+        }
+        batch.push(message);
+    }
+    batch
+}
+
+/// How many distinct credits [`credits_with_resent_copies`] holds.
+pub const CREDITS: i64 = 200;
+
+/// The error `connecting` (to `what`) ends with, printed with how long it took.
+///
+/// # Panics
+/// When it connects, or takes longer than `limit`: a refused connection must not hang.
+pub async fn refused<T, E: Display>(
+    what: &str,
+    limit: Duration,
+    connecting: impl Future<Output = Result<T, E>>,
+) -> String {
+    let started = Instant::now();
+    let result = tokio::time::timeout(limit, connecting)
+        .await
+        .unwrap_or_else(|_| panic!("connecting to {what} hangs"));
+    let Err(error) = result else {
+        panic!("connected to {what}")
+    };
+    println!("{what}: refused in {:?}: {error}", started.elapsed());
+    error.to_string()
 }

@@ -5,30 +5,27 @@
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use inbox_conformance::rabbitmq::tls_node::TlsNode;
-use inbox_conformance::tls::TestCa;
-use inbox_conformance::wallet::{self, Credit, CreditEvent};
+use inbox_conformance::tls::{credits_with_resent_copies, refused, TestCa, CREDITS};
+use inbox_conformance::wallet::{self, Credit};
 use inbox_conformance::{unique_name, TestDb};
-use inbox_core::{Consumer, MessageId, OutgoingMessage, Publish};
+use inbox_core::{Consumer, Publish};
 use inbox_rabbitmq::{RabbitProducer, RabbitSource};
 
-/// The error of a producer connecting to `url` trusting `ca`, within 15 s.
+/// The error of a producer connecting to `url` trusting `ca`.
 async fn connect_error(url: &str, ca: &str) -> String {
-    let started = Instant::now();
     let connecting = RabbitProducer::builder()
         .url(url)
         .ca_certificates(ca)
         .connect();
-    let result = tokio::time::timeout(Duration::from_secs(15), connecting)
-        .await
-        .unwrap_or_else(|_| panic!("connecting to {url} hangs"));
-    let Err(error) = result else {
-        panic!("connected to {url}")
-    };
-    println!("{url}: refused in {:?}: {error}", started.elapsed());
-    error.to_string()
+    refused(
+        &inbox_core::redact_url(url),
+        Duration::from_secs(15),
+        connecting,
+    )
+    .await
 }
 
 #[tokio::test]
@@ -64,16 +61,7 @@ async fn a_consumer_runs_over_tls_and_wrong_certificates_or_plaintext_are_refuse
         .connect()
         .await
         .unwrap();
-    let events: i64 = 200;
-    let mut batch = Vec::new();
-    for i in 0..events {
-        let credit = CreditEvent::new(i % 7, 1).to_json();
-        let message = OutgoingMessage::new(MessageId::generate(), credit);
-        if i % 10 == 0 {
-            batch.push(message.clone()); // a resent copy
-        }
-        batch.push(message);
-    }
+    let batch = credits_with_resent_copies();
     producer.send_batch(&queue, &batch).await.unwrap();
     let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
         .batch_size(20)
@@ -83,7 +71,7 @@ async fn a_consumer_runs_over_tls_and_wrong_certificates_or_plaintext_are_refuse
     let summary = wallet::summary(&db.pool).await.unwrap();
     println!("over TLS: {stats:?}; {summary:?}");
     assert_eq!(
-        (summary.duplicates(), summary.lost(events)),
+        (summary.duplicates(), summary.lost(CREDITS)),
         (0, 0),
         "{summary:?}"
     );

@@ -7,12 +7,12 @@
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use inbox_conformance::tls::TestCa;
-use inbox_conformance::wallet::{self, Credit, CreditEvent};
+use inbox_conformance::tls::{credits_with_resent_copies, refused, TestCa, CREDITS};
+use inbox_conformance::wallet::{self, Credit};
 use inbox_conformance::{unique_name, TestDb};
-use inbox_core::{Consumer, MessageId, OutgoingMessage, Publish};
+use inbox_core::{Consumer, Publish};
 use inbox_redis_streams::redis::{Client, TlsCertificates};
 use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
 use inbox_testkit::eventually;
@@ -77,22 +77,13 @@ impl Drop for TlsRedis {
     }
 }
 
-/// The error of a producer connecting through `client`, within 10 s.
-async fn connect_error(client: Client) -> String {
-    let started = Instant::now();
+/// The error of a producer connecting through `client` to `what`.
+async fn connect_error(what: &str, client: Client) -> String {
     let connecting = RedisStreamProducer::builder()
         .client(client)
         .operation_timeout(Duration::from_secs(3))
         .connect();
-    let result = tokio::time::timeout(Duration::from_secs(10), connecting)
-        .await
-        .expect("connecting hangs");
-    let Err(error) = result else {
-        panic!("connected")
-    };
-    let error = error.to_string();
-    println!("refused in {:?}: {error}", started.elapsed());
-    error
+    refused(what, Duration::from_secs(10), connecting).await
 }
 
 #[tokio::test]
@@ -112,16 +103,7 @@ async fn a_consumer_runs_over_tls_and_wrong_certificates_or_plaintext_are_refuse
         .connect()
         .await
         .unwrap();
-    let events: i64 = 200;
-    let mut batch = Vec::new();
-    for i in 0..events {
-        let message =
-            OutgoingMessage::new(MessageId::generate(), CreditEvent::new(i % 7, 1).to_json());
-        if i % 10 == 0 {
-            batch.push(message.clone()); // a resent copy
-        }
-        batch.push(message);
-    }
+    let batch = credits_with_resent_copies();
     producer.send_batch(&stream, &batch).await.unwrap();
     let source = RedisStreamSource::builder(&stream, "wallet")
         .client(client)
@@ -137,7 +119,7 @@ async fn a_consumer_runs_over_tls_and_wrong_certificates_or_plaintext_are_refuse
     let summary = wallet::summary(&db.pool).await.unwrap();
     println!("over TLS: {stats:?}; {summary:?}");
     assert_eq!(
-        (summary.duplicates(), summary.lost(events)),
+        (summary.duplicates(), summary.lost(CREDITS)),
         (0, 0),
         "{summary:?}"
     );
@@ -145,15 +127,27 @@ async fn a_consumer_runs_over_tls_and_wrong_certificates_or_plaintext_are_refuse
     db.drop().await;
 
     // A certificate from a CA the client does not trust.
-    let wrong_ca = connect_error(TlsRedis::client(&url("rediss", "localhost"), &other_ca)).await;
+    let wrong_ca = connect_error(
+        "another CA",
+        TlsRedis::client(&url("rediss", "localhost"), &other_ca),
+    )
+    .await;
     assert!(wrong_ca.contains("UnknownIssuer"), "{wrong_ca}");
 
     // A certificate for another name: issued for localhost, reached as 127.0.0.1.
-    let wrong_name = connect_error(TlsRedis::client(&url("rediss", "127.0.0.1"), &ca)).await;
+    let wrong_name = connect_error(
+        "another name",
+        TlsRedis::client(&url("rediss", "127.0.0.1"), &ca),
+    )
+    .await;
     assert!(wrong_name.contains("not valid for name"), "{wrong_name}");
 
     // Plaintext to a server that takes TLS only.
-    let plaintext = connect_error(Client::open(url("redis", "127.0.0.1")).unwrap()).await;
+    let plaintext = connect_error(
+        "plaintext",
+        Client::open(url("redis", "127.0.0.1")).unwrap(),
+    )
+    .await;
     assert!(
         plaintext.contains("Connection reset by peer"),
         "{plaintext}"

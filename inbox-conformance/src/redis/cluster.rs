@@ -127,17 +127,8 @@ impl LocalCluster {
     /// Every live node says `cluster_state:ok`, every slot's master is live, and each master
     /// has a replica in sync.
     async fn healthy(&self) -> bool {
-        for port in self.live() {
-            let Some(mut conn) = connect(port).await else {
-                return false;
-            };
-            let info: redis::RedisResult<String> = redis::cmd("CLUSTER")
-                .arg("INFO")
-                .query_async(&mut conn)
-                .await;
-            if !info.is_ok_and(|i| i.contains("cluster_state:ok")) {
-                return false;
-            }
+        if !self.state_ok().await {
+            return false;
         }
         let Some(nodes) = self.nodes_view().await else {
             return false;
@@ -281,6 +272,7 @@ impl LocalCluster {
         None
     }
 
+    /// Every live node says `cluster_state:ok`.
     async fn state_ok(&self) -> bool {
         for port in self.live() {
             let Some(mut conn) = connect(port).await else {
