@@ -96,8 +96,8 @@ pub trait MessageSource: Send {
     }
 
     /// What this source's broker can do. The consumer warns at start when it is asked for
-    /// something the source cannot give (a delivery budget without delivery counts, parallel
-    /// lanes on a source of one order). Default: nothing.
+    /// something the source cannot give (a delivery budget without delivery counts), and
+    /// spreads the chunks of a source without lanes over its parallel lanes. Default: nothing.
     fn capabilities(&self) -> Capabilities {
         Capabilities::NONE
     }
@@ -144,7 +144,9 @@ impl Capabilities {
     }
 
     /// Deliveries carry an ordering lane ([`Metadata::lane`](crate::Metadata::lane)) that
-    /// [`Consumer::parallel_lanes`](crate::Consumer::parallel_lanes) applies side by side.
+    /// [`Consumer::parallel_lanes`](crate::Consumer::parallel_lanes) applies side by side, each
+    /// in order. Without it, the source keeps no order the consumer could keep, and parallel
+    /// lanes apply its chunks side by side in no order.
     #[must_use]
     pub const fn with_lanes(mut self) -> Self {
         self.lanes = true;

@@ -97,7 +97,7 @@ async fn every_crash_point_still_applies_each_message_once() {
             Stage::Committed,
             Stage::Acked,
         ] {
-            let broker = MemoryBroker::new();
+            let broker = MemoryBroker::with_lanes();
             for i in 0..6 {
                 let id = format!("evt-{i}");
                 publish_in_lane(&broker, &format!("p{}", i % 3), Some(&id), 10);
@@ -156,7 +156,7 @@ async fn duplicates_inside_one_batch_are_applied_once() {
 
 #[tokio::test]
 async fn lanes_keep_their_order_commit_apart_and_dead_letter_side_by_side() {
-    let broker = MemoryBroker::new();
+    let broker = MemoryBroker::with_lanes();
     for i in 0..12 {
         let lane = format!("p{}", i % 3);
         publish_in_lane(&broker, &lane, Some(&format!("{lane}-{i:02}")), 10);
@@ -422,7 +422,7 @@ impl EffectHandler<()> for Pair {
 
 #[tokio::test]
 async fn the_effect_step_calls_its_lanes_side_by_side() {
-    let broker = MemoryBroker::new();
+    let broker = MemoryBroker::with_lanes();
     let leases = ScriptedLeases::default();
     leases.then_acquire([leased(); 4]);
     for (lane, id) in [("p0", "a"), ("p1", "b"), ("p0", "c"), ("p1", "d")] {

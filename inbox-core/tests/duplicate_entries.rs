@@ -69,7 +69,7 @@ fn in_lane(id: &str) -> Message {
 /// copies are applied in one chunk; `bad` fails, and the consumer stops while it waits to retry.
 /// Then a consumer whose handler works drains the broker: `bad` must be there to apply.
 async fn second_copy_in_one_chunk(how: Redelivery) {
-    let broker = MemoryBroker::new();
+    let broker = MemoryBroker::with_lanes();
     let store = MemoryStore::<Ledger>::new();
     let release = Arc::new(Notify::new());
     let failing = Arc::new(AtomicBool::new(true));
@@ -143,7 +143,7 @@ async fn a_second_copy_with_the_same_handle_is_handed_back_with_the_first() {
 /// new copy is the one applied and acked, and nothing counts as a duplicate.
 #[tokio::test]
 async fn a_copy_taken_back_while_it_waited_is_dropped_for_its_new_copy() {
-    let broker = MemoryBroker::new();
+    let broker = MemoryBroker::with_lanes();
     let store = MemoryStore::<Ledger>::new();
     let release = Arc::new(Notify::new());
     let handler = Record {

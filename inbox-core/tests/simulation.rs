@@ -23,7 +23,8 @@
 //!
 //! The broker models, each as strict as its broker (see [`Model`]): what a copy handed out again
 //! looks like (a stale handle or the same one), in what order first deliveries come, and what a
-//! nack does.
+//! nack does. A queue or a stream has no lanes: with more than one, the consumer spreads its
+//! messages over them, so copies of one entry are applied side by side.
 //!
 //! Time is tokio's paused clock, so a seed takes tens of microseconds and replays exactly:
 //! `SIM_SEED=42 cargo test -p inbox-core --test simulation -- --nocapture` runs seed 42 alone and
@@ -242,6 +243,7 @@ impl World {
 #[derive(Debug)]
 struct SimSource {
     world: Shared,
+    model: Model,
 }
 
 #[derive(Debug)]
@@ -311,8 +313,14 @@ impl MessageSource for SimSource {
         Ok(batch)
     }
 
+    /// A queue or a stream has no lanes: the consumer spreads its messages over every lane.
     fn capabilities(&self) -> Capabilities {
-        Capabilities::NONE.with_delivery_count().with_lanes()
+        let capabilities = Capabilities::NONE.with_delivery_count();
+        if self.model.lanes() > 1 {
+            capabilities.with_lanes()
+        } else {
+            capabilities
+        }
     }
 }
 
@@ -759,6 +767,7 @@ async fn run_seed(seed: u64) -> Run {
         };
         let source = SimSource {
             world: Arc::clone(&shared),
+            model,
         };
         let result = if set_based {
             let handler = SimBatch {

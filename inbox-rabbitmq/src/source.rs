@@ -238,7 +238,8 @@ impl MessageSource for RabbitSource {
     /// A delivery count with [`Topology::Declare`], which makes the queue a quorum queue (its
     /// `x-delivery-count`); nothing with [`Topology::Expect`], whose queue may be a classic one,
     /// where a redelivery carries no count. A nack requeues at once, after the wait in process,
-    /// so the broker holds nothing back: no delayed nack. One queue is one order: no lanes.
+    /// so the broker holds nothing back: no delayed nack. One queue is one order: no lanes, so
+    /// parallel lanes apply its chunks side by side in no order.
     fn capabilities(&self) -> Capabilities {
         match self.config.topology {
             Topology::Declare => Capabilities::NONE.with_delivery_count(),

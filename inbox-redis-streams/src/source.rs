@@ -284,7 +284,8 @@ impl MessageSource for RedisStreamSource {
 
     /// Delivery counts: a new entry's is 1, a reread or reclaimed one's comes from `XPENDING`.
     /// No delayed nack: a nacked entry stays pending and comes back after `claim_idle`, whatever
-    /// the nack asked for. No lanes: one stream, one order.
+    /// the nack asked for. No lanes: one stream, one order, so parallel lanes apply its chunks side
+    /// by side in no order.
     fn capabilities(&self) -> Capabilities {
         Capabilities::NONE.with_delivery_count()
     }

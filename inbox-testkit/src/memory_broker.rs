@@ -26,6 +26,8 @@ struct State {
     next_owner: u64,
     acked: u64,
     retention: Option<Duration>,
+    /// Whether its sources report lanes ([`MemoryBroker::with_lanes`]).
+    lanes: bool,
 }
 
 #[derive(Debug)]
@@ -52,9 +54,18 @@ pub enum Redelivery {
 }
 
 impl MemoryBroker {
-    /// An empty broker.
+    /// An empty broker: one queue, no lanes, so parallel lanes spread its messages in no order.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty broker whose messages carry ordering lanes: each message's is the one it was
+    /// published with ([`Metadata::lane`](inbox_core::Metadata::lane)), as a Kafka partition,
+    /// and its sources report lanes, so parallel lanes keep each lane's order.
+    pub fn with_lanes() -> Self {
+        let broker = Self::default();
+        broker.state().lanes = true;
+        broker
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -275,10 +286,16 @@ impl MessageSource for MemorySource {
         self.broker.state().retention
     }
 
+    /// Lanes when made [`MemoryBroker::with_lanes`].
     fn capabilities(&self) -> inbox_core::Capabilities {
-        inbox_core::Capabilities::NONE
+        let capabilities = inbox_core::Capabilities::NONE
             .with_delivery_count()
-            .with_delayed_nack()
+            .with_delayed_nack();
+        if self.broker.state().lanes {
+            capabilities.with_lanes()
+        } else {
+            capabilities
+        }
     }
 }
 

@@ -4,62 +4,80 @@ use std::collections::VecDeque;
 
 use crate::Delivery;
 
-/// Received messages waiting to be applied, by lane, each lane in received order; a lane with
-/// a chunk being applied is busy and gives out nothing until that chunk is done.
+/// Received messages waiting to be applied, by lane, each lane in received order.
+///
+/// A lane gives out at most `per_lane` chunks at a time: 1 keeps its order (the next chunk of a
+/// Kafka partition waits until the one before is done); a source without lanes has no order to
+/// keep, and its one lane gives out a chunk to every free slot.
 pub(super) struct Lanes<A> {
-    lanes: Vec<(Option<String>, VecDeque<Delivery<A>>, bool)>,
+    lanes: Vec<Lane<A>>,
     held: usize,
+    per_lane: usize,
 }
 
-impl<A> Default for Lanes<A> {
-    fn default() -> Self {
-        Self {
-            lanes: Vec::new(),
-            held: 0,
-        }
-    }
+struct Lane<A> {
+    key: Option<String>,
+    queue: VecDeque<Delivery<A>>,
+    /// Chunks of this lane being applied.
+    out: usize,
 }
 
 impl<A> Lanes<A> {
+    pub(super) fn new(per_lane: usize) -> Self {
+        Self {
+            lanes: Vec::new(),
+            held: 0,
+            per_lane: per_lane.max(1),
+        }
+    }
+
     pub(super) fn add(&mut self, batch: Vec<Delivery<A>>) {
         self.held += batch.len();
         for delivery in batch {
-            let lane = &delivery.message.meta.lane;
-            match self.lanes.iter_mut().find(|(l, _, _)| l == lane) {
-                Some((_, queue, _)) => queue.push_back(delivery),
-                None => self
-                    .lanes
-                    .push((lane.clone(), VecDeque::from([delivery]), false)),
+            let key = &delivery.message.meta.lane;
+            match self.lanes.iter_mut().find(|l| l.key == *key) {
+                Some(lane) => lane.queue.push_back(delivery),
+                None => self.lanes.push(Lane {
+                    key: key.clone(),
+                    queue: VecDeque::from([delivery]),
+                    out: 0,
+                }),
             }
         }
     }
 
-    /// Up to `max` messages of the first lane that has some and is not busy; that lane is busy
-    /// until [`Lanes::done`].
-    pub(super) fn take(&mut self, max: usize) -> Option<(Option<String>, Vec<Delivery<A>>)> {
-        let (lane, queue, busy) = self
-            .lanes
-            .iter_mut()
-            .find(|(_, queue, busy)| !*busy && !queue.is_empty())?;
-        *busy = true;
-        let n = queue.len().min(max);
-        self.held -= n;
-        let chunk: Vec<Delivery<A>> = queue.drain(..n).collect();
-        let lane = lane.clone();
-        // Round robin: the lane goes to the back, so the others get their turn first.
-        if let Some(i) = self.lanes.iter().position(|(l, _, _)| *l == lane) {
-            let entry = self.lanes.remove(i);
-            self.lanes.push(entry);
-        }
-        Some((lane, chunk))
+    /// Whether [`Lanes::take`] would give out a chunk.
+    pub(super) fn ready(&self) -> bool {
+        self.lanes
+            .iter()
+            .any(|l| l.out < self.per_lane && !l.queue.is_empty())
     }
 
-    pub(super) fn done(&mut self, lane: &Option<String>) {
-        if let Some(i) = self.lanes.iter().position(|(l, _, _)| l == lane) {
-            if self.lanes[i].1.is_empty() {
+    /// Up to `max` messages of the first lane that has some and a chunk to spare; the chunk is
+    /// out until [`Lanes::done`].
+    pub(super) fn take(&mut self, max: usize) -> Option<(Option<String>, Vec<Delivery<A>>)> {
+        let per_lane = self.per_lane;
+        let i = self
+            .lanes
+            .iter()
+            .position(|l| l.out < per_lane && !l.queue.is_empty())?;
+        // Round robin: the lane goes to the back, so the others get their turn first.
+        let mut lane = self.lanes.remove(i);
+        lane.out += 1;
+        let n = lane.queue.len().min(max);
+        self.held -= n;
+        let chunk: Vec<Delivery<A>> = lane.queue.drain(..n).collect();
+        let key = lane.key.clone();
+        self.lanes.push(lane);
+        Some((key, chunk))
+    }
+
+    pub(super) fn done(&mut self, key: &Option<String>) {
+        if let Some(i) = self.lanes.iter().position(|l| l.key == *key) {
+            let lane = &mut self.lanes[i];
+            lane.out = lane.out.saturating_sub(1);
+            if lane.out == 0 && lane.queue.is_empty() {
                 self.lanes.remove(i);
-            } else {
-                self.lanes[i].2 = false;
             }
         }
     }
@@ -73,7 +91,7 @@ impl<A> Lanes<A> {
         self.held = 0;
         self.lanes
             .iter_mut()
-            .flat_map(|(_, queue, _)| queue.drain(..))
+            .flat_map(|l| l.queue.drain(..))
             .map(|d| d.ack)
             .collect()
     }

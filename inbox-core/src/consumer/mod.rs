@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::stream::{self, Stream};
-use tracing::warn;
+use tracing::{info, warn};
 
 pub use self::apply::Inbox;
 use self::common::Common;
@@ -108,7 +108,8 @@ impl Default for RetryPolicy {
 /// Order: within one batch, messages are applied in the order received; a message that fails and
 /// is retried is applied after the rest of its batch. With [`Consumer::parallel_lanes`], a batch
 /// is split by [`Metadata::lane`](crate::Metadata::lane) (a Kafka partition, say): each lane
-/// keeps that order and runs in a transaction of its own, several lanes at a time.
+/// keeps that order and runs in a transaction of its own, several lanes at a time; a source
+/// without lanes has its chunks applied side by side in no order.
 ///
 /// The same pipeline runs calls out of the process, with a lease per message instead of the
 /// inbox's claim: see [`Consumer::effects`]. `W` is the step each chunk goes through:
@@ -330,15 +331,25 @@ where
         self
     }
 
-    /// Applies up to `n` lanes of a batch at the same time (default 1: the whole batch in one
-    /// transaction). A batch is split by [`Metadata::lane`](crate::Metadata::lane); messages of
-    /// one lane are applied in the order received, in one transaction and one ack per lane, and
-    /// the next batch is received once every lane is done. Sources that set no lane (one queue,
-    /// one order) form a single lane, so this changes nothing for them. Each running lane holds
-    /// one store transaction (one pooled connection). Lanes whose handlers write the same rows
-    /// wait on each other's locks like any concurrent transactions, and a deadlock fails a
-    /// handler, which is then retried after the rest of its lane: key messages so that what
-    /// shares rows shares a lane (Kafka: one account, one partition).
+    /// Applies up to `n` chunks side by side, each in a transaction of its own (default 1: one
+    /// chunk at a time).
+    ///
+    /// On a source with lanes ([`Capabilities::lanes`](crate::Capabilities::lanes): Kafka
+    /// partitions, SQS FIFO message groups) a chunk holds messages of one lane
+    /// ([`Metadata::lane`](crate::Metadata::lane)), applied in the order received, and a lane has
+    /// one chunk out at a time, so each lane keeps its order. When everything received belongs
+    /// to busy lanes (librdkafka hands out one partition's records in runs), a free lane reads
+    /// ahead, holding up to 1,024 messages per lane, until a message it can take arrives.
+    ///
+    /// On a source without lanes (a RabbitMQ queue, a Redis stream, an SQS standard queue) every
+    /// free slot takes the next chunk: `n` is how many transactions run at once, and messages
+    /// are applied in no order across them.
+    ///
+    /// Each running chunk holds one store transaction (one pooled connection: give the pool at
+    /// least `n`). Chunks whose handlers write the same rows wait on each other's locks like any
+    /// concurrent transactions, and a deadlock fails a handler, which is then retried after the
+    /// rest of its chunk: key messages so that what shares rows shares a lane (Kafka: one
+    /// account, one partition).
     pub fn parallel_lanes(mut self, n: usize) -> Self {
         self.lanes = n;
         self
@@ -420,10 +431,12 @@ where
     }
 
     /// The pipeline: up to `lanes` chunks of `batch_size` (one per lane, so each lane keeps its
-    /// order) are applied side by side, receiving goes on while a lane is free, and a chunk's acks
-    /// go out while the next chunks are applied. At most `batch_size × lanes` messages are held
-    /// unapplied, so a consumer that dies takes no more deliveries down with it (or onto a
-    /// broker's delivery count) than that. Nothing is acked before the commit of its claim.
+    /// order; any chunks of a source without lanes) are applied side by side, receiving goes on
+    /// while a lane is free, and a chunk's acks go out while the next chunks are applied. At
+    /// most `batch_size × lanes` messages are held unapplied (plus the read-ahead of a free
+    /// lane, see [`Consumer::parallel_lanes`]), so a consumer that dies takes few deliveries down
+    /// with it (or onto a broker's delivery count). Nothing is acked before the commit of its
+    /// claim.
     async fn run_loop(
         mut self,
         shutdown: impl Stream<Item = ()> + Send,
@@ -463,12 +476,13 @@ where
         let capabilities = self.source.capabilities();
         self.step.check(capabilities)?;
         if self.lanes > 1 && !capabilities.lanes() {
-            warn!(
+            info!(
                 consumer = %common.name,
                 system = self.source.system(),
                 lanes = self.lanes,
-                "parallel_lanes is above 1, but this source has one order: its messages are \
-                 applied one chunk at a time"
+                "this source has no ordering lanes: up to {} chunks are applied side by side, \
+                 in no order across them",
+                self.lanes
             );
         }
         if let Some(retention) = self.inbox_retention {

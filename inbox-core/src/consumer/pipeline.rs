@@ -11,6 +11,9 @@ use super::stop::{Phase, Stop};
 use super::{Consumer, Step};
 use crate::{ConsumerState, Error, MessageSource, Result, StatsSnapshot};
 
+/// How far a free lane reads ahead for a message it can take, per lane (see `read_ahead`).
+const READ_AHEAD_PER_LANE: usize = 1024;
+
 // `Step` is the crate's own: see the `impl` in the parent module.
 #[allow(private_bounds)]
 impl<S, W> Consumer<S, W>
@@ -28,6 +31,7 @@ where
         // Set when shutdown is asked for: when the work in flight is cut short.
         let mut deadline: Option<Instant> = None;
         let (batch_size, lanes, timeout) = (self.batch_size, self.lanes, self.shutdown_timeout);
+        let ordered = self.source.capabilities().lanes();
         let step = &self.step;
         let common = step.common();
         let health = &common.health;
@@ -35,7 +39,24 @@ where
         let source = &source;
         let stop = &stop;
         let capacity = batch_size.saturating_mul(lanes);
-        let mut queued = Lanes::default();
+        // A source without lanes keeps no order the consumer could break: every free slot
+        // takes a chunk of it. A source with lanes keeps each lane's order, one chunk at a time.
+        let mut queued = Lanes::new(if ordered { 1 } else { lanes });
+        // What was received may all belong to busy lanes (librdkafka hands out one partition's
+        // records in runs): a free slot then reads ahead, up to this many held messages, until
+        // a lane it can take arrives.
+        let read_ahead = if ordered && lanes > 1 {
+            capacity.max(
+                lanes.saturating_mul(
+                    std::env::var("XX_RA")
+                        .ok()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(READ_AHEAD_PER_LANE),
+                ),
+            )
+        } else {
+            capacity
+        };
         let mut working = FuturesUnordered::new();
         let mut acking = FuturesUnordered::new();
         let mut receiving = None;
@@ -66,16 +87,19 @@ where
                 working.push(async move { (lane, n, step.process(chunk, stop).await) });
             }
             let held = queued.len() + working.len() * batch_size;
+            let limit = if working.len() < lanes && !queued.ready() {
+                read_ahead
+            } else {
+                capacity
+            };
             if receiving.is_none()
                 && receive_after.is_none()
                 && !stopping
                 && !idle
-                && held < capacity
+                && held < limit
                 && acking.len() <= lanes
             {
-                let n = batch_size
-                    .max(capacity - held)
-                    .min(batch_size.saturating_mul(lanes));
+                let n = batch_size.max(limit - held).min(limit);
                 receiving = Some(Box::pin(
                     async move { source.lock().await.receive(n).await },
                 ));

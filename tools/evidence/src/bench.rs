@@ -60,7 +60,8 @@ pub(crate) struct BenchSettings {
     /// Variants to compare: b, c or both.
     #[arg(long, value_delimiter = ',', value_name = "b|c,…", default_value = "b,c", value_parser = b_or_c)]
     pub(crate) variants: Vec<Variant>,
-    /// Lanes tried where the broker has them (Kafka partitions); others run one lane.
+    /// Lanes (`Consumer::parallel_lanes`): Kafka partitions side by side; on a queue or a stream,
+    /// messages spread over that many transactions in no order.
     #[arg(long, value_delimiter = ',', value_name = "N,…", default_value = "1,6", value_parser = positive)]
     pub(crate) lanes: Vec<usize>,
     /// Accounts the events credit.
@@ -138,7 +139,7 @@ pub(crate) async fn run(s: &BenchSettings) -> Result<(), BoxError> {
             Ok(b) => b,
             Err(e) => {
                 println!("{kind}: skipped, {e}");
-                runs.total -= Runs::on(s, kind);
+                runs.total -= Runs::per_broker(s);
                 continue;
             }
         };
@@ -147,7 +148,7 @@ pub(crate) async fn run(s: &BenchSettings) -> Result<(), BoxError> {
         print_row(&alone, &limits, None);
         limits.broker = Some(alone.clone());
         rows.push(alone);
-        let lanes = lanes(s, kind);
+        let lanes = s.lanes.clone();
         for &batch in &s.batches {
             let n = if batch == 1 {
                 s.events_at_batch_1
@@ -184,15 +185,6 @@ pub(crate) async fn run(s: &BenchSettings) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// Lanes tried on `kind`: the settings' on Kafka, one elsewhere.
-fn lanes(s: &BenchSettings, kind: BrokerKind) -> Vec<usize> {
-    if kind == BrokerKind::Kafka {
-        s.lanes.clone()
-    } else {
-        vec![1]
-    }
-}
-
 /// Runs done and planned, for the progress bars' labels.
 #[derive(Debug)]
 struct Runs {
@@ -202,17 +194,15 @@ struct Runs {
 
 impl Runs {
     fn new(s: &BenchSettings) -> Self {
-        let total = 2 + s
-            .brokers
-            .iter()
-            .map(|&kind| Self::on(s, kind))
-            .sum::<usize>();
-        Self { done: 0, total }
+        Self {
+            done: 0,
+            total: 2 + s.brokers.len() * Self::per_broker(s),
+        }
     }
 
     /// Runs on one broker: the broker alone, then every configuration.
-    fn on(s: &BenchSettings, kind: BrokerKind) -> usize {
-        1 + s.batches.len() * lanes(s, kind).len() * s.handlers.len() * s.variants.len()
+    fn per_broker(s: &BenchSettings) -> usize {
+        1 + s.batches.len() * s.lanes.len() * s.handlers.len() * s.variants.len()
     }
 
     /// `run 3/26` for the next run.
