@@ -1,7 +1,7 @@
 //! Project tasks, run as `cargo xtask <task>`:
 //!
-//! - `services`: installs what is missing and starts what is not running: PostgreSQL, Redis,
-//!   RabbitMQ, a Kafka-protocol broker (Tansu) and an SQS endpoint (moto). A service already
+//! - `services`: installs what is missing and starts what is not running: PostgreSQL, MariaDB,
+//!   Redis, RabbitMQ, a Kafka-protocol broker (Tansu) and an SQS endpoint (moto). A service already
 //!   listening at its address is reused; nothing is ever stopped. Safe to run twice.
 //! - `test`: `services` with the workspace's test build beside the installs, then
 //!   `cargo fmt --check`, `cargo clippy --all-targets -D warnings`, `cargo doc` with broken links
