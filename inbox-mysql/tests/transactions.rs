@@ -1,0 +1,160 @@
+//! What the MySQL store's transaction promises beyond the store suite: its isolation level,
+//! connections handed back to the pool as they were taken, lock waits that end as retryable
+//! errors, and a migration that refuses a table of another key mode.
+
+use std::time::{Duration, Instant};
+
+use inbox_conformance::store::MySqlDb;
+use inbox_core::{InboxStore, MessageId, Recovery, Transaction};
+use inbox_mysql::{Error, KeyMode, MySqlInbox, TableName};
+use sqlx::mysql::MySqlPoolOptions;
+
+async fn db_with(table: &str, mode: KeyMode) -> (MySqlDb, MySqlInbox) {
+    let db = MySqlDb::new().await;
+    let inbox = db.inbox(table, mode);
+    inbox.migrate().await.expect("migrate");
+    sqlx::query("CREATE TABLE notes (n int NOT NULL) ENGINE=InnoDB")
+        .execute(&db.pool)
+        .await
+        .expect("notes");
+    (db, inbox)
+}
+
+/// Under READ COMMITTED a statement sees what others committed after the transaction's first
+/// read; under InnoDB's default REPEATABLE READ it would not.
+#[tokio::test]
+async fn the_inbox_transaction_reads_committed_rows() {
+    let (db, inbox) = db_with("inbox", KeyMode::Text).await;
+    let count = "SELECT count(*) FROM notes";
+    let mut tx = inbox.begin().await.expect("begin");
+    let before: i64 = sqlx::query_scalar(count)
+        .fetch_one(&mut *tx)
+        .await
+        .expect("count");
+    sqlx::query("INSERT INTO notes VALUES (1)")
+        .execute(&db.pool)
+        .await
+        .expect("insert elsewhere");
+    let after: i64 = sqlx::query_scalar(count)
+        .fetch_one(&mut *tx)
+        .await
+        .expect("count");
+    tx.rollback().await.expect("rollback");
+    assert_eq!((before, after), (0, 1));
+    db.drop().await;
+}
+
+/// The store turns `autocommit` off for its transactions: after a commit, a rollback and a
+/// transaction dropped mid-way, the pool's connection commits a plain statement at once again,
+/// and the dropped transaction left nothing.
+#[tokio::test]
+async fn connections_go_back_to_the_pool_as_they_came() {
+    let (db, _) = db_with("inbox", KeyMode::Text).await;
+    // One connection, so each step reuses the one before's.
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect_with(db.options().clone())
+        .await
+        .expect("pool");
+    let inbox = MySqlInbox::new(pool.clone());
+    let notes = |pool| async move {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM notes")
+            .fetch_one(&pool)
+            .await
+            .expect("count")
+    };
+    let dropped = MessageId::generate();
+    for (step, end) in ["commit", "rollback", "drop"].into_iter().enumerate() {
+        let mut tx = inbox.begin().await.expect("begin");
+        let id = if end == "drop" {
+            dropped.clone()
+        } else {
+            MessageId::generate()
+        };
+        assert!(inbox.claim(&mut tx, "c", &id).await.expect("claim"));
+        match end {
+            "commit" => tx.commit().await.expect("commit"),
+            "rollback" => tx.rollback().await.expect("rollback"),
+            _ => drop(tx),
+        }
+        sqlx::query("INSERT INTO notes VALUES (1)")
+            .execute(&pool)
+            .await
+            .expect("a plain insert");
+        // Seen from another connection: committed on its own.
+        assert_eq!(notes(db.pool.clone()).await, step as i64 + 1, "after {end}");
+    }
+    let mut tx = inbox.begin().await.expect("begin");
+    assert!(
+        inbox.claim(&mut tx, "c", &dropped).await.expect("claim"),
+        "the dropped transaction's claim is gone"
+    );
+    tx.rollback().await.expect("rollback");
+    pool.close().await;
+    db.drop().await;
+}
+
+/// A claim waiting on a peer's uncommitted claim of the same ID gives up after the lock wait
+/// timeout with a retryable error (1205), instead of waiting for the peer for ever.
+#[tokio::test]
+async fn a_claim_stuck_behind_a_hung_peer_ends_as_a_retryable_error() {
+    let (db, inbox) = db_with("inbox", KeyMode::Uuid).await;
+    let waiting = inbox.clone().lock_wait_timeout(Duration::from_millis(1500));
+    let id = MessageId::generate();
+    let mut hung = inbox.begin().await.expect("begin");
+    assert!(inbox.claim(&mut hung, "c", &id).await.expect("claim"));
+    let mut tx = waiting.begin().await.expect("begin");
+    let start = Instant::now();
+    let err = waiting
+        .claim(&mut tx, "c", &id)
+        .await
+        .expect_err("the lock wait times out");
+    let waited = start.elapsed();
+    assert_eq!(err.recovery(), Recovery::Retry, "{err}");
+    assert!(err.to_string().contains("1205"), "{err}");
+    assert!(
+        waited >= Duration::from_secs(2) && waited < Duration::from_secs(10),
+        "rounded up to 2 s: {waited:?}"
+    );
+    tx.rollback().await.expect("rollback");
+    hung.rollback().await.expect("rollback");
+    db.drop().await;
+}
+
+/// Migrating twice changes nothing; a store of another key mode on the same table is refused
+/// with the types named; the printed SQL makes a table `migrate` accepts.
+#[tokio::test]
+async fn migrations_are_repeatable_and_refuse_another_key_mode() {
+    let (db, inbox) = db_with("inbox", KeyMode::Text).await;
+    inbox.migrate().await.expect("again");
+    let err = db
+        .inbox("inbox", KeyMode::Hashed)
+        .migrate()
+        .await
+        .expect_err("another key mode");
+    assert!(
+        matches!(&err, Error::KeyModeMismatch { found, .. } if found == "varbinary(1024)"),
+        "{err}"
+    );
+    let printed = MySqlInbox::new(db.pool.clone())
+        .with_table(TableName::new("printed").expect("name"))
+        .with_key_mode(KeyMode::Uuid);
+    for statement in printed.migration_sql().split(";\n") {
+        let statement: String = statement
+            .lines()
+            .filter(|l| !l.starts_with("--"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        if !statement.trim().is_empty() {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+                .execute(&db.pool)
+                .await
+                .expect("printed SQL runs");
+        }
+    }
+    printed
+        .migrate()
+        .await
+        .expect("migrate accepts the printed tables");
+    db.drop().await;
+}
