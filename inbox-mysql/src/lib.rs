@@ -57,15 +57,22 @@
 //! compared byte for byte: whitespace and case matter. [`KeyMode::Uuid`] also refuses IDs that
 //! are not UUIDs; [`KeyMode::Hashed`] takes any ID and keeps 16 bytes of it.
 //!
+//! ## Servers
+//! Tested on MariaDB 10.11 (`cargo xtask services` starts Debian's). The SQL is MySQL 8's as
+//! well (no `RETURNING`, no MariaDB-only syntax), but no MySQL server runs in this workspace's
+//! tests. MySQL 8's default authentication (`caching_sha2_password`) needs TLS (the feature
+//! `tls`, on by default) or sqlx's feature `mysql-rsa`.
+//!
 //! ## Why there is no SQLite store
-//! The inbox's guarantee across processes rests on a racing claim waiting for the first one's
-//! transaction and then seeing its outcome. SQLite has one writer per database file: a second
-//! consumer's transaction fails with `SQLITE_BUSY` or waits for the whole database, not for one
-//! row, so competing consumers (the usual way to scale a queue's consumers) serialise entirely,
-//! and a busy timeout is the only lock wait there is. One process alone can run an inbox on
-//! SQLite correctly, but the in-process store of the test kit shows the same algorithm, and a
-//! single process on an edge device is served by this crate's or the PostgreSQL store's
-//! embedded-friendly deployments as well; a SQLite store may follow if there is demand.
+//! The inbox's guarantee across processes rests on a racing claim that waits for the first
+//! claimant's transaction on that one row and then sees its outcome. SQLite has one writer per
+//! database file: a second consumer's write transaction waits for the whole database (or fails
+//! with `SQLITE_BUSY` once its busy timeout passes), so competing consumers, the usual way to
+//! scale a queue's consumers, would run one transaction at a time, and a long handler would
+//! stall every other consumer. A single consumer process with its effects in the same SQLite
+//! file (a local tool, an edge device) would be correct, and the claim would be the same
+//! `INSERT` as here; it is left out until there is such a user, rather than shipped as a store
+//! whose limits contradict the rest of the project's (several processes, one table).
 
 mod error;
 mod migration;
