@@ -23,6 +23,7 @@ mod effects;
 mod effects_child;
 mod faults;
 mod kill;
+mod wallet_db;
 mod memory;
 mod outbox_chain;
 mod progress;
