@@ -21,13 +21,14 @@ use std::path::Path;
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-/// The programs users copy, one per broker, then the side effects outside the database: each
-/// fails when an effect is lost or applied twice.
-const EXAMPLES: [&str; 6] = [
+/// The programs users copy, one per broker, the second store, then the side effects outside the
+/// database: each fails when an effect is lost or applied twice.
+const EXAMPLES: [&str; 7] = [
     "kafka",
     "sqs",
     "rabbitmq",
     "redis_streams",
+    "mysql",
     "effect_call",
     "outbox",
 ];

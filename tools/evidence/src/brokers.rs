@@ -10,8 +10,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_conformance::wallet::CreditEvent;
 use inbox_conformance::store::MySqlDb;
+use inbox_conformance::wallet::CreditEvent;
 use inbox_conformance::TestDb;
 use inbox_conformance::{TestBroker, TestQueue};
 use inbox_core::{

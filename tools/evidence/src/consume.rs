@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_conformance::wallet::{self, BatchCredit, Credit, CreditEvent};
 use inbox_conformance::mysql_wallet;
 use inbox_conformance::store::MySqlDb;
+use inbox_conformance::wallet::{self, BatchCredit, Credit, CreditEvent};
 use inbox_conformance::TestDb;
 use inbox_core::{
     async_trait, BatchHandler, BatchItem, BoxError, Consumer, Handler, HandlerError, Inbox,

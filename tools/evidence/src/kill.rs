@@ -194,7 +194,14 @@ async fn throughput(
     spec.crash_between_commit_and_ack = 0.0;
     let label = format!("{kind} {} no-kill throughput", variant.name());
     let bar = progress::Bar::new(label, u64::from(s.throughput_events), "events applied");
-    let elapsed = drain(broker, &spec, db.as_ref(), i64::from(s.throughput_events), &bar).await?;
+    let elapsed = drain(
+        broker,
+        &spec,
+        db.as_ref(),
+        i64::from(s.throughput_events),
+        &bar,
+    )
+    .await?;
     let rows = db.summary().await?.ledger_rows;
     bar.finish();
     db.remove().await;
@@ -414,9 +421,11 @@ pub(crate) async fn demo(full: bool, args: KillArgs) -> Result<(), BoxError> {
 pub(crate) async fn run(s: &KillSettings) -> Result<(), BoxError> {
     if s.store == StoreKind::Mysql {
         if s.variants.iter().any(|&v| v != Variant::C) {
-            return Err("--store mysql runs variant c only (--variants c): the variants a1, a2 \
+            return Err(
+                "--store mysql runs variant c only (--variants c): the variants a1, a2 \
                         and b show what the inbox prevents, on PostgreSQL"
-                .into());
+                    .into(),
+            );
         }
         println!("The inbox store: MySQL (inbox-mysql, INBOX_MYSQL_URL).");
     }

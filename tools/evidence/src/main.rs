@@ -23,7 +23,6 @@ mod effects;
 mod effects_child;
 mod faults;
 mod kill;
-mod wallet_db;
 mod memory;
 mod outbox_chain;
 mod progress;
@@ -31,6 +30,7 @@ mod report;
 mod retention_bench;
 mod settings;
 mod soak;
+mod wallet_db;
 mod zombie;
 
 use std::io::Write;
