@@ -30,7 +30,7 @@ pub fn inbox(db: &MySqlDb) -> MySqlInbox {
     db.inbox(INBOX_TABLE, KeyMode::Text)
 }
 
-/// Creates `accounts` and `ledger` if missing.
+/// Creates `accounts`, `ledger` and `wallet_stalls` if missing.
 pub async fn install(pool: &MySqlPool) -> Result<(), sqlx::Error> {
     for statement in [
         "CREATE TABLE IF NOT EXISTS accounts (
@@ -42,6 +42,7 @@ pub async fn install(pool: &MySqlPool) -> Result<(), sqlx::Error> {
             event_id varchar(255) NOT NULL,
             account_id bigint NOT NULL,
             amount bigint NOT NULL) ENGINE=InnoDB",
+        "CREATE TABLE IF NOT EXISTS wallet_stalls (event_id varchar(255) PRIMARY KEY) ENGINE=InnoDB",
     ] {
         sqlx::query(statement).execute(pool).await?;
     }
@@ -49,11 +50,65 @@ pub async fn install(pool: &MySqlPool) -> Result<(), sqlx::Error> {
 }
 
 /// The credit handler: adds the amount to the balance and writes a ledger row, both through the
-/// inbox transaction; sleeps `work` first, standing in for real work.
-#[derive(Debug, Clone, Default)]
+/// inbox transaction.
+#[derive(Debug, Clone)]
 pub struct Credit {
-    /// The sleep per message.
-    pub work: Duration,
+    pool: MySqlPool,
+    work: Duration,
+    stall: Duration,
+}
+
+impl Credit {
+    /// A handler writing to the wallet tables of `pool`'s database.
+    pub fn new(pool: MySqlPool) -> Self {
+        Self {
+            pool,
+            work: Duration::ZERO,
+            stall: Duration::ZERO,
+        }
+    }
+
+    /// Sleeps `work` per message, standing in for real work.
+    pub fn work(mut self, work: Duration) -> Self {
+        self.work = work;
+        self
+    }
+
+    /// An event with `stall: true` sleeps `stall` on its first handling by any process
+    /// (recorded in `wallet_stalls` outside the transaction), with its claim uncommitted.
+    pub fn stall(mut self, stall: Duration) -> Self {
+        self.stall = stall;
+        self
+    }
+}
+
+/// Records that `id` is being handled, outside any transaction: `true` the first time across
+/// all processes.
+pub async fn first_handling(pool: &MySqlPool, id: &MessageId) -> Result<bool, sqlx::Error> {
+    match sqlx::query("INSERT INTO wallet_stalls (event_id) VALUES (?)")
+        .bind(id.as_str())
+        .execute(pool)
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// How many stalls started.
+pub async fn stalls(pool: &MySqlPool) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT count(*) FROM wallet_stalls")
+        .fetch_one(pool)
+        .await
+}
+
+/// Ledger rows of `id`.
+pub async fn rows_of(pool: &MySqlPool, id: &MessageId) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT count(*) FROM ledger WHERE event_id = ?")
+        .bind(id.as_str())
+        .fetch_one(pool)
+        .await
 }
 
 #[async_trait]
@@ -67,6 +122,9 @@ impl Handler<MySqlTx> for Credit {
         let event: CreditEvent = message.json()?;
         if !self.work.is_zero() {
             tokio::time::sleep(self.work).await;
+        }
+        if event.stall && !self.stall.is_zero() && first_handling(&self.pool, id).await? {
+            tokio::time::sleep(self.stall).await;
         }
         sqlx::query(
             "INSERT INTO accounts (id, balance) VALUES (?, ?)

@@ -1,6 +1,7 @@
 //! The MySQL store behind a real broker (Redis Streams, through the conformance suite's
-//! `TestBroker`): duplicates, a crash at each stage of the algorithm, racing consumers, and the
-//! consumer process SIGKILLed again and again. Each scenario is generic over the broker, so
+//! `TestBroker`): duplicates, a crash at each stage of the algorithm, racing consumers, a
+//! consumer that lost its message mid-handler, and the consumer process SIGKILLed again and
+//! again. Each scenario is generic over the broker, so
 //! another adapter runs them by instantiating them with its `TestBroker`.
 //!
 //! The kill scenario's size comes from `INBOX_KILLS` (default 4) and `INBOX_KILL_EVENTS`
@@ -9,13 +10,18 @@
 
 mod common;
 
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use inbox_conformance::mysql_wallet;
 use inbox_conformance::redis::Redis;
 use inbox_conformance::store::MySqlDb;
 use inbox_conformance::wallet::CreditEvent;
-use inbox_conformance::{child, TestBroker, TestQueue};
-use inbox_core::{Consumer, MessageId, Stage};
+use inbox_conformance::{child, LosingSource, TestBroker, TestQueue};
+use inbox_core::{
+    async_trait, Capabilities, Consumer, Delivery, MessageId, MessageSource, SourceError, Stage,
+};
 use inbox_testkit::Crash;
 
 use common::{drain, inbox, left, summary, wallet_db, Credit, ACCOUNTS};
@@ -33,7 +39,7 @@ async fn the_same_id_twice_is_applied_once<B: TestBroker>(broker: &B) {
         queue.send(Some(id.as_str()), &event).await;
     }
     let runs = drain(&queue, &db, "c1", 20, LIMIT, |source| {
-        Consumer::new("wallet", source, inbox(&db), Credit::default()).run_until_idle()
+        Consumer::new("wallet", source, inbox(&db), Credit::new(db.pool.clone())).run_until_idle()
     })
     .await;
     // The copies may still be on their way after the ledger is complete.
@@ -41,7 +47,7 @@ async fn the_same_id_twice_is_applied_once<B: TestBroker>(broker: &B) {
     let start = Instant::now();
     while skipped < 20 && start.elapsed() < LIMIT {
         let source = queue.source("c1").await;
-        let stats = Consumer::new("wallet", source, inbox(&db), Credit::default())
+        let stats = Consumer::new("wallet", source, inbox(&db), Credit::new(db.pool.clone()))
             .run_until_idle()
             .await
             .expect("consumer");
@@ -82,7 +88,7 @@ async fn a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice<B: TestBr
             "wallet",
             crash.source(queue.source("c1").await),
             crash.store(inbox(&db)),
-            crash.handler(Credit::default()),
+            crash.handler(Credit::new(db.pool.clone())),
         );
         let crashed = crash.run(consumer.run_until_idle()).await;
         assert!(
@@ -90,7 +96,8 @@ async fn a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice<B: TestBr
             "{stage:?}: {crashed:?}"
         );
         let runs = drain(&queue, &db, "c1", 5, LIMIT, |source| {
-            Consumer::new("wallet", source, inbox(&db), Credit::default()).run_until_idle()
+            Consumer::new("wallet", source, inbox(&db), Credit::new(db.pool.clone()))
+                .run_until_idle()
         })
         .await;
         let s = summary(&db.pool).await;
@@ -119,9 +126,7 @@ async fn racing_consumers_apply_each_id_once<B: TestBroker>(broker: &B) {
             queue.send(Some(id.as_str()), &event).await;
         }
     }
-    let work = Credit {
-        work: Duration::from_millis(2),
-    };
+    let work = Credit::new(db.pool.clone()).work(Duration::from_millis(2));
     let (a, b) = (queue.source("c1").await, queue.source("c2").await);
     let (one, two) = tokio::join!(
         Consumer::new("wallet", a, inbox(&db), work.clone())
@@ -142,6 +147,118 @@ async fn racing_consumers_apply_each_id_once<B: TestBroker>(broker: &B) {
     assert_eq!(s.total_balance, (1..=EVENTS).sum::<i64>());
     assert!(s.balances_exact);
     assert_eq!(left(&queue).await, 0);
+    queue.cleanup().await;
+    db.drop().await;
+}
+
+/// A source that notes the ID of every message it delivers.
+struct Noting<S> {
+    inner: S,
+    seen: Arc<Mutex<HashSet<MessageId>>>,
+}
+
+#[async_trait]
+impl<S: MessageSource> MessageSource for Noting<S> {
+    type Ack = S::Ack;
+
+    async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<S::Ack>>, SourceError> {
+        let batch = self.inner.receive(max).await?;
+        let mut seen = self.seen.lock().expect("seen IDs");
+        seen.extend(batch.iter().filter_map(|d| d.message.id.clone().ok()));
+        Ok(batch)
+    }
+
+    fn system(&self) -> &'static str {
+        self.inner.system()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+}
+
+/// Member `zombie` stalls in its handler on a message, its claim uncommitted, while the broker
+/// hands the message to member `b`. `b`'s claim waits on the zombie's row lock (the primary
+/// key); the zombie commits, and `b` gets the duplicate key and skips its copy. The stalled
+/// credit is in the ledger once.
+async fn a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice<B: TestBroker>(
+    broker: &B,
+) {
+    const OTHERS: i64 = 5;
+    let db = wallet_db().await;
+    let queue = broker.queue("mysql-zombie").await;
+    let Some(LosingSource { source, stall }) = queue.losing_source("zombie").await else {
+        println!("zombie: skipped: this broker cannot take a message away reliably");
+        queue.cleanup().await;
+        db.drop().await;
+        return;
+    };
+    let stalled = MessageId::generate();
+    let event = CreditEvent {
+        stall: true,
+        ..CreditEvent::new(1, 1000)
+    };
+    queue.send(Some(stalled.as_str()), &event.to_json()).await;
+    for i in 0..OTHERS {
+        let id = MessageId::generate();
+        queue
+            .send(Some(id.as_str()), &CreditEvent::new(2, i + 1).to_json())
+            .await;
+    }
+    let handler = Credit::new(db.pool.clone()).stall(stall);
+    let (stop, stopping) = tokio::sync::oneshot::channel::<()>();
+    let zombie = Consumer::new("wallet", source, inbox(&db), handler.clone())
+        .batch_size(1)
+        .run_until(async {
+            let _ = stopping.await;
+        });
+    let seen = Arc::new(Mutex::new(HashSet::new()));
+    let mut skipped = 0;
+    let others = async {
+        let start = Instant::now();
+        while mysql_wallet::stalls(&db.pool).await.expect("stalls") == 0 {
+            assert!(start.elapsed() < LIMIT, "the zombie never stalled");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        queue.take_away("zombie").await;
+        loop {
+            let source = Noting {
+                inner: queue.source("b").await,
+                seen: Arc::clone(&seen),
+            };
+            let stats = Consumer::new("wallet", source, inbox(&db), handler.clone())
+                .run_until_idle()
+                .await
+                .expect("member b");
+            skipped += stats.skipped_duplicates;
+            let applied = summary(&db.pool).await.distinct_events;
+            if seen.lock().expect("seen").contains(&stalled) && applied == OTHERS + 1 {
+                break;
+            }
+            assert!(start.elapsed() < LIMIT, "not drained: {applied}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let _ = stop.send(());
+    };
+    let (zombie, ()) = tokio::join!(zombie, others);
+    let s = summary(&db.pool).await;
+    let left = left(&queue).await;
+    println!("zombie on MySQL: stalled {stall:?}; the zombie: {zombie:?}; b skipped {skipped}; {s:?}; left {left}");
+    assert_eq!(
+        mysql_wallet::rows_of(&db.pool, &stalled)
+            .await
+            .expect("rows"),
+        1,
+        "the stalled credit applied once"
+    );
+    assert!(
+        seen.lock().expect("seen").contains(&stalled),
+        "the broker handed the stalled message to the second member"
+    );
+    assert!(skipped >= 1, "and the second member skipped it");
+    assert_eq!((s.ledger_rows, s.distinct_events), (OTHERS + 1, OTHERS + 1));
+    assert!(s.balances_exact);
+    assert_eq!(left, 0);
     queue.cleanup().await;
     db.drop().await;
 }
@@ -213,9 +330,14 @@ async fn a_consumer_process_killed_again_and_again_loses_and_repeats_nothing<B: 
     }
     let killing = started.elapsed();
     let runs = drain(&queue, &db, "survivor", events, LIMIT, |source| {
-        Consumer::new("wallet", source, inbox(&db), Credit { work: WORK })
-            .batch_size(5)
-            .run_until_idle()
+        Consumer::new(
+            "wallet",
+            source,
+            inbox(&db),
+            Credit::new(db.pool.clone()).work(WORK),
+        )
+        .batch_size(5)
+        .run_until_idle()
     })
     .await;
     let s = summary(&db.pool).await;
@@ -249,7 +371,7 @@ async fn consumer_process<B: TestBroker>(broker: &B) {
         "wallet",
         queue.source(&var("INBOX_MEMBER")).await,
         inbox(&db),
-        Credit { work: WORK },
+        Credit::new(db.pool.clone()).work(WORK),
     )
     .batch_size(5)
     .run()
@@ -270,6 +392,11 @@ async fn redis_a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_racing_consumers_apply_each_id_once() {
     racing_consumers_apply_each_id_once(&Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice() {
+    a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice(&Redis).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

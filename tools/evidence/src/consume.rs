@@ -140,7 +140,7 @@ pub(crate) async fn run_mysql<S: MessageSource + 'static>(
     db: &MySqlDb,
     shutdown: Shutdown,
 ) -> Result<StatsSnapshot, inbox_core::Error> {
-    let handler = mysql_wallet::Credit { work: spec.work };
+    let handler = mysql_wallet::Credit::new(db.pool.clone()).work(spec.work);
     let consumer = Consumer::new("wallet", source, mysql_wallet::inbox(db), handler);
     finish(consumer, spec, None, shutdown).await
 }
