@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use inbox_conformance::store::MySqlDb;
 use inbox_core::{InboxStore, MessageId, Recovery, Transaction};
-use inbox_mysql::{Error, KeyMode, MySqlInbox, TableName};
+use inbox_mysql::{Error, KeyMode, MySqlInbox, PurgeReport, TableName};
 use sqlx::mysql::MySqlPoolOptions;
 
 async fn db_with(table: &str, mode: KeyMode) -> (MySqlDb, MySqlInbox) {
@@ -156,5 +156,48 @@ async fn migrations_are_repeatable_and_refuse_another_key_mode() {
         .migrate()
         .await
         .expect("migrate accepts the printed tables");
+    db.drop().await;
+}
+
+/// The purge deletes expired claims in batches of the size asked, keeps recent ones, and
+/// leaves the work to a cleaner that holds the table's purge lock.
+#[tokio::test]
+async fn the_purge_goes_in_batches_under_one_cleaner() {
+    let (db, inbox) = db_with("inbox", KeyMode::Hashed).await;
+    let mut tx = inbox.begin().await.expect("begin");
+    let ids: Vec<MessageId> = (0..30).map(|_| MessageId::generate()).collect();
+    let claimed = inbox.claim_many(&mut tx, "c", &ids).await.expect("claim");
+    assert_eq!(claimed, vec![true; 30]);
+    tx.commit().await.expect("commit");
+    // 25 claims a day old, 5 recent.
+    sqlx::query(
+        "UPDATE inbox SET processed_minute = processed_minute - 1440 ORDER BY message_id LIMIT 25",
+    )
+    .execute(&db.pool)
+    .await
+    .expect("age");
+    let keep = Duration::from_secs(3600);
+
+    let mut holder = db.pool.acquire().await.expect("a connection");
+    let held: i64 = sqlx::query_scalar("SELECT GET_LOCK('inbox purge `inbox`', 0)")
+        .fetch_one(&mut *holder)
+        .await
+        .expect("take the purge lock");
+    assert_eq!(held, 1);
+    let skipped = inbox.purge(keep, 10).await.expect("purge");
+    assert_eq!(skipped, PurgeReport::SkippedOtherCleaner);
+    sqlx::query("SELECT RELEASE_LOCK('inbox purge `inbox`')")
+        .execute(&mut *holder)
+        .await
+        .expect("release");
+    drop(holder);
+
+    let report = inbox.purge(keep, 10).await.expect("purge");
+    assert_eq!(report.batches(), &[10, 10, 5]);
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox")
+        .fetch_one(&db.pool)
+        .await
+        .expect("count");
+    assert_eq!(left, 5, "the recent claims are kept");
     db.drop().await;
 }
