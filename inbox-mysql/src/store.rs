@@ -13,7 +13,7 @@ use crate::table::hashed_key;
 use crate::tx::begin_sql;
 use crate::{Error, KeyMode, MySqlTx, Result, TableName};
 
-/// The transactional inbox on MySQL (8.0 and later) or MariaDB (10.5 and later), InnoDB.
+/// The transactional inbox on MariaDB or MySQL 8, InnoDB (see the crate docs, "Servers").
 ///
 /// One table (default `inbox`) holds a row per applied message: the message key, the minute it
 /// was processed and a small integer naming the consumer (from a `<table>_consumers` table). The
