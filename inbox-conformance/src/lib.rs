@@ -110,6 +110,8 @@ mod fault_run;
 pub mod kafka;
 mod kill;
 pub mod memory;
+#[cfg(feature = "mysql")]
+pub mod mysql_wallet;
 mod network;
 mod outbox;
 pub mod outbox_table;

@@ -28,8 +28,12 @@ use inbox_testkit::MemoryBroker;
 
 use crate::{FaultProxy, ProxyMode};
 
+#[cfg(feature = "mysql")]
+mod mysql;
 mod postgres;
 
+#[cfg(feature = "mysql")]
+pub use mysql::{mysql_url, MySql, MySqlDb};
 pub use postgres::Postgres;
 
 /// The open transaction of the store under test.

@@ -10,13 +10,14 @@
 //! |---|---|---|
 //! | (always) | the crate root: [`Consumer`], [`Handler`], [`BatchHandler`], [`MessageId`], … | `inbox-core` |
 //! | `postgres` | `transactional_inbox::postgres` (`PgInbox`, `Outbox`, `PgLeases`) | `inbox-postgres` |
+//! | `mysql` | `transactional_inbox::mysql` (`MySqlInbox`) | `inbox-mysql` |
 //! | `kafka` | `transactional_inbox::kafka` | `inbox-kafka` (rdkafka, librdkafka built from source) |
 //! | `kafka-zstd` | `kafka`, with zstd compression | `inbox-kafka`'s feature `zstd` |
 //! | `sqs` | `transactional_inbox::sqs` | `inbox-sqs` (aws-sdk-sqs) |
 //! | `rabbitmq` | `transactional_inbox::rabbitmq` | `inbox-rabbitmq` (lapin) |
 //! | `redis-streams` | `transactional_inbox::redis_streams` | `inbox-redis-streams` (redis) |
 //! | `opentelemetry` | trace propagation | `inbox-core`'s feature |
-//! | `tls` (default) | TLS on every connection: rustls on ring where the client allows (PostgreSQL: `sslmode=verify-full&sslrootcert=…` in the URL; `rediss://`; `amqps://`), Kafka through the system's OpenSSL | each crate's feature `tls` |
+//! | `tls` (default) | TLS on every connection: rustls on ring where the client allows (PostgreSQL: `sslmode=verify-full&sslrootcert=…` in the URL; MySQL: `ssl-mode=verify_identity&ssl-ca=…`; `rediss://`; `amqps://`), Kafka through the system's OpenSSL | each crate's feature `tls` |
 //!
 //! Every item of `inbox-core` is at the crate root, so a handler reads the same with either
 //! dependency:
@@ -42,6 +43,10 @@ pub use inbox_core::*;
 /// The transactional inbox store on PostgreSQL: [`inbox_postgres`].
 #[cfg(feature = "postgres")]
 pub use inbox_postgres as postgres;
+
+/// The transactional inbox store on MySQL and MariaDB: [`inbox_mysql`].
+#[cfg(feature = "mysql")]
+pub use inbox_mysql as mysql;
 
 /// The Kafka adapter: [`inbox_kafka`].
 #[cfg(feature = "kafka")]

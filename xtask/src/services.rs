@@ -21,6 +21,7 @@ pub(crate) fn up(beside: Option<&[&str]>) -> Result {
     let beside = beside.map(crate::Background::cargo).transpose()?;
     test_tools()?;
     postgres()?;
+    mariadb()?;
     redis()?;
     rabbitmq()?;
     sqs()?;
@@ -259,6 +260,77 @@ fn postgres() -> Result {
     }
 }
 
+/// MariaDB for the MySQL store's tests: the database and user of `INBOX_MYSQL_URL`, allowed to
+/// create and drop the databases the tests make (`<database>_*`).
+fn mariadb() -> Result {
+    let url = std::env::var("INBOX_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://inbox:inbox@127.0.0.1:3306/inbox".into());
+    let (host, port) = host_port(&url, 3306);
+    if needs_start("MariaDB", "INBOX_MYSQL_URL", &host, port)? {
+        if !have("mariadbd") {
+            apt_install(&["mariadb-server"])?;
+        }
+        let server = which("mariadbd").ok_or("mariadbd is not on PATH after installing")?;
+        // No init system here: the server in its own session, as the packages' service would
+        // run it (as `mysql`, its socket in /run/mysqld).
+        run(
+            "install",
+            &["-d", "-o", "mysql", "-g", "mysql", "/run/mysqld"],
+        )?;
+        let port_text = format!("--port={port}");
+        spawn_detached(
+            "mariadb",
+            &server,
+            &["--user=mysql", "--bind-address=127.0.0.1", &port_text],
+        )?;
+        wait_for("MariaDB", &host, port, Duration::from_secs(60))?;
+    }
+    let (user, password, database) = mysql_credentials(&url);
+    if quiet(
+        "mariadb",
+        &[
+            "-h",
+            &host,
+            "-P",
+            &port.to_string(),
+            "-u",
+            &user,
+            &format!("-p{password}"),
+            "-e",
+            "SELECT 1",
+            &database,
+        ],
+    ) {
+        return Ok(());
+    }
+    if !is_local(&host) {
+        return Err(format!(
+            "MariaDB at {host}:{port} refuses INBOX_MYSQL_URL {url}"
+        ));
+    }
+    // The local default: root signs in over the socket (Debian's `unix_socket` plugin).
+    eprintln!("services: setting up the local database for {url}");
+    let sql = format!(
+        "CREATE DATABASE IF NOT EXISTS `{database}`; \
+         CREATE USER IF NOT EXISTS '{user}'@'localhost' IDENTIFIED BY '{password}'; \
+         CREATE USER IF NOT EXISTS '{user}'@'127.0.0.1' IDENTIFIED BY '{password}'; \
+         GRANT ALL PRIVILEGES ON `{database}`.* TO '{user}'@'localhost', '{user}'@'127.0.0.1'; \
+         GRANT ALL PRIVILEGES ON `{database}\\_%`.* TO '{user}'@'localhost', '{user}'@'127.0.0.1';"
+    );
+    run("mariadb", &["-u", "root", "-e", &sql])
+}
+
+/// User, password and database of a `mysql://user:password@host:port/database` URL.
+fn mysql_credentials(url: &str) -> (String, String, String) {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let (auth, location) = rest.rsplit_once('@').unwrap_or(("root:", rest));
+    let (user, password) = auth.split_once(':').unwrap_or((auth, ""));
+    let database = location
+        .split_once('/')
+        .map_or("inbox", |(_, d)| d.split('?').next().unwrap_or("inbox"));
+    (user.to_owned(), password.to_owned(), database.to_owned())
+}
+
 fn redis() -> Result {
     let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     let (host, port) = host_port(&url, 6379);
@@ -400,6 +472,14 @@ fn sqs() -> Result {
 #[cfg(test)]
 mod tests {
     use super::host_port;
+
+    #[test]
+    fn mysql_urls_give_their_credentials() {
+        assert_eq!(
+            super::mysql_credentials("mysql://inbox:secret@127.0.0.1:3306/inbox?ssl-mode=disabled"),
+            ("inbox".into(), "secret".into(), "inbox".into())
+        );
+    }
 
     #[test]
     fn addresses_come_out_of_urls() {

@@ -26,6 +26,36 @@ impl BrokerKind {
     }
 }
 
+/// The inbox store of the kill test's wallet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum StoreKind {
+    /// `inbox-postgres`, in a schema of the run's own.
+    #[default]
+    Postgres,
+    /// `inbox-mysql`, in a database of the run's own (`INBOX_MYSQL_URL`).
+    Mysql,
+}
+
+impl StoreKind {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Postgres => "postgres",
+            Self::Mysql => "mysql",
+        }
+    }
+}
+
+impl FromStr for StoreKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "postgres" => Ok(Self::Postgres),
+            "mysql" => Ok(Self::Mysql),
+            _ => Err(format!("unknown store `{s}`; use postgres or mysql")),
+        }
+    }
+}
+
 impl FromStr for BrokerKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -64,6 +94,8 @@ impl KafkaImpl {
     }
 
     /// Whether the harness works around Tansu 0.6's fetch and group-assignment behaviour.
+    // Asked only by the Kafka broker's code.
+    #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
     pub(crate) fn tansu_workarounds(self) -> bool {
         self == Self::Tansu
     }
@@ -271,9 +303,13 @@ pub(crate) struct ConsumeArgs {
     /// The queue, topic or stream.
     #[arg(long, value_name = "QUEUE")]
     name: String,
-    /// The Postgres schema holding the wallet tables and the inbox.
+    /// The Postgres schema (with `--store mysql`, the MySQL database) holding the wallet tables
+    /// and the inbox.
     #[arg(long)]
     schema: String,
+    /// The inbox store.
+    #[arg(long, value_name = "postgres|mysql", default_value = "postgres")]
+    store: StoreKind,
     /// The handler's work per message: milliseconds, or a duration such as 10ms.
     #[arg(long, value_name = "MS", default_value = "10", value_parser = millis)]
     work_ms: u64,
@@ -303,6 +339,7 @@ impl ConsumeArgs {
             batch: self.batch,
             lanes: self.lanes,
             batched: self.handler == HandlerKind::Batch,
+            store: self.store,
             ..ConsumerSpec::new(self.broker, self.variant, &self.name, &self.schema)
         }
     }
@@ -315,8 +352,10 @@ pub(crate) struct ConsumerSpec {
     pub(crate) variant: Variant,
     /// The queue, topic or stream.
     pub(crate) name: String,
-    /// The Postgres schema holding the wallet tables and the inbox.
+    /// The Postgres schema (MySQL: the database) holding the wallet tables and the inbox.
     pub(crate) schema: String,
+    /// The inbox store.
+    pub(crate) store: StoreKind,
     pub(crate) work: Duration,
     pub(crate) crash_between_commit_and_ack: f64,
     /// Which of several concurrent consumers this is (names its connection, Redis consumer).
@@ -345,6 +384,7 @@ impl ConsumerSpec {
             variant,
             name: name.to_owned(),
             schema: schema.to_owned(),
+            store: StoreKind::Postgres,
             work: Duration::from_millis(10),
             crash_between_commit_and_ack: 0.0,
             member: 0,
@@ -369,6 +409,8 @@ impl ConsumerSpec {
             &self.name,
             "--schema",
             &self.schema,
+            "--store",
+            self.store.name(),
             "--work-ms",
             &self.work.as_millis().to_string(),
             "--crash-between-commit-and-ack",

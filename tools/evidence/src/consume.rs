@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use inbox_conformance::mysql_wallet;
+use inbox_conformance::store::MySqlDb;
 use inbox_conformance::wallet::{self, BatchCredit, Credit, CreditEvent};
 use inbox_conformance::TestDb;
 use inbox_core::{
@@ -20,7 +22,7 @@ use tokio::sync::mpsc;
 
 use crate::bench::Progress;
 use crate::brokers;
-use crate::cli::{ConsumeArgs, ConsumerSpec, KafkaImpl, Variant};
+use crate::cli::{ConsumeArgs, ConsumerSpec, KafkaImpl, StoreKind, Variant};
 
 /// Resolves when the consumer should finish its batch and return.
 pub(crate) type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -131,6 +133,18 @@ pub(crate) async fn run<S: MessageSource + 'static>(
     }
 }
 
+/// Runs `spec`'s consumer on `source` with the MySQL store and wallet in `db` until `shutdown`.
+pub(crate) async fn run_mysql<S: MessageSource + 'static>(
+    source: S,
+    spec: &ConsumerSpec,
+    db: &MySqlDb,
+    shutdown: Shutdown,
+) -> Result<StatsSnapshot, inbox_core::Error> {
+    let handler = mysql_wallet::Credit::new(db.pool.clone()).work(spec.work);
+    let consumer = Consumer::new("wallet", source, mysql_wallet::inbox(db), handler);
+    finish(consumer, spec, None, shutdown).await
+}
+
 /// Sets `spec`'s batch size, lanes and hooks on `consumer` and runs it until `shutdown`.
 async fn finish<S, St, H>(
     consumer: Consumer<S, Inbox<St, H>>,
@@ -169,13 +183,21 @@ pub(crate) async fn main(args: ConsumeArgs) -> Result<(), BoxError> {
     let spec = args.spec();
     // A consumer neither creates nor publishes: the Kafka implementation makes no difference.
     let broker = brokers::connect(spec.broker, KafkaImpl::default()).await?;
-    let db = TestDb::attach(&spec.schema).await;
-    let ctrl_c = Box::pin(async {
+    let ctrl_c: Shutdown = Box::pin(async {
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;
         }
     });
-    let stats = broker.consume(&spec, &db, Watch::default(), ctrl_c).await?;
+    let stats = match spec.store {
+        StoreKind::Postgres => {
+            let db = TestDb::attach(&spec.schema).await;
+            broker.consume(&spec, &db, Watch::default(), ctrl_c).await?
+        }
+        StoreKind::Mysql => {
+            let db = MySqlDb::attach(&spec.schema).await;
+            broker.consume_mysql(&spec, &db, ctrl_c).await?
+        }
+    };
     eprintln!("{stats:?}");
     Ok(())
 }

@@ -5,8 +5,7 @@ use std::collections::HashMap;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use inbox_conformance::wallet::{self, CreditEvent};
-use inbox_conformance::TestDb;
+use inbox_conformance::wallet::CreditEvent;
 use inbox_core::{BoxError, OutgoingMessage};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -16,12 +15,12 @@ use tokio::process::{Child, Command};
 use crate::brokers::{self, Broker};
 use crate::chart;
 use crate::cli::{
-    BrokerKind, ConsumerSpec, KafkaImpl, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
+    BrokerKind, ConsumerSpec, KafkaImpl, StoreKind, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
 };
-use crate::consume::Watch;
 use crate::progress;
 use crate::report::{self, RunResult, VariantResult};
 use crate::settings::{KillArgs, KillSettings};
+use crate::wallet_db::{self, WalletDb};
 
 /// The seeded events of every run: IDs `evt-<i>`, accounts and amounts from `seed`.
 pub(crate) fn events(s: &KillSettings, count: u32) -> (Vec<OutgoingMessage>, HashMap<i64, i64>) {
@@ -94,14 +93,15 @@ fn spec(
     broker: BrokerKind,
     variant: Variant,
     name: &str,
-    db: &TestDb,
+    db: &dyn WalletDb,
     s: &KillSettings,
 ) -> ConsumerSpec {
     ConsumerSpec {
         work: Duration::from_millis(s.work_ms),
         lanes: s.lanes,
         crash_between_commit_and_ack: s.crash_between_commit_and_ack,
-        ..ConsumerSpec::new(broker, variant, name, &db.schema)
+        store: db.store(),
+        ..ConsumerSpec::new(broker, variant, name, db.name())
     }
 }
 
@@ -112,13 +112,13 @@ async fn run_once(
     run: u32,
 ) -> Result<RunResult, BoxError> {
     let kind = broker.kind();
-    let db = TestDb::new().await;
+    let db = wallet_db::create(s.store).await;
     let name = broker
         .create(&format!("{kind}-{}-{run}", variant.name()))
         .await?;
     let (events, expected) = events(s, s.events);
     broker.publish(&name, &events).await?;
-    let spec = spec(kind, variant, &name, &db, s);
+    let spec = spec(kind, variant, &name, db.as_ref(), s);
     let label = format!("{kind} {} run {}/{}", variant.name(), run + 1, s.runs);
     let bar = progress::Bar::new(label, u64::from(s.events), "events applied");
     let mut self_crashes = 0;
@@ -126,7 +126,7 @@ async fn run_once(
         let mut child = spawn_ready(&spec).await?;
         // The clock runs from the child's first write: on Kafka a restarted member waits for the
         // group to notice the killed one (the session timeout) before it gets partitions.
-        let killed_at = first_write(broker, &name, &db, &mut child).await? + work;
+        let killed_at = first_write(broker, &name, db.as_ref(), &mut child).await? + work;
         bar.set_message(format!("kill {}/{}", k + 1, s.kills));
         // The crash option makes the child abort itself: restart it, the kill clock runs on.
         while Instant::now() < killed_at {
@@ -134,7 +134,7 @@ async fn run_once(
                 self_crashes += 1;
                 child = spawn_ready(&spec).await?;
             }
-            bar.set_applied(wallet::summary(&db.pool).await?.distinct_events);
+            bar.set_applied(db.summary().await?.distinct_events);
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         child.start_kill()?; // SIGKILL: no destructor, no close, no last commit
@@ -142,10 +142,10 @@ async fn run_once(
     }
     let mut drain_spec = spec.clone();
     drain_spec.crash_between_commit_and_ack = 0.0;
-    drain(broker, &drain_spec, &db, i64::from(s.events), &bar).await?;
-    let result = count(&db, s.events, &expected, s.kills, self_crashes).await?;
+    drain(broker, &drain_spec, db.as_ref(), i64::from(s.events), &bar).await?;
+    let result = count(db.as_ref(), s.events, &expected, s.kills, self_crashes).await?;
     bar.finish();
-    db.drop().await;
+    db.remove().await;
     broker.remove(&name).await;
     Ok(result)
 }
@@ -155,10 +155,10 @@ async fn run_once(
 async fn first_write(
     broker: &dyn Broker,
     name: &str,
-    db: &TestDb,
+    db: &dyn WalletDb,
     child: &mut Child,
 ) -> Result<Instant, BoxError> {
-    let count = || sqlx::query_scalar::<_, i64>("SELECT count(*) FROM ledger").fetch_one(&db.pool);
+    let count = || async { Ok::<_, BoxError>(db.summary().await?.ledger_rows) };
     let rows = count().await?;
     let start = Instant::now();
     let mut next_look = start;
@@ -184,35 +184,40 @@ async fn throughput(
     variant: Variant,
 ) -> Result<f64, BoxError> {
     let kind = broker.kind();
-    let db = TestDb::new().await;
+    let db = wallet_db::create(s.store).await;
     let name = broker
         .create(&format!("{kind}-{}-rate", variant.name()))
         .await?;
     let (events, _) = events(s, s.throughput_events);
     broker.publish(&name, &events).await?;
-    let mut spec = spec(kind, variant, &name, &db, s);
+    let mut spec = spec(kind, variant, &name, db.as_ref(), s);
     spec.crash_between_commit_and_ack = 0.0;
     let label = format!("{kind} {} no-kill throughput", variant.name());
     let bar = progress::Bar::new(label, u64::from(s.throughput_events), "events applied");
-    let elapsed = drain(broker, &spec, &db, i64::from(s.throughput_events), &bar).await?;
-    let rows = wallet::summary(&db.pool).await?.ledger_rows;
+    let elapsed = drain(
+        broker,
+        &spec,
+        db.as_ref(),
+        i64::from(s.throughput_events),
+        &bar,
+    )
+    .await?;
+    let rows = db.summary().await?.ledger_rows;
     bar.finish();
-    db.drop().await;
+    db.remove().await;
     broker.remove(&name).await;
     Ok(rows as f64 / elapsed.as_secs_f64().max(1e-3))
 }
 
 pub(crate) async fn count(
-    db: &TestDb,
+    db: &dyn WalletDb,
     published: u32,
     expected: &HashMap<i64, i64>,
     kills: u32,
     self_crashes: u32,
 ) -> Result<RunResult, BoxError> {
-    let summary = wallet::summary(&db.pool).await?;
-    let balances: Vec<(i64, i64)> = sqlx::query_as("SELECT id, balance FROM accounts")
-        .fetch_all(&db.pool)
-        .await?;
+    let summary = db.summary().await?;
+    let balances = db.balances().await?;
     let matches = balances.len() == expected.len()
         && balances
             .iter()
@@ -304,7 +309,7 @@ enum Drained {
 pub(crate) async fn drain(
     broker: &dyn Broker,
     spec: &ConsumerSpec,
-    db: &TestDb,
+    db: &dyn WalletDb,
     published: i64,
     bar: &progress::Bar,
 ) -> Result<Duration, BoxError> {
@@ -317,10 +322,9 @@ pub(crate) async fn drain(
     let mut restarts = 0;
     loop {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let consumer = broker.consume(
+        let consumer = db.consume(
+            broker,
             spec,
-            db,
-            Watch::default(),
             Box::pin(async {
                 let _ = stopped.await;
             }),
@@ -335,7 +339,7 @@ pub(crate) async fn drain(
                 }
                 () = tokio::time::sleep(Duration::from_millis(200)) => {}
             }
-            let summary = wallet::summary(&db.pool).await?;
+            let summary = db.summary().await?;
             if summary.ledger_rows != rows {
                 rows = summary.ledger_rows;
                 last_change = Instant::now();
@@ -415,6 +419,16 @@ pub(crate) async fn demo(full: bool, args: KillArgs) -> Result<(), BoxError> {
 
 /// `evidence kill-test`: the kill test on every broker asked for that answers.
 pub(crate) async fn run(s: &KillSettings) -> Result<(), BoxError> {
+    if s.store == StoreKind::Mysql {
+        if s.variants.iter().any(|&v| v != Variant::C) {
+            return Err(
+                "--store mysql runs variant c only (--variants c): the variants a1, a2 \
+                        and b show what the inbox prevents, on PostgreSQL"
+                    .into(),
+            );
+        }
+        println!("The inbox store: MySQL (inbox-mysql, INBOX_MYSQL_URL).");
+    }
     if s.lanes > 1 {
         println!(
             "Each consumer applies up to {} lanes side by side (--lanes).",

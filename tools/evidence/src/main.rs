@@ -30,6 +30,7 @@ mod report;
 mod retention_bench;
 mod settings;
 mod soak;
+mod wallet_db;
 mod zombie;
 
 use std::io::Write;

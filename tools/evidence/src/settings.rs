@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use crate::cli::{
-    millis, millis_range, probability, BrokerKind, KafkaImpl, Variant, KAFKA_IMPL_HELP,
+    millis, millis_range, probability, BrokerKind, KafkaImpl, StoreKind, Variant, KAFKA_IMPL_HELP,
     KAFKA_IMPL_LONG_HELP,
 };
 
@@ -30,6 +30,8 @@ pub(crate) struct KillSettings {
     pub(crate) require_brokers: bool,
     /// What `KAFKA_BROKERS` is, for the Tansu work-arounds.
     pub(crate) kafka_impl: KafkaImpl,
+    /// The inbox store.
+    pub(crate) store: StoreKind,
 }
 
 impl KillSettings {
@@ -49,6 +51,7 @@ impl KillSettings {
             crash_between_commit_and_ack: 0.0,
             throughput: true,
             throughput_events: 10_000,
+            store: StoreKind::Postgres,
             chart: PathBuf::from("target/wallet-kill-test.svg"),
             require_brokers: false,
             kafka_impl: KafkaImpl::default(),
@@ -141,6 +144,11 @@ pub(crate) struct KillArgs {
     require_brokers: bool,
     #[arg(long, value_name = "tansu|mock", default_value = "tansu", help = KAFKA_IMPL_HELP, long_help = KAFKA_IMPL_LONG_HELP)]
     kafka_impl: KafkaImpl,
+    /// The inbox store of the wallet: `mysql` runs variant c on `inbox-mysql` in a database of
+    /// its own at `INBOX_MYSQL_URL` (the other variants exist to show what the inbox prevents,
+    /// and run on PostgreSQL).
+    #[arg(long, value_name = "postgres|mysql", default_value = "postgres")]
+    store: StoreKind,
 }
 
 impl KillArgs {
@@ -166,6 +174,7 @@ impl KillArgs {
             chart: self.chart,
             require_brokers: self.require_brokers,
             kafka_impl: self.kafka_impl,
+            store: self.store,
         }
     }
 }

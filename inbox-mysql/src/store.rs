@@ -1,0 +1,359 @@
+//! [`MySqlInbox`]: the inbox table and the claim, in the caller's transaction.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use inbox_core::{async_trait, InboxStore, InvalidId, MessageId, Recovery, StoreError};
+use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool};
+use uuid::Uuid;
+
+use crate::error::{db, number, store_err, DUPLICATE_KEY};
+use crate::table::hashed_key;
+use crate::tx::begin_sql;
+use crate::{Error, KeyMode, MySqlTx, Result, TableName};
+
+/// The transactional inbox on MariaDB or MySQL 8, InnoDB (see the crate docs, "Servers").
+///
+/// One table (default `inbox`) holds a row per applied message: the message key, the minute it
+/// was processed and a small integer naming the consumer (from a `<table>_consumers` table). The
+/// primary key is (consumer, message key), or the hashed key alone in [`KeyMode::Hashed`], whose
+/// key already covers the consumer. A secondary index on the processed minute serves the purge.
+///
+/// # The claim
+/// A plain `INSERT` in the caller's transaction, whose duplicate-key error (1062) means "seen":
+/// InnoDB undoes the failed statement alone and the transaction goes on. Not `INSERT IGNORE`,
+/// which would turn every other error of the statement (a value too long, a strict-mode
+/// conversion) into a warning and a silent "seen"; not `ON DUPLICATE KEY UPDATE`, whose affected
+/// row count means "new" or "seen" depending on the connection's `CLIENT_FOUND_ROWS` flag (on by
+/// default in sqlx). A racing consumer inserting the same key waits on the first one's
+/// uncommitted row: after its commit it gets the duplicate error, after its rollback it inserts.
+///
+/// A batch is one multi-row `INSERT` of the keys in sorted order (so that two consumers claiming
+/// overlapping batches take their locks in the same order); when it hits a duplicate, the
+/// statement is undone whole and the keys are claimed one by one.
+///
+/// # Isolation: READ COMMITTED
+/// Every inbox transaction runs under `READ COMMITTED`, whatever the server's default
+/// (`REPEATABLE READ` on InnoDB). Under `REPEATABLE READ` InnoDB takes gap locks on the ranges
+/// its locking statements scan: the purge's range `DELETE` would lock the gap before the first
+/// row it keeps, and handlers' `UPDATE … WHERE` on non-unique columns lock gaps too, so claims
+/// and effects of unrelated messages would wait on each other and deadlock more often. The claim
+/// itself needs no snapshot: its correctness rests on the primary key alone. It is also
+/// PostgreSQL's default, so a handler behaves alike on both stores. What remains: a duplicate
+/// key check takes a shared lock on the existing row, and two transactions inserting and
+/// checking the same keys can still deadlock; InnoDB then rolls one back with error 1213, which
+/// the consumer retries ([`Recovery::Retry`]).
+///
+/// # A transaction the server ended
+/// InnoDB answers a deadlock by rolling the whole transaction back. A handler that catches that
+/// error and goes on must not commit half a message: see [`MySqlTx`], which runs with
+/// `autocommit` off and finds out at commit.
+///
+/// Round-trips per transaction: acquiring the connection (sqlx pings it unless the pool is
+/// built with `test_before_acquire(false)`), the opening statements, the claim, the handler's
+/// statements, the check that the transaction is intact, and `COMMIT`.
+#[derive(Debug, Clone)]
+pub struct MySqlInbox {
+    pool: MySqlPool,
+    table: TableName,
+    mode: KeyMode,
+    consumers: Arc<Mutex<HashMap<String, i16>>>,
+    lock_wait_timeout: Option<Duration>,
+    handler_timeout: Option<Duration>,
+    /// The session settings sent before each transaction's opening statements.
+    session: String,
+}
+
+impl MySqlInbox {
+    /// The inbox in table `inbox` of the connection's database, keeping IDs as text.
+    pub fn new(pool: MySqlPool) -> Self {
+        Self {
+            pool,
+            table: TableName::default_inbox(),
+            mode: KeyMode::Text,
+            consumers: Arc::default(),
+            lock_wait_timeout: None,
+            handler_timeout: None,
+            session: String::new(),
+        }
+    }
+
+    /// Uses another table (see [`TableName`], which refuses names that are not plain SQL
+    /// identifiers).
+    pub fn with_table(mut self, table: TableName) -> Self {
+        self.table = table;
+        self
+    }
+
+    /// Keeps IDs as `mode` says.
+    pub fn with_key_mode(mut self, mode: KeyMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// Ends a wait for a row lock in the inbox transaction after `timeout`, in whole seconds
+    /// rounded up (InnoDB's `innodb_lock_wait_timeout`, set on the store's connections; the
+    /// server's default is 50 s). A claim of an ID whose row a peer has inserted but not
+    /// committed waits for that peer; with a lock wait timeout the claim fails with error 1205,
+    /// a transient error: the rest of the batch goes on and the message is retried. Pair it with
+    /// [`Consumer::handler_timeout`](inbox_core::Consumer::handler_timeout).
+    pub fn lock_wait_timeout(mut self, timeout: Duration) -> Self {
+        self.lock_wait_timeout = Some(timeout);
+        self.session = self.session_settings();
+        self
+    }
+
+    fn session_settings(&self) -> String {
+        let timeout = match (self.lock_wait_timeout, self.handler_timeout) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        match timeout {
+            Some(t) => {
+                // Whole seconds, rounded up, at least 1: InnoDB counts seconds.
+                let seconds = (t.as_secs() + u64::from(t.subsec_nanos() > 0)).max(1);
+                format!("SET SESSION innodb_lock_wait_timeout = {seconds}; ")
+            }
+            None => String::new(),
+        }
+    }
+
+    /// The pool this store uses.
+    pub fn pool(&self) -> &MySqlPool {
+        &self.pool
+    }
+
+    /// The inbox table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// How IDs are kept.
+    pub fn key_mode(&self) -> KeyMode {
+        self.mode
+    }
+
+    /// The small integer standing for `consumer`, created on first use (in its own
+    /// transaction, so a rolled-back message never loses the mapping) and cached.
+    pub async fn consumer_id(&self, consumer: &str) -> Result<i16> {
+        if let Some(id) = self.cached(consumer) {
+            return Ok(id);
+        }
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(db("registering the consumer name"))?;
+        let (id, _) = self.register(&mut conn, consumer).await?;
+        self.cache(consumer, id);
+        Ok(id)
+    }
+
+    /// The id of `consumer` seen from `conn`, inserted when missing; `true` with it when the
+    /// row was inserted here. Looks up first: a failed insert would use up an `AUTO_INCREMENT`
+    /// value of the `smallint` all the same.
+    async fn register(&self, conn: &mut MySqlConnection, consumer: &str) -> Result<(i16, bool)> {
+        let consumers = self.table.consumers();
+        let select = format!("SELECT id FROM {consumers} WHERE name = ?");
+        let found: Option<i16> = sqlx::query_scalar(AssertSqlSafe(select.as_str()))
+            .bind(consumer)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(db("reading the consumer id"))?;
+        if let Some(id) = found {
+            return Ok((id, false));
+        }
+        let inserted = sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {consumers} (name) VALUES (?)"
+        )))
+        .bind(consumer)
+        .execute(&mut *conn)
+        .await;
+        match inserted {
+            Ok(done) => {
+                let id =
+                    i16::try_from(done.last_insert_id()).map_err(|_| Error::TooManyConsumers {
+                        name: consumer.to_owned(),
+                        id: done.last_insert_id(),
+                        table: consumers.clone(),
+                    })?;
+                return Ok((id, true));
+            }
+            Err(e) if number(&e) == Some(DUPLICATE_KEY) => {}
+            Err(e) => return Err(db("registering the consumer name")(e)),
+        }
+        // Another process registered it between the two statements.
+        let id = sqlx::query_scalar(AssertSqlSafe(select.as_str()))
+            .bind(consumer)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(db("reading the consumer id"))?;
+        Ok((id, false))
+    }
+
+    fn cache(&self, consumer: &str, id: i16) {
+        self.consumers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(consumer.to_owned(), id);
+    }
+
+    fn cached(&self, consumer: &str) -> Option<i16> {
+        let map = self.consumers.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(consumer).copied()
+    }
+
+    /// The consumer's id for a claim in `tx`. A name seen for the first time is registered on
+    /// a connection of its own and committed at once: registered inside `tx`, its uncommitted
+    /// row would make every other process registering the name wait for `tx`. Only when the
+    /// pool has no connection to spare is it registered in `tx` itself, and cached once another
+    /// transaction sees it committed.
+    async fn tx_consumer_id(&self, tx: &mut MySqlTx, consumer: &str) -> Result<i16, StoreError> {
+        if let Some(id) = self.cached(consumer) {
+            return Ok(id);
+        }
+        let spare = match self.pool.try_acquire() {
+            Some(conn) => Some(conn),
+            None if self.pool.size() < self.pool.options().get_max_connections() => {
+                Some(self.pool.acquire().await.map_err(store_err(
+                    "opening a connection to register the consumer name",
+                ))?)
+            }
+            None => None,
+        };
+        if let Some(mut conn) = spare {
+            let (id, _) = self.register(&mut conn, consumer).await?;
+            self.cache(consumer, id);
+            return Ok(id);
+        }
+        let (id, inserted) = self.register(tx, consumer).await?;
+        if !inserted {
+            self.cache(consumer, id);
+        }
+        Ok(id)
+    }
+
+    /// The key of each ID, as stored.
+    fn keys(&self, consumer: &str, ids: &[MessageId]) -> Result<Vec<Vec<u8>>, StoreError> {
+        ids.iter()
+            .map(|id| match self.mode {
+                KeyMode::Text => Ok(id.as_str().as_bytes().to_vec()),
+                KeyMode::Uuid => parse_uuid(id)
+                    .map(|u| u.as_bytes().to_vec())
+                    .map_err(|e| StoreError::new(Recovery::Fatal, "keying the message", e)),
+                KeyMode::Hashed => Ok(hashed_key(consumer, id.as_str()).to_vec()),
+            })
+            .collect()
+    }
+
+    /// Inserts `keys` in one statement: `Ok(true)` when all were new, `Ok(false)` when one was
+    /// there already (and the statement inserted nothing).
+    async fn insert(
+        &self,
+        tx: &mut MySqlTx,
+        consumer_id: i16,
+        keys: &[&Vec<u8>],
+    ) -> Result<bool, StoreError> {
+        let t = &self.table;
+        let values = vec!["(?, ?, FLOOR(UNIX_TIMESTAMP() / 60))"; keys.len()].join(", ");
+        let sql =
+            format!("INSERT INTO {t} (message_id, consumer_id, processed_minute) VALUES {values}");
+        let mut query = sqlx::query(AssertSqlSafe(sql));
+        for key in keys {
+            query = query.bind(key.as_slice()).bind(consumer_id);
+        }
+        match query.execute(&mut **tx).await {
+            Ok(_) => Ok(true),
+            Err(e) if number(&e) == Some(DUPLICATE_KEY) => Ok(false),
+            Err(e) => Err(store_err("claiming the message ID")(e)),
+        }
+    }
+}
+
+fn parse_uuid(id: &MessageId) -> Result<Uuid, InvalidId> {
+    Uuid::parse_str(id.as_str()).map_err(|_| {
+        InvalidId::RefusedByStore(format!(
+            "`{}` is not a UUID, and this inbox keeps UUID keys (use KeyMode::Text or KeyMode::Hashed for other IDs)",
+            id.as_str().escape_debug()
+        ))
+    })
+}
+
+#[async_trait]
+impl InboxStore for MySqlInbox {
+    type Tx = MySqlTx;
+
+    async fn begin(&self) -> Result<MySqlTx, StoreError> {
+        let conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(store_err("opening a transaction"))?;
+        // Wrapped first: a failure below closes the connection instead of pooling it with
+        // `autocommit` off.
+        let mut tx = MySqlTx::new(conn);
+        sqlx::raw_sql(AssertSqlSafe(begin_sql(&self.session)))
+            .execute(&mut *tx)
+            .await
+            .map_err(store_err("opening a transaction"))?;
+        Ok(tx)
+    }
+
+    async fn claim(
+        &self,
+        tx: &mut MySqlTx,
+        consumer: &str,
+        id: &MessageId,
+    ) -> Result<bool, StoreError> {
+        let claimed = self
+            .claim_many(tx, consumer, std::slice::from_ref(id))
+            .await?;
+        Ok(claimed.first().copied().unwrap_or(false))
+    }
+
+    async fn claim_many(
+        &self,
+        tx: &mut MySqlTx,
+        consumer: &str,
+        ids: &[MessageId],
+    ) -> Result<Vec<bool>, StoreError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let consumer_id = self.tx_consumer_id(tx, consumer).await?;
+        let keys = self.keys(consumer, ids)?;
+        // Two IDs can make one key (a UUID in capitals and in lower case): each key once, in
+        // order, so that racing batches lock in the same order.
+        let mut distinct: Vec<&Vec<u8>> = keys.iter().collect::<HashSet<_>>().into_iter().collect();
+        distinct.sort();
+        let mut fresh: HashSet<&Vec<u8>> = HashSet::new();
+        if self.insert(tx, consumer_id, &distinct).await? {
+            fresh.extend(distinct);
+        } else if distinct.len() > 1 {
+            for key in distinct {
+                if self.insert(tx, consumer_id, &[key]).await? {
+                    fresh.insert(key);
+                }
+            }
+        }
+        // New only for the first occurrence of an inserted key.
+        Ok(keys.iter().map(|k| fresh.remove(k)).collect())
+    }
+
+    fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
+        match self.mode {
+            KeyMode::Uuid => parse_uuid(id).map(|_| ()),
+            KeyMode::Text | KeyMode::Hashed => Ok(()),
+        }
+    }
+
+    /// Bounds every row lock wait of the inbox transaction by `timeout` as
+    /// [`lock_wait_timeout`](Self::lock_wait_timeout) does (the shorter of the two counts). A
+    /// handler cut off by the consumer's handler timeout is only dropped; the rollback after it
+    /// waits for the handler's statement, which a lock wait no longer holds longer than this.
+    fn set_handler_timeout(&mut self, timeout: Duration) {
+        self.handler_timeout = Some(timeout);
+        self.session = self.session_settings();
+    }
+}

@@ -1,0 +1,203 @@
+//! What the MySQL store's transaction promises beyond the store suite: its isolation level,
+//! connections handed back to the pool as they were taken, lock waits that end as retryable
+//! errors, and a migration that refuses a table of another key mode.
+
+use std::time::{Duration, Instant};
+
+use inbox_conformance::store::MySqlDb;
+use inbox_core::{InboxStore, MessageId, Recovery, Transaction};
+use inbox_mysql::{Error, KeyMode, MySqlInbox, PurgeReport, TableName};
+use sqlx::mysql::MySqlPoolOptions;
+
+async fn db_with(table: &str, mode: KeyMode) -> (MySqlDb, MySqlInbox) {
+    let db = MySqlDb::new().await;
+    let inbox = db.inbox(table, mode);
+    inbox.migrate().await.expect("migrate");
+    sqlx::query("CREATE TABLE notes (n int NOT NULL) ENGINE=InnoDB")
+        .execute(&db.pool)
+        .await
+        .expect("notes");
+    (db, inbox)
+}
+
+/// Under READ COMMITTED a statement sees what others committed after the transaction's first
+/// read; under InnoDB's default REPEATABLE READ it would not.
+#[tokio::test]
+async fn the_inbox_transaction_reads_committed_rows() {
+    let (db, inbox) = db_with("inbox", KeyMode::Text).await;
+    let count = "SELECT count(*) FROM notes";
+    let mut tx = inbox.begin().await.expect("begin");
+    let before: i64 = sqlx::query_scalar(count)
+        .fetch_one(&mut *tx)
+        .await
+        .expect("count");
+    sqlx::query("INSERT INTO notes VALUES (1)")
+        .execute(&db.pool)
+        .await
+        .expect("insert elsewhere");
+    let after: i64 = sqlx::query_scalar(count)
+        .fetch_one(&mut *tx)
+        .await
+        .expect("count");
+    tx.rollback().await.expect("rollback");
+    assert_eq!((before, after), (0, 1));
+    db.drop().await;
+}
+
+/// The store turns `autocommit` off for its transactions: after a commit, a rollback and a
+/// transaction dropped mid-way, the pool's connection commits a plain statement at once again,
+/// and the dropped transaction left nothing.
+#[tokio::test]
+async fn connections_go_back_to_the_pool_as_they_came() {
+    let (db, _) = db_with("inbox", KeyMode::Text).await;
+    // One connection, so each step reuses the one before's.
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect_with(db.options().clone())
+        .await
+        .expect("pool");
+    let inbox = MySqlInbox::new(pool.clone());
+    let notes = |pool| async move {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM notes")
+            .fetch_one(&pool)
+            .await
+            .expect("count")
+    };
+    let dropped = MessageId::generate();
+    for (step, end) in ["commit", "rollback", "drop"].into_iter().enumerate() {
+        let mut tx = inbox.begin().await.expect("begin");
+        let id = if end == "drop" {
+            dropped.clone()
+        } else {
+            MessageId::generate()
+        };
+        assert!(inbox.claim(&mut tx, "c", &id).await.expect("claim"));
+        match end {
+            "commit" => tx.commit().await.expect("commit"),
+            "rollback" => tx.rollback().await.expect("rollback"),
+            _ => drop(tx),
+        }
+        sqlx::query("INSERT INTO notes VALUES (1)")
+            .execute(&pool)
+            .await
+            .expect("a plain insert");
+        // Seen from another connection: committed on its own.
+        assert_eq!(notes(db.pool.clone()).await, step as i64 + 1, "after {end}");
+    }
+    let mut tx = inbox.begin().await.expect("begin");
+    assert!(
+        inbox.claim(&mut tx, "c", &dropped).await.expect("claim"),
+        "the dropped transaction's claim is gone"
+    );
+    tx.rollback().await.expect("rollback");
+    pool.close().await;
+    db.drop().await;
+}
+
+/// A claim waiting on a peer's uncommitted claim of the same ID gives up after the lock wait
+/// timeout with a retryable error (1205), instead of waiting for the peer for ever.
+#[tokio::test]
+async fn a_claim_stuck_behind_a_hung_peer_ends_as_a_retryable_error() {
+    let (db, inbox) = db_with("inbox", KeyMode::Uuid).await;
+    let waiting = inbox.clone().lock_wait_timeout(Duration::from_millis(1500));
+    let id = MessageId::generate();
+    let mut hung = inbox.begin().await.expect("begin");
+    assert!(inbox.claim(&mut hung, "c", &id).await.expect("claim"));
+    let mut tx = waiting.begin().await.expect("begin");
+    let start = Instant::now();
+    let err = waiting
+        .claim(&mut tx, "c", &id)
+        .await
+        .expect_err("the lock wait times out");
+    let waited = start.elapsed();
+    assert_eq!(err.recovery(), Recovery::Retry, "{err}");
+    assert!(err.to_string().contains("1205"), "{err}");
+    assert!(
+        waited >= Duration::from_secs(2) && waited < Duration::from_secs(10),
+        "rounded up to 2 s: {waited:?}"
+    );
+    tx.rollback().await.expect("rollback");
+    hung.rollback().await.expect("rollback");
+    db.drop().await;
+}
+
+/// Migrating twice changes nothing; a store of another key mode on the same table is refused
+/// with the types named; the printed SQL makes a table `migrate` accepts.
+#[tokio::test]
+async fn migrations_are_repeatable_and_refuse_another_key_mode() {
+    let (db, inbox) = db_with("inbox", KeyMode::Text).await;
+    inbox.migrate().await.expect("again");
+    let err = db
+        .inbox("inbox", KeyMode::Hashed)
+        .migrate()
+        .await
+        .expect_err("another key mode");
+    assert!(
+        matches!(&err, Error::KeyModeMismatch { found, .. } if found == "varbinary(1024)"),
+        "{err}"
+    );
+    let printed = MySqlInbox::new(db.pool.clone())
+        .with_table(TableName::new("printed").expect("name"))
+        .with_key_mode(KeyMode::Uuid);
+    for statement in printed.migration_sql().split(";\n") {
+        let statement: String = statement
+            .lines()
+            .filter(|l| !l.starts_with("--"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        if !statement.trim().is_empty() {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+                .execute(&db.pool)
+                .await
+                .expect("printed SQL runs");
+        }
+    }
+    printed
+        .migrate()
+        .await
+        .expect("migrate accepts the printed tables");
+    db.drop().await;
+}
+
+/// The purge deletes expired claims in batches of the size asked, keeps recent ones, and
+/// leaves the work to a cleaner that holds the table's purge lock.
+#[tokio::test]
+async fn the_purge_goes_in_batches_under_one_cleaner() {
+    let (db, inbox) = db_with("inbox", KeyMode::Hashed).await;
+    let mut tx = inbox.begin().await.expect("begin");
+    let ids: Vec<MessageId> = (0..30).map(|_| MessageId::generate()).collect();
+    let claimed = inbox.claim_many(&mut tx, "c", &ids).await.expect("claim");
+    assert_eq!(claimed, vec![true; 30]);
+    tx.commit().await.expect("commit");
+    // 25 claims a day old, 5 recent.
+    sqlx::query(
+        "UPDATE inbox SET processed_minute = processed_minute - 1440 ORDER BY message_id LIMIT 25",
+    )
+    .execute(&db.pool)
+    .await
+    .expect("age");
+    let keep = Duration::from_secs(3600);
+
+    let mut holder = db.pool.acquire().await.expect("a connection");
+    let held: i64 = sqlx::query_scalar("SELECT GET_LOCK('inbox purge `inbox`', 0)")
+        .fetch_one(&mut *holder)
+        .await
+        .expect("take the purge lock");
+    assert_eq!(held, 1);
+    let skipped = inbox.purge(keep, 10).await.expect("purge");
+    assert_eq!(skipped, PurgeReport::SkippedOtherCleaner);
+    sqlx::query("SELECT RELEASE_LOCK('inbox purge `inbox`')")
+        .execute(&mut *holder)
+        .await
+        .expect("release");
+    drop(holder);
+
+    let report = inbox.purge(keep, 10).await.expect("purge");
+    assert_eq!(report.batches(), &[10, 10, 5]);
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox")
+        .fetch_one(&db.pool)
+        .await
+        .expect("count");
+    assert_eq!(left, 5, "the recent claims are kept");
+    db.drop().await;
+}
