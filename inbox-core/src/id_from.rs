@@ -187,7 +187,7 @@ impl fmt::Display for IdFrom {
             Self::CloudEvents(CloudEventsIdentity::SourceAndId) => {
                 f.write_str("CloudEvents source and id")
             }
-            Self::Debezium => f.write_str("Debezium outbox header id"),
+            Self::Debezium => f.write_str("Debezium outbox id"),
             Self::JsonField(pointer) => write!(f, "JSON field {}", pointer_of(pointer)),
             Self::FirstOf(all) => {
                 let names: Vec<String> = all.iter().map(ToString::to_string).collect();
@@ -274,7 +274,10 @@ fn pointer_of(pointer: &str) -> Cow<'_, str> {
         Cow::Borrowed(pointer)
     } else {
         // A plain name: escape it as one reference token (RFC 6901).
-        Cow::Owned(format!("/{}", pointer.replace('~', "~0").replace('/', "~1")))
+        Cow::Owned(format!(
+            "/{}",
+            pointer.replace('~', "~0").replace('/', "~1")
+        ))
     }
 }
 

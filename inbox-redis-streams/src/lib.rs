@@ -177,6 +177,7 @@ mod source;
 pub use ack::RedisStreamAck;
 pub use config::RedisStreamSourceBuilder;
 pub use error::{Error, Result};
+pub use inbox_core::{CloudEventsIdentity, IdFrom};
 pub use producer::{RedisStreamProducer, RedisStreamProducerBuilder};
 pub use source::RedisStreamSource;
 
