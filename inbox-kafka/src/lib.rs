@@ -203,6 +203,7 @@ pub use admin::{KafkaAdmin, Retention};
 pub use commit::OffsetCommits;
 pub use config::{brokers_from_env, KafkaSourceBuilder};
 pub use error::{Error, Result};
+pub use inbox_core::{CloudEventsIdentity, IdFrom};
 pub use producer::{KafkaProducer, KafkaProducerBuilder};
 pub use rdkafka;
 pub use source::KafkaSource;

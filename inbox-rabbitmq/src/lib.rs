@@ -159,8 +159,9 @@ mod source;
 mod topology;
 
 pub use ack::RabbitAck;
-pub use config::{IdField, RabbitSourceBuilder, Topology};
+pub use config::{RabbitSourceBuilder, Topology};
 pub use error::{Error, Result};
+pub use inbox_core::{CloudEventsIdentity, IdFrom};
 pub use lapin;
 pub use producer::{RabbitProducer, RabbitProducerBuilder};
 pub use source::RabbitSource;

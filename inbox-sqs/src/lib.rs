@@ -149,6 +149,7 @@ pub use aws_config;
 pub use client::{config_loader, connect, connect_to, default_timeouts};
 pub use config::{SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
 pub use error::{Error, Result};
+pub use inbox_core::{CloudEventsIdentity, IdFrom};
 pub use producer::{SqsProducer, SqsProducerBuilder};
 pub use source::SqsSource;
 
