@@ -1,8 +1,10 @@
 //! Project tasks, run as `cargo xtask <task>`:
 //!
 //! - `services`: installs what is missing and starts what is not running: PostgreSQL, Redis,
-//!   RabbitMQ, a Kafka-protocol broker (Tansu) and an SQS endpoint (moto). A service already
-//!   listening at its address is reused; nothing is ever stopped. Safe to run twice.
+//!   RabbitMQ, a Kafka-protocol broker (Tansu) and an SQS endpoint (moto), and each broker's
+//!   standard Python client in a virtual environment (the foreign-ID tests publish with them). A
+//!   service already listening at its address is reused; nothing is ever stopped. Safe to run
+//!   twice.
 //! - `test`: `services` with the workspace's test build beside the installs, then
 //!   `cargo fmt --check`, `cargo clippy --all-targets -D warnings`, `cargo doc` with broken links
 //!   refused, and the whole test suite, then
