@@ -402,12 +402,43 @@ mod tests {
         headers.insert("a".into(), AMQPValue::LongString("evt-1".into()));
         headers.insert("b".into(), AMQPValue::LongLongInt(42));
         headers.insert("c".into(), AMQPValue::Boolean(true));
+        let header_id = |headers: &FieldTable, name: &str| {
+            inbox_core::IdFrom::header(name).read(&Amqp {
+                headers,
+                message_id: None,
+                body: b"",
+            })
+        };
         assert_eq!(header_id(&headers, "a").unwrap().as_str(), "evt-1");
         assert_eq!(header_id(&headers, "b").unwrap().as_str(), "42");
         let e = header_id(&headers, "c").unwrap_err().to_string();
         assert!(e.contains("as text or integer"), "{e}");
         let e = header_id(&headers, "d").unwrap_err().to_string();
         assert_eq!(e, "message has no ID: header d is missing");
+    }
+
+    #[test]
+    fn the_message_id_property_and_cloud_events_headers_are_read() {
+        let mut headers = FieldTable::default();
+        headers.insert("cloudEvents_id".into(), AMQPValue::LongString("ce-1".into()));
+        let amqp = Amqp {
+            headers: &headers,
+            message_id: Some("m-1"),
+            body: b"",
+        };
+        let read = |from: inbox_core::IdFrom| from.read(&amqp).unwrap().as_str().to_owned();
+        assert_eq!(read(inbox_core::IdFrom::MessageIdProperty), "m-1");
+        assert_eq!(read(inbox_core::IdFrom::cloud_events()), "ce-1");
+        let none = Amqp {
+            headers: &FieldTable::default(),
+            message_id: None,
+            body: b"",
+        };
+        let e = inbox_core::IdFrom::MessageIdProperty.read(&none).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "message has no ID: property message_id is missing"
+        );
     }
 
     #[test]

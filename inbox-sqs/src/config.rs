@@ -151,6 +151,9 @@ impl SqsSourceBuilder {
     /// deduplication over a body that may change between resends). SQS itself deduplicates on
     /// it for only 5 minutes; the inbox keeps it for as long as its retention, so a resend
     /// after those 5 minutes is still skipped here. A standard queue has no such ID.
+    ///
+    /// At `connect` it makes the ID source `<id_from>.or(IdFrom::MessageIdProperty)`; to read
+    /// the deduplication ID alone, use [`id_from`](Self::id_from)`(IdFrom::MessageIdProperty)`.
     pub fn dedup_id_fallback(mut self, enabled: bool) -> Self {
         self.dedup_id_fallback = enabled;
         self
