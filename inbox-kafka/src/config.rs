@@ -298,6 +298,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn id_conventions_kafka_cannot_carry_are_refused() {
+        let config = |from| {
+            KafkaSourceBuilder::new(["t"], "g")
+                .brokers("b:9092")
+                .id_from(from)
+                .consumer_config()
+        };
+        let e = config(IdFrom::MessageIdProperty).unwrap_err().to_string();
+        assert!(e.contains("Kafka has no message-ID property"), "{e}");
+        assert!(config(IdFrom::header("")).is_err());
+        assert!(config(IdFrom::cloud_events_source_and_id()).is_ok());
+        assert!(config(IdFrom::Debezium).is_ok());
+    }
+
+    #[test]
     fn enable_auto_commit_is_refused() {
         let config = KafkaSourceBuilder::new(["t"], "g")
             .brokers("b:9092")

@@ -388,6 +388,15 @@ mod tests {
         let e = b().id_field("payload").settings().expect_err("refused");
         assert!(e.to_string().contains("holds the payload"), "{e}");
         let e = b()
+            .id_from(IdFrom::MessageIdProperty)
+            .settings()
+            .expect_err("refused");
+        assert!(
+            e.to_string().contains("Redis Streams has no message-ID"),
+            "{e}"
+        );
+        assert!(b().id_from(IdFrom::cloud_events()).settings().is_ok());
+        let e = b()
             .poll_timeout(Duration::ZERO)
             .settings()
             .expect_err("refused");
