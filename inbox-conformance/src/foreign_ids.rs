@@ -9,6 +9,7 @@
 //! dead-lettered with a reason that names what was missing. An adapter's
 //! `tests/foreign_ids.rs` lists its conventions with [`foreign_ids_suite!`](crate::foreign_ids_suite).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, IdFrom, Message, MessageId, Stage};
@@ -42,24 +43,38 @@ pub struct Key {
     pub source: String,
 }
 
+/// Makes the message of one convention, as `python/publish.py` takes it.
+pub type MakeMessage = Arc<dyn Fn(&Key, &str) -> Value + Send + Sync>;
+
 /// How one producer convention carries the ID, and what a consumer reading it expects.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Convention {
     /// What the source is told.
     pub from: IdFrom,
-    /// The message for `key` with body `data` (a credit, JSON), as `python/publish.py` takes it.
-    pub message: fn(key: &Key, data: &str) -> Value,
-    /// The message without the ID, where a producer can send one (`None`: every message of the
-    /// queue carries it, as on an SQS FIFO queue).
+    /// The message for a key with a body (a credit, JSON).
+    pub message: MakeMessage,
+    /// The message with a body and without the ID, where a producer can send one (`None`: every
+    /// message of the queue carries one, as on an SQS FIFO queue).
     pub without_id: Option<fn(data: &str) -> Value>,
     /// Text the dead-letter reason of the message without the ID must contain.
-    pub missing: &'static str,
+    pub missing: String,
     /// The second credit shares the first one's `id` under another `source` (the CloudEvents
     /// identity is the pair): it must be applied, not skipped.
     pub same_id_other_source: bool,
     /// Whether the broker hands the published copy to the consumer at all (an SQS FIFO queue
     /// drops a copy with the same deduplication ID within 5 minutes).
     pub copies_arrive: bool,
+}
+
+impl std::fmt::Debug for Convention {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Convention")
+            .field("from", &self.from)
+            .field("missing", &self.missing)
+            .field("same_id_other_source", &self.same_id_other_source)
+            .field("copies_arrive", &self.copies_arrive)
+            .finish_non_exhaustive()
+    }
 }
 
 fn credit(account: i64, amount: i64) -> String {
@@ -82,12 +97,16 @@ fn structured(key: &Key, data: &str, with_id: bool) -> Value {
 }
 
 impl Convention {
-    fn new(from: IdFrom, message: fn(&Key, &str) -> Value, missing: &'static str) -> Self {
+    fn new(
+        from: IdFrom,
+        message: impl Fn(&Key, &str) -> Value + Send + Sync + 'static,
+        missing: impl Into<String>,
+    ) -> Self {
         Self {
             from,
-            message,
+            message: Arc::new(message),
             without_id: Some(|data| json!({"body": data})),
-            missing,
+            missing: missing.into(),
             same_id_other_source: false,
             copies_arrive: true,
         }
@@ -103,29 +122,24 @@ impl Convention {
     }
 
     /// CloudEvents in binary content mode, the attributes as headers named `<prefix><name>`
-    /// (Kafka `ce_`, AMQP `cloudEvents:`), the credit as the body.
+    /// (Kafka `ce_`, AMQP `cloudEvents:` or `cloudEvents_`), the credit as the body.
     pub fn cloud_events_binary(prefix: &'static str) -> Self {
-        // A fn pointer cannot capture the prefix: pick it from the two bindings.
-        let (message, missing): (fn(&Key, &str) -> Value, &'static str) = match prefix {
-            "ce_" => (
-                |key, data| {
-                    json!({"body": data, "content_type": "application/json", "headers": {
-                        "ce_specversion": "1.0", "ce_id": key.id, "ce_source": key.source,
-                        "ce_type": "com.example.credit"}})
-                },
-                "ce_id",
-            ),
-            _ => (
-                |key, data| {
-                    json!({"body": data, "content_type": "application/json", "headers": {
-                        "cloudEvents:specversion": "1.0", "cloudEvents:id": key.id,
-                        "cloudEvents:source": key.source,
-                        "cloudEvents:type": "com.example.credit"}})
-                },
-                "cloudEvents:id",
-            ),
-        };
-        Self::new(IdFrom::cloud_events(), message, missing)
+        Self::new(
+            IdFrom::cloud_events(),
+            move |key, data| {
+                let mut headers = serde_json::Map::new();
+                for (name, value) in [
+                    ("specversion", "1.0"),
+                    ("id", &key.id),
+                    ("source", &key.source),
+                    ("type", "com.example.credit"),
+                ] {
+                    headers.insert(format!("{prefix}{name}"), json!(value));
+                }
+                json!({"body": data, "content_type": "application/json", "headers": headers})
+            },
+            format!("{prefix}id"),
+        )
     }
 
     /// CloudEvents in structured content mode: the event is the JSON body, the credit its
@@ -150,9 +164,17 @@ impl Convention {
     /// CloudEvents identity, `source` and `id` together, in structured mode: the second credit
     /// has the first one's `id` from another `source`.
     pub fn cloud_events_source_and_id() -> Self {
+        Self::cloud_events_structured().source_and_id()
+    }
+
+    /// This CloudEvents convention read as the CloudEvents identity, `source` and `id`
+    /// together: the second credit has the first one's `id` from another `source`, and must be
+    /// applied.
+    pub fn source_and_id(self) -> Self {
         Self {
+            from: IdFrom::cloud_events_source_and_id(),
             same_id_other_source: true,
-            ..Self::cloud_events_structured().reading(IdFrom::cloud_events_source_and_id())
+            ..self
         }
     }
 
@@ -339,7 +361,7 @@ where
             for letter in &dead {
                 assert_eq!(letter.payload, payload);
                 assert!(
-                    letter.reason.contains(convention.missing),
+                    letter.reason.contains(&convention.missing),
                     "the reason `{}` should name `{}`",
                     letter.reason,
                     convention.missing

@@ -420,7 +420,10 @@ mod tests {
     #[test]
     fn the_message_id_property_and_cloud_events_headers_are_read() {
         let mut headers = FieldTable::default();
-        headers.insert("cloudEvents_id".into(), AMQPValue::LongString("ce-1".into()));
+        headers.insert(
+            "cloudEvents_id".into(),
+            AMQPValue::LongString("ce-1".into()),
+        );
         let amqp = Amqp {
             headers: &headers,
             message_id: Some("m-1"),
@@ -434,7 +437,9 @@ mod tests {
             message_id: None,
             body: b"",
         };
-        let e = inbox_core::IdFrom::MessageIdProperty.read(&none).unwrap_err();
+        let e = inbox_core::IdFrom::MessageIdProperty
+            .read(&none)
+            .unwrap_err();
         assert_eq!(
             e.to_string(),
             "message has no ID: property message_id is missing"
