@@ -25,11 +25,12 @@ use std::time::{Duration, Instant};
 
 /// The programs users copy, one per broker, then the side effects outside the database: each
 /// fails when an effect is lost or applied twice.
-const EXAMPLES: [&str; 6] = [
+const EXAMPLES: [&str; 7] = [
     "kafka",
     "sqs",
     "rabbitmq",
     "redis_streams",
+    "cloud_events",
     "effect_call",
     "outbox",
 ];
