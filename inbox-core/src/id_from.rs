@@ -16,6 +16,17 @@ use crate::message::{IdError, MessageId};
 ///
 /// A message whose ID is not where the convention says is dead-lettered with a reason that
 /// names the header, property or field that was expected.
+///
+/// ```
+/// use inbox_core::IdFrom;
+///
+/// // A CloudEvent's `source` and `id`, else the Debezium outbox router's `id` header.
+/// let from = IdFrom::cloud_events_source_and_id().or(IdFrom::Debezium);
+/// assert_eq!(
+///     from.to_string(),
+///     "CloudEvents source and id, else Debezium outbox id"
+/// );
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum IdFrom {
