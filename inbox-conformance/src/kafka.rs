@@ -388,3 +388,15 @@ impl TestQueue for Topic {
         // when a metadata update follows the deletion).
     }
 }
+
+#[async_trait]
+impl crate::foreign_ids::ForeignQueue for Topic {
+    fn target(&self) -> serde_json::Value {
+        serde_json::json!({"broker": "kafka", "brokers": self.brokers, "topic": self.name})
+    }
+
+    async fn source_reading(&self, member: &str, from: inbox_core::IdFrom) -> Member {
+        let source = self.builder(member).id_from(from).connect().await;
+        Member::new(source.expect("kafka source"))
+    }
+}

@@ -106,6 +106,7 @@ pub mod child;
 mod db;
 mod fault_proxy;
 mod fault_run;
+pub mod foreign_ids;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 mod kill;
@@ -117,6 +118,7 @@ mod outbox;
 pub mod outbox_table;
 pub mod pg_cluster;
 pub mod provider;
+pub mod python;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
 #[cfg(feature = "redis")]

@@ -245,3 +245,18 @@ impl TestQueue for Queue {
         cleanup(&self.config).await;
     }
 }
+
+#[async_trait]
+impl crate::foreign_ids::ForeignQueue for Queue {
+    fn target(&self) -> serde_json::Value {
+        serde_json::json!({"broker": "rabbitmq", "url": amqp_url(), "queue": self.config.queue()})
+    }
+
+    async fn source_reading(&self, member: &str, from: inbox_core::IdFrom) -> RabbitSource {
+        self.builder(member)
+            .id_from(from)
+            .connect()
+            .await
+            .expect("connect source")
+    }
+}

@@ -216,3 +216,19 @@ impl TestQueue for Stream {
         cleanup_with(&mut raw_at(&self.url).await, &self.key).await;
     }
 }
+
+#[async_trait]
+impl crate::foreign_ids::ForeignQueue for Stream {
+    fn target(&self) -> serde_json::Value {
+        serde_json::json!({"broker": "redis", "url": self.url, "stream": self.key})
+    }
+
+    async fn source_reading(&self, member: &str, from: inbox_core::IdFrom) -> RedisStreamSource {
+        source_builder(&self.key, member)
+            .url(&self.url)
+            .id_from(from)
+            .connect()
+            .await
+            .expect("source connects")
+    }
+}

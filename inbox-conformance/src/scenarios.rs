@@ -33,7 +33,7 @@ pub use crate::outbox::{
 pub use crate::zombie::a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice;
 
 /// How long a scenario waits for the queue to drain.
-const LIMIT: Duration = Duration::from_secs(60);
+pub(crate) const LIMIT: Duration = Duration::from_secs(60);
 
 fn credit(account: i64, amount: i64) -> Vec<u8> {
     CreditEvent::new(account, amount).to_json()
@@ -66,7 +66,7 @@ pub(crate) struct Totals {
 }
 
 impl Totals {
-    fn add(&mut self, s: &StatsSnapshot) {
+    pub(crate) fn add(&mut self, s: &StatsSnapshot) {
         self.runs += 1;
         self.received += s.received;
         self.applied += s.applied;

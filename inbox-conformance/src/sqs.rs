@@ -221,3 +221,56 @@ impl TestQueue for Queue {
         delete_queue(&self.sqs, &self.dlq).await;
     }
 }
+
+/// SQS with FIFO queues (content-based deduplication on, so a producer may leave out the
+/// deduplication ID), as [`Sqs`] otherwise: for what only a FIFO queue has.
+#[derive(Debug, Clone, Copy)]
+pub struct SqsFifo;
+
+#[async_trait]
+impl TestBroker for SqsFifo {
+    type Queue = Queue;
+
+    async fn queue(&self, scenario: &str) -> Queue {
+        let sqs = client().await;
+        let out = sqs
+            .create_queue()
+            .queue_name(format!("{}.fifo", queue_name(scenario)))
+            .attributes(QueueAttributeName::FifoQueue, "true")
+            .attributes(QueueAttributeName::ContentBasedDeduplication, "true")
+            .attributes(
+                QueueAttributeName::VisibilityTimeout,
+                VISIBILITY_SECS.to_string(),
+            )
+            .send()
+            .await
+            .expect("create the FIFO test queue (is the SQS endpoint up?)");
+        let url = out.queue_url().expect("queue URL").to_owned();
+        let dlq = queue(&sqs, &format!("{scenario}-dlq"), 30).await;
+        Queue {
+            sqs,
+            url,
+            dlq,
+            dead: Mutex::default(),
+        }
+    }
+
+    async fn attach(&self, name: &str) -> Queue {
+        Sqs.attach(name).await
+    }
+}
+
+#[async_trait]
+impl crate::foreign_ids::ForeignQueue for Queue {
+    fn target(&self) -> serde_json::Value {
+        serde_json::json!({"broker": "sqs", "queue_url": self.url})
+    }
+
+    async fn source_reading(&self, _member: &str, from: inbox_core::IdFrom) -> SqsSource {
+        self.builder()
+            .id_from(from)
+            .connect()
+            .await
+            .expect("source")
+    }
+}

@@ -78,6 +78,7 @@ mod error;
 mod handler;
 mod health;
 mod hooks;
+mod id_from;
 mod message;
 mod probes;
 mod publish;
@@ -97,6 +98,7 @@ pub use error::{
 pub use handler::{BatchHandler, BatchItem, Handler, PerMessage};
 pub use health::{ConsumerState, Health};
 pub use hooks::{Stage, StageHook};
+pub use id_from::{Binding, CloudEventsIdentity, IdCarrier, IdFrom};
 pub use message::{IdError, InvalidId, Message, MessageId, Metadata};
 pub use probes::{Answer, Probes};
 pub use publish::{Destinations, OutgoingMessage, Publish, PublishError};

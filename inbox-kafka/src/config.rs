@@ -5,6 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use inbox_core::IdFrom;
 use rdkafka::ClientConfig;
 
 use crate::{Error, KafkaSource, Result, TokenProvider};
@@ -45,7 +46,7 @@ pub struct KafkaSourceBuilder {
     pub(crate) brokers: Option<String>,
     pub(crate) group_id: String,
     pub(crate) topics: Vec<String>,
-    pub(crate) id_header: String,
+    pub(crate) id_from: IdFrom,
     pub(crate) dead_letter_topic: Option<String>,
     pub(crate) create_dead_letter_topics: bool,
     pub(crate) poll_timeout: Duration,
@@ -62,7 +63,7 @@ impl fmt::Debug for KafkaSourceBuilder {
             .field("brokers", &self.brokers)
             .field("group_id", &self.group_id)
             .field("topics", &self.topics)
-            .field("id_header", &self.id_header)
+            .field("id_from", &self.id_from)
             .field("dead_letter_topic", &self.dead_letter_topic)
             .field("create_dead_letter_topics", &self.create_dead_letter_topics)
             .field("poll_timeout", &self.poll_timeout)
@@ -110,7 +111,7 @@ impl KafkaSourceBuilder {
             brokers: None,
             group_id: group_id.into(),
             topics: topics.into_iter().map(Into::into).collect(),
-            id_header: Self::DEFAULT_ID_HEADER.to_owned(),
+            id_from: IdFrom::Header(Self::DEFAULT_ID_HEADER.to_owned()),
             dead_letter_topic: None,
             create_dead_letter_topics: false,
             poll_timeout: Duration::from_secs(1),
@@ -130,8 +131,19 @@ impl KafkaSourceBuilder {
 
     /// The header that holds the message ID (default `event_id`). The ID never comes from the
     /// offset: a relay that republishes an event gives it a new offset, not a new ID.
+    ///
+    /// Shorthand for [`id_from`](Self::id_from)`(IdFrom::Header(name))`.
     pub fn id_header(mut self, name: impl Into<String>) -> Self {
-        self.id_header = name.into();
+        self.id_from = IdFrom::Header(name.into());
+        self
+    }
+
+    /// Where the message ID is read from (default: the header `event_id`): a header, a
+    /// CloudEvent's `id` (binary mode `ce_id` header, or a structured-mode JSON event), the
+    /// Debezium outbox router's `id` header, or a JSON field of the value. Kafka has no
+    /// message-ID property, so [`IdFrom::MessageIdProperty`] is refused at `connect`.
+    pub fn id_from(mut self, from: IdFrom) -> Self {
+        self.id_from = from;
         self
     }
 
@@ -234,9 +246,9 @@ impl KafkaSourceBuilder {
         if self.group_id.is_empty() {
             return Err(Error::Config("the group id is empty".into()));
         }
-        if self.id_header.is_empty() {
-            return Err(Error::Config("the ID header name is empty".into()));
-        }
+        self.id_from
+            .check(&crate::source::ID_BINDING)
+            .map_err(Error::Config)?;
         let mut config = self.client_config()?;
         config
             .set("group.id", &self.group_id)
@@ -284,6 +296,21 @@ impl KafkaSourceBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn id_conventions_kafka_cannot_carry_are_refused() {
+        let config = |from| {
+            KafkaSourceBuilder::new(["t"], "g")
+                .brokers("b:9092")
+                .id_from(from)
+                .consumer_config()
+        };
+        let e = config(IdFrom::MessageIdProperty).unwrap_err().to_string();
+        assert!(e.contains("Kafka has no message-ID property"), "{e}");
+        assert!(config(IdFrom::header("")).is_err());
+        assert!(config(IdFrom::cloud_events_source_and_id()).is_ok());
+        assert!(config(IdFrom::Debezium).is_ok());
+    }
 
     #[test]
     fn enable_auto_commit_is_refused() {

@@ -1,16 +1,18 @@
 //! The [`MessageSource`] over a Kafka consumer group.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
 use inbox_core::{
-    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, Recovery, SourceError,
+    async_trait, Binding, Capabilities, Delivery, IdCarrier, IdFrom, Message, MessageSource,
+    Recovery, SourceError,
 };
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{BorrowedMessage, Headers};
+use rdkafka::message::{BorrowedHeaders, BorrowedMessage, Headers};
 use rdkafka::Message as _;
 use tokio::task::JoinHandle;
 use tracing::warn;
@@ -42,8 +44,7 @@ pub struct KafkaSource {
     consumer: SharedConsumer,
     /// The dead-letter producer and topic, shared by every ack.
     dead_letters: Arc<DeadLetterProducer>,
-    id_header: String,
-    id_field: String,
+    id_from: IdFrom,
     poll_timeout: Duration,
     operation_timeout: Duration,
     redelivery_window: Option<Duration>,
@@ -66,7 +67,7 @@ impl fmt::Debug for KafkaSource {
         f.debug_struct("KafkaSource")
             .field("group", &self.consumer.context().group)
             .field("commit_interval", &self.consumer.context().commit_interval)
-            .field("id_header", &self.id_header)
+            .field("id_from", &self.id_from)
             .field("dead_letter_topic", &self.dead_letters.topic)
             .finish_non_exhaustive()
     }
@@ -144,8 +145,7 @@ impl KafkaSource {
         Ok(Self {
             consumer: SharedConsumer::new(consumer),
             dead_letters,
-            id_header: config.id_header.clone(),
-            id_field: format!("header {}", config.id_header),
+            id_from: config.id_from.clone(),
             poll_timeout: config.poll_timeout,
             operation_timeout: config.operation_timeout,
             redelivery_window: None,
@@ -183,19 +183,23 @@ impl KafkaSource {
     fn delivery(&self, message: &BorrowedMessage<'_>) -> Delivery<KafkaAck> {
         let topic = message.topic();
         let (partition, offset) = (message.partition(), message.offset());
-        let mut headers = Vec::new();
-        let mut raw_id = None;
-        if let Some(list) = message.headers() {
-            for header in list.iter() {
-                if raw_id.is_none() && header.key == self.id_header {
-                    // A header with a null value counts as absent.
-                    raw_id = Some(header.value.map(<[u8]>::to_vec));
-                }
-                let value = header.value.map(<[u8]>::to_vec).unwrap_or_default();
-                headers.push((header.key.to_owned(), value));
-            }
-        }
-        let id = IdError::parse(&self.id_field, raw_id.flatten().as_deref());
+        let id = self.id_from.read(&Record {
+            headers: message.headers(),
+            payload: message.payload().unwrap_or_default(),
+        });
+        let headers = message
+            .headers()
+            .map(|list| {
+                list.iter()
+                    .map(|h| {
+                        (
+                            h.key.to_owned(),
+                            h.value.map(<[u8]>::to_vec).unwrap_or_default(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
 
         let tracked = self
             .consumer
@@ -229,6 +233,37 @@ impl KafkaSource {
             .and_then(|ms| u64::try_from(ms).ok())
             .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms));
         Delivery { message, ack }
+    }
+}
+
+/// Where Kafka keeps what [`IdFrom`] reads: record headers, CloudEvents' binary mode as `ce_`
+/// headers (the CloudEvents Kafka protocol binding), no message-ID property.
+pub(crate) const ID_BINDING: Binding = Binding {
+    broker: "Kafka",
+    header: "header",
+    property: None,
+    cloud_events_prefixes: &["ce_"],
+};
+
+/// A record as [`IdFrom::read`] sees it.
+struct Record<'a> {
+    headers: Option<&'a BorrowedHeaders>,
+    payload: &'a [u8],
+}
+
+impl IdCarrier for Record<'_> {
+    fn binding(&self) -> &Binding {
+        &ID_BINDING
+    }
+
+    /// The first header of that name; one with a null value counts as absent.
+    fn header(&self, name: &str) -> Option<Result<Cow<'_, [u8]>, String>> {
+        let header = self.headers?.iter().find(|h| h.key == name)?;
+        header.value.map(|v| Ok(Cow::Borrowed(v)))
+    }
+
+    fn payload(&self) -> &[u8] {
+        self.payload
     }
 }
 

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use inbox_core::IdFrom;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::ExchangeKind;
 
@@ -10,18 +11,6 @@ use crate::{Error, Result};
 
 /// The smallest prefetch window when it follows the batch size.
 const MIN_PREFETCH: u16 = 20;
-
-/// Where the message ID is read from. Never the delivery tag: it numbers deliveries on one
-/// channel, not messages.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum IdField {
-    /// The AMQP `message_id` property (the default; what [`RabbitProducer`](crate::RabbitProducer)
-    /// sets).
-    MessageIdProperty,
-    /// A header: text, bytes or an integer (written in decimal).
-    Header(String),
-}
 
 /// Whether the source declares its queues or expects an operator to have done so.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,7 +54,7 @@ pub struct RabbitSourceBuilder {
     /// `None`: follow the consumer's batch size.
     pub(crate) prefetch: Option<u16>,
     pub(crate) consumer_tag: String,
-    pub(crate) id_field: IdField,
+    pub(crate) id_from: IdFrom,
     pub(crate) topology: Topology,
     pub(crate) delivery_limit: Option<u32>,
     pub(crate) poll_timeout: Duration,
@@ -92,7 +81,7 @@ impl std::fmt::Debug for RabbitSourceBuilder {
             .field("queue", &self.queue)
             .field("prefetch", &self.prefetch)
             .field("consumer_tag", &self.consumer_tag)
-            .field("id_field", &self.id_field)
+            .field("id_from", &self.id_from)
             .field("topology", &self.topology)
             .field("delivery_limit", &self.delivery_limit)
             .field("poll_timeout", &self.poll_timeout)
@@ -124,7 +113,7 @@ impl RabbitSourceBuilder {
             queue: queue.into(),
             prefetch: None,
             consumer_tag: String::new(),
-            id_field: IdField::MessageIdProperty,
+            id_from: IdFrom::MessageIdProperty,
             topology: Topology::Declare,
             delivery_limit: Some(20),
             poll_timeout: Duration::from_secs(1),
@@ -165,15 +154,21 @@ impl RabbitSourceBuilder {
         self
     }
 
-    /// Reads the message ID from header `name` instead of the `message_id` property.
+    /// Reads the message ID from header `name` instead of the `message_id` property: text,
+    /// bytes or an integer (written in decimal). Shorthand for
+    /// [`id_from`](Self::id_from)`(IdFrom::Header(name))`.
     pub fn id_header(mut self, name: impl Into<String>) -> Self {
-        self.id_field = IdField::Header(name.into());
+        self.id_from = IdFrom::Header(name.into());
         self
     }
 
-    /// Where the message ID is read from.
-    pub fn id_field(mut self, field: IdField) -> Self {
-        self.id_field = field;
+    /// Where the message ID is read from (default: the AMQP `message_id` property, what
+    /// [`RabbitProducer`](crate::RabbitProducer) sets): the property, a header, a CloudEvent's
+    /// `id` (binary mode `cloudEvents_id` or `cloudEvents:id` header, or a structured-mode JSON
+    /// event), the Debezium outbox router's `id` header, or a JSON field of the body. Never the
+    /// delivery tag: it numbers deliveries on one channel, not messages.
+    pub fn id_from(mut self, from: IdFrom) -> Self {
+        self.id_from = from;
         self
     }
 
@@ -356,10 +351,10 @@ impl RabbitSourceBuilder {
                 )));
             }
         }
-        if let IdField::Header(name) = &self.id_field {
-            if name.is_empty() {
-                return Err(Error::Config("the ID header name is empty".into()));
-            }
+        self.id_from
+            .check(&crate::source::ID_BINDING)
+            .map_err(Error::Config)?;
+        if let Some(name) = self.id_from.header_name() {
             short_string("ID header name", name)?;
         }
         short_string("consumer tag", &self.consumer_tag)?;

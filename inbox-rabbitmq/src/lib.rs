@@ -6,6 +6,12 @@
 //! broker-confirmed messages that carry a `message_id`, to any queue, through
 //! [`inbox_core::Publish`].
 //!
+//! The source reads the ID from the AMQP `message_id` property unless
+//! [`RabbitSourceBuilder::id_from`] names another convention (see [`IdFrom`]): a header, a
+//! CloudEvent's `cloudEvents_id` or `cloudEvents:id` header (binary mode) or `id` (a
+//! structured-mode JSON body), its `source` and `id` together, the Debezium outbox router's
+//! `id` header, or a JSON field of the body. Never the delivery tag.
+//!
 //! ```no_run
 //! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish};
 //! use inbox_postgres::{PgInbox, PgTx};
@@ -159,8 +165,9 @@ mod source;
 mod topology;
 
 pub use ack::RabbitAck;
-pub use config::{IdField, RabbitSourceBuilder, Topology};
+pub use config::{RabbitSourceBuilder, Topology};
 pub use error::{Error, Result};
+pub use inbox_core::{CloudEventsIdentity, IdFrom};
 pub use lapin;
 pub use producer::{RabbitProducer, RabbitProducerBuilder};
 pub use source::RabbitSource;

@@ -1,17 +1,18 @@
 //! The consuming side: [`RabbitSource`].
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
 use futures_util::{FutureExt, StreamExt};
 use inbox_core::{
-    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, SourceError,
+    async_trait, Binding, Capabilities, Delivery, IdCarrier, Message, MessageSource, SourceError,
 };
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
 
 use crate::ack::{Link, RabbitAck};
-use crate::config::{url_from_env, IdField};
+use crate::config::url_from_env;
 use crate::dead_letter::DeadLetters;
 use crate::short_string::short_string;
 use crate::{connect, topology, Error, RabbitSourceBuilder, Result, Topology};
@@ -182,13 +183,11 @@ impl RabbitSource {
         let tag = delivery.delivery_tag;
         let props = delivery.properties;
         let headers = props.headers().clone().unwrap_or_default();
-        let id = match &self.config.id_field {
-            IdField::MessageIdProperty => IdError::parse(
-                "property message_id",
-                props.message_id().as_ref().map(|s| s.as_str().as_bytes()),
-            ),
-            IdField::Header(name) => header_id(&headers, name),
-        };
+        let id = self.config.id_from.read(&Amqp {
+            headers: &headers,
+            message_id: props.message_id().as_ref().map(|s| s.as_str()),
+            body: &delivery.data,
+        });
         // Quorum queues count earlier deliveries in `x-delivery-count`; absent on a first delivery.
         let delivery_count = match headers.inner().get("x-delivery-count").and_then(as_u64) {
             Some(n) => u32::try_from(n.saturating_add(1)).ok(),
@@ -303,20 +302,46 @@ impl MessageSource for RabbitSource {
     }
 }
 
-fn header_id(headers: &FieldTable, name: &str) -> Result<inbox_core::MessageId, IdError> {
-    let field = format!("header {name}");
-    match headers.inner().get(name) {
-        None => IdError::parse(&field, None),
-        Some(value) => match text_bytes(value) {
-            Some(bytes) => IdError::parse(&field, Some(&bytes)),
-            None => IdError::parse(
-                &format!(
-                    "header {name} as text or integer (it is a {})",
-                    value.get_type()
-                ),
-                None,
-            ),
-        },
+/// Where AMQP keeps what [`IdFrom`](inbox_core::IdFrom) reads: the header table, the
+/// `message_id` property, and CloudEvents' binary mode as `cloudEvents_` headers (the prefix the
+/// CloudEvents AMQP binding prefers) or `cloudEvents:` ones (the older prefix).
+pub(crate) const ID_BINDING: Binding = Binding {
+    broker: "RabbitMQ",
+    header: "header",
+    property: Some("property message_id"),
+    cloud_events_prefixes: &["cloudEvents_", "cloudEvents:"],
+};
+
+/// A delivery as [`IdFrom::read`](inbox_core::IdFrom::read) sees it.
+struct Amqp<'a> {
+    headers: &'a FieldTable,
+    message_id: Option<&'a str>,
+    body: &'a [u8],
+}
+
+impl IdCarrier for Amqp<'_> {
+    fn binding(&self) -> &Binding {
+        &ID_BINDING
+    }
+
+    fn header(&self, name: &str) -> Option<Result<Cow<'_, [u8]>, String>> {
+        let value = self.headers.inner().get(name)?;
+        if matches!(value, AMQPValue::Void) {
+            return None;
+        }
+        Some(
+            text_bytes(value)
+                .map(Cow::Owned)
+                .ok_or_else(|| value.get_type().to_string()),
+        )
+    }
+
+    fn property(&self) -> Option<Cow<'_, [u8]>> {
+        self.message_id.map(|id| Cow::Borrowed(id.as_bytes()))
+    }
+
+    fn payload(&self) -> &[u8] {
+        self.body
     }
 }
 
@@ -378,12 +403,48 @@ mod tests {
         headers.insert("a".into(), AMQPValue::LongString("evt-1".into()));
         headers.insert("b".into(), AMQPValue::LongLongInt(42));
         headers.insert("c".into(), AMQPValue::Boolean(true));
+        let header_id = |headers: &FieldTable, name: &str| {
+            inbox_core::IdFrom::header(name).read(&Amqp {
+                headers,
+                message_id: None,
+                body: b"",
+            })
+        };
         assert_eq!(header_id(&headers, "a").unwrap().as_str(), "evt-1");
         assert_eq!(header_id(&headers, "b").unwrap().as_str(), "42");
         let e = header_id(&headers, "c").unwrap_err().to_string();
         assert!(e.contains("as text or integer"), "{e}");
         let e = header_id(&headers, "d").unwrap_err().to_string();
         assert_eq!(e, "message has no ID: header d is missing");
+    }
+
+    #[test]
+    fn the_message_id_property_and_cloud_events_headers_are_read() {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "cloudEvents_id".into(),
+            AMQPValue::LongString("ce-1".into()),
+        );
+        let amqp = Amqp {
+            headers: &headers,
+            message_id: Some("m-1"),
+            body: b"",
+        };
+        let read = |from: inbox_core::IdFrom| from.read(&amqp).unwrap().as_str().to_owned();
+        assert_eq!(read(inbox_core::IdFrom::MessageIdProperty), "m-1");
+        assert_eq!(read(inbox_core::IdFrom::cloud_events()), "ce-1");
+        let none = Amqp {
+            headers: &FieldTable::default(),
+            message_id: None,
+            body: b"",
+        };
+        let e = inbox_core::IdFrom::MessageIdProperty
+            .read(&none)
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "message has no ID: property message_id is missing"
+        );
     }
 
     #[test]

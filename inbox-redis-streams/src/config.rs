@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use inbox_core::IdFrom;
 use redis::Client;
 
 use crate::connection::{Conn, Target};
@@ -13,7 +14,7 @@ pub(crate) struct Settings {
     pub(crate) stream: String,
     pub(crate) group: String,
     pub(crate) consumer: String,
-    pub(crate) id_field: String,
+    pub(crate) id_from: IdFrom,
     pub(crate) dead_letter_stream: String,
     pub(crate) poll_timeout: Duration,
     pub(crate) claim_idle: Duration,
@@ -33,7 +34,7 @@ pub struct RedisStreamSourceBuilder {
     stream: String,
     group: String,
     consumer: Option<String>,
-    id_field: String,
+    id_from: IdFrom,
     dead_letter_stream: Option<String>,
     poll_timeout: Duration,
     claim_idle: Duration,
@@ -48,7 +49,7 @@ impl std::fmt::Debug for RedisStreamSourceBuilder {
             .field("stream", &self.stream)
             .field("group", &self.group)
             .field("consumer", &self.consumer)
-            .field("id_field", &self.id_field)
+            .field("id_from", &self.id_from)
             .field("dead_letter_stream", &self.dead_letter_stream)
             .field("poll_timeout", &self.poll_timeout)
             .field("claim_idle", &self.claim_idle)
@@ -141,7 +142,7 @@ impl RedisStreamSourceBuilder {
             stream,
             group,
             consumer: None,
-            id_field: crate::DEFAULT_ID_FIELD.to_owned(),
+            id_from: IdFrom::Header(crate::DEFAULT_ID_FIELD.to_owned()),
             dead_letter_stream: None,
             poll_timeout: Duration::from_secs(2),
             claim_idle: Duration::from_secs(60),
@@ -167,8 +168,20 @@ impl RedisStreamSourceBuilder {
 
     /// The entry field holding the producer-set message ID (default `event_id`). The stream
     /// entry ID is never used: a republished event gets a new one.
+    ///
+    /// Shorthand for [`id_from`](Self::id_from)`(IdFrom::Header(field))`.
     pub fn id_field(mut self, field: impl Into<String>) -> Self {
-        self.id_field = field.into();
+        self.id_from = IdFrom::Header(field.into());
+        self
+    }
+
+    /// Where the message ID is read from (default: the entry field `event_id`): an entry field
+    /// ([`IdFrom::Header`]), a structured-mode CloudEvent in the `payload` field (CloudEvents
+    /// defines no Redis binding for fields), the Debezium outbox router's `id` (as a field), or
+    /// a JSON field of the payload. Redis has no message-ID property a producer sets, so
+    /// [`IdFrom::MessageIdProperty`] is refused at `connect`.
+    pub fn id_from(mut self, from: IdFrom) -> Self {
+        self.id_from = from;
         self
     }
 
@@ -290,8 +303,10 @@ impl RedisStreamSourceBuilder {
         };
         nonempty("stream key", &self.stream)?;
         nonempty("group name", &self.group)?;
-        nonempty("ID field", &self.id_field)?;
-        if self.id_field == crate::PAYLOAD_FIELD {
+        self.id_from
+            .check(&crate::source::ID_BINDING)
+            .map_err(Error::Config)?;
+        if self.id_from.first_header() == Some(crate::PAYLOAD_FIELD) {
             return Err(Error::Config(format!(
                 "the ID field cannot be `{}`, which holds the payload",
                 crate::PAYLOAD_FIELD
@@ -338,7 +353,7 @@ impl RedisStreamSourceBuilder {
             stream: self.stream,
             group: self.group,
             consumer,
-            id_field: self.id_field,
+            id_from: self.id_from,
             dead_letter_stream,
             poll_timeout: self.poll_timeout,
             claim_idle: self.claim_idle,
@@ -372,6 +387,15 @@ mod tests {
         assert!(b().settings().is_ok());
         let e = b().id_field("payload").settings().expect_err("refused");
         assert!(e.to_string().contains("holds the payload"), "{e}");
+        let e = b()
+            .id_from(IdFrom::MessageIdProperty)
+            .settings()
+            .expect_err("refused");
+        assert!(
+            e.to_string().contains("Redis Streams has no message-ID"),
+            "{e}"
+        );
+        assert!(b().id_from(IdFrom::cloud_events()).settings().is_ok());
         let e = b()
             .poll_timeout(Duration::ZERO)
             .settings()

@@ -54,6 +54,11 @@
 //! a republished event gets a new one, so it cannot deduplicate. An entry without an ID field
 //! is dead-lettered. [`RedisStreamProducer`] writes this layout.
 //!
+//! Entries of other producers are read where their convention puts the ID, with
+//! [`RedisStreamSourceBuilder::id_from`] (see [`IdFrom`]): another field, a structured-mode
+//! CloudEvent in `payload` (`id`, or `source` and `id`), the Debezium outbox router's `id` as a
+//! field, or a JSON field of the payload. Those fields then stay among the headers.
+//!
 //! # Ack semantics
 //!
 //! - **Ack** is `XACK <stream> <group> <entry ID…>`, sent only after the database transaction
@@ -177,6 +182,7 @@ mod source;
 pub use ack::RedisStreamAck;
 pub use config::RedisStreamSourceBuilder;
 pub use error::{Error, Result};
+pub use inbox_core::{CloudEventsIdentity, IdFrom};
 pub use producer::{RedisStreamProducer, RedisStreamProducerBuilder};
 pub use source::RedisStreamSource;
 

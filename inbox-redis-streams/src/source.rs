@@ -1,11 +1,12 @@
 //! The consumer-group reader: own pending entries first, then reclaimed ones, then new ones.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{
-    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, SourceError,
+    async_trait, Binding, Capabilities, Delivery, IdCarrier, Message, MessageSource, SourceError,
 };
 use redis::Value;
 use tokio::time::Instant;
@@ -313,23 +314,23 @@ fn to_message(
     fields: Fields,
     delivery_count: Option<u32>,
 ) -> Message {
-    let mut id_raw = None;
+    let id = settings.id_from.read(&EntryFields(&fields));
+    // The ID field named as a header is not repeated among the headers; `rebuild_fields` puts
+    // it back first.
+    let id_field = settings.id_from.header_name().map(str::as_bytes);
+    let mut id_seen = false;
     let mut payload = None;
     let mut headers = Vec::new();
     for (name, value) in fields {
-        if id_raw.is_none() && name == settings.id_field.as_bytes() {
-            id_raw = Some(value);
+        if !id_seen && Some(name.as_slice()) == id_field {
+            id_seen = true;
         } else if payload.is_none() && name == PAYLOAD_FIELD.as_bytes() {
             payload = Some(value);
         } else {
             headers.push((String::from_utf8_lossy(&name).into_owned(), value));
         }
     }
-    let field = format!("field {}", settings.id_field);
-    let mut message = Message::new(
-        IdError::parse(&field, id_raw.as_deref()),
-        payload.unwrap_or_default(),
-    );
+    let mut message = Message::new(id, payload.unwrap_or_default());
     message.headers = headers;
     let meta = &mut message.meta;
     meta.source = settings.stream.clone();
@@ -341,6 +342,39 @@ fn to_message(
     message
 }
 
+/// Where a stream entry keeps what [`IdFrom`](inbox_core::IdFrom) reads: its fields (the `payload` field is the
+/// body). Redis has no message-ID property, and CloudEvents defines no Redis binding, so only
+/// structured-mode events (in the payload) are read.
+pub(crate) const ID_BINDING: Binding = Binding {
+    broker: "Redis Streams",
+    header: "field",
+    property: None,
+    cloud_events_prefixes: &[],
+};
+
+/// A stream entry as [`IdFrom::read`](inbox_core::IdFrom::read) sees it.
+struct EntryFields<'a>(&'a Fields);
+
+impl IdCarrier for EntryFields<'_> {
+    fn binding(&self) -> &Binding {
+        &ID_BINDING
+    }
+
+    fn header(&self, name: &str) -> Option<Result<Cow<'_, [u8]>, String>> {
+        self.0
+            .iter()
+            .find(|(field, _)| field == name.as_bytes())
+            .map(|(_, value)| Ok(Cow::Borrowed(value.as_slice())))
+    }
+
+    fn payload(&self) -> &[u8] {
+        self.0
+            .iter()
+            .find(|(field, _)| field == PAYLOAD_FIELD.as_bytes())
+            .map_or(&[], |(_, value)| value.as_slice())
+    }
+}
+
 /// When Redis added the entry: the milliseconds part of its ID (`<ms>-<seq>`).
 fn entry_time(entry_id: &str) -> Option<std::time::SystemTime> {
     let ms: u64 = entry_id.split_once('-')?.0.parse().ok()?;
@@ -350,9 +384,9 @@ fn entry_time(entry_id: &str) -> Option<std::time::SystemTime> {
 /// The fields of a message that is no longer in the stream, as well as they can be rebuilt.
 pub(crate) fn rebuild_fields(settings: &Settings, message: &Message) -> Fields {
     let mut fields = Vec::with_capacity(message.headers.len() + 2);
-    if let Ok(id) = &message.id {
+    if let (Ok(id), Some(id_field)) = (&message.id, settings.id_from.header_name()) {
         fields.push((
-            settings.id_field.clone().into_bytes(),
+            id_field.as_bytes().to_vec(),
             id.as_str().as_bytes().to_vec(),
         ));
     }
@@ -365,6 +399,8 @@ pub(crate) fn rebuild_fields(settings: &Settings, message: &Message) -> Fields {
 
 #[cfg(test)]
 mod tests {
+    use inbox_core::IdFrom;
+
     use super::*;
 
     fn settings() -> Settings {
@@ -372,7 +408,7 @@ mod tests {
             stream: "s".into(),
             group: "g".into(),
             consumer: "c".into(),
-            id_field: "event_id".into(),
+            id_from: IdFrom::header("event_id"),
             dead_letter_stream: "s:dlq".into(),
             poll_timeout: Duration::from_millis(10),
             claim_idle: Duration::from_secs(1),

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use aws_sdk_sqs::types::QueueAttributeName;
 use aws_sdk_sqs::Client;
+use inbox_core::IdFrom;
 use tracing::warn;
 
 use crate::dead_letter::{self, DeadLetterTarget};
@@ -49,8 +50,7 @@ fn check_timeouts(client: &Client, queue_url: &str, poll: Duration) -> Result<()
 #[derive(Debug, Clone)]
 pub(crate) struct Settings {
     pub(crate) queue_url: String,
-    pub(crate) id_attribute: String,
-    pub(crate) dedup_id_fallback: bool,
+    pub(crate) id_from: IdFrom,
     pub(crate) poll_timeout: Duration,
     pub(crate) max_messages: usize,
     /// Passed on every receive when set; otherwise the queue's own timeout applies.
@@ -87,7 +87,7 @@ pub(crate) struct Settings {
 pub struct SqsSourceBuilder {
     client: Option<Client>,
     queue_url: String,
-    id_attribute: String,
+    id_from: IdFrom,
     dedup_id_fallback: bool,
     poll_timeout: Duration,
     max_messages: usize,
@@ -102,7 +102,7 @@ impl SqsSourceBuilder {
         Self {
             client: None,
             queue_url,
-            id_attribute: DEFAULT_ID_ATTRIBUTE.to_owned(),
+            id_from: IdFrom::Header(DEFAULT_ID_ATTRIBUTE.to_owned()),
             dedup_id_fallback: false,
             poll_timeout: MAX_WAIT,
             max_messages: 10,
@@ -127,8 +127,20 @@ impl SqsSourceBuilder {
     ///
     /// The SQS `MessageId` is never used: the queue assigns a new one to every send, so a
     /// producer's resend would look like a new message.
+    ///
+    /// Shorthand for [`id_from`](Self::id_from)`(IdFrom::Header(name))`.
     pub fn id_attribute(mut self, name: impl Into<String>) -> Self {
-        self.id_attribute = name.into();
+        self.id_from = IdFrom::Header(name.into());
+        self
+    }
+
+    /// Where the message ID is read from (default: the message attribute `event_id`): a
+    /// message attribute ([`IdFrom::Header`]), on a FIFO queue the `MessageDeduplicationId`
+    /// ([`IdFrom::MessageIdProperty`]; see [`dedup_id_fallback`](Self::dedup_id_fallback) for
+    /// when that is sound), a structured-mode CloudEvent in the body (SQS has no CloudEvents
+    /// binding for attributes), or a JSON field of the body.
+    pub fn id_from(mut self, from: IdFrom) -> Self {
+        self.id_from = from;
         self
     }
 
@@ -139,6 +151,9 @@ impl SqsSourceBuilder {
     /// deduplication over a body that may change between resends). SQS itself deduplicates on
     /// it for only 5 minutes; the inbox keeps it for as long as its retention, so a resend
     /// after those 5 minutes is still skipped here. A standard queue has no such ID.
+    ///
+    /// At `connect` it makes the ID source `<id_from>.or(IdFrom::MessageIdProperty)`; to read
+    /// the deduplication ID alone, use [`id_from`](Self::id_from)`(IdFrom::MessageIdProperty)`.
     pub fn dedup_id_fallback(mut self, enabled: bool) -> Self {
         self.dedup_id_fallback = enabled;
         self
@@ -202,8 +217,16 @@ impl SqsSourceBuilder {
         if self.queue_url.is_empty() {
             return Err(Error::Config("the queue URL is empty".into()));
         }
-        if self.id_attribute.is_empty() {
-            return Err(Error::Config("the ID attribute name is empty".into()));
+        self.id_from
+            .check(&crate::source::ID_BINDING)
+            .map_err(Error::Config)?;
+        let fifo = self.queue_url.trim_end_matches('/').ends_with(".fifo");
+        if self.id_from == IdFrom::MessageIdProperty && !fifo {
+            return Err(Error::Config(format!(
+                "queue {} is a standard queue, whose messages have no MessageDeduplicationId; \
+                 read the ID from a message attribute or the body instead",
+                self.queue_url
+            )));
         }
         if !(1..=10).contains(&self.max_messages) {
             return Err(Error::Config(format!(
@@ -276,11 +299,14 @@ impl SqsSourceBuilder {
             },
         };
 
-        let fifo = self.queue_url.trim_end_matches('/').ends_with(".fifo");
+        let id_from = if self.dedup_id_fallback {
+            self.id_from.or(IdFrom::MessageIdProperty)
+        } else {
+            self.id_from
+        };
         let settings = Settings {
             queue_url: self.queue_url,
-            id_attribute: self.id_attribute,
-            dedup_id_fallback: self.dedup_id_fallback,
+            id_from,
             poll_timeout: self.poll_timeout,
             max_messages: self.max_messages,
             visibility_timeout: self.visibility_timeout,

@@ -60,6 +60,12 @@
 //! messages without the attribute; SQS deduplicates on it for 5 minutes only, the inbox for as
 //! long as it keeps IDs. A message with neither is dead-lettered with the reason.
 //!
+//! Messages of other producers are read where their convention puts the ID, with
+//! [`SqsSourceBuilder::id_from`] (see [`IdFrom`]): another attribute, the FIFO deduplication ID
+//! alone, a structured-mode CloudEvent in the body (`id`, or `source` and `id`; CloudEvents
+//! defines no SQS binding for attributes), the Debezium outbox router's `id` as an attribute, or
+//! a JSON field of the body.
+//!
 //! # Ack semantics
 //! - **Ack** is `DeleteMessage` with the receipt handle of the receive that returned this
 //!   copy; a batch is deleted with `DeleteMessageBatch`, 10 per call. The consumer acks only
@@ -149,6 +155,7 @@ pub use aws_config;
 pub use client::{config_loader, connect, connect_to, default_timeouts};
 pub use config::{SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
 pub use error::{Error, Result};
+pub use inbox_core::{CloudEventsIdentity, IdFrom};
 pub use producer::{SqsProducer, SqsProducerBuilder};
 pub use source::SqsSource;
 

@@ -1,12 +1,15 @@
 //! The SQS [`MessageSource`]: long-poll receives turned into inbox deliveries.
 
+use std::borrow::Cow;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use aws_sdk_sqs::types::{MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName};
 use aws_sdk_sqs::Client;
 use inbox_core::{
-    async_trait, Capabilities, Delivery, IdError, Message, MessageSource, SourceError,
+    async_trait, Binding, Capabilities, Delivery, IdCarrier, IdFrom, Message, MessageSource,
+    SourceError,
 };
 use tracing::warn;
 
@@ -40,7 +43,7 @@ impl SqsSource {
         let acks = Arc::new(Shared {
             client: client.clone(),
             queue_url: Arc::clone(&queue_url),
-            id_attribute: Arc::from(settings.id_attribute.as_str()),
+            id_attribute: Arc::from(dead_letter_id_attribute(&settings.id_from)),
             min_retry_delay: settings.min_retry_delay,
             dead_letter,
         });
@@ -96,10 +99,6 @@ impl SqsSource {
         Ok(Duration::from_secs(seconds))
     }
 
-    fn id_field(&self) -> String {
-        format!("message attribute {}", self.settings.id_attribute)
-    }
-
     /// Turns one received SQS message into an inbox message.
     fn convert(&self, sqs: &aws_sdk_sqs::types::Message) -> Message {
         let attributes = sqs.message_attributes();
@@ -114,19 +113,11 @@ impl SqsSource {
         // SQS returns attributes as an unordered map; sort them so headers are stable.
         headers.sort();
 
-        let field = self.id_field();
-        let raw_id = attributes
-            .and_then(|a| a.get(&self.settings.id_attribute))
-            .map(attribute_bytes);
-        let dedup_id = system_attr(MessageSystemAttributeName::MessageDeduplicationId);
-        let id = match (raw_id, dedup_id) {
-            (Some(raw), _) => IdError::parse(&field, Some(&raw)),
-            (None, Some(dedup)) if self.settings.dedup_id_fallback => IdError::parse(
-                "system attribute MessageDeduplicationId",
-                Some(dedup.as_bytes()),
-            ),
-            (None, _) => IdError::parse(&field, None),
-        };
+        let id = self.settings.id_from.read(&Received {
+            attributes,
+            dedup_id: system_attr(MessageSystemAttributeName::MessageDeduplicationId),
+            body: sqs.body().unwrap_or_default().as_bytes(),
+        });
 
         let delivery_count = system_attr(MessageSystemAttributeName::ApproximateReceiveCount)
             .and_then(|v| v.parse::<u32>().ok());
@@ -166,7 +157,7 @@ impl MessageSource for SqsSource {
             .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
             .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId)
             .message_system_attribute_names(MessageSystemAttributeName::SentTimestamp);
-        if self.settings.dedup_id_fallback {
+        if self.settings.id_from.reads_property() {
             request = request
                 .message_system_attribute_names(MessageSystemAttributeName::MessageDeduplicationId);
         }
@@ -232,6 +223,49 @@ impl MessageSource for SqsSource {
 
 /// An attribute's value as bytes: the text of a String or Number attribute, the bytes of a
 /// Binary one.
+/// Where SQS keeps what [`IdFrom`] reads: message attributes, and on a FIFO queue the
+/// `MessageDeduplicationId` as the message-ID property. CloudEvents defines no SQS binding, so
+/// only structured-mode events (in the body) are read.
+pub(crate) const ID_BINDING: Binding = Binding {
+    broker: "SQS",
+    header: "message attribute",
+    property: Some("system attribute MessageDeduplicationId"),
+    cloud_events_prefixes: &[],
+};
+
+/// The attribute a dead letter carries its ID in: the one the source reads, else
+/// [`DEFAULT_ID_ATTRIBUTE`](crate::DEFAULT_ID_ATTRIBUTE) (the ID came from the
+/// deduplication ID, a system attribute a send cannot copy, or from the body).
+fn dead_letter_id_attribute(from: &IdFrom) -> &str {
+    from.first_header().unwrap_or(crate::DEFAULT_ID_ATTRIBUTE)
+}
+
+/// A received message as [`IdFrom::read`] sees it.
+struct Received<'a> {
+    attributes: Option<&'a HashMap<String, MessageAttributeValue>>,
+    dedup_id: Option<&'a String>,
+    body: &'a [u8],
+}
+
+impl IdCarrier for Received<'_> {
+    fn binding(&self) -> &Binding {
+        &ID_BINDING
+    }
+
+    fn header(&self, name: &str) -> Option<Result<Cow<'_, [u8]>, String>> {
+        let value = self.attributes?.get(name)?;
+        Some(Ok(Cow::Owned(attribute_bytes(value))))
+    }
+
+    fn property(&self) -> Option<Cow<'_, [u8]>> {
+        self.dedup_id.map(|id| Cow::Borrowed(id.as_bytes()))
+    }
+
+    fn payload(&self) -> &[u8] {
+        self.body
+    }
+}
+
 fn attribute_bytes(value: &MessageAttributeValue) -> Vec<u8> {
     match (value.string_value(), value.binary_value()) {
         (Some(text), _) => text.as_bytes().to_vec(),
@@ -257,8 +291,11 @@ mod tests {
             .build();
         let settings = Settings {
             queue_url: "http://localhost/q".into(),
-            id_attribute: "event_id".into(),
-            dedup_id_fallback,
+            id_from: if dedup_id_fallback {
+                IdFrom::header("event_id").or(IdFrom::MessageIdProperty)
+            } else {
+                IdFrom::header("event_id")
+            },
             poll_timeout: Duration::from_secs(1),
             max_messages: 10,
             visibility_timeout: None,

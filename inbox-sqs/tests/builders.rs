@@ -217,3 +217,18 @@ async fn one_producer_sends_to_two_queues_by_url_and_by_name() {
     delete_queue(&sqs, &first).await;
     delete_queue(&sqs, &second).await;
 }
+
+/// The deduplication ID exists on FIFO queues only: a source reading it from a standard queue
+/// is refused before it connects, naming the queue.
+#[tokio::test]
+async fn the_deduplication_id_is_refused_on_a_standard_queue() {
+    let url = "http://127.0.0.1:4566/000000000000/payments";
+    let e = SqsSource::builder(url)
+        .client(client().await)
+        .id_from(inbox_sqs::IdFrom::MessageIdProperty)
+        .connect()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("standard queue") && e.contains(url), "{e}");
+}

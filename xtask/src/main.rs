@@ -1,8 +1,10 @@
 //! Project tasks, run as `cargo xtask <task>`:
 //!
 //! - `services`: installs what is missing and starts what is not running: PostgreSQL, MariaDB,
-//!   Redis, RabbitMQ, a Kafka-protocol broker (Tansu) and an SQS endpoint (moto). A service already
-//!   listening at its address is reused; nothing is ever stopped. Safe to run twice.
+//!   Redis, RabbitMQ, a Kafka-protocol broker (Tansu) and an SQS endpoint (moto), and each broker's
+//!   standard Python client in a virtual environment (the foreign-ID tests publish with them). A
+//!   service already listening at its address is reused; nothing is ever stopped. Safe to run
+//!   twice.
 //! - `test`: `services` with the workspace's test build beside the installs, then
 //!   `cargo fmt --check`, `cargo clippy --all-targets -D warnings`, `cargo doc` with broken links
 //!   refused, and the whole test suite, then
@@ -21,14 +23,16 @@ use std::path::Path;
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-/// The programs users copy, one per broker, the second store, then the side effects outside the
-/// database: each fails when an effect is lost or applied twice.
-const EXAMPLES: [&str; 7] = [
+/// The programs users copy, one per broker, the second store, a foreign producer's messages,
+/// then the side effects outside the database: each fails when an effect is lost or applied
+/// twice.
+const EXAMPLES: [&str; 8] = [
     "kafka",
     "sqs",
     "rabbitmq",
     "redis_streams",
     "mysql",
+    "cloud_events",
     "effect_call",
     "outbox",
 ];

@@ -20,6 +20,7 @@ pub(crate) fn up(beside: Option<&[&str]>) -> Result {
     let tansu = tansu_build()?;
     let beside = beside.map(crate::Background::cargo).transpose()?;
     test_tools()?;
+    python_clients()?;
     postgres()?;
     mariadb()?;
     redis()?;
@@ -46,6 +47,54 @@ fn test_tools() -> Result {
     } else {
         apt_install(&missing)
     }
+}
+
+/// Each broker's standard Python client (confluent-kafka, pika, boto3, redis-py), which the
+/// foreign-ID tests publish with, in the virtual environment `inbox_conformance::python` uses:
+/// `INBOX_PYTHON_CLIENTS`, else `~/.cache/inbox/python-clients` (under `XDG_CACHE_HOME` when
+/// set). It holds a copy of `inbox-conformance/python/requirements.txt`; a changed list installs
+/// again.
+fn python_clients() -> Result {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let requirements = root.join("inbox-conformance/python/requirements.txt");
+    let wanted = std::fs::read_to_string(&requirements)
+        .map_err(|e| format!("cannot read {}: {e}", requirements.display()))?;
+    let dir = match std::env::var_os("INBOX_PYTHON_CLIENTS").filter(|d| !d.is_empty()) {
+        Some(dir) => PathBuf::from(dir),
+        None => std::env::var_os("XDG_CACHE_HOME")
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .ok_or("neither INBOX_PYTHON_CLIENTS, XDG_CACHE_HOME nor HOME is set")?
+            .join("inbox/python-clients"),
+    };
+    let stamp = dir.join("requirements.txt");
+    let python = dir.join("bin/python");
+    if python.is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == wanted) {
+        return Ok(());
+    }
+    if !quiet("python3", &["-m", "venv", "--help"]) {
+        apt_install(&["python3-venv"])?;
+    }
+    let text = |p: &Path| p.to_str().map(str::to_owned).ok_or("a path is not UTF-8");
+    eprintln!(
+        "services: installing the Python clients into {}",
+        dir.display()
+    );
+    run("python3", &["-m", "venv", &text(&dir)?])?;
+    run(
+        &text(&python)?,
+        &[
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-r",
+            &text(&requirements)?,
+        ],
+    )?;
+    std::fs::write(&stamp, wanted).map_err(|e| format!("cannot write {}: {e}", stamp.display()))
 }
 
 /// The Kafka-protocol broker the demo talks to.
