@@ -24,8 +24,9 @@ use crate::cli::{
     positive, BrokerKind, ConsumerSpec, HandlerKind, KafkaImpl, Variant, KAFKA_IMPL_HELP,
     KAFKA_IMPL_LONG_HELP,
 };
+use crate::cli::StoreKind;
 use crate::consume::Watch;
-use crate::progress;
+use crate::{kill, progress, wallet_db};
 
 /// `bench`: msgs/s of variants b and c beside the broker alone and the database alone, for
 /// each broker, batch size, handler and lane count; a table and JSON lines.
@@ -64,6 +65,11 @@ pub(crate) struct BenchSettings {
     /// messages spread over that many transactions in no order.
     #[arg(long, value_delimiter = ',', value_name = "N,…", default_value = "1,6", value_parser = positive)]
     pub(crate) lanes: Vec<usize>,
+    /// Consumer processes in one group (`evidence consume` children, started before the events
+    /// are published), timed together from the first applied message to the last. Without it,
+    /// one consumer runs in this process.
+    #[arg(long, value_delimiter = ',', value_name = "N,…", value_parser = positive)]
+    pub(crate) processes: Vec<usize>,
     /// Accounts the events credit.
     #[arg(long, value_name = "N", default_value = "1000", value_parser = clap::value_parser!(i64).range(1..))]
     pub(crate) accounts: i64,
@@ -87,6 +93,8 @@ struct Row {
     handler: &'static str,
     batch: usize,
     lanes: usize,
+    /// Consumer processes, when they ran as children (`--processes`).
+    processes: Option<usize>,
     events: u64,
     seconds: f64,
     peak_rss_mb: f64,
@@ -166,13 +174,26 @@ pub(crate) async fn run(s: &BenchSettings) -> Result<(), BoxError> {
                             batch,
                             lanes: lane_count,
                         };
-                        let row =
-                            consumer_run(broker.as_ref(), spec, &events, &runs.next()).await?;
-                        print_row(&row, &limits, b_rate);
-                        if variant == Variant::B {
-                            b_rate = Some(row.rate());
+                        let ran = if s.processes.is_empty() {
+                            vec![consumer_run(broker.as_ref(), spec, &events, &runs.next()).await?]
+                        } else {
+                            let mut ran = Vec::new();
+                            for &processes in &s.processes {
+                                let run = runs.next();
+                                ran.push(
+                                    processes_run(broker.as_ref(), spec, processes, &events, &run)
+                                        .await?,
+                                );
+                            }
+                            ran
+                        };
+                        for row in ran {
+                            print_row(&row, &limits, b_rate);
+                            if variant == Variant::B {
+                                b_rate = Some(row.rate());
+                            }
+                            rows.push(row);
                         }
-                        rows.push(row);
                     }
                 }
             }
@@ -202,7 +223,11 @@ impl Runs {
 
     /// Runs on one broker: the broker alone, then every configuration.
     fn per_broker(s: &BenchSettings) -> usize {
-        1 + s.batches.len() * s.lanes.len() * s.handlers.len() * s.variants.len()
+        1 + s.batches.len()
+            * s.lanes.len()
+            * s.handlers.len()
+            * s.variants.len()
+            * s.processes.len().max(1)
     }
 
     /// `run 3/26` for the next run.
@@ -270,9 +295,82 @@ async fn consumer_run(
         handler: spec.handler.name(),
         batch: spec.batch,
         lanes: spec.lanes,
+        processes: None,
         events,
         seconds,
         peak_rss_mb: peak_rss_mb(),
+    })
+}
+
+/// Starts `processes` consumer processes of `spec` in one group on a fresh queue, publishes
+/// `events` once they are connected, and times them from the first ledger row to the last
+/// (polled every 20 ms). Their group joins are behind them; a Kafka rebalance as the last ones
+/// get partitions may not be.
+async fn processes_run(
+    broker: &dyn Broker,
+    spec: Spec,
+    processes: usize,
+    events: &[OutgoingMessage],
+    run: &str,
+) -> Result<Row, BoxError> {
+    let name = broker.create("bench").await?;
+    let db = wallet_db::create(StoreKind::Postgres).await;
+    let consumer = ConsumerSpec {
+        batch: Some(spec.batch),
+        lanes: spec.lanes,
+        batched: spec.handler == HandlerKind::Batch,
+        work: Duration::ZERO,
+        ..ConsumerSpec::new(broker.kind(), spec.variant, &name, db.name())
+    };
+    let mut children = Vec::with_capacity(processes);
+    for member in 0..processes {
+        let member = ConsumerSpec {
+            member,
+            ..consumer.clone()
+        };
+        children.push(kill::spawn_ready(&member).await?);
+    }
+    // Long enough for the group to settle with every member.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    broker.publish(&name, events).await?;
+    let n = events.len() as i64;
+    let label = format!("bench {run}: {} {spec} processes {processes}", broker.kind());
+    let bar = progress::Bar::new(label, n as u64, "msgs");
+    let (mut first, mut last) = (None, Instant::now());
+    let mut seen = 0;
+    while seen < n {
+        let rows = db.summary().await?.ledger_rows;
+        let now = Instant::now();
+        if rows > seen {
+            first.get_or_insert(now);
+            (seen, last) = (rows, now);
+            bar.set_applied(rows);
+        } else if now - last > Duration::from_secs(120) {
+            return Err(format!(
+                "{} {spec} processes {processes}: {seen} of {n} applied, then nothing for 120 s",
+                broker.kind()
+            )
+            .into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    bar.finish();
+    for mut child in children {
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+    }
+    db.remove().await;
+    broker.remove(&name).await;
+    Ok(Row {
+        broker: broker.kind().to_string(),
+        variant: spec.variant.name().to_owned(),
+        handler: spec.handler.name(),
+        batch: spec.batch,
+        lanes: spec.lanes,
+        processes: Some(processes),
+        events: n as u64,
+        seconds: first.map_or(0.0, |f| (last - f).as_secs_f64()),
+        peak_rss_mb: 0.0,
     })
 }
 
@@ -298,6 +396,7 @@ async fn broker_alone(
         handler: "none",
         batch: 1000,
         lanes: 1,
+        processes: None,
         events,
         seconds,
         peak_rss_mb: peak_rss_mb(),
@@ -400,6 +499,7 @@ async fn database_alone(s: &BenchSettings, batch: usize, run: &str) -> Result<Ro
         handler: "batch",
         batch,
         lanes: 1,
+        processes: None,
         events: n as u64,
         seconds,
         peak_rss_mb: peak_rss_mb(),
@@ -482,12 +582,13 @@ fn print_row(row: &Row, limits: &Limits, b_rate: Option<f64>) {
         .filter(|_| row.variant == "c")
         .map_or("-".into(), |b| format!("{:.2}", row.rate() / b));
     println!(
-        "{:<9} {:<15} {:<8} batch {:>5} lanes {:>2} {:>8} events {:>9.0} msgs/s  c/b {:>5}  of db {:>5}  of broker {:>5}  peak RSS {:>6.1} MB",
+        "{:<9} {:<15} {:<8} batch {:>5} lanes {:>2}{} {:>8} events {:>9.0} msgs/s  c/b {:>5}  of db {:>5}  of broker {:>5}  peak RSS {:>6.1} MB",
         row.broker,
         row.variant,
         row.handler,
         row.batch,
         row.lanes,
+        row.processes.map_or(String::new(), |p| format!(" processes {p}")),
         row.events,
         row.rate(),
         c_over_b,
@@ -504,6 +605,7 @@ fn json_line(row: &Row, limits: &Limits) -> String {
         "handler": row.handler,
         "batch": row.batch,
         "lanes": row.lanes,
+        "processes": row.processes,
         "events": row.events,
         "seconds": row.seconds,
         "msgs_per_s": row.rate(),
