@@ -152,6 +152,7 @@ mod ack;
 mod config;
 mod connect;
 mod dead_letter;
+mod dead_letters;
 mod error;
 mod producer;
 mod short_string;
@@ -160,6 +161,7 @@ mod topology;
 
 pub use ack::RabbitAck;
 pub use config::{IdField, RabbitSourceBuilder, Topology};
+pub use dead_letters::{RabbitDeadLetters, RabbitDeadLettersBuilder};
 pub use error::{Error, Result};
 pub use lapin;
 pub use producer::{RabbitProducer, RabbitProducerBuilder};

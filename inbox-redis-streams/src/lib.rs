@@ -169,6 +169,7 @@ mod ack;
 mod cluster;
 mod config;
 mod connection;
+mod dead_letters;
 mod error;
 mod producer;
 mod reply;
@@ -176,6 +177,7 @@ mod source;
 
 pub use ack::RedisStreamAck;
 pub use config::RedisStreamSourceBuilder;
+pub use dead_letters::{RedisDeadLetters, RedisDeadLettersBuilder};
 pub use error::{Error, Result};
 pub use producer::{RedisStreamProducer, RedisStreamProducerBuilder};
 pub use source::RedisStreamSource;
