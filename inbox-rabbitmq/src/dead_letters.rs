@@ -161,18 +161,13 @@ impl DeadLetters for RabbitDeadLetters {
                     .and_then(|b| MessageId::from_bytes(&b).ok()),
             };
             letter.timestamp = sent_at(&headers, *props.timestamp());
-            let id_header = match &self.id_field {
-                IdField::Header(name) => Some(name.as_str()),
-                IdField::MessageIdProperty => None,
-            };
             // `x-` headers are the broker's (`x-delivery-count`, `x-death`), not the message's.
+            // An ID header stays: the producer sends the ID as `message_id` only.
             letter.take_metadata(
                 headers
                     .inner()
                     .iter()
-                    .filter(|(name, _)| {
-                        !name.as_str().starts_with("x-") && Some(name.as_str()) != id_header
-                    })
+                    .filter(|(name, _)| !name.as_str().starts_with("x-"))
                     .map(|(name, value)| (name.to_string(), value_bytes(value)))
                     .collect(),
             );
