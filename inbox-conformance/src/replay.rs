@@ -211,6 +211,42 @@ async fn consume<Q: TestQueue>(
     .await;
 }
 
+/// Sends `n` credits under fresh IDs and consumes them while the downstream is down: all `n`
+/// are dead-lettered with a reason containing "downstream down". Returns the sum of the credits,
+/// what the balances add up to once they are replayed and applied.
+pub async fn park_credits_while_down<Q: TestQueue>(db: &TestDb, queue: &Q, n: i64) -> i64 {
+    for i in 1..=n {
+        let id = MessageId::generate();
+        queue
+            .send(Some(id.as_str()), &CreditEvent::new(1 + i % 3, i).to_json())
+            .await;
+    }
+    let handler = Downstream {
+        credit: Credit::new(db.pool.clone()),
+        down: Arc::new(AtomicBool::new(true)),
+    };
+    let mut totals = Totals::default();
+    consume(db, queue, &handler, &mut totals, n as u64).await;
+    assert_eq!(totals.dead_lettered, n as u64, "{totals:?}");
+    (1..=n).sum()
+}
+
+/// Consumes with the downstream up until `n` messages were applied or skipped; returns how
+/// many were applied and how many skipped as duplicates.
+pub async fn consume_with_the_downstream_up<Q: TestQueue>(
+    db: &TestDb,
+    queue: &Q,
+    n: u64,
+) -> (u64, u64) {
+    let handler = Downstream {
+        credit: Credit::new(db.pool.clone()),
+        down: Arc::new(AtomicBool::new(false)),
+    };
+    let mut totals = Totals::default();
+    consume(db, queue, &handler, &mut totals, n).await;
+    (totals.applied, totals.skipped)
+}
+
 async fn reader<Q: TestQueue>(queue: &Q) -> Box<dyn replay::DeadLetters> {
     queue
         .dead_letter_reader()
