@@ -163,6 +163,10 @@ pub(crate) enum DeadLettersCommand {
 pub(crate) struct DeadLettersList {
     #[command(flatten)]
     pub(crate) from: DeadLetterSource,
+    /// Also one line per dead letter: position, message ID, time, reason (with --json: one
+    /// JSON object per dead letter after the summary).
+    #[arg(long)]
+    pub(crate) each: bool,
     /// Print one JSON object (destination, count, oldest, newest, by_reason) instead of the table.
     #[arg(long)]
     pub(crate) json: bool,

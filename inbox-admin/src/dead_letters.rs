@@ -4,7 +4,7 @@
 
 use std::time::SystemTime;
 
-use inbox_core::replay::{self, DeadLetter, DeadLetters, ReplayReport, Selection, Tally};
+use inbox_core::replay::{self, DeadLetter, DeadLetters, ReplayReport, Selection, Summary, Tally};
 use inbox_core::Publish;
 
 use crate::args::{
@@ -31,9 +31,35 @@ pub(crate) async fn run(command: DeadLettersCommand) -> Result<Vec<String>, CliE
 }
 
 async fn list(args: DeadLettersList) -> Result<Vec<String>, CliError> {
+    // One pass: on RabbitMQ each reading counts as a delivery of every message.
     let mut letters = open(&args.from).await?;
-    let summary = replay::summarize(&mut *letters).await?;
     let name = letters.name().to_owned();
+    let mut summary = Summary::default();
+    let mut each = Vec::new();
+    let (json, listed) = (args.json, args.each);
+    replay::scan(&mut *letters, &mut |l| {
+        summary.add(l);
+        if !listed {
+            return;
+        }
+        each.push(if json {
+            let mut value = letter_json(l);
+            if let Some(fields) = value.as_object_mut() {
+                fields.remove("payload");
+                fields.remove("headers");
+            }
+            value.to_string()
+        } else {
+            format!(
+                "{:<28}  {:<38}  {:<20}  {}",
+                l.position,
+                l.id.as_ref().map_or("-", |id| id.as_str()),
+                when(l.timestamp),
+                l.reason.as_deref().unwrap_or("-")
+            )
+        });
+    })
+    .await?;
     if args.json {
         let tally = |t: &Tally| {
             serde_json::json!({
@@ -55,7 +81,7 @@ async fn list(args: DeadLettersList) -> Result<Vec<String>, CliError> {
         line["destination"] = serde_json::json!(name);
         line["broker"] = serde_json::json!(args.from.broker.name());
         line["by_reason"] = serde_json::json!(by_reason);
-        return Ok(vec![line.to_string()]);
+        return Ok(std::iter::once(line.to_string()).chain(each).collect());
     }
     let total = &summary.total;
     let mut lines = vec![
@@ -80,6 +106,14 @@ async fn list(args: DeadLettersList) -> Result<Vec<String>, CliError> {
             ));
         }
     }
+    if !each.is_empty() {
+        lines.push(String::new());
+        lines.push(format!(
+            "{:<28}  {:<38}  {:<20}  reason",
+            "position", "message id", "time"
+        ));
+        lines.extend(each);
+    }
     Ok(lines)
 }
 
@@ -89,7 +123,7 @@ async fn show(args: DeadLettersShow) -> Result<Vec<String>, CliError> {
     let Some(letter) = replay::find(&mut *letters, &args.position).await? else {
         return Err(CliError::Refused(format!(
             "no dead letter at position or with message ID `{}` in {name}; `dead-letters \
-             replay --dry-run` lists none, `list` counts them",
+             list --each` lists them",
             args.position
         )));
     };

@@ -227,31 +227,44 @@ pub struct Summary {
     pub by_reason: BTreeMap<Option<String>, Tally>,
 }
 
+impl Summary {
+    /// Counts one more dead letter.
+    pub fn add(&mut self, letter: &DeadLetter) {
+        self.total.add(letter);
+        self.by_reason
+            .entry(letter.reason.clone())
+            .or_default()
+            .add(letter);
+    }
+}
+
 /// Reads the whole destination and counts it, leaving everything where it was.
 pub async fn summarize(letters: &mut dyn DeadLetters) -> Result<Summary, OperationError> {
     let mut summary = Summary::default();
+    scan(letters, &mut |letter| summary.add(letter)).await?;
+    Ok(summary)
+}
+
+/// Hands every dead letter to `each`, oldest first, leaving everything where it was.
+pub async fn scan(
+    letters: &mut dyn DeadLetters,
+    each: &mut (dyn FnMut(&DeadLetter) + Send),
+) -> Result<(), OperationError> {
     let read = async {
         loop {
             let batch = letters.next(BATCH).await?;
             if batch.is_empty() {
                 return Ok(());
             }
-            for letter in &batch {
-                summary.total.add(letter);
-                summary
-                    .by_reason
-                    .entry(letter.reason.clone())
-                    .or_default()
-                    .add(letter);
-            }
+            batch.iter().for_each(&mut *each);
         }
     }
     .await;
-    finish(letters, read).await?;
-    Ok(summary)
+    finish(letters, read).await
 }
 
-/// The dead letter at `position`, if there is one, leaving everything where it was.
+/// The dead letter at `position` (as [`DeadLetter::position`] says it), or else the first one
+/// whose message ID is `position`, leaving everything where it was.
 pub async fn find(
     letters: &mut dyn DeadLetters,
     position: &str,
@@ -262,7 +275,9 @@ pub async fn find(
             if batch.is_empty() {
                 return Ok(None);
             }
-            if let Some(letter) = batch.into_iter().find(|l| l.position == position) {
+            if let Some(letter) = batch.into_iter().find(|l| {
+                l.position == position || l.id.as_ref().is_some_and(|id| id.as_str() == position)
+            }) {
                 return Ok(Some(letter));
             }
         }
@@ -466,6 +481,16 @@ mod tests {
         assert_eq!(found.payload, b"[201]");
         assert_eq!(found.headers, [("tenant".to_owned(), b"acme".to_vec())]);
         assert!(find(&mut parked(vec![]), "1-0").await.unwrap().is_none());
+        let mut dlq = parked((1..=3).map(|n| letter(n, "x", "a")).collect());
+        let by_id = find(&mut dlq, "id-3").await.unwrap().unwrap();
+        assert_eq!(by_id.position, "3-0");
+        let mut dlq = parked((1..=250).map(|n| letter(n, "x", "a")).collect());
+        let mut seen = Vec::new();
+        scan(&mut dlq, &mut |l| seen.push(l.position.clone()))
+            .await
+            .unwrap();
+        assert_eq!((seen.len(), seen[249].as_str()), (250, "250-0"));
+        assert!(dlq.closed && dlq.removed.is_empty());
     }
 
     #[tokio::test]
