@@ -23,8 +23,14 @@ use crate::{connect, Error, IdField, Result};
 ///
 /// Reading takes every message with `basic.get` and holds it unacknowledged on one channel; a
 /// replayed one is acked (removed), and closing the channel returns the others to the queue,
-/// in their order. A quorum queue counts each return as a delivery (`x-delivery-count`): a
-/// dead-letter queue with an `x-delivery-limit` drops a message listed that many times.
+/// in their order.
+///
+/// Before RabbitMQ 4.3 a quorum queue counts each return as a delivery (`x-delivery-count`
+/// rises by one per reading). The dead-letter queue the source declares has no
+/// `x-delivery-limit`, but RabbitMQ 4.0 gives every quorum queue a default limit of 20, and a
+/// message over it is dropped (a dead-letter queue has no dead-letter exchange of its own): on
+/// RabbitMQ 4.0 to 4.2, set a policy with `delivery-limit: -1` on the dead-letter queues before
+/// reading them often.
 pub struct RabbitDeadLetters {
     queue: String,
     id_field: IdField,
