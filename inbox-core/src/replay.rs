@@ -548,6 +548,17 @@ mod tests {
     }
 
     #[test]
+    fn readers_and_the_replay_future_are_send() {
+        fn assert_send<T: Send>(_: &T) {}
+        let mut dlq = parked(vec![]);
+        let sent = Sent::default();
+        let selection = Selection::all();
+        assert_send(&replay(&mut dlq, &sent, &selection, true, &mut |_| {}));
+        let boxed: Box<dyn DeadLetters> = Box::new(parked(vec![]));
+        assert_send(&boxed);
+    }
+
+    #[test]
     fn a_time_range_needs_a_time() {
         let mut l = letter(5, "r", "a");
         assert!(Selection::all()
