@@ -23,13 +23,14 @@ use std::time::{Duration, Instant};
 
 /// The programs users copy, one per broker, then the side effects outside the database: each
 /// fails when an effect is lost or applied twice.
-const EXAMPLES: [&str; 6] = [
+const EXAMPLES: [&str; 7] = [
     "kafka",
     "sqs",
     "rabbitmq",
     "redis_streams",
     "effect_call",
     "outbox",
+    "replay",
 ];
 
 fn main() -> ExitCode {
