@@ -10,7 +10,7 @@ use inbox_postgres::{KeyMode, DEFAULT_PURGE_BATCH};
 /// slipped unit (`14m` for `14d`), and forgets messages a redelivery may still bring back.
 pub(crate) const PURGE_FLOOR: Duration = Duration::from_secs(3600);
 
-/// The operator CLI of the PostgreSQL inbox.
+/// The operator CLI of the inbox: the PostgreSQL table, and the brokers' dead letters.
 #[derive(Debug, Parser)]
 #[command(
     name = "inbox-admin",
@@ -18,9 +18,9 @@ pub(crate) const PURGE_FLOOR: Duration = Duration::from_secs(3600);
     arg_required_else_help = true,
     after_help = "\
 Durations: a number and a unit, like 14d, 36h, 90m, 30s or 2w; parts add up (1d 12h).
-Exit status: 0 done; 1 the command failed (database, table name); 2 the command line is wrong;
+Exit status: 0 done; 1 the command failed (database, table name, broker); 2 the command line is wrong;
 3 `stats --min-window` found a consumer whose window is too short.
-Progress: purge and measure-storage draw it on stderr when stderr is a terminal; elsewhere, and
+Progress: purge, measure-storage and dead-letters replay draw it on stderr when stderr is a terminal; elsewhere, and
 with --json, a plain line every 10s (INBOX_ADMIN_PROGRESS_EVERY=30s sets the period, =off none)."
 )]
 pub(crate) struct Cli {
@@ -161,8 +161,6 @@ pub(crate) enum DeadLettersCommand {
 
 #[derive(Debug, Args)]
 pub(crate) struct DeadLettersList {
-    #[command(flatten)]
-    pub(crate) from: DeadLetterSource,
     /// Also one line per dead letter: position, message ID, time, reason (with --json: one
     /// JSON object per dead letter after the summary).
     #[arg(long)]
@@ -170,12 +168,12 @@ pub(crate) struct DeadLettersList {
     /// Print one JSON object (destination, count, oldest, newest, by_reason) instead of the table.
     #[arg(long)]
     pub(crate) json: bool,
+    #[command(flatten)]
+    pub(crate) from: DeadLetterSource,
 }
 
 #[derive(Debug, Args)]
 pub(crate) struct DeadLettersShow {
-    #[command(flatten)]
-    pub(crate) from: DeadLetterSource,
     /// The dead letter's position as `list`/`replay --dry-run` print it (a stream entry ID,
     /// `partition 0 offset 7`, an SQS message ID, a RabbitMQ queue place), or its message ID.
     #[arg(value_name = "POSITION")]
@@ -183,6 +181,8 @@ pub(crate) struct DeadLettersShow {
     /// Print one JSON object instead of the lines.
     #[arg(long)]
     pub(crate) json: bool,
+    #[command(flatten)]
+    pub(crate) from: DeadLetterSource,
 }
 
 #[derive(Debug, Args)]
@@ -193,8 +193,6 @@ pub(crate) struct DeadLettersShow {
         .args(["all", "reason", "since", "until"])
 ))]
 pub(crate) struct DeadLettersReplay {
-    #[command(flatten)]
-    pub(crate) from: DeadLetterSource,
     /// Replay every dead letter.
     #[arg(long, conflicts_with_all = ["reason", "since", "until"])]
     pub(crate) all: bool,
@@ -215,6 +213,8 @@ pub(crate) struct DeadLettersReplay {
     /// of the lines; no progress is drawn.
     #[arg(long)]
     pub(crate) json: bool,
+    #[command(flatten)]
+    pub(crate) from: DeadLetterSource,
 }
 
 /// Which broker, which dead-letter destination, and how to reach it.

@@ -1,4 +1,5 @@
-//! `inbox-admin`: the operator CLI of the PostgreSQL inbox.
+//! `inbox-admin`: the operator CLI of the inbox: the PostgreSQL table, and the brokers' dead
+//! letters (`dead-letters`, each broker behind a feature of its name).
 //!
 //! ```text
 //! inbox-admin migrate --key-mode uuid
