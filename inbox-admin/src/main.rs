@@ -1,4 +1,5 @@
-//! `inbox-admin`: the operator CLI of the PostgreSQL inbox.
+//! `inbox-admin`: the operator CLI of the inbox: the PostgreSQL table, and the brokers' dead
+//! letters (`dead-letters`, each broker behind a feature of its name).
 //!
 //! ```text
 //! inbox-admin migrate --key-mode uuid
@@ -12,14 +13,19 @@
 //! inbox-admin stats --json                 # one JSON object per consumer
 //! inbox-admin measure-storage --rows 1000000 --runs 5
 //! inbox-admin measure-storage --json       # one JSON object: bytes per row per key layout
+//! inbox-admin dead-letters list --broker redis --from orders:dlq
+//! inbox-admin dead-letters show --broker redis --from orders:dlq 1733369000000-0
+//! inbox-admin dead-letters replay --broker kafka --from orders.dlq --reason "downstream down" --dry-run
+//! inbox-admin dead-letters replay --broker sqs --from "$DLQ_URL" --since 2h
 //! ```
 //!
-//! `purge` and `measure-storage` show their progress on stderr (see [`progress`]).
+//! `purge`, `measure-storage` and `dead-letters replay` show their progress on stderr (see [`progress`]).
 //!
 //! Exit status: 0 done, 1 the command failed, 2 the command line is wrong (clap's usage errors
 //! and a `purge` window below the floor without `--force`) or the `stats --min-window` alarm.
 
 mod args;
+mod dead_letters;
 mod measure;
 mod partitions;
 mod progress;
@@ -53,6 +59,9 @@ pub(crate) enum CliError {
     /// The store declined to do what was asked, and said why.
     #[error("{0}")]
     Refused(String),
+    /// A broker failed while reading or replaying dead letters.
+    #[error(transparent)]
+    Broker(#[from] inbox_core::OperationError),
 }
 
 pub(crate) fn db(context: &'static str) -> impl FnOnce(sqlx::Error) -> CliError {
@@ -138,6 +147,7 @@ async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Purge(p) => print(purge::run(&inbox(target).await?, &p).await?),
         Command::Stats(stats) => return self::stats(&inbox(target).await?, &stats).await,
         Command::MeasureStorage(m) => print(measure::run(&connect(target).await?, &m).await?),
+        Command::DeadLetters(d) => print(dead_letters::run(d).await?),
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -382,6 +382,15 @@ impl TestQueue for Topic {
         u64::try_from(lag).unwrap_or(0)
     }
 
+    async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DeadLetters>> {
+        let reader = inbox_kafka::KafkaDeadLetters::builder(format!("{}.dlq", self.name))
+            .brokers(&self.brokers)
+            .connect()
+            .await
+            .expect("the dead-letter reader connects");
+        Some(Box::new(reader))
+    }
+
     async fn cleanup(&self) {
         // Left on the broker (Tansu keeps them in memory): deleting them made librdkafka 2.12
         // crash now and then (SIGSEGV in `rd_kafka_metadata_cache_find`, on its main thread,

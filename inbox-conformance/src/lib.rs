@@ -123,6 +123,7 @@ pub mod python;
 pub mod rabbitmq;
 #[cfg(feature = "redis")]
 pub mod redis;
+pub mod replay;
 pub mod scenarios;
 #[cfg(feature = "sqs")]
 pub mod sqs;
@@ -320,6 +321,13 @@ pub trait TestQueue: Send + Sync + 'static {
         self.left().await
     }
 
+    /// A reader of the dead-letter destination for [`inbox_core::replay`] (the adapter's
+    /// `XDeadLetters`); `None` where the adapter has none, and the replay scenario is skipped.
+    /// Default: `None`.
+    async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DeadLetters>> {
+        None
+    }
+
     /// Deletes the queue and its dead-letter destination.
     async fn cleanup(&self);
 }
@@ -347,6 +355,7 @@ macro_rules! suite {
             connections_cut_again_and_again_lose_and_repeat_nothing,
             a_refused_broker_is_retried_until_it_is_back,
             a_broker_restarted_mid_stream_loses_and_repeats_nothing,
+            dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_parked,
         );
         /// The consumer process of the kill scenario, started by it; not a test of its own.
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -241,6 +241,15 @@ impl TestQueue for Queue {
         ready_on(self.config.queue()).await.into()
     }
 
+    async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DeadLetters>> {
+        let reader = inbox_rabbitmq::RabbitDeadLetters::builder(self.config.dead_letter_queue())
+            .url(amqp_url())
+            .connect()
+            .await
+            .expect("the dead-letter reader connects");
+        Some(Box::new(reader))
+    }
+
     async fn cleanup(&self) {
         cleanup(&self.config).await;
     }

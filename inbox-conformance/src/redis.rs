@@ -212,6 +212,15 @@ impl TestQueue for Stream {
         u64::try_from(pending + lag).unwrap_or(0)
     }
 
+    async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DeadLetters>> {
+        let reader = inbox_redis_streams::RedisDeadLetters::builder(format!("{}:dlq", self.key))
+            .url(&self.url)
+            .connect()
+            .await
+            .expect("the dead-letter reader connects");
+        Some(Box::new(reader))
+    }
+
     async fn cleanup(&self) {
         cleanup_with(&mut raw_at(&self.url).await, &self.key).await;
     }

@@ -216,6 +216,15 @@ impl TestQueue for Queue {
             .sum()
     }
 
+    async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DeadLetters>> {
+        let reader = inbox_sqs::SqsDeadLetters::builder(&self.dlq)
+            .client(self.sqs.clone())
+            .connect()
+            .await
+            .expect("the dead-letter reader connects");
+        Some(Box::new(reader))
+    }
+
     async fn cleanup(&self) {
         delete_queue(&self.sqs, &self.url).await;
         delete_queue(&self.sqs, &self.dlq).await;

@@ -84,6 +84,7 @@ mod probes;
 mod publish;
 mod recent;
 mod redact;
+pub mod replay;
 mod source;
 mod stats;
 mod store;

@@ -74,6 +74,12 @@ impl Error {
     }
 }
 
+impl From<Error> for SourceError {
+    fn from(e: Error) -> Self {
+        e.into_source()
+    }
+}
+
 /// Retrying cannot fix missing permissions, failed authentication or a fatal client state;
 /// everything else (a broker down, a leader moving, a coordinator loading) passes.
 pub(crate) fn recovery(e: &KafkaError) -> Recovery {

@@ -158,6 +158,7 @@ mod ack;
 mod config;
 mod connect;
 mod dead_letter;
+mod dead_letters;
 mod error;
 mod producer;
 mod short_string;
@@ -166,6 +167,7 @@ mod topology;
 
 pub use ack::RabbitAck;
 pub use config::{RabbitSourceBuilder, Topology};
+pub use dead_letters::{RabbitDeadLetters, RabbitDeadLettersBuilder};
 pub use error::{Error, Result};
 pub use inbox_core::{CloudEventsIdentity, IdFrom};
 pub use lapin;

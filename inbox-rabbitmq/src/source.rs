@@ -313,10 +313,10 @@ pub(crate) const ID_BINDING: Binding = Binding {
 };
 
 /// A delivery as [`IdFrom::read`](inbox_core::IdFrom::read) sees it.
-struct Amqp<'a> {
-    headers: &'a FieldTable,
-    message_id: Option<&'a str>,
-    body: &'a [u8],
+pub(crate) struct Amqp<'a> {
+    pub(crate) headers: &'a FieldTable,
+    pub(crate) message_id: Option<&'a str>,
+    pub(crate) body: &'a [u8],
 }
 
 impl IdCarrier for Amqp<'_> {
@@ -346,7 +346,7 @@ impl IdCarrier for Amqp<'_> {
 }
 
 /// A header value as ID text: strings and byte arrays as they are, integers in decimal.
-fn text_bytes(value: &AMQPValue) -> Option<Vec<u8>> {
+pub(crate) fn text_bytes(value: &AMQPValue) -> Option<Vec<u8>> {
     match value {
         AMQPValue::LongString(s) => Some(s.as_bytes().to_vec()),
         AMQPValue::ShortString(s) => Some(s.as_str().as_bytes().to_vec()),
@@ -356,7 +356,7 @@ fn text_bytes(value: &AMQPValue) -> Option<Vec<u8>> {
 }
 
 /// Any header value as bytes for [`Message::headers`]: text as is, the rest as readable text.
-fn value_bytes(value: &AMQPValue) -> Vec<u8> {
+pub(crate) fn value_bytes(value: &AMQPValue) -> Vec<u8> {
     match (text_bytes(value), value) {
         (Some(bytes), _) => bytes,
         (None, AMQPValue::Boolean(b)) => b.to_string().into_bytes(),
@@ -384,7 +384,7 @@ fn as_u64(value: &AMQPValue) -> Option<u64> {
 
 /// When the message was published: the `timestamp_in_ms` header (RabbitMQ's message timestamp
 /// plugin), else the `timestamp` property (seconds), where the publisher or broker set one.
-fn sent_at(headers: &FieldTable, seconds: Option<u64>) -> Option<std::time::SystemTime> {
+pub(crate) fn sent_at(headers: &FieldTable, seconds: Option<u64>) -> Option<std::time::SystemTime> {
     let since_epoch = match headers.inner().get("timestamp_in_ms").and_then(as_u64) {
         Some(ms) => std::time::Duration::from_millis(ms),
         None => std::time::Duration::from_secs(seconds?),

@@ -174,6 +174,7 @@ mod ack;
 mod cluster;
 mod config;
 mod connection;
+mod dead_letters;
 mod error;
 mod producer;
 mod reply;
@@ -181,6 +182,7 @@ mod source;
 
 pub use ack::RedisStreamAck;
 pub use config::RedisStreamSourceBuilder;
+pub use dead_letters::{RedisDeadLetters, RedisDeadLettersBuilder};
 pub use error::{Error, Result};
 pub use inbox_core::{CloudEventsIdentity, IdFrom};
 pub use producer::{RedisStreamProducer, RedisStreamProducerBuilder};

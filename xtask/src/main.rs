@@ -24,9 +24,9 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 /// The programs users copy, one per broker, the second store, a foreign producer's messages,
-/// then the side effects outside the database: each fails when an effect is lost or applied
-/// twice.
-const EXAMPLES: [&str; 8] = [
+/// then the side effects outside the database and a dead-letter replay: each fails when an
+/// effect is lost or applied twice.
+const EXAMPLES: [&str; 9] = [
     "kafka",
     "sqs",
     "rabbitmq",
@@ -35,6 +35,7 @@ const EXAMPLES: [&str; 8] = [
     "cloud_events",
     "effect_call",
     "outbox",
+    "replay",
 ];
 
 fn main() -> ExitCode {

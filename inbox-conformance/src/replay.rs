@@ -1,0 +1,255 @@
+//! The dead-letter replay scenario: a batch parked while a downstream was down, the cause
+//! fixed, the batch replayed with [`inbox_core::replay`] through the adapter's producer and
+//! consumed again.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use inbox_core::replay::{self, Selection};
+use inbox_core::{
+    async_trait, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish,
+    PublishError, Recovery,
+};
+use inbox_postgres::PgTx;
+use inbox_testkit::fast_retry;
+
+use crate::scenarios::{drain, finish, left, setup, Totals};
+use crate::wallet::{self, Credit, CreditEvent};
+use crate::{TestBroker, TestDb, TestQueue};
+
+/// What the handler fails with while the downstream is down: the dead letters' reason.
+const DOWN: &str = "downstream down";
+
+/// Credits an account, unless the downstream it needs is down: then a permanent failure, and
+/// the message is dead-lettered at once.
+#[derive(Clone)]
+struct Downstream {
+    credit: Credit,
+    down: Arc<AtomicBool>,
+}
+
+#[async_trait]
+impl Handler<PgTx> for Downstream {
+    async fn handle(&self, tx: &mut PgTx, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(HandlerError::permanent(DOWN));
+        }
+        self.credit.handle(tx, id, m).await
+    }
+}
+
+/// A publisher whose first batch reaches the broker only in part (its first message) and then
+/// fails: a replay that stopped between publishing and removing.
+struct Interrupted {
+    inner: Arc<dyn Publish>,
+    failed: AtomicBool,
+}
+
+#[async_trait]
+impl Publish for Interrupted {
+    async fn send_batch(
+        &self,
+        destination: &str,
+        messages: &[OutgoingMessage],
+    ) -> Result<(), PublishError> {
+        if self.failed.swap(true, Ordering::SeqCst) {
+            return self.inner.send_batch(destination, messages).await;
+        }
+        self.inner.send_batch(destination, &messages[..1]).await?;
+        Err(PublishError::new(
+            Recovery::Retry,
+            format!("publishing to `{destination}`"),
+            "the connection was lost before the confirms",
+        ))
+    }
+}
+
+/// Ten credits are dead-lettered while the downstream is down; the listing counts them under
+/// one reason, and a dry run moves nothing. The downstream is fixed; a first replay stops after
+/// one message reached the source (applied by the consumer, but still parked), a second replays
+/// all ten. In the end every credit is applied exactly once (the one replayed twice skipped as
+/// a duplicate), the source and the dead-letter destination are empty.
+pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_parked<
+    B: TestBroker,
+>(
+    broker: &B,
+) {
+    let (db, queue) = setup(broker, "replay").await;
+    if queue.dead_letter_reader().await.is_none() {
+        println!("replay: skipped: the adapter has no dead-letter reader");
+        finish(db, queue).await;
+        return;
+    }
+    const N: i64 = 10;
+    let mut expected = 0;
+    for i in 1..=N {
+        let id = MessageId::generate();
+        queue
+            .send(Some(id.as_str()), &CreditEvent::new(1 + i % 3, i).to_json())
+            .await;
+        expected += i;
+    }
+    let handler = Downstream {
+        credit: Credit::new(db.pool.clone()),
+        down: Arc::new(AtomicBool::new(true)),
+    };
+    let mut totals = Totals::default();
+    consume(&db, &queue, &handler, &mut totals, N as u64).await;
+    assert_eq!(totals.dead_lettered, N as u64, "{totals:?}");
+
+    let summary = replay::summarize(&mut *reader(&queue).await)
+        .await
+        .expect("listing");
+    println!("replay: parked {summary:?}");
+    assert_eq!(summary.total.count, N as u64);
+    assert_eq!(summary.by_reason.len(), 1, "{summary:?}");
+    let (reason, tally) = summary.by_reason.iter().next().expect("one reason");
+    assert!(
+        reason.as_deref().is_some_and(|r| r.contains(DOWN)),
+        "{reason:?}"
+    );
+    assert_eq!(tally.count, N as u64);
+    assert!(summary.total.oldest <= summary.total.newest);
+
+    let producer = queue.producer().await;
+    let dry = replay::replay(
+        &mut *reader(&queue).await,
+        &*producer,
+        &Selection::all(),
+        true,
+        &mut |_| {},
+    )
+    .await
+    .expect("dry run");
+    assert_eq!((dry.selected, dry.moved), (N as u64, N as u64));
+    assert_eq!(left(&queue).await, 0, "a dry run published something");
+    let after_dry = replay::summarize(&mut *reader(&queue).await)
+        .await
+        .expect("listing");
+    assert_eq!(
+        after_dry.total.count, N as u64,
+        "a dry run removed something"
+    );
+
+    // Fixed. A replay that loses its connection after one copy reached the source removes
+    // nothing; that copy is applied.
+    handler.down.store(false, Ordering::SeqCst);
+    let interrupted = Interrupted {
+        inner: Arc::clone(&producer),
+        failed: AtomicBool::new(false),
+    };
+    let reason = reason.clone().unwrap_or_default();
+    let e = replay::replay(
+        &mut *reader(&queue).await,
+        &interrupted,
+        &Selection::all().reason(reason.clone()),
+        false,
+        &mut |_| {},
+    )
+    .await
+    .expect_err("the first replay is interrupted");
+    assert_eq!(e.recovery(), Recovery::Retry);
+    consume(&db, &queue, &handler, &mut totals, N as u64 + 1).await;
+    assert_eq!(wallet::applied(&db.pool).await, 1);
+
+    // Replayed again, all of it: the copy applied before is skipped.
+    let mut batches = 0;
+    let report = replay::replay(
+        &mut *reader(&queue).await,
+        &*producer,
+        &Selection::all().reason(reason),
+        false,
+        &mut |_| batches += 1,
+    )
+    .await
+    .expect("replay");
+    assert_eq!(report.moved, N as u64, "{report:?}");
+    assert!(batches >= 1);
+    consume(&db, &queue, &handler, &mut totals, 2 * N as u64 + 1).await;
+
+    let ledger = wallet::summary(&db.pool).await.expect("summary");
+    let parked = replay::summarize(&mut *reader(&queue).await)
+        .await
+        .expect("listing");
+    let left = left(&queue).await;
+    println!(
+        "replay: {totals:?}, {report:?}, {ledger:?}, parked {}, left {left}",
+        parked.total.count
+    );
+    assert_eq!((ledger.ledger_rows, ledger.distinct_events), (N, N));
+    assert_eq!(ledger.total_balance, expected);
+    assert!(ledger.balances_exact);
+    assert_eq!(
+        (totals.applied, totals.skipped),
+        (N as u64, 1),
+        "{totals:?}"
+    );
+    assert_eq!(parked.total.count, 0, "dead letters left: {parked:?}");
+    assert_eq!(left, 0);
+    finish(db, queue).await;
+}
+
+/// Consumes until the consumers together have applied, skipped or dead-lettered `until`.
+async fn consume<Q: TestQueue>(
+    db: &TestDb,
+    queue: &Q,
+    handler: &Downstream,
+    totals: &mut Totals,
+    until: u64,
+) {
+    drain(
+        queue,
+        "c1",
+        totals,
+        |source| {
+            Consumer::new("wallet", source, db.inbox(), handler.clone())
+                .retry(fast_retry(3))
+                .run_until_idle()
+        },
+        |t| async move { t.applied + t.skipped + t.dead_lettered >= until },
+    )
+    .await;
+}
+
+/// Sends `n` credits under fresh IDs and consumes them while the downstream is down: all `n`
+/// are dead-lettered with a reason containing "downstream down". Returns the sum of the credits,
+/// what the balances add up to once they are replayed and applied.
+pub async fn park_credits_while_down<Q: TestQueue>(db: &TestDb, queue: &Q, n: i64) -> i64 {
+    for i in 1..=n {
+        let id = MessageId::generate();
+        queue
+            .send(Some(id.as_str()), &CreditEvent::new(1 + i % 3, i).to_json())
+            .await;
+    }
+    let handler = Downstream {
+        credit: Credit::new(db.pool.clone()),
+        down: Arc::new(AtomicBool::new(true)),
+    };
+    let mut totals = Totals::default();
+    consume(db, queue, &handler, &mut totals, n as u64).await;
+    assert_eq!(totals.dead_lettered, n as u64, "{totals:?}");
+    (1..=n).sum()
+}
+
+/// Consumes with the downstream up until `n` messages were applied or skipped; returns how
+/// many were applied and how many skipped as duplicates.
+pub async fn consume_with_the_downstream_up<Q: TestQueue>(
+    db: &TestDb,
+    queue: &Q,
+    n: u64,
+) -> (u64, u64) {
+    let handler = Downstream {
+        credit: Credit::new(db.pool.clone()),
+        down: Arc::new(AtomicBool::new(false)),
+    };
+    let mut totals = Totals::default();
+    consume(db, queue, &handler, &mut totals, n).await;
+    (totals.applied, totals.skipped)
+}
+
+async fn reader<Q: TestQueue>(queue: &Q) -> Box<dyn replay::DeadLetters> {
+    queue
+        .dead_letter_reader()
+        .await
+        .expect("the adapter has a dead-letter reader")
+}

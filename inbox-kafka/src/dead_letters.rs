@@ -1,0 +1,349 @@
+//! A dead-letter topic read back for [`inbox_core::replay`]: a log cannot delete, so a consumer
+//! group of its own ([`DEFAULT_REPLAY_GROUP`]) remembers what was replayed.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use inbox_core::replay::{DeadLetter, DeadLetters};
+use inbox_core::{async_trait, MessageId, OperationError};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use rdkafka::message::{Headers, Message as _};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+use crate::config::brokers_from_env;
+use crate::{Error, Result};
+
+/// The consumer group whose committed offsets mark a dead-letter topic's records as replayed.
+pub const DEFAULT_REPLAY_GROUP: &str = "inbox-admin-replay";
+
+/// The records of a Kafka dead-letter topic (`<topic>.dlq`) not yet replayed, as
+/// [`inbox_core::replay`] reads them: each keeps its key, payload and headers (the ID in
+/// `event_id`) and carries the [`inbox_core::dead_letter`] headers; its position is
+/// `partition P offset O` and its time the record's timestamp (when it was parked).
+///
+/// A topic cannot delete a record, so "removed" means committed by the consumer group
+/// [`group`](KafkaDeadLettersBuilder::group) (default [`DEFAULT_REPLAY_GROUP`]): a reading
+/// starts at the group's committed offset of each partition (the beginning when it has none)
+/// and goes up to the end as it was when the reading started; removing commits past every
+/// record replayed, as far as every earlier record of the partition was replayed too. A
+/// record a selection left out therefore holds back the commit of the later ones, which a
+/// later reading shows (and a later replay publishes) again; the inbox skips those copies.
+/// "Empty" is: the group's committed offset is the end of every partition.
+pub struct KafkaDeadLetters {
+    topic: String,
+    id_header: String,
+    consumer: Arc<BaseConsumer>,
+    timeout: Duration,
+    partitions: BTreeMap<i32, Partition>,
+}
+
+/// How far one partition is read and replayed.
+#[derive(Debug, Clone, Default)]
+struct Partition {
+    /// The end of the partition when the reading started.
+    end: i64,
+    /// The next offset to read.
+    next: i64,
+    /// Offsets read and not yet committed, in order, with whether each was replayed.
+    pending: VecDeque<(i64, bool)>,
+}
+
+impl std::fmt::Debug for KafkaDeadLetters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaDeadLetters")
+            .field("topic", &self.topic)
+            .field("id_header", &self.id_header)
+            .field("partitions", &self.partitions)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`KafkaDeadLetters`]; start with [`KafkaDeadLetters::builder`].
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `connect` is awaited"]
+pub struct KafkaDeadLettersBuilder {
+    topic: String,
+    brokers: Option<String>,
+    group: String,
+    id_header: String,
+    timeout: Duration,
+    properties: BTreeMap<String, String>,
+}
+
+impl KafkaDeadLetters {
+    /// Reads the dead-letter topic `topic` (like `payments.dlq`).
+    pub fn builder(topic: impl Into<String>) -> KafkaDeadLettersBuilder {
+        KafkaDeadLettersBuilder {
+            topic: topic.into(),
+            brokers: None,
+            group: DEFAULT_REPLAY_GROUP.to_owned(),
+            id_header: "event_id".to_owned(),
+            timeout: Duration::from_secs(10),
+            properties: BTreeMap::new(),
+        }
+    }
+}
+
+impl KafkaDeadLettersBuilder {
+    /// The brokers to bootstrap from, instead of `KAFKA_BROKERS`.
+    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
+        self.brokers = Some(brokers.into());
+        self
+    }
+
+    /// The consumer group that remembers what was replayed (default [`DEFAULT_REPLAY_GROUP`]).
+    pub fn group(mut self, group: impl Into<String>) -> Self {
+        self.group = group.into();
+        self
+    }
+
+    /// The header holding the message ID (default `event_id`).
+    pub fn id_header(mut self, name: impl Into<String>) -> Self {
+        self.id_header = name.into();
+        self
+    }
+
+    /// How long a metadata request, a commit or a wait for the next record may take (default
+    /// 10 s).
+    pub fn operation_timeout(mut self, wait: Duration) -> Self {
+        self.timeout = wait;
+        self
+    }
+
+    /// A librdkafka property (TLS, SASL), as on the source's builder.
+    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.properties.insert(key.into(), value.into());
+        self
+    }
+
+    /// Connects, and finds where each partition's reading starts and ends.
+    pub async fn connect(self) -> Result<KafkaDeadLetters> {
+        let brokers = match self.brokers {
+            Some(brokers) => brokers,
+            None => brokers_from_env()?,
+        };
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &brokers)
+            .set("group.id", &self.group)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest");
+        for (key, value) in &self.properties {
+            config.set(key, value);
+        }
+        let consumer: BaseConsumer = config
+            .create()
+            .map_err(|e| Error::kafka("creating the dead-letter reader", e))?;
+        let consumer = Arc::new(consumer);
+        let (topic, timeout) = (self.topic.clone(), self.timeout);
+        let reader = Arc::clone(&consumer);
+        let partitions = blocking(move || starts(&reader, &topic, timeout)).await??;
+        let mut assignment = TopicPartitionList::new();
+        for (partition, p) in &partitions {
+            assignment
+                .add_partition_offset(&self.topic, *partition, Offset::Offset(p.next))
+                .map_err(|e| Error::kafka("assigning the dead-letter partitions", e))?;
+        }
+        consumer
+            .assign(&assignment)
+            .map_err(|e| Error::kafka("assigning the dead-letter partitions", e))?;
+        Ok(KafkaDeadLetters {
+            topic: self.topic,
+            id_header: self.id_header,
+            consumer,
+            timeout: self.timeout,
+            partitions,
+        })
+    }
+}
+
+/// Each partition of `topic` with the group's committed offset (else the low watermark) and
+/// the high watermark.
+fn starts(
+    consumer: &BaseConsumer,
+    topic: &str,
+    timeout: Duration,
+) -> Result<BTreeMap<i32, Partition>> {
+    let metadata = consumer
+        .fetch_metadata(Some(topic), timeout)
+        .map_err(|e| Error::kafka(format!("reading the metadata of `{topic}`"), e))?;
+    let Some(found) = metadata.topics().iter().find(|t| t.name() == topic) else {
+        return Err(Error::Config(format!(
+            "dead-letter topic `{topic}` does not exist"
+        )));
+    };
+    if found.partitions().is_empty() {
+        return Err(Error::Config(format!(
+            "dead-letter topic `{topic}` does not exist (no partitions)"
+        )));
+    }
+    let mut list = TopicPartitionList::new();
+    for p in found.partitions() {
+        list.add_partition(topic, p.id());
+    }
+    let committed = consumer
+        .committed_offsets(list, timeout)
+        .map_err(|e| Error::kafka(format!("reading the committed offsets of `{topic}`"), e))?;
+    let mut partitions = BTreeMap::new();
+    for p in found.partitions() {
+        let (low, high) = consumer
+            .fetch_watermarks(topic, p.id(), timeout)
+            .map_err(|e| Error::kafka(format!("reading the offsets of `{topic}`"), e))?;
+        let committed = committed
+            .find_partition(topic, p.id())
+            .and_then(|e| match e.offset() {
+                Offset::Offset(o) => Some(o),
+                _ => None,
+            });
+        let next = committed.unwrap_or(low).max(low);
+        partitions.insert(
+            p.id(),
+            Partition {
+                end: high,
+                next,
+                pending: VecDeque::new(),
+            },
+        );
+    }
+    Ok(partitions)
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Config(format!("a blocking Kafka call did not finish: {e}")))
+}
+
+impl KafkaDeadLetters {
+    fn done(&self) -> bool {
+        self.partitions.values().all(|p| p.next >= p.end)
+    }
+}
+
+#[async_trait]
+impl DeadLetters for KafkaDeadLetters {
+    fn name(&self) -> &str {
+        &self.topic
+    }
+
+    async fn next(&mut self, max: usize) -> std::result::Result<Vec<DeadLetter>, OperationError> {
+        let mut letters = Vec::new();
+        let mut idle_since = Instant::now();
+        while letters.len() < max && !self.done() {
+            let consumer = Arc::clone(&self.consumer);
+            let id_header = self.id_header.clone();
+            let polled = blocking(move || {
+                consumer.poll(Duration::from_millis(200)).map(|r| {
+                    r.map(|m| {
+                        let (partition, offset) = (m.partition(), m.offset());
+                        let mut letter = DeadLetter::new(
+                            format!("partition {partition} offset {offset}"),
+                            m.payload().unwrap_or_default().to_vec(),
+                        );
+                        letter.handle = format!("{partition}:{offset}");
+                        letter.key = m.key().map(|k| String::from_utf8_lossy(k).into_owned());
+                        let mut headers = Vec::new();
+                        if let Some(list) = m.headers() {
+                            for h in list.iter() {
+                                let value = h.value.unwrap_or_default().to_vec();
+                                if letter.id.is_none() && h.key == id_header {
+                                    letter.id = MessageId::from_bytes(&value).ok();
+                                } else {
+                                    headers.push((h.key.to_owned(), value));
+                                }
+                            }
+                        }
+                        letter.take_metadata(headers);
+                        letter.timestamp = m
+                            .timestamp()
+                            .to_millis()
+                            .and_then(|ms| u64::try_from(ms).ok())
+                            .map(|ms| UNIX_EPOCH + Duration::from_millis(ms));
+                        (partition, offset, letter)
+                    })
+                })
+            })
+            .await
+            .map_err(Error::into_source)?;
+            match polled {
+                None => {
+                    if idle_since.elapsed() > self.timeout {
+                        return Err(Error::Config(format!(
+                            "no record of dead-letter topic `{}` arrived within {:?} although \
+                             its partitions are not read to their end",
+                            self.topic, self.timeout
+                        ))
+                        .into_source());
+                    }
+                }
+                Some(Err(e)) => {
+                    return Err(Error::kafka(format!("reading `{}`", self.topic), e).into_source())
+                }
+                Some(Ok((partition, offset, letter))) => {
+                    idle_since = Instant::now();
+                    let Some(p) = self.partitions.get_mut(&partition) else {
+                        continue;
+                    };
+                    // Past the end as it was at the start: left for a later reading.
+                    if offset < p.next || offset >= p.end {
+                        p.next = p.next.max(offset + 1);
+                        continue;
+                    }
+                    p.next = offset + 1;
+                    p.pending.push_back((offset, false));
+                    letters.push(letter);
+                }
+            }
+        }
+        Ok(letters)
+    }
+
+    async fn remove(&mut self, letters: &[DeadLetter]) -> std::result::Result<(), OperationError> {
+        for letter in letters {
+            let parsed = letter
+                .handle
+                .split_once(':')
+                .and_then(|(p, o)| Some((p.parse::<i32>().ok()?, o.parse::<i64>().ok()?)));
+            let Some((partition, offset)) = parsed else {
+                continue;
+            };
+            if let Some(p) = self.partitions.get_mut(&partition) {
+                if let Some(entry) = p.pending.iter_mut().find(|(o, _)| *o == offset) {
+                    entry.1 = true;
+                }
+            }
+        }
+        let mut commit = TopicPartitionList::new();
+        for (partition, p) in &mut self.partitions {
+            let mut upto = None;
+            while let Some(&(offset, true)) = p.pending.front() {
+                upto = Some(offset + 1);
+                p.pending.pop_front();
+            }
+            if let Some(upto) = upto {
+                commit
+                    .add_partition_offset(&self.topic, *partition, Offset::Offset(upto))
+                    .map_err(|e| {
+                        Error::kafka("committing replayed dead letters", e).into_source()
+                    })?;
+            }
+        }
+        if commit.count() == 0 {
+            return Ok(());
+        }
+        let consumer = Arc::clone(&self.consumer);
+        blocking(move || consumer.commit(&commit, CommitMode::Sync))
+            .await
+            .map_err(Error::into_source)?
+            .map_err(|e| {
+                Error::kafka(
+                    format!("committing replayed dead letters of `{}`", self.topic),
+                    e,
+                )
+                .into_source()
+            })?;
+        Ok(())
+    }
+}

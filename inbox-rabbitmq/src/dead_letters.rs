@@ -1,0 +1,213 @@
+//! A dead-letter queue read back for [`inbox_core::replay`]: `basic.get` without auto-ack, a
+//! `basic.ack` once replayed, the rest returned to the queue when the reading ends.
+
+use std::time::Duration;
+
+use inbox_core::replay::{DeadLetter, DeadLetters};
+use inbox_core::{async_trait, OperationError};
+use lapin::options::{BasicAckOptions, BasicGetOptions};
+use lapin::{Channel, Connection};
+
+use crate::config::url_from_env;
+use crate::short_string::short_string;
+use crate::source::{sent_at, value_bytes};
+use crate::source::Amqp;
+use crate::{connect, Error, IdFrom, Result};
+
+/// The messages of a RabbitMQ dead-letter queue (`<queue>.dlq`), as [`inbox_core::replay`]
+/// reads them: each keeps its body, properties and headers and carries the
+/// [`inbox_core::dead_letter`] headers. Its ID is the `message_id` property (or the header
+/// [`id_header`](RabbitDeadLettersBuilder::id_header) names), its position its place in the
+/// queue when read (`1` the oldest; it changes as messages leave), its time the message's own
+/// `timestamp_in_ms` header or `timestamp` property, when the publisher set one: RabbitMQ keeps
+/// no time of its own.
+///
+/// Reading takes every message with `basic.get` and holds it unacknowledged on one channel; a
+/// replayed one is acked (removed), and closing the channel returns the others to the queue,
+/// in their order.
+///
+/// Before RabbitMQ 4.3 a quorum queue counts each return as a delivery (`x-delivery-count`
+/// rises by one per reading). The dead-letter queue the source declares has no
+/// `x-delivery-limit`, but RabbitMQ 4.0 gives every quorum queue a default limit of 20, and a
+/// message over it is dropped (a dead-letter queue has no dead-letter exchange of its own): on
+/// RabbitMQ 4.0 to 4.2, set a policy with `delivery-limit: -1` on the dead-letter queues before
+/// reading them often.
+pub struct RabbitDeadLetters {
+    queue: String,
+    id_from: IdFrom,
+    connection: Connection,
+    channel: Channel,
+    read: u64,
+    drained: bool,
+}
+
+impl std::fmt::Debug for RabbitDeadLetters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitDeadLetters")
+            .field("queue", &self.queue)
+            .field("id_from", &self.id_from)
+            .field("read", &self.read)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`RabbitDeadLetters`]; start with [`RabbitDeadLetters::builder`].
+#[derive(Clone)]
+#[must_use = "a builder does nothing until `connect` is awaited"]
+pub struct RabbitDeadLettersBuilder {
+    queue: String,
+    url: String,
+    id_from: IdFrom,
+    operation_timeout: Duration,
+}
+
+impl std::fmt::Debug for RabbitDeadLettersBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitDeadLettersBuilder")
+            .field("queue", &self.queue)
+            .field("url", &inbox_core::redact_url(&self.url))
+            .field("id_from", &self.id_from)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RabbitDeadLetters {
+    /// Reads the dead-letter queue `queue` (like `payments.dlq`), on the broker at `AMQP_URL`
+    /// unless [`url`](RabbitDeadLettersBuilder::url) names one.
+    pub fn builder(queue: impl Into<String>) -> RabbitDeadLettersBuilder {
+        RabbitDeadLettersBuilder {
+            queue: queue.into(),
+            url: url_from_env(),
+            id_from: IdFrom::MessageIdProperty,
+            operation_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl RabbitDeadLettersBuilder {
+    /// The broker's URL, instead of `AMQP_URL`.
+    pub fn url(mut self, url: impl Into<String>) -> Self {
+        self.url = url.into();
+        self
+    }
+
+    /// Reads the ID from this header instead of the `message_id` property, as the source does
+    /// with [`RabbitSourceBuilder::id_header`](crate::RabbitSourceBuilder::id_header).
+    pub fn id_header(self, name: impl Into<String>) -> Self {
+        self.id_from(IdFrom::Header(name.into()))
+    }
+
+    /// Reads the ID where `from` says, as the source does with
+    /// [`RabbitSourceBuilder::id_from`](crate::RabbitSourceBuilder::id_from) (default: the
+    /// `message_id` property).
+    pub fn id_from(mut self, from: IdFrom) -> Self {
+        self.id_from = from;
+        self
+    }
+
+    /// How long connecting may take (default 10 s).
+    pub fn operation_timeout(mut self, wait: Duration) -> Self {
+        self.operation_timeout = wait;
+        self
+    }
+
+    /// Connects and opens the reading channel.
+    pub async fn connect(self) -> Result<RabbitDeadLetters> {
+        let name = format!("inbox dead letters of {}", self.queue);
+        let open = connect::open(&self.url, None, &name, None);
+        let connection = tokio::time::timeout(self.operation_timeout, open)
+            .await
+            .map_err(|_| {
+                Error::Config(format!(
+                    "connecting to RabbitMQ took longer than {:?}",
+                    self.operation_timeout
+                ))
+            })??;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| Error::amqp("opening the dead-letter reading channel", e))?;
+        Ok(RabbitDeadLetters {
+            queue: self.queue,
+            id_from: self.id_from,
+            connection,
+            channel,
+            read: 0,
+            drained: false,
+        })
+    }
+}
+
+#[async_trait]
+impl DeadLetters for RabbitDeadLetters {
+    fn name(&self) -> &str {
+        &self.queue
+    }
+
+    async fn next(&mut self, max: usize) -> std::result::Result<Vec<DeadLetter>, OperationError> {
+        let mut letters = Vec::new();
+        while !self.drained && letters.len() < max {
+            let queue = short_string("queue name", &self.queue)?;
+            let got = self
+                .channel
+                .basic_get(queue, BasicGetOptions { no_ack: false })
+                .await
+                .map_err(|e| Error::amqp(format!("basic.get from `{}`", self.queue), e))?;
+            let Some(got) = got else {
+                self.drained = true;
+                break;
+            };
+            self.read += 1;
+            let delivery = got.delivery;
+            let props = &delivery.properties;
+            let headers = props.headers().clone().unwrap_or_default();
+            let mut letter = DeadLetter::new(self.read.to_string(), delivery.data.clone());
+            letter.handle = delivery.delivery_tag.to_string();
+            letter.id = self
+                .id_from
+                .read(&Amqp {
+                    headers: &headers,
+                    message_id: props.message_id().as_ref().map(|s| s.as_str()),
+                    body: &delivery.data,
+                })
+                .ok();
+            letter.timestamp = sent_at(&headers, *props.timestamp());
+            // `x-` headers are the broker's (`x-delivery-count`, `x-death`), not the message's.
+            // An ID header stays: the producer sends the ID as `message_id` only.
+            letter.take_metadata(
+                headers
+                    .inner()
+                    .iter()
+                    .filter(|(name, _)| !name.as_str().starts_with("x-"))
+                    .map(|(name, value)| (name.to_string(), value_bytes(value)))
+                    .collect(),
+            );
+            letters.push(letter);
+        }
+        Ok(letters)
+    }
+
+    async fn remove(&mut self, letters: &[DeadLetter]) -> std::result::Result<(), OperationError> {
+        for letter in letters {
+            let tag: u64 = letter
+                .handle
+                .parse()
+                .map_err(|_| Error::Config(format!("`{}` is not a delivery tag", letter.handle)))?;
+            self.channel
+                .basic_ack(tag, BasicAckOptions { multiple: false })
+                .await
+                .map_err(|e| Error::amqp(format!("acking dead letter {}", letter.position), e))?;
+        }
+        Ok(())
+    }
+
+    async fn close(&mut self) -> std::result::Result<(), OperationError> {
+        // Closing the channel returns every unacked message to the queue.
+        self.channel
+            .close(200, "dead letters read".into())
+            .await
+            .map_err(|e| Error::amqp("closing the dead-letter reading channel", e))?;
+        let _ = self.connection.close(200, "dead letters read".into()).await;
+        Ok(())
+    }
+}

@@ -1,0 +1,243 @@
+//! A dead-letter queue read back for [`inbox_core::replay`]: received and held invisible while
+//! the replay runs, deleted once replayed, made visible again at the end otherwise.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use aws_sdk_sqs::types::{
+    ChangeMessageVisibilityBatchRequestEntry, DeleteMessageBatchRequestEntry,
+    MessageSystemAttributeName,
+};
+use aws_sdk_sqs::Client;
+use inbox_core::replay::{DeadLetter, DeadLetters};
+use inbox_core::{async_trait, MessageId, OperationError};
+
+use crate::{Error, Result, DEFAULT_ID_ATTRIBUTE};
+
+/// SQS hands out at most this many messages per receive, and takes as many per batch call.
+const SQS_BATCH: usize = 10;
+
+/// The messages of an SQS dead-letter queue, as [`inbox_core::replay`] reads them: each message
+/// keeps its body, attributes and ID attribute (`event_id`) and carries the
+/// [`inbox_core::dead_letter`] attributes; its position is its SQS message ID, its time the
+/// `SentTimestamp` (when it was parked) and its key the FIFO `MessageGroupId`.
+///
+/// Reading receives every message (long polls of 1 s until one returns nothing) and keeps it
+/// invisible for [`visibility`](SqsDeadLettersBuilder::visibility) (default 5 minutes; raise it
+/// for a queue that takes longer to go through). A replayed message is deleted; the others are
+/// made visible again when the reading ends (or when the visibility runs out, after a crash).
+/// A message seen twice in one reading (its visibility ran out) is passed over the second time.
+pub struct SqsDeadLetters {
+    client: Client,
+    queue_url: String,
+    id_attribute: String,
+    visibility: Duration,
+    /// Receipt handles read and neither deleted nor released.
+    held: Vec<String>,
+    seen: HashSet<String>,
+    drained: bool,
+}
+
+impl std::fmt::Debug for SqsDeadLetters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqsDeadLetters")
+            .field("queue_url", &self.queue_url)
+            .field("id_attribute", &self.id_attribute)
+            .field("visibility", &self.visibility)
+            .field("held", &self.held.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds an [`SqsDeadLetters`]; start with [`SqsDeadLetters::builder`].
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `connect` is awaited"]
+pub struct SqsDeadLettersBuilder {
+    queue_url: String,
+    client: Option<Client>,
+    id_attribute: String,
+    visibility: Duration,
+}
+
+impl SqsDeadLetters {
+    /// Reads the dead-letter queue at `queue_url`.
+    pub fn builder(queue_url: impl Into<String>) -> SqsDeadLettersBuilder {
+        SqsDeadLettersBuilder {
+            queue_url: queue_url.into(),
+            client: None,
+            id_attribute: DEFAULT_ID_ATTRIBUTE.to_owned(),
+            visibility: Duration::from_secs(300),
+        }
+    }
+}
+
+impl SqsDeadLettersBuilder {
+    /// The SQS client to use; without one, built from the environment as [`crate::connect`]
+    /// does (endpoint from `AWS_ENDPOINT_URL_SQS`).
+    pub fn client(mut self, client: Client) -> Self {
+        self.client = Some(client);
+        self
+    }
+
+    /// The message attribute holding the ID (default `event_id`).
+    pub fn id_attribute(mut self, name: impl Into<String>) -> Self {
+        self.id_attribute = name.into();
+        self
+    }
+
+    /// How long a message read stays invisible to others (default 5 minutes, at most 12 h).
+    pub fn visibility(mut self, visibility: Duration) -> Self {
+        self.visibility = visibility;
+        self
+    }
+
+    /// Builds the client unless one was given; makes no SQS call.
+    pub async fn connect(self) -> Result<SqsDeadLetters> {
+        if self.queue_url.is_empty() {
+            return Err(Error::Config("the dead-letter queue URL is empty".into()));
+        }
+        let client = match self.client {
+            Some(client) => client,
+            None => crate::connect().await,
+        };
+        Ok(SqsDeadLetters {
+            client,
+            queue_url: self.queue_url,
+            id_attribute: self.id_attribute,
+            visibility: self.visibility,
+            held: Vec::new(),
+            seen: HashSet::new(),
+            drained: false,
+        })
+    }
+}
+
+impl SqsDeadLetters {
+    fn letter(&self, sqs: &aws_sdk_sqs::types::Message) -> DeadLetter {
+        let position = sqs.message_id().unwrap_or("?").to_owned();
+        let mut letter = DeadLetter::new(position, sqs.body().unwrap_or_default().into());
+        letter.handle = sqs.receipt_handle().unwrap_or_default().to_owned();
+        let mut headers: Vec<(String, Vec<u8>)> = Vec::new();
+        for (name, value) in sqs.message_attributes().into_iter().flatten() {
+            let bytes = match (value.string_value(), value.binary_value()) {
+                (Some(text), _) => text.as_bytes().to_vec(),
+                (None, Some(blob)) => blob.as_ref().to_vec(),
+                (None, None) => Vec::new(),
+            };
+            if *name == self.id_attribute {
+                letter.id = MessageId::from_bytes(&bytes).ok();
+            } else {
+                headers.push((name.clone(), bytes));
+            }
+        }
+        headers.sort();
+        letter.take_metadata(headers);
+        let system = |name| sqs.attributes().and_then(|a| a.get(&name));
+        letter.key = system(MessageSystemAttributeName::MessageGroupId).cloned();
+        letter.timestamp = system(MessageSystemAttributeName::SentTimestamp)
+            .and_then(|ms| ms.parse().ok())
+            .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms));
+        letter
+    }
+
+    /// Makes the held messages visible again, ten per call.
+    async fn release(&mut self) -> Result<()> {
+        for chunk in self.held.chunks(SQS_BATCH) {
+            let entries = chunk.iter().enumerate().filter_map(|(i, handle)| {
+                ChangeMessageVisibilityBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .receipt_handle(handle)
+                    .visibility_timeout(0)
+                    .build()
+                    .ok()
+            });
+            self.client
+                .change_message_visibility_batch()
+                .queue_url(&self.queue_url)
+                .set_entries(Some(entries.collect()))
+                .send()
+                .await
+                .map_err(|e| Error::sdk("ChangeMessageVisibilityBatch", &self.queue_url, e))?;
+        }
+        self.held.clear();
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl DeadLetters for SqsDeadLetters {
+    fn name(&self) -> &str {
+        &self.queue_url
+    }
+
+    async fn next(&mut self, max: usize) -> std::result::Result<Vec<DeadLetter>, OperationError> {
+        let mut letters = Vec::new();
+        while !self.drained && letters.len() < max {
+            let wanted = (max - letters.len()).min(SQS_BATCH);
+            let out = self
+                .client
+                .receive_message()
+                .queue_url(&self.queue_url)
+                .max_number_of_messages(i32::try_from(wanted).unwrap_or(1))
+                .wait_time_seconds(1)
+                .visibility_timeout(i32::try_from(self.visibility.as_secs()).unwrap_or(i32::MAX))
+                .message_attribute_names("All")
+                .message_system_attribute_names(MessageSystemAttributeName::All)
+                .send()
+                .await
+                .map_err(|e| Error::sdk("ReceiveMessage (dead letters)", &self.queue_url, e))?;
+            let messages = out.messages();
+            if messages.is_empty() {
+                self.drained = true;
+            }
+            for sqs in messages {
+                let letter = self.letter(sqs);
+                self.held.push(letter.handle.clone());
+                if self.seen.insert(letter.position.clone()) {
+                    letters.push(letter);
+                }
+            }
+        }
+        Ok(letters)
+    }
+
+    async fn remove(&mut self, letters: &[DeadLetter]) -> std::result::Result<(), OperationError> {
+        for chunk in letters.chunks(SQS_BATCH) {
+            let entries = chunk.iter().enumerate().filter_map(|(i, letter)| {
+                DeleteMessageBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .receipt_handle(&letter.handle)
+                    .build()
+                    .ok()
+            });
+            let out = self
+                .client
+                .delete_message_batch()
+                .queue_url(&self.queue_url)
+                .set_entries(Some(entries.collect()))
+                .send()
+                .await
+                .map_err(|e| Error::sdk("DeleteMessageBatch (dead letters)", &self.queue_url, e))?;
+            if let Some(failed) = out.failed().first() {
+                return Err(Error::Config(format!(
+                    "SQS did not delete replayed dead letter {} from {}: {} ({}); it stays, \
+                     and a later replay publishes it again under the same ID",
+                    chunk
+                        .get(failed.id().parse::<usize>().unwrap_or(0))
+                        .map_or("?", |l| l.position.as_str()),
+                    self.queue_url,
+                    failed.message().unwrap_or("no message"),
+                    failed.code(),
+                ))
+                .into());
+            }
+            let removed: HashSet<&str> = chunk.iter().map(|l| l.handle.as_str()).collect();
+            self.held.retain(|h| !removed.contains(h.as_str()));
+        }
+        Ok(())
+    }
+
+    async fn close(&mut self) -> std::result::Result<(), OperationError> {
+        Ok(self.release().await?)
+    }
+}
