@@ -11,7 +11,7 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 use super::common::{Common, MAX_ERROR_BACKOFF};
 use super::stop::Stop;
-use super::Order;
+use super::{Order, Processed};
 use crate::error::backoff;
 use crate::stats::Counter;
 use crate::telemetry::{process_span, seconds_since};
@@ -53,6 +53,17 @@ enum TxFailure {
     Store(StoreError),
 }
 
+/// How far [`Inbox::apply_part`] got.
+enum Part<A> {
+    /// Everything is settled or handed back, but for these acks, to send.
+    Done(Vec<(MessageId, A)>),
+    /// Strict order: a failed message was applied or dead-lettered; these came after it, and
+    /// are still to apply.
+    Then(Vec<Delivery<A>>),
+    /// Strict order: a failed message went back to the broker, and what came after it too.
+    Blocked,
+}
+
 /// A message to apply: its ID and what the handler decoded from it.
 struct Work<A, I> {
     /// Its place in the chunk.
@@ -78,25 +89,29 @@ where
         &self,
         deliveries: Vec<Delivery<A>>,
         stop: &Stop,
-    ) -> Result<Vec<(MessageId, A)>> {
+    ) -> Result<Processed<A>> {
         self.common.count(Counter::Received, deliveries.len());
         let mut acks = Vec::new();
         let mut next = deliveries;
-        while !next.is_empty() {
-            let (done, held) = self.apply_part(next, stop).await?;
-            acks.extend(done);
-            next = held;
-        }
-        Ok(acks)
+        let blocked = loop {
+            match self.apply_part(next, stop).await? {
+                Part::Done(done) => {
+                    acks.extend(done);
+                    break false;
+                }
+                Part::Then(held) => next = held,
+                Part::Blocked => break true,
+            }
+        };
+        Ok(Processed { acks, blocked })
     }
 
-    /// Applies `deliveries`: returns the acks to send, and (with [`Order::Strict`], once a
-    /// failed message was settled) the deliveries after it, still to apply.
+    /// Applies `deliveries`, as far as [`Order`] allows.
     async fn apply_part<A: Ack>(
         &self,
         deliveries: Vec<Delivery<A>>,
         stop: &Stop,
-    ) -> Result<(Vec<(MessageId, A)>, Vec<Delivery<A>>)> {
+    ) -> Result<Part<A>> {
         let strict = self.order == Order::Strict;
         // Strict order: the deliveries after a failed one, in order, with their places.
         let mut held: Vec<(usize, Delivery<A>)> = Vec::new();
@@ -228,7 +243,7 @@ where
         }
         self.common.hand_back(handed_back).await;
         if failed.is_empty() {
-            return Ok((done, Vec::new()));
+            return Ok(Part::Done(done));
         }
         held.sort_by_key(|(at, _)| *at);
         let mut held: Vec<Delivery<A>> = held.into_iter().map(|(_, d)| d).collect();
@@ -255,17 +270,20 @@ where
                     .hand_back(same.into_iter().map(|(_, copy)| copy.ack).collect())
                     .await;
                 // Strict order: what waited behind it goes back after it, in order.
-                self.common
-                    .hand_back(
-                        std::mem::take(&mut held)
-                            .into_iter()
-                            .map(|d| d.ack)
-                            .collect(),
-                    )
-                    .await;
+                if strict {
+                    let rest = std::mem::take(&mut held);
+                    self.common
+                        .hand_back(rest.into_iter().map(|d| d.ack).collect())
+                        .await;
+                    return Ok(Part::Blocked);
+                }
             }
         }
-        Ok((Vec::new(), held))
+        Ok(if held.is_empty() {
+            Part::Done(Vec::new())
+        } else {
+            Part::Then(held)
+        })
     }
 
     /// [`Inbox::apply_all`], unless shutdown cuts the work in flight short first: then the

@@ -175,6 +175,15 @@ pub fn retention_shortfall(
         .map(|window| window - inbox_retention)
 }
 
+/// What one chunk came to, for the pipeline.
+pub(crate) struct Processed<A> {
+    /// The acks to send once the chunk is done.
+    pub(crate) acks: Vec<(MessageId, A)>,
+    /// Strict order: a failed message went back to the broker unapplied, and the messages of
+    /// its lane received after it must follow it there, not be applied before it comes again.
+    pub(crate) blocked: bool,
+}
+
 /// One step of the consumer pipeline: what happens to each chunk of one lane between its
 /// receive and its ack. [`Inbox`] and [`Effects`] are the two.
 pub(crate) trait Step: Send + Sync {
@@ -197,7 +206,7 @@ pub(crate) trait Step: Send + Sync {
         &self,
         chunk: Vec<Delivery<A>>,
         stop: &Stop,
-    ) -> impl Future<Output = Result<Vec<(MessageId, A)>>>;
+    ) -> impl Future<Output = Result<Processed<A>>>;
 }
 
 impl<St, H> Step for Inbox<St, H>
@@ -233,7 +242,7 @@ where
         &self,
         chunk: Vec<Delivery<A>>,
         stop: &Stop,
-    ) -> impl Future<Output = Result<Vec<(MessageId, A)>>> {
+    ) -> impl Future<Output = Result<Processed<A>>> {
         self.apply_chunk(chunk, stop)
     }
 }
