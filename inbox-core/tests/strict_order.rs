@@ -242,3 +242,29 @@ async fn strict_order_on_a_source_without_lanes_takes_one_chunk_at_a_time() {
     .await;
     assert!(matches!(refused, Err(Error::Config(_))), "{refused:?}");
 }
+
+/// A dead letter that fails sends the failed message back to the broker: what its lane received
+/// after it, waiting in the consumer, goes back too, and is applied after it.
+#[tokio::test]
+async fn a_failed_dead_letter_sends_the_rest_of_the_lane_back_behind_it() {
+    let broker = MemoryBroker::with_lanes();
+    let published = publish(&broker);
+    // One try each (and one more where a chunk is split): `a-2` and `b-3` are dead-lettered,
+    // both dead letters fail, and both come back: `a-2` is applied at its third try, `b-3`
+    // dead-lettered again.
+    broker.fail_dead_letters(2);
+    let store = MemoryStore::<Ledger>::new();
+    // Chunks of two: `a-4` and `a-5` wait in the consumer while `a-2` is retried.
+    Consumer::new("strict", broker.source(), store.clone(), Flaky::default())
+        .batch_size(2)
+        .parallel_lanes(2)
+        .retry(fast_retry(1))
+        .error_backoff(Duration::from_millis(1))
+        .order(Order::Strict)
+        .run_until_idle()
+        .await
+        .unwrap();
+    assert_eq!(broker.pending(), 0);
+    assert_eq!(broker.dead_letters().len(), 1);
+    assert_eq!(store.state().await, without(&published, "b-3"));
+}
