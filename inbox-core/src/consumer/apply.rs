@@ -314,6 +314,9 @@ where
     ///   the piece is held and tried again after a backoff until the store is back, so an outage
     ///   uses up no delivery budget; on shutdown what is held is handed back;
     /// - [`Recovery::Fatal`] stops the consumer.
+    ///
+    /// Pieces are applied in order, lower half first. With [`Order::Strict`] the first message
+    /// whose failure stands ends the work: what comes after it is [`Outcome::Held`].
     async fn apply_all<A>(&self, work: &[Work<A, H::Item>], stop: &Stop) -> Result<Vec<Outcome>> {
         let mut outcomes: Vec<Option<Outcome>> = work.iter().map(|_| None).collect();
         // Pieces still to apply, the next one last.

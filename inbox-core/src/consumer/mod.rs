@@ -104,7 +104,9 @@ pub enum Order {
 ///    applying the messages one by one;
 /// 6. a message whose handler failed is retried on its own with backoff, each attempt in a fresh
 ///    transaction, up to [`RetryPolicy::max_attempts`], then dead-lettered with the error; a
-///    permanent failure is dead-lettered at once; a panic counts as a transient failure.
+///    permanent failure is dead-lettered at once; a panic counts as a transient failure. With
+///    [`Order::Strict`] only the messages before it are committed first, and the rest of its
+///    chunk waits until it is applied or dead-lettered.
 ///
 /// While the store cannot be reached ([`Recovery::Reconnect`](crate::Recovery::Reconnect)) the
 /// batch is held and tried again with a backoff doubling up to 30 s, not handed back: an outage
