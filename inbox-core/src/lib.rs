@@ -91,7 +91,9 @@ mod store;
 pub mod telemetry;
 
 pub use async_trait::async_trait;
-pub use consumer::{retention_shortfall, Consumer, Inbox, RetryPolicy, DEFAULT_SHUTDOWN_TIMEOUT};
+pub use consumer::{
+    retention_shortfall, Consumer, Inbox, Order, RetryPolicy, DEFAULT_SHUTDOWN_TIMEOUT,
+};
 pub use error::{
     BoxError, Error, Failure, HandlerError, OperationError, Recovery, Result, SourceError,
     StoreError,

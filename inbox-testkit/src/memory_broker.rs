@@ -28,6 +28,33 @@ struct State {
     retention: Option<Duration>,
     /// Whether its sources report lanes ([`MemoryBroker::with_lanes`]).
     lanes: bool,
+    next_seq: u64,
+}
+
+impl State {
+    /// Puts a message handed back ahead of the queue; with lanes, at its place in its lane, as
+    /// a Kafka seek back or an SQS FIFO group keeps a lane's order whatever order the hand-backs
+    /// come in.
+    fn put_back(&mut self, queued: Queued) {
+        if !self.lanes {
+            self.ready.push_front(queued);
+            return;
+        }
+        let lane = queued.message.meta.lane.clone();
+        let same = |q: &Queued| q.message.meta.lane == lane;
+        let at = self
+            .ready
+            .iter()
+            .position(|q| same(q) && q.seq > queued.seq)
+            .or_else(|| {
+                self.ready
+                    .iter()
+                    .rposition(|q| same(q) && q.seq <= queued.seq)
+                    .map(|i| i + 1)
+            })
+            .unwrap_or(0);
+        self.ready.insert(at, queued);
+    }
 }
 
 #[derive(Debug)]
@@ -38,6 +65,8 @@ struct Queued {
     /// A second copy of a delivery still in flight under this tag: taking it hands out the same
     /// handle again ([`Redelivery::SameHandle`]).
     copy_of: Option<u64>,
+    /// Its place in the order of publishing, kept through redeliveries.
+    seq: u64,
 }
 
 /// How [`MemoryBroker::redeliver`] hands out again what a consumer holds unsettled.
@@ -61,7 +90,10 @@ impl MemoryBroker {
 
     /// An empty broker whose messages carry ordering lanes: each message's is the one it was
     /// published with ([`Metadata::lane`](inbox_core::Metadata::lane)), as a Kafka partition,
-    /// and its sources report lanes, so parallel lanes keep each lane's order.
+    /// and its sources report lanes, so parallel lanes keep each lane's order. As a Kafka
+    /// partition does, a lane keeps its order through hand-backs: a message handed back goes to
+    /// its place in its lane, and while it waits out its nack delay nothing behind it in its lane
+    /// is given out.
     pub fn with_lanes() -> Self {
         let broker = Self::default();
         broker.state().lanes = true;
@@ -87,11 +119,15 @@ impl MemoryBroker {
     /// Enqueues a message as given.
     pub fn publish_message(&self, mut message: Message) {
         message.meta.source = "memory".into();
-        self.state().ready.push_back(Queued {
+        let mut state = self.state();
+        state.next_seq += 1;
+        let seq = state.next_seq;
+        state.ready.push_back(Queued {
             message,
             deliveries: 0,
             not_before: None,
             copy_of: None,
+            seq,
         });
     }
 
@@ -169,6 +205,7 @@ impl MemoryBroker {
                         deliveries: queued.deliveries,
                         not_before: None,
                         copy_of: Some(tag),
+                        seq: queued.seq,
                     }
                 }
             };
@@ -203,7 +240,7 @@ impl MemoryBroker {
         let mut state = self.state();
         if let Some((_, mut queued)) = state.in_flight.remove(&tag) {
             queued.not_before = delay.map(|d| Instant::now() + d);
-            state.ready.push_front(queued);
+            state.put_back(queued);
         }
     }
 }
@@ -311,11 +348,20 @@ impl MemorySource {
         let mut state = self.broker.state();
         let mut batch = Vec::new();
         let mut waiting = VecDeque::new();
+        // With lanes, a lane whose next message waits out its nack delay gives out nothing
+        // behind it, as a Kafka partition sought back or an SQS FIFO group would not.
+        let mut blocked: Vec<Option<String>> = Vec::new();
+        let lanes = state.lanes;
         while batch.len() < max {
             let Some(mut queued) = state.ready.pop_front() else {
                 break;
             };
-            if queued.not_before.is_some_and(|t| t > now) {
+            if queued.not_before.is_some_and(|t| t > now)
+                || (lanes && blocked.contains(&queued.message.meta.lane))
+            {
+                if lanes {
+                    blocked.push(queued.message.meta.lane.clone());
+                }
                 waiting.push_back(queued);
                 continue;
             }

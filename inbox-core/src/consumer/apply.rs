@@ -11,6 +11,7 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 use super::common::{Common, MAX_ERROR_BACKOFF};
 use super::stop::Stop;
+use super::{Order, Processed};
 use crate::error::backoff;
 use crate::stats::Counter;
 use crate::telemetry::{process_span, seconds_since};
@@ -29,6 +30,7 @@ pub struct Inbox<St, H> {
     pub(super) handler: H,
     pub(super) max_deliveries: Option<u32>,
     pub(super) handler_timeout: Option<Duration>,
+    pub(super) order: Order,
 }
 
 enum Outcome {
@@ -37,6 +39,9 @@ enum Outcome {
     Failed(HandlerError),
     /// Not applied: handed back to the broker (shutdown during a store outage).
     HandedBack,
+    /// Not tried: a message before it failed, and [`Order::Strict`] holds the rest of the
+    /// chunk until that one is applied or dead-lettered.
+    Held,
 }
 
 /// Why a transaction did not commit.
@@ -48,8 +53,21 @@ enum TxFailure {
     Store(StoreError),
 }
 
+/// How far [`Inbox::apply_part`] got.
+enum Part<A> {
+    /// Everything is settled or handed back, but for these acks, to send.
+    Done(Vec<(MessageId, A)>),
+    /// Strict order: a failed message was applied or dead-lettered; these came after it, and
+    /// are still to apply.
+    Then(Vec<Delivery<A>>),
+    /// Strict order: a failed message went back to the broker, and what came after it too.
+    Blocked,
+}
+
 /// A message to apply: its ID and what the handler decoded from it.
 struct Work<A, I> {
+    /// Its place in the chunk.
+    at: usize,
     id: MessageId,
     delivery: Delivery<A>,
     item: I,
@@ -63,15 +81,40 @@ where
     /// Applies one chunk of one lane. Returns the acks of the messages settled by the commit,
     /// for the caller to send behind the next chunk's transaction; dead letters, hand-backs and
     /// a chunk with failures (acked before its failed messages are retried) are settled here.
+    ///
+    /// With [`Order::Strict`] a failed message holds the rest of its chunk: what came before it
+    /// is committed and acked, it is retried alone until applied or dead-lettered, and only then
+    /// is the rest applied; if it goes back to the broker instead, the rest follows it, in order.
     pub(super) async fn apply_chunk<A: Ack>(
         &self,
         deliveries: Vec<Delivery<A>>,
         stop: &Stop,
-    ) -> Result<Vec<(MessageId, A)>> {
-        if deliveries.is_empty() {
-            return Ok(Vec::new());
-        }
+    ) -> Result<Processed<A>> {
         self.common.count(Counter::Received, deliveries.len());
+        let mut acks = Vec::new();
+        let mut next = deliveries;
+        let blocked = loop {
+            match self.apply_part(next, stop).await? {
+                Part::Done(done) => {
+                    acks.extend(done);
+                    break false;
+                }
+                Part::Then(held) => next = held,
+                Part::Blocked => break true,
+            }
+        };
+        Ok(Processed { acks, blocked })
+    }
+
+    /// Applies `deliveries`, as far as [`Order`] allows.
+    async fn apply_part<A: Ack>(
+        &self,
+        deliveries: Vec<Delivery<A>>,
+        stop: &Stop,
+    ) -> Result<Part<A>> {
+        let strict = self.order == Order::Strict;
+        // Strict order: the deliveries after a failed one, in order, with their places.
+        let mut held: Vec<(usize, Delivery<A>)> = Vec::new();
         let mut work: Vec<Work<A, H::Item>> = Vec::with_capacity(deliveries.len());
         let mut failed = Vec::new();
         // Later copies of an ID already in this chunk: one broker entry handed out twice (a
@@ -80,10 +123,11 @@ where
         // first copy's outcome: acked once that one is applied, skipped or dead-lettered, handed
         // back with it otherwise. Acked on its own, a copy could settle the entry (or move a
         // Kafka offset) past a first copy that then fails and is handed back: lost.
-        let mut copies: Vec<(MessageId, Delivery<A>)> = Vec::new();
+        let mut copies: Vec<(usize, MessageId, Delivery<A>)> = Vec::new();
         let mut seen = HashSet::new();
         let mut stale = 0;
-        for delivery in deliveries {
+        let mut deliveries = deliveries.into_iter().enumerate();
+        while let Some((at, delivery)) = deliveries.next() {
             if delivery.ack.is_stale() {
                 // Taken back while it waited in its lane: its new copy is the one to apply.
                 stale += 1;
@@ -112,14 +156,25 @@ where
                 }
             }
             if !seen.insert(id.clone()) {
-                copies.push((id, delivery));
+                copies.push((at, id, delivery));
                 continue;
             }
             // Decoded before any database work: a message that does not decode never enters a
             // transaction, and is retried or dead-lettered on its own.
             match self.handler.decode(&id, &delivery.message) {
-                Ok(item) => work.push(Work { id, delivery, item }),
-                Err(e) => failed.push((id, delivery, e)),
+                Ok(item) => work.push(Work {
+                    at,
+                    id,
+                    delivery,
+                    item,
+                }),
+                Err(e) => {
+                    failed.push((at, id, delivery, e));
+                    if strict {
+                        held.extend(deliveries.by_ref());
+                        break;
+                    }
+                }
             }
         }
 
@@ -133,12 +188,35 @@ where
         };
         let mut done: Vec<(MessageId, A)> = Vec::new();
         let mut handed_back = Vec::new();
-        for (Work { id, delivery, .. }, outcome) in work.into_iter().zip(outcomes) {
+        let mut waits = HashSet::new();
+        // Strict order stops at the first message that does not decode: at most one.
+        let decode_failed = if strict { failed.pop() } else { None };
+        for (
+            Work {
+                at, id, delivery, ..
+            },
+            outcome,
+        ) in work.into_iter().zip(outcomes)
+        {
             match outcome {
                 Outcome::Skipped | Outcome::Applied => done.push((id, delivery.ack)),
-                Outcome::Failed(e) => failed.push((id, delivery, e)),
+                Outcome::Failed(e) => failed.push((at, id, delivery, e)),
                 Outcome::HandedBack => handed_back.push(delivery.ack),
+                Outcome::Held => {
+                    waits.insert(id);
+                    held.push((at, delivery));
+                }
             }
+        }
+        match decode_failed {
+            // Strict order: a message before the one that did not decode failed in the
+            // transaction; the undecoded one waits behind it with the rest.
+            Some((at, id, delivery, _)) if !failed.is_empty() => {
+                waits.insert(id);
+                held.push((at, delivery));
+            }
+            Some(f) => failed.push(f),
+            None => {}
         }
         // Sets of IDs only when the chunk holds copies: the common chunk has none.
         let (settled, retrying): (HashSet<MessageId>, HashSet<MessageId>) = if copies.is_empty() {
@@ -146,27 +224,32 @@ where
         } else {
             (
                 done.iter().map(|(id, _)| id.clone()).collect(),
-                failed.iter().map(|(id, _, _)| id.clone()).collect(),
+                failed.iter().map(|(_, id, _, _)| id.clone()).collect(),
             )
         };
         let mut waiting = Vec::new();
-        for (id, copy) in copies {
+        for (at, id, copy) in copies {
             if settled.contains(&id) {
                 self.common.skipped(&id);
                 self.common.metrics.lag(std::iter::once(&copy.message));
                 done.push((id, copy.ack));
             } else if retrying.contains(&id) {
                 waiting.push((id, copy));
+            } else if waits.contains(&id) {
+                held.push((at, copy));
             } else {
                 handed_back.push(copy.ack);
             }
         }
         self.common.hand_back(handed_back).await;
         if failed.is_empty() {
-            return Ok(done);
+            return Ok(Part::Done(done));
         }
+        held.sort_by_key(|(at, _)| *at);
+        let mut held: Vec<Delivery<A>> = held.into_iter().map(|(_, d)| d).collect();
         self.common.ack_all(done).await;
-        for (id, delivery, e) in failed {
+        failed.sort_by_key(|(at, ..)| *at);
+        for (_, id, delivery, e) in failed {
             let settled = if stop.stopping() {
                 self.common.hand_back(vec![delivery.ack]).await;
                 false
@@ -186,9 +269,21 @@ where
                 self.common
                     .hand_back(same.into_iter().map(|(_, copy)| copy.ack).collect())
                     .await;
+                // Strict order: what waited behind it goes back after it, in order.
+                if strict {
+                    let rest = std::mem::take(&mut held);
+                    self.common
+                        .hand_back(rest.into_iter().map(|d| d.ack).collect())
+                        .await;
+                    return Ok(Part::Blocked);
+                }
             }
         }
-        Ok(Vec::new())
+        Ok(if held.is_empty() {
+            Part::Done(Vec::new())
+        } else {
+            Part::Then(held)
+        })
     }
 
     /// [`Inbox::apply_all`], unless shutdown cuts the work in flight short first: then the
@@ -219,6 +314,9 @@ where
     ///   the piece is held and tried again after a backoff until the store is back, so an outage
     ///   uses up no delivery budget; on shutdown what is held is handed back;
     /// - [`Recovery::Fatal`] stops the consumer.
+    ///
+    /// Pieces are applied in order, lower half first. With [`Order::Strict`] the first message
+    /// whose failure stands ends the work: what comes after it is [`Outcome::Held`].
     async fn apply_all<A>(&self, work: &[Work<A, H::Item>], stop: &Stop) -> Result<Vec<Outcome>> {
         let mut outcomes: Vec<Option<Outcome>> = work.iter().map(|_| None).collect();
         // Pieces still to apply, the next one last.
@@ -238,7 +336,10 @@ where
                     }
                 }
                 Err(TxFailure::Handler(_, e)) if hi - lo == 1 => {
-                    outcomes[lo] = Some(Outcome::Failed(e))
+                    outcomes[lo] = Some(Outcome::Failed(e));
+                    if self.order == Order::Strict {
+                        break;
+                    }
                 }
                 Err(TxFailure::Handler(None, _)) => {
                     let mid = lo + (hi - lo) / 2;
@@ -273,15 +374,30 @@ where
                         pieces.extend([mid..hi, lo..mid]);
                     }
                     Recovery::Retry => {
-                        outcomes[lo] = Some(Outcome::Failed(HandlerError::transient(e)))
+                        outcomes[lo] = Some(Outcome::Failed(HandlerError::transient(e)));
+                        if self.order == Order::Strict {
+                            break;
+                        }
                     }
                 },
             }
         }
-        // Stopped during an outage: what was not applied goes back to the broker.
+        // Pieces are applied in order, so what is left after a failure in strict order comes
+        // after it, and is held. Stopped during an outage: what was not applied goes back to
+        // the broker.
+        let held = self.order == Order::Strict
+            && outcomes
+                .iter()
+                .any(|o| matches!(o, Some(Outcome::Failed(_))));
         Ok(outcomes
             .into_iter()
-            .map(|o| o.unwrap_or(Outcome::HandedBack))
+            .map(|o| {
+                o.unwrap_or(if held {
+                    Outcome::Held
+                } else {
+                    Outcome::HandedBack
+                })
+            })
             .collect())
     }
 
@@ -378,7 +494,7 @@ where
                     self.common.stage(Stage::Committed, &w.id);
                 }
                 Outcome::Skipped => self.common.skipped(&w.id),
-                Outcome::Failed(_) | Outcome::HandedBack => {}
+                Outcome::Failed(_) | Outcome::HandedBack | Outcome::Held => {}
             }
         }
         Ok(outcomes)
@@ -459,7 +575,12 @@ where
                     continue;
                 }
             };
-            let work = [Work { id, delivery, item }];
+            let work = [Work {
+                at: 0,
+                id,
+                delivery,
+                item,
+            }];
             let outcome = self.apply_or_abort(&work, stop).await?.pop();
             let [Work {
                 id: same,
@@ -475,7 +596,7 @@ where
                     self.common.ack_all(vec![(same, back.ack)]).await;
                     return Ok(true);
                 }
-                Some(Outcome::HandedBack) | None => {
+                Some(Outcome::HandedBack | Outcome::Held) | None => {
                     self.common.hand_back(vec![back.ack]).await;
                     return Ok(false);
                 }

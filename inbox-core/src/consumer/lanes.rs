@@ -86,6 +86,16 @@ impl<A> Lanes<A> {
         self.held
     }
 
+    /// The messages of lane `key` not yet given out, in order.
+    pub(super) fn drain_lane(&mut self, key: &Option<String>) -> Vec<A> {
+        let Some(lane) = self.lanes.iter_mut().find(|l| l.key == *key) else {
+            return Vec::new();
+        };
+        let back: Vec<A> = lane.queue.drain(..).map(|d| d.ack).collect();
+        self.held -= back.len();
+        back
+    }
+
     /// Everything not yet given out, lanes left as they are.
     pub(super) fn drain(&mut self) -> Vec<A> {
         self.held = 0;

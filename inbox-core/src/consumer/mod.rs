@@ -73,6 +73,21 @@ impl Default for RetryPolicy {
     }
 }
 
+/// What a failing message does to the order of its lane: see [`Consumer::order`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Order {
+    /// A message that fails is retried after the rest of its chunk, which is committed without
+    /// it: later messages of its lane overtake it. A poison message costs its lane nothing
+    /// but its own retries. The default.
+    #[default]
+    FailuresLast,
+    /// A message that fails blocks its lane (a Kafka partition, an SQS FIFO message group)
+    /// until it is applied or dead-lettered: no later message of the lane is applied before it.
+    /// A poison message stalls its lane for its whole retry schedule.
+    Strict,
+}
+
 /// Runs a [`Handler`] over a [`MessageSource`] so that each message ID is applied once,
 /// through an [`InboxStore`].
 ///
@@ -89,7 +104,9 @@ impl Default for RetryPolicy {
 ///    applying the messages one by one;
 /// 6. a message whose handler failed is retried on its own with backoff, each attempt in a fresh
 ///    transaction, up to [`RetryPolicy::max_attempts`], then dead-lettered with the error; a
-///    permanent failure is dead-lettered at once; a panic counts as a transient failure.
+///    permanent failure is dead-lettered at once; a panic counts as a transient failure. With
+///    [`Order::Strict`] only the messages before it are committed first, and the rest of its
+///    chunk waits until it is applied or dead-lettered.
 ///
 /// While the store cannot be reached ([`Recovery::Reconnect`](crate::Recovery::Reconnect)) the
 /// batch is held and tried again with a backoff doubling up to 30 s, not handed back: an outage
@@ -106,7 +123,8 @@ impl Default for RetryPolicy {
 /// was not committed, so a consumer that is cut short or killed later loses nothing.
 ///
 /// Order: within one batch, messages are applied in the order received; a message that fails and
-/// is retried is applied after the rest of its batch. With [`Consumer::parallel_lanes`], a batch
+/// is retried is applied after the rest of its batch, unless [`Order::Strict`] holds the rest
+/// behind it (see [`Consumer::order`]). With [`Consumer::parallel_lanes`], a batch
 /// is split by [`Metadata::lane`](crate::Metadata::lane) (a Kafka partition, say): each lane
 /// keeps that order and runs in a transaction of its own, several lanes at a time; a source
 /// without lanes has its chunks applied side by side in no order.
@@ -159,6 +177,15 @@ pub fn retention_shortfall(
         .map(|window| window - inbox_retention)
 }
 
+/// What one chunk came to, for the pipeline.
+pub(crate) struct Processed<A> {
+    /// The acks to send once the chunk is done.
+    pub(crate) acks: Vec<(MessageId, A)>,
+    /// Strict order: a failed message went back to the broker unapplied, and the messages of
+    /// its lane received after it must follow it there, not be applied before it comes again.
+    pub(crate) blocked: bool,
+}
+
 /// One step of the consumer pipeline: what happens to each chunk of one lane between its
 /// receive and its ack. [`Inbox`] and [`Effects`] are the two.
 pub(crate) trait Step: Send + Sync {
@@ -170,13 +197,18 @@ pub(crate) trait Step: Send + Sync {
     /// honour.
     fn check(&self, capabilities: Capabilities) -> Result<()>;
 
+    /// Whether a failed message blocks its lane ([`Order::Strict`]).
+    fn strict(&self) -> bool {
+        false
+    }
+
     /// Applies one chunk of one lane. Returns the acks to send once the chunk is done (the
     /// pipeline sends them behind the next chunk's work); everything else it settles itself.
     fn process<A: Ack>(
         &self,
         chunk: Vec<Delivery<A>>,
         stop: &Stop,
-    ) -> impl Future<Output = Result<Vec<(MessageId, A)>>>;
+    ) -> impl Future<Output = Result<Processed<A>>>;
 }
 
 impl<St, H> Step for Inbox<St, H>
@@ -204,11 +236,15 @@ where
         Ok(())
     }
 
+    fn strict(&self) -> bool {
+        self.order == Order::Strict
+    }
+
     fn process<A: Ack>(
         &self,
         chunk: Vec<Delivery<A>>,
         stop: &Stop,
-    ) -> impl Future<Output = Result<Vec<(MessageId, A)>>> {
+    ) -> impl Future<Output = Result<Processed<A>>> {
         self.apply_chunk(chunk, stop)
     }
 }
@@ -244,6 +280,7 @@ where
                 handler,
                 max_deliveries: None,
                 handler_timeout: None,
+                order: Order::default(),
             },
         )
     }
@@ -268,6 +305,31 @@ where
     pub fn handler_timeout(mut self, timeout: Duration) -> Self {
         self.step.handler_timeout = Some(timeout);
         self.step.store.set_handler_timeout(timeout);
+        self
+    }
+
+    /// What a failing message does to the messages after it in its lane
+    /// ([`Metadata::lane`](crate::Metadata::lane): a Kafka partition, an SQS FIFO message group;
+    /// a source without lanes is one lane).
+    ///
+    /// [`Order::FailuresLast`] (the default): the rest of its chunk is committed without it and
+    /// it is retried afterwards, so later messages of its lane are applied before it. The lane
+    /// keeps moving while one message fails.
+    ///
+    /// [`Order::Strict`]: each lane is applied exactly in the order received. When a message
+    /// fails, the messages before it in its chunk are committed and acked, it is retried alone
+    /// with the [`RetryPolicy`] backoff until it is applied or dead-lettered (a dead letter
+    /// unblocks the lane, the message is left out at its place), and only then are the messages
+    /// after it applied. For a [`BatchHandler`] that does not say which message failed, the
+    /// failing batch is bisected, lower half first, to the first failing message. The cost:
+    /// while a message fails, its lane applies nothing — a poison message stalls its key for
+    /// its whole retry schedule (`max_attempts` tries and their backoff) — and the lane's later
+    /// messages stay received and unacked meanwhile (other lanes go on). Shutdown while a lane
+    /// is blocked hands the failed message back and everything after it, in order (Kafka: a
+    /// seek back to the failed offset). On a source without lanes strict order needs one
+    /// chunk at a time: `parallel_lanes` above 1 is refused at start.
+    pub fn order(mut self, order: Order) -> Self {
+        self.step.order = order;
         self
     }
 }
@@ -475,6 +537,12 @@ where
         }
         let capabilities = self.source.capabilities();
         self.step.check(capabilities)?;
+        if self.step.strict() && self.lanes > 1 && !capabilities.lanes() {
+            return Err(Error::Config(format!(
+                "strict order on a source without lanes allows one chunk at a time, but                  parallel_lanes is {}: use parallel_lanes(1), or Order::FailuresLast",
+                self.lanes
+            )));
+        }
         if self.lanes > 1 && !capabilities.lanes() {
             info!(
                 consumer = %common.name,

@@ -130,9 +130,16 @@ where
                     stop_tx.send_replace(Phase::Aborting);
                 }
                 Some((lane, n, result)) = working.next() => {
-                    queued.done(&lane);
                     in_flight = in_flight.saturating_sub(n);
-                    match result {
+                    if matches!(&result, Ok(processed) if processed.blocked) {
+                        // Strict order: a failed message went back unapplied, and what its lane
+                        // received after it follows, to come again in order.
+                        let back = queued.drain_lane(&lane);
+                        in_flight = in_flight.saturating_sub(back.len());
+                        common.hand_back(back).await;
+                    }
+                    queued.done(&lane);
+                    match result.map(|processed| processed.acks) {
                         Ok(acks) => {
                             let n = acks.len();
                             in_flight += n;

@@ -17,7 +17,7 @@ use super::{
 };
 use crate::consumer::common::{Common, MAX_ERROR_BACKOFF};
 use crate::consumer::stop::Stop;
-use crate::consumer::Step;
+use crate::consumer::{Processed, Step};
 use crate::error::backoff;
 use crate::stats::Counter;
 use crate::{
@@ -72,11 +72,7 @@ where
     /// Leases, calls and settles the messages of a chunk one after the other (each is a call
     /// out, and its lease is its own). On shutdown the rest of the chunk is handed back; when
     /// the work in flight is cut short, the call is dropped as a crash would drop it.
-    async fn process<A: Ack>(
-        &self,
-        chunk: Vec<Delivery<A>>,
-        stop: &Stop,
-    ) -> Result<Vec<(MessageId, A)>> {
+    async fn process<A: Ack>(&self, chunk: Vec<Delivery<A>>, stop: &Stop) -> Result<Processed<A>> {
         for delivery in chunk {
             if stop.stopping() {
                 self.common.hand_back(vec![delivery.ack]).await;
@@ -90,7 +86,10 @@ where
                 }
             }
         }
-        Ok(Vec::new())
+        Ok(Processed {
+            acks: Vec::new(),
+            blocked: false,
+        })
     }
 }
 
