@@ -10,8 +10,8 @@ use lapin::{Channel, Connection};
 
 use crate::config::url_from_env;
 use crate::short_string::short_string;
-use crate::source::{sent_at, value_bytes};
 use crate::source::Amqp;
+use crate::source::{sent_at, value_bytes};
 use crate::{connect, Error, IdFrom, Result};
 
 /// The messages of a RabbitMQ dead-letter queue (`<queue>.dlq`), as [`inbox_core::replay`]

@@ -46,14 +46,7 @@ where
         // records in runs): a free slot then reads ahead, up to this many held messages, until
         // a lane it can take arrives.
         let read_ahead = if ordered && lanes > 1 {
-            capacity.max(
-                lanes.saturating_mul(
-                    std::env::var("XX_RA")
-                        .ok()
-                        .and_then(|v| v.parse().ok())
-                        .unwrap_or(READ_AHEAD_PER_LANE),
-                ),
-            )
+            capacity.max(lanes.saturating_mul(READ_AHEAD_PER_LANE))
         } else {
             capacity
         };

@@ -20,11 +20,11 @@ use serde_json::json;
 use tokio::sync::oneshot;
 
 use crate::brokers::{self, Broker};
+use crate::cli::StoreKind;
 use crate::cli::{
     positive, BrokerKind, ConsumerSpec, HandlerKind, KafkaImpl, Variant, KAFKA_IMPL_HELP,
     KAFKA_IMPL_LONG_HELP,
 };
-use crate::cli::StoreKind;
 use crate::consume::Watch;
 use crate::{kill, progress, wallet_db};
 
@@ -330,11 +330,15 @@ async fn processes_run(
         };
         children.push(kill::spawn_ready(&member).await?);
     }
-    // Long enough for the group to settle with every member.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Long enough for the group to settle with every member (a join waits for the others to
+    // rejoin, up to their poll interval).
+    tokio::time::sleep(Duration::from_secs(10)).await;
     broker.publish(&name, events).await?;
     let n = events.len() as i64;
-    let label = format!("bench {run}: {} {spec} processes {processes}", broker.kind());
+    let label = format!(
+        "bench {run}: {} {spec} processes {processes}",
+        broker.kind()
+    );
     let bar = progress::Bar::new(label, n as u64, "msgs");
     let (mut first, mut last) = (None, Instant::now());
     let mut seen = 0;
@@ -582,7 +586,7 @@ fn print_row(row: &Row, limits: &Limits, b_rate: Option<f64>) {
         .filter(|_| row.variant == "c")
         .map_or("-".into(), |b| format!("{:.2}", row.rate() / b));
     println!(
-        "{:<9} {:<15} {:<8} batch {:>5} lanes {:>2}{} {:>8} events {:>9.0} msgs/s  c/b {:>5}  of db {:>5}  of broker {:>5}  peak RSS {:>6.1} MB",
+        "{:<9} {:<15} {:<8} batch {:>5} lanes {:>2}{} {:>8} events {:>9.0} msgs/s  c/b {:>5}  of db {:>5}  of broker {:>5}  peak RSS {:>9}",
         row.broker,
         row.variant,
         row.handler,
@@ -594,7 +598,12 @@ fn print_row(row: &Row, limits: &Limits, b_rate: Option<f64>) {
         c_over_b,
         of_db,
         of_broker,
-        row.peak_rss_mb
+        // A child's memory is its own: measured here only for a consumer in this process.
+        if row.processes.is_some() {
+            "-".to_owned()
+        } else {
+            format!("{:.1} MB", row.peak_rss_mb)
+        }
     );
 }
 
@@ -611,7 +620,7 @@ fn json_line(row: &Row, limits: &Limits) -> String {
         "msgs_per_s": row.rate(),
         "database_alone_msgs_per_s": limits.database(row.batch),
         "broker_alone_msgs_per_s": limits.broker.as_ref().filter(|b| b.broker == row.broker).map(Row::rate),
-        "peak_rss_mb": row.peak_rss_mb,
+        "peak_rss_mb": row.processes.is_none().then_some(row.peak_rss_mb),
     })
     .to_string()
 }
