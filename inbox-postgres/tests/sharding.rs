@@ -118,9 +118,20 @@ async fn each_credit_is_applied_once_in_its_shard_across_a_restart_of_one_shard(
     assert_eq!(sum_a.lost(events - in_b), 0, "shard 0");
     assert_eq!(sum_b.lost(in_b), 0, "shard 1");
     assert!(sum_a.balances_exact && sum_b.balances_exact);
-    assert_eq!(strangers(&check_a, 0).await, 0, "shard 0 holds shard 1's credits");
-    assert_eq!(strangers(&check_b, 1).await, 0, "shard 1 holds shard 0's credits");
-    assert!(stats.skipped_duplicates >= (events / 10) as u64, "{stats:?}");
+    assert_eq!(
+        strangers(&check_a, 0).await,
+        0,
+        "shard 0 holds shard 1's credits"
+    );
+    assert_eq!(
+        strangers(&check_b, 1).await,
+        0,
+        "shard 1 holds shard 0's credits"
+    );
+    assert!(
+        stats.skipped_duplicates >= (events / 10) as u64,
+        "{stats:?}"
+    );
     assert!(broker.dead_letters().is_empty());
     assert_eq!(broker.pending() + broker.in_flight(), 0);
     check_a.drop().await;
