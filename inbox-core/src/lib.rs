@@ -57,6 +57,9 @@
 //! On PostgreSQL the handler is a `Handler<inbox_postgres::PgTx>` that writes through
 //! `&mut **tx` with sqlx, and the store is `inbox_postgres::PgInbox`: see that crate.
 //!
+//! Several databases behind one consumer: [`Sharded`] routes each message to one of them by a
+//! key of your choice, and commits its claim and effect there.
+//!
 //! Testing a handler needs no broker or database: the crate `inbox-testkit` has an in-memory
 //! broker and store, with crash points.
 //!

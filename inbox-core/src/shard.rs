@@ -18,20 +18,46 @@ type Route = dyn Fn(&MessageId, &Message) -> usize + Send + Sync;
 /// shard's transaction type (a `PgTx` for PostgreSQL shards) and writes the effect there. The
 /// consumer never mixes shards in one transaction: a batch that spans shards is split into
 /// chunks per shard, each committed on its own and acked only after its own commit. A shard
-/// that fails leaves the others running: its messages are retried or handed back to the broker,
-/// while the other shards' messages are acked as they commit.
+/// that fails leaves the others running: its messages are retried, held through an outage or
+/// handed back to the broker, while the other shards' messages are acked as they commit. Held
+/// messages count against the consumer's window (`batch_size` × `parallel_lanes`): once it is
+/// full of a shard that is down, the consumer waits for that shard. So it does when that shard's
+/// chunks hold every lane: on a source without lanes, one shard may have up to
+/// `parallel_lanes` chunks out.
 ///
 /// ```
-/// # use inbox_core::{Message, MessageId, Sharded};
-/// # fn stores<S>(a: S, b: S) -> Sharded<S> where S: inbox_core::InboxStore {
-/// // The tenant header picks the database; messages without one go to shard 0.
-/// Sharded::new(vec![a, b], |_id: &MessageId, message: &Message| {
-///     match message.header("tenant") {
-///         Some(b"acme") => 1,
-///         _ => 0,
+/// use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Sharded};
+/// use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
+///
+/// struct Credit;
+///
+/// #[async_trait]
+/// impl Handler<MemoryTx<i64>> for Credit {
+///     // The handler is the one an unsharded store takes: it gets its shard's transaction.
+///     async fn handle(&self, tx: &mut MemoryTx<i64>, _: &MessageId, m: &Message)
+///         -> Result<(), HandlerError> {
+///         *tx.state_mut() += m.json::<i64>()?;
+///         Ok(())
 ///     }
-/// })
-/// # }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), inbox_core::Error> {
+/// let broker = MemoryBroker::new();
+/// for (id, tenant) in [("evt-1", "acme"), ("evt-2", "globex"), ("evt-1", "acme")] {
+///     let mut m = Message::new(Ok(MessageId::new(id).expect("a valid ID")), b"100".to_vec());
+///     m.headers.push(("tenant".into(), tenant.into()));
+///     broker.publish_message(m);
+/// }
+/// // One store per database (`PgInbox`s on two pools, say); the tenant header picks it.
+/// let (acme, others) = (MemoryStore::<i64>::new(), MemoryStore::<i64>::new());
+/// let store = Sharded::new(vec![acme.clone(), others.clone()], |_: &MessageId, m: &Message| {
+///     usize::from(m.header("tenant") != Some(&b"acme"[..]))
+/// });
+/// Consumer::new("wallet", broker.source(), store, Credit).run_until_idle().await?;
+/// assert_eq!(acme.state().await, 100); // once, though delivered twice
+/// assert_eq!(others.state().await, 100);
+/// # Ok(()) }
 /// ```
 ///
 /// # Routing
@@ -52,7 +78,8 @@ type Route = dyn Fn(&MessageId, &Message) -> usize + Send + Sync;
 ///
 /// [`InboxStore::begin`] and [`InboxStore::claim`] have no shard to go to and fail with
 /// [`Recovery::Fatal`]; open a shard's transaction with [`Sharded::stores`] or
-/// [`InboxStore::shard`].
+/// [`InboxStore::shard`]. For the same reason a store wrapper (a test's crash layer, say) goes
+/// around each shard's store, not around the `Sharded` one.
 pub struct Sharded<S> {
     stores: Vec<S>,
     route: Arc<Route>,
