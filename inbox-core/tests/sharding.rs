@@ -3,13 +3,13 @@
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{
     async_trait, Consumer, Handler, HandlerError, InboxStore, Message, MessageId, OperationError,
-    Recovery, Sharded, StoreError,
+    Recovery, RetryPolicy, Sharded, StoreError,
 };
 use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
 
@@ -52,6 +52,8 @@ fn publish(broker: &MemoryBroker, id: &str, tenant: &str, lane: Option<&str>) {
 struct Outage {
     store: MemoryStore<Ledger>,
     down: Arc<AtomicBool>,
+    /// Transactions still to fail at their claim (a serialization failure, say).
+    failing: Arc<AtomicU32>,
 }
 
 #[async_trait]
@@ -75,6 +77,15 @@ impl InboxStore for Outage {
         consumer: &str,
         id: &MessageId,
     ) -> Result<bool, StoreError> {
+        let left = self.failing.load(Ordering::SeqCst);
+        if left > 0 {
+            self.failing.store(left - 1, Ordering::SeqCst);
+            return Err(OperationError::new(
+                Recovery::Retry,
+                "claiming a message ID",
+                "could not serialize access",
+            ));
+        }
         self.store.claim(tx, consumer, id).await
     }
 }
@@ -187,4 +198,39 @@ async fn outside_the_consumer_a_sharded_store_names_no_shard() {
     let e = store.begin().await.err().unwrap();
     assert_eq!(e.recovery(), Recovery::Fatal);
     assert!(store.shard(0).begin().await.is_ok());
+}
+
+#[tokio::test]
+async fn a_transaction_failing_in_one_shard_retries_only_that_shards_messages() {
+    let broker = MemoryBroker::new();
+    let shards = [Outage::default(), Outage::default()];
+    // Every transaction of shard 1 fails at first: the whole chunk, its halves, then each
+    // message alone once.
+    shards[1].failing.store(8, Ordering::SeqCst);
+    for i in 0..8 {
+        let tenant = if i % 2 == 0 { "t0" } else { "t1" };
+        publish(&broker, &format!("evt-{i}"), tenant, None);
+    }
+    let store = Sharded::new(shards.to_vec(), by_tenant);
+    let stats = Consumer::new("c", broker.source(), store, Record)
+        .batch_size(8)
+        .retry(
+            RetryPolicy::default()
+                .max_attempts(10)
+                .backoff(Duration::from_millis(1), Duration::from_millis(2)),
+        )
+        .run_until_idle()
+        .await
+        .unwrap();
+    // Shard 0's four are applied in order, untouched by shard 1's failures.
+    let evens: Ledger = (0..8).step_by(2).map(|i| format!("evt-{i}")).collect();
+    let odds: Ledger = (1..8).step_by(2).map(|i| format!("evt-{i}")).collect();
+    assert_eq!(shards[0].store.state().await, evens);
+    let mut applied = shards[1].store.state().await;
+    applied.sort();
+    assert_eq!(applied, odds, "shard 1's messages, each once");
+    assert_eq!(stats.applied, 8);
+    assert!(stats.retried > 0, "{stats:?}");
+    assert!(broker.dead_letters().is_empty());
+    assert_eq!(broker.pending() + broker.in_flight(), 0);
 }
