@@ -57,6 +57,9 @@
 //! On PostgreSQL the handler is a `Handler<inbox_postgres::PgTx>` that writes through
 //! `&mut **tx` with sqlx, and the store is `inbox_postgres::PgInbox`: see that crate.
 //!
+//! Several databases behind one consumer: [`Sharded`] routes each message to one of them by a
+//! key of your choice, and commits its claim and effect there.
+//!
 //! Testing a handler needs no broker or database: the crate `inbox-testkit` has an in-memory
 //! broker and store, with crash points.
 //!
@@ -85,6 +88,7 @@ mod publish;
 mod recent;
 mod redact;
 pub mod replay;
+mod shard;
 mod source;
 mod stats;
 mod store;
@@ -107,6 +111,7 @@ pub use probes::{Answer, Probes};
 pub use publish::{Destinations, OutgoingMessage, Publish, PublishError};
 use recent::Recent;
 pub use redact::{is_secret_setting, redact_url, REDACTED};
+pub use shard::Sharded;
 pub use source::{dead_letter, Ack, Capabilities, Delivery, MessageSource};
 pub use stats::{Stats, StatsSnapshot};
 pub use store::{InboxStore, Transaction};

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::{InvalidId, MessageId, StoreError};
+use crate::{InvalidId, Message, MessageId, StoreError};
 
 /// An open store transaction, consumed by its end: [`commit`](Transaction::commit) or
 /// [`rollback`](Transaction::rollback), as `sqlx::Transaction` is. One type for the inbox's
@@ -97,6 +97,25 @@ pub trait InboxStore: Send + Sync + 'static {
     fn set_handler_timeout(&mut self, timeout: Duration) {
         let _ = timeout;
     }
+
+    /// Which shard holds `message`'s claim and effect, for a store that spreads messages over
+    /// several databases ([`Sharded`](crate::Sharded)). The consumer never puts messages of
+    /// two shards in one transaction: it applies each shard's messages in chunks of their own,
+    /// opened through [`InboxStore::shard`]. The default, one database, is shard 0.
+    fn shard_of(&self, id: &MessageId, message: &Message) -> usize {
+        let _ = (id, message);
+        0
+    }
+
+    /// The store of shard `index` (as [`InboxStore::shard_of`] answered), in which the
+    /// consumer begins, claims and commits that shard's chunks. The default is the store itself.
+    fn shard(&self, index: usize) -> &dyn InboxStore<Tx = Self::Tx>
+    where
+        Self: Sized,
+    {
+        let _ = index;
+        self
+    }
 }
 
 #[async_trait]
@@ -124,6 +143,12 @@ impl<S: InboxStore> InboxStore for Arc<S> {
     }
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         (**self).check_id(id)
+    }
+    fn shard_of(&self, id: &MessageId, message: &Message) -> usize {
+        (**self).shard_of(id, message)
+    }
+    fn shard(&self, index: usize) -> &dyn InboxStore<Tx = Self::Tx> {
+        (**self).shard(index)
     }
     /// Passed on only while this is the one `Arc` of the store; otherwise a warning says so.
     fn set_handler_timeout(&mut self, timeout: Duration) {

@@ -418,12 +418,16 @@ where
         work: &[Work<A, H::Item>],
     ) -> Result<Vec<Outcome>, TxFailure> {
         let ids: Vec<MessageId> = work.iter().map(|w| w.id.clone()).collect();
-        let mut tx = self.store.begin().await.map_err(TxFailure::Store)?;
+        // The lanes give a chunk one shard's messages: its first message names the shard.
+        let store = match work.first() {
+            Some(w) => self
+                .store
+                .shard(self.store.shard_of(&w.id, &w.delivery.message)),
+            None => self.store.shard(0),
+        };
+        let mut tx = store.begin().await.map_err(TxFailure::Store)?;
         let started = Instant::now();
-        let claimed = self
-            .store
-            .claim_many(&mut tx, &self.common.name, &ids)
-            .await;
+        let claimed = store.claim_many(&mut tx, &self.common.name, &ids).await;
         self.common.metrics.claim.record(seconds_since(started));
         let claimed = match claimed {
             Ok(claimed) => claimed,

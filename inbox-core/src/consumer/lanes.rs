@@ -1,10 +1,15 @@
-//! Received messages waiting to be applied, by lane.
+//! Received messages waiting to be applied, by lane and shard.
 
 use std::collections::VecDeque;
 
-use crate::Delivery;
+use crate::{Delivery, Message};
 
-/// Received messages waiting to be applied, by lane, each lane in received order.
+/// A source's lane ([`Metadata::lane`](crate::Metadata::lane)) and the store's shard
+/// ([`InboxStore::shard_of`](crate::InboxStore::shard_of)): a chunk holds messages of one of
+/// each, so it commits in one shard's transaction.
+pub(super) type LaneKey = (Option<String>, usize);
+
+/// Received messages waiting to be applied, by lane and shard, each in received order.
 ///
 /// A lane gives out at most `per_lane` chunks at a time: 1 keeps its order (the next chunk of a
 /// Kafka partition waits until the one before is done); a source without lanes has no order to
@@ -16,7 +21,7 @@ pub(super) struct Lanes<A> {
 }
 
 struct Lane<A> {
-    key: Option<String>,
+    key: LaneKey,
     queue: VecDeque<Delivery<A>>,
     /// Chunks of this lane being applied.
     out: usize,
@@ -31,14 +36,20 @@ impl<A> Lanes<A> {
         }
     }
 
-    pub(super) fn add(&mut self, batch: Vec<Delivery<A>>) {
+    /// Queues `batch`, each message in the lane of its source lane and `shard_of` it.
+    pub(super) fn add(&mut self, batch: Vec<Delivery<A>>, shard_of: impl Fn(&Message) -> usize) {
         self.held += batch.len();
         for delivery in batch {
-            let key = &delivery.message.meta.lane;
-            match self.lanes.iter_mut().find(|l| l.key == *key) {
+            let shard = shard_of(&delivery.message);
+            let lane = &delivery.message.meta.lane;
+            match self
+                .lanes
+                .iter_mut()
+                .find(|l| l.key.1 == shard && l.key.0 == *lane)
+            {
                 Some(lane) => lane.queue.push_back(delivery),
                 None => self.lanes.push(Lane {
-                    key: key.clone(),
+                    key: (lane.clone(), shard),
                     queue: VecDeque::from([delivery]),
                     out: 0,
                 }),
@@ -55,7 +66,7 @@ impl<A> Lanes<A> {
 
     /// Up to `max` messages of the first lane that has some and a chunk to spare; the chunk is
     /// out until [`Lanes::done`].
-    pub(super) fn take(&mut self, max: usize) -> Option<(Option<String>, Vec<Delivery<A>>)> {
+    pub(super) fn take(&mut self, max: usize) -> Option<(LaneKey, Vec<Delivery<A>>)> {
         let per_lane = self.per_lane;
         let i = self
             .lanes
@@ -72,7 +83,7 @@ impl<A> Lanes<A> {
         Some((key, chunk))
     }
 
-    pub(super) fn done(&mut self, key: &Option<String>) {
+    pub(super) fn done(&mut self, key: &LaneKey) {
         if let Some(i) = self.lanes.iter().position(|l| l.key == *key) {
             let lane = &mut self.lanes[i];
             lane.out = lane.out.saturating_sub(1);
@@ -87,7 +98,7 @@ impl<A> Lanes<A> {
     }
 
     /// The messages of lane `key` not yet given out, in order.
-    pub(super) fn drain_lane(&mut self, key: &Option<String>) -> Vec<A> {
+    pub(super) fn drain_lane(&mut self, key: &LaneKey) -> Vec<A> {
         let Some(lane) = self.lanes.iter_mut().find(|l| l.key == *key) else {
             return Vec::new();
         };

@@ -20,7 +20,7 @@ use crate::effect::{EffectHandler, Effects, LeaseStore};
 use crate::telemetry::{self, ConsumerMetrics};
 use crate::{
     Ack, BatchHandler, Capabilities, ConsumerState, Delivery, Error, Handler, Health, InboxStore,
-    MessageId, MessageSource, PerMessage, Result, StageHook, Stats, StatsSnapshot,
+    Message, MessageId, MessageSource, PerMessage, Result, StageHook, Stats, StatsSnapshot,
 };
 
 /// How often a failing handler is tried before its message is dead-lettered, and how long to
@@ -202,6 +202,13 @@ pub(crate) trait Step: Send + Sync {
         false
     }
 
+    /// The store shard `message` goes to ([`InboxStore::shard_of`]); a chunk holds one shard's
+    /// messages. The default, one store, is shard 0.
+    fn shard_of(&self, message: &Message) -> usize {
+        let _ = message;
+        0
+    }
+
     /// Applies one chunk of one lane. Returns the acks to send once the chunk is done (the
     /// pipeline sends them behind the next chunk's work); everything else it settles itself.
     fn process<A: Ack>(
@@ -238,6 +245,15 @@ where
 
     fn strict(&self) -> bool {
         self.order == Order::Strict
+    }
+
+    /// A message without a usable ID goes to shard 0: it is dead-lettered before any
+    /// transaction.
+    fn shard_of(&self, message: &Message) -> usize {
+        match &message.id {
+            Ok(id) => self.store.shard_of(id, message),
+            Err(_) => 0,
+        }
     }
 
     fn process<A: Ack>(

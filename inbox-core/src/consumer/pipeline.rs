@@ -162,7 +162,7 @@ where
                                 }
                             } else {
                                 in_flight += batch.len();
-                                queued.add(batch);
+                                queued.add(batch, |m| step.shard_of(m));
                             }
                         }
                         Err(e) => {

@@ -34,6 +34,9 @@ pub(crate) enum StoreKind {
     Postgres,
     /// `inbox-mysql`, in a database of the run's own (`INBOX_MYSQL_URL`).
     Mysql,
+    /// `inbox-postgres` behind `Sharded`: a schema of the run's own in each of the shard
+    /// clusters (see `wallet_db::shard_urls`), credits routed by account.
+    Sharded,
 }
 
 impl StoreKind {
@@ -41,6 +44,7 @@ impl StoreKind {
         match self {
             Self::Postgres => "postgres",
             Self::Mysql => "mysql",
+            Self::Sharded => "sharded",
         }
     }
 }
@@ -51,7 +55,10 @@ impl FromStr for StoreKind {
         match s.trim() {
             "postgres" => Ok(Self::Postgres),
             "mysql" => Ok(Self::Mysql),
-            _ => Err(format!("unknown store `{s}`; use postgres or mysql")),
+            "sharded" => Ok(Self::Sharded),
+            _ => Err(format!(
+                "unknown store `{s}`; use postgres, mysql or sharded"
+            )),
         }
     }
 }
@@ -303,12 +310,16 @@ pub(crate) struct ConsumeArgs {
     /// The queue, topic or stream.
     #[arg(long, value_name = "QUEUE")]
     name: String,
-    /// The Postgres schema (with `--store mysql`, the MySQL database) holding the wallet tables
-    /// and the inbox.
+    /// The Postgres schema (with `--store mysql`, the MySQL database; with `--store sharded`,
+    /// each shard's schema, comma-separated) holding the wallet tables and the inbox.
     #[arg(long)]
     schema: String,
     /// The inbox store.
-    #[arg(long, value_name = "postgres|mysql", default_value = "postgres")]
+    #[arg(
+        long,
+        value_name = "postgres|mysql|sharded",
+        default_value = "postgres"
+    )]
     store: StoreKind,
     /// The handler's work per message: milliseconds, or a duration such as 10ms.
     #[arg(long, value_name = "MS", default_value = "10", value_parser = millis)]

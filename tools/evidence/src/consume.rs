@@ -13,7 +13,7 @@ use inbox_conformance::wallet::{self, BatchCredit, Credit, CreditEvent};
 use inbox_conformance::TestDb;
 use inbox_core::{
     async_trait, BatchHandler, BatchItem, BoxError, Consumer, Handler, HandlerError, Inbox,
-    InboxStore, Message, MessageId, MessageSource, Stage, StageHook, StatsSnapshot,
+    InboxStore, Message, MessageId, MessageSource, Sharded, Stage, StageHook, StatsSnapshot,
 };
 use inbox_postgres::PgTx;
 use inbox_testkit::{MemoryStore, MemoryTx, WithoutInbox};
@@ -23,6 +23,7 @@ use tokio::sync::mpsc;
 use crate::bench::Progress;
 use crate::brokers;
 use crate::cli::{ConsumeArgs, ConsumerSpec, KafkaImpl, StoreKind, Variant};
+use crate::wallet_db;
 
 /// Resolves when the consumer should finish its batch and return.
 pub(crate) type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -101,6 +102,9 @@ pub(crate) async fn run<S: MessageSource + 'static>(
     shutdown: Shutdown,
 ) -> Result<StatsSnapshot, inbox_core::Error> {
     let progress = watch.progress.clone();
+    if spec.store == StoreKind::Sharded {
+        return run_sharded(source, spec, watch, shutdown).await;
+    }
     if spec.no_database {
         let consumer = Consumer::batched("wallet", source, MemoryStore::<()>::new(), CountOnly);
         return finish(consumer, spec, progress, shutdown).await;
@@ -131,6 +135,40 @@ pub(crate) async fn run<S: MessageSource + 'static>(
         let consumer = Consumer::new("wallet", source, WithoutInbox(db.inbox()), handler);
         finish(consumer, spec, progress, shutdown).await
     }
+}
+
+/// Runs `spec`'s consumer on `source` with the inbox and wallet spread over the shards in
+/// `spec.schema`, each credit in its account's shard: variant c, per-message credits.
+async fn run_sharded<S: MessageSource + 'static>(
+    source: S,
+    spec: &ConsumerSpec,
+    watch: Watch,
+    shutdown: Shutdown,
+) -> Result<StatsSnapshot, inbox_core::Error> {
+    if spec.variant != Variant::C || spec.batched || spec.no_database {
+        return Err(inbox_core::Error::Config(
+            "--store sharded runs variant c with the per-message credit only".into(),
+        ));
+    }
+    let dbs = wallet_db::attach_shards(&spec.schema).await;
+    let shards = dbs.len();
+    let store = Sharded::new(
+        dbs.iter().map(TestDb::inbox).collect(),
+        move |_: &MessageId, m: &Message| {
+            m.json::<CreditEvent>()
+                .map_or(0, |e| wallet_db::shard_of_account(e.account_id, shards))
+        },
+    );
+    let progress = watch.progress.clone();
+    let handler = Wallet {
+        credit: Credit::new(dbs[0].pool.clone()).work(spec.work),
+        pool: dbs[0].pool.clone(),
+        stall: spec.stall,
+        member: spec.member,
+        watch,
+    };
+    let consumer = Consumer::new("wallet", source, store, handler);
+    finish(consumer, spec, progress, shutdown).await
 }
 
 /// Runs `spec`'s consumer on `source` with the MySQL store and wallet in `db` until `shutdown`.
@@ -191,6 +229,11 @@ pub(crate) async fn main(args: ConsumeArgs) -> Result<(), BoxError> {
     let stats = match spec.store {
         StoreKind::Postgres => {
             let db = TestDb::attach(&spec.schema).await;
+            broker.consume(&spec, &db, Watch::default(), ctrl_c).await?
+        }
+        StoreKind::Sharded => {
+            // The consumer attaches to every shard; the broker takes the first for its own.
+            let db = wallet_db::attach_shards(&spec.schema).await.remove(0);
             broker.consume(&spec, &db, Watch::default(), ctrl_c).await?
         }
         StoreKind::Mysql => {

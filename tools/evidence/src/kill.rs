@@ -112,7 +112,7 @@ async fn run_once(
     run: u32,
 ) -> Result<RunResult, BoxError> {
     let kind = broker.kind();
-    let db = wallet_db::create(s.store).await;
+    let db = wallet_db::create(s.store, s.shards).await?;
     let name = broker
         .create(&format!("{kind}-{}-{run}", variant.name()))
         .await?;
@@ -184,7 +184,7 @@ async fn throughput(
     variant: Variant,
 ) -> Result<f64, BoxError> {
     let kind = broker.kind();
-    let db = wallet_db::create(s.store).await;
+    let db = wallet_db::create(s.store, s.shards).await?;
     let name = broker
         .create(&format!("{kind}-{}-rate", variant.name()))
         .await?;
@@ -428,6 +428,16 @@ pub(crate) async fn run(s: &KillSettings) -> Result<(), BoxError> {
             );
         }
         println!("The inbox store: MySQL (inbox-mysql, INBOX_MYSQL_URL).");
+    }
+    if s.store == StoreKind::Sharded {
+        if s.variants.iter().any(|&v| v != Variant::C) {
+            return Err("--store sharded runs variant c only (--variants c)".into());
+        }
+        println!(
+            "The inbox store: inbox-postgres behind Sharded, credits routed by account over {} \
+             PostgreSQL cluster(s) of the run's own.",
+            s.shards
+        );
     }
     if s.lanes > 1 {
         println!(

@@ -32,6 +32,8 @@ pub(crate) struct KillSettings {
     pub(crate) kafka_impl: KafkaImpl,
     /// The inbox store.
     pub(crate) store: StoreKind,
+    /// With `StoreKind::Sharded`: how many shard clusters.
+    pub(crate) shards: usize,
 }
 
 impl KillSettings {
@@ -52,6 +54,7 @@ impl KillSettings {
             throughput: true,
             throughput_events: 10_000,
             store: StoreKind::Postgres,
+            shards: 2,
             chart: PathBuf::from("target/wallet-kill-test.svg"),
             require_brokers: false,
             kafka_impl: KafkaImpl::default(),
@@ -147,8 +150,20 @@ pub(crate) struct KillArgs {
     /// The inbox store of the wallet: `mysql` runs variant c on `inbox-mysql` in a database of
     /// its own at `INBOX_MYSQL_URL` (the other variants exist to show what the inbox prevents,
     /// and run on PostgreSQL).
-    #[arg(long, value_name = "postgres|mysql", default_value = "postgres")]
+    ///
+    /// `sharded` runs variant c on `inbox-postgres` behind `Sharded`, credits routed by account
+    /// over `--shards` PostgreSQL clusters of the run's own (made with Debian's
+    /// `pg_createcluster`, as root): `inbox_shard_a` on `INBOX_SHARD_A_PG_PORT` (5443) and
+    /// `inbox_shard_b` on `INBOX_SHARD_B_PG_PORT` (5444).
+    #[arg(
+        long,
+        value_name = "postgres|mysql|sharded",
+        default_value = "postgres"
+    )]
     store: StoreKind,
+    /// With `--store sharded`: 1 or 2 shards.
+    #[arg(long, value_name = "N", default_value = "2", value_parser = clap::value_parser!(u8).range(1..=2))]
+    shards: u8,
 }
 
 impl KillArgs {
@@ -175,6 +190,7 @@ impl KillArgs {
             require_brokers: self.require_brokers,
             kafka_impl: self.kafka_impl,
             store: self.store,
+            shards: usize::from(self.shards),
         }
     }
 }
