@@ -234,3 +234,9 @@ pub mod dead_letter {
     /// is then not asked again in a tight loop.
     pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 }
+
+/// The name under which an adapter that re-publishes a message for a delayed redelivery (a
+/// RabbitMQ delay queue, a Redis stream entry added again) carries its redelivery count on the
+/// copy ([`Metadata::redeliveries`](crate::Metadata::redeliveries)): a header or field, decimal
+/// text or an integer.
+pub const REDELIVERY_COUNT: &str = "x-inbox-redelivery";
