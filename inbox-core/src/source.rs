@@ -62,7 +62,7 @@ pub trait Ack: Send + Sized + 'static {
     /// unchanged: the copy that comes back reports `redelivery + 1` in
     /// [`Metadata::redeliveries`](crate::Metadata::redeliveries). Each adapter uses its broker's
     /// own means to delay (an SQS visibility timeout, a RabbitMQ delay queue, a pending Redis
-    /// entry left unclaimed) and says in its docs which.
+    /// entry left unclaimed, a paused Kafka partition) and says in its docs which.
     ///
     /// On an error the delivery stays unsettled and comes back as a nacked one does, so nothing
     /// is lost (it may come back sooner than `delay`).
@@ -135,7 +135,7 @@ pub trait MessageSource: Send {
 ///
 /// | | delivery count | delayed nack | delayed redelivery | lanes |
 /// |---|---|---|---|---|
-/// | Kafka | no | no | no | yes (partitions) |
+/// | Kafka | no | no | yes (paused partition) | yes (partitions) |
 /// | SQS | yes | yes (visibility) | yes (visibility) | yes (FIFO message groups) |
 /// | RabbitMQ | yes (quorum queues) | no | yes (delay queues) | no |
 /// | Redis Streams | yes | no | yes (pending, unclaimed until due) | no |

@@ -83,7 +83,7 @@ impl RetryPolicy {
     /// come back after each of `delays` in turn (`[10 s, 1 min, 10 min]`: three redeliveries,
     /// the last ten minutes after the second), then dead-letters it. Each broker delays with
     /// its own means (an SQS visibility timeout, a RabbitMQ delay queue, a pending Redis entry
-    /// left unclaimed; see the adapters' docs); the message keeps its ID, so the inbox still
+    /// left unclaimed, a paused Kafka partition; see the adapters' docs); the message keeps its ID, so the inbox still
     /// applies it once. The consumer refuses to start with a schedule on a source that cannot
     /// delay ([`Capabilities::delayed_redelivery`](crate::Capabilities::delayed_redelivery)).
     #[must_use]
