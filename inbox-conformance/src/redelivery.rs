@@ -30,13 +30,16 @@ const JITTER: f64 = 0.2;
 /// (a receive's wait, the Redis claim sweep, whole seconds of SQS visibility).
 const SLACK: Duration = Duration::from_secs(3);
 
+/// Per message ID, when each attempt started and under which redelivery.
+type Attempts = BTreeMap<String, Vec<(Instant, u32)>>;
+
 /// The wallet's handler behind a downstream that is down until `up_at`; notes each attempt's
 /// time per message and redelivery.
 #[derive(Clone)]
 struct Downstream {
     credit: Credit,
     up_at: Arc<Mutex<Option<Instant>>>,
-    attempts: Arc<Mutex<BTreeMap<String, Vec<(Instant, u32)>>>>,
+    attempts: Arc<Mutex<Attempts>>,
 }
 
 #[async_trait]
