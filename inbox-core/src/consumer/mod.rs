@@ -83,9 +83,13 @@ impl RetryPolicy {
     /// come back after each of `delays` in turn (`[10 s, 1 min, 10 min]`: three redeliveries,
     /// the last ten minutes after the second), then dead-letters it. Each broker delays with
     /// its own means (an SQS visibility timeout, a RabbitMQ delay queue, a pending Redis entry
-    /// left unclaimed, a paused Kafka partition; see the adapters' docs); the message keeps its ID, so the inbox still
-    /// applies it once. The consumer refuses to start with a schedule on a source that cannot
-    /// delay ([`Capabilities::delayed_redelivery`](crate::Capabilities::delayed_redelivery)).
+    /// left unclaimed, a paused Kafka partition; see the adapters' docs); the message keeps its
+    /// ID, so the inbox still applies it once. The consumer refuses to start with a schedule on
+    /// a source that cannot delay ([`Capabilities::delayed_redelivery`](crate::Capabilities::delayed_redelivery)).
+    ///
+    /// Where the broker counts deliveries (SQS, Redis Streams), each redelivery is one more:
+    /// set [`Consumer::max_deliveries`] (and an SQS redrive policy's `maxReceiveCount`) above
+    /// the schedule's length + 1, or the message is parked before the schedule is used up.
     #[must_use]
     pub fn redeliver_after(mut self, delays: impl IntoIterator<Item = Duration>) -> Self {
         self.redeliveries = delays.into_iter().collect();
