@@ -64,13 +64,14 @@ impl Handler<PgTx> for Downstream {
     }
 }
 
-/// The test: the downstream is down for [`outage`] from the first attempt; the schedule
-/// is 1/12, 1/4, 1/2 and all of the outage (5, 15, 30, 60 s for a minute), so the messages
-/// come back three times while it is down (twice when the jitter stretches the delays) and are
-/// applied on the next. Nothing is
-/// dead-lettered, everything is applied once, and each redelivery comes no sooner than its
-/// delay (less the jitter) and no later than its delay, the jitter and [`SLACK`]. Only where
-/// the source can delay a redelivery.
+/// The test: the downstream is down from the first attempt for
+/// `INBOX_TEST_OUTAGE_SECS` (12 s by default); the schedule is 1/12, 1/4, 1/2 and all of the
+/// outage (5, 15, 30, 60 s for a minute), jitter 0.2, so a message comes back up to three times
+/// while it is down and is applied on the next. Nothing is dead-lettered, everything is applied
+/// once, nothing is left on the broker, and each redelivery comes no sooner than its delay less
+/// the jitter and no later than its delay, the jitter and 3 s of poll slack. On a Kafka
+/// partition, paused behind its first failing record, the records after it may be tried only
+/// once the downstream is back; each record that failed came back.
 pub async fn a_downstream_outage_is_ridden_out_by_delayed_redeliveries<B: TestBroker>(broker: &B) {
     let (db, queue) = setup(broker, "redeliver").await;
     let first = source(&queue, "c1").await;
