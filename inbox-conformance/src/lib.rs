@@ -6,7 +6,7 @@
 //! in a schema of their own, and check what a user cares about: every message applied once,
 //! nothing lost, nothing left on the broker, and what could not be applied parked in the
 //! dead-letter destination with its payload and a reason. They cover duplicates, crashes at each
-//! stage and of the whole process, racing members, retries and dead letters, batches, a member
+//! stage and of the whole process, racing members, retries, delayed redeliveries and dead letters, batches, a member
 //! that loses its message to another while its handler stalls (a "zombie"), the outbox relay
 //! (forwarding, a lost confirm, two relays at once, a row's headers), network faults (a black
 //! hole, cut connections, a refused broker) and a broker restart.
@@ -121,6 +121,7 @@ pub mod provider;
 pub mod python;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
+mod redelivery;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub mod replay;
@@ -343,6 +344,7 @@ macro_rules! suite {
             racing_consumers_apply_each_id_once,
             messages_without_an_id_or_with_a_bad_payload_are_dead_lettered,
             a_failing_handler_is_retried_then_dead_lettered,
+            a_downstream_outage_is_ridden_out_by_delayed_redeliveries,
             a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_count,
             batches_over_lanes_apply_everything_once,
             a_consumer_process_killed_mid_stream_loses_nothing_and_applies_nothing_twice,

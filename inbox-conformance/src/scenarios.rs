@@ -30,6 +30,7 @@ pub use crate::outbox::{
     headers_written_with_an_outbox_row_reach_the_consumer,
     two_relays_at_once_publish_every_row_once,
 };
+pub use crate::redelivery::a_downstream_outage_is_ridden_out_by_delayed_redeliveries;
 pub use crate::replay::dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_parked;
 pub use crate::zombie::a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice;
 

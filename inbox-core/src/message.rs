@@ -165,6 +165,12 @@ pub struct Metadata {
     pub delivery_count: Option<u32>,
     /// The broker says it delivered this message before.
     pub redelivered: bool,
+    /// How many times the consumer has handed this message back under its redelivery schedule
+    /// ([`RetryPolicy::redeliver_after`](crate::RetryPolicy::redeliver_after)), as the adapter
+    /// carries it (a header or field on the delayed copy, SQS `ApproximateReceiveCount` - 1);
+    /// 0 on a first delivery and on a source without
+    /// [`Capabilities::delayed_redelivery`](crate::Capabilities::delayed_redelivery).
+    pub redeliveries: u32,
     /// The ordering lane: messages of one lane must be applied in the order received; messages
     /// of different lanes may be applied side by side
     /// ([`Consumer::parallel_lanes`](crate::Consumer::parallel_lanes)). Kafka sets the topic and

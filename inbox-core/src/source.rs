@@ -56,6 +56,34 @@ pub trait Ack: Send + Sized + 'static {
     /// with the setting to fix.
     async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError>;
 
+    /// Hands the message back to come again after `delay`, as redelivery number `redelivery`
+    /// (from 0) of the consumer's schedule
+    /// ([`RetryPolicy::redeliver_after`](crate::RetryPolicy::redeliver_after)), with its ID
+    /// unchanged: the copy that comes back reports `redelivery + 1` in
+    /// [`Metadata::redeliveries`](crate::Metadata::redeliveries). Each adapter uses its broker's
+    /// own means to delay (an SQS visibility timeout, a RabbitMQ delay queue, a pending Redis
+    /// entry left unclaimed, a paused Kafka partition) and says in its docs which.
+    ///
+    /// On an error the delivery stays unsettled and comes back as a nacked one does, so nothing
+    /// is lost (it may come back sooner than `delay`).
+    ///
+    /// Only called on a source whose [`Capabilities::delayed_redelivery`] is set; the default
+    /// refuses.
+    async fn redeliver(
+        self,
+        message: &Message,
+        delay: Duration,
+        redelivery: u32,
+    ) -> Result<(), SourceError> {
+        let _ = (message, delay, redelivery);
+        Err(SourceError::new(
+            crate::Recovery::Fatal,
+            "redeliver",
+            "this source cannot delay a redelivery: remove the redelivery schedule \
+             (RetryPolicy::redeliver_after)",
+        ))
+    }
+
     /// Whether the broker has already taken this delivery back while the consumer held it (a
     /// Kafka partition revoked since it was received): settling it would do nothing, and the
     /// message comes again (or already came) under a new handle. The consumer drops such a
@@ -105,16 +133,17 @@ pub trait MessageSource: Send {
 
 /// What a [`MessageSource`] can do, as it reports it ([`MessageSource::capabilities`]).
 ///
-/// | | delivery count | delayed nack | lanes |
-/// |---|---|---|---|
-/// | Kafka | no | no | yes (partitions) |
-/// | SQS | yes | yes (visibility) | yes (FIFO message groups) |
-/// | RabbitMQ | yes (quorum queues) | no | no |
-/// | Redis Streams | yes | no | no |
+/// | | delivery count | delayed nack | delayed redelivery | lanes |
+/// |---|---|---|---|---|
+/// | Kafka | no | no | yes (paused partition) | yes (partitions) |
+/// | SQS | yes | yes (visibility) | yes (visibility) | yes (FIFO message groups) |
+/// | RabbitMQ | yes (quorum queues) | no | yes (delay queues) | no |
+/// | Redis Streams | yes | no | yes (pending, unclaimed until due) | no |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Capabilities {
     delivery_count: bool,
     delayed_nack: bool,
+    delayed_redelivery: bool,
     lanes: bool,
 }
 
@@ -123,8 +152,24 @@ impl Capabilities {
     pub const NONE: Self = Self {
         delivery_count: false,
         delayed_nack: false,
+        delayed_redelivery: false,
         lanes: false,
     };
+
+    /// [`Ack::redeliver`] brings the message back after the delay asked, and deliveries
+    /// report [`Metadata::redeliveries`](crate::Metadata::redeliveries), so the consumer can
+    /// follow a redelivery schedule
+    /// ([`RetryPolicy::redeliver_after`](crate::RetryPolicy::redeliver_after)).
+    #[must_use]
+    pub const fn with_delayed_redelivery(mut self) -> Self {
+        self.delayed_redelivery = true;
+        self
+    }
+
+    /// See [`Capabilities::with_delayed_redelivery`].
+    pub const fn delayed_redelivery(&self) -> bool {
+        self.delayed_redelivery
+    }
 
     /// Every delivery carries [`Metadata::delivery_count`](crate::Metadata::delivery_count),
     /// so [`Consumer::max_deliveries`](crate::Consumer::max_deliveries) can park a message that
@@ -189,3 +234,9 @@ pub mod dead_letter {
     /// is then not asked again in a tight loop.
     pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 }
+
+/// The name under which an adapter that re-publishes a message for a delayed redelivery (a
+/// RabbitMQ delay queue, a Redis stream entry added again) carries its redelivery count on the
+/// copy ([`Metadata::redeliveries`](crate::Metadata::redeliveries)): a header or field, decimal
+/// text or an integer.
+pub const REDELIVERY_COUNT: &str = "x-inbox-redelivery";

@@ -10,6 +10,7 @@ pub struct Stats {
     applied: AtomicU64,
     skipped_duplicates: AtomicU64,
     retried: AtomicU64,
+    redelivered: AtomicU64,
     dead_lettered: AtomicU64,
     ack_failures: AtomicU64,
     commits: AtomicU64,
@@ -32,6 +33,9 @@ pub struct StatsSnapshot {
     pub skipped_duplicates: u64,
     /// Handler attempts repeated after a transient failure.
     pub retried: u64,
+    /// Messages handed back to the broker under the redelivery schedule
+    /// ([`RetryPolicy::redeliver_after`](crate::RetryPolicy::redeliver_after)).
+    pub redelivered: u64,
     /// Messages parked in the dead-letter destination.
     pub dead_lettered: u64,
     /// Acks that failed after their transaction committed (the redelivery will be skipped).
@@ -61,6 +65,7 @@ pub(crate) enum Counter {
     Applied,
     SkippedDuplicate,
     Retried,
+    Redelivered,
     DeadLettered,
     AckFailure,
     Commit,
@@ -79,6 +84,7 @@ impl Counter {
             Counter::Applied => t::MESSAGES_APPLIED,
             Counter::SkippedDuplicate => t::DUPLICATES_SKIPPED,
             Counter::Retried => t::RETRIES,
+            Counter::Redelivered => t::REDELIVERED,
             Counter::DeadLettered => t::DEAD_LETTERED,
             Counter::AckFailure => t::ACK_FAILURES,
             Counter::Commit => t::COMMITS,
@@ -101,6 +107,7 @@ impl Stats {
             Counter::Applied => &self.applied,
             Counter::SkippedDuplicate => &self.skipped_duplicates,
             Counter::Retried => &self.retried,
+            Counter::Redelivered => &self.redelivered,
             Counter::DeadLettered => &self.dead_lettered,
             Counter::AckFailure => &self.ack_failures,
             Counter::Commit => &self.commits,
@@ -122,6 +129,7 @@ impl Stats {
             applied: get(&self.applied),
             skipped_duplicates: get(&self.skipped_duplicates),
             retried: get(&self.retried),
+            redelivered: get(&self.redelivered),
             dead_lettered: get(&self.dead_lettered),
             ack_failures: get(&self.ack_failures),
             commits: get(&self.commits),

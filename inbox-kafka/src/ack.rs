@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use inbox_core::{async_trait, Ack, Message, Recovery, SourceError};
 use rdkafka::consumer::Consumer;
-use rdkafka::Offset;
+use rdkafka::{Offset, TopicPartitionList};
 use tracing::{debug, warn};
 
 use crate::commit::commit_sync;
@@ -98,6 +98,49 @@ impl Ack for KafkaAck {
             .into_source()),
             Err(join) => Err(SourceError::new(Recovery::Retry, "seek task failed", join)),
         }
+    }
+
+    /// Pauses the partition, seeks it back to this offset as a nack does, and resumes it once
+    /// `delay` has passed: see the crate docs, "Ack semantics".
+    async fn redeliver(
+        self,
+        _message: &Message,
+        delay: Duration,
+        redelivery: u32,
+    ) -> Result<(), SourceError> {
+        let t = &self.target;
+        let mut list = TopicPartitionList::new();
+        list.add_partition(&t.topic, t.partition);
+        // Paused before the seek, so nothing of the partition is fetched again in between.
+        t.consumer.pause(&list).map_err(|e| {
+            Error::kafka(format!("pausing {}[{}]", t.topic, t.partition), e).into_source()
+        })?;
+        t.consumer.context().tracker().delay(
+            &t.topic,
+            t.partition,
+            t.generation,
+            t.offset,
+            redelivery + 1,
+            std::time::Instant::now() + delay,
+        );
+        let weak = t.consumer.downgrade();
+        let (topic, partition) = (Arc::clone(&t.topic), t.partition);
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            // A consumer closed meanwhile has nothing to resume.
+            let Some(consumer) = SharedConsumer::upgrade(&weak) else {
+                return;
+            };
+            if !consumer.context().tracker().pause_over(&topic, partition) {
+                return; // a later delay of the same partition resumes it
+            }
+            let mut list = TopicPartitionList::new();
+            list.add_partition(&topic, partition);
+            if let Err(e) = consumer.resume(&list) {
+                warn!(%topic, partition, error = %e, "resuming a partition after a delayed redelivery failed");
+            }
+        });
+        self.nack(Duration::ZERO).await
     }
 
     /// Received before its partition was revoked: the partition is read again from its last

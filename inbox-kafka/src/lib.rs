@@ -87,6 +87,13 @@
 //!   own seeks, so [`Metadata::delivery_count`](inbox_core::Metadata) is set on such re-reads
 //!   (and [`Consumer::max_deliveries`](inbox_core::Consumer::max_deliveries) works within one
 //!   process); Kafka itself does not count deliveries.
+//! - **Delayed redelivery** (a redelivery schedule,
+//!   [`RetryPolicy::redeliver_after`](inbox_core::RetryPolicy::redeliver_after)) pauses the
+//!   record's partition, seeks it back to the record as a nack does, and resumes it once the
+//!   delay has passed: blocking, so the partition keeps its order (the records behind it wait;
+//!   other partitions flow), rather than retry topics, which would apply a later record of the
+//!   same key first. The redelivery count is kept per offset in the process, like the delivery
+//!   count: a rebalance or a restart starts the schedule again for that record.
 //! - **Rebalances.** When partitions are revoked, their in-flight messages are forgotten: the
 //!   batch in flight still finishes and commits to the database, but its acks commit nothing for
 //!   the lost partitions, and a commit refused with `UNKNOWN_MEMBER_ID`, `REBALANCE_IN_PROGRESS`

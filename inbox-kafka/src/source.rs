@@ -226,6 +226,7 @@ impl KafkaSource {
         // Kafka does not count deliveries; this adapter counts its own nacks.
         meta.delivery_count = (delivery_count > 1).then_some(delivery_count);
         meta.redelivered = delivery_count > 1;
+        meta.redeliveries = tracked.redeliveries;
         meta.lane = Some(format!("{topic}[{partition}]"));
         meta.timestamp = record
             .timestamp()
@@ -349,9 +350,10 @@ impl MessageSource for KafkaSource {
 
     /// Lanes (a message's partition). No delivery count: Kafka does not count deliveries, and
     /// the count this source keeps of its own nacks is lost with the process, so a message that
-    /// kills its consumer is never counted. No delayed nack: a nack seeks back at once.
+    /// kills its consumer is never counted. No delayed nack: a nack seeks back at once. A
+    /// delayed redelivery pauses the partition (see the crate docs, "Ack semantics").
     fn capabilities(&self) -> Capabilities {
-        Capabilities::NONE.with_lanes()
+        Capabilities::NONE.with_lanes().with_delayed_redelivery()
     }
 }
 

@@ -22,6 +22,8 @@ pub(crate) struct Tracked {
     pub(crate) generation: u64,
     /// How often this offset was handed out in this generation, this time included.
     pub(crate) delivery_count: u32,
+    /// How often this offset was handed back under a redelivery schedule, in this generation.
+    pub(crate) redeliveries: u32,
 }
 
 #[derive(Debug, Default)]
@@ -31,6 +33,8 @@ struct Partition {
     in_flight: BTreeMap<i64, bool>,
     /// Offsets handed back with a nack, and how often.
     nacked: HashMap<i64, u32>,
+    /// Offsets handed back under a redelivery schedule, and their redelivery count.
+    redelivered: HashMap<i64, u32>,
     /// The offset after the finished prefix: what may be committed.
     finished_to: Option<i64>,
     /// The highest offset handed to a commit request; below `finished_to`, the partition is dirty.
@@ -57,6 +61,9 @@ pub(crate) struct Commit {
 pub(crate) struct Tracker {
     partitions: HashMap<String, HashMap<i32, Partition>>,
     next_generation: u64,
+    /// Partitions paused for a delayed redelivery, and until when; kept across revokes, so a
+    /// partition paused by this consumer is resumed by it whatever the assignment became.
+    paused: HashMap<(String, i32), std::time::Instant>,
 }
 
 impl Tracker {
@@ -79,6 +86,7 @@ impl Tracker {
         Tracked {
             generation: state.generation,
             delivery_count: 1 + state.nacked.get(&offset).copied().unwrap_or(0),
+            redeliveries: state.redelivered.get(&offset).copied().unwrap_or(0),
         }
     }
 
@@ -96,6 +104,7 @@ impl Tracker {
         let done = state.in_flight.get_mut(&offset)?;
         *done = true;
         state.nacked.remove(&offset);
+        state.redelivered.remove(&offset);
         let mut commit = None;
         while let Some(entry) = state.in_flight.first_entry() {
             if !*entry.get() {
@@ -170,6 +179,40 @@ impl Tracker {
         drop(state.in_flight.split_off(&offset));
         *state.nacked.entry(offset).or_insert(0) += 1;
         true
+    }
+
+    /// Notes that `offset` comes back as redelivery `count` of a schedule, and that its
+    /// partition is paused until `until` (or later, when another delay already reaches further).
+    pub(crate) fn delay(
+        &mut self,
+        topic: &str,
+        partition: i32,
+        generation: u64,
+        offset: i64,
+        count: u32,
+        until: std::time::Instant,
+    ) {
+        if let Some(state) = self.current(topic, partition, generation) {
+            state.redelivered.insert(offset, count);
+        }
+        let paused = self
+            .paused
+            .entry((topic.to_owned(), partition))
+            .or_insert(until);
+        *paused = (*paused).max(until);
+    }
+
+    /// Whether the partition's pause has run out (or there is none): then it is taken off the
+    /// list and the caller resumes it.
+    pub(crate) fn pause_over(&mut self, topic: &str, partition: i32) -> bool {
+        let key = (topic.to_owned(), partition);
+        match self.paused.get(&key) {
+            Some(until) if *until > std::time::Instant::now() => false,
+            _ => {
+                self.paused.remove(&key);
+                true
+            }
+        }
     }
 
     /// The partition was revoked: forget its in-flight messages (late acks for them are

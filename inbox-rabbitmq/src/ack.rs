@@ -183,6 +183,14 @@ impl fmt::Debug for Link {
 ///   delivery (one count) and the nack is not sent. A nack that fails on a channel that stays
 ///   open leaves the delivery unsettled, so no `multiple` ack covers it either; it comes back
 ///   when the channel closes.
+/// - [`Ack::redeliver`]: publishes a copy to the delay queue `<queue>.delay.<n>` (`n`: the
+///   redelivery, from 0; a quorum queue declared at first use, whose expired messages the broker
+///   dead-letters back to `<queue>` through the default exchange, at least once) with the delay
+///   as its `expiration` and the count in the `x-inbox-redelivery` header
+///   ([`inbox_core::REDELIVERY_COUNT`]), waits for the publisher confirm, then acks. The copy
+///   keeps the message ID, so the inbox applies it once even if the ack is lost and both
+///   copies come back. When the publish fails the delivery is nacked as below, after
+///   [`inbox_core::dead_letter::RETRY_AFTER`].
 /// - [`Ack::dead_letter`]: publishes the message to `<queue>.dlq` through the default exchange,
 ///   with its original body, properties and headers plus the [`inbox_core::dead_letter`]
 ///   headers (`reason`, `original_source`: the queue, `original_position`: connection, channel
@@ -239,6 +247,29 @@ impl Ack for RabbitAck {
             Err(e) => {
                 if let Err(nack) = self.nack(inbox_core::dead_letter::RETRY_AFTER).await {
                     tracing::warn!(error = %nack, "requeue after a failed dead letter failed; the broker redelivers the message when the channel closes");
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Publishes a copy to the delay queue and waits for its confirm, then acks; see the
+    /// type's docs.
+    async fn redeliver(
+        self,
+        message: &Message,
+        delay: Duration,
+        redelivery: u32,
+    ) -> Result<(), SourceError> {
+        let delays = Arc::clone(&self.dead_letters);
+        match delays
+            .delay(message, &self.properties, delay, redelivery)
+            .await
+        {
+            Ok(()) => self.ack().await,
+            Err(e) => {
+                if let Err(nack) = self.nack(inbox_core::dead_letter::RETRY_AFTER).await {
+                    tracing::warn!(error = %nack, "requeue after a failed delayed redelivery failed; the broker redelivers the message when the channel closes");
                 }
                 Err(e.into())
             }

@@ -1,16 +1,18 @@
 //! Publishing dead letters: on a connection of their own, each publish bounded by a timeout.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::time::Duration;
 
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
-use inbox_core::Message;
-use lapin::options::ConfirmSelectOptions;
-use lapin::types::{AMQPValue, LongString};
+use inbox_core::{Message, REDELIVERY_COUNT};
+use lapin::options::{ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::Mutex;
 
 use crate::producer::publish_confirmed;
+use crate::short_string::short_string;
 use crate::{connect, Error, RabbitSourceBuilder, Result};
 
 /// The dead-letter publisher of one [`RabbitSource`](crate::RabbitSource), shared by all its
@@ -29,6 +31,8 @@ pub(crate) struct DeadLetters {
     queue: String,
     dead_letter_queue: String,
     open: Mutex<Option<(Connection, Channel)>>,
+    /// Delay queues declared, by channel, so each is declared once per connection.
+    declared: Mutex<HashSet<(u16, String)>>,
 }
 
 impl fmt::Debug for DeadLetters {
@@ -52,6 +56,7 @@ impl DeadLetters {
             queue: config.queue.clone(),
             dead_letter_queue: config.dead_letter_queue(),
             open: Mutex::new(None),
+            declared: Mutex::new(HashSet::new()),
         }
     }
 
@@ -73,6 +78,82 @@ impl DeadLetters {
         let props = original.clone().with_headers(headers).with_delivery_mode(2);
         self.publish(&self.dead_letter_queue, &message.payload, props)
             .await
+    }
+
+    /// Publishes a copy of `message` to the delay queue of redelivery `redelivery`
+    /// (`<queue>.delay.<redelivery>`, declared at its first use), expiring after `delay`, with
+    /// [`REDELIVERY_COUNT`] set to `redelivery + 1`; the delay queue dead-letters it back to
+    /// the queue once it expires. The copy keeps the body, properties and headers, less the
+    /// quorum queue's `x-delivery-count`: the copy is a new message to the queue.
+    pub(crate) async fn delay(
+        &self,
+        message: &Message,
+        original: &BasicProperties,
+        delay: Duration,
+        redelivery: u32,
+    ) -> Result<()> {
+        let queue = format!("{}.delay.{redelivery}", self.queue);
+        let mut headers = original.headers().clone().unwrap_or_default();
+        let mut kept = FieldTable::default();
+        for (name, value) in headers.inner() {
+            if name.as_str() != "x-delivery-count" {
+                kept.insert(name.clone(), value.clone());
+            }
+        }
+        headers = kept;
+        headers.insert(
+            REDELIVERY_COUNT.into(),
+            AMQPValue::LongLongInt(i64::from(redelivery) + 1),
+        );
+        // Whole milliseconds, at least one: an expiration of 0 would expire it at once.
+        let ms = delay.as_millis().max(1).to_string();
+        let props = original
+            .clone()
+            .with_headers(headers)
+            .with_delivery_mode(2)
+            .with_expiration(ms.into());
+        let timeout = self.timeout;
+        let published = async {
+            let channel = self.channel().await?;
+            self.declare_delay_queue(&channel, &queue).await?;
+            publish_confirmed(&channel, "", &queue, &message.payload, props).await
+        };
+        match tokio::time::timeout(timeout, published).await {
+            Ok(result) => result,
+            Err(_elapsed) => Err(Error::ConfirmTimeout {
+                routing_key: queue,
+                waited: timeout,
+            }),
+        }
+    }
+
+    /// Declares delay queue `name` once per connection: a durable quorum queue whose expired
+    /// messages the broker dead-letters, at least once, to the consumed queue through the
+    /// default exchange. Each message carries its own expiration, so the queue takes any
+    /// schedule; a message expires only at the head of the queue, so one step's copies come
+    /// back in order, none sooner than its own delay.
+    async fn declare_delay_queue(&self, channel: &Channel, name: &str) -> Result<()> {
+        let key = (channel.id(), name.to_owned());
+        if self.declared.lock().await.contains(&key) {
+            return Ok(());
+        }
+        let text = |s: &str| AMQPValue::LongString(LongString::from(s.to_owned()));
+        let mut args = FieldTable::default();
+        args.insert("x-queue-type".into(), text("quorum"));
+        args.insert("x-dead-letter-exchange".into(), text(""));
+        args.insert("x-dead-letter-routing-key".into(), text(&self.queue));
+        args.insert("x-dead-letter-strategy".into(), text("at-least-once"));
+        args.insert("x-overflow".into(), text("reject-publish"));
+        let options = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        channel
+            .queue_declare(short_string("delay queue name", name)?, options, args)
+            .await
+            .map_err(|e| Error::amqp(format!("declaring delay queue `{name}`"), e))?;
+        self.declared.lock().await.insert(key);
+        Ok(())
     }
 
     /// Publishes to `queue` through the default exchange and waits for the confirm, for at most

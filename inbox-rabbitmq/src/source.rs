@@ -211,6 +211,12 @@ impl RabbitSource {
         meta.position = position.clone();
         meta.delivery_count = delivery_count;
         meta.redelivered = delivery.redelivered;
+        meta.redeliveries = headers
+            .inner()
+            .get(inbox_core::REDELIVERY_COUNT)
+            .and_then(as_u64)
+            .and_then(|n| u32::try_from(n).ok())
+            .unwrap_or(0);
         // One queue, one order: no lane.
         meta.timestamp = sent_at(&headers, *props.timestamp());
         link.track(tag);
@@ -238,11 +244,15 @@ impl MessageSource for RabbitSource {
     /// `x-delivery-count`); nothing with [`Topology::Expect`], whose queue may be a classic one,
     /// where a redelivery carries no count. A nack requeues at once, after the wait in process,
     /// so the broker holds nothing back: no delayed nack. One queue is one order: no lanes, so
-    /// parallel lanes apply its chunks side by side in no order.
+    /// parallel lanes apply its chunks side by side in no order. A delayed redelivery goes
+    /// through a delay queue (see [`RabbitAck`]), declared at its first use with either
+    /// topology.
     fn capabilities(&self) -> Capabilities {
         match self.config.topology {
-            Topology::Declare => Capabilities::NONE.with_delivery_count(),
-            Topology::Expect => Capabilities::NONE,
+            Topology::Declare => Capabilities::NONE
+                .with_delivery_count()
+                .with_delayed_redelivery(),
+            Topology::Expect => Capabilities::NONE.with_delayed_redelivery(),
         }
     }
 

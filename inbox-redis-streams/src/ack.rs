@@ -26,11 +26,26 @@ use crate::{Error, Result};
 /// <stream> original_position <entry ID>` (the names of [`inbox_core::dead_letter`]) and, only
 /// if that succeeded, `XACK <stream> <group> <entry ID>`: the copy and the ack are one step.
 /// When it fails the entry stays pending and comes back as after a nack.
+///
+/// [`Ack::redeliver`] also leaves the entry pending, for the delay asked: it marks the entry in
+/// the hash `<stream>:<group>:redeliveries` (entry ID to `<redelivery count>:<delay in ms>`),
+/// then restarts its idle time (`XCLAIM … 0 <entry ID> JUSTID`, which leaves the delivery count
+/// alone). While that hash holds any entry, the source's claim sweep lists the pending entries
+/// with `XPENDING` instead of `XAUTOCLAIM`ing them, and claims a marked entry only once it has
+/// been idle for its delay (any other once idle for `claim_idle`), with `XCLAIM` and that
+/// minimum idle time, so two sweeps cannot both take it. The claimed copy reports the count in
+/// [`Metadata::redeliveries`](inbox_core::Metadata::redeliveries); the mark is deleted when the
+/// entry is acked or dead-lettered. The entry never leaves the stream or its pending list, so
+/// other groups see nothing and a crash loses nothing; a consumer that reconnects rereads its
+/// own pending entries at once, delayed or not.
 #[derive(Debug)]
 pub struct RedisStreamAck {
     conn: Conn,
     settings: Arc<Settings>,
     entry_id: String,
+    /// Times the entry was handed back under a redelivery schedule: when above 0, settling it
+    /// deletes its mark.
+    pub(crate) redeliveries: u32,
 }
 
 impl RedisStreamAck {
@@ -39,6 +54,21 @@ impl RedisStreamAck {
             conn,
             settings,
             entry_id,
+            redeliveries: 0,
+        }
+    }
+
+    /// Deletes the redelivery marks of settled entries; a failure only leaves a stale mark,
+    /// which the next sweep ignores (the entry is no longer pending).
+    async fn unmark(conn: &Conn, s: &Settings, ids: &[&str]) {
+        if ids.is_empty() {
+            return;
+        }
+        let key = s.redeliveries_key();
+        let deleted: redis::RedisResult<i64> =
+            conn.idempotent(redis::cmd("HDEL").arg(&key).arg(ids)).await;
+        if let Err(e) = deleted {
+            debug!(key, error = %e, "could not delete redelivery marks; they outlive their entries");
         }
     }
 
@@ -139,7 +169,42 @@ pub(crate) async fn xack(conn: &mut Conn, s: &Settings, ids: &[String]) -> Resul
 #[async_trait]
 impl Ack for RedisStreamAck {
     async fn ack(mut self) -> Result<(), SourceError> {
-        Ok(xack(&mut self.conn, &self.settings, &[self.entry_id]).await?)
+        xack(&mut self.conn, &self.settings, &[self.entry_id.clone()]).await?;
+        if self.redeliveries > 0 {
+            Self::unmark(&self.conn, &self.settings, &[&self.entry_id]).await;
+        }
+        Ok(())
+    }
+
+    /// Marks the entry with its delay and restarts its idle time; see the type's docs.
+    async fn redeliver(
+        self,
+        _message: &Message,
+        delay: Duration,
+        redelivery: u32,
+    ) -> Result<(), SourceError> {
+        let s = &self.settings;
+        let key = s.redeliveries_key();
+        let mark = format!("{}:{}", redelivery + 1, delay.as_millis().max(1));
+        let _: i64 = self
+            .conn
+            .idempotent(redis::cmd("HSET").arg(&key).arg(&self.entry_id).arg(mark))
+            .await
+            .map_err(|e| Error::redis(format!("HSET {key}"), e))?;
+        let _: Value = self
+            .conn
+            .idempotent(
+                redis::cmd("XCLAIM")
+                    .arg(&s.stream)
+                    .arg(&s.group)
+                    .arg(&s.consumer)
+                    .arg(0)
+                    .arg(&self.entry_id)
+                    .arg("JUSTID"),
+            )
+            .await
+            .map_err(|e| Error::redis(format!("XCLAIM on stream {}", s.stream), e))?;
+        Ok(())
     }
 
     /// Leaves the entry pending; see the type's docs.
@@ -150,23 +215,35 @@ impl Ack for RedisStreamAck {
 
     /// `XADD` to the dead-letter stream and `XACK` in one script; see the type's docs.
     async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        Ok(self.park(message, reason).await?)
+        self.park(message, reason).await?;
+        if self.redeliveries > 0 {
+            Self::unmark(&self.conn, &self.settings, &[&self.entry_id]).await;
+        }
+        Ok(())
     }
 
     /// One `XACK` per stream and group (a batch is normally all one), with every entry ID.
     async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {
-        let mut groups: Vec<(Arc<Settings>, Conn, Vec<String>)> = Vec::new();
+        let mut groups: Vec<(Arc<Settings>, Conn, Vec<String>, Vec<String>)> = Vec::new();
         for ack in acks {
-            let same = groups
-                .iter_mut()
-                .find(|(s, _, _)| s.stream == ack.settings.stream && s.group == ack.settings.group);
-            match same {
-                Some((_, _, ids)) => ids.push(ack.entry_id),
-                None => groups.push((ack.settings, ack.conn, vec![ack.entry_id])),
+            let marked = ack.redeliveries > 0;
+            let same = groups.iter().position(|(s, _, _, _)| {
+                s.stream == ack.settings.stream && s.group == ack.settings.group
+            });
+            let at = same.unwrap_or(groups.len());
+            if same.is_none() {
+                groups.push((ack.settings, ack.conn, Vec::new(), Vec::new()));
             }
+            let (_, _, ids, marks) = &mut groups[at];
+            if marked {
+                marks.push(ack.entry_id.clone());
+            }
+            ids.push(ack.entry_id);
         }
-        for (settings, mut conn, ids) in groups {
+        for (settings, mut conn, ids, marks) in groups {
             xack(&mut conn, &settings, &ids).await?;
+            let marks: Vec<&str> = marks.iter().map(String::as_str).collect();
+            Self::unmark(&conn, &settings, &marks).await;
         }
         Ok(())
     }

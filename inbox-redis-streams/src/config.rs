@@ -21,6 +21,15 @@ pub(crate) struct Settings {
     pub(crate) claim_interval: Duration,
 }
 
+impl Settings {
+    /// The hash of entries handed back under a redelivery schedule: entry ID to
+    /// `<redelivery count>:<delay in ms>`. Read by the claim sweep, which leaves such an entry
+    /// pending until it has been idle for its delay.
+    pub(crate) fn redeliveries_key(&self) -> String {
+        format!("{}:{}:redeliveries", self.stream, self.group)
+    }
+}
+
 /// Builds a [`RedisStreamSource`]; start with [`RedisStreamSource::builder`], finish with
 /// [`RedisStreamSourceBuilder::connect`].
 ///

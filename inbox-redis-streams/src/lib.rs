@@ -83,6 +83,11 @@
 //!   duplicates if already applied), not after `claim_idle`.
 //! - **Nack** leaves the entry pending: Redis cannot delay a redelivery, so it comes back after
 //!   `claim_idle`, through `XAUTOCLAIM`.
+//! - **Delayed redelivery** (a redelivery schedule,
+//!   [`RetryPolicy::redeliver_after`](inbox_core::RetryPolicy::redeliver_after)) leaves the
+//!   entry pending too, marked with its count and delay in the hash
+//!   `<stream>:<group>:redeliveries`, its idle time restarted; the claim sweep takes a marked
+//!   entry only once it has been idle for its delay. See [`RedisStreamAck`].
 //! - **Dead letter** ([`RedisStreamAck`]'s [`Ack::dead_letter`](inbox_core::Ack::dead_letter)):
 //!   `XADD <stream>:dlq * <original fields…> reason <text> original_source <stream>
 //!   original_position <entry ID>` (the names of [`inbox_core::dead_letter`]; the dead-letter

@@ -133,6 +133,32 @@ pub(crate) fn pending_counts(value: Value) -> Result<HashMap<String, u32>> {
     Ok(counts)
 }
 
+/// `XPENDING key group start end count` rows: each entry's ID and idle time in milliseconds.
+pub(crate) fn pending_idle(value: Value) -> Result<Vec<(String, u64)>> {
+    const CMD: &str = "XPENDING";
+    let Value::Array(rows) = value else {
+        return Err(Error::reply(CMD, format!("not an array: {value:?}")));
+    };
+    let mut idle = Vec::with_capacity(rows.len());
+    for row in rows {
+        let Value::Array(row) = row else {
+            return Err(Error::reply(CMD, format!("row is not an array: {row:?}")));
+        };
+        let mut row = row.into_iter();
+        let (Some(id), Some(ms)) = (row.next(), row.nth(1)) else {
+            return Err(Error::reply(CMD, "row has fewer than 3 elements"));
+        };
+        let ms = match ms {
+            Value::Int(n) => u64::try_from(n).unwrap_or(0),
+            other => text(CMD, other)?
+                .parse()
+                .map_err(|e| Error::reply(CMD, format!("idle time: {e}")))?,
+        };
+        idle.push((text(CMD, id)?, ms));
+    }
+    Ok(idle)
+}
+
 /// The entries of a list, and how many of its elements were a bare nil instead of an entry.
 #[derive(Debug, Default)]
 struct EntryList {

@@ -157,7 +157,11 @@ impl RedisStreamSource {
         }
         if Instant::now() >= self.next_claim {
             let start = self.claim_cursor.clone();
-            let reply = self.autoclaim(max).await?;
+            let reply = if self.any_delayed().await? {
+                self.claim_due(max).await?
+            } else {
+                self.autoclaim(max).await?
+            };
             let deliveries = self.deliver_claimed(&start, reply).await?;
             if !deliveries.is_empty() {
                 return Ok(deliveries);
@@ -229,11 +233,20 @@ impl RedisStreamSource {
             }
             _ => HashMap::new(),
         };
+        // Only entries that were pending can carry a redelivery mark.
+        let ids: Vec<&str> = live.iter().map(|e| e.id.as_str()).collect();
+        let marks = self.redelivery_marks(&ids).await?;
         Ok(live
             .into_iter()
-            .filter_map(|entry| {
+            .zip(marks)
+            .filter_map(|(entry, mark)| {
                 let count = counts.get(&entry.id).copied();
-                self.delivery(entry, count)
+                let mut delivery = self.delivery(entry, count)?;
+                if let Some((n, _)) = mark {
+                    delivery.message.meta.redeliveries = n;
+                    delivery.ack.redeliveries = n;
+                }
+                Some(delivery)
             })
             .collect())
     }
@@ -285,10 +298,14 @@ impl MessageSource for RedisStreamSource {
 
     /// Delivery counts: a new entry's is 1, a reread or reclaimed one's comes from `XPENDING`.
     /// No delayed nack: a nacked entry stays pending and comes back after `claim_idle`, whatever
-    /// the nack asked for. No lanes: one stream, one order, so parallel lanes apply its chunks side
-    /// by side in no order.
+    /// the nack asked for. A delayed redelivery: the entry stays pending, marked with its delay,
+    /// and the claim sweep leaves it until it has been idle that long (see [`RedisStreamAck`]).
+    /// No lanes: one stream, one order, so parallel lanes apply its chunks side by side in no
+    /// order.
     fn capabilities(&self) -> Capabilities {
-        Capabilities::NONE.with_delivery_count()
+        Capabilities::NONE
+            .with_delivery_count()
+            .with_delayed_redelivery()
     }
 
     async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<Self::Ack>>, SourceError> {

@@ -32,6 +32,9 @@ pub(crate) struct Shared {
 /// - [`Ack::ack`] deletes the message (`DeleteMessage`); [`Ack::ack_all`] deletes many with
 ///   `DeleteMessageBatch`, 10 per call.
 /// - [`Ack::nack`] makes the message visible again after the delay (`ChangeMessageVisibility`).
+/// - [`Ack::redeliver`] does the same with the schedule's delay (up to SQS's 12 hours): the
+///   message stays in the queue, invisible, and comes back with its ID and a receive count one
+///   higher, from which the source reads [`Metadata::redeliveries`](inbox_core::Metadata).
 /// - [`Ack::dead_letter`] sends the message to the dead-letter queue (see the crate docs, "Dead
 ///   letters"), with the attributes it was received with and its ID in the ID attribute, then
 ///   deletes it. When the send fails
@@ -114,6 +117,17 @@ impl Ack for SqsAck {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// The message's visibility set to `delay` (whole seconds, at most 12 hours); see the
+    /// type's docs.
+    async fn redeliver(
+        self,
+        _message: &Message,
+        delay: Duration,
+        _redelivery: u32,
+    ) -> Result<(), SourceError> {
+        self.nack(delay).await
     }
 
     /// Sends the dead letter, then deletes the message; see the type's docs.

@@ -91,6 +91,14 @@
 //!   [`RETRY_AFTER`](inbox_core::dead_letter::RETRY_AFTER) (1 s).
 //!   Handler failures are retried by the consumer in-process first
 //!   ([`RetryPolicy`](inbox_core::RetryPolicy)), under the heartbeat.
+//! - **Delayed redelivery** (a redelivery schedule,
+//!   [`RetryPolicy::redeliver_after`](inbox_core::RetryPolicy::redeliver_after)) is
+//!   `ChangeMessageVisibility` to the schedule's delay, up to 12 hours: the message stays in the
+//!   queue, invisible, and comes back with its ID.
+//!   [`Metadata::redeliveries`](inbox_core::Metadata::redeliveries) is `ApproximateReceiveCount`
+//!   − 1, so a crash or a shutdown hand-back moves a message along the schedule too. A redrive
+//!   policy's `maxReceiveCount` counts these receives: give it more than the schedule's length
+//!   + 1.
 //!
 //! # Dead letters
 //! A message without a usable ID, with a permanent handler error, or failing

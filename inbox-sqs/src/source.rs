@@ -130,6 +130,10 @@ impl SqsSource {
         meta.position = format!("message {}", sqs.message_id().unwrap_or("?"));
         meta.delivery_count = delivery_count;
         meta.redelivered = delivery_count.is_some_and(|n| n > 1);
+        // SQS keeps no count of its own for a delayed redelivery, and a copy cannot be changed
+        // in place: every receive before this one counts, so a crash or a shutdown hand-back
+        // also moves the message along the schedule.
+        meta.redeliveries = delivery_count.map_or(0, |n| n.saturating_sub(1));
         // FIFO queues keep order per message group; a standard queue keeps none, but one lane
         // keeps a batch in one transaction.
         meta.lane = group.cloned();
@@ -203,10 +207,14 @@ impl MessageSource for SqsSource {
         "aws_sqs"
     }
 
-    /// Every delivery carries `ApproximateReceiveCount`, and a nack sets the message's
-    /// visibility to the delay; on a FIFO queue each delivery's lane is its message group.
+    /// Every delivery carries `ApproximateReceiveCount`, and a nack or a delayed redelivery
+    /// sets the message's visibility to the delay; on a FIFO queue each delivery's lane is its
+    /// message group.
     fn capabilities(&self) -> Capabilities {
-        let capabilities = Capabilities::NONE.with_delivery_count().with_delayed_nack();
+        let capabilities = Capabilities::NONE
+            .with_delivery_count()
+            .with_delayed_nack()
+            .with_delayed_redelivery();
         if self.settings.fifo {
             capabilities.with_lanes()
         } else {

@@ -444,6 +444,15 @@ impl<A: Ack> Ack for CrashingAck<A> {
         self.inner.dead_letter(message, reason).await
     }
 
+    async fn redeliver(
+        self,
+        message: &Message,
+        delay: Duration,
+        redelivery: u32,
+    ) -> Result<(), SourceError> {
+        self.inner.redeliver(message, delay, redelivery).await
+    }
+
     async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {
         let Some(crash) = acks.first().map(|a| a.crash.clone()) else {
             return Ok(());

@@ -61,6 +61,8 @@ impl State {
 struct Queued {
     message: Message,
     deliveries: u32,
+    /// Times handed back under a redelivery schedule ([`Ack::redeliver`]).
+    redeliveries: u32,
     not_before: Option<Instant>,
     /// A second copy of a delivery still in flight under this tag: taking it hands out the same
     /// handle again ([`Redelivery::SameHandle`]).
@@ -125,6 +127,7 @@ impl MemoryBroker {
         state.ready.push_back(Queued {
             message,
             deliveries: 0,
+            redeliveries: 0,
             not_before: None,
             copy_of: None,
             seq,
@@ -203,6 +206,7 @@ impl MemoryBroker {
                     Queued {
                         message: queued.message.clone(),
                         deliveries: queued.deliveries,
+                        redeliveries: queued.redeliveries,
                         not_before: None,
                         copy_of: Some(tag),
                         seq: queued.seq,
@@ -243,6 +247,16 @@ impl MemoryBroker {
             state.put_back(queued);
         }
     }
+
+    /// Requeues the delivery behind `delay` as redelivery `redelivery + 1` of a schedule.
+    fn delay(&self, tag: u64, delay: Duration, redelivery: u32) {
+        let mut state = self.state();
+        if let Some((_, mut queued)) = state.in_flight.remove(&tag) {
+            queued.not_before = Some(Instant::now() + delay);
+            queued.redeliveries = redelivery + 1;
+            state.ready.push_back(queued);
+        }
+    }
 }
 
 /// Names one [`MemorySource`]'s connection, for [`MemoryBroker::disconnect`].
@@ -276,6 +290,17 @@ impl Ack for MemoryAck {
 
     async fn nack(self, retry_after: Duration) -> Result<(), SourceError> {
         self.broker.requeue(self.tag, Some(retry_after));
+        Ok(())
+    }
+
+    /// Requeued behind `delay`, its redelivery count carried with it.
+    async fn redeliver(
+        self,
+        _message: &Message,
+        delay: Duration,
+        redelivery: u32,
+    ) -> Result<(), SourceError> {
+        self.broker.delay(self.tag, delay, redelivery);
         Ok(())
     }
 
@@ -327,7 +352,8 @@ impl MessageSource for MemorySource {
     fn capabilities(&self) -> inbox_core::Capabilities {
         let capabilities = inbox_core::Capabilities::NONE
             .with_delivery_count()
-            .with_delayed_nack();
+            .with_delayed_nack()
+            .with_delayed_redelivery();
         if self.broker.state().lanes {
             capabilities.with_lanes()
         } else {
@@ -374,6 +400,7 @@ impl MemorySource {
                 let mut message = first.message.clone();
                 message.meta.delivery_count = Some(first.deliveries);
                 message.meta.redelivered = true;
+                message.meta.redeliveries = first.redeliveries;
                 message.meta.position = format!("tag {tag}");
                 batch.push(Delivery {
                     message,
@@ -388,6 +415,7 @@ impl MemorySource {
             let mut message = queued.message.clone();
             message.meta.delivery_count = Some(queued.deliveries);
             message.meta.redelivered = queued.deliveries > 1;
+            message.meta.redeliveries = queued.redeliveries;
             state.next_tag += 1;
             let tag = state.next_tag;
             message.meta.position = format!("tag {tag}");

@@ -110,7 +110,11 @@ pub async fn drain(queue: &str) -> Vec<Parked> {
 /// Deletes the queue of `config` and its DLQ.
 pub async fn cleanup(config: &RabbitSourceBuilder) {
     let (_connection, channel) = admin_channel().await;
-    for queue in [config.queue().to_owned(), config.dead_letter_queue()] {
+    let delay_queues = (0..8).map(|n| format!("{}.delay.{n}", config.queue()));
+    for queue in [config.queue().to_owned(), config.dead_letter_queue()]
+        .into_iter()
+        .chain(delay_queues)
+    {
         let _ = channel
             .queue_delete(queue.into(), QueueDeleteOptions::default())
             .await;

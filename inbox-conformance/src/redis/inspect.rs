@@ -148,6 +148,7 @@ pub(super) async fn cleanup_with(conn: &mut MultiplexedConnection, stream: &str)
     let _: redis::RedisResult<i64> = redis::cmd("DEL")
         .arg(stream)
         .arg(format!("{stream}:dlq"))
+        .arg(format!("{stream}:{}:redeliveries", super::GROUP))
         .query_async(conn)
         .await;
 }

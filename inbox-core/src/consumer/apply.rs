@@ -555,11 +555,19 @@ where
         let mut attempt = 1;
         loop {
             if error.failure() == Failure::Permanent || attempt >= self.common.retry.max_attempts {
-                let reason = match error.failure() {
-                    Failure::Permanent => format!("handler refused the message: {error}"),
-                    _ => format!("handler failed {attempt} time(s), last error: {error}"),
+                return match error.failure() {
+                    Failure::Permanent => {
+                        let reason = format!("handler refused the message: {error}");
+                        self.common.dead_letter(Some(&id), delivery, reason).await
+                    }
+                    _ => {
+                        let reason =
+                            format!("handler failed {attempt} time(s), last error: {error}");
+                        self.common
+                            .redeliver_or_dead_letter(&id, delivery, reason)
+                            .await
+                    }
                 };
-                return self.common.dead_letter(Some(&id), delivery, reason).await;
             }
             warn!(consumer = %self.common.name, message_id = %id.as_str().escape_debug(), attempt, error = %error, "handler failed; retrying");
             self.common.count(Counter::Retried, 1);

@@ -110,6 +110,44 @@ impl Common {
         }
     }
 
+    /// A message whose in-process attempts are used up on a transient failure: handed back to
+    /// the broker for the next delay of the redelivery schedule, or dead-lettered once the
+    /// schedule is used up (or empty). `true` when it is parked for good, `false` when it comes
+    /// back from the broker. The one place this decision is made, for every source.
+    pub(crate) async fn redeliver_or_dead_letter<A: Ack>(
+        &self,
+        id: &MessageId,
+        delivery: Delivery<A>,
+        reason: String,
+    ) -> Result<bool> {
+        let n = delivery.message.meta.redeliveries;
+        let Some(delay) = self.retry.redelivery_delay(n) else {
+            let reason = if n > 0 {
+                format!("{reason} (after {n} delayed redeliveries)")
+            } else {
+                reason
+            };
+            return self.dead_letter(Some(id), delivery, reason).await;
+        };
+        let span = telemetry::settle_span(&self.name, self.system, "redeliver", 1);
+        let Delivery { message, ack } = delivery;
+        match ack.redeliver(&message, delay, n).instrument(span).await {
+            Ok(()) => {
+                self.count(Counter::Redelivered, 1);
+                warn!(consumer = %self.name, message_id = %id.as_str().escape_debug(), redelivery = n + 1, of = self.retry.redeliveries.len(), ?delay, %reason, "handed back to the broker to come back after a delay");
+                Ok(false)
+            }
+            Err(e) => {
+                self.count(Counter::Error, 1);
+                warn!(consumer = %self.name, message_id = %id.as_str().escape_debug(), error = %e, "delayed redelivery failed; the message comes back from the broker");
+                if e.recovery() == Recovery::Fatal {
+                    return Err(Error::Source(e));
+                }
+                Ok(false)
+            }
+        }
+    }
+
     /// Rolls `tx` back; a rollback that fails is logged, as the store discards the
     /// transaction anyway.
     pub(crate) async fn rollback<T: Transaction>(&self, tx: T) {

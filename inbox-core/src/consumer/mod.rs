@@ -26,13 +26,22 @@ use crate::{
 /// How often a failing handler is tried before its message is dead-lettered, and how long to
 /// wait between tries.
 ///
+/// A failing message is first tried [`RetryPolicy::max_attempts`] times in the process, a
+/// backoff apart. Then, with a redelivery schedule ([`RetryPolicy::redeliver_after`]), it is
+/// handed back to the broker to come back after the schedule's next delay, and the in-process
+/// attempts start again on that delivery; only once every delay of the schedule was used is it
+/// dead-lettered. A ten-minute outage of what the handler calls then costs no dead letters.
+///
 /// ```
 /// use std::time::Duration;
 /// # use inbox_core::RetryPolicy;
 /// let policy = RetryPolicy::default()
 ///     .max_attempts(5)
-///     .backoff(Duration::from_millis(200), Duration::from_secs(10));
+///     .backoff(Duration::from_millis(200), Duration::from_secs(10))
+///     .redeliver_after([10, 60, 600].map(Duration::from_secs))
+///     .jitter(0.2);
 /// assert_eq!(policy.max_attempts, 5);
+/// assert_eq!(policy.redeliveries.len(), 3);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -43,6 +52,14 @@ pub struct RetryPolicy {
     pub initial_backoff: Duration,
     /// The longest wait between attempts.
     pub max_backoff: Duration,
+    /// The redelivery schedule: after the in-process attempts of its `n`th delivery under the
+    /// schedule (counted from 0), a message still failing comes back after `redeliveries[n]`;
+    /// past the end it is dead-lettered. Empty by default: dead-lettered after the in-process
+    /// attempts.
+    pub redeliveries: Vec<Duration>,
+    /// How far each redelivery delay may stray, in thousandths of it, either way (so that
+    /// messages that failed together do not all come back at once).
+    jitter_permille: u16,
 }
 
 impl RetryPolicy {
@@ -61,6 +78,53 @@ impl RetryPolicy {
         self.max_backoff = max;
         self
     }
+
+    /// After the in-process attempts, hands a message that still fails back to the broker, to
+    /// come back after each of `delays` in turn (`[10 s, 1 min, 10 min]`: three redeliveries,
+    /// the last ten minutes after the second), then dead-letters it. Each broker delays with
+    /// its own means (an SQS visibility timeout, a RabbitMQ delay queue, a pending Redis entry
+    /// left unclaimed, a paused Kafka partition; see the adapters' docs); the message keeps its
+    /// ID, so the inbox still applies it once. The consumer refuses to start with a schedule on
+    /// a source that cannot delay ([`Capabilities::delayed_redelivery`](crate::Capabilities::delayed_redelivery)).
+    ///
+    /// Where the broker counts deliveries (SQS, Redis Streams), each redelivery is one more:
+    /// set [`Consumer::max_deliveries`] (and an SQS redrive policy's `maxReceiveCount`) above
+    /// the schedule's length + 1, or the message is parked before the schedule is used up.
+    #[must_use]
+    pub fn redeliver_after(mut self, delays: impl IntoIterator<Item = Duration>) -> Self {
+        self.redeliveries = delays.into_iter().collect();
+        self
+    }
+
+    /// Spreads each redelivery delay by up to `fraction` of it either way (default 0; `0.2`:
+    /// a 60 s delay becomes 48 to 72 s). Clamped to 0..=1.
+    #[must_use]
+    pub fn jitter(mut self, fraction: f64) -> Self {
+        // Within 0..=1000 after the clamp, so the cast keeps the value.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let permille = (fraction.clamp(0.0, 1.0) * 1000.0).round() as u16;
+        self.jitter_permille = permille;
+        self
+    }
+
+    /// The jitter fraction ([`RetryPolicy::jitter`]).
+    pub fn jitter_fraction(&self) -> f64 {
+        f64::from(self.jitter_permille) / 1000.0
+    }
+
+    /// The delay before redelivery `n` (counted from 0) with the jitter applied, or `None` when
+    /// the schedule is used up and the message is to be dead-lettered.
+    pub fn redelivery_delay(&self, n: u32) -> Option<Duration> {
+        let base = *self.redeliveries.get(usize::try_from(n).ok()?)?;
+        if self.jitter_permille == 0 {
+            return Some(base);
+        }
+        // A uniform draw in [0, 1) from 53 random bits; the core has no RNG dependency of its own.
+        #[allow(clippy::cast_precision_loss)]
+        let draw = (uuid::Uuid::new_v4().as_u64_pair().0 >> 11) as f64 / (1u64 << 53) as f64;
+        let spread = self.jitter_fraction() * (2.0 * draw - 1.0);
+        Some(base.mul_f64(1.0 + spread))
+    }
 }
 
 impl Default for RetryPolicy {
@@ -69,6 +133,8 @@ impl Default for RetryPolicy {
             max_attempts: 3,
             initial_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(5),
+            redeliveries: Vec::new(),
+            jitter_permille: 0,
         }
     }
 }
@@ -103,10 +169,12 @@ pub enum Order {
 ///    smaller transactions until the failure is pinned on one message: the result equals
 ///    applying the messages one by one;
 /// 6. a message whose handler failed is retried on its own with backoff, each attempt in a fresh
-///    transaction, up to [`RetryPolicy::max_attempts`], then dead-lettered with the error; a
-///    permanent failure is dead-lettered at once; a panic counts as a transient failure. With
-///    [`Order::Strict`] only the messages before it are committed first, and the rest of its
-///    chunk waits until it is applied or dead-lettered.
+///    transaction, up to [`RetryPolicy::max_attempts`], then handed back to the broker for the
+///    next delay of the redelivery schedule ([`RetryPolicy::redeliver_after`]) or, once that is
+///    used up (or empty), dead-lettered with the error; a permanent failure is dead-lettered at
+///    once; a panic counts as a transient failure. With [`Order::Strict`] only the messages
+///    before it are committed first, and the rest of its chunk waits until it is applied,
+///    handed back or dead-lettered.
 ///
 /// While the store cannot be reached ([`Recovery::Reconnect`](crate::Recovery::Reconnect)) the
 /// batch is held and tried again with a backoff doubling up to 30 s, not handed back: an outage
@@ -552,10 +620,19 @@ where
             return Err(Error::Config("max_attempts is 0; use at least 1".into()));
         }
         let capabilities = self.source.capabilities();
+        if !common.retry.redeliveries.is_empty() && !capabilities.delayed_redelivery() {
+            return Err(Error::Config(format!(
+                "a redelivery schedule is set (RetryPolicy::redeliver_after), but the {} source \
+                 cannot delay a redelivery: remove the schedule, or use an adapter that can \
+                 (see Capabilities::delayed_redelivery)",
+                self.source.system()
+            )));
+        }
         self.step.check(capabilities)?;
         if self.step.strict() && self.lanes > 1 && !capabilities.lanes() {
             return Err(Error::Config(format!(
-                "strict order on a source without lanes allows one chunk at a time, but                  parallel_lanes is {}: use parallel_lanes(1), or Order::FailuresLast",
+                "strict order on a source without lanes allows one chunk at a time, but \
+                 parallel_lanes is {}: use parallel_lanes(1), or Order::FailuresLast",
                 self.lanes
             )));
         }

@@ -66,6 +66,15 @@ where
                 "the lease is 0; use longer than the slowest call".into(),
             ));
         }
+        if !self.common.retry.redeliveries.is_empty() {
+            // Effects count their attempts in leases, in the store; a schedule of delayed
+            // redeliveries is not wired into that count.
+            return Err(Error::Config(
+                "Consumer::effects does not follow a redelivery schedule \
+                 (RetryPolicy::redeliver_after); remove it and raise max_attempts instead"
+                    .into(),
+            ));
+        }
         Ok(())
     }
 

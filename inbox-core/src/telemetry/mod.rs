@@ -70,6 +70,9 @@ pub const MESSAGES_APPLIED: &str = "inbox_messages_applied_total";
 pub const DUPLICATES_SKIPPED: &str = "inbox_duplicates_skipped_total";
 /// Counter: handler attempts repeated after a transient failure.
 pub const RETRIES: &str = "inbox_retries_total";
+/// Counter: messages handed back to the broker under the redelivery schedule, to come back
+/// after a delay.
+pub const REDELIVERED: &str = "inbox_redelivered_total";
 /// Counter: messages parked in the dead-letter destination.
 pub const DEAD_LETTERED: &str = "inbox_dead_lettered_total";
 /// Counter: acks that failed after their transaction committed.
@@ -134,6 +137,10 @@ pub fn describe_metrics() {
         (
             RETRIES,
             "Handler attempts repeated after a transient failure.",
+        ),
+        (
+            REDELIVERED,
+            "Messages handed back to the broker to come back after a delay.",
         ),
         (
             DEAD_LETTERED,

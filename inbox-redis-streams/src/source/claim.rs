@@ -1,6 +1,9 @@
 //! Recovery of dead consumers' entries: the `XAUTOCLAIM` sweep, and claimed entries that were
 //! trimmed or deleted from the stream before anyone applied them.
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
 use inbox_core::Delivery;
 use redis::Value;
 use tokio::time::Instant;
@@ -29,6 +32,109 @@ impl RedisStreamSource {
             .await
             .map_err(|e| Error::redis(format!("XAUTOCLAIM on stream {}", s.stream), e))?;
         Ok(value)
+    }
+
+    /// Whether any entry of this stream and group waits under a redelivery schedule: then the
+    /// sweep is [`RedisStreamSource::claim_due`] instead of `XAUTOCLAIM`.
+    pub(super) async fn any_delayed(&mut self) -> Result<bool> {
+        let key = self.settings.redeliveries_key();
+        let n: i64 = self
+            .commands
+            .idempotent(redis::cmd("HLEN").arg(&key))
+            .await
+            .map_err(|e| Error::redis(format!("HLEN {key}"), e))?;
+        Ok(n > 0)
+    }
+
+    /// The redelivery marks of `ids` ([`Settings::redeliveries_key`](crate::config::Settings)):
+    /// for each, its redelivery count and delay, when it was handed back under a schedule.
+    pub(super) async fn redelivery_marks(
+        &mut self,
+        ids: &[&str],
+    ) -> Result<Vec<Option<(u32, u64)>>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let key = self.settings.redeliveries_key();
+        let values: Vec<Option<String>> = self
+            .commands
+            .idempotent(redis::cmd("HMGET").arg(&key).arg(ids))
+            .await
+            .map_err(|e| Error::redis(format!("HMGET {key}"), e))?;
+        Ok(values
+            .into_iter()
+            .map(|v| {
+                let v = v?;
+                let (n, ms) = v.split_once(':')?;
+                Some((n.parse().ok()?, ms.parse().ok()?))
+            })
+            .collect())
+    }
+
+    /// One step of the sweep while entries wait under a redelivery schedule: `XPENDING` from
+    /// `claim_cursor` lists pending entries with their idle times; an entry is due once idle
+    /// for its redelivery delay (which [`Ack::redeliver`](inbox_core::Ack::redeliver) restarted
+    /// at the hand-back), any other once idle for `claim_idle`; the due ones are claimed with
+    /// `XCLAIM`, whose minimum idle time keeps two sweeps from both taking one. The reply has
+    /// `XAUTOCLAIM`'s shape, for [`RedisStreamSource::deliver_claimed`].
+    pub(super) async fn claim_due(&mut self, max: usize) -> Result<Value> {
+        let s = Arc::clone(&self.settings);
+        let start = if self.claim_cursor == "0-0" {
+            "-".to_owned()
+        } else {
+            self.claim_cursor.clone()
+        };
+        let rows: Value = self
+            .commands
+            .idempotent(
+                redis::cmd("XPENDING")
+                    .arg(&s.stream)
+                    .arg(&s.group)
+                    .arg(&start)
+                    .arg("+")
+                    .arg(max),
+            )
+            .await
+            .map_err(|e| Error::redis(format!("XPENDING on stream {}", s.stream), e))?;
+        let rows = reply::pending_idle(rows)?;
+        let cursor = match rows.last() {
+            Some((last, _)) if rows.len() >= max => next_id(last),
+            _ => "0-0".to_owned(),
+        };
+        let ids: Vec<&str> = rows.iter().map(|(id, _)| id.as_str()).collect();
+        let marks = self.redelivery_marks(&ids).await?;
+        let claim_idle = s.claim_idle.as_millis() as u64;
+        // Due entries by the idle time they must have, so one XCLAIM per distinct delay.
+        let mut due: BTreeMap<u64, Vec<&str>> = BTreeMap::new();
+        for ((id, idle), mark) in rows.iter().zip(&marks) {
+            let needed = mark.map_or(claim_idle, |(_, delay)| delay);
+            if *idle >= needed {
+                due.entry(needed).or_default().push(id);
+            }
+        }
+        let mut entries = Vec::new();
+        for (min_idle, ids) in due {
+            let claimed: Value = self
+                .commands
+                .idempotent(
+                    redis::cmd("XCLAIM")
+                        .arg(&s.stream)
+                        .arg(&s.group)
+                        .arg(&s.consumer)
+                        .arg(min_idle)
+                        .arg(&ids),
+                )
+                .await
+                .map_err(|e| Error::redis(format!("XCLAIM on stream {}", s.stream), e))?;
+            if let Value::Array(claimed) = claimed {
+                entries.extend(claimed);
+            }
+        }
+        Ok(Value::Array(vec![
+            Value::BulkString(cursor.into_bytes()),
+            Value::Array(entries),
+            Value::Array(Vec::new()),
+        ]))
     }
 
     /// The deliveries in the reply to the sweep step that started at `start`. Claimed entries
@@ -108,6 +214,15 @@ impl RedisStreamSource {
             crate::ack::xack(&mut self.commands, &self.settings, &gone).await?;
         }
         Ok(())
+    }
+}
+
+/// The smallest entry ID after `id`, for a sweep cursor (inclusive, as `XAUTOCLAIM`'s is).
+fn next_id(id: &str) -> String {
+    let (ms, seq) = entry_id_key(id);
+    match seq.checked_add(1) {
+        Some(seq) => format!("{ms}-{seq}"),
+        None => format!("{}-0", ms.saturating_add(1)),
     }
 }
 
