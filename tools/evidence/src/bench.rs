@@ -314,7 +314,7 @@ async fn processes_run(
     run: &str,
 ) -> Result<Row, BoxError> {
     let name = broker.create("bench").await?;
-    let db = wallet_db::create(StoreKind::Postgres).await;
+    let db = wallet_db::create(StoreKind::Postgres, 1).await?;
     let consumer = ConsumerSpec {
         batch: Some(spec.batch),
         lanes: spec.lanes,
