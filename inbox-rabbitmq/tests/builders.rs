@@ -87,7 +87,7 @@ async fn a_declared_quorum_queue_counts_deliveries_and_nothing_else() {
     let mut source = config.clone().connect().await.unwrap();
     let caps = source.capabilities();
     assert!(
-        caps.delivery_count() && !caps.delayed_nack() && !caps.lanes(),
+        caps.delivery_count() && !caps.delayed_nack() && caps.delayed_redelivery() && !caps.lanes(),
         "{caps:?}"
     );
 
@@ -104,14 +104,18 @@ async fn a_declared_quorum_queue_counts_deliveries_and_nothing_else() {
     again.ack.ack().await.unwrap();
     source.close().await;
 
-    // An expected queue may be a classic one, whose redeliveries carry no count.
+    // An expected queue may be a classic one, whose redeliveries carry no count; its delay
+    // queues are declared at first use all the same.
     let expecting = config
         .clone()
         .topology(Topology::Expect)
         .connect()
         .await
         .unwrap();
-    assert_eq!(expecting.capabilities(), inbox_core::Capabilities::NONE);
+    assert_eq!(
+        expecting.capabilities(),
+        inbox_core::Capabilities::NONE.with_delayed_redelivery()
+    );
     expecting.close().await;
     producer.close().await;
     cleanup(&config).await;
