@@ -1,10 +1,91 @@
-//! A throw-away PostgreSQL schema per test, and the settings tests share.
+//! The database side of the broker suite ([`TestStore`]), and PostgreSQL's: a throw-away schema
+//! per test, and the settings tests share.
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
 
+use inbox_core::{async_trait, InboxStore};
 use inbox_postgres::{KeyMode, Partitions, PgInbox, TableName};
 
-use crate::wallet;
+use crate::wallet::{self, Ledger};
+
+/// The inbox store the broker suite runs on, with the wallet beside it in one database (or
+/// schema) per test, so that a credit and its claim commit in one transaction.
+/// [`suite!`](crate::suite) takes it as its second argument: [`TestDb`] (PostgreSQL, the
+/// default) or `store::MySqlDb` (feature `mysql`).
+#[async_trait]
+pub trait TestStore: Sized + Send + Sync + 'static {
+    /// The wallet's tables, reached through a pool whose transactions are the inbox's.
+    type Ledger: Ledger<Tx = <Self::Inbox as InboxStore>::Tx>;
+    /// The inbox store.
+    type Inbox: InboxStore + Clone;
+
+    /// A fresh database (or schema) no other test uses, with the wallet's tables and a migrated
+    /// inbox.
+    async fn create() -> Self;
+
+    /// The database [`name`](TestStore::name) names, from another process: the kill
+    /// scenario's consumer runs in a child process.
+    async fn attach(name: &str) -> Self;
+
+    /// What [`attach`](TestStore::attach) finds this database by.
+    fn name(&self) -> &str;
+
+    /// The wallet.
+    fn ledger(&self) -> &Self::Ledger;
+
+    /// The migrated inbox.
+    fn inbox(&self) -> Self::Inbox;
+
+    /// Rows in the inbox table.
+    async fn inbox_rows(&self) -> i64;
+
+    /// Whether the outbox relay's scenarios run on this store: the outbox and its relay are
+    /// PostgreSQL's. Default: `false`, and they are skipped with the reason printed.
+    fn has_outbox() -> bool {
+        false
+    }
+
+    /// Drops the database and everything in it.
+    async fn remove(self);
+}
+
+#[async_trait]
+impl TestStore for TestDb {
+    type Ledger = PgPool;
+    type Inbox = PgInbox;
+
+    async fn create() -> Self {
+        Self::new().await
+    }
+
+    async fn attach(name: &str) -> Self {
+        Self::attach(name).await
+    }
+
+    fn name(&self) -> &str {
+        &self.schema
+    }
+
+    fn ledger(&self) -> &PgPool {
+        &self.pool
+    }
+
+    fn inbox(&self) -> PgInbox {
+        self.inbox()
+    }
+
+    async fn inbox_rows(&self) -> i64 {
+        self.inbox_rows().await
+    }
+
+    fn has_outbox() -> bool {
+        true
+    }
+
+    async fn remove(self) {
+        self.drop().await;
+    }
+}
 
 /// The database tests use: `DATABASE_URL`, or the local default the services command sets up.
 pub fn database_url() -> String {

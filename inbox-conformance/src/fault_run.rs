@@ -4,10 +4,8 @@
 use std::fmt::Debug;
 use std::time::{Duration, Instant};
 
+use crate::wallet::{applied, Ledger, Summary};
 use inbox_core::StatsSnapshot;
-use sqlx::PgPool;
-
-use crate::wallet::{applied, Summary};
 use inbox_testkit::eventually;
 
 /// What one run under a fault came to. `B` is what the broker had left at the end, in the
@@ -76,7 +74,7 @@ impl<B: Debug> FaultRun<B> {
 ///
 /// # Panics
 /// When it does not within `limit`.
-pub async fn wait_for_a_third(pool: &PgPool, events: i64, limit: Duration) -> i64 {
+pub async fn wait_for_a_third<L: Ledger>(pool: &L, events: i64, limit: Duration) -> i64 {
     let started = eventually(limit, || async { applied(pool).await >= events / 3 }).await;
     assert!(started, "the consumer applied too little before the fault");
     applied(pool).await
@@ -98,7 +96,7 @@ pub struct Restored {
 impl Restored {
     /// Call as the fault ends: waits up to `limit` for the ledger in `pool` to grow past what it
     /// holds now, or to hold all of the `events` published.
-    pub async fn measure(pool: &PgPool, events: i64, limit: Duration) -> Self {
+    pub async fn measure<L: Ledger>(pool: &L, events: i64, limit: Duration) -> Self {
         let at = Instant::now();
         let applied_then = applied(pool).await;
         let progressed = eventually(limit, || async {

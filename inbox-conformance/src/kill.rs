@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use crate::wallet::{self, Credit, CreditEvent};
-use crate::{child, TestDb};
+use crate::{child, TestStore};
 use inbox_core::{Consumer, MessageId};
 
 use crate::scenarios::{drain, ledger_has, left, setup, Totals};
@@ -27,6 +27,7 @@ const CHILD_TEST: &str = "conformance_child";
 /// once.
 pub async fn a_consumer_process_killed_mid_stream_loses_nothing_and_applies_nothing_twice<
     B: TestBroker,
+    D: TestStore,
 >(
     broker: &B,
 ) {
@@ -37,7 +38,7 @@ pub async fn a_consumer_process_killed_mid_stream_loses_nothing_and_applies_noth
         println!("hard kill: skipped: the broker lives in the test process, which the kill ends");
         return;
     }
-    let (db, queue) = setup(broker, "hard-kill").await;
+    let (db, queue) = setup::<B, D>(broker, "hard-kill").await;
     let mut expected_total = 0;
     for i in 0..EVENTS {
         expected_total += i + 1;
@@ -52,7 +53,7 @@ pub async fn a_consumer_process_killed_mid_stream_loses_nothing_and_applies_noth
         let mut process = child::spawn(
             CHILD_TEST,
             &[
-                ("INBOX_SCHEMA", db.schema.clone()),
+                ("INBOX_DATABASE", db.name().to_owned()),
                 ("INBOX_QUEUE", queue.name()),
                 ("INBOX_MEMBER", format!("killed-{kill}")),
             ],
@@ -60,7 +61,7 @@ pub async fn a_consumer_process_killed_mid_stream_loses_nothing_and_applies_noth
         // Killed once it made progress of its own, so that each kill lands mid-stream.
         let target = kill * EVENTS / (KILLS + 2);
         loop {
-            let done = wallet::summary(&db.pool)
+            let done = wallet::summary(db.ledger())
                 .await
                 .expect("summary")
                 .distinct_events;
@@ -81,7 +82,7 @@ pub async fn a_consumer_process_killed_mid_stream_loses_nothing_and_applies_noth
         tokio::time::sleep(Duration::from_millis(jitter)).await;
         process.kill().expect("SIGKILL");
         process.wait().expect("reap");
-        let summary = wallet::summary(&db.pool).await.expect("summary");
+        let summary = wallet::summary(db.ledger()).await.expect("summary");
         println!(
             "kill {kill}: {} of {EVENTS} events applied, {} ledger rows",
             summary.distinct_events, summary.ledger_rows
@@ -89,7 +90,7 @@ pub async fn a_consumer_process_killed_mid_stream_loses_nothing_and_applies_noth
     }
 
     // The last restart, in this process.
-    let handler = Credit::new(db.pool.clone()).work(WORK);
+    let handler = Credit::new(db.ledger().clone()).work(WORK);
     let mut totals = Totals::default();
     drain(
         &queue,
@@ -103,7 +104,7 @@ pub async fn a_consumer_process_killed_mid_stream_loses_nothing_and_applies_noth
         |_| ledger_has(&db, EVENTS),
     )
     .await;
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(db.ledger()).await.expect("summary");
     let left = left(&queue).await;
     println!(
         "hard kill: {EVENTS} events, {KILLS} kills; the last consumer: {totals:?}; {summary:?}; \
@@ -119,14 +120,14 @@ pub async fn a_consumer_process_killed_mid_stream_loses_nothing_and_applies_noth
 
 /// The consumer process of the kill scenario: runs until it is killed, and only in a process
 /// the scenario started (elsewhere it returns at once).
-pub async fn consumer_process<B: TestBroker>(broker: &B) {
+pub async fn consumer_process<B: TestBroker, D: TestStore>(broker: &B) {
     if !child::is_child() {
         return;
     }
     let var = |name: &str| std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set"));
-    let db = TestDb::attach(&var("INBOX_SCHEMA")).await;
+    let db = D::attach(&var("INBOX_DATABASE")).await;
     let queue = broker.attach(&var("INBOX_QUEUE")).await;
-    let handler = Credit::new(db.pool.clone()).work(WORK);
+    let handler = Credit::new(db.ledger().clone()).work(WORK);
     let member = var("INBOX_MEMBER");
     Consumer::new(
         "wallet",

@@ -1,6 +1,8 @@
 //! The scenarios every broker adapter passes, written once: each adapter implements
 //! [`TestBroker`] and [`TestQueue`] in a few lines of its tests, and [`suite!`] turns every
-//! scenario into a `#[tokio::test]` run against the real broker and a real PostgreSQL inbox.
+//! scenario into a `#[tokio::test]` run against the real broker and a real inbox store:
+//! PostgreSQL's by default, or any store implementing [`TestStore`] (the MySQL store's is
+//! `store::MySqlDb`, feature `mysql`: `suite!(Redis, inbox_conformance::store::MySqlDb)`).
 //!
 //! The scenarios ([`scenarios`]) credit the [`wallet`]
 //! in a schema of their own, and check what a user cares about: every message applied once,
@@ -134,7 +136,7 @@ pub mod wallet;
 mod zombie;
 
 pub use checked::Checked;
-pub use db::{database_url, partitioned_layout, TestDb};
+pub use db::{database_url, partitioned_layout, TestDb, TestStore};
 pub use fault_proxy::{FaultProxy, ProxyMode};
 pub use fault_run::{wait_for_a_third, FaultRun, Restored};
 pub use network::{Restart, Restartable};
@@ -334,11 +336,16 @@ pub trait TestQueue: Send + Sync + 'static {
 }
 
 /// One `#[tokio::test]` per scenario of [`scenarios`], each run against `$broker` (an
-/// expression of a type implementing [`TestBroker`], evaluated once per test).
+/// expression of a type implementing [`TestBroker`], evaluated once per test) and the inbox
+/// store `$store` (a type implementing [`TestStore`]; [`TestDb`], PostgreSQL, when left out):
+/// `suite!(Redis)`, `suite!(Redis, inbox_conformance::store::MySqlDb)`.
 #[macro_export]
 macro_rules! suite {
     ($broker:expr) => {
-        $crate::suite!(@tests $broker;
+        $crate::suite!($broker, $crate::TestDb);
+    };
+    ($broker:expr, $store:ty) => {
+        $crate::suite!(@tests $broker, $store;
             the_same_id_twice_is_applied_once,
             a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice,
             racing_consumers_apply_each_id_once,
@@ -363,14 +370,14 @@ macro_rules! suite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         #[ignore = "the consumer process of the kill scenario; runs only as its child"]
         async fn conformance_child() {
-            $crate::scenarios::consumer_process(&$broker).await;
+            $crate::scenarios::consumer_process::<_, $store>(&$broker).await;
         }
     };
-    (@tests $broker:expr; $($name:ident),* $(,)?) => {
+    (@tests $broker:expr, $store:ty; $($name:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() {
-                $crate::scenarios::$name(&$broker).await;
+                $crate::scenarios::$name::<_, $store>(&$broker).await;
             }
         )*
     };

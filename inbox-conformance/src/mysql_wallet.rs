@@ -1,15 +1,15 @@
-//! The wallet on MySQL: the same accounts and ledger as [`crate::wallet`], for the MySQL
-//! store's broker tests and the evidence tool's kill test on it. Duplicates are
-//! `ledger rows − distinct event IDs`, losses `published − distinct event IDs`.
+//! The wallet on MySQL: the same accounts and ledger as [`crate::wallet`], in MySQL's dialect
+//! ([`Ledger`] for `MySqlPool`), so that the conformance suite and the evidence tool's kill test
+//! run on the MySQL store. Duplicates are `ledger rows − distinct event IDs`, losses
+//! `published − distinct event IDs`.
 
-use std::time::Duration;
-
-use inbox_core::{async_trait, Handler, HandlerError, Message, MessageId};
+use inbox_core::{async_trait, MessageId};
 use inbox_mysql::{KeyMode, MySqlInbox, MySqlTx};
 use sqlx::MySqlPool;
 
 use crate::store::MySqlDb;
-use crate::wallet::{CreditEvent, Summary};
+use crate::wallet::{CreditEvent, Ledger, Summary};
+use crate::TestStore;
 
 /// The inbox table of a wallet database.
 pub const INBOX_TABLE: &str = "inbox";
@@ -20,7 +20,7 @@ pub const INBOX_TABLE: &str = "inbox";
 /// When the server cannot be reached.
 pub async fn wallet_db() -> MySqlDb {
     let db = MySqlDb::new().await;
-    install(&db.pool).await.expect("the wallet tables");
+    db.pool.install().await.expect("the wallet tables");
     inbox(&db).migrate().await.expect("migrate the inbox");
     db
 }
@@ -30,102 +30,33 @@ pub fn inbox(db: &MySqlDb) -> MySqlInbox {
     db.inbox(INBOX_TABLE, KeyMode::Text)
 }
 
-/// Creates `accounts`, `ledger` and `wallet_stalls` if missing.
-pub async fn install(pool: &MySqlPool) -> Result<(), sqlx::Error> {
-    for statement in [
-        "CREATE TABLE IF NOT EXISTS accounts (
-            id bigint PRIMARY KEY,
-            balance bigint NOT NULL DEFAULT 0) ENGINE=InnoDB",
-        // No unique key on event_id: a duplicate credit must show up as a second row.
-        "CREATE TABLE IF NOT EXISTS ledger (
-            id bigint AUTO_INCREMENT PRIMARY KEY,
-            event_id varchar(255) NOT NULL,
-            account_id bigint NOT NULL,
-            amount bigint NOT NULL) ENGINE=InnoDB",
-        "CREATE TABLE IF NOT EXISTS wallet_stalls (event_id varchar(255) PRIMARY KEY) ENGINE=InnoDB",
-    ] {
-        sqlx::query(statement).execute(pool).await?;
-    }
-    Ok(())
-}
-
-/// The credit handler: adds the amount to the balance and writes a ledger row, both through the
-/// inbox transaction.
-#[derive(Debug, Clone)]
-pub struct Credit {
-    pool: MySqlPool,
-    work: Duration,
-    stall: Duration,
-}
-
-impl Credit {
-    /// A handler writing to the wallet tables of `pool`'s database.
-    pub fn new(pool: MySqlPool) -> Self {
-        Self {
-            pool,
-            work: Duration::ZERO,
-            stall: Duration::ZERO,
-        }
-    }
-
-    /// Sleeps `work` per message, standing in for real work.
-    pub fn work(mut self, work: Duration) -> Self {
-        self.work = work;
-        self
-    }
-
-    /// An event with `stall: true` sleeps `stall` on its first handling by any process
-    /// (recorded in `wallet_stalls` outside the transaction), with its claim uncommitted.
-    pub fn stall(mut self, stall: Duration) -> Self {
-        self.stall = stall;
-        self
-    }
-}
-
-/// Records that `id` is being handled, outside any transaction: `true` the first time across
-/// all processes.
-pub async fn first_handling(pool: &MySqlPool, id: &MessageId) -> Result<bool, sqlx::Error> {
-    match sqlx::query("INSERT INTO wallet_stalls (event_id) VALUES (?)")
-        .bind(id.as_str())
-        .execute(pool)
-        .await
-    {
-        Ok(_) => Ok(true),
-        Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Ok(false),
-        Err(e) => Err(e),
-    }
-}
-
-/// How many stalls started.
-pub async fn stalls(pool: &MySqlPool) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar("SELECT count(*) FROM wallet_stalls")
-        .fetch_one(pool)
-        .await
-}
-
-/// Ledger rows of `id`.
-pub async fn rows_of(pool: &MySqlPool, id: &MessageId) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar("SELECT count(*) FROM ledger WHERE event_id = ?")
-        .bind(id.as_str())
-        .fetch_one(pool)
-        .await
-}
-
 #[async_trait]
-impl Handler<MySqlTx> for Credit {
-    async fn handle(
-        &self,
+impl Ledger for MySqlPool {
+    type Tx = MySqlTx;
+
+    async fn install(&self) -> Result<(), sqlx::Error> {
+        for statement in [
+            "CREATE TABLE IF NOT EXISTS accounts (
+                id bigint PRIMARY KEY,
+                balance bigint NOT NULL DEFAULT 0) ENGINE=InnoDB",
+            "CREATE TABLE IF NOT EXISTS ledger (
+                id bigint AUTO_INCREMENT PRIMARY KEY,
+                event_id varchar(255) NOT NULL,
+                account_id bigint NOT NULL,
+                amount bigint NOT NULL) ENGINE=InnoDB",
+            "CREATE TABLE IF NOT EXISTS wallet_stalls (event_id varchar(255) PRIMARY KEY) \
+             ENGINE=InnoDB",
+        ] {
+            sqlx::query(statement).execute(self).await?;
+        }
+        Ok(())
+    }
+
+    async fn credit(
         tx: &mut MySqlTx,
         id: &MessageId,
-        message: &Message,
-    ) -> Result<(), HandlerError> {
-        let event: CreditEvent = message.json()?;
-        if !self.work.is_zero() {
-            tokio::time::sleep(self.work).await;
-        }
-        if event.stall && !self.stall.is_zero() && first_handling(&self.pool, id).await? {
-            tokio::time::sleep(self.stall).await;
-        }
+        event: &CreditEvent,
+    ) -> Result<(), sqlx::Error> {
         sqlx::query(
             "INSERT INTO accounts (id, balance) VALUES (?, ?)
              ON DUPLICATE KEY UPDATE balance = balance + VALUES(balance)",
@@ -142,34 +73,95 @@ impl Handler<MySqlTx> for Credit {
             .await?;
         Ok(())
     }
+
+    async fn first_handling(&self, id: &MessageId) -> Result<bool, sqlx::Error> {
+        match sqlx::query("INSERT INTO wallet_stalls (event_id) VALUES (?)")
+            .bind(id.as_str())
+            .execute(self)
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn summary(&self) -> Result<Summary, sqlx::Error> {
+        let (ledger_rows, distinct_events): (i64, i64) =
+            sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM ledger")
+                .fetch_one(self)
+                .await?;
+        let (mismatched, total_balance): (i64, i64) = sqlx::query_as(
+            "SELECT CAST(COALESCE(sum(a.balance <> COALESCE(l.total, 0)), 0) AS SIGNED),
+                    CAST(COALESCE(sum(a.balance), 0) AS SIGNED)
+             FROM accounts a
+             LEFT JOIN (SELECT account_id, sum(amount) AS total FROM ledger GROUP BY account_id) l
+               ON l.account_id = a.id",
+        )
+        .fetch_one(self)
+        .await?;
+        Ok(Summary {
+            ledger_rows,
+            distinct_events,
+            balances_exact: mismatched == 0,
+            total_balance,
+        })
+    }
+
+    async fn balances(&self) -> Result<Vec<(i64, i64)>, sqlx::Error> {
+        sqlx::query_as("SELECT id, balance FROM accounts ORDER BY id")
+            .fetch_all(self)
+            .await
+    }
+
+    async fn rows_of(&self, id: &MessageId) -> Result<i64, sqlx::Error> {
+        sqlx::query_scalar("SELECT count(*) FROM ledger WHERE event_id = ?")
+            .bind(id.as_str())
+            .fetch_one(self)
+            .await
+    }
+
+    async fn stalls(&self) -> Result<i64, sqlx::Error> {
+        sqlx::query_scalar("SELECT count(*) FROM wallet_stalls")
+            .fetch_one(self)
+            .await
+    }
 }
 
-/// Reads the ledger.
-pub async fn summary(pool: &MySqlPool) -> Result<Summary, sqlx::Error> {
-    let (ledger_rows, distinct_events): (i64, i64) =
-        sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM ledger")
-            .fetch_one(pool)
-            .await?;
-    let (mismatched, total_balance): (i64, i64) = sqlx::query_as(
-        "SELECT CAST(COALESCE(sum(a.balance <> COALESCE(l.total, 0)), 0) AS SIGNED),
-                CAST(COALESCE(sum(a.balance), 0) AS SIGNED)
-         FROM accounts a
-         LEFT JOIN (SELECT account_id, sum(amount) AS total FROM ledger GROUP BY account_id) l
-           ON l.account_id = a.id",
-    )
-    .fetch_one(pool)
-    .await?;
-    Ok(Summary {
-        ledger_rows,
-        distinct_events,
-        balances_exact: mismatched == 0,
-        total_balance,
-    })
-}
+/// The broker suite on the MySQL store: `suite!(broker, inbox_conformance::store::MySqlDb)`.
+#[async_trait]
+impl TestStore for MySqlDb {
+    type Ledger = MySqlPool;
+    type Inbox = MySqlInbox;
 
-/// Every account's balance, by id.
-pub async fn balances(pool: &MySqlPool) -> Result<Vec<(i64, i64)>, sqlx::Error> {
-    sqlx::query_as("SELECT id, balance FROM accounts ORDER BY id")
-        .fetch_all(pool)
-        .await
+    async fn create() -> Self {
+        wallet_db().await
+    }
+
+    async fn attach(name: &str) -> Self {
+        Self::attach(name).await
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn ledger(&self) -> &MySqlPool {
+        &self.pool
+    }
+
+    fn inbox(&self) -> MySqlInbox {
+        inbox(self)
+    }
+
+    async fn inbox_rows(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM inbox")
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("cannot count inbox rows: {e}"))
+    }
+
+    async fn remove(self) {
+        self.drop().await;
+    }
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::sync::RwLock;
 
 use crate::wallet::{self, Credit, CreditEvent};
-use crate::TestDb;
+use crate::TestStore;
 use crate::{async_trait, wait_for_a_third, FaultProxy, FaultRun, ProxyMode, Restored};
 use inbox_core::{Consumer, MessageId};
 
@@ -119,9 +119,9 @@ async fn publish<Q: TestQueue>(queue: &Q, paused: &RwLock<()>) -> i64 {
 /// Runs `fault` through the proxy of `queue`'s proxied source (on its twin, where it has one);
 /// returns the run, the sum of the credits sent and whether the consumer counts faults as
 /// errors. `None` where the adapter has no proxied source.
-async fn through_proxy<Q: TestQueue>(
+async fn through_proxy<Q: TestQueue, D: TestStore>(
     name: &str,
-    db: &TestDb,
+    db: &D,
     queue: &Q,
     fault: Fault,
 ) -> Option<(Run, i64, bool)> {
@@ -152,9 +152,9 @@ async fn through_proxy<Q: TestQueue>(
 /// Consumes the credits with `source` while they are sent, runs `fault` once a third is
 /// applied, and waits for the consumer to finish by itself once the fault is over; returns the
 /// run and the sum of the credits sent.
-async fn consume_through<Q: TestQueue>(
+async fn consume_through<Q: TestQueue, D: TestStore>(
     name: &str,
-    db: &TestDb,
+    db: &D,
     queue: &Q,
     source: Q::Source,
     fault: impl std::future::Future<Output = ()>,
@@ -164,7 +164,7 @@ async fn consume_through<Q: TestQueue>(
         "wallet",
         Checked::new(source),
         db.inbox(),
-        Credit::new(db.pool.clone()).work(Duration::from_millis(2)),
+        Credit::new(db.ledger().clone()).work(Duration::from_millis(2)),
     )
     .batch_size(10)
     .error_backoff(Duration::from_millis(200));
@@ -175,13 +175,13 @@ async fn consume_through<Q: TestQueue>(
     });
 
     let observing = async {
-        let applied_at_fault = wait_for_a_third(&db.pool, EVENTS, Duration::from_secs(30)).await;
+        let applied_at_fault = wait_for_a_third(db.ledger(), EVENTS, Duration::from_secs(30)).await;
         let (fault_started, detecting) = watch_errors(Arc::clone(&stats));
         fault.await;
-        let restored = Restored::measure(&db.pool, EVENTS, Duration::from_secs(60)).await;
+        let restored = Restored::measure(db.ledger(), EVENTS, Duration::from_secs(60)).await;
         let finished = restored.progressed
             && eventually(Duration::from_secs(90), || async {
-                wallet::applied(&db.pool).await >= EVENTS
+                wallet::applied(db.ledger()).await >= EVENTS
             })
             .await;
         detecting.abort();
@@ -202,7 +202,7 @@ async fn consume_through<Q: TestQueue>(
         dead_letters: queue.dead_letters().await.len(),
     };
     let run = Run {
-        ledger: wallet::summary(&db.pool).await.expect("summary"),
+        ledger: wallet::summary(db.ledger()).await.expect("summary"),
         stats,
         applied_at_fault,
         applied_at_restore: restored.applied,
@@ -235,8 +235,10 @@ fn assert_felt(run: &Run, counts_faults: bool, felt: bool, what: &str) {
 
 /// The consumer's connections carry nothing for a while (longer than the source waits on a
 /// silent connection): it notices, gives them up and reconnects once the network is back.
-pub async fn a_black_holed_connection_is_given_up_and_replaced<B: TestBroker>(broker: &B) {
-    let (db, queue) = setup(broker, "blackhole").await;
+pub async fn a_black_holed_connection_is_given_up_and_replaced<B: TestBroker, D: TestStore>(
+    broker: &B,
+) {
+    let (db, queue) = setup::<B, D>(broker, "blackhole").await;
     if let Some((run, total, counts)) =
         through_proxy("black hole", &db, &queue, Fault::Blackhole).await
     {
@@ -255,8 +257,13 @@ pub async fn a_black_holed_connection_is_given_up_and_replaced<B: TestBroker>(br
 
 /// The consumer's connections are cut every 300 ms, 15 times: each cut loses nothing and
 /// applies nothing twice.
-pub async fn connections_cut_again_and_again_lose_and_repeat_nothing<B: TestBroker>(broker: &B) {
-    let (db, queue) = setup(broker, "cuts").await;
+pub async fn connections_cut_again_and_again_lose_and_repeat_nothing<
+    B: TestBroker,
+    D: TestStore,
+>(
+    broker: &B,
+) {
+    let (db, queue) = setup::<B, D>(broker, "cuts").await;
     if let Some((run, total, _)) = through_proxy("cuts", &db, &queue, Fault::Cuts).await {
         assert_exactly_once(&run, total);
     }
@@ -265,8 +272,8 @@ pub async fn connections_cut_again_and_again_lose_and_repeat_nothing<B: TestBrok
 
 /// The broker refuses the consumer's connections for 5 s: it fails, backs off and carries on
 /// once the broker is back, with nothing dead-lettered for the outage.
-pub async fn a_refused_broker_is_retried_until_it_is_back<B: TestBroker>(broker: &B) {
-    let (db, queue) = setup(broker, "refused").await;
+pub async fn a_refused_broker_is_retried_until_it_is_back<B: TestBroker, D: TestStore>(broker: &B) {
+    let (db, queue) = setup::<B, D>(broker, "refused").await;
     if let Some((run, total, counts)) = through_proxy("refused", &db, &queue, Fault::Refused).await
     {
         assert_exactly_once(&run, total);
@@ -278,8 +285,13 @@ pub async fn a_refused_broker_is_retried_until_it_is_back<B: TestBroker>(broker:
 
 /// The broker itself stops and starts again mid-stream, keeping what it stored: the consumer
 /// notices, reconnects by itself and carries on. Sending pauses while it is down.
-pub async fn a_broker_restarted_mid_stream_loses_and_repeats_nothing<B: TestBroker>(broker: &B) {
-    let (db, queue) = setup(broker, "restart").await;
+pub async fn a_broker_restarted_mid_stream_loses_and_repeats_nothing<
+    B: TestBroker,
+    D: TestStore,
+>(
+    broker: &B,
+) {
+    let (db, queue) = setup::<B, D>(broker, "restart").await;
     match queue.restartable().await {
         Err(why) => println!("broker restart: skipped: {why}"),
         Ok(Restartable {

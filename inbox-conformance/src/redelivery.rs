@@ -7,11 +7,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, RetryPolicy};
-use inbox_postgres::PgTx;
 
 use crate::scenarios::{finish, ledger_has, left, setup, source};
 use crate::wallet::{self, Credit, CreditEvent};
-use crate::{TestBroker, TestQueue};
+use crate::{TestBroker, TestQueue, TestStore};
 
 /// How long the downstream is down: `INBOX_TEST_OUTAGE_SECS` (the issue's own test is 60),
 /// 12 s by default to keep the suite short.
@@ -36,15 +35,15 @@ type Attempts = BTreeMap<String, Vec<(Instant, u32)>>;
 /// The wallet's handler behind a downstream that is down until `up_at`; notes each attempt's
 /// time per message and redelivery.
 #[derive(Clone)]
-struct Downstream {
-    credit: Credit,
+struct Downstream<H> {
+    credit: H,
     up_at: Arc<Mutex<Option<Instant>>>,
     attempts: Arc<Mutex<Attempts>>,
 }
 
 #[async_trait]
-impl Handler<PgTx> for Downstream {
-    async fn handle(&self, tx: &mut PgTx, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
+impl<T: Send, H: Handler<T>> Handler<T> for Downstream<H> {
+    async fn handle(&self, tx: &mut T, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
         let now = Instant::now();
         self.attempts
             .lock()
@@ -72,8 +71,13 @@ impl Handler<PgTx> for Downstream {
 /// the jitter and no later than its delay, the jitter and 3 s of poll slack. On a Kafka
 /// partition, paused behind its first failing record, the records after it may be tried only
 /// once the downstream is back; each record that failed came back.
-pub async fn a_downstream_outage_is_ridden_out_by_delayed_redeliveries<B: TestBroker>(broker: &B) {
-    let (db, queue) = setup(broker, "redeliver").await;
+pub async fn a_downstream_outage_is_ridden_out_by_delayed_redeliveries<
+    B: TestBroker,
+    D: TestStore,
+>(
+    broker: &B,
+) {
+    let (db, queue) = setup::<B, D>(broker, "redeliver").await;
     let first = source(&queue, "c1").await;
     let claims = first.claims();
     if !claims.delayed_redelivery() {
@@ -95,7 +99,7 @@ pub async fn a_downstream_outage_is_ridden_out_by_delayed_redeliveries<B: TestBr
             .await;
     }
     let handler = Downstream {
-        credit: Credit::new(db.pool.clone()),
+        credit: Credit::new(db.ledger().clone()),
         up_at: Arc::default(),
         attempts: Arc::default(),
     };
@@ -120,7 +124,7 @@ pub async fn a_downstream_outage_is_ridden_out_by_delayed_redeliveries<B: TestBr
     let took = started.elapsed();
 
     let dead = queue.dead_letters().await;
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(db.ledger()).await.expect("summary");
     let left = left(&queue).await;
     let up_at = handler
         .up_at

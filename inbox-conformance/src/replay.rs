@@ -10,12 +10,11 @@ use inbox_core::{
     async_trait, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish,
     PublishError, Recovery,
 };
-use inbox_postgres::PgTx;
 use inbox_testkit::fast_retry;
 
 use crate::scenarios::{drain, finish, left, setup, Totals};
 use crate::wallet::{self, Credit, CreditEvent};
-use crate::{TestBroker, TestDb, TestQueue};
+use crate::{TestBroker, TestQueue, TestStore};
 
 /// What the handler fails with while the downstream is down: the dead letters' reason.
 const DOWN: &str = "downstream down";
@@ -23,14 +22,14 @@ const DOWN: &str = "downstream down";
 /// Credits an account, unless the downstream it needs is down: then a permanent failure, and
 /// the message is dead-lettered at once.
 #[derive(Clone)]
-struct Downstream {
-    credit: Credit,
+struct Downstream<H> {
+    credit: H,
     down: Arc<AtomicBool>,
 }
 
 #[async_trait]
-impl Handler<PgTx> for Downstream {
-    async fn handle(&self, tx: &mut PgTx, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
+impl<T: Send, H: Handler<T>> Handler<T> for Downstream<H> {
+    async fn handle(&self, tx: &mut T, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
         if self.down.load(Ordering::SeqCst) {
             return Err(HandlerError::permanent(DOWN));
         }
@@ -71,10 +70,11 @@ impl Publish for Interrupted {
 /// a duplicate), the source and the dead-letter destination are empty.
 pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_parked<
     B: TestBroker,
+    D: TestStore,
 >(
     broker: &B,
 ) {
-    let (db, queue) = setup(broker, "replay").await;
+    let (db, queue) = setup::<B, D>(broker, "replay").await;
     if queue.dead_letter_reader().await.is_none() {
         println!("replay: skipped: the adapter has no dead-letter reader");
         finish(db, queue).await;
@@ -90,7 +90,7 @@ pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_
         expected += i;
     }
     let handler = Downstream {
-        credit: Credit::new(db.pool.clone()),
+        credit: Credit::new(db.ledger().clone()),
         down: Arc::new(AtomicBool::new(true)),
     };
     let mut totals = Totals::default();
@@ -150,7 +150,7 @@ pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_
     .expect_err("the first replay is interrupted");
     assert_eq!(e.recovery(), Recovery::Retry);
     consume(&db, &queue, &handler, &mut totals, N as u64 + 1).await;
-    assert_eq!(wallet::applied(&db.pool).await, 1);
+    assert_eq!(wallet::applied(db.ledger()).await, 1);
 
     // Replayed again, all of it: the copy applied before is skipped.
     let mut batches = 0;
@@ -167,7 +167,7 @@ pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_
     assert!(batches >= 1);
     consume(&db, &queue, &handler, &mut totals, 2 * N as u64 + 1).await;
 
-    let ledger = wallet::summary(&db.pool).await.expect("summary");
+    let ledger = wallet::summary(db.ledger()).await.expect("summary");
     let parked = replay::summarize(&mut *reader(&queue).await)
         .await
         .expect("listing");
@@ -190,10 +190,10 @@ pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_
 }
 
 /// Consumes until the consumers together have applied, skipped or dead-lettered `until`.
-async fn consume<Q: TestQueue>(
-    db: &TestDb,
+async fn consume<Q: TestQueue, D: TestStore>(
+    db: &D,
     queue: &Q,
-    handler: &Downstream,
+    handler: &Downstream<Credit<D::Ledger>>,
     totals: &mut Totals,
     until: u64,
 ) {
@@ -214,7 +214,7 @@ async fn consume<Q: TestQueue>(
 /// Sends `n` credits under fresh IDs and consumes them while the downstream is down: all `n`
 /// are dead-lettered with a reason containing "downstream down". Returns the sum of the credits,
 /// what the balances add up to once they are replayed and applied.
-pub async fn park_credits_while_down<Q: TestQueue>(db: &TestDb, queue: &Q, n: i64) -> i64 {
+pub async fn park_credits_while_down<Q: TestQueue, D: TestStore>(db: &D, queue: &Q, n: i64) -> i64 {
     for i in 1..=n {
         let id = MessageId::generate();
         queue
@@ -222,7 +222,7 @@ pub async fn park_credits_while_down<Q: TestQueue>(db: &TestDb, queue: &Q, n: i6
             .await;
     }
     let handler = Downstream {
-        credit: Credit::new(db.pool.clone()),
+        credit: Credit::new(db.ledger().clone()),
         down: Arc::new(AtomicBool::new(true)),
     };
     let mut totals = Totals::default();
@@ -233,13 +233,13 @@ pub async fn park_credits_while_down<Q: TestQueue>(db: &TestDb, queue: &Q, n: i6
 
 /// Consumes with the downstream up until `n` messages were applied or skipped; returns how
 /// many were applied and how many skipped as duplicates.
-pub async fn consume_with_the_downstream_up<Q: TestQueue>(
-    db: &TestDb,
+pub async fn consume_with_the_downstream_up<Q: TestQueue, D: TestStore>(
+    db: &D,
     queue: &Q,
     n: u64,
 ) -> (u64, u64) {
     let handler = Downstream {
-        credit: Credit::new(db.pool.clone()),
+        credit: Credit::new(db.ledger().clone()),
         down: Arc::new(AtomicBool::new(false)),
     };
     let mut totals = Totals::default();

@@ -4,11 +4,10 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use crate::wallet::{self, Credit, CreditEvent};
-use crate::TestDb;
+use crate::TestStore;
 use inbox_core::{
     async_trait, Consumer, Handler, HandlerError, Message, MessageId, Stage, StatsSnapshot,
 };
-use inbox_postgres::PgTx;
 use inbox_testkit::fast_retry;
 use inbox_testkit::Crash;
 
@@ -125,32 +124,34 @@ pub(crate) async fn left<Q: TestQueue>(queue: &Q) -> u64 {
     }
 }
 
-pub(crate) async fn setup<B: TestBroker>(broker: &B, scenario: &str) -> (TestDb, B::Queue) {
-    (TestDb::new().await, broker.queue(scenario).await)
+/// A fresh database on the store `D` and a fresh queue of `broker`.
+pub(crate) async fn setup<B: TestBroker, D: TestStore>(
+    broker: &B,
+    scenario: &str,
+) -> (D, B::Queue) {
+    (D::create().await, broker.queue(scenario).await)
 }
 
-pub(crate) async fn finish<Q: TestQueue>(db: TestDb, queue: Q) {
+pub(crate) async fn finish<Q: TestQueue, D: TestStore>(db: D, queue: Q) {
     queue.cleanup().await;
-    db.drop().await;
+    db.remove().await;
 }
 
 /// Whether the ledger holds `n` distinct events.
-pub(crate) async fn ledger_has(db: &TestDb, n: i64) -> bool {
-    wallet::summary(&db.pool)
-        .await
-        .is_ok_and(|s| s.distinct_events >= n)
+pub(crate) async fn ledger_has<D: TestStore>(db: &D, n: i64) -> bool {
+    wallet::applied(db.ledger()).await >= n
 }
 
 /// The article's first scenario: a producer retries a send, so one ID arrives twice; the
 /// second copy is skipped and acked.
-pub async fn the_same_id_twice_is_applied_once<B: TestBroker>(broker: &B) {
-    let (db, queue) = setup(broker, "same-id").await;
+pub async fn the_same_id_twice_is_applied_once<B: TestBroker, D: TestStore>(broker: &B) {
+    let (db, queue) = setup::<B, D>(broker, "same-id").await;
     let twice = MessageId::generate();
     queue.send(Some(twice.as_str()), &credit(1, 100)).await;
     send_credit(&queue, 1, 5).await;
     queue.send(Some(twice.as_str()), &credit(1, 100)).await; // the producer retried
 
-    let handler = Credit::new(db.pool.clone());
+    let handler = Credit::new(db.ledger().clone());
     let mut totals = Totals::default();
     drain(
         &queue,
@@ -161,8 +162,8 @@ pub async fn the_same_id_twice_is_applied_once<B: TestBroker>(broker: &B) {
     )
     .await;
 
-    let summary = wallet::summary(&db.pool).await.expect("summary");
-    let balance = wallet::balance(&db.pool, 1).await;
+    let summary = wallet::summary(db.ledger()).await.expect("summary");
+    let balance = wallet::balance(db.ledger(), 1).await;
     let left = left(&queue).await;
     println!("the same ID twice: {totals:?}, {summary:?}, balance {balance}, left {left}");
     assert_eq!(balance, 105, "credited once");
@@ -175,7 +176,10 @@ pub async fn the_same_id_twice_is_applied_once<B: TestBroker>(broker: &B) {
 /// The consumer dies at each step of the algorithm in turn: after the claim, after the handler,
 /// after the commit (the article's crash between commit and ack) and after the ack. Its
 /// restarts lose nothing and apply nothing twice.
-pub async fn a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice<B: TestBroker>(
+pub async fn a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice<
+    B: TestBroker,
+    D: TestStore,
+>(
     broker: &B,
 ) {
     for stage in [
@@ -185,11 +189,11 @@ pub async fn a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice<B: Te
         Stage::Acked,
     ] {
         let name = format!("crash-{stage:?}").to_lowercase();
-        let (db, queue) = setup(broker, &name).await;
+        let (db, queue) = setup::<B, D>(broker, &name).await;
         for amount in [10, 20, 30, 40, 50] {
             send_credit(&queue, 1, amount).await;
         }
-        let handler = Credit::new(db.pool.clone());
+        let handler = Credit::new(db.ledger().clone());
         let crash = Crash::at(stage);
         let consumer = Consumer::new(
             "wallet",
@@ -217,7 +221,7 @@ pub async fn a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice<B: Te
             },
         )
         .await;
-        let summary = wallet::summary(&db.pool).await.expect("summary");
+        let summary = wallet::summary(db.ledger()).await.expect("summary");
         let left = left(&queue).await;
         println!("crash at {stage:?}, then restarts: {totals:?}, {summary:?}, left {left}");
         assert_eq!(
@@ -225,7 +229,7 @@ pub async fn a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice<B: Te
             (5, 5),
             "{stage:?}: nothing lost, nothing twice"
         );
-        assert_eq!(wallet::balance(&db.pool, 1).await, 150, "{stage:?}");
+        assert_eq!(wallet::balance(db.ledger(), 1).await, 150, "{stage:?}");
         assert!(summary.balances_exact, "{stage:?}");
         if stage == Stage::Committed {
             assert!(
@@ -240,8 +244,8 @@ pub async fn a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice<B: Te
 
 /// Two members of one group; every ID is sent twice, so copies reach both and race for the
 /// claim: the primary key lets one apply it.
-pub async fn racing_consumers_apply_each_id_once<B: TestBroker>(broker: &B) {
-    let (db, queue) = setup(broker, "race").await;
+pub async fn racing_consumers_apply_each_id_once<B: TestBroker, D: TestStore>(broker: &B) {
+    let (db, queue) = setup::<B, D>(broker, "race").await;
     let events = 30;
     for i in 0..events {
         let id = MessageId::generate();
@@ -249,7 +253,7 @@ pub async fn racing_consumers_apply_each_id_once<B: TestBroker>(broker: &B) {
         queue.send(Some(id.as_str()), &payload).await;
         queue.send(Some(id.as_str()), &payload).await;
     }
-    let handler = Credit::new(db.pool.clone()).work(Duration::from_millis(2));
+    let handler = Credit::new(db.ledger().clone()).work(Duration::from_millis(2));
     let (c1, c2) = (source(&queue, "c1").await, source(&queue, "c2").await);
     let (a, b) = tokio::join!(
         Consumer::new("wallet", c1, db.inbox(), handler.clone()).run_until_idle(),
@@ -269,7 +273,7 @@ pub async fn racing_consumers_apply_each_id_once<B: TestBroker>(broker: &B) {
     )
     .await;
 
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(db.ledger()).await.expect("summary");
     let left = left(&queue).await;
     println!(
         "racing consumers: c1 received {} applied {}; c2 received {} applied {}; {totals:?}; \
@@ -289,16 +293,19 @@ pub async fn racing_consumers_apply_each_id_once<B: TestBroker>(broker: &B) {
 
 /// A message without an ID and one whose payload no handler can read are parked in the
 /// dead-letter destination with their payload and a reason; nothing is applied or claimed.
-pub async fn messages_without_an_id_or_with_a_bad_payload_are_dead_lettered<B: TestBroker>(
+pub async fn messages_without_an_id_or_with_a_bad_payload_are_dead_lettered<
+    B: TestBroker,
+    D: TestStore,
+>(
     broker: &B,
 ) {
-    let (db, queue) = setup(broker, "bad-input").await;
+    let (db, queue) = setup::<B, D>(broker, "bad-input").await;
     let payload = credit(1, 7);
     queue.send(None, &payload).await;
     let bad_id = MessageId::generate();
     queue.send(Some(bad_id.as_str()), b"not json").await;
 
-    let handler = Credit::new(db.pool.clone());
+    let handler = Credit::new(db.ledger().clone());
     let mut totals = Totals::default();
     drain(
         &queue,
@@ -310,7 +317,7 @@ pub async fn messages_without_an_id_or_with_a_bad_payload_are_dead_lettered<B: T
     .await;
 
     let dead = queue.dead_letters().await;
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(db.ledger()).await.expect("summary");
     let left = left(&queue).await;
     println!("bad input: {totals:?}, dead letters {dead:?}, {summary:?}, left {left}");
     assert_eq!(dead.len(), 2);
@@ -332,13 +339,13 @@ pub async fn messages_without_an_id_or_with_a_bad_payload_are_dead_lettered<B: T
 
 /// The wallet's handler, except that account 666 is always locked: a transient failure.
 #[derive(Clone)]
-struct FailingAccount(Credit);
+struct FailingAccount<H>(H);
 
 const LOCKED: i64 = 666;
 
 #[async_trait]
-impl Handler<PgTx> for FailingAccount {
-    async fn handle(&self, tx: &mut PgTx, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
+impl<T: Send, H: Handler<T>> Handler<T> for FailingAccount<H> {
+    async fn handle(&self, tx: &mut T, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
         let event: CreditEvent = m.json()?;
         if event.account_id == LOCKED {
             return Err(HandlerError::transient("account 666 is locked"));
@@ -349,8 +356,10 @@ impl Handler<PgTx> for FailingAccount {
 
 /// A message whose handler keeps failing is retried up to the budget, then dead-lettered; the
 /// messages around it are applied.
-pub async fn a_failing_handler_is_retried_then_dead_lettered<B: TestBroker>(broker: &B) {
-    let (db, queue) = setup(broker, "retry").await;
+pub async fn a_failing_handler_is_retried_then_dead_lettered<B: TestBroker, D: TestStore>(
+    broker: &B,
+) {
+    let (db, queue) = setup::<B, D>(broker, "retry").await;
     let mut expected = 0;
     for i in 0..10 {
         if i == 4 {
@@ -359,7 +368,7 @@ pub async fn a_failing_handler_is_retried_then_dead_lettered<B: TestBroker>(brok
         send_credit(&queue, 1 + i % 4, i + 1).await;
         expected += i + 1;
     }
-    let handler = FailingAccount(Credit::new(db.pool.clone()));
+    let handler = FailingAccount(Credit::new(db.ledger().clone()));
     let mut totals = Totals::default();
     drain(
         &queue,
@@ -375,7 +384,7 @@ pub async fn a_failing_handler_is_retried_then_dead_lettered<B: TestBroker>(brok
     .await;
 
     let dead = queue.dead_letters().await;
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(db.ledger()).await.expect("summary");
     let left = left(&queue).await;
     println!("retry budget: {totals:?}, dead letters {dead:?}, {summary:?}, left {left}");
     assert_eq!(dead.len(), 1);
@@ -397,10 +406,11 @@ pub async fn a_failing_handler_is_retried_then_dead_lettered<B: TestBroker>(brok
 /// at every crash, and would park those too.)
 pub async fn a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_count<
     B: TestBroker,
+    D: TestStore,
 >(
     broker: &B,
 ) {
-    let (db, queue) = setup(broker, "poison").await;
+    let (db, queue) = setup::<B, D>(broker, "poison").await;
     let claims = source(&queue, "c1").await.claims();
     if !claims.delivery_count() {
         println!(
@@ -415,7 +425,7 @@ pub async fn a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_
     let mut after_sent = false;
 
     let limit = 3;
-    let handler = Credit::new(db.pool.clone());
+    let handler = Credit::new(db.ledger().clone());
     let mut totals = Totals::default();
     let mut crashes = 0;
     let start = Instant::now();
@@ -446,7 +456,7 @@ pub async fn a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_
     }
 
     let dead = queue.dead_letters().await;
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(db.ledger()).await.expect("summary");
     let left = left(&queue).await;
     println!(
         "poison: {crashes} crashes, {totals:?}, dead letters {dead:?}, {summary:?}, left {left}"
@@ -460,7 +470,7 @@ pub async fn a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_
     );
     assert_eq!((summary.ledger_rows, summary.distinct_events), (2, 2));
     assert_eq!(
-        wallet::balance(&db.pool, 1).await,
+        wallet::balance(db.ledger(), 1).await,
         3,
         "the poison credit was never applied"
     );
@@ -470,13 +480,13 @@ pub async fn a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_
 
 /// 250 messages in batches of 50 over 4 lanes: each applied once, in far fewer transactions
 /// than messages, and nothing left on the broker.
-pub async fn batches_over_lanes_apply_everything_once<B: TestBroker>(broker: &B) {
-    let (db, queue) = setup(broker, "batches").await;
+pub async fn batches_over_lanes_apply_everything_once<B: TestBroker, D: TestStore>(broker: &B) {
+    let (db, queue) = setup::<B, D>(broker, "batches").await;
     let events = 250;
     for i in 0..events {
         send_credit(&queue, 1 + i % 5, 1).await;
     }
-    let handler = Credit::new(db.pool.clone());
+    let handler = Credit::new(db.ledger().clone());
     let mut totals = Totals::default();
     drain(
         &queue,
@@ -492,7 +502,7 @@ pub async fn batches_over_lanes_apply_everything_once<B: TestBroker>(broker: &B)
     )
     .await;
 
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(db.ledger()).await.expect("summary");
     let left = left(&queue).await;
     println!("batches: {totals:?}, {summary:?}, left {left}");
     assert_eq!(

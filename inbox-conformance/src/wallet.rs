@@ -43,75 +43,65 @@ pub fn publish_credit(broker: &inbox_testkit::MemoryBroker, id: &str, account: i
     broker.publish(Some(id), CreditEvent::new(account, amount).to_json());
 }
 
-/// Creates `accounts`, `ledger` and `wallet_stalls` in the connection's schema if missing.
-pub async fn install(pool: &PgPool) -> Result<(), sqlx::Error> {
-    for statement in [
-        "CREATE TABLE IF NOT EXISTS accounts (
-            id bigint PRIMARY KEY,
-            balance bigint NOT NULL DEFAULT 0)",
-        // No unique constraint on event_id: a duplicate credit must show up as a second row.
-        "CREATE TABLE IF NOT EXISTS ledger (
-            id bigserial PRIMARY KEY,
-            event_id text NOT NULL,
-            account_id bigint NOT NULL,
-            amount bigint NOT NULL,
-            applied_at timestamptz NOT NULL DEFAULT clock_timestamp())",
-        "CREATE TABLE IF NOT EXISTS wallet_stalls (event_id text PRIMARY KEY)",
-    ] {
-        sqlx::query(statement).execute(pool).await?;
-    }
-    Ok(())
-}
+/// The wallet's tables in one SQL dialect, reached through a pool: [`PgPool`] here, and
+/// `MySqlPool` in [`mysql_wallet`](crate::mysql_wallet) (feature `mysql`). What the scenarios
+/// read and write goes through it, so the suite runs on either store.
+#[async_trait]
+pub trait Ledger: Clone + Send + Sync + 'static {
+    /// The inbox transaction a credit is written in.
+    type Tx: Send;
 
-/// The credit handler: adds the amount to the balance and writes a ledger row, both through the
-/// inbox transaction.
-#[derive(Debug, Clone)]
-pub struct Credit {
-    pool: PgPool,
-    work: Duration,
-    stall: Duration,
-}
+    /// Creates `accounts`, `ledger` and `wallet_stalls` if missing. No unique key on the
+    /// ledger's event ID: a duplicate credit must show up as a second row.
+    async fn install(&self) -> Result<(), sqlx::Error>;
 
-impl Credit {
-    /// A handler writing to the wallet tables reachable through `pool`'s schema.
-    pub fn new(pool: PgPool) -> Self {
-        Self {
-            pool,
-            work: Duration::ZERO,
-            stall: Duration::ZERO,
-        }
-    }
+    /// Adds `event`'s amount to its account and writes its ledger row, in `tx`.
+    async fn credit(
+        tx: &mut Self::Tx,
+        id: &MessageId,
+        event: &CreditEvent,
+    ) -> Result<(), sqlx::Error>;
 
-    /// Sleeps `work` per message, standing in for real work.
-    pub fn work(mut self, work: Duration) -> Self {
-        self.work = work;
-        self
-    }
+    /// Notes that `id` is being handled, outside any transaction: `true` the first time across
+    /// all processes, `false` afterwards. Stalling handlers use it to stall once per event.
+    async fn first_handling(&self, id: &MessageId) -> Result<bool, sqlx::Error>;
 
-    /// An event with `stall: true` sleeps `stall` on its first handling by any process (recorded
-    /// in `wallet_stalls` outside the transaction), so a zombie test can make a consumer lose
-    /// ownership mid-handler exactly once per such event.
-    pub fn stall(mut self, stall: Duration) -> Self {
-        self.stall = stall;
-        self
-    }
+    /// Reads the ledger.
+    async fn summary(&self) -> Result<Summary, sqlx::Error>;
+
+    /// Every account's balance, by id.
+    async fn balances(&self) -> Result<Vec<(i64, i64)>, sqlx::Error>;
+
+    /// Ledger rows of `id`.
+    async fn rows_of(&self, id: &MessageId) -> Result<i64, sqlx::Error>;
+
+    /// Stalls started: the events [`first_handling`](Ledger::first_handling) said `true` to.
+    async fn stalls(&self) -> Result<i64, sqlx::Error>;
 }
 
 #[async_trait]
-impl Handler<PgTx> for Credit {
-    async fn handle(
-        &self,
-        tx: &mut PgTx,
-        id: &MessageId,
-        message: &Message,
-    ) -> Result<(), HandlerError> {
-        let event: CreditEvent = message.json()?;
-        if !self.work.is_zero() {
-            tokio::time::sleep(self.work).await;
+impl Ledger for PgPool {
+    type Tx = PgTx;
+
+    async fn install(&self) -> Result<(), sqlx::Error> {
+        for statement in [
+            "CREATE TABLE IF NOT EXISTS accounts (
+                id bigint PRIMARY KEY,
+                balance bigint NOT NULL DEFAULT 0)",
+            "CREATE TABLE IF NOT EXISTS ledger (
+                id bigserial PRIMARY KEY,
+                event_id text NOT NULL,
+                account_id bigint NOT NULL,
+                amount bigint NOT NULL,
+                applied_at timestamptz NOT NULL DEFAULT clock_timestamp())",
+            "CREATE TABLE IF NOT EXISTS wallet_stalls (event_id text PRIMARY KEY)",
+        ] {
+            sqlx::query(statement).execute(self).await?;
         }
-        if event.stall && !self.stall.is_zero() && first_handling(&self.pool, id).await? {
-            tokio::time::sleep(self.stall).await;
-        }
+        Ok(())
+    }
+
+    async fn credit(tx: &mut PgTx, id: &MessageId, event: &CreditEvent) -> Result<(), sqlx::Error> {
         sqlx::query(
             "INSERT INTO accounts (id, balance) VALUES ($1, $2)
              ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
@@ -126,6 +116,116 @@ impl Handler<PgTx> for Credit {
             .bind(event.amount)
             .execute(&mut **tx)
             .await?;
+        Ok(())
+    }
+
+    async fn first_handling(&self, id: &MessageId) -> Result<bool, sqlx::Error> {
+        let inserted =
+            sqlx::query("INSERT INTO wallet_stalls (event_id) VALUES ($1) ON CONFLICT DO NOTHING")
+                .bind(id.as_str())
+                .execute(self)
+                .await?
+                .rows_affected();
+        Ok(inserted == 1)
+    }
+
+    async fn summary(&self) -> Result<Summary, sqlx::Error> {
+        let (ledger_rows, distinct_events): (i64, i64) =
+            sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM ledger")
+                .fetch_one(self)
+                .await?;
+        let (balances_exact, total_balance): (bool, i64) = sqlx::query_as(
+            "SELECT coalesce(bool_and(a.balance = coalesce(l.total, 0)), true),
+                    coalesce(sum(a.balance), 0)::bigint
+             FROM accounts a
+             LEFT JOIN (SELECT account_id, sum(amount) AS total FROM ledger GROUP BY account_id) l
+               ON l.account_id = a.id",
+        )
+        .fetch_one(self)
+        .await?;
+        Ok(Summary {
+            ledger_rows,
+            distinct_events,
+            balances_exact,
+            total_balance,
+        })
+    }
+
+    async fn balances(&self) -> Result<Vec<(i64, i64)>, sqlx::Error> {
+        sqlx::query_as("SELECT id, balance FROM accounts ORDER BY id")
+            .fetch_all(self)
+            .await
+    }
+
+    async fn rows_of(&self, id: &MessageId) -> Result<i64, sqlx::Error> {
+        sqlx::query_scalar("SELECT count(*) FROM ledger WHERE event_id = $1")
+            .bind(id.as_str())
+            .fetch_one(self)
+            .await
+    }
+
+    async fn stalls(&self) -> Result<i64, sqlx::Error> {
+        sqlx::query_scalar("SELECT count(*) FROM wallet_stalls")
+            .fetch_one(self)
+            .await
+    }
+}
+
+/// Creates the wallet's tables where `ledger` reaches, if missing.
+pub async fn install<L: Ledger>(ledger: &L) -> Result<(), sqlx::Error> {
+    ledger.install().await
+}
+
+/// The credit handler: adds the amount to the balance and writes a ledger row, both through the
+/// inbox transaction, on the wallet `L` reaches (PostgreSQL's by default).
+#[derive(Debug, Clone)]
+pub struct Credit<L = PgPool> {
+    ledger: L,
+    work: Duration,
+    stall: Duration,
+}
+
+impl<L: Ledger> Credit<L> {
+    /// A handler writing to the wallet tables reachable through `ledger`.
+    pub fn new(ledger: L) -> Self {
+        Self {
+            ledger,
+            work: Duration::ZERO,
+            stall: Duration::ZERO,
+        }
+    }
+
+    /// Sleeps `work` per message, standing in for real work.
+    pub fn work(mut self, work: Duration) -> Self {
+        self.work = work;
+        self
+    }
+
+    /// An event with `stall: true` sleeps `stall` on its first handling by any process (noted
+    /// in `wallet_stalls` outside the transaction), so a zombie test can make a consumer lose
+    /// ownership mid-handler exactly once per such event.
+    pub fn stall(mut self, stall: Duration) -> Self {
+        self.stall = stall;
+        self
+    }
+}
+
+#[async_trait]
+impl<L: Ledger> Handler<L::Tx> for Credit<L> {
+    async fn handle(
+        &self,
+        tx: &mut L::Tx,
+        id: &MessageId,
+        message: &Message,
+    ) -> Result<(), HandlerError> {
+        let event: CreditEvent = message.json()?;
+        if !self.work.is_zero() {
+            tokio::time::sleep(self.work).await;
+        }
+        if event.stall && !self.stall.is_zero() && self.ledger.first_handling(id).await? {
+            tokio::time::sleep(self.stall).await;
+        }
+        L::credit(tx, id, &event).await?;
         Ok(())
     }
 }
@@ -170,18 +270,6 @@ impl BatchHandler<PgTx> for BatchCredit {
     }
 }
 
-/// Records that `id` is being handled, outside any transaction: `true` the first time across
-/// all processes, `false` afterwards. Stalling handlers use it to stall exactly once per event.
-pub async fn first_handling(pool: &PgPool, id: &MessageId) -> Result<bool, sqlx::Error> {
-    let inserted =
-        sqlx::query("INSERT INTO wallet_stalls (event_id) VALUES ($1) ON CONFLICT DO NOTHING")
-            .bind(id.as_str())
-            .execute(pool)
-            .await?
-            .rows_affected();
-    Ok(inserted == 1)
-}
-
 /// What the ledger says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Summary {
@@ -208,40 +296,21 @@ impl Summary {
 }
 
 /// How many distinct events the ledger holds: the events applied so far.
-pub async fn applied(pool: &PgPool) -> i64 {
-    summary(pool).await.map_or(0, |s| s.distinct_events)
+pub async fn applied<L: Ledger>(ledger: &L) -> i64 {
+    ledger.summary().await.map_or(0, |s| s.distinct_events)
 }
 
 /// Reads the ledger.
-pub async fn summary(pool: &PgPool) -> Result<Summary, sqlx::Error> {
-    let (ledger_rows, distinct_events): (i64, i64) =
-        sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM ledger")
-            .fetch_one(pool)
-            .await?;
-    let (balances_exact, total_balance): (bool, i64) = sqlx::query_as(
-        "SELECT coalesce(bool_and(a.balance = coalesce(l.total, 0)), true),
-                coalesce(sum(a.balance), 0)::bigint
-         FROM accounts a
-         LEFT JOIN (SELECT account_id, sum(amount) AS total FROM ledger GROUP BY account_id) l
-           ON l.account_id = a.id",
-    )
-    .fetch_one(pool)
-    .await?;
-    Ok(Summary {
-        ledger_rows,
-        distinct_events,
-        balances_exact,
-        total_balance,
-    })
+pub async fn summary<L: Ledger>(ledger: &L) -> Result<Summary, sqlx::Error> {
+    ledger.summary().await
 }
 
 /// One account's balance (0 when it has none).
-pub async fn balance(pool: &PgPool, account_id: i64) -> i64 {
-    sqlx::query_scalar("SELECT balance FROM accounts WHERE id = $1")
-        .bind(account_id)
-        .fetch_optional(pool)
+pub async fn balance<L: Ledger>(ledger: &L, account_id: i64) -> i64 {
+    ledger
+        .balances()
         .await
         .ok()
-        .flatten()
-        .unwrap_or(0)
+        .and_then(|all| all.into_iter().find(|(id, _)| *id == account_id))
+        .map_or(0, |(_, balance)| balance)
 }

@@ -6,12 +6,11 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::wallet::{self, Credit, CreditEvent};
-use crate::TestDb;
+use crate::wallet::{self, Credit, CreditEvent, Ledger};
+use crate::TestStore;
 use inbox_core::{
     async_trait, Capabilities, Consumer, Delivery, MessageId, MessageSource, SourceError,
 };
-use inbox_postgres::sqlx;
 
 use crate::checked::Checked;
 use crate::scenarios::{drain, finish, ledger_has, left, setup, Totals};
@@ -46,21 +45,6 @@ impl<S: MessageSource> MessageSource for Noting<S> {
     }
 }
 
-async fn stalls(db: &TestDb) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM wallet_stalls")
-        .fetch_one(&db.pool)
-        .await
-        .expect("wallet_stalls")
-}
-
-async fn rows_of(db: &TestDb, id: &MessageId) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM ledger WHERE event_id = $1")
-        .bind(id.as_str())
-        .fetch_one(&db.pool)
-        .await
-        .expect("ledger")
-}
-
 /// Member `zombie` takes a message whose first handling stalls ([`Credit::stall`]) and sits in
 /// its handler, its transaction open, while the broker takes the message away from it
 /// ([`TestQueue::losing_source`], [`TestQueue::take_away`]) and member `b` receives it and the
@@ -68,10 +52,13 @@ async fn rows_of(db: &TestDb, id: &MessageId) -> i64 {
 /// inbox row's primary key); the zombie then commits and acks (or fails to ack: its hold is
 /// gone), and `b` skips its copy. The stalled credit is in the ledger
 /// once, every other message too, and nothing is left on the broker.
-pub async fn a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice<B: TestBroker>(
+pub async fn a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice<
+    B: TestBroker,
+    D: TestStore,
+>(
     broker: &B,
 ) {
-    let (db, queue) = setup(broker, "zombie").await;
+    let (db, queue) = setup::<B, D>(broker, "zombie").await;
     let Some(LosingSource { source, stall }) = queue.losing_source("zombie").await else {
         println!(
             "zombie: skipped: this broker cannot take a message away from a stalled consumer \
@@ -93,7 +80,7 @@ pub async fn a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice<
             .await;
     }
 
-    let handler = Credit::new(db.pool.clone()).stall(stall);
+    let handler = Credit::new(db.ledger().clone()).stall(stall);
     let (stop, stopping) = tokio::sync::oneshot::channel::<()>();
     let zombie = Consumer::new("wallet", Checked::new(source), db.inbox(), handler.clone())
         .batch_size(1)
@@ -106,7 +93,7 @@ pub async fn a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice<
     let start = Instant::now();
     let (mut taken_away, mut handed_over) = (Duration::ZERO, Duration::ZERO);
     let others = async {
-        while stalls(&db).await == 0 {
+        while db.ledger().stalls().await.expect("wallet_stalls") == 0 {
             assert!(
                 start.elapsed() < Duration::from_secs(30),
                 "the zombie never started the stalled message"
@@ -143,8 +130,8 @@ pub async fn a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice<
     // business: what counts is the ledger and what is left.
     let (zombie, ()) = tokio::join!(zombie, others);
 
-    let summary = wallet::summary(&db.pool).await.expect("summary");
-    let stalled_rows = rows_of(&db, &stalled).await;
+    let summary = wallet::summary(db.ledger()).await.expect("summary");
+    let stalled_rows = db.ledger().rows_of(&stalled).await.expect("ledger");
     let left = left(&queue).await;
     println!(
         "zombie: stalled {stall:?}, taken away at {taken_away:?}, handed over and drained by \
@@ -161,7 +148,7 @@ pub async fn a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice<
         (OTHERS + 1, OTHERS + 1)
     );
     assert!(summary.balances_exact);
-    assert_eq!(wallet::balance(&db.pool, 1).await, 1000);
+    assert_eq!(wallet::balance(db.ledger(), 1).await, 1000);
     assert_eq!(left, 0);
     finish(db, queue).await;
 }

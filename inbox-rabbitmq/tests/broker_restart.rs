@@ -6,6 +6,9 @@
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_restart_mid_stream_loses_and_duplicates_nothing() {
     let broker = inbox_conformance::rabbitmq::RabbitMq::default().restarts(true);
-    inbox_conformance::scenarios::a_broker_restarted_mid_stream_loses_and_repeats_nothing(&broker)
-        .await;
+    inbox_conformance::scenarios::a_broker_restarted_mid_stream_loses_and_repeats_nothing::<
+        _,
+        inbox_conformance::TestDb,
+    >(&broker)
+    .await;
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use inbox_conformance::mysql_wallet;
 use inbox_conformance::store::MySqlDb;
-use inbox_conformance::wallet::{self, BatchCredit, Credit, CreditEvent};
+use inbox_conformance::wallet::{BatchCredit, Credit, CreditEvent, Ledger};
 use inbox_conformance::TestDb;
 use inbox_core::{
     async_trait, BatchHandler, BatchItem, BoxError, Consumer, Handler, HandlerError, Inbox,
@@ -59,7 +59,7 @@ impl Handler<PgTx> for Wallet {
     ) -> Result<(), HandlerError> {
         let event: CreditEvent = message.json()?;
         if event.stall && !self.stall.is_zero() {
-            if wallet::first_handling(&self.pool, id).await? {
+            if self.pool.first_handling(id).await? {
                 if let Some(stalled) = &self.watch.stalled {
                     let _ = stalled.send(self.member);
                 }
@@ -178,7 +178,7 @@ pub(crate) async fn run_mysql<S: MessageSource + 'static>(
     db: &MySqlDb,
     shutdown: Shutdown,
 ) -> Result<StatsSnapshot, inbox_core::Error> {
-    let handler = mysql_wallet::Credit::new(db.pool.clone()).work(spec.work);
+    let handler = Credit::new(db.pool.clone()).work(spec.work);
     let consumer = Consumer::new("wallet", source, mysql_wallet::inbox(db), handler);
     finish(consumer, spec, None, shutdown).await
 }

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 
 use inbox_conformance::pg_cluster::{ClusterSettings, PgCluster};
 use inbox_conformance::store::MySqlDb;
-use inbox_conformance::wallet::{self, Summary};
+use inbox_conformance::wallet::{self, Ledger, Summary};
 use inbox_conformance::{mysql_wallet, TestDb};
 use inbox_core::{async_trait, BoxError, StatsSnapshot};
 
@@ -185,13 +185,11 @@ impl WalletDb for TestDb {
     }
 
     async fn summary(&self) -> Result<Summary, BoxError> {
-        Ok(wallet::summary(&self.pool).await?)
+        Ok(self.pool.summary().await?)
     }
 
     async fn balances(&self) -> Result<Vec<(i64, i64)>, BoxError> {
-        Ok(sqlx::query_as("SELECT id, balance FROM accounts")
-            .fetch_all(&self.pool)
-            .await?)
+        Ok(self.pool.balances().await?)
     }
 
     async fn consume(
@@ -219,11 +217,11 @@ impl WalletDb for MySqlDb {
     }
 
     async fn summary(&self) -> Result<Summary, BoxError> {
-        Ok(mysql_wallet::summary(&self.pool).await?)
+        Ok(self.pool.summary().await?)
     }
 
     async fn balances(&self) -> Result<Vec<(i64, i64)>, BoxError> {
-        Ok(mysql_wallet::balances(&self.pool).await?)
+        Ok(self.pool.balances().await?)
     }
 
     async fn consume(
