@@ -164,7 +164,6 @@ fn key_mode_name(mode: KeyMode) -> &'static str {
         KeyMode::Text => "text",
         KeyMode::Uuid => "uuid",
         KeyMode::Hashed => "hashed",
-        _ => "other",
     }
 }
 

@@ -90,6 +90,7 @@ mod redact;
 pub mod replay;
 mod shard;
 mod source;
+pub mod sql;
 mod stats;
 mod store;
 pub mod telemetry;

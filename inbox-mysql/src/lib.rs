@@ -82,9 +82,10 @@ mod table;
 mod tx;
 
 pub use error::{Error, Result, DEADLOCK, LOCK_WAIT_TIMEOUT};
+pub use inbox_core::sql::KeyMode;
 pub use retention::{PurgeReport, DEFAULT_PURGE_BATCH};
 pub use store::MySqlInbox;
-pub use table::{KeyMode, TableName};
+pub use table::TableName;
 pub use tx::MySqlTx;
 
 /// The sqlx this crate is built on: its pool, connection (behind [`MySqlTx`]) and error types

@@ -4,6 +4,7 @@
 use sqlx::{AssertSqlSafe, MySqlConnection};
 
 use crate::error::db;
+use crate::table::column_type;
 use crate::{Error, KeyMode, MySqlInbox, Result};
 
 impl MySqlInbox {
@@ -56,7 +57,7 @@ impl MySqlInbox {
         .fetch_one(&mut *conn)
         .await
         .map_err(db("checking the key type"))?;
-        if !found.eq_ignore_ascii_case(self.key_mode().column_type()) {
+        if !found.eq_ignore_ascii_case(column_type(self.key_mode())) {
             return Err(Error::KeyModeMismatch {
                 table: t.to_string(),
                 found,
@@ -103,7 +104,7 @@ impl MySqlInbox {
 
     fn statements(&self) -> [String; 2] {
         let t = self.table();
-        let key = self.key_mode().column_type();
+        let key = column_type(self.key_mode());
         let primary_key = match self.key_mode() {
             KeyMode::Hashed => "message_id",
             KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",

@@ -4,12 +4,12 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use inbox_core::sql::hashed_key;
 use inbox_core::{async_trait, InboxStore, InvalidId, MessageId, Recovery, StoreError};
 use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool};
 use uuid::Uuid;
 
 use crate::error::{db, number, store_err, DUPLICATE_KEY};
-use crate::table::hashed_key;
 use crate::tx::begin_sql;
 use crate::{Error, KeyMode, MySqlTx, Result, TableName};
 
@@ -86,7 +86,11 @@ impl MySqlInbox {
         self
     }
 
-    /// Keeps IDs as `mode` says.
+    /// Keeps IDs as `mode` says: [`KeyMode::Text`] in a `varbinary(1024)` column, compared
+    /// byte for byte (binary, not `varchar`: a `varchar` collation would make `evt-1` and
+    /// `EVT-1`, and with `PAD SPACE` `evt-1 `, the same ID); [`KeyMode::Uuid`] and
+    /// [`KeyMode::Hashed`] in a `binary(16)` column, hashed keys being those the PostgreSQL store
+    /// computes.
     pub fn with_key_mode(mut self, mode: KeyMode) -> Self {
         self.mode = mode;
         self

@@ -1,10 +1,10 @@
-//! [`TableName`] and [`KeyMode`]: where the inbox lives and how it keeps message IDs.
+//! [`TableName`]: where the inbox lives, and the column type of each [`KeyMode`].
 
 use std::fmt;
 
-use sha2::{Digest, Sha256};
+use inbox_core::sql::is_plain_identifier;
 
-use crate::{Error, Result};
+use crate::{Error, KeyMode, Result};
 
 /// MySQL's limit for identifiers, in bytes (characters, for the plain ASCII names accepted).
 const MAX_IDENTIFIER: usize = 64;
@@ -41,7 +41,7 @@ impl TableName {
     /// As [`TableName::new`], and [`Error::InvalidIdentifier`] for a database name that is not
     /// a plain SQL identifier of at most 64 bytes.
     pub fn qualified(database: &str, table: &str) -> Result<Self> {
-        if !plain(database) || database.len() > MAX_IDENTIFIER {
+        if !is_plain_identifier(database) || database.len() > MAX_IDENTIFIER {
             return Err(Error::InvalidIdentifier {
                 what: "database",
                 name: database.to_owned(),
@@ -90,7 +90,7 @@ impl fmt::Display for TableName {
 }
 
 fn table_identifier(name: &str) -> Result<String> {
-    if !plain(name) || name.len() > MAX_IDENTIFIER {
+    if !is_plain_identifier(name) || name.len() > MAX_IDENTIFIER {
         return Err(Error::InvalidIdentifier {
             what: "table",
             name: name.to_owned(),
@@ -104,56 +104,13 @@ fn table_identifier(name: &str) -> Result<String> {
     Ok(name.to_owned())
 }
 
-/// A letter or `_`, then letters, digits or `_`.
-fn plain(name: &str) -> bool {
-    let mut chars = name.chars();
-    chars
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
-}
-
-/// How message IDs are kept.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum KeyMode {
-    /// The ID verbatim in a `varbinary(1024)` column, compared byte for byte: any ID the core
-    /// accepts (at most 1024 bytes), at the price of its length per row and in the primary key.
-    /// Binary, not `varchar`: a `varchar` collation would make `evt-1` and `EVT-1` (and, with
-    /// `PAD SPACE`, `evt-1 `) the same ID.
-    #[default]
-    Text,
-    /// The ID parsed as a UUID into a `binary(16)` column. IDs that are not UUIDs are refused
-    /// (and dead-lettered). UUIDv7 IDs keep the primary key append-only.
-    Uuid,
-    /// Any ID, kept as 16 bytes in a `binary(16)` column: the first 128 bits of SHA-256 over the
-    /// consumer name, a zero byte and the ID (the same key the PostgreSQL store computes). Two
-    /// different IDs collide with probability about n²/2¹²⁹ among n remembered IDs, and a
-    /// collision can only make a message be skipped as a duplicate. The original ID is not
-    /// stored. The keys are random, so inserts land all over the primary key.
-    Hashed,
-}
-
-impl KeyMode {
-    /// The column type, as `information_schema.COLUMNS.COLUMN_TYPE` spells it.
-    pub(crate) fn column_type(self) -> &'static str {
-        match self {
-            KeyMode::Text => "varbinary(1024)",
-            KeyMode::Uuid | KeyMode::Hashed => "binary(16)",
-        }
+/// The column type of message keys in `mode`, as `information_schema.COLUMNS.COLUMN_TYPE`
+/// spells it.
+pub(crate) fn column_type(mode: KeyMode) -> &'static str {
+    match mode {
+        KeyMode::Text => "varbinary(1024)",
+        KeyMode::Uuid | KeyMode::Hashed => "binary(16)",
     }
-}
-
-/// The key of `id` for `consumer` in hashed mode.
-pub(crate) fn hashed_key(consumer: &str, id: &str) -> [u8; 16] {
-    let mut hasher = Sha256::new();
-    hasher.update(consumer.as_bytes());
-    hasher.update([0u8]);
-    hasher.update(id.as_bytes());
-    let digest = hasher.finalize();
-    let mut bytes = [0u8; 16];
-    bytes.copy_from_slice(&digest[..16]);
-    bytes
 }
 
 #[cfg(test)]
@@ -192,13 +149,5 @@ mod tests {
             TableName::new("t").expect("valid").consumers(),
             "`t_consumers`"
         );
-    }
-
-    #[test]
-    fn hashed_keys_depend_on_consumer_and_id() {
-        assert_eq!(hashed_key("c", "id"), hashed_key("c", "id"));
-        assert_ne!(hashed_key("c", "id"), hashed_key("d", "id"));
-        assert_ne!(hashed_key("c", "id"), hashed_key("c", "id "));
-        assert_ne!(hashed_key("ab", "c"), hashed_key("a", "bc"));
     }
 }

@@ -4,13 +4,14 @@
 use std::time::Duration;
 
 use inbox_core::effect::{Acquired, Attempt, Lease, LeaseStore, Release};
+use inbox_core::sql::hashed_key;
 use inbox_core::{async_trait, InboxStore, InvalidId, MessageId, Recovery, StoreError};
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
 use crate::error::{db, store_err};
 use crate::migration::Migration;
-use crate::table::hashed_key;
+use crate::table::column_type;
 use crate::{KeyMode, PgInbox, PgTx, Result, TableName};
 
 /// The SQLSTATE the done mark raises when a token is fenced out.
@@ -150,7 +151,7 @@ impl PgLeases {
         self.inbox.migrate().await?;
         let t = &self.table;
         let mode = self.inbox.key_mode();
-        let key = mode.column_type();
+        let key = column_type(mode);
         let primary_key = match mode {
             KeyMode::Hashed => "message_id",
             KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
@@ -222,14 +223,14 @@ impl PgLeases {
             KeyMode::Uuid => parse_uuid(id)
                 .map_err(|e| StoreError::new(Recovery::Fatal, "keying the message", e))?
                 .to_string(),
-            KeyMode::Hashed => hashed_key(consumer, id.as_str()).to_string(),
+            KeyMode::Hashed => Uuid::from_bytes(hashed_key(consumer, id.as_str())).to_string(),
             KeyMode::Text => id.as_str().to_owned(),
         })
     }
 
     /// `message_id = $1 AND consumer_id = $2`, with the key cast to the column type.
     fn row(&self) -> String {
-        let key = self.inbox.key_mode().column_type();
+        let key = column_type(self.inbox.key_mode());
         format!("message_id = $1::text::{key} AND consumer_id = $2")
     }
 
@@ -326,7 +327,7 @@ impl LeaseStore for PgLeases {
              WHERE e.done_at IS NULL AND e.locked_until <= now()
              RETURNING token, clean_token, attempts,
                        greatest(extract(epoch FROM now() - first_leased_at), 0)::float8",
-            k = self.inbox.key_mode().column_type()
+            k = column_type(self.inbox.key_mode())
         );
         // A row found neither leasable nor there (purged between the two statements) is
         // looked at again; a done row is the only kind a purge removes, so this ends.

@@ -67,6 +67,7 @@ mod table;
 mod tx;
 
 pub use error::{Error, Result};
+pub use inbox_core::sql::KeyMode;
 pub use lease::{PgLeases, DEFAULT_LEASE_LOCK_TIMEOUT};
 pub use outbox::{
     spawn_outbox_purger, Outbox, OUTBOX_ERRORS_COUNTER, OUTBOX_OLDEST_UNSENT_GAUGE,
@@ -78,7 +79,7 @@ pub use retention::{
     spawn_purger, ConsumerWindow, PurgeReport, Storage, DEFAULT_PURGE_BATCH, OLDEST_AGE_GAUGE,
 };
 pub use store::PgInbox;
-pub use table::{KeyMode, TableName};
+pub use table::TableName;
 pub use tx::PgTx;
 
 /// The sqlx this crate is built on: its pool, connection (behind [`PgTx`]) and error types are the

@@ -5,6 +5,7 @@ use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 
 use crate::error::db;
 use crate::partition::{name_prefix, qualify};
+use crate::table::column_type;
 use crate::{Error, KeyMode, PgInbox, Result, TableName};
 
 impl PgInbox {
@@ -90,7 +91,7 @@ impl PgInbox {
             let [table, _] = self.partitioned_table_statements(&t.to_string(), t.table());
             return table;
         }
-        let key = self.key_mode().column_type();
+        let key = column_type(self.key_mode());
         let primary_key = match self.key_mode() {
             KeyMode::Hashed => "message_id",
             KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
@@ -171,7 +172,7 @@ impl Migration {
         .fetch_one(&mut *self.tx)
         .await
         .map_err(db("checking the key type"))?;
-        if found != mode.column_type() {
+        if found != column_type(mode) {
             return Err(Error::KeyModeMismatch {
                 table: table.to_string(),
                 found,

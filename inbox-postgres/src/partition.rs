@@ -3,6 +3,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use inbox_core::sql::hashed_key;
 use sha2::{Digest, Sha256};
 use sqlx::PgConnection;
 use uuid::Uuid;
@@ -277,11 +278,7 @@ pub(crate) enum Bound {
 /// The key of `id` for `consumer` in hashed mode on the partitioned layout: the UUIDv7 time first
 /// when `id` is a UUIDv7, else two zero bytes (see the module docs).
 pub(crate) fn hashed_key_with_time(consumer: &str, id: &str) -> Uuid {
-    let mut hasher = Sha256::new();
-    hasher.update(consumer.as_bytes());
-    hasher.update([0u8]);
-    hasher.update(id.as_bytes());
-    let digest = hasher.finalize();
+    let hashed = hashed_key(consumer, id);
     let mut bytes = [0u8; 16];
     match Uuid::parse_str(id)
         .ok()
@@ -289,9 +286,9 @@ pub(crate) fn hashed_key_with_time(consumer: &str, id: &str) -> Uuid {
     {
         Some(v7) => {
             bytes[..6].copy_from_slice(&v7.as_bytes()[..6]);
-            bytes[6..].copy_from_slice(&digest[..10]);
+            bytes[6..].copy_from_slice(&hashed[..10]);
         }
-        None => bytes[2..].copy_from_slice(&digest[..14]),
+        None => bytes[2..].copy_from_slice(&hashed[..14]),
     }
     Uuid::from_bytes(bytes)
 }

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use inbox_core::sql::hashed_key;
 use inbox_core::{async_trait, InboxStore, InvalidId, MessageId, StoreError};
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
@@ -12,7 +13,6 @@ use uuid::Uuid;
 use crate::error::{db, store_err};
 use crate::migration::Migration;
 use crate::partition::{hashed_key_with_time, is_partitioned, qualify};
-use crate::table::hashed_key;
 use crate::{KeyMode, Partitions, PgTx, Result, TableName};
 
 /// The transactional inbox on PostgreSQL.
@@ -94,7 +94,9 @@ impl PgInbox {
         self
     }
 
-    /// Keeps IDs as `mode` says.
+    /// Keeps IDs as `mode` says: [`KeyMode::Text`] in a `text` column, [`KeyMode::Uuid`] and
+    /// [`KeyMode::Hashed`] in a `uuid` column. On the partitioned layout a hashed key of a
+    /// UUIDv7 ID starts with the ID's time instead (see [`Partitions`]).
     pub fn with_key_mode(mut self, mode: KeyMode) -> Self {
         self.mode = mode;
         self
@@ -323,7 +325,7 @@ impl PgInbox {
             ),
             KeyMode::Hashed => Keys::Uuid(
                 ids.iter()
-                    .map(|id| hashed_key(consumer, id.as_str()))
+                    .map(|id| Uuid::from_bytes(hashed_key(consumer, id.as_str())))
                     .collect(),
             ),
         })

@@ -2,10 +2,9 @@
 
 use std::fmt;
 
-use sha2::{Digest, Sha256};
-use uuid::Uuid;
+use inbox_core::sql::is_plain_identifier;
 
-use crate::{Error, Result};
+use crate::{Error, KeyMode, Result};
 
 /// A schema-qualified table name whose parts are plain SQL identifiers, so they can be quoted
 /// into SQL text without any risk of injection.
@@ -116,7 +115,7 @@ impl fmt::Display for TableName {
 
 /// `name` as a table name: a plain identifier short enough for every name derived from it.
 fn table_identifier(name: &str) -> Result<String> {
-    if !plain(name) {
+    if !is_plain_identifier(name) {
         return Err(Error::InvalidIdentifier {
             what: "table",
             name: name.to_owned(),
@@ -134,7 +133,7 @@ fn table_identifier(name: &str) -> Result<String> {
 }
 
 fn identifier(what: &'static str, name: &str) -> Result<String> {
-    if plain(name) && name.len() <= MAX_IDENTIFIER {
+    if is_plain_identifier(name) && name.len() <= MAX_IDENTIFIER {
         Ok(name.to_owned())
     } else {
         Err(Error::InvalidIdentifier {
@@ -144,55 +143,12 @@ fn identifier(what: &'static str, name: &str) -> Result<String> {
     }
 }
 
-/// A letter or `_`, then letters, digits or `_`.
-fn plain(name: &str) -> bool {
-    let mut chars = name.chars();
-    chars
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
-}
-
-/// How message IDs are kept.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum KeyMode {
-    /// The ID verbatim in a `text` column: any ID, at the price of its length per row and in
-    /// the index.
-    #[default]
-    Text,
-    /// The ID parsed as a UUID into a 16-byte `uuid` column. IDs that are not UUIDs are refused
-    /// (and dead-lettered). UUIDv7 IDs (what this project's producer helpers send) keep the index
-    /// append-only.
-    Uuid,
-    /// Any text ID, kept as 16 bytes: the first 128 bits of SHA-256 over the consumer name, a
-    /// zero byte and the ID, in a `uuid` column. Two different IDs collide with probability about
-    /// n²/2¹²⁹ among n remembered IDs (below 10⁻²² at 190 million), and a collision can only make
-    /// a message be skipped as a duplicate. The original ID is not stored. On the partitioned
-    /// layout the key of a UUIDv7 ID starts with the ID's time instead (see
-    /// [`Partitions`](crate::Partitions)).
-    Hashed,
-}
-
-impl KeyMode {
-    pub(crate) fn column_type(self) -> &'static str {
-        match self {
-            KeyMode::Text => "text",
-            KeyMode::Uuid | KeyMode::Hashed => "uuid",
-        }
+/// The column type of message keys in `mode`.
+pub(crate) fn column_type(mode: KeyMode) -> &'static str {
+    match mode {
+        KeyMode::Text => "text",
+        KeyMode::Uuid | KeyMode::Hashed => "uuid",
     }
-}
-
-/// The key of `id` for `consumer` in hashed mode.
-pub(crate) fn hashed_key(consumer: &str, id: &str) -> Uuid {
-    let mut hasher = Sha256::new();
-    hasher.update(consumer.as_bytes());
-    hasher.update([0u8]);
-    hasher.update(id.as_bytes());
-    let digest = hasher.finalize();
-    let mut bytes = [0u8; 16];
-    bytes.copy_from_slice(&digest[..16]);
-    Uuid::from_bytes(bytes)
 }
 
 #[cfg(test)]
@@ -236,14 +192,5 @@ mod tests {
         let longest = DERIVED_SUFFIXES.iter().map(|s| s.len()).max();
         assert_eq!(longest, Some(DERIVED_SUFFIXES[0].len()));
         assert_eq!(TableName::MAX_LEN, 53);
-    }
-
-    #[test]
-    fn hashed_keys_depend_on_consumer_and_id() {
-        assert_eq!(hashed_key("c", "id"), hashed_key("c", "id"));
-        assert_ne!(hashed_key("c", "id"), hashed_key("d", "id"));
-        assert_ne!(hashed_key("c", "id"), hashed_key("c", "id "));
-        // The separator keeps ("ab", "c") and ("a", "bc") apart.
-        assert_ne!(hashed_key("ab", "c"), hashed_key("a", "bc"));
     }
 }

@@ -11,6 +11,7 @@ use super::{
     Partitions, MAX_MS, MINUTE_MS,
 };
 use crate::error::db;
+use crate::table::column_type;
 use crate::{KeyMode, PgInbox, Result};
 
 impl PgInbox {
@@ -385,7 +386,7 @@ impl PgInbox {
         qualified: &str,
         index_base: &str,
     ) -> [String; 2] {
-        let key = self.key_mode().column_type();
+        let key = column_type(self.key_mode());
         let primary_key = match self.key_mode() {
             KeyMode::Hashed => "message_id",
             KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
