@@ -485,7 +485,8 @@ where
     /// ([`Metadata::lane`](crate::Metadata::lane)), applied in the order received, and a lane has
     /// one chunk out at a time, so each lane keeps its order. When everything received belongs
     /// to busy lanes (librdkafka hands out one partition's records in runs), a free lane reads
-    /// ahead, holding up to 1,024 messages per lane, until a message it can take arrives.
+    /// ahead, holding up to 8,192 messages per lane (65,536 in all), until a message it can
+    /// take arrives.
     ///
     /// On a source without lanes (a RabbitMQ queue, a Redis stream, an SQS standard queue) every
     /// free slot takes the next chunk: `n` is how many transactions run at once, and messages

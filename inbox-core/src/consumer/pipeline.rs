@@ -11,8 +11,12 @@ use super::stop::{Phase, Stop};
 use super::{Consumer, Step};
 use crate::{ConsumerState, Error, MessageSource, Result, StatsSnapshot};
 
-/// How far a free lane reads ahead for a message it can take, per lane (see `read_ahead`).
-const READ_AHEAD_PER_LANE: usize = 1024;
+/// How far a free lane reads ahead for a message it can take, per lane (see `read_ahead`):
+/// past a run of about 1 MiB of small records, what librdkafka fetches of one partition at a
+/// time by default (`max.partition.fetch.bytes`).
+const READ_AHEAD_PER_LANE: usize = 8192;
+/// How many messages reading ahead holds at most, whatever the number of lanes.
+const READ_AHEAD_MAX: usize = 65_536;
 
 // `Step` is the crate's own: see the `impl` in the parent module.
 #[allow(private_bounds)]
@@ -46,7 +50,11 @@ where
         // records in runs): a free slot then reads ahead, up to this many held messages, until
         // a lane it can take arrives.
         let read_ahead = if ordered && lanes > 1 {
-            capacity.max(lanes.saturating_mul(READ_AHEAD_PER_LANE))
+            capacity.max(
+                lanes
+                    .saturating_mul(READ_AHEAD_PER_LANE)
+                    .min(READ_AHEAD_MAX),
+            )
         } else {
             capacity
         };
