@@ -32,7 +32,7 @@ pub(crate) async fn run(command: DeadLettersCommand) -> Result<Vec<String>, CliE
 
 async fn list(args: DeadLettersList) -> Result<Vec<String>, CliError> {
     // One pass: on RabbitMQ each reading counts as a delivery of every message.
-    let mut letters = open(&args.from).await?;
+    let (mut letters, _) = open(&args.from, false).await?;
     let name = letters.name().to_owned();
     let mut summary = Summary::default();
     let mut each = Vec::new();
@@ -118,7 +118,7 @@ async fn list(args: DeadLettersList) -> Result<Vec<String>, CliError> {
 }
 
 async fn show(args: DeadLettersShow) -> Result<Vec<String>, CliError> {
-    let mut letters = open(&args.from).await?;
+    let (mut letters, _) = open(&args.from, false).await?;
     let name = letters.name().to_owned();
     let Some(letter) = replay::find(&mut *letters, &args.position).await? else {
         return Err(CliError::Refused(format!(
@@ -145,8 +145,8 @@ async fn replay(args: DeadLettersReplay) -> Result<Vec<String>, CliError> {
     if let Some(until) = args.until {
         selection = selection.until(until);
     }
-    let mut letters = open(&args.from).await?;
-    let publisher = publisher(&args.from).await?;
+    let (mut letters, publisher) = open(&args.from, true).await?;
+    let publisher = publisher.expect("opened for a replay");
     let name = letters.name().to_owned();
     let progress = Progress::start(REPLAY, None, false, args.json);
     let counter = progress.counter();
@@ -269,13 +269,6 @@ fn id_field(from: &DeadLetterSource) -> Option<&str> {
     from.id_field.as_deref().filter(|f| !f.is_empty())
 }
 
-/// A missing address, named with its flag and variable.
-fn missing(what: &str, flag: &str, var: &str) -> CliError {
-    CliError::Refused(format!(
-        "no {what} to connect to: pass --{flag} or set {var}"
-    ))
-}
-
 /// A broker this build has no adapter for.
 #[allow(dead_code)] // used only when a broker's feature is off
 fn not_built(broker: Broker) -> CliError {
@@ -286,108 +279,100 @@ fn not_built(broker: Broker) -> CliError {
     ))
 }
 
-/// The reader of the dead-letter destination `from` names.
-async fn open(from: &DeadLetterSource) -> Result<Box<dyn DeadLetters>, CliError> {
+/// A dead-letter destination's reader and, for a replay, the producer that publishes back to
+/// the sources.
+type Opened = (Box<dyn DeadLetters>, Option<Box<dyn Publish>>);
+
+/// The reader of the dead-letter destination `from` names and, when `replay`, the producer:
+/// both reach the broker at one address and read the message ID from one field.
+async fn open(from: &DeadLetterSource, replay: bool) -> Result<Opened, CliError> {
+    let field = id_field(from);
     match from.broker {
         #[cfg(feature = "kafka")]
         Broker::Kafka => {
-            let brokers = from
-                .kafka_brokers
-                .clone()
-                .ok_or_else(|| missing("Kafka brokers", "kafka-brokers", "KAFKA_BROKERS"))?;
-            let mut builder = inbox_kafka::KafkaDeadLetters::builder(&from.from)
-                .brokers(brokers)
+            let brokers = required(
+                &from.kafka_brokers,
+                "Kafka brokers",
+                "kafka-brokers",
+                "KAFKA_BROKERS",
+            )?;
+            let mut reader = inbox_kafka::KafkaDeadLetters::builder(&from.from)
+                .brokers(brokers.clone())
                 .group(&from.kafka_group);
-            if let Some(field) = id_field(from) {
-                builder = builder.id_header(field);
+            let mut producer = inbox_kafka::KafkaProducer::builder().brokers(brokers);
+            if let Some(field) = field {
+                reader = reader.id_header(field);
+                producer = producer.id_header(field);
             }
-            Ok(Box::new(builder.connect().await.map_err(broker_error)?))
+            connect(reader.connect(), replay.then(|| producer.connect())).await
         }
         #[cfg(feature = "sqs")]
         Broker::Sqs => {
-            let mut builder =
-                inbox_sqs::SqsDeadLetters::builder(&from.from).client(sqs_client(from).await);
-            if let Some(field) = id_field(from) {
-                builder = builder.id_attribute(field);
+            let client = sqs_client(from).await;
+            let mut reader = inbox_sqs::SqsDeadLetters::builder(&from.from).client(client.clone());
+            let mut producer = inbox_sqs::SqsProducer::builder().client(client);
+            if let Some(field) = field {
+                reader = reader.id_attribute(field);
+                producer = producer.id_attribute(field);
             }
-            Ok(Box::new(builder.connect().await.map_err(broker_error)?))
+            connect(reader.connect(), replay.then(|| producer.connect())).await
         }
         #[cfg(feature = "rabbitmq")]
         Broker::Rabbitmq => {
-            let url = from
-                .amqp_url
-                .clone()
-                .ok_or_else(|| missing("RabbitMQ broker", "amqp-url", "AMQP_URL"))?;
-            let mut builder = inbox_rabbitmq::RabbitDeadLetters::builder(&from.from).url(url);
-            if let Some(field) = id_field(from) {
-                builder = builder.id_header(field);
+            let url = required(&from.amqp_url, "RabbitMQ broker", "amqp-url", "AMQP_URL")?;
+            let mut reader =
+                inbox_rabbitmq::RabbitDeadLetters::builder(&from.from).url(url.clone());
+            if let Some(field) = field {
+                reader = reader.id_header(field);
             }
-            Ok(Box::new(builder.connect().await.map_err(broker_error)?))
+            let producer = inbox_rabbitmq::RabbitProducer::builder().url(url);
+            connect(reader.connect(), replay.then(|| producer.connect())).await
         }
         #[cfg(feature = "redis")]
         Broker::Redis => {
-            let url = from
-                .redis_url
-                .clone()
-                .ok_or_else(|| missing("Redis server", "redis-url", "REDIS_URL"))?;
-            let mut builder = inbox_redis_streams::RedisDeadLetters::builder(&from.from).url(url);
-            if let Some(field) = id_field(from) {
-                builder = builder.id_field(field);
+            let url = required(&from.redis_url, "Redis server", "redis-url", "REDIS_URL")?;
+            let mut reader =
+                inbox_redis_streams::RedisDeadLetters::builder(&from.from).url(url.clone());
+            let mut producer = inbox_redis_streams::RedisStreamProducer::builder().url(url);
+            if let Some(field) = field {
+                reader = reader.id_field(field);
+                producer = producer.id_field(field);
             }
-            Ok(Box::new(builder.connect().await.map_err(broker_error)?))
+            connect(reader.connect(), replay.then(|| producer.connect())).await
         }
         #[allow(unreachable_patterns)]
         other => Err(not_built(other)),
     }
 }
 
-/// The producer that publishes replayed dead letters back to their sources.
-async fn publisher(from: &DeadLetterSource) -> Result<Box<dyn Publish>, CliError> {
-    match from.broker {
-        #[cfg(feature = "kafka")]
-        Broker::Kafka => {
-            let brokers = from
-                .kafka_brokers
-                .clone()
-                .ok_or_else(|| missing("Kafka brokers", "kafka-brokers", "KAFKA_BROKERS"))?;
-            let mut builder = inbox_kafka::KafkaProducer::builder().brokers(brokers);
-            if let Some(field) = id_field(from) {
-                builder = builder.id_header(field);
-            }
-            Ok(Box::new(builder.connect().await.map_err(broker_error)?))
-        }
-        #[cfg(feature = "sqs")]
-        Broker::Sqs => {
-            let mut builder = inbox_sqs::SqsProducer::builder().client(sqs_client(from).await);
-            if let Some(field) = id_field(from) {
-                builder = builder.id_attribute(field);
-            }
-            Ok(Box::new(builder.connect().await.map_err(broker_error)?))
-        }
-        #[cfg(feature = "rabbitmq")]
-        Broker::Rabbitmq => {
-            let url = from
-                .amqp_url
-                .clone()
-                .ok_or_else(|| missing("RabbitMQ broker", "amqp-url", "AMQP_URL"))?;
-            let builder = inbox_rabbitmq::RabbitProducer::builder().url(url);
-            Ok(Box::new(builder.connect().await.map_err(broker_error)?))
-        }
-        #[cfg(feature = "redis")]
-        Broker::Redis => {
-            let url = from
-                .redis_url
-                .clone()
-                .ok_or_else(|| missing("Redis server", "redis-url", "REDIS_URL"))?;
-            let mut builder = inbox_redis_streams::RedisStreamProducer::builder().url(url);
-            if let Some(field) = id_field(from) {
-                builder = builder.id_field(field);
-            }
-            Ok(Box::new(builder.connect().await.map_err(broker_error)?))
-        }
-        #[allow(unreachable_patterns)]
-        other => Err(not_built(other)),
-    }
+/// Connects `reader` and, when given, `producer`.
+#[allow(dead_code)] // unused when no broker feature is on
+async fn connect<R, P, E, F>(
+    reader: impl std::future::Future<Output = Result<R, E>>,
+    producer: Option<impl std::future::Future<Output = Result<P, F>>>,
+) -> Result<Opened, CliError>
+where
+    R: DeadLetters + 'static,
+    P: Publish + 'static,
+    E: Into<inbox_core::OperationError>,
+    F: Into<inbox_core::OperationError>,
+{
+    let reader: Box<dyn DeadLetters> = Box::new(reader.await.map_err(broker_error)?);
+    let producer = match producer {
+        Some(producer) => Some(Box::new(producer.await.map_err(broker_error)?) as Box<dyn Publish>),
+        None => None,
+    };
+    Ok((reader, producer))
+}
+
+/// An address the operator must give: `value`, or an error naming its flag and variable.
+#[allow(dead_code)] // unused when no broker feature is on
+fn required(value: &Option<String>, what: &str, flag: &str, var: &str) -> Result<String, CliError> {
+    value.clone().ok_or_else(|| {
+        CliError::Refused(format!(
+            "no {what} to connect to: pass --{flag} or set {var}"
+        ))
+    })
 }
 
 #[cfg(feature = "sqs")]
