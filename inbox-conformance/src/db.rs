@@ -6,7 +6,7 @@ use sqlx::{AssertSqlSafe, PgPool};
 use inbox_core::{async_trait, InboxStore};
 use inbox_postgres::{KeyMode, Partitions, PgInbox, TableName};
 
-use crate::wallet::{self, Ledger};
+use crate::wallet::{self, Credit, Ledger};
 
 /// The inbox store the broker suite runs on, with the wallet beside it in one database (or
 /// schema) per test, so that a credit and its claim commit in one transaction.
@@ -35,6 +35,11 @@ pub trait TestStore: Sized + Send + Sync + 'static {
 
     /// The migrated inbox.
     fn inbox(&self) -> Self::Inbox;
+
+    /// The wallet's credit handler, writing through this database's inbox transactions.
+    fn credit(&self) -> Credit<Self::Ledger> {
+        Credit::new(self.ledger().clone())
+    }
 
     /// Rows in the inbox table.
     async fn inbox_rows(&self) -> i64;

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::wallet::{self, Credit, CreditEvent};
+use crate::wallet::{self, CreditEvent};
 use crate::{child, TestStore};
 use inbox_core::{Consumer, MessageId};
 
@@ -90,7 +90,7 @@ pub async fn a_consumer_process_killed_mid_stream_loses_nothing_and_applies_noth
     }
 
     // The last restart, in this process.
-    let handler = Credit::new(db.ledger().clone()).work(WORK);
+    let handler = db.credit().work(WORK);
     let mut totals = Totals::default();
     drain(
         &queue,
@@ -127,7 +127,7 @@ pub async fn consumer_process<B: TestBroker, D: TestStore>(broker: &B) {
     let var = |name: &str| std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set"));
     let db = D::attach(&var("INBOX_DATABASE")).await;
     let queue = broker.attach(&var("INBOX_QUEUE")).await;
-    let handler = Credit::new(db.ledger().clone()).work(WORK);
+    let handler = db.credit().work(WORK);
     let member = var("INBOX_MEMBER");
     Consumer::new(
         "wallet",

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tokio::sync::RwLock;
 
-use crate::wallet::{self, Credit, CreditEvent};
+use crate::wallet::{self, CreditEvent};
 use crate::TestStore;
 use crate::{async_trait, wait_for_a_third, FaultProxy, FaultRun, ProxyMode, Restored};
 use inbox_core::{Consumer, MessageId};
@@ -164,7 +164,7 @@ async fn consume_through<Q: TestQueue, D: TestStore>(
         "wallet",
         Checked::new(source),
         db.inbox(),
-        Credit::new(db.ledger().clone()).work(Duration::from_millis(2)),
+        db.credit().work(Duration::from_millis(2)),
     )
     .batch_size(10)
     .error_backoff(Duration::from_millis(200));

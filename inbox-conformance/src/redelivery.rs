@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, RetryPolicy};
 
 use crate::scenarios::{finish, ledger_has, left, setup, source};
-use crate::wallet::{self, Credit, CreditEvent};
+use crate::wallet::{self, CreditEvent};
 use crate::{TestBroker, TestQueue, TestStore};
 
 /// How long the downstream is down: `INBOX_TEST_OUTAGE_SECS` (the issue's own test is 60),
@@ -99,7 +99,7 @@ pub async fn a_downstream_outage_is_ridden_out_by_delayed_redeliveries<
             .await;
     }
     let handler = Downstream {
-        credit: Credit::new(db.ledger().clone()),
+        credit: db.credit(),
         up_at: Arc::default(),
         attempts: Arc::default(),
     };

@@ -90,7 +90,7 @@ pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_
         expected += i;
     }
     let handler = Downstream {
-        credit: Credit::new(db.ledger().clone()),
+        credit: db.credit(),
         down: Arc::new(AtomicBool::new(true)),
     };
     let mut totals = Totals::default();
@@ -222,7 +222,7 @@ pub async fn park_credits_while_down<Q: TestQueue, D: TestStore>(db: &D, queue: 
             .await;
     }
     let handler = Downstream {
-        credit: Credit::new(db.ledger().clone()),
+        credit: db.credit(),
         down: Arc::new(AtomicBool::new(true)),
     };
     let mut totals = Totals::default();
@@ -239,7 +239,7 @@ pub async fn consume_with_the_downstream_up<Q: TestQueue, D: TestStore>(
     n: u64,
 ) -> (u64, u64) {
     let handler = Downstream {
-        credit: Credit::new(db.ledger().clone()),
+        credit: db.credit(),
         down: Arc::new(AtomicBool::new(false)),
     };
     let mut totals = Totals::default();

@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use crate::wallet::{self, Credit, CreditEvent};
+use crate::wallet::{self, CreditEvent};
 use crate::TestStore;
 use inbox_core::{
     async_trait, Consumer, Handler, HandlerError, Message, MessageId, Stage, StatsSnapshot,
@@ -151,7 +151,7 @@ pub async fn the_same_id_twice_is_applied_once<B: TestBroker, D: TestStore>(brok
     send_credit(&queue, 1, 5).await;
     queue.send(Some(twice.as_str()), &credit(1, 100)).await; // the producer retried
 
-    let handler = Credit::new(db.ledger().clone());
+    let handler = db.credit();
     let mut totals = Totals::default();
     drain(
         &queue,
@@ -193,7 +193,7 @@ pub async fn a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice<
         for amount in [10, 20, 30, 40, 50] {
             send_credit(&queue, 1, amount).await;
         }
-        let handler = Credit::new(db.ledger().clone());
+        let handler = db.credit();
         let crash = Crash::at(stage);
         let consumer = Consumer::new(
             "wallet",
@@ -253,7 +253,7 @@ pub async fn racing_consumers_apply_each_id_once<B: TestBroker, D: TestStore>(br
         queue.send(Some(id.as_str()), &payload).await;
         queue.send(Some(id.as_str()), &payload).await;
     }
-    let handler = Credit::new(db.ledger().clone()).work(Duration::from_millis(2));
+    let handler = db.credit().work(Duration::from_millis(2));
     let (c1, c2) = (source(&queue, "c1").await, source(&queue, "c2").await);
     let (a, b) = tokio::join!(
         Consumer::new("wallet", c1, db.inbox(), handler.clone()).run_until_idle(),
@@ -305,7 +305,7 @@ pub async fn messages_without_an_id_or_with_a_bad_payload_are_dead_lettered<
     let bad_id = MessageId::generate();
     queue.send(Some(bad_id.as_str()), b"not json").await;
 
-    let handler = Credit::new(db.ledger().clone());
+    let handler = db.credit();
     let mut totals = Totals::default();
     drain(
         &queue,
@@ -368,7 +368,7 @@ pub async fn a_failing_handler_is_retried_then_dead_lettered<B: TestBroker, D: T
         send_credit(&queue, 1 + i % 4, i + 1).await;
         expected += i + 1;
     }
-    let handler = FailingAccount(Credit::new(db.ledger().clone()));
+    let handler = FailingAccount(db.credit());
     let mut totals = Totals::default();
     drain(
         &queue,
@@ -425,7 +425,7 @@ pub async fn a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_
     let mut after_sent = false;
 
     let limit = 3;
-    let handler = Credit::new(db.ledger().clone());
+    let handler = db.credit();
     let mut totals = Totals::default();
     let mut crashes = 0;
     let start = Instant::now();
@@ -486,7 +486,7 @@ pub async fn batches_over_lanes_apply_everything_once<B: TestBroker, D: TestStor
     for i in 0..events {
         send_credit(&queue, 1 + i % 5, 1).await;
     }
-    let handler = Credit::new(db.ledger().clone());
+    let handler = db.credit();
     let mut totals = Totals::default();
     drain(
         &queue,

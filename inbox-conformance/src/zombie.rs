@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::wallet::{self, Credit, CreditEvent, Ledger};
+use crate::wallet::{self, CreditEvent, Ledger};
 use crate::TestStore;
 use inbox_core::{
     async_trait, Capabilities, Consumer, Delivery, MessageId, MessageSource, SourceError,
@@ -80,7 +80,7 @@ pub async fn a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice<
             .await;
     }
 
-    let handler = Credit::new(db.ledger().clone()).stall(stall);
+    let handler = db.credit().stall(stall);
     let (stop, stopping) = tokio::sync::oneshot::channel::<()>();
     let zombie = Consumer::new("wallet", Checked::new(source), db.inbox(), handler.clone())
         .batch_size(1)
