@@ -45,7 +45,7 @@ impl<S: MessageSource> MessageSource for Noting<S> {
     }
 }
 
-/// Member `zombie` takes a message whose first handling stalls ([`Credit::stall`]) and sits in
+/// Member `zombie` takes a message whose first handling stalls ([`Credit::stall`](crate::wallet::Credit::stall)) and sits in
 /// its handler, its transaction open, while the broker takes the message away from it
 /// ([`TestQueue::losing_source`], [`TestQueue::take_away`]) and member `b` receives it and the
 /// messages after it. `b`'s claim of the stalled message waits on the zombie's open claim (the
