@@ -1,4 +1,4 @@
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -29,6 +29,9 @@ struct State {
     /// Whether its sources report lanes ([`MemoryBroker::with_lanes`]).
     lanes: bool,
     next_seq: u64,
+    /// Handles taken back by [`Redelivery::SilentStaleHandle`]: stale, but
+    /// [`Ack::is_stale`] cannot tell.
+    silent: HashSet<u64>,
 }
 
 impl State {
@@ -82,6 +85,11 @@ pub enum Redelivery {
     /// either copy's handle settles it (a Kafka seek back within one generation: both copies
     /// are one offset).
     SameHandle,
+    /// As [`Redelivery::StaleHandle`], but the old handle cannot tell it went stale
+    /// ([`Ack::is_stale`] stays `false`), as on a broker whose adapter learns it only later or
+    /// never (an SQS receipt handle before the visibility heartbeat notices): the consumer holds
+    /// both copies, and only its rule for a second copy keeps the message.
+    SilentStaleHandle,
 }
 
 impl MemoryBroker {
@@ -195,10 +203,17 @@ impl MemoryBroker {
         tags.sort_unstable();
         for &tag in tags.iter().rev() {
             let copy = match how {
-                Redelivery::StaleHandle => match state.in_flight.remove(&tag) {
-                    Some((_, queued)) => queued,
-                    None => continue,
-                },
+                Redelivery::StaleHandle | Redelivery::SilentStaleHandle => {
+                    match state.in_flight.remove(&tag) {
+                        Some((_, queued)) => {
+                            if how == Redelivery::SilentStaleHandle {
+                                state.silent.insert(tag);
+                            }
+                            queued
+                        }
+                        None => continue,
+                    }
+                }
                 Redelivery::SameHandle => {
                     let Some((_, queued)) = state.in_flight.get(&tag) else {
                         continue;
@@ -306,7 +321,8 @@ impl Ack for MemoryAck {
 
     /// The broker requeued or settled this delivery since it was handed out.
     fn is_stale(&self) -> bool {
-        !self.broker.state().in_flight.contains_key(&self.tag)
+        let state = self.broker.state();
+        !state.in_flight.contains_key(&self.tag) && !state.silent.contains(&self.tag)
     }
 
     /// Keeps the message and reason for [`MemoryBroker::dead_letters`] and acks the delivery,
