@@ -19,11 +19,14 @@ type Route = dyn Fn(&MessageId, &Message) -> usize + Send + Sync;
 /// consumer never mixes shards in one transaction: a batch that spans shards is split into
 /// chunks per shard, each committed on its own and acked only after its own commit. A shard
 /// that fails leaves the others running: its messages are retried, held through an outage or
-/// handed back to the broker, while the other shards' messages are acked as they commit. Held
-/// messages count against the consumer's window (`batch_size` × `parallel_lanes`): once it is
-/// full of a shard that is down, the consumer waits for that shard. So it does when that shard's
-/// chunks hold every lane: on a source without lanes, one shard may have up to
-/// `parallel_lanes` chunks out.
+/// handed back to the broker, while the other shards' messages are acked as they commit. A
+/// shard in an outage has one chunk out at a time (the one that finds out when it is back), so
+/// the other lanes stay free for the healthy shards; its other messages wait in the consumer,
+/// outside the window (`batch_size` × `parallel_lanes`), up to the read-ahead bound of
+/// [`Consumer::parallel_lanes`](crate::Consumer::parallel_lanes) (8,192 messages per lane,
+/// 65,536 in all), and are not handed back, so an outage uses up none of their delivery budget.
+/// With `parallel_lanes(1)` that one chunk is the consumer's only one: give a sharded consumer
+/// at least one lane more than it has shards in an outage at once.
 ///
 /// ```
 /// use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Sharded};
@@ -158,6 +161,10 @@ impl<S: InboxStore> InboxStore for Sharded<S> {
 
     fn shard_of(&self, id: &MessageId, message: &Message) -> usize {
         (self.route)(id, message) % self.stores.len()
+    }
+
+    fn shard_count(&self) -> usize {
+        self.stores.len()
     }
 
     fn shard(&self, index: usize) -> &dyn InboxStore<Tx = Self::Tx> {

@@ -107,6 +107,13 @@ pub trait InboxStore: Send + Sync + 'static {
         0
     }
 
+    /// How many shards [`InboxStore::shard_of`] spreads messages over: while one is in an
+    /// outage, the consumer gives it one chunk at a time and keeps the rest of its window for
+    /// the others. The default, one database, is 1.
+    fn shard_count(&self) -> usize {
+        1
+    }
+
     /// The store of shard `index` (as [`InboxStore::shard_of`] answered), in which the
     /// consumer begins, claims and commits that shard's chunks. The default is the store itself.
     fn shard(&self, index: usize) -> &dyn InboxStore<Tx = Self::Tx>
@@ -146,6 +153,9 @@ impl<S: InboxStore> InboxStore for Arc<S> {
     }
     fn shard_of(&self, id: &MessageId, message: &Message) -> usize {
         (**self).shard_of(id, message)
+    }
+    fn shard_count(&self) -> usize {
+        (**self).shard_count()
     }
     fn shard(&self, index: usize) -> &dyn InboxStore<Tx = Self::Tx> {
         (**self).shard(index)

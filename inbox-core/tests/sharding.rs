@@ -234,3 +234,68 @@ async fn a_transaction_failing_in_one_shard_retries_only_that_shards_messages() 
     assert!(broker.dead_letters().is_empty());
     assert_eq!(broker.pending() + broker.in_flight(), 0);
 }
+
+/// A shard in an outage takes no more than its share: when what arrives first is all the down
+/// shard's (more than the whole window), the healthy shard's messages behind it are still
+/// applied, on a source without lanes and on one with lanes.
+#[tokio::test]
+async fn a_shard_that_is_down_does_not_take_every_slot_of_the_window() {
+    for lanes in [false, true] {
+        let broker = if lanes {
+            MemoryBroker::with_lanes()
+        } else {
+            MemoryBroker::new()
+        };
+        let shards = [Outage::default(), Outage::default()];
+        shards[1].down.store(true, Ordering::SeqCst);
+        // Shard 1's sixty first, in six lanes where the source has lanes: three times the
+        // window of 2 × 10; then shard 0's twenty, in lanes of their own.
+        for i in 0..60 {
+            let lane = format!("p{}", i % 6);
+            publish(&broker, &format!("down-{i}"), "t1", lanes.then_some(&*lane));
+        }
+        for i in 0..20 {
+            let lane = format!("q{}", i % 2);
+            publish(&broker, &format!("up-{i}"), "t0", lanes.then_some(&*lane));
+        }
+        let store = Sharded::new(shards.to_vec(), by_tenant);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let consumer = Consumer::new("c", broker.source(), store, Record)
+            .batch_size(10)
+            .parallel_lanes(2)
+            .error_backoff(Duration::from_millis(5));
+        let running = tokio::spawn(consumer.run_until(async {
+            let _ = stopped.await;
+        }));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while shards[0].store.state().await.len() < 20 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "lanes {lanes}: shard 0 applied {} of 20 while shard 1 was down: the down \
+                 shard held the whole window",
+                shards[0].store.state().await.len()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(shards[1].store.state().await.is_empty());
+        // Back up: every message of shard 1 is applied, each once, and nothing is left.
+        shards[1].down.store(false, Ordering::SeqCst);
+        while shards[1].store.state().await.len() < 60 || broker.acked() < 80 {
+            assert!(
+                tokio::time::Instant::now() < deadline + Duration::from_secs(10),
+                "lanes {lanes}: shard 1 never caught up: {} applied, {} acked",
+                shards[1].store.state().await.len(),
+                broker.acked()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        stop.send(()).unwrap();
+        running.await.unwrap().unwrap();
+        let mut applied = shards[1].store.state().await;
+        applied.sort();
+        applied.dedup();
+        assert_eq!(applied.len(), 60, "lanes {lanes}: each of shard 1's once");
+        assert_eq!(broker.pending() + broker.in_flight(), 0, "lanes {lanes}");
+        assert!(broker.dead_letters().is_empty(), "lanes {lanes}");
+    }
+}

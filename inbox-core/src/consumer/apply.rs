@@ -323,12 +323,15 @@ where
         let mut pieces: Vec<Range<usize>> = Vec::with_capacity(4);
         pieces.push(0..work.len());
         let mut outages = 0;
+        // Set while this chunk holds in its shard's outage.
+        let mut holding = None;
         while let Some(piece) = pieces.pop() {
             let (lo, hi) = (piece.start, piece.end);
             match self.apply_in_tx(&work[piece.clone()]).await {
                 Ok(done) => {
                     if outages > 0 {
                         self.common.health.recovered();
+                        holding = None;
                     }
                     outages = 0;
                     for (slot, outcome) in outcomes[piece].iter_mut().zip(done) {
@@ -362,6 +365,9 @@ where
                         self.common.count(Counter::Error, 1);
                         self.common.health.failing();
                         outages += 1;
+                        holding.get_or_insert_with(|| {
+                            self.common.holding(self.shard_of_work(&work[lo]))
+                        });
                         let wait = backoff(self.common.error_backoff, MAX_ERROR_BACKOFF, outages);
                         warn!(consumer = %self.common.name, error = %e, messages = hi - lo, ?wait, "inbox store unreachable; holding the messages until it is back");
                         pieces.push(piece);
@@ -401,6 +407,11 @@ where
             .collect())
     }
 
+    /// The store shard of `w`'s message: a chunk's messages share one.
+    fn shard_of_work<A>(&self, w: &Work<A, H::Item>) -> usize {
+        self.store.shard_of(&w.id, &w.delivery.message)
+    }
+
     /// Claims, applies and commits `work` in one transaction, without savepoints: a handler
     /// failure rolls everything back. Nothing is acked here.
     async fn apply_in_tx<A>(&self, work: &[Work<A, H::Item>]) -> Result<Vec<Outcome>, TxFailure> {
@@ -420,9 +431,7 @@ where
         let ids: Vec<MessageId> = work.iter().map(|w| w.id.clone()).collect();
         // The lanes give a chunk one shard's messages: its first message names the shard.
         let store = match work.first() {
-            Some(w) => self
-                .store
-                .shard(self.store.shard_of(&w.id, &w.delivery.message)),
+            Some(w) => self.store.shard(self.shard_of_work(w)),
             None => self.store.shard(0),
         };
         let mut tx = store.begin().await.map_err(TxFailure::Store)?;

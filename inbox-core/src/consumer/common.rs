@@ -2,7 +2,8 @@
 //! effect's lease and call): its name, retry policy, counters, stage hook and health, and the
 //! ways a message is settled: acked, handed back, or dead-lettered.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn, Instrument};
@@ -31,6 +32,12 @@ pub(crate) struct Common {
     pub(crate) system: &'static str,
     /// Histogram and gauge handles; registered when the consumer starts.
     pub(crate) metrics: ConsumerMetrics,
+    /// The store shards in an outage, and how many chunks of each hold on
+    /// [`Recovery::Reconnect`] until it is back: the pipeline gives such a shard one lane and
+    /// keeps the rest for the others.
+    outages: Mutex<BTreeMap<usize, usize>>,
+    /// Told when a chunk starts or stops holding in an outage: the pipeline looks again.
+    pub(crate) outage_changed: tokio::sync::Notify,
 }
 
 impl Common {
@@ -44,7 +51,25 @@ impl Common {
             health: Health::default(),
             system: "unknown",
             metrics: ConsumerMetrics::default(),
+            outages: Mutex::default(),
+            outage_changed: tokio::sync::Notify::new(),
         }
+    }
+
+    /// A chunk of store shard `shard` holds in an outage until the guard is dropped (the
+    /// shard is back, or the chunk was handed back or cut short).
+    pub(crate) fn holding(&self, shard: usize) -> Holding<'_> {
+        *self.outages().entry(shard).or_default() += 1;
+        self.outage_changed.notify_one();
+        Holding {
+            common: self,
+            shard,
+        }
+    }
+
+    /// The store shards in an outage now, and how many chunks of each hold.
+    pub(crate) fn outages(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, usize>> {
+        self.outages.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub(crate) fn count(&self, counter: Counter, n: usize) {
@@ -208,5 +233,25 @@ impl Common {
                 Ok(false)
             }
         }
+    }
+}
+
+/// One chunk holding in its shard's outage ([`Common::holding`]).
+pub(crate) struct Holding<'a> {
+    common: &'a Common,
+    shard: usize,
+}
+
+impl Drop for Holding<'_> {
+    fn drop(&mut self) {
+        let mut outages = self.common.outages();
+        if let Some(n) = outages.get_mut(&self.shard) {
+            *n -= 1;
+            if *n == 0 {
+                outages.remove(&self.shard);
+            }
+        }
+        drop(outages);
+        self.common.outage_changed.notify_one();
     }
 }

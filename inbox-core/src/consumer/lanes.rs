@@ -1,6 +1,6 @@
 //! Received messages waiting to be applied, by lane and shard.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 
 use crate::{Delivery, Message};
 
@@ -14,6 +14,10 @@ pub(super) type LaneKey = (Option<String>, usize);
 /// A lane gives out at most `per_lane` chunks at a time: 1 keeps its order (the next chunk of a
 /// Kafka partition waits until the one before is done); a source without lanes has no order to
 /// keep, and its one lane gives out a chunk to every free slot.
+///
+/// A store shard in an outage (in `down`) gives out one chunk at a time whatever its lanes: the
+/// chunk that finds out when it is back. Its other messages wait ([`Lanes::waiting_in`]), so
+/// the healthy shards keep the other lanes.
 pub(super) struct Lanes<A> {
     lanes: Vec<Lane<A>>,
     held: usize,
@@ -57,21 +61,28 @@ impl<A> Lanes<A> {
         }
     }
 
-    /// Whether [`Lanes::take`] would give out a chunk.
-    pub(super) fn ready(&self) -> bool {
-        self.lanes
-            .iter()
-            .any(|l| l.out < self.per_lane && !l.queue.is_empty())
+    /// Whether lane `i` may give out a chunk now, with the shards in `down` in an outage.
+    fn may_take(&self, i: usize, down: &BTreeSet<usize>) -> bool {
+        let lane = &self.lanes[i];
+        let shard = lane.key.1;
+        lane.out < self.per_lane
+            && !lane.queue.is_empty()
+            && !(down.contains(&shard) && self.lanes.iter().any(|l| l.key.1 == shard && l.out > 0))
     }
 
-    /// Up to `max` messages of the first lane that has some and a chunk to spare; the chunk is
-    /// out until [`Lanes::done`].
-    pub(super) fn take(&mut self, max: usize) -> Option<(LaneKey, Vec<Delivery<A>>)> {
-        let per_lane = self.per_lane;
-        let i = self
-            .lanes
-            .iter()
-            .position(|l| l.out < per_lane && !l.queue.is_empty())?;
+    /// Whether [`Lanes::take`] would give out a chunk.
+    pub(super) fn ready(&self, down: &BTreeSet<usize>) -> bool {
+        (0..self.lanes.len()).any(|i| self.may_take(i, down))
+    }
+
+    /// Up to `max` messages of the first lane that has some and a chunk to spare (one chunk in
+    /// all for a shard in `down`); the chunk is out until [`Lanes::done`].
+    pub(super) fn take(
+        &mut self,
+        max: usize,
+        down: &BTreeSet<usize>,
+    ) -> Option<(LaneKey, Vec<Delivery<A>>)> {
+        let i = (0..self.lanes.len()).find(|&i| self.may_take(i, down))?;
         // Round robin: the lane goes to the back, so the others get their turn first.
         let mut lane = self.lanes.remove(i);
         lane.out += 1;
@@ -81,6 +92,15 @@ impl<A> Lanes<A> {
         let key = lane.key.clone();
         self.lanes.push(lane);
         Some((key, chunk))
+    }
+
+    /// How many messages of the shards in `down` wait to be given out.
+    pub(super) fn waiting_in(&self, down: &BTreeSet<usize>) -> usize {
+        self.lanes
+            .iter()
+            .filter(|l| down.contains(&l.key.1))
+            .map(|l| l.queue.len())
+            .sum()
     }
 
     pub(super) fn done(&mut self, key: &LaneKey) {

@@ -277,6 +277,11 @@ pub(crate) trait Step: Send + Sync {
         0
     }
 
+    /// How many store shards [`Step::shard_of`] answers over.
+    fn shard_count(&self) -> usize {
+        1
+    }
+
     /// Applies one chunk of one lane. Returns the acks to send once the chunk is done (the
     /// pipeline sends them behind the next chunk's work); everything else it settles itself.
     fn process<A: Ack>(
@@ -322,6 +327,10 @@ where
             Ok(id) => self.store.shard_of(id, message),
             Err(_) => 0,
         }
+    }
+
+    fn shard_count(&self) -> usize {
+        self.store.shard_count()
     }
 
     fn process<A: Ack>(

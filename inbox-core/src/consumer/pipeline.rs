@@ -1,6 +1,8 @@
 //! The pipeline of [`Consumer`]: receiving, lanes side by side, acks behind the next chunk's
 //! work, and shutdown.
 
+use std::collections::BTreeSet;
+
 use futures_util::stream::{FuturesUnordered, Stream, StreamExt};
 use tokio::sync::Mutex;
 use tokio::time::{sleep_until, Instant};
@@ -49,15 +51,19 @@ where
         // What was received may all belong to busy lanes (librdkafka hands out one partition's
         // records in runs): a free slot then reads ahead, up to this many held messages, until
         // a lane it can take arrives.
+        // The most held in all: a free lane's read-ahead, or the messages that wait for a
+        // store shard in an outage.
+        let hold_max = capacity.max(
+            lanes
+                .saturating_mul(READ_AHEAD_PER_LANE)
+                .min(READ_AHEAD_MAX),
+        );
         let read_ahead = if ordered && lanes > 1 {
-            capacity.max(
-                lanes
-                    .saturating_mul(READ_AHEAD_PER_LANE)
-                    .min(READ_AHEAD_MAX),
-            )
+            hold_max
         } else {
             capacity
         };
+        let shards = step.shard_count();
         let mut working = FuturesUnordered::new();
         let mut acking = FuturesUnordered::new();
         let mut receiving = None;
@@ -80,15 +86,30 @@ where
             health.turned();
             in_flight_gauge.set(in_flight as f64);
             let stopping = stop.stopping();
-            while working.len() < lanes && !stopping {
-                let Some((lane, chunk)) = queued.take(batch_size) else {
+            // Store shards in an outage: one chunk out each, and their waiting messages held
+            // outside the window, so the healthy shards keep the other lanes and the window.
+            let (down, parked) = if shards > 1 {
+                let outages = common.outages();
+                // Chunks holding beyond the first of their shard give their lane back.
+                let parked: usize = outages.values().map(|n| n - 1).sum();
+                (outages.keys().copied().collect(), parked)
+            } else {
+                (BTreeSet::new(), 0)
+            };
+            while working.len().saturating_sub(parked) < lanes && !stopping {
+                let Some((lane, chunk)) = queued.take(batch_size, &down) else {
                     break;
                 };
                 let n = chunk.len();
                 working.push(async move { (lane, n, step.process(chunk, stop).await) });
             }
-            let held = queued.len() + working.len() * batch_size;
-            let limit = if working.len() < lanes && !queued.ready() {
+            let waiting_down = if down.is_empty() {
+                0
+            } else {
+                queued.waiting_in(&down) + parked * batch_size
+            };
+            let held = (queued.len() + working.len() * batch_size).saturating_sub(waiting_down);
+            let limit = if working.len().saturating_sub(parked) < lanes && !queued.ready(&down) {
                 read_ahead
             } else {
                 capacity
@@ -98,6 +119,7 @@ where
                 && !stopping
                 && !idle
                 && held < limit
+                && held + waiting_down < hold_max
                 && acking.len() <= lanes
             {
                 let n = batch_size.max(limit - held).min(limit);
@@ -155,6 +177,7 @@ where
                         }
                     }
                 }
+                () = common.outage_changed.notified(), if shards > 1 => {}
                 Some(n) = acking.next() => {
                     in_flight = in_flight.saturating_sub(n);
                 }
