@@ -29,8 +29,10 @@ use crate::{KeyMode, Partitions, PgTx, Result, TableName};
 /// waits on the first one's uncommitted row and then finds the conflict: the primary key
 /// serialises them.
 ///
-/// Round-trips per transaction: `BEGIN`, the claim, the handler's statements, a check that the
-/// transaction was not aborted by a statement whose error the handler swallowed, and `COMMIT`.
+/// Round-trips per transaction: `BEGIN` (with the timeouts), the claim (which also sets the
+/// handler's statement timeout, see [`InboxStore::set_handler_timeout`]), the handler's
+/// statements, a check that the transaction was not aborted by a statement whose error the
+/// handler swallowed, and `COMMIT`.
 /// sqlx's pool also pings each connection it hands out unless the pool is built with
 /// `PgPoolOptions::test_before_acquire(false)`, which the inbox does not need: a dead connection
 /// fails the transaction's first statement, and the consumer retries on another.
@@ -40,12 +42,16 @@ pub struct PgInbox {
     table: TableName,
     mode: KeyMode,
     consumers: Arc<Mutex<HashMap<String, i16>>>,
-    /// `BEGIN` and the `SET LOCAL`s of the timeouts, sent as one round-trip; `None`: `BEGIN`.
+    /// `BEGIN` and the `SET LOCAL`s of the store's own timeouts, sent as one round-trip;
+    /// `None`: `BEGIN`.
     begin: Option<String>,
     lock_timeout: Option<Duration>,
     statement_timeout: Option<Duration>,
-    /// The consumer's handler timeout, which bounds each statement too.
+    /// The consumer's handler timeout, which bounds each statement after the claim too.
     handler_timeout: Option<Duration>,
+    /// What the claim statement adds to set the handler's statement timeout for the rest of the
+    /// transaction (`, set_config(…)`); empty when the store's own is as short.
+    handler_bound: String,
     /// The layout `migrate` creates and the purge keeps; `None`: plain.
     pub(crate) partitions: Option<Partitions>,
     /// The table's layout as `migrate` or the first hashed claim found it ([`LAYOUT_UNKNOWN`]
@@ -82,6 +88,7 @@ impl PgInbox {
             lock_timeout: None,
             statement_timeout: None,
             handler_timeout: None,
+            handler_bound: String::new(),
             partitions: None,
             layout: Arc::new(AtomicU8::new(LAYOUT_UNKNOWN)),
         }
@@ -122,26 +129,34 @@ impl PgInbox {
     pub fn statement_timeout(mut self, timeout: Duration) -> Self {
         self.statement_timeout = Some(timeout);
         self.begin = self.begin_statement();
+        self.handler_bound = self.handler_bound();
         self
     }
 
+    /// `BEGIN` with the store's own timeouts, under which the claim runs.
     fn begin_statement(&self) -> Option<String> {
-        let statement_timeout = match (self.statement_timeout, self.handler_timeout) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
         let settings: Vec<String> = [
             ("lock_timeout", self.lock_timeout),
-            ("statement_timeout", statement_timeout),
+            ("statement_timeout", self.statement_timeout),
         ]
         .into_iter()
-        .filter_map(|(name, timeout)| {
-            // At least 1 ms: 0 would mean no timeout at all.
-            let ms = timeout?.as_millis().max(1);
-            Some(format!("SET LOCAL {name} = {ms}"))
-        })
+        .filter_map(|(name, timeout)| Some(format!("SET LOCAL {name} = {}", millis(timeout?))))
         .collect();
         (!settings.is_empty()).then(|| format!("BEGIN; {}", settings.join("; ")))
+    }
+
+    /// The claim's `, set_config('statement_timeout', …, true)` for a handler timeout shorter
+    /// than the store's statement timeout. Evaluated inside the claim, it bounds the statements
+    /// after it: PostgreSQL arms a statement's timer when the statement starts.
+    fn handler_bound(&self) -> String {
+        match (self.handler_timeout, self.statement_timeout) {
+            (Some(handler), Some(store)) if handler >= store => String::new(),
+            (Some(handler), _) => format!(
+                ", set_config('statement_timeout', '{}', true)",
+                millis(handler)
+            ),
+            (None, _) => String::new(),
+        }
     }
 
     /// The pool this store uses.
@@ -374,6 +389,11 @@ impl PgInbox {
     }
 }
 
+/// A timeout in whole milliseconds for PostgreSQL, at least 1: 0 would mean no timeout at all.
+fn millis(timeout: Duration) -> u128 {
+    timeout.as_millis().max(1)
+}
+
 /// One flag per key: new only for the first occurrence of an inserted key. Two IDs can make one
 /// key (a UUID spelt in capitals, in braces, without hyphens), and the insert keeps one row.
 fn first_claims<K: Eq + std::hash::Hash>(keys: &[K], mut fresh: HashSet<K>) -> Vec<bool> {
@@ -426,50 +446,52 @@ impl InboxStore for PgInbox {
         let t = &self.table;
         let with_time = self.mode == KeyMode::Hashed && self.keys_with_time(tx).await?;
         let keys = self.keys(consumer, ids, with_time)?;
-        if ids.len() == 1 {
-            let sql = format!(
-                "INSERT INTO {t} (message_id, consumer_id) VALUES ($1, $2) ON CONFLICT DO NOTHING"
-            );
-            let query = sqlx::query(AssertSqlSafe(sql));
-            let query = match &keys {
-                Keys::Text(k) => query.bind(&k[0]),
-                Keys::Uuid(k) => query.bind(k[0]),
+        // One statement: the insert, then (in the same round-trip) the handler's statement
+        // timeout for what follows, so the claim waits on a peer's row under the store's own
+        // timeouts only.
+        let source = if ids.len() == 1 {
+            "VALUES ($1, $2)".to_owned()
+        } else {
+            let array = match keys {
+                Keys::Text(_) => "text[]",
+                Keys::Uuid(_) => "uuid[]",
             };
-            let done = query
-                .bind(consumer_id)
-                .execute(&mut **tx)
-                .await
-                .map_err(store_err("claiming the message ID"))?;
-            return Ok(vec![done.rows_affected() == 1]);
-        }
-        let sql = |array: &str| {
-            format!(
-                "INSERT INTO {t} (message_id, consumer_id) SELECT unnest($1::{array}), $2
-                 ON CONFLICT DO NOTHING RETURNING message_id"
-            )
+            format!("SELECT unnest($1::{array}), $2")
         };
+        let sql = format!(
+            "WITH claimed AS (
+                 INSERT INTO {t} (message_id, consumer_id) {source}
+                 ON CONFLICT DO NOTHING RETURNING message_id)
+             SELECT array(SELECT message_id FROM claimed){bound}",
+            bound = self.handler_bound
+        );
+        let context = "claiming message IDs";
         Ok(match keys {
             Keys::Text(keys) => {
-                let fresh: HashSet<String> = sqlx::query_scalar(AssertSqlSafe(sql("text[]")))
-                    .bind(&keys)
+                let query = sqlx::query_scalar::<_, Vec<String>>(AssertSqlSafe(sql));
+                let query = match keys.as_slice() {
+                    [one] => query.bind(one),
+                    _ => query.bind(&keys),
+                };
+                let fresh = query
                     .bind(consumer_id)
-                    .fetch_all(&mut **tx)
+                    .fetch_one(&mut **tx)
                     .await
-                    .map_err(store_err("claiming message IDs"))?
-                    .into_iter()
-                    .collect();
-                first_claims(&keys, fresh)
+                    .map_err(store_err(context))?;
+                first_claims(&keys, fresh.into_iter().collect())
             }
             Keys::Uuid(keys) => {
-                let fresh: HashSet<Uuid> = sqlx::query_scalar(AssertSqlSafe(sql("uuid[]")))
-                    .bind(&keys)
+                let query = sqlx::query_scalar::<_, Vec<Uuid>>(AssertSqlSafe(sql));
+                let query = match keys.as_slice() {
+                    [one] => query.bind(*one),
+                    _ => query.bind(&keys),
+                };
+                let fresh = query
                     .bind(consumer_id)
-                    .fetch_all(&mut **tx)
+                    .fetch_one(&mut **tx)
                     .await
-                    .map_err(store_err("claiming message IDs"))?
-                    .into_iter()
-                    .collect();
-                first_claims(&keys, fresh)
+                    .map_err(store_err(context))?;
+                first_claims(&keys, fresh.into_iter().collect())
             }
         })
     }
@@ -481,15 +503,22 @@ impl InboxStore for PgInbox {
         }
     }
 
-    /// Bounds every statement of the inbox transaction by `timeout` as
-    /// [`statement_timeout`](Self::statement_timeout) does (the shorter of the two counts),
-    /// sent with `BEGIN` in the same round-trip. A handler cut off by the consumer's handler
-    /// timeout is only dropped: sqlx sends no cancel request, and the rollback after it waits
-    /// for the handler's statement to end. A statement waiting on a row lock another session
-    /// holds would keep the consumer waiting, with its own locks held, until that lock is
-    /// released; the server now cancels it after `timeout` at the latest.
+    /// Bounds every statement of the inbox transaction after the claim by `timeout` as
+    /// [`statement_timeout`](Self::statement_timeout) does (the shorter of the two counts). A
+    /// handler cut off by the consumer's handler timeout is only dropped: sqlx sends no cancel
+    /// request, and the rollback after it waits for the handler's statement to end. A statement
+    /// waiting on a row lock another session holds would keep the consumer waiting, with its own
+    /// locks held, until that lock is released; the server now cancels it after `timeout` at
+    /// the latest.
+    ///
+    /// The claim itself runs under the store's own [`lock_timeout`](Self::lock_timeout) and
+    /// [`statement_timeout`](Self::statement_timeout) only: waiting on a peer's uncommitted
+    /// claim of the same ID is no handler's doing, and cut off it would count against the
+    /// message while the peer goes on. The claim statement sets the handler's bound for the
+    /// statements after it (`set_config('statement_timeout', …, true)`), in its own
+    /// round-trip.
     fn set_handler_timeout(&mut self, timeout: Duration) {
         self.handler_timeout = Some(timeout);
-        self.begin = self.begin_statement();
+        self.handler_bound = self.handler_bound();
     }
 }

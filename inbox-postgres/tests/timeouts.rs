@@ -247,3 +247,72 @@ async fn a_handler_waiting_on_a_row_lock_is_cut_off_by_the_handler_timeout() {
     holder.rollback().await.unwrap();
     db.drop().await;
 }
+
+/// A claim waiting on a peer's uncommitted row (the broker handed the message out again after a
+/// visibility expiry or a rebalance while the peer still works on it) waits as long as the
+/// store's own timeouts allow, not the handler timeout: it is not the handler's statement. Cut
+/// off by the handler's bound, it would count as the message's failure and dead-letter it while
+/// the peer goes on: here "freed" would never be applied, and "taken", which the peer commits,
+/// would be both applied and parked.
+#[tokio::test]
+async fn a_claim_waiting_on_a_peer_is_not_cut_off_by_the_handler_timeout() {
+    const HELD: Duration = Duration::from_secs(4);
+    let db = TestDb::new().await;
+    let peer_store = db.inbox();
+    let mut freed_by = peer_store.begin().await.unwrap();
+    let freed = MessageId::new("freed").unwrap();
+    assert!(peer_store
+        .claim(&mut freed_by, "wallet", &freed)
+        .await
+        .unwrap());
+    let mut taken_by = peer_store.begin().await.unwrap();
+    let taken = MessageId::new("taken").unwrap();
+    assert!(peer_store
+        .claim(&mut taken_by, "wallet", &taken)
+        .await
+        .unwrap());
+
+    let broker = MemoryBroker::new();
+    wallet::publish_credit(&broker, "freed", 1, 1);
+    wallet::publish_credit(&broker, "taken", 1, 1);
+    let run = tokio::spawn(
+        Consumer::new(
+            "wallet",
+            broker.source(),
+            db.inbox(),
+            Credit::new(db.pool.clone()),
+        )
+        .handler_timeout(Duration::from_millis(300))
+        .run_until_idle(),
+    );
+    tokio::time::sleep(HELD).await;
+    // The one peer gives up its claim, the other commits it.
+    freed_by.rollback().await.unwrap();
+    taken_by.commit().await.unwrap();
+    let stats = tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .expect("the run ends once the rows are free")
+        .unwrap()
+        .unwrap();
+
+    let dead = broker.dead_letters();
+    assert!(
+        dead.is_empty(),
+        "dead-lettered while a peer held the row: {:?}",
+        dead.iter()
+            .map(|(m, reason)| (m.id.as_ref().ok().map(MessageId::as_str), reason))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        (stats.applied, stats.skipped_duplicates),
+        (1, 1),
+        "{stats:?}"
+    );
+    assert_eq!(wallet::applied(&db.pool).await, 1);
+    let summary = wallet::summary(&db.pool).await.unwrap();
+    assert_eq!(
+        summary.total_balance, 1,
+        "freed applied once, taken by its peer"
+    );
+    db.drop().await;
+}
