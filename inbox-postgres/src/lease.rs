@@ -41,7 +41,9 @@ pub const DEFAULT_LEASE_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 ///   written in it can commit. The update holds the row lock until commit, so a new lease
 ///   cannot be taken while the done transaction is open; and the same statement sets the
 ///   transaction's `statement_timeout` to what is left of the lease (or keeps a shorter one),
-///   so a statement of the handler's `record` cannot hold the row past the lease.
+///   so a statement of the handler's `record` cannot hold the row past the lease. The update
+///   waits for a row another transaction keeps locked at most [`PgLeases::lock_timeout`], then
+///   fails as a retryable error; so does **releasing** a lease.
 /// - Leases and done marks use the database clock (`now()`), one clock for every consumer.
 ///
 /// Keep done rows as long as the broker can redeliver, as for the inbox: purge them with
@@ -128,10 +130,16 @@ impl PgLeases {
     /// statement, a done mark until its transaction commits; one that stays open longer (a
     /// zombie paused before `COMMIT`, a `record` that hangs) makes the lease answer
     /// [`Acquired::Busy`] after this wait, to be tried again after the rest of the row's lease
-    /// or this wait, whichever is longer.
+    /// or this wait, whichever is longer. A release or a done mark behind such a row fails
+    /// after this wait with a retryable error instead of holding up the consumer.
     pub fn lock_timeout(mut self, timeout: Duration) -> Self {
         self.lock_timeout = timeout.max(Duration::from_millis(1));
         self
+    }
+
+    /// [`PgLeases::lock_timeout`] in milliseconds, as `set_config` takes it.
+    fn lock_timeout_ms(&self) -> String {
+        self.lock_timeout.as_millis().to_string()
     }
 
     /// The lease table.
@@ -331,7 +339,7 @@ impl LeaseStore for PgLeases {
         );
         // A row found neither leasable nor there (purged between the two statements) is
         // looked at again; a done row is the only kind a purge removes, so this ends.
-        let lock_ms = self.lock_timeout.as_millis().to_string();
+        let lock_ms = self.lock_timeout_ms();
         for _ in 0..3 {
             let leased: Option<(i64, i64, i32, f64)> =
                 match sqlx::query_as(AssertSqlSafe(sql.as_str()))
@@ -378,10 +386,13 @@ impl LeaseStore for PgLeases {
     ) -> Result<bool, StoreError> {
         let consumer_id = self.inbox.consumer_id(consumer).await?;
         let key = self.key(consumer, id)?;
+        // The lock timeout as in `acquire`, set inside the statement before it waits on the
+        // row: a row another transaction keeps locked ends the release as a retryable error.
         let done = sqlx::query(AssertSqlSafe(format!(
             "UPDATE {t} SET locked_until = now(),
                  clean_token = CASE WHEN $4 THEN token ELSE clean_token END,
                  attempts = CASE WHEN $5 THEN 0 ELSE attempts END
+             FROM (SELECT set_config('lock_timeout', $6, true)) AS bounded
              WHERE {row} AND token = $3 AND done_at IS NULL",
             t = self.table,
             row = self.row()
@@ -391,6 +402,7 @@ impl LeaseStore for PgLeases {
         .bind(i64::try_from(token).unwrap_or(i64::MAX))
         .bind(release.not_applied)
         .bind(release.dead_lettered)
+        .bind(self.lock_timeout_ms())
         .execute(self.inbox.pool())
         .await
         .map_err(store_err("releasing a lease"))?;
@@ -413,20 +425,26 @@ impl LeaseStore for PgLeases {
         // The CASE runs the raising function only when no row matched (it is volatile, so it
         // is not evaluated ahead of time). When a row matched, the rest of the transaction
         // gets what is left of the lease as its statement timeout, unless it has a shorter
-        // one: `lease` reads the row as it was before the update.
+        // one: `lease` reads the row as it was before the update. The update waits for a row
+        // another transaction keeps locked at most the lock timeout (`bounded`, set before the
+        // wait), a retryable error after it; the transaction's own lock timeout is put back
+        // for the handler's `record`.
         let sql = format!(
             "WITH lease AS (
                  SELECT greatest(ceil(extract(epoch FROM locked_until - clock_timestamp()) * 1000), 1)::bigint AS ms
                  FROM {t} WHERE {row} AND token = $3 AND done_at IS NULL),
              done AS (
                  UPDATE {t} SET done_at = now(), locked_until = now()
+                 FROM (SELECT current_setting('lock_timeout') AS before,
+                              set_config('lock_timeout', $4, true)) AS bounded
                  WHERE {row} AND token = $3 AND done_at IS NULL
-                 RETURNING 1)
+                 RETURNING bounded.before)
              SELECT CASE WHEN EXISTS (SELECT 1 FROM done)
                  THEN set_config('statement_timeout', coalesce(
                      (SELECT least(lease.ms, nullif(s.setting::bigint, 0))::text
                       FROM lease, pg_settings s WHERE s.name = 'statement_timeout'),
                      current_setting('statement_timeout')), true) IS NOT NULL
+                   AND set_config('lock_timeout', (SELECT before FROM done), true) IS NOT NULL
                  ELSE {fenced}($3) END",
             t = self.table,
             row = self.row(),
@@ -436,6 +454,7 @@ impl LeaseStore for PgLeases {
             .bind(&key)
             .bind(consumer_id)
             .bind(i64::try_from(token).unwrap_or(i64::MAX))
+            .bind(self.lock_timeout_ms())
             .fetch_one(&mut **tx)
             .await;
         match marked {

@@ -11,8 +11,10 @@ use std::time::{Duration, Instant};
 
 use common_effects::*;
 use inbox_conformance::provider::ProviderMode;
-use inbox_core::effect::{Acquired, Effect, EffectHandler, Landed, LeaseStore, OnUnknown, Settled};
-use inbox_core::{async_trait, Consumer, HandlerError, Message};
+use inbox_core::effect::{
+    Acquired, Effect, EffectHandler, Landed, LeaseStore, OnUnknown, Release, Settled,
+};
+use inbox_core::{async_trait, Consumer, HandlerError, Message, Recovery};
 use inbox_postgres::PgTx;
 use inbox_testkit::{eventually, fast_retry, MemoryBroker};
 
@@ -174,5 +176,79 @@ async fn a_record_waiting_on_a_row_lock_is_cut_off_when_its_lease_ends() {
     assert!(env.sent("stuck").await.is_empty());
     assert!(!env.row("stuck").await.2, "stuck is not marked done");
     holder.rollback().await.unwrap();
+    env.db.drop().await;
+}
+
+/// `release` and `complete` behind a lease row another session keeps locked (a zombie's done
+/// transaction paused before `COMMIT`, an operator's open `SELECT … FOR UPDATE`) end with a
+/// retryable error after the lease store's lock timeout, instead of holding the consumer until
+/// that session ends; once the row is free they work.
+#[tokio::test]
+async fn release_and_complete_behind_a_locked_row_fail_retryably_instead_of_waiting() {
+    let env = Env::new(ProviderMode::Keys).await;
+    let leases = &env.leases;
+    let evt = id("evt-1");
+    let Acquired::Leased(lease) = leases.acquire(CONSUMER, &evt, LEASE).await.unwrap() else {
+        panic!("a new row is leased")
+    };
+    let mut holder = env.db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM inbox_effects WHERE message_id = 'evt-1' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let release = Release {
+        not_applied: true,
+        dead_lettered: false,
+    };
+
+    let started = Instant::now();
+    let released =
+        tokio::time::timeout(HUNG, leases.release(CONSUMER, &evt, lease.token, release)).await;
+    let Ok(released) = released else {
+        panic!("release still waited on the locked row after {HUNG:?}")
+    };
+    let err = released.expect_err("the row stays locked");
+    assert_eq!(err.recovery(), Recovery::Retry, "{err}");
+    eprintln!("release gave up after {:?}: {err}", started.elapsed());
+
+    let mut done = leases.begin().await.unwrap();
+    let started = Instant::now();
+    let completed = tokio::time::timeout(
+        HUNG,
+        leases.complete(&mut done, CONSUMER, &evt, lease.token),
+    )
+    .await;
+    let Ok(completed) = completed else {
+        panic!("complete still waited on the locked row after {HUNG:?}")
+    };
+    let err = completed.expect_err("the row stays locked");
+    assert_eq!(err.recovery(), Recovery::Retry, "{err}");
+    eprintln!("complete gave up after {:?}: {err}", started.elapsed());
+    done.rollback().await.unwrap();
+    assert_eq!(env.row("evt-1").await, (1, 1, false), "nothing changed");
+
+    holder.rollback().await.unwrap();
+    assert!(leases
+        .release(CONSUMER, &evt, lease.token, release)
+        .await
+        .unwrap());
+    let Acquired::Leased(next) = leases.acquire(CONSUMER, &evt, LEASE).await.unwrap() else {
+        panic!("a released row is leased again")
+    };
+    let mut done = leases.begin().await.unwrap();
+    assert!(leases
+        .complete(&mut done, CONSUMER, &evt, next.token)
+        .await
+        .unwrap());
+    let after: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+        .fetch_one(&mut *done)
+        .await
+        .unwrap();
+    assert_eq!(
+        after, "0",
+        "the handler's record keeps the transaction's lock timeout"
+    );
+    done.commit().await.unwrap();
+    assert_eq!(env.row("evt-1").await, (2, 2, true));
     env.db.drop().await;
 }
