@@ -12,6 +12,7 @@ use crate::config::Settings;
 use crate::connection::Conn;
 use crate::reply::{self, Fields};
 use crate::source::rebuild_fields;
+use crate::sweep::{Mark, Reported};
 use crate::{Error, Result};
 
 /// Acknowledges one stream entry: `XACK <stream> <group> <entry ID>`, which removes it from the
@@ -28,12 +29,15 @@ use crate::{Error, Result};
 /// When it fails the entry stays pending and comes back as after a nack.
 ///
 /// [`Ack::redeliver`] also leaves the entry pending, for the delay asked: it marks the entry in
-/// the hash `<stream>:<group>:redeliveries` (entry ID to `<redelivery count>:<delay in ms>`),
-/// then restarts its idle time (`XCLAIM … 0 <entry ID> JUSTID`, which leaves the delivery count
-/// alone). While that hash holds any entry, the source's claim sweep lists the pending entries
-/// with `XPENDING` instead of `XAUTOCLAIM`ing them, and claims a marked entry only once it has
-/// been idle for its delay (any other once idle for `claim_idle`), with `XCLAIM` and that
-/// minimum idle time, so two sweeps cannot both take it. The claimed copy reports the count in
+/// the hash `<stream>:<group>:redeliveries` (entry ID to `<redelivery count>:<delay in
+/// ms>:<delivery count>`, a [`Mark`]), then restarts its idle time (`XCLAIM … 0 <entry ID>
+/// JUSTID`, which leaves the delivery count alone). While that hash holds any entry, the
+/// source's claim sweep lists the pending entries with `XPENDING` instead of `XAUTOCLAIM`ing
+/// them, and claims a marked entry once it has been idle for its delay, with `XCLAIM` and that
+/// minimum idle time, so two sweeps cannot both take it. That claim raises the delivery count
+/// past the mark's: the delayed copy is out, and from then on the entry is claimed only once
+/// idle for `claim_idle`, like any other, however long its handler takes (see
+/// [`crate::sweep`]). Every later copy reports the redelivery count in
 /// [`Metadata::redeliveries`](inbox_core::Metadata::redeliveries); the mark is deleted when the
 /// entry is acked or dead-lettered. The entry never leaves the stream or its pending list, so
 /// other groups see nothing and a crash loses nothing; a consumer that reconnects rereads its
@@ -43,18 +47,23 @@ pub struct RedisStreamAck {
     conn: Conn,
     settings: Arc<Settings>,
     entry_id: String,
-    /// Times the entry was handed back under a redelivery schedule: when above 0, settling it
-    /// deletes its mark.
-    pub(crate) redeliveries: u32,
+    /// What this copy reported: its delivery count goes into the mark of a hand-back, and
+    /// when its redelivery count is above 0, settling it deletes its mark.
+    reported: Reported,
 }
 
 impl RedisStreamAck {
-    pub(crate) fn new(conn: Conn, settings: Arc<Settings>, entry_id: String) -> Self {
+    pub(crate) fn new(
+        conn: Conn,
+        settings: Arc<Settings>,
+        entry_id: String,
+        reported: Reported,
+    ) -> Self {
         Self {
             conn,
             settings,
             entry_id,
-            redeliveries: 0,
+            reported,
         }
     }
 
@@ -170,7 +179,7 @@ pub(crate) async fn xack(conn: &mut Conn, s: &Settings, ids: &[String]) -> Resul
 impl Ack for RedisStreamAck {
     async fn ack(mut self) -> Result<(), SourceError> {
         xack(&mut self.conn, &self.settings, &[self.entry_id.clone()]).await?;
-        if self.redeliveries > 0 {
+        if self.reported.redeliveries > 0 {
             Self::unmark(&self.conn, &self.settings, &[&self.entry_id]).await;
         }
         Ok(())
@@ -185,7 +194,7 @@ impl Ack for RedisStreamAck {
     ) -> Result<(), SourceError> {
         let s = &self.settings;
         let key = s.redeliveries_key();
-        let mark = format!("{}:{}", redelivery + 1, delay.as_millis().max(1));
+        let mark = Mark::new(redelivery + 1, delay, self.reported.delivery_count).to_string();
         let _: i64 = self
             .conn
             .idempotent(redis::cmd("HSET").arg(&key).arg(&self.entry_id).arg(mark))
@@ -216,7 +225,7 @@ impl Ack for RedisStreamAck {
     /// `XADD` to the dead-letter stream and `XACK` in one script; see the type's docs.
     async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {
         self.park(message, reason).await?;
-        if self.redeliveries > 0 {
+        if self.reported.redeliveries > 0 {
             Self::unmark(&self.conn, &self.settings, &[&self.entry_id]).await;
         }
         Ok(())
@@ -226,7 +235,7 @@ impl Ack for RedisStreamAck {
     async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {
         let mut groups: Vec<(Arc<Settings>, Conn, Vec<String>, Vec<String>)> = Vec::new();
         for ack in acks {
-            let marked = ack.redeliveries > 0;
+            let marked = ack.reported.redeliveries > 0;
             let same = groups.iter().position(|(s, _, _, _)| {
                 s.stream == ack.settings.stream && s.group == ack.settings.group
             });

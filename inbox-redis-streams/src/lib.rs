@@ -87,7 +87,9 @@
 //!   [`RetryPolicy::redeliver_after`](inbox_core::RetryPolicy::redeliver_after)) leaves the
 //!   entry pending too, marked with its count and delay in the hash
 //!   `<stream>:<group>:redeliveries`, its idle time restarted; the claim sweep takes a marked
-//!   entry only once it has been idle for its delay. See [`RedisStreamAck`].
+//!   entry once it has been idle for its delay. That copy then belongs to its consumer like any
+//!   other: taken over only after `claim_idle`, however long its handler runs past the delay.
+//!   See [`RedisStreamAck`] and [`sweep`].
 //! - **Dead letter** ([`RedisStreamAck`]'s [`Ack::dead_letter`](inbox_core::Ack::dead_letter)):
 //!   `XADD <stream>:dlq * <original fields…> reason <text> original_source <stream>
 //!   original_position <entry ID>` (the names of [`inbox_core::dead_letter`]; the dead-letter
@@ -184,6 +186,7 @@ mod error;
 mod producer;
 mod reply;
 mod source;
+pub mod sweep;
 
 pub use ack::RedisStreamAck;
 pub use config::RedisStreamSourceBuilder;

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 
 use redis::Value;
 
+use crate::sweep::Pending;
 use crate::{Error, Result};
 
 /// A stream entry's fields, in the order they were added.
@@ -133,30 +134,37 @@ pub(crate) fn pending_counts(value: Value) -> Result<HashMap<String, u32>> {
     Ok(counts)
 }
 
-/// `XPENDING key group start end count` rows: each entry's ID and idle time in milliseconds.
-pub(crate) fn pending_idle(value: Value) -> Result<Vec<(String, u64)>> {
+/// `XPENDING key group start end count` rows: each entry's ID, idle time in milliseconds and
+/// delivery count.
+pub(crate) fn pending_rows(value: Value) -> Result<Vec<Pending>> {
     const CMD: &str = "XPENDING";
     let Value::Array(rows) = value else {
         return Err(Error::reply(CMD, format!("not an array: {value:?}")));
     };
-    let mut idle = Vec::with_capacity(rows.len());
+    let number = |what: &str, v: Value| -> Result<u64> {
+        match v {
+            Value::Int(n) => Ok(u64::try_from(n).unwrap_or(0)),
+            other => text(CMD, other)?
+                .parse()
+                .map_err(|e| Error::reply(CMD, format!("{what}: {e}"))),
+        }
+    };
+    let mut pending = Vec::with_capacity(rows.len());
     for row in rows {
         let Value::Array(row) = row else {
             return Err(Error::reply(CMD, format!("row is not an array: {row:?}")));
         };
         let mut row = row.into_iter();
-        let (Some(id), Some(ms)) = (row.next(), row.nth(1)) else {
-            return Err(Error::reply(CMD, "row has fewer than 3 elements"));
+        let (Some(id), Some(ms), Some(count)) = (row.next(), row.nth(1), row.next()) else {
+            return Err(Error::reply(CMD, "row has fewer than 4 elements"));
         };
-        let ms = match ms {
-            Value::Int(n) => u64::try_from(n).unwrap_or(0),
-            other => text(CMD, other)?
-                .parse()
-                .map_err(|e| Error::reply(CMD, format!("idle time: {e}")))?,
-        };
-        idle.push((text(CMD, id)?, ms));
+        pending.push(Pending {
+            id: text(CMD, id)?,
+            idle_ms: number("idle time", ms)?,
+            delivery_count: u32::try_from(number("delivery count", count)?).unwrap_or(u32::MAX),
+        });
     }
-    Ok(idle)
+    Ok(pending)
 }
 
 /// The entries of a list, and how many of its elements were a bare nil instead of an entry.
@@ -323,6 +331,14 @@ mod tests {
             Value::Int(1200),
             Value::Int(4),
         ])]);
-        assert_eq!(pending_counts(pending).expect("parses")["3-0"], 4);
+        assert_eq!(pending_counts(pending.clone()).expect("parses")["3-0"], 4);
+        assert_eq!(
+            pending_rows(pending).expect("parses"),
+            [Pending {
+                id: "3-0".into(),
+                idle_ms: 1200,
+                delivery_count: 4
+            }]
+        );
     }
 }

@@ -15,6 +15,7 @@ use tracing::{debug, error, info, warn};
 use crate::config::{RedisStreamSourceBuilder, Settings};
 use crate::connection::Conn;
 use crate::reply::{self, Entry, Fields};
+use crate::sweep::{Reported, Sweep};
 use crate::{Error, RedisStreamAck, Result, PAYLOAD_FIELD};
 
 mod claim;
@@ -39,8 +40,8 @@ pub struct RedisStreamSource {
     commands: Conn,
     /// Where the reread of our own pending list goes on; `None` once it is drained.
     history: Option<String>,
-    /// Where the `XAUTOCLAIM` sweep goes on.
-    claim_cursor: String,
+    /// Where the sweep over the pending list goes on, and what it claims.
+    sweep: Sweep,
     next_claim: Instant,
     /// Connections made so far, reads and commands: when it grows, one was lost.
     connections: u64,
@@ -65,12 +66,13 @@ impl RedisStreamSource {
     }
 
     pub(crate) async fn start(settings: Settings, reader: Conn, commands: Conn) -> Result<Self> {
+        let sweep = Sweep::new(settings.claim_idle);
         let mut source = Self {
             settings: Arc::new(settings),
             reader,
             commands,
             history: Some("0".to_owned()),
-            claim_cursor: "0-0".to_owned(),
+            sweep,
             next_claim: Instant::now(),
             connections: 0,
         };
@@ -156,7 +158,7 @@ impl RedisStreamSource {
             }
         }
         if Instant::now() >= self.next_claim {
-            let start = self.claim_cursor.clone();
+            let start = self.sweep.cursor().to_owned();
             let reply = if self.any_delayed().await? {
                 self.claim_due(max).await?
             } else {
@@ -172,7 +174,7 @@ impl RedisStreamSource {
             .await?;
         Ok(entries
             .into_iter()
-            .filter_map(|entry| self.delivery(entry, Some(1)))
+            .filter_map(|entry| self.delivery(entry, Reported::new(Some(1), None)))
             .collect())
     }
 
@@ -241,12 +243,7 @@ impl RedisStreamSource {
             .zip(marks)
             .filter_map(|(entry, mark)| {
                 let count = counts.get(&entry.id).copied();
-                let mut delivery = self.delivery(entry, count)?;
-                if let Some((n, _)) = mark {
-                    delivery.message.meta.redeliveries = n;
-                    delivery.ack.redeliveries = n;
-                }
-                Some(delivery)
+                self.delivery(entry, Reported::new(count, mark.as_ref()))
             })
             .collect())
     }
@@ -276,14 +273,15 @@ impl RedisStreamSource {
         reply::pending_counts(value)
     }
 
-    fn delivery(
-        &self,
-        entry: Entry,
-        delivery_count: Option<u32>,
-    ) -> Option<Delivery<RedisStreamAck>> {
+    fn delivery(&self, entry: Entry, reported: Reported) -> Option<Delivery<RedisStreamAck>> {
         let fields = entry.fields?;
-        let message = to_message(&self.settings, &entry.id, fields, delivery_count);
-        let ack = RedisStreamAck::new(self.commands.clone(), Arc::clone(&self.settings), entry.id);
+        let message = to_message(&self.settings, &entry.id, fields, reported);
+        let ack = RedisStreamAck::new(
+            self.commands.clone(),
+            Arc::clone(&self.settings),
+            entry.id,
+            reported,
+        );
         Some(Delivery { message, ack })
     }
 }
@@ -325,12 +323,7 @@ impl MessageSource for RedisStreamSource {
 
 /// Turns a stream entry into a [`Message`]: the ID field is the ID, `payload` the body, every
 /// other field a header, in entry order.
-fn to_message(
-    settings: &Settings,
-    entry_id: &str,
-    fields: Fields,
-    delivery_count: Option<u32>,
-) -> Message {
+fn to_message(settings: &Settings, entry_id: &str, fields: Fields, reported: Reported) -> Message {
     let id = settings.id_from.read(&EntryFields(&fields));
     // The ID field named as a header is not repeated among the headers; `rebuild_fields` puts
     // it back first.
@@ -352,8 +345,9 @@ fn to_message(
     let meta = &mut message.meta;
     meta.source = settings.stream.clone();
     meta.position = entry_id.to_owned();
-    meta.delivery_count = delivery_count;
-    meta.redelivered = delivery_count.is_some_and(|n| n > 1);
+    meta.delivery_count = reported.delivery_count;
+    meta.redelivered = reported.redelivered;
+    meta.redeliveries = reported.redeliveries;
     // One stream, one order: no lane.
     meta.timestamp = entry_time(entry_id);
     message
@@ -440,7 +434,7 @@ mod tests {
             (b"event_id".to_vec(), b"evt-1".to_vec()),
             (b"payload".to_vec(), b"{}".to_vec()),
         ];
-        let m = to_message(&settings(), "5-0", fields, Some(3));
+        let m = to_message(&settings(), "5-0", fields, Reported::new(Some(3), None));
         assert_eq!(m.id.as_ref().map(|id| id.as_str()), Ok("evt-1"));
         assert_eq!(m.payload, b"{}");
         assert_eq!(m.header("trace"), Some(&b"t1"[..]));
@@ -457,7 +451,7 @@ mod tests {
             &settings(),
             "6-0",
             vec![(b"payload".to_vec(), b"x".to_vec())],
-            Some(1),
+            Reported::new(Some(1), None),
         );
         assert_eq!(
             no_id.id.expect_err("refused").to_string(),

@@ -1,7 +1,6 @@
 //! Recovery of dead consumers' entries: the `XAUTOCLAIM` sweep, and claimed entries that were
 //! trimmed or deleted from the stream before anyone applied them.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use inbox_core::Delivery;
@@ -11,6 +10,7 @@ use tracing::{info, warn};
 
 use super::RedisStreamSource;
 use crate::reply::{self, Entry};
+use crate::sweep::{entry_id_key, Mark};
 use crate::{Error, RedisStreamAck, Result};
 
 impl RedisStreamSource {
@@ -25,7 +25,7 @@ impl RedisStreamSource {
                     .arg(&s.group)
                     .arg(&s.consumer)
                     .arg(s.claim_idle.as_millis() as u64)
-                    .arg(&self.claim_cursor)
+                    .arg(self.sweep.cursor())
                     .arg("COUNT")
                     .arg(max),
             )
@@ -46,12 +46,9 @@ impl RedisStreamSource {
         Ok(n > 0)
     }
 
-    /// The redelivery marks of `ids` ([`Settings::redeliveries_key`](crate::config::Settings)):
-    /// for each, its redelivery count and delay, when it was handed back under a schedule.
-    pub(super) async fn redelivery_marks(
-        &mut self,
-        ids: &[&str],
-    ) -> Result<Vec<Option<(u32, u64)>>> {
+    /// The redelivery marks of `ids` ([`Settings::redeliveries_key`](crate::config::Settings)),
+    /// for those handed back under a schedule.
+    pub(super) async fn redelivery_marks(&mut self, ids: &[&str]) -> Result<Vec<Option<Mark>>> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
@@ -61,59 +58,37 @@ impl RedisStreamSource {
             .idempotent(redis::cmd("HMGET").arg(&key).arg(ids))
             .await
             .map_err(|e| Error::redis(format!("HMGET {key}"), e))?;
-        Ok(values
-            .into_iter()
-            .map(|v| {
-                let v = v?;
-                let (n, ms) = v.split_once(':')?;
-                Some((n.parse().ok()?, ms.parse().ok()?))
-            })
-            .collect())
+        Ok(values.into_iter().map(|v| Mark::parse(&v?)).collect())
     }
 
     /// One step of the sweep while entries wait under a redelivery schedule: `XPENDING` from
-    /// `claim_cursor` lists pending entries with their idle times; an entry is due once idle
-    /// for its redelivery delay (which [`Ack::redeliver`](inbox_core::Ack::redeliver) restarted
-    /// at the hand-back), any other once idle for `claim_idle`; the due ones are claimed with
-    /// `XCLAIM`, whose minimum idle time keeps two sweeps from both taking one. The reply has
-    /// `XAUTOCLAIM`'s shape, for [`RedisStreamSource::deliver_claimed`].
+    /// the sweep's cursor lists pending entries with their idle times and delivery counts, and
+    /// [`Sweep::due`](crate::sweep::Sweep::due) picks those to claim: a marked entry whose
+    /// delayed copy is not out yet once idle for its delay (which
+    /// [`Ack::redeliver`](inbox_core::Ack::redeliver) restarted at the hand-back), any other once
+    /// idle for `claim_idle`. They are claimed with `XCLAIM` and that minimum idle time, which
+    /// keeps two sweeps from both taking one. The reply has `XAUTOCLAIM`'s shape, for
+    /// [`RedisStreamSource::deliver_claimed`].
     pub(super) async fn claim_due(&mut self, max: usize) -> Result<Value> {
         let s = Arc::clone(&self.settings);
-        let start = if self.claim_cursor == "0-0" {
-            "-".to_owned()
-        } else {
-            self.claim_cursor.clone()
-        };
         let rows: Value = self
             .commands
             .idempotent(
                 redis::cmd("XPENDING")
                     .arg(&s.stream)
                     .arg(&s.group)
-                    .arg(&start)
+                    .arg(self.sweep.range_start())
                     .arg("+")
                     .arg(max),
             )
             .await
             .map_err(|e| Error::redis(format!("XPENDING on stream {}", s.stream), e))?;
-        let rows = reply::pending_idle(rows)?;
-        let cursor = match rows.last() {
-            Some((last, _)) if rows.len() >= max => next_id(last),
-            _ => "0-0".to_owned(),
-        };
-        let ids: Vec<&str> = rows.iter().map(|(id, _)| id.as_str()).collect();
+        let rows = reply::pending_rows(rows)?;
+        let ids: Vec<&str> = rows.iter().map(|row| row.id.as_str()).collect();
         let marks = self.redelivery_marks(&ids).await?;
-        let claim_idle = s.claim_idle.as_millis() as u64;
-        // Due entries by the idle time they must have, so one XCLAIM per distinct delay.
-        let mut due: BTreeMap<u64, Vec<&str>> = BTreeMap::new();
-        for ((id, idle), mark) in rows.iter().zip(&marks) {
-            let needed = mark.map_or(claim_idle, |(_, delay)| delay);
-            if *idle >= needed {
-                due.entry(needed).or_default().push(id);
-            }
-        }
+        let due = self.sweep.due(&rows, &marks, max);
         let mut entries = Vec::new();
-        for (min_idle, ids) in due {
+        for (min_idle, ids) in &due.claims {
             let claimed: Value = self
                 .commands
                 .idempotent(
@@ -121,8 +96,8 @@ impl RedisStreamSource {
                         .arg(&s.stream)
                         .arg(&s.group)
                         .arg(&s.consumer)
-                        .arg(min_idle)
-                        .arg(&ids),
+                        .arg(*min_idle)
+                        .arg(ids),
                 )
                 .await
                 .map_err(|e| Error::redis(format!("XCLAIM on stream {}", s.stream), e))?;
@@ -131,7 +106,7 @@ impl RedisStreamSource {
             }
         }
         Ok(Value::Array(vec![
-            Value::BulkString(cursor.into_bytes()),
+            Value::BulkString(due.cursor.into_bytes()),
             Value::Array(entries),
             Value::Array(Vec::new()),
         ]))
@@ -148,11 +123,10 @@ impl RedisStreamSource {
     ) -> Result<Vec<Delivery<RedisStreamAck>>> {
         let claimed = reply::autoclaim_reply(value)?;
         let s = &self.settings;
-        if claimed.cursor == "0-0" {
+        if self.sweep.advance(&claimed.cursor) {
             // Sweep finished; the next one starts from the beginning after the interval.
             self.next_claim = Instant::now() + s.claim_interval;
         }
-        self.claim_cursor = claimed.cursor.clone();
         if !claimed.entries.is_empty() {
             info!(consumer = %s.consumer, stream = %s.stream, entries = claimed.entries.len(), "claimed idle pending entries");
         }
@@ -215,22 +189,6 @@ impl RedisStreamSource {
         }
         Ok(())
     }
-}
-
-/// The smallest entry ID after `id`, for a sweep cursor (inclusive, as `XAUTOCLAIM`'s is).
-fn next_id(id: &str) -> String {
-    let (ms, seq) = entry_id_key(id);
-    match seq.checked_add(1) {
-        Some(seq) => format!("{ms}-{seq}"),
-        None => format!("{}-0", ms.saturating_add(1)),
-    }
-}
-
-/// A stream entry ID as numbers, for ordering (`10-0` after `9-0`); an ID that does not parse
-/// sorts first.
-fn entry_id_key(id: &str) -> (u64, u64) {
-    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
-    (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
 }
 
 #[cfg(test)]
