@@ -268,3 +268,61 @@ async fn a_failed_dead_letter_sends_the_rest_of_the_lane_back_behind_it() {
     assert_eq!(broker.dead_letters().len(), 1);
     assert_eq!(store.state().await, without(&published, "b-3"));
 }
+
+/// Records each ID applied, and whether the message without an ID ahead of it in its lane was
+/// parked by then.
+struct AfterTheLetter {
+    broker: MemoryBroker,
+}
+
+#[async_trait]
+impl Handler<MemoryTx<Ledger>> for AfterTheLetter {
+    async fn handle(
+        &self,
+        tx: &mut MemoryTx<Ledger>,
+        id: &MessageId,
+        _message: &Message,
+    ) -> Result<(), HandlerError> {
+        let parked = self.broker.dead_letters().len();
+        tx.state_mut()
+            .entry(id.to_string())
+            .or_default()
+            .push(format!("{parked} parked before it"));
+        Ok(())
+    }
+}
+
+/// A message parked before its claim (here: it has no ID) whose dead letter fails is not yet
+/// dead-lettered: under strict order its lane waits until it is, and the message after it is
+/// applied only then.
+#[tokio::test]
+async fn strict_order_waits_for_a_dead_letter_that_failed() {
+    let broker = MemoryBroker::with_lanes();
+    let mut no_id = Message::new(
+        Err(inbox_core::IdError::Missing { field: "id".into() }),
+        "{}",
+    );
+    no_id.meta.lane = Some("a".into());
+    broker.publish_message(no_id);
+    let mut after = Message::new(Ok(MessageId::new("a-1").unwrap()), "{}");
+    after.meta.lane = Some("a".into());
+    broker.publish_message(after);
+    broker.fail_dead_letters(1);
+    let store = MemoryStore::<Ledger>::new();
+    let handler = AfterTheLetter {
+        broker: broker.clone(),
+    };
+    Consumer::new("strict", broker.source(), store.clone(), handler)
+        .batch_size(6)
+        .error_backoff(Duration::from_millis(1))
+        .order(Order::Strict)
+        .run_until_idle()
+        .await
+        .unwrap();
+    assert_eq!(broker.dead_letters().len(), 1);
+    assert_eq!(
+        store.state().await.get("a-1"),
+        Some(&vec!["1 parked before it".to_owned()]),
+        "a-1 was applied before the message ahead of it in its lane was parked"
+    );
+}

@@ -126,6 +126,10 @@ where
         let mut copies: Vec<(usize, MessageId, Delivery<A>)> = Vec::new();
         let mut seen = HashSet::new();
         let mut stale = 0;
+        // Strict order: a message parked before its claim whose dead letter failed is not
+        // dead-lettered yet, and came back to the broker: what follows it waits, as behind a
+        // failure.
+        let mut unparked = false;
         let mut deliveries = deliveries.into_iter().enumerate();
         while let Some((at, delivery)) = deliveries.next() {
             if delivery.ack.is_stale() {
@@ -133,28 +137,17 @@ where
                 stale += 1;
                 continue;
             }
-            let id = match &delivery.message.id {
-                Ok(id) => id.clone(),
-                Err(e) => {
-                    let reason = e.to_string();
-                    self.common.dead_letter(None, delivery, reason).await?;
+            let (id, delivery) = match self.park_before_claim(delivery).await? {
+                Ok(to_claim) => to_claim,
+                Err(parked) => {
+                    if strict && !parked {
+                        unparked = true;
+                        held.extend(deliveries.by_ref());
+                        break;
+                    }
                     continue;
                 }
             };
-            if let Err(e) = self.store.check_id(&id) {
-                let reason = format!("message ID {id:?} refused by the inbox store: {e}");
-                self.common.dead_letter(Some(&id), delivery, reason).await?;
-                continue;
-            }
-            if let (Some(limit), Some(count)) =
-                (self.max_deliveries, delivery.message.meta.delivery_count)
-            {
-                if count > limit {
-                    let reason = format!("delivered {count} times, more than the limit of {limit}");
-                    self.common.dead_letter(Some(&id), delivery, reason).await?;
-                    continue;
-                }
-            }
             if !seen.insert(id.clone()) {
                 copies.push((at, id, delivery));
                 continue;
@@ -242,7 +235,7 @@ where
             }
         }
         self.common.hand_back(handed_back).await;
-        if failed.is_empty() {
+        if failed.is_empty() && !unparked {
             return Ok(Part::Done(done));
         }
         held.sort_by_key(|(at, _)| *at);
@@ -279,11 +272,53 @@ where
                 }
             }
         }
+        if unparked {
+            self.common
+                .hand_back(held.into_iter().map(|d| d.ack).collect())
+                .await;
+            return Ok(Part::Blocked);
+        }
         Ok(if held.is_empty() {
             Part::Done(Vec::new())
         } else {
             Part::Then(held)
         })
+    }
+
+    /// Dead-letters a message that cannot be claimed: it has no ID, the store refuses its ID,
+    /// or it was delivered more often than [`Consumer::max_deliveries`](crate::Consumer::max_deliveries)
+    /// allows. `Ok(Ok(..))`: its ID and the delivery, to claim; `Ok(Err(parked))`: dead-lettered
+    /// (`true`), or its dead letter failed and it comes back from the broker (`false`).
+    async fn park_before_claim<A: Ack>(
+        &self,
+        delivery: Delivery<A>,
+    ) -> Result<Result<(MessageId, Delivery<A>), bool>> {
+        let id = match &delivery.message.id {
+            Ok(id) => id.clone(),
+            Err(e) => {
+                let reason = e.to_string();
+                return Ok(Err(self.common.dead_letter(None, delivery, reason).await?));
+            }
+        };
+        if let Err(e) = self.store.check_id(&id) {
+            let reason = format!("message ID {id:?} refused by the inbox store: {e}");
+            return Ok(Err(self
+                .common
+                .dead_letter(Some(&id), delivery, reason)
+                .await?));
+        }
+        if let (Some(limit), Some(count)) =
+            (self.max_deliveries, delivery.message.meta.delivery_count)
+        {
+            if count > limit {
+                let reason = format!("delivered {count} times, more than the limit of {limit}");
+                return Ok(Err(self
+                    .common
+                    .dead_letter(Some(&id), delivery, reason)
+                    .await?));
+            }
+        }
+        Ok(Ok((id, delivery)))
     }
 
     /// [`Inbox::apply_all`], unless shutdown cuts the work in flight short first: then the
