@@ -1,0 +1,285 @@
+//! A simulated broker as the consumer sees it: [`SimSource`] and [`SimAck`] over any
+//! [`Broker`], which keeps its broker's rules (and, where an adapter keeps bookkeeping of its
+//! own, that adapter's real state).
+
+use std::fmt::Debug;
+use std::sync::Arc;
+use std::time::Duration;
+
+use inbox_core::{
+    async_trait, Ack, Capabilities, Delivery, Message, MessageId, MessageSource, Recovery,
+    SourceError,
+};
+
+use crate::world::{world, Core, Shared};
+
+/// One consumer's connection to the broker.
+pub(crate) type Conn = u64;
+
+/// One delivery as the broker handed it out: what its ack handle carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Handout {
+    /// The entry, by index into [`Core::entries`].
+    pub(crate) entry: usize,
+    /// The broker's handle: a receipt, a generation, a delivery tag.
+    pub(crate) handle: u64,
+    /// The ordering lane, where the broker keeps one.
+    pub(crate) lane: Option<usize>,
+    /// `Metadata::delivery_count`, where the broker counts.
+    pub(crate) delivery_count: Option<u32>,
+    /// `Metadata::redeliveries`: the redeliveries the consumer asked for so far, as the
+    /// broker (or the adapter's bookkeeping) counted them.
+    pub(crate) redeliveries: u32,
+}
+
+/// A broker's rules: what it hands out, to whom, and what each settlement does. Every method
+/// runs under the world's lock, on the paused clock.
+pub(crate) trait Broker: Debug + Send {
+    /// What the source reports.
+    fn capabilities(&self) -> Capabilities;
+    /// A consumer connects.
+    fn connect(&mut self, core: &mut Core) -> Conn;
+    /// A consumer is gone (crashed or stopped): what it held comes back.
+    fn disconnect(&mut self, core: &mut Core, conn: Conn);
+    /// Publishes entry `i` of [`Core::entries`].
+    fn publish(&mut self, core: &mut Core, i: usize);
+    /// What the broker does on its own before a receive, when the seed says so: a visibility
+    /// timeout running out, a rebalance, an `XAUTOCLAIM`.
+    fn disturb(&mut self, core: &mut Core, conn: Conn);
+    /// Up to `max` deliveries for `conn`.
+    fn receive(&mut self, core: &mut Core, conn: Conn, max: usize) -> Vec<Handout>;
+    /// Settles the delivery; `true` when it settled the entry (not a stale handle).
+    fn ack(&mut self, core: &mut Core, conn: Conn, h: &Handout) -> bool;
+    /// Hands the delivery back.
+    fn nack(&mut self, core: &mut Core, conn: Conn, h: &Handout, retry_after: Duration);
+    /// Hands the delivery back for redelivery `redelivery + 1`, after `delay`; `false` when the
+    /// broker cannot delay one (the consumer never asks then).
+    fn redeliver(
+        &mut self,
+        core: &mut Core,
+        conn: Conn,
+        h: &Handout,
+        delay: Duration,
+        redelivery: u32,
+    ) -> bool;
+    /// Settles the delivery as dead-lettered (the letter is already kept); `true` when it
+    /// settled the entry.
+    fn dead_letter(&mut self, core: &mut Core, conn: Conn, h: &Handout) -> bool;
+    /// Whether the adapter can tell that the broker took the delivery back.
+    fn is_stale(&self, core: &Core, conn: Conn, h: &Handout) -> bool;
+    /// How many entries are neither acked nor dead-lettered.
+    fn open(&self) -> usize;
+}
+
+/// One consumer's connection.
+#[derive(Debug)]
+pub(crate) struct SimSource {
+    world: Shared,
+    conn: Conn,
+    lanes: bool,
+    capabilities: Capabilities,
+}
+
+impl SimSource {
+    pub(crate) fn connect(shared: &Shared) -> Self {
+        let mut w = world(shared);
+        let w = &mut *w;
+        let conn = w.broker.connect(&mut w.core);
+        let capabilities = w.broker.capabilities();
+        w.core.note(format!("connection {conn} opened"));
+        Self {
+            world: Arc::clone(shared),
+            conn,
+            lanes: capabilities.lanes(),
+            capabilities,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct SimAck {
+    world: Shared,
+    conn: Conn,
+    handout: Handout,
+}
+
+fn source_error(what: &str) -> SourceError {
+    SourceError::new(Recovery::Retry, what, "the simulation failed it")
+}
+
+#[async_trait]
+impl MessageSource for SimSource {
+    type Ack = SimAck;
+
+    async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<SimAck>>, SourceError> {
+        let batch = {
+            let mut w = world(&self.world);
+            let w = &mut *w;
+            let core = &mut w.core;
+            if core.fault(0.03) {
+                core.note(format!("connection {}: receive fails", self.conn));
+                return Err(source_error("receive"));
+            }
+            if core.fault(0.15) {
+                w.broker.disturb(core, self.conn);
+            }
+            let taken = w.broker.receive(core, self.conn, max);
+            let mut batch = Vec::with_capacity(taken.len());
+            for h in taken {
+                let id = core.entries[h.entry].id.clone();
+                let mut message = Message::new(Ok(MessageId::new(id).unwrap()), "");
+                message.meta.delivery_count = h.delivery_count;
+                message.meta.redelivered = h.delivery_count.is_some_and(|n| n > 1);
+                message.meta.redeliveries = h.redeliveries;
+                message.meta.position = format!("entry {} handle {}", h.entry, h.handle);
+                if self.lanes {
+                    message.meta.lane = h.lane.map(|lane| format!("lane {lane}"));
+                }
+                batch.push(Delivery {
+                    message,
+                    ack: SimAck {
+                        world: Arc::clone(&self.world),
+                        conn: self.conn,
+                        handout: h,
+                    },
+                });
+            }
+            if !batch.is_empty() {
+                let got: Vec<&str> = batch
+                    .iter()
+                    .map(|d| d.message.meta.position.as_str())
+                    .collect();
+                let line = format!("connection {} received {}", self.conn, got.join(", "));
+                core.note(line);
+            }
+            batch
+        };
+        if batch.is_empty() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(batch)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.capabilities
+    }
+}
+
+impl Drop for SimSource {
+    /// The consumer is gone: whatever it held goes back.
+    fn drop(&mut self) {
+        let mut w = world(&self.world);
+        let w = &mut *w;
+        w.broker.disconnect(&mut w.core, self.conn);
+        w.core.note(format!(
+            "connection {} closed: what it held goes back",
+            self.conn
+        ));
+    }
+}
+
+#[async_trait]
+impl Ack for SimAck {
+    async fn ack(self) -> Result<(), SourceError> {
+        let mut w = world(&self.world);
+        let w = &mut *w;
+        let i = self.handout.entry;
+        if w.core.fault(0.03) {
+            w.core.note(format!("ack entry {i} fails"));
+            return Err(source_error("ack"));
+        }
+        let settled = w.core.settled(i);
+        if w.broker.ack(&mut w.core, self.conn, &self.handout) {
+            let id = w.core.entries[i].id.clone();
+            if !settled {
+                w.core.violation(format!(
+                    "entry {i} ({id}) acked, but {id} is neither committed nor dead-lettered"
+                ));
+            }
+            w.core.note(format!("acked entry {i} ({id})"));
+        } else {
+            w.core.note(format!(
+                "ack of entry {i} with a stale handle: nothing happens"
+            ));
+        }
+        Ok(())
+    }
+
+    async fn nack(self, retry_after: Duration) -> Result<(), SourceError> {
+        let mut w = world(&self.world);
+        let w = &mut *w;
+        w.core.note(format!("nacked entry {}", self.handout.entry));
+        w.broker
+            .nack(&mut w.core, self.conn, &self.handout, retry_after);
+        Ok(())
+    }
+
+    async fn redeliver(
+        self,
+        _message: &Message,
+        delay: Duration,
+        redelivery: u32,
+    ) -> Result<(), SourceError> {
+        let mut w = world(&self.world);
+        let w = &mut *w;
+        let i = self.handout.entry;
+        if w.core.fault(0.03) {
+            // As `Ack::redeliver` promises: the delivery comes back as a nacked one does.
+            w.core
+                .note(format!("redelivery of entry {i} fails: handed back"));
+            w.broker
+                .nack(&mut w.core, self.conn, &self.handout, Duration::ZERO);
+            return Err(source_error("redeliver"));
+        }
+        let id = w.core.entries[i].id.clone();
+        let asked = w.core.redeliveries.get(&i).copied().unwrap_or(0);
+        let taken = w
+            .broker
+            .redeliver(&mut w.core, self.conn, &self.handout, delay, redelivery);
+        // The schedule goes on from where it was: a count that ran ahead skips delays (a
+        // hand-back counted as a redelivery), one that went back restarts it (the message may
+        // never reach its dead letter). One step back is allowed: a copy re-published for its
+        // delay can come beside its original, when a crash came between the two. A stale
+        // handle's request changes nothing, whatever it says.
+        if taken {
+            if redelivery > asked || redelivery + 1 < asked {
+                w.core.violation(format!(
+                    "entry {i} ({id}) handed back as redelivery {redelivery} of its schedule, \
+                     but it was handed back for a redelivery {asked} times before"
+                ));
+            }
+            w.core.redeliveries.insert(i, redelivery + 1);
+        }
+        w.core.note(format!(
+            "entry {i} ({id}) handed back as redelivery {redelivery}, due in {delay:?}"
+        ));
+        Ok(())
+    }
+
+    fn is_stale(&self) -> bool {
+        let w = world(&self.world);
+        w.broker.is_stale(&w.core, self.conn, &self.handout)
+    }
+
+    async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        let mut w = world(&self.world);
+        let w = &mut *w;
+        let i = self.handout.entry;
+        let id = message
+            .id
+            .as_ref()
+            .map(|id| id.to_string())
+            .unwrap_or_default();
+        if w.core.fault(0.1) {
+            w.core.note(format!("dead letter of entry {i} fails"));
+            w.broker
+                .nack(&mut w.core, self.conn, &self.handout, Duration::ZERO);
+            return Err(source_error("dead letter"));
+        }
+        *w.core.parked.entry(id.clone()).or_default() += 1;
+        w.core
+            .note(format!("dead-lettered entry {i} ({id}): {reason}"));
+        w.broker.dead_letter(&mut w.core, self.conn, &self.handout);
+        Ok(())
+    }
+}

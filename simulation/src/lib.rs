@@ -1,0 +1,378 @@
+//! A deterministic simulation of inbox: one seed drives every choice the brokers, the store and
+//! the handlers make, and after each run the invariants are checked.
+//!
+//! Each seed publishes a few messages (some twice, as a producer retrying would; now and then
+//! one that fails every time), picks a broker ([`brokers`]) and a store (one database or two
+//! shards, claims taking row locks, with or without a lock timeout), and runs rounds of
+//! consumers: one, or two at once in one group, each with a random batch size, lane count,
+//! retry budget, redelivery schedule, delivery limit, handler timeout and shutdown timeout,
+//! each ended by a crash at a random await point (the future is dropped: what it held unacked
+//! goes back to the broker, its open transaction rolls back), by a stop at a random time, or by
+//! running dry. Faults come throughout: receives that fail, brokers that take deliveries back
+//! (visibility timeouts, rebalances that leave a zombie working, `XAUTOCLAIM`), acks, dead
+//! letters and redeliveries that fail, stores that go down for a while (one shard at a time),
+//! claims that wait on a peer's row and time out or deadlock, commits that fail or succeed but
+//! report a lost connection, handlers that fail, panic or run past their timeout. Then the dead
+//! letters are replayed to their source, and fault-free consumers drain what is left.
+//!
+//! The invariants:
+//! - nothing is applied twice: every committed transaction applies only IDs new to the store;
+//! - no ack before the commit: a delivery is acked only when its ID is committed in the store or
+//!   its message was dead-lettered;
+//! - a redelivery schedule goes on where it was: the count the broker reports back
+//!   (`Metadata::redeliveries`) is the number of redeliveries asked for so far;
+//! - nothing is lost: once drained, every published ID is applied exactly once or sits in the
+//!   dead letters;
+//! - liveness: after the last fault, everything is applied or parked within [`SETTLE`] of
+//!   simulated time; a stall is a failing seed, not a hung test;
+//! - strict order: in a quarter of the seeds every consumer runs `Order::Strict`, and on a
+//!   broker that keeps an order each lane's entries are applied in the order published.
+//!
+//! Time is tokio's paused clock, so a seed takes well under a millisecond and replays exactly.
+
+#![allow(clippy::unwrap_used)] // a simulation fails loudly on the first surprise
+
+mod broker;
+pub mod brokers;
+mod handler;
+mod life;
+mod store;
+mod world;
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use inbox_core::{Consumer, Message, MessageId, Order, Sharded};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+use crate::broker::SimSource;
+use crate::brokers::basic::{Basic, Model};
+use crate::brokers::kafka::Kafka;
+pub use crate::handler::HANDLER_PANIC;
+use crate::handler::{SimBatch, SimHandler};
+use crate::life::{live, End, Life};
+use crate::store::SimStore;
+use crate::world::{world, Core, Published, Shared, World};
+
+/// How long the fault-free consumers at the end may take to apply or park everything, in
+/// simulated time, before the seed counts as a stall.
+pub const SETTLE: Duration = Duration::from_secs(120);
+
+/// What one seed came to: its schedule and the invariants it broke.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Run {
+    /// Every choice and event, in order.
+    pub schedule: Vec<String>,
+    /// The invariants broken, empty when none.
+    pub violations: Vec<String>,
+}
+
+/// Runs seed `seed` on a runtime of its own with a paused clock.
+pub fn simulate(seed: u64) -> Run {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    runtime.block_on(run_seed(seed))
+}
+
+/// The store a seed runs on: one database, or two shards routed by the message ID.
+#[derive(Debug, Clone)]
+enum Store {
+    One(SimStore),
+    Two(Arc<Sharded<SimStore>>),
+}
+
+/// One consumer of a round: its settings, and whether it takes the set-based handler.
+struct Member {
+    life: Life,
+    set_based: bool,
+}
+
+async fn run_member(shared: &Shared, store: &Store, member: Member) -> String {
+    let source = SimSource::connect(shared);
+    let world = Arc::clone(shared);
+    let result = match (store, member.set_based) {
+        (Store::One(store), false) => {
+            let consumer = Consumer::new("sim", source, store.clone(), SimHandler { world });
+            live(consumer, member.life).await
+        }
+        (Store::One(store), true) => {
+            let consumer = Consumer::batched("sim", source, store.clone(), SimBatch { world });
+            live(consumer, member.life).await
+        }
+        (Store::Two(store), false) => {
+            let consumer = Consumer::new("sim", source, Arc::clone(store), SimHandler { world });
+            live(consumer, member.life).await
+        }
+        (Store::Two(store), true) => {
+            let consumer = Consumer::batched("sim", source, Arc::clone(store), SimBatch { world });
+            live(consumer, member.life).await
+        }
+    };
+    match result {
+        None => "crashed".into(),
+        Some(Ok(_)) => "stopped".into(),
+        Some(Err(e)) => format!("failed: {e}"),
+    }
+}
+
+/// The settings of one consumer, drawn from the seed.
+fn draw_member(
+    core: &mut Core,
+    strict: bool,
+    lanes: usize,
+    schedule: &[Duration],
+    last: bool,
+) -> Member {
+    let rng = &mut core.rng;
+    let batch = rng.random_range(1..=6);
+    let mut parallel = rng.random_range(1..=4);
+    // Strict order on a source without lanes takes one chunk at a time.
+    if strict && lanes == 1 {
+        parallel = 1;
+    }
+    let attempts = rng.random_range(1..=3);
+    let max_deliveries = rng.random_bool(0.3).then(|| rng.random_range(2..=6));
+    let handler_timeout = rng.random_bool(0.5).then_some(Duration::from_millis(300));
+    let shutdown = Duration::from_millis(rng.random_range(0..600));
+    let end = if last {
+        End::Idle
+    } else {
+        match rng.random_range(0..3) {
+            0 => End::Crash {
+                polls: rng.random_range(1..300),
+            },
+            1 => End::Stop {
+                after: Duration::from_millis(rng.random_range(0..1_500)),
+            },
+            _ => End::Idle,
+        }
+    };
+    let set_based = rng.random_bool(0.3);
+    Member {
+        life: Life {
+            batch,
+            lanes: parallel,
+            attempts,
+            schedule: schedule.to_vec(),
+            max_deliveries,
+            handler_timeout,
+            shutdown,
+            order: if strict {
+                Order::Strict
+            } else {
+                Order::FailuresLast
+            },
+            end,
+        },
+        set_based,
+    }
+}
+
+async fn run_seed(seed: u64) -> Run {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let kind = rng.random_range(0..=Model::ALL.len());
+    let (broker, lanes, name): (Box<dyn broker::Broker>, usize, String) =
+        if kind == Model::ALL.len() {
+            (Box::new(Kafka::new()), 3, "Kafka".into())
+        } else {
+            let model = Model::ALL[kind];
+            (
+                Box::new(Basic::new(model)),
+                model.lanes(),
+                format!("{model:?}"),
+            )
+        };
+    let strict = rng.random_bool(0.25);
+    let sharded = rng.random_bool(0.3);
+    let lock_timeout = rng
+        .random_bool(0.5)
+        .then(|| Duration::from_millis(rng.random_range(50..500)));
+    let schedule: Vec<Duration> = if rng.random_bool(0.4) {
+        (0..rng.random_range(1..=3))
+            .map(|_| Duration::from_millis(rng.random_range(100..2_000)))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let messages = rng.random_range(1..=10);
+    let mut published = Vec::new();
+    for n in 0..messages {
+        let copies = if rng.random_bool(0.2) { 2 } else { 1 };
+        for _ in 0..copies {
+            published.push(Published {
+                id: format!("m{n}"),
+                lane: rng.random_range(0..lanes),
+            });
+        }
+    }
+    let poison = rng
+        .random_bool(0.15)
+        .then(|| format!("m{}", rng.random_range(0..messages)));
+    let rounds = rng.random_range(1..=4);
+    let mut core = Core::new(rng);
+    core.note(format!(
+        "seed {seed}: {name}, {} entries, strict order {strict}, sharded {sharded}, lock timeout \
+         {lock_timeout:?}, redelivery schedule {schedule:?}, poison {poison:?}",
+        published.len()
+    ));
+    core.poison.extend(poison);
+    core.sharded = sharded;
+    let shared: Shared = Arc::new(Mutex::new(World { core, broker }));
+    {
+        let mut w = world(&shared);
+        let w = &mut *w;
+        for (i, p) in published.into_iter().enumerate() {
+            w.core.entries.push(p);
+            w.broker.publish(&mut w.core, i);
+        }
+    }
+    let ids: BTreeSet<String> = world(&shared)
+        .core
+        .entries
+        .iter()
+        .map(|e| e.id.clone())
+        .collect();
+    let store = if sharded {
+        let shards = vec![
+            SimStore::new(&shared, 0, lock_timeout),
+            SimStore::new(&shared, 1, lock_timeout),
+        ];
+        Store::Two(Arc::new(Sharded::new(
+            shards,
+            |id: &MessageId, _: &Message| shard_of(id.as_str()),
+        )))
+    } else {
+        Store::One(SimStore::new(&shared, 0, lock_timeout))
+    };
+
+    for round in 0..rounds {
+        let members: Vec<Member> = {
+            let mut w = world(&shared);
+            let two = w.core.rng.random_bool(0.3);
+            let members: Vec<Member> = (0..if two { 2 } else { 1 })
+                .map(|_| draw_member(&mut w.core, strict, lanes, &schedule, false))
+                .collect();
+            for (n, m) in members.iter().enumerate() {
+                let line = describe(round, n, m);
+                w.core.note(line);
+            }
+            members
+        };
+        let mut members = members.into_iter();
+        let first = members.next().unwrap();
+        let outcomes = match members.next() {
+            None => vec![run_member(&shared, &store, first).await],
+            Some(second) => {
+                let (a, b) = tokio::join!(
+                    run_member(&shared, &store, first),
+                    run_member(&shared, &store, second)
+                );
+                vec![a, b]
+            }
+        };
+        let mut w = world(&shared);
+        for (n, outcome) in outcomes.into_iter().enumerate() {
+            if outcome.starts_with("failed") {
+                w.core
+                    .violation(format!("round {round} consumer {n} {outcome}"));
+            } else {
+                w.core.note(format!("round {round} consumer {n} {outcome}"));
+            }
+        }
+    }
+
+    // The last fault is behind: from here everything must settle within SETTLE.
+    world(&shared).core.faults = false;
+    let settle = tokio::time::Instant::now() + SETTLE;
+    let mut drained = false;
+    for n in 0.. {
+        if world(&shared).broker.open() == 0 {
+            drained = true;
+            break;
+        }
+        let member = {
+            let mut w = world(&shared);
+            let m = draw_member(&mut w.core, strict, lanes, &schedule, true);
+            let line = describe(rounds + n, 0, &m);
+            w.core.note(line);
+            m
+        };
+        let left = settle.saturating_duration_since(tokio::time::Instant::now());
+        match tokio::time::timeout(left, run_member(&shared, &store, member)).await {
+            Ok(outcome) if outcome.starts_with("failed") => {
+                world(&shared)
+                    .core
+                    .violation(format!("the drain {outcome}"));
+                break;
+            }
+            Ok(_) => {}
+            Err(_) => break,
+        }
+    }
+
+    let mut w = world(&shared);
+    let open = w.broker.open();
+    if !drained && open > 0 {
+        w.core.violation(format!(
+            "stall: {open} entries neither acked nor dead-lettered {SETTLE:?} after the last fault"
+        ));
+    }
+    let core = &mut w.core;
+    for id in &ids {
+        let applied = core.applied.get(id).copied().unwrap_or(0);
+        let parked = core.parked.get(id).copied().unwrap_or(0);
+        if applied == 0 && parked == 0 {
+            core.violation(format!("{id} lost: neither applied nor dead-lettered"));
+        }
+    }
+    if strict && lanes > 1 {
+        // A lane keeps its order within each shard.
+        let mut inversions = Vec::new();
+        for ((lane, shard), applied) in &core.order {
+            let kept: Vec<usize> = applied
+                .iter()
+                .copied()
+                .filter(|&i| !core.parked.contains_key(&core.entries[i].id))
+                .collect();
+            if kept.windows(2).any(|pair| pair[0] > pair[1]) {
+                inversions.push(format!(
+                    "strict order broken in lane {lane}, shard {shard}: entries applied in the \
+                     order {kept:?}"
+                ));
+            }
+        }
+        for what in inversions {
+            core.violation(what);
+        }
+    }
+    Run {
+        schedule: std::mem::take(&mut core.schedule),
+        violations: std::mem::take(&mut core.violations),
+    }
+}
+
+/// The shard of a message ID, when the store has two.
+pub(crate) fn shard_of(id: &str) -> usize {
+    id.bytes().map(usize::from).sum::<usize>() % 2
+}
+
+fn describe(round: usize, n: usize, m: &Member) -> String {
+    let l = &m.life;
+    format!(
+        "round {round} consumer {n}: batch {}, lanes {}, attempts {}, max_deliveries {:?}, \
+         handler_timeout {:?}, shutdown_timeout {:?}, set-based handler {}, ends {:?}",
+        l.batch,
+        l.lanes,
+        l.attempts,
+        l.max_deliveries,
+        l.handler_timeout,
+        l.shutdown,
+        m.set_based,
+        l.end
+    )
+}
