@@ -288,6 +288,19 @@ async fn run_seed(seed: u64) -> Run {
 
     // The last fault is behind: from here everything must settle within SETTLE.
     world(&shared).core.faults = false;
+    if let Store::Two(sharded) = &store {
+        let groups_lock = name == "Fifo";
+        outage_round(
+            &shared,
+            &store,
+            &sharded.stores()[1],
+            strict,
+            lanes,
+            &schedule,
+            groups_lock,
+        )
+        .await;
+    }
     let settle = tokio::time::Instant::now() + SETTLE;
     let mut drained = false;
     for n in 0.. {
@@ -353,6 +366,63 @@ async fn run_seed(seed: u64) -> Run {
     Run {
         schedule: std::mem::take(&mut core.schedule),
         violations: std::mem::take(&mut core.violations),
+    }
+}
+
+/// One shard down for the whole round, nothing else failing: a consumer with lanes to spare
+/// applies (or parks) every message of the healthy shard meanwhile.
+async fn outage_round(
+    shared: &Shared,
+    store: &Store,
+    down: &SimStore,
+    strict: bool,
+    lanes: usize,
+    schedule: &[Duration],
+    groups_lock: bool,
+) {
+    const OUTAGE: Duration = Duration::from_secs(20);
+    let mut member = {
+        let mut w = world(shared);
+        w.core.note(format!("shard 1 down for {OUTAGE:?}"));
+        draw_member(&mut w.core, strict, lanes, schedule, true)
+    };
+    member.life.lanes = member.life.lanes.max(2);
+    if strict && lanes == 1 {
+        // Strict order on a source without lanes takes one chunk at a time: the down shard's
+        // chunk would hold it.
+        return;
+    }
+    member.life.end = End::Stop {
+        after: OUTAGE - Duration::from_secs(2),
+    };
+    down.down_for(OUTAGE);
+    let outcome = run_member(shared, store, member).await;
+    let mut w = world(shared);
+    let core = &mut w.core;
+    let done = |id: &String| core.applied.contains_key(id) || core.parked.contains_key(id);
+    // An SQS FIFO group with a message in flight gives out nothing more: a group that holds a
+    // message of the shard that is down (a copy of an ID applied before, too) waits for it,
+    // whatever its other messages' shards.
+    let locked: BTreeSet<usize> = core
+        .entries
+        .iter()
+        .filter(|e| groups_lock && shard_of(&e.id) == 1)
+        .map(|e| e.lane)
+        .collect();
+    let waiting: BTreeSet<String> = core
+        .entries
+        .iter()
+        .filter(|e| shard_of(&e.id) == 0 && !locked.contains(&e.lane))
+        .map(|e| e.id.clone())
+        .filter(|id| !done(id))
+        .collect();
+    if waiting.is_empty() {
+        core.note(format!("outage round {outcome}"));
+    } else {
+        core.violation(format!(
+            "shard 0 held back by shard 1's outage: {waiting:?} neither applied nor parked in {:?}",
+            OUTAGE - Duration::from_secs(2)
+        ));
     }
 }
 

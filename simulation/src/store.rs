@@ -86,6 +86,13 @@ impl SimStore {
     }
 }
 
+impl SimStore {
+    /// Unreachable for `outage` from now.
+    pub(crate) fn down_for(&self, outage: Duration) {
+        *self.down_until.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + outage);
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct SimTx {
     world: Shared,
