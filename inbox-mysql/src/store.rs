@@ -51,7 +51,8 @@ use crate::{Error, KeyMode, MySqlTx, Result, TableName};
 /// `autocommit` off and finds out at commit.
 ///
 /// Round-trips per transaction: acquiring the connection (sqlx pings it unless the pool is
-/// built with `test_before_acquire(false)`), the opening statements, the claim, the handler's
+/// built with `test_before_acquire(false)`), the opening statements, the claim (with the
+/// handler's lock wait timeout after it, see [`InboxStore::set_handler_timeout`]), the handler's
 /// statements, the check that the transaction is intact, and `COMMIT`.
 #[derive(Debug, Clone)]
 pub struct MySqlInbox {
@@ -61,8 +62,29 @@ pub struct MySqlInbox {
     consumers: Arc<Mutex<HashMap<String, i16>>>,
     lock_wait_timeout: Option<Duration>,
     handler_timeout: Option<Duration>,
-    /// The session settings sent before each transaction's opening statements.
+    /// The session settings sent before each transaction's opening statements: the lock wait
+    /// timeout the claim runs under.
     session: String,
+    /// The statement the claim sends after its insert, in the same round-trip, to bound the
+    /// handler's lock waits; empty when the claim's own bound is as short.
+    handler_bound: String,
+}
+
+/// The connection's own lock wait timeout, noted in a user variable the first time the store
+/// bounds it for a handler, and put back before each claim: a pooled connection keeps the
+/// handler's bound from its last transaction, and the pool may have set its own value.
+const OWN_LOCK_WAIT: &str = "SET @inbox_own_lock_wait_timeout = \
+     COALESCE(@inbox_own_lock_wait_timeout, @@SESSION.innodb_lock_wait_timeout); \
+     SET SESSION innodb_lock_wait_timeout = CAST(@inbox_own_lock_wait_timeout AS UNSIGNED); ";
+
+/// Whole seconds, rounded up, at least 1: InnoDB counts seconds.
+fn seconds(timeout: Duration) -> u64 {
+    (timeout.as_secs() + u64::from(timeout.subsec_nanos() > 0)).max(1)
+}
+
+/// `key` as a MySQL hexadecimal literal's digits.
+fn hex(key: &[u8]) -> String {
+    key.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl MySqlInbox {
@@ -76,6 +98,7 @@ impl MySqlInbox {
             lock_wait_timeout: None,
             handler_timeout: None,
             session: String::new(),
+            handler_bound: String::new(),
         }
     }
 
@@ -104,23 +127,26 @@ impl MySqlInbox {
     /// [`Consumer::handler_timeout`](inbox_core::Consumer::handler_timeout).
     pub fn lock_wait_timeout(mut self, timeout: Duration) -> Self {
         self.lock_wait_timeout = Some(timeout);
-        self.session = self.session_settings();
+        self.set_timeouts();
         self
     }
 
-    fn session_settings(&self) -> String {
-        let timeout = match (self.lock_wait_timeout, self.handler_timeout) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
+    /// The claim runs under the store's own lock wait timeout (or the connection's, when the
+    /// store sets none); the statements after it under the handler's, when that is shorter.
+    fn set_timeouts(&mut self) {
+        self.session = match (self.lock_wait_timeout, self.handler_timeout) {
+            (Some(own), _) => format!("SET SESSION innodb_lock_wait_timeout = {}; ", seconds(own)),
+            (None, Some(_)) => OWN_LOCK_WAIT.to_owned(),
+            (None, None) => String::new(),
         };
-        match timeout {
-            Some(t) => {
-                // Whole seconds, rounded up, at least 1: InnoDB counts seconds.
-                let seconds = (t.as_secs() + u64::from(t.subsec_nanos() > 0)).max(1);
-                format!("SET SESSION innodb_lock_wait_timeout = {seconds}; ")
-            }
-            None => String::new(),
-        }
+        self.handler_bound = match (self.handler_timeout, self.lock_wait_timeout) {
+            (Some(handler), Some(own)) if seconds(handler) >= seconds(own) => String::new(),
+            (Some(handler), _) => format!(
+                "SET SESSION innodb_lock_wait_timeout = {}",
+                seconds(handler)
+            ),
+            (None, _) => String::new(),
+        };
     }
 
     /// The pool this store uses.
@@ -252,22 +278,41 @@ impl MySqlInbox {
     }
 
     /// Inserts `keys` in one statement: `Ok(true)` when all were new, `Ok(false)` when one was
-    /// there already (and the statement inserted nothing).
+    /// there already (and the statement inserted nothing). A non-empty `then` is sent after the
+    /// insert in the same round-trip, and runs only when the insert succeeded.
     async fn insert(
         &self,
         tx: &mut MySqlTx,
         consumer_id: i16,
         keys: &[&Vec<u8>],
+        then: &str,
     ) -> Result<bool, StoreError> {
         let t = &self.table;
-        let values = vec!["(?, ?, FLOOR(UNIX_TIMESTAMP() / 60))"; keys.len()].join(", ");
-        let sql =
-            format!("INSERT INTO {t} (message_id, consumer_id, processed_minute) VALUES {values}");
-        let mut query = sqlx::query(AssertSqlSafe(sql));
-        for key in keys {
-            query = query.bind(key.as_slice()).bind(consumer_id);
-        }
-        match query.execute(&mut **tx).await {
+        let insert = |values: String| {
+            format!("INSERT INTO {t} (message_id, consumer_id, processed_minute) VALUES {values}")
+        };
+        let minute = "FLOOR(UNIX_TIMESTAMP() / 60)";
+        let done = if then.is_empty() {
+            let values = vec![format!("(?, ?, {minute})"); keys.len()].join(", ");
+            let mut query = sqlx::query(AssertSqlSafe(insert(values)));
+            for key in keys {
+                query = query.bind(key.as_slice()).bind(consumer_id);
+            }
+            query.execute(&mut **tx).await.map(|_| ())
+        } else {
+            // Two statements in one round-trip take the text protocol, without parameters: the
+            // keys go in as hexadecimal literals, which hold any bytes.
+            let values: Vec<String> = keys
+                .iter()
+                .map(|key| format!("(X'{}', {consumer_id}, {minute})", hex(key)))
+                .collect();
+            let sql = format!("{}; {then}", insert(values.join(", ")));
+            sqlx::raw_sql(AssertSqlSafe(sql))
+                .execute(&mut **tx)
+                .await
+                .map(|_| ())
+        };
+        match done {
             Ok(_) => Ok(true),
             Err(e) if number(&e) == Some(DUPLICATE_KEY) => Ok(false),
             Err(e) => Err(store_err("claiming the message ID")(e)),
@@ -332,13 +377,24 @@ impl InboxStore for MySqlInbox {
         let mut distinct: Vec<&Vec<u8>> = keys.iter().collect::<HashSet<_>>().into_iter().collect();
         distinct.sort();
         let mut fresh: HashSet<&Vec<u8>> = HashSet::new();
-        if self.insert(tx, consumer_id, &distinct).await? {
+        // The claim waits on a peer's uncommitted row under the store's own lock wait timeout;
+        // the handler's bound is set after it, in the same round-trip. A duplicate undoes the
+        // insert and skips the bound: the keys are then claimed one by one, and the bound set
+        // after them if a handler is to run.
+        let bound = self.handler_bound.as_str();
+        if self.insert(tx, consumer_id, &distinct, bound).await? {
             fresh.extend(distinct);
         } else if distinct.len() > 1 {
             for key in distinct {
-                if self.insert(tx, consumer_id, &[key]).await? {
+                if self.insert(tx, consumer_id, &[key], "").await? {
                     fresh.insert(key);
                 }
+            }
+            if !fresh.is_empty() && !bound.is_empty() {
+                sqlx::raw_sql(AssertSqlSafe(bound))
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(store_err("bounding the handler's lock waits"))?;
             }
         }
         // New only for the first occurrence of an inserted key.
@@ -352,12 +408,18 @@ impl InboxStore for MySqlInbox {
         }
     }
 
-    /// Bounds every row lock wait of the inbox transaction by `timeout` as
-    /// [`lock_wait_timeout`](Self::lock_wait_timeout) does (the shorter of the two counts). A
-    /// handler cut off by the consumer's handler timeout is only dropped; the rollback after it
-    /// waits for the handler's statement, which a lock wait no longer holds longer than this.
+    /// Bounds every row lock wait of the inbox transaction after the claim by `timeout` as
+    /// [`lock_wait_timeout`](Self::lock_wait_timeout) does (the shorter of the two counts, in
+    /// whole seconds). A handler cut off by the consumer's handler timeout is only dropped; the
+    /// rollback after it waits for the handler's statement, which a lock wait no longer holds
+    /// longer than this.
+    ///
+    /// The claim itself waits under the store's own lock wait timeout (or the connection's):
+    /// waiting on a peer's uncommitted claim of the same ID is no handler's doing, and cut off
+    /// it would count against the message while the peer goes on. The claim's insert is
+    /// followed by `SET SESSION innodb_lock_wait_timeout` in the same round-trip.
     fn set_handler_timeout(&mut self, timeout: Duration) {
         self.handler_timeout = Some(timeout);
-        self.session = self.session_settings();
+        self.set_timeouts();
     }
 }

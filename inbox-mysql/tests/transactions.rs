@@ -201,3 +201,118 @@ async fn the_purge_goes_in_batches_under_one_cleaner() {
     assert_eq!(left, 5, "the recent claims are kept");
     db.drop().await;
 }
+
+/// A claim waiting on a peer's uncommitted row (the broker handed the message out again after a
+/// visibility expiry or a rebalance while the peer still works on it) waits as long as the
+/// store's own lock wait timeout allows, not the handler timeout: it is not the handler's
+/// statement. Cut off by the handler's bound, it would count as the message's failure and
+/// dead-letter it while the peer goes on: here "freed" would never be applied, and "taken",
+/// which the peer commits, would be both applied and parked.
+#[tokio::test]
+async fn a_claim_waiting_on_a_peer_is_not_cut_off_by_the_handler_timeout() {
+    use inbox_conformance::mysql_wallet;
+    use inbox_conformance::wallet::{self, Credit};
+    use inbox_core::Consumer;
+    use inbox_testkit::MemoryBroker;
+
+    const HELD: Duration = Duration::from_secs(4);
+    let db = mysql_wallet::wallet_db().await;
+    let peer_store = mysql_wallet::inbox(&db);
+    let mut freed_by = peer_store.begin().await.expect("begin");
+    let freed = MessageId::new("freed").expect("id");
+    assert!(peer_store
+        .claim(&mut freed_by, "wallet", &freed)
+        .await
+        .expect("claim"));
+    let mut taken_by = peer_store.begin().await.expect("begin");
+    let taken = MessageId::new("taken").expect("id");
+    assert!(peer_store
+        .claim(&mut taken_by, "wallet", &taken)
+        .await
+        .expect("claim"));
+
+    let broker = MemoryBroker::new();
+    wallet::publish_credit(&broker, "freed", 1, 1);
+    wallet::publish_credit(&broker, "taken", 1, 1);
+    let run = tokio::spawn(
+        Consumer::new(
+            "wallet",
+            broker.source(),
+            mysql_wallet::inbox(&db),
+            Credit::new(db.pool.clone()),
+        )
+        .handler_timeout(Duration::from_millis(300))
+        .run_until_idle(),
+    );
+    tokio::time::sleep(HELD).await;
+    // The one peer gives up its claim, the other commits it.
+    freed_by.rollback().await.expect("rollback");
+    taken_by.commit().await.expect("commit");
+    let stats = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("the run ends once the rows are free")
+        .expect("join")
+        .expect("run");
+
+    let dead = broker.dead_letters();
+    assert!(
+        dead.is_empty(),
+        "dead-lettered while a peer held the row: {:?}",
+        dead.iter()
+            .map(|(m, reason)| (m.id.as_ref().ok().map(MessageId::as_str), reason))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        (stats.applied, stats.skipped_duplicates),
+        (1, 1),
+        "{stats:?}"
+    );
+    let summary = wallet::summary(&db.pool).await.expect("summary");
+    assert_eq!(
+        (summary.distinct_events, summary.total_balance),
+        (1, 1),
+        "freed applied once, taken by its peer"
+    );
+    db.drop().await;
+}
+
+/// With a handler timeout the claim waits under the connection's own lock wait timeout and the
+/// handler's statements after it under the handler's (in whole seconds), whichever way the
+/// claim went (all new, or a duplicate among them); the next transaction on the connection
+/// claims under the connection's own again.
+#[tokio::test]
+async fn the_handler_bound_starts_after_the_claim() {
+    let (db, _) = db_with("inbox", KeyMode::Text).await;
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect_with(db.options().clone())
+        .await
+        .expect("pool");
+    let mut inbox = MySqlInbox::new(pool.clone());
+    InboxStore::set_handler_timeout(&mut inbox, Duration::from_millis(300));
+    let lock_wait = "SELECT @@SESSION.innodb_lock_wait_timeout";
+    let own: u64 = sqlx::query_scalar(lock_wait)
+        .fetch_one(&pool)
+        .await
+        .expect("read");
+    assert!(own > 1, "the server's default is {own}");
+    let seen = MessageId::generate();
+    for batch in [vec![seen.clone()], vec![MessageId::generate(), seen]] {
+        let mut tx = inbox.begin().await.expect("begin");
+        let before: u64 = sqlx::query_scalar(lock_wait)
+            .fetch_one(&mut *tx)
+            .await
+            .expect("read");
+        assert_eq!(before, own, "the claim waits under the connection's own");
+        let claimed = inbox.claim_many(&mut tx, "c", &batch).await.expect("claim");
+        assert!(claimed[0], "{claimed:?}");
+        let after: u64 = sqlx::query_scalar(lock_wait)
+            .fetch_one(&mut *tx)
+            .await
+            .expect("read");
+        assert_eq!(after, 1, "the handler waits under its own bound");
+        tx.commit().await.expect("commit");
+    }
+    pool.close().await;
+    db.drop().await;
+}
