@@ -10,6 +10,7 @@ use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool};
 use uuid::Uuid;
 
 use crate::error::{db, number, store_err, DUPLICATE_KEY};
+use crate::table::TEXT_KEY_MAX;
 use crate::tx::begin_sql;
 use crate::{Error, KeyMode, MySqlTx, Result, TableName};
 
@@ -320,6 +321,19 @@ impl MySqlInbox {
     }
 }
 
+/// Refuses a text key longer than the key column: never cut short into another ID's key.
+fn text_key_fits(id: &str) -> Result<(), InvalidId> {
+    if id.len() <= TEXT_KEY_MAX {
+        return Ok(());
+    }
+    Err(InvalidId::RefusedByStore(format!(
+        "the message ID is {} bytes long, and this inbox keeps text keys of at most {TEXT_KEY_MAX} \
+         bytes (a longer one would be cut short, and two IDs sharing the first {TEXT_KEY_MAX} \
+         bytes would be one); use KeyMode::Hashed, which keeps 16 bytes of any ID",
+        id.len()
+    )))
+}
+
 fn parse_uuid(id: &MessageId) -> Result<Uuid, InvalidId> {
     Uuid::parse_str(id.as_str()).map_err(|_| {
         InvalidId::RefusedByStore(format!(
@@ -404,7 +418,10 @@ impl InboxStore for MySqlInbox {
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         match self.mode {
             KeyMode::Uuid => parse_uuid(id).map(|_| ()),
-            KeyMode::Text | KeyMode::Hashed => Ok(()),
+            // Today the core's own limit (`MessageId::MAX_LEN`) is the column's; the store
+            // keeps its own, in case the core's grows.
+            KeyMode::Text => text_key_fits(id.as_str()),
+            KeyMode::Hashed => Ok(()),
         }
     }
 
@@ -421,5 +438,20 @@ impl InboxStore for MySqlInbox {
     fn set_handler_timeout(&mut self, timeout: Duration) {
         self.handler_timeout = Some(timeout);
         self.set_timeouts();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_text_key_longer_than_the_column_is_refused_with_the_fix() {
+        assert!(text_key_fits(&"x".repeat(TEXT_KEY_MAX)).is_ok());
+        let err = text_key_fits(&"x".repeat(1100)).expect_err("too long");
+        let text = err.to_string();
+        assert!(text.contains("1100 bytes long"), "{text}");
+        assert!(text.contains("at most 1024 bytes"), "{text}");
+        assert!(text.contains("KeyMode::Hashed"), "{text}");
     }
 }

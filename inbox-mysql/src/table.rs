@@ -104,6 +104,11 @@ fn table_identifier(name: &str) -> Result<String> {
     Ok(name.to_owned())
 }
 
+/// The longest text key the `varbinary` key column holds, in bytes. A longer value would be
+/// refused by a strict server and cut short by a non-strict one, making two IDs that share this
+/// prefix one key.
+pub(crate) const TEXT_KEY_MAX: usize = 1024;
+
 /// The column type of message keys in `mode`, as `information_schema.COLUMNS.COLUMN_TYPE`
 /// spells it.
 pub(crate) fn column_type(mode: KeyMode) -> &'static str {
@@ -116,6 +121,14 @@ pub(crate) fn column_type(mode: KeyMode) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_text_key_limit_is_the_column_s() {
+        assert_eq!(
+            column_type(KeyMode::Text),
+            format!("varbinary({TEXT_KEY_MAX})")
+        );
+    }
 
     #[test]
     fn only_plain_identifiers_pass() {

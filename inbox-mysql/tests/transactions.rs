@@ -316,3 +316,60 @@ async fn the_handler_bound_starts_after_the_claim() {
     pool.close().await;
     db.drop().await;
 }
+
+/// Two text IDs that share all but their last byte, at the longest length accepted, are two
+/// keys, also on a server that is not in strict mode (where a value too long for its column is
+/// cut short with a warning instead of refused). Longer IDs never reach the store: the core
+/// refuses them, and the store's `check_id` would too.
+#[tokio::test]
+async fn the_longest_text_ids_are_never_cut_to_one_key() {
+    let (db, _) = db_with("inbox", KeyMode::Text).await;
+    let lax = MySqlPoolOptions::new()
+        .max_connections(1)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::query("SET SESSION sql_mode = ''")
+                    .execute(&mut *conn)
+                    .await
+                    .map(|_| ())
+            })
+        })
+        .connect_with(db.options().clone())
+        .await
+        .expect("pool");
+    let inbox = MySqlInbox::new(lax.clone());
+    let prefix = "x".repeat(MessageId::MAX_LEN - 1);
+    let ids = [
+        MessageId::new(format!("{prefix}a")).expect("id"),
+        MessageId::new(format!("{prefix}b")).expect("id"),
+    ];
+    assert!(
+        MessageId::new(format!("{prefix}ab")).is_err(),
+        "the core's limit"
+    );
+    for id in &ids {
+        inbox.check_id(id).expect("the longest ID accepted");
+    }
+    let mut tx = inbox.begin().await.expect("begin");
+    assert!(inbox.claim(&mut tx, "c", &ids[0]).await.expect("claim"));
+    assert!(
+        inbox.claim(&mut tx, "c", &ids[1]).await.expect("claim"),
+        "a second ID sharing the first {} bytes is new",
+        MessageId::MAX_LEN - 1
+    );
+    tx.commit().await.expect("commit");
+    let mut tx = inbox.begin().await.expect("begin");
+    assert_eq!(
+        inbox.claim_many(&mut tx, "c", &ids).await.expect("claim"),
+        [false, false],
+        "both were kept whole"
+    );
+    tx.rollback().await.expect("rollback");
+    let longest: i64 = sqlx::query_scalar("SELECT max(length(message_id)) FROM inbox")
+        .fetch_one(&db.pool)
+        .await
+        .expect("read");
+    assert_eq!(longest, MessageId::MAX_LEN as i64);
+    lax.close().await;
+    db.drop().await;
+}
