@@ -93,7 +93,10 @@ pub trait InboxStore: Send + Sync + 'static {
     /// set. A handler cut off by it is dropped, but a statement it sent may keep running in the
     /// store, and the rollback that follows waits for it, with the transaction's locks held: a
     /// statement waiting on a lock would keep the consumer waiting as long. A store that can
-    /// end its statements after `timeout` does so from now on. The default does nothing.
+    /// end its statements after `timeout` does so from now on, for the statements after the
+    /// claim: the claim itself, which may wait on a peer's uncommitted claim of the same ID,
+    /// keeps the store's own timeouts (cut off by the handler's bound, that wait would count as
+    /// the message's failure while the peer goes on). The default does nothing.
     fn set_handler_timeout(&mut self, timeout: Duration) {
         let _ = timeout;
     }
