@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, MessageAttributeValue};
 use aws_sdk_sqs::Client;
@@ -12,6 +12,9 @@ use tracing::{debug, warn};
 
 use crate::config::MAX_VISIBILITY;
 use crate::dead_letter::{self, DeadLetterTarget};
+use crate::delivery::{
+    DedupId, Ownership, RedeliveryCopy, REDELIVERY_COUNT, REDELIVER_AT, SCHEDULE_ATTRIBUTES,
+};
 use crate::heartbeat::Heartbeat;
 use crate::Error;
 
@@ -24,6 +27,9 @@ pub(crate) struct Shared {
     pub(crate) id_attribute: Arc<str>,
     pub(crate) min_retry_delay: Duration,
     pub(crate) dead_letter: DeadLetterTarget,
+    /// A FIFO queue: a redelivered copy keeps the message group and is delayed by
+    /// [`REDELIVER_AT`](crate::delivery::REDELIVER_AT), FIFO queues taking no per-message delay.
+    pub(crate) fifo: bool,
 }
 
 /// The acknowledgement handle of one SQS delivery: its queue and the receipt handle of the
@@ -32,9 +38,13 @@ pub(crate) struct Shared {
 /// - [`Ack::ack`] deletes the message (`DeleteMessage`); [`Ack::ack_all`] deletes many with
 ///   `DeleteMessageBatch`, 10 per call.
 /// - [`Ack::nack`] makes the message visible again after the delay (`ChangeMessageVisibility`).
-/// - [`Ack::redeliver`] does the same with the schedule's delay (up to SQS's 12 hours): the
-///   message stays in the queue, invisible, and comes back with its ID and a receive count one
-///   higher, from which the source reads [`Metadata::redeliveries`](inbox_core::Metadata).
+/// - [`Ack::redeliver`] sends a copy of the message to its queue, due after the schedule's
+///   delay and carrying the redelivery's number ([`inbox_core::REDELIVERY_COUNT`]), which the
+///   copy reports as [`Metadata::redeliveries`](inbox_core::Metadata), then deletes the
+///   message; a copy that cannot be sent leaves the message in place, visible again after the
+///   delay (see the crate docs, "Ack semantics").
+/// - [`Ack::is_stale`] is `true` once the visibility heartbeat found the receipt handle refused:
+///   the message was handed out again, or deleted by its other copy.
 /// - [`Ack::dead_letter`] sends the message to the dead-letter queue (see the crate docs, "Dead
 ///   letters"), with the attributes it was received with and its ID in the ID attribute, then
 ///   deletes it. When the send fails
@@ -47,9 +57,12 @@ pub(crate) struct Shared {
 pub struct SqsAck {
     shared: Arc<Shared>,
     receipt_handle: Arc<str>,
-    /// The message attributes as received, with their data types, for a dead letter.
+    /// The message attributes as received, with their data types, for a dead letter or a
+    /// redelivered copy.
     attributes: Option<HashMap<String, MessageAttributeValue>>,
     heartbeat: Option<Heartbeat>,
+    /// Lost when the heartbeat finds the receipt handle stale.
+    ownership: Arc<Ownership>,
 }
 
 impl SqsAck {
@@ -58,18 +71,71 @@ impl SqsAck {
         receipt_handle: Arc<str>,
         attributes: Option<HashMap<String, MessageAttributeValue>>,
         heartbeat: Option<Heartbeat>,
+        ownership: Arc<Ownership>,
     ) -> Self {
         Self {
             shared,
             receipt_handle,
             attributes,
             heartbeat,
+            ownership,
         }
     }
 
     /// The receipt handle this ack deletes with.
     pub fn receipt_handle(&self) -> &str {
         &self.receipt_handle
+    }
+
+    /// Sends the copy of a delayed redelivery to the source queue: the body, the attributes as
+    /// received (the ID attribute kept whatever is cut) and the copy's [`REDELIVERY_COUNT`] and
+    /// [`REDELIVER_AT`](crate::delivery::REDELIVER_AT); on a FIFO queue, the message group and a
+    /// deduplication ID of its own.
+    async fn send_copy(&mut self, message: &Message, copy: &RedeliveryCopy) -> Result<(), Error> {
+        let s = &self.shared;
+        let mut attributes = dead_letter::original_attributes(self.attributes.as_ref(), message);
+        let id = dead_letter::id_attribute_of(&mut attributes, &s.id_attribute, message)?;
+        attributes.retain(|(name, _)| !SCHEDULE_ATTRIBUTES.contains(&name.as_str()));
+        let due = copy.due_attribute();
+        let added = 1 + usize::from(due.is_some()) + usize::from(id.is_some());
+        dead_letter::make_room(&mut attributes, added, &s.queue_url, "count the redelivery");
+        attributes.extend(id);
+        attributes.push((
+            REDELIVERY_COUNT.to_owned(),
+            dead_letter::text_attribute(REDELIVERY_COUNT, &copy.count.to_string())?,
+        ));
+        if let Some(due) = due {
+            attributes.push((
+                REDELIVER_AT.to_owned(),
+                dead_letter::text_attribute(REDELIVER_AT, &due)?,
+            ));
+        }
+        let mut request = s
+            .client
+            .send_message()
+            .queue_url(&*s.queue_url)
+            .message_body(String::from_utf8_lossy(&message.payload))
+            .set_message_attributes(Some(attributes.into_iter().collect()))
+            .set_delay_seconds(copy.delay_seconds);
+        if s.fifo {
+            request = request
+                .message_group_id(dead_letter::fifo_group(message))
+                .message_deduplication_id(DedupId::Redelivery(&self.receipt_handle).value());
+        }
+        request.send().await.map_err(|e| {
+            let e = Error::sdk("SendMessage (delayed redelivery)", &s.queue_url, e);
+            if e.recovery() == inbox_core::Recovery::Fatal {
+                Error::Config(format!(
+                    "{e}; a delayed redelivery sends a copy of the message to its own queue: \
+                     allow sqs:SendMessage on {} to the consumer, or remove the redelivery \
+                     schedule",
+                    s.queue_url
+                ))
+            } else {
+                e
+            }
+        })?;
+        Ok(())
     }
 
     fn stop_heartbeat(&mut self) {
@@ -119,15 +185,32 @@ impl Ack for SqsAck {
         }
     }
 
-    /// The message's visibility set to `delay` (whole seconds, at most 12 hours); see the
-    /// type's docs.
+    /// A copy carrying redelivery `redelivery + 1` is sent, due after `delay`, then the message
+    /// is deleted; see the type's docs.
     async fn redeliver(
-        self,
-        _message: &Message,
+        mut self,
+        message: &Message,
         delay: Duration,
-        _redelivery: u32,
+        redelivery: u32,
     ) -> Result<(), SourceError> {
-        self.nack(delay).await
+        self.stop_heartbeat();
+        let copy = RedeliveryCopy::plan(redelivery, delay, SystemTime::now(), self.shared.fifo);
+        match self.send_copy(message, &copy).await {
+            Ok(()) => self.ack().await,
+            Err(e) => {
+                // In place instead: back after the delay, its count unchanged.
+                if let Err(nack) = self.nack(delay).await {
+                    warn!(error = %nack, "nack after a failed redelivery copy failed; the message is visible again when its visibility timeout runs out");
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Whether the heartbeat found this delivery's receipt handle stale: the message was handed
+    /// out again (or deleted by its other copy) while this delivery waited.
+    fn is_stale(&self) -> bool {
+        self.ownership.is_lost()
     }
 
     /// Sends the dead letter, then deletes the message; see the type's docs.
@@ -206,10 +289,8 @@ impl Ack for SqsAck {
 
 /// A nack delay as the whole seconds `ChangeMessageVisibility` takes, rounded up: rounding
 /// down would make a delay under 1 s no delay at all (visible again at once).
-fn visibility_seconds(delay: Duration) -> i32 {
-    let delay = delay.min(MAX_VISIBILITY);
-    let seconds = delay.as_secs() + u64::from(delay.subsec_nanos() > 0);
-    i32::try_from(seconds).unwrap_or(i32::MAX)
+pub(crate) fn visibility_seconds(delay: Duration) -> i32 {
+    crate::delivery::whole_seconds(delay.min(MAX_VISIBILITY))
 }
 
 /// Deletes up to 10 messages of one queue; on failure, how many were not deleted and why.
@@ -337,6 +418,7 @@ mod tests {
             Arc::clone(&queue_url),
             Arc::clone(&handle),
             Duration::from_secs(1),
+            Arc::default(),
         );
         tokio::time::sleep(Duration::from_millis(700)).await;
         // The ack's own delete fails at once: only the heartbeat's stop can hold it up.
@@ -346,8 +428,15 @@ mod tests {
             id_attribute: Arc::from(crate::DEFAULT_ID_ATTRIBUTE),
             min_retry_delay: Duration::ZERO,
             dead_letter: DeadLetterTarget::None,
+            fifo: false,
         };
-        let ack = SqsAck::new(Arc::new(shared), handle, None, Some(heartbeat));
+        let ack = SqsAck::new(
+            Arc::new(shared),
+            handle,
+            None,
+            Some(heartbeat),
+            Arc::default(),
+        );
         let acked = tokio::time::timeout(Duration::from_secs(3), ack.ack()).await;
         server.abort();
         assert!(

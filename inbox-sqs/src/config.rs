@@ -46,6 +46,15 @@ fn check_timeouts(client: &Client, queue_url: &str, poll: Duration) -> Result<()
     Ok(())
 }
 
+/// Every message attribute `from` reads the ID from.
+fn header_names(from: &IdFrom) -> Vec<&str> {
+    match from {
+        IdFrom::Header(name) => vec![name.as_str()],
+        IdFrom::FirstOf(all) => all.iter().flat_map(header_names).collect(),
+        _ => Vec::new(),
+    }
+}
+
 /// Settings shared by a source and every ack it hands out.
 #[derive(Debug, Clone)]
 pub(crate) struct Settings {
@@ -220,6 +229,9 @@ impl SqsSourceBuilder {
         self.id_from
             .check(&crate::source::ID_BINDING)
             .map_err(Error::Config)?;
+        for name in header_names(&self.id_from) {
+            dead_letter::check_id_attribute(name, "SqsSourceBuilder::id_attribute")?;
+        }
         let fifo = self.queue_url.trim_end_matches('/').ends_with(".fifo");
         if self.id_from == IdFrom::MessageIdProperty && !fifo {
             return Err(Error::Config(format!(

@@ -11,6 +11,7 @@ use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{Message, MessageId, Recovery, SourceError};
 use tracing::warn;
 
+use crate::delivery::{self, DedupId};
 use crate::{fifo, Error};
 
 /// SQS accepts at most this many message attributes per message.
@@ -110,31 +111,18 @@ pub(crate) async fn send(
     reason: &str,
 ) -> Result<(), Error> {
     let body = String::from_utf8_lossy(&message.payload).into_owned();
-    let mut attributes: Vec<(String, MessageAttributeValue)> = match original {
-        Some(original) => original
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect(),
-        None => message
-            .headers
-            .iter()
-            .filter_map(|(name, value)| Some((name.clone(), attribute(value)?)))
-            .collect(),
-    };
+    let mut attributes = original_attributes(original, message);
     let id = id_attribute_of(&mut attributes, id_attribute, message)?;
-    attributes.retain(|(name, _)| !ADDED.contains(&name.as_str()));
-    attributes.sort_by(|a, b| a.0.cmp(&b.0));
-    let room = MAX_ATTRIBUTES - ADDED.len() - usize::from(id.is_some());
-    if attributes.len() > room {
-        // Room must be left for the ID and the added three; the dropped ones are logged so
-        // nothing is silent.
-        let dropped: Vec<String> = attributes.drain(room..).map(|(name, _)| name).collect();
-        warn!(
-            dlq_url,
-            ?dropped,
-            "SQS allows 10 message attributes; dropped these to add the dead-letter attributes"
-        );
-    }
+    // A dead letter's schedule is over: a replay starts a new one.
+    attributes.retain(|(name, _)| {
+        !ADDED.contains(&name.as_str()) && !delivery::SCHEDULE_ATTRIBUTES.contains(&name.as_str())
+    });
+    make_room(
+        &mut attributes,
+        ADDED.len() + usize::from(id.is_some()),
+        dlq_url,
+        "add the dead-letter attributes",
+    );
     attributes.extend(id);
     let added = [
         (REASON, truncate(reason, MAX_REASON_BYTES)),
@@ -146,12 +134,7 @@ pub(crate) async fn send(
             // SQS refuses an empty String attribute.
             continue;
         }
-        let value = MessageAttributeValue::builder()
-            .data_type("String")
-            .string_value(value)
-            .build()
-            .map_err(|e| Error::Config(format!("cannot build the {name} attribute: {e}")))?;
-        attributes.push((name.to_owned(), value));
+        attributes.push((name.to_owned(), text_attribute(name, &value)?));
     }
 
     let mut request = client.send_message().queue_url(dlq_url).message_body(body);
@@ -172,10 +155,76 @@ pub(crate) async fn send(
     Ok(())
 }
 
+/// The attributes to send a copy of `message` with: those it was received with (`original`),
+/// with their data types, else made from its headers.
+pub(crate) fn original_attributes(
+    original: Option<&HashMap<String, MessageAttributeValue>>,
+    message: &Message,
+) -> Vec<(String, MessageAttributeValue)> {
+    match original {
+        Some(original) => original
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+        None => message
+            .headers
+            .iter()
+            .filter_map(|(name, value)| Some((name.clone(), attribute(value)?)))
+            .collect(),
+    }
+}
+
+/// Cuts `attributes` so that `added` more fit in SQS's 10: the last by name give way, and are
+/// logged, so nothing is dropped silently.
+pub(crate) fn make_room(
+    attributes: &mut Vec<(String, MessageAttributeValue)>,
+    added: usize,
+    queue_url: &str,
+    why: &str,
+) {
+    attributes.sort_by(|a, b| a.0.cmp(&b.0));
+    let room = MAX_ATTRIBUTES.saturating_sub(added);
+    if attributes.len() > room {
+        let dropped: Vec<String> = attributes.drain(room..).map(|(name, _)| name).collect();
+        warn!(
+            queue_url,
+            ?dropped,
+            "SQS allows 10 message attributes; dropped these to {why}"
+        );
+    }
+}
+
+/// A `String` attribute.
+pub(crate) fn text_attribute(name: &str, value: &str) -> Result<MessageAttributeValue, Error> {
+    MessageAttributeValue::builder()
+        .data_type("String")
+        .string_value(value)
+        .build()
+        .map_err(|e| Error::Config(format!("cannot build the {name} attribute: {e}")))
+}
+
+/// Refuses an ID attribute (`who` sets it) that a dead letter or a delayed redelivery writes
+/// itself: the ID would be overwritten on the way, and every letter of one reason replay under
+/// one ID.
+pub(crate) fn check_id_attribute(name: &str, who: &str) -> Result<(), Error> {
+    if ADDED.contains(&name)
+        || delivery::SCHEDULE_ATTRIBUTES.contains(&name)
+        || name == delivery::DEDUPLICATION_ID_HEADER
+    {
+        return Err(Error::Config(format!(
+            "the ID attribute `{name}` is one the adapter writes itself on a dead letter \
+             ({REASON}, {ORIGINAL_SOURCE}, {ORIGINAL_POSITION}) or a delayed redelivery, so \
+             it would overwrite the ID and a replay would lose messages: rename it in {who} \
+             (and in the producers), `event_id` say"
+        )));
+    }
+    Ok(())
+}
+
 /// Takes the ID attribute out of `attributes`, to be kept whatever else is cut: the one the
 /// message was received with, else (the ID was the `MessageDeduplicationId`, a system attribute
 /// a send cannot copy) one made from the message's ID. `None` when the message has no ID.
-fn id_attribute_of(
+pub(crate) fn id_attribute_of(
     attributes: &mut Vec<(String, MessageAttributeValue)>,
     name: &str,
     message: &Message,
@@ -196,7 +245,7 @@ fn id_attribute_of(
 
 /// The message group of a dead letter on a FIFO queue: the original's group, made valid for
 /// SQS (hashed where it is not), so the group's order survives; `dead-letter` without one.
-fn fifo_group(message: &Message) -> String {
+pub(crate) fn fifo_group(message: &Message) -> String {
     match message.key.as_deref() {
         Some(key) if !key.is_empty() => fifo::fifo_id(&String::from_utf8_lossy(key)),
         _ => "dead-letter".to_owned(),
@@ -217,7 +266,7 @@ fn fifo_group(message: &Message) -> String {
 /// alphabet, never built from the message ID, which may hold spaces or non-ASCII.
 fn fifo_dedup_id(receipt_handle: Option<&str>) -> String {
     match receipt_handle {
-        Some(handle) if !handle.is_empty() => fifo::hash_hex(handle.as_bytes()),
+        Some(handle) if !handle.is_empty() => DedupId::DeadLetter(handle).value(),
         _ => MessageId::generate().to_string(),
     }
 }

@@ -12,6 +12,7 @@ use aws_sdk_sqs::Client;
 use inbox_core::replay::{DeadLetter, DeadLetters};
 use inbox_core::{async_trait, MessageId, OperationError};
 
+use crate::delivery::{DedupId, DEDUPLICATION_ID_HEADER, SCHEDULE_ATTRIBUTES};
 use crate::{Error, Result, DEFAULT_ID_ATTRIBUTE};
 
 /// SQS hands out at most this many messages per receive, and takes as many per batch call.
@@ -96,6 +97,10 @@ impl SqsDeadLettersBuilder {
         if self.queue_url.is_empty() {
             return Err(Error::Config("the dead-letter queue URL is empty".into()));
         }
+        crate::dead_letter::check_id_attribute(
+            &self.id_attribute,
+            "SqsDeadLettersBuilder::id_attribute",
+        )?;
         let client = match self.client {
             Some(client) => client,
             None => crate::connect().await,
@@ -126,10 +131,19 @@ impl SqsDeadLetters {
             };
             if *name == self.id_attribute {
                 letter.id = MessageId::from_bytes(&bytes).ok();
-            } else {
+            } else if !SCHEDULE_ATTRIBUTES.contains(&name.as_str())
+                && name != DEDUPLICATION_ID_HEADER
+            {
+                // A replay starts the redelivery schedule anew.
                 headers.push((name.clone(), bytes));
             }
         }
+        // Deduplicated on a FIFO source by this letter alone: never taken for a copy of the
+        // first send, nor of an earlier letter of the same message.
+        headers.push((
+            DEDUPLICATION_ID_HEADER.to_owned(),
+            DedupId::Replay(&letter.position).value().into_bytes(),
+        ));
         headers.sort();
         letter.take_metadata(headers);
         let system = |name| sqs.attributes().and_then(|a| a.get(&name));
@@ -239,5 +253,120 @@ impl DeadLetters for SqsDeadLetters {
 
     async fn close(&mut self) -> std::result::Result<(), OperationError> {
         Ok(self.release().await?)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use aws_sdk_sqs::config::{BehaviorVersion, Region};
+    use aws_sdk_sqs::types::{Message as SqsMessage, MessageAttributeValue};
+    use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
+    use inbox_core::OutgoingMessage;
+
+    use super::*;
+    use crate::producer::Queue;
+    use crate::SqsProducer;
+
+    fn offline_client() -> Client {
+        let config = aws_sdk_sqs::Config::builder()
+            .behavior_version(BehaviorVersion::latest())
+            .region(Region::new("us-east-1"))
+            .build();
+        Client::from_conf(config)
+    }
+
+    fn text(value: &str) -> MessageAttributeValue {
+        MessageAttributeValue::builder()
+            .data_type("String")
+            .string_value(value)
+            .build()
+            .unwrap()
+    }
+
+    /// A dead letter as the FIFO dead-letter queue hands it out: SQS message `dlq_message_id`.
+    fn parked(dlq_message_id: &str, id: &MessageId) -> SqsMessage {
+        SqsMessage::builder()
+            .message_id(dlq_message_id)
+            .receipt_handle(format!("handle-of-{dlq_message_id}"))
+            .body("{\"amount\":100}")
+            .message_attributes("event_id", text(id.as_str()))
+            .message_attributes(REASON, text("downstream down"))
+            .message_attributes(ORIGINAL_SOURCE, text("http://localhost/0/payments.fifo"))
+            .message_attributes(ORIGINAL_POSITION, text("message m-1"))
+            .attributes(MessageSystemAttributeName::MessageGroupId, "account-1")
+            .build()
+    }
+
+    /// The `MessageDeduplicationId` the producer sends for what `replay` publishes from the
+    /// letter (`DeadLetter`'s own outgoing message: ID, payload, key, headers).
+    fn replayed_dedup_id(
+        reader: &SqsDeadLetters,
+        producer: &SqsProducer,
+        sqs: &SqsMessage,
+    ) -> String {
+        let letter = reader.letter(sqs);
+        let mut message = OutgoingMessage::new(letter.id.clone().unwrap(), letter.payload.clone());
+        message.key = letter.key.clone();
+        message.headers = letter.headers.clone();
+        dedup_id_sent(producer, &message)
+    }
+
+    fn dedup_id_sent(producer: &SqsProducer, message: &OutgoingMessage) -> String {
+        let queue = Queue {
+            url: "http://localhost/0/payments.fifo".into(),
+            fifo: true,
+        };
+        let entry = producer.entry(0, &queue, message).unwrap();
+        entry.message_deduplication_id().unwrap().to_owned()
+    }
+
+    /// SQS FIFO drops a send whose deduplication ID it saw in the last 5 minutes (moto only
+    /// while the first copy is still queued, so this is pinned here): a replay must never
+    /// carry the first send's ID, nor the ID of an earlier replay of the same message.
+    #[tokio::test]
+    async fn a_replay_into_a_fifo_queue_is_never_taken_for_a_copy_of_an_earlier_send() {
+        let client = offline_client();
+        let reader = SqsDeadLetters::builder("http://localhost/0/payments-dlq.fifo")
+            .client(client.clone())
+            .connect()
+            .await
+            .unwrap();
+        let producer = SqsProducer::builder()
+            .client(client)
+            .connect()
+            .await
+            .unwrap();
+        let id = MessageId::generate();
+
+        let first = dedup_id_sent(
+            &producer,
+            &OutgoingMessage::new(id.clone(), "{}").key("account-1"),
+        );
+        assert_eq!(
+            first,
+            id.as_str(),
+            "a first send still deduplicates on the event ID"
+        );
+
+        let replay = replayed_dedup_id(&reader, &producer, &parked("dlq-1", &id));
+        assert_ne!(
+            replay, first,
+            "the replay would be dropped as a copy of the first send"
+        );
+        // The replayed copy failed again, was parked again (a new dead letter), and is
+        // replayed again within the 5 minutes.
+        let again = replayed_dedup_id(&reader, &producer, &parked("dlq-2", &id));
+        assert_ne!(again, first);
+        assert_ne!(
+            again, replay,
+            "the second replay would be dropped as a copy of the first"
+        );
+        // The same dead letter replayed twice (a crash before its removal) is one message.
+        assert_eq!(
+            replayed_dedup_id(&reader, &producer, &parked("dlq-1", &id)),
+            replay
+        );
+        assert!(crate::fifo::is_valid_id(&replay) && crate::fifo::is_valid_id(&again));
     }
 }

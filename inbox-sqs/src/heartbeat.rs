@@ -7,6 +7,7 @@ use aws_sdk_sqs::Client;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
+use crate::delivery::Ownership;
 use crate::Error;
 
 /// A running heartbeat for one received message. [`Heartbeat::stop`] or dropping it cancels
@@ -25,12 +26,14 @@ pub(crate) struct Heartbeat {
 
 impl Heartbeat {
     /// Starts extending the visibility of the message received with `receipt_handle` to
-    /// `visibility` every third of it, so two extensions may fail before it runs out.
+    /// `visibility` every third of it, so two extensions may fail before it runs out. When SQS
+    /// refuses the handle as stale, it marks `ownership` lost and stops.
     pub(crate) fn start(
         client: Client,
         queue_url: Arc<str>,
         receipt_handle: Arc<str>,
         visibility: Duration,
+        ownership: Arc<Ownership>,
     ) -> Self {
         let period = (visibility / 3).max(Duration::from_millis(200));
         let seconds = i32::try_from(visibility.as_secs()).unwrap_or(i32::MAX);
@@ -49,9 +52,11 @@ impl Heartbeat {
                     Err(e) => {
                         let e = Error::sdk("ChangeMessageVisibility (heartbeat)", &queue_url, e);
                         if e.is_stale_receipt() {
-                            // The message was deleted or handed out again: its other copy
-                            // finds the ID claimed and is skipped, so this is only wasted work.
-                            warn!(error = %e, "visibility heartbeat lost the message (receipt handle stale); a redelivered copy will be skipped by the inbox");
+                            // The message was deleted or handed out again: the delivery is
+                            // stale, and the consumer drops it unless it is already applying
+                            // it (then its other copy finds the ID claimed and is skipped).
+                            ownership.lose();
+                            warn!(error = %e, "visibility heartbeat lost the message (receipt handle stale); the delivery is stale, its other copy is the one to apply");
                             return;
                         }
                         warn!(error = %e, "visibility heartbeat failed; trying again on the next tick");

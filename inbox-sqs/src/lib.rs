@@ -92,13 +92,41 @@
 //!   Handler failures are retried by the consumer in-process first
 //!   ([`RetryPolicy`](inbox_core::RetryPolicy)), under the heartbeat.
 //! - **Delayed redelivery** (a redelivery schedule,
-//!   [`RetryPolicy::redeliver_after`](inbox_core::RetryPolicy::redeliver_after)) is
-//!   `ChangeMessageVisibility` to the schedule's delay, up to 12 hours: the message stays in the
-//!   queue, invisible, and comes back with its ID.
-//!   [`Metadata::redeliveries`](inbox_core::Metadata::redeliveries) is `ApproximateReceiveCount`
-//!   − 1, so a crash or a shutdown hand-back moves a message along the schedule too. A redrive
-//!   policy's `maxReceiveCount` counts these receives: give it more than the schedule's length
-//!   + 1.
+//!   [`RetryPolicy::redeliver_after`](inbox_core::RetryPolicy::redeliver_after)) sends a copy
+//!   of the message to its own queue and then deletes the message: same body, same attributes
+//!   (the ID attribute always kept), and the attribute
+//!   [`REDELIVERY_COUNT`](inbox_core::REDELIVERY_COUNT) (`x-inbox-redelivery`), the
+//!   redelivery's number from 1, which the copy reports as
+//!   [`Metadata::redeliveries`](inbox_core::Metadata::redeliveries). SQS cannot change a message
+//!   in place, so the count rides on the copy: only a redelivery the consumer asked for moves a
+//!   message along its schedule. A hand-back (a nack behind a blocked strict-order message, a
+//!   failed dead letter, a shutdown) or a receive after a crash or a visibility timeout leaves
+//!   the message and its count as they were; `ApproximateReceiveCount`
+//!   ([`Metadata::delivery_count`](inbox_core::Metadata::delivery_count)) still counts those,
+//!   per copy. On a standard queue SQS delays the copy itself (`DelaySeconds`, up to 15
+//!   minutes, whole seconds rounded up); a longer delay, and any delay on a FIFO queue (which
+//!   takes no per-message delay), is carried in the attribute
+//!   [`REDELIVER_AT`](delivery::REDELIVER_AT), and a receive before that time hides the copy
+//!   again until then (`ChangeMessageVisibility`, 12 hours at most at a time) without handing
+//!   it out. Each such receive counts in `ApproximateReceiveCount`; the due time is the sending
+//!   consumer's clock, so consumers' clocks apart shift it by as much. On a FIFO queue the copy
+//!   keeps the message group and has a deduplication ID of its own (from the receipt handle);
+//!   it joins the back of its group, so the messages of the group sent before the copy are
+//!   applied before it (a hidden copy then holds its group back until it is due). The copy is
+//!   sent first and the message deleted only then: a failure in between leaves both, under one
+//!   ID, and the inbox applies one. A copy that cannot be sent leaves the message in place,
+//!   visible again after the delay with its count unchanged; without permission to send to the
+//!   queue (`sqs:SendMessage`) the consumer stops with an error saying so. A dead letter leaves
+//!   the count off, so a replay starts a new schedule.
+//! - **Staleness**: when the visibility heartbeat finds a delivery's receipt handle refused
+//!   (the message was handed out again under a new handle, or deleted by its other copy), the
+//!   delivery reports [`Ack::is_stale`](inbox_core::Ack::is_stale), and the consumer drops it
+//!   before its claim if it has not started on it: the other copy is the one to apply. Without
+//!   the heartbeat staleness is not known, and the inbox skips the second copy as before.
+//!
+//! The bookkeeping behind these rules (the redelivery count and due time of a received copy,
+//! how a copy is sent, the staleness flag, the FIFO deduplication ID of each kind of send) is
+//! plain state in [`delivery`], which the source and its acks drive.
 //!
 //! # Dead letters
 //! A message without a usable ID, with a permanent handler error, or failing
@@ -109,7 +137,7 @@
 //!   same attributes, plus the attributes [`REASON`](inbox_core::dead_letter::REASON),
 //!   [`ORIGINAL_SOURCE`](inbox_core::dead_letter::ORIGINAL_SOURCE) (the queue URL) and
 //!   [`ORIGINAL_POSITION`](inbox_core::dead_letter::ORIGINAL_POSITION) (`message <SQS message
-//!   ID>`), and the ID in the source's ID attribute (written from the ID when it was the
+//!   ID>`), less a redelivered copy's count, and the ID in the source's ID attribute (written from the ID when it was the
 //!   `MessageDeduplicationId`, which a send cannot copy), so a replay into the source keeps
 //!   it; SQS allows 10 attributes, so the last other original ones by name give way to these),
 //!   and only then deleted from the source queue: a failure in between leaves a copy in both,
@@ -152,6 +180,7 @@ mod client;
 mod config;
 mod dead_letter;
 mod dead_letters;
+pub mod delivery;
 mod error;
 mod fifo;
 mod heartbeat;
@@ -164,6 +193,7 @@ pub use aws_config;
 pub use client::{config_loader, connect, connect_to, default_timeouts};
 pub use config::{SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
 pub use dead_letters::{SqsDeadLetters, SqsDeadLettersBuilder};
+pub use delivery::DEDUPLICATION_ID_HEADER;
 pub use error::{Error, Result};
 pub use inbox_core::{CloudEventsIdentity, IdFrom};
 pub use producer::{SqsProducer, SqsProducerBuilder};

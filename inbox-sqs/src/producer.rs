@@ -11,6 +11,7 @@ use inbox_core::{async_trait, MessageId, OutgoingMessage, Publish, PublishError,
 use tokio::task::JoinSet;
 
 use crate::config::DEFAULT_ID_ATTRIBUTE;
+use crate::delivery::{DedupId, DEDUPLICATION_ID_HEADER};
 use crate::{dead_letter, fifo};
 use crate::{Error, Result};
 
@@ -57,6 +58,7 @@ impl SqsProducerBuilder {
         if self.id_attribute.is_empty() {
             return Err(Error::Config("the ID attribute name is empty".into()));
         }
+        dead_letter::check_id_attribute(&self.id_attribute, "SqsProducerBuilder::id_attribute")?;
         let client = match self.client {
             Some(client) => client,
             None => crate::connect().await,
@@ -104,9 +106,9 @@ pub struct SqsProducer {
 }
 
 /// A queue to send to: its URL and whether it is FIFO.
-struct Queue {
-    url: String,
-    fifo: bool,
+pub(crate) struct Queue {
+    pub(crate) url: String,
+    pub(crate) fifo: bool,
 }
 
 impl SqsProducer {
@@ -190,7 +192,7 @@ impl SqsProducer {
 
     /// The `SendMessageBatch` entry `index` for `message`: its body, its ID and headers as
     /// message attributes, and on a FIFO queue its group and deduplication ID.
-    fn entry(
+    pub(crate) fn entry(
         &self,
         index: usize,
         queue: &Queue,
@@ -213,7 +215,16 @@ impl SqsProducer {
             .id(index.to_string())
             .message_body(body)
             .message_attributes(&self.id_attribute, id);
+        // Sent as the FIFO deduplication ID, never as an attribute.
+        let given = message
+            .headers
+            .iter()
+            .find(|(name, _)| name == DEDUPLICATION_ID_HEADER)
+            .map(|(_, value)| String::from_utf8_lossy(value));
         for (name, value) in message.traced_headers() {
+            if name == DEDUPLICATION_ID_HEADER {
+                continue;
+            }
             if name == self.id_attribute {
                 return Err(Error::Config(format!(
                     "header `{name}` would shadow the ID attribute; rename it"
@@ -224,7 +235,7 @@ impl SqsProducer {
         if let Some(group) = self.group(queue, message)? {
             entry = entry
                 .message_group_id(group)
-                .message_deduplication_id(dedup_id(&message.id));
+                .message_deduplication_id(dedup_id(&message.id, given.as_deref()));
         }
         entry
             .build()
@@ -275,10 +286,15 @@ impl SqsProducer {
     }
 }
 
-/// SQS deduplication IDs are at most 128 characters of a limited alphabet; a UUID fits, and a
-/// longer or odd ID is hashed down to one that does.
-fn dedup_id(id: &MessageId) -> String {
-    fifo::fifo_id(id.as_str())
+/// The `MessageDeduplicationId` of a message on a FIFO queue: the one its
+/// [`DEDUPLICATION_ID_HEADER`] gives (a replay's), else its ID. SQS deduplication IDs are at most
+/// 128 characters of a limited alphabet; a UUID fits, and a longer or odd ID is hashed down to
+/// one that does.
+fn dedup_id(id: &MessageId, given: Option<&str>) -> String {
+    match given {
+        Some(given) => DedupId::Given(given).value(),
+        None => DedupId::FirstSend(id).value(),
+    }
 }
 
 /// `destination` is a queue URL or a queue name (resolved once, as by
@@ -366,15 +382,19 @@ mod tests {
     #[test]
     fn dedup_ids_fit_sqs_rules() {
         let uuid = MessageId::generate();
-        assert_eq!(dedup_id(&uuid), uuid.as_str());
+        assert_eq!(dedup_id(&uuid, None), uuid.as_str());
         let odd = MessageId::new("évènement 1").unwrap();
-        let hashed = dedup_id(&odd);
+        let hashed = dedup_id(&odd, None);
         assert_eq!(hashed.len(), 32);
-        assert_eq!(hashed, dedup_id(&odd), "stable");
-        assert_ne!(hashed, dedup_id(&MessageId::new("évènement 2").unwrap()));
+        assert_eq!(hashed, dedup_id(&odd, None), "stable");
+        assert_ne!(
+            hashed,
+            dedup_id(&MessageId::new("évènement 2").unwrap(), None)
+        );
         assert_eq!(
-            dedup_id(&MessageId::new("x".repeat(129)).unwrap()).len(),
+            dedup_id(&MessageId::new("x".repeat(129)).unwrap(), None).len(),
             32
         );
+        assert_eq!(dedup_id(&uuid, Some("replay-1")), "replay-1");
     }
 }

@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use aws_sdk_sqs::types::{MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName};
 use aws_sdk_sqs::Client;
@@ -11,11 +11,12 @@ use inbox_core::{
     async_trait, Binding, Capabilities, Delivery, IdCarrier, IdFrom, Message, MessageSource,
     SourceError,
 };
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::ack::{Shared, SqsAck};
 use crate::config::{Settings, SqsSourceBuilder};
 use crate::dead_letter::DeadLetterTarget;
+use crate::delivery::{Arrival, Ownership, Redelivery, REDELIVERY_COUNT, REDELIVER_AT};
 use crate::heartbeat::Heartbeat;
 use crate::{Error, Result};
 
@@ -46,6 +47,7 @@ impl SqsSource {
             id_attribute: Arc::from(dead_letter_id_attribute(&settings.id_from)),
             min_retry_delay: settings.min_retry_delay,
             dead_letter,
+            fifo: settings.fifo,
         });
         Self {
             client,
@@ -99,6 +101,103 @@ impl SqsSource {
         Ok(Duration::from_secs(seconds))
     }
 
+    /// One `ReceiveMessage`, waiting until `poll_until` at most: the deliveries to hand out, and
+    /// how many copies it hid because they were not due yet.
+    async fn receive_once(
+        &mut self,
+        max: usize,
+        poll_until: tokio::time::Instant,
+    ) -> Result<(Vec<Delivery<SqsAck>>, usize), SourceError> {
+        let max = max.clamp(1, self.settings.max_messages);
+        let left = poll_until.saturating_duration_since(tokio::time::Instant::now());
+        // Rounded up: the first receive waits the whole poll time, not a second less.
+        let wait = crate::delivery::whole_seconds(left).min(20);
+        let mut request = self
+            .client
+            .receive_message()
+            .queue_url(&*self.queue_url)
+            .max_number_of_messages(i32::try_from(max).unwrap_or(10))
+            .wait_time_seconds(wait)
+            .message_attribute_names("All")
+            .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
+            .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId)
+            .message_system_attribute_names(MessageSystemAttributeName::SentTimestamp);
+        if self.settings.id_from.reads_property() {
+            request = request
+                .message_system_attribute_names(MessageSystemAttributeName::MessageDeduplicationId);
+        }
+        if let Some(timeout) = self.settings.visibility_timeout {
+            request = request.visibility_timeout(i32::try_from(timeout.as_secs()).unwrap_or(30));
+        }
+        // If the consumer drops this future mid-call, the messages SQS already handed out
+        // simply become visible again after their visibility timeout: nothing is lost.
+        let out = request
+            .send()
+            .await
+            .map_err(|e| Error::sdk("ReceiveMessage", &self.queue_url, e))?;
+
+        let mut deliveries = Vec::new();
+        let mut hidden = 0;
+        let now = SystemTime::now();
+        for mut sqs in out.messages.unwrap_or_default() {
+            let Some(handle) = sqs.receipt_handle() else {
+                warn!(queue_url = %self.queue_url, message_id = ?sqs.message_id(), "received a message without a receipt handle; skipping it");
+                continue;
+            };
+            if let Arrival::HideFor(left) = redelivery_of(sqs.message_attributes()).on_receive(now)
+            {
+                self.hide(handle, left).await;
+                hidden += 1;
+                continue;
+            }
+            let message = self.convert(&sqs);
+            let handle: Arc<str> = Arc::from(handle);
+            let ownership = Arc::new(Ownership::new());
+            let heartbeat = self.settings.heartbeat.then(|| {
+                Heartbeat::start(
+                    self.client.clone(),
+                    Arc::clone(&self.queue_url),
+                    Arc::clone(&handle),
+                    self.settings.effective_visibility,
+                    Arc::clone(&ownership),
+                )
+            });
+            let ack = SqsAck::new(
+                Arc::clone(&self.acks),
+                handle,
+                // Moved, not copied: kept for a dead letter or a redelivered copy only.
+                sqs.message_attributes.take(),
+                heartbeat,
+                ownership,
+            );
+            deliveries.push(Delivery { message, ack });
+        }
+        Ok((deliveries, hidden))
+    }
+
+    /// Hides a redelivered copy received before it is due for the time `left`, handing it to no
+    /// one. A failure is logged: the copy then comes back after its visibility timeout, and is
+    /// hidden again.
+    async fn hide(&self, receipt_handle: &str, left: Duration) {
+        let result = self
+            .client
+            .change_message_visibility()
+            .queue_url(&*self.queue_url)
+            .receipt_handle(receipt_handle)
+            .visibility_timeout(crate::ack::visibility_seconds(left))
+            .send()
+            .await;
+        match result {
+            Ok(_) => {
+                debug!(queue_url = %self.queue_url, ?left, "redelivered copy not due yet; hidden until it is")
+            }
+            Err(e) => {
+                let e = Error::sdk("ChangeMessageVisibility (not due)", &self.queue_url, e);
+                warn!(error = %e, "cannot hide a redelivered copy until it is due; it comes back after its visibility timeout");
+            }
+        }
+    }
+
     /// Turns one received SQS message into an inbox message.
     fn convert(&self, sqs: &aws_sdk_sqs::types::Message) -> Message {
         let attributes = sqs.message_attributes();
@@ -129,11 +228,10 @@ impl SqsSource {
         meta.source = self.queue_url.to_string();
         meta.position = format!("message {}", sqs.message_id().unwrap_or("?"));
         meta.delivery_count = delivery_count;
-        meta.redelivered = delivery_count.is_some_and(|n| n > 1);
-        // SQS keeps no count of its own for a delayed redelivery, and a copy cannot be changed
-        // in place: every receive before this one counts, so a crash or a shutdown hand-back
-        // also moves the message along the schedule.
-        meta.redeliveries = delivery_count.map_or(0, |n| n.saturating_sub(1));
+        // Only the consumer's own delayed redeliveries count, carried on the copy each one
+        // sent; a hand-back or a crash leaves the message, and its count, as they were.
+        meta.redeliveries = redelivery_of(attributes).count;
+        meta.redelivered = delivery_count.is_some_and(|n| n > 1) || meta.redeliveries > 0;
         // FIFO queues keep order per message group; a standard queue keeps none, but one lane
         // keeps a batch in one transaction.
         meta.lane = group.cloned();
@@ -148,68 +246,27 @@ impl SqsSource {
 impl MessageSource for SqsSource {
     type Ack = SqsAck;
 
+    /// Receives until a receive returns something to hand out, or the poll time is over: a
+    /// receive that returned only redelivered copies not due yet (hidden again) is not the
+    /// end of the poll.
     async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<SqsAck>>, SourceError> {
-        let max = max.clamp(1, self.settings.max_messages);
-        let wait = i32::try_from(self.settings.poll_timeout.as_secs()).unwrap_or(20);
-        let mut request = self
-            .client
-            .receive_message()
-            .queue_url(&*self.queue_url)
-            .max_number_of_messages(i32::try_from(max).unwrap_or(10))
-            .wait_time_seconds(wait)
-            .message_attribute_names("All")
-            .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
-            .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId)
-            .message_system_attribute_names(MessageSystemAttributeName::SentTimestamp);
-        if self.settings.id_from.reads_property() {
-            request = request
-                .message_system_attribute_names(MessageSystemAttributeName::MessageDeduplicationId);
+        let poll_until = tokio::time::Instant::now() + self.settings.poll_timeout;
+        loop {
+            let (deliveries, hidden) = self.receive_once(max, poll_until).await?;
+            let now = tokio::time::Instant::now();
+            if !deliveries.is_empty() || hidden == 0 || now + Duration::from_secs(1) > poll_until {
+                return Ok(deliveries);
+            }
         }
-        if let Some(timeout) = self.settings.visibility_timeout {
-            request = request.visibility_timeout(i32::try_from(timeout.as_secs()).unwrap_or(30));
-        }
-        // If the consumer drops this future mid-call, the messages SQS already handed out
-        // simply become visible again after their visibility timeout: nothing is lost.
-        let out = request
-            .send()
-            .await
-            .map_err(|e| Error::sdk("ReceiveMessage", &self.queue_url, e))?;
-
-        let mut deliveries = Vec::new();
-        for mut sqs in out.messages.unwrap_or_default() {
-            let Some(handle) = sqs.receipt_handle() else {
-                warn!(queue_url = %self.queue_url, message_id = ?sqs.message_id(), "received a message without a receipt handle; skipping it");
-                continue;
-            };
-            let message = self.convert(&sqs);
-            let handle: Arc<str> = Arc::from(handle);
-            let heartbeat = self.settings.heartbeat.then(|| {
-                Heartbeat::start(
-                    self.client.clone(),
-                    Arc::clone(&self.queue_url),
-                    Arc::clone(&handle),
-                    self.settings.effective_visibility,
-                )
-            });
-            let ack = SqsAck::new(
-                Arc::clone(&self.acks),
-                handle,
-                // Moved, not copied: kept for a dead letter only.
-                sqs.message_attributes.take(),
-                heartbeat,
-            );
-            deliveries.push(Delivery { message, ack });
-        }
-        Ok(deliveries)
     }
 
     fn system(&self) -> &'static str {
         "aws_sqs"
     }
 
-    /// Every delivery carries `ApproximateReceiveCount`, and a nack or a delayed redelivery
-    /// sets the message's visibility to the delay; on a FIFO queue each delivery's lane is its
-    /// message group.
+    /// Every delivery carries `ApproximateReceiveCount`, a nack sets the message's visibility
+    /// to the delay, and a delayed redelivery sends a copy due after it (see the crate docs,
+    /// "Ack semantics"); on a FIFO queue each delivery's lane is its message group.
     fn capabilities(&self) -> Capabilities {
         let capabilities = Capabilities::NONE
             .with_delivery_count()
@@ -272,6 +329,13 @@ impl IdCarrier for Received<'_> {
     fn payload(&self) -> &[u8] {
         self.body
     }
+}
+
+/// Where a received message stands on the redelivery schedule, from the attributes its delayed
+/// redelivery wrote (none on a first delivery).
+fn redelivery_of(attributes: Option<&HashMap<String, MessageAttributeValue>>) -> Redelivery {
+    let text = |name: &str| attributes?.get(name)?.string_value();
+    Redelivery::read(text(REDELIVERY_COUNT), text(REDELIVER_AT))
 }
 
 fn attribute_bytes(value: &MessageAttributeValue) -> Vec<u8> {

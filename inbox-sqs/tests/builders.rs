@@ -232,3 +232,58 @@ async fn the_deduplication_id_is_refused_on_a_standard_queue() {
         .to_string();
     assert!(e.contains("standard queue") && e.contains(url), "{e}");
 }
+
+/// A dead letter adds the attributes `reason`, `original_source` and `original_position`: an ID
+/// read from one of them would be overwritten by it, and every letter of one reason would replay
+/// under one ID. The source, the producer and the dead-letter reader refuse those names before
+/// any call, naming the attribute and the fix.
+#[tokio::test]
+async fn an_id_attribute_named_like_a_dead_letter_attribute_is_refused() {
+    use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
+    let url = "http://127.0.0.1:4566/000000000000/payments";
+    let sqs = client().await;
+    let named = |e: String, name: &str| {
+        assert!(
+            e.contains(&format!("`{name}`")) && e.contains("dead letter") && e.contains("rename"),
+            "{e}"
+        );
+    };
+    for name in [REASON, ORIGINAL_SOURCE, ORIGINAL_POSITION] {
+        let source = SqsSource::builder(url)
+            .client(sqs.clone())
+            .id_attribute(name)
+            .connect()
+            .await;
+        let Err(inbox_sqs::Error::Config(e)) = source else {
+            panic!("source with id_attribute({name}): {source:?}");
+        };
+        named(e, name);
+        let source = SqsSource::builder(url)
+            .client(sqs.clone())
+            .id_from(inbox_sqs::IdFrom::header("event_id").or(inbox_sqs::IdFrom::header(name)))
+            .connect()
+            .await;
+        let Err(inbox_sqs::Error::Config(e)) = source else {
+            panic!("source with id_from(.. or {name}): {source:?}");
+        };
+        named(e, name);
+        let producer = SqsProducer::builder()
+            .client(sqs.clone())
+            .id_attribute(name)
+            .connect()
+            .await;
+        let Err(inbox_sqs::Error::Config(e)) = producer else {
+            panic!("producer with id_attribute({name}): {producer:?}");
+        };
+        named(e, name);
+        let reader = inbox_sqs::SqsDeadLetters::builder(format!("{url}-dlq"))
+            .client(sqs.clone())
+            .id_attribute(name)
+            .connect()
+            .await;
+        let Err(inbox_sqs::Error::Config(e)) = reader else {
+            panic!("dead-letter reader with id_attribute({name}): {reader:?}");
+        };
+        named(e, name);
+    }
+}

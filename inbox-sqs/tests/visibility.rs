@@ -321,3 +321,74 @@ async fn zombie_cannot_happen_with_the_heartbeat() {
     assert_eq!(ledger.total_balance, 2 * 100 + 4);
     db.drop().await;
 }
+
+/// A copy handed out again under a new receipt handle while the first delivery waited (its
+/// visibility ran out, here made to) and settled there is reported stale once the heartbeat
+/// finds the first handle refused, so the consumer drops the first delivery before its claim
+/// instead of applying it under a handle that can no longer delete it.
+#[tokio::test]
+async fn a_delivery_whose_message_was_handed_out_again_is_stale() {
+    let sqs = client().await;
+    let url = queue(&sqs, "stale", 3).await;
+    let sender = SqsProducer::builder()
+        .client(sqs.clone())
+        .connect()
+        .await
+        .unwrap();
+    sender.send(&url, credit(1, 5).as_bytes()).await.unwrap();
+    let mut source = SqsSource::builder(&url)
+        .client(sqs.clone())
+        .poll_timeout(SECOND)
+        .connect()
+        .await
+        .unwrap();
+    let mut first = source.receive(1).await.unwrap();
+    let first = first.pop().unwrap();
+    assert!(!first.ack.is_stale(), "a fresh delivery is not stale");
+    // Its visibility runs out (made to, at once) and another consumer receives it.
+    sqs.change_message_visibility()
+        .queue_url(&url)
+        .receipt_handle(first.ack.receipt_handle())
+        .visibility_timeout(0)
+        .send()
+        .await
+        .unwrap();
+    // Another consumer receives it under a new handle, applies it and deletes it. (moto
+    // refuses an old handle only once the message is gone; AWS as soon as it was handed out
+    // again.)
+    let started = Instant::now();
+    let other = loop {
+        let out = sqs
+            .receive_message()
+            .queue_url(&url)
+            .wait_time_seconds(1)
+            .send()
+            .await
+            .unwrap();
+        if let Some(message) = out.messages().first() {
+            break message.receipt_handle().unwrap().to_owned();
+        }
+        assert!(
+            started.elapsed() < 5 * SECOND,
+            "the message never came back"
+        );
+    };
+    assert_ne!(other, first.ack.receipt_handle());
+    sqs.delete_message()
+        .queue_url(&url)
+        .receipt_handle(other)
+        .send()
+        .await
+        .unwrap();
+    // The heartbeat extends every second (a third of 3 s): its next extension finds the
+    // receipt handle stale.
+    let started = Instant::now();
+    while !first.ack.is_stale() && started.elapsed() < 5 * SECOND {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        first.ack.is_stale(),
+        "the first delivery is not reported stale after its message was handed out again"
+    );
+    common::delete_queue(&sqs, &url).await;
+}
