@@ -1,6 +1,5 @@
 //! Publishing dead letters: on a connection of their own, each publish bounded by a timeout.
 
-use std::collections::HashSet;
 use std::fmt;
 use std::time::Duration;
 
@@ -12,6 +11,7 @@ use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::Mutex;
 
 use crate::producer::publish_confirmed;
+use crate::redelivery::{DelayQueues, DelayedCopy};
 use crate::short_string::short_string;
 use crate::{connect, Error, RabbitSourceBuilder, Result};
 
@@ -31,8 +31,8 @@ pub(crate) struct DeadLetters {
     queue: String,
     dead_letter_queue: String,
     open: Mutex<Option<(Connection, Channel)>>,
-    /// Delay queues declared, by channel, so each is declared once per connection.
-    declared: Mutex<HashSet<(u16, String)>>,
+    /// Delay queues declared on the open connection.
+    delay_queues: Mutex<DelayQueues>,
 }
 
 impl fmt::Debug for DeadLetters {
@@ -56,7 +56,7 @@ impl DeadLetters {
             queue: config.queue.clone(),
             dead_letter_queue: config.dead_letter_queue(),
             open: Mutex::new(None),
-            declared: Mutex::new(HashSet::new()),
+            delay_queues: Mutex::new(DelayQueues::new()),
         }
     }
 
@@ -84,7 +84,9 @@ impl DeadLetters {
     /// (`<queue>.delay.<redelivery>`, declared at its first use), expiring after `delay`, with
     /// [`REDELIVERY_COUNT`] set to `redelivery + 1`; the delay queue dead-letters it back to
     /// the queue once it expires. The copy keeps the body, properties and headers, less the
-    /// quorum queue's `x-delivery-count`: the copy is a new message to the queue.
+    /// quorum queue's `x-delivery-count`: the copy is a new message to the queue (see
+    /// [`DelayedCopy`]). A copy returned unroutable found its delay queue deleted: the queue is
+    /// declared again and the copy published once more.
     pub(crate) async fn delay(
         &self,
         message: &Message,
@@ -92,36 +94,41 @@ impl DeadLetters {
         delay: Duration,
         redelivery: u32,
     ) -> Result<()> {
-        let queue = format!("{}.delay.{redelivery}", self.queue);
-        let mut headers = original.headers().clone().unwrap_or_default();
-        let mut kept = FieldTable::default();
-        for (name, value) in headers.inner() {
-            if name.as_str() != "x-delivery-count" {
-                kept.insert(name.clone(), value.clone());
+        let copy = DelayedCopy::new(&self.queue, delay, redelivery);
+        let mut headers = FieldTable::default();
+        for (name, value) in original.headers().clone().unwrap_or_default().inner() {
+            if DelayedCopy::keeps_header(name.as_str()) {
+                headers.insert(name.clone(), value.clone());
             }
         }
-        headers = kept;
         headers.insert(
             REDELIVERY_COUNT.into(),
-            AMQPValue::LongLongInt(i64::from(redelivery) + 1),
+            AMQPValue::LongLongInt(i64::from(copy.redeliveries)),
         );
-        // Whole milliseconds, at least one: an expiration of 0 would expire it at once.
-        let ms = delay.as_millis().max(1).to_string();
         let props = original
             .clone()
             .with_headers(headers)
             .with_delivery_mode(2)
-            .with_expiration(ms.into());
+            .with_expiration(copy.expiration_ms.to_string().into());
         let timeout = self.timeout;
+        let queue = copy.queue.as_str();
         let published = async {
             let channel = self.channel().await?;
-            self.declare_delay_queue(&channel, &queue).await?;
-            publish_confirmed(&channel, "", &queue, &message.payload, props).await
+            self.declare_delay_queue(&channel, queue).await?;
+            let sent =
+                publish_confirmed(&channel, "", queue, &message.payload, props.clone()).await;
+            if !matches!(sent, Err(Error::Unroutable { .. })) {
+                return sent;
+            }
+            tracing::warn!(queue, "delay queue is gone; declaring it again");
+            self.delay_queues.lock().await.gone(queue);
+            self.declare_delay_queue(&channel, queue).await?;
+            publish_confirmed(&channel, "", queue, &message.payload, props).await
         };
         match tokio::time::timeout(timeout, published).await {
             Ok(result) => result,
             Err(_elapsed) => Err(Error::ConfirmTimeout {
-                routing_key: queue,
+                routing_key: copy.queue,
                 waited: timeout,
             }),
         }
@@ -133,8 +140,7 @@ impl DeadLetters {
     /// schedule; a message expires only at the head of the queue, so one step's copies come
     /// back in order, none sooner than its own delay.
     async fn declare_delay_queue(&self, channel: &Channel, name: &str) -> Result<()> {
-        let key = (channel.id(), name.to_owned());
-        if self.declared.lock().await.contains(&key) {
+        if !self.delay_queues.lock().await.needs_declaring(name) {
             return Ok(());
         }
         let text = |s: &str| AMQPValue::LongString(LongString::from(s.to_owned()));
@@ -152,7 +158,7 @@ impl DeadLetters {
             .queue_declare(short_string("delay queue name", name)?, options, args)
             .await
             .map_err(|e| Error::amqp(format!("declaring delay queue `{name}`"), e))?;
-        self.declared.lock().await.insert(key);
+        self.delay_queues.lock().await.declared(name);
         Ok(())
     }
 
@@ -206,6 +212,9 @@ impl DeadLetters {
             .await
             .map_err(|e| Error::amqp("enabling publisher confirms", e))?;
         *open = Some((connection, channel.clone()));
+        // Channel numbers start again on a new connection: what the old one declared is
+        // declared again, so a delay queue deleted meanwhile exists before a copy goes to it.
+        self.delay_queues.lock().await.reconnected();
         Ok(channel)
     }
 

@@ -130,10 +130,12 @@
 //! - **Delayed redelivery** (a redelivery schedule,
 //!   [`RetryPolicy::redeliver_after`](inbox_core::RetryPolicy::redeliver_after)): a copy is
 //!   published, confirmed, to the delay queue `<queue>.delay.<n>` (a quorum queue declared at
-//!   first use, dead-lettering expired messages back to `<queue>` at least once) with the delay
-//!   as its `expiration` and the count in the header `x-inbox-redelivery`; then the delivery is
-//!   acked. The copy is a new message to the queue: no `x-delivery-count`, nothing counted
-//!   against `x-delivery-limit`. See [`RabbitAck`].
+//!   first use on each publishing connection, and again when a copy comes back unroutable
+//!   because it was deleted meanwhile, dead-lettering expired messages back to `<queue>` at
+//!   least once) with the delay as its `expiration` and the count in the header
+//!   `x-inbox-redelivery`; then the delivery is acked. The copy is a new message to the queue:
+//!   no `x-delivery-count`, nothing counted against `x-delivery-limit`. See [`RabbitAck`] and
+//!   [`redelivery`].
 //! - **What counts against `x-delivery-limit`**: the quorum queue's delivery count, which the
 //!   broker compares with the limit, goes up by one each time a delivery returns to the queue
 //!   before RabbitMQ 4.3: a `basic.nack` or `basic.reject` with `requeue`, and equally a channel
@@ -168,6 +170,7 @@ mod dead_letter;
 mod dead_letters;
 mod error;
 mod producer;
+pub mod redelivery;
 mod short_string;
 mod source;
 mod topology;

@@ -14,6 +14,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use crate::ack::{Link, RabbitAck};
 use crate::config::url_from_env;
 use crate::dead_letter::DeadLetters;
+use crate::redelivery::{Counts, DELIVERY_COUNT_HEADER};
 use crate::short_string::short_string;
 use crate::{connect, topology, Error, RabbitSourceBuilder, Result, Topology};
 
@@ -189,11 +190,12 @@ impl RabbitSource {
             body: &delivery.data,
         });
         // Quorum queues count earlier deliveries in `x-delivery-count`; absent on a first delivery.
-        let delivery_count = match headers.inner().get("x-delivery-count").and_then(as_u64) {
-            Some(n) => u32::try_from(n.saturating_add(1)).ok(),
-            None if !delivery.redelivered => Some(1),
-            None => None,
-        };
+        let header = |name: &str| headers.inner().get(name).and_then(as_u64);
+        let counts = Counts::read(
+            header(DELIVERY_COUNT_HEADER),
+            delivery.redelivered,
+            header(inbox_core::REDELIVERY_COUNT),
+        );
         let position = format!(
             "connection {} channel {} tag {tag}",
             link.generation,
@@ -209,14 +211,9 @@ impl RabbitSource {
         let meta = &mut message.meta;
         meta.source = self.config.queue.clone();
         meta.position = position.clone();
-        meta.delivery_count = delivery_count;
-        meta.redelivered = delivery.redelivered;
-        meta.redeliveries = headers
-            .inner()
-            .get(inbox_core::REDELIVERY_COUNT)
-            .and_then(as_u64)
-            .and_then(|n| u32::try_from(n).ok())
-            .unwrap_or(0);
+        meta.delivery_count = counts.delivery_count;
+        meta.redelivered = counts.redelivered;
+        meta.redeliveries = counts.redeliveries;
         // One queue, one order: no lane.
         meta.timestamp = sent_at(&headers, *props.timestamp());
         link.track(tag);
