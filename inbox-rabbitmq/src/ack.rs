@@ -12,6 +12,7 @@ use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::{BasicProperties, Channel, Connection};
 
 use crate::dead_letter::DeadLetters;
+use crate::unsettled::{AckPlan, Unsettled};
 use crate::Error;
 
 /// One connection and its consuming channel. Deliveries keep it alive until they are settled:
@@ -23,7 +24,7 @@ pub(crate) struct Link {
     pub(crate) channel: Channel,
     /// Delivery tags handed to the consumer and not yet acked or nacked, so `ack_all` knows when
     /// one `multiple` ack covers exactly the tags it was given and nothing else.
-    pub(crate) unsettled: Mutex<BTreeSet<u64>>,
+    pub(crate) unsettled: Mutex<Unsettled>,
     /// Test-only: stops a nack just before its frame is queued.
     #[cfg(test)]
     pub(crate) before_nack_frame: tests::Pause,
@@ -38,7 +39,7 @@ impl Link {
             generation,
             connection,
             channel,
-            unsettled: Mutex::new(BTreeSet::new()),
+            unsettled: Mutex::new(Unsettled::new()),
             #[cfg(test)]
             before_nack_frame: tests::Pause::default(),
             #[cfg(test)]
@@ -46,12 +47,12 @@ impl Link {
         }
     }
 
-    fn unsettled(&self) -> MutexGuard<'_, BTreeSet<u64>> {
+    fn unsettled(&self) -> MutexGuard<'_, Unsettled> {
         self.unsettled.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub(crate) fn track(&self, tag: u64) {
-        self.unsettled().insert(tag);
+        self.unsettled().track(tag);
     }
 
     pub(crate) fn is_open(&self) -> bool {
@@ -73,10 +74,7 @@ impl Link {
     /// whose frame was never sent stays unsettled, so no later `multiple` ack covers it; the
     /// broker hands it out again when the channel closes.
     fn settled(&self, tags: impl IntoIterator<Item = u64>) {
-        let mut unsettled = self.unsettled();
-        for tag in tags {
-            unsettled.remove(&tag);
-        }
+        self.unsettled().settled(tags);
     }
 
     /// Sends `basic.ack` of `tag` (and, with `multiple`, of every unsettled tag below it), and
@@ -90,7 +88,7 @@ impl Link {
         let frame = self.channel.basic_ack(tag, BasicAckOptions { multiple });
         self.send("ack", tag, frame).await?;
         if multiple {
-            self.unsettled().retain(|t| *t > tag);
+            self.unsettled().settled_up_to(tag);
         } else {
             self.settled([tag]);
         }
@@ -288,7 +286,10 @@ impl Ack for RabbitAck {
         }
         let mut first_error = None;
         for (link, tags) in groups.into_values() {
-            let (multiple_up_to, singles) = plan(&link.unsettled(), &tags);
+            let AckPlan {
+                multiple_up_to,
+                singles,
+            } = link.unsettled().plan(&tags);
             let mut result = Ok(());
             if let Some(last) = multiple_up_to {
                 result = link.ack(last, true).await;
@@ -309,24 +310,6 @@ impl Ack for RabbitAck {
             Some(e) => Err(e.into()),
             None => Ok(()),
         }
-    }
-}
-
-/// Splits `tags` into one `multiple` ack (up to the returned tag) and single acks. The `multiple`
-/// ack covers the run of `tags` that begins at the oldest unsettled tag, and only when that run
-/// has at least two tags; so it never covers a tag some other ack or nack has yet to send.
-fn plan(unsettled: &BTreeSet<u64>, tags: &BTreeSet<u64>) -> (Option<u64>, Vec<u64>) {
-    let run: Vec<u64> = unsettled
-        .iter()
-        .take_while(|tag| tags.contains(tag))
-        .copied()
-        .collect();
-    match run.last() {
-        Some(&last) if run.len() >= 2 => {
-            let singles = tags.iter().copied().filter(|t| *t > last).collect();
-            (Some(last), singles)
-        }
-        _ => (None, tags.iter().copied().collect()),
     }
 }
 
@@ -538,28 +521,5 @@ pub(crate) mod tests {
             ["m0"],
             "the message whose nack failed was acked by the batch: lost"
         );
-    }
-
-    fn set(tags: &[u64]) -> BTreeSet<u64> {
-        tags.iter().copied().collect()
-    }
-
-    #[test]
-    fn a_contiguous_batch_is_one_multiple_ack() {
-        let unsettled = set(&[1, 2, 3, 4]);
-        assert_eq!(plan(&unsettled, &set(&[1, 2, 3])), (Some(3), vec![]));
-    }
-
-    #[test]
-    fn an_older_unsettled_delivery_forces_single_acks() {
-        // Tag 1 waits for a delayed requeue: a multiple ack of 3 would settle it too.
-        let unsettled = set(&[1, 2, 3]);
-        assert_eq!(plan(&unsettled, &set(&[2, 3])), (None, vec![2, 3]));
-    }
-
-    #[test]
-    fn a_gap_splits_the_batch() {
-        let unsettled = set(&[5, 6, 7, 8, 9]);
-        assert_eq!(plan(&unsettled, &set(&[5, 6, 8, 9])), (Some(6), vec![8, 9]));
     }
 }

@@ -174,6 +174,7 @@ pub mod redelivery;
 mod short_string;
 mod source;
 mod topology;
+pub mod unsettled;
 
 pub use ack::RabbitAck;
 pub use config::{RabbitSourceBuilder, Topology};
