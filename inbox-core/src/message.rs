@@ -167,7 +167,8 @@ pub struct Metadata {
     pub redelivered: bool,
     /// How many times the consumer has handed this message back under its redelivery schedule
     /// ([`RetryPolicy::redeliver_after`](crate::RetryPolicy::redeliver_after)), as the adapter
-    /// carries it (a header or field on the delayed copy, SQS `ApproximateReceiveCount` - 1);
+    /// carries it (a header, attribute or field on the delayed copy, a record's committed
+    /// count);
     /// 0 on a first delivery and on a source without
     /// [`Capabilities::delayed_redelivery`](crate::Capabilities::delayed_redelivery).
     pub redeliveries: u32,

@@ -87,9 +87,9 @@ impl RetryPolicy {
     /// ID, so the inbox still applies it once. The consumer refuses to start with a schedule on
     /// a source that cannot delay ([`Capabilities::delayed_redelivery`](crate::Capabilities::delayed_redelivery)).
     ///
-    /// Where the broker counts deliveries (SQS, Redis Streams), each redelivery is one more:
-    /// set [`Consumer::max_deliveries`] (and an SQS redrive policy's `maxReceiveCount`) above
-    /// the schedule's length + 1, or the message is parked before the schedule is used up.
+    /// Where the broker counts deliveries of one message across its redeliveries (Redis
+    /// Streams), each redelivery is one more: set [`Consumer::max_deliveries`] above the
+    /// schedule's length + 1, or the message is parked before the schedule is used up.
     #[must_use]
     pub fn redeliver_after(mut self, delays: impl IntoIterator<Item = Duration>) -> Self {
         self.redeliveries = delays.into_iter().collect();
