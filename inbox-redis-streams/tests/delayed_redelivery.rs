@@ -61,10 +61,18 @@ async fn a_redelivered_entry_worked_on_longer_than_its_delay_is_applied_once_not
         .max_deliveries(2)
         .parallel_lanes(2);
     let stats = consumer.stats();
-    consumer
-        .run_until(tokio::time::sleep(DELAY * 12))
-        .await
-        .expect("run");
+    // Until it is applied (or 30 s, a failure), then six delays more for any late copy.
+    let applied = {
+        let store = store.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            while store.state().await == 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(DELAY / 4).await;
+            }
+            tokio::time::sleep(DELAY * 6).await;
+        }
+    };
+    consumer.run_until(applied).await.expect("run");
 
     let parked = dead_letters(&stream).await;
     let calls = handler.calls.load(Ordering::SeqCst);
@@ -109,7 +117,7 @@ async fn a_redelivered_copy_is_not_claimed_again_while_it_is_worked_on() {
         .expect("redeliver");
 
     let mut copy = None;
-    for _ in 0..40 {
+    for _ in 0..200 {
         let mut batch = source.receive(10).await.expect("receive");
         if let Some(d) = batch.pop() {
             copy = Some(d);
