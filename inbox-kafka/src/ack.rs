@@ -15,6 +15,7 @@ use tracing::{debug, warn};
 use crate::commit::commit_sync;
 use crate::dead_letter::DeadLetterProducer;
 use crate::error::{partition_moved, Error};
+use crate::redelivery;
 use crate::shared_consumer::SharedConsumer;
 use crate::tracker::Commit;
 
@@ -100,8 +101,11 @@ impl Ack for KafkaAck {
         }
     }
 
-    /// Pauses the partition, seeks it back to this offset as a nack does, and resumes it once
-    /// `delay` has passed: see the crate docs, "Ack semantics".
+    /// Pauses the partition, commits the record's new redelivery count with the partition's
+    /// offset, seeks it back to this offset as a nack does, and resumes it once `delay` has
+    /// passed: see the crate docs, "Ack semantics". A delivery received before its partition
+    /// was revoked ([`Ack::is_stale`]) leaves the partition alone: whoever holds it now reads
+    /// the record again from the last commit.
     async fn redeliver(
         self,
         _message: &Message,
@@ -109,37 +113,48 @@ impl Ack for KafkaAck {
         redelivery: u32,
     ) -> Result<(), SourceError> {
         let t = &self.target;
-        let mut list = TopicPartitionList::new();
-        list.add_partition(&t.topic, t.partition);
-        // Paused before the seek, so nothing of the partition is fetched again in between.
-        t.consumer.pause(&list).map_err(|e| {
-            Error::kafka(format!("pausing {}[{}]", t.topic, t.partition), e).into_source()
-        })?;
-        t.consumer.context().tracker().delay(
-            &t.topic,
+        let commit = {
+            // Decided and paused under the tracker's lock, so a revoke (which takes it too)
+            // cannot come between the check of the generation and the pause.
+            let mut tracker = t.consumer.context().tracker();
+            let Some(commit) = tracker.delay(
+                &t.topic,
+                t.partition,
+                t.generation,
+                t.offset,
+                redelivery + 1,
+                delay,
+                std::time::Instant::now(),
+                std::time::SystemTime::now(),
+            ) else {
+                debug!(topic = %t.topic, partition = t.partition, offset = t.offset, "redelivery of a delivery from a revoked assignment: the partition's owner reads it again from the last commit");
+                return Ok(());
+            };
+            let mut list = TopicPartitionList::new();
+            list.add_partition(&t.topic, t.partition);
+            // Paused before the seek, so nothing of the partition is fetched again in between.
+            if let Err(e) = t.consumer.pause(&list) {
+                warn!(topic = %t.topic, partition = t.partition, error = %e, "pausing a partition for a delayed redelivery failed; the record comes back without the delay");
+            }
+            commit
+        };
+        redelivery::resume_at(
+            &tokio::runtime::Handle::current(),
+            t.consumer.downgrade(),
+            Arc::clone(&t.topic),
             t.partition,
-            t.generation,
-            t.offset,
-            redelivery + 1,
             std::time::Instant::now() + delay,
         );
-        let weak = t.consumer.downgrade();
-        let (topic, partition) = (Arc::clone(&t.topic), t.partition);
-        tokio::spawn(async move {
-            tokio::time::sleep(delay).await;
-            // A consumer closed meanwhile has nothing to resume.
-            let Some(consumer) = SharedConsumer::upgrade(&weak) else {
-                return;
-            };
-            if !consumer.context().tracker().pause_over(&topic, partition) {
-                return; // a later delay of the same partition resumes it
+        // The count goes with the offset before the record can be read again, so the next
+        // owner after a rebalance or a restart goes on with the schedule. A commit that fails
+        // leaves the partition dirty: the commit task, the revoke or the close retries it.
+        match commit_sync(t.consumer.clone(), vec![commit]).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                warn!(topic = %t.topic, partition = t.partition, error = %e, "committing a redelivery count failed; the next commit carries it")
             }
-            let mut list = TopicPartitionList::new();
-            list.add_partition(&topic, partition);
-            if let Err(e) = consumer.resume(&list) {
-                warn!(%topic, partition, error = %e, "resuming a partition after a delayed redelivery failed");
-            }
-        });
+            Err(join) => warn!(error = %join, "redelivery count commit task failed"),
+        }
         self.nack(Duration::ZERO).await
     }
 
@@ -206,16 +221,15 @@ impl Ack for KafkaAck {
             let mut tracker = consumer.context().tracker();
             commits
                 .into_iter()
-                .map(|((topic, partition), (generation, offset))| {
-                    tracker.sending(&topic, partition, generation, offset);
-                    Commit {
-                        topic: topic.to_string(),
-                        partition,
-                        offset,
-                    }
+                .filter_map(|((topic, partition), (generation, offset))| {
+                    tracker.sending(&topic, partition, generation, offset)
                 })
                 .collect()
         };
+        if commits.is_empty() {
+            debug!("the acked partitions were revoked meanwhile; their new owners re-read them");
+            return Ok(());
+        }
         match commit_sync(consumer, commits).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) if partition_moved(&e) => {

@@ -67,6 +67,13 @@ fn offset_list(commits: &[Commit]) -> KafkaResult<TopicPartitionList> {
     let mut list = TopicPartitionList::with_capacity(commits.len());
     for c in commits {
         list.add_partition_offset(&c.topic, c.partition, Offset::Offset(c.offset))?;
+        if !c.metadata.is_empty() {
+            // The redelivery marks of the partition's unfinished records: every commit carries
+            // them, or it would erase them.
+            if let Some(mut element) = list.find_partition(&c.topic, c.partition) {
+                element.set_metadata(c.metadata.as_str());
+            }
+        }
     }
     Ok(list)
 }

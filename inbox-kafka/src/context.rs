@@ -1,6 +1,6 @@
 //! librdkafka callbacks: its log lines go to `tracing`, connection failures are kept for the
 //! source to report, OAUTHBEARER tokens come from the token provider, and rebalances reach the
-//! offset tracker.
+//! offset tracker (assigned partitions wait until their redelivery marks are read).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -9,6 +9,7 @@ use rdkafka::client::{ClientContext, OAuthToken};
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::KafkaError;
+use tokio::sync::Notify;
 use tracing::{debug, error, info, warn};
 
 use crate::commit::{commit_on_revoke, OffsetCommits};
@@ -81,6 +82,9 @@ pub(crate) struct InboxContext {
     pub(crate) failures: Failures,
     token: Option<TokenRefresh>,
     tracker: Arc<Mutex<Tracker>>,
+    /// Told when partitions were assigned and their redelivery marks are to be read: the
+    /// receive waiting on the consumer stops waiting and reads them.
+    pub(crate) assigned: Notify,
 }
 
 impl InboxContext {
@@ -97,6 +101,7 @@ impl InboxContext {
             failures,
             token,
             tracker: Arc::default(),
+            assigned: Notify::new(),
         }
     }
 
@@ -158,6 +163,24 @@ impl ConsumerContext for InboxContext {
             }
             Rebalance::Error(e) => warn!(group = %self.group, error = %e, "rebalance failed"),
         }
+    }
+
+    /// Marks newly assigned partitions for the source to read their redelivery marks from the
+    /// committed offsets (a broker round trip, which this callback on the polling thread must
+    /// not wait for); until then the source hands out none of their records.
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        let Rebalance::Assign(partitions) = rebalance else {
+            return;
+        };
+        if partitions.count() == 0 {
+            return;
+        }
+        let mut tracker = self.tracker();
+        for p in partitions.elements() {
+            tracker.assigned(p.topic(), p.partition());
+        }
+        drop(tracker);
+        self.assigned.notify_one();
     }
 }
 

@@ -92,8 +92,14 @@
 //!   record's partition, seeks it back to the record as a nack does, and resumes it once the
 //!   delay has passed: blocking, so the partition keeps its order (the records behind it wait;
 //!   other partitions flow), rather than retry topics, which would apply a later record of the
-//!   same key first. The redelivery count is kept per offset in the process, like the delivery
-//!   count: a rebalance or a restart starts the schedule again for that record.
+//!   same key first. The record's redelivery count and the time it is due are committed with
+//!   the partition's offset, as the commit's metadata, before the record can be read again
+//!   (see [`redelivery_counts`] for why there): after a rebalance or a restart the partition's
+//!   next owner reads them with the committed offset before it hands out a record of the
+//!   partition, waits out what is left of the delay, and goes on with the schedule, so a poison
+//!   record reaches its dead letter however often the group rebalances. A redelivery (or a
+//!   nack) of a delivery received before its partition was revoked does nothing to the
+//!   partition: its owner reads the record again from the last commit.
 //! - **Rebalances.** When partitions are revoked, their in-flight messages are forgotten: the
 //!   batch in flight still finishes and commits to the database, but its acks commit nothing for
 //!   the lost partitions, and a commit refused with `UNKNOWN_MEMBER_ID`, `REBALANCE_IN_PROGRESS`
@@ -205,10 +211,12 @@ mod dead_letters;
 mod error;
 mod failure;
 mod producer;
+mod redelivery;
+pub mod redelivery_counts;
 mod shared_consumer;
 mod source;
 mod token;
-mod tracker;
+pub mod tracker;
 
 pub use ack::KafkaAck;
 pub use admin::{KafkaAdmin, Retention};

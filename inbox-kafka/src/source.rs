@@ -13,7 +13,7 @@ use inbox_core::{
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedHeaders, BorrowedMessage, Headers};
-use rdkafka::Message as _;
+use rdkafka::{Message as _, Offset};
 use tokio::task::JoinHandle;
 use tracing::warn;
 
@@ -22,6 +22,7 @@ use crate::commit::{commit_task, OffsetCommits};
 use crate::context::{InboxContext, ProducerContext};
 use crate::dead_letter::{DeadLetterCheck, DeadLetterProducer};
 use crate::failure::Failures;
+use crate::redelivery;
 use crate::shared_consumer::SharedConsumer;
 use crate::token;
 use crate::{Error, KafkaSourceBuilder, Result};
@@ -180,6 +181,50 @@ impl KafkaSource {
         &self.consumer
     }
 
+    /// Reads the redelivery marks of partitions assigned since the last receive (they wait,
+    /// paused, until then) and resumes them: see [`redelivery::restore`].
+    async fn restore_assigned(&self) {
+        let awaiting = self.consumer.context().tracker().awaiting();
+        if awaiting.is_empty() {
+            return;
+        }
+        let consumer = self.consumer.clone();
+        let timeout = self.operation_timeout;
+        let runtime = tokio::runtime::Handle::current();
+        let task = tokio::task::spawn_blocking(move || {
+            redelivery::restore(&consumer, &awaiting, timeout, &runtime);
+        });
+        if let Err(e) = task.await {
+            warn!(group = %self.consumer.context().group, error = %e, "reading redelivery counts failed; the next receive tries again");
+        }
+    }
+
+    /// Whether `message` belongs to a partition whose redelivery marks are still to be read
+    /// (fetched before the receive read them): then it is not handed out, and the partition
+    /// is sought back to it, to be read again once the marks are known.
+    fn awaiting(&self, message: &BorrowedMessage<'_>) -> bool {
+        let (topic, partition, offset) = (message.topic(), message.partition(), message.offset());
+        if !self
+            .consumer
+            .context()
+            .tracker()
+            .is_awaiting(topic, partition)
+        {
+            return false;
+        }
+        // Without a timeout the seek does not wait; its barrier keeps what was fetched before
+        // it from being handed out.
+        if let Err(e) = self
+            .consumer
+            .seek(topic, partition, Offset::Offset(offset), Duration::ZERO)
+        {
+            // Handed out then, rather than lost: its delayed redeliveries count from 0 again.
+            warn!(topic, partition, offset, error = %e, "seeking back a record fetched before its partition's redelivery counts were read failed");
+            return false;
+        }
+        true
+    }
+
     fn delivery(&self, message: &BorrowedMessage<'_>) -> Delivery<KafkaAck> {
         let topic = message.topic();
         let (partition, offset) = (message.partition(), message.offset());
@@ -285,10 +330,20 @@ impl MessageSource for KafkaSource {
             self.commit_task = Some(tokio::spawn(commit_task(consumer, interval)));
         }
         // `recv` is cancellation safe, and after it nothing awaits until the batch is returned,
-        // so a dropped receive loses no message.
+        // so a dropped receive loses no message. Reading the redelivery marks of assigned
+        // partitions happens before `recv`, and goes on without the receive if it is dropped.
         let deadline = tokio::time::Instant::now() + self.poll_timeout;
         let first = loop {
-            match tokio::time::timeout_at(deadline, self.consumer.recv()).await {
+            self.restore_assigned().await;
+            let assigned = self.consumer.context().assigned.notified();
+            let received = tokio::select! {
+                biased;
+                // Partitions were assigned (in a rebalance served inside `recv`): they wait,
+                // paused, for their marks.
+                () = assigned => continue,
+                received = tokio::time::timeout_at(deadline, self.consumer.recv()) => received,
+            };
+            match received {
                 Err(_elapsed) => return Ok(Vec::new()),
                 Ok(Err(e)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::PollExceeded) => {
                     // The batch before this poll took longer than max.poll.interval.ms: the
@@ -317,6 +372,7 @@ impl MessageSource for KafkaSource {
                     warn!(group = %self.consumer.context().group, error = %e, "broker error; librdkafka reconnects by itself, polling on");
                 }
                 Ok(Err(e)) => return Err(Error::kafka("receiving from Kafka", e).into_source()),
+                Ok(Ok(message)) if self.awaiting(&message) => {}
                 Ok(Ok(message)) => break message,
             }
         };
@@ -325,6 +381,7 @@ impl MessageSource for KafkaSource {
         let mut idle = 0;
         while batch.len() < max && idle < IDLE_POLLS {
             match self.consumer.recv().now_or_never() {
+                Some(Ok(message)) if self.awaiting(&message) => break,
                 Some(Ok(message)) => {
                     idle = 0;
                     batch.push(self.delivery(&message));
@@ -351,7 +408,8 @@ impl MessageSource for KafkaSource {
     /// Lanes (a message's partition). No delivery count: Kafka does not count deliveries, and
     /// the count this source keeps of its own nacks is lost with the process, so a message that
     /// kills its consumer is never counted. No delayed nack: a nack seeks back at once. A
-    /// delayed redelivery pauses the partition (see the crate docs, "Ack semantics").
+    /// delayed redelivery pauses the partition, and its count is committed with the offset
+    /// (see the crate docs, "Ack semantics").
     fn capabilities(&self) -> Capabilities {
         Capabilities::NONE.with_lanes().with_delayed_redelivery()
     }

@@ -1,4 +1,5 @@
-//! Per-partition bookkeeping of in-flight offsets: what may be committed, and when.
+//! Per-partition bookkeeping of in-flight offsets: what may be committed, and when; which
+//! partitions wait for a delayed redelivery, and how often each record was redelivered.
 //!
 //! Kafka commits a position, not a message: committing offset 8 on a partition says "everything
 //! before 8 is done". With several messages in flight (a batch, a failed one retried after the
@@ -6,35 +7,50 @@
 //! an ack of offset 7 while 5 is unfinished commits nothing yet.
 //!
 //! Each partition's state carries a generation, renewed when the partition is revoked and later
-//! seen again, so an ack of a message received before a rebalance never commits for the new
-//! assignment.
+//! seen again, so an ack, a nack or a redelivery of a message received before a rebalance never
+//! acts on the new assignment: it commits nothing, seeks nothing and pauses nothing.
 //!
 //! The tracker also remembers, per partition, the end of the finished prefix and the highest
-//! offset already handed to a commit request: a partition whose prefix grew past it is *dirty*,
-//! and the next commit (the commit task's, a revoke's, the close's) takes it.
+//! offset already handed to a commit request: a partition whose prefix grew past it, or whose
+//! redelivery marks changed, is *dirty*, and the next commit (the commit task's, a revoke's, the
+//! close's) takes it. Every commit carries the partition's redelivery marks
+//! ([`RedeliveryCounts`]) as its metadata, so a partition's next owner, in this process or
+//! another, reads them back ([`Tracker::restore`]) and goes on with each record's schedule.
+//!
+//! This is plain state: no I/O, no clock of its own (the caller passes the time), so the
+//! adapter drives it from librdkafka's callbacks and a simulation drives it the same way.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant, SystemTime};
 
-/// Where an acked message leaves its partition.
+use crate::redelivery_counts::{Mark, RedeliveryCounts};
+
+/// What the adapter learns of a message it receives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Tracked {
+pub struct Tracked {
     /// The generation the message was received in.
-    pub(crate) generation: u64,
+    pub generation: u64,
     /// How often this offset was handed out in this generation, this time included.
-    pub(crate) delivery_count: u32,
-    /// How often this offset was handed back under a redelivery schedule, in this generation.
-    pub(crate) redeliveries: u32,
+    pub delivery_count: u32,
+    /// How often this offset was handed back under a redelivery schedule, by any owner of the
+    /// partition (restored from the committed offset's metadata).
+    pub redeliveries: u32,
 }
 
 #[derive(Debug, Default)]
 struct Partition {
     generation: u64,
+    /// The first offset received in this generation: the partition was read from there, so a
+    /// commit of it moves nothing.
+    base: Option<i64>,
     /// Received offsets, `true` once finished.
     in_flight: BTreeMap<i64, bool>,
     /// Offsets handed back with a nack, and how often.
     nacked: HashMap<i64, u32>,
-    /// Offsets handed back under a redelivery schedule, and their redelivery count.
-    redelivered: HashMap<i64, u32>,
+    /// Offsets handed back under a redelivery schedule: their count and when they are due.
+    marks: RedeliveryCounts,
+    /// The marks changed since the last commit request.
+    marks_dirty: bool,
     /// The offset after the finished prefix: what may be committed.
     finished_to: Option<i64>,
     /// The highest offset handed to a commit request; below `finished_to`, the partition is dirty.
@@ -42,58 +58,95 @@ struct Partition {
 }
 
 impl Partition {
-    /// The offset to commit, if the finished prefix grew past what was last sent.
+    fn new(generation: u64) -> Self {
+        Self {
+            generation,
+            ..Self::default()
+        }
+    }
+
+    /// The offset to commit, if the finished prefix grew past what was last sent or the marks
+    /// changed since.
     fn dirty(&self) -> Option<i64> {
+        if self.marks_dirty {
+            return self.committable();
+        }
         self.finished_to.filter(|&to| self.sent < Some(to))
+    }
+
+    /// The offset a commit may carry now: the end of the finished prefix, or where the
+    /// generation started reading when nothing is finished yet.
+    fn committable(&self) -> Option<i64> {
+        self.finished_to.or(self.base)
+    }
+
+    /// A commit request of `offset` with the current marks.
+    fn send(&mut self, topic: &str, partition: i32, offset: i64) -> Commit {
+        self.sent = self.sent.max(Some(offset));
+        self.marks_dirty = false;
+        Commit {
+            topic: topic.to_owned(),
+            partition,
+            offset,
+            metadata: self.marks.to_metadata(),
+        }
     }
 }
 
-/// One partition's offset to commit: the next offset to read.
+/// One partition's offset to commit: the next offset to read, and the redelivery marks of the
+/// partition's unfinished records as the commit's metadata.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Commit {
-    pub(crate) topic: String,
-    pub(crate) partition: i32,
-    pub(crate) offset: i64,
+pub struct Commit {
+    /// The topic.
+    pub topic: String,
+    /// The partition.
+    pub partition: i32,
+    /// The next offset to read.
+    pub offset: i64,
+    /// [`RedeliveryCounts::to_metadata`] of the partition; empty when no record has a mark.
+    pub metadata: String,
+}
+
+/// When an assigned partition may be read, once its marks are known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resume {
+    /// Now.
+    Now,
+    /// At this instant: the caller pauses it and resumes it then, after asking
+    /// [`Tracker::pause_over`].
+    At(Instant),
 }
 
 /// In-flight offsets of every partition this consumer has received from.
 #[derive(Debug, Default)]
-pub(crate) struct Tracker {
+pub struct Tracker {
     partitions: HashMap<String, HashMap<i32, Partition>>,
     next_generation: u64,
     /// Partitions paused for a delayed redelivery, and until when; kept across revokes, so a
     /// partition paused by this consumer is resumed by it whatever the assignment became.
-    paused: HashMap<(String, i32), std::time::Instant>,
+    paused: HashMap<(String, i32), Instant>,
+    /// Partitions assigned and paused until their marks are read back from the committed
+    /// offsets.
+    awaiting: HashSet<(String, i32)>,
 }
 
 impl Tracker {
     /// Records a received message.
-    pub(crate) fn received(&mut self, topic: &str, partition: i32, offset: i64) -> Tracked {
-        let next_generation = &mut self.next_generation;
-        let state = self
-            .partitions
-            .entry(topic.to_owned())
-            .or_default()
-            .entry(partition)
-            .or_insert_with(|| {
-                *next_generation += 1;
-                Partition {
-                    generation: *next_generation,
-                    ..Partition::default()
-                }
-            });
+    pub fn received(&mut self, topic: &str, partition: i32, offset: i64) -> Tracked {
+        let state = self.state(topic, partition);
+        state.base.get_or_insert(offset);
         state.in_flight.insert(offset, false);
         Tracked {
             generation: state.generation,
             delivery_count: 1 + state.nacked.get(&offset).copied().unwrap_or(0),
-            redeliveries: state.redelivered.get(&offset).copied().unwrap_or(0),
+            redeliveries: state.marks.count(offset),
         }
     }
 
     /// Marks a message finished. Returns the offset to commit (the next one to read) when the
     /// finished prefix grew, `None` when an earlier message is still unfinished or the message
     /// belongs to an assignment that is gone.
-    pub(crate) fn finish(
+    pub fn finish(
         &mut self,
         topic: &str,
         partition: i32,
@@ -104,7 +157,9 @@ impl Tracker {
         let done = state.in_flight.get_mut(&offset)?;
         *done = true;
         state.nacked.remove(&offset);
-        state.redelivered.remove(&offset);
+        if state.marks.remove(offset) {
+            state.marks_dirty = true;
+        }
         let mut commit = None;
         while let Some(entry) = state.in_flight.first_entry() {
             if !*entry.get() {
@@ -120,34 +175,35 @@ impl Tracker {
     }
 
     /// Takes every dirty partition's offset for one commit request; they count as sent.
-    pub(crate) fn take_dirty(&mut self) -> Vec<Commit> {
+    pub fn take_dirty(&mut self) -> Vec<Commit> {
         let mut out = Vec::new();
         for (topic, partitions) in &mut self.partitions {
             for (&partition, state) in partitions.iter_mut() {
                 if let Some(offset) = state.dirty() {
-                    state.sent = Some(offset);
-                    out.push(Commit {
-                        topic: topic.clone(),
-                        partition,
-                        offset,
-                    });
+                    out.push(state.send(topic, partition, offset));
                 }
             }
         }
         out
     }
 
-    /// `offset` is being committed for the partition by a request made elsewhere (a synchronous
-    /// ack).
-    pub(crate) fn sending(&mut self, topic: &str, partition: i32, generation: u64, offset: i64) {
-        if let Some(state) = self.current(topic, partition, generation) {
-            state.sent = state.sent.max(Some(offset));
-        }
+    /// `offset` is to be committed for the partition by a request made elsewhere (a synchronous
+    /// ack): the commit to send, with the partition's marks, or `None` when the assignment is
+    /// gone.
+    pub fn sending(
+        &mut self,
+        topic: &str,
+        partition: i32,
+        generation: u64,
+        offset: i64,
+    ) -> Option<Commit> {
+        let state = self.current(topic, partition, generation)?;
+        Some(state.send(topic, partition, offset))
     }
 
     /// A commit of `offset` failed: unless a later request covers the partition, it is dirty
-    /// again and the next commit retries it.
-    pub(crate) fn commit_failed(&mut self, topic: &str, partition: i32, offset: i64) {
+    /// again and the next commit retries it (with the marks as they are then).
+    pub fn commit_failed(&mut self, topic: &str, partition: i32, offset: i64) {
         let state = self
             .partitions
             .get_mut(topic)
@@ -155,6 +211,7 @@ impl Tracker {
         if let Some(state) = state {
             if state.sent <= Some(offset) {
                 state.sent = None;
+                state.marks_dirty = true;
             }
         }
     }
@@ -162,13 +219,7 @@ impl Tracker {
     /// A message is handed back: it and everything received after it on its partition will be
     /// read again. Returns `true` when the caller must seek the partition back to `offset`;
     /// `false` when an earlier rewind already covers it or the assignment is gone.
-    pub(crate) fn rewind(
-        &mut self,
-        topic: &str,
-        partition: i32,
-        generation: u64,
-        offset: i64,
-    ) -> bool {
+    pub fn rewind(&mut self, topic: &str, partition: i32, generation: u64, offset: i64) -> bool {
         let Some(state) = self.current(topic, partition, generation) else {
             return false;
         };
@@ -181,33 +232,51 @@ impl Tracker {
         true
     }
 
-    /// Notes that `offset` comes back as redelivery `count` of a schedule, and that its
-    /// partition is paused until `until` (or later, when another delay already reaches further).
-    pub(crate) fn delay(
+    /// The message at `offset` is handed back as redelivery `count` of a schedule, to come back
+    /// after `delay` (`now` and `wall` are the time on the two clocks).
+    ///
+    /// Returns `None` when the message belongs to an assignment that is gone: then the caller
+    /// does nothing to the partition (neither pause, nor seek, nor commit), since whoever holds
+    /// it now reads the message again from the last commit. Otherwise the caller pauses the
+    /// partition until [`Tracker::pause_over`], commits the returned [`Commit`] (which carries
+    /// the new count, so a rebalance or a restart does not lose it) and seeks back as for a
+    /// [`Tracker::rewind`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn delay(
         &mut self,
         topic: &str,
         partition: i32,
         generation: u64,
         offset: i64,
         count: u32,
-        until: std::time::Instant,
-    ) {
-        if let Some(state) = self.current(topic, partition, generation) {
-            state.redelivered.insert(offset, count);
-        }
-        let paused = self
-            .paused
-            .entry((topic.to_owned(), partition))
-            .or_insert(until);
-        *paused = (*paused).max(until);
+        delay: Duration,
+        now: Instant,
+        wall: SystemTime,
+    ) -> Option<Commit> {
+        let state = self.current(topic, partition, generation)?;
+        state.marks.set(
+            offset,
+            Mark {
+                count,
+                due: wall + delay,
+            },
+        );
+        let to = state.committable()?;
+        let commit = state.send(topic, partition, to);
+        self.pause_until(topic, partition, now + delay);
+        Some(commit)
     }
 
-    /// Whether the partition's pause has run out (or there is none): then it is taken off the
-    /// list and the caller resumes it.
-    pub(crate) fn pause_over(&mut self, topic: &str, partition: i32) -> bool {
+    /// Whether the partition's pause has run out at `now` (or there is none): then it is taken
+    /// off the list and the caller resumes it. Never while the partition's marks are still to
+    /// be read: [`Tracker::restore`] decides then.
+    pub fn pause_over(&mut self, topic: &str, partition: i32, now: Instant) -> bool {
         let key = (topic.to_owned(), partition);
+        if self.awaiting.contains(&key) {
+            return false;
+        }
         match self.paused.get(&key) {
-            Some(until) if *until > std::time::Instant::now() => false,
+            Some(until) if *until > now => false,
             _ => {
                 self.paused.remove(&key);
                 true
@@ -215,30 +284,97 @@ impl Tracker {
         }
     }
 
+    /// The partition was assigned: none of its records is handed out until its marks are read
+    /// back from its committed offset ([`Tracker::restore`]).
+    pub fn assigned(&mut self, topic: &str, partition: i32) {
+        self.awaiting.insert((topic.to_owned(), partition));
+    }
+
+    /// Whether the partition's marks are still to be read: its records are not handed out
+    /// before (the caller seeks back to the first one and reads the marks).
+    pub fn is_awaiting(&self, topic: &str, partition: i32) -> bool {
+        self.awaiting.contains(&(topic.to_owned(), partition))
+    }
+
+    /// The assigned partitions whose marks are still to be read.
+    pub fn awaiting(&self) -> Vec<(String, i32)> {
+        self.awaiting.iter().cloned().collect()
+    }
+
+    /// The committed offset's `metadata` of an assigned partition was read (at `now` and
+    /// `wall` on the two clocks): its marks count for the records read next, and the partition
+    /// is to be paused until the latest of them is due ([`Resume::At`]). `None` when the partition is no longer
+    /// awaited (revoked since, or restored already): the caller leaves it as it is.
+    pub fn restore(
+        &mut self,
+        topic: &str,
+        partition: i32,
+        metadata: &str,
+        now: Instant,
+        wall: SystemTime,
+    ) -> Option<Resume> {
+        if !self.awaiting.remove(&(topic.to_owned(), partition)) {
+            return None;
+        }
+        // Read from here: whatever the last commit of the partition carried, by any owner.
+        let marks = RedeliveryCounts::from_metadata(metadata);
+        let due = marks.latest_due();
+        self.state(topic, partition).marks.merge(marks);
+        if let Some(wait) = due.and_then(|due| due.duration_since(wall).ok()) {
+            self.pause_until(topic, partition, now + wait);
+        }
+        if self.pause_over(topic, partition, now) {
+            return Some(Resume::Now);
+        }
+        self.paused
+            .get(&(topic.to_owned(), partition))
+            .map(|&until| Resume::At(until))
+    }
+
     /// The partition was revoked: forget its in-flight messages (late acks for them are
-    /// ignored) and return its finished prefix if it was not committed yet, for a last commit.
-    pub(crate) fn revoke(&mut self, topic: &str, partition: i32) -> Option<Commit> {
-        let state = self.partitions.get_mut(topic)?.remove(&partition)?;
-        state.dirty().map(|offset| Commit {
-            topic: topic.to_owned(),
-            partition,
-            offset,
-        })
+    /// ignored) and return its finished prefix and marks if they were not committed yet, for a
+    /// last commit.
+    pub fn revoke(&mut self, topic: &str, partition: i32) -> Option<Commit> {
+        self.awaiting.remove(&(topic.to_owned(), partition));
+        let mut state = self.partitions.get_mut(topic)?.remove(&partition)?;
+        let offset = state.dirty()?;
+        Some(state.send(topic, partition, offset))
     }
 
     /// Whether a message received in `generation` still belongs to the partition's current
     /// assignment; after a revoke its acks do nothing and the partition is read again.
-    pub(crate) fn is_current(&mut self, topic: &str, partition: i32, generation: u64) -> bool {
+    pub fn is_current(&mut self, topic: &str, partition: i32, generation: u64) -> bool {
         self.current(topic, partition, generation).is_some()
     }
 
     /// The number of unfinished messages, for logs.
-    pub(crate) fn unfinished(&self) -> usize {
+    pub fn unfinished(&self) -> usize {
         self.partitions
             .values()
             .flat_map(HashMap::values)
             .map(|p| p.in_flight.values().filter(|done| !**done).count())
             .sum()
+    }
+
+    fn pause_until(&mut self, topic: &str, partition: i32, until: Instant) {
+        let paused = self
+            .paused
+            .entry((topic.to_owned(), partition))
+            .or_insert(until);
+        *paused = (*paused).max(until);
+    }
+
+    /// The partition's state, a new generation if there is none.
+    fn state(&mut self, topic: &str, partition: i32) -> &mut Partition {
+        let next_generation = &mut self.next_generation;
+        self.partitions
+            .entry(topic.to_owned())
+            .or_default()
+            .entry(partition)
+            .or_insert_with(|| {
+                *next_generation += 1;
+                Partition::new(*next_generation)
+            })
     }
 
     fn current(&mut self, topic: &str, partition: i32, generation: u64) -> Option<&mut Partition> {
@@ -303,6 +439,7 @@ mod tests {
             topic: "t".into(),
             partition: 0,
             offset: 7,
+            metadata: String::new(),
         };
         assert_eq!(t.take_dirty(), vec![commit.clone()]);
         assert!(t.take_dirty().is_empty(), "already sent");
@@ -334,7 +471,8 @@ mod tests {
             Some(Commit {
                 topic: "t".into(),
                 partition: 0,
-                offset: 6
+                offset: 6,
+                metadata: String::new(),
             }),
             "5 is finished, 6 is not"
         );
@@ -362,5 +500,133 @@ mod tests {
         assert_eq!(t.received("t", 0, 6).delivery_count, 2);
         assert_eq!(t.finish("t", 0, g, 6), Some(7));
         assert_eq!(t.received("t", 0, 7).delivery_count, 1);
+    }
+
+    const MINUTE: Duration = Duration::from_secs(60);
+
+    /// A wall-clock time in whole milliseconds, as commit metadata keeps it.
+    fn wall() -> SystemTime {
+        std::time::UNIX_EPOCH + Duration::from_millis(1_800_000_000_000)
+    }
+
+    #[test]
+    fn a_redelivery_from_a_revoked_generation_leaves_the_partition_alone() {
+        let mut t = Tracker::default();
+        let (now, wall) = (Instant::now(), wall());
+        let old = t.received("t", 0, 5).generation;
+        t.revoke("t", 0);
+        let new = t.received("t", 0, 5).generation;
+        assert_eq!(
+            t.delay("t", 0, old, 5, 1, MINUTE, now, wall),
+            None,
+            "nothing to pause, seek or commit"
+        );
+        assert!(
+            t.pause_over("t", 0, now),
+            "the new generation's partition must not be paused by a stale redelivery"
+        );
+        assert!(!t.rewind("t", 0, old, 5), "nor sought back by a stale nack");
+        assert_eq!(t.received("t", 0, 6).redeliveries, 0);
+        assert_eq!(t.finish("t", 0, new, 5), Some(6));
+    }
+
+    #[test]
+    fn a_redelivery_pauses_and_commits_its_count_with_the_offset() {
+        let mut t = Tracker::default();
+        let (now, wall) = (Instant::now(), wall());
+        let g = t.received("t", 0, 4).generation;
+        t.received("t", 0, 5);
+        t.finish("t", 0, g, 4);
+        let commit = t
+            .delay("t", 0, g, 5, 1, MINUTE, now, wall)
+            .expect("current");
+        assert_eq!(commit.offset, 5, "the finished prefix, not past the record");
+        let marks = RedeliveryCounts::from_metadata(&commit.metadata);
+        assert_eq!(marks.count(5), 1);
+        assert_eq!(marks.latest_due(), Some(wall + MINUTE));
+        assert!(!t.pause_over("t", 0, now), "paused for the delay");
+        assert!(t.pause_over("t", 0, now + MINUTE));
+        assert!(
+            t.take_dirty().is_empty(),
+            "the redelivery's commit covers it"
+        );
+
+        // A commit that fails is retried with the marks; so is a revoke's last commit.
+        t.commit_failed("t", 0, 5);
+        assert_eq!(t.take_dirty(), vec![commit.clone()]);
+        t.commit_failed("t", 0, 5);
+        assert_eq!(t.revoke("t", 0), Some(commit));
+    }
+
+    #[test]
+    fn a_redelivery_before_anything_finished_commits_where_the_generation_started() {
+        let mut t = Tracker::default();
+        let (now, wall) = (Instant::now(), wall());
+        let g = t.received("t", 0, 10).generation;
+        t.received("t", 0, 11);
+        let commit = t
+            .delay("t", 0, g, 11, 2, MINUTE, now, wall)
+            .expect("current");
+        assert_eq!(commit.offset, 10, "10 is unfinished: nothing moves");
+        assert_eq!(
+            RedeliveryCounts::from_metadata(&commit.metadata).count(11),
+            2
+        );
+    }
+
+    #[test]
+    fn the_next_owner_goes_on_with_the_schedule_and_waits_out_the_delay() {
+        let mut old_owner = Tracker::default();
+        let (now, wall) = (Instant::now(), wall());
+        let g = old_owner.received("t", 0, 5).generation;
+        let commit = old_owner
+            .delay("t", 0, g, 5, 2, MINUTE, now, wall)
+            .expect("current");
+
+        // Another member (or this one after a restart) is assigned the partition.
+        let mut t = Tracker::default();
+        let later = now + Duration::from_secs(20);
+        assert_eq!(
+            t.restore("t", 0, &commit.metadata, later, wall),
+            None,
+            "not assigned"
+        );
+        t.assigned("t", 0);
+        assert_eq!(t.awaiting(), vec![("t".to_owned(), 0)]);
+        let resume = t.restore(
+            "t",
+            0,
+            &commit.metadata,
+            later,
+            wall + Duration::from_secs(20),
+        );
+        assert_eq!(
+            resume,
+            Some(Resume::At(later + Duration::from_secs(40))),
+            "paused for what is left of the delay"
+        );
+        assert!(t.awaiting().is_empty());
+        assert!(!t.pause_over("t", 0, later));
+        let tracked = t.received("t", 0, 5);
+        assert_eq!(tracked.redeliveries, 2, "the count survived the rebalance");
+
+        // Parked at the end of the schedule: the commit past it drops the mark.
+        assert_eq!(t.finish("t", 0, tracked.generation, 5), Some(6));
+        let dirty = t.take_dirty();
+        assert_eq!(dirty.len(), 1);
+        assert_eq!((dirty[0].offset, dirty[0].metadata.as_str()), (6, ""));
+    }
+
+    #[test]
+    fn a_partition_without_marks_resumes_at_once_and_a_revoked_one_is_not_restored() {
+        let mut t = Tracker::default();
+        let (now, wall) = (Instant::now(), wall());
+        t.assigned("t", 0);
+        t.assigned("t", 1);
+        assert_eq!(t.restore("t", 0, "", now, wall), Some(Resume::Now));
+        assert_eq!(t.restore("t", 0, "", now, wall), None, "restored already");
+        t.revoke("t", 1);
+        assert_eq!(t.restore("t", 1, "", now, wall), None, "revoked meanwhile");
+        assert!(t.take_dirty().is_empty(), "reading marks commits nothing");
     }
 }
