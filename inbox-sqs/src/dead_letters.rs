@@ -12,7 +12,7 @@ use aws_sdk_sqs::Client;
 use inbox_core::replay::{DeadLetter, DeadLetters};
 use inbox_core::{async_trait, MessageId, OperationError};
 
-use crate::delivery::{DedupId, DEDUPLICATION_ID_HEADER, SCHEDULE_ATTRIBUTES};
+use crate::delivery::{replay_header, DEDUPLICATION_ID_HEADER, SCHEDULE_ATTRIBUTES};
 use crate::{Error, Result, DEFAULT_ID_ATTRIBUTE};
 
 /// SQS hands out at most this many messages per receive, and takes as many per batch call.
@@ -140,10 +140,7 @@ impl SqsDeadLetters {
         }
         // Deduplicated on a FIFO source by this letter alone: never taken for a copy of the
         // first send, nor of an earlier letter of the same message.
-        headers.push((
-            DEDUPLICATION_ID_HEADER.to_owned(),
-            DedupId::Replay(&letter.position).value().into_bytes(),
-        ));
+        headers.push(replay_header(&letter.position));
         headers.sort();
         letter.take_metadata(headers);
         let system = |name| sqs.attributes().and_then(|a| a.get(&name));

@@ -16,7 +16,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use inbox_core::MessageId;
+use inbox_core::{MessageId, OutgoingMessage};
 
 pub use inbox_core::REDELIVERY_COUNT;
 
@@ -207,6 +207,30 @@ impl DedupId<'_> {
             DedupId::DeadLetter(handle) => fifo::hash_hex(handle.as_bytes()),
         }
     }
+}
+
+/// The `MessageDeduplicationId` the producer sends `message` under on a FIFO queue: the one
+/// its [`DEDUPLICATION_ID_HEADER`] gives (a replay's), else its ID ([`DedupId::FirstSend`]).
+pub fn send_dedup_id(message: &OutgoingMessage) -> String {
+    let given = message
+        .headers
+        .iter()
+        .find(|(name, _)| name == DEDUPLICATION_ID_HEADER)
+        .map(|(_, value)| String::from_utf8_lossy(value));
+    match given {
+        Some(given) => DedupId::Given(&given).value(),
+        None => DedupId::FirstSend(&message.id).value(),
+    }
+}
+
+/// The header the dead-letter reader puts on the letter at `position` (its SQS message ID in
+/// the dead-letter queue): a replay of it is deduplicated by this letter alone, never taken for
+/// a copy of the first send, nor of an earlier letter of the same message.
+pub fn replay_header(position: &str) -> (String, Vec<u8>) {
+    (
+        DEDUPLICATION_ID_HEADER.to_owned(),
+        DedupId::Replay(position).value().into_bytes(),
+    )
 }
 
 #[cfg(test)]

@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use aws_sdk_sqs::types::SendMessageBatchRequestEntry;
 use aws_sdk_sqs::Client;
-use inbox_core::{async_trait, MessageId, OutgoingMessage, Publish, PublishError, Recovery};
+use inbox_core::{async_trait, OutgoingMessage, Publish, PublishError, Recovery};
 use tokio::task::JoinSet;
 
 use crate::config::DEFAULT_ID_ATTRIBUTE;
-use crate::delivery::{DedupId, DEDUPLICATION_ID_HEADER};
+use crate::delivery::{send_dedup_id, DEDUPLICATION_ID_HEADER};
 use crate::{dead_letter, fifo};
 use crate::{Error, Result};
 
@@ -216,11 +216,6 @@ impl SqsProducer {
             .message_body(body)
             .message_attributes(&self.id_attribute, id);
         // Sent as the FIFO deduplication ID, never as an attribute.
-        let given = message
-            .headers
-            .iter()
-            .find(|(name, _)| name == DEDUPLICATION_ID_HEADER)
-            .map(|(_, value)| String::from_utf8_lossy(value));
         for (name, value) in message.traced_headers() {
             if name == DEDUPLICATION_ID_HEADER {
                 continue;
@@ -235,7 +230,7 @@ impl SqsProducer {
         if let Some(group) = self.group(queue, message)? {
             entry = entry
                 .message_group_id(group)
-                .message_deduplication_id(dedup_id(&message.id, given.as_deref()));
+                .message_deduplication_id(send_dedup_id(message));
         }
         entry
             .build()
@@ -283,17 +278,6 @@ impl SqsProducer {
             tokio::time::sleep(Duration::from_millis(100) * 2u32.pow(attempt)).await;
             attempt += 1;
         }
-    }
-}
-
-/// The `MessageDeduplicationId` of a message on a FIFO queue: the one its
-/// [`DEDUPLICATION_ID_HEADER`] gives (a replay's), else its ID. SQS deduplication IDs are at most
-/// 128 characters of a limited alphabet; a UUID fits, and a longer or odd ID is hashed down to
-/// one that does.
-fn dedup_id(id: &MessageId, given: Option<&str>) -> String {
-    match given {
-        Some(given) => DedupId::Given(given).value(),
-        None => DedupId::FirstSend(id).value(),
     }
 }
 
@@ -377,24 +361,35 @@ impl Publish for SqsProducer {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use inbox_core::MessageId;
+
     use super::*;
+
+    /// A message with `id`, and the deduplication header when `given`.
+    fn sent(id: &MessageId, given: Option<&str>) -> String {
+        let mut message = OutgoingMessage::new(id.clone(), "{}");
+        if let Some(given) = given {
+            message.headers.push((
+                DEDUPLICATION_ID_HEADER.to_owned(),
+                given.as_bytes().to_vec(),
+            ));
+        }
+        send_dedup_id(&message)
+    }
 
     #[test]
     fn dedup_ids_fit_sqs_rules() {
         let uuid = MessageId::generate();
-        assert_eq!(dedup_id(&uuid, None), uuid.as_str());
+        assert_eq!(sent(&uuid, None), uuid.as_str());
         let odd = MessageId::new("évènement 1").unwrap();
-        let hashed = dedup_id(&odd, None);
+        let hashed = sent(&odd, None);
         assert_eq!(hashed.len(), 32);
-        assert_eq!(hashed, dedup_id(&odd, None), "stable");
-        assert_ne!(
-            hashed,
-            dedup_id(&MessageId::new("évènement 2").unwrap(), None)
-        );
+        assert_eq!(hashed, sent(&odd, None), "stable");
+        assert_ne!(hashed, sent(&MessageId::new("évènement 2").unwrap(), None));
         assert_eq!(
-            dedup_id(&MessageId::new("x".repeat(129)).unwrap(), None).len(),
+            sent(&MessageId::new("x".repeat(129)).unwrap(), None).len(),
             32
         );
-        assert_eq!(dedup_id(&uuid, Some("replay-1")), "replay-1");
+        assert_eq!(sent(&uuid, Some("replay-1")), "replay-1");
     }
 }
