@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{
-    async_trait, Ack, Capabilities, Delivery, Message, MessageId, MessageSource, Recovery,
-    SourceError,
+    async_trait, Ack, Capabilities, Delivery, Message, MessageId, MessageSource, OutgoingMessage,
+    Recovery, SourceError,
 };
 
+use crate::replay::Letter;
 use crate::world::{world, Core, Shared};
 
 /// One consumer's connection to the broker.
@@ -43,6 +44,13 @@ pub(crate) trait Broker: Debug + Send {
     fn disconnect(&mut self, core: &mut Core, conn: Conn);
     /// Publishes entry `i` of [`Core::entries`].
     fn publish(&mut self, core: &mut Core, i: usize);
+    /// Publishes entry `i`, a copy of a dead letter sent back by a replay as `message`;
+    /// `false` when the broker dropped it (a deduplication window).
+    fn send(&mut self, core: &mut Core, i: usize, message: &OutgoingMessage) -> bool {
+        let _ = message;
+        self.publish(core, i);
+        true
+    }
     /// What the broker does on its own before a receive, when the seed says so: a visibility
     /// timeout running out, a rebalance, an `XAUTOCLAIM`.
     fn disturb(&mut self, core: &mut Core, conn: Conn);
@@ -277,6 +285,12 @@ impl Ack for SimAck {
             return Err(source_error("dead letter"));
         }
         *w.core.parked.entry(id.clone()).or_default() += 1;
+        let position = format!("letter {}", w.core.parked.values().sum::<u32>());
+        w.core.letters.push(Letter {
+            position,
+            entry: i,
+            id: id.clone(),
+        });
         w.core
             .note(format!("dead-lettered entry {i} ({id}): {reason}"));
         w.broker.dead_letter(&mut w.core, self.conn, &self.handout);

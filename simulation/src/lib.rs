@@ -36,6 +36,7 @@ mod broker;
 pub mod brokers;
 mod handler;
 mod life;
+mod replay;
 mod store;
 mod world;
 
@@ -286,6 +287,9 @@ async fn run_seed(seed: u64) -> Run {
         }
     }
 
+    // The operator replays the dead letters (faults still on).
+    replay::replay_all(&shared).await;
+
     // The last fault is behind: from here everything must settle within SETTLE.
     world(&shared).core.faults = false;
     if let Store::Two(sharded) = &store {
@@ -338,9 +342,10 @@ async fn run_seed(seed: u64) -> Run {
     let core = &mut w.core;
     for id in &ids {
         let applied = core.applied.get(id).copied().unwrap_or(0);
-        let parked = core.parked.get(id).copied().unwrap_or(0);
-        if applied == 0 && parked == 0 {
-            core.violation(format!("{id} lost: neither applied nor dead-lettered"));
+        if applied == 0 && !core.letters.iter().any(|l| l.id == *id) {
+            core.violation(format!(
+                "{id} lost: neither applied nor in the dead letters"
+            ));
         }
     }
     if strict && lanes > 1 {

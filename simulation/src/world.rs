@@ -8,6 +8,7 @@ use rand::rngs::StdRng;
 use rand::RngExt;
 
 use crate::broker::Broker;
+use crate::replay::Letter;
 
 /// One published entry: its message ID and the lane it was published to.
 #[derive(Debug, Clone)]
@@ -33,6 +34,8 @@ pub(crate) struct Core {
     pub(crate) applied: BTreeMap<String, u32>,
     /// How often each ID was dead-lettered.
     pub(crate) parked: BTreeMap<String, u32>,
+    /// The dead letters now parked, oldest first: a replay takes them out.
+    pub(crate) letters: Vec<Letter>,
     /// IDs that fail in their handler every time, whatever the faults: a poison message.
     pub(crate) poison: BTreeSet<String>,
     /// How often the broker took a request to redeliver each entry later (`Ack::redeliver`).
@@ -54,6 +57,7 @@ impl Core {
             claims: BTreeSet::new(),
             applied: BTreeMap::new(),
             parked: BTreeMap::new(),
+            letters: Vec::new(),
             poison: BTreeSet::new(),
             redeliveries: BTreeMap::new(),
             order: BTreeMap::new(),

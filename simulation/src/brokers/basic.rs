@@ -3,10 +3,10 @@
 //! out again looks like (a stale handle or the same one), in what order first deliveries come,
 //! what a nack does, and where a delayed redelivery waits.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
-use inbox_core::Capabilities;
+use inbox_core::{Capabilities, OutgoingMessage};
 use rand::RngExt;
 use tokio::time::Instant;
 
@@ -62,10 +62,15 @@ struct Entry {
     not_before: Option<Instant>,
 }
 
+/// How long SQS FIFO drops a send whose deduplication ID it saw before.
+const DEDUPLICATION_WINDOW: Duration = Duration::from_secs(300);
+
 /// A broker of one [`Model`].
 #[derive(Debug)]
 pub(crate) struct Basic {
     model: Model,
+    /// SQS FIFO: when each deduplication ID was last sent.
+    deduplication: BTreeMap<String, Instant>,
     entries: Vec<Entry>,
     /// Copies handed out again under a held entry's handle, given out before anything else.
     copies: VecDeque<(usize, u64)>,
@@ -76,6 +81,7 @@ impl Basic {
     pub(crate) fn new(model: Model) -> Self {
         Self {
             model,
+            deduplication: BTreeMap::new(),
             entries: Vec::new(),
             copies: VecDeque::new(),
             next_conn: 0,
@@ -123,8 +129,33 @@ impl Broker for Basic {
         }
     }
 
+    /// SQS FIFO: a send whose deduplication ID was sent within the window is dropped, and the
+    /// send still succeeds (as the producer's first sends, deduplicated on the message ID).
+    fn send(&mut self, core: &mut Core, i: usize, message: &OutgoingMessage) -> bool {
+        if self.model == Model::Fifo {
+            let id = crate::brokers::sqs::deduplication_id(message);
+            let now = Instant::now();
+            if self
+                .deduplication
+                .get(&id)
+                .is_some_and(|&sent| now < sent + DEDUPLICATION_WINDOW)
+            {
+                core.entries.pop();
+                return false;
+            }
+            self.deduplication.insert(id, now);
+        }
+        self.publish(core, i);
+        true
+    }
+
     fn publish(&mut self, core: &mut Core, i: usize) {
         debug_assert_eq!(i, self.entries.len());
+        if self.model == Model::Fifo && !self.deduplication.contains_key(&core.entries[i].id) {
+            // The producer's first send: deduplicated on the message ID.
+            let id = core.entries[i].id.clone();
+            self.deduplication.insert(id, Instant::now());
+        }
         self.entries.push(Entry {
             lane: core.entries[i].lane % self.model.lanes(),
             handle: 0,

@@ -3,3 +3,4 @@
 
 pub mod basic;
 pub mod kafka;
+pub(crate) mod sqs;
