@@ -49,8 +49,7 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
 use crate::broker::SimSource;
-use crate::brokers::basic::{Basic, Model};
-use crate::brokers::kafka::Kafka;
+use crate::brokers::Picked;
 pub use crate::handler::HANDLER_PANIC;
 use crate::handler::{SimBatch, SimHandler};
 use crate::life::{live, End, Life};
@@ -176,18 +175,12 @@ fn draw_member(
 
 async fn run_seed(seed: u64) -> Run {
     let mut rng = StdRng::seed_from_u64(seed);
-    let kind = rng.random_range(0..=Model::ALL.len());
-    let (broker, lanes, name): (Box<dyn broker::Broker>, usize, String) =
-        if kind == Model::ALL.len() {
-            (Box::new(Kafka::new()), 3, "Kafka".into())
-        } else {
-            let model = Model::ALL[kind];
-            (
-                Box::new(Basic::new(model)),
-                model.lanes(),
-                format!("{model:?}"),
-            )
-        };
+    let Picked {
+        broker,
+        lanes,
+        name,
+        groups_lock,
+    } = brokers::pick(&mut rng);
     let strict = rng.random_bool(0.25);
     let sharded = rng.random_bool(0.3);
     let lock_timeout = rng
@@ -293,7 +286,6 @@ async fn run_seed(seed: u64) -> Run {
     // The last fault is behind: from here everything must settle within SETTLE.
     world(&shared).core.faults = false;
     if let Store::Two(sharded) = &store {
-        let groups_lock = name == "Fifo";
         outage_round(
             &shared,
             &store,

@@ -32,8 +32,6 @@ pub(crate) enum Model {
 }
 
 impl Model {
-    pub(crate) const ALL: [Model; 3] = [Model::Fifo, Model::Queue, Model::Stream];
-
     pub(crate) fn lanes(self) -> usize {
         match self {
             Model::Fifo => 3,

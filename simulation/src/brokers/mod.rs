@@ -1,6 +1,54 @@
-//! The simulated brokers, each with its broker's rules: [`kafka`] a consumer group over
-//! partitions, [`basic`] SQS (FIFO and standard), a RabbitMQ queue and a Redis stream.
+//! The simulated brokers, each with its broker's rules and, where the adapter keeps bookkeeping
+//! of its own, that adapter's real state: [`kafka`] a consumer group over partitions, [`basic`]
+//! SQS (FIFO and standard), a RabbitMQ queue and a Redis stream.
+
+use rand::rngs::StdRng;
+use rand::RngExt;
+
+use crate::broker::Broker;
 
 pub mod basic;
 pub mod kafka;
 pub(crate) mod sqs;
+
+/// The broker a seed runs on.
+pub(crate) struct Picked {
+    pub(crate) broker: Box<dyn Broker>,
+    /// Its ordering lanes (1: none).
+    pub(crate) lanes: usize,
+    pub(crate) name: &'static str,
+    /// Whether a lane with a message in flight gives out nothing more (SQS FIFO groups).
+    pub(crate) groups_lock: bool,
+}
+
+/// Draws a broker.
+pub(crate) fn pick(rng: &mut StdRng) -> Picked {
+    use basic::{Basic, Model};
+    let brokers: [fn() -> Picked; 4] = [
+        || Picked {
+            broker: Box::new(kafka::Kafka::new()),
+            lanes: 3,
+            name: "Kafka",
+            groups_lock: false,
+        },
+        || Picked {
+            broker: Box::new(Basic::new(Model::Fifo)),
+            lanes: Model::Fifo.lanes(),
+            name: "SQS FIFO",
+            groups_lock: true,
+        },
+        || Picked {
+            broker: Box::new(Basic::new(Model::Queue)),
+            lanes: 1,
+            name: "a queue (SQS standard, RabbitMQ)",
+            groups_lock: false,
+        },
+        || Picked {
+            broker: Box::new(Basic::new(Model::Stream)),
+            lanes: 1,
+            name: "Redis Streams",
+            groups_lock: false,
+        },
+    ];
+    brokers[rng.random_range(0..brokers.len())]()
+}
