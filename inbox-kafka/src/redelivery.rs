@@ -71,6 +71,10 @@ pub(crate) fn restore(
     };
     let (now, wall) = (Instant::now(), SystemTime::now());
     let mut pause = TopicPartitionList::new();
+    // Partitions that may be read at once are resumed: librdkafka keeps a pause across a revoke
+    // and a re-assignment, and the resume task that was to lift it may have come while the
+    // marks were still to be read (then `pause_over` said no, and nothing else resumes it).
+    let mut resume = TopicPartitionList::new();
     {
         let mut tracker = consumer.context().tracker();
         for element in committed.elements() {
@@ -80,7 +84,10 @@ pub(crate) fn restore(
                 continue;
             }
             match tracker.restore(topic, partition, element.metadata(), now, wall) {
-                Some(Resume::Now) | None => {}
+                Some(Resume::Now) => {
+                    resume.add_partition(topic, partition);
+                }
+                None => {}
                 Some(Resume::At(until)) => {
                     pause.add_partition(topic, partition);
                     debug!(%group, topic, partition, wait = ?until.saturating_duration_since(now), "a record of the assigned partition waits for its delayed redelivery");
@@ -96,6 +103,11 @@ pub(crate) fn restore(
         }
     }
     debug!(%group, partitions = partitions.len(), paused = pause.count(), "redelivery counts of assigned partitions read");
+    if resume.count() > 0 {
+        if let Err(e) = consumer.resume(&resume) {
+            warn!(%group, error = %e, "resuming assigned partitions failed; a pause left from their last assignment may hold them");
+        }
+    }
     if pause.count() > 0 {
         if let Err(e) = consumer.pause(&pause) {
             warn!(%group, error = %e, "pausing assigned partitions until their delayed redelivery failed; the record comes back sooner");

@@ -110,7 +110,9 @@ pub struct Commit {
 /// When an assigned partition may be read, once its marks are known.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Resume {
-    /// Now.
+    /// Now: the caller resumes it, since a pause of it may be left over (librdkafka keeps a
+    /// pause across a revoke and a re-assignment, and the resume that was to lift it may have
+    /// come while the marks were still to be read: [`Tracker::pause_over`] said no then).
     Now,
     /// At this instant: the caller pauses it and resumes it then, after asking
     /// [`Tracker::pause_over`].
@@ -343,8 +345,11 @@ impl Tracker {
 
     /// Whether a message received in `generation` still belongs to the partition's current
     /// assignment; after a revoke its acks do nothing and the partition is read again.
-    pub fn is_current(&mut self, topic: &str, partition: i32, generation: u64) -> bool {
-        self.current(topic, partition, generation).is_some()
+    pub fn is_current(&self, topic: &str, partition: i32, generation: u64) -> bool {
+        self.partitions
+            .get(topic)
+            .and_then(|partitions| partitions.get(&partition))
+            .is_some_and(|state| state.generation == generation)
     }
 
     /// The number of unfinished messages, for logs.
