@@ -28,8 +28,10 @@ use crate::{Error, Result};
 /// if that succeeded, `XACK <stream> <group> <entry ID>`: the copy and the ack are one step.
 /// When it fails the entry stays pending and comes back as after a nack.
 ///
-/// [`Ack::redeliver`] also leaves the entry pending, for the delay asked: it marks the entry in
-/// the hash `<stream>:<group>:redeliveries` (entry ID to `<redelivery count>:<delay in
+/// [`Ack::redeliver`] also leaves the entry pending, for the delay asked, unless the entry was
+/// handed out again since this copy (its `XPENDING` count is higher): then the latest copy
+/// settles it, and this one leaves it as a nack does ([`Reported::may_hand_back`]). It marks
+/// the entry in the hash `<stream>:<group>:redeliveries` (entry ID to `<redelivery count>:<delay in
 /// ms>:<delivery count>`, a [`Mark`]), then restarts its idle time (`XCLAIM … 0 <entry ID>
 /// JUSTID`, which leaves the delivery count alone). While that hash holds any entry, the
 /// source's claim sweep lists the pending entries with `XPENDING` instead of `XAUTOCLAIM`ing
@@ -193,6 +195,23 @@ impl Ack for RedisStreamAck {
         redelivery: u32,
     ) -> Result<(), SourceError> {
         let s = &self.settings;
+        let rows: Value = self
+            .conn
+            .idempotent(
+                redis::cmd("XPENDING")
+                    .arg(&s.stream)
+                    .arg(&s.group)
+                    .arg(&self.entry_id)
+                    .arg(&self.entry_id)
+                    .arg(1),
+            )
+            .await
+            .map_err(|e| Error::redis(format!("XPENDING on stream {}", s.stream), e))?;
+        let now = reply::pending_counts(rows)?.get(&self.entry_id).copied();
+        if !self.reported.may_hand_back(now) {
+            debug!(stream = %s.stream, entry = %self.entry_id, delivery_count = ?self.reported.delivery_count, now = ?now, "an earlier copy: the entry was handed out again since, and its latest copy settles it; left pending");
+            return Ok(());
+        }
         let key = s.redeliveries_key();
         let mark = Mark::new(redelivery + 1, delay, self.reported.delivery_count).to_string();
         let _: i64 = self

@@ -201,6 +201,21 @@ impl Reported {
             redeliveries: mark.map_or(0, |m| m.redeliveries),
         }
     }
+
+    /// Whether this copy may hand its entry back for a delayed redelivery, given the entry's
+    /// delivery count now (from `XPENDING`; `None`: no longer pending). Only the latest copy
+    /// may: once the entry was handed out again (reread after a lost connection, claimed), an
+    /// earlier copy's mark would rewind the schedule to its own counts, stop the entry from
+    /// waiting for its delay, and take it from the consumer of the latest copy. That copy
+    /// settles or hands back the entry; the earlier one leaves it, as a nack does. A copy
+    /// that knows no count hands back as before.
+    pub fn may_hand_back(&self, delivery_count_now: Option<u32>) -> bool {
+        match (self.delivery_count, delivery_count_now) {
+            (_, None) => false,
+            (Some(then), Some(now)) => then >= now,
+            (None, Some(_)) => true,
+        }
+    }
 }
 
 /// The smallest entry ID after `id`, for a sweep cursor (inclusive, as `XAUTOCLAIM`'s is).
@@ -339,6 +354,15 @@ mod tests {
         assert_eq!(sweep.range_start(), "-");
         assert_eq!(next_id(&format!("3-{}", u64::MAX)), "4-0");
         assert!(entry_id_key("10-0") > entry_id_key("9-9"));
+    }
+
+    #[test]
+    fn only_the_latest_copy_hands_its_entry_back() {
+        let latest = Reported::new(Some(2), None);
+        assert!(latest.may_hand_back(Some(2)));
+        assert!(!Reported::new(Some(1), None).may_hand_back(Some(2)));
+        assert!(!latest.may_hand_back(None), "settled meanwhile");
+        assert!(Reported::new(None, None).may_hand_back(Some(5)));
     }
 
     #[test]

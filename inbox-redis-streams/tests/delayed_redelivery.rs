@@ -147,3 +147,65 @@ async fn a_redelivered_copy_is_not_claimed_again_while_it_is_worked_on() {
     assert_eq!(pending(&stream).await, 0);
     cleanup(&stream).await;
 }
+
+/// A copy handed out again (here: reread by a consumer of the same name, as after a lost
+/// connection) while an earlier copy is still worked on: the latest copy's hand-back marks the
+/// entry, and the earlier copy's hand-back after it changes nothing. It must neither rewind the
+/// mark to its own counts (the entry would then wait for `claim_idle`, not its delay, and its
+/// schedule restart) nor take the entry back to its consumer.
+#[tokio::test]
+async fn an_earlier_copys_hand_back_leaves_the_latest_copys_mark() {
+    let stream = stream_key("redeliver-stale");
+    producer().await.send(&stream, b"1").await.expect("send");
+    let connect = || async {
+        builder(&stream, "c1")
+            .poll_timeout(Duration::from_millis(50))
+            .claim_interval(Duration::from_millis(10))
+            .connect()
+            .await
+            .expect("source connects")
+    };
+    let mut earlier_source = connect().await;
+    let earlier = earlier_source
+        .receive(10)
+        .await
+        .expect("receive")
+        .pop()
+        .expect("the entry");
+    let mut source = connect().await;
+    let latest = source
+        .receive(10)
+        .await
+        .expect("receive")
+        .pop()
+        .expect("the entry, reread");
+    assert_eq!(latest.message.meta.delivery_count, Some(2));
+
+    let message = latest.message.clone();
+    latest
+        .ack
+        .redeliver(&message, DELAY, 0)
+        .await
+        .expect("redeliver");
+    earlier
+        .ack
+        .redeliver(&message, DELAY, 0)
+        .await
+        .expect("redeliver of the earlier copy");
+
+    let mut copy = None;
+    for _ in 0..20 {
+        tokio::time::sleep(DELAY / 4).await;
+        if let Some(d) = source.receive(10).await.expect("receive").pop() {
+            copy = Some(d);
+            break;
+        }
+    }
+    let copy = copy.expect("the copy comes back after its delay, not after claim_idle");
+    assert_eq!(copy.message.meta.redeliveries, 1);
+    assert_eq!(copy.message.meta.delivery_count, Some(3));
+    copy.ack.ack().await.expect("ack");
+    assert_eq!(pending(&stream).await, 0);
+    drop(earlier_source);
+    cleanup(&stream).await;
+}
