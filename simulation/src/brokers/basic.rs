@@ -1,9 +1,9 @@
 //! The brokers' redelivery rules as the consumer can tell them apart, for the brokers whose
 //! adapter keeps no bookkeeping of its own beyond what the broker stores: what a copy handed
-//! out again looks like (a stale handle or the same one), in what order first deliveries come,
-//! what a nack does, and where a delayed redelivery waits.
+//! out again looks like (a stale handle), in what order first deliveries come, what a nack
+//! does, and where a delayed redelivery waits.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use inbox_core::{Capabilities, OutgoingMessage};
@@ -25,17 +25,13 @@ pub(crate) enum Model {
     /// SQS standard or a RabbitMQ queue: one lane, any order; a message whose visibility
     /// runs out comes back under a new handle, the old one stale.
     Queue,
-    /// Redis Streams: one lane, entry order; `XAUTOCLAIM` or a re-read of the pending list
-    /// hands an entry out again while its first copy is held, and `XACK` by entry ID settles
-    /// it through either copy (the same handle).
-    Stream,
 }
 
 impl Model {
     pub(crate) fn lanes(self) -> usize {
         match self {
             Model::Fifo => 3,
-            Model::Queue | Model::Stream => 1,
+            Model::Queue => 1,
         }
     }
 }
@@ -70,8 +66,6 @@ pub(crate) struct Basic {
     /// SQS FIFO: when each deduplication ID was last sent.
     deduplication: BTreeMap<String, Instant>,
     entries: Vec<Entry>,
-    /// Copies handed out again under a held entry's handle, given out before anything else.
-    copies: VecDeque<(usize, u64)>,
     next_conn: Conn,
 }
 
@@ -81,7 +75,6 @@ impl Basic {
             model,
             deduplication: BTreeMap::new(),
             entries: Vec::new(),
-            copies: VecDeque::new(),
             next_conn: 0,
         }
     }
@@ -118,8 +111,6 @@ impl Broker for Basic {
     }
 
     fn disconnect(&mut self, _core: &mut Core, conn: Conn) {
-        self.copies
-            .retain(|&(i, _)| self.entries[i].state != State::Held(conn));
         for i in 0..self.entries.len() {
             if self.entries[i].state == State::Held(conn) {
                 self.release(i, None);
@@ -164,7 +155,7 @@ impl Broker for Basic {
         });
     }
 
-    /// A copy of a held entry handed out again while its first copy is held.
+    /// A visibility timeout runs out: a held entry goes back under a new handle.
     fn disturb(&mut self, core: &mut Core, _conn: Conn) {
         let held: Vec<usize> = (0..self.entries.len())
             .filter(|&i| matches!(self.entries[i].state, State::Held(_)))
@@ -173,31 +164,13 @@ impl Broker for Basic {
             return;
         }
         let i = held[core.rng.random_range(0..held.len())];
-        match self.model {
-            Model::Stream => {
-                let handle = self.entries[i].handle;
-                core.note(format!("entry {i} handed out again, same handle"));
-                self.copies.push_back((i, handle));
-            }
-            Model::Fifo | Model::Queue => {
-                core.note(format!("entry {i}: visibility ran out, new handle"));
-                self.release(i, None);
-            }
-        }
+        core.note(format!("entry {i}: visibility ran out, new handle"));
+        self.release(i, None);
     }
 
     fn receive(&mut self, core: &mut Core, conn: Conn, max: usize) -> Vec<Handout> {
         let now = Instant::now();
         let mut batch = Vec::new();
-        while batch.len() < max {
-            let Some((i, handle)) = self.copies.pop_front() else {
-                break;
-            };
-            let entry = &self.entries[i];
-            if matches!(entry.state, State::Held(_)) && entry.handle == handle {
-                batch.push((i, handle));
-            }
-        }
         // The lanes that may give out their next ready entry: a FIFO group is locked while a
         // message of it is in flight, or waits out its delay.
         let open: Vec<bool> = (0..self.model.lanes())
@@ -216,7 +189,7 @@ impl Broker for Basic {
                 Model::Queue => (0..self.entries.len())
                     .filter(|&i| due(&self.entries[i]))
                     .collect(),
-                Model::Fifo | Model::Stream => (0..self.model.lanes())
+                Model::Fifo => (0..self.model.lanes())
                     .filter(|&lane| open[lane])
                     .filter_map(|lane| {
                         (0..self.entries.len())
@@ -260,7 +233,7 @@ impl Broker for Basic {
 
     fn nack(&mut self, _core: &mut Core, _conn: Conn, h: &Handout, retry_after: Duration) {
         if self.current(h) {
-            let delayed = self.model != Model::Stream && !retry_after.is_zero();
+            let delayed = !retry_after.is_zero();
             self.release(h.entry, delayed.then(|| Instant::now() + retry_after));
         }
     }

@@ -9,6 +9,7 @@ use crate::broker::Broker;
 
 pub mod basic;
 pub mod kafka;
+pub(crate) mod redis;
 pub(crate) mod sqs;
 
 /// The broker a seed runs on.
@@ -44,7 +45,7 @@ pub(crate) fn pick(rng: &mut StdRng) -> Picked {
             groups_lock: false,
         },
         || Picked {
-            broker: Box::new(Basic::new(Model::Stream)),
+            broker: Box::new(redis::Redis::new()),
             lanes: 1,
             name: "Redis Streams",
             groups_lock: false,
