@@ -6,7 +6,8 @@
 //! - [`Redelivery`]: where a message stands on the consumer's redelivery schedule, read from the
 //!   attributes a delayed redelivery wrote on its copy ([`REDELIVERY_COUNT`],
 //!   [`REDELIVER_AT`]), and what a receive does with a copy that is not due yet
-//!   ([`Redelivery::on_receive`]).
+//!   ([`Redelivery::on_receive`]), and what a received copy reports to the consumer
+//!   ([`Redelivery::report`]).
 //! - [`RedeliveryCopy::plan`]: how the copy for the next redelivery is sent.
 //! - [`Ownership`]: whether a delivery's receipt handle still holds the message
 //!   ([`Ack::is_stale`](inbox_core::Ack::is_stale)).
@@ -85,6 +86,35 @@ impl Redelivery {
         match self.due.and_then(|due| due.duration_since(now).ok()) {
             Some(left) if !left.is_zero() => Arrival::HideFor(left.min(MAX_HIDE)),
             _ => Arrival::Deliver,
+        }
+    }
+}
+
+/// What a received copy tells the consumer of its past, in its
+/// [`Metadata`](inbox_core::Metadata): [`Redelivery::report`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reported {
+    /// [`Metadata::delivery_count`](inbox_core::Metadata::delivery_count): SQS's
+    /// `ApproximateReceiveCount` of this copy, every receive counted.
+    pub delivery_count: Option<u32>,
+    /// [`Metadata::redeliveries`](inbox_core::Metadata::redeliveries): the delayed redeliveries
+    /// the consumer asked for, carried by the copy; never the receives.
+    pub redeliveries: u32,
+    /// [`Metadata::redelivered`](inbox_core::Metadata::redelivered): received before, or a
+    /// redelivered copy.
+    pub redelivered: bool,
+}
+
+impl Redelivery {
+    /// What this copy reports, received for the `receive_count`th time
+    /// (`ApproximateReceiveCount`, `None` when SQS did not say). Only the consumer's own
+    /// delayed redeliveries move it along its schedule: a hand-back, a crash, a visibility
+    /// timeout or a hide until due counts as a receive, not as a redelivery.
+    pub fn report(&self, receive_count: Option<u32>) -> Reported {
+        Reported {
+            delivery_count: receive_count,
+            redeliveries: self.count,
+            redelivered: receive_count.is_some_and(|n| n > 1) || self.count > 0,
         }
     }
 }
@@ -248,6 +278,24 @@ mod tests {
         assert_eq!(first.on_receive(now), Arrival::Deliver);
         assert_eq!(Redelivery::read(Some("x"), Some("soon")), first);
         assert_eq!(Redelivery::read(Some("3"), None).count, 3);
+    }
+
+    #[test]
+    fn only_a_redelivery_moves_a_message_along_its_schedule() {
+        let first = Redelivery::default().report(Some(1));
+        assert_eq!((first.delivery_count, first.redeliveries), (Some(1), 0));
+        assert!(!first.redelivered);
+        // Handed back twice (a nack behind a blocked message, a crash): received three times,
+        // still the first step of its schedule.
+        let handed_back = Redelivery::default().report(Some(3));
+        assert_eq!(
+            (handed_back.redeliveries, handed_back.redelivered),
+            (0, true)
+        );
+        // A redelivered copy: its own receive count starts again, its count goes on.
+        let copy = Redelivery::read(Some("2"), None).report(Some(1));
+        assert_eq!((copy.redeliveries, copy.redelivered), (2, true));
+        assert_eq!(Redelivery::default().report(None).redeliveries, 0);
     }
 
     #[test]

@@ -227,11 +227,12 @@ impl SqsSource {
         let meta = &mut message.meta;
         meta.source = self.queue_url.to_string();
         meta.position = format!("message {}", sqs.message_id().unwrap_or("?"));
-        meta.delivery_count = delivery_count;
         // Only the consumer's own delayed redeliveries count, carried on the copy each one
         // sent; a hand-back or a crash leaves the message, and its count, as they were.
-        meta.redeliveries = redelivery_of(attributes).count;
-        meta.redelivered = delivery_count.is_some_and(|n| n > 1) || meta.redeliveries > 0;
+        let reported = redelivery_of(attributes).report(delivery_count);
+        meta.delivery_count = reported.delivery_count;
+        meta.redeliveries = reported.redeliveries;
+        meta.redelivered = reported.redelivered;
         // FIFO queues keep order per message group; a standard queue keeps none, but one lane
         // keeps a batch in one transaction.
         meta.lane = group.cloned();

@@ -73,6 +73,19 @@ pub(crate) trait Broker: Debug + Send {
     /// Settles the delivery as dead-lettered (the letter is already kept); `true` when it
     /// settled the entry.
     fn dead_letter(&mut self, core: &mut Core, conn: Conn, h: &Handout) -> bool;
+    /// How many delayed redeliveries were asked for along the way of the message `h` carries,
+    /// where the broker tells a message's copies apart (an SQS copy left beside its original by
+    /// a delete that failed goes on from its own count); `None`: per entry, as
+    /// [`Core::redeliveries`] counts them.
+    fn redeliveries_asked(&self, h: &Handout) -> Option<u32> {
+        let _ = h;
+        None
+    }
+    /// Whether a delayed redelivery sends the message to the back of its lane (an SQS FIFO copy
+    /// joins the back of its group): strict order then holds for the other entries only.
+    fn redelivery_to_back(&self) -> bool {
+        false
+    }
     /// Whether the adapter can tell that the broker took the delivery back.
     fn is_stale(&self, core: &Core, conn: Conn, h: &Handout) -> bool;
     /// How many entries are neither acked nor dead-lettered.
@@ -240,7 +253,10 @@ impl Ack for SimAck {
             return Err(source_error("redeliver"));
         }
         let id = w.core.entries[i].id.clone();
-        let asked = w.core.redeliveries.get(&i).copied().unwrap_or(0);
+        let asked = w
+            .broker
+            .redeliveries_asked(&self.handout)
+            .unwrap_or_else(|| w.core.redeliveries.get(&i).copied().unwrap_or(0));
         let taken = w
             .broker
             .redeliver(&mut w.core, self.conn, &self.handout, delay, redelivery);

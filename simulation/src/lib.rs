@@ -331,6 +331,8 @@ async fn run_seed(seed: u64) -> Run {
             "stall: {open} entries neither acked nor dead-lettered {SETTLE:?} after the last fault"
         ));
     }
+    // An SQS FIFO copy for a delayed redelivery joins the back of its group.
+    let to_back = w.broker.redelivery_to_back();
     let core = &mut w.core;
     for id in &ids {
         let applied = core.applied.get(id).copied().unwrap_or(0);
@@ -348,6 +350,7 @@ async fn run_seed(seed: u64) -> Run {
                 .iter()
                 .copied()
                 .filter(|&i| !core.parked.contains_key(&core.entries[i].id))
+                .filter(|&i| !(to_back && core.redeliveries.contains_key(&i)))
                 .collect();
             if kept.windows(2).any(|pair| pair[0] > pair[1]) {
                 inversions.push(format!(

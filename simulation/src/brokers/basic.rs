@@ -3,10 +3,9 @@
 //! out again looks like (a stale handle), in what order first deliveries come, what a nack
 //! does, and where a delayed redelivery waits.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
-use inbox_core::{Capabilities, OutgoingMessage};
+use inbox_core::Capabilities;
 use rand::RngExt;
 use tokio::time::Instant;
 
@@ -16,21 +15,14 @@ use crate::world::Core;
 /// Which broker's rules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Model {
-    /// SQS FIFO: three message groups (lanes); a group with a message in flight gives out
-    /// nothing more, an unlocked group gives its messages in order. A visibility timeout that
-    /// runs out hands the message out again under a new receipt handle; the old handle's
-    /// delete and visibility change do nothing, and the adapter cannot tell. A delayed
-    /// redelivery is a visibility change, its count kept with the message.
-    Fifo,
-    /// SQS standard or a RabbitMQ queue: one lane, any order; a message whose visibility
-    /// runs out comes back under a new handle, the old one stale.
+    /// A RabbitMQ queue: one lane, any order; a message whose visibility runs out comes back
+    /// under a new handle, the old one stale.
     Queue,
 }
 
 impl Model {
     pub(crate) fn lanes(self) -> usize {
         match self {
-            Model::Fifo => 3,
             Model::Queue => 1,
         }
     }
@@ -56,15 +48,10 @@ struct Entry {
     not_before: Option<Instant>,
 }
 
-/// How long SQS FIFO drops a send whose deduplication ID it saw before.
-const DEDUPLICATION_WINDOW: Duration = Duration::from_secs(300);
-
 /// A broker of one [`Model`].
 #[derive(Debug)]
 pub(crate) struct Basic {
     model: Model,
-    /// SQS FIFO: when each deduplication ID was last sent.
-    deduplication: BTreeMap<String, Instant>,
     entries: Vec<Entry>,
     next_conn: Conn,
 }
@@ -73,7 +60,6 @@ impl Basic {
     pub(crate) fn new(model: Model) -> Self {
         Self {
             model,
-            deduplication: BTreeMap::new(),
             entries: Vec::new(),
             next_conn: 0,
         }
@@ -118,33 +104,8 @@ impl Broker for Basic {
         }
     }
 
-    /// SQS FIFO: a send whose deduplication ID was sent within the window is dropped, and the
-    /// send still succeeds (as the producer's first sends, deduplicated on the message ID).
-    fn send(&mut self, core: &mut Core, i: usize, message: &OutgoingMessage) -> bool {
-        if self.model == Model::Fifo {
-            let id = crate::brokers::sqs::deduplication_id(message);
-            let now = Instant::now();
-            if self
-                .deduplication
-                .get(&id)
-                .is_some_and(|&sent| now < sent + DEDUPLICATION_WINDOW)
-            {
-                core.entries.pop();
-                return false;
-            }
-            self.deduplication.insert(id, now);
-        }
-        self.publish(core, i);
-        true
-    }
-
     fn publish(&mut self, core: &mut Core, i: usize) {
         debug_assert_eq!(i, self.entries.len());
-        if self.model == Model::Fifo && !self.deduplication.contains_key(&core.entries[i].id) {
-            // The producer's first send: deduplicated on the message ID.
-            let id = core.entries[i].id.clone();
-            self.deduplication.insert(id, Instant::now());
-        }
         self.entries.push(Entry {
             lane: core.entries[i].lane % self.model.lanes(),
             handle: 0,
@@ -171,30 +132,11 @@ impl Broker for Basic {
     fn receive(&mut self, core: &mut Core, conn: Conn, max: usize) -> Vec<Handout> {
         let now = Instant::now();
         let mut batch = Vec::new();
-        // The lanes that may give out their next ready entry: a FIFO group is locked while a
-        // message of it is in flight, or waits out its delay.
-        let open: Vec<bool> = (0..self.model.lanes())
-            .map(|lane| {
-                self.model != Model::Fifo
-                    || !self.entries.iter().any(|e| {
-                        e.lane == lane
-                            && (matches!(e.state, State::Held(_))
-                                || e.state == State::Ready && e.not_before.is_some_and(|t| t > now))
-                    })
-            })
-            .collect();
         let due = |e: &Entry| e.state == State::Ready && e.not_before.is_none_or(|t| t <= now);
         while batch.len() < max {
             let candidates: Vec<usize> = match self.model {
                 Model::Queue => (0..self.entries.len())
                     .filter(|&i| due(&self.entries[i]))
-                    .collect(),
-                Model::Fifo => (0..self.model.lanes())
-                    .filter(|&lane| open[lane])
-                    .filter_map(|lane| {
-                        (0..self.entries.len())
-                            .find(|&i| self.entries[i].lane == lane && due(&self.entries[i]))
-                    })
                     .collect(),
             };
             if candidates.is_empty() {

@@ -1,6 +1,7 @@
 //! The simulated brokers, each with its broker's rules and, where the adapter keeps bookkeeping
-//! of its own, that adapter's real state: [`kafka`] a consumer group over partitions, [`basic`]
-//! SQS (FIFO and standard), a RabbitMQ queue and a Redis stream.
+//! of its own, that adapter's real state: [`kafka`] a consumer group over partitions, [`sqs`]
+//! SQS (FIFO and standard) under the SQS adapter's own decisions, [`basic`] a RabbitMQ queue
+//! and a Redis stream.
 
 use rand::rngs::StdRng;
 use rand::RngExt;
@@ -25,7 +26,7 @@ pub(crate) struct Picked {
 /// Draws a broker.
 pub(crate) fn pick(rng: &mut StdRng) -> Picked {
     use basic::{Basic, Model};
-    let brokers: [fn() -> Picked; 4] = [
+    let brokers: &[fn() -> Picked] = &[
         || Picked {
             broker: Box::new(kafka::Kafka::new()),
             lanes: 3,
@@ -33,10 +34,16 @@ pub(crate) fn pick(rng: &mut StdRng) -> Picked {
             groups_lock: false,
         },
         || Picked {
-            broker: Box::new(Basic::new(Model::Fifo)),
-            lanes: Model::Fifo.lanes(),
+            broker: Box::new(sqs::Sqs::new(true)),
+            lanes: sqs::Sqs::lanes(true),
             name: "SQS FIFO",
             groups_lock: true,
+        },
+        || Picked {
+            broker: Box::new(sqs::Sqs::new(false)),
+            lanes: sqs::Sqs::lanes(false),
+            name: "SQS standard",
+            groups_lock: false,
         },
         || Picked {
             broker: Box::new(Basic::new(Model::Queue)),
