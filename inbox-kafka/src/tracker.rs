@@ -159,16 +159,19 @@ impl Tracker {
         let done = state.in_flight.get_mut(&offset)?;
         *done = true;
         state.nacked.remove(&offset);
-        if state.marks.remove(offset) {
-            state.marks_dirty = true;
-        }
         let mut commit = None;
         while let Some(entry) = state.in_flight.first_entry() {
             if !*entry.get() {
                 break;
             }
-            commit = Some(*entry.key() + 1);
+            let finished = *entry.key();
+            commit = Some(finished + 1);
             entry.remove();
+            // A record's mark goes once the commit can pass it, not before: until then a
+            // rebalance or a rewind reads it again, and its schedule goes on from the mark.
+            if state.marks.remove(finished) {
+                state.marks_dirty = true;
+            }
         }
         if commit.is_some() {
             state.finished_to = commit;
@@ -620,6 +623,35 @@ mod tests {
         let dirty = t.take_dirty();
         assert_eq!(dirty.len(), 1);
         assert_eq!((dirty[0].offset, dirty[0].metadata.as_str()), (6, ""));
+    }
+
+    #[test]
+    fn a_finished_record_keeps_its_count_until_the_commit_passes_it() {
+        let mut t = Tracker::default();
+        let (now, wall) = (Instant::now(), wall());
+        let g = t.received("t", 0, 4).generation;
+        t.received("t", 0, 5);
+        let mut committed = t
+            .delay("t", 0, g, 5, 1, MINUTE, now, wall)
+            .expect("current");
+        assert!(t.rewind("t", 0, g, 5));
+        assert_eq!(t.received("t", 0, 5).redeliveries, 1);
+        // Dead-lettered at its next failure, while 4 is still unfinished: the commit cannot
+        // pass 5 yet, so 5 is read again by the partition's next owner.
+        assert_eq!(t.finish("t", 0, g, 5), None, "4 is unfinished");
+        committed = t.take_dirty().pop().unwrap_or(committed);
+        committed = t.revoke("t", 0).unwrap_or(committed);
+        assert_eq!(committed.offset, 4);
+
+        let mut next = Tracker::default();
+        next.assigned("t", 0);
+        next.restore("t", 0, &committed.metadata, now, wall);
+        next.received("t", 0, 4);
+        assert_eq!(
+            next.received("t", 0, 5).redeliveries,
+            1,
+            "the count of a record read again goes on where it was"
+        );
     }
 
     #[test]
