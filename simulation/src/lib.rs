@@ -34,6 +34,7 @@
 
 mod broker;
 pub mod brokers;
+mod effects;
 mod handler;
 mod life;
 mod replay;
@@ -84,6 +85,8 @@ pub fn simulate(seed: u64) -> Run {
 enum Store {
     One(SimStore),
     Two(Arc<Sharded<SimStore>>),
+    /// The effect step's lease store and provider, instead of an inbox.
+    Effects(Arc<effects::Lab>),
 }
 
 /// One consumer of a round: its settings, and whether it takes the set-based handler.
@@ -112,6 +115,7 @@ async fn run_member(shared: &Shared, store: &Store, member: Member) -> String {
             let consumer = Consumer::batched("sim", source, Arc::clone(store), SimBatch { world });
             live(consumer, member.life).await
         }
+        (Store::Effects(lab), _) => effects::live(lab, source, member.life).await,
     };
     match result {
         None => "crashed".into(),
@@ -181,12 +185,14 @@ async fn run_seed(seed: u64) -> Run {
         name,
         groups_lock,
     } = brokers::pick(&mut rng);
-    let strict = rng.random_bool(0.25);
-    let sharded = rng.random_bool(0.3);
+    // The effect step has no strict order, shards or redelivery schedule.
+    let effects = effects::drawn(seed);
+    let strict = rng.random_bool(0.25) && !effects;
+    let sharded = rng.random_bool(0.3) && !effects;
     let lock_timeout = rng
         .random_bool(0.5)
         .then(|| Duration::from_millis(rng.random_range(50..500)));
-    let schedule: Vec<Duration> = if rng.random_bool(0.4) {
+    let schedule: Vec<Duration> = if rng.random_bool(0.4) && !effects {
         (0..rng.random_range(1..=3))
             .map(|_| Duration::from_millis(rng.random_range(100..2_000)))
             .collect()
@@ -231,7 +237,9 @@ async fn run_seed(seed: u64) -> Run {
         .iter()
         .map(|e| e.id.clone())
         .collect();
-    let store = if sharded {
+    let store = if effects {
+        Store::Effects(effects::Lab::new(&shared))
+    } else if sharded {
         let shards = vec![
             SimStore::new(&shared, 0, lock_timeout),
             SimStore::new(&shared, 1, lock_timeout),
@@ -334,6 +342,9 @@ async fn run_seed(seed: u64) -> Run {
     // An SQS FIFO copy for a delayed redelivery joins the back of its group.
     let to_back = w.broker.redelivery_to_back();
     let core = &mut w.core;
+    if let Store::Effects(lab) = &store {
+        lab.check(core, &ids);
+    }
     for id in &ids {
         let applied = core.applied.get(id).copied().unwrap_or(0);
         if applied == 0 && !core.letters.iter().any(|l| l.id == *id) {

@@ -16,6 +16,16 @@ pub(crate) struct CrashAfter<F> {
     polls: u32,
 }
 
+impl<F> CrashAfter<F> {
+    /// `future`, dropped as a crash would drop it after `polls` polls.
+    pub(crate) fn new(future: F, polls: u32) -> Self {
+        Self {
+            inner: Box::pin(future),
+            polls,
+        }
+    }
+}
+
 impl<F: Future> Future for CrashAfter<F> {
     type Output = Option<F::Output>;
 
@@ -76,13 +86,7 @@ pub(crate) async fn live<St: InboxStore<Tx = SimTx>, H: BatchHandler<SimTx>>(
     }
     match life.end {
         End::Idle => Some(consumer.run_until_idle().await),
-        End::Crash { polls } => {
-            CrashAfter {
-                inner: Box::pin(consumer.run_until_idle()),
-                polls,
-            }
-            .await
-        }
+        End::Crash { polls } => CrashAfter::new(consumer.run_until_idle(), polls).await,
         End::Stop { after } => Some(consumer.run_until(tokio::time::sleep(after)).await),
     }
 }
