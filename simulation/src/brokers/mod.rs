@@ -1,7 +1,7 @@
 //! The simulated brokers, each with its broker's rules and, where the adapter keeps bookkeeping
-//! of its own, that adapter's real state: [`kafka`] a consumer group over partitions, [`sqs`]
-//! SQS (FIFO and standard) under the SQS adapter's own decisions, [`basic`] a RabbitMQ queue
-//! and a Redis stream.
+//! of its own, that adapter's real state: [`kafka`] a consumer group over partitions under the
+//! Kafka adapter's own tracker, [`sqs`] SQS (FIFO and standard) under the SQS adapter's own
+//! decisions, [`basic`] a RabbitMQ queue and a Redis stream.
 
 use rand::rngs::StdRng;
 use rand::RngExt;
