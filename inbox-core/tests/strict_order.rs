@@ -326,3 +326,88 @@ async fn strict_order_waits_for_a_dead_letter_that_failed() {
         "a-1 was applied before the message ahead of it in its lane was parked"
     );
 }
+
+/// Applies each ID in order; `slow` waits for `release` first.
+struct InOrder {
+    release: Arc<tokio::sync::Notify>,
+}
+
+#[async_trait]
+impl Handler<MemoryTx<Ledger>> for InOrder {
+    async fn handle(
+        &self,
+        tx: &mut MemoryTx<Ledger>,
+        id: &MessageId,
+        message: &Message,
+    ) -> Result<(), HandlerError> {
+        if id.as_str() == "slow" {
+            self.release.notified().await;
+        }
+        record(tx, id, message);
+        Ok(())
+    }
+}
+
+/// Strict order when the broker takes a delivery back while it waits in its lane (an SQS
+/// visibility timeout the heartbeat noticed): the stale copy is dropped, and what follows it
+/// in its lane waits for its new copy, instead of being applied before it.
+#[tokio::test]
+async fn strict_order_waits_for_the_new_copy_of_a_delivery_taken_back() {
+    let broker = MemoryBroker::with_lanes();
+    let publish = |id: &str| {
+        let mut message = Message::new(Ok(MessageId::new(id).unwrap()), "0");
+        message.meta.lane = Some("a".into());
+        broker.publish_message(message);
+    };
+    let store = MemoryStore::<Ledger>::new();
+    let release = Arc::new(tokio::sync::Notify::new());
+    publish("slow");
+    let consumer = Consumer::new(
+        "strict",
+        broker.source(),
+        store.clone(),
+        InOrder {
+            release: Arc::clone(&release),
+        },
+    )
+    .batch_size(10)
+    // A free lane reads ahead, so the new copy comes in while `slow` holds the lane.
+    .parallel_lanes(2)
+    .error_backoff(Duration::from_millis(1))
+    .order(Order::Strict);
+    let drained = broker.clone();
+    let running = tokio::spawn(consumer.run_until(async move {
+        while drained.pending() > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }));
+    let until = |n: usize| {
+        let broker = broker.clone();
+        async move {
+            for _ in 0..1000 {
+                if broker.in_flight() == n && broker.pending() == n {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            panic!("never {n} in flight");
+        }
+    };
+    until(1).await;
+    publish("first");
+    publish("second");
+    until(3).await;
+    // `first` is taken back while it waits behind `slow`, and handed out again.
+    assert_eq!(
+        broker.redeliver("first", inbox_testkit::Redelivery::StaleHandle),
+        1
+    );
+    until(3).await;
+    release.notify_one();
+    running.await.unwrap().unwrap();
+    assert_eq!(
+        store.state().await.get("a").unwrap(),
+        &["slow", "first", "second"],
+        "the lane was applied out of order"
+    );
+}

@@ -127,14 +127,22 @@ where
         let mut seen = HashSet::new();
         let mut stale = 0;
         // Strict order: a message parked before its claim whose dead letter failed is not
-        // dead-lettered yet, and came back to the broker: what follows it waits, as behind a
-        // failure.
+        // dead-lettered yet, and came back to the broker (or a delivery the broker took back):
+        // what follows it waits, as behind a failure.
         let mut unparked = false;
         let mut deliveries = deliveries.into_iter().enumerate();
         while let Some((at, delivery)) = deliveries.next() {
             if delivery.ack.is_stale() {
                 // Taken back while it waited in its lane: its new copy is the one to apply.
                 stale += 1;
+                if strict {
+                    // What follows it in its lane waits for that new copy, as behind a
+                    // failure: a broker that takes back one delivery (an SQS visibility
+                    // timeout) hands out the rest of its lane again after it.
+                    unparked = true;
+                    held.extend(deliveries.by_ref());
+                    break;
+                }
                 continue;
             }
             let (id, delivery) = match self.park_before_claim(delivery).await? {
