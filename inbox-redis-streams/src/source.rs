@@ -15,7 +15,7 @@ use tracing::{debug, error, info, warn};
 use crate::config::{RedisStreamSourceBuilder, Settings};
 use crate::connection::Conn;
 use crate::reply::{self, Entry, Fields};
-use crate::sweep::{Reported, Sweep};
+use crate::sweep::{self, Reported, Sweep};
 use crate::{Error, RedisStreamAck, Result, PAYLOAD_FIELD};
 
 mod claim;
@@ -226,14 +226,15 @@ impl RedisStreamSource {
                 warn!(stream = %self.settings.stream, error = %e, "could not ack pending entries deleted from the stream");
             }
         }
-        let counts = match (live.first(), live.last()) {
+        let counts = match sweep::id_range(live.iter().map(|e| e.id.as_str())) {
             // Other entries of ours may sit between the first and the last (a nacked one
             // waiting for its idle time), hence the headroom in the count.
-            (Some(first), Some(last)) => {
-                self.delivery_counts(&first.id, &last.id, live.len() + 1000)
+            Some((first, last)) => {
+                let (first, last) = (first.to_owned(), last.to_owned());
+                self.delivery_counts(&first, &last, live.len() + 1000)
                     .await?
             }
-            _ => HashMap::new(),
+            None => HashMap::new(),
         };
         // Only entries that were pending can carry a redelivery mark.
         let ids: Vec<&str> = live.iter().map(|e| e.id.as_str()).collect();

@@ -234,11 +234,42 @@ pub fn entry_id_key(id: &str) -> (u64, u64) {
     (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
 }
 
+/// The first and the last of `ids` in stream order, for one `XPENDING` range over them all:
+/// claimed entries come grouped by the idle time they were claimed at, not in stream order.
+pub fn id_range<'a>(ids: impl IntoIterator<Item = &'a str>) -> Option<(&'a str, &'a str)> {
+    let mut ids = ids.into_iter();
+    let first = ids.next()?;
+    Some(ids.fold((first, first), |(lo, hi), id| {
+        (
+            if entry_id_key(id) < entry_id_key(lo) {
+                id
+            } else {
+                lo
+            },
+            if entry_id_key(id) > entry_id_key(hi) {
+                id
+            } else {
+                hi
+            },
+        )
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const CLAIM_IDLE: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn the_range_of_claimed_entries_is_in_stream_order() {
+        assert_eq!(
+            id_range(["12-0", "10-0", "15-0", "10-1"]),
+            Some(("10-0", "15-0"))
+        );
+        assert_eq!(id_range(["9-0"]), Some(("9-0", "9-0")));
+        assert_eq!(id_range([]), None);
+    }
 
     fn row(id: &str, idle_ms: u64, delivery_count: u32) -> Pending {
         Pending {

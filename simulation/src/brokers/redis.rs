@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use inbox_core::Capabilities;
-use inbox_redis_streams::sweep::{entry_id_key, Mark, Pending, Reported, Sweep};
+use inbox_redis_streams::sweep::{entry_id_key, id_range, Mark, Pending, Reported, Sweep};
 use rand::RngExt;
 use tokio::time::Instant;
 
@@ -188,22 +188,18 @@ impl Redis {
             .collect()
     }
 
-    /// The source's `deliver_pending`: counts from `XPENDING` of its own entries between the
-    /// first and the last one, and their marks.
+    /// The source's `deliver_pending`: counts from `XPENDING` of its own entries from the
+    /// first to the last in stream order (`sweep::id_range`), and their marks.
     fn deliver_pending(&mut self, core: &mut Core, conn: Conn, entries: &[usize]) -> Vec<Handout> {
         let name = self.readers[&conn].name;
-        let counts: BTreeMap<String, u32> = match (entries.first(), entries.last()) {
-            (Some(&first), Some(&last)) => self
-                .xpending(
-                    &entry_id(first),
-                    &entry_id(last),
-                    entries.len() + 1000,
-                    Some(name),
-                )
+        let ids: Vec<String> = entries.iter().map(|&i| entry_id(i)).collect();
+        let counts: BTreeMap<String, u32> = match id_range(ids.iter().map(String::as_str)) {
+            Some((first, last)) => self
+                .xpending(first, last, entries.len() + 1000, Some(name))
                 .into_iter()
                 .map(|p| (p.id, p.delivery_count))
                 .collect(),
-            _ => BTreeMap::new(),
+            None => BTreeMap::new(),
         };
         let marks = self.marks_of(entries);
         entries
@@ -228,8 +224,9 @@ impl Redis {
             ));
         }
         if reported.delivery_count != Some(count) {
-            core.note(format!(
-                "entry {i}: delivery {count} reports the count {:?}",
+            core.violation(format!(
+                "entry {i}: delivery {count} reports the count {:?}: max_deliveries cannot \
+                 count it",
                 reported.delivery_count
             ));
         }
