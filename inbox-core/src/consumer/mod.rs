@@ -420,7 +420,9 @@ where
     /// messages stay received and unacked meanwhile (other lanes go on). Shutdown while a lane
     /// is blocked hands the failed message back and everything after it, in order (Kafka: a
     /// seek back to the failed offset). On a source without lanes strict order needs one
-    /// chunk at a time: `parallel_lanes` above 1 is refused at start.
+    /// chunk at a time: `parallel_lanes` above 1 is refused at start. One exception: with a
+    /// redelivery schedule on an SQS FIFO queue, the delayed copy joins the back of its message
+    /// group, so the messages after it overtake it (see `inbox-sqs`, "Ack semantics").
     pub fn order(mut self, order: Order) -> Self {
         self.step.order = order;
         self

@@ -48,7 +48,7 @@ pub(crate) fn pick(rng: &mut StdRng) -> Picked {
         || Picked {
             broker: Box::new(Basic::new(Model::Queue)),
             lanes: 1,
-            name: "a queue (SQS standard, RabbitMQ)",
+            name: "a RabbitMQ queue",
             groups_lock: false,
         },
         || Picked {
