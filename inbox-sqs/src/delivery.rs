@@ -32,7 +32,7 @@ pub const REDELIVER_AT: &str = "x-inbox-redeliver-at";
 /// replay starts a new schedule).
 pub const SCHEDULE_ATTRIBUTES: [&str; 2] = [REDELIVERY_COUNT, REDELIVER_AT];
 
-/// An [`OutgoingMessage`](inbox_core::OutgoingMessage) header that [`SqsProducer`](crate::SqsProducer)
+/// An [`OutgoingMessage`] header that [`SqsProducer`](crate::SqsProducer)
 /// sends as the FIFO `MessageDeduplicationId` instead of the message ID, and never as an
 /// attribute. [`SqsDeadLetters`](crate::SqsDeadLetters) sets it on every dead letter it reads,
 /// so a replay is deduplicated against nothing but itself.

@@ -1,7 +1,8 @@
 //! The simulated brokers, each with its broker's rules and, where the adapter keeps bookkeeping
 //! of its own, that adapter's real state: [`kafka`] a consumer group over partitions under the
-//! Kafka adapter's own tracker, [`sqs`] SQS (FIFO and standard) under the SQS adapter's own
-//! decisions, [`basic`] a RabbitMQ queue and a Redis stream.
+//! Kafka adapter's own tracker, `sqs` SQS (FIFO and standard) under the SQS adapter's own
+//! decisions, `redis` a Redis stream under the adapter's own sweep, [`basic`] a RabbitMQ
+//! queue.
 
 use rand::rngs::StdRng;
 use rand::RngExt;
