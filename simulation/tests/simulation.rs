@@ -93,7 +93,9 @@ fn every_schedule_keeps_the_invariants() {
 #[test]
 fn a_seed_replays_exactly() {
     quiet_panics();
-    for seed in [7, 1_234, 99_999] {
+    // Enough seeds that a source of chance outside the seed (a `HashMap`'s order, tokio's
+    // random pick among notifiers) shows: seed 1,234 alone ran two ways half the time.
+    for seed in (0..200).chain([1_234, 99_999]) {
         assert_eq!(simulate(seed), simulate(seed), "seed {seed} ran two ways");
     }
 }

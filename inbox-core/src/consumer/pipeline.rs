@@ -33,7 +33,7 @@ where
         until_idle: bool,
     ) -> Result<StatsSnapshot> {
         let mut shutdown = std::pin::pin!(shutdown.fuse());
-        let (stop_tx, stop) = Stop::new();
+        let stop = Stop::new();
         // Set when shutdown is asked for: when the work in flight is cut short.
         let mut deadline: Option<Instant> = None;
         let (batch_size, lanes, timeout) = (self.batch_size, self.lanes, self.shutdown_timeout);
@@ -78,7 +78,7 @@ where
         let begin_stop = |deadline: &mut Option<Instant>| {
             if deadline.is_none() {
                 health.set(ConsumerState::Stopping);
-                stop_tx.send_replace(Phase::Stopping);
+                stop.set(Phase::Stopping);
                 *deadline = Some(Instant::now() + timeout);
             }
         };
@@ -143,14 +143,14 @@ where
                 Some(()) = shutdown.next() => {
                     if stopping {
                         warn!(consumer = %common.name, "shutdown asked for again: handing back the work in flight");
-                        stop_tx.send_replace(Phase::Aborting);
+                        stop.set(Phase::Aborting);
                     } else {
                         begin_stop(&mut deadline);
                     }
                 }
-                () = sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() && *stop_tx.borrow() == Phase::Stopping => {
+                () = sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() && stop.phase() == Phase::Stopping => {
                     warn!(consumer = %common.name, ?timeout, "the work in flight did not finish within the shutdown timeout: handing it back");
-                    stop_tx.send_replace(Phase::Aborting);
+                    stop.set(Phase::Aborting);
                 }
                 Some((lane, n, result)) = working.next() => {
                     in_flight = in_flight.saturating_sub(n);

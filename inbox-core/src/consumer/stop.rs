@@ -1,9 +1,10 @@
 //! Shutdown, as the work in flight sees it: asked for, then cut short.
 
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures_util::stream::{self, Stream};
-use tokio::sync::watch;
+use tokio::sync::Notify;
 
 /// Where shutdown stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -17,17 +18,53 @@ pub(crate) enum Phase {
 }
 
 /// Tells the work in flight that shutdown was asked for.
+///
+/// A phase and a [`Notify`] rather than a `watch` channel: `watch` spreads its waiters over
+/// notifiers picked at random, so the lanes cut short would wake in a different order on each
+/// run, and one schedule could end two ways.
 #[derive(Debug, Clone)]
-pub(crate) struct Stop(watch::Receiver<Phase>);
+pub(crate) struct Stop(Arc<Shared>);
+
+#[derive(Debug)]
+struct Shared {
+    phase: Mutex<Phase>,
+    changed: Notify,
+}
 
 impl Stop {
-    pub(crate) fn new() -> (watch::Sender<Phase>, Self) {
-        let (tx, rx) = watch::channel(Phase::Running);
-        (tx, Self(rx))
+    pub(crate) fn new() -> Self {
+        Self(Arc::new(Shared {
+            phase: Mutex::new(Phase::Running),
+            changed: Notify::new(),
+        }))
+    }
+
+    pub(crate) fn phase(&self) -> Phase {
+        *self.0.phase.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Moves shutdown to `phase` and wakes what waits for it.
+    pub(crate) fn set(&self, phase: Phase) {
+        *self.0.phase.lock().unwrap_or_else(PoisonError::into_inner) = phase;
+        self.0.changed.notify_waiters();
     }
 
     pub(crate) fn stopping(&self) -> bool {
-        *self.0.borrow() >= Phase::Stopping
+        self.phase() >= Phase::Stopping
+    }
+
+    /// Completes once the phase is at least `phase`.
+    async fn reached(&self, phase: Phase) {
+        loop {
+            let changed = self.0.changed.notified();
+            tokio::pin!(changed);
+            // Registered before the phase is read, so a change in between is not missed.
+            changed.as_mut().enable();
+            if self.phase() >= phase {
+                return;
+            }
+            changed.await;
+        }
     }
 
     /// Sleeps `wait`, or less when shutdown is asked for; `true` when it was.
@@ -35,25 +72,17 @@ impl Stop {
         if self.stopping() {
             return true;
         }
-        let mut stop = self.0.clone();
         // Biased: when both are ready, shutdown wins, and one schedule always ends one way.
         tokio::select! {
             biased;
-            Ok(_) = stop.wait_for(|phase| *phase >= Phase::Stopping) => true,
+            () = self.reached(Phase::Stopping) => true,
             () = tokio::time::sleep(wait) => false,
         }
     }
 
     /// Completes when the work in flight must be cut short; never, if it need not.
     pub(crate) async fn aborted(&self) {
-        let mut stop = self.0.clone();
-        if stop
-            .wait_for(|phase| *phase == Phase::Aborting)
-            .await
-            .is_err()
-        {
-            std::future::pending::<()>().await;
-        }
+        self.reached(Phase::Aborting).await;
     }
 }
 
