@@ -420,10 +420,18 @@ async fn outage_round(
         .filter(|e| groups_lock && shard_of(&e.id) == 1)
         .map(|e| e.lane)
         .collect();
+    // An ID published twice counts as locked when either copy's group is: the other copy may
+    // be a resend the FIFO queue dropped as a duplicate.
+    let in_locked: BTreeSet<&String> = core
+        .entries
+        .iter()
+        .filter(|e| locked.contains(&e.lane))
+        .map(|e| &e.id)
+        .collect();
     let waiting: BTreeSet<String> = core
         .entries
         .iter()
-        .filter(|e| shard_of(&e.id) == 0 && !locked.contains(&e.lane))
+        .filter(|e| shard_of(&e.id) == 0 && !in_locked.contains(&e.id))
         .map(|e| e.id.clone())
         .filter(|id| !done(id))
         .collect();
