@@ -113,7 +113,9 @@ pub use publish::{Destinations, OutgoingMessage, Publish, PublishError};
 use recent::Recent;
 pub use redact::{is_secret_setting, redact_url, REDACTED};
 pub use shard::Sharded;
-pub use source::{dead_letter, Ack, Capabilities, Delivery, MessageSource, REDELIVERY_COUNT};
+pub use source::{
+    dead_letter, Ack, Capabilities, Delivery, MessageSource, REDELIVERY_COUNT, REPLAYED,
+};
 pub use stats::{Stats, StatsSnapshot};
 pub use store::{InboxStore, Transaction};
 pub use telemetry::{describe_metrics, TraceParent};

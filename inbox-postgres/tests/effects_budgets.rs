@@ -1,8 +1,8 @@
 //! Hand-backs and attempt budgets of the effect consumer against a real PostgreSQL and a real
 //! HTTP provider: a live lease hands the message back without using an attempt (and without a
 //! busy loop on a broker that cannot delay), a call that surely did not apply is retried even
-//! when unknowns are skipped, dead-lettered messages get a fresh budget on replay, and a dead
-//! letter that fails leaves the message to come back.
+//! when unknowns are skipped, dead-lettered messages get a fresh budget on replay (and a copy
+//! that is not a replay none), and a dead letter that fails leaves the message to come back.
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
@@ -13,7 +13,7 @@ use std::time::Duration;
 use common_effects::*;
 use inbox_conformance::provider::{Behaviour, ProviderMode};
 use inbox_core::{
-    async_trait, Ack, Delivery, Message, MessageId, MessageSource, SourceError, Stage,
+    async_trait, Ack, Delivery, Message, MessageId, MessageSource, SourceError, Stage, REPLAYED,
 };
 use inbox_testkit::fast_retry;
 use inbox_testkit::{Crash, MemoryAck, MemoryBroker, MemorySource};
@@ -216,11 +216,35 @@ async fn failed_messages_are_dead_lettered_and_a_replay_gets_a_fresh_budget() {
         "unsettled, count reset"
     );
 
-    // An operator replays the dead letter: it is applied, within a fresh budget of 3.
-    let (replay, _) = dead
+    // A copy that is not a replay (a producer's resend) is a duplicate of the dead letter: no
+    // call, no second letter, and the replay's budget stays whole.
+    broker.publish(Some("evt-1"), "notify");
+    let stats = patiently(
+        env.consumer(broker.source(), handler.clone())
+            .retry(fast_retry(3))
+            .run_until(drained(&broker)),
+    )
+    .await
+    .unwrap();
+    assert_eq!((stats.skipped_duplicates, stats.dead_lettered), (1, 0));
+    assert_eq!(
+        env.provider.calls(&key("evt-1")).len(),
+        3,
+        "no call for the resend"
+    );
+    assert_eq!(broker.dead_letters().len(), 3);
+
+    // An operator replays the dead letter (`replay` marks its copies): it is applied, within a
+    // fresh budget of 3, after failing twice more.
+    for _ in 0..2 {
+        env.provider
+            .next_call(&key("evt-1"), Behaviour::Refuse(503));
+    }
+    let (mut replay, _) = dead
         .into_iter()
         .find(|(m, _)| m.id.as_ref().is_ok_and(|i| i.as_str() == "evt-1"))
         .unwrap();
+    replay.headers.push((REPLAYED.to_owned(), b"true".to_vec()));
     broker.publish_message(replay);
     patiently(
         env.consumer(broker.source(), handler)
@@ -229,8 +253,9 @@ async fn failed_messages_are_dead_lettered_and_a_replay_gets_a_fresh_budget() {
     )
     .await
     .unwrap();
+    assert_eq!(env.provider.calls(&key("evt-1")).len(), 6);
     assert_eq!(env.provider.effects(&key("evt-1")), 1);
-    assert_eq!(env.row("evt-1").await, (4, 1, true));
+    assert_eq!(env.row("evt-1").await, (7, 3, true));
     env.db.drop().await;
 }
 

@@ -22,7 +22,7 @@ use crate::error::backoff;
 use crate::stats::Counter;
 use crate::{
     Ack, Capabilities, Delivery, Error, Failure, HandlerError, Message, MessageId, Recent,
-    Recovery, Result, Stage, StoreError, TraceParent, Transaction,
+    Recovery, Result, Stage, StoreError, TraceParent, Transaction, REPLAYED,
 };
 
 /// Added to the rest of a live lease before a busy copy comes back, so it does not come back
@@ -228,10 +228,33 @@ where
             Acquired::Leased(lease) => {
                 Span::current().record("token", lease.token);
                 let effect = Effect::new(&self.common.name, id, lease, started + self.lease);
+                if effect.after_dead_letter() && delivery.message.header(REPLAYED).is_none() {
+                    return self.skip_dead_lettered(effect, delivery.ack).await;
+                }
                 self.stage(Stage::Claimed, effect.id());
                 self.apply(effect, delivery, stop).await
             }
         }
+    }
+
+    /// A copy of a dead-lettered message that is not its replay: acked as a duplicate of the
+    /// dead letter, and the lease given back as dead-lettered, so the replay still finds a full
+    /// budget (and the attempt before it, as the dead-lettered lease left it).
+    async fn skip_dead_lettered<A: Ack>(&self, effect: Effect, ack: A) -> Result<()> {
+        let release = Release {
+            not_applied: effect.attempt() == Attempt::AfterNotApplied,
+            dead_lettered: true,
+        };
+        self.release(&effect, release).await;
+        self.count(Counter::SkippedDuplicate);
+        outcome("skipped_duplicate");
+        info!(
+            outcome = "skipped_duplicate",
+            "skipped a copy of {}: dead-lettered before, and this copy is not its replay",
+            escaped(effect.id())
+        );
+        self.ack(effect.id(), ack).await;
+        Ok(())
     }
 
     /// Decides between calling, confirming and skipping; calls; then marks done.

@@ -65,6 +65,14 @@
 //! limit (an SQS `maxReceiveCount`, a quorum queue's delivery limit) well above `max_attempts`,
 //! or a message held by a slow call elsewhere is dead-lettered by the broker.
 //!
+//! A dead letter starts the count again for its replay: a copy carrying
+//! [`REPLAYED`](crate::REPLAYED) (every copy [`replay`](crate::replay()) publishes) gets a full
+//! budget. Any other copy that arrives after the message was dead-lettered (a producer's
+//! resend, a copy the broker gave out again behind a rewind) is acked as a duplicate of the
+//! dead letter, without a call: were it given a fresh budget too, two copies failing in turn
+//! (one handed back, rewinding a Kafka partition past the other's dead letter) would restart
+//! each other's count for ever.
+//!
 //! While the store cannot be reached, the message is held and tried again with a backoff
 //! doubling up to 30 s. Everything else (lanes, health, shutdown, the counters) is the one
 //! [`Consumer`](crate::Consumer)'s.
@@ -271,6 +279,12 @@ impl Effect {
     /// dead-lettered, so a replay gets a full budget).
     pub fn attempts(&self) -> u32 {
         self.lease.attempts
+    }
+
+    /// Whether the lease before this one ended in a dead letter: the count started again
+    /// ([`Release::dead_lettered`]) on a row that had leases before.
+    pub(crate) fn after_dead_letter(&self) -> bool {
+        self.lease.attempts == 1 && self.lease.token > 1
     }
 
     /// How long ago the first lease on this message was taken. Once this is longer than the
