@@ -209,8 +209,8 @@ pub(crate) struct DeadLettersReplay {
     /// Read and count what would move; publish and remove nothing.
     #[arg(long)]
     pub(crate) dry_run: bool,
-    /// Print one JSON object (read, selected, moved, unreplayable, by_source, dry_run) instead
-    /// of the lines; no progress is drawn.
+    /// Print one JSON object (read, selected, moved, unreplayable, duplicates, by_source,
+    /// dry_run) instead of the lines; no progress is drawn.
     #[arg(long)]
     pub(crate) json: bool,
     #[command(flatten)]

@@ -169,6 +169,7 @@ async fn replay(args: DeadLettersReplay) -> Result<Vec<String>, CliError> {
             "selected": report.selected,
             "moved": report.moved,
             "unreplayable": report.unreplayable,
+            "duplicates": report.duplicates,
             "by_source": report.by_source,
         });
         return Ok(vec![line.to_string()]);
@@ -180,6 +181,13 @@ async fn replay(args: DeadLettersReplay) -> Result<Vec<String>, CliError> {
     for (source, n) in &report.by_source {
         let verb = if args.dry_run { "would move" } else { "moved" };
         lines.push(format!("  {verb} {n} to {source}"));
+    }
+    if report.duplicates > 0 {
+        lines.push(format!(
+            "  of those, {} letters of an ID already replayed to the same source: removed \
+             without another copy",
+            report.duplicates
+        ));
     }
     if report.unreplayable > 0 {
         lines.push(format!(

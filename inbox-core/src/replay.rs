@@ -21,7 +21,7 @@
 //! assert!(selection.matches(&letter));
 //! ```
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::SystemTime;
 
 use async_trait::async_trait;
@@ -109,11 +109,18 @@ impl DeadLetter {
         }
     }
 
-    /// The message a replay publishes: same ID, payload, key and headers.
+    /// The message a replay publishes: same ID, payload, key and headers, marked
+    /// [`REPLAYED`](crate::REPLAYED).
     fn outgoing(&self) -> Option<OutgoingMessage> {
         let mut message = OutgoingMessage::new(self.id.clone()?, self.payload.clone());
         message.key = self.key.clone();
-        message.headers = self.headers.clone();
+        message.headers = self
+            .headers
+            .iter()
+            .filter(|(name, _)| name != crate::REPLAYED)
+            .cloned()
+            .chain([(crate::REPLAYED.to_owned(), b"true".to_vec())])
+            .collect();
         Some(message)
     }
 }
@@ -299,6 +306,10 @@ pub struct ReplayReport {
     pub moved: u64,
     /// Selected, but left where they are: no ID, or no original source.
     pub unreplayable: u64,
+    /// Of the moved, letters of an ID this replay had already published to the same source:
+    /// removed without another copy (one copy per ID is all the inbox applies; more would only
+    /// be skipped, or each be given its own budget of attempts by the effect consumer).
+    pub duplicates: u64,
     /// Moved, per original source.
     pub by_source: BTreeMap<String, u64>,
 }
@@ -309,7 +320,9 @@ pub struct ReplayReport {
 /// or removed; the report counts what would move. `progress` is called after each batch.
 ///
 /// The copies keep their ID, payload, key and headers (without the dead-letter metadata), so
-/// the inbox skips any it has applied before. A failure stops the replay: what was confirmed is
+/// the inbox skips any it has applied before, and carry [`REPLAYED`](crate::REPLAYED). One copy
+/// per ID and source: further letters of an ID already published in this replay are removed
+/// without a copy ([`ReplayReport::duplicates`]). A failure stops the replay: what was confirmed is
 /// removed, the rest stays for the next attempt, and any copy published but not yet removed is
 /// published again then, under the same ID, and skipped by the inbox.
 pub async fn replay(
@@ -320,6 +333,7 @@ pub async fn replay(
     progress: &mut (dyn FnMut(&ReplayReport) + Send),
 ) -> Result<ReplayReport, OperationError> {
     let mut report = ReplayReport::default();
+    let mut published: BTreeSet<(String, MessageId)> = BTreeSet::new();
     let moved = async {
         loop {
             let batch = letters.next(BATCH).await?;
@@ -338,9 +352,19 @@ pub async fn replay(
                 by_source.entry(source).or_default().push(letter);
             }
             for (source, chosen) in by_source {
+                let firsts: Vec<&DeadLetter> = chosen
+                    .iter()
+                    .filter(|l| {
+                        l.id.clone()
+                            .is_some_and(|id| published.insert((source.clone(), id)))
+                    })
+                    .collect();
+                report.duplicates += (chosen.len() - firsts.len()) as u64;
                 if !dry_run {
-                    let messages: Vec<OutgoingMessage> =
-                        chosen.iter().filter_map(DeadLetter::outgoing).collect();
+                    let messages: Vec<OutgoingMessage> = firsts
+                        .into_iter()
+                        .filter_map(DeadLetter::outgoing)
+                        .collect();
                     publisher.send_batch(&source, &messages).await?;
                     letters.remove(&chosen).await?;
                 }
@@ -505,6 +529,10 @@ mod tests {
             })
             .collect();
         letters[0].id = None;
+        // A letter of a message replayed before.
+        letters[1]
+            .headers
+            .push((crate::REPLAYED.into(), b"true".to_vec()));
         let mut dlq = parked(letters);
         let sent = Sent::default();
         let selection = Selection::all()
@@ -525,7 +553,45 @@ mod tests {
         let (source, first) = &sent[0];
         assert_eq!(source, "a");
         assert_eq!(first.id.as_str(), "id-2");
-        assert_eq!(first.headers, [("tenant".to_owned(), b"acme".to_vec())]);
+        assert_eq!(
+            first.headers,
+            [
+                ("tenant".to_owned(), b"acme".to_vec()),
+                (crate::REPLAYED.to_owned(), b"true".to_vec())
+            ],
+            "the original headers, and the mark of a replay once"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_replay_publishes_one_copy_of_an_id_and_removes_its_other_letters() {
+        let mut letters: Vec<DeadLetter> = (1..=4).map(|n| letter(n, "down", "a")).collect();
+        letters[2].id = letters[0].id.clone();
+        letters[3].id = letters[0].id.clone();
+        letters[3].original_source = Some("b".into());
+        let mut dlq = parked(letters);
+        let sent = Sent::default();
+        let report = replay(&mut dlq, &sent, &Selection::all(), false, &mut |_| {})
+            .await
+            .unwrap();
+        assert_eq!((report.moved, report.duplicates), (4, 1));
+        assert_eq!(
+            dlq.removed.len(),
+            4,
+            "the duplicate's letter is removed too"
+        );
+        let sent: Vec<(String, String)> = sent
+            .0
+            .into_inner()
+            .unwrap()
+            .into_iter()
+            .map(|(source, m)| (source, m.id.to_string()))
+            .collect();
+        assert_eq!(
+            sent,
+            [("a", "id-1"), ("a", "id-2"), ("b", "id-1")].map(|(s, i)| (s.into(), i.into())),
+            "one copy of id-1 per source"
+        );
     }
 
     #[tokio::test]
