@@ -60,8 +60,9 @@ pub(crate) trait Broker: Debug + Send {
     fn ack(&mut self, core: &mut Core, conn: Conn, h: &Handout) -> bool;
     /// Hands the delivery back.
     fn nack(&mut self, core: &mut Core, conn: Conn, h: &Handout, retry_after: Duration);
-    /// Hands the delivery back for redelivery `redelivery + 1`, after `delay`; `false` when the
-    /// broker cannot delay one (the consumer never asks then).
+    /// Hands the delivery back for redelivery `redelivery + 1`, after `delay`: `Ok(true)` when
+    /// the broker took it, `Ok(false)` for a stale handle's request, or the error the adapter
+    /// returns (the delivery then handed back as the adapter does).
     fn redeliver(
         &mut self,
         core: &mut Core,
@@ -69,7 +70,19 @@ pub(crate) trait Broker: Debug + Send {
         h: &Handout,
         delay: Duration,
         redelivery: u32,
-    ) -> bool;
+    ) -> Result<bool, SourceError>;
+    /// Acks a batch as the adapter's `Ack::ack_all` does, where that is more than one ack after
+    /// another (RabbitMQ's `multiple` ack), checking and noting each entry it acks; `None`: one
+    /// by one, as [`Ack::ack_all`]'s default.
+    fn ack_all(
+        &mut self,
+        core: &mut Core,
+        conn: Conn,
+        hs: &[Handout],
+    ) -> Option<Result<(), SourceError>> {
+        let _ = (core, conn, hs);
+        None
+    }
     /// Settles the delivery as dead-lettered (the letter is already kept); `true` when it
     /// settled the entry.
     fn dead_letter(&mut self, core: &mut Core, conn: Conn, h: &Handout) -> bool;
@@ -257,9 +270,18 @@ impl Ack for SimAck {
             .broker
             .redeliveries_asked(&self.handout)
             .unwrap_or_else(|| w.core.redeliveries.get(&i).copied().unwrap_or(0));
-        let taken = w
-            .broker
-            .redeliver(&mut w.core, self.conn, &self.handout, delay, redelivery);
+        let taken =
+            match w
+                .broker
+                .redeliver(&mut w.core, self.conn, &self.handout, delay, redelivery)
+            {
+                Ok(taken) => taken,
+                Err(e) => {
+                    w.core
+                        .note(format!("redelivery of entry {i} ({id}) fails: {e}"));
+                    return Err(e);
+                }
+            };
         // The schedule goes on from where it was: a count that ran ahead skips delays (a
         // hand-back counted as a redelivery), one that went back restarts it (the message may
         // never reach its dead letter). One step back is allowed: a copy re-published for its
@@ -277,6 +299,25 @@ impl Ack for SimAck {
         w.core.note(format!(
             "entry {i} ({id}) handed back as redelivery {redelivery}, due in {delay:?}"
         ));
+        Ok(())
+    }
+
+    async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {
+        let Some(first) = acks.first() else {
+            return Ok(());
+        };
+        let batched = {
+            let mut w = world(&first.world);
+            let w = &mut *w;
+            let hs: Vec<Handout> = acks.iter().map(|a| a.handout.clone()).collect();
+            w.broker.ack_all(&mut w.core, first.conn, &hs)
+        };
+        if let Some(result) = batched {
+            return result;
+        }
+        for ack in acks {
+            ack.ack().await?;
+        }
         Ok(())
     }
 

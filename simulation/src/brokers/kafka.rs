@@ -22,7 +22,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use inbox_core::Capabilities;
+use inbox_core::{Capabilities, SourceError};
 use inbox_kafka::tracker::{Commit, Resume, Tracker};
 use rand::RngExt;
 use tokio::time::Instant;
@@ -524,12 +524,12 @@ impl Broker for Kafka {
         h: &Handout,
         delay: Duration,
         redelivery: u32,
-    ) -> bool {
+    ) -> Result<bool, SourceError> {
         self.tick(core);
         let (p, at) = self.offsets[h.entry];
         let (now, wall) = self.clock.now();
         let Some(member) = self.members.get_mut(&conn) else {
-            return false;
+            return Ok(false);
         };
         let Some(commit_count) = member.tracker.delay(
             TOPIC,
@@ -541,7 +541,7 @@ impl Broker for Kafka {
             now,
             wall,
         ) else {
-            return false;
+            return Ok(false);
         };
         if member.received_after.get(&h.handle) != Some(&member.revokes[p]) {
             core.violation(format!(
@@ -555,7 +555,7 @@ impl Broker for Kafka {
         member.resumes.push((p, now + delay));
         commit(&mut self.partitions, core, conn, member, vec![commit_count]);
         Self::rewind(member, p, h.handle, at);
-        true
+        Ok(true)
     }
 
     fn dead_letter(&mut self, core: &mut Core, conn: Conn, h: &Handout) -> bool {

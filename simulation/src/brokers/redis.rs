@@ -23,7 +23,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use inbox_core::Capabilities;
+use inbox_core::{Capabilities, SourceError};
 use inbox_redis_streams::sweep::{entry_id_key, id_range, Mark, Pending, Reported, Sweep};
 use rand::RngExt;
 use tokio::time::Instant;
@@ -463,7 +463,7 @@ impl Broker for Redis {
         h: &Handout,
         delay: Duration,
         redelivery: u32,
-    ) -> bool {
+    ) -> Result<bool, SourceError> {
         self.end(h.handle, true);
         let reported = self.copies[&h.handle].reported;
         let now = self.pel.get(&h.entry).map(|p| p.delivery_count);
@@ -472,12 +472,12 @@ impl Broker for Redis {
                 "entry {}: a copy of delivery {:?} hands back, delivery {now:?} is out: left",
                 h.entry, reported.delivery_count
             ));
-            return false;
+            return Ok(false);
         }
         let mark = Mark::new(redelivery + 1, delay, reported.delivery_count);
         self.marks.insert(h.entry, mark.to_string());
         let name = self.readers[&conn].name;
-        self.xclaim(name, 0, h.entry, true)
+        Ok(self.xclaim(name, 0, h.entry, true))
     }
 
     /// The dead letter's `XADD` and `XACK` in one script, then `HDEL` of the mark.

@@ -25,7 +25,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use inbox_core::{Capabilities, MessageId, OutgoingMessage};
+use inbox_core::{Capabilities, MessageId, OutgoingMessage, SourceError};
 use inbox_sqs::delivery::{
     send_dedup_id, whole_seconds, Arrival, DedupId, Ownership, Redelivery, RedeliveryCopy,
     DEDUPLICATION_ID_HEADER, MAX_HIDE, REDELIVERY_COUNT, REDELIVER_AT, SCHEDULE_ATTRIBUTES,
@@ -452,7 +452,7 @@ impl Broker for Sqs {
         h: &Handout,
         delay: Duration,
         redelivery: u32,
-    ) -> bool {
+    ) -> Result<bool, SourceError> {
         let copy = RedeliveryCopy::plan(redelivery, delay, self.clock(conn), self.fifo);
         let m = self.receipts[&h.handle];
         let mut attributes = self.messages[m].attributes.clone();
@@ -495,7 +495,7 @@ impl Broker for Sqs {
         } else {
             self.delete(h.handle);
         }
-        true
+        Ok(true)
     }
 
     fn dead_letter(&mut self, _core: &mut Core, _conn: Conn, h: &Handout) -> bool {
