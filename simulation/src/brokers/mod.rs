@@ -1,16 +1,16 @@
-//! The simulated brokers, each with its broker's rules and, where the adapter keeps bookkeeping
-//! of its own, that adapter's real state: [`kafka`] a consumer group over partitions under the
-//! Kafka adapter's own tracker, `sqs` SQS (FIFO and standard) under the SQS adapter's own
-//! decisions, `redis` a Redis stream under the adapter's own sweep, [`basic`] a RabbitMQ
-//! queue.
+//! The simulated brokers, each with its broker's rules and the adapter's own bookkeeping:
+//! [`kafka`] a consumer group over partitions under the Kafka adapter's own tracker, `sqs` SQS
+//! (FIFO and standard) under the SQS adapter's own decisions, `redis` a Redis stream under the
+//! adapter's own sweep, `rabbitmq` a RabbitMQ quorum queue with its delay queues under the
+//! RabbitMQ adapter's own redelivery rules and unsettled tags.
 
 use rand::rngs::StdRng;
 use rand::RngExt;
 
 use crate::broker::Broker;
 
-pub mod basic;
 pub mod kafka;
+pub(crate) mod rabbitmq;
 pub(crate) mod redis;
 pub(crate) mod sqs;
 
@@ -26,7 +26,6 @@ pub(crate) struct Picked {
 
 /// Draws a broker.
 pub(crate) fn pick(rng: &mut StdRng) -> Picked {
-    use basic::{Basic, Model};
     let brokers: &[fn() -> Picked] = &[
         || Picked {
             broker: Box::new(kafka::Kafka::new()),
@@ -47,9 +46,9 @@ pub(crate) fn pick(rng: &mut StdRng) -> Picked {
             groups_lock: false,
         },
         || Picked {
-            broker: Box::new(Basic::new(Model::Queue)),
+            broker: Box::new(rabbitmq::RabbitMq::new()),
             lanes: 1,
-            name: "a RabbitMQ queue",
+            name: "RabbitMQ",
             groups_lock: false,
         },
         || Picked {
