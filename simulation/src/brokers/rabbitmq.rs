@@ -33,20 +33,31 @@
 //! must declare it again), ack and nack frames that fail on a channel that stays open, and a
 //! copy's publish that fails (opening the connection, the declare, a `basic.nack`, a confirm
 //! that times out whether or not the copy landed).
+//!
+//! [`channel`] keeps the channels, [`delay`] the delay queues and the dead-letter connection.
+//!
+//! [`Unsettled`]: inbox_rabbitmq::unsettled::Unsettled
+//! [`Unsettled::plan`]: inbox_rabbitmq::unsettled::Unsettled::plan
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use inbox_core::dead_letter::RETRY_AFTER;
 use inbox_core::{Capabilities, Recovery, SourceError, REDELIVERY_COUNT};
 use inbox_rabbitmq::redelivery::{Counts, DelayQueues, DelayedCopy, DELIVERY_COUNT_HEADER};
-use inbox_rabbitmq::unsettled::{AckPlan, Unsettled};
+use inbox_rabbitmq::unsettled::AckPlan;
 use rand::RngExt;
 use tokio::time::Instant;
 
 use crate::broker::{Broker, Conn, Handout};
 use crate::replay::Letter;
 use crate::world::Core;
+
+mod channel;
+mod delay;
+
+use channel::{Channel, Delivered};
+use delay::DelayQueue;
 
 /// The queue consumed.
 const QUEUE: &str = "queue";
@@ -87,33 +98,6 @@ struct Msg {
     place: Place,
 }
 
-/// One delivery, as its channel sent it.
-#[derive(Debug)]
-struct Delivered {
-    channel: usize,
-    tag: u64,
-    msg: usize,
-    /// Its headers, `x-delivery-count` as the queue set it.
-    headers: Headers,
-    redelivered: bool,
-}
-
-/// One channel: the broker's side and the adapter's (`Link`).
-#[derive(Debug)]
-struct Channel {
-    conn: Conn,
-    open: bool,
-    next_tag: u64,
-    /// The prefetch window, fixed by the first receive.
-    prefetch: Option<usize>,
-    /// The broker's: tags delivered and not settled, with their handles.
-    unacked: BTreeMap<u64, u64>,
-    /// Delivered to the client and not yet taken by a receive.
-    buffer: VecDeque<u64>,
-    /// The adapter's: `Link::unsettled`.
-    unsettled: Unsettled,
-}
-
 /// One `RabbitSource`: its consuming channel and its dead-letter publisher.
 #[derive(Debug)]
 struct Source {
@@ -123,21 +107,6 @@ struct Source {
     publisher: bool,
     /// `DeadLetters::delay_queues`.
     delay_queues: DelayQueues,
-}
-
-/// One delay queue.
-#[derive(Debug, Default)]
-struct DelayQueue {
-    exists: bool,
-    /// Copies waiting, oldest first, each with when it expires as the broker sees it.
-    waiting: VecDeque<(usize, Instant)>,
-}
-
-/// What a copy's publish came to.
-enum Published {
-    Stored,
-    Unroutable,
-    Failed(SourceError),
 }
 
 /// A quorum queue with its delay queues and dead-letter queue.
@@ -211,198 +180,8 @@ impl RabbitMq {
         ));
     }
 
-    /// The channel closes: what it held unsettled is requeued.
-    fn close(&mut self, core: &mut Core, c: usize, why: &str) {
-        let ch = &mut self.channels[c];
-        if !ch.open {
-            return;
-        }
-        ch.open = false;
-        ch.buffer.clear();
-        // A delayed nack whose channel closed is never sent.
-        let deliveries = &self.deliveries;
-        self.nacks
-            .retain(|(_, handle)| deliveries[handle].channel != c);
-        let unacked = std::mem::take(&mut ch.unacked);
-        let tags: Vec<u64> = unacked.keys().copied().collect();
-        core.note(format!(
-            "channel {c} closes ({why}): tags {tags:?} requeued"
-        ));
-        for handle in unacked.into_values() {
-            let m = self.deliveries[&handle].msg;
-            self.requeue(core, m);
-        }
-    }
-
-    /// The channel consumed by `conn`, opened anew if it closed (`RabbitSource::ensure_open`):
-    /// a new connection, whose tags start again at 1.
-    fn link(&mut self, core: &mut Core, conn: Conn) -> usize {
-        if let Some(c) = self.source(conn).link {
-            if self.channels[c].open {
-                return c;
-            }
-        }
-        let c = self.channels.len();
-        self.channels.push(Channel {
-            conn,
-            open: true,
-            next_tag: 0,
-            prefetch: None,
-            unacked: BTreeMap::new(),
-            buffer: VecDeque::new(),
-            unsettled: Unsettled::new(),
-        });
-        self.source(conn).link = Some(c);
-        core.note(format!("connection {conn} consumes on channel {c}"));
-        c
-    }
-
-    /// The broker delivers message `m` on channel `c`.
-    fn deliver(&mut self, c: usize, m: usize) -> String {
-        let ch = &mut self.channels[c];
-        ch.next_tag += 1;
-        let tag = ch.next_tag;
-        self.next_handle += 1;
-        let handle = self.next_handle;
-        ch.unacked.insert(tag, handle);
-        ch.buffer.push_back(handle);
-        let msg = &mut self.messages[m];
-        msg.place = Place::Out;
-        let mut headers = msg.headers.clone();
-        if msg.returns > 0 {
-            headers.insert(DELIVERY_COUNT_HEADER.to_owned(), u64::from(msg.returns));
-        }
-        let line = format!("tag {tag} message {m} (entry {}) {headers:?}", msg.entry);
-        self.deliveries.insert(
-            handle,
-            Delivered {
-                channel: c,
-                tag,
-                msg: m,
-                headers,
-                redelivered: msg.returns > 0,
-            },
-        );
-        line
-    }
-
-    /// `basic.ack` of `tag` on channel `c` (of every unsettled tag up to it, with `multiple`):
-    /// the handles it settled. A tag the channel does not hold closes the channel.
-    fn basic_ack(&mut self, core: &mut Core, c: usize, tag: u64, multiple: bool) -> Vec<u64> {
-        let ch = &mut self.channels[c];
-        if !ch.unacked.contains_key(&tag) {
-            core.violation(format!(
-                "channel {c}: ack of tag {tag}, which the channel does not hold: \
-                 PRECONDITION_FAILED closes the channel"
-            ));
-            self.close(core, c, "unknown delivery tag");
-            return Vec::new();
-        }
-        let tags: Vec<u64> = if multiple {
-            ch.unacked.range(..=tag).map(|(&t, _)| t).collect()
-        } else {
-            vec![tag]
-        };
-        let mut settled = Vec::new();
-        for t in tags {
-            let handle = ch.unacked.remove(&t).unwrap();
-            self.messages[self.deliveries[&handle].msg].place = Place::Gone;
-            settled.push(handle);
-        }
-        settled
-    }
-
-    /// `Link::ack`: the frame, unless the channel is closed or the frame fails; then the tags it
-    /// settled leave the adapter's unsettled set. `checked`: an ack of committed messages,
-    /// each checked and noted (not a redelivery's or a dead letter's).
-    fn link_ack(
-        &mut self,
-        core: &mut Core,
-        c: usize,
-        tag: u64,
-        multiple: bool,
-        checked: bool,
-    ) -> Result<(), SourceError> {
-        let context = "acknowledging to RabbitMQ";
-        if !self.channels[c].open {
-            core.note(format!(
-                "channel {c}: ack of tag {tag} not sent, the channel is closed"
-            ));
-            return Err(error(Recovery::Reconnect, context, "the channel closed"));
-        }
-        if core.fault(0.03) {
-            core.note(format!("channel {c}: the ack frame of tag {tag} fails"));
-            return Err(error(
-                Recovery::Reconnect,
-                context,
-                "the frame was not sent",
-            ));
-        }
-        let settled = self.basic_ack(core, c, tag, multiple);
-        let unsettled = &mut self.channels[c].unsettled;
-        if multiple {
-            unsettled.settled_up_to(tag);
-        } else {
-            unsettled.settled([tag]);
-        }
-        if !checked {
-            return Ok(());
-        }
-        let how = if multiple { "multiple ack" } else { "ack" };
-        for handle in settled {
-            let d = &self.deliveries[&handle];
-            let i = self.messages[d.msg].entry;
-            let id = core.entries[i].id.clone();
-            if !core.settled(i) {
-                core.violation(format!(
-                    "entry {i} ({id}) acked (channel {c} tag {}, by the {how} of tag {tag}), but \
-                     {id} is neither committed nor dead-lettered",
-                    d.tag
-                ));
-            }
-            core.note(format!(
-                "acked entry {i} ({id}): channel {c} tag {}, by the {how} of tag {tag}",
-                d.tag
-            ));
-        }
-        Ok(())
-    }
-
-    /// `Link::nack` of delivery `handle`: the frame, unless the channel is closed or the frame
-    /// fails; then the tag leaves the adapter's unsettled set and the broker requeues it.
-    fn link_nack(&mut self, core: &mut Core, handle: u64) {
-        let d = &self.deliveries[&handle];
-        let (c, tag, m) = (d.channel, d.tag, d.msg);
-        if !self.channels[c].open {
-            core.note(format!(
-                "channel {c}: nack of tag {tag} not sent, the channel is closed"
-            ));
-            return;
-        }
-        if core.fault(0.03) {
-            core.note(format!(
-                "channel {c}: the nack frame of tag {tag} fails: the delivery stays unsettled"
-            ));
-            return;
-        }
-        self.channels[c].unsettled.settled([tag]);
-        if self.channels[c].unacked.remove(&tag).is_none() {
-            core.violation(format!(
-                "channel {c}: nack of tag {tag}, which the channel does not hold: \
-                 PRECONDITION_FAILED closes the channel"
-            ));
-            self.close(core, c, "unknown delivery tag");
-            return;
-        }
-        core.note(format!(
-            "channel {c}: nack of tag {tag}: message {m} (entry {}) requeued",
-            self.messages[m].entry
-        ));
-        self.requeue(core, m);
-    }
-
     /// What came due by now on its own: the delayed nacks whose wait is over are sent, and the
-    /// copies expired at the head of their delay queue are dead-lettered back to the queue.
+    /// copies expired at the head of their delay queue go back to the queue.
     fn tick(&mut self, core: &mut Core) {
         let now = Instant::now();
         self.nacks.sort_by_key(|&(at, _)| at);
@@ -411,183 +190,7 @@ impl RabbitMq {
         for (_, handle) in sent {
             self.link_nack(core, handle);
         }
-        let mut expired = Vec::new();
-        for (name, queue) in &mut self.delay_queues {
-            while let Some(&(m, at)) = queue.waiting.front() {
-                if at > now {
-                    break;
-                }
-                queue.waiting.pop_front();
-                expired.push((name.clone(), m));
-            }
-        }
-        for (name, m) in expired {
-            self.next_position += 1;
-            let msg = &mut self.messages[m];
-            msg.position = self.next_position;
-            msg.place = Place::Ready;
-            let twice = core.fault(0.02);
-            core.note(format!(
-                "message {m} (entry {}) expires in {name}: dead-lettered back to the queue{}",
-                msg.entry,
-                if twice { ", twice (at least once)" } else { "" }
-            ));
-            if twice {
-                let copy = msg.clone();
-                self.add(copy.entry, copy.headers, copy.lineage, Place::Ready);
-            }
-        }
-    }
-
-    /// `DeadLetters::channel`: the dead-letter connection, opened if it is not; a new one
-    /// forgets the delay queues declared.
-    fn publisher(&mut self, core: &mut Core, conn: Conn, faults: bool) -> Result<(), SourceError> {
-        if self.source(conn).publisher {
-            return Ok(());
-        }
-        if faults && core.fault(0.03) {
-            core.note(format!(
-                "connection {conn}: opening the dead-letter connection fails"
-            ));
-            return Err(error(
-                Recovery::Reconnect,
-                "talking to RabbitMQ",
-                "opening the dead-letter connection failed",
-            ));
-        }
-        let source = self.source(conn);
-        source.publisher = true;
-        source.delay_queues.reconnected();
-        core.note(format!("connection {conn}: dead-letter connection opened"));
-        Ok(())
-    }
-
-    /// `DeadLetters::declare_delay_queue`: declared unless [`DelayQueues`] knows it exists.
-    fn declare(&mut self, core: &mut Core, conn: Conn, queue: &str) -> Result<(), SourceError> {
-        if !self.source(conn).delay_queues.needs_declaring(queue) {
-            return Ok(());
-        }
-        if core.fault(0.03) {
-            self.source(conn).publisher = false;
-            core.note(format!(
-                "connection {conn}: declaring {queue} fails, the dead-letter connection is lost"
-            ));
-            return Err(error(
-                Recovery::Reconnect,
-                "talking to RabbitMQ",
-                "declaring the delay queue failed",
-            ));
-        }
-        let delay_queue = self.delay_queues.entry(queue.to_owned()).or_default();
-        let created = !delay_queue.exists;
-        delay_queue.exists = true;
-        self.source(conn).delay_queues.declared(queue);
-        core.note(format!(
-            "connection {conn} declares {queue}{}",
-            if created { ": created" } else { "" }
-        ));
-        Ok(())
-    }
-
-    /// `publish_confirmed` of a copy to its delay queue.
-    fn publish(
-        &mut self,
-        core: &mut Core,
-        copy: &DelayedCopy,
-        entry: usize,
-        headers: &Headers,
-        lineage: u32,
-    ) -> Published {
-        let exists = self
-            .delay_queues
-            .get(&copy.queue)
-            .is_some_and(|queue| queue.exists);
-        let failed = core.fault(0.05);
-        let landed = exists && (!failed || core.rng.random_bool(0.5));
-        if landed {
-            let m = self.add(entry, headers.clone(), lineage, Place::Delayed);
-            let late = Duration::from_millis(core.rng.random_range(0..50));
-            let at = Instant::now() + Duration::from_millis(copy.expiration_ms) + late;
-            let queue = self.delay_queues.get_mut(&copy.queue).unwrap();
-            queue.waiting.push_back((m, at));
-            core.note(format!(
-                "message {m}: entry {entry}'s copy for redelivery {} in {}, expiring in {} ms",
-                copy.redeliveries, copy.queue, copy.expiration_ms
-            ));
-        }
-        if failed {
-            core.note(format!(
-                "the publish of entry {entry}'s copy fails (basic.nack or no confirm in time), \
-                 the copy {}",
-                if landed { "landed" } else { "lost" }
-            ));
-            return Published::Failed(error(
-                Recovery::Retry,
-                "publishing to RabbitMQ",
-                "the copy was not confirmed",
-            ));
-        }
-        if exists {
-            Published::Stored
-        } else {
-            Published::Unroutable
-        }
-    }
-
-    /// `DeadLetters::delay`: the connection, the declare, the publish; a copy returned
-    /// unroutable found its delay queue gone, which is declared again before one more publish.
-    fn delay(
-        &mut self,
-        core: &mut Core,
-        conn: Conn,
-        copy: &DelayedCopy,
-        entry: usize,
-        headers: &Headers,
-        lineage: u32,
-    ) -> Result<(), SourceError> {
-        self.publisher(core, conn, true)?;
-        self.declare(core, conn, &copy.queue)?;
-        // An operator's cleanup may delete it meanwhile, the moment it matters most.
-        if core.fault(0.1) {
-            self.delete_if_empty(core, &copy.queue);
-        }
-        match self.publish(core, copy, entry, headers, lineage) {
-            Published::Stored => return Ok(()),
-            Published::Failed(e) => return Err(e),
-            Published::Unroutable => {}
-        }
-        core.note(format!(
-            "connection {conn}: entry {entry}'s copy comes back unroutable, {} is gone; \
-             declaring it again",
-            copy.queue
-        ));
-        self.source(conn).delay_queues.gone(&copy.queue);
-        self.declare(core, conn, &copy.queue)?;
-        match self.publish(core, copy, entry, headers, lineage) {
-            Published::Stored => Ok(()),
-            Published::Failed(e) => Err(e),
-            Published::Unroutable => {
-                core.note(format!(
-                    "connection {conn}: entry {entry}'s copy unroutable again: Error::Unroutable, \
-                     fatal"
-                ));
-                Err(error(
-                    Recovery::Fatal,
-                    "publishing to RabbitMQ",
-                    "no queue is bound to the delay queue's routing key",
-                ))
-            }
-        }
-    }
-
-    /// `queue.delete` with `if-empty`, as an operator's cleanup of idle queues does.
-    fn delete_if_empty(&mut self, core: &mut Core, name: &str) {
-        if let Some(queue) = self.delay_queues.get_mut(name) {
-            if queue.exists && queue.waiting.is_empty() {
-                queue.exists = false;
-                core.note(format!("an operator deletes the empty delay queue {name}"));
-            }
-        }
+        self.expire(core, now);
     }
 
     fn handle(&self, h: &Handout) -> (usize, u64) {
