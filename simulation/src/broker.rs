@@ -160,8 +160,13 @@ impl MessageSource for SimSource {
             let taken = w.broker.receive(core, self.conn, max);
             let mut batch = Vec::with_capacity(taken.len());
             for h in taken {
-                let id = core.entries[h.entry].id.clone();
-                let mut message = Message::new(Ok(MessageId::new(id).unwrap()), "");
+                let entry = &core.entries[h.entry];
+                let mut message = Message::new(Ok(MessageId::new(entry.id.clone()).unwrap()), "");
+                if entry.replayed {
+                    message
+                        .headers
+                        .push((inbox_core::REPLAYED.to_owned(), b"true".to_vec()));
+                }
                 message.meta.delivery_count = h.delivery_count;
                 message.meta.redelivered = h.delivery_count.is_some_and(|n| n > 1);
                 message.meta.redeliveries = h.redeliveries;

@@ -1,6 +1,7 @@
 //! The effect step ([`Consumer::effects`]) under every schedule: a lease store with
-//! `PgLeases`' rules ([`leases`]) and a provider behind an [`EffectHandler`] ([`provider`]),
-//! both failing as the seed says, and the invariants a user of effects cares about.
+//! `PgLeases`' rules ([`leases`]) and a provider behind an
+//! [`EffectHandler`](inbox_core::effect::EffectHandler) ([`provider`]), both failing as the seed
+//! says, and the invariants a user of effects cares about.
 //!
 //! In a fifth of the seeds the consumers run as [`Consumer::effects`] over these instead of
 //! [`Consumer::new`](inbox_core::Consumer::new) over the inbox store, on the same broker, with
@@ -45,20 +46,10 @@ pub(crate) use provider::SimProvider;
 /// The consumer name: part of every idempotency key.
 const CONSUMER: &str = "sim";
 
-/// Whether seed `seed` runs the effect step: a fifth of the seeds while `SIM_EFFECTS` is set,
-/// drawn apart from the seed's own stream, so the other seeds draw what they drew before
-/// effects were simulated.
-///
-/// Off by default until the core's effect step settles a failing message whose copies come
-/// back: a dead letter resets the row's attempt count (`Release::dead_lettered`) for the copies
-/// still in flight too, so on Kafka (a nack seeks the partition back and the later copy is
-/// read again) or with copies handed out again after a visibility timeout, the first copy
-/// starts again at attempt 1, the message never gets past its budget, and each round parks
-/// another dead letter (seeds 1425, 2310, 3373 on Kafka; 46222 on SQS FIFO, which runs until
-/// memory is exhausted).
+/// Whether seed `seed` runs the effect step: a fifth of the seeds, drawn apart from the seed's
+/// own stream, so the other seeds draw what they drew before effects were simulated.
 pub(crate) fn drawn(seed: u64) -> bool {
-    std::env::var_os("SIM_EFFECTS").is_some()
-        && StdRng::seed_from_u64(seed ^ 0xEFFE_C75E_ED00_0000).random_bool(0.2)
+    StdRng::seed_from_u64(seed ^ 0xEFFE_C75E_ED00_0000).random_bool(0.2)
 }
 
 /// What the provider's status lookup ([`EffectHandler::landed`](inbox_core::effect::EffectHandler::landed)) can tell.

@@ -61,6 +61,10 @@ use crate::world::{world, Core, Published, Shared, World};
 /// simulated time, before the seed counts as a stall.
 pub const SETTLE: Duration = Duration::from_secs(120);
 
+/// How long a round with faults may run, in simulated time, before it is cut off as by a
+/// crash: far beyond any redelivery schedule, lease or outage a seed draws.
+const ROUND_MAX: Duration = Duration::from_secs(600);
+
 /// What one seed came to: its schedule and the invariants it broke.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Run {
@@ -207,6 +211,7 @@ async fn run_seed(seed: u64) -> Run {
             published.push(Published {
                 id: format!("m{n}"),
                 lane: rng.random_range(0..lanes),
+                replayed: false,
             });
         }
     }
@@ -267,15 +272,26 @@ async fn run_seed(seed: u64) -> Run {
         };
         let mut members = members.into_iter();
         let first = members.next().unwrap();
-        let outcomes = match members.next() {
-            None => vec![run_member(&shared, &store, first).await],
-            Some(second) => {
-                let (a, b) = tokio::join!(
-                    run_member(&shared, &store, first),
-                    run_member(&shared, &store, second)
-                );
-                vec![a, b]
+        let round_run = async {
+            match members.next() {
+                None => vec![run_member(&shared, &store, first).await],
+                Some(second) => {
+                    let (a, b) = tokio::join!(
+                        run_member(&shared, &store, first),
+                        run_member(&shared, &store, second)
+                    );
+                    vec![a, b]
+                }
             }
+        };
+        let Ok(outcomes) = tokio::time::timeout(ROUND_MAX, round_run).await else {
+            // Faults that keep coming (a rebalance every few polls) can keep a round from
+            // running dry: it ends as a crash would. Whether anything stays stuck once they
+            // stop is for the drain to find.
+            world(&shared)
+                .core
+                .note(format!("round {round} cut off after {ROUND_MAX:?}"));
+            continue;
         };
         let mut w = world(&shared);
         for (n, outcome) in outcomes.into_iter().enumerate() {

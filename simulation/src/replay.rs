@@ -108,6 +108,10 @@ impl Publish for Publisher {
             w.core.entries.push(Published {
                 id: message.id.to_string(),
                 lane,
+                replayed: message
+                    .headers
+                    .iter()
+                    .any(|(name, _)| name == inbox_core::REPLAYED),
             });
             let kept = w.broker.send(&mut w.core, i, message);
             w.core.note(format!(

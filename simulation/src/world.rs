@@ -10,11 +10,13 @@ use rand::RngExt;
 use crate::broker::Broker;
 use crate::replay::Letter;
 
-/// One published entry: its message ID and the lane it was published to.
+/// One published entry: its message ID, the lane it was published to, and whether it is a
+/// replay's copy (marked [`REPLAYED`](inbox_core::REPLAYED)).
 #[derive(Debug, Clone)]
 pub(crate) struct Published {
     pub(crate) id: String,
     pub(crate) lane: usize,
+    pub(crate) replayed: bool,
 }
 
 /// The world apart from the broker: what the store committed, what the invariants found, and
