@@ -225,9 +225,16 @@ impl KafkaSource {
         true
     }
 
-    fn delivery(&self, message: &BorrowedMessage<'_>) -> Delivery<KafkaAck> {
+    /// The delivery of a record read, `None` for one finished already and read again only
+    /// because a rewind went back past it ([`Tracker::received`](crate::tracker::Tracker::received)).
+    fn delivery(&self, message: &BorrowedMessage<'_>) -> Option<Delivery<KafkaAck>> {
         let topic = message.topic();
         let (partition, offset) = (message.partition(), message.offset());
+        let tracked = self
+            .consumer
+            .context()
+            .tracker()
+            .received(topic, partition, offset)?;
         let id = self.id_from.read(&Record {
             headers: message.headers(),
             payload: message.payload().unwrap_or_default(),
@@ -246,11 +253,6 @@ impl KafkaSource {
             })
             .unwrap_or_default();
 
-        let tracked = self
-            .consumer
-            .context()
-            .tracker()
-            .received(topic, partition, offset);
         let delivery_count = tracked.delivery_count;
         let target = AckTarget {
             consumer: self.consumer.clone(),
@@ -278,7 +280,7 @@ impl KafkaSource {
             .to_millis()
             .and_then(|ms| u64::try_from(ms).ok())
             .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms));
-        Delivery { message, ack }
+        Some(Delivery { message, ack })
     }
 }
 
@@ -373,18 +375,21 @@ impl MessageSource for KafkaSource {
                 }
                 Ok(Err(e)) => return Err(Error::kafka("receiving from Kafka", e).into_source()),
                 Ok(Ok(message)) if self.awaiting(&message) => {}
-                Ok(Ok(message)) => break message,
+                Ok(Ok(message)) => {
+                    if let Some(delivery) = self.delivery(&message) {
+                        break delivery;
+                    }
+                }
             }
         };
-        let mut batch = vec![self.delivery(&first)];
-        drop(first);
+        let mut batch = vec![first];
         let mut idle = 0;
         while batch.len() < max && idle < IDLE_POLLS {
             match self.consumer.recv().now_or_never() {
                 Some(Ok(message)) if self.awaiting(&message) => break,
                 Some(Ok(message)) => {
                     idle = 0;
-                    batch.push(self.delivery(&message));
+                    batch.extend(self.delivery(&message));
                 }
                 Some(Err(e)) => {
                     // The messages already taken are handed out; the error is one-off.

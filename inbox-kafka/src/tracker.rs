@@ -20,7 +20,7 @@
 //! This is plain state: no I/O, no clock of its own (the caller passes the time), so the
 //! adapter drives it from librdkafka's callbacks and a simulation drives it the same way.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::redelivery_counts::{Mark, RedeliveryCounts};
@@ -45,6 +45,9 @@ struct Partition {
     base: Option<i64>,
     /// Received offsets, `true` once finished.
     in_flight: BTreeMap<i64, bool>,
+    /// Offsets finished after one a rewind went back to: read again, they are not handed out
+    /// (their outcome stands: applied, skipped or dead-lettered), only counted finished.
+    finished_ahead: BTreeSet<i64>,
     /// Offsets handed back with a nack, and how often.
     nacked: HashMap<i64, u32>,
     /// Offsets handed back under a redelivery schedule: their count and when they are due.
@@ -72,6 +75,29 @@ impl Partition {
             return self.committable();
         }
         self.finished_to.filter(|&to| self.sent < Some(to))
+    }
+
+    /// Moves the end of the finished prefix past the offsets finished at its head: the offset
+    /// to commit when it grew.
+    fn advance(&mut self) -> Option<i64> {
+        let mut commit = None;
+        while let Some(entry) = self.in_flight.first_entry() {
+            if !*entry.get() {
+                break;
+            }
+            let finished = *entry.key();
+            commit = Some(finished + 1);
+            entry.remove();
+            // A record's mark goes once the commit can pass it, not before: until then a
+            // rebalance or a rewind reads it again, and its schedule goes on from the mark.
+            if self.marks.remove(finished) {
+                self.marks_dirty = true;
+            }
+        }
+        if commit.is_some() {
+            self.finished_to = commit;
+        }
+        commit
     }
 
     /// The offset a commit may carry now: the end of the finished prefix, or where the
@@ -133,16 +159,23 @@ pub struct Tracker {
 }
 
 impl Tracker {
-    /// Records a received message.
-    pub fn received(&mut self, topic: &str, partition: i32, offset: i64) -> Tracked {
+    /// Records a received message. `None`: the message was finished in this generation and is
+    /// read again only because a rewind went back past it; the caller does not hand it out.
+    pub fn received(&mut self, topic: &str, partition: i32, offset: i64) -> Option<Tracked> {
         let state = self.state(topic, partition);
         state.base.get_or_insert(offset);
-        state.in_flight.insert(offset, false);
-        Tracked {
+        let again = state.finished_ahead.remove(&offset);
+        state.in_flight.insert(offset, again);
+        if again {
+            // The commit task takes the grown prefix.
+            state.advance();
+            return None;
+        }
+        Some(Tracked {
             generation: state.generation,
             delivery_count: 1 + state.nacked.get(&offset).copied().unwrap_or(0),
             redeliveries: state.marks.count(offset),
-        }
+        })
     }
 
     /// Marks a message finished. Returns the offset to commit (the next one to read) when the
@@ -159,24 +192,7 @@ impl Tracker {
         let done = state.in_flight.get_mut(&offset)?;
         *done = true;
         state.nacked.remove(&offset);
-        let mut commit = None;
-        while let Some(entry) = state.in_flight.first_entry() {
-            if !*entry.get() {
-                break;
-            }
-            let finished = *entry.key();
-            commit = Some(finished + 1);
-            entry.remove();
-            // A record's mark goes once the commit can pass it, not before: until then a
-            // rebalance or a rewind reads it again, and its schedule goes on from the mark.
-            if state.marks.remove(finished) {
-                state.marks_dirty = true;
-            }
-        }
-        if commit.is_some() {
-            state.finished_to = commit;
-        }
-        commit
+        state.advance()
     }
 
     /// Takes every dirty partition's offset for one commit request; they count as sent.
@@ -231,8 +247,14 @@ impl Tracker {
         if !state.in_flight.contains_key(&offset) {
             return false;
         }
-        // Later offsets come again after the seek; their acks from this round must not commit.
-        drop(state.in_flight.split_off(&offset));
+        // Later offsets come again after the seek. Those unfinished are handed out again, and
+        // their acks from this round must not commit; those finished are only counted again
+        // (handed out again, a copy of a dead-lettered message might start its budget anew and
+        // rewind the partition in its turn, for ever).
+        let later = state.in_flight.split_off(&offset);
+        state
+            .finished_ahead
+            .extend(later.into_iter().filter(|&(_, done)| done).map(|(o, _)| o));
         *state.nacked.entry(offset).or_insert(0) += 1;
         true
     }
@@ -400,7 +422,7 @@ mod tests {
     #[test]
     fn commits_only_the_contiguous_finished_prefix() {
         let mut t = Tracker::default();
-        let g = t.received("t", 0, 5).generation;
+        let g = t.received("t", 0, 5).unwrap().generation;
         t.received("t", 0, 6);
         t.received("t", 0, 7);
         assert_eq!(t.finish("t", 0, g, 7), None, "5 is unfinished");
@@ -412,8 +434,8 @@ mod tests {
     #[test]
     fn partitions_are_independent() {
         let mut t = Tracker::default();
-        let g0 = t.received("t", 0, 10).generation;
-        let g1 = t.received("t", 1, 3).generation;
+        let g0 = t.received("t", 0, 10).unwrap().generation;
+        let g1 = t.received("t", 1, 3).unwrap().generation;
         t.received("t", 0, 11);
         assert_eq!(t.finish("t", 1, g1, 3), Some(4));
         assert_eq!(t.finish("t", 0, g0, 11), None);
@@ -423,11 +445,11 @@ mod tests {
     #[test]
     fn acks_from_a_revoked_assignment_commit_nothing() {
         let mut t = Tracker::default();
-        let old = t.received("t", 0, 5).generation;
+        let old = t.received("t", 0, 5).unwrap().generation;
         t.revoke("t", 0);
         assert_eq!(t.finish("t", 0, old, 5), None);
         // The partition comes back and offset 5 is read again.
-        let new = t.received("t", 0, 5).generation;
+        let new = t.received("t", 0, 5).unwrap().generation;
         assert_ne!(old, new);
         assert_eq!(t.finish("t", 0, old, 5), None);
         assert_eq!(t.finish("t", 0, new, 5), Some(6));
@@ -436,7 +458,7 @@ mod tests {
     #[test]
     fn finished_prefixes_are_taken_once_and_again_after_a_failed_commit() {
         let mut t = Tracker::default();
-        let g = t.received("t", 0, 5).generation;
+        let g = t.received("t", 0, 5).unwrap().generation;
         t.received("t", 0, 6);
         t.received("t", 1, 0);
         assert!(t.take_dirty().is_empty(), "nothing finished");
@@ -470,7 +492,7 @@ mod tests {
     #[test]
     fn a_revoke_hands_over_the_uncommitted_prefix_only() {
         let mut t = Tracker::default();
-        let g = t.received("t", 0, 5).generation;
+        let g = t.received("t", 0, 5).unwrap().generation;
         t.received("t", 0, 6);
         t.received("t", 1, 0);
         t.finish("t", 0, g, 5);
@@ -485,7 +507,7 @@ mod tests {
             "5 is finished, 6 is not"
         );
         assert_eq!(t.revoke("t", 0), None, "gone");
-        let g1 = t.received("t", 1, 1).generation;
+        let g1 = t.received("t", 1, 1).unwrap().generation;
         t.finish("t", 1, g1, 0);
         t.finish("t", 1, g1, 1);
         assert_eq!(t.take_dirty().len(), 1);
@@ -495,7 +517,7 @@ mod tests {
     #[test]
     fn a_rewind_drops_later_offsets_and_counts_the_redelivery() {
         let mut t = Tracker::default();
-        let g = t.received("t", 0, 5).generation;
+        let g = t.received("t", 0, 5).unwrap().generation;
         t.received("t", 0, 6);
         t.received("t", 0, 7);
         assert!(t.rewind("t", 0, g, 6));
@@ -505,9 +527,32 @@ mod tests {
         );
         assert_eq!(t.finish("t", 0, g, 7), None, "7 will be read again");
         assert_eq!(t.finish("t", 0, g, 5), Some(6));
-        assert_eq!(t.received("t", 0, 6).delivery_count, 2);
+        assert_eq!(t.received("t", 0, 6).unwrap().delivery_count, 2);
         assert_eq!(t.finish("t", 0, g, 6), Some(7));
-        assert_eq!(t.received("t", 0, 7).delivery_count, 1);
+        assert_eq!(t.received("t", 0, 7).unwrap().delivery_count, 1);
+    }
+
+    #[test]
+    fn a_record_finished_past_a_rewind_is_not_handed_out_again() {
+        let mut t = Tracker::default();
+        let g = t.received("t", 0, 5).unwrap().generation;
+        t.received("t", 0, 6);
+        t.received("t", 0, 7);
+        assert_eq!(t.finish("t", 0, g, 7), None, "6 is unfinished");
+        assert!(t.rewind("t", 0, g, 5));
+        assert_eq!(t.received("t", 0, 5).unwrap().delivery_count, 2);
+        assert!(
+            t.received("t", 0, 6).is_some(),
+            "unfinished: handed out again"
+        );
+        assert_eq!(t.received("t", 0, 7), None, "finished: its outcome stands");
+        assert_eq!(t.finish("t", 0, g, 5), Some(6));
+        assert_eq!(t.finish("t", 0, g, 6), Some(8), "the commit passes 7 too");
+        // Once past, a rewind reads it as any other record.
+        let g = t.received("t", 0, 8).unwrap().generation;
+        t.received("t", 0, 9);
+        assert!(t.rewind("t", 0, g, 8));
+        assert!(t.received("t", 0, 9).is_some());
     }
 
     const MINUTE: Duration = Duration::from_secs(60);
@@ -521,9 +566,9 @@ mod tests {
     fn a_redelivery_from_a_revoked_generation_leaves_the_partition_alone() {
         let mut t = Tracker::default();
         let (now, wall) = (Instant::now(), wall());
-        let old = t.received("t", 0, 5).generation;
+        let old = t.received("t", 0, 5).unwrap().generation;
         t.revoke("t", 0);
-        let new = t.received("t", 0, 5).generation;
+        let new = t.received("t", 0, 5).unwrap().generation;
         assert_eq!(
             t.delay("t", 0, old, 5, 1, MINUTE, now, wall),
             None,
@@ -534,7 +579,7 @@ mod tests {
             "the new generation's partition must not be paused by a stale redelivery"
         );
         assert!(!t.rewind("t", 0, old, 5), "nor sought back by a stale nack");
-        assert_eq!(t.received("t", 0, 6).redeliveries, 0);
+        assert_eq!(t.received("t", 0, 6).unwrap().redeliveries, 0);
         assert_eq!(t.finish("t", 0, new, 5), Some(6));
     }
 
@@ -542,7 +587,7 @@ mod tests {
     fn a_redelivery_pauses_and_commits_its_count_with_the_offset() {
         let mut t = Tracker::default();
         let (now, wall) = (Instant::now(), wall());
-        let g = t.received("t", 0, 4).generation;
+        let g = t.received("t", 0, 4).unwrap().generation;
         t.received("t", 0, 5);
         t.finish("t", 0, g, 4);
         let commit = t
@@ -570,7 +615,7 @@ mod tests {
     fn a_redelivery_before_anything_finished_commits_where_the_generation_started() {
         let mut t = Tracker::default();
         let (now, wall) = (Instant::now(), wall());
-        let g = t.received("t", 0, 10).generation;
+        let g = t.received("t", 0, 10).unwrap().generation;
         t.received("t", 0, 11);
         let commit = t
             .delay("t", 0, g, 11, 2, MINUTE, now, wall)
@@ -586,7 +631,7 @@ mod tests {
     fn the_next_owner_goes_on_with_the_schedule_and_waits_out_the_delay() {
         let mut old_owner = Tracker::default();
         let (now, wall) = (Instant::now(), wall());
-        let g = old_owner.received("t", 0, 5).generation;
+        let g = old_owner.received("t", 0, 5).unwrap().generation;
         let commit = old_owner
             .delay("t", 0, g, 5, 2, MINUTE, now, wall)
             .expect("current");
@@ -615,7 +660,7 @@ mod tests {
         );
         assert!(t.awaiting().is_empty());
         assert!(!t.pause_over("t", 0, later));
-        let tracked = t.received("t", 0, 5);
+        let tracked = t.received("t", 0, 5).unwrap();
         assert_eq!(tracked.redeliveries, 2, "the count survived the rebalance");
 
         // Parked at the end of the schedule: the commit past it drops the mark.
@@ -629,13 +674,13 @@ mod tests {
     fn a_finished_record_keeps_its_count_until_the_commit_passes_it() {
         let mut t = Tracker::default();
         let (now, wall) = (Instant::now(), wall());
-        let g = t.received("t", 0, 4).generation;
+        let g = t.received("t", 0, 4).unwrap().generation;
         t.received("t", 0, 5);
         let mut committed = t
             .delay("t", 0, g, 5, 1, MINUTE, now, wall)
             .expect("current");
         assert!(t.rewind("t", 0, g, 5));
-        assert_eq!(t.received("t", 0, 5).redeliveries, 1);
+        assert_eq!(t.received("t", 0, 5).unwrap().redeliveries, 1);
         // Dead-lettered at its next failure, while 4 is still unfinished: the commit cannot
         // pass 5 yet, so 5 is read again by the partition's next owner.
         assert_eq!(t.finish("t", 0, g, 5), None, "4 is unfinished");
@@ -648,7 +693,7 @@ mod tests {
         next.restore("t", 0, &committed.metadata, now, wall);
         next.received("t", 0, 4);
         assert_eq!(
-            next.received("t", 0, 5).redeliveries,
+            next.received("t", 0, 5).unwrap().redeliveries,
             1,
             "the count of a record read again goes on where it was"
         );

@@ -462,7 +462,9 @@ impl Broker for Kafka {
             while batch.len() < max && *position < log.len() {
                 let at = *position;
                 *position += 1;
-                let tracked = member.tracker.received(TOPIC, index(p), offset(at));
+                let Some(tracked) = member.tracker.received(TOPIC, index(p), offset(at)) else {
+                    continue;
+                };
                 member
                     .received_after
                     .entry(tracked.generation)
