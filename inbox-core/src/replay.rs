@@ -322,9 +322,9 @@ pub struct ReplayReport {
 /// The copies keep their ID, payload, key and headers (without the dead-letter metadata), so
 /// the inbox skips any it has applied before, and carry [`REPLAYED`](crate::REPLAYED). One copy
 /// per ID and source: further letters of an ID already published in this replay are removed
-/// without a copy ([`ReplayReport::duplicates`]). A failure stops the replay: what was confirmed is
-/// removed, the rest stays for the next attempt, and any copy published but not yet removed is
-/// published again then, under the same ID, and skipped by the inbox.
+/// without a copy ([`ReplayReport::duplicates`]). A failure stops the replay: what was
+/// confirmed is removed, the rest stays for the next attempt, and any copy published but not
+/// yet removed is published again then, under the same ID, and skipped by the inbox.
 pub async fn replay(
     letters: &mut dyn DeadLetters,
     publisher: &dyn Publish,
