@@ -97,7 +97,7 @@ pub mod telemetry;
 
 pub use async_trait::async_trait;
 pub use consumer::{
-    retention_shortfall, Consumer, Inbox, Order, RetryPolicy, DEFAULT_SHUTDOWN_TIMEOUT,
+    retention_shortfall, Consumer, Inbox, Order, RetryPolicy, Work, DEFAULT_SHUTDOWN_TIMEOUT,
 };
 pub use error::{
     BoxError, Error, Failure, HandlerError, OperationError, Recovery, Result, SourceError,

@@ -254,6 +254,40 @@ pub(crate) struct Processed<A> {
     pub(crate) blocked: bool,
 }
 
+/// The work a [`Consumer`] does with each chunk between its receive and its ack: [`Inbox`]
+/// (from [`Consumer::new`] and [`Consumer::batched`]) or [`Effects`] (from
+/// [`Consumer::effects`]). Sealed: this crate implements it, and users name it to write
+/// functions over any consumer.
+///
+/// ```
+/// use std::time::Duration;
+///
+/// use inbox_core::{Consumer, InboxStore, Inbox, MessageSource, BatchHandler, Work};
+///
+/// /// Settings every consumer of a service shares, whatever it does with its messages.
+/// fn tune<S: MessageSource, W: Work>(consumer: Consumer<S, W>) -> Consumer<S, W> {
+///     let lanes = std::env::var("LANES").ok().and_then(|n| n.parse().ok()).unwrap_or(4);
+///     consumer
+///         .batch_size(100)
+///         .parallel_lanes(lanes)
+///         .shutdown_timeout(Duration::from_secs(20))
+/// }
+///
+/// /// And what only an inbox consumer has.
+/// fn tune_inbox<S, St, H>(consumer: Consumer<S, Inbox<St, H>>) -> Consumer<S, Inbox<St, H>>
+/// where
+///     S: MessageSource,
+///     St: InboxStore,
+///     H: BatchHandler<St::Tx>,
+/// {
+///     tune(consumer).handler_timeout(Duration::from_secs(5))
+/// }
+/// ```
+#[allow(private_bounds)] // sealed: `Step` is the crate's own
+pub trait Work: Step {}
+
+impl<W: Step> Work for W {}
+
 /// One step of the consumer pipeline: what happens to each chunk of one lane between its
 /// receive and its ack. [`Inbox`] and [`Effects`] are the two.
 pub(crate) trait Step: Send + Sync {
@@ -463,12 +497,10 @@ where
     }
 }
 
-// `Step` is the crate's own: users pick a step through the constructors above.
-#[allow(private_bounds)]
 impl<S, W> Consumer<S, W>
 where
     S: MessageSource,
-    W: Step,
+    W: Work,
 {
     fn with_step(source: S, step: W) -> Self {
         Self {
