@@ -9,6 +9,8 @@
 //!   offset. Tansu 0.6 serves such a fetch from the next batch on, skipping the rest of the
 //!   batch, which is why the wallet publishes one record per batch there.
 
+mod mock;
+
 use std::time::Duration;
 
 use inbox_conformance::kafka::send_raw;
@@ -17,47 +19,10 @@ use inbox_core::{
     OutgoingMessage, Publish, StatsSnapshot,
 };
 use inbox_kafka::rdkafka::consumer::Consumer as _;
-use inbox_kafka::rdkafka::mocking::MockCluster;
-use inbox_kafka::rdkafka::producer::DefaultProducerContext;
 use inbox_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use inbox_kafka::{KafkaAck, KafkaProducer, KafkaSource, KafkaSourceBuilder, OffsetCommits};
 use inbox_testkit::{MemoryStore, MemoryTx};
-
-/// A mock cluster of `nodes` brokers with `topic` (`partitions` partitions) and its dead-letter
-/// topic, each replicated on every broker, and its bootstrap address.
-fn cluster(
-    nodes: i32,
-    topic: &str,
-    partitions: i32,
-) -> (MockCluster<'static, DefaultProducerContext>, String) {
-    init_tracing();
-    let mock = MockCluster::new(nodes).expect("mock cluster");
-    mock.create_topic(topic, partitions, nodes).expect("topic");
-    mock.create_topic(&format!("{topic}.dlq"), 1, nodes)
-        .expect("dead-letter topic");
-    let brokers = mock.bootstrap_servers();
-    (mock, brokers)
-}
-
-async fn producer(brokers: &str) -> KafkaProducer {
-    KafkaProducer::builder()
-        .brokers(brokers)
-        .connect()
-        .await
-        .expect("producer")
-}
-
-/// The ID `evt-<i>`.
-fn evt(i: i32) -> MessageId {
-    MessageId::new(format!("evt-{i}")).expect("id")
-}
-
-fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_test_writer()
-        .try_init();
-}
+use mock::{cluster, evt, producer};
 
 /// Adds each message's number to the state, after `0` of pretend work.
 struct Sum(Duration);

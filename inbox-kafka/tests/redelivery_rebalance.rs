@@ -5,6 +5,8 @@
 //! - a redelivery of a delivery received before a rebalance leaves the partition alone: the new
 //!   generation keeps reading.
 
+mod mock;
+
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -15,37 +17,10 @@ use inbox_core::{
 use inbox_kafka::rdkafka::config::ClientConfig;
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::message::Headers;
-use inbox_kafka::rdkafka::mocking::MockCluster;
-use inbox_kafka::rdkafka::producer::DefaultProducerContext;
 use inbox_kafka::rdkafka::{Message as _, Offset, TopicPartitionList};
-use inbox_kafka::{KafkaAck, KafkaProducer, KafkaSource};
+use inbox_kafka::{KafkaAck, KafkaSource};
 use inbox_testkit::{MemoryStore, MemoryTx};
-
-/// A one-broker mock cluster with `topic` (`partitions` partitions) and its dead-letter topic.
-fn cluster(topic: &str, partitions: i32) -> (MockCluster<'static, DefaultProducerContext>, String) {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_test_writer()
-        .try_init();
-    let mock = MockCluster::new(1).expect("mock cluster");
-    mock.create_topic(topic, partitions, 1).expect("topic");
-    mock.create_topic(&format!("{topic}.dlq"), 1, 1)
-        .expect("dead-letter topic");
-    let brokers = mock.bootstrap_servers();
-    (mock, brokers)
-}
-
-async fn producer(brokers: &str) -> KafkaProducer {
-    KafkaProducer::builder()
-        .brokers(brokers)
-        .connect()
-        .await
-        .expect("producer")
-}
-
-fn evt(i: u32) -> MessageId {
-    MessageId::new(format!("evt-{i}")).expect("id")
-}
+use mock::{cluster, evt, producer};
 
 /// A member of group `topic` on `topic`, quick to notice a rebalance.
 async fn member(brokers: &str, topic: &str) -> KafkaSource {
@@ -123,7 +98,7 @@ fn dead_letters(brokers: &str, topic: &str) -> Vec<String> {
 async fn a_schedule_survives_members_joining_and_leaving_faster_than_it_lasts() {
     static FAILURES: AtomicU32 = AtomicU32::new(0);
     const SCHEDULE: [Duration; 3] = [Duration::from_secs(3); 3];
-    let (_mock, brokers) = cluster("churn", 1);
+    let (_mock, brokers) = cluster(1, "churn", 1);
     let producer = producer(&brokers).await;
     for i in 0..10 {
         producer
@@ -243,7 +218,7 @@ async fn delivery_at(
 /// paused, so the record produced next is received at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_redelivery_leaves_the_new_generation_reading() {
-    let (_mock, brokers) = cluster("stale", 1);
+    let (_mock, brokers) = cluster(1, "stale", 1);
     let producer = producer(&brokers).await;
     producer.send("stale", b"0").await.expect("produce");
     let mut first = member(&brokers, "stale").await;
