@@ -241,7 +241,7 @@ pub mod dead_letter {
 /// text or an integer.
 pub const REDELIVERY_COUNT: &str = "x-inbox-redelivery";
 
-/// The header every copy a dead-letter [`replay`](crate::replay()) publishes carries. The effect
+/// The header every copy a dead-letter [`replay`](crate::replay::replay) publishes carries. The effect
 /// consumer ([`Consumer::effects`](crate::Consumer::effects)) gives a replayed message a fresh
 /// budget of attempts; any other copy that arrives after its message was dead-lettered (a
 /// producer's resend, a broker's redelivery) is acked as a duplicate of the dead letter.

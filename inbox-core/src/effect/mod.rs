@@ -66,7 +66,7 @@
 //! or a message held by a slow call elsewhere is dead-lettered by the broker.
 //!
 //! A dead letter starts the count again for its replay: a copy carrying
-//! [`REPLAYED`](crate::REPLAYED) (every copy [`replay`](crate::replay()) publishes) gets a full
+//! [`REPLAYED`](crate::REPLAYED) (every copy [`replay`](crate::replay::replay) publishes) gets a full
 //! budget. Any other copy that arrives after the message was dead-lettered (a producer's
 //! resend, a copy the broker gave out again behind a rewind) is acked as a duplicate of the
 //! dead letter, without a call: were it given a fresh budget too, two copies failing in turn
