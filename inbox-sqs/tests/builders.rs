@@ -8,7 +8,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use common::{client, delete_queue, fifo_queue, queue, LOCAL_ENDPOINT};
+use common::{client, delete_queue, fifo_queue, producer, queue, LOCAL_ENDPOINT};
 use inbox_core::{Ack, MessageId, MessageSource, OutgoingMessage, Publish};
 use inbox_sqs::{SqsProducer, SqsSource};
 
@@ -92,11 +92,7 @@ async fn next(
 async fn a_standard_queue_counts_deliveries_and_delays_nacks_without_lanes() {
     let sqs = client().await;
     let url = queue(&sqs, "caps", 30).await;
-    let producer = SqsProducer::builder()
-        .client(sqs.clone())
-        .connect()
-        .await
-        .unwrap();
+    let producer = producer(&sqs).await;
     let id = producer.send(&url, b"{}").await.unwrap();
     let mut source = SqsSource::builder(&url)
         .client(sqs.clone())
@@ -131,11 +127,7 @@ async fn a_standard_queue_counts_deliveries_and_delays_nacks_without_lanes() {
 async fn a_fifo_queue_hands_out_its_message_groups_as_lanes() {
     let sqs = client().await;
     let url = fifo_queue(&sqs, "caps", 30).await;
-    let producer = SqsProducer::builder()
-        .client(sqs.clone())
-        .connect()
-        .await
-        .unwrap();
+    let producer = producer(&sqs).await;
     let message = OutgoingMessage::generate(&b"{}"[..]).key("account-7");
     producer
         .send_batch(&url, std::slice::from_ref(&message))
@@ -190,11 +182,7 @@ async fn one_producer_sends_to_two_queues_by_url_and_by_name() {
     let first = queue(&sqs, "dest-a", 30).await;
     let second = queue(&sqs, "dest-b", 30).await;
     let second_name = second.rsplit('/').next().unwrap().to_owned();
-    let producer = SqsProducer::builder()
-        .client(sqs.clone())
-        .connect()
-        .await
-        .unwrap();
+    let producer = producer(&sqs).await;
 
     let generated = producer.send(&first, b"{}").await.unwrap();
     let given = MessageId::new("order-17").unwrap();

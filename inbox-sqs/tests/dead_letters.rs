@@ -7,13 +7,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::{client, drain, fifo_queue, queue, queue_with_redrive, text};
+use common::{client, drain, fifo_queue, producer, queue, queue_with_redrive, text};
 use inbox_core::dead_letter::REASON;
 use inbox_core::{Ack, MessageId, MessageSource, Publish, Recovery};
 use inbox_sqs::aws_sdk_sqs::types::Message as SqsMessage;
 use inbox_sqs::aws_sdk_sqs::types::MessageSystemAttributeName;
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_sqs::{Error, SqsProducer, SqsSource};
+use inbox_sqs::{Error, SqsSource};
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -73,11 +73,7 @@ async fn one_id_dead_lettered_twice_within_five_minutes_arrives_twice_in_a_fifo_
         .connect()
         .await
         .unwrap();
-    let sender = SqsProducer::builder()
-        .client(sqs.clone())
-        .connect()
-        .await
-        .unwrap();
+    let sender = producer(&sqs).await;
     let id = MessageId::generate();
     // The first copy is dead-lettered; then an operator redrives it (or the producer resends
     // it) and it fails again, all within SQS's 5-minute deduplication window. The first dead
@@ -118,11 +114,8 @@ async fn messages_without_an_id_or_with_a_non_ascii_id_dead_letter_to_a_fifo_dlq
         .await
         .unwrap();
     let odd = MessageId::new("évènement n°1").unwrap();
-    SqsProducer::builder()
-        .client(sqs.clone())
-        .connect()
+    producer(&sqs)
         .await
-        .unwrap()
         .send_with_id(&url, &odd, b"non-ascii id")
         .await
         .unwrap();

@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use inbox_core::telemetry::TRACEPARENT_HEADER;
 use inbox_core::{Ack, MessageSource, OutgoingMessage, Publish};
-use inbox_sqs::{SqsProducer, SqsSource};
+use inbox_sqs::SqsSource;
 use inbox_testkit::metadata::{assert_sent_since, assert_traced, TRACEPARENT};
 use inbox_testkit::receive;
 
@@ -20,11 +20,8 @@ async fn a_message_carries_its_sent_timestamp_trace_parent_and_headers() {
     let message = OutgoingMessage::generate("{}")
         .header(TRACEPARENT_HEADER, TRACEPARENT)
         .header("digest", [0xde, 0xad, 0xff]);
-    SqsProducer::builder()
-        .client(client.clone())
-        .connect()
+    common::producer(&client)
         .await
-        .expect("a producer")
         .send_batch(&queue, std::slice::from_ref(&message))
         .await
         .expect("sent");

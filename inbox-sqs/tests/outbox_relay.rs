@@ -44,13 +44,7 @@ async fn a_fifo_queue_gets_each_key_as_its_message_group_in_the_order_written() 
     tx.commit().await.unwrap();
 
     outbox
-        .relay(
-            SqsProducer::builder()
-                .client(sqs.clone())
-                .connect()
-                .await
-                .unwrap(),
-        )
+        .relay(producer(&sqs).await)
         .run_until_idle()
         .await
         .unwrap();
@@ -94,13 +88,7 @@ async fn rows_sqs_cannot_take_stop_the_relay_and_stay_unsent() {
     tx.commit().await.unwrap();
 
     let error = outbox
-        .relay(
-            SqsProducer::builder()
-                .client(sqs.clone())
-                .connect()
-                .await
-                .unwrap(),
-        )
+        .relay(producer(&sqs).await)
         .run_until_idle()
         .await
         .unwrap_err();
@@ -132,14 +120,7 @@ async fn rows_sqs_cannot_take_stop_the_relay_and_stay_unsent() {
                 .await
                 .unwrap(),
         )
-        .route(
-            name(&standard),
-            SqsProducer::builder()
-                .client(sqs.clone())
-                .connect()
-                .await
-                .unwrap(),
-        );
+        .route(name(&standard), producer(&sqs).await);
     let error = outbox.relay(sender).run_until_idle().await.unwrap_err();
     assert!(
         matches!(error, RelayError::Publish { row: 2, .. }),

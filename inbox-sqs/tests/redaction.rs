@@ -5,7 +5,7 @@ mod common;
 
 use inbox_sqs::aws_sdk_sqs::config::{Credentials, Region};
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_sqs::{SqsProducer, SqsSource};
+use inbox_sqs::SqsSource;
 
 const SECRET_KEY: &str = "wJalrXUtnFEMI-secret-7c2a";
 const SESSION_TOKEN: &str = "session-token-5b1d";
@@ -30,14 +30,7 @@ async fn debug_output_shows_no_credentials() {
     let url = format!("{endpoint}/000000000000/inbox-redaction");
     let shown = [
         format!("{:?}", SqsSource::builder(&url).client(client.clone())),
-        format!(
-            "{:?}",
-            SqsProducer::builder()
-                .client(client.clone())
-                .connect()
-                .await
-                .unwrap()
-        ),
+        format!("{:?}", common::producer(&client).await),
         format!("{client:?}"),
     ];
     let local =

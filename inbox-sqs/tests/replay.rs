@@ -11,12 +11,12 @@ mod common;
 
 use std::time::Duration;
 
-use common::{client, counts, credit, fifo_queue};
+use common::{client, counts, credit, fifo_queue, producer};
 use inbox_conformance::wallet::{summary, Credit};
 use inbox_conformance::TestDb;
 use inbox_core::replay::{replay, Selection};
 use inbox_core::{Ack, Consumer, MessageId, MessageSource, OutgoingMessage, Publish};
-use inbox_sqs::{SqsDeadLetters, SqsProducer, SqsSource};
+use inbox_sqs::{SqsDeadLetters, SqsSource};
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -26,11 +26,7 @@ async fn a_dead_letter_replayed_at_once_into_a_fifo_queue_is_applied() {
     let url = fifo_queue(&sqs, "replay", 30).await;
     let dlq = fifo_queue(&sqs, "replay-dlq", 30).await;
     let db = TestDb::new().await;
-    let producer = SqsProducer::builder()
-        .client(sqs.clone())
-        .connect()
-        .await
-        .unwrap();
+    let producer = producer(&sqs).await;
     let connect = || {
         SqsSource::builder(&url)
             .client(sqs.clone())

@@ -9,7 +9,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{client, counts, credit, drain, queue, queue_with_redrive};
+use common::{client, counts, credit, drain, producer, queue, queue_with_redrive};
 use inbox_conformance::wallet::{balance, summary, Credit};
 use inbox_conformance::TestDb;
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
@@ -27,11 +27,7 @@ async fn the_same_id_twice_in_one_receive_is_applied_once() {
     let sqs = client().await;
     let url = queue(&sqs, "double", 3).await;
     let db = TestDb::new().await;
-    let sender = SqsProducer::builder()
-        .client(sqs.clone())
-        .connect()
-        .await
-        .unwrap();
+    let sender = producer(&sqs).await;
     let id = MessageId::generate();
     let twice = [
         OutgoingMessage::new(id.clone(), credit(1, 100)),
@@ -87,14 +83,7 @@ async fn a_dead_letter_keeps_its_attributes_and_carries_a_reason_attribute() {
         .await
         .unwrap();
     // An ID, but a body no handler can parse: a permanent failure.
-    let bad = SqsProducer::builder()
-        .client(sqs.clone())
-        .connect()
-        .await
-        .unwrap()
-        .send(&url, b"not json")
-        .await
-        .unwrap();
+    let bad = producer(&sqs).await.send(&url, b"not json").await.unwrap();
 
     let source = SqsSource::builder(&url)
         .client(sqs.clone())
@@ -224,11 +213,8 @@ async fn batched_sends_are_all_applied_and_batch_deleted() {
     let outgoing: Vec<_> = (0..EVENTS)
         .map(|n| OutgoingMessage::generate(credit(n % 3, n)))
         .collect();
-    SqsProducer::builder()
-        .client(sqs.clone())
-        .connect()
+    producer(&sqs)
         .await
-        .unwrap()
         .send_batch(&url, &outgoing)
         .await
         .unwrap();
@@ -272,11 +258,8 @@ async fn delete_on_receive_loses_a_message_on_crash() {
     let sqs = client().await;
     let url = queue(&sqs, "a1", 2).await;
     let db = TestDb::new().await;
-    SqsProducer::builder()
-        .client(sqs.clone())
-        .connect()
+    producer(&sqs)
         .await
-        .unwrap()
         .send(&url, credit(1, 10).as_bytes())
         .await
         .unwrap();

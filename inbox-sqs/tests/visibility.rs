@@ -7,13 +7,13 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{client, counts, credit, queue, stalling_credit};
+use common::{client, counts, credit, producer, queue, stalling_credit};
 use inbox_conformance::wallet::{summary, Credit, Summary};
 use inbox_conformance::TestDb;
 use inbox_core::{Ack, Consumer, InboxStore, MessageSource, Publish, StatsSnapshot};
 use inbox_postgres::PgTx;
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_sqs::{SqsProducer, SqsSource};
+use inbox_sqs::SqsSource;
 use inbox_testkit::WithoutInbox;
 
 const SECOND: Duration = Duration::from_secs(1);
@@ -35,11 +35,8 @@ async fn steal(sqs: &Client, url: &str) -> usize {
 async fn heartbeat_keeps_a_slow_message_invisible_until_acked() {
     let sqs = client().await;
     let url = queue(&sqs, "hb", 2).await;
-    SqsProducer::builder()
-        .client(sqs.clone())
-        .connect()
+    producer(&sqs)
         .await
-        .unwrap()
         .send(&url, credit(1, 1).as_bytes())
         .await
         .unwrap();
@@ -73,11 +70,8 @@ async fn heartbeat_keeps_a_slow_message_invisible_until_acked() {
 async fn a_dropped_delivery_comes_back_after_the_visibility_timeout() {
     let sqs = client().await;
     let url = queue(&sqs, "drop", 2).await;
-    SqsProducer::builder()
-        .client(sqs.clone())
-        .connect()
+    producer(&sqs)
         .await
-        .unwrap()
         .send(&url, credit(1, 1).as_bytes())
         .await
         .unwrap();
@@ -111,11 +105,8 @@ async fn a_dropped_delivery_comes_back_after_the_visibility_timeout() {
 async fn nack_makes_the_message_visible_after_the_delay() {
     let sqs = client().await;
     let url = queue(&sqs, "nack", 30).await;
-    SqsProducer::builder()
-        .client(sqs.clone())
-        .connect()
+    producer(&sqs)
         .await
-        .unwrap()
         .send(&url, credit(1, 1).as_bytes())
         .await
         .unwrap();
@@ -149,11 +140,8 @@ async fn nack_makes_the_message_visible_after_the_delay() {
 async fn a_sub_second_nack_is_not_visible_at_once() {
     let sqs = client().await;
     let url = queue(&sqs, "nack-ms", 30).await;
-    SqsProducer::builder()
-        .client(sqs.clone())
-        .connect()
+    producer(&sqs)
         .await
-        .unwrap()
         .send(&url, credit(1, 1).as_bytes())
         .await
         .unwrap();
@@ -199,11 +187,7 @@ where
     const STALL: Duration = Duration::from_secs(5);
     let sqs = client().await;
     let url = queue(&sqs, "zombie", 2).await;
-    let sender = SqsProducer::builder()
-        .client(sqs.clone())
-        .connect()
-        .await
-        .unwrap();
+    let sender = producer(&sqs).await;
     for n in 0..stalling {
         sender
             .send(&url, stalling_credit(n, 100).as_bytes())
@@ -330,11 +314,7 @@ async fn zombie_cannot_happen_with_the_heartbeat() {
 async fn a_delivery_whose_message_was_handed_out_again_is_stale() {
     let sqs = client().await;
     let url = queue(&sqs, "stale", 3).await;
-    let sender = SqsProducer::builder()
-        .client(sqs.clone())
-        .connect()
-        .await
-        .unwrap();
+    let sender = producer(&sqs).await;
     sender.send(&url, credit(1, 5).as_bytes()).await.unwrap();
     let mut source = SqsSource::builder(&url)
         .client(sqs.clone())

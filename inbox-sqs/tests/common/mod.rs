@@ -10,6 +10,16 @@ pub use inbox_conformance::sqs::{
 use inbox_conformance::wallet::CreditEvent;
 use inbox_sqs::aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName};
 use inbox_sqs::aws_sdk_sqs::Client;
+use inbox_sqs::SqsProducer;
+
+/// A producer on `client`.
+pub async fn producer(client: &Client) -> SqsProducer {
+    SqsProducer::builder()
+        .client(client.clone())
+        .connect()
+        .await
+        .expect("producer")
+}
 
 /// Creates a FIFO queue (no content-based deduplication) with a random name.
 pub async fn fifo_queue(client: &Client, prefix: &str, visibility_secs: u32) -> String {
