@@ -76,7 +76,7 @@ async fn the_effect_consumer_escapes_a_newline_in_a_message_id() {
         }, // handed back
         leased(2, Attempt::First, 2), // called and done
         Acquired::Done,               // skipped
-        leased(3, Attempt::AfterExpiry, 1), // unknown outcome, marked done without a call
+        leased(3, Attempt::AfterExpiry, 3), // unknown outcome, marked done without a call
         leased(4, Attempt::AfterNotApplied, 9), // over the budget: dead-lettered
     ]);
     leases.then_complete([false]);

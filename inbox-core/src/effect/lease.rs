@@ -15,7 +15,9 @@ pub struct Lease {
     pub token: u64,
     /// What the leases before this one left behind.
     pub attempt: Attempt,
-    /// Leases taken since the row was made or last dead-lettered, this one included.
+    /// Leases taken since the row was made or last dead-lettered, this one included. The
+    /// consumer reads 1 with a `token` above 1 as the first lease after a dead letter, which
+    /// only a replay of the message may use.
     pub attempts: u32,
     /// How long ago the first lease on the row was taken.
     pub since_first: Duration,
