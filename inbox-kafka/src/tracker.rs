@@ -251,10 +251,13 @@ impl Tracker {
         // their acks from this round must not commit; those finished are only counted again
         // (handed out again, a copy of a dead-lettered message might start its budget anew and
         // rewind the partition in its turn, for ever).
-        let later = state.in_flight.split_off(&offset);
+        let later = state.in_flight.split_off(&(offset + 1));
         state
             .finished_ahead
             .extend(later.into_iter().filter(|&(_, done)| done).map(|(o, _)| o));
+        // The offset stays, unfinished, until it is read again: a later record fetched before
+        // the seek and received after this rewind must not let the commit pass it.
+        state.in_flight.insert(offset, false);
         *state.nacked.entry(offset).or_insert(0) += 1;
         true
     }
@@ -553,6 +556,26 @@ mod tests {
         t.received("t", 0, 9);
         assert!(t.rewind("t", 0, g, 8));
         assert!(t.received("t", 0, 9).is_some());
+    }
+
+    #[test]
+    fn a_record_fetched_before_the_seek_does_not_let_the_commit_pass_the_rewound_one() {
+        let mut t = Tracker::default();
+        let g = t.received("t", 0, 5).unwrap().generation;
+        t.received("t", 0, 6);
+        t.received("t", 0, 7);
+        assert_eq!(t.finish("t", 0, g, 6), None);
+        assert!(t.rewind("t", 0, g, 5));
+        // Received again before 5 is, as a fetch from before the seek can be.
+        assert_eq!(t.received("t", 0, 6), None);
+        let g7 = t.received("t", 0, 7).unwrap().generation;
+        assert_eq!(t.finish("t", 0, g7, 7), None, "5 is still to come");
+        assert!(
+            t.take_dirty().iter().all(|c| c.offset <= 5),
+            "nothing past the rewound record is committed"
+        );
+        t.received("t", 0, 5);
+        assert_eq!(t.finish("t", 0, g, 5), Some(8));
     }
 
     const MINUTE: Duration = Duration::from_secs(60);
