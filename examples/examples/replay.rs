@@ -91,13 +91,16 @@ async fn main() -> Result<(), BoxError> {
     )
     .await?;
     println!(
-        "moved {}; the inbox skips those already applied",
-        report.moved
+        "moved {}: one copy of each of the {} IDs, the other letters of an ID removed",
+        report.moved,
+        report.moved - report.duplicates
     );
 
     let source = RedisStreamSource::builder(&stream, "example-credits")
         .connect()
         .await?;
     let consumer = Consumer::new("example-credits", source, wallet.inbox.clone(), credit);
-    wallet.run_and_check(consumer).await
+    wallet
+        .run_and_check_seeing(consumer, report.moved - report.duplicates)
+        .await
 }
