@@ -183,13 +183,15 @@ async fn failed_messages_are_dead_lettered_and_a_replay_gets_a_fresh_budget() {
     env.provider
         .next_call(&key("evt-2"), Behaviour::Refuse(422));
     let handler = Setup::Keys.handler(&env.provider);
-    let stats = patiently(
-        env.consumer(broker.source(), handler.clone())
-            .retry(fast_retry(3))
-            .run_until(drained(&broker)),
-    )
-    .await
-    .unwrap();
+    // Runs a consumer with a budget of 3 until the broker holds nothing.
+    let drain = || {
+        patiently(
+            env.consumer(broker.source(), handler.clone())
+                .retry(fast_retry(3))
+                .run_until(drained(&broker)),
+        )
+    };
+    let stats = drain().await.unwrap();
 
     let dead = broker.dead_letters();
     let reason = |evt: Option<&str>| {
@@ -219,13 +221,7 @@ async fn failed_messages_are_dead_lettered_and_a_replay_gets_a_fresh_budget() {
     // A copy that is not a replay (a producer's resend) is a duplicate of the dead letter: no
     // call, no second letter, and the replay's budget stays whole.
     broker.publish(Some("evt-1"), "notify");
-    let stats = patiently(
-        env.consumer(broker.source(), handler.clone())
-            .retry(fast_retry(3))
-            .run_until(drained(&broker)),
-    )
-    .await
-    .unwrap();
+    let stats = drain().await.unwrap();
     assert_eq!((stats.skipped_duplicates, stats.dead_lettered), (1, 0));
     assert_eq!(
         env.provider.calls(&key("evt-1")).len(),
@@ -246,13 +242,7 @@ async fn failed_messages_are_dead_lettered_and_a_replay_gets_a_fresh_budget() {
         .unwrap();
     replay.headers.push((REPLAYED.to_owned(), b"true".to_vec()));
     broker.publish_message(replay);
-    patiently(
-        env.consumer(broker.source(), handler)
-            .retry(fast_retry(3))
-            .run_until(drained(&broker)),
-    )
-    .await
-    .unwrap();
+    drain().await.unwrap();
     assert_eq!(env.provider.calls(&key("evt-1")).len(), 6);
     assert_eq!(env.provider.effects(&key("evt-1")), 1);
     assert_eq!(env.row("evt-1").await, (7, 3, true));
