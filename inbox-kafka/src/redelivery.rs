@@ -6,7 +6,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
 use rdkafka::consumer::Consumer;
-use rdkafka::TopicPartitionList;
+use rdkafka::{Offset, TopicPartitionList};
 use tokio::runtime::Handle;
 use tracing::{debug, warn};
 
@@ -83,7 +83,11 @@ pub(crate) fn restore(
                 warn!(%group, topic, partition, error = %e, "reading a committed offset failed; the partition stays paused and the next receive tries again");
                 continue;
             }
-            match tracker.restore(topic, partition, element.metadata(), now, wall) {
+            let committed = match element.offset() {
+                Offset::Offset(offset) => Some(offset),
+                _ => None,
+            };
+            match tracker.restore(topic, partition, committed, element.metadata(), now, wall) {
                 Some(Resume::Now) => {
                     resume.add_partition(topic, partition);
                 }

@@ -73,6 +73,11 @@ impl RedeliveryCounts {
         }
     }
 
+    /// Drops the marks of records before `offset` (a commit passed them: they are finished).
+    pub fn retain_from(&mut self, offset: i64) {
+        self.marks = self.marks.split_off(&offset);
+    }
+
     /// The latest time a record of the partition waits for: its partition stays paused until
     /// then.
     pub fn latest_due(&self) -> Option<SystemTime> {

@@ -156,6 +156,10 @@ pub struct Tracker {
     /// Partitions assigned and paused until their marks are read back from the committed
     /// offsets.
     awaiting: HashSet<(String, i32)>,
+    /// The marks of revoked partitions as this consumer last knew them: a commit that carried
+    /// them may have been refused (a rebalance in progress), so when a partition comes back they
+    /// are merged with what the broker kept ([`Tracker::restore`]).
+    kept: HashMap<(String, i32), RedeliveryCounts>,
 }
 
 impl Tracker {
@@ -331,28 +335,44 @@ impl Tracker {
         self.awaiting.iter().cloned().collect()
     }
 
-    /// The committed offset's `metadata` of an assigned partition was read (at `now` and
-    /// `wall` on the two clocks): its marks count for the records read next, and the partition
-    /// is to be paused until the latest of them is due ([`Resume::At`]). `None` when the partition is no longer
+    /// The committed offset (`committed`, `None` when the group has none) and its `metadata`
+    /// of an assigned partition were read (at `now` and `wall` on the two clocks): its marks,
+    /// with those this consumer kept from a revoke, count for the records read next, and the
+    /// partition is to be paused until the latest of them is due ([`Resume::At`]). `None` when the partition is no longer
     /// awaited (revoked since, or restored already): the caller leaves it as it is.
     pub fn restore(
         &mut self,
         topic: &str,
         partition: i32,
+        committed: Option<i64>,
         metadata: &str,
         now: Instant,
         wall: SystemTime,
     ) -> Option<Resume> {
-        if !self.awaiting.remove(&(topic.to_owned(), partition)) {
+        let key = (topic.to_owned(), partition);
+        if !self.awaiting.remove(&key) {
             return None;
         }
-        // Read from here: whatever the last commit of the partition carried, by any owner.
-        let marks = RedeliveryCounts::from_metadata(metadata);
-        let due = marks.latest_due();
-        self.state(topic, partition).marks.merge(marks);
-        if let Some(wait) = due.and_then(|due| due.duration_since(wall).ok()) {
+        // Whatever the last commit of the partition carried, by any owner, and the counts this
+        // consumer handed out before a revoke, in case the commit that carried them was refused.
+        let mut marks = RedeliveryCounts::from_metadata(metadata);
+        if let Some(kept) = self.kept.remove(&key) {
+            marks.merge(kept);
+        }
+        // Records before the committed offset were finished by whoever held the partition.
+        if let Some(committed) = committed {
+            marks.retain_from(committed);
+        }
+        // The partition waits for its latest mark, and for nothing else: a pause left from
+        // before the revoke was for a record that may be finished now.
+        self.paused.remove(&key);
+        if let Some(wait) = marks
+            .latest_due()
+            .and_then(|due| due.duration_since(wall).ok())
+        {
             self.pause_until(topic, partition, now + wait);
         }
+        self.state(topic, partition).marks.merge(marks);
         if self.pause_over(topic, partition, now) {
             return Some(Resume::Now);
         }
@@ -363,10 +383,16 @@ impl Tracker {
 
     /// The partition was revoked: forget its in-flight messages (late acks for them are
     /// ignored) and return its finished prefix and marks if they were not committed yet, for a
-    /// last commit.
+    /// last commit. Its marks are kept, for when it comes back ([`Tracker::restore`]).
     pub fn revoke(&mut self, topic: &str, partition: i32) -> Option<Commit> {
         self.awaiting.remove(&(topic.to_owned(), partition));
         let mut state = self.partitions.get_mut(topic)?.remove(&partition)?;
+        if state.marks.is_empty() {
+            self.kept.remove(&(topic.to_owned(), partition));
+        } else {
+            self.kept
+                .insert((topic.to_owned(), partition), state.marks.clone());
+        }
         let offset = state.dirty()?;
         Some(state.send(topic, partition, offset))
     }
@@ -663,7 +689,7 @@ mod tests {
         let mut t = Tracker::default();
         let later = now + Duration::from_secs(20);
         assert_eq!(
-            t.restore("t", 0, &commit.metadata, later, wall),
+            t.restore("t", 0, Some(5), &commit.metadata, later, wall),
             None,
             "not assigned"
         );
@@ -672,6 +698,7 @@ mod tests {
         let resume = t.restore(
             "t",
             0,
+            Some(5),
             &commit.metadata,
             later,
             wall + Duration::from_secs(20),
@@ -713,7 +740,14 @@ mod tests {
 
         let mut next = Tracker::default();
         next.assigned("t", 0);
-        next.restore("t", 0, &committed.metadata, now, wall);
+        next.restore(
+            "t",
+            0,
+            Some(committed.offset),
+            &committed.metadata,
+            now,
+            wall,
+        );
         next.received("t", 0, 4);
         assert_eq!(
             next.received("t", 0, 5).unwrap().redeliveries,
@@ -723,15 +757,79 @@ mod tests {
     }
 
     #[test]
+    fn a_count_whose_commit_was_refused_survives_the_partition_coming_back() {
+        let mut t = Tracker::default();
+        let (now, wall) = (Instant::now(), wall());
+        let g = t.received("t", 0, 5).unwrap().generation;
+        let commit = t
+            .delay("t", 0, g, 5, 2, MINUTE, now, wall)
+            .expect("current");
+        // Refused (a rebalance was in progress), and revoked before any retry.
+        t.commit_failed("t", 0, commit.offset);
+        let last = t.revoke("t", 0).expect("the revoke retries it");
+        assert_eq!(RedeliveryCounts::from_metadata(&last.metadata).count(5), 2);
+        // The revoke's commit is refused too: the broker keeps the count of before, 1.
+        let mut older = RedeliveryCounts::default();
+        older.set(
+            5,
+            Mark {
+                count: 1,
+                due: wall,
+            },
+        );
+
+        // Back with this member, which reads the older count from the broker.
+        t.assigned("t", 0);
+        t.restore("t", 0, Some(5), &older.to_metadata(), now, wall);
+        assert_eq!(
+            t.received("t", 0, 5).unwrap().redeliveries,
+            2,
+            "the count this member handed out stands"
+        );
+    }
+
+    #[test]
+    fn a_count_kept_from_a_revoke_is_dropped_once_the_commit_passed_its_record() {
+        let mut t = Tracker::default();
+        let (now, wall) = (Instant::now(), wall());
+        let g = t.received("t", 0, 5).unwrap().generation;
+        t.delay("t", 0, g, 5, 1, MINUTE, now, wall);
+        t.revoke("t", 0);
+        // Another member finished 5 and committed past it, then the partition came back.
+        t.assigned("t", 0);
+        assert_eq!(
+            t.restore("t", 0, Some(6), "", now, wall),
+            Some(Resume::Now),
+            "no pause for a record another member finished"
+        );
+        t.revoke("t", 0);
+        t.assigned("t", 0);
+        t.restore("t", 0, Some(5), "", now, wall);
+        assert_eq!(
+            t.received("t", 0, 5).unwrap().redeliveries,
+            0,
+            "forgotten once the commit passed it"
+        );
+    }
+
+    #[test]
     fn a_partition_without_marks_resumes_at_once_and_a_revoked_one_is_not_restored() {
         let mut t = Tracker::default();
         let (now, wall) = (Instant::now(), wall());
         t.assigned("t", 0);
         t.assigned("t", 1);
-        assert_eq!(t.restore("t", 0, "", now, wall), Some(Resume::Now));
-        assert_eq!(t.restore("t", 0, "", now, wall), None, "restored already");
+        assert_eq!(t.restore("t", 0, None, "", now, wall), Some(Resume::Now));
+        assert_eq!(
+            t.restore("t", 0, None, "", now, wall),
+            None,
+            "restored already"
+        );
         t.revoke("t", 1);
-        assert_eq!(t.restore("t", 1, "", now, wall), None, "revoked meanwhile");
+        assert_eq!(
+            t.restore("t", 1, None, "", now, wall),
+            None,
+            "revoked meanwhile"
+        );
         assert!(t.take_dirty().is_empty(), "reading marks commits nothing");
     }
 }

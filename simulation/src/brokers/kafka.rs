@@ -297,7 +297,11 @@ impl Kafka {
         for (_, p) in awaiting {
             let at = usize::try_from(p).unwrap();
             let metadata = &self.partitions[at].metadata;
-            match member.tracker.restore(TOPIC, p, metadata, now, wall) {
+            let committed = i64::try_from(self.partitions[at].committed).ok();
+            match member
+                .tracker
+                .restore(TOPIC, p, committed, metadata, now, wall)
+            {
                 Some(Resume::At(until)) => {
                     member.paused.insert(at);
                     member.resumes.push((at, until));
