@@ -172,9 +172,10 @@ impl<P: Publish + ?Sized> Publish for Box<P> {
 /// `Box<dyn DynPublish>`, `Arc<dyn DynPublish>` (as [`Destinations`] keeps its routes).
 ///
 /// `Publish`'s methods return `impl Future`, which keeps it from being made into a `dyn`
-/// object; this trait has the same methods with boxed futures. Every `Publish` implements it,
-/// and `dyn DynPublish` implements `Publish`, so a `Box<dyn DynPublish>` or an
-/// `Arc<dyn DynPublish>` goes wherever a `Publish` does.
+/// object; this trait has the same methods returning boxed futures, under names of their own
+/// (`dyn_` and the `Publish` method's), so that they are never ambiguous beside `Publish`'s.
+/// Every `Publish` implements it, and `dyn DynPublish` implements `Publish`, so a
+/// `Box<dyn DynPublish>` or an `Arc<dyn DynPublish>` goes wherever a `Publish` does.
 ///
 /// ```
 /// use std::sync::Arc;

@@ -105,7 +105,8 @@ pub(crate) trait Broker: Send + Sync {
 
 /// [`Broker`] as a trait object, for the broker picked at run time: `Broker`'s methods return
 /// `impl Future`, which keeps it from being made into a `dyn` object; this trait has the same
-/// methods with boxed futures, and every `Broker` implements it.
+/// methods returning boxed futures, named `dyn_` and the `Broker` method's. Every `Broker`
+/// implements it, and `dyn DynBroker` implements `Broker`.
 pub(crate) trait DynBroker: Send + Sync {
     /// [`Broker::kind`].
     fn dyn_kind(&self) -> BrokerKind;

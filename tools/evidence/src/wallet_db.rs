@@ -43,7 +43,8 @@ pub(crate) trait WalletDb: Send + Sync {
 
 /// [`WalletDb`] as a trait object, for the store picked at run time: `WalletDb`'s methods
 /// return `impl Future`, which keeps it from being made into a `dyn` object; this trait has the
-/// same methods with boxed futures, and every `WalletDb` implements it.
+/// same methods returning boxed futures, named `dyn_` and the `WalletDb` method's. Every
+/// `WalletDb` implements it, and `dyn DynWalletDb` implements `WalletDb`.
 pub(crate) trait DynWalletDb: Send + Sync {
     /// [`WalletDb::name`].
     fn dyn_name(&self) -> &str;
