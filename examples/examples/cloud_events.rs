@@ -13,11 +13,10 @@ use common::{BoxError, Wallet};
 use transactional_inbox::postgres::sqlx;
 use transactional_inbox::postgres::PgTx;
 use transactional_inbox::redis_streams::{redis, url_from_env, IdFrom, RedisStreamSource};
-use transactional_inbox::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+use transactional_inbox::{Consumer, Handler, HandlerError, Message, MessageId};
 
 struct Credit;
 
-#[async_trait]
 impl Handler<PgTx> for Credit {
     async fn handle(&self, tx: &mut PgTx, _: &MessageId, m: &Message) -> Result<(), HandlerError> {
         // Unparsable: dead-lettered, not retried.

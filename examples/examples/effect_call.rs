@@ -22,7 +22,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool};
 use sqlx::AssertSqlSafe;
 use transactional_inbox::postgres::{PgInbox, PgLeases, PgTx};
 use transactional_inbox::redis_streams::{redis, RedisStreamProducer, RedisStreamSource};
-use transactional_inbox::{async_trait, Consumer, HandlerError, Message, MessageId, Publish};
+use transactional_inbox::{Consumer, HandlerError, Message, MessageId, Publish};
 
 const DATABASE_URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/inbox";
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
@@ -31,7 +31,6 @@ const CONSUMER: &str = "payments";
 /// Charges each payment through the provider's client.
 struct Charge(ProviderClient);
 
-#[async_trait]
 impl EffectHandler<PgTx> for Charge {
     fn on_unknown(&self) -> OnUnknown {
         OnUnknown::Retry // the provider deduplicates on the key: a retry cannot charge twice

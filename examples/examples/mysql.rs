@@ -6,15 +6,12 @@ use std::time::Duration;
 
 use transactional_inbox::mysql::{sqlx, MySqlInbox, MySqlTx};
 use transactional_inbox::redis_streams::{RedisStreamProducer, RedisStreamSource};
-use transactional_inbox::{
-    async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish,
-};
+use transactional_inbox::{Consumer, Handler, HandlerError, Message, MessageId, Publish};
 
 type BoxError = Box<dyn std::error::Error>;
 
 struct Credit;
 
-#[async_trait]
 impl Handler<MySqlTx> for Credit {
     async fn handle(
         &self,

@@ -17,9 +17,7 @@ use sqlx::AssertSqlSafe;
 use transactional_inbox::postgres::sqlx;
 use transactional_inbox::postgres::{Outbox, PgInbox, PgTx};
 use transactional_inbox::redis_streams::{redis, RedisStreamProducer, RedisStreamSource};
-use transactional_inbox::{
-    async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish,
-};
+use transactional_inbox::{Consumer, Handler, HandlerError, Message, MessageId, Publish};
 
 const DATABASE_URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/inbox";
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
@@ -27,7 +25,6 @@ const REDIS_URL: &str = "redis://127.0.0.1:6379";
 /// Consumer A: forwards each order through the outbox `.0` to the stream named `.1`.
 struct Forward(Outbox, String);
 
-#[async_trait]
 impl Handler<PgTx> for Forward {
     async fn handle(&self, tx: &mut PgTx, _: &MessageId, m: &Message) -> Result<(), HandlerError> {
         // Commits with the inbox claim or not at all; the relay sends it under one stable ID.
@@ -39,7 +36,6 @@ impl Handler<PgTx> for Forward {
 /// Consumer B: adds `[account, amount]` to the account's balance.
 struct Credit;
 
-#[async_trait]
 impl Handler<PgTx> for Credit {
     async fn handle(&self, tx: &mut PgTx, _: &MessageId, m: &Message) -> Result<(), HandlerError> {
         let (account, amount): (i64, i64) = m.json()?;

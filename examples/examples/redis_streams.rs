@@ -7,13 +7,10 @@ use common::{BoxError, Wallet};
 use transactional_inbox::postgres::sqlx;
 use transactional_inbox::postgres::PgTx;
 use transactional_inbox::redis_streams::{RedisStreamProducer, RedisStreamSource};
-use transactional_inbox::{
-    async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish,
-};
+use transactional_inbox::{Consumer, Handler, HandlerError, Message, MessageId, Publish};
 
 struct Credit;
 
-#[async_trait]
 impl Handler<PgTx> for Credit {
     async fn handle(&self, tx: &mut PgTx, _: &MessageId, m: &Message) -> Result<(), HandlerError> {
         let (account, amount): (i64, i64) = m.json()?; // unparsable: dead-lettered, not retried

@@ -18,9 +18,7 @@ use transactional_inbox::redis_streams::{
     RedisDeadLetters, RedisStreamProducer, RedisStreamSource,
 };
 use transactional_inbox::replay::{self, Selection};
-use transactional_inbox::{
-    async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish,
-};
+use transactional_inbox::{Consumer, Handler, HandlerError, Message, MessageId, Publish};
 
 /// Credits an account; fails while the downstream it needs is down.
 #[derive(Clone)]
@@ -28,7 +26,6 @@ struct Credit {
     down: Arc<AtomicBool>,
 }
 
-#[async_trait]
 impl Handler<PgTx> for Credit {
     async fn handle(&self, tx: &mut PgTx, _: &MessageId, m: &Message) -> Result<(), HandlerError> {
         if self.down.load(Ordering::SeqCst) {

@@ -22,8 +22,7 @@ use tokio::time::{sleep, timeout, Instant};
 use transactional_inbox::postgres::{Outbox, PgTx};
 use transactional_inbox::redis_streams::{RedisStreamProducer, RedisStreamSource};
 use transactional_inbox::{
-    async_trait, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish,
-    TraceParent,
+    Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish, TraceParent,
 };
 
 fn redis_url() -> String {
@@ -279,7 +278,6 @@ type Seen = (String, Option<TraceParent>);
 #[derive(Clone, Default)]
 struct SeenTraces(Arc<Mutex<Vec<Seen>>>);
 
-#[async_trait]
 impl Handler<PgTx> for SeenTraces {
     async fn handle(
         &self,

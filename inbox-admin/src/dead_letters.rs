@@ -4,7 +4,9 @@
 
 use std::time::SystemTime;
 
-use inbox_core::replay::{self, DeadLetter, DeadLetters, ReplayReport, Selection, Summary, Tally};
+use inbox_core::replay::{
+    self, DeadLetter, DeadLetters, DynDeadLetters, ReplayReport, Selection, Summary, Tally,
+};
 use inbox_core::Publish;
 
 use crate::args::{
@@ -289,7 +291,10 @@ fn not_built(broker: Broker) -> CliError {
 
 /// A dead-letter destination's reader and, for a replay, the producer that publishes back to
 /// the sources.
-type Opened = (Box<dyn DeadLetters>, Option<Box<dyn Publish>>);
+type Opened = (
+    Box<dyn DynDeadLetters>,
+    Option<Box<dyn inbox_core::DynPublish>>,
+);
 
 /// The reader of the dead-letter destination `from` names and, when `replay`, the producer:
 /// both reach the broker at one address and read the message ID from one field.
@@ -366,9 +371,11 @@ where
     E: Into<inbox_core::OperationError>,
     F: Into<inbox_core::OperationError>,
 {
-    let reader: Box<dyn DeadLetters> = Box::new(reader.await.map_err(broker_error)?);
+    let reader: Box<dyn DynDeadLetters> = Box::new(reader.await.map_err(broker_error)?);
     let producer = match producer {
-        Some(producer) => Some(Box::new(producer.await.map_err(broker_error)?) as Box<dyn Publish>),
+        Some(producer) => {
+            Some(Box::new(producer.await.map_err(broker_error)?) as Box<dyn inbox_core::DynPublish>)
+        }
         None => None,
     };
     Ok((reader, producer))

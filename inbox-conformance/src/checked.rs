@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use inbox_core::{async_trait, Capabilities, Delivery, Message, MessageSource, SourceError};
+use inbox_core::{Capabilities, Delivery, Message, MessageSource, SourceError};
 
 /// The adapter's source, checked: a source that claims delivery counts sets
 /// [`Metadata::delivery_count`](inbox_core::Metadata::delivery_count) (at least 1) on every
@@ -49,7 +49,6 @@ impl<S: MessageSource> Checked<S> {
     }
 }
 
-#[async_trait]
 impl<S: MessageSource> MessageSource for Checked<S> {
     type Ack = S::Ack;
 

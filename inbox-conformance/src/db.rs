@@ -2,8 +2,9 @@
 //! per test, and the settings tests share.
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
+use std::future::Future;
 
-use inbox_core::{async_trait, InboxStore};
+use inbox_core::InboxStore;
 use inbox_postgres::{KeyMode, Partitions, PgInbox, TableName};
 
 use crate::wallet::{self, Credit, Ledger};
@@ -12,7 +13,6 @@ use crate::wallet::{self, Credit, Ledger};
 /// schema) per test, so that a credit and its claim commit in one transaction.
 /// [`suite!`](crate::suite) takes it as its second argument: [`TestDb`] (PostgreSQL, the
 /// default) or `store::MySqlDb` (feature `mysql`).
-#[async_trait]
 pub trait TestStore: Sized + Send + Sync + 'static {
     /// The wallet's tables, reached through a pool whose transactions are the inbox's.
     type Ledger: Ledger<Tx = <Self::Inbox as InboxStore>::Tx>;
@@ -21,11 +21,11 @@ pub trait TestStore: Sized + Send + Sync + 'static {
 
     /// A fresh database (or schema) no other test uses, with the wallet's tables and a migrated
     /// inbox.
-    async fn create() -> Self;
+    fn create() -> impl Future<Output = Self> + Send;
 
     /// The database [`name`](TestStore::name) names, from another process: the kill
     /// scenario's consumer runs in a child process.
-    async fn attach(name: &str) -> Self;
+    fn attach(name: &str) -> impl Future<Output = Self> + Send;
 
     /// What [`attach`](TestStore::attach) finds this database by.
     fn name(&self) -> &str;
@@ -42,7 +42,7 @@ pub trait TestStore: Sized + Send + Sync + 'static {
     }
 
     /// Rows in the inbox table.
-    async fn inbox_rows(&self) -> i64;
+    fn inbox_rows(&self) -> impl Future<Output = i64> + Send;
 
     /// Whether the outbox relay's scenarios run on this store: the outbox and its relay are
     /// PostgreSQL's. Default: `false`, and they are skipped with the reason printed.
@@ -51,10 +51,9 @@ pub trait TestStore: Sized + Send + Sync + 'static {
     }
 
     /// Drops the database and everything in it.
-    async fn remove(self);
+    fn remove(self) -> impl Future<Output = ()> + Send;
 }
 
-#[async_trait]
 impl TestStore for TestDb {
     type Ledger = PgPool;
     type Inbox = PgInbox;

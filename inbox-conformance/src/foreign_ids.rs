@@ -9,10 +9,11 @@
 //! dead-lettered with a reason that names what was missing. An adapter's
 //! `tests/foreign_ids.rs` lists its conventions with [`foreign_ids_suite!`](crate::foreign_ids_suite).
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, IdFrom, Message, MessageId, Stage};
+use inbox_core::{Consumer, Handler, HandlerError, IdFrom, Message, MessageId, Stage};
 use inbox_postgres::PgTx;
 use inbox_testkit::Crash;
 use serde_json::{json, Value};
@@ -23,7 +24,6 @@ use crate::wallet::{self, Credit, CreditEvent};
 use crate::{TestBroker, TestQueue};
 
 /// A queue the Python publisher can reach, and sources of it that read IDs by a convention.
-#[async_trait]
 pub trait ForeignQueue: TestQueue + Sized {
     /// Where `python/publish.py` publishes: `{"broker": "kafka", "brokers": .., "topic": ..}`,
     /// `{"broker": "rabbitmq", "url": .., "queue": ..}`, `{"broker": "sqs", "queue_url": ..}`,
@@ -31,7 +31,11 @@ pub trait ForeignQueue: TestQueue + Sized {
     fn target(&self) -> Value;
 
     /// A source of `member`, as [`TestQueue::source`], reading each message's ID as `from`.
-    async fn source_reading(&self, member: &str, from: IdFrom) -> Self::Source;
+    fn source_reading(
+        &self,
+        member: &str,
+        from: IdFrom,
+    ) -> impl Future<Output = Self::Source> + Send;
 }
 
 /// The identity of one event as its producer sees it: an ID, and the CloudEvents `source`.
@@ -234,7 +238,6 @@ impl Convention {
 #[derive(Clone)]
 struct CreditData(Credit);
 
-#[async_trait]
 impl Handler<PgTx> for CreditData {
     async fn handle(&self, tx: &mut PgTx, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
         let body: Value = m.json()?;

@@ -22,13 +22,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::dead_letter::REASON;
-use inbox_core::Publish;
+use inbox_core::DynPublish;
 use inbox_kafka::rdkafka::message::{Header, OwnedHeaders};
 use inbox_kafka::rdkafka::producer::FutureRecord;
 use inbox_kafka::rdkafka::Message as _;
 use inbox_kafka::{KafkaProducer, KafkaProducerBuilder, KafkaSource, KafkaSourceBuilder};
 
-use crate::{async_trait, DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
+use crate::{DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// The local broker `cargo xtask services` starts: the tests' default, never the adapter's.
 pub const LOCAL_BROKERS: &str = "127.0.0.1:9092";
@@ -194,7 +194,6 @@ pub struct Topic {
     private: Option<PrivateTansu>,
 }
 
-#[async_trait]
 impl TestBroker for Kafka {
     type Queue = Topic;
 
@@ -234,7 +233,6 @@ impl Topic {
     }
 }
 
-#[async_trait]
 impl TestQueue for Topic {
     type Source = Member;
 
@@ -350,7 +348,7 @@ impl TestQueue for Topic {
         self.kafka.session_timeout * 2
     }
 
-    async fn producer(&self) -> Arc<dyn Publish> {
+    async fn producer(&self) -> Arc<dyn DynPublish> {
         Arc::new(self.kafka.producer(&self.brokers).await)
     }
 
@@ -382,7 +380,7 @@ impl TestQueue for Topic {
         u64::try_from(lag).unwrap_or(0)
     }
 
-    async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DeadLetters>> {
+    async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DynDeadLetters>> {
         let reader = inbox_kafka::KafkaDeadLetters::builder(format!("{}.dlq", self.name))
             .brokers(&self.brokers)
             .connect()
@@ -398,7 +396,6 @@ impl TestQueue for Topic {
     }
 }
 
-#[async_trait]
 impl crate::foreign_ids::ForeignQueue for Topic {
     fn target(&self) -> serde_json::Value {
         serde_json::json!({"broker": "kafka", "brokers": self.brokers, "topic": self.name})

@@ -54,12 +54,11 @@
 //! ```ignore
 //! use std::sync::Arc;
 //! use std::time::Duration;
-//! use inbox_conformance::{async_trait, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
-//! use inbox_core::Publish;
+//! use inbox_conformance::{DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
+//! use inbox_core::DynPublish;
 //!
 //! struct MyBroker;
 //!
-//! #[async_trait]
 //! impl TestBroker for MyBroker {
 //!     type Queue = MyQueue;
 //!     async fn queue(&self, scenario: &str) -> MyQueue {
@@ -69,7 +68,6 @@
 //!     async fn attach(&self, name: &str) -> MyQueue { MyQueue::open(name) }
 //! }
 //!
-//! #[async_trait]
 //! impl TestQueue for MyQueue {
 //!     type Source = MySource;
 //!     fn name(&self) -> String { /* what `attach` takes, in a child process */ }
@@ -82,7 +80,7 @@
 //!         /* a member connected through a `FaultProxy` in front of the broker */
 //!     }
 //!     fn redelivery_delay(&self) -> Duration { /* how soon a dead member's message is back */ }
-//!     async fn producer(&self) -> Arc<dyn Publish> { /* the adapter's producer */ }
+//!     async fn producer(&self) -> Arc<dyn DynPublish> { /* the adapter's producer */ }
 //!     fn destination(&self) -> String { /* what outbox rows name to reach this queue */ }
 //!     async fn dead_letters(&self) -> Vec<DeadLetter> { /* payload and reason of each */ }
 //!     async fn left(&self) -> u64 { /* messages not yet acked, delivered or not */ }
@@ -139,15 +137,14 @@ pub use checked::Checked;
 pub use db::{database_url, partitioned_layout, TestDb, TestStore};
 pub use fault_proxy::{FaultProxy, ProxyMode};
 pub use fault_run::{wait_for_a_third, FaultRun, Restored};
-pub use network::{Restart, Restartable};
+pub use network::{DynRestart, Restart, Restartable};
 pub use provider::TestProvider;
 
-pub use async_trait::async_trait;
-
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::{MessageSource, Publish};
+use inbox_core::{DynPublish, MessageSource};
 #[cfg(feature = "at-most-once")]
 use inbox_testkit::AckOnReceive;
 
@@ -202,18 +199,17 @@ pub struct Proxied<S> {
 }
 
 /// A broker under test: each scenario asks it for a queue of its own.
-#[async_trait]
 pub trait TestBroker: Send + Sync + 'static {
     /// A queue, topic or stream with its dead-letter destination.
     type Queue: TestQueue;
 
     /// A new, empty queue no other test uses; `scenario` is part of its name, to find it on the
     /// broker when a test fails.
-    async fn queue(&self, scenario: &str) -> Self::Queue;
+    fn queue(&self, scenario: &str) -> impl Future<Output = Self::Queue> + Send;
 
     /// The queue [`TestQueue::name`] names, from another process: the kill scenario's consumer
     /// runs in a child process.
-    async fn attach(&self, name: &str) -> Self::Queue;
+    fn attach(&self, name: &str) -> impl Future<Output = Self::Queue> + Send;
 
     /// Whether a child process can [`attach`](TestBroker::attach) to this broker's queues:
     /// `false` for a broker inside the test process ([`memory::Memory`]), and the process-kill
@@ -224,7 +220,6 @@ pub trait TestBroker: Send + Sync + 'static {
 }
 
 /// One queue of the broker under test, seen from its producers and consumers.
-#[async_trait]
 pub trait TestQueue: Send + Sync + 'static {
     /// The adapter's source, consuming this queue.
     type Source: MessageSource + Send + 'static;
@@ -234,27 +229,32 @@ pub trait TestQueue: Send + Sync + 'static {
 
     /// Sends `payload` with the message ID `id` set exactly as given (not validated), or with no
     /// ID at all.
-    async fn send(&self, id: Option<&str>, payload: &[u8]);
+    fn send(&self, id: Option<&str>, payload: &[u8]) -> impl Future<Output = ()> + Send;
 
     /// A source for the consumer-group member `member`. Two sources of the same member are the
     /// same consumer restarted; of two members, the broker shares the queue between them. The
     /// source should poll briefly (about 200 ms) so that `run_until_idle` returns soon after the
     /// queue is drained, and a message a consumer died holding should come back within seconds,
     /// to the same member and to another (the kill scenario restarts under new member names).
-    async fn source(&self, member: &str) -> Self::Source;
+    fn source(&self, member: &str) -> impl Future<Output = Self::Source> + Send;
 
     /// A source of `member` that loses a message it delivered to another member while the
     /// handler stalls on it (a Kafka `max.poll.interval.ms`, an SQS visibility timeout with the
     /// heartbeat off, a Redis `XAUTOCLAIM` after a short idle), and how long to stall; `None`
     /// where the broker cannot take a message away reliably, and the ownership-loss scenario is
     /// skipped with the reason printed.
-    async fn losing_source(&self, member: &str) -> Option<LosingSource<Self::Source>>;
+    fn losing_source(
+        &self,
+        member: &str,
+    ) -> impl Future<Output = Option<LosingSource<Self::Source>>> + Send;
 
     /// Takes away what `member` (a source of [`TestQueue::losing_source`]) holds, where the
     /// broker does not do it by itself after a time: RabbitMQ closes the member's connection.
     /// Called once the member's handler stalls. Default: nothing, the broker's timeout does it.
-    async fn take_away(&self, member: &str) {
-        let _ = member;
+    fn take_away(&self, member: &str) -> impl Future<Output = ()> + Send {
+        async move {
+            let _ = member;
+        }
     }
 
     /// A source of `member` whose connections to the broker go through a [`FaultProxy`] that
@@ -263,7 +263,10 @@ pub trait TestQueue: Send + Sync + 'static {
     /// the shared Kafka broker), and those scenarios are skipped with the reason printed. The
     /// source should give up on a silent connection within seconds (an operation timeout, a
     /// heartbeat).
-    async fn proxied_source(&self, member: &str) -> Option<Proxied<Self::Source>>;
+    fn proxied_source(
+        &self,
+        member: &str,
+    ) -> impl Future<Output = Option<Proxied<Self::Source>>> + Send;
 
     /// A queue like this one on a broker of the adapter's own, which the network-fault scenarios
     /// send to, consume through [`TestQueue::proxied_source`] and inspect instead of this one,
@@ -271,21 +274,21 @@ pub trait TestQueue: Send + Sync + 'static {
     /// client connects to the address the broker advertises, so Kafka's twin is a topic on a
     /// private Tansu that advertises its proxy (killed when the twin is dropped). Default:
     /// `None`, the scenarios run on this queue.
-    async fn proxied_twin(&self) -> Option<Self>
+    fn proxied_twin(&self) -> impl Future<Output = Option<Self>> + Send
     where
         Self: Sized,
     {
-        None
+        async move { None }
     }
 
     /// A queue like this one on a server the broker-restart scenario may stop and start again
     /// (Redis: a `redis-server` of its own with an append-only file), or why there is none, which
     /// the scenario prints as it skips. Default: none.
-    async fn restartable(&self) -> Result<Restartable<Self>, String>
+    fn restartable(&self) -> impl Future<Output = Result<Restartable<Self>, String>> + Send
     where
         Self: Sized,
     {
-        Err("the adapter offers no server a test may restart".into())
+        async move { Err("the adapter offers no server a test may restart".into()) }
     }
 
     /// A source of `member` that acks each message as it receives it, before the handler runs:
@@ -293,8 +296,11 @@ pub trait TestQueue: Send + Sync + 'static {
     /// [`TestQueue::source`] in an `AckOnReceive`; Kafka's commits what it acked every 5 s, as
     /// `enable.auto.commit` does.
     #[cfg(feature = "at-most-once")]
-    async fn at_most_once_source(&self, member: &str) -> AckOnReceive<Self::Source> {
-        AckOnReceive::new(self.source(member).await)
+    fn at_most_once_source(
+        &self,
+        member: &str,
+    ) -> impl Future<Output = AckOnReceive<Self::Source>> + Send {
+        async move { AckOnReceive::new(self.source(member).await) }
     }
 
     /// How long a message held (not acked) by a consumer that died takes to come back to
@@ -304,35 +310,37 @@ pub trait TestQueue: Send + Sync + 'static {
     fn redelivery_delay(&self) -> Duration;
 
     /// The adapter's producer, as the outbox relay uses it.
-    async fn producer(&self) -> Arc<dyn Publish>;
+    fn producer(&self) -> impl Future<Output = Arc<dyn DynPublish>> + Send;
 
     /// What outbox rows name as their destination to reach this queue through
     /// [`TestQueue::producer`]: a topic, a queue name or URL, a stream key.
     fn destination(&self) -> String;
 
     /// The dead-letter destination's messages so far, oldest first.
-    async fn dead_letters(&self) -> Vec<DeadLetter>;
+    fn dead_letters(&self) -> impl Future<Output = Vec<DeadLetter>> + Send;
 
     /// Messages not acked yet, delivered or not.
-    async fn left(&self) -> u64;
+    fn left(&self) -> impl Future<Output = u64> + Send;
 
     /// Messages not acked yet, counted while consumers run: a harness's "is the queue drained
     /// yet". Default: [`TestQueue::left`]. Where the broker counts delivered, unacked messages
     /// only once their consumers are gone (RabbitMQ, whose `left` waits for that), this counts
     /// the messages waiting for delivery.
-    async fn waiting(&self) -> u64 {
-        self.left().await
+    fn waiting(&self) -> impl Future<Output = u64> + Send {
+        async move { self.left().await }
     }
 
     /// A reader of the dead-letter destination for [`inbox_core::replay`] (the adapter's
     /// `XDeadLetters`); `None` where the adapter has none, and the replay scenario is skipped.
     /// Default: `None`.
-    async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DeadLetters>> {
-        None
+    fn dead_letter_reader(
+        &self,
+    ) -> impl Future<Output = Option<Box<dyn inbox_core::replay::DynDeadLetters>>> + Send {
+        async move { None }
     }
 
     /// Deletes the queue and its dead-letter destination.
-    async fn cleanup(&self);
+    fn cleanup(&self) -> impl Future<Output = ()> + Send;
 }
 
 /// One `#[tokio::test]` per scenario of [`scenarios`], each run against `$broker` (an

@@ -10,8 +10,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use async_trait::async_trait;
-use inbox_core::{Destinations, Publish};
+use inbox_core::{Destinations, DynPublish};
 use inbox_testkit::{Connection, MemoryBroker, MemorySource};
 
 use crate::{unique_name, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
@@ -29,7 +28,6 @@ pub struct MemoryQueue {
     members: Mutex<HashMap<String, Vec<Connection>>>,
 }
 
-#[async_trait]
 impl TestBroker for Memory {
     type Queue = MemoryQueue;
 
@@ -52,7 +50,6 @@ impl TestBroker for Memory {
     }
 }
 
-#[async_trait]
 impl TestQueue for MemoryQueue {
     type Source = MemorySource;
 
@@ -106,7 +103,7 @@ impl TestQueue for MemoryQueue {
         Duration::from_millis(100)
     }
 
-    async fn producer(&self) -> Arc<dyn Publish> {
+    async fn producer(&self) -> Arc<dyn DynPublish> {
         Arc::new(Destinations::new().route(self.name.clone(), self.broker.clone()))
     }
 

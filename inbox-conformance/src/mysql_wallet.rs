@@ -3,7 +3,7 @@
 //! run on the MySQL store. Duplicates are `ledger rows − distinct event IDs`, losses
 //! `published − distinct event IDs`.
 
-use inbox_core::{async_trait, MessageId};
+use inbox_core::MessageId;
 use inbox_mysql::{KeyMode, MySqlInbox, MySqlTx};
 use sqlx::MySqlPool;
 
@@ -30,7 +30,6 @@ pub fn inbox(db: &MySqlDb) -> MySqlInbox {
     db.inbox(INBOX_TABLE, KeyMode::Text)
 }
 
-#[async_trait]
 impl Ledger for MySqlPool {
     type Tx = MySqlTx;
 
@@ -129,7 +128,6 @@ impl Ledger for MySqlPool {
 }
 
 /// The broker suite on the MySQL store: `suite!(broker, inbox_conformance::store::MySqlDb)`.
-#[async_trait]
 impl TestStore for MySqlDb {
     type Ledger = MySqlPool;
     type Inbox = MySqlInbox;

@@ -6,6 +6,8 @@
 //! exactly once, nothing left on the broker and nothing dead-lettered, without restarting the
 //! consumer.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,7 +15,7 @@ use tokio::sync::RwLock;
 
 use crate::wallet::{self, CreditEvent};
 use crate::TestStore;
-use crate::{async_trait, wait_for_a_third, FaultProxy, FaultRun, ProxyMode, Restored};
+use crate::{wait_for_a_third, FaultProxy, FaultRun, ProxyMode, Restored};
 use inbox_core::{Consumer, MessageId};
 
 use crate::checked::Checked;
@@ -50,11 +52,31 @@ fn assert_exactly_once(run: &Run, total: i64) {
 }
 
 /// A server a scenario may restart: what [`Restartable::server`] holds.
-#[async_trait]
 pub trait Restart: Send + Sync + std::fmt::Debug {
     /// Stops the server, which keeps what it stored, and starts it again a few seconds later;
     /// returns once it answers.
-    async fn restart(&mut self);
+    fn restart(&mut self) -> impl Future<Output = ()> + Send;
+}
+
+/// [`Restart`] as a trait object, as [`Restartable::server`] holds it: `Restart::restart`
+/// returns `impl Future`, which keeps the trait from being made into a `dyn` object; this one
+/// returns a boxed future (from `dyn_restart`, a name never ambiguous beside `Restart`'s).
+/// Every `Restart` implements it, and `dyn DynRestart` implements `Restart`.
+pub trait DynRestart: Send + Sync + std::fmt::Debug {
+    /// [`Restart::restart`].
+    fn dyn_restart(&mut self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
+}
+
+impl<T: Restart> DynRestart for T {
+    fn dyn_restart(&mut self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+        Box::pin(Restart::restart(self))
+    }
+}
+
+impl Restart for dyn DynRestart + '_ {
+    async fn restart(&mut self) {
+        self.dyn_restart().await;
+    }
 }
 
 /// A queue on a server the scenario may restart: what [`TestQueue::restartable`] returns.
@@ -65,7 +87,7 @@ pub struct Restartable<Q> {
     pub queue: Q,
     /// The server; dropped, it is stopped (a private one) or started again (a shared one that a
     /// failed restart left down).
-    pub server: Box<dyn Restart>,
+    pub server: Box<dyn DynRestart>,
 }
 
 /// A fault between the consumer and the broker.

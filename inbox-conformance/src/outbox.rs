@@ -15,8 +15,8 @@ use crate::wallet::{self, Credit, CreditEvent};
 use crate::{TestDb, TestStore};
 use inbox_core::telemetry::TRACEPARENT_HEADER;
 use inbox_core::{
-    async_trait, Ack, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage,
-    Publish, PublishError, Recovery, TraceParent,
+    Ack, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish,
+    PublishError, Recovery, TraceParent,
 };
 use inbox_postgres::sqlx;
 use inbox_postgres::{Outbox, PgTx};
@@ -34,7 +34,6 @@ struct Forward {
     to: String,
 }
 
-#[async_trait]
 impl Handler<PgTx> for Forward {
     async fn handle(
         &self,
@@ -49,11 +48,10 @@ impl Handler<PgTx> for Forward {
 
 /// Publishes for real, and the first time reports the confirms as lost.
 struct LoseFirstConfirm {
-    inner: Arc<dyn Publish>,
+    inner: Arc<dyn inbox_core::DynPublish>,
     lost: AtomicBool,
 }
 
-#[async_trait]
 impl Publish for LoseFirstConfirm {
     async fn send_batch(
         &self,
@@ -74,9 +72,8 @@ impl Publish for LoseFirstConfirm {
 
 /// Publishes for real, then waits a little, as a broker across a network takes: a relay holds
 /// its rows locked long enough for another relay to take the next ones.
-struct Slow(Arc<dyn Publish>);
+struct Slow(Arc<dyn inbox_core::DynPublish>);
 
-#[async_trait]
 impl Publish for Slow {
     async fn send_batch(
         &self,

@@ -21,11 +21,11 @@ use std::time::Duration;
 
 use crate::FaultProxy;
 use inbox_core::dead_letter::REASON;
-use inbox_core::Publish;
+use inbox_core::DynPublish;
 use inbox_rabbitmq::lapin::BasicProperties;
 use inbox_rabbitmq::{RabbitProducer, RabbitSource, RabbitSourceBuilder};
 
-use crate::{async_trait, DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
+use crate::{DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// A config for a fresh, randomly named queue, `label` in its name and its connection's.
 pub fn fresh_config(label: &str) -> RabbitSourceBuilder {
@@ -92,7 +92,6 @@ pub struct Queue {
     parked: Mutex<Vec<DeadLetter>>,
 }
 
-#[async_trait]
 impl TestBroker for RabbitMq {
     type Queue = Queue;
 
@@ -129,7 +128,6 @@ impl Queue {
     }
 }
 
-#[async_trait]
 impl TestQueue for Queue {
     type Source = RabbitSource;
 
@@ -208,7 +206,7 @@ impl TestQueue for Queue {
         Duration::from_secs(3)
     }
 
-    async fn producer(&self) -> Arc<dyn Publish> {
+    async fn producer(&self) -> Arc<dyn DynPublish> {
         Arc::new(publisher(&self.config).await)
     }
 
@@ -241,7 +239,7 @@ impl TestQueue for Queue {
         ready_on(self.config.queue()).await.into()
     }
 
-    async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DeadLetters>> {
+    async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DynDeadLetters>> {
         let reader = inbox_rabbitmq::RabbitDeadLetters::builder(self.config.dead_letter_queue())
             .url(amqp_url())
             .connect()
@@ -255,7 +253,6 @@ impl TestQueue for Queue {
     }
 }
 
-#[async_trait]
 impl crate::foreign_ids::ForeignQueue for Queue {
     fn target(&self) -> serde_json::Value {
         serde_json::json!({"broker": "rabbitmq", "url": amqp_url(), "queue": self.config.queue()})

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, RetryPolicy};
+use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId, RetryPolicy};
 
 use crate::scenarios::{finish, ledger_has, left, setup, source};
 use crate::wallet::{self, CreditEvent};
@@ -41,7 +41,6 @@ struct Downstream<H> {
     attempts: Arc<Mutex<Attempts>>,
 }
 
-#[async_trait]
 impl<T: Send, H: Handler<T>> Handler<T> for Downstream<H> {
     async fn handle(&self, tx: &mut T, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
         let now = Instant::now();

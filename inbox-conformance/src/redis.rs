@@ -19,11 +19,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::FaultProxy;
-use inbox_core::Publish;
+use inbox_core::DynPublish;
 use inbox_redis_streams::redis::{Client, ConnectionAddr, IntoConnectionInfo};
 use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource, RedisStreamSourceBuilder};
 
-use crate::{async_trait, DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
+use crate::{DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// The consumer group of every source.
 pub const GROUP: &str = "wallet";
@@ -80,7 +80,6 @@ pub struct Stream {
     url: String,
 }
 
-#[async_trait]
 impl TestBroker for Redis {
     type Queue = Stream;
 
@@ -96,7 +95,6 @@ impl TestBroker for Redis {
     }
 }
 
-#[async_trait]
 impl TestQueue for Stream {
     type Source = RedisStreamSource;
 
@@ -177,7 +175,7 @@ impl TestQueue for Stream {
         CLAIM_IDLE + CLAIM_INTERVAL + Duration::from_secs(1)
     }
 
-    async fn producer(&self) -> Arc<dyn Publish> {
+    async fn producer(&self) -> Arc<dyn DynPublish> {
         Arc::new(producer().await)
     }
 
@@ -212,7 +210,7 @@ impl TestQueue for Stream {
         u64::try_from(pending + lag).unwrap_or(0)
     }
 
-    async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DeadLetters>> {
+    async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DynDeadLetters>> {
         let reader = inbox_redis_streams::RedisDeadLetters::builder(format!("{}:dlq", self.key))
             .url(&self.url)
             .connect()
@@ -226,7 +224,6 @@ impl TestQueue for Stream {
     }
 }
 
-#[async_trait]
 impl crate::foreign_ids::ForeignQueue for Stream {
     fn target(&self) -> serde_json::Value {
         serde_json::json!({"broker": "redis", "url": self.url, "stream": self.key})

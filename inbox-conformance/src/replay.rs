@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use inbox_core::replay::{self, Selection};
 use inbox_core::{
-    async_trait, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish,
-    PublishError, Recovery,
+    Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish, PublishError,
+    Recovery,
 };
 use inbox_testkit::fast_retry;
 
@@ -27,7 +27,6 @@ struct Downstream<H> {
     down: Arc<AtomicBool>,
 }
 
-#[async_trait]
 impl<T: Send, H: Handler<T>> Handler<T> for Downstream<H> {
     async fn handle(&self, tx: &mut T, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
         if self.down.load(Ordering::SeqCst) {
@@ -40,11 +39,10 @@ impl<T: Send, H: Handler<T>> Handler<T> for Downstream<H> {
 /// A publisher whose first batch reaches the broker only in part (its first message) and then
 /// fails: a replay that stopped between publishing and removing.
 struct Interrupted {
-    inner: Arc<dyn Publish>,
+    inner: Arc<dyn inbox_core::DynPublish>,
     failed: AtomicBool,
 }
 
-#[async_trait]
 impl Publish for Interrupted {
     async fn send_batch(
         &self,
@@ -247,7 +245,7 @@ pub async fn consume_with_the_downstream_up<Q: TestQueue, D: TestStore>(
     (totals.applied, totals.skipped)
 }
 
-async fn reader<Q: TestQueue>(queue: &Q) -> Box<dyn replay::DeadLetters> {
+async fn reader<Q: TestQueue>(queue: &Q) -> Box<dyn replay::DynDeadLetters> {
     queue
         .dead_letter_reader()
         .await

@@ -5,9 +5,7 @@ use std::time::{Duration, Instant};
 
 use crate::wallet::{self, CreditEvent};
 use crate::TestStore;
-use inbox_core::{
-    async_trait, Consumer, Handler, HandlerError, Message, MessageId, Stage, StatsSnapshot,
-};
+use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId, Stage, StatsSnapshot};
 use inbox_testkit::fast_retry;
 use inbox_testkit::Crash;
 
@@ -343,7 +341,6 @@ struct FailingAccount<H>(H);
 
 const LOCKED: i64 = 666;
 
-#[async_trait]
 impl<T: Send, H: Handler<T>> Handler<T> for FailingAccount<H> {
     async fn handle(&self, tx: &mut T, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
         let event: CreditEvent = m.json()?;

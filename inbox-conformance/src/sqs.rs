@@ -17,14 +17,14 @@ use std::time::Duration;
 
 use crate::FaultProxy;
 use inbox_core::dead_letter::REASON;
-use inbox_core::Publish;
+use inbox_core::DynPublish;
 use inbox_sqs::aws_sdk_sqs::types::{
     MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
 };
 use inbox_sqs::aws_sdk_sqs::Client;
 use inbox_sqs::{SqsProducer, SqsSource, SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
 
-use crate::{async_trait, DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
+use crate::{DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// SQS under test, with the suite's timings: a 2 s visibility timeout, and receives that wait
 /// 1 s longer than it.
@@ -52,7 +52,6 @@ pub struct Queue {
     dead: Mutex<Vec<DeadLetter>>,
 }
 
-#[async_trait]
 impl TestBroker for Sqs {
     type Queue = Queue;
 
@@ -90,7 +89,6 @@ impl Queue {
     }
 }
 
-#[async_trait]
 impl TestQueue for Queue {
     type Source = SqsSource;
 
@@ -167,7 +165,7 @@ impl TestQueue for Queue {
         VISIBILITY + Duration::from_secs(3)
     }
 
-    async fn producer(&self) -> Arc<dyn Publish> {
+    async fn producer(&self) -> Arc<dyn DynPublish> {
         Arc::new(
             SqsProducer::builder()
                 .client(self.sqs.clone())
@@ -216,7 +214,7 @@ impl TestQueue for Queue {
             .sum()
     }
 
-    async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DeadLetters>> {
+    async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DynDeadLetters>> {
         let reader = inbox_sqs::SqsDeadLetters::builder(&self.dlq)
             .client(self.sqs.clone())
             .connect()
@@ -236,7 +234,6 @@ impl TestQueue for Queue {
 #[derive(Debug, Clone, Copy)]
 pub struct SqsFifo;
 
-#[async_trait]
 impl TestBroker for SqsFifo {
     type Queue = Queue;
 
@@ -269,7 +266,6 @@ impl TestBroker for SqsFifo {
     }
 }
 
-#[async_trait]
 impl crate::foreign_ids::ForeignQueue for Queue {
     fn target(&self) -> serde_json::Value {
         serde_json::json!({"broker": "sqs", "queue_url": self.url})

@@ -16,10 +16,10 @@
 //! inbox_conformance::store_suite!(text, inbox_conformance::store::Postgres::new(KeyMode::Text));
 //! ```
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use inbox_core::{
     Consumer, Handler, HandlerError, InboxStore, Message, MessageId, Stage, StageHook,
     StatsSnapshot, Transaction as _,
@@ -41,7 +41,6 @@ pub type Tx<T> = <<T as StoreUnderTest>::Store as InboxStore>::Tx;
 
 /// A store under test: one fresh, empty store per scenario, a side effect to write through
 /// its transactions and a way to count what committed.
-#[async_trait]
 pub trait StoreUnderTest: Send + Sync + 'static {
     /// The store.
     type Store: InboxStore + Clone;
@@ -51,14 +50,18 @@ pub trait StoreUnderTest: Send + Sync + 'static {
 
     /// The handler's side effect for `id`, written through `tx`: it commits with the claim or
     /// not at all.
-    async fn apply(&self, tx: &mut Tx<Self>, id: &MessageId) -> Result<(), HandlerError>;
+    fn apply(
+        &self,
+        tx: &mut Tx<Self>,
+        id: &MessageId,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 
     /// Runs a statement that fails inside `tx` and ignores the error, as a handler that
     /// swallowed a database error would: the transaction cannot commit what it did.
-    async fn fail_and_swallow(&self, tx: &mut Tx<Self>);
+    fn fail_and_swallow(&self, tx: &mut Tx<Self>) -> impl Future<Output = ()> + Send;
 
     /// How many effects of `id` committed.
-    async fn applied(&self, id: &MessageId) -> u64;
+    fn applied(&self, id: &MessageId) -> impl Future<Output = u64> + Send;
 
     /// An ID this store refuses in [`InboxStore::check_id`], if it refuses any (a key column of
     /// UUIDs refuses other text). Default: none, and that scenario is skipped.
@@ -68,21 +71,20 @@ pub trait StoreUnderTest: Send + Sync + 'static {
 
     /// Makes every claim so far older than the store keeps claims, and purges: how many claims
     /// were removed. `None` where the store forgets nothing (the scenario is skipped).
-    async fn age_and_purge(&self) -> Option<u64>;
+    fn age_and_purge(&self) -> impl Future<Output = Option<u64>> + Send;
 
     /// The same store with its connections through a [`FaultProxy`] the scenarios refuse and
     /// cut; `None` where no proxy can stand in front of it (those scenarios are skipped).
-    async fn proxied(&self) -> Option<(Self::Store, FaultProxy)>;
+    fn proxied(&self) -> impl Future<Output = Option<(Self::Store, FaultProxy)>> + Send;
 
     /// Removes the store and what it holds.
-    async fn cleanup(self);
+    fn cleanup(self) -> impl Future<Output = ()> + Send;
 }
 
 /// A handler writing the store's effect; a message whose payload is `swallow` breaks its
 /// transaction first.
 struct Apply<T>(Arc<T>);
 
-#[async_trait]
 impl<T: StoreUnderTest> Handler<Tx<T>> for Apply<T>
 where
     Tx<T>: Send + 'static,

@@ -2,9 +2,10 @@
 //! article. Every applied credit writes one ledger row carrying its event ID, so duplicates are
 //! `ledger rows − distinct event IDs` and losses `published − distinct event IDs`.
 
+use std::future::Future;
 use std::time::Duration;
 
-use inbox_core::{async_trait, BatchHandler, BatchItem, Handler, HandlerError, Message, MessageId};
+use inbox_core::{BatchHandler, BatchItem, Handler, HandlerError, Message, MessageId};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
@@ -46,40 +47,41 @@ pub fn publish_credit(broker: &inbox_testkit::MemoryBroker, id: &str, account: i
 /// The wallet's tables in one SQL dialect, reached through a pool: [`PgPool`] here, and
 /// `MySqlPool` in [`mysql_wallet`](crate::mysql_wallet) (feature `mysql`). What the scenarios
 /// read and write goes through it, so the suite runs on either store.
-#[async_trait]
 pub trait Ledger: Clone + Send + Sync + 'static {
     /// The inbox transaction a credit is written in.
     type Tx: Send;
 
     /// Creates `accounts`, `ledger` and `wallet_stalls` if missing. No unique key on the
     /// ledger's event ID: a duplicate credit must show up as a second row.
-    async fn install(&self) -> Result<(), sqlx::Error>;
+    fn install(&self) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
     /// Adds `event`'s amount to its account and writes its ledger row, in `tx`.
-    async fn credit(
+    fn credit(
         tx: &mut Self::Tx,
         id: &MessageId,
         event: &CreditEvent,
-    ) -> Result<(), sqlx::Error>;
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
     /// Notes that `id` is being handled, outside any transaction: `true` the first time across
     /// all processes, `false` afterwards. Stalling handlers use it to stall once per event.
-    async fn first_handling(&self, id: &MessageId) -> Result<bool, sqlx::Error>;
+    fn first_handling(
+        &self,
+        id: &MessageId,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Reads the ledger.
-    async fn summary(&self) -> Result<Summary, sqlx::Error>;
+    fn summary(&self) -> impl Future<Output = Result<Summary, sqlx::Error>> + Send;
 
     /// Every account's balance, by id.
-    async fn balances(&self) -> Result<Vec<(i64, i64)>, sqlx::Error>;
+    fn balances(&self) -> impl Future<Output = Result<Vec<(i64, i64)>, sqlx::Error>> + Send;
 
     /// Ledger rows of `id`.
-    async fn rows_of(&self, id: &MessageId) -> Result<i64, sqlx::Error>;
+    fn rows_of(&self, id: &MessageId) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
 
     /// Stalls started: the events [`first_handling`](Ledger::first_handling) said `true` to.
-    async fn stalls(&self) -> Result<i64, sqlx::Error>;
+    fn stalls(&self) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
 }
 
-#[async_trait]
 impl Ledger for PgPool {
     type Tx = PgTx;
 
@@ -210,7 +212,6 @@ impl<L: Ledger> Credit<L> {
     }
 }
 
-#[async_trait]
 impl<L: Ledger> Handler<L::Tx> for Credit<L> {
     async fn handle(
         &self,
@@ -236,7 +237,6 @@ impl<L: Ledger> Handler<L::Tx> for Credit<L> {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BatchCredit;
 
-#[async_trait]
 impl BatchHandler<PgTx> for BatchCredit {
     type Item = CreditEvent;
 

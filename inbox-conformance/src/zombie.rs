@@ -8,9 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::wallet::{self, CreditEvent, Ledger};
 use crate::TestStore;
-use inbox_core::{
-    async_trait, Capabilities, Consumer, Delivery, MessageId, MessageSource, SourceError,
-};
+use inbox_core::{Capabilities, Consumer, Delivery, MessageId, MessageSource, SourceError};
 
 use crate::checked::Checked;
 use crate::scenarios::{drain, finish, ledger_has, left, setup, Totals};
@@ -25,7 +23,6 @@ struct Noting<S> {
     seen: Arc<Mutex<HashSet<MessageId>>>,
 }
 
-#[async_trait]
 impl<S: MessageSource> MessageSource for Noting<S> {
     type Ack = S::Ack;
 

@@ -1,6 +1,8 @@
 //! The user's side effect.
 
-use async_trait::async_trait;
+use std::fmt;
+use std::future::Future;
+
 use tracing::Instrument;
 
 use crate::{HandlerError, Message, MessageId};
@@ -13,18 +15,34 @@ use crate::{HandlerError, Message, MessageId};
 ///
 /// Write only through `tx`. A side effect outside the transaction (an HTTP call, an email) is not
 /// covered: pass the provider an idempotency key derived from `id` instead.
-#[async_trait]
+///
+/// Implement it with an `async fn`, or build one from an async function or closure with
+/// [`handler_fn`]:
+///
+/// ```
+/// use inbox_core::{Handler, HandlerError, Message, MessageId};
+/// use inbox_testkit::MemoryTx;
+///
+/// /// Adds the amount in each message to a balance.
+/// struct Credit;
+///
+/// impl Handler<MemoryTx<i64>> for Credit {
+///     async fn handle(&self, tx: &mut MemoryTx<i64>, _id: &MessageId, message: &Message) -> Result<(), HandlerError> {
+///         *tx.state_mut() += message.json::<i64>()?;
+///         Ok(())
+///     }
+/// }
+/// ```
 pub trait Handler<Tx: Send>: Send + Sync {
     /// Applies `message`, whose ID `id` has just been claimed in `tx`.
-    async fn handle(
+    fn handle(
         &self,
         tx: &mut Tx,
         id: &MessageId,
         message: &Message,
-    ) -> Result<(), HandlerError>;
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 }
 
-#[async_trait]
 impl<Tx: Send, H: Handler<Tx> + ?Sized> Handler<Tx> for std::sync::Arc<H> {
     async fn handle(
         &self,
@@ -63,7 +81,6 @@ pub struct BatchItem<'a, T> {
 /// as for the whole (which set-based SQL over the given items does).
 ///
 /// Like [`Handler`], it gets nothing that could ack early, and should write only through `tx`.
-#[async_trait]
 pub trait BatchHandler<Tx: Send>: Send + Sync {
     /// What one message decodes to.
     type Item: Send + Sync;
@@ -73,11 +90,11 @@ pub trait BatchHandler<Tx: Send>: Send + Sync {
 
     /// Applies `batch`, the new messages of one transaction in the order received (IDs already
     /// claimed, duplicates left out).
-    async fn handle_batch(
+    fn handle_batch(
         &self,
         tx: &mut Tx,
         batch: &[BatchItem<'_, Self::Item>],
-    ) -> Result<(), HandlerError>;
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 }
 
 /// A per-message [`Handler`] run as a [`BatchHandler`]: each message in turn, in one
@@ -85,7 +102,6 @@ pub trait BatchHandler<Tx: Send>: Send + Sync {
 #[derive(Debug, Clone)]
 pub struct PerMessage<H>(pub H);
 
-#[async_trait]
 impl<Tx: Send, H: Handler<Tx>> BatchHandler<Tx> for PerMessage<H> {
     type Item = ();
 
@@ -112,4 +128,84 @@ impl<Tx: Send, H: Handler<Tx>> BatchHandler<Tx> for PerMessage<H> {
         }
         Ok(())
     }
+}
+
+/// A [`Handler`] made of an async function or closure with [`handler_fn`].
+#[derive(Clone)]
+pub struct HandlerFn<F>(F);
+
+impl<F> fmt::Debug for HandlerFn<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HandlerFn").finish_non_exhaustive()
+    }
+}
+
+/// A [`Handler`] that calls `f` with what [`Handler::handle`] gets: the transaction, the
+/// claimed ID and the message.
+///
+/// `f` is an async function, or an async closure with its argument types written out:
+///
+/// ```
+/// use inbox_core::{handler_fn, Consumer, HandlerError, Message, MessageId};
+/// use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), inbox_core::Error> {
+/// let credit = handler_fn(async |tx: &mut MemoryTx<i64>, _id: &MessageId, message: &Message| {
+///     *tx.state_mut() += message.json::<i64>()?;
+///     Ok::<_, HandlerError>(())
+/// });
+///
+/// let broker = MemoryBroker::new();
+/// broker.publish(Some("evt-1"), "100");
+/// let store = MemoryStore::<i64>::new();
+/// Consumer::new("wallet", broker.source(), store.clone(), credit)
+///     .run_until_idle()
+///     .await?;
+/// assert_eq!(store.state().await, 100);
+///
+/// // An `async fn` of that shape as well:
+/// async fn audit(_: &mut MemoryTx<i64>, id: &MessageId, _: &Message) -> Result<(), HandlerError> {
+///     println!("{id}");
+///     Ok(())
+/// }
+/// # fn takes(_: impl inbox_core::Handler<MemoryTx<i64>>) {}
+/// takes(handler_fn(audit));
+/// # Ok(()) }
+/// ```
+pub fn handler_fn<F>(f: F) -> HandlerFn<F> {
+    HandlerFn(f)
+}
+
+impl<Tx, F> Handler<Tx> for HandlerFn<F>
+where
+    Tx: Send,
+    F: for<'t, 'i, 'm> HandlerCall<'t, 'i, 'm, Tx> + Send + Sync,
+{
+    fn handle(
+        &self,
+        tx: &mut Tx,
+        id: &MessageId,
+        message: &Message,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send {
+        (self.0)(tx, id, message)
+    }
+}
+
+/// `Fn(&mut Tx, &MessageId, &Message)` returning a `Send` future that may borrow the three:
+/// the bound of [`handler_fn`]'s function, which stable Rust cannot write out in a `where`
+/// clause. Implemented for every such function; not to be implemented by hand.
+pub trait HandlerCall<'t, 'i, 'm, Tx: 't>:
+    Fn(&'t mut Tx, &'i MessageId, &'m Message) -> Self::Future
+{
+    /// The future the function returns.
+    type Future: Future<Output = Result<(), HandlerError>> + Send;
+}
+
+impl<'t, 'i, 'm, Tx: 't, F, Fut> HandlerCall<'t, 'i, 'm, Tx> for F
+where
+    F: Fn(&'t mut Tx, &'i MessageId, &'m Message) -> Fut,
+    Fut: Future<Output = Result<(), HandlerError>> + Send,
+{
+    type Future = Fut;
 }

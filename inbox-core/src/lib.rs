@@ -23,13 +23,12 @@
 //! (`inbox-postgres`), or implement the traits for your own.
 //!
 //! ```
-//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+//! use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId};
 //! use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
 //!
 //! /// Adds the amount in each message to a balance.
 //! struct Credit;
 //!
-//! #[async_trait]
 //! impl Handler<MemoryTx<i64>> for Credit {
 //!     async fn handle(&self, tx: &mut MemoryTx<i64>, _id: &MessageId, message: &Message) -> Result<(), HandlerError> {
 //!         let amount: i64 = message.json()?; // unparsable: dead-lettered, never retried
@@ -95,7 +94,6 @@ mod stats;
 mod store;
 pub mod telemetry;
 
-pub use async_trait::async_trait;
 pub use consumer::{
     retention_shortfall, Consumer, Inbox, Order, RetryPolicy, Work, DEFAULT_SHUTDOWN_TIMEOUT,
 };
@@ -103,13 +101,15 @@ pub use error::{
     BoxError, Error, Failure, HandlerError, OperationError, Recovery, Result, SourceError,
     StoreError,
 };
-pub use handler::{BatchHandler, BatchItem, Handler, PerMessage};
+pub use handler::{
+    handler_fn, BatchHandler, BatchItem, Handler, HandlerCall, HandlerFn, PerMessage,
+};
 pub use health::{ConsumerState, Health};
 pub use hooks::{Stage, StageHook};
 pub use id_from::{Binding, CloudEventsIdentity, IdCarrier, IdFrom};
 pub use message::{IdError, InvalidId, Message, MessageId, Metadata};
 pub use probes::{Answer, Probes};
-pub use publish::{Destinations, OutgoingMessage, Publish, PublishError};
+pub use publish::{Destinations, DynPublish, OutgoingMessage, Publish, PublishError};
 use recent::Recent;
 pub use redact::{is_secret_setting, redact_url, REDACTED};
 pub use shard::Sharded;
@@ -117,5 +117,5 @@ pub use source::{
     dead_letter, Ack, Capabilities, Delivery, MessageSource, REDELIVERY_COUNT, REPLAYED,
 };
 pub use stats::{Stats, StatsSnapshot};
-pub use store::{InboxStore, Transaction};
+pub use store::{DynInboxStore, InboxStore, Transaction};
 pub use telemetry::{describe_metrics, TraceParent};

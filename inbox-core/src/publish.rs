@@ -4,9 +4,10 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 
-use async_trait::async_trait;
+use futures_util::future::BoxFuture;
 
 use crate::telemetry::{TraceParent, TRACEPARENT_HEADER};
 use crate::{MessageId, Recovery};
@@ -105,39 +106,48 @@ impl OutgoingMessage {
 /// - On `Err`, any subset may have reached the broker: send them all again **with the same
 ///   IDs**, and the consuming inbox skips the copies. The error's [`Recovery`] says whether
 ///   another attempt can help.
-#[async_trait]
+///
+/// Publishers of different types behind one type (a `Box` or an `Arc`) go through
+/// [`DynPublish`].
 pub trait Publish: Send + Sync {
     /// Sends `messages` to `destination`, each under its own ID, pipelined, and returns once the
     /// broker confirmed them all.
-    async fn send_batch(
+    fn send_batch(
         &self,
         destination: &str,
         messages: &[OutgoingMessage],
-    ) -> Result<(), PublishError>;
+    ) -> impl Future<Output = Result<(), PublishError>> + Send;
 
     /// Sends `payload` to `destination` under a fresh UUIDv7 ID, confirmed, and returns the ID.
     /// To send it again after an error, use [`Publish::send_with_id`] with that ID.
-    async fn send(&self, destination: &str, payload: &[u8]) -> Result<MessageId, PublishError> {
-        let id = MessageId::generate();
-        self.send_with_id(destination, &id, payload).await?;
-        Ok(id)
+    fn send(
+        &self,
+        destination: &str,
+        payload: &[u8],
+    ) -> impl Future<Output = Result<MessageId, PublishError>> + Send {
+        async move {
+            let id = MessageId::generate();
+            self.send_with_id(destination, &id, payload).await?;
+            Ok(id)
+        }
     }
 
     /// Sends `payload` to `destination` under `id`, confirmed. Sending again with the same ID
     /// is safe: the consuming inbox applies the message once.
-    async fn send_with_id(
+    fn send_with_id(
         &self,
         destination: &str,
         id: &MessageId,
         payload: &[u8],
-    ) -> Result<(), PublishError> {
-        let message = OutgoingMessage::new(id.clone(), payload);
-        self.send_batch(destination, std::slice::from_ref(&message))
-            .await
+    ) -> impl Future<Output = Result<(), PublishError>> + Send {
+        async move {
+            let message = OutgoingMessage::new(id.clone(), payload);
+            self.send_batch(destination, std::slice::from_ref(&message))
+                .await
+        }
     }
 }
 
-#[async_trait]
 impl<P: Publish + ?Sized> Publish for Arc<P> {
     async fn send_batch(
         &self,
@@ -148,7 +158,6 @@ impl<P: Publish + ?Sized> Publish for Arc<P> {
     }
 }
 
-#[async_trait]
 impl<P: Publish + ?Sized> Publish for Box<P> {
     async fn send_batch(
         &self,
@@ -156,6 +165,97 @@ impl<P: Publish + ?Sized> Publish for Box<P> {
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
         (**self).send_batch(destination, messages).await
+    }
+}
+
+/// [`Publish`] as a trait object, for publishers of different types behind one type:
+/// `Box<dyn DynPublish>`, `Arc<dyn DynPublish>` (as [`Destinations`] keeps its routes).
+///
+/// `Publish`'s methods return `impl Future`, which keeps it from being made into a `dyn`
+/// object; this trait has the same methods returning boxed futures, under names of their own
+/// (`dyn_` and the `Publish` method's), so that they are never ambiguous beside `Publish`'s.
+/// Every `Publish` implements it, and `dyn DynPublish` implements `Publish`, so a
+/// `Box<dyn DynPublish>` or an `Arc<dyn DynPublish>` goes wherever a `Publish` does.
+///
+/// ```
+/// use std::sync::Arc;
+/// use inbox_core::{DynPublish, Publish};
+///
+/// fn erased(publisher: impl Publish + 'static) -> Arc<dyn DynPublish> {
+///     Arc::new(publisher)
+/// }
+/// fn takes(_: impl Publish) {}
+/// # fn f(p: impl Publish + 'static) {
+/// takes(erased(p));
+/// # }
+/// ```
+pub trait DynPublish: Send + Sync {
+    /// [`Publish::send_batch`].
+    fn dyn_send_batch<'a>(
+        &'a self,
+        destination: &'a str,
+        messages: &'a [OutgoingMessage],
+    ) -> BoxFuture<'a, Result<(), PublishError>>;
+
+    /// [`Publish::send`].
+    fn dyn_send<'a>(
+        &'a self,
+        destination: &'a str,
+        payload: &'a [u8],
+    ) -> BoxFuture<'a, Result<MessageId, PublishError>>;
+
+    /// [`Publish::send_with_id`].
+    fn dyn_send_with_id<'a>(
+        &'a self,
+        destination: &'a str,
+        id: &'a MessageId,
+        payload: &'a [u8],
+    ) -> BoxFuture<'a, Result<(), PublishError>>;
+}
+
+impl<P: Publish> DynPublish for P {
+    fn dyn_send_batch<'a>(
+        &'a self,
+        destination: &'a str,
+        messages: &'a [OutgoingMessage],
+    ) -> BoxFuture<'a, Result<(), PublishError>> {
+        Box::pin(Publish::send_batch(self, destination, messages))
+    }
+    fn dyn_send<'a>(
+        &'a self,
+        destination: &'a str,
+        payload: &'a [u8],
+    ) -> BoxFuture<'a, Result<MessageId, PublishError>> {
+        Box::pin(Publish::send(self, destination, payload))
+    }
+    fn dyn_send_with_id<'a>(
+        &'a self,
+        destination: &'a str,
+        id: &'a MessageId,
+        payload: &'a [u8],
+    ) -> BoxFuture<'a, Result<(), PublishError>> {
+        Box::pin(Publish::send_with_id(self, destination, id, payload))
+    }
+}
+
+impl Publish for dyn DynPublish + '_ {
+    async fn send_batch(
+        &self,
+        destination: &str,
+        messages: &[OutgoingMessage],
+    ) -> Result<(), PublishError> {
+        self.dyn_send_batch(destination, messages).await
+    }
+    async fn send(&self, destination: &str, payload: &[u8]) -> Result<MessageId, PublishError> {
+        self.dyn_send(destination, payload).await
+    }
+    async fn send_with_id(
+        &self,
+        destination: &str,
+        id: &MessageId,
+        payload: &[u8],
+    ) -> Result<(), PublishError> {
+        self.dyn_send_with_id(destination, id, payload).await
     }
 }
 
@@ -167,9 +267,8 @@ pub type PublishError = crate::OperationError;
 /// brokers (or differently configured producers) for different destinations.
 ///
 /// ```
-/// # use inbox_core::{async_trait, Destinations, OutgoingMessage, Publish, PublishError};
+/// # use inbox_core::{Destinations, OutgoingMessage, Publish, PublishError};
 /// # struct Producer;
-/// # #[async_trait]
 /// # impl Publish for Producer {
 /// #     async fn send_batch(&self, _: &str, _: &[OutgoingMessage]) -> Result<(), PublishError> { Ok(()) }
 /// # }
@@ -182,7 +281,7 @@ pub type PublishError = crate::OperationError;
 /// A destination with no route fails with [`Recovery::Fatal`], naming it.
 #[derive(Default)]
 pub struct Destinations {
-    routes: HashMap<String, Box<dyn Publish>>,
+    routes: HashMap<String, Box<dyn DynPublish>>,
 }
 
 impl Destinations {
@@ -213,7 +312,6 @@ impl fmt::Debug for Destinations {
     }
 }
 
-#[async_trait]
 impl Publish for Destinations {
     async fn send_batch(
         &self,
@@ -221,7 +319,7 @@ impl Publish for Destinations {
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
         match self.routes.get(destination) {
-            Some(publisher) => publisher.send_batch(destination, messages).await,
+            Some(publisher) => publisher.dyn_send_batch(destination, messages).await,
             None => {
                 let mut known: Vec<&str> = self.routes.keys().map(String::as_str).collect();
                 known.sort_unstable();
@@ -247,7 +345,6 @@ mod tests {
     #[derive(Default)]
     struct Recorder(Mutex<Vec<(String, usize)>>);
 
-    #[async_trait]
     impl Publish for Recorder {
         async fn send_batch(
             &self,
@@ -288,7 +385,6 @@ mod tests {
     #[derive(Default)]
     struct Keeper(Mutex<Vec<OutgoingMessage>>);
 
-    #[async_trait]
     impl Publish for Keeper {
         async fn send_batch(
             &self,
@@ -345,7 +441,7 @@ mod tests {
         fn assert_send_sync<T: Send + Sync>() {}
         assert_send_sync::<Destinations>();
         assert_send_sync::<PublishError>();
-        assert_send_sync::<Arc<dyn Publish>>();
+        assert_send_sync::<Arc<dyn DynPublish>>();
         fn assert_send<T: Send>(_: &T) {}
         let publisher = Destinations::new();
         let batch = [OutgoingMessage::generate("a")];

@@ -3,7 +3,7 @@
 //! An adapter implements [`DeadLetters`]: read its dead-letter destination in order, and remove
 //! what was replayed. Everything else is here: [`summarize`] (count, per reason, oldest and
 //! newest), [`find`] (one by its position) and [`replay`] (a [`Selection`] published back to each
-//! message's [`original_source`](crate::dead_letter::ORIGINAL_SOURCE) through any [`Publish`]).
+//! message's [`original_source`](crate::dead_letter::ORIGINAL_SOURCE) through any [`Publish`](crate::Publish)).
 //!
 //! A replay never loses a message: each batch is published and confirmed first, and only then
 //! removed from the dead-letter destination. A crash between the two leaves the message in both
@@ -22,11 +22,12 @@
 //! ```
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
 use std::time::SystemTime;
 
-use async_trait::async_trait;
+use futures_util::future::BoxFuture;
 
-use crate::{dead_letter, MessageId, OperationError, OutgoingMessage, Publish};
+use crate::{dead_letter, DynPublish, MessageId, OperationError, OutgoingMessage};
 
 /// How many dead letters a replay reads, publishes and removes at a time.
 pub const BATCH: usize = 100;
@@ -131,22 +132,88 @@ impl DeadLetter {
 /// A reader goes through the destination once, from its oldest message; what it has read and
 /// not removed stays where it was (returned to the queue at [`DeadLetters::close`] where the
 /// broker held it for the reader).
-#[async_trait]
+///
+/// The algorithm takes readers as [`DynDeadLetters`] objects, which every `DeadLetters` is.
 pub trait DeadLetters: Send {
     /// The name of the dead-letter destination, for the output.
     fn name(&self) -> &str;
 
     /// The next dead letters, at most `max`, oldest first; empty once none is left that this
     /// reader has not returned.
-    async fn next(&mut self, max: usize) -> Result<Vec<DeadLetter>, OperationError>;
+    fn next(
+        &mut self,
+        max: usize,
+    ) -> impl Future<Output = Result<Vec<DeadLetter>, OperationError>> + Send;
 
     /// Removes these dead letters (returned by [`DeadLetters::next`] of this reader) from the
     /// destination. Called only after their copies were published and confirmed.
-    async fn remove(&mut self, letters: &[DeadLetter]) -> Result<(), OperationError>;
+    fn remove(
+        &mut self,
+        letters: &[DeadLetter],
+    ) -> impl Future<Output = Result<(), OperationError>> + Send;
 
     /// Ends the reading: what was read and not removed is left, or put back, where it was.
+    fn close(&mut self) -> impl Future<Output = Result<(), OperationError>> + Send {
+        async { Ok(()) }
+    }
+}
+
+/// [`DeadLetters`] as a trait object: what [`summarize`], [`scan`], [`find`] and [`replay`]
+/// take, and what a tool that opens readers of different brokers keeps
+/// (`Box<dyn DynDeadLetters>`).
+///
+/// `DeadLetters`' async methods return `impl Future`, which keeps it from being made into a
+/// `dyn` object; this trait has the same methods returning boxed futures, under names of their
+/// own (`dyn_` and the `DeadLetters` method's), so that they are never ambiguous beside
+/// `DeadLetters`'. Every `DeadLetters` implements it, and `dyn DynDeadLetters` implements
+/// `DeadLetters`.
+pub trait DynDeadLetters: Send {
+    /// [`DeadLetters::name`].
+    fn dyn_name(&self) -> &str;
+
+    /// [`DeadLetters::next`].
+    fn dyn_next(&mut self, max: usize) -> BoxFuture<'_, Result<Vec<DeadLetter>, OperationError>>;
+
+    /// [`DeadLetters::remove`].
+    fn dyn_remove<'a>(
+        &'a mut self,
+        letters: &'a [DeadLetter],
+    ) -> BoxFuture<'a, Result<(), OperationError>>;
+
+    /// [`DeadLetters::close`].
+    fn dyn_close(&mut self) -> BoxFuture<'_, Result<(), OperationError>>;
+}
+
+impl<D: DeadLetters> DynDeadLetters for D {
+    fn dyn_name(&self) -> &str {
+        DeadLetters::name(self)
+    }
+    fn dyn_next(&mut self, max: usize) -> BoxFuture<'_, Result<Vec<DeadLetter>, OperationError>> {
+        Box::pin(DeadLetters::next(self, max))
+    }
+    fn dyn_remove<'a>(
+        &'a mut self,
+        letters: &'a [DeadLetter],
+    ) -> BoxFuture<'a, Result<(), OperationError>> {
+        Box::pin(DeadLetters::remove(self, letters))
+    }
+    fn dyn_close(&mut self) -> BoxFuture<'_, Result<(), OperationError>> {
+        Box::pin(DeadLetters::close(self))
+    }
+}
+
+impl DeadLetters for dyn DynDeadLetters + '_ {
+    fn name(&self) -> &str {
+        self.dyn_name()
+    }
+    async fn next(&mut self, max: usize) -> Result<Vec<DeadLetter>, OperationError> {
+        self.dyn_next(max).await
+    }
+    async fn remove(&mut self, letters: &[DeadLetter]) -> Result<(), OperationError> {
+        self.dyn_remove(letters).await
+    }
     async fn close(&mut self) -> Result<(), OperationError> {
-        Ok(())
+        self.dyn_close().await
     }
 }
 
@@ -246,7 +313,7 @@ impl Summary {
 }
 
 /// Reads the whole destination and counts it, leaving everything where it was.
-pub async fn summarize(letters: &mut dyn DeadLetters) -> Result<Summary, OperationError> {
+pub async fn summarize(letters: &mut dyn DynDeadLetters) -> Result<Summary, OperationError> {
     let mut summary = Summary::default();
     scan(letters, &mut |letter| summary.add(letter)).await?;
     Ok(summary)
@@ -254,12 +321,12 @@ pub async fn summarize(letters: &mut dyn DeadLetters) -> Result<Summary, Operati
 
 /// Hands every dead letter to `each`, oldest first, leaving everything where it was.
 pub async fn scan(
-    letters: &mut dyn DeadLetters,
+    letters: &mut dyn DynDeadLetters,
     each: &mut (dyn FnMut(&DeadLetter) + Send),
 ) -> Result<(), OperationError> {
     let read = async {
         loop {
-            let batch = letters.next(BATCH).await?;
+            let batch = letters.dyn_next(BATCH).await?;
             if batch.is_empty() {
                 return Ok(());
             }
@@ -273,12 +340,12 @@ pub async fn scan(
 /// The dead letter at `position` (as [`DeadLetter::position`] says it), or else the first one
 /// whose message ID is `position`, leaving everything where it was.
 pub async fn find(
-    letters: &mut dyn DeadLetters,
+    letters: &mut dyn DynDeadLetters,
     position: &str,
 ) -> Result<Option<DeadLetter>, OperationError> {
     let found = async {
         loop {
-            let batch = letters.next(BATCH).await?;
+            let batch = letters.dyn_next(BATCH).await?;
             if batch.is_empty() {
                 return Ok(None);
             }
@@ -326,8 +393,8 @@ pub struct ReplayReport {
 /// confirmed is removed, the rest stays for the next attempt, and any copy published but not
 /// yet removed is published again then, under the same ID, and skipped by the inbox.
 pub async fn replay(
-    letters: &mut dyn DeadLetters,
-    publisher: &dyn Publish,
+    letters: &mut dyn DynDeadLetters,
+    publisher: &dyn DynPublish,
     selection: &Selection,
     dry_run: bool,
     progress: &mut (dyn FnMut(&ReplayReport) + Send),
@@ -336,7 +403,7 @@ pub async fn replay(
     let mut published: BTreeSet<(String, MessageId)> = BTreeSet::new();
     let moved = async {
         loop {
-            let batch = letters.next(BATCH).await?;
+            let batch = letters.dyn_next(BATCH).await?;
             if batch.is_empty() {
                 return Ok(());
             }
@@ -365,8 +432,8 @@ pub async fn replay(
                         .into_iter()
                         .filter_map(DeadLetter::outgoing)
                         .collect();
-                    publisher.send_batch(&source, &messages).await?;
-                    letters.remove(&chosen).await?;
+                    publisher.dyn_send_batch(&source, &messages).await?;
+                    letters.dyn_remove(&chosen).await?;
                 }
                 let n = chosen.len() as u64;
                 report.moved += n;
@@ -382,10 +449,10 @@ pub async fn replay(
 
 /// Closes the reader whatever happened, and reports the first failure.
 async fn finish<T>(
-    letters: &mut dyn DeadLetters,
+    letters: &mut dyn DynDeadLetters,
     result: Result<T, OperationError>,
 ) -> Result<T, OperationError> {
-    let closed = letters.close().await;
+    let closed = letters.dyn_close().await;
     let value = result?;
     closed?;
     Ok(value)
@@ -399,7 +466,7 @@ mod tests {
     use std::time::{Duration, UNIX_EPOCH};
 
     use super::*;
-    use crate::Recovery;
+    use crate::{Publish, Recovery};
 
     /// A dead-letter destination in memory: a list, and what was removed.
     struct Parked {
@@ -409,7 +476,6 @@ mod tests {
         closed: bool,
     }
 
-    #[async_trait]
     impl DeadLetters for Parked {
         fn name(&self) -> &str {
             "parked"
@@ -434,7 +500,6 @@ mod tests {
     #[derive(Default)]
     struct Sent(Mutex<Vec<(String, OutgoingMessage)>>, Option<&'static str>);
 
-    #[async_trait]
     impl Publish for Sent {
         async fn send_batch(
             &self,
@@ -620,7 +685,7 @@ mod tests {
         let sent = Sent::default();
         let selection = Selection::all();
         assert_send(&replay(&mut dlq, &sent, &selection, true, &mut |_| {}));
-        let boxed: Box<dyn DeadLetters> = Box::new(parked(vec![]));
+        let boxed: Box<dyn DynDeadLetters> = Box::new(parked(vec![]));
         assert_send(&boxed);
     }
 

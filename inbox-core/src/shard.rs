@@ -4,9 +4,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-
-use crate::{InboxStore, InvalidId, Message, MessageId, OperationError, Recovery, StoreError};
+use crate::{
+    DynInboxStore, InboxStore, InvalidId, Message, MessageId, OperationError, Recovery, StoreError,
+};
 
 type Route = dyn Fn(&MessageId, &Message) -> usize + Send + Sync;
 
@@ -29,12 +29,11 @@ type Route = dyn Fn(&MessageId, &Message) -> usize + Send + Sync;
 /// at least one lane more than it has shards in an outage at once.
 ///
 /// ```
-/// use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Sharded};
+/// use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId, Sharded};
 /// use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
 ///
 /// struct Credit;
 ///
-/// #[async_trait]
 /// impl Handler<MemoryTx<i64>> for Credit {
 ///     // The handler is the one an unsharded store takes: it gets its shard's transaction.
 ///     async fn handle(&self, tx: &mut MemoryTx<i64>, _: &MessageId, m: &Message)
@@ -131,7 +130,6 @@ fn no_shard(what: &str) -> StoreError {
     )
 }
 
-#[async_trait]
 impl<S: InboxStore> InboxStore for Sharded<S> {
     type Tx = S::Tx;
 
@@ -167,7 +165,7 @@ impl<S: InboxStore> InboxStore for Sharded<S> {
         self.stores.len()
     }
 
-    fn shard(&self, index: usize) -> &dyn InboxStore<Tx = Self::Tx> {
+    fn shard(&self, index: usize) -> &(dyn DynInboxStore<Tx = Self::Tx> + 'static) {
         &self.stores[index % self.stores.len()]
     }
 }

@@ -1,9 +1,8 @@
 //! What a broker adapter implements: receiving deliveries, and settling each one through its
 //! handle (ack, nack or dead-letter).
 
+use std::future::Future;
 use std::time::Duration;
-
-use async_trait::async_trait;
 
 use crate::{Message, SourceError};
 
@@ -23,23 +22,24 @@ pub struct Delivery<A> {
 /// recorded the message's ID has committed. Each adapter documents what "ack" is on its broker and
 /// what happens to a delivery that is never acked (the process died): it must come back, to this
 /// consumer or another, so that nothing is lost.
-#[async_trait]
 pub trait Ack: Send + Sized + 'static {
     /// The message is done: the broker may forget it.
-    async fn ack(self) -> Result<(), SourceError>;
+    fn ack(self) -> impl Future<Output = Result<(), SourceError>> + Send;
 
     /// The message is not done: hand it out again, no sooner than `retry_after` where the
     /// broker can delay (SQS visibility, a delayed requeue); otherwise as soon as it can.
-    async fn nack(self, retry_after: Duration) -> Result<(), SourceError>;
+    fn nack(self, retry_after: Duration) -> impl Future<Output = Result<(), SourceError>> + Send;
 
     /// Acknowledges many deliveries, in one broker round-trip where the broker allows
     /// (`DeleteMessageBatch`, one `XACK`, one offset commit, `basic.ack` with `multiple`).
     /// The default acks one by one.
-    async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {
-        for ack in acks {
-            ack.ack().await?;
+    fn ack_all(acks: Vec<Self>) -> impl Future<Output = Result<(), SourceError>> + Send {
+        async move {
+            for ack in acks {
+                ack.ack().await?;
+            }
+            Ok(())
         }
-        Ok(())
     }
 
     /// Parks `message` (this delivery's) where an operator can see and replay it, then acks the
@@ -54,7 +54,11 @@ pub trait Ack: Send + Sized + 'static {
     /// as a delivery never acked does), so nothing is lost; the message may then be parked
     /// twice. A source with nowhere to park returns [`Recovery::Fatal`](crate::Recovery::Fatal)
     /// with the setting to fix.
-    async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError>;
+    fn dead_letter(
+        self,
+        message: &Message,
+        reason: &str,
+    ) -> impl Future<Output = Result<(), SourceError>> + Send;
 
     /// Hands the message back to come again after `delay`, as redelivery number `redelivery`
     /// (from 0) of the consumer's schedule
@@ -69,19 +73,21 @@ pub trait Ack: Send + Sized + 'static {
     ///
     /// Only called on a source whose [`Capabilities::delayed_redelivery`] is set; the default
     /// refuses.
-    async fn redeliver(
+    fn redeliver(
         self,
         message: &Message,
         delay: Duration,
         redelivery: u32,
-    ) -> Result<(), SourceError> {
-        let _ = (message, delay, redelivery);
-        Err(SourceError::new(
-            crate::Recovery::Fatal,
-            "redeliver",
-            "this source cannot delay a redelivery: remove the redelivery schedule \
-             (RetryPolicy::redeliver_after)",
-        ))
+    ) -> impl Future<Output = Result<(), SourceError>> + Send {
+        async move {
+            let _ = (self, message, delay, redelivery);
+            Err(SourceError::new(
+                crate::Recovery::Fatal,
+                "redeliver",
+                "this source cannot delay a redelivery: remove the redelivery schedule \
+                 (RetryPolicy::redeliver_after)",
+            ))
+        }
     }
 
     /// Whether the broker has already taken this delivery back while the consumer held it (a
@@ -96,7 +102,6 @@ pub trait Ack: Send + Sized + 'static {
 
 /// A broker subscription: a topic, a queue or a stream, as seen by one consumer. What becomes of
 /// each delivery (ack, nack, dead letter) goes through its [`Ack`] handle.
-#[async_trait]
 pub trait MessageSource: Send {
     /// This broker's acknowledgement handle.
     type Ack: Ack;
@@ -106,7 +111,10 @@ pub trait MessageSource: Send {
     ///
     /// The consumer may drop this future at shutdown. An adapter must then lose nothing: a
     /// message it had already taken from the broker comes back as an unacked delivery would.
-    async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<Self::Ack>>, SourceError>;
+    fn receive(
+        &mut self,
+        max: usize,
+    ) -> impl Future<Output = Result<Vec<Delivery<Self::Ack>>, SourceError>> + Send;
 
     /// How long the broker can still hand out a message it once delivered (a topic's
     /// `retention.ms` plus `segment.ms`, a queue's `MessageRetentionPeriod`), where the adapter

@@ -1,10 +1,11 @@
 //! What an inbox store implements: a transaction in which message IDs are claimed, and the
 //! transaction itself, which ends itself.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
+use futures_util::future::BoxFuture;
 
 use crate::{InvalidId, Message, MessageId, StoreError};
 
@@ -13,21 +14,19 @@ use crate::{InvalidId, Message, MessageId, StoreError};
 /// claims ([`InboxStore::Tx`]) and an effect's done mark
 /// ([`LeaseStore::Tx`](crate::effect::LeaseStore::Tx)). Dropped without either (a crash, a
 /// cancelled future), it must leave nothing behind.
-#[async_trait]
 pub trait Transaction: Send + 'static {
     /// Commits. A transaction the database has already aborted (a handler caught an SQL error
     /// and returned `Ok`) must fail here with [`Recovery::Retry`](crate::Recovery::Retry), never
     /// report success: the consumer then isolates the message and retries or dead-letters it,
     /// instead of acking a message whose effects were rolled back.
-    async fn commit(self) -> Result<(), StoreError>;
+    fn commit(self) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Rolls back.
-    async fn rollback(self) -> Result<(), StoreError>;
+    fn rollback(self) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
 /// No transaction: for a lease store with nothing to write beside its done mark, and for
 /// tests.
-#[async_trait]
 impl Transaction for () {
     async fn commit(self) -> Result<(), StoreError> {
         Ok(())
@@ -50,36 +49,37 @@ impl Transaction for () {
 /// (the consumer holds the messages and tries again, using up no delivery budget), `Retry` when
 /// this transaction failed (the consumer splits the batch to find the message that fails and
 /// retries it alone), `Fatal` when nothing will work until someone fixes it.
-#[async_trait]
 pub trait InboxStore: Send + Sync + 'static {
     /// An open transaction, handed to the handler; it commits or rolls back itself.
     type Tx: Transaction;
 
     /// Opens a transaction.
-    async fn begin(&self) -> Result<Self::Tx, StoreError>;
+    fn begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
 
     /// Records `id` for `consumer` inside `tx`. `true`: the ID is new and the message must be
     /// applied in this transaction; `false`: it was applied before, skip it.
-    async fn claim(
+    fn claim(
         &self,
         tx: &mut Self::Tx,
         consumer: &str,
         id: &MessageId,
-    ) -> Result<bool, StoreError>;
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Claims many distinct IDs at once (one round-trip where the store allows); the answer has
     /// one flag per ID, in order. The default claims one by one.
-    async fn claim_many(
+    fn claim_many(
         &self,
         tx: &mut Self::Tx,
         consumer: &str,
         ids: &[MessageId],
-    ) -> Result<Vec<bool>, StoreError> {
-        let mut claimed = Vec::with_capacity(ids.len());
-        for id in ids {
-            claimed.push(self.claim(tx, consumer, id).await?);
+    ) -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send {
+        async move {
+            let mut claimed = Vec::with_capacity(ids.len());
+            for id in ids {
+                claimed.push(self.claim(tx, consumer, id).await?);
+            }
+            Ok(claimed)
         }
-        Ok(claimed)
     }
 
     /// Refuses an ID this store cannot keep (a non-UUID for a uuid key column, say), before any
@@ -119,7 +119,7 @@ pub trait InboxStore: Send + Sync + 'static {
 
     /// The store of shard `index` (as [`InboxStore::shard_of`] answered), in which the
     /// consumer begins, claims and commits that shard's chunks. The default is the store itself.
-    fn shard(&self, index: usize) -> &dyn InboxStore<Tx = Self::Tx>
+    fn shard(&self, index: usize) -> &(dyn DynInboxStore<Tx = Self::Tx> + 'static)
     where
         Self: Sized,
     {
@@ -128,7 +128,6 @@ pub trait InboxStore: Send + Sync + 'static {
     }
 }
 
-#[async_trait]
 impl<S: InboxStore> InboxStore for Arc<S> {
     type Tx = S::Tx;
 
@@ -160,7 +159,7 @@ impl<S: InboxStore> InboxStore for Arc<S> {
     fn shard_count(&self) -> usize {
         (**self).shard_count()
     }
-    fn shard(&self, index: usize) -> &dyn InboxStore<Tx = Self::Tx> {
+    fn shard(&self, index: usize) -> &(dyn DynInboxStore<Tx = Self::Tx> + 'static) {
         (**self).shard(index)
     }
     /// Passed on only while this is the one `Arc` of the store; otherwise a warning says so.
@@ -175,5 +174,88 @@ impl<S: InboxStore> InboxStore for Arc<S> {
                  statements yourself"
             ),
         }
+    }
+}
+
+/// [`InboxStore`] as a trait object: what [`InboxStore::shard`] returns.
+///
+/// `InboxStore`'s async methods return `impl Future`, which keeps it from being made into a
+/// `dyn` object; this trait has those a shard's transactions go through, returning boxed
+/// futures, under names of their own (`dyn_` and the `InboxStore` method's), so that they are
+/// never ambiguous beside `InboxStore`'s. Every `InboxStore` implements it, and
+/// `dyn DynInboxStore` implements `InboxStore` (one database: shard 0 of 1).
+pub trait DynInboxStore: Send + Sync {
+    /// [`InboxStore::Tx`].
+    type Tx: Transaction;
+
+    /// [`InboxStore::begin`].
+    fn dyn_begin(&self) -> BoxFuture<'_, Result<Self::Tx, StoreError>>;
+
+    /// [`InboxStore::claim`].
+    fn dyn_claim<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        id: &'a MessageId,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// [`InboxStore::claim_many`].
+    fn dyn_claim_many<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        ids: &'a [MessageId],
+    ) -> BoxFuture<'a, Result<Vec<bool>, StoreError>>;
+
+    /// [`InboxStore::check_id`].
+    fn dyn_check_id(&self, id: &MessageId) -> Result<(), InvalidId>;
+}
+
+impl<S: InboxStore> DynInboxStore for S {
+    type Tx = S::Tx;
+
+    fn dyn_begin(&self) -> BoxFuture<'_, Result<Self::Tx, StoreError>> {
+        Box::pin(InboxStore::begin(self))
+    }
+    fn dyn_claim<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        id: &'a MessageId,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(InboxStore::claim(self, tx, consumer, id))
+    }
+    fn dyn_claim_many<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        ids: &'a [MessageId],
+    ) -> BoxFuture<'a, Result<Vec<bool>, StoreError>> {
+        Box::pin(InboxStore::claim_many(self, tx, consumer, ids))
+    }
+    fn dyn_check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
+        InboxStore::check_id(self, id)
+    }
+}
+
+impl<Tx: Transaction> InboxStore for dyn DynInboxStore<Tx = Tx> {
+    type Tx = Tx;
+
+    async fn begin(&self) -> Result<Tx, StoreError> {
+        self.dyn_begin().await
+    }
+    async fn claim(&self, tx: &mut Tx, consumer: &str, id: &MessageId) -> Result<bool, StoreError> {
+        self.dyn_claim(tx, consumer, id).await
+    }
+    async fn claim_many(
+        &self,
+        tx: &mut Tx,
+        consumer: &str,
+        ids: &[MessageId],
+    ) -> Result<Vec<bool>, StoreError> {
+        self.dyn_claim_many(tx, consumer, ids).await
+    }
+    fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
+        self.dyn_check_id(id)
     }
 }

@@ -6,9 +6,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use inbox_core::effect::{Acquired, Attempt, Effect, EffectHandler, Lease, OnUnknown};
-use inbox_core::{
-    async_trait, Consumer, Error, Handler, HandlerError, Message, MessageId, RetryPolicy, Stage,
-};
+use inbox_core::{Consumer, Error, Handler, HandlerError, Message, MessageId, RetryPolicy, Stage};
 use inbox_testkit::{Crash, MemoryBroker, MemoryStore, MemoryTx, ScriptedLeases, WithoutInbox};
 
 /// Balances per account and the IDs applied, in order.
@@ -20,7 +18,6 @@ struct Wallet {
 
 struct Credit;
 
-#[async_trait]
 impl Handler<MemoryTx<Wallet>> for Credit {
     async fn handle(
         &self,
@@ -346,7 +343,6 @@ async fn a_consumer_name_with_a_control_character_is_refused_at_start() {
 /// An effect handler that never gets to call.
 struct NoCall;
 
-#[async_trait]
 impl EffectHandler<()> for NoCall {
     fn on_unknown(&self) -> OnUnknown {
         OnUnknown::Skip
@@ -370,6 +366,33 @@ fn public_types_and_futures_are_send_and_sync() {
     let consumer = Consumer::new("c", broker.source(), MemoryStore::<Wallet>::new(), Credit);
     let run = consumer.run_until_idle();
     send(&run); // the run future can be spawned on a multi-threaded runtime
+}
+
+/// The same with any source, store and handlers, as a library generic over them sees it: the
+/// traits' futures are declared `Send`, so the consumer's run futures are too (given an ack
+/// handle that is `Sync`, as the consumer shares its deliveries between its lanes' futures).
+/// Compiling is the test.
+#[allow(dead_code)]
+fn run_futures_are_send_for_any_source_store_and_handler<S, St, H, B, L, E>(
+    source: impl Fn() -> S,
+    store: St,
+    handler: H,
+    batch_handler: B,
+    leases: L,
+    effect_handler: E,
+) where
+    S: inbox_core::MessageSource + 'static,
+    S::Ack: Sync,
+    St: inbox_core::InboxStore + Clone,
+    H: inbox_core::Handler<St::Tx> + 'static,
+    B: inbox_core::BatchHandler<St::Tx> + 'static,
+    L: inbox_core::effect::LeaseStore,
+    E: EffectHandler<L::Tx> + 'static,
+{
+    fn send<T: Send>(_: T) {}
+    send(Consumer::new("c", source(), store.clone(), handler).run());
+    send(Consumer::batched("c", source(), store, batch_handler).run_until_idle());
+    send(Consumer::effects("c", source(), leases, effect_handler).run());
 }
 
 #[test]
@@ -407,7 +430,6 @@ async fn the_consumer_reads_the_broker_window_at_start() {
 /// An effect handler whose calls each wait for another call to be in flight beside them.
 struct Pair(tokio::sync::Barrier);
 
-#[async_trait]
 impl EffectHandler<()> for Pair {
     fn on_unknown(&self) -> OnUnknown {
         OnUnknown::Retry
@@ -457,7 +479,6 @@ fn leased() -> Acquired {
 /// An effect handler whose call never returns.
 struct Hang;
 
-#[async_trait]
 impl EffectHandler<()> for Hang {
     fn on_unknown(&self) -> OnUnknown {
         OnUnknown::Retry

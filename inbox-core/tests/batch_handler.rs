@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{
-    async_trait, BatchHandler, BatchItem, Consumer, HandlerError, Message, MessageId, RetryPolicy,
+    BatchHandler, BatchItem, Consumer, HandlerError, Message, MessageId, RetryPolicy,
 };
 use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
 
@@ -20,7 +20,6 @@ struct Append {
     calls: Arc<AtomicU32>,
 }
 
-#[async_trait]
 impl BatchHandler<MemoryTx<Vec<i64>>> for Append {
     type Item = i64;
 

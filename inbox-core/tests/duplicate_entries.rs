@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, RetryPolicy};
+use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId, RetryPolicy};
 use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx, Redelivery};
 use tokio::sync::{oneshot, Notify};
 
@@ -25,7 +25,6 @@ struct Record {
     failed: Mutex<Option<oneshot::Sender<()>>>,
 }
 
-#[async_trait]
 impl Handler<MemoryTx<Ledger>> for Record {
     async fn handle(
         &self,

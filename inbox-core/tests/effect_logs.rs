@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inbox_core::effect::{Acquired, Attempt, Effect, EffectHandler, Lease, OnUnknown};
-use inbox_core::{async_trait, Consumer, HandlerError, Message};
+use inbox_core::{Consumer, HandlerError, Message};
 use inbox_testkit::{MemoryBroker, ScriptedLeases};
 
 /// The ID's second half: a line of its own in the log if the newline before it is written raw.
@@ -18,7 +18,6 @@ const FORGED: &str = "FORGED  WARN inbox: all payments refunded";
 /// Every call succeeds; an unknown outcome is marked done without a call.
 struct Call;
 
-#[async_trait]
 impl EffectHandler<()> for Call {
     fn on_unknown(&self) -> OnUnknown {
         OnUnknown::Skip

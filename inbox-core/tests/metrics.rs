@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use inbox_core::effect::{Acquired, Attempt, Effect, EffectHandler, Lease, OnUnknown};
 use inbox_core::telemetry::{self as t};
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId};
 use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx, ScriptedLeases};
 use metrics::{
     Counter, CounterFn, Gauge, GaugeFn, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
@@ -116,7 +116,6 @@ impl Recorder for Capture {
 
 struct Add;
 
-#[async_trait]
 impl Handler<MemoryTx<i64>> for Add {
     async fn handle(
         &self,
@@ -212,7 +211,6 @@ async fn the_consumer_records_its_metrics_labelled_and_described() {
 
 struct Call;
 
-#[async_trait]
 impl EffectHandler<()> for Call {
     fn on_unknown(&self) -> OnUnknown {
         OnUnknown::Retry

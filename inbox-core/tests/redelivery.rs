@@ -7,9 +7,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use inbox_core::{
-    async_trait, Consumer, Error, Handler, HandlerError, Message, MessageId, RetryPolicy,
-};
+use inbox_core::{Consumer, Error, Handler, HandlerError, Message, MessageId, RetryPolicy};
 use inbox_testkit::{eventually, AckOnReceive, MemoryBroker, MemoryStore, MemoryTx};
 
 /// Adds each payload to the sum, failing while its downstream is down (until `up_at`), and
@@ -20,7 +18,6 @@ struct Downstream {
     attempts: Arc<Mutex<Vec<(Instant, u32)>>>,
 }
 
-#[async_trait]
 impl Handler<MemoryTx<i64>> for Downstream {
     async fn handle(
         &self,
@@ -135,7 +132,6 @@ async fn a_permanent_failure_is_dead_lettered_at_once_whatever_the_schedule() {
     broker.publish(Some("evt-1"), "not a number");
     let store = MemoryStore::<i64>::new();
     struct Refuse;
-    #[async_trait]
     impl Handler<MemoryTx<i64>> for Refuse {
         async fn handle(
             &self,

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{
-    async_trait, Consumer, Handler, HandlerError, InboxStore, Message, MessageId, OperationError,
-    Recovery, RetryPolicy, Sharded, StoreError,
+    Consumer, Handler, HandlerError, InboxStore, Message, MessageId, OperationError, Recovery,
+    RetryPolicy, Sharded, StoreError,
 };
 use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
 
@@ -18,7 +18,6 @@ type Ledger = Vec<String>;
 
 struct Record;
 
-#[async_trait]
 impl Handler<MemoryTx<Ledger>> for Record {
     async fn handle(
         &self,
@@ -56,7 +55,6 @@ struct Outage {
     failing: Arc<AtomicU32>,
 }
 
-#[async_trait]
 impl InboxStore for Outage {
     type Tx = MemoryTx<Ledger>;
 

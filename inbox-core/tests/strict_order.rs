@@ -9,8 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inbox_core::{
-    async_trait, BatchHandler, BatchItem, Consumer, Error, Handler, HandlerError, Message,
-    MessageId, Order,
+    BatchHandler, BatchItem, Consumer, Error, Handler, HandlerError, Message, MessageId, Order,
 };
 use inbox_testkit::{fast_retry, MemoryBroker, MemoryStore, MemoryTx};
 
@@ -40,7 +39,6 @@ fn record(tx: &mut MemoryTx<Ledger>, id: &MessageId, message: &Message) {
     tx.state_mut().entry(lane).or_default().push(id.to_string());
 }
 
-#[async_trait]
 impl Handler<MemoryTx<Ledger>> for Flaky {
     async fn handle(
         &self,
@@ -56,7 +54,6 @@ impl Handler<MemoryTx<Ledger>> for Flaky {
     }
 }
 
-#[async_trait]
 impl BatchHandler<MemoryTx<Ledger>> for Flaky {
     type Item = ();
 
@@ -275,7 +272,6 @@ struct AfterTheLetter {
     broker: MemoryBroker,
 }
 
-#[async_trait]
 impl Handler<MemoryTx<Ledger>> for AfterTheLetter {
     async fn handle(
         &self,
@@ -332,7 +328,6 @@ struct InOrder {
     release: Arc<tokio::sync::Notify>,
 }
 
-#[async_trait]
 impl Handler<MemoryTx<Ledger>> for InOrder {
     async fn handle(
         &self,

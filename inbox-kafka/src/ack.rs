@@ -7,7 +7,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::{async_trait, Ack, Message, Recovery, SourceError};
+use inbox_core::{Ack, Message, Recovery, SourceError};
 use rdkafka::consumer::Consumer;
 use rdkafka::{Offset, TopicPartitionList};
 use tracing::{debug, warn};
@@ -58,7 +58,6 @@ impl KafkaAck {
     }
 }
 
-#[async_trait]
 impl Ack for KafkaAck {
     async fn ack(self) -> Result<(), SourceError> {
         Self::ack_all(vec![self]).await

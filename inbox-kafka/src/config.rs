@@ -54,7 +54,7 @@ pub struct KafkaSourceBuilder {
     pub(crate) commit_interval: Duration,
     pub(crate) common: BTreeMap<String, String>,
     pub(crate) consumer: BTreeMap<String, String>,
-    pub(crate) token_provider: Option<Arc<dyn TokenProvider>>,
+    pub(crate) token_provider: Option<Arc<dyn crate::token::DynTokenProvider>>,
 }
 
 impl fmt::Debug for KafkaSourceBuilder {

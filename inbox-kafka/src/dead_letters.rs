@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use inbox_core::replay::{DeadLetter, DeadLetters};
-use inbox_core::{async_trait, MessageId, OperationError};
+use inbox_core::{MessageId, OperationError};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::message::{Headers, Message as _};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
@@ -222,7 +222,6 @@ impl KafkaDeadLetters {
     }
 }
 
-#[async_trait]
 impl DeadLetters for KafkaDeadLetters {
     fn name(&self) -> &str {
         &self.topic

@@ -5,10 +5,9 @@
 //! use inbox_core::{Consumer, OutgoingMessage, Publish};
 //! use inbox_kafka::{KafkaProducer, KafkaSource};
 //! use inbox_postgres::PgInbox;
-//! # use inbox_core::{async_trait, Handler, HandlerError, Message, MessageId};
+//! # use inbox_core::{Handler, HandlerError, Message, MessageId};
 //! # use inbox_postgres::PgTx;
 //! # struct Credit;
-//! # #[async_trait]
 //! # impl Handler<PgTx> for Credit {
 //! #     async fn handle(&self, tx: &mut PgTx, _: &MessageId, m: &Message) -> Result<(), HandlerError> {
 //! #         sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = 1")
@@ -159,13 +158,11 @@
 //!
 //! ```no_run
 //! # use std::time::{Duration, SystemTime};
-//! use inbox_core::async_trait;
 //! use inbox_kafka::{KafkaSource, Token, TokenError, TokenProvider};
 //!
 //! /// Tokens from your cloud's IAM library (AWS MSK IAM, Azure Event Hubs, Confluent Cloud).
 //! struct Iam;
 //!
-//! #[async_trait]
 //! impl TokenProvider for Iam {
 //!     async fn token(&self) -> Result<Token, TokenError> {
 //!         Ok(Token {

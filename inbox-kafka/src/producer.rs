@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::try_join_all;
-use inbox_core::{async_trait, OutgoingMessage, Publish, PublishError};
+use inbox_core::{OutgoingMessage, Publish, PublishError};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
@@ -51,7 +51,7 @@ pub struct KafkaProducerBuilder {
     id_header: String,
     operation_timeout: Duration,
     properties: BTreeMap<String, String>,
-    token_provider: Option<Arc<dyn TokenProvider>>,
+    token_provider: Option<Arc<dyn crate::token::DynTokenProvider>>,
 }
 
 impl fmt::Debug for KafkaProducerBuilder {
@@ -240,7 +240,6 @@ impl KafkaProducer {
 /// record of the batch is handed to librdkafka before the first delivery report is awaited, so
 /// the batch travels in a few produce requests; with idempotence on, records of one partition
 /// keep their order, retries included.
-#[async_trait]
 impl Publish for KafkaProducer {
     async fn send_batch(
         &self,

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use inbox_core::{
-    async_trait, Binding, Capabilities, Delivery, IdCarrier, IdFrom, Message, MessageSource,
-    Recovery, SourceError,
+    Binding, Capabilities, Delivery, IdCarrier, IdFrom, Message, MessageSource, Recovery,
+    SourceError,
 };
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -315,7 +315,6 @@ impl IdCarrier for Record<'_> {
     }
 }
 
-#[async_trait]
 impl MessageSource for KafkaSource {
     type Ack = KafkaAck;
 

@@ -3,11 +3,12 @@
 //! before it connects and again before each token expires.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::mpsc::RecvTimeoutError;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use inbox_core::async_trait;
+use futures_util::future::BoxFuture;
 use rdkafka::client::OAuthToken;
 use tokio::runtime::{Handle, RuntimeFlavor};
 
@@ -57,7 +58,6 @@ impl fmt::Debug for Token {
 ///
 /// ```
 /// use std::time::{Duration, SystemTime};
-/// use inbox_core::async_trait;
 /// use inbox_kafka::{Token, TokenError, TokenProvider};
 ///
 /// /// Tokens from the company's token service (here: made up).
@@ -65,7 +65,6 @@ impl fmt::Debug for Token {
 ///     role: String,
 /// }
 ///
-/// #[async_trait]
 /// impl TokenProvider for CompanyIam {
 ///     async fn token(&self) -> Result<Token, TokenError> {
 ///         // let signed = iam_client.sign(&self.role).await?;
@@ -86,10 +85,30 @@ impl fmt::Debug for Token {
 /// tokio's multi-thread runtime (the default of `#[tokio::main]`): on a current-thread runtime
 /// the provider is not called and the source reports an error saying so. The wait is bounded by
 /// the builder's operation timeout.
-#[async_trait]
 pub trait TokenProvider: Send + Sync + 'static {
     /// A fresh token, or why there is none.
-    async fn token(&self) -> Result<Token, TokenError>;
+    fn token(&self) -> impl Future<Output = Result<Token, TokenError>> + Send;
+}
+
+/// [`TokenProvider`] as a trait object, as the builders keep it. `TokenProvider::token`
+/// returns `impl Future`, which keeps the trait from being made into a `dyn` object; this one
+/// returns a boxed future (from `dyn_token`, a name never ambiguous beside `token`). Every
+/// `TokenProvider` implements it, and `dyn DynTokenProvider` implements `TokenProvider`.
+pub(crate) trait DynTokenProvider: Send + Sync + 'static {
+    /// [`TokenProvider::token`].
+    fn dyn_token(&self) -> BoxFuture<'_, Result<Token, TokenError>>;
+}
+
+impl<P: TokenProvider> DynTokenProvider for P {
+    fn dyn_token(&self) -> BoxFuture<'_, Result<Token, TokenError>> {
+        Box::pin(TokenProvider::token(self))
+    }
+}
+
+impl TokenProvider for dyn DynTokenProvider {
+    async fn token(&self) -> Result<Token, TokenError> {
+        self.dyn_token().await
+    }
 }
 
 /// Sets `sasl.mechanism=OAUTHBEARER` on a client with a token provider, and refuses another
@@ -120,7 +139,7 @@ pub(crate) fn require_oauthbearer(config: &mut rdkafka::ClientConfig) -> Result<
 
 /// The context's token refresh for `provider`: the runtime is the current one.
 pub(crate) fn refresh_for(
-    provider: Option<&Arc<dyn TokenProvider>>,
+    provider: Option<&Arc<dyn DynTokenProvider>>,
     timeout: Duration,
     failures: &Failures,
 ) -> Result<Option<TokenRefresh>> {
@@ -142,7 +161,7 @@ pub(crate) fn refresh_for(
 /// take, and where its failures are reported.
 #[derive(Clone)]
 pub(crate) struct TokenRefresh {
-    provider: Arc<dyn TokenProvider>,
+    provider: Arc<dyn DynTokenProvider>,
     /// The runtime the client was built in, for callbacks on librdkafka's own threads.
     runtime: Handle,
     timeout: Duration,
@@ -160,7 +179,7 @@ impl fmt::Debug for TokenRefresh {
 impl TokenRefresh {
     /// `None` outside a tokio runtime: the provider would have nothing to run on.
     pub(crate) fn new(
-        provider: Arc<dyn TokenProvider>,
+        provider: Arc<dyn DynTokenProvider>,
         timeout: Duration,
         failures: Failures,
     ) -> Option<Self> {
@@ -240,7 +259,6 @@ mod tests {
 
     struct Fixed;
 
-    #[async_trait]
     impl TokenProvider for Fixed {
         async fn token(&self) -> Result<Token, TokenError> {
             Ok(Token {

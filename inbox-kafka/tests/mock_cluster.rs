@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use inbox_conformance::kafka::send_raw;
 use inbox_core::{
-    async_trait, Ack, Consumer, Delivery, Handler, HandlerError, Message, MessageId, MessageSource,
+    Ack, Consumer, Delivery, Handler, HandlerError, Message, MessageId, MessageSource,
     OutgoingMessage, Publish, StatsSnapshot,
 };
 use inbox_kafka::rdkafka::consumer::Consumer as _;
@@ -27,7 +27,6 @@ use mock::{cluster, evt, producer};
 /// Adds each message's number to the state, after `0` of pretend work.
 struct Sum(Duration);
 
-#[async_trait]
 impl Handler<MemoryTx<i64>> for Sum {
     async fn handle(
         &self,
@@ -377,7 +376,6 @@ impl Ledger {
     }
 }
 
-#[async_trait]
 impl Handler<MemoryTx<Vec<String>>> for Ledger {
     async fn handle(
         &self,

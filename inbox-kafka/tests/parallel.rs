@@ -14,9 +14,7 @@ use std::time::Duration;
 use common::*;
 use inbox_conformance::wallet::{self, Credit, CreditEvent};
 use inbox_conformance::TestDb;
-use inbox_core::{
-    async_trait, Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage,
-};
+use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage};
 use inbox_postgres::PgTx;
 
 /// The wallet's credit, watched: how many run at once, and the order of each partition.
@@ -28,7 +26,6 @@ struct Watched {
     applied: Arc<Mutex<HashMap<String, Vec<i64>>>>,
 }
 
-#[async_trait]
 impl Handler<PgTx> for Watched {
     async fn handle(
         &self,

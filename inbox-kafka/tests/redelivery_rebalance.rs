@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use inbox_core::{
-    async_trait, Ack, Consumer, Delivery, Handler, HandlerError, Message, MessageId, MessageSource,
+    Ack, Consumer, Delivery, Handler, HandlerError, Message, MessageId, MessageSource,
     OutgoingMessage, Publish, RetryPolicy,
 };
 use inbox_kafka::rdkafka::config::ClientConfig;
@@ -40,7 +40,6 @@ struct Ledger {
     failures: &'static AtomicU32,
 }
 
-#[async_trait]
 impl Handler<MemoryTx<Vec<String>>> for Ledger {
     async fn handle(
         &self,

@@ -16,8 +16,8 @@ use common::*;
 use inbox_conformance::wallet::{Credit, CreditEvent};
 use inbox_conformance::TestDb;
 use inbox_core::{
-    async_trait, Consumer, Handler, HandlerError, Message, MessageId, Order, OutgoingMessage,
-    RetryPolicy, Stage, StageHook,
+    Consumer, Handler, HandlerError, Message, MessageId, Order, OutgoingMessage, RetryPolicy,
+    Stage, StageHook,
 };
 use inbox_postgres::PgTx;
 
@@ -40,7 +40,6 @@ fn place(message: &Message) -> (i32, i64) {
     (words[1].parse().unwrap(), words[3].parse().unwrap())
 }
 
-#[async_trait]
 impl Handler<PgTx> for Ordered {
     async fn handle(
         &self,

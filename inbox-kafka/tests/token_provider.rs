@@ -17,7 +17,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use common::*;
 use inbox_conformance::kafka::PrivateTansu;
-use inbox_core::{async_trait, MessageSource, Recovery, SourceError};
+use inbox_core::{MessageSource, Recovery, SourceError};
 use inbox_kafka::{
     Error, KafkaProducer, KafkaSource, KafkaSourceBuilder, Token, TokenError, TokenProvider,
 };
@@ -51,7 +51,6 @@ impl TestTokens {
     }
 }
 
-#[async_trait]
 impl TokenProvider for TestTokens {
     async fn token(&self) -> Result<Token, TokenError> {
         self.calls.lock().unwrap().push(Instant::now());

@@ -1,12 +1,11 @@
 //! The transactional inbox store on MySQL and MariaDB (InnoDB), for [`inbox_core`].
 //!
 //! ```no_run
-//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, MessageSource};
+//! use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId, MessageSource};
 //! use inbox_mysql::{MySqlInbox, MySqlTx};
 //!
 //! struct Credit;
 //!
-//! #[async_trait]
 //! impl Handler<MySqlTx> for Credit {
 //!     async fn handle(&self, tx: &mut MySqlTx, id: &MessageId, message: &Message) -> Result<(), HandlerError> {
 //!         let amount: i64 = message.json()?;

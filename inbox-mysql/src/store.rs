@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inbox_core::sql::hashed_key;
-use inbox_core::{async_trait, InboxStore, InvalidId, MessageId, Recovery, StoreError};
+use inbox_core::{InboxStore, InvalidId, MessageId, Recovery, StoreError};
 use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool};
 use uuid::Uuid;
 
@@ -343,7 +343,6 @@ fn parse_uuid(id: &MessageId) -> Result<Uuid, InvalidId> {
     })
 }
 
-#[async_trait]
 impl InboxStore for MySqlInbox {
     type Tx = MySqlTx;
 

@@ -3,7 +3,7 @@
 
 use std::ops::{Deref, DerefMut};
 
-use inbox_core::{async_trait, Recovery, StoreError, Transaction};
+use inbox_core::{Recovery, StoreError, Transaction};
 use sqlx::pool::PoolConnection;
 use sqlx::{MySql, MySqlConnection};
 
@@ -81,7 +81,6 @@ impl Drop for MySqlTx {
 const COMMIT: &str = "COMMIT; SET autocommit = 1";
 const ROLLBACK: &str = "ROLLBACK; SET autocommit = 1";
 
-#[async_trait]
 impl Transaction for MySqlTx {
     async fn commit(mut self) -> Result<(), StoreError> {
         // The mark is there only if the transaction that claimed the messages is still the one

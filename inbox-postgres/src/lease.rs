@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use inbox_core::effect::{Acquired, Attempt, Lease, LeaseStore, Release};
 use inbox_core::sql::hashed_key;
-use inbox_core::{async_trait, InboxStore, InvalidId, MessageId, Recovery, StoreError};
+use inbox_core::{InboxStore, InvalidId, MessageId, Recovery, StoreError};
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
@@ -55,13 +55,12 @@ pub const DEFAULT_LEASE_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 ///
 /// ```no_run
 /// use inbox_core::effect::{Effect, EffectHandler, OnUnknown, Settled};
-/// use inbox_core::{async_trait, Consumer, HandlerError, Message, MessageSource};
+/// use inbox_core::{Consumer, HandlerError, Message, MessageSource};
 /// use inbox_postgres::{PgInbox, PgLeases, PgTx};
 ///
 /// /// Charges a card through a payment API that takes idempotency keys, and records the payment.
 /// struct Charge;
 ///
-/// #[async_trait]
 /// impl EffectHandler<PgTx> for Charge {
 ///     fn on_unknown(&self) -> OnUnknown {
 ///         OnUnknown::Retry // the API deduplicates on the key: a retry cannot charge twice
@@ -307,7 +306,6 @@ fn attempt(token: i64, clean_token: i64) -> Attempt {
     }
 }
 
-#[async_trait]
 impl LeaseStore for PgLeases {
     type Tx = PgTx;
 

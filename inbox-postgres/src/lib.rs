@@ -1,12 +1,11 @@
 //! The transactional inbox store on PostgreSQL, for [`inbox_core`].
 //!
 //! ```no_run
-//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, MessageSource};
+//! use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId, MessageSource};
 //! use inbox_postgres::{PgInbox, PgTx};
 //!
 //! struct Credit;
 //!
-//! #[async_trait]
 //! impl Handler<PgTx> for Credit {
 //!     async fn handle(&self, tx: &mut PgTx, id: &MessageId, message: &Message) -> Result<(), HandlerError> {
 //!         let amount: i64 = message.json()?;

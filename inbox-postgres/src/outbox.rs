@@ -37,7 +37,7 @@ pub const OUTBOX_ERRORS_COUNTER: &str = "inbox_outbox_errors_total";
 /// however many sent rows wait for [`purge_sent`](Outbox::purge_sent).
 ///
 /// ```no_run
-/// use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+/// use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId};
 /// use inbox_core::{MessageSource, Publish};
 /// use inbox_postgres::{Outbox, PgInbox, PgTx};
 ///
@@ -47,7 +47,6 @@ pub const OUTBOX_ERRORS_COUNTER: &str = "inbox_outbox_errors_total";
 ///     outbox: Outbox,
 /// }
 ///
-/// #[async_trait]
 /// impl Handler<PgTx> for ConfirmOrder {
 ///     async fn handle(&self, tx: &mut PgTx, id: &MessageId, message: &Message) -> Result<(), HandlerError> {
 ///         sqlx::query("UPDATE orders SET confirmed = true WHERE event_id = $1")

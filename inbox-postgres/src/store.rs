@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inbox_core::sql::hashed_key;
-use inbox_core::{async_trait, InboxStore, InvalidId, MessageId, StoreError};
+use inbox_core::{InboxStore, InvalidId, MessageId, StoreError};
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
@@ -409,7 +409,6 @@ fn parse_uuid(id: &MessageId) -> Result<Uuid, InvalidId> {
     })
 }
 
-#[async_trait]
 impl InboxStore for PgInbox {
     type Tx = PgTx;
 

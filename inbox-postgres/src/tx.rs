@@ -2,7 +2,7 @@
 
 use std::ops::{Deref, DerefMut};
 
-use inbox_core::{async_trait, StoreError, Transaction};
+use inbox_core::{StoreError, Transaction};
 use sqlx::{PgConnection, Postgres};
 
 use crate::error::{recovery, store_err};
@@ -33,7 +33,6 @@ impl DerefMut for PgTx {
     }
 }
 
-#[async_trait]
 impl Transaction for PgTx {
     async fn commit(mut self) -> Result<(), StoreError> {
         // PostgreSQL answers COMMIT of an aborted transaction (a statement failed and the

@@ -12,9 +12,7 @@ use std::time::Duration;
 
 use common_effects::*;
 use inbox_conformance::provider::{Behaviour, ProviderMode};
-use inbox_core::{
-    async_trait, Ack, Delivery, Message, MessageId, MessageSource, SourceError, Stage, REPLAYED,
-};
+use inbox_core::{Ack, Delivery, Message, MessageId, MessageSource, SourceError, Stage, REPLAYED};
 use inbox_testkit::fast_retry;
 use inbox_testkit::{Crash, MemoryAck, MemoryBroker, MemorySource};
 
@@ -73,7 +71,6 @@ struct NoDelay(MemorySource);
 #[derive(Debug)]
 struct NoDelayAck(MemoryAck);
 
-#[async_trait]
 impl Ack for NoDelayAck {
     async fn ack(self) -> Result<(), SourceError> {
         self.0.ack().await
@@ -86,7 +83,6 @@ impl Ack for NoDelayAck {
     }
 }
 
-#[async_trait]
 impl MessageSource for NoDelay {
     type Ack = NoDelayAck;
     async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<NoDelayAck>>, SourceError> {

@@ -14,7 +14,7 @@ use std::time::Duration;
 use common_effects::*;
 use inbox_conformance::provider::{Behaviour, ProviderMode};
 use inbox_core::effect::{Acquired, Attempt, Lease, LeaseStore, Release};
-use inbox_core::{async_trait, Consumer, InvalidId, MessageId, StoreError};
+use inbox_core::{Consumer, InvalidId, MessageId, StoreError};
 use inbox_postgres::{PgLeases, PgTx};
 use inbox_testkit::fast_retry;
 use inbox_testkit::MemoryBroker;
@@ -131,7 +131,6 @@ struct PausedBeforeDone {
     paused: Arc<AtomicBool>,
 }
 
-#[async_trait]
 impl LeaseStore for PausedBeforeDone {
     type Tx = PgTx;
 

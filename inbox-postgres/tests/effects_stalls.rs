@@ -14,7 +14,7 @@ use inbox_conformance::provider::ProviderMode;
 use inbox_core::effect::{
     Acquired, Effect, EffectHandler, Landed, LeaseStore, OnUnknown, Release, Settled,
 };
-use inbox_core::{async_trait, Consumer, HandlerError, Message, Recovery};
+use inbox_core::{Consumer, HandlerError, Message, Recovery};
 use inbox_postgres::PgTx;
 use inbox_testkit::{eventually, fast_retry, MemoryBroker};
 
@@ -89,7 +89,6 @@ async fn an_acquire_behind_an_open_done_transaction_is_busy_instead_of_waiting()
 /// another session keeps locked.
 struct RecordWaitsOnALock(Notify);
 
-#[async_trait]
 impl EffectHandler<PgTx> for RecordWaitsOnALock {
     fn on_unknown(&self) -> OnUnknown {
         self.0.on_unknown()

@@ -12,9 +12,7 @@ use std::time::Duration;
 
 use inbox_conformance::TestDb;
 use inbox_core::telemetry::TRACEPARENT_HEADER;
-use inbox_core::{
-    async_trait, Destinations, MessageId, OutgoingMessage, Publish, PublishError, Recovery,
-};
+use inbox_core::{Destinations, MessageId, OutgoingMessage, Publish, PublishError, Recovery};
 use inbox_postgres::{Error, Outbox, RelayError, TableName, OUTBOX_OLDEST_UNSENT_GAUGE};
 use inbox_testkit::metadata::TRACEPARENT;
 use sqlx::AssertSqlSafe;
@@ -48,7 +46,6 @@ impl Recorder {
     }
 }
 
-#[async_trait]
 impl Publish for Recorder {
     async fn send_batch(
         &self,

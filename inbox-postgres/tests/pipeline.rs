@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use inbox_conformance::wallet::{Credit, CreditEvent};
 use inbox_conformance::TestDb;
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId};
 use inbox_postgres::PgTx;
 use inbox_testkit::MemoryBroker;
 
@@ -22,7 +22,6 @@ struct Counting {
     most: Arc<AtomicUsize>,
 }
 
-#[async_trait]
 impl Handler<PgTx> for Counting {
     async fn handle(
         &self,

@@ -16,7 +16,7 @@ use std::time::Duration;
 use inbox_conformance::wallet::publish_credit;
 use inbox_conformance::wallet::{self, balance, Credit};
 use inbox_conformance::TestDb;
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Stage};
+use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId, Stage};
 use inbox_postgres::PgTx;
 use inbox_testkit::fast_retry;
 use inbox_testkit::{AckOnReceive, Crash, MemoryBroker, WithoutInbox};
@@ -97,7 +97,6 @@ struct Flaky {
     failures: AtomicU32,
 }
 
-#[async_trait]
 impl Handler<PgTx> for Flaky {
     async fn handle(&self, tx: &mut PgTx, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
         // Write first, then fail: the rollback must take the credit and the inbox row with it.
@@ -217,7 +216,6 @@ async fn a_poison_message_in_a_batch_is_dead_lettered_and_the_rest_commits_once(
 #[tokio::test]
 async fn a_panicking_handler_does_not_take_the_consumer_down() {
     struct PanicsOnce(AtomicU32, Credit);
-    #[async_trait]
     impl Handler<PgTx> for PanicsOnce {
         async fn handle(
             &self,

@@ -12,7 +12,7 @@ use std::time::Duration;
 use inbox_conformance::wallet::publish_credit;
 use inbox_conformance::wallet::{self, balance, Credit};
 use inbox_conformance::TestDb;
-use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId};
 use inbox_postgres::{PgInbox, PgTx, TableName};
 use inbox_testkit::fast_retry;
 use inbox_testkit::MemoryBroker;
@@ -33,7 +33,6 @@ struct AuditIgnoringErrors {
     credit: Credit,
 }
 
-#[async_trait]
 impl Handler<PgTx> for AuditIgnoringErrors {
     async fn handle(
         &self,
@@ -181,7 +180,6 @@ async fn a_one_connection_pool_does_not_stall() {
 /// Applies nothing but the claim.
 struct Noop;
 
-#[async_trait]
 impl Handler<PgTx> for Noop {
     async fn handle(&self, _: &mut PgTx, _: &MessageId, _: &Message) -> Result<(), HandlerError> {
         Ok(())

@@ -7,7 +7,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use inbox_core::{async_trait, Ack, Message, SourceError};
+use inbox_core::{Ack, Message, SourceError};
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::{BasicProperties, Channel, Connection};
 
@@ -216,7 +216,6 @@ impl fmt::Debug for RabbitAck {
     }
 }
 
-#[async_trait]
 impl Ack for RabbitAck {
     async fn ack(self) -> Result<(), SourceError> {
         Ok(self.link.ack(self.tag, false).await?)

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use inbox_core::replay::{DeadLetter, DeadLetters};
-use inbox_core::{async_trait, OperationError};
+use inbox_core::OperationError;
 use lapin::options::{BasicAckOptions, BasicGetOptions};
 use lapin::{Channel, Connection};
 
@@ -138,7 +138,6 @@ impl RabbitDeadLettersBuilder {
     }
 }
 
-#[async_trait]
 impl DeadLetters for RabbitDeadLetters {
     fn name(&self) -> &str {
         &self.queue

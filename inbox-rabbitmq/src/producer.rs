@@ -4,7 +4,7 @@ use std::fmt;
 
 use futures_util::future::try_join_all;
 use inbox_core::telemetry::TRACEPARENT_HEADER;
-use inbox_core::{async_trait, OutgoingMessage, Publish, PublishError};
+use inbox_core::{OutgoingMessage, Publish, PublishError};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
@@ -287,7 +287,6 @@ impl RabbitProducer {
 /// Each message is published persistent, `mandatory`, with its ID as `message_id` and its
 /// headers (and the current trace as `traceparent`) as AMQP headers, all of them before the first
 /// confirm is awaited; `Ok` once the broker confirmed every one.
-#[async_trait]
 impl Publish for RabbitProducer {
     async fn send_batch(
         &self,

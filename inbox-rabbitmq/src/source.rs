@@ -5,9 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use futures_util::{FutureExt, StreamExt};
-use inbox_core::{
-    async_trait, Binding, Capabilities, Delivery, IdCarrier, Message, MessageSource, SourceError,
-};
+use inbox_core::{Binding, Capabilities, Delivery, IdCarrier, Message, MessageSource, SourceError};
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
 
@@ -229,7 +227,6 @@ impl RabbitSource {
     }
 }
 
-#[async_trait]
 impl MessageSource for RabbitSource {
     type Ack = RabbitAck;
 

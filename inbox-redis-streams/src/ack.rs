@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::{async_trait, dead_letter, Ack, Message, SourceError};
+use inbox_core::{dead_letter, Ack, Message, SourceError};
 use redis::Value;
 use tracing::debug;
 
@@ -177,7 +177,6 @@ pub(crate) async fn xack(conn: &mut Conn, s: &Settings, ids: &[String]) -> Resul
     Ok(())
 }
 
-#[async_trait]
 impl Ack for RedisStreamAck {
     async fn ack(mut self) -> Result<(), SourceError> {
         xack(&mut self.conn, &self.settings, &[self.entry_id.clone()]).await?;
@@ -252,7 +251,9 @@ impl Ack for RedisStreamAck {
 
     /// One `XACK` per stream and group (a batch is normally all one), with every entry ID.
     async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {
-        let mut groups: Vec<(Arc<Settings>, Conn, Vec<String>, Vec<String>)> = Vec::new();
+        /// A stream and group: its settings, a connection, the entry IDs, those of them marked.
+        type Group = (Arc<Settings>, Conn, Vec<String>, Vec<String>);
+        let mut groups: Vec<Group> = Vec::new();
         for ack in acks {
             let marked = ack.reported.redeliveries > 0;
             let same = groups.iter().position(|(s, _, _, _)| {

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use inbox_core::replay::{DeadLetter, DeadLetters};
-use inbox_core::{async_trait, MessageId, OperationError};
+use inbox_core::{MessageId, OperationError};
 use redis::aio::MultiplexedConnection;
 use redis::Client;
 
@@ -140,7 +140,6 @@ impl RedisDeadLetters {
     }
 }
 
-#[async_trait]
 impl DeadLetters for RedisDeadLetters {
     fn name(&self) -> &str {
         &self.stream

@@ -2,14 +2,13 @@
 //! [`inbox_core::Consumer`], recovering dead consumers' entries with `XAUTOCLAIM`.
 //!
 //! ```no_run
-//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish};
+//! use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId, Publish};
 //! use inbox_postgres::{PgInbox, PgTx};
 //! use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
 //!
 //! /// Adds the amount in each message to account 1.
 //! struct Credit;
 //!
-//! #[async_trait]
 //! impl Handler<PgTx> for Credit {
 //!     async fn handle(&self, tx: &mut PgTx, _id: &MessageId, message: &Message) -> Result<(), HandlerError> {
 //!         let amount: i64 = message.json()?;

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use inbox_core::{async_trait, OutgoingMessage, Publish, PublishError};
+use inbox_core::{OutgoingMessage, Publish, PublishError};
 use redis::aio::ConnectionManager;
 use redis::Client;
 
@@ -314,7 +314,6 @@ impl RedisStreamProducer {
 /// of a script that runs one `XADD` per message in slice order (one round-trip, and Redis runs
 /// it without interleaving other clients' commands); `Ok` once Redis answered that it added them
 /// all. The script needs `EVAL` permission.
-#[async_trait]
 impl Publish for RedisStreamProducer {
     async fn send_batch(
         &self,

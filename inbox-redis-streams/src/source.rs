@@ -5,9 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::{
-    async_trait, Binding, Capabilities, Delivery, IdCarrier, Message, MessageSource, SourceError,
-};
+use inbox_core::{Binding, Capabilities, Delivery, IdCarrier, Message, MessageSource, SourceError};
 use redis::Value;
 use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
@@ -287,7 +285,6 @@ impl RedisStreamSource {
     }
 }
 
-#[async_trait]
 impl MessageSource for RedisStreamSource {
     type Ack = RedisStreamAck;
 

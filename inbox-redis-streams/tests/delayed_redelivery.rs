@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::{
-    async_trait, Ack, Consumer, Handler, HandlerError, Message, MessageId, MessageSource, Publish,
+    Ack, Consumer, Handler, HandlerError, Message, MessageId, MessageSource, Publish,
 };
 use inbox_testkit::{fast_retry, MemoryStore, MemoryTx};
 
@@ -23,7 +23,6 @@ struct FailsOnceThenSlow {
     calls: Arc<AtomicU32>,
 }
 
-#[async_trait]
 impl Handler<MemoryTx<i64>> for FailsOnceThenSlow {
     async fn handle(
         &self,

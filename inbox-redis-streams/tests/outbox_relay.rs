@@ -13,7 +13,7 @@ use common::*;
 use inbox_conformance::outbox_table::{migrated, unsent, write_credits};
 use inbox_conformance::wallet::{self, Credit};
 use inbox_conformance::{child, TestDb};
-use inbox_core::{async_trait, Consumer, OutgoingMessage, Publish, PublishError};
+use inbox_core::{Consumer, OutgoingMessage, Publish, PublishError};
 use inbox_postgres::Outbox;
 use inbox_redis_streams::redis::{self, Value};
 
@@ -21,7 +21,6 @@ use inbox_redis_streams::redis::{self, Value};
 /// confirm and the relay's commit, held open.
 struct HoldAfterPublish<P>(P);
 
-#[async_trait]
 impl<P: Publish> Publish for HoldAfterPublish<P> {
     async fn send_batch(
         &self,

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, MessageAttributeValue};
 use aws_sdk_sqs::Client;
-use inbox_core::{async_trait, Ack, Message, SourceError};
+use inbox_core::{Ack, Message, SourceError};
 use tracing::{debug, warn};
 
 use crate::config::MAX_VISIBILITY;
@@ -145,7 +145,6 @@ impl SqsAck {
     }
 }
 
-#[async_trait]
 impl Ack for SqsAck {
     async fn ack(mut self) -> Result<(), SourceError> {
         self.stop_heartbeat();

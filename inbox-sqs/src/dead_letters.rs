@@ -10,7 +10,7 @@ use aws_sdk_sqs::types::{
 };
 use aws_sdk_sqs::Client;
 use inbox_core::replay::{DeadLetter, DeadLetters};
-use inbox_core::{async_trait, MessageId, OperationError};
+use inbox_core::{MessageId, OperationError};
 
 use crate::delivery::{replay_header, DEDUPLICATION_ID_HEADER, SCHEDULE_ATTRIBUTES};
 use crate::{Error, Result, DEFAULT_ID_ATTRIBUTE};
@@ -175,7 +175,6 @@ impl SqsDeadLetters {
     }
 }
 
-#[async_trait]
 impl DeadLetters for SqsDeadLetters {
     fn name(&self) -> &str {
         &self.queue_url

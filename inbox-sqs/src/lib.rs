@@ -7,13 +7,12 @@
 //! inbox store, every such second copy finds its ID already claimed and is skipped.
 //!
 //! ```no_run
-//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId, Publish};
+//! use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId, Publish};
 //! use inbox_postgres::{PgInbox, PgTx};
 //! use inbox_sqs::{SqsProducer, SqsSource};
 //!
 //! struct Credit;
 //!
-//! #[async_trait]
 //! impl Handler<PgTx> for Credit {
 //!     async fn handle(&self, tx: &mut PgTx, id: &MessageId, message: &Message)
 //!         -> Result<(), HandlerError> {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use aws_sdk_sqs::types::SendMessageBatchRequestEntry;
 use aws_sdk_sqs::Client;
-use inbox_core::{async_trait, OutgoingMessage, Publish, PublishError, Recovery};
+use inbox_core::{OutgoingMessage, Publish, PublishError, Recovery};
 use tokio::task::JoinSet;
 
 use crate::config::DEFAULT_ID_ATTRIBUTE;
@@ -291,7 +291,6 @@ impl SqsProducer {
 /// `MessageGroupId` (made to fit SQS's rules as the consumer's IDs are), or the producer's
 /// [`message_group_id`](SqsProducerBuilder::message_group_id) for messages without one, and the
 /// calls go one after the other in slice order, so each group keeps its order.
-#[async_trait]
 impl Publish for SqsProducer {
     async fn send_batch(
         &self,

@@ -8,8 +8,7 @@ use std::time::{Duration, SystemTime};
 use aws_sdk_sqs::types::{MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName};
 use aws_sdk_sqs::Client;
 use inbox_core::{
-    async_trait, Binding, Capabilities, Delivery, IdCarrier, IdFrom, Message, MessageSource,
-    SourceError,
+    Binding, Capabilities, Delivery, IdCarrier, IdFrom, Message, MessageSource, SourceError,
 };
 use tracing::{debug, warn};
 
@@ -243,7 +242,6 @@ impl SqsSource {
     }
 }
 
-#[async_trait]
 impl MessageSource for SqsSource {
     type Ack = SqsAck;
 

@@ -12,8 +12,7 @@ use common::{client, counts, credit, queue};
 use inbox_conformance::wallet::{summary, Credit};
 use inbox_conformance::TestDb;
 use inbox_core::{
-    async_trait, Ack, Consumer, Handler, HandlerError, Message, MessageId, MessageSource, Publish,
-    RetryPolicy,
+    Ack, Consumer, Handler, HandlerError, Message, MessageId, MessageSource, Publish, RetryPolicy,
 };
 use inbox_postgres::PgTx;
 use inbox_sqs::{SqsProducer, SqsSource};
@@ -28,7 +27,6 @@ struct FailsOnce {
     attempts: Arc<Mutex<Vec<u32>>>,
 }
 
-#[async_trait]
 impl Handler<PgTx> for FailsOnce {
     async fn handle(&self, tx: &mut PgTx, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
         let first = {

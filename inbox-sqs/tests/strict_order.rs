@@ -13,8 +13,8 @@ use common::{client, counts, credit};
 use inbox_conformance::wallet::{Credit, CreditEvent};
 use inbox_conformance::TestDb;
 use inbox_core::{
-    async_trait, Consumer, Handler, HandlerError, Message, MessageId, Order, Publish, RetryPolicy,
-    Stage, StageHook,
+    Consumer, Handler, HandlerError, Message, MessageId, Order, Publish, RetryPolicy, Stage,
+    StageHook,
 };
 use inbox_postgres::PgTx;
 use inbox_sqs::{SqsProducer, SqsSource};
@@ -29,7 +29,6 @@ struct Ordered {
     applied: Arc<Mutex<BTreeMap<String, Vec<i64>>>>,
 }
 
-#[async_trait]
 impl Handler<PgTx> for Ordered {
     async fn handle(
         &self,

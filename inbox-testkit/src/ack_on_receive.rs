@@ -2,8 +2,6 @@
 
 use std::time::Duration;
 
-use async_trait::async_trait;
-
 use inbox_core::{Ack, Capabilities, Delivery, Message, MessageSource, Recovery, SourceError};
 
 /// Wraps a source and acks each delivery the moment it is received, before the consumer sees
@@ -62,7 +60,6 @@ impl<S> AckOnReceive<S> {
     }
 }
 
-#[async_trait]
 impl<S: MessageSource> MessageSource for AckOnReceive<S> {
     type Ack = AckedOnReceive;
 
@@ -113,7 +110,6 @@ impl<S: MessageSource> MessageSource for AckOnReceive<S> {
 #[derive(Debug)]
 pub struct AckedOnReceive(());
 
-#[async_trait]
 impl Ack for AckedOnReceive {
     /// Does nothing: acked on receive.
     async fn ack(self) -> Result<(), SourceError> {

@@ -49,8 +49,8 @@ use inbox_core::effect::{
     Acquired, Effect, EffectHandler, Landed, LeaseStore, OnUnknown, Release, Settled,
 };
 use inbox_core::{
-    async_trait, Ack, BatchHandler, BatchItem, Capabilities, Delivery, Handler, HandlerError,
-    InboxStore, InvalidId, Message, MessageId, MessageSource, SourceError, Stage, StoreError,
+    Ack, BatchHandler, BatchItem, Capabilities, Delivery, Handler, HandlerError, InboxStore,
+    InvalidId, Message, MessageId, MessageSource, SourceError, Stage, StoreError,
 };
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -234,7 +234,6 @@ impl<T> Crashing<T> {
     }
 }
 
-#[async_trait]
 impl<S: InboxStore> InboxStore for Crashing<S> {
     type Tx = S::Tx;
 
@@ -278,7 +277,6 @@ impl<S: InboxStore> InboxStore for Crashing<S> {
     }
 }
 
-#[async_trait]
 impl<L: LeaseStore> LeaseStore for Crashing<L> {
     type Tx = L::Tx;
 
@@ -324,7 +322,6 @@ impl<L: LeaseStore> LeaseStore for Crashing<L> {
     }
 }
 
-#[async_trait]
 impl<Tx: Send, H: Handler<Tx>> Handler<Tx> for Crashing<H> {
     async fn handle(
         &self,
@@ -338,7 +335,6 @@ impl<Tx: Send, H: Handler<Tx>> Handler<Tx> for Crashing<H> {
     }
 }
 
-#[async_trait]
 impl<Tx: Send, H: BatchHandler<Tx>> BatchHandler<Tx> for Crashing<H> {
     type Item = H::Item;
 
@@ -359,7 +355,6 @@ impl<Tx: Send, H: BatchHandler<Tx>> BatchHandler<Tx> for Crashing<H> {
     }
 }
 
-#[async_trait]
 impl<Tx: Send + 'static, H: EffectHandler<Tx>> EffectHandler<Tx> for Crashing<H> {
     fn on_unknown(&self) -> OnUnknown {
         self.inner.on_unknown()
@@ -386,7 +381,6 @@ impl<Tx: Send + 'static, H: EffectHandler<Tx>> EffectHandler<Tx> for Crashing<H>
     }
 }
 
-#[async_trait]
 impl<S: MessageSource> MessageSource for Crashing<S> {
     type Ack = CrashingAck<S::Ack>;
 
@@ -427,7 +421,6 @@ pub struct CrashingAck<A> {
     crash: Crash,
 }
 
-#[async_trait]
 impl<A: Ack> Ack for CrashingAck<A> {
     async fn ack(self) -> Result<(), SourceError> {
         self.crash.point(Stage::Committed, &self.id).await;

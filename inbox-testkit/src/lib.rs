@@ -18,12 +18,11 @@
 //!
 //! ```
 //! use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
-//! use inbox_core::{async_trait, Consumer, Handler, HandlerError, Message, MessageId};
+//! use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId};
 //!
 //! /// Adds the amount in each message to a balance.
 //! struct Credit;
 //!
-//! #[async_trait]
 //! impl Handler<MemoryTx<i64>> for Credit {
 //!     async fn handle(
 //!         &self,

@@ -2,8 +2,6 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
-
 use inbox_core::{
     Ack, Delivery, IdError, Message, MessageId, MessageSource, OutgoingMessage, Publish,
     PublishError, Recovery, SourceError,
@@ -293,7 +291,6 @@ pub struct MemoryAck {
     tag: u64,
 }
 
-#[async_trait]
 impl Ack for MemoryAck {
     async fn ack(self) -> Result<(), SourceError> {
         let mut state = self.broker.state();
@@ -347,7 +344,6 @@ impl Ack for MemoryAck {
     }
 }
 
-#[async_trait]
 impl MessageSource for MemorySource {
     type Ack = MemoryAck;
 
@@ -460,7 +456,6 @@ impl Drop for MemorySource {
 
 /// Enqueues each message with its ID, key and headers, whatever the destination: the broker is
 /// one queue. Route destinations to brokers with [`inbox_core::Destinations`].
-#[async_trait]
 impl Publish for MemoryBroker {
     async fn send_batch(
         &self,

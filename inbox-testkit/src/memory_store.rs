@@ -1,7 +1,6 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use async_trait::async_trait;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use inbox_core::{InboxStore, MessageId, StoreError, Transaction};
@@ -59,7 +58,6 @@ impl<S: Clone + Default + Send + 'static> MemoryStore<S> {
     }
 }
 
-#[async_trait]
 impl<S: Clone + Default + Send + Sync + 'static> InboxStore for MemoryStore<S> {
     type Tx = MemoryTx<S>;
 
@@ -79,7 +77,6 @@ impl<S: Clone + Default + Send + Sync + 'static> InboxStore for MemoryStore<S> {
     }
 }
 
-#[async_trait]
 impl<S: Send + Sync + 'static> Transaction for MemoryTx<S> {
     async fn commit(mut self) -> Result<(), StoreError> {
         *self.guard = self.work;

@@ -5,7 +5,6 @@ use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use inbox_core::effect::{Acquired, LeaseStore, Release};
 use inbox_core::{MessageId, StoreError};
 
@@ -33,7 +32,6 @@ impl ScriptedLeases {
     }
 }
 
-#[async_trait]
 impl LeaseStore for ScriptedLeases {
     type Tx = ();
 

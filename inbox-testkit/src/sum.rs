@@ -1,6 +1,6 @@
 //! The smallest handler with state: a running sum in a [`MemoryStore<i64>`](crate::MemoryStore).
 
-use inbox_core::{async_trait, Handler, HandlerError, Message, MessageId};
+use inbox_core::{Handler, HandlerError, Message, MessageId};
 
 use crate::MemoryTx;
 
@@ -9,7 +9,6 @@ use crate::MemoryTx;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Sum;
 
-#[async_trait]
 impl Handler<MemoryTx<i64>> for Sum {
     async fn handle(
         &self,

@@ -1,5 +1,3 @@
-use async_trait::async_trait;
-
 use inbox_core::{InboxStore, InvalidId, MessageId, StoreError};
 
 /// Wraps a store and records nothing: every claim says "new". The consumer still commits
@@ -8,7 +6,6 @@ use inbox_core::{InboxStore, InvalidId, MessageId, StoreError};
 #[derive(Debug, Clone)]
 pub struct WithoutInbox<S>(pub S);
 
-#[async_trait]
 impl<S: InboxStore> InboxStore for WithoutInbox<S> {
     type Tx = S::Tx;
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{
-    async_trait, Ack, Capabilities, Delivery, Message, MessageId, MessageSource, OutgoingMessage,
-    Recovery, SourceError,
+    Ack, Capabilities, Delivery, Message, MessageId, MessageSource, OutgoingMessage, Recovery,
+    SourceError,
 };
 
 use crate::replay::Letter;
@@ -141,7 +141,6 @@ fn source_error(what: &str) -> SourceError {
     SourceError::new(Recovery::Retry, what, "the simulation failed it")
 }
 
-#[async_trait]
 impl MessageSource for SimSource {
     type Ack = SimAck;
 
@@ -217,7 +216,6 @@ impl Drop for SimSource {
     }
 }
 
-#[async_trait]
 impl Ack for SimAck {
     async fn ack(self) -> Result<(), SourceError> {
         let mut w = world(&self.world);

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use inbox_core::{async_trait, BatchHandler, BatchItem, Handler, HandlerError, Message, MessageId};
+use inbox_core::{BatchHandler, BatchItem, Handler, HandlerError, Message, MessageId};
 use rand::RngExt;
 
 use crate::store::SimTx;
@@ -27,7 +27,6 @@ pub(crate) struct SimHandler {
     pub(crate) world: Shared,
 }
 
-#[async_trait]
 impl Handler<SimTx> for SimHandler {
     async fn handle(
         &self,
@@ -74,7 +73,6 @@ pub(crate) struct SimBatch {
     pub(crate) world: Shared,
 }
 
-#[async_trait]
 impl BatchHandler<SimTx> for SimBatch {
     type Item = ();
 

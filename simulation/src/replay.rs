@@ -4,9 +4,7 @@
 use std::sync::Arc;
 
 use inbox_core::replay::{self, DeadLetter, DeadLetters, Selection};
-use inbox_core::{
-    async_trait, MessageId, OperationError, OutgoingMessage, Publish, PublishError, Recovery,
-};
+use inbox_core::{MessageId, OperationError, OutgoingMessage, Publish, PublishError, Recovery};
 
 use crate::brokers::sqs;
 use crate::world::{world, Published, Shared};
@@ -30,7 +28,6 @@ fn failed(what: &str) -> OperationError {
     OperationError::new(Recovery::Retry, what, "the simulation failed it")
 }
 
-#[async_trait]
 impl DeadLetters for Reader {
     fn name(&self) -> &str {
         "dead letters"
@@ -87,7 +84,6 @@ struct Publisher {
     world: Shared,
 }
 
-#[async_trait]
 impl Publish for Publisher {
     async fn send_batch(
         &self,

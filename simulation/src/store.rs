@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use inbox_core::{async_trait, InboxStore, MessageId, Recovery, StoreError, Transaction};
+use inbox_core::{InboxStore, MessageId, Recovery, StoreError, Transaction};
 use rand::RngExt;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -115,7 +115,6 @@ fn store_error(recovery: Recovery, what: &str) -> StoreError {
     StoreError::new(recovery, what, "the simulation failed it")
 }
 
-#[async_trait]
 impl InboxStore for SimStore {
     type Tx = SimTx;
 
@@ -208,7 +207,6 @@ impl InboxStore for SimStore {
     }
 }
 
-#[async_trait]
 impl Transaction for SimTx {
     async fn commit(self) -> Result<(), StoreError> {
         let mut w = world(&self.world);

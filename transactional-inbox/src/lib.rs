@@ -8,7 +8,7 @@
 //!
 //! | feature | module | crate |
 //! |---|---|---|
-//! | (always) | the crate root: [`Consumer`], [`Handler`], [`BatchHandler`], [`MessageId`], … | `inbox-core` |
+//! | (always) | the crate root: [`Consumer`], [`Handler`] ([`handler_fn`]), [`BatchHandler`], [`MessageId`], … | `inbox-core` |
 //! | `postgres` | `transactional_inbox::postgres` (`PgInbox`, `Outbox`, `PgLeases`) | `inbox-postgres` |
 //! | `mysql` | `transactional_inbox::mysql` (`MySqlInbox`) | `inbox-mysql` |
 //! | `kafka` | `transactional_inbox::kafka` | `inbox-kafka` (rdkafka, librdkafka built from source) |
@@ -23,11 +23,10 @@
 //! dependency:
 //!
 //! ```
-//! use transactional_inbox::{async_trait, Handler, HandlerError, Message, MessageId};
+//! use transactional_inbox::{Handler, HandlerError, Message, MessageId};
 //!
 //! struct Audit;
 //!
-//! #[async_trait]
 //! impl<Tx: Send + 'static> Handler<Tx> for Audit {
 //!     async fn handle(&self, _tx: &mut Tx, id: &MessageId, message: &Message) -> Result<(), HandlerError> {
 //!         println!("{id}: {} bytes", message.payload.len());

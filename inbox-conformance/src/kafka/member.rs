@@ -6,8 +6,6 @@ use inbox_core::{Delivery, MessageSource, SourceError};
 use inbox_kafka::rdkafka::consumer::Consumer as _;
 use inbox_kafka::{KafkaAck, KafkaSource};
 
-use crate::async_trait;
-
 /// How long a member without partitions keeps polling before it reports an empty batch.
 const ASSIGNMENT_WAIT: Duration = Duration::from_secs(15);
 
@@ -39,7 +37,6 @@ impl Member {
     }
 }
 
-#[async_trait]
 impl MessageSource for Member {
     type Ack = KafkaAck;
 

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::{async_trait, Restart};
+use crate::Restart;
 
 /// How long the application stays down.
 const DOWN: Duration = Duration::from_secs(3);
@@ -31,7 +31,6 @@ async fn rabbitmqctl(command: &str) {
     );
 }
 
-#[async_trait]
 impl Restart for App {
     async fn restart(&mut self) {
         // Marked down before the stop: a stop that fails half-way is undone too.

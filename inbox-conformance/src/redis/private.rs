@@ -8,7 +8,7 @@ use std::time::Duration;
 use inbox_redis_streams::redis::{self, Client};
 use inbox_testkit::eventually;
 
-use crate::{async_trait, Restart};
+use crate::Restart;
 
 /// Killed when dropped (a panicking test included), its directory removed. `REDIS_SERVER`
 /// names the binary, default `redis-server` on the `PATH`.
@@ -81,7 +81,6 @@ impl PrivateRedis {
     }
 }
 
-#[async_trait]
 impl Restart for PrivateRedis {
     /// `SHUTDOWN` (Redis closes every client and exits, its append-only file complete), 2 s
     /// down, then the same server again.

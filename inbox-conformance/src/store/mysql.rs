@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-use async_trait::async_trait;
 use inbox_core::{HandlerError, MessageId};
 use inbox_mysql::{KeyMode, MySqlInbox, MySqlTx, TableName};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
@@ -130,7 +129,6 @@ impl MySql {
     }
 }
 
-#[async_trait]
 impl StoreUnderTest for MySql {
     type Store = MySqlInbox;
 

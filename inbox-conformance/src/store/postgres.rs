@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-use async_trait::async_trait;
 use inbox_core::{HandlerError, MessageId};
 use inbox_postgres::{KeyMode, PgInbox, PgTx, TableName};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -40,7 +39,6 @@ impl Postgres {
     }
 }
 
-#[async_trait]
 impl StoreUnderTest for Postgres {
     type Store = PgInbox;
 

@@ -477,9 +477,9 @@ where
             Some(w) => self.store.shard(self.shard_of_work(w)),
             None => self.store.shard(0),
         };
-        let mut tx = store.begin().await.map_err(TxFailure::Store)?;
+        let mut tx = store.dyn_begin().await.map_err(TxFailure::Store)?;
         let started = Instant::now();
-        let claimed = store.claim_many(&mut tx, &self.common.name, &ids).await;
+        let claimed = store.dyn_claim_many(&mut tx, &self.common.name, &ids).await;
         self.common.metrics.claim.record(seconds_since(started));
         let claimed = match claimed {
             Ok(claimed) => claimed,

@@ -1,9 +1,8 @@
 //! What a lease store implements: processing and done rows with a lease and a fencing token.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
-
-use async_trait::async_trait;
 
 use super::Attempt;
 use crate::{InvalidId, MessageId, StoreError, Transaction};
@@ -63,7 +62,6 @@ pub struct Release {
 /// Errors carry a [`Recovery`](crate::Recovery) as in [`InboxStore`](crate::InboxStore):
 /// `Reconnect` holds the message and tries again without using up attempts, `Retry` on the done
 /// transaction retries it, `Fatal` stops the consumer.
-#[async_trait]
 pub trait LeaseStore: Send + Sync + 'static {
     /// An open transaction, in which the done mark and the handler's writes commit together;
     /// it commits or rolls back itself.
@@ -75,37 +73,37 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// done row ([`Acquired::Done`]) and changes nothing. It must not wait for the row without
     /// limit: a row another transaction keeps locked is [`Acquired::Busy`] after a bounded
     /// wait, or the sequential effect consumer waits as long.
-    async fn acquire(
+    fn acquire(
         &self,
         consumer: &str,
         id: &MessageId,
         lease: Duration,
-    ) -> Result<Acquired, StoreError>;
+    ) -> impl Future<Output = Result<Acquired, StoreError>> + Send;
 
     /// Ends the lease `token` now, without a done mark, as `release` says. `false`: a newer
     /// lease exists (or the row is done), nothing changed.
-    async fn release(
+    fn release(
         &self,
         consumer: &str,
         id: &MessageId,
         token: u64,
         release: Release,
-    ) -> Result<bool, StoreError>;
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Opens a transaction.
-    async fn begin(&self) -> Result<Self::Tx, StoreError>;
+    fn begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
 
     /// Marks the row done inside `tx` if `token` is still the row's token and the row is not
     /// done yet, in one statement. `false`: fenced out (a newer lease exists, or the row is
     /// already done); the store must then leave `tx` unable to commit anything, so nothing a
     /// zombie wrote in it can land.
-    async fn complete(
+    fn complete(
         &self,
         tx: &mut Self::Tx,
         consumer: &str,
         id: &MessageId,
         token: u64,
-    ) -> Result<bool, StoreError>;
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Refuses an ID this store cannot keep, before any lease; the consumer dead-letters such a
     /// message. The default accepts every ID.
@@ -115,7 +113,6 @@ pub trait LeaseStore: Send + Sync + 'static {
     }
 }
 
-#[async_trait]
 impl<L: LeaseStore> LeaseStore for Arc<L> {
     type Tx = L::Tx;
 

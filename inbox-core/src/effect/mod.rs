@@ -97,12 +97,11 @@
 //! use std::time::Duration;
 //!
 //! use inbox_core::effect::{not_applied, Effect, EffectHandler, LeaseStore, OnUnknown};
-//! use inbox_core::{async_trait, Consumer, HandlerError, Message, MessageSource};
+//! use inbox_core::{Consumer, HandlerError, Message, MessageSource};
 //!
 //! /// Sends each invoice through an email provider that takes idempotency keys.
 //! struct SendInvoice;
 //!
-//! #[async_trait]
 //! impl<Tx: Send> EffectHandler<Tx> for SendInvoice {
 //!     fn on_unknown(&self) -> OnUnknown {
 //!         OnUnknown::Retry // the provider deduplicates on the key: a retry cannot send twice
@@ -154,7 +153,8 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 use std::fmt;
 use std::time::Duration;
 
-use async_trait::async_trait;
+use std::future::Future;
+
 use tokio::time::Instant;
 
 use crate::{BoxError, HandlerError, Message, MessageId};
@@ -308,7 +308,6 @@ impl Effect {
 ///
 /// The handler gets nothing that could ack the message: the consumer acks only after the done
 /// mark committed.
-#[async_trait]
 pub trait EffectHandler<Tx: Send>: Send + Sync {
     /// What to do when an earlier call's outcome is unknown and [`landed`](Self::landed) cannot
     /// tell: [`OnUnknown::Retry`] (a rare duplicate unless the provider takes idempotency
@@ -326,15 +325,23 @@ pub trait EffectHandler<Tx: Send>: Send + Sync {
     ///   attempts the message is dead-lettered.
     /// - a permanent error: the provider refused it and no retry can help; dead-lettered now.
     /// - a panic counts as a transient error.
-    async fn call(&self, effect: &Effect, message: &Message) -> Result<(), HandlerError>;
+    fn call(
+        &self,
+        effect: &Effect,
+        message: &Message,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 
     /// Asks the provider whether an earlier call for this message landed; called before a
     /// retry whose earlier outcome is unknown ([`Attempt::AfterExpiry`]). Look the call up by
     /// its idempotency key or whatever reference the call carried. An error counts as an
     /// attempt that failed with an unknown outcome. The default: [`Landed::Unknown`].
-    async fn landed(&self, effect: &Effect, message: &Message) -> Result<Landed, HandlerError> {
+    fn landed(
+        &self,
+        effect: &Effect,
+        message: &Message,
+    ) -> impl Future<Output = Result<Landed, HandlerError>> + Send {
         let _ = (effect, message);
-        Ok(Landed::Unknown)
+        async { Ok(Landed::Unknown) }
     }
 
     /// Writes to the database what goes with the effect (the order is paid, the email was
@@ -346,19 +353,18 @@ pub trait EffectHandler<Tx: Send>: Send + Sync {
     /// statements by the lease as well): after that, its transaction is rolled back and the
     /// message handed back, and the next lease asks [`landed`](Self::landed). The default
     /// writes nothing.
-    async fn record(
+    fn record(
         &self,
         tx: &mut Tx,
         effect: &Effect,
         settled: Settled,
         message: &Message,
-    ) -> Result<(), HandlerError> {
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send {
         let _ = (tx, effect, settled, message);
-        Ok(())
+        async { Ok(()) }
     }
 }
 
-#[async_trait]
 impl<Tx: Send, H: EffectHandler<Tx> + ?Sized> EffectHandler<Tx> for std::sync::Arc<H> {
     fn on_unknown(&self) -> OnUnknown {
         (**self).on_unknown()

@@ -11,7 +11,7 @@ use std::time::Duration;
 use inbox_conformance::provider::{CallStatus, ProviderClient, ProviderMode, TestProvider};
 use inbox_conformance::TestDb;
 use inbox_core::effect::{not_applied, Effect, EffectHandler, Effects, Landed, OnUnknown, Settled};
-use inbox_core::{async_trait, Consumer, HandlerError, Message, MessageId, MessageSource};
+use inbox_core::{Consumer, HandlerError, Message, MessageId, MessageSource};
 use inbox_postgres::{PgLeases, PgTx};
 use inbox_testkit::fast_retry;
 use inbox_testkit::{Crash, Crashing, MemoryBroker};
@@ -65,7 +65,6 @@ pub struct Notify {
     pub on_unknown: OnUnknown,
 }
 
-#[async_trait]
 impl EffectHandler<PgTx> for Notify {
     fn on_unknown(&self) -> OnUnknown {
         self.on_unknown

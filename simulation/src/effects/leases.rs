@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::effect::{Acquired, Attempt, Lease, LeaseStore, Release, Settled};
-use inbox_core::{async_trait, MessageId, Recovery, StoreError, Transaction};
+use inbox_core::{MessageId, Recovery, StoreError, Transaction};
 use rand::RngExt;
 use tokio::time::Instant;
 
@@ -125,7 +125,6 @@ impl Drop for LeaseTx {
     }
 }
 
-#[async_trait]
 impl LeaseStore for SimLeases {
     type Tx = LeaseTx;
 
@@ -291,7 +290,6 @@ impl LeaseStore for SimLeases {
     }
 }
 
-#[async_trait]
 impl Transaction for LeaseTx {
     async fn commit(self) -> Result<(), StoreError> {
         self.lab.latency().await;

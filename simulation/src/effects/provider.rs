@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::effect::{not_applied, Effect, EffectHandler, Landed, OnUnknown, Settled};
-use inbox_core::{async_trait, HandlerError, Message};
+use inbox_core::{HandlerError, Message};
 use rand::RngExt;
 use tokio::time::Instant;
 
@@ -118,7 +118,6 @@ impl SimProvider {
     }
 }
 
-#[async_trait]
 impl EffectHandler<LeaseTx> for SimProvider {
     fn on_unknown(&self) -> OnUnknown {
         self.lab.settings.on_unknown

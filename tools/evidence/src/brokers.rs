@@ -4,6 +4,7 @@
 //! What is the harness's own is here: a broker picked at run time behind one object, the
 //! suite's panics turned into errors, and the Tansu workarounds.
 
+use futures_util::future::BoxFuture;
 use std::any::Any;
 use std::collections::HashMap;
 use std::future::Future;
@@ -14,9 +15,7 @@ use inbox_conformance::store::MySqlDb;
 use inbox_conformance::wallet::CreditEvent;
 use inbox_conformance::TestDb;
 use inbox_conformance::{TestBroker, TestQueue};
-use inbox_core::{
-    async_trait, BoxError, MessageId, MessageSource, OutgoingMessage, Publish, StatsSnapshot,
-};
+use inbox_core::{BoxError, MessageId, MessageSource, OutgoingMessage, Publish, StatsSnapshot};
 use tokio::sync::Mutex;
 
 use crate::cli::{BrokerKind, ConsumerSpec, KafkaImpl, Variant};
@@ -39,59 +38,244 @@ const DRAIN_RESTARTS: u32 = 5;
 
 /// What the harness needs from a broker: [`TestBroker`] and [`TestQueue`], with queues found by
 /// name, behind one object for every broker.
-#[async_trait]
 pub(crate) trait Broker: Send + Sync {
     fn kind(&self) -> BrokerKind;
 
     /// A fresh, empty queue, topic or stream with its dead-letter destination; returns its name,
     /// which `label` is part of.
-    async fn create(&self, label: &str) -> Result<String, BoxError>;
+    fn create(&self, label: &str) -> impl Future<Output = Result<String, BoxError>> + Send;
 
     /// Publishes `events` to `name`, confirmed.
-    async fn publish(&self, name: &str, events: &[OutgoingMessage]) -> Result<(), BoxError>;
+    fn publish(
+        &self,
+        name: &str,
+        events: &[OutgoingMessage],
+    ) -> impl Future<Output = Result<(), BoxError>> + Send;
 
     /// Runs one consumer of `spec` in this process until `shutdown`.
-    async fn consume(
+    fn consume(
         &self,
         spec: &ConsumerSpec,
         db: &TestDb,
         watch: Watch,
         shutdown: Shutdown,
-    ) -> Result<StatsSnapshot, BoxError>;
+    ) -> impl Future<Output = Result<StatsSnapshot, BoxError>> + Send;
 
     /// Messages on `name` not acked yet, as far as the broker can tell while consumers run
     /// ([`TestQueue::waiting`]).
     /// Runs one consumer of `spec` on the MySQL store in `db` in this process until `shutdown`:
     /// variant c, per-message credits.
-    async fn consume_mysql(
+    fn consume_mysql(
         &self,
         spec: &ConsumerSpec,
         db: &MySqlDb,
         shutdown: Shutdown,
-    ) -> Result<StatsSnapshot, BoxError>;
+    ) -> impl Future<Output = Result<StatsSnapshot, BoxError>> + Send;
 
-    async fn left(&self, name: &str) -> Result<Option<u64>, BoxError>;
+    fn left(&self, name: &str) -> impl Future<Output = Result<Option<u64>, BoxError>> + Send;
 
     /// How long a dead consumer's unacked messages on `name` may take to come back to another.
-    async fn redelivery_delay(&self, name: &str) -> Result<Duration, BoxError>;
+    fn redelivery_delay(
+        &self,
+        name: &str,
+    ) -> impl Future<Output = Result<Duration, BoxError>> + Send;
 
     /// Takes a stalled consumer's messages away from it where the broker needs a push to do so
     /// (RabbitMQ: the broker closes its connection). Others lose ownership on a timer.
-    async fn take_away(&self, spec: &ConsumerSpec) -> Result<(), BoxError>;
+    fn take_away(&self, spec: &ConsumerSpec) -> impl Future<Output = Result<(), BoxError>> + Send;
 
     /// How often a draining consumer that applies nothing while the broker still holds messages
     /// is replaced by a new one; 0: such a stall fails the run (see `kill::drain`).
     fn drain_restarts(&self) -> u32;
 
     /// Deletes `name` and its dead-letter destination (best effort).
-    async fn remove(&self, name: &str);
+    fn remove(&self, name: &str) -> impl Future<Output = ()> + Send;
 
     /// What outbox rows name as their destination to reach `name` through the broker's producer.
-    async fn destination(&self, name: &str) -> Result<String, BoxError>;
+    fn destination(&self, name: &str) -> impl Future<Output = Result<String, BoxError>> + Send;
 
     /// Runs the `effects-test` child `spec` on its queue until it is killed or Ctrl-C: a
     /// consumer reading `spec.name`, or the relay publishing through the broker's producer.
-    async fn run_child(&self, spec: &ChildSpec, db: &TestDb) -> Result<(), BoxError>;
+    fn run_child(
+        &self,
+        spec: &ChildSpec,
+        db: &TestDb,
+    ) -> impl Future<Output = Result<(), BoxError>> + Send;
+}
+
+/// [`Broker`] as a trait object, for the broker picked at run time: `Broker`'s methods return
+/// `impl Future`, which keeps it from being made into a `dyn` object; this trait has the same
+/// methods returning boxed futures, named `dyn_` and the `Broker` method's. Every `Broker`
+/// implements it, and `dyn DynBroker` implements `Broker`.
+pub(crate) trait DynBroker: Send + Sync {
+    /// [`Broker::kind`].
+    fn dyn_kind(&self) -> BrokerKind;
+
+    /// [`Broker::create`].
+    fn dyn_create<'a>(&'a self, label: &'a str) -> BoxFuture<'a, Result<String, BoxError>>;
+
+    /// [`Broker::publish`].
+    fn dyn_publish<'a>(
+        &'a self,
+        name: &'a str,
+        events: &'a [OutgoingMessage],
+    ) -> BoxFuture<'a, Result<(), BoxError>>;
+
+    /// [`Broker::consume`].
+    fn dyn_consume<'a>(
+        &'a self,
+        spec: &'a ConsumerSpec,
+        db: &'a TestDb,
+        watch: Watch,
+        shutdown: Shutdown,
+    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>>;
+
+    /// [`Broker::consume_mysql`].
+    fn dyn_consume_mysql<'a>(
+        &'a self,
+        spec: &'a ConsumerSpec,
+        db: &'a MySqlDb,
+        shutdown: Shutdown,
+    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>>;
+
+    /// [`Broker::left`].
+    fn dyn_left<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<u64>, BoxError>>;
+
+    /// [`Broker::redelivery_delay`].
+    fn dyn_redelivery_delay<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Duration, BoxError>>;
+
+    /// [`Broker::take_away`].
+    fn dyn_take_away<'a>(&'a self, spec: &'a ConsumerSpec) -> BoxFuture<'a, Result<(), BoxError>>;
+
+    /// [`Broker::drain_restarts`].
+    fn dyn_drain_restarts(&self) -> u32;
+
+    /// [`Broker::remove`].
+    fn dyn_remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, ()>;
+
+    /// [`Broker::destination`].
+    fn dyn_destination<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<String, BoxError>>;
+
+    /// [`Broker::run_child`].
+    fn dyn_run_child<'a>(
+        &'a self,
+        spec: &'a ChildSpec,
+        db: &'a TestDb,
+    ) -> BoxFuture<'a, Result<(), BoxError>>;
+}
+
+impl<T: Broker> DynBroker for T {
+    fn dyn_kind(&self) -> BrokerKind {
+        Broker::kind(self)
+    }
+    fn dyn_create<'a>(&'a self, label: &'a str) -> BoxFuture<'a, Result<String, BoxError>> {
+        Box::pin(Broker::create(self, label))
+    }
+    fn dyn_publish<'a>(
+        &'a self,
+        name: &'a str,
+        events: &'a [OutgoingMessage],
+    ) -> BoxFuture<'a, Result<(), BoxError>> {
+        Box::pin(Broker::publish(self, name, events))
+    }
+    fn dyn_consume<'a>(
+        &'a self,
+        spec: &'a ConsumerSpec,
+        db: &'a TestDb,
+        watch: Watch,
+        shutdown: Shutdown,
+    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>> {
+        Box::pin(Broker::consume(self, spec, db, watch, shutdown))
+    }
+    fn dyn_consume_mysql<'a>(
+        &'a self,
+        spec: &'a ConsumerSpec,
+        db: &'a MySqlDb,
+        shutdown: Shutdown,
+    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>> {
+        Box::pin(Broker::consume_mysql(self, spec, db, shutdown))
+    }
+    fn dyn_left<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<u64>, BoxError>> {
+        Box::pin(Broker::left(self, name))
+    }
+    fn dyn_redelivery_delay<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Duration, BoxError>> {
+        Box::pin(Broker::redelivery_delay(self, name))
+    }
+    fn dyn_take_away<'a>(&'a self, spec: &'a ConsumerSpec) -> BoxFuture<'a, Result<(), BoxError>> {
+        Box::pin(Broker::take_away(self, spec))
+    }
+    fn dyn_drain_restarts(&self) -> u32 {
+        Broker::drain_restarts(self)
+    }
+    fn dyn_remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(Broker::remove(self, name))
+    }
+    fn dyn_destination<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<String, BoxError>> {
+        Box::pin(Broker::destination(self, name))
+    }
+    fn dyn_run_child<'a>(
+        &'a self,
+        spec: &'a ChildSpec,
+        db: &'a TestDb,
+    ) -> BoxFuture<'a, Result<(), BoxError>> {
+        Box::pin(Broker::run_child(self, spec, db))
+    }
+}
+
+impl Broker for dyn DynBroker + '_ {
+    fn kind(&self) -> BrokerKind {
+        self.dyn_kind()
+    }
+    async fn create(&self, label: &str) -> Result<String, BoxError> {
+        self.dyn_create(label).await
+    }
+    async fn publish(&self, name: &str, events: &[OutgoingMessage]) -> Result<(), BoxError> {
+        self.dyn_publish(name, events).await
+    }
+    async fn consume(
+        &self,
+        spec: &ConsumerSpec,
+        db: &TestDb,
+        watch: Watch,
+        shutdown: Shutdown,
+    ) -> Result<StatsSnapshot, BoxError> {
+        self.dyn_consume(spec, db, watch, shutdown).await
+    }
+    async fn consume_mysql(
+        &self,
+        spec: &ConsumerSpec,
+        db: &MySqlDb,
+        shutdown: Shutdown,
+    ) -> Result<StatsSnapshot, BoxError> {
+        self.dyn_consume_mysql(spec, db, shutdown).await
+    }
+    async fn left(&self, name: &str) -> Result<Option<u64>, BoxError> {
+        self.dyn_left(name).await
+    }
+    async fn redelivery_delay(&self, name: &str) -> Result<Duration, BoxError> {
+        self.dyn_redelivery_delay(name).await
+    }
+    async fn take_away(&self, spec: &ConsumerSpec) -> Result<(), BoxError> {
+        self.dyn_take_away(spec).await
+    }
+    fn drain_restarts(&self) -> u32 {
+        self.dyn_drain_restarts()
+    }
+    async fn remove(&self, name: &str) {
+        self.dyn_remove(name).await;
+    }
+    async fn destination(&self, name: &str) -> Result<String, BoxError> {
+        self.dyn_destination(name).await
+    }
+    async fn run_child(&self, spec: &ChildSpec, db: &TestDb) -> Result<(), BoxError> {
+        self.dyn_run_child(spec, db).await
+    }
 }
 
 /// The consumer-group member of `spec`: the same for a restarted consumer of one member, so that
@@ -109,7 +293,7 @@ pub(crate) async fn connect_or_skip(
     kind: BrokerKind,
     kafka_impl: KafkaImpl,
     required: bool,
-) -> Result<Option<Box<dyn Broker>>, BoxError> {
+) -> Result<Option<Box<dyn DynBroker>>, BoxError> {
     match connect(kind, kafka_impl).await {
         Ok(broker) => Ok(Some(broker)),
         Err(e) if !required => {
@@ -123,7 +307,7 @@ pub(crate) async fn connect_or_skip(
 pub(crate) async fn connect(
     kind: BrokerKind,
     kafka_impl: KafkaImpl,
-) -> Result<Box<dyn Broker>, BoxError> {
+) -> Result<Box<dyn DynBroker>, BoxError> {
     #[cfg(not(feature = "kafka"))]
     let _ = kafka_impl;
     Ok(match kind {
@@ -156,7 +340,7 @@ struct On<B: TestBroker> {
     broker: Arc<B>,
     queues: Mutex<HashMap<String, Arc<B::Queue>>>,
     /// One producer per queue published to, kept for the next chunk (a soak publishes many).
-    producers: Mutex<HashMap<String, Arc<dyn Publish>>>,
+    producers: Mutex<HashMap<String, Arc<dyn inbox_core::DynPublish>>>,
     /// Whether a stalled drain may be replaced (see [`Broker::drain_restarts`]).
     restarts: bool,
 }
@@ -192,7 +376,7 @@ impl<B: TestBroker> On<B> {
     }
 
     /// The producer of the queue called `name`, connected on first use.
-    async fn producer(&self, name: &str) -> Result<Arc<dyn Publish>, BoxError> {
+    async fn producer(&self, name: &str) -> Result<Arc<dyn inbox_core::DynPublish>, BoxError> {
         let mut producers = self.producers.lock().await;
         if let Some(producer) = producers.get(name) {
             return Ok(producer.clone());
@@ -211,7 +395,6 @@ impl<B: TestBroker> On<B> {
 /// The source a queue of `B` hands out.
 type SourceOf<B> = <<B as TestBroker>::Queue as TestQueue>::Source;
 
-#[async_trait]
 impl<B: TestBroker> Broker for On<B>
 where
     // The consumer keeps deliveries across awaits of its `Send` future.

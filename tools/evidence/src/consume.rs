@@ -12,8 +12,8 @@ use inbox_conformance::store::MySqlDb;
 use inbox_conformance::wallet::{BatchCredit, Credit, CreditEvent, Ledger};
 use inbox_conformance::TestDb;
 use inbox_core::{
-    async_trait, BatchHandler, BatchItem, BoxError, Consumer, Handler, HandlerError, Inbox,
-    InboxStore, Message, MessageId, MessageSource, Sharded, Stage, StageHook, StatsSnapshot,
+    BatchHandler, BatchItem, BoxError, Consumer, Handler, HandlerError, Inbox, InboxStore, Message,
+    MessageId, MessageSource, Sharded, Stage, StageHook, StatsSnapshot,
 };
 use inbox_postgres::PgTx;
 use inbox_testkit::{MemoryStore, MemoryTx, WithoutInbox};
@@ -21,7 +21,7 @@ use sqlx::PgPool;
 use tokio::sync::mpsc;
 
 use crate::bench::Progress;
-use crate::brokers;
+use crate::brokers::{self, Broker};
 use crate::cli::{ConsumeArgs, ConsumerSpec, KafkaImpl, StoreKind, Variant};
 use crate::wallet_db;
 
@@ -49,7 +49,6 @@ struct Wallet {
     watch: Watch,
 }
 
-#[async_trait]
 impl Handler<PgTx> for Wallet {
     async fn handle(
         &self,
@@ -76,7 +75,6 @@ impl Handler<PgTx> for Wallet {
 #[derive(Debug)]
 struct CountOnly;
 
-#[async_trait]
 impl BatchHandler<MemoryTx<()>> for CountOnly {
     type Item = ();
 

@@ -12,12 +12,12 @@ use inbox_conformance::wallet::Credit;
 use inbox_conformance::TestDb;
 use inbox_core::effect::{not_applied, Effect, EffectHandler, Landed, OnUnknown};
 use inbox_core::{
-    async_trait, BoxError, Consumer, Handler, HandlerError, Message, MessageId, MessageSource,
-    Publish,
+    BoxError, Consumer, DynPublish, Handler, HandlerError, Message, MessageId, MessageSource,
 };
 use inbox_postgres::{Outbox, PgLeases, PgTx};
 use inbox_testkit::fast_retry;
 
+use crate::brokers::Broker;
 use crate::cli::{millis, BrokerKind, KafkaImpl};
 
 /// The environment variable the parent passes the provider's address in.
@@ -214,7 +214,7 @@ pub(crate) async fn run<S: MessageSource + 'static>(
 }
 
 /// The relay child: the outbox through `publisher`, the broker's producer.
-pub(crate) async fn relay(publisher: Arc<dyn Publish>, db: &TestDb) -> Result<(), BoxError> {
+pub(crate) async fn relay(publisher: Arc<dyn DynPublish>, db: &TestDb) -> Result<(), BoxError> {
     let outbox = Outbox::new(db.pool.clone());
     crate::ready();
     outbox
@@ -234,7 +234,6 @@ struct Notify {
     mode: Mode,
 }
 
-#[async_trait]
 impl EffectHandler<PgTx> for Notify {
     fn on_unknown(&self) -> OnUnknown {
         match self.mode {
@@ -285,7 +284,6 @@ struct Forward {
     work: Duration,
 }
 
-#[async_trait]
 impl Handler<PgTx> for Forward {
     async fn handle(
         &self,

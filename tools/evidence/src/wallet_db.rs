@@ -1,20 +1,21 @@
 //! The kill test's wallet database on either inbox store: what the harness reads from it, and a
 //! consumer run on it.
 
+use futures_util::future::BoxFuture;
 use std::collections::HashSet;
+use std::future::Future;
 
 use inbox_conformance::pg_cluster::{ClusterSettings, PgCluster};
 use inbox_conformance::store::MySqlDb;
 use inbox_conformance::wallet::{self, Ledger, Summary};
 use inbox_conformance::{mysql_wallet, TestDb};
-use inbox_core::{async_trait, BoxError, StatsSnapshot};
+use inbox_core::{BoxError, StatsSnapshot};
 
-use crate::brokers::Broker;
+use crate::brokers::{Broker, DynBroker};
 use crate::cli::{ConsumerSpec, StoreKind};
 use crate::consume::{Shutdown, Watch};
 
 /// A wallet (accounts, ledger) and its inbox, in a schema or database of one run's own.
-#[async_trait]
 pub(crate) trait WalletDb: Send + Sync {
     /// The schema (PostgreSQL) or database (MySQL) a consumer child attaches to.
     fn name(&self) -> &str;
@@ -23,25 +24,109 @@ pub(crate) trait WalletDb: Send + Sync {
     fn store(&self) -> StoreKind;
 
     /// What the ledger says.
-    async fn summary(&self) -> Result<Summary, BoxError>;
+    fn summary(&self) -> impl Future<Output = Result<Summary, BoxError>> + Send;
 
     /// Every account's balance, by id.
-    async fn balances(&self) -> Result<Vec<(i64, i64)>, BoxError>;
+    fn balances(&self) -> impl Future<Output = Result<Vec<(i64, i64)>, BoxError>> + Send;
 
     /// Runs one consumer of `spec` on this wallet in this process until `shutdown`.
-    async fn consume(
+    fn consume(
         &self,
-        broker: &dyn Broker,
+        broker: &dyn DynBroker,
         spec: &ConsumerSpec,
         shutdown: Shutdown,
-    ) -> Result<StatsSnapshot, BoxError>;
+    ) -> impl Future<Output = Result<StatsSnapshot, BoxError>> + Send;
 
     /// Drops the schema or database.
-    async fn remove(self: Box<Self>);
+    fn remove(self: Box<Self>) -> impl Future<Output = ()> + Send;
+}
+
+/// [`WalletDb`] as a trait object, for the store picked at run time: `WalletDb`'s methods
+/// return `impl Future`, which keeps it from being made into a `dyn` object; this trait has the
+/// same methods returning boxed futures, named `dyn_` and the `WalletDb` method's. Every
+/// `WalletDb` implements it, and `dyn DynWalletDb` implements `WalletDb`.
+pub(crate) trait DynWalletDb: Send + Sync {
+    /// [`WalletDb::name`].
+    fn dyn_name(&self) -> &str;
+
+    /// [`WalletDb::store`].
+    fn dyn_store(&self) -> StoreKind;
+
+    /// [`WalletDb::summary`].
+    fn dyn_summary(&self) -> BoxFuture<'_, Result<Summary, BoxError>>;
+
+    /// [`WalletDb::balances`].
+    fn dyn_balances(&self) -> BoxFuture<'_, Result<Vec<(i64, i64)>, BoxError>>;
+
+    /// [`WalletDb::consume`].
+    fn dyn_consume<'a>(
+        &'a self,
+        broker: &'a dyn DynBroker,
+        spec: &'a ConsumerSpec,
+        shutdown: Shutdown,
+    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>>;
+
+    /// [`WalletDb::remove`].
+    fn dyn_remove(self: Box<Self>) -> BoxFuture<'static, ()>;
+}
+
+impl<T: WalletDb + 'static> DynWalletDb for T {
+    fn dyn_name(&self) -> &str {
+        WalletDb::name(self)
+    }
+    fn dyn_store(&self) -> StoreKind {
+        WalletDb::store(self)
+    }
+    fn dyn_summary(&self) -> BoxFuture<'_, Result<Summary, BoxError>> {
+        Box::pin(WalletDb::summary(self))
+    }
+    fn dyn_balances(&self) -> BoxFuture<'_, Result<Vec<(i64, i64)>, BoxError>> {
+        Box::pin(WalletDb::balances(self))
+    }
+    fn dyn_consume<'a>(
+        &'a self,
+        broker: &'a dyn DynBroker,
+        spec: &'a ConsumerSpec,
+        shutdown: Shutdown,
+    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>> {
+        Box::pin(WalletDb::consume(self, broker, spec, shutdown))
+    }
+    fn dyn_remove(self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin(WalletDb::remove(self))
+    }
+}
+
+impl WalletDb for dyn DynWalletDb + '_ {
+    fn name(&self) -> &str {
+        self.dyn_name()
+    }
+    fn store(&self) -> StoreKind {
+        self.dyn_store()
+    }
+    async fn summary(&self) -> Result<Summary, BoxError> {
+        self.dyn_summary().await
+    }
+    async fn balances(&self) -> Result<Vec<(i64, i64)>, BoxError> {
+        self.dyn_balances().await
+    }
+    async fn consume(
+        &self,
+        broker: &dyn DynBroker,
+        spec: &ConsumerSpec,
+        shutdown: Shutdown,
+    ) -> Result<StatsSnapshot, BoxError> {
+        self.dyn_consume(broker, spec, shutdown).await
+    }
+    async fn remove(self: Box<Self>) {
+        self.dyn_remove().await;
+    }
 }
 
 /// A fresh wallet on `store` (`shards` clusters for [`StoreKind::Sharded`]).
-pub(crate) async fn create(store: StoreKind, shards: usize) -> Result<Box<dyn WalletDb>, BoxError> {
+pub(crate) async fn create(
+    store: StoreKind,
+    shards: usize,
+) -> Result<Box<dyn DynWalletDb>, BoxError> {
     Ok(match store {
         StoreKind::Postgres => Box::new(TestDb::new().await),
         StoreKind::Mysql => Box::new(mysql_wallet::wallet_db().await),
@@ -113,7 +198,6 @@ impl ShardedWallet {
     }
 }
 
-#[async_trait]
 impl WalletDb for ShardedWallet {
     fn name(&self) -> &str {
         &self.name
@@ -150,14 +234,14 @@ impl WalletDb for ShardedWallet {
     async fn balances(&self) -> Result<Vec<(i64, i64)>, BoxError> {
         let mut all = Vec::new();
         for db in &self.dbs {
-            all.extend(db.balances().await?);
+            all.extend(WalletDb::balances(db).await?);
         }
         Ok(all)
     }
 
     async fn consume(
         &self,
-        broker: &dyn Broker,
+        broker: &dyn DynBroker,
         spec: &ConsumerSpec,
         shutdown: Shutdown,
     ) -> Result<StatsSnapshot, BoxError> {
@@ -174,7 +258,6 @@ impl WalletDb for ShardedWallet {
     }
 }
 
-#[async_trait]
 impl WalletDb for TestDb {
     fn name(&self) -> &str {
         &self.schema
@@ -194,7 +277,7 @@ impl WalletDb for TestDb {
 
     async fn consume(
         &self,
-        broker: &dyn Broker,
+        broker: &dyn DynBroker,
         spec: &ConsumerSpec,
         shutdown: Shutdown,
     ) -> Result<StatsSnapshot, BoxError> {
@@ -206,7 +289,6 @@ impl WalletDb for TestDb {
     }
 }
 
-#[async_trait]
 impl WalletDb for MySqlDb {
     fn name(&self) -> &str {
         &self.name
@@ -226,7 +308,7 @@ impl WalletDb for MySqlDb {
 
     async fn consume(
         &self,
-        broker: &dyn Broker,
+        broker: &dyn DynBroker,
         spec: &ConsumerSpec,
         shutdown: Shutdown,
     ) -> Result<StatsSnapshot, BoxError> {
