@@ -96,9 +96,13 @@
 //!   (see [`redelivery_counts`] for why there): after a rebalance or a restart the partition's
 //!   next owner reads them with the committed offset before it hands out a record of the
 //!   partition, waits out what is left of the delay, and goes on with the schedule, so a poison
-//!   record reaches its dead letter however often the group rebalances. A redelivery (or a
-//!   nack) of a delivery received before its partition was revoked does nothing to the
-//!   partition: its owner reads the record again from the last commit.
+//!   record reaches its dead letter however often the group rebalances. A commit refused
+//!   mid-rebalance (Kafka refuses them while the group waits for its members to sync) loses the
+//!   counts it carried for the partition's next owner; the consumer that made it keeps them and
+//!   merges them in when the partition comes back to it. Each such loss, and each delivery cut
+//!   by a revoke, costs the record one more delivery than its schedule says, never its dead
+//!   letter. A redelivery (or a nack) of a delivery received before its partition was revoked
+//!   does nothing to the partition: its owner reads the record again from the last commit.
 //! - **Rebalances.** When partitions are revoked, their in-flight messages are forgotten: the
 //!   batch in flight still finishes and commits to the database, but its acks commit nothing for
 //!   the lost partitions, and a commit refused with `UNKNOWN_MEMBER_ID`, `REBALANCE_IN_PROGRESS`
