@@ -19,14 +19,13 @@ use inbox_postgres::PgInbox;
 use serde_json::json;
 use tokio::sync::oneshot;
 
-use crate::brokers::{self, Broker, DynBroker};
+use crate::brokers::{self, Broker};
 use crate::cli::StoreKind;
 use crate::cli::{
     positive, BrokerKind, ConsumerSpec, HandlerKind, KafkaImpl, Variant, KAFKA_IMPL_HELP,
     KAFKA_IMPL_LONG_HELP,
 };
 use crate::consume::Watch;
-use crate::wallet_db::WalletDb;
 use crate::{kill, progress, wallet_db};
 
 /// `bench`: msgs/s of variants b and c beside the broker alone and the database alone, for
@@ -276,7 +275,7 @@ impl fmt::Display for Spec {
 /// Fills a fresh queue with `events`, runs one consumer in this process until every event is
 /// applied, and times it from the first applied message to the last.
 async fn consumer_run(
-    broker: &dyn DynBroker,
+    broker: &dyn Broker,
     spec: Spec,
     events: &[OutgoingMessage],
     run: &str,
@@ -308,7 +307,7 @@ async fn consumer_run(
 /// (polled every 20 ms). Their group joins are behind them; a Kafka rebalance as the last ones
 /// get partitions may not be.
 async fn processes_run(
-    broker: &dyn DynBroker,
+    broker: &dyn Broker,
     spec: Spec,
     processes: usize,
     events: &[OutgoingMessage],
@@ -382,7 +381,7 @@ async fn processes_run(
 /// The broker alone: the same consumer at batch size 1000 with an in-memory store and a handler
 /// that only counts, so what is left is receiving and acking.
 async fn broker_alone(
-    broker: &dyn DynBroker,
+    broker: &dyn Broker,
     events: &[OutgoingMessage],
     run: &str,
 ) -> Result<Row, BoxError> {
@@ -412,7 +411,7 @@ async fn broker_alone(
 /// a fresh schema) until all are applied, and returns how many and the seconds from the first
 /// applied to the last.
 async fn timed_run(
-    broker: &dyn DynBroker,
+    broker: &dyn Broker,
     events: &[OutgoingMessage],
     label: &str,
     run: &str,

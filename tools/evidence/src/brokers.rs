@@ -37,245 +37,69 @@ const PUBLISH_CHUNK: usize = 5_000;
 const DRAIN_RESTARTS: u32 = 5;
 
 /// What the harness needs from a broker: [`TestBroker`] and [`TestQueue`], with queues found by
-/// name, behind one object for every broker.
+/// name, behind one object for every broker. The methods return boxed futures because the tool
+/// picks the broker at run time.
 pub(crate) trait Broker: Send + Sync {
+    /// Which broker this is.
     fn kind(&self) -> BrokerKind;
 
     /// A fresh, empty queue, topic or stream with its dead-letter destination; returns its name,
     /// which `label` is part of.
-    fn create(&self, label: &str) -> impl Future<Output = Result<String, BoxError>> + Send;
+    fn create<'a>(&'a self, label: &'a str) -> BoxFuture<'a, Result<String, BoxError>>;
 
     /// Publishes `events` to `name`, confirmed.
-    fn publish(
-        &self,
-        name: &str,
-        events: &[OutgoingMessage],
-    ) -> impl Future<Output = Result<(), BoxError>> + Send;
+    fn publish<'a>(
+        &'a self,
+        name: &'a str,
+        events: &'a [OutgoingMessage],
+    ) -> BoxFuture<'a, Result<(), BoxError>>;
 
     /// Runs one consumer of `spec` in this process until `shutdown`.
-    fn consume(
-        &self,
-        spec: &ConsumerSpec,
-        db: &TestDb,
+    fn consume<'a>(
+        &'a self,
+        spec: &'a ConsumerSpec,
+        db: &'a TestDb,
         watch: Watch,
         shutdown: Shutdown,
-    ) -> impl Future<Output = Result<StatsSnapshot, BoxError>> + Send;
+    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>>;
+
+    /// Runs one consumer of `spec` on the MySQL store in `db` in this process until `shutdown`:
+    /// variant c, per-message credits.
+    fn consume_mysql<'a>(
+        &'a self,
+        spec: &'a ConsumerSpec,
+        db: &'a MySqlDb,
+        shutdown: Shutdown,
+    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>>;
 
     /// Messages on `name` not acked yet, as far as the broker can tell while consumers run
     /// ([`TestQueue::waiting`]).
-    /// Runs one consumer of `spec` on the MySQL store in `db` in this process until `shutdown`:
-    /// variant c, per-message credits.
-    fn consume_mysql(
-        &self,
-        spec: &ConsumerSpec,
-        db: &MySqlDb,
-        shutdown: Shutdown,
-    ) -> impl Future<Output = Result<StatsSnapshot, BoxError>> + Send;
-
-    fn left(&self, name: &str) -> impl Future<Output = Result<Option<u64>, BoxError>> + Send;
+    fn left<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<u64>, BoxError>>;
 
     /// How long a dead consumer's unacked messages on `name` may take to come back to another.
-    fn redelivery_delay(
-        &self,
-        name: &str,
-    ) -> impl Future<Output = Result<Duration, BoxError>> + Send;
+    fn redelivery_delay<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Duration, BoxError>>;
 
     /// Takes a stalled consumer's messages away from it where the broker needs a push to do so
     /// (RabbitMQ: the broker closes its connection). Others lose ownership on a timer.
-    fn take_away(&self, spec: &ConsumerSpec) -> impl Future<Output = Result<(), BoxError>> + Send;
+    fn take_away<'a>(&'a self, spec: &'a ConsumerSpec) -> BoxFuture<'a, Result<(), BoxError>>;
 
     /// How often a draining consumer that applies nothing while the broker still holds messages
     /// is replaced by a new one; 0: such a stall fails the run (see `kill::drain`).
     fn drain_restarts(&self) -> u32;
 
     /// Deletes `name` and its dead-letter destination (best effort).
-    fn remove(&self, name: &str) -> impl Future<Output = ()> + Send;
+    fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, ()>;
 
     /// What outbox rows name as their destination to reach `name` through the broker's producer.
-    fn destination(&self, name: &str) -> impl Future<Output = Result<String, BoxError>> + Send;
+    fn destination<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<String, BoxError>>;
 
     /// Runs the `effects-test` child `spec` on its queue until it is killed or Ctrl-C: a
     /// consumer reading `spec.name`, or the relay publishing through the broker's producer.
-    fn run_child(
-        &self,
-        spec: &ChildSpec,
-        db: &TestDb,
-    ) -> impl Future<Output = Result<(), BoxError>> + Send;
-}
-
-/// [`Broker`] as a trait object, for the broker picked at run time: `Broker`'s methods return
-/// `impl Future`, which keeps it from being made into a `dyn` object; this trait has the same
-/// methods returning boxed futures, named `dyn_` and the `Broker` method's. Every `Broker`
-/// implements it, and `dyn DynBroker` implements `Broker`.
-pub(crate) trait DynBroker: Send + Sync {
-    /// [`Broker::kind`].
-    fn dyn_kind(&self) -> BrokerKind;
-
-    /// [`Broker::create`].
-    fn dyn_create<'a>(&'a self, label: &'a str) -> BoxFuture<'a, Result<String, BoxError>>;
-
-    /// [`Broker::publish`].
-    fn dyn_publish<'a>(
-        &'a self,
-        name: &'a str,
-        events: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Result<(), BoxError>>;
-
-    /// [`Broker::consume`].
-    fn dyn_consume<'a>(
-        &'a self,
-        spec: &'a ConsumerSpec,
-        db: &'a TestDb,
-        watch: Watch,
-        shutdown: Shutdown,
-    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>>;
-
-    /// [`Broker::consume_mysql`].
-    fn dyn_consume_mysql<'a>(
-        &'a self,
-        spec: &'a ConsumerSpec,
-        db: &'a MySqlDb,
-        shutdown: Shutdown,
-    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>>;
-
-    /// [`Broker::left`].
-    fn dyn_left<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<u64>, BoxError>>;
-
-    /// [`Broker::redelivery_delay`].
-    fn dyn_redelivery_delay<'a>(
-        &'a self,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Duration, BoxError>>;
-
-    /// [`Broker::take_away`].
-    fn dyn_take_away<'a>(&'a self, spec: &'a ConsumerSpec) -> BoxFuture<'a, Result<(), BoxError>>;
-
-    /// [`Broker::drain_restarts`].
-    fn dyn_drain_restarts(&self) -> u32;
-
-    /// [`Broker::remove`].
-    fn dyn_remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, ()>;
-
-    /// [`Broker::destination`].
-    fn dyn_destination<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<String, BoxError>>;
-
-    /// [`Broker::run_child`].
-    fn dyn_run_child<'a>(
+    fn run_child<'a>(
         &'a self,
         spec: &'a ChildSpec,
         db: &'a TestDb,
     ) -> BoxFuture<'a, Result<(), BoxError>>;
-}
-
-impl<T: Broker> DynBroker for T {
-    fn dyn_kind(&self) -> BrokerKind {
-        Broker::kind(self)
-    }
-    fn dyn_create<'a>(&'a self, label: &'a str) -> BoxFuture<'a, Result<String, BoxError>> {
-        Box::pin(Broker::create(self, label))
-    }
-    fn dyn_publish<'a>(
-        &'a self,
-        name: &'a str,
-        events: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Result<(), BoxError>> {
-        Box::pin(Broker::publish(self, name, events))
-    }
-    fn dyn_consume<'a>(
-        &'a self,
-        spec: &'a ConsumerSpec,
-        db: &'a TestDb,
-        watch: Watch,
-        shutdown: Shutdown,
-    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>> {
-        Box::pin(Broker::consume(self, spec, db, watch, shutdown))
-    }
-    fn dyn_consume_mysql<'a>(
-        &'a self,
-        spec: &'a ConsumerSpec,
-        db: &'a MySqlDb,
-        shutdown: Shutdown,
-    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>> {
-        Box::pin(Broker::consume_mysql(self, spec, db, shutdown))
-    }
-    fn dyn_left<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<u64>, BoxError>> {
-        Box::pin(Broker::left(self, name))
-    }
-    fn dyn_redelivery_delay<'a>(
-        &'a self,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Duration, BoxError>> {
-        Box::pin(Broker::redelivery_delay(self, name))
-    }
-    fn dyn_take_away<'a>(&'a self, spec: &'a ConsumerSpec) -> BoxFuture<'a, Result<(), BoxError>> {
-        Box::pin(Broker::take_away(self, spec))
-    }
-    fn dyn_drain_restarts(&self) -> u32 {
-        Broker::drain_restarts(self)
-    }
-    fn dyn_remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, ()> {
-        Box::pin(Broker::remove(self, name))
-    }
-    fn dyn_destination<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<String, BoxError>> {
-        Box::pin(Broker::destination(self, name))
-    }
-    fn dyn_run_child<'a>(
-        &'a self,
-        spec: &'a ChildSpec,
-        db: &'a TestDb,
-    ) -> BoxFuture<'a, Result<(), BoxError>> {
-        Box::pin(Broker::run_child(self, spec, db))
-    }
-}
-
-impl Broker for dyn DynBroker + '_ {
-    fn kind(&self) -> BrokerKind {
-        self.dyn_kind()
-    }
-    async fn create(&self, label: &str) -> Result<String, BoxError> {
-        self.dyn_create(label).await
-    }
-    async fn publish(&self, name: &str, events: &[OutgoingMessage]) -> Result<(), BoxError> {
-        self.dyn_publish(name, events).await
-    }
-    async fn consume(
-        &self,
-        spec: &ConsumerSpec,
-        db: &TestDb,
-        watch: Watch,
-        shutdown: Shutdown,
-    ) -> Result<StatsSnapshot, BoxError> {
-        self.dyn_consume(spec, db, watch, shutdown).await
-    }
-    async fn consume_mysql(
-        &self,
-        spec: &ConsumerSpec,
-        db: &MySqlDb,
-        shutdown: Shutdown,
-    ) -> Result<StatsSnapshot, BoxError> {
-        self.dyn_consume_mysql(spec, db, shutdown).await
-    }
-    async fn left(&self, name: &str) -> Result<Option<u64>, BoxError> {
-        self.dyn_left(name).await
-    }
-    async fn redelivery_delay(&self, name: &str) -> Result<Duration, BoxError> {
-        self.dyn_redelivery_delay(name).await
-    }
-    async fn take_away(&self, spec: &ConsumerSpec) -> Result<(), BoxError> {
-        self.dyn_take_away(spec).await
-    }
-    fn drain_restarts(&self) -> u32 {
-        self.dyn_drain_restarts()
-    }
-    async fn remove(&self, name: &str) {
-        self.dyn_remove(name).await;
-    }
-    async fn destination(&self, name: &str) -> Result<String, BoxError> {
-        self.dyn_destination(name).await
-    }
-    async fn run_child(&self, spec: &ChildSpec, db: &TestDb) -> Result<(), BoxError> {
-        self.dyn_run_child(spec, db).await
-    }
 }
 
 /// The consumer-group member of `spec`: the same for a restarted consumer of one member, so that
@@ -293,7 +117,7 @@ pub(crate) async fn connect_or_skip(
     kind: BrokerKind,
     kafka_impl: KafkaImpl,
     required: bool,
-) -> Result<Option<Box<dyn DynBroker>>, BoxError> {
+) -> Result<Option<Box<dyn Broker>>, BoxError> {
     match connect(kind, kafka_impl).await {
         Ok(broker) => Ok(Some(broker)),
         Err(e) if !required => {
@@ -307,7 +131,7 @@ pub(crate) async fn connect_or_skip(
 pub(crate) async fn connect(
     kind: BrokerKind,
     kafka_impl: KafkaImpl,
-) -> Result<Box<dyn DynBroker>, BoxError> {
+) -> Result<Box<dyn Broker>, BoxError> {
     #[cfg(not(feature = "kafka"))]
     let _ = kafka_impl;
     Ok(match kind {
@@ -404,119 +228,135 @@ where
         self.kind
     }
 
-    async fn create(&self, label: &str) -> Result<String, BoxError> {
-        let (broker, label) = (self.broker.clone(), format!("wallet-{label}"));
-        let queue = caught(
-            &format!(
-                "creating a queue on {} (is it up? `cargo xtask services`)",
-                self.kind
-            ),
-            async move { broker.queue(&label).await },
-        )
-        .await?;
-        let name = queue.name();
-        self.queues
-            .lock()
-            .await
-            .insert(name.clone(), Arc::new(queue));
-        Ok(name)
+    fn create<'a>(&'a self, label: &'a str) -> BoxFuture<'a, Result<String, BoxError>> {
+        Box::pin(async move {
+            let (broker, label) = (self.broker.clone(), format!("wallet-{label}"));
+            let queue = caught(
+                &format!(
+                    "creating a queue on {} (is it up? `cargo xtask services`)",
+                    self.kind
+                ),
+                async move { broker.queue(&label).await },
+            )
+            .await?;
+            let name = queue.name();
+            self.queues
+                .lock()
+                .await
+                .insert(name.clone(), Arc::new(queue));
+            Ok(name)
+        })
     }
 
-    async fn publish(&self, name: &str, events: &[OutgoingMessage]) -> Result<(), BoxError> {
-        let destination = self.queue(name).await?.destination();
-        let producer = self.producer(name).await?;
-        for chunk in events.chunks(PUBLISH_CHUNK) {
-            if self.kind == BrokerKind::Kafka {
-                producer.send_batch(&destination, chunk).await?;
-                continue;
+    fn publish<'a>(
+        &'a self,
+        name: &'a str,
+        events: &'a [OutgoingMessage],
+    ) -> BoxFuture<'a, Result<(), BoxError>> {
+        Box::pin(async move {
+            let destination = self.queue(name).await?.destination();
+            let producer = self.producer(name).await?;
+            for chunk in events.chunks(PUBLISH_CHUNK) {
+                if self.kind == BrokerKind::Kafka {
+                    producer.send_batch(&destination, chunk).await?;
+                    continue;
+                }
+                // Only Kafka's partitions follow the key; an SQS key would be a FIFO group.
+                let mut unkeyed = chunk.to_vec();
+                for message in &mut unkeyed {
+                    message.key = None;
+                }
+                producer.send_batch(&destination, &unkeyed).await?;
             }
-            // Only Kafka's partitions follow the key; an SQS key would be a FIFO group.
-            let mut unkeyed = chunk.to_vec();
-            for message in &mut unkeyed {
-                message.key = None;
-            }
-            producer.send_batch(&destination, &unkeyed).await?;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
-    async fn consume(
-        &self,
-        spec: &ConsumerSpec,
-        db: &TestDb,
+    fn consume<'a>(
+        &'a self,
+        spec: &'a ConsumerSpec,
+        db: &'a TestDb,
         watch: Watch,
         shutdown: Shutdown,
-    ) -> Result<StatsSnapshot, BoxError> {
-        let queue = self.queue(&spec.name).await?;
-        let (member, zombie) = (member(spec), spec.zombie);
-        if spec.variant.auto_ack() {
+    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>> {
+        Box::pin(async move {
+            let queue = self.queue(&spec.name).await?;
+            let (member, zombie) = (member(spec), spec.zombie);
+            if spec.variant.auto_ack() {
+                let source = caught("connecting a consumer", async move {
+                    queue.at_most_once_source(&member).await
+                })
+                .await?;
+                crate::ready();
+                return Ok(consume::run(source, spec, db, watch, shutdown).await?);
+            }
             let source = caught("connecting a consumer", async move {
-                queue.at_most_once_source(&member).await
+                if zombie {
+                    queue
+                        .losing_source(&member)
+                        .await
+                        .map(|losing| losing.source)
+                } else {
+                    Some(queue.source(&member).await)
+                }
+            })
+            .await?
+            .ok_or_else(|| format!("{} offers no source for the zombie test here", self.kind))?;
+            crate::ready();
+            Ok(consume::run(source, spec, db, watch, shutdown).await?)
+        })
+    }
+
+    fn consume_mysql<'a>(
+        &'a self,
+        spec: &'a ConsumerSpec,
+        db: &'a MySqlDb,
+        shutdown: Shutdown,
+    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>> {
+        Box::pin(async move {
+            if spec.variant != Variant::C || spec.zombie || spec.batched || spec.no_database {
+                return Err(format!(
+                    "the MySQL store runs variant c with the per-message credit only, not {spec:?}"
+                )
+                .into());
+            }
+            let queue = self.queue(&spec.name).await?;
+            let member = member(spec);
+            let source = caught("connecting a consumer", async move {
+                queue.source(&member).await
             })
             .await?;
             crate::ready();
-            return Ok(consume::run(source, spec, db, watch, shutdown).await?);
-        }
-        let source = caught("connecting a consumer", async move {
-            if zombie {
-                queue
-                    .losing_source(&member)
-                    .await
-                    .map(|losing| losing.source)
-            } else {
-                Some(queue.source(&member).await)
-            }
+            Ok(consume::run_mysql(source, spec, db, shutdown).await?)
         })
-        .await?
-        .ok_or_else(|| format!("{} offers no source for the zombie test here", self.kind))?;
-        crate::ready();
-        Ok(consume::run(source, spec, db, watch, shutdown).await?)
     }
 
-    async fn consume_mysql(
-        &self,
-        spec: &ConsumerSpec,
-        db: &MySqlDb,
-        shutdown: Shutdown,
-    ) -> Result<StatsSnapshot, BoxError> {
-        if spec.variant != Variant::C || spec.zombie || spec.batched || spec.no_database {
-            return Err(format!(
-                "the MySQL store runs variant c with the per-message credit only, not {spec:?}"
-            )
-            .into());
-        }
-        let queue = self.queue(&spec.name).await?;
-        let member = member(spec);
-        let source = caught("connecting a consumer", async move {
-            queue.source(&member).await
+    fn left<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<u64>, BoxError>> {
+        Box::pin(async move {
+            let queue = self.queue(name).await?;
+            Ok(Some(
+                caught(
+                    "counting what is left",
+                    async move { queue.waiting().await },
+                )
+                .await?,
+            ))
         })
-        .await?;
-        crate::ready();
-        Ok(consume::run_mysql(source, spec, db, shutdown).await?)
     }
 
-    async fn left(&self, name: &str) -> Result<Option<u64>, BoxError> {
-        let queue = self.queue(name).await?;
-        Ok(Some(
-            caught(
-                "counting what is left",
-                async move { queue.waiting().await },
-            )
-            .await?,
-        ))
+    fn redelivery_delay<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Duration, BoxError>> {
+        Box::pin(async move { Ok(self.queue(name).await?.redelivery_delay()) })
     }
 
-    async fn redelivery_delay(&self, name: &str) -> Result<Duration, BoxError> {
-        Ok(self.queue(name).await?.redelivery_delay())
-    }
-
-    async fn take_away(&self, spec: &ConsumerSpec) -> Result<(), BoxError> {
-        let queue = self.queue(&spec.name).await?;
-        let member = member(spec);
-        caught("taking messages away", async move {
-            queue.take_away(&member).await
+    fn take_away<'a>(&'a self, spec: &'a ConsumerSpec) -> BoxFuture<'a, Result<(), BoxError>> {
+        Box::pin(async move {
+            let queue = self.queue(&spec.name).await?;
+            let member = member(spec);
+            caught("taking messages away", async move {
+                queue.take_away(&member).await
+            })
+            .await
         })
-        .await
     }
 
     fn drain_restarts(&self) -> u32 {
@@ -527,35 +367,43 @@ where
         }
     }
 
-    async fn remove(&self, name: &str) {
-        let Ok(queue) = self.queue(name).await else {
-            return;
-        };
-        let _ = caught("deleting the queue", async move { queue.cleanup().await }).await;
-        self.queues.lock().await.remove(name);
-        self.producers.lock().await.remove(name);
-    }
-
-    async fn destination(&self, name: &str) -> Result<String, BoxError> {
-        Ok(self.queue(name).await?.destination())
-    }
-
-    async fn run_child(&self, spec: &ChildSpec, db: &TestDb) -> Result<(), BoxError> {
-        let queue = self.queue(&spec.name).await?;
-        if spec.role == Role::Relay {
-            let producer = caught(
-                "connecting a producer",
-                async move { queue.producer().await },
-            )
-            .await?;
-            return effects_child::relay(producer, db).await;
-        }
-        let member = format!("{}-0", spec.role.name());
-        let source = caught("connecting a consumer", async move {
-            queue.source(&member).await
+    fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let Ok(queue) = self.queue(name).await else {
+                return;
+            };
+            let _ = caught("deleting the queue", async move { queue.cleanup().await }).await;
+            self.queues.lock().await.remove(name);
+            self.producers.lock().await.remove(name);
         })
-        .await?;
-        effects_child::run(source, spec, db).await
+    }
+
+    fn destination<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<String, BoxError>> {
+        Box::pin(async move { Ok(self.queue(name).await?.destination()) })
+    }
+
+    fn run_child<'a>(
+        &'a self,
+        spec: &'a ChildSpec,
+        db: &'a TestDb,
+    ) -> BoxFuture<'a, Result<(), BoxError>> {
+        Box::pin(async move {
+            let queue = self.queue(&spec.name).await?;
+            if spec.role == Role::Relay {
+                let producer = caught(
+                    "connecting a producer",
+                    async move { queue.producer().await },
+                )
+                .await?;
+                return effects_child::relay(producer, db).await;
+            }
+            let member = format!("{}-0", spec.role.name());
+            let source = caught("connecting a consumer", async move {
+                queue.source(&member).await
+            })
+            .await?;
+            effects_child::run(source, spec, db).await
+        })
     }
 }
 

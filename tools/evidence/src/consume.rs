@@ -21,7 +21,7 @@ use sqlx::PgPool;
 use tokio::sync::mpsc;
 
 use crate::bench::Progress;
-use crate::brokers::{self, Broker};
+use crate::brokers;
 use crate::cli::{ConsumeArgs, ConsumerSpec, KafkaImpl, StoreKind, Variant};
 use crate::wallet_db;
 

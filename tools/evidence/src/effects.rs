@@ -23,7 +23,7 @@ use sqlx::AssertSqlSafe;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Child;
 
-use crate::brokers::{self, Broker, DynBroker};
+use crate::brokers::{self, Broker};
 use crate::cli::{
     millis, millis_range, BrokerKind, KafkaImpl, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
 };
@@ -220,7 +220,7 @@ pub(crate) fn schedule(s: &EffectsSettings, run: u32) -> Vec<Duration> {
 }
 
 async fn run_once(
-    broker: &dyn DynBroker,
+    broker: &dyn Broker,
     s: &EffectsSettings,
     mode: Mode,
     run: u32,

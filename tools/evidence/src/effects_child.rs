@@ -17,7 +17,6 @@ use inbox_core::{
 use inbox_postgres::{Outbox, PgLeases, PgTx};
 use inbox_testkit::fast_retry;
 
-use crate::brokers::Broker;
 use crate::cli::{millis, BrokerKind, KafkaImpl};
 
 /// The environment variable the parent passes the provider's address in.

@@ -12,7 +12,7 @@ use rand::{RngExt, SeedableRng};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use crate::brokers::{self, Broker, DynBroker};
+use crate::brokers::{self, Broker};
 use crate::chart;
 use crate::cli::{
     BrokerKind, ConsumerSpec, KafkaImpl, StoreKind, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
@@ -20,7 +20,7 @@ use crate::cli::{
 use crate::progress;
 use crate::report::{self, RunResult, VariantResult};
 use crate::settings::{KillArgs, KillSettings};
-use crate::wallet_db::{self, DynWalletDb, WalletDb};
+use crate::wallet_db::{self, WalletDb};
 
 /// The seeded events of every run: IDs `evt-<i>`, accounts and amounts from `seed`.
 pub(crate) fn events(s: &KillSettings, count: u32) -> (Vec<OutgoingMessage>, HashMap<i64, i64>) {
@@ -47,7 +47,7 @@ fn schedule(s: &KillSettings, run: u32) -> Vec<Duration> {
 
 /// Runs the kill test on one broker for every variant of `s`.
 pub(crate) async fn on_broker(
-    broker: &dyn DynBroker,
+    broker: &dyn Broker,
     s: &KillSettings,
 ) -> Result<Vec<VariantResult>, BoxError> {
     let mut results = Vec::new();
@@ -93,7 +93,7 @@ fn spec(
     broker: BrokerKind,
     variant: Variant,
     name: &str,
-    db: &dyn DynWalletDb,
+    db: &dyn WalletDb,
     s: &KillSettings,
 ) -> ConsumerSpec {
     ConsumerSpec {
@@ -106,7 +106,7 @@ fn spec(
 }
 
 async fn run_once(
-    broker: &dyn DynBroker,
+    broker: &dyn Broker,
     s: &KillSettings,
     variant: Variant,
     run: u32,
@@ -153,9 +153,9 @@ async fn run_once(
 /// When the child first writes to the ledger; now, if it dies first or the broker holds nothing
 /// more for it (after an ack on receipt lost the rest, say), or after 30 s at most.
 async fn first_write(
-    broker: &dyn DynBroker,
+    broker: &dyn Broker,
     name: &str,
-    db: &dyn DynWalletDb,
+    db: &dyn WalletDb,
     child: &mut Child,
 ) -> Result<Instant, BoxError> {
     let count = || async { Ok::<_, BoxError>(db.summary().await?.ledger_rows) };
@@ -179,7 +179,7 @@ async fn first_write(
 
 /// A no-kill run: events per second from the consumer's start to its last write.
 async fn throughput(
-    broker: &dyn DynBroker,
+    broker: &dyn Broker,
     s: &KillSettings,
     variant: Variant,
 ) -> Result<f64, BoxError> {
@@ -210,7 +210,7 @@ async fn throughput(
 }
 
 pub(crate) async fn count(
-    db: &dyn DynWalletDb,
+    db: &dyn WalletDb,
     published: u32,
     expected: &HashMap<i64, i64>,
     kills: u32,
@@ -307,9 +307,9 @@ enum Drained {
 /// rebalance. Where the broker allows no restarts (librdkafka's mock, `--kafka-impl mock`), such
 /// a stall fails the run instead.
 pub(crate) async fn drain(
-    broker: &dyn DynBroker,
+    broker: &dyn Broker,
     spec: &ConsumerSpec,
-    db: &dyn DynWalletDb,
+    db: &dyn WalletDb,
     published: i64,
     bar: &progress::Bar,
 ) -> Result<Duration, BoxError> {

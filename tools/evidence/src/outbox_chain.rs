@@ -12,7 +12,7 @@ use inbox_conformance::TestDb;
 use inbox_core::BoxError;
 use inbox_postgres::Outbox;
 
-use crate::brokers::{self, Broker, DynBroker};
+use crate::brokers::{self, Broker};
 use crate::effects::{events, kill, schedule, show, spawn, EffectsSettings};
 use crate::effects_child::{ChildSpec, Mode, Role};
 use crate::progress;
@@ -114,7 +114,7 @@ pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
 }
 
 async fn run_once(
-    broker: &dyn DynBroker,
+    broker: &dyn Broker,
     s: &EffectsSettings,
     run: u32,
 ) -> Result<ChainRun, BoxError> {

@@ -15,7 +15,7 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use tokio::process::Child;
 
-use crate::brokers::{self, Broker, DynBroker};
+use crate::brokers::{self, Broker};
 use crate::cli::{
     millis, minutes, positive, seconds, seconds_range, BrokerKind, ConsumerSpec, HandlerKind,
     KafkaImpl, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
@@ -135,7 +135,7 @@ struct Published {
 /// A chunk whose publishing fails (the shared broker restarted by another test, say) is published
 /// again whole: the copies of its first messages carry the same IDs, so the inbox skips them.
 async fn publish(
-    broker: &dyn DynBroker,
+    broker: &dyn Broker,
     name: &str,
     s: &SoakSettings,
     published: &Published,
@@ -445,7 +445,7 @@ pub(crate) async fn run(s: &SoakSettings) -> Result<(), BoxError> {
 }
 
 async fn on_broker(
-    broker: &dyn DynBroker,
+    broker: &dyn Broker,
     s: &SoakSettings,
 ) -> Result<(String, Option<String>), BoxError> {
     let kind = broker.kind();

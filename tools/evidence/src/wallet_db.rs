@@ -3,7 +3,6 @@
 
 use futures_util::future::BoxFuture;
 use std::collections::HashSet;
-use std::future::Future;
 
 use inbox_conformance::pg_cluster::{ClusterSettings, PgCluster};
 use inbox_conformance::store::MySqlDb;
@@ -11,11 +10,12 @@ use inbox_conformance::wallet::{self, Ledger, Summary};
 use inbox_conformance::{mysql_wallet, TestDb};
 use inbox_core::{BoxError, StatsSnapshot};
 
-use crate::brokers::{Broker, DynBroker};
+use crate::brokers::Broker;
 use crate::cli::{ConsumerSpec, StoreKind};
 use crate::consume::{Shutdown, Watch};
 
-/// A wallet (accounts, ledger) and its inbox, in a schema or database of one run's own.
+/// A wallet (accounts, ledger) and its inbox, in a schema or database of one run's own. The
+/// methods return boxed futures because the tool picks the store at run time.
 pub(crate) trait WalletDb: Send + Sync {
     /// The schema (PostgreSQL) or database (MySQL) a consumer child attaches to.
     fn name(&self) -> &str;
@@ -24,109 +24,25 @@ pub(crate) trait WalletDb: Send + Sync {
     fn store(&self) -> StoreKind;
 
     /// What the ledger says.
-    fn summary(&self) -> impl Future<Output = Result<Summary, BoxError>> + Send;
+    fn summary(&self) -> BoxFuture<'_, Result<Summary, BoxError>>;
 
     /// Every account's balance, by id.
-    fn balances(&self) -> impl Future<Output = Result<Vec<(i64, i64)>, BoxError>> + Send;
+    fn balances(&self) -> BoxFuture<'_, Result<Vec<(i64, i64)>, BoxError>>;
 
     /// Runs one consumer of `spec` on this wallet in this process until `shutdown`.
-    fn consume(
-        &self,
-        broker: &dyn DynBroker,
-        spec: &ConsumerSpec,
-        shutdown: Shutdown,
-    ) -> impl Future<Output = Result<StatsSnapshot, BoxError>> + Send;
-
-    /// Drops the schema or database.
-    fn remove(self: Box<Self>) -> impl Future<Output = ()> + Send;
-}
-
-/// [`WalletDb`] as a trait object, for the store picked at run time: `WalletDb`'s methods
-/// return `impl Future`, which keeps it from being made into a `dyn` object; this trait has the
-/// same methods returning boxed futures, named `dyn_` and the `WalletDb` method's. Every
-/// `WalletDb` implements it, and `dyn DynWalletDb` implements `WalletDb`.
-pub(crate) trait DynWalletDb: Send + Sync {
-    /// [`WalletDb::name`].
-    fn dyn_name(&self) -> &str;
-
-    /// [`WalletDb::store`].
-    fn dyn_store(&self) -> StoreKind;
-
-    /// [`WalletDb::summary`].
-    fn dyn_summary(&self) -> BoxFuture<'_, Result<Summary, BoxError>>;
-
-    /// [`WalletDb::balances`].
-    fn dyn_balances(&self) -> BoxFuture<'_, Result<Vec<(i64, i64)>, BoxError>>;
-
-    /// [`WalletDb::consume`].
-    fn dyn_consume<'a>(
+    fn consume<'a>(
         &'a self,
-        broker: &'a dyn DynBroker,
+        broker: &'a dyn Broker,
         spec: &'a ConsumerSpec,
         shutdown: Shutdown,
     ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>>;
 
-    /// [`WalletDb::remove`].
-    fn dyn_remove(self: Box<Self>) -> BoxFuture<'static, ()>;
-}
-
-impl<T: WalletDb + 'static> DynWalletDb for T {
-    fn dyn_name(&self) -> &str {
-        WalletDb::name(self)
-    }
-    fn dyn_store(&self) -> StoreKind {
-        WalletDb::store(self)
-    }
-    fn dyn_summary(&self) -> BoxFuture<'_, Result<Summary, BoxError>> {
-        Box::pin(WalletDb::summary(self))
-    }
-    fn dyn_balances(&self) -> BoxFuture<'_, Result<Vec<(i64, i64)>, BoxError>> {
-        Box::pin(WalletDb::balances(self))
-    }
-    fn dyn_consume<'a>(
-        &'a self,
-        broker: &'a dyn DynBroker,
-        spec: &'a ConsumerSpec,
-        shutdown: Shutdown,
-    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>> {
-        Box::pin(WalletDb::consume(self, broker, spec, shutdown))
-    }
-    fn dyn_remove(self: Box<Self>) -> BoxFuture<'static, ()> {
-        Box::pin(WalletDb::remove(self))
-    }
-}
-
-impl WalletDb for dyn DynWalletDb + '_ {
-    fn name(&self) -> &str {
-        self.dyn_name()
-    }
-    fn store(&self) -> StoreKind {
-        self.dyn_store()
-    }
-    async fn summary(&self) -> Result<Summary, BoxError> {
-        self.dyn_summary().await
-    }
-    async fn balances(&self) -> Result<Vec<(i64, i64)>, BoxError> {
-        self.dyn_balances().await
-    }
-    async fn consume(
-        &self,
-        broker: &dyn DynBroker,
-        spec: &ConsumerSpec,
-        shutdown: Shutdown,
-    ) -> Result<StatsSnapshot, BoxError> {
-        self.dyn_consume(broker, spec, shutdown).await
-    }
-    async fn remove(self: Box<Self>) {
-        self.dyn_remove().await;
-    }
+    /// Drops the schema or database.
+    fn remove(self: Box<Self>) -> BoxFuture<'static, ()>;
 }
 
 /// A fresh wallet on `store` (`shards` clusters for [`StoreKind::Sharded`]).
-pub(crate) async fn create(
-    store: StoreKind,
-    shards: usize,
-) -> Result<Box<dyn DynWalletDb>, BoxError> {
+pub(crate) async fn create(store: StoreKind, shards: usize) -> Result<Box<dyn WalletDb>, BoxError> {
     Ok(match store {
         StoreKind::Postgres => Box::new(TestDb::new().await),
         StoreKind::Mysql => Box::new(mysql_wallet::wallet_db().await),
@@ -208,53 +124,57 @@ impl WalletDb for ShardedWallet {
     }
 
     /// The shards' ledgers together: an event applied in two shards counts as a duplicate.
-    async fn summary(&self) -> Result<Summary, BoxError> {
-        let mut events = HashSet::new();
-        let mut rows = 0;
-        let (mut exact, mut total) = (true, 0);
-        for db in &self.dbs {
-            let ids: Vec<String> = sqlx::query_scalar("SELECT event_id FROM ledger")
-                .fetch_all(&db.pool)
-                .await?;
-            rows += ids.len() as i64;
-            events.extend(ids);
-            let one = wallet::summary(&db.pool).await?;
-            exact &= one.balances_exact;
-            total += one.total_balance;
-        }
-        Ok(Summary {
-            ledger_rows: rows,
-            distinct_events: events.len() as i64,
-            balances_exact: exact,
-            total_balance: total,
+    fn summary(&self) -> BoxFuture<'_, Result<Summary, BoxError>> {
+        Box::pin(async move {
+            let mut events = HashSet::new();
+            let mut rows = 0;
+            let (mut exact, mut total) = (true, 0);
+            for db in &self.dbs {
+                let ids: Vec<String> = sqlx::query_scalar("SELECT event_id FROM ledger")
+                    .fetch_all(&db.pool)
+                    .await?;
+                rows += ids.len() as i64;
+                events.extend(ids);
+                let one = wallet::summary(&db.pool).await?;
+                exact &= one.balances_exact;
+                total += one.total_balance;
+            }
+            Ok(Summary {
+                ledger_rows: rows,
+                distinct_events: events.len() as i64,
+                balances_exact: exact,
+                total_balance: total,
+            })
         })
     }
 
     /// Every shard's accounts: an account in two shards appears twice.
-    async fn balances(&self) -> Result<Vec<(i64, i64)>, BoxError> {
-        let mut all = Vec::new();
-        for db in &self.dbs {
-            all.extend(WalletDb::balances(db).await?);
-        }
-        Ok(all)
+    fn balances(&self) -> BoxFuture<'_, Result<Vec<(i64, i64)>, BoxError>> {
+        Box::pin(async move {
+            let mut all = Vec::new();
+            for db in &self.dbs {
+                all.extend(WalletDb::balances(db).await?);
+            }
+            Ok(all)
+        })
     }
 
-    async fn consume(
-        &self,
-        broker: &dyn DynBroker,
-        spec: &ConsumerSpec,
+    fn consume<'a>(
+        &'a self,
+        broker: &'a dyn Broker,
+        spec: &'a ConsumerSpec,
         shutdown: Shutdown,
-    ) -> Result<StatsSnapshot, BoxError> {
-        broker
-            .consume(spec, &self.dbs[0], Watch::default(), shutdown)
-            .await
+    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>> {
+        broker.consume(spec, &self.dbs[0], Watch::default(), shutdown)
     }
 
-    async fn remove(self: Box<Self>) {
-        let Self { dbs, .. } = *self;
-        for db in dbs {
-            db.drop().await;
-        }
+    fn remove(self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            let Self { dbs, .. } = *self;
+            for db in dbs {
+                db.drop().await;
+            }
+        })
     }
 }
 
@@ -267,25 +187,25 @@ impl WalletDb for TestDb {
         StoreKind::Postgres
     }
 
-    async fn summary(&self) -> Result<Summary, BoxError> {
-        Ok(self.pool.summary().await?)
+    fn summary(&self) -> BoxFuture<'_, Result<Summary, BoxError>> {
+        Box::pin(async move { Ok(self.pool.summary().await?) })
     }
 
-    async fn balances(&self) -> Result<Vec<(i64, i64)>, BoxError> {
-        Ok(self.pool.balances().await?)
+    fn balances(&self) -> BoxFuture<'_, Result<Vec<(i64, i64)>, BoxError>> {
+        Box::pin(async move { Ok(self.pool.balances().await?) })
     }
 
-    async fn consume(
-        &self,
-        broker: &dyn DynBroker,
-        spec: &ConsumerSpec,
+    fn consume<'a>(
+        &'a self,
+        broker: &'a dyn Broker,
+        spec: &'a ConsumerSpec,
         shutdown: Shutdown,
-    ) -> Result<StatsSnapshot, BoxError> {
-        broker.consume(spec, self, Watch::default(), shutdown).await
+    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>> {
+        broker.consume(spec, self, Watch::default(), shutdown)
     }
 
-    async fn remove(self: Box<Self>) {
-        (*self).drop().await;
+    fn remove(self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin((*self).drop())
     }
 }
 
@@ -298,24 +218,24 @@ impl WalletDb for MySqlDb {
         StoreKind::Mysql
     }
 
-    async fn summary(&self) -> Result<Summary, BoxError> {
-        Ok(self.pool.summary().await?)
+    fn summary(&self) -> BoxFuture<'_, Result<Summary, BoxError>> {
+        Box::pin(async move { Ok(self.pool.summary().await?) })
     }
 
-    async fn balances(&self) -> Result<Vec<(i64, i64)>, BoxError> {
-        Ok(self.pool.balances().await?)
+    fn balances(&self) -> BoxFuture<'_, Result<Vec<(i64, i64)>, BoxError>> {
+        Box::pin(async move { Ok(self.pool.balances().await?) })
     }
 
-    async fn consume(
-        &self,
-        broker: &dyn DynBroker,
-        spec: &ConsumerSpec,
+    fn consume<'a>(
+        &'a self,
+        broker: &'a dyn Broker,
+        spec: &'a ConsumerSpec,
         shutdown: Shutdown,
-    ) -> Result<StatsSnapshot, BoxError> {
-        broker.consume_mysql(spec, self, shutdown).await
+    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>> {
+        broker.consume_mysql(spec, self, shutdown)
     }
 
-    async fn remove(self: Box<Self>) {
-        (*self).drop().await;
+    fn remove(self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin((*self).drop())
     }
 }

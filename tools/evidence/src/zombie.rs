@@ -11,7 +11,7 @@ use inbox_core::{BoxError, OutgoingMessage, StatsSnapshot};
 use serde::Serialize;
 use tokio::sync::{mpsc, watch};
 
-use crate::brokers::{self, Broker, DynBroker};
+use crate::brokers::{self, Broker};
 use crate::cli::{BrokerKind, ConsumerSpec, Variant};
 use crate::consume::Watch;
 use crate::progress;
@@ -40,7 +40,7 @@ pub(crate) struct ZombieCounts {
     pub(crate) lost: i64,
 }
 
-pub(crate) async fn on_broker(broker: &dyn DynBroker, s: &ZombieSettings) -> Result<(), BoxError> {
+pub(crate) async fn on_broker(broker: &dyn Broker, s: &ZombieSettings) -> Result<(), BoxError> {
     let kind = broker.kind();
     println!(
         "\n{kind}: zombie test, {CONSUMERS} consumers, {} events, one in {} stalls {:?} on its first handling, {} run(s)",
@@ -84,7 +84,7 @@ pub(crate) async fn on_broker(broker: &dyn DynBroker, s: &ZombieSettings) -> Res
 }
 
 async fn run_once(
-    broker: &dyn DynBroker,
+    broker: &dyn Broker,
     s: &ZombieSettings,
     variant: Variant,
     run: u32,
