@@ -94,6 +94,14 @@ pub(crate) trait Broker: Debug + Send {
         let _ = h;
         None
     }
+    /// The lowest count a redelivery of `h` may report, where it is lower than the hand-backs
+    /// so far: Kafka's committed count, when the commits that carried later ones were refused
+    /// (the member that made them goes on from its own count; another starts from the broker's).
+    /// Default: none lower.
+    fn redelivery_floor(&self, h: &Handout) -> Option<u32> {
+        let _ = h;
+        None
+    }
     /// Whether a delayed redelivery sends the message to the back of its lane (an SQS FIFO copy
     /// joins the back of its group): strict order then holds for the other entries only.
     fn redelivery_to_back(&self) -> bool {
@@ -273,6 +281,11 @@ impl Ack for SimAck {
             .broker
             .redeliveries_asked(&self.handout)
             .unwrap_or_else(|| w.core.redeliveries.get(&i).copied().unwrap_or(0));
+        // Read before the redelivery commits its own count.
+        let floor = w
+            .broker
+            .redelivery_floor(&self.handout)
+            .map_or(asked, |floor| floor.min(asked));
         let taken =
             match w
                 .broker
@@ -291,7 +304,7 @@ impl Ack for SimAck {
         // delay can come beside its original, when a crash came between the two. A stale
         // handle's request changes nothing, whatever it says.
         if taken {
-            if redelivery > asked || redelivery + 1 < asked {
+            if redelivery > asked || redelivery + 1 < floor {
                 w.core.violation(format!(
                     "entry {i} ({id}) handed back as redelivery {redelivery} of its schedule, \
                      but it was handed back for a redelivery {asked} times before"

@@ -23,6 +23,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use inbox_core::{Capabilities, SourceError};
+use inbox_kafka::redelivery_counts::RedeliveryCounts;
 use inbox_kafka::tracker::{Commit, Resume, Tracker};
 use rand::RngExt;
 use tokio::time::Instant;
@@ -523,6 +524,11 @@ impl Broker for Kafka {
     /// `ack::redeliver`: the tracker decides; then the partition is paused with a resume task
     /// for the delay, the commit carrying the new count is sent, and the partition is sought
     /// back as a nack does.
+    fn redelivery_floor(&self, h: &Handout) -> Option<u32> {
+        let (p, at) = *self.offsets.get(h.entry)?;
+        Some(RedeliveryCounts::from_metadata(&self.partitions[p].metadata).count(offset(at)))
+    }
+
     fn redeliver(
         &mut self,
         core: &mut Core,
