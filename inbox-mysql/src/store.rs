@@ -185,16 +185,10 @@ impl MySqlInbox {
     /// row was inserted here. Looks up first: a failed insert would use up an `AUTO_INCREMENT`
     /// value of the `smallint` all the same.
     async fn register(&self, conn: &mut MySqlConnection, consumer: &str) -> Result<(i16, bool)> {
-        let consumers = self.table.consumers();
-        let select = format!("SELECT id FROM {consumers} WHERE name = ?");
-        let found: Option<i16> = sqlx::query_scalar(AssertSqlSafe(select.as_str()))
-            .bind(consumer)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(db("reading the consumer id"))?;
-        if let Some(id) = found {
+        if let Some(id) = self.lookup(conn, consumer).await? {
             return Ok((id, false));
         }
+        let consumers = self.table.consumers();
         let inserted = sqlx::query(AssertSqlSafe(format!(
             "INSERT INTO {consumers} (name) VALUES (?)"
         )))
@@ -215,12 +209,22 @@ impl MySqlInbox {
             Err(e) => return Err(db("registering the consumer name")(e)),
         }
         // Another process registered it between the two statements.
-        let id = sqlx::query_scalar(AssertSqlSafe(select.as_str()))
-            .bind(consumer)
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(db("reading the consumer id"))?;
-        Ok((id, false))
+        match self.lookup(conn, consumer).await? {
+            Some(id) => Ok((id, false)),
+            None => Err(db("reading the consumer id")(sqlx::Error::RowNotFound)),
+        }
+    }
+
+    /// The id of `consumer` seen from `conn`, if it is registered.
+    async fn lookup(&self, conn: &mut MySqlConnection, consumer: &str) -> Result<Option<i16>> {
+        let consumers = self.table.consumers();
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT id FROM {consumers} WHERE name = ?"
+        )))
+        .bind(consumer)
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(db("reading the consumer id"))
     }
 
     fn cache(&self, consumer: &str, id: i16) {
@@ -235,25 +239,22 @@ impl MySqlInbox {
         map.get(consumer).copied()
     }
 
-    /// The consumer's id for a claim in `tx`. A name seen for the first time is registered on
-    /// a connection of its own and committed at once: registered inside `tx`, its uncommitted
-    /// row would make every other process registering the name wait for `tx`. Only when the
-    /// pool has no connection to spare is it registered in `tx` itself, and cached once another
-    /// transaction sees it committed.
+    /// The consumer's id for a claim in `tx`, never waiting for a second connection while `tx`
+    /// holds one: lanes that each hold a transaction and each wait for another connection from a
+    /// pool sized for them all wait for ever. A name registered before (every start but the
+    /// first) is read through `tx` itself. A new name is registered on an idle connection when
+    /// the pool has one, committed at once: registered inside `tx`, its uncommitted row would
+    /// make every other process registering the name wait for `tx`. With no idle connection it
+    /// is registered through `tx`, and cached once another transaction sees it committed.
     async fn tx_consumer_id(&self, tx: &mut MySqlTx, consumer: &str) -> Result<i16, StoreError> {
         if let Some(id) = self.cached(consumer) {
             return Ok(id);
         }
-        let spare = match self.pool.try_acquire() {
-            Some(conn) => Some(conn),
-            None if self.pool.size() < self.pool.options().get_max_connections() => {
-                Some(self.pool.acquire().await.map_err(store_err(
-                    "opening a connection to register the consumer name",
-                ))?)
-            }
-            None => None,
-        };
-        if let Some(mut conn) = spare {
+        if let Some(id) = self.lookup(tx, consumer).await? {
+            self.cache(consumer, id);
+            return Ok(id);
+        }
+        if let Some(mut conn) = self.pool.try_acquire() {
             let (id, _) = self.register(&mut conn, consumer).await?;
             self.cache(consumer, id);
             return Ok(id);

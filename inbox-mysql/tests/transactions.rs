@@ -94,6 +94,37 @@ async fn connections_go_back_to_the_pool_as_they_came() {
     db.drop().await;
 }
 
+/// A lane never waits for a second connection while its transaction holds one: lanes that each
+/// did, from a pool sized for them all, would stall a consumer at start with every lane idle in
+/// its transaction. A process starting with a name registered before reads its id through the
+/// transaction.
+#[tokio::test]
+async fn a_claim_of_a_known_consumer_takes_no_second_connection() {
+    let (db, registered) = db_with("inbox", KeyMode::Text).await;
+    registered.consumer_id("wallet").await.expect("register");
+    let pool = MySqlPoolOptions::new()
+        .max_connections(4)
+        .connect_with(db.options().clone())
+        .await
+        .expect("pool");
+    let inbox = MySqlInbox::new(pool.clone());
+
+    let mut tx = inbox.begin().await.expect("begin");
+    let id = MessageId::new("evt-1").expect("id");
+    assert!(inbox.claim(&mut tx, "wallet", &id).await.expect("claim"));
+    assert_eq!(
+        pool.size(),
+        1,
+        "the claim opened another connection while its transaction held one"
+    );
+    tx.commit().await.expect("commit");
+    let mut tx = inbox.begin().await.expect("begin");
+    assert!(!inbox.claim(&mut tx, "wallet", &id).await.expect("claim"));
+    tx.rollback().await.expect("rollback");
+    pool.close().await;
+    db.drop().await;
+}
+
 /// A claim waiting on a peer's uncommitted claim of the same ID gives up after the lock wait
 /// timeout with a retryable error (1205), instead of waiting for the peer for ever.
 #[tokio::test]

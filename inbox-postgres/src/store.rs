@@ -279,16 +279,10 @@ impl PgInbox {
     /// Looks up first: `INSERT … ON CONFLICT DO NOTHING` draws an identity value even when the
     /// name exists, and the `smallint` sequence would run out after 32,767 process starts.
     async fn register(&self, conn: &mut sqlx::PgConnection, consumer: &str) -> Result<(i16, bool)> {
-        let consumers = self.table.sibling("consumers");
-        let select = format!("SELECT id FROM {consumers} WHERE name = $1");
-        let found: Option<i16> = sqlx::query_scalar(AssertSqlSafe(select.as_str()))
-            .bind(consumer)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(db("reading the consumer id"))?;
-        if let Some(id) = found {
+        if let Some(id) = self.lookup(conn, consumer).await? {
             return Ok((id, false));
         }
+        let consumers = self.table.sibling("consumers");
         let inserted: Option<i16> = sqlx::query_scalar(AssertSqlSafe(format!(
             "INSERT INTO {consumers} (name) VALUES ($1) ON CONFLICT (name) DO NOTHING RETURNING id"
         )))
@@ -300,12 +294,22 @@ impl PgInbox {
             return Ok((id, true));
         }
         // Another process registered it between the two statements.
-        let id = sqlx::query_scalar(AssertSqlSafe(select.as_str()))
-            .bind(consumer)
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(db("reading the consumer id"))?;
-        Ok((id, false))
+        match self.lookup(conn, consumer).await? {
+            Some(id) => Ok((id, false)),
+            None => Err(db("reading the consumer id")(sqlx::Error::RowNotFound)),
+        }
+    }
+
+    /// The id of `consumer` seen from `conn`, if it is registered.
+    async fn lookup(&self, conn: &mut sqlx::PgConnection, consumer: &str) -> Result<Option<i16>> {
+        let consumers = self.table.sibling("consumers");
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT id FROM {consumers} WHERE name = $1"
+        )))
+        .bind(consumer)
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(db("reading the consumer id"))
     }
 
     fn cache(&self, consumer: &str, id: i16) {
@@ -346,27 +350,24 @@ impl PgInbox {
         })
     }
 
-    /// The consumer's id for a claim in `tx`. A name seen for the first time is registered on
-    /// its own connection and committed at once, under the same lock timeout as the inbox
-    /// transaction: registered inside `tx`, its uncommitted row would make every other process
-    /// registering the name wait for `tx`, and on a hung `tx` for ever. Only when the pool has
-    /// no connection to spare (a pool of one) is it registered on the transaction's own
-    /// connection, which a second connection would deadlock, and cached once another
-    /// transaction sees it committed.
+    /// The consumer's id for a claim in `tx`, never waiting for a second connection while `tx`
+    /// holds one: lanes that each hold a transaction and each wait for another connection from a
+    /// pool sized for them all wait for ever (seen as a consumer stalled at start, its lanes idle
+    /// in their transactions and the pool at its maximum). A name registered before (every
+    /// start but the first) is read through `tx` itself. A new name is registered on an idle
+    /// connection when the pool has one, committed at once under the same lock timeout as the
+    /// inbox transaction: registered inside `tx`, its uncommitted row would make every other
+    /// process registering the name wait for `tx`. With no idle connection it is registered
+    /// through `tx`, and cached once another transaction sees it committed.
     async fn tx_consumer_id(&self, tx: &mut PgTx, consumer: &str) -> Result<i16, StoreError> {
         if let Some(id) = self.cached(consumer) {
             return Ok(id);
         }
-        let spare = match self.pool.try_acquire() {
-            Some(conn) => Some(conn),
-            None if self.pool.size() < self.pool.options().get_max_connections() => {
-                Some(self.pool.acquire().await.map_err(store_err(
-                    "opening a connection to register the consumer name",
-                ))?)
-            }
-            None => None,
-        };
-        if let Some(mut conn) = spare {
+        if let Some(id) = self.lookup(tx, consumer).await? {
+            self.cache(consumer, id);
+            return Ok(id);
+        }
+        if let Some(mut conn) = self.pool.try_acquire() {
             let mut own = match &self.begin {
                 Some(statement) => {
                     sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(statement.clone())).await
