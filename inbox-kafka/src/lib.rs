@@ -81,8 +81,10 @@
 //!   committed offset; the inbox finds its ID and skips it. Everything after it on the partition
 //!   is re-read too and skipped the same way.
 //! - **Nack.** Kafka cannot hand out a single record again. A nack seeks the partition back to the
-//!   nacked offset, so it and every later record of that partition are read again (the ones
-//!   already applied are skipped); nothing past it is committed meanwhile. The adapter counts its
+//!   nacked offset, so it and every later record of that partition are read again; nothing past
+//!   it is committed meanwhile. A later record is handed out again only if it was handed back
+//!   itself: one finished keeps its outcome, and one still in the consumer's hands is not handed
+//!   out a second time beside it. The adapter counts its
 //!   own seeks, so [`Metadata::delivery_count`](inbox_core::Metadata) is set on such re-reads
 //!   (and [`Consumer::max_deliveries`](inbox_core::Consumer::max_deliveries) works within one
 //!   process); Kafka itself does not count deliveries.

@@ -225,8 +225,9 @@ impl KafkaSource {
         true
     }
 
-    /// The delivery of a record read, `None` for one finished already and read again only
-    /// because a rewind went back past it ([`Tracker::received`](crate::tracker::Tracker::received)).
+    /// The delivery of a record read, `None` for one read again only because a rewind went back
+    /// past it, which was finished already or whose earlier copy is still out
+    /// ([`Tracker::received`](crate::tracker::Tracker::received)).
     fn delivery(&self, message: &BorrowedMessage<'_>) -> Option<Delivery<KafkaAck>> {
         let topic = message.topic();
         let (partition, offset) = (message.partition(), message.offset());

@@ -20,7 +20,7 @@
 //! This is plain state: no I/O, no clock of its own (the caller passes the time), so the
 //! adapter drives it from librdkafka's callbacks and a simulation drives it the same way.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::redelivery_counts::{Mark, RedeliveryCounts};
@@ -37,17 +37,27 @@ pub struct Tracked {
     pub redeliveries: u32,
 }
 
+/// Where one received offset stands in its generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    /// Handed back by a rewind: read again, it is handed out again.
+    Rewound,
+    /// Handed out and neither finished nor handed back: read again (a seek to an earlier
+    /// record passes it), it is not handed out a second time; its copy decides.
+    Out,
+    /// Finished: read again, it is not handed out (its outcome stands: applied, skipped or
+    /// dead-lettered), only counted finished.
+    Done,
+}
+
 #[derive(Debug, Default)]
 struct Partition {
     generation: u64,
     /// The first offset received in this generation: the partition was read from there, so a
     /// commit of it moves nothing.
     base: Option<i64>,
-    /// Received offsets, `true` once finished.
-    in_flight: BTreeMap<i64, bool>,
-    /// Offsets finished after one a rewind went back to: read again, they are not handed out
-    /// (their outcome stands: applied, skipped or dead-lettered), only counted finished.
-    finished_ahead: BTreeSet<i64>,
+    /// Received offsets not yet passed by the finished prefix.
+    in_flight: BTreeMap<i64, Slot>,
     /// Offsets handed back with a nack, and how often.
     nacked: HashMap<i64, u32>,
     /// Offsets handed back under a redelivery schedule: their count and when they are due.
@@ -82,7 +92,7 @@ impl Partition {
     fn advance(&mut self) -> Option<i64> {
         let mut commit = None;
         while let Some(entry) = self.in_flight.first_entry() {
-            if !*entry.get() {
+            if *entry.get() != Slot::Done {
                 break;
             }
             let finished = *entry.key();
@@ -163,18 +173,22 @@ pub struct Tracker {
 }
 
 impl Tracker {
-    /// Records a received message. `None`: the message was finished in this generation and is
-    /// read again only because a rewind went back past it; the caller does not hand it out.
+    /// Records a received message. `None`: the caller does not hand it out, since it is read
+    /// again only because a rewind went back past it, and in this generation it was finished
+    /// (its outcome stands) or its copy from before the rewind is still out (that copy decides:
+    /// two copies at once would each take a budget, and a copy of a dead-lettered message could
+    /// start its budget anew and rewind the partition in its turn, for ever).
     pub fn received(&mut self, topic: &str, partition: i32, offset: i64) -> Option<Tracked> {
         let state = self.state(topic, partition);
         state.base.get_or_insert(offset);
-        let again = state.finished_ahead.remove(&offset);
-        state.in_flight.insert(offset, again);
-        if again {
-            // The commit task takes the grown prefix.
-            state.advance();
+        if state.finished_to.is_some_and(|to| offset < to) {
             return None;
         }
+        match state.in_flight.get(&offset) {
+            Some(Slot::Out | Slot::Done) => return None,
+            Some(Slot::Rewound) | None => {}
+        }
+        state.in_flight.insert(offset, Slot::Out);
         Some(Tracked {
             generation: state.generation,
             delivery_count: 1 + state.nacked.get(&offset).copied().unwrap_or(0),
@@ -193,8 +207,12 @@ impl Tracker {
         offset: i64,
     ) -> Option<i64> {
         let state = self.current(topic, partition, generation)?;
-        let done = state.in_flight.get_mut(&offset)?;
-        *done = true;
+        // Only a copy that is out: one handed back is to be read again.
+        let slot = state
+            .in_flight
+            .get_mut(&offset)
+            .filter(|s| **s == Slot::Out)?;
+        *slot = Slot::Done;
         state.nacked.remove(&offset);
         state.advance()
     }
@@ -248,22 +266,24 @@ impl Tracker {
         let Some(state) = self.current(topic, partition, generation) else {
             return false;
         };
-        if !state.in_flight.contains_key(&offset) {
+        if state.in_flight.get(&offset) != Some(&Slot::Out) {
             return false;
         }
-        // Later offsets come again after the seek. Those unfinished are handed out again, and
-        // their acks from this round must not commit; those finished are only counted again
-        // (handed out again, a copy of a dead-lettered message might start its budget anew and
-        // rewind the partition in its turn, for ever).
-        let later = state.in_flight.split_off(&(offset + 1));
-        state
-            .finished_ahead
-            .extend(later.into_iter().filter(|&(_, done)| done).map(|(o, _)| o));
         // The offset stays, unfinished, until it is read again: a later record fetched before
-        // the seek and received after this rewind must not let the commit pass it.
-        state.in_flight.insert(offset, false);
-        *state.nacked.entry(offset).or_insert(0) += 1;
-        true
+        // the seek and received after this rewind must not let the commit pass it. Later
+        // offsets keep their slots: read again after the seek, they are handed out only if they
+        // were handed back themselves.
+        state.in_flight.insert(offset, Slot::Rewound);
+        // A seek to an earlier record handed back and not read again yet reads this one too;
+        // handed back behind it, this record is not counted as delivered again.
+        let covered = state
+            .in_flight
+            .range(..offset)
+            .any(|(_, slot)| *slot == Slot::Rewound);
+        if !covered {
+            *state.nacked.entry(offset).or_insert(0) += 1;
+        }
+        !covered
     }
 
     /// The message at `offset` is handed back as redelivery `count` of a schedule, to come back
@@ -411,7 +431,7 @@ impl Tracker {
         self.partitions
             .values()
             .flat_map(HashMap::values)
-            .map(|p| p.in_flight.values().filter(|done| !**done).count())
+            .map(|p| p.in_flight.values().filter(|s| **s != Slot::Done).count())
             .sum()
     }
 
@@ -570,18 +590,68 @@ mod tests {
         assert_eq!(t.finish("t", 0, g, 7), None, "6 is unfinished");
         assert!(t.rewind("t", 0, g, 5));
         assert_eq!(t.received("t", 0, 5).unwrap().delivery_count, 2);
-        assert!(
-            t.received("t", 0, 6).is_some(),
-            "unfinished: handed out again"
-        );
+        assert_eq!(t.received("t", 0, 6), None, "its first copy is still out");
         assert_eq!(t.received("t", 0, 7), None, "finished: its outcome stands");
         assert_eq!(t.finish("t", 0, g, 5), Some(6));
         assert_eq!(t.finish("t", 0, g, 6), Some(8), "the commit passes 7 too");
         // Once past, a rewind reads it as any other record.
         let g = t.received("t", 0, 8).unwrap().generation;
-        t.received("t", 0, 9);
         assert!(t.rewind("t", 0, g, 8));
-        assert!(t.received("t", 0, 9).is_some());
+        assert_eq!(t.received("t", 0, 8).unwrap().delivery_count, 2);
+    }
+
+    /// Two copies of one poison message on a partition, at 2 and 12 (a replay of its dead
+    /// letter): 12 is handed back, read again, then 2 is handed back. Read again after the seek
+    /// to 2, 12 was handed out a second time while its first copy was still out; that copy was
+    /// dead-lettered, the second started the message's budget anew and handed 12 back, and the
+    /// partition went back to 2 for ever (simulation seed 172975).
+    #[test]
+    fn a_record_is_never_out_twice_and_a_finished_one_is_not_handed_out_again() {
+        let mut t = Tracker::default();
+        let g = t.received("t", 0, 2).unwrap().generation;
+        t.received("t", 0, 12);
+        assert!(t.rewind("t", 0, g, 12));
+        assert!(t.received("t", 0, 12).is_some(), "handed back: read again");
+        assert!(t.rewind("t", 0, g, 2));
+        assert!(t.received("t", 0, 2).is_some());
+        assert_eq!(
+            t.received("t", 0, 12),
+            None,
+            "its copy from before the seek is still out"
+        );
+        assert_eq!(t.finish("t", 0, g, 12), None, "2 is still to finish");
+        assert!(t.rewind("t", 0, g, 2), "2 handed back again");
+        assert!(t.received("t", 0, 2).is_some());
+        assert_eq!(t.received("t", 0, 12), None, "finished: its outcome stands");
+        assert_eq!(t.finish("t", 0, g, 2), Some(13));
+        assert_eq!(t.received("t", 0, 12), None, "behind the finished prefix");
+    }
+
+    /// A record handed back while an earlier one waits to be read again is read by that seek;
+    /// once the earlier one was read again, the later one needs a seek of its own.
+    #[test]
+    fn a_rewind_seeks_unless_an_earlier_one_still_reads_the_record_again() {
+        let mut t = Tracker::default();
+        let g = t.received("t", 0, 5).unwrap().generation;
+        t.received("t", 0, 6);
+        t.received("t", 0, 7);
+        assert!(t.rewind("t", 0, g, 5));
+        assert!(!t.rewind("t", 0, g, 6), "the seek to 5 reads 6 again");
+        assert!(t.received("t", 0, 5).is_some());
+        assert_eq!(
+            t.received("t", 0, 6).unwrap().delivery_count,
+            1,
+            "handed back behind 5: not counted"
+        );
+        assert_eq!(t.received("t", 0, 7), None, "still out");
+        assert!(
+            t.rewind("t", 0, g, 7),
+            "5 was read again: 7 needs its own seek"
+        );
+        assert_eq!(t.received("t", 0, 7).unwrap().delivery_count, 2);
+        assert_eq!(t.finish("t", 0, g, 7), None, "6 is still out");
+        assert_eq!(t.finish("t", 0, g, 6), None);
+        assert_eq!(t.finish("t", 0, g, 5), Some(8));
     }
 
     #[test]
@@ -594,8 +664,8 @@ mod tests {
         assert!(t.rewind("t", 0, g, 5));
         // Received again before 5 is, as a fetch from before the seek can be.
         assert_eq!(t.received("t", 0, 6), None);
-        let g7 = t.received("t", 0, 7).unwrap().generation;
-        assert_eq!(t.finish("t", 0, g7, 7), None, "5 is still to come");
+        assert_eq!(t.received("t", 0, 7), None, "its first copy is still out");
+        assert_eq!(t.finish("t", 0, g, 7), None, "5 is still to come");
         assert!(
             t.take_dirty().iter().all(|c| c.offset <= 5),
             "nothing past the rewound record is committed"
