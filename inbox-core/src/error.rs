@@ -77,8 +77,9 @@ pub enum Failure {
     Permanent,
 }
 
-/// A handler's failure. Any `std::error::Error` converts into a transient one with `?`; use
-/// [`HandlerError::permanent`] for failures no retry can fix.
+/// A handler's failure. Any `std::error::Error`, `anyhow::Error` or `eyre::Report` converts
+/// into a transient one with `?`; use [`HandlerError::permanent`] for failures no retry can
+/// fix.
 pub struct HandlerError {
     failure: Failure,
     source: BoxError,
@@ -130,7 +131,10 @@ impl HandlerError {
     }
 }
 
-impl<E: std::error::Error + Send + Sync + 'static> From<E> for HandlerError {
+/// Any error a boxed `std::error::Error` can be made from: every `std::error::Error + Send +
+/// Sync`, `anyhow::Error`, `eyre::Report`, a `String` or a `&str`. So `?` works in a handler
+/// on whatever it calls, and the failure is transient.
+impl<E: Into<BoxError>> From<E> for HandlerError {
     fn from(e: E) -> Self {
         Self::transient(e)
     }
