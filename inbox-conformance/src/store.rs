@@ -21,8 +21,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{
-    Consumer, Handler, HandlerError, InboxStore, Message, MessageId, Stage, StageHook,
-    StatsSnapshot, Transaction as _,
+    Consumer, ConsumerBinding, Handler, HandlerError, InboxStore, Message, MessageId, Stage,
+    StageHook, StatsSnapshot, Transaction as _,
 };
 use inbox_testkit::MemoryBroker;
 
@@ -165,16 +165,16 @@ pub async fn a_claim_is_seen_once_across_concurrent_transactions<T: StoreUnderTe
 where
     Tx<T>: Send + 'static,
 {
-    let store = under_test.store();
+    let store = under_test.store().bind(&ConsumerBinding::new("c"));
     for commit_first in [true, false] {
         let claimed = MessageId::generate();
         let mut first = store.begin().await.expect("begin");
-        assert!(store.claim(&mut first, "c", &claimed).await.expect("claim"));
+        assert!(claim_one(&store, &mut first, &claimed).await);
         let second = {
             let (store, claimed) = (store.clone(), claimed.clone());
             tokio::spawn(async move {
                 let mut tx = store.begin().await.expect("begin");
-                let new = store.claim(&mut tx, "c", &claimed).await.expect("claim");
+                let new = claim_one(&store, &mut tx, &claimed).await;
                 (tx, new)
             })
         };
@@ -214,10 +214,10 @@ pub async fn a_rollback_releases_the_claim_and_its_effect<T: StoreUnderTest>(und
 where
     Tx<T>: Send + 'static,
 {
-    let store = under_test.store();
+    let store = under_test.store().bind(&ConsumerBinding::new("c"));
     let claimed = MessageId::generate();
     let mut tx = store.begin().await.expect("begin");
-    assert!(store.claim(&mut tx, "c", &claimed).await.expect("claim"));
+    assert!(claim_one(&store, &mut tx, &claimed).await);
     under_test.apply(&mut tx, &claimed).await.expect("apply");
     tx.rollback().await.expect("rollback");
     assert_eq!(
@@ -227,17 +227,11 @@ where
     );
 
     let mut tx = store.begin().await.expect("begin");
-    assert!(
-        store.claim(&mut tx, "c", &claimed).await.expect("claim"),
-        "new again"
-    );
+    assert!(claim_one(&store, &mut tx, &claimed).await, "new again");
     under_test.apply(&mut tx, &claimed).await.expect("apply");
     tx.commit().await.expect("commit");
     let mut tx = store.begin().await.expect("begin");
-    assert!(
-        !store.claim(&mut tx, "c", &claimed).await.expect("claim"),
-        "seen"
-    );
+    assert!(!claim_one(&store, &mut tx, &claimed).await, "seen");
     tx.rollback().await.expect("rollback");
     assert_eq!(under_test.applied(&claimed).await, 1);
     under_test.cleanup().await;
@@ -279,7 +273,7 @@ where
     let under_test = Arc::new(under_test);
     let broker = MemoryBroker::new();
     let long = "x".repeat(MessageId::MAX_LEN);
-    let store = under_test.store();
+    let store = under_test.store().bind(&ConsumerBinding::new("c"));
     let ids: Vec<&str> = [
         "evt-1",
         "evt-1 ",
@@ -343,34 +337,37 @@ where
     finish(under_test).await;
 }
 
-/// [`InboxStore::claim_many`] answers as claims one by one would: new IDs `true`, IDs claimed
-/// before `false`, per consumer.
+/// [`InboxStore::claim`] of a batch answers as claims one by one would: new IDs `true`, IDs
+/// claimed before `false`, per consumer.
 pub async fn a_batch_claim_answers_as_one_by_one_claims<T: StoreUnderTest>(under_test: T)
 where
     Tx<T>: Send + 'static,
 {
-    let store = under_test.store();
+    let store = under_test.store().bind(&ConsumerBinding::new("c"));
+    let other_store = under_test.store().bind(&ConsumerBinding::new("other"));
+    // Its name is resolved at its first transaction.
+    other_store
+        .begin()
+        .await
+        .expect("begin")
+        .rollback()
+        .await
+        .expect("rollback");
     let ids: Vec<MessageId> = (0..10).map(|_| MessageId::generate()).collect();
     let mut tx = store.begin().await.expect("begin");
     for seen in ids.iter().step_by(3) {
-        assert!(store.claim(&mut tx, "c", seen).await.expect("claim"));
+        assert!(claim_one(&store, &mut tx, seen).await);
     }
     tx.commit().await.expect("commit");
 
     let mut tx = store.begin().await.expect("begin");
-    let batch = store
-        .claim_many(&mut tx, "c", &ids)
-        .await
-        .expect("claim_many");
-    let other = store
-        .claim_many(&mut tx, "other", &ids)
-        .await
-        .expect("claim_many");
+    let batch = store.claim(&mut tx, &ids).await.expect("claim");
+    let other = other_store.claim(&mut tx, &ids).await.expect("claim");
     tx.rollback().await.expect("rollback");
     let mut tx = store.begin().await.expect("begin");
     let mut one_by_one = Vec::new();
     for each in &ids {
-        one_by_one.push(store.claim(&mut tx, "c", each).await.expect("claim"));
+        one_by_one.push(claim_one(&store, &mut tx, each).await);
     }
     tx.rollback().await.expect("rollback");
     let expected: Vec<bool> = (0..ids.len()).map(|i| i % 3 != 0).collect();
@@ -534,4 +531,13 @@ macro_rules! store_suite {
             )*
         }
     };
+}
+
+/// One ID claimed through `store` (bound), as the consumer claims a batch of one.
+async fn claim_one<S: InboxStore>(store: &S, tx: &mut S::Tx, id: &MessageId) -> bool {
+    let claimed = store
+        .claim(tx, std::slice::from_ref(id))
+        .await
+        .expect("claim");
+    claimed == [true]
 }

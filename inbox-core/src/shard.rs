@@ -1,12 +1,11 @@
 //! A store that spreads messages over several databases by a key the user chooses.
 
+use crate::{
+    ConsumerBinding, DynInboxStore, InboxStore, InvalidId, Message, MessageId, OperationError,
+    Recovery, StoreError,
+};
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
-
-use crate::{
-    DynInboxStore, InboxStore, InvalidId, Message, MessageId, OperationError, Recovery, StoreError,
-};
 
 type Route = dyn Fn(&MessageId, &Message) -> usize + Send + Sync;
 
@@ -133,28 +132,25 @@ fn no_shard(what: &str) -> StoreError {
 impl<S: InboxStore> InboxStore for Sharded<S> {
     type Tx = S::Tx;
 
+    /// Each shard's store bound the same way.
+    fn bind(&self, binding: &ConsumerBinding) -> Self {
+        Self {
+            stores: self.stores.iter().map(|s| s.bind(binding)).collect(),
+            route: Arc::clone(&self.route),
+        }
+    }
+
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
         Err(no_shard("beginning a transaction"))
     }
 
-    async fn claim(
-        &self,
-        _tx: &mut Self::Tx,
-        _consumer: &str,
-        _id: &MessageId,
-    ) -> Result<bool, StoreError> {
-        Err(no_shard("claiming a message ID"))
+    async fn claim(&self, _tx: &mut Self::Tx, _ids: &[MessageId]) -> Result<Vec<bool>, StoreError> {
+        Err(no_shard("claiming message IDs"))
     }
 
     /// Refused if any shard would refuse it: the check comes before routing.
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         self.stores.iter().try_for_each(|s| s.check_id(id))
-    }
-
-    fn set_handler_timeout(&mut self, timeout: Duration) {
-        for store in &mut self.stores {
-            store.set_handler_timeout(timeout);
-        }
     }
 
     fn shard_of(&self, id: &MessageId, message: &Message) -> usize {

@@ -36,14 +36,129 @@ impl Transaction for () {
     }
 }
 
+/// What a consumer tells its store once, before its first transaction: see
+/// [`InboxStore::bind`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConsumerBinding {
+    /// The consumer's name: the scope of its IDs (two consumers with different names each apply
+    /// every message once).
+    pub consumer: String,
+    /// The consumer's [`handler_timeout`](crate::Consumer::handler_timeout), when set.
+    pub handler_timeout: Option<Duration>,
+}
+
+impl ConsumerBinding {
+    /// A binding for the consumer `consumer`, with no handler timeout.
+    pub fn new(consumer: impl Into<String>) -> Self {
+        Self {
+            consumer: consumer.into(),
+            handler_timeout: None,
+        }
+    }
+
+    /// With the consumer's handler timeout.
+    #[must_use]
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.handler_timeout = Some(timeout);
+        self
+    }
+}
+
 /// A transactional store that remembers which message IDs each consumer has applied.
 ///
-/// Everything happens inside one store transaction: the consumer claims the ID, the
+/// Everything happens inside one store transaction: the consumer claims the IDs, the
 /// [`Handler`](crate::Handler) writes its side effect through the same transaction, and both
-/// commit or roll back together. A claim that finds the ID already recorded (committed by an
-/// earlier delivery, or by a racing consumer that commits first) returns `false`, and the consumer
-/// skips the message. The store's uniqueness constraint is what serialises racing consumers: no
-/// lock outside the database is needed.
+/// commit or roll back together. A claim that finds an ID already recorded (committed by an
+/// earlier delivery, or by a racing consumer that commits first) answers `false` for it, and
+/// the consumer skips that message. The store's uniqueness constraint is what serialises racing
+/// consumers: no lock outside the database is needed.
+///
+/// A store is written in three methods: [`bind`](InboxStore::bind) (a copy of the store for one
+/// consumer), [`begin`](InboxStore::begin) and [`claim`](InboxStore::claim); and
+/// [`check_id`](InboxStore::check_id) when it cannot keep every ID. `inbox-conformance`'s store
+/// suite checks one against the contract.
+///
+/// A store of claims in memory, whose transactions run one at a time (a database runs them side
+/// by side, and its unique key makes a racing claim of one ID wait for the first to end):
+///
+/// ```
+/// use std::collections::HashSet;
+/// use std::sync::Arc;
+///
+/// use inbox_core::{
+///     handler_fn, Consumer, ConsumerBinding, HandlerError, InboxStore, Message, MessageId,
+///     StoreError, Transaction,
+/// };
+/// use inbox_testkit::MemoryBroker;
+/// use tokio::sync::{Mutex, OwnedMutexGuard};
+///
+/// type Claims = HashSet<(String, MessageId)>;
+///
+/// #[derive(Clone, Default)]
+/// struct SetStore {
+///     claims: Arc<Mutex<Claims>>,
+///     consumer: String,
+/// }
+///
+/// /// Holds the claims until it ends: a second transaction waits for it.
+/// struct SetTx {
+///     claims: OwnedMutexGuard<Claims>,
+///     new: Vec<(String, MessageId)>,
+/// }
+///
+/// impl Transaction for SetTx {
+///     async fn commit(mut self) -> Result<(), StoreError> {
+///         self.claims.extend(self.new);
+///         Ok(())
+///     }
+///     async fn rollback(self) -> Result<(), StoreError> {
+///         Ok(())
+///     }
+/// }
+///
+/// impl InboxStore for SetStore {
+///     type Tx = SetTx;
+///
+///     fn bind(&self, binding: &ConsumerBinding) -> Self {
+///         let consumer = binding.consumer.clone();
+///         Self { consumer, ..self.clone() }
+///     }
+///
+///     async fn begin(&self) -> Result<SetTx, StoreError> {
+///         let claims = Arc::clone(&self.claims).lock_owned().await;
+///         Ok(SetTx { claims, new: Vec::new() })
+///     }
+///
+///     async fn claim(&self, tx: &mut SetTx, ids: &[MessageId]) -> Result<Vec<bool>, StoreError> {
+///         let mut answers = Vec::with_capacity(ids.len());
+///         for id in ids {
+///             let key = (self.consumer.clone(), id.clone());
+///             let new = !tx.claims.contains(&key) && !tx.new.contains(&key);
+///             if new {
+///                 tx.new.push(key);
+///             }
+///             answers.push(new);
+///         }
+///         Ok(answers)
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), inbox_core::Error> {
+/// let broker = MemoryBroker::new();
+/// for id in ["evt-1", "evt-2", "evt-1"] {
+///     broker.publish(Some(id), "100");
+/// }
+/// let handler = handler_fn(async |_: &mut SetTx, _: &MessageId, _: &Message| {
+///     Ok::<_, HandlerError>(())
+/// });
+/// let stats = Consumer::new("wallet", broker.source(), SetStore::default(), handler)
+///     .run_until_idle()
+///     .await?;
+/// assert_eq!((stats.applied, stats.skipped_duplicates), (2, 1));
+/// # Ok(()) }
+/// ```
 ///
 /// Errors carry a [`Recovery`](crate::Recovery): `Reconnect` when the store cannot be reached
 /// (the consumer holds the messages and tries again, using up no delivery budget), `Retry` when
@@ -53,52 +168,39 @@ pub trait InboxStore: Send + Sync + 'static {
     /// An open transaction, handed to the handler; it commits or rolls back itself.
     type Tx: Transaction;
 
+    /// This store for one consumer: its claims are scoped to `binding.consumer`. The consumer
+    /// calls it once, when it starts, before any transaction; no I/O happens here, so a store
+    /// that keeps names in a registry resolves the name at its first
+    /// [`begin`](InboxStore::begin), before the transaction opens, and never inside one.
+    ///
+    /// `binding.handler_timeout` is the consumer's bound on a handler call. A handler cut off
+    /// by it is dropped, but a statement it sent may keep running in the store, and the
+    /// rollback that follows waits for it with the transaction's locks held. A store that can
+    /// end its statements bounds those after the claim by it (the shorter of it and its own
+    /// statement timeout); the claim itself, which may wait on a peer's uncommitted claim of
+    /// the same ID, keeps the store's own timeouts (cut off by the handler's bound, that wait
+    /// would count as the message's failure while the peer goes on).
+    fn bind(&self, binding: &ConsumerBinding) -> Self
+    where
+        Self: Sized;
+
     /// Opens a transaction.
     fn begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
 
-    /// Records `id` for `consumer` inside `tx`. `true`: the ID is new and the message must be
-    /// applied in this transaction; `false`: it was applied before, skip it.
+    /// Records `ids` (distinct) for the bound consumer inside `tx`, in one round-trip where the
+    /// store allows; the answer has one flag per ID, in order. `true`: the ID is new and its
+    /// message must be applied in this transaction; `false`: it was applied before, skip it.
     fn claim(
         &self,
         tx: &mut Self::Tx,
-        consumer: &str,
-        id: &MessageId,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
-
-    /// Claims many distinct IDs at once (one round-trip where the store allows); the answer has
-    /// one flag per ID, in order. The default claims one by one.
-    fn claim_many(
-        &self,
-        tx: &mut Self::Tx,
-        consumer: &str,
         ids: &[MessageId],
-    ) -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send {
-        async move {
-            let mut claimed = Vec::with_capacity(ids.len());
-            for id in ids {
-                claimed.push(self.claim(tx, consumer, id).await?);
-            }
-            Ok(claimed)
-        }
-    }
+    ) -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send;
 
     /// Refuses an ID this store cannot keep (a non-UUID for a uuid key column, say), before any
     /// transaction; the consumer dead-letters such a message. The default accepts every ID.
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         let _ = id;
         Ok(())
-    }
-
-    /// Told the consumer's [`handler_timeout`](crate::Consumer::handler_timeout) when it is
-    /// set. A handler cut off by it is dropped, but a statement it sent may keep running in the
-    /// store, and the rollback that follows waits for it, with the transaction's locks held: a
-    /// statement waiting on a lock would keep the consumer waiting as long. A store that can
-    /// end its statements after `timeout` does so from now on, for the statements after the
-    /// claim: the claim itself, which may wait on a peer's uncommitted claim of the same ID,
-    /// keeps the store's own timeouts (cut off by the handler's bound, that wait would count as
-    /// the message's failure while the peer goes on). The default does nothing.
-    fn set_handler_timeout(&mut self, timeout: Duration) {
-        let _ = timeout;
     }
 
     /// Which shard holds `message`'s claim and effect, for a store that spreads messages over
@@ -131,24 +233,14 @@ pub trait InboxStore: Send + Sync + 'static {
 impl<S: InboxStore> InboxStore for Arc<S> {
     type Tx = S::Tx;
 
+    fn bind(&self, binding: &ConsumerBinding) -> Self {
+        Arc::new((**self).bind(binding))
+    }
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
         (**self).begin().await
     }
-    async fn claim(
-        &self,
-        tx: &mut Self::Tx,
-        consumer: &str,
-        id: &MessageId,
-    ) -> Result<bool, StoreError> {
-        (**self).claim(tx, consumer, id).await
-    }
-    async fn claim_many(
-        &self,
-        tx: &mut Self::Tx,
-        consumer: &str,
-        ids: &[MessageId],
-    ) -> Result<Vec<bool>, StoreError> {
-        (**self).claim_many(tx, consumer, ids).await
+    async fn claim(&self, tx: &mut Self::Tx, ids: &[MessageId]) -> Result<Vec<bool>, StoreError> {
+        (**self).claim(tx, ids).await
     }
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         (**self).check_id(id)
@@ -162,28 +254,14 @@ impl<S: InboxStore> InboxStore for Arc<S> {
     fn shard(&self, index: usize) -> &(dyn DynInboxStore<Tx = Self::Tx> + 'static) {
         (**self).shard(index)
     }
-    /// Passed on only while this is the one `Arc` of the store; otherwise a warning says so.
-    fn set_handler_timeout(&mut self, timeout: Duration) {
-        match Arc::get_mut(self) {
-            Some(store) => store.set_handler_timeout(timeout),
-            None => tracing::warn!(
-                ?timeout,
-                "the inbox store is shared through an Arc: the handler timeout cannot reach its \
-                 statements, so a handler cut off while a statement waits on a lock keeps its \
-                 lane waiting; give the consumer its own store (clone it), or bound the store's \
-                 statements yourself"
-            ),
-        }
-    }
 }
 
-/// [`InboxStore`] as a trait object: what [`InboxStore::shard`] returns.
+/// [`InboxStore`] as a trait object: what [`InboxStore::shard`] returns, a bound store.
 ///
 /// `InboxStore`'s async methods return `impl Future`, which keeps it from being made into a
 /// `dyn` object; this trait has those a shard's transactions go through, returning boxed
 /// futures, under names of their own (`dyn_` and the `InboxStore` method's), so that they are
-/// never ambiguous beside `InboxStore`'s. Every `InboxStore` implements it, and
-/// `dyn DynInboxStore` implements `InboxStore` (one database: shard 0 of 1).
+/// never ambiguous beside `InboxStore`'s. Every `InboxStore` implements it.
 pub trait DynInboxStore: Send + Sync {
     /// [`InboxStore::Tx`].
     type Tx: Transaction;
@@ -195,15 +273,6 @@ pub trait DynInboxStore: Send + Sync {
     fn dyn_claim<'a>(
         &'a self,
         tx: &'a mut Self::Tx,
-        consumer: &'a str,
-        id: &'a MessageId,
-    ) -> BoxFuture<'a, Result<bool, StoreError>>;
-
-    /// [`InboxStore::claim_many`].
-    fn dyn_claim_many<'a>(
-        &'a self,
-        tx: &'a mut Self::Tx,
-        consumer: &'a str,
         ids: &'a [MessageId],
     ) -> BoxFuture<'a, Result<Vec<bool>, StoreError>>;
 
@@ -220,42 +289,11 @@ impl<S: InboxStore> DynInboxStore for S {
     fn dyn_claim<'a>(
         &'a self,
         tx: &'a mut Self::Tx,
-        consumer: &'a str,
-        id: &'a MessageId,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(InboxStore::claim(self, tx, consumer, id))
-    }
-    fn dyn_claim_many<'a>(
-        &'a self,
-        tx: &'a mut Self::Tx,
-        consumer: &'a str,
         ids: &'a [MessageId],
     ) -> BoxFuture<'a, Result<Vec<bool>, StoreError>> {
-        Box::pin(InboxStore::claim_many(self, tx, consumer, ids))
+        Box::pin(InboxStore::claim(self, tx, ids))
     }
     fn dyn_check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         InboxStore::check_id(self, id)
-    }
-}
-
-impl<Tx: Transaction> InboxStore for dyn DynInboxStore<Tx = Tx> {
-    type Tx = Tx;
-
-    async fn begin(&self) -> Result<Tx, StoreError> {
-        self.dyn_begin().await
-    }
-    async fn claim(&self, tx: &mut Tx, consumer: &str, id: &MessageId) -> Result<bool, StoreError> {
-        self.dyn_claim(tx, consumer, id).await
-    }
-    async fn claim_many(
-        &self,
-        tx: &mut Tx,
-        consumer: &str,
-        ids: &[MessageId],
-    ) -> Result<Vec<bool>, StoreError> {
-        self.dyn_claim_many(tx, consumer, ids).await
-    }
-    fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
-        self.dyn_check_id(id)
     }
 }

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{
-    Consumer, Handler, HandlerError, InboxStore, Message, MessageId, OperationError, Recovery,
-    RetryPolicy, Sharded, StoreError,
+    Consumer, ConsumerBinding, Handler, HandlerError, InboxStore, Message, MessageId,
+    OperationError, Recovery, RetryPolicy, Sharded, StoreError,
 };
 use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
 
@@ -58,6 +58,14 @@ struct Outage {
 impl InboxStore for Outage {
     type Tx = MemoryTx<Ledger>;
 
+    fn bind(&self, binding: &ConsumerBinding) -> Self {
+        Self {
+            store: self.store.bind(binding),
+            down: Arc::clone(&self.down),
+            failing: Arc::clone(&self.failing),
+        }
+    }
+
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
         if self.down.load(Ordering::SeqCst) {
             return Err(OperationError::new(
@@ -69,12 +77,7 @@ impl InboxStore for Outage {
         self.store.begin().await
     }
 
-    async fn claim(
-        &self,
-        tx: &mut Self::Tx,
-        consumer: &str,
-        id: &MessageId,
-    ) -> Result<bool, StoreError> {
+    async fn claim(&self, tx: &mut Self::Tx, ids: &[MessageId]) -> Result<Vec<bool>, StoreError> {
         let left = self.failing.load(Ordering::SeqCst);
         if left > 0 {
             self.failing.store(left - 1, Ordering::SeqCst);
@@ -84,7 +87,7 @@ impl InboxStore for Outage {
                 "could not serialize access",
             ));
         }
-        self.store.claim(tx, consumer, id).await
+        self.store.claim(tx, ids).await
     }
 }
 
@@ -195,7 +198,7 @@ async fn outside_the_consumer_a_sharded_store_names_no_shard() {
     let store = Sharded::new(vec![MemoryStore::<Ledger>::new()], by_tenant);
     let e = store.begin().await.err().unwrap();
     assert_eq!(e.recovery(), Recovery::Fatal);
-    assert!(store.shard(0).begin().await.is_ok());
+    assert!(store.shard(0).dyn_begin().await.is_ok());
 }
 
 #[tokio::test]

@@ -1,11 +1,13 @@
 //! [`MySqlInbox`]: the inbox table and the claim, in the caller's transaction.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::collections::HashSet;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use inbox_core::sql::hashed_key;
-use inbox_core::{InboxStore, InvalidId, MessageId, Recovery, StoreError};
+use inbox_core::{
+    ConsumerBinding, InboxStore, InvalidId, MessageId, OperationError, Recovery, StoreError,
+};
 use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool};
 use uuid::Uuid;
 
@@ -53,14 +55,16 @@ use crate::{Error, KeyMode, MySqlTx, Result, TableName};
 ///
 /// Round-trips per transaction: acquiring the connection (sqlx pings it unless the pool is
 /// built with `test_before_acquire(false)`), the opening statements, the claim (with the
-/// handler's lock wait timeout after it, see [`InboxStore::set_handler_timeout`]), the handler's
+/// handler's lock wait timeout after it, see [`InboxStore::bind`]), the handler's
 /// statements, the check that the transaction is intact, and `COMMIT`.
 #[derive(Debug, Clone)]
 pub struct MySqlInbox {
     pool: MySqlPool,
     table: TableName,
     mode: KeyMode,
-    consumers: Arc<Mutex<HashMap<String, i16>>>,
+    /// The consumer this copy claims for ([`InboxStore::bind`]), its id resolved at the first
+    /// `begin`.
+    consumer: Option<Arc<Bound>>,
     lock_wait_timeout: Option<Duration>,
     handler_timeout: Option<Duration>,
     /// The session settings sent before each transaction's opening statements: the lock wait
@@ -69,6 +73,14 @@ pub struct MySqlInbox {
     /// The statement the claim sends after its insert, in the same round-trip, to bound the
     /// handler's lock waits; empty when the claim's own bound is as short.
     handler_bound: String,
+}
+
+/// A consumer name and its small integer, read or registered once, before the first
+/// transaction.
+#[derive(Debug)]
+struct Bound {
+    name: String,
+    id: OnceLock<i16>,
 }
 
 /// The connection's own lock wait timeout, noted in a user variable the first time the store
@@ -95,7 +107,7 @@ impl MySqlInbox {
             pool,
             table: TableName::default_inbox(),
             mode: KeyMode::Text,
-            consumers: Arc::default(),
+            consumer: None,
             lock_wait_timeout: None,
             handler_timeout: None,
             session: String::new(),
@@ -165,28 +177,23 @@ impl MySqlInbox {
         self.mode
     }
 
-    /// The small integer standing for `consumer`, created on first use (in its own
-    /// transaction, so a rolled-back message never loses the mapping) and cached.
+    /// The small integer standing for `consumer`, created on first use (committed at once, so
+    /// a rolled-back message never loses the mapping). A bound store reads it once, at its
+    /// first [`begin`](InboxStore::begin), before the transaction opens.
     pub async fn consumer_id(&self, consumer: &str) -> Result<i16> {
-        if let Some(id) = self.cached(consumer) {
-            return Ok(id);
-        }
         let mut conn = self
             .pool
             .acquire()
             .await
             .map_err(db("registering the consumer name"))?;
-        let (id, _) = self.register(&mut conn, consumer).await?;
-        self.cache(consumer, id);
-        Ok(id)
+        self.register(&mut conn, consumer).await
     }
 
-    /// The id of `consumer` seen from `conn`, inserted when missing; `true` with it when the
-    /// row was inserted here. Looks up first: a failed insert would use up an `AUTO_INCREMENT`
+    /// The id of `consumer` seen from `conn`, inserted when missing. Looks up first: a failed insert would use up an `AUTO_INCREMENT`
     /// value of the `smallint` all the same.
-    async fn register(&self, conn: &mut MySqlConnection, consumer: &str) -> Result<(i16, bool)> {
+    async fn register(&self, conn: &mut MySqlConnection, consumer: &str) -> Result<i16> {
         if let Some(id) = self.lookup(conn, consumer).await? {
-            return Ok((id, false));
+            return Ok(id);
         }
         let consumers = self.table.consumers();
         let inserted = sqlx::query(AssertSqlSafe(format!(
@@ -203,14 +210,14 @@ impl MySqlInbox {
                         id: done.last_insert_id(),
                         table: consumers.clone(),
                     })?;
-                return Ok((id, true));
+                return Ok(id);
             }
             Err(e) if number(&e) == Some(DUPLICATE_KEY) => {}
             Err(e) => return Err(db("registering the consumer name")(e)),
         }
         // Another process registered it between the two statements.
         match self.lookup(conn, consumer).await? {
-            Some(id) => Ok((id, false)),
+            Some(id) => Ok(id),
             None => Err(db("reading the consumer id")(sqlx::Error::RowNotFound)),
         }
     }
@@ -227,43 +234,18 @@ impl MySqlInbox {
         .map_err(db("reading the consumer id"))
     }
 
-    fn cache(&self, consumer: &str, id: i16) {
-        self.consumers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(consumer.to_owned(), id);
-    }
-
-    fn cached(&self, consumer: &str) -> Option<i16> {
-        let map = self.consumers.lock().unwrap_or_else(|e| e.into_inner());
-        map.get(consumer).copied()
-    }
-
-    /// The consumer's id for a claim in `tx`, never waiting for a second connection while `tx`
-    /// holds one: lanes that each hold a transaction and each wait for another connection from a
-    /// pool sized for them all wait for ever. A name registered before (every start but the
-    /// first) is read through `tx` itself. A new name is registered on an idle connection when
-    /// the pool has one, committed at once: registered inside `tx`, its uncommitted row would
-    /// make every other process registering the name wait for `tx`. With no idle connection it
-    /// is registered through `tx`, and cached once another transaction sees it committed.
-    async fn tx_consumer_id(&self, tx: &mut MySqlTx, consumer: &str) -> Result<i16, StoreError> {
-        if let Some(id) = self.cached(consumer) {
-            return Ok(id);
+    /// The bound consumer's name and id, for a claim after [`begin`](InboxStore::begin).
+    fn bound(&self) -> Result<(&str, i16), StoreError> {
+        let bound = self.consumer.as_deref();
+        match bound.and_then(|b| Some((b.name.as_str(), *b.id.get()?))) {
+            Some(found) => Ok(found),
+            None => Err(OperationError::new(
+                Recovery::Fatal,
+                "claiming message IDs",
+                "the store is not bound to a consumer: claims go through a Consumer, or through \
+                 InboxStore::bind and then begin",
+            )),
         }
-        if let Some(id) = self.lookup(tx, consumer).await? {
-            self.cache(consumer, id);
-            return Ok(id);
-        }
-        if let Some(mut conn) = self.pool.try_acquire() {
-            let (id, _) = self.register(&mut conn, consumer).await?;
-            self.cache(consumer, id);
-            return Ok(id);
-        }
-        let (id, inserted) = self.register(tx, consumer).await?;
-        if !inserted {
-            self.cache(consumer, id);
-        }
-        Ok(id)
     }
 
     /// The key of each ID, as stored.
@@ -347,12 +329,42 @@ fn parse_uuid(id: &MessageId) -> Result<Uuid, InvalidId> {
 impl InboxStore for MySqlInbox {
     type Tx = MySqlTx;
 
+    /// Bound to `binding.consumer`; its id is read (or registered, committed at once) at the
+    /// first `begin`, on the connection before its transaction opens, never inside one.
+    ///
+    /// `binding.handler_timeout` bounds every row lock wait of the inbox transaction after the
+    /// claim as [`lock_wait_timeout`](Self::lock_wait_timeout) does (the shorter of the two
+    /// counts, in whole seconds). A handler cut off by the consumer's handler timeout is only
+    /// dropped; the rollback after it waits for the handler's statement, which a lock wait no
+    /// longer holds longer than this. The claim itself waits under the store's own lock wait
+    /// timeout (or the connection's): waiting on a peer's uncommitted claim of the same ID is no
+    /// handler's doing, and cut off it would count against the message while the peer goes on.
+    /// The claim's insert is followed by `SET SESSION innodb_lock_wait_timeout` in the same
+    /// round-trip.
+    fn bind(&self, binding: &ConsumerBinding) -> Self {
+        let mut bound = self.clone();
+        bound.consumer = Some(Arc::new(Bound {
+            name: binding.consumer.clone(),
+            id: OnceLock::new(),
+        }));
+        bound.handler_timeout = binding.handler_timeout;
+        bound.set_timeouts();
+        bound
+    }
+
     async fn begin(&self) -> Result<MySqlTx, StoreError> {
-        let conn = self
+        let mut conn = self
             .pool
             .acquire()
             .await
             .map_err(store_err("opening a transaction"))?;
+        if let Some(consumer) = self.consumer.as_deref() {
+            if consumer.id.get().is_none() {
+                let id = self.register(&mut conn, &consumer.name).await?;
+                // A lane that raced here read the same id.
+                let _ = consumer.id.set(id);
+            }
+        }
         // Wrapped first: a failure below closes the connection instead of pooling it with
         // `autocommit` off.
         let mut tx = MySqlTx::new(conn);
@@ -363,28 +375,11 @@ impl InboxStore for MySqlInbox {
         Ok(tx)
     }
 
-    async fn claim(
-        &self,
-        tx: &mut MySqlTx,
-        consumer: &str,
-        id: &MessageId,
-    ) -> Result<bool, StoreError> {
-        let claimed = self
-            .claim_many(tx, consumer, std::slice::from_ref(id))
-            .await?;
-        Ok(claimed.first().copied().unwrap_or(false))
-    }
-
-    async fn claim_many(
-        &self,
-        tx: &mut MySqlTx,
-        consumer: &str,
-        ids: &[MessageId],
-    ) -> Result<Vec<bool>, StoreError> {
+    async fn claim(&self, tx: &mut MySqlTx, ids: &[MessageId]) -> Result<Vec<bool>, StoreError> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let consumer_id = self.tx_consumer_id(tx, consumer).await?;
+        let (consumer, consumer_id) = self.bound()?;
         let keys = self.keys(consumer, ids)?;
         // Two IDs can make one key (a UUID in capitals and in lower case): each key once, in
         // order, so that racing batches lock in the same order.
@@ -423,21 +418,6 @@ impl InboxStore for MySqlInbox {
             KeyMode::Text => text_key_fits(id.as_str()),
             KeyMode::Hashed => Ok(()),
         }
-    }
-
-    /// Bounds every row lock wait of the inbox transaction after the claim by `timeout` as
-    /// [`lock_wait_timeout`](Self::lock_wait_timeout) does (the shorter of the two counts, in
-    /// whole seconds). A handler cut off by the consumer's handler timeout is only dropped; the
-    /// rollback after it waits for the handler's statement, which a lock wait no longer holds
-    /// longer than this.
-    ///
-    /// The claim itself waits under the store's own lock wait timeout (or the connection's):
-    /// waiting on a peer's uncommitted claim of the same ID is no handler's doing, and cut off
-    /// it would count against the message while the peer goes on. The claim's insert is
-    /// followed by `SET SESSION innodb_lock_wait_timeout` in the same round-trip.
-    fn set_handler_timeout(&mut self, timeout: Duration) {
-        self.handler_timeout = Some(timeout);
-        self.set_timeouts();
     }
 }
 

@@ -5,13 +5,13 @@
 use std::time::{Duration, Instant};
 
 use inbox_conformance::store::MySqlDb;
-use inbox_core::{InboxStore, MessageId, Recovery, Transaction};
-use inbox_mysql::{Error, KeyMode, MySqlInbox, PurgeReport, TableName};
+use inbox_core::{ConsumerBinding, InboxStore, MessageId, Recovery, Transaction};
+use inbox_mysql::{Error, KeyMode, MySqlInbox, MySqlTx, PurgeReport, TableName};
 use sqlx::mysql::MySqlPoolOptions;
 
 async fn db_with(table: &str, mode: KeyMode) -> (MySqlDb, MySqlInbox) {
     let db = MySqlDb::new().await;
-    let inbox = db.inbox(table, mode);
+    let inbox = db.inbox(table, mode).bind(&ConsumerBinding::new("c"));
     inbox.migrate().await.expect("migrate");
     sqlx::query("CREATE TABLE notes (n int NOT NULL) ENGINE=InnoDB")
         .execute(&db.pool)
@@ -56,7 +56,7 @@ async fn connections_go_back_to_the_pool_as_they_came() {
         .connect_with(db.options().clone())
         .await
         .expect("pool");
-    let inbox = MySqlInbox::new(pool.clone());
+    let inbox = MySqlInbox::new(pool.clone()).bind(&ConsumerBinding::new("c"));
     let notes = |pool| async move {
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM notes")
             .fetch_one(&pool)
@@ -71,7 +71,7 @@ async fn connections_go_back_to_the_pool_as_they_came() {
         } else {
             MessageId::generate()
         };
-        assert!(inbox.claim(&mut tx, "c", &id).await.expect("claim"));
+        assert!(claim(&inbox, &mut tx, &id).await);
         match end {
             "commit" => tx.commit().await.expect("commit"),
             "rollback" => tx.rollback().await.expect("rollback"),
@@ -86,7 +86,7 @@ async fn connections_go_back_to_the_pool_as_they_came() {
     }
     let mut tx = inbox.begin().await.expect("begin");
     assert!(
-        inbox.claim(&mut tx, "c", &dropped).await.expect("claim"),
+        claim(&inbox, &mut tx, &dropped).await,
         "the dropped transaction's claim is gone"
     );
     tx.rollback().await.expect("rollback");
@@ -107,11 +107,11 @@ async fn a_claim_of_a_known_consumer_takes_no_second_connection() {
         .connect_with(db.options().clone())
         .await
         .expect("pool");
-    let inbox = MySqlInbox::new(pool.clone());
+    let inbox = MySqlInbox::new(pool.clone()).bind(&ConsumerBinding::new("wallet"));
 
     let mut tx = inbox.begin().await.expect("begin");
     let id = MessageId::new("evt-1").expect("id");
-    assert!(inbox.claim(&mut tx, "wallet", &id).await.expect("claim"));
+    assert!(claim(&inbox, &mut tx, &id).await);
     assert_eq!(
         pool.size(),
         1,
@@ -119,7 +119,7 @@ async fn a_claim_of_a_known_consumer_takes_no_second_connection() {
     );
     tx.commit().await.expect("commit");
     let mut tx = inbox.begin().await.expect("begin");
-    assert!(!inbox.claim(&mut tx, "wallet", &id).await.expect("claim"));
+    assert!(!claim(&inbox, &mut tx, &id).await);
     tx.rollback().await.expect("rollback");
     pool.close().await;
     db.drop().await;
@@ -133,11 +133,11 @@ async fn a_claim_stuck_behind_a_hung_peer_ends_as_a_retryable_error() {
     let waiting = inbox.clone().lock_wait_timeout(Duration::from_millis(1500));
     let id = MessageId::generate();
     let mut hung = inbox.begin().await.expect("begin");
-    assert!(inbox.claim(&mut hung, "c", &id).await.expect("claim"));
+    assert!(claim(&inbox, &mut hung, &id).await);
     let mut tx = waiting.begin().await.expect("begin");
     let start = Instant::now();
     let err = waiting
-        .claim(&mut tx, "c", &id)
+        .claim(&mut tx, std::slice::from_ref(&id))
         .await
         .expect_err("the lock wait times out");
     let waited = start.elapsed();
@@ -197,7 +197,7 @@ async fn the_purge_goes_in_batches_under_one_cleaner() {
     let (db, inbox) = db_with("inbox", KeyMode::Hashed).await;
     let mut tx = inbox.begin().await.expect("begin");
     let ids: Vec<MessageId> = (0..30).map(|_| MessageId::generate()).collect();
-    let claimed = inbox.claim_many(&mut tx, "c", &ids).await.expect("claim");
+    let claimed = inbox.claim(&mut tx, &ids).await.expect("claim");
     assert_eq!(claimed, vec![true; 30]);
     tx.commit().await.expect("commit");
     // 25 claims a day old, 5 recent.
@@ -248,19 +248,13 @@ async fn a_claim_waiting_on_a_peer_is_not_cut_off_by_the_handler_timeout() {
 
     const HELD: Duration = Duration::from_secs(4);
     let db = mysql_wallet::wallet_db().await;
-    let peer_store = mysql_wallet::inbox(&db);
+    let peer_store = mysql_wallet::inbox(&db).bind(&ConsumerBinding::new("wallet"));
     let mut freed_by = peer_store.begin().await.expect("begin");
     let freed = MessageId::new("freed").expect("id");
-    assert!(peer_store
-        .claim(&mut freed_by, "wallet", &freed)
-        .await
-        .expect("claim"));
+    assert!(claim(&peer_store, &mut freed_by, &freed).await);
     let mut taken_by = peer_store.begin().await.expect("begin");
     let taken = MessageId::new("taken").expect("id");
-    assert!(peer_store
-        .claim(&mut taken_by, "wallet", &taken)
-        .await
-        .expect("claim"));
+    assert!(claim(&peer_store, &mut taken_by, &taken).await);
 
     let broker = MemoryBroker::new();
     wallet::publish_credit(&broker, "freed", 1, 1);
@@ -319,8 +313,8 @@ async fn the_handler_bound_starts_after_the_claim() {
         .connect_with(db.options().clone())
         .await
         .expect("pool");
-    let mut inbox = MySqlInbox::new(pool.clone());
-    InboxStore::set_handler_timeout(&mut inbox, Duration::from_millis(300));
+    let binding = ConsumerBinding::new("c").handler_timeout(Duration::from_millis(300));
+    let inbox = MySqlInbox::new(pool.clone()).bind(&binding);
     let lock_wait = "SELECT @@SESSION.innodb_lock_wait_timeout";
     let own: u64 = sqlx::query_scalar(lock_wait)
         .fetch_one(&pool)
@@ -335,7 +329,7 @@ async fn the_handler_bound_starts_after_the_claim() {
             .await
             .expect("read");
         assert_eq!(before, own, "the claim waits under the connection's own");
-        let claimed = inbox.claim_many(&mut tx, "c", &batch).await.expect("claim");
+        let claimed = inbox.claim(&mut tx, &batch).await.expect("claim");
         assert!(claimed[0], "{claimed:?}");
         let after: u64 = sqlx::query_scalar(lock_wait)
             .fetch_one(&mut *tx)
@@ -368,7 +362,7 @@ async fn the_longest_text_ids_are_never_cut_to_one_key() {
         .connect_with(db.options().clone())
         .await
         .expect("pool");
-    let inbox = MySqlInbox::new(lax.clone());
+    let inbox = MySqlInbox::new(lax.clone()).bind(&ConsumerBinding::new("c"));
     let prefix = "x".repeat(MessageId::MAX_LEN - 1);
     let ids = [
         MessageId::new(format!("{prefix}a")).expect("id"),
@@ -382,16 +376,16 @@ async fn the_longest_text_ids_are_never_cut_to_one_key() {
         inbox.check_id(id).expect("the longest ID accepted");
     }
     let mut tx = inbox.begin().await.expect("begin");
-    assert!(inbox.claim(&mut tx, "c", &ids[0]).await.expect("claim"));
+    assert!(claim(&inbox, &mut tx, &ids[0]).await);
     assert!(
-        inbox.claim(&mut tx, "c", &ids[1]).await.expect("claim"),
+        claim(&inbox, &mut tx, &ids[1]).await,
         "a second ID sharing the first {} bytes is new",
         MessageId::MAX_LEN - 1
     );
     tx.commit().await.expect("commit");
     let mut tx = inbox.begin().await.expect("begin");
     assert_eq!(
-        inbox.claim_many(&mut tx, "c", &ids).await.expect("claim"),
+        inbox.claim(&mut tx, &ids).await.expect("claim"),
         [false, false],
         "both were kept whole"
     );
@@ -403,4 +397,10 @@ async fn the_longest_text_ids_are_never_cut_to_one_key() {
     assert_eq!(longest, MessageId::MAX_LEN as i64);
     lax.close().await;
     db.drop().await;
+}
+
+/// Whether `id` was new, claimed in `tx` through `store` (bound).
+async fn claim(store: &MySqlInbox, tx: &mut MySqlTx, id: &MessageId) -> bool {
+    let claimed = store.claim(tx, std::slice::from_ref(id));
+    claimed.await.expect("claim") == [true]
 }

@@ -1,12 +1,14 @@
 //! [`PgInbox`]: the inbox table and the claim, in the caller's transaction.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use inbox_core::sql::hashed_key;
-use inbox_core::{InboxStore, InvalidId, MessageId, StoreError};
+use inbox_core::{
+    ConsumerBinding, InboxStore, InvalidId, MessageId, OperationError, Recovery, StoreError,
+};
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
@@ -30,7 +32,7 @@ use crate::{KeyMode, Partitions, PgTx, Result, TableName};
 /// serialises them.
 ///
 /// Round-trips per transaction: `BEGIN` (with the timeouts), the claim (which also sets the
-/// handler's statement timeout, see [`InboxStore::set_handler_timeout`]), the handler's
+/// handler's statement timeout, see [`InboxStore::bind`]), the handler's
 /// statements, a check that the transaction was not aborted by a statement whose error the
 /// handler swallowed, and `COMMIT`.
 /// sqlx's pool also pings each connection it hands out unless the pool is built with
@@ -41,7 +43,9 @@ pub struct PgInbox {
     pool: PgPool,
     table: TableName,
     mode: KeyMode,
-    consumers: Arc<Mutex<HashMap<String, i16>>>,
+    /// The consumer this copy claims for ([`InboxStore::bind`]), its id resolved at the first
+    /// `begin`.
+    consumer: Option<Arc<Bound>>,
     /// `BEGIN` and the `SET LOCAL`s of the store's own timeouts, sent as one round-trip;
     /// `None`: `BEGIN`.
     begin: Option<String>,
@@ -71,6 +75,14 @@ fn layout(partitioned: bool) -> u8 {
     }
 }
 
+/// A consumer name and its small integer, read or registered once, before the first
+/// transaction.
+#[derive(Debug)]
+struct Bound {
+    name: String,
+    id: OnceLock<i16>,
+}
+
 enum Keys {
     Text(Vec<String>),
     Uuid(Vec<Uuid>),
@@ -83,7 +95,7 @@ impl PgInbox {
             pool,
             table: TableName::default_inbox(),
             mode: KeyMode::Text,
-            consumers: Arc::default(),
+            consumer: None,
             begin: None,
             lock_timeout: None,
             statement_timeout: None,
@@ -257,30 +269,25 @@ impl PgInbox {
         Ok(partitioned)
     }
 
-    /// The small integer standing for `consumer`, created on first use (in its own transaction,
-    /// so a rolled-back message never loses the mapping) and cached.
+    /// The small integer standing for `consumer`, created on first use (committed at once, so
+    /// a rolled-back message never loses the mapping). A bound store reads it once, at its
+    /// first [`begin`](InboxStore::begin), before the transaction opens.
     pub async fn consumer_id(&self, consumer: &str) -> Result<i16> {
-        if let Some(id) = self.cached(consumer) {
-            return Ok(id);
-        }
         let mut conn = self
             .pool
             .acquire()
             .await
             .map_err(db("registering the consumer name"))?;
-        let (id, _) = self.register(&mut conn, consumer).await?;
-        self.cache(consumer, id);
-        Ok(id)
+        self.register(&mut conn, consumer).await
     }
 
-    /// The id of `consumer` seen from `conn`, inserted when missing. `true` with it when the row
-    /// was inserted here: inside a transaction it exists only if that transaction commits.
+    /// The id of `consumer` seen from `conn`, inserted when missing.
     ///
     /// Looks up first: `INSERT … ON CONFLICT DO NOTHING` draws an identity value even when the
     /// name exists, and the `smallint` sequence would run out after 32,767 process starts.
-    async fn register(&self, conn: &mut sqlx::PgConnection, consumer: &str) -> Result<(i16, bool)> {
+    async fn register(&self, conn: &mut sqlx::PgConnection, consumer: &str) -> Result<i16> {
         if let Some(id) = self.lookup(conn, consumer).await? {
-            return Ok((id, false));
+            return Ok(id);
         }
         let consumers = self.table.sibling("consumers");
         let inserted: Option<i16> = sqlx::query_scalar(AssertSqlSafe(format!(
@@ -291,11 +298,11 @@ impl PgInbox {
         .await
         .map_err(db("registering the consumer name"))?;
         if let Some(id) = inserted {
-            return Ok((id, true));
+            return Ok(id);
         }
         // Another process registered it between the two statements.
         match self.lookup(conn, consumer).await? {
-            Some(id) => Ok((id, false)),
+            Some(id) => Ok(id),
             None => Err(db("reading the consumer id")(sqlx::Error::RowNotFound)),
         }
     }
@@ -310,18 +317,6 @@ impl PgInbox {
         .fetch_optional(&mut *conn)
         .await
         .map_err(db("reading the consumer id"))
-    }
-
-    fn cache(&self, consumer: &str, id: i16) {
-        self.consumers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(consumer.to_owned(), id);
-    }
-
-    fn cached(&self, consumer: &str) -> Option<i16> {
-        let map = self.consumers.lock().unwrap_or_else(|e| e.into_inner());
-        map.get(consumer).copied()
     }
 
     /// The keys of `ids`; `with_time`: hashed keys in the partitioned layout's form.
@@ -350,43 +345,18 @@ impl PgInbox {
         })
     }
 
-    /// The consumer's id for a claim in `tx`, never waiting for a second connection while `tx`
-    /// holds one: lanes that each hold a transaction and each wait for another connection from a
-    /// pool sized for them all wait for ever (seen as a consumer stalled at start, its lanes idle
-    /// in their transactions and the pool at its maximum). A name registered before (every
-    /// start but the first) is read through `tx` itself. A new name is registered on an idle
-    /// connection when the pool has one, committed at once under the same lock timeout as the
-    /// inbox transaction: registered inside `tx`, its uncommitted row would make every other
-    /// process registering the name wait for `tx`. With no idle connection it is registered
-    /// through `tx`, and cached once another transaction sees it committed.
-    async fn tx_consumer_id(&self, tx: &mut PgTx, consumer: &str) -> Result<i16, StoreError> {
-        if let Some(id) = self.cached(consumer) {
-            return Ok(id);
+    /// The bound consumer's name and id, for a claim after [`begin`](InboxStore::begin).
+    fn bound(&self) -> Result<(&str, i16), StoreError> {
+        let bound = self.consumer.as_deref();
+        match bound.and_then(|b| Some((b.name.as_str(), *b.id.get()?))) {
+            Some(found) => Ok(found),
+            None => Err(OperationError::new(
+                Recovery::Fatal,
+                "claiming message IDs",
+                "the store is not bound to a consumer: claims go through a Consumer, or through \
+                 InboxStore::bind and then begin",
+            )),
         }
-        if let Some(id) = self.lookup(tx, consumer).await? {
-            self.cache(consumer, id);
-            return Ok(id);
-        }
-        if let Some(mut conn) = self.pool.try_acquire() {
-            let mut own = match &self.begin {
-                Some(statement) => {
-                    sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(statement.clone())).await
-                }
-                None => sqlx::Connection::begin(&mut *conn).await,
-            }
-            .map_err(store_err("registering the consumer name"))?;
-            let (id, _) = self.register(&mut own, consumer).await?;
-            own.commit()
-                .await
-                .map_err(store_err("registering the consumer name"))?;
-            self.cache(consumer, id);
-            return Ok(id);
-        }
-        let (id, inserted) = self.register(tx, consumer).await?;
-        if !inserted {
-            self.cache(consumer, id);
-        }
-        Ok(id)
     }
 }
 
@@ -413,7 +383,40 @@ fn parse_uuid(id: &MessageId) -> Result<Uuid, InvalidId> {
 impl InboxStore for PgInbox {
     type Tx = PgTx;
 
+    /// Bound to `binding.consumer`; its id is read (or registered) at the first `begin`, on a
+    /// connection of its own before the transaction opens, never inside one.
+    ///
+    /// `binding.handler_timeout` bounds every statement of the inbox transaction after the claim
+    /// as [`statement_timeout`](Self::statement_timeout) does (the shorter of the two counts). A
+    /// handler cut off by the consumer's handler timeout is only dropped: sqlx sends no cancel
+    /// request, and the rollback after it waits for the handler's statement to end. A statement
+    /// waiting on a row lock another session holds would keep the consumer waiting, with its own
+    /// locks held, until that lock is released; the server now cancels it after the handler
+    /// timeout at the latest. The claim itself runs under the store's own
+    /// [`lock_timeout`](Self::lock_timeout) and [`statement_timeout`](Self::statement_timeout)
+    /// only: waiting on a peer's uncommitted claim of the same ID is no handler's doing, and cut
+    /// off it would count against the message while the peer goes on. The claim statement sets
+    /// the handler's bound for the statements after it (`set_config('statement_timeout', …,
+    /// true)`), in its own round-trip.
+    fn bind(&self, binding: &ConsumerBinding) -> Self {
+        let mut bound = self.clone();
+        bound.consumer = Some(Arc::new(Bound {
+            name: binding.consumer.clone(),
+            id: OnceLock::new(),
+        }));
+        bound.handler_timeout = binding.handler_timeout;
+        bound.handler_bound = bound.handler_bound();
+        bound
+    }
+
     async fn begin(&self) -> Result<PgTx, StoreError> {
+        if let Some(consumer) = self.consumer.as_deref() {
+            if consumer.id.get().is_none() {
+                let id = self.consumer_id(&consumer.name).await?;
+                // A lane that raced here read the same id.
+                let _ = consumer.id.set(id);
+            }
+        }
         let begun = match &self.begin {
             // One round-trip: the simple query protocol runs the statements together.
             Some(statement) => self.pool.begin_with(AssertSqlSafe(statement.clone())).await,
@@ -424,25 +427,8 @@ impl InboxStore for PgInbox {
             .map_err(store_err("opening a transaction"))
     }
 
-    async fn claim(
-        &self,
-        tx: &mut PgTx,
-        consumer: &str,
-        id: &MessageId,
-    ) -> Result<bool, StoreError> {
-        let claimed = self
-            .claim_many(tx, consumer, std::slice::from_ref(id))
-            .await?;
-        Ok(claimed.first().copied().unwrap_or(false))
-    }
-
-    async fn claim_many(
-        &self,
-        tx: &mut PgTx,
-        consumer: &str,
-        ids: &[MessageId],
-    ) -> Result<Vec<bool>, StoreError> {
-        let consumer_id = self.tx_consumer_id(tx, consumer).await?;
+    async fn claim(&self, tx: &mut PgTx, ids: &[MessageId]) -> Result<Vec<bool>, StoreError> {
+        let (consumer, consumer_id) = self.bound()?;
         let t = &self.table;
         let with_time = self.mode == KeyMode::Hashed && self.keys_with_time(tx).await?;
         let keys = self.keys(consumer, ids, with_time)?;
@@ -501,24 +487,5 @@ impl InboxStore for PgInbox {
             KeyMode::Uuid => parse_uuid(id).map(|_| ()),
             KeyMode::Text | KeyMode::Hashed => Ok(()),
         }
-    }
-
-    /// Bounds every statement of the inbox transaction after the claim by `timeout` as
-    /// [`statement_timeout`](Self::statement_timeout) does (the shorter of the two counts). A
-    /// handler cut off by the consumer's handler timeout is only dropped: sqlx sends no cancel
-    /// request, and the rollback after it waits for the handler's statement to end. A statement
-    /// waiting on a row lock another session holds would keep the consumer waiting, with its own
-    /// locks held, until that lock is released; the server now cancels it after `timeout` at
-    /// the latest.
-    ///
-    /// The claim itself runs under the store's own [`lock_timeout`](Self::lock_timeout) and
-    /// [`statement_timeout`](Self::statement_timeout) only: waiting on a peer's uncommitted
-    /// claim of the same ID is no handler's doing, and cut off it would count against the
-    /// message while the peer goes on. The claim statement sets the handler's bound for the
-    /// statements after it (`set_config('statement_timeout', …, true)`), in its own
-    /// round-trip.
-    fn set_handler_timeout(&mut self, timeout: Duration) {
-        self.handler_timeout = Some(timeout);
-        self.handler_bound = self.handler_bound();
     }
 }

@@ -6,7 +6,7 @@
 use inbox_conformance::wallet::{self, Credit, CreditEvent};
 use inbox_conformance::TestDb;
 use inbox_core::Transaction as _;
-use inbox_core::{Consumer, InboxStore, MessageId};
+use inbox_core::{Consumer, ConsumerBinding, InboxStore, MessageId};
 use inbox_postgres::{Error, KeyMode, PgInbox, TableName};
 use inbox_testkit::MemoryBroker;
 
@@ -107,10 +107,11 @@ async fn hashed_keys_deduplicate_any_id_per_consumer_in_16_bytes() {
     assert_eq!((stats.applied, stats.skipped_duplicates), (2, 1));
 
     // Another consumer name keys the same ID differently, so it applies it too.
-    let mut tx = store.begin().await.unwrap();
+    let (wallet, audit) = (bound(&store, "wallet").await, bound(&store, "audit").await);
+    let mut tx = wallet.begin().await.unwrap();
     let id = MessageId::new("order-42/credit").unwrap();
-    assert!(!store.claim(&mut tx, "wallet", &id).await.unwrap());
-    assert!(store.claim(&mut tx, "audit", &id).await.unwrap());
+    assert!(!claim(&wallet, &mut tx, &id).await);
+    assert!(claim(&audit, &mut tx, &id).await);
     tx.rollback().await.unwrap();
 
     let key_bytes: i32 =
@@ -178,16 +179,18 @@ async fn table_names_too_long_for_their_derived_names_are_refused_at_constructio
         .with_table(TableName::qualified(&db.schema, &partitioned_name).unwrap())
         .partitioned(inbox_postgres::Partitions::default());
     partitioned.migrate().await.unwrap();
+    let partitioned = bound(&partitioned, "audit").await;
     let mut tx = partitioned.begin().await.unwrap();
-    assert!(partitioned.claim(&mut tx, "audit", &id).await.unwrap());
+    assert!(claim(&partitioned, &mut tx, &id).await);
     tx.commit().await.unwrap();
     let outbox_name = format!("o{}", "x".repeat(52));
     let outbox = inbox_postgres::Outbox::new(db.pool.clone())
         .with_table(TableName::qualified(&db.schema, &outbox_name).unwrap());
     outbox.migrate().await.unwrap();
+    let store = bound(&store, "audit").await;
     for new in [true, false] {
         let mut tx = store.begin().await.unwrap();
-        assert_eq!(store.claim(&mut tx, "audit", &id).await.unwrap(), new);
+        assert_eq!(claim(&store, &mut tx, &id).await, new);
         tx.commit().await.unwrap();
     }
     let names: Vec<String> = sqlx::query_scalar(
@@ -220,4 +223,16 @@ async fn table_names_too_long_for_their_derived_names_are_refused_at_constructio
         "{err}"
     );
     db.drop().await;
+}
+
+/// `store` bound to `consumer`, its name's id read as a consumer's first transaction reads it.
+async fn bound(store: &PgInbox, consumer: &str) -> PgInbox {
+    let bound = store.bind(&ConsumerBinding::new(consumer));
+    bound.begin().await.unwrap().rollback().await.unwrap();
+    bound
+}
+
+/// Whether `id` was new, claimed in `tx` through `store`.
+async fn claim(store: &PgInbox, tx: &mut inbox_postgres::PgTx, id: &MessageId) -> bool {
+    store.claim(tx, std::slice::from_ref(id)).await.unwrap() == [true]
 }

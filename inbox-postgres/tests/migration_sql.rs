@@ -7,7 +7,7 @@
 use inbox_conformance::wallet::{self, Credit, CreditEvent};
 use inbox_conformance::TestDb;
 use inbox_core::Transaction as _;
-use inbox_core::{Consumer, InboxStore, MessageId};
+use inbox_core::{Consumer, ConsumerBinding, InboxStore, MessageId};
 use inbox_postgres::{KeyMode, Partitions, PgInbox, TableName};
 use inbox_testkit::MemoryBroker;
 use sqlx::AssertSqlSafe;
@@ -70,10 +70,14 @@ async fn shape(db: &TestDb) -> (Vec<String>, Vec<String>) {
 
 /// Claims `id` for `consumer` in a transaction of its own; whether it was new.
 async fn claim(inbox: &PgInbox, consumer: &str, id: &MessageId) -> bool {
+    let inbox = inbox.bind(&ConsumerBinding::new(consumer));
     let mut tx = inbox.begin().await.unwrap();
-    let claimed = inbox.claim(&mut tx, consumer, id).await.unwrap();
+    let claimed = inbox
+        .claim(&mut tx, std::slice::from_ref(id))
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
-    claimed
+    claimed == [true]
 }
 
 async fn printed_sql_is_a_migration(mode: KeyMode, partitioned: bool) {

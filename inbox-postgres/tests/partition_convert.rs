@@ -7,7 +7,7 @@ use inbox_core::Transaction as _;
 use std::time::Duration;
 
 use inbox_conformance::TestDb;
-use inbox_core::{InboxStore, MessageId};
+use inbox_core::{ConsumerBinding, InboxStore, MessageId};
 use inbox_postgres::{
     Conversion, KeyMode, PartitionRange, Partitions, PgInbox, PurgeReport, TableName,
 };
@@ -18,8 +18,9 @@ mod common_partitions;
 use common_partitions::*;
 
 async fn claim_all(inbox: &PgInbox, ids: &[MessageId]) -> Vec<bool> {
+    let inbox = inbox.bind(&ConsumerBinding::new("wallet"));
     let mut tx = inbox.begin().await.unwrap();
-    let new = inbox.claim_many(&mut tx, "wallet", ids).await.unwrap();
+    let new = inbox.claim(&mut tx, ids).await.unwrap();
     tx.commit().await.unwrap();
     new
 }

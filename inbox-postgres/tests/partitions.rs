@@ -8,7 +8,7 @@ use inbox_core::Transaction as _;
 use std::time::{Duration, SystemTime};
 
 use inbox_conformance::TestDb;
-use inbox_core::{InboxStore, MessageId};
+use inbox_core::{ConsumerBinding, InboxStore, MessageId};
 use inbox_postgres::{KeyMode, PartitionRange, Partitions, PgInbox};
 use sqlx::AssertSqlSafe;
 
@@ -307,8 +307,10 @@ async fn a_drop_behind_an_open_claim_is_postponed_and_claims_around_it_all_succe
 
     // A consumer's transaction, open: it holds the inbox table until it commits.
     let open = MessageId::new(v7_at(db_now_ms(&db.pool).await).to_string()).unwrap();
-    let mut tx = inbox.begin().await.unwrap();
-    assert!(inbox.claim(&mut tx, "wallet", &open).await.unwrap());
+    let bound = inbox.bind(&ConsumerBinding::new("wallet"));
+    let mut tx = bound.begin().await.unwrap();
+    let claimed = bound.claim(&mut tx, std::slice::from_ref(&open)).await;
+    assert_eq!(claimed.unwrap(), [true]);
     let report = inbox.purge(window, 10_000).await.unwrap();
     assert_eq!(report.postponed(), std::slice::from_ref(&a), "{report:?}");
     assert!(report.dropped().is_empty());

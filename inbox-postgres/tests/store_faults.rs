@@ -12,7 +12,9 @@ use std::time::Duration;
 use inbox_conformance::wallet::publish_credit;
 use inbox_conformance::wallet::{self, balance, Credit};
 use inbox_conformance::TestDb;
-use inbox_core::{Consumer, Handler, HandlerError, InboxStore, Message, MessageId, Transaction};
+use inbox_core::{
+    Consumer, ConsumerBinding, Handler, HandlerError, InboxStore, Message, MessageId, Transaction,
+};
 use inbox_postgres::{PgInbox, PgTx, TableName};
 use inbox_testkit::fast_retry;
 use inbox_testkit::MemoryBroker;
@@ -178,11 +180,11 @@ async fn a_one_connection_pool_does_not_stall() {
 }
 
 /// A lane never waits for a second connection while its transaction holds one: lanes that each
-/// did, from a pool sized for them all, stalled a consumer at start with every lane idle in its
-/// transaction. A process starting with a name registered before (every start but the first)
-/// reads its id through the transaction.
+/// did (registering the consumer name inside the claim), from a pool sized for them all,
+/// stalled a consumer at start with every lane idle in its transaction. The bound store reads
+/// the name's id once, before its first transaction opens, and the claim takes no connection.
 #[tokio::test]
-async fn a_claim_of_a_known_consumer_takes_no_second_connection() {
+async fn a_claim_takes_no_second_connection() {
     let db = TestDb::new().await;
     db.inbox().consumer_id("wallet").await.unwrap();
     let pool = PgPoolOptions::new()
@@ -191,19 +193,24 @@ async fn a_claim_of_a_known_consumer_takes_no_second_connection() {
         .await
         .unwrap();
     let table = TableName::qualified(&db.schema, "inbox").unwrap();
-    let inbox = PgInbox::new(pool.clone()).with_table(table);
+    let inbox = PgInbox::new(pool.clone())
+        .with_table(table)
+        .bind(&ConsumerBinding::new("wallet"));
 
     let mut tx = inbox.begin().await.unwrap();
+    let before = pool.size();
     let id = MessageId::new("evt-1").unwrap();
-    assert!(inbox.claim(&mut tx, "wallet", &id).await.unwrap());
+    let claimed = inbox.claim(&mut tx, std::slice::from_ref(&id)).await;
+    assert_eq!(claimed.unwrap(), [true]);
     assert_eq!(
         pool.size(),
-        1,
+        before,
         "the claim opened another connection while its transaction held one"
     );
     tx.commit().await.unwrap();
     let mut tx = inbox.begin().await.unwrap();
-    assert!(!inbox.claim(&mut tx, "wallet", &id).await.unwrap());
+    let claimed = inbox.claim(&mut tx, std::slice::from_ref(&id)).await;
+    assert_eq!(claimed.unwrap(), [false]);
     tx.rollback().await.unwrap();
     pool.close().await;
     db.drop().await;

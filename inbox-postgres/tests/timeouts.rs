@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use inbox_conformance::wallet::{self, Credit, CreditEvent};
 use inbox_conformance::{database_url, TestDb};
-use inbox_core::{Consumer, InboxStore, MessageId};
+use inbox_core::{Consumer, ConsumerBinding, InboxStore, MessageId};
 use inbox_postgres::PgInbox;
 use inbox_testkit::eventually;
 use inbox_testkit::fast_retry;
@@ -94,20 +94,26 @@ async fn a_hung_handler_is_cut_off_by_the_handler_timeout_and_its_message_retrie
 #[tokio::test]
 async fn a_claim_behind_a_hung_peer_gives_up_after_the_lock_timeout() {
     let db = TestDb::new().await;
-    // A peer that claimed a-1 and b-1 and hangs with its transaction open. Its pool is fresh, so
-    // it has no idle connection when it registers the consumer name: the registration must
-    // still commit on its own, or every other process registering the name waits for the peer.
+    // A peer that claimed a-1 and b-1 and hangs with its transaction open. Its pool is fresh:
+    // it registers the consumer name before its transaction opens, so no other process
+    // registering the name waits for the peer.
     let peer_pool = PgPoolOptions::new()
         .max_connections(4)
         .connect(&database_url())
         .await
         .unwrap();
-    let peer_store = PgInbox::new(peer_pool).with_table(db.inbox().table().clone());
+    let peer_store = PgInbox::new(peer_pool)
+        .with_table(db.inbox().table().clone())
+        .bind(&ConsumerBinding::new("wallet"));
     let mut peer = peer_store.begin().await.unwrap();
-    for id in ["a-1", "b-1"] {
-        let id = MessageId::new(id).unwrap();
-        assert!(peer_store.claim(&mut peer, "wallet", &id).await.unwrap());
-    }
+    let ids = [
+        MessageId::new("a-1").unwrap(),
+        MessageId::new("b-1").unwrap(),
+    ];
+    assert_eq!(
+        peer_store.claim(&mut peer, &ids).await.unwrap(),
+        [true, true]
+    );
 
     // Without a lock timeout the claim of a-1 waits on the peer, and the batch with it.
     let broker = MemoryBroker::new();
@@ -258,19 +264,15 @@ async fn a_handler_waiting_on_a_row_lock_is_cut_off_by_the_handler_timeout() {
 async fn a_claim_waiting_on_a_peer_is_not_cut_off_by_the_handler_timeout() {
     const HELD: Duration = Duration::from_secs(4);
     let db = TestDb::new().await;
-    let peer_store = db.inbox();
+    let peer_store = db.inbox().bind(&ConsumerBinding::new("wallet"));
     let mut freed_by = peer_store.begin().await.unwrap();
     let freed = MessageId::new("freed").unwrap();
-    assert!(peer_store
-        .claim(&mut freed_by, "wallet", &freed)
-        .await
-        .unwrap());
+    let claimed = peer_store.claim(&mut freed_by, std::slice::from_ref(&freed));
+    assert_eq!(claimed.await.unwrap(), [true]);
     let mut taken_by = peer_store.begin().await.unwrap();
     let taken = MessageId::new("taken").unwrap();
-    assert!(peer_store
-        .claim(&mut taken_by, "wallet", &taken)
-        .await
-        .unwrap());
+    let claimed = peer_store.claim(&mut taken_by, std::slice::from_ref(&taken));
+    assert_eq!(claimed.await.unwrap(), [true]);
 
     let broker = MemoryBroker::new();
     wallet::publish_credit(&broker, "freed", 1, 1);

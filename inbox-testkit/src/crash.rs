@@ -49,8 +49,8 @@ use inbox_core::effect::{
     Acquired, Effect, EffectHandler, Landed, LeaseStore, OnUnknown, Release, Settled,
 };
 use inbox_core::{
-    Ack, BatchHandler, BatchItem, Capabilities, Delivery, Handler, HandlerError, InboxStore,
-    InvalidId, Message, MessageId, MessageSource, SourceError, Stage, StoreError,
+    Ack, BatchHandler, BatchItem, Capabilities, ConsumerBinding, Delivery, Handler, HandlerError,
+    InboxStore, InvalidId, Message, MessageId, MessageSource, SourceError, Stage, StoreError,
 };
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -237,30 +237,19 @@ impl<T> Crashing<T> {
 impl<S: InboxStore> InboxStore for Crashing<S> {
     type Tx = S::Tx;
 
+    fn bind(&self, binding: &ConsumerBinding) -> Self {
+        Self {
+            inner: self.inner.bind(binding),
+            crash: self.crash.clone(),
+        }
+    }
+
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
         self.inner.begin().await
     }
 
-    async fn claim(
-        &self,
-        tx: &mut Self::Tx,
-        consumer: &str,
-        id: &MessageId,
-    ) -> Result<bool, StoreError> {
-        let new = self.inner.claim(tx, consumer, id).await?;
-        if new {
-            self.crash.point(Stage::Claimed, [id]).await;
-        }
-        Ok(new)
-    }
-
-    async fn claim_many(
-        &self,
-        tx: &mut Self::Tx,
-        consumer: &str,
-        ids: &[MessageId],
-    ) -> Result<Vec<bool>, StoreError> {
-        let new = self.inner.claim_many(tx, consumer, ids).await?;
+    async fn claim(&self, tx: &mut Self::Tx, ids: &[MessageId]) -> Result<Vec<bool>, StoreError> {
+        let new = self.inner.claim(tx, ids).await?;
         let claimed = ids.iter().zip(&new).filter(|(_, new)| **new);
         self.crash
             .point(Stage::Claimed, claimed.map(|(id, _)| id))
@@ -270,10 +259,6 @@ impl<S: InboxStore> InboxStore for Crashing<S> {
 
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         self.inner.check_id(id)
-    }
-
-    fn set_handler_timeout(&mut self, timeout: Duration) {
-        self.inner.set_handler_timeout(timeout);
     }
 }
 

@@ -3,7 +3,9 @@ use std::sync::Arc;
 
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use inbox_core::{InboxStore, MessageId, StoreError, Transaction};
+use inbox_core::{
+    ConsumerBinding, InboxStore, MessageId, OperationError, Recovery, StoreError, Transaction,
+};
 
 /// An in-memory inbox store holding a user state `S` beside the claims.
 ///
@@ -12,6 +14,8 @@ use inbox_core::{InboxStore, MessageId, StoreError, Transaction};
 #[derive(Debug, Clone, Default)]
 pub struct MemoryStore<S> {
     committed: Arc<Mutex<Data<S>>>,
+    /// The consumer this copy claims for ([`InboxStore::bind`]).
+    consumer: Option<Arc<str>>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -44,6 +48,7 @@ impl<S: Clone + Default + Send + 'static> MemoryStore<S> {
     pub fn new() -> Self {
         Self {
             committed: Arc::new(Mutex::new(Data::default())),
+            consumer: None,
         }
     }
 
@@ -67,13 +72,29 @@ impl<S: Clone + Default + Send + Sync + 'static> InboxStore for MemoryStore<S> {
         Ok(MemoryTx { guard, work })
     }
 
+    fn bind(&self, binding: &ConsumerBinding) -> Self {
+        Self {
+            committed: Arc::clone(&self.committed),
+            consumer: Some(binding.consumer.as_str().into()),
+        }
+    }
+
     async fn claim(
         &self,
         tx: &mut MemoryTx<S>,
-        consumer: &str,
-        id: &MessageId,
-    ) -> Result<bool, StoreError> {
-        Ok(tx.work.claims.insert((consumer.to_owned(), id.clone())))
+        ids: &[MessageId],
+    ) -> Result<Vec<bool>, StoreError> {
+        let consumer = self.consumer.as_deref().ok_or_else(|| {
+            OperationError::new(
+                Recovery::Fatal,
+                "claiming message IDs",
+                "the store is not bound to a consumer (InboxStore::bind)",
+            )
+        })?;
+        Ok(ids
+            .iter()
+            .map(|id| tx.work.claims.insert((consumer.to_owned(), id.clone())))
+            .collect())
     }
 }
 

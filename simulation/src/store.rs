@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use inbox_core::{InboxStore, MessageId, Recovery, StoreError, Transaction};
+use inbox_core::{ConsumerBinding, InboxStore, MessageId, Recovery, StoreError, Transaction};
 use rand::RngExt;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -118,6 +118,11 @@ fn store_error(recovery: Recovery, what: &str) -> StoreError {
 impl InboxStore for SimStore {
     type Tx = SimTx;
 
+    /// One consumer name in the simulated world: the binding changes nothing.
+    fn bind(&self, _: &ConsumerBinding) -> Self {
+        self.clone()
+    }
+
     async fn begin(&self) -> Result<SimTx, StoreError> {
         let now = Instant::now();
         let mut w = world(&self.world);
@@ -146,12 +151,18 @@ impl InboxStore for SimStore {
         })
     }
 
-    async fn claim(
-        &self,
-        tx: &mut SimTx,
-        _consumer: &str,
-        id: &MessageId,
-    ) -> Result<bool, StoreError> {
+    /// One by one, as a store without a batch insert claims.
+    async fn claim(&self, tx: &mut SimTx, ids: &[MessageId]) -> Result<Vec<bool>, StoreError> {
+        let mut claimed = Vec::with_capacity(ids.len());
+        for id in ids {
+            claimed.push(self.claim_one(tx, id).await?);
+        }
+        Ok(claimed)
+    }
+}
+
+impl SimStore {
+    async fn claim_one(&self, tx: &mut SimTx, id: &MessageId) -> Result<bool, StoreError> {
         let id = id.to_string();
         {
             let mut w = world(&self.world);

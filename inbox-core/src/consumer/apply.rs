@@ -479,7 +479,7 @@ where
         };
         let mut tx = store.dyn_begin().await.map_err(TxFailure::Store)?;
         let started = Instant::now();
-        let claimed = store.dyn_claim_many(&mut tx, &self.common.name, &ids).await;
+        let claimed = store.dyn_claim(&mut tx, &ids).await;
         self.common.metrics.claim.record(seconds_since(started));
         let claimed = match claimed {
             Ok(claimed) => claimed,

@@ -19,8 +19,9 @@ use self::stop::Stop;
 use crate::effect::{EffectHandler, Effects, LeaseStore};
 use crate::telemetry::{self, ConsumerMetrics};
 use crate::{
-    Ack, BatchHandler, Capabilities, ConsumerState, Delivery, Error, Handler, Health, InboxStore,
-    Message, MessageId, MessageSource, PerMessage, Result, StageHook, Stats, StatsSnapshot,
+    Ack, BatchHandler, Capabilities, ConsumerBinding, ConsumerState, Delivery, Error, Handler,
+    Health, InboxStore, Message, MessageId, MessageSource, PerMessage, Result, StageHook, Stats,
+    StatsSnapshot,
 };
 
 /// How often a failing handler is tried before its message is dead-lettered, and how long to
@@ -299,6 +300,9 @@ pub(crate) trait Step: Send + Sync {
     /// honour.
     fn check(&self, capabilities: Capabilities) -> Result<()>;
 
+    /// Binds the step's store to the consumer, once, as the consumer starts.
+    fn bind(&mut self) {}
+
     /// Whether a failed message blocks its lane ([`Order::Strict`]).
     fn strict(&self) -> bool {
         false
@@ -348,6 +352,14 @@ where
             );
         }
         Ok(())
+    }
+
+    fn bind(&mut self) {
+        let binding = ConsumerBinding {
+            consumer: self.common.name.clone(),
+            handler_timeout: self.handler_timeout,
+        };
+        self.store = self.store.bind(&binding);
     }
 
     fn strict(&self) -> bool {
@@ -426,12 +438,10 @@ where
     /// its row locks, and the message is retried and dead-lettered like any failure. Without it
     /// (the default) a handler stuck on a call that never returns holds its transaction, its
     /// locks and the broker's ownership of its messages for ever. Set it above the slowest
-    /// legitimate batch. The store is told it ([`InboxStore::set_handler_timeout`]), so a
-    /// statement the handler left running (waiting on a lock) ends too and the rollback does
-    /// not wait for it.
+    /// legitimate batch. The store is told it ([`InboxStore::bind`]), so a statement the
+    /// handler left running (waiting on a lock) ends too and the rollback does not wait for it.
     pub fn handler_timeout(mut self, timeout: Duration) -> Self {
         self.step.handler_timeout = Some(timeout);
-        self.step.store.set_handler_timeout(timeout);
         self
     }
 
@@ -636,6 +646,7 @@ where
         let system = self.source.system();
         self.step.common_mut().system = system;
         self.check()?;
+        self.step.bind();
         let common = self.step.common_mut();
         common.metrics = ConsumerMetrics::register(&common.name);
         common.health.attach(&common.name);

@@ -7,7 +7,7 @@ use inbox_core::Transaction as _;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use inbox_conformance::TestDb;
-use inbox_core::{InboxStore, MessageId};
+use inbox_core::{ConsumerBinding, InboxStore, MessageId};
 use inbox_postgres::{KeyMode, PartitionRange, Partitions, PgInbox, TableName};
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::{NoContext, Timestamp, Uuid};
@@ -47,8 +47,9 @@ pub fn time(ms: i64) -> SystemTime {
 /// Claims `ids` for `consumer` in one committed transaction: which were new.
 pub async fn claim(inbox: &PgInbox, consumer: &str, ids: &[String]) -> Vec<bool> {
     let ids: Vec<MessageId> = ids.iter().map(|id| MessageId::new(id).unwrap()).collect();
+    let inbox = inbox.bind(&ConsumerBinding::new(consumer));
     let mut tx = inbox.begin().await.unwrap();
-    let claimed = inbox.claim_many(&mut tx, consumer, &ids).await.unwrap();
+    let claimed = inbox.claim(&mut tx, &ids).await.unwrap();
     tx.commit().await.unwrap();
     claimed
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use inbox_conformance::wallet::{BatchCredit, CreditEvent};
 use inbox_conformance::TestDb;
-use inbox_core::{BatchItem, BoxError, InboxStore, MessageId, OutgoingMessage};
+use inbox_core::{BatchItem, BoxError, ConsumerBinding, InboxStore, MessageId, OutgoingMessage};
 use inbox_postgres::PgInbox;
 use serde_json::json;
 use tokio::sync::oneshot;
@@ -457,7 +457,7 @@ async fn timed_run(
 /// batch handler's statement and the store's commit, on one connection.
 async fn database_alone(s: &BenchSettings, batch: usize, run: &str) -> Result<Row, BoxError> {
     let db = TestDb::new().await;
-    let inbox: PgInbox = db.inbox();
+    let inbox: PgInbox = db.inbox().bind(&ConsumerBinding::new("wallet"));
     let n = s.events as usize;
     let decoded: Vec<(MessageId, inbox_core::Message, CreditEvent)> = events(s, s.events)
         .into_iter()
@@ -477,7 +477,7 @@ async fn database_alone(s: &BenchSettings, batch: usize, run: &str) -> Result<Ro
     for (i, chunk) in decoded.chunks(batch).enumerate() {
         let ids: Vec<MessageId> = chunk.iter().map(|(id, _, _)| id.clone()).collect();
         let mut tx = inbox.begin().await?;
-        let claimed = inbox.claim_many(&mut tx, "wallet", &ids).await?;
+        let claimed = inbox.claim(&mut tx, &ids).await?;
         let items: Vec<BatchItem<'_, CreditEvent>> = chunk
             .iter()
             .zip(&claimed)

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use inbox_conformance::TestDb;
-use inbox_core::{BoxError, InboxStore, MessageId};
+use inbox_core::{BoxError, ConsumerBinding, InboxStore, MessageId};
 use inbox_postgres::{KeyMode, Partitions, PgInbox, Storage, TableName};
 use serde_json::json;
 use sqlx::AssertSqlSafe;
@@ -324,6 +324,7 @@ struct ClaimLoad {
 
 impl ClaimLoad {
     fn start(inbox: PgInbox, batch: usize) -> Self {
+        let inbox = inbox.bind(&ConsumerBinding::new("wallet"));
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
         let task = tokio::spawn(async move {
@@ -334,7 +335,7 @@ impl ClaimLoad {
                     .collect::<Result<_, _>>()?;
                 let began = Instant::now();
                 let mut tx = inbox.begin().await?;
-                let claimed = inbox.claim_many(&mut tx, "wallet", &ids).await?;
+                let claimed = inbox.claim(&mut tx, &ids).await?;
                 tx.commit().await?;
                 if claimed.iter().any(|new| !new) {
                     return Err("a fresh ID was found as a duplicate".into());
