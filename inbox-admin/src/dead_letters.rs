@@ -334,12 +334,12 @@ async fn open(from: &DeadLetterSource, replay: bool) -> Result<Opened, CliError>
         #[cfg(feature = "rabbitmq")]
         Broker::Rabbitmq => {
             let url = required(&from.amqp_url, "RabbitMQ broker", "amqp-url", "AMQP_URL")?;
-            let mut reader =
-                inbox_rabbitmq::RabbitDeadLetters::builder(&from.from).url(url.clone());
+            let broker = inbox_rabbitmq::RabbitConnection::new(url);
+            let mut reader = broker.dead_letters(&from.from);
             if let Some(field) = field {
                 reader = reader.id_header(field);
             }
-            let producer = inbox_rabbitmq::RabbitProducer::builder().url(url);
+            let producer = broker.producer();
             connect(reader.connect(), replay.then(|| producer.connect())).await
         }
         #[cfg(feature = "redis")]

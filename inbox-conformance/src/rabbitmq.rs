@@ -23,14 +23,19 @@ use crate::FaultProxy;
 use inbox_core::dead_letter::REASON;
 use inbox_core::DynPublish;
 use inbox_rabbitmq::lapin::BasicProperties;
-use inbox_rabbitmq::{RabbitProducer, RabbitSource, RabbitSourceBuilder};
+use inbox_rabbitmq::{RabbitConnection, RabbitProducer, RabbitSource, RabbitSourceBuilder};
 
 use crate::{DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// A config for a fresh, randomly named queue, `label` in its name and its connection's.
 pub fn fresh_config(label: &str) -> RabbitSourceBuilder {
-    RabbitSource::builder(crate::unique_name(&format!("inbox-test-{label}")))
-        .url(amqp_url())
+    fresh_config_on(&RabbitConnection::new(amqp_url()), label)
+}
+
+/// [`fresh_config`] on `connection` (the test broker with settings of a test's own).
+pub fn fresh_config_on(connection: &RabbitConnection, label: &str) -> RabbitSourceBuilder {
+    connection
+        .source(crate::unique_name(&format!("inbox-test-{label}")))
         .poll_timeout(Duration::from_millis(500))
         .connection_name(crate::unique_name(&format!("inbox-test {label}")))
 }
@@ -38,8 +43,9 @@ pub fn fresh_config(label: &str) -> RabbitSourceBuilder {
 /// A producer for the broker of `config`, once the queue of `config` and its DLQ are declared.
 pub async fn publisher(config: &RabbitSourceBuilder) -> RabbitProducer {
     config.declare_topology().await.expect("declare topology");
-    RabbitProducer::builder()
-        .url(config.broker_url())
+    config
+        .connection()
+        .producer()
         .connect()
         .await
         .expect("connect the producer")
@@ -100,8 +106,8 @@ impl TestBroker for RabbitMq {
     }
 
     async fn attach(&self, name: &str) -> Queue {
-        let mut config = RabbitSource::builder(name)
-            .url(amqp_url())
+        let mut config = RabbitConnection::new(amqp_url())
+            .source(name)
             .poll_timeout(Duration::from_millis(200));
         if !self.delivery_limit {
             config = config.no_delivery_limit();
@@ -171,11 +177,11 @@ impl TestQueue for Queue {
         let proxy = FaultProxy::start(broker_addr().await).await.expect("proxy");
         // A silent peer is declared dead after two heartbeats without a frame (4 s); a
         // reconnect that lands in the hole gives up after 5 s and tries again.
-        let config = RabbitSource::builder(self.config.queue())
-            .url(url_via(&amqp_url(), proxy.addr()))
-            .poll_timeout(Duration::from_millis(200))
+        let config = RabbitConnection::new(url_via(&amqp_url(), proxy.addr()))
             .heartbeat(Duration::from_secs(2))
             .operation_timeout(Duration::from_secs(5))
+            .source(self.config.queue())
+            .poll_timeout(Duration::from_millis(200))
             .connection_name(self.connection(member));
         let source = config.connect().await.expect("connect source");
         Some(Proxied {
@@ -240,8 +246,10 @@ impl TestQueue for Queue {
     }
 
     async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DynDeadLetters>> {
-        let reader = inbox_rabbitmq::RabbitDeadLetters::builder(self.config.dead_letter_queue())
-            .url(amqp_url())
+        let reader = self
+            .config
+            .connection()
+            .dead_letters(self.config.dead_letter_queue())
             .connect()
             .await
             .expect("the dead-letter reader connects");

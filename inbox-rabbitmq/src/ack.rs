@@ -193,7 +193,7 @@ impl fmt::Debug for Link {
 ///   with its original body, properties and headers plus the [`inbox_core::dead_letter`]
 ///   headers (`reason`, `original_source`: the queue, `original_position`: connection, channel
 ///   and tag), waits for the publisher confirm, at most
-///   [`RabbitSourceBuilder::operation_timeout`](crate::RabbitSourceBuilder::operation_timeout),
+///   [`RabbitConnection::operation_timeout`](crate::RabbitConnection::operation_timeout),
 ///   then acks. It publishes on a connection of its own, shared by the source's acks, so a
 ///   broker alarm, which blocks publishing connections, never holds up the acks of the
 ///   consuming one. When the publish fails the delivery is nacked as above, after
@@ -322,7 +322,7 @@ pub(crate) mod tests {
     use tokio::time::Instant;
 
     use super::*;
-    use crate::{RabbitProducer, RabbitSource};
+    use crate::RabbitSource;
     use inbox_core::MessageSource;
     use inbox_core::Publish;
 
@@ -404,11 +404,7 @@ pub(crate) mod tests {
             .prefetch(10)
             .poll_timeout(Duration::from_millis(500));
         config.declare_topology().await.unwrap();
-        let producer = RabbitProducer::builder()
-            .url(config.broker_url())
-            .connect()
-            .await
-            .unwrap();
+        let producer = config.connection().producer().connect().await.unwrap();
         for i in 0..n {
             let payload = format!("m{i}");
             producer

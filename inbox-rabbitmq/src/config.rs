@@ -7,7 +7,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::ExchangeKind;
 
 use crate::short_string::short_string;
-use crate::{Error, Result};
+use crate::{Error, RabbitConnection, Result};
 
 /// The smallest prefetch window when it follows the batch size.
 const MIN_PREFETCH: u16 = 20;
@@ -24,16 +24,17 @@ pub enum Topology {
     Expect,
 }
 
-/// Configures a [`RabbitSource`](crate::RabbitSource): how it connects, what it consumes and
-/// what topology it expects. Made by [`RabbitSource::builder`](crate::RabbitSource::builder),
-/// finished by [`connect`](Self::connect).
+/// Configures a [`RabbitSource`](crate::RabbitSource): what it consumes and what topology it
+/// expects, on the broker its [`RabbitConnection`] reaches. Made by
+/// [`RabbitConnection::source`] (or [`RabbitSource::builder`](crate::RabbitSource::builder), on
+/// the broker `AMQP_URL` names), finished by [`connect`](Self::connect).
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), inbox_rabbitmq::Error> {
 /// use std::time::Duration;
 /// use inbox_rabbitmq::RabbitSource;
 ///
-/// // The broker from `AMQP_URL` unless `.url(..)` names one (with neither, connect fails).
+/// // The broker `AMQP_URL` names (unset, connect fails); `RabbitConnection::new(url)` names one.
 /// let builder = RabbitSource::builder("payments")
 ///     .prefetch(50)
 ///     .id_header("event_id")
@@ -49,7 +50,7 @@ pub enum Topology {
 #[derive(Clone)]
 #[must_use = "a builder does nothing until `connect` is awaited"]
 pub struct RabbitSourceBuilder {
-    pub(crate) url: String,
+    pub(crate) connection: RabbitConnection,
     pub(crate) queue: String,
     /// `None`: follow the consumer's batch size.
     pub(crate) prefetch: Option<u16>,
@@ -58,10 +59,7 @@ pub struct RabbitSourceBuilder {
     pub(crate) topology: Topology,
     pub(crate) delivery_limit: Option<u32>,
     pub(crate) poll_timeout: Duration,
-    pub(crate) operation_timeout: Duration,
     pub(crate) connection_name: Option<String>,
-    pub(crate) heartbeat: Option<Duration>,
-    pub(crate) ca_certificates: Option<String>,
     pub(crate) bindings: Vec<Binding>,
     pub(crate) queue_arguments: FieldTable,
 }
@@ -77,7 +75,7 @@ pub(crate) struct Binding {
 impl std::fmt::Debug for RabbitSourceBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RabbitSourceBuilder")
-            .field("url", &inbox_core::redact_url(&self.url))
+            .field("connection", &self.connection)
             .field("queue", &self.queue)
             .field("prefetch", &self.prefetch)
             .field("consumer_tag", &self.consumer_tag)
@@ -85,13 +83,7 @@ impl std::fmt::Debug for RabbitSourceBuilder {
             .field("topology", &self.topology)
             .field("delivery_limit", &self.delivery_limit)
             .field("poll_timeout", &self.poll_timeout)
-            .field("operation_timeout", &self.operation_timeout)
             .field("connection_name", &self.connection_name)
-            .field("heartbeat", &self.heartbeat)
-            .field(
-                "ca_certificates",
-                &self.ca_certificates.as_ref().map(|_| "given"),
-            )
             .field("bindings", &self.bindings)
             .field("queue_arguments", &self.queue_arguments)
             .finish()
@@ -106,10 +98,10 @@ pub(crate) fn url_from_env() -> String {
 }
 
 impl RabbitSourceBuilder {
-    /// Consumes `queue` on the broker at `url`.
-    pub(crate) fn new(url: impl Into<String>, queue: impl Into<String>) -> Self {
+    /// Consumes `queue` on the broker `connection` reaches.
+    pub(crate) fn new(connection: RabbitConnection, queue: impl Into<String>) -> Self {
         Self {
-            url: url.into(),
+            connection,
             queue: queue.into(),
             prefetch: None,
             consumer_tag: String::new(),
@@ -117,20 +109,10 @@ impl RabbitSourceBuilder {
             topology: Topology::Declare,
             delivery_limit: Some(20),
             poll_timeout: Duration::from_secs(1),
-            operation_timeout: Duration::from_secs(10),
             connection_name: None,
-            heartbeat: None,
-            ca_certificates: None,
             bindings: Vec::new(),
             queue_arguments: FieldTable::default(),
         }
-    }
-
-    /// The broker to connect to (`amqp://user:pass@host:port/vhost`; `amqps://` needs the
-    /// `tls` or `native-tls` feature), instead of `AMQP_URL`.
-    pub fn url(mut self, url: impl Into<String>) -> Self {
-        self.url = url.into();
-        self
     }
 
     /// Unacked deliveries the broker sends ahead (`basic.qos`, per consumer). By default it
@@ -203,36 +185,12 @@ impl RabbitSourceBuilder {
         self
     }
 
-    /// How long connecting may take, and how long a dead-letter publish may wait for the
-    /// broker's confirm, connecting included (default 10 s).
-    ///
-    /// - Connecting (TCP, the AMQP handshake, the channel, the topology, `basic.consume`): past
-    ///   it the attempt fails with [`Error::ConnectTimeout`], a
-    ///   [`Recovery::Reconnect`](inbox_core::Recovery), and the consumer tries again after its
-    ///   backoff. Without it a broker that accepts the TCP connection but never answers (a hung
-    ///   node, a network that drops packets after the handshake started) stalls the consumer for
-    ///   good: no heartbeat runs before the handshake ends.
-    /// - Dead letters: past it the publish fails with [`Recovery::Retry`](inbox_core::Recovery)
-    ///   and the consumer hands the message back, instead of waiting out a broker memory or disk
-    ///   alarm, which holds every publish unconfirmed until it clears.
-    pub fn operation_timeout(mut self, wait: Duration) -> Self {
-        self.operation_timeout = wait;
-        self
-    }
-
     /// The client-provided connection name (`connection_name` client property) shown by the
     /// management UI and `rabbitmqctl list_connections client_properties`. Default:
     /// `inbox-rabbitmq <queue>`. Dead letters go out on a second connection, named
     /// `<name> dead letters`.
     pub fn connection_name(mut self, name: impl Into<String>) -> Self {
         self.connection_name = Some(name.into());
-        self
-    }
-
-    /// For `amqps://` (feature `tls`): trust the certificate authorities in `pem` (one or more
-    /// PEM certificates) instead of the system's roots: a private CA, a managed broker's own.
-    pub fn ca_certificates(mut self, pem: impl Into<String>) -> Self {
-        self.ca_certificates = Some(pem.into());
         self
     }
 
@@ -268,24 +226,14 @@ impl RabbitSourceBuilder {
         self
     }
 
-    /// The AMQP heartbeat interval to ask for (whole seconds, rounded up; default: the broker's,
-    /// 60 s on RabbitMQ). Client and broker each send a frame at least every half interval and
-    /// give the connection up after two intervals without one from the other side, so a
-    /// connection that went silent (a network partition, a black-holing firewall, a frozen
-    /// broker) is noticed after about twice this: the consumer then reconnects, and the broker
-    /// requeues the deliveries the dead connection held. With the default that takes about two
-    /// minutes; 5–20 s is a common choice. The lower of this and the broker's `heartbeat`
-    /// setting applies. It also applies to the dead-letter connection.
-    pub fn heartbeat(mut self, interval: Duration) -> Self {
-        self.heartbeat = Some(interval);
-        self
+    /// The broker address it connects to ([`RabbitConnection::url`]).
+    pub fn broker_url(&self) -> &str {
+        self.connection.url()
     }
 
-    /// The broker address it connects to: the one set with [`url`](Self::url), else
-    /// `AMQP_URL` (read by [`RabbitSource::builder`](crate::RabbitSource::builder)); empty when neither
-    /// names one.
-    pub fn broker_url(&self) -> &str {
-        &self.url
+    /// The connection it is built on.
+    pub fn connection(&self) -> &RabbitConnection {
+        &self.connection
     }
 
     /// The queue consumed.
@@ -304,14 +252,6 @@ impl RabbitSourceBuilder {
         self.connection_name
             .clone()
             .unwrap_or_else(|| format!("inbox-rabbitmq {}", self.queue))
-    }
-
-    /// The heartbeat to ask for, in the whole seconds AMQP uses.
-    pub(crate) fn heartbeat_secs(&self) -> Option<u16> {
-        self.heartbeat.map(|interval| {
-            let secs = interval.as_secs() + u64::from(interval.subsec_nanos() > 0);
-            u16::try_from(secs).unwrap_or(u16::MAX)
-        })
     }
 
     pub(crate) fn check(&self) -> Result<()> {
@@ -336,21 +276,7 @@ impl RabbitSourceBuilder {
                 "delivery_limit is 0; use at least 1, or no_delivery_limit()".into(),
             ));
         }
-        if self.operation_timeout.is_zero() {
-            return Err(Error::Config(
-                "operation_timeout is 0, which fails every connect and dead-letter publish; use at least 1 s"
-                    .into(),
-            ));
-        }
-        if let Some(interval) = self.heartbeat {
-            if interval.is_zero() || interval > Duration::from_secs(u64::from(u16::MAX)) {
-                return Err(Error::Config(format!(
-                    "heartbeat {interval:?} is out of range; use 1 s to {} s (AMQP counts it in \
-                     whole seconds; leave it unset for the broker's)",
-                    u16::MAX
-                )));
-            }
-        }
+        self.connection.check()?;
         self.id_from
             .check(&crate::source::ID_BINDING)
             .map_err(Error::Config)?;
@@ -369,30 +295,20 @@ mod tests {
 
     #[test]
     fn bad_settings_are_refused_with_the_fix() {
-        let ok = RabbitSourceBuilder::new("amqp://localhost", "q");
+        let ok = RabbitConnection::new("amqp://localhost").source("q");
         assert!(ok.check().is_ok());
         let e = ok.clone().prefetch(0).check().unwrap_err().to_string();
         assert!(e.contains("at least 1"), "{e}");
-        assert!(RabbitSourceBuilder::new("amqp://localhost", "")
+        assert!(RabbitConnection::new("amqp://localhost")
+            .source("")
             .check()
             .is_err());
         assert!(ok.clone().id_header("").check().is_err());
         assert!(ok.clone().delivery_limit(0).check().is_err());
-        assert!(ok
-            .clone()
-            .operation_timeout(Duration::ZERO)
-            .check()
-            .is_err());
-        let e = ok.clone().heartbeat(Duration::ZERO).check().unwrap_err();
-        assert!(e.to_string().contains("1 s to 65535 s"), "{e}");
-        assert!(ok
-            .clone()
-            .heartbeat(Duration::from_millis(1500))
-            .check()
-            .is_ok());
-        assert_eq!(
-            ok.heartbeat(Duration::from_millis(1500)).heartbeat_secs(),
-            Some(2)
+        let slow = RabbitConnection::new("amqp://localhost").operation_timeout(Duration::ZERO);
+        assert!(
+            slow.source("q").check().is_err(),
+            "the connection is checked too"
         );
     }
 }

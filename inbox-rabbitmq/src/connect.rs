@@ -25,7 +25,7 @@ pub(crate) async fn open(
     // one it would panic deep inside, so say what is wrong instead.
     if url.trim().is_empty() {
         return Err(Error::Config(
-            "no RabbitMQ broker: set AMQP_URL or call `.url(..)`".into(),
+            "no RabbitMQ broker: set AMQP_URL or name one with RabbitConnection::new(url)".into(),
         ));
     }
     if tokio::runtime::Handle::try_current().is_err() {
@@ -84,7 +84,7 @@ mod tests {
     #[test]
     fn config_debug_output_hides_the_password() {
         let config =
-            crate::RabbitSource::builder("payments").url("amqp://app:hunter2@broker:5672/%2f");
+            crate::RabbitConnection::new("amqp://app:hunter2@broker:5672/%2f").source("payments");
         let shown = format!("{config:?}");
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("amqp://app:***@broker:5672/%2f"), "{shown}");

@@ -13,7 +13,7 @@ use tokio::sync::Mutex;
 use crate::producer::publish_confirmed;
 use crate::redelivery::{DelayQueues, DelayedCopy};
 use crate::short_string::short_string;
-use crate::{connect, Error, RabbitSourceBuilder, Result};
+use crate::{Error, RabbitConnection, RabbitSourceBuilder, Result};
 
 /// The dead-letter publisher of one [`RabbitSource`](crate::RabbitSource), shared by all its
 /// acks.
@@ -22,11 +22,9 @@ use crate::{connect, Error, RabbitSourceBuilder, Result};
 /// memory or disk alarm: on the consuming connection the acks would stop too. Opened at the
 /// first dead letter and reopened when lost.
 pub(crate) struct DeadLetters {
-    url: String,
-    ca_certificates: Option<String>,
+    connection: RabbitConnection,
     name: String,
     timeout: Duration,
-    heartbeat: Option<u16>,
     /// The queue consumed, and its dead-letter queue.
     queue: String,
     dead_letter_queue: String,
@@ -48,11 +46,9 @@ impl fmt::Debug for DeadLetters {
 impl DeadLetters {
     pub(crate) fn new(config: &RabbitSourceBuilder) -> Self {
         Self {
-            url: config.url.clone(),
-            ca_certificates: config.ca_certificates.clone(),
+            connection: config.connection.clone(),
             name: format!("{} dead letters", config.effective_connection_name()),
-            timeout: config.operation_timeout,
-            heartbeat: config.heartbeat_secs(),
+            timeout: config.connection.operation_timeout,
             queue: config.queue.clone(),
             dead_letter_queue: config.dead_letter_queue(),
             open: Mutex::new(None),
@@ -196,13 +192,7 @@ impl DeadLetters {
         }
         // Dropping the last handle closes a lost connection in the background.
         *open = None;
-        let connection = connect::open(
-            &self.url,
-            self.ca_certificates.as_deref(),
-            &self.name,
-            self.heartbeat,
-        )
-        .await?;
+        let connection = self.connection.open(&self.name).await?;
         let channel = connection
             .create_channel()
             .await

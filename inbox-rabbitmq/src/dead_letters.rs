@@ -1,18 +1,15 @@
 //! A dead-letter queue read back for [`inbox_core::replay`]: `basic.get` without auto-ack, a
 //! `basic.ack` once replayed, the rest returned to the queue when the reading ends.
 
-use std::time::Duration;
-
 use inbox_core::replay::{DeadLetter, DeadLetters};
 use inbox_core::OperationError;
 use lapin::options::{BasicAckOptions, BasicGetOptions};
 use lapin::{Channel, Connection};
 
-use crate::config::url_from_env;
 use crate::short_string::short_string;
 use crate::source::Amqp;
 use crate::source::{sent_at, value_bytes};
-use crate::{connect, Error, IdFrom, Result};
+use crate::{connect, Error, IdFrom, RabbitConnection, Result};
 
 /// The messages of a RabbitMQ dead-letter queue (`<queue>.dlq`), as [`inbox_core::replay`]
 /// reads them: each keeps its body, properties and headers and carries the
@@ -56,39 +53,36 @@ impl std::fmt::Debug for RabbitDeadLetters {
 #[must_use = "a builder does nothing until `connect` is awaited"]
 pub struct RabbitDeadLettersBuilder {
     queue: String,
-    url: String,
+    connection: RabbitConnection,
     id_from: IdFrom,
-    operation_timeout: Duration,
 }
 
 impl std::fmt::Debug for RabbitDeadLettersBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RabbitDeadLettersBuilder")
             .field("queue", &self.queue)
-            .field("url", &inbox_core::redact_url(&self.url))
+            .field("connection", &self.connection)
             .field("id_from", &self.id_from)
             .finish_non_exhaustive()
     }
 }
 
 impl RabbitDeadLetters {
-    /// Reads the dead-letter queue `queue` (like `payments.dlq`), on the broker at `AMQP_URL`
-    /// unless [`url`](RabbitDeadLettersBuilder::url) names one.
+    /// Reads the dead-letter queue `queue` (like `payments.dlq`), on the broker `AMQP_URL`
+    /// names (another broker: [`RabbitConnection::dead_letters`]).
     pub fn builder(queue: impl Into<String>) -> RabbitDeadLettersBuilder {
-        RabbitDeadLettersBuilder {
-            queue: queue.into(),
-            url: url_from_env(),
-            id_from: IdFrom::MessageIdProperty,
-            operation_timeout: Duration::from_secs(10),
-        }
+        RabbitConnection::from_env().dead_letters(queue)
     }
 }
 
 impl RabbitDeadLettersBuilder {
-    /// The broker's URL, instead of `AMQP_URL`.
-    pub fn url(mut self, url: impl Into<String>) -> Self {
-        self.url = url.into();
-        self
+    /// Reads `queue` on the broker `connection` reaches.
+    pub(crate) fn new(connection: RabbitConnection, queue: impl Into<String>) -> Self {
+        Self {
+            queue: queue.into(),
+            connection,
+            id_from: IdFrom::MessageIdProperty,
+        }
     }
 
     /// Reads the ID from this header instead of the `message_id` property, as the source does
@@ -105,23 +99,16 @@ impl RabbitDeadLettersBuilder {
         self
     }
 
-    /// How long connecting may take (default 10 s).
-    pub fn operation_timeout(mut self, wait: Duration) -> Self {
-        self.operation_timeout = wait;
-        self
-    }
-
     /// Connects and opens the reading channel.
     pub async fn connect(self) -> Result<RabbitDeadLetters> {
         let name = format!("inbox dead letters of {}", self.queue);
-        let open = connect::open(&self.url, None, &name, None);
-        let connection = tokio::time::timeout(self.operation_timeout, open)
+        self.connection.check()?;
+        let waited = self.connection.operation_timeout;
+        let connection = tokio::time::timeout(waited, self.connection.open(&name))
             .await
-            .map_err(|_| {
-                Error::Config(format!(
-                    "connecting to RabbitMQ took longer than {:?}",
-                    self.operation_timeout
-                ))
+            .map_err(|_| Error::ConnectTimeout {
+                url: connect::redact(&self.connection.url),
+                waited,
             })??;
         let channel = connection
             .create_channel()

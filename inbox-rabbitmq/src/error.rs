@@ -34,7 +34,7 @@ pub enum Error {
         routing_key: String,
     },
     /// The broker did not confirm a dead-letter publish within
-    /// [`operation_timeout`](crate::RabbitSourceBuilder::operation_timeout), most often
+    /// [`operation_timeout`](crate::RabbitConnection::operation_timeout), most often
     /// because a memory or disk alarm blocks publishers. The message is handed back and
     /// dead-lettered again later; the unconfirmed copy may still arrive, so the dead-letter
     /// queue can hold it twice.
@@ -46,7 +46,7 @@ pub enum Error {
         waited: std::time::Duration,
     },
     /// Connecting (TCP, the AMQP handshake, the channel, the topology, `basic.consume`) took
-    /// longer than [`operation_timeout`](crate::RabbitSourceBuilder::operation_timeout):
+    /// longer than [`operation_timeout`](crate::RabbitConnection::operation_timeout):
     /// the broker accepted the connection and then did not answer (a hung node, a network
     /// dropping packets). The consumer tries again after its backoff.
     #[error("RabbitMQ at {url} did not complete the connection (handshake, channel, topology, consume) within {waited:?}; the broker hangs or the network drops packets; reconnecting")]

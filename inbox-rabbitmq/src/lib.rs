@@ -33,7 +33,7 @@
 //!
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! // The broker from AMQP_URL unless `.url(..)` names one (with neither, connect fails).
+//! // The broker AMQP_URL names (unset, connect fails); `RabbitConnection::new(url)` names one.
 //! let source = RabbitSource::builder("wallet-credits")
 //!     .prefetch(50)
 //!     .connect() // declares the queues
@@ -86,7 +86,7 @@
 //!   [`Ack::dead_letter`](inbox_core::Ack::dead_letter)). It publishes on a second connection
 //!   (`<connection name> dead letters`, shared by the source's acks): during a memory or disk
 //!   alarm RabbitMQ blocks every connection that publishes, and the consuming one must keep
-//!   acking. A publish not confirmed within [`RabbitSourceBuilder::operation_timeout`] (default
+//!   acking. A publish not confirmed within [`RabbitConnection::operation_timeout`] (default
 //!   10 s) fails with [`Error::ConfirmTimeout`], a [`Recovery::Retry`](inbox_core::Recovery): the
 //!   message is requeued after [`RETRY_AFTER`](inbox_core::dead_letter::RETRY_AFTER) and
 //!   dead-lettered on a later delivery (the late copy may land too, so the dead-letter queue
@@ -115,12 +115,12 @@
 //!   consumes again.
 //! - **A connection that goes silent** (a partition, a black-holing firewall, a frozen broker)
 //!   is noticed by the AMQP heartbeat after about two intervals: set
-//!   [`RabbitSourceBuilder::heartbeat`] (the broker's default is 60 s, so about two minutes).
+//!   [`RabbitConnection::heartbeat`] (the broker's default is 60 s, so about two minutes).
 //!   Until
 //!   then acks are written into the dead socket and report success, though the broker never
 //!   sees them: those messages are redelivered once the broker drops the connection, and the
 //!   inbox skips them. A reconnect that reaches a broker that never answers gives up after
-//!   [`RabbitSourceBuilder::operation_timeout`] ([`Error::ConnectTimeout`]) and is tried again.
+//!   [`RabbitConnection::operation_timeout`] ([`Error::ConnectTimeout`]) and is tried again.
 //!   The conformance suite's network-fault scenarios and `tests/broker_restart.rs` black-hole,
 //!   cut, refuse and restart the broker mid-stream and check that every event is applied once.
 //! - **Nack** (the core hands a message back after a store error) is a delayed requeue: a
@@ -157,14 +157,15 @@
 //! (rustls on ring, trusting the system's root certificates: lapin's `rustls-native-certs`),
 //! the same name as on every crate of this workspace, or its `native-tls` feature (lapin's
 //! feature of that name). A broker whose certificate comes from a CA of its own (a private one,
-//! a managed broker's) is trusted with `ca_certificates(pem)` on the source's and the producer's
-//! builders. A certificate from another CA or for another host name is refused at connect with
+//! a managed broker's) is trusted with [`RabbitConnection::ca_certificates`], which reaches the
+//! source, the producer and the dead-letter reader built from that connection. A certificate from another CA or for another host name is refused at connect with
 //! an error that says so (`invalid peer certificate: UnknownIssuer`, `certificate not valid for
 //! name …`); `tests/tls.rs` shows each on a TLS-only node of its own.
 
 mod ack;
 mod config;
 mod connect;
+mod connection;
 mod dead_letter;
 mod dead_letters;
 mod error;
@@ -177,6 +178,7 @@ pub mod unsettled;
 
 pub use ack::RabbitAck;
 pub use config::{RabbitSourceBuilder, Topology};
+pub use connection::RabbitConnection;
 pub use dead_letters::{RabbitDeadLetters, RabbitDeadLettersBuilder};
 pub use error::{Error, Result};
 pub use inbox_core::{CloudEventsIdentity, IdFrom};

@@ -10,9 +10,8 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
 use tokio::sync::Mutex;
 
-use crate::config::url_from_env;
 use crate::short_string::short_string;
-use crate::{connect, Error, Result};
+use crate::{Error, RabbitConnection, Result};
 
 /// AMQP `delivery_mode` 2: the broker writes the message to disk.
 const PERSISTENT: u8 = 2;
@@ -110,8 +109,7 @@ fn properties(message: &OutgoingMessage) -> Result<BasicProperties> {
 #[derive(Clone)]
 #[must_use = "a builder does nothing until `connect` is awaited"]
 pub struct RabbitProducerBuilder {
-    url: String,
-    ca_certificates: Option<String>,
+    connection: RabbitConnection,
     connection_name: String,
     exchange: String,
 }
@@ -119,11 +117,7 @@ pub struct RabbitProducerBuilder {
 impl fmt::Debug for RabbitProducerBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RabbitProducerBuilder")
-            .field("url", &connect::redact(&self.url))
-            .field(
-                "ca_certificates",
-                &self.ca_certificates.as_ref().map(|_| "given"),
-            )
+            .field("connection", &self.connection)
             .field("connection_name", &self.connection_name)
             .field("exchange", &self.exchange)
             .finish()
@@ -131,17 +125,13 @@ impl fmt::Debug for RabbitProducerBuilder {
 }
 
 impl RabbitProducerBuilder {
-    /// The broker to connect to (`amqp://user:pass@host:port/vhost`), instead of `AMQP_URL`.
-    pub fn url(mut self, url: impl Into<String>) -> Self {
-        self.url = url.into();
-        self
-    }
-
-    /// For `amqps://` (feature `tls`): trust the certificate authorities in `pem` instead of the
-    /// system's roots, as [`RabbitSourceBuilder::ca_certificates`](crate::RabbitSourceBuilder::ca_certificates).
-    pub fn ca_certificates(mut self, pem: impl Into<String>) -> Self {
-        self.ca_certificates = Some(pem.into());
-        self
+    /// A producer on the broker `connection` reaches.
+    pub(crate) fn new(connection: RabbitConnection) -> Self {
+        Self {
+            connection,
+            exchange: String::new(),
+            connection_name: "inbox-rabbitmq producer".to_owned(),
+        }
     }
 
     /// Publishes to `exchange` instead of straight to queues (the default exchange, `""`): a
@@ -166,8 +156,7 @@ impl RabbitProducerBuilder {
     /// or refuses the login.
     pub async fn connect(self) -> Result<RabbitProducer> {
         let producer = RabbitProducer {
-            url: self.url,
-            ca_certificates: self.ca_certificates,
+            connection: self.connection,
             name: self.connection_name,
             exchange: self.exchange,
             state: Mutex::new(None),
@@ -194,15 +183,14 @@ impl RabbitProducerBuilder {
 /// use inbox_core::Publish;
 /// use inbox_rabbitmq::RabbitProducer;
 ///
-/// let producer = RabbitProducer::builder().connect().await?; // AMQP_URL, else the default
+/// let producer = RabbitProducer::builder().connect().await?; // the broker AMQP_URL names
 /// let id = producer.send("payments", b"100").await?; // a UUIDv7 message_id, confirmed
 /// producer.send_with_id("payments", &id, b"100").await?; // sent twice: applied once
 /// # Ok(())
 /// # }
 /// ```
 pub struct RabbitProducer {
-    url: String,
-    ca_certificates: Option<String>,
+    connection: RabbitConnection,
     name: String,
     /// `""`: the default exchange, a destination is a queue.
     exchange: String,
@@ -212,7 +200,7 @@ pub struct RabbitProducer {
 impl fmt::Debug for RabbitProducer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RabbitProducer")
-            .field("url", &connect::redact(&self.url))
+            .field("connection", &self.connection)
             .field("connection_name", &self.name)
             .field("exchange", &self.exchange)
             .finish_non_exhaustive()
@@ -220,16 +208,10 @@ impl fmt::Debug for RabbitProducer {
 }
 
 impl RabbitProducer {
-    /// Starts configuring a producer on the broker named by `AMQP_URL` unless
-    /// [`url`](RabbitProducerBuilder::url) names one; finish with
-    /// [`connect`](RabbitProducerBuilder::connect).
+    /// Starts configuring a producer on the broker `AMQP_URL` names (another broker:
+    /// [`RabbitConnection::producer`]); finish with [`connect`](RabbitProducerBuilder::connect).
     pub fn builder() -> RabbitProducerBuilder {
-        RabbitProducerBuilder {
-            url: url_from_env(),
-            ca_certificates: None,
-            exchange: String::new(),
-            connection_name: "inbox-rabbitmq producer".to_owned(),
-        }
+        RabbitConnection::from_env().producer()
     }
 
     /// Publishes `payload` to `queue` (with [`exchange`](RabbitProducerBuilder::exchange): under
@@ -259,8 +241,7 @@ impl RabbitProducer {
                 return Ok(channel.clone());
             }
         }
-        let connection =
-            connect::open(&self.url, self.ca_certificates.as_deref(), &self.name, None).await?;
+        let connection = self.connection.open(&self.name).await?;
         let channel = connection
             .create_channel()
             .await

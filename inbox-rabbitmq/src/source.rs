@@ -10,11 +10,10 @@ use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
 
 use crate::ack::{Link, RabbitAck};
-use crate::config::url_from_env;
 use crate::dead_letter::DeadLetters;
 use crate::redelivery::{Counts, DELIVERY_COUNT_HEADER};
 use crate::short_string::short_string;
-use crate::{connect, topology, Error, RabbitSourceBuilder, Result, Topology};
+use crate::{connect, topology, Error, RabbitConnection, RabbitSourceBuilder, Result, Topology};
 
 /// A RabbitMQ queue as an inbox [`MessageSource`]. See the crate docs for the topology and the
 /// ack semantics.
@@ -61,11 +60,11 @@ impl RabbitSourceBuilder {
 }
 
 impl RabbitSource {
-    /// Starts configuring a source that consumes `queue`, on the broker named by `AMQP_URL` unless
-    /// [`url`](RabbitSourceBuilder::url) names one; finish with
+    /// Starts configuring a source that consumes `queue`, on the broker `AMQP_URL` names
+    /// (another broker, or a CA of its own: [`RabbitConnection::source`]); finish with
     /// [`connect`](RabbitSourceBuilder::connect).
     pub fn builder(queue: impl Into<String>) -> RabbitSourceBuilder {
-        RabbitSourceBuilder::new(url_from_env(), queue)
+        RabbitConnection::from_env().source(queue)
     }
 
     /// The settings it was built with (the broker, the queue, the connection name, ...).
@@ -83,7 +82,7 @@ impl RabbitSource {
     pub async fn close(mut self) {
         // Bounded: `connection.close` waits for the broker's `close-ok`, which a dead connection
         // never sends.
-        let waited = self.config.operation_timeout;
+        let waited = self.config.connection.operation_timeout;
         if let Some(live) = self.live.take() {
             let closing = live.link.connection.close(200, "consumer closed".into());
             let _ = tokio::time::timeout(waited, closing).await;
@@ -91,16 +90,16 @@ impl RabbitSource {
         let _ = tokio::time::timeout(waited, self.dead_letters.close()).await;
     }
 
-    /// Connects and starts consuming, within [`RabbitSourceBuilder::operation_timeout`]: a broker
+    /// Connects and starts consuming, within [`RabbitConnection::operation_timeout`]: a broker
     /// that accepts the TCP connection and then says nothing would otherwise hold this forever.
     async fn open(&mut self) -> Result<()> {
         self.live = None;
         self.generation += 1;
-        let waited = self.config.operation_timeout;
+        let waited = self.config.connection.operation_timeout;
         let live = tokio::time::timeout(waited, Self::start(&self.config, self.generation))
             .await
             .map_err(|_elapsed| Error::ConnectTimeout {
-                url: connect::redact(&self.config.url),
+                url: connect::redact(&self.config.connection.url),
                 waited,
             })??;
         self.live = Some(live);
@@ -108,13 +107,10 @@ impl RabbitSource {
     }
 
     async fn start(config: &RabbitSourceBuilder, generation: u64) -> Result<Live> {
-        let connection = connect::open(
-            &config.url,
-            config.ca_certificates.as_deref(),
-            &config.effective_connection_name(),
-            config.heartbeat_secs(),
-        )
-        .await?;
+        let connection = config
+            .connection
+            .open(&config.effective_connection_name())
+            .await?;
         let channel = connection
             .create_channel()
             .await

@@ -188,13 +188,10 @@ fn is_not_found(e: &lapin::Error) -> bool {
 /// producers that start before any consumer.
 async fn declare_once(config: &RabbitSourceBuilder) -> Result<()> {
     config.check()?;
-    let connection = crate::connect::open(
-        &config.url,
-        config.ca_certificates.as_deref(),
-        &config.effective_connection_name(),
-        config.heartbeat_secs(),
-    )
-    .await?;
+    let connection = config
+        .connection
+        .open(&config.effective_connection_name())
+        .await?;
     let channel = connection
         .create_channel()
         .await
@@ -208,14 +205,14 @@ async fn declare_once(config: &RabbitSourceBuilder) -> Result<()> {
 impl RabbitSourceBuilder {
     /// Declares the queue and its dead-letter queue now, on a short-lived connection, whatever
     /// [`topology`](Self::topology) says: for setup tools, and for producers that start before
-    /// any consumer. Idempotent. Bounded by [`operation_timeout`](Self::operation_timeout), like
+    /// any consumer. Idempotent. Bounded by [`RabbitConnection::operation_timeout`](crate::RabbitConnection::operation_timeout), like
     /// the source's connect.
     pub async fn declare_topology(&self) -> Result<()> {
-        let waited = self.operation_timeout;
+        let waited = self.connection.operation_timeout;
         tokio::time::timeout(waited, declare_once(self))
             .await
             .map_err(|_elapsed| Error::ConnectTimeout {
-                url: crate::connect::redact(&self.url),
+                url: crate::connect::redact(&self.connection.url),
                 waited,
             })?
     }

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::{Ack, MessageSource, Publish, Recovery};
+use inbox_rabbitmq::RabbitConnection;
 
 fn rabbitmqctl(args: &[&str]) -> String {
     let output = Command::new("rabbitmqctl")
@@ -70,7 +71,8 @@ fn connection_state(name: &str) -> String {
 
 #[tokio::test]
 async fn a_dead_letter_during_a_memory_alarm_times_out_and_acks_keep_flowing() {
-    let config = fresh_config("alarm").operation_timeout(Duration::from_secs(2));
+    let connection = RabbitConnection::new(amqp_url()).operation_timeout(Duration::from_secs(2));
+    let config = fresh_config_on(&connection, "alarm");
     let publisher = publisher(&config).await;
     publisher.send(config.queue(), b"to park").await.unwrap();
     publisher.send(config.queue(), b"to ack").await.unwrap();

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::{Ack, MessageId, MessageSource, OutgoingMessage, Publish};
-use inbox_rabbitmq::{RabbitAck, RabbitProducer, RabbitSource, Topology};
+use inbox_rabbitmq::{RabbitAck, RabbitConnection, RabbitProducer, RabbitSource, Topology};
 
 /// Set in the child process only: the queue it connects to.
 const CHILD_QUEUE: &str = "INBOX_RABBITMQ_TEST_CHILD_QUEUE";
@@ -145,8 +145,8 @@ async fn one_producer_sends_to_two_queues() {
     let second = fresh_config("dest-b");
     first.declare_topology().await.unwrap();
     second.declare_topology().await.unwrap();
-    let producer = RabbitProducer::builder()
-        .url(amqp_url())
+    let producer = RabbitConnection::new(amqp_url())
+        .producer()
         .connect()
         .await
         .unwrap();

@@ -14,11 +14,11 @@ use inbox_core::{Consumer, MessageId, OutgoingMessage, Publish};
 use inbox_rabbitmq::lapin::options::{ExchangeDeleteOptions, QueueDeclareOptions};
 use inbox_rabbitmq::lapin::types::{AMQPValue, FieldTable};
 use inbox_rabbitmq::lapin::ExchangeKind;
-use inbox_rabbitmq::{RabbitProducer, RabbitSourceBuilder};
+use inbox_rabbitmq::{RabbitConnection, RabbitProducer, RabbitSourceBuilder};
 
 async fn producer_to(exchange: &str) -> RabbitProducer {
-    RabbitProducer::builder()
-        .url(amqp_url())
+    RabbitConnection::new(amqp_url())
+        .producer()
         .exchange(exchange)
         .connect()
         .await

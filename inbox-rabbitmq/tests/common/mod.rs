@@ -4,7 +4,7 @@
 
 pub use inbox_conformance::rabbitmq::{
     admin_channel, amqp_url, cleanup, close_connection, close_pids, connection_pids, drain,
-    fresh_config, left_on, passive_declare, publisher, Parked,
+    fresh_config, fresh_config_on, left_on, passive_declare, publisher, Parked,
 };
 use inbox_conformance::wallet::CreditEvent;
 
