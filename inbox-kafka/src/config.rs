@@ -77,7 +77,7 @@ impl fmt::Debug for KafkaSourceBuilder {
 }
 
 /// librdkafka properties with the values of secret ones hidden.
-struct Redacted<'a>(&'a BTreeMap<String, String>);
+pub(crate) struct Redacted<'a>(pub(crate) &'a BTreeMap<String, String>);
 
 impl fmt::Debug for Redacted<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -44,7 +44,8 @@ fn token(refresh: Option<&TokenRefresh>) -> Result<OAuthToken, Box<dyn std::erro
     }
 }
 
-/// The context of producers and admin clients: logging, connection failures, tokens.
+/// The context of producers, admin clients and the dead-letter reader: logging, connection
+/// failures, tokens.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct ProducerContext {
     pub(crate) failures: Failures,
@@ -69,6 +70,9 @@ impl ClientContext for ProducerContext {
         token(self.token.as_ref())
     }
 }
+
+/// The dead-letter reader assigns its partitions itself: no rebalance to hook.
+impl ConsumerContext for ProducerContext {}
 
 /// The consumer's context: logging, the offset tracker and commit counters, and the rebalance
 /// hook that commits what was acked of the revoked partitions and forgets the rest.

@@ -12,7 +12,13 @@ use rdkafka::message::{Headers, Message as _};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 use crate::config::brokers_from_env;
-use crate::{Error, Result};
+use crate::context::ProducerContext;
+use crate::failure::Failures;
+use crate::token::DynTokenProvider;
+use crate::{Error, Result, TokenProvider};
+
+/// The reader's client: its context logs, notes connection failures and hands out tokens.
+type Reader = BaseConsumer<ProducerContext>;
 
 /// The consumer group whose committed offsets mark a dead-letter topic's records as replayed.
 pub const DEFAULT_REPLAY_GROUP: &str = "inbox-admin-replay";
@@ -33,7 +39,7 @@ pub const DEFAULT_REPLAY_GROUP: &str = "inbox-admin-replay";
 pub struct KafkaDeadLetters {
     topic: String,
     id_header: String,
-    consumer: Arc<BaseConsumer>,
+    consumer: Arc<Reader>,
     timeout: Duration,
     partitions: BTreeMap<i32, Partition>,
 }
@@ -60,7 +66,7 @@ impl std::fmt::Debug for KafkaDeadLetters {
 }
 
 /// Builds a [`KafkaDeadLetters`]; start with [`KafkaDeadLetters::builder`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 #[must_use = "a builder does nothing until `connect` is awaited"]
 pub struct KafkaDeadLettersBuilder {
     topic: String,
@@ -69,6 +75,21 @@ pub struct KafkaDeadLettersBuilder {
     id_header: String,
     timeout: Duration,
     properties: BTreeMap<String, String>,
+    token_provider: Option<Arc<dyn DynTokenProvider>>,
+}
+
+impl std::fmt::Debug for KafkaDeadLettersBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaDeadLettersBuilder")
+            .field("topic", &self.topic)
+            .field("brokers", &self.brokers)
+            .field("group", &self.group)
+            .field("id_header", &self.id_header)
+            .field("timeout", &self.timeout)
+            .field("properties", &crate::config::Redacted(&self.properties))
+            .field("token_provider", &self.token_provider.is_some())
+            .finish()
+    }
 }
 
 impl KafkaDeadLetters {
@@ -81,6 +102,7 @@ impl KafkaDeadLetters {
             id_header: "event_id".to_owned(),
             timeout: Duration::from_secs(10),
             properties: BTreeMap::new(),
+            token_provider: None,
         }
     }
 }
@@ -117,6 +139,15 @@ impl KafkaDeadLettersBuilder {
         self
     }
 
+    /// Logs in with SASL OAUTHBEARER tokens from `provider`, as the source and the producer do
+    /// ([`KafkaSourceBuilder::token_provider`](crate::KafkaSourceBuilder::token_provider)): a
+    /// cluster that takes IAM tokens only (MSK, Event Hubs, Confluent Cloud) is read with the
+    /// provider its consumers use.
+    pub fn token_provider(mut self, provider: impl TokenProvider) -> Self {
+        self.token_provider = Some(Arc::new(provider));
+        self
+    }
+
     /// Connects, and finds where each partition's reading starts and ends.
     pub async fn connect(self) -> Result<KafkaDeadLetters> {
         let brokers = match self.brokers {
@@ -133,8 +164,14 @@ impl KafkaDeadLettersBuilder {
         for (key, value) in &self.properties {
             config.set(key, value);
         }
-        let consumer: BaseConsumer = config
-            .create()
+        if self.token_provider.is_some() {
+            crate::token::require_oauthbearer(&mut config)?;
+        }
+        let failures = Failures::default();
+        let token =
+            crate::token::refresh_for(self.token_provider.as_ref(), self.timeout, &failures)?;
+        let consumer: Reader = config
+            .create_with_context(ProducerContext { failures, token })
             .map_err(|e| Error::kafka("creating the dead-letter reader", e))?;
         let consumer = Arc::new(consumer);
         let (topic, timeout) = (self.topic.clone(), self.timeout);
@@ -161,11 +198,7 @@ impl KafkaDeadLettersBuilder {
 
 /// Each partition of `topic` with the group's committed offset (else the low watermark) and
 /// the high watermark.
-fn starts(
-    consumer: &BaseConsumer,
-    topic: &str,
-    timeout: Duration,
-) -> Result<BTreeMap<i32, Partition>> {
+fn starts(consumer: &Reader, topic: &str, timeout: Duration) -> Result<BTreeMap<i32, Partition>> {
     let metadata = consumer
         .fetch_metadata(Some(topic), timeout)
         .map_err(|e| Error::kafka(format!("reading the metadata of `{topic}`"), e))?;
@@ -344,5 +377,18 @@ impl DeadLetters for KafkaDeadLetters {
                 .into_source()
             })?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_builders_debug_output_hides_secret_properties() {
+        let builder = KafkaDeadLetters::builder("payments.dlq").set("sasl.password", "hunter2");
+        let shown = format!("{builder:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains(r#""sasl.password": "***""#), "{shown}");
     }
 }

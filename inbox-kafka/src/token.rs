@@ -41,8 +41,9 @@ impl fmt::Debug for Token {
 }
 
 /// Hands out SASL OAUTHBEARER tokens: implement it over your cloud's IAM library and give it to
-/// [`KafkaSourceBuilder::token_provider`](crate::KafkaSourceBuilder::token_provider) or
-/// [`KafkaProducerBuilder::token_provider`](crate::KafkaProducerBuilder::token_provider). Needs
+/// [`KafkaSourceBuilder::token_provider`](crate::KafkaSourceBuilder::token_provider),
+/// [`KafkaProducerBuilder::token_provider`](crate::KafkaProducerBuilder::token_provider) and
+/// [`KafkaDeadLettersBuilder::token_provider`](crate::KafkaDeadLettersBuilder::token_provider). Needs
 /// the crate feature `tls` (librdkafka builds OAUTHBEARER with OpenSSL only); without it
 /// `connect` fails saying so.
 ///

@@ -19,7 +19,8 @@ use common::*;
 use inbox_conformance::kafka::PrivateTansu;
 use inbox_core::{MessageSource, Recovery, SourceError};
 use inbox_kafka::{
-    Error, KafkaProducer, KafkaSource, KafkaSourceBuilder, Token, TokenError, TokenProvider,
+    Error, KafkaDeadLetters, KafkaProducer, KafkaSource, KafkaSourceBuilder, Token, TokenError,
+    TokenProvider,
 };
 
 /// Hands out tokens that live `lifetime`, or fails, and notes when it was called.
@@ -165,6 +166,28 @@ async fn a_failing_provider_is_named_by_the_first_receive() {
             .contains("the IAM endpoint answered 503 (test)"),
         "{e}"
     );
+}
+
+/// The dead-letter reader logs in as the consumers do, so `inbox-admin dead-letters` reads a
+/// cluster that takes IAM tokens only with their provider. Tansu refuses every token: the
+/// reading fails, after the provider was asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dead_letter_reader_asks_the_provider_when_it_starts() {
+    init_tracing();
+    let tansu = PrivateTansu::builder().authentication(true).start().await;
+    let tokens = TestTokens::lasting(Duration::from_secs(60));
+    let reading = KafkaDeadLetters::builder(random("payments.dlq"))
+        .brokers(tansu.brokers())
+        .set("security.protocol", "sasl_plaintext")
+        .operation_timeout(Duration::from_secs(3))
+        .token_provider(tokens.clone())
+        .connect();
+    let e = tokio::time::timeout(Duration::from_secs(30), reading)
+        .await
+        .expect("the reading returned within 30 s")
+        .expect_err("no reading without a login");
+    println!("dead-letter reader refused: {e}");
+    assert!(!tokens.calls().is_empty(), "the provider was not asked");
 }
 
 #[tokio::test]
