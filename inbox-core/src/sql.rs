@@ -1,8 +1,61 @@
-//! What the SQL stores share: how they keep message IDs ([`KeyMode`], [`hashed_key`]) and which
-//! names they accept to quote into SQL ([`is_plain_identifier`]). Each store's docs say which
-//! column type each mode takes there.
+//! What the SQL stores share: how they keep message IDs ([`KeyMode`], [`hashed_key`]), which
+//! names they accept to quote into SQL ([`is_plain_identifier`]), and the consumer a bound
+//! store claims for ([`BoundConsumer`]). Each store's docs say which column type each mode takes
+//! there.
+
+use std::sync::OnceLock;
 
 use sha2::{Digest, Sha256};
+
+use crate::{OperationError, Recovery, StoreError};
+
+/// The consumer a bound SQL store claims for ([`InboxStore::bind`](crate::InboxStore::bind)):
+/// its name, and the small integer standing for it in the store's table of consumers, read (or
+/// registered) once, at the store's first `begin`, before the transaction opens.
+#[derive(Debug)]
+pub struct BoundConsumer {
+    name: String,
+    id: OnceLock<i16>,
+}
+
+impl BoundConsumer {
+    /// The consumer `name`, its id not read yet.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            id: OnceLock::new(),
+        }
+    }
+
+    /// The consumer's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its id, once [`BoundConsumer::set_id`] was called.
+    pub fn id(&self) -> Option<i16> {
+        self.id.get().copied()
+    }
+
+    /// Records its id; a second call (a lane that raced to read it) changes nothing.
+    pub fn set_id(&self, id: i16) {
+        let _ = self.id.set(id);
+    }
+
+    /// The name and id a claim uses; a store not bound, or whose first `begin` has not read the
+    /// id, fails the claim with [`Recovery::Fatal`] saying so.
+    pub fn for_claim(bound: Option<&Self>) -> Result<(&str, i16), StoreError> {
+        match bound.and_then(|b| Some((b.name.as_str(), b.id()?))) {
+            Some(found) => Ok(found),
+            None => Err(OperationError::new(
+                Recovery::Fatal,
+                "claiming message IDs",
+                "the store is not bound to a consumer: claims go through a Consumer, or through \
+                 InboxStore::bind and then begin",
+            )),
+        }
+    }
+}
 
 /// How a store keeps message IDs. Not `#[non_exhaustive]`: the stores match it exhaustively, so
 /// a new mode is one every store takes up at once.

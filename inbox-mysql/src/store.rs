@@ -1,13 +1,11 @@
 //! [`MySqlInbox`]: the inbox table and the claim, in the caller's transaction.
 
 use std::collections::HashSet;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::sql::hashed_key;
-use inbox_core::{
-    ConsumerBinding, InboxStore, InvalidId, MessageId, OperationError, Recovery, StoreError,
-};
+use inbox_core::sql::{hashed_key, BoundConsumer};
+use inbox_core::{ConsumerBinding, InboxStore, InvalidId, MessageId, Recovery, StoreError};
 use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool};
 use uuid::Uuid;
 
@@ -64,7 +62,7 @@ pub struct MySqlInbox {
     mode: KeyMode,
     /// The consumer this copy claims for ([`InboxStore::bind`]), its id resolved at the first
     /// `begin`.
-    consumer: Option<Arc<Bound>>,
+    consumer: Option<Arc<BoundConsumer>>,
     lock_wait_timeout: Option<Duration>,
     handler_timeout: Option<Duration>,
     /// The session settings sent before each transaction's opening statements: the lock wait
@@ -73,14 +71,6 @@ pub struct MySqlInbox {
     /// The statement the claim sends after its insert, in the same round-trip, to bound the
     /// handler's lock waits; empty when the claim's own bound is as short.
     handler_bound: String,
-}
-
-/// A consumer name and its small integer, read or registered once, before the first
-/// transaction.
-#[derive(Debug)]
-struct Bound {
-    name: String,
-    id: OnceLock<i16>,
 }
 
 /// The connection's own lock wait timeout, noted in a user variable the first time the store
@@ -234,20 +224,6 @@ impl MySqlInbox {
         .map_err(db("reading the consumer id"))
     }
 
-    /// The bound consumer's name and id, for a claim after [`begin`](InboxStore::begin).
-    fn bound(&self) -> Result<(&str, i16), StoreError> {
-        let bound = self.consumer.as_deref();
-        match bound.and_then(|b| Some((b.name.as_str(), *b.id.get()?))) {
-            Some(found) => Ok(found),
-            None => Err(OperationError::new(
-                Recovery::Fatal,
-                "claiming message IDs",
-                "the store is not bound to a consumer: claims go through a Consumer, or through \
-                 InboxStore::bind and then begin",
-            )),
-        }
-    }
-
     /// The key of each ID, as stored.
     fn keys(&self, consumer: &str, ids: &[MessageId]) -> Result<Vec<Vec<u8>>, StoreError> {
         ids.iter()
@@ -343,10 +319,7 @@ impl InboxStore for MySqlInbox {
     /// round-trip.
     fn bind(&self, binding: &ConsumerBinding) -> Self {
         let mut bound = self.clone();
-        bound.consumer = Some(Arc::new(Bound {
-            name: binding.consumer.clone(),
-            id: OnceLock::new(),
-        }));
+        bound.consumer = Some(Arc::new(BoundConsumer::new(binding.consumer.as_str())));
         bound.handler_timeout = binding.handler_timeout;
         bound.set_timeouts();
         bound
@@ -359,10 +332,8 @@ impl InboxStore for MySqlInbox {
             .await
             .map_err(store_err("opening a transaction"))?;
         if let Some(consumer) = self.consumer.as_deref() {
-            if consumer.id.get().is_none() {
-                let id = self.register(&mut conn, &consumer.name).await?;
-                // A lane that raced here read the same id.
-                let _ = consumer.id.set(id);
+            if consumer.id().is_none() {
+                consumer.set_id(self.register(&mut conn, consumer.name()).await?);
             }
         }
         // Wrapped first: a failure below closes the connection instead of pooling it with
@@ -379,7 +350,7 @@ impl InboxStore for MySqlInbox {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let (consumer, consumer_id) = self.bound()?;
+        let (consumer, consumer_id) = BoundConsumer::for_claim(self.consumer.as_deref())?;
         let keys = self.keys(consumer, ids)?;
         // Two IDs can make one key (a UUID in capitals and in lower case): each key once, in
         // order, so that racing batches lock in the same order.

@@ -2,13 +2,11 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::sql::hashed_key;
-use inbox_core::{
-    ConsumerBinding, InboxStore, InvalidId, MessageId, OperationError, Recovery, StoreError,
-};
+use inbox_core::sql::{hashed_key, BoundConsumer};
+use inbox_core::{ConsumerBinding, InboxStore, InvalidId, MessageId, StoreError};
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
@@ -45,7 +43,7 @@ pub struct PgInbox {
     mode: KeyMode,
     /// The consumer this copy claims for ([`InboxStore::bind`]), its id resolved at the first
     /// `begin`.
-    consumer: Option<Arc<Bound>>,
+    consumer: Option<Arc<BoundConsumer>>,
     /// `BEGIN` and the `SET LOCAL`s of the store's own timeouts, sent as one round-trip;
     /// `None`: `BEGIN`.
     begin: Option<String>,
@@ -73,14 +71,6 @@ fn layout(partitioned: bool) -> u8 {
     } else {
         LAYOUT_PLAIN
     }
-}
-
-/// A consumer name and its small integer, read or registered once, before the first
-/// transaction.
-#[derive(Debug)]
-struct Bound {
-    name: String,
-    id: OnceLock<i16>,
 }
 
 enum Keys {
@@ -344,20 +334,6 @@ impl PgInbox {
             ),
         })
     }
-
-    /// The bound consumer's name and id, for a claim after [`begin`](InboxStore::begin).
-    fn bound(&self) -> Result<(&str, i16), StoreError> {
-        let bound = self.consumer.as_deref();
-        match bound.and_then(|b| Some((b.name.as_str(), *b.id.get()?))) {
-            Some(found) => Ok(found),
-            None => Err(OperationError::new(
-                Recovery::Fatal,
-                "claiming message IDs",
-                "the store is not bound to a consumer: claims go through a Consumer, or through \
-                 InboxStore::bind and then begin",
-            )),
-        }
-    }
 }
 
 /// A timeout in whole milliseconds for PostgreSQL, at least 1: 0 would mean no timeout at all.
@@ -400,10 +376,7 @@ impl InboxStore for PgInbox {
     /// true)`), in its own round-trip.
     fn bind(&self, binding: &ConsumerBinding) -> Self {
         let mut bound = self.clone();
-        bound.consumer = Some(Arc::new(Bound {
-            name: binding.consumer.clone(),
-            id: OnceLock::new(),
-        }));
+        bound.consumer = Some(Arc::new(BoundConsumer::new(binding.consumer.as_str())));
         bound.handler_timeout = binding.handler_timeout;
         bound.handler_bound = bound.handler_bound();
         bound
@@ -411,10 +384,8 @@ impl InboxStore for PgInbox {
 
     async fn begin(&self) -> Result<PgTx, StoreError> {
         if let Some(consumer) = self.consumer.as_deref() {
-            if consumer.id.get().is_none() {
-                let id = self.consumer_id(&consumer.name).await?;
-                // A lane that raced here read the same id.
-                let _ = consumer.id.set(id);
+            if consumer.id().is_none() {
+                consumer.set_id(self.consumer_id(consumer.name()).await?);
             }
         }
         let begun = match &self.begin {
@@ -428,7 +399,7 @@ impl InboxStore for PgInbox {
     }
 
     async fn claim(&self, tx: &mut PgTx, ids: &[MessageId]) -> Result<Vec<bool>, StoreError> {
-        let (consumer, consumer_id) = self.bound()?;
+        let (consumer, consumer_id) = BoundConsumer::for_claim(self.consumer.as_deref())?;
         let t = &self.table;
         let with_time = self.mode == KeyMode::Hashed && self.keys_with_time(tx).await?;
         let keys = self.keys(consumer, ids, with_time)?;
