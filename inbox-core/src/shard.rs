@@ -1,11 +1,12 @@
 //! A store that spreads messages over several databases by a key the user chooses.
 
+use std::fmt;
+use std::sync::Arc;
+
 use crate::{
     ConsumerBinding, DynInboxStore, InboxStore, InvalidId, Message, MessageId, OperationError,
     Recovery, StoreError,
 };
-use std::fmt;
-use std::sync::Arc;
 
 type Route = dyn Fn(&MessageId, &Message) -> usize + Send + Sync;
 
