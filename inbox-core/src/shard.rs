@@ -1,18 +1,18 @@
-//! A store that spreads messages over several databases by a key the user chooses.
+//! The stores a consumer spreads messages over, by a key the user chooses: one database, or
+//! several.
 
 use std::fmt;
 use std::sync::Arc;
 
-use crate::{
-    ConsumerBinding, DynInboxStore, InboxStore, InvalidId, Message, MessageId, OperationError,
-    Recovery, StoreError,
-};
+use crate::{ConsumerBinding, InboxStore, InvalidId, Message, MessageId};
 
 type Route = dyn Fn(&MessageId, &Message) -> usize + Send + Sync;
 
 /// Several inbox stores of one kind (one per database), and a routing function that picks the
 /// shard of each message: a tenant or account from a header or the payload, or the Kafka
-/// partition ([`Metadata::lane`](crate::Metadata::lane)).
+/// partition ([`Metadata::lane`](crate::Metadata::lane)). Give it to
+/// [`Consumer::new`](crate::Consumer::new) in place of one store (one store is a `Sharded` of
+/// one, by `From`); a store itself knows nothing of shards.
 ///
 /// A message's claim and its effect commit in its shard's transaction, so the handler gets that
 /// shard's transaction type (a `PgTx` for PostgreSQL shards) and writes the effect there. The
@@ -75,16 +75,11 @@ type Route = dyn Fn(&MessageId, &Message) -> usize + Send + Sync;
 /// partition holding several tenants), its shards' chunks are applied side by side, and two
 /// messages of the lane in different shards may commit in either order; route by the lane
 /// itself (the partition) when the whole lane's order matters.
-///
-/// # Outside the consumer
-///
-/// [`InboxStore::begin`] and [`InboxStore::claim`] have no shard to go to and fail with
-/// [`Recovery::Fatal`]; open a shard's transaction with [`Sharded::stores`] or
-/// [`InboxStore::shard`]. For the same reason a store wrapper (a test's crash layer, say) goes
-/// around each shard's store, not around the `Sharded` one.
+#[derive(Clone)]
 pub struct Sharded<S> {
     stores: Vec<S>,
-    route: Arc<Route>,
+    /// `None`: one store.
+    route: Option<Arc<Route>>,
 }
 
 impl<S: InboxStore> Sharded<S> {
@@ -103,7 +98,7 @@ impl<S: InboxStore> Sharded<S> {
         );
         Self {
             stores,
-            route: Arc::new(route),
+            route: Some(Arc::new(route)),
         }
     }
 
@@ -121,48 +116,44 @@ impl<S: fmt::Debug> fmt::Debug for Sharded<S> {
     }
 }
 
-fn no_shard(what: &str) -> StoreError {
-    OperationError::new(
-        Recovery::Fatal,
-        what.to_owned(),
-        "a sharded inbox store has no single database: open a transaction in one shard's store \
-         (Sharded::stores or InboxStore::shard)",
-    )
+/// One store: every message in it.
+impl<S: InboxStore> From<S> for Sharded<S> {
+    fn from(store: S) -> Self {
+        Self {
+            stores: vec![store],
+            route: None,
+        }
+    }
 }
 
-impl<S: InboxStore> InboxStore for Sharded<S> {
-    type Tx = S::Tx;
-
-    /// Each shard's store bound the same way.
-    fn bind(&self, binding: &ConsumerBinding) -> Self {
+impl<S: InboxStore> Sharded<S> {
+    /// Each shard's store bound to the consumer ([`InboxStore::bind`]).
+    pub(crate) fn bind(&self, binding: &ConsumerBinding) -> Self {
         Self {
             stores: self.stores.iter().map(|s| s.bind(binding)).collect(),
-            route: Arc::clone(&self.route),
+            route: self.route.clone(),
         }
     }
 
-    async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        Err(no_shard("beginning a transaction"))
-    }
-
-    async fn claim(&self, _tx: &mut Self::Tx, _ids: &[MessageId]) -> Result<Vec<bool>, StoreError> {
-        Err(no_shard("claiming message IDs"))
-    }
-
     /// Refused if any shard would refuse it: the check comes before routing.
-    fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
+    pub(crate) fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         self.stores.iter().try_for_each(|s| s.check_id(id))
     }
 
-    fn shard_of(&self, id: &MessageId, message: &Message) -> usize {
-        (self.route)(id, message) % self.stores.len()
+    /// The shard of `message`: the routing function's answer modulo the number of shards.
+    pub(crate) fn shard_of(&self, id: &MessageId, message: &Message) -> usize {
+        self.route
+            .as_ref()
+            .map_or(0, |route| route(id, message) % self.stores.len())
     }
 
-    fn shard_count(&self) -> usize {
+    /// How many shards there are.
+    pub(crate) fn count(&self) -> usize {
         self.stores.len()
     }
 
-    fn shard(&self, index: usize) -> &(dyn DynInboxStore<Tx = Self::Tx> + 'static) {
+    /// The store of shard `index`.
+    pub(crate) fn shard(&self, index: usize) -> &S {
         &self.stores[index % self.stores.len()]
     }
 }

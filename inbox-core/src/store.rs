@@ -5,9 +5,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::future::BoxFuture;
-
-use crate::{InvalidId, Message, MessageId, StoreError};
+use crate::{InvalidId, MessageId, StoreError};
 
 /// An open store transaction, consumed by its end: [`commit`](Transaction::commit) or
 /// [`rollback`](Transaction::rollback), as `sqlx::Transaction` is. One type for the inbox's
@@ -202,32 +200,6 @@ pub trait InboxStore: Send + Sync + 'static {
         let _ = id;
         Ok(())
     }
-
-    /// Which shard holds `message`'s claim and effect, for a store that spreads messages over
-    /// several databases ([`Sharded`](crate::Sharded)). The consumer never puts messages of
-    /// two shards in one transaction: it applies each shard's messages in chunks of their own,
-    /// opened through [`InboxStore::shard`]. The default, one database, is shard 0.
-    fn shard_of(&self, id: &MessageId, message: &Message) -> usize {
-        let _ = (id, message);
-        0
-    }
-
-    /// How many shards [`InboxStore::shard_of`] spreads messages over: while one is in an
-    /// outage, the consumer gives it one chunk at a time and keeps the rest of its window for
-    /// the others. The default, one database, is 1.
-    fn shard_count(&self) -> usize {
-        1
-    }
-
-    /// The store of shard `index` (as [`InboxStore::shard_of`] answered), in which the
-    /// consumer begins, claims and commits that shard's chunks. The default is the store itself.
-    fn shard(&self, index: usize) -> &(dyn DynInboxStore<Tx = Self::Tx> + 'static)
-    where
-        Self: Sized,
-    {
-        let _ = index;
-        self
-    }
 }
 
 impl<S: InboxStore> InboxStore for Arc<S> {
@@ -244,56 +216,5 @@ impl<S: InboxStore> InboxStore for Arc<S> {
     }
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         (**self).check_id(id)
-    }
-    fn shard_of(&self, id: &MessageId, message: &Message) -> usize {
-        (**self).shard_of(id, message)
-    }
-    fn shard_count(&self) -> usize {
-        (**self).shard_count()
-    }
-    fn shard(&self, index: usize) -> &(dyn DynInboxStore<Tx = Self::Tx> + 'static) {
-        (**self).shard(index)
-    }
-}
-
-/// [`InboxStore`] as a trait object: what [`InboxStore::shard`] returns, a bound store.
-///
-/// `InboxStore`'s async methods return `impl Future`, which keeps it from being made into a
-/// `dyn` object; this trait has those a shard's transactions go through, returning boxed
-/// futures, under names of their own (`dyn_` and the `InboxStore` method's), so that they are
-/// never ambiguous beside `InboxStore`'s. Every `InboxStore` implements it.
-pub trait DynInboxStore: Send + Sync {
-    /// [`InboxStore::Tx`].
-    type Tx: Transaction;
-
-    /// [`InboxStore::begin`].
-    fn dyn_begin(&self) -> BoxFuture<'_, Result<Self::Tx, StoreError>>;
-
-    /// [`InboxStore::claim`].
-    fn dyn_claim<'a>(
-        &'a self,
-        tx: &'a mut Self::Tx,
-        ids: &'a [MessageId],
-    ) -> BoxFuture<'a, Result<Vec<bool>, StoreError>>;
-
-    /// [`InboxStore::check_id`].
-    fn dyn_check_id(&self, id: &MessageId) -> Result<(), InvalidId>;
-}
-
-impl<S: InboxStore> DynInboxStore for S {
-    type Tx = S::Tx;
-
-    fn dyn_begin(&self) -> BoxFuture<'_, Result<Self::Tx, StoreError>> {
-        Box::pin(InboxStore::begin(self))
-    }
-    fn dyn_claim<'a>(
-        &'a self,
-        tx: &'a mut Self::Tx,
-        ids: &'a [MessageId],
-    ) -> BoxFuture<'a, Result<Vec<bool>, StoreError>> {
-        Box::pin(InboxStore::claim(self, tx, ids))
-    }
-    fn dyn_check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
-        InboxStore::check_id(self, id)
     }
 }

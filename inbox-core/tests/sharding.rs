@@ -194,14 +194,6 @@ async fn a_shard_that_is_down_holds_back_only_its_own_messages() {
 }
 
 #[tokio::test]
-async fn outside_the_consumer_a_sharded_store_names_no_shard() {
-    let store = Sharded::new(vec![MemoryStore::<Ledger>::new()], by_tenant);
-    let e = store.begin().await.err().unwrap();
-    assert_eq!(e.recovery(), Recovery::Fatal);
-    assert!(store.shard(0).dyn_begin().await.is_ok());
-}
-
-#[tokio::test]
 async fn a_transaction_failing_in_one_shard_retries_only_that_shards_messages() {
     let broker = MemoryBroker::new();
     let shards = [Outage::default(), Outage::default()];

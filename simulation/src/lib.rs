@@ -88,7 +88,7 @@ pub fn simulate(seed: u64) -> Run {
 #[derive(Debug, Clone)]
 enum Store {
     One(SimStore),
-    Two(Arc<Sharded<SimStore>>),
+    Two(Sharded<SimStore>),
     /// The effect step's lease store and provider, instead of an inbox.
     Effects(Arc<effects::Lab>),
 }
@@ -112,11 +112,11 @@ async fn run_member(shared: &Shared, store: &Store, member: Member) -> String {
             live(consumer, member.life).await
         }
         (Store::Two(store), false) => {
-            let consumer = Consumer::new("sim", source, Arc::clone(store), SimHandler { world });
+            let consumer = Consumer::new("sim", source, store.clone(), SimHandler { world });
             live(consumer, member.life).await
         }
         (Store::Two(store), true) => {
-            let consumer = Consumer::batched("sim", source, Arc::clone(store), SimBatch { world });
+            let consumer = Consumer::batched("sim", source, store.clone(), SimBatch { world });
             live(consumer, member.life).await
         }
         (Store::Effects(lab), _) => effects::live(lab, source, member.life).await,
@@ -249,10 +249,9 @@ async fn run_seed(seed: u64) -> Run {
             SimStore::new(&shared, 0, lock_timeout),
             SimStore::new(&shared, 1, lock_timeout),
         ];
-        Store::Two(Arc::new(Sharded::new(
-            shards,
-            |id: &MessageId, _: &Message| shard_of(id.as_str()),
-        )))
+        Store::Two(Sharded::new(shards, |id: &MessageId, _: &Message| {
+            shard_of(id.as_str())
+        }))
     } else {
         Store::One(SimStore::new(&shared, 0, lock_timeout))
     };

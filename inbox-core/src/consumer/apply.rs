@@ -17,7 +17,7 @@ use crate::stats::Counter;
 use crate::telemetry::{process_span, seconds_since};
 use crate::{
     Ack, BatchHandler, BatchItem, Delivery, Error, Failure, HandlerError, InboxStore, MessageId,
-    Recovery, Result, Stage, StoreError, Transaction,
+    Recovery, Result, Sharded, Stage, StoreError, Transaction,
 };
 
 /// The inbox step: each chunk claimed, applied and committed in one store transaction, then
@@ -26,7 +26,8 @@ use crate::{
 #[derive(Debug)]
 pub struct Inbox<St, H> {
     pub(super) common: Common,
-    pub(super) store: St,
+    /// One store, or several with the shard of each message.
+    pub(super) store: Sharded<St>,
     pub(super) handler: H,
     pub(super) max_deliveries: Option<u32>,
     pub(super) handler_timeout: Option<Duration>,
@@ -477,9 +478,9 @@ where
             Some(w) => self.store.shard(self.shard_of_work(w)),
             None => self.store.shard(0),
         };
-        let mut tx = store.dyn_begin().await.map_err(TxFailure::Store)?;
+        let mut tx = store.begin().await.map_err(TxFailure::Store)?;
         let started = Instant::now();
-        let claimed = store.dyn_claim(&mut tx, &ids).await;
+        let claimed = store.claim(&mut tx, &ids).await;
         self.common.metrics.claim.record(seconds_since(started));
         let claimed = match claimed {
             Ok(claimed) => claimed,

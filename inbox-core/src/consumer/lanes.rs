@@ -5,8 +5,8 @@ use std::collections::{BTreeSet, VecDeque};
 use crate::{Delivery, Message};
 
 /// A source's lane ([`Metadata::lane`](crate::Metadata::lane)) and the store's shard
-/// ([`InboxStore::shard_of`](crate::InboxStore::shard_of)): a chunk holds messages of one of
-/// each, so it commits in one shard's transaction.
+/// ([`Sharded`](crate::Sharded)): a chunk holds messages of one of each, so it commits in one
+/// shard's transaction.
 pub(super) type LaneKey = (Option<String>, usize);
 
 /// Received messages waiting to be applied, by lane and shard, each in received order.

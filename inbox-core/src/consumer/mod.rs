@@ -20,8 +20,8 @@ use crate::effect::{EffectHandler, Effects, LeaseStore};
 use crate::telemetry::{self, ConsumerMetrics};
 use crate::{
     Ack, BatchHandler, Capabilities, ConsumerBinding, ConsumerState, Delivery, Error, Handler,
-    Health, InboxStore, Message, MessageId, MessageSource, PerMessage, Result, StageHook, Stats,
-    StatsSnapshot,
+    Health, InboxStore, Message, MessageId, MessageSource, PerMessage, Result, Sharded, StageHook,
+    Stats, StatsSnapshot,
 };
 
 /// How often a failing handler is tried before its message is dead-lettered, and how long to
@@ -308,8 +308,8 @@ pub(crate) trait Step: Send + Sync {
         false
     }
 
-    /// The store shard `message` goes to ([`InboxStore::shard_of`]); a chunk holds one shard's
-    /// messages. The default, one store, is shard 0.
+    /// The store shard `message` goes to ([`Sharded`]); a chunk holds one shard's messages. The
+    /// default, one store, is shard 0.
     fn shard_of(&self, message: &Message) -> usize {
         let _ = message;
         0
@@ -376,7 +376,7 @@ where
     }
 
     fn shard_count(&self) -> usize {
-        self.store.shard_count()
+        self.store.count()
     }
 
     fn process<A: Ack>(
@@ -397,7 +397,15 @@ where
     /// A consumer named `name` running `handler` once per new message: the inbox scopes IDs per
     /// name, so two consumers with different names each apply every message once, and instances
     /// of one scaled consumer share a name.
-    pub fn new(name: impl Into<String>, source: S, store: St, handler: H) -> Self {
+    ///
+    /// `store` is one [`InboxStore`], or several in a [`Sharded`], each message in the shard its
+    /// routing function picks.
+    pub fn new(
+        name: impl Into<String>,
+        source: S,
+        store: impl Into<Sharded<St>>,
+        handler: H,
+    ) -> Self {
         Consumer::batched(name, source, store, PerMessage(handler))
     }
 }
@@ -410,12 +418,17 @@ where
 {
     /// A consumer named `name` handing all new messages of each transaction to `handler` at
     /// once (see [`BatchHandler`]), for set-based writes. Otherwise as [`Consumer::new`].
-    pub fn batched(name: impl Into<String>, source: S, store: St, handler: H) -> Self {
+    pub fn batched(
+        name: impl Into<String>,
+        source: S,
+        store: impl Into<Sharded<St>>,
+        handler: H,
+    ) -> Self {
         Consumer::with_step(
             source,
             Inbox {
                 common: Common::new(name.into()),
-                store,
+                store: store.into(),
                 handler,
                 max_deliveries: None,
                 handler_timeout: None,
