@@ -82,7 +82,8 @@ pub trait StoreUnderTest: Send + Sync + 'static {
 }
 
 /// A handler writing the store's effect; a message whose payload is `swallow` breaks its
-/// transaction first.
+/// transaction first, one whose payload is `swallow last` after the effect, as its last
+/// statement (then only the commit can find out).
 struct Apply<T>(Arc<T>);
 
 impl<T: StoreUnderTest> Handler<Tx<T>> for Apply<T>
@@ -98,7 +99,11 @@ where
         if message.payload == b"swallow" {
             self.0.fail_and_swallow(tx).await;
         }
-        self.0.apply(tx, id).await
+        self.0.apply(tx, id).await?;
+        if message.payload == b"swallow last" {
+            self.0.fail_and_swallow(tx).await;
+        }
+        Ok(())
     }
 }
 
@@ -239,24 +244,34 @@ where
 
 /// A handler that swallowed a failed statement returns `Ok`, but its transaction cannot commit
 /// what it did: the message is not counted applied, its effect is not there, and it is
-/// dead-lettered after its retries; the messages around it are applied once.
+/// dead-lettered after its retries; the messages around it are applied once. The failure comes
+/// once before the effect (the next statement fails too) and once as the handler's last
+/// statement, which only the commit can find out: a store whose commit reports success for a
+/// transaction the server aborted loses that message (acked, its effect rolled back).
 pub async fn a_transaction_a_handler_broke_never_reports_success<T: StoreUnderTest>(under_test: T)
 where
     Tx<T>: Send + 'static,
 {
     let under_test = Arc::new(under_test);
     let broker = MemoryBroker::new();
-    let (before, broken, after) = (
+    let (before, broken, broken_last, after) = (
+        MessageId::generate(),
         MessageId::generate(),
         MessageId::generate(),
         MessageId::generate(),
     );
     broker.publish(Some(before.as_str()), "ok");
     broker.publish(Some(broken.as_str()), "swallow");
+    broker.publish(Some(broken_last.as_str()), "swallow last");
     broker.publish(Some(after.as_str()), "ok");
-    let stats = drain(&under_test, &broker, "c", 3).await;
-    println!("a broken transaction: {stats:?}");
-    assert_eq!((stats.applied, stats.dead_lettered), (2, 1), "{stats:?}");
+    let stats = drain(&under_test, &broker, "c", 4).await;
+    println!("broken transactions: {stats:?}");
+    assert_eq!(
+        under_test.applied(&broken_last).await,
+        0,
+        "the effect of a transaction broken by its last statement is rolled back"
+    );
+    assert_eq!((stats.applied, stats.dead_lettered), (2, 2), "{stats:?}");
     assert_eq!(under_test.applied(&broken).await, 0);
     assert_eq!(under_test.applied(&before).await, 1);
     assert_eq!(under_test.applied(&after).await, 1);
