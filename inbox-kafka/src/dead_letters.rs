@@ -199,6 +199,9 @@ impl KafkaDeadLettersBuilder {
 /// Each partition of `topic` with the group's committed offset (else the low watermark) and
 /// the high watermark.
 fn starts(consumer: &Reader, topic: &str, timeout: Duration) -> Result<BTreeMap<i32, Partition>> {
+    // Serves what librdkafka queued for the application as the client started (a token
+    // request among them) before the first request waits on a login.
+    let _ = consumer.poll(Duration::from_millis(100));
     let metadata = consumer
         .fetch_metadata(Some(topic), timeout)
         .map_err(|e| Error::kafka(format!("reading the metadata of `{topic}`"), e))?;
