@@ -53,6 +53,13 @@
 //! A call to a provider (a payment API, an email service) cannot join the inbox transaction.
 //! [`PgLeases`] keeps the processing and done rows with a lease and a fencing token that
 //! [`inbox_core::Consumer::effects`] needs for it; see [`PgLeases`] for an example.
+//!
+//! ## A store of your own on the same database
+//! An application that already records processed messages in a table of its own can keep it:
+//! its [`InboxStore`](inbox_core::InboxStore) opens a [`PgTx`] ([`PgTx::begin`], or `From` a
+//! `sqlx::Transaction`), and the handlers written for [`PgInbox`] (`Handler<PgTx>`) run on it
+//! unchanged. [`PgTx`]'s commit already refuses a transaction the server aborted. The
+//! repository's `docs/writing-a-store.md` writes one and runs the store suite on it.
 
 mod error;
 mod lease;
