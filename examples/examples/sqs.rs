@@ -26,10 +26,10 @@ impl Handler<PgTx> for Credit {
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let wallet = Wallet::open().await?;
-    // Endpoint (AWS_ENDPOINT_URL_SQS), region and credentials from the environment, else the
-    // local moto's that `cargo xtask services` starts (test support; in production,
-    // `transactional_inbox::sqs::connect()`).
-    let client = inbox_conformance::sqs::client().await;
+    // The AWS SDK's own chain: region and credentials from the environment, a profile or the
+    // instance role; the endpoint is AWS's unless `AWS_ENDPOINT_URL_SQS` or `AWS_ENDPOINT_URL`
+    // names another (`cargo xtask test` points them at its local SQS).
+    let client = transactional_inbox::sqs::connect().await;
     let name = format!("inbox-example-{}", uuid::Uuid::new_v4());
     let created = client.create_queue().queue_name(name).send().await?;
     let queue = created.queue_url().ok_or("CreateQueue returned no URL")?;

@@ -83,15 +83,20 @@ fn test(extra: &[String]) -> Result<(), String> {
     args.extend(extra.iter().map(String::as_str));
     cargo_with(&args, &[("INBOX_TEST_LAYOUT", "partitioned")])?;
     // Built by `cargo test` already; this runs them.
+    let env = example_env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     for example in EXAMPLES {
-        cargo(&[
-            "run",
-            "--quiet",
-            "-p",
-            "inbox-examples",
-            "--example",
-            example,
-        ])?;
+        cargo_with(
+            &[
+                "run",
+                "--quiet",
+                "-p",
+                "inbox-examples",
+                "--example",
+                example,
+            ],
+            &env,
+        )?;
     }
     // Every library crate packages (its manifest, its files, the versions of its workspace
     // dependencies). Without verifying: that would build each package and all its
@@ -108,6 +113,31 @@ fn test(extra: &[String]) -> Result<(), String> {
         "--exclude",
         "xtask",
     ])
+}
+
+/// What the examples need beyond the environment: they build their SQS client from the AWS
+/// SDK's own chain, as a program of a user's does, so where the environment names no endpoint,
+/// region or credentials, these name the local SQS that `services` starts and moto's dummy
+/// credentials. Set any of them to run the SQS example against AWS.
+fn example_env() -> Vec<(&'static str, String)> {
+    let set = |name: &str| std::env::var_os(name).is_some_and(|v| !v.is_empty());
+    let mut env = Vec::new();
+    if !set("AWS_ENDPOINT_URL_SQS") && !set("AWS_ENDPOINT_URL") {
+        env.push(("AWS_ENDPOINT_URL_SQS", "http://127.0.0.1:4566".to_owned()));
+    }
+    if !set("AWS_REGION") && !set("AWS_DEFAULT_REGION") && !set("AWS_PROFILE") {
+        env.push(("AWS_REGION", "us-east-1".to_owned()));
+    }
+    let credentials = [
+        "AWS_ACCESS_KEY_ID",
+        "AWS_PROFILE",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+    ];
+    if !credentials.iter().any(|name| set(name)) {
+        env.push(("AWS_ACCESS_KEY_ID", "test".to_owned()));
+        env.push(("AWS_SECRET_ACCESS_KEY", "test".to_owned()));
+    }
+    env
 }
 
 fn demo(extra: &[String]) -> Result<(), String> {
