@@ -16,7 +16,9 @@ pub trait Transaction: Send + 'static {
     /// Commits. A transaction the database has already aborted (a handler caught an SQL error
     /// and returned `Ok`) must fail here with [`Recovery::Retry`](crate::Recovery::Retry), never
     /// report success: the consumer then isolates the message and retries or dead-letters it,
-    /// instead of acking a message whose effects were rolled back.
+    /// instead of acking a message whose effects were rolled back. PostgreSQL answers `COMMIT`
+    /// of an aborted transaction with `ROLLBACK` and no error; `inbox_postgres::PgTx` checks for
+    /// it, and a PostgreSQL store of your own can return that type.
     fn commit(self) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Rolls back.
@@ -75,7 +77,9 @@ impl ConsumerBinding {
 /// A store is written in three methods: [`bind`](InboxStore::bind) (a copy of the store for one
 /// consumer), [`begin`](InboxStore::begin) and [`claim`](InboxStore::claim); and
 /// [`check_id`](InboxStore::check_id) when it cannot keep every ID. `inbox-conformance`'s store
-/// suite checks one against the contract.
+/// suite checks one against the contract. The repository's `docs/writing-a-store.md` writes one
+/// over an application's own PostgreSQL table, on `inbox_postgres::PgTx`, whose commit already
+/// refuses a transaction the server aborted.
 ///
 /// A store of claims in memory, whose transactions run one at a time (a database runs them side
 /// by side, and its unique key makes a racing claim of one ID wait for the first to end):
@@ -188,6 +192,8 @@ pub trait InboxStore: Send + Sync + 'static {
     /// Records `ids` (distinct) for the bound consumer inside `tx`, in one round-trip where the
     /// store allows; the answer has one flag per ID, in order. `true`: the ID is new and its
     /// message must be applied in this transaction; `false`: it was applied before, skip it.
+    /// Where two IDs make one key in the store (a UUID spelt in capitals and in lower case, for a
+    /// UUID key), only the first of them is `true`, as claims one by one would answer.
     fn claim(
         &self,
         tx: &mut Self::Tx,
