@@ -6,7 +6,7 @@ mod common; // the wallet table, the events and the check, shared by the four ex
 use common::{BoxError, Wallet};
 use transactional_inbox::postgres::sqlx;
 use transactional_inbox::postgres::PgTx;
-use transactional_inbox::sqs::{SqsProducer, SqsSource};
+use transactional_inbox::sqs::SqsConnection;
 use transactional_inbox::{Consumer, Handler, HandlerError, Message, MessageId, Publish};
 
 struct Credit;
@@ -33,15 +33,13 @@ async fn main() -> Result<(), BoxError> {
     let name = format!("inbox-example-{}", uuid::Uuid::new_v4());
     let created = client.create_queue().queue_name(name).send().await?;
     let queue = created.queue_url().ok_or("CreateQueue returned no URL")?;
-    let producer = SqsProducer::builder()
-        .client(client.clone())
-        .connect()
-        .await?;
+    let sqs = SqsConnection::new(client); // the producer's and the source's
+    let producer = sqs.producer().connect().await?;
     for (id, body) in wallet.sends() {
         producer.send_with_id(queue, &id, body.as_bytes()).await?;
     }
 
-    let source = SqsSource::builder(queue).client(client).connect().await?;
+    let source = sqs.source(queue).connect().await?;
     let consumer = Consumer::new("example-credits", source, wallet.inbox.clone(), Credit);
     wallet.run_and_check(consumer).await
 }

@@ -322,9 +322,9 @@ async fn open(from: &DeadLetterSource, replay: bool) -> Result<Opened, CliError>
         }
         #[cfg(feature = "sqs")]
         Broker::Sqs => {
-            let client = sqs_client(from).await;
-            let mut reader = inbox_sqs::SqsDeadLetters::builder(&from.from).client(client.clone());
-            let mut producer = inbox_sqs::SqsProducer::builder().client(client);
+            let sqs = sqs_connection(from).await;
+            let mut reader = sqs.dead_letters(&from.from);
+            let mut producer = sqs.producer();
             if let Some(field) = field {
                 reader = reader.id_attribute(field);
                 producer = producer.id_attribute(field);
@@ -392,10 +392,10 @@ fn required(value: &Option<String>, what: &str, flag: &str, var: &str) -> Result
 }
 
 #[cfg(feature = "sqs")]
-async fn sqs_client(from: &DeadLetterSource) -> inbox_sqs::aws_sdk_sqs::Client {
+async fn sqs_connection(from: &DeadLetterSource) -> inbox_sqs::SqsConnection {
     match &from.sqs_endpoint {
-        Some(endpoint) => inbox_sqs::connect_to(endpoint).await,
-        None => inbox_sqs::connect().await,
+        Some(endpoint) => inbox_sqs::SqsConnection::new(inbox_sqs::connect_to(endpoint).await),
+        None => inbox_sqs::SqsConnection::from_env(),
     }
 }
 

@@ -22,7 +22,7 @@ use inbox_sqs::aws_sdk_sqs::types::{
     MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
 };
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_sqs::{SqsProducer, SqsSource, SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
+use inbox_sqs::{SqsConnection, SqsSource, SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
 
 use crate::{DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
@@ -82,8 +82,8 @@ impl TestBroker for Sqs {
 impl Queue {
     /// The settings of every source of this queue.
     fn builder(&self) -> SqsSourceBuilder {
-        SqsSource::builder(&self.url)
-            .client(self.sqs.clone())
+        SqsConnection::new(self.sqs.clone())
+            .source(&self.url)
             .poll_timeout(WAIT)
             .dead_letter_queue(&self.dlq)
     }
@@ -139,8 +139,8 @@ impl TestQueue for Queue {
         let proxy = FaultProxy::start(upstream).await.expect("proxy");
         // A call on a silent connection fails after 2 s per attempt, 5 s in all; the long poll
         // is shorter than an attempt, as the source requires.
-        let source = SqsSource::builder(&self.url)
-            .client(proxied_client(&proxy).await)
+        let source = SqsConnection::new(proxied_client(&proxy).await)
+            .source(&self.url)
             .poll_timeout(Duration::from_secs(1))
             .dead_letter_queue(&self.dlq)
             .connect()
@@ -167,8 +167,8 @@ impl TestQueue for Queue {
 
     async fn producer(&self) -> Arc<dyn DynPublish> {
         Arc::new(
-            SqsProducer::builder()
-                .client(self.sqs.clone())
+            SqsConnection::new(self.sqs.clone())
+                .producer()
                 .connect()
                 .await
                 .expect("producer"),
@@ -215,8 +215,8 @@ impl TestQueue for Queue {
     }
 
     async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DynDeadLetters>> {
-        let reader = inbox_sqs::SqsDeadLetters::builder(&self.dlq)
-            .client(self.sqs.clone())
+        let reader = SqsConnection::new(self.sqs.clone())
+            .dead_letters(&self.dlq)
             .connect()
             .await
             .expect("the dead-letter reader connects");

@@ -8,7 +8,7 @@ use inbox_core::IdFrom;
 use tracing::warn;
 
 use crate::dead_letter::{self, DeadLetterTarget};
-use crate::{Error, Result, SqsSource};
+use crate::{Error, Result, SqsConnection, SqsSource};
 
 /// The message attribute a producer puts the event ID in, unless configured otherwise.
 pub const DEFAULT_ID_ATTRIBUTE: &str = "event_id";
@@ -74,15 +74,15 @@ pub(crate) struct Settings {
     pub(crate) fifo: bool,
 }
 
-/// Configures an [`SqsSource`]; made by [`SqsSource::builder`], finished by
-/// [`connect`](Self::connect).
+/// Configures an [`SqsSource`]; made by [`SqsConnection::source`] (or [`SqsSource::builder`],
+/// through the environment's SQS), finished by [`connect`](Self::connect).
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), inbox_sqs::Error> {
 /// use std::time::Duration;
 /// use inbox_sqs::SqsSource;
 ///
-/// // The client comes from the environment (see `inbox_sqs::connect`) unless `.client(..)`.
+/// // SQS as the environment describes it (see `inbox_sqs::connect`); `SqsConnection` says otherwise.
 /// let source = SqsSource::builder("https://sqs.eu-west-1.amazonaws.com/123456789012/payments")
 ///     .poll_timeout(Duration::from_secs(5))
 ///     .dead_letter_queue("https://sqs.eu-west-1.amazonaws.com/123456789012/payments-dlq")
@@ -94,7 +94,7 @@ pub(crate) struct Settings {
 #[derive(Debug, Clone)]
 #[must_use = "a builder does nothing until `connect` is awaited"]
 pub struct SqsSourceBuilder {
-    client: Option<Client>,
+    connection: SqsConnection,
     queue_url: String,
     id_from: IdFrom,
     dedup_id_fallback: bool,
@@ -107,9 +107,9 @@ pub struct SqsSourceBuilder {
 }
 
 impl SqsSourceBuilder {
-    pub(crate) fn new(queue_url: String) -> Self {
+    pub(crate) fn new(connection: SqsConnection, queue_url: String) -> Self {
         Self {
-            client: None,
+            connection,
             queue_url,
             id_from: IdFrom::Header(DEFAULT_ID_ATTRIBUTE.to_owned()),
             dedup_id_fallback: false,
@@ -120,15 +120,6 @@ impl SqsSourceBuilder {
             dead_letter_queue: None,
             min_retry_delay: Duration::ZERO,
         }
-    }
-
-    /// The SQS client to use. Without one, [`connect`](Self::connect) builds one from the
-    /// environment as [`crate::connect`] does: credentials, region, and the endpoint from
-    /// `AWS_ENDPOINT_URL_SQS` (or `AWS_ENDPOINT_URL`), else AWS's. For a local endpoint without
-    /// AWS settings, pass a client of [`crate::connect_to`] or [`crate::config_loader`].
-    pub fn client(mut self, client: Client) -> Self {
-        self.client = Some(client);
-        self
     }
 
     /// The message attribute that holds the message ID (default [`DEFAULT_ID_ATTRIBUTE`],
@@ -215,7 +206,7 @@ impl SqsSourceBuilder {
         self
     }
 
-    /// Builds the client unless one was given, checks the settings, reads the queue's attributes (its visibility timeout and redrive
+    /// Builds the client unless the connection has one, checks the settings, reads the queue's attributes (its visibility timeout and redrive
     /// policy), checks that the dead-letter queue exists, and returns the source.
     ///
     /// Fails with [`Error::Config`] on a bad setting, when the dead-letter queue (configured or
@@ -252,10 +243,7 @@ impl SqsSourceBuilder {
                 self.poll_timeout
             )));
         }
-        let client = match self.client {
-            Some(client) => client,
-            None => crate::connect().await,
-        };
+        let client = self.connection.client().await;
         check_timeouts(&client, &self.queue_url, self.poll_timeout)?;
         if let Some(timeout) = self.visibility_timeout {
             if timeout < Duration::from_secs(1) || timeout > MAX_VISIBILITY {
@@ -355,8 +343,8 @@ mod tests {
             )
             .load()
             .await;
-        let built = SqsSourceBuilder::new("http://127.0.0.1:9/0/q".into())
-            .client(Client::new(&config))
+        let built = SqsConnection::new(Client::new(&config))
+            .source("http://127.0.0.1:9/0/q")
             .poll_timeout(Duration::from_secs(20))
             .connect()
             .await;

@@ -1,4 +1,5 @@
-//! Building an SQS client from the usual AWS configuration chain.
+//! [`SqsConnection`]: how to reach SQS, shared by everything built on it; and the SQS client
+//! from the usual AWS configuration chain.
 
 use std::time::Duration;
 
@@ -6,6 +7,70 @@ use aws_config::timeout::TimeoutConfig;
 use aws_config::BehaviorVersion;
 use aws_sdk_sqs::Client;
 use aws_smithy_http_client::tls::{rustls_provider::CryptoMode, Provider};
+
+use crate::{SqsDeadLettersBuilder, SqsProducerBuilder, SqsSourceBuilder};
+
+/// How to reach SQS: a client (its endpoint, region, credentials and timeouts), or the
+/// environment's. The source, the producer and the dead-letter reader are all built from it,
+/// so a setting made once (a local endpoint, a role's credentials) reaches the three.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), inbox_sqs::Error> {
+/// let config = inbox_sqs::config_loader().endpoint_url("http://127.0.0.1:4566").load().await;
+/// let sqs = inbox_sqs::SqsConnection::new(inbox_sqs::aws_sdk_sqs::Client::new(&config));
+/// let queue = "http://127.0.0.1:4566/000000000000/payments";
+/// let source = sqs.source(queue).connect().await?;
+/// let producer = sqs.producer().connect().await?;
+/// let dead_letters = sqs.dead_letters(format!("{queue}-dlq")).connect().await?;
+/// # let _ = (source, producer, dead_letters); Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct SqsConnection {
+    /// `None`: built from the environment by each `connect`, as [`connect`] does.
+    client: Option<Client>,
+}
+
+impl SqsConnection {
+    /// SQS through `client`, as it is configured (from [`config_loader`], say).
+    pub fn new(client: Client) -> Self {
+        Self {
+            client: Some(client),
+        }
+    }
+
+    /// SQS as the environment describes it, the AWS SDK's own chain, loaded as each builder
+    /// connects (see [`connect`]): there is no local default address, so without settings the
+    /// calls go to AWS.
+    pub fn from_env() -> Self {
+        Self { client: None }
+    }
+
+    /// A source receiving from the queue at `queue_url`; finish with
+    /// [`connect`](SqsSourceBuilder::connect).
+    pub fn source(&self, queue_url: impl Into<String>) -> SqsSourceBuilder {
+        SqsSourceBuilder::new(self.clone(), queue_url.into())
+    }
+
+    /// A producer sending to any queue; finish with [`connect`](SqsProducerBuilder::connect).
+    pub fn producer(&self) -> SqsProducerBuilder {
+        SqsProducerBuilder::new(self.clone())
+    }
+
+    /// A reader of the dead-letter queue at `queue_url`, for [`inbox_core::replay`]; finish
+    /// with [`connect`](SqsDeadLettersBuilder::connect).
+    pub fn dead_letters(&self, queue_url: impl Into<String>) -> SqsDeadLettersBuilder {
+        SqsDeadLettersBuilder::new(self.clone(), queue_url.into())
+    }
+
+    /// The client given, or one from the environment.
+    pub(crate) async fn client(self) -> Client {
+        match self.client {
+            Some(client) => client,
+            None => connect().await,
+        }
+    }
+}
 
 /// An SQS client from the standard AWS configuration: credentials and region from the
 /// environment, profile files (SSO profiles excepted: aws-config is built without `sso`), web
@@ -15,13 +80,13 @@ use aws_smithy_http_client::tls::{rustls_provider::CryptoMode, Provider};
 ///
 /// HTTPS goes through rustls on the `ring` crypto provider with the system's root certificates.
 pub async fn connect() -> Client {
-    Client::new(&sdk_config(None).await)
+    Client::new(&config_loader().load().await)
 }
 
 /// Like [`connect`], with an explicit endpoint URL (e.g. `http://127.0.0.1:4566`) that wins
 /// over the environment.
 pub async fn connect_to(endpoint_url: &str) -> Client {
-    Client::new(&sdk_config(Some(endpoint_url)).await)
+    Client::new(&config_loader().endpoint_url(endpoint_url).load().await)
 }
 
 /// The standard AWS configuration loader with this crate's HTTPS client and
@@ -58,12 +123,14 @@ pub fn default_timeouts() -> TimeoutConfig {
         .build()
 }
 
-async fn sdk_config(endpoint_url: Option<&str>) -> aws_config::SdkConfig {
-    let mut loader = config_loader();
-    if let Some(url) = endpoint_url {
-        loader = loader.endpoint_url(url);
-    }
-    loader.load().await
+/// A client that makes no call, for tests of what the adapter builds and reads.
+#[cfg(test)]
+pub(crate) fn offline_client() -> Client {
+    let config = aws_sdk_sqs::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(aws_sdk_sqs::config::Region::new("us-east-1"))
+        .build();
+    Client::from_conf(config)
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use inbox_core::replay::{DeadLetter, DeadLetters};
 use inbox_core::{MessageId, OperationError};
 
 use crate::delivery::{replay_header, DEDUPLICATION_ID_HEADER, SCHEDULE_ATTRIBUTES};
-use crate::{Error, Result, DEFAULT_ID_ATTRIBUTE};
+use crate::{Error, Result, SqsConnection, DEFAULT_ID_ATTRIBUTE};
 
 /// SQS hands out at most this many messages per receive, and takes as many per batch call.
 const SQS_BATCH: usize = 10;
@@ -50,34 +50,33 @@ impl std::fmt::Debug for SqsDeadLetters {
     }
 }
 
-/// Builds an [`SqsDeadLetters`]; start with [`SqsDeadLetters::builder`].
+/// Builds an [`SqsDeadLetters`]; start with [`SqsConnection::dead_letters`] (or
+/// [`SqsDeadLetters::builder`], through the environment's SQS).
 #[derive(Debug, Clone)]
 #[must_use = "a builder does nothing until `connect` is awaited"]
 pub struct SqsDeadLettersBuilder {
+    connection: SqsConnection,
     queue_url: String,
-    client: Option<Client>,
     id_attribute: String,
     visibility: Duration,
 }
 
 impl SqsDeadLetters {
-    /// Reads the dead-letter queue at `queue_url`.
+    /// Reads the dead-letter queue at `queue_url`, through the environment's SQS
+    /// ([`SqsConnection::from_env`]).
     pub fn builder(queue_url: impl Into<String>) -> SqsDeadLettersBuilder {
-        SqsDeadLettersBuilder {
-            queue_url: queue_url.into(),
-            client: None,
-            id_attribute: DEFAULT_ID_ATTRIBUTE.to_owned(),
-            visibility: Duration::from_secs(300),
-        }
+        SqsConnection::from_env().dead_letters(queue_url)
     }
 }
 
 impl SqsDeadLettersBuilder {
-    /// The SQS client to use; without one, built from the environment as [`crate::connect`]
-    /// does (endpoint from `AWS_ENDPOINT_URL_SQS`).
-    pub fn client(mut self, client: Client) -> Self {
-        self.client = Some(client);
-        self
+    pub(crate) fn new(connection: SqsConnection, queue_url: String) -> Self {
+        Self {
+            connection,
+            queue_url,
+            id_attribute: DEFAULT_ID_ATTRIBUTE.to_owned(),
+            visibility: Duration::from_secs(300),
+        }
     }
 
     /// The message attribute holding the ID (default `event_id`).
@@ -92,7 +91,7 @@ impl SqsDeadLettersBuilder {
         self
     }
 
-    /// Builds the client unless one was given; makes no SQS call.
+    /// Builds the client unless the connection has one; makes no SQS call.
     pub async fn connect(self) -> Result<SqsDeadLetters> {
         if self.queue_url.is_empty() {
             return Err(Error::Config("the dead-letter queue URL is empty".into()));
@@ -101,12 +100,8 @@ impl SqsDeadLettersBuilder {
             &self.id_attribute,
             "SqsDeadLettersBuilder::id_attribute",
         )?;
-        let client = match self.client {
-            Some(client) => client,
-            None => crate::connect().await,
-        };
         Ok(SqsDeadLetters {
-            client,
+            client: self.connection.client().await,
             queue_url: self.queue_url,
             id_attribute: self.id_attribute,
             visibility: self.visibility,
@@ -255,7 +250,6 @@ impl DeadLetters for SqsDeadLetters {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use aws_sdk_sqs::config::{BehaviorVersion, Region};
     use aws_sdk_sqs::types::{Message as SqsMessage, MessageAttributeValue};
     use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
     use inbox_core::OutgoingMessage;
@@ -263,14 +257,6 @@ mod tests {
     use super::*;
     use crate::producer::Queue;
     use crate::SqsProducer;
-
-    fn offline_client() -> Client {
-        let config = aws_sdk_sqs::Config::builder()
-            .behavior_version(BehaviorVersion::latest())
-            .region(Region::new("us-east-1"))
-            .build();
-        Client::from_conf(config)
-    }
 
     fn text(value: &str) -> MessageAttributeValue {
         MessageAttributeValue::builder()
@@ -322,17 +308,10 @@ mod tests {
     /// carry the first send's ID, nor the ID of an earlier replay of the same message.
     #[tokio::test]
     async fn a_replay_into_a_fifo_queue_is_never_taken_for_a_copy_of_an_earlier_send() {
-        let client = offline_client();
-        let reader = SqsDeadLetters::builder("http://localhost/0/payments-dlq.fifo")
-            .client(client.clone())
-            .connect()
-            .await
-            .unwrap();
-        let producer = SqsProducer::builder()
-            .client(client)
-            .connect()
-            .await
-            .unwrap();
+        let sqs = SqsConnection::new(crate::connection::offline_client());
+        let reader = sqs.dead_letters("http://localhost/0/payments-dlq.fifo");
+        let reader = reader.connect().await.unwrap();
+        let producer = sqs.producer().connect().await.unwrap();
         let id = MessageId::generate();
 
         let first = dedup_id_sent(

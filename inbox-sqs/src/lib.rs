@@ -9,7 +9,7 @@
 //! ```no_run
 //! use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId, Publish};
 //! use inbox_postgres::{PgInbox, PgTx};
-//! use inbox_sqs::{SqsProducer, SqsSource};
+//! use inbox_sqs::SqsConnection;
 //!
 //! struct Credit;
 //!
@@ -26,16 +26,17 @@
 //! }
 //!
 //! # async fn run(inbox: PgInbox) -> Result<(), Box<dyn std::error::Error>> {
-//! // Credentials, region and endpoint (AWS_ENDPOINT_URL_SQS) come from the environment
-//! // unless `.client(..)` is given.
+//! // Credentials, region and endpoint (AWS_ENDPOINT_URL_SQS) from the environment;
+//! // `SqsConnection::new(client)` for a client of your own. Both halves reach SQS through it.
+//! let sqs = SqsConnection::from_env();
 //! let queue_url = "https://sqs.eu-west-1.amazonaws.com/123456789012/payments";
 //!
 //! // Producers put a stable ID in the `event_id` attribute; a resend keeps it.
-//! let producer = SqsProducer::builder().connect().await?;
+//! let producer = sqs.producer().connect().await?;
 //! let id = producer.send(queue_url, b"100").await?;
 //! producer.send_with_id(queue_url, &id, b"100").await?; // sent twice: applied once
 //!
-//! let source = SqsSource::builder(queue_url)
+//! let source = sqs.source(queue_url)
 //!     .dead_letter_queue("https://sqs.eu-west-1.amazonaws.com/123456789012/payments-dlq")
 //!     .connect()
 //!     .await?;
@@ -175,8 +176,8 @@
 //! batch, and a failing message is retried after the rest of its batch.
 
 mod ack;
-mod client;
 mod config;
+mod connection;
 mod dead_letter;
 mod dead_letters;
 pub mod delivery;
@@ -189,8 +190,8 @@ mod source;
 pub use ack::SqsAck;
 /// Re-exported so callers adjust the loader from [`config_loader`] with the same version.
 pub use aws_config;
-pub use client::{config_loader, connect, connect_to, default_timeouts};
 pub use config::{SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
+pub use connection::{config_loader, connect, connect_to, default_timeouts, SqsConnection};
 pub use dead_letters::{SqsDeadLetters, SqsDeadLettersBuilder};
 pub use delivery::DEDUPLICATION_ID_HEADER;
 pub use error::{Error, Result};
@@ -216,5 +217,6 @@ mod tests {
         assert_send_sync::<Error>();
         assert_send::<SqsSourceBuilder>();
         assert_send::<SqsProducerBuilder>();
+        assert_send_sync::<SqsConnection>();
     }
 }

@@ -13,27 +13,29 @@ use tokio::task::JoinSet;
 use crate::config::DEFAULT_ID_ATTRIBUTE;
 use crate::delivery::{send_dedup_id, DEDUPLICATION_ID_HEADER};
 use crate::{dead_letter, fifo};
-use crate::{Error, Result};
+use crate::{Error, Result, SqsConnection};
 
 /// How often a batch entry SQS refused (throttling, say) is sent again before giving up.
 const BATCH_ATTEMPTS: u32 = 3;
 
-/// Configures an [`SqsProducer`]; made by [`SqsProducer::builder`], finished by
+/// Configures an [`SqsProducer`]; made by [`SqsConnection::producer`] (or
+/// [`SqsProducer::builder`], through the environment's SQS), finished by
 /// [`connect`](Self::connect).
 #[derive(Debug, Clone)]
 #[must_use = "a builder does nothing until `connect` is awaited"]
 pub struct SqsProducerBuilder {
-    client: Option<Client>,
+    connection: SqsConnection,
     id_attribute: String,
     message_group_id: Option<String>,
 }
 
 impl SqsProducerBuilder {
-    /// The SQS client to use. Without one, [`connect`](Self::connect) builds one from the
-    /// environment as [`crate::connect`] does (endpoint from `AWS_ENDPOINT_URL_SQS`).
-    pub fn client(mut self, client: Client) -> Self {
-        self.client = Some(client);
-        self
+    pub(crate) fn new(connection: SqsConnection) -> Self {
+        Self {
+            connection,
+            id_attribute: DEFAULT_ID_ATTRIBUTE.to_owned(),
+            message_group_id: None,
+        }
     }
 
     /// The message attribute for the ID (default `event_id`); match the consumer's
@@ -52,19 +54,15 @@ impl SqsProducerBuilder {
         self
     }
 
-    /// Builds the client unless one was given, checks the settings and returns the producer. It
+    /// Builds the client unless the connection has one, checks the settings and returns the producer. It
     /// makes no SQS call: an unreachable endpoint or a missing queue shows in the first send.
     pub async fn connect(self) -> Result<SqsProducer> {
         if self.id_attribute.is_empty() {
             return Err(Error::Config("the ID attribute name is empty".into()));
         }
         dead_letter::check_id_attribute(&self.id_attribute, "SqsProducerBuilder::id_attribute")?;
-        let client = match self.client {
-            Some(client) => client,
-            None => crate::connect().await,
-        };
         Ok(SqsProducer {
-            client,
+            client: self.connection.client().await,
             id_attribute: self.id_attribute,
             message_group_id: self.message_group_id,
             urls: Arc::new(Mutex::new(HashMap::new())),
@@ -112,13 +110,10 @@ pub(crate) struct Queue {
 }
 
 impl SqsProducer {
-    /// Starts configuring a producer; finish with [`SqsProducerBuilder::connect`].
+    /// Starts configuring a producer through the environment's SQS
+    /// ([`SqsConnection::from_env`]); finish with [`SqsProducerBuilder::connect`].
     pub fn builder() -> SqsProducerBuilder {
-        SqsProducerBuilder {
-            client: None,
-            id_attribute: DEFAULT_ID_ATTRIBUTE.to_owned(),
-            message_group_id: None,
-        }
+        SqsConnection::from_env().producer()
     }
 
     /// The client it sends with.

@@ -32,10 +32,11 @@ pub struct SqsSource {
 }
 
 impl SqsSource {
-    /// Starts configuring a source on the queue at `queue_url`; finish with
+    /// Starts configuring a source on the queue at `queue_url`, through the environment's SQS
+    /// ([`SqsConnection::from_env`](crate::SqsConnection::from_env)); finish with
     /// [`SqsSourceBuilder::connect`].
     pub fn builder(queue_url: impl Into<String>) -> SqsSourceBuilder {
-        SqsSourceBuilder::new(queue_url.into())
+        crate::SqsConnection::from_env().source(queue_url)
     }
 
     pub(crate) fn new(client: Client, settings: Settings, dead_letter: DeadLetterTarget) -> Self {
@@ -348,7 +349,6 @@ fn attribute_bytes(value: &MessageAttributeValue) -> Vec<u8> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use aws_sdk_sqs::config::{BehaviorVersion, Region};
     use aws_sdk_sqs::primitives::Blob;
     use aws_sdk_sqs::types::Message as SqsMessage;
     use inbox_core::MessageId;
@@ -356,10 +356,6 @@ mod tests {
     use super::*;
 
     fn source(dedup_id_fallback: bool) -> SqsSource {
-        let config = aws_sdk_sqs::Config::builder()
-            .behavior_version(BehaviorVersion::latest())
-            .region(Region::new("us-east-1"))
-            .build();
         let settings = Settings {
             queue_url: "http://localhost/q".into(),
             id_from: if dedup_id_fallback {
@@ -376,7 +372,8 @@ mod tests {
             retention: None,
             fifo: false,
         };
-        SqsSource::new(Client::from_conf(config), settings, DeadLetterTarget::None)
+        let client = crate::connection::offline_client();
+        SqsSource::new(client, settings, DeadLetterTarget::None)
     }
 
     fn text(value: &str) -> MessageAttributeValue {

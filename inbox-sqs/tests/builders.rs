@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::{client, delete_queue, fifo_queue, producer, queue, LOCAL_ENDPOINT};
 use inbox_core::{Ack, MessageId, MessageSource, OutgoingMessage, Publish};
-use inbox_sqs::{SqsProducer, SqsSource};
+use inbox_sqs::{SqsConnection, SqsSource};
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -94,8 +94,8 @@ async fn a_standard_queue_counts_deliveries_and_delays_nacks_without_lanes() {
     let url = queue(&sqs, "caps", 30).await;
     let producer = producer(&sqs).await;
     let id = producer.send(&url, b"{}").await.unwrap();
-    let mut source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let mut source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .connect()
         .await
@@ -133,8 +133,8 @@ async fn a_fifo_queue_hands_out_its_message_groups_as_lanes() {
         .send_batch(&url, std::slice::from_ref(&message))
         .await
         .unwrap();
-    let mut source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let mut source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .connect()
         .await
@@ -159,8 +159,8 @@ async fn ids_on(
     url: &str,
     expected: usize,
 ) -> BTreeSet<MessageId> {
-    let mut source = SqsSource::builder(url)
-        .client(sqs.clone())
+    let mut source = SqsConnection::new(sqs.clone())
+        .source(url)
         .poll_timeout(SECOND)
         .connect()
         .await
@@ -211,8 +211,8 @@ async fn one_producer_sends_to_two_queues_by_url_and_by_name() {
 #[tokio::test]
 async fn the_deduplication_id_is_refused_on_a_standard_queue() {
     let url = "http://127.0.0.1:4566/000000000000/payments";
-    let e = SqsSource::builder(url)
-        .client(client().await)
+    let e = SqsConnection::new(client().await)
+        .source(url)
         .id_from(inbox_sqs::IdFrom::MessageIdProperty)
         .connect()
         .await
@@ -237,8 +237,8 @@ async fn an_id_attribute_named_like_a_dead_letter_attribute_is_refused() {
         );
     };
     for name in [REASON, ORIGINAL_SOURCE, ORIGINAL_POSITION] {
-        let source = SqsSource::builder(url)
-            .client(sqs.clone())
+        let source = SqsConnection::new(sqs.clone())
+            .source(url)
             .id_attribute(name)
             .connect()
             .await;
@@ -246,8 +246,8 @@ async fn an_id_attribute_named_like_a_dead_letter_attribute_is_refused() {
             panic!("source with id_attribute({name}): {source:?}");
         };
         named(e, name);
-        let source = SqsSource::builder(url)
-            .client(sqs.clone())
+        let source = SqsConnection::new(sqs.clone())
+            .source(url)
             .id_from(inbox_sqs::IdFrom::header("event_id").or(inbox_sqs::IdFrom::header(name)))
             .connect()
             .await;
@@ -255,8 +255,8 @@ async fn an_id_attribute_named_like_a_dead_letter_attribute_is_refused() {
             panic!("source with id_from(.. or {name}): {source:?}");
         };
         named(e, name);
-        let producer = SqsProducer::builder()
-            .client(sqs.clone())
+        let producer = SqsConnection::new(sqs.clone())
+            .producer()
             .id_attribute(name)
             .connect()
             .await;
@@ -264,8 +264,8 @@ async fn an_id_attribute_named_like_a_dead_letter_attribute_is_refused() {
             panic!("producer with id_attribute({name}): {producer:?}");
         };
         named(e, name);
-        let reader = inbox_sqs::SqsDeadLetters::builder(format!("{url}-dlq"))
-            .client(sqs.clone())
+        let reader = SqsConnection::new(sqs.clone())
+            .dead_letters(format!("{url}-dlq"))
             .id_attribute(name)
             .connect()
             .await;

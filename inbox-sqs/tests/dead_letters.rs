@@ -9,11 +9,12 @@ use std::time::Duration;
 
 use common::{client, drain, fifo_queue, producer, queue, queue_with_redrive, text};
 use inbox_core::dead_letter::REASON;
+use inbox_core::replay::DeadLetters;
 use inbox_core::{Ack, MessageId, MessageSource, Publish, Recovery};
 use inbox_sqs::aws_sdk_sqs::types::Message as SqsMessage;
 use inbox_sqs::aws_sdk_sqs::types::MessageSystemAttributeName;
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_sqs::{Error, SqsSource};
+use inbox_sqs::{Error, SqsConnection, SqsSource};
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -66,8 +67,8 @@ async fn one_id_dead_lettered_twice_within_five_minutes_arrives_twice_in_a_fifo_
     let sqs = client().await;
     let url = queue(&sqs, "dl-twice", 30).await;
     let dlq = fifo_queue(&sqs, "dl-twice-dlq", 30).await;
-    let mut source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let mut source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .dead_letter_queue(&dlq)
         .connect()
@@ -100,8 +101,8 @@ async fn messages_without_an_id_or_with_a_non_ascii_id_dead_letter_to_a_fifo_dlq
     let sqs = client().await;
     let url = queue(&sqs, "dl-odd", 30).await;
     let dlq = fifo_queue(&sqs, "dl-odd-dlq", 30).await;
-    let mut source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let mut source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .dead_letter_queue(&dlq)
         .connect()
@@ -146,8 +147,8 @@ async fn a_dead_letter_whose_send_fails_hands_the_message_back() {
     let sqs = client().await;
     let url = queue(&sqs, "dl-fails", 30).await;
     let dlq = queue(&sqs, "dl-fails-dlq", 30).await;
-    let mut source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let mut source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .dead_letter_queue(&dlq)
         .connect()
@@ -192,8 +193,8 @@ async fn a_dead_letter_queue_that_does_not_exist_fails_the_build() {
     let sqs = client().await;
     let url = queue(&sqs, "dl-missing", 30).await;
     let missing = format!("{url}-gone");
-    let built = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let built = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .dead_letter_queue(&missing)
         .connect()
@@ -215,8 +216,8 @@ async fn a_deleted_redrive_dead_letter_queue_fails_the_build() {
     let sqs = client().await;
     let (url, dlq) = queue_with_redrive(&sqs, "dl-deleted", 30, 5).await;
     common::delete_queue(&sqs, &dlq).await;
-    let built = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let built = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .connect()
         .await;
@@ -232,8 +233,8 @@ async fn a_deleted_redrive_dead_letter_queue_fails_the_build() {
 /// Receives the one message on the dead-letter queue `dlq` as a source configured like the
 /// original (`id_attribute`), as a replay from the dead-letter queue into the source would.
 async fn replayed_id(sqs: &Client, dlq: &str, id_attribute: &str) -> Option<MessageId> {
-    let mut replay = SqsSource::builder(dlq)
-        .client(sqs.clone())
+    let mut replay = SqsConnection::new(sqs.clone())
+        .source(dlq)
         .poll_timeout(SECOND)
         .id_attribute(id_attribute)
         .connect()
@@ -258,8 +259,8 @@ async fn a_dead_letter_keeps_the_id_attribute_when_attributes_are_cut() {
     let sqs = client().await;
     let url = queue(&sqs, "dl-cut", 30).await;
     let dlq = queue(&sqs, "dl-cut-dlq", 30).await;
-    let mut source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let mut source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .dead_letter_queue(&dlq)
         .connect()
@@ -290,8 +291,8 @@ async fn a_dead_letter_carries_an_id_taken_from_the_deduplication_id() {
     let sqs = client().await;
     let url = fifo_queue(&sqs, "dl-dedup", 30).await;
     let dlq = queue(&sqs, "dl-dedup-dlq", 30).await;
-    let mut source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let mut source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .id_attribute("order_ref")
         .dedup_id_fallback(true)
@@ -315,4 +316,42 @@ async fn a_dead_letter_carries_an_id_taken_from_the_deduplication_id() {
     );
     common::delete_queue(&sqs, &url).await;
     common::delete_queue(&sqs, &dlq).await;
+}
+
+/// The endpoint, region and credentials are given once, on the connection: the source
+/// dead-letters through them, and the dead-letter reader built from the same connection reads
+/// the parked message back and removes it.
+#[tokio::test]
+async fn the_dead_letter_reader_reaches_sqs_through_the_sources_connection() {
+    let admin = client().await;
+    let url = queue(&admin, "dl-conn", 30).await;
+    let dlq = queue(&admin, "dl-conn-dlq", 30).await;
+    // Outside AWS, the local endpoint and dummy credentials are set here and nowhere else.
+    let sqs = SqsConnection::new(client().await);
+    let mut source = sqs
+        .source(&url)
+        .poll_timeout(SECOND)
+        .dead_letter_queue(&dlq)
+        .connect()
+        .await
+        .unwrap();
+    let producer = sqs.producer().connect().await.unwrap();
+    let id = producer.send(&url, b"parked").await.unwrap();
+    assert_eq!(dead_letter_all(&mut source).await, 1);
+
+    let mut reader = sqs.dead_letters(&dlq).connect().await.unwrap();
+    let letters = reader.next(10).await.unwrap();
+    let shown: Vec<_> = letters.iter().map(|l| (&l.id, &l.reason)).collect();
+    println!("read through the connection: {shown:?}");
+    assert_eq!(letters.len(), 1, "{shown:?}");
+    let letter = &letters[0];
+    assert_eq!(letter.id.as_ref(), Some(&id));
+    assert_eq!(letter.payload, b"parked");
+    assert_eq!(letter.reason.as_deref(), Some("test: cannot be applied"));
+    assert_eq!(letter.original_source.as_deref(), Some(url.as_str()));
+    reader.remove(&letters).await.unwrap();
+    reader.close().await.unwrap();
+    assert_eq!(common::counts(&admin, &dlq).await, (0, 0));
+    common::delete_queue(&admin, &url).await;
+    common::delete_queue(&admin, &dlq).await;
 }

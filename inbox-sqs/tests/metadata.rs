@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use inbox_core::telemetry::TRACEPARENT_HEADER;
 use inbox_core::{Ack, MessageSource, OutgoingMessage, Publish};
-use inbox_sqs::SqsSource;
+use inbox_sqs::SqsConnection;
 use inbox_testkit::metadata::{assert_sent_since, assert_traced, TRACEPARENT};
 use inbox_testkit::receive;
 
@@ -25,8 +25,8 @@ async fn a_message_carries_its_sent_timestamp_trace_parent_and_headers() {
         .send_batch(&queue, std::slice::from_ref(&message))
         .await
         .expect("sent");
-    let mut source = SqsSource::builder(&queue)
-        .client(client)
+    let mut source = SqsConnection::new(client)
+        .source(&queue)
         .poll_timeout(Duration::from_secs(1))
         .connect()
         .await

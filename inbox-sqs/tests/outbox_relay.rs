@@ -17,7 +17,7 @@ use inbox_conformance::TestDb;
 use inbox_core::{OutgoingMessage, Recovery};
 use inbox_postgres::RelayError;
 use inbox_sqs::aws_sdk_sqs::types::MessageSystemAttributeName;
-use inbox_sqs::SqsProducer;
+use inbox_sqs::SqsConnection;
 
 /// The queue's name: what outbox rows name as their destination.
 fn name(url: &str) -> &str {
@@ -113,8 +113,8 @@ async fn rows_sqs_cannot_take_stop_the_relay_and_stay_unsent() {
     let sender = inbox_core::Destinations::new()
         .route(
             name(&url),
-            SqsProducer::builder()
-                .client(sqs.clone())
+            SqsConnection::new(sqs.clone())
+                .producer()
                 .message_group_id("g")
                 .connect()
                 .await

@@ -5,7 +5,7 @@ mod common;
 
 use inbox_sqs::aws_sdk_sqs::config::{Credentials, Region};
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_sqs::SqsSource;
+use inbox_sqs::SqsConnection;
 
 const SECRET_KEY: &str = "wJalrXUtnFEMI-secret-7c2a";
 const SESSION_TOKEN: &str = "session-token-5b1d";
@@ -29,7 +29,7 @@ async fn debug_output_shows_no_credentials() {
     let client = Client::new(&config);
     let url = format!("{endpoint}/000000000000/inbox-redaction");
     let shown = [
-        format!("{:?}", SqsSource::builder(&url).client(client.clone())),
+        format!("{:?}", SqsConnection::new(client.clone()).source(&url)),
         format!("{:?}", common::producer(&client).await),
         format!("{client:?}"),
     ];
@@ -38,8 +38,8 @@ async fn debug_output_shows_no_credentials() {
     let built = if local {
         // The local endpoint takes any credentials: build the source the consumer would get.
         let queue = common::queue(&client, "redaction", 30).await;
-        let source = SqsSource::builder(&queue)
-            .client(client)
+        let source = SqsConnection::new(client)
+            .source(&queue)
             .connect()
             .await
             .expect("the source builds against the local endpoint");

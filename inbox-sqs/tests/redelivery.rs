@@ -15,7 +15,7 @@ use inbox_core::{
     Ack, Consumer, Handler, HandlerError, Message, MessageId, MessageSource, Publish, RetryPolicy,
 };
 use inbox_postgres::PgTx;
-use inbox_sqs::{SqsProducer, SqsSource};
+use inbox_sqs::SqsConnection;
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -64,8 +64,8 @@ async fn hand_backs_then_one_failure(fifo: bool) {
     };
     let dlq = queue(&sqs, "handback-dlq", 30).await;
     let db = TestDb::new().await;
-    let sender = SqsProducer::builder()
-        .client(sqs.clone())
+    let sender = SqsConnection::new(sqs.clone())
+        .producer()
         .message_group_id("account-1")
         .connect()
         .await
@@ -74,8 +74,8 @@ async fn hand_backs_then_one_failure(fifo: bool) {
     // Receives wait 3 s, longer than a redelivery's delay: the consumer is idle only once
     // nothing is on its way back.
     let connect = || {
-        SqsSource::builder(&url)
-            .client(sqs.clone())
+        SqsConnection::new(sqs.clone())
+            .source(&url)
             .poll_timeout(3 * SECOND)
             .dead_letter_queue(&dlq)
             .connect()

@@ -16,7 +16,7 @@ use inbox_conformance::wallet::{summary, Credit};
 use inbox_conformance::TestDb;
 use inbox_core::replay::{replay, Selection};
 use inbox_core::{Ack, Consumer, MessageId, MessageSource, OutgoingMessage, Publish};
-use inbox_sqs::{SqsDeadLetters, SqsSource};
+use inbox_sqs::SqsConnection;
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -28,8 +28,8 @@ async fn a_dead_letter_replayed_at_once_into_a_fifo_queue_is_applied() {
     let db = TestDb::new().await;
     let producer = producer(&sqs).await;
     let connect = || {
-        SqsSource::builder(&url)
-            .client(sqs.clone())
+        SqsConnection::new(sqs.clone())
+            .source(&url)
             .poll_timeout(SECOND)
             .dead_letter_queue(&dlq)
             .connect()
@@ -53,8 +53,8 @@ async fn a_dead_letter_replayed_at_once_into_a_fifo_queue_is_applied() {
             .dead_letter(&delivery.message, "the downstream is down")
             .await
             .unwrap();
-        let mut letters = SqsDeadLetters::builder(&dlq)
-            .client(sqs.clone())
+        let mut letters = SqsConnection::new(sqs.clone())
+            .dead_letters(&dlq)
             .connect()
             .await
             .unwrap();

@@ -15,7 +15,7 @@ use inbox_conformance::TestDb;
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{Consumer, Error, MessageId, OutgoingMessage, Publish, Recovery, Stage};
 use inbox_sqs::aws_sdk_sqs::types::MessageAttributeValue;
-use inbox_sqs::{SqsProducer, SqsSource};
+use inbox_sqs::SqsConnection;
 use inbox_testkit::{AckOnReceive, Crash};
 
 const SECOND: Duration = Duration::from_secs(1);
@@ -36,8 +36,8 @@ async fn the_same_id_twice_in_one_receive_is_applied_once() {
     ];
     sender.send_batch(&url, &twice).await.unwrap();
 
-    let source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .connect()
         .await
@@ -85,8 +85,8 @@ async fn a_dead_letter_keeps_its_attributes_and_carries_a_reason_attribute() {
     // An ID, but a body no handler can parse: a permanent failure.
     let bad = producer(&sqs).await.send(&url, b"not json").await.unwrap();
 
-    let source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .dead_letter_queue(&dlq)
         .connect()
@@ -144,8 +144,8 @@ async fn without_explicit_dlq_the_redrive_policy_target_gets_the_dead_letter() {
         .await
         .unwrap();
 
-    let source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .connect()
         .await
@@ -183,8 +183,8 @@ async fn without_any_dead_letter_queue_the_consumer_stops_and_loses_nothing() {
         .await
         .unwrap();
 
-    let source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .connect()
         .await
@@ -220,8 +220,8 @@ async fn batched_sends_are_all_applied_and_batch_deleted() {
         .unwrap();
     assert_eq!(counts(&sqs, &url).await, (EVENTS as u64, 0));
 
-    let source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .connect()
         .await
@@ -264,8 +264,8 @@ async fn delete_on_receive_loses_a_message_on_crash() {
         .await
         .unwrap();
 
-    let source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .connect()
         .await
@@ -294,8 +294,8 @@ async fn fifo_queue_with_the_deduplication_id_fallback() {
     let sqs = client().await;
     let url = common::fifo_queue(&sqs, "fifo", 3).await;
     let db = TestDb::new().await;
-    let sender = SqsProducer::builder()
-        .client(sqs.clone())
+    let sender = SqsConnection::new(sqs.clone())
+        .producer()
         .message_group_id("account-1")
         .connect()
         .await
@@ -318,8 +318,8 @@ async fn fifo_queue_with_the_deduplication_id_fallback() {
         .await
         .unwrap();
 
-    let source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .dedup_id_fallback(true)
         .connect()

@@ -17,7 +17,7 @@ use inbox_core::{
     StageHook,
 };
 use inbox_postgres::PgTx;
-use inbox_sqs::{SqsProducer, SqsSource};
+use inbox_sqs::SqsConnection;
 
 /// The wallet's credit; account 1's credit of 3 fails twice. Records each group's amounts in
 /// the order committed.
@@ -76,8 +76,8 @@ async fn run(order: Order) -> BTreeMap<String, Vec<i64>> {
     let url = common::fifo_queue(&sqs, "strict", 30).await;
     let db = TestDb::new().await;
     for account in [1, 2] {
-        let sender = SqsProducer::builder()
-            .client(sqs.clone())
+        let sender = SqsConnection::new(sqs.clone())
+            .producer()
             .message_group_id(format!("account-{account}"))
             .connect()
             .await
@@ -89,8 +89,8 @@ async fn run(order: Order) -> BTreeMap<String, Vec<i64>> {
                 .unwrap();
         }
     }
-    let source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(Duration::from_secs(1))
         .connect()
         .await

@@ -13,7 +13,7 @@ use inbox_conformance::TestDb;
 use inbox_core::{Ack, Consumer, InboxStore, MessageSource, Publish, StatsSnapshot};
 use inbox_postgres::PgTx;
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_sqs::SqsSource;
+use inbox_sqs::SqsConnection;
 use inbox_testkit::WithoutInbox;
 
 const SECOND: Duration = Duration::from_secs(1);
@@ -40,8 +40,8 @@ async fn heartbeat_keeps_a_slow_message_invisible_until_acked() {
         .send(&url, credit(1, 1).as_bytes())
         .await
         .unwrap();
-    let mut source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let mut source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .connect()
         .await
@@ -75,8 +75,8 @@ async fn a_dropped_delivery_comes_back_after_the_visibility_timeout() {
         .send(&url, credit(1, 1).as_bytes())
         .await
         .unwrap();
-    let mut source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let mut source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .connect()
         .await
@@ -110,8 +110,8 @@ async fn nack_makes_the_message_visible_after_the_delay() {
         .send(&url, credit(1, 1).as_bytes())
         .await
         .unwrap();
-    let mut source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let mut source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(Duration::from_secs(5))
         .connect()
         .await
@@ -145,8 +145,8 @@ async fn a_sub_second_nack_is_not_visible_at_once() {
         .send(&url, credit(1, 1).as_bytes())
         .await
         .unwrap();
-    let mut source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let mut source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(Duration::from_secs(5))
         .connect()
         .await
@@ -200,8 +200,8 @@ where
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut consumers = Vec::new();
     for _ in 0..3 {
-        let source = SqsSource::builder(&url)
-            .client(sqs.clone())
+        let source = SqsConnection::new(sqs.clone())
+            .source(&url)
             .poll_timeout(SECOND)
             .heartbeat(heartbeat)
             .connect()
@@ -316,8 +316,8 @@ async fn a_delivery_whose_message_was_handed_out_again_is_stale() {
     let url = queue(&sqs, "stale", 3).await;
     let sender = producer(&sqs).await;
     sender.send(&url, credit(1, 5).as_bytes()).await.unwrap();
-    let mut source = SqsSource::builder(&url)
-        .client(sqs.clone())
+    let mut source = SqsConnection::new(sqs.clone())
+        .source(&url)
         .poll_timeout(SECOND)
         .connect()
         .await

@@ -10,12 +10,12 @@ pub use inbox_conformance::sqs::{
 use inbox_conformance::wallet::CreditEvent;
 use inbox_sqs::aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName};
 use inbox_sqs::aws_sdk_sqs::Client;
-use inbox_sqs::SqsProducer;
+use inbox_sqs::{SqsConnection, SqsProducer};
 
 /// A producer on `client`.
 pub async fn producer(client: &Client) -> SqsProducer {
-    SqsProducer::builder()
-        .client(client.clone())
+    SqsConnection::new(client.clone())
+        .producer()
         .connect()
         .await
         .expect("producer")
