@@ -16,7 +16,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool};
 use sqlx::AssertSqlSafe;
 use transactional_inbox::postgres::sqlx;
 use transactional_inbox::postgres::{Outbox, PgInbox, PgTx};
-use transactional_inbox::redis_streams::{redis, RedisStreamProducer, RedisStreamSource};
+use transactional_inbox::redis_streams::{redis, RedisConnection};
 use transactional_inbox::{Consumer, Handler, HandlerError, Message, MessageId, Publish};
 
 const DATABASE_URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/inbox";
@@ -70,10 +70,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     outbox.migrate().await?;
 
     // One producer for both streams: each send names its stream.
-    let producer = RedisStreamProducer::builder()
-        .url(&redis_url)
-        .connect()
-        .await?;
+    let redis = RedisConnection::new(&redis_url); // the producer's and the sources'
+    let producer = redis.producer().connect().await?;
     let ids: Vec<MessageId> = (0..4).map(|_| MessageId::generate()).collect();
     let orders_json = ["[1, 100]", "[2, 250]", "[1, 30]", "[2, 5]"]; // [account, amount]
     for (id, order) in ids.iter().zip(orders_json) {
@@ -84,10 +82,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // A short poll wait, so that each `run_until_idle` returns soon after the stream is read.
     let poll = Duration::from_millis(200);
-    let source = |stream: &str, group: &str| {
-        let builder = RedisStreamSource::builder(stream, group).poll_timeout(poll);
-        builder.url(&redis_url).connect()
-    };
+    let source =
+        |stream: &str, group: &str| redis.source(stream, group).poll_timeout(poll).connect();
     // In production the three run side by side, each with `run()`; here one after the other.
     let forward = Forward(outbox.clone(), credits.clone());
     let from_orders = source(&orders, "forward").await?;

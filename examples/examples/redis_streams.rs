@@ -6,7 +6,7 @@ mod common; // the wallet table, the events and the check, shared by the four ex
 use common::{BoxError, Wallet};
 use transactional_inbox::postgres::sqlx;
 use transactional_inbox::postgres::PgTx;
-use transactional_inbox::redis_streams::{RedisStreamProducer, RedisStreamSource};
+use transactional_inbox::redis_streams::RedisConnection;
 use transactional_inbox::{Consumer, Handler, HandlerError, Message, MessageId, Publish};
 
 struct Credit;
@@ -27,16 +27,15 @@ impl Handler<PgTx> for Credit {
 async fn main() -> Result<(), BoxError> {
     let wallet = Wallet::open().await?;
     let stream = format!("inbox-example-{}", uuid::Uuid::new_v4());
-    let producer = RedisStreamProducer::builder().connect().await?; // Redis at REDIS_URL
+    let redis = RedisConnection::from_env(); // Redis at REDIS_URL, for the producer and the source
+    let producer = redis.producer().connect().await?;
     for (id, payload) in wallet.sends() {
         producer
             .send_with_id(&stream, &id, payload.as_bytes())
             .await?;
     }
 
-    let source = RedisStreamSource::builder(&stream, "example-credits") // stream, group
-        .connect()
-        .await?;
+    let source = redis.source(&stream, "example-credits").connect().await?; // stream, group
     let consumer = Consumer::new("example-credits", source, wallet.inbox.clone(), Credit);
     wallet.run_and_check(consumer).await
 }

@@ -20,7 +20,7 @@ use tokio::net::TcpStream;
 use tokio::process::Command;
 use tokio::time::{sleep, timeout, Instant};
 use transactional_inbox::postgres::{Outbox, PgTx};
-use transactional_inbox::redis_streams::{RedisStreamProducer, RedisStreamSource};
+use transactional_inbox::redis_streams::{RedisConnection, RedisStreamProducer};
 use transactional_inbox::{
     Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish, TraceParent,
 };
@@ -169,8 +169,8 @@ async fn the_example_exports_moving_series_and_is_ready_while_it_runs() {
     assert_eq!(value(&before, "inbox_retention_seconds", &label), 604_800.0);
     assert_eq!(value(&before, "inbox_messages_applied_total", &label), 0.0);
 
-    let producer = RedisStreamProducer::builder()
-        .url(redis_url())
+    let producer = RedisConnection::new(redis_url())
+        .producer()
         .connect()
         .await
         .unwrap();
@@ -307,8 +307,8 @@ async fn a_trace_crosses_redis_into_the_handler() {
 
     let db = TestDb::new().await;
     let stream = unique("inbox-test:traceparent");
-    let producer = RedisStreamProducer::builder()
-        .url(redis_url())
+    let producer = RedisConnection::new(redis_url())
+        .producer()
         .connect()
         .await
         .unwrap();
@@ -343,9 +343,9 @@ async fn a_trace_crosses_redis_into_the_handler() {
     let relay = outbox.relay(producer.clone()).run_until_idle();
     assert_eq!(relay.await.unwrap().published, 1);
 
-    let source = RedisStreamSource::builder(&stream, "g")
+    let source = RedisConnection::new(redis_url())
+        .source(&stream, "g")
         .poll_timeout(Duration::from_millis(200))
-        .url(redis_url())
         .connect()
         .await
         .unwrap();

@@ -345,9 +345,9 @@ async fn open(from: &DeadLetterSource, replay: bool) -> Result<Opened, CliError>
         #[cfg(feature = "redis")]
         Broker::Redis => {
             let url = required(&from.redis_url, "Redis server", "redis-url", "REDIS_URL")?;
-            let mut reader =
-                inbox_redis_streams::RedisDeadLetters::builder(&from.from).url(url.clone());
-            let mut producer = inbox_redis_streams::RedisStreamProducer::builder().url(url);
+            let redis = inbox_redis_streams::RedisConnection::new(url);
+            let mut reader = redis.dead_letters(&from.from);
+            let mut producer = redis.producer();
             if let Some(field) = field {
                 reader = reader.id_field(field);
                 producer = producer.id_field(field);

@@ -21,7 +21,9 @@ use std::time::Duration;
 use crate::FaultProxy;
 use inbox_core::DynPublish;
 use inbox_redis_streams::redis::{Client, ConnectionAddr, IntoConnectionInfo};
-use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource, RedisStreamSourceBuilder};
+use inbox_redis_streams::{
+    RedisConnection, RedisStreamProducer, RedisStreamSource, RedisStreamSourceBuilder,
+};
 
 use crate::{DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
@@ -38,20 +40,34 @@ pub fn stream_key(test: &str) -> String {
     crate::unique_name(&format!("inbox-test:{test}"))
 }
 
-/// A source of the group [`GROUP`] as `consumer`, with test-friendly timings: 200 ms polls and
-/// claim sweeps.
+/// The server at [`redis_url`].
+pub fn connection() -> RedisConnection {
+    RedisConnection::new(redis_url())
+}
+
+/// A source on [`connection`] of the group [`GROUP`] as `consumer`, with test-friendly timings:
+/// 200 ms polls and claim sweeps.
 pub fn builder(stream: &str, consumer: &str) -> RedisStreamSourceBuilder {
-    RedisStreamSource::builder(stream, GROUP)
-        .url(redis_url())
+    builder_on(&connection(), stream, consumer)
+}
+
+/// [`builder`] on the server `redis` reaches.
+pub fn builder_on(
+    redis: &RedisConnection,
+    stream: &str,
+    consumer: &str,
+) -> RedisStreamSourceBuilder {
+    redis
+        .source(stream, GROUP)
         .consumer_name(consumer)
         .poll_timeout(Duration::from_millis(200))
         .claim_interval(Duration::from_millis(200))
 }
 
-/// A producer with the adapter's defaults.
+/// A producer on [`connection`] with the adapter's defaults.
 pub async fn producer() -> RedisStreamProducer {
-    RedisStreamProducer::builder()
-        .url(redis_url())
+    connection()
+        .producer()
         .connect()
         .await
         .expect("producer connects")
@@ -67,9 +83,9 @@ const CLAIM_IDLE: Duration = Duration::from_millis(1500);
 /// How often a source looks for entries to claim ([`builder`]'s).
 const CLAIM_INTERVAL: Duration = Duration::from_millis(200);
 
-/// A source of `stream` as `member`, with the suite's timings.
-fn source_builder(stream: &str, member: &str) -> RedisStreamSourceBuilder {
-    builder(stream, member).claim_idle(CLAIM_IDLE)
+/// A source on `redis` of `stream` as `member`, with the suite's timings.
+fn source_builder(redis: &RedisConnection, stream: &str, member: &str) -> RedisStreamSourceBuilder {
+    builder_on(redis, stream, member).claim_idle(CLAIM_IDLE)
 }
 
 /// A stream of its own; its dead letters go to `<stream>:dlq`.
@@ -78,6 +94,13 @@ pub struct Stream {
     key: String,
     /// The server: `REDIS_URL`, or a private one's.
     url: String,
+}
+
+impl Stream {
+    /// The server this stream is on: the source's, the producer's and the reader's.
+    fn redis(&self) -> RedisConnection {
+        RedisConnection::new(&self.url)
+    }
 }
 
 impl TestBroker for Redis {
@@ -114,8 +137,7 @@ impl TestQueue for Stream {
     }
 
     async fn source(&self, member: &str) -> RedisStreamSource {
-        source_builder(&self.key, member)
-            .url(&self.url)
+        source_builder(&self.redis(), &self.key, member)
             .connect()
             .await
             .expect("source connects")
@@ -145,10 +167,10 @@ impl TestQueue for Stream {
         ));
         // A command on a silent connection is given up after 1 s (the blocking read gets its
         // block on top); what a lost read or a failed ack left pending is claimed after 2 s.
-        let source = source_builder(&self.key, member)
+        let redis = RedisConnection::from_client(Client::open(proxied).expect("client"))
+            .operation_timeout(Duration::from_secs(1));
+        let source = source_builder(&redis, &self.key, member)
             .claim_idle(Duration::from_secs(2))
-            .operation_timeout(Duration::from_secs(1))
-            .client(Client::open(proxied).expect("client"))
             .connect()
             .await
             .expect("source connects");
@@ -176,7 +198,8 @@ impl TestQueue for Stream {
     }
 
     async fn producer(&self) -> Arc<dyn DynPublish> {
-        Arc::new(producer().await)
+        let producer = self.redis().producer().connect().await;
+        Arc::new(producer.expect("producer connects"))
     }
 
     fn destination(&self) -> String {
@@ -211,8 +234,9 @@ impl TestQueue for Stream {
     }
 
     async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DynDeadLetters>> {
-        let reader = inbox_redis_streams::RedisDeadLetters::builder(format!("{}:dlq", self.key))
-            .url(&self.url)
+        let reader = self
+            .redis()
+            .dead_letters(format!("{}:dlq", self.key))
             .connect()
             .await
             .expect("the dead-letter reader connects");
@@ -230,8 +254,7 @@ impl crate::foreign_ids::ForeignQueue for Stream {
     }
 
     async fn source_reading(&self, member: &str, from: inbox_core::IdFrom) -> RedisStreamSource {
-        source_builder(&self.key, member)
-            .url(&self.url)
+        source_builder(&self.redis(), &self.key, member)
             .id_from(from)
             .connect()
             .await

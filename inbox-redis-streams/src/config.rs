@@ -3,10 +3,8 @@
 use std::time::Duration;
 
 use inbox_core::IdFrom;
-use redis::Client;
 
-use crate::connection::{Conn, Target};
-use crate::{Error, RedisStreamSource, Result};
+use crate::{Error, RedisConnection, RedisStreamSource, Result};
 
 /// Everything a source and its acks need to know, shared between them.
 #[derive(Debug)]
@@ -30,16 +28,14 @@ impl Settings {
     }
 }
 
-/// Builds a [`RedisStreamSource`]; start with [`RedisStreamSource::builder`], finish with
-/// [`RedisStreamSourceBuilder::connect`].
-///
-/// Redis is reached at the `REDIS_URL` environment variable (no default: unset, connect fails)
-/// unless [`RedisStreamSourceBuilder::url`] or [`RedisStreamSourceBuilder::client`] says
-/// otherwise. Its `Debug` output hides a password in the URL.
+/// Builds a [`RedisStreamSource`] on the Redis its [`RedisConnection`] reaches; start with
+/// [`RedisConnection::source`] (or [`RedisStreamSource::builder`], on the Redis `REDIS_URL`
+/// names), finish with [`RedisStreamSourceBuilder::connect`]. Its `Debug` output hides a
+/// password in the URL.
 #[derive(Clone)]
 #[must_use = "a builder does nothing until `connect` is called"]
 pub struct RedisStreamSourceBuilder {
-    server: Server,
+    connection: RedisConnection,
     stream: String,
     group: String,
     consumer: Option<String>,
@@ -48,13 +44,12 @@ pub struct RedisStreamSourceBuilder {
     poll_timeout: Duration,
     claim_idle: Duration,
     claim_interval: Duration,
-    operation_timeout: Duration,
 }
 
 impl std::fmt::Debug for RedisStreamSourceBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStreamSourceBuilder")
-            .field("server", &self.server)
+            .field("connection", &self.connection)
             .field("stream", &self.stream)
             .field("group", &self.group)
             .field("consumer", &self.consumer)
@@ -63,91 +58,14 @@ impl std::fmt::Debug for RedisStreamSourceBuilder {
             .field("poll_timeout", &self.poll_timeout)
             .field("claim_idle", &self.claim_idle)
             .field("claim_interval", &self.claim_interval)
-            .field("operation_timeout", &self.operation_timeout)
             .finish()
     }
 }
 
-/// Where Redis is: the environment, a URL, a client made by the caller, or a cluster's seed
-/// nodes.
-#[derive(Clone)]
-pub(crate) enum Server {
-    Env,
-    Url(String),
-    /// Boxed: a client with TLS certificates is several times the other variants' size.
-    Client(Box<Client>),
-    /// The URLs of some of a Redis Cluster's nodes; the others are learnt from them.
-    #[cfg(feature = "cluster")]
-    Cluster(Vec<String>),
-}
-
-impl std::fmt::Debug for Server {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Server::Env => f.write_str("REDIS_URL"),
-            Server::Url(url) => write!(f, "{:?}", inbox_core::redact_url(url)),
-            Server::Client(_) => f.write_str("a given client"),
-            #[cfg(feature = "cluster")]
-            Server::Cluster(nodes) => f.debug_tuple("Cluster").field(&shown_nodes(nodes)).finish(),
-        }
-    }
-}
-
-impl Server {
-    /// Whether this is a Redis Cluster, where a script's keys must share a hash slot.
-    #[cfg(feature = "cluster")]
-    pub(crate) fn is_cluster(&self) -> bool {
-        matches!(self, Server::Cluster(_))
-    }
-
-    /// Where to connect, and how to name it in errors (URLs without their passwords). `timeout`
-    /// bounds each connection attempt.
-    pub(crate) fn target(self, timeout: Duration) -> Result<(Target, String)> {
-        let url = match self {
-            Server::Client(client) => {
-                let shown = client.get_connection_info().addr().to_string();
-                return Ok((Target::Server(client), shown));
-            }
-            Server::Url(url) => url,
-            Server::Env => crate::url_from_env()?,
-            #[cfg(feature = "cluster")]
-            Server::Cluster(nodes) => {
-                let shown = format!("the cluster of {}", shown_nodes(&nodes).join(", "));
-                if nodes.is_empty() {
-                    return Err(Error::Config(
-                        "no Redis Cluster node: give `cluster` at least one node URL".into(),
-                    ));
-                }
-                // No response timeout of the client's: each command is bounded by the source's
-                // own (a blocking read needs longer than the others).
-                let client = redis::cluster::ClusterClient::builder(nodes)
-                    .connection_timeout(timeout)
-                    .build()
-                    .map_err(|e| Error::Config(format!("{shown}: {e}")))?;
-                return Ok((Target::Cluster(Box::new(client)), shown));
-            }
-        };
-        let _ = timeout; // a server's connections are bounded in `Conn`
-        let shown = inbox_core::redact_url(&url).to_string();
-        let client = Client::open(url.as_str())
-            .map_err(|e| Error::Config(format!("Redis URL {shown:?} does not parse: {e}")))?;
-        Ok((Target::Server(Box::new(client)), shown))
-    }
-}
-
-/// Node URLs without their passwords.
-#[cfg(feature = "cluster")]
-fn shown_nodes(nodes: &[String]) -> Vec<String> {
-    nodes
-        .iter()
-        .map(|url| inbox_core::redact_url(url).to_string())
-        .collect()
-}
-
 impl RedisStreamSourceBuilder {
-    pub(crate) fn new(stream: String, group: String) -> Self {
+    pub(crate) fn new(connection: RedisConnection, stream: String, group: String) -> Self {
         Self {
-            server: Server::Env,
+            connection,
             stream,
             group,
             consumer: None,
@@ -156,7 +74,6 @@ impl RedisStreamSourceBuilder {
             poll_timeout: Duration::from_secs(2),
             claim_idle: Duration::from_secs(60),
             claim_interval: Duration::from_secs(5),
-            operation_timeout: Duration::from_secs(10),
         }
     }
 
@@ -203,48 +120,6 @@ impl RedisStreamSourceBuilder {
         self
     }
 
-    /// Connects to `url` (`redis://host:port/db`, `rediss://…`) instead of `REDIS_URL`.
-    pub fn url(mut self, url: impl Into<String>) -> Self {
-        self.server = Server::Url(url.into());
-        self
-    }
-
-    /// Connects with a client you configured instead of `REDIS_URL`.
-    pub fn client(mut self, client: Client) -> Self {
-        self.server = Server::Client(Box::new(client));
-        self
-    }
-
-    /// Connects to the Redis Cluster these nodes belong to (feature `cluster`) instead of
-    /// `REDIS_URL`: `redis://host:port` URLs of one or more of its nodes, from which the others
-    /// are learnt. Every command goes to the master holding the stream's hash slot, following
-    /// the cluster through failovers and slot migrations.
-    ///
-    /// The stream and its dead-letter stream must share a hash slot: the default dead-letter
-    /// stream is `<stream>:dlq` when the stream has a hash tag (`{orders}` → `{orders}:dlq`)
-    /// and `{<stream>}:dlq` when it has none (`orders` → `{orders}:dlq`, whose tag hashes to
-    /// the slot of `orders`). A [`dead_letter_stream`](Self::dead_letter_stream) in another
-    /// slot fails `connect`.
-    ///
-    /// ```no_run
-    /// # async fn f() -> inbox_redis_streams::Result<()> {
-    /// let source = inbox_redis_streams::RedisStreamSource::builder("{payments}", "wallet")
-    ///     .cluster(["redis://10.0.0.1:6379", "redis://10.0.0.2:6379"])
-    ///     .consumer_name("wallet-0")
-    ///     .connect() // dead letters go to `{payments}:dlq`
-    ///     .await?;
-    /// # Ok(()) }
-    /// ```
-    #[cfg(feature = "cluster")]
-    pub fn cluster<I>(mut self, nodes: I) -> Self
-    where
-        I: IntoIterator,
-        I::Item: Into<String>,
-    {
-        self.server = Server::Cluster(nodes.into_iter().map(Into::into).collect());
-        self
-    }
-
     /// How long one receive waits for new entries (`XREADGROUP … BLOCK`, default 2 s).
     pub fn poll_timeout(mut self, wait: Duration) -> Self {
         self.poll_timeout = wait;
@@ -268,37 +143,15 @@ impl RedisStreamSourceBuilder {
         self
     }
 
-    /// How long connecting, or one command, may wait for Redis (default 10 s); the blocking
-    /// read waits its [`poll_timeout`](Self::poll_timeout) on top.
-    ///
-    /// Past it the command fails with a [`Recovery::Reconnect`](inbox_core::Recovery) error and
-    /// its connection is dropped: the next command connects anew (within the same bound). A
-    /// connection whose peer went silent (a network that drops packets, a hung server, a
-    /// firewall that forgot the connection) would otherwise never answer again. After any
-    /// lost connection the source rereads its own pending entries first, so what a lost reply
-    /// had delivered, or a failed ack left pending, comes back at once rather than after
-    /// `claim_idle` (entries it had nacked come back early with them).
-    pub fn operation_timeout(mut self, wait: Duration) -> Self {
-        self.operation_timeout = wait;
-        self
-    }
-
     /// Connects, creates the consumer group if it is missing and returns the source. A server
     /// that cannot be reached fails this, with an error naming it.
     pub async fn connect(self) -> Result<RedisStreamSource> {
-        let timeout = self.operation_timeout;
-        let server = self.server.clone();
+        let connection = self.connection.clone();
         let settings = self.settings()?;
-        let (target, shown) = server.target(timeout)?;
-        let connect = |what: &str| format!("connecting to Redis at {shown} for {what}");
         // Two connections: a blocking XREADGROUP holds its connection until it returns, and acks
         // should not queue behind it.
-        let reader = Conn::connect(target.clone(), "reads", timeout)
-            .await
-            .map_err(|e| Error::redis(connect("reads"), e))?;
-        let commands = Conn::connect(target, "commands", timeout)
-            .await
-            .map_err(|e| Error::redis(connect("acks"), e))?;
+        let reader = connection.open("reads").await?;
+        let commands = connection.open("commands").await?;
         RedisStreamSource::start(settings, reader, commands).await
     }
 
@@ -329,7 +182,9 @@ impl RedisStreamSourceBuilder {
         let dead_letter_stream = match self.dead_letter_stream {
             Some(name) => name,
             #[cfg(feature = "cluster")]
-            None if self.server.is_cluster() => crate::cluster::dead_letter_stream(&self.stream),
+            None if self.connection.is_cluster() => {
+                crate::cluster::dead_letter_stream(&self.stream)
+            }
             None => format!("{}:dlq", self.stream),
         };
         if dead_letter_stream == self.stream {
@@ -339,18 +194,13 @@ impl RedisStreamSourceBuilder {
             )));
         }
         #[cfg(feature = "cluster")]
-        if self.server.is_cluster() {
+        if self.connection.is_cluster() {
             crate::cluster::check_same_slot(&self.stream, &dead_letter_stream)?;
         }
         // BLOCK 0 means "wait for ever" to Redis, which would hang shutdown-free loops.
         if self.poll_timeout < Duration::from_millis(1) {
             return Err(Error::Config(
                 "poll_timeout is under 1 ms; use at least 1 ms".into(),
-            ));
-        }
-        if self.operation_timeout < Duration::from_millis(1) {
-            return Err(Error::Config(
-                "operation_timeout is under 1 ms; use at least 1 ms".into(),
             ));
         }
         if self.claim_idle < Duration::from_millis(1) {
@@ -392,7 +242,7 @@ mod tests {
 
     #[test]
     fn bad_settings_are_refused_with_the_fix() {
-        let b = || RedisStreamSourceBuilder::new("s".into(), "g".into());
+        let b = || RedisConnection::from_env().source("s", "g");
         assert!(b().settings().is_ok());
         let e = b().id_field("payload").settings().expect_err("refused");
         assert!(e.to_string().contains("holds the payload"), "{e}");
@@ -421,8 +271,7 @@ mod tests {
     #[test]
     fn on_a_cluster_the_dead_letter_stream_shares_the_slot_and_passwords_stay_hidden() {
         let b = |stream: &str| {
-            RedisStreamSourceBuilder::new(stream.into(), "g".into())
-                .cluster(["redis://:hunter2@127.0.0.1:7000"])
+            RedisConnection::cluster(["redis://:hunter2@127.0.0.1:7000"]).source(stream, "g")
         };
         assert_eq!(
             b("orders").settings().expect("parses").dead_letter_stream,

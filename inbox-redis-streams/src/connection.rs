@@ -1,6 +1,7 @@
-//! The source's and the producer's connections to Redis: every command bounded by the operation
-//! timeout, and a connection that failed or went silent replaced by a new one on the next
-//! command.
+//! [`RedisConnection`], where and how to reach Redis, shared by the source, the producer and the
+//! dead-letter reader; and the connections they make from it: every command bounded by the
+//! operation timeout, and a connection that failed or went silent replaced by a new one on the
+//! next command.
 //!
 //! Not redis-rs's `ConnectionManager`: it keeps a connection whose reply timed out (a timeout
 //! is not a reason to reconnect there), so after a network black hole every later command on
@@ -24,9 +25,204 @@ use redis::{
 use tokio::sync::Mutex;
 use tracing::info;
 
+use crate::{
+    Error, RedisDeadLettersBuilder, RedisStreamProducerBuilder, RedisStreamSourceBuilder, Result,
+};
+
+/// Where and how to reach Redis: one server's URL, a client you configured (a private CA, a
+/// client certificate), or a Redis Cluster's nodes, and how long an operation may take. The
+/// source, the producer and the dead-letter reader are all built from it, so a setting made
+/// here reaches the three at once.
+///
+/// ```no_run
+/// # async fn f() -> inbox_redis_streams::Result<()> {
+/// use std::time::Duration;
+/// use inbox_redis_streams::RedisConnection;
+///
+/// let redis = RedisConnection::new("rediss://:secret@redis.internal:6380/0")
+///     .operation_timeout(Duration::from_secs(5));
+/// let source = redis.source("payments", "wallet").connect().await?;
+/// let producer = redis.producer().connect().await?;
+/// let dead_letters = redis.dead_letters("payments:dlq").connect().await?;
+/// # let _ = (source, producer, dead_letters); Ok(()) }
+/// ```
+///
+/// Its `Debug` output hides a password in the URL.
+#[derive(Clone)]
+#[must_use]
+pub struct RedisConnection {
+    server: Server,
+    operation_timeout: Duration,
+}
+
+/// Where Redis is.
+#[derive(Clone)]
+enum Server {
+    Env,
+    Url(String),
+    /// Boxed: a client with TLS certificates is several times the other variants' size.
+    Client(Box<Client>),
+    /// The URLs of some of a Redis Cluster's nodes; the others are learnt from them.
+    #[cfg(feature = "cluster")]
+    Cluster(Vec<String>),
+}
+
+impl std::fmt::Debug for RedisConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut shown = f.debug_struct("RedisConnection");
+        match &self.server {
+            Server::Env => shown.field("url", &"REDIS_URL"),
+            Server::Url(url) => shown.field("url", &inbox_core::redact_url(url)),
+            Server::Client(_) => shown.field("client", &"given"),
+            #[cfg(feature = "cluster")]
+            Server::Cluster(nodes) => shown.field("cluster", &shown_nodes(nodes)),
+        };
+        shown
+            .field("operation_timeout", &self.operation_timeout)
+            .finish()
+    }
+}
+
+impl RedisConnection {
+    fn at(server: Server) -> Self {
+        Self {
+            server,
+            operation_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// The server at `url` (`redis://host:port/db`; `rediss://…` needs the feature `tls`).
+    pub fn new(url: impl Into<String>) -> Self {
+        Self::at(Server::Url(url.into()))
+    }
+
+    /// The server `REDIS_URL` names. Unset, connecting fails with an error saying so: there is
+    /// no default, so a missing setting never reaches a Redis on localhost.
+    pub fn from_env() -> Self {
+        Self::at(Server::Env)
+    }
+
+    /// The server `client` reaches, as you configured it: for a private CA or a client
+    /// certificate, `Client::build_with_tls` (feature `tls`).
+    pub fn from_client(client: Client) -> Self {
+        Self::at(Server::Client(Box::new(client)))
+    }
+
+    /// The Redis Cluster these nodes belong to (feature `cluster`): `redis://host:port` URLs of
+    /// one or more of its nodes, from which the others are learnt. Every command goes to the
+    /// master holding its stream's hash slot, following the cluster through failovers and slot
+    /// migrations; see [Redis Cluster](crate#redis-cluster) for the keys a source needs.
+    #[cfg(feature = "cluster")]
+    pub fn cluster<I>(nodes: I) -> Self
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        Self::at(Server::Cluster(nodes.into_iter().map(Into::into).collect()))
+    }
+
+    /// How long connecting, or one command, may wait for Redis (default 10 s); a source's
+    /// blocking read waits its [`poll_timeout`](RedisStreamSourceBuilder::poll_timeout) on top.
+    ///
+    /// Past it the command fails with a [`Recovery::Reconnect`](inbox_core::Recovery) error and
+    /// its connection is dropped: the next command connects anew (within the same bound). A
+    /// connection whose peer went silent (a network that drops packets, a hung server, a
+    /// firewall that forgot the connection) would otherwise never answer again. After any
+    /// lost connection a source rereads its own pending entries first, so what a lost reply
+    /// had delivered, or a failed ack left pending, comes back at once rather than after
+    /// `claim_idle` (entries it had nacked come back early with them).
+    pub fn operation_timeout(mut self, wait: Duration) -> Self {
+        self.operation_timeout = wait;
+        self
+    }
+
+    /// A source reading `stream` in the consumer group `group`; finish with
+    /// [`connect`](RedisStreamSourceBuilder::connect).
+    pub fn source(
+        &self,
+        stream: impl Into<String>,
+        group: impl Into<String>,
+    ) -> RedisStreamSourceBuilder {
+        RedisStreamSourceBuilder::new(self.clone(), stream.into(), group.into())
+    }
+
+    /// A producer adding to any stream; finish with
+    /// [`connect`](RedisStreamProducerBuilder::connect).
+    pub fn producer(&self) -> RedisStreamProducerBuilder {
+        RedisStreamProducerBuilder::new(self.clone())
+    }
+
+    /// A reader of the dead-letter stream `stream` (like `payments:dlq`), for
+    /// [`inbox_core::replay`]; finish with [`connect`](RedisDeadLettersBuilder::connect).
+    pub fn dead_letters(&self, stream: impl Into<String>) -> RedisDeadLettersBuilder {
+        RedisDeadLettersBuilder::new(self.clone(), stream.into())
+    }
+
+    /// Whether this is a Redis Cluster, where a script's keys must share a hash slot.
+    #[cfg(feature = "cluster")]
+    pub(crate) fn is_cluster(&self) -> bool {
+        matches!(self.server, Server::Cluster(_))
+    }
+
+    /// Connects at once, for `purpose` (named in logs and errors), so a wrong address or a
+    /// refused login fails the build.
+    pub(crate) async fn open(&self, purpose: &'static str) -> Result<Conn> {
+        if self.operation_timeout < Duration::from_millis(1) {
+            return Err(Error::Config(
+                "operation_timeout is under 1 ms; use at least 1 ms".into(),
+            ));
+        }
+        let (target, shown) = self.target()?;
+        Conn::connect(target, purpose, self.operation_timeout)
+            .await
+            .map_err(|e| Error::redis(format!("connecting to Redis at {shown} for {purpose}"), e))
+    }
+
+    /// Where to connect, and how to name it in errors (URLs without their passwords).
+    fn target(&self) -> Result<(Target, String)> {
+        let url = match &self.server {
+            Server::Client(client) => {
+                let shown = client.get_connection_info().addr().to_string();
+                return Ok((Target::Server(client.clone()), shown));
+            }
+            Server::Url(url) => url.clone(),
+            Server::Env => crate::url_from_env()?,
+            #[cfg(feature = "cluster")]
+            Server::Cluster(nodes) => {
+                let shown = format!("the cluster of {}", shown_nodes(nodes).join(", "));
+                if nodes.is_empty() {
+                    return Err(Error::Config(
+                        "no Redis Cluster node: give `cluster` at least one node URL".into(),
+                    ));
+                }
+                // No response timeout of the client's: each command is bounded by its own
+                // (a blocking read needs longer than the others).
+                let client = redis::cluster::ClusterClient::builder(nodes.clone())
+                    .connection_timeout(self.operation_timeout)
+                    .build()
+                    .map_err(|e| Error::Config(format!("{shown}: {e}")))?;
+                return Ok((Target::Cluster(Box::new(client)), shown));
+            }
+        };
+        let shown = inbox_core::redact_url(&url).to_string();
+        let client = Client::open(url.as_str())
+            .map_err(|e| Error::Config(format!("Redis URL {shown:?} does not parse: {e}")))?;
+        Ok((Target::Server(Box::new(client)), shown))
+    }
+}
+
+/// Node URLs without their passwords.
+#[cfg(feature = "cluster")]
+fn shown_nodes(nodes: &[String]) -> Vec<String> {
+    nodes
+        .iter()
+        .map(|url| inbox_core::redact_url(url).to_string())
+        .collect()
+}
+
 /// Where connections go: one server, or a Redis Cluster (feature `cluster`).
 #[derive(Clone)]
-pub(crate) enum Target {
+enum Target {
     /// Boxed, as the cluster's: a client with TLS certificates is large.
     Server(Box<Client>),
     #[cfg(feature = "cluster")]
@@ -108,7 +304,7 @@ struct Inner {
 
 impl Conn {
     /// Connects at once, so a wrong address or a refused login fails the build.
-    pub(crate) async fn connect(
+    async fn connect(
         target: Target,
         purpose: &'static str,
         timeout: Duration,
@@ -152,7 +348,7 @@ impl Conn {
                         .await?,
                 )
             }
-            // Built with the connection timeout and no response timeout (see `config.rs`); the
+            // Built with the connection timeout and no response timeout (see `target`); the
             // slot map is read from the first seed node that answers, within the same bound.
             #[cfg(feature = "cluster")]
             Target::Cluster(client) => {

@@ -5,10 +5,9 @@ use std::time::Duration;
 
 use inbox_core::replay::{DeadLetter, DeadLetters};
 use inbox_core::{MessageId, OperationError};
-use redis::aio::MultiplexedConnection;
-use redis::Client;
 
-use crate::{url_from_env, Error, Result, DEFAULT_ID_FIELD, PAYLOAD_FIELD};
+use crate::connection::Conn;
+use crate::{Error, RedisConnection, Result, DEFAULT_ID_FIELD, PAYLOAD_FIELD};
 
 /// The entries of a dead-letter stream (`<stream>:dlq`), oldest first, as
 /// [`inbox_core::replay`] reads them: each entry's fields are the original entry's (the ID
@@ -16,12 +15,15 @@ use crate::{url_from_env, Error, Result, DEFAULT_ID_FIELD, PAYLOAD_FIELD};
 /// entry ID and its time the entry ID's milliseconds (when it was parked).
 ///
 /// Removing a replayed entry is `XDEL`: the dead-letter stream is then empty once every entry
-/// was replayed. Built with [`RedisDeadLetters::builder`]; Redis is reached at `REDIS_URL`
-/// unless [`url`](RedisDeadLettersBuilder::url) says otherwise.
+/// was replayed. Built with [`RedisConnection::dead_letters`], so it reaches Redis as the source
+/// and the producer built from the same connection do (or with [`RedisDeadLetters::builder`],
+/// on the Redis `REDIS_URL` names). Each command is bounded by the connection's
+/// [`operation_timeout`](RedisConnection::operation_timeout), and a connection that failed is
+/// replaced by the next command.
 pub struct RedisDeadLetters {
     stream: String,
     id_field: String,
-    conn: MultiplexedConnection,
+    conn: Conn,
     /// The last entry ID returned: the next page starts after it.
     after: Option<String>,
 }
@@ -36,33 +38,31 @@ impl std::fmt::Debug for RedisDeadLetters {
     }
 }
 
-/// Builds a [`RedisDeadLetters`]; start with [`RedisDeadLetters::builder`].
+/// Builds a [`RedisDeadLetters`]; start with [`RedisConnection::dead_letters`] (or
+/// [`RedisDeadLetters::builder`], on the Redis `REDIS_URL` names).
 #[derive(Debug, Clone)]
 #[must_use = "a builder does nothing until `connect` is called"]
 pub struct RedisDeadLettersBuilder {
+    connection: RedisConnection,
     stream: String,
-    url: Option<String>,
     id_field: String,
-    operation_timeout: Duration,
 }
 
 impl RedisDeadLetters {
-    /// Reads the dead-letter stream `stream` (like `orders:dlq`).
+    /// Reads the dead-letter stream `stream` (like `orders:dlq`) on the Redis `REDIS_URL` names
+    /// ([`RedisConnection::from_env`]).
     pub fn builder(stream: impl Into<String>) -> RedisDeadLettersBuilder {
-        RedisDeadLettersBuilder {
-            stream: stream.into(),
-            url: None,
-            id_field: DEFAULT_ID_FIELD.to_owned(),
-            operation_timeout: Duration::from_secs(5),
-        }
+        RedisConnection::from_env().dead_letters(stream)
     }
 }
 
 impl RedisDeadLettersBuilder {
-    /// Connects to `url` instead of `REDIS_URL`.
-    pub fn url(mut self, url: impl Into<String>) -> Self {
-        self.url = Some(url.into());
-        self
+    pub(crate) fn new(connection: RedisConnection, stream: String) -> Self {
+        Self {
+            connection,
+            stream,
+            id_field: DEFAULT_ID_FIELD.to_owned(),
+        }
     }
 
     /// The field holding the message ID, as the source read it (default `event_id`).
@@ -71,42 +71,12 @@ impl RedisDeadLettersBuilder {
         self
     }
 
-    /// How long one command may take (default 5 s).
-    pub fn operation_timeout(mut self, wait: Duration) -> Self {
-        self.operation_timeout = wait;
-        self
-    }
-
     /// Connects.
     pub async fn connect(self) -> Result<RedisDeadLetters> {
-        let url = match self.url {
-            Some(url) => url,
-            None => url_from_env()?,
-        };
-        let context = || {
-            format!(
-                "connecting to Redis to read dead-letter stream {}",
-                self.stream
-            )
-        };
-        let client = Client::open(url).map_err(|source| Error::Redis {
-            context: context(),
-            source,
-        })?;
-        let config = redis::AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(self.operation_timeout))
-            .set_response_timeout(Some(self.operation_timeout));
-        let conn = client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await
-            .map_err(|source| Error::Redis {
-                context: context(),
-                source,
-            })?;
         Ok(RedisDeadLetters {
+            conn: self.connection.open("the dead-letter reader").await?,
             stream: self.stream,
             id_field: self.id_field,
-            conn,
             after: None,
         })
     }
@@ -150,18 +120,21 @@ impl DeadLetters for RedisDeadLetters {
             Some(id) => format!("({id}"),
             None => "-".to_owned(),
         };
-        let entries: Vec<RawEntry> = redis::cmd("XRANGE")
+        let mut xrange = redis::cmd("XRANGE");
+        xrange
             .arg(&self.stream)
             .arg(start)
             .arg("+")
             .arg("COUNT")
-            .arg(max)
-            .query_async(&mut self.conn)
-            .await
-            .map_err(|source| Error::Redis {
-                context: format!("XRANGE of dead-letter stream {}", self.stream),
-                source,
-            })?;
+            .arg(max);
+        let entries: Vec<RawEntry> =
+            self.conn
+                .query(&xrange, Duration::ZERO)
+                .await
+                .map_err(|source| Error::Redis {
+                    context: format!("XRANGE of dead-letter stream {}", self.stream),
+                    source,
+                })?;
         if let Some((last, _)) = entries.last() {
             self.after = Some(last.clone());
         }
@@ -177,8 +150,9 @@ impl DeadLetters for RedisDeadLetters {
         for letter in letters {
             xdel.arg(&letter.handle);
         }
-        let _: u64 = xdel
-            .query_async(&mut self.conn)
+        let _: u64 = self
+            .conn
+            .query(&xdel, Duration::ZERO)
             .await
             .map_err(|source| Error::Redis {
                 context: format!("XDEL from dead-letter stream {}", self.stream),

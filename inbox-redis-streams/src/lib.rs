@@ -4,7 +4,7 @@
 //! ```no_run
 //! use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId, Publish};
 //! use inbox_postgres::{PgInbox, PgTx};
-//! use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
+//! use inbox_redis_streams::RedisConnection;
 //!
 //! /// Adds the amount in each message to account 1.
 //! struct Credit;
@@ -21,12 +21,14 @@
 //! }
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! // Redis at REDIS_URL, or redis://127.0.0.1:6379; `.url(..)` or `.client(..)` to say otherwise.
-//! let producer = RedisStreamProducer::builder().connect().await?;
+//! // Redis at REDIS_URL (unset: connect fails); `RedisConnection::new(url)` names one. The
+//! // source, the producer and the dead-letter reader all reach Redis through it.
+//! let redis = RedisConnection::from_env();
+//! let producer = redis.producer().connect().await?;
 //! let id = producer.send("payments", b"100").await?;
 //! producer.send_with_id("payments", &id, b"100").await?; // a retried publish: same ID, new entry
 //!
-//! let source = RedisStreamSource::builder("payments", "wallet")
+//! let source = redis.source("payments", "wallet")
 //!     .consumer_name("wallet-0") // one per process, stable across restarts: see `consumer_name`
 //!     .connect()
 //!     .await?;
@@ -76,7 +78,7 @@
 //!   the inbox's unique claim lets exactly one commit win and the other skip. Keep `claim_idle`
 //!   above the slowest handler to avoid the wasted work.
 //! - **Lost connection**: a command that fails, or gets no reply within
-//!   [`operation_timeout`](RedisStreamSourceBuilder::operation_timeout), drops its connection and
+//!   [`operation_timeout`](RedisConnection::operation_timeout), drops its connection and
 //!   the next one connects anew. The source then rereads its own pending entries first, so
 //!   entries whose read reply or `XACK` was lost come back at once (and are skipped as
 //!   duplicates if already applied), not after `claim_idle`.
@@ -122,9 +124,9 @@
 //!
 //! # Redis Cluster
 //!
-//! With the feature `cluster`, `RedisStreamSourceBuilder::cluster` and
-//! `RedisStreamProducerBuilder::cluster` take the URLs of some of a cluster's nodes instead of
-//! one server's; every other option is the same, and so is the source. Each command goes to the
+//! With the feature `cluster`, `RedisConnection::cluster` takes the URLs of some of a cluster's
+//! nodes instead of one server's; the source, the producer and the dead-letter reader built from
+//! it have the same options as on one server. Each command goes to the
 //! master of the stream's hash slot; the client follows `MOVED` and `ASK` through slot
 //! migrations and finds the new master after a failover.
 //!
@@ -132,16 +134,16 @@
 //! # #[cfg(feature = "cluster")]
 //! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::time::Duration;
-//! use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
+//! use inbox_redis_streams::RedisConnection;
 //!
-//! let nodes = ["redis://10.0.0.1:6379", "redis://10.0.0.2:6379"];
-//! let producer = RedisStreamProducer::builder()
-//!     .cluster(nodes)
+//! let cluster = RedisConnection::cluster(["redis://10.0.0.1:6379", "redis://10.0.0.2:6379"]);
+//! let producer = cluster
+//!     .producer()
 //!     .wait_for_replicas(1, Duration::from_secs(1)) // survive the master's death
 //!     .connect()
 //!     .await?;
-//! let source = RedisStreamSource::builder("{payments}", "wallet")
-//!     .cluster(nodes)
+//! let source = cluster
+//!     .source("{payments}", "wallet")
 //!     .consumer_name("wallet-0")
 //!     .connect() // dead letters to `{payments}:dlq`, in the same slot
 //!     .await?;
@@ -189,14 +191,15 @@ pub mod sweep;
 
 pub use ack::RedisStreamAck;
 pub use config::RedisStreamSourceBuilder;
+pub use connection::RedisConnection;
 pub use dead_letters::{RedisDeadLetters, RedisDeadLettersBuilder};
 pub use error::{Error, Result};
 pub use inbox_core::{CloudEventsIdentity, IdFrom};
 pub use producer::{RedisStreamProducer, RedisStreamProducerBuilder};
 pub use source::RedisStreamSource;
 
-/// The Redis client this crate uses, for [`RedisStreamSourceBuilder::client`],
-/// [`RedisStreamProducerBuilder::client`] and [`RedisStreamProducerBuilder::connection_manager`].
+/// The Redis client this crate uses, for [`RedisConnection::from_client`] and
+/// [`RedisStreamProducerBuilder::connection_manager`].
 pub use redis;
 
 /// The Redis URL from the `REDIS_URL` environment variable; unset or empty is an error that
@@ -205,7 +208,7 @@ pub fn url_from_env() -> Result<String> {
     match std::env::var("REDIS_URL") {
         Ok(url) if !url.trim().is_empty() => Ok(url),
         _ => Err(Error::Config(
-            "no Redis server: set REDIS_URL or call `.url(..)`".into(),
+            "no Redis server: set REDIS_URL or name one with `RedisConnection::new(url)`".into(),
         )),
     }
 }
@@ -229,6 +232,7 @@ mod tests {
         send_sync::<RedisStreamProducer>();
         send_sync::<RedisStreamSourceBuilder>();
         send_sync::<RedisStreamProducerBuilder>();
+        send_sync::<RedisConnection>();
         send_sync::<Error>();
     }
 }

@@ -4,15 +4,13 @@ use std::time::Duration;
 
 use inbox_core::{OutgoingMessage, Publish, PublishError};
 use redis::aio::ConnectionManager;
-use redis::Client;
 
-use crate::config::Server;
 use crate::connection::{Conn, Request};
-use crate::{Error, Result, DEFAULT_ID_FIELD, PAYLOAD_FIELD};
+use crate::{Error, RedisConnection, Result, DEFAULT_ID_FIELD, PAYLOAD_FIELD};
 
 /// Adds entries to streams:
 /// `XADD <stream> * <ID field> <id> payload <bytes> [<header> <value>…]`, a message's headers
-/// as the further fields. Build it with [`RedisStreamProducer::builder`]; it is not bound to a
+/// as the further fields. Build it with [`RedisConnection::producer`]; it is not bound to a
 /// stream: send with the [`Publish`] methods (`send`, `send_with_id`, `send_batch`, each naming
 /// the stream), or [`RedisStreamProducer::add`] for the entry ID Redis assigns.
 ///
@@ -53,60 +51,38 @@ impl std::fmt::Debug for RedisStreamProducer {
     }
 }
 
-/// Builds a [`RedisStreamProducer`]; start with [`RedisStreamProducer::builder`].
-///
-/// Redis is reached at the `REDIS_URL` environment variable (no default: unset, connect fails)
-/// unless [`url`](Self::url), [`client`](Self::client) or
-/// [`connection_manager`](Self::connection_manager) says otherwise.
+/// Builds a [`RedisStreamProducer`] on the Redis its [`RedisConnection`] reaches (unless
+/// [`connection_manager`](Self::connection_manager) gives a connection); start with
+/// [`RedisConnection::producer`] (or [`RedisStreamProducer::builder`], on the Redis `REDIS_URL`
+/// names).
 #[derive(Clone)]
 #[must_use = "a builder does nothing until `connect` is called"]
 pub struct RedisStreamProducerBuilder {
-    server: Server,
+    connection: RedisConnection,
     manager: Option<ConnectionManager>,
     id_field: String,
-    operation_timeout: Duration,
     replicas: Option<Replicas>,
 }
 
 impl std::fmt::Debug for RedisStreamProducerBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStreamProducerBuilder")
-            .field("server", &self.server)
+            .field("connection", &self.connection)
             .field("connection_manager", &self.manager.is_some())
             .field("id_field", &self.id_field)
-            .field("operation_timeout", &self.operation_timeout)
             .field("replicas", &self.replicas)
             .finish()
     }
 }
 
 impl RedisStreamProducerBuilder {
-    /// Connects to `url` (`redis://host:port/db`, `rediss://…`) instead of `REDIS_URL`.
-    pub fn url(mut self, url: impl Into<String>) -> Self {
-        self.server = Server::Url(url.into());
-        self
-    }
-
-    /// Connects with a client you configured instead of `REDIS_URL`.
-    pub fn client(mut self, client: Client) -> Self {
-        self.server = Server::Client(Box::new(client));
-        self
-    }
-
-    /// Connects to the Redis Cluster these nodes belong to (feature `cluster`) instead of
-    /// `REDIS_URL`: `redis://host:port` URLs of one or more of its nodes, from which the others
-    /// are learnt. Each `XADD` (and a batch's script, whose only key is the stream) goes to the
-    /// master holding the stream's hash slot, following the cluster through failovers and slot
-    /// migrations. See [`wait_for_replicas`](Self::wait_for_replicas): without it a failover
-    /// can lose writes the old master had confirmed.
-    #[cfg(feature = "cluster")]
-    pub fn cluster<I>(mut self, nodes: I) -> Self
-    where
-        I: IntoIterator,
-        I::Item: Into<String>,
-    {
-        self.server = Server::Cluster(nodes.into_iter().map(Into::into).collect());
-        self
+    pub(crate) fn new(connection: RedisConnection) -> Self {
+        Self {
+            connection,
+            manager: None,
+            id_field: DEFAULT_ID_FIELD.to_owned(),
+            replicas: None,
+        }
     }
 
     /// Confirms each send only once `replicas` replicas have it too (`WAIT <replicas> <timeout>`
@@ -121,7 +97,8 @@ impl RedisStreamProducerBuilder {
     /// entry may or may not survive, so send again under the same message ID, and the consumer
     /// applies it once either way. `WAIT` is not a transaction: it cannot undo the write, and a
     /// replica that confirmed can still lose the failover election to one that did not (rare;
-    /// Redis prefers the replica with the most data).
+    /// Redis prefers the replica with the most data). On a [cluster](RedisConnection::cluster)
+    /// each write and its `WAIT` go to the master of the stream's hash slot.
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.replicas = Some(Replicas {
             count: replicas,
@@ -146,13 +123,6 @@ impl RedisStreamProducerBuilder {
         self
     }
 
-    /// How long connecting, or one `XADD`, may wait for Redis (default 10 s). A connection that
-    /// failed or went silent is replaced by the next send.
-    pub fn operation_timeout(mut self, wait: Duration) -> Self {
-        self.operation_timeout = wait;
-        self
-    }
-
     /// Connects (unless given a connection manager) and returns the producer. A server that
     /// cannot be reached fails this, with an error naming it.
     pub async fn connect(self) -> Result<RedisStreamProducer> {
@@ -161,11 +131,6 @@ impl RedisStreamProducerBuilder {
                 "the ID field `{}` is empty or the payload field; pick another name",
                 self.id_field
             )));
-        }
-        if self.operation_timeout < Duration::from_millis(1) {
-            return Err(Error::Config(
-                "operation_timeout is under 1 ms; use at least 1 ms".into(),
-            ));
         }
         if let Some(r) = self.replicas {
             // `WAIT n 0` waits for ever.
@@ -177,20 +142,9 @@ impl RedisStreamProducerBuilder {
         }
         let conn = match self.manager {
             Some(manager) => Connection::Manager(manager),
-            None => {
-                let (target, shown) = self.server.target(self.operation_timeout)?;
-                // Not a redis-rs `ConnectionManager`: it keeps a connection whose reply timed
-                // out, and its reconnect could hang a send for good after a server restart.
-                let conn = Conn::connect(target, "producer", self.operation_timeout)
-                    .await
-                    .map_err(|e| {
-                        Error::redis(
-                            format!("connecting to Redis at {shown} for the producer"),
-                            e,
-                        )
-                    })?;
-                Connection::Own(conn)
-            }
+            // Not a redis-rs `ConnectionManager`: it keeps a connection whose reply timed out,
+            // and its reconnect could hang a send for good after a server restart.
+            None => Connection::Own(self.connection.open("the producer").await?),
         };
         Ok(RedisStreamProducer {
             conn,
@@ -201,25 +155,10 @@ impl RedisStreamProducerBuilder {
 }
 
 impl RedisStreamProducer {
-    /// Starts configuring a producer.
-    ///
-    /// ```no_run
-    /// use inbox_core::Publish;
-    /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
-    /// let producer = inbox_redis_streams::RedisStreamProducer::builder()
-    ///     .connect() // REDIS_URL, or redis://127.0.0.1:6379
-    ///     .await?;
-    /// let id = producer.send("payments", b"100").await?;
-    /// # let _ = id; Ok(()) }
-    /// ```
+    /// Starts configuring a producer on the Redis `REDIS_URL` names:
+    /// [`RedisConnection::from_env`]`()`[`.producer()`](RedisConnection::producer).
     pub fn builder() -> RedisStreamProducerBuilder {
-        RedisStreamProducerBuilder {
-            server: Server::Env,
-            manager: None,
-            id_field: DEFAULT_ID_FIELD.to_owned(),
-            operation_timeout: Duration::from_secs(10),
-            replicas: None,
-        }
+        RedisConnection::from_env().producer()
     }
 
     /// Adds `message` to `stream` with one `XADD` and returns the entry ID Redis assigned.
@@ -385,8 +324,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_wait_for_replicas_of_no_time_is_refused_before_connecting() {
-        let e = RedisStreamProducer::builder()
-            .url("redis://127.0.0.1:1")
+        let e = RedisConnection::new("redis://127.0.0.1:1")
+            .producer()
             .wait_for_replicas(1, Duration::ZERO)
             .connect()
             .await

@@ -46,21 +46,14 @@ pub struct RedisStreamSource {
 }
 
 impl RedisStreamSource {
-    /// Starts configuring a source reading `stream` as consumer group `group`.
-    ///
-    /// ```no_run
-    /// # async fn f() -> inbox_redis_streams::Result<()> {
-    /// let source = inbox_redis_streams::RedisStreamSource::builder("payments", "wallet")
-    ///     .consumer_name("wallet-0")
-    ///     .connect() // the server at REDIS_URL
-    ///     .await?;
-    /// # Ok(()) }
-    /// ```
+    /// Starts configuring a source reading `stream` as consumer group `group`, on the Redis
+    /// `REDIS_URL` names: [`RedisConnection::from_env`](crate::RedisConnection::from_env)`()`
+    /// [`.source(stream, group)`](crate::RedisConnection::source).
     pub fn builder(
         stream: impl Into<String>,
         group: impl Into<String>,
     ) -> RedisStreamSourceBuilder {
-        RedisStreamSourceBuilder::new(stream.into(), group.into())
+        crate::RedisConnection::from_env().source(stream, group)
     }
 
     pub(crate) async fn start(settings: Settings, reader: Conn, commands: Conn) -> Result<Self> {

@@ -1,5 +1,5 @@
-//! How a source and a producer are built and what they report: Redis is found at `REDIS_URL`
-//! unless the builder names it, the capabilities match what deliveries carry, and one producer
+//! How a source, a producer and a dead-letter reader are built and what they report: Redis is
+//! found at `REDIS_URL` unless their connection names it, the capabilities match what deliveries carry, and one producer
 //! sends to any stream.
 
 mod common;
@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::{Ack, MessageSource, Publish};
-use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
+use inbox_redis_streams::{RedisConnection, RedisStreamProducer, RedisStreamSource};
 use inbox_testkit::publish::{as_sent, send_each_way};
 
 /// Set in the child process of [`builders_without_an_address_use_redis_url`]: the stream it
@@ -42,30 +42,32 @@ async fn builders_without_an_address_use_redis_url() {
 }
 
 async fn child(stream: &str) {
-    let e = RedisStreamSource::builder(stream, GROUP)
-        .operation_timeout(Duration::from_secs(2))
+    let env = RedisConnection::from_env().operation_timeout(Duration::from_secs(2));
+    let e = env
+        .source(stream, GROUP)
         .connect()
         .await
         .expect_err("nothing listens at REDIS_URL");
     assert!(e.to_string().contains("127.0.0.1:1"), "{e}");
-    let e = RedisStreamProducer::builder()
-        .operation_timeout(Duration::from_secs(2))
+    let e = env
+        .producer()
+        .connect()
+        .await
+        .expect_err("nothing listens at REDIS_URL");
+    assert!(e.to_string().contains("127.0.0.1:1"), "{e}");
+    let e = env
+        .dead_letters(format!("{stream}:dlq"))
         .connect()
         .await
         .expect_err("nothing listens at REDIS_URL");
     assert!(e.to_string().contains("127.0.0.1:1"), "{e}");
 
-    let real = std::env::var(REAL_URL).expect("the parent sets it");
-    RedisStreamSource::builder(stream, GROUP)
-        .url(&real)
-        .connect()
-        .await
-        .expect("the given URL answers");
-    RedisStreamProducer::builder()
-        .url(&real)
-        .connect()
-        .await
-        .expect("the given URL answers");
+    let real = RedisConnection::new(std::env::var(REAL_URL).expect("the parent sets it"));
+    let given = "the given URL answers";
+    real.source(stream, GROUP).connect().await.expect(given);
+    real.producer().connect().await.expect(given);
+    let dead_letters = real.dead_letters(format!("{stream}:dlq"));
+    dead_letters.connect().await.expect(given);
 }
 
 #[tokio::test]

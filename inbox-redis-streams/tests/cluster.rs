@@ -13,7 +13,7 @@ use inbox_conformance::redis::{
 use inbox_conformance::wallet::{self, Credit, CreditEvent};
 use inbox_conformance::TestDb;
 use inbox_core::{Consumer, MessageId, MessageSource, Publish};
-use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource, RedisStreamSourceBuilder};
+use inbox_redis_streams::{RedisConnection, RedisStreamProducer, RedisStreamSourceBuilder};
 
 const CREDITS: i64 = 300;
 /// The steady pace of the producer: 300 credits over about 9 s.
@@ -21,21 +21,24 @@ const PACE: Duration = Duration::from_millis(30);
 /// The credit after which the master holding the stream is killed.
 const KILL_AFTER: i64 = 100;
 
+/// The cluster's nodes, each command bounded by 2 s.
+fn connection(cluster: &LocalCluster) -> RedisConnection {
+    RedisConnection::cluster(cluster.urls()).operation_timeout(Duration::from_secs(2))
+}
+
 fn source(cluster: &LocalCluster, stream: &str, member: &str) -> RedisStreamSourceBuilder {
-    RedisStreamSource::builder(stream, GROUP)
-        .cluster(cluster.urls())
+    connection(cluster)
+        .source(stream, GROUP)
         .consumer_name(member)
         .poll_timeout(Duration::from_millis(200))
         .claim_interval(Duration::from_millis(200))
         .claim_idle(Duration::from_millis(1500))
-        .operation_timeout(Duration::from_secs(2))
 }
 
 /// Confirmed by the master's replica: a write the master acked survives its death.
 async fn producer(cluster: &LocalCluster) -> RedisStreamProducer {
-    RedisStreamProducer::builder()
-        .cluster(cluster.urls())
-        .operation_timeout(Duration::from_secs(2))
+    connection(cluster)
+        .producer()
         .wait_for_replicas(1, Duration::from_secs(1))
         .connect()
         .await

@@ -12,7 +12,7 @@ use common::*;
 use inbox_core::{Consumer, MessageId, Publish};
 use inbox_redis_streams::redis::aio::ConnectionManager;
 use inbox_redis_streams::redis::{self, Client, IntoConnectionInfo};
-use inbox_redis_streams::RedisStreamProducer;
+use inbox_redis_streams::{RedisConnection, RedisStreamProducer};
 use inbox_testkit::{MemoryStore, Sum};
 
 const DB: i64 = 9;
@@ -65,8 +65,7 @@ async fn the_source_reconnects_after_redis_drops_its_connections() {
         .connect()
         .await
         .expect("producer");
-    let source = builder(&stream, "c1")
-        .client(client.clone())
+    let source = builder_on(&RedisConnection::from_client(client.clone()), &stream, "c1")
         .connect()
         .await
         .expect("connect");

@@ -6,7 +6,7 @@ mod common;
 
 use common::{raw, redis_url, stream_key};
 use inbox_redis_streams::redis;
-use inbox_redis_streams::RedisStreamSource;
+use inbox_redis_streams::RedisConnection;
 
 /// `REDIS_URL` with `user:password@` as its user information.
 fn with_credentials(url: &str, user: &str, password: &str) -> String {
@@ -33,7 +33,7 @@ async fn a_source_connected_with_a_password_shows_none() {
         .expect("ACL SETUSER (Redis 6 or later)");
 
     let url = with_credentials(&redis_url(), &user, &secret);
-    let builder = RedisStreamSource::builder(stream_key("redaction"), "g").url(&url);
+    let builder = RedisConnection::new(&url).source(stream_key("redaction"), "g");
     let shown_builder = format!("{builder:?}");
     let connected = builder.connect().await;
     let _: () = redis::cmd("ACL")
@@ -52,8 +52,8 @@ async fn a_source_connected_with_a_password_shows_none() {
 #[tokio::test]
 async fn a_url_that_does_not_parse_is_reported_without_its_password() {
     let url = "redis://app:pw-9f8e7d@127.0.0.1:notaport/0";
-    let error = RedisStreamSource::builder(stream_key("redaction"), "g")
-        .url(url)
+    let error = RedisConnection::new(url)
+        .source(stream_key("redaction"), "g")
         .connect()
         .await
         .expect_err("the port does not parse");

@@ -1,7 +1,8 @@
 //! Redis over TLS only (feature `tls`): a `redis-server` of the test's own, listening with TLS
-//! alone on a free port, with a certificate from a CA made at test time. The consumer and the
-//! producer run over `rediss://`; a wrong CA, a wrong host name and a plaintext `redis://` are
-//! refused, each with an error that says why, and none hangs.
+//! alone on a free port, with a certificate from a CA made at test time. The consumer, the
+//! producer and the dead-letter reader run over `rediss://` from one connection trusting the CA;
+//! a reader without it, a wrong CA, a wrong host name and a plaintext `redis://` are refused,
+//! each with an error that says why, and none hangs.
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
@@ -12,9 +13,10 @@ use std::time::Duration;
 use inbox_conformance::tls::{credits_with_resent_copies, refused, TestCa, CREDITS};
 use inbox_conformance::wallet::{self, Credit};
 use inbox_conformance::{unique_name, TestDb};
+use inbox_core::replay::DeadLetters;
 use inbox_core::{Consumer, Publish};
 use inbox_redis_streams::redis::{Client, TlsCertificates};
-use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
+use inbox_redis_streams::RedisConnection;
 use inbox_testkit::eventually;
 
 /// A `redis-server` taking TLS only; killed on drop.
@@ -79,9 +81,9 @@ impl Drop for TlsRedis {
 
 /// The error of a producer connecting through `client` to `what`.
 async fn connect_error(what: &str, client: Client) -> String {
-    let connecting = RedisStreamProducer::builder()
-        .client(client)
+    let connecting = RedisConnection::from_client(client)
         .operation_timeout(Duration::from_secs(3))
+        .producer()
         .connect();
     refused(what, Duration::from_secs(10), connecting).await
 }
@@ -97,16 +99,13 @@ async fn a_consumer_runs_over_tls_and_wrong_certificates_or_plaintext_are_refuse
     // End to end over rediss://: every credit once.
     let db = TestDb::new().await;
     let stream = unique_name("tls");
-    let client = TlsRedis::client(&url("rediss", "localhost"), &ca);
-    let producer = RedisStreamProducer::builder()
-        .client(client.clone())
-        .connect()
-        .await
-        .unwrap();
+    let redis = RedisConnection::from_client(TlsRedis::client(&url("rediss", "localhost"), &ca));
+    let producer = redis.producer().connect().await.unwrap();
     let batch = credits_with_resent_copies();
     producer.send_batch(&stream, &batch).await.unwrap();
-    let source = RedisStreamSource::builder(&stream, "wallet")
-        .client(client)
+    producer.send(&stream, b"not a credit").await.unwrap();
+    let source = redis
+        .source(&stream, "wallet")
         .poll_timeout(Duration::from_millis(200))
         .connect()
         .await
@@ -124,7 +123,32 @@ async fn a_consumer_runs_over_tls_and_wrong_certificates_or_plaintext_are_refuse
         "{summary:?}"
     );
     assert_eq!(stats.skipped_duplicates, 20);
+    assert_eq!(stats.dead_lettered, 1, "the unparsable message is parked");
     db.drop().await;
+
+    // The dead-letter reader, built from the same connection, trusts the same CA.
+    let dead_letter_stream = format!("{stream}:dlq");
+    let mut reader = redis
+        .dead_letters(&dead_letter_stream)
+        .connect()
+        .await
+        .unwrap();
+    let letters = reader.next(10).await.unwrap();
+    let payloads: Vec<&[u8]> = letters.iter().map(|l| l.payload.as_slice()).collect();
+    assert_eq!(payloads, [&b"not a credit"[..]]);
+    let untrusting = RedisConnection::new(url("rediss", "localhost"))
+        .operation_timeout(Duration::from_secs(3))
+        .dead_letters(&dead_letter_stream)
+        .connect();
+    let refused_reader = refused(
+        "the reader without the CA",
+        Duration::from_secs(10),
+        untrusting,
+    );
+    assert!(
+        refused_reader.await.contains("UnknownIssuer"),
+        "a reader without the private CA is refused"
+    );
 
     // A certificate from a CA the client does not trust.
     let wrong_ca = connect_error(

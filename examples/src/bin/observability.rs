@@ -29,7 +29,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::AssertSqlSafe;
 use transactional_inbox::postgres::sqlx;
 use transactional_inbox::postgres::{spawn_purger, PgInbox, TableName};
-use transactional_inbox::redis_streams::RedisStreamSource;
+use transactional_inbox::redis_streams::RedisConnection;
 use transactional_inbox::{BoxError, Consumer, Probes};
 
 /// Histogram buckets of the `*_seconds` metrics: 1 ms to 1 min.
@@ -137,9 +137,9 @@ async fn main() -> Result<(), BoxError> {
     let inbox = PgInbox::new(pool).with_table(schema);
     inbox.migrate().await?;
 
-    let source = RedisStreamSource::builder(&args.stream, &args.group)
+    let source = RedisConnection::new(&args.redis_url)
+        .source(&args.stream, &args.group)
         .consumer_name(format!("{}-{}", args.consumer, std::process::id()))
-        .url(&args.redis_url)
         .connect()
         .await?;
     let consumer = Consumer::batched(&args.consumer, source, inbox.clone(), BatchCredit)

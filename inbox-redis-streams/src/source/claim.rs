@@ -202,7 +202,6 @@ mod tests {
     /// bytes 6.2 would send for that claim.
     #[tokio::test]
     async fn a_redis_6_2_claim_of_a_trimmed_entry_acks_it_and_delivers_the_rest() {
-        use crate::RedisStreamSource;
         let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
         let stream = format!("inbox-test:claim-6.2:{}", uuid::Uuid::new_v4().simple());
         let mut raw = redis::Client::open(url.as_str())
@@ -224,9 +223,9 @@ mod tests {
                 .expect("XADD");
             ids.push(id);
         }
-        let mut source = RedisStreamSource::builder(&stream, "g")
+        let mut source = crate::RedisConnection::new(&url)
+            .source(&stream, "g")
             .consumer_name("c1")
-            .url(&url)
             .connect()
             .await
             .expect("source connects");

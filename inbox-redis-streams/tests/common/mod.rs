@@ -4,8 +4,8 @@
 #![allow(dead_code, unused_imports, unreachable_pub)]
 
 pub use inbox_conformance::redis::{
-    builder, cleanup, dead_letters, lag, pending, pending_with, producer, raw, redis_url,
-    stream_key, xadd_raw, GROUP,
+    builder, builder_on, cleanup, dead_letters, lag, pending, pending_with, producer, raw,
+    redis_url, stream_key, xadd_raw, GROUP,
 };
 use inbox_redis_streams::RedisStreamSource;
 
