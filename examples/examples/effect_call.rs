@@ -10,26 +10,34 @@
 //!
 //! `DATABASE_URL` and `REDIS_URL` override the local defaults; `RUST_LOG=info` logs each message.
 
+use std::collections::HashMap;
+use std::convert::Infallible;
 use std::env::var;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use transactional_inbox::effect::{not_applied, Effect, EffectHandler, OnUnknown};
-use transactional_inbox::postgres::sqlx;
-// A real HTTP server on loopback that deduplicates on `Idempotency-Key`: it stands in for a
-// payment provider such as Stripe, and its client for the provider's SDK.
-use inbox_conformance::provider::{ProviderClient, ProviderMode, TestProvider};
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use sqlx::postgres::{PgConnectOptions, PgPool};
 use sqlx::AssertSqlSafe;
+use transactional_inbox::effect::{not_applied, Effect, EffectHandler, OnUnknown};
+use transactional_inbox::postgres::sqlx;
 use transactional_inbox::postgres::{PgInbox, PgLeases, PgTx};
-use transactional_inbox::redis_streams::{redis, RedisStreamProducer, RedisStreamSource};
+use transactional_inbox::redis_streams::{redis, RedisConnection};
 use transactional_inbox::{Consumer, HandlerError, Message, MessageId, Publish};
 
 const DATABASE_URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/inbox";
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
 const CONSUMER: &str = "payments";
 
-/// Charges each payment through the provider's client.
-struct Charge(ProviderClient);
+/// Charges each payment with `POST <url>`, through any HTTP client.
+struct Charge {
+    http: Client<HttpConnector, Full<Bytes>>,
+    url: String,
+}
 
 impl EffectHandler<PgTx> for Charge {
     fn on_unknown(&self) -> OnUnknown {
@@ -38,13 +46,60 @@ impl EffectHandler<PgTx> for Charge {
 
     async fn call(&self, effect: &Effect, message: &Message) -> Result<(), HandlerError> {
         // The key is `payments:<event ID>` on every redelivery; `?` (a cut connection): unknown.
-        let (key, token) = (effect.idempotency_key(), effect.token());
-        let reply = self.0.call(key, token, &message.payload).await?;
-        match reply.status {
-            200 => Ok(()),
-            429 => Err(not_applied("rate limited")), // refused before charging anything
-            _ => Err(HandlerError::transient(reply.body)), // outcome unknown: retried, same key
+        let request = Request::post(&self.url)
+            .header("Idempotency-Key", effect.idempotency_key())
+            .header("Fencing-Token", effect.token())
+            .body(Full::new(Bytes::copy_from_slice(&message.payload)))?;
+        let reply = self.http.request(request).await?;
+        match reply.status() {
+            StatusCode::OK => Ok(()),
+            StatusCode::TOO_MANY_REQUESTS => Err(not_applied("rate limited")), // charged nothing
+            status => Err(HandlerError::transient(format!("provider: {status}"))), // unknown
         }
+    }
+}
+
+/// A payment provider on loopback that charges once per `Idempotency-Key`, as Stripe does: a
+/// repeated key answers as the first call did and charges nothing. It stands in for the real
+/// provider so the example runs anywhere; it counts its charges per key.
+#[derive(Clone, Default)]
+struct Provider(Arc<Mutex<HashMap<String, usize>>>);
+
+impl Provider {
+    /// Serves on a free loopback port until the process ends; returns its URL.
+    async fn start(&self) -> std::io::Result<String> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}/charges", listener.local_addr()?);
+        let provider = self.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let provider = provider.clone();
+                let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+                    let response = provider.charge(&request);
+                    async move { Ok::<_, Infallible>(response) }
+                });
+                let http = hyper::server::conn::http1::Builder::new();
+                tokio::spawn(http.serve_connection(TokioIo::new(stream), service));
+            }
+        });
+        Ok(url)
+    }
+
+    fn charge(&self, request: &Request<Incoming>) -> Response<Full<Bytes>> {
+        let key = request.headers().get("Idempotency-Key");
+        let Some(key) = key.and_then(|k| k.to_str().ok()) else {
+            let mut refused = Response::new(Full::from("an Idempotency-Key header, please"));
+            *refused.status_mut() = StatusCode::BAD_REQUEST;
+            return refused;
+        };
+        let mut charges = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        charges.entry(key.to_owned()).or_insert(1); // a key seen before charges nothing
+        Response::new(Full::from("charged"))
+    }
+
+    fn charges(&self, key: &str) -> usize {
+        let charges = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        charges.get(key).copied().unwrap_or(0)
     }
 }
 
@@ -62,12 +117,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     sqlx::raw_sql(AssertSqlSafe(create)).execute(&pool).await?;
     let leases = PgLeases::new(PgInbox::new(pool.clone()))?; // table `inbox_effects`
     leases.migrate().await?;
-    let provider = TestProvider::start(ProviderMode::Keys).await?;
+    let provider = Provider::default();
+    let url = provider.start().await?;
 
-    let producer = RedisStreamProducer::builder()
-        .url(&redis_url)
-        .connect()
-        .await?;
+    let redis = RedisConnection::new(&redis_url); // the producer's and the source's
+    let producer = redis.producer().connect().await?;
     let ids: Vec<MessageId> = (0..4).map(|_| MessageId::generate()).collect();
     for (id, cents) in ids.iter().zip([1000, 2500, 300, 50]) {
         let payload = cents.to_string();
@@ -77,16 +131,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     producer.send_with_id(&stream, &ids[0], b"1000").await?; // a retried publish: same ID
 
-    let source = RedisStreamSource::builder(&stream, CONSUMER)
+    let source = redis
+        .source(&stream, CONSUMER)
         .poll_timeout(Duration::from_millis(200)) // `run_until_idle` returns this soon
-        .url(&redis_url)
         .connect()
         .await?;
-    let charge = Charge(provider.client());
-    let consumer = Consumer::effects(CONSUMER, source, leases, charge);
+    let http = Client::builder(TokioExecutor::new()).build_http();
+    let consumer = Consumer::effects(CONSUMER, source, leases, Charge { http, url });
     let stats = consumer.run_until_idle().await?;
 
-    let charged = |id: &MessageId| provider.effects(&id.idempotency_key(CONSUMER));
+    let charged = |id: &MessageId| provider.charges(&id.idempotency_key(CONSUMER));
     let charges: Vec<usize> = ids.iter().map(charged).collect();
     println!(
         "5 entries (4 events, one twice): {} charged, {} duplicate skipped; charges per event \
