@@ -115,13 +115,23 @@ fn test(extra: &[String]) -> Result<(), String> {
     ])
 }
 
-/// What the examples need beyond the environment: they build their SQS client from the AWS
-/// SDK's own chain, as a program of a user's does, so where the environment names no endpoint,
-/// region or credentials, these name the local SQS that `services` starts and moto's dummy
-/// credentials. Set any of them to run the SQS example against AWS.
+/// What the examples need beyond the environment. They find their brokers as a user's program
+/// does, with no local default: Kafka from `KAFKA_BROKERS`, Redis from `REDIS_URL`, RabbitMQ
+/// from `AMQP_URL`, and SQS through the AWS SDK's own chain. Where the environment names none,
+/// these name the services `services` starts (and moto's dummy credentials); set any of them to
+/// run an example against another broker, or the SQS example against AWS.
 fn example_env() -> Vec<(&'static str, String)> {
     let set = |name: &str| std::env::var_os(name).is_some_and(|v| !v.is_empty());
     let mut env = Vec::new();
+    for (name, local) in [
+        ("KAFKA_BROKERS", "127.0.0.1:9092"),
+        ("REDIS_URL", "redis://127.0.0.1:6379"),
+        ("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"),
+    ] {
+        if !set(name) {
+            env.push((name, local.to_owned()));
+        }
+    }
     if !set("AWS_ENDPOINT_URL_SQS") && !set("AWS_ENDPOINT_URL") {
         env.push(("AWS_ENDPOINT_URL_SQS", "http://127.0.0.1:4566".to_owned()));
     }
