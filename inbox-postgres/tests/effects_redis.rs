@@ -14,7 +14,7 @@ use inbox_conformance::provider::Behaviour;
 use inbox_core::{Consumer, StatsSnapshot};
 use inbox_core::{MessageId, Publish};
 use inbox_redis_streams::redis::{self, Value};
-use inbox_redis_streams::{RedisStreamProducer, RedisStreamSource};
+use inbox_redis_streams::RedisConnection;
 use inbox_testkit::fast_retry;
 
 fn redis_url() -> String {
@@ -50,8 +50,8 @@ struct RedisRun {
 async fn call_outliving_its_lease_on_redis(setup: Setup) -> RedisRun {
     let env = Env::new(setup.mode()).await;
     let stream = format!("inbox-test:effects:{}", uuid::Uuid::new_v4().simple());
-    let producer = RedisStreamProducer::builder()
-        .url(redis_url())
+    let producer = RedisConnection::new(redis_url())
+        .producer()
         .connect()
         .await
         .unwrap();
@@ -72,12 +72,12 @@ async fn call_outliving_its_lease_on_redis(setup: Setup) -> RedisRun {
             stop_rx.clone(),
         );
         tokio::spawn(async move {
-            let source = RedisStreamSource::builder(stream, CONSUMER)
+            let source = RedisConnection::new(redis_url())
+                .source(stream, CONSUMER)
                 .consumer_name(name)
                 .poll_timeout(Duration::from_millis(100))
                 .claim_idle(Duration::from_millis(300))
                 .claim_interval(Duration::from_millis(100))
-                .url(redis_url())
                 .connect()
                 .await
                 .unwrap();
