@@ -97,8 +97,8 @@ impl RedisStreamProducerBuilder {
     /// entry may or may not survive, so send again under the same message ID, and the consumer
     /// applies it once either way. `WAIT` is not a transaction: it cannot undo the write, and a
     /// replica that confirmed can still lose the failover election to one that did not (rare;
-    /// Redis prefers the replica with the most data). On a [cluster](RedisConnection::cluster)
-    /// each write and its `WAIT` go to the master of the stream's hash slot.
+    /// Redis prefers the replica with the most data). On a Redis Cluster each write
+    /// and its `WAIT` go to the master of the stream's hash slot.
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.replicas = Some(Replicas {
             count: replicas,
