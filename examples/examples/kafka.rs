@@ -4,7 +4,7 @@
 mod common; // the wallet table, the events and the check, shared by the four examples
 
 use common::{BoxError, Wallet};
-use transactional_inbox::kafka::{KafkaAdmin, KafkaProducer, KafkaSource};
+use transactional_inbox::kafka::KafkaConnection;
 use transactional_inbox::postgres::sqlx;
 use transactional_inbox::postgres::PgTx;
 use transactional_inbox::{Consumer, Handler, HandlerError, Message, MessageId, Publish};
@@ -27,15 +27,17 @@ impl Handler<PgTx> for Credit {
 async fn main() -> Result<(), BoxError> {
     let wallet = Wallet::open().await?;
     let topic = format!("inbox-example-{}", uuid::Uuid::new_v4());
-    KafkaAdmin::from_env()?.create_topic(&topic, 1).await?;
-    let producer = KafkaProducer::builder().connect().await?; // brokers from KAFKA_BROKERS
+    let kafka = KafkaConnection::from_env(); // brokers from KAFKA_BROKERS
+    kafka.admin()?.create_topic(&topic, 1).await?;
+    let producer = kafka.producer().connect().await?;
     for (id, payload) in wallet.sends() {
         producer
             .send_with_id(&topic, &id, payload.as_bytes())
             .await?;
     }
 
-    let source = KafkaSource::builder([&topic], &topic) // topics, group
+    let source = kafka
+        .source([&topic], &topic) // topics, group
         .create_dead_letter_topics(true)
         .connect()
         .await?;

@@ -310,10 +310,9 @@ async fn open(from: &DeadLetterSource, replay: bool) -> Result<Opened, CliError>
                 "kafka-brokers",
                 "KAFKA_BROKERS",
             )?;
-            let mut reader = inbox_kafka::KafkaDeadLetters::builder(&from.from)
-                .brokers(brokers.clone())
-                .group(&from.kafka_group);
-            let mut producer = inbox_kafka::KafkaProducer::builder().brokers(brokers);
+            let kafka = inbox_kafka::KafkaConnection::new(brokers);
+            let mut reader = kafka.dead_letters(&from.from).group(&from.kafka_group);
+            let mut producer = kafka.producer();
             if let Some(field) = field {
                 reader = reader.id_header(field);
                 producer = producer.id_header(field);

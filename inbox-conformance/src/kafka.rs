@@ -26,7 +26,7 @@ use inbox_core::DynPublish;
 use inbox_kafka::rdkafka::message::{Header, OwnedHeaders};
 use inbox_kafka::rdkafka::producer::FutureRecord;
 use inbox_kafka::rdkafka::Message as _;
-use inbox_kafka::{KafkaProducer, KafkaProducerBuilder, KafkaSource, KafkaSourceBuilder};
+use inbox_kafka::{KafkaConnection, KafkaProducer, KafkaProducerBuilder, KafkaSourceBuilder};
 
 use crate::{DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
@@ -44,8 +44,13 @@ pub fn brokers() -> String {
 /// A source of `topic` in `group` with timeouts short enough for tests: a dead member is noticed
 /// after 6 s.
 pub fn config(topic: &str, group: &str) -> KafkaSourceBuilder {
-    KafkaSource::builder([topic], group)
-        .brokers(brokers())
+    config_on(&KafkaConnection::new(brokers()), topic, group)
+}
+
+/// [`config`] on `kafka`'s brokers and settings.
+pub fn config_on(kafka: &KafkaConnection, topic: &str, group: &str) -> KafkaSourceBuilder {
+    kafka
+        .source([topic], group)
         .poll_timeout(Duration::from_millis(500))
         .set_consumer("session.timeout.ms", "6000")
         .set_consumer("heartbeat.interval.ms", "1000")
@@ -53,8 +58,8 @@ pub fn config(topic: &str, group: &str) -> KafkaSourceBuilder {
 
 /// A producer with the adapter's defaults.
 pub async fn producer() -> KafkaProducer {
-    KafkaProducer::builder()
-        .brokers(brokers())
+    KafkaConnection::new(brokers())
+        .producer()
         .connect()
         .await
         .expect("producer")
@@ -148,9 +153,10 @@ impl Kafka {
     }
 
     fn producer_builder(&self, brokers: &str) -> KafkaProducerBuilder {
-        let builder = KafkaProducer::builder()
-            .brokers(brokers)
-            .operation_timeout(self.delivery_timeout);
+        let builder = KafkaConnection::new(brokers).producer().set(
+            "message.timeout.ms",
+            self.delivery_timeout.as_millis().to_string(),
+        );
         if self.one_record_per_batch {
             builder.set("batch.num.messages", "1")
         } else {
@@ -213,6 +219,11 @@ impl TestBroker for Kafka {
 impl Topic {
     /// The settings of `member`'s source.
     fn builder(&self, member: &str) -> KafkaSourceBuilder {
+        self.builder_on(&KafkaConnection::new(&self.brokers), member)
+    }
+
+    /// The settings of `member`'s source on `kafka`.
+    fn builder_on(&self, kafka: &KafkaConnection, member: &str) -> KafkaSourceBuilder {
         // librdkafka keeps one fetch in flight per broker, and the broker holds a fetch that
         // finds nothing for `fetch.wait.max.ms` (default 500 ms), so a partition whose start is
         // still being looked up (no committed offset) is read only by the next fetch. With a
@@ -220,8 +231,7 @@ impl Topic {
         // crash at `Acked` one partition was committed and the other not, and every restart read
         // the first and stopped. Hence a 100 ms wait under a 500 ms poll, and a 200 ms heartbeat
         // so that a member sees the rebalance of a second member's join sooner.
-        config(&self.name, &self.group)
-            .brokers(&self.brokers)
+        config_on(kafka, &self.name, &self.group)
             .set_consumer(
                 "session.timeout.ms",
                 self.kafka.session_timeout.as_millis().to_string(),
@@ -279,9 +289,9 @@ impl TestQueue for Topic {
         // Only on a twin: a proxy in front of the shared broker would carry only the bootstrap.
         let proxy = self.private.as_ref()?.proxy.clone();
         // A request without an answer for 3 s closes its connection, and a new one is made.
+        let kafka = KafkaConnection::new(&self.brokers).operation_timeout(Duration::from_secs(3));
         let source = self
-            .builder(member)
-            .operation_timeout(Duration::from_secs(3))
+            .builder_on(&kafka, member)
             .connect()
             .await
             .expect("kafka source");
@@ -381,8 +391,8 @@ impl TestQueue for Topic {
     }
 
     async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DynDeadLetters>> {
-        let reader = inbox_kafka::KafkaDeadLetters::builder(format!("{}.dlq", self.name))
-            .brokers(&self.brokers)
+        let reader = KafkaConnection::new(&self.brokers)
+            .dead_letters(format!("{}.dlq", self.name))
             .connect()
             .await
             .expect("the dead-letter reader connects");

@@ -8,9 +8,9 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::ClientConfig;
 
 use crate::context::ProducerContext;
-use crate::{brokers_from_env, Error, Result};
+use crate::{Error, Result};
 
-/// A small admin client.
+/// A small admin client; made by [`KafkaConnection::admin`](crate::KafkaConnection::admin).
 pub struct KafkaAdmin {
     client: AdminClient<ProducerContext>,
     options: AdminOptions,
@@ -23,29 +23,6 @@ impl fmt::Debug for KafkaAdmin {
 }
 
 impl KafkaAdmin {
-    /// An admin client for the brokers in `KAFKA_BROKERS` (an error when it is unset).
-    pub fn from_env() -> Result<Self> {
-        Self::new(&brokers_from_env()?)
-    }
-
-    /// An admin client for `brokers`.
-    pub fn new(brokers: &str) -> Result<Self> {
-        Self::with_properties(brokers, std::iter::empty::<(String, String)>())
-    }
-
-    /// An admin client for `brokers` with extra librdkafka properties (TLS, SASL).
-    pub fn with_properties(
-        brokers: &str,
-        properties: impl IntoIterator<Item = (impl Into<String>, impl Into<String>)>,
-    ) -> Result<Self> {
-        let mut config = ClientConfig::new();
-        config.set("bootstrap.servers", brokers);
-        for (key, value) in properties {
-            config.set(key, value);
-        }
-        Self::with_config(&config, ProducerContext::default())
-    }
-
     /// An admin client made like a source's other clients: its configuration, and its context
     /// (the token provider, where connection failures are kept).
     pub(crate) fn with_config(config: &ClientConfig, context: ProducerContext) -> Result<Self> {

@@ -2,76 +2,53 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::IdFrom;
 use rdkafka::ClientConfig;
 
-use crate::{Error, KafkaSource, Result, TokenProvider};
+use crate::context::ProducerContext;
+use crate::failure::Failures;
+use crate::{Error, KafkaConnection, KafkaSource, Result};
 
-/// The broker list from the `KAFKA_BROKERS` environment variable; unset or empty is an error
-/// that says so. There is no default: a missing setting must not reach a broker on localhost.
-pub fn brokers_from_env() -> Result<String> {
-    match std::env::var("KAFKA_BROKERS") {
-        Ok(brokers) if !brokers.trim().is_empty() => Ok(brokers),
-        _ => Err(Error::Config(
-            "no Kafka brokers: set KAFKA_BROKERS or call `.brokers(..)`".into(),
-        )),
-    }
-}
-
-/// Builds a [`KafkaSource`]: what it subscribes to and how. Start with [`KafkaSource::builder`],
-/// finish with [`KafkaSourceBuilder::connect`].
+/// Builds a [`KafkaSource`]: what it subscribes to and how. Start with
+/// [`KafkaConnection::source`] (or [`KafkaSource::builder`], on the brokers `KAFKA_BROKERS`
+/// names), finish with [`KafkaSourceBuilder::connect`].
 ///
-/// The brokers come from the `KAFKA_BROKERS` environment variable unless
-/// [`KafkaSourceBuilder::brokers`] sets them; with neither, `connect` fails saying so.
-///
-/// Every librdkafka property can be set with [`KafkaSourceBuilder::set`] (all clients: the
-/// consumer and the dead-letter producer) or [`KafkaSourceBuilder::set_consumer`] (the consumer
-/// only): TLS (`security.protocol`, `ssl.ca.location`, ... with the crate feature `tls`), SASL
-/// (`sasl.mechanism`, `sasl.username`, `sasl.password`), timeouts (`session.timeout.ms`,
-/// `max.poll.interval.ms`), so the same code runs against Apache Kafka, MSK, Confluent Cloud,
-/// Redpanda or Tansu.
+/// The connection's properties (TLS, SASL, a token provider) reach every client the source
+/// makes: the consumer, the dead-letter producer and the admin client that checks the
+/// dead-letter topics. Consumer properties (`session.timeout.ms`, `max.poll.interval.ms`) are
+/// set with [`KafkaSourceBuilder::set_consumer`].
 ///
 /// Defaults set here and overridable: `auto.offset.reset=earliest` (a new group reads the topic
-/// from its start). Enforced: `enable.auto.commit=false`.
-///
-/// Its `Debug` output shows `***` for the value of every property that holds a secret
-/// (`sasl.password`, `ssl.key.password`, any name with `password` or `secret`, a private key):
-/// see [`inbox_core::is_secret_setting`].
+/// from its start). Enforced: `enable.auto.commit=false`. Its `Debug` output hides the values of
+/// secret properties, like [`KafkaConnection`]'s.
 #[derive(Clone)]
 #[must_use = "a builder does nothing until `connect` is called"]
 pub struct KafkaSourceBuilder {
-    pub(crate) brokers: Option<String>,
+    pub(crate) connection: KafkaConnection,
     pub(crate) group_id: String,
     pub(crate) topics: Vec<String>,
     pub(crate) id_from: IdFrom,
     pub(crate) dead_letter_topic: Option<String>,
     pub(crate) create_dead_letter_topics: bool,
     pub(crate) poll_timeout: Duration,
-    pub(crate) operation_timeout: Duration,
     pub(crate) commit_interval: Duration,
-    pub(crate) common: BTreeMap<String, String>,
     pub(crate) consumer: BTreeMap<String, String>,
-    pub(crate) token_provider: Option<Arc<dyn crate::token::DynTokenProvider>>,
 }
 
 impl fmt::Debug for KafkaSourceBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KafkaSourceBuilder")
-            .field("brokers", &self.brokers)
+            .field("connection", &self.connection)
             .field("group_id", &self.group_id)
             .field("topics", &self.topics)
             .field("id_from", &self.id_from)
             .field("dead_letter_topic", &self.dead_letter_topic)
             .field("create_dead_letter_topics", &self.create_dead_letter_topics)
             .field("poll_timeout", &self.poll_timeout)
-            .field("operation_timeout", &self.operation_timeout)
             .field("commit_interval", &self.commit_interval)
-            .field("common", &Redacted(&self.common))
             .field("consumer", &Redacted(&self.consumer))
-            .field("token_provider", &self.token_provider.is_some())
             .finish()
     }
 }
@@ -104,29 +81,21 @@ impl KafkaSourceBuilder {
     pub const DEFAULT_COMMIT_INTERVAL: Duration = Duration::from_millis(250);
 
     pub(crate) fn new(
+        connection: KafkaConnection,
         topics: impl IntoIterator<Item = impl Into<String>>,
         group_id: impl Into<String>,
     ) -> Self {
         Self {
-            brokers: None,
+            connection,
             group_id: group_id.into(),
             topics: topics.into_iter().map(Into::into).collect(),
             id_from: IdFrom::Header(Self::DEFAULT_ID_HEADER.to_owned()),
             dead_letter_topic: None,
             create_dead_letter_topics: false,
             poll_timeout: Duration::from_secs(1),
-            operation_timeout: Duration::from_secs(10),
             commit_interval: Self::DEFAULT_COMMIT_INTERVAL,
-            common: BTreeMap::new(),
             consumer: BTreeMap::new(),
-            token_provider: None,
         }
-    }
-
-    /// The brokers to bootstrap from (`host:port[,host:port]`), instead of `KAFKA_BROKERS`.
-    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
-        self.brokers = Some(brokers.into());
-        self
     }
 
     /// The header that holds the message ID (default `event_id`). The ID never comes from the
@@ -173,18 +142,6 @@ impl KafkaSourceBuilder {
         self
     }
 
-    /// How long a blocking commit, seek or dead-letter delivery may take (default 10 s).
-    ///
-    /// It is also librdkafka's `socket.timeout.ms` for every client this source makes (unless
-    /// set with [`KafkaSourceBuilder::set`]): a request without an answer for that long fails
-    /// and its broker connection is closed and made anew. librdkafka's own default is 60 s, so
-    /// after a network black hole of a few seconds the consumer stayed stuck on the dead
-    /// connection for a minute, fetching and committing nothing.
-    pub fn operation_timeout(mut self, wait: Duration) -> Self {
-        self.operation_timeout = wait;
-        self
-    }
-
     /// How often the offsets acked since the last commit are committed, in one request for all
     /// partitions (default 250 ms; see the crate docs, "Ack semantics").
     ///
@@ -198,26 +155,10 @@ impl KafkaSourceBuilder {
         self
     }
 
-    /// Sets a librdkafka property on every client this source makes (consumer and dead-letter
-    /// producer): TLS, SASL, `client.id`, socket settings.
-    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.common.insert(key.into(), value.into());
-        self
-    }
-
     /// Sets a librdkafka consumer property (`session.timeout.ms`, `max.poll.interval.ms`,
     /// `auto.offset.reset`, `partition.assignment.strategy`, ...).
     pub fn set_consumer(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.consumer.insert(key.into(), value.into());
-        self
-    }
-
-    /// Logs in with SASL OAUTHBEARER tokens from `provider` (see [`TokenProvider`]): every
-    /// client this source makes asks it for a token at start and again before the token
-    /// expires. Sets `sasl.mechanism=OAUTHBEARER` (another mechanism is refused at `connect`);
-    /// `security.protocol` stays yours to set, `sasl_ssl` in production.
-    pub fn token_provider(mut self, provider: impl TokenProvider) -> Self {
-        self.token_provider = Some(Arc::new(provider));
         self
     }
 
@@ -231,15 +172,12 @@ impl KafkaSourceBuilder {
         KafkaSource::new(&self)
     }
 
-    /// The brokers this builder connects to: the ones set, or `KAFKA_BROKERS`.
-    pub(crate) fn resolved_brokers(&self) -> Result<String> {
-        match &self.brokers {
-            Some(brokers) => Ok(brokers.clone()),
-            None => brokers_from_env(),
-        }
-    }
-
-    pub(crate) fn consumer_config(&self) -> Result<ClientConfig> {
+    /// The consumer's configuration and context, the connection's with the consumer's
+    /// properties added.
+    pub(crate) fn consumer_config(
+        &self,
+        failures: &Failures,
+    ) -> Result<(ClientConfig, ProducerContext)> {
         if self.topics.is_empty() {
             return Err(Error::Config("no topic to subscribe to".into()));
         }
@@ -249,7 +187,7 @@ impl KafkaSourceBuilder {
         self.id_from
             .check(&crate::source::ID_BINDING)
             .map_err(Error::Config)?;
-        let mut config = self.client_config()?;
+        let (mut config, context) = self.connection.client(failures)?;
         config
             .set("group.id", &self.group_id)
             .set("auto.offset.reset", "earliest")
@@ -267,29 +205,7 @@ impl KafkaSourceBuilder {
                     .into(),
             ));
         }
-        Ok(config)
-    }
-
-    pub(crate) fn client_config(&self) -> Result<ClientConfig> {
-        let mut config = ClientConfig::new();
-        crate::failure::log_connection_failures(&mut config);
-        config
-            .set("bootstrap.servers", self.resolved_brokers()?)
-            .set(
-                "socket.timeout.ms",
-                // librdkafka's bounds for the property.
-                crate::source::millis(
-                    self.operation_timeout
-                        .clamp(Duration::from_millis(10), Duration::from_secs(300)),
-                ),
-            );
-        for (key, value) in &self.common {
-            config.set(key, value);
-        }
-        if self.token_provider.is_some() {
-            crate::token::require_oauthbearer(&mut config)?;
-        }
-        Ok(config)
+        Ok((config, context))
     }
 }
 
@@ -300,10 +216,10 @@ mod tests {
     #[test]
     fn id_conventions_kafka_cannot_carry_are_refused() {
         let config = |from| {
-            KafkaSourceBuilder::new(["t"], "g")
-                .brokers("b:9092")
+            KafkaConnection::new("b:9092")
+                .source(["t"], "g")
                 .id_from(from)
-                .consumer_config()
+                .consumer_config(&Failures::default())
         };
         let e = config(IdFrom::MessageIdProperty).unwrap_err().to_string();
         assert!(e.contains("Kafka has no message-ID property"), "{e}");
@@ -314,34 +230,38 @@ mod tests {
 
     #[test]
     fn enable_auto_commit_is_refused() {
-        let config = KafkaSourceBuilder::new(["t"], "g")
-            .brokers("b:9092")
+        let failures = Failures::default();
+        let config = KafkaConnection::new("b:9092")
+            .source(["t"], "g")
             .set_consumer("enable.auto.commit", "true");
-        assert!(matches!(config.consumer_config(), Err(Error::Config(_))));
-        let config = KafkaSourceBuilder::new(["t"], "g")
-            .brokers("b:9092")
-            .set_consumer("auto.offset.reset", "latest")
-            .set("security.protocol", "plaintext");
-        let client = config.consumer_config().expect("valid");
+        assert!(matches!(
+            config.consumer_config(&failures),
+            Err(Error::Config(_))
+        ));
+        let config = KafkaConnection::new("b:9092")
+            .set("security.protocol", "plaintext")
+            .source(["t"], "g")
+            .set_consumer("auto.offset.reset", "latest");
+        let (client, _) = config.consumer_config(&failures).expect("valid");
         assert_eq!(client.get("enable.auto.commit"), Some("false"));
         assert_eq!(client.get("auto.offset.reset"), Some("latest"));
         assert_eq!(client.get("security.protocol"), Some("plaintext"));
         assert_eq!(client.get("socket.timeout.ms"), Some("10000"));
-        let own = KafkaSourceBuilder::new(["t"], "g")
-            .brokers("b:9092")
-            .set("socket.timeout.ms", "30000");
-        let client = own.consumer_config().expect("valid");
+        let own = KafkaConnection::new("b:9092")
+            .set("socket.timeout.ms", "30000")
+            .source(["t"], "g");
+        let (client, _) = own.consumer_config(&failures).expect("valid");
         assert_eq!(client.get("socket.timeout.ms"), Some("30000"));
     }
 
     #[test]
     fn debug_output_hides_secret_properties() {
-        let config = KafkaSourceBuilder::new(["t"], "g")
-            .brokers("b:9092")
+        let config = KafkaConnection::new("b:9092")
             .set("sasl.username", "app")
             .set("sasl.password", "pw-one")
             .set("ssl.key.password", "pw-two")
             .set("sasl.oauthbearer.client.secret", "pw-three")
+            .source(["t"], "g")
             .set_consumer("Custom.Secret.Token", "pw-four");
         let shown = format!("{config:?}");
         for secret in ["pw-one", "pw-two", "pw-three", "pw-four"] {
@@ -352,7 +272,7 @@ mod tests {
         assert!(shown.contains(r#""sasl.password": "***""#), "{shown}");
         assert!(shown.contains("b:9092"), "{shown}");
         // The client configuration itself keeps the real values.
-        let client = config.consumer_config().expect("valid");
+        let (client, _) = config.consumer_config(&Failures::default()).expect("valid");
         assert_eq!(client.get("sasl.password"), Some("pw-one"));
     }
 }

@@ -34,7 +34,7 @@ fn log(client: &str, level: RDKafkaLogLevel, facility: &str, line: &str) {
 
 /// What a client without a token provider answers librdkafka's token refresh with.
 const NO_PROVIDER: &str = "sasl.mechanism=OAUTHBEARER needs a token: set one with \
-                           `.token_provider(..)` on the builder, or use librdkafka's \
+                           `.token_provider(..)` on the KafkaConnection, or use librdkafka's \
                            sasl.oauthbearer.method=oidc";
 
 fn token(refresh: Option<&TokenRefresh>) -> Result<OAuthToken, Box<dyn std::error::Error>> {

@@ -107,6 +107,7 @@ impl fmt::Debug for DeadLetterCheck {
 impl DeadLetterCheck {
     pub(crate) fn new(
         config: &KafkaSourceBuilder,
+        admin: ClientConfig,
         context: ProducerContext,
     ) -> crate::Result<Self> {
         let mut topics: BTreeMap<String, Vec<String>> = BTreeMap::new();
@@ -128,9 +129,9 @@ impl DeadLetterCheck {
         Ok(Self {
             topics,
             create: config.create_dead_letter_topics,
-            brokers: config.resolved_brokers()?,
-            admin: (config.client_config()?, context),
-            timeout: config.operation_timeout,
+            brokers: config.connection.brokers()?,
+            admin: (admin, context),
+            timeout: config.connection.operation_timeout,
         })
     }
 
@@ -205,7 +206,7 @@ impl DeadLetterCheck {
                     .unwrap_or_default();
                 let context = format!(
                     "listing the topics of the brokers {brokers} (KAFKA_BROKERS or \
-                     KafkaSourceBuilder::brokers) to check the dead-letter topics{last}"
+                     KafkaConnection::new) to check the dead-letter topics{last}"
                 );
                 Error::kafka(context, e).into_source()
             })?;
@@ -234,15 +235,13 @@ mod tests {
 
     #[test]
     fn each_subscribed_topic_has_its_dead_letter_topic_and_patterns_are_skipped() {
-        let config = KafkaSourceBuilder::new(["a", "b", "^c.*"], "g").brokers("b:9092");
-        let check = DeadLetterCheck::new(&config, ProducerContext::default()).unwrap();
-        let topics: Vec<&str> = check.topics.keys().map(String::as_str).collect();
+        let config = crate::KafkaConnection::new("b:9092").source(["a", "b", "^c.*"], "g");
+        let check = |config: &KafkaSourceBuilder| {
+            DeadLetterCheck::new(config, ClientConfig::new(), ProducerContext::default()).unwrap()
+        };
+        let topics: Vec<String> = check(&config).topics.into_keys().collect();
         assert_eq!(topics, ["a.dlq", "b.dlq"]);
-        let shared = DeadLetterCheck::new(
-            &config.dead_letter_topic("parked"),
-            ProducerContext::default(),
-        )
-        .unwrap();
+        let shared = check(&config.dead_letter_topic("parked"));
         assert_eq!(shared.topics["parked"], ["a", "b", "^c.*"]);
     }
 }

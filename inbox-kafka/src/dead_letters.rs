@@ -9,13 +9,11 @@ use inbox_core::replay::{DeadLetter, DeadLetters};
 use inbox_core::{MessageId, OperationError};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::message::{Headers, Message as _};
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use rdkafka::{Offset, TopicPartitionList};
 
-use crate::config::brokers_from_env;
 use crate::context::ProducerContext;
 use crate::failure::Failures;
-use crate::token::DynTokenProvider;
-use crate::{Error, Result, TokenProvider};
+use crate::{Error, KafkaConnection, KafkaSourceBuilder, Result};
 
 /// The reader's client: its context logs, notes connection failures and hands out tokens.
 type Reader = BaseConsumer<ProducerContext>;
@@ -65,53 +63,33 @@ impl std::fmt::Debug for KafkaDeadLetters {
     }
 }
 
-/// Builds a [`KafkaDeadLetters`]; start with [`KafkaDeadLetters::builder`].
-#[derive(Clone)]
+/// Builds a [`KafkaDeadLetters`]; start with [`KafkaConnection::dead_letters`] (or
+/// [`KafkaDeadLetters::builder`], on the brokers `KAFKA_BROKERS` names).
+#[derive(Clone, Debug)]
 #[must_use = "a builder does nothing until `connect` is awaited"]
 pub struct KafkaDeadLettersBuilder {
+    connection: KafkaConnection,
     topic: String,
-    brokers: Option<String>,
     group: String,
     id_header: String,
-    timeout: Duration,
-    properties: BTreeMap<String, String>,
-    token_provider: Option<Arc<dyn DynTokenProvider>>,
-}
-
-impl std::fmt::Debug for KafkaDeadLettersBuilder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KafkaDeadLettersBuilder")
-            .field("topic", &self.topic)
-            .field("brokers", &self.brokers)
-            .field("group", &self.group)
-            .field("id_header", &self.id_header)
-            .field("timeout", &self.timeout)
-            .field("properties", &crate::config::Redacted(&self.properties))
-            .field("token_provider", &self.token_provider.is_some())
-            .finish()
-    }
 }
 
 impl KafkaDeadLetters {
-    /// Reads the dead-letter topic `topic` (like `payments.dlq`).
+    /// Reads the dead-letter topic `topic` (like `payments.dlq`) on the brokers `KAFKA_BROKERS`
+    /// names (another cluster, TLS, SASL or a token provider: [`KafkaConnection::dead_letters`]).
     pub fn builder(topic: impl Into<String>) -> KafkaDeadLettersBuilder {
-        KafkaDeadLettersBuilder {
-            topic: topic.into(),
-            brokers: None,
-            group: DEFAULT_REPLAY_GROUP.to_owned(),
-            id_header: "event_id".to_owned(),
-            timeout: Duration::from_secs(10),
-            properties: BTreeMap::new(),
-            token_provider: None,
-        }
+        KafkaConnection::from_env().dead_letters(topic)
     }
 }
 
 impl KafkaDeadLettersBuilder {
-    /// The brokers to bootstrap from, instead of `KAFKA_BROKERS`.
-    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
-        self.brokers = Some(brokers.into());
-        self
+    pub(crate) fn new(connection: KafkaConnection, topic: impl Into<String>) -> Self {
+        Self {
+            connection,
+            topic: topic.into(),
+            group: DEFAULT_REPLAY_GROUP.to_owned(),
+            id_header: KafkaSourceBuilder::DEFAULT_ID_HEADER.to_owned(),
+        }
     }
 
     /// The consumer group that remembers what was replayed (default [`DEFAULT_REPLAY_GROUP`]).
@@ -126,55 +104,20 @@ impl KafkaDeadLettersBuilder {
         self
     }
 
-    /// How long a metadata request, a commit or a wait for the next record may take (default
-    /// 10 s).
-    pub fn operation_timeout(mut self, wait: Duration) -> Self {
-        self.timeout = wait;
-        self
-    }
-
-    /// A librdkafka property (TLS, SASL), as on the source's builder.
-    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.properties.insert(key.into(), value.into());
-        self
-    }
-
-    /// Logs in with SASL OAUTHBEARER tokens from `provider`, as the source and the producer do
-    /// ([`KafkaSourceBuilder::token_provider`](crate::KafkaSourceBuilder::token_provider)): a
-    /// cluster that takes IAM tokens only (MSK, Event Hubs, Confluent Cloud) is read with the
-    /// provider its consumers use.
-    pub fn token_provider(mut self, provider: impl TokenProvider) -> Self {
-        self.token_provider = Some(Arc::new(provider));
-        self
-    }
-
     /// Connects, and finds where each partition's reading starts and ends.
     pub async fn connect(self) -> Result<KafkaDeadLetters> {
-        let brokers = match self.brokers {
-            Some(brokers) => brokers,
-            None => brokers_from_env()?,
-        };
-        let mut config = ClientConfig::new();
+        let timeout = self.connection.operation_timeout;
+        let (mut config, context) = self.connection.client(&Failures::default())?;
         config
-            .set("bootstrap.servers", &brokers)
             .set("group.id", &self.group)
             .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false")
             .set("auto.offset.reset", "earliest");
-        for (key, value) in &self.properties {
-            config.set(key, value);
-        }
-        if self.token_provider.is_some() {
-            crate::token::require_oauthbearer(&mut config)?;
-        }
-        let failures = Failures::default();
-        let token =
-            crate::token::refresh_for(self.token_provider.as_ref(), self.timeout, &failures)?;
         let consumer: Reader = config
-            .create_with_context(ProducerContext { failures, token })
+            .create_with_context(context)
             .map_err(|e| Error::kafka("creating the dead-letter reader", e))?;
         let consumer = Arc::new(consumer);
-        let (topic, timeout) = (self.topic.clone(), self.timeout);
+        let topic = self.topic.clone();
         let reader = Arc::clone(&consumer);
         let partitions = blocking(move || starts(&reader, &topic, timeout)).await??;
         let mut assignment = TopicPartitionList::new();
@@ -190,7 +133,7 @@ impl KafkaDeadLettersBuilder {
             topic: self.topic,
             id_header: self.id_header,
             consumer,
-            timeout: self.timeout,
+            timeout,
             partitions,
         })
     }
@@ -389,7 +332,9 @@ mod tests {
 
     #[test]
     fn the_builders_debug_output_hides_secret_properties() {
-        let builder = KafkaDeadLetters::builder("payments.dlq").set("sasl.password", "hunter2");
+        let builder = KafkaConnection::new("b:9092")
+            .set("sasl.password", "hunter2")
+            .dead_letters("payments.dlq");
         let shown = format!("{builder:?}");
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains(r#""sasl.password": "***""#), "{shown}");

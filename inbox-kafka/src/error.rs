@@ -140,8 +140,8 @@ mod tests {
     #[tokio::test]
     async fn a_topic_name_with_a_nul_byte_is_refused_for_good() {
         // Nothing listens on port 9: the name is refused before any broker is asked.
-        let producer = crate::KafkaProducer::builder()
-            .brokers("127.0.0.1:9")
+        let producer = crate::KafkaConnection::new("127.0.0.1:9")
+            .producer()
             .connect()
             .await
             .expect("a producer");

@@ -147,13 +147,14 @@
 //!
 //! # Configuration
 //!
-//! The brokers come from `KAFKA_BROKERS` unless
-//! [`KafkaSourceBuilder::brokers`] or [`KafkaProducerBuilder::brokers`] names them; with neither,
-//! connecting fails with an error that says so (there is no default).
-//! [`KafkaSourceBuilder`] passes any librdkafka property through ([`KafkaSourceBuilder::set`],
-//! [`KafkaSourceBuilder::set_consumer`]), and so does [`KafkaProducerBuilder::set`]: TLS and
-//! SASL (enable the crate feature `tls` for TLS, SCRAM and OAUTHBEARER), timeouts, assignment
-//! strategy. zstd
+//! One [`KafkaConnection`] (the brokers, librdkafka properties, a token provider) builds the
+//! source, the producer, the dead-letter reader and the admin client, so TLS, SASL or a token
+//! provider set once reaches them all. The brokers come from `KAFKA_BROKERS` unless
+//! [`KafkaConnection::new`] names them; with neither, connecting fails with an error that says
+//! so (there is no default). Any librdkafka property passes through: [`KafkaConnection::set`]
+//! for every client (TLS and SASL: enable the crate feature `tls` for TLS, SCRAM and
+//! OAUTHBEARER), [`KafkaSourceBuilder::set_consumer`] and [`KafkaProducerBuilder::set`] for one
+//! client (timeouts, assignment strategy, batching). zstd
 //! compression (`compression.type=zstd` on a producer, and reading batches another producer
 //! compressed with zstd) needs the crate feature `zstd`; gzip (`libz`) is always built in. A
 //! new group starts at the earliest offset (`auto.offset.reset=earliest`) unless told otherwise.
@@ -164,7 +165,7 @@
 //!
 //! ```no_run
 //! # use std::time::{Duration, SystemTime};
-//! use inbox_kafka::{KafkaSource, Token, TokenError, TokenProvider};
+//! use inbox_kafka::{KafkaConnection, Token, TokenError, TokenProvider};
 //!
 //! /// Tokens from your cloud's IAM library (AWS MSK IAM, Azure Event Hubs, Confluent Cloud).
 //! struct Iam;
@@ -181,21 +182,21 @@
 //!
 //! # async fn f() -> inbox_kafka::Result<()> {
 //! // SCRAM over TLS, from configuration; `Debug` shows `***` for the password.
-//! let scram = KafkaSource::builder(["payments"], "wallet")
+//! let scram = KafkaConnection::from_env()
 //!     .set("security.protocol", "sasl_ssl")
 //!     .set("ssl.ca.location", "/etc/kafka/ca.pem")
 //!     .set("sasl.mechanism", "SCRAM-SHA-512")
 //!     .set("sasl.username", "wallet")
-//!     .set("sasl.password", "from-your-secret-store")
-//!     .connect()
-//!     .await?;
-//! // OAUTHBEARER with tokens from a provider (sets `sasl.mechanism`).
-//! let oauth = KafkaSource::builder(["payments"], "wallet")
+//!     .set("sasl.password", "from-your-secret-store");
+//! let source = scram.source(["payments"], "wallet").connect().await?;
+//! // OAUTHBEARER with tokens from a provider (sets `sasl.mechanism`), for the source, the
+//! // producer and the dead-letter reader alike.
+//! let oauth = KafkaConnection::from_env()
 //!     .set("security.protocol", "sasl_ssl")
-//!     .token_provider(Iam)
-//!     .connect()
-//!     .await?;
-//! # let _ = (scram, oauth); Ok(()) }
+//!     .token_provider(Iam);
+//! let source_with_tokens = oauth.source(["payments"], "wallet").connect().await?;
+//! let producer = oauth.producer().connect().await?;
+//! # let _ = (source, source_with_tokens, producer); Ok(()) }
 //! ```
 //!
 //! librdkafka retries a refused TLS handshake or login forever in the background; the source
@@ -208,6 +209,7 @@ mod ack;
 mod admin;
 mod commit;
 mod config;
+mod connection;
 mod context;
 mod dead_letter;
 mod dead_letters;
@@ -224,7 +226,8 @@ pub mod tracker;
 pub use ack::KafkaAck;
 pub use admin::{KafkaAdmin, Retention};
 pub use commit::OffsetCommits;
-pub use config::{brokers_from_env, KafkaSourceBuilder};
+pub use config::KafkaSourceBuilder;
+pub use connection::{brokers_from_env, KafkaConnection};
 pub use dead_letters::{KafkaDeadLetters, KafkaDeadLettersBuilder, DEFAULT_REPLAY_GROUP};
 pub use error::{Error, Result};
 pub use inbox_core::{CloudEventsIdentity, IdFrom};

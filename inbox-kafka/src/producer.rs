@@ -2,19 +2,18 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::try_join_all;
 use inbox_core::{OutgoingMessage, Publish, PublishError};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::ClientConfig;
 
+use crate::config::Redacted;
 use crate::context::ProducerContext;
 use crate::failure::Failures;
 use crate::source::millis;
-use crate::{brokers_from_env, Error, KafkaSourceBuilder, Result, TokenProvider};
+use crate::{Error, KafkaConnection, KafkaSourceBuilder, Result};
 
 /// An idempotent Kafka producer (`enable.idempotence=true`, so its own retries add no copies)
 /// that sets the ID header (default `event_id`) on every record, and a message's headers as
@@ -39,50 +38,34 @@ impl fmt::Debug for KafkaProducer {
     }
 }
 
-/// Builds a [`KafkaProducer`]; start with [`KafkaProducer::builder`].
-///
-/// The brokers come from the `KAFKA_BROKERS` environment variable unless
-/// [`KafkaProducerBuilder::brokers`] sets them; with neither, `connect` fails saying so. Its `Debug` output hides the values of
-/// secret properties, like [`KafkaSourceBuilder`]'s.
+/// Builds a [`KafkaProducer`]; start with [`KafkaConnection::producer`] (or
+/// [`KafkaProducer::builder`], on the brokers `KAFKA_BROKERS` names). Its `Debug` output hides
+/// the values of secret properties, like [`KafkaConnection`]'s.
 #[derive(Clone)]
 #[must_use = "a builder does nothing until `connect` is called"]
 pub struct KafkaProducerBuilder {
-    brokers: Option<String>,
+    connection: KafkaConnection,
     id_header: String,
-    operation_timeout: Duration,
     properties: BTreeMap<String, String>,
-    token_provider: Option<Arc<dyn crate::token::DynTokenProvider>>,
 }
 
 impl fmt::Debug for KafkaProducerBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let properties: BTreeMap<&str, &str> = self
-            .properties
-            .iter()
-            .map(|(key, value)| {
-                let shown = if inbox_core::is_secret_setting(key) {
-                    inbox_core::REDACTED
-                } else {
-                    value.as_str()
-                };
-                (key.as_str(), shown)
-            })
-            .collect();
         f.debug_struct("KafkaProducerBuilder")
-            .field("brokers", &self.brokers)
+            .field("connection", &self.connection)
             .field("id_header", &self.id_header)
-            .field("operation_timeout", &self.operation_timeout)
-            .field("properties", &properties)
-            .field("token_provider", &self.token_provider.is_some())
+            .field("properties", &Redacted(&self.properties))
             .finish()
     }
 }
 
 impl KafkaProducerBuilder {
-    /// The brokers to bootstrap from (`host:port[,host:port]`), instead of `KAFKA_BROKERS`.
-    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
-        self.brokers = Some(brokers.into());
-        self
+    pub(crate) fn new(connection: KafkaConnection) -> Self {
+        Self {
+            connection,
+            id_header: KafkaSourceBuilder::DEFAULT_ID_HEADER.to_owned(),
+            properties: BTreeMap::new(),
+        }
     }
 
     /// The header the message ID goes in (default `event_id`); consumers must read the same
@@ -92,25 +75,12 @@ impl KafkaProducerBuilder {
         self
     }
 
-    /// How long a send waits for the broker's acknowledgement, retries included
-    /// (librdkafka's `message.timeout.ms`, default 30 s).
-    pub fn operation_timeout(mut self, wait: Duration) -> Self {
-        self.operation_timeout = wait;
-        self
-    }
-
-    /// Sets a librdkafka producer property (TLS, SASL, `linger.ms`, `compression.type`, ...).
-    /// `enable.idempotence` must stay `true`.
+    /// Sets a librdkafka producer property (`linger.ms`, `compression.type`, ...) for this
+    /// producer only. `enable.idempotence` must stay `true`. A send waits for the broker's
+    /// acknowledgement, retries included, for the connection's operation timeout
+    /// (`message.timeout.ms`, which can be set here too).
     pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.properties.insert(key.into(), value.into());
-        self
-    }
-
-    /// Logs in with SASL OAUTHBEARER tokens from `provider` (see [`TokenProvider`]), asked at
-    /// start and again before each token expires. Sets `sasl.mechanism=OAUTHBEARER` (another
-    /// mechanism is refused at `connect`); `security.protocol` stays yours to set.
-    pub fn token_provider(mut self, provider: impl TokenProvider) -> Self {
-        self.token_provider = Some(Arc::new(provider));
         self
     }
 
@@ -120,16 +90,11 @@ impl KafkaProducerBuilder {
         if self.id_header.is_empty() {
             return Err(Error::Config("the ID header name is empty".into()));
         }
-        let brokers = match self.brokers {
-            Some(brokers) => brokers,
-            None => brokers_from_env()?,
-        };
-        let mut config = ClientConfig::new();
-        crate::failure::log_connection_failures(&mut config);
+        let timeout = self.connection.operation_timeout;
+        let (mut config, context) = self.connection.client(&Failures::default())?;
         config
-            .set("bootstrap.servers", &brokers)
             .set("enable.idempotence", "true")
-            .set("message.timeout.ms", millis(self.operation_timeout));
+            .set("message.timeout.ms", millis(timeout));
         for (key, value) in &self.properties {
             config.set(key, value);
         }
@@ -138,28 +103,22 @@ impl KafkaProducerBuilder {
                 "KafkaProducer keeps enable.idempotence=true; remove the property".into(),
             ));
         }
-        if self.token_provider.is_some() {
-            crate::token::require_oauthbearer(&mut config)?;
-        }
-        let failures = Failures::default();
-        let token = crate::token::refresh_for(
-            self.token_provider.as_ref(),
-            self.operation_timeout,
-            &failures,
-        )?;
-        let producer = config
-            .create_with_context(ProducerContext { failures, token })
-            .map_err(|e| Error::kafka(format!("creating the Kafka producer for {brokers}"), e))?;
+        let producer = config.create_with_context(context).map_err(|e| {
+            let brokers = config.get("bootstrap.servers").unwrap_or_default();
+            Error::kafka(format!("creating the Kafka producer for {brokers}"), e)
+        })?;
         Ok(KafkaProducer {
             producer,
             id_header: self.id_header,
-            timeout: self.operation_timeout,
+            timeout,
         })
     }
 }
 
 impl KafkaProducer {
-    /// Starts configuring a producer. It is not bound to a topic: each send names one.
+    /// Starts configuring a producer on the brokers `KAFKA_BROKERS` names (another cluster,
+    /// TLS, SASL or a token provider: [`KafkaConnection::producer`]). It is not bound to a
+    /// topic: each send names one.
     ///
     /// ```no_run
     /// use inbox_core::Publish;
@@ -172,13 +131,7 @@ impl KafkaProducer {
     /// # let _ = id; Ok(()) }
     /// ```
     pub fn builder() -> KafkaProducerBuilder {
-        KafkaProducerBuilder {
-            brokers: None,
-            id_header: KafkaSourceBuilder::DEFAULT_ID_HEADER.to_owned(),
-            operation_timeout: Duration::from_secs(30),
-            properties: BTreeMap::new(),
-            token_provider: None,
-        }
+        KafkaConnection::from_env().producer()
     }
 
     /// Produces `message` to `topic` and waits for the broker's acknowledgement, for what the
@@ -266,20 +219,22 @@ mod tests {
 
     #[test]
     fn the_builder_hides_secret_properties() {
-        let builder = KafkaProducer::builder()
-            .brokers("b:9092")
+        let builder = KafkaConnection::new("b:9092")
             .set("sasl.username", "app")
-            .set("sasl.password", "pw-one");
+            .set("sasl.password", "pw-one")
+            .producer()
+            .set("sasl.oauthbearer.client.secret", "pw-two");
         let shown = format!("{builder:?}");
         assert!(!shown.contains("pw-one"), "{shown}");
+        assert!(!shown.contains("pw-two"), "{shown}");
         assert!(shown.contains(r#""sasl.username": "app""#), "{shown}");
         assert!(shown.contains("b:9092"), "{shown}");
     }
 
     #[tokio::test]
     async fn idempotence_cannot_be_turned_off() {
-        let e = KafkaProducer::builder()
-            .brokers("127.0.0.1:9")
+        let e = KafkaConnection::new("127.0.0.1:9")
+            .producer()
             .set("enable.idempotence", "false")
             .connect()
             .await

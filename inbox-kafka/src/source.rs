@@ -19,13 +19,12 @@ use tracing::warn;
 
 use crate::ack::{AckTarget, KafkaAck};
 use crate::commit::{commit_task, OffsetCommits};
-use crate::context::{InboxContext, ProducerContext};
+use crate::context::InboxContext;
 use crate::dead_letter::{DeadLetterCheck, DeadLetterProducer};
 use crate::failure::Failures;
 use crate::redelivery;
 use crate::shared_consumer::SharedConsumer;
-use crate::token;
-use crate::{Error, KafkaSourceBuilder, Result};
+use crate::{Error, KafkaConnection, KafkaSourceBuilder, Result};
 
 /// How many immediate polls in a row may come back without a message (librdkafka served a
 /// rebalance or error event instead) before a batch is closed.
@@ -76,7 +75,8 @@ impl fmt::Debug for KafkaSource {
 
 impl KafkaSource {
     /// Starts configuring a source that consumes `topics` (names, or `^`-prefixed patterns) as
-    /// member of the consumer group `group`.
+    /// member of the consumer group `group`, on the brokers `KAFKA_BROKERS` names (another
+    /// cluster, TLS, SASL or a token provider: [`KafkaConnection::source`]).
     ///
     /// ```no_run
     /// # async fn f() -> inbox_kafka::Result<()> {
@@ -90,23 +90,19 @@ impl KafkaSource {
         topics: impl IntoIterator<Item = impl Into<String>>,
         group: impl Into<String>,
     ) -> KafkaSourceBuilder {
-        KafkaSourceBuilder::new(topics, group)
+        KafkaConnection::from_env().source(topics, group)
     }
 
     pub(crate) fn new(config: &KafkaSourceBuilder) -> Result<Self> {
+        let operation_timeout = config.connection.operation_timeout;
         let failures = Failures::default();
-        let token = token::refresh_for(
-            config.token_provider.as_ref(),
-            config.operation_timeout,
-            &failures,
-        )?;
-        let consumer: StreamConsumer<InboxContext> = config
-            .consumer_config()?
+        let (consumer_config, context) = config.consumer_config(&failures)?;
+        let consumer: StreamConsumer<InboxContext> = consumer_config
             .create_with_context(InboxContext::new(
                 config.group_id.clone(),
                 config.commit_interval,
                 failures.clone(),
-                token.clone(),
+                context.token.clone(),
             ))
             .map_err(|e| Error::kafka("creating the Kafka consumer", e))?;
         let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
@@ -114,32 +110,21 @@ impl KafkaSource {
             .subscribe(&topics)
             .map_err(|e| Error::kafka(format!("subscribing to {topics:?}"), e))?;
 
-        let mut producer_config = config.client_config()?;
+        let (mut producer_config, _) = config.connection.client(&failures)?;
+        let admin_config = producer_config.clone();
         // A dead letter is produced once per delivery: the idempotent producer keeps its own
         // retries from adding copies. The delivery wait is bounded like any other operation.
         producer_config
             .set("enable.idempotence", "true")
-            .set("message.timeout.ms", millis(config.operation_timeout));
-        for (key, value) in &config.common {
-            producer_config.set(key, value);
-        }
+            .set("message.timeout.ms", millis(operation_timeout));
         let producer = producer_config
-            .create_with_context(ProducerContext {
-                failures: failures.clone(),
-                token: token.clone(),
-            })
+            .create_with_context(context.clone())
             .map_err(|e| Error::kafka("creating the dead-letter producer", e))?;
-        let dead_letter_check = DeadLetterCheck::new(
-            config,
-            ProducerContext {
-                failures: failures.clone(),
-                token,
-            },
-        )?;
+        let dead_letter_check = DeadLetterCheck::new(config, admin_config, context)?;
         let dead_letters = Arc::new(DeadLetterProducer {
             producer,
             topic: config.dead_letter_topic.clone(),
-            timeout: config.operation_timeout,
+            timeout: operation_timeout,
             failures,
         });
 
@@ -148,7 +133,7 @@ impl KafkaSource {
             dead_letters,
             id_from: config.id_from.clone(),
             poll_timeout: config.poll_timeout,
-            operation_timeout: config.operation_timeout,
+            operation_timeout,
             redelivery_window: None,
             dead_letter_check: Some(dead_letter_check),
             commit_task: None,

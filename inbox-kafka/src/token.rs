@@ -41,10 +41,8 @@ impl fmt::Debug for Token {
 }
 
 /// Hands out SASL OAUTHBEARER tokens: implement it over your cloud's IAM library and give it to
-/// [`KafkaSourceBuilder::token_provider`](crate::KafkaSourceBuilder::token_provider),
-/// [`KafkaProducerBuilder::token_provider`](crate::KafkaProducerBuilder::token_provider) and
-/// [`KafkaDeadLettersBuilder::token_provider`](crate::KafkaDeadLettersBuilder::token_provider). Needs
-/// the crate feature `tls` (librdkafka builds OAUTHBEARER with OpenSSL only); without it
+/// [`KafkaConnection::token_provider`](crate::KafkaConnection::token_provider), for every client
+/// built from that connection. Needs the crate feature `tls` (librdkafka builds OAUTHBEARER with OpenSSL only); without it
 /// `connect` fails saying so.
 ///
 /// librdkafka calls [`token`](TokenProvider::token) when the client starts, before its first

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::*;
 use inbox_core::{Ack, MessageSource, Publish};
-use inbox_kafka::KafkaSource;
+use inbox_kafka::{KafkaConnection, KafkaSource};
 use inbox_testkit::publish::{as_sent, send_each_way};
 
 /// Set in the child process of [`a_source_without_brokers_uses_kafka_brokers`]: the topic it
@@ -45,8 +45,9 @@ async fn a_source_without_brokers_uses_kafka_brokers() {
 }
 
 async fn child(topic: &str) {
-    let mut nowhere = KafkaSource::builder([topic], random("group"))
+    let mut nowhere = KafkaConnection::from_env()
         .operation_timeout(Duration::from_secs(2))
+        .source([topic], random("group"))
         .connect()
         .await
         .expect("connect does not wait for the brokers");
@@ -57,8 +58,8 @@ async fn child(topic: &str) {
     assert!(e.to_string().contains("127.0.0.1:1"), "{e}");
 
     let real = std::env::var(REAL_BROKERS).expect("the parent sets it");
-    let mut given = KafkaSource::builder([topic], random("group"))
-        .brokers(real)
+    let mut given = KafkaConnection::new(real)
+        .source([topic], random("group"))
         .poll_timeout(Duration::from_millis(200))
         .connect()
         .await
@@ -120,9 +121,9 @@ async fn one_producer_sends_to_two_topics() {
     assert_eq!(received, sent);
 }
 
-/// Without `brokers` and with `KAFKA_BROKERS` unset or empty, a source and a producer refuse to
-/// connect, naming both ways to set the brokers: no silent broker on localhost. Run in a child
-/// process whose `KAFKA_BROKERS` is empty.
+/// Without brokers given and with `KAFKA_BROKERS` unset or empty, a source, a producer and a
+/// dead-letter reader refuse to connect, naming both ways to set the brokers: no silent broker
+/// on localhost. Run in a child process whose `KAFKA_BROKERS` is empty.
 #[tokio::test]
 async fn without_brokers_anywhere_connect_fails_naming_kafka_brokers() {
     if inbox_conformance::child::is_child() {
@@ -132,6 +133,11 @@ async fn without_brokers_anywhere_connect_fails_naming_kafka_brokers() {
             .expect_err("no brokers anywhere");
         assert!(e.to_string().contains("KAFKA_BROKERS"), "{e}");
         let e = inbox_kafka::KafkaProducer::builder()
+            .connect()
+            .await
+            .expect_err("no brokers anywhere");
+        assert!(e.to_string().contains("KAFKA_BROKERS"), "{e}");
+        let e = inbox_kafka::KafkaDeadLetters::builder("t.dlq")
             .connect()
             .await
             .expect_err("no brokers anywhere");

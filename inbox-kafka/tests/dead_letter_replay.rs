@@ -7,7 +7,7 @@ use inbox_conformance::unique_name;
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::replay::{self, Selection};
 use inbox_core::{OutgoingMessage, Publish};
-use inbox_kafka::KafkaDeadLetters;
+use inbox_kafka::{KafkaConnection, KafkaDeadLetters};
 
 /// The first `n` records of partition 0 of `topic` (fewer after 20 s), read without trusting
 /// the high watermark (the replay sent them in batches; see above).
@@ -39,8 +39,8 @@ async fn read(topic: &str, n: usize) -> Vec<inbox_kafka::rdkafka::message::Owned
 }
 
 async fn reader(topic: &str) -> KafkaDeadLetters {
-    KafkaDeadLetters::builder(topic)
-        .brokers(brokers())
+    KafkaConnection::new(brokers())
+        .dead_letters(topic)
         .connect()
         .await
         .expect("the reader connects")

@@ -46,8 +46,8 @@ async fn topic_with_a_poison_record() -> String {
 async fn a_missing_dead_letter_topic_stops_the_consumer_at_start() {
     let topic = topic_with_a_poison_record().await;
     let dlq = format!("{topic}.dlq");
-    let source = config(&topic, &random("group"))
-        .operation_timeout(Duration::from_secs(3))
+    let kafka = KafkaConnection::new(brokers()).operation_timeout(Duration::from_secs(3));
+    let source = config_on(&kafka, &topic, &random("group"))
         .connect()
         .await
         .expect("source");

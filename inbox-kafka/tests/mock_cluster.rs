@@ -20,7 +20,7 @@ use inbox_core::{
 };
 use inbox_kafka::rdkafka::consumer::Consumer as _;
 use inbox_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
-use inbox_kafka::{KafkaAck, KafkaProducer, KafkaSource, KafkaSourceBuilder, OffsetCommits};
+use inbox_kafka::{KafkaAck, KafkaConnection, KafkaSource, KafkaSourceBuilder, OffsetCommits};
 use inbox_testkit::{MemoryStore, MemoryTx};
 use mock::{cluster, evt, producer};
 
@@ -62,8 +62,8 @@ async fn consume_with_refused_commits(commit_interval: Duration) -> (StatsSnapsh
     );
 
     let store = MemoryStore::<i64>::new();
-    let source = KafkaSource::builder(["credits"], "wallet")
-        .brokers(&brokers)
+    let source = KafkaConnection::new(&brokers)
+        .source(["credits"], "wallet")
         .poll_timeout(Duration::from_millis(500))
         .commit_interval(commit_interval)
         // A refused commit makes the member rejoin; the mock coordinator waits for the old
@@ -124,8 +124,8 @@ async fn acks_refused_by_a_rebalance_are_not_ack_failures() {
 async fn a_restart_inside_a_record_batch_resumes_at_the_committed_offset() {
     let (_mock, brokers) = cluster(1, "credits", 1);
     // Sent together with a linger, the 60 records travel in a few multi-record batches.
-    let producer = KafkaProducer::builder()
-        .brokers(&brokers)
+    let producer = KafkaConnection::new(&brokers)
+        .producer()
         .set("linger.ms", "100")
         .connect()
         .await
@@ -139,8 +139,8 @@ async fn a_restart_inside_a_record_batch_resumes_at_the_committed_offset() {
         .expect("produce");
 
     let store = MemoryStore::<i64>::new();
-    let config = KafkaSource::builder(["credits"], "wallet")
-        .brokers(&brokers)
+    let config = KafkaConnection::new(&brokers)
+        .source(["credits"], "wallet")
         .poll_timeout(Duration::from_millis(300))
         // The mock coordinator hands the partition on once the first member's session ends.
         .set_consumer("session.timeout.ms", "6000")
@@ -225,8 +225,8 @@ async fn a_broker_restart_mid_stream_loses_nothing_and_applies_nothing_twice() {
     produce(1..=half).await;
 
     let store = MemoryStore::<i64>::new();
-    let source = KafkaSource::builder(["credits"], "wallet")
-        .brokers(&brokers)
+    let source = KafkaConnection::new(&brokers)
+        .source(["credits"], "wallet")
         .poll_timeout(Duration::from_millis(300))
         .set_consumer("session.timeout.ms", "6000")
         .set_consumer("heartbeat.interval.ms", "500")
@@ -309,8 +309,8 @@ async fn a_dead_letter_whose_produce_fails_hands_the_record_back() {
         .send("parked", b"1")
         .await
         .expect("produce");
-    let mut source = KafkaSource::builder(["parked"], "wallet")
-        .brokers(&brokers)
+    let mut source = KafkaConnection::new(&brokers)
+        .source(["parked"], "wallet")
         .poll_timeout(Duration::from_millis(300))
         .connect()
         .await
@@ -401,8 +401,8 @@ impl Handler<MemoryTx<Vec<String>>> for Ledger {
 
 /// A member of group `topic` on `topic`.
 async fn member(brokers: &str, topic: &str) -> KafkaSource {
-    KafkaSource::builder([topic], topic)
-        .brokers(brokers)
+    KafkaConnection::new(brokers)
+        .source([topic], topic)
         .poll_timeout(Duration::from_millis(200))
         // The mock coordinator hands partitions on once a member's session ends.
         .set_consumer("session.timeout.ms", "6000")

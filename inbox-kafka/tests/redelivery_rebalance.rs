@@ -18,14 +18,14 @@ use inbox_kafka::rdkafka::config::ClientConfig;
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::message::Headers;
 use inbox_kafka::rdkafka::{Message as _, Offset, TopicPartitionList};
-use inbox_kafka::{KafkaAck, KafkaSource};
+use inbox_kafka::{KafkaAck, KafkaConnection, KafkaSource};
 use inbox_testkit::{MemoryStore, MemoryTx};
 use mock::{cluster, evt, producer};
 
 /// A member of group `topic` on `topic`, quick to notice a rebalance.
 async fn member(brokers: &str, topic: &str) -> KafkaSource {
-    KafkaSource::builder([topic], topic)
-        .brokers(brokers)
+    KafkaConnection::new(brokers)
+        .source([topic], topic)
         .poll_timeout(Duration::from_millis(200))
         .set_consumer("session.timeout.ms", "6000")
         .set_consumer("heartbeat.interval.ms", "300")

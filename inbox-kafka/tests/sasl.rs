@@ -23,7 +23,7 @@ use common::*;
 use inbox_conformance::kafka::PrivateTansu;
 use inbox_conformance::tls::TestCa;
 use inbox_core::{MessageSource, Recovery};
-use inbox_kafka::{KafkaProducer, KafkaSourceBuilder};
+use inbox_kafka::KafkaSourceBuilder;
 
 const PASSWORD: &str = "pw-7f3a-never-shown";
 
@@ -77,13 +77,11 @@ fn test_ca() -> TestCa {
 }
 
 fn source_builder(topic: &str, brokers: &str, settings: &[(&str, String)]) -> KafkaSourceBuilder {
-    let mut builder = config(topic, &random("group"))
-        .brokers(brokers)
-        .operation_timeout(Duration::from_secs(5));
+    let mut kafka = KafkaConnection::new(brokers).operation_timeout(Duration::from_secs(5));
     for (key, value) in settings {
-        builder = builder.set(*key, value);
+        kafka = kafka.set(*key, value);
     }
-    builder
+    config_on(&kafka, topic, &random("group"))
 }
 
 /// Starts a TLS, authenticating Tansu and a source logging in with `mechanism`, and returns
@@ -148,12 +146,12 @@ async fn a_mechanism_the_broker_does_not_offer_is_refused_saying_so() {
 
 #[tokio::test]
 async fn a_producer_hides_the_password_in_debug() {
-    let builder = KafkaProducer::builder()
-        .brokers("localhost:9093")
+    let builder = KafkaConnection::new("localhost:9093")
         .set("security.protocol", "sasl_ssl")
         .set("sasl.mechanism", "SCRAM-SHA-512")
         .set("sasl.username", "wallet-app")
-        .set("sasl.password", PASSWORD);
+        .set("sasl.password", PASSWORD)
+        .producer();
     let shown = format!("{builder:?}");
     assert!(!shown.contains(PASSWORD), "{shown}");
     assert!(shown.contains("wallet-app"), "{shown}");

@@ -66,7 +66,9 @@ async fn a_dead_letter_keeps_the_key_and_headers_and_names_its_origin() {
 /// The redelivery window a source reports for `topic`, as the consumer's start-up check sees
 /// it, read from the broker's topic configuration.
 async fn window_of(topic: &str) -> Option<Duration> {
-    let admin = inbox_kafka::KafkaAdmin::from_env().expect("admin");
+    let admin = inbox_kafka::KafkaConnection::from_env()
+        .admin()
+        .expect("admin");
     let retention = admin.retention(topic).await.expect("describe configs");
     println!("retention of {topic}: {retention:?}");
     let source = config(topic, &random("group"))
@@ -84,7 +86,9 @@ async fn the_redelivery_window_is_retention_plus_segment_time() {
     if skip_on_mock("the mock lacks CreateTopics with configs and DescribeConfigs") {
         return;
     }
-    let admin = inbox_kafka::KafkaAdmin::from_env().expect("admin");
+    let admin = inbox_kafka::KafkaConnection::from_env()
+        .admin()
+        .expect("admin");
     let topic = random("inbox-retention");
     let properties = [("retention.ms", "3600000"), ("segment.ms", "600000")];
     admin
@@ -105,7 +109,9 @@ async fn a_compacted_topic_can_redeliver_arbitrarily_late() {
     if skip_on_mock("the mock lacks CreateTopics with configs and DescribeConfigs") {
         return;
     }
-    let admin = inbox_kafka::KafkaAdmin::from_env().expect("admin");
+    let admin = inbox_kafka::KafkaConnection::from_env()
+        .admin()
+        .expect("admin");
     let topic = random("inbox-compacted");
     let properties = [("cleanup.policy", "compact"), ("retention.ms", "3600000")];
     admin

@@ -22,7 +22,7 @@ use inbox_conformance::tls::TestCa;
 use inbox_conformance::wallet::Credit;
 use inbox_conformance::TestDb;
 use inbox_core::{MessageSource, Recovery, SourceError};
-use inbox_kafka::{KafkaAdmin, KafkaProducer, KafkaSource, KafkaSourceBuilder};
+use inbox_kafka::{KafkaSource, KafkaSourceBuilder};
 
 /// A CA and a server certificate for `localhost`, in a directory of their own.
 fn test_ca(name: &str) -> TestCa {
@@ -42,18 +42,21 @@ fn tls(ca: &Path) -> Vec<(&'static str, String)> {
     ]
 }
 
+/// The brokers with `settings` for every client, and a 5 s operation timeout.
+fn connection(brokers: &str, settings: &[(&'static str, String)]) -> KafkaConnection {
+    let mut kafka = KafkaConnection::new(brokers).operation_timeout(Duration::from_secs(5));
+    for (key, value) in settings {
+        kafka = kafka.set(*key, value);
+    }
+    kafka
+}
+
 fn source_builder(
     topic: &str,
     brokers: &str,
     settings: &[(&'static str, String)],
 ) -> KafkaSourceBuilder {
-    let mut builder = config(topic, &random("group"))
-        .brokers(brokers)
-        .operation_timeout(Duration::from_secs(5));
-    for (key, value) in settings {
-        builder = builder.set(*key, value);
-    }
-    builder
+    config_on(&connection(brokers, settings), topic, &random("group"))
 }
 
 /// The first receive's error, and how long it took; panics if it succeeds or takes a minute.
@@ -79,14 +82,14 @@ async fn a_consumer_over_tls_applies_every_credit_once() {
     let brokers = tansu.brokers();
     let settings = tls(&ca.ca);
     let topic = random("inbox-tls");
-    let admin = KafkaAdmin::with_properties(&brokers, settings.clone()).unwrap();
-    admin.create_topic(&topic, 2).await.unwrap();
-
-    let mut producer = KafkaProducer::builder().brokers(&brokers);
-    for (key, value) in &settings {
-        producer = producer.set(*key, value);
-    }
-    let producer = producer.connect().await.unwrap();
+    let kafka = connection(&brokers, &settings);
+    kafka
+        .admin()
+        .unwrap()
+        .create_topic(&topic, 2)
+        .await
+        .unwrap();
+    let producer = kafka.producer().connect().await.unwrap();
     let published = 200;
     let total = produce_credit_range(&producer, &topic, 0..published, 2).await;
 

@@ -18,10 +18,7 @@ use std::time::{Duration, Instant, SystemTime};
 use common::*;
 use inbox_conformance::kafka::PrivateTansu;
 use inbox_core::{MessageSource, Recovery, SourceError};
-use inbox_kafka::{
-    Error, KafkaDeadLetters, KafkaProducer, KafkaSource, KafkaSourceBuilder, Token, TokenError,
-    TokenProvider,
-};
+use inbox_kafka::{Error, KafkaSource, Token, TokenError, TokenProvider};
 
 /// Hands out tokens that live `lifetime`, or fails, and notes when it was called.
 #[derive(Clone)]
@@ -68,8 +65,9 @@ impl TokenProvider for TestTokens {
     }
 }
 
-fn sasl(builder: KafkaSourceBuilder, tokens: &TestTokens) -> KafkaSourceBuilder {
-    builder
+/// `brokers` logged in to with `tokens`, for every client.
+fn sasl(brokers: String, tokens: &TestTokens) -> KafkaConnection {
+    KafkaConnection::new(brokers)
         .set("security.protocol", "sasl_plaintext")
         .operation_timeout(Duration::from_secs(5))
         .token_provider(tokens.clone())
@@ -95,10 +93,10 @@ async fn the_provider_is_called_at_start_and_again_before_each_token_expires() {
     let lifetime = Duration::from_secs(8);
     let tokens = TestTokens::lasting(lifetime);
     let started = Instant::now();
-    let producer = KafkaProducer::builder()
-        .brokers(tansu.brokers())
+    let producer = KafkaConnection::new(tansu.brokers())
         .set("security.protocol", "sasl_plaintext")
         .token_provider(tokens.clone())
+        .producer()
         .connect()
         .await
         .unwrap();
@@ -127,11 +125,14 @@ async fn a_token_the_broker_refuses_fails_the_first_receive_saying_so() {
     init_tracing();
     let tansu = PrivateTansu::builder().authentication(true).start().await;
     let tokens = TestTokens::lasting(Duration::from_secs(60));
-    let mut source = sasl(config("inbox-token", &random("group")), &tokens)
-        .brokers(tansu.brokers())
-        .connect()
-        .await
-        .unwrap();
+    let mut source = config_on(
+        &sasl(tansu.brokers(), &tokens),
+        "inbox-token",
+        &random("group"),
+    )
+    .connect()
+    .await
+    .unwrap();
     let (e, took) = first_error(&mut source).await;
     println!("token refused, after {took:?}: {e}");
     assert!(!tokens.calls().is_empty(), "the provider was not asked");
@@ -148,11 +149,14 @@ async fn a_failing_provider_is_named_by_the_first_receive() {
     init_tracing();
     let tansu = PrivateTansu::builder().authentication(true).start().await;
     let tokens = TestTokens::failing("the IAM endpoint answered 503 (test)");
-    let mut source = sasl(config("inbox-token", &random("group")), &tokens)
-        .brokers(tansu.brokers())
-        .connect()
-        .await
-        .unwrap();
+    let mut source = config_on(
+        &sasl(tansu.brokers(), &tokens),
+        "inbox-token",
+        &random("group"),
+    )
+    .connect()
+    .await
+    .unwrap();
     let (e, took) = first_error(&mut source).await;
     println!("provider failed, after {took:?}: {e}");
     assert!(
@@ -178,11 +182,8 @@ async fn the_dead_letter_reader_asks_the_provider_when_it_starts() {
     init_tracing();
     let tansu = PrivateTansu::builder().authentication(true).start().await;
     let tokens = TestTokens::lasting(Duration::from_secs(60));
-    let reading = KafkaDeadLetters::builder(random("payments.dlq"))
-        .brokers(tansu.brokers())
-        .set("security.protocol", "sasl_plaintext")
-        .operation_timeout(Duration::from_secs(5))
-        .token_provider(tokens.clone())
+    let reading = sasl(tansu.brokers(), &tokens)
+        .dead_letters(random("payments.dlq"))
         .connect();
     let e = tokio::time::timeout(Duration::from_secs(30), reading)
         .await
@@ -194,18 +195,19 @@ async fn the_dead_letter_reader_asks_the_provider_when_it_starts() {
 
 #[tokio::test]
 async fn a_provider_with_another_mechanism_is_refused() {
-    let e = config("inbox-token", "group")
+    let scram = KafkaConnection::new(brokers())
         .set("sasl.mechanism", "SCRAM-SHA-512")
-        .token_provider(TestTokens::lasting(Duration::from_secs(60)))
+        .token_provider(TestTokens::lasting(Duration::from_secs(60)));
+    let e = config_on(&scram, "inbox-token", "group")
         .connect()
         .await
         .unwrap_err();
     assert!(matches!(e, Error::Config(_)), "{e}");
     assert!(e.to_string().contains("OAUTHBEARER"), "{e}");
-    let e = KafkaProducer::builder()
-        .brokers("127.0.0.1:9")
+    let e = KafkaConnection::new("127.0.0.1:9")
         .set("sasl.mechanism", "PLAIN")
         .token_provider(TestTokens::lasting(Duration::from_secs(60)))
+        .producer()
         .connect()
         .await
         .unwrap_err();

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use inbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use inbox_kafka::rdkafka::message::{Headers, OwnedMessage};
 use inbox_kafka::rdkafka::{ClientConfig, Message as _, Offset, TopicPartitionList};
-use inbox_kafka::KafkaAdmin;
+use inbox_kafka::KafkaConnection;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 /// The `kafka-mock --control` address, when the tests run on librdkafka's mock cluster.
@@ -46,7 +46,8 @@ pub async fn create_topic(topic: &str, partitions: i32) {
 
 /// Creates `topic` with `partitions` partitions on `brokers`, with the admin API.
 pub(super) async fn create_topic_on(brokers: &str, topic: &str, partitions: i32) {
-    KafkaAdmin::new(brokers)
+    KafkaConnection::new(brokers)
+        .admin()
         .expect("admin client")
         .create_topic(topic, partitions)
         .await

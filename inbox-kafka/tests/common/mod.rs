@@ -9,9 +9,11 @@
 #![allow(dead_code, unused_imports, unreachable_pub)]
 
 pub use inbox_conformance::kafka::{
-    config, create_topic, header, lag, mock_control, producer, read_all, send_raw,
+    brokers, config, config_on, create_topic, header, lag, mock_control, producer, read_all,
+    send_raw,
 };
 pub use inbox_conformance::unique_name as random;
+pub use inbox_kafka::KafkaConnection;
 
 use std::future::Future;
 use std::time::{Duration, Instant};

@@ -7,7 +7,7 @@ use std::fmt::Display;
 use inbox_core::MessageId;
 use inbox_kafka::rdkafka::mocking::MockCluster;
 use inbox_kafka::rdkafka::producer::DefaultProducerContext;
-use inbox_kafka::KafkaProducer;
+use inbox_kafka::{KafkaConnection, KafkaProducer};
 
 /// A mock cluster of `nodes` brokers with `topic` (`partitions` partitions) and its dead-letter
 /// topic, each replicated on every broker, and its bootstrap address. Logs go to the test
@@ -30,8 +30,8 @@ pub fn cluster(
 }
 
 pub async fn producer(brokers: &str) -> KafkaProducer {
-    KafkaProducer::builder()
-        .brokers(brokers)
+    KafkaConnection::new(brokers)
+        .producer()
         .connect()
         .await
         .expect("producer")

@@ -1,0 +1,195 @@
+//! [`KafkaConnection`]: the brokers and how to reach them, shared by every client built on it.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+
+use crate::config::Redacted;
+use crate::context::ProducerContext;
+use crate::failure::Failures;
+use crate::token::DynTokenProvider;
+use crate::{
+    Error, KafkaAdmin, KafkaDeadLettersBuilder, KafkaProducerBuilder, KafkaSourceBuilder, Result,
+    TokenProvider,
+};
+
+/// The broker list from the `KAFKA_BROKERS` environment variable; unset or empty is an error
+/// that says so. There is no default: a missing setting must not reach a broker on localhost.
+pub fn brokers_from_env() -> Result<String> {
+    match std::env::var("KAFKA_BROKERS") {
+        Ok(brokers) if !brokers.trim().is_empty() => Ok(brokers),
+        _ => Err(Error::Config(
+            "no Kafka brokers: set KAFKA_BROKERS or use `KafkaConnection::new(brokers)`".into(),
+        )),
+    }
+}
+
+/// Where and how to reach one Kafka cluster: its brokers, any librdkafka property every client
+/// needs (TLS, SASL, `client.id`), a token provider and how long an operation may take. The
+/// source, the producer, the dead-letter reader and the admin client are all built from it, so
+/// a setting made here (a CA, an IAM token provider) reaches them all at once.
+///
+/// Every librdkafka property can be set with [`set`](Self::set): TLS (`security.protocol`,
+/// `ssl.ca.location`, ... with the crate feature `tls`), SASL (`sasl.mechanism`,
+/// `sasl.username`, `sasl.password`), socket settings, so the same code runs against Apache
+/// Kafka, MSK, Confluent Cloud, Redpanda or Tansu. A client's own properties go on its builder
+/// ([`KafkaSourceBuilder::set_consumer`], [`KafkaProducerBuilder::set`]).
+///
+/// ```no_run
+/// # async fn run() -> Result<(), inbox_kafka::Error> {
+/// use inbox_kafka::KafkaConnection;
+///
+/// let kafka = KafkaConnection::new("broker-1.internal:9093")
+///     .set("security.protocol", "ssl")
+///     .set("ssl.ca.location", "/etc/kafka/ca.pem"); // for every client below
+/// let source = kafka.source(["payments"], "payments-inbox").connect().await?;
+/// let producer = kafka.producer().connect().await?;
+/// let dead_letters = kafka.dead_letters("payments.dlq").connect().await?;
+/// # let _ = (source, producer, dead_letters);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// Its `Debug` output shows `***` for the value of every property that holds a secret
+/// (`sasl.password`, `ssl.key.password`, any name with `password` or `secret`, a private key):
+/// see [`inbox_core::is_secret_setting`].
+#[derive(Clone)]
+#[must_use]
+pub struct KafkaConnection {
+    brokers: Option<String>,
+    properties: BTreeMap<String, String>,
+    token_provider: Option<Arc<dyn DynTokenProvider>>,
+    pub(crate) operation_timeout: Duration,
+}
+
+impl fmt::Debug for KafkaConnection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaConnection")
+            .field("brokers", &self.brokers)
+            .field("properties", &Redacted(&self.properties))
+            .field("token_provider", &self.token_provider.is_some())
+            .field("operation_timeout", &self.operation_timeout)
+            .finish()
+    }
+}
+
+impl KafkaConnection {
+    /// The cluster bootstrapped from `brokers` (`host:port[,host:port]`).
+    pub fn new(brokers: impl Into<String>) -> Self {
+        Self {
+            brokers: Some(brokers.into()),
+            ..Self::from_env()
+        }
+    }
+
+    /// The cluster `KAFKA_BROKERS` names, read when a client connects. Unset, connecting fails
+    /// with an error saying so: there is no default, so a missing setting never reaches a broker
+    /// on localhost.
+    pub fn from_env() -> Self {
+        Self {
+            brokers: None,
+            properties: BTreeMap::new(),
+            token_provider: None,
+            operation_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// Sets a librdkafka property on every client built from this connection.
+    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.properties.insert(key.into(), value.into());
+        self
+    }
+
+    /// Logs in with SASL OAUTHBEARER tokens from `provider` (see [`TokenProvider`]): every
+    /// client built from this connection asks it for a token at start and again before the
+    /// token expires, so a cluster that takes IAM tokens only (MSK, Event Hubs, Confluent Cloud)
+    /// is consumed, produced to and replayed from with one provider. Sets
+    /// `sasl.mechanism=OAUTHBEARER` (another mechanism is refused at `connect`);
+    /// `security.protocol` stays yours to set, `sasl_ssl` in production.
+    pub fn token_provider(mut self, provider: impl TokenProvider) -> Self {
+        self.token_provider = Some(Arc::new(provider));
+        self
+    }
+
+    /// How long a request, a blocking commit or seek, a send's delivery (librdkafka's
+    /// `message.timeout.ms`) and a token request may take (default 10 s).
+    ///
+    /// It is also librdkafka's `socket.timeout.ms` for every client (unless set with
+    /// [`set`](Self::set)): a request without an answer for that long fails and its broker
+    /// connection is closed and made anew. librdkafka's own default is 60 s, so after a network
+    /// black hole of a few seconds the consumer stayed stuck on the dead connection for a
+    /// minute, fetching and committing nothing.
+    pub fn operation_timeout(mut self, wait: Duration) -> Self {
+        self.operation_timeout = wait;
+        self
+    }
+
+    /// A source consuming `topics` (a name, or a pattern starting with `^`) in the consumer
+    /// group `group`; finish with [`connect`](KafkaSourceBuilder::connect).
+    pub fn source(
+        &self,
+        topics: impl IntoIterator<Item = impl Into<String>>,
+        group: impl Into<String>,
+    ) -> KafkaSourceBuilder {
+        KafkaSourceBuilder::new(self.clone(), topics, group)
+    }
+
+    /// An idempotent producer; finish with [`connect`](KafkaProducerBuilder::connect).
+    pub fn producer(&self) -> KafkaProducerBuilder {
+        KafkaProducerBuilder::new(self.clone())
+    }
+
+    /// A reader of the dead-letter topic `topic` (like `payments.dlq`), for
+    /// [`inbox_core::replay`]; finish with [`connect`](KafkaDeadLettersBuilder::connect).
+    pub fn dead_letters(&self, topic: impl Into<String>) -> KafkaDeadLettersBuilder {
+        KafkaDeadLettersBuilder::new(self.clone(), topic)
+    }
+
+    /// An admin client (creating topics, reading retention).
+    pub fn admin(&self) -> Result<KafkaAdmin> {
+        let (config, context) = self.client(&Failures::default())?;
+        KafkaAdmin::with_config(&config, context)
+    }
+
+    /// The brokers: the ones given, or `KAFKA_BROKERS`.
+    pub(crate) fn brokers(&self) -> Result<String> {
+        match &self.brokers {
+            Some(brokers) => Ok(brokers.clone()),
+            None => brokers_from_env(),
+        }
+    }
+
+    /// A client's configuration and its context (connection failures kept in `failures`, the
+    /// token refresh), before the client's own properties are added.
+    pub(crate) fn client(&self, failures: &Failures) -> Result<(ClientConfig, ProducerContext)> {
+        let mut config = ClientConfig::new();
+        crate::failure::log_connection_failures(&mut config);
+        config.set("bootstrap.servers", self.brokers()?).set(
+            "socket.timeout.ms",
+            // librdkafka's bounds for the property.
+            crate::source::millis(
+                self.operation_timeout
+                    .clamp(Duration::from_millis(10), Duration::from_secs(300)),
+            ),
+        );
+        for (key, value) in &self.properties {
+            config.set(key, value);
+        }
+        if self.token_provider.is_some() {
+            crate::token::require_oauthbearer(&mut config)?;
+        }
+        let token = crate::token::refresh_for(
+            self.token_provider.as_ref(),
+            self.operation_timeout,
+            failures,
+        )?;
+        let context = ProducerContext {
+            failures: failures.clone(),
+            token,
+        };
+        Ok((config, context))
+    }
+}
