@@ -117,5 +117,5 @@ pub use source::{
     dead_letter, Ack, Capabilities, Delivery, MessageSource, REDELIVERY_COUNT, REPLAYED,
 };
 pub use stats::{Stats, StatsSnapshot};
-pub use store::{ConsumerBinding, InboxStore, Transaction};
+pub use store::{ConsumerBinding, InboxStore, RefusedId, Transaction};
 pub use telemetry::{describe_metrics, TraceParent};

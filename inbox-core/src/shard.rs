@@ -4,7 +4,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::{ConsumerBinding, InboxStore, InvalidId, Message, MessageId};
+use crate::{ConsumerBinding, InboxStore, Message, MessageId};
 
 type Route = dyn Fn(&MessageId, &Message) -> usize + Send + Sync;
 
@@ -133,11 +133,6 @@ impl<S: InboxStore> Sharded<S> {
             stores: self.stores.iter().map(|s| s.bind(binding)).collect(),
             route: self.route.clone(),
         }
-    }
-
-    /// Refused if any shard would refuse it: the check comes before routing.
-    pub(crate) fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
-        self.stores.iter().try_for_each(|s| s.check_id(id))
     }
 
     /// The shard of `message`: the routing function's answer modulo the number of shards.

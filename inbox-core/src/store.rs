@@ -5,7 +5,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{InvalidId, MessageId, StoreError};
+use crate::{InvalidId, MessageId, Recovery, StoreError};
 
 /// An open store transaction, consumed by its end: [`commit`](Transaction::commit) or
 /// [`rollback`](Transaction::rollback), as `sqlx::Transaction` is. One type for the inbox's
@@ -75,8 +75,8 @@ impl ConsumerBinding {
 /// consumers: no lock outside the database is needed.
 ///
 /// A store is written in three methods: [`bind`](InboxStore::bind) (a copy of the store for one
-/// consumer), [`begin`](InboxStore::begin) and [`claim`](InboxStore::claim); and
-/// [`check_id`](InboxStore::check_id) when it cannot keep every ID. `inbox-conformance`'s store
+/// consumer), [`begin`](InboxStore::begin) and [`claim`](InboxStore::claim), which refuses an ID
+/// the store cannot keep with [`RefusedId`]. `inbox-conformance`'s store
 /// suite checks one against the contract. The repository's `docs/writing-a-store.md` writes one
 /// over an application's own PostgreSQL table, on `inbox_postgres::PgTx`, whose commit already
 /// refuses a transaction the server aborted.
@@ -194,17 +194,39 @@ pub trait InboxStore: Send + Sync + 'static {
     /// message must be applied in this transaction; `false`: it was applied before, skip it.
     /// Where two IDs make one key in the store (a UUID spelt in capitals and in lower case, for a
     /// UUID key), only the first of them is `true`, as claims one by one would answer.
+    ///
+    /// An ID the store cannot keep (a non-UUID for a uuid key column, say) fails the claim with
+    /// [`RefusedId`] (`Err(RefusedId { index, reason }.into())`), before anything is written:
+    /// the consumer then dead-letters that message and applies the others without it.
     fn claim(
         &self,
         tx: &mut Self::Tx,
         ids: &[MessageId],
     ) -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send;
+}
 
-    /// Refuses an ID this store cannot keep (a non-UUID for a uuid key column, say), before any
-    /// transaction; the consumer dead-letters such a message. The default accepts every ID.
-    fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
-        let _ = id;
-        Ok(())
+/// A claim refused the ID at `index` of its batch: the store cannot keep it. Returned from
+/// [`InboxStore::claim`] as a [`StoreError`] (`RefusedId { .. }.into()`), it makes the consumer
+/// dead-letter that message, saying why, and apply the rest of the batch without it.
+#[derive(Debug, thiserror::Error)]
+#[error("message ID {index} of the claim refused by the inbox store: {reason}")]
+pub struct RefusedId {
+    /// The refused ID's place in the claimed batch.
+    pub index: usize,
+    /// Why the store cannot keep it.
+    pub reason: InvalidId,
+}
+
+impl RefusedId {
+    /// The refusal inside `e`, if `e` is one.
+    pub fn of(e: &StoreError) -> Option<&Self> {
+        std::error::Error::source(e).and_then(|source| source.downcast_ref())
+    }
+}
+
+impl From<RefusedId> for StoreError {
+    fn from(refused: RefusedId) -> Self {
+        StoreError::new(Recovery::Retry, "claiming message IDs", refused)
     }
 }
 
@@ -219,8 +241,5 @@ impl<S: InboxStore> InboxStore for Arc<S> {
     }
     async fn claim(&self, tx: &mut Self::Tx, ids: &[MessageId]) -> Result<Vec<bool>, StoreError> {
         (**self).claim(tx, ids).await
-    }
-    fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
-        (**self).check_id(id)
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::sql::{hashed_key, BoundConsumer};
-use inbox_core::{ConsumerBinding, InboxStore, InvalidId, MessageId, Recovery, StoreError};
+use inbox_core::{ConsumerBinding, InboxStore, InvalidId, MessageId, RefusedId, StoreError};
 use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool};
 use uuid::Uuid;
 
@@ -44,7 +44,7 @@ use crate::{Error, KeyMode, MySqlTx, Result, TableName};
 /// PostgreSQL's default, so a handler behaves alike on both stores. What remains: a duplicate
 /// key check takes a shared lock on the existing row, and two transactions inserting and
 /// checking the same keys can still deadlock; InnoDB then rolls one back with error 1213, which
-/// the consumer retries ([`Recovery::Retry`]).
+/// the consumer retries ([`Recovery::Retry`](inbox_core::Recovery::Retry)).
 ///
 /// # A transaction the server ended
 /// InnoDB answers a deadlock by rolling the whole transaction back. A handler that catches that
@@ -225,14 +225,20 @@ impl MySqlInbox {
     }
 
     /// The key of each ID, as stored.
+    /// The key of each ID; an ID this store cannot keep is refused ([`RefusedId`]): a non-UUID
+    /// for [`KeyMode::Uuid`], a text key longer than the column for [`KeyMode::Text`]. (Today
+    /// the core's own limit, `MessageId::MAX_LEN`, is the column's; the store keeps its own, in
+    /// case the core's grows.)
     fn keys(&self, consumer: &str, ids: &[MessageId]) -> Result<Vec<Vec<u8>>, StoreError> {
         ids.iter()
-            .map(|id| match self.mode {
-                KeyMode::Text => Ok(id.as_str().as_bytes().to_vec()),
-                KeyMode::Uuid => parse_uuid(id)
-                    .map(|u| u.as_bytes().to_vec())
-                    .map_err(|e| StoreError::new(Recovery::Fatal, "keying the message", e)),
-                KeyMode::Hashed => Ok(hashed_key(consumer, id.as_str()).to_vec()),
+            .enumerate()
+            .map(|(index, id)| {
+                match self.mode {
+                    KeyMode::Text => text_key_fits(id.as_str()).map(|()| id.as_str().into()),
+                    KeyMode::Uuid => parse_uuid(id).map(|u| u.as_bytes().to_vec()),
+                    KeyMode::Hashed => Ok(hashed_key(consumer, id.as_str()).to_vec()),
+                }
+                .map_err(|reason| RefusedId { index, reason }.into())
             })
             .collect()
     }
@@ -379,16 +385,6 @@ impl InboxStore for MySqlInbox {
         }
         // New only for the first occurrence of an inserted key.
         Ok(keys.iter().map(|k| fresh.remove(k)).collect())
-    }
-
-    fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
-        match self.mode {
-            KeyMode::Uuid => parse_uuid(id).map(|_| ()),
-            // Today the core's own limit (`MessageId::MAX_LEN`) is the column's; the store
-            // keeps its own, in case the core's grows.
-            KeyMode::Text => text_key_fits(id.as_str()),
-            KeyMode::Hashed => Ok(()),
-        }
     }
 }
 

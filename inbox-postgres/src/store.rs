@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::sql::{hashed_key, BoundConsumer};
-use inbox_core::{ConsumerBinding, InboxStore, InvalidId, MessageId, StoreError};
+use inbox_core::{ConsumerBinding, InboxStore, InvalidId, MessageId, RefusedId, StoreError};
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
@@ -310,17 +310,17 @@ impl PgInbox {
     }
 
     /// The keys of `ids`; `with_time`: hashed keys in the partitioned layout's form.
+    /// The key of each ID; a non-UUID for [`KeyMode::Uuid`] is refused ([`RefusedId`]).
     fn keys(&self, consumer: &str, ids: &[MessageId], with_time: bool) -> Result<Keys, StoreError> {
         Ok(match self.mode {
             KeyMode::Text => Keys::Text(ids.iter().map(|id| id.as_str().to_owned()).collect()),
             KeyMode::Uuid => Keys::Uuid(
                 ids.iter()
-                    .map(|id| {
-                        parse_uuid(id).map_err(|e| {
-                            StoreError::new(inbox_core::Recovery::Fatal, "keying the message", e)
-                        })
+                    .enumerate()
+                    .map(|(index, id)| {
+                        parse_uuid(id).map_err(|reason| RefusedId { index, reason }.into())
                     })
-                    .collect::<Result<_, _>>()?,
+                    .collect::<Result<_, StoreError>>()?,
             ),
             KeyMode::Hashed if with_time => Keys::Uuid(
                 ids.iter()
@@ -451,12 +451,5 @@ impl InboxStore for PgInbox {
                 first_claims(&keys, fresh.into_iter().collect())
             }
         })
-    }
-
-    fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
-        match self.mode {
-            KeyMode::Uuid => parse_uuid(id).map(|_| ()),
-            KeyMode::Text | KeyMode::Hashed => Ok(()),
-        }
     }
 }

@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use inbox_core::{ConsumerBinding, InboxStore, InvalidId, MessageId, StoreError};
+use inbox_core::{ConsumerBinding, InboxStore, InvalidId, MessageId, RefusedId, StoreError};
 use inbox_postgres::sqlx::{self, PgPool};
 use inbox_postgres::{Error, PgTx};
 
@@ -66,6 +66,16 @@ impl InboxStore for AppTableStore {
     }
 
     async fn claim(&self, tx: &mut PgTx, ids: &[MessageId]) -> Result<Vec<bool>, StoreError> {
+        // An ID too long for the column is refused before anything is written: the consumer
+        // dead-letters its message and applies the others.
+        if let Some(index) = ids
+            .iter()
+            .position(|id| id.as_str().chars().count() > MAX_ID_CHARS)
+        {
+            let why = format!("an ID over {MAX_ID_CHARS} characters does not fit `processed`");
+            let reason = InvalidId::RefusedByStore(why);
+            return Err(RefusedId { index, reason }.into());
+        }
         let keys: Vec<&str> = ids.iter().map(MessageId::as_str).collect();
         // The handler's bound, set by this statement for the statements after it: the insert
         // itself may wait on a peer's uncommitted claim, which is no handler's doing.
@@ -94,14 +104,6 @@ impl InboxStore for AppTableStore {
         // One answer per ID, in order: `true` for the first occurrence of an inserted ID only.
         let mut new: HashSet<String> = inserted.into_iter().collect();
         Ok(ids.iter().map(|id| new.remove(id.as_str())).collect())
-    }
-
-    fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
-        if id.as_str().chars().count() <= MAX_ID_CHARS {
-            return Ok(());
-        }
-        let why = format!("an ID over {MAX_ID_CHARS} characters does not fit `processed`");
-        Err(InvalidId::RefusedByStore(why))
     }
 }
 // End of the page's store.

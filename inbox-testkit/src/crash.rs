@@ -256,10 +256,6 @@ impl<S: InboxStore> InboxStore for Crashing<S> {
             .await;
         Ok(new)
     }
-
-    fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
-        self.inner.check_id(id)
-    }
 }
 
 impl<L: LeaseStore> LeaseStore for Crashing<L> {

@@ -1,4 +1,4 @@
-use inbox_core::{ConsumerBinding, InboxStore, InvalidId, MessageId, StoreError};
+use inbox_core::{ConsumerBinding, InboxStore, MessageId, StoreError};
 
 /// Wraps a store and records nothing: every claim says "new". The consumer still commits
 /// before it acks, so this is the article's variant b, "commit after the database, no inbox",
@@ -17,8 +17,5 @@ impl<S: InboxStore> InboxStore for WithoutInbox<S> {
     }
     async fn claim(&self, _: &mut Self::Tx, ids: &[MessageId]) -> Result<Vec<bool>, StoreError> {
         Ok(vec![true; ids.len()])
-    }
-    fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
-        self.0.check_id(id)
     }
 }

@@ -17,7 +17,7 @@ use crate::stats::Counter;
 use crate::telemetry::{process_span, seconds_since};
 use crate::{
     Ack, BatchHandler, BatchItem, Delivery, Error, Failure, HandlerError, InboxStore, MessageId,
-    Recovery, Result, Sharded, Stage, StoreError, Transaction,
+    Recovery, RefusedId, Result, Sharded, Stage, StoreError, Transaction,
 };
 
 /// The inbox step: each chunk claimed, applied and committed in one store transaction, then
@@ -44,6 +44,12 @@ enum Outcome {
     /// chunk until that one is applied or dead-lettered.
     Held,
 }
+
+/// A message whose ID the store's claim refused ([`RefusedId`]): dead-lettered with this
+/// reason, as no handler's doing.
+#[derive(Debug, thiserror::Error)]
+#[error("message ID {0:?} refused by the inbox store: {1}")]
+struct RefusedByStore(MessageId, String);
 
 /// Why a transaction did not commit.
 enum TxFailure {
@@ -294,9 +300,8 @@ where
         })
     }
 
-    /// Dead-letters a message that cannot be claimed: it has no ID, the store refuses its ID,
-    /// or it was delivered more often than [`Consumer::max_deliveries`](crate::Consumer::max_deliveries)
-    /// allows. `Ok(Ok(..))`: its ID and the delivery, to claim; `Ok(Err(parked))`: dead-lettered
+    /// Dead-letters a message that cannot be claimed: it has no ID, or it was delivered more
+    /// often than [`Consumer::max_deliveries`](crate::Consumer::max_deliveries) allows. `Ok(Ok(..))`: its ID and the delivery, to claim; `Ok(Err(parked))`: dead-lettered
     /// (`true`), or its dead letter failed and it comes back from the broker (`false`).
     async fn park_before_claim<A: Ack>(
         &self,
@@ -309,13 +314,6 @@ where
                 return Ok(Err(self.common.dead_letter(None, delivery, reason).await?));
             }
         };
-        if let Err(e) = self.store.check_id(&id) {
-            let reason = format!("message ID {id:?} refused by the inbox store: {e}");
-            return Ok(Err(self
-                .common
-                .dead_letter(Some(&id), delivery, reason)
-                .await?));
-        }
         if let (Some(limit), Some(count)) =
             (self.max_deliveries, delivery.message.meta.delivery_count)
         {
@@ -484,7 +482,18 @@ where
         self.common.metrics.claim.record(seconds_since(started));
         let claimed = match claimed {
             Ok(claimed) => claimed,
-            Err(e) => return Err(self.abandon(tx, TxFailure::Store(e)).await),
+            Err(e) => {
+                let failure = match RefusedId::of(&e) {
+                    // The message fails alone, for good: it is dead-lettered, the rest applied.
+                    Some(refused) if refused.index < work.len() => {
+                        let id = work[refused.index].id.clone();
+                        let error = RefusedByStore(id, refused.reason.to_string());
+                        TxFailure::Handler(Some(refused.index), HandlerError::permanent(error))
+                    }
+                    _ => TxFailure::Store(e),
+                };
+                return Err(self.abandon(tx, failure).await);
+            }
         };
         let fresh: Vec<&Work<A, H::Item>> = work
             .iter()
@@ -609,6 +618,11 @@ where
         loop {
             if error.failure() == Failure::Permanent || attempt >= self.common.retry.max_attempts {
                 return match error.failure() {
+                    Failure::Permanent if error.source().is::<RefusedByStore>() => {
+                        self.common
+                            .dead_letter(Some(&id), delivery, error.to_string())
+                            .await
+                    }
                     Failure::Permanent => {
                         let reason = format!("handler refused the message: {error}");
                         self.common.dead_letter(Some(&id), delivery, reason).await
