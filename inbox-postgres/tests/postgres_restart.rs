@@ -107,7 +107,13 @@ async fn a_postgresql_restart_mid_stream_loses_nothing_and_applies_nothing_twice
     assert_eq!(summary.duplicates(), 0, "{stats:?}");
     assert_eq!(summary.lost(events), 0, "{stats:?}");
     assert!(summary.balances_exact);
-    assert!(stats.errors > 0, "the restart was seen: {stats:?}");
+    // The restart fell mid-stream: messages were still committed after the server was back.
+    // (How the consumer met it depends on the moment: a store error, or a handler statement
+    // that failed and split its batch; either way the figures above hold.)
+    assert!(
+        recovered.is_some(),
+        "the stream ended before the restart was over: {stats:?}"
+    );
     assert!(broker.dead_letters().is_empty());
     assert_eq!(broker.pending(), 0);
     check.drop().await;
