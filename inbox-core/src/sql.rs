@@ -1,13 +1,17 @@
-//! What the SQL stores share: how they keep message IDs ([`KeyMode`], [`hashed_key`]), which
-//! names they accept to quote into SQL ([`is_plain_identifier`]), and the consumer a bound
-//! store claims for ([`BoundConsumer`]). Each store's docs say which column type each mode takes
-//! there.
+//! What the SQL stores share: how they keep message IDs ([`KeyMode`], [`hashed_key`],
+//! [`uuid_key`]) and claim them ([`claim_keys`], [`first_claims`]), which names they accept to
+//! quote into SQL ([`is_plain_identifier`]), and the consumer a bound store claims for
+//! ([`BoundConsumer`]). Each store's docs say which column type each mode takes there.
 
+use std::borrow::Borrow;
+use std::collections::HashSet;
+use std::hash::Hash;
 use std::sync::OnceLock;
 
 use sha2::{Digest, Sha256};
+use uuid::Uuid;
 
-use crate::{OperationError, Recovery, StoreError};
+use crate::{InvalidId, MessageId, OperationError, Recovery, RefusedId, StoreError};
 
 /// The consumer a bound SQL store claims for ([`InboxStore::bind`](crate::InboxStore::bind)):
 /// its name, and the small integer standing for it in the store's table of consumers, read (or
@@ -85,6 +89,39 @@ pub fn hashed_key(consumer: &str, id: &str) -> [u8; 16] {
         .chain_update(id)
         .finalize();
     std::array::from_fn(|i| digest[i])
+}
+
+/// The key of `id` in [`KeyMode::Uuid`]: the ID parsed as a UUID, or refused with the fix.
+pub fn uuid_key(id: &MessageId) -> Result<Uuid, InvalidId> {
+    Uuid::parse_str(id.as_str()).map_err(|_| {
+        InvalidId::RefusedByStore(format!(
+            "`{}` is not a UUID, and this inbox keeps UUID keys (use KeyMode::Text or KeyMode::Hashed for other IDs)",
+            id.as_str().escape_debug()
+        ))
+    })
+}
+
+/// The key `key` makes of each of `ids`; an ID it refuses fails the claim with [`RefusedId`] at
+/// that ID's index, before the store writes anything.
+pub fn claim_keys<K>(
+    ids: &[MessageId],
+    mut key: impl FnMut(&MessageId) -> Result<K, InvalidId>,
+) -> Result<Vec<K>, StoreError> {
+    ids.iter()
+        .enumerate()
+        .map(|(index, id)| key(id).map_err(|reason| RefusedId { index, reason }.into()))
+        .collect()
+}
+
+/// A claim's answer, one flag per key: new only for the first occurrence of a key the insert
+/// added (`fresh`). Two IDs can make one key (a UUID spelt in capitals, in braces, without
+/// hyphens), and the insert keeps one row.
+pub fn first_claims<K, Q>(keys: &[Q], mut fresh: HashSet<K>) -> Vec<bool>
+where
+    K: Borrow<Q> + Eq + Hash,
+    Q: Eq + Hash,
+{
+    keys.iter().map(|k| fresh.remove(k)).collect()
 }
 
 /// A letter or `_`, then letters, digits or `_` (ASCII): a name that can be quoted into SQL

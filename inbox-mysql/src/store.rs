@@ -4,10 +4,9 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::sql::{hashed_key, BoundConsumer};
-use inbox_core::{ConsumerBinding, InboxStore, InvalidId, MessageId, RefusedId, StoreError};
+use inbox_core::sql::{claim_keys, first_claims, hashed_key, uuid_key, BoundConsumer};
+use inbox_core::{ConsumerBinding, InboxStore, InvalidId, MessageId, StoreError};
 use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool};
-use uuid::Uuid;
 
 use crate::error::{db, number, store_err, DUPLICATE_KEY};
 use crate::table::TEXT_KEY_MAX;
@@ -230,17 +229,11 @@ impl MySqlInbox {
     /// the core's own limit, `MessageId::MAX_LEN`, is the column's; the store keeps its own, in
     /// case the core's grows.)
     fn keys(&self, consumer: &str, ids: &[MessageId]) -> Result<Vec<Vec<u8>>, StoreError> {
-        ids.iter()
-            .enumerate()
-            .map(|(index, id)| {
-                match self.mode {
-                    KeyMode::Text => text_key_fits(id.as_str()).map(|()| id.as_str().into()),
-                    KeyMode::Uuid => parse_uuid(id).map(|u| u.as_bytes().to_vec()),
-                    KeyMode::Hashed => Ok(hashed_key(consumer, id.as_str()).to_vec()),
-                }
-                .map_err(|reason| RefusedId { index, reason }.into())
-            })
-            .collect()
+        claim_keys(ids, |id| match self.mode {
+            KeyMode::Text => text_key_fits(id.as_str()).map(|()| id.as_str().into()),
+            KeyMode::Uuid => uuid_key(id).map(|u| u.as_bytes().to_vec()),
+            KeyMode::Hashed => Ok(hashed_key(consumer, id.as_str()).to_vec()),
+        })
     }
 
     /// Inserts `keys` in one statement: `Ok(true)` when all were new, `Ok(false)` when one was
@@ -297,15 +290,6 @@ fn text_key_fits(id: &str) -> Result<(), InvalidId> {
          bytes would be one); use KeyMode::Hashed, which keeps 16 bytes of any ID",
         id.len()
     )))
-}
-
-fn parse_uuid(id: &MessageId) -> Result<Uuid, InvalidId> {
-    Uuid::parse_str(id.as_str()).map_err(|_| {
-        InvalidId::RefusedByStore(format!(
-            "`{}` is not a UUID, and this inbox keeps UUID keys (use KeyMode::Text or KeyMode::Hashed for other IDs)",
-            id.as_str().escape_debug()
-        ))
-    })
 }
 
 impl InboxStore for MySqlInbox {
@@ -383,8 +367,7 @@ impl InboxStore for MySqlInbox {
                     .map_err(store_err("bounding the handler's lock waits"))?;
             }
         }
-        // New only for the first occurrence of an inserted key.
-        Ok(keys.iter().map(|k| fresh.remove(k)).collect())
+        Ok(first_claims(&keys, fresh))
     }
 }
 

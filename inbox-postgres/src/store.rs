@@ -1,12 +1,11 @@
 //! [`PgInbox`]: the inbox table and the claim, in the caller's transaction.
 
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::sql::{hashed_key, BoundConsumer};
-use inbox_core::{ConsumerBinding, InboxStore, InvalidId, MessageId, RefusedId, StoreError};
+use inbox_core::sql::{claim_keys, first_claims, hashed_key, uuid_key, BoundConsumer};
+use inbox_core::{ConsumerBinding, InboxStore, MessageId, StoreError};
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
@@ -314,14 +313,7 @@ impl PgInbox {
     fn keys(&self, consumer: &str, ids: &[MessageId], with_time: bool) -> Result<Keys, StoreError> {
         Ok(match self.mode {
             KeyMode::Text => Keys::Text(ids.iter().map(|id| id.as_str().to_owned()).collect()),
-            KeyMode::Uuid => Keys::Uuid(
-                ids.iter()
-                    .enumerate()
-                    .map(|(index, id)| {
-                        parse_uuid(id).map_err(|reason| RefusedId { index, reason }.into())
-                    })
-                    .collect::<Result<_, StoreError>>()?,
-            ),
+            KeyMode::Uuid => Keys::Uuid(claim_keys(ids, uuid_key)?),
             KeyMode::Hashed if with_time => Keys::Uuid(
                 ids.iter()
                     .map(|id| hashed_key_with_time(consumer, id.as_str()))
@@ -339,21 +331,6 @@ impl PgInbox {
 /// A timeout in whole milliseconds for PostgreSQL, at least 1: 0 would mean no timeout at all.
 fn millis(timeout: Duration) -> u128 {
     timeout.as_millis().max(1)
-}
-
-/// One flag per key: new only for the first occurrence of an inserted key. Two IDs can make one
-/// key (a UUID spelt in capitals, in braces, without hyphens), and the insert keeps one row.
-fn first_claims<K: Eq + std::hash::Hash>(keys: &[K], mut fresh: HashSet<K>) -> Vec<bool> {
-    keys.iter().map(|k| fresh.remove(k)).collect()
-}
-
-fn parse_uuid(id: &MessageId) -> Result<Uuid, InvalidId> {
-    Uuid::parse_str(id.as_str()).map_err(|_| {
-        InvalidId::RefusedByStore(format!(
-            "`{}` is not a UUID, and this inbox keeps UUID keys (use KeyMode::Text or KeyMode::Hashed for other IDs)",
-            id.as_str().escape_debug()
-        ))
-    })
 }
 
 impl InboxStore for PgInbox {
