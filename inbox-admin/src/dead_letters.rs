@@ -13,12 +13,11 @@ use crate::args::{
     Broker, DeadLetterSource, DeadLettersCommand, DeadLettersList, DeadLettersReplay,
     DeadLettersShow,
 };
-use crate::progress::{Counting, Progress};
 use crate::CliError;
+use inbox_admin::progress::{Counting, Progress};
 
 /// What `replay` counts.
 const REPLAY: Counting = Counting {
-    command: "dead-letters replay",
     unit: "dead letters",
     verb: "moved",
 };
@@ -150,7 +149,13 @@ async fn replay(args: DeadLettersReplay) -> Result<Vec<String>, CliError> {
     let (mut letters, publisher) = open(&args.from, true).await?;
     let publisher = publisher.expect("opened for a replay");
     let name = letters.name().to_owned();
-    let progress = Progress::start(REPLAY, None, false, args.json);
+    let progress = Progress::start(
+        "inbox-admin dead-letters replay",
+        REPLAY,
+        None,
+        false,
+        args.json,
+    );
     let counter = progress.counter();
     let mut observe = move |report: &ReplayReport| counter.set_position(report.moved);
     let report = replay::replay(

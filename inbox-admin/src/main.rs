@@ -28,7 +28,6 @@ mod args;
 mod dead_letters;
 mod measure;
 mod partitions;
-mod progress;
 mod purge;
 
 use std::process::ExitCode;

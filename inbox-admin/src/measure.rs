@@ -17,9 +17,9 @@ use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
 use crate::args::MeasureStorage;
-use crate::progress::{Counting, Progress};
 use crate::purge::millis;
 use crate::{db, CliError};
+use inbox_admin::progress::{Counting, Progress};
 
 /// Client-generated keys travel in arrays of this many.
 const CHUNK: usize = 50_000;
@@ -98,7 +98,6 @@ struct Sample {
 }
 
 const COUNTING: Counting = Counting {
-    command: "measure-storage",
     unit: "rows",
     verb: "inserted",
 };
@@ -110,7 +109,13 @@ pub(crate) async fn run(pool: &PgPool, args: &MeasureStorage) -> Result<Vec<Stri
     let total = u64::try_from(rows.saturating_mul(runs))
         .ok()
         .map(|n| n.saturating_mul(Keys::ALL.len() as u64));
-    let progress = Progress::start(COUNTING, total, false, args.json);
+    let progress = Progress::start(
+        "inbox-admin measure-storage",
+        COUNTING,
+        total,
+        false,
+        args.json,
+    );
     let schema = format!("inbox_measure_{}", Uuid::new_v4().simple());
     sqlx::query(AssertSqlSafe(format!("CREATE SCHEMA \"{schema}\"")))
         .execute(pool)
@@ -143,7 +148,7 @@ async fn measure_all(
     for keys in Keys::ALL {
         let mut samples = Vec::new();
         for run in 1..=runs {
-            progress.set_message(&format!("{}, run {run}/{runs}", keys.label()));
+            progress.set_message(format!("{}, run {run}/{runs}", keys.label()));
             let started = Instant::now();
             let sample = measure_one(pool, schema, keys, rows, progress).await?;
             let sample = Sample {

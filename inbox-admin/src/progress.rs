@@ -1,15 +1,17 @@
-//! Progress of the long commands (`purge`, `measure-storage`) on stderr, the only place that
-//! knows about `indicatif`. Stdout never carries progress, so `--json` output stays one object.
+//! Progress of the long runs on stderr, the only place that knows about `indicatif`: the
+//! operator CLI's `purge`, `measure-storage` and `dead-letters replay`, and the evidence tool's
+//! runs. Stdout never carries progress, so `--json` output stays one object.
 //!
 //! - stderr a terminal and no `--json`: an `indicatif` bar (when the total is known or
 //!   estimated: rate and ETA) or a spinner (count and rate), redrawn in place and cleared when
 //!   the command ends.
 //! - stderr not a terminal (a CI log, a file, a pipe), or `--json`: nothing is ever redrawn (a
 //!   carriage return would pile every update into one long log line); a plain line every 10 s
-//!   instead, none for a command done sooner. `INBOX_ADMIN_PROGRESS_EVERY` sets that period
-//!   (humantime, like `30s`; `off` prints none).
+//!   instead, none for a command done sooner, and the last state on [`Progress::finish`].
+//!   `INBOX_ADMIN_PROGRESS_EVERY` sets that period (humantime, like `30s`; `off` prints none).
 
 use std::io::IsTerminal;
+use std::sync::Arc;
 use std::time::Duration;
 
 use indicatif::{HumanCount, HumanDuration, ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -47,21 +49,19 @@ impl Output {
     }
 }
 
-/// What a [`Progress`] counts: `rows` `deleted` by `purge`.
+/// What a [`Progress`] counts: `rows` `deleted`.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Counting {
-    /// The command, as typed.
-    pub(crate) command: &'static str,
+pub struct Counting {
     /// The items counted (plural).
-    pub(crate) unit: &'static str,
+    pub unit: &'static str,
     /// What happened to them.
-    pub(crate) verb: &'static str,
+    pub verb: &'static str,
 }
 
 /// The progress of one long command, counting up to a total when one is known. Dropping it
 /// clears the bar and stops the plain lines.
 #[derive(Debug)]
-pub(crate) struct Progress {
+pub struct Progress {
     counter: Counter,
     /// The task printing the plain lines.
     lines: Option<JoinHandle<()>>,
@@ -69,41 +69,46 @@ pub(crate) struct Progress {
 
 /// The count of a [`Progress`], shared with whatever observes the work.
 #[derive(Debug, Clone)]
-pub(crate) struct Counter {
+pub struct Counter {
     bar: ProgressBar,
     output: Output,
+    /// What the lines start with: `inbox-admin purge`, `redis c run 1/3`.
+    label: Arc<str>,
+    counting: Counting,
     /// The total is an estimate (shown as `~N`, raised when the count passes it).
     estimated: bool,
 }
 
 impl Progress {
-    /// Starts showing progress towards `total` (`None`: a spinner), `estimated` when that total
-    /// is a guess. `json`: the command prints JSON, so progress is never drawn.
-    pub(crate) fn start(
+    /// Starts showing the progress of `label` towards `total` (`None`: a spinner), `estimated`
+    /// when that total is a guess. `json`: the command prints JSON, so progress is never drawn.
+    pub fn start(
+        label: impl Into<String>,
         counting: Counting,
         total: Option<u64>,
         estimated: bool,
         json: bool,
     ) -> Self {
+        let label: Arc<str> = label.into().into();
         let every = std::env::var(EVERY_VAR).ok();
         let output = Output::choose(json, std::io::stderr().is_terminal(), every.as_deref());
         let (bar, lines) = match output {
             Output::Bar => {
                 let bar = ProgressBar::with_draw_target(total, ProgressDrawTarget::stderr())
-                    .with_style(style(counting, total.is_some(), estimated));
+                    .with_style(style(&label, counting, total.is_some(), estimated));
                 bar.enable_steady_tick(Duration::from_millis(120));
                 (bar, None)
             }
             Output::Lines(every) => {
                 let bar = ProgressBar::with_draw_target(total, ProgressDrawTarget::hidden());
                 let lines = every.map(|every| {
-                    let bar = bar.clone();
+                    let (bar, label) = (bar.clone(), label.clone());
                     tokio::spawn(async move {
                         let first = tokio::time::Instant::now() + every;
                         let mut tick = tokio::time::interval_at(first, every);
                         loop {
                             tick.tick().await;
-                            eprintln!("{}", plain_line(counting, &bar, estimated));
+                            eprintln!("{}", plain_line(&label, counting, &bar, estimated));
                         }
                     })
                 });
@@ -114,15 +119,35 @@ impl Progress {
             counter: Counter {
                 bar,
                 output,
+                label,
+                counting,
                 estimated,
             },
             lines,
         }
     }
 
+    /// A bar of `label` towards a known `total` of `unit` `verb`, drawn whatever stdout carries.
+    pub fn bar(
+        label: impl Into<String>,
+        total: u64,
+        unit: &'static str,
+        verb: &'static str,
+    ) -> Self {
+        Self::start(label, Counting { unit, verb }, Some(total), false, false)
+    }
+
     /// A handle on the count, for a task that observes the work.
-    pub(crate) fn counter(&self) -> Counter {
+    pub fn counter(&self) -> Counter {
         self.counter.clone()
+    }
+
+    /// Ends the progress; off a terminal, with a last plain line of the state reached.
+    pub fn finish(self) {
+        if self.lines.is_some() {
+            let c = &self.counter;
+            eprintln!("{}", plain_line(&c.label, c.counting, &c.bar, c.estimated));
+        }
     }
 }
 
@@ -144,8 +169,9 @@ impl Drop for Progress {
 }
 
 impl Counter {
-    /// Sets how many items are done.
-    pub(crate) fn set_position(&self, done: u64) {
+    /// Sets how many items are done (a negative count is 0).
+    pub fn set_position(&self, done: impl TryInto<u64>) {
+        let done = done.try_into().unwrap_or(0);
         if self.estimated && self.bar.length().is_some_and(|len| done > len) {
             self.bar.set_length(done);
         }
@@ -153,17 +179,22 @@ impl Counter {
     }
 
     /// Counts `n` more items done.
-    pub(crate) fn inc(&self, n: u64) {
+    pub fn inc(&self, n: u64) {
         self.set_position(self.bar.position().saturating_add(n));
     }
 
     /// Sets the short note after the count (the batch, the run), shown in parentheses.
-    pub(crate) fn set_message(&self, note: &str) {
-        self.bar.set_message(format!(" ({note})"));
+    pub fn set_message(&self, note: impl AsRef<str>) {
+        self.bar.set_message(format!(" ({})", note.as_ref()));
+    }
+
+    /// What the lines start with, for messages about this run.
+    pub fn label(&self) -> &str {
+        &self.label
     }
 
     /// Prints `line` on stderr: above the bar on a terminal, as it is elsewhere.
-    pub(crate) fn println(&self, line: &str) {
+    pub fn println(&self, line: &str) {
         match self.output {
             Output::Bar => self.bar.println(line),
             Output::Lines(_) => eprintln!("{line}"),
@@ -171,12 +202,8 @@ impl Counter {
     }
 }
 
-fn style(counting: Counting, total: bool, estimated: bool) -> ProgressStyle {
-    let Counting {
-        command,
-        unit,
-        verb,
-    } = counting;
+fn style(command: &str, counting: Counting, total: bool, estimated: bool) -> ProgressStyle {
+    let Counting { unit, verb } = counting;
     let template = if total {
         let about = if estimated { "~" } else { "" };
         format!(
@@ -195,15 +222,11 @@ fn style(counting: Counting, total: bool, estimated: bool) -> ProgressStyle {
 
 /// The plain line printed off a terminal: `inbox-admin purge: 12,000 of ~40,000 rows deleted
 /// (batch ~12), 4,000 rows/s, ETA 7s, elapsed 3s`.
-fn plain_line(counting: Counting, bar: &ProgressBar, estimated: bool) -> String {
-    let Counting {
-        command,
-        unit,
-        verb,
-    } = counting;
+fn plain_line(label: &str, counting: Counting, bar: &ProgressBar, estimated: bool) -> String {
+    let Counting { unit, verb } = counting;
     let done = bar.position();
     let elapsed = bar.elapsed();
-    let mut line = format!("inbox-admin {command}: {}", HumanCount(done));
+    let mut line = format!("{label}: {}", HumanCount(done));
     if let Some(len) = bar.length() {
         let about = if estimated { "~" } else { "" };
         line += &format!(" of {about}{}", HumanCount(len));
@@ -226,7 +249,6 @@ mod tests {
     use super::*;
 
     const PURGE: Counting = Counting {
-        command: "purge",
         unit: "rows",
         verb: "deleted",
     };
@@ -268,10 +290,12 @@ mod tests {
         Counter {
             bar: bar.clone(),
             output: Output::Lines(None),
+            label: "inbox-admin purge".into(),
+            counting: PURGE,
             estimated: true,
         }
         .set_message("batch ~12");
-        let line = plain_line(PURGE, &bar, true);
+        let line = plain_line("inbox-admin purge", PURGE, &bar, true);
         assert!(
             line.starts_with("inbox-admin purge: 12,000 of ~40,000 rows deleted (batch ~12), "),
             "{line}"
@@ -281,7 +305,7 @@ mod tests {
 
         let spinner = ProgressBar::with_draw_target(None, ProgressDrawTarget::hidden());
         spinner.set_position(7);
-        let line = plain_line(PURGE, &spinner, false);
+        let line = plain_line("inbox-admin purge", PURGE, &spinner, false);
         assert!(
             line.starts_with("inbox-admin purge: 7 rows deleted, "),
             "{line}"

@@ -17,14 +17,13 @@ use inbox_postgres::{PgInbox, PurgeReport};
 use sqlx::{AssertSqlSafe, PgPool};
 
 use crate::args::{format_duration, Purge};
-use crate::progress::{Counter, Counting, Progress};
 use crate::{partitions, CliError};
+use inbox_admin::progress::{Counter, Counting, Progress};
 
 /// How often the deletion counters are read.
 const POLL: Duration = Duration::from_millis(500);
 
 const COUNTING: Counting = Counting {
-    command: "purge",
     unit: "rows",
     verb: "deleted",
 };
@@ -38,7 +37,7 @@ pub(crate) async fn run(inbox: &PgInbox, args: &Purge) -> Result<Vec<String>, Cl
         Ok(false) => estimate(inbox.pool(), &table, args.older_than).await,
         _ => None,
     };
-    let progress = Progress::start(COUNTING, total, true, args.json);
+    let progress = Progress::start("inbox-admin purge", COUNTING, total, true, args.json);
     let poller = baseline.map(|baseline| {
         let observe = observe(
             inbox.pool().clone(),
@@ -132,7 +131,7 @@ async fn observe(
             let deleted = deleted_since(&baseline, &now);
             counter.set_position(deleted);
             if deleted > 0 {
-                counter.set_message(&format!("batch ~{}", deleted.div_ceil(batch)));
+                counter.set_message(format!("batch ~{}", deleted.div_ceil(batch)));
             }
         }
     }

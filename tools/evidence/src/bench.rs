@@ -6,6 +6,7 @@
 //! handler's SQL from a generator, no broker). A consumer is timed from its first applied message
 //! to its last, so group joins and publishing are left out.
 
+use inbox_admin::progress;
 use inbox_core::Transaction as _;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,7 +27,7 @@ use crate::cli::{
     KAFKA_IMPL_LONG_HELP,
 };
 use crate::consume::Watch;
-use crate::{kill, progress, wallet_db};
+use crate::{kill, wallet_db};
 
 /// `bench`: msgs/s of variants b and c beside the broker alone and the database alone, for
 /// each broker, batch size, handler and lane count; a table and JSON lines.
@@ -339,7 +340,7 @@ async fn processes_run(
         "bench {run}: {} {spec} processes {processes}",
         broker.kind()
     );
-    let bar = progress::Bar::new(label, n as u64, "msgs");
+    let bar = progress::Progress::bar(label, n as u64, "msgs", "consumed");
     let (mut first, mut last) = (None, Instant::now());
     let mut seen = 0;
     while seen < n {
@@ -348,7 +349,7 @@ async fn processes_run(
         if rows > seen {
             first.get_or_insert(now);
             (seen, last) = (rows, now);
-            bar.set_applied(rows);
+            bar.set_position(rows);
         } else if now - last > Duration::from_secs(120) {
             return Err(format!(
                 "{} {spec} processes {processes}: {seen} of {n} applied, then nothing for 120 s",
@@ -427,7 +428,12 @@ async fn timed_run(
         ..Watch::default()
     };
     let n = events.len() as u64;
-    let bar = progress::Bar::new(format!("bench {run}: {} {label}", broker.kind()), n, "msgs");
+    let bar = progress::Progress::bar(
+        format!("bench {run}: {} {label}", broker.kind()),
+        n,
+        "msgs",
+        "consumed",
+    );
     reset_peak_rss();
     let (stop, stopped) = oneshot::channel::<()>();
     let shutdown = Box::pin(async {
@@ -471,7 +477,7 @@ async fn database_alone(s: &BenchSettings, batch: usize, run: &str) -> Result<Ro
         })
         .collect::<Result<_, BoxError>>()?;
     let label = format!("bench {run}: postgres database alone batch {batch}");
-    let bar = progress::Bar::new(label, n as u64, "msgs");
+    let bar = progress::Progress::bar(label, n as u64, "msgs", "consumed");
     reset_peak_rss();
     let started = Instant::now();
     for (i, chunk) in decoded.chunks(batch).enumerate() {
@@ -492,7 +498,7 @@ async fn database_alone(s: &BenchSettings, batch: usize, run: &str) -> Result<Ro
             .await
             .map_err(|e| e.to_string())?;
         tx.commit().await?;
-        bar.set_applied((i * batch + chunk.len()) as u64);
+        bar.set_position((i * batch + chunk.len()) as u64);
     }
     let seconds = started.elapsed().as_secs_f64();
     bar.finish();
@@ -531,11 +537,16 @@ impl Progress {
 
     /// Waits until `n` are applied: the seconds from the first to the last, or the count reached
     /// when nothing moved for `stall`.
-    async fn wait_for(&self, n: u64, stall: Duration, bar: &progress::Bar) -> Result<f64, u64> {
+    async fn wait_for(
+        &self,
+        n: u64,
+        stall: Duration,
+        bar: &progress::Progress,
+    ) -> Result<f64, u64> {
         let mut last = (0, Instant::now());
         loop {
             let applied = self.applied.load(Ordering::Relaxed);
-            bar.set_applied(applied);
+            bar.set_position(applied);
             if applied >= n {
                 let span = *self.span.lock().unwrap_or_else(|e| e.into_inner());
                 return Ok(span.map_or(0.0, |(first, end)| (end - first).as_secs_f64()));

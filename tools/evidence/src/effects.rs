@@ -12,6 +12,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use inbox_admin::progress;
 use inbox_conformance::provider::{Behaviour, ProviderMode, TestProvider};
 use inbox_conformance::wallet::CreditEvent;
 use inbox_conformance::TestDb;
@@ -29,7 +30,6 @@ use crate::cli::{
 };
 use crate::effects_child::{ChildSpec, Mode, Role, EFFECT_CONSUMER, PROVIDER_ENV};
 use crate::kill;
-use crate::progress;
 use crate::report::{spread, Spread};
 
 /// `effects-test`: side effects outside the database. An effect consumer child calling a test
@@ -228,7 +228,7 @@ async fn run_once(
     let kind = broker.kind();
     let count = s.events_on(kind);
     let label = format!("{kind} {} run {}/{}", mode.name(), run + 1, s.runs);
-    let bar = progress::Bar::new(&label, u64::from(count), "done");
+    let bar = progress::Progress::bar(&label, u64::from(count), "effects", "done");
     let db = TestDb::new().await;
     let leases = PgLeases::new(db.inbox())?;
     leases.migrate().await?;
@@ -279,7 +279,7 @@ async fn run_once(
         }
         kills += 1;
         bar.set_message(format!("{kills} kills"));
-        bar.set_applied(settled);
+        bar.set_position(settled);
     }
     // The drain: one child, until every event is done or nothing moves for long.
     let mut child = spawn(&spec, &env).await?;
@@ -289,20 +289,20 @@ async fn run_once(
     loop {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let settled = done().await?;
-        bar.set_applied(settled);
+        bar.set_position(settled);
         if settled >= i64::from(count) {
             break;
         }
         if settled != last {
             (last, since) = (settled, Instant::now());
         } else if since.elapsed() >= delay + Duration::from_secs(60) {
-            bar.note(&format!(
+            bar.println(&format!(
                 "{label}: the drain stopped at {settled}/{count} done"
             ));
             break;
         } else if since.elapsed() >= delay + Duration::from_secs(10) && restarts < 5 {
             // Tansu can leave a lone group member without partitions: a new member rebalances.
-            bar.note(&format!(
+            bar.println(&format!(
                 "{label}: the drain applies nothing at {settled}/{count}; replacing it"
             ));
             kill(&mut child).await;

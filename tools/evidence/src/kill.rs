@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use inbox_admin::progress;
 use inbox_conformance::wallet::CreditEvent;
 use inbox_core::{BoxError, OutgoingMessage};
 use rand::rngs::StdRng;
@@ -17,7 +18,6 @@ use crate::chart;
 use crate::cli::{
     BrokerKind, ConsumerSpec, KafkaImpl, StoreKind, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
 };
-use crate::progress;
 use crate::report::{self, RunResult, VariantResult};
 use crate::settings::{KillArgs, KillSettings};
 use crate::wallet_db::{self, WalletDb};
@@ -120,7 +120,7 @@ async fn run_once(
     broker.publish(&name, &events).await?;
     let spec = spec(kind, variant, &name, db.as_ref(), s);
     let label = format!("{kind} {} run {}/{}", variant.name(), run + 1, s.runs);
-    let bar = progress::Bar::new(label, u64::from(s.events), "events applied");
+    let bar = progress::Progress::bar(label, u64::from(s.events), "events", "applied");
     let mut self_crashes = 0;
     for (k, work) in schedule(s, run).into_iter().enumerate() {
         let mut child = spawn_ready(&spec).await?;
@@ -134,7 +134,7 @@ async fn run_once(
                 self_crashes += 1;
                 child = spawn_ready(&spec).await?;
             }
-            bar.set_applied(db.summary().await?.distinct_events);
+            bar.set_position(db.summary().await?.distinct_events);
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         child.start_kill()?; // SIGKILL: no destructor, no close, no last commit
@@ -193,7 +193,7 @@ async fn throughput(
     let mut spec = spec(kind, variant, &name, db.as_ref(), s);
     spec.crash_between_commit_and_ack = 0.0;
     let label = format!("{kind} {} no-kill throughput", variant.name());
-    let bar = progress::Bar::new(label, u64::from(s.throughput_events), "events applied");
+    let bar = progress::Progress::bar(label, u64::from(s.throughput_events), "events", "applied");
     let elapsed = drain(
         broker,
         &spec,
@@ -311,7 +311,7 @@ pub(crate) async fn drain(
     spec: &ConsumerSpec,
     db: &dyn WalletDb,
     published: i64,
-    bar: &progress::Bar,
+    bar: &progress::Progress,
 ) -> Result<Duration, BoxError> {
     let label = bar.label();
     bar.set_message("draining");
@@ -344,7 +344,7 @@ pub(crate) async fn drain(
                 rows = summary.ledger_rows;
                 last_change = Instant::now();
             }
-            bar.set_applied(summary.distinct_events);
+            bar.set_position(summary.distinct_events);
             let quiet = last_change.elapsed();
             let empty = |left: &Result<Option<u64>, BoxError>| matches!(left, Ok(None | Some(0)));
             if summary.distinct_events >= published && quiet >= Duration::from_secs(1) {
@@ -370,7 +370,7 @@ pub(crate) async fn drain(
                         break Drained::Stalled(stall);
                     }
                     if restarts < max_restarts {
-                        bar.note(&format!("{label}: {stall}; replacing it"));
+                        bar.println(&format!("{label}: {stall}; replacing it"));
                         break Drained::Replace;
                     }
                 }
@@ -381,7 +381,7 @@ pub(crate) async fn drain(
             Ok(result) => {
                 result?;
             }
-            Err(_) => bar.note(&format!(
+            Err(_) => bar.println(&format!(
                 "{label}: the draining consumer did not stop in 30 s"
             )),
         }

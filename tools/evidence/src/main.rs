@@ -25,7 +25,6 @@ mod faults;
 mod kill;
 mod memory;
 mod outbox_chain;
-mod progress;
 mod report;
 mod retention_bench;
 mod settings;

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use inbox_admin::progress;
 use inbox_conformance::wallet;
 use inbox_conformance::TestDb;
 use inbox_core::BoxError;
@@ -15,7 +16,6 @@ use inbox_postgres::Outbox;
 use crate::brokers::{self, Broker};
 use crate::effects::{events, kill, schedule, show, spawn, EffectsSettings};
 use crate::effects_child::{ChildSpec, Mode, Role};
-use crate::progress;
 use crate::report::spread;
 
 /// One run's figures, counted in B's ledger and the outbox.
@@ -121,7 +121,7 @@ async fn run_once(
     let kind = broker.kind();
     let count = s.events_on(kind);
     let label = format!("{kind} outbox chain run {}/{}", run + 1, s.runs);
-    let bar = progress::Bar::new(&label, u64::from(count), "credited");
+    let bar = progress::Progress::bar(&label, u64::from(count), "events", "credited");
     let db = TestDb::new().await;
     let outbox = Outbox::new(db.pool.clone());
     outbox.migrate().await?;
@@ -164,7 +164,7 @@ async fn run_once(
             "{kills} kills (last: {})",
             specs[which].role.name()
         ));
-        bar.set_applied(applied().await?.distinct_events);
+        bar.set_position(applied().await?.distinct_events);
     }
     // The drain: all three run unharmed until B has every event and is quiet.
     let delay = broker.redelivery_delay(&y).await?;
@@ -173,7 +173,7 @@ async fn run_once(
     loop {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let summary = applied().await?;
-        bar.set_applied(summary.distinct_events);
+        bar.set_position(summary.distinct_events);
         if summary.ledger_rows != last {
             (last, since) = (summary.ledger_rows, Instant::now());
         } else if summary.distinct_events >= i64::from(count)
@@ -181,7 +181,7 @@ async fn run_once(
         {
             break;
         } else if since.elapsed() >= delay + Duration::from_secs(60) {
-            bar.note(&format!(
+            bar.println(&format!(
                 "{label}: the drain stopped at {}/{count} credited",
                 summary.distinct_events
             ));
@@ -191,7 +191,7 @@ async fn run_once(
             && restarts < 5
         {
             // Tansu can leave a lone group member without partitions: new members rebalance.
-            bar.note(&format!(
+            bar.println(&format!(
                 "{label}: the drain applies nothing at {}/{count}; replacing the children",
                 summary.distinct_events
             ));

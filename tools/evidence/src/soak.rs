@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use futures_util::stream::{self, StreamExt, TryStreamExt};
+use inbox_admin::progress;
 use inbox_conformance::wallet::CreditEvent;
 use inbox_conformance::TestDb;
 use inbox_core::{BoxError, OutgoingMessage};
@@ -22,7 +23,6 @@ use crate::cli::{
 };
 use crate::faults::{Fault, Proxies, BROKER_BLACKHOLED_FOR, DB_REFUSED_FOR};
 use crate::kill;
-use crate::progress;
 
 /// Events generated and handed to the broker at a time, and chunks in flight at once.
 const CHUNK: u32 = 10_000;
@@ -151,9 +151,7 @@ async fn publish(
                     match broker.publish(name, &chunk).await {
                         Ok(()) => return Ok::<_, BoxError>(chunk.len() as u32),
                         Err(e) if attempts < PUBLISH_ATTEMPTS => {
-                            progress::note(&format!(
-                                "publishing a chunk to {name} failed ({e}); again in 2 s"
-                            ));
+                            eprintln!("publishing a chunk to {name} failed ({e}); again in 2 s");
                             published.republished_chunks.fetch_add(1, Ordering::Relaxed);
                             attempts += 1;
                             tokio::time::sleep(Duration::from_secs(2)).await;
@@ -304,7 +302,7 @@ async fn kill_phase(
     s: &SoakSettings,
     proxies: &Proxies,
     published: &Published,
-    bar: &progress::Bar,
+    bar: &progress::Progress,
 ) -> Result<Phase, BoxError> {
     let mut phase = Phase::default();
     let mut rng = StdRng::seed_from_u64(s.seed ^ 0x50a4);
@@ -397,7 +395,7 @@ async fn kill_phase(
             running.index + 1,
             running.rss.max / 1024,
         ));
-        bar.set_applied(applied);
+        bar.set_position(applied);
     }
     // A fault still watched when the work ran out could show no recovery either way.
     phase.unresolved = watched.len() as u32;
@@ -461,7 +459,7 @@ async fn on_broker(
     };
     let proxies = Proxies::start(kind).await?;
     let published = Published::default();
-    let bar = progress::Bar::new(format!("{kind} soak"), s.events.into(), "events applied");
+    let bar = progress::Progress::bar(format!("{kind} soak"), s.events.into(), "events", "applied");
     let publishing = async {
         let start = Instant::now();
         let expected = publish(broker, &name, s, &published).await?;

@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
+use inbox_admin::progress;
 use inbox_conformance::wallet::{self, CreditEvent};
 use inbox_conformance::TestDb;
 use inbox_core::{BoxError, OutgoingMessage, StatsSnapshot};
@@ -14,7 +15,6 @@ use tokio::sync::{mpsc, watch};
 use crate::brokers::{self, Broker};
 use crate::cli::{BrokerKind, ConsumerSpec, Variant};
 use crate::consume::Watch;
-use crate::progress;
 use crate::settings::ZombieSettings;
 
 const CONSUMERS: usize = 3;
@@ -143,7 +143,7 @@ async fn run_once(
             run + 1,
             s.runs
         );
-        let bar = progress::Bar::new(label, u64::from(s.events), "events applied");
+        let bar = progress::Progress::bar(label, u64::from(s.events), "events", "applied");
         loop {
             tokio::select! {
                 finished = &mut consumers => break finished,
@@ -152,7 +152,7 @@ async fn run_once(
                     // messages away where the broker needs a push.
                     tokio::time::sleep(Duration::from_millis(200)).await;
                     if let Err(e) = broker.take_away(&specs[member]).await {
-                        bar.note(&format!("cannot take the stalled consumer's messages away: {e}"));
+                        bar.println(&format!("cannot take the stalled consumer's messages away: {e}"));
                     }
                 }
                 () = tokio::time::sleep(Duration::from_millis(250)) => {
@@ -164,7 +164,7 @@ async fn run_once(
                     let quiet = last_change.elapsed();
                     let stalls = stall_rows(&db).await?;
                     bar.set_message(format!("{stalls}/{expected_stalls} stalls"));
-                    bar.set_applied(summary.distinct_events);
+                    bar.set_position(summary.distinct_events);
                     let done = summary.distinct_events >= published && stalls >= expected_stalls
                         && quiet >= stall(kind) + redelivery;
                     if done || quiet >= Duration::from_secs(120) {
