@@ -29,7 +29,10 @@ pub use crate::outbox::{
 };
 pub use crate::redelivery::a_downstream_outage_is_ridden_out_by_delayed_redeliveries;
 pub use crate::replay::dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_parked;
-pub use crate::zombie::a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice;
+pub use crate::zombie::{
+    a_consumer_that_lost_its_message_mid_handler_applies_nothing_twice, run as zombie, ZombiePlan,
+    ZombieReport,
+};
 
 /// How long a scenario waits for the queue to drain.
 pub(crate) const LIMIT: Duration = Duration::from_secs(60);

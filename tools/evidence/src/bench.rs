@@ -425,7 +425,6 @@ async fn timed_run(
     let progress = Arc::new(Progress::default());
     let watch = Watch {
         progress: Some(Arc::clone(&progress)),
-        ..Watch::default()
     };
     let n = events.len() as u64;
     let bar = progress::Progress::bar(

@@ -11,11 +11,13 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use inbox_conformance::scenarios::{self, ZombiePlan, ZombieReport};
 use inbox_conformance::store::MySqlDb;
 use inbox_conformance::wallet::CreditEvent;
 use inbox_conformance::TestDb;
 use inbox_conformance::{TestBroker, TestQueue};
 use inbox_core::{BoxError, MessageId, MessageSource, OutgoingMessage, Publish, StatsSnapshot};
+use inbox_testkit::WithoutInbox;
 use tokio::sync::Mutex;
 
 use crate::cli::{BrokerKind, ConsumerSpec, KafkaImpl, Variant};
@@ -79,9 +81,16 @@ pub(crate) trait Broker: Send + Sync {
     /// How long a dead consumer's unacked messages on `name` may take to come back to another.
     fn redelivery_delay<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Duration, BoxError>>;
 
-    /// Takes a stalled consumer's messages away from it where the broker needs a push to do so
-    /// (RabbitMQ: the broker closes its connection). Others lose ownership on a timer.
-    fn take_away<'a>(&'a self, spec: &'a ConsumerSpec) -> BoxFuture<'a, Result<(), BoxError>>;
+    /// Runs the zombie scenario ([`scenarios::zombie`]) on a fresh queue (`label` part of its
+    /// name) and wallet, with the inbox (variant c) or without (b); `tick` is told the events
+    /// applied and the stalls so far. `None` where the broker cannot take a message away.
+    fn zombie<'a>(
+        &'a self,
+        label: &'a str,
+        variant: Variant,
+        plan: ZombiePlan,
+        tick: Box<dyn Fn(i64, i64) + Send + Sync>,
+    ) -> BoxFuture<'a, Result<Option<ZombieReport>, BoxError>>;
 
     /// How often a draining consumer that applies nothing while the broker still holds messages
     /// is replaced by a new one; 0: such a stall fails the run (see `kill::drain`).
@@ -281,7 +290,7 @@ where
     ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>> {
         Box::pin(async move {
             let queue = self.queue(&spec.name).await?;
-            let (member, zombie) = (member(spec), spec.zombie);
+            let member = member(spec);
             if spec.variant.auto_ack() {
                 let source = caught("connecting a consumer", async move {
                     queue.at_most_once_source(&member).await
@@ -291,17 +300,9 @@ where
                 return Ok(consume::run(source, spec, db, watch, shutdown).await?);
             }
             let source = caught("connecting a consumer", async move {
-                if zombie {
-                    queue
-                        .losing_source(&member)
-                        .await
-                        .map(|losing| losing.source)
-                } else {
-                    Some(queue.source(&member).await)
-                }
+                queue.source(&member).await
             })
-            .await?
-            .ok_or_else(|| format!("{} offers no source for the zombie test here", self.kind))?;
+            .await?;
             crate::ready();
             Ok(consume::run(source, spec, db, watch, shutdown).await?)
         })
@@ -314,7 +315,7 @@ where
         shutdown: Shutdown,
     ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>> {
         Box::pin(async move {
-            if spec.variant != Variant::C || spec.zombie || spec.batched || spec.no_database {
+            if spec.variant != Variant::C || spec.batched || spec.no_database {
                 return Err(format!(
                     "the MySQL store runs variant c with the per-message credit only, not {spec:?}"
                 )
@@ -348,14 +349,29 @@ where
         Box::pin(async move { Ok(self.queue(name).await?.redelivery_delay()) })
     }
 
-    fn take_away<'a>(&'a self, spec: &'a ConsumerSpec) -> BoxFuture<'a, Result<(), BoxError>> {
+    fn zombie<'a>(
+        &'a self,
+        label: &'a str,
+        variant: Variant,
+        plan: ZombiePlan,
+        tick: Box<dyn Fn(i64, i64) + Send + Sync>,
+    ) -> BoxFuture<'a, Result<Option<ZombieReport>, BoxError>> {
         Box::pin(async move {
-            let queue = self.queue(&spec.name).await?;
-            let member = member(spec);
-            caught("taking messages away", async move {
-                queue.take_away(&member).await
+            let name = self.create(label).await?;
+            let queue = self.queue(&name).await?;
+            let report = caught("the zombie run", async move {
+                let db = TestDb::new().await;
+                let report = if variant == Variant::C {
+                    scenarios::zombie(&*queue, &db, db.inbox(), &plan, tick).await
+                } else {
+                    scenarios::zombie(&*queue, &db, WithoutInbox(db.inbox()), &plan, tick).await
+                };
+                db.drop().await;
+                report
             })
-            .await
+            .await;
+            self.remove(&name).await;
+            report
         })
     }
 

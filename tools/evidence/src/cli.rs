@@ -371,10 +371,6 @@ pub(crate) struct ConsumerSpec {
     pub(crate) crash_between_commit_and_ack: f64,
     /// Which of several concurrent consumers this is (names its connection, Redis consumer).
     pub(crate) member: usize,
-    /// Zombie-test settings: short ownership (visibility, claim idle, max poll interval).
-    pub(crate) zombie: bool,
-    /// How long a stalling event sleeps on its first handling (zombie test).
-    pub(crate) stall: Duration,
     /// Messages per transaction; `None`: the variant's.
     pub(crate) batch: Option<usize>,
     /// Lanes applied side by side (`Consumer::parallel_lanes`).
@@ -399,8 +395,6 @@ impl ConsumerSpec {
             work: Duration::from_millis(10),
             crash_between_commit_and_ack: 0.0,
             member: 0,
-            zombie: false,
-            stall: Duration::ZERO,
             batch: None,
             lanes: 1,
             batched: false,

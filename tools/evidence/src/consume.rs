@@ -1,24 +1,20 @@
 //! The consumer: the wallet's credit handler behind the variant's store, with the optional
-//! crash between the DB commit and the ack, and the zombie test's stall.
+//! crash between the DB commit and the ack.
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_conformance::mysql_wallet;
 use inbox_conformance::store::MySqlDb;
-use inbox_conformance::wallet::{BatchCredit, Credit, CreditEvent, Ledger};
+use inbox_conformance::wallet::{BatchCredit, Credit, CreditEvent};
 use inbox_conformance::TestDb;
 use inbox_core::{
-    BatchHandler, BatchItem, BoxError, Consumer, Handler, HandlerError, Inbox, InboxStore, Message,
+    BatchHandler, BatchItem, BoxError, Consumer, HandlerError, Inbox, InboxStore, Message,
     MessageId, MessageSource, Sharded, Stage, StageHook, StatsSnapshot,
 };
-use inbox_postgres::PgTx;
 use inbox_testkit::{MemoryStore, MemoryTx, WithoutInbox};
-use sqlx::PgPool;
-use tokio::sync::mpsc;
 
 use crate::bench::Progress;
 use crate::brokers;
@@ -28,47 +24,11 @@ use crate::wallet_db;
 /// Resolves when the consumer should finish its batch and return.
 pub(crate) type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-/// What the zombie test watches: stalls as they start (by member) and handlings of an event
-/// that had already stalled elsewhere.
+/// What the benchmark watches of a consumer run in its process.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Watch {
-    pub(crate) stalled: Option<mpsc::UnboundedSender<usize>>,
-    pub(crate) second_handlings: Arc<AtomicU64>,
     /// Counts messages as their transaction commits (the benchmark's clock).
     pub(crate) progress: Option<Arc<Progress>>,
-}
-
-/// The wallet credit, plus the zombie test's stall: an event flagged `stall` sleeps on its first
-/// handling by any consumer (recorded outside the transaction) and then still writes.
-#[derive(Debug, Clone)]
-struct Wallet {
-    credit: Credit,
-    pool: PgPool,
-    stall: Duration,
-    member: usize,
-    watch: Watch,
-}
-
-impl Handler<PgTx> for Wallet {
-    async fn handle(
-        &self,
-        tx: &mut PgTx,
-        id: &MessageId,
-        message: &Message,
-    ) -> Result<(), HandlerError> {
-        let event: CreditEvent = message.json()?;
-        if event.stall && !self.stall.is_zero() {
-            if self.pool.first_handling(id).await? {
-                if let Some(stalled) = &self.watch.stalled {
-                    let _ = stalled.send(self.member);
-                }
-                tokio::time::sleep(self.stall).await;
-            } else {
-                self.watch.second_handlings.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        self.credit.handle(tx, id, message).await
-    }
 }
 
 /// Counts messages without storing anything: the benchmark's "broker alone".
@@ -119,13 +79,7 @@ pub(crate) async fn run<S: MessageSource + 'static>(
             finish(consumer, spec, progress, shutdown).await
         };
     }
-    let handler = Wallet {
-        credit: Credit::new(db.pool.clone()).work(spec.work),
-        pool: db.pool.clone(),
-        stall: spec.stall,
-        member: spec.member,
-        watch,
-    };
+    let handler = Credit::new(db.pool.clone()).work(spec.work);
     if with_inbox {
         let consumer = Consumer::new("wallet", source, db.inbox(), handler);
         finish(consumer, spec, progress, shutdown).await
@@ -158,13 +112,7 @@ async fn run_sharded<S: MessageSource + 'static>(
         },
     );
     let progress = watch.progress.clone();
-    let handler = Wallet {
-        credit: Credit::new(dbs[0].pool.clone()).work(spec.work),
-        pool: dbs[0].pool.clone(),
-        stall: spec.stall,
-        member: spec.member,
-        watch,
-    };
+    let handler = Credit::new(dbs[0].pool.clone()).work(spec.work);
     let consumer = Consumer::new("wallet", source, store, handler);
     finish(consumer, spec, progress, shutdown).await
 }

@@ -209,7 +209,7 @@ pub(crate) struct ZombieSettings {
         default_value = "kafka,sqs,rabbitmq,redis"
     )]
     pub(crate) brokers: Vec<BrokerKind>,
-    /// Variants to run.
+    /// Variants to run: b, c (a consumer that acks on receipt holds nothing to lose).
     #[arg(
         long,
         alias = "variant",
