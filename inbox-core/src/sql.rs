@@ -135,6 +135,57 @@ pub fn is_plain_identifier(name: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
+/// The error plumbing of every store on sqlx, once; the store supplies its dialect,
+/// `$database_recovery(&sqlx::Error) -> Recovery` for database errors, from the server's codes.
+/// In the store's error module, beside its `Error` with a `Database { context, source }`
+/// variant, it defines `Result`, `db(context)`, `recovery` (the dialect's for a database error;
+/// [`Recovery::Reconnect`] for a connection lost or not made, [`Recovery::Fatal`] for a closed
+/// pool or a bad configuration, else [`Recovery::Retry`]), `store_err(context)` and
+/// `From<Error> for StoreError` (any error but a database one is fatal). It expands in the
+/// store's crate, which depends on sqlx: this crate does not.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! sqlx_store_errors {
+    ($database_recovery:path) => {
+        /// `Result` with this crate's [`Error`].
+        pub type Result<T, E = Error> = ::std::result::Result<T, E>;
+
+        pub(crate) fn db(context: &'static str) -> impl FnOnce(sqlx::Error) -> Error {
+            move |source| Error::Database { context, source }
+        }
+
+        /// What the consumer should do after `e`.
+        pub(crate) fn recovery(e: &sqlx::Error) -> $crate::Recovery {
+            match e {
+                sqlx::Error::Database(_) => $database_recovery(e),
+                sqlx::Error::Io(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::Tls(_)
+                | sqlx::Error::Protocol(_)
+                | sqlx::Error::WorkerCrashed => $crate::Recovery::Reconnect,
+                sqlx::Error::PoolClosed | sqlx::Error::Configuration(_) => $crate::Recovery::Fatal,
+                _ => $crate::Recovery::Retry,
+            }
+        }
+
+        pub(crate) fn store_err(
+            context: &'static str,
+        ) -> impl FnOnce(sqlx::Error) -> $crate::StoreError {
+            move |e| $crate::StoreError::new(recovery(&e), context, e)
+        }
+
+        impl From<Error> for $crate::StoreError {
+            fn from(e: Error) -> Self {
+                let recovery = match &e {
+                    Error::Database { source, .. } => recovery(source),
+                    _ => $crate::Recovery::Fatal,
+                };
+                $crate::StoreError::new(recovery, "inbox store", e)
+            }
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

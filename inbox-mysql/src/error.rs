@@ -1,6 +1,6 @@
 //! Errors of the MySQL store, and what the consumer does after each.
 
-use inbox_core::{Recovery, StoreError};
+use inbox_core::Recovery;
 
 /// What went wrong in the MySQL inbox store.
 #[derive(Debug, thiserror::Error)]
@@ -58,12 +58,7 @@ pub enum Error {
     },
 }
 
-/// `Result` with this crate's [`Error`].
-pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-pub(crate) fn db(context: &'static str) -> impl FnOnce(sqlx::Error) -> Error {
-    move |source| Error::Database { context, source }
-}
+inbox_core::sqlx_store_errors!(database_recovery);
 
 /// MySQL's error number of `e`, for a database error.
 pub(crate) fn number(e: &sqlx::Error) -> Option<u16> {
@@ -83,7 +78,7 @@ pub const DEADLOCK: u16 = 1213;
 /// statement (and with `innodb_rollback_on_timeout`, the transaction) was rolled back.
 pub const LOCK_WAIT_TIMEOUT: u16 = 1205;
 
-/// What the consumer should do after `e`.
+/// What the consumer should do after the database error `e`.
 ///
 /// - `Retry`: this transaction failed and another attempt may pass: a deadlock ([`DEADLOCK`],
 ///   1213) or a lock wait timeout ([`LOCK_WAIT_TIMEOUT`], 1205), a statement cut off by a time
@@ -96,41 +91,18 @@ pub const LOCK_WAIT_TIMEOUT: u16 = 1205;
 ///   if it did not.
 /// - `Fatal`: a missing table, column or database, no privilege: run the migration or fix the
 ///   grants.
-pub(crate) fn recovery(e: &sqlx::Error) -> Recovery {
-    match e {
-        sqlx::Error::Database(_) => match number(e) {
-            // No such table, column or database; access denied (to the server, a database, a
-            // table, a column).
-            Some(1146 | 1054 | 1049 | 1044 | 1045 | 1142 | 1143) => Recovery::Fatal,
-            // Too many connections, out of memory, disk full, server shutdown, aborted
-            // connection, network read/write errors, connection killed, server has gone away,
-            // lost connection.
-            Some(
-                1040 | 1041 | 1021 | 1053 | 1077 | 1152 | 1153 | 1154 | 1155 | 1156 | 1157 | 1158
-                | 1159 | 1160 | 1161 | 1927 | 2002 | 2003 | 2006 | 2013,
-            ) => Recovery::Reconnect,
-            _ => Recovery::Retry,
-        },
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::WorkerCrashed => Recovery::Reconnect,
-        sqlx::Error::PoolClosed | sqlx::Error::Configuration(_) => Recovery::Fatal,
+fn database_recovery(e: &sqlx::Error) -> Recovery {
+    match number(e) {
+        // No such table, column or database; access denied (to the server, a database, a
+        // table, a column).
+        Some(1146 | 1054 | 1049 | 1044 | 1045 | 1142 | 1143) => Recovery::Fatal,
+        // Too many connections, out of memory, disk full, server shutdown, aborted
+        // connection, network read/write errors, connection killed, server has gone away,
+        // lost connection.
+        Some(
+            1040 | 1041 | 1021 | 1053 | 1077 | 1152 | 1153 | 1154 | 1155 | 1156 | 1157 | 1158
+            | 1159 | 1160 | 1161 | 1927 | 2002 | 2003 | 2006 | 2013,
+        ) => Recovery::Reconnect,
         _ => Recovery::Retry,
-    }
-}
-
-pub(crate) fn store_err(context: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
-    move |e| StoreError::new(recovery(&e), context, e)
-}
-
-impl From<Error> for StoreError {
-    fn from(e: Error) -> Self {
-        let recovery = match &e {
-            Error::Database { source, .. } => recovery(source),
-            _ => Recovery::Fatal,
-        };
-        StoreError::new(recovery, "inbox store", e)
     }
 }

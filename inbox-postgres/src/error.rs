@@ -1,6 +1,6 @@
 //! Errors of the Postgres store.
 
-use inbox_core::{Recovery, StoreError};
+use inbox_core::Recovery;
 
 /// What went wrong in the Postgres inbox store.
 #[derive(Debug, thiserror::Error)]
@@ -55,58 +55,30 @@ pub enum Error {
     },
 }
 
-/// `Result` with this crate's [`Error`].
-pub type Result<T, E = Error> = std::result::Result<T, E>;
+inbox_core::sqlx_store_errors!(database_recovery);
 
-pub(crate) fn db(context: &'static str) -> impl FnOnce(sqlx::Error) -> Error {
-    move |source| Error::Database { context, source }
-}
-
-/// What the consumer should do after `e`.
+/// What the consumer should do after the database error `e`.
 ///
-/// - `Reconnect`: the database cannot be reached or cannot work right now (connection lost,
-///   server shutting down or starting, out of connections, disk or memory): nothing about the
-///   messages, so the consumer holds them and tries again.
+/// - `Reconnect`: the database cannot work right now (connection exception, server shutting
+///   down or starting, out of connections, disk or memory): nothing about the messages, so the
+///   consumer holds them and tries again.
 /// - `Fatal`: a missing table or column, no privilege, no schema: run the migrations or fix the
 ///   grants.
 /// - `Retry`: this transaction failed (a constraint, bad data, an aborted transaction, a deadlock
 ///   or serialization failure): the consumer finds the message that fails and retries it alone.
-pub(crate) fn recovery(e: &sqlx::Error) -> Recovery {
-    match e {
-        sqlx::Error::Database(db) => match db.code().as_deref() {
-            Some("42P01" | "42703" | "42501" | "3F000") => Recovery::Fatal,
-            // 08: connection exception; 53: insufficient resources; 58: system error;
-            // 57P01-57P03: admin shutdown, crash shutdown, cannot connect now.
-            Some(code)
-                if code.starts_with("08")
-                    || code.starts_with("53")
-                    || code.starts_with("58")
-                    || matches!(code, "57P01" | "57P02" | "57P03") =>
-            {
-                Recovery::Reconnect
-            }
-            _ => Recovery::Retry,
-        },
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::WorkerCrashed => Recovery::Reconnect,
-        sqlx::Error::PoolClosed | sqlx::Error::Configuration(_) => Recovery::Fatal,
+fn database_recovery(e: &sqlx::Error) -> Recovery {
+    match e.as_database_error().and_then(|db| db.code()).as_deref() {
+        Some("42P01" | "42703" | "42501" | "3F000") => Recovery::Fatal,
+        // 08: connection exception; 53: insufficient resources; 58: system error;
+        // 57P01-57P03: admin shutdown, crash shutdown, cannot connect now.
+        Some(code)
+            if code.starts_with("08")
+                || code.starts_with("53")
+                || code.starts_with("58")
+                || matches!(code, "57P01" | "57P02" | "57P03") =>
+        {
+            Recovery::Reconnect
+        }
         _ => Recovery::Retry,
-    }
-}
-
-pub(crate) fn store_err(context: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
-    move |e| StoreError::new(recovery(&e), context, e)
-}
-
-impl From<Error> for StoreError {
-    fn from(e: Error) -> Self {
-        let recovery = match &e {
-            Error::Database { source, .. } => recovery(source),
-            _ => Recovery::Fatal,
-        };
-        StoreError::new(recovery, "inbox store", e)
     }
 }
