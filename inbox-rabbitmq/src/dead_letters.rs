@@ -168,6 +168,14 @@ impl DeadLetters for RabbitDeadLetters {
                     .map(|(name, value)| (name.to_string(), value_bytes(value)))
                     .collect(),
             );
+            // One the broker parked by itself (`x-delivery-limit`, a TTL) has no reason of the
+            // consumer's: the broker's own (`delivery_limit`, `expired`) stands for it.
+            if letter.reason.is_none() {
+                letter.reason = headers
+                    .inner()
+                    .get("x-first-death-reason")
+                    .map(|reason| String::from_utf8_lossy(&value_bytes(reason)).into_owned());
+            }
             letters.push(letter);
         }
         Ok(letters)
