@@ -15,20 +15,18 @@ mod topics;
 pub use member::Member;
 pub use private::{PrivateTansu, PrivateTansuBuilder};
 pub use topics::{create_topic, header, lag, mock_control, read_all};
-use topics::{create_topic_on, lag_on, read_all_on};
+use topics::{create_topic_on, lag_on};
 
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::dead_letter::REASON;
 use inbox_core::DynPublish;
 use inbox_kafka::rdkafka::message::{Header, OwnedHeaders};
 use inbox_kafka::rdkafka::producer::FutureRecord;
-use inbox_kafka::rdkafka::Message as _;
 use inbox_kafka::{KafkaConnection, KafkaProducer, KafkaProducerBuilder, KafkaSourceBuilder};
 
-use crate::{DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
+use crate::{LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// The local broker `cargo xtask services` starts: the tests' default, never the adapter's.
 pub const LOCAL_BROKERS: &str = "127.0.0.1:9092";
@@ -364,19 +362,6 @@ impl TestQueue for Topic {
 
     fn destination(&self) -> String {
         self.name.clone()
-    }
-
-    async fn dead_letters(&self) -> Vec<DeadLetter> {
-        read_all_on(&self.brokers, &format!("{}.dlq", self.name))
-            .await
-            .iter()
-            .map(|letter| DeadLetter {
-                payload: letter.payload().unwrap_or_default().to_vec(),
-                reason: header(letter, REASON)
-                    .map(|r| String::from_utf8_lossy(r).into_owned())
-                    .unwrap_or_default(),
-            })
-            .collect()
     }
 
     async fn left(&self) -> u64 {

@@ -54,8 +54,8 @@
 //! ```ignore
 //! use std::sync::Arc;
 //! use std::time::Duration;
-//! use inbox_conformance::{DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
-//! use inbox_core::DynPublish;
+//! use inbox_conformance::{LosingSource, Proxied, TestBroker, TestQueue};
+//! use inbox_core::{replay::DynDeadLetters, DynPublish};
 //!
 //! struct MyBroker;
 //!
@@ -82,7 +82,9 @@
 //!     fn redelivery_delay(&self) -> Duration { /* how soon a dead member's message is back */ }
 //!     async fn producer(&self) -> Arc<dyn DynPublish> { /* the adapter's producer */ }
 //!     fn destination(&self) -> String { /* what outbox rows name to reach this queue */ }
-//!     async fn dead_letters(&self) -> Vec<DeadLetter> { /* payload and reason of each */ }
+//!     async fn dead_letter_reader(&self) -> Option<Box<dyn DynDeadLetters>> {
+//!         /* the adapter's dead-letter reader, as replay uses it */
+//!     }
 //!     async fn left(&self) -> u64 { /* messages not yet acked, delivered or not */ }
 //!     async fn cleanup(&self) { /* delete the queue and its dead-letter destination */ }
 //! }
@@ -137,7 +139,7 @@ pub use checked::Checked;
 pub use db::{database_url, partitioned_layout, TestDb, TestStore};
 pub use fault_proxy::{FaultProxy, ProxyMode};
 pub use fault_run::{wait_for_a_third, FaultRun, Restored};
-pub use network::{DynRestart, Restart, Restartable};
+pub use network::{Restart, Restartable};
 pub use provider::TestProvider;
 
 use std::future::Future;
@@ -147,6 +149,22 @@ use std::time::Duration;
 use inbox_core::{DynPublish, MessageSource};
 #[cfg(feature = "at-most-once")]
 use inbox_testkit::AckOnReceive;
+
+/// Every dead letter `reader` holds, oldest first (by the time the broker gives, then in
+/// reading order), left where it was.
+async fn read_dead_letters(reader: &mut dyn inbox_core::replay::DynDeadLetters) -> Vec<DeadLetter> {
+    let mut read = Vec::new();
+    inbox_core::replay::scan(reader, &mut |letter| read.push(letter.clone()))
+        .await
+        .expect("the dead-letter reader reads the destination");
+    read.sort_by_key(|letter| letter.timestamp);
+    read.into_iter()
+        .map(|letter| DeadLetter {
+            reason: letter.reason.unwrap_or_default(),
+            payload: letter.payload,
+        })
+        .collect()
+}
 
 /// A name no other test uses: `prefix`, a dash and 12 random hex digits.
 pub fn unique_name(prefix: &str) -> String {
@@ -316,8 +334,28 @@ pub trait TestQueue: Send + Sync + 'static {
     /// [`TestQueue::producer`]: a topic, a queue name or URL, a stream key.
     fn destination(&self) -> String;
 
-    /// The dead-letter destination's messages so far, oldest first.
-    fn dead_letters(&self) -> impl Future<Output = Vec<DeadLetter>> + Send;
+    /// The adapter's reader of the dead-letter destination (its `XDeadLetters`, as
+    /// `inbox-admin dead-letters` and [`inbox_core::replay`] use it): every scenario reads its
+    /// dead letters through it, so the suite also checks what an operator would see. `None`
+    /// where the adapter has none; such a queue overrides [`TestQueue::dead_letters`], and the
+    /// replay scenario is skipped. Default: `None`.
+    fn dead_letter_reader(
+        &self,
+    ) -> impl Future<Output = Option<Box<dyn inbox_core::replay::DynDeadLetters>>> + Send {
+        async move { None }
+    }
+
+    /// The dead-letter destination's messages so far, oldest first, left where they are.
+    /// Default: read through [`TestQueue::dead_letter_reader`].
+    fn dead_letters(&self) -> impl Future<Output = Vec<DeadLetter>> + Send {
+        async move {
+            let mut reader = self
+                .dead_letter_reader()
+                .await
+                .expect("a queue without a dead-letter reader overrides `dead_letters`");
+            read_dead_letters(reader.as_mut()).await
+        }
+    }
 
     /// Messages not acked yet, delivered or not.
     fn left(&self) -> impl Future<Output = u64> + Send;
@@ -328,15 +366,6 @@ pub trait TestQueue: Send + Sync + 'static {
     /// the messages waiting for delivery.
     fn waiting(&self) -> impl Future<Output = u64> + Send {
         async move { self.left().await }
-    }
-
-    /// A reader of the dead-letter destination for [`inbox_core::replay`] (the adapter's
-    /// `XDeadLetters`); `None` where the adapter has none, and the replay scenario is skipped.
-    /// Default: `None`.
-    fn dead_letter_reader(
-        &self,
-    ) -> impl Future<Output = Option<Box<dyn inbox_core::replay::DynDeadLetters>>> + Send {
-        async move { None }
     }
 
     /// Deletes the queue and its dead-letter destination.

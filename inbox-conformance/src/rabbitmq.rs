@@ -16,16 +16,15 @@ pub use admin::{
     passive_declare, Parked,
 };
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::FaultProxy;
-use inbox_core::dead_letter::REASON;
 use inbox_core::DynPublish;
 use inbox_rabbitmq::lapin::BasicProperties;
 use inbox_rabbitmq::{RabbitConnection, RabbitProducer, RabbitSource, RabbitSourceBuilder};
 
-use crate::{DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
+use crate::{LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// A config for a fresh, randomly named queue, `label` in its name and its connection's.
 pub fn fresh_config(label: &str) -> RabbitSourceBuilder {
@@ -94,8 +93,6 @@ pub struct Queue {
     broker: RabbitMq,
     config: RabbitSourceBuilder,
     publisher: RabbitProducer,
-    /// What `dead_letters` took off the DLQ so far.
-    parked: Mutex<Vec<DeadLetter>>,
 }
 
 impl TestBroker for RabbitMq {
@@ -116,7 +113,6 @@ impl TestBroker for RabbitMq {
             broker: *self,
             publisher: publisher(&config).await, // declares the queue and its DLQ
             config,
-            parked: Mutex::default(),
         }
     }
 }
@@ -218,22 +214,6 @@ impl TestQueue for Queue {
 
     fn destination(&self) -> String {
         self.config.queue().to_owned()
-    }
-
-    async fn dead_letters(&self) -> Vec<DeadLetter> {
-        let taken = drain(&self.config.dead_letter_queue()).await;
-        let mut parked = self.parked.lock().expect("parked");
-        parked.extend(taken.into_iter().map(|p| {
-            DeadLetter {
-                // A message the broker parked (x-delivery-limit) has no reason of the consumer's.
-                reason: p
-                    .header(REASON)
-                    .or_else(|| p.header("x-first-death-reason"))
-                    .unwrap_or_default(),
-                payload: p.body,
-            }
-        }));
-        parked.clone()
     }
 
     async fn left(&self) -> u64 {

@@ -25,7 +25,7 @@ use inbox_redis_streams::{
     RedisConnection, RedisStreamProducer, RedisStreamSource, RedisStreamSourceBuilder,
 };
 
-use crate::{DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
+use crate::{LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// The consumer group of every source.
 pub const GROUP: &str = "wallet";
@@ -204,24 +204,6 @@ impl TestQueue for Stream {
 
     fn destination(&self) -> String {
         self.key.clone()
-    }
-
-    async fn dead_letters(&self) -> Vec<DeadLetter> {
-        let field = |entry: &[(String, String)], name: &str| {
-            entry
-                .iter()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.clone())
-                .unwrap_or_default()
-        };
-        dead_letters_with(&mut raw_at(&self.url).await, &self.key)
-            .await
-            .iter()
-            .map(|entry| DeadLetter {
-                payload: field(entry, "payload").into_bytes(),
-                reason: field(entry, "reason"),
-            })
-            .collect()
     }
 
     async fn left(&self) -> u64 {

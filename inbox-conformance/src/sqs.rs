@@ -12,19 +12,16 @@ pub use endpoint::{
 };
 pub use queues::{attr, create_queue, delete_queue, drain, queue, queue_name};
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::FaultProxy;
-use inbox_core::dead_letter::REASON;
 use inbox_core::DynPublish;
-use inbox_sqs::aws_sdk_sqs::types::{
-    MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
-};
+use inbox_sqs::aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName};
 use inbox_sqs::aws_sdk_sqs::Client;
 use inbox_sqs::{SqsConnection, SqsSource, SqsSourceBuilder, DEFAULT_ID_ATTRIBUTE};
 
-use crate::{DeadLetter, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
+use crate::{LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// SQS under test, with the suite's timings: a 2 s visibility timeout, and receives that wait
 /// 1 s longer than it.
@@ -48,8 +45,6 @@ pub struct Queue {
     sqs: Client,
     url: String,
     dlq: String,
-    /// The dead letters received (and deleted) from the DLQ so far.
-    dead: Mutex<Vec<DeadLetter>>,
 }
 
 impl TestBroker for Sqs {
@@ -59,12 +54,7 @@ impl TestBroker for Sqs {
         let sqs = client().await;
         let url = queue(&sqs, scenario, VISIBILITY_SECS).await;
         let dlq = queue(&sqs, &format!("{scenario}-dlq"), 30).await;
-        Queue {
-            sqs,
-            url,
-            dlq,
-            dead: Mutex::default(),
-        }
+        Queue { sqs, url, dlq }
     }
 
     /// `name`: the queue's URL and its dead-letter queue's, separated by a space.
@@ -74,7 +64,6 @@ impl TestBroker for Sqs {
             sqs: client().await,
             url: url.to_owned(),
             dlq: dlq.to_owned(),
-            dead: Mutex::default(),
         }
     }
 }
@@ -179,21 +168,6 @@ impl TestQueue for Queue {
         self.url.clone()
     }
 
-    async fn dead_letters(&self) -> Vec<DeadLetter> {
-        let mut received = drain(&self.sqs, &self.dlq, Duration::from_secs(1)).await;
-        received.sort_by_key(|m| {
-            m.attributes()
-                .and_then(|a| a.get(&MessageSystemAttributeName::SentTimestamp))
-                .and_then(|t| t.parse::<u64>().ok())
-        });
-        let mut dead = self.dead.lock().expect("dead letters");
-        dead.extend(received.iter().map(|m| DeadLetter {
-            payload: m.body().unwrap_or_default().as_bytes().to_vec(),
-            reason: attr(m, REASON).unwrap_or_default(),
-        }));
-        dead.clone()
-    }
-
     async fn left(&self) -> u64 {
         let names = [
             QueueAttributeName::ApproximateNumberOfMessages,
@@ -253,12 +227,7 @@ impl TestBroker for SqsFifo {
             .expect("create the FIFO test queue (is the SQS endpoint up?)");
         let url = out.queue_url().expect("queue URL").to_owned();
         let dlq = queue(&sqs, &format!("{scenario}-dlq"), 30).await;
-        Queue {
-            sqs,
-            url,
-            dlq,
-            dead: Mutex::default(),
-        }
+        Queue { sqs, url, dlq }
     }
 
     async fn attach(&self, name: &str) -> Queue {
