@@ -51,32 +51,12 @@ fn assert_exactly_once(run: &Run, total: i64) {
     );
 }
 
-/// A server a scenario may restart: what [`Restartable::server`] holds.
+/// A server a scenario may restart: what [`Restartable::server`] holds (boxed, so the method
+/// returns a boxed future).
 pub trait Restart: Send + Sync + std::fmt::Debug {
     /// Stops the server, which keeps what it stored, and starts it again a few seconds later;
     /// returns once it answers.
-    fn restart(&mut self) -> impl Future<Output = ()> + Send;
-}
-
-/// [`Restart`] as a trait object, as [`Restartable::server`] holds it: `Restart::restart`
-/// returns `impl Future`, which keeps the trait from being made into a `dyn` object; this one
-/// returns a boxed future (from `dyn_restart`, a name never ambiguous beside `Restart`'s).
-/// Every `Restart` implements it, and `dyn DynRestart` implements `Restart`.
-pub trait DynRestart: Send + Sync + std::fmt::Debug {
-    /// [`Restart::restart`].
-    fn dyn_restart(&mut self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
-}
-
-impl<T: Restart> DynRestart for T {
-    fn dyn_restart(&mut self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
-        Box::pin(Restart::restart(self))
-    }
-}
-
-impl Restart for dyn DynRestart + '_ {
-    async fn restart(&mut self) {
-        self.dyn_restart().await;
-    }
+    fn restart(&mut self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
 }
 
 /// A queue on a server the scenario may restart: what [`TestQueue::restartable`] returns.
@@ -87,7 +67,7 @@ pub struct Restartable<Q> {
     pub queue: Q,
     /// The server; dropped, it is stopped (a private one) or started again (a shared one that a
     /// failed restart left down).
-    pub server: Box<dyn DynRestart>,
+    pub server: Box<dyn Restart>,
 }
 
 /// A fault between the consumer and the broker.

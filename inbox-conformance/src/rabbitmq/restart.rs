@@ -32,13 +32,15 @@ async fn rabbitmqctl(command: &str) {
 }
 
 impl Restart for App {
-    async fn restart(&mut self) {
-        // Marked down before the stop: a stop that fails half-way is undone too.
-        self.down = true;
-        rabbitmqctl("stop_app").await;
-        tokio::time::sleep(DOWN).await;
-        rabbitmqctl("start_app").await;
-        self.down = false;
+    fn restart(&mut self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(async move {
+            // Marked down before the stop: a stop that fails half-way is undone too.
+            self.down = true;
+            rabbitmqctl("stop_app").await;
+            tokio::time::sleep(DOWN).await;
+            rabbitmqctl("start_app").await;
+            self.down = false;
+        })
     }
 }
 

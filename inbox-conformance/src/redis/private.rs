@@ -84,23 +84,25 @@ impl PrivateRedis {
 impl Restart for PrivateRedis {
     /// `SHUTDOWN` (Redis closes every client and exits, its append-only file complete), 2 s
     /// down, then the same server again.
-    async fn restart(&mut self) {
-        let mut conn = self
-            .client()
-            .get_multiplexed_async_connection()
-            .await
-            .expect("the private redis-server");
-        let _: redis::RedisResult<()> = redis::cmd("SHUTDOWN").query_async(&mut conn).await;
-        let process = self.process.as_mut().expect("the server runs");
-        let exited = eventually(Duration::from_secs(10), || {
-            let done = matches!(process.try_wait(), Ok(Some(_)));
-            async move { done }
+    fn restart(&mut self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(async move {
+            let mut conn = self
+                .client()
+                .get_multiplexed_async_connection()
+                .await
+                .expect("the private redis-server");
+            let _: redis::RedisResult<()> = redis::cmd("SHUTDOWN").query_async(&mut conn).await;
+            let process = self.process.as_mut().expect("the server runs");
+            let exited = eventually(Duration::from_secs(10), || {
+                let done = matches!(process.try_wait(), Ok(Some(_)));
+                async move { done }
+            })
+            .await;
+            assert!(exited, "redis-server did not exit after SHUTDOWN");
+            self.process = None;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            self.spawn().await;
         })
-        .await;
-        assert!(exited, "redis-server did not exit after SHUTDOWN");
-        self.process = None;
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        self.spawn().await;
     }
 }
 
