@@ -173,10 +173,28 @@ pub enum Error {
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Exponential backoff from `initial`, doubling per attempt, capped at `max`.
-pub(crate) fn backoff(initial: Duration, max: Duration, attempt: u32) -> Duration {
+/// The consumer's wait before attempt `attempt` (from 1) after a failure, for the tools beside
+/// it (the outbox relay) to wait alike: exponential from `initial`, doubling per attempt,
+/// capped at `max`, then shortened
+/// by up to half by a draw from this process's ID and the attempt: consumers in processes that
+/// failed together (a database outage, a broker restart) do not come back in lockstep, while
+/// one process waits the same on every run (a simulation replays).
+pub fn backoff(initial: Duration, max: Duration, attempt: u32) -> Duration {
+    jittered(initial, max, attempt, std::process::id())
+}
+
+/// [`backoff`] for the process `salt`.
+fn jittered(initial: Duration, max: Duration, attempt: u32, salt: u32) -> Duration {
+    use std::hash::{Hash, Hasher};
     let factor = 2u32.saturating_pow(attempt.saturating_sub(1).min(16));
-    initial.saturating_mul(factor).min(max)
+    let full = initial.saturating_mul(factor).min(max);
+    // `DefaultHasher::new` hashes alike in every run: the draw depends on its inputs only.
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    (salt, attempt).hash(&mut hasher);
+    // A uniform draw in [0, 1) from 53 bits.
+    #[allow(clippy::cast_precision_loss)]
+    let draw = (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64;
+    full.mul_f64(1.0 - draw / 2.0)
 }
 
 #[cfg(test)]
@@ -184,13 +202,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn backoff_doubles_and_caps() {
+    fn backoff_doubles_and_caps_and_each_process_waits_its_own_share() {
         let ms = Duration::from_millis;
-        assert_eq!(backoff(ms(100), ms(1000), 1), ms(100));
-        assert_eq!(backoff(ms(100), ms(1000), 2), ms(200));
-        assert_eq!(backoff(ms(100), ms(1000), 4), ms(800));
-        assert_eq!(backoff(ms(100), ms(1000), 5), ms(1000));
-        assert_eq!(backoff(ms(100), ms(1000), 400), ms(1000));
+        // (attempt, the full wait): the jitter takes up to half of it.
+        for (attempt, full) in [(1, 100), (2, 200), (4, 800), (5, 1000), (400, 1000)] {
+            let waits: Vec<Duration> = (1..=50)
+                .map(|process| jittered(ms(100), ms(1000), attempt, process))
+                .collect();
+            assert!(
+                waits.iter().all(|w| *w > ms(full) / 2 && *w <= ms(full)),
+                "attempt {attempt}: {waits:?}"
+            );
+            let distinct: std::collections::BTreeSet<_> = waits.iter().collect();
+            assert!(distinct.len() > 40, "50 processes, in lockstep: {waits:?}");
+            assert_eq!(
+                jittered(ms(100), ms(1000), attempt, 7),
+                jittered(ms(100), ms(1000), attempt, 7),
+                "one process waits the same every time"
+            );
+        }
     }
 
     #[test]

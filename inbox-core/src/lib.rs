@@ -98,7 +98,7 @@ pub use consumer::{
     retention_shortfall, Consumer, Inbox, Order, RetryPolicy, Work, DEFAULT_SHUTDOWN_TIMEOUT,
 };
 pub use error::{
-    BoxError, Error, Failure, HandlerError, OperationError, Recovery, Result, SourceError,
+    backoff, BoxError, Error, Failure, HandlerError, OperationError, Recovery, Result, SourceError,
     StoreError,
 };
 pub use handler::{

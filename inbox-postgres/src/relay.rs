@@ -129,7 +129,8 @@ impl<P: Publish> OutboxRelay<P> {
     }
 
     /// The first wait after a failed batch (default 500 ms, doubling up to 30 s while failures
-    /// repeat).
+    /// repeat, each wait shortened by up to half as [`inbox_core::backoff`] does, so relays in
+    /// several processes do not retry in lockstep).
     pub fn error_backoff(mut self, wait: Duration) -> Self {
         self.error_backoff = wait;
         self
@@ -218,7 +219,7 @@ impl<P: Publish> OutboxRelay<P> {
                     }
                     failures = failures.saturating_add(1);
                     stats.errors += 1;
-                    let wait = backoff(self.error_backoff, failures);
+                    let wait = inbox_core::backoff(self.error_backoff, MAX_BACKOFF, failures);
                     tracing::warn!(
                         table = %self.outbox.table(),
                         error = %error,
@@ -423,10 +424,4 @@ fn message(
         .map(|(name, value)| (name, value.into_bytes()))
         .collect();
     Ok(message)
-}
-
-/// `initial`, doubling per repeated failure, capped at 30 s.
-fn backoff(initial: Duration, failures: u32) -> Duration {
-    let factor = 2u32.saturating_pow(failures.saturating_sub(1).min(16));
-    initial.saturating_mul(factor).min(MAX_BACKOFF)
 }

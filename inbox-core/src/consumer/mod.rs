@@ -72,7 +72,9 @@ impl RetryPolicy {
     }
 
     /// Waits `initial` before the second attempt (default 100 ms), doubling for each further
-    /// one up to `max` (default 5 s).
+    /// one up to `max` (default 5 s); each wait is shortened by up to half, by a draw of the
+    /// process's own ([`crate::backoff`]), so that consumers that failed together do not retry
+    /// in lockstep.
     #[must_use]
     pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
         self.initial_backoff = initial;
