@@ -32,7 +32,7 @@
 //!     .consumer_name("wallet-0") // one per process, stable across restarts: see `consumer_name`
 //!     .connect()
 //!     .await?;
-//! let pool = sqlx::PgPool::connect("postgres://postgres:postgres@127.0.0.1:5432/inbox").await?;
+//! let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?; // PostgreSQL at DATABASE_URL
 //! let inbox = PgInbox::new(pool);
 //! inbox.migrate().await?;
 //! Consumer::new("wallet", source, inbox, Credit) // credits 100 once
