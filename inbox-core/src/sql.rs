@@ -1,7 +1,9 @@
 //! What the SQL stores share: how they keep message IDs ([`KeyMode`], [`hashed_key`],
-//! [`uuid_key`]) and claim them ([`claim_keys`], [`first_claims`]), which names they accept to
-//! quote into SQL ([`is_plain_identifier`]), and the consumer a bound store claims for
-//! ([`BoundConsumer`]). Each store's docs say which column type each mode takes there.
+//! [`uuid_key`], [`primary_key`]) and claim them ([`claim_keys`], [`first_claims`]), which names
+//! they accept to quote into SQL ([`is_plain_identifier`]), the consumer a bound store claims for
+//! ([`BoundConsumer`]), how a migration script is printed ([`push_statements`]) and the errors of
+//! a store on sqlx (`sqlx_store_errors!`). Each store's docs say which column type each mode
+//! takes there.
 
 use std::borrow::Borrow;
 use std::collections::HashSet;
@@ -122,6 +124,26 @@ where
     Q: Eq + Hash,
 {
     keys.iter().map(|k| fresh.remove(k)).collect()
+}
+
+/// The primary key of a table of claims in `mode`: the hashed key alone, which covers the
+/// consumer already, or the consumer and the key.
+pub fn primary_key(mode: KeyMode) -> &'static str {
+    match mode {
+        KeyMode::Hashed => "message_id",
+        KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
+    }
+}
+
+/// `statements` appended to the migration script `sql`, each after an empty line and ending in
+/// `;`: the builders indent for the Rust source, the script indents continuation lines once.
+pub fn push_statements(sql: &mut String, statements: impl IntoIterator<Item = String>) {
+    for statement in statements {
+        let lines: Vec<&str> = statement.lines().map(str::trim).collect();
+        sql.push('\n');
+        sql.push_str(&lines.join("\n    "));
+        sql.push_str(";\n");
+    }
 }
 
 /// A letter or `_`, then letters, digits or `_` (ASCII): a name that can be quoted into SQL

@@ -1,11 +1,12 @@
 //! The statements that create the inbox tables: run by [`MySqlInbox::migrate`], printed by
 //! [`MySqlInbox::migration_sql`] for schemas applied with another migration tool.
 
+use inbox_core::sql::{primary_key, push_statements};
 use sqlx::{AssertSqlSafe, MySqlConnection};
 
 use crate::error::db;
 use crate::table::column_type;
-use crate::{Error, KeyMode, MySqlInbox, Result};
+use crate::{Error, MySqlInbox, Result};
 
 impl MySqlInbox {
     /// Creates the inbox tables if missing; safe to run from many instances at once (they take
@@ -93,22 +94,14 @@ impl MySqlInbox {
             self.table(),
             self.key_mode()
         );
-        for statement in self.statements() {
-            let lines: Vec<&str> = statement.lines().map(str::trim).collect();
-            sql.push('\n');
-            sql.push_str(&lines.join("\n    "));
-            sql.push_str(";\n");
-        }
+        push_statements(&mut sql, self.statements());
         sql
     }
 
     fn statements(&self) -> [String; 2] {
         let t = self.table();
         let key = column_type(self.key_mode());
-        let primary_key = match self.key_mode() {
-            KeyMode::Hashed => "message_id",
-            KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
-        };
+        let primary_key = primary_key(self.key_mode());
         [
             format!(
                 "CREATE TABLE IF NOT EXISTS {consumers} (

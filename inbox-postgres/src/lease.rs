@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use inbox_core::effect::{Acquired, Attempt, Lease, LeaseStore, Release};
-use inbox_core::sql::hashed_key;
+use inbox_core::sql::{hashed_key, primary_key};
 use inbox_core::{InboxStore, InvalidId, MessageId, Recovery, StoreError};
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
@@ -159,10 +159,7 @@ impl PgLeases {
         let t = &self.table;
         let mode = self.inbox.key_mode();
         let key = column_type(mode);
-        let primary_key = match mode {
-            KeyMode::Hashed => "message_id",
-            KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
-        };
+        let primary_key = primary_key(mode);
         let lock = format!("inbox migrate {t}");
         let mut migration =
             Migration::begin(self.inbox.pool(), lock, "creating the lease table").await?;
@@ -318,10 +315,7 @@ impl LeaseStore for PgLeases {
         let consumer_id = self.inbox.consumer_id(consumer).await?;
         let key = self.key(consumer, id)?;
         let t = &self.table;
-        let conflict = match self.inbox.key_mode() {
-            KeyMode::Hashed => "message_id",
-            KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
-        };
+        let conflict = primary_key(self.inbox.key_mode());
         // `set_config(…, true)` sets the lock timeout for this statement's own transaction,
         // before the insert waits on the row: no round-trip of its own.
         let sql = format!(

@@ -1,6 +1,7 @@
 //! The statements that create the inbox tables: run by [`PgInbox::migrate`], printed by
 //! [`PgInbox::migration_sql`] for schemas applied with another migration tool.
 
+use inbox_core::sql::{primary_key, push_statements};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 
 use crate::error::db;
@@ -63,14 +64,7 @@ impl PgInbox {
                  add them.\n",
             );
         }
-        for statement in statements {
-            // The builders indent for the Rust source; the printed SQL indents continuation
-            // lines once.
-            let lines: Vec<&str> = statement.lines().map(str::trim).collect();
-            sql.push('\n');
-            sql.push_str(&lines.join("\n    "));
-            sql.push_str(";\n");
-        }
+        push_statements(&mut sql, statements);
         sql
     }
 
@@ -92,10 +86,7 @@ impl PgInbox {
             return table;
         }
         let key = column_type(self.key_mode());
-        let primary_key = match self.key_mode() {
-            KeyMode::Hashed => "message_id",
-            KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
-        };
+        let primary_key = primary_key(self.key_mode());
         // Column order matters for size: the 16-byte key, then the 4-byte minute and the
         // 2-byte consumer pack into 48 bytes with the tuple header.
         format!(

@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use inbox_core::sql::primary_key;
 use sqlx::{AssertSqlSafe, Connection, PgConnection};
 
 use super::{
@@ -12,7 +13,7 @@ use super::{
 };
 use crate::error::db;
 use crate::table::column_type;
-use crate::{KeyMode, PgInbox, Result};
+use crate::{PgInbox, Result};
 
 impl PgInbox {
     /// Lays the table out partitioned when [`migrate`](Self::migrate) creates it (see
@@ -20,7 +21,7 @@ impl PgInbox {
     /// purge, dropped by the purge. A table that exists already keeps its layout: convert a
     /// plain one with [`migrate_to_partitioned`](Self::migrate_to_partitioned). Claims follow
     /// the table's layout, read from the catalog before the first hashed claim, not this
-    /// setting: [`KeyMode::Hashed`] keys differ between the layouts.
+    /// setting: [`KeyMode::Hashed`](crate::KeyMode::Hashed) keys differ between the layouts.
     pub fn partitioned(mut self, partitions: Partitions) -> Self {
         self.partitions = Some(partitions);
         self
@@ -387,10 +388,7 @@ impl PgInbox {
         index_base: &str,
     ) -> [String; 2] {
         let key = column_type(self.key_mode());
-        let primary_key = match self.key_mode() {
-            KeyMode::Hashed => "message_id",
-            KeyMode::Text | KeyMode::Uuid => "consumer_id, message_id",
-        };
+        let primary_key = primary_key(self.key_mode());
         let name = index_base;
         [
             format!(
