@@ -11,13 +11,15 @@ pub fn is_child() -> bool {
     std::env::var_os("INBOX_CHILD").is_some()
 }
 
-/// Runs the current test binary again with only the ignored test `test_name`, with `envs`.
+/// The current test binary, to run only the ignored test `test_name`, with `envs`: what
+/// [`spawn`] starts, and the kill scenario starts as a `tokio` process.
 ///
 /// # Panics
-/// When the test binary cannot be started.
-pub fn spawn(test_name: &str, envs: &[(&str, String)]) -> Child {
+/// When there is no current executable.
+pub fn command(test_name: &str, envs: &[(&str, String)]) -> Command {
     let exe = std::env::current_exe().unwrap_or_else(|e| panic!("no current exe: {e}"));
-    Command::new(exe)
+    let mut command = Command::new(exe);
+    command
         .args([
             "--exact",
             test_name,
@@ -28,7 +30,16 @@ pub fn spawn(test_name: &str, envs: &[(&str, String)]) -> Child {
         .env("INBOX_CHILD", "1")
         .envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdout(Stdio::null());
+    command
+}
+
+/// Runs the current test binary again with only the ignored test `test_name`, with `envs`.
+///
+/// # Panics
+/// When the test binary cannot be started.
+pub fn spawn(test_name: &str, envs: &[(&str, String)]) -> Child {
+    command(test_name, envs)
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start child {test_name}: {e}"))
 }

@@ -111,7 +111,7 @@ mod fault_run;
 pub mod foreign_ids;
 #[cfg(feature = "kafka")]
 pub mod kafka;
-mod kill;
+pub mod kill;
 pub mod memory;
 #[cfg(feature = "mysql")]
 pub mod mysql_wallet;
