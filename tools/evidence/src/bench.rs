@@ -329,7 +329,7 @@ async fn processes_run(
             member,
             ..consumer.clone()
         };
-        children.push(kill::spawn_ready(&member).await?);
+        children.push(kill::spawn_ready(&member.to_args(), &[]).await?);
     }
     // Long enough for the group to settle with every member (a join waits for the others to
     // rejoin, up to their poll interval).

@@ -35,7 +35,7 @@ pub(crate) fn credit(i: u32, event: &CreditEvent) -> OutgoingMessage {
 const PUBLISH_CHUNK: usize = 5_000;
 
 /// How often a draining consumer that applies nothing while the broker still holds messages is
-/// replaced by a new one (see `kill::drain`), where the broker needs it.
+/// replaced by a new one (see `inbox_conformance::kill::drain`), where the broker needs it.
 const DRAIN_RESTARTS: u32 = 5;
 
 /// What the harness needs from a broker: [`TestBroker`] and [`TestQueue`], with queues found by
@@ -93,7 +93,8 @@ pub(crate) trait Broker: Send + Sync {
     ) -> BoxFuture<'a, Result<Option<ZombieReport>, BoxError>>;
 
     /// How often a draining consumer that applies nothing while the broker still holds messages
-    /// is replaced by a new one; 0: such a stall fails the run (see `kill::drain`).
+    /// is replaced by a new one; 0: such a stall fails the run (see
+    /// `inbox_conformance::kill::drain`).
     fn drain_restarts(&self) -> u32;
 
     /// Deletes `name` and its dead-letter destination (best effort).

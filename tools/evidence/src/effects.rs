@@ -14,14 +14,12 @@ use std::time::{Duration, Instant};
 
 use inbox_admin::progress;
 use inbox_conformance::provider::{Behaviour, ProviderMode, TestProvider};
-use inbox_conformance::wallet::CreditEvent;
 use inbox_conformance::TestDb;
-use inbox_core::{BoxError, OutgoingMessage};
+use inbox_core::BoxError;
 use inbox_postgres::PgLeases;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use sqlx::AssertSqlSafe;
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Child;
 
 use crate::brokers::{self, Broker};
@@ -30,7 +28,7 @@ use crate::cli::{
 };
 use crate::effects_child::{ChildSpec, Mode, Role, EFFECT_CONSUMER, PROVIDER_ENV};
 use crate::kill;
-use crate::report::{spread, Spread};
+use crate::report::spread;
 
 /// `effects-test`: side effects outside the database. An effect consumer child calling a test
 /// provider (the first call per key slow, `--work-ms`) is SIGKILLed and restarted, then drains;
@@ -145,10 +143,10 @@ pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
             "| {kind} | {} | {events} | {} | {} | {} | {} | {} |",
             mode.name(),
             runs.len(),
-            show(spread(runs.iter().map(|r| i64::from(r.kills)))),
-            show(spread(runs.iter().map(|r| r.duplicates))),
-            show(spread(runs.iter().map(|r| r.lost))),
-            show(spread(runs.iter().map(|r| r.calls))),
+            spread(runs.iter().map(|r| i64::from(r.kills))).show(),
+            spread(runs.iter().map(|r| r.duplicates)).show(),
+            spread(runs.iter().map(|r| r.lost)).show(),
+            spread(runs.iter().map(|r| r.calls)).show(),
         );
     }
     println!();
@@ -188,28 +186,8 @@ pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
     }
 }
 
-pub(crate) fn show(s: Spread) -> String {
-    let median = if s.median.fract() == 0.0 {
-        format!("{}", s.median)
-    } else {
-        format!("{:.1}", s.median)
-    };
-    format!("{median} ({}–{})", s.min, s.max)
-}
-
-/// The seeded credit events `evt-<i>` and the balances they add up to.
-pub(crate) fn events(seed: u64, count: u32) -> (Vec<OutgoingMessage>, HashMap<i64, i64>) {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut expected = HashMap::new();
-    let events = (0..count)
-        .map(|i| {
-            let event = CreditEvent::new(rng.random_range(1..=100), rng.random_range(1..=100));
-            *expected.entry(event.account_id).or_insert(0) += event.amount;
-            brokers::credit(i, &event)
-        })
-        .collect();
-    (events, expected)
-}
+/// Accounts the events of the effects and outbox-chain tests credit.
+pub(crate) const ACCOUNTS: i64 = 100;
 
 /// The waits before each kill of run `run`.
 pub(crate) fn schedule(s: &EffectsSettings, run: u32) -> Vec<Duration> {
@@ -238,7 +216,7 @@ async fn run_once(
         Mode::NeitherRetry | Mode::NeitherSkip => ProviderMode::Neither,
     })
     .await?;
-    let (events, _) = events(s.seed, count);
+    let (events, _) = kill::events(s.seed, ACCOUNTS, count);
     let keys: Vec<String> = events
         .iter()
         .map(|e| e.id.idempotency_key(EFFECT_CONSUMER))
@@ -333,24 +311,11 @@ async fn run_once(
 
 /// Starts `evidence effects-child` for `spec` and waits for its `ready`, trying up to 5 times.
 pub(crate) async fn spawn(spec: &ChildSpec, env: &[(&str, String)]) -> Result<Child, BoxError> {
-    for _ in 0..5 {
-        let mut args = vec!["effects-child".to_owned()];
-        args.extend(spec.to_args());
-        let mut child = kill::child_command(args, env)?.spawn()?;
-        let stdout = child.stdout.take().ok_or("the child has no stdout")?;
-        let mut lines = BufReader::new(stdout).lines();
-        let ready = tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await;
-        if matches!(ready, Ok(Ok(Some(ref line))) if line == "ready") {
-            return Ok(child);
-        }
-        kill(&mut child).await;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    Err(format!(
-        "`evidence effects-child` for {} did not start five times in a row",
-        spec.name
+    kill::spawn_ready(
+        &[vec!["effects-child".to_owned()], spec.to_args()].concat(),
+        env,
     )
-    .into())
+    .await
 }
 
 /// SIGKILL, then reap.

@@ -3,9 +3,10 @@
 
 use std::collections::HashMap;
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use inbox_admin::progress;
+use inbox_conformance::kill::{self, KillAt, KillHarness, KillPlan, KillReport, KillTick};
 use inbox_conformance::wallet::CreditEvent;
 use inbox_core::{BoxError, OutgoingMessage};
 use rand::rngs::StdRng;
@@ -18,18 +19,22 @@ use crate::chart;
 use crate::cli::{
     BrokerKind, ConsumerSpec, KafkaImpl, StoreKind, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
 };
-use crate::report::{self, RunResult, VariantResult};
+use crate::report::{self, VariantResult};
 use crate::settings::{KillArgs, KillSettings};
 use crate::wallet_db::{self, WalletDb};
 
-/// The seeded events of every run: IDs `evt-<i>`, accounts and amounts from `seed`.
-pub(crate) fn events(s: &KillSettings, count: u32) -> (Vec<OutgoingMessage>, HashMap<i64, i64>) {
-    let mut rng = StdRng::seed_from_u64(s.seed);
+/// `count` seeded credit events, IDs `evt-<i>`, each crediting 1–100 to one of `accounts` from
+/// `seed`, and the balances they add up to.
+pub(crate) fn events(
+    seed: u64,
+    accounts: i64,
+    count: u32,
+) -> (Vec<OutgoingMessage>, HashMap<i64, i64>) {
+    let mut rng = StdRng::seed_from_u64(seed);
     let mut expected = HashMap::new();
     let events = (0..count)
         .map(|i| {
-            let event =
-                CreditEvent::new(rng.random_range(1..=s.accounts), rng.random_range(1..=100));
+            let event = CreditEvent::new(rng.random_range(1..=accounts), rng.random_range(1..=100));
             *expected.entry(event.account_id).or_insert(0) += event.amount;
             brokers::credit(i, &event)
         })
@@ -37,11 +42,13 @@ pub(crate) fn events(s: &KillSettings, count: u32) -> (Vec<OutgoingMessage>, Has
     (events, expected)
 }
 
-/// Seconds of work before each kill of run `run`: the same for every variant and broker.
-fn schedule(s: &KillSettings, run: u32) -> Vec<Duration> {
+/// Work after the child's first write before each kill of run `run`: the same for every variant
+/// and broker.
+fn schedule(s: &KillSettings, run: u32) -> Vec<KillAt> {
     let mut rng = StdRng::seed_from_u64(s.seed ^ (0x6b11 + u64::from(run)));
     (0..s.kills)
-        .map(|_| Duration::from_millis(rng.random_range(s.kill_after_ms.0..=s.kill_after_ms.1)))
+        .map(|_| rng.random_range(s.kill_after_ms.0..=s.kill_after_ms.1))
+        .map(|ms| KillAt::AfterFirstWrite(Duration::from_millis(ms)))
         .collect()
 }
 
@@ -110,71 +117,62 @@ async fn run_once(
     s: &KillSettings,
     variant: Variant,
     run: u32,
-) -> Result<RunResult, BoxError> {
+) -> Result<KillReport, BoxError> {
     let kind = broker.kind();
     let db = wallet_db::create(s.store, s.shards).await?;
     let name = broker
         .create(&format!("{kind}-{}-{run}", variant.name()))
         .await?;
-    let (events, expected) = events(s, s.events);
+    let (events, expected) = events(s.seed, s.accounts, s.events);
     broker.publish(&name, &events).await?;
     let spec = spec(kind, variant, &name, db.as_ref(), s);
-    let label = format!("{kind} {} run {}/{}", variant.name(), run + 1, s.runs);
-    let bar = progress::Progress::bar(label, u64::from(s.events), "events", "applied");
-    let mut self_crashes = 0;
-    for (k, work) in schedule(s, run).into_iter().enumerate() {
-        let mut child = spawn_ready(&spec).await?;
-        // The clock runs from the child's first write: on Kafka a restarted member waits for the
-        // group to notice the killed one (the session timeout) before it gets partitions.
-        let killed_at = first_write(broker, &name, db.as_ref(), &mut child).await? + work;
-        bar.set_message(format!("kill {}/{}", k + 1, s.kills));
-        // The crash option makes the child abort itself: restart it, the kill clock runs on.
-        while Instant::now() < killed_at {
-            if child.try_wait()?.is_some() {
-                self_crashes += 1;
-                child = spawn_ready(&spec).await?;
-            }
-            bar.set_position(db.summary().await?.distinct_events);
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        child.start_kill()?; // SIGKILL: no destructor, no close, no last commit
-        child.wait().await?;
-    }
     let mut drain_spec = spec.clone();
     drain_spec.crash_between_commit_and_ack = 0.0;
-    drain(broker, &drain_spec, db.as_ref(), i64::from(s.events), &bar).await?;
-    let result = count(db.as_ref(), s.events, &expected, s.kills, self_crashes).await?;
+    let label = format!("{kind} {} run {}/{}", variant.name(), run + 1, s.runs);
+    let bar = progress::Progress::bar(&label, u64::from(s.events), "events", "applied");
+    let plan = KillPlan {
+        events: i64::from(s.events),
+        expected,
+        kills: schedule(s, run),
+    };
+    let mut h = harness(broker, &spec, &drain_spec, db.as_ref(), &bar).await?;
+    let result = kill::run(&mut h, &plan)
+        .await
+        .map_err(|e| format!("{label}: {e}"))?;
+    drop(h);
     bar.finish();
     db.remove().await;
     broker.remove(&name).await;
     Ok(result)
 }
 
-/// When the child first writes to the ledger; now, if it dies first or the broker holds nothing
-/// more for it (after an ack on receipt lost the rest, say), or after 30 s at most.
-async fn first_write(
-    broker: &dyn Broker,
-    name: &str,
-    db: &dyn WalletDb,
-    child: &mut Child,
-) -> Result<Instant, BoxError> {
-    let count = || async { Ok::<_, BoxError>(db.summary().await?.ledger_rows) };
-    let rows = count().await?;
-    let start = Instant::now();
-    let mut next_look = start;
-    while start.elapsed() < Duration::from_secs(30) && child.try_wait()?.is_none() {
-        if count().await? != rows {
-            break;
-        }
-        if Instant::now() >= next_look {
-            if broker.left(name).await? == Some(0) {
-                break;
-            }
-            next_look = Instant::now() + Duration::from_secs(1);
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    Ok(Instant::now())
+/// How the kill run reaches `spec`'s consumers: `evidence consume` children of `spec`, and a
+/// draining consumer of `drain` in this process, on `broker` and `db`; `bar` shows the way.
+pub(crate) async fn harness<'a>(
+    broker: &'a dyn Broker,
+    spec: &'a ConsumerSpec,
+    drain: &'a ConsumerSpec,
+    db: &'a dyn WalletDb,
+    bar: &progress::Progress,
+) -> Result<KillHarness<'a>, BoxError> {
+    let bar = bar.counter();
+    Ok(KillHarness {
+        spawn: Box::new(move |_| Box::pin(async move { spawn_ready(&spec.to_args(), &[]).await })),
+        summary: Box::new(move || db.summary()),
+        balances: Box::new(move || db.balances()),
+        waiting: Box::new(move || {
+            Box::pin(async move { Ok(broker.left(&spec.name).await?.unwrap_or(0)) })
+        }),
+        consume: Box::new(move |shutdown| db.consume(broker, drain, shutdown)),
+        redelivery_delay: broker.redelivery_delay(&spec.name).await?,
+        drain_restarts: broker.drain_restarts(),
+        tick: Box::new(move |tick| match tick {
+            KillTick::Applied(n) => bar.set_position(n),
+            KillTick::Killing(kill, of) => bar.set_message(format!("kill {kill}/{of}")),
+            KillTick::Draining => bar.set_message("draining"),
+            KillTick::Note(note) => bar.println(&format!("{}: {note}", bar.label())),
+        }),
+    })
 }
 
 /// A no-kill run: events per second from the consumer's start to its last write.
@@ -188,20 +186,15 @@ async fn throughput(
     let name = broker
         .create(&format!("{kind}-{}-rate", variant.name()))
         .await?;
-    let (events, _) = events(s, s.throughput_events);
+    let (events, _) = events(s.seed, s.accounts, s.throughput_events);
     broker.publish(&name, &events).await?;
     let mut spec = spec(kind, variant, &name, db.as_ref(), s);
     spec.crash_between_commit_and_ack = 0.0;
     let label = format!("{kind} {} no-kill throughput", variant.name());
     let bar = progress::Progress::bar(label, u64::from(s.throughput_events), "events", "applied");
-    let elapsed = drain(
-        broker,
-        &spec,
-        db.as_ref(),
-        i64::from(s.throughput_events),
-        &bar,
-    )
-    .await?;
+    let h = harness(broker, &spec, &spec, db.as_ref(), &bar).await?;
+    let elapsed = kill::drain(&h, i64::from(s.throughput_events)).await?;
+    drop(h);
     let rows = db.summary().await?.ledger_rows;
     bar.finish();
     db.remove().await;
@@ -209,40 +202,22 @@ async fn throughput(
     Ok(rows as f64 / elapsed.as_secs_f64().max(1e-3))
 }
 
-pub(crate) async fn count(
-    db: &dyn WalletDb,
-    published: u32,
-    expected: &HashMap<i64, i64>,
-    kills: u32,
-    self_crashes: u32,
-) -> Result<RunResult, BoxError> {
-    let summary = db.summary().await?;
-    let balances = db.balances().await?;
-    let matches = balances.len() == expected.len()
-        && balances
-            .iter()
-            .all(|(id, balance)| expected.get(id) == Some(balance));
-    Ok(RunResult {
-        kills,
-        self_crashes,
-        duplicates: summary.duplicates(),
-        lost: summary.lost(i64::from(published)),
-        balances_exact: summary.balances_exact && matches,
-    })
-}
-
-/// Starts `evidence consume` for `spec` and waits until it has connected.
-pub(crate) async fn spawn_ready(spec: &ConsumerSpec) -> Result<Child, BoxError> {
+/// Starts this binary with `args` and `env` added (`consume` and a `ConsumerSpec`'s, say) and
+/// waits until it says it has connected, trying up to five times.
+pub(crate) async fn spawn_ready(
+    args: &[String],
+    env: &[(&str, String)],
+) -> Result<Child, BoxError> {
     for _ in 0..5 {
-        if let Some(child) = start_child(spec, &[], Duration::from_secs(60)).await? {
+        if let Some(child) = start_child(args, env, Duration::from_secs(60)).await? {
             return Ok(child);
         }
         // It died on the way up (a self-crash on the first message, say): try again.
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     Err(format!(
-        "`evidence consume` for {} did not start five times in a row",
-        spec.name
+        "`evidence {}` did not start five times in a row",
+        args.join(" ")
     )
     .into())
 }
@@ -266,14 +241,14 @@ pub(crate) fn child_command(args: Vec<String>, env: &[(&str, String)]) -> std::i
     Ok(command)
 }
 
-/// One attempt to start `evidence consume` for `spec`, with `env` added to its environment: the
-/// child once it says it is connected, `None` when it dies or stays silent for `patience`.
+/// One attempt to start this binary with `args`, with `env` added to its environment: the child
+/// once it says it is connected, `None` when it dies or stays silent for `patience`.
 pub(crate) async fn start_child(
-    spec: &ConsumerSpec,
+    args: &[String],
     env: &[(&str, String)],
     patience: Duration,
 ) -> Result<Option<Child>, BoxError> {
-    let mut child = child_command(spec.to_args(), env)?.spawn()?;
+    let mut child = child_command(args.to_vec(), env)?.spawn()?;
     let stdout = child.stdout.take().ok_or("the child has no stdout")?;
     let mut lines = BufReader::new(stdout).lines();
     let ready = tokio::time::timeout(patience, lines.next_line()).await;
@@ -285,112 +260,6 @@ pub(crate) async fn start_child(
     let _ = child.start_kill();
     let _ = child.wait().await;
     Ok(None)
-}
-
-/// How a draining member ended.
-enum Drained {
-    /// The ledger holds every event (or the broker nothing more), or the drain gave up.
-    Done,
-    /// It applied nothing while the broker held messages: replace it.
-    Replace,
-    /// The same, on a broker where that is not worked around: fail the run.
-    Stalled(String),
-}
-
-/// Runs a clean consumer until the ledger is quiet and the broker holds nothing more; returns
-/// the time from its start to its last write.
-///
-/// A consumer that applies nothing for the redelivery delay and 10 s more while the broker still
-/// holds messages is stopped and replaced, at most [`Broker::drain_restarts`] times, each said on
-/// stderr: Tansu 0.6 can leave a group whose leader died during a rebalance with an empty
-/// assignment for its last member, which then waits forever; a new member makes the group
-/// rebalance. Where the broker allows no restarts (librdkafka's mock, `--kafka-impl mock`), such
-/// a stall fails the run instead.
-pub(crate) async fn drain(
-    broker: &dyn Broker,
-    spec: &ConsumerSpec,
-    db: &dyn WalletDb,
-    published: i64,
-    bar: &progress::Progress,
-) -> Result<Duration, BoxError> {
-    let label = bar.label();
-    bar.set_message("draining");
-    let start = Instant::now();
-    let (mut rows, mut last_change) = (-1, start);
-    let delay = broker.redelivery_delay(&spec.name).await?;
-    let max_restarts = broker.drain_restarts();
-    let mut restarts = 0;
-    loop {
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let consumer = db.consume(
-            broker,
-            spec,
-            Box::pin(async {
-                let _ = stopped.await;
-            }),
-        );
-        tokio::pin!(consumer);
-        let member_start = Instant::now();
-        let drained = loop {
-            tokio::select! {
-                finished = &mut consumer => {
-                    finished?;
-                    return Err("the draining consumer stopped by itself".into());
-                }
-                () = tokio::time::sleep(Duration::from_millis(200)) => {}
-            }
-            let summary = db.summary().await?;
-            if summary.ledger_rows != rows {
-                rows = summary.ledger_rows;
-                last_change = Instant::now();
-            }
-            bar.set_position(summary.distinct_events);
-            let quiet = last_change.elapsed();
-            let empty = |left: &Result<Option<u64>, BoxError>| matches!(left, Ok(None | Some(0)));
-            if summary.distinct_events >= published && quiet >= Duration::from_secs(1) {
-                if empty(&broker.left(&spec.name).await) {
-                    break Drained::Done;
-                }
-            } else if quiet >= delay {
-                let left = broker.left(&spec.name).await;
-                // Idle since the later of the last write and this member's start.
-                let idle = quiet.min(member_start.elapsed());
-                if empty(&left) || idle >= delay + Duration::from_secs(60) {
-                    break Drained::Done;
-                }
-                if idle >= delay + Duration::from_secs(10) {
-                    let stall = format!(
-                        "the draining consumer applied nothing for {} s while the broker holds \
-                         {} messages ({}/{published} events applied)",
-                        idle.as_secs(),
-                        left.ok().flatten().unwrap_or_default(),
-                        summary.distinct_events
-                    );
-                    if max_restarts == 0 {
-                        break Drained::Stalled(stall);
-                    }
-                    if restarts < max_restarts {
-                        bar.println(&format!("{label}: {stall}; replacing it"));
-                        break Drained::Replace;
-                    }
-                }
-            }
-        };
-        let _ = stop.send(());
-        match tokio::time::timeout(Duration::from_secs(30), consumer).await {
-            Ok(result) => {
-                result?;
-            }
-            Err(_) => bar.println(&format!(
-                "{label}: the draining consumer did not stop in 30 s"
-            )),
-        }
-        match drained {
-            Drained::Done => return Ok(last_change - start),
-            Drained::Replace => restarts += 1,
-            Drained::Stalled(stall) => return Err(format!("{label}: {stall}").into()),
-        }
-    }
 }
 
 /// The main demo: a short kill test of b and c on every broker that answers; `--full` for
@@ -518,7 +387,7 @@ pub(crate) async fn publish(args: PublishArgs) -> Result<(), BoxError> {
         seed,
         ..KillSettings::full()
     };
-    let (outgoing, _) = self::events(&settings, events);
+    let (outgoing, _) = self::events(settings.seed, settings.accounts, events);
     let name = broker.create(&name).await?;
     broker.publish(&name, &outgoing).await?;
     println!(

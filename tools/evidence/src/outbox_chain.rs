@@ -14,8 +14,9 @@ use inbox_core::BoxError;
 use inbox_postgres::Outbox;
 
 use crate::brokers::{self, Broker};
-use crate::effects::{events, kill, schedule, show, spawn, EffectsSettings};
+use crate::effects::{kill, schedule, spawn, EffectsSettings, ACCOUNTS};
 use crate::effects_child::{ChildSpec, Mode, Role};
+use crate::kill::events;
 use crate::report::spread;
 
 /// One run's figures, counted in B's ledger and the outbox.
@@ -64,12 +65,12 @@ pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
         println!(
             "| {kind} | {events} | {} | {} | {} | {} | {}/{} | {} |",
             runs.len(),
-            show(spread(runs.iter().map(|r| i64::from(r.kills)))),
-            show(spread(runs.iter().map(|r| r.duplicates))),
-            show(spread(runs.iter().map(|r| r.lost))),
+            spread(runs.iter().map(|r| i64::from(r.kills))).show(),
+            spread(runs.iter().map(|r| r.duplicates)).show(),
+            spread(runs.iter().map(|r| r.lost)).show(),
             runs.iter().filter(|r| r.balances_exact).count(),
             runs.len(),
-            show(spread(runs.iter().map(|r| r.outbox_rows))),
+            spread(runs.iter().map(|r| r.outbox_rows)).show(),
         );
     }
     println!();
@@ -125,7 +126,7 @@ async fn run_once(
     let db = TestDb::new().await;
     let outbox = Outbox::new(db.pool.clone());
     outbox.migrate().await?;
-    let (events, expected) = events(s.seed, count);
+    let (events, expected) = events(s.seed, ACCOUNTS, count);
     let x = broker.create(&format!("{kind}-x-{run}")).await?;
     let y = broker.create(&format!("{kind}-y-{run}")).await?;
     broker.publish(&x, &events).await?;

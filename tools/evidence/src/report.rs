@@ -2,22 +2,12 @@
 
 use std::path::{Path, PathBuf};
 
+use inbox_conformance::kill::KillReport;
 use inbox_core::BoxError;
 use serde::{Deserialize, Serialize};
 
 use crate::chart;
 use crate::cli::{BrokerKind, Variant};
-
-/// What one run of the kill test counted.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RunResult {
-    pub(crate) kills: u32,
-    /// Aborts of the consumer by `--crash-between-commit-and-ack`.
-    pub(crate) self_crashes: u32,
-    pub(crate) duplicates: i64,
-    pub(crate) lost: i64,
-    pub(crate) balances_exact: bool,
-}
 
 /// Every run of one variant on one broker.
 #[derive(Debug, Clone)]
@@ -26,7 +16,8 @@ pub(crate) struct VariantResult {
     pub(crate) variant: Variant,
     pub(crate) events: u32,
     pub(crate) kills_per_run: u32,
-    pub(crate) runs: Vec<RunResult>,
+    /// Each run; its self-crashes are the aborts of `--crash-between-commit-and-ack`.
+    pub(crate) runs: Vec<KillReport>,
     /// Messages per second of a run with no kills.
     pub(crate) throughput: Option<f64>,
     /// How long each handler slept.
@@ -58,7 +49,8 @@ pub(crate) fn spread(values: impl IntoIterator<Item = i64>) -> Spread {
 }
 
 impl Spread {
-    fn show(self) -> String {
+    /// `median (min–max)`.
+    pub(crate) fn show(self) -> String {
         let median = if self.median.fract() == 0.0 {
             format!("{}", self.median)
         } else {
@@ -116,12 +108,13 @@ impl VariantResult {
             .iter()
             .zip(&line.lost_per_run)
             .enumerate()
-            .map(|(i, (&duplicates, &lost))| RunResult {
+            .map(|(i, (&duplicates, &lost))| KillReport {
                 kills,
                 self_crashes: if i == 0 { line.self_crashes } else { 0 },
                 duplicates,
                 lost,
                 balances_exact: line.balances_exact,
+                ..KillReport::default()
             })
             .collect::<Vec<_>>();
         Ok(Self {
@@ -259,12 +252,12 @@ mod tests {
             kills_per_run: 20,
             runs: [4, 6]
                 .into_iter()
-                .map(|duplicates| RunResult {
+                .map(|duplicates| KillReport {
                     kills: 20,
                     self_crashes: 3,
                     duplicates,
-                    lost: 0,
                     balances_exact: false,
+                    ..KillReport::default()
                 })
                 .collect(),
             throughput: Some(61.5),

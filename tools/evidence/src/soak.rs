@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::stream::{self, StreamExt, TryStreamExt};
 use inbox_admin::progress;
+use inbox_conformance::kill::{KillPlan, KillReport};
 use inbox_conformance::wallet::CreditEvent;
 use inbox_conformance::TestDb;
 use inbox_core::{BoxError, OutgoingMessage};
@@ -248,7 +249,9 @@ async fn start(
 ) -> Result<Running, BoxError> {
     let begun = Instant::now();
     loop {
-        if let Some(child) = kill::start_child(spec, &proxies.env, START_PATIENCE).await? {
+        if let Some(child) =
+            kill::start_child(&spec.to_args(), &proxies.env, START_PATIENCE).await?
+        {
             let pid = child.id().ok_or("a started child has no pid")?;
             let index = phase.children;
             phase.children += 1;
@@ -471,9 +474,20 @@ async fn on_broker(
     )?;
     drop(proxies);
     let drain_start = Instant::now();
-    kill::drain(broker, &spec, &db, i64::from(s.events), &bar).await?;
+    let h = kill::harness(broker, &spec, &spec, &db, &bar).await?;
+    let plan = KillPlan {
+        events: i64::from(s.events),
+        expected,
+        kills: Vec::new(),
+    };
+    inbox_conformance::kill::drain(&h, plan.events).await?;
     let drain_time = drain_start.elapsed();
-    let result = kill::count(&db, s.events, &expected, phase.kills, 0).await?;
+    let report = KillReport {
+        kills: phase.kills,
+        ..KillReport::default()
+    };
+    let result = inbox_conformance::kill::tally(&h, &plan, report).await?;
+    drop(h);
     bar.finish();
     let minutes = began.elapsed().as_secs_f64() / 60.0;
     db.drop().await;
