@@ -226,8 +226,8 @@ async fn the_example_exports_moving_series_and_is_ready_while_it_runs() {
     assert!(value(&window, "inbox_oldest_remembered_age_seconds", &label) < 3600.0);
 
     // What the user cares about: each credit once.
-    assert_eq!(wallet::balance(&db.pool, 1).await, 15);
-    assert_eq!(wallet::balance(&db.pool, 2).await, 20);
+    assert_eq!(wallet::balance(&db, 1).await, 15);
+    assert_eq!(wallet::balance(&db, 2).await, 20);
 
     // More work: the counters and histograms move.
     publish(&producer, &stream, &[("obs-5", 3, 2), ("obs-6", 4, 7)]).await;

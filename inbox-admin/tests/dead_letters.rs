@@ -69,7 +69,7 @@ async fn replayed_by_the_cli<B: TestBroker>(
     );
     let (applied, skipped) = consume_with_the_downstream_up(&db, &queue, N as u64).await;
     assert_eq!((applied, skipped), (N as u64, 0));
-    let ledger = wallet::summary(&db.pool).await.unwrap();
+    let ledger = wallet::summary(&db).await.unwrap();
     assert_eq!((ledger.ledger_rows, ledger.distinct_events), (N, N));
     assert_eq!(ledger.total_balance, expected);
     assert_eq!(json_object(&run(&["list", "--json"]))["count"], 0);

@@ -1,21 +1,20 @@
-//! The database side of the broker suite ([`TestStore`]), and PostgreSQL's: a throw-away schema
-//! per test, and the settings tests share.
+//! One database kind under the broker suite ([`TestStore`]), and PostgreSQL's: a throw-away
+//! schema per test with the wallet beside the inbox, and the settings tests share.
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
 use std::future::Future;
 
-use inbox_core::InboxStore;
-use inbox_postgres::{KeyMode, Partitions, PgInbox, TableName};
+use inbox_core::{InboxStore, MessageId};
+use inbox_postgres::{KeyMode, Partitions, PgInbox, PgTx, TableName};
 
-use crate::wallet::{self, Credit, Ledger};
+use crate::wallet::{self, Credit, CreditEvent, Summary};
 
-/// The inbox store the broker suite runs on, with the wallet beside it in one database (or
-/// schema) per test, so that a credit and its claim commit in one transaction.
-/// [`suite!`](crate::suite) takes it as its second argument: [`TestDb`] (PostgreSQL, the
-/// default) or `store::MySqlDb` (feature `mysql`).
-pub trait TestStore: Sized + Send + Sync + 'static {
-    /// The wallet's tables, reached through a pool whose transactions are the inbox's.
-    type Ledger: Ledger<Tx = <Self::Inbox as InboxStore>::Tx>;
+/// One database kind under the broker suite, as sqlx's `TestSupport`: a database (or schema)
+/// per test holding a migrated inbox and the wallet (accounts, ledger) beside it, so that a
+/// credit and its claim commit in one transaction, and the wallet's SQL in this database's
+/// dialect. [`suite!`](crate::suite) takes it as its second argument: [`TestDb`] (PostgreSQL,
+/// the default) or `store::MySqlDb` (feature `mysql`).
+pub trait TestStore: Clone + Send + Sync + 'static {
     /// The inbox store.
     type Inbox: InboxStore + Clone;
 
@@ -30,16 +29,8 @@ pub trait TestStore: Sized + Send + Sync + 'static {
     /// What [`attach`](TestStore::attach) finds this database by.
     fn name(&self) -> &str;
 
-    /// The wallet.
-    fn ledger(&self) -> &Self::Ledger;
-
     /// The migrated inbox.
     fn inbox(&self) -> Self::Inbox;
-
-    /// The wallet's credit handler, writing through this database's inbox transactions.
-    fn credit(&self) -> Credit<Self::Ledger> {
-        Credit::new(self.ledger().clone())
-    }
 
     /// Rows in the inbox table.
     fn inbox_rows(&self) -> impl Future<Output = i64> + Send;
@@ -52,10 +43,41 @@ pub trait TestStore: Sized + Send + Sync + 'static {
 
     /// Drops the database and everything in it.
     fn remove(self) -> impl Future<Output = ()> + Send;
+
+    /// Adds `event`'s amount to its account and writes its ledger row, in `tx`. No unique key
+    /// on the ledger's event ID: a duplicate credit shows up as a second row.
+    fn apply(
+        tx: &mut StoreTx<Self>,
+        id: &MessageId,
+        event: &CreditEvent,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Notes that `id` is being handled, outside any transaction: `true` the first time across
+    /// all processes, `false` afterwards. Stalling handlers use it to stall once per event.
+    fn first_handling(
+        &self,
+        id: &MessageId,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Reads the ledger.
+    fn summary(&self) -> impl Future<Output = Result<Summary, sqlx::Error>> + Send;
+
+    /// Every account's balance, by id.
+    fn balances(&self) -> impl Future<Output = Result<Vec<(i64, i64)>, sqlx::Error>> + Send;
+
+    /// Stalls started: the events [`first_handling`](TestStore::first_handling) said `true` to.
+    fn stalls(&self) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
+
+    /// The wallet's credit handler, writing through this database's inbox transactions.
+    fn credit(&self) -> Credit<Self> {
+        Credit::new(self.clone())
+    }
 }
 
+/// The inbox transaction of `D`, which a credit is written in.
+pub type StoreTx<D> = <<D as TestStore>::Inbox as InboxStore>::Tx;
+
 impl TestStore for TestDb {
-    type Ledger = PgPool;
     type Inbox = PgInbox;
 
     async fn create() -> Self {
@@ -68,10 +90,6 @@ impl TestStore for TestDb {
 
     fn name(&self) -> &str {
         &self.schema
-    }
-
-    fn ledger(&self) -> &PgPool {
-        &self.pool
     }
 
     fn inbox(&self) -> PgInbox {
@@ -88,6 +106,68 @@ impl TestStore for TestDb {
 
     async fn remove(self) {
         self.drop().await;
+    }
+
+    async fn apply(tx: &mut PgTx, id: &MessageId, event: &CreditEvent) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO accounts (id, balance) VALUES ($1, $2)
+             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+        )
+        .bind(event.account_id)
+        .bind(event.amount)
+        .execute(&mut **tx)
+        .await?;
+        sqlx::query("INSERT INTO ledger (event_id, account_id, amount) VALUES ($1, $2, $3)")
+            .bind(id.as_str())
+            .bind(event.account_id)
+            .bind(event.amount)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
+    async fn first_handling(&self, id: &MessageId) -> Result<bool, sqlx::Error> {
+        let inserted =
+            sqlx::query("INSERT INTO wallet_stalls (event_id) VALUES ($1) ON CONFLICT DO NOTHING")
+                .bind(id.as_str())
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+        Ok(inserted == 1)
+    }
+
+    async fn summary(&self) -> Result<Summary, sqlx::Error> {
+        let (ledger_rows, distinct_events): (i64, i64) =
+            sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM ledger")
+                .fetch_one(&self.pool)
+                .await?;
+        let (balances_exact, total_balance): (bool, i64) = sqlx::query_as(
+            "SELECT coalesce(bool_and(a.balance = coalesce(l.total, 0)), true),
+                    coalesce(sum(a.balance), 0)::bigint
+             FROM accounts a
+             LEFT JOIN (SELECT account_id, sum(amount) AS total FROM ledger GROUP BY account_id) l
+               ON l.account_id = a.id",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(Summary {
+            ledger_rows,
+            distinct_events,
+            balances_exact,
+            total_balance,
+        })
+    }
+
+    async fn balances(&self) -> Result<Vec<(i64, i64)>, sqlx::Error> {
+        sqlx::query_as("SELECT id, balance FROM accounts ORDER BY id")
+            .fetch_all(&self.pool)
+            .await
+    }
+
+    async fn stalls(&self) -> Result<i64, sqlx::Error> {
+        sqlx::query_scalar("SELECT count(*) FROM wallet_stalls")
+            .fetch_one(&self.pool)
+            .await
     }
 }
 
@@ -112,7 +192,7 @@ pub fn partitioned_layout() -> bool {
 }
 
 /// A schema of its own for one test, holding the wallet tables and a migrated inbox.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct TestDb {
     /// Connections whose `search_path` is the schema.
     pub pool: PgPool,

@@ -4,7 +4,8 @@
 use std::fmt::Debug;
 use std::time::{Duration, Instant};
 
-use crate::wallet::{applied, Ledger, Summary};
+use crate::wallet::{applied, Summary};
+use crate::TestStore;
 use inbox_core::StatsSnapshot;
 use inbox_testkit::eventually;
 
@@ -69,15 +70,15 @@ impl<B: Debug> FaultRun<B> {
     }
 }
 
-/// Waits until the ledger in `pool` holds a third of the `events` published, the moment a fault
+/// Waits until the ledger in `db` holds a third of the `events` published, the moment a fault
 /// test strikes; returns how many it holds then.
 ///
 /// # Panics
 /// When it does not within `limit`.
-pub async fn wait_for_a_third<L: Ledger>(pool: &L, events: i64, limit: Duration) -> i64 {
-    let started = eventually(limit, || async { applied(pool).await >= events / 3 }).await;
+pub async fn wait_for_a_third<D: TestStore>(db: &D, events: i64, limit: Duration) -> i64 {
+    let started = eventually(limit, || async { applied(db).await >= events / 3 }).await;
     assert!(started, "the consumer applied too little before the fault");
-    applied(pool).await
+    applied(db).await
 }
 
 /// The end of a fault as the ledger saw it.
@@ -94,13 +95,13 @@ pub struct Restored {
 }
 
 impl Restored {
-    /// Call as the fault ends: waits up to `limit` for the ledger in `pool` to grow past what it
+    /// Call as the fault ends: waits up to `limit` for the ledger in `db` to grow past what it
     /// holds now, or to hold all of the `events` published.
-    pub async fn measure<L: Ledger>(pool: &L, events: i64, limit: Duration) -> Self {
+    pub async fn measure<D: TestStore>(db: &D, events: i64, limit: Duration) -> Self {
         let at = Instant::now();
-        let applied_then = applied(pool).await;
+        let applied_then = applied(db).await;
         let progressed = eventually(limit, || async {
-            let now = applied(pool).await;
+            let now = applied(db).await;
             now > applied_then || now >= events
         })
         .await;

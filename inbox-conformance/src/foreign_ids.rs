@@ -292,7 +292,7 @@ where
 
     // The first consumer stops dead once its first transaction commits, before the broker is
     // told: what it committed comes back, and must be skipped.
-    let handler = CreditData(Credit::new(db.pool.clone()));
+    let handler = CreditData(Credit::new(db.clone()));
     let crash = Crash::at(Stage::Committed);
     let consumer = Consumer::new(
         "wallet",
@@ -329,7 +329,7 @@ where
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(&db).await.expect("summary");
     let dead = queue.dead_letters().await;
     let left = left(&queue).await;
     println!(
@@ -341,10 +341,10 @@ where
         (2, 2),
         "each credit applied once"
     );
-    assert_eq!(wallet::balance(&db.pool, 1).await, 10);
-    assert_eq!(wallet::balance(&db.pool, 2).await, 20);
+    assert_eq!(wallet::balance(&db, 1).await, 10);
+    assert_eq!(wallet::balance(&db, 2).await, 20);
     assert_eq!(
-        wallet::balance(&db.pool, 3).await,
+        wallet::balance(&db, 3).await,
         0,
         "nothing without an ID applied"
     );

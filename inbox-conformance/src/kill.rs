@@ -16,7 +16,7 @@ use inbox_core::{BoxError, Consumer, MessageId, StatsSnapshot};
 use tokio::process::Child;
 
 use crate::scenarios::{left, setup};
-use crate::wallet::{CreditEvent, Ledger, Summary};
+use crate::wallet::{CreditEvent, Summary};
 use crate::{child, TestBroker, TestQueue, TestStore};
 
 /// When one kill falls.
@@ -351,8 +351,8 @@ pub async fn a_consumer_process_killed_mid_stream_loses_nothing_and_applies_noth
             let command = child::command(CHILD_TEST, &envs);
             Box::pin(async move { Ok(tokio::process::Command::from(command).spawn()?) })
         }),
-        summary: Box::new(move || Box::pin(async move { Ok(db_ref.ledger().summary().await?) })),
-        balances: Box::new(move || Box::pin(async move { Ok(db_ref.ledger().balances().await?) })),
+        summary: Box::new(move || Box::pin(async move { Ok(db_ref.summary().await?) })),
+        balances: Box::new(move || Box::pin(async move { Ok(db_ref.balances().await?) })),
         waiting: Box::new(move || Box::pin(async move { Ok(queue_ref.waiting().await) })),
         consume: Box::new(move |shutdown| {
             let handler = handler.clone();

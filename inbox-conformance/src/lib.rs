@@ -136,7 +136,7 @@ pub mod wallet;
 mod zombie;
 
 pub use checked::Checked;
-pub use db::{database_url, partitioned_layout, TestDb, TestStore};
+pub use db::{database_url, partitioned_layout, StoreTx, TestDb, TestStore};
 pub use fault_proxy::{FaultProxy, ProxyMode};
 pub use fault_run::{wait_for_a_third, FaultRun, Restored};
 pub use network::{Restart, Restartable};

@@ -1,5 +1,5 @@
 //! The wallet on MySQL: the same accounts and ledger as [`crate::wallet`], in MySQL's dialect
-//! ([`Ledger`] for `MySqlPool`), so that the conformance suite and the evidence tool's kill test
+//! ([`TestStore`] for [`MySqlDb`]), so that the conformance suite and the evidence tool's kill test
 //! run on the MySQL store. Duplicates are `ledger rows − distinct event IDs`, losses
 //! `published − distinct event IDs`.
 
@@ -8,7 +8,7 @@ use inbox_mysql::{KeyMode, MySqlInbox, MySqlTx};
 use sqlx::MySqlPool;
 
 use crate::store::MySqlDb;
-use crate::wallet::{CreditEvent, Ledger, Summary};
+use crate::wallet::{CreditEvent, Summary};
 use crate::TestStore;
 
 /// The inbox table of a wallet database.
@@ -20,7 +20,7 @@ pub const INBOX_TABLE: &str = "inbox";
 /// When the server cannot be reached.
 pub async fn wallet_db() -> MySqlDb {
     let db = MySqlDb::new().await;
-    db.pool.install().await.expect("the wallet tables");
+    install(&db.pool).await.expect("the wallet tables");
     inbox(&db).migrate().await.expect("migrate the inbox");
     db
 }
@@ -30,28 +30,57 @@ pub fn inbox(db: &MySqlDb) -> MySqlInbox {
     db.inbox(INBOX_TABLE, KeyMode::Text)
 }
 
-impl Ledger for MySqlPool {
-    type Tx = MySqlTx;
+/// Creates `accounts`, `ledger` and `wallet_stalls` if missing.
+async fn install(pool: &MySqlPool) -> Result<(), sqlx::Error> {
+    for statement in [
+        "CREATE TABLE IF NOT EXISTS accounts (
+            id bigint PRIMARY KEY,
+            balance bigint NOT NULL DEFAULT 0) ENGINE=InnoDB",
+        "CREATE TABLE IF NOT EXISTS ledger (
+            id bigint AUTO_INCREMENT PRIMARY KEY,
+            event_id varchar(255) NOT NULL,
+            account_id bigint NOT NULL,
+            amount bigint NOT NULL) ENGINE=InnoDB",
+        "CREATE TABLE IF NOT EXISTS wallet_stalls (event_id varchar(255) PRIMARY KEY) \
+         ENGINE=InnoDB",
+    ] {
+        sqlx::query(statement).execute(pool).await?;
+    }
+    Ok(())
+}
 
-    async fn install(&self) -> Result<(), sqlx::Error> {
-        for statement in [
-            "CREATE TABLE IF NOT EXISTS accounts (
-                id bigint PRIMARY KEY,
-                balance bigint NOT NULL DEFAULT 0) ENGINE=InnoDB",
-            "CREATE TABLE IF NOT EXISTS ledger (
-                id bigint AUTO_INCREMENT PRIMARY KEY,
-                event_id varchar(255) NOT NULL,
-                account_id bigint NOT NULL,
-                amount bigint NOT NULL) ENGINE=InnoDB",
-            "CREATE TABLE IF NOT EXISTS wallet_stalls (event_id varchar(255) PRIMARY KEY) \
-             ENGINE=InnoDB",
-        ] {
-            sqlx::query(statement).execute(self).await?;
-        }
-        Ok(())
+/// The broker suite on the MySQL store: `suite!(broker, inbox_conformance::store::MySqlDb)`.
+impl TestStore for MySqlDb {
+    type Inbox = MySqlInbox;
+
+    async fn create() -> Self {
+        wallet_db().await
     }
 
-    async fn credit(
+    async fn attach(name: &str) -> Self {
+        Self::attach(name).await
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn inbox(&self) -> MySqlInbox {
+        inbox(self)
+    }
+
+    async fn inbox_rows(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM inbox")
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("cannot count inbox rows: {e}"))
+    }
+
+    async fn remove(self) {
+        self.drop().await;
+    }
+
+    async fn apply(
         tx: &mut MySqlTx,
         id: &MessageId,
         event: &CreditEvent,
@@ -76,7 +105,7 @@ impl Ledger for MySqlPool {
     async fn first_handling(&self, id: &MessageId) -> Result<bool, sqlx::Error> {
         match sqlx::query("INSERT INTO wallet_stalls (event_id) VALUES (?)")
             .bind(id.as_str())
-            .execute(self)
+            .execute(&self.pool)
             .await
         {
             Ok(_) => Ok(true),
@@ -88,7 +117,7 @@ impl Ledger for MySqlPool {
     async fn summary(&self) -> Result<Summary, sqlx::Error> {
         let (ledger_rows, distinct_events): (i64, i64) =
             sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM ledger")
-                .fetch_one(self)
+                .fetch_one(&self.pool)
                 .await?;
         let (mismatched, total_balance): (i64, i64) = sqlx::query_as(
             "SELECT CAST(COALESCE(sum(a.balance <> COALESCE(l.total, 0)), 0) AS SIGNED),
@@ -97,7 +126,7 @@ impl Ledger for MySqlPool {
              LEFT JOIN (SELECT account_id, sum(amount) AS total FROM ledger GROUP BY account_id) l
                ON l.account_id = a.id",
         )
-        .fetch_one(self)
+        .fetch_one(&self.pool)
         .await?;
         Ok(Summary {
             ledger_rows,
@@ -109,57 +138,13 @@ impl Ledger for MySqlPool {
 
     async fn balances(&self) -> Result<Vec<(i64, i64)>, sqlx::Error> {
         sqlx::query_as("SELECT id, balance FROM accounts ORDER BY id")
-            .fetch_all(self)
-            .await
-    }
-
-    async fn rows_of(&self, id: &MessageId) -> Result<i64, sqlx::Error> {
-        sqlx::query_scalar("SELECT count(*) FROM ledger WHERE event_id = ?")
-            .bind(id.as_str())
-            .fetch_one(self)
+            .fetch_all(&self.pool)
             .await
     }
 
     async fn stalls(&self) -> Result<i64, sqlx::Error> {
         sqlx::query_scalar("SELECT count(*) FROM wallet_stalls")
-            .fetch_one(self)
-            .await
-    }
-}
-
-/// The broker suite on the MySQL store: `suite!(broker, inbox_conformance::store::MySqlDb)`.
-impl TestStore for MySqlDb {
-    type Ledger = MySqlPool;
-    type Inbox = MySqlInbox;
-
-    async fn create() -> Self {
-        wallet_db().await
-    }
-
-    async fn attach(name: &str) -> Self {
-        Self::attach(name).await
-    }
-
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn ledger(&self) -> &MySqlPool {
-        &self.pool
-    }
-
-    fn inbox(&self) -> MySqlInbox {
-        inbox(self)
-    }
-
-    async fn inbox_rows(&self) -> i64 {
-        sqlx::query_scalar("SELECT count(*) FROM inbox")
             .fetch_one(&self.pool)
             .await
-            .unwrap_or_else(|e| panic!("cannot count inbox rows: {e}"))
-    }
-
-    async fn remove(self) {
-        self.drop().await;
     }
 }

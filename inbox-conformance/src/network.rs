@@ -177,13 +177,13 @@ async fn consume_through<Q: TestQueue, D: TestStore>(
     });
 
     let observing = async {
-        let applied_at_fault = wait_for_a_third(db.ledger(), EVENTS, Duration::from_secs(30)).await;
+        let applied_at_fault = wait_for_a_third(db, EVENTS, Duration::from_secs(30)).await;
         let (fault_started, detecting) = watch_errors(Arc::clone(&stats));
         fault.await;
-        let restored = Restored::measure(db.ledger(), EVENTS, Duration::from_secs(60)).await;
+        let restored = Restored::measure(db, EVENTS, Duration::from_secs(60)).await;
         let finished = restored.progressed
             && eventually(Duration::from_secs(90), || async {
-                wallet::applied(db.ledger()).await >= EVENTS
+                wallet::applied(db).await >= EVENTS
             })
             .await;
         detecting.abort();
@@ -204,7 +204,7 @@ async fn consume_through<Q: TestQueue, D: TestStore>(
         dead_letters: queue.dead_letters().await.len(),
     };
     let run = Run {
-        ledger: wallet::summary(db.ledger()).await.expect("summary"),
+        ledger: wallet::summary(db).await.expect("summary"),
         stats,
         applied_at_fault,
         applied_at_restore: restored.applied,

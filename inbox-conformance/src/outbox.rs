@@ -121,7 +121,7 @@ where
     D: Fn(Totals) -> G,
     G: Future<Output = bool>,
 {
-    let handler = Credit::new(db.pool.clone());
+    let handler = Credit::new(db.clone());
     let mut totals = Totals::default();
     drain(
         queue,
@@ -197,7 +197,7 @@ pub async fn a_handler_writes_the_outbox_the_relay_publishes_and_the_downstream_
     .await;
 
     let written = outbox_ids(&db).await;
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(&db).await.expect("summary");
     let left = left(&downstream).await;
     println!(
         "outbox: forwarded {forwarded:?}; relayed {relayed:?}; applied downstream {applied:?}; \
@@ -260,7 +260,7 @@ pub async fn a_lost_confirm_publishes_again_under_the_same_ids_and_the_inbox_ski
     })
     .await;
 
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(&db).await.expect("summary");
     let left = left(&queue).await;
     println!("lost confirm: relayed {relayed:?}; applied {applied:?}; {summary:?}; left {left}");
     assert_eq!((relayed.published, relayed.errors), (ROWS as u64, 1));
@@ -323,7 +323,7 @@ pub async fn two_relays_at_once_publish_every_row_once<B: TestBroker, D: TestSto
     }
     let applied = apply_downstream(&db, &queue, |t| async move { t.applied >= ROWS as u64 }).await;
 
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(&db).await.expect("summary");
     // A row published twice would be a copy skipped by the inbox, or one still on the broker.
     let left = left(&queue).await;
     println!(

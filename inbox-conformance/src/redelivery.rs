@@ -123,7 +123,7 @@ pub async fn a_downstream_outage_is_ridden_out_by_delayed_redeliveries<
     let took = started.elapsed();
 
     let dead = queue.dead_letters().await;
-    let summary = wallet::summary(db.ledger()).await.expect("summary");
+    let summary = wallet::summary(&db).await.expect("summary");
     let left = left(&queue).await;
     let up_at = handler
         .up_at

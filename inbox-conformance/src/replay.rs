@@ -148,7 +148,7 @@ pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_
     .expect_err("the first replay is interrupted");
     assert_eq!(e.recovery(), Recovery::Retry);
     consume(&db, &queue, &handler, &mut totals, N as u64 + 1).await;
-    assert_eq!(wallet::applied(db.ledger()).await, 1);
+    assert_eq!(wallet::applied(&db).await, 1);
 
     // Replayed again, all of it: the copy applied before is skipped.
     let mut batches = 0;
@@ -165,7 +165,7 @@ pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_
     assert!(batches >= 1);
     consume(&db, &queue, &handler, &mut totals, 2 * N as u64 + 1).await;
 
-    let ledger = wallet::summary(db.ledger()).await.expect("summary");
+    let ledger = wallet::summary(&db).await.expect("summary");
     let parked = replay::summarize(&mut *reader(&queue).await)
         .await
         .expect("listing");
@@ -191,7 +191,7 @@ pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_
 async fn consume<Q: TestQueue, D: TestStore>(
     db: &D,
     queue: &Q,
-    handler: &Downstream<Credit<D::Ledger>>,
+    handler: &Downstream<Credit<D>>,
     totals: &mut Totals,
     until: u64,
 ) {

@@ -140,7 +140,7 @@ pub(crate) async fn finish<Q: TestQueue, D: TestStore>(db: D, queue: Q) {
 
 /// Whether the ledger holds `n` distinct events.
 pub(crate) async fn ledger_has<D: TestStore>(db: &D, n: i64) -> bool {
-    wallet::applied(db.ledger()).await >= n
+    wallet::applied(db).await >= n
 }
 
 /// The article's first scenario: a producer retries a send, so one ID arrives twice; the
@@ -163,8 +163,8 @@ pub async fn the_same_id_twice_is_applied_once<B: TestBroker, D: TestStore>(brok
     )
     .await;
 
-    let summary = wallet::summary(db.ledger()).await.expect("summary");
-    let balance = wallet::balance(db.ledger(), 1).await;
+    let summary = wallet::summary(&db).await.expect("summary");
+    let balance = wallet::balance(&db, 1).await;
     let left = left(&queue).await;
     println!("the same ID twice: {totals:?}, {summary:?}, balance {balance}, left {left}");
     assert_eq!(balance, 105, "credited once");
@@ -222,7 +222,7 @@ pub async fn a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice<
             },
         )
         .await;
-        let summary = wallet::summary(db.ledger()).await.expect("summary");
+        let summary = wallet::summary(&db).await.expect("summary");
         let left = left(&queue).await;
         println!("crash at {stage:?}, then restarts: {totals:?}, {summary:?}, left {left}");
         assert_eq!(
@@ -230,7 +230,7 @@ pub async fn a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice<
             (5, 5),
             "{stage:?}: nothing lost, nothing twice"
         );
-        assert_eq!(wallet::balance(db.ledger(), 1).await, 150, "{stage:?}");
+        assert_eq!(wallet::balance(&db, 1).await, 150, "{stage:?}");
         assert!(summary.balances_exact, "{stage:?}");
         if stage == Stage::Committed {
             assert!(
@@ -274,7 +274,7 @@ pub async fn racing_consumers_apply_each_id_once<B: TestBroker, D: TestStore>(br
     )
     .await;
 
-    let summary = wallet::summary(db.ledger()).await.expect("summary");
+    let summary = wallet::summary(&db).await.expect("summary");
     let left = left(&queue).await;
     println!(
         "racing consumers: c1 received {} applied {}; c2 received {} applied {}; {totals:?}; \
@@ -318,7 +318,7 @@ pub async fn messages_without_an_id_or_with_a_bad_payload_are_dead_lettered<
     .await;
 
     let dead = queue.dead_letters().await;
-    let summary = wallet::summary(db.ledger()).await.expect("summary");
+    let summary = wallet::summary(&db).await.expect("summary");
     let left = left(&queue).await;
     println!("bad input: {totals:?}, dead letters {dead:?}, {summary:?}, left {left}");
     assert_eq!(dead.len(), 2);
@@ -384,7 +384,7 @@ pub async fn a_failing_handler_is_retried_then_dead_lettered<B: TestBroker, D: T
     .await;
 
     let dead = queue.dead_letters().await;
-    let summary = wallet::summary(db.ledger()).await.expect("summary");
+    let summary = wallet::summary(&db).await.expect("summary");
     let left = left(&queue).await;
     println!("retry budget: {totals:?}, dead letters {dead:?}, {summary:?}, left {left}");
     assert_eq!(dead.len(), 1);
@@ -456,7 +456,7 @@ pub async fn a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_
     }
 
     let dead = queue.dead_letters().await;
-    let summary = wallet::summary(db.ledger()).await.expect("summary");
+    let summary = wallet::summary(&db).await.expect("summary");
     let left = left(&queue).await;
     println!(
         "poison: {crashes} crashes, {totals:?}, dead letters {dead:?}, {summary:?}, left {left}"
@@ -470,7 +470,7 @@ pub async fn a_message_that_kills_its_consumer_is_dead_lettered_by_its_delivery_
     );
     assert_eq!((summary.ledger_rows, summary.distinct_events), (2, 2));
     assert_eq!(
-        wallet::balance(db.ledger(), 1).await,
+        wallet::balance(&db, 1).await,
         3,
         "the poison credit was never applied"
     );
@@ -502,7 +502,7 @@ pub async fn batches_over_lanes_apply_everything_once<B: TestBroker, D: TestStor
     )
     .await;
 
-    let summary = wallet::summary(db.ledger()).await.expect("summary");
+    let summary = wallet::summary(&db).await.expect("summary");
     let left = left(&queue).await;
     println!("batches: {totals:?}, {summary:?}, left {left}");
     assert_eq!(

@@ -2,7 +2,6 @@
 //! article. Every applied credit writes one ledger row carrying its event ID, so duplicates are
 //! `ledger rows − distinct event IDs` and losses `published − distinct event IDs`.
 
-use std::future::Future;
 use std::time::Duration;
 
 use inbox_core::{BatchHandler, BatchItem, Handler, HandlerError, Message, MessageId};
@@ -10,6 +9,8 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
 use inbox_postgres::PgTx;
+
+use crate::db::{StoreTx, TestDb, TestStore};
 
 /// A credit event: add `amount` to account `account_id`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -44,154 +45,41 @@ pub fn publish_credit(broker: &inbox_testkit::MemoryBroker, id: &str, account: i
     broker.publish(Some(id), CreditEvent::new(account, amount).to_json());
 }
 
-/// The wallet's tables in one SQL dialect, reached through a pool: [`PgPool`] here, and
-/// `MySqlPool` in [`mysql_wallet`](crate::mysql_wallet) (feature `mysql`). What the scenarios
-/// read and write goes through it, so the suite runs on either store.
-pub trait Ledger: Clone + Send + Sync + 'static {
-    /// The inbox transaction a credit is written in.
-    type Tx: Send;
-
-    /// Creates `accounts`, `ledger` and `wallet_stalls` if missing. No unique key on the
-    /// ledger's event ID: a duplicate credit must show up as a second row.
-    fn install(&self) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
-
-    /// Adds `event`'s amount to its account and writes its ledger row, in `tx`.
-    fn credit(
-        tx: &mut Self::Tx,
-        id: &MessageId,
-        event: &CreditEvent,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
-
-    /// Notes that `id` is being handled, outside any transaction: `true` the first time across
-    /// all processes, `false` afterwards. Stalling handlers use it to stall once per event.
-    fn first_handling(
-        &self,
-        id: &MessageId,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
-
-    /// Reads the ledger.
-    fn summary(&self) -> impl Future<Output = Result<Summary, sqlx::Error>> + Send;
-
-    /// Every account's balance, by id.
-    fn balances(&self) -> impl Future<Output = Result<Vec<(i64, i64)>, sqlx::Error>> + Send;
-
-    /// Ledger rows of `id`.
-    fn rows_of(&self, id: &MessageId) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
-
-    /// Stalls started: the events [`first_handling`](Ledger::first_handling) said `true` to.
-    fn stalls(&self) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
-}
-
-impl Ledger for PgPool {
-    type Tx = PgTx;
-
-    async fn install(&self) -> Result<(), sqlx::Error> {
-        for statement in [
-            "CREATE TABLE IF NOT EXISTS accounts (
-                id bigint PRIMARY KEY,
-                balance bigint NOT NULL DEFAULT 0)",
-            "CREATE TABLE IF NOT EXISTS ledger (
-                id bigserial PRIMARY KEY,
-                event_id text NOT NULL,
-                account_id bigint NOT NULL,
-                amount bigint NOT NULL,
-                applied_at timestamptz NOT NULL DEFAULT clock_timestamp())",
-            "CREATE TABLE IF NOT EXISTS wallet_stalls (event_id text PRIMARY KEY)",
-        ] {
-            sqlx::query(statement).execute(self).await?;
-        }
-        Ok(())
+/// Creates the wallet's tables where `pool` reaches, if missing: `accounts`, `ledger` and
+/// `wallet_stalls`. No unique key on the ledger's event ID: a duplicate credit must show up as a
+/// second row.
+pub async fn install(pool: &PgPool) -> Result<(), sqlx::Error> {
+    for statement in [
+        "CREATE TABLE IF NOT EXISTS accounts (
+            id bigint PRIMARY KEY,
+            balance bigint NOT NULL DEFAULT 0)",
+        "CREATE TABLE IF NOT EXISTS ledger (
+            id bigserial PRIMARY KEY,
+            event_id text NOT NULL,
+            account_id bigint NOT NULL,
+            amount bigint NOT NULL,
+            applied_at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        "CREATE TABLE IF NOT EXISTS wallet_stalls (event_id text PRIMARY KEY)",
+    ] {
+        sqlx::query(statement).execute(pool).await?;
     }
-
-    async fn credit(tx: &mut PgTx, id: &MessageId, event: &CreditEvent) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "INSERT INTO accounts (id, balance) VALUES ($1, $2)
-             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
-        )
-        .bind(event.account_id)
-        .bind(event.amount)
-        .execute(&mut **tx)
-        .await?;
-        sqlx::query("INSERT INTO ledger (event_id, account_id, amount) VALUES ($1, $2, $3)")
-            .bind(id.as_str())
-            .bind(event.account_id)
-            .bind(event.amount)
-            .execute(&mut **tx)
-            .await?;
-        Ok(())
-    }
-
-    async fn first_handling(&self, id: &MessageId) -> Result<bool, sqlx::Error> {
-        let inserted =
-            sqlx::query("INSERT INTO wallet_stalls (event_id) VALUES ($1) ON CONFLICT DO NOTHING")
-                .bind(id.as_str())
-                .execute(self)
-                .await?
-                .rows_affected();
-        Ok(inserted == 1)
-    }
-
-    async fn summary(&self) -> Result<Summary, sqlx::Error> {
-        let (ledger_rows, distinct_events): (i64, i64) =
-            sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM ledger")
-                .fetch_one(self)
-                .await?;
-        let (balances_exact, total_balance): (bool, i64) = sqlx::query_as(
-            "SELECT coalesce(bool_and(a.balance = coalesce(l.total, 0)), true),
-                    coalesce(sum(a.balance), 0)::bigint
-             FROM accounts a
-             LEFT JOIN (SELECT account_id, sum(amount) AS total FROM ledger GROUP BY account_id) l
-               ON l.account_id = a.id",
-        )
-        .fetch_one(self)
-        .await?;
-        Ok(Summary {
-            ledger_rows,
-            distinct_events,
-            balances_exact,
-            total_balance,
-        })
-    }
-
-    async fn balances(&self) -> Result<Vec<(i64, i64)>, sqlx::Error> {
-        sqlx::query_as("SELECT id, balance FROM accounts ORDER BY id")
-            .fetch_all(self)
-            .await
-    }
-
-    async fn rows_of(&self, id: &MessageId) -> Result<i64, sqlx::Error> {
-        sqlx::query_scalar("SELECT count(*) FROM ledger WHERE event_id = $1")
-            .bind(id.as_str())
-            .fetch_one(self)
-            .await
-    }
-
-    async fn stalls(&self) -> Result<i64, sqlx::Error> {
-        sqlx::query_scalar("SELECT count(*) FROM wallet_stalls")
-            .fetch_one(self)
-            .await
-    }
-}
-
-/// Creates the wallet's tables where `ledger` reaches, if missing.
-pub async fn install<L: Ledger>(ledger: &L) -> Result<(), sqlx::Error> {
-    ledger.install().await
+    Ok(())
 }
 
 /// The credit handler: adds the amount to the balance and writes a ledger row, both through the
-/// inbox transaction, on the wallet `L` reaches (PostgreSQL's by default).
+/// inbox transaction, in the test database `D` (PostgreSQL's by default).
 #[derive(Debug, Clone)]
-pub struct Credit<L = PgPool> {
-    ledger: L,
+pub struct Credit<D = TestDb> {
+    db: D,
     work: Duration,
     stall: Duration,
 }
 
-impl<L: Ledger> Credit<L> {
-    /// A handler writing to the wallet tables reachable through `ledger`.
-    pub fn new(ledger: L) -> Self {
+impl<D: TestStore> Credit<D> {
+    /// A handler writing to the wallet tables of `db`.
+    pub fn new(db: D) -> Self {
         Self {
-            ledger,
+            db,
             work: Duration::ZERO,
             stall: Duration::ZERO,
         }
@@ -212,10 +100,10 @@ impl<L: Ledger> Credit<L> {
     }
 }
 
-impl<L: Ledger> Handler<L::Tx> for Credit<L> {
+impl<D: TestStore> Handler<StoreTx<D>> for Credit<D> {
     async fn handle(
         &self,
-        tx: &mut L::Tx,
+        tx: &mut StoreTx<D>,
         id: &MessageId,
         message: &Message,
     ) -> Result<(), HandlerError> {
@@ -223,10 +111,10 @@ impl<L: Ledger> Handler<L::Tx> for Credit<L> {
         if !self.work.is_zero() {
             tokio::time::sleep(self.work).await;
         }
-        if event.stall && !self.stall.is_zero() && self.ledger.first_handling(id).await? {
+        if event.stall && !self.stall.is_zero() && self.db.first_handling(id).await? {
             tokio::time::sleep(self.stall).await;
         }
-        L::credit(tx, id, &event).await?;
+        D::apply(tx, id, &event).await?;
         Ok(())
     }
 }
@@ -296,19 +184,18 @@ impl Summary {
 }
 
 /// How many distinct events the ledger holds: the events applied so far.
-pub async fn applied<L: Ledger>(ledger: &L) -> i64 {
-    ledger.summary().await.map_or(0, |s| s.distinct_events)
+pub async fn applied<D: TestStore>(db: &D) -> i64 {
+    db.summary().await.map_or(0, |s| s.distinct_events)
 }
 
 /// Reads the ledger.
-pub async fn summary<L: Ledger>(ledger: &L) -> Result<Summary, sqlx::Error> {
-    ledger.summary().await
+pub async fn summary<D: TestStore>(db: &D) -> Result<Summary, sqlx::Error> {
+    db.summary().await
 }
 
 /// One account's balance (0 when it has none).
-pub async fn balance<L: Ledger>(ledger: &L, account_id: i64) -> i64 {
-    ledger
-        .balances()
+pub async fn balance<D: TestStore>(db: &D, account_id: i64) -> i64 {
+    db.balances()
         .await
         .ok()
         .and_then(|all| all.into_iter().find(|(id, _)| *id == account_id))

@@ -19,8 +19,8 @@ use tokio::sync::{mpsc, watch};
 
 use crate::checked::Checked;
 use crate::scenarios::{finish, left, setup};
-use crate::wallet::{self, Credit, CreditEvent, Ledger};
-use crate::{LosingSource, TestBroker, TestQueue, TestStore};
+use crate::wallet::{self, Credit, CreditEvent};
+use crate::{LosingSource, StoreTx, TestBroker, TestQueue, TestStore};
 
 /// What a zombie run does.
 #[derive(Debug, Clone, Copy)]
@@ -77,23 +77,23 @@ impl Watch {
 
 /// The credit, stalling an event flagged `stall` on its first handling by any member (noted in
 /// `wallet_stalls` outside the transaction) and then still writing.
-struct Stalling<L> {
-    credit: Credit<L>,
-    ledger: L,
+struct Stalling<D> {
+    credit: Credit<D>,
+    db: D,
     stall: Duration,
     member: usize,
     watch: Arc<Watch>,
 }
 
-impl<L: Ledger> Handler<L::Tx> for Stalling<L> {
+impl<D: TestStore> Handler<StoreTx<D>> for Stalling<D> {
     async fn handle(
         &self,
-        tx: &mut L::Tx,
+        tx: &mut StoreTx<D>,
         id: &MessageId,
         message: &Message,
     ) -> Result<(), HandlerError> {
         if message.json::<CreditEvent>()?.stall {
-            if self.ledger.first_handling(id).await? {
+            if self.db.first_handling(id).await? {
                 self.watch.stalling.fetch_add(1, Ordering::SeqCst);
                 let _ = self.watch.stalled.send(self.member);
                 tokio::time::sleep(self.stall).await;
@@ -187,7 +187,7 @@ where
         |(i, LosingSource { source, .. })| {
             let handler = Stalling {
                 credit: db.credit().work(plan.work),
-                ledger: db.ledger().clone(),
+                db: db.clone(),
                 stall,
                 member: i,
                 watch: Arc::clone(&watch),
@@ -220,12 +220,12 @@ where
                 queue.take_away(&member(i)).await;
             }
             () = tokio::time::sleep(Duration::from_millis(250)) => {
-                let summary = wallet::summary(db.ledger()).await.expect("summary");
+                let summary = wallet::summary(db).await.expect("summary");
                 if summary.ledger_rows != rows {
                     rows = summary.ledger_rows;
                     last_change = Instant::now();
                 }
-                let stalls = db.ledger().stalls().await.expect("wallet_stalls");
+                let stalls = db.stalls().await.expect("wallet_stalls");
                 tick(summary.distinct_events, stalls);
                 let quiet = last_change.elapsed();
                 // A zombie writes once its stall is over: wait for that, and for the copy
@@ -250,9 +250,9 @@ where
         .filter_map(|s| s.as_ref().ok())
         .map(|s| s.skipped_duplicates)
         .sum();
-    let summary = wallet::summary(db.ledger()).await.expect("summary");
+    let summary = wallet::summary(db).await.expect("summary");
     Some(ZombieReport {
-        stalls: db.ledger().stalls().await.expect("wallet_stalls"),
+        stalls: db.stalls().await.expect("wallet_stalls"),
         handed_over: watch.handed_over(),
         ownership_losses: watch.second_handlings.load(Ordering::SeqCst) + skipped,
         duplicates: summary.duplicates(),

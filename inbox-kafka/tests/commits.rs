@@ -37,21 +37,15 @@ async fn one_message_batches(events: usize, commit_interval: Option<Duration>) -
     let source = config.connect().await.expect("source");
     let commits: OffsetCommits = source.offset_commits();
     let started = Instant::now();
-    let consumer = Running::start(
-        "wallet",
-        source,
-        db.inbox(),
-        Credit::new(db.pool.clone()),
-        1,
-    );
+    let consumer = Running::start("wallet", source, db.inbox(), Credit::new(db.clone()), 1);
     assert!(
-        wait_for_events(&db.pool, events as i64).await,
+        wait_for_events(&db, events as i64).await,
         "not every event applied"
     );
     let stats = consumer.stop().await.expect("consumer");
     let elapsed = started.elapsed();
     let lag = wait_for_no_lag(&topic, &group, 1).await;
-    let summary = summary(&db.pool).await;
+    let summary = summary(&db).await;
     let run = BatchRun {
         batches: stats.commits,
         requests: commits.requests(),
@@ -110,14 +104,8 @@ async fn a_graceful_stop_commits_what_was_acked() {
         .await
         .expect("source");
     let commits = source.offset_commits();
-    let consumer = Running::start(
-        "wallet",
-        source,
-        db.inbox(),
-        Credit::new(db.pool.clone()),
-        5,
-    );
-    assert!(wait_for_events(&db.pool, EVENTS as i64).await);
+    let consumer = Running::start("wallet", source, db.inbox(), Credit::new(db.clone()), 5);
+    assert!(wait_for_events(&db, EVENTS as i64).await);
     let lag_running = tokio::task::spawn_blocking({
         let (t, g) = (topic.clone(), group.clone());
         move || lag(&t, &g, 3)
@@ -161,17 +149,11 @@ async fn a_revoke_commits_what_was_acked_before_the_partitions_move() {
             .await
             .expect("source");
         let commits = source.offset_commits();
-        let running = Running::start(
-            "wallet",
-            source,
-            db.inbox(),
-            Credit::new(db.pool.clone()),
-            10,
-        );
+        let running = Running::start("wallet", source, db.inbox(), Credit::new(db.clone()), 10);
         (running, commits)
     };
     let (first, first_commits) = member().await;
-    assert!(wait_for_events(&db.pool, EVENTS as i64).await);
+    assert!(wait_for_events(&db, EVENTS as i64).await);
     let lag_now = || {
         let (t, g) = (topic.clone(), group.clone());
         async move {
@@ -189,7 +171,7 @@ async fn a_revoke_commits_what_was_acked_before_the_partitions_move() {
         first.stop().await.expect("first"),
         second.stop().await.expect("second"),
     );
-    let summary = summary(&db.pool).await;
+    let summary = summary(&db).await;
     println!(
         "revoke: lag {lag_alone} alone, {lag_rebalanced} after the second member joined; first {s1:?} {first_commits:?}, second {s2:?}; {summary:?}"
     );

@@ -89,10 +89,10 @@ async fn the_relay_publishes_each_row_once_by_key_and_the_downstream_inbox_appli
         "wallet",
         source(&topic, &random("group")).await,
         db.inbox(),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
         20,
     );
-    let all_applied = wait_for_events(&db.pool, ROWS).await;
+    let all_applied = wait_for_events(&db, ROWS).await;
     let stats = consumer.stop().await.unwrap();
 
     assert!(all_applied, "{stats:?}");

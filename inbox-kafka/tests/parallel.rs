@@ -78,7 +78,7 @@ async fn partitions_are_applied_side_by_side_each_in_offset_order() {
     }
     let watched = Watched {
         // Long enough for the partitions' transactions to overlap.
-        credit: Arc::new(Credit::new(db.pool.clone()).work(Duration::from_millis(30))),
+        credit: Arc::new(Credit::new(db.clone()).work(Duration::from_millis(30))),
         running: Arc::default(),
         most_at_once: Arc::default(),
         applied: Arc::default(),
@@ -99,7 +99,7 @@ async fn partitions_are_applied_side_by_side_each_in_offset_order() {
         }
     }));
     let stats = run.await.unwrap().unwrap();
-    let summary = summary(&db.pool).await;
+    let summary = summary(&db).await;
     let lag = wait_for_no_lag(&topic, &group, partitions).await;
     let most = watched.most_at_once.load(Ordering::SeqCst);
     println!("parallel lanes: {stats:?} {summary:?} lag={lag} most at once={most}");
@@ -116,6 +116,6 @@ async fn partitions_are_applied_side_by_side_each_in_offset_order() {
             "{lane} applied out of offset order: {offsets:?}"
         );
     }
-    assert!(wallet::summary(&db.pool).await.unwrap().balances_exact);
+    assert!(wallet::summary(&db).await.unwrap().balances_exact);
     db.drop().await;
 }

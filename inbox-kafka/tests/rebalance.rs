@@ -20,7 +20,7 @@ async fn a_member_joining_and_another_leaving_lose_and_duplicate_nothing() {
     let group = random("group");
     let db = TestDb::new().await;
     let total = produce_credits(&topic, EVENTS, PARTITIONS).await;
-    let handler = || Credit::new(db.pool.clone()).work(Duration::from_millis(10));
+    let handler = || Credit::new(db.clone()).work(Duration::from_millis(10));
 
     let started = Instant::now();
     let first = Running::start(
@@ -30,7 +30,7 @@ async fn a_member_joining_and_another_leaving_lose_and_duplicate_nothing() {
         handler(),
         10,
     );
-    assert!(wait_for_events(&db.pool, 60).await);
+    assert!(wait_for_events(&db, 60).await);
     let second = Running::start(
         "wallet",
         source(&topic, &group).await,
@@ -40,7 +40,7 @@ async fn a_member_joining_and_another_leaving_lose_and_duplicate_nothing() {
     );
     println!(
         "second member joined at {} events ({:?})",
-        summary(&db.pool).await.distinct_events,
+        summary(&db).await.distinct_events,
         started.elapsed()
     );
     // Wait until the second member has applied something: the group rebalanced onto it. Events
@@ -62,16 +62,16 @@ async fn a_member_joining_and_another_leaving_lose_and_duplicate_nothing() {
     let first_stats = first.stop().await.expect("first member");
     println!(
         "first member left at {} events ({:?})",
-        summary(&db.pool).await.distinct_events,
+        summary(&db).await.distinct_events,
         started.elapsed()
     );
     assert!(
-        wait_for_events(&db.pool, events as i64).await,
+        wait_for_events(&db, events as i64).await,
         "not every event applied"
     );
     let lag = wait_for_no_lag(&topic, &group, PARTITIONS).await;
     let second_stats = second.stop().await.expect("second member");
-    let summary = summary(&db.pool).await;
+    let summary = summary(&db).await;
     println!("rebalance: first={first_stats:?} second={second_stats:?} {summary:?} duplicates={} lost={} lag={lag}", summary.duplicates(), summary.lost(events as i64));
     assert!(
         first_stats.applied > 0 && second_stats.applied > 0,
@@ -115,7 +115,7 @@ where
             .connect()
             .await
             .expect("source");
-        let handler = Credit::new(db.pool.clone()).stall(Duration::from_secs(10));
+        let handler = Credit::new(db.clone()).stall(Duration::from_secs(10));
         Running::start("wallet", source, store(), handler, 5)
     };
     let (a, b) = (member().await, member().await);
@@ -129,7 +129,7 @@ where
     .await;
     assert!(stalls_done, "the stalling events were never handled");
     assert!(
-        wait_for_events(&db.pool, ZOMBIE_EVENTS as i64).await,
+        wait_for_events(db, ZOMBIE_EVENTS as i64).await,
         "not every event applied"
     );
     // The zombies finish their stall (10 s) after the new owners re-read; wait for both writes.
@@ -137,7 +137,7 @@ where
     let (sa, sb) = (a.stop().await.expect("a"), b.stop().await.expect("b"));
     let skipped = sa.skipped_duplicates + sb.skipped_duplicates;
     println!("zombie members: a={sa:?} b={sb:?}");
-    (summary(&db.pool).await, skipped)
+    (summary(db).await, skipped)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -32,7 +32,7 @@ async fn a_dead_letter_keeps_the_key_and_headers_and_names_its_origin() {
         "wallet",
         source(&topic, &group).await,
         db.inbox(),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
         10,
     );
     let stats = consumer.stats.clone();
@@ -145,7 +145,7 @@ async fn acked_on_receipt_a_batch_that_crashed_before_the_database_commit_is_los
         "wallet",
         AckOnReceive::new(auto),
         crash.store(db.inbox()),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
     )
     .batch_size(10);
     let crashed = crash.run(crashing.run_until(std::future::pending())).await;
@@ -156,12 +156,12 @@ async fn acked_on_receipt_a_batch_that_crashed_before_the_database_commit_is_los
         "wallet",
         source(&topic, &group).await,
         db.inbox(),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
         10,
     );
     tokio::time::sleep(Duration::from_secs(5)).await;
     let stats = restarted.stop().await.expect("consumer");
-    let summary = summary(&db.pool).await;
+    let summary = summary(&db).await;
     let lag = wait_for_no_lag(&topic, &group, 1).await;
     println!(
         "acked on receipt, crashed: restarted {stats:?} {summary:?} lost={} lag={lag}",

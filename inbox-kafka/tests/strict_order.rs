@@ -96,7 +96,7 @@ async fn strict_order_holds_each_partition_behind_its_failing_record() {
         }
     }
     let handler = Ordered {
-        credit: Arc::new(Credit::new(db.pool.clone())),
+        credit: Arc::new(Credit::new(db.clone())),
         places: Arc::default(),
         applied: Arc::default(),
         // Dead-lettered by the second consumer, after its retries.
@@ -179,7 +179,7 @@ async fn strict_order_holds_each_partition_behind_its_failing_record() {
     assert_eq!(lag, 0, "every partition committed");
     let dead = read_all(&format!("{topic}.dlq")).await;
     assert_eq!(dead.len(), 1);
-    let summary = summary(&db.pool).await;
+    let summary = summary(&db).await;
     assert_eq!(summary.distinct_events, all as i64);
     assert_eq!(summary.duplicates(), 0);
     db.drop().await;

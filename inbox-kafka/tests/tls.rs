@@ -104,12 +104,12 @@ async fn a_consumer_over_tls_applies_every_credit_once() {
         "wallet-tls",
         source,
         db.inbox(),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
         50,
     );
-    let all = wait_for_events(&db.pool, published as i64).await;
+    let all = wait_for_events(&db, published as i64).await;
     let stats = running.stop().await.unwrap();
-    let summary = summary(&db.pool).await;
+    let summary = summary(&db).await;
     println!("over TLS: {stats:?} {summary:?}");
     assert!(all, "not every credit arrived over TLS: {summary:?}");
     assert_eq!(summary.duplicates(), 0, "{summary:?}");
@@ -147,7 +147,7 @@ async fn a_certificate_another_ca_signed_is_refused_saying_so() {
         "wallet-tls-refused",
         source,
         db.inbox(),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
         10,
     );
     let stopped = tokio::time::timeout(Duration::from_secs(60), running.join())

@@ -264,7 +264,7 @@ async fn a_claim_waiting_on_a_peer_is_not_cut_off_by_the_handler_timeout() {
             "wallet",
             broker.source(),
             mysql_wallet::inbox(&db),
-            Credit::new(db.pool.clone()),
+            Credit::new(db.clone()),
         )
         .handler_timeout(Duration::from_millis(300))
         .run_until_idle(),
@@ -292,7 +292,7 @@ async fn a_claim_waiting_on_a_peer_is_not_cut_off_by_the_handler_timeout() {
         (1, 1),
         "{stats:?}"
     );
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(&db).await.expect("summary");
     assert_eq!(
         (summary.distinct_events, summary.total_balance),
         (1, 1),

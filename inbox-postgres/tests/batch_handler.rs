@@ -33,7 +33,7 @@ async fn a_batch_is_applied_set_based_in_one_transaction_and_duplicates_skipped(
         "{stats:?}"
     );
     assert_eq!(stats.commits, 1, "one transaction for the batch");
-    let summary = wallet::summary(&db.pool).await.unwrap();
+    let summary = wallet::summary(&db).await.unwrap();
     assert_eq!((summary.ledger_rows, summary.duplicates()), (100, 0));
     assert!(summary.balances_exact);
     assert_eq!(summary.total_balance, 1000);
@@ -48,7 +48,7 @@ async fn a_batch_is_applied_set_based_in_one_transaction_and_duplicates_skipped(
         .await
         .unwrap();
     assert_eq!((again.applied, again.skipped_duplicates), (0, 100));
-    assert_eq!(wallet::summary(&db.pool).await.unwrap().ledger_rows, 100);
+    assert_eq!(wallet::summary(&db).await.unwrap().ledger_rows, 100);
     db.drop().await;
 }
 
@@ -110,10 +110,10 @@ async fn a_message_the_database_refuses_is_found_and_dead_lettered_alone() {
     let dead = broker.dead_letters();
     assert_eq!(dead[0].0.id.as_ref().unwrap().as_str(), "evt-37");
     assert!(dead[0].1.contains("no_13"), "{}", dead[0].1);
-    let summary = wallet::summary(&db.pool).await.unwrap();
+    let summary = wallet::summary(&db).await.unwrap();
     assert_eq!((summary.ledger_rows, summary.duplicates()), (63, 0));
     assert!(summary.balances_exact);
-    assert_eq!(balance(&db.pool, 37 % 5).await, 12);
+    assert_eq!(balance(&db, 37 % 5).await, 12);
     assert_eq!(broker.pending(), 0);
     db.drop().await;
 }

@@ -158,7 +158,7 @@ async fn failover(synchronous: bool) -> Result<Failover, String> {
             }
         })
     };
-    let run = Consumer::new("wallet", broker.source(), inbox, Credit::new(pool.clone()))
+    let run = Consumer::new("wallet", broker.source(), inbox, Credit::new(db.clone()))
         .error_backoff(Duration::from_millis(100))
         .on_stage(hook)
         .run_until_idle();
@@ -176,7 +176,7 @@ async fn failover(synchronous: bool) -> Result<Failover, String> {
         .expect("a commit after the failover");
     let standby_url = clusters.1.url("127.0.0.1", "");
     let promoted = TestDb::attach_at(&standby_url, &db.schema).await;
-    let summary = wallet::summary(&promoted.pool).await.unwrap();
+    let summary = wallet::summary(&promoted).await.unwrap();
     assert!(broker.dead_letters().is_empty());
     assert_eq!(broker.pending(), 0, "everything acked");
     promoted.drop().await;

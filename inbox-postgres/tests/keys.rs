@@ -30,15 +30,10 @@ async fn uuid_keys_refuse_ids_that_are_not_uuids() {
     );
     broker.publish(Some("evt-1"), CreditEvent::new(1, 5).to_json());
 
-    let stats = Consumer::new(
-        "wallet",
-        broker.source(),
-        store,
-        Credit::new(db.pool.clone()),
-    )
-    .run_until_idle()
-    .await
-    .unwrap();
+    let stats = Consumer::new("wallet", broker.source(), store, Credit::new(db.clone()))
+        .run_until_idle()
+        .await
+        .unwrap();
 
     assert_eq!(
         (stats.applied, stats.skipped_duplicates, stats.dead_lettered),
@@ -46,7 +41,7 @@ async fn uuid_keys_refuse_ids_that_are_not_uuids() {
     );
     let reason = &broker.dead_letters()[0].1;
     assert!(reason.contains("`evt-1` is not a UUID"), "{reason}");
-    assert_eq!(wallet::balance(&db.pool, 1).await, 5);
+    assert_eq!(wallet::balance(&db, 1).await, 5);
     db.drop().await;
 }
 
@@ -66,23 +61,18 @@ async fn spellings_of_one_uuid_in_one_batch_are_one_key() {
         broker.publish(Some(&spelling), CreditEvent::new(1, 5).to_json());
     }
 
-    let stats = Consumer::new(
-        "wallet",
-        broker.source(),
-        store,
-        Credit::new(db.pool.clone()),
-    )
-    .batch_size(4)
-    .run_until_idle()
-    .await
-    .unwrap();
+    let stats = Consumer::new("wallet", broker.source(), store, Credit::new(db.clone()))
+        .batch_size(4)
+        .run_until_idle()
+        .await
+        .unwrap();
 
     assert_eq!(
         (stats.applied, stats.skipped_duplicates),
         (1, 3),
         "{stats:?}"
     );
-    assert_eq!(wallet::balance(&db.pool, 1).await, 5);
+    assert_eq!(wallet::balance(&db, 1).await, 5);
     db.drop().await;
 }
 
@@ -98,7 +88,7 @@ async fn hashed_keys_deduplicate_any_id_per_consumer_in_16_bytes() {
         "wallet",
         broker.source(),
         store.clone(),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
     )
     .batch_size(3)
     .run_until_idle()

@@ -210,7 +210,7 @@ async fn hashed_keys_follow_the_table_layout_not_the_configuration() {
             "wallet",
             broker.source(),
             owned_inbox(&db, KeyMode::Hashed, table_partitioned),
-            Credit::new(db.pool.clone()),
+            Credit::new(db.clone()),
         )
         .run_until_idle()
         .await
@@ -223,13 +223,13 @@ async fn hashed_keys_follow_the_table_layout_not_the_configuration() {
             "wallet",
             broker.source(),
             owned_inbox(&db, KeyMode::Hashed, !table_partitioned),
-            Credit::new(db.pool.clone()),
+            Credit::new(db.clone()),
         )
         .run_until_idle()
         .await
         .unwrap();
 
-        let summary = wallet::summary(&db.pool).await.unwrap();
+        let summary = wallet::summary(&db).await.unwrap();
         assert_eq!(
             (summary.ledger_rows, summary.distinct_events),
             (1, 1),

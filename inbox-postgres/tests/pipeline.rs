@@ -48,7 +48,7 @@ async fn lanes_run_side_by_side_across_receives_and_keep_their_order() {
     }
     let most = Arc::new(AtomicUsize::new(0));
     let handler = Counting {
-        credit: Credit::new(db.pool.clone()),
+        credit: Credit::new(db.clone()),
         running: AtomicUsize::new(0),
         most: Arc::clone(&most),
     };
@@ -107,7 +107,7 @@ async fn a_free_lane_reads_past_a_run_of_another_lanes_messages() {
         publish(&broker, i, 1 + i % 3, true);
     }
     let handler = Counting {
-        credit: Credit::new(db.pool.clone()),
+        credit: Credit::new(db.clone()),
         running: AtomicUsize::new(0),
         most: Arc::new(AtomicUsize::new(0)),
     };
@@ -146,7 +146,7 @@ async fn a_source_without_lanes_applies_its_messages_side_by_side() {
     }
     let most = Arc::new(AtomicUsize::new(0));
     let handler = Counting {
-        credit: Credit::new(db.pool.clone()),
+        credit: Credit::new(db.clone()),
         running: AtomicUsize::new(0),
         most: Arc::clone(&most),
     };
@@ -161,7 +161,7 @@ async fn a_source_without_lanes_applies_its_messages_side_by_side() {
     assert_eq!((stats.applied, stats.commits), (20, 20), "{stats:?}");
     let most = most.load(Ordering::SeqCst);
     assert!((2..=4).contains(&most), "{most} handlers at once");
-    let summary = inbox_conformance::wallet::summary(&db.pool).await.unwrap();
+    let summary = inbox_conformance::wallet::summary(&db).await.unwrap();
     assert_eq!((summary.ledger_rows, summary.total_balance), (20, 20));
     assert_eq!(broker.pending(), 0);
     db.drop().await;

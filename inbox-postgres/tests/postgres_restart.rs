@@ -79,7 +79,7 @@ async fn a_postgresql_restart_mid_stream_loses_nothing_and_applies_nothing_twice
         })
     };
 
-    let credit = Credit::new(pool.clone()).work(Duration::from_millis(10));
+    let credit = Credit::new(db.clone()).work(Duration::from_millis(10));
     let run = Consumer::new("wallet", broker.source(), inbox, credit)
         .batch_size(10)
         .error_backoff(Duration::from_millis(100))
@@ -103,7 +103,7 @@ async fn a_postgresql_restart_mid_stream_loses_nothing_and_applies_nothing_twice
     println!("restart: {stats:?}; first commit {recovered:?} after the server was back");
     // A fresh pool: the test pool's sessions were terminated by the restart.
     let check = TestDb::attach_at(&url, &db.schema).await;
-    let summary = wallet::summary(&check.pool).await.unwrap();
+    let summary = wallet::summary(&check).await.unwrap();
     assert_eq!(summary.duplicates(), 0, "{stats:?}");
     assert_eq!(summary.lost(events), 0, "{stats:?}");
     assert!(summary.balances_exact);

@@ -33,7 +33,7 @@ async fn ack_before_the_database_loses_the_message_on_a_crash() {
         "wallet",
         AckOnReceive::new(broker.source()),
         db.inbox(),
-        crash.handler(Credit::new(db.pool.clone())),
+        crash.handler(Credit::new(db.clone())),
     );
     let crashed = crash.run(crashed.run_until_idle()).await;
     assert!(crashed.is_err(), "{crashed:?}");
@@ -42,14 +42,14 @@ async fn ack_before_the_database_loses_the_message_on_a_crash() {
         "wallet",
         broker.source(),
         db.inbox(),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
     )
     .run_until_idle()
     .await
     .unwrap();
 
     assert_eq!(restarted.received, 0, "nothing comes back");
-    assert_eq!(balance(&db.pool, 1).await, 0, "evt-1 is lost for good");
+    assert_eq!(balance(&db, 1).await, 0, "evt-1 is lost for good");
     assert_eq!(broker.pending(), 0);
     db.drop().await;
 }
@@ -67,26 +67,17 @@ async fn without_the_inbox_a_crash_after_commit_credits_twice() {
         "wallet",
         crash.source(broker.source()),
         no_inbox.clone(),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
     );
     let crashed = crash.run(crashed.run_until_idle()).await;
     assert!(crashed.is_err(), "{crashed:?}");
-    Consumer::new(
-        "wallet",
-        broker.source(),
-        no_inbox,
-        Credit::new(db.pool.clone()),
-    )
-    .run_until_idle()
-    .await
-    .unwrap();
+    Consumer::new("wallet", broker.source(), no_inbox, Credit::new(db.clone()))
+        .run_until_idle()
+        .await
+        .unwrap();
 
-    assert_eq!(
-        balance(&db.pool, 1).await,
-        200,
-        "credited twice: 200, not 100"
-    );
-    let summary = wallet::summary(&db.pool).await.unwrap();
+    assert_eq!(balance(&db, 1).await, 200, "credited twice: 200, not 100");
+    let summary = wallet::summary(&db).await.unwrap();
     assert_eq!(summary.duplicates(), 1);
     db.drop().await;
 }
@@ -116,7 +107,7 @@ async fn a_handler_error_rolls_back_the_inbox_row_and_the_retry_applies_once() {
     let broker = MemoryBroker::new();
     publish_credit(&broker, "evt-1", 1, 100);
     let flaky = Flaky {
-        inner: Credit::new(db.pool.clone()),
+        inner: Credit::new(db.clone()),
         failures: AtomicU32::new(2),
     };
 
@@ -130,15 +121,15 @@ async fn a_handler_error_rolls_back_the_inbox_row_and_the_retry_applies_once() {
         (stats.retried, stats.applied, stats.dead_lettered),
         (2, 1, 0)
     );
-    assert_eq!(balance(&db.pool, 1).await, 100);
-    assert_eq!(wallet::summary(&db.pool).await.unwrap().ledger_rows, 1);
+    assert_eq!(balance(&db, 1).await, 100);
+    assert_eq!(wallet::summary(&db).await.unwrap().ledger_rows, 1);
     assert_eq!(db.inbox_rows().await, 1);
 
     // Past the limit it is dead-lettered, and neither the credit nor the inbox row stays, so a
     // replay from the dead-letter queue would still be applied.
     publish_credit(&broker, "evt-2", 1, 7);
     let always = Flaky {
-        inner: Credit::new(db.pool.clone()),
+        inner: Credit::new(db.clone()),
         failures: AtomicU32::new(u32::MAX),
     };
     let stats = Consumer::new("wallet", broker.source(), db.inbox(), always)
@@ -151,7 +142,7 @@ async fn a_handler_error_rolls_back_the_inbox_row_and_the_retry_applies_once() {
         broker.dead_letters()[0].1,
         "handler failed 2 time(s), last error: downstream timeout"
     );
-    assert_eq!(balance(&db.pool, 1).await, 100);
+    assert_eq!(balance(&db, 1).await, 100);
     assert_eq!(db.inbox_rows().await, 1, "evt-2 left no inbox row");
     db.drop().await;
 }
@@ -172,7 +163,7 @@ async fn a_poison_message_in_a_batch_is_dead_lettered_and_the_rest_commits_once(
         "wallet",
         broker.source(),
         db.inbox(),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
     )
     .batch_size(10)
     .run_until_idle()
@@ -195,7 +186,7 @@ async fn a_poison_message_in_a_batch_is_dead_lettered_and_the_rest_commits_once(
         "{}",
         dead[0].1
     );
-    let summary = wallet::summary(&db.pool).await.unwrap();
+    let summary = wallet::summary(&db).await.unwrap();
     assert_eq!(
         (
             summary.ledger_rows,
@@ -238,7 +229,7 @@ async fn a_panicking_handler_does_not_take_the_consumer_down() {
         "wallet",
         broker.source(),
         db.inbox(),
-        PanicsOnce(AtomicU32::new(0), Credit::new(db.pool.clone())),
+        PanicsOnce(AtomicU32::new(0), Credit::new(db.clone())),
     )
     .retry(fast_retry(3))
     .run_until_idle()
@@ -246,7 +237,7 @@ async fn a_panicking_handler_does_not_take_the_consumer_down() {
     .unwrap();
 
     assert_eq!((stats.applied, stats.retried), (2, 1));
-    assert_eq!(balance(&db.pool, 1).await, 101);
+    assert_eq!(balance(&db, 1).await, 101);
     db.drop().await;
 }
 
@@ -261,7 +252,7 @@ async fn graceful_shutdown_finishes_the_batch_in_flight() {
         "wallet",
         broker.source(),
         db.inbox(),
-        Credit::new(db.pool.clone()).work(Duration::from_millis(100)),
+        Credit::new(db.clone()).work(Duration::from_millis(100)),
     )
     .batch_size(5);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -274,7 +265,7 @@ async fn graceful_shutdown_finishes_the_batch_in_flight() {
     let stats = run.await.unwrap().unwrap();
 
     assert_eq!(stats.applied, 5);
-    assert_eq!(balance(&db.pool, 1).await, 5);
+    assert_eq!(balance(&db, 1).await, 5);
     assert_eq!(
         broker.pending(),
         0,
@@ -290,7 +281,7 @@ async fn consumers_with_different_names_each_apply_once() {
     publish_credit(&broker, "evt-1", 1, 100);
     publish_credit(&broker, "evt-1", 1, 100);
     publish_credit(&broker, "evt-1", 1, 100);
-    let handler = Arc::new(Credit::new(db.pool.clone()));
+    let handler = Arc::new(Credit::new(db.clone()));
     for name in ["wallet", "audit", "wallet"] {
         let source = broker.source();
         Consumer::new(name, source, db.inbox(), Arc::clone(&handler))
@@ -302,6 +293,6 @@ async fn consumers_with_different_names_each_apply_once() {
         publish_credit(&broker, "evt-1", 1, 100);
     }
     // "wallet" applied once, "audit" applied once: two credits in all.
-    assert_eq!(balance(&db.pool, 1).await, 200);
+    assert_eq!(balance(&db, 1).await, 200);
     db.drop().await;
 }

@@ -87,7 +87,7 @@ async fn each_credit_is_applied_once_in_its_shard_across_a_restart_of_one_shard(
             }
         })
     };
-    let credit = wallet::Credit::new(db_a.pool.clone()).work(Duration::from_millis(5));
+    let credit = wallet::Credit::new(db_a.clone()).work(Duration::from_millis(5));
     let run = Consumer::new("wallet", broker.source(), store, credit)
         .batch_size(10)
         .parallel_lanes(4)
@@ -110,8 +110,8 @@ async fn each_credit_is_applied_once_in_its_shard_across_a_restart_of_one_shard(
     let check_a = TestDb::attach_at(&url_a, &db_a.schema).await;
     let check_b = TestDb::attach_at(&url_b, &db_b.schema).await;
     let (sum_a, sum_b) = (
-        wallet::summary(&check_a.pool).await.unwrap(),
-        wallet::summary(&check_b.pool).await.unwrap(),
+        wallet::summary(&check_a).await.unwrap(),
+        wallet::summary(&check_b).await.unwrap(),
     );
     println!("{stats:?}\nshard 0: {sum_a:?}\nshard 1: {sum_b:?}");
     assert_eq!(sum_a.duplicates() + sum_b.duplicates(), 0);

@@ -78,7 +78,7 @@ async fn a_swallowed_sql_error_inside_a_batch_fails_only_its_own_message() {
     }
 
     let handler = AuditIgnoringErrors {
-        credit: Credit::new(db.pool.clone()),
+        credit: Credit::new(db.clone()),
     };
     let stats = Consumer::new("wallet", broker.source(), db.inbox(), handler)
         .batch_size(5)
@@ -88,9 +88,9 @@ async fn a_swallowed_sql_error_inside_a_batch_fails_only_its_own_message() {
 
     assert_eq!(stats.applied, 4, "{stats:?}");
     for account in [1, 2, 4, 5] {
-        assert_eq!(balance(&db.pool, account).await, 10, "account {account}");
+        assert_eq!(balance(&db, account).await, 10, "account {account}");
     }
-    assert_eq!(balance(&db.pool, 3).await, 0);
+    assert_eq!(balance(&db, 3).await, 0);
     let dead = broker.dead_letters();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].0.id.as_ref().unwrap().as_str(), "evt-3");
@@ -124,7 +124,7 @@ async fn a_constraint_failing_at_commit_dead_letters_its_message_and_spares_the_
         "wallet",
         broker.source(),
         db.inbox(),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
     )
     .batch_size(3)
     .retry(fast_retry(3))
@@ -133,8 +133,8 @@ async fn a_constraint_failing_at_commit_dead_letters_its_message_and_spares_the_
     let stats = within(stats).await.unwrap();
 
     assert_eq!(stats.applied, 2, "{stats:?}");
-    assert_eq!(balance(&db.pool, 1).await, 10);
-    assert_eq!(balance(&db.pool, 2).await, 10);
+    assert_eq!(balance(&db, 1).await, 10);
+    assert_eq!(balance(&db, 2).await, 10);
     let dead = broker.dead_letters();
     assert_eq!(
         dead.len(),
@@ -254,13 +254,13 @@ async fn registering_a_known_consumer_burns_no_id() {
             "wallet",
             broker.source(),
             db.inbox(),
-            Credit::new(db.pool.clone()),
+            Credit::new(db.clone()),
         )
         .run_until_idle()
         .await
         .unwrap();
         assert_eq!((stats.applied, stats.errors), (1, 0), "{stats:?}");
     }
-    assert_eq!(wallet::summary(&db.pool).await.unwrap().ledger_rows, 3);
+    assert_eq!(wallet::summary(&db).await.unwrap().ledger_rows, 3);
     db.drop().await;
 }

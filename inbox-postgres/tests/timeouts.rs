@@ -44,7 +44,7 @@ async fn a_hung_handler_is_cut_off_by_the_handler_timeout_and_its_message_retrie
         "wallet",
         broker.source(),
         db.inbox(),
-        Credit::new(db.pool.clone()).stall(HUNG),
+        Credit::new(db.clone()).stall(HUNG),
     )
     .batch_size(10)
     .run_until_idle();
@@ -52,7 +52,7 @@ async fn a_hung_handler_is_cut_off_by_the_handler_timeout_and_its_message_retrie
         tokio::time::timeout(PATIENCE, stalled).await.is_err(),
         "without a handler timeout the run should hang"
     );
-    let summary = wallet::summary(&db.pool).await.unwrap();
+    let summary = wallet::summary(&db).await.unwrap();
     assert_eq!(summary.ledger_rows, 0, "nothing committed while it hung");
 
     // Now with a timeout.
@@ -65,7 +65,7 @@ async fn a_hung_handler_is_cut_off_by_the_handler_timeout_and_its_message_retrie
             "wallet",
             broker.source(),
             db.inbox(),
-            Credit::new(db.pool.clone()).stall(HUNG),
+            Credit::new(db.clone()).stall(HUNG),
         )
         .batch_size(11)
         .handler_timeout(Duration::from_millis(300))
@@ -81,7 +81,7 @@ async fn a_hung_handler_is_cut_off_by_the_handler_timeout_and_its_message_retrie
     assert_eq!(stats.applied, 11, "{stats:?}");
     assert!(stats.commits >= 2, "the batch was split: {stats:?}");
     assert!(broker.dead_letters().is_empty());
-    let summary = wallet::summary(&db.pool).await.unwrap();
+    let summary = wallet::summary(&db).await.unwrap();
     assert_eq!((summary.ledger_rows, summary.distinct_events), (11, 11));
     assert!(summary.balances_exact);
     assert!(
@@ -122,7 +122,7 @@ async fn a_claim_behind_a_hung_peer_gives_up_after_the_lock_timeout() {
         "wallet",
         broker.source(),
         db.inbox(),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
     )
     .batch_size(5)
     .run_until_idle();
@@ -130,7 +130,7 @@ async fn a_claim_behind_a_hung_peer_gives_up_after_the_lock_timeout() {
         tokio::time::timeout(PATIENCE, stalled).await.is_err(),
         "without a lock timeout the run should wait on the peer"
     );
-    assert_eq!(wallet::summary(&db.pool).await.unwrap().ledger_rows, 0);
+    assert_eq!(wallet::summary(&db).await.unwrap().ledger_rows, 0);
 
     let broker = MemoryBroker::new();
     publish(&broker, "b", 5, None);
@@ -140,7 +140,7 @@ async fn a_claim_behind_a_hung_peer_gives_up_after_the_lock_timeout() {
             "wallet",
             broker.source(),
             db.inbox().lock_timeout(Duration::from_millis(200)),
-            Credit::new(db.pool.clone()),
+            Credit::new(db.clone()),
         )
         .batch_size(5)
         .retry(fast_retry(2))
@@ -157,7 +157,7 @@ async fn a_claim_behind_a_hung_peer_gives_up_after_the_lock_timeout() {
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(dead[0].0.id.as_ref().unwrap().as_str(), "b-1");
     assert!(dead[0].1.contains("lock timeout"), "{}", dead[0].1);
-    let summary = wallet::summary(&db.pool).await.unwrap();
+    let summary = wallet::summary(&db).await.unwrap();
     assert_eq!((summary.ledger_rows, summary.distinct_events), (4, 4));
     peer.rollback().await.unwrap();
 }
@@ -187,7 +187,7 @@ async fn a_handler_waiting_on_a_row_lock_is_cut_off_by_the_handler_timeout() {
         "wallet",
         broker.source(),
         db.inbox(),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
     )
     .batch_size(1)
     .handler_timeout(Duration::from_millis(300))
@@ -200,13 +200,13 @@ async fn a_handler_waiting_on_a_row_lock_is_cut_off_by_the_handler_timeout() {
 
     // The blocked message fails on its timeout three times and is dead-lettered; the lane goes
     // on while the lock is still held.
-    let pool = db.pool.clone();
+    let pool = db.clone();
     let all_applied = eventually(Duration::from_secs(15), || {
         let pool = pool.clone();
         async move { wallet::applied(&pool).await == 19 }
     })
     .await;
-    let applied = wallet::applied(&db.pool).await;
+    let applied = wallet::applied(&db).await;
     assert!(
         all_applied,
         "{applied} of 19 messages applied in {:?} while a handler waited on a lock: {:?}",
@@ -247,7 +247,7 @@ async fn a_handler_waiting_on_a_row_lock_is_cut_off_by_the_handler_timeout() {
         stopping.elapsed()
     );
     assert_eq!(broker.pending(), 1, "blocked-again is handed back");
-    let summary = wallet::summary(&db.pool).await.unwrap();
+    let summary = wallet::summary(&db).await.unwrap();
     assert_eq!((summary.ledger_rows, summary.distinct_events), (19, 19));
 
     holder.rollback().await.unwrap();
@@ -282,7 +282,7 @@ async fn a_claim_waiting_on_a_peer_is_not_cut_off_by_the_handler_timeout() {
             "wallet",
             broker.source(),
             db.inbox(),
-            Credit::new(db.pool.clone()),
+            Credit::new(db.clone()),
         )
         .handler_timeout(Duration::from_millis(300))
         .run_until_idle(),
@@ -310,8 +310,8 @@ async fn a_claim_waiting_on_a_peer_is_not_cut_off_by_the_handler_timeout() {
         (1, 1),
         "{stats:?}"
     );
-    assert_eq!(wallet::applied(&db.pool).await, 1);
-    let summary = wallet::summary(&db.pool).await.unwrap();
+    assert_eq!(wallet::applied(&db).await, 1);
+    let summary = wallet::summary(&db).await.unwrap();
     assert_eq!(
         summary.total_balance, 1,
         "freed applied once, taken by its peer"

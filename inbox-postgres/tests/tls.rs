@@ -95,13 +95,13 @@ async fn a_consumer_runs_over_tls_and_wrong_certificates_or_plaintext_are_refuse
         "wallet",
         broker.source(),
         db.inbox(),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
     )
     .batch_size(20)
     .run_until_idle()
     .await
     .unwrap();
-    let summary = wallet::summary(&db.pool).await.unwrap();
+    let summary = wallet::summary(&db).await.unwrap();
     let tls_in_use: bool =
         sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
             .fetch_one(&db.pool)

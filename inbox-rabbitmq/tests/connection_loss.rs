@@ -127,7 +127,7 @@ where
                 let _ = tx.send(name);
             }
         });
-        let handler = Credit::new(db.pool.clone()).stall(STALL);
+        let handler = Credit::new(db.clone()).stall(STALL);
         let consumer = Consumer::new("wallet", source, store.clone(), handler)
             .on_stage(hook)
             .error_backoff(Duration::from_millis(200));
@@ -175,7 +175,7 @@ where
     for task in tasks {
         task.await.unwrap().unwrap();
     }
-    let summary = wallet::summary(&db.pool).await.unwrap();
+    let summary = wallet::summary(db).await.unwrap();
     let stall_rows: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger WHERE event_id = $1")
         .bind(stall_id.as_str())
         .fetch_one(&db.pool)

@@ -37,12 +37,12 @@ async fn delete_exchange(exchange: &str) {
 async fn apply_all(config: RabbitSourceBuilder) -> (u64, u64, i64) {
     let db = TestDb::new().await;
     let source = config.connect().await.unwrap();
-    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.clone()))
         .batch_size(20)
         .run_until_idle()
         .await
         .unwrap();
-    let summary = wallet::summary(&db.pool).await.unwrap();
+    let summary = wallet::summary(&db).await.unwrap();
     assert_eq!(summary.duplicates(), 0);
     db.drop().await;
     (stats.applied, stats.skipped_duplicates, summary.ledger_rows)

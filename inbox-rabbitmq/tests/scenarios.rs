@@ -36,7 +36,7 @@ async fn a_dead_letter_keeps_the_properties_and_the_reason_header() {
     let bad = publisher.send(config.queue(), b"not json").await.unwrap();
 
     let source = config.clone().connect().await.unwrap();
-    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.clone()))
         .run_until_idle()
         .await
         .unwrap();
@@ -223,13 +223,13 @@ async fn the_id_can_come_from_a_header() {
             .unwrap();
     }
     let source = config.clone().connect().await.unwrap();
-    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.clone()))
         .run_until_idle()
         .await
         .unwrap();
     println!("header ID: {stats:?}");
     assert_eq!((stats.applied, stats.skipped_duplicates), (1, 1));
-    assert_eq!(wallet::balance(&db.pool, 2).await, 30);
+    assert_eq!(wallet::balance(&db, 2).await, 30);
     cleanup(&config).await;
     db.drop().await;
 }

@@ -49,7 +49,7 @@ where
             .expect("send");
     }
 
-    let handler = Credit::new(db.pool.clone()).stall(STALL);
+    let handler = Credit::new(db.clone()).stall(STALL);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let run = |name: &'static str| {
         let (store, handler, stream, mut stop) = (
@@ -94,7 +94,7 @@ where
 
     let expected = NORMAL_EVENTS + 1;
     loop {
-        let summary = wallet::summary(&db.pool).await.expect("summary");
+        let summary = wallet::summary(db).await.expect("summary");
         if summary.distinct_events >= expected
             && pending(&stream).await == 0
             && lag(&stream).await == 0
@@ -109,7 +109,7 @@ where
     let a = a.await.expect("join").expect("consumer a");
     let b = b.await.expect("join").expect("consumer b");
 
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(db).await.expect("summary");
     let stalled_event_rows: i64 =
         sqlx::query_scalar("SELECT count(*) FROM ledger WHERE event_id = $1")
             .bind(stalled.as_str())
@@ -152,7 +152,7 @@ async fn claim_zombie_with_inbox_applies_once() {
     assert_eq!(o.summary.duplicates(), 0);
     assert_eq!(o.summary.distinct_events, NORMAL_EVENTS + 1);
     assert!(o.summary.balances_exact);
-    assert_eq!(wallet::balance(&db.pool, 1).await, 1000);
+    assert_eq!(wallet::balance(&db, 1).await, 1000);
     // Both consumers handled the stalled entry: the claim really happened, and one copy lost
     // the race for the inbox row.
     assert_eq!(o.a.received + o.b.received, NORMAL_EVENTS as u64 + 2);
@@ -168,6 +168,6 @@ async fn claim_zombie_without_inbox_applies_twice() {
     show("without inbox", &o);
     assert_eq!(o.stalled_event_rows, 2, "the zombie wrote a second time");
     assert!(o.summary.duplicates() > 0);
-    assert_eq!(wallet::balance(&db.pool, 1).await, 2000, "credited twice");
+    assert_eq!(wallet::balance(&db, 1).await, 2000, "credited twice");
     db.drop().await;
 }

@@ -98,7 +98,7 @@ async fn a_master_killed_mid_stream_loses_and_duplicates_nothing() {
     assert_eq!(source.dead_letter_stream(), format!("{{{stream}}}:dlq"));
     let producer = producer(&cluster).await;
 
-    let consumer = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+    let consumer = Consumer::new("wallet", source, db.inbox(), Credit::new(db.clone()))
         .batch_size(20)
         .error_backoff(Duration::from_millis(100));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -135,7 +135,7 @@ async fn a_master_killed_mid_stream_loses_and_duplicates_nothing() {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut conn = cluster.master_conn(&stream).await;
     loop {
-        let applied = wallet::applied(&db.pool).await;
+        let applied = wallet::applied(&db).await;
         if applied >= CREDITS
             && pending_with(&mut conn, &stream).await == 0
             && lag_with(&mut conn, &stream).await == 0
@@ -154,7 +154,7 @@ async fn a_master_killed_mid_stream_loses_and_duplicates_nothing() {
         .expect("join")
         .expect("the consumer ran to its stop");
 
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(&db).await.expect("summary");
     let pending = pending_with(&mut conn, &stream).await;
     let (first_applied, next_applied): (Option<f64>, Option<f64>) = sqlx::query_as(
         "SELECT extract(epoch FROM min(applied_at) FILTER (WHERE event_id = $1))::float8,
@@ -260,7 +260,7 @@ async fn claim_after(handover: Handover) {
         .await
         .expect("send after the handover");
 
-    let consumer = Consumer::new("wallet", alive, db.inbox(), Credit::new(db.pool.clone()))
+    let consumer = Consumer::new("wallet", alive, db.inbox(), Credit::new(db.clone()))
         .error_backoff(Duration::from_millis(100));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let run = tokio::spawn(consumer.run_until(async {
@@ -269,7 +269,7 @@ async fn claim_after(handover: Handover) {
     let mut conn = cluster.master_conn(&stream).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        if wallet::applied(&db.pool).await == 6
+        if wallet::applied(&db).await == 6
             && dead_letters_with(&mut conn, &stream).await.len() == 1
             && pending_with(&mut conn, &stream).await == 0
         {
@@ -305,7 +305,7 @@ async fn claim_after(handover: Handover) {
     assert_eq!(field("payload"), "not a credit");
     assert!(field("reason").contains("JSON"), "{}", field("reason"));
     assert_eq!(field("original_source"), stream);
-    assert_eq!(wallet::balance(&db.pool, 1).await, 21);
+    assert_eq!(wallet::balance(&db, 1).await, 21);
     assert_eq!(stats.applied, 6);
     assert_eq!(stats.dead_lettered, 1);
     assert_eq!(lag_with(&mut conn, &stream).await, 0);

@@ -152,7 +152,7 @@ async fn a_relay_killed_after_the_confirm_leaves_its_rows_to_be_published_again_
         "wallet",
         source(&stream, "c1").await,
         db.inbox(),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
     )
     .batch_size(50)
     .run_until_idle()
@@ -173,7 +173,7 @@ async fn a_relay_killed_after_the_confirm_leaves_its_rows_to_be_published_again_
         (downstream.applied, downstream.skipped_duplicates),
         (ROWS as u64, ROWS as u64)
     );
-    let summary = wallet::summary(&db.pool).await.unwrap();
+    let summary = wallet::summary(&db).await.unwrap();
     assert_eq!(summary.duplicates(), 0);
     assert_eq!(summary.ledger_rows, ROWS);
     assert_eq!(summary.total_balance, total);

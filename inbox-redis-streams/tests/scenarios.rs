@@ -29,7 +29,7 @@ async fn a_crash_between_commit_and_ack_is_claimed_and_skipped_by_another_consum
             .await
             .expect("send");
     }
-    let handler = Credit::new(db.pool.clone());
+    let handler = Credit::new(db.clone());
     let crash = Crash::at(Stage::Committed);
     let consumer = Consumer::new(
         "wallet",
@@ -51,7 +51,7 @@ async fn a_crash_between_commit_and_ack_is_claimed_and_skipped_by_another_consum
         .run_until_idle()
         .await
         .expect("run");
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(&db).await.expect("summary");
     let left = pending(&stream).await;
     println!(
         "crash after commit, other consumer: {summary:?}, skipped {}, pending {left}",
@@ -59,7 +59,7 @@ async fn a_crash_between_commit_and_ack_is_claimed_and_skipped_by_another_consum
     );
     assert_eq!(stats.skipped_duplicates, 1);
     assert_eq!((summary.ledger_rows, summary.distinct_events), (3, 3));
-    assert_eq!(wallet::balance(&db.pool, 1).await, 60);
+    assert_eq!(wallet::balance(&db, 1).await, 60);
     assert_eq!(left, 0);
     cleanup(&stream).await;
     db.drop().await;
@@ -80,14 +80,14 @@ async fn entries_without_an_id_are_dead_lettered_with_a_reason() {
         "wallet",
         source(&stream, "c1").await,
         db.inbox(),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
     )
     .run_until_idle()
     .await
     .expect("run");
 
     let dead = dead_letters(&stream).await;
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(&db).await.expect("summary");
     let left = pending(&stream).await;
     println!("dead letters ({}): {dead:?}", dead.len());
     println!(

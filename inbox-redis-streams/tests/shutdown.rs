@@ -35,7 +35,7 @@ async fn shutdown_child() {
         .connect()
         .await
         .expect("connect");
-    let handler = Credit::new(db.pool.clone()).work(WORK).stall(HUNG);
+    let handler = Credit::new(db.clone()).work(WORK).stall(HUNG);
     Consumer::new("wallet", source, db.inbox(), handler)
         .batch_size(10)
         .shutdown_timeout(timeout)
@@ -122,7 +122,7 @@ async fn drain_and_check(db: &TestDb, stream: &str, total: i64) {
         .connect()
         .await
         .expect("connect");
-    let pool = db.pool.clone();
+    let pool = db.clone();
     let watched = stream.to_owned();
     let done = async move {
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -134,12 +134,12 @@ async fn drain_and_check(db: &TestDb, stream: &str, total: i64) {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     };
-    Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+    Consumer::new("wallet", source, db.inbox(), Credit::new(db.clone()))
         .batch_size(50)
         .run_until(done)
         .await
         .expect("drain");
-    let summary = wallet::summary(&db.pool).await.expect("summary");
+    let summary = wallet::summary(db).await.expect("summary");
     assert_eq!(summary.distinct_events, EVENTS, "lost: {summary:?}");
     assert_eq!(summary.ledger_rows, EVENTS, "applied twice: {summary:?}");
     assert!(summary.balances_exact);
@@ -156,7 +156,7 @@ async fn sigterm_mid_stream_finishes_the_batch_in_flight_and_exits() {
     let stream = stream_key("sigterm");
     let total = publish(&stream, None).await;
     let mut process = start(&db, &stream, Duration::from_secs(10));
-    let pool = db.pool.clone();
+    let pool = db.clone();
     wait_for(&mut process, "some progress", async || {
         wallet::summary(&pool)
             .await
@@ -168,7 +168,7 @@ async fn sigterm_mid_stream_finishes_the_batch_in_flight_and_exits() {
     let signalled = Instant::now();
     sigterm(&process);
     let (status, took) = exit(&mut process, signalled).await;
-    let applied = wallet::summary(&db.pool).await.expect("summary");
+    let applied = wallet::summary(&db).await.expect("summary");
     println!("SIGTERM: exited {status} after {took:?}, {applied:?}");
     assert!(status.success(), "{status}");
     // The batch in flight is 10 messages of 10 ms.

@@ -110,12 +110,12 @@ async fn a_consumer_runs_over_tls_and_wrong_certificates_or_plaintext_are_refuse
         .connect()
         .await
         .unwrap();
-    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.clone()))
         .batch_size(20)
         .run_until_idle()
         .await
         .unwrap();
-    let summary = wallet::summary(&db.pool).await.unwrap();
+    let summary = wallet::summary(&db).await.unwrap();
     println!("over TLS: {stats:?}; {summary:?}");
     assert_eq!(
         (summary.duplicates(), summary.lost(CREDITS)),

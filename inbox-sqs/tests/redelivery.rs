@@ -90,7 +90,7 @@ async fn hand_backs_then_one_failure(fifo: bool) {
     }
 
     let handler = FailsOnce {
-        credit: Arc::new(Credit::new(db.pool.clone())),
+        credit: Arc::new(Credit::new(db.clone())),
         attempts: Arc::default(),
     };
     let stats = Consumer::new(
@@ -107,7 +107,7 @@ async fn hand_backs_then_one_failure(fifo: bool) {
     .run_until_idle()
     .await
     .unwrap();
-    let ledger = summary(&db.pool).await.unwrap();
+    let ledger = summary(&db).await.unwrap();
     let dead = common::drain(&sqs, &dlq, SECOND).await;
     let attempts = handler.attempts.lock().unwrap().clone();
     println!("after 3 hand-backs (FIFO {fifo}): {stats:?}, {ledger:?}, attempts under redeliveries {attempts:?}");

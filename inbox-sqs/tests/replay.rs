@@ -74,12 +74,12 @@ async fn a_dead_letter_replayed_at_once_into_a_fifo_queue_is_applied() {
         "wallet",
         connect().await.unwrap(),
         db.inbox(),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
     )
     .run_until_idle()
     .await
     .unwrap();
-    let ledger = summary(&db.pool).await.unwrap();
+    let ledger = summary(&db).await.unwrap();
     let parked = common::drain(&sqs, &dlq, SECOND).await;
     println!(
         "replayed twice at once: {stats:?}, {ledger:?}, still parked {}",

@@ -42,17 +42,17 @@ async fn the_same_id_twice_in_one_receive_is_applied_once() {
         .connect()
         .await
         .unwrap();
-    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.clone()))
         .batch_size(10)
         .run_until_idle()
         .await
         .unwrap();
 
-    let ledger = summary(&db.pool).await.unwrap();
+    let ledger = summary(&db).await.unwrap();
     let left = counts(&sqs, &url).await;
     println!("the same ID twice in one receive: {stats:?}, {ledger:?}, queue (visible, in flight) {left:?}");
     assert_eq!((ledger.ledger_rows, ledger.distinct_events), (2, 2));
-    assert_eq!(balance(&db.pool, 1).await, 100);
+    assert_eq!(balance(&db, 1).await, 100);
     assert_eq!((stats.applied, stats.skipped_duplicates), (2, 1));
     assert_eq!(left, (0, 0), "every copy is deleted from the queue");
     common::delete_queue(&sqs, &url).await;
@@ -92,7 +92,7 @@ async fn a_dead_letter_keeps_its_attributes_and_carries_a_reason_attribute() {
         .connect()
         .await
         .unwrap();
-    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.clone()))
         .batch_size(10)
         .run_until_idle()
         .await
@@ -155,7 +155,7 @@ async fn without_explicit_dlq_the_redrive_policy_target_gets_the_dead_letter() {
         Some(dlq.as_str()),
         "resolved from the RedrivePolicy"
     );
-    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.clone()))
         .run_until_idle()
         .await
         .unwrap();
@@ -164,7 +164,7 @@ async fn without_explicit_dlq_the_redrive_policy_target_gets_the_dead_letter() {
     println!("redrive DLQ: {stats:?}; {} dead letter(s)", dead.len());
     assert_eq!(dead.len(), 1);
     assert!(common::attr(&dead[0], REASON).unwrap().contains("missing"));
-    assert_eq!(summary(&db.pool).await.unwrap().ledger_rows, 0);
+    assert_eq!(summary(&db).await.unwrap().ledger_rows, 0);
     assert_eq!(counts(&sqs, &url).await, (0, 0));
     common::delete_queue(&sqs, &url).await;
     common::delete_queue(&sqs, &dlq).await;
@@ -189,7 +189,7 @@ async fn without_any_dead_letter_queue_the_consumer_stops_and_loses_nothing() {
         .connect()
         .await
         .unwrap();
-    let result = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+    let result = Consumer::new("wallet", source, db.inbox(), Credit::new(db.clone()))
         .run_until_idle()
         .await;
     let Err(Error::Source(e)) = &result else {
@@ -232,12 +232,12 @@ async fn batched_sends_are_all_applied_and_batch_deleted() {
         Some(retention),
         "the consumer's start-up check sees the queue's retention"
     );
-    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.clone()))
         .batch_size(10)
         .run_until_idle()
         .await
         .unwrap();
-    let ledger = summary(&db.pool).await.unwrap();
+    let ledger = summary(&db).await.unwrap();
     println!("batched: {stats:?}; {ledger:?}; queue retention {retention:?}");
     assert_eq!(stats.applied, EVENTS as u64);
     assert_eq!(stats.ack_failures, 0);
@@ -275,13 +275,13 @@ async fn delete_on_receive_loses_a_message_on_crash() {
         "wallet",
         AckOnReceive::new(source),
         crash.store(db.inbox()),
-        Credit::new(db.pool.clone()),
+        Credit::new(db.clone()),
     );
     let crashed = crash.run(consumer.run_until_idle()).await;
     assert!(crashed.is_err(), "{crashed:?}");
     tokio::time::sleep(Duration::from_secs(3)).await;
     let left = counts(&sqs, &url).await;
-    let ledger = summary(&db.pool).await.unwrap();
+    let ledger = summary(&db).await.unwrap();
     println!("delete on receive + crash: queue {left:?}; {ledger:?}");
     assert_eq!(left, (0, 0), "nothing comes back");
     assert_eq!(ledger.ledger_rows, 0, "and nothing was applied: lost");
@@ -325,16 +325,16 @@ async fn fifo_queue_with_the_deduplication_id_fallback() {
         .connect()
         .await
         .unwrap();
-    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.pool.clone()))
+    let stats = Consumer::new("wallet", source, db.inbox(), Credit::new(db.clone()))
         .batch_size(10)
         .run_until_idle()
         .await
         .unwrap();
-    let ledger = summary(&db.pool).await.unwrap();
+    let ledger = summary(&db).await.unwrap();
     println!("fifo: {stats:?}; {ledger:?}");
     assert_eq!(stats.applied, 3);
     assert_eq!(stats.dead_lettered, 0);
-    assert_eq!(balance(&db.pool, 1).await, 7);
+    assert_eq!(balance(&db, 1).await, 7);
     assert_eq!(ledger.ledger_rows, 3);
     assert_eq!(counts(&sqs, &url).await, (0, 0));
     common::delete_queue(&sqs, &url).await;

@@ -96,7 +96,7 @@ async fn run(order: Order) -> BTreeMap<String, Vec<i64>> {
         .await
         .unwrap();
     let handler = Ordered {
-        credit: Some(Arc::new(Credit::new(db.pool.clone()))),
+        credit: Some(Arc::new(Credit::new(db.clone()))),
         ..Ordered::default()
     };
     let stats = Consumer::new("wallet", source, db.inbox(), handler.clone())

@@ -211,7 +211,7 @@ where
             "wallet",
             source,
             store.clone(),
-            Credit::new(db.pool.clone()).stall(STALL),
+            Credit::new(db.clone()).stall(STALL),
         );
         let mut stopped = stopped.clone();
         consumers.push(tokio::spawn(consumer.run_until(async move {
@@ -221,7 +221,7 @@ where
     let started = Instant::now();
     let events = stalling + plain;
     let done = inbox_testkit::eventually(Duration::from_secs(60), || async {
-        let ledger = summary(&db.pool).await.unwrap();
+        let ledger = summary(db).await.unwrap();
         ledger.distinct_events == events
             && counts(&sqs, &url).await == (0, 0)
             && started.elapsed() > STALL + SECOND
@@ -234,7 +234,7 @@ where
         stats.push(consumer.await.unwrap().unwrap());
     }
     assert!(done, "not all events applied in time");
-    let ledger = summary(&db.pool).await.unwrap();
+    let ledger = summary(db).await.unwrap();
     common::delete_queue(&sqs, &url).await;
     (stats, ledger)
 }

@@ -23,7 +23,7 @@ pub fn mysql_url() -> String {
 }
 
 /// A database of its own for one test, dropped by [`MySqlDb::drop`].
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct MySqlDb {
     /// Connections to the database.
     pub pool: MySqlPool,

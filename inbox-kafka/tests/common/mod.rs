@@ -19,10 +19,10 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use inbox_conformance::wallet::{self, Credit, CreditEvent, Summary};
+use inbox_conformance::TestDb;
 use inbox_core::{Consumer, Inbox, InboxStore, OutgoingMessage, PerMessage, Stats, StatsSnapshot};
 use inbox_kafka::{KafkaProducer, KafkaSource};
 use inbox_postgres::PgTx;
-use sqlx::PgPool;
 use std::sync::Arc;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -151,13 +151,13 @@ where
     inbox_testkit::eventually(WAIT, check).await
 }
 
-pub async fn summary(pool: &PgPool) -> Summary {
-    wallet::summary(pool).await.expect("ledger summary")
+pub async fn summary(db: &TestDb) -> Summary {
+    wallet::summary(db).await.expect("ledger summary")
 }
 
 /// Waits until `n` distinct events are in the ledger.
-pub async fn wait_for_events(pool: &PgPool, n: i64) -> bool {
-    eventually(|| async { summary(pool).await.distinct_events >= n }).await
+pub async fn wait_for_events(db: &TestDb, n: i64) -> bool {
+    eventually(|| async { summary(db).await.distinct_events >= n }).await
 }
 
 /// Waits until `group` has committed everything on `topic`.

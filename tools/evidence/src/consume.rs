@@ -79,7 +79,7 @@ pub(crate) async fn run<S: MessageSource + 'static>(
             finish(consumer, spec, progress, shutdown).await
         };
     }
-    let handler = Credit::new(db.pool.clone()).work(spec.work);
+    let handler = Credit::new(db.clone()).work(spec.work);
     if with_inbox {
         let consumer = Consumer::new("wallet", source, db.inbox(), handler);
         finish(consumer, spec, progress, shutdown).await
@@ -112,7 +112,7 @@ async fn run_sharded<S: MessageSource + 'static>(
         },
     );
     let progress = watch.progress.clone();
-    let handler = Credit::new(dbs[0].pool.clone()).work(spec.work);
+    let handler = Credit::new(dbs[0].clone()).work(spec.work);
     let consumer = Consumer::new("wallet", source, store, handler);
     finish(consumer, spec, progress, shutdown).await
 }
@@ -124,7 +124,7 @@ pub(crate) async fn run_mysql<S: MessageSource + 'static>(
     db: &MySqlDb,
     shutdown: Shutdown,
 ) -> Result<StatsSnapshot, inbox_core::Error> {
-    let handler = Credit::new(db.pool.clone()).work(spec.work);
+    let handler = Credit::new(db.clone()).work(spec.work);
     let consumer = Consumer::new("wallet", source, mysql_wallet::inbox(db), handler);
     finish(consumer, spec, None, shutdown).await
 }

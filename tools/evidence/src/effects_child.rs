@@ -200,7 +200,7 @@ pub(crate) async fn run<S: MessageSource + 'static>(
                 "wallet",
                 source,
                 db.inbox(),
-                Credit::new(db.pool.clone()).work(work),
+                Credit::new(db.clone()).work(work),
             )
             .batch_size(10)
             .error_backoff(Duration::from_millis(100))

@@ -117,7 +117,7 @@ async fn run(s: &Settings, with_inbox: bool) -> Row {
         drain(&broker, WithoutInbox(db.inbox()), &db, &crash, s.batch).await
     };
     let elapsed = started.elapsed();
-    let summary = wallet::summary(&db.pool)
+    let summary = wallet::summary(&db)
         .await
         .unwrap_or_else(|e| panic!("cannot read the ledger: {e}"));
     db.drop().await;
@@ -145,7 +145,7 @@ async fn drain<St: InboxStore<Tx = PgTx> + Clone>(
             "wallet",
             crash.source(broker.source()),
             crash.store(store.clone()),
-            crash.handler(Credit::new(db.pool.clone())),
+            crash.handler(Credit::new(db.clone())),
         )
         .batch_size(batch)
         .error_backoff(Duration::from_millis(10));

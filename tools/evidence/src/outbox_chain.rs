@@ -149,7 +149,7 @@ async fn run_once(
     for spec in &specs {
         children.push(spawn(spec, &[]).await?);
     }
-    let pool = &db.pool;
+    let pool = &db;
     let applied = || async move { wallet::summary(pool).await };
     let mut kills = 0;
     for (i, wait) in schedule(s, run).into_iter().enumerate() {

@@ -6,8 +6,8 @@ use std::collections::HashSet;
 
 use inbox_conformance::pg_cluster::{ClusterSettings, PgCluster};
 use inbox_conformance::store::MySqlDb;
-use inbox_conformance::wallet::{self, Ledger, Summary};
-use inbox_conformance::{mysql_wallet, TestDb};
+use inbox_conformance::wallet::{self, Summary};
+use inbox_conformance::{mysql_wallet, TestDb, TestStore};
 use inbox_core::{BoxError, StatsSnapshot};
 
 use crate::brokers::Broker;
@@ -135,7 +135,7 @@ impl WalletDb for ShardedWallet {
                     .await?;
                 rows += ids.len() as i64;
                 events.extend(ids);
-                let one = wallet::summary(&db.pool).await?;
+                let one = wallet::summary(db).await?;
                 exact &= one.balances_exact;
                 total += one.total_balance;
             }
@@ -188,11 +188,11 @@ impl WalletDb for TestDb {
     }
 
     fn summary(&self) -> BoxFuture<'_, Result<Summary, BoxError>> {
-        Box::pin(async move { Ok(self.pool.summary().await?) })
+        Box::pin(async move { Ok(TestStore::summary(self).await?) })
     }
 
     fn balances(&self) -> BoxFuture<'_, Result<Vec<(i64, i64)>, BoxError>> {
-        Box::pin(async move { Ok(self.pool.balances().await?) })
+        Box::pin(async move { Ok(TestStore::balances(self).await?) })
     }
 
     fn consume<'a>(
@@ -219,11 +219,11 @@ impl WalletDb for MySqlDb {
     }
 
     fn summary(&self) -> BoxFuture<'_, Result<Summary, BoxError>> {
-        Box::pin(async move { Ok(self.pool.summary().await?) })
+        Box::pin(async move { Ok(TestStore::summary(self).await?) })
     }
 
     fn balances(&self) -> BoxFuture<'_, Result<Vec<(i64, i64)>, BoxError>> {
-        Box::pin(async move { Ok(self.pool.balances().await?) })
+        Box::pin(async move { Ok(TestStore::balances(self).await?) })
     }
 
     fn consume<'a>(
