@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use inbox_conformance::wallet::{BatchCredit, CreditEvent};
+use inbox_conformance::wallet::{self, BatchCredit, CreditEvent};
 use inbox_conformance::TestDb;
 use inbox_core::{BatchItem, BoxError, ConsumerBinding, InboxStore, MessageId, OutgoingMessage};
 use inbox_postgres::PgInbox;
@@ -21,13 +21,12 @@ use serde_json::json;
 use tokio::sync::oneshot;
 
 use crate::brokers::{self, Broker};
-use crate::cli::StoreKind;
 use crate::cli::{
     positive, BrokerKind, ConsumerSpec, HandlerKind, KafkaImpl, Variant, KAFKA_IMPL_HELP,
     KAFKA_IMPL_LONG_HELP,
 };
 use crate::consume::Watch;
-use crate::{kill, wallet_db};
+use crate::kill;
 
 /// `bench`: msgs/s of variants b and c beside the broker alone and the database alone, for
 /// each broker, batch size, handler and lane count; a table and JSON lines.
@@ -315,13 +314,13 @@ async fn processes_run(
     run: &str,
 ) -> Result<Row, BoxError> {
     let name = broker.create("bench").await?;
-    let db = wallet_db::create(StoreKind::Postgres, 1).await?;
+    let db = TestDb::new().await;
     let consumer = ConsumerSpec {
         batch: Some(spec.batch),
         lanes: spec.lanes,
         batched: spec.handler == HandlerKind::Batch,
         work: Duration::ZERO,
-        ..ConsumerSpec::new(broker.kind(), spec.variant, &name, db.name())
+        ..ConsumerSpec::new(broker.kind(), spec.variant, &name, &db.schema)
     };
     let mut children = Vec::with_capacity(processes);
     for member in 0..processes {
@@ -344,7 +343,7 @@ async fn processes_run(
     let (mut first, mut last) = (None, Instant::now());
     let mut seen = 0;
     while seen < n {
-        let rows = db.summary().await?.ledger_rows;
+        let rows = wallet::summary(&db).await?.ledger_rows;
         let now = Instant::now();
         if rows > seen {
             first.get_or_insert(now);
@@ -364,7 +363,7 @@ async fn processes_run(
         let _ = child.start_kill();
         let _ = child.wait().await;
     }
-    db.remove().await;
+    db.drop().await;
     broker.remove(&name).await;
     Ok(Row {
         broker: broker.kind().to_string(),

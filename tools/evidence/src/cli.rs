@@ -35,7 +35,7 @@ pub(crate) enum StoreKind {
     /// `inbox-mysql`, in a database of the run's own (`INBOX_MYSQL_URL`).
     Mysql,
     /// `inbox-postgres` behind `Sharded`: a schema of the run's own in each of the shard
-    /// clusters (see `wallet_db::shard_urls`), credits routed by account.
+    /// clusters (see `shards::shard_url`), credits routed by account.
     Sharded,
 }
 

@@ -8,18 +8,18 @@ use std::time::Duration;
 
 use inbox_conformance::mysql_wallet;
 use inbox_conformance::store::MySqlDb;
-use inbox_conformance::wallet::{BatchCredit, Credit, CreditEvent};
+use inbox_conformance::wallet::{BatchCredit, Credit};
 use inbox_conformance::TestDb;
 use inbox_core::{
     BatchHandler, BatchItem, BoxError, Consumer, HandlerError, Inbox, InboxStore, Message,
-    MessageId, MessageSource, Sharded, Stage, StageHook, StatsSnapshot,
+    MessageId, MessageSource, Stage, StageHook, StatsSnapshot,
 };
 use inbox_testkit::{MemoryStore, MemoryTx, WithoutInbox};
 
 use crate::bench::Progress;
-use crate::brokers;
+use crate::brokers::{self, Broker};
 use crate::cli::{ConsumeArgs, ConsumerSpec, KafkaImpl, StoreKind, Variant};
-use crate::wallet_db;
+use crate::shards;
 
 /// Resolves when the consumer should finish its batch and return.
 pub(crate) type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -102,15 +102,8 @@ async fn run_sharded<S: MessageSource + 'static>(
             "--store sharded runs variant c with the per-message credit only".into(),
         ));
     }
-    let dbs = wallet_db::attach_shards(&spec.schema).await;
-    let shards = dbs.len();
-    let store = Sharded::new(
-        dbs.iter().map(TestDb::inbox).collect(),
-        move |_: &MessageId, m: &Message| {
-            m.json::<CreditEvent>()
-                .map_or(0, |e| wallet_db::shard_of_account(e.account_id, shards))
-        },
-    );
+    let dbs = shards::attach_shards(&spec.schema).await;
+    let store = shards::sharded_inbox(&dbs);
     let progress = watch.progress.clone();
     let handler = Credit::new(dbs[0].clone()).work(spec.work);
     let consumer = Consumer::new("wallet", source, store, handler);
@@ -127,6 +120,30 @@ pub(crate) async fn run_mysql<S: MessageSource + 'static>(
     let handler = Credit::new(db.clone()).work(spec.work);
     let consumer = Consumer::new("wallet", source, mysql_wallet::inbox(db), handler);
     finish(consumer, spec, None, shutdown).await
+}
+
+/// Runs `spec`'s consumer in this process on the store `spec.store` of the run, attached by
+/// `spec.schema`, until `shutdown`.
+pub(crate) async fn attached(
+    broker: &dyn Broker,
+    spec: &ConsumerSpec,
+    shutdown: Shutdown,
+) -> Result<StatsSnapshot, BoxError> {
+    match spec.store {
+        StoreKind::Postgres => {
+            let db = TestDb::attach(&spec.schema).await;
+            broker.consume(spec, &db, Watch::default(), shutdown).await
+        }
+        StoreKind::Sharded => {
+            // The consumer attaches to every shard; the broker takes the first for its own.
+            let db = shards::attach_shards(&spec.schema).await.remove(0);
+            broker.consume(spec, &db, Watch::default(), shutdown).await
+        }
+        StoreKind::Mysql => {
+            let db = MySqlDb::attach(&spec.schema).await;
+            broker.consume_mysql(spec, &db, shutdown).await
+        }
+    }
 }
 
 /// Sets `spec`'s batch size, lanes and hooks on `consumer` and runs it until `shutdown`.
@@ -172,21 +189,7 @@ pub(crate) async fn main(args: ConsumeArgs) -> Result<(), BoxError> {
             std::future::pending::<()>().await;
         }
     });
-    let stats = match spec.store {
-        StoreKind::Postgres => {
-            let db = TestDb::attach(&spec.schema).await;
-            broker.consume(&spec, &db, Watch::default(), ctrl_c).await?
-        }
-        StoreKind::Sharded => {
-            // The consumer attaches to every shard; the broker takes the first for its own.
-            let db = wallet_db::attach_shards(&spec.schema).await.remove(0);
-            broker.consume(&spec, &db, Watch::default(), ctrl_c).await?
-        }
-        StoreKind::Mysql => {
-            let db = MySqlDb::attach(&spec.schema).await;
-            broker.consume_mysql(&spec, &db, ctrl_c).await?
-        }
-    };
+    let stats = attached(broker.as_ref(), &spec, ctrl_c).await?;
     eprintln!("{stats:?}");
     Ok(())
 }

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use inbox_admin::progress;
 use inbox_conformance::kill::{self, KillAt, KillHarness, KillPlan, KillReport, KillTick};
+use inbox_conformance::store::MySqlDb;
 use inbox_conformance::wallet::CreditEvent;
+use inbox_conformance::{TestDb, TestStore};
 use inbox_core::{BoxError, OutgoingMessage};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -19,9 +21,10 @@ use crate::chart;
 use crate::cli::{
     BrokerKind, ConsumerSpec, KafkaImpl, StoreKind, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
 };
+use crate::consume;
 use crate::report::{self, VariantResult};
 use crate::settings::{KillArgs, KillSettings};
-use crate::wallet_db::{self, WalletDb};
+use crate::shards::ShardedDb;
 
 /// `count` seeded credit events, IDs `evt-<i>`, each crediting 1–100 to one of `accounts` from
 /// `seed`, and the balances they add up to.
@@ -52,8 +55,8 @@ fn schedule(s: &KillSettings, run: u32) -> Vec<KillAt> {
         .collect()
 }
 
-/// Runs the kill test on one broker for every variant of `s`.
-pub(crate) async fn on_broker(
+/// Runs the kill test on one broker for every variant of `s`, a fresh wallet on `D` per run.
+async fn on_broker<D: TestStore>(
     broker: &dyn Broker,
     s: &KillSettings,
 ) -> Result<Vec<VariantResult>, BoxError> {
@@ -61,7 +64,7 @@ pub(crate) async fn on_broker(
     for &variant in &s.variants {
         let mut runs = Vec::new();
         for run in 0..s.runs {
-            let r = run_once(broker, s, variant, run).await?;
+            let r = run_once::<D>(broker, s, variant, run).await?;
             // Kept in the output as it happens, so a long session cut short still shows it.
             println!(
                 "run done: {} {} run {}/{}: {} duplicates, {} lost, {} kills, {} self-crashes",
@@ -77,7 +80,7 @@ pub(crate) async fn on_broker(
             runs.push(r);
         }
         let throughput = if s.throughput {
-            Some(throughput(broker, s, variant).await?)
+            Some(throughput::<D>(broker, s, variant).await?)
         } else {
             None
         };
@@ -100,32 +103,32 @@ fn spec(
     broker: BrokerKind,
     variant: Variant,
     name: &str,
-    db: &dyn WalletDb,
+    db: &impl TestStore,
     s: &KillSettings,
 ) -> ConsumerSpec {
     ConsumerSpec {
         work: Duration::from_millis(s.work_ms),
         lanes: s.lanes,
         crash_between_commit_and_ack: s.crash_between_commit_and_ack,
-        store: db.store(),
+        store: s.store,
         ..ConsumerSpec::new(broker, variant, name, db.name())
     }
 }
 
-async fn run_once(
+async fn run_once<D: TestStore>(
     broker: &dyn Broker,
     s: &KillSettings,
     variant: Variant,
     run: u32,
 ) -> Result<KillReport, BoxError> {
     let kind = broker.kind();
-    let db = wallet_db::create(s.store, s.shards).await?;
+    let db = D::create().await;
     let name = broker
         .create(&format!("{kind}-{}-{run}", variant.name()))
         .await?;
     let (events, expected) = events(s.seed, s.accounts, s.events);
     broker.publish(&name, &events).await?;
-    let spec = spec(kind, variant, &name, db.as_ref(), s);
+    let spec = spec(kind, variant, &name, &db, s);
     let mut drain_spec = spec.clone();
     drain_spec.crash_between_commit_and_ack = 0.0;
     let label = format!("{kind} {} run {}/{}", variant.name(), run + 1, s.runs);
@@ -135,7 +138,7 @@ async fn run_once(
         expected,
         kills: schedule(s, run),
     };
-    let mut h = harness(broker, &spec, &drain_spec, db.as_ref(), &bar).await?;
+    let mut h = harness(broker, &spec, &drain_spec, &db, &bar).await?;
     let result = kill::run(&mut h, &plan)
         .await
         .map_err(|e| format!("{label}: {e}"))?;
@@ -148,22 +151,22 @@ async fn run_once(
 
 /// How the kill run reaches `spec`'s consumers: `evidence consume` children of `spec`, and a
 /// draining consumer of `drain` in this process, on `broker` and `db`; `bar` shows the way.
-pub(crate) async fn harness<'a>(
+pub(crate) async fn harness<'a, D: TestStore>(
     broker: &'a dyn Broker,
     spec: &'a ConsumerSpec,
     drain: &'a ConsumerSpec,
-    db: &'a dyn WalletDb,
+    db: &'a D,
     bar: &progress::Progress,
 ) -> Result<KillHarness<'a>, BoxError> {
     let bar = bar.counter();
     Ok(KillHarness {
         spawn: Box::new(move |_| Box::pin(async move { spawn_ready(&spec.to_args(), &[]).await })),
-        summary: Box::new(move || db.summary()),
-        balances: Box::new(move || db.balances()),
+        summary: Box::new(move || Box::pin(async move { Ok(db.summary().await?) })),
+        balances: Box::new(move || Box::pin(async move { Ok(db.balances().await?) })),
         waiting: Box::new(move || {
             Box::pin(async move { Ok(broker.left(&spec.name).await?.unwrap_or(0)) })
         }),
-        consume: Box::new(move |shutdown| db.consume(broker, drain, shutdown)),
+        consume: Box::new(move |shutdown| Box::pin(consume::attached(broker, drain, shutdown))),
         redelivery_delay: broker.redelivery_delay(&spec.name).await?,
         drain_restarts: broker.drain_restarts(),
         tick: Box::new(move |tick| match tick {
@@ -176,23 +179,23 @@ pub(crate) async fn harness<'a>(
 }
 
 /// A no-kill run: events per second from the consumer's start to its last write.
-async fn throughput(
+async fn throughput<D: TestStore>(
     broker: &dyn Broker,
     s: &KillSettings,
     variant: Variant,
 ) -> Result<f64, BoxError> {
     let kind = broker.kind();
-    let db = wallet_db::create(s.store, s.shards).await?;
+    let db = D::create().await;
     let name = broker
         .create(&format!("{kind}-{}-rate", variant.name()))
         .await?;
     let (events, _) = events(s.seed, s.accounts, s.throughput_events);
     broker.publish(&name, &events).await?;
-    let mut spec = spec(kind, variant, &name, db.as_ref(), s);
+    let mut spec = spec(kind, variant, &name, &db, s);
     spec.crash_between_commit_and_ack = 0.0;
     let label = format!("{kind} {} no-kill throughput", variant.name());
     let bar = progress::Progress::bar(label, u64::from(s.throughput_events), "events", "applied");
-    let h = harness(broker, &spec, &spec, db.as_ref(), &bar).await?;
+    let h = harness(broker, &spec, &spec, &db, &bar).await?;
     let elapsed = kill::drain(&h, i64::from(s.throughput_events)).await?;
     drop(h);
     let rows = db.summary().await?.ledger_rows;
@@ -322,7 +325,15 @@ pub(crate) async fn run(s: &KillSettings) -> Result<(), BoxError> {
             continue;
         };
         brokers::kafka_note(kind, s.kafka_impl);
-        match on_broker(broker.as_ref(), s).await {
+        // The store is picked here, once: the run is generic over it.
+        let broker = broker.as_ref();
+        let results = match (s.store, s.shards) {
+            (StoreKind::Postgres, _) => on_broker::<TestDb>(broker, s).await,
+            (StoreKind::Mysql, _) => on_broker::<MySqlDb>(broker, s).await,
+            (StoreKind::Sharded, 1) => on_broker::<ShardedDb<1>>(broker, s).await,
+            (StoreKind::Sharded, _) => on_broker::<ShardedDb<2>>(broker, s).await,
+        };
+        match results {
             Ok(results) => {
                 report::table(&results);
                 all.extend(results);

@@ -28,8 +28,8 @@ mod outbox_chain;
 mod report;
 mod retention_bench;
 mod settings;
+mod shards;
 mod soak;
-mod wallet_db;
 mod zombie;
 
 use std::io::Write;
