@@ -124,12 +124,12 @@ async fn a_free_lane_reads_past_a_run_of_another_lanes_messages() {
         .fetch_all(&db.pool)
         .await
         .unwrap();
-    // Without reading past the run, the first of the others would come after all 30; the
-    // bound leaves room for a loaded machine, where the other lanes' first transactions (each
-    // resolving the consumer name on a cold cache) came 6th.
+    // Without reading past the run, the first of the others would come after all 30. On a
+    // quiet machine it came 6th to 8th in eight runs, under CI's load 11th: the bound keeps
+    // room for that and still puts the others well inside lane 0's run.
     let first_other = accounts.iter().position(|&a| a != 0).unwrap();
     assert!(
-        first_other < 10,
+        first_other < 20,
         "the other lanes waited for lane 0's run: ledger by account {accounts:?}"
     );
     db.drop().await;
