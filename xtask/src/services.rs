@@ -22,6 +22,7 @@ pub(crate) fn up(beside: Option<&[&str]>) -> Result {
     test_tools()?;
     python_clients()?;
     postgres()?;
+    pgbouncer()?;
     mariadb()?;
     redis()?;
     rabbitmq()?;
@@ -309,6 +310,57 @@ fn postgres() -> Result {
     }
 }
 
+/// PgBouncer in transaction mode in front of the test PostgreSQL (`INBOX_PGBOUNCER_URL`), for
+/// `inbox-postgres/tests/pgbouncer.rs`: Debian's, with a configuration of its own (in
+/// `<temp>/inbox-pgbouncer`) that signs in with `DATABASE_URL`'s credentials and passes sqlx's
+/// `extra_float_digits` startup parameter over.
+fn pgbouncer() -> Result {
+    let url = std::env::var("INBOX_PGBOUNCER_URL")
+        .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:6432/inbox".into());
+    let (host, port) = host_port(&url, 6432);
+    if !needs_start("PgBouncer", "INBOX_PGBOUNCER_URL", &host, port)? {
+        return Ok(());
+    }
+    if !have("pgbouncer") {
+        apt_install(&["pgbouncer"])?;
+    }
+    let server = which("pgbouncer").ok_or("pgbouncer is not on PATH after installing")?;
+    let upstream = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:5432/inbox".into());
+    let (db_host, db_port) = host_port(&upstream, 5432);
+    let (user, password, _) = mysql_credentials(&upstream);
+    let dir = std::env::temp_dir().join("inbox-pgbouncer");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let userlist = dir.join("userlist.txt");
+    let config = dir.join("pgbouncer.ini");
+    let write = |path: &Path, text: String| {
+        std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
+    };
+    write(&userlist, format!("\"{user}\" \"{password}\"\n"))?;
+    // Few server sessions and short-lived idle ones: the tests' pools share them, as an
+    // application's do.
+    write(
+        &config,
+        format!(
+            "[databases]\n* = host={db_host} port={db_port}\n\n[pgbouncer]\n\
+             listen_addr = {host}\nlisten_port = {port}\nunix_socket_dir =\n\
+             auth_type = md5\nauth_file = {}\npool_mode = transaction\n\
+             default_pool_size = 10\nmax_client_conn = 500\nserver_idle_timeout = 10\n\
+             ignore_startup_parameters = extra_float_digits\n",
+            userlist.display()
+        ),
+    )?;
+    let config_text = config.display().to_string();
+    let mut args = vec![config_text.as_str()];
+    // PgBouncer does not run as root: as the database's own user then.
+    if quiet("sh", &["-c", "[ \"$(id -u)\" = 0 ]"]) {
+        run("chown", &["-R", "postgres", &dir.display().to_string()])?;
+        args.splice(0..0, ["-u", "postgres"]);
+    }
+    spawn_detached("pgbouncer", &server, &args)?;
+    wait_for("PgBouncer", &host, port, Duration::from_secs(20))
+}
+
 /// MariaDB for the MySQL store's tests: the database and user of `INBOX_MYSQL_URL`, allowed to
 /// create and drop the databases the tests make (`<database>_*`).
 fn mariadb() -> Result {
@@ -369,7 +421,8 @@ fn mariadb() -> Result {
     run("mariadb", &["-u", "root", "-e", &sql])
 }
 
-/// User, password and database of a `mysql://user:password@host:port/database` URL.
+/// User, password and database of a `mysql://` or `postgres://user:password@host:port/database`
+/// URL.
 fn mysql_credentials(url: &str) -> (String, String, String) {
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
     let (auth, location) = rest.rsplit_once('@').unwrap_or(("root:", rest));
