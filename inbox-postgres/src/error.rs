@@ -44,6 +44,11 @@ pub enum Error {
         /// The header's name.
         name: String,
     },
+    /// PostgreSQL is reached through a transaction pooler (PgBouncer with `pool_mode =
+    /// transaction`) while the pool's connections cache prepared statements, which live in one
+    /// server session when the pooler hands each transaction to any.
+    #[error("PostgreSQL is reached through a transaction pooler (such as PgBouncer with pool_mode = transaction) and this pool's connections cache prepared statements, which would fail or run under another client's statement name in the next transaction's server session; add `statement-cache-capacity=0` to the database URL (or set `PgConnectOptions::statement_cache_capacity(0)`)")]
+    StatementCacheBehindPooler,
     /// The database failed.
     #[error("database error while {context}: {source}")]
     Database {
@@ -68,7 +73,9 @@ inbox_core::sqlx_store_errors!(database_recovery);
 ///   or serialization failure): the consumer finds the message that fails and retries it alone.
 fn database_recovery(e: &sqlx::Error) -> Recovery {
     match e.as_database_error().and_then(|db| db.code()).as_deref() {
-        Some("42P01" | "42703" | "42501" | "3F000") => Recovery::Fatal,
+        // 26000, 42P05: a prepared statement missing or already there, which a transaction
+        // pooler in front of a pool that caches statements causes (see `pooling.rs`).
+        Some("42P01" | "42703" | "42501" | "3F000" | "26000" | "42P05") => Recovery::Fatal,
         // 08: connection exception; 53: insufficient resources; 58: system error;
         // 57P01-57P03: admin shutdown, crash shutdown, cannot connect now.
         Some(code)

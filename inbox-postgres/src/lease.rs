@@ -206,14 +206,17 @@ impl PgLeases {
                 SELECT ctid FROM {t} WHERE done_at < now() - $1 * interval '1 second' LIMIT $2)"
         );
         let mut deleted = 0;
+        let context = "deleting done lease rows";
         loop {
+            let mut conn = self.inbox.single(context).await?;
             let n = sqlx::query(AssertSqlSafe(sql.as_str()))
                 .bind(older_than.as_secs_f64())
                 .bind(batch.max(1))
-                .execute(self.inbox.pool())
+                .execute(&mut *conn)
                 .await
-                .map_err(db("deleting done lease rows"))?
+                .map_err(db(context))?
                 .rows_affected();
+            conn.done().await.map_err(db(context))?;
             if n == 0 {
                 return Ok(deleted);
             }
@@ -260,6 +263,7 @@ impl PgLeases {
         key: &str,
         consumer_id: i16,
     ) -> Result<Option<Acquired>, StoreError> {
+        let mut conn = self.inbox.single("reading the lease").await?;
         let found: Option<(bool, f64)> = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT done_at IS NOT NULL,
                     greatest(extract(epoch FROM locked_until - now()), 0)::float8
@@ -269,9 +273,10 @@ impl PgLeases {
         )))
         .bind(key)
         .bind(consumer_id)
-        .fetch_optional(self.inbox.pool())
+        .fetch_optional(&mut *conn)
         .await
         .map_err(store_err("reading the lease"))?;
+        conn.done().await.map_err(store_err("reading the lease"))?;
         Ok(found.map(|(done, left)| {
             if done {
                 Acquired::Done
@@ -333,16 +338,20 @@ impl LeaseStore for PgLeases {
         // looked at again; a done row is the only kind a purge removes, so this ends.
         let lock_ms = self.lock_timeout_ms();
         for _ in 0..3 {
+            let mut conn = self.inbox.single("taking a lease").await?;
             let leased: Option<(i64, i64, i32, f64)> =
                 match sqlx::query_as(AssertSqlSafe(sql.as_str()))
                     .bind(&key)
                     .bind(consumer_id)
                     .bind(lease.as_secs_f64())
                     .bind(&lock_ms)
-                    .fetch_optional(self.inbox.pool())
+                    .fetch_optional(&mut *conn)
                     .await
                 {
-                    Ok(leased) => leased,
+                    Ok(leased) => {
+                        conn.done().await.map_err(store_err("taking a lease"))?;
+                        leased
+                    }
                     Err(sqlx::Error::Database(e))
                         if e.code().as_deref() == Some(LOCK_TIMED_OUT) =>
                     {
@@ -380,6 +389,7 @@ impl LeaseStore for PgLeases {
         let key = self.key(consumer, id)?;
         // The lock timeout as in `acquire`, set inside the statement before it waits on the
         // row: a row another transaction keeps locked ends the release as a retryable error.
+        let mut conn = self.inbox.single("releasing a lease").await?;
         let done = sqlx::query(AssertSqlSafe(format!(
             "UPDATE {t} SET locked_until = now(),
                  clean_token = CASE WHEN $4 THEN token ELSE clean_token END,
@@ -395,9 +405,10 @@ impl LeaseStore for PgLeases {
         .bind(release.not_applied)
         .bind(release.dead_lettered)
         .bind(self.lock_timeout_ms())
-        .execute(self.inbox.pool())
+        .execute(&mut *conn)
         .await
         .map_err(store_err("releasing a lease"))?;
+        conn.done().await.map_err(store_err("releasing a lease"))?;
         Ok(done.rows_affected() == 1)
     }
 

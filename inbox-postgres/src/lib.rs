@@ -66,6 +66,7 @@ mod lease;
 mod migration;
 mod outbox;
 mod partition;
+mod pooling;
 mod relay;
 mod retention;
 mod store;

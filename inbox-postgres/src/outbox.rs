@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use inbox_core::{MessageId, OutgoingMessage, Publish};
 use sqlx::types::chrono::{DateTime, Utc};
-use sqlx::{AssertSqlSafe, PgConnection, PgPool};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
 use tokio::task::JoinHandle;
 
 use crate::error::db;
@@ -262,9 +262,18 @@ impl Outbox {
     /// inboxes, not this table, make a second publish harmless.
     pub async fn purge_sent(&self, older_than: Duration, batch: i64) -> Result<u64> {
         let t = &self.table;
+        // Every statement in a transaction, so a transaction pooler runs it whole.
+        let mut tx = self
+            .pool
+            .begin()
+            .await
+            .map_err(db("reading the database clock"))?;
         let cutoff: DateTime<Utc> = sqlx::query_scalar("SELECT now() - make_interval(secs => $1)")
             .bind(older_than.as_secs_f64())
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db("reading the database clock"))?;
+        tx.commit()
             .await
             .map_err(db("reading the database clock"))?;
         // Through the primary key from the oldest row: sent rows are mostly the oldest ones.
@@ -274,14 +283,17 @@ impl Outbox {
                 FOR UPDATE SKIP LOCKED)"
         );
         let mut deleted = 0;
+        let context = "deleting sent outbox rows";
         loop {
+            let mut tx = self.pool.begin().await.map_err(db(context))?;
             let n = sqlx::query(AssertSqlSafe(sql.as_str()))
                 .bind(cutoff)
                 .bind(batch.max(1))
-                .execute(&self.pool)
+                .execute(&mut *tx)
                 .await
-                .map_err(db("deleting sent outbox rows"))?
+                .map_err(db(context))?
                 .rows_affected();
+            tx.commit().await.map_err(db(context))?;
             if n == 0 {
                 return Ok(deleted);
             }
@@ -294,12 +306,16 @@ impl Outbox {
     /// none). One probe of the unsent-rows index: cheap enough to run every few seconds.
     pub async fn oldest_unsent(&self) -> Result<Option<Duration>> {
         let t = &self.table;
-        let age: Option<f64> = sqlx::query_scalar(AssertSqlSafe(format!(
+        // No parameter: the simple query protocol, which a transaction pooler passes whole.
+        let age: Option<f64> = sqlx::raw_sql(AssertSqlSafe(format!(
             "SELECT extract(epoch FROM now() - created_at)::float8 FROM {t}
              WHERE sent_at IS NULL ORDER BY id LIMIT 1"
         )))
         .fetch_optional(&self.pool)
         .await
+        .map_err(db("reading the oldest unsent outbox row"))?
+        .map(|row| row.try_get(0))
+        .transpose()
         .map_err(db("reading the oldest unsent outbox row"))?;
         let age = age.map(|secs| Duration::try_from_secs_f64(secs).unwrap_or_default());
         metrics::gauge!(OUTBOX_OLDEST_UNSENT_GAUGE, "outbox" => self.label())

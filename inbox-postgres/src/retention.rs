@@ -10,6 +10,7 @@ use tokio::task::JoinHandle;
 
 use crate::error::db;
 use crate::partition::{is_partitioned, Bound, DropOutcome, DroppedPartition};
+use crate::pooling::LockHolder;
 use crate::{PgInbox, Result};
 
 /// The default number of rows one purge batch deletes: small enough that each batch's locks and
@@ -144,14 +145,18 @@ impl PgInbox {
     /// `<purpose> <schema>.<table>`.
     pub(crate) async fn table_lock_key(&self, purpose: &str) -> Result<i64> {
         let t = self.table();
+        let context = "finding the inbox table's schema";
+        // In a transaction, as every statement of this crate (see `pooling.rs`).
+        let mut tx = self.pool().begin().await.map_err(db(context))?;
         let schema: String = sqlx::query_scalar(
             "SELECT n.nspname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
              WHERE c.oid = $1::regclass",
         )
         .bind(t.to_string())
-        .fetch_one(self.pool())
+        .fetch_one(&mut *tx)
         .await
-        .map_err(db("finding the inbox table's schema"))?;
+        .map_err(db(context))?;
+        tx.commit().await.map_err(db(context))?;
         let digest = Sha256::digest(format!("{purpose} {schema}.{}", t.table()).as_bytes());
         let mut bytes = [0u8; 8];
         bytes.copy_from_slice(&digest[..8]);
@@ -163,11 +168,13 @@ impl PgInbox {
     /// its own short transaction, so a purge of millions of rows never holds locks or WAL for
     /// long, and an interrupted purge keeps what it did.
     ///
-    /// Only one cleaner runs at a time across all instances: the purge takes a session advisory
-    /// lock ([`purge_lock_key`](Self::purge_lock_key)) on a connection of its own, and returns
-    /// [`PurgeReport::SkippedOtherCleaner`] when another session holds it. The connection is
-    /// detached from the pool and closed afterwards, so a cancelled purge cannot leave the lock
-    /// behind on a pooled connection.
+    /// Only one cleaner runs at a time across all instances: the purge holds a transaction-scoped
+    /// advisory lock ([`purge_lock_key`](Self::purge_lock_key)) in a transaction of its own, on
+    /// a connection of its own beside the pool's, and returns
+    /// [`PurgeReport::SkippedOtherCleaner`] when another cleaner holds it. The lock ends with
+    /// that transaction, so neither a cancelled purge nor a transaction pooler (PgBouncer) in
+    /// front of the database can leave it behind. Every statement runs in a transaction, so
+    /// the purge works through a transaction pooler.
     ///
     /// Rows are found through the BRIN index on `processed_minute` (time-ordered inserts keep it
     /// selective); the cutoff is taken from the database clock, the one the rows were stamped by.
@@ -181,74 +188,61 @@ impl PgInbox {
         let batch = batch.max(1);
         let window_minutes = i64::try_from(older_than.as_secs() / 60).unwrap_or(i64::MAX / 2);
         let key = self.purge_lock_key().await?;
-        let mut conn = self
-            .pool()
-            .acquire()
-            .await
-            .map_err(db("opening the cleaner connection"))?
-            .detach();
-        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        let mut holder = LockHolder::open(self.pool(), "opening the cleaner's lock").await?;
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
             .bind(key)
-            .fetch_one(&mut conn)
+            .fetch_one(holder.conn())
             .await
             .map_err(db("taking the cleaner lock"))?;
         if !locked {
-            let _ = conn.close().await;
+            holder.release().await;
             return Ok(PurgeReport::SkippedOtherCleaner);
         }
-        let result = match is_partitioned(&mut conn, self.table()).await {
-            Ok(true) => {
-                self.purge_partitioned(&mut conn, window_minutes, batch)
+        let result = async {
+            let mut conn = self
+                .pool()
+                .acquire()
+                .await
+                .map_err(db("opening the cleaner connection"))?;
+            let mut tx = conn
+                .begin()
+                .await
+                .map_err(db("reading the table's layout"))?;
+            let partitioned = is_partitioned(&mut tx, self.table()).await?;
+            let cutoff_minute = cutoff_minute(&mut tx, window_minutes).await?;
+            tx.commit()
+                .await
+                .map_err(db("reading the table's layout"))?;
+            if partitioned {
+                self.purge_partitioned(&mut conn, cutoff_minute, batch)
                     .await
+            } else {
+                let t = self.table().to_string();
+                let mut batches = Vec::new();
+                delete_expired(&mut conn, &t, cutoff_minute, batch, false, &mut batches).await?;
+                batches.push(0);
+                Ok(PurgeReport::Purged {
+                    cutoff_minute,
+                    batches,
+                    dropped: Vec::new(),
+                    postponed: Vec::new(),
+                    created: Vec::new(),
+                })
             }
-            Ok(false) => self.purge_batches(&mut conn, window_minutes, batch).await,
-            Err(e) => Err(e),
-        };
-        // Unlocking explicitly: the server ends a closed session a moment after the client, so
-        // a purge right after this one could otherwise still find the lock taken. Closing the
-        // session releases it anyway, whatever happened above.
-        let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
-            .bind(key)
-            .execute(&mut conn)
-            .await;
-        let _ = conn.close().await;
+        }
+        .await;
+        holder.release().await;
         result
-    }
-
-    async fn purge_batches(
-        &self,
-        conn: &mut PgConnection,
-        window_minutes: i64,
-        batch: i64,
-    ) -> Result<PurgeReport> {
-        let t = self.table();
-        let cutoff_minute = cutoff_minute(conn, window_minutes).await?;
-        let mut batches = Vec::new();
-        delete_expired(conn, &t.to_string(), cutoff_minute, batch, &mut batches).await?;
-        batches.push(0);
-        Ok(PurgeReport::Purged {
-            cutoff_minute,
-            batches,
-            dropped: Vec::new(),
-            postponed: Vec::new(),
-            created: Vec::new(),
-        })
     }
 
     /// The purge of a partitioned table; see [`crate::Partitions`] for the rules.
     async fn purge_partitioned(
         &self,
         conn: &mut PgConnection,
-        window_minutes: i64,
+        cutoff_minute: i64,
         batch: i64,
     ) -> Result<PurgeReport> {
         let t = self.table();
-        // The checks and deletes below must read the BRIN index, never scan a whole partition:
-        // a partition's statistics can be stale. The session is this purge's own.
-        sqlx::query("SET enable_seqscan = off")
-            .execute(&mut *conn)
-            .await
-            .map_err(db("preparing the cleaner session"))?;
         let created = match self.create_ahead(conn).await {
             Ok(created) => created,
             Err(e) => {
@@ -257,12 +251,14 @@ impl PgInbox {
             }
         };
         self.drop_leftovers(conn).await?;
-        let cutoff_minute = cutoff_minute(conn, window_minutes).await?;
         let cutoff_ms = cutoff_minute.saturating_mul(60_000);
         let mut dropped = Vec::new();
         let mut postponed = Vec::new();
         let mut to_delete = Vec::new();
-        for leaf in self.leaves(conn).await? {
+        let mut tx = conn.begin().await.map_err(db("listing the partitions"))?;
+        let leaves = self.leaves(&mut tx).await?;
+        tx.commit().await.map_err(db("listing the partitions"))?;
+        for leaf in leaves {
             match leaf.bound {
                 Bound::Range(_, to) if to <= cutoff_ms => {
                     match self.drop_due(conn, &leaf, cutoff_minute).await? {
@@ -278,7 +274,7 @@ impl PgInbox {
         }
         let mut batches = Vec::new();
         for leaf in &to_delete {
-            delete_expired(conn, &leaf.sql, cutoff_minute, batch, &mut batches).await?;
+            delete_expired(conn, &leaf.sql, cutoff_minute, batch, true, &mut batches).await?;
         }
         batches.push(0);
         Ok(PurgeReport::Purged {
@@ -298,14 +294,17 @@ impl PgInbox {
     pub async fn oldest_per_consumer(&self) -> Result<Vec<ConsumerWindow>> {
         let t = self.table();
         let consumers = t.sibling("consumers");
+        let context = "reading the oldest remembered time per consumer";
+        let mut conn = self.single(context).await?;
         let rows: Vec<(String, Option<i32>, i64)> = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT c.name, min(i.processed_minute), count(i.consumer_id)
              FROM {consumers} c LEFT JOIN {t} i ON i.consumer_id = c.id
              GROUP BY c.name ORDER BY c.name"
         )))
-        .fetch_all(self.pool())
+        .fetch_all(&mut *conn)
         .await
-        .map_err(db("reading the oldest remembered time per consumer"))?;
+        .map_err(db(context))?;
+        conn.done().await.map_err(db(context))?;
         let now = SystemTime::now();
         let windows: Vec<ConsumerWindow> = rows
             .into_iter()
@@ -327,6 +326,8 @@ impl PgInbox {
     /// The row count and the on-disk size of the table and its indexes (of its partitions).
     pub async fn storage(&self) -> Result<Storage> {
         let t = self.table();
+        let context = "measuring the inbox table";
+        let mut conn = self.single(context).await?;
         let (rows, heap_bytes, index_bytes): (i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT (SELECT count(*) FROM {t}),
                     coalesce(sum(pg_relation_size(relid)), 0)::bigint,
@@ -336,9 +337,10 @@ impl PgInbox {
                    UNION SELECT oid FROM pg_class WHERE oid = $1::regclass AND relkind = 'r') leaves"
         )))
         .bind(t.to_string())
-        .fetch_one(self.pool())
+        .fetch_one(&mut *conn)
         .await
-        .map_err(db("measuring the inbox table"))?;
+        .map_err(db(context))?;
+        conn.done().await.map_err(db(context))?;
         Ok(Storage {
             rows,
             heap_bytes,
@@ -357,13 +359,15 @@ async fn cutoff_minute(conn: &mut PgConnection, window_minutes: i64) -> Result<i
 }
 
 /// Deletes the rows of the plain table (or partition) `table` processed before
-/// `cutoff_minute`, `batch` per statement until one deletes nothing; pushes each batch that
-/// deleted rows.
+/// `cutoff_minute`, `batch` per transaction until one deletes nothing; pushes each batch that
+/// deleted rows. `by_index`: the delete must read the BRIN index, never scan the whole
+/// partition, whose statistics can be stale (`SET LOCAL enable_seqscan = off`).
 async fn delete_expired(
     conn: &mut PgConnection,
     table: &str,
     cutoff_minute: i64,
     batch: i64,
+    by_index: bool,
     batches: &mut Vec<u64>,
 ) -> Result<()> {
     // `ctid` is unique within one table only: never run this on a partitioned parent.
@@ -371,14 +375,23 @@ async fn delete_expired(
         "DELETE FROM {table} WHERE ctid IN (
             SELECT ctid FROM {table} WHERE processed_minute < $1 LIMIT $2)"
     );
+    let context = "deleting expired inbox rows";
     loop {
+        let mut tx = conn.begin().await.map_err(db(context))?;
+        if by_index {
+            sqlx::raw_sql("SET LOCAL enable_seqscan = off")
+                .execute(&mut *tx)
+                .await
+                .map_err(db(context))?;
+        }
         let deleted = sqlx::query(AssertSqlSafe(sql.as_str()))
             .bind(cutoff_minute)
             .bind(batch)
-            .execute(&mut *conn)
+            .execute(&mut *tx)
             .await
-            .map_err(db("deleting expired inbox rows"))?
+            .map_err(db(context))?
             .rows_affected();
+        tx.commit().await.map_err(db(context))?;
         if deleted == 0 {
             return Ok(());
         }

@@ -1,17 +1,20 @@
 //! [`PgInbox`]: the inbox table and the claim, in the caller's transaction.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inbox_core::sql::{claim_keys, first_claims, hashed_key, uuid_key, BoundConsumer};
 use inbox_core::{ConsumerBinding, InboxStore, MessageId, StoreError};
 use sqlx::{AssertSqlSafe, PgPool};
+use tokio::sync::OnceCell;
 use uuid::Uuid;
 
 use crate::error::{db, store_err};
 use crate::migration::Migration;
 use crate::partition::{hashed_key_with_time, is_partitioned, qualify};
+use crate::pooling;
 use crate::{KeyMode, Partitions, PgTx, Result, TableName};
 
 /// The transactional inbox on PostgreSQL.
@@ -58,6 +61,11 @@ pub struct PgInbox {
     /// The table's layout as `migrate` or the first hashed claim found it ([`LAYOUT_UNKNOWN`]
     /// before), shared by the clones: hashed keys follow the table, not the configuration.
     layout: Arc<AtomicU8>,
+    /// Whether a transaction pooler stands in front of the database, found once for the store
+    /// and its clones ([`pooling::check`]).
+    pooled: Arc<OnceCell<bool>>,
+    /// The consumer ids read so far, by name: a name keeps its id.
+    consumer_ids: Arc<Mutex<HashMap<String, i16>>>,
 }
 
 const LAYOUT_UNKNOWN: u8 = 0;
@@ -92,6 +100,8 @@ impl PgInbox {
             handler_bound: String::new(),
             partitions: None,
             layout: Arc::new(AtomicU8::new(LAYOUT_UNKNOWN)),
+            pooled: Arc::default(),
+            consumer_ids: Arc::default(),
         }
     }
 
@@ -259,15 +269,44 @@ impl PgInbox {
     }
 
     /// The small integer standing for `consumer`, created on first use (committed at once, so
-    /// a rolled-back message never loses the mapping). A bound store reads it once, at its
-    /// first [`begin`](InboxStore::begin), before the transaction opens.
+    /// a rolled-back message never loses the mapping), and remembered by the store and its
+    /// clones. A bound store reads it once, at its first [`begin`](InboxStore::begin), before
+    /// the transaction opens.
+    ///
+    /// The first one also checks that the pool is fit for a transaction pooler in front of the
+    /// database, if there is one ([`Error::StatementCacheBehindPooler`](crate::Error)).
     pub async fn consumer_id(&self, consumer: &str) -> Result<i16> {
-        let mut conn = self
-            .pool
-            .acquire()
+        if let Some(id) = self.known_ids().get(consumer) {
+            return Ok(*id);
+        }
+        self.pooled().await?;
+        let context = "registering the consumer name";
+        let mut tx = self.pool.begin().await.map_err(db(context))?;
+        let id = self.register(&mut tx, consumer).await?;
+        tx.commit().await.map_err(db(context))?;
+        self.known_ids().insert(consumer.to_owned(), id);
+        Ok(id)
+    }
+
+    fn known_ids(&self) -> std::sync::MutexGuard<'_, HashMap<String, i16>> {
+        self.consumer_ids
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether a transaction pooler stands in front of the database ([`pooling::check`], once).
+    pub(crate) async fn pooled(&self) -> Result<bool> {
+        self.pooled
+            .get_or_try_init(|| pooling::check(&self.pool))
             .await
-            .map_err(db("registering the consumer name"))?;
-        self.register(&mut conn, consumer).await
+            .copied()
+    }
+
+    /// A connection for one statement outside any transaction of the caller's: the pool's,
+    /// or behind a transaction pooler a transaction of its own ([`pooling::Single`]).
+    pub(crate) async fn single(&self, context: &'static str) -> Result<pooling::Single> {
+        let pooled = self.pooled().await?;
+        pooling::Single::open(&self.pool, pooled, context).await
     }
 
     /// The id of `consumer` seen from `conn`, inserted when missing.

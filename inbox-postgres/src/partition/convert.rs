@@ -10,6 +10,7 @@ use super::{
     partition_name, qualify, Conversion, Partitions, MAX_MS,
 };
 use crate::error::db;
+use crate::pooling::LockHolder;
 use crate::{KeyMode, PgInbox, Result};
 
 impl PgInbox {
@@ -45,38 +46,44 @@ impl PgInbox {
             });
         }
         let t = self.table();
-        let mut conn = self
-            .pool()
-            .acquire()
-            .await
-            .map_err(db("converting the inbox table"))?
-            .detach();
         let migrate_key = format!("inbox migrate {t}");
         let purge_key = self.purge_lock_key().await?;
-        sqlx::query("SELECT pg_advisory_lock(hashtext($1)), pg_advisory_lock($2)")
-            .bind(&migrate_key)
-            .bind(purge_key)
-            .execute(&mut conn)
-            .await
-            .map_err(db("taking the migration and cleaner locks"))?;
-        let result = self.convert(&mut conn, window).await;
-        let _ = sqlx::query("SELECT pg_advisory_unlock(hashtext($1)), pg_advisory_unlock($2)")
-            .bind(&migrate_key)
-            .bind(purge_key)
-            .execute(&mut conn)
-            .await;
-        let _ = conn.close().await;
+        // Transaction-scoped locks, held beside the work (see `pooling.rs`).
+        let mut holder = LockHolder::open(self.pool(), "converting the inbox table").await?;
+        let locked =
+            sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1)), pg_advisory_xact_lock($2)")
+                .bind(&migrate_key)
+                .bind(purge_key)
+                .execute(holder.conn())
+                .await
+                .map_err(db("taking the migration and cleaner locks"));
+        let result = match locked {
+            Ok(_) => match self.pool().acquire().await {
+                Ok(mut conn) => self.convert(&mut conn, window).await,
+                Err(e) => Err(db("converting the inbox table")(e)),
+            },
+            Err(e) => Err(e),
+        };
+        holder.release().await;
         result
     }
 
     async fn convert(&self, conn: &mut PgConnection, window: Duration) -> Result<Conversion> {
         let t = self.table();
-        if is_partitioned(conn, t).await? {
+        let mut tx = conn
+            .begin()
+            .await
+            .map_err(db("converting the inbox table"))?;
+        let partitioned = is_partitioned(&mut tx, t).await?;
+        let now = db_now_ms(&mut tx).await?;
+        tx.commit()
+            .await
+            .map_err(db("converting the inbox table"))?;
+        if partitioned {
             return Ok(Conversion::AlreadyPartitioned);
         }
         let p = self.partitions.unwrap_or_default();
         let w = p.width_ms();
-        let now = db_now_ms(conn).await?;
         // The first boundary at least one span ahead: current keys stay outside the ranges.
         let first = (now + 2 * w - 1).div_euclid(w) * w;
         let window_ms = i64::try_from(window.as_millis()).unwrap_or(MAX_MS);
@@ -126,7 +133,9 @@ impl PgInbox {
             ))
             .await?;
             // 3. The rows that already do move over (keys from a clock far ahead, random UUIDs).
-            let moved = sqlx::query(AssertSqlSafe(format!(
+            // The simple query protocol, as every statement here outside a transaction: a
+            // transaction pooler passes it whole.
+            let moved = sqlx::raw_sql(AssertSqlSafe(format!(
                 "WITH moved AS (
                     DELETE FROM {t} WHERE message_id >= '{from}' AND message_id < '{to}'
                     RETURNING message_id, processed_minute, consumer_id)
@@ -136,17 +145,19 @@ impl PgInbox {
             .execute(&mut *conn)
             .await?
             .rows_affected();
-            sqlx::query(AssertSqlSafe(format!("ALTER TABLE {t} VALIDATE CONSTRAINT {check}")))
+            sqlx::raw_sql(AssertSqlSafe(format!("ALTER TABLE {t} VALIDATE CONSTRAINT {check}")))
                 .execute(&mut *conn)
                 .await?;
             // 4. The swap.
             // Quoted by PostgreSQL: a name given by hand may hold any character, `"` too.
+            let mut tx = conn.begin().await?;
             let pkey: Option<String> = sqlx::query_scalar(
                 "SELECT quote_ident(conname) FROM pg_constraint WHERE conrelid = $1::regclass AND contype = 'p'",
             )
             .bind(t.to_string())
-            .fetch_optional(&mut *conn)
+            .fetch_optional(&mut *tx)
             .await?;
+            tx.commit().await?;
             let default = qualify(t, &format!("{prefix}_default"));
             let mut swap = vec![format!("ALTER TABLE {t} RENAME TO \"{prefix}_default\"")];
             if let Some(pkey) = pkey {

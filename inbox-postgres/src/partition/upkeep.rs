@@ -34,23 +34,20 @@ impl PgInbox {
 
     /// Whether the table is partitioned, as the catalog says.
     pub async fn is_partitioned(&self) -> Result<bool> {
-        let mut conn = self
-            .pool()
-            .acquire()
-            .await
-            .map_err(db("reading the table's layout"))?;
-        is_partitioned(&mut conn, self.table()).await
+        let context = "reading the table's layout";
+        let mut conn = self.single(context).await?;
+        let partitioned = is_partitioned(&mut conn, self.table()).await?;
+        conn.done().await.map_err(db(context))?;
+        Ok(partitioned)
     }
 
     /// The partitions of a partitioned inbox, ranges in key order and the default partition
     /// last; empty for a plain table.
     pub async fn partitions(&self) -> Result<Vec<PartitionInfo>> {
-        let mut conn = self
-            .pool()
-            .acquire()
-            .await
-            .map_err(db("listing the partitions"))?;
+        let context = "listing the partitions";
+        let mut conn = self.single(context).await?;
         let leaves = self.leaves(&mut conn).await?;
+        conn.done().await.map_err(db(context))?;
         Ok(leaves
             .into_iter()
             .map(|leaf| PartitionInfo {
@@ -80,12 +77,11 @@ impl PgInbox {
                 .min(MAX_MS)
         };
         let (from, to) = (millis(from), millis(to));
-        let mut conn = self
-            .pool()
-            .acquire()
-            .await
-            .map_err(db("creating partitions"))?;
-        let existing = self.leaves(&mut conn).await?;
+        let context = "creating partitions";
+        let mut read = self.single(context).await?;
+        let existing = self.leaves(&mut read).await?;
+        read.done().await.map_err(db(context))?;
+        let mut conn = self.pool().acquire().await.map_err(db(context))?;
         let taken: Vec<(i64, i64)> = existing
             .iter()
             .filter_map(|l| match l.bound {
@@ -111,8 +107,10 @@ impl PgInbox {
     /// from the newest range; a store not configured partitioned takes the newest range's span
     /// and the default number ahead. Returns the names created.
     pub(crate) async fn create_ahead(&self, conn: &mut PgConnection) -> Result<Vec<String>> {
-        let now = db_now_ms(conn).await?;
-        let leaves = self.leaves(conn).await?;
+        let mut tx = conn.begin().await.map_err(db("listing the partitions"))?;
+        let now = db_now_ms(&mut tx).await?;
+        let leaves = self.leaves(&mut tx).await?;
+        tx.commit().await.map_err(db("listing the partitions"))?;
         let p = self.partitions.unwrap_or_else(|| {
             // Not configured (an operator's tool, say): the span of the newest range.
             let newest = leaves.iter().rev().find_map(|l| match l.bound {
@@ -258,6 +256,11 @@ impl PgInbox {
                 sqlx::query(AssertSqlSafe(format!("LOCK TABLE {l} IN SHARE MODE")))
                     .execute(&mut *tx)
                     .await?;
+                // The check reads the BRIN index, never the whole partition: its statistics
+                // can be stale.
+                sqlx::raw_sql("SET LOCAL enable_seqscan = off")
+                    .execute(&mut *tx)
+                    .await?;
                 let live: bool = sqlx::query_scalar(AssertSqlSafe(format!(
                     "SELECT EXISTS (SELECT 1 FROM {l} WHERE processed_minute >= $1)"
                 )))
@@ -334,6 +337,10 @@ impl PgInbox {
             "^{}_p[0-9]{{8}}_[0-9]{{4}}$",
             name_prefix(self.table().table())
         );
+        let mut tx = conn
+            .begin()
+            .await
+            .map_err(db("looking for detached partitions"))?;
         let leftovers: Vec<String> = sqlx::query_scalar(
             "SELECT c.oid::regclass::text FROM pg_class c
              WHERE c.relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = $1::regclass)
@@ -341,9 +348,12 @@ impl PgInbox {
         )
         .bind(self.table().to_string())
         .bind(pattern)
-        .fetch_all(&mut *conn)
+        .fetch_all(&mut *tx)
         .await
         .map_err(db("looking for detached partitions"))?;
+        tx.commit()
+            .await
+            .map_err(db("looking for detached partitions"))?;
         for sql in leftovers {
             self.drop_detached(conn, &p, &sql).await;
         }
