@@ -177,6 +177,51 @@ pub fn database_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:5432/inbox".to_owned())
 }
 
+/// Runs `statements` on one connection to `url`.
+///
+/// # Panics
+/// When the server cannot be reached or a statement fails.
+async fn admin(url: &str, statements: &[String]) {
+    let admin = pool_at(url, |o| o).await;
+    for statement in statements {
+        sqlx::raw_sql(AssertSqlSafe(statement.clone()))
+            .execute(&admin)
+            .await
+            .unwrap_or_else(|e| panic!("cannot set up the test database ({statement}): {e}"));
+    }
+    admin.close().await;
+}
+
+/// `url` with its database replaced by `database`.
+fn in_database(url: &str, database: &str) -> String {
+    let (server, rest) = url.rsplit_once('/').unwrap_or((url, ""));
+    match rest.split_once('?') {
+        Some((_, query)) => format!("{server}/{database}?{query}"),
+        None => format!("{server}/{database}"),
+    }
+}
+
+/// Connections to `url`, `options` applied.
+///
+/// # Panics
+/// When the server cannot be reached.
+async fn pool_at(url: &str, options: impl FnOnce(PgConnectOptions) -> PgConnectOptions) -> PgPool {
+    let parsed: PgConnectOptions = url.parse().unwrap_or_else(|e| {
+        panic!(
+            "database URL {} does not parse: {e}",
+            inbox_core::redact_url(url)
+        )
+    });
+    // No ping per acquire (a round-trip per transaction): a dead connection fails the
+    // transaction's first statement, and the consumer retries on another.
+    PgPoolOptions::new()
+        .max_connections(8)
+        .test_before_acquire(false)
+        .connect_with(options(parsed))
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {}: {e}; run `cargo xtask services` or set DATABASE_URL", inbox_core::redact_url(url)))
+}
+
 /// Whether the tests' inboxes take the partitioned layout: `INBOX_TEST_LAYOUT=partitioned` runs
 /// the store's suites on it (daily partitions and a default one), `plain` or unset on the plain
 /// table.
@@ -191,13 +236,28 @@ pub fn partitioned_layout() -> bool {
     }
 }
 
+/// The transaction pooler the tests' inboxes reach the database through, when
+/// `INBOX_TEST_POOLER_URL` names one (PgBouncer in transaction mode, as `INBOX_PGBOUNCER_URL`):
+/// the inbox and its handlers' statements go through it, the tests' own checks do not.
+pub(crate) fn pooler_url() -> Option<String> {
+    std::env::var("INBOX_TEST_POOLER_URL")
+        .ok()
+        .filter(|url| !url.is_empty())
+}
+
 /// A schema of its own for one test, holding the wallet tables and a migrated inbox.
+///
+/// Behind a transaction pooler ([`pooler_url`]) the schema is in a database of its own (named
+/// as the schema), whose default `search_path` names it: a pooled server session takes no
+/// startup options, and the wallet's statements name their tables without a schema.
 #[derive(Debug, Clone)]
 pub struct TestDb {
-    /// Connections whose `search_path` is the schema.
+    /// Connections whose `search_path` is the schema, straight to the database.
     pub pool: PgPool,
     /// The schema's name (random, `t_…`).
     pub schema: String,
+    /// The connections the inbox uses through the transaction pooler, if there is one.
+    through: Option<PgPool>,
 }
 
 impl TestDb {
@@ -208,7 +268,7 @@ impl TestDb {
     /// When PostgreSQL cannot be reached: start it with `cargo xtask services` or set
     /// `DATABASE_URL`.
     pub async fn new() -> Self {
-        Self::at(&database_url()).await
+        Self::create(&database_url(), pooler_url().as_deref()).await
     }
 
     /// [`TestDb::new`] on the server at `url` (a cluster of the test's own).
@@ -216,18 +276,27 @@ impl TestDb {
     /// # Panics
     /// When that server cannot be reached.
     pub async fn at(url: &str) -> Self {
+        Self::create(url, None).await
+    }
+
+    async fn create(url: &str, pooler: Option<&str>) -> Self {
         let schema = format!("t_{:016x}", rand::random::<u64>());
-        let admin = PgPoolOptions::new()
-            .max_connections(1)
-            .connect(url)
-            .await
-            .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {}: {e}; run `cargo xtask services` or set DATABASE_URL", inbox_core::redact_url(url)));
-        sqlx::query(AssertSqlSafe(format!("CREATE SCHEMA \"{schema}\"")))
-            .execute(&admin)
-            .await
-            .unwrap_or_else(|e| panic!("cannot create schema {schema}: {e}"));
-        admin.close().await;
-        let db = Self::attach_at(url, &schema).await;
+        let mut setup = vec![format!("CREATE SCHEMA \"{schema}\"")];
+        if pooler.is_some() {
+            setup = vec![
+                format!("CREATE DATABASE \"{schema}\""),
+                format!("ALTER DATABASE \"{schema}\" SET search_path = \"{schema}\""),
+            ];
+        }
+        admin(url, &setup).await;
+        if pooler.is_some() {
+            admin(
+                &in_database(url, &schema),
+                &[format!("CREATE SCHEMA \"{schema}\"")],
+            )
+            .await;
+        }
+        let db = Self::connect(url, pooler, &schema).await;
         wallet::install(&db.pool)
             .await
             .unwrap_or_else(|e| panic!("cannot create the wallet tables: {e}"));
@@ -248,7 +317,7 @@ impl TestDb {
     /// # Panics
     /// When PostgreSQL cannot be reached.
     pub async fn attach(schema: &str) -> Self {
-        Self::attach_at(&database_url(), schema).await
+        Self::connect(&database_url(), pooler_url().as_deref(), schema).await
     }
 
     /// [`TestDb::attach`] on the server at `url`.
@@ -256,24 +325,30 @@ impl TestDb {
     /// # Panics
     /// When that server cannot be reached.
     pub async fn attach_at(url: &str, schema: &str) -> Self {
-        let options: PgConnectOptions = url.parse().unwrap_or_else(|e| {
-            panic!(
-                "DATABASE_URL {} does not parse: {e}",
-                inbox_core::redact_url(url)
-            )
-        });
-        let options = options.options([("search_path", schema)]);
-        // No ping per acquire (a round-trip per transaction): a dead connection fails the
-        // transaction's first statement, and the consumer retries on another.
-        let pool = PgPoolOptions::new()
-            .max_connections(8)
-            .test_before_acquire(false)
-            .connect_with(options)
-            .await
-            .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {}: {e}; run `cargo xtask services` or set DATABASE_URL", inbox_core::redact_url(url)));
+        Self::connect(url, None, schema).await
+    }
+
+    async fn connect(url: &str, pooler: Option<&str>, schema: &str) -> Self {
+        let direct = match pooler {
+            Some(_) => in_database(url, schema),
+            None => url.to_owned(),
+        };
+        let pool = pool_at(&direct, |o| o.options([("search_path", schema)])).await;
+        let through = match pooler {
+            // A pooled server session keeps no prepared statement from one transaction to
+            // the next: no statement cache.
+            Some(pooler) => Some(
+                pool_at(&in_database(pooler, schema), |o| {
+                    o.statement_cache_capacity(0)
+                })
+                .await,
+            ),
+            None => None,
+        };
         Self {
             pool,
             schema: schema.to_owned(),
+            through,
         }
     }
 
@@ -290,9 +365,8 @@ impl TestDb {
     pub fn inbox_named(&self, table: &str, mode: KeyMode) -> PgInbox {
         let table = TableName::qualified(&self.schema, table)
             .unwrap_or_else(|e| panic!("test table name refused: {e}"));
-        let inbox = PgInbox::new(self.pool.clone())
-            .with_table(table)
-            .with_key_mode(mode);
+        let pool = self.through.as_ref().unwrap_or(&self.pool).clone();
+        let inbox = PgInbox::new(pool).with_table(table).with_key_mode(mode);
         if partitioned_layout() {
             inbox.partitioned(Partitions::default())
         } else {
@@ -335,15 +409,35 @@ impl TestDb {
         .unwrap_or_else(|e| panic!("cannot insert aged inbox rows: {e}"));
     }
 
-    /// Drops the schema and everything in it.
+    /// Drops the schema and everything in it (its database, behind a transaction pooler).
     pub async fn drop(self) {
         let schema = &self.schema;
-        let result = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
-            .execute(&self.pool)
-            .await;
+        let result = match self.through {
+            Some(through) => {
+                through.close().await;
+                self.pool.close().await;
+                let admin = PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&database_url())
+                    .await;
+                let sql = format!("DROP DATABASE \"{schema}\" WITH (FORCE)");
+                match admin {
+                    Ok(admin) => sqlx::raw_sql(AssertSqlSafe(sql))
+                        .execute(&admin)
+                        .await
+                        .map(drop),
+                    Err(e) => Err(e),
+                }
+            }
+            None => {
+                let sql = format!("DROP SCHEMA \"{schema}\" CASCADE");
+                let result = sqlx::query(AssertSqlSafe(sql)).execute(&self.pool).await;
+                self.pool.close().await;
+                result.map(drop)
+            }
+        };
         if let Err(e) = result {
             eprintln!("could not drop test schema {schema}: {e}");
         }
-        self.pool.close().await;
     }
 }

@@ -82,6 +82,14 @@ fn test(extra: &[String]) -> Result<(), String> {
     let mut args = vec!["test", "-p", "inbox-postgres"];
     args.extend(extra.iter().map(String::as_str));
     cargo_with(&args, &[("INBOX_TEST_LAYOUT", "partitioned")])?;
+    // The store behind PgBouncer in transaction mode: one broker's whole suite, the hard kill
+    // among it, with every inbox transaction through the pooler and the checks straight to the
+    // database (`inbox_conformance::TestDb`).
+    let pooler = std::env::var("INBOX_PGBOUNCER_URL")
+        .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:6432/inbox".into());
+    let mut args = vec!["test", "-p", "inbox-redis-streams", "--test", "conformance"];
+    args.extend(extra.iter().map(String::as_str));
+    cargo_with(&args, &[("INBOX_TEST_POOLER_URL", pooler.as_str())])?;
     // Built by `cargo test` already; this runs them.
     let env = example_env();
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
