@@ -50,6 +50,17 @@ pub enum IdFrom {
     /// without a leading `/` is a top-level member (`id` is `/id`). A string is the ID as it is,
     /// an integer in decimal.
     JsonField(String),
+    /// Where the message sits in its stream, for topics whose producers set no ID: on Kafka
+    /// the topic, partition and offset (`<topic>/<partition>/<offset>`). Brokers without a
+    /// stable position (SQS, RabbitMQ) refuse it at `connect`.
+    ///
+    /// A weaker promise than a producer's ID: it removes redeliveries (a crash before the
+    /// offset commit, a rebalance, a zombie's late write), but a producer's or a relay's resend
+    /// is a new record at a new position and is applied again, and so is a dead letter
+    /// replayed to the topic. A topic deleted and created again, or a cluster restored without
+    /// its offsets, starts its offsets over: its new records would be taken for duplicates of
+    /// the old ones and skipped, so use a new consumer name (or purge the inbox) then.
+    Position,
     /// The first of these conventions that finds something; a message none of them finds is
     /// dead-lettered naming them all.
     FirstOf(Vec<IdFrom>),
@@ -143,6 +154,11 @@ impl IdFrom {
             Self::JsonField(pointer) if pointer.is_empty() || pointer == "/" => Err(format!(
                 "the JSON field `{pointer}` names no member; use a pointer such as `/event/id`"
             )),
+            Self::Position if binding.position.is_none() => Err(format!(
+                "{} has no stable position to read an ID from (IdFrom::Position); read the ID \
+                 from a {} (IdFrom::Header), CloudEvents or a JSON field instead",
+                binding.broker, binding.header
+            )),
             Self::FirstOf(all) if all.is_empty() => {
                 Err("IdFrom::FirstOf lists no convention".into())
             }
@@ -174,6 +190,13 @@ impl IdFrom {
                 }
             }
             Self::JsonField(pointer) => json_field(message, pointer),
+            Self::Position => {
+                let field = binding.position.unwrap_or("position").to_owned();
+                match message.position() {
+                    Some(position) => Found::text(&field, &position),
+                    None => Found::Missing(field),
+                }
+            }
             Self::CloudEvents(identity) => cloud_events(message, *identity),
             Self::FirstOf(all) => {
                 let mut missing = Vec::new();
@@ -200,6 +223,7 @@ impl fmt::Display for IdFrom {
             }
             Self::Debezium => f.write_str("Debezium outbox id"),
             Self::JsonField(pointer) => write!(f, "JSON field {}", pointer_of(pointer)),
+            Self::Position => f.write_str("the position in the stream"),
             Self::FirstOf(all) => {
                 let names: Vec<String> = all.iter().map(ToString::to_string).collect();
                 f.write_str(&names.join(", else "))
@@ -219,6 +243,9 @@ pub struct Binding {
     /// How the message-ID property is named in errors (`property message_id`), or `None` where
     /// the protocol has none.
     pub property: Option<&'static str>,
+    /// How a message's position is named in errors (`topic, partition and offset`), or `None`
+    /// where the broker has no stable one ([`IdFrom::Position`] is refused there).
+    pub position: Option<&'static str>,
     /// The prefixes of CloudEvents attributes in binary content mode, in the order tried
     /// (Kafka `ce_`; AMQP `cloudEvents_`, then `cloudEvents:`). Empty where CloudEvents defines
     /// no binding for the broker: only structured mode is read there.
@@ -237,6 +264,12 @@ pub trait IdCarrier {
 
     /// The protocol's message-ID property, where the message has one.
     fn property(&self) -> Option<Cow<'_, [u8]>> {
+        None
+    }
+
+    /// The message's position in its stream, where the broker has a stable one
+    /// ([`IdFrom::Position`]).
+    fn position(&self) -> Option<Cow<'_, str>> {
         None
     }
 
@@ -406,12 +439,14 @@ mod tests {
         broker: "Kafka",
         header: "header",
         property: None,
+        position: Some("topic, partition and offset"),
         cloud_events_prefixes: &["ce_"],
     };
     const AMQP: Binding = Binding {
         broker: "RabbitMQ",
         header: "header",
         property: Some("property message_id"),
+        position: None,
         cloud_events_prefixes: &["cloudEvents_", "cloudEvents:"],
     };
 
@@ -420,6 +455,24 @@ mod tests {
         headers: Vec<(&'static str, &'static str)>,
         property: Option<&'static str>,
         payload: &'static str,
+    }
+
+    /// A Kafka record at offset 15 of partition 2 of `orders`.
+    struct AtPosition(Msg);
+
+    impl IdCarrier for AtPosition {
+        fn binding(&self) -> &Binding {
+            self.0.binding()
+        }
+        fn header(&self, name: &str) -> Option<Result<Cow<'_, [u8]>, String>> {
+            self.0.header(name)
+        }
+        fn position(&self) -> Option<Cow<'_, str>> {
+            Some(Cow::Borrowed("orders/2/15"))
+        }
+        fn payload(&self) -> &[u8] {
+            self.0.payload()
+        }
     }
 
     impl IdCarrier for Msg {
@@ -468,6 +521,27 @@ mod tests {
         );
         let plain = kafka(vec![("id", "d-2")], "{}");
         assert_eq!(id(&IdFrom::Debezium, &plain), "d-2");
+    }
+
+    #[test]
+    fn a_position_where_the_broker_has_one_and_a_refusal_where_not() {
+        let at = AtPosition(kafka(vec![], "{}"));
+        assert_eq!(IdFrom::Position.read(&at).unwrap().as_str(), "orders/2/15");
+        // A header first, the position for records without one.
+        let either = IdFrom::header("event_id").or(IdFrom::Position);
+        assert_eq!(either.read(&at).unwrap().as_str(), "orders/2/15");
+        let with_id = AtPosition(kafka(vec![("event_id", "e1")], "{}"));
+        assert_eq!(either.read(&with_id).unwrap().as_str(), "e1");
+        assert!(IdFrom::Position.check(&KAFKA).is_ok());
+        let refused = IdFrom::Position.check(&AMQP).unwrap_err();
+        assert!(
+            refused.contains("RabbitMQ has no stable position"),
+            "{refused}"
+        );
+        assert_eq!(
+            err(&IdFrom::Position, &kafka(vec![], "{}")),
+            "message has no ID: topic, partition and offset is missing"
+        );
     }
 
     #[test]

@@ -98,8 +98,9 @@ impl KafkaSourceBuilder {
         }
     }
 
-    /// The header that holds the message ID (default `event_id`). The ID never comes from the
-    /// offset: a relay that republishes an event gives it a new offset, not a new ID.
+    /// The header that holds the message ID (default `event_id`). The ID does not come from the
+    /// offset unless asked ([`IdFrom::Position`]): a relay that republishes an event gives it a
+    /// new offset, not a new ID.
     ///
     /// Shorthand for [`id_from`](Self::id_from)`(IdFrom::Header(name))`.
     pub fn id_header(mut self, name: impl Into<String>) -> Self {
@@ -111,6 +112,11 @@ impl KafkaSourceBuilder {
     /// CloudEvent's `id` (binary mode `ce_id` header, or a structured-mode JSON event), the
     /// Debezium outbox router's `id` header, or a JSON field of the value. Kafka has no
     /// message-ID property, so [`IdFrom::MessageIdProperty`] is refused at `connect`.
+    ///
+    /// For a topic whose producers set no ID, [`IdFrom::Position`] keys each record by topic,
+    /// partition and offset: redeliveries are skipped, but a producer's resend is a new record
+    /// and is applied again, and a topic created anew under the same name would have its new
+    /// records skipped (see [`IdFrom::Position`]).
     pub fn id_from(mut self, from: IdFrom) -> Self {
         self.id_from = from;
         self

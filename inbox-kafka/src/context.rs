@@ -34,8 +34,9 @@ fn log(client: &str, level: RDKafkaLogLevel, facility: &str, line: &str) {
 
 /// What a client without a token provider answers librdkafka's token refresh with.
 const NO_PROVIDER: &str = "sasl.mechanism=OAUTHBEARER needs a token: set one with \
-                           `.token_provider(..)` on the KafkaConnection, or use librdkafka's \
-                           sasl.oauthbearer.method=oidc";
+                           `.token_provider(..)` on the KafkaConnection (librdkafka's own \
+                           sasl.oauthbearer.method=oidc needs a libcurl build this crate does \
+                           not enable)";
 
 fn token(refresh: Option<&TokenRefresh>) -> Result<OAuthToken, Box<dyn std::error::Error>> {
     match refresh {

@@ -112,12 +112,14 @@
 //!   A member evicted for exceeding `max.poll.interval.ms` (a zombie) may still commit its
 //!   database transaction: the inbox's unique claim makes either its write or the new owner's a
 //!   no-op.
-//! - **No ID.** The ID comes from a header (default `event_id`), never from the offset: a relay
+//! - **No ID.** The ID comes from a header (default `event_id`), not from the offset: a relay
 //!   that republishes an event gives it a new offset, not a new ID. Records of other producers
 //!   are read where their convention puts it, with [`KafkaSourceBuilder::id_from`]: a
 //!   CloudEvent's `ce_id` header (binary mode) or `id` (a structured-mode JSON value), its
 //!   `ce_source` and `ce_id` together, the Debezium outbox router's `id` header, a JSON field of
-//!   the value (see [`IdFrom`]). A record without one, and a
+//!   the value (see [`IdFrom`]); for topics whose producers set none, the record's position
+//!   ([`IdFrom::Position`], a weaker promise: a resend is applied again). A record without one,
+//!   and a
 //!   record whose handler failed past the retry limit, is produced to the dead-letter topic
 //!   (default `<topic>.dlq`) with its key, value and headers plus the headers `reason`,
 //!   `original_source` (the topic) and `original_position` (`partition 3 offset 17`), named by

@@ -224,6 +224,7 @@ impl KafkaSource {
         let id = self.id_from.read(&Record {
             headers: message.headers(),
             payload: message.payload().unwrap_or_default(),
+            position: (topic, partition, offset),
         });
         let headers = message
             .headers()
@@ -276,6 +277,7 @@ pub(crate) const ID_BINDING: Binding = Binding {
     broker: "Kafka",
     header: "header",
     property: None,
+    position: Some("topic, partition and offset"),
     cloud_events_prefixes: &["ce_"],
 };
 
@@ -283,6 +285,8 @@ pub(crate) const ID_BINDING: Binding = Binding {
 struct Record<'a> {
     headers: Option<&'a BorrowedHeaders>,
     payload: &'a [u8],
+    /// Topic, partition and offset.
+    position: (&'a str, i32, i64),
 }
 
 impl IdCarrier for Record<'_> {
@@ -294,6 +298,12 @@ impl IdCarrier for Record<'_> {
     fn header(&self, name: &str) -> Option<Result<Cow<'_, [u8]>, String>> {
         let header = self.headers?.iter().find(|h| h.key == name)?;
         header.value.map(|v| Ok(Cow::Borrowed(v)))
+    }
+
+    /// `<topic>/<partition>/<offset>`: no topic name holds a `/`.
+    fn position(&self) -> Option<Cow<'_, str>> {
+        let (topic, partition, offset) = self.position;
+        Some(Cow::Owned(format!("{topic}/{partition}/{offset}")))
     }
 
     fn payload(&self) -> &[u8] {

@@ -11,7 +11,7 @@ use common::*;
 use inbox_conformance::wallet::{Credit, CreditEvent};
 use inbox_conformance::TestDb;
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
-use inbox_core::{Consumer, Stage};
+use inbox_core::{Consumer, IdFrom, Stage};
 use inbox_kafka::rdkafka::Message as _;
 use inbox_testkit::{AckOnReceive, Crash};
 
@@ -172,5 +172,96 @@ async fn acked_on_receipt_a_batch_that_crashed_before_the_database_commit_is_los
         "committed offsets of messages never applied"
     );
     assert_eq!(lag, 0, "the broker considers them done");
+    db.drop().await;
+}
+
+/// Records a producer outside this crate wrote without an ID, read under `IdFrom::Position`
+/// (topic, partition, offset): a consumer that dies after its commit and before its ack leaves
+/// its records to the group's next member, which skips them; a resend of a credit is a new
+/// record at a new offset and is applied again, the weaker promise the variant states.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn positions_as_ids_skip_redeliveries_but_not_resends() {
+    let topic = topic(1).await;
+    let group = random("group");
+    let db = TestDb::new().await;
+    let producer = producer().await;
+    for amount in 1..=10 {
+        let credit = CreditEvent::new(1, amount).to_json();
+        send_raw(&producer, &topic, Some(0), None, &[], &credit).await;
+    }
+    let positioned = || async {
+        config(&topic, &group)
+            .id_from(IdFrom::Position)
+            .connect()
+            .await
+            .expect("source")
+    };
+
+    let crash = Crash::at(Stage::Committed);
+    let crashing = Consumer::new(
+        "wallet",
+        crash.source(positioned().await),
+        db.inbox(),
+        Credit::new(db.clone()),
+    )
+    .batch_size(10);
+    let crashed = crash.run(crashing.run_until(std::future::pending())).await;
+    assert!(crashed.is_err(), "{crashed:?}");
+    let first = summary(&db).await;
+    assert!(
+        first.ledger_rows > 0,
+        "the first batch committed: {first:?}"
+    );
+
+    let restarted = Running::start(
+        "wallet",
+        positioned().await,
+        db.inbox(),
+        Credit::new(db.clone()),
+        10,
+    );
+    assert!(wait_for_events(&db, 10).await, "every record applied");
+    assert_eq!(wait_for_no_lag(&topic, &group, 1).await, 0);
+    let stats = restarted.stop().await.expect("consumer");
+    assert_eq!(
+        stats.skipped_duplicates,
+        u64::try_from(first.ledger_rows).unwrap(),
+        "the redelivered records are skipped: {stats:?}"
+    );
+    let redelivered = summary(&db).await;
+    assert_eq!((redelivered.ledger_rows, redelivered.duplicates()), (10, 0));
+    assert_eq!(redelivered.total_balance, 55);
+
+    // The producer sends the first credit again: a new offset, applied again.
+    send_raw(
+        &producer,
+        &topic,
+        Some(0),
+        None,
+        &[],
+        &CreditEvent::new(1, 1).to_json(),
+    )
+    .await;
+    let again = Running::start(
+        "wallet",
+        positioned().await,
+        db.inbox(),
+        Credit::new(db.clone()),
+        10,
+    );
+    assert!(wait_for_events(&db, 11).await, "the resend applied");
+    again.stop().await.expect("consumer");
+    let resent = summary(&db).await;
+    assert_eq!((resent.ledger_rows, resent.total_balance), (11, 56));
+    let ids: Vec<String> =
+        inbox_postgres::sqlx::query_scalar("SELECT event_id FROM ledger ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        ids[0],
+        format!("{topic}/0/0"),
+        "the ID is the record's position"
+    );
     db.drop().await;
 }

@@ -309,6 +309,7 @@ pub(crate) const ID_BINDING: Binding = Binding {
     broker: "RabbitMQ",
     header: "header",
     property: Some("property message_id"),
+    position: None,
     cloud_events_prefixes: &["cloudEvents_", "cloudEvents:"],
 };
 

@@ -351,6 +351,7 @@ pub(crate) const ID_BINDING: Binding = Binding {
     broker: "Redis Streams",
     header: "field",
     property: None,
+    position: None,
     cloud_events_prefixes: &[],
 };
 

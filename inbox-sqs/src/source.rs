@@ -295,6 +295,7 @@ pub(crate) const ID_BINDING: Binding = Binding {
     broker: "SQS",
     header: "message attribute",
     property: Some("system attribute MessageDeduplicationId"),
+    position: None,
     cloud_events_prefixes: &[],
 };
 
