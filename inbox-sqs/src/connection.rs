@@ -73,7 +73,8 @@ impl SqsConnection {
 }
 
 /// An SQS client from the standard AWS configuration: credentials and region from the
-/// environment, profile files (SSO profiles excepted: aws-config is built without `sso`), web
+/// environment, profile files (`credential_process` included; SSO profiles excepted:
+/// aws-config is built without `sso`), web
 /// identity tokens or the instance/container role, and the
 /// endpoint from `AWS_ENDPOINT_URL_SQS` (or `AWS_ENDPOINT_URL`) when set, which is how a local
 /// SQS-compatible endpoint is used.
