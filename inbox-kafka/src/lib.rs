@@ -154,8 +154,8 @@
 //! provider set once reaches them all. The brokers come from `KAFKA_BROKERS` unless
 //! [`KafkaConnection::new`] names them; with neither, connecting fails with an error that says
 //! so (there is no default). Any librdkafka property passes through: [`KafkaConnection::set`]
-//! for every client (TLS and SASL: enable the crate feature `tls` for TLS, SCRAM and
-//! OAUTHBEARER), [`KafkaSourceBuilder::set_consumer`] and [`KafkaProducerBuilder::set`] for one
+//! for every client (TLS and SASL: the crate feature `tls`, on by default, gives TLS, SCRAM
+//! and OAUTHBEARER), [`KafkaSourceBuilder::set_consumer`] and [`KafkaProducerBuilder::set`] for one
 //! client (timeouts, assignment strategy, batching). zstd
 //! compression (`compression.type=zstd` on a producer, and reading batches another producer
 //! compressed with zstd) needs the crate feature `zstd`; gzip (`libz`) is always built in. A

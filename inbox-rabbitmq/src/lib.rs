@@ -153,9 +153,9 @@
 //!
 //! # TLS
 //!
-//! Plain `amqp://` needs no TLS library. For `amqps://` enable this crate's `tls` feature
-//! (rustls on ring, trusting the system's root certificates: lapin's `rustls-native-certs`),
-//! the same name as on every crate of this workspace, or its `native-tls` feature (lapin's
+//! Plain `amqp://` needs no TLS library. `amqps://` takes this crate's `tls` feature, on by
+//! default as on every crate of this workspace (rustls on ring, trusting the system's root
+//! certificates: lapin's `rustls-native-certs`), or its `native-tls` feature (lapin's
 //! feature of that name). A broker whose certificate comes from a CA of its own (a private one,
 //! a managed broker's) is trusted with [`RabbitConnection::ca_certificates`], which reaches the
 //! source, the producer and the dead-letter reader built from that connection. A certificate from another CA or for another host name is refused at connect with

@@ -16,6 +16,7 @@
 //! | `sqs` | `transactional_inbox::sqs` | `inbox-sqs` (aws-sdk-sqs) |
 //! | `rabbitmq` | `transactional_inbox::rabbitmq` | `inbox-rabbitmq` (lapin) |
 //! | `redis-streams` | `transactional_inbox::redis_streams` | `inbox-redis-streams` (redis) |
+//! | `redis-cluster` | `redis-streams`, with Redis Cluster | `inbox-redis-streams`'s feature `cluster` |
 //! | `opentelemetry` | trace propagation | `inbox-core`'s feature |
 //! | `tls` (default) | TLS on every connection: rustls on ring where the client allows (PostgreSQL: `sslmode=verify-full&sslrootcert=…` in the URL; MySQL: `ssl-mode=verify_identity&ssl-ca=…`; `rediss://`; `amqps://`), Kafka through the system's OpenSSL | each crate's feature `tls` |
 //!
