@@ -84,6 +84,7 @@ pub use partition::{Conversion, DroppedPartition, PartitionInfo, PartitionRange,
 pub use relay::{OutboxRelay, RelayError, RelayStats};
 pub use retention::{
     spawn_purger, ConsumerWindow, PurgeReport, Storage, DEFAULT_PURGE_BATCH, OLDEST_AGE_GAUGE,
+    PURGE_LAST_SUCCESS_GAUGE,
 };
 pub use store::PgInbox;
 pub use table::TableName;

@@ -22,6 +22,12 @@ pub const DEFAULT_PURGE_BATCH: i64 = 10_000;
 /// window of the consumer's sources.
 pub const OLDEST_AGE_GAUGE: &str = "inbox_oldest_remembered_age_seconds";
 
+/// The gauge [`spawn_purger`] sets, per `table` label (the inbox table as configured): the Unix
+/// time, in seconds, of its last purge that ran (not of one skipped because another instance
+/// held the cleaner lock). Across instances, its maximum is when the table was last purged:
+/// alert when that grows old, as a purger that stopped lets the table grow without bound.
+pub const PURGE_LAST_SUCCESS_GAUGE: &str = "inbox_purge_last_success_timestamp_seconds";
+
 /// What a [`PgInbox::purge`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -408,7 +414,7 @@ fn minute_to_time(minute: i32) -> SystemTime {
 /// Runs [`PgInbox::purge`] of rows older than `window` every `every` (the first right away),
 /// with [`DEFAULT_PURGE_BATCH`], until the handle is aborted. Any number of instances may run
 /// one: the advisory lock lets one purge at a time and the others skip. After a purge that ran,
-/// it refreshes the [`OLDEST_AGE_GAUGE`] gauge. Failures are logged and retried next period.
+/// it sets [`PURGE_LAST_SUCCESS_GAUGE`] and refreshes the [`OLDEST_AGE_GAUGE`] gauge. Failures are logged and retried next period.
 pub fn spawn_purger(inbox: PgInbox, window: Duration, every: Duration) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut ticks = tokio::time::interval(every.max(Duration::from_secs(1)));
@@ -426,6 +432,11 @@ pub fn spawn_purger(inbox: PgInbox, window: Duration, every: Duration) -> JoinHa
                         created_partitions = report.created().len(),
                         "inbox purge done"
                     );
+                    let now = SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .unwrap_or_default();
+                    metrics::gauge!(PURGE_LAST_SUCCESS_GAUGE, "table" => inbox.table().to_string())
+                        .set(now.as_secs_f64());
                     if let Err(e) = inbox.oldest_per_consumer().await {
                         tracing::warn!(table = %inbox.table(), error = %e, "inbox window gauge not refreshed");
                     }

@@ -7,13 +7,14 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, Once, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inbox_conformance::TestDb;
 use inbox_core::telemetry::TRACEPARENT_HEADER;
 use inbox_core::{Destinations, MessageId, OutgoingMessage, Publish, PublishError, Recovery};
 use inbox_postgres::{Error, Outbox, RelayError, TableName, OUTBOX_OLDEST_UNSENT_GAUGE};
+use inbox_testkit::gauges::install_gauge_recorder;
 use inbox_testkit::metadata::TRACEPARENT;
 use sqlx::AssertSqlSafe;
 
@@ -435,97 +436,4 @@ async fn relays_and_their_futures_are_send() {
     let relay = outbox.relay(Recorder::default());
     assert_send(&relay);
     assert_send(&relay.run_until_idle());
-}
-
-/// Gauges set through the `metrics` facade in this test binary, by `name{label=value}`.
-#[derive(Clone, Default)]
-struct Gauges(Arc<Mutex<HashMap<String, f64>>>);
-
-impl Gauges {
-    fn get(&self, key: &str) -> Option<f64> {
-        self.0.lock().unwrap().get(key).copied()
-    }
-}
-
-struct GaugeCell {
-    key: String,
-    gauges: Gauges,
-}
-
-impl metrics::GaugeFn for GaugeCell {
-    fn increment(&self, value: f64) {
-        *self
-            .gauges
-            .0
-            .lock()
-            .unwrap()
-            .entry(self.key.clone())
-            .or_default() += value;
-    }
-    fn decrement(&self, value: f64) {
-        self.increment(-value);
-    }
-    fn set(&self, value: f64) {
-        self.gauges
-            .0
-            .lock()
-            .unwrap()
-            .insert(self.key.clone(), value);
-    }
-}
-
-struct GaugeRecorder(Gauges);
-
-impl metrics::Recorder for GaugeRecorder {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        metrics::Counter::noop()
-    }
-    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        let labels: Vec<String> = key
-            .labels()
-            .map(|l| format!("{}={}", l.key(), l.value()))
-            .collect();
-        metrics::Gauge::from_arc(Arc::new(GaugeCell {
-            key: format!("{}{{{}}}", key.name(), labels.join(",")),
-            gauges: self.0.clone(),
-        }))
-    }
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
-    }
-}
-
-fn install_gauge_recorder() -> Gauges {
-    static GAUGES: OnceLock<Gauges> = OnceLock::new();
-    static INSTALL: Once = Once::new();
-    let gauges = GAUGES.get_or_init(Gauges::default).clone();
-    INSTALL.call_once(|| {
-        metrics::set_global_recorder(GaugeRecorder(gauges.clone())).unwrap();
-    });
-    gauges
 }

@@ -143,7 +143,8 @@ async fn storage_counts_rows_heap_and_indexes() {
 }
 
 #[tokio::test]
-async fn the_background_purger_purges() {
+async fn the_background_purger_purges_and_says_when() {
+    let gauges = inbox_testkit::gauges::install_gauge_recorder();
     let db = TestDb::new().await;
     let inbox = db.inbox();
     db.insert_aged_rows("old", 20, 20 * DAY).await;
@@ -158,5 +159,16 @@ async fn the_background_purger_purges() {
     }
     handle.abort();
     assert_eq!(rows, 0);
+    let label = format!(
+        "{}{{table={}}}",
+        inbox_postgres::PURGE_LAST_SUCCESS_GAUGE,
+        inbox.table()
+    );
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let last = gauges.get(&label).expect("the purge's time");
+    assert!((now - 60.0..=now).contains(&last), "{last} against {now}");
     db.drop().await;
 }

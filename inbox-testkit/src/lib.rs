@@ -65,6 +65,7 @@
 #[cfg(feature = "never-in-production")]
 mod ack_on_receive;
 mod crash;
+pub mod gauges;
 mod memory_broker;
 mod memory_store;
 pub mod metadata;
