@@ -2,15 +2,16 @@
 //!
 //! - `services`: installs what is missing and starts what is not running: PostgreSQL, MariaDB,
 //!   Redis, RabbitMQ, a Kafka-protocol broker (Tansu) and an SQS endpoint (moto), and each broker's
-//!   standard Python client in a virtual environment (the foreign-ID tests publish with them). A
-//!   service already listening at its address is reused; nothing is ever stopped. Safe to run
-//!   twice.
+//!   standard Python client in a virtual environment (the foreign-ID tests publish with them), and
+//!   `promtool` (Debian's `prometheus` package, whose server it does not leave running). A
+//!   service already listening at its address is reused and never stopped. Safe to run twice.
 //! - `test`: `services` with the workspace's test build beside the installs, then
 //!   `cargo fmt --check`, `cargo clippy --all-targets -D warnings`, `cargo doc` with broken links
 //!   refused, and the whole test suite, then
 //!   the store's suite (`inbox-postgres`) again on the partitioned inbox layout
 //!   (`INBOX_TEST_LAYOUT=partitioned`), then the examples (`examples/examples/*.rs`) against the
-//!   services, then `cargo package` for every library crate.
+//!   services, then `promtool check rules` and `promtool test rules` on the alert rules
+//!   (`docs/alerts`), then `cargo package` for every library crate.
 //! - `demo`: the services with the evidence tool's build beside the installs, then its wallet demo
 //!   (extra arguments go to it). Where no Kafka broker listens and Tansu is not built yet, the
 //!   demo's Kafka is librdkafka's mock cluster (the `kafka-mock` program), started for the demo
@@ -106,6 +107,7 @@ fn test(extra: &[String]) -> Result<(), String> {
             &env,
         )?;
     }
+    alert_rules()?;
     // Every library crate packages (its manifest, its files, the versions of its workspace
     // dependencies). Without verifying: that would build each package and all its
     // dependencies once more, from scratch, for the same code `cargo test` just built.
@@ -121,6 +123,31 @@ fn test(extra: &[String]) -> Result<(), String> {
         "--exclude",
         "xtask",
     ])
+}
+
+/// The alert rules load in Prometheus (`promtool check rules`) and each fires, with its labels
+/// and annotations, on the series of its unit tests and not on the others (`promtool test
+/// rules`).
+fn alert_rules() -> Result<(), String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for args in [
+        ["check", "rules", "docs/alerts/inbox.rules.yml"],
+        ["test", "rules", "docs/alerts/inbox.rules.test.yml"],
+    ] {
+        let command = format!("promtool {}", args.join(" "));
+        eprintln!("xtask: {command}");
+        let status = Command::new("promtool")
+            .args(args)
+            .current_dir(&root)
+            .status()
+            .map_err(|e| {
+                format!("cannot run promtool (`cargo xtask services` installs it): {e}")
+            })?;
+        if !status.success() {
+            return Err(format!("{command} failed ({status})"));
+        }
+    }
+    Ok(())
 }
 
 /// What the examples need beyond the environment. They find their brokers as a user's program

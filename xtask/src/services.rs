@@ -37,17 +37,53 @@ pub(crate) fn up(beside: Option<&[&str]>) -> Result {
 }
 
 /// What the tests use beside the services: `openssl` makes their throw-away certificate
-/// authorities, `socat` serves TLS in front of their own Kafka broker (Tansu has none).
+/// authorities, `socat` serves TLS in front of their own Kafka broker (Tansu has none), and
+/// `promtool` (in Debian's `prometheus` package) checks and unit-tests the alert rules.
 fn test_tools() -> Result {
-    let missing: Vec<&str> = ["openssl", "socat"]
-        .into_iter()
-        .filter(|tool| !have(tool))
-        .collect();
+    let missing: Vec<&str> = [
+        ("openssl", "openssl"),
+        ("socat", "socat"),
+        ("promtool", "prometheus"),
+    ]
+    .into_iter()
+    .filter(|(tool, _)| !have(tool))
+    .map(|(_, package)| package)
+    .collect();
     if missing.is_empty() {
-        Ok(())
-    } else {
-        apt_install(&missing)
+        return Ok(());
     }
+    let prometheus_before = listening("127.0.0.1", PROMETHEUS_PORT);
+    apt_install(&missing)?;
+    if missing.contains(&"prometheus") && !prometheus_before {
+        no_prometheus_server()?;
+    }
+    Ok(())
+}
+
+/// The port of the server Debian's `prometheus` package runs.
+const PROMETHEUS_PORT: u16 = 9090;
+
+/// Only `promtool` is wanted from the `prometheus` package, but its install starts and enables
+/// the server where an init system lets it (under systemd; a container's `policy-rc.d` refuses):
+/// that server is stopped and disabled again. A server that listened before the install is not
+/// the package's doing and is left alone.
+fn no_prometheus_server() -> Result {
+    if Path::new("/run/systemd/system").is_dir() {
+        run("systemctl", &["disable", "--now", "--quiet", "prometheus"])?;
+    } else if quiet("invoke-rc.d", &["prometheus", "status"]) {
+        run("invoke-rc.d", &["prometheus", "stop"])?;
+        run("update-rc.d", &["prometheus", "disable"])?;
+    }
+    // The server binds a moment after its start; give it that moment before looking.
+    sleep(Duration::from_secs(1));
+    if listening("127.0.0.1", PROMETHEUS_PORT) {
+        return Err(format!(
+            "a Prometheus server listens on 127.0.0.1:{PROMETHEUS_PORT} since the prometheus \
+             package (for promtool) was installed; stop it (`systemctl disable --now prometheus` \
+             or `invoke-rc.d prometheus stop`)"
+        ));
+    }
+    Ok(())
 }
 
 /// Each broker's standard Python client (confluent-kafka, pika, boto3, redis-py), which the
