@@ -177,6 +177,9 @@ pub struct Metadata {
     /// ([`Consumer::parallel_lanes`](crate::Consumer::parallel_lanes)). Kafka sets the topic and
     /// partition; `None` is one lane for the whole source.
     pub lane: Option<String>,
+    /// The partition the message came from, where the broker partitions its destinations
+    /// (Kafka), for the spans' `messaging.destination.partition.id`.
+    pub partition: Option<String>,
     /// When the broker says the message was sent or stored, where it says: Kafka's record
     /// timestamp, SQS `SentTimestamp`, the RabbitMQ `timestamp` property (whole seconds) or a
     /// `timestamp_in_ms` header, a Redis stream entry ID. For the end-to-end lag metric.

@@ -131,6 +131,13 @@ pub trait MessageSource: Send {
         "unknown"
     }
 
+    /// The broker's own name for the consumers that share this source's messages, where it has
+    /// one (a Kafka consumer group, a Redis Streams group), for the spans'
+    /// `messaging.consumer.group.name`. Default: `None`, and the consumer's name stands for it.
+    fn consumer_group(&self) -> Option<&str> {
+        None
+    }
+
     /// What this source's broker can do. The consumer warns at start when it is asked for
     /// something the source cannot give (a delivery budget without delivery counts), and
     /// spreads the chunks of a source without lanes over its parallel lanes. Default: nothing.

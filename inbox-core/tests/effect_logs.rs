@@ -4,12 +4,11 @@
 // A test fails by panicking; an unwrap names the failed call in its message.
 #![allow(clippy::unwrap_used)]
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inbox_core::effect::{Acquired, Attempt, Effect, EffectHandler, Lease, OnUnknown};
 use inbox_core::{Consumer, HandlerError, Message};
+use inbox_testkit::log::CapturedLog;
 use inbox_testkit::{MemoryBroker, ScriptedLeases};
 
 /// The ID's second half: a line of its own in the log if the newline before it is written raw.
@@ -36,24 +35,10 @@ fn leased(token: u64, attempt: Attempt, attempts: u32) -> Acquired {
     })
 }
 
-/// The log, as the fmt subscriber writes it.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 // One thread: the subscriber is the thread's default while the consumer runs.
 #[tokio::test(flavor = "current_thread")]
 async fn the_effect_consumer_escapes_a_newline_in_a_message_id() {
-    let log = Captured::default();
+    let log = CapturedLog::default();
     let writer = log.clone();
     let subscriber = tracing_subscriber::fmt()
         .with_max_level(tracing::Level::DEBUG)
@@ -96,7 +81,7 @@ async fn the_effect_consumer_escapes_a_newline_in_a_message_id() {
         .unwrap();
     drop(guard);
 
-    let log = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
+    let log = log.text();
     println!("{log}");
     println!("{stats:?}");
     assert_eq!(broker.dead_letters().len(), 1);

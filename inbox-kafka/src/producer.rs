@@ -199,17 +199,21 @@ impl Publish for KafkaProducer {
         destination: &str,
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
-        let sends = messages
-            .iter()
-            .map(|message| self.send_to(destination, None, message));
-        try_join_all(sends).await.map_err(|e| {
-            PublishError::new(
-                e.recovery(),
-                format!("producing to Kafka topic `{destination}`"),
-                e,
-            )
-        })?;
-        Ok(())
+        let traced =
+            inbox_core::telemetry::traced_send("kafka", destination, messages.len(), async {
+                let sends = messages
+                    .iter()
+                    .map(|message| self.send_to(destination, None, message));
+                try_join_all(sends).await.map_err(|e| {
+                    PublishError::new(
+                        e.recovery(),
+                        format!("producing to Kafka topic `{destination}`"),
+                        e,
+                    )
+                })?;
+                Ok(())
+            });
+        traced.await
     }
 }
 

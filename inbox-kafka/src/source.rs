@@ -262,6 +262,7 @@ impl KafkaSource {
         meta.redelivered = delivery_count > 1;
         meta.redeliveries = tracked.redeliveries;
         meta.lane = Some(format!("{topic}[{partition}]"));
+        meta.partition = Some(partition.to_string());
         meta.timestamp = record
             .timestamp()
             .to_millis()
@@ -399,6 +400,10 @@ impl MessageSource for KafkaSource {
 
     fn system(&self) -> &'static str {
         "kafka"
+    }
+
+    fn consumer_group(&self) -> Option<&str> {
+        Some(&self.consumer.context().group)
     }
 
     fn redelivery_window(&self) -> Option<Duration> {

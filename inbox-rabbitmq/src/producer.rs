@@ -274,58 +274,63 @@ impl Publish for RabbitProducer {
         destination: &str,
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
-        let target = if self.exchange.is_empty() {
-            format!("RabbitMQ queue `{destination}`")
-        } else {
-            format!(
-                "RabbitMQ exchange `{}` with routing key `{destination}`",
-                self.exchange
-            )
-        };
-        let failed =
-            |e: Error| PublishError::new(e.recovery(), format!("publishing to {target}"), e);
-        // Checked before anything is sent, so a batch goes out whole or not at all.
-        let properties = messages
-            .iter()
-            .map(properties)
-            .collect::<Result<Vec<_>>>()
-            .map_err(failed)?;
-        let channel = self.channel().await.map_err(failed)?;
-        let routing_key = destination;
-        let exchange = short_string("exchange", &self.exchange).map_err(failed)?;
-        let queue = short_string("routing key", routing_key).map_err(failed)?;
-        let context = || format!("publishing to `{routing_key}`");
-        let options = BasicPublishOptions {
-            mandatory: true,
-            ..BasicPublishOptions::default()
-        };
-        let result = async {
-            // Each publish's frames are queued on its first poll, in slice order.
-            let confirms = try_join_all(messages.iter().zip(properties).map(
-                |(message, properties)| {
-                    channel.basic_publish(
-                        exchange.clone(),
-                        queue.clone(),
-                        options,
-                        &message.payload,
-                        properties,
+        let traced =
+            inbox_core::telemetry::traced_send("rabbitmq", destination, messages.len(), async {
+                let target = if self.exchange.is_empty() {
+                    format!("RabbitMQ queue `{destination}`")
+                } else {
+                    format!(
+                        "RabbitMQ exchange `{}` with routing key `{destination}`",
+                        self.exchange
                     )
-                },
-            ))
-            .await
-            .map_err(|e| Error::amqp(context(), e))?;
-            let confirmations = try_join_all(confirms)
-                .await
-                .map_err(|e| Error::amqp(context(), e))?;
-            confirmations
-                .into_iter()
-                .try_for_each(|confirmation| confirmed(confirmation, &self.exchange, routing_key))
-        }
-        .await;
-        if result.is_err() && !channel.status().connected() {
-            // Reconnect on the next publish.
-            *self.state.lock().await = None;
-        }
-        result.map_err(failed)
+                };
+                let failed = |e: Error| {
+                    PublishError::new(e.recovery(), format!("publishing to {target}"), e)
+                };
+                // Checked before anything is sent, so a batch goes out whole or not at all.
+                let properties = messages
+                    .iter()
+                    .map(properties)
+                    .collect::<Result<Vec<_>>>()
+                    .map_err(failed)?;
+                let channel = self.channel().await.map_err(failed)?;
+                let routing_key = destination;
+                let exchange = short_string("exchange", &self.exchange).map_err(failed)?;
+                let queue = short_string("routing key", routing_key).map_err(failed)?;
+                let context = || format!("publishing to `{routing_key}`");
+                let options = BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                };
+                let result = async {
+                    // Each publish's frames are queued on its first poll, in slice order.
+                    let confirms = try_join_all(messages.iter().zip(properties).map(
+                        |(message, properties)| {
+                            channel.basic_publish(
+                                exchange.clone(),
+                                queue.clone(),
+                                options,
+                                &message.payload,
+                                properties,
+                            )
+                        },
+                    ))
+                    .await
+                    .map_err(|e| Error::amqp(context(), e))?;
+                    let confirmations = try_join_all(confirms)
+                        .await
+                        .map_err(|e| Error::amqp(context(), e))?;
+                    confirmations.into_iter().try_for_each(|confirmation| {
+                        confirmed(confirmation, &self.exchange, routing_key)
+                    })
+                }
+                .await;
+                if result.is_err() && !channel.status().connected() {
+                    // Reconnect on the next publish.
+                    *self.state.lock().await = None;
+                }
+                result.map_err(failed)
+            });
+        traced.await
     }
 }

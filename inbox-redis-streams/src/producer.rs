@@ -259,62 +259,66 @@ impl Publish for RedisStreamProducer {
         destination: &str,
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
-        /// Per message: its ID, payload, header count, then the headers' names and values; one
-        /// `XADD` each, with the ID and payload field names first.
-        const XADD_ALL: &str = "local i, n = 3, 0
-            while i <= #ARGV do
-                local fields = {ARGV[1], ARGV[i], ARGV[2], ARGV[i + 1]}
-                for j = 1, 2 * tonumber(ARGV[i + 2]) do
-                    fields[4 + j] = ARGV[i + 2 + j]
+        let traced =
+            inbox_core::telemetry::traced_send("redis", destination, messages.len(), async {
+                /// Per message: its ID, payload, header count, then the headers' names and values; one
+                /// `XADD` each, with the ID and payload field names first.
+                const XADD_ALL: &str = "local i, n = 3, 0
+                while i <= #ARGV do
+                    local fields = {ARGV[1], ARGV[i], ARGV[2], ARGV[i + 1]}
+                    for j = 1, 2 * tonumber(ARGV[i + 2]) do
+                        fields[4 + j] = ARGV[i + 2 + j]
+                    end
+                    redis.call('XADD', KEYS[1], '*', unpack(fields))
+                    i = i + 3 + 2 * tonumber(ARGV[i + 2])
+                    n = n + 1
                 end
-                redis.call('XADD', KEYS[1], '*', unpack(fields))
-                i = i + 3 + 2 * tonumber(ARGV[i + 2])
-                n = n + 1
-            end
-            return n";
-        let failed = |e: Error| {
-            PublishError::new(
-                e.recovery(),
-                format!("adding to Redis stream `{destination}`"),
-                e,
-            )
-        };
-        if let [message] = messages {
-            self.add(destination, message).await.map_err(failed)?;
-            return Ok(());
-        }
-        if messages.is_empty() {
-            return Ok(());
-        }
-        let mut cmd = redis::cmd("EVAL");
-        cmd.arg(XADD_ALL)
-            .arg(1)
-            .arg(destination)
-            .arg(&self.id_field)
-            .arg(PAYLOAD_FIELD);
-        for message in messages {
-            self.check_headers(message).map_err(failed)?;
-            let headers: Vec<_> = message.traced_headers().collect();
-            cmd.arg(message.id.as_str())
-                .arg(message.payload.as_slice())
-                .arg(headers.len());
-            for (name, value) in headers {
-                cmd.arg(name).arg(value.as_ref());
-            }
-        }
-        let added: usize = self
-            .write(&cmd, destination, || {
-                format!("EVAL of XADDs to stream {destination}")
-            })
-            .await
-            .map_err(failed)?;
-        if added != messages.len() {
-            return Err(failed(Error::reply(
-                "EVAL",
-                format!("added {added} of {} entries", messages.len()),
-            )));
-        }
-        Ok(())
+                return n";
+                let failed = |e: Error| {
+                    PublishError::new(
+                        e.recovery(),
+                        format!("adding to Redis stream `{destination}`"),
+                        e,
+                    )
+                };
+                if let [message] = messages {
+                    self.add(destination, message).await.map_err(failed)?;
+                    return Ok(());
+                }
+                if messages.is_empty() {
+                    return Ok(());
+                }
+                let mut cmd = redis::cmd("EVAL");
+                cmd.arg(XADD_ALL)
+                    .arg(1)
+                    .arg(destination)
+                    .arg(&self.id_field)
+                    .arg(PAYLOAD_FIELD);
+                for message in messages {
+                    self.check_headers(message).map_err(failed)?;
+                    let headers: Vec<_> = message.traced_headers().collect();
+                    cmd.arg(message.id.as_str())
+                        .arg(message.payload.as_slice())
+                        .arg(headers.len());
+                    for (name, value) in headers {
+                        cmd.arg(name).arg(value.as_ref());
+                    }
+                }
+                let added: usize = self
+                    .write(&cmd, destination, || {
+                        format!("EVAL of XADDs to stream {destination}")
+                    })
+                    .await
+                    .map_err(failed)?;
+                if added != messages.len() {
+                    return Err(failed(Error::reply(
+                        "EVAL",
+                        format!("added {added} of {} entries", messages.len()),
+                    )));
+                }
+                Ok(())
+            });
+        traced.await
     }
 }
 

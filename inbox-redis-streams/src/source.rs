@@ -285,6 +285,10 @@ impl MessageSource for RedisStreamSource {
         "redis"
     }
 
+    fn consumer_group(&self) -> Option<&str> {
+        Some(&self.settings.group)
+    }
+
     /// Delivery counts: a new entry's is 1, a reread or reclaimed one's comes from `XPENDING`.
     /// No delayed nack: a nacked entry stays pending and comes back after `claim_idle`, whatever
     /// the nack asked for. A delayed redelivery: the entry stays pending, marked with its delay,

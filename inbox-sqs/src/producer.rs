@@ -292,63 +292,69 @@ impl Publish for SqsProducer {
         destination: &str,
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
-        const CALLS_AT_ONCE: usize = 10;
-        let failed = |e: Error| {
-            PublishError::new(
-                e.recovery(),
-                format!("sending to SQS queue `{destination}`"),
-                e,
-            )
-        };
-        if messages.is_empty() {
-            return Ok(());
-        }
-        let queue = self.resolve(destination).await.map_err(failed)?;
-        // Built before anything is sent, so a batch that cannot be sent goes out not at all.
-        let entries = messages
-            .iter()
-            .enumerate()
-            .map(|(i, message)| self.entry(i, &queue, message))
-            .collect::<Result<Vec<_>>>()
-            .map_err(failed)?;
-
-        if queue.fifo {
-            // Runs of messages with one group, in order, one call after the other.
-            for run in entries.chunk_by(|a, b| a.message_group_id() == b.message_group_id()) {
-                for chunk in run.chunks(10) {
-                    self.send_chunk(&queue, chunk).await.map_err(failed)?;
-                }
-            }
-            return Ok(());
-        }
-
-        let queue = Arc::new(queue);
-        let mut rest = entries.into_iter();
-        let mut calls = JoinSet::new();
-        loop {
-            while calls.len() < CALLS_AT_ONCE {
-                let chunk: Vec<SendMessageBatchRequestEntry> = rest.by_ref().take(10).collect();
-                if chunk.is_empty() {
-                    break;
-                }
-                let producer = self.clone();
-                let queue = Arc::clone(&queue);
-                calls.spawn(async move { producer.send_chunk(&queue, &chunk).await });
-            }
-            // Dropping `calls` on an error aborts the calls still running.
-            match calls.join_next().await {
-                None => return Ok(()),
-                Some(Ok(Ok(()))) => {}
-                Some(Ok(Err(e))) => return Err(failed(e)),
-                Some(Err(e)) => {
-                    return Err(PublishError::new(
-                        Recovery::Retry,
+        let traced =
+            inbox_core::telemetry::traced_send("aws_sqs", destination, messages.len(), async {
+                const CALLS_AT_ONCE: usize = 10;
+                let failed = |e: Error| {
+                    PublishError::new(
+                        e.recovery(),
                         format!("sending to SQS queue `{destination}`"),
                         e,
-                    ))
+                    )
+                };
+                if messages.is_empty() {
+                    return Ok(());
                 }
-            }
-        }
+                let queue = self.resolve(destination).await.map_err(failed)?;
+                // Built before anything is sent, so a batch that cannot be sent goes out not at all.
+                let entries = messages
+                    .iter()
+                    .enumerate()
+                    .map(|(i, message)| self.entry(i, &queue, message))
+                    .collect::<Result<Vec<_>>>()
+                    .map_err(failed)?;
+
+                if queue.fifo {
+                    // Runs of messages with one group, in order, one call after the other.
+                    for run in entries.chunk_by(|a, b| a.message_group_id() == b.message_group_id())
+                    {
+                        for chunk in run.chunks(10) {
+                            self.send_chunk(&queue, chunk).await.map_err(failed)?;
+                        }
+                    }
+                    return Ok(());
+                }
+
+                let queue = Arc::new(queue);
+                let mut rest = entries.into_iter();
+                let mut calls = JoinSet::new();
+                loop {
+                    while calls.len() < CALLS_AT_ONCE {
+                        let chunk: Vec<SendMessageBatchRequestEntry> =
+                            rest.by_ref().take(10).collect();
+                        if chunk.is_empty() {
+                            break;
+                        }
+                        let producer = self.clone();
+                        let queue = Arc::clone(&queue);
+                        calls.spawn(async move { producer.send_chunk(&queue, &chunk).await });
+                    }
+                    // Dropping `calls` on an error aborts the calls still running.
+                    match calls.join_next().await {
+                        None => return Ok(()),
+                        Some(Ok(Ok(()))) => {}
+                        Some(Ok(Err(e))) => return Err(failed(e)),
+                        Some(Err(e)) => {
+                            return Err(PublishError::new(
+                                Recovery::Retry,
+                                format!("sending to SQS queue `{destination}`"),
+                                e,
+                            ))
+                        }
+                    }
+                }
+            });
+        traced.await
     }
 }
 

@@ -66,6 +66,7 @@
 mod ack_on_receive;
 mod crash;
 pub mod gauges;
+pub mod log;
 mod memory_broker;
 mod memory_store;
 pub mod metadata;

@@ -14,7 +14,7 @@ use super::stop::Stop;
 use super::{Order, Processed};
 use crate::error::backoff;
 use crate::stats::Counter;
-use crate::telemetry::{process_span, seconds_since};
+use crate::telemetry::{self, process_span, seconds_since};
 use crate::{
     Ack, BatchHandler, BatchItem, Delivery, Error, Failure, HandlerError, InboxStore, MessageId,
     Recovery, RefusedId, Result, Sharded, Stage, StoreError, Transaction,
@@ -58,6 +58,17 @@ enum TxFailure {
     Handler(Option<usize>, HandlerError),
     /// The store failed (at begin, claim or commit).
     Store(StoreError),
+}
+
+impl TxFailure {
+    /// `error.type` of the transaction's span.
+    fn error_type(&self) -> &'static str {
+        match self {
+            Self::Handler(_, e) if e.failure() == Failure::Permanent => "handler_permanent",
+            Self::Handler(..) => "handler",
+            Self::Store(e) => super::common::recovery_type(e.recovery()),
+        }
+    }
 }
 
 /// How far [`Inbox::apply_part`] got.
@@ -458,11 +469,14 @@ where
     /// failure rolls everything back. Nothing is acked here.
     async fn apply_in_tx<A>(&self, work: &[Work<A, H::Item>]) -> Result<Vec<Outcome>, TxFailure> {
         let span = process_span(
-            &self.common.name,
-            self.common.system,
+            &self.common.names,
             work.iter().map(|w| (&w.id, &w.delivery.message)),
         );
-        self.claim_apply_commit(work).instrument(span).await
+        let result = self.claim_apply_commit(work).instrument(span.clone()).await;
+        if let Err(failure) = &result {
+            telemetry::record_error(&span, failure.error_type());
+        }
+        result
     }
 
     /// [`Inbox::apply_in_tx`], inside its span.

@@ -11,7 +11,7 @@ use tracing::{debug, info, warn, Instrument};
 use super::RetryPolicy;
 use crate::error::backoff;
 use crate::stats::Counter;
-use crate::telemetry::{self, dead_letter_span, seconds_since, ConsumerMetrics};
+use crate::telemetry::{self, dead_letter_span, seconds_since, ConsumerMetrics, SpanNames};
 use crate::{
     Ack, Delivery, Error, Health, MessageId, Recovery, Result, SourceError, Stage, StageHook,
     Stats, Transaction,
@@ -28,8 +28,9 @@ pub(crate) struct Common {
     pub(crate) hook: Option<StageHook>,
     pub(crate) stats: Arc<Stats>,
     pub(crate) health: Health,
-    /// The source's `messaging.system`, for spans; set when the consumer starts.
-    pub(crate) system: &'static str,
+    /// The consumer's, the group's and the broker's names in its spans; the group and the
+    /// system are the source's, set when the consumer starts.
+    pub(crate) names: SpanNames,
     /// Histogram and gauge handles; registered when the consumer starts.
     pub(crate) metrics: ConsumerMetrics,
     /// The store shards in an outage, and how many chunks of each hold on
@@ -43,13 +44,17 @@ pub(crate) struct Common {
 impl Common {
     pub(crate) fn new(name: String) -> Self {
         Self {
+            names: SpanNames {
+                consumer: name.clone(),
+                group: None,
+                system: "unknown",
+            },
             name,
             retry: RetryPolicy::default(),
             error_backoff: Duration::from_millis(500),
             hook: None,
             stats: Arc::new(Stats::default()),
             health: Health::default(),
-            system: "unknown",
             metrics: ConsumerMetrics::default(),
             outages: Mutex::default(),
             outage_changed: tokio::sync::Notify::new(),
@@ -95,9 +100,9 @@ impl Common {
         }
         let n = acks.len();
         let (ids, acks): (Vec<_>, Vec<_>) = acks.into_iter().unzip();
-        let span = telemetry::settle_span(&self.name, self.system, "ack", n);
+        let span = telemetry::settle_span(&self.names, "ack", n);
         let started = Instant::now();
-        let acked = A::ack_all(acks).instrument(span).await;
+        let acked = A::ack_all(acks).instrument(span.clone()).await;
         self.metrics.ack.record(seconds_since(started));
         match acked {
             Ok(()) => {
@@ -106,6 +111,7 @@ impl Common {
                 }
             }
             Err(e) => {
+                telemetry::record_error(&span, recovery_type(e.recovery()));
                 self.count(Counter::AckFailure, n);
                 warn!(consumer = %self.name, messages = n, error = %e, "ack failed after commit; redelivered copies will be skipped as duplicates");
             }
@@ -118,7 +124,7 @@ impl Common {
             return;
         }
         info!(consumer = %self.name, messages = acks.len(), "handing messages back to the broker");
-        let span = telemetry::settle_span(&self.name, self.system, "nack", acks.len());
+        let span = telemetry::settle_span(&self.names, "nack", acks.len());
         async {
             for ack in acks {
                 self.nack(ack, self.error_backoff).await;
@@ -154,15 +160,16 @@ impl Common {
             };
             return self.dead_letter(Some(id), delivery, reason).await;
         };
-        let span = telemetry::settle_span(&self.name, self.system, "redeliver", 1);
+        let span = telemetry::settle_span(&self.names, "redeliver", 1);
         let Delivery { message, ack } = delivery;
-        match ack.redeliver(&message, delay, n).instrument(span).await {
+        match ack.redeliver(&message, delay, n).instrument(span.clone()).await {
             Ok(()) => {
                 self.count(Counter::Redelivered, 1);
                 warn!(consumer = %self.name, message_id = %id.as_str().escape_debug(), redelivery = n + 1, of = self.retry.redeliveries.len(), ?delay, %reason, "handed back to the broker to come back after a delay");
                 Ok(false)
             }
             Err(e) => {
+                telemetry::record_error(&span, recovery_type(e.recovery()));
                 self.count(Counter::Error, 1);
                 warn!(consumer = %self.name, message_id = %id.as_str().escape_debug(), error = %e, "delayed redelivery failed; the message comes back from the broker");
                 if e.recovery() == Recovery::Fatal {
@@ -201,8 +208,12 @@ impl Common {
         delivery: Delivery<A>,
         reason: String,
     ) -> Result<bool> {
-        let span = dead_letter_span(&self.name, self.system, id, &delivery.message);
-        self.park(id, delivery, reason).instrument(span).await
+        let span = dead_letter_span(&self.names, id, &delivery.message);
+        let parked = self.park(id, delivery, reason).instrument(span.clone()).await;
+        if !matches!(parked, Ok(true)) {
+            telemetry::record_error(&span, "dead_letter_failed");
+        }
+        parked
     }
 
     /// [`Common::dead_letter`], inside its span.
@@ -253,5 +264,14 @@ impl Drop for Holding<'_> {
         }
         drop(outages);
         self.common.outage_changed.notify_one();
+    }
+}
+
+/// `error.type` of a broker or store failure: what the consumer does next.
+pub(crate) fn recovery_type(recovery: Recovery) -> &'static str {
+    match recovery {
+        Recovery::Retry => "retry",
+        Recovery::Reconnect => "reconnect",
+        Recovery::Fatal => "fatal",
     }
 }

@@ -348,7 +348,7 @@ where
         if self.max_deliveries.is_some() && !capabilities.delivery_count() {
             warn!(
                 consumer = %self.common.name,
-                system = self.common.system,
+                system = self.common.names.system,
                 "max_deliveries is set, but this source counts no deliveries: a message that \
                  kills its consumer comes back until the retry budget or handler_timeout stops it"
             );
@@ -658,8 +658,9 @@ where
         until_idle: bool,
     ) -> Result<StatsSnapshot> {
         // Registered now, with the recorder the application installed before starting.
-        let system = self.source.system();
-        self.step.common_mut().system = system;
+        let names = &mut self.step.common_mut().names;
+        names.system = self.source.system();
+        names.group = self.source.consumer_group().map(str::to_owned);
         self.check()?;
         self.step.bind();
         let common = self.step.common_mut();

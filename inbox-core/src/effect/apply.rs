@@ -136,7 +136,7 @@ where
             consumer = %self.common.name,
             message_id = %escaped(&id),
             position = %message.meta.position.escape_debug(),
-            "messaging.system" = self.common.system,
+            "messaging.system" = self.common.names.system,
             traceparent = Empty,
             token = Empty,
             outcome = Empty,

@@ -39,11 +39,16 @@
 //! # Traces
 //!
 //! Spans follow the OpenTelemetry messaging conventions: `inbox.process` per store transaction
-//! (`messaging.operation.type = process`) and `inbox.settle` per ack, nack or dead letter
-//! (`settle`), with `messaging.system`, `messaging.destination.name`,
-//! `messaging.consumer.group.name` (the consumer's name), `messaging.message.id` (for one
-//! message) or `messaging.batch.message_count`, plus `otel.name` and `otel.kind` for
-//! `tracing-opentelemetry`.
+//! (`messaging.operation.type = process`, a CONSUMER span), `inbox.settle` per ack, nack,
+//! delayed redelivery or dead letter (`settle`, a CLIENT span) and `inbox.send` per publish of
+//! an adapter's producer ([`send_span`]: `send`, a PRODUCER span). They carry
+//! `messaging.system`, `messaging.destination.name`, `messaging.destination.partition.id`
+//! (where the broker partitions: Kafka), `messaging.consumer.group.name` (the broker's group
+//! where it has one, [`MessageSource::consumer_group`](crate::MessageSource::consumer_group),
+//! else the consumer's name; `inbox.consumer` is the consumer's name), `messaging.message.id`
+//! (for one message) or `messaging.batch.message_count`, `error.type` on a failure (`handler`,
+//! `handler_permanent`, `retry`, `reconnect`, `fatal`, `dead_letter_failed`), plus `otel.name`
+//! and `otel.kind` for `tracing-opentelemetry`.
 //!
 //! Producers put a W3C `traceparent` header ([`TraceParent`]) on each message; the process span
 //! of a transaction of one message records it in its `traceparent` field. With the crate feature
@@ -59,7 +64,8 @@ use metrics::{Gauge, Histogram, Unit};
 
 use crate::Message;
 
-pub(crate) use trace::{dead_letter_span, process_span, settle_span};
+pub(crate) use trace::{dead_letter_span, process_span, settle_span, SpanNames};
+pub use trace::{record_error, send_span, traced_send};
 pub use trace::{InvalidTraceParent, TraceParent, TRACEPARENT_HEADER};
 
 /// Counter: deliveries taken from the broker.

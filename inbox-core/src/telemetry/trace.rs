@@ -1,11 +1,12 @@
 //! W3C trace context (`traceparent`) and the consumer's spans.
 
 use std::fmt;
+use std::future::Future;
 
 use tracing::field::{display, Empty};
-use tracing::{info_span, Span};
+use tracing::{info_span, Instrument, Span};
 
-use crate::{Message, MessageId};
+use crate::{Message, MessageId, PublishError};
 
 /// The header (Kafka, RabbitMQ), message attribute (SQS) or field (Redis Streams) that carries a
 /// message's [`TraceParent`].
@@ -151,8 +152,7 @@ fn hex(text: &[u8], out: &mut [u8]) -> Result<(), InvalidTraceParent> {
 /// the span's parent; with several, their count, and (same feature) a link to each one's
 /// producer span.
 pub(crate) fn process_span<'a>(
-    consumer: &str,
-    system: &'static str,
+    names: &SpanNames,
     messages: impl ExactSizeIterator<Item = (&'a MessageId, &'a Message)> + Clone,
 ) -> Span {
     let n = messages.len();
@@ -164,17 +164,27 @@ pub(crate) fn process_span<'a>(
         "inbox.process",
         otel.name = %format_args!("process {destination}"),
         otel.kind = "consumer",
-        "messaging.system" = system,
+        "messaging.system" = names.system,
         "messaging.operation.type" = "process",
         "messaging.operation.name" = "process",
         "messaging.destination.name" = %destination,
-        "messaging.consumer.group.name" = %consumer,
+        "messaging.destination.partition.id" = Empty,
+        "messaging.consumer.group.name" = %names.group(),
+        "inbox.consumer" = %names.consumer,
         "messaging.message.id" = Empty,
         "messaging.batch.message_count" = Empty,
+        "error.type" = Empty,
         traceparent = Empty,
     );
     if span.is_disabled() {
         return span;
+    }
+    // The partition, where every message of the transaction comes from the same one.
+    let mut partitions = messages.clone().map(|(_, m)| m.meta.partition.as_deref());
+    if let Some(Some(first)) = partitions.next() {
+        if partitions.all(|p| p == Some(first)) {
+            span.record("messaging.destination.partition.id", first);
+        }
     }
     if n == 1 {
         if let Some((id, message)) = messages.clone().next() {
@@ -198,43 +208,94 @@ pub(crate) fn process_span<'a>(
 }
 
 /// The span of one ack or nack of `count` messages (`messaging.operation.type = settle`).
-pub(crate) fn settle_span(
-    consumer: &str,
-    system: &'static str,
-    operation: &'static str,
-    count: usize,
-) -> Span {
+/// A CLIENT span, as the messaging conventions give settlement: the consumer calls the broker.
+pub(crate) fn settle_span(names: &SpanNames, operation: &'static str, count: usize) -> Span {
     info_span!(
         "inbox.settle",
         otel.name = operation,
-        otel.kind = "consumer",
-        "messaging.system" = system,
+        otel.kind = "client",
+        "messaging.system" = names.system,
         "messaging.operation.type" = "settle",
         "messaging.operation.name" = operation,
-        "messaging.consumer.group.name" = %consumer,
+        "messaging.consumer.group.name" = %names.group(),
+        "inbox.consumer" = %names.consumer,
         "messaging.batch.message_count" = count,
+        "error.type" = Empty,
     )
+}
+
+/// The span of one publish of `count` messages to `destination` by a producer of `system`
+/// (`messaging.operation.type = send`, a PRODUCER span): each adapter's `send_batch` runs in
+/// one, and records [`record_error`] when it fails.
+pub fn send_span(system: &'static str, destination: &str, count: usize) -> Span {
+    info_span!(
+        "inbox.send",
+        otel.name = %format_args!("send {destination}"),
+        otel.kind = "producer",
+        "messaging.system" = system,
+        "messaging.operation.type" = "send",
+        "messaging.operation.name" = "send",
+        "messaging.destination.name" = %destination,
+        "messaging.batch.message_count" = count,
+        "error.type" = Empty,
+    )
+}
+
+/// Records `error.type` on `span`: a short, low-cardinality class of the failure.
+pub fn record_error(span: &Span, error_type: &str) {
+    span.record("error.type", error_type);
+}
+
+/// Runs `send`, one publish of `count` messages to `destination`, in its [`send_span`], and
+/// records `error.type` (what the publisher does next: `retry`, `reconnect`, `fatal`) when it
+/// fails. Each adapter's `Publish::send_batch` is one.
+pub async fn traced_send(
+    system: &'static str,
+    destination: &str,
+    count: usize,
+    send: impl Future<Output = Result<(), PublishError>>,
+) -> Result<(), PublishError> {
+    let span = send_span(system, destination, count);
+    let sent = send.instrument(span.clone()).await;
+    if let Err(e) = &sent {
+        record_error(&span, crate::consumer::common::recovery_type(e.recovery()));
+    }
+    sent
+}
+
+/// The names a consumer's spans carry: the consumer's, the broker's own group where it has one
+/// (else the consumer's name stands for it), and the broker's `messaging.system`.
+#[derive(Debug, Clone)]
+pub(crate) struct SpanNames {
+    pub(crate) consumer: String,
+    pub(crate) group: Option<String>,
+    pub(crate) system: &'static str,
+}
+
+impl SpanNames {
+    /// `messaging.consumer.group.name`.
+    pub(crate) fn group(&self) -> &str {
+        self.group.as_deref().unwrap_or(&self.consumer)
+    }
 }
 
 /// The span of one dead letter (`messaging.operation.type = settle`, name `dead_letter`), a
 /// child of the message's producer span with the `opentelemetry` feature.
-pub(crate) fn dead_letter_span(
-    consumer: &str,
-    system: &'static str,
-    id: Option<&MessageId>,
-    message: &Message,
-) -> Span {
+pub(crate) fn dead_letter_span(names: &SpanNames, id: Option<&MessageId>, message: &Message) -> Span {
     let destination = message.meta.source.as_str();
     let span = info_span!(
         "inbox.settle",
         otel.name = %format_args!("dead_letter {destination}"),
-        otel.kind = "consumer",
-        "messaging.system" = system,
+        otel.kind = "client",
+        "messaging.system" = names.system,
         "messaging.operation.type" = "settle",
         "messaging.operation.name" = "dead_letter",
         "messaging.destination.name" = %destination,
-        "messaging.consumer.group.name" = %consumer,
+        "messaging.destination.partition.id" = Empty,
+        "messaging.consumer.group.name" = %names.group(),
+        "inbox.consumer" = %names.consumer,
         "messaging.message.id" = Empty,
+        "error.type" = Empty,
         traceparent = Empty,
     );
     if span.is_disabled() {
@@ -242,6 +303,9 @@ pub(crate) fn dead_letter_span(
     }
     if let Some(id) = id {
         span.record("messaging.message.id", display(id.as_str().escape_debug()));
+    }
+    if let Some(partition) = &message.meta.partition {
+        span.record("messaging.destination.partition.id", partition.as_str());
     }
     if let Some(parent) = TraceParent::from_message(message) {
         span.record("traceparent", display(parent));
