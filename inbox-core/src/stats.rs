@@ -77,6 +77,32 @@ pub(crate) enum Counter {
 }
 
 impl Counter {
+    /// Every counter.
+    const ALL: [Counter; 13] = [
+        Counter::Received,
+        Counter::Applied,
+        Counter::SkippedDuplicate,
+        Counter::Retried,
+        Counter::Redelivered,
+        Counter::DeadLettered,
+        Counter::AckFailure,
+        Counter::Commit,
+        Counter::Error,
+        Counter::Confirmed,
+        Counter::SkippedUnknown,
+        Counter::Busy,
+        Counter::Fenced,
+    ];
+
+    /// Registers every counter of `consumer` at 0, so a series exists before its first event
+    /// and a rate or an increase over it sees that event.
+    pub(crate) fn register_all(consumer: &str) {
+        for counter in Self::ALL {
+            metrics::counter!(counter.metric_name(), "consumer" => consumer.to_owned())
+                .increment(0);
+        }
+    }
+
     fn metric_name(self) -> &'static str {
         use crate::telemetry as t;
         match self {

@@ -161,6 +161,20 @@ async fn the_consumer_records_its_metrics_labelled_and_described() {
     assert_eq!(last(t::DUPLICATES_SKIPPED), Some(1.0));
     // "oops" is no JSON: dead-lettered at once.
     assert_eq!(last(t::DEAD_LETTERED), Some(1.0));
+    // Every counter is there from the start, at 0 until its first event, so an alert on its
+    // increase sees the first one.
+    assert_eq!(
+        capture.values(&format!("{}{label}", t::DEAD_LETTERED))[0],
+        0.0
+    );
+    assert_eq!(
+        capture.values(&format!("{}{label}", t::ACK_FAILURES)),
+        vec![0.0]
+    );
+    assert_eq!(
+        capture.values(&format!("{}{label}", t::EFFECTS_FENCED)),
+        vec![0.0]
+    );
 
     // One batch: a, b, a (a duplicate within the batch never reaches the claim), c.
     let sizes = capture.values(&format!("{}{label}", t::BATCH_SIZE));

@@ -271,6 +271,7 @@ impl ConsumerMetrics {
     /// Describes every metric and registers this consumer's handles.
     pub(crate) fn register(consumer: &str) -> Self {
         describe_metrics();
+        crate::stats::Counter::register_all(consumer);
         let histogram =
             |name: &'static str| metrics::histogram!(name, "consumer" => consumer.to_owned());
         Self {
