@@ -6,6 +6,7 @@
 mod cluster;
 mod inspect;
 mod private;
+mod tls_server;
 
 pub use cluster::LocalCluster;
 pub use inspect::{
@@ -13,6 +14,7 @@ pub use inspect::{
 };
 use inspect::{cleanup_with, raw_at, xadd_with};
 use private::PrivateRedis;
+pub use tls_server::TlsRedis;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -6,10 +6,9 @@
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use inbox_conformance::redis::TlsRedis;
 use inbox_conformance::tls::{credits_with_resent_copies, refused, TestCa, CREDITS};
 use inbox_conformance::wallet::{self, Credit};
 use inbox_conformance::{unique_name, TestDb};
@@ -17,66 +16,15 @@ use inbox_core::replay::DeadLetters;
 use inbox_core::{Consumer, Publish};
 use inbox_redis_streams::redis::{Client, TlsCertificates};
 use inbox_redis_streams::RedisConnection;
-use inbox_testkit::eventually;
 
-/// A `redis-server` taking TLS only; killed on drop.
-struct TlsRedis {
-    process: Child,
-    port: u16,
-}
-
-impl TlsRedis {
-    async fn start(ca: &TestCa) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let path = |p: &Path| p.display().to_string();
-        let process = Command::new("redis-server")
-            .args(["--port", "0", "--tls-port", &port.to_string()])
-            .args([
-                "--tls-cert-file",
-                &path(&ca.cert),
-                "--tls-key-file",
-                &path(&ca.key),
-            ])
-            .args([
-                "--tls-ca-cert-file",
-                &path(&ca.ca),
-                "--tls-auth-clients",
-                "no",
-            ])
-            .args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server (run `cargo xtask services` to install it)");
-        let up = eventually(Duration::from_secs(10), || async {
-            tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-        })
-        .await;
-        assert!(up, "the TLS redis-server did not listen on {port}");
-        Self { process, port }
-    }
-
-    /// A client of `url` trusting `ca`.
-    fn client(url: &str, ca: &TestCa) -> Client {
-        let root_cert = std::fs::read(&ca.ca).unwrap();
-        let certificates = TlsCertificates {
-            client_tls: None,
-            root_cert: Some(root_cert),
-        };
-        Client::build_with_tls(url, certificates).unwrap()
-    }
-}
-
-impl Drop for TlsRedis {
-    fn drop(&mut self) {
-        let _ = self.process.kill();
-        let _ = self.process.wait();
-    }
+/// A client of `url` trusting `ca`.
+fn client(url: &str, ca: &TestCa) -> Client {
+    let root_cert = std::fs::read(&ca.ca).unwrap();
+    let certificates = TlsCertificates {
+        client_tls: None,
+        root_cert: Some(root_cert),
+    };
+    Client::build_with_tls(url, certificates).unwrap()
 }
 
 /// The error of a producer connecting through `client` to `what`.
@@ -94,12 +42,12 @@ async fn a_consumer_runs_over_tls_and_wrong_certificates_or_plaintext_are_refuse
     let ca = TestCa::new(&dir.join("server"), &["localhost"]).unwrap();
     let other_ca = TestCa::new(&dir.join("other"), &["localhost"]).unwrap();
     let redis = TlsRedis::start(&ca).await;
-    let url = |scheme: &str, host: &str| format!("{scheme}://{host}:{}", redis.port);
+    let url = |scheme: &str, host: &str| format!("{scheme}://{host}:{}", redis.port());
 
     // End to end over rediss://: every credit once.
     let db = TestDb::new().await;
     let stream = unique_name("tls");
-    let redis = RedisConnection::from_client(TlsRedis::client(&url("rediss", "localhost"), &ca));
+    let redis = RedisConnection::from_client(client(&url("rediss", "localhost"), &ca));
     let producer = redis.producer().connect().await.unwrap();
     let batch = credits_with_resent_copies();
     producer.send_batch(&stream, &batch).await.unwrap();
@@ -151,19 +99,12 @@ async fn a_consumer_runs_over_tls_and_wrong_certificates_or_plaintext_are_refuse
     );
 
     // A certificate from a CA the client does not trust.
-    let wrong_ca = connect_error(
-        "another CA",
-        TlsRedis::client(&url("rediss", "localhost"), &other_ca),
-    )
-    .await;
+    let wrong_ca =
+        connect_error("another CA", client(&url("rediss", "localhost"), &other_ca)).await;
     assert!(wrong_ca.contains("UnknownIssuer"), "{wrong_ca}");
 
     // A certificate for another name: issued for localhost, reached as 127.0.0.1.
-    let wrong_name = connect_error(
-        "another name",
-        TlsRedis::client(&url("rediss", "127.0.0.1"), &ca),
-    )
-    .await;
+    let wrong_name = connect_error("another name", client(&url("rediss", "127.0.0.1"), &ca)).await;
     assert!(wrong_name.contains("not valid for name"), "{wrong_name}");
 
     // Plaintext to a server that takes TLS only.
