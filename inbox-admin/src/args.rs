@@ -1,10 +1,17 @@
 //! The command line, parsed by clap: a command, options shared by every command, and durations
 //! in humantime's forms (`14d`, `36h`, `90m`, `2w`, `1day 12h`).
 
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use inbox_postgres::{KeyMode, DEFAULT_PURGE_BATCH};
+
+mod dead_letters;
+
+pub(crate) use dead_letters::{
+    Broker, DeadLetterSource, DeadLettersCommand, DeadLettersList, DeadLettersReplay,
+    DeadLettersShow, KafkaProperty,
+};
 
 /// The shortest `purge --older-than` taken without `--force`: anything shorter is almost always a
 /// slipped unit (`14m` for `14d`), and forgets messages a redelivery may still bring back.
@@ -143,161 +150,14 @@ pub(crate) enum Command {
             and the inbox skips the one applied second. Messages the inbox already applied are \
             skipped the same way. Kafka cannot delete a record: a consumer group \
             (--kafka-group, default inbox-admin-replay) commits past what was replayed, and \
-            `list` shows what the group has not committed."
+            `list` shows what the group has not committed.\n\n\
+            The reader and the replay's producer reach the broker through one connection, with \
+            the same settings: TLS and SASL for Kafka as librdkafka properties (-X \
+            security.protocol=sasl_ssl -X ssl.ca.location=ca.pem ...); amqps:// and rediss:// \
+            URLs, with --amqp-ca and --redis-ca for a private CA; a Redis Cluster with \
+            --redis-cluster."
     )]
-    DeadLetters(DeadLettersCommand),
-}
-
-/// `dead-letters list | show | replay`.
-#[derive(Debug, Subcommand)]
-pub(crate) enum DeadLettersCommand {
-    /// Count the dead letters: in all, and per reason, with the oldest and newest time.
-    List(DeadLettersList),
-    /// Print one dead letter: its ID, reason, origin, time, key, headers and payload.
-    Show(DeadLettersShow),
-    /// Publish the selected dead letters back to their source, then remove them.
-    Replay(DeadLettersReplay),
-}
-
-#[derive(Debug, Args)]
-pub(crate) struct DeadLettersList {
-    /// Also one line per dead letter: position, message ID, time, reason (with --json: one
-    /// JSON object per dead letter after the summary).
-    #[arg(long)]
-    pub(crate) each: bool,
-    /// Print one JSON object (destination, count, oldest, newest, by_reason) instead of the table.
-    #[arg(long)]
-    pub(crate) json: bool,
-    #[command(flatten)]
-    pub(crate) from: DeadLetterSource,
-}
-
-#[derive(Debug, Args)]
-pub(crate) struct DeadLettersShow {
-    /// The dead letter's position as `list`/`replay --dry-run` print it (a stream entry ID,
-    /// `partition 0 offset 7`, an SQS message ID, a RabbitMQ queue place), or its message ID.
-    #[arg(value_name = "POSITION")]
-    pub(crate) position: String,
-    /// Print one JSON object instead of the lines.
-    #[arg(long)]
-    pub(crate) json: bool,
-    #[command(flatten)]
-    pub(crate) from: DeadLetterSource,
-}
-
-#[derive(Debug, Args)]
-#[command(group(
-    clap::ArgGroup::new("selection")
-        .required(true)
-        .multiple(true)
-        .args(["all", "reason", "since", "until"])
-))]
-pub(crate) struct DeadLettersReplay {
-    /// Replay every dead letter.
-    #[arg(long, conflicts_with_all = ["reason", "since", "until"])]
-    pub(crate) all: bool,
-    /// Only those parked with exactly this reason (as `list` prints it).
-    #[arg(long, value_name = "REASON")]
-    pub(crate) reason: Option<String>,
-    /// Only those parked at or after this time: RFC 3339 (2026-12-05T03:00:00Z) or a duration
-    /// ago (2h).
-    #[arg(long, value_name = "TIME", value_parser = parse_time)]
-    pub(crate) since: Option<SystemTime>,
-    /// Only those parked before this time (same forms as --since).
-    #[arg(long, value_name = "TIME", value_parser = parse_time)]
-    pub(crate) until: Option<SystemTime>,
-    /// Read and count what would move; publish and remove nothing.
-    #[arg(long)]
-    pub(crate) dry_run: bool,
-    /// Print one JSON object (read, selected, moved, unreplayable, duplicates, by_source,
-    /// dry_run) instead of the lines; no progress is drawn.
-    #[arg(long)]
-    pub(crate) json: bool,
-    #[command(flatten)]
-    pub(crate) from: DeadLetterSource,
-}
-
-/// Which broker, which dead-letter destination, and how to reach it.
-#[derive(Debug, Args)]
-#[command(next_help_heading = "Dead-letter destination")]
-pub(crate) struct DeadLetterSource {
-    /// The broker holding the dead letters.
-    #[arg(long, value_enum)]
-    pub(crate) broker: Broker,
-    /// The dead-letter destination: a Kafka topic, an SQS queue URL, a RabbitMQ queue, a Redis
-    /// stream key.
-    #[arg(long, value_name = "DLQ")]
-    pub(crate) from: String,
-    /// Kafka brokers (host:port,...).
-    #[arg(long, value_name = "HOSTS", env = "KAFKA_BROKERS")]
-    pub(crate) kafka_brokers: Option<String>,
-    /// The consumer group whose commits mark Kafka dead letters as replayed.
-    #[arg(long, value_name = "GROUP", default_value = "inbox-admin-replay")]
-    pub(crate) kafka_group: String,
-    /// The SQS endpoint, for an SQS-compatible server; AWS's otherwise (credentials and region
-    /// from the usual AWS environment).
-    #[arg(long, value_name = "URL", env = "AWS_ENDPOINT_URL_SQS")]
-    pub(crate) sqs_endpoint: Option<String>,
-    /// The RabbitMQ URL (amqp://user:password@host:port/vhost).
-    #[arg(long, value_name = "URL", env = "AMQP_URL", hide_env_values = true)]
-    pub(crate) amqp_url: Option<String>,
-    /// The Redis URL (redis://host:port/db).
-    #[arg(long, value_name = "URL", env = "REDIS_URL", hide_env_values = true)]
-    pub(crate) redis_url: Option<String>,
-    /// The header, attribute or field holding the message ID [default: event_id; RabbitMQ: the
-    /// message_id property].
-    #[arg(long, value_name = "NAME")]
-    pub(crate) id_field: Option<String>,
-}
-
-/// `--broker`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub(crate) enum Broker {
-    /// A Kafka dead-letter topic.
-    Kafka,
-    /// An SQS dead-letter queue (its URL).
-    Sqs,
-    /// A RabbitMQ dead-letter queue.
-    Rabbitmq,
-    /// A Redis dead-letter stream.
-    Redis,
-}
-
-impl Broker {
-    /// The name `--broker` takes.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Broker::Kafka => "kafka",
-            Broker::Sqs => "sqs",
-            Broker::Rabbitmq => "rabbitmq",
-            Broker::Redis => "redis",
-        }
-    }
-}
-
-/// A time as RFC 3339 (`2026-12-05T03:00:00Z`, also without the zone, read as UTC) or a
-/// duration before now (`2h`, `1d`).
-pub(crate) fn parse_time(value: &str) -> Result<SystemTime, NotATime> {
-    if let Ok(time) = humantime::parse_rfc3339_weak(value) {
-        return Ok(time);
-    }
-    match humantime::parse_duration(value) {
-        Ok(ago) => SystemTime::now().checked_sub(ago).ok_or_else(|| NotATime {
-            value: value.to_owned(),
-        }),
-        Err(_) => Err(NotATime {
-            value: value.to_owned(),
-        }),
-    }
-}
-
-/// A command-line value that is neither a time nor a duration.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "`{value}` is not a time; write RFC 3339 (2026-12-05T03:00:00Z) or a duration ago (2h, 1d)"
-)]
-pub(crate) struct NotATime {
-    value: String,
+    DeadLetters(Box<DeadLettersCommand>),
 }
 
 #[derive(Debug, Args)]
@@ -443,7 +303,7 @@ mod tests {
 
     use super::*;
 
-    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+    pub(super) fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
         Cli::try_parse_from(std::iter::once("inbox-admin").chain(args.iter().copied()))
     }
 
@@ -579,55 +439,6 @@ mod tests {
         assert!(purge(&["purge", "--older-than", "14m", "--yes"])
             .refusal()
             .is_none());
-    }
-
-    #[test]
-    fn dead_letter_commands_parse() {
-        let cli = parse(&[
-            "dead-letters",
-            "replay",
-            "--broker",
-            "kafka",
-            "--from",
-            "orders.dlq",
-            "--reason",
-            "downstream down",
-            "--since",
-            "2026-12-05T03:00:00Z",
-            "--dry-run",
-        ])
-        .unwrap();
-        let Command::DeadLetters(DeadLettersCommand::Replay(replay)) = cli.command else {
-            panic!("not replay: {:?}", cli.command)
-        };
-        assert_eq!(replay.from.broker, Broker::Kafka);
-        assert_eq!(replay.from.from, "orders.dlq");
-        assert_eq!(replay.from.kafka_group, "inbox-admin-replay");
-        assert_eq!(replay.reason.as_deref(), Some("downstream down"));
-        assert_eq!(
-            replay.since,
-            Some(SystemTime::UNIX_EPOCH + Duration::from_secs(1_796_439_600))
-        );
-        assert!(replay.dry_run && !replay.all && replay.until.is_none());
-
-        let cli = parse(&[
-            "dead-letters",
-            "show",
-            "--broker",
-            "redis",
-            "--from",
-            "o:dlq",
-            "1-0",
-        ])
-        .unwrap();
-        assert!(matches!(
-            cli.command,
-            Command::DeadLetters(DeadLettersCommand::Show(DeadLettersShow { ref position, .. }))
-                if position == "1-0"
-        ));
-        let ago = parse_time("2h").unwrap();
-        let expected = SystemTime::now() - Duration::from_secs(7200);
-        assert!(expected.duration_since(ago).unwrap_or_default() < Duration::from_secs(5));
     }
 
     #[test]

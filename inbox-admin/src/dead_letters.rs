@@ -1,18 +1,13 @@
 //! `dead-letters list | show | replay`: the broker mapping is the adapters' (`XDeadLetters`
-//! and `XProducer`); listing, selecting and replaying are `inbox_core::replay`'s. This file
-//! opens the chosen broker and prints.
+//! and `XProducer`); listing, selecting and replaying are `inbox_core::replay`'s; reaching the
+//! broker is [`brokers`](crate::brokers)'. This file runs the commands and prints.
 
 use std::time::SystemTime;
 
-use inbox_core::replay::{
-    self, DeadLetter, DeadLetters, DynDeadLetters, ReplayReport, Selection, Summary, Tally,
-};
-use inbox_core::Publish;
+use inbox_core::replay::{self, DeadLetter, DeadLetters, ReplayReport, Selection, Summary, Tally};
 
-use crate::args::{
-    Broker, DeadLetterSource, DeadLettersCommand, DeadLettersList, DeadLettersReplay,
-    DeadLettersShow,
-};
+use crate::args::{DeadLettersCommand, DeadLettersList, DeadLettersReplay, DeadLettersShow};
+use crate::brokers::{hide_property_values, open};
 use crate::CliError;
 use inbox_admin::progress::{Counting, Progress};
 
@@ -24,11 +19,19 @@ const REPLAY: Counting = Counting {
 
 /// Runs one `dead-letters` command; its lines for stdout.
 pub(crate) async fn run(command: DeadLettersCommand) -> Result<Vec<String>, CliError> {
-    match command {
+    let properties = match &command {
+        DeadLettersCommand::List(list) => &list.from,
+        DeadLettersCommand::Show(show) => &show.from,
+        DeadLettersCommand::Replay(replay) => &replay.from,
+    }
+    .kafka_properties
+    .clone();
+    let done = match command {
         DeadLettersCommand::List(list) => self::list(list).await,
         DeadLettersCommand::Show(show) => self::show(show).await,
         DeadLettersCommand::Replay(replay) => self::replay(replay).await,
-    }
+    };
+    done.map_err(|e| hide_property_values(e, &properties))
 }
 
 async fn list(args: DeadLettersList) -> Result<Vec<String>, CliError> {
@@ -277,134 +280,4 @@ fn when(t: Option<SystemTime>) -> String {
         || "-".to_owned(),
         |t| humantime::format_rfc3339_seconds(t).to_string(),
     )
-}
-
-/// The message attribute or field holding the ID, where the operator named one.
-fn id_field(from: &DeadLetterSource) -> Option<&str> {
-    from.id_field.as_deref().filter(|f| !f.is_empty())
-}
-
-/// A broker this build has no adapter for.
-#[allow(dead_code)] // used only when a broker's feature is off
-fn not_built(broker: Broker) -> CliError {
-    CliError::Refused(format!(
-        "this inbox-admin was built without the `{0}` feature: rebuild it with \
-         `--features {0}` to read {0} dead letters",
-        broker.name()
-    ))
-}
-
-/// A dead-letter destination's reader and, for a replay, the producer that publishes back to
-/// the sources.
-type Opened = (
-    Box<dyn DynDeadLetters>,
-    Option<Box<dyn inbox_core::DynPublish>>,
-);
-
-/// The reader of the dead-letter destination `from` names and, when `replay`, the producer:
-/// both reach the broker at one address and read the message ID from one field.
-#[allow(unused_variables)] // with no broker feature on, no arm uses `replay` and `field`
-async fn open(from: &DeadLetterSource, replay: bool) -> Result<Opened, CliError> {
-    let field = id_field(from);
-    match from.broker {
-        #[cfg(feature = "kafka")]
-        Broker::Kafka => {
-            let brokers = required(
-                &from.kafka_brokers,
-                "Kafka brokers",
-                "kafka-brokers",
-                "KAFKA_BROKERS",
-            )?;
-            let kafka = inbox_kafka::KafkaConnection::new(brokers);
-            let mut reader = kafka.dead_letters(&from.from).group(&from.kafka_group);
-            let mut producer = kafka.producer();
-            if let Some(field) = field {
-                reader = reader.id_header(field);
-                producer = producer.id_header(field);
-            }
-            connect(reader.connect(), replay.then(|| producer.connect())).await
-        }
-        #[cfg(feature = "sqs")]
-        Broker::Sqs => {
-            let sqs = sqs_connection(from).await;
-            let mut reader = sqs.dead_letters(&from.from);
-            let mut producer = sqs.producer();
-            if let Some(field) = field {
-                reader = reader.id_attribute(field);
-                producer = producer.id_attribute(field);
-            }
-            connect(reader.connect(), replay.then(|| producer.connect())).await
-        }
-        #[cfg(feature = "rabbitmq")]
-        Broker::Rabbitmq => {
-            let url = required(&from.amqp_url, "RabbitMQ broker", "amqp-url", "AMQP_URL")?;
-            let broker = inbox_rabbitmq::RabbitConnection::new(url);
-            let mut reader = broker.dead_letters(&from.from);
-            if let Some(field) = field {
-                reader = reader.id_header(field);
-            }
-            let producer = broker.producer();
-            connect(reader.connect(), replay.then(|| producer.connect())).await
-        }
-        #[cfg(feature = "redis")]
-        Broker::Redis => {
-            let url = required(&from.redis_url, "Redis server", "redis-url", "REDIS_URL")?;
-            let redis = inbox_redis_streams::RedisConnection::new(url);
-            let mut reader = redis.dead_letters(&from.from);
-            let mut producer = redis.producer();
-            if let Some(field) = field {
-                reader = reader.id_field(field);
-                producer = producer.id_field(field);
-            }
-            connect(reader.connect(), replay.then(|| producer.connect())).await
-        }
-        #[allow(unreachable_patterns)]
-        other => Err(not_built(other)),
-    }
-}
-
-/// Connects `reader` and, when given, `producer`.
-#[allow(dead_code)] // unused when no broker feature is on
-async fn connect<R, P, E, F>(
-    reader: impl std::future::Future<Output = Result<R, E>>,
-    producer: Option<impl std::future::Future<Output = Result<P, F>>>,
-) -> Result<Opened, CliError>
-where
-    R: DeadLetters + 'static,
-    P: Publish + 'static,
-    E: Into<inbox_core::OperationError>,
-    F: Into<inbox_core::OperationError>,
-{
-    let reader: Box<dyn DynDeadLetters> = Box::new(reader.await.map_err(broker_error)?);
-    let producer = match producer {
-        Some(producer) => {
-            Some(Box::new(producer.await.map_err(broker_error)?) as Box<dyn inbox_core::DynPublish>)
-        }
-        None => None,
-    };
-    Ok((reader, producer))
-}
-
-/// An address the operator must give: `value`, or an error naming its flag and variable.
-#[allow(dead_code)] // unused when no broker feature is on
-fn required(value: &Option<String>, what: &str, flag: &str, var: &str) -> Result<String, CliError> {
-    value.clone().ok_or_else(|| {
-        CliError::Refused(format!(
-            "no {what} to connect to: pass --{flag} or set {var}"
-        ))
-    })
-}
-
-#[cfg(feature = "sqs")]
-async fn sqs_connection(from: &DeadLetterSource) -> inbox_sqs::SqsConnection {
-    match &from.sqs_endpoint {
-        Some(endpoint) => inbox_sqs::SqsConnection::new(inbox_sqs::connect_to(endpoint).await),
-        None => inbox_sqs::SqsConnection::from_env(),
-    }
-}
-
-/// An adapter's error, as the operation error the core reports.
-#[allow(dead_code)] // unused when no broker feature is on
-fn broker_error(e: impl Into<inbox_core::OperationError>) -> CliError {
-    CliError::Broker(e.into())
 }

@@ -19,12 +19,36 @@
 //! inbox-admin dead-letters replay --broker sqs --from "$DLQ_URL" --since 2h
 //! ```
 //!
+//! Managed brokers: TLS is built in (librdkafka's OpenSSL for Kafka, rustls for RabbitMQ and
+//! Redis), and each broker's settings reach both the dead-letter reader and the replay's
+//! producer.
+//!
+//! ```text
+//! inbox-admin dead-letters list --broker kafka --from orders.dlq \
+//!     --kafka-brokers b-1.internal:9096,b-2.internal:9096 \
+//!     -X security.protocol=sasl_ssl -X sasl.mechanism=SCRAM-SHA-512 \
+//!     -X sasl.username=ops -X sasl.password="$KAFKA_PASSWORD" \
+//!     -X ssl.ca.location=/etc/ssl/kafka-ca.pem
+//! inbox-admin dead-letters replay --broker rabbitmq --from orders.dlq --all \
+//!     --amqp-url "amqps://ops:$PW@mq.internal:5671/%2f" --amqp-ca /etc/ssl/mq-ca.pem
+//! inbox-admin dead-letters list --broker redis --from orders:dlq \
+//!     --redis-url "rediss://:$PW@redis.internal:6380/0" --redis-ca /etc/ssl/redis-ca.pem
+//! inbox-admin dead-letters list --broker redis --from '{orders}:dlq' \
+//!     --redis-cluster rediss://node-1.internal:6379,rediss://node-2.internal:6379
+//! ```
+//!
+//! `-X key=value` passes a librdkafka property to every Kafka client, as kcat does; an error
+//! never shows the value of a secret one (`sasl.password`, ...). A CA file that cannot be read,
+//! or that holds no PEM certificate, is refused naming its flag, as is a CA given for a URL
+//! without TLS.
+//!
 //! `purge`, `measure-storage` and `dead-letters replay` show their progress on stderr (see [`progress`]).
 //!
 //! Exit status: 0 done, 1 the command failed, 2 the command line is wrong (clap's usage errors
 //! and a `purge` window below the floor without `--force`) or the `stats --min-window` alarm.
 
 mod args;
+mod brokers;
 mod dead_letters;
 mod measure;
 mod partitions;
@@ -61,6 +85,17 @@ pub(crate) enum CliError {
     /// A broker failed while reading or replaying dead letters.
     #[error(transparent)]
     Broker(#[from] inbox_core::OperationError),
+    /// A broker failed without saying why; the usual causes, and where to look.
+    #[cfg(feature = "kafka")]
+    #[error("{source}; {hint}")]
+    BrokerHint {
+        source: inbox_core::OperationError,
+        hint: &'static str,
+    },
+    /// An error whose text showed the value of a `-X` property that may be a secret: the text,
+    /// with that value as `***`.
+    #[error("{0}")]
+    Hidden(String),
 }
 
 pub(crate) fn db(context: &'static str) -> impl FnOnce(sqlx::Error) -> CliError {
@@ -146,7 +181,7 @@ async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Purge(p) => print(purge::run(&inbox(target).await?, &p).await?),
         Command::Stats(stats) => return self::stats(&inbox(target).await?, &stats).await,
         Command::MeasureStorage(m) => print(measure::run(&connect(target).await?, &m).await?),
-        Command::DeadLetters(d) => print(dead_letters::run(d).await?),
+        Command::DeadLetters(d) => print(dead_letters::run(*d).await?),
     }
     Ok(ExitCode::SUCCESS)
 }
