@@ -107,7 +107,8 @@ impl KafkaDeadLettersBuilder {
     /// Connects, and finds where each partition's reading starts and ends.
     pub async fn connect(self) -> Result<KafkaDeadLetters> {
         let timeout = self.connection.operation_timeout;
-        let (mut config, context) = self.connection.client(&Failures::default())?;
+        let failures = Failures::default();
+        let (mut config, context) = self.connection.client(&failures)?;
         config
             .set("group.id", &self.group)
             .set("enable.auto.commit", "false")
@@ -119,7 +120,12 @@ impl KafkaDeadLettersBuilder {
         let consumer = Arc::new(consumer);
         let topic = self.topic.clone();
         let reader = Arc::clone(&consumer);
-        let partitions = blocking(move || starts(&reader, &topic, timeout)).await??;
+        // A TLS handshake or a login the brokers refuse fails the connect at once, saying why
+        // (librdkafka's own error would be a transport failure at the timeout).
+        let partitions = tokio::select! {
+            refused = failures.refused() => return Err(refused),
+            started = blocking(move || starts(&reader, &topic, timeout)) => started??,
+        };
         let mut assignment = TopicPartitionList::new();
         for (partition, p) in &partitions {
             assignment

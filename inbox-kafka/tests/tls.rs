@@ -158,6 +158,20 @@ async fn a_certificate_another_ca_signed_is_refused_saying_so() {
     };
     println!("the consumer stopped: {e}");
     assert!(e.to_string().contains("certificate verify failed"), "{e}");
+
+    // The dead-letter reader (replay's) on the same connection says why too, soon.
+    let started = Instant::now();
+    let reading = connection(&tansu.brokers(), &tls(&other.ca))
+        .dead_letters("inbox-tls-refused.dlq")
+        .connect();
+    let refused = tokio::time::timeout(Duration::from_secs(30), reading)
+        .await
+        .expect("the reader gave up within 30 s");
+    let Err(e) = refused else {
+        panic!("the dead-letter reader connected over a refused TLS handshake")
+    };
+    println!("the dead-letter reader, after {:?}: {e}", started.elapsed());
+    assert!(e.to_string().contains("certificate verify failed"), "{e}");
     db.drop().await;
 }
 
