@@ -122,9 +122,19 @@ impl KafkaDeadLettersBuilder {
         let reader = Arc::clone(&consumer);
         // A TLS handshake or a login the brokers refuse fails the connect at once, saying why
         // (librdkafka's own error would be a transport failure at the timeout).
-        let partitions = tokio::select! {
+        let started = tokio::select! {
             refused = failures.refused() => return Err(refused),
-            started = blocking(move || starts(&reader, &topic, timeout)) => started??,
+            started = blocking(move || starts(&reader, &topic, timeout)) => started?,
+        };
+        let partitions = match started {
+            Ok(partitions) => partitions,
+            Err(e) => {
+                // A reader's callbacks run in its polls: the refusal behind a failed metadata
+                // request may still be queued. Served, it says why.
+                let reader = Arc::clone(&consumer);
+                let _ = blocking(move || reader.poll(Duration::from_millis(200)).is_some()).await;
+                return Err(failures.take_refusal().unwrap_or(e));
+            }
         };
         let mut assignment = TopicPartitionList::new();
         for (partition, p) in &partitions {

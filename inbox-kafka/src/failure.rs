@@ -176,6 +176,25 @@ impl Failures {
         error
     }
 
+    /// The refusal recorded so far, if any, forgetting it.
+    pub(crate) fn take_refusal(&self) -> Option<Error> {
+        let mut taken = None;
+        self.0.send_if_modified(|last| match last.take() {
+            Some(Failure {
+                refusal: Some(refusal),
+                reason,
+            }) => {
+                taken = Some(refusal.error(reason));
+                true
+            }
+            other => {
+                *last = other;
+                false
+            }
+        });
+        taken
+    }
+
     /// The refusal a consumer error stands for, with the reason of the last failure (its log
     /// line), or `None` for an error that is not a refusal.
     pub(crate) fn refusal_of(&self, error: &KafkaError) -> Option<Error> {
