@@ -271,7 +271,7 @@ async fn a_conversion_and_a_partitioned_purge_leave_no_setting_in_pooled_session
         .unwrap();
     assert_eq!(report.deleted(), 500, "{report:?}");
     assert!(
-        seqscan_settings(&pool, 8).await.iter().all(|s| s == "on"),
+        seqscan_settings(&pool, 4).await.iter().all(|s| s == "on"),
         "the purge's enable_seqscan = off stayed in a pooled session"
     );
     // Its cleaner lock is gone too.

@@ -381,7 +381,7 @@ fn pgbouncer() -> Result {
             "[databases]\n* = host={db_host} port={db_port}\n\n[pgbouncer]\n\
              listen_addr = {host}\nlisten_port = {port}\nunix_socket_dir =\n\
              auth_type = md5\nauth_file = {}\npool_mode = transaction\n\
-             default_pool_size = 10\nmax_client_conn = 500\nserver_idle_timeout = 10\n\
+             default_pool_size = 20\nmax_client_conn = 500\nserver_idle_timeout = 10\n\
              ignore_startup_parameters = extra_float_digits\n",
             userlist.display()
         ),
