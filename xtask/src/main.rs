@@ -75,12 +75,16 @@ fn test(extra: &[String]) -> Result<(), String> {
         &["doc", "--workspace", "--no-deps", "--quiet"],
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
-    let mut args = vec!["test", "--workspace"];
+    // nextest runs the test binaries' tests side by side, each in a process of its own
+    // (`.config/nextest.toml` says which run alone); the doc tests are cargo's.
+    services::nextest()?;
+    let mut args = vec!["nextest", "run", "--workspace"];
     args.extend(extra.iter().map(String::as_str));
     cargo(&args)?;
+    cargo(&["test", "--workspace", "--doc", "--quiet"])?;
     // Both inbox layouts pass the store's whole suite: the second pass puts every test inbox of
     // `inbox-postgres` in the partitioned one.
-    let mut args = vec!["test", "-p", "inbox-postgres"];
+    let mut args = vec!["nextest", "run", "-p", "inbox-postgres"];
     args.extend(extra.iter().map(String::as_str));
     cargo_with(&args, &[("INBOX_TEST_LAYOUT", "partitioned")])?;
     // The store behind PgBouncer in transaction mode: one broker's whole suite, the hard kill
@@ -88,7 +92,14 @@ fn test(extra: &[String]) -> Result<(), String> {
     // database (`inbox_conformance::TestDb`).
     let pooler = std::env::var("INBOX_PGBOUNCER_URL")
         .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:6432/inbox".into());
-    let mut args = vec!["test", "-p", "inbox-redis-streams", "--test", "conformance"];
+    let mut args = vec![
+        "nextest",
+        "run",
+        "-p",
+        "inbox-redis-streams",
+        "-E",
+        "binary(conformance)",
+    ];
     args.extend(extra.iter().map(String::as_str));
     cargo_with(&args, &[("INBOX_TEST_POOLER_URL", pooler.as_str())])?;
     // Built by `cargo test` already; this runs them.

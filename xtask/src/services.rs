@@ -36,6 +36,15 @@ pub(crate) fn up(beside: Option<&[&str]>) -> Result {
     kafka()
 }
 
+/// cargo-nextest, which `cargo xtask test` runs the tests with: installed from crates.io when
+/// missing (machines of this project's kind ship it).
+pub(crate) fn nextest() -> Result {
+    if quiet("cargo", &["nextest", "--version"]) {
+        return Ok(());
+    }
+    run("cargo", &["install", "cargo-nextest", "--locked"])
+}
+
 /// What the tests use beside the services: `openssl` makes their throw-away certificate
 /// authorities, `socat` serves TLS in front of their own Kafka broker (Tansu has none), and
 /// `promtool` (in Debian's `prometheus` package) checks and unit-tests the alert rules.
