@@ -162,7 +162,11 @@ impl Common {
         };
         let span = telemetry::settle_span(&self.names, "redeliver", 1);
         let Delivery { message, ack } = delivery;
-        match ack.redeliver(&message, delay, n).instrument(span.clone()).await {
+        match ack
+            .redeliver(&message, delay, n)
+            .instrument(span.clone())
+            .await
+        {
             Ok(()) => {
                 self.count(Counter::Redelivered, 1);
                 warn!(consumer = %self.name, message_id = %id.as_str().escape_debug(), redelivery = n + 1, of = self.retry.redeliveries.len(), ?delay, %reason, "handed back to the broker to come back after a delay");
@@ -209,7 +213,10 @@ impl Common {
         reason: String,
     ) -> Result<bool> {
         let span = dead_letter_span(&self.names, id, &delivery.message);
-        let parked = self.park(id, delivery, reason).instrument(span.clone()).await;
+        let parked = self
+            .park(id, delivery, reason)
+            .instrument(span.clone())
+            .await;
         if !matches!(parked, Ok(true)) {
             telemetry::record_error(&span, "dead_letter_failed");
         }

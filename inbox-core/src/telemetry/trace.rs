@@ -281,7 +281,11 @@ impl SpanNames {
 
 /// The span of one dead letter (`messaging.operation.type = settle`, name `dead_letter`), a
 /// child of the message's producer span with the `opentelemetry` feature.
-pub(crate) fn dead_letter_span(names: &SpanNames, id: Option<&MessageId>, message: &Message) -> Span {
+pub(crate) fn dead_letter_span(
+    names: &SpanNames,
+    id: Option<&MessageId>,
+    message: &Message,
+) -> Span {
     let destination = message.meta.source.as_str();
     let span = info_span!(
         "inbox.settle",
