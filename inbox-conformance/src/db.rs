@@ -247,8 +247,8 @@ pub(crate) fn pooler_url() -> Option<String> {
 
 /// A schema of its own for one test, holding the wallet tables and a migrated inbox.
 ///
-/// Behind a transaction pooler ([`pooler_url`]) the schema is in a database of its own (named
-/// as the schema), whose default `search_path` names it: a pooled server session takes no
+/// Behind a transaction pooler (`INBOX_TEST_POOLER_URL`) the schema is in a database of its own
+/// (named as the schema), whose default `search_path` names it: a pooled server session takes no
 /// startup options, and the wallet's statements name their tables without a schema.
 #[derive(Debug, Clone)]
 pub struct TestDb {

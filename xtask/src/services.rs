@@ -373,7 +373,7 @@ fn pgbouncer() -> Result {
     let upstream = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:5432/inbox".into());
     let (db_host, db_port) = host_port(&upstream, 5432);
-    let (user, password, _) = mysql_credentials(&upstream);
+    let (user, password, _) = url_credentials(&upstream);
     let dir = std::env::temp_dir().join("inbox-pgbouncer");
     std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     let userlist = dir.join("userlist.txt");
@@ -431,7 +431,7 @@ fn mariadb() -> Result {
         )?;
         wait_for("MariaDB", &host, port, Duration::from_secs(60))?;
     }
-    let (user, password, database) = mysql_credentials(&url);
+    let (user, password, database) = url_credentials(&url);
     if quiet(
         "mariadb",
         &[
@@ -468,7 +468,7 @@ fn mariadb() -> Result {
 
 /// User, password and database of a `mysql://` or `postgres://user:password@host:port/database`
 /// URL.
-fn mysql_credentials(url: &str) -> (String, String, String) {
+fn url_credentials(url: &str) -> (String, String, String) {
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
     let (auth, location) = rest.rsplit_once('@').unwrap_or(("root:", rest));
     let (user, password) = auth.split_once(':').unwrap_or((auth, ""));
@@ -623,7 +623,7 @@ mod tests {
     #[test]
     fn mysql_urls_give_their_credentials() {
         assert_eq!(
-            super::mysql_credentials("mysql://inbox:secret@127.0.0.1:3306/inbox?ssl-mode=disabled"),
+            super::url_credentials("mysql://inbox:secret@127.0.0.1:3306/inbox?ssl-mode=disabled"),
             ("inbox".into(), "secret".into(), "inbox".into())
         );
     }
