@@ -153,7 +153,8 @@ pub(crate) enum Command {
             `list` shows what the group has not committed.\n\n\
             The reader and the replay's producer reach the broker through one connection, with \
             the same settings: TLS and SASL for Kafka as librdkafka properties (-X \
-            security.protocol=sasl_ssl -X ssl.ca.location=ca.pem ...); amqps:// and rediss:// \
+            security.protocol=sasl_ssl -X ssl.ca.location=ca.pem ..., or -F FILE of KEY=VALUE \
+            lines, where a password is not shown in the process list); amqps:// and rediss:// \
             URLs, with --amqp-ca and --redis-ca for a private CA; a Redis Cluster with \
             --redis-cluster."
     )]

@@ -84,18 +84,48 @@ fn kafka(from: &DeadLetterSource) -> Result<inbox_kafka::KafkaConnection, CliErr
         "KAFKA_BROKERS",
     )?;
     let mut kafka = inbox_kafka::KafkaConnection::new(brokers);
-    for property in &from.kafka_properties {
+    let from_file = file_properties(from)?;
+    let in_file = from_file
+        .iter()
+        .map(|p| (p, format!("{} in --kafka-config", p.key)));
+    let flags = from
+        .kafka_properties
+        .iter()
+        .map(|p| (p, format!("-X {}", p.key)));
+    for (property, flag) in in_file.chain(flags) {
         // A file librdkafka reads (`ssl.ca.location`, `ssl.key.location`, ...): one that cannot
-        // be read is refused here, naming its flag. `probe` is librdkafka's word for "look in
-        // the usual places".
+        // be read is refused here, naming its property. `probe` is librdkafka's word for "look
+        // in the usual places".
         if property.key.ends_with(".location") && property.value != "probe" {
-            let flag = format!("-X {}", property.key);
             std::fs::File::open(&property.value)
                 .map_err(|e| unreadable(&property.value, &flag, e))?;
         }
         kafka = kafka.set(&property.key, &property.value);
     }
     Ok(kafka)
+}
+
+/// The properties of the `--kafka-config` file, if one was given.
+fn file_properties(from: &DeadLetterSource) -> Result<Vec<KafkaProperty>, CliError> {
+    let Some(path) = &from.kafka_config else {
+        return Ok(Vec::new());
+    };
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| unreadable(path.display(), "--kafka-config", e))?;
+    KafkaProperty::parse_file(&text).map_err(|why| {
+        CliError::Refused(format!(
+            "`{}`, given with --kafka-config: {why}",
+            path.display()
+        ))
+    })
+}
+
+/// Every librdkafka property given, the `--kafka-config` file's and `-X`'s: those whose values
+/// an error must not show. None of the file's when it cannot be read (no error then holds them).
+pub(crate) fn kafka_properties(from: &DeadLetterSource) -> Vec<KafkaProperty> {
+    let mut properties = file_properties(from).unwrap_or_default();
+    properties.extend(from.kafka_properties.iter().cloned());
+    properties
 }
 
 /// What a Kafka connection that failed without a reason usually means.

@@ -7,7 +7,7 @@ use std::time::SystemTime;
 use inbox_core::replay::{self, DeadLetter, DeadLetters, ReplayReport, Selection, Summary, Tally};
 
 use crate::args::{DeadLettersCommand, DeadLettersList, DeadLettersReplay, DeadLettersShow};
-use crate::brokers::{hide_property_values, open};
+use crate::brokers::{hide_property_values, kafka_properties, open};
 use crate::CliError;
 use inbox_admin::progress::{Counting, Progress};
 
@@ -19,13 +19,11 @@ const REPLAY: Counting = Counting {
 
 /// Runs one `dead-letters` command; its lines for stdout.
 pub(crate) async fn run(command: DeadLettersCommand) -> Result<Vec<String>, CliError> {
-    let properties = match &command {
+    let properties = kafka_properties(match &command {
         DeadLettersCommand::List(list) => &list.from,
         DeadLettersCommand::Show(show) => &show.from,
         DeadLettersCommand::Replay(replay) => &replay.from,
-    }
-    .kafka_properties
-    .clone();
+    });
     let done = match command {
         DeadLettersCommand::List(list) => self::list(list).await,
         DeadLettersCommand::Show(show) => self::show(show).await,

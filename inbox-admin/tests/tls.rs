@@ -1,6 +1,6 @@
 //! `inbox-admin dead-letters` reaching brokers as managed ones are reached: servers of the
-//! test's own that take TLS only, with a CA made at test time (Kafka through
-//! `-X security.protocol=ssl -X ssl.ca.location=`, RabbitMQ through `amqps://` and `--amqp-ca`,
+//! test's own that take TLS only, with a CA made at test time (Kafka through a `--kafka-config`
+//! file of `security.protocol=ssl` and `ssl.ca.location=`, with `-X` beside it, RabbitMQ through `amqps://` and `--amqp-ca`,
 //! Redis through `rediss://` and `--redis-ca`), and a Redis Cluster (`--redis-cluster`).
 //!
 //! On each, the adapter's own consumer dead-letters a batch over TLS while the downstream is
@@ -251,7 +251,7 @@ fn redis_client(url: &str, ca: &TestCa) -> Client {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kafka_over_tls_with_x_properties() {
+async fn kafka_over_tls_with_a_config_file_and_x_properties() {
     let ca = test_ca("inbox-admin-kafka-tls");
     let tansu = PrivateTansu::builder().tls(&ca).start().await;
     let brokers = tansu.brokers();
@@ -265,11 +265,20 @@ async fn kafka_over_tls_with_x_properties() {
     for (key, value) in &settings {
         kafka = kafka.set(*key, value);
     }
+    // The TLS settings from a --kafka-config file, the address family with -X beside it.
     let cli = |keep: fn(&str) -> bool| {
         let mut cli = vec!["--kafka-brokers".to_owned(), brokers.clone()];
+        let mut file = String::from("# TLS to the test broker\n");
         for (key, value) in settings.iter().filter(|(key, _)| keep(key)) {
-            cli.extend(["-X".to_owned(), format!("{key}={value}")]);
+            if *key == "broker.address.family" {
+                cli.extend(["-X".to_owned(), format!("{key}={value}")]);
+            } else {
+                file.push_str(&format!("{key} = {value}\n"));
+            }
         }
+        let config = ca.dir.join(unique_name("kafka-properties"));
+        std::fs::write(&config, file).unwrap();
+        cli.extend(["-F".to_owned(), path(&config)]);
         cli
     };
     let topic = unique_name("inbox-admin-tls");
@@ -459,6 +468,44 @@ fn settings_that_cannot_work_are_refused_naming_the_flag_and_hiding_secrets() {
         )),
         "{e}"
     );
+    // The same from a --kafka-config file, whose password no error shows.
+    let dir = std::env::temp_dir().join(unique_name("inbox-admin-kafka-config"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("kafka.properties");
+    std::fs::write(
+        &config,
+        format!("security.protocol=sasl_ssl\nsasl.password=hunter2\nssl.ca.location={missing}\n"),
+    )
+    .unwrap();
+    let kafka_config = |file: &str| {
+        refused(
+            1,
+            &[
+                "--broker",
+                "kafka",
+                "--kafka-brokers",
+                "127.0.0.1:1",
+                "-F",
+                file,
+            ],
+        )
+    };
+    let e = kafka_config(&path(&config));
+    assert!(
+        e.contains(&format!(
+            "cannot read `{missing}`, given with ssl.ca.location in --kafka-config: No such file"
+        )) && !e.contains("hunter2"),
+        "{e}"
+    );
+    std::fs::write(&config, "sasl.password:hunter2\n").unwrap();
+    let e = kafka_config(&path(&config));
+    assert!(
+        e.contains("line 1 has no `=`") && !e.contains("hunter2"),
+        "{e}"
+    );
+    let e = kafka_config(&path(&dir.join("missing.properties")));
+    assert!(e.contains("given with --kafka-config: No such file"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
 
     // A CA for a connection without TLS would go unused.
     let e = refused(

@@ -110,6 +110,16 @@ pub(crate) struct DeadLetterSource {
         help_heading = "Kafka (--broker kafka)"
     )]
     pub(crate) kafka_properties: Vec<KafkaProperty>,
+    /// A file of librdkafka properties, one KEY=VALUE per line (blank lines and lines starting
+    /// with `#` skipped), as kcat's -F: the place for secrets, which -X shows to anyone who
+    /// lists the machine's processes. -X properties are set after the file's, so they win.
+    #[arg(
+        short = 'F',
+        long = "kafka-config",
+        value_name = "FILE",
+        help_heading = "Kafka (--broker kafka)"
+    )]
+    pub(crate) kafka_config: Option<PathBuf>,
     /// The consumer group whose commits mark Kafka dead letters as replayed.
     #[arg(
         long,
@@ -240,25 +250,63 @@ impl KafkaProperty {
     /// `key=value`, split at the first `=` (a value may hold more). An error never shows the
     /// text: a mistyped `-X sasl.password:...` holds the password.
     fn parse(text: &str) -> Result<Self, String> {
-        let Some((key, value)) = text.split_once('=') else {
-            return Err(
-                "a -X property has no `=`: write -X key=value, like -X \
-                        security.protocol=ssl (the text given is not shown: it may hold a secret)"
-                    .to_owned(),
-            );
-        };
+        Self::split(text).map_err(|problem| match problem {
+            Unsplit::NoEquals => "a -X property has no `=`: write -X key=value, like -X \
+                                  security.protocol=ssl (the text given is not shown: it may \
+                                  hold a secret)"
+                .to_owned(),
+            Unsplit::NoKey => "a -X property has no name before its `=`, or a space in it: \
+                               write -X key=value, like -X sasl.mechanism=SCRAM-SHA-512"
+                .to_owned(),
+        })
+    }
+
+    /// The properties of a `--kafka-config` file: `key=value` lines, around the `=` and the
+    /// line trimmed, blank lines and `#` comments skipped. An error names the line by its
+    /// number, never by its text.
+    pub(crate) fn parse_file(text: &str) -> Result<Vec<Self>, String> {
+        let mut properties = Vec::new();
+        for (n, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let property = Self::split(line).map_err(|problem| {
+                let why = match problem {
+                    Unsplit::NoEquals => "has no `=`",
+                    Unsplit::NoKey => "has no name before its `=`, or a space in it",
+                };
+                format!(
+                    "line {} {why}: write key=value, one property per line (the line is not \
+                     shown: it may hold a secret)",
+                    n + 1
+                )
+            })?;
+            properties.push(Self {
+                value: property.value.trim_start().to_owned(),
+                ..property
+            });
+        }
+        Ok(properties)
+    }
+
+    fn split(text: &str) -> Result<Self, Unsplit> {
+        let (key, value) = text.split_once('=').ok_or(Unsplit::NoEquals)?;
+        let key = key.trim_end();
         if key.is_empty() || key.contains(char::is_whitespace) {
-            return Err(
-                "a -X property has no name before its `=`, or a space in it: write \
-                        -X key=value, like -X sasl.mechanism=SCRAM-SHA-512"
-                    .to_owned(),
-            );
+            return Err(Unsplit::NoKey);
         }
         Ok(Self {
             key: key.to_owned(),
             value: value.to_owned(),
         })
     }
+}
+
+/// Why a text is not `key=value`.
+enum Unsplit {
+    NoEquals,
+    NoKey,
 }
 
 impl fmt::Debug for KafkaProperty {
@@ -432,6 +480,46 @@ mod tests {
         assert_eq!(
             show.from.amqp_ca.as_deref(),
             Some(std::path::Path::new("/etc/ssl/broker-ca.pem"))
+        );
+    }
+
+    #[test]
+    fn a_kafka_config_file_gives_properties_and_names_a_bad_line_by_number() {
+        let text = "# MSK, SCRAM\n\n security.protocol = sasl_ssl\nsasl.password=hunter2=x\n";
+        let properties: Vec<(String, String)> = KafkaProperty::parse_file(text)
+            .unwrap()
+            .into_iter()
+            .map(|p| (p.key, p.value))
+            .collect();
+        assert_eq!(
+            properties,
+            [
+                ("security.protocol".to_owned(), "sasl_ssl".to_owned()),
+                ("sasl.password".to_owned(), "hunter2=x".to_owned()),
+            ]
+        );
+        for (bad, why) in [
+            ("a=b\nsasl.password:hunter2", "line 2 has no `=`"),
+            ("\n\nsasl password=hunter2", "line 3 has no name"),
+        ] {
+            let e = KafkaProperty::parse_file(bad).unwrap_err();
+            assert!(e.contains(why) && !e.contains("hunter2"), "{e}");
+        }
+        let DeadLettersCommand::List(list) = command(&[
+            "dead-letters",
+            "list",
+            "--broker",
+            "kafka",
+            "--from",
+            "o.dlq",
+            "-F",
+            "/etc/inbox/kafka.properties",
+        ]) else {
+            panic!("not list")
+        };
+        assert_eq!(
+            list.from.kafka_config.as_deref(),
+            Some(std::path::Path::new("/etc/inbox/kafka.properties"))
         );
     }
 
