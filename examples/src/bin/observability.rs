@@ -23,14 +23,16 @@ use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use inbox_conformance::wallet::{self, BatchCredit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use serde::Deserialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::AssertSqlSafe;
 use transactional_inbox::postgres::sqlx;
-use transactional_inbox::postgres::{spawn_purger, PgInbox, TableName};
+use transactional_inbox::postgres::{spawn_purger, PgInbox, PgTx, TableName};
 use transactional_inbox::redis_streams::RedisConnection;
-use transactional_inbox::{BoxError, Consumer, Probes};
+use transactional_inbox::{
+    BatchHandler, BatchItem, BoxError, Consumer, HandlerError, Message, MessageId, Probes,
+};
 
 /// Histogram buckets of the `*_seconds` metrics: 1 ms to 1 min.
 const SECONDS_BUCKETS: &[f64] = &[
@@ -133,7 +135,12 @@ async fn main() -> Result<(), BoxError> {
     )))
     .execute(&pool)
     .await?;
-    wallet::install(&pool).await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS accounts \
+         (id bigint PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)",
+    )
+    .execute(&pool)
+    .await?;
     let inbox = PgInbox::new(pool).with_table(schema);
     inbox.migrate().await?;
 
@@ -142,7 +149,7 @@ async fn main() -> Result<(), BoxError> {
         .consumer_name(format!("{}-{}", args.consumer, std::process::id()))
         .connect()
         .await?;
-    let consumer = Consumer::batched(&args.consumer, source, inbox.clone(), BatchCredit)
+    let consumer = Consumer::batched(&args.consumer, source, inbox.clone(), Credits)
         .batch_size(args.batch)
         .inbox_retention(args.retention)
         .handler_timeout(Duration::from_secs(30));
@@ -167,6 +174,45 @@ async fn main() -> Result<(), BoxError> {
         stats.applied, stats.skipped_duplicates, stats.dead_lettered
     )?;
     Ok(())
+}
+
+/// A credit event, as the stream carries it: `{"account_id": 1, "amount": 5}`.
+#[derive(Debug, Deserialize)]
+struct Credit {
+    account_id: i64,
+    amount: i64,
+}
+
+/// Credits a batch of events in its inbox transaction, in one statement: the amounts summed
+/// per account and added to its balance (the account created at its first credit).
+struct Credits;
+
+impl BatchHandler<PgTx> for Credits {
+    type Item = Credit;
+
+    fn decode(&self, _id: &MessageId, message: &Message) -> Result<Credit, HandlerError> {
+        message.json()
+    }
+
+    async fn handle_batch(
+        &self,
+        tx: &mut PgTx,
+        batch: &[BatchItem<'_, Credit>],
+    ) -> Result<(), HandlerError> {
+        let accounts: Vec<i64> = batch.iter().map(|b| b.item.account_id).collect();
+        let amounts: Vec<i64> = batch.iter().map(|b| b.item.amount).collect();
+        sqlx::query(
+            "INSERT INTO accounts (id, balance) \
+             SELECT id, sum(amount) FROM unnest($1::bigint[], $2::bigint[]) AS c(id, amount) \
+             GROUP BY id \
+             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+        )
+        .bind(&accounts)
+        .bind(&amounts)
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
 }
 
 /// Serves `/healthz`, `/livez`, `/readyz` and `/metrics` (GET or HEAD) until aborted, one task
