@@ -14,13 +14,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use inbox_conformance::wallet::{self, BatchCredit, CreditEvent};
-use inbox_conformance::TestDb;
+use inbox_conformance::{TestBroker, TestDb};
 use inbox_core::{BatchItem, BoxError, ConsumerBinding, InboxStore, MessageId, OutgoingMessage};
 use inbox_postgres::PgInbox;
 use serde_json::json;
 use tokio::sync::oneshot;
 
-use crate::brokers::{self, Broker};
+use crate::brokers::{self, with_broker, Broker};
 use crate::cli::{
     positive, BrokerKind, ConsumerSpec, HandlerKind, KafkaImpl, Variant, KAFKA_IMPL_HELP,
     KAFKA_IMPL_LONG_HELP,
@@ -143,65 +143,73 @@ pub(crate) async fn run(s: &BenchSettings) -> Result<(), BoxError> {
         rows.push(row);
     }
     for &kind in &s.brokers {
-        let broker = match brokers::connect(kind, s.kafka_impl).await {
-            Ok(b) => b,
-            Err(e) => {
-                println!("{kind}: skipped, {e}");
-                runs.total -= Runs::per_broker(s);
-                continue;
-            }
-        };
-        let events = events(s, s.events);
-        let alone = broker_alone(broker.as_ref(), &events, &runs.next()).await?;
-        print_row(&alone, &limits, None);
-        limits.broker = Some(alone.clone());
-        rows.push(alone);
-        let lanes = s.lanes.clone();
-        for &batch in &s.batches {
-            let n = if batch == 1 {
-                s.events_at_batch_1
-            } else {
-                s.events
-            };
-            let events = events_of(&events, s, n);
-            for &lane_count in &lanes {
-                for &handler in &s.handlers {
-                    let mut b_rate = None;
-                    for &variant in &s.variants {
-                        let spec = Spec {
-                            variant,
-                            handler,
-                            batch,
-                            lanes: lane_count,
-                        };
-                        let ran = if s.processes.is_empty() {
-                            vec![consumer_run(broker.as_ref(), spec, &events, &runs.next()).await?]
-                        } else {
-                            let mut ran = Vec::new();
-                            for &processes in &s.processes {
-                                let run = runs.next();
-                                ran.push(
-                                    processes_run(broker.as_ref(), spec, processes, &events, &run)
-                                        .await?,
-                                );
-                            }
-                            ran
-                        };
-                        for row in ran {
-                            print_row(&row, &limits, b_rate);
-                            if variant == Variant::B {
-                                b_rate = Some(row.rate());
-                            }
-                            rows.push(row);
-                        }
-                    }
-                }
-            }
+        if brokers::left_out(kind, false)? {
+            runs.total -= Runs::per_broker(s);
+            continue;
         }
+        with_broker!(kind, s.kafka_impl, |broker| {
+            on_broker(broker, s, &mut limits, &mut rows, &mut runs).await?;
+        });
     }
     println!();
     for row in &rows {
         println!("{}", json_line(row, &limits));
+    }
+    Ok(())
+}
+
+/// The broker alone, then every configuration of `s`, on `broker`: each row printed, kept in
+/// `rows`, the broker-alone one in `limits`.
+async fn on_broker<B: TestBroker>(
+    broker: &Broker<B>,
+    s: &BenchSettings,
+    limits: &mut Limits,
+    rows: &mut Vec<Row>,
+    runs: &mut Runs,
+) -> Result<(), BoxError> {
+    let events = events(s, s.events);
+    let alone = broker_alone(broker, &events, &runs.next()).await?;
+    print_row(&alone, limits, None);
+    limits.broker = Some(alone.clone());
+    rows.push(alone);
+    let lanes = s.lanes.clone();
+    for &batch in &s.batches {
+        let n = if batch == 1 {
+            s.events_at_batch_1
+        } else {
+            s.events
+        };
+        let events = events_of(&events, s, n);
+        for &lane_count in &lanes {
+            for &handler in &s.handlers {
+                let mut b_rate = None;
+                for &variant in &s.variants {
+                    let spec = Spec {
+                        variant,
+                        handler,
+                        batch,
+                        lanes: lane_count,
+                    };
+                    let ran = if s.processes.is_empty() {
+                        vec![consumer_run(broker, spec, &events, &runs.next()).await?]
+                    } else {
+                        let mut ran = Vec::new();
+                        for &processes in &s.processes {
+                            let run = runs.next();
+                            ran.push(processes_run(broker, spec, processes, &events, &run).await?);
+                        }
+                        ran
+                    };
+                    for row in ran {
+                        print_row(&row, limits, b_rate);
+                        if variant == Variant::B {
+                            b_rate = Some(row.rate());
+                        }
+                        rows.push(row);
+                    }
+                }
+            }
+        }
     }
     Ok(())
 }
@@ -274,8 +282,8 @@ impl fmt::Display for Spec {
 
 /// Fills a fresh queue with `events`, runs one consumer in this process until every event is
 /// applied, and times it from the first applied message to the last.
-async fn consumer_run(
-    broker: &dyn Broker,
+async fn consumer_run<B: TestBroker>(
+    broker: &Broker<B>,
     spec: Spec,
     events: &[OutgoingMessage],
     run: &str,
@@ -306,8 +314,8 @@ async fn consumer_run(
 /// `events` once they are connected, and times them from the first ledger row to the last
 /// (polled every 20 ms). Their group joins are behind them; a Kafka rebalance as the last ones
 /// get partitions may not be.
-async fn processes_run(
-    broker: &dyn Broker,
+async fn processes_run<B: TestBroker>(
+    broker: &Broker<B>,
     spec: Spec,
     processes: usize,
     events: &[OutgoingMessage],
@@ -380,8 +388,8 @@ async fn processes_run(
 
 /// The broker alone: the same consumer at batch size 1000 with an in-memory store and a handler
 /// that only counts, so what is left is receiving and acking.
-async fn broker_alone(
-    broker: &dyn Broker,
+async fn broker_alone<B: TestBroker>(
+    broker: &Broker<B>,
     events: &[OutgoingMessage],
     run: &str,
 ) -> Result<Row, BoxError> {
@@ -410,8 +418,8 @@ async fn broker_alone(
 /// Publishes `events` to a fresh queue, runs the consumer `spec` makes (from the queue name and
 /// a fresh schema) until all are applied, and returns how many and the seconds from the first
 /// applied to the last.
-async fn timed_run(
-    broker: &dyn Broker,
+async fn timed_run<B: TestBroker>(
+    broker: &Broker<B>,
     events: &[OutgoingMessage],
     label: &str,
     run: &str,
@@ -437,7 +445,7 @@ async fn timed_run(
     let shutdown = Box::pin(async {
         let _ = stopped.await;
     });
-    let consume = broker.consume(&consumer, &db, watch, shutdown);
+    let consume = crate::consume::consume(broker, &consumer, &db, watch, shutdown);
     let waiting = async {
         let done = progress.wait_for(n, Duration::from_secs(120), &bar).await;
         let _ = stop.send(());

@@ -1,10 +1,10 @@
 //! The four brokers, as the conformance suite drives them (`inbox_conformance`'s `TestBroker`
 //! and `TestQueue`): the harness creates, fills, consumes, counts and deletes queues through
-//! that one trait, so the evidence runs on exactly the adapters' configuration the suite checks.
-//! What is the harness's own is here: a broker picked at run time behind one object, the
-//! suite's panics turned into errors, and the Tansu workarounds.
+//! them, so the evidence runs on exactly the adapters' configuration the suite checks. The
+//! broker is picked once, at the top of each command ([`with_broker!`]), and the commands are
+//! generic over it. What is the harness's own is here: queues found by name, the suite's panics
+//! turned into errors, and the Tansu workarounds.
 
-use futures_util::future::BoxFuture;
 use std::any::Any;
 use std::collections::HashMap;
 use std::future::Future;
@@ -12,16 +12,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_conformance::scenarios::{self, ZombiePlan, ZombieReport};
-use inbox_conformance::store::MySqlDb;
 use inbox_conformance::wallet::CreditEvent;
 use inbox_conformance::TestDb;
 use inbox_conformance::{TestBroker, TestQueue};
-use inbox_core::{BoxError, MessageId, MessageSource, OutgoingMessage, Publish, StatsSnapshot};
+use inbox_core::{BoxError, DynPublish, MessageId, MessageSource, OutgoingMessage, Publish};
 use inbox_testkit::WithoutInbox;
 use tokio::sync::Mutex;
 
 use crate::cli::{BrokerKind, ConsumerSpec, KafkaImpl, Variant};
-use crate::consume::{self, Shutdown, Watch};
 use crate::effects_child::{self, ChildSpec, Role};
 
 /// Credit event `i` ready to publish: ID `evt-<i>`, its JSON, keyed by its account (Kafka's
@@ -38,78 +36,58 @@ const PUBLISH_CHUNK: usize = 5_000;
 /// replaced by a new one (see `inbox_conformance::kill::drain`), where the broker needs it.
 const DRAIN_RESTARTS: u32 = 5;
 
-/// What the harness needs from a broker: [`TestBroker`] and [`TestQueue`], with queues found by
-/// name, behind one object for every broker. The methods return boxed futures because the tool
-/// picks the broker at run time.
-pub(crate) trait Broker: Send + Sync {
-    /// Which broker this is.
-    fn kind(&self) -> BrokerKind;
+/// What a binary built without Kafka says when asked for it.
+pub(crate) const NO_KAFKA: &str = "this evidence binary was built without the `kafka` feature";
 
-    /// A fresh, empty queue, topic or stream with its dead-letter destination; returns its name,
-    /// which `label` is part of.
-    fn create<'a>(&'a self, label: &'a str) -> BoxFuture<'a, Result<String, BoxError>>;
+/// Evaluates `$body` with `$broker` bound to a [`Broker`] of the broker `$kind` (with the
+/// harness's settings; `$kafka_impl` says what `KAFKA_BROKERS` points at): the one place the
+/// tool picks a broker, the code in `$body` generic over it. Nothing connects before the first
+/// queue is created or opened: an unreachable broker fails there, with the reason.
+macro_rules! with_broker {
+    ($kind:expr, $kafka_impl:expr, |$broker:ident| $body:expr) => {{
+        use $crate::brokers::Broker;
+        use $crate::cli::BrokerKind;
+        let (kind, kafka_impl): (BrokerKind, $crate::cli::KafkaImpl) = ($kind, $kafka_impl);
+        match kind {
+            #[cfg(feature = "kafka")]
+            BrokerKind::Kafka => {
+                let $broker = &Broker::kafka(kafka_impl);
+                $body
+            }
+            #[cfg(not(feature = "kafka"))]
+            BrokerKind::Kafka => {
+                let _ = kafka_impl;
+                return Err($crate::brokers::NO_KAFKA.into());
+            }
+            BrokerKind::Sqs => {
+                let $broker = &Broker::new(kind, inbox_conformance::sqs::Sqs, true);
+                $body
+            }
+            BrokerKind::Rabbitmq => {
+                let broker = inbox_conformance::rabbitmq::RabbitMq::default().no_delivery_limit();
+                let $broker = &Broker::new(kind, broker, true);
+                $body
+            }
+            BrokerKind::Redis => {
+                let $broker = &Broker::new(kind, inbox_conformance::redis::Redis, true);
+                $body
+            }
+        }
+    }};
+}
+pub(crate) use with_broker;
 
-    /// Publishes `events` to `name`, confirmed.
-    fn publish<'a>(
-        &'a self,
-        name: &'a str,
-        events: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Result<(), BoxError>>;
-
-    /// Runs one consumer of `spec` in this process until `shutdown`.
-    fn consume<'a>(
-        &'a self,
-        spec: &'a ConsumerSpec,
-        db: &'a TestDb,
-        watch: Watch,
-        shutdown: Shutdown,
-    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>>;
-
-    /// Runs one consumer of `spec` on the MySQL store in `db` in this process until `shutdown`:
-    /// variant c, per-message credits.
-    fn consume_mysql<'a>(
-        &'a self,
-        spec: &'a ConsumerSpec,
-        db: &'a MySqlDb,
-        shutdown: Shutdown,
-    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>>;
-
-    /// Messages on `name` not acked yet, as far as the broker can tell while consumers run
-    /// ([`TestQueue::waiting`]).
-    fn left<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<u64>, BoxError>>;
-
-    /// How long a dead consumer's unacked messages on `name` may take to come back to another.
-    fn redelivery_delay<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Duration, BoxError>>;
-
-    /// Runs the zombie scenario ([`scenarios::zombie`]) on a fresh queue (`label` part of its
-    /// name) and wallet, with the inbox (variant c) or without (b); `tick` is told the events
-    /// applied and the stalls so far. `None` where the broker cannot take a message away.
-    fn zombie<'a>(
-        &'a self,
-        label: &'a str,
-        variant: Variant,
-        plan: ZombiePlan,
-        tick: Box<dyn Fn(i64, i64) + Send + Sync>,
-    ) -> BoxFuture<'a, Result<Option<ZombieReport>, BoxError>>;
-
-    /// How often a draining consumer that applies nothing while the broker still holds messages
-    /// is replaced by a new one; 0: such a stall fails the run (see
-    /// `inbox_conformance::kill::drain`).
-    fn drain_restarts(&self) -> u32;
-
-    /// Deletes `name` and its dead-letter destination (best effort).
-    fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, ()>;
-
-    /// What outbox rows name as their destination to reach `name` through the broker's producer.
-    fn destination<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<String, BoxError>>;
-
-    /// Runs the `effects-test` child `spec` on its queue until it is killed or Ctrl-C: a
-    /// consumer reading `spec.name`, or the relay publishing through the broker's producer.
-    fn run_child<'a>(
-        &'a self,
-        spec: &'a ChildSpec,
-        db: &'a TestDb,
-    ) -> BoxFuture<'a, Result<(), BoxError>>;
+/// Whether `kind` is left out of this run, said on stdout: Kafka, in a binary built without
+/// it; an error instead when `required`.
+pub(crate) fn left_out(kind: BrokerKind, required: bool) -> Result<bool, BoxError> {
+    if cfg!(feature = "kafka") || kind != BrokerKind::Kafka {
+        Ok(false)
+    } else if required {
+        Err(format!("{kind}: {NO_KAFKA}").into())
+    } else {
+        println!("\n{kind}: skipped, {NO_KAFKA}");
+        Ok(true)
+    }
 }
 
 /// The consumer-group member of `spec`: the same for a restarted consumer of one member, so that
@@ -118,69 +96,36 @@ fn member(spec: &ConsumerSpec) -> String {
     format!("wallet-{}", spec.member)
 }
 
-/// The broker `kind`, with the harness's settings; `kafka_impl` says what `KAFKA_BROKERS` points
-/// at. Nothing connects before the first queue is created or opened: an unreachable broker
-/// fails there, with the reason.
-/// The broker `kind`, or `None` (said on stdout) when it does not answer and `required` is
-/// false.
-pub(crate) async fn connect_or_skip(
-    kind: BrokerKind,
-    kafka_impl: KafkaImpl,
-    required: bool,
-) -> Result<Option<Box<dyn Broker>>, BoxError> {
-    match connect(kind, kafka_impl).await {
-        Ok(broker) => Ok(Some(broker)),
-        Err(e) if !required => {
-            println!("\n{kind}: skipped, {e}");
-            Ok(None)
-        }
-        Err(e) => Err(format!("{kind}: {e}").into()),
-    }
-}
-
-pub(crate) async fn connect(
-    kind: BrokerKind,
-    kafka_impl: KafkaImpl,
-) -> Result<Box<dyn Broker>, BoxError> {
-    #[cfg(not(feature = "kafka"))]
-    let _ = kafka_impl;
-    Ok(match kind {
-        #[cfg(feature = "kafka")]
-        BrokerKind::Kafka => {
-            let broker = inbox_conformance::kafka::Kafka::default()
-                .partitions(6)
-                .session_timeout(Duration::from_secs(6))
-                .one_record_per_batch(kafka_impl.tansu_workarounds())
-                // A loaded test machine once kept Tansu from acknowledging within 30 s.
-                .delivery_timeout(Duration::from_secs(120));
-            Box::new(On::new(kind, broker, kafka_impl.tansu_workarounds()))
-        }
-        #[cfg(not(feature = "kafka"))]
-        BrokerKind::Kafka => {
-            return Err("this evidence binary was built without the `kafka` feature".into())
-        }
-        BrokerKind::Sqs => Box::new(On::new(kind, inbox_conformance::sqs::Sqs, true)),
-        BrokerKind::Rabbitmq => {
-            let broker = inbox_conformance::rabbitmq::RabbitMq::default().no_delivery_limit();
-            Box::new(On::new(kind, broker, true))
-        }
-        BrokerKind::Redis => Box::new(On::new(kind, inbox_conformance::redis::Redis, true)),
-    })
-}
+/// The source a queue of `B` hands out.
+pub(crate) type SourceOf<B> = <<B as TestBroker>::Queue as TestQueue>::Source;
 
 /// A conformance-suite broker, its queues by name.
-struct On<B: TestBroker> {
+pub(crate) struct Broker<B: TestBroker> {
     kind: BrokerKind,
     broker: Arc<B>,
     queues: Mutex<HashMap<String, Arc<B::Queue>>>,
     /// One producer per queue published to, kept for the next chunk (a soak publishes many).
-    producers: Mutex<HashMap<String, Arc<dyn inbox_core::DynPublish>>>,
+    producers: Mutex<HashMap<String, Arc<dyn DynPublish>>>,
     /// Whether a stalled drain may be replaced (see [`Broker::drain_restarts`]).
     restarts: bool,
 }
 
-impl<B: TestBroker> On<B> {
-    fn new(kind: BrokerKind, broker: B, restarts: bool) -> Self {
+#[cfg(feature = "kafka")]
+impl Broker<inbox_conformance::kafka::Kafka> {
+    /// Kafka with the harness's settings; `kafka_impl` says what `KAFKA_BROKERS` points at.
+    pub(crate) fn kafka(kafka_impl: KafkaImpl) -> Self {
+        let broker = inbox_conformance::kafka::Kafka::default()
+            .partitions(6)
+            .session_timeout(Duration::from_secs(6))
+            .one_record_per_batch(kafka_impl.tansu_workarounds())
+            // A loaded test machine once kept Tansu from acknowledging within 30 s.
+            .delivery_timeout(Duration::from_secs(120));
+        Self::new(BrokerKind::Kafka, broker, kafka_impl.tansu_workarounds())
+    }
+}
+
+impl<B: TestBroker> Broker<B> {
+    pub(crate) fn new(kind: BrokerKind, broker: B, restarts: bool) -> Self {
         Self {
             kind,
             broker: Arc::new(broker),
@@ -190,9 +135,14 @@ impl<B: TestBroker> On<B> {
         }
     }
 
+    /// Which broker this is.
+    pub(crate) fn kind(&self) -> BrokerKind {
+        self.kind
+    }
+
     /// The queue called `name`: one this process created, else the broker's by that name (a
     /// child process's).
-    async fn queue(&self, name: &str) -> Result<Arc<B::Queue>, BoxError> {
+    pub(crate) async fn queue(&self, name: &str) -> Result<Arc<B::Queue>, BoxError> {
         let mut queues = self.queues.lock().await;
         if let Some(queue) = queues.get(name) {
             return Ok(queue.clone());
@@ -210,7 +160,7 @@ impl<B: TestBroker> On<B> {
     }
 
     /// The producer of the queue called `name`, connected on first use.
-    async fn producer(&self, name: &str) -> Result<Arc<dyn inbox_core::DynPublish>, BoxError> {
+    async fn producer(&self, name: &str) -> Result<Arc<dyn DynPublish>, BoxError> {
         let mut producers = self.producers.lock().await;
         if let Some(producer) = producers.get(name) {
             return Ok(producer.clone());
@@ -224,159 +174,122 @@ impl<B: TestBroker> On<B> {
         producers.insert(name.to_owned(), producer.clone());
         Ok(producer)
     }
-}
 
-/// The source a queue of `B` hands out.
-type SourceOf<B> = <<B as TestBroker>::Queue as TestQueue>::Source;
-
-impl<B: TestBroker> Broker for On<B>
-where
-    // The consumer keeps deliveries across awaits of its `Send` future.
-    <SourceOf<B> as MessageSource>::Ack: Sync,
-{
-    fn kind(&self) -> BrokerKind {
-        self.kind
+    /// A fresh, empty queue, topic or stream with its dead-letter destination; returns its name,
+    /// which `label` is part of.
+    pub(crate) async fn create(&self, label: &str) -> Result<String, BoxError> {
+        let (broker, label) = (self.broker.clone(), format!("wallet-{label}"));
+        let queue = caught(
+            &format!(
+                "creating a queue on {} (is it up? `cargo xtask services`)",
+                self.kind
+            ),
+            async move { broker.queue(&label).await },
+        )
+        .await?;
+        let name = queue.name();
+        self.queues
+            .lock()
+            .await
+            .insert(name.clone(), Arc::new(queue));
+        Ok(name)
     }
 
-    fn create<'a>(&'a self, label: &'a str) -> BoxFuture<'a, Result<String, BoxError>> {
-        Box::pin(async move {
-            let (broker, label) = (self.broker.clone(), format!("wallet-{label}"));
-            let queue = caught(
-                &format!(
-                    "creating a queue on {} (is it up? `cargo xtask services`)",
-                    self.kind
-                ),
-                async move { broker.queue(&label).await },
-            )
-            .await?;
-            let name = queue.name();
-            self.queues
-                .lock()
-                .await
-                .insert(name.clone(), Arc::new(queue));
-            Ok(name)
-        })
-    }
-
-    fn publish<'a>(
-        &'a self,
-        name: &'a str,
-        events: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Result<(), BoxError>> {
-        Box::pin(async move {
-            let destination = self.queue(name).await?.destination();
-            let producer = self.producer(name).await?;
-            for chunk in events.chunks(PUBLISH_CHUNK) {
-                if self.kind == BrokerKind::Kafka {
-                    producer.send_batch(&destination, chunk).await?;
-                    continue;
-                }
-                // Only Kafka's partitions follow the key; an SQS key would be a FIFO group.
-                let mut unkeyed = chunk.to_vec();
-                for message in &mut unkeyed {
-                    message.key = None;
-                }
-                producer.send_batch(&destination, &unkeyed).await?;
+    /// Publishes `events` to `name`, confirmed.
+    pub(crate) async fn publish(
+        &self,
+        name: &str,
+        events: &[OutgoingMessage],
+    ) -> Result<(), BoxError> {
+        let destination = self.queue(name).await?.destination();
+        let producer = self.producer(name).await?;
+        for chunk in events.chunks(PUBLISH_CHUNK) {
+            if self.kind == BrokerKind::Kafka {
+                producer.send_batch(&destination, chunk).await?;
+                continue;
             }
-            Ok(())
-        })
-    }
-
-    fn consume<'a>(
-        &'a self,
-        spec: &'a ConsumerSpec,
-        db: &'a TestDb,
-        watch: Watch,
-        shutdown: Shutdown,
-    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>> {
-        Box::pin(async move {
-            let queue = self.queue(&spec.name).await?;
-            let member = member(spec);
-            if spec.variant.auto_ack() {
-                let source = caught("connecting a consumer", async move {
-                    queue.at_most_once_source(&member).await
-                })
-                .await?;
-                crate::ready();
-                return Ok(consume::run(source, spec, db, watch, shutdown).await?);
+            // Only Kafka's partitions follow the key; an SQS key would be a FIFO group.
+            let mut unkeyed = chunk.to_vec();
+            for message in &mut unkeyed {
+                message.key = None;
             }
-            let source = caught("connecting a consumer", async move {
-                queue.source(&member).await
-            })
-            .await?;
-            crate::ready();
-            Ok(consume::run(source, spec, db, watch, shutdown).await?)
+            producer.send_batch(&destination, &unkeyed).await?;
+        }
+        Ok(())
+    }
+
+    /// A source of `spec`'s member on `spec.name`, connected.
+    pub(crate) async fn source(&self, spec: &ConsumerSpec) -> Result<SourceOf<B>, BoxError> {
+        let (queue, member) = (self.queue(&spec.name).await?, member(spec));
+        caught("connecting a consumer", async move {
+            queue.source(&member).await
         })
+        .await
     }
 
-    fn consume_mysql<'a>(
-        &'a self,
-        spec: &'a ConsumerSpec,
-        db: &'a MySqlDb,
-        shutdown: Shutdown,
-    ) -> BoxFuture<'a, Result<StatsSnapshot, BoxError>> {
-        Box::pin(async move {
-            if spec.variant != Variant::C || spec.batched || spec.no_database {
-                return Err(format!(
-                    "the MySQL store runs variant c with the per-message credit only, not {spec:?}"
-                )
-                .into());
-            }
-            let queue = self.queue(&spec.name).await?;
-            let member = member(spec);
-            let source = caught("connecting a consumer", async move {
-                queue.source(&member).await
-            })
-            .await?;
-            crate::ready();
-            Ok(consume::run_mysql(source, spec, db, shutdown).await?)
+    /// A source of `spec`'s member on `spec.name` that acks on receipt (the variants a1, a2).
+    pub(crate) async fn at_most_once_source(
+        &self,
+        spec: &ConsumerSpec,
+    ) -> Result<inbox_testkit::AckOnReceive<SourceOf<B>>, BoxError> {
+        let (queue, member) = (self.queue(&spec.name).await?, member(spec));
+        caught("connecting a consumer", async move {
+            queue.at_most_once_source(&member).await
         })
+        .await
     }
 
-    fn left<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<u64>, BoxError>> {
-        Box::pin(async move {
-            let queue = self.queue(name).await?;
-            Ok(Some(
-                caught(
-                    "counting what is left",
-                    async move { queue.waiting().await },
-                )
-                .await?,
-            ))
-        })
+    /// Messages on `name` not acked yet, as far as the broker can tell while consumers run
+    /// ([`TestQueue::waiting`]).
+    pub(crate) async fn waiting(&self, name: &str) -> Result<u64, BoxError> {
+        let queue = self.queue(name).await?;
+        caught(
+            "counting what is left",
+            async move { queue.waiting().await },
+        )
+        .await
     }
 
-    fn redelivery_delay<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Duration, BoxError>> {
-        Box::pin(async move { Ok(self.queue(name).await?.redelivery_delay()) })
+    /// How long a dead consumer's unacked messages on `name` may take to come back to another.
+    pub(crate) async fn redelivery_delay(&self, name: &str) -> Result<Duration, BoxError> {
+        Ok(self.queue(name).await?.redelivery_delay())
     }
 
-    fn zombie<'a>(
-        &'a self,
-        label: &'a str,
+    /// Runs the zombie scenario ([`scenarios::zombie`]) on a fresh queue (`label` part of its
+    /// name) and wallet, with the inbox (variant c) or without (b); `tick` is told the events
+    /// applied and the stalls so far. `None` where the broker cannot take a message away.
+    pub(crate) async fn zombie(
+        &self,
+        label: &str,
         variant: Variant,
         plan: ZombiePlan,
-        tick: Box<dyn Fn(i64, i64) + Send + Sync>,
-    ) -> BoxFuture<'a, Result<Option<ZombieReport>, BoxError>> {
-        Box::pin(async move {
-            let name = self.create(label).await?;
-            let queue = self.queue(&name).await?;
-            let report = caught("the zombie run", async move {
-                let db = TestDb::new().await;
-                let report = if variant == Variant::C {
-                    scenarios::zombie(&*queue, &db, db.inbox(), &plan, tick).await
-                } else {
-                    scenarios::zombie(&*queue, &db, WithoutInbox(db.inbox()), &plan, tick).await
-                };
-                db.drop().await;
-                report
-            })
-            .await;
-            self.remove(&name).await;
+        tick: impl Fn(i64, i64) + Send + Sync + 'static,
+    ) -> Result<Option<ZombieReport>, BoxError>
+    where
+        // The consumers run in a task of their own, which keeps deliveries across awaits.
+        <SourceOf<B> as MessageSource>::Ack: Sync,
+    {
+        let name = self.create(label).await?;
+        let queue = self.queue(&name).await?;
+        let report = caught("the zombie run", async move {
+            let db = TestDb::new().await;
+            let report = if variant == Variant::C {
+                scenarios::zombie(&*queue, &db, db.inbox(), &plan, tick).await
+            } else {
+                scenarios::zombie(&*queue, &db, WithoutInbox(db.inbox()), &plan, tick).await
+            };
+            db.drop().await;
             report
         })
+        .await;
+        self.remove(&name).await;
+        report
     }
 
-    fn drain_restarts(&self) -> u32 {
+    /// How often a draining consumer that applies nothing while the broker still holds messages
+    /// is replaced by a new one; 0: such a stall fails the run (see
+    /// `inbox_conformance::kill::drain`).
+    pub(crate) fn drain_restarts(&self) -> u32 {
         if self.restarts {
             DRAIN_RESTARTS
         } else {
@@ -384,43 +297,34 @@ where
         }
     }
 
-    fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, ()> {
-        Box::pin(async move {
-            let Ok(queue) = self.queue(name).await else {
-                return;
-            };
-            let _ = caught("deleting the queue", async move { queue.cleanup().await }).await;
-            self.queues.lock().await.remove(name);
-            self.producers.lock().await.remove(name);
-        })
+    /// Deletes `name` and its dead-letter destination (best effort).
+    pub(crate) async fn remove(&self, name: &str) {
+        let Ok(queue) = self.queue(name).await else {
+            return;
+        };
+        let _ = caught("deleting the queue", async move { queue.cleanup().await }).await;
+        self.queues.lock().await.remove(name);
+        self.producers.lock().await.remove(name);
     }
 
-    fn destination<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<String, BoxError>> {
-        Box::pin(async move { Ok(self.queue(name).await?.destination()) })
+    /// What outbox rows name as their destination to reach `name` through the broker's producer.
+    pub(crate) async fn destination(&self, name: &str) -> Result<String, BoxError> {
+        Ok(self.queue(name).await?.destination())
     }
 
-    fn run_child<'a>(
-        &'a self,
-        spec: &'a ChildSpec,
-        db: &'a TestDb,
-    ) -> BoxFuture<'a, Result<(), BoxError>> {
-        Box::pin(async move {
-            let queue = self.queue(&spec.name).await?;
-            if spec.role == Role::Relay {
-                let producer = caught(
-                    "connecting a producer",
-                    async move { queue.producer().await },
-                )
-                .await?;
-                return effects_child::relay(producer, db).await;
-            }
-            let member = format!("{}-0", spec.role.name());
-            let source = caught("connecting a consumer", async move {
-                queue.source(&member).await
-            })
-            .await?;
-            effects_child::run(source, spec, db).await
+    /// Runs the `effects-test` child `spec` on its queue until it is killed or Ctrl-C: a
+    /// consumer reading `spec.name`, or the relay publishing through the broker's producer.
+    pub(crate) async fn run_child(&self, spec: &ChildSpec, db: &TestDb) -> Result<(), BoxError> {
+        if spec.role == Role::Relay {
+            return effects_child::relay(self.producer(&spec.name).await?, db).await;
+        }
+        let queue = self.queue(&spec.name).await?;
+        let member = format!("{}-0", spec.role.name());
+        let source = caught("connecting a consumer", async move {
+            queue.source(&member).await
         })
+        .await?;
+        effects_child::run(source, spec, db).await
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use inbox_conformance::mysql_wallet;
 use inbox_conformance::store::MySqlDb;
 use inbox_conformance::wallet::{BatchCredit, Credit};
-use inbox_conformance::TestDb;
+use inbox_conformance::{TestBroker, TestDb};
 use inbox_core::{
     BatchHandler, BatchItem, BoxError, Consumer, HandlerError, Inbox, InboxStore, Message,
     MessageId, MessageSource, Stage, StageHook, StatsSnapshot,
@@ -17,7 +17,7 @@ use inbox_core::{
 use inbox_testkit::{MemoryStore, MemoryTx, WithoutInbox};
 
 use crate::bench::Progress;
-use crate::brokers::{self, Broker};
+use crate::brokers::{with_broker, Broker};
 use crate::cli::{ConsumeArgs, ConsumerSpec, KafkaImpl, StoreKind, Variant};
 use crate::shards;
 
@@ -111,7 +111,7 @@ async fn run_sharded<S: MessageSource + 'static>(
 }
 
 /// Runs `spec`'s consumer on `source` with the MySQL store and wallet in `db` until `shutdown`.
-pub(crate) async fn run_mysql<S: MessageSource + 'static>(
+async fn run_mysql<S: MessageSource + 'static>(
     source: S,
     spec: &ConsumerSpec,
     db: &MySqlDb,
@@ -122,28 +122,49 @@ pub(crate) async fn run_mysql<S: MessageSource + 'static>(
     finish(consumer, spec, None, shutdown).await
 }
 
-/// Runs `spec`'s consumer in this process on the store `spec.store` of the run, attached by
-/// `spec.schema`, until `shutdown`.
-pub(crate) async fn attached(
-    broker: &dyn Broker,
+/// Runs `spec`'s consumer on `broker` with the wallet in `db` until `shutdown`.
+pub(crate) async fn consume<B: TestBroker>(
+    broker: &Broker<B>,
+    spec: &ConsumerSpec,
+    db: &TestDb,
+    watch: Watch,
+    shutdown: Shutdown,
+) -> Result<StatsSnapshot, BoxError> {
+    if spec.variant.auto_ack() {
+        let source = broker.at_most_once_source(spec).await?;
+        crate::ready();
+        return Ok(run(source, spec, db, watch, shutdown).await?);
+    }
+    let source = broker.source(spec).await?;
+    crate::ready();
+    Ok(run(source, spec, db, watch, shutdown).await?)
+}
+
+/// Runs `spec`'s consumer in this process on `broker` and the store `spec.store` of the run,
+/// attached by `spec.schema`, until `shutdown`.
+pub(crate) async fn attached<B: TestBroker>(
+    broker: &Broker<B>,
     spec: &ConsumerSpec,
     shutdown: Shutdown,
 ) -> Result<StatsSnapshot, BoxError> {
-    match spec.store {
-        StoreKind::Postgres => {
-            let db = TestDb::attach(&spec.schema).await;
-            broker.consume(spec, &db, Watch::default(), shutdown).await
-        }
-        StoreKind::Sharded => {
-            // The consumer attaches to every shard; the broker takes the first for its own.
-            let db = shards::attach_shards(&spec.schema).await.remove(0);
-            broker.consume(spec, &db, Watch::default(), shutdown).await
-        }
+    let db = match spec.store {
+        StoreKind::Postgres => TestDb::attach(&spec.schema).await,
+        // The consumer attaches to every shard; the first holds the wallet.
+        StoreKind::Sharded => shards::attach_shards(&spec.schema).await.remove(0),
         StoreKind::Mysql => {
+            if spec.variant != Variant::C || spec.batched || spec.no_database {
+                return Err(format!(
+                    "the MySQL store runs variant c with the per-message credit only, not {spec:?}"
+                )
+                .into());
+            }
             let db = MySqlDb::attach(&spec.schema).await;
-            broker.consume_mysql(spec, &db, shutdown).await
+            let source = broker.source(spec).await?;
+            crate::ready();
+            return Ok(run_mysql(source, spec, &db, shutdown).await?);
         }
-    }
+    };
+    consume(broker, spec, &db, Watch::default(), shutdown).await
 }
 
 /// Sets `spec`'s batch size, lanes and hooks on `consumer` and runs it until `shutdown`.
@@ -183,13 +204,14 @@ where
 pub(crate) async fn main(args: ConsumeArgs) -> Result<(), BoxError> {
     let spec = args.spec();
     // A consumer neither creates nor publishes: the Kafka implementation makes no difference.
-    let broker = brokers::connect(spec.broker, KafkaImpl::default()).await?;
     let ctrl_c: Shutdown = Box::pin(async {
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;
         }
     });
-    let stats = attached(broker.as_ref(), &spec, ctrl_c).await?;
+    let stats = with_broker!(spec.broker, KafkaImpl::default(), |broker| {
+        attached(broker, &spec, ctrl_c).await?
+    });
     eprintln!("{stats:?}");
     Ok(())
 }

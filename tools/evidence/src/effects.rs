@@ -22,7 +22,9 @@ use rand::{RngExt, SeedableRng};
 use sqlx::AssertSqlSafe;
 use tokio::process::Child;
 
-use crate::brokers::{self, Broker};
+use inbox_conformance::TestBroker;
+
+use crate::brokers::{self, with_broker, Broker};
 use crate::cli::{
     millis, millis_range, BrokerKind, KafkaImpl, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
 };
@@ -111,13 +113,15 @@ pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
     }
     let mut rows = Vec::new();
     for &kind in &s.brokers {
-        let Some(broker) = brokers::connect_or_skip(kind, s.kafka_impl, false).await? else {
+        if brokers::left_out(kind, false)? {
             continue;
-        };
+        }
         for &mode in &s.modes {
             let mut runs = Vec::new();
             for run in 0..s.runs {
-                let r = run_once(broker.as_ref(), s, mode, run).await?;
+                let r = with_broker!(kind, s.kafka_impl, |broker| {
+                    run_once(broker, s, mode, run).await?
+                });
                 println!(
                     "run done: {kind} {} run {}/{}: {} duplicate effects, {} lost, {} kills, {} provider calls",
                     mode.name(),
@@ -197,8 +201,8 @@ pub(crate) fn schedule(s: &EffectsSettings, run: u32) -> Vec<Duration> {
         .collect()
 }
 
-async fn run_once(
-    broker: &dyn Broker,
+async fn run_once<B: TestBroker>(
+    broker: &Broker<B>,
     s: &EffectsSettings,
     mode: Mode,
     run: u32,

@@ -146,8 +146,9 @@ impl ChildSpec {
 /// `evidence effects-child …`: one child, until killed or Ctrl-C.
 pub(crate) async fn main(spec: &ChildSpec) -> Result<(), BoxError> {
     let db = TestDb::attach(&spec.schema).await;
-    let broker = crate::brokers::connect(spec.broker, KafkaImpl::default()).await?;
-    broker.run_child(spec, &db).await
+    crate::brokers::with_broker!(spec.broker, KafkaImpl::default(), |broker| {
+        broker.run_child(spec, &db).await
+    })
 }
 
 async fn ctrl_c() {

@@ -9,14 +9,14 @@ use inbox_admin::progress;
 use inbox_conformance::kill::{self, KillAt, KillHarness, KillPlan, KillReport, KillTick};
 use inbox_conformance::store::MySqlDb;
 use inbox_conformance::wallet::CreditEvent;
-use inbox_conformance::{TestDb, TestStore};
+use inbox_conformance::{TestBroker, TestDb, TestStore};
 use inbox_core::{BoxError, OutgoingMessage};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use crate::brokers::{self, Broker};
+use crate::brokers::{self, with_broker, Broker};
 use crate::chart;
 use crate::cli::{
     BrokerKind, ConsumerSpec, KafkaImpl, StoreKind, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
@@ -56,15 +56,15 @@ fn schedule(s: &KillSettings, run: u32) -> Vec<KillAt> {
 }
 
 /// Runs the kill test on one broker for every variant of `s`, a fresh wallet on `D` per run.
-async fn on_broker<D: TestStore>(
-    broker: &dyn Broker,
+async fn on_broker<B: TestBroker, D: TestStore>(
+    broker: &Broker<B>,
     s: &KillSettings,
 ) -> Result<Vec<VariantResult>, BoxError> {
     let mut results = Vec::new();
     for &variant in &s.variants {
         let mut runs = Vec::new();
         for run in 0..s.runs {
-            let r = run_once::<D>(broker, s, variant, run).await?;
+            let r = run_once::<B, D>(broker, s, variant, run).await?;
             // Kept in the output as it happens, so a long session cut short still shows it.
             println!(
                 "run done: {} {} run {}/{}: {} duplicates, {} lost, {} kills, {} self-crashes",
@@ -80,7 +80,7 @@ async fn on_broker<D: TestStore>(
             runs.push(r);
         }
         let throughput = if s.throughput {
-            Some(throughput::<D>(broker, s, variant).await?)
+            Some(throughput::<B, D>(broker, s, variant).await?)
         } else {
             None
         };
@@ -115,8 +115,8 @@ fn spec(
     }
 }
 
-async fn run_once<D: TestStore>(
-    broker: &dyn Broker,
+async fn run_once<B: TestBroker, D: TestStore>(
+    broker: &Broker<B>,
     s: &KillSettings,
     variant: Variant,
     run: u32,
@@ -151,8 +151,8 @@ async fn run_once<D: TestStore>(
 
 /// How the kill run reaches `spec`'s consumers: `evidence consume` children of `spec`, and a
 /// draining consumer of `drain` in this process, on `broker` and `db`; `bar` shows the way.
-pub(crate) async fn harness<'a, D: TestStore>(
-    broker: &'a dyn Broker,
+pub(crate) async fn harness<'a, B: TestBroker, D: TestStore>(
+    broker: &'a Broker<B>,
     spec: &'a ConsumerSpec,
     drain: &'a ConsumerSpec,
     db: &'a D,
@@ -163,9 +163,7 @@ pub(crate) async fn harness<'a, D: TestStore>(
         spawn: Box::new(move |_| Box::pin(async move { spawn_ready(&spec.to_args(), &[]).await })),
         summary: Box::new(move || Box::pin(async move { Ok(db.summary().await?) })),
         balances: Box::new(move || Box::pin(async move { Ok(db.balances().await?) })),
-        waiting: Box::new(move || {
-            Box::pin(async move { Ok(broker.left(&spec.name).await?.unwrap_or(0)) })
-        }),
+        waiting: Box::new(move || Box::pin(async move { broker.waiting(&spec.name).await })),
         consume: Box::new(move |shutdown| Box::pin(consume::attached(broker, drain, shutdown))),
         redelivery_delay: broker.redelivery_delay(&spec.name).await?,
         drain_restarts: broker.drain_restarts(),
@@ -179,8 +177,8 @@ pub(crate) async fn harness<'a, D: TestStore>(
 }
 
 /// A no-kill run: events per second from the consumer's start to its last write.
-async fn throughput<D: TestStore>(
-    broker: &dyn Broker,
+async fn throughput<B: TestBroker, D: TestStore>(
+    broker: &Broker<B>,
     s: &KillSettings,
     variant: Variant,
 ) -> Result<f64, BoxError> {
@@ -320,19 +318,17 @@ pub(crate) async fn run(s: &KillSettings) -> Result<(), BoxError> {
     let mut all = Vec::new();
     let mut failures = Vec::new();
     for &kind in &s.brokers {
-        let Some(broker) = brokers::connect_or_skip(kind, s.kafka_impl, s.require_brokers).await?
-        else {
+        if brokers::left_out(kind, s.require_brokers)? {
             continue;
-        };
+        }
         brokers::kafka_note(kind, s.kafka_impl);
-        // The store is picked here, once: the run is generic over it.
-        let broker = broker.as_ref();
-        let results = match (s.store, s.shards) {
-            (StoreKind::Postgres, _) => on_broker::<TestDb>(broker, s).await,
-            (StoreKind::Mysql, _) => on_broker::<MySqlDb>(broker, s).await,
-            (StoreKind::Sharded, 1) => on_broker::<ShardedDb<1>>(broker, s).await,
-            (StoreKind::Sharded, _) => on_broker::<ShardedDb<2>>(broker, s).await,
-        };
+        // The broker and the store are picked here, once: the run is generic over both.
+        let results = with_broker!(kind, s.kafka_impl, |broker| match (s.store, s.shards) {
+            (StoreKind::Postgres, _) => on_broker::<_, TestDb>(broker, s).await,
+            (StoreKind::Mysql, _) => on_broker::<_, MySqlDb>(broker, s).await,
+            (StoreKind::Sharded, 1) => on_broker::<_, ShardedDb<1>>(broker, s).await,
+            (StoreKind::Sharded, _) => on_broker::<_, ShardedDb<2>>(broker, s).await,
+        });
         match results {
             Ok(results) => {
                 report::table(&results);
@@ -392,18 +388,19 @@ pub(crate) async fn publish(args: PublishArgs) -> Result<(), BoxError> {
         seed,
         kafka_impl,
     } = args;
-    let broker = brokers::connect(broker, kafka_impl).await?;
     let settings = KillSettings {
         events,
         seed,
         ..KillSettings::full()
     };
     let (outgoing, _) = self::events(settings.seed, settings.accounts, events);
-    let name = broker.create(&name).await?;
-    broker.publish(&name, &outgoing).await?;
-    println!(
-        "published {events} credit events to {} `{name}`",
-        broker.kind()
-    );
+    with_broker!(broker, kafka_impl, |broker| {
+        let name = broker.create(&name).await?;
+        broker.publish(&name, &outgoing).await?;
+        println!(
+            "published {events} credit events to {} `{name}`",
+            broker.kind()
+        );
+    });
     Ok(())
 }

@@ -13,7 +13,9 @@ use inbox_conformance::TestDb;
 use inbox_core::BoxError;
 use inbox_postgres::Outbox;
 
-use crate::brokers::{self, Broker};
+use inbox_conformance::TestBroker;
+
+use crate::brokers::{self, with_broker, Broker};
 use crate::effects::{kill, schedule, spawn, EffectsSettings, ACCOUNTS};
 use crate::effects_child::{ChildSpec, Mode, Role};
 use crate::kill::events;
@@ -34,12 +36,13 @@ struct ChainRun {
 pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
     let mut rows = Vec::new();
     for &kind in &s.brokers {
-        let Some(broker) = brokers::connect_or_skip(kind, s.kafka_impl, false).await? else {
+        if brokers::left_out(kind, false)? {
             continue;
-        };
+        }
         let mut runs = Vec::new();
         for run in 0..s.runs {
-            let r = run_once(broker.as_ref(), s, run).await?;
+            let r = with_broker!(kind, s.kafka_impl, |broker| run_once(broker, s, run)
+                .await?);
             println!(
                 "run done: {kind} outbox chain run {}/{}: {} duplicates, {} lost, balances {}, \
                  {} kills, {} outbox rows ({} unsent)",
@@ -114,8 +117,8 @@ pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
     }
 }
 
-async fn run_once(
-    broker: &dyn Broker,
+async fn run_once<B: TestBroker>(
+    broker: &Broker<B>,
     s: &EffectsSettings,
     run: u32,
 ) -> Result<ChainRun, BoxError> {

@@ -17,7 +17,9 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use tokio::process::Child;
 
-use crate::brokers::{self, Broker};
+use inbox_conformance::TestBroker;
+
+use crate::brokers::{self, with_broker, Broker};
 use crate::cli::{
     millis, minutes, positive, seconds, seconds_range, BrokerKind, ConsumerSpec, HandlerKind,
     KafkaImpl, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
@@ -135,8 +137,8 @@ struct Published {
 ///
 /// A chunk whose publishing fails (the shared broker restarted by another test, say) is published
 /// again whole: the copies of its first messages carry the same IDs, so the inbox skips them.
-async fn publish(
-    broker: &dyn Broker,
+async fn publish<B: TestBroker>(
+    broker: &Broker<B>,
     name: &str,
     s: &SoakSettings,
     published: &Published,
@@ -424,7 +426,9 @@ pub(crate) async fn run(s: &SoakSettings) -> Result<(), BoxError> {
     );
     let mut failures = Vec::new();
     for &kind in &s.brokers {
-        let broker = brokers::connect(kind, s.kafka_impl).await?;
+        if brokers::left_out(kind, true)? {
+            continue;
+        }
         brokers::kafka_note(kind, s.kafka_impl);
         if kind == BrokerKind::Kafka {
             println!(
@@ -432,7 +436,8 @@ pub(crate) async fn run(s: &SoakSettings) -> Result<(), BoxError> {
                  bootstrap: the clients then connect to the address the broker advertises."
             );
         }
-        let (line, failed) = on_broker(broker.as_ref(), s).await?;
+        let (line, failed) =
+            with_broker!(kind, s.kafka_impl, |broker| on_broker(broker, s).await?);
         println!("{line}");
         if let Some(f) = failed {
             failures.push(f);
@@ -445,8 +450,8 @@ pub(crate) async fn run(s: &SoakSettings) -> Result<(), BoxError> {
     }
 }
 
-async fn on_broker(
-    broker: &dyn Broker,
+async fn on_broker<B: TestBroker>(
+    broker: &Broker<B>,
     s: &SoakSettings,
 ) -> Result<(String, Option<String>), BoxError> {
     let kind = broker.kind();

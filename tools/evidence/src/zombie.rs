@@ -9,12 +9,18 @@ use inbox_admin::progress::Progress;
 use inbox_conformance::scenarios::{ZombiePlan, ZombieReport};
 use inbox_core::BoxError;
 
-use crate::brokers::{self, Broker};
+use inbox_conformance::TestBroker;
+use inbox_core::MessageSource;
+
+use crate::brokers::{self, with_broker, Broker, SourceOf};
 use crate::settings::ZombieSettings;
 
 const CONSUMERS: usize = 3;
 
-pub(crate) async fn on_broker(broker: &dyn Broker, s: &ZombieSettings) -> Result<(), BoxError> {
+async fn on_broker<B: TestBroker>(broker: &Broker<B>, s: &ZombieSettings) -> Result<(), BoxError>
+where
+    <SourceOf<B> as MessageSource>::Ack: Sync,
+{
     let kind = broker.kind();
     println!(
         "\n{kind}: zombie test, {CONSUMERS} consumers, {} events, one in {} stalls past the \
@@ -44,10 +50,10 @@ pub(crate) async fn on_broker(broker: &dyn Broker, s: &ZombieSettings) -> Result
             );
             let bar = Progress::bar(&label, u64::from(s.events), "events", "applied");
             let counter = bar.counter();
-            let tick = Box::new(move |applied: i64, stalls: i64| {
+            let tick = move |applied: i64, stalls: i64| {
                 counter.set_message(format!("{stalls}/{expected_stalls} stalls"));
                 counter.set_position(applied);
-            });
+            };
             let name = format!("zombie-{}-{run}", variant.name());
             let Some(c) = broker.zombie(&name, variant, plan, tick).await? else {
                 println!("{kind}: skipped, it cannot take a message away from a stalled consumer");
@@ -92,12 +98,11 @@ pub(crate) async fn run(s: &ZombieSettings) -> Result<(), BoxError> {
         );
     }
     for &kind in &s.brokers {
-        let Some(broker) = brokers::connect_or_skip(kind, s.kafka_impl, s.require_brokers).await?
-        else {
+        if brokers::left_out(kind, s.require_brokers)? {
             continue;
-        };
+        }
         brokers::kafka_note(kind, s.kafka_impl);
-        on_broker(broker.as_ref(), s).await?;
+        with_broker!(kind, s.kafka_impl, |broker| on_broker(broker, s).await?);
     }
     Ok(())
 }
