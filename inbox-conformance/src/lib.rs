@@ -115,6 +115,8 @@ pub mod kill;
 pub mod memory;
 #[cfg(feature = "mysql")]
 pub mod mysql_wallet;
+#[cfg(feature = "nats")]
+pub mod nats;
 mod network;
 mod outbox;
 pub mod outbox_table;

@@ -1,0 +1,267 @@
+//! [`NatsAck`], the handle that settles one JetStream delivery; the deliveries a source holds,
+//! told "in progress" while they are; and the redelivery counts the source keeps.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
+
+use async_nats::jetstream::message::{AckKind, Acker};
+use async_nats::jetstream::Context;
+use async_nats::{Client, HeaderMap, Subject};
+use inbox_core::{dead_letter, Ack, Message, OperationError, Recovery, SourceError};
+use tracing::debug;
+
+use crate::source::NATS_MSG_ID;
+
+/// What a source and its acks share.
+pub(crate) struct Shared {
+    pub(crate) client: Client,
+    pub(crate) js: Context,
+    pub(crate) stream: String,
+    pub(crate) dead_letter_subject: String,
+    /// The reply subjects of the deliveries not settled yet, by a token of their own.
+    pub(crate) in_flight: Mutex<HashMap<u64, Option<Subject>>>,
+    /// Per stream sequence, the redelivery count handed back and the delivery count then.
+    pub(crate) marks: Mutex<HashMap<u64, Mark>>,
+    pub(crate) next: AtomicU64,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Mark {
+    redeliveries: u32,
+    delivered: u64,
+}
+
+impl Shared {
+    /// The redelivery count of a delivery: the one handed back, once the server delivered the
+    /// message again after the hand-back.
+    pub(crate) fn redeliveries(&self, sequence: u64, delivered: u64) -> u32 {
+        let marks = self.marks.lock().unwrap_or_else(PoisonError::into_inner);
+        marks
+            .get(&sequence)
+            .filter(|mark| delivered > mark.delivered)
+            .map_or(0, |mark| mark.redeliveries)
+    }
+
+    fn forget(&self, sequence: u64) {
+        let mut marks = self.marks.lock().unwrap_or_else(PoisonError::into_inner);
+        marks.remove(&sequence);
+    }
+}
+
+/// A delivery's place among those the source holds; leaves it when dropped.
+pub(crate) struct InFlight {
+    shared: Weak<Shared>,
+    token: u64,
+}
+
+impl InFlight {
+    pub(crate) fn register(shared: &Arc<Shared>, reply: Option<Subject>) -> Self {
+        let token = shared.next.fetch_add(1, Ordering::Relaxed);
+        let mut held = shared
+            .in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        held.insert(token, reply);
+        Self {
+            shared: Arc::downgrade(shared),
+            token,
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Some(shared) = self.shared.upgrade() {
+            let mut held = shared
+                .in_flight
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            held.remove(&self.token);
+        }
+    }
+}
+
+/// Every `every`, tells the server that each delivery the source holds is still being worked
+/// on (`+WPI`), which restarts its `ack_wait`. Ends when the source is dropped.
+pub(crate) fn spawn_progress(shared: &Arc<Shared>, every: Duration) -> tokio::task::JoinHandle<()> {
+    let shared = Arc::downgrade(shared);
+    let every = every.max(Duration::from_millis(100));
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(every);
+        ticks.tick().await;
+        loop {
+            ticks.tick().await;
+            let Some(shared) = shared.upgrade() else {
+                return;
+            };
+            let replies: Vec<Subject> = {
+                let held = shared
+                    .in_flight
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                held.values().flatten().cloned().collect()
+            };
+            for reply in replies {
+                // At most once: a lost one costs a redelivery the inbox skips.
+                if let Err(e) = shared.client.publish(reply, AckKind::Progress.into()).await {
+                    debug!(error = %e, "could not tell NATS a delivery is in progress");
+                }
+            }
+        }
+    })
+}
+
+/// Settles one JetStream delivery: ack (`+ACK`, confirmed by the server), nack (`-NAK` with a
+/// delay), dead letter (published to the dead-letter subject and confirmed, then acked) or a
+/// delayed redelivery (`-NAK` with the delay).
+pub struct NatsAck {
+    acker: Acker,
+    sequence: u64,
+    delivered: u64,
+    shared: Arc<Shared>,
+    _in_flight: InFlight,
+}
+
+impl std::fmt::Debug for NatsAck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsAck")
+            .field("stream", &self.shared.stream)
+            .field("sequence", &self.sequence)
+            .field("delivered", &self.delivered)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NatsAck {
+    pub(crate) fn new(
+        acker: Acker,
+        sequence: u64,
+        delivered: u64,
+        shared: Arc<Shared>,
+        in_flight: InFlight,
+    ) -> Self {
+        Self {
+            acker,
+            sequence,
+            delivered,
+            shared,
+            _in_flight: in_flight,
+        }
+    }
+
+    fn failed(&self, what: &str, e: impl std::fmt::Display) -> SourceError {
+        OperationError::new(
+            Recovery::Retry,
+            format!(
+                "{what} stream `{}` sequence {}",
+                self.shared.stream, self.sequence
+            ),
+            e.to_string(),
+        )
+    }
+
+    async fn nak(&self, delay: Duration) -> Result<(), SourceError> {
+        let kind = AckKind::Nak((!delay.is_zero()).then_some(delay));
+        self.acker
+            .ack_with(kind)
+            .await
+            .map_err(|e| self.failed("handing back", e))
+    }
+}
+
+impl Ack for NatsAck {
+    async fn ack(self) -> Result<(), SourceError> {
+        self.acker
+            .double_ack()
+            .await
+            .map_err(|e| self.failed("acking", e))?;
+        self.shared.forget(self.sequence);
+        Ok(())
+    }
+
+    async fn nack(self, retry_after: Duration) -> Result<(), SourceError> {
+        self.nak(retry_after).await
+    }
+
+    /// Acks concurrently, each confirmed by the server (JetStream has no batch ack).
+    async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {
+        let results = futures_util::future::join_all(acks.into_iter().map(Ack::ack)).await;
+        results.into_iter().collect()
+    }
+
+    async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        let mut headers = HeaderMap::new();
+        for (name, value) in &message.headers {
+            let skipped = [
+                NATS_MSG_ID,
+                dead_letter::REASON,
+                dead_letter::ORIGINAL_SOURCE,
+                dead_letter::ORIGINAL_POSITION,
+            ];
+            if !skipped.contains(&name.as_str()) {
+                headers.append(name.as_str(), String::from_utf8_lossy(value).as_ref());
+            }
+        }
+        headers.insert(dead_letter::REASON, one_line(reason).as_str());
+        headers.insert(dead_letter::ORIGINAL_SOURCE, message.meta.source.as_str());
+        headers.insert(
+            dead_letter::ORIGINAL_POSITION,
+            message.meta.position.as_str(),
+        );
+        let subject = self.shared.dead_letter_subject.clone();
+        let parked = async {
+            let confirm = self
+                .shared
+                .js
+                .publish_with_headers(subject.clone(), headers, message.payload.clone().into())
+                .await?;
+            confirm.await.map(drop)
+        }
+        .await;
+        if let Err(e) = parked {
+            // Back after a pause, not in a tight loop against a refusing destination.
+            let _ = self.nak(dead_letter::RETRY_AFTER).await;
+            return Err(OperationError::new(
+                Recovery::Retry,
+                format!(
+                    "dead-lettering stream `{}` sequence {} to `{subject}`",
+                    self.shared.stream, self.sequence
+                ),
+                e,
+            ));
+        }
+        self.ack().await
+    }
+
+    /// A `-NAK` with the delay: the server hands the message out again once it has passed. The
+    /// count is kept by this source (see the crate docs).
+    async fn redeliver(
+        self,
+        _message: &Message,
+        delay: Duration,
+        redelivery: u32,
+    ) -> Result<(), SourceError> {
+        {
+            let mut marks = self
+                .shared
+                .marks
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            marks.insert(
+                self.sequence,
+                Mark {
+                    redeliveries: redelivery.saturating_add(1),
+                    delivered: self.delivered,
+                },
+            );
+        }
+        self.nak(delay).await
+    }
+}
+
+/// Header values are one line.
+fn one_line(text: &str) -> String {
+    text.replace(['\r', '\n'], " ")
+}
