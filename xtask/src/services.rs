@@ -25,6 +25,7 @@ pub(crate) fn up(beside: Option<&[&str]>) -> Result {
     pgbouncer()?;
     mariadb()?;
     redis()?;
+    nats()?;
     rabbitmq()?;
     sqs()?;
     if let Some(beside) = beside {
@@ -502,6 +503,56 @@ fn redis() -> Result {
             ],
         )?;
         wait_for("Redis", &host, port, Duration::from_secs(20))?;
+    }
+    Ok(())
+}
+
+/// NATS with JetStream at `NATS_URL`: Debian's `nats-server` (2.9), started with JetStream on
+/// (`-js`) and its store in `<temp>/inbox-nats`. A server that listens already is reused as it
+/// is (it needs JetStream on).
+fn nats() -> Result {
+    let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let first = url.split(',').next().unwrap_or(&url);
+    let (host, port) = host_port(first, 4222);
+    if !needs_start("NATS", "NATS_URL", &host, port)? {
+        return Ok(());
+    }
+    if which("nats-server").is_none() && !Path::new("/usr/sbin/nats-server").is_file() {
+        apt_install(&["nats-server"])?;
+        no_packaged_nats_server(&host, port)?;
+    }
+    let server = which("nats-server")
+        .or_else(|| Some(PathBuf::from("/usr/sbin/nats-server")).filter(|p| p.is_file()))
+        .ok_or("nats-server is not on PATH after installing")?;
+    let store = std::env::temp_dir().join("inbox-nats");
+    std::fs::create_dir_all(&store)
+        .map_err(|e| format!("cannot create {}: {e}", store.display()))?;
+    let store_text = store.display().to_string();
+    let port_text = port.to_string();
+    spawn_detached(
+        "nats-server",
+        &server,
+        &["-js", "-sd", &store_text, "-a", &host, "-p", &port_text],
+    )?;
+    wait_for("NATS", &host, port, Duration::from_secs(20))
+}
+
+/// The `nats-server` package starts and enables its own server (without JetStream) where an
+/// init system lets it: that one is stopped and disabled again, so the one started here, with
+/// JetStream, can take the port. Only called right after the install, when nothing listened.
+fn no_packaged_nats_server(host: &str, port: u16) -> Result {
+    if Path::new("/run/systemd/system").is_dir() {
+        run("systemctl", &["disable", "--now", "--quiet", "nats-server"])?;
+    } else if quiet("invoke-rc.d", &["nats-server", "status"]) {
+        run("invoke-rc.d", &["nats-server", "stop"])?;
+        run("update-rc.d", &["nats-server", "disable"])?;
+    }
+    sleep(Duration::from_secs(1));
+    if listening(host, port) {
+        return Err(format!(
+            "a NATS server listens on {host}:{port} since the nats-server package was installed, \
+             without JetStream; stop it (`systemctl disable --now nats-server`)"
+        ));
     }
     Ok(())
 }
