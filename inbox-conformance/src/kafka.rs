@@ -389,15 +389,13 @@ impl TestQueue for Topic {
         // crash now and then (SIGSEGV in `rd_kafka_metadata_cache_find`, on its main thread,
         // when a metadata update follows the deletion).
     }
-}
 
-impl crate::foreign_ids::ForeignQueue for Topic {
-    fn target(&self) -> serde_json::Value {
-        serde_json::json!({"broker": "kafka", "brokers": self.brokers, "topic": self.name})
+    fn python_target(&self) -> Option<serde_json::Value> {
+        Some(serde_json::json!({"broker": "kafka", "brokers": self.brokers, "topic": self.name}))
     }
 
-    async fn source_reading(&self, member: &str, from: inbox_core::IdFrom) -> Member {
+    async fn source_reading(&self, member: &str, from: inbox_core::IdFrom) -> Option<Member> {
         let source = self.builder(member).id_from(from).connect().await;
-        Member::new(source.expect("kafka source"))
+        Some(Member::new(source.expect("kafka source")))
     }
 }

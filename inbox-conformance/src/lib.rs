@@ -359,6 +359,27 @@ pub trait TestQueue: Send + Sync + 'static {
         }
     }
 
+    /// Where `python/publish.py` publishes to this queue, for the foreign-ID scenarios
+    /// ([`foreign_ids`]): `{"broker": "kafka", "brokers": .., "topic": ..}`, `{"broker":
+    /// "rabbitmq", "url": .., "queue": ..}`, `{"broker": "sqs", "queue_url": ..}`, `{"broker":
+    /// "redis", "url": .., "stream": ..}`. Default: `None`, and those scenarios are skipped.
+    fn python_target(&self) -> Option<serde_json::Value> {
+        None
+    }
+
+    /// A source of `member`, as [`TestQueue::source`], reading each message's ID as `from`;
+    /// `None` where the adapter reads IDs one way only. Default: `None`.
+    fn source_reading(
+        &self,
+        member: &str,
+        from: inbox_core::IdFrom,
+    ) -> impl Future<Output = Option<Self::Source>> + Send {
+        async move {
+            let _ = (member, from);
+            None
+        }
+    }
+
     /// Messages not acked yet, delivered or not.
     fn left(&self) -> impl Future<Output = u64> + Send;
 

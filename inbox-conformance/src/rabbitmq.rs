@@ -239,18 +239,15 @@ impl TestQueue for Queue {
     async fn cleanup(&self) {
         cleanup(&self.config).await;
     }
-}
 
-impl crate::foreign_ids::ForeignQueue for Queue {
-    fn target(&self) -> serde_json::Value {
-        serde_json::json!({"broker": "rabbitmq", "url": amqp_url(), "queue": self.config.queue()})
+    fn python_target(&self) -> Option<serde_json::Value> {
+        Some(
+            serde_json::json!({"broker": "rabbitmq", "url": amqp_url(), "queue": self.config.queue()}),
+        )
     }
 
-    async fn source_reading(&self, member: &str, from: inbox_core::IdFrom) -> RabbitSource {
-        self.builder(member)
-            .id_from(from)
-            .connect()
-            .await
-            .expect("connect source")
+    async fn source_reading(&self, member: &str, from: inbox_core::IdFrom) -> Option<RabbitSource> {
+        let source = self.builder(member).id_from(from).connect().await;
+        Some(source.expect("connect source"))
     }
 }

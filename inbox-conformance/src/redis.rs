@@ -230,18 +230,17 @@ impl TestQueue for Stream {
     async fn cleanup(&self) {
         cleanup_with(&mut raw_at(&self.url).await, &self.key).await;
     }
-}
 
-impl crate::foreign_ids::ForeignQueue for Stream {
-    fn target(&self) -> serde_json::Value {
-        serde_json::json!({"broker": "redis", "url": self.url, "stream": self.key})
+    fn python_target(&self) -> Option<serde_json::Value> {
+        Some(serde_json::json!({"broker": "redis", "url": self.url, "stream": self.key}))
     }
 
-    async fn source_reading(&self, member: &str, from: inbox_core::IdFrom) -> RedisStreamSource {
-        source_builder(&self.redis(), &self.key, member)
-            .id_from(from)
-            .connect()
-            .await
-            .expect("source connects")
+    async fn source_reading(
+        &self,
+        member: &str,
+        from: inbox_core::IdFrom,
+    ) -> Option<RedisStreamSource> {
+        let builder = source_builder(&self.redis(), &self.key, member).id_from(from);
+        Some(builder.connect().await.expect("source connects"))
     }
 }

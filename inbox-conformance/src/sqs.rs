@@ -201,6 +201,20 @@ impl TestQueue for Queue {
         delete_queue(&self.sqs, &self.url).await;
         delete_queue(&self.sqs, &self.dlq).await;
     }
+
+    fn python_target(&self) -> Option<serde_json::Value> {
+        Some(serde_json::json!({"broker": "sqs", "queue_url": self.url}))
+    }
+
+    async fn source_reading(&self, _member: &str, from: inbox_core::IdFrom) -> Option<SqsSource> {
+        Some(
+            self.builder()
+                .id_from(from)
+                .connect()
+                .await
+                .expect("source"),
+        )
+    }
 }
 
 /// SQS with FIFO queues (content-based deduplication on, so a producer may leave out the
@@ -232,19 +246,5 @@ impl TestBroker for SqsFifo {
 
     async fn attach(&self, name: &str) -> Queue {
         Sqs.attach(name).await
-    }
-}
-
-impl crate::foreign_ids::ForeignQueue for Queue {
-    fn target(&self) -> serde_json::Value {
-        serde_json::json!({"broker": "sqs", "queue_url": self.url})
-    }
-
-    async fn source_reading(&self, _member: &str, from: inbox_core::IdFrom) -> SqsSource {
-        self.builder()
-            .id_from(from)
-            .connect()
-            .await
-            .expect("source")
     }
 }
