@@ -188,14 +188,16 @@ fn rabbitmq(from: &DeadLetterSource) -> Result<inbox_rabbitmq::RabbitConnection,
     Ok(broker)
 }
 
-/// The Redis Cluster of `--redis-cluster`, or the server at `--redis-url` trusting `--redis-ca`
-/// when given.
+/// The Redis Cluster of `--redis-cluster`, or the server at `--redis-url`, trusting
+/// `--redis-ca` when given.
 #[cfg(feature = "redis")]
 fn redis(from: &DeadLetterSource) -> Result<inbox_redis_streams::RedisConnection, CliError> {
-    use inbox_redis_streams::redis::{Client, TlsCertificates};
     use inbox_redis_streams::RedisConnection;
 
-    if !from.redis_cluster.is_empty() {
+    let (redis, urls, flag) = if from.redis_cluster.is_empty() {
+        let url = required(&from.redis_url, "Redis server", "redis-url", "REDIS_URL")?;
+        (RedisConnection::new(&url), vec![url], "--redis-url")
+    } else {
         for node in &from.redis_cluster {
             let scheme = node.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
             if !matches!(scheme.as_deref(), Some("redis" | "rediss")) {
@@ -206,24 +208,20 @@ fn redis(from: &DeadLetterSource) -> Result<inbox_redis_streams::RedisConnection
                 )));
             }
         }
-        return Ok(RedisConnection::cluster(from.redis_cluster.clone()));
-    }
-    let url = required(&from.redis_url, "Redis server", "redis-url", "REDIS_URL")?;
+        let nodes = from.redis_cluster.clone();
+        (
+            RedisConnection::cluster(nodes.clone()),
+            nodes,
+            "--redis-cluster",
+        )
+    };
     let Some(ca) = &from.redis_ca else {
-        return Ok(RedisConnection::new(url));
+        return Ok(redis);
     };
-    tls_url(&url, "rediss", "--redis-ca", "--redis-url")?;
-    let certificates = TlsCertificates {
-        client_tls: None,
-        root_cert: Some(read_ca(ca, "--redis-ca")?.into_bytes()),
-    };
-    let client = Client::build_with_tls(url.as_str(), certificates).map_err(|e| {
-        CliError::Refused(format!(
-            "cannot use the Redis URL {} with the CA of --redis-ca: {e}",
-            inbox_core::redact_url(&url)
-        ))
-    })?;
-    Ok(RedisConnection::from_client(client))
+    for url in &urls {
+        tls_url(url, "rediss", "--redis-ca", flag)?;
+    }
+    Ok(redis.ca_certificates(read_ca(ca, "--redis-ca")?))
 }
 
 /// The certificates of the PEM file `path` (given with `flag`).

@@ -1,7 +1,8 @@
 //! `inbox-admin dead-letters` reaching brokers as managed ones are reached: servers of the
 //! test's own that take TLS only, with a CA made at test time (Kafka through a `--kafka-config`
 //! file of `security.protocol=ssl` and `ssl.ca.location=`, with `-X` beside it, RabbitMQ through `amqps://` and `--amqp-ca`,
-//! Redis through `rediss://` and `--redis-ca`), and a Redis Cluster (`--redis-cluster`).
+//! Redis through `rediss://` and `--redis-ca`), and a Redis Cluster (`--redis-cluster`, over TLS
+//! with `--redis-ca` too).
 //!
 //! On each, the adapter's own consumer dead-letters a batch over TLS while the downstream is
 //! down; the CLI lists the batch and replays it; a consumer reads it back from the source over
@@ -369,9 +370,40 @@ async fn redis_over_rediss_with_redis_ca() {
     let _ = std::fs::remove_dir_all(&ca.dir);
 }
 
-/// No TLS here: a cluster's nodes are trusted through the system's roots only, and the test CA
-/// is not among them. What is shown is `--redis-cluster`: the dead letters are found on the
-/// node holding their stream, and replayed to the node holding the source's.
+/// A Redis Cluster (of one node) that takes TLS only, with a private CA: `--redis-cluster` with
+/// `rediss://` nodes and `--redis-ca`, the adapter's connection with `ca_certificates`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_redis_cluster_through_redis_cluster_and_redis_ca() {
+    let dir = std::env::temp_dir().join(unique_name("inbox-admin-redis-cluster-tls"));
+    let ca = TestCa::new(&dir, &["localhost", "IP:127.0.0.1"]).unwrap();
+    let node = TlsRedis::start_cluster(&ca).await;
+    let url = format!("rediss://127.0.0.1:{}", node.port());
+    let redis =
+        RedisConnection::cluster([url.clone()]).ca_certificates(std::fs::read(&ca.ca).unwrap());
+    let stream = unique_name("inbox-admin-cluster-tls");
+    let producer = redis.producer().connect().await.unwrap();
+    let new_source = || {
+        let source = redis
+            .source(&stream, "wallet")
+            .poll_timeout(Duration::from_millis(200));
+        async move { source.connect().await.unwrap() }
+    };
+    parked_listed_replayed_and_applied_once(Reached {
+        broker: "redis",
+        source: stream.clone(),
+        dead_letters: format!("{{{stream}}}:dlq"),
+        flags: flags(&["--redis-cluster", &url, "--redis-ca", &path(&ca.ca)]),
+        untrusting: Some((flags(&["--redis-cluster", &url]), &["UnknownIssuer"])),
+        producer,
+        new_source,
+    })
+    .await;
+    drop(node);
+    let _ = std::fs::remove_dir_all(&ca.dir);
+}
+
+/// Without TLS: what is shown is `--redis-cluster` over several nodes: the dead letters are
+/// found on the node holding their stream, and replayed to the node holding the source's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_cluster_through_redis_cluster() {
     let cluster = LocalCluster::start().await;

@@ -29,8 +29,9 @@ use crate::{
     Error, RedisDeadLettersBuilder, RedisStreamProducerBuilder, RedisStreamSourceBuilder, Result,
 };
 
-/// Where and how to reach Redis: one server's URL, a client you configured (a private CA, a
-/// client certificate), or a Redis Cluster's nodes, and how long an operation may take. The
+/// Where and how to reach Redis: one server's URL or a Redis Cluster's nodes (with a private CA
+/// if need be), or a client you configured (a client certificate), and how long an operation
+/// may take. The
 /// source, the producer and the dead-letter reader are all built from it, so a setting made
 /// here reaches the three at once.
 ///
@@ -53,6 +54,10 @@ use crate::{
 pub struct RedisConnection {
     server: Server,
     operation_timeout: Duration,
+    /// The PEM certificate authorities trusted instead of the system's
+    /// ([`ca_certificates`](Self::ca_certificates)).
+    #[cfg(feature = "tls")]
+    ca: Option<Vec<u8>>,
 }
 
 /// Where Redis is.
@@ -77,6 +82,10 @@ impl std::fmt::Debug for RedisConnection {
             #[cfg(feature = "cluster")]
             Server::Cluster(nodes) => shown.field("cluster", &shown_nodes(nodes)),
         };
+        #[cfg(feature = "tls")]
+        if self.ca.is_some() {
+            shown.field("ca", &"given");
+        }
         shown
             .field("operation_timeout", &self.operation_timeout)
             .finish()
@@ -88,6 +97,8 @@ impl RedisConnection {
         Self {
             server,
             operation_timeout: Duration::from_secs(10),
+            #[cfg(feature = "tls")]
+            ca: None,
         }
     }
 
@@ -102,8 +113,9 @@ impl RedisConnection {
         Self::at(Server::Env)
     }
 
-    /// The server `client` reaches, as you configured it: for a private CA or a client
-    /// certificate, `Client::build_with_tls` (feature `tls`).
+    /// The server `client` reaches, as you configured it: for a client certificate,
+    /// `Client::build_with_tls` (feature `tls`). A private CA alone is simpler with
+    /// [`ca_certificates`](Self::ca_certificates).
     pub fn from_client(client: Client) -> Self {
         Self::at(Server::Client(Box::new(client)))
     }
@@ -119,6 +131,26 @@ impl RedisConnection {
         I::Item: Into<String>,
     {
         Self::at(Server::Cluster(nodes.into_iter().map(Into::into).collect()))
+    }
+
+    /// Trusts the certificate authorities in `pem` (PEM text) instead of the system's, for a
+    /// `rediss://` server or a cluster's `rediss://` nodes (feature `tls`): a private CA, or a
+    /// managed Redis's own. For a client certificate, build the client yourself and use
+    /// [`from_client`](Self::from_client); the two do not combine.
+    #[cfg(feature = "tls")]
+    pub fn ca_certificates(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.ca = Some(pem.into());
+        self
+    }
+
+    /// The certificates to connect with, when [`ca_certificates`](Self::ca_certificates) gave a
+    /// CA.
+    #[cfg(feature = "tls")]
+    fn certificates(&self) -> Option<redis::TlsCertificates> {
+        self.ca.as_ref().map(|ca| redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(ca.clone()),
+        })
     }
 
     /// How long connecting, or one command, may wait for Redis (default 10 s); a source's
@@ -183,6 +215,13 @@ impl RedisConnection {
         let url = match &self.server {
             Server::Client(client) => {
                 let shown = client.get_connection_info().addr().to_string();
+                #[cfg(feature = "tls")]
+                if self.ca.is_some() {
+                    return Err(Error::Config(format!(
+                        "ca_certificates with a client of your own ({shown}): give the CA to \
+                         Client::build_with_tls instead"
+                    )));
+                }
                 return Ok((Target::Server(client.clone()), shown));
             }
             Server::Url(url) => url.clone(),
@@ -198,14 +237,27 @@ impl RedisConnection {
                 // No response timeout of the client's: each command is bounded by its own
                 // (a blocking read needs longer than the others).
                 let client = redis::cluster::ClusterClient::builder(nodes.clone())
-                    .connection_timeout(self.operation_timeout)
+                    .connection_timeout(self.operation_timeout);
+                #[cfg(feature = "tls")]
+                let client = match self.certificates() {
+                    Some(certificates) => client.certs(certificates),
+                    None => client,
+                };
+                let client = client
                     .build()
                     .map_err(|e| Error::Config(format!("{shown}: {e}")))?;
                 return Ok((Target::Cluster(Box::new(client)), shown));
             }
         };
         let shown = inbox_core::redact_url(&url).to_string();
-        let client = Client::open(url.as_str())
+        #[cfg(feature = "tls")]
+        let client = match self.certificates() {
+            Some(certificates) => Client::build_with_tls(url.as_str(), certificates),
+            None => Client::open(url.as_str()),
+        };
+        #[cfg(not(feature = "tls"))]
+        let client = Client::open(url.as_str());
+        let client = client
             .map_err(|e| Error::Config(format!("Redis URL {shown:?} does not parse: {e}")))?;
         Ok((Target::Server(Box::new(client)), shown))
     }

@@ -1,5 +1,6 @@
 //! A `redis-server` of a test's own that takes TLS only, on a free loopback port, with a
-//! [`TestCa`]'s server certificate: what a client reaches over `rediss://` trusting that CA.
+//! [`TestCa`]'s server certificate: what a client reaches over `rediss://` trusting that CA; as
+//! one server, or as a Redis Cluster of one node.
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -24,6 +25,58 @@ impl TlsRedis {
     /// # Panics
     /// When `redis-server` cannot be started or does not listen within 10 s.
     pub async fn start(ca: &TestCa) -> Self {
+        Self::spawn(ca, &[]).await
+    }
+
+    /// A Redis Cluster of one node taking TLS only (its cluster bus too), holding every slot:
+    /// what a cluster client reaches over `rediss://` trusting `ca`. `ca`'s certificate must
+    /// name `127.0.0.1`, the address the node gives for its slots.
+    ///
+    /// # Panics
+    /// When `redis-server` cannot be started, or the cluster is not up within 10 s.
+    pub async fn start_cluster(ca: &TestCa) -> Self {
+        let config = ca
+            .dir
+            .join(crate::unique_name("nodes"))
+            .with_extension("conf");
+        let config = config.display().to_string();
+        let arguments = [
+            "--cluster-enabled",
+            "yes",
+            "--tls-cluster",
+            "yes",
+            "--cluster-config-file",
+            &config,
+        ];
+        let server = Self::spawn(ca, &arguments).await;
+        // Through redis-cli over TLS: this crate's Redis client may be built without TLS.
+        let cli = |command: &[&str]| {
+            let port = server.port.to_string();
+            let ca = ca.ca.display().to_string();
+            let cli = std::env::var("REDIS_CLI").unwrap_or_else(|_| "redis-cli".into());
+            let out = Command::new(&cli)
+                .args(["--tls", "--cacert", &ca, "-h", "127.0.0.1", "-p", &port])
+                .args(command)
+                .stdin(Stdio::null())
+                .output()
+                .unwrap_or_else(|e| panic!("cannot run {cli}: {e}"));
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        };
+        let added = cli(&["CLUSTER", "ADDSLOTSRANGE", "0", "16383"]);
+        assert!(added.contains("OK"), "CLUSTER ADDSLOTSRANGE: {added}");
+        let ok = eventually(Duration::from_secs(10), || {
+            let info = cli(&["CLUSTER", "INFO"]);
+            async move { info.contains("cluster_state:ok") }
+        })
+        .await;
+        assert!(
+            ok,
+            "the one-node TLS cluster did not reach cluster_state:ok"
+        );
+        server
+    }
+
+    async fn spawn(ca: &TestCa, arguments: &[&str]) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .expect("a free loopback port")
@@ -45,6 +98,7 @@ impl TlsRedis {
                 "no",
             ])
             .args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"])
+            .args(arguments)
             .stdout(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| {
