@@ -137,13 +137,13 @@ pub(crate) enum Command {
     Partition(Partition),
     /// The partitions of a partitioned inbox: key-time range, rows and bytes.
     Partitions(ListPartitions),
-    /// List, show and replay the dead letters of a Kafka topic, SQS queue, RabbitMQ queue or
-    /// Redis stream.
+    /// List, show and replay the dead letters of a Kafka topic, SQS queue, RabbitMQ queue, Redis
+    /// stream or NATS JetStream subject.
     #[command(
         subcommand,
         long_about = "List, show and replay the dead letters of a Kafka topic, SQS queue, \
-            RabbitMQ queue or Redis stream (--from: the dead-letter destination itself, like \
-            orders.dlq or orders:dlq).\n\n\
+            RabbitMQ queue, Redis stream or NATS JetStream subject (--from: the dead-letter \
+            destination itself, like orders.dlq or orders:dlq).\n\n\
             A replay publishes each selected dead letter back to its original source with its \
             ID, payload, key and headers, waits for the broker's confirm, and only then removes \
             it from the dead-letter destination: a crash in between leaves a copy in both, \
@@ -156,7 +156,7 @@ pub(crate) enum Command {
             security.protocol=sasl_ssl -X ssl.ca.location=ca.pem ..., or -F FILE of KEY=VALUE \
             lines, where a password is not shown in the process list); amqps:// and rediss:// \
             URLs, with --amqp-ca and --redis-ca for a private CA; a Redis Cluster with \
-            --redis-cluster."
+            --redis-cluster; for NATS --nats-ca and --nats-creds."
     )]
     DeadLetters(Box<DeadLettersCommand>),
 }
@@ -460,7 +460,7 @@ mod tests {
             &["partitions", "--window", "14d"],
             &["migrate", "--print-sql", "--json"],
             &["dead-letters", "list", "--broker", "redis"],
-            &["dead-letters", "list", "--broker", "nats", "--from", "x"],
+            &["dead-letters", "list", "--broker", "pulsar", "--from", "x"],
             &["dead-letters", "replay", "--broker", "redis", "--from", "x"],
             &[
                 "dead-letters",

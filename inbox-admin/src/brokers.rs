@@ -69,6 +69,17 @@ pub(crate) async fn open(from: &DeadLetterSource, replay: bool) -> Result<Opened
             }
             connect(reader.connect(), replay.then(|| producer.connect())).await
         }
+        #[cfg(feature = "nats")]
+        Broker::Nats => {
+            let nats = nats(from)?;
+            let mut reader = nats.dead_letters(&from.from);
+            let mut producer = nats.producer();
+            if let Some(field) = field {
+                reader = reader.id_header(field);
+                producer = producer.id_header(field);
+            }
+            connect(reader.connect(), replay.then(|| producer.connect())).await
+        }
         #[allow(unreachable_patterns)]
         other => Err(not_built(other)),
     }
@@ -224,8 +235,25 @@ fn redis(from: &DeadLetterSource) -> Result<inbox_redis_streams::RedisConnection
     Ok(redis.ca_certificates(read_ca(ca, "--redis-ca")?))
 }
 
+/// The NATS servers at `--nats-url`, trusting `--nats-ca` and logging in with `--nats-creds`
+/// when given.
+#[cfg(feature = "nats")]
+fn nats(from: &DeadLetterSource) -> Result<inbox_nats::NatsConnection, CliError> {
+    let url = required(&from.nats_url, "NATS server", "nats-url", "NATS_URL")?;
+    let mut nats = inbox_nats::NatsConnection::new(url);
+    if let Some(ca) = &from.nats_ca {
+        read_ca(ca, "--nats-ca")?;
+        nats = nats.root_certificates(ca);
+    }
+    if let Some(creds) = &from.nats_creds {
+        std::fs::File::open(creds).map_err(|e| unreadable(creds.display(), "--nats-creds", e))?;
+        nats = nats.credentials_file(creds);
+    }
+    Ok(nats)
+}
+
 /// The certificates of the PEM file `path` (given with `flag`).
-#[allow(dead_code)] // unused without the rabbitmq and redis features
+#[allow(dead_code)] // unused without the rabbitmq, redis and nats features
 fn read_ca(path: &Path, flag: &str) -> Result<String, CliError> {
     let bytes = std::fs::read(path).map_err(|e| unreadable(path.display(), flag, e))?;
     match String::from_utf8(bytes) {

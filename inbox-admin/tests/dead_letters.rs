@@ -99,6 +99,18 @@ async fn redis_dead_letters_are_listed_and_replayed_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_dead_letters_are_listed_and_replayed_once() {
+    let envs = [("NATS_URL", inbox_conformance::nats::nats_url())];
+    replayed_by_the_cli(
+        &inbox_conformance::nats::Nats,
+        "nats",
+        |q| q.dead_letter_subject(),
+        &envs,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_dead_letters_are_listed_and_replayed_once() {
     let envs = [("AMQP_URL", inbox_conformance::rabbitmq::amqp_url())];
     replayed_by_the_cli(

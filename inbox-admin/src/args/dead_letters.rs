@@ -177,6 +177,31 @@ pub(crate) struct DeadLetterSource {
         help_heading = "Redis (--broker redis)"
     )]
     pub(crate) redis_cluster: Vec<String>,
+    /// The NATS server(s) (nats://host:4222, comma-separated; tls:// for TLS; a user and
+    /// password or a token in the URL).
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "NATS_URL",
+        hide_env_values = true,
+        help_heading = "NATS JetStream (--broker nats)"
+    )]
+    pub(crate) nats_url: Option<String>,
+    /// Trust the certificate authorities in this PEM file beside the system's (a private CA);
+    /// implies TLS.
+    #[arg(
+        long,
+        value_name = "FILE",
+        help_heading = "NATS JetStream (--broker nats)"
+    )]
+    pub(crate) nats_ca: Option<PathBuf>,
+    /// Log in with this creds file (a user JWT and its NKey seed).
+    #[arg(
+        long,
+        value_name = "FILE",
+        help_heading = "NATS JetStream (--broker nats)"
+    )]
+    pub(crate) nats_creds: Option<PathBuf>,
     /// The header, attribute or field holding the message ID [default: event_id; RabbitMQ: the
     /// message_id property].
     #[arg(long, value_name = "NAME")]
@@ -194,6 +219,8 @@ pub(crate) enum Broker {
     Rabbitmq,
     /// A Redis dead-letter stream.
     Redis,
+    /// A NATS JetStream dead-letter subject.
+    Nats,
 }
 
 impl Broker {
@@ -204,6 +231,7 @@ impl Broker {
             Broker::Sqs => "sqs",
             Broker::Rabbitmq => "rabbitmq",
             Broker::Redis => "redis",
+            Broker::Nats => "nats",
         }
     }
 }
