@@ -262,3 +262,68 @@ async fn without_nats_url_connecting_fails_naming_it() {
         .unwrap_err();
     assert!(e.to_string().contains("NATS_URL is not set"), "{e}");
 }
+
+/// [`Sum`], 20 ms per message: a consumer stopped after a moment is caught mid-stream.
+struct SlowSum;
+
+impl inbox_core::Handler<inbox_testkit::MemoryTx<i64>> for SlowSum {
+    async fn handle(
+        &self,
+        tx: &mut inbox_testkit::MemoryTx<i64>,
+        _id: &inbox_core::MessageId,
+        message: &inbox_core::Message,
+    ) -> Result<(), inbox_core::HandlerError> {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        *tx.state_mut() += message.json::<i64>()?;
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_stopped_mid_stream_leaves_the_rest_to_the_next_which_applies_each_once() {
+    let queue = stream("shutdown").await;
+    for i in 1..=50 {
+        queue
+            .send(Some(&format!("evt-{i}")), i.to_string().as_bytes())
+            .await;
+    }
+    let store = MemoryStore::<i64>::new();
+    let source = builder_on(&nats(), &queue.name(), &queue.name())
+        .connect()
+        .await
+        .unwrap();
+    let first = Consumer::new("shutdown", source, store.clone(), SlowSum)
+        .batch_size(5)
+        .run_until(tokio::time::sleep(Duration::from_millis(400)))
+        .await
+        .unwrap();
+    assert!(
+        first.applied > 0 && first.applied < 50,
+        "not stopped mid-stream: {first:?}"
+    );
+
+    // What the first held comes back: handed back at once, or after ack_wait where a pull was
+    // cut short.
+    let mut applied = first.applied;
+    let start = Instant::now();
+    while store.state().await < 1275 && start.elapsed() < Duration::from_secs(15) {
+        let source = builder_on(&nats(), &queue.name(), &queue.name())
+            .connect()
+            .await
+            .unwrap();
+        let next = Consumer::new("shutdown", source, store.clone(), SlowSum)
+            .batch_size(5)
+            .run_until_idle()
+            .await
+            .unwrap();
+        applied += next.applied;
+    }
+    assert_eq!(
+        store.state().await,
+        (1..=50).sum::<i64>(),
+        "each credit once"
+    );
+    assert_eq!(applied, 50);
+    assert_eq!(queue.left().await, 0);
+    queue.cleanup().await;
+}
