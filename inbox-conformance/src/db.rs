@@ -3,17 +3,20 @@
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
 use std::future::Future;
+use std::time::Duration;
 
 use inbox_core::{InboxStore, MessageId};
 use inbox_postgres::{KeyMode, Partitions, PgInbox, PgTx, TableName};
 
 use crate::wallet::{self, Credit, CreditEvent, Summary};
+use crate::FaultProxy;
 
-/// One database kind under the broker suite, as sqlx's `TestSupport`: a database (or schema)
-/// per test holding a migrated inbox and the wallet (accounts, ledger) beside it, so that a
-/// credit and its claim commit in one transaction, and the wallet's SQL in this database's
-/// dialect. [`suite!`](crate::suite) takes it as its second argument: [`TestDb`] (PostgreSQL,
-/// the default) or `store::MySqlDb` (feature `mysql`).
+/// One database kind under the suites, as sqlx's `TestSupport`: a database (or schema) per
+/// test holding a migrated inbox and the wallet (accounts, ledger) beside it, so that a credit
+/// and its claim commit in one transaction, and the wallet's SQL in this database's dialect.
+/// [`suite!`](crate::suite) takes it as its second argument, [`store_suite!`](crate::store_suite)
+/// a fresh one per scenario: [`TestDb`] (PostgreSQL, the default) or `store::MySqlDb` (feature
+/// `mysql`); a store of your own over one of them implements it by delegating the wallet.
 pub trait TestStore: Clone + Send + Sync + 'static {
     /// The inbox store.
     type Inbox: InboxStore + Clone;
@@ -67,6 +70,33 @@ pub trait TestStore: Clone + Send + Sync + 'static {
 
     /// Stalls started: the events [`first_handling`](TestStore::first_handling) said `true` to.
     fn stalls(&self) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
+
+    /// Ledger rows of `id`: how many of its credits committed.
+    fn applied(&self, id: &MessageId) -> impl Future<Output = u64> + Send;
+
+    /// Runs a statement that fails inside `tx` and ignores the error, as a handler that
+    /// swallowed a database error would: the transaction cannot commit what it did.
+    fn fail_and_swallow(&self, tx: &mut StoreTx<Self>) -> impl Future<Output = ()> + Send;
+
+    /// An ID the inbox's claim refuses ([`RefusedId`](inbox_core::RefusedId)), if it refuses
+    /// any (a key column of UUIDs refuses other text). Default: none, and the store suite's
+    /// scenario of a refused ID is skipped.
+    fn refused_id(&self) -> Option<MessageId> {
+        None
+    }
+
+    /// Makes every claim so far older than the inbox keeps claims, and purges: how many claims
+    /// were removed. Default: `None`, the store forgets nothing, and that scenario is skipped.
+    fn age_and_purge(&self) -> impl Future<Output = Option<u64>> + Send {
+        async { None }
+    }
+
+    /// The inbox with its connections through a [`FaultProxy`] the store suite refuses and
+    /// cuts. Default: `None`, no proxy can stand in front of it, and those scenarios are
+    /// skipped.
+    fn proxied(&self) -> impl Future<Output = Option<(Self::Inbox, FaultProxy)>> + Send {
+        async { None }
+    }
 
     /// The wallet's credit handler, writing through this database's inbox transactions.
     fn credit(&self) -> Credit<Self> {
@@ -169,7 +199,62 @@ impl TestStore for TestDb {
             .fetch_one(&self.pool)
             .await
     }
+
+    async fn applied(&self, id: &MessageId) -> u64 {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger WHERE event_id = $1")
+            .bind(id.as_str())
+            .fetch_one(&self.pool)
+            .await
+            .expect("count ledger rows");
+        u64::try_from(n).unwrap_or_default()
+    }
+
+    async fn fail_and_swallow(&self, tx: &mut PgTx) {
+        let failed = sqlx::query("SELECT 1 / 0").execute(&mut **tx).await;
+        assert!(failed.is_err(), "division by zero fails");
+    }
+
+    fn refused_id(&self) -> Option<MessageId> {
+        (self.keys == KeyMode::Uuid).then(|| MessageId::new("not-a-uuid").expect("an ID"))
+    }
+
+    async fn age_and_purge(&self) -> Option<u64> {
+        let minutes = i32::try_from(2 * KEPT.as_secs() / 60).expect("minutes");
+        sqlx::query("UPDATE inbox SET processed_minute = processed_minute - $1")
+            .bind(minutes)
+            .execute(&self.pool)
+            .await
+            .expect("age the claims");
+        let report = self.inbox().purge(KEPT, 1000).await.expect("purge");
+        Some(report.deleted())
+    }
+
+    async fn proxied(&self) -> Option<(PgInbox, FaultProxy)> {
+        let options: PgConnectOptions = database_url().parse().expect("DATABASE_URL parses");
+        let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
+            .await
+            .expect("resolve the database")
+            .next()
+            .expect("the database has an address");
+        let proxy = FaultProxy::start(upstream).await.expect("the proxy");
+        let options = options
+            .host("127.0.0.1")
+            .port(proxy.addr().port())
+            .options([("search_path", self.schema.as_str())]);
+        // A short acquire timeout, so a refused connection is an error the consumer sees, not
+        // a wait.
+        let pool = PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_millis(500))
+            .test_before_acquire(false)
+            .connect_lazy_with(options);
+        Some((self.inbox_on(pool, "inbox", self.keys), proxy))
+    }
 }
+
+/// How long the store suite's purge keeps claims; [`TestStore::age_and_purge`] ages them twice
+/// as much.
+pub(crate) const KEPT: Duration = Duration::from_secs(14 * 24 * 3600);
 
 /// The database tests use: `DATABASE_URL`, or the local default the services command sets up.
 pub fn database_url() -> String {
@@ -258,6 +343,8 @@ pub struct TestDb {
     pub schema: String,
     /// The connections the inbox uses through the transaction pooler, if there is one.
     through: Option<PgPool>,
+    /// The inbox's keys.
+    keys: KeyMode,
 }
 
 impl TestDb {
@@ -268,7 +355,15 @@ impl TestDb {
     /// When PostgreSQL cannot be reached: start it with `cargo xtask services` or set
     /// `DATABASE_URL`.
     pub async fn new() -> Self {
-        Self::create(&database_url(), pooler_url().as_deref()).await
+        Self::keyed(KeyMode::Text).await
+    }
+
+    /// [`TestDb::new`] with an inbox of `keys` keys: the store suite runs once per key mode.
+    ///
+    /// # Panics
+    /// When PostgreSQL cannot be reached.
+    pub async fn keyed(keys: KeyMode) -> Self {
+        Self::create(&database_url(), pooler_url().as_deref(), keys).await
     }
 
     /// [`TestDb::new`] on the server at `url` (a cluster of the test's own).
@@ -276,10 +371,10 @@ impl TestDb {
     /// # Panics
     /// When that server cannot be reached.
     pub async fn at(url: &str) -> Self {
-        Self::create(url, None).await
+        Self::create(url, None, KeyMode::Text).await
     }
 
-    async fn create(url: &str, pooler: Option<&str>) -> Self {
+    async fn create(url: &str, pooler: Option<&str>, keys: KeyMode) -> Self {
         let schema = format!("t_{:016x}", rand::random::<u64>());
         let mut setup = vec![format!("CREATE SCHEMA \"{schema}\"")];
         if pooler.is_some() {
@@ -296,7 +391,10 @@ impl TestDb {
             )
             .await;
         }
-        let db = Self::connect(url, pooler, &schema).await;
+        let db = Self {
+            keys,
+            ..Self::connect(url, pooler, &schema).await
+        };
         wallet::install(&db.pool)
             .await
             .unwrap_or_else(|e| panic!("cannot create the wallet tables: {e}"));
@@ -349,12 +447,14 @@ impl TestDb {
             pool,
             schema: schema.to_owned(),
             through,
+            keys: KeyMode::Text,
         }
     }
 
-    /// The migrated inbox of this schema (table `inbox`, text keys).
+    /// The migrated inbox of this schema (table `inbox`, text keys unless made
+    /// [`keyed`](TestDb::keyed)).
     pub fn inbox(&self) -> PgInbox {
-        self.inbox_named("inbox", KeyMode::Text)
+        self.inbox_named("inbox", self.keys)
     }
 
     /// An inbox in table `table` of this schema with `mode` keys, in the layout
@@ -363,9 +463,14 @@ impl TestDb {
     /// # Panics
     /// When `table` is not a plain SQL identifier.
     pub fn inbox_named(&self, table: &str, mode: KeyMode) -> PgInbox {
+        let pool = self.through.as_ref().unwrap_or(&self.pool).clone();
+        self.inbox_on(pool, table, mode)
+    }
+
+    /// [`TestDb::inbox_named`] on `pool`.
+    fn inbox_on(&self, pool: PgPool, table: &str, mode: KeyMode) -> PgInbox {
         let table = TableName::qualified(&self.schema, table)
             .unwrap_or_else(|e| panic!("test table name refused: {e}"));
-        let pool = self.through.as_ref().unwrap_or(&self.pool).clone();
         let inbox = PgInbox::new(pool).with_table(table).with_key_mode(mode);
         if partitioned_layout() {
             inbox.partitioned(Partitions::default())

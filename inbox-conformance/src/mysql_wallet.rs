@@ -3,13 +3,17 @@
 //! run on the MySQL store. Duplicates are `ledger rows − distinct event IDs`, losses
 //! `published − distinct event IDs`.
 
-use inbox_core::MessageId;
-use inbox_mysql::{KeyMode, MySqlInbox, MySqlTx};
-use sqlx::MySqlPool;
+use std::time::Duration;
 
+use inbox_core::MessageId;
+use inbox_mysql::{KeyMode, MySqlInbox, MySqlTx, TableName};
+use sqlx::mysql::MySqlPoolOptions;
+use sqlx::{AssertSqlSafe, MySqlPool};
+
+use crate::db::KEPT;
 use crate::store::MySqlDb;
 use crate::wallet::{CreditEvent, Summary};
-use crate::TestStore;
+use crate::{FaultProxy, TestStore};
 
 /// The inbox table of a wallet database.
 pub const INBOX_TABLE: &str = "inbox";
@@ -19,18 +23,29 @@ pub const INBOX_TABLE: &str = "inbox";
 /// # Panics
 /// When the server cannot be reached.
 pub async fn wallet_db() -> MySqlDb {
-    let db = MySqlDb::new().await;
+    keyed(KeyMode::Text).await
+}
+
+/// [`wallet_db`] with an inbox of `keys` keys: the store suite runs once per key mode.
+///
+/// # Panics
+/// When the server cannot be reached.
+pub async fn keyed(keys: KeyMode) -> MySqlDb {
+    let mut db = MySqlDb::new().await;
+    db.keys = keys;
     install(&db.pool).await.expect("the wallet tables");
     inbox(&db).migrate().await.expect("migrate the inbox");
     db
 }
 
-/// The inbox of a wallet database: table [`INBOX_TABLE`], text keys.
+/// The inbox of a wallet database: table [`INBOX_TABLE`], the database's keys.
 pub fn inbox(db: &MySqlDb) -> MySqlInbox {
-    db.inbox(INBOX_TABLE, KeyMode::Text)
+    db.inbox(INBOX_TABLE, db.keys)
 }
 
-/// Creates `accounts`, `ledger` and `wallet_stalls` if missing.
+/// Creates `accounts`, `ledger` and `wallet_stalls` if missing, with event IDs compared byte for
+/// byte (as the inbox keeps them), and the two rows [`TestStore::fail_and_swallow`] deadlocks
+/// on.
 async fn install(pool: &MySqlPool) -> Result<(), sqlx::Error> {
     for statement in [
         "CREATE TABLE IF NOT EXISTS accounts (
@@ -38,11 +53,14 @@ async fn install(pool: &MySqlPool) -> Result<(), sqlx::Error> {
             balance bigint NOT NULL DEFAULT 0) ENGINE=InnoDB",
         "CREATE TABLE IF NOT EXISTS ledger (
             id bigint AUTO_INCREMENT PRIMARY KEY,
-            event_id varchar(255) NOT NULL,
+            event_id varbinary(1024) NOT NULL,
             account_id bigint NOT NULL,
             amount bigint NOT NULL) ENGINE=InnoDB",
-        "CREATE TABLE IF NOT EXISTS wallet_stalls (event_id varchar(255) PRIMARY KEY) \
+        "CREATE TABLE IF NOT EXISTS wallet_stalls (event_id varbinary(1024) PRIMARY KEY) \
          ENGINE=InnoDB",
+        "CREATE TABLE IF NOT EXISTS pair (id int PRIMARY KEY) ENGINE=InnoDB",
+        "INSERT IGNORE INTO pair VALUES (1), (2)",
+        "CREATE TABLE IF NOT EXISTS ballast (n int NOT NULL) ENGINE=InnoDB",
     ] {
         sqlx::query(statement).execute(pool).await?;
     }
@@ -146,5 +164,98 @@ impl TestStore for MySqlDb {
         sqlx::query_scalar("SELECT count(*) FROM wallet_stalls")
             .fetch_one(&self.pool)
             .await
+    }
+
+    async fn applied(&self, id: &MessageId) -> u64 {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger WHERE event_id = ?")
+            .bind(id.as_str())
+            .fetch_one(&self.pool)
+            .await
+            .expect("count ledger rows");
+        u64::try_from(n).unwrap_or_default()
+    }
+
+    /// A failed statement in MySQL undoes only itself; the failure that breaks a transaction is
+    /// a deadlock, which InnoDB answers by rolling the whole transaction back. So this makes
+    /// one: it locks row 1, a heavier transaction (it inserted rows, so InnoDB prefers to roll
+    /// back this one) locks row 2 and waits for row 1, and this one asks for row 2.
+    async fn fail_and_swallow(&self, tx: &mut MySqlTx) {
+        let lock = |row: i32| format!("SELECT id FROM pair WHERE id = {row} FOR UPDATE");
+        sqlx::query(AssertSqlSafe(lock(1)))
+            .fetch_all(&mut **tx)
+            .await
+            .expect("lock row 1");
+        let mut other = self.pool.begin().await.expect("begin the other");
+        let ballast = vec!["(0)"; 200].join(", ");
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO ballast VALUES {ballast}"
+        )))
+        .execute(&mut *other)
+        .await
+        .expect("ballast");
+        sqlx::query(AssertSqlSafe(lock(2)))
+            .fetch_all(&mut *other)
+            .await
+            .expect("lock row 2");
+        let waiter = tokio::spawn(async move {
+            let waited = sqlx::query(AssertSqlSafe(lock(1)))
+                .fetch_all(&mut *other)
+                .await;
+            (other, waited.map(|_| ()))
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let failed = sqlx::query(AssertSqlSafe(lock(2)))
+            .fetch_all(&mut **tx)
+            .await;
+        let (other, waited) = waiter.await.expect("the other transaction");
+        other.rollback().await.expect("roll the other back");
+        let number = match &failed {
+            Err(sqlx::Error::Database(e)) => e
+                .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                .map(|e| e.number()),
+            _ => None,
+        };
+        assert_eq!(
+            number,
+            Some(inbox_mysql::DEADLOCK),
+            "the handler's transaction is the deadlock's victim: {failed:?}; the other: {waited:?}"
+        );
+    }
+
+    fn refused_id(&self) -> Option<MessageId> {
+        (self.keys == KeyMode::Uuid).then(|| MessageId::new("not-a-uuid").expect("an ID"))
+    }
+
+    async fn age_and_purge(&self) -> Option<u64> {
+        let minutes = i64::try_from(2 * KEPT.as_secs() / 60).expect("minutes");
+        sqlx::query("UPDATE inbox SET processed_minute = processed_minute - ?")
+            .bind(minutes)
+            .execute(&self.pool)
+            .await
+            .expect("age the claims");
+        let report = inbox(self).purge(KEPT, 1000).await.expect("purge");
+        Some(report.deleted())
+    }
+
+    async fn proxied(&self) -> Option<(MySqlInbox, FaultProxy)> {
+        let options = self.options().clone();
+        let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
+            .await
+            .expect("resolve the database")
+            .next()
+            .expect("the database has an address");
+        let proxy = FaultProxy::start(upstream).await.expect("the proxy");
+        let options = options.host("127.0.0.1").port(proxy.addr().port());
+        // No ping per acquire; a short acquire timeout, so a refused connection is an error the
+        // consumer sees, not a wait.
+        let pool = MySqlPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_millis(500))
+            .test_before_acquire(false)
+            .connect_lazy_with(options);
+        let inbox = MySqlInbox::new(pool)
+            .with_table(TableName::new(INBOX_TABLE).expect("table name"))
+            .with_key_mode(self.keys);
+        Some((inbox, proxy))
     }
 }

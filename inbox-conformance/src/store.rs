@@ -1,5 +1,6 @@
 //! The scenarios every [`InboxStore`] passes, written once, as [`suite!`](crate::suite!) is for
-//! brokers: a store implements [`StoreUnderTest`] in a few lines of its tests, and
+//! brokers: each runs on a fresh database of the one test-support trait, [`TestStore`] (its
+//! inbox the store under test, the wallet's credit its effect), and
 //! [`store_suite!`](crate::store_suite!) turns every scenario into a `#[tokio::test]`.
 //!
 //! What they check is what the consumer relies on: a claim is seen once across concurrent
@@ -13,11 +14,9 @@
 //! applied twice.
 //!
 //! ```ignore
-//! inbox_conformance::store_suite!(text, inbox_conformance::store::Postgres::new(KeyMode::Text));
+//! inbox_conformance::store_suite!(text, inbox_conformance::TestDb::keyed(KeyMode::Text));
 //! ```
 
-use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_core::{
@@ -26,80 +25,31 @@ use inbox_core::{
 };
 use inbox_testkit::MemoryBroker;
 
-use crate::{FaultProxy, ProxyMode};
+use crate::wallet::CreditEvent;
+use crate::{ProxyMode, StoreTx, TestStore};
 
 #[cfg(feature = "mysql")]
 mod mysql;
-mod postgres;
 
 #[cfg(feature = "mysql")]
-pub use mysql::{mysql_url, MySql, MySqlDb};
-pub use postgres::Postgres;
+pub use mysql::{mysql_url, MySqlDb};
 
-/// The open transaction of the store under test.
-pub type Tx<T> = <<T as StoreUnderTest>::Store as InboxStore>::Tx;
+/// A handler writing a credit of 1 to account 1 as the store's effect; a message whose payload
+/// is `swallow` breaks its transaction first, one whose payload is `swallow last` after the
+/// effect, as its last statement (then only the commit can find out).
+struct Apply<D>(D);
 
-/// A store under test: one fresh, empty store per scenario, a side effect to write through
-/// its transactions and a way to count what committed.
-pub trait StoreUnderTest: Send + Sync + 'static {
-    /// The store.
-    type Store: InboxStore + Clone;
-
-    /// The store, migrated and empty, with room for the effects [`apply`](Self::apply) writes.
-    fn store(&self) -> Self::Store;
-
-    /// The handler's side effect for `id`, written through `tx`: it commits with the claim or
-    /// not at all.
-    fn apply(
-        &self,
-        tx: &mut Tx<Self>,
-        id: &MessageId,
-    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
-
-    /// Runs a statement that fails inside `tx` and ignores the error, as a handler that
-    /// swallowed a database error would: the transaction cannot commit what it did.
-    fn fail_and_swallow(&self, tx: &mut Tx<Self>) -> impl Future<Output = ()> + Send;
-
-    /// How many effects of `id` committed.
-    fn applied(&self, id: &MessageId) -> impl Future<Output = u64> + Send;
-
-    /// An ID this store's claim refuses ([`RefusedId`]), if it refuses any (a key column of
-    /// UUIDs refuses other text). Default: none, and that scenario is skipped.
-    fn refused_id(&self) -> Option<MessageId> {
-        None
-    }
-
-    /// Makes every claim so far older than the store keeps claims, and purges: how many claims
-    /// were removed. `None` where the store forgets nothing (the scenario is skipped).
-    fn age_and_purge(&self) -> impl Future<Output = Option<u64>> + Send;
-
-    /// The same store with its connections through a [`FaultProxy`] the scenarios refuse and
-    /// cut; `None` where no proxy can stand in front of it (those scenarios are skipped).
-    fn proxied(&self) -> impl Future<Output = Option<(Self::Store, FaultProxy)>> + Send;
-
-    /// Removes the store and what it holds.
-    fn cleanup(self) -> impl Future<Output = ()> + Send;
-}
-
-/// A handler writing the store's effect; a message whose payload is `swallow` breaks its
-/// transaction first, one whose payload is `swallow last` after the effect, as its last
-/// statement (then only the commit can find out).
-struct Apply<T>(Arc<T>);
-
-impl<T: StoreUnderTest> Handler<Tx<T>> for Apply<T>
-where
-    Tx<T>: Send + 'static,
-{
+impl<D: TestStore> Handler<StoreTx<D>> for Apply<D> {
     async fn handle(
         &self,
-        tx: &mut Tx<T>,
+        tx: &mut StoreTx<D>,
         id: &MessageId,
         message: &Message,
     ) -> Result<(), HandlerError> {
         if message.payload == b"swallow" {
             self.0.fail_and_swallow(tx).await;
         }
-        self.0.apply(tx, id).await?;
+        apply::<D>(tx, id).await?;
         if message.payload == b"swallow last" {
             self.0.fail_and_swallow(tx).await;
         }
@@ -107,26 +57,23 @@ where
     }
 }
 
+/// The effect of `id`, written through `tx`: it commits with the claim or not at all.
+async fn apply<D: TestStore>(tx: &mut StoreTx<D>, id: &MessageId) -> Result<(), sqlx::Error> {
+    D::apply(tx, id, &CreditEvent::new(1, 1)).await
+}
+
 fn id(text: &str) -> MessageId {
     MessageId::new(text).unwrap_or_else(|e| panic!("{text:?}: {e}"))
 }
 
 /// Runs a consumer named `consumer` on `broker` until it is idle.
-async fn drain<T: StoreUnderTest>(
-    under_test: &Arc<T>,
+async fn drain<D: TestStore>(
+    db: &D,
     broker: &MemoryBroker,
     consumer: &str,
     batch: usize,
-) -> StatsSnapshot
-where
-    Tx<T>: Send + 'static,
-{
-    let consumer = Consumer::new(
-        consumer,
-        broker.source(),
-        under_test.store(),
-        Apply(Arc::clone(under_test)),
-    );
+) -> StatsSnapshot {
+    let consumer = Consumer::new(consumer, broker.source(), db.inbox(), Apply(db.clone()));
     within(
         consumer
             .batch_size(batch)
@@ -134,14 +81,6 @@ where
             .run_until_idle(),
     )
     .await
-}
-
-/// Removes the store once the scenario holds the last handle on it.
-async fn finish<T: StoreUnderTest>(under_test: Arc<T>) {
-    Arc::into_inner(under_test)
-        .expect("one owner")
-        .cleanup()
-        .await;
 }
 
 /// Publishes `n` messages with fresh IDs to `broker`; returns the IDs.
@@ -166,11 +105,8 @@ async fn within(
 /// Two transactions claim one ID: the second waits while the first is open, then skips it
 /// after the first commits; in the other order of events, takes it over after the first rolls
 /// back.
-pub async fn a_claim_is_seen_once_across_concurrent_transactions<T: StoreUnderTest>(under_test: T)
-where
-    Tx<T>: Send + 'static,
-{
-    let store = under_test.store().bind(&ConsumerBinding::new("c"));
+pub async fn a_claim_is_seen_once_across_concurrent_transactions<D: TestStore>(db: D) {
+    let store = db.inbox().bind(&ConsumerBinding::new("c"));
     for commit_first in [true, false] {
         let claimed = MessageId::generate();
         let mut first = store.begin().await.expect("begin");
@@ -210,36 +146,29 @@ where
             }
         );
     }
-    under_test.cleanup().await;
+    db.remove().await;
 }
 
 /// A rolled-back claim and its effect are gone: the ID claims as new, and once committed it
 /// skips.
-pub async fn a_rollback_releases_the_claim_and_its_effect<T: StoreUnderTest>(under_test: T)
-where
-    Tx<T>: Send + 'static,
-{
-    let store = under_test.store().bind(&ConsumerBinding::new("c"));
+pub async fn a_rollback_releases_the_claim_and_its_effect<D: TestStore>(db: D) {
+    let store = db.inbox().bind(&ConsumerBinding::new("c"));
     let claimed = MessageId::generate();
     let mut tx = store.begin().await.expect("begin");
     assert!(claim_one(&store, &mut tx, &claimed).await);
-    under_test.apply(&mut tx, &claimed).await.expect("apply");
+    apply::<D>(&mut tx, &claimed).await.expect("apply");
     tx.rollback().await.expect("rollback");
-    assert_eq!(
-        under_test.applied(&claimed).await,
-        0,
-        "the effect rolled back"
-    );
+    assert_eq!(db.applied(&claimed).await, 0, "the effect rolled back");
 
     let mut tx = store.begin().await.expect("begin");
     assert!(claim_one(&store, &mut tx, &claimed).await, "new again");
-    under_test.apply(&mut tx, &claimed).await.expect("apply");
+    apply::<D>(&mut tx, &claimed).await.expect("apply");
     tx.commit().await.expect("commit");
     let mut tx = store.begin().await.expect("begin");
     assert!(!claim_one(&store, &mut tx, &claimed).await, "seen");
     tx.rollback().await.expect("rollback");
-    assert_eq!(under_test.applied(&claimed).await, 1);
-    under_test.cleanup().await;
+    assert_eq!(db.applied(&claimed).await, 1);
+    db.remove().await;
 }
 
 /// A handler that swallowed a failed statement returns `Ok`, but its transaction cannot commit
@@ -248,11 +177,7 @@ where
 /// once before the effect (the next statement fails too) and once as the handler's last
 /// statement, which only the commit can find out: a store whose commit reports success for a
 /// transaction the server aborted loses that message (acked, its effect rolled back).
-pub async fn a_transaction_a_handler_broke_never_reports_success<T: StoreUnderTest>(under_test: T)
-where
-    Tx<T>: Send + 'static,
-{
-    let under_test = Arc::new(under_test);
+pub async fn a_transaction_a_handler_broke_never_reports_success<D: TestStore>(db: D) {
     let broker = MemoryBroker::new();
     let (before, broken, broken_last, after) = (
         MessageId::generate(),
@@ -264,31 +189,27 @@ where
     broker.publish(Some(broken.as_str()), "swallow");
     broker.publish(Some(broken_last.as_str()), "swallow last");
     broker.publish(Some(after.as_str()), "ok");
-    let stats = drain(&under_test, &broker, "c", 4).await;
+    let stats = drain(&db, &broker, "c", 4).await;
     println!("broken transactions: {stats:?}");
     assert_eq!(
-        under_test.applied(&broken_last).await,
+        db.applied(&broken_last).await,
         0,
         "the effect of a transaction broken by its last statement is rolled back"
     );
     assert_eq!((stats.applied, stats.dead_lettered), (2, 2), "{stats:?}");
-    assert_eq!(under_test.applied(&broken).await, 0);
-    assert_eq!(under_test.applied(&before).await, 1);
-    assert_eq!(under_test.applied(&after).await, 1);
+    assert_eq!(db.applied(&broken).await, 0);
+    assert_eq!(db.applied(&before).await, 1);
+    assert_eq!(db.applied(&after).await, 1);
     assert_eq!(broker.pending(), 0);
-    finish(under_test).await;
+    db.remove().await;
 }
 
 /// IDs that differ only in case, spacing, accents or quoting are different IDs; each copy of
 /// each is applied once, the longest ID accepted included.
-pub async fn odd_ids_are_kept_apart_and_each_applied_once<T: StoreUnderTest>(under_test: T)
-where
-    Tx<T>: Send + 'static,
-{
-    let under_test = Arc::new(under_test);
+pub async fn odd_ids_are_kept_apart_and_each_applied_once<D: TestStore>(db: D) {
     let broker = MemoryBroker::new();
     let long = "x".repeat(MessageId::MAX_LEN);
-    let store = under_test.store().bind(&ConsumerBinding::new("c"));
+    let store = db.inbox().bind(&ConsumerBinding::new("c"));
     let mut kept = Vec::new();
     for text in [
         "evt-1",
@@ -307,38 +228,34 @@ where
     let ids = kept;
     if ids.is_empty() {
         println!("odd IDs: skipped: this store refuses them all");
-        finish(under_test).await;
+        db.remove().await;
         return;
     }
     for &text in &ids {
         broker.publish(Some(text), "ok");
         broker.publish(Some(text), "ok");
     }
-    let stats = drain(&under_test, &broker, "c", 5).await;
+    let stats = drain(&db, &broker, "c", 5).await;
     assert_eq!(
         (stats.applied, stats.skipped_duplicates, stats.dead_lettered),
         (ids.len() as u64, ids.len() as u64, 0),
         "{stats:?}"
     );
     for &text in &ids {
-        assert_eq!(under_test.applied(&id(text)).await, 1, "{text:?}");
+        assert_eq!(db.applied(&id(text)).await, 1, "{text:?}");
     }
-    finish(under_test).await;
+    db.remove().await;
 }
 
 /// An ID the store refuses is dead-lettered with the store's reason; the messages of its batch
 /// before and after it are applied.
-pub async fn an_id_the_store_refuses_is_dead_lettered<T: StoreUnderTest>(under_test: T)
-where
-    Tx<T>: Send + 'static,
-{
-    let Some(refused) = under_test.refused_id() else {
+pub async fn an_id_the_store_refuses_is_dead_lettered<D: TestStore>(db: D) {
+    let Some(refused) = db.refused_id() else {
         println!("refused IDs: skipped: this store keeps every ID");
-        under_test.cleanup().await;
+        db.remove().await;
         return;
     };
-    let under_test = Arc::new(under_test);
-    let store = under_test.store().bind(&ConsumerBinding::new("c"));
+    let store = db.inbox().bind(&ConsumerBinding::new("c"));
     let reason = refusal(&store, &refused)
         .await
         .expect("the claim refuses it with RefusedId");
@@ -347,14 +264,14 @@ where
     for id in [&before, &refused, &after] {
         broker.publish(Some(id.as_str()), "ok");
     }
-    let stats = drain(&under_test, &broker, "c", 3).await;
+    let stats = drain(&db, &broker, "c", 3).await;
     let dead = broker.dead_letters();
     println!("refused ID: {stats:?}; {dead:?}");
     assert_eq!((stats.applied, stats.dead_lettered), (2, 1), "{stats:?}");
     assert!(dead[0].1.contains(&reason), "{}", dead[0].1);
-    assert_eq!(under_test.applied(&before).await, 1);
-    assert_eq!(under_test.applied(&after).await, 1);
-    finish(under_test).await;
+    assert_eq!(db.applied(&before).await, 1);
+    assert_eq!(db.applied(&after).await, 1);
+    db.remove().await;
 }
 
 /// Why `store`'s claim of `id` alone refuses it ([`RefusedId`]), or `None` when it keeps it;
@@ -370,12 +287,9 @@ async fn refusal<S: InboxStore>(store: &S, id: &MessageId) -> Option<String> {
 
 /// [`InboxStore::claim`] of a batch answers as claims one by one would: new IDs `true`, IDs
 /// claimed before `false`, per consumer.
-pub async fn a_batch_claim_answers_as_one_by_one_claims<T: StoreUnderTest>(under_test: T)
-where
-    Tx<T>: Send + 'static,
-{
-    let store = under_test.store().bind(&ConsumerBinding::new("c"));
-    let other_store = under_test.store().bind(&ConsumerBinding::new("other"));
+pub async fn a_batch_claim_answers_as_one_by_one_claims<D: TestStore>(db: D) {
+    let store = db.inbox().bind(&ConsumerBinding::new("c"));
+    let other_store = db.inbox().bind(&ConsumerBinding::new("other"));
     // Its name is resolved at its first transaction.
     other_store
         .begin()
@@ -409,62 +323,50 @@ where
         vec![true; ids.len()],
         "another consumer's claims are its own"
     );
-    under_test.cleanup().await;
+    db.remove().await;
 }
 
 /// Claims older than the store keeps are purged and their IDs are new again (the retention
 /// window is what the guarantee covers); a recent claim still skips its copy.
-pub async fn a_purged_claim_is_forgotten_and_a_recent_one_kept<T: StoreUnderTest>(under_test: T)
-where
-    Tx<T>: Send + 'static,
-{
-    let under_test = Arc::new(under_test);
+pub async fn a_purged_claim_is_forgotten_and_a_recent_one_kept<D: TestStore>(db: D) {
     let broker = MemoryBroker::new();
     let (old, recent) = (MessageId::generate(), MessageId::generate());
     broker.publish(Some(old.as_str()), "ok");
-    drain(&under_test, &broker, "c", 2).await;
-    let Some(purged) = under_test.age_and_purge().await else {
+    drain(&db, &broker, "c", 2).await;
+    let Some(purged) = db.age_and_purge().await else {
         println!("retention: skipped: this store forgets nothing");
-        finish(under_test).await;
+        db.remove().await;
         return;
     };
     assert_eq!(purged, 1, "the aged claim was purged");
     broker.publish(Some(recent.as_str()), "ok");
-    drain(&under_test, &broker, "c", 2).await;
+    drain(&db, &broker, "c", 2).await;
     broker.publish(Some(old.as_str()), "ok");
     broker.publish(Some(recent.as_str()), "ok");
-    let stats = drain(&under_test, &broker, "c", 2).await;
+    let stats = drain(&db, &broker, "c", 2).await;
     assert_eq!(
         (stats.applied, stats.skipped_duplicates),
         (1, 1),
         "{stats:?}"
     );
-    assert_eq!(
-        under_test.applied(&old).await,
-        2,
-        "past the window, applied again"
-    );
-    assert_eq!(under_test.applied(&recent).await, 1);
-    finish(under_test).await;
+    assert_eq!(db.applied(&old).await, 2, "past the window, applied again");
+    assert_eq!(db.applied(&recent).await, 1);
+    db.remove().await;
 }
 
 /// The store refuses connections for 3 s: the consumer waits it out at its error backoff, and
 /// no try counts as a delivery (`max_deliveries(2)` dead-letters nothing), since the batch is
 /// never handed back to the broker.
-pub async fn a_store_outage_uses_up_no_delivery_budget<T: StoreUnderTest>(under_test: T)
-where
-    Tx<T>: Send + 'static,
-{
-    let Some((store, proxy)) = under_test.proxied().await else {
+pub async fn a_store_outage_uses_up_no_delivery_budget<D: TestStore>(db: D) {
+    let Some((store, proxy)) = db.proxied().await else {
         println!("store outage: skipped: no proxy can stand in front of this store");
-        under_test.cleanup().await;
+        db.remove().await;
         return;
     };
-    let under_test = Arc::new(under_test);
     let broker = MemoryBroker::new();
     let ids = published(&broker, 3);
     proxy.set_mode(ProxyMode::Refuse);
-    let run = Consumer::new("c", broker.source(), store, Apply(Arc::clone(&under_test)))
+    let run = Consumer::new("c", broker.source(), store, Apply(db.clone()))
         .batch_size(3)
         .max_deliveries(2)
         .error_backoff(Duration::from_millis(100))
@@ -478,24 +380,20 @@ where
     assert_eq!((stats.applied, stats.dead_lettered), (3, 0), "{stats:?}");
     assert!(stats.errors >= 3, "the outage was seen: {stats:?}");
     for each in &ids {
-        assert_eq!(under_test.applied(each).await, 1);
+        assert_eq!(db.applied(each).await, 1);
     }
-    finish(under_test).await;
+    db.remove().await;
 }
 
 /// The store's connections are cut just before, during or just after some commits, whose
 /// outcome the consumer then does not learn: it tries again, and every message is applied
 /// exactly once, nothing dead-lettered.
-pub async fn a_commit_whose_outcome_is_unknown_is_retried_safely<T: StoreUnderTest>(under_test: T)
-where
-    Tx<T>: Send + 'static,
-{
-    let Some((store, proxy)) = under_test.proxied().await else {
+pub async fn a_commit_whose_outcome_is_unknown_is_retried_safely<D: TestStore>(db: D) {
+    let Some((store, proxy)) = db.proxied().await else {
         println!("unknown commits: skipped: no proxy can stand in front of this store");
-        under_test.cleanup().await;
+        db.remove().await;
         return;
     };
-    let under_test = Arc::new(under_test);
     let broker = MemoryBroker::new();
     let ids = published(&broker, 200);
     // After the last handler of some batches, every connection is cut a moment later.
@@ -511,7 +409,7 @@ where
             });
         }
     });
-    let run = Consumer::new("c", broker.source(), store, Apply(Arc::clone(&under_test)))
+    let run = Consumer::new("c", broker.source(), store, Apply(db.clone()))
         .batch_size(10)
         .error_backoff(Duration::from_millis(50))
         .on_stage(hook)
@@ -519,7 +417,7 @@ where
     let stats = within(run).await;
     let mut counts = Vec::new();
     for each in &ids {
-        counts.push(under_test.applied(each).await);
+        counts.push(db.applied(each).await);
     }
     let (lost, twice) = (
         counts.iter().filter(|&&n| n == 0).count(),
@@ -530,11 +428,11 @@ where
     assert!(stats.errors > 0, "some cuts hit a transaction: {stats:?}");
     assert!(broker.dead_letters().is_empty());
     assert_eq!(broker.pending(), 0);
-    finish(under_test).await;
+    db.remove().await;
 }
 
 /// One `#[tokio::test]` per store scenario, in a module `$name`, each on a fresh store made by
-/// `$make` (an async expression of a type implementing [`StoreUnderTest`]).
+/// `$make` (an async expression of a type implementing [`TestStore`]).
 #[macro_export]
 macro_rules! store_suite {
     ($name:ident, $make:expr) => {

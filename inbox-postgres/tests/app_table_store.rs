@@ -108,61 +108,84 @@ impl InboxStore for AppTableStore {
 }
 // End of the page's store.
 
-use inbox_conformance::store::StoreUnderTest;
-use inbox_conformance::{database_url, FaultProxy, TestDb};
+use inbox_conformance::wallet::{CreditEvent, Summary};
+use inbox_conformance::{database_url, FaultProxy, TestDb, TestStore};
 use inbox_core::{Consumer, Handler, HandlerError, Message};
 use inbox_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use inbox_postgres::PgInbox;
 use inbox_testkit::MemoryBroker;
 
-/// [`AppTableStore`] under the store suite: a schema of its own per scenario, holding
-/// `processed` and a table of effects.
+/// [`AppTableStore`] under the suites: a schema of its own per scenario, holding `processed`
+/// beside the wallet of [`TestDb`], which it delegates to.
+#[derive(Debug, Clone)]
 struct AppTable {
     db: TestDb,
     store: AppTableStore,
 }
 
-impl AppTable {
-    async fn new() -> Self {
+impl TestStore for AppTable {
+    type Inbox = AppTableStore;
+
+    async fn create() -> Self {
         let db = TestDb::new().await;
-        for statement in [PROCESSED, "CREATE TABLE effects (message_id text NOT NULL)"] {
-            sqlx::query(statement)
-                .execute(&db.pool)
-                .await
-                .expect("create the tables");
-        }
+        sqlx::query(PROCESSED)
+            .execute(&db.pool)
+            .await
+            .expect("create `processed`");
+        Self::attach(&db.schema).await
+    }
+
+    async fn attach(schema: &str) -> Self {
+        let db = TestDb::attach(schema).await;
         let store = AppTableStore::new(db.pool.clone());
         Self { db, store }
     }
-}
 
-impl StoreUnderTest for AppTable {
-    type Store = AppTableStore;
+    fn name(&self) -> &str {
+        &self.db.schema
+    }
 
-    fn store(&self) -> AppTableStore {
+    fn inbox(&self) -> AppTableStore {
         self.store.clone()
     }
 
-    async fn apply(&self, tx: &mut PgTx, id: &MessageId) -> Result<(), HandlerError> {
-        sqlx::query("INSERT INTO effects VALUES ($1)")
-            .bind(id.as_str())
-            .execute(&mut **tx)
-            .await?;
-        Ok(())
+    async fn inbox_rows(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM processed")
+            .fetch_one(&self.db.pool)
+            .await
+            .expect("count the claims")
     }
 
-    async fn fail_and_swallow(&self, tx: &mut PgTx) {
-        let failed = sqlx::query("SELECT 1 / 0").execute(&mut **tx).await;
-        assert!(failed.is_err(), "division by zero fails");
+    async fn remove(self) {
+        self.db.drop().await;
+    }
+
+    async fn apply(tx: &mut PgTx, id: &MessageId, event: &CreditEvent) -> sqlx::Result<()> {
+        TestDb::apply(tx, id, event).await
+    }
+
+    async fn first_handling(&self, id: &MessageId) -> sqlx::Result<bool> {
+        self.db.first_handling(id).await
+    }
+
+    async fn summary(&self) -> sqlx::Result<Summary> {
+        self.db.summary().await
+    }
+
+    async fn balances(&self) -> sqlx::Result<Vec<(i64, i64)>> {
+        self.db.balances().await
+    }
+
+    async fn stalls(&self) -> sqlx::Result<i64> {
+        self.db.stalls().await
     }
 
     async fn applied(&self, id: &MessageId) -> u64 {
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE message_id = $1")
-            .bind(id.as_str())
-            .fetch_one(&self.db.pool)
-            .await
-            .expect("count effects");
-        u64::try_from(n).unwrap_or_default()
+        self.db.applied(id).await
+    }
+
+    async fn fail_and_swallow(&self, tx: &mut PgTx) {
+        self.db.fail_and_swallow(tx).await;
     }
 
     fn refused_id(&self) -> Option<MessageId> {
@@ -198,13 +221,9 @@ impl StoreUnderTest for AppTable {
             .connect_lazy_with(options);
         Some((AppTableStore::new(pool), proxy))
     }
-
-    async fn cleanup(self) {
-        self.db.drop().await;
-    }
 }
 
-inbox_conformance::store_suite!(app_table, AppTable::new());
+inbox_conformance::store_suite!(app_table, AppTable::create());
 
 /// A handler written for `PgInbox`: it knows only `PgTx`.
 struct Credit;
@@ -224,7 +243,7 @@ impl Handler<PgTx> for Credit {
 /// the two distinct credits once and skips the copy.
 #[tokio::test]
 async fn a_handler_for_pg_inbox_runs_on_the_app_table_store() {
-    let under_test = AppTable::new().await;
+    let under_test = AppTable::create().await;
     let pool = under_test.db.pool.clone();
     sqlx::query("CREATE TABLE balances (cents bigint NOT NULL)")
         .execute(&pool)
@@ -238,7 +257,7 @@ async fn a_handler_for_pg_inbox_runs_on_the_app_table_store() {
     for (id, cents) in [("evt-1", "100"), ("evt-2", "250"), ("evt-1", "100")] {
         broker.publish(Some(id), cents);
     }
-    let on_app_table = Consumer::new("wallet", broker.source(), under_test.store(), Credit)
+    let on_app_table = Consumer::new("wallet", broker.source(), under_test.inbox(), Credit)
         .run_until_idle()
         .await
         .expect("the consumer on the app's table runs");
@@ -267,14 +286,14 @@ async fn a_handler_for_pg_inbox_runs_on_the_app_table_store() {
         .await
         .expect("the balance");
     assert_eq!(cents, 390);
-    under_test.cleanup().await;
+    under_test.remove().await;
 }
 
 /// The claim bounds the statements after it by the consumer's handler timeout, and leaves the
 /// statement timeout as it was when the consumer has none.
 #[tokio::test]
 async fn the_claim_sets_the_handler_timeout_for_the_statements_after_it() {
-    let under_test = AppTable::new().await;
+    let under_test = AppTable::create().await;
     let binding = ConsumerBinding::new("c");
     let show = "SHOW statement_timeout";
     let before: String = sqlx::query_scalar(show)
@@ -288,7 +307,7 @@ async fn the_claim_sets_the_handler_timeout_for_the_statements_after_it() {
             "1500ms",
         ),
     ] {
-        let store = under_test.store().bind(&binding);
+        let store = under_test.inbox().bind(&binding);
         let mut tx = store.begin().await.expect("begin");
         let claimed = store.claim(&mut tx, &[MessageId::generate()]).await;
         assert_eq!(claimed.expect("claim"), [true]);
@@ -301,7 +320,7 @@ async fn the_claim_sets_the_handler_timeout_for_the_statements_after_it() {
             .await
             .expect("rollback");
     }
-    under_test.cleanup().await;
+    under_test.remove().await;
 }
 
 /// The page shows this file's store, character for character.

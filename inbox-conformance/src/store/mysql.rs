@@ -1,19 +1,9 @@
-//! The MySQL store under the store suite: a [`MySqlDb`] database per scenario, the inbox in one
-//! key mode, and a table of effects.
+//! A MySQL database per test, [`MySqlDb`]; its wallet and its side of the suites are in
+//! [`crate::mysql_wallet`].
 
-use std::time::Duration;
-
-use inbox_core::{HandlerError, MessageId};
-use inbox_mysql::{KeyMode, MySqlInbox, MySqlTx, TableName};
+use inbox_mysql::{KeyMode, MySqlInbox, TableName};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, MySqlPool};
-
-use super::StoreUnderTest;
-use crate::FaultProxy;
-
-/// How long the suite's purge keeps claims; [`StoreUnderTest::age_and_purge`] ages them twice
-/// as much.
-const KEPT: Duration = Duration::from_secs(14 * 24 * 3600);
 
 /// The MySQL or MariaDB server tests use: `INBOX_MYSQL_URL`, or the local default that `cargo
 /// xtask services` sets up. Its user may create and drop databases named `<database>_*`.
@@ -30,6 +20,8 @@ pub struct MySqlDb {
     /// The database's name (`<the URL's database>_t_…`).
     pub name: String,
     options: MySqlConnectOptions,
+    /// The keys of the wallet's inbox ([`crate::mysql_wallet::inbox`]).
+    pub keys: KeyMode,
 }
 
 impl MySqlDb {
@@ -69,6 +61,7 @@ impl MySqlDb {
             pool,
             name: name.to_owned(),
             options,
+            keys: KeyMode::Text,
         }
     }
 
@@ -93,151 +86,5 @@ impl MySqlDb {
             eprintln!("dropping test database {}: {e}", self.name);
         }
         self.pool.close().await;
-    }
-}
-
-/// [`MySqlInbox`] in one [`KeyMode`], in a database of its own.
-#[derive(Debug)]
-pub struct MySql {
-    db: MySqlDb,
-    inbox: MySqlInbox,
-    mode: KeyMode,
-}
-
-impl MySql {
-    /// A fresh database with an inbox of `mode` keys, a table of effects and the two rows a
-    /// handler deadlocks on.
-    ///
-    /// # Panics
-    /// When the server cannot be reached.
-    pub async fn new(mode: KeyMode) -> Self {
-        let db = MySqlDb::new().await;
-        let inbox = db.inbox("store_inbox", mode);
-        inbox.migrate().await.expect("migrate the inbox");
-        for statement in [
-            "CREATE TABLE effects (message_id varbinary(1024) NOT NULL) ENGINE=InnoDB",
-            "CREATE TABLE pair (id int PRIMARY KEY) ENGINE=InnoDB",
-            "INSERT INTO pair VALUES (1), (2)",
-            "CREATE TABLE ballast (n int NOT NULL) ENGINE=InnoDB",
-        ] {
-            sqlx::query(statement)
-                .execute(&db.pool)
-                .await
-                .unwrap_or_else(|e| panic!("{statement}: {e}"));
-        }
-        Self { db, inbox, mode }
-    }
-}
-
-impl StoreUnderTest for MySql {
-    type Store = MySqlInbox;
-
-    fn store(&self) -> MySqlInbox {
-        self.inbox.clone()
-    }
-
-    async fn apply(&self, tx: &mut MySqlTx, id: &MessageId) -> Result<(), HandlerError> {
-        sqlx::query("INSERT INTO effects VALUES (?)")
-            .bind(id.as_str())
-            .execute(&mut **tx)
-            .await?;
-        Ok(())
-    }
-
-    /// A failed statement in MySQL undoes only itself; the failure that breaks a transaction is
-    /// a deadlock, which InnoDB answers by rolling the whole transaction back. So this makes
-    /// one: it locks row 1, a heavier transaction (it inserted rows, so InnoDB prefers to roll
-    /// back this one) locks row 2 and waits for row 1, and this one asks for row 2.
-    async fn fail_and_swallow(&self, tx: &mut MySqlTx) {
-        let lock = |row: i32| format!("SELECT id FROM pair WHERE id = {row} FOR UPDATE");
-        sqlx::query(AssertSqlSafe(lock(1)))
-            .fetch_all(&mut **tx)
-            .await
-            .expect("lock row 1");
-        let mut other = self.db.pool.begin().await.expect("begin the other");
-        let ballast = vec!["(0)"; 200].join(", ");
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO ballast VALUES {ballast}"
-        )))
-        .execute(&mut *other)
-        .await
-        .expect("ballast");
-        sqlx::query(AssertSqlSafe(lock(2)))
-            .fetch_all(&mut *other)
-            .await
-            .expect("lock row 2");
-        let waiter = tokio::spawn(async move {
-            let waited = sqlx::query(AssertSqlSafe(lock(1)))
-                .fetch_all(&mut *other)
-                .await;
-            (other, waited.map(|_| ()))
-        });
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let failed = sqlx::query(AssertSqlSafe(lock(2)))
-            .fetch_all(&mut **tx)
-            .await;
-        let (other, waited) = waiter.await.expect("the other transaction");
-        other.rollback().await.expect("roll the other back");
-        let number = match &failed {
-            Err(sqlx::Error::Database(e)) => e
-                .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
-                .map(|e| e.number()),
-            _ => None,
-        };
-        assert_eq!(
-            number,
-            Some(inbox_mysql::DEADLOCK),
-            "the handler's transaction is the deadlock's victim: {failed:?}; the other: {waited:?}"
-        );
-    }
-
-    async fn applied(&self, id: &MessageId) -> u64 {
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE message_id = ?")
-            .bind(id.as_str())
-            .fetch_one(&self.db.pool)
-            .await
-            .expect("count effects");
-        u64::try_from(n).unwrap_or_default()
-    }
-
-    fn refused_id(&self) -> Option<MessageId> {
-        (self.mode == KeyMode::Uuid).then(|| MessageId::new("not-a-uuid").expect("an ID"))
-    }
-
-    async fn age_and_purge(&self) -> Option<u64> {
-        let minutes = i64::try_from(2 * KEPT.as_secs() / 60).expect("minutes");
-        sqlx::query("UPDATE store_inbox SET processed_minute = processed_minute - ?")
-            .bind(minutes)
-            .execute(&self.db.pool)
-            .await
-            .expect("age the claims");
-        let report = self.inbox.purge(KEPT, 1000).await.expect("purge");
-        Some(report.deleted())
-    }
-
-    async fn proxied(&self) -> Option<(MySqlInbox, FaultProxy)> {
-        let options = self.db.options().clone();
-        let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
-            .await
-            .expect("resolve the database")
-            .next()
-            .expect("the database has an address");
-        let proxy = FaultProxy::start(upstream).await.expect("the proxy");
-        let options = options.host("127.0.0.1").port(proxy.addr().port());
-        // No ping per acquire; a short acquire timeout, so a refused connection is an error the
-        // consumer sees, not a wait.
-        let pool = MySqlPoolOptions::new()
-            .max_connections(2)
-            .acquire_timeout(Duration::from_millis(500))
-            .test_before_acquire(false)
-            .connect_lazy_with(options);
-        let inbox = MySqlInbox::new(pool)
-            .with_table(TableName::new("store_inbox").expect("table name"))
-            .with_key_mode(self.mode);
-        Some((inbox, proxy))
-    }
-
-    async fn cleanup(self) {
-        self.db.drop().await;
     }
 }

@@ -171,4 +171,16 @@ impl<const N: usize> TestStore for ShardedDb<N> {
     async fn stalls(&self) -> Result<i64, sqlx::Error> {
         self.dbs[0].stalls().await
     }
+
+    async fn applied(&self, id: &MessageId) -> u64 {
+        let mut rows = 0;
+        for db in &self.dbs {
+            rows += db.applied(id).await;
+        }
+        rows
+    }
+
+    async fn fail_and_swallow(&self, tx: &mut PgTx) {
+        self.dbs[0].fail_and_swallow(tx).await;
+    }
 }
