@@ -17,6 +17,7 @@
 //! | `rabbitmq` | `transactional_inbox::rabbitmq` | `inbox-rabbitmq` (lapin) |
 //! | `redis-streams` | `transactional_inbox::redis_streams` | `inbox-redis-streams` (redis) |
 //! | `redis-cluster` | `redis-streams`, with Redis Cluster | `inbox-redis-streams`'s feature `cluster` |
+//! | `nats` | `transactional_inbox::nats` | `inbox-nats` (async-nats, JetStream) |
 //! | `opentelemetry` | trace propagation | `inbox-core`'s feature |
 //! | `tls` (default) | TLS on every connection: rustls on ring where the client allows (PostgreSQL: `sslmode=verify-full&sslrootcert=…` in the URL; MySQL: `ssl-mode=verify_identity&ssl-ca=…`; `rediss://`; `amqps://`), Kafka through the system's OpenSSL | each crate's feature `tls` |
 //!
@@ -63,6 +64,10 @@ pub use inbox_rabbitmq as rabbitmq;
 /// The Redis Streams adapter: [`inbox_redis_streams`].
 #[cfg(feature = "redis-streams")]
 pub use inbox_redis_streams as redis_streams;
+
+/// The NATS JetStream adapter: [`inbox_nats`].
+#[cfg(feature = "nats")]
+pub use inbox_nats as nats;
 
 /// The README's quick start, compiled as a doctest (`no_run`: it needs the services), so the
 /// first program a user copies stays true. Its fragments are `ignore`.
