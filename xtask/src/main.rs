@@ -27,11 +27,12 @@ use std::time::{Duration, Instant};
 /// The programs users copy, one per broker, the second store, a foreign producer's messages,
 /// then the side effects outside the database and a dead-letter replay: each fails when an
 /// effect is lost or applied twice.
-const EXAMPLES: [&str; 9] = [
+const EXAMPLES: [&str; 10] = [
     "kafka",
     "sqs",
     "rabbitmq",
     "redis_streams",
+    "nats",
     "mysql",
     "cloud_events",
     "effect_call",
@@ -173,6 +174,7 @@ fn example_env() -> Vec<(&'static str, String)> {
         ("KAFKA_BROKERS", "127.0.0.1:9092"),
         ("REDIS_URL", "redis://127.0.0.1:6379"),
         ("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"),
+        ("NATS_URL", "nats://127.0.0.1:4222"),
     ] {
         if !set(name) {
             env.push((name, local.to_owned()));

@@ -1,4 +1,4 @@
-//! What the four broker examples share: the wallet's table, the events they send, and the check
+//! What the broker examples share: the wallet's table, the events they send, and the check
 //! that each was applied once.
 
 use std::time::Duration;
