@@ -435,9 +435,7 @@ impl NatsSource {
         meta.delivery_count = Some(u32::try_from(delivered).unwrap_or(u32::MAX));
         meta.redelivered = delivered > 1;
         meta.redeliveries = self.shared.redeliveries(sequence, delivered);
-        meta.timestamp = u64::try_from(published)
-            .ok()
-            .map(|nanos| UNIX_EPOCH + Duration::from_nanos(nanos));
+        meta.timestamp = system_time(published);
         let mut inbox_message = Message::new(id, message.payload.to_vec());
         inbox_message.headers = headers;
         inbox_message.meta = meta;
@@ -467,7 +465,11 @@ impl MessageSource for NatsSource {
         if messages.is_empty() {
             messages = self.pull(1, Some(self.poll_timeout)).await?;
             if !messages.is_empty() && max > 1 {
-                messages.extend(self.pull(max - 1, None).await?);
+                // What else is waiting; on an error, what arrived goes out and the next
+                // receive reports it.
+                if let Ok(more) = self.pull(max - 1, None).await {
+                    messages.extend(more);
+                }
             }
         }
         messages.into_iter().map(|m| self.delivery(m)).collect()
