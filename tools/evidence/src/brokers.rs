@@ -1,4 +1,4 @@
-//! The four brokers, as the conformance suite drives them (`inbox_conformance`'s `TestBroker`
+//! The five brokers, as the conformance suite drives them (`inbox_conformance`'s `TestBroker`
 //! and `TestQueue`): the harness creates, fills, consumes, counts and deletes queues through
 //! them, so the evidence runs on exactly the adapters' configuration the suite checks. The
 //! broker is picked once, at the top of each command ([`with_broker!`]), and the commands are
@@ -70,6 +70,10 @@ macro_rules! with_broker {
             }
             BrokerKind::Redis => {
                 let $broker = &Broker::new(kind, inbox_conformance::redis::Redis, true);
+                $body
+            }
+            BrokerKind::Nats => {
+                let $broker = &Broker::new(kind, inbox_conformance::nats::Nats, true);
                 $body
             }
         }

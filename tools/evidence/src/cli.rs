@@ -4,17 +4,24 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-/// The four brokers.
+/// The five brokers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum BrokerKind {
     Kafka,
     Sqs,
     Rabbitmq,
     Redis,
+    Nats,
 }
 
 impl BrokerKind {
-    pub(crate) const ALL: [BrokerKind; 4] = [Self::Kafka, Self::Sqs, Self::Rabbitmq, Self::Redis];
+    pub(crate) const ALL: [BrokerKind; 5] = [
+        Self::Kafka,
+        Self::Sqs,
+        Self::Rabbitmq,
+        Self::Redis,
+        Self::Nats,
+    ];
 
     pub(crate) fn name(self) -> &'static str {
         match self {
@@ -22,6 +29,7 @@ impl BrokerKind {
             Self::Sqs => "sqs",
             Self::Rabbitmq => "rabbitmq",
             Self::Redis => "redis",
+            Self::Nats => "nats",
         }
     }
 }
@@ -69,7 +77,7 @@ impl FromStr for BrokerKind {
         Self::ALL
             .into_iter()
             .find(|b| b.name() == s.trim())
-            .ok_or_else(|| format!("unknown broker `{s}`; use kafka, sqs, rabbitmq or redis"))
+            .ok_or_else(|| format!("unknown broker `{s}`; use kafka, sqs, rabbitmq, redis or nats"))
     }
 }
 

@@ -79,7 +79,7 @@ impl Proxies {
                 env.push((var, url));
                 Some(proxy)
             }
-            BrokerKind::Kafka | BrokerKind::Sqs => None,
+            BrokerKind::Kafka | BrokerKind::Sqs | BrokerKind::Nats => None,
         };
         Ok(Self { db, broker, env })
     }

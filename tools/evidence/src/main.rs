@@ -1,5 +1,5 @@
 //! The evidence tool: the article's kill and zombie tests, the effect and fault tests, soak runs
-//! and benchmarks, on Kafka, SQS, RabbitMQ or Redis Streams. Its workload is the wallet: credit
+//! and benchmarks, on Kafka, SQS, RabbitMQ, Redis Streams or NATS JetStream. Its workload is the wallet: credit
 //! events `{account_id, amount}` with producer-set IDs, applied to accounts with a ledger row
 //! each; what it shows is whether the inbox makes them effectively-once.
 //!
@@ -44,12 +44,13 @@ use crate::settings::{KillArgs, KillSettings, ZombieSettings};
 const NOTES: &str = "\
 Variants: a1 ack on receipt, one at a time; a2 the same in batches; b ack after the DB commit, \
 without the inbox; c the inbox.
-Services: DATABASE_URL, KAFKA_BROKERS, AWS_ENDPOINT_URL_SQS, AMQP_URL, REDIS_URL (defaults: what \
+Services: DATABASE_URL, KAFKA_BROKERS, AWS_ENDPOINT_URL_SQS, AMQP_URL, REDIS_URL, NATS_URL \
+(defaults: what \
 `cargo xtask services` starts). `cargo xtask demo` starts them, then runs `evidence demo`.
 `evidence COMMAND --help` lists a command's options.";
 
-/// The evidence that the inbox applies wallet credits effectively-once on Kafka, SQS, RabbitMQ
-/// or Redis Streams: the kill, zombie, effect and fault tests, soak runs and benchmarks.
+/// The evidence that the inbox applies wallet credits effectively-once on Kafka, SQS, RabbitMQ,
+/// Redis Streams or NATS JetStream: the kill, zombie, effect and fault tests, soak runs and benchmarks.
 #[derive(Debug, Parser)]
 #[command(name = "evidence", version, after_help = NOTES)]
 struct Cli {

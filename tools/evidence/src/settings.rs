@@ -88,7 +88,7 @@ pub(crate) struct KillArgs {
         alias = "broker",
         value_delimiter = ',',
         value_name = "BROKER,…",
-        default_value = "kafka,sqs,rabbitmq,redis"
+        default_value = "kafka,sqs,rabbitmq,redis,nats"
     )]
     brokers: Vec<BrokerKind>,
     /// Variants to run [default: a1,a2,b,c; demo: b,c].
@@ -206,7 +206,7 @@ pub(crate) struct ZombieSettings {
         alias = "broker",
         value_delimiter = ',',
         value_name = "BROKER,…",
-        default_value = "kafka,sqs,rabbitmq,redis"
+        default_value = "kafka,sqs,rabbitmq,redis,nats"
     )]
     pub(crate) brokers: Vec<BrokerKind>,
     /// Variants to run: b, c (a consumer that acks on receipt holds nothing to lose).
