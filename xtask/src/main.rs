@@ -1,16 +1,18 @@
 //! Project tasks, run as `cargo xtask <task>`:
 //!
 //! - `services`: installs what is missing and starts what is not running: PostgreSQL, MariaDB,
-//!   Redis, RabbitMQ, a Kafka-protocol broker (Tansu) and an SQS endpoint (moto), and each broker's
-//!   standard Python client in a virtual environment (the foreign-ID tests publish with them), and
-//!   `promtool` (Debian's `prometheus` package, whose server it does not leave running). A
+//!   Redis, RabbitMQ, NATS with JetStream, a Kafka-protocol broker (Tansu) and an SQS endpoint
+//!   (moto), and each broker's standard Python client in a virtual environment (the foreign-ID
+//!   tests publish with them), and `promtool` (Debian's `prometheus` package, whose server it
+//!   does not leave running). A
 //!   service already listening at its address is reused and never stopped. Safe to run twice.
 //! - `test`: `services` with the workspace's test build beside the installs, then
 //!   `cargo fmt --check`, `cargo clippy --all-targets -D warnings`, `cargo doc` with broken links
 //!   refused, and the whole test suite, then
 //!   the store's suite (`inbox-postgres`) again on the partitioned inbox layout
-//!   (`INBOX_TEST_LAYOUT=partitioned`), then the examples (`examples/examples/*.rs`) against the
-//!   services, then `promtool check rules` and `promtool test rules` on the alert rules
+//!   (`INBOX_TEST_LAYOUT=partitioned`), then one broker's suite with the store behind PgBouncer,
+//!   then the examples (`examples/examples/*.rs`) against the services, then the demo on NATS,
+//!   then `promtool check rules` and `promtool test rules` on the alert rules
 //!   (`docs/alerts`), then `cargo package` for every library crate.
 //! - `demo`: the services with the evidence tool's build beside the installs, then its wallet demo
 //!   (extra arguments go to it). Where no Kafka broker listens and Tansu is not built yet, the
@@ -119,6 +121,25 @@ fn test(extra: &[String]) -> Result<(), String> {
             &env,
         )?;
     }
+    // The demo on the newest broker, as `cargo xtask demo` runs it on all five: it fails unless
+    // variant c applied every credit once.
+    cargo_with(
+        &[
+            "run",
+            "--quiet",
+            "-p",
+            "inbox-evidence",
+            "--bin",
+            "evidence",
+            "--",
+            "demo",
+            "--brokers",
+            "nats",
+            "--require-brokers",
+            "true",
+        ],
+        &env,
+    )?;
     alert_rules()?;
     // Every library crate packages (its manifest, its files, the versions of its workspace
     // dependencies). Without verifying: that would build each package and all its
