@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
+use async_nats::jetstream::kv::Store;
 use async_nats::jetstream::message::{AckKind, Acker};
 use async_nats::jetstream::Context;
 use async_nats::{Client, HeaderMap, Subject};
@@ -24,7 +25,16 @@ pub(crate) struct Shared {
     pub(crate) in_flight: Mutex<HashMap<u64, Option<Subject>>>,
     /// Per stream sequence, the redelivery count handed back and the delivery count then.
     pub(crate) marks: Mutex<HashMap<u64, Mark>>,
+    /// The same marks in a KV bucket, under `<stream>.<consumer>.<sequence>`, where the source
+    /// keeps them there ([`NatsSourceBuilder::redelivery_bucket`](crate::NatsSourceBuilder)).
+    pub(crate) bucket: Option<(Store, String)>,
     pub(crate) next: AtomicU64,
+    /// The connection's operation timeout, which bounds an ack's attempts.
+    pub(crate) timeout: Duration,
+    /// Acks that failed (reply subject, sequence, delivery count, attempts), sent again at the
+    /// next receive, "in progress" tick, and after the source is dropped: an applied message
+    /// whose ack stays lost would come back only after `ack_wait`.
+    pub(crate) failed_acks: Mutex<Vec<(Subject, u64, u64, u8)>>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -35,18 +45,113 @@ pub(crate) struct Mark {
 
 impl Shared {
     /// The redelivery count of a delivery: the one handed back, once the server delivered the
-    /// message again after the hand-back.
-    pub(crate) fn redeliveries(&self, sequence: u64, delivered: u64) -> u32 {
-        let marks = self.marks.lock().unwrap_or_else(PoisonError::into_inner);
-        marks
-            .get(&sequence)
-            .filter(|mark| delivered > mark.delivered)
+    /// message again after the hand-back. From the bucket where there is one and this process
+    /// has no mark (another member handed it back, or this one before a restart).
+    pub(crate) async fn redeliveries(&self, sequence: u64, delivered: u64) -> u32 {
+        let known = {
+            let marks = self.marks.lock().unwrap_or_else(PoisonError::into_inner);
+            marks.get(&sequence).copied()
+        };
+        let mark = match (known, &self.bucket) {
+            (Some(mark), _) => Some(mark),
+            (None, Some((store, prefix))) if delivered > 1 => {
+                match store.get(format!("{prefix}.{sequence}")).await {
+                    Ok(value) => value.and_then(|v| Mark::parse(&v)),
+                    Err(e) => {
+                        debug!(error = %e, sequence, "could not read a redelivery count");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        mark.filter(|mark| delivered > mark.delivered)
             .map_or(0, |mark| mark.redeliveries)
     }
 
-    fn forget(&self, sequence: u64) {
-        let mut marks = self.marks.lock().unwrap_or_else(PoisonError::into_inner);
-        marks.remove(&sequence);
+    async fn forget(&self, sequence: u64, delivered: u64) {
+        let had = {
+            let mut marks = self.marks.lock().unwrap_or_else(PoisonError::into_inner);
+            marks.remove(&sequence).is_some()
+        };
+        if let Some((store, prefix)) = &self.bucket {
+            if had || delivered > 1 {
+                // Left behind, the bucket's max_age removes it.
+                let _ = store.purge(format!("{prefix}.{sequence}")).await;
+            }
+        }
+    }
+
+    /// Sends the failed acks again; those that fail again wait for the next time, up to 20
+    /// attempts.
+    pub(crate) async fn flush_acks(&self) {
+        let pending = {
+            let mut failed = self
+                .failed_acks
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            std::mem::take(&mut *failed)
+        };
+        let mut again = Vec::new();
+        for (reply, sequence, delivered, attempts) in pending {
+            match self
+                .client
+                .request(reply.clone(), AckKind::Ack.into())
+                .await
+            {
+                Ok(_) => self.forget(sequence, delivered).await,
+                Err(_) if attempts < 20 => again.push((reply, sequence, delivered, attempts + 1)),
+                Err(e) => {
+                    debug!(error = %e, sequence, "an ack failed 20 times; ack_wait brings it back")
+                }
+            }
+        }
+        let mut failed = self
+            .failed_acks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        failed.extend(again);
+    }
+
+    pub(crate) fn acks_failed(&self) -> bool {
+        let failed = self
+            .failed_acks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        !failed.is_empty()
+    }
+
+    /// Keeps `mark` in this process, then in the bucket (an error says the bucket refused).
+    async fn mark(&self, sequence: u64, mark: Mark) -> Result<(), SourceError> {
+        {
+            let mut marks = self.marks.lock().unwrap_or_else(PoisonError::into_inner);
+            marks.insert(sequence, mark);
+        }
+        if let Some((store, prefix)) = &self.bucket {
+            let value = format!("{}:{}", mark.redeliveries, mark.delivered);
+            store
+                .put(format!("{prefix}.{sequence}"), value.into())
+                .await
+                .map_err(|e| {
+                    OperationError::new(
+                        Recovery::Retry,
+                        format!("keeping the redelivery count of sequence {sequence}"),
+                        e,
+                    )
+                })?;
+        }
+        Ok(())
+    }
+}
+
+impl Mark {
+    fn parse(value: &[u8]) -> Option<Self> {
+        let text = std::str::from_utf8(value).ok()?;
+        let (redeliveries, delivered) = text.split_once(':')?;
+        Some(Self {
+            redeliveries: redeliveries.parse().ok()?,
+            delivered: delivered.parse().ok()?,
+        })
     }
 }
 
@@ -118,6 +223,7 @@ pub(crate) fn spawn_progress(shared: &Arc<Shared>, every: Duration) -> tokio::ta
 /// delayed redelivery (`-NAK` with the delay).
 pub struct NatsAck {
     acker: Acker,
+    reply: Option<Subject>,
     sequence: u64,
     delivered: u64,
     shared: Arc<Shared>,
@@ -137,6 +243,7 @@ impl std::fmt::Debug for NatsAck {
 impl NatsAck {
     pub(crate) fn new(
         acker: Acker,
+        reply: Option<Subject>,
         sequence: u64,
         delivered: u64,
         shared: Arc<Shared>,
@@ -144,6 +251,7 @@ impl NatsAck {
     ) -> Self {
         Self {
             acker,
+            reply,
             sequence,
             delivered,
             shared,
@@ -172,12 +280,31 @@ impl NatsAck {
 }
 
 impl Ack for NatsAck {
+    /// `+ACK`, confirmed; a failed one (a connection cut, a confirm lost) is sent again, 100 ms
+    /// apart, for up to the operation timeout: the client reconnects meanwhile, and an ack left
+    /// failed would bring the message back after `ack_wait`.
     async fn ack(self) -> Result<(), SourceError> {
-        self.acker
-            .double_ack()
-            .await
-            .map_err(|e| self.failed("acking", e))?;
-        self.shared.forget(self.sequence);
+        let start = tokio::time::Instant::now();
+        loop {
+            match self.acker.double_ack().await {
+                Ok(()) => break,
+                Err(_) if start.elapsed() < self.shared.timeout => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => {
+                    if let Some(reply) = self.reply.clone() {
+                        let mut failed = self
+                            .shared
+                            .failed_acks
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner);
+                        failed.push((reply, self.sequence, self.delivered, 0));
+                    }
+                    return Err(self.failed("acking", e));
+                }
+            }
+        }
+        self.shared.forget(self.sequence, self.delivered).await;
         Ok(())
     }
 
@@ -236,26 +363,21 @@ impl Ack for NatsAck {
     }
 
     /// A `-NAK` with the delay: the server hands the message out again once it has passed. The
-    /// count is kept by this source (see the crate docs).
+    /// count is kept by this source, and in its redelivery bucket where it has one (see the
+    /// crate docs).
     async fn redeliver(
         self,
         _message: &Message,
         delay: Duration,
         redelivery: u32,
     ) -> Result<(), SourceError> {
-        {
-            let mut marks = self
-                .shared
-                .marks
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            marks.insert(
-                self.sequence,
-                Mark {
-                    redeliveries: redelivery.saturating_add(1),
-                    delivered: self.delivered,
-                },
-            );
+        let mark = Mark {
+            redeliveries: redelivery.saturating_add(1),
+            delivered: self.delivered,
+        };
+        if let Err(e) = self.shared.mark(self.sequence, mark).await {
+            // Kept in this process only: back after the delay all the same.
+            tracing::warn!(error = %e, "the redelivery count is kept in this process only");
         }
         self.nak(delay).await
     }

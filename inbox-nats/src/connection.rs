@@ -255,6 +255,17 @@ impl NatsConnection {
     /// Connects at once, for `purpose` (named in logs and errors), so a wrong address or a
     /// refused login fails the build. The client reconnects by itself afterwards, for ever.
     pub(crate) async fn open(&self, purpose: &'static str) -> Result<Client> {
+        self.open_watched(purpose).await.map(|(client, _)| client)
+    }
+
+    /// [`open`](Self::open), and a counter of the connections lost since, which a source
+    /// watches: a pull in flight when its connection went is never answered.
+    pub(crate) async fn open_watched(
+        &self,
+        purpose: &'static str,
+    ) -> Result<(Client, tokio::sync::watch::Receiver<u64>)> {
+        let (lost_tx, lost) = tokio::sync::watch::channel(0u64);
+        let lost_tx = std::sync::Arc::new(lost_tx);
         if self.operation_timeout < Duration::from_millis(1) {
             return Err(Error::Config(
                 "operation_timeout is under 1 ms; use at least 1 ms".into(),
@@ -306,12 +317,14 @@ impl NatsConnection {
             .max_reconnects(None)
             .event_callback(move |event| {
                 let server = shown_events.clone();
+                let lost_tx = std::sync::Arc::clone(&lost_tx);
                 async move {
                     match event {
                         Event::Connected => {
                             info!(%server, purpose, "NATS connection (re)established")
                         }
                         Event::Disconnected => {
+                            lost_tx.send_modify(|n| *n += 1);
                             warn!(%server, purpose, "NATS connection lost; reconnecting")
                         }
                         other => warn!(%server, purpose, event = %other, "NATS client event"),
@@ -329,9 +342,10 @@ impl NatsConnection {
                 })
             })
             .collect::<Result<_>>()?;
-        options
+        let client = options
             .connect(addresses)
             .await
-            .map_err(|e| failed(Box::new(e)))
+            .map_err(|e| failed(Box::new(e)))?;
+        Ok((client, lost))
     }
 }

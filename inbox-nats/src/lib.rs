@@ -53,9 +53,12 @@
 //!
 //! # Ack semantics
 //!
-//! - **Ack** is `+ACK` sent as a request: it returns once the server confirmed it, so a lost ack
-//!   is an error the consumer logs and counts (the message comes back and the inbox skips it).
+//! - **Ack** is `+ACK` sent as a request: it returns once the server confirmed it. One that
+//!   fails (a connection cut) is sent again for up to the operation timeout; past it, the error
+//!   is one the consumer logs and counts (the message comes back and the inbox skips it).
 //!   JetStream has no batch ack; a batch's acks go out concurrently.
+//! - **A lost connection** fails the receive in flight at once
+//!   ([`Recovery::Reconnect`](inbox_core::Recovery)); the client connects again by itself.
 //! - **A delivery never acked** (the process died, the connection broke) is handed out again by
 //!   the server once the consumer's `ack_wait` (30 s by default) has passed, to any member of
 //!   the durable consumer.
@@ -66,9 +69,10 @@
 //!   passed. A delayed redelivery ([`RetryPolicy::redeliver_after`](inbox_core::RetryPolicy))
 //!   is the same `-NAK`; its count ([`Metadata::redeliveries`](inbox_core::Metadata)) is kept
 //!   by the source in memory, by stream sequence, so a message that comes back to another
-//!   member or after a restart starts the schedule again. The server's own count,
-//!   `num_delivered`, is the delivery count and never starts again: keep
-//!   [`Consumer::max_deliveries`](inbox_core::Consumer::max_deliveries) as the bound.
+//!   member or after a restart starts the schedule again, unless the source keeps the counts
+//!   in a key-value bucket too ([`redelivery_bucket`](NatsSourceBuilder::redelivery_bucket)).
+//!   The server's own count, `num_delivered`, is the delivery count and never starts again:
+//!   keep [`Consumer::max_deliveries`](inbox_core::Consumer::max_deliveries) as the bound.
 //! - **A dead letter** is published to the dead-letter subject (by default `<stream>.dlq`) with
 //!   the payload, the headers and `reason`, `original_source` (the subject) and
 //!   `original_position` (`sequence N`), confirmed by the stream that stores it, then acked.
@@ -146,6 +150,39 @@ async fn stream_storing(js: &jetstream::Context, subject: &str) -> Result<String
                 e,
             ),
         })
+}
+
+/// The key-value bucket `name`, created (one value per key, kept 7 days) where missing.
+async fn redelivery_bucket(js: &jetstream::Context, name: &str) -> Result<jetstream::kv::Store> {
+    if let Ok(store) = js.get_key_value(name).await {
+        return Ok(store);
+    }
+    // The bucket's stream as a key-value bucket is made (`KV_<name>`, one value per key):
+    // async-nats's `create_key_value` cannot read a 2.9 server's answer.
+    let config = jetstream::stream::Config {
+        name: format!("KV_{name}"),
+        subjects: vec![format!("$KV.{name}.>")],
+        max_messages_per_subject: 1,
+        max_age: std::time::Duration::from_secs(7 * 24 * 3600),
+        allow_rollup: true,
+        deny_delete: true,
+        allow_direct: true,
+        discard: jetstream::stream::DiscardPolicy::New,
+        ..Default::default()
+    };
+    let failed = |e: inbox_core::BoxError| {
+        Error::nats(
+            format!("creating the redelivery bucket `{name}`"),
+            Recovery::Retry,
+            e,
+        )
+    };
+    js.get_or_create_stream(config)
+        .await
+        .map_err(|e| failed(Box::new(e)))?;
+    js.get_key_value(name)
+        .await
+        .map_err(|e| failed(Box::new(e)))
 }
 
 /// Whether `subject` matches the subject filter `filter` (`*` one token, `>` the rest).

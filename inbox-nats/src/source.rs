@@ -50,6 +50,7 @@ pub struct NatsSourceBuilder {
     max_deliver: Option<i64>,
     create_consumer: bool,
     progress: bool,
+    redelivery_bucket: Option<String>,
 }
 
 impl NatsSourceBuilder {
@@ -66,6 +67,7 @@ impl NatsSourceBuilder {
             max_deliver: None,
             create_consumer: true,
             progress: true,
+            redelivery_bucket: None,
         }
     }
 
@@ -134,6 +136,17 @@ impl NatsSourceBuilder {
         self
     }
 
+    /// Keeps the delayed-redelivery counts in this JetStream key-value bucket (created at
+    /// `connect` if missing, entries kept 7 days), not only in this process: a message handed
+    /// back by one member or before a restart comes back to any member with its count, so the
+    /// schedule ([`RetryPolicy::redeliver_after`](inbox_core::RetryPolicy::redeliver_after))
+    /// goes on instead of starting again. Costs a write per hand-back and a read per redelivered
+    /// message. Default: none, counts in this process only.
+    pub fn redelivery_bucket(mut self, bucket: impl Into<String>) -> Self {
+        self.redelivery_bucket = Some(bucket.into());
+        self
+    }
+
     /// Connects, finds the stream, creates or finds the consumer, and checks that a stream
     /// stores the dead-letter subject.
     ///
@@ -146,7 +159,7 @@ impl NatsSourceBuilder {
         if self.poll_timeout < Duration::from_millis(10) {
             return Err(Error::Config("poll_timeout is under 10 ms".into()));
         }
-        let client = self.connection.open("the source").await?;
+        let (client, lost) = self.connection.open_watched("the source").await?;
         let js = jetstream::ContextBuilder::new()
             .timeout(self.connection.timeout())
             .build(client.clone());
@@ -191,6 +204,13 @@ impl NatsSourceBuilder {
                  dead letter; keep Consumer::max_deliveries below it"
             );
         }
+        let bucket = match &self.redelivery_bucket {
+            None => None,
+            Some(name) => Some((
+                crate::redelivery_bucket(&js, name).await?,
+                format!("{}.{}", self.stream, self.consumer),
+            )),
+        };
         let shared = Arc::new(Shared {
             client,
             js,
@@ -198,6 +218,9 @@ impl NatsSourceBuilder {
             dead_letter_subject,
             in_flight: Mutex::new(HashMap::new()),
             marks: Mutex::new(HashMap::new()),
+            bucket,
+            timeout: self.connection.timeout(),
+            failed_acks: Mutex::new(Vec::new()),
             next: std::sync::atomic::AtomicU64::new(0),
         });
         let heartbeat = self
@@ -209,6 +232,7 @@ impl NatsSourceBuilder {
             id_from: self.id_from,
             poll_timeout: self.poll_timeout,
             operation_timeout: self.connection.timeout(),
+            lost,
             name: self.consumer,
             heartbeat,
         })
@@ -284,6 +308,8 @@ pub struct NatsSource {
     id_from: IdFrom,
     poll_timeout: Duration,
     operation_timeout: Duration,
+    /// Counts the connections lost: a pull in flight then is never answered.
+    lost: tokio::sync::watch::Receiver<u64>,
     name: String,
     heartbeat: Option<tokio::task::JoinHandle<()>>,
 }
@@ -304,6 +330,21 @@ impl Drop for NatsSource {
         if let Some(heartbeat) = self.heartbeat.take() {
             heartbeat.abort();
         }
+        // Acks that failed are sent again for a few seconds more, while the runtime lives.
+        if self.shared.acks_failed() {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let shared = Arc::clone(&self.shared);
+                runtime.spawn(async move {
+                    for _ in 0..20 {
+                        shared.flush_acks().await;
+                        if !shared.acks_failed() {
+                            return;
+                        }
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                    }
+                });
+            }
+        }
     }
 }
 
@@ -317,6 +358,29 @@ impl NatsSource {
     /// The dead-letter subject this source parks messages on.
     pub fn dead_letter_subject(&self) -> &str {
         &self.shared.dead_letter_subject
+    }
+
+    async fn take(&self, max: usize) -> Result<Vec<Delivery<NatsAck>>, SourceError> {
+        if self.shared.acks_failed() {
+            self.shared.flush_acks().await;
+        }
+        let max = max.max(1);
+        let mut messages = self.pull(max, None).await?;
+        if messages.is_empty() {
+            messages = self.pull(1, Some(self.poll_timeout)).await?;
+            if !messages.is_empty() && max > 1 {
+                // What else is waiting; on an error, what arrived goes out and the next
+                // receive reports it.
+                if let Ok(more) = self.pull(max - 1, None).await {
+                    messages.extend(more);
+                }
+            }
+        }
+        let mut deliveries = Vec::with_capacity(messages.len());
+        for message in messages {
+            deliveries.push(self.delivery(message).await?);
+        }
+        Ok(deliveries)
     }
 
     async fn pull(
@@ -394,7 +458,10 @@ impl NatsSource {
         Ok(messages)
     }
 
-    fn delivery(&self, message: jetstream::Message) -> Result<Delivery<NatsAck>, SourceError> {
+    async fn delivery(
+        &self,
+        message: jetstream::Message,
+    ) -> Result<Delivery<NatsAck>, SourceError> {
         let (sequence, delivered, published) = {
             let info = message.info().map_err(|e| {
                 OperationError::new(
@@ -434,16 +501,17 @@ impl NatsSource {
         meta.position = format!("sequence {sequence}");
         meta.delivery_count = Some(u32::try_from(delivered).unwrap_or(u32::MAX));
         meta.redelivered = delivered > 1;
-        meta.redeliveries = self.shared.redeliveries(sequence, delivered);
+        meta.redeliveries = self.shared.redeliveries(sequence, delivered).await;
         meta.timestamp = system_time(published);
         let mut inbox_message = Message::new(id, message.payload.to_vec());
         inbox_message.headers = headers;
         inbox_message.meta = meta;
-        let in_flight = InFlight::register(&self.shared, reply);
+        let in_flight = InFlight::register(&self.shared, reply.clone());
         Ok(Delivery {
             message: inbox_message,
             ack: NatsAck::new(
                 acker,
+                reply,
                 sequence,
                 delivered,
                 Arc::clone(&self.shared),
@@ -459,20 +527,42 @@ impl MessageSource for NatsSource {
     /// Pulls what is waiting at once; with nothing there, waits up to the poll timeout for a
     /// first message, then takes what else is waiting. A future dropped while a pull is
     /// outstanding leaves its messages with this member until `ack_wait` runs out.
+    ///
+    /// A connection lost before or during the pull fails it at once with
+    /// [`Recovery::Reconnect`] (the client connects again by itself): a pull request lost with
+    /// its connection is never answered, and what it delivered comes back after `ack_wait`.
     async fn receive(&mut self, max: usize) -> Result<Vec<Delivery<NatsAck>>, SourceError> {
-        let max = max.max(1);
-        let mut messages = self.pull(max, None).await?;
-        if messages.is_empty() {
-            messages = self.pull(1, Some(self.poll_timeout)).await?;
-            if !messages.is_empty() && max > 1 {
-                // What else is waiting; on an error, what arrived goes out and the next
-                // receive reports it.
-                if let Ok(more) = self.pull(max - 1, None).await {
-                    messages.extend(more);
-                }
-            }
+        let lost = || {
+            OperationError::new(
+                Recovery::Reconnect,
+                format!(
+                    "fetching from the consumer `{}` of stream `{}`",
+                    self.name, self.shared.stream
+                ),
+                "the connection to NATS was lost; the client connects again by itself",
+            )
+        };
+        if self.lost.has_changed().unwrap_or(false) {
+            self.lost.borrow_and_update();
+            return Err(lost());
         }
-        messages.into_iter().map(|m| self.delivery(m)).collect()
+        let mut watch = self.lost.clone();
+        let gone = std::pin::pin!(async move {
+            if watch.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        });
+        let outcome = {
+            let take = std::pin::pin!(self.take(max));
+            match futures_util::future::select(take, gone).await {
+                futures_util::future::Either::Left((taken, _)) => Some(taken),
+                futures_util::future::Either::Right(_) => None,
+            }
+        };
+        outcome.unwrap_or_else(|| {
+            self.lost.borrow_and_update();
+            Err(lost())
+        })
     }
 
     fn system(&self) -> &'static str {

@@ -327,3 +327,74 @@ async fn a_consumer_stopped_mid_stream_leaves_the_rest_to_the_next_which_applies
     assert_eq!(queue.left().await, 0);
     queue.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_count_kept_in_a_bucket_reaches_the_next_source_and_goes_when_acked() {
+    let queue = stream("redelivery-bucket").await;
+    let bucket = inbox_conformance::unique_name("inbox-test-redeliveries");
+    let with_bucket =
+        || builder_on(&nats(), &queue.name(), &queue.name()).redelivery_bucket(bucket.clone());
+    queue.send(Some("evt-1"), b"1").await;
+    let receive_one = |mut source: inbox_nats::NatsSource| async move {
+        let start = Instant::now();
+        loop {
+            let mut got = source.receive(1).await.unwrap();
+            if let Some(delivery) = got.pop() {
+                return (source, delivery);
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "nothing came");
+        }
+    };
+
+    // Handed back by one source, which then goes away (a restart, another member).
+    let (first, delivery) = receive_one(with_bucket().connect().await.unwrap()).await;
+    let message = delivery.message.clone();
+    assert_eq!(message.meta.redeliveries, 0);
+    delivery
+        .ack
+        .redeliver(&message, Duration::from_millis(300), 0)
+        .await
+        .unwrap();
+    drop(first);
+    let (next, back) = receive_one(with_bucket().connect().await.unwrap()).await;
+    assert_eq!(back.message.id, message.id);
+    assert_eq!(
+        back.message.meta.redeliveries, 1,
+        "the count reached the next source"
+    );
+    back.ack.ack().await.unwrap();
+    drop(next);
+    let store = queue.context().get_key_value(&bucket).await.unwrap();
+    let sequence = message.meta.position.trim_start_matches("sequence ");
+    let key = format!(
+        "{}.{}.{sequence}",
+        queue.name(),
+        inbox_conformance::nats::CONSUMER
+    );
+    assert_eq!(
+        store.get(key).await.unwrap(),
+        None,
+        "the count went with the ack"
+    );
+
+    // Without the bucket, the next source starts the schedule again.
+    queue.send(Some("evt-2"), b"2").await;
+    let (first, delivery) = receive_one(with_bucket().connect().await.unwrap()).await;
+    let message = delivery.message.clone();
+    delivery
+        .ack
+        .redeliver(&message, Duration::from_millis(300), 0)
+        .await
+        .unwrap();
+    drop(first);
+    let plain = builder_on(&nats(), &queue.name(), &queue.name())
+        .connect()
+        .await
+        .unwrap();
+    let (_plain, back) = receive_one(plain).await;
+    assert_eq!(back.message.id, message.id);
+    assert_eq!(back.message.meta.redeliveries, 0);
+    back.ack.ack().await.unwrap();
+    queue.cleanup().await;
+    queue.context().delete_key_value(&bucket).await.unwrap();
+}
