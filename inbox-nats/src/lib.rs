@@ -90,7 +90,8 @@
 //!
 //! A message's headers reach the handler sorted by name (NATS keeps no order between names).
 //! NATS has no message key: an [`OutgoingMessage`](inbox_core::OutgoingMessage)'s key is not
-//! sent, and there are no lanes.
+//! sent; the subject orders. With [`lanes_by_subject`](NatsSourceBuilder::lanes_by_subject)
+//! each subject is a lane.
 
 mod ack;
 mod connection;

@@ -51,6 +51,7 @@ pub struct NatsSourceBuilder {
     create_consumer: bool,
     progress: bool,
     redelivery_bucket: Option<String>,
+    lanes_by_subject: bool,
 }
 
 impl NatsSourceBuilder {
@@ -68,6 +69,7 @@ impl NatsSourceBuilder {
             create_consumer: true,
             progress: true,
             redelivery_bucket: None,
+            lanes_by_subject: false,
         }
     }
 
@@ -133,6 +135,16 @@ impl NatsSourceBuilder {
     /// longer than `ack_wait` goes to another member.
     pub fn progress(mut self, on: bool) -> Self {
         self.progress = on;
+        self
+    }
+
+    /// Makes each message's subject its ordering lane
+    /// ([`Metadata::lane`](inbox_core::Metadata::lane)), for a consumer reading several
+    /// subjects (`orders.>`): [`Consumer::parallel_lanes`](inbox_core::Consumer::parallel_lanes)
+    /// then applies different subjects side by side, each in stream order. Default: off, one
+    /// lane for the whole consumer.
+    pub fn lanes_by_subject(mut self, on: bool) -> Self {
+        self.lanes_by_subject = on;
         self
     }
 
@@ -233,6 +245,7 @@ impl NatsSourceBuilder {
             poll_timeout: self.poll_timeout,
             operation_timeout: self.connection.timeout(),
             lost,
+            lanes: self.lanes_by_subject,
             name: self.consumer,
             heartbeat,
         })
@@ -310,6 +323,7 @@ pub struct NatsSource {
     operation_timeout: Duration,
     /// Counts the connections lost: a pull in flight then is never answered.
     lost: tokio::sync::watch::Receiver<u64>,
+    lanes: bool,
     name: String,
     heartbeat: Option<tokio::task::JoinHandle<()>>,
 }
@@ -498,6 +512,7 @@ impl NatsSource {
         let id = self.id_from.read(&carrier);
         let mut meta = Metadata::default();
         meta.source = message.subject.to_string();
+        meta.lane = self.lanes.then(|| meta.source.clone());
         meta.position = format!("sequence {sequence}");
         meta.delivery_count = Some(u32::try_from(delivered).unwrap_or(u32::MAX));
         meta.redelivered = delivered > 1;
@@ -574,10 +589,15 @@ impl MessageSource for NatsSource {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::NONE
+        let capabilities = Capabilities::NONE
             .with_delivery_count()
             .with_delayed_nack()
-            .with_delayed_redelivery()
+            .with_delayed_redelivery();
+        if self.lanes {
+            capabilities.with_lanes()
+        } else {
+            capabilities
+        }
     }
 }
 

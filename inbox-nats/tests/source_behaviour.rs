@@ -398,3 +398,57 @@ async fn a_redelivery_count_kept_in_a_bucket_reaches_the_next_source_and_goes_wh
     queue.cleanup().await;
     queue.context().delete_key_value(&bucket).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_lanes_by_subject_each_subject_is_a_lane_and_parallel_lanes_apply_all_once() {
+    let name = inbox_conformance::unique_name("inbox-test-lanes");
+    let js = inbox_conformance::nats::context().await;
+    js.create_stream(inbox_nats::async_nats::jetstream::stream::Config {
+        name: name.clone(),
+        subjects: vec![format!("{name}.>")],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let producer = nats().producer().connect().await.unwrap();
+    for i in 1..=30 {
+        let subject = format!("{name}.accounts.{}", i % 3);
+        producer
+            .send(&subject, i.to_string().as_bytes())
+            .await
+            .unwrap();
+    }
+    let lanes = |on| {
+        nats()
+            .source(name.clone(), "wallet")
+            .filter_subject(format!("{name}.accounts.*"))
+            .dead_letter_subject(format!("{name}.dlq"))
+            .poll_timeout(Duration::from_millis(200))
+            .lanes_by_subject(on)
+    };
+    let plain = lanes(false).connect().await.unwrap();
+    assert!(!plain.capabilities().lanes());
+    let mut source = lanes(true).connect().await.unwrap();
+    assert!(source.capabilities().lanes());
+    let peek = source.receive(3).await.unwrap();
+    let seen: Vec<Option<String>> = peek.iter().map(|d| d.message.meta.lane.clone()).collect();
+    assert_eq!(
+        seen,
+        (1..=3)
+            .map(|i| Some(format!("{name}.accounts.{}", i % 3)))
+            .collect::<Vec<_>>()
+    );
+    for delivery in peek {
+        delivery.ack.nack(Duration::ZERO).await.unwrap();
+    }
+
+    let store = MemoryStore::<i64>::new();
+    Consumer::new("lanes", source, store.clone(), Sum)
+        .parallel_lanes(3)
+        .batch_size(10)
+        .run_until_idle()
+        .await
+        .unwrap();
+    assert_eq!(store.state().await, (1..=30).sum::<i64>());
+    js.delete_stream(&name).await.unwrap();
+}
