@@ -201,6 +201,9 @@ pub(crate) fn spawn_progress(shared: &Arc<Shared>, every: Duration) -> tokio::ta
             let Some(shared) = shared.upgrade() else {
                 return;
             };
+            if shared.acks_failed() {
+                shared.flush_acks().await;
+            }
             let replies: Vec<Subject> = {
                 let held = shared
                     .in_flight
