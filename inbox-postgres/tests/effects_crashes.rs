@@ -76,6 +76,10 @@ async fn crash_then_redeliver(setup: Setup, crash: Crash) -> Seen {
                     .wait_for_calls(&key("evt-2"), 1, PATIENCE)
                     .await
             );
+            // evt-1's ack goes out beside evt-2's call: the crash comes once it has landed, so
+            // that what is redelivered is evt-2 alone.
+            let acked = inbox_testkit::eventually(PATIENCE, || async { broker.acked() >= 1 }).await;
+            assert!(acked, "evt-1 was never acked");
             first.abort(); // the process dies mid-call; its connection to the broker closes
             assert!(first.await.unwrap_err().is_cancelled());
         }
