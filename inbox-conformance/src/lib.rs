@@ -121,6 +121,17 @@ mod network;
 mod outbox;
 pub mod outbox_table;
 pub mod pg_cluster;
+#[cfg(any(
+    feature = "kafka",
+    feature = "redis",
+    feature = "nats",
+    feature = "rabbitmq"
+))]
+#[cfg_attr(
+    not(any(feature = "kafka", feature = "redis", feature = "nats")),
+    allow(dead_code)
+)]
+mod process;
 pub mod provider;
 pub mod python;
 #[cfg(feature = "rabbitmq")]

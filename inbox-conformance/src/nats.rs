@@ -5,6 +5,7 @@
 //! The server is found at `NATS_URL` (default `nats://127.0.0.1:4222`), with JetStream on.
 
 use std::net::SocketAddr;
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,7 +14,8 @@ use inbox_nats::async_nats::jetstream::{self, stream, Context};
 use inbox_nats::async_nats::{self, HeaderMap};
 use inbox_nats::{NatsConnection, NatsSource, NatsSourceBuilder};
 
-use crate::{FaultProxy, LosingSource, Proxied, Restart, Restartable, TestBroker, TestQueue};
+use crate::process::Server;
+use crate::{FaultProxy, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// The durable consumer every source of the suite reads through.
 pub const CONSUMER: &str = "wallet";
@@ -199,8 +201,9 @@ impl TestQueue for Stream {
     }
 
     async fn restartable(&self) -> Result<Restartable<Stream>, String> {
-        let server = PrivateNats::start().await;
-        let queue = Stream::create(self.name.clone(), server.url()).await;
+        let server = private_nats().await;
+        let url = format!("nats://127.0.0.1:{}", server.port());
+        let queue = Stream::create(self.name.clone(), url).await;
         Ok(Restartable {
             queue,
             server: Box::new(server),
@@ -261,108 +264,26 @@ impl TestQueue for Stream {
 }
 
 /// A `nats-server` of a scenario's own with JetStream, which it may restart: the stream and its
-/// consumer are kept in its store directory. Killed when dropped, its directory removed.
-/// `NATS_SERVER` names the binary, default `nats-server` on the `PATH` or in `/usr/sbin`.
-#[derive(Debug)]
-struct PrivateNats {
-    port: u16,
-    dir: std::path::PathBuf,
-    process: Option<std::process::Child>,
-}
-
-impl PrivateNats {
-    async fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free loopback port")
-            .port();
-        let dir = std::env::temp_dir().join(crate::unique_name("inbox-nats"));
-        std::fs::create_dir_all(&dir).expect("the server's directory");
-        let mut server = Self {
-            port,
-            dir,
-            process: None,
-        };
-        server.spawn().await;
-        server
-    }
-
-    fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-
-    async fn spawn(&mut self) {
-        let server = std::env::var("NATS_SERVER").unwrap_or_else(|_| {
-            let packaged = "/usr/sbin/nats-server";
-            if std::path::Path::new(packaged).is_file() {
-                packaged
-            } else {
-                "nats-server"
-            }
-            .into()
-        });
-        let child = std::process::Command::new(&server)
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-js",
-                "-sd",
-            ])
-            .arg(&self.dir)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start {server}: {e}; install nats-server or set NATS_SERVER")
-            });
-        self.process = Some(child);
-        let url = self.url();
-        let up = inbox_testkit::eventually(Duration::from_secs(10), || {
-            let url = url.clone();
-            async move { async_nats::connect(url).await.is_ok() }
-        })
-        .await;
-        assert!(
-            up,
-            "the private nats-server did not answer on {}",
-            self.port
-        );
-    }
-}
-
-impl Restart for PrivateNats {
-    /// SIGTERM (the server closes its clients and its store and exits), 2 s down, then the same
-    /// server on the same store again.
-    fn restart(&mut self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
-        Box::pin(async move {
-            let process = self.process.as_mut().expect("the server runs");
-            let stopped = std::process::Command::new("kill")
-                .args(["-TERM", &process.id().to_string()])
-                .status()
-                .is_ok_and(|s| s.success());
-            assert!(stopped, "cannot send SIGTERM to nats-server");
-            let exited = inbox_testkit::eventually(Duration::from_secs(10), || {
-                let done = matches!(process.try_wait(), Ok(Some(_)));
-                async move { done }
-            })
-            .await;
-            assert!(exited, "nats-server did not exit after SIGTERM");
-            self.process = None;
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            self.spawn().await;
-        })
-    }
-}
-
-impl Drop for PrivateNats {
-    fn drop(&mut self) {
-        if let Some(mut process) = self.process.take() {
-            let _ = process.kill();
-            let _ = process.wait();
+/// consumer are kept in its store directory. `NATS_SERVER` names the binary, default
+/// `nats-server` on the `PATH` or in `/usr/sbin`.
+async fn private_nats() -> Server {
+    let binary = std::env::var("NATS_SERVER").unwrap_or_else(|_| {
+        let packaged = "/usr/sbin/nats-server";
+        if std::path::Path::new(packaged).is_file() {
+            packaged
+        } else {
+            "nats-server"
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+        .into()
+    });
+    let what = format!("{binary} (install nats-server or set NATS_SERVER)");
+    Server::start("inbox-nats", &what, move |port, dir| {
+        let mut command = Command::new(&binary);
+        command
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(dir)
+            .stderr(Stdio::null());
+        command
+    })
+    .await
 }

@@ -5,7 +5,6 @@
 
 mod cluster;
 mod inspect;
-mod private;
 mod tls_server;
 
 pub use cluster::LocalCluster;
@@ -13,7 +12,6 @@ pub use inspect::{
     cleanup, dead_letters, dead_letters_with, lag, lag_with, pending, pending_with, raw, xadd_raw,
 };
 use inspect::{cleanup_with, raw_at, xadd_with};
-use private::PrivateRedis;
 pub use tls_server::TlsRedis;
 
 use std::net::SocketAddr;
@@ -27,6 +25,7 @@ use inbox_redis_streams::{
     RedisConnection, RedisStreamProducer, RedisStreamSource, RedisStreamSourceBuilder,
 };
 
+use crate::process::Server;
 use crate::{LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// The consumer group of every source.
@@ -88,6 +87,27 @@ const CLAIM_INTERVAL: Duration = Duration::from_millis(200);
 /// A source on `redis` of `stream` as `member`, with the suite's timings.
 fn source_builder(redis: &RedisConnection, stream: &str, member: &str) -> RedisStreamSourceBuilder {
     builder_on(redis, stream, member).claim_idle(CLAIM_IDLE)
+}
+
+/// A `redis-server` of a scenario's own, which it may restart: every write is persisted to its
+/// append-only file, so the stream and its group come back with it. `REDIS_SERVER` names the
+/// binary, default `redis-server` on the `PATH`.
+async fn private_redis() -> Server {
+    let binary = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+    let what = format!("{binary} (install Redis or set REDIS_SERVER)");
+    Server::start("inbox-redis", &what, move |port, dir| {
+        let mut command = std::process::Command::new(&binary);
+        command
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--appendonly", "yes", "--appendfsync", "always"])
+            .args(["--save", ""])
+            .arg("--dir")
+            .arg(dir)
+            .arg("--logfile")
+            .arg(dir.join("redis.log"));
+        command
+    })
+    .await
 }
 
 /// A stream of its own; its dead letters go to `<stream>:dlq`.
@@ -185,11 +205,11 @@ impl TestQueue for Stream {
     }
 
     async fn restartable(&self) -> Result<Restartable<Stream>, String> {
-        let server = PrivateRedis::start().await;
+        let server = private_redis().await;
         Ok(Restartable {
             queue: Stream {
                 key: self.key.clone(),
-                url: server.url(),
+                url: format!("redis://127.0.0.1:{}", server.port()),
             },
             server: Box::new(server),
         })

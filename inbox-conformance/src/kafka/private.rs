@@ -13,21 +13,21 @@
 //! bootstrap and advertised, is a TLS connection it verifies against `ssl.ca.location`.
 
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::process::{Command, Stdio};
 
+use crate::process::Server;
 use crate::tls::TestCa;
 use crate::FaultProxy;
-use inbox_testkit::eventually;
 
 /// A Tansu with in-memory storage, killed when dropped (a panicking test included), with its
 /// TLS front when it has one. `TANSU` names the binary, default `~/.cargo/bin/tansu`.
 #[derive(Debug)]
 pub struct PrivateTansu {
-    process: Child,
+    /// The broker, stopped with this.
+    _tansu: Server,
     pub(super) proxy: FaultProxy,
-    /// socat, terminating TLS on `tls_port`.
-    tls: Option<(Child, u16)>,
+    /// socat, terminating TLS.
+    tls: Option<Server>,
 }
 
 /// How a [`PrivateTansu`] is reached. Start with [`PrivateTansu::builder`].
@@ -62,71 +62,61 @@ impl PrivateTansuBuilder {
     /// # Panics
     /// When Tansu (or, for TLS, `socat`) cannot be started or does not listen within 10 s.
     pub async fn start(self) -> PrivateTansu {
-        let listener: SocketAddr = ([127, 0, 0, 1], free_port()).into();
-        let proxy = FaultProxy::start(listener).await.expect("proxy");
-        let tls_port = self.tls.as_ref().map(|_| free_port());
-        let advertised = match tls_port {
-            Some(port) => format!("tcp://localhost:{port}"),
-            None => format!("tcp://{}", proxy.addr()),
+        // The proxy forwards to the broker once the broker has its port.
+        let proxy = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], 9)))
+            .await
+            .expect("proxy");
+        let to_proxy = proxy.addr();
+        let tls = match &self.tls {
+            Some(ca) => {
+                let (cert, key) = (ca.cert.display(), ca.key.display());
+                let listen =
+                    format!("bind=127.0.0.1,reuseaddr,fork,cert={cert},key={key},verify=0");
+                let front =
+                    Server::start("inbox-socat", "socat (install socat)", move |port, _| {
+                        let mut command = Command::new("socat");
+                        command
+                            .arg(format!("OPENSSL-LISTEN:{port},{listen}"))
+                            .arg(format!("TCP:{to_proxy}"))
+                            .stderr(Stdio::null());
+                        command
+                    })
+                    .await;
+                Some(front)
+            }
+            None => None,
         };
-        let tansu = std::env::var("TANSU").unwrap_or_else(|_| {
+        let advertised = match &tls {
+            Some(front) => format!("tcp://localhost:{}", front.port()),
+            None => format!("tcp://{to_proxy}"),
+        };
+        let binary = std::env::var("TANSU").unwrap_or_else(|_| {
             let home = std::env::var("HOME").unwrap_or_default();
             format!("{home}/.cargo/bin/tansu")
         });
-        let mut command = Command::new(&tansu);
-        command
-            .arg("broker")
-            .args(["--storage-engine", "memory://tansu/"])
-            .args(["--listener-url", &format!("tcp://{listener}")])
-            .args(["--advertised-listener-url", &advertised]);
-        if self.authentication {
-            command.arg("--authentication");
-        }
-        let process = command
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {tansu}: {e}; install Tansu or set TANSU"));
-        let mut server = PrivateTansu {
-            process,
+        let what = format!("{binary} (install Tansu or set TANSU)");
+        let authentication = self.authentication;
+        let tansu = Server::start("inbox-tansu", &what, move |port, _| {
+            let mut command = Command::new(&binary);
+            command
+                .arg("broker")
+                .args(["--storage-engine", "memory://tansu/"])
+                .args(["--listener-url", &format!("tcp://127.0.0.1:{port}")])
+                .args(["--advertised-listener-url", &advertised])
+                .stderr(Stdio::null());
+            if authentication {
+                command.arg("--authentication");
+            }
+            command
+        })
+        .await;
+        proxy.redirect(([127, 0, 0, 1], tansu.port()).into());
+        PrivateTansu {
+            _tansu: tansu,
             proxy,
-            tls: None,
-        };
-        listening(listener, "the private Tansu").await;
-        if let (Some(ca), Some(port)) = (&self.tls, tls_port) {
-            let front = Command::new("socat")
-                .arg(format!(
-                    "OPENSSL-LISTEN:{port},bind=127.0.0.1,reuseaddr,fork,cert={},key={},verify=0",
-                    ca.cert.display(),
-                    ca.key.display()
-                ))
-                .arg(format!("TCP:{}", server.proxy.addr()))
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap_or_else(|e| panic!("cannot start socat: {e}; install socat"));
-            server.tls = Some((front, port));
-            listening(([127, 0, 0, 1], port).into(), "socat's TLS front").await;
+            tls,
         }
-        server
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free loopback port")
-        .port()
-}
-
-async fn listening(addr: SocketAddr, what: &str) {
-    let up = eventually(Duration::from_secs(10), || async {
-        tokio::net::TcpStream::connect(addr).await.is_ok()
-    })
-    .await;
-    assert!(up, "{what} did not listen on {addr}");
 }
 
 impl PrivateTansu {
@@ -143,25 +133,14 @@ impl PrivateTansu {
     /// Where clients connect: the proxy, or with TLS `localhost:<port>` (the name in the
     /// certificate, and what the broker advertises).
     pub fn brokers(&self) -> String {
-        match &self.tls {
-            Some((_, port)) => format!("localhost:{port}"),
+        match self.tls_port() {
+            Some(port) => format!("localhost:{port}"),
             None => self.proxy.addr().to_string(),
         }
     }
 
     /// The TLS port, when the broker has TLS.
     pub fn tls_port(&self) -> Option<u16> {
-        self.tls.as_ref().map(|(_, port)| *port)
-    }
-}
-
-impl Drop for PrivateTansu {
-    fn drop(&mut self) {
-        if let Some((front, _)) = &mut self.tls {
-            let _ = front.kill();
-            let _ = front.wait();
-        }
-        let _ = self.process.kill();
-        let _ = self.process.wait();
+        self.tls.as_ref().map(Server::port)
     }
 }

@@ -7,6 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use crate::pg_cluster::run;
+use crate::process::{free_port, listens};
 use crate::tls::TestCa;
 use crate::unique_name;
 
@@ -25,13 +26,7 @@ impl TlsNode {
     /// Without root, the `rabbitmq` user or RabbitMQ's scripts (`cargo xtask services` installs
     /// them), or when the node does not listen within 60 s.
     pub async fn start(ca: &TestCa) -> Result<Self, String> {
-        let free_port = || {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .map(|a| a.port())
-                .map_err(|e| format!("no free port: {e}"))
-        };
-        let (port, dist_port) = (free_port()?, free_port()?);
+        let (port, dist_port) = (free_port(), free_port());
         let dir = ca.dir.join(unique_name("rabbitmq"));
         std::fs::create_dir_all(&dir)
             .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
@@ -65,13 +60,7 @@ impl TlsNode {
         );
         run("su", &["rabbitmq", "-s", "/bin/sh", "-c", &start])?;
         let node = Self { name, port };
-        let listening = inbox_testkit::eventually(Duration::from_secs(60), || async {
-            tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-        })
-        .await;
-        if !listening {
+        if !listens(port, Duration::from_secs(60)).await {
             return Err(format!("the TLS node did not listen on {port} within 60 s"));
         }
         Ok(node)

@@ -2,20 +2,19 @@
 //! [`TestCa`]'s server certificate: what a client reaches over `rediss://` trusting that CA; as
 //! one server, or as a Redis Cluster of one node.
 
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use inbox_testkit::eventually;
 
+use crate::process::Server;
 use crate::tls::TestCa;
 
 /// The server; killed when dropped (a panicking test included). `REDIS_SERVER` names the
 /// binary, default `redis-server` on the `PATH`.
 #[derive(Debug)]
 pub struct TlsRedis {
-    process: Child,
-    port: u16,
+    server: Server,
 }
 
 impl TlsRedis {
@@ -25,7 +24,7 @@ impl TlsRedis {
     /// # Panics
     /// When `redis-server` cannot be started or does not listen within 10 s.
     pub async fn start(ca: &TestCa) -> Self {
-        Self::spawn(ca, &[]).await
+        Self::spawn(ca, false).await
     }
 
     /// A Redis Cluster of one node taking TLS only (its cluster bus too), holding every slot:
@@ -35,23 +34,10 @@ impl TlsRedis {
     /// # Panics
     /// When `redis-server` cannot be started, or the cluster is not up within 10 s.
     pub async fn start_cluster(ca: &TestCa) -> Self {
-        let config = ca
-            .dir
-            .join(crate::unique_name("nodes"))
-            .with_extension("conf");
-        let config = config.display().to_string();
-        let arguments = [
-            "--cluster-enabled",
-            "yes",
-            "--tls-cluster",
-            "yes",
-            "--cluster-config-file",
-            &config,
-        ];
-        let server = Self::spawn(ca, &arguments).await;
+        let server = Self::spawn(ca, true).await;
         // Through redis-cli over TLS: this crate's Redis client may be built without TLS.
         let cli = |command: &[&str]| {
-            let port = server.port.to_string();
+            let port = server.port().to_string();
             let ca = ca.ca.display().to_string();
             let cli = std::env::var("REDIS_CLI").unwrap_or_else(|_| "redis-cli".into());
             let out = Command::new(&cli)
@@ -76,54 +62,33 @@ impl TlsRedis {
         server
     }
 
-    async fn spawn(ca: &TestCa, arguments: &[&str]) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free loopback port")
-            .port();
-        let path = |p: &Path| p.display().to_string();
-        let server = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
-        let process = Command::new(&server)
-            .args(["--port", "0", "--tls-port", &port.to_string()])
-            .args([
-                "--tls-cert-file",
-                &path(&ca.cert),
-                "--tls-key-file",
-                &path(&ca.key),
-            ])
-            .args([
-                "--tls-ca-cert-file",
-                &path(&ca.ca),
-                "--tls-auth-clients",
-                "no",
-            ])
-            .args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"])
-            .args(arguments)
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start {server}: {e} (run `cargo xtask services` to install it)")
-            });
-        let server = Self { process, port };
-        let up = eventually(Duration::from_secs(10), || async {
-            tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
+    /// A server as [`start`](TlsRedis::start) describes, a cluster node when `cluster`.
+    async fn spawn(ca: &TestCa, cluster: bool) -> Self {
+        let path = |p: &std::path::Path| p.display().to_string();
+        let (cert, key, ca) = (path(&ca.cert), path(&ca.key), path(&ca.ca));
+        let binary = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+        let what = format!("{binary} with TLS (run `cargo xtask services` to install it)");
+        let server = Server::start("inbox-tls-redis", &what, move |port, dir| {
+            let mut command = Command::new(&binary);
+            command
+                .args(["--port", "0", "--tls-port", &port.to_string()])
+                .args(["--tls-cert-file", &cert, "--tls-key-file", &key])
+                .args(["--tls-ca-cert-file", &ca, "--tls-auth-clients", "no"])
+                .args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"]);
+            if cluster {
+                command
+                    .args(["--cluster-enabled", "yes", "--tls-cluster", "yes"])
+                    .arg("--cluster-config-file")
+                    .arg(dir.join("nodes.conf"));
+            }
+            command
         })
         .await;
-        assert!(up, "the TLS redis-server did not listen on {port}");
-        server
+        Self { server }
     }
 
     /// The port of its TLS listener.
     pub fn port(&self) -> u16 {
-        self.port
-    }
-}
-
-impl Drop for TlsRedis {
-    fn drop(&mut self) {
-        let _ = self.process.kill();
-        let _ = self.process.wait();
+        self.server.port()
     }
 }
