@@ -292,7 +292,7 @@ async fn consumer_run<B: TestBroker>(
     let (events, seconds) = timed_run(broker, events, &label, run, |name, schema| ConsumerSpec {
         batch: Some(spec.batch),
         lanes: spec.lanes,
-        batched: spec.handler == HandlerKind::Batch,
+        handler: spec.handler,
         work: Duration::ZERO,
         ..ConsumerSpec::new(broker.kind(), spec.variant, name, schema)
     })
@@ -326,7 +326,7 @@ async fn processes_run<B: TestBroker>(
     let consumer = ConsumerSpec {
         batch: Some(spec.batch),
         lanes: spec.lanes,
-        batched: spec.handler == HandlerKind::Batch,
+        handler: spec.handler,
         work: Duration::ZERO,
         ..ConsumerSpec::new(broker.kind(), spec.variant, &name, &db.schema)
     };

@@ -1,113 +1,104 @@
 //! Command-line settings: brokers, variants and the flags of each subcommand.
 
-use std::fmt;
-use std::str::FromStr;
 use std::time::Duration;
 
-/// The five brokers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) enum BrokerKind {
-    Kafka,
-    Sqs,
-    Rabbitmq,
-    Redis,
-    Nats,
-}
-
-impl BrokerKind {
-    pub(crate) const ALL: [BrokerKind; 5] = [
-        Self::Kafka,
-        Self::Sqs,
-        Self::Rabbitmq,
-        Self::Redis,
-        Self::Nats,
-    ];
-
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::Kafka => "kafka",
-            Self::Sqs => "sqs",
-            Self::Rabbitmq => "rabbitmq",
-            Self::Redis => "redis",
-            Self::Nats => "nats",
+/// An enum named on the command line and in the output: `ALL`, `name`, `Display` and a
+/// `FromStr` that refuses an unknown name with the list of known ones (`$what` says what the
+/// value is), all from one list of `Variant = "name"`.
+macro_rules! named {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $ty:ident ($what:literal) {
+            $($(#[$vmeta:meta])* $variant:ident = $name:literal,)+
         }
-    }
-}
-
-/// The inbox store of the kill test's wallet.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) enum StoreKind {
-    /// `inbox-postgres`, in a schema of the run's own.
-    #[default]
-    Postgres,
-    /// `inbox-mysql`, in a database of the run's own (`INBOX_MYSQL_URL`).
-    Mysql,
-    /// `inbox-postgres` behind `Sharded`: a schema of the run's own in each of the shard
-    /// clusters (see `shards::shard_url`), credits routed by account.
-    Sharded,
-}
-
-impl StoreKind {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::Postgres => "postgres",
-            Self::Mysql => "mysql",
-            Self::Sharded => "sharded",
+    ) => {
+        $(#[$meta])*
+        $vis enum $ty {
+            $($(#[$vmeta])* $variant,)+
         }
-    }
-}
 
-impl FromStr for StoreKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim() {
-            "postgres" => Ok(Self::Postgres),
-            "mysql" => Ok(Self::Mysql),
-            "sharded" => Ok(Self::Sharded),
-            _ => Err(format!(
-                "unknown store `{s}`; use postgres, mysql or sharded"
-            )),
+        impl $ty {
+            pub(crate) const ALL: [$ty; [$($name),+].len()] = [$($ty::$variant),+];
+
+            pub(crate) fn name(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $name,)+
+                }
+            }
         }
+
+        impl std::str::FromStr for $ty {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                Self::ALL
+                    .into_iter()
+                    .find(|v| v.name() == s.trim())
+                    .ok_or_else(|| {
+                        let names = [$($name),+];
+                        let (last, rest) = names.split_last().unwrap_or((&"", &[]));
+                        let list = if rest.is_empty() {
+                            (*last).to_owned()
+                        } else {
+                            format!("{} or {last}", rest.join(", "))
+                        };
+                        format!("unknown {} `{s}`; use {list}", $what)
+                    })
+            }
+        }
+
+        impl std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+    };
+}
+pub(crate) use named;
+
+named! {
+    /// The five brokers.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+    pub(crate) enum BrokerKind ("broker") {
+        Kafka = "kafka",
+        Sqs = "sqs",
+        Rabbitmq = "rabbitmq",
+        Redis = "redis",
+        Nats = "nats",
     }
 }
 
-impl FromStr for BrokerKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL
-            .into_iter()
-            .find(|b| b.name() == s.trim())
-            .ok_or_else(|| format!("unknown broker `{s}`; use kafka, sqs, rabbitmq, redis or nats"))
+named! {
+    /// The inbox store of the kill test's wallet.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub(crate) enum StoreKind ("store") {
+        /// `inbox-postgres`, in a schema of the run's own.
+        #[default]
+        Postgres = "postgres",
+        /// `inbox-mysql`, in a database of the run's own (`INBOX_MYSQL_URL`).
+        Mysql = "mysql",
+        /// `inbox-postgres` behind `Sharded`: a schema of the run's own in each of the shard
+        /// clusters (see `shards::shard_url`), credits routed by account.
+        Sharded = "sharded",
     }
 }
 
-impl fmt::Display for BrokerKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+named! {
+    /// Which Kafka-protocol broker `KAFKA_BROKERS` points at, for the harness work-arounds one
+    /// needs.
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+    pub(crate) enum KafkaImpl ("Kafka implementation") {
+        /// Tansu 0.6, what `cargo xtask services` starts: one record per produced batch, and a
+        /// draining consumer that applies nothing is replaced (see `brokers/kafka.rs`, `kill.rs`).
+        #[default]
+        Tansu = "tansu",
+        /// librdkafka's mock cluster (`kafka-mock`): records batched normally, a stalled drain
+        /// fails the run; no CreateTopics, so topics come from `kafka-mock --control`
+        /// (`KAFKA_MOCK_CONTROL`) or are created on first use with the mock's 4 partitions.
+        Mock = "mock",
     }
-}
-
-/// Which Kafka-protocol broker `KAFKA_BROKERS` points at, for the harness work-arounds one needs.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) enum KafkaImpl {
-    /// Tansu 0.6, what `cargo xtask services` starts: one record per produced batch, and a
-    /// draining consumer that applies nothing is replaced (see `brokers/kafka.rs`, `kill.rs`).
-    #[default]
-    Tansu,
-    /// librdkafka's mock cluster (`kafka-mock`): records batched normally, a stalled drain fails
-    /// the run; no CreateTopics, so topics come from `kafka-mock --control` (`KAFKA_MOCK_CONTROL`)
-    /// or are created on first use with the mock's 4 partitions.
-    Mock,
 }
 
 impl KafkaImpl {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::Tansu => "tansu",
-            Self::Mock => "mock",
-        }
-    }
-
     /// Whether the harness works around Tansu 0.6's fetch and group-assignment behaviour.
     // Asked only by the Kafka broker's code.
     #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
@@ -116,41 +107,22 @@ impl KafkaImpl {
     }
 }
 
-impl FromStr for KafkaImpl {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        [Self::Tansu, Self::Mock]
-            .into_iter()
-            .find(|k| k.name() == s.trim())
-            .ok_or_else(|| format!("unknown Kafka implementation `{s}`; use tansu or mock"))
+named! {
+    /// The article's variants, generalised to each broker.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+    pub(crate) enum Variant ("variant") {
+        /// Ack on receipt, one message at a time.
+        A1 = "a1",
+        /// The same in batches: 100 messages, 10 on SQS (its largest receive).
+        A2 = "a2",
+        /// Ack after the DB commit, no inbox.
+        B = "b",
+        /// The inbox, ack after the DB commit.
+        C = "c",
     }
-}
-
-/// The article's variants, generalised to each broker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) enum Variant {
-    /// Ack on receipt, one message at a time.
-    A1,
-    /// The same in batches: 100 messages, 10 on SQS (its largest receive).
-    A2,
-    /// Ack after the DB commit, no inbox.
-    B,
-    /// The inbox, ack after the DB commit.
-    C,
 }
 
 impl Variant {
-    pub(crate) const ALL: [Variant; 4] = [Self::A1, Self::A2, Self::B, Self::C];
-
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::A1 => "a1",
-            Self::A2 => "a2",
-            Self::B => "b",
-            Self::C => "c",
-        }
-    }
-
     pub(crate) fn label(self) -> &'static str {
         match self {
             Self::A1 => "a1: auto-ack, one at a time",
@@ -170,16 +142,6 @@ impl Variant {
             Self::A2 => 100,
             _ => 1,
         }
-    }
-}
-
-impl FromStr for Variant {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL
-            .into_iter()
-            .find(|v| v.name() == s.trim())
-            .ok_or_else(|| format!("unknown variant `{s}`; use a1, a2, b or c"))
     }
 }
 
@@ -235,6 +197,11 @@ pub(crate) fn millis(value: &str) -> Result<u64, String> {
     duration_in(value, Duration::from_millis(1), "milliseconds")
 }
 
+/// [`millis`] as a `Duration`.
+fn millis_duration(value: &str) -> Result<Duration, String> {
+    millis(value).map(Duration::from_millis)
+}
+
 /// Seconds: `60`, or a duration such as `1m`.
 pub(crate) fn seconds(value: &str) -> Result<u64, String> {
     duration_in(value, Duration::from_secs(1), "seconds")
@@ -275,118 +242,64 @@ pub(crate) fn seconds_range(value: &str) -> Result<(u64, u64), String> {
     Ok((lo, hi))
 }
 
-/// How a consumer applies its messages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum HandlerKind {
-    /// `Consumer::new` with the wallet's `Credit`: two statements per message.
-    PerMessage,
-    /// `Consumer::batched` with `BatchCredit`: one statement per transaction.
-    Batch,
-}
-
-impl HandlerKind {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::PerMessage => "message",
-            Self::Batch => "batch",
-        }
+named! {
+    /// How a consumer applies its messages.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum HandlerKind ("handler") {
+        /// `Consumer::new` with the wallet's `Credit`: two statements per message.
+        PerMessage = "message",
+        /// `Consumer::batched` with `BatchCredit`: one statement per transaction.
+        Batch = "batch",
     }
 }
 
-impl FromStr for HandlerKind {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim() {
-            "message" => Ok(Self::PerMessage),
-            "batch" => Ok(Self::Batch),
-            _ => Err(format!("unknown handler `{s}`; use message or batch")),
-        }
-    }
-}
-
-/// `evidence consume`: what one consumer child of the kill test runs (see [`ConsumerSpec::to_args`]).
+/// What one consumer process (or task) does; `evidence consume`, what the kill test's children
+/// run, takes it as flags (see [`ConsumerSpec::to_args`]).
 #[derive(Debug, Clone, clap::Args)]
-pub(crate) struct ConsumeArgs {
+pub(crate) struct ConsumerSpec {
     /// The broker to consume from.
     #[arg(long, value_name = "kafka|sqs|rabbitmq|redis")]
-    broker: BrokerKind,
+    pub(crate) broker: BrokerKind,
     /// a1 ack on receipt, a2 the same in batches, b ack after the DB commit without
     /// the inbox, c the inbox.
     #[arg(long, value_name = "a1|a2|b|c", default_value = "c")]
-    variant: Variant,
+    pub(crate) variant: Variant,
     /// The queue, topic or stream.
     #[arg(long, value_name = "QUEUE")]
-    name: String,
+    pub(crate) name: String,
     /// The Postgres schema (with `--store mysql`, the MySQL database; with `--store sharded`,
     /// each shard's schema, comma-separated) holding the wallet tables and the inbox.
     #[arg(long)]
-    schema: String,
+    pub(crate) schema: String,
     /// The inbox store.
     #[arg(
         long,
         value_name = "postgres|mysql|sharded",
         default_value = "postgres"
     )]
-    store: StoreKind,
+    pub(crate) store: StoreKind,
     /// The handler's work per message: milliseconds, or a duration such as 10ms.
-    #[arg(long, value_name = "MS", default_value = "10", value_parser = millis)]
-    work_ms: u64,
+    #[arg(long = "work-ms", value_name = "MS", default_value = "10", value_parser = millis_duration)]
+    pub(crate) work: Duration,
     /// Probability per message of aborting between the DB commit and the ack.
     #[arg(long, value_name = "P", default_value = "0", value_parser = probability)]
-    crash_between_commit_and_ack: f64,
+    pub(crate) crash_between_commit_and_ack: f64,
     /// Which of several concurrent consumers this is.
+    // It names the consumer's connection and Redis consumer.
     #[arg(long, value_name = "N", default_value = "0")]
-    member: usize,
+    pub(crate) member: usize,
     /// Messages per transaction [default: the variant's].
     #[arg(long, value_name = "N", value_parser = positive)]
-    batch: Option<usize>,
+    pub(crate) batch: Option<usize>,
     /// Lanes applied side by side.
     #[arg(long, value_name = "N", default_value = "1", value_parser = positive)]
-    lanes: usize,
+    pub(crate) lanes: usize,
     /// The per-message handler or the set-based batch one.
     #[arg(long, value_name = "message|batch", default_value = "message")]
-    handler: HandlerKind,
-}
-
-impl ConsumeArgs {
-    pub(crate) fn spec(self) -> ConsumerSpec {
-        ConsumerSpec {
-            work: Duration::from_millis(self.work_ms),
-            crash_between_commit_and_ack: self.crash_between_commit_and_ack,
-            member: self.member,
-            batch: self.batch,
-            lanes: self.lanes,
-            batched: self.handler == HandlerKind::Batch,
-            store: self.store,
-            ..ConsumerSpec::new(self.broker, self.variant, &self.name, &self.schema)
-        }
-    }
-}
-
-/// What one consumer process (or task) does.
-#[derive(Debug, Clone)]
-pub(crate) struct ConsumerSpec {
-    pub(crate) broker: BrokerKind,
-    pub(crate) variant: Variant,
-    /// The queue, topic or stream.
-    pub(crate) name: String,
-    /// The Postgres schema (MySQL: the database) holding the wallet tables and the inbox.
-    pub(crate) schema: String,
-    /// The inbox store.
-    pub(crate) store: StoreKind,
-    pub(crate) work: Duration,
-    pub(crate) crash_between_commit_and_ack: f64,
-    /// Which of several concurrent consumers this is (names its connection, Redis consumer).
-    pub(crate) member: usize,
-    /// Messages per transaction; `None`: the variant's.
-    pub(crate) batch: Option<usize>,
-    /// Lanes applied side by side (`Consumer::parallel_lanes`).
-    pub(crate) lanes: usize,
-    /// The set-based `BatchCredit` instead of the per-message credit.
-    pub(crate) batched: bool,
+    pub(crate) handler: HandlerKind,
     /// No database at all: an in-memory store and a handler that only counts (the benchmark's
     /// "broker alone").
+    #[arg(skip)]
     pub(crate) no_database: bool,
 }
 
@@ -405,44 +318,45 @@ impl ConsumerSpec {
             member: 0,
             batch: None,
             lanes: 1,
-            batched: false,
+            handler: HandlerKind::PerMessage,
             no_database: false,
         }
     }
 
+    /// The set-based `BatchCredit` instead of the per-message credit.
+    pub(crate) fn batched(&self) -> bool {
+        self.handler == HandlerKind::Batch
+    }
+
     /// The arguments that make a `evidence consume` child run this spec.
     pub(crate) fn to_args(&self) -> Vec<String> {
-        [
-            "consume",
-            "--broker",
-            self.broker.name(),
-            "--variant",
-            self.variant.name(),
-            "--name",
-            &self.name,
-            "--schema",
-            &self.schema,
-            "--store",
-            self.store.name(),
-            "--work-ms",
-            &self.work.as_millis().to_string(),
-            "--crash-between-commit-and-ack",
-            &self.crash_between_commit_and_ack.to_string(),
-            "--member",
-            &self.member.to_string(),
-            "--lanes",
-            &self.lanes.to_string(),
-            "--handler",
-            if self.batched { "batch" } else { "message" },
-        ]
-        .map(str::to_owned)
-        .into_iter()
-        .chain(
-            self.batch
-                .map(|b| ["--batch".to_owned(), b.to_string()])
-                .into_iter()
-                .flatten(),
-        )
-        .collect()
+        let batch = self.batch.map(|b| ("--batch", b.to_string()));
+        let flags = [
+            ("--broker", self.broker.to_string()),
+            ("--variant", self.variant.to_string()),
+            ("--name", self.name.clone()),
+            ("--schema", self.schema.clone()),
+            ("--store", self.store.to_string()),
+            ("--work-ms", self.work.as_millis().to_string()),
+            (
+                "--crash-between-commit-and-ack",
+                self.crash_between_commit_and_ack.to_string(),
+            ),
+            ("--member", self.member.to_string()),
+            ("--lanes", self.lanes.to_string()),
+            ("--handler", self.handler.to_string()),
+        ];
+        std::iter::once("consume".to_owned())
+            .chain(flag_args(flags.into_iter().chain(batch)))
+            .collect()
     }
+}
+
+/// `--flag value` pairs as a child's arguments.
+pub(crate) fn flag_args(
+    flags: impl IntoIterator<Item = (&'static str, String)>,
+) -> impl Iterator<Item = String> {
+    flags
+        .into_iter()
+        .flat_map(|(flag, value)| [flag.to_owned(), value])
 }

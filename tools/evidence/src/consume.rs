@@ -18,7 +18,7 @@ use inbox_testkit::{MemoryStore, MemoryTx, WithoutInbox};
 
 use crate::bench::Progress;
 use crate::brokers::{with_broker, Broker};
-use crate::cli::{ConsumeArgs, ConsumerSpec, KafkaImpl, StoreKind, Variant};
+use crate::cli::{ConsumerSpec, KafkaImpl, StoreKind, Variant};
 use crate::shards;
 
 /// Resolves when the consumer should finish its batch and return.
@@ -69,7 +69,7 @@ pub(crate) async fn run<S: MessageSource + 'static>(
     }
     // b, and the a variants (whose ack already happened on receipt): no inbox claim.
     let with_inbox = spec.variant == Variant::C;
-    if spec.batched {
+    if spec.batched() {
         return if with_inbox {
             let consumer = Consumer::batched("wallet", source, db.inbox(), BatchCredit);
             finish(consumer, spec, progress, shutdown).await
@@ -97,7 +97,7 @@ async fn run_sharded<S: MessageSource + 'static>(
     watch: Watch,
     shutdown: Shutdown,
 ) -> Result<StatsSnapshot, inbox_core::Error> {
-    if spec.variant != Variant::C || spec.batched || spec.no_database {
+    if spec.variant != Variant::C || spec.batched() || spec.no_database {
         return Err(inbox_core::Error::Config(
             "--store sharded runs variant c with the per-message credit only".into(),
         ));
@@ -152,7 +152,7 @@ pub(crate) async fn attached<B: TestBroker>(
         // The consumer attaches to every shard; the first holds the wallet.
         StoreKind::Sharded => shards::attach_shards(&spec.schema).await.remove(0),
         StoreKind::Mysql => {
-            if spec.variant != Variant::C || spec.batched || spec.no_database {
+            if spec.variant != Variant::C || spec.batched() || spec.no_database {
                 return Err(format!(
                     "the MySQL store runs variant c with the per-message credit only, not {spec:?}"
                 )
@@ -201,8 +201,7 @@ where
 }
 
 /// One consumer, until killed or Ctrl-C.
-pub(crate) async fn main(args: ConsumeArgs) -> Result<(), BoxError> {
-    let spec = args.spec();
+pub(crate) async fn main(spec: ConsumerSpec) -> Result<(), BoxError> {
     // A consumer neither creates nor publishes: the Kafka implementation makes no difference.
     let ctrl_c: Shutdown = Box::pin(async {
         if tokio::signal::ctrl_c().await.is_err() {

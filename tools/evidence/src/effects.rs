@@ -315,11 +315,7 @@ async fn run_once<B: TestBroker>(
 
 /// Starts `evidence effects-child` for `spec` and waits for its `ready`, trying up to 5 times.
 pub(crate) async fn spawn(spec: &ChildSpec, env: &[(&str, String)]) -> Result<Child, BoxError> {
-    kill::spawn_ready(
-        &[vec!["effects-child".to_owned()], spec.to_args()].concat(),
-        env,
-    )
-    .await
+    kill::spawn_ready(&spec.to_args(), env).await
 }
 
 /// SIGKILL, then reap.

@@ -17,7 +17,7 @@ use inbox_core::{
 use inbox_postgres::{Outbox, PgLeases, PgTx};
 use inbox_testkit::fast_retry;
 
-use crate::cli::{millis, BrokerKind, KafkaImpl};
+use crate::cli::{flag_args, millis, named, BrokerKind, KafkaImpl};
 
 /// The environment variable the parent passes the provider's address in.
 pub(crate) const PROVIDER_ENV: &str = "EFFECTS_PROVIDER";
@@ -26,76 +26,29 @@ pub(crate) const EFFECT_CONSUMER: &str = "notify";
 /// A lease longer than any call (the slow first call included) on a busy machine.
 pub(crate) const LEASE: Duration = Duration::from_secs(2);
 
-/// What the provider offers and what the handler does after an unknown outcome.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Mode {
-    Keys,
-    Lookup,
-    NeitherRetry,
-    NeitherSkip,
-}
-
-impl Mode {
-    pub(crate) const ALL: [Mode; 4] = [
-        Self::Keys,
-        Self::Lookup,
-        Self::NeitherRetry,
-        Self::NeitherSkip,
-    ];
-
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::Keys => "keys",
-            Self::Lookup => "lookup",
-            Self::NeitherRetry => "neither+retry",
-            Self::NeitherSkip => "neither+skip",
-        }
+named! {
+    /// What the provider offers and what the handler does after an unknown outcome.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum Mode ("mode") {
+        Keys = "keys",
+        Lookup = "lookup",
+        NeitherRetry = "neither+retry",
+        NeitherSkip = "neither+skip",
     }
 }
 
-impl std::str::FromStr for Mode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL
-            .into_iter()
-            .find(|m| m.name() == s)
-            .ok_or_else(|| {
-                format!("unknown mode `{s}`; use keys, lookup, neither+retry or neither+skip")
-            })
-    }
-}
-
-/// Which process a child is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Role {
-    /// The effect consumer of the kill test.
-    Effect,
-    /// Consumer A: reads X, writes a forwarded event into the outbox in its inbox transaction.
-    Forward,
-    /// The outbox relay, publishing to Y.
-    Relay,
-    /// Consumer B: the wallet credit on Y.
-    Credit,
-}
-
-impl Role {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::Effect => "effect",
-            Self::Forward => "forward",
-            Self::Relay => "relay",
-            Self::Credit => "credit",
-        }
-    }
-}
-
-impl std::str::FromStr for Role {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        [Self::Effect, Self::Forward, Self::Relay, Self::Credit]
-            .into_iter()
-            .find(|r| r.name() == s)
-            .ok_or_else(|| format!("unknown role `{s}`"))
+named! {
+    /// Which process a child is.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum Role ("role") {
+        /// The effect consumer of the kill test.
+        Effect = "effect",
+        /// Consumer A: reads X, writes a forwarded event into the outbox in its inbox transaction.
+        Forward = "forward",
+        /// The outbox relay, publishing to Y.
+        Relay = "relay",
+        /// Consumer B: the wallet credit on Y.
+        Credit = "credit",
     }
 }
 
@@ -128,18 +81,18 @@ pub(crate) struct ChildSpec {
 
 impl ChildSpec {
     pub(crate) fn to_args(&self) -> Vec<String> {
-        [
-            ("--role", self.role.name().to_owned()),
-            ("--broker", self.broker.name().to_owned()),
+        let flags = [
+            ("--role", self.role.to_string()),
+            ("--broker", self.broker.to_string()),
             ("--name", self.name.clone()),
             ("--destination", self.destination.clone()),
             ("--schema", self.schema.clone()),
-            ("--mode", self.mode.name().to_owned()),
+            ("--mode", self.mode.to_string()),
             ("--work-ms", self.work_ms.to_string()),
-        ]
-        .into_iter()
-        .flat_map(|(flag, value)| [flag.to_owned(), value])
-        .collect()
+        ];
+        std::iter::once("effects-child".to_owned())
+            .chain(flag_args(flags))
+            .collect()
     }
 }
 

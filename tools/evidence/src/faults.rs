@@ -9,37 +9,23 @@ use inbox_conformance::database_url;
 use inbox_conformance::{FaultProxy, ProxyMode};
 use inbox_core::BoxError;
 
-use crate::cli::BrokerKind;
+use crate::cli::{named, BrokerKind};
 
 pub(crate) const DB_REFUSED_FOR: Duration = Duration::from_secs(5);
 pub(crate) const BROKER_BLACKHOLED_FOR: Duration = Duration::from_secs(10);
 
-/// The injected faults, in the order they rotate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Fault {
-    DbCut,
-    DbRefused,
-    BrokerCut,
-    BrokerBlackholed,
+named! {
+    /// The injected faults, in the order they rotate.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum Fault ("fault") {
+        DbCut = "db_cut",
+        DbRefused = "db_refused_5s",
+        BrokerCut = "broker_cut",
+        BrokerBlackholed = "broker_blackholed_10s",
+    }
 }
 
 impl Fault {
-    const ALL: [Fault; 4] = [
-        Self::DbCut,
-        Self::DbRefused,
-        Self::BrokerCut,
-        Self::BrokerBlackholed,
-    ];
-
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::DbCut => "db_cut",
-            Self::DbRefused => "db_refused_5s",
-            Self::BrokerCut => "broker_cut",
-            Self::BrokerBlackholed => "broker_blackholed_10s",
-        }
-    }
-
     /// How long the fault lasts (a cut is instant).
     pub(crate) fn lasts(self) -> Duration {
         match self {

@@ -23,7 +23,7 @@ use crate::cli::{
 };
 use crate::consume;
 use crate::report::{self, VariantResult};
-use crate::settings::{KillArgs, KillSettings};
+use crate::settings::KillSettings;
 use crate::shards::ShardedDb;
 
 /// `count` seeded credit events, IDs `evt-<i>`, each crediting 1–100 to one of `accounts` from
@@ -49,8 +49,9 @@ pub(crate) fn events(
 /// and broker.
 fn schedule(s: &KillSettings, run: u32) -> Vec<KillAt> {
     let mut rng = StdRng::seed_from_u64(s.seed ^ (0x6b11 + u64::from(run)));
-    (0..s.kills)
-        .map(|_| rng.random_range(s.kill_after_ms.0..=s.kill_after_ms.1))
+    let (min, max) = s.kill_after_ms();
+    (0..s.kills())
+        .map(|_| rng.random_range(min..=max))
         .map(|ms| KillAt::AfterFirstWrite(Duration::from_millis(ms)))
         .collect()
 }
@@ -60,35 +61,50 @@ async fn on_broker<B: TestBroker, D: TestStore>(
     broker: &Broker<B>,
     s: &KillSettings,
 ) -> Result<Vec<VariantResult>, BoxError> {
+    let (kind, runs_per_variant) = (broker.kind(), s.runs());
     let mut results = Vec::new();
-    for &variant in &s.variants {
+    for variant in s.variants() {
         let mut runs = Vec::new();
-        for run in 0..s.runs {
-            let r = run_once::<B, D>(broker, s, variant, run).await?;
+        for run in 0..runs_per_variant {
+            let label = format!(
+                "{kind} {} run {}/{runs_per_variant}",
+                variant.name(),
+                run + 1
+            );
+            let kills = schedule(s, run);
+            let r = run_once::<B, D>(
+                broker,
+                s,
+                variant,
+                &run.to_string(),
+                &label,
+                s.events(),
+                kills,
+            )
+            .await?;
             // Kept in the output as it happens, so a long session cut short still shows it.
             println!(
-                "run done: {} {} run {}/{}: {} duplicates, {} lost, {} kills, {} self-crashes",
-                broker.kind(),
-                variant.name(),
-                run + 1,
-                s.runs,
-                r.duplicates,
-                r.lost,
-                r.kills,
-                r.self_crashes
+                "run done: {label}: {} duplicates, {} lost, {} kills, {} self-crashes",
+                r.duplicates, r.lost, r.kills, r.self_crashes
             );
             runs.push(r);
         }
         let throughput = if s.throughput {
-            Some(throughput::<B, D>(broker, s, variant).await?)
+            // A run with no kills: events per second from the consumer's start to its last write.
+            let label = format!("{kind} {} no-kill throughput", variant.name());
+            let events = s.throughput_events();
+            let r =
+                run_once::<B, D>(broker, s, variant, "rate", &label, events, Vec::new()).await?;
+            let rows = i64::from(events) - r.lost + r.duplicates;
+            Some(rows as f64 / r.drained_in.as_secs_f64().max(1e-3))
         } else {
             None
         };
         let result = VariantResult {
-            broker: broker.kind(),
+            broker: kind,
             variant,
-            events: s.events,
-            kills_per_run: s.kills,
+            events: s.events(),
+            kills_per_run: s.kills(),
             runs,
             throughput,
             work_ms: s.work_ms,
@@ -99,44 +115,40 @@ async fn on_broker<B: TestBroker, D: TestStore>(
     Ok(results)
 }
 
-fn spec(
-    broker: BrokerKind,
-    variant: Variant,
-    name: &str,
-    db: &impl TestStore,
-    s: &KillSettings,
-) -> ConsumerSpec {
-    ConsumerSpec {
-        work: Duration::from_millis(s.work_ms),
-        lanes: s.lanes,
-        crash_between_commit_and_ack: s.crash_between_commit_and_ack,
-        store: s.store,
-        ..ConsumerSpec::new(broker, variant, name, db.name())
-    }
-}
-
+/// One run of `variant` on a fresh queue (`tag` part of its name) and wallet: `events`
+/// published, the consumer process killed as `kills` say, then a drain; `label` names it.
 async fn run_once<B: TestBroker, D: TestStore>(
     broker: &Broker<B>,
     s: &KillSettings,
     variant: Variant,
-    run: u32,
+    tag: &str,
+    label: &str,
+    events: u32,
+    kills: Vec<KillAt>,
 ) -> Result<KillReport, BoxError> {
     let kind = broker.kind();
     let db = D::create().await;
     let name = broker
-        .create(&format!("{kind}-{}-{run}", variant.name()))
+        .create(&format!("{kind}-{}-{tag}", variant.name()))
         .await?;
-    let (events, expected) = events(s.seed, s.accounts, s.events);
-    broker.publish(&name, &events).await?;
-    let spec = spec(kind, variant, &name, &db, s);
-    let mut drain_spec = spec.clone();
-    drain_spec.crash_between_commit_and_ack = 0.0;
-    let label = format!("{kind} {} run {}/{}", variant.name(), run + 1, s.runs);
-    let bar = progress::Progress::bar(&label, u64::from(s.events), "events", "applied");
+    let (outgoing, expected) = self::events(s.seed, s.accounts, events);
+    broker.publish(&name, &outgoing).await?;
+    let spec = ConsumerSpec {
+        work: Duration::from_millis(s.work_ms),
+        lanes: s.lanes(),
+        crash_between_commit_and_ack: s.crash_between_commit_and_ack(),
+        store: s.store,
+        ..ConsumerSpec::new(kind, variant, &name, db.name())
+    };
+    let drain_spec = ConsumerSpec {
+        crash_between_commit_and_ack: 0.0,
+        ..spec.clone()
+    };
+    let bar = progress::Progress::bar(label, u64::from(events), "events", "applied");
     let plan = KillPlan {
-        events: i64::from(s.events),
+        events: i64::from(events),
         expected,
-        kills: schedule(s, run),
+        kills,
     };
     let mut h = harness(broker, &spec, &drain_spec, &db, &bar).await?;
     let result = kill::run(&mut h, &plan)
@@ -174,33 +186,6 @@ pub(crate) async fn harness<'a, B: TestBroker, D: TestStore>(
             KillTick::Note(note) => bar.println(&format!("{}: {note}", bar.label())),
         }),
     })
-}
-
-/// A no-kill run: events per second from the consumer's start to its last write.
-async fn throughput<B: TestBroker, D: TestStore>(
-    broker: &Broker<B>,
-    s: &KillSettings,
-    variant: Variant,
-) -> Result<f64, BoxError> {
-    let kind = broker.kind();
-    let db = D::create().await;
-    let name = broker
-        .create(&format!("{kind}-{}-rate", variant.name()))
-        .await?;
-    let (events, _) = events(s.seed, s.accounts, s.throughput_events);
-    broker.publish(&name, &events).await?;
-    let mut spec = spec(kind, variant, &name, &db, s);
-    spec.crash_between_commit_and_ack = 0.0;
-    let label = format!("{kind} {} no-kill throughput", variant.name());
-    let bar = progress::Progress::bar(label, u64::from(s.throughput_events), "events", "applied");
-    let h = harness(broker, &spec, &spec, &db, &bar).await?;
-    let elapsed = kill::drain(&h, i64::from(s.throughput_events)).await?;
-    drop(h);
-    let rows = db.summary().await?.ledger_rows;
-    bar.finish();
-    db.remove().await;
-    broker.remove(&name).await;
-    Ok(rows as f64 / elapsed.as_secs_f64().max(1e-3))
 }
 
 /// Starts this binary with `args` and `env` added (`consume` and a `ConsumerSpec`'s, say) and
@@ -265,23 +250,21 @@ pub(crate) async fn start_child(
 
 /// The main demo: a short kill test of b and c on every broker that answers; `--full` for
 /// the article's settings.
-pub(crate) async fn demo(full: bool, args: KillArgs) -> Result<(), BoxError> {
-    let settings = args.apply(if full {
-        KillSettings::full()
-    } else {
-        KillSettings::demo()
-    });
+pub(crate) async fn demo(full: bool, mut settings: KillSettings) -> Result<(), BoxError> {
+    settings.demo = !full;
+    let (min, max) = settings.kill_after_ms();
     println!(
         "The wallet kill test: {} credit events per run, the consumer process SIGKILLed {} times \
-         per run after {}–{} ms of work, then a last consumer drains. (`cargo xtask demo --full` \
-         runs the article's settings.)",
-        settings.events, settings.kills, settings.kill_after_ms.0, settings.kill_after_ms.1
+         per run after {min}–{max} ms of work, then a last consumer drains. (`cargo xtask demo \
+         --full` runs the article's settings.)",
+        settings.events(),
+        settings.kills(),
     );
-    if settings.crash_between_commit_and_ack > 0.0 {
+    let crash = settings.crash_between_commit_and_ack();
+    if crash > 0.0 {
         println!(
             "The consumer also aborts itself right after a DB commit, before its ack, with \
-             probability {} per message (--crash-between-commit-and-ack).",
-            settings.crash_between_commit_and_ack
+             probability {crash} per message (--crash-between-commit-and-ack)."
         );
     }
     run(&settings).await
@@ -290,7 +273,7 @@ pub(crate) async fn demo(full: bool, args: KillArgs) -> Result<(), BoxError> {
 /// `evidence kill-test`: the kill test on every broker asked for that answers.
 pub(crate) async fn run(s: &KillSettings) -> Result<(), BoxError> {
     if s.store == StoreKind::Mysql {
-        if s.variants.iter().any(|&v| v != Variant::C) {
+        if s.variants().iter().any(|&v| v != Variant::C) {
             return Err(
                 "--store mysql runs variant c only (--variants c): the variants a1, a2 \
                         and b show what the inbox prevents, on PostgreSQL"
@@ -300,19 +283,19 @@ pub(crate) async fn run(s: &KillSettings) -> Result<(), BoxError> {
         println!("The inbox store: MySQL (inbox-mysql, INBOX_MYSQL_URL).");
     }
     if s.store == StoreKind::Sharded {
-        if s.variants.iter().any(|&v| v != Variant::C) {
+        if s.variants().iter().any(|&v| v != Variant::C) {
             return Err("--store sharded runs variant c only (--variants c)".into());
         }
         println!(
             "The inbox store: inbox-postgres behind Sharded, credits routed by account over {} \
              PostgreSQL cluster(s) of the run's own.",
-            s.shards
+            s.shards()
         );
     }
-    if s.lanes > 1 {
+    if s.lanes() > 1 {
         println!(
             "Each consumer applies up to {} lanes side by side (--lanes).",
-            s.lanes
+            s.lanes()
         );
     }
     let mut all = Vec::new();
@@ -323,7 +306,7 @@ pub(crate) async fn run(s: &KillSettings) -> Result<(), BoxError> {
         }
         brokers::kafka_note(kind, s.kafka_impl);
         // The broker and the store are picked here, once: the run is generic over both.
-        let results = with_broker!(kind, s.kafka_impl, |broker| match (s.store, s.shards) {
+        let results = with_broker!(kind, s.kafka_impl, |broker| match (s.store, s.shards()) {
             (StoreKind::Postgres, _) => on_broker::<_, TestDb>(broker, s).await,
             (StoreKind::Mysql, _) => on_broker::<_, MySqlDb>(broker, s).await,
             (StoreKind::Sharded, 1) => on_broker::<_, ShardedDb<1>>(broker, s).await,
@@ -388,12 +371,8 @@ pub(crate) async fn publish(args: PublishArgs) -> Result<(), BoxError> {
         seed,
         kafka_impl,
     } = args;
-    let settings = KillSettings {
-        events,
-        seed,
-        ..KillSettings::full()
-    };
-    let (outgoing, _) = self::events(settings.seed, settings.accounts, events);
+    // The kill test's 100 accounts.
+    let (outgoing, _) = self::events(seed, 100, events);
     with_broker!(broker, kafka_impl, |broker| {
         let name = broker.create(&name).await?;
         broker.publish(&name, &outgoing).await?;

@@ -37,8 +37,8 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
 
-use crate::cli::ConsumeArgs;
-use crate::settings::{KillArgs, KillSettings, ZombieSettings};
+use crate::cli::ConsumerSpec;
+use crate::settings::{KillSettings, ZombieSettings};
 
 /// The notes under `evidence --help`.
 const NOTES: &str = "\
@@ -67,12 +67,12 @@ enum Command {
         #[arg(long)]
         full: bool,
         #[command(flatten)]
-        kill: KillArgs,
+        kill: KillSettings,
     },
     /// The kill test: the consumer process SIGKILLed again and again while it works through the
     /// credit events, then a last consumer drains; duplicates, losses and balances per variant,
     /// a table, a chart and JSON lines.
-    KillTest(KillArgs),
+    KillTest(KillSettings),
     /// The zombie test: a consumer stalls past the broker's ownership while another takes its
     /// messages over.
     ZombieTest(ZombieSettings),
@@ -88,7 +88,7 @@ enum Command {
     /// run; only PostgreSQL, a table and JSON lines.
     RetentionBench(retention_bench::RetentionSettings),
     /// One consumer, until killed or Ctrl-C (what the kill test's children run).
-    Consume(ConsumeArgs),
+    Consume(ConsumerSpec),
     /// Creates a queue, topic or stream and publishes seeded credit events to it.
     Publish(kill::PublishArgs),
     /// The wallet on the in-memory broker with crash points; only PostgreSQL.
@@ -118,7 +118,7 @@ async fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Demo { full, kill } => kill::demo(full, kill).await,
-        Command::KillTest(args) => kill::run(&args.apply(KillSettings::full())).await,
+        Command::KillTest(s) => kill::run(&s).await,
         Command::ZombieTest(s) => zombie::run(&s).await,
         Command::Bench(s) => bench::run(&s).await,
         Command::Soak(s) => soak::run(&s).await,
@@ -162,9 +162,8 @@ mod tests {
     use clap::{CommandFactory, Parser};
 
     use super::{Cli, Command};
-    use crate::cli::{BrokerKind, ConsumerSpec, Variant};
+    use crate::cli::{BrokerKind, ConsumerSpec, HandlerKind, Variant};
     use crate::effects_child::{ChildSpec, Mode, Role};
-    use crate::settings::KillSettings;
 
     fn parse(args: &[&str]) -> Command {
         Cli::try_parse_from(std::iter::once("evidence").chain(args.iter().copied()))
@@ -179,31 +178,35 @@ mod tests {
 
     #[test]
     fn list_defaults_are_split_and_flags_override_them() {
-        let Command::KillTest(args) = parse(&["kill-test"]) else {
+        let Command::KillTest(s) = parse(&["kill-test"]) else {
             panic!("not kill-test")
         };
-        let s = args.apply(KillSettings::full());
         assert_eq!(s.brokers, BrokerKind::ALL);
-        assert_eq!(s.variants, Variant::ALL);
+        assert_eq!(s.variants(), Variant::ALL);
         assert_eq!(
-            (s.events, s.throughput_events, s.kill_after_ms),
+            (s.events(), s.throughput_events(), s.kill_after_ms()),
             (10_000, 10_000, (1_000, 8_000))
         );
 
-        let Command::Demo { full: false, kill } =
-            parse(&["demo", "--broker", "redis", "--events", "300"])
+        let Command::Demo {
+            full: false,
+            kill: mut s,
+        } = parse(&["demo", "--broker", "redis", "--events", "300"])
         else {
             panic!("not the short demo")
         };
-        let s = kill.apply(KillSettings::demo());
+        s.demo = true;
         assert_eq!(s.brokers, [BrokerKind::Redis]);
-        assert_eq!(s.variants, [Variant::B, Variant::C]);
-        assert_eq!((s.events, s.throughput_events, s.kills), (300, 300, 4));
+        assert_eq!(s.variants(), [Variant::B, Variant::C]);
+        assert_eq!(
+            (s.events(), s.throughput_events(), s.kills()),
+            (300, 300, 4)
+        );
     }
 
     #[test]
     fn durations_take_plain_numbers_in_the_flags_unit_or_humantime() {
-        let Command::KillTest(args) = parse(&[
+        let Command::KillTest(s) = parse(&[
             "kill-test",
             "--kill-after-ms",
             "1s..2500ms",
@@ -212,8 +215,7 @@ mod tests {
         ]) else {
             panic!("not kill-test")
         };
-        let s = args.apply(KillSettings::full());
-        assert_eq!((s.kill_after_ms, s.work_ms), ((1_000, 2_500), 3));
+        assert_eq!((s.kill_after_ms(), s.work_ms), ((1_000, 2_500), 3));
         for ok in [
             &["soak", "--kill-every", "5..30", "--max-minutes", "100"][..],
             &[
@@ -251,7 +253,7 @@ mod tests {
             member: 2,
             batch: Some(100),
             lanes: 6,
-            batched: true,
+            handler: HandlerKind::Batch,
             ..ConsumerSpec::new(BrokerKind::Kafka, Variant::A2, "kafka-a2-0", "wallet_x")
         };
         let args: Vec<String> = spec.to_args();
@@ -259,7 +261,7 @@ mod tests {
         else {
             panic!("not consume: {args:?}")
         };
-        assert_eq!(format!("{:?}", parsed.spec()), format!("{spec:?}"));
+        assert_eq!(format!("{parsed:?}"), format!("{spec:?}"));
 
         let child = ChildSpec {
             role: Role::Relay,
@@ -270,10 +272,7 @@ mod tests {
             mode: Mode::NeitherSkip,
             work_ms: 40,
         };
-        let args: Vec<String> = ["effects-child".to_owned()]
-            .into_iter()
-            .chain(child.to_args())
-            .collect();
+        let args = child.to_args();
         let Command::EffectsChild(parsed) =
             parse(&args.iter().map(String::as_str).collect::<Vec<_>>())
         else {

@@ -28,7 +28,7 @@ use serde_json::json;
 use sqlx::AssertSqlSafe;
 use uuid::{NoContext, Timestamp, Uuid};
 
-use crate::cli::{positive, seconds};
+use crate::cli::{named, positive, seconds};
 
 const DAY_MS: i64 = 86_400_000;
 /// The throughput this project aims for, msgs/s: the full rate the figures are scaled to.
@@ -73,31 +73,12 @@ pub(crate) struct RetentionSettings {
     layouts: Vec<Layout>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Layout {
-    Plain,
-    Partitioned,
-}
-
-impl Layout {
-    fn name(self) -> &'static str {
-        match self {
-            Layout::Plain => "plain",
-            Layout::Partitioned => "partitioned",
-        }
-    }
-}
-
-impl std::str::FromStr for Layout {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim() {
-            "plain" => Ok(Layout::Plain),
-            "partitioned" => Ok(Layout::Partitioned),
-            other => Err(format!(
-                "unknown layout `{other}`; use plain or partitioned"
-            )),
-        }
+named! {
+    /// How the inbox table is laid out.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum Layout ("layout") {
+        Plain = "plain",
+        Partitioned = "partitioned",
     }
 }
 

@@ -7,81 +7,11 @@ use crate::cli::{
     KAFKA_IMPL_LONG_HELP,
 };
 
-#[derive(Debug, Clone)]
-pub(crate) struct KillSettings {
-    pub(crate) brokers: Vec<BrokerKind>,
-    pub(crate) variants: Vec<Variant>,
-    pub(crate) events: u32,
-    pub(crate) accounts: i64,
-    pub(crate) kills: u32,
-    pub(crate) runs: u32,
-    /// Work before each kill, drawn from this range (ms).
-    pub(crate) kill_after_ms: (u64, u64),
-    pub(crate) work_ms: u64,
-    /// Lanes each consumer applies side by side (`Consumer::parallel_lanes`).
-    pub(crate) lanes: usize,
-    pub(crate) seed: u64,
-    pub(crate) crash_between_commit_and_ack: f64,
-    /// Also measure a run with no kills.
-    pub(crate) throughput: bool,
-    pub(crate) throughput_events: u32,
-    pub(crate) chart: PathBuf,
-    /// Fail (rather than skip) when a broker cannot be reached.
-    pub(crate) require_brokers: bool,
-    /// What `KAFKA_BROKERS` is, for the Tansu work-arounds.
-    pub(crate) kafka_impl: KafkaImpl,
-    /// The inbox store.
-    pub(crate) store: StoreKind,
-    /// With `StoreKind::Sharded`: how many shard clusters.
-    pub(crate) shards: usize,
-}
-
-impl KillSettings {
-    /// The article's settings: 10,000 events, 20 kills after 1–8 s, 5 runs, 10 ms of work.
-    pub(crate) fn full() -> Self {
-        Self {
-            brokers: BrokerKind::ALL.to_vec(),
-            variants: Variant::ALL.to_vec(),
-            events: 10_000,
-            accounts: 100,
-            kills: 20,
-            runs: 5,
-            kill_after_ms: (1_000, 8_000),
-            work_ms: 10,
-            lanes: 1,
-            seed: 42,
-            crash_between_commit_and_ack: 0.0,
-            throughput: true,
-            throughput_events: 10_000,
-            store: StoreKind::Postgres,
-            shards: 2,
-            chart: PathBuf::from("target/wallet-kill-test.svg"),
-            require_brokers: false,
-            kafka_impl: KafkaImpl::default(),
-        }
-    }
-
-    /// The demo: b and c, one short run each on every broker, a few minutes in all.
-    pub(crate) fn demo() -> Self {
-        Self {
-            variants: vec![Variant::B, Variant::C],
-            events: 400,
-            kills: 4,
-            runs: 1,
-            kill_after_ms: (500, 2_000),
-            throughput_events: 400,
-            // So that b shows its duplicates even in a short run (the article saw 5 per 20 kills).
-            crash_between_commit_and_ack: 0.02,
-            ..Self::full()
-        }
-    }
-}
-
 /// The flags of `kill-test` and `demo`. Where the short demo differs from the article's
-/// settings (`kill-test`, `demo --full`), a flag left out keeps the value of the settings it is
-/// applied to.
+/// settings (`kill-test`, `demo --full`), a flag left out takes the value of the one `demo`
+/// runs with: the methods of the same name read them.
 #[derive(Debug, Clone, clap::Args)]
-pub(crate) struct KillArgs {
+pub(crate) struct KillSettings {
     /// Brokers to test; one that does not answer is skipped.
     #[arg(
         long,
@@ -90,7 +20,7 @@ pub(crate) struct KillArgs {
         value_name = "BROKER,…",
         default_value = "kafka,sqs,rabbitmq,redis,nats"
     )]
-    brokers: Vec<BrokerKind>,
+    pub(crate) brokers: Vec<BrokerKind>,
     /// Variants to run [default: a1,a2,b,c; demo: b,c].
     #[arg(
         long,
@@ -104,7 +34,7 @@ pub(crate) struct KillArgs {
     events: Option<u32>,
     /// Accounts the events credit.
     #[arg(long, value_name = "N", default_value = "100", value_parser = clap::value_parser!(i64).range(1..))]
-    accounts: i64,
+    pub(crate) accounts: i64,
     /// SIGKILLs of the consumer per run [default: 20; demo: 4].
     #[arg(long, value_name = "N")]
     kills: Option<u32>,
@@ -117,21 +47,21 @@ pub(crate) struct KillArgs {
     kill_after_ms: Option<(u64, u64)>,
     /// The handler's work per message: milliseconds, or a duration such as 10ms.
     #[arg(long, value_name = "MS", default_value = "10", value_parser = millis)]
-    work_ms: u64,
+    pub(crate) work_ms: u64,
     /// Lanes each consumer applies side by side (`Consumer::parallel_lanes`): Kafka
     /// partitions, SQS FIFO groups; one lane on sources of one order.
     #[arg(long, value_name = "N", default_value = "1", value_parser = clap::value_parser!(u64).range(1..))]
     lanes: u64,
     /// Seed of the events and the kill schedule.
     #[arg(long, value_name = "N", default_value = "42")]
-    seed: u64,
+    pub(crate) seed: u64,
     /// Probability per message that the consumer aborts itself between its DB commit and its
     /// ack [default: 0; demo: 0.005].
     #[arg(long, value_name = "P", value_parser = probability)]
     crash_between_commit_and_ack: Option<f64>,
     /// Also measure a run with no kills.
     #[arg(long, value_name = "BOOL", default_value = "true", action = clap::ArgAction::Set)]
-    throughput: bool,
+    pub(crate) throughput: bool,
     /// Events of the no-kill run [default: --events].
     #[arg(long, value_name = "N")]
     throughput_events: Option<u32>,
@@ -141,12 +71,12 @@ pub(crate) struct KillArgs {
         value_name = "SVG",
         default_value = "target/wallet-kill-test.svg"
     )]
-    chart: PathBuf,
+    pub(crate) chart: PathBuf,
     /// Fail, rather than skip, when a broker cannot be reached.
     #[arg(long, value_name = "BOOL", default_value = "false", action = clap::ArgAction::Set)]
-    require_brokers: bool,
+    pub(crate) require_brokers: bool,
     #[arg(long, value_name = "tansu|mock", default_value = "tansu", help = KAFKA_IMPL_HELP, long_help = KAFKA_IMPL_LONG_HELP)]
-    kafka_impl: KafkaImpl,
+    pub(crate) kafka_impl: KafkaImpl,
     /// The inbox store of the wallet: `mysql` runs variant c on `inbox-mysql` in a database of
     /// its own at `INBOX_MYSQL_URL` (the other variants exist to show what the inbox prevents,
     /// and run on PostgreSQL).
@@ -160,38 +90,67 @@ pub(crate) struct KillArgs {
         value_name = "postgres|mysql|sharded",
         default_value = "postgres"
     )]
-    store: StoreKind,
+    pub(crate) store: StoreKind,
     /// With `--store sharded`: 1 or 2 shards.
     #[arg(long, value_name = "N", default_value = "2", value_parser = clap::value_parser!(u8).range(1..=2))]
     shards: u8,
+    /// The short demo's settings for the flags left out, rather than the article's.
+    #[arg(skip)]
+    pub(crate) demo: bool,
 }
 
-impl KillArgs {
-    /// `base` with the flags given applied.
-    pub(crate) fn apply(self, base: KillSettings) -> KillSettings {
-        let events = self.events.unwrap_or(base.events);
-        KillSettings {
-            brokers: self.brokers,
-            variants: self.variants.unwrap_or(base.variants),
-            events,
-            accounts: self.accounts,
-            kills: self.kills.unwrap_or(base.kills),
-            runs: self.runs.unwrap_or(base.runs),
-            kill_after_ms: self.kill_after_ms.unwrap_or(base.kill_after_ms),
-            work_ms: self.work_ms,
-            lanes: usize::try_from(self.lanes).unwrap_or(usize::MAX),
-            seed: self.seed,
-            crash_between_commit_and_ack: self
-                .crash_between_commit_and_ack
-                .unwrap_or(base.crash_between_commit_and_ack),
-            throughput: self.throughput,
-            throughput_events: self.throughput_events.unwrap_or(events),
-            chart: self.chart,
-            require_brokers: self.require_brokers,
-            kafka_impl: self.kafka_impl,
-            store: self.store,
-            shards: usize::from(self.shards),
-        }
+impl KillSettings {
+    /// `given`, else the short demo's value or the article's.
+    fn or<T>(&self, given: Option<T>, article: T, demo: T) -> T {
+        given.unwrap_or(if self.demo { demo } else { article })
+    }
+
+    /// The article's 4 variants; the demo's b and c.
+    pub(crate) fn variants(&self) -> Vec<Variant> {
+        let demo = vec![Variant::B, Variant::C];
+        self.or(self.variants.clone(), Variant::ALL.to_vec(), demo)
+    }
+
+    /// The article's 10,000 events; the demo's 400.
+    pub(crate) fn events(&self) -> u32 {
+        self.or(self.events, 10_000, 400)
+    }
+
+    /// The article's 20 kills; the demo's 4.
+    pub(crate) fn kills(&self) -> u32 {
+        self.or(self.kills, 20, 4)
+    }
+
+    /// The article's 5 runs; the demo's 1.
+    pub(crate) fn runs(&self) -> u32 {
+        self.or(self.runs, 5, 1)
+    }
+
+    /// Work before each kill, drawn from this range (ms): the article's 1–8 s; the demo's
+    /// 0.5–2 s.
+    pub(crate) fn kill_after_ms(&self) -> (u64, u64) {
+        self.or(self.kill_after_ms, (1_000, 8_000), (500, 2_000))
+    }
+
+    /// None in the article; in the demo 0.02, so that b shows its duplicates even in a short
+    /// run (the article saw 5 per 20 kills).
+    pub(crate) fn crash_between_commit_and_ack(&self) -> f64 {
+        self.or(self.crash_between_commit_and_ack, 0.0, 0.02)
+    }
+
+    /// The no-kill run's events: `--events` unless said.
+    pub(crate) fn throughput_events(&self) -> u32 {
+        self.throughput_events.unwrap_or(self.events())
+    }
+
+    /// Lanes each consumer applies side by side (`Consumer::parallel_lanes`).
+    pub(crate) fn lanes(&self) -> usize {
+        usize::try_from(self.lanes).unwrap_or(usize::MAX)
+    }
+
+    /// With `StoreKind::Sharded`: how many shard clusters.
+    pub(crate) fn shards(&self) -> usize {
+        usize::from(self.shards)
     }
 }
 

@@ -462,7 +462,7 @@ async fn on_broker<B: TestBroker>(
         work: Duration::from_millis(s.work_ms),
         batch: Some(s.batch),
         lanes: s.lanes,
-        batched: s.handler == HandlerKind::Batch,
+        handler: s.handler,
         ..ConsumerSpec::new(kind, Variant::C, &name, &db.schema)
     };
     let proxies = Proxies::start(kind).await?;
