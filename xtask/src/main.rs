@@ -87,7 +87,15 @@ fn test(extra: &[String]) -> Result<(), String> {
     cargo(&["test", "--workspace", "--doc", "--quiet"])?;
     // Both inbox layouts pass the store's whole suite: the second pass puts every test inbox of
     // `inbox-postgres` in the partitioned one.
-    let mut args = vec!["nextest", "run", "-p", "inbox-postgres"];
+    // Selected with a filter over the workspace, not `-p`: the dependencies keep the features
+    // the workspace build gave them, so nothing is compiled again.
+    let mut args = vec![
+        "nextest",
+        "run",
+        "--workspace",
+        "-E",
+        "package(inbox-postgres)",
+    ];
     args.extend(extra.iter().map(String::as_str));
     cargo_with(&args, &[("INBOX_TEST_LAYOUT", "partitioned")])?;
     // The store behind PgBouncer in transaction mode: one broker's whole suite, the hard kill
@@ -98,10 +106,9 @@ fn test(extra: &[String]) -> Result<(), String> {
     let mut args = vec![
         "nextest",
         "run",
-        "-p",
-        "inbox-redis-streams",
+        "--workspace",
         "-E",
-        "binary(conformance)",
+        "package(inbox-redis-streams) & binary(conformance)",
     ];
     args.extend(extra.iter().map(String::as_str));
     cargo_with(&args, &[("INBOX_TEST_POOLER_URL", pooler.as_str())])?;
@@ -389,11 +396,17 @@ fn cargo_with(args: &[&str], env: &[(&str, &str)]) -> Result<(), String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let vars: String = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
     eprintln!("xtask: {vars}cargo {}", args.join(" "));
+    let started = Instant::now();
     let status = Command::new(cargo)
         .args(args)
         .envs(env.iter().copied())
         .status()
         .map_err(|e| format!("cannot run cargo: {e}"))?;
+    eprintln!(
+        "xtask: cargo {} took {:.0} s",
+        args.first().copied().unwrap_or_default(),
+        started.elapsed().as_secs_f64()
+    );
     if status.success() {
         Ok(())
     } else {
