@@ -8,7 +8,6 @@
 
 use inbox_admin::progress;
 use inbox_core::Transaction as _;
-use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -101,6 +100,39 @@ struct Row {
 }
 
 impl Row {
+    /// The row of `spec`'s consumer, not measured yet: the broker alone where it has no
+    /// database.
+    fn of(spec: &ConsumerSpec) -> Self {
+        let alone = spec.no_database;
+        Self {
+            broker: spec.broker.to_string(),
+            variant: if alone {
+                "broker alone"
+            } else {
+                spec.variant.name()
+            }
+            .to_owned(),
+            handler: if alone { "none" } else { spec.handler.name() },
+            batch: spec.batch.unwrap_or(1),
+            lanes: spec.lanes,
+            processes: None,
+            events: 0,
+            seconds: 0.0,
+            peak_rss_mb: 0.0,
+        }
+    }
+
+    /// What the progress bars call the configuration.
+    fn label(&self) -> String {
+        match self.variant.len() {
+            1 => format!(
+                "{} {} batch {} lanes {}",
+                self.variant, self.handler, self.batch, self.lanes
+            ),
+            _ => self.variant.clone(),
+        }
+    }
+
     fn rate(&self) -> f64 {
         if self.seconds > 0.0 {
             self.events as f64 / self.seconds
@@ -168,7 +200,20 @@ async fn on_broker<B: TestBroker>(
     runs: &mut Runs,
 ) -> Result<(), BoxError> {
     let events = events(s, s.events);
-    let alone = broker_alone(broker, &events, &runs.next()).await?;
+    let consumer = |variant, batch, lanes, handler| ConsumerSpec {
+        batch: Some(batch),
+        lanes,
+        handler,
+        work: Duration::ZERO,
+        ..ConsumerSpec::new(broker.kind(), variant, "", "")
+    };
+    // The same consumer at batch size 1000 with an in-memory store and a handler that only
+    // counts, so what is left is receiving and acking.
+    let broker_alone = ConsumerSpec {
+        no_database: true,
+        ..consumer(Variant::B, 1000, 1, HandlerKind::Batch)
+    };
+    let alone = timed_run(broker, &events, &runs.next(), broker_alone).await?;
     print_row(&alone, limits, None);
     limits.broker = Some(alone.clone());
     rows.push(alone);
@@ -184,18 +229,13 @@ async fn on_broker<B: TestBroker>(
             for &handler in &s.handlers {
                 let mut b_rate = None;
                 for &variant in &s.variants {
-                    let spec = Spec {
-                        variant,
-                        handler,
-                        batch,
-                        lanes: lane_count,
-                    };
+                    let spec = consumer(variant, batch, lane_count, handler);
                     let ran = if s.processes.is_empty() {
-                        vec![consumer_run(broker, spec, &events, &runs.next()).await?]
+                        vec![timed_run(broker, &events, &runs.next(), spec).await?]
                     } else {
                         let mut ran = Vec::new();
                         for &processes in &s.processes {
-                            let run = runs.next();
+                            let (run, spec) = (runs.next(), spec.clone());
                             ran.push(processes_run(broker, spec, processes, &events, &run).await?);
                         }
                         ran
@@ -259,81 +299,25 @@ fn events_of(all: &[OutgoingMessage], s: &BenchSettings, n: u32) -> Vec<Outgoing
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Spec {
-    variant: Variant,
-    handler: HandlerKind,
-    batch: usize,
-    lanes: usize,
-}
-
-impl fmt::Display for Spec {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} {} batch {} lanes {}",
-            self.variant.name(),
-            self.handler.name(),
-            self.batch,
-            self.lanes
-        )
-    }
-}
-
-/// Fills a fresh queue with `events`, runs one consumer in this process until every event is
-/// applied, and times it from the first applied message to the last.
-async fn consumer_run<B: TestBroker>(
-    broker: &Broker<B>,
-    spec: Spec,
-    events: &[OutgoingMessage],
-    run: &str,
-) -> Result<Row, BoxError> {
-    let label = spec.to_string();
-    let (events, seconds) = timed_run(broker, events, &label, run, |name, schema| ConsumerSpec {
-        batch: Some(spec.batch),
-        lanes: spec.lanes,
-        handler: spec.handler,
-        work: Duration::ZERO,
-        ..ConsumerSpec::new(broker.kind(), spec.variant, name, schema)
-    })
-    .await?;
-    Ok(Row {
-        broker: broker.kind().to_string(),
-        variant: spec.variant.name().to_owned(),
-        handler: spec.handler.name(),
-        batch: spec.batch,
-        lanes: spec.lanes,
-        processes: None,
-        events,
-        seconds,
-        peak_rss_mb: peak_rss_mb(),
-    })
-}
-
 /// Starts `processes` consumer processes of `spec` in one group on a fresh queue, publishes
 /// `events` once they are connected, and times them from the first ledger row to the last
 /// (polled every 20 ms). Their group joins are behind them; a Kafka rebalance as the last ones
 /// get partitions may not be.
 async fn processes_run<B: TestBroker>(
     broker: &Broker<B>,
-    spec: Spec,
+    consumer: ConsumerSpec,
     processes: usize,
     events: &[OutgoingMessage],
     run: &str,
 ) -> Result<Row, BoxError> {
     let name = broker.create("bench").await?;
     let db = TestDb::new().await;
-    let consumer = ConsumerSpec {
-        batch: Some(spec.batch),
-        lanes: spec.lanes,
-        handler: spec.handler,
-        work: Duration::ZERO,
-        ..ConsumerSpec::new(broker.kind(), spec.variant, &name, &db.schema)
-    };
     let mut children = Vec::with_capacity(processes);
     for member in 0..processes {
         let member = ConsumerSpec {
             member,
+            name: name.clone(),
+            schema: db.schema.clone(),
             ..consumer.clone()
         };
         children.push(kill::spawn_ready(&member.to_args(), &[]).await?);
@@ -343,11 +327,14 @@ async fn processes_run<B: TestBroker>(
     tokio::time::sleep(Duration::from_secs(10)).await;
     broker.publish(&name, events).await?;
     let n = events.len() as i64;
-    let label = format!(
-        "bench {run}: {} {spec} processes {processes}",
-        broker.kind()
+    let row = Row::of(&consumer);
+    let label = format!("{} {} processes {processes}", broker.kind(), row.label());
+    let bar = progress::Progress::bar(
+        format!("bench {run}: {label}"),
+        n as u64,
+        "msgs",
+        "consumed",
     );
-    let bar = progress::Progress::bar(label, n as u64, "msgs", "consumed");
     let (mut first, mut last) = (None, Instant::now());
     let mut seen = 0;
     while seen < n {
@@ -358,11 +345,7 @@ async fn processes_run<B: TestBroker>(
             (seen, last) = (rows, now);
             bar.set_position(rows);
         } else if now - last > Duration::from_secs(120) {
-            return Err(format!(
-                "{} {spec} processes {processes}: {seen} of {n} applied, then nothing for 120 s",
-                broker.kind()
-            )
-            .into());
+            return Err(format!("{label}: {seen} of {n} applied, then nothing for 120 s").into());
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -374,72 +357,37 @@ async fn processes_run<B: TestBroker>(
     db.drop().await;
     broker.remove(&name).await;
     Ok(Row {
-        broker: broker.kind().to_string(),
-        variant: spec.variant.name().to_owned(),
-        handler: spec.handler.name(),
-        batch: spec.batch,
-        lanes: spec.lanes,
         processes: Some(processes),
         events: n as u64,
         seconds: first.map_or(0.0, |f| (last - f).as_secs_f64()),
-        peak_rss_mb: 0.0,
+        ..row
     })
 }
 
-/// The broker alone: the same consumer at batch size 1000 with an in-memory store and a handler
-/// that only counts, so what is left is receiving and acking.
-async fn broker_alone<B: TestBroker>(
-    broker: &Broker<B>,
-    events: &[OutgoingMessage],
-    run: &str,
-) -> Result<Row, BoxError> {
-    let (events, seconds) = timed_run(broker, events, "broker alone", run, |name, schema| {
-        ConsumerSpec {
-            batch: Some(1000),
-            no_database: true,
-            work: Duration::ZERO,
-            ..ConsumerSpec::new(broker.kind(), Variant::B, name, schema)
-        }
-    })
-    .await?;
-    Ok(Row {
-        broker: broker.kind().to_string(),
-        variant: "broker alone".into(),
-        handler: "none",
-        batch: 1000,
-        lanes: 1,
-        processes: None,
-        events,
-        seconds,
-        peak_rss_mb: peak_rss_mb(),
-    })
-}
-
-/// Publishes `events` to a fresh queue, runs the consumer `spec` makes (from the queue name and
-/// a fresh schema) until all are applied, and returns how many and the seconds from the first
-/// applied to the last.
+/// Publishes `events` to a fresh queue, runs `consumer` on it and a fresh schema in this
+/// process until all are applied, and times it from the first applied message to the last.
 async fn timed_run<B: TestBroker>(
     broker: &Broker<B>,
     events: &[OutgoingMessage],
-    label: &str,
     run: &str,
-    spec: impl FnOnce(&str, &str) -> ConsumerSpec,
-) -> Result<(u64, f64), BoxError> {
+    consumer: ConsumerSpec,
+) -> Result<Row, BoxError> {
     let name = broker.create("bench").await?;
     broker.publish(&name, events).await?;
     let db = TestDb::new().await;
-    let consumer = spec(&name, &db.schema);
+    let consumer = ConsumerSpec {
+        name: name.clone(),
+        schema: db.schema.clone(),
+        ..consumer
+    };
+    let row = Row::of(&consumer);
+    let label = format!("{} {}", broker.kind(), row.label());
     let progress = Arc::new(Progress::default());
     let watch = Watch {
         progress: Some(Arc::clone(&progress)),
     };
     let n = events.len() as u64;
-    let bar = progress::Progress::bar(
-        format!("bench {run}: {} {label}", broker.kind()),
-        n,
-        "msgs",
-        "consumed",
-    );
+    let bar = progress::Progress::bar(format!("bench {run}: {label}"), n, "msgs", "consumed");
     reset_peak_rss();
     let (stop, stopped) = oneshot::channel::<()>();
     let shutdown = Box::pin(async {
@@ -455,14 +403,16 @@ async fn timed_run<B: TestBroker>(
     let stats = stats?;
     bar.finish();
     let seconds = done.map_err(|applied| {
-        format!(
-            "{} {label}: {applied} of {n} applied, then nothing for 120 s ({stats:?})",
-            broker.kind()
-        )
+        format!("{label}: {applied} of {n} applied, then nothing for 120 s ({stats:?})")
     })?;
     db.drop().await;
     broker.remove(&name).await;
-    Ok((n, seconds))
+    Ok(Row {
+        events: n,
+        seconds,
+        peak_rss_mb: peak_rss_mb(),
+        ..row
+    })
 }
 
 /// The database alone: transactions of `batch` events from a generator, each the claim plus the
