@@ -231,25 +231,29 @@ impl TestStore for TestDb {
 
     async fn proxied(&self) -> Option<(PgInbox, FaultProxy)> {
         let options: PgConnectOptions = database_url().parse().expect("DATABASE_URL parses");
-        let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
-            .await
-            .expect("resolve the database")
-            .next()
-            .expect("the database has an address");
-        let proxy = FaultProxy::start(upstream).await.expect("the proxy");
+        let proxy = FaultProxy::in_front_of(options.get_host(), options.get_port()).await;
         let options = options
             .host("127.0.0.1")
             .port(proxy.addr().port())
             .options([("search_path", self.schema.as_str())]);
-        // A short acquire timeout, so a refused connection is an error the consumer sees, not
-        // a wait.
-        let pool = PgPoolOptions::new()
-            .max_connections(2)
-            .acquire_timeout(Duration::from_millis(500))
-            .test_before_acquire(false)
-            .connect_lazy_with(options);
-        Some((self.inbox_on(pool, "inbox", self.keys), proxy))
+        Some((
+            self.inbox_on(proxied_pool(options), "inbox", self.keys),
+            proxy,
+        ))
     }
+}
+
+/// Connections through a proxy that [`TestStore::proxied`] refuses and cuts: two at most, no
+/// ping per acquire, and a short acquire timeout, so that a refused connection is an error the
+/// consumer sees, not a wait.
+pub(crate) fn proxied_pool<DB: sqlx::Database>(
+    options: <DB::Connection as sqlx::Connection>::Options,
+) -> sqlx::Pool<DB> {
+    sqlx::pool::PoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_millis(500))
+        .test_before_acquire(false)
+        .connect_lazy_with(options)
 }
 
 /// How long the store suite's purge keeps claims; [`TestStore::age_and_purge`] ages them twice

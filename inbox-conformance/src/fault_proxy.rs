@@ -74,6 +74,18 @@ impl FaultProxy {
         })
     }
 
+    /// A proxy in front of `host:port`, the first address the name resolves to.
+    ///
+    /// # Panics
+    /// When the name does not resolve or no loopback port can be bound.
+    pub async fn in_front_of(host: &str, port: u16) -> Self {
+        let resolved = tokio::net::lookup_host((host, port)).await.ok();
+        let upstream = resolved
+            .and_then(|mut addrs| addrs.next())
+            .unwrap_or_else(|| panic!("{host}:{port} does not resolve"));
+        Self::start(upstream).await.expect("the proxy")
+    }
+
     /// The address clients connect to.
     pub fn addr(&self) -> SocketAddr {
         self.addr

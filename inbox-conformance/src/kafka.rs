@@ -241,6 +241,11 @@ impl Topic {
     }
 }
 
+/// The member of a source with `builder`'s settings.
+async fn connect(builder: KafkaSourceBuilder) -> Member {
+    Member::new(builder.connect().await.expect("kafka source"))
+}
+
 impl TestQueue for Topic {
     type Source = Member;
 
@@ -263,7 +268,7 @@ impl TestQueue for Topic {
     }
 
     async fn source(&self, member: &str) -> Member {
-        Member::new(self.builder(member).connect().await.expect("kafka source"))
+        connect(self.builder(member)).await
     }
 
     async fn losing_source(&self, member: &str) -> Option<LosingSource<Member>> {
@@ -273,12 +278,9 @@ impl TestQueue for Topic {
         let source = self
             .builder(member)
             .set_consumer("session.timeout.ms", "3000")
-            .set_consumer("max.poll.interval.ms", "3000")
-            .connect()
-            .await
-            .expect("kafka source");
+            .set_consumer("max.poll.interval.ms", "3000");
         Some(LosingSource {
-            source: Member::new(source),
+            source: connect(source).await,
             stall: Duration::from_secs(10),
         })
     }
@@ -288,13 +290,8 @@ impl TestQueue for Topic {
         let proxy = self.private.as_ref()?.proxy.clone();
         // A request without an answer for 3 s closes its connection, and a new one is made.
         let kafka = KafkaConnection::new(&self.brokers).operation_timeout(Duration::from_secs(3));
-        let source = self
-            .builder_on(&kafka, member)
-            .connect()
-            .await
-            .expect("kafka source");
         Some(Proxied {
-            source: Member::new(source),
+            source: connect(self.builder_on(&kafka, member)).await,
             proxy,
             blackhole: Duration::from_secs(8),
             counts_faults: false,
@@ -342,13 +339,8 @@ impl TestQueue for Topic {
     /// `auto.commit.interval.ms`.
     #[cfg(feature = "at-most-once")]
     async fn at_most_once_source(&self, member: &str) -> inbox_testkit::AckOnReceive<Member> {
-        let source = self
-            .builder(member)
-            .commit_interval(Duration::from_secs(5))
-            .connect()
-            .await
-            .expect("kafka source");
-        inbox_testkit::AckOnReceive::new(Member::new(source))
+        let source = self.builder(member).commit_interval(Duration::from_secs(5));
+        inbox_testkit::AckOnReceive::new(connect(source).await)
     }
 
     fn redelivery_delay(&self) -> Duration {
@@ -358,10 +350,6 @@ impl TestQueue for Topic {
 
     async fn producer(&self) -> Arc<dyn DynPublish> {
         Arc::new(self.kafka.producer(&self.brokers).await)
-    }
-
-    fn destination(&self) -> String {
-        self.name.clone()
     }
 
     async fn left(&self) -> u64 {
@@ -395,7 +383,6 @@ impl TestQueue for Topic {
     }
 
     async fn source_reading(&self, member: &str, from: inbox_core::IdFrom) -> Option<Member> {
-        let source = self.builder(member).id_from(from).connect().await;
-        Some(Member::new(source.expect("kafka source")))
+        Some(connect(self.builder(member).id_from(from)).await)
     }
 }

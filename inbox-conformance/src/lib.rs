@@ -294,10 +294,17 @@ pub trait TestQueue: Send + Sync + 'static {
     /// the shared Kafka broker), and those scenarios are skipped with the reason printed. The
     /// source should give up on a silent connection within seconds (an operation timeout, a
     /// heartbeat).
+    ///
+    /// Default: `None`.
     fn proxied_source(
         &self,
         member: &str,
-    ) -> impl Future<Output = Option<Proxied<Self::Source>>> + Send;
+    ) -> impl Future<Output = Option<Proxied<Self::Source>>> + Send {
+        async move {
+            let _ = member;
+            None
+        }
+    }
 
     /// A queue like this one on a broker of the adapter's own, which the network-fault scenarios
     /// send to, consume through [`TestQueue::proxied_source`] and inspect instead of this one,
@@ -344,8 +351,11 @@ pub trait TestQueue: Send + Sync + 'static {
     fn producer(&self) -> impl Future<Output = Arc<dyn DynPublish>> + Send;
 
     /// What outbox rows name as their destination to reach this queue through
-    /// [`TestQueue::producer`]: a topic, a queue name or URL, a stream key.
-    fn destination(&self) -> String;
+    /// [`TestQueue::producer`]: a topic, a queue name or URL, a stream key. Default:
+    /// [`TestQueue::name`].
+    fn destination(&self) -> String {
+        self.name()
+    }
 
     /// The adapter's reader of the dead-letter destination (its `XDeadLetters`, as
     /// `inbox-admin dead-letters` and [`inbox_core::replay`] use it): every scenario reads its

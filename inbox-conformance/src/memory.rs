@@ -13,7 +13,7 @@ use std::time::Duration;
 use inbox_core::{Destinations, DynPublish};
 use inbox_testkit::{Connection, MemoryBroker, MemorySource};
 
-use crate::{unique_name, DeadLetter, LosingSource, Proxied, TestBroker, TestQueue};
+use crate::{unique_name, DeadLetter, LosingSource, TestBroker, TestQueue};
 
 /// The in-memory broker as a [`TestBroker`]: each scenario's queue is a [`MemoryBroker`] of its
 /// own, inside the test process.
@@ -93,11 +93,6 @@ impl TestQueue for MemoryQueue {
         }
     }
 
-    /// No network between the consumer and this broker.
-    async fn proxied_source(&self, _member: &str) -> Option<Proxied<MemorySource>> {
-        None
-    }
-
     /// A dropped source hands its deliveries back at once.
     fn redelivery_delay(&self) -> Duration {
         Duration::from_millis(100)
@@ -105,10 +100,6 @@ impl TestQueue for MemoryQueue {
 
     async fn producer(&self) -> Arc<dyn DynPublish> {
         Arc::new(Destinations::new().route(self.name.clone(), self.broker.clone()))
-    }
-
-    fn destination(&self) -> String {
-        self.name.clone()
     }
 
     async fn dead_letters(&self) -> Vec<DeadLetter> {

@@ -4,7 +4,6 @@
 //!
 //! The server is found at `NATS_URL` (default `nats://127.0.0.1:4222`), with JetStream on.
 
-use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -83,6 +82,11 @@ impl Stream {
         NatsConnection::new(&self.url)
     }
 
+    /// The settings of every source of this stream.
+    fn builder(&self) -> NatsSourceBuilder {
+        builder_on(&self.connection(), &self.name, &self.name)
+    }
+
     /// A new stream `name` on the server at `url`, storing `name` and `name.dlq`.
     async fn create(name: String, url: String) -> Self {
         let client = async_nats::connect(&url).await.expect("connect to NATS");
@@ -132,6 +136,11 @@ impl TestBroker for Nats {
     }
 }
 
+/// The source of `builder`'s settings.
+async fn connect(builder: NatsSourceBuilder) -> NatsSource {
+    builder.connect().await.expect("source connects")
+}
+
 impl TestQueue for Stream {
     type Source = NatsSource;
 
@@ -148,52 +157,32 @@ impl TestQueue for Stream {
 
     async fn source(&self, _member: &str) -> NatsSource {
         // The members of one durable pull consumer share its messages.
-        builder_on(&self.connection(), &self.name, &self.name)
-            .connect()
-            .await
-            .expect("source connects")
+        connect(self.builder()).await
     }
 
     async fn source_reading(&self, _member: &str, from: inbox_core::IdFrom) -> Option<NatsSource> {
-        let source = builder_on(&self.connection(), &self.name, &self.name)
-            .id_from(from)
-            .connect()
-            .await
-            .expect("source connects");
-        Some(source)
+        Some(connect(self.builder().id_from(from)).await)
     }
 
     async fn losing_source(&self, _member: &str) -> Option<LosingSource<NatsSource>> {
         // Without "in progress" a delivery held past ack_wait goes to another member.
-        let source = builder_on(&self.connection(), &self.name, &self.name)
-            .progress(false)
-            .connect()
-            .await
-            .expect("source connects");
         Some(LosingSource {
-            source,
+            source: connect(self.builder().progress(false)).await,
             stall: ACK_WAIT * 3,
         })
     }
 
     async fn proxied_source(&self, _member: &str) -> Option<Proxied<NatsSource>> {
         let url = nats_url();
-        let address = url.rsplit("://").next().unwrap_or(&url).to_owned();
-        let upstream: SocketAddr = tokio::net::lookup_host(address.as_str())
-            .await
-            .ok()?
-            .next()?;
-        let proxy = FaultProxy::start(upstream).await.expect("proxy");
+        let address = url.rsplit("://").next().unwrap_or(&url);
+        let (host, port) = address.rsplit_once(':')?;
+        let proxy = FaultProxy::in_front_of(host, port.parse().ok()?).await;
         // A silent connection is given up after two missed pings (about 1 s).
         let connection = NatsConnection::new(format!("nats://{}", proxy.addr()))
             .operation_timeout(Duration::from_secs(1))
             .ping_interval(Duration::from_millis(500));
-        let source = builder_on(&connection, &self.name, &self.name)
-            .connect()
-            .await
-            .expect("source connects");
         Some(Proxied {
-            source,
+            source: connect(builder_on(&connection, &self.name, &self.name)).await,
             proxy,
             blackhole: Duration::from_secs(4),
             counts_faults: true,
@@ -217,10 +206,6 @@ impl TestQueue for Stream {
     async fn producer(&self) -> Arc<dyn DynPublish> {
         let producer = self.connection().producer().connect().await;
         Arc::new(producer.expect("producer connects"))
-    }
-
-    fn destination(&self) -> String {
-        self.name.clone()
     }
 
     async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DynDeadLetters>> {

@@ -212,10 +212,6 @@ impl TestQueue for Queue {
         Arc::new(publisher(&self.config).await)
     }
 
-    fn destination(&self) -> String {
-        self.config.queue().to_owned()
-    }
-
     async fn left(&self) -> u64 {
         // Ready messages once no consumer holds any: unacked ones are back in the queue by then.
         left_on(self.config.queue()).await.into()

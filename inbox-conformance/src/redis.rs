@@ -14,7 +14,6 @@ pub use inspect::{
 use inspect::{cleanup_with, raw_at, xadd_with};
 pub use tls_server::TlsRedis;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -89,6 +88,11 @@ fn source_builder(redis: &RedisConnection, stream: &str, member: &str) -> RedisS
     builder_on(redis, stream, member).claim_idle(CLAIM_IDLE)
 }
 
+/// The source of `builder`'s settings.
+async fn connect(builder: RedisStreamSourceBuilder) -> RedisStreamSource {
+    builder.connect().await.expect("source connects")
+}
+
 /// A `redis-server` of a scenario's own, which it may restart: every write is persisted to its
 /// append-only file, so the stream and its group come back with it. `REDIS_SERVER` names the
 /// binary, default `redis-server` on the `PATH`.
@@ -159,10 +163,7 @@ impl TestQueue for Stream {
     }
 
     async fn source(&self, member: &str) -> RedisStreamSource {
-        source_builder(&self.redis(), &self.key, member)
-            .connect()
-            .await
-            .expect("source connects")
+        connect(source_builder(&self.redis(), &self.key, member)).await
     }
 
     async fn losing_source(&self, member: &str) -> Option<LosingSource<RedisStreamSource>> {
@@ -178,11 +179,7 @@ impl TestQueue for Stream {
         let ConnectionAddr::Tcp(host, port) = info.addr() else {
             return None; // a Unix socket or TLS: no TCP proxy can stand in front of it
         };
-        let upstream: SocketAddr = tokio::net::lookup_host((host.as_str(), *port))
-            .await
-            .expect("resolve REDIS_URL")
-            .next()?;
-        let proxy = FaultProxy::start(upstream).await.expect("proxy");
+        let proxy = FaultProxy::in_front_of(host, *port).await;
         let proxied = info.clone().set_addr(ConnectionAddr::Tcp(
             proxy.addr().ip().to_string(),
             proxy.addr().port(),
@@ -191,13 +188,9 @@ impl TestQueue for Stream {
         // block on top); what a lost read or a failed ack left pending is claimed after 2 s.
         let redis = RedisConnection::from_client(Client::open(proxied).expect("client"))
             .operation_timeout(Duration::from_secs(1));
-        let source = source_builder(&redis, &self.key, member)
-            .claim_idle(Duration::from_secs(2))
-            .connect()
-            .await
-            .expect("source connects");
+        let source = source_builder(&redis, &self.key, member).claim_idle(Duration::from_secs(2));
         Some(Proxied {
-            source,
+            source: connect(source).await,
             proxy,
             blackhole: Duration::from_secs(4),
             counts_faults: true,
@@ -222,10 +215,6 @@ impl TestQueue for Stream {
     async fn producer(&self) -> Arc<dyn DynPublish> {
         let producer = self.redis().producer().connect().await;
         Arc::new(producer.expect("producer connects"))
-    }
-
-    fn destination(&self) -> String {
-        self.key.clone()
     }
 
     async fn left(&self) -> u64 {
@@ -261,6 +250,6 @@ impl TestQueue for Stream {
         from: inbox_core::IdFrom,
     ) -> Option<RedisStreamSource> {
         let builder = source_builder(&self.redis(), &self.key, member).id_from(from);
-        Some(builder.connect().await.expect("source connects"))
+        Some(connect(builder).await)
     }
 }

@@ -71,11 +71,19 @@ impl TestBroker for Sqs {
 impl Queue {
     /// The settings of every source of this queue.
     fn builder(&self) -> SqsSourceBuilder {
-        SqsConnection::new(self.sqs.clone())
-            .source(&self.url)
-            .poll_timeout(WAIT)
-            .dead_letter_queue(&self.dlq)
+        self.builder_on(self.sqs.clone()).poll_timeout(WAIT)
     }
+
+    /// A source of this queue through `sqs`, parking its dead letters in the queue's.
+    fn builder_on(&self, sqs: Client) -> SqsSourceBuilder {
+        let connection = SqsConnection::new(sqs);
+        connection.source(&self.url).dead_letter_queue(&self.dlq)
+    }
+}
+
+/// The source of `builder`'s settings.
+async fn connect(builder: SqsSourceBuilder) -> SqsSource {
+    builder.connect().await.expect("source")
 }
 
 impl TestQueue for Queue {
@@ -104,20 +112,14 @@ impl TestQueue for Queue {
 
     async fn source(&self, _member: &str) -> SqsSource {
         // SQS has no group members: every source shares the queue.
-        self.builder().connect().await.expect("source")
+        connect(self.builder()).await
     }
 
     async fn losing_source(&self, _member: &str) -> Option<LosingSource<SqsSource>> {
         // With the heartbeat off, a message comes back after the visibility timeout, however
         // long its handler runs.
-        let source = self
-            .builder()
-            .heartbeat(false)
-            .connect()
-            .await
-            .expect("source");
         Some(LosingSource {
-            source,
+            source: connect(self.builder().heartbeat(false)).await,
             stall: VISIBILITY + 2 * WAIT,
         })
     }
@@ -128,15 +130,9 @@ impl TestQueue for Queue {
         let proxy = FaultProxy::start(upstream).await.expect("proxy");
         // A call on a silent connection fails after 2 s per attempt, 5 s in all; the long poll
         // is shorter than an attempt, as the source requires.
-        let source = SqsConnection::new(proxied_client(&proxy).await)
-            .source(&self.url)
-            .poll_timeout(Duration::from_secs(1))
-            .dead_letter_queue(&self.dlq)
-            .connect()
-            .await
-            .expect("source");
+        let source = self.builder_on(proxied_client(&proxy).await);
         Some(Proxied {
-            source,
+            source: connect(source.poll_timeout(Duration::from_secs(1))).await,
             proxy,
             // Longer than a delete and then a receive can take to fail, and several visibility
             // timeouts: receives, deletes and heartbeat extensions all hang and time out.
@@ -207,13 +203,7 @@ impl TestQueue for Queue {
     }
 
     async fn source_reading(&self, _member: &str, from: inbox_core::IdFrom) -> Option<SqsSource> {
-        Some(
-            self.builder()
-                .id_from(from)
-                .connect()
-                .await
-                .expect("source"),
-        )
+        Some(connect(self.builder().id_from(from)).await)
     }
 }
 
@@ -227,19 +217,12 @@ impl TestBroker for SqsFifo {
 
     async fn queue(&self, scenario: &str) -> Queue {
         let sqs = client().await;
-        let out = sqs
-            .create_queue()
-            .queue_name(format!("{}.fifo", queue_name(scenario)))
-            .attributes(QueueAttributeName::FifoQueue, "true")
-            .attributes(QueueAttributeName::ContentBasedDeduplication, "true")
-            .attributes(
-                QueueAttributeName::VisibilityTimeout,
-                VISIBILITY_SECS.to_string(),
-            )
-            .send()
-            .await
-            .expect("create the FIFO test queue (is the SQS endpoint up?)");
-        let url = out.queue_url().expect("queue URL").to_owned();
+        let fifo = [
+            (QueueAttributeName::FifoQueue, "true"),
+            (QueueAttributeName::ContentBasedDeduplication, "true"),
+        ];
+        let name = format!("{}.fifo", queue_name(scenario));
+        let url = create_queue(&sqs, &name, VISIBILITY_SECS, &fifo).await;
         let dlq = queue(&sqs, &format!("{scenario}-dlq"), 30).await;
         Queue { sqs, url, dlq }
     }

@@ -29,10 +29,7 @@ use crate::wallet::CreditEvent;
 use crate::{ProxyMode, StoreTx, TestStore};
 
 #[cfg(feature = "mysql")]
-mod mysql;
-
-#[cfg(feature = "mysql")]
-pub use mysql::{mysql_url, MySqlDb};
+pub use crate::mysql_wallet::{mysql_url, MySqlDb};
 
 /// A handler writing a credit of 1 to account 1 as the store's effect; a message whose payload
 /// is `swallow` breaks its transaction first, one whose payload is `swallow last` after the

@@ -14,23 +14,23 @@ pub fn queue_name(prefix: &str) -> String {
 /// Creates a standard queue with a random name and the given visibility timeout; returns its
 /// URL.
 pub async fn queue(client: &Client, prefix: &str, visibility_secs: u32) -> String {
-    create_queue(client, &queue_name(prefix), visibility_secs, None).await
+    create_queue(client, &queue_name(prefix), visibility_secs, &[]).await
 }
 
-/// Creates the queue `name` with the given visibility timeout and redrive policy (JSON);
-/// returns its URL.
+/// Creates the queue `name` with the given visibility timeout and other `attributes` (a redrive
+/// policy, FIFO); returns its URL.
 pub async fn create_queue(
     client: &Client,
     name: &str,
     visibility_secs: u32,
-    redrive: Option<String>,
+    attributes: &[(QueueAttributeName, &str)],
 ) -> String {
     let mut request = client.create_queue().queue_name(name).attributes(
         QueueAttributeName::VisibilityTimeout,
         visibility_secs.to_string(),
     );
-    if let Some(policy) = redrive {
-        request = request.attributes(QueueAttributeName::RedrivePolicy, policy);
+    for (attribute, value) in attributes {
+        request = request.attributes(attribute.clone(), *value);
     }
     let out = request
         .send()

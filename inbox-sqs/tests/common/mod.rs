@@ -49,7 +49,8 @@ pub async fn queue_with_redrive(
     let arn = queue_arn(client, &dlq).await;
     let policy =
         format!(r#"{{"deadLetterTargetArn":"{arn}","maxReceiveCount":"{max_receive_count}"}}"#);
-    let url = create_queue(client, &queue_name(prefix), visibility_secs, Some(policy)).await;
+    let redrive = [(QueueAttributeName::RedrivePolicy, policy.as_str())];
+    let url = create_queue(client, &queue_name(prefix), visibility_secs, &redrive).await;
     (url, dlq)
 }
 
