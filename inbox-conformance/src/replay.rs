@@ -24,12 +24,12 @@ const DOWN: &str = "downstream down";
 #[derive(Clone)]
 struct Downstream<H> {
     credit: H,
-    down: Arc<AtomicBool>,
+    down: bool,
 }
 
 impl<T: Send, H: Handler<T>> Handler<T> for Downstream<H> {
     async fn handle(&self, tx: &mut T, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
-        if self.down.load(Ordering::SeqCst) {
+        if self.down {
             return Err(HandlerError::permanent(DOWN));
         }
         self.credit.handle(tx, id, m).await
@@ -79,21 +79,7 @@ pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_
         return;
     }
     const N: i64 = 10;
-    let mut expected = 0;
-    for i in 1..=N {
-        let id = MessageId::generate();
-        queue
-            .send(Some(id.as_str()), &CreditEvent::new(1 + i % 3, i).to_json())
-            .await;
-        expected += i;
-    }
-    let handler = Downstream {
-        credit: db.credit(),
-        down: Arc::new(AtomicBool::new(true)),
-    };
-    let mut totals = Totals::default();
-    consume(&db, &queue, &handler, &mut totals, N as u64).await;
-    assert_eq!(totals.dead_lettered, N as u64, "{totals:?}");
+    let expected = park_credits_while_down(&db, &queue, N).await;
 
     let summary = replay::summarize(&mut *reader(&queue).await)
         .await
@@ -131,7 +117,6 @@ pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_
 
     // Fixed. A replay that loses its connection after one copy reached the source removes
     // nothing; that copy is applied.
-    handler.down.store(false, Ordering::SeqCst);
     let interrupted = Interrupted {
         inner: Arc::clone(&producer),
         failed: AtomicBool::new(false),
@@ -147,7 +132,7 @@ pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_
     .await
     .expect_err("the first replay is interrupted");
     assert_eq!(e.recovery(), Recovery::Retry);
-    consume(&db, &queue, &handler, &mut totals, N as u64 + 1).await;
+    let (applied, skipped) = consume_with_the_downstream_up(&db, &queue, 1).await;
     assert_eq!(wallet::applied(&db).await, 1);
 
     // Replayed again, all of it: the copy applied before is skipped.
@@ -163,7 +148,9 @@ pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_
     .expect("replay");
     assert_eq!(report.moved, N as u64, "{report:?}");
     assert!(batches >= 1);
-    consume(&db, &queue, &handler, &mut totals, 2 * N as u64 + 1).await;
+    let (applied_again, skipped_again) =
+        consume_with_the_downstream_up(&db, &queue, N as u64).await;
+    let totals = (applied + applied_again, skipped + skipped_again);
 
     let ledger = wallet::summary(&db).await.expect("summary");
     let parked = replay::summarize(&mut *reader(&queue).await)
@@ -177,11 +164,7 @@ pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_
     assert_eq!((ledger.ledger_rows, ledger.distinct_events), (N, N));
     assert_eq!(ledger.total_balance, expected);
     assert!(ledger.balances_exact);
-    assert_eq!(
-        (totals.applied, totals.skipped),
-        (N as u64, 1),
-        "{totals:?}"
-    );
+    assert_eq!(totals, (N as u64, 1), "applied, skipped: {totals:?}");
     assert_eq!(parked.total.count, 0, "dead letters left: {parked:?}");
     assert_eq!(left, 0);
     finish(db, queue).await;
@@ -192,13 +175,13 @@ async fn consume<Q: TestQueue, D: TestStore>(
     db: &D,
     queue: &Q,
     handler: &Downstream<Credit<D>>,
-    totals: &mut Totals,
     until: u64,
-) {
+) -> Totals {
+    let mut totals = Totals::default();
     drain(
         queue,
         "c1",
-        totals,
+        &mut totals,
         |source| {
             Consumer::new("wallet", source, db.inbox(), handler.clone())
                 .retry(fast_retry(3))
@@ -207,6 +190,7 @@ async fn consume<Q: TestQueue, D: TestStore>(
         |t| async move { t.applied + t.skipped + t.dead_lettered >= until },
     )
     .await;
+    totals
 }
 
 /// Sends `n` credits under fresh IDs and consumes them while the downstream is down: all `n`
@@ -221,10 +205,9 @@ pub async fn park_credits_while_down<Q: TestQueue, D: TestStore>(db: &D, queue: 
     }
     let handler = Downstream {
         credit: db.credit(),
-        down: Arc::new(AtomicBool::new(true)),
+        down: true,
     };
-    let mut totals = Totals::default();
-    consume(db, queue, &handler, &mut totals, n as u64).await;
+    let totals = consume(db, queue, &handler, n as u64).await;
     assert_eq!(totals.dead_lettered, n as u64, "{totals:?}");
     (1..=n).sum()
 }
@@ -238,10 +221,9 @@ pub async fn consume_with_the_downstream_up<Q: TestQueue, D: TestStore>(
 ) -> (u64, u64) {
     let handler = Downstream {
         credit: db.credit(),
-        down: Arc::new(AtomicBool::new(false)),
+        down: false,
     };
-    let mut totals = Totals::default();
-    consume(db, queue, &handler, &mut totals, n).await;
+    let totals = consume(db, queue, &handler, n).await;
     (totals.applied, totals.skipped)
 }
 
