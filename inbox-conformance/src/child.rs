@@ -17,20 +17,27 @@ pub fn is_child() -> bool {
 /// # Panics
 /// When there is no current executable.
 pub fn command(test_name: &str, envs: &[(&str, String)]) -> Command {
+    let mut command = test_binary(test_name, "--ignored", envs);
+    command.stdout(Stdio::null());
+    command
+}
+
+/// The current test binary, running only `test_name` among the tests `which` (`--ignored`,
+/// `--include-ignored`) selects, one thread, as a child ([`is_child`]) with `envs`.
+fn test_binary(test_name: &str, which: &str, envs: &[(&str, String)]) -> Command {
     let exe = std::env::current_exe().unwrap_or_else(|e| panic!("no current exe: {e}"));
     let mut command = Command::new(exe);
     command
         .args([
             "--exact",
             test_name,
-            "--ignored",
+            which,
             "--nocapture",
             "--test-threads=1",
         ])
         .env("INBOX_CHILD", "1")
         .envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null());
+        .stdin(Stdio::null());
     command
 }
 
@@ -60,18 +67,8 @@ pub struct Ran {
 /// # Panics
 /// When the test binary cannot be started.
 pub async fn run(test_name: &str, envs: &[(&str, String)]) -> Ran {
-    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("no current exe: {e}"));
-    let output = tokio::process::Command::new(exe)
-        .args([
-            "--exact",
-            test_name,
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("INBOX_CHILD", "1")
-        .envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
-        .stdin(Stdio::null())
+    let command = test_binary(test_name, "--include-ignored", envs);
+    let output = tokio::process::Command::from(command)
         .output()
         .await
         .unwrap_or_else(|e| panic!("cannot run child {test_name}: {e}"));

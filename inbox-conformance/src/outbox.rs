@@ -96,20 +96,19 @@ fn no_outbox<D: TestStore>(name: &str) -> bool {
     true
 }
 
+/// The IDs of the outbox rows.
 async fn outbox_ids(db: &TestDb) -> HashSet<String> {
-    sqlx::query_scalar("SELECT message_id FROM outbox")
-        .fetch_all(&db.pool)
-        .await
-        .expect("outbox rows")
-        .into_iter()
-        .collect()
+    ids(db, "SELECT message_id FROM outbox").await
 }
 
+/// The event IDs of the ledger rows.
 async fn ledger_ids(db: &TestDb) -> HashSet<String> {
-    sqlx::query_scalar("SELECT event_id FROM ledger")
-        .fetch_all(&db.pool)
-        .await
-        .expect("ledger rows")
+    ids(db, "SELECT event_id FROM ledger").await
+}
+
+async fn ids(db: &TestDb, query: &'static str) -> HashSet<String> {
+    let ids = sqlx::query_scalar(query).fetch_all(&db.pool).await;
+    ids.unwrap_or_else(|e| panic!("{query}: {e}"))
         .into_iter()
         .collect()
 }
