@@ -227,11 +227,6 @@ impl<T> Crashing<T> {
     pub fn inner(&self) -> &T {
         &self.inner
     }
-
-    /// The wrapped part, mutably.
-    pub fn inner_mut(&mut self) -> &mut T {
-        &mut self.inner
-    }
 }
 
 impl<S: InboxStore> InboxStore for Crashing<S> {
