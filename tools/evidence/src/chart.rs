@@ -27,7 +27,7 @@ pub(crate) fn write(path: &Path, results: &[VariantResult]) -> Result<(), BoxErr
     let width = (160 + 110 * n as u32).max(640);
     let root = SVGBackend::new(path, (width, 520)).into_drawing_area();
     root.fill(&WHITE)?;
-    let kills = results.first().map_or(0, |r| r.kills_per_run);
+    let kills = results.first().map_or(0, |r| r.kills_per_run());
     let mut chart = ChartBuilder::on(&root)
         .caption(
             format!("Duplicate and lost credits per run of {kills} hard kills (median)"),
@@ -62,31 +62,25 @@ pub(crate) fn write(path: &Path, results: &[VariantResult]) -> Result<(), BoxErr
         ))?;
         tick = if tick == 0.0 { 1.0 } else { tick * 10.0 };
     }
-    let bar = |i: usize, left: f64, value: f64, color: RGBColor| {
-        let x = i as f64;
-        Rectangle::new(
-            [(x + left, 0.0), (x + left + 0.38, scaled(value))],
-            color.filled(),
-        )
-    };
-    chart
-        .draw_series(
-            results
-                .iter()
-                .enumerate()
-                .map(|(i, r)| bar(i, 0.1, r.duplicates().median, DUPLICATES)),
-        )?
-        .label("duplicate credits")
-        .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], DUPLICATES.filled()));
-    chart
-        .draw_series(
-            results
-                .iter()
-                .enumerate()
-                .map(|(i, r)| bar(i, 0.52, r.lost().median, LOST)),
-        )?
-        .label("lost messages")
-        .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], LOST.filled()));
+    // Duplicates left in each pair, losses right.
+    for (left, name, color, of) in [
+        (
+            0.1,
+            "duplicate credits",
+            DUPLICATES,
+            VariantResult::duplicates as fn(&_) -> _,
+        ),
+        (0.52, "lost messages", LOST, VariantResult::lost),
+    ] {
+        let bars = results.iter().enumerate().map(|(i, r)| {
+            let x = i as f64 + left;
+            Rectangle::new([(x, 0.0), (x + 0.38, scaled(of(r).median))], color.filled())
+        });
+        chart
+            .draw_series(bars)?
+            .label(name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
+    }
     let centred = |size| {
         ("sans-serif", size)
             .into_font()

@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
-/// An enum named on the command line and in the output: `ALL`, `name`, `Display` and a
-/// `FromStr` that refuses an unknown name with the list of known ones (`$what` says what the
-/// value is), all from one list of `Variant = "name"`.
+/// An enum named on the command line and in the output: `ALL`, `name`, `Display`, serde as its
+/// name, and a `FromStr` that refuses an unknown name with the list of known ones (`$what` says
+/// what the value is), all from one list of `Variant = "name"`.
 macro_rules! named {
     (
         $(#[$meta:meta])*
@@ -49,6 +49,18 @@ macro_rules! named {
         impl std::fmt::Display for $ty {
             fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 f.write_str(self.name())
+            }
+        }
+
+        impl serde::Serialize for $ty {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(self.name())
+            }
+        }
+
+        impl<'de> serde::Deserialize<'de> for $ty {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                <String as serde::Deserialize>::deserialize(d)?.parse().map_err(serde::de::Error::custom)
             }
         }
     };

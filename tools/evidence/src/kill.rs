@@ -26,23 +26,50 @@ use crate::report::{self, VariantResult};
 use crate::settings::KillSettings;
 use crate::shards::ShardedDb;
 
-/// `count` seeded credit events, IDs `evt-<i>`, each crediting 1–100 to one of `accounts` from
-/// `seed`, and the balances they add up to.
+/// Seeded credit events, IDs `evt-<i>` from 0, each crediting 1–100 to one of `accounts`, and
+/// the balances those made so far add up to: the same sequence for a seed, taken at once or a
+/// chunk at a time.
+pub(crate) struct Credits {
+    rng: StdRng,
+    accounts: i64,
+    next: u32,
+    pub(crate) expected: HashMap<i64, i64>,
+}
+
+impl Credits {
+    pub(crate) fn new(seed: u64, accounts: i64) -> Self {
+        Self {
+            rng: StdRng::seed_from_u64(seed),
+            accounts,
+            next: 0,
+            expected: HashMap::new(),
+        }
+    }
+}
+
+impl Iterator for Credits {
+    type Item = OutgoingMessage;
+
+    fn next(&mut self) -> Option<OutgoingMessage> {
+        let event = CreditEvent::new(
+            self.rng.random_range(1..=self.accounts),
+            self.rng.random_range(1..=100),
+        );
+        *self.expected.entry(event.account_id).or_insert(0) += event.amount;
+        self.next += 1;
+        Some(brokers::credit(self.next - 1, &event))
+    }
+}
+
+/// The first `count` [`Credits`] of `seed`, and the balances they add up to.
 pub(crate) fn events(
     seed: u64,
     accounts: i64,
     count: u32,
 ) -> (Vec<OutgoingMessage>, HashMap<i64, i64>) {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut expected = HashMap::new();
-    let events = (0..count)
-        .map(|i| {
-            let event = CreditEvent::new(rng.random_range(1..=accounts), rng.random_range(1..=100));
-            *expected.entry(event.account_id).or_insert(0) += event.amount;
-            brokers::credit(i, &event)
-        })
-        .collect();
-    (events, expected)
+    let mut credits = Credits::new(seed, accounts);
+    let events = credits.by_ref().take(count as usize).collect();
+    (events, credits.expected)
 }
 
 /// Work after the child's first write before each kill of run `run`: the same for every variant
@@ -100,15 +127,7 @@ async fn on_broker<B: TestBroker, D: TestStore>(
         } else {
             None
         };
-        let result = VariantResult {
-            broker: kind,
-            variant,
-            events: s.events(),
-            kills_per_run: s.kills(),
-            runs,
-            throughput,
-            work_ms: s.work_ms,
-        };
+        let result = VariantResult::new(kind, variant, s.events(), &runs, throughput, s.work_ms);
         println!("{}{}", report::VARIANT_DONE, result.json_line()?);
         results.push(result);
     }
@@ -208,33 +227,25 @@ pub(crate) async fn spawn_ready(
     .into())
 }
 
-/// This binary run as a child with `args` and `env` added: marked as a child, its logs
-/// off unless `WALLET_CHILD_LOG` says otherwise, stdout piped for its `ready` line, killed when
-/// dropped.
-pub(crate) fn child_command(args: Vec<String>, env: &[(&str, String)]) -> std::io::Result<Command> {
-    let mut command = Command::new(std::env::current_exe()?);
-    command
-        .args(args)
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .env("WALLET_CHILD", "1")
-        .env(
-            "RUST_LOG",
-            std::env::var("WALLET_CHILD_LOG").unwrap_or_else(|_| "error,lapin=off".into()),
-        )
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .kill_on_drop(true);
-    Ok(command)
-}
-
 /// One attempt to start this binary with `args`, with `env` added to its environment: the child
-/// once it says it is connected, `None` when it dies or stays silent for `patience`.
+/// once it says it is connected, `None` when it dies or stays silent for `patience`. The child
+/// is marked as one, its logs off unless `WALLET_CHILD_LOG` says otherwise, and it is killed
+/// when dropped.
 pub(crate) async fn start_child(
     args: &[String],
     env: &[(&str, String)],
     patience: Duration,
 ) -> Result<Option<Child>, BoxError> {
-    let mut child = child_command(args.to_vec(), env)?.spawn()?;
+    let log = std::env::var("WALLET_CHILD_LOG").unwrap_or_else(|_| "error,lapin=off".into());
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .env("WALLET_CHILD", "1")
+        .env("RUST_LOG", log)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
     let stdout = child.stdout.take().ok_or("the child has no stdout")?;
     let mut lines = BufReader::new(stdout).lines();
     let ready = tokio::time::timeout(patience, lines.next_line()).await;

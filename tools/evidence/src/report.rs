@@ -9,19 +9,34 @@ use serde::{Deserialize, Serialize};
 use crate::chart;
 use crate::cli::{BrokerKind, Variant};
 
-/// Every run of one variant on one broker.
-#[derive(Debug, Clone)]
+/// Every run of one variant on one broker, as its JSON line says it: the machine-readable
+/// summary the smoke test, scripts and `evidence report` read.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct VariantResult {
     pub(crate) broker: BrokerKind,
     pub(crate) variant: Variant,
-    pub(crate) events: u32,
-    pub(crate) kills_per_run: u32,
-    /// Each run; its self-crashes are the aborts of `--crash-between-commit-and-ack`.
-    pub(crate) runs: Vec<KillReport>,
+    runs: usize,
+    /// In all runs, as are the events, duplicates and losses.
+    kills: u32,
+    /// The aborts of `--crash-between-commit-and-ack`.
+    self_crashes: u32,
+    events: u64,
+    duplicates: i64,
+    lost: i64,
+    /// In every run.
+    balances_exact: bool,
+    duplicates_per_run: Vec<i64>,
+    lost_per_run: Vec<i64>,
     /// Messages per second of a run with no kills.
-    pub(crate) throughput: Option<f64>,
-    /// How long each handler slept.
-    pub(crate) work_ms: u64,
+    throughput: Option<f64>,
+    /// How long each handler slept; absent in lines written before it was added: 10 ms, the
+    /// default, then.
+    #[serde(default = "default_work_ms")]
+    work_ms: u64,
+}
+
+fn default_work_ms() -> u64 {
+    10
 }
 
 /// Median, min and max.
@@ -61,92 +76,62 @@ impl Spread {
 }
 
 impl VariantResult {
+    /// The result of `runs` of `events` each, and of the no-kill run's `throughput`.
+    pub(crate) fn new(
+        broker: BrokerKind,
+        variant: Variant,
+        events: u32,
+        runs: &[KillReport],
+        throughput: Option<f64>,
+        work_ms: u64,
+    ) -> Self {
+        Self {
+            broker,
+            variant,
+            runs: runs.len(),
+            kills: runs.iter().map(|r| r.kills).sum(),
+            self_crashes: runs.iter().map(|r| r.self_crashes).sum(),
+            events: u64::from(events) * runs.len() as u64,
+            duplicates: runs.iter().map(|r| r.duplicates).sum(),
+            lost: runs.iter().map(|r| r.lost).sum(),
+            balances_exact: runs.iter().all(|r| r.balances_exact),
+            duplicates_per_run: runs.iter().map(|r| r.duplicates).collect(),
+            lost_per_run: runs.iter().map(|r| r.lost).collect(),
+            throughput: throughput.map(|t| (t * 10.0).round() / 10.0),
+            work_ms,
+        }
+    }
+
     pub(crate) fn duplicates(&self) -> Spread {
-        spread(self.runs.iter().map(|r| r.duplicates))
+        spread(self.duplicates_per_run.iter().copied())
     }
 
     pub(crate) fn lost(&self) -> Spread {
-        spread(self.runs.iter().map(|r| r.lost))
+        spread(self.lost_per_run.iter().copied())
+    }
+
+    /// Kills per run: the same in every run.
+    pub(crate) fn kills_per_run(&self) -> u32 {
+        self.kills / self.runs.max(1) as u32
     }
 
     /// The JSON line of this result.
     pub(crate) fn json_line(&self) -> Result<String, serde_json::Error> {
-        serde_json::to_string(&self.json())
+        serde_json::to_string(self)
     }
 
-    fn json(&self) -> Line {
-        Line {
-            broker: self.broker.name().to_owned(),
-            variant: self.variant.name().to_owned(),
-            runs: self.runs.len(),
-            kills: self.runs.iter().map(|r| r.kills).sum(),
-            self_crashes: self.runs.iter().map(|r| r.self_crashes).sum(),
-            events: u64::from(self.events) * self.runs.len() as u64,
-            duplicates: self.runs.iter().map(|r| r.duplicates).sum(),
-            lost: self.runs.iter().map(|r| r.lost).sum(),
-            balances_exact: self.runs.iter().all(|r| r.balances_exact),
-            duplicates_per_run: self.runs.iter().map(|r| r.duplicates).collect(),
-            lost_per_run: self.runs.iter().map(|r| r.lost).collect(),
-            throughput: self.throughput.map(|t| (t * 10.0).round() / 10.0),
-            work_ms: Some(self.work_ms),
-        }
-    }
-
-    /// Back from a JSON line. Per-run kills are the same in every run; the line keeps only the
-    /// totals of self-crashes (put on the first run) and of exact balances (put on every run).
-    fn from_line(line: Line) -> Result<Self, String> {
-        let runs = line.duplicates_per_run.len();
-        if runs == 0 || line.lost_per_run.len() != runs {
+    /// Back from a JSON line, refused with no runs or with per-run lists of other lengths.
+    fn from_line(line: &str) -> Result<Self, String> {
+        let result: Self = serde_json::from_str(line).map_err(|e| e.to_string())?;
+        let runs = result.duplicates_per_run.len();
+        if runs == 0 || result.lost_per_run.len() != runs {
             return Err(format!(
                 "{} {}: no runs, or per-run lists of different lengths",
-                line.broker, line.variant
+                result.broker, result.variant
             ));
         }
-        let kills = line.kills / runs as u32;
-        let runs = line
-            .duplicates_per_run
-            .iter()
-            .zip(&line.lost_per_run)
-            .enumerate()
-            .map(|(i, (&duplicates, &lost))| KillReport {
-                kills,
-                self_crashes: if i == 0 { line.self_crashes } else { 0 },
-                duplicates,
-                lost,
-                balances_exact: line.balances_exact,
-                ..KillReport::default()
-            })
-            .collect::<Vec<_>>();
-        Ok(Self {
-            broker: line.broker.parse()?,
-            variant: line.variant.parse()?,
-            events: u32::try_from(line.events / runs.len() as u64).map_err(|e| e.to_string())?,
-            kills_per_run: kills,
-            runs,
-            throughput: line.throughput,
-            work_ms: line.work_ms.unwrap_or(10),
-        })
+        Ok(result)
     }
-}
-
-/// The machine-readable summary the smoke test, scripts and `evidence report` read.
-#[derive(Debug, Serialize, Deserialize)]
-struct Line {
-    broker: String,
-    variant: String,
-    runs: usize,
-    kills: u32,
-    self_crashes: u32,
-    events: u64,
-    duplicates: i64,
-    lost: i64,
-    balances_exact: bool,
-    duplicates_per_run: Vec<i64>,
-    lost_per_run: Vec<i64>,
-    throughput: Option<f64>,
-    /// Absent in lines written before it was added: 10 ms, the default, then.
-    #[serde(default)]
-    work_ms: Option<u64>,
 }
 
 /// Prints the article's table for one broker.
@@ -156,7 +141,10 @@ pub(crate) fn table(results: &[VariantResult]) {
     };
     println!(
         "\n{}: {} events, {} kills per run, handlers sleep {} ms",
-        first.broker, first.events, first.kills_per_run, first.work_ms
+        first.broker,
+        first.events / first.runs as u64,
+        first.kills_per_run(),
+        first.work_ms
     );
     println!(
         "{:<32} {:>4} {:>26} {:>22} {:>14} {:>8}",
@@ -174,15 +162,11 @@ pub(crate) fn table(results: &[VariantResult]) {
         println!(
             "{:<32} {:>4} {:>26} {:>22} {:>14} {:>8}",
             r.variant.label(),
-            r.runs.len(),
+            r.runs,
             r.duplicates().show(),
             r.lost().show(),
             rate,
-            if r.runs.iter().all(|x| x.balances_exact) {
-                "yes"
-            } else {
-                "no"
-            }
+            if r.balances_exact { "yes" } else { "no" }
         );
     }
     println!("median (min–max) per run; throughput from one run with no kills");
@@ -220,9 +204,7 @@ pub(crate) fn read_lines(files: &[impl AsRef<Path>]) -> Result<Vec<VariantResult
             if !raw.starts_with('{') {
                 continue;
             }
-            let line: Line = serde_json::from_str(raw)
-                .map_err(|e| format!("{}:{}: {e}", file.display(), n + 1))?;
-            let result = VariantResult::from_line(line)
+            let result = VariantResult::from_line(raw)
                 .map_err(|e| format!("{}:{}: {e}", file.display(), n + 1))?;
             results.retain(|r| (r.broker, r.variant) != (result.broker, result.variant));
             results.push(result);
@@ -245,25 +227,19 @@ mod tests {
 
     #[test]
     fn a_json_line_reads_back_to_the_same_line() {
-        let result = VariantResult {
-            broker: BrokerKind::Redis,
-            variant: Variant::B,
-            events: 10_000,
-            kills_per_run: 20,
-            runs: [4, 6]
-                .into_iter()
-                .map(|duplicates| KillReport {
-                    kills: 20,
-                    self_crashes: 3,
-                    duplicates,
-                    balances_exact: false,
-                    ..KillReport::default()
-                })
-                .collect(),
-            throughput: Some(61.5),
-            work_ms: 10,
-        };
-        let line = serde_json::to_string(&result.json()).unwrap();
+        let runs: Vec<_> = [4, 6]
+            .into_iter()
+            .map(|duplicates| KillReport {
+                kills: 20,
+                self_crashes: 3,
+                duplicates,
+                balances_exact: false,
+                ..KillReport::default()
+            })
+            .collect();
+        let result =
+            VariantResult::new(BrokerKind::Redis, Variant::B, 10_000, &runs, Some(61.5), 10);
+        let line = result.json_line().unwrap();
         let dir = std::env::temp_dir().join(format!("wallet-report-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("lines.txt");
@@ -271,18 +247,15 @@ mod tests {
         let back = read_lines(&[&file]).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!(back.len(), 1);
-        assert_eq!(serde_json::to_string(&back[0].json()).unwrap(), line);
+        assert_eq!(back[0].json_line().unwrap(), line);
         assert_eq!(back[0].duplicates(), spread([4, 6]));
     }
 
     #[test]
     fn a_line_with_mismatched_runs_is_refused() {
-        let line: Line = serde_json::from_str(
-            r#"{"broker":"kafka","variant":"c","runs":2,"kills":40,"self_crashes":0,"events":20000,
-               "duplicates":0,"lost":0,"balances_exact":true,"duplicates_per_run":[0,0],
-               "lost_per_run":[0],"throughput":null}"#,
-        )
-        .unwrap();
+        let line = r#"{"broker":"kafka","variant":"c","runs":2,"kills":40,"self_crashes":0,
+            "events":20000,"duplicates":0,"lost":0,"balances_exact":true,
+            "duplicates_per_run":[0,0],"lost_per_run":[0],"throughput":null}"#;
         assert!(VariantResult::from_line(line).is_err());
     }
 }
