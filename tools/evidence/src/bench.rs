@@ -24,7 +24,6 @@ use crate::cli::{
     positive, BrokerKind, ConsumerSpec, HandlerKind, KafkaImpl, Variant, KAFKA_IMPL_HELP,
     KAFKA_IMPL_LONG_HELP,
 };
-use crate::consume::Watch;
 use crate::kill;
 
 /// `bench`: msgs/s of variants b and c beside the broker alone and the database alone, for
@@ -383,9 +382,6 @@ async fn timed_run<B: TestBroker>(
     let row = Row::of(&consumer);
     let label = format!("{} {}", broker.kind(), row.label());
     let progress = Arc::new(Progress::default());
-    let watch = Watch {
-        progress: Some(Arc::clone(&progress)),
-    };
     let n = events.len() as u64;
     let bar = progress::Progress::bar(format!("bench {run}: {label}"), n, "msgs", "consumed");
     reset_peak_rss();
@@ -393,7 +389,13 @@ async fn timed_run<B: TestBroker>(
     let shutdown = Box::pin(async {
         let _ = stopped.await;
     });
-    let consume = crate::consume::consume(broker, &consumer, &db, watch, shutdown);
+    let consume = crate::consume::consume(
+        broker,
+        &consumer,
+        &db,
+        Some(Arc::clone(&progress)),
+        shutdown,
+    );
     let waiting = async {
         let done = progress.wait_for(n, Duration::from_secs(120), &bar).await;
         let _ = stop.send(());
@@ -524,15 +526,16 @@ fn reset_peak_rss() {
 
 /// This process's peak RSS since the last reset, in MB (0 where /proc has none).
 fn peak_rss_mb() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix("VmHWM:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
+    status_kb("self", "VmHWM").map_or(0.0, |kb| kb as f64 / 1024.0)
+}
+
+/// A figure in kB of `/proc/<process>/status` (`process`: `self` or a pid), such as `VmRSS`.
+pub(crate) fn status_kb(process: &str, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{process}/status")).ok()?;
+    let line = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?;
+    line.trim().trim_end_matches("kB").trim().parse().ok()
 }
 
 fn print_row(row: &Row, limits: &Limits, b_rate: Option<f64>) {

@@ -24,13 +24,6 @@ use crate::shards;
 /// Resolves when the consumer should finish its batch and return.
 pub(crate) type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-/// What the benchmark watches of a consumer run in its process.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Watch {
-    /// Counts messages as their transaction commits (the benchmark's clock).
-    pub(crate) progress: Option<Arc<Progress>>,
-}
-
 /// Counts messages without storing anything: the benchmark's "broker alone".
 #[derive(Debug)]
 struct CountOnly;
@@ -51,17 +44,17 @@ impl BatchHandler<MemoryTx<()>> for CountOnly {
     }
 }
 
-/// Runs `spec`'s consumer on `source` until `shutdown`.
+/// Runs `spec`'s consumer on `source` until `shutdown`, counting in `progress` each message as
+/// its transaction commits (the benchmark's clock).
 pub(crate) async fn run<S: MessageSource + 'static>(
     source: S,
     spec: &ConsumerSpec,
     db: &TestDb,
-    watch: Watch,
+    progress: Option<Arc<Progress>>,
     shutdown: Shutdown,
 ) -> Result<StatsSnapshot, inbox_core::Error> {
-    let progress = watch.progress.clone();
     if spec.store == StoreKind::Sharded {
-        return run_sharded(source, spec, watch, shutdown).await;
+        return run_sharded(source, spec, progress, shutdown).await;
     }
     if spec.no_database {
         let consumer = Consumer::batched("wallet", source, MemoryStore::<()>::new(), CountOnly);
@@ -94,7 +87,7 @@ pub(crate) async fn run<S: MessageSource + 'static>(
 async fn run_sharded<S: MessageSource + 'static>(
     source: S,
     spec: &ConsumerSpec,
-    watch: Watch,
+    progress: Option<Arc<Progress>>,
     shutdown: Shutdown,
 ) -> Result<StatsSnapshot, inbox_core::Error> {
     if spec.variant != Variant::C || spec.batched() || spec.no_database {
@@ -104,7 +97,6 @@ async fn run_sharded<S: MessageSource + 'static>(
     }
     let dbs = shards::attach_shards(&spec.schema).await;
     let store = shards::sharded_inbox(&dbs);
-    let progress = watch.progress.clone();
     let handler = Credit::new(dbs[0].clone()).work(spec.work);
     let consumer = Consumer::new("wallet", source, store, handler);
     finish(consumer, spec, progress, shutdown).await
@@ -127,17 +119,17 @@ pub(crate) async fn consume<B: TestBroker>(
     broker: &Broker<B>,
     spec: &ConsumerSpec,
     db: &TestDb,
-    watch: Watch,
+    progress: Option<Arc<Progress>>,
     shutdown: Shutdown,
 ) -> Result<StatsSnapshot, BoxError> {
     if spec.variant.auto_ack() {
         let source = broker.at_most_once_source(spec).await?;
         crate::ready();
-        return Ok(run(source, spec, db, watch, shutdown).await?);
+        return Ok(run(source, spec, db, progress, shutdown).await?);
     }
     let source = broker.source(spec).await?;
     crate::ready();
-    Ok(run(source, spec, db, watch, shutdown).await?)
+    Ok(run(source, spec, db, progress, shutdown).await?)
 }
 
 /// Runs `spec`'s consumer in this process on `broker` and the store `spec.store` of the run,
@@ -164,7 +156,7 @@ pub(crate) async fn attached<B: TestBroker>(
             return Ok(run_mysql(source, spec, &db, shutdown).await?);
         }
     };
-    consume(broker, spec, &db, Watch::default(), shutdown).await
+    consume(broker, spec, &db, None, shutdown).await
 }
 
 /// Sets `spec`'s batch size, lanes and hooks on `consumer` and runs it until `shutdown`.

@@ -10,22 +10,22 @@ use std::time::{Duration, Instant};
 use futures_util::stream::{self, StreamExt, TryStreamExt};
 use inbox_admin::progress;
 use inbox_conformance::kill::{KillPlan, KillReport};
-use inbox_conformance::wallet::CreditEvent;
 use inbox_conformance::TestDb;
-use inbox_core::{BoxError, OutgoingMessage};
+use inbox_core::BoxError;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use tokio::process::Child;
 
 use inbox_conformance::TestBroker;
 
+use crate::bench;
 use crate::brokers::{self, with_broker, Broker};
 use crate::cli::{
     millis, minutes, positive, seconds, seconds_range, BrokerKind, ConsumerSpec, HandlerKind,
     KafkaImpl, Variant, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
 };
 use crate::faults::{Fault, Proxies, BROKER_BLACKHOLED_FOR, DB_REFUSED_FOR};
-use crate::kill;
+use crate::kill::{self, Credits};
 
 /// Events generated and handed to the broker at a time, and chunks in flight at once.
 const CHUNK: u32 = 10_000;
@@ -89,43 +89,6 @@ pub(crate) struct SoakSettings {
     kafka_impl: KafkaImpl,
 }
 
-/// The seeded events, made a chunk at a time: the same sequence as `kill::events` for a seed.
-struct Events {
-    rng: StdRng,
-    accounts: i64,
-    next: u32,
-    total: u32,
-    expected: HashMap<i64, i64>,
-}
-
-impl Events {
-    fn new(s: &SoakSettings) -> Self {
-        Self {
-            rng: StdRng::seed_from_u64(s.seed),
-            accounts: s.accounts,
-            next: 0,
-            total: s.events,
-            expected: HashMap::new(),
-        }
-    }
-
-    fn chunk(&mut self) -> Vec<OutgoingMessage> {
-        let end = self.total.min(self.next.saturating_add(CHUNK));
-        let chunk = (self.next..end)
-            .map(|i| {
-                let event = CreditEvent::new(
-                    self.rng.random_range(1..=self.accounts),
-                    self.rng.random_range(1..=100),
-                );
-                *self.expected.entry(event.account_id).or_insert(0) += event.amount;
-                brokers::credit(i, &event)
-            })
-            .collect();
-        self.next = end;
-        chunk
-    }
-}
-
 /// Events handed to the broker, and chunks published again after a failure.
 #[derive(Debug, Default)]
 struct Published {
@@ -143,11 +106,14 @@ async fn publish<B: TestBroker>(
     s: &SoakSettings,
     published: &Published,
 ) -> Result<HashMap<i64, i64>, BoxError> {
-    let mut events = Events::new(s);
+    let mut events = Credits::new(s.seed, s.accounts);
     let chunks = s.events.div_ceil(CHUNK);
     stream::iter(0..chunks)
-        .map(|_| {
-            let chunk = events.chunk();
+        .map(|i| {
+            let chunk: Vec<_> = events
+                .by_ref()
+                .take(CHUNK.min(s.events - i * CHUNK) as usize)
+                .collect();
             async move {
                 let mut attempts = 1;
                 loop {
@@ -278,18 +244,6 @@ async fn start(
     }
 }
 
-/// `VmRSS` of `pid` in kB, from `/proc/<pid>/status`.
-async fn rss_kb(pid: u32) -> Option<u64> {
-    tokio::task::spawn_blocking(move || {
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-        let line = status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?;
-        line.trim().trim_end_matches("kB").trim().parse().ok()
-    })
-    .await
-    .ok()
-    .flatten()
-}
-
 async fn max_ledger_id(db: &TestDb) -> Result<i64, BoxError> {
     Ok(
         sqlx::query_scalar::<_, Option<i64>>("SELECT max(id) FROM ledger")
@@ -325,7 +279,9 @@ async fn kill_phase(
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
         tick += 1;
-        if let Some(kb) = rss_kb(running.pid).await {
+        let pid = running.pid.to_string();
+        let rss = tokio::task::spawn_blocking(move || bench::status_kb(&pid, "VmRSS")).await;
+        if let Ok(Some(kb)) = rss {
             running.rss.max = running.rss.max.max(kb);
             if running.rss.at_age.is_none() && running.started.elapsed() >= RSS_AGE {
                 running.rss.at_age = Some(kb);
