@@ -9,7 +9,6 @@
 //!
 //! With `--e2e true`, the outbox chain instead (see `outbox_chain.rs`).
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use inbox_admin::progress;
@@ -294,14 +293,9 @@ async fn run_once<B: TestBroker>(
     }
     kill(&mut child).await;
     provider.wait_settled(Duration::from_secs(10)).await;
-    let mut per_key: HashMap<&str, i64> = HashMap::new();
-    for applied in provider.applied() {
-        if let Some(key) = keys.iter().find(|k| **k == applied.key) {
-            *per_key.entry(key.as_str()).or_default() += 1;
-        }
-    }
-    let duplicates = per_key.values().map(|n| n - 1).sum();
-    let lost = keys.len() as i64 - per_key.len() as i64;
+    let effects: Vec<i64> = keys.iter().map(|k| provider.effects(k) as i64).collect();
+    let duplicates = effects.iter().map(|n| (n - 1).max(0)).sum();
+    let lost = effects.iter().filter(|&&n| n == 0).count() as i64;
     let calls = keys.iter().map(|k| provider.calls(k).len() as i64).sum();
     db.drop().await;
     broker.remove(&name).await;
