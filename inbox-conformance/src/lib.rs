@@ -163,22 +163,6 @@ use inbox_core::{DynPublish, MessageSource};
 #[cfg(feature = "at-most-once")]
 use inbox_testkit::AckOnReceive;
 
-/// Every dead letter `reader` holds, oldest first (by the time the broker gives, then in
-/// reading order), left where it was.
-async fn read_dead_letters(reader: &mut dyn inbox_core::replay::DynDeadLetters) -> Vec<DeadLetter> {
-    let mut read = Vec::new();
-    inbox_core::replay::scan(reader, &mut |letter| read.push(letter.clone()))
-        .await
-        .expect("the dead-letter reader reads the destination");
-    read.sort_by_key(|letter| letter.timestamp);
-    read.into_iter()
-        .map(|letter| DeadLetter {
-            reason: letter.reason.unwrap_or_default(),
-            payload: letter.payload,
-        })
-        .collect()
-}
-
 /// A name no other test uses: `prefix`, a dash and 12 random hex digits.
 pub fn unique_name(prefix: &str) -> String {
     format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
@@ -376,7 +360,18 @@ pub trait TestQueue: Send + Sync + 'static {
                 .dead_letter_reader()
                 .await
                 .expect("a queue without a dead-letter reader overrides `dead_letters`");
-            read_dead_letters(reader.as_mut()).await
+            let mut read = Vec::new();
+            inbox_core::replay::scan(reader.as_mut(), &mut |letter| read.push(letter.clone()))
+                .await
+                .expect("the dead-letter reader reads the destination");
+            // Oldest first: by the time the broker gives, then in reading order.
+            read.sort_by_key(|letter| letter.timestamp);
+            read.into_iter()
+                .map(|letter| DeadLetter {
+                    reason: letter.reason.unwrap_or_default(),
+                    payload: letter.payload,
+                })
+                .collect()
         }
     }
 

@@ -112,6 +112,21 @@ pub(crate) async fn drain<Q, R, F, D, G>(
     }
 }
 
+/// [`drain`]s `queue` as `c1` with plain consumers of the wallet's credit on `db`, until `done`.
+async fn drain_wallet<Q, D, F, G>(queue: &Q, db: &D, done: F) -> Totals
+where
+    Q: TestQueue,
+    D: TestStore,
+    F: Fn(Totals) -> G,
+    G: Future<Output = bool>,
+{
+    let (handler, mut totals) = (db.credit(), Totals::default());
+    let run =
+        |source| Consumer::new("wallet", source, db.inbox(), handler.clone()).run_until_idle();
+    drain(queue, "c1", &mut totals, run, done).await;
+    totals
+}
+
 /// What is left on the broker once it had a few seconds to settle (an offset commit, a
 /// delete, a requeue in flight).
 pub(crate) async fn left<Q: TestQueue>(queue: &Q) -> u64 {
@@ -152,16 +167,7 @@ pub async fn the_same_id_twice_is_applied_once<B: TestBroker, D: TestStore>(brok
     send_credit(&queue, 1, 5).await;
     queue.send(Some(twice.as_str()), &credit(1, 100)).await; // the producer retried
 
-    let handler = db.credit();
-    let mut totals = Totals::default();
-    drain(
-        &queue,
-        "c1",
-        &mut totals,
-        |source| Consumer::new("wallet", source, db.inbox(), handler.clone()).run_until_idle(),
-        |t| async move { t.applied + t.skipped >= 3 },
-    )
-    .await;
+    let totals = drain_wallet(&queue, &db, |t| async move { t.applied + t.skipped >= 3 }).await;
 
     let summary = wallet::summary(&db).await.expect("summary");
     let balance = wallet::balance(&db, 1).await;
@@ -194,13 +200,12 @@ pub async fn a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice<
         for amount in [10, 20, 30, 40, 50] {
             send_credit(&queue, 1, amount).await;
         }
-        let handler = db.credit();
         let crash = Crash::at(stage);
         let consumer = Consumer::new(
             "wallet",
             crash.source(source(&queue, "c1").await),
             crash.store(db.inbox()),
-            crash.handler(handler.clone()),
+            crash.handler(db.credit()),
         );
         let crashed = crash.run(consumer.run_until_idle()).await;
         assert!(
@@ -208,19 +213,12 @@ pub async fn a_crash_at_each_stage_loses_nothing_and_applies_nothing_twice<
             "{stage:?}: {crashed:?}"
         );
 
-        let mut totals = Totals::default();
-        drain(
-            &queue,
-            "c1",
-            &mut totals,
-            |source| Consumer::new("wallet", source, db.inbox(), handler.clone()).run_until_idle(),
-            // After a crash between commit and ack, the unacked message comes back (after a
-            // visibility timeout, a claim interval) and must be skipped.
-            |t| {
-                let db = &db;
-                async move { ledger_has(db, 5).await && (stage != Stage::Committed || t.skipped >= 1) }
-            },
-        )
+        // After a crash between commit and ack, the unacked message comes back (after a
+        // visibility timeout, a claim interval) and must be skipped.
+        let totals = drain_wallet(&queue, &db, |t| {
+            let db = &db;
+            async move { ledger_has(db, 5).await && (stage != Stage::Committed || t.skipped >= 1) }
+        })
         .await;
         let summary = wallet::summary(&db).await.expect("summary");
         let left = left(&queue).await;
@@ -306,16 +304,7 @@ pub async fn messages_without_an_id_or_with_a_bad_payload_are_dead_lettered<
     let bad_id = MessageId::generate();
     queue.send(Some(bad_id.as_str()), b"not json").await;
 
-    let handler = db.credit();
-    let mut totals = Totals::default();
-    drain(
-        &queue,
-        "c1",
-        &mut totals,
-        |source| Consumer::new("wallet", source, db.inbox(), handler.clone()).run_until_idle(),
-        |t| async move { t.dead_lettered >= 2 },
-    )
-    .await;
+    let totals = drain_wallet(&queue, &db, |t| async move { t.dead_lettered >= 2 }).await;
 
     let dead = queue.dead_letters().await;
     let summary = wallet::summary(&db).await.expect("summary");
