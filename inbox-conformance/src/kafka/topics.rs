@@ -96,12 +96,7 @@ pub(super) fn lag_on(brokers: &str, topic: &str, group: &str, partitions: i32) -
 
 /// Every record on partition 0 of `topic`.
 pub async fn read_all(topic: &str) -> Vec<OwnedMessage> {
-    read_all_on(&super::brokers(), topic).await
-}
-
-/// [`read_all`] on `brokers`.
-pub(super) async fn read_all_on(brokers: &str, topic: &str) -> Vec<OwnedMessage> {
-    let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
+    let (brokers, topic) = (super::brokers(), topic.to_owned());
     tokio::task::spawn_blocking(move || {
         let consumer = plain_consumer(&brokers, &crate::unique_name("reader"));
         let (low, high) = consumer
