@@ -92,6 +92,8 @@ fn test(extra: &[String]) -> Result<(), String> {
     let mut args = vec![
         "nextest",
         "run",
+        "--profile",
+        "partitioned",
         "--workspace",
         "-E",
         "package(inbox-postgres)",
@@ -106,6 +108,8 @@ fn test(extra: &[String]) -> Result<(), String> {
     let mut args = vec![
         "nextest",
         "run",
+        "--profile",
+        "pooler",
         "--workspace",
         "-E",
         "package(inbox-redis-streams) & binary(conformance)",
