@@ -128,8 +128,16 @@ impl<S: MessageSource> MessageSource for Noting<S> {
         Ok(batch)
     }
 
+    fn redelivery_window(&self) -> Option<Duration> {
+        self.inner.redelivery_window()
+    }
+
     fn system(&self) -> &'static str {
         self.inner.system()
+    }
+
+    fn consumer_group(&self) -> Option<&str> {
+        self.inner.consumer_group()
     }
 
     fn capabilities(&self) -> Capabilities {
