@@ -198,7 +198,6 @@ async fn on_broker<B: TestBroker>(
     rows: &mut Vec<Row>,
     runs: &mut Runs,
 ) -> Result<(), BoxError> {
-    let events = events(s, s.events);
     let consumer = |variant, batch, lanes, handler| ConsumerSpec {
         batch: Some(batch),
         lanes,
@@ -212,7 +211,7 @@ async fn on_broker<B: TestBroker>(
         no_database: true,
         ..consumer(Variant::B, 1000, 1, HandlerKind::Batch)
     };
-    let alone = timed_run(broker, &events, &runs.next(), broker_alone).await?;
+    let alone = timed_run(broker, &events(s, s.events), &runs.next(), broker_alone).await?;
     print_row(&alone, limits, None);
     limits.broker = Some(alone.clone());
     rows.push(alone);
@@ -223,7 +222,7 @@ async fn on_broker<B: TestBroker>(
         } else {
             s.events
         };
-        let events = events_of(&events, s, n);
+        let events = events(s, n);
         for &lane_count in &lanes {
             for &handler in &s.handlers {
                 let mut b_rate = None;
@@ -288,14 +287,6 @@ fn events(s: &BenchSettings, n: u32) -> Vec<OutgoingMessage> {
     (0..n)
         .map(|i| brokers::credit(i, &CreditEvent::new(i64::from(i) % s.accounts + 1, 1)))
         .collect()
-}
-
-fn events_of(all: &[OutgoingMessage], s: &BenchSettings, n: u32) -> Vec<OutgoingMessage> {
-    if n as usize <= all.len() {
-        all[..n as usize].to_vec()
-    } else {
-        events(s, n)
-    }
 }
 
 /// Starts `processes` consumer processes of `spec` in one group on a fresh queue, publishes

@@ -102,18 +102,6 @@ async fn run_sharded<S: MessageSource + 'static>(
     finish(consumer, spec, progress, shutdown).await
 }
 
-/// Runs `spec`'s consumer on `source` with the MySQL store and wallet in `db` until `shutdown`.
-async fn run_mysql<S: MessageSource + 'static>(
-    source: S,
-    spec: &ConsumerSpec,
-    db: &MySqlDb,
-    shutdown: Shutdown,
-) -> Result<StatsSnapshot, inbox_core::Error> {
-    let handler = Credit::new(db.clone()).work(spec.work);
-    let consumer = Consumer::new("wallet", source, mysql_wallet::inbox(db), handler);
-    finish(consumer, spec, None, shutdown).await
-}
-
 /// Runs `spec`'s consumer on `broker` with the wallet in `db` until `shutdown`.
 pub(crate) async fn consume<B: TestBroker>(
     broker: &Broker<B>,
@@ -150,10 +138,13 @@ pub(crate) async fn attached<B: TestBroker>(
                 )
                 .into());
             }
+            // The MySQL store and wallet.
             let db = MySqlDb::attach(&spec.schema).await;
             let source = broker.source(spec).await?;
             crate::ready();
-            return Ok(run_mysql(source, spec, &db, shutdown).await?);
+            let handler = Credit::new(db.clone()).work(spec.work);
+            let consumer = Consumer::new("wallet", source, mysql_wallet::inbox(&db), handler);
+            return Ok(finish(consumer, spec, None, shutdown).await?);
         }
     };
     consume(broker, spec, &db, None, shutdown).await

@@ -142,7 +142,7 @@ pub(crate) fn table(results: &[VariantResult]) {
     println!(
         "\n{}: {} events, {} kills per run, handlers sleep {} ms",
         first.broker,
-        first.events / first.runs as u64,
+        first.events / first.runs.max(1) as u64,
         first.kills_per_run(),
         first.work_ms
     );

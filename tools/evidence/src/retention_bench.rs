@@ -133,8 +133,10 @@ pub(crate) async fn run(s: &RetentionSettings) -> Result<(), BoxError> {
     );
     let mut results = Vec::new();
     for &layout in &s.layouts {
-        let r = one_layout(s, layout).await?;
-        results.push(r);
+        let db = TestDb::new().await;
+        let result = measure(s, layout, &db).await;
+        db.drop().await;
+        results.push(result?);
     }
     println!();
     print_table(s, &results);
@@ -143,13 +145,6 @@ pub(crate) async fn run(s: &RetentionSettings) -> Result<(), BoxError> {
         println!("{}", json_line(s, r));
     }
     Ok(())
-}
-
-async fn one_layout(s: &RetentionSettings, layout: Layout) -> Result<LayoutRun, BoxError> {
-    let db = TestDb::new().await;
-    let result = measure(s, layout, &db).await;
-    db.drop().await;
-    result
 }
 
 async fn measure(

@@ -105,59 +105,41 @@ fn no_arguments_fail_with_the_usage() {
     assert!(err.contains("Usage: evidence <COMMAND>"), "{err}");
 }
 
+/// Each wrong command line fails with status 2, saying on stderr what is wrong (and, where it
+/// is the command line's shape, the usage).
 #[test]
-fn an_unknown_kafka_implementation_fails_naming_the_choices() {
-    let out = evidence(&["kill-test", "--kafka-impl", "redpanda"]);
-    assert!(!out.status.success());
-    let err = stderr(&out);
-    assert!(err.contains("use tansu or mock"), "{err}");
-}
-
-#[test]
-fn an_unknown_command_fails_with_the_usage() {
-    let out = evidence(&["bogus"]);
-    assert!(!out.status.success());
-    let err = stderr(&out);
-    assert!(err.contains("bogus"), "{err}");
-    assert!(err.contains("Usage: evidence"), "{err}");
-    assert!(err.contains("--help"), "{err}");
-}
-
-#[test]
-fn an_unknown_flag_of_a_command_fails_naming_it() {
-    let out = evidence(&["soak", "--kill-evry", "5..30"]);
-    assert!(!out.status.success());
-    let err = stderr(&out);
-    assert!(err.contains("--kill-evry"), "{err}");
-    assert!(err.contains("Usage: evidence soak"), "{err}");
-}
-
-#[test]
-fn a_bad_number_fails_saying_which_flag_and_why() {
-    let out = evidence(&["bench", "--events", "20k"]);
-    assert!(!out.status.success());
-    let err = stderr(&out);
-    assert!(
-        err.contains("invalid value '20k' for '--events <N>'"),
-        "{err}"
-    );
-    assert!(err.contains("invalid digit"), "{err}");
-
-    let out = evidence(&["soak", "--kill-every", "30..5"]);
-    assert!(!out.status.success());
-    let err = stderr(&out);
-    assert!(err.contains("--kill-every"), "{err}");
-    assert!(err.contains("MIN is above MAX"), "{err}");
-}
-
-#[test]
-fn a_check_across_flags_fails_with_the_usage() {
-    let out = evidence(&["retention-bench", "--days", "2", "--window-days", "2"]);
-    assert_eq!(out.status.code(), Some(2), "{out:?}");
-    let err = stderr(&out);
-    assert!(
-        err.contains("--window-days must be at least 1 and below --days"),
-        "{err}"
-    );
-    assert!(err.contains("Usage: evidence retention-bench"), "{err}");
+fn wrong_command_lines_fail_saying_what_is_wrong() {
+    for (args, says) in [
+        (
+            &["kill-test", "--kafka-impl", "redpanda"][..],
+            &["use tansu or mock"][..],
+        ),
+        (&["bogus"], &["bogus", "Usage: evidence", "--help"]),
+        (
+            &["soak", "--kill-evry", "5..30"],
+            &["--kill-evry", "Usage: evidence soak"],
+        ),
+        (
+            &["bench", "--events", "20k"],
+            &["invalid value '20k' for '--events <N>'", "invalid digit"],
+        ),
+        (
+            &["soak", "--kill-every", "30..5"],
+            &["--kill-every", "MIN is above MAX"],
+        ),
+        (
+            &["retention-bench", "--days", "2", "--window-days", "2"],
+            &[
+                "--window-days must be at least 1 and below --days",
+                "Usage: evidence retention-bench",
+            ],
+        ),
+    ] {
+        let out = evidence(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+        let err = stderr(&out);
+        for said in says {
+            assert!(err.contains(said), "{args:?}: `{said}` missing: {err}");
+        }
+    }
 }
