@@ -186,13 +186,8 @@ where
 /// One consumer, until killed or Ctrl-C.
 pub(crate) async fn main(spec: ConsumerSpec) -> Result<(), BoxError> {
     // A consumer neither creates nor publishes: the Kafka implementation makes no difference.
-    let ctrl_c: Shutdown = Box::pin(async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    });
     let stats = with_broker!(spec.broker, KafkaImpl::default(), |broker| {
-        attached(broker, &spec, ctrl_c).await?
+        attached(broker, &spec, Box::pin(crate::ctrl_c())).await?
     });
     eprintln!("{stats:?}");
     Ok(())

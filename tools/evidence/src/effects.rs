@@ -251,7 +251,7 @@ async fn run_once<B: TestBroker>(
     };
     let mut kills = 0;
     for wait in schedule(s, run) {
-        let mut child = spawn(&spec, &env).await?;
+        let mut child = kill::spawn_ready(&spec.to_args(), &env).await?;
         tokio::time::sleep(wait).await;
         let settled = done().await?;
         kill(&mut child).await;
@@ -263,7 +263,7 @@ async fn run_once<B: TestBroker>(
         bar.set_position(settled);
     }
     // The drain: one child, until every event is done or nothing moves for long.
-    let mut child = spawn(&spec, &env).await?;
+    let mut child = kill::spawn_ready(&spec.to_args(), &env).await?;
     let delay = broker.redelivery_delay(&name).await?;
     let (mut last, mut since, mut restarts) = (-1, Instant::now(), 0);
     bar.set_message(format!("{kills} kills, draining"));
@@ -287,7 +287,7 @@ async fn run_once<B: TestBroker>(
                 "{label}: the drain applies nothing at {settled}/{count}; replacing it"
             ));
             kill(&mut child).await;
-            child = spawn(&spec, &env).await?;
+            child = kill::spawn_ready(&spec.to_args(), &env).await?;
             restarts += 1;
         }
     }
@@ -305,11 +305,6 @@ async fn run_once<B: TestBroker>(
         lost,
         calls,
     })
-}
-
-/// Starts `evidence effects-child` for `spec` and waits for its `ready`, trying up to 5 times.
-pub(crate) async fn spawn(spec: &ChildSpec, env: &[(&str, String)]) -> Result<Child, BoxError> {
-    kill::spawn_ready(&spec.to_args(), env).await
 }
 
 /// SIGKILL, then reap.

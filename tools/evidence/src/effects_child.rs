@@ -104,12 +104,6 @@ pub(crate) async fn main(spec: &ChildSpec) -> Result<(), BoxError> {
     })
 }
 
-async fn ctrl_c() {
-    if tokio::signal::ctrl_c().await.is_err() {
-        std::future::pending::<()>().await;
-    }
-}
-
 /// Runs the consumer of `spec` (not the relay) on `source`.
 pub(crate) async fn run<S: MessageSource + 'static>(
     source: S,
@@ -132,7 +126,7 @@ pub(crate) async fn run<S: MessageSource + 'static>(
                 .lease(LEASE)
                 .retry(fast_retry(10))
                 .error_backoff(Duration::from_millis(100))
-                .run_until(ctrl_c())
+                .run_until(crate::ctrl_c())
                 .await?;
         }
         Role::Forward => {
@@ -145,7 +139,7 @@ pub(crate) async fn run<S: MessageSource + 'static>(
             Consumer::new("forward", source, db.inbox(), handler)
                 .batch_size(10)
                 .error_backoff(Duration::from_millis(100))
-                .run_until(ctrl_c())
+                .run_until(crate::ctrl_c())
                 .await?;
         }
         Role::Credit => {
@@ -158,7 +152,7 @@ pub(crate) async fn run<S: MessageSource + 'static>(
             )
             .batch_size(10)
             .error_backoff(Duration::from_millis(100))
-            .run_until(ctrl_c())
+            .run_until(crate::ctrl_c())
             .await?;
         }
         Role::Relay => return Err("the relay reads no source".into()),
@@ -175,7 +169,7 @@ pub(crate) async fn relay(publisher: Arc<dyn DynPublish>, db: &TestDb) -> Result
         .batch_size(50)
         .poll_interval(Duration::from_millis(100))
         .error_backoff(Duration::from_millis(200))
-        .run_until(ctrl_c())
+        .run_until(crate::ctrl_c())
         .await?;
     Ok(())
 }

@@ -109,6 +109,14 @@ pub(crate) fn ready() {
     }
 }
 
+/// Resolves on Ctrl-C: when a child (`consume`, `effects-child`) should stop; never where the
+/// signal cannot be listened for.
+pub(crate) async fn ctrl_c() {
+    if tokio::signal::ctrl_c().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();

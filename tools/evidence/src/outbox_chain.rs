@@ -16,9 +16,9 @@ use inbox_postgres::Outbox;
 use inbox_conformance::TestBroker;
 
 use crate::brokers::{self, with_broker, Broker};
-use crate::effects::{kill, schedule, spawn, EffectsSettings, ACCOUNTS};
+use crate::effects::{kill, schedule, EffectsSettings, ACCOUNTS};
 use crate::effects_child::{ChildSpec, Mode, Role};
-use crate::kill::events;
+use crate::kill::{events, spawn_ready};
 use crate::report::spread;
 
 /// One run's figures, counted in B's ledger and the outbox.
@@ -150,7 +150,7 @@ async fn run_once<B: TestBroker>(
     ];
     let mut children = Vec::new();
     for spec in &specs {
-        children.push(spawn(spec, &[]).await?);
+        children.push(spawn_ready(&spec.to_args(), &[]).await?);
     }
     let pool = &db;
     let applied = || async move { wallet::summary(pool).await };
@@ -163,7 +163,7 @@ async fn run_once<B: TestBroker>(
         let which = i % specs.len();
         kill(&mut children[which]).await;
         kills += 1;
-        children[which] = spawn(&specs[which], &[]).await?;
+        children[which] = spawn_ready(&specs[which].to_args(), &[]).await?;
         bar.set_message(format!(
             "{kills} kills (last: {})",
             specs[which].role.name()
@@ -201,7 +201,7 @@ async fn run_once<B: TestBroker>(
             ));
             for (child, spec) in children.iter_mut().zip(&specs) {
                 kill(child).await;
-                *child = spawn(spec, &[]).await?;
+                *child = spawn_ready(&spec.to_args(), &[]).await?;
             }
             restarts += 1;
             since = Instant::now();

@@ -139,14 +139,6 @@ async fn publish<B: TestBroker>(
     Ok(events.expected)
 }
 
-/// One child's VmRSS samples, by age.
-#[derive(Debug, Default, Clone, Copy)]
-struct Rss {
-    /// The first sample at [`RSS_AGE`] or later (kB).
-    at_age: Option<u64>,
-    max: u64,
-}
-
 /// The child running now.
 struct Running {
     child: Child,
@@ -154,7 +146,9 @@ struct Running {
     started: Instant,
     /// Which child of the run this is, from 0.
     index: u32,
-    rss: Rss,
+    /// Its first VmRSS sample at [`RSS_AGE`] or later (kB).
+    rss_at_age: Option<u64>,
+    rss_max: u64,
 }
 
 /// A fault whose effect is being watched: did the same child apply anything after it ended?
@@ -200,11 +194,11 @@ impl Phase {
     }
 
     fn retire(&mut self, running: &Running) {
-        if let Some(kb) = running.rss.at_age {
+        if let Some(kb) = running.rss_at_age {
             self.rss_first.get_or_insert(kb);
             self.rss_last = Some(kb);
         }
-        self.rss_max = self.rss_max.max(running.rss.max);
+        self.rss_max = self.rss_max.max(running.rss_max);
     }
 }
 
@@ -228,7 +222,8 @@ async fn start(
                 pid,
                 started: Instant::now(),
                 index,
-                rss: Rss::default(),
+                rss_at_age: None,
+                rss_max: 0,
             });
         }
         phase.failed_starts += 1;
@@ -282,9 +277,9 @@ async fn kill_phase(
         let pid = running.pid.to_string();
         let rss = tokio::task::spawn_blocking(move || bench::status_kb(&pid, "VmRSS")).await;
         if let Ok(Some(kb)) = rss {
-            running.rss.max = running.rss.max.max(kb);
-            if running.rss.at_age.is_none() && running.started.elapsed() >= RSS_AGE {
-                running.rss.at_age = Some(kb);
+            running.rss_max = running.rss_max.max(kb);
+            if running.rss_at_age.is_none() && running.started.elapsed() >= RSS_AGE {
+                running.rss_at_age = Some(kb);
             }
         }
         let top = max_ledger_id(db).await?;
@@ -354,7 +349,7 @@ async fn kill_phase(
             phase.kills,
             phase.faults.iter().map(|(_, n)| n).sum::<u32>(),
             running.index + 1,
-            running.rss.max / 1024,
+            running.rss_max / 1024,
         ));
         bar.set_position(applied);
     }
