@@ -29,7 +29,7 @@ pub(crate) struct KillSettings {
         value_name = "VARIANT,…"
     )]
     variants: Option<Vec<Variant>>,
-    /// Credit events per run [default: 10000; demo: 800].
+    /// Credit events per run [default: 10000; demo: 400].
     #[arg(long, value_name = "N")]
     events: Option<u32>,
     /// Accounts the events credit.
@@ -42,7 +42,7 @@ pub(crate) struct KillSettings {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     runs: Option<u32>,
     /// Work before each kill, drawn from MIN..MAX: milliseconds, or durations such as 1s..8s
-    /// [default: 1000..8000; demo: 1000..4000].
+    /// [default: 1000..8000; demo: 500..2000].
     #[arg(long, value_name = "MIN..MAX", value_parser = millis_range)]
     kill_after_ms: Option<(u64, u64)>,
     /// The handler's work per message: milliseconds, or a duration such as 10ms.
@@ -56,7 +56,7 @@ pub(crate) struct KillSettings {
     #[arg(long, value_name = "N", default_value = "42")]
     pub(crate) seed: u64,
     /// Probability per message that the consumer aborts itself between its DB commit and its
-    /// ack [default: 0; demo: 0.005].
+    /// ack [default: 0; demo: 0.02].
     #[arg(long, value_name = "P", value_parser = probability)]
     crash_between_commit_and_ack: Option<f64>,
     /// Also measure a run with no kills.
