@@ -23,6 +23,11 @@ pub(crate) struct Shared {
     pub(crate) dead_letter_subject: String,
     /// The reply subjects of the deliveries not settled yet, by a token of their own.
     pub(crate) in_flight: Mutex<HashMap<u64, Option<Subject>>>,
+    /// Held while "in progress" goes out for the deliveries held, and while a delivery leaves
+    /// them to be handed back (`-NAK`): the server takes an "in progress" that arrives after a
+    /// `-NAK` with a delay as a restart of the delivery's `ack_wait`, which would bring it back
+    /// after `ack_wait` instead of the delay.
+    pub(crate) handing_back: tokio::sync::Mutex<()>,
     /// Per stream sequence, the redelivery count handed back and the delivery count then.
     pub(crate) marks: Mutex<HashMap<u64, Mark>>,
     /// The same marks in a KV bucket, under `<stream>.<consumer>.<sequence>`, where the source
@@ -204,6 +209,7 @@ pub(crate) fn spawn_progress(shared: &Arc<Shared>, every: Duration) -> tokio::ta
             if shared.acks_failed() {
                 shared.flush_acks().await;
             }
+            let _order = shared.handing_back.lock().await;
             let replies: Vec<Subject> = {
                 let held = shared
                     .in_flight
@@ -230,7 +236,8 @@ pub struct NatsAck {
     sequence: u64,
     delivered: u64,
     shared: Arc<Shared>,
-    _in_flight: InFlight,
+    /// Among the deliveries "in progress" is sent for until it is settled or handed back.
+    in_flight: Option<InFlight>,
 }
 
 impl std::fmt::Debug for NatsAck {
@@ -258,7 +265,7 @@ impl NatsAck {
             sequence,
             delivered,
             shared,
-            _in_flight: in_flight,
+            in_flight: Some(in_flight),
         }
     }
 
@@ -273,8 +280,13 @@ impl NatsAck {
         )
     }
 
-    async fn nak(&self, delay: Duration) -> Result<(), SourceError> {
+    /// `-NAK`, with the delay unless zero. Once it is sent no "in progress" follows it: the
+    /// delivery leaves those held before the `-NAK` goes out, both under
+    /// [`Shared::handing_back`], on the connection that sends the "in progress" too.
+    async fn nak(&mut self, delay: Duration) -> Result<(), SourceError> {
         let kind = AckKind::Nak((!delay.is_zero()).then_some(delay));
+        let _order = self.shared.handing_back.lock().await;
+        self.in_flight = None;
         self.acker
             .ack_with(kind)
             .await
@@ -311,7 +323,7 @@ impl Ack for NatsAck {
         Ok(())
     }
 
-    async fn nack(self, retry_after: Duration) -> Result<(), SourceError> {
+    async fn nack(mut self, retry_after: Duration) -> Result<(), SourceError> {
         self.nak(retry_after).await
     }
 
@@ -321,7 +333,7 @@ impl Ack for NatsAck {
         results.into_iter().collect()
     }
 
-    async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {
+    async fn dead_letter(mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
         let mut headers = HeaderMap::new();
         for (name, value) in &message.headers {
             let skipped = [
@@ -369,7 +381,7 @@ impl Ack for NatsAck {
     /// count is kept by this source, and in its redelivery bucket where it has one (see the
     /// crate docs).
     async fn redeliver(
-        self,
+        mut self,
         _message: &Message,
         delay: Duration,
         redelivery: u32,

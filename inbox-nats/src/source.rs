@@ -229,6 +229,7 @@ impl NatsSourceBuilder {
             stream: self.stream.clone(),
             dead_letter_subject,
             in_flight: Mutex::new(HashMap::new()),
+            handing_back: tokio::sync::Mutex::new(()),
             marks: Mutex::new(HashMap::new()),
             bucket,
             timeout: self.connection.timeout(),

@@ -60,6 +60,69 @@ async fn a_nack_with_a_delay_keeps_the_message_away_for_the_delay() {
     queue.cleanup().await;
 }
 
+/// "In progress" goes out every third of `ack_wait` for the deliveries a source holds; one that
+/// reached the server after a delivery's `-NAK` with a delay would restart its `ack_wait` and
+/// bring it back after `ack_wait` rather than the delay. Many deliveries handed back one by one
+/// while the ticks run: none comes back before its delay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_progress_never_cuts_short_the_delay_of_a_message_handed_back() {
+    const MESSAGES: usize = 400;
+    const DELAY: Duration = Duration::from_secs(4);
+    let queue = stream("progress-after-nak").await;
+    for i in 0..MESSAGES {
+        queue
+            .send(Some(&format!("evt-{i}")), i.to_string().as_bytes())
+            .await;
+    }
+    // ack_wait 300 ms: "in progress" every 100 ms while the deliveries are held.
+    let mut source = builder_on(&nats(), &queue.name(), &queue.name())
+        .ack_wait(Duration::from_millis(300))
+        .connect()
+        .await
+        .unwrap();
+    let mut held = Vec::new();
+    let start = Instant::now();
+    while held.len() < MESSAGES && start.elapsed() < Duration::from_secs(20) {
+        held.extend(source.receive(MESSAGES - held.len()).await.unwrap());
+    }
+    assert_eq!(held.len(), MESSAGES, "every message received");
+    // Handed back one every 2 ms, 0.8 s in all: eight ticks fall among the hand-backs.
+    let handing_back = Instant::now();
+    let mut handed_back = tokio::task::JoinSet::new();
+    for (i, delivery) in held.into_iter().enumerate() {
+        handed_back.spawn(async move {
+            tokio::time::sleep(Duration::from_millis(2) * u32::try_from(i).unwrap()).await;
+            delivery.ack.nack(DELAY).await.unwrap();
+        });
+    }
+    while let Some(done) = handed_back.join_next().await {
+        done.unwrap();
+    }
+    // A message cut short comes back about ack_wait after its last "in progress", within about
+    // 1.2 s of the first hand-back; one kept away, no sooner than the delay, 4 s.
+    let mut early = Vec::new();
+    let mut back = 0;
+    while back < MESSAGES && handing_back.elapsed() < DELAY * 4 {
+        for delivery in source.receive(MESSAGES).await.unwrap() {
+            if handing_back.elapsed() < DELAY - Duration::from_secs(1) {
+                early.push(delivery.message.id.clone().unwrap().to_string());
+            }
+            back += 1;
+            delivery.ack.ack().await.unwrap();
+        }
+    }
+    assert!(
+        early.is_empty(),
+        "{} of {MESSAGES} came back within {:?} of the first hand-back, before their \
+         {DELAY:?} delay: {early:?}",
+        early.len(),
+        DELAY - Duration::from_secs(1)
+    );
+    assert_eq!(back, MESSAGES, "every message came back");
+    assert_eq!(queue.left().await, 0);
+    queue.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_running_past_ack_wait_keeps_its_message_while_in_progress_is_sent() {
     let queue = stream("in-progress").await;
