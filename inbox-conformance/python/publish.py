@@ -2,7 +2,7 @@
 
 Reads one JSON document on stdin:
 
-    {"target": {"broker": "kafka" | "rabbitmq" | "sqs" | "redis", ...where...},
+    {"target": {"broker": "kafka" | "rabbitmq" | "sqs" | "redis" | "nats", ...where...},
      "messages": [{"body": "...", "headers": {"name": "text"}, "content_type": "...",
                    "message_id": "...", "dedup_id": "...", "group_id": "..."}]}
 
@@ -96,10 +96,30 @@ def redis(target, messages):
         client.xadd(target["stream"], fields)
 
 
+def nats(target, messages):
+    import asyncio
+
+    import nats as nats_py
+
+    async def publish():
+        connection = await nats_py.connect(target["url"])
+        jetstream = connection.jetstream()
+        for m in messages:
+            # Each publish waits for JetStream's acknowledgement.
+            await jetstream.publish(
+                target["subject"], m["body"].encode(), headers=m.get("headers") or None
+            )
+        await connection.close()
+
+    asyncio.run(publish())
+
+
 def main():
     job = json.load(sys.stdin)
     target = job["target"]
-    publish = {"kafka": kafka, "rabbitmq": rabbitmq, "sqs": sqs, "redis": redis}[target["broker"]]
+    publish = {"kafka": kafka, "rabbitmq": rabbitmq, "sqs": sqs, "redis": redis, "nats": nats}[
+        target["broker"]
+    ]
     publish(target, job["messages"])
 
 

@@ -1,6 +1,6 @@
 //! Another ecosystem's producers: each broker's standard Python client (confluent-kafka, pika,
-//! boto3, redis-py) in a virtual environment of the tests' own, and a script that publishes with
-//! them ([`publish`]).
+//! boto3, redis-py, nats-py) in a virtual environment of the tests' own, and a script that
+//! publishes with them ([`publish`]).
 //!
 //! The environment is made on first use (`python3 -m venv`, then `pip install` of
 //! `python/requirements.txt`), at `INBOX_PYTHON_CLIENTS`, else `$XDG_CACHE_HOME/inbox/python-clients`

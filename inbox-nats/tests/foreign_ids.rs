@@ -5,108 +5,21 @@
 //! applied as two, and a message without the ID dead-lettered with a reason naming what was
 //! missing.
 //!
-//! nats-py is installed on first use into a virtual environment of these tests
-//! (`INBOX_NATS_PY`, else `~/.cache/inbox/nats-py`).
+//! nats-py is one of the Python clients `inbox_conformance::python` installs.
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
-
-use std::path::PathBuf;
-use std::process::Stdio;
-use std::time::Duration;
 
 use inbox_conformance::nats::{nats_url, Nats};
 use inbox_conformance::{TestBroker, TestQueue};
 use inbox_core::{Consumer, Handler, HandlerError, IdFrom, Message, MessageId};
 use inbox_testkit::{MemoryStore, MemoryTx};
 use serde_json::{json, Value};
-use tokio::io::AsyncWriteExt;
-use tokio::process::Command;
-use tokio::sync::OnceCell;
 
-const NATS_PY: &str = "nats-py==2.16.0";
-
-/// Publishes each `{"headers": {..}, "body": ".."}` to `subject` with JetStream, confirmed.
-const PUBLISH: &str = r#"
-import asyncio, json, sys
-import nats
-
-async def main():
-    job = json.load(sys.stdin)
-    nc = await nats.connect(job["url"])
-    js = nc.jetstream()
-    for message in job["messages"]:
-        await js.publish(job["subject"], message["body"].encode(), headers=message.get("headers") or None)
-    await nc.close()
-
-asyncio.run(main())
-"#;
-
-async fn python() -> PathBuf {
-    static READY: OnceCell<PathBuf> = OnceCell::const_new();
-    READY
-        .get_or_init(|| async {
-            let dir = std::env::var_os("INBOX_NATS_PY")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| {
-                    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap();
-                    home.join(".cache/inbox/nats-py")
-                });
-            let python = dir.join("bin/python");
-            let stamp = dir.join("requirements.txt");
-            if python.exists() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == NATS_PY) {
-                return python;
-            }
-            let venv = Command::new("python3")
-                .arg("-m")
-                .arg("venv")
-                .arg(&dir)
-                .status();
-            assert!(
-                venv.await.unwrap().success(),
-                "python3 -m venv {}",
-                dir.display()
-            );
-            let pip = Command::new(&python)
-                .args([
-                    "-m",
-                    "pip",
-                    "install",
-                    "--quiet",
-                    "--disable-pip-version-check",
-                ])
-                .arg(NATS_PY)
-                .status();
-            assert!(pip.await.unwrap().success(), "pip install {NATS_PY}");
-            std::fs::write(&stamp, NATS_PY).unwrap();
-            python
-        })
-        .await
-        .clone()
-}
-
+/// Publishes each `{"headers": {..}, "body": ".."}` to `subject` with nats-py, through
+/// JetStream, each confirmed.
 async fn publish(subject: &str, messages: &[Value]) {
-    let job = json!({"url": nats_url(), "subject": subject, "messages": messages});
-    let mut child = Command::new(python().await)
-        .arg("-c")
-        .arg(PUBLISH)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    stdin.write_all(job.to_string().as_bytes()).await.unwrap();
-    drop(stdin);
-    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
-        .await
-        .expect("nats-py publishes within 60 s")
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "nats-py failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let target = json!({"broker": "nats", "url": nats_url(), "subject": subject});
+    inbox_conformance::python::publish(&target, messages).await;
 }
 
 /// Adds each credit's amount: the payload's `amount` member.
