@@ -26,10 +26,10 @@
 //! The scenarios every inbox store passes are in [`store`], run with [`store_suite!`].
 //!
 //! The test kit's in-memory broker is [`memory::Memory`]: the suite on it runs in seconds and
-//! is the PostgreSQL store's own scenario test. The four adapters of this workspace are
+//! is the PostgreSQL store's own scenario test. The five adapters of this workspace are
 //! implemented here, each behind a feature of its name:
-//! `kafka::Kafka` (feature `kafka`), `sqs::Sqs` (`sqs`), `rabbitmq::RabbitMq` (`rabbitmq`) and
-//! `redis::Redis` (`redis`), each with the suite's settings (Kafka's and RabbitMQ's as their
+//! `kafka::Kafka` (feature `kafka`), `sqs::Sqs` (`sqs`), `rabbitmq::RabbitMq` (`rabbitmq`),
+//! `redis::Redis` (`redis`) and `nats::Nats` (`nats`), each with the suite's settings (Kafka's and RabbitMQ's as their
 //! `Default`); a tool that runs them longer or harder sets Kafka's partitions and timeouts and
 //! RabbitMQ's delivery limit. An
 //! adapter's `tests/conformance.rs` is then one line, with the feature on in its dev-dependency
@@ -42,6 +42,20 @@
 //! The feature `at-most-once` adds `TestQueue::at_most_once_source`: the queue's source
 //! wrapped in the test kit's `AckOnReceive`, the ack-on-receipt anti-pattern, for tools that
 //! measure what it loses.
+//!
+//! Three things the scenarios hold every adapter to that its broker's client may not give by
+//! itself:
+//! - **`receive` bounds every wait.** A pull or poll whose connection is lost may never be
+//!   answered: the source gives up after its operation timeout and asks again, or the consumer
+//!   hangs through a network fault.
+//! - **A broker restart shows up as an error.** Where the client reconnects and resubscribes on
+//!   its own, the source still reports the failed operation (a receive, an ack) at least once:
+//!   the restart scenario fails when the consumer's error and ack-failure counts stay at zero
+//!   through it, since an operator watching them would not see the outage either.
+//! - **The broker is empty within 10 s of the consumer stopping.** Each scenario ends by
+//!   checking that nothing is left unacked ([`TestQueue::left`], polled for 10 s), so an ack that
+//!   failed (a connection cut, a lost confirm) must be sent again, at the next receive or when
+//!   the source is dropped, rather than left for the broker's ack timeout to redeliver.
 //!
 //! An adapter is a [`MessageSource`], which receives, with its [`Ack`](inbox_core::Ack) handle,
 //! which settles each delivery (ack, nack, and dead-letter: park the message with the

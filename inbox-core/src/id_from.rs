@@ -247,8 +247,9 @@ pub struct Binding {
     /// where the broker has no stable one ([`IdFrom::Position`] is refused there).
     pub position: Option<&'static str>,
     /// The prefixes of CloudEvents attributes in binary content mode, in the order tried
-    /// (Kafka `ce_`; AMQP `cloudEvents_`, then `cloudEvents:`). Empty where CloudEvents defines
-    /// no binding for the broker: only structured mode is read there.
+    /// (Kafka `ce_`; AMQP `cloudEvents_`, then `cloudEvents:`; NATS `ce-`): a new adapter takes
+    /// them from the CloudEvents protocol binding for its broker. Empty where CloudEvents defines
+    /// no binding for the broker (SQS, Redis Streams): only structured mode is read there.
     pub cloud_events_prefixes: &'static [&'static str],
 }
 

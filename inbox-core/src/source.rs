@@ -66,7 +66,8 @@ pub trait Ack: Send + Sized + 'static {
     /// unchanged: the copy that comes back reports `redelivery + 1` in
     /// [`Metadata::redeliveries`](crate::Metadata::redeliveries). Each adapter uses its broker's
     /// own means to delay (an SQS visibility timeout, a RabbitMQ delay queue, a pending Redis
-    /// entry left unclaimed, a paused Kafka partition) and says in its docs which.
+    /// entry left unclaimed, a paused Kafka partition, a NATS `-NAK` with a delay) and says in
+    /// its docs which.
     ///
     /// On an error the delivery stays unsettled and comes back as a nacked one does, so nothing
     /// is lost (it may come back sooner than `delay`).
@@ -126,14 +127,15 @@ pub trait MessageSource: Send {
     }
 
     /// The broker, as the OpenTelemetry `messaging.system` attribute names it (`kafka`,
-    /// `aws_sqs`, `rabbitmq`, `redis`), for the consumer's spans. Default: `unknown`.
+    /// `aws_sqs`, `rabbitmq`, `redis`, `nats`), for the consumer's spans: a new adapter uses the
+    /// name the messaging conventions give its broker where they list it. Default: `unknown`.
     fn system(&self) -> &'static str {
         "unknown"
     }
 
     /// The broker's own name for the consumers that share this source's messages, where it has
-    /// one (a Kafka consumer group, a Redis Streams group), for the spans'
-    /// `messaging.consumer.group.name`. Default: `None`, and the consumer's name stands for it.
+    /// one (a Kafka consumer group, a Redis Streams group, a JetStream durable consumer), for
+    /// the spans' `messaging.consumer.group.name`. Default: `None`, and the consumer's name stands for it.
     fn consumer_group(&self) -> Option<&str> {
         None
     }
@@ -154,6 +156,7 @@ pub trait MessageSource: Send {
 /// | SQS | yes | yes (visibility) | yes (visibility) | yes (FIFO message groups) |
 /// | RabbitMQ | yes (quorum queues) | no | yes (delay queues) | no |
 /// | Redis Streams | yes | no | yes (pending, unclaimed until due) | no |
+/// | NATS JetStream | yes (`num_delivered`) | yes (`-NAK` with a delay) | yes (`-NAK` with a delay) | opt-in (by subject) |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Capabilities {
     delivery_count: bool,
