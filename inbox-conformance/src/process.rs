@@ -12,10 +12,55 @@ use inbox_testkit::eventually;
 /// # Panics
 /// When no loopback port can be bound.
 pub(crate) fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free loopback port")
-        .port()
+    free_ports(1, 0)[0]
+}
+
+/// `n` distinct loopback ports `p` that are free, each with `p + companion` free as well (a
+/// Redis Cluster node's bus port is its port plus 10,000; 0 for none).
+///
+/// The ports come from below the kernel's ephemeral range, so no outgoing connection of another
+/// test can take one between this check and the server's bind (a port the kernel handed out for
+/// `bind(0)` can: that is how a cluster node once failed to start).
+///
+/// # Panics
+/// When no such ports are found in 10,000 tries.
+pub(crate) fn free_ports(n: usize, companion: u16) -> Vec<u16> {
+    let top = ephemeral_low()
+        .saturating_sub(companion)
+        .max(FIRST_PORT + 1);
+    let mut ports: Vec<u16> = Vec::with_capacity(n);
+    for _ in 0..10_000 {
+        if ports.len() == n {
+            break;
+        }
+        let port = rand::random_range(FIRST_PORT..top);
+        let taken = |p: u16| ports.iter().any(|&q| q == p || q + companion == p);
+        if taken(port) || (companion > 0 && taken(port + companion)) {
+            continue;
+        }
+        let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if free(port) && (companion == 0 || free(port + companion)) {
+            ports.push(port);
+        }
+    }
+    assert_eq!(
+        ports.len(),
+        n,
+        "no {n} free loopback ports below the ephemeral range"
+    );
+    ports
+}
+
+/// The lowest port a test server takes: above the well-known and most registered services'.
+const FIRST_PORT: u16 = 10_000;
+
+/// The first port of the kernel's ephemeral range (`ip_local_port_range`), 32768 when it
+/// cannot be read.
+fn ephemeral_low() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
 }
 
 /// Whether something listens on loopback `port` within `limit`.
@@ -128,5 +173,29 @@ impl crate::Restart for Server {
             tokio::time::sleep(Duration::from_secs(2)).await;
             self.spawn().await;
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_come_from_below_the_ephemeral_range_with_their_companions_free() {
+        let low = ephemeral_low();
+        let ports = free_ports(6, 10_000);
+        assert_eq!(ports.len(), 6);
+        for &p in &ports {
+            assert!(
+                p >= FIRST_PORT && p + 10_000 < low,
+                "{p} (bus {})",
+                p + 10_000
+            );
+            assert!(std::net::TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok());
+        }
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 6);
     }
 }

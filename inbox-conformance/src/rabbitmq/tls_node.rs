@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use crate::pg_cluster::run;
-use crate::process::{free_port, listens};
+use crate::process::{free_ports, listens};
 use crate::tls::TestCa;
 use crate::unique_name;
 
@@ -26,7 +26,9 @@ impl TlsNode {
     /// Without root, the `rabbitmq` user or RabbitMQ's scripts (`cargo xtask services` installs
     /// them), or when the node does not listen within 60 s.
     pub async fn start(ca: &TestCa) -> Result<Self, String> {
-        let (port, dist_port) = (free_port(), free_port());
+        let [port, dist_port] = free_ports(2, 0)[..] else {
+            unreachable!("free_ports returns as many as asked")
+        };
         let dir = ca.dir.join(unique_name("rabbitmq"));
         std::fs::create_dir_all(&dir)
             .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;

@@ -50,7 +50,7 @@ impl LocalCluster {
             dir,
             nodes: Vec::new(),
         };
-        for port in free_ports(6) {
+        for port in crate::process::free_ports(6, 10_000) {
             let child = cluster.spawn(port);
             cluster.nodes.push((port, Some(child)));
         }
@@ -65,7 +65,15 @@ impl LocalCluster {
                 }
             })
             .await;
-            assert!(up, "redis-server on port {port} did not answer");
+            if !up {
+                let log = cluster.dir.join(port.to_string()).join("redis.log");
+                let log = std::fs::read_to_string(&log).unwrap_or_default();
+                let tail: Vec<_> = log.lines().rev().take(10).collect();
+                panic!(
+                    "redis-server on port {port} did not answer within 10 s; its log ends:\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                );
+            }
         }
         let cli = std::env::var("REDIS_CLI").unwrap_or_else(|_| "redis-cli".into());
         let out = tokio::process::Command::new(&cli)
@@ -408,25 +416,6 @@ async fn connect(port: u16) -> Option<MultiplexedConnection> {
         .await
         .ok()?
         .ok()
-}
-
-/// `n` free loopback ports whose cluster bus ports (`port + 10000`) are free too.
-fn free_ports(n: usize) -> Vec<u16> {
-    let mut ports = Vec::with_capacity(n);
-    let mut held = Vec::new();
-    while ports.len() < n {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
-        let port = listener.local_addr().expect("its address").port();
-        held.push(listener);
-        let Some(bus) = port.checked_add(10000) else {
-            continue;
-        };
-        if let Ok(bus) = std::net::TcpListener::bind(("127.0.0.1", bus)) {
-            held.push(bus);
-            ports.push(port);
-        }
-    }
-    ports
 }
 
 /// `<id> <ip:port@cport> <flags> <master> <ping> <pong> <epoch> <link> <slot>…`.
