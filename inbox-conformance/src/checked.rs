@@ -1,8 +1,6 @@
 //! Every source the scenarios run is wrapped in [`Checked`], which holds the source to what it
 //! reports of itself ([`MessageSource::capabilities`]) on every delivery it hands out.
 
-use std::time::Duration;
-
 use inbox_core::{Capabilities, Delivery, Message, MessageSource, SourceError};
 
 /// The adapter's source, checked: a source that claims delivery counts sets
@@ -60,13 +58,7 @@ impl<S: MessageSource> MessageSource for Checked<S> {
         Ok(batch)
     }
 
-    fn redelivery_window(&self) -> Option<Duration> {
-        self.inner.redelivery_window()
-    }
-
-    fn system(&self) -> &'static str {
-        self.inner.system()
-    }
+    inbox_testkit::forward_source!(inner: redelivery_window, system, consumer_group);
 
     fn capabilities(&self) -> Capabilities {
         self.claims

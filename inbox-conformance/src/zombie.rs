@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use inbox_core::{
-    Capabilities, Consumer, Delivery, Handler, HandlerError, InboxStore, Message, MessageId,
-    MessageSource, SourceError,
+    Consumer, Delivery, Handler, HandlerError, InboxStore, Message, MessageId, MessageSource,
+    SourceError,
 };
 use tokio::sync::{mpsc, watch};
 
@@ -128,21 +128,7 @@ impl<S: MessageSource> MessageSource for Noting<S> {
         Ok(batch)
     }
 
-    fn redelivery_window(&self) -> Option<Duration> {
-        self.inner.redelivery_window()
-    }
-
-    fn system(&self) -> &'static str {
-        self.inner.system()
-    }
-
-    fn consumer_group(&self) -> Option<&str> {
-        self.inner.consumer_group()
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
+    inbox_testkit::forward_source!(inner: redelivery_window, system, consumer_group, capabilities);
 }
 
 /// Publishes `plan.events` credits to `queue`, one in `plan.stall_every` stalling, and runs

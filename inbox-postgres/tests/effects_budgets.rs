@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common_effects::*;
 use inbox_conformance::provider::{Behaviour, ProviderMode};
-use inbox_core::{Ack, Delivery, Message, MessageId, MessageSource, SourceError, Stage, REPLAYED};
+use inbox_core::{Ack, Delivery, MessageId, MessageSource, SourceError, Stage, REPLAYED};
 use inbox_testkit::fast_retry;
 use inbox_testkit::{Crash, MemoryAck, MemoryBroker, MemorySource};
 
@@ -72,14 +72,9 @@ struct NoDelay(MemorySource);
 struct NoDelayAck(MemoryAck);
 
 impl Ack for NoDelayAck {
-    async fn ack(self) -> Result<(), SourceError> {
-        self.0.ack().await
-    }
+    inbox_testkit::forward_ack!(0: ack, dead_letter);
     async fn nack(self, _retry_after: Duration) -> Result<(), SourceError> {
         self.0.nack(Duration::ZERO).await
-    }
-    async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        self.0.dead_letter(message, reason).await
     }
 }
 

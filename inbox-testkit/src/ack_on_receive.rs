@@ -83,13 +83,7 @@ impl<S: MessageSource> MessageSource for AckOnReceive<S> {
             .collect())
     }
 
-    fn redelivery_window(&self) -> Option<Duration> {
-        self.0.redelivery_window()
-    }
-
-    fn system(&self) -> &'static str {
-        self.0.system()
-    }
+    crate::forward_source!(0: redelivery_window, system, consumer_group);
 
     /// The inner source's delivery count and lanes; no delayed nack, as a nack does nothing.
     fn capabilities(&self) -> Capabilities {

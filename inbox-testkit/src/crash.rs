@@ -49,8 +49,8 @@ use inbox_core::effect::{
     Acquired, Effect, EffectHandler, Landed, LeaseStore, OnUnknown, Release, Settled,
 };
 use inbox_core::{
-    Ack, BatchHandler, BatchItem, Capabilities, ConsumerBinding, Delivery, Handler, HandlerError,
-    InboxStore, InvalidId, Message, MessageId, MessageSource, SourceError, Stage, StoreError,
+    Ack, BatchHandler, BatchItem, ConsumerBinding, Delivery, Handler, HandlerError, InboxStore,
+    InvalidId, Message, MessageId, MessageSource, SourceError, Stage, StoreError,
 };
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -375,17 +375,7 @@ impl<S: MessageSource> MessageSource for Crashing<S> {
             .collect())
     }
 
-    fn redelivery_window(&self) -> Option<Duration> {
-        self.inner.redelivery_window()
-    }
-
-    fn system(&self) -> &'static str {
-        self.inner.system()
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
+    crate::forward_source!(inner: redelivery_window, system, consumer_group, capabilities);
 }
 
 /// The ack handle of a [`Crashing`] source.
@@ -405,22 +395,7 @@ impl<A: Ack> Ack for CrashingAck<A> {
         Ok(())
     }
 
-    async fn nack(self, retry_after: Duration) -> Result<(), SourceError> {
-        self.inner.nack(retry_after).await
-    }
-
-    async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        self.inner.dead_letter(message, reason).await
-    }
-
-    async fn redeliver(
-        self,
-        message: &Message,
-        delay: Duration,
-        redelivery: u32,
-    ) -> Result<(), SourceError> {
-        self.inner.redeliver(message, delay, redelivery).await
-    }
+    crate::forward_ack!(inner: nack, dead_letter, redeliver);
 
     async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {
         let Some(crash) = acks.first().map(|a| a.crash.clone()) else {

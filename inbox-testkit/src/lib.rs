@@ -65,6 +65,7 @@
 #[cfg(feature = "never-in-production")]
 mod ack_on_receive;
 mod crash;
+mod forward;
 pub mod gauges;
 pub mod log;
 mod memory_broker;
@@ -87,6 +88,9 @@ pub use sum::Sum;
 pub use wait::{eventually, receive, watch_errors};
 #[cfg(feature = "never-in-production")]
 pub use without_inbox::WithoutInbox;
+
+#[doc(hidden)]
+pub use inbox_core as __core;
 
 /// A retry policy for tests: `max_attempts` tries, 10–50 ms apart.
 pub fn fast_retry(max_attempts: u32) -> inbox_core::RetryPolicy {

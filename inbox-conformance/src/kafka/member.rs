@@ -55,15 +55,5 @@ impl MessageSource for Member {
         }
     }
 
-    fn redelivery_window(&self) -> Option<Duration> {
-        self.0.redelivery_window()
-    }
-
-    fn system(&self) -> &'static str {
-        self.0.system()
-    }
-
-    fn capabilities(&self) -> inbox_core::Capabilities {
-        self.0.capabilities()
-    }
+    inbox_testkit::forward_source!(0: redelivery_window, system, consumer_group, capabilities);
 }
