@@ -9,6 +9,7 @@
 //!
 //! With `--e2e true`, the outbox chain instead (see `outbox_chain.rs`).
 
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use inbox_admin::progress;
@@ -19,7 +20,6 @@ use inbox_postgres::PgLeases;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use sqlx::AssertSqlSafe;
-use tokio::process::Child;
 
 use inbox_conformance::TestBroker;
 
@@ -115,12 +115,10 @@ pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
         if brokers::left_out(kind, false)? {
             continue;
         }
-        for &mode in &s.modes {
+        with_broker!(kind, s.kafka_impl, |broker| for &mode in &s.modes {
             let mut runs = Vec::new();
             for run in 0..s.runs {
-                let r = with_broker!(kind, s.kafka_impl, |broker| {
-                    run_once(broker, s, mode, run).await?
-                });
+                let r = run_once(broker, s, mode, run).await?;
                 println!(
                     "run done: {kind} {} run {}/{}: {} duplicate effects, {} lost, {} kills, {} provider calls",
                     mode.name(),
@@ -134,7 +132,7 @@ pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
                 runs.push(r);
             }
             rows.push((kind, mode, s.events_on(kind), runs));
-        }
+        });
     }
     println!();
     println!(
@@ -244,54 +242,23 @@ async fn run_once<B: TestBroker>(
         leases.table()
     );
     let (done_query, pool) = (done_query.as_str(), &db.pool);
-    let done = || async move {
-        sqlx::query_scalar::<_, i64>(AssertSqlSafe(done_query))
-            .fetch_one(pool)
-            .await
-    };
-    let mut kills = 0;
-    for wait in schedule(s, run) {
-        let mut child = kill::spawn_ready(&spec.to_args(), &env).await?;
-        tokio::time::sleep(wait).await;
-        let settled = done().await?;
-        kill(&mut child).await;
-        if settled >= i64::from(count) {
-            break;
-        }
-        kills += 1;
-        bar.set_message(format!("{kills} kills"));
-        bar.set_position(settled);
-    }
-    // The drain: one child, until every event is done or nothing moves for long.
-    let mut child = kill::spawn_ready(&spec.to_args(), &env).await?;
     let delay = broker.redelivery_delay(&name).await?;
-    let (mut last, mut since, mut restarts) = (-1, Instant::now(), 0);
-    bar.set_message(format!("{kills} kills, draining"));
-    loop {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let settled = done().await?;
-        bar.set_position(settled);
-        if settled >= i64::from(count) {
-            break;
-        }
-        if settled != last {
-            (last, since) = (settled, Instant::now());
-        } else if since.elapsed() >= delay + Duration::from_secs(60) {
-            bar.println(&format!(
-                "{label}: the drain stopped at {settled}/{count} done"
-            ));
-            break;
-        } else if since.elapsed() >= delay + Duration::from_secs(10) && restarts < 5 {
-            // Tansu can leave a lone group member without partitions: a new member rebalances.
-            bar.println(&format!(
-                "{label}: the drain applies nothing at {settled}/{count}; replacing it"
-            ));
-            kill(&mut child).await;
-            child = kill::spawn_ready(&spec.to_args(), &env).await?;
-            restarts += 1;
-        }
-    }
-    kill(&mut child).await;
+    let (children, timing) = ((&[spec][..], &env[..]), (Duration::ZERO, delay));
+    let waits = schedule(s, run);
+    let kills = kill_in_turn(
+        children,
+        waits,
+        (count, "done"),
+        timing,
+        &bar,
+        || async move {
+            let done = sqlx::query_scalar::<_, i64>(AssertSqlSafe(done_query))
+                .fetch_one(pool)
+                .await?;
+            Ok((done, done))
+        },
+    )
+    .await?;
     provider.wait_settled(Duration::from_secs(10)).await;
     let effects: Vec<i64> = keys.iter().map(|k| provider.effects(k) as i64).collect();
     let duplicates = effects.iter().map(|n| (n - 1).max(0)).sum();
@@ -307,8 +274,81 @@ async fn run_once<B: TestBroker>(
     })
 }
 
-/// SIGKILL, then reap.
-pub(crate) async fn kill(child: &mut Child) {
-    let _ = child.start_kill();
-    let _ = child.wait().await;
+/// Runs a child of each of `specs` (with `env` added) side by side, SIGKILLs them in turn after
+/// each of `waits` and starts each killed one again at once, then lets them drain until `count`
+/// events are done (in the drain's words, `unit`) and nothing has moved for `quiet`. `progress`
+/// reads the events done and a figure that moves while any child works. A drain that moves
+/// nothing past the broker's redelivery `delay` has its children replaced, up to 5 times (Tansu
+/// can leave a lone group member without partitions: new members rebalance), and gives up a
+/// minute later. Returns the kills.
+pub(crate) async fn kill_in_turn<F, Fut>(
+    (specs, env): (&[ChildSpec], &[(&str, String)]),
+    waits: Vec<Duration>,
+    (count, unit): (u32, &str),
+    (quiet, delay): (Duration, Duration),
+    bar: &progress::Progress,
+    mut progress: F,
+) -> Result<u32, BoxError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(i64, i64), BoxError>>,
+{
+    let (label, count) = (bar.label(), i64::from(count));
+    let mut children = Vec::new();
+    for spec in specs {
+        children.push(kill::spawn_ready(&spec.to_args(), env).await?);
+    }
+    let mut kills = 0;
+    for (i, wait) in waits.into_iter().enumerate() {
+        tokio::time::sleep(wait).await;
+        let (done, _) = progress().await?;
+        if done >= count {
+            break;
+        }
+        let which = i % specs.len();
+        kill::stop(&mut children[which]).await;
+        kills += 1;
+        children[which] = kill::spawn_ready(&specs[which].to_args(), env).await?;
+        bar.set_message(match specs.len() {
+            1 => format!("{kills} kills"),
+            _ => format!("{kills} kills (last: {})", specs[which].role.name()),
+        });
+        bar.set_position(done);
+    }
+    let (mut last, mut since, mut restarts) = (-1, Instant::now(), 0);
+    bar.set_message(format!("{kills} kills, draining"));
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (done, moving) = progress().await?;
+        bar.set_position(done);
+        if moving != last {
+            (last, since) = (moving, Instant::now());
+        }
+        if done >= count && since.elapsed() >= quiet {
+            break;
+        } else if since.elapsed() >= delay + Duration::from_secs(60) {
+            bar.println(&format!(
+                "{label}: the drain stopped at {done}/{count} {unit}"
+            ));
+            break;
+        } else if since.elapsed() >= delay + Duration::from_secs(10) && restarts < 5 {
+            let them = if specs.len() == 1 {
+                "it"
+            } else {
+                "the children"
+            };
+            bar.println(&format!(
+                "{label}: the drain applies nothing at {done}/{count}; replacing {them}"
+            ));
+            for (child, spec) in children.iter_mut().zip(specs) {
+                kill::stop(child).await;
+                *child = kill::spawn_ready(&spec.to_args(), env).await?;
+            }
+            (restarts, since) = (restarts + 1, Instant::now());
+        }
+    }
+    for child in &mut children {
+        kill::stop(child).await;
+    }
+    Ok(kills)
 }

@@ -254,9 +254,14 @@ pub(crate) async fn start_child(
             return Ok(Some(child));
         }
     }
+    stop(&mut child).await;
+    Ok(None)
+}
+
+/// SIGKILL, then reap.
+pub(crate) async fn stop(child: &mut Child) {
     let _ = child.start_kill();
     let _ = child.wait().await;
-    Ok(None)
 }
 
 /// The main demo: a short kill test of b and c on every broker that answers; `--full` for

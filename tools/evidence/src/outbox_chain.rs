@@ -5,7 +5,7 @@
 //! 1–4 s and restarted, then all three drain. B must have applied every event exactly once.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use inbox_admin::progress;
 use inbox_conformance::wallet;
@@ -16,9 +16,9 @@ use inbox_postgres::Outbox;
 use inbox_conformance::TestBroker;
 
 use crate::brokers::{self, with_broker, Broker};
-use crate::effects::{kill, schedule, EffectsSettings, ACCOUNTS};
+use crate::effects::{kill_in_turn, schedule, EffectsSettings, ACCOUNTS};
 use crate::effects_child::{ChildSpec, Mode, Role};
-use crate::kill::{events, spawn_ready};
+use crate::kill::events;
 use crate::report::spread;
 
 /// One run's figures, counted in B's ledger and the outbox.
@@ -40,9 +40,8 @@ pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
             continue;
         }
         let mut runs = Vec::new();
-        for run in 0..s.runs {
-            let r = with_broker!(kind, s.kafka_impl, |broker| run_once(broker, s, run)
-                .await?);
+        with_broker!(kind, s.kafka_impl, |broker| for run in 0..s.runs {
+            let r = run_once(broker, s, run).await?;
             println!(
                 "run done: {kind} outbox chain run {}/{}: {} duplicates, {} lost, balances {}, \
                  {} kills, {} outbox rows ({} unsent)",
@@ -56,7 +55,7 @@ pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
                 r.unsent
             );
             runs.push(r);
-        }
+        });
         rows.push((kind, s.events_on(kind), runs));
     }
     println!();
@@ -148,69 +147,23 @@ async fn run_once<B: TestBroker>(
         spec(Role::Relay, &y),
         spec(Role::Credit, &y),
     ];
-    let mut children = Vec::new();
-    for spec in &specs {
-        children.push(spawn_ready(&spec.to_args(), &[]).await?);
-    }
-    let pool = &db;
-    let applied = || async move { wallet::summary(pool).await };
-    let mut kills = 0;
-    for (i, wait) in schedule(s, run).into_iter().enumerate() {
-        tokio::time::sleep(wait).await;
-        if applied().await?.distinct_events >= i64::from(count) {
-            break;
-        }
-        let which = i % specs.len();
-        kill(&mut children[which]).await;
-        kills += 1;
-        children[which] = spawn_ready(&specs[which].to_args(), &[]).await?;
-        bar.set_message(format!(
-            "{kills} kills (last: {})",
-            specs[which].role.name()
-        ));
-        bar.set_position(applied().await?.distinct_events);
-    }
     // The drain: all three run unharmed until B has every event and is quiet.
-    let delay = broker.redelivery_delay(&y).await?;
-    let (mut last, mut since, mut restarts) = (-1, Instant::now(), 0);
-    bar.set_message(format!("{kills} kills, draining"));
-    loop {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let summary = applied().await?;
-        bar.set_position(summary.distinct_events);
-        if summary.ledger_rows != last {
-            (last, since) = (summary.ledger_rows, Instant::now());
-        } else if summary.distinct_events >= i64::from(count)
-            && since.elapsed() >= Duration::from_secs(2)
-        {
-            break;
-        } else if since.elapsed() >= delay + Duration::from_secs(60) {
-            bar.println(&format!(
-                "{label}: the drain stopped at {}/{count} credited",
-                summary.distinct_events
-            ));
-            break;
-        } else if since.elapsed() >= delay + Duration::from_secs(10)
-            && summary.distinct_events < i64::from(count)
-            && restarts < 5
-        {
-            // Tansu can leave a lone group member without partitions: new members rebalance.
-            bar.println(&format!(
-                "{label}: the drain applies nothing at {}/{count}; replacing the children",
-                summary.distinct_events
-            ));
-            for (child, spec) in children.iter_mut().zip(&specs) {
-                kill(child).await;
-                *child = spawn_ready(&spec.to_args(), &[]).await?;
-            }
-            restarts += 1;
-            since = Instant::now();
-        }
-    }
-    for child in &mut children {
-        kill(child).await;
-    }
-    let summary = applied().await?;
+    let timing = (Duration::from_secs(2), broker.redelivery_delay(&y).await?);
+    let waits = schedule(s, run);
+    let pool = &db;
+    let kills = kill_in_turn(
+        (&specs, &[]),
+        waits,
+        (count, "credited"),
+        timing,
+        &bar,
+        || async move {
+            let summary = wallet::summary(pool).await?;
+            Ok((summary.distinct_events, summary.ledger_rows))
+        },
+    )
+    .await?;
+    let summary = wallet::summary(&db).await?;
     let balances: HashMap<i64, i64> =
         sqlx::query_as::<_, (i64, i64)>("SELECT id, balance FROM accounts")
             .fetch_all(&db.pool)
