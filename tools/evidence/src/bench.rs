@@ -211,11 +211,22 @@ async fn on_broker<B: TestBroker>(
         no_database: true,
         ..consumer(Variant::B, 1000, 1, HandlerKind::Batch)
     };
-    let alone = timed_run(broker, &events(s, s.events), &runs.next(), broker_alone).await?;
+    let alone = timed_run(
+        broker,
+        &events(s, s.events),
+        &runs.next(),
+        broker_alone,
+        None,
+    )
+    .await?;
     print_row(&alone, limits, None);
     limits.broker = Some(alone.clone());
     rows.push(alone);
-    let lanes = s.lanes.clone();
+    // One consumer in this process, or each count of consumer processes in turn.
+    let processes: Vec<Option<usize>> = match &s.processes[..] {
+        [] => vec![None],
+        counts => counts.iter().copied().map(Some).collect(),
+    };
     for &batch in &s.batches {
         let n = if batch == 1 {
             s.events_at_batch_1
@@ -223,22 +234,14 @@ async fn on_broker<B: TestBroker>(
             s.events
         };
         let events = events(s, n);
-        for &lane_count in &lanes {
+        for &lane_count in &s.lanes {
             for &handler in &s.handlers {
                 let mut b_rate = None;
                 for &variant in &s.variants {
                     let spec = consumer(variant, batch, lane_count, handler);
-                    let ran = if s.processes.is_empty() {
-                        vec![timed_run(broker, &events, &runs.next(), spec).await?]
-                    } else {
-                        let mut ran = Vec::new();
-                        for &processes in &s.processes {
-                            let (run, spec) = (runs.next(), spec.clone());
-                            ran.push(processes_run(broker, spec, processes, &events, &run).await?);
-                        }
-                        ran
-                    };
-                    for row in ran {
+                    for &processes in &processes {
+                        let (run, spec) = (runs.next(), spec.clone());
+                        let row = timed_run(broker, &events, &run, spec, processes).await?;
                         print_row(&row, limits, b_rate);
                         if variant == Variant::B {
                             b_rate = Some(row.rate());
@@ -289,104 +292,72 @@ fn events(s: &BenchSettings, n: u32) -> Vec<OutgoingMessage> {
         .collect()
 }
 
-/// Starts `processes` consumer processes of `spec` in one group on a fresh queue, publishes
-/// `events` once they are connected, and times them from the first ledger row to the last
-/// (polled every 20 ms). Their group joins are behind them; a Kafka rebalance as the last ones
-/// get partitions may not be.
-async fn processes_run<B: TestBroker>(
-    broker: &Broker<B>,
-    consumer: ConsumerSpec,
-    processes: usize,
-    events: &[OutgoingMessage],
-    run: &str,
-) -> Result<Row, BoxError> {
-    let name = broker.create("bench").await?;
-    let db = TestDb::new().await;
-    let mut children = Vec::with_capacity(processes);
-    for member in 0..processes {
-        let member = ConsumerSpec {
-            member,
-            name: name.clone(),
-            schema: db.schema.clone(),
-            ..consumer.clone()
-        };
-        children.push(kill::spawn_ready(&member.to_args(), &[]).await?);
-    }
-    // Long enough for the group to settle with every member (a join waits for the others to
-    // rejoin, up to their poll interval).
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    broker.publish(&name, events).await?;
-    let n = events.len() as i64;
-    let row = Row::of(&consumer);
-    let label = format!("{} {} processes {processes}", broker.kind(), row.label());
-    let bar = progress::Progress::bar(
-        format!("bench {run}: {label}"),
-        n as u64,
-        "msgs",
-        "consumed",
-    );
-    let (mut first, mut last) = (None, Instant::now());
-    let mut seen = 0;
-    while seen < n {
-        let rows = wallet::summary(&db).await?.ledger_rows;
-        let now = Instant::now();
-        if rows > seen {
-            first.get_or_insert(now);
-            (seen, last) = (rows, now);
-            bar.set_position(rows);
-        } else if now - last > Duration::from_secs(120) {
-            return Err(format!("{label}: {seen} of {n} applied, then nothing for 120 s").into());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    bar.finish();
-    for mut child in children {
-        let _ = child.start_kill();
-        let _ = child.wait().await;
-    }
-    db.drop().await;
-    broker.remove(&name).await;
-    Ok(Row {
-        processes: Some(processes),
-        events: n as u64,
-        seconds: first.map_or(0.0, |f| (last - f).as_secs_f64()),
-        ..row
-    })
-}
-
-/// Publishes `events` to a fresh queue, runs `consumer` on it and a fresh schema in this
-/// process until all are applied, and times it from the first applied message to the last.
+/// Runs `consumer` on a fresh queue and schema until every one of `events` is applied, timed
+/// from the first applied message to the last: in this process, started once the events are
+/// published; or as `processes` consumer processes in one group, started before the events are
+/// published and followed through the ledger (polled every 20 ms). Their group joins are behind
+/// them; a Kafka rebalance as the last ones get partitions may not be.
 async fn timed_run<B: TestBroker>(
     broker: &Broker<B>,
     events: &[OutgoingMessage],
     run: &str,
     consumer: ConsumerSpec,
+    processes: Option<usize>,
 ) -> Result<Row, BoxError> {
     let name = broker.create("bench").await?;
-    broker.publish(&name, events).await?;
     let db = TestDb::new().await;
     let consumer = ConsumerSpec {
         name: name.clone(),
         schema: db.schema.clone(),
         ..consumer
     };
-    let row = Row::of(&consumer);
-    let label = format!("{} {}", broker.kind(), row.label());
+    let row = Row {
+        processes,
+        ..Row::of(&consumer)
+    };
+    let mut label = format!("{} {}", broker.kind(), row.label());
+    let mut children = Vec::new();
+    if let Some(processes) = processes {
+        label.push_str(&format!(" processes {processes}"));
+        for member in 0..processes {
+            let member = ConsumerSpec {
+                member,
+                ..consumer.clone()
+            };
+            children.push(kill::spawn_ready(&member.to_args(), &[]).await?);
+        }
+        // Long enough for the group to settle with every member (a join waits for the others to
+        // rejoin, up to their poll interval).
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    }
+    broker.publish(&name, events).await?;
     let progress = Arc::new(Progress::default());
     let n = events.len() as u64;
     let bar = progress::Progress::bar(format!("bench {run}: {label}"), n, "msgs", "consumed");
     reset_peak_rss();
     let (stop, stopped) = oneshot::channel::<()>();
-    let shutdown = Box::pin(async {
+    let mut shutdown: crate::consume::Shutdown = Box::pin(async {
         let _ = stopped.await;
     });
-    let consume = crate::consume::consume(
-        broker,
-        &consumer,
-        &db,
-        Some(Arc::clone(&progress)),
-        shutdown,
-    );
+    let consume = async {
+        if processes.is_none() {
+            let progress = Some(Arc::clone(&progress));
+            let stats = crate::consume::consume(broker, &consumer, &db, progress, shutdown).await?;
+            return Ok(format!(" ({stats:?})"));
+        }
+        let mut seen = 0;
+        loop {
+            let rows = wallet::summary(&db).await?.ledger_rows;
+            if rows > seen {
+                progress.add((rows - seen) as u64);
+                seen = rows;
+            }
+            tokio::select! {
+                () = &mut shutdown => return Ok::<_, BoxError>(String::new()),
+                () = tokio::time::sleep(Duration::from_millis(20)) => {}
+            }
+        }
+    };
     let waiting = async {
         let done = progress.wait_for(n, Duration::from_secs(120), &bar).await;
         let _ = stop.send(());
@@ -395,8 +366,11 @@ async fn timed_run<B: TestBroker>(
     let (stats, done) = tokio::join!(consume, waiting);
     let stats = stats?;
     bar.finish();
+    for child in &mut children {
+        kill::stop(child).await;
+    }
     let seconds = done.map_err(|applied| {
-        format!("{label}: {applied} of {n} applied, then nothing for 120 s ({stats:?})")
+        format!("{label}: {applied} of {n} applied, then nothing for 120 s{stats}")
     })?;
     db.drop().await;
     broker.remove(&name).await;
