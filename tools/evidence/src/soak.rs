@@ -168,7 +168,8 @@ struct Phase {
     exits: Vec<String>,
     /// Starts that died or stayed silent before saying they were connected.
     failed_starts: u32,
-    faults: Vec<(Fault, u32)>,
+    /// Faults injected, by their place in [`Fault::ALL`].
+    faults: [u32; Fault::ALL.len()],
     /// Seconds from a fault's end to the same child's next ledger write.
     recovered_in_place: Vec<f64>,
     /// Faults after which the child was killed (or ended) before it wrote again.
@@ -186,11 +187,13 @@ struct Phase {
 }
 
 impl Phase {
-    fn count(&mut self, fault: Fault) {
-        match self.faults.iter_mut().find(|(f, _)| *f == fault) {
-            Some((_, n)) => *n += 1,
-            None => self.faults.push((fault, 1)),
-        }
+    /// The faults injected so far, each with its count, in the order they rotate.
+    fn faults(&self) -> impl Iterator<Item = (&'static str, u32)> + '_ {
+        Fault::ALL
+            .iter()
+            .zip(self.faults)
+            .filter(|(_, n)| *n > 0)
+            .map(|(f, n)| (f.name(), n))
     }
 
     fn retire(&mut self, running: &Running) {
@@ -331,10 +334,9 @@ async fn kill_phase(
             kill_at = Instant::now() + life();
         }
         if !faults.is_empty() && s.fault_every > 0 && Instant::now() >= next_fault {
-            let fault =
-                faults[phase.faults.iter().map(|(_, n)| *n as usize).sum::<usize>() % faults.len()];
+            let fault = faults[phase.faults.iter().sum::<u32>() as usize % faults.len()];
             proxies.inject(fault);
-            phase.count(fault);
+            phase.faults[fault as usize] += 1;
             watched.push(Watched {
                 child: running.index,
                 ended: Instant::now() + fault.lasts(),
@@ -347,7 +349,7 @@ async fn kill_phase(
             published.events.load(Ordering::Relaxed),
             s.events,
             phase.kills,
-            phase.faults.iter().map(|(_, n)| n).sum::<u32>(),
+            phase.faults.iter().sum::<u32>(),
             running.index + 1,
             running.rss_max / 1024,
         ));
@@ -450,12 +452,13 @@ async fn on_broker<B: TestBroker>(
     broker.remove(&name).await;
 
     let mb = |kb: Option<u64>| kb.map_or("-".to_owned(), |kb| format!("{:.1}", kb as f64 / 1024.0));
-    let faults: Vec<String> = phase
-        .faults
-        .iter()
-        .map(|(f, n)| format!("{} {n}", f.name()))
-        .collect();
+    let faults: Vec<String> = phase.faults().map(|(f, n)| format!("{f} {n}")).collect();
     let recovery_max = phase.recovered_in_place.iter().copied().fold(0.0, f64::max);
+    let balances = if result.balances_exact {
+        "exact"
+    } else {
+        "WRONG"
+    };
     let mut line = format!(
         "{kind}: {} events, {} kills, {} children ({} failed starts, {} exits by themselves), \
          faults [{}] ({} recovered in place within {recovery_max:.0} s, {} cut short by a \
@@ -473,11 +476,7 @@ async fn on_broker<B: TestBroker>(
         phase.unresolved,
         result.duplicates,
         result.lost,
-        if result.balances_exact {
-            "exact"
-        } else {
-            "WRONG"
-        },
+        balances,
         publish_time.as_secs_f64() / 60.0,
         f64::from(s.events) / publish_time.as_secs_f64().max(1e-3),
         phase.lasted.as_secs_f64() / 60.0,
@@ -514,7 +513,7 @@ async fn on_broker<B: TestBroker>(
         "children": phase.children,
         "failed_starts": phase.failed_starts,
         "exits": phase.exits,
-        "faults": phase.faults.iter().map(|(f, n)| (f.name().to_owned(), *n)).collect::<HashMap<_, _>>(),
+        "faults": phase.faults().collect::<HashMap<_, _>>(),
         "faults_recovered_in_place": phase.recovered_in_place.len(),
         "fault_recovery_max_s": recovery_max,
         "faults_cut_short_by_kill": phase.ended_by_kill,
@@ -535,16 +534,9 @@ async fn on_broker<B: TestBroker>(
     let line = format!("{line}\n{json}");
     let failed =
         (result.duplicates != 0 || result.lost != 0 || !result.balances_exact).then(|| {
-            format!(
-                "{kind}: {} duplicates, {} lost, balances {}",
-                result.duplicates,
-                result.lost,
-                if result.balances_exact {
-                    "exact"
-                } else {
-                    "wrong"
-                }
-            )
+            let (duplicates, lost) = (result.duplicates, result.lost);
+            let balances = balances.to_lowercase();
+            format!("{kind}: {duplicates} duplicates, {lost} lost, balances {balances}")
         });
     Ok((line, failed))
 }
