@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use inbox_admin::progress;
 use inbox_conformance::wallet;
-use inbox_conformance::TestDb;
+use inbox_conformance::{TestDb, TestStore};
 use inbox_core::BoxError;
 use inbox_postgres::Outbox;
 
@@ -164,12 +164,7 @@ async fn run_once<B: TestBroker>(
     )
     .await?;
     let summary = wallet::summary(&db).await?;
-    let balances: HashMap<i64, i64> =
-        sqlx::query_as::<_, (i64, i64)>("SELECT id, balance FROM accounts")
-            .fetch_all(&db.pool)
-            .await?
-            .into_iter()
-            .collect();
+    let balances: HashMap<i64, i64> = db.balances().await?.into_iter().collect();
     let (outbox_rows, unsent): (i64, i64) =
         sqlx::query_as("SELECT count(*), count(*) FILTER (WHERE sent_at IS NULL) FROM outbox")
             .fetch_one(&db.pool)
