@@ -242,14 +242,16 @@ async fn run_once<B: TestBroker>(
         leases.table()
     );
     let (done_query, pool) = (done_query.as_str(), &db.pool);
-    let delay = broker.redelivery_delay(&name).await?;
-    let (children, timing) = ((&[spec][..], &env[..]), (Duration::ZERO, delay));
-    let waits = schedule(s, run);
+    let drain = Drain {
+        events: count,
+        unit: "done",
+        quiet: Duration::ZERO,
+        delay: broker.redelivery_delay(&name).await?,
+    };
     let kills = kill_in_turn(
-        children,
-        waits,
-        (count, "done"),
-        timing,
+        (&[spec], &env),
+        schedule(s, run),
+        drain,
         &bar,
         || async move {
             let done = sqlx::query_scalar::<_, i64>(AssertSqlSafe(done_query))
@@ -274,18 +276,29 @@ async fn run_once<B: TestBroker>(
     })
 }
 
+/// When the drain of [`kill_in_turn`] ends: once every event is done and nothing has moved for
+/// a while.
+pub(crate) struct Drain {
+    /// The events to be done.
+    pub(crate) events: u32,
+    /// What the drain's lines call the events done (`done`, `credited`).
+    pub(crate) unit: &'static str,
+    /// How long nothing may move, once every event is done, before the drain ends.
+    pub(crate) quiet: Duration,
+    /// The broker's redelivery delay: a drain that moves nothing for longer is stalled.
+    pub(crate) delay: Duration,
+}
+
 /// Runs a child of each of `specs` (with `env` added) side by side, SIGKILLs them in turn after
-/// each of `waits` and starts each killed one again at once, then lets them drain until `count`
-/// events are done (in the drain's words, `unit`) and nothing has moved for `quiet`. `progress`
-/// reads the events done and a figure that moves while any child works. A drain that moves
-/// nothing past the broker's redelivery `delay` has its children replaced, up to 5 times (Tansu
-/// can leave a lone group member without partitions: new members rebalance), and gives up a
-/// minute later. Returns the kills.
+/// each of `waits` and starts each killed one again at once, then lets them run until `drain`
+/// says they are done. `progress` reads the events done and a figure that moves while any child
+/// works. A stalled drain has its children replaced, up to 5 times (Tansu can leave a lone
+/// group member without partitions: new members rebalance), and gives up a minute later.
+/// Returns the kills.
 pub(crate) async fn kill_in_turn<F, Fut>(
     (specs, env): (&[ChildSpec], &[(&str, String)]),
     waits: Vec<Duration>,
-    (count, unit): (u32, &str),
-    (quiet, delay): (Duration, Duration),
+    drain: Drain,
     bar: &progress::Progress,
     mut progress: F,
 ) -> Result<u32, BoxError>
@@ -293,7 +306,7 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<(i64, i64), BoxError>>,
 {
-    let (label, count) = (bar.label(), i64::from(count));
+    let (label, count) = (bar.label(), i64::from(drain.events));
     let mut children = Vec::new();
     for spec in specs {
         children.push(kill::spawn_ready(&spec.to_args(), env).await?);
@@ -324,14 +337,15 @@ where
         if moving != last {
             (last, since) = (moving, Instant::now());
         }
-        if done >= count && since.elapsed() >= quiet {
+        if done >= count && since.elapsed() >= drain.quiet {
             break;
-        } else if since.elapsed() >= delay + Duration::from_secs(60) {
+        } else if since.elapsed() >= drain.delay + Duration::from_secs(60) {
             bar.println(&format!(
-                "{label}: the drain stopped at {done}/{count} {unit}"
+                "{label}: the drain stopped at {done}/{count} {}",
+                drain.unit
             ));
             break;
-        } else if since.elapsed() >= delay + Duration::from_secs(10) && restarts < 5 {
+        } else if since.elapsed() >= drain.delay + Duration::from_secs(10) && restarts < 5 {
             let them = if specs.len() == 1 {
                 "it"
             } else {

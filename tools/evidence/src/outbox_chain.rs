@@ -16,7 +16,7 @@ use inbox_postgres::Outbox;
 use inbox_conformance::TestBroker;
 
 use crate::brokers::{self, with_broker, Broker};
-use crate::effects::{kill_in_turn, schedule, EffectsSettings, ACCOUNTS};
+use crate::effects::{kill_in_turn, schedule, Drain, EffectsSettings, ACCOUNTS};
 use crate::effects_child::{ChildSpec, Mode, Role};
 use crate::kill::events;
 use crate::report::spread;
@@ -148,14 +148,17 @@ async fn run_once<B: TestBroker>(
         spec(Role::Credit, &y),
     ];
     // The drain: all three run unharmed until B has every event and is quiet.
-    let timing = (Duration::from_secs(2), broker.redelivery_delay(&y).await?);
-    let waits = schedule(s, run);
+    let drain = Drain {
+        events: count,
+        unit: "credited",
+        quiet: Duration::from_secs(2),
+        delay: broker.redelivery_delay(&y).await?,
+    };
     let pool = &db;
     let kills = kill_in_turn(
         (&specs, &[]),
-        waits,
-        (count, "credited"),
-        timing,
+        schedule(s, run),
+        drain,
         &bar,
         || async move {
             let summary = wallet::summary(pool).await?;
