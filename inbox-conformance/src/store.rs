@@ -393,11 +393,15 @@ pub async fn a_commit_whose_outcome_is_unknown_is_retried_safely<D: TestStore>(d
     };
     let broker = MemoryBroker::new();
     let ids = published(&broker, 200);
-    // After the last handler of some batches, every connection is cut a moment later.
+    // After the last handler of some batches, every connection is cut a moment later: once
+    // per message, so that its retry can commit. Cut again on every retry, a batch could fail
+    // for as long as its commit takes longer than the delay, as on a loaded machine.
     let (cutter, cut_after) = (proxy.clone(), ids.clone());
+    let cut_once = std::sync::Mutex::new(std::collections::HashSet::new());
     let hook = StageHook::new(move |stage, id| {
         let n = cut_after.iter().position(|each| each == id).unwrap_or(0);
-        if stage == Stage::Applied && n % 9 == 4 {
+        let first = || cut_once.lock().expect("not poisoned").insert(id.clone());
+        if stage == Stage::Applied && n % 9 == 4 && first() {
             let proxy = cutter.clone();
             let delay = Duration::from_micros(rand::random::<u64>() % 1500);
             tokio::spawn(async move {
