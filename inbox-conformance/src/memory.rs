@@ -7,11 +7,11 @@
 //! while its handler stalls), counts deliveries and parks dead letters with their reasons.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inbox_core::{Destinations, DynPublish};
-use inbox_testkit::{Connection, MemoryBroker, MemorySource};
+use inbox_testkit::{lock, Connection, MemoryBroker, MemorySource};
 
 use crate::{unique_name, DeadLetter, LosingSource, TestBroker, TestQueue};
 
@@ -63,9 +63,7 @@ impl TestQueue for MemoryQueue {
 
     async fn source(&self, member: &str) -> MemorySource {
         let source = self.broker.source();
-        self.members
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        lock(&self.members)
             .entry(member.to_owned())
             .or_default()
             .push(source.connection());
@@ -81,14 +79,8 @@ impl TestQueue for MemoryQueue {
     }
 
     async fn take_away(&self, member: &str) {
-        let connections = self
-            .members
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(member)
-            .cloned()
-            .unwrap_or_default();
-        for connection in connections {
+        let connections = lock(&self.members).get(member).cloned();
+        for connection in connections.unwrap_or_default() {
             self.broker.disconnect(connection);
         }
     }

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId, RetryPolicy};
+use inbox_testkit::lock;
 
 use crate::scenarios::{finish, ledger_has, left, setup, source};
 use crate::wallet::{self, CreditEvent};
@@ -44,17 +45,11 @@ struct Downstream<H> {
 impl<T: Send, H: Handler<T>> Handler<T> for Downstream<H> {
     async fn handle(&self, tx: &mut T, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
         let now = Instant::now();
-        self.attempts
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        lock(&self.attempts)
             .entry(id.to_string())
             .or_default()
             .push((now, m.meta.redeliveries));
-        let up_at = *self
-            .up_at
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_or_insert(now + outage());
+        let up_at = *lock(&self.up_at).get_or_insert(now + outage());
         if now < up_at {
             return Err(HandlerError::transient("the downstream is down"));
         }
@@ -125,16 +120,8 @@ pub async fn a_downstream_outage_is_ridden_out_by_delayed_redeliveries<
     let dead = queue.dead_letters().await;
     let summary = wallet::summary(&db).await.expect("summary");
     let left = left(&queue).await;
-    let up_at = handler
-        .up_at
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .unwrap_or_else(Instant::now);
-    let attempts = handler
-        .attempts
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone();
+    let up_at = lock(&handler.up_at).unwrap_or_else(Instant::now);
+    let attempts = lock(&handler.attempts).clone();
     println!(
         "delayed redelivery: outage {outage:?}, schedule {schedule:?}, took {took:?}, \
          {snapshot:?}, {summary:?}, left {left}, dead letters {dead:?}"

@@ -42,7 +42,7 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::future::Future;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inbox_core::effect::{
@@ -55,6 +55,8 @@ use inbox_core::{
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use tokio::sync::Notify;
+
+use crate::lock;
 
 /// Where a [`Crash`] stopped the consumer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -210,10 +212,6 @@ impl Crash {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 /// A store, handler or source wrapped by a [`Crash`]; it does what the wrapped one does until
 /// its crash point fires.
 #[derive(Debug, Clone)]
@@ -233,10 +231,7 @@ impl<S: InboxStore> InboxStore for Crashing<S> {
     type Tx = S::Tx;
 
     fn bind(&self, binding: &ConsumerBinding) -> Self {
-        Self {
-            inner: self.inner.bind(binding),
-            crash: self.crash.clone(),
-        }
+        self.crash.wrap(self.inner.bind(binding))
     }
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {

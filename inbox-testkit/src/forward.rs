@@ -1,67 +1,62 @@
-//! One forwarding mechanism for the wrappers around a source or an ack handle (crash points,
-//! anti-patterns, the suite's checks), so that each writes only the methods it changes.
+//! One forwarding mechanism for wrappers of a source or an ack handle, so that each writes only
+//! the methods it changes (the trait is in scope where they are used: inside its `impl`).
 
 /// Inside `impl MessageSource for Wrapper`, the named methods (`redelivery_window`, `system`,
-/// `consumer_group`, `capabilities`) as the source in field `$inner` answers them:
-/// `forward_source!(inner: redelivery_window, system, consumer_group);`.
+/// `consumer_group`, `capabilities`) as the source in field `$i` answers them:
+/// `forward_source!(inner: system, capabilities);`.
 #[macro_export]
 macro_rules! forward_source {
-    ($inner:tt: $($method:ident),+ $(,)?) => {
-        $($crate::forward_source!(@ $inner $method);)+
-    };
-    (@ $inner:tt redelivery_window) => {
-        fn redelivery_window(&self) -> ::core::option::Option<::core::time::Duration> {
-            $crate::__core::MessageSource::redelivery_window(&self.$inner)
+    ($i:tt: $($method:ident),+) => { $($crate::forward_source!(@ $i $method);)+ };
+    (@ $i:tt redelivery_window) => {
+        fn redelivery_window(&self) -> Option<::core::time::Duration> {
+            self.$i.redelivery_window()
         }
     };
-    (@ $inner:tt system) => {
-        fn system(&self) -> &'static str {
-            $crate::__core::MessageSource::system(&self.$inner)
-        }
+    (@ $i:tt system) => { fn system(&self) -> &'static str { self.$i.system() } };
+    (@ $i:tt consumer_group) => {
+        fn consumer_group(&self) -> Option<&str> { self.$i.consumer_group() }
     };
-    (@ $inner:tt consumer_group) => {
-        fn consumer_group(&self) -> ::core::option::Option<&str> {
-            $crate::__core::MessageSource::consumer_group(&self.$inner)
-        }
-    };
-    (@ $inner:tt capabilities) => {
-        fn capabilities(&self) -> $crate::__core::Capabilities {
-            $crate::__core::MessageSource::capabilities(&self.$inner)
-        }
+    (@ $i:tt capabilities) => {
+        fn capabilities(&self) -> $crate::__core::Capabilities { self.$i.capabilities() }
     };
 }
 
-/// Inside `impl Ack for Wrapper`, the named methods (`ack`, `nack`, `dead_letter`,
-/// `redeliver`, `is_stale`) as the handle in field `$inner` does them:
-/// `forward_ack!(inner: nack, dead_letter);`.
+/// Inside `impl Ack for Wrapper`, the named methods (`ack`, `nack`, `dead_letter`, `redeliver`,
+/// `is_stale`) as the handle in field `$i` does them: `forward_ack!(inner: nack, dead_letter);`.
 #[macro_export]
 macro_rules! forward_ack {
-    ($inner:tt: $($method:ident),+ $(,)?) => {
-        $($crate::forward_ack!(@ $inner $method);)+
-    };
-    (@ $inner:tt ack) => {
-        fn ack(self) -> impl ::core::future::Future<Output = ::core::result::Result<(), $crate::__core::SourceError>> + Send {
-            $crate::__core::Ack::ack(self.$inner)
+    ($i:tt: $($method:ident),+) => { $($crate::forward_ack!(@ $i $method);)+ };
+    (@ $i:tt ack) => {
+        async fn ack(self) -> ::core::result::Result<(), $crate::__core::SourceError> {
+            self.$i.ack().await
         }
     };
-    (@ $inner:tt nack) => {
-        fn nack(self, retry_after: ::core::time::Duration) -> impl ::core::future::Future<Output = ::core::result::Result<(), $crate::__core::SourceError>> + Send {
-            $crate::__core::Ack::nack(self.$inner, retry_after)
+    (@ $i:tt nack) => {
+        async fn nack(
+            self,
+            retry_after: ::core::time::Duration,
+        ) -> ::core::result::Result<(), $crate::__core::SourceError> {
+            self.$i.nack(retry_after).await
         }
     };
-    (@ $inner:tt dead_letter) => {
-        fn dead_letter(self, message: &$crate::__core::Message, reason: &str) -> impl ::core::future::Future<Output = ::core::result::Result<(), $crate::__core::SourceError>> + Send {
-            $crate::__core::Ack::dead_letter(self.$inner, message, reason)
+    (@ $i:tt dead_letter) => {
+        async fn dead_letter(
+            self,
+            message: &$crate::__core::Message,
+            reason: &str,
+        ) -> ::core::result::Result<(), $crate::__core::SourceError> {
+            self.$i.dead_letter(message, reason).await
         }
     };
-    (@ $inner:tt redeliver) => {
-        fn redeliver(self, message: &$crate::__core::Message, delay: ::core::time::Duration, redelivery: u32) -> impl ::core::future::Future<Output = ::core::result::Result<(), $crate::__core::SourceError>> + Send {
-            $crate::__core::Ack::redeliver(self.$inner, message, delay, redelivery)
+    (@ $i:tt redeliver) => {
+        async fn redeliver(
+            self,
+            message: &$crate::__core::Message,
+            delay: ::core::time::Duration,
+            redelivery: u32,
+        ) -> ::core::result::Result<(), $crate::__core::SourceError> {
+            self.$i.redeliver(message, delay, redelivery).await
         }
     };
-    (@ $inner:tt is_stale) => {
-        fn is_stale(&self) -> bool {
-            $crate::__core::Ack::is_stale(&self.$inner)
-        }
-    };
+    (@ $i:tt is_stale) => { fn is_stale(&self) -> bool { self.$i.is_stale() } };
 }

@@ -2,7 +2,7 @@
 //! and labels.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, Once, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
 
 /// Gauges set through the `metrics` facade in this process, by `name{label=value,…}`.
 #[derive(Debug, Clone, Default)]
@@ -11,11 +11,11 @@ pub struct Gauges(Arc<Mutex<HashMap<String, f64>>>);
 impl Gauges {
     /// The gauge `name{label=value,…}`, as last set.
     pub fn get(&self, key: &str) -> Option<f64> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get(key)
-            .copied()
+        self.all().get(key).copied()
+    }
+
+    fn all(&self) -> MutexGuard<'_, HashMap<String, f64>> {
+        crate::lock(&self.0)
     }
 }
 
@@ -26,23 +26,13 @@ struct GaugeCell {
 
 impl metrics::GaugeFn for GaugeCell {
     fn increment(&self, value: f64) {
-        *self
-            .gauges
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .entry(self.key.clone())
-            .or_default() += value;
+        *self.gauges.all().entry(self.key.clone()).or_default() += value;
     }
     fn decrement(&self, value: f64) {
         self.increment(-value);
     }
     fn set(&self, value: f64) {
-        self.gauges
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(self.key.clone(), value);
+        self.gauges.all().insert(self.key.clone(), value);
     }
 }
 

@@ -15,6 +15,8 @@
 //!   inbox"); `AckOnReceive` wraps any source and acks each delivery as it is received ("ack
 //!   first", at-most-once).
 //! - [`ScriptedLeases`] answers the effect consumer's lease calls from a script.
+//! - [`forward_source!`] and [`forward_ack!`] write the methods a wrapper leaves to the wrapped
+//!   source or ack handle.
 //!
 //! ```
 //! use inbox_testkit::{MemoryBroker, MemoryStore, MemoryTx};
@@ -91,6 +93,13 @@ pub use without_inbox::WithoutInbox;
 
 #[doc(hidden)]
 pub use inbox_core as __core;
+
+/// `mutex`, locked; a panic while another holder had it leaves the data as it was.
+pub fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// A retry policy for tests: `max_attempts` tries, 10–50 ms apart.
 pub fn fast_retry(max_attempts: u32) -> inbox_core::RetryPolicy {

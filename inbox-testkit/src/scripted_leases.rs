@@ -2,11 +2,13 @@
 //! a database.
 
 use std::collections::VecDeque;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use inbox_core::effect::{Acquired, LeaseStore, Release};
 use inbox_core::{MessageId, StoreError};
+
+use crate::lock;
 
 /// Answers [`LeaseStore::acquire`] and [`LeaseStore::complete`] from a script, in call order,
 /// then `Done` and `true`; every other call succeeds. Its transaction is `()`.
@@ -14,10 +16,6 @@ use inbox_core::{MessageId, StoreError};
 pub struct ScriptedLeases {
     acquire: Mutex<VecDeque<Acquired>>,
     complete: Mutex<VecDeque<bool>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl ScriptedLeases {
