@@ -109,7 +109,7 @@ impl MemoryBroker {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        crate::lock(&self.inner)
     }
 
     /// Enqueues a message with ID `id` (none when `None`) and `payload`.
@@ -200,31 +200,24 @@ impl MemoryBroker {
             .collect();
         tags.sort_unstable();
         for &tag in tags.iter().rev() {
-            let copy = match how {
-                Redelivery::StaleHandle | Redelivery::SilentStaleHandle => {
-                    match state.in_flight.remove(&tag) {
-                        Some((_, queued)) => {
-                            if how == Redelivery::SilentStaleHandle {
-                                state.silent.insert(tag);
-                            }
-                            queued
-                        }
-                        None => continue,
-                    }
+            let copy = if how == Redelivery::SameHandle {
+                let Some((_, queued)) = state.in_flight.get(&tag) else {
+                    continue;
+                };
+                Queued {
+                    message: queued.message.clone(),
+                    not_before: None,
+                    copy_of: Some(tag),
+                    ..*queued
                 }
-                Redelivery::SameHandle => {
-                    let Some((_, queued)) = state.in_flight.get(&tag) else {
-                        continue;
-                    };
-                    Queued {
-                        message: queued.message.clone(),
-                        deliveries: queued.deliveries,
-                        redeliveries: queued.redeliveries,
-                        not_before: None,
-                        copy_of: Some(tag),
-                        seq: queued.seq,
-                    }
+            } else {
+                let Some((_, queued)) = state.in_flight.remove(&tag) else {
+                    continue;
+                };
+                if how == Redelivery::SilentStaleHandle {
+                    state.silent.insert(tag);
                 }
+                queued
             };
             state.ready.push_front(copy);
         }
@@ -391,7 +384,7 @@ impl MemorySource {
         let mut blocked: Vec<Option<String>> = Vec::new();
         let lanes = state.lanes;
         while batch.len() < max {
-            let Some(mut queued) = state.ready.pop_front() else {
+            let Some(queued) = state.ready.pop_front() else {
                 break;
             };
             if queued.not_before.is_some_and(|t| t > now)
@@ -403,35 +396,25 @@ impl MemorySource {
                 waiting.push_back(queued);
                 continue;
             }
-            if let Some(tag) = queued.copy_of {
-                // A second copy under the first one's handle, unless that one settled meanwhile.
-                let Some((_, first)) = state.in_flight.get_mut(&tag) else {
-                    continue;
-                };
-                first.deliveries += 1;
-                let mut message = first.message.clone();
-                message.meta.delivery_count = Some(first.deliveries);
-                message.meta.redelivered = true;
-                message.meta.redeliveries = first.redeliveries;
-                message.meta.position = format!("tag {tag}");
-                batch.push(Delivery {
-                    message,
-                    ack: MemoryAck {
-                        broker: self.broker.clone(),
-                        tag,
-                    },
-                });
+            let tag = match queued.copy_of {
+                Some(tag) => tag,
+                None => {
+                    state.next_tag += 1;
+                    let tag = state.next_tag;
+                    state.in_flight.insert(tag, (self.owner, queued));
+                    tag
+                }
+            };
+            // A second copy goes under the first one's handle, unless that one settled meanwhile.
+            let Some((_, first)) = state.in_flight.get_mut(&tag) else {
                 continue;
-            }
-            queued.deliveries += 1;
-            let mut message = queued.message.clone();
-            message.meta.delivery_count = Some(queued.deliveries);
-            message.meta.redelivered = queued.deliveries > 1;
-            message.meta.redeliveries = queued.redeliveries;
-            state.next_tag += 1;
-            let tag = state.next_tag;
+            };
+            first.deliveries += 1;
+            let mut message = first.message.clone();
+            message.meta.delivery_count = Some(first.deliveries);
+            message.meta.redelivered = first.deliveries > 1;
+            message.meta.redeliveries = first.redeliveries;
             message.meta.position = format!("tag {tag}");
-            state.in_flight.insert(tag, (self.owner, queued));
             batch.push(Delivery {
                 message,
                 ack: MemoryAck {
