@@ -56,13 +56,7 @@ impl LocalCluster {
         }
         for (port, _) in &cluster.nodes {
             let up = eventually(Duration::from_secs(10), || async {
-                match connect(*port).await {
-                    Some(mut conn) => redis::cmd("PING")
-                        .query_async::<String>(&mut conn)
-                        .await
-                        .is_ok(),
-                    None => false,
-                }
+                ask::<String>(*port, &redis::cmd("PING")).await.is_some()
             })
             .await;
             if !up {
@@ -145,14 +139,9 @@ impl LocalCluster {
             if master.failed || !self.live().contains(&master.port) {
                 return false;
             }
-            let Some(mut conn) = connect(master.port).await else {
-                return false;
-            };
-            let info: redis::RedisResult<String> = redis::cmd("INFO")
-                .arg("replication")
-                .query_async(&mut conn)
-                .await;
-            if !info.is_ok_and(|i| i.contains("state=online")) {
+            let info: Option<String> =
+                ask(master.port, redis::cmd("INFO").arg("replication")).await;
+            if !info.is_some_and(|i| i.contains("state=online")) {
                 return false;
             }
         }
@@ -171,14 +160,7 @@ impl LocalCluster {
     /// `CLUSTER NODES` as a live node sees it.
     async fn nodes_view(&self) -> Option<Vec<NodeLine>> {
         for port in self.live() {
-            let Some(mut conn) = connect(port).await else {
-                continue;
-            };
-            let text: redis::RedisResult<String> = redis::cmd("CLUSTER")
-                .arg("NODES")
-                .query_async(&mut conn)
-                .await;
-            if let Ok(text) = text {
+            if let Some(text) = ask::<String>(port, redis::cmd("CLUSTER").arg("NODES")).await {
                 return Some(text.lines().filter_map(parse_node_line).collect());
             }
         }
@@ -188,15 +170,8 @@ impl LocalCluster {
     /// The hash slot of `key` (`CLUSTER KEYSLOT`).
     pub async fn slot(&self, key: &str) -> u16 {
         for port in self.live() {
-            if let Some(mut conn) = connect(port).await {
-                if let Ok(slot) = redis::cmd("CLUSTER")
-                    .arg("KEYSLOT")
-                    .arg(key)
-                    .query_async(&mut conn)
-                    .await
-                {
-                    return slot;
-                }
+            if let Some(slot) = ask(port, redis::cmd("CLUSTER").arg("KEYSLOT").arg(key)).await {
+                return slot;
             }
         }
         panic!("no live node answers CLUSTER KEYSLOT")
@@ -283,14 +258,8 @@ impl LocalCluster {
     /// Every live node says `cluster_state:ok`.
     async fn state_ok(&self) -> bool {
         for port in self.live() {
-            let Some(mut conn) = connect(port).await else {
-                return false;
-            };
-            let info: redis::RedisResult<String> = redis::cmd("CLUSTER")
-                .arg("INFO")
-                .query_async(&mut conn)
-                .await;
-            if !info.is_ok_and(|i| i.contains("cluster_state:ok")) {
+            let info: Option<String> = ask(port, redis::cmd("CLUSTER").arg("INFO")).await;
+            if !info.is_some_and(|i| i.contains("cluster_state:ok")) {
                 return false;
             }
         }
@@ -416,6 +385,11 @@ async fn connect(port: u16) -> Option<MultiplexedConnection> {
         .await
         .ok()?
         .ok()
+}
+
+/// `cmd`'s answer from the node on `port`, if it answers and the command succeeds.
+async fn ask<T: redis::FromRedisValue>(port: u16, cmd: &redis::Cmd) -> Option<T> {
+    cmd.query_async(&mut connect(port).await?).await.ok()
 }
 
 /// `<id> <ip:port@cport> <flags> <master> <ping> <pong> <epoch> <link> <slot>…`.
