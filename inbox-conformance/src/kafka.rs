@@ -364,12 +364,8 @@ impl TestQueue for Topic {
     }
 
     async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DynDeadLetters>> {
-        let reader = KafkaConnection::new(&self.brokers)
-            .dead_letters(format!("{}.dlq", self.name))
-            .connect()
-            .await
-            .expect("the dead-letter reader connects");
-        Some(Box::new(reader))
+        let reader = KafkaConnection::new(&self.brokers).dead_letters(format!("{}.dlq", self.name));
+        crate::connected_reader(reader.connect().await)
     }
 
     async fn cleanup(&self) {

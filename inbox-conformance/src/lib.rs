@@ -182,6 +182,16 @@ pub fn unique_name(prefix: &str) -> String {
     format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
 }
 
+/// A dead-letter reader as [`TestQueue::dead_letter_reader`] returns it, once connected.
+#[allow(dead_code)] // unused when no broker feature is on
+fn connected_reader<R: inbox_core::replay::DynDeadLetters + 'static>(
+    connected: Result<R, impl std::fmt::Debug>,
+) -> Option<Box<dyn inbox_core::replay::DynDeadLetters>> {
+    Some(Box::new(
+        connected.expect("the dead-letter reader connects"),
+    ))
+}
+
 /// A message parked in a dead-letter destination, as the broker holds it.
 #[derive(Clone, PartialEq, Eq)]
 pub struct DeadLetter {

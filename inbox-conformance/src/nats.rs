@@ -209,13 +209,8 @@ impl TestQueue for Stream {
     }
 
     async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DynDeadLetters>> {
-        let reader = self
-            .connection()
-            .dead_letters(self.dead_letter_subject())
-            .connect()
-            .await
-            .expect("the dead-letter reader connects");
-        Some(Box::new(reader))
+        let reader = self.connection().dead_letters(self.dead_letter_subject());
+        crate::connected_reader(reader.connect().await)
     }
 
     async fn left(&self) -> u64 {

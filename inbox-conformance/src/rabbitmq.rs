@@ -225,11 +225,8 @@ impl TestQueue for Queue {
         let reader = self
             .config
             .connection()
-            .dead_letters(self.config.dead_letter_queue())
-            .connect()
-            .await
-            .expect("the dead-letter reader connects");
-        Some(Box::new(reader))
+            .dead_letters(self.config.dead_letter_queue());
+        crate::connected_reader(reader.connect().await)
     }
 
     async fn cleanup(&self) {

@@ -227,13 +227,8 @@ impl TestQueue for Stream {
     }
 
     async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DynDeadLetters>> {
-        let reader = self
-            .redis()
-            .dead_letters(format!("{}:dlq", self.key))
-            .connect()
-            .await
-            .expect("the dead-letter reader connects");
-        Some(Box::new(reader))
+        let reader = self.redis().dead_letters(format!("{}:dlq", self.key));
+        crate::connected_reader(reader.connect().await)
     }
 
     async fn cleanup(&self) {

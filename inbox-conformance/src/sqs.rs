@@ -185,12 +185,8 @@ impl TestQueue for Queue {
     }
 
     async fn dead_letter_reader(&self) -> Option<Box<dyn inbox_core::replay::DynDeadLetters>> {
-        let reader = SqsConnection::new(self.sqs.clone())
-            .dead_letters(&self.dlq)
-            .connect()
-            .await
-            .expect("the dead-letter reader connects");
-        Some(Box::new(reader))
+        let reader = SqsConnection::new(self.sqs.clone()).dead_letters(&self.dlq);
+        crate::connected_reader(reader.connect().await)
     }
 
     async fn cleanup(&self) {
