@@ -109,6 +109,12 @@ pub type StoreTx<D> = <<D as TestStore>::Inbox as InboxStore>::Tx;
 
 impl TestStore for TestDb {
     type Inbox = PgInbox;
+    same_in_both_dialects!(
+        param: "$1",
+        values: "VALUES ($1, $2, $3)",
+        upsert: "INSERT INTO accounts (id, balance) VALUES ($1, $2)
+                 ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance"
+    );
 
     async fn create() -> Self {
         Self::new().await
@@ -126,34 +132,12 @@ impl TestStore for TestDb {
         self.inbox()
     }
 
-    async fn inbox_rows(&self) -> i64 {
-        self.inbox_rows().await
-    }
-
     fn has_outbox() -> bool {
         true
     }
 
     async fn remove(self) {
         self.drop().await;
-    }
-
-    async fn apply(tx: &mut PgTx, id: &MessageId, event: &CreditEvent) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "INSERT INTO accounts (id, balance) VALUES ($1, $2)
-             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
-        )
-        .bind(event.account_id)
-        .bind(event.amount)
-        .execute(&mut **tx)
-        .await?;
-        sqlx::query("INSERT INTO ledger (event_id, account_id, amount) VALUES ($1, $2, $3)")
-            .bind(id.as_str())
-            .bind(event.account_id)
-            .bind(event.amount)
-            .execute(&mut **tx)
-            .await?;
-        Ok(())
     }
 
     async fn first_handling(&self, id: &MessageId) -> Result<bool, sqlx::Error> {
@@ -188,45 +172,9 @@ impl TestStore for TestDb {
         })
     }
 
-    async fn balances(&self) -> Result<Vec<(i64, i64)>, sqlx::Error> {
-        sqlx::query_as("SELECT id, balance FROM accounts ORDER BY id")
-            .fetch_all(&self.pool)
-            .await
-    }
-
-    async fn stalls(&self) -> Result<i64, sqlx::Error> {
-        sqlx::query_scalar("SELECT count(*) FROM wallet_stalls")
-            .fetch_one(&self.pool)
-            .await
-    }
-
-    async fn applied(&self, id: &MessageId) -> u64 {
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger WHERE event_id = $1")
-            .bind(id.as_str())
-            .fetch_one(&self.pool)
-            .await
-            .expect("count ledger rows");
-        u64::try_from(n).unwrap_or_default()
-    }
-
     async fn fail_and_swallow(&self, tx: &mut PgTx) {
         let failed = sqlx::query("SELECT 1 / 0").execute(&mut **tx).await;
         assert!(failed.is_err(), "division by zero fails");
-    }
-
-    fn refused_id(&self) -> Option<MessageId> {
-        (self.keys == KeyMode::Uuid).then(|| MessageId::new("not-a-uuid").expect("an ID"))
-    }
-
-    async fn age_and_purge(&self) -> Option<u64> {
-        let minutes = i32::try_from(2 * KEPT.as_secs() / 60).expect("minutes");
-        sqlx::query("UPDATE inbox SET processed_minute = processed_minute - $1")
-            .bind(minutes)
-            .execute(&self.pool)
-            .await
-            .expect("age the claims");
-        let report = self.inbox().purge(KEPT, 1000).await.expect("purge");
-        Some(report.deleted())
     }
 
     async fn proxied(&self) -> Option<(PgInbox, FaultProxy)> {
@@ -242,6 +190,83 @@ impl TestStore for TestDb {
         ))
     }
 }
+
+/// The [`TestStore`] methods whose SQL PostgreSQL and MySQL share, on `self.pool` (and
+/// `self.keys`, the inbox's key mode), given in the dialect's words: its first bind parameter,
+/// a `VALUES` of three, and the upsert adding the second parameter to the first's balance.
+macro_rules! same_in_both_dialects {
+    (param: $p:literal, values: $values:literal, upsert: $upsert:literal) => {
+        async fn apply(
+            tx: &mut crate::StoreTx<Self>,
+            id: &MessageId,
+            event: &CreditEvent,
+        ) -> Result<(), sqlx::Error> {
+            let (account, amount) = (event.account_id, event.amount);
+            let upsert = sqlx::query($upsert).bind(account).bind(amount);
+            upsert.execute(&mut **tx).await?;
+            let ledger = concat!(
+                "INSERT INTO ledger (event_id, account_id, amount) ",
+                $values
+            );
+            let row = sqlx::query(ledger).bind(id.as_str()).bind(account);
+            row.bind(amount).execute(&mut **tx).await?;
+            Ok(())
+        }
+
+        async fn inbox_rows(&self) -> i64 {
+            sqlx::query_scalar("SELECT count(*) FROM inbox")
+                .fetch_one(&self.pool)
+                .await
+                .unwrap_or_else(|e| panic!("cannot count inbox rows: {e}"))
+        }
+
+        async fn balances(&self) -> Result<Vec<(i64, i64)>, sqlx::Error> {
+            sqlx::query_as("SELECT id, balance FROM accounts ORDER BY id")
+                .fetch_all(&self.pool)
+                .await
+        }
+
+        async fn stalls(&self) -> Result<i64, sqlx::Error> {
+            sqlx::query_scalar("SELECT count(*) FROM wallet_stalls")
+                .fetch_one(&self.pool)
+                .await
+        }
+
+        async fn applied(&self, id: &MessageId) -> u64 {
+            let n: i64 =
+                sqlx::query_scalar(concat!("SELECT count(*) FROM ledger WHERE event_id = ", $p))
+                    .bind(id.as_str())
+                    .fetch_one(&self.pool)
+                    .await
+                    .expect("count ledger rows");
+            u64::try_from(n).unwrap_or_default()
+        }
+
+        fn refused_id(&self) -> Option<MessageId> {
+            (self.keys == KeyMode::Uuid).then(|| MessageId::new("not-a-uuid").expect("an ID"))
+        }
+
+        async fn age_and_purge(&self) -> Option<u64> {
+            let minutes = i32::try_from(2 * KEPT.as_secs() / 60).expect("minutes");
+            let age = concat!(
+                "UPDATE inbox SET processed_minute = processed_minute - ",
+                $p
+            );
+            sqlx::query(age)
+                .bind(minutes)
+                .execute(&self.pool)
+                .await
+                .expect("age the claims");
+            let report = TestStore::inbox(self)
+                .purge(KEPT, 1000)
+                .await
+                .expect("purge");
+            Some(report.deleted())
+        }
+    };
+}
+#[cfg_attr(not(feature = "mysql"), allow(unused_imports))]
+pub(crate) use same_in_both_dialects;
 
 /// Connections through a proxy that [`TestStore::proxied`] refuses and cuts: two at most, no
 /// ping per acquire, and a short acquire timeout, so that a refused connection is an error the

@@ -10,7 +10,7 @@ use inbox_mysql::{KeyMode, MySqlInbox, MySqlTx, TableName};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, MySqlPool};
 
-use crate::db::{proxied_pool, KEPT};
+use crate::db::{proxied_pool, same_in_both_dialects, KEPT};
 use crate::wallet::{CreditEvent, Summary};
 use crate::{FaultProxy, TestStore};
 
@@ -153,6 +153,12 @@ async fn install(pool: &MySqlPool) -> Result<(), sqlx::Error> {
 /// The broker suite on the MySQL store: `suite!(broker, inbox_conformance::store::MySqlDb)`.
 impl TestStore for MySqlDb {
     type Inbox = MySqlInbox;
+    same_in_both_dialects!(
+        param: "?",
+        values: "VALUES (?, ?, ?)",
+        upsert: "INSERT INTO accounts (id, balance) VALUES (?, ?)
+                 ON DUPLICATE KEY UPDATE balance = balance + VALUES(balance)"
+    );
 
     async fn create() -> Self {
         wallet_db().await
@@ -170,37 +176,8 @@ impl TestStore for MySqlDb {
         inbox(self)
     }
 
-    async fn inbox_rows(&self) -> i64 {
-        sqlx::query_scalar("SELECT count(*) FROM inbox")
-            .fetch_one(&self.pool)
-            .await
-            .unwrap_or_else(|e| panic!("cannot count inbox rows: {e}"))
-    }
-
     async fn remove(self) {
         self.drop().await;
-    }
-
-    async fn apply(
-        tx: &mut MySqlTx,
-        id: &MessageId,
-        event: &CreditEvent,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "INSERT INTO accounts (id, balance) VALUES (?, ?)
-             ON DUPLICATE KEY UPDATE balance = balance + VALUES(balance)",
-        )
-        .bind(event.account_id)
-        .bind(event.amount)
-        .execute(&mut **tx)
-        .await?;
-        sqlx::query("INSERT INTO ledger (event_id, account_id, amount) VALUES (?, ?, ?)")
-            .bind(id.as_str())
-            .bind(event.account_id)
-            .bind(event.amount)
-            .execute(&mut **tx)
-            .await?;
-        Ok(())
     }
 
     async fn first_handling(&self, id: &MessageId) -> Result<bool, sqlx::Error> {
@@ -235,27 +212,6 @@ impl TestStore for MySqlDb {
             balances_exact: mismatched == 0,
             total_balance,
         })
-    }
-
-    async fn balances(&self) -> Result<Vec<(i64, i64)>, sqlx::Error> {
-        sqlx::query_as("SELECT id, balance FROM accounts ORDER BY id")
-            .fetch_all(&self.pool)
-            .await
-    }
-
-    async fn stalls(&self) -> Result<i64, sqlx::Error> {
-        sqlx::query_scalar("SELECT count(*) FROM wallet_stalls")
-            .fetch_one(&self.pool)
-            .await
-    }
-
-    async fn applied(&self, id: &MessageId) -> u64 {
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger WHERE event_id = ?")
-            .bind(id.as_str())
-            .fetch_one(&self.pool)
-            .await
-            .expect("count ledger rows");
-        u64::try_from(n).unwrap_or_default()
     }
 
     /// A failed statement in MySQL undoes only itself; the failure that breaks a transaction is
@@ -303,21 +259,6 @@ impl TestStore for MySqlDb {
             Some(inbox_mysql::DEADLOCK),
             "the handler's transaction is the deadlock's victim: {failed:?}; the other: {waited:?}"
         );
-    }
-
-    fn refused_id(&self) -> Option<MessageId> {
-        (self.keys == KeyMode::Uuid).then(|| MessageId::new("not-a-uuid").expect("an ID"))
-    }
-
-    async fn age_and_purge(&self) -> Option<u64> {
-        let minutes = i64::try_from(2 * KEPT.as_secs() / 60).expect("minutes");
-        sqlx::query("UPDATE inbox SET processed_minute = processed_minute - ?")
-            .bind(minutes)
-            .execute(&self.pool)
-            .await
-            .expect("age the claims");
-        let report = inbox(self).purge(KEPT, 1000).await.expect("purge");
-        Some(report.deleted())
     }
 
     async fn proxied(&self) -> Option<(MySqlInbox, FaultProxy)> {
