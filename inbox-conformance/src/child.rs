@@ -28,13 +28,8 @@ fn test_binary(test_name: &str, which: &str, envs: &[(&str, String)]) -> Command
     let exe = std::env::current_exe().unwrap_or_else(|e| panic!("no current exe: {e}"));
     let mut command = Command::new(exe);
     command
-        .args([
-            "--exact",
-            test_name,
-            which,
-            "--nocapture",
-            "--test-threads=1",
-        ])
+        .args(["--exact", test_name, which])
+        .args(["--nocapture", "--test-threads=1"])
         .env("INBOX_CHILD", "1")
         .envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
         .stdin(Stdio::null());

@@ -59,14 +59,8 @@ async fn prepare() -> PathBuf {
     std::fs::write(&requirements, REQUIREMENTS).expect("write the requirements");
     run(
         Command::new(&python)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "-r",
-            ])
+            .args(["-m", "pip", "install", "--quiet"])
+            .args(["--disable-pip-version-check", "-r"])
             .arg(&requirements),
         "pip install of python/requirements.txt (is PyPI reachable?)",
     )
@@ -80,6 +74,11 @@ async fn run(command: &mut Command, what: &str) {
         .output()
         .await
         .unwrap_or_else(|e| panic!("{what}: cannot start it: {e}"));
+    succeeded(&out, what);
+}
+
+/// Panics with `what` and the output when the process failed.
+fn succeeded(out: &std::process::Output, what: &str) {
     assert!(
         out.status.success(),
         "{what} failed ({}):\n{}{}",
@@ -118,11 +117,5 @@ pub async fn publish(target: &serde_json::Value, messages: &[serde_json::Value])
     .await
     .expect("python/publish.py did not finish within 120 s")
     .expect("python/publish.py");
-    assert!(
-        out.status.success(),
-        "python/publish.py failed ({}) for {target}:\n{}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out, &format!("python/publish.py for {target}"));
 }

@@ -125,13 +125,8 @@ pub async fn cleanup(config: &RabbitSourceBuilder) {
 /// `rabbitmqctl list_connections`.
 pub async fn connection_pids(name: &str) -> Vec<String> {
     let output = tokio::process::Command::new("rabbitmqctl")
-        .args([
-            "list_connections",
-            "-q",
-            "--no-table-headers",
-            "pid",
-            "client_properties",
-        ])
+        .args(["list_connections", "-q", "--no-table-headers"])
+        .args(["pid", "client_properties"])
         .output()
         .await
         .expect("run rabbitmqctl list_connections");
