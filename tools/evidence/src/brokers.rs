@@ -8,14 +8,16 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use inbox_conformance::scenarios::{self, ZombiePlan, ZombieReport};
 use inbox_conformance::wallet::CreditEvent;
 use inbox_conformance::TestDb;
 use inbox_conformance::{TestBroker, TestQueue};
-use inbox_core::{BoxError, DynPublish, MessageId, MessageSource, OutgoingMessage, Publish};
+use inbox_core::{BoxError, DynPublish, MessageId, OutgoingMessage, Publish};
 use inbox_testkit::WithoutInbox;
 use tokio::sync::Mutex;
 
@@ -151,14 +153,7 @@ impl<B: TestBroker> Broker<B> {
         if let Some(queue) = queues.get(name) {
             return Ok(queue.clone());
         }
-        let (broker, owned) = (self.broker.clone(), name.to_owned());
-        let queue = Arc::new(
-            caught(
-                "opening the queue",
-                async move { broker.attach(&owned).await },
-            )
-            .await?,
-        );
+        let queue = Arc::new(caught("opening the queue", self.broker.attach(name)).await?);
         queues.insert(name.to_owned(), queue.clone());
         Ok(queue)
     }
@@ -170,11 +165,7 @@ impl<B: TestBroker> Broker<B> {
             return Ok(producer.clone());
         }
         let queue = self.queue(name).await?;
-        let producer = caught(
-            "connecting a producer",
-            async move { queue.producer().await },
-        )
-        .await?;
+        let producer = caught("connecting a producer", queue.producer()).await?;
         producers.insert(name.to_owned(), producer.clone());
         Ok(producer)
     }
@@ -182,15 +173,11 @@ impl<B: TestBroker> Broker<B> {
     /// A fresh, empty queue, topic or stream with its dead-letter destination; returns its name,
     /// which `label` is part of.
     pub(crate) async fn create(&self, label: &str) -> Result<String, BoxError> {
-        let (broker, label) = (self.broker.clone(), format!("wallet-{label}"));
-        let queue = caught(
-            &format!(
-                "creating a queue on {} (is it up? `cargo xtask services`)",
-                self.kind
-            ),
-            async move { broker.queue(&label).await },
-        )
-        .await?;
+        let what = format!(
+            "creating a queue on {} (is it up? `cargo xtask services`)",
+            self.kind
+        );
+        let queue = caught(&what, self.broker.queue(&format!("wallet-{label}"))).await?;
         let name = queue.name();
         self.queues
             .lock()
@@ -224,11 +211,8 @@ impl<B: TestBroker> Broker<B> {
 
     /// A source of `spec`'s member on `spec.name`, connected.
     pub(crate) async fn source(&self, spec: &ConsumerSpec) -> Result<SourceOf<B>, BoxError> {
-        let (queue, member) = (self.queue(&spec.name).await?, member(spec));
-        caught("connecting a consumer", async move {
-            queue.source(&member).await
-        })
-        .await
+        let queue = self.queue(&spec.name).await?;
+        caught("connecting a consumer", queue.source(&member(spec))).await
     }
 
     /// A source of `spec`'s member on `spec.name` that acks on receipt (the variants a1, a2).
@@ -236,22 +220,18 @@ impl<B: TestBroker> Broker<B> {
         &self,
         spec: &ConsumerSpec,
     ) -> Result<inbox_testkit::AckOnReceive<SourceOf<B>>, BoxError> {
-        let (queue, member) = (self.queue(&spec.name).await?, member(spec));
-        caught("connecting a consumer", async move {
-            queue.at_most_once_source(&member).await
-        })
+        let queue = self.queue(&spec.name).await?;
+        caught(
+            "connecting a consumer",
+            queue.at_most_once_source(&member(spec)),
+        )
         .await
     }
 
     /// Messages on `name` not acked yet, as far as the broker can tell while consumers run
     /// ([`TestQueue::waiting`]).
     pub(crate) async fn waiting(&self, name: &str) -> Result<u64, BoxError> {
-        let queue = self.queue(name).await?;
-        caught(
-            "counting what is left",
-            async move { queue.waiting().await },
-        )
-        .await
+        caught("counting what is left", self.queue(name).await?.waiting()).await
     }
 
     /// How long a dead consumer's unacked messages on `name` may take to come back to another.
@@ -268,14 +248,10 @@ impl<B: TestBroker> Broker<B> {
         variant: Variant,
         plan: ZombiePlan,
         tick: impl Fn(i64, i64) + Send + Sync + 'static,
-    ) -> Result<Option<ZombieReport>, BoxError>
-    where
-        // The consumers run in a task of their own, which keeps deliveries across awaits.
-        <SourceOf<B> as MessageSource>::Ack: Sync,
-    {
+    ) -> Result<Option<ZombieReport>, BoxError> {
         let name = self.create(label).await?;
         let queue = self.queue(&name).await?;
-        let report = caught("the zombie run", async move {
+        let report = caught("the zombie run", async {
             let db = TestDb::new().await;
             let report = if variant == Variant::C {
                 scenarios::zombie(&*queue, &db, db.inbox(), &plan, tick).await
@@ -306,7 +282,7 @@ impl<B: TestBroker> Broker<B> {
         let Ok(queue) = self.queue(name).await else {
             return;
         };
-        let _ = caught("deleting the queue", async move { queue.cleanup().await }).await;
+        let _ = caught("deleting the queue", queue.cleanup()).await;
         self.queues.lock().await.remove(name);
         self.producers.lock().await.remove(name);
     }
@@ -324,26 +300,18 @@ impl<B: TestBroker> Broker<B> {
         }
         let queue = self.queue(&spec.name).await?;
         let member = format!("{}-0", spec.role.name());
-        let source = caught("connecting a consumer", async move {
-            queue.source(&member).await
-        })
-        .await?;
+        let source = caught("connecting a consumer", queue.source(&member)).await?;
         effects_child::run(source, spec, db).await
     }
 }
 
 /// Runs `work`, whose failures are panics (the conformance suite's style), and turns a panic
 /// into an error naming `what` and the panic's message.
-async fn caught<T: Send + 'static>(
-    what: &str,
-    work: impl Future<Output = T> + Send + 'static,
-) -> Result<T, BoxError> {
-    tokio::spawn(work).await.map_err(|e| {
-        let message = e
-            .try_into_panic()
-            .map_or_else(|e| e.to_string(), |panic| panic_message(panic.as_ref()));
-        format!("{what}: {message}").into()
-    })
+async fn caught<T>(what: &str, work: impl Future<Output = T>) -> Result<T, BoxError> {
+    AssertUnwindSafe(work)
+        .catch_unwind()
+        .await
+        .map_err(|panic| format!("{what}: {}", panic_message(panic.as_ref())).into())
 }
 
 fn panic_message(panic: &(dyn Any + Send)) -> String {

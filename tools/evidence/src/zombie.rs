@@ -10,17 +10,13 @@ use inbox_conformance::scenarios::{ZombiePlan, ZombieReport};
 use inbox_core::BoxError;
 
 use inbox_conformance::TestBroker;
-use inbox_core::MessageSource;
 
-use crate::brokers::{self, with_broker, Broker, SourceOf};
+use crate::brokers::{self, with_broker, Broker};
 use crate::settings::ZombieSettings;
 
 const CONSUMERS: usize = 3;
 
-async fn on_broker<B: TestBroker>(broker: &Broker<B>, s: &ZombieSettings) -> Result<(), BoxError>
-where
-    <SourceOf<B> as MessageSource>::Ack: Sync,
-{
+async fn on_broker<B: TestBroker>(broker: &Broker<B>, s: &ZombieSettings) -> Result<(), BoxError> {
     let kind = broker.kind();
     println!(
         "\n{kind}: zombie test, {CONSUMERS} consumers, {} events, one in {} stalls past the \
