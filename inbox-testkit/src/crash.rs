@@ -390,7 +390,7 @@ impl<A: Ack> Ack for CrashingAck<A> {
         Ok(())
     }
 
-    crate::forward_ack!(inner: nack, dead_letter, redeliver);
+    crate::forward_ack!(inner: nack, dead_letter, redeliver, is_stale);
 
     async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {
         let Some(crash) = acks.first().map(|a| a.crash.clone()) else {
