@@ -108,7 +108,7 @@ pub(crate) type SourceOf<B> = <<B as TestBroker>::Queue as TestQueue>::Source;
 /// A conformance-suite broker, its queues by name.
 pub(crate) struct Broker<B: TestBroker> {
     kind: BrokerKind,
-    broker: Arc<B>,
+    broker: B,
     queues: Mutex<HashMap<String, Arc<B::Queue>>>,
     /// One producer per queue published to, kept for the next chunk (a soak publishes many).
     producers: Mutex<HashMap<String, Arc<dyn DynPublish>>>,
@@ -134,7 +134,7 @@ impl<B: TestBroker> Broker<B> {
     pub(crate) fn new(kind: BrokerKind, broker: B, restarts: bool) -> Self {
         Self {
             kind,
-            broker: Arc::new(broker),
+            broker,
             queues: Mutex::new(HashMap::new()),
             producers: Mutex::new(HashMap::new()),
             restarts,
