@@ -71,8 +71,14 @@ impl Publish for LoseFirstConfirm {
 }
 
 /// Publishes for real, then waits a little, as a broker across a network takes: a relay holds
-/// its rows locked long enough for another relay to take the next ones.
-struct Slow(Arc<dyn inbox_core::DynPublish>);
+/// its rows locked long enough for another relay to take the next ones. Its first batch waits
+/// (up to 10 s) until the other relay has a batch too, so that the two overlap even when one
+/// starts late on a loaded machine and could otherwise send every row alone.
+struct Slow {
+    publish: Arc<dyn inbox_core::DynPublish>,
+    both: Arc<tokio::sync::Barrier>,
+    first: std::sync::atomic::AtomicBool,
+}
 
 impl Publish for Slow {
     async fn send_batch(
@@ -80,7 +86,10 @@ impl Publish for Slow {
         destination: &str,
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
-        self.0.send_batch(destination, messages).await?;
+        if self.first.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            let _ = tokio::time::timeout(Duration::from_secs(10), self.both.wait()).await;
+        }
+        self.publish.send_batch(destination, messages).await?;
         tokio::time::sleep(Duration::from_millis(5)).await;
         Ok(())
     }
@@ -292,12 +301,17 @@ pub async fn two_relays_at_once_publish_every_row_once<B: TestBroker, D: TestSto
     let producers = [queue.producer().await, queue.producer().await];
     let mut relays = Vec::new();
     let mut stops = Vec::new();
-    for producer in producers {
+    let both = Arc::new(tokio::sync::Barrier::new(2));
+    for publish in producers {
         let (stop, stopping) = tokio::sync::oneshot::channel::<()>();
         stops.push(stop);
         relays.push(tokio::spawn(
             outbox
-                .relay(Slow(producer))
+                .relay(Slow {
+                    publish,
+                    both: Arc::clone(&both),
+                    first: true.into(),
+                })
                 .batch_size(20)
                 .poll_interval(Duration::from_millis(10))
                 .run_until(async {
