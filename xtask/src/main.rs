@@ -8,12 +8,12 @@
 //!   service already listening at its address is reused and never stopped. Safe to run twice.
 //! - `test`: `services` with the workspace's test build beside the installs, then
 //!   `cargo fmt --check`, `cargo clippy --all-targets -D warnings`, `cargo doc` with broken links
-//!   refused, and the whole test suite. Then two lines side by side: the doc tests, the store's
-//!   suite (`inbox-postgres`) again on the partitioned inbox layout
-//!   (`INBOX_TEST_LAYOUT=partitioned`) and one broker's suite with the store behind PgBouncer;
-//!   and the examples (`examples/examples/*.rs`) against the services, the demo on NATS,
-//!   `promtool check rules` and `promtool test rules` on the alert rules (`docs/alerts`) and
-//!   `cargo package` for every library crate.
+//!   refused, and the whole test suite, then
+//!   the store's suite (`inbox-postgres`) again on the partitioned inbox layout
+//!   (`INBOX_TEST_LAYOUT=partitioned`), then one broker's suite with the store behind PgBouncer,
+//!   then the examples (`examples/examples/*.rs`) against the services, then the demo on NATS,
+//!   then `promtool check rules` and `promtool test rules` on the alert rules
+//!   (`docs/alerts`), then `cargo package` for every library crate.
 //! - `demo`: the services with the evidence tool's build beside the installs, then its wallet demo
 //!   (extra arguments go to it). Where no Kafka broker listens and Tansu is not built yet, the
 //!   demo's Kafka is librdkafka's mock cluster (the `kafka-mock` program), started for the demo
@@ -77,7 +77,6 @@ fn test(extra: &[String]) -> Result<(), String> {
     cargo_with(
         &["doc", "--workspace", "--no-deps", "--quiet"],
         &[("RUSTDOCFLAGS", "-D warnings")],
-        None,
     )?;
     // nextest runs the test binaries' tests side by side, each in a process of its own
     // (`.config/nextest.toml` says which run alone); the doc tests are cargo's.
@@ -85,27 +84,6 @@ fn test(extra: &[String]) -> Result<(), String> {
     let mut args = vec!["nextest", "run", "--workspace"];
     args.extend(extra.iter().map(String::as_str));
     cargo(&args)?;
-    // What is left runs in two lines side by side, as the machine mostly waits on servers: the
-    // doc tests and the two passes over the store (each test in a schema or stream of its own),
-    // and beside them the examples, the demo, the alert rules and the packaging, whose output
-    // goes to a log printed once both lines end.
-    let log_path = std::env::temp_dir().join(format!("inbox-xtask-{}.log", std::process::id()));
-    let log = std::fs::File::create(&log_path)
-        .map_err(|e| format!("cannot create {}: {e}", log_path.display()))?;
-    let programs = std::thread::spawn(move || programs(&log));
-    let passes = store_passes(extra);
-    let programs = programs
-        .join()
-        .unwrap_or_else(|_| Err("the examples' line panicked".into()));
-    let printed = std::fs::read_to_string(&log_path).unwrap_or_default();
-    eprintln!("xtask: the examples, the demo, the alert rules and the packaging:\n{printed}");
-    let _ = std::fs::remove_file(&log_path);
-    passes.and(programs)
-}
-
-/// The doc tests, the store's suite on the partitioned layout and one broker's suite behind
-/// PgBouncer.
-fn store_passes(extra: &[String]) -> Result<(), String> {
     cargo(&["test", "--workspace", "--doc", "--quiet"])?;
     // Both inbox layouts pass the store's whole suite: the second pass puts every test inbox of
     // `inbox-postgres` in the partitioned one.
@@ -121,7 +99,7 @@ fn store_passes(extra: &[String]) -> Result<(), String> {
         "package(inbox-postgres)",
     ];
     args.extend(extra.iter().map(String::as_str));
-    cargo_with(&args, &[("INBOX_TEST_LAYOUT", "partitioned")], None)?;
+    cargo_with(&args, &[("INBOX_TEST_LAYOUT", "partitioned")])?;
     // The store behind PgBouncer in transaction mode: one broker's whole suite, the hard kill
     // among it, with every inbox transaction through the pooler and the checks straight to the
     // database (`inbox_conformance::TestDb`).
@@ -137,12 +115,7 @@ fn store_passes(extra: &[String]) -> Result<(), String> {
         "package(inbox-redis-streams) & binary(conformance)",
     ];
     args.extend(extra.iter().map(String::as_str));
-    cargo_with(&args, &[("INBOX_TEST_POOLER_URL", pooler.as_str())], None)
-}
-
-/// The examples against the services, the demo on the newest broker, the alert rules and the
-/// packaging, each writing to `log`.
-fn programs(log: &std::fs::File) -> Result<(), String> {
+    cargo_with(&args, &[("INBOX_TEST_POOLER_URL", pooler.as_str())])?;
     // Built by `cargo test` already; this runs them.
     let env = example_env();
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
@@ -157,7 +130,6 @@ fn programs(log: &std::fs::File) -> Result<(), String> {
                 example,
             ],
             &env,
-            Some(log),
         )?;
     }
     // The demo on the newest broker, as `cargo xtask demo` runs it on all five: it fails unless
@@ -178,46 +150,39 @@ fn programs(log: &std::fs::File) -> Result<(), String> {
             "true",
         ],
         &env,
-        Some(log),
     )?;
-    alert_rules(log)?;
+    alert_rules()?;
     // Every library crate packages (its manifest, its files, the versions of its workspace
     // dependencies). Without verifying: that would build each package and all its
     // dependencies once more, from scratch, for the same code `cargo test` just built.
-    cargo_with(
-        &[
-            "package",
-            "--workspace",
-            "--no-verify",
-            "--allow-dirty",
-            "--exclude",
-            "inbox-examples",
-            "--exclude",
-            "inbox-evidence",
-            "--exclude",
-            "xtask",
-        ],
-        &[],
-        Some(log),
-    )
+    cargo(&[
+        "package",
+        "--workspace",
+        "--no-verify",
+        "--allow-dirty",
+        "--exclude",
+        "inbox-examples",
+        "--exclude",
+        "inbox-evidence",
+        "--exclude",
+        "xtask",
+    ])
 }
 
 /// The alert rules load in Prometheus (`promtool check rules`) and each fires, with its labels
 /// and annotations, on the series of its unit tests and not on the others (`promtool test
 /// rules`).
-fn alert_rules(log: &std::fs::File) -> Result<(), String> {
+fn alert_rules() -> Result<(), String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     for args in [
         ["check", "rules", "docs/alerts/inbox.rules.yml"],
         ["test", "rules", "docs/alerts/inbox.rules.test.yml"],
     ] {
         let command = format!("promtool {}", args.join(" "));
-        say(Some(log), &format!("xtask: {command}"));
+        eprintln!("xtask: {command}");
         let status = Command::new("promtool")
             .args(args)
             .current_dir(&root)
-            .stdout(output(log)?)
-            .stderr(output(log)?)
             .status()
             .map_err(|e| {
                 format!("cannot run promtool (`cargo xtask services` installs it): {e}")
@@ -295,7 +260,7 @@ fn demo(extra: &[String]) -> Result<(), String> {
                 ("KAFKA_BROKERS", mock.servers.as_str()),
                 ("KAFKA_MOCK_CONTROL", mock.control.as_str()),
             ];
-            cargo_with(&args, &env, None)
+            cargo_with(&args, &env)
         }
     }
 }
@@ -428,56 +393,27 @@ impl Drop for Background {
 }
 
 fn cargo(args: &[&str]) -> Result<(), String> {
-    cargo_with(args, &[], None)
+    cargo_with(args, &[])
 }
 
-/// Runs cargo with `args` and `env`, its output to the terminal or to `log`.
-fn cargo_with(
-    args: &[&str],
-    env: &[(&str, &str)],
-    log: Option<&std::fs::File>,
-) -> Result<(), String> {
+fn cargo_with(args: &[&str], env: &[(&str, &str)]) -> Result<(), String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let vars: String = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
-    say(log, &format!("xtask: {vars}cargo {}", args.join(" ")));
+    eprintln!("xtask: {vars}cargo {}", args.join(" "));
     let started = Instant::now();
-    let mut command = Command::new(cargo);
-    command.args(args).envs(env.iter().copied());
-    if let Some(log) = log {
-        command.stdout(output(log)?).stderr(output(log)?);
-    }
-    let status = command
+    let status = Command::new(cargo)
+        .args(args)
+        .envs(env.iter().copied())
         .status()
         .map_err(|e| format!("cannot run cargo: {e}"))?;
-    say(
-        log,
-        &format!(
-            "xtask: cargo {} took {:.0} s",
-            args.first().copied().unwrap_or_default(),
-            started.elapsed().as_secs_f64()
-        ),
+    eprintln!(
+        "xtask: cargo {} took {:.0} s",
+        args.first().copied().unwrap_or_default(),
+        started.elapsed().as_secs_f64()
     );
     if status.success() {
         Ok(())
     } else {
         Err(format!("cargo {} failed ({status})", args.join(" ")))
     }
-}
-
-/// A line to stderr or to `log`.
-fn say(log: Option<&std::fs::File>, line: &str) {
-    match log {
-        Some(mut log) => {
-            use std::io::Write;
-            let _ = writeln!(log, "{line}");
-        }
-        None => eprintln!("{line}"),
-    }
-}
-
-/// A child's stdout or stderr into `log`.
-fn output(log: &std::fs::File) -> Result<Stdio, String> {
-    log.try_clone()
-        .map(Stdio::from)
-        .map_err(|e| format!("cannot share the log: {e}"))
 }
