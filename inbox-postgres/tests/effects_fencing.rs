@@ -24,7 +24,7 @@ async fn tokens_grow_with_every_lease_and_the_database_refuses_a_stale_one() {
     let env = Env::new(ProviderMode::Keys).await;
     let leases = &env.leases;
     let evt = id("evt-1");
-    let short = Duration::from_millis(200);
+    let short = Duration::from_secs(1);
 
     let Acquired::Leased(zombie) = leases.acquire(CONSUMER, &evt, short).await.unwrap() else {
         panic!("a new row is leased")
