@@ -22,28 +22,20 @@ use crate::{Error, Result};
 /// back once it has been idle for `claim_idle`, through `XAUTOCLAIM` (by this consumer or
 /// another), with its delivery count raised.
 ///
-/// [`Ack::dead_letter`] reads the entry's own fields back (`XRANGE`), then, in one script
-/// (`EVAL`), `XADD <dead-letter stream> * <original fields…> reason <reason> original_source
-/// <stream> original_position <entry ID>` (the names of [`inbox_core::dead_letter`]) and, only
-/// if that succeeded, `XACK <stream> <group> <entry ID>`: the copy and the ack are one step.
+/// [`Ack::dead_letter`] reads the entry's own fields back (`XRANGE`), then copies them to the
+/// dead-letter stream and acks the entry in one script (see [Ack semantics](crate#ack-semantics)).
 /// When it fails the entry stays pending and comes back as after a nack.
 ///
-/// [`Ack::redeliver`] also leaves the entry pending, for the delay asked, unless the entry was
-/// handed out again since this copy (its `XPENDING` count is higher): then the latest copy
-/// settles it, and this one leaves it as a nack does ([`Reported::may_hand_back`]). It marks
-/// the entry in the hash `<stream>:<group>:redeliveries` (entry ID to `<redelivery count>:<delay in
-/// ms>:<delivery count>`, a [`Mark`]), then restarts its idle time (`XCLAIM … 0 <entry ID>
-/// JUSTID`, which leaves the delivery count alone). While that hash holds any entry, the
-/// source's claim sweep lists the pending entries with `XPENDING` instead of `XAUTOCLAIM`ing
-/// them, and claims a marked entry once it has been idle for its delay, with `XCLAIM` and that
-/// minimum idle time, so two sweeps cannot both take it. That claim raises the delivery count
-/// past the mark's: the delayed copy is out, and from then on the entry is claimed only once
-/// idle for `claim_idle`, like any other, however long its handler takes (see
-/// [`crate::sweep`]). Every later copy reports the redelivery count in
-/// [`Metadata::redeliveries`](inbox_core::Metadata::redeliveries); the mark is deleted when the
-/// entry is acked or dead-lettered. The entry never leaves the stream or its pending list, so
-/// other groups see nothing and a crash loses nothing; a consumer that reconnects rereads its
-/// own pending entries at once, delayed or not.
+/// [`Ack::redeliver`] also leaves the entry pending, for the delay asked: it writes a
+/// [`Mark`] in the hash `<stream>:<group>:redeliveries` and restarts the entry's idle time
+/// (`XCLAIM … 0 <entry ID> JUSTID`, which leaves the delivery count alone); the source's claim
+/// sweep takes it once it has been idle for its delay (see [`crate::sweep`]). A copy whose
+/// entry was handed out again since (its `XPENDING` count is higher) leaves it as a nack does:
+/// the latest copy settles it ([`Reported::may_hand_back`]). Later copies report the redelivery
+/// count in [`Metadata::redeliveries`](inbox_core::Metadata::redeliveries); the mark is deleted
+/// when the entry is acked or dead-lettered. The entry never leaves the stream or its pending
+/// list, so other groups see nothing and a crash loses nothing; a consumer that reconnects
+/// rereads its own pending entries at once, delayed or not.
 #[derive(Debug)]
 pub struct RedisStreamAck {
     conn: Conn,
@@ -66,20 +58,6 @@ impl RedisStreamAck {
             settings,
             entry_id,
             reported,
-        }
-    }
-
-    /// Deletes the redelivery marks of settled entries; a failure only leaves a stale mark,
-    /// which the next sweep ignores (the entry is no longer pending).
-    async fn unmark(conn: &Conn, s: &Settings, ids: &[&str]) {
-        if ids.is_empty() {
-            return;
-        }
-        let key = s.redeliveries_key();
-        let deleted: redis::RedisResult<i64> =
-            conn.idempotent(redis::cmd("HDEL").arg(&key).arg(ids)).await;
-        if let Err(e) = deleted {
-            debug!(key, error = %e, "could not delete redelivery marks; they outlive their entries");
         }
     }
 
@@ -143,15 +121,7 @@ pub(crate) async fn entry_fields(
     s: &Settings,
     entry_id: &str,
 ) -> Result<Option<Fields>> {
-    let value: Value = conn
-        .idempotent(
-            redis::cmd("XRANGE")
-                .arg(&s.stream)
-                .arg(entry_id)
-                .arg(entry_id),
-        )
-        .await
-        .map_err(|e| Error::redis(format!("XRANGE on stream {}", s.stream), e))?;
+    let value = s.on_stream(conn, "XRANGE", (entry_id, entry_id)).await?;
     Ok(reply::range_reply(value)?
         .into_iter()
         .find(|e| e.id == entry_id)
@@ -159,16 +129,11 @@ pub(crate) async fn entry_fields(
 }
 
 /// One `XACK` for many entries of one stream and group.
-pub(crate) async fn xack(conn: &mut Conn, s: &Settings, ids: &[String]) -> Result<()> {
+pub(crate) async fn xack(conn: &Conn, s: &Settings, ids: &[String]) -> Result<()> {
     if ids.is_empty() {
         return Ok(());
     }
-    let mut cmd = redis::cmd("XACK");
-    cmd.arg(&s.stream).arg(&s.group).arg(ids);
-    let acked: i64 = conn
-        .idempotent(&cmd)
-        .await
-        .map_err(|e| Error::redis(format!("XACK on stream {}", s.stream), e))?;
+    let acked: i64 = s.on_group(conn, "XACK", ids).await?;
     if acked < ids.len() as i64 {
         // Another consumer claimed and acked some of them first (this one was slow past
         // `claim_idle`); the inbox already made that harmless.
@@ -177,13 +142,20 @@ pub(crate) async fn xack(conn: &mut Conn, s: &Settings, ids: &[String]) -> Resul
     Ok(())
 }
 
+/// Deletes the redelivery marks of settled entries; a failure only leaves a stale mark, which
+/// the next sweep ignores (the entry is no longer pending).
+async fn unmark(conn: &Conn, s: &Settings, ids: &[&str]) {
+    if ids.is_empty() {
+        return;
+    }
+    if let Err(e) = s.on_marks::<i64>(conn, "HDEL", ids).await {
+        debug!(error = %e, "could not delete redelivery marks; they outlive their entries");
+    }
+}
+
 impl Ack for RedisStreamAck {
-    async fn ack(mut self) -> Result<(), SourceError> {
-        xack(&mut self.conn, &self.settings, &[self.entry_id.clone()]).await?;
-        if self.reported.redeliveries > 0 {
-            Self::unmark(&self.conn, &self.settings, &[&self.entry_id]).await;
-        }
-        Ok(())
+    async fn ack(self) -> Result<(), SourceError> {
+        Self::ack_all(vec![self]).await
     }
 
     /// Marks the entry with its delay and restarts its idle time; see the type's docs.
@@ -193,44 +165,17 @@ impl Ack for RedisStreamAck {
         delay: Duration,
         redelivery: u32,
     ) -> Result<(), SourceError> {
-        let s = &self.settings;
-        let rows: Value = self
-            .conn
-            .idempotent(
-                redis::cmd("XPENDING")
-                    .arg(&s.stream)
-                    .arg(&s.group)
-                    .arg(&self.entry_id)
-                    .arg(&self.entry_id)
-                    .arg(1),
-            )
-            .await
-            .map_err(|e| Error::redis(format!("XPENDING on stream {}", s.stream), e))?;
-        let now = reply::pending_counts(rows)?.get(&self.entry_id).copied();
+        let (s, id) = (&self.settings, &self.entry_id);
+        let rows = s.on_group(&self.conn, "XPENDING", (id, id, 1)).await?;
+        let now = reply::pending_counts(rows)?.get(id).copied();
         if !self.reported.may_hand_back(now) {
-            debug!(stream = %s.stream, entry = %self.entry_id, delivery_count = ?self.reported.delivery_count, now = ?now, "an earlier copy: the entry was handed out again since, and its latest copy settles it; left pending");
+            debug!(stream = %s.stream, entry = %id, delivery_count = ?self.reported.delivery_count, now = ?now, "an earlier copy: the entry was handed out again since, and its latest copy settles it; left pending");
             return Ok(());
         }
-        let key = s.redeliveries_key();
         let mark = Mark::new(redelivery + 1, delay, self.reported.delivery_count).to_string();
-        let _: i64 = self
-            .conn
-            .idempotent(redis::cmd("HSET").arg(&key).arg(&self.entry_id).arg(mark))
-            .await
-            .map_err(|e| Error::redis(format!("HSET {key}"), e))?;
-        let _: Value = self
-            .conn
-            .idempotent(
-                redis::cmd("XCLAIM")
-                    .arg(&s.stream)
-                    .arg(&s.group)
-                    .arg(&s.consumer)
-                    .arg(0)
-                    .arg(&self.entry_id)
-                    .arg("JUSTID"),
-            )
-            .await
-            .map_err(|e| Error::redis(format!("XCLAIM on stream {}", s.stream), e))?;
+        let _: i64 = s.on_marks(&self.conn, "HSET", (id, mark)).await?;
+        let args = (&s.consumer, 0, id, "JUSTID");
+        let _: Value = s.on_group(&self.conn, "XCLAIM", args).await?;
         Ok(())
     }
 
@@ -244,35 +189,27 @@ impl Ack for RedisStreamAck {
     async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {
         self.park(message, reason).await?;
         if self.reported.redeliveries > 0 {
-            Self::unmark(&self.conn, &self.settings, &[&self.entry_id]).await;
+            unmark(&self.conn, &self.settings, &[&self.entry_id]).await;
         }
         Ok(())
     }
 
     /// One `XACK` per stream and group (a batch is normally all one), with every entry ID.
-    async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {
-        /// A stream and group: its settings, a connection, the entry IDs, those of them marked.
-        type Group = (Arc<Settings>, Conn, Vec<String>, Vec<String>);
-        let mut groups: Vec<Group> = Vec::new();
-        for ack in acks {
-            let marked = ack.reported.redeliveries > 0;
-            let same = groups.iter().position(|(s, _, _, _)| {
-                s.stream == ack.settings.stream && s.group == ack.settings.group
+    async fn ack_all(mut acks: Vec<Self>) -> Result<(), SourceError> {
+        while let Some(first) = acks.first() {
+            let (settings, conn) = (Arc::clone(&first.settings), first.conn.clone());
+            let (same, rest): (Vec<_>, Vec<_>) = acks.into_iter().partition(|ack| {
+                ack.settings.stream == settings.stream && ack.settings.group == settings.group
             });
-            let at = same.unwrap_or(groups.len());
-            if same.is_none() {
-                groups.push((ack.settings, ack.conn, Vec::new(), Vec::new()));
-            }
-            let (_, _, ids, marks) = &mut groups[at];
-            if marked {
-                marks.push(ack.entry_id.clone());
-            }
-            ids.push(ack.entry_id);
-        }
-        for (settings, mut conn, ids, marks) in groups {
-            xack(&mut conn, &settings, &ids).await?;
-            let marks: Vec<&str> = marks.iter().map(String::as_str).collect();
-            Self::unmark(&conn, &settings, &marks).await;
+            acks = rest;
+            let ids: Vec<String> = same.iter().map(|ack| ack.entry_id.clone()).collect();
+            xack(&conn, &settings, &ids).await?;
+            let marked: Vec<&str> = same
+                .iter()
+                .filter(|ack| ack.reported.redeliveries > 0)
+                .map(|ack| ack.entry_id.as_str())
+                .collect();
+            unmark(&conn, &settings, &marked).await;
         }
         Ok(())
     }

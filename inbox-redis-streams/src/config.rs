@@ -1,9 +1,13 @@
 //! How a [`RedisStreamSource`] is set up.
 
+use std::future::Future;
 use std::time::Duration;
 
 use inbox_core::IdFrom;
 
+use redis::{Cmd, FromRedisValue, ToRedisArgs};
+
+use crate::connection::Conn;
 use crate::{Error, RedisConnection, RedisStreamSource, Result};
 
 /// Everything a source and its acks need to know, shared between them.
@@ -20,19 +24,75 @@ pub(crate) struct Settings {
 }
 
 impl Settings {
-    /// The hash of entries handed back under a redelivery schedule: entry ID to
-    /// `<redelivery count>:<delay in ms>`. Read by the claim sweep, which leaves such an entry
+    /// The hash of entries handed back under a redelivery schedule: entry ID to its
+    /// [`Mark`](crate::sweep::Mark). Read by the claim sweep, which leaves such an entry
     /// pending until it has been idle for its delay.
     pub(crate) fn redeliveries_key(&self) -> String {
         format!("{}:{}:redeliveries", self.stream, self.group)
     }
+
+    /// `<command> <stream> <args…>` on `conn`, repeated once after a dropped connection
+    /// ([`Conn::idempotent`]); a failure names the command and the stream.
+    pub(crate) fn on_stream<'a, T: FromRedisValue + Send + 'a>(
+        &self,
+        conn: &'a Conn,
+        command: &'static str,
+        args: impl ToRedisArgs,
+    ) -> impl Future<Output = Result<T>> + Send + 'a {
+        let mut cmd = redis::cmd(command);
+        cmd.arg(&self.stream).arg(args);
+        run(conn, cmd, format!("{command} on stream {}", self.stream))
+    }
+
+    /// `<command> <stream> <group> <args…>`, like [`on_stream`](Self::on_stream).
+    pub(crate) fn on_group<'a, T: FromRedisValue + Send + 'a>(
+        &self,
+        conn: &'a Conn,
+        command: &'static str,
+        args: impl ToRedisArgs,
+    ) -> impl Future<Output = Result<T>> + Send + 'a {
+        let mut cmd = redis::cmd(command);
+        cmd.arg(&self.stream).arg(&self.group).arg(args);
+        run(conn, cmd, format!("{command} on stream {}", self.stream))
+    }
+
+    /// `<command> <redeliveries key> <args…>`, like [`on_stream`](Self::on_stream).
+    pub(crate) fn on_marks<'a, T: FromRedisValue + Send + 'a>(
+        &self,
+        conn: &'a Conn,
+        command: &'static str,
+        args: impl ToRedisArgs,
+    ) -> impl Future<Output = Result<T>> + Send + 'a {
+        let key = self.redeliveries_key();
+        let mut cmd = redis::cmd(command);
+        cmd.arg(&key).arg(args);
+        run(conn, cmd, format!("{command} {key}"))
+    }
+}
+
+/// The command, built before the future so that the future holds no borrowed arguments.
+async fn run<T: FromRedisValue + Send>(conn: &Conn, cmd: Cmd, context: String) -> Result<T> {
+    conn.idempotent(&cmd)
+        .await
+        .map_err(|e| Error::redis(context, e))
+}
+
+/// Refuses a duration under 1 ms: Redis counts in milliseconds and reads 0 as for ever
+/// (`BLOCK 0`, `WAIT n 0`) or, for a claim, as at once.
+pub(crate) fn at_least_1ms(what: &str, duration: Duration) -> Result<()> {
+    if duration < Duration::from_millis(1) {
+        return Err(Error::Config(format!(
+            "{what} is under 1 ms; use at least 1 ms"
+        )));
+    }
+    Ok(())
 }
 
 /// Builds a [`RedisStreamSource`] on the Redis its [`RedisConnection`] reaches; start with
 /// [`RedisConnection::source`] (or [`RedisStreamSource::builder`], on the Redis `REDIS_URL`
 /// names), finish with [`RedisStreamSourceBuilder::connect`]. Its `Debug` output hides a
 /// password in the URL.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 #[must_use = "a builder does nothing until `connect` is called"]
 pub struct RedisStreamSourceBuilder {
     connection: RedisConnection,
@@ -44,22 +104,6 @@ pub struct RedisStreamSourceBuilder {
     poll_timeout: Duration,
     claim_idle: Duration,
     claim_interval: Duration,
-}
-
-impl std::fmt::Debug for RedisStreamSourceBuilder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisStreamSourceBuilder")
-            .field("connection", &self.connection)
-            .field("stream", &self.stream)
-            .field("group", &self.group)
-            .field("consumer", &self.consumer)
-            .field("id_from", &self.id_from)
-            .field("dead_letter_stream", &self.dead_letter_stream)
-            .field("poll_timeout", &self.poll_timeout)
-            .field("claim_idle", &self.claim_idle)
-            .field("claim_interval", &self.claim_interval)
-            .finish()
-    }
 }
 
 impl RedisStreamSourceBuilder {
@@ -174,10 +218,7 @@ impl RedisStreamSourceBuilder {
                 crate::PAYLOAD_FIELD
             )));
         }
-        let consumer = match self.consumer {
-            Some(name) => name,
-            None => default_consumer_name(),
-        };
+        let consumer = self.consumer.unwrap_or_else(default_consumer_name);
         nonempty("consumer name", &consumer)?;
         let dead_letter_stream = match self.dead_letter_stream {
             Some(name) => name,
@@ -197,17 +238,8 @@ impl RedisStreamSourceBuilder {
         if self.connection.is_cluster() {
             crate::cluster::check_same_slot(&self.stream, &dead_letter_stream)?;
         }
-        // BLOCK 0 means "wait for ever" to Redis, which would hang shutdown-free loops.
-        if self.poll_timeout < Duration::from_millis(1) {
-            return Err(Error::Config(
-                "poll_timeout is under 1 ms; use at least 1 ms".into(),
-            ));
-        }
-        if self.claim_idle < Duration::from_millis(1) {
-            return Err(Error::Config(
-                "claim_idle is under 1 ms; use at least 1 ms".into(),
-            ));
-        }
+        at_least_1ms("poll_timeout", self.poll_timeout)?;
+        at_least_1ms("claim_idle", self.claim_idle)?;
         Ok(Settings {
             stream: self.stream,
             group: self.group,
@@ -243,25 +275,20 @@ mod tests {
     #[test]
     fn bad_settings_are_refused_with_the_fix() {
         let b = || RedisConnection::from_env().source("s", "g");
-        assert!(b().settings().is_ok());
-        let e = b().id_field("payload").settings().expect_err("refused");
-        assert!(e.to_string().contains("holds the payload"), "{e}");
-        let e = b()
-            .id_from(IdFrom::MessageIdProperty)
-            .settings()
-            .expect_err("refused");
-        assert!(
-            e.to_string().contains("Redis Streams has no message-ID"),
-            "{e}"
-        );
+        for (bad, fix) in [
+            (b().id_field("payload"), "holds the payload"),
+            (
+                b().id_from(IdFrom::MessageIdProperty),
+                "Redis Streams has no message-ID",
+            ),
+            (b().poll_timeout(Duration::ZERO), "at least 1 ms"),
+            (b().claim_idle(Duration::ZERO), "at least 1 ms"),
+            (b().dead_letter_stream("s"), "pick another key"),
+        ] {
+            let e = bad.settings().expect_err(fix);
+            assert!(e.to_string().contains(fix), "{e}");
+        }
         assert!(b().id_from(IdFrom::cloud_events()).settings().is_ok());
-        let e = b()
-            .poll_timeout(Duration::ZERO)
-            .settings()
-            .expect_err("refused");
-        assert!(e.to_string().contains("at least 1 ms"), "{e}");
-        let e = b().dead_letter_stream("s").settings().expect_err("refused");
-        assert!(e.to_string().contains("pick another key"), "{e}");
         let s = b().settings().expect("parses");
         assert_eq!(s.dead_letter_stream, "s:dlq");
         assert!(s.consumer.ends_with(&format!("-{}", std::process::id())));

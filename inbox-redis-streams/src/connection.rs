@@ -159,10 +159,8 @@ impl RedisConnection {
     /// Past it the command fails with a [`Recovery::Reconnect`](inbox_core::Recovery) error and
     /// its connection is dropped: the next command connects anew (within the same bound). A
     /// connection whose peer went silent (a network that drops packets, a hung server, a
-    /// firewall that forgot the connection) would otherwise never answer again. After any
-    /// lost connection a source rereads its own pending entries first, so what a lost reply
-    /// had delivered, or a failed ack left pending, comes back at once rather than after
-    /// `claim_idle` (entries it had nacked come back early with them).
+    /// firewall that forgot the connection) would otherwise never answer again. See
+    /// [Ack semantics](crate#ack-semantics) for what a source rereads after a lost connection.
     pub fn operation_timeout(mut self, wait: Duration) -> Self {
         self.operation_timeout = wait;
         self
@@ -199,11 +197,7 @@ impl RedisConnection {
     /// Connects at once, for `purpose` (named in logs and errors), so a wrong address or a
     /// refused login fails the build.
     pub(crate) async fn open(&self, purpose: &'static str) -> Result<Conn> {
-        if self.operation_timeout < Duration::from_millis(1) {
-            return Err(Error::Config(
-                "operation_timeout is under 1 ms; use at least 1 ms".into(),
-            ));
-        }
+        crate::config::at_least_1ms("operation_timeout", self.operation_timeout)?;
         let (target, shown) = self.target()?;
         Conn::connect(target, purpose, self.operation_timeout)
             .await
@@ -289,13 +283,20 @@ enum Link {
     Cluster(redis::cluster_async::ClusterConnection),
 }
 
+/// `$call` on the connection `$link` holds, named `$conn`.
+macro_rules! on_link {
+    ($link:expr, $conn:ident => $call:expr) => {
+        match $link {
+            Link::Server($conn) => $call,
+            #[cfg(feature = "cluster")]
+            Link::Cluster($conn) => $call,
+        }
+    };
+}
+
 impl ConnectionLike for Link {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self {
-            Link::Server(conn) => conn.req_packed_command(cmd),
-            #[cfg(feature = "cluster")]
-            Link::Cluster(conn) => conn.req_packed_command(cmd),
-        }
+        on_link!(self, conn => conn.req_packed_command(cmd))
     }
 
     fn req_packed_commands<'a>(
@@ -304,19 +305,11 @@ impl ConnectionLike for Link {
         offset: usize,
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
-        match self {
-            Link::Server(conn) => conn.req_packed_commands(pipeline, offset, count),
-            #[cfg(feature = "cluster")]
-            Link::Cluster(conn) => conn.req_packed_commands(pipeline, offset, count),
-        }
+        on_link!(self, conn => conn.req_packed_commands(pipeline, offset, count))
     }
 
     fn get_db(&self) -> i64 {
-        match self {
-            Link::Server(conn) => conn.get_db(),
-            #[cfg(feature = "cluster")]
-            Link::Cluster(conn) => conn.get_db(),
-        }
+        on_link!(self, conn => conn.get_db())
     }
 }
 
@@ -329,7 +322,10 @@ pub(crate) enum Request<'a> {
 }
 
 impl Request<'_> {
-    async fn send<T: redis::FromRedisValue>(self, conn: &mut Link) -> RedisResult<T> {
+    pub(crate) async fn send<T: redis::FromRedisValue>(
+        self,
+        conn: &mut (impl ConnectionLike + Send),
+    ) -> RedisResult<T> {
         match self {
             Request::Cmd(cmd) => cmd.query_async(conn).await,
             Request::Pipeline(pipeline) => pipeline.query_async(conn).await,

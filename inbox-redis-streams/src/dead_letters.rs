@@ -7,7 +7,9 @@ use inbox_core::replay::{DeadLetter, DeadLetters};
 use inbox_core::{MessageId, OperationError};
 
 use crate::connection::Conn;
-use crate::{Error, RedisConnection, Result, DEFAULT_ID_FIELD, PAYLOAD_FIELD};
+use crate::reply::{self, Entry};
+use crate::source::{entry_time, split_fields};
+use crate::{Error, RedisConnection, Result, DEFAULT_ID_FIELD};
 
 /// The entries of a dead-letter stream (`<stream>:dlq`), oldest first, as
 /// [`inbox_core::replay`] reads them: each entry's fields are the original entry's (the ID
@@ -15,27 +17,15 @@ use crate::{Error, RedisConnection, Result, DEFAULT_ID_FIELD, PAYLOAD_FIELD};
 /// entry ID and its time the entry ID's milliseconds (when it was parked).
 ///
 /// Removing a replayed entry is `XDEL`: the dead-letter stream is then empty once every entry
-/// was replayed. Built with [`RedisConnection::dead_letters`], so it reaches Redis as the source
-/// and the producer built from the same connection do (or with [`RedisDeadLetters::builder`],
-/// on the Redis `REDIS_URL` names). Each command is bounded by the connection's
-/// [`operation_timeout`](RedisConnection::operation_timeout), and a connection that failed is
-/// replaced by the next command.
+/// was replayed. Built with [`RedisConnection::dead_letters`] (or [`RedisDeadLetters::builder`],
+/// on the Redis `REDIS_URL` names).
+#[derive(Debug)]
 pub struct RedisDeadLetters {
     stream: String,
     id_field: String,
     conn: Conn,
     /// The last entry ID returned: the next page starts after it.
     after: Option<String>,
-}
-
-impl std::fmt::Debug for RedisDeadLetters {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisDeadLetters")
-            .field("stream", &self.stream)
-            .field("id_field", &self.id_field)
-            .field("after", &self.after)
-            .finish_non_exhaustive()
-    }
 }
 
 /// Builds a [`RedisDeadLetters`]; start with [`RedisConnection::dead_letters`] (or
@@ -53,6 +43,16 @@ impl RedisDeadLetters {
     /// ([`RedisConnection::from_env`]).
     pub fn builder(stream: impl Into<String>) -> RedisDeadLettersBuilder {
         RedisConnection::from_env().dead_letters(stream)
+    }
+
+    fn letter(&self, entry: Entry) -> DeadLetter {
+        let fields = entry.fields.unwrap_or_default();
+        let (id, payload, headers) = split_fields(fields, Some(&self.id_field));
+        let mut letter = DeadLetter::new(entry.id, payload);
+        letter.id = id.and_then(|id| MessageId::from_bytes(&id).ok());
+        letter.take_metadata(headers);
+        letter.timestamp = entry_time(&letter.handle);
+        letter
     }
 }
 
@@ -82,34 +82,6 @@ impl RedisDeadLettersBuilder {
     }
 }
 
-/// One `XRANGE` entry: its ID and its fields as a flat list.
-type RawEntry = (String, Vec<Vec<u8>>);
-
-impl RedisDeadLetters {
-    fn letter(&self, (entry_id, flat): RawEntry) -> DeadLetter {
-        let mut letter = DeadLetter::new(entry_id.clone(), Vec::new());
-        let mut headers = Vec::new();
-        let mut payload = None;
-        let mut fields = flat.into_iter();
-        while let (Some(name), Some(value)) = (fields.next(), fields.next()) {
-            if letter.id.is_none() && name == self.id_field.as_bytes() {
-                letter.id = MessageId::from_bytes(&value).ok();
-            } else if payload.is_none() && name == PAYLOAD_FIELD.as_bytes() {
-                payload = Some(value);
-            } else {
-                headers.push((String::from_utf8_lossy(&name).into_owned(), value));
-            }
-        }
-        letter.payload = payload.unwrap_or_default();
-        letter.take_metadata(headers);
-        letter.timestamp = entry_id
-            .split_once('-')
-            .and_then(|(ms, _)| ms.parse().ok())
-            .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms));
-        letter
-    }
-}
-
 impl DeadLetters for RedisDeadLetters {
     fn name(&self) -> &str {
         &self.stream
@@ -127,16 +99,16 @@ impl DeadLetters for RedisDeadLetters {
             .arg("+")
             .arg("COUNT")
             .arg(max);
-        let entries: Vec<RawEntry> =
-            self.conn
-                .query(&xrange, Duration::ZERO)
-                .await
-                .map_err(|source| Error::Redis {
-                    context: format!("XRANGE of dead-letter stream {}", self.stream),
-                    source,
-                })?;
-        if let Some((last, _)) = entries.last() {
-            self.after = Some(last.clone());
+        let entries = self
+            .conn
+            .query(&xrange, Duration::ZERO)
+            .await
+            .map_err(|e| {
+                Error::redis(format!("XRANGE of dead-letter stream {}", self.stream), e)
+            })?;
+        let entries = reply::range_reply(entries)?;
+        if let Some(last) = entries.last() {
+            self.after = Some(last.id.clone());
         }
         Ok(entries.into_iter().map(|e| self.letter(e)).collect())
     }
@@ -150,14 +122,9 @@ impl DeadLetters for RedisDeadLetters {
         for letter in letters {
             xdel.arg(&letter.handle);
         }
-        let _: u64 = self
-            .conn
-            .query(&xdel, Duration::ZERO)
-            .await
-            .map_err(|source| Error::Redis {
-                context: format!("XDEL from dead-letter stream {}", self.stream),
-                source,
-            })?;
+        let _: u64 = self.conn.query(&xdel, Duration::ZERO).await.map_err(|e| {
+            Error::redis(format!("XDEL from dead-letter stream {}", self.stream), e)
+        })?;
         Ok(())
     }
 }

@@ -20,9 +20,7 @@ pub enum Error {
         source: RedisError,
     },
     /// The consumer group, or the whole stream key, was deleted while the source ran (Redis
-    /// answered `NOGROUP`). The source does not create it again: a group made at `0` would
-    /// reread the whole stream, one made at `$` would skip whatever was added meanwhile, and
-    /// only the operator knows which entry to resume from. Fatal: the consumer stops.
+    /// answered `NOGROUP`); fatal, see [A deleted consumer group](crate#a-deleted-consumer-group).
     #[error(
         "consumer group `{group}` of stream `{stream}` is gone (the group or the stream key was \
          deleted while the consumer ran); it is not re-created on its own. Create it at the entry \
@@ -39,10 +37,9 @@ pub enum Error {
         #[source]
         source: RedisError,
     },
-    /// The master added the entries, but fewer replicas than
+    /// Fewer replicas than
     /// [`wait_for_replicas`](crate::RedisStreamProducerBuilder::wait_for_replicas) asks for
-    /// confirmed them in time: a failover now could lose them. Retry under the same message IDs;
-    /// the consumer applies a message that arrives twice once.
+    /// confirmed the write in time; retry under the same message IDs.
     #[error(
         "the master added to stream `{stream}`, but only {confirmed} of {wanted} replicas \
          confirmed it within {timeout:?}; a failover could lose it: send again under the same \

@@ -133,17 +133,10 @@ impl RedisStreamProducerBuilder {
             )));
         }
         if let Some(r) = self.replicas {
-            // `WAIT n 0` waits for ever.
-            if r.timeout < Duration::from_millis(1) {
-                return Err(Error::Config(
-                    "the wait for replicas is under 1 ms; use at least 1 ms".into(),
-                ));
-            }
+            crate::config::at_least_1ms("the wait for replicas", r.timeout)?;
         }
         let conn = match self.manager {
             Some(manager) => Connection::Manager(manager),
-            // Not a redis-rs `ConnectionManager`: it keeps a connection whose reply timed out,
-            // and its reconnect could hang a send for good after a server restart.
             None => Connection::Own(self.connection.open("the producer").await?),
         };
         Ok(RedisStreamProducer {
@@ -234,14 +227,9 @@ impl RedisStreamProducer {
         request: Request<'_>,
         extra: Duration,
     ) -> redis::RedisResult<T> {
-        match (&self.conn, request) {
-            (Connection::Own(conn), request) => conn.request(request, extra).await,
-            (Connection::Manager(conn), Request::Cmd(cmd)) => {
-                cmd.query_async(&mut conn.clone()).await
-            }
-            (Connection::Manager(conn), Request::Pipeline(pipeline)) => {
-                pipeline.query_async(&mut conn.clone()).await
-            }
+        match &self.conn {
+            Connection::Own(conn) => conn.request(request, extra).await,
+            Connection::Manager(conn) => request.send(&mut conn.clone()).await,
         }
     }
 }

@@ -25,33 +25,19 @@ pub(crate) struct Entry {
 /// An `XREADGROUP` reply for one stream: nil on timeout, else `[[key, [entry...]]]` (RESP2) or
 /// `{key: [entry...]}` (RESP3).
 pub(crate) fn read_reply(command: &'static str, value: Value) -> Result<Vec<Entry>> {
-    let streams = match value {
-        Value::Nil => return Ok(Vec::new()),
-        Value::Array(streams) => streams
-            .into_iter()
-            .map(|stream| match stream {
-                Value::Array(mut pair) if pair.len() == 2 => Ok(pair.remove(1)),
-                other => Err(Error::reply(
-                    command,
-                    format!("stream is not [key, entries]: {other:?}"),
-                )),
-            })
-            .collect::<Result<Vec<_>>>()?,
-        Value::Map(streams) => streams.into_iter().map(|(_, entries)| entries).collect(),
-        other => return Err(Error::reply(command, format!("not an array: {other:?}"))),
-    };
+    let streams: Vec<(Value, Value)> = parse(command, value)?;
     let mut entries = Vec::new();
-    for stream in streams {
+    for (_key, stream) in streams {
         // Redis shows a deleted pending entry here as `[id, nil]`, never as a bare nil; one
         // would carry no ID to act on, so it is skipped rather than failing the whole read.
-        entries.extend(entry_list(command, stream)?.entries);
+        entries.extend(entry_list(command, stream)?.0);
     }
     Ok(entries)
 }
 
 /// The reply to `XRANGE`: a plain entry list.
 pub(crate) fn range_reply(value: Value) -> Result<Vec<Entry>> {
-    Ok(entry_list("XRANGE", value)?.entries)
+    Ok(entry_list("XRANGE", value)?.0)
 }
 
 /// One step of an `XAUTOCLAIM` sweep.
@@ -78,168 +64,81 @@ pub(crate) fn autoclaim_reply(value: Value) -> Result<Claimed> {
         return Err(Error::reply(CMD, format!("not an array: {value:?}")));
     };
     let mut parts = parts.into_iter();
-    let cursor = match parts.next() {
-        Some(v) => text(CMD, v)?,
-        None => return Err(Error::reply(CMD, "empty reply")),
+    let Some(cursor) = parts.next() else {
+        return Err(Error::reply(CMD, "empty reply"));
     };
-    let list = match parts.next() {
-        Some(v) => entry_list(CMD, v)?,
-        None => EntryList::default(),
-    };
-    let deleted = match parts.next() {
-        None | Some(Value::Nil) => Vec::new(),
-        Some(Value::Array(ids)) => ids
-            .into_iter()
-            .map(|id| text(CMD, id))
-            .collect::<Result<_>>()?,
-        Some(other) => {
-            return Err(Error::reply(
-                CMD,
-                format!("deleted IDs are not an array: {other:?}"),
-            ))
-        }
-    };
+    let (entries, vanished) = entry_list(CMD, parts.next().unwrap_or(Value::Nil))?;
     Ok(Claimed {
-        cursor,
-        entries: list.entries,
-        vanished: list.nils,
-        deleted,
+        cursor: parse(CMD, cursor)?,
+        entries,
+        vanished,
+        deleted: parse(CMD, parts.next().unwrap_or(Value::Nil))?,
     })
 }
 
-/// The extended `XPENDING` reply: `[[id, consumer, idle ms, delivery count]...]`, as a map from
-/// entry ID to delivery count.
+/// The extended `XPENDING` reply as a map from entry ID to delivery count.
 pub(crate) fn pending_counts(value: Value) -> Result<HashMap<String, u32>> {
-    const CMD: &str = "XPENDING";
-    let Value::Array(rows) = value else {
-        return Err(Error::reply(CMD, format!("not an array: {value:?}")));
-    };
-    let mut counts = HashMap::with_capacity(rows.len());
-    for row in rows {
-        let Value::Array(row) = row else {
-            return Err(Error::reply(CMD, format!("row is not an array: {row:?}")));
-        };
-        let mut row = row.into_iter();
-        let (Some(id), Some(count)) = (row.next(), row.nth(2)) else {
-            return Err(Error::reply(CMD, "row has fewer than 4 elements"));
-        };
-        let count = match count {
-            Value::Int(n) => u32::try_from(n).unwrap_or(u32::MAX),
-            other => text(CMD, other)?
-                .parse()
-                .map_err(|e| Error::reply(CMD, format!("delivery count: {e}")))?,
-        };
-        counts.insert(text(CMD, id)?, count);
-    }
-    Ok(counts)
+    Ok(pending_rows(value)?
+        .into_iter()
+        .map(|row| (row.id, row.delivery_count))
+        .collect())
 }
 
-/// `XPENDING key group start end count` rows: each entry's ID, idle time in milliseconds and
-/// delivery count.
+/// The extended `XPENDING` reply: `[[id, consumer, idle ms, delivery count]...]`.
 pub(crate) fn pending_rows(value: Value) -> Result<Vec<Pending>> {
-    const CMD: &str = "XPENDING";
-    let Value::Array(rows) = value else {
-        return Err(Error::reply(CMD, format!("not an array: {value:?}")));
-    };
-    let number = |what: &str, v: Value| -> Result<u64> {
-        match v {
-            Value::Int(n) => Ok(u64::try_from(n).unwrap_or(0)),
-            other => text(CMD, other)?
-                .parse()
-                .map_err(|e| Error::reply(CMD, format!("{what}: {e}"))),
-        }
-    };
-    let mut pending = Vec::with_capacity(rows.len());
-    for row in rows {
-        let Value::Array(row) = row else {
-            return Err(Error::reply(CMD, format!("row is not an array: {row:?}")));
-        };
-        let mut row = row.into_iter();
-        let (Some(id), Some(ms), Some(count)) = (row.next(), row.nth(1), row.next()) else {
-            return Err(Error::reply(CMD, "row has fewer than 4 elements"));
-        };
-        pending.push(Pending {
-            id: text(CMD, id)?,
-            idle_ms: number("idle time", ms)?,
-            delivery_count: u32::try_from(number("delivery count", count)?).unwrap_or(u32::MAX),
-        });
-    }
-    Ok(pending)
+    let rows: Vec<(String, Value, u64, u32)> = parse("XPENDING", value)?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, _consumer, idle_ms, delivery_count)| Pending {
+            id,
+            idle_ms,
+            delivery_count,
+        })
+        .collect())
+}
+
+/// The client's own conversion, its error as this command's unexpected reply.
+fn parse<T: redis::FromRedisValue>(command: &'static str, value: Value) -> Result<T> {
+    redis::from_redis_value(value).map_err(|e| Error::reply(command, e.to_string()))
 }
 
 /// The entries of a list, and how many of its elements were a bare nil instead of an entry.
-#[derive(Debug, Default)]
-struct EntryList {
-    entries: Vec<Entry>,
-    nils: usize,
+fn entry_list(command: &'static str, value: Value) -> Result<(Vec<Entry>, usize)> {
+    let items: Vec<Option<Value>> = parse(command, value)?;
+    let nils = items.iter().filter(|item| item.is_none()).count();
+    let entries = items
+        .into_iter()
+        .flatten()
+        .map(|item| entry(command, item))
+        .collect::<Result<_>>()?;
+    Ok((entries, nils))
 }
 
-fn entry_list(command: &'static str, value: Value) -> Result<EntryList> {
-    let items = match value {
-        Value::Array(items) => items,
-        Value::Nil => return Ok(EntryList::default()),
-        other => {
-            return Err(Error::reply(
-                command,
-                format!("entries are not an array: {other:?}"),
-            ))
-        }
-    };
-    let mut list = EntryList {
-        entries: Vec::with_capacity(items.len()),
-        nils: 0,
-    };
-    for item in items {
-        match item {
-            Value::Nil => list.nils += 1,
-            item => list.entries.push(entry(command, item)?),
-        }
-    }
-    Ok(list)
-}
-
+/// `[id, [name, value...]]` (RESP2), `[id, {name: value...}]` (RESP3) or `[id, nil]`.
 fn entry(command: &'static str, value: Value) -> Result<Entry> {
-    let Value::Array(parts) = value else {
-        return Err(Error::reply(
-            command,
-            format!("entry is not an array: {value:?}"),
-        ));
-    };
-    let mut parts = parts.into_iter();
-    let id = match parts.next() {
-        Some(v) => text(command, v)?,
-        None => return Err(Error::reply(command, "entry without an ID")),
-    };
-    let fields = match parts.next() {
-        None | Some(Value::Nil) => None,
-        Some(Value::Array(flat)) => {
-            if flat.len() % 2 != 0 {
-                return Err(Error::reply(
-                    command,
-                    format!("entry {id} has an odd field list"),
-                ));
-            }
-            let mut fields = Vec::with_capacity(flat.len() / 2);
+    let (id, fields): (String, Option<Value>) = parse(command, value)?;
+    let pairs = match fields {
+        None => return Ok(Entry { id, fields: None }),
+        Some(Value::Map(pairs)) => pairs,
+        Some(Value::Array(flat)) if flat.len() % 2 == 0 => {
             let mut flat = flat.into_iter();
-            while let (Some(name), Some(value)) = (flat.next(), flat.next()) {
-                fields.push((bytes(command, name)?, bytes(command, value)?));
-            }
-            Some(fields)
+            std::iter::from_fn(|| Some((flat.next()?, flat.next()?))).collect()
         }
-        Some(Value::Map(pairs)) => Some(
-            pairs
-                .into_iter()
-                .map(|(n, v)| Ok((bytes(command, n)?, bytes(command, v)?)))
-                .collect::<Result<_>>()?,
-        ),
         Some(other) => {
             return Err(Error::reply(
                 command,
-                format!("fields of {id} are not an array: {other:?}"),
+                format!("fields of {id} are not pairs: {other:?}"),
             ))
         }
     };
-    Ok(Entry { id, fields })
+    let fields = pairs
+        .into_iter()
+        .map(|(name, value)| Ok((bytes(command, name)?, bytes(command, value)?)))
+        .collect::<Result<_>>()?;
+    Ok(Entry {
+        id,
+        fields: Some(fields),
+    })
 }
 
 fn bytes(command: &'static str, value: Value) -> Result<Vec<u8>> {
@@ -253,11 +152,6 @@ fn bytes(command: &'static str, value: Value) -> Result<Vec<u8>> {
             format!("expected a string, got {other:?}"),
         )),
     }
-}
-
-fn text(command: &'static str, value: Value) -> Result<String> {
-    String::from_utf8(bytes(command, value)?)
-        .map_err(|_| Error::reply(command, "an entry ID is not UTF-8"))
 }
 
 #[cfg(test)]

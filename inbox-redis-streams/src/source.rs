@@ -92,9 +92,8 @@ impl RedisStreamSource {
         &self.settings.dead_letter_stream
     }
 
-    /// `XGROUP CREATE … 0 MKSTREAM`, once, at start: a new group starts at the beginning of the
-    /// stream, so entries added before the first consumer started are not skipped. A group
-    /// that disappears later is not created again; see [`Error::GroupMissing`].
+    /// `XGROUP CREATE … 0 MKSTREAM`, once, at start; see
+    /// [A deleted consumer group](crate#a-deleted-consumer-group).
     async fn create_group(&mut self) -> Result<()> {
         let s = &self.settings;
         let created: redis::RedisResult<Value> = self
@@ -213,18 +212,14 @@ impl RedisStreamSource {
             warn!(stream = %self.settings.stream, group = %self.settings.group, entries = ids.len(), ids = ?ids, "pending entries were trimmed or deleted from the stream; nothing to apply, acking them");
             // A failed XACK must not hold up the live entries: these come back and are acked
             // next time.
-            if let Err(e) = crate::ack::xack(&mut self.commands, &self.settings, &ids).await {
+            if let Err(e) = crate::ack::xack(&self.commands, &self.settings, &ids).await {
                 warn!(stream = %self.settings.stream, error = %e, "could not ack pending entries deleted from the stream");
             }
         }
         let counts = match sweep::id_range(live.iter().map(|e| e.id.as_str())) {
             // Other entries of ours may sit between the first and the last (a nacked one
             // waiting for its idle time), hence the headroom in the count.
-            Some((first, last)) => {
-                let (first, last) = (first.to_owned(), last.to_owned());
-                self.delivery_counts(&first, &last, live.len() + 1000)
-                    .await?
-            }
+            Some((first, last)) => self.delivery_counts(first, last, live.len() + 1000).await?,
             None => HashMap::new(),
         };
         // Only entries that were pending can carry a redelivery mark.
@@ -243,25 +238,15 @@ impl RedisStreamSource {
     /// `XPENDING key group first last n consumer`: this consumer's pending entries from `first`
     /// to `last`, with their delivery counts (entries just read or claimed are all there).
     async fn delivery_counts(
-        &mut self,
+        &self,
         first: &str,
         last: &str,
         n: usize,
     ) -> Result<HashMap<String, u32>> {
         let s = &self.settings;
-        let value: Value = self
-            .commands
-            .idempotent(
-                redis::cmd("XPENDING")
-                    .arg(&s.stream)
-                    .arg(&s.group)
-                    .arg(first)
-                    .arg(last)
-                    .arg(n)
-                    .arg(&s.consumer),
-            )
-            .await
-            .map_err(|e| Error::redis(format!("XPENDING on stream {}", s.stream), e))?;
+        let value = s
+            .on_group(&self.commands, "XPENDING", (first, last, n, &s.consumer))
+            .await?;
         reply::pending_counts(value)
     }
 
@@ -289,12 +274,8 @@ impl MessageSource for RedisStreamSource {
         Some(&self.settings.group)
     }
 
-    /// Delivery counts: a new entry's is 1, a reread or reclaimed one's comes from `XPENDING`.
-    /// No delayed nack: a nacked entry stays pending and comes back after `claim_idle`, whatever
-    /// the nack asked for. A delayed redelivery: the entry stays pending, marked with its delay,
-    /// and the claim sweep leaves it until it has been idle that long (see [`RedisStreamAck`]).
-    /// No lanes: one stream, one order, so parallel lanes apply its chunks side by side in no
-    /// order.
+    /// Delivery counts and delayed redelivery (see [`RedisStreamAck`]). No delayed nack: a
+    /// nacked entry comes back after `claim_idle`. No lanes: one stream, one order.
     fn capabilities(&self) -> Capabilities {
         Capabilities::NONE
             .with_delivery_count()
@@ -322,20 +303,8 @@ fn to_message(settings: &Settings, entry_id: &str, fields: Fields, reported: Rep
     let id = settings.id_from.read(&EntryFields(&fields));
     // The ID field named as a header is not repeated among the headers; `rebuild_fields` puts
     // it back first.
-    let id_field = settings.id_from.header_name().map(str::as_bytes);
-    let mut id_seen = false;
-    let mut payload = None;
-    let mut headers = Vec::new();
-    for (name, value) in fields {
-        if !id_seen && Some(name.as_slice()) == id_field {
-            id_seen = true;
-        } else if payload.is_none() && name == PAYLOAD_FIELD.as_bytes() {
-            payload = Some(value);
-        } else {
-            headers.push((String::from_utf8_lossy(&name).into_owned(), value));
-        }
-    }
-    let mut message = Message::new(id, payload.unwrap_or_default());
+    let (_, payload, headers) = split_fields(fields, settings.id_from.header_name());
+    let mut message = Message::new(id, payload);
     message.headers = headers;
     let meta = &mut message.meta;
     meta.source = settings.stream.clone();
@@ -382,8 +351,30 @@ impl IdCarrier for EntryFields<'_> {
     }
 }
 
+/// A message's headers: names and values, in entry order.
+type Headers = Vec<(String, Vec<u8>)>;
+
+/// An entry's fields as a message holds them: the value of the first field named `id_field`,
+/// the body (the first `payload` field), and every other field as a header, in entry order.
+pub(crate) fn split_fields(
+    fields: Fields,
+    id_field: Option<&str>,
+) -> (Option<Vec<u8>>, Vec<u8>, Headers) {
+    let (mut id, mut payload, mut headers) = (None, None, Vec::new());
+    for (name, value) in fields {
+        if id.is_none() && id_field.is_some_and(|field| name == field.as_bytes()) {
+            id = Some(value);
+        } else if payload.is_none() && name == PAYLOAD_FIELD.as_bytes() {
+            payload = Some(value);
+        } else {
+            headers.push((String::from_utf8_lossy(&name).into_owned(), value));
+        }
+    }
+    (id, payload.unwrap_or_default(), headers)
+}
+
 /// When Redis added the entry: the milliseconds part of its ID (`<ms>-<seq>`).
-fn entry_time(entry_id: &str) -> Option<std::time::SystemTime> {
+pub(crate) fn entry_time(entry_id: &str) -> Option<std::time::SystemTime> {
     let ms: u64 = entry_id.split_once('-')?.0.parse().ok()?;
     Some(std::time::UNIX_EPOCH + Duration::from_millis(ms))
 }

@@ -4,7 +4,9 @@
 //! [`RedisStreamSource`](crate::RedisStreamSource) drives this with what Redis answers
 //! (`XPENDING` rows, the marks in `<stream>:<group>:redeliveries`) and does what it decides
 //! (`XCLAIM`, `HSET`); nothing here talks to Redis, waits or reads a clock, so a simulation can
-//! drive the same rules over a model of Redis.
+//! drive the same rules over a model of Redis. While any entry is marked, the sweep lists the
+//! pending entries with `XPENDING` instead of `XAUTOCLAIM`ing them, and claims each due one with
+//! `XCLAIM` and the minimum idle time it was due at, so two sweeps cannot both take it.
 //!
 //! # Redelivery marks
 //!
@@ -237,22 +239,10 @@ pub fn entry_id_key(id: &str) -> (u64, u64) {
 /// The first and the last of `ids` in stream order, for one `XPENDING` range over them all:
 /// claimed entries come grouped by the idle time they were claimed at, not in stream order.
 pub fn id_range<'a>(ids: impl IntoIterator<Item = &'a str>) -> Option<(&'a str, &'a str)> {
-    let mut ids = ids.into_iter();
-    let first = ids.next()?;
-    Some(ids.fold((first, first), |(lo, hi), id| {
-        (
-            if entry_id_key(id) < entry_id_key(lo) {
-                id
-            } else {
-                lo
-            },
-            if entry_id_key(id) > entry_id_key(hi) {
-                id
-            } else {
-                hi
-            },
-        )
-    }))
+    let ids: Vec<&str> = ids.into_iter().collect();
+    let first = ids.iter().copied().min_by_key(|id| entry_id_key(id))?;
+    let last = ids.iter().copied().max_by_key(|id| entry_id_key(id))?;
+    Some((first, last))
 }
 
 #[cfg(test)]

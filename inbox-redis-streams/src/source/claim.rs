@@ -11,97 +11,53 @@ use tracing::{info, warn};
 use super::RedisStreamSource;
 use crate::reply::{self, Entry};
 use crate::sweep::{entry_id_key, Mark};
-use crate::{Error, RedisStreamAck, Result};
+use crate::{RedisStreamAck, Result};
 
 impl RedisStreamSource {
     /// One step of the `XAUTOCLAIM` sweep over the whole pending list, from `claim_cursor`.
     pub(super) async fn autoclaim(&mut self, max: usize) -> Result<Value> {
         let s = &self.settings;
-        let value: Value = self
-            .commands
-            .idempotent(
-                redis::cmd("XAUTOCLAIM")
-                    .arg(&s.stream)
-                    .arg(&s.group)
-                    .arg(&s.consumer)
-                    .arg(s.claim_idle.as_millis() as u64)
-                    .arg(self.sweep.cursor())
-                    .arg("COUNT")
-                    .arg(max),
-            )
-            .await
-            .map_err(|e| Error::redis(format!("XAUTOCLAIM on stream {}", s.stream), e))?;
-        Ok(value)
+        let idle = s.claim_idle.as_millis() as u64;
+        let args = (&s.consumer, idle, self.sweep.cursor(), "COUNT", max);
+        s.on_group(&self.commands, "XAUTOCLAIM", args).await
     }
 
     /// Whether any entry of this stream and group waits under a redelivery schedule: then the
     /// sweep is [`RedisStreamSource::claim_due`] instead of `XAUTOCLAIM`.
     pub(super) async fn any_delayed(&mut self) -> Result<bool> {
-        let key = self.settings.redeliveries_key();
         let n: i64 = self
-            .commands
-            .idempotent(redis::cmd("HLEN").arg(&key))
-            .await
-            .map_err(|e| Error::redis(format!("HLEN {key}"), e))?;
+            .settings
+            .on_marks(&self.commands, "HLEN", None::<&str>)
+            .await?;
         Ok(n > 0)
     }
 
     /// The redelivery marks of `ids` ([`Settings::redeliveries_key`](crate::config::Settings)),
     /// for those handed back under a schedule.
-    pub(super) async fn redelivery_marks(&mut self, ids: &[&str]) -> Result<Vec<Option<Mark>>> {
+    pub(super) async fn redelivery_marks(&self, ids: &[&str]) -> Result<Vec<Option<Mark>>> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let key = self.settings.redeliveries_key();
-        let values: Vec<Option<String>> = self
-            .commands
-            .idempotent(redis::cmd("HMGET").arg(&key).arg(ids))
-            .await
-            .map_err(|e| Error::redis(format!("HMGET {key}"), e))?;
+        let values: Vec<Option<String>> =
+            self.settings.on_marks(&self.commands, "HMGET", ids).await?;
         Ok(values.into_iter().map(|v| Mark::parse(&v?)).collect())
     }
 
-    /// One step of the sweep while entries wait under a redelivery schedule: `XPENDING` from
-    /// the sweep's cursor lists pending entries with their idle times and delivery counts, and
-    /// [`Sweep::due`](crate::sweep::Sweep::due) picks those to claim: a marked entry whose
-    /// delayed copy is not out yet once idle for its delay (which
-    /// [`Ack::redeliver`](inbox_core::Ack::redeliver) restarted at the hand-back), any other once
-    /// idle for `claim_idle`. They are claimed with `XCLAIM` and that minimum idle time, which
-    /// keeps two sweeps from both taking one. The reply has `XAUTOCLAIM`'s shape, for
-    /// [`RedisStreamSource::deliver_claimed`].
+    /// One step of the sweep while entries wait under a redelivery schedule (see
+    /// [`crate::sweep`]): `XPENDING` from the sweep's cursor, [`Sweep::due`](crate::sweep::Sweep::due)
+    /// picks the entries to claim, `XCLAIM` with each minimum idle time takes them. The reply has
+    /// `XAUTOCLAIM`'s shape, for [`RedisStreamSource::deliver_claimed`].
     pub(super) async fn claim_due(&mut self, max: usize) -> Result<Value> {
         let s = Arc::clone(&self.settings);
-        let rows: Value = self
-            .commands
-            .idempotent(
-                redis::cmd("XPENDING")
-                    .arg(&s.stream)
-                    .arg(&s.group)
-                    .arg(self.sweep.range_start())
-                    .arg("+")
-                    .arg(max),
-            )
-            .await
-            .map_err(|e| Error::redis(format!("XPENDING on stream {}", s.stream), e))?;
-        let rows = reply::pending_rows(rows)?;
+        let args = (self.sweep.range_start(), "+", max);
+        let rows = reply::pending_rows(s.on_group(&self.commands, "XPENDING", args).await?)?;
         let ids: Vec<&str> = rows.iter().map(|row| row.id.as_str()).collect();
         let marks = self.redelivery_marks(&ids).await?;
         let due = self.sweep.due(&rows, &marks, max);
         let mut entries = Vec::new();
         for (min_idle, ids) in &due.claims {
-            let claimed: Value = self
-                .commands
-                .idempotent(
-                    redis::cmd("XCLAIM")
-                        .arg(&s.stream)
-                        .arg(&s.group)
-                        .arg(&s.consumer)
-                        .arg(*min_idle)
-                        .arg(ids),
-                )
-                .await
-                .map_err(|e| Error::redis(format!("XCLAIM on stream {}", s.stream), e))?;
-            if let Value::Array(claimed) = claimed {
+            let args = (&s.consumer, *min_idle, ids);
+            if let Value::Array(claimed) = s.on_group(&self.commands, "XCLAIM", args).await? {
                 entries.extend(claimed);
             }
         }
@@ -185,7 +141,7 @@ impl RedisStreamSource {
         }
         if !gone.is_empty() {
             warn!(stream = %s.stream, group = %s.group, entries = gone.len(), ids = ?gone, "idle pending entries were trimmed or deleted from the stream before they were applied; nothing to apply, acking them");
-            crate::ack::xack(&mut self.commands, &self.settings, &gone).await?;
+            crate::ack::xack(&self.commands, &self.settings, &gone).await?;
         }
         Ok(())
     }
@@ -193,7 +149,18 @@ impl RedisStreamSource {
 
 #[cfg(test)]
 mod tests {
+    use redis::aio::MultiplexedConnection;
+
     use super::*;
+
+    async fn run<T: redis::FromRedisValue>(
+        raw: &mut MultiplexedConnection,
+        command: &str,
+        args: impl redis::ToRedisArgs,
+    ) -> T {
+        let mut cmd = redis::cmd(command);
+        cmd.arg(args).query_async(raw).await.expect(command)
+    }
 
     /// Redis 6.2 answers `XAUTOCLAIM` for a claimed entry that was trimmed or deleted with a
     /// bare nil (Redis 7 drops it and lists its ID apart), so the entry stays in the claimer's
@@ -209,19 +176,10 @@ mod tests {
             .get_multiplexed_async_connection()
             .await
             .expect("Redis is reachable at REDIS_URL");
-        let mut ids = Vec::new();
+        let mut ids: Vec<String> = Vec::new();
         for n in 1..=3 {
-            let id: String = redis::cmd("XADD")
-                .arg(&stream)
-                .arg("*")
-                .arg("event_id")
-                .arg(format!("evt-{n}"))
-                .arg("payload")
-                .arg(n)
-                .query_async(&mut raw)
-                .await
-                .expect("XADD");
-            ids.push(id);
+            let fields = ("event_id", format!("evt-{n}"), "payload", n);
+            ids.push(run(&mut raw, "XADD", (&stream, "*", fields)).await);
         }
         let mut source = crate::RedisConnection::new(&url)
             .source(&stream, "g")
@@ -229,22 +187,9 @@ mod tests {
             .connect()
             .await
             .expect("source connects");
-        let _: Value = redis::cmd("XREADGROUP")
-            .arg("GROUP")
-            .arg("g")
-            .arg("c1")
-            .arg("STREAMS")
-            .arg(&stream)
-            .arg(">")
-            .query_async(&mut raw)
-            .await
-            .expect("XREADGROUP");
-        let _: i64 = redis::cmd("XDEL")
-            .arg(&stream)
-            .arg(&ids[1])
-            .query_async(&mut raw)
-            .await
-            .expect("XDEL");
+        let read = ("GROUP", "g", "c1", "STREAMS", &stream, ">");
+        let _: Value = run(&mut raw, "XREADGROUP", read).await;
+        let _: i64 = run(&mut raw, "XDEL", (&stream, &ids[1])).await;
 
         let entry = |id: &str, n: u8| {
             format!(
@@ -269,34 +214,24 @@ mod tests {
             .collect();
         assert_eq!(positions, [ids[0].as_str(), ids[2].as_str()]);
 
-        let pending = |raw: &mut redis::aio::MultiplexedConnection| {
-            let mut cmd = redis::cmd("XPENDING");
-            cmd.arg(&stream).arg("g").arg("-").arg("+").arg(10);
-            let raw = raw.clone();
-            async move {
-                let mut raw = raw;
-                let v: Value = cmd.query_async(&mut raw).await.expect("XPENDING");
-                let mut ids: Vec<String> = reply::pending_counts(v)
-                    .expect("parses")
-                    .into_keys()
-                    .collect();
-                ids.sort();
-                ids
-            }
+        let whole_list = (&stream, "g", "-", "+", 10);
+        let pending = |value: Value| {
+            let mut ids: Vec<String> = reply::pending_counts(value)
+                .expect("parses")
+                .into_keys()
+                .collect();
+            ids.sort();
+            ids
         };
         assert_eq!(
-            pending(&mut raw).await,
+            pending(run(&mut raw, "XPENDING", whole_list).await),
             [ids[0].clone(), ids[2].clone()],
             "the trimmed entry left the pending list"
         );
         inbox_core::Ack::ack_all(deliveries.into_iter().map(|d| d.ack).collect())
             .await
             .expect("ack");
-        assert!(pending(&mut raw).await.is_empty());
-        let _: i64 = redis::cmd("DEL")
-            .arg(&stream)
-            .query_async(&mut raw)
-            .await
-            .expect("DEL");
+        assert!(pending(run(&mut raw, "XPENDING", whole_list).await).is_empty());
+        let _: i64 = run(&mut raw, "DEL", &stream).await;
     }
 }
