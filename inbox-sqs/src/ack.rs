@@ -5,16 +5,17 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, MessageAttributeValue};
+use aws_sdk_sqs::types::{
+    BatchResultErrorEntry, DeleteMessageBatchRequestEntry, MessageAttributeValue,
+};
 use aws_sdk_sqs::Client;
-use inbox_core::{Ack, Message, SourceError};
+use inbox_core::{Ack, Message, Recovery, SourceError};
 use tracing::{debug, warn};
 
 use crate::config::MAX_VISIBILITY;
+use crate::copy::Copy;
 use crate::dead_letter::{self, DeadLetterTarget};
-use crate::delivery::{
-    DedupId, Ownership, RedeliveryCopy, REDELIVERY_COUNT, REDELIVER_AT, SCHEDULE_ATTRIBUTES,
-};
+use crate::delivery::{DedupId, Ownership, RedeliveryCopy, REDELIVERY_COUNT, REDELIVER_AT};
 use crate::heartbeat::Heartbeat;
 use crate::Error;
 
@@ -33,147 +34,85 @@ pub(crate) struct Shared {
 }
 
 /// The acknowledgement handle of one SQS delivery: its queue and the receipt handle of the
-/// receive that returned it.
+/// receive that returned it. What each method does on SQS is in the crate docs, "Ack
+/// semantics" and "Dead letters":
 ///
-/// - [`Ack::ack`] deletes the message (`DeleteMessage`); [`Ack::ack_all`] deletes many with
-///   `DeleteMessageBatch`, 10 per call.
-/// - [`Ack::nack`] makes the message visible again after the delay (`ChangeMessageVisibility`).
-/// - [`Ack::redeliver`] sends a copy of the message to its queue, due after the schedule's
-///   delay and carrying the redelivery's number ([`inbox_core::REDELIVERY_COUNT`]), which the
-///   copy reports as [`Metadata::redeliveries`](inbox_core::Metadata), then deletes the
+/// - [`Ack::ack`] is `DeleteMessage`; [`Ack::ack_all`] is `DeleteMessageBatch`, 10 per call.
+/// - [`Ack::nack`] is `ChangeMessageVisibility` to the delay.
+/// - [`Ack::redeliver`] sends a copy carrying the redelivery's number, then deletes the
 ///   message; a copy that cannot be sent leaves the message in place, visible again after the
-///   delay (see the crate docs, "Ack semantics").
-/// - [`Ack::is_stale`] is `true` once the visibility heartbeat found the receipt handle refused:
-///   the message was handed out again, or deleted by its other copy.
-/// - [`Ack::dead_letter`] sends the message to the dead-letter queue (see the crate docs, "Dead
-///   letters"), with the attributes it was received with and its ID in the ID attribute, then
-///   deletes it. When the send fails
-///   it is nacked for [`inbox_core::dead_letter::RETRY_AFTER`] (at least the source's
-///   `retry_backoff`); a source with no dead-letter queue fails with
-///   [`Recovery::Fatal`](inbox_core::Recovery::Fatal) naming the setting.
+///   delay.
+/// - [`Ack::is_stale`] is `true` once the visibility heartbeat found the receipt handle refused.
+/// - [`Ack::dead_letter`] sends the message to the dead-letter queue, then deletes it; when the
+///   send fails it is nacked for [`inbox_core::dead_letter::RETRY_AFTER`] (at least the
+///   source's `retry_backoff`).
 /// - Dropping it without either (the consumer crashed) stops its visibility heartbeat; the
 ///   message becomes visible again when its visibility timeout runs out.
 #[derive(Debug)]
 pub struct SqsAck {
-    shared: Arc<Shared>,
-    receipt_handle: Arc<str>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) receipt_handle: Arc<str>,
     /// The message attributes as received, with their data types, for a dead letter or a
     /// redelivered copy.
-    attributes: Option<HashMap<String, MessageAttributeValue>>,
-    heartbeat: Option<Heartbeat>,
+    pub(crate) attributes: Option<HashMap<String, MessageAttributeValue>>,
+    /// Dropping it stops the heartbeat at once, an extension in flight included.
+    pub(crate) heartbeat: Option<Heartbeat>,
     /// Lost when the heartbeat finds the receipt handle stale.
-    ownership: Arc<Ownership>,
+    pub(crate) ownership: Arc<Ownership>,
 }
 
 impl SqsAck {
-    pub(crate) fn new(
-        shared: Arc<Shared>,
-        receipt_handle: Arc<str>,
-        attributes: Option<HashMap<String, MessageAttributeValue>>,
-        heartbeat: Option<Heartbeat>,
-        ownership: Arc<Ownership>,
-    ) -> Self {
-        Self {
-            shared,
-            receipt_handle,
-            attributes,
-            heartbeat,
-            ownership,
-        }
-    }
-
     /// The receipt handle this ack deletes with.
     pub fn receipt_handle(&self) -> &str {
         &self.receipt_handle
     }
 
-    /// Sends the copy of a delayed redelivery to the source queue: the body, the attributes as
-    /// received (the ID attribute kept whatever is cut) and the copy's [`REDELIVERY_COUNT`] and
-    /// [`REDELIVER_AT`](crate::delivery::REDELIVER_AT); on a FIFO queue, the message group and a
-    /// deduplication ID of its own.
-    async fn send_copy(&mut self, message: &Message, copy: &RedeliveryCopy) -> Result<(), Error> {
+    /// Sends `copy` of `message` with the attributes it was received with.
+    async fn send(&mut self, message: &Message, copy: Copy<'_>) -> Result<(), Error> {
+        let attributes = self.attributes.take();
         let s = &self.shared;
-        let mut attributes = dead_letter::original_attributes(self.attributes.as_ref(), message);
-        let id = dead_letter::id_attribute_of(&mut attributes, &s.id_attribute, message)?;
-        attributes.retain(|(name, _)| !SCHEDULE_ATTRIBUTES.contains(&name.as_str()));
-        let due = copy.due_attribute();
-        let added = 1 + usize::from(due.is_some()) + usize::from(id.is_some());
-        dead_letter::make_room(&mut attributes, added, &s.queue_url, "count the redelivery");
-        attributes.extend(id);
-        attributes.push((
-            REDELIVERY_COUNT.to_owned(),
-            dead_letter::text_attribute(REDELIVERY_COUNT, &copy.count.to_string())?,
-        ));
-        if let Some(due) = due {
-            attributes.push((
-                REDELIVER_AT.to_owned(),
-                dead_letter::text_attribute(REDELIVER_AT, &due)?,
-            ));
-        }
-        let mut request = s
-            .client
-            .send_message()
-            .queue_url(&*s.queue_url)
-            .message_body(String::from_utf8_lossy(&message.payload))
-            .set_message_attributes(Some(attributes.into_iter().collect()))
-            .set_delay_seconds(copy.delay_seconds);
-        if s.fifo {
-            request = request
-                .message_group_id(dead_letter::fifo_group(message))
-                .message_deduplication_id(DedupId::Redelivery(&self.receipt_handle).value());
-        }
-        request.send().await.map_err(|e| {
-            let e = Error::sdk("SendMessage (delayed redelivery)", &s.queue_url, e);
-            if e.recovery() == inbox_core::Recovery::Fatal {
-                Error::Config(format!(
-                    "{e}; a delayed redelivery sends a copy of the message to its own queue: \
-                     allow sqs:SendMessage on {} to the consumer, or remove the redelivery \
-                     schedule",
-                    s.queue_url
-                ))
-            } else {
-                e
-            }
-        })?;
-        Ok(())
+        copy.send(&s.client, &s.id_attribute, message, attributes.as_ref())
+            .await
     }
 
-    fn stop_heartbeat(&mut self) {
-        if let Some(heartbeat) = self.heartbeat.take() {
-            heartbeat.stop();
+    /// Deletes the message once its copy was `sent`; otherwise leaves it in place, visible
+    /// again after `nack_after`, and returns why the `what` failed.
+    async fn delete_if_sent(
+        self,
+        sent: Result<(), SourceError>,
+        nack_after: Duration,
+        what: &str,
+    ) -> Result<(), SourceError> {
+        match sent {
+            Ok(()) => self.ack().await,
+            Err(e) => {
+                if let Err(nack) = self.nack(nack_after).await {
+                    warn!(error = %nack, "nack after a failed {what} failed; the message is visible again when its visibility timeout runs out");
+                }
+                Err(e)
+            }
         }
     }
 }
 
 impl Ack for SqsAck {
     async fn ack(mut self) -> Result<(), SourceError> {
-        self.stop_heartbeat();
-        let s = &self.shared;
-        s.client
-            .delete_message()
-            .queue_url(&*s.queue_url)
-            .receipt_handle(&*self.receipt_handle)
-            .send()
+        self.heartbeat = None;
+        delete_batch(std::slice::from_ref(&self))
             .await
-            .map_err(|e| Error::sdk("DeleteMessage", &s.queue_url, e))?;
-        Ok(())
+            .map_err(|(_, e)| e.into())
     }
 
     async fn nack(mut self, retry_after: Duration) -> Result<(), SourceError> {
-        self.stop_heartbeat();
+        self.heartbeat = None;
         let s = &self.shared;
         let seconds = visibility_seconds(retry_after.max(s.min_retry_delay));
-        let result = s
-            .client
-            .change_message_visibility()
-            .queue_url(&*s.queue_url)
-            .receipt_handle(&*self.receipt_handle)
-            .visibility_timeout(seconds)
-            .send()
+        let operation = "ChangeMessageVisibility (nack)";
+        match s
+            .change_visibility(&self.receipt_handle, seconds, operation)
             .await
-            .map_err(|e| Error::sdk("ChangeMessageVisibility (nack)", &s.queue_url, e));
-        match result {
-            Ok(_) => Ok(()),
+        {
+            Ok(()) => Ok(()),
             // The copy is no longer ours (its visibility ran out and another receive took it):
             // that receive owns it now, which is what a nack wanted anyway.
             Err(e) if e.is_stale_receipt() => {
@@ -184,26 +123,46 @@ impl Ack for SqsAck {
         }
     }
 
-    /// A copy carrying redelivery `redelivery + 1` is sent, due after `delay`, then the message
-    /// is deleted; see the type's docs.
+    /// Sends a copy carrying redelivery `redelivery + 1`, due after `delay`, to the source
+    /// queue: the attributes as received and the copy's [`REDELIVERY_COUNT`] and
+    /// [`REDELIVER_AT`]; on a FIFO queue, the message group and a deduplication ID of its own.
+    /// Then deletes the message; see the type's docs.
     async fn redeliver(
         mut self,
         message: &Message,
         delay: Duration,
         redelivery: u32,
     ) -> Result<(), SourceError> {
-        self.stop_heartbeat();
-        let copy = RedeliveryCopy::plan(redelivery, delay, SystemTime::now(), self.shared.fifo);
-        match self.send_copy(message, &copy).await {
-            Ok(()) => self.ack().await,
-            Err(e) => {
-                // In place instead: back after the delay, its count unchanged.
-                if let Err(nack) = self.nack(delay).await {
-                    warn!(error = %nack, "nack after a failed redelivery copy failed; the message is visible again when its visibility timeout runs out");
-                }
-                Err(e.into())
+        self.heartbeat = None;
+        let shared = Arc::clone(&self.shared);
+        let plan = RedeliveryCopy::plan(redelivery, delay, SystemTime::now(), shared.fifo);
+        let mut added = vec![(REDELIVERY_COUNT, plan.count.to_string())];
+        added.extend(plan.due_attribute().map(|due| (REDELIVER_AT, due)));
+        let copy = Copy {
+            queue_url: &shared.queue_url,
+            operation: "SendMessage (delayed redelivery)",
+            why: "count the redelivery",
+            added,
+            fifo_dedup_id: shared
+                .fifo
+                .then(|| DedupId::Redelivery(&self.receipt_handle).value()),
+            delay_seconds: plan.delay_seconds,
+        };
+        let sent = self.send(message, copy).await.map_err(|e| {
+            if e.recovery() == Recovery::Fatal {
+                Error::Config(format!(
+                    "{e}; a delayed redelivery sends a copy of the message to its own queue: \
+                     allow sqs:SendMessage on {} to the consumer, or remove the redelivery \
+                     schedule",
+                    shared.queue_url
+                ))
+            } else {
+                e
             }
-        }
+        });
+        // In place instead, when it fails: back after the delay, its count unchanged.
+        self.delete_if_sent(sent.map_err(SourceError::from), delay, "redelivery copy")
+            .await
     }
 
     /// Whether the heartbeat found this delivery's receipt handle stale: the message was handed
@@ -216,42 +175,20 @@ impl Ack for SqsAck {
     async fn dead_letter(mut self, message: &Message, reason: &str) -> Result<(), SourceError> {
         let shared = Arc::clone(&self.shared);
         let sent = match &shared.dead_letter {
-            DeadLetterTarget::Queue(dlq_url) => dead_letter::send(
-                &shared.client,
-                dlq_url,
-                &shared.id_attribute,
-                message,
-                self.attributes.take().as_ref(),
-                Some(&self.receipt_handle),
-                reason,
-            )
-            .await
-            .map_err(SourceError::from),
-            DeadLetterTarget::Redrive {
-                arn,
-                max_receive_count,
-            } => Err(dead_letter::handed_to_redrive(
-                &shared.queue_url,
-                arn,
-                max_receive_count,
-                reason,
-            )),
-            DeadLetterTarget::None => Err(dead_letter::nowhere(&shared.queue_url, reason)),
-        };
-        match sent {
-            Ok(()) => self.ack().await,
-            Err(e) => {
-                if let Err(nack) = self.nack(inbox_core::dead_letter::RETRY_AFTER).await {
-                    warn!(error = %nack, "nack after a failed dead letter failed; the message is visible again when its visibility timeout runs out");
-                }
-                Err(e)
+            DeadLetterTarget::Queue(dlq_url) => {
+                let handle = Arc::clone(&self.receipt_handle);
+                let letter = dead_letter::letter(dlq_url, message, &handle, reason);
+                self.send(message, letter).await.map_err(SourceError::from)
             }
-        }
+            target => Err(target.refusal(&shared.queue_url, reason)),
+        };
+        let retry_after = inbox_core::dead_letter::RETRY_AFTER;
+        self.delete_if_sent(sent, retry_after, "dead letter").await
     }
 
     async fn ack_all(mut pending: Vec<Self>) -> Result<(), SourceError> {
         for ack in &mut pending {
-            ack.stop_heartbeat();
+            ack.heartbeat = None;
         }
         // One batch call per queue and per 10 messages; normally all share one queue.
         pending.sort_by(|a, b| a.shared.queue_url.cmp(&b.shared.queue_url));
@@ -292,17 +229,60 @@ pub(crate) fn visibility_seconds(delay: Duration) -> i32 {
     crate::delivery::whole_seconds(delay.min(MAX_VISIBILITY))
 }
 
+impl Shared {
+    /// `ChangeMessageVisibility` of the message received with `receipt_handle` to `seconds`.
+    pub(crate) async fn change_visibility(
+        &self,
+        receipt_handle: &str,
+        seconds: i32,
+        operation: &'static str,
+    ) -> Result<(), Error> {
+        self.client
+            .change_message_visibility()
+            .queue_url(&*self.queue_url)
+            .receipt_handle(receipt_handle)
+            .visibility_timeout(seconds)
+            .send()
+            .await
+            .map_err(|e| Error::sdk(operation, &self.queue_url, e))?;
+        Ok(())
+    }
+}
+
+/// Deletes the messages received with `handles` (10 at most) with one `DeleteMessageBatch`:
+/// the entries SQS did not delete, whose IDs are their indexes in `handles`.
+pub(crate) async fn delete_message_batch<'h>(
+    client: &Client,
+    queue_url: &str,
+    handles: impl IntoIterator<Item = &'h str>,
+    operation: &'static str,
+) -> Result<Vec<BatchResultErrorEntry>, Error> {
+    let entries = handles.into_iter().enumerate().map(|(i, handle)| {
+        DeleteMessageBatchRequestEntry::builder()
+            .id(i.to_string())
+            .receipt_handle(handle)
+            .build()
+            .map_err(|e| Error::Config(format!("cannot build a delete entry: {e}")))
+    });
+    let out = client
+        .delete_message_batch()
+        .queue_url(queue_url)
+        .set_entries(Some(entries.collect::<Result<_, _>>()?))
+        .send()
+        .await
+        .map_err(|e| Error::sdk(operation, queue_url, e))?;
+    Ok(out.failed)
+}
+
 /// Deletes up to 10 messages of one queue; on failure, how many were not deleted and why.
 async fn delete_batch(chunk: &[SqsAck]) -> Result<(), (usize, Error)> {
     let Some(first) = chunk.first() else {
         return Ok(());
     };
-    let queue_url = &*first.shared.queue_url;
+    let (client, queue_url) = (&first.shared.client, &*first.shared.queue_url);
     if let [only] = chunk {
         // One message: the plain call is as cheap and its error is simpler.
-        return only
-            .shared
-            .client
+        return client
             .delete_message()
             .queue_url(queue_url)
             .receipt_handle(&*only.receipt_handle)
@@ -311,50 +291,29 @@ async fn delete_batch(chunk: &[SqsAck]) -> Result<(), (usize, Error)> {
             .map(|_| ())
             .map_err(|e| (1, Error::sdk("DeleteMessage", queue_url, e)));
     }
-    let mut request = first
-        .shared
-        .client
-        .delete_message_batch()
-        .queue_url(queue_url);
-    for (i, ack) in chunk.iter().enumerate() {
-        let entry = DeleteMessageBatchRequestEntry::builder()
-            .id(i.to_string())
-            .receipt_handle(&*ack.receipt_handle)
-            .build()
-            .map_err(|e| {
-                (
-                    chunk.len(),
-                    Error::Config(format!("cannot build a delete entry: {e}")),
-                )
-            })?;
-        request = request.entries(entry);
-    }
-    let out = request
-        .send()
+    let handles = chunk.iter().map(|ack| &*ack.receipt_handle);
+    let failed = delete_message_batch(client, queue_url, handles, "DeleteMessageBatch")
         .await
-        .map_err(|e| (chunk.len(), Error::sdk("DeleteMessageBatch", queue_url, e)))?;
-    match out.failed().first() {
+        .map_err(|e| (chunk.len(), e))?;
+    match failed.first() {
         None => Ok(()),
         Some(entry) => Err((
-            out.failed().len(),
+            failed.len(),
             Error::Batch {
                 operation: "DeleteMessageBatch",
                 queue_url: queue_url.to_owned(),
-                failed: out.failed().len(),
+                failed: failed.len(),
                 total: chunk.len(),
                 first: format!("{}: {}", entry.code(), entry.message().unwrap_or("")),
             },
         )),
     }
 }
-
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use std::net::SocketAddr;
 
     use aws_sdk_sqs::config::retry::RetryConfig;
-    use aws_sdk_sqs::config::{Credentials, Region};
 
     use super::*;
 
@@ -373,69 +332,56 @@ mod tests {
         );
     }
 
-    /// A client of the endpoint at `addr` that does not retry.
-    async fn client_at(addr: SocketAddr) -> Client {
-        let config = crate::config_loader()
-            .endpoint_url(format!("http://{addr}"))
-            .region(Region::new("us-east-1"))
-            .credentials_provider(Credentials::new("test", "test", None, None, "test"))
+    /// What the acks of a queue at `addr` share, with a client that does not retry.
+    async fn shared_at(addr: SocketAddr) -> Arc<Shared> {
+        let config = crate::connection::test_loader(&format!("http://{addr}"))
             .retry_config(RetryConfig::disabled())
             .load()
             .await;
-        Client::new(&config)
+        Arc::new(Shared {
+            client: Client::new(&config),
+            queue_url: Arc::from("http://localhost/123456789012/q"),
+            id_attribute: Arc::from(crate::DEFAULT_ID_ATTRIBUTE),
+            min_retry_delay: Duration::ZERO,
+            dead_letter: DeadLetterTarget::None,
+            fifo: false,
+        })
     }
 
-    /// An endpoint that accepts connections and never answers: a hung SQS call.
-    async fn black_hole() -> (Client, tokio::task::JoinHandle<()>) {
+    #[tokio::test]
+    async fn an_ack_does_not_wait_for_a_hung_heartbeat_extension() {
+        // An endpoint that accepts connections and never answers: a hung SQS call.
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
+        let black_hole = listener.local_addr().unwrap();
         let server = tokio::spawn(async move {
             let mut held = Vec::new();
             while let Ok((socket, _)) = listener.accept().await {
                 held.push(socket);
             }
         });
-        (client_at(addr).await, server)
-    }
-
-    /// An endpoint where nothing listens: every call fails at once.
-    async fn refusing() -> Client {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        drop(listener);
-        client_at(addr).await
-    }
-
-    #[tokio::test]
-    async fn an_ack_does_not_wait_for_a_hung_heartbeat_extension() {
-        let (client, server) = black_hole().await;
-        let queue_url: Arc<str> = Arc::from("http://localhost/123456789012/q");
+        // An endpoint where nothing listens: the ack's own delete fails at once, so only the
+        // heartbeat's stop can hold it up.
+        // (The listener is dropped at once.)
+        let refusing = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
         let handle: Arc<str> = Arc::from("receipt");
         // Visibility 1 s: the first extension goes out after a third of it and never returns.
         let heartbeat = Heartbeat::start(
-            client,
-            Arc::clone(&queue_url),
+            shared_at(black_hole).await,
             Arc::clone(&handle),
             Duration::from_secs(1),
             Arc::default(),
         );
         tokio::time::sleep(Duration::from_millis(700)).await;
-        // The ack's own delete fails at once: only the heartbeat's stop can hold it up.
-        let shared = Shared {
-            client: refusing().await,
-            queue_url,
-            id_attribute: Arc::from(crate::DEFAULT_ID_ATTRIBUTE),
-            min_retry_delay: Duration::ZERO,
-            dead_letter: DeadLetterTarget::None,
-            fifo: false,
+        let ack = SqsAck {
+            shared: shared_at(refusing).await,
+            receipt_handle: handle,
+            attributes: None,
+            heartbeat: Some(heartbeat),
+            ownership: Arc::default(),
         };
-        let ack = SqsAck::new(
-            Arc::new(shared),
-            handle,
-            None,
-            Some(heartbeat),
-            Arc::default(),
-        );
         let acked = tokio::time::timeout(Duration::from_secs(3), ack.ack()).await;
         server.abort();
         assert!(

@@ -1,5 +1,6 @@
 //! How an [`SqsSource`](crate::SqsSource) receives, acknowledges and dead-letters.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use aws_sdk_sqs::types::QueueAttributeName;
@@ -44,6 +45,30 @@ fn check_timeouts(client: &Client, queue_url: &str, poll: Duration) -> Result<()
         );
     }
     Ok(())
+}
+
+/// The attributes `names` of the queue at `queue_url` (`GetQueueAttributes`).
+pub(crate) async fn queue_attributes(
+    client: &Client,
+    queue_url: &str,
+    names: impl IntoIterator<Item = QueueAttributeName>,
+) -> Result<HashMap<QueueAttributeName, String>> {
+    let out = client
+        .get_queue_attributes()
+        .queue_url(queue_url)
+        .set_attribute_names(Some(names.into_iter().collect()))
+        .send()
+        .await
+        .map_err(|e| Error::sdk("GetQueueAttributes", queue_url, e))?;
+    Ok(out.attributes.unwrap_or_default())
+}
+
+/// A queue attribute that counts seconds.
+pub(crate) fn seconds_of(
+    attributes: &HashMap<QueueAttributeName, String>,
+    name: &QueueAttributeName,
+) -> Option<Duration> {
+    attributes.get(name)?.parse().ok().map(Duration::from_secs)
 }
 
 /// Every message attribute `from` reads the ID from.
@@ -253,28 +278,18 @@ impl SqsSourceBuilder {
             }
         }
 
-        let attrs = client
-            .get_queue_attributes()
-            .queue_url(&self.queue_url)
-            .attribute_names(QueueAttributeName::VisibilityTimeout)
-            .attribute_names(QueueAttributeName::RedrivePolicy)
-            .attribute_names(QueueAttributeName::MessageRetentionPeriod)
-            .send()
-            .await
-            .map_err(|e| Error::sdk("GetQueueAttributes", &self.queue_url, e))?;
-        let attrs = attrs.attributes();
-        let get = |name: QueueAttributeName| attrs.and_then(|a| a.get(&name)).map(String::as_str);
-
-        let effective_visibility = match self.visibility_timeout {
-            Some(timeout) => timeout,
-            None => {
-                let secs = get(QueueAttributeName::VisibilityTimeout)
-                    .and_then(|v| v.parse::<u64>().ok())
-                    // SQS's documented default when a queue reports none.
-                    .unwrap_or(30);
-                Duration::from_secs(secs)
-            }
-        };
+        use QueueAttributeName::{MessageRetentionPeriod, RedrivePolicy, VisibilityTimeout};
+        let attrs = queue_attributes(
+            &client,
+            &self.queue_url,
+            [VisibilityTimeout, RedrivePolicy, MessageRetentionPeriod],
+        )
+        .await?;
+        let effective_visibility = self
+            .visibility_timeout
+            .or_else(|| seconds_of(&attrs, &VisibilityTimeout))
+            // SQS's documented default when a queue reports none.
+            .unwrap_or(Duration::from_secs(30));
         if self.heartbeat && effective_visibility < Duration::from_secs(1) {
             return Err(Error::Config(format!(
                 "queue {} has a visibility timeout of 0 s, which no heartbeat can extend in time; \
@@ -291,7 +306,7 @@ impl SqsSourceBuilder {
                 dead_letter::check_queue(&client, &url).await?;
                 DeadLetterTarget::Queue(url)
             }
-            None => match get(QueueAttributeName::RedrivePolicy) {
+            None => match attrs.get(&RedrivePolicy) {
                 Some(policy) => {
                     DeadLetterTarget::from_redrive_policy(&client, &self.queue_url, policy).await?
                 }
@@ -313,9 +328,7 @@ impl SqsSourceBuilder {
             effective_visibility,
             heartbeat: self.heartbeat,
             min_retry_delay: self.min_retry_delay,
-            retention: get(QueueAttributeName::MessageRetentionPeriod)
-                .and_then(|v| v.parse::<u64>().ok())
-                .map(Duration::from_secs),
+            retention: seconds_of(&attrs, &MessageRetentionPeriod),
             fifo,
         };
         Ok(SqsSource::new(client, settings, dead_letter))
@@ -325,17 +338,13 @@ impl SqsSourceBuilder {
 #[cfg(test)]
 mod tests {
     use aws_config::timeout::TimeoutConfig;
-    use aws_sdk_sqs::config::{Credentials, Region};
 
     use super::*;
 
     #[tokio::test]
     async fn a_client_timeout_shorter_than_the_long_poll_is_refused() {
-        let config = crate::config_loader()
-            // Nothing listens here: the check must fail before any call.
-            .endpoint_url("http://127.0.0.1:9")
-            .region(Region::new("us-east-1"))
-            .credentials_provider(Credentials::new("test", "test", None, None, "test"))
+        // Nothing listens here: the check must fail before any call.
+        let config = crate::connection::test_loader("http://127.0.0.1:9")
             .timeout_config(
                 TimeoutConfig::builder()
                     .operation_attempt_timeout(Duration::from_secs(5))

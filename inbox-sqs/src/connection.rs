@@ -134,18 +134,23 @@ pub(crate) fn offline_client() -> Client {
     Client::from_conf(config)
 }
 
+/// [`config_loader`] for tests: the endpoint at `endpoint_url`, a region and fixed credentials.
+#[cfg(test)]
+pub(crate) fn test_loader(endpoint_url: &str) -> aws_config::ConfigLoader {
+    use aws_sdk_sqs::config::{Credentials, Region};
+    config_loader()
+        .endpoint_url(endpoint_url)
+        .region(Region::new("us-east-1"))
+        .credentials_provider(Credentials::new("test", "test", None, None, "test"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use aws_sdk_sqs::config::{Credentials, Region};
 
     #[tokio::test]
     async fn the_loader_sets_timeouts_that_outlast_a_long_poll() {
-        let config = config_loader()
-            .region(Region::new("us-east-1"))
-            .credentials_provider(Credentials::new("test", "test", None, None, "test"))
-            .load()
-            .await;
+        let config = test_loader("http://127.0.0.1:9").load().await;
         let timeouts = config.timeout_config().expect("a timeout config");
         assert!(timeouts.connect_timeout().is_some());
         let attempt = timeouts

@@ -1,21 +1,17 @@
 //! Where a message that cannot be applied goes, and how it gets there.
 
-use std::collections::HashMap;
-
 use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
+use aws_sdk_sqs::operation::get_queue_url::builders::GetQueueUrlFluentBuilder;
 use aws_sdk_sqs::operation::get_queue_url::GetQueueUrlError;
-use aws_sdk_sqs::primitives::Blob;
-use aws_sdk_sqs::types::MessageAttributeValue;
 use aws_sdk_sqs::Client;
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{Message, MessageId, Recovery, SourceError};
 use tracing::warn;
 
+use crate::copy::Copy;
 use crate::delivery::{self, DedupId};
-use crate::{fifo, Error};
+use crate::Error;
 
-/// SQS accepts at most this many message attributes per message.
-const MAX_ATTRIBUTES: usize = 10;
 /// The attributes a dead letter adds: why, and where it was read from.
 const ADDED: [&str; 3] = [REASON, ORIGINAL_SOURCE, ORIGINAL_POSITION];
 /// A reason longer than this is cut: it is for a person reading the dead-letter queue.
@@ -62,13 +58,9 @@ impl DeadLetterTarget {
             None => "?".to_owned(),
         };
         // arn:aws:sqs:<region>:<account>:<name>
-        let parts: Vec<&str> = arn.splitn(6, ':').collect();
-        if let [_, _, _, _, account, name] = parts.as_slice() {
-            let mut request = client.get_queue_url().queue_name(*name);
-            if !account.is_empty() {
-                request = request.queue_owner_aws_account_id(*account);
-            }
-            match request.send().await {
+        if let [_, _, _, _, account, name] = arn.splitn(6, ':').collect::<Vec<_>>()[..] {
+            let account = Some(account).filter(|a| !a.is_empty());
+            match get_queue_url(client, account, name).send().await {
                 Ok(out) => {
                     if let Some(url) = out.queue_url() {
                         return Ok(DeadLetterTarget::Queue(url.to_owned()));
@@ -92,115 +84,61 @@ impl DeadLetterTarget {
             max_receive_count,
         })
     }
+
+    /// Why `message` (failing for `reason`) cannot be dead-lettered from `queue_url` here: a
+    /// redrive policy hands it back (a retry) for SQS to move; with no dead-letter queue at
+    /// all it has nowhere to go (fatal).
+    pub(crate) fn refusal(&self, queue_url: &str, reason: &str) -> SourceError {
+        let (recovery, text) = match self {
+            DeadLetterTarget::Redrive {
+                arn,
+                max_receive_count,
+            } => (
+                Recovery::Retry,
+                format!(
+                    "message on {queue_url} handed back: the queue's redrive policy moves it to \
+                     {arn} after {max_receive_count} receives (reason here: {reason}); configure \
+                     dead_letter_queue(..) to send it there at once with its reason"
+                ),
+            ),
+            _ => (
+                Recovery::Fatal,
+                format!(
+                    "queue {queue_url} has no dead-letter queue, so a message that cannot be \
+                     applied ({reason}) has nowhere to go: set \
+                     SqsSourceBuilder::dead_letter_queue(url) or a RedrivePolicy on the queue"
+                ),
+            ),
+        };
+        SourceError::new(recovery, "dead letter", text)
+    }
 }
 
-/// Sends `message` to the dead-letter queue `dlq_url` with its body, its original attributes
-/// (as received, when `original` has them) and the [`inbox_core::dead_letter`] attributes:
-/// the reason, the source queue URL and the SQS message ID (`message <id>`). The message ID
-/// always goes in the attribute `id_attribute`, the one the source reads, even when the
-/// attributes must be cut or the ID came from the `MessageDeduplicationId`: a dead letter
-/// replayed into the source then keeps its ID. `receipt_handle` is the handle of the receive
-/// that returned this copy; on a FIFO queue it makes the deduplication ID.
-pub(crate) async fn send(
-    client: &Client,
-    dlq_url: &str,
-    id_attribute: &str,
+/// The copy of `message` that goes to the dead-letter queue `dlq_url` (see the crate docs,
+/// "Dead letters"): the [`inbox_core::dead_letter`] attributes (the reason, the source queue
+/// URL and `message <SQS message ID>`) added, the redelivery schedule left off (a replay
+/// starts a new one). `receipt_handle`, of the receive that returned this copy, makes the
+/// deduplication ID on a FIFO queue.
+pub(crate) fn letter<'a>(
+    dlq_url: &'a str,
     message: &Message,
-    original: Option<&HashMap<String, MessageAttributeValue>>,
-    receipt_handle: Option<&str>,
+    receipt_handle: &str,
     reason: &str,
-) -> Result<(), Error> {
-    let body = String::from_utf8_lossy(&message.payload).into_owned();
-    let mut attributes = original_attributes(original, message);
-    let id = id_attribute_of(&mut attributes, id_attribute, message)?;
-    // A dead letter's schedule is over: a replay starts a new one.
-    attributes.retain(|(name, _)| {
-        !ADDED.contains(&name.as_str()) && !delivery::SCHEDULE_ATTRIBUTES.contains(&name.as_str())
-    });
-    make_room(
-        &mut attributes,
-        ADDED.len() + usize::from(id.is_some()),
-        dlq_url,
-        "add the dead-letter attributes",
-    );
-    attributes.extend(id);
-    let added = [
-        (REASON, truncate(reason, MAX_REASON_BYTES)),
-        (ORIGINAL_SOURCE, message.meta.source.clone()),
-        (ORIGINAL_POSITION, message.meta.position.clone()),
-    ];
-    for (name, value) in added {
-        if value.is_empty() {
-            // SQS refuses an empty String attribute.
-            continue;
-        }
-        attributes.push((name.to_owned(), text_attribute(name, &value)?));
+) -> Copy<'a> {
+    Copy {
+        queue_url: dlq_url,
+        operation: "SendMessage (dead letter)",
+        why: "add the dead-letter attributes",
+        added: vec![
+            (REASON, truncate(reason, MAX_REASON_BYTES)),
+            (ORIGINAL_SOURCE, message.meta.source.clone()),
+            (ORIGINAL_POSITION, message.meta.position.clone()),
+        ],
+        fifo_dedup_id: dlq_url
+            .ends_with(".fifo")
+            .then(|| fifo_dedup_id(receipt_handle)),
+        delay_seconds: None,
     }
-
-    let mut request = client.send_message().queue_url(dlq_url).message_body(body);
-    for (name, value) in attributes {
-        request = request.message_attributes(name, value);
-    }
-    if dlq_url.ends_with(".fifo") {
-        // A FIFO queue needs a group; keep the original's so its order survives, and a
-        // deduplication ID in case the queue has no content-based deduplication.
-        request = request
-            .message_group_id(fifo_group(message))
-            .message_deduplication_id(fifo_dedup_id(receipt_handle));
-    }
-    request
-        .send()
-        .await
-        .map_err(|e| Error::sdk("SendMessage (dead letter)", dlq_url, e))?;
-    Ok(())
-}
-
-/// The attributes to send a copy of `message` with: those it was received with (`original`),
-/// with their data types, else made from its headers.
-pub(crate) fn original_attributes(
-    original: Option<&HashMap<String, MessageAttributeValue>>,
-    message: &Message,
-) -> Vec<(String, MessageAttributeValue)> {
-    match original {
-        Some(original) => original
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect(),
-        None => message
-            .headers
-            .iter()
-            .filter_map(|(name, value)| Some((name.clone(), attribute(value)?)))
-            .collect(),
-    }
-}
-
-/// Cuts `attributes` so that `added` more fit in SQS's 10: the last by name give way, and are
-/// logged, so nothing is dropped silently.
-pub(crate) fn make_room(
-    attributes: &mut Vec<(String, MessageAttributeValue)>,
-    added: usize,
-    queue_url: &str,
-    why: &str,
-) {
-    attributes.sort_by(|a, b| a.0.cmp(&b.0));
-    let room = MAX_ATTRIBUTES.saturating_sub(added);
-    if attributes.len() > room {
-        let dropped: Vec<String> = attributes.drain(room..).map(|(name, _)| name).collect();
-        warn!(
-            queue_url,
-            ?dropped,
-            "SQS allows 10 message attributes; dropped these to {why}"
-        );
-    }
-}
-
-/// A `String` attribute.
-pub(crate) fn text_attribute(name: &str, value: &str) -> Result<MessageAttributeValue, Error> {
-    MessageAttributeValue::builder()
-        .data_type("String")
-        .string_value(value)
-        .build()
-        .map_err(|e| Error::Config(format!("cannot build the {name} attribute: {e}")))
 }
 
 /// Refuses an ID attribute (`who` sets it) that a dead letter or a delayed redelivery writes
@@ -221,37 +159,6 @@ pub(crate) fn check_id_attribute(name: &str, who: &str) -> Result<(), Error> {
     Ok(())
 }
 
-/// Takes the ID attribute out of `attributes`, to be kept whatever else is cut: the one the
-/// message was received with, else (the ID was the `MessageDeduplicationId`, a system attribute
-/// a send cannot copy) one made from the message's ID. `None` when the message has no ID.
-pub(crate) fn id_attribute_of(
-    attributes: &mut Vec<(String, MessageAttributeValue)>,
-    name: &str,
-    message: &Message,
-) -> Result<Option<(String, MessageAttributeValue)>, Error> {
-    if let Some(i) = attributes.iter().position(|(n, _)| n == name) {
-        return Ok(Some(attributes.swap_remove(i)));
-    }
-    let Ok(id) = &message.id else {
-        return Ok(None);
-    };
-    let value = MessageAttributeValue::builder()
-        .data_type("String")
-        .string_value(id.as_str())
-        .build()
-        .map_err(|e| Error::Config(format!("cannot build the ID attribute {name}: {e}")))?;
-    Ok(Some((name.to_owned(), value)))
-}
-
-/// The message group of a dead letter on a FIFO queue: the original's group, made valid for
-/// SQS (hashed where it is not), so the group's order survives; `dead-letter` without one.
-pub(crate) fn fifo_group(message: &Message) -> String {
-    match message.key.as_deref() {
-        Some(key) if !key.is_empty() => fifo::fifo_id(&String::from_utf8_lossy(key)),
-        _ => "dead-letter".to_owned(),
-    }
-}
-
 /// The deduplication ID of a dead letter on a FIFO queue: new for every delivery, never the
 /// event ID.
 ///
@@ -264,10 +171,11 @@ pub(crate) fn fifo_group(message: &Message) -> String {
 /// then leave a second copy in the DLQ, which the inbox skips on replay; a duplicate dead
 /// letter is recoverable, a dropped one is not. Both are hashed or generated into SQS's
 /// alphabet, never built from the message ID, which may hold spaces or non-ASCII.
-fn fifo_dedup_id(receipt_handle: Option<&str>) -> String {
-    match receipt_handle {
-        Some(handle) if !handle.is_empty() => DedupId::DeadLetter(handle).value(),
-        _ => MessageId::generate().to_string(),
+fn fifo_dedup_id(receipt_handle: &str) -> String {
+    if receipt_handle.is_empty() {
+        MessageId::generate().to_string()
+    } else {
+        DedupId::DeadLetter(receipt_handle).value()
     }
 }
 
@@ -283,11 +191,7 @@ pub(crate) async fn check_queue(client: &Client, dlq_url: &str) -> Result<(), Er
              https://sqs.<region>.amazonaws.com/<account>/<name>"
         ))
     })?;
-    let mut request = client.get_queue_url().queue_name(name);
-    if let Some(account) = account {
-        request = request.queue_owner_aws_account_id(account);
-    }
-    match request.send().await {
+    match get_queue_url(client, account, name).send().await {
         Ok(_) => Ok(()),
         Err(e) if is_missing_queue(&e) => Err(Error::Config(format!(
             "dead-letter queue {dlq_url} does not exist: create it, or point \
@@ -320,6 +224,14 @@ fn queue_name(url: &str) -> Option<(Option<&str>, &str)> {
     }
 }
 
+/// `GetQueueUrl` for the queue `name` of `account` (the caller's own when `None`).
+fn get_queue_url(client: &Client, account: Option<&str>, name: &str) -> GetQueueUrlFluentBuilder {
+    client
+        .get_queue_url()
+        .queue_name(name)
+        .set_queue_owner_aws_account_id(account.map(str::to_owned))
+}
+
 fn is_missing_queue<R>(err: &SdkError<GetQueueUrlError, R>) -> bool {
     err.as_service_error()
         .is_some_and(GetQueueUrlError::is_queue_does_not_exist)
@@ -329,51 +241,6 @@ fn is_missing_queue<R>(err: &SdkError<GetQueueUrlError, R>) -> bool {
                 "AWS.SimpleQueueService.NonExistentQueue" | "QueueDoesNotExist"
             )
         })
-}
-
-/// The error `dead_letter` returns when the queue has a redrive policy but no dead-letter
-/// queue URL could be resolved: the message is handed back for SQS to move.
-pub(crate) fn handed_to_redrive(
-    queue_url: &str,
-    arn: &str,
-    max: &str,
-    reason: &str,
-) -> SourceError {
-    SourceError::new(
-        Recovery::Retry,
-        "dead letter",
-        format!(
-            "message on {queue_url} handed back: the queue's redrive policy moves it to {arn} after \
-             {max} receives (reason here: {reason}); configure dead_letter_queue(..) to send it \
-             there at once with its reason"
-        ),
-    )
-}
-
-/// The error `dead_letter` returns when there is nowhere to put the message.
-pub(crate) fn nowhere(queue_url: &str, reason: &str) -> SourceError {
-    SourceError::new(
-        Recovery::Fatal,
-        "dead letter",
-        format!(
-            "queue {queue_url} has no dead-letter queue, so a message that cannot be applied \
-             ({reason}) has nowhere to go: set SqsSourceBuilder::dead_letter_queue(url) or a \
-             RedrivePolicy on the queue"
-        ),
-    )
-}
-
-/// An attribute from a header's bytes: text stays text, anything else (empty text too, which
-/// SQS refuses as a `String`) is binary; the source reads both back as the same bytes.
-pub(crate) fn attribute(value: &[u8]) -> Option<MessageAttributeValue> {
-    let builder = MessageAttributeValue::builder();
-    let builder = match std::str::from_utf8(value) {
-        Ok(text) if !text.is_empty() => builder.data_type("String").string_value(text),
-        _ => builder
-            .data_type("Binary")
-            .binary_value(Blob::new(value.to_vec())),
-    };
-    builder.build().ok()
 }
 
 fn truncate(text: &str, max: usize) -> String {
@@ -399,48 +266,34 @@ mod tests {
 
     #[test]
     fn queue_names_come_from_the_url() {
-        assert_eq!(
-            queue_name("https://sqs.eu-west-1.amazonaws.com/123456789012/payments-dlq"),
-            Some((Some("123456789012"), "payments-dlq"))
-        );
-        assert_eq!(
-            queue_name("http://127.0.0.1:4566/000000000000/q.fifo/"),
-            Some((Some("000000000000"), "q.fifo"))
-        );
-        assert_eq!(
-            queue_name("http://localhost:9324/queue/q"),
-            Some((None, "q"))
-        );
-        assert_eq!(queue_name("https://sqs.eu-west-1.amazonaws.com/"), None);
+        for (url, expected) in [
+            (
+                "https://sqs.eu-west-1.amazonaws.com/123456789012/payments-dlq",
+                Some((Some("123456789012"), "payments-dlq")),
+            ),
+            (
+                "http://127.0.0.1:4566/000000000000/q.fifo/",
+                Some((Some("000000000000"), "q.fifo")),
+            ),
+            ("http://localhost:9324/queue/q", Some((None, "q"))),
+            ("https://sqs.eu-west-1.amazonaws.com/", None),
+        ] {
+            assert_eq!(queue_name(url), expected, "{url}");
+        }
     }
 
     #[test]
     fn fifo_dead_letter_ids_are_valid_and_new_per_delivery() {
-        let a = fifo_dedup_id(Some("AQEB+handle/one=="));
-        assert!(fifo::is_valid_id(&a), "{a}");
+        let a = fifo_dedup_id("AQEB+handle/one==");
+        assert!(crate::fifo::is_valid_id(&a), "{a}");
         assert_eq!(
             a,
-            fifo_dedup_id(Some("AQEB+handle/one==")),
+            fifo_dedup_id("AQEB+handle/one=="),
             "a retried send is dropped"
         );
-        assert_ne!(
-            a,
-            fifo_dedup_id(Some("AQEB+handle/two==")),
-            "a redelivery is not"
-        );
-        let fresh = fifo_dedup_id(None);
-        assert!(fifo::is_valid_id(&fresh), "{fresh}");
-        assert_ne!(fresh, fifo_dedup_id(None));
-    }
-
-    #[test]
-    fn headers_become_text_or_binary_attributes() {
-        let text = attribute(b"42").expect("text");
-        assert_eq!(
-            (text.data_type(), text.string_value()),
-            ("String", Some("42"))
-        );
-        let binary = attribute(&[0xff]).expect("binary");
-        assert_eq!(binary.data_type(), "Binary");
+        assert_ne!(a, fifo_dedup_id("AQEB+handle/two=="), "a redelivery is not");
+        let fresh = fifo_dedup_id("");
+        assert!(crate::fifo::is_valid_id(&fresh), "{fresh}");
+        assert_ne!(fresh, fifo_dedup_id(""));
     }
 }

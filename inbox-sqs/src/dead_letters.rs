@@ -5,14 +5,16 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use aws_sdk_sqs::types::{
-    ChangeMessageVisibilityBatchRequestEntry, DeleteMessageBatchRequestEntry,
-    MessageSystemAttributeName,
+    ChangeMessageVisibilityBatchRequestEntry, Message as SqsMessage, MessageSystemAttributeName,
 };
 use aws_sdk_sqs::Client;
 use inbox_core::replay::{DeadLetter, DeadLetters};
 use inbox_core::{MessageId, OperationError};
 
+use crate::ack::delete_message_batch;
+use crate::copy::attribute_bytes;
 use crate::delivery::{replay_header, DEDUPLICATION_ID_HEADER, SCHEDULE_ATTRIBUTES};
+use crate::source::{sent_at, system_attribute};
 use crate::{Error, Result, SqsConnection, DEFAULT_ID_ATTRIBUTE};
 
 /// SQS hands out at most this many messages per receive, and takes as many per batch call.
@@ -113,17 +115,13 @@ impl SqsDeadLettersBuilder {
 }
 
 impl SqsDeadLetters {
-    fn letter(&self, sqs: &aws_sdk_sqs::types::Message) -> DeadLetter {
+    fn letter(&self, sqs: &SqsMessage) -> DeadLetter {
         let position = sqs.message_id().unwrap_or("?").to_owned();
         let mut letter = DeadLetter::new(position, sqs.body().unwrap_or_default().into());
         letter.handle = sqs.receipt_handle().unwrap_or_default().to_owned();
         let mut headers: Vec<(String, Vec<u8>)> = Vec::new();
         for (name, value) in sqs.message_attributes().into_iter().flatten() {
-            let bytes = match (value.string_value(), value.binary_value()) {
-                (Some(text), _) => text.as_bytes().to_vec(),
-                (None, Some(blob)) => blob.as_ref().to_vec(),
-                (None, None) => Vec::new(),
-            };
+            let bytes = attribute_bytes(value);
             if *name == self.id_attribute {
                 letter.id = MessageId::from_bytes(&bytes).ok();
             } else if !SCHEDULE_ATTRIBUTES.contains(&name.as_str())
@@ -138,11 +136,8 @@ impl SqsDeadLetters {
         headers.push(replay_header(&letter.position));
         headers.sort();
         letter.take_metadata(headers);
-        let system = |name| sqs.attributes().and_then(|a| a.get(&name));
-        letter.key = system(MessageSystemAttributeName::MessageGroupId).cloned();
-        letter.timestamp = system(MessageSystemAttributeName::SentTimestamp)
-            .and_then(|ms| ms.parse().ok())
-            .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms));
+        letter.key = system_attribute(sqs, MessageSystemAttributeName::MessageGroupId).cloned();
+        letter.timestamp = sent_at(sqs);
         letter
     }
 
@@ -208,22 +203,11 @@ impl DeadLetters for SqsDeadLetters {
 
     async fn remove(&mut self, letters: &[DeadLetter]) -> std::result::Result<(), OperationError> {
         for chunk in letters.chunks(SQS_BATCH) {
-            let entries = chunk.iter().enumerate().filter_map(|(i, letter)| {
-                DeleteMessageBatchRequestEntry::builder()
-                    .id(i.to_string())
-                    .receipt_handle(&letter.handle)
-                    .build()
-                    .ok()
-            });
-            let out = self
-                .client
-                .delete_message_batch()
-                .queue_url(&self.queue_url)
-                .set_entries(Some(entries.collect()))
-                .send()
-                .await
-                .map_err(|e| Error::sdk("DeleteMessageBatch (dead letters)", &self.queue_url, e))?;
-            if let Some(failed) = out.failed().first() {
+            let handles = chunk.iter().map(|letter| letter.handle.as_str());
+            let operation = "DeleteMessageBatch (dead letters)";
+            let failed =
+                delete_message_batch(&self.client, &self.queue_url, handles, operation).await?;
+            if let Some(failed) = failed.first() {
                 return Err(Error::Config(format!(
                     "SQS did not delete replayed dead letter {} from {}: {} ({}); it stays, \
                      and a later replay publishes it again under the same ID",
@@ -248,9 +232,8 @@ impl DeadLetters for SqsDeadLetters {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
-    use aws_sdk_sqs::types::{Message as SqsMessage, MessageAttributeValue};
+    use aws_sdk_sqs::types::MessageAttributeValue;
     use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
     use inbox_core::OutgoingMessage;
 

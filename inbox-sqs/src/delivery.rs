@@ -264,7 +264,6 @@ pub fn replay_header(position: &str) -> (String, Vec<u8>) {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -370,5 +369,11 @@ mod tests {
         );
         assert_eq!(DedupId::Given("mine-1").value(), "mine-1");
         assert!(fifo::is_valid_id(&DedupId::Given("not valid here").value()));
+
+        // The producer sends the header's ID where there is one, else the message ID.
+        let mut message = OutgoingMessage::new(id.clone(), "{}");
+        assert_eq!(send_dedup_id(&message), ids[0]);
+        message.headers.push(replay_header("dlq-1"));
+        assert_eq!(send_dedup_id(&message), DedupId::Replay("dlq-1").value());
     }
 }

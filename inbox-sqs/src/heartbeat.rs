@@ -3,15 +3,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use aws_sdk_sqs::Client;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
+use crate::ack::Shared;
 use crate::delivery::Ownership;
-use crate::Error;
 
-/// A running heartbeat for one received message. [`Heartbeat::stop`] or dropping it cancels
-/// the task at once, an extension in flight included (a crashed consumer's messages then come
+/// A running heartbeat for one received message. Dropping it cancels the task at once, an extension in flight included (a crashed consumer's messages then come
 /// back after one visibility timeout).
 ///
 /// Stopping never waits for an extension in flight: with a stalled connection that would hold
@@ -29,8 +27,7 @@ impl Heartbeat {
     /// `visibility` every third of it, so two extensions may fail before it runs out. When SQS
     /// refuses the handle as stale, it marks `ownership` lost and stops.
     pub(crate) fn start(
-        client: Client,
-        queue_url: Arc<str>,
+        shared: Arc<Shared>,
         receipt_handle: Arc<str>,
         visibility: Duration,
         ownership: Arc<Ownership>,
@@ -40,17 +37,15 @@ impl Heartbeat {
         let task = tokio::spawn(async move {
             loop {
                 tokio::time::sleep(period).await;
-                let result = client
-                    .change_message_visibility()
-                    .queue_url(&*queue_url)
-                    .receipt_handle(&*receipt_handle)
-                    .visibility_timeout(seconds)
-                    .send()
-                    .await;
-                match result {
-                    Ok(_) => debug!(%queue_url, seconds, "extended message visibility"),
+                let operation = "ChangeMessageVisibility (heartbeat)";
+                match shared
+                    .change_visibility(&receipt_handle, seconds, operation)
+                    .await
+                {
+                    Ok(()) => {
+                        debug!(queue_url = %shared.queue_url, seconds, "extended message visibility")
+                    }
                     Err(e) => {
-                        let e = Error::sdk("ChangeMessageVisibility (heartbeat)", &queue_url, e);
                         if e.is_stale_receipt() {
                             // The message was deleted or handed out again: the delivery is
                             // stale, and the consumer drops it unless it is already applying
@@ -65,11 +60,6 @@ impl Heartbeat {
             }
         });
         Self { task }
-    }
-
-    /// Stops the heartbeat now, cancelling an extension in flight rather than waiting for it.
-    pub(crate) fn stop(self) {
-        drop(self);
     }
 }
 

@@ -178,6 +178,7 @@
 mod ack;
 mod config;
 mod connection;
+mod copy;
 mod dead_letter;
 mod dead_letters;
 pub mod delivery;

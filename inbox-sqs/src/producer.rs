@@ -11,6 +11,7 @@ use inbox_core::{OutgoingMessage, Publish, PublishError, Recovery};
 use tokio::task::JoinSet;
 
 use crate::config::DEFAULT_ID_ATTRIBUTE;
+use crate::copy::attribute;
 use crate::delivery::{send_dedup_id, DEDUPLICATION_ID_HEADER};
 use crate::{dead_letter, fifo};
 use crate::{Error, Result, SqsConnection};
@@ -200,12 +201,7 @@ impl SqsProducer {
                 message.id
             ))
         })?;
-        let attribute = |name: &str, value: &[u8]| {
-            dead_letter::attribute(value).ok_or_else(|| {
-                Error::Config(format!("cannot build the message attribute `{name}`"))
-            })
-        };
-        let id = attribute(&self.id_attribute, message.id.as_str().as_bytes())?;
+        let id = attribute(&self.id_attribute, message.id.as_str())?;
         let mut entry = SendMessageBatchRequestEntry::builder()
             .id(index.to_string())
             .message_body(body)
@@ -220,7 +216,7 @@ impl SqsProducer {
                     "header `{name}` would shadow the ID attribute; rename it"
                 )));
             }
-            entry = entry.message_attributes(name, attribute(name, &value)?);
+            entry = entry.message_attributes(name, attribute(name, value)?);
         }
         if let Some(group) = self.group(queue, message)? {
             entry = entry
@@ -355,41 +351,5 @@ impl Publish for SqsProducer {
                 }
             });
         traced.await
-    }
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use inbox_core::MessageId;
-
-    use super::*;
-
-    /// A message with `id`, and the deduplication header when `given`.
-    fn sent(id: &MessageId, given: Option<&str>) -> String {
-        let mut message = OutgoingMessage::new(id.clone(), "{}");
-        if let Some(given) = given {
-            message.headers.push((
-                DEDUPLICATION_ID_HEADER.to_owned(),
-                given.as_bytes().to_vec(),
-            ));
-        }
-        send_dedup_id(&message)
-    }
-
-    #[test]
-    fn dedup_ids_fit_sqs_rules() {
-        let uuid = MessageId::generate();
-        assert_eq!(sent(&uuid, None), uuid.as_str());
-        let odd = MessageId::new("évènement 1").unwrap();
-        let hashed = sent(&odd, None);
-        assert_eq!(hashed.len(), 32);
-        assert_eq!(hashed, sent(&odd, None), "stable");
-        assert_ne!(hashed, sent(&MessageId::new("évènement 2").unwrap(), None));
-        assert_eq!(
-            sent(&MessageId::new("x".repeat(129)).unwrap(), None).len(),
-            32
-        );
-        assert_eq!(sent(&uuid, Some("replay-1")), "replay-1");
     }
 }

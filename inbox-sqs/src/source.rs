@@ -5,15 +5,16 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use aws_sdk_sqs::types::{MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName};
-use aws_sdk_sqs::Client;
-use inbox_core::{
-    Binding, Capabilities, Delivery, IdCarrier, IdFrom, Message, MessageSource, SourceError,
+use aws_sdk_sqs::types::{
+    Message as SqsMessage, MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
 };
+use aws_sdk_sqs::Client;
+use inbox_core::{Binding, Capabilities, Delivery, IdCarrier, Message, MessageSource, SourceError};
 use tracing::{debug, warn};
 
 use crate::ack::{Shared, SqsAck};
-use crate::config::{Settings, SqsSourceBuilder};
+use crate::config::{queue_attributes, seconds_of, Settings, SqsSourceBuilder};
+use crate::copy::attribute_bytes;
 use crate::dead_letter::DeadLetterTarget;
 use crate::delivery::{Arrival, Ownership, Redelivery, REDELIVERY_COUNT, REDELIVER_AT};
 use crate::heartbeat::Heartbeat;
@@ -44,7 +45,14 @@ impl SqsSource {
         let acks = Arc::new(Shared {
             client: client.clone(),
             queue_url: Arc::clone(&queue_url),
-            id_attribute: Arc::from(dead_letter_id_attribute(&settings.id_from)),
+            // The one the source reads, else the default (the ID came from the deduplication
+            // ID, a system attribute a send cannot copy, or from the body).
+            id_attribute: Arc::from(
+                settings
+                    .id_from
+                    .first_header()
+                    .unwrap_or(crate::DEFAULT_ID_ATTRIBUTE),
+            ),
             min_retry_delay: settings.min_retry_delay,
             dead_letter,
             fifo: settings.fifo,
@@ -80,25 +88,15 @@ impl SqsSource {
     /// How long the queue keeps a message (`MessageRetentionPeriod`). An inbox that forgets IDs
     /// sooner than this could apply a late redelivery twice.
     pub async fn queue_retention(&self) -> Result<Duration> {
-        let out = self
-            .client
-            .get_queue_attributes()
-            .queue_url(&*self.queue_url)
-            .attribute_names(QueueAttributeName::MessageRetentionPeriod)
-            .send()
-            .await
-            .map_err(|e| Error::sdk("GetQueueAttributes", &self.queue_url, e))?;
-        let seconds = out
-            .attributes()
-            .and_then(|a| a.get(&QueueAttributeName::MessageRetentionPeriod))
-            .and_then(|v| v.parse::<u64>().ok())
-            .ok_or_else(|| {
-                Error::Config(format!(
-                    "queue {} reported no MessageRetentionPeriod",
-                    self.queue_url
-                ))
-            })?;
-        Ok(Duration::from_secs(seconds))
+        let retention = QueueAttributeName::MessageRetentionPeriod;
+        let attributes =
+            queue_attributes(&self.client, &self.queue_url, [retention.clone()]).await?;
+        seconds_of(&attributes, &retention).ok_or_else(|| {
+            Error::Config(format!(
+                "queue {} reported no MessageRetentionPeriod",
+                self.queue_url
+            ))
+        })
     }
 
     /// One `ReceiveMessage`, waiting until `poll_until` at most: the deliveries to hand out, and
@@ -155,21 +153,20 @@ impl SqsSource {
             let ownership = Arc::new(Ownership::new());
             let heartbeat = self.settings.heartbeat.then(|| {
                 Heartbeat::start(
-                    self.client.clone(),
-                    Arc::clone(&self.queue_url),
+                    Arc::clone(&self.acks),
                     Arc::clone(&handle),
                     self.settings.effective_visibility,
                     Arc::clone(&ownership),
                 )
             });
-            let ack = SqsAck::new(
-                Arc::clone(&self.acks),
-                handle,
+            let ack = SqsAck {
+                shared: Arc::clone(&self.acks),
+                receipt_handle: handle,
                 // Moved, not copied: kept for a dead letter or a redelivered copy only.
-                sqs.message_attributes.take(),
+                attributes: sqs.message_attributes.take(),
                 heartbeat,
                 ownership,
-            );
+            };
             deliveries.push(Delivery { message, ack });
         }
         Ok((deliveries, hidden))
@@ -179,30 +176,26 @@ impl SqsSource {
     /// one. A failure is logged: the copy then comes back after its visibility timeout, and is
     /// hidden again.
     async fn hide(&self, receipt_handle: &str, left: Duration) {
-        let result = self
-            .client
-            .change_message_visibility()
-            .queue_url(&*self.queue_url)
-            .receipt_handle(receipt_handle)
-            .visibility_timeout(crate::ack::visibility_seconds(left))
-            .send()
-            .await;
-        match result {
-            Ok(_) => {
+        let seconds = crate::ack::visibility_seconds(left);
+        let operation = "ChangeMessageVisibility (not due)";
+        match self
+            .acks
+            .change_visibility(receipt_handle, seconds, operation)
+            .await
+        {
+            Ok(()) => {
                 debug!(queue_url = %self.queue_url, ?left, "redelivered copy not due yet; hidden until it is")
             }
             Err(e) => {
-                let e = Error::sdk("ChangeMessageVisibility (not due)", &self.queue_url, e);
                 warn!(error = %e, "cannot hide a redelivered copy until it is due; it comes back after its visibility timeout");
             }
         }
     }
 
     /// Turns one received SQS message into an inbox message.
-    fn convert(&self, sqs: &aws_sdk_sqs::types::Message) -> Message {
+    fn convert(&self, sqs: &SqsMessage) -> Message {
         let attributes = sqs.message_attributes();
-        let system = sqs.attributes();
-        let system_attr = |name: MessageSystemAttributeName| system.and_then(|s| s.get(&name));
+        let system_attr = |name| system_attribute(sqs, name);
 
         let mut headers: Vec<(String, Vec<u8>)> = attributes
             .into_iter()
@@ -236,9 +229,7 @@ impl SqsSource {
         // FIFO queues keep order per message group; a standard queue keeps none, but one lane
         // keeps a batch in one transaction.
         meta.lane = group.cloned();
-        meta.timestamp = system_attr(MessageSystemAttributeName::SentTimestamp)
-            .and_then(|ms| ms.parse::<u64>().ok())
-            .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms));
+        meta.timestamp = sent_at(sqs);
         message
     }
 }
@@ -286,9 +277,7 @@ impl MessageSource for SqsSource {
     }
 }
 
-/// An attribute's value as bytes: the text of a String or Number attribute, the bytes of a
-/// Binary one.
-/// Where SQS keeps what [`IdFrom`] reads: message attributes, and on a FIFO queue the
+/// Where SQS keeps what [`IdFrom`](inbox_core::IdFrom) reads: message attributes, and on a FIFO queue the
 /// `MessageDeduplicationId` as the message-ID property. CloudEvents defines no SQS binding, so
 /// only structured-mode events (in the body) are read.
 pub(crate) const ID_BINDING: Binding = Binding {
@@ -299,14 +288,7 @@ pub(crate) const ID_BINDING: Binding = Binding {
     cloud_events_prefixes: &[],
 };
 
-/// The attribute a dead letter carries its ID in: the one the source reads, else
-/// [`DEFAULT_ID_ATTRIBUTE`](crate::DEFAULT_ID_ATTRIBUTE) (the ID came from the
-/// deduplication ID, a system attribute a send cannot copy, or from the body).
-fn dead_letter_id_attribute(from: &IdFrom) -> &str {
-    from.first_header().unwrap_or(crate::DEFAULT_ID_ATTRIBUTE)
-}
-
-/// A received message as [`IdFrom::read`] sees it.
+/// A received message as [`IdFrom::read`](inbox_core::IdFrom::read) sees it.
 struct Received<'a> {
     attributes: Option<&'a HashMap<String, MessageAttributeValue>>,
     dedup_id: Option<&'a String>,
@@ -339,20 +321,24 @@ fn redelivery_of(attributes: Option<&HashMap<String, MessageAttributeValue>>) ->
     Redelivery::read(text(REDELIVERY_COUNT), text(REDELIVER_AT))
 }
 
-fn attribute_bytes(value: &MessageAttributeValue) -> Vec<u8> {
-    match (value.string_value(), value.binary_value()) {
-        (Some(text), _) => text.as_bytes().to_vec(),
-        (None, Some(blob)) => blob.as_ref().to_vec(),
-        (None, None) => Vec::new(),
-    }
+/// A system attribute of a received message.
+pub(crate) fn system_attribute(
+    sqs: &SqsMessage,
+    name: MessageSystemAttributeName,
+) -> Option<&String> {
+    sqs.attributes()?.get(&name)
+}
+
+/// When a received message was sent (`SentTimestamp`).
+pub(crate) fn sent_at(sqs: &SqsMessage) -> Option<SystemTime> {
+    let ms = system_attribute(sqs, MessageSystemAttributeName::SentTimestamp)?;
+    Some(std::time::UNIX_EPOCH + Duration::from_millis(ms.parse().ok()?))
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use aws_sdk_sqs::primitives::Blob;
-    use aws_sdk_sqs::types::Message as SqsMessage;
-    use inbox_core::MessageId;
+    use inbox_core::{IdFrom, MessageId};
 
     use super::*;
 
