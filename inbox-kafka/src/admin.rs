@@ -176,55 +176,31 @@ fn millis(topic: &str, name: &str, value: &str) -> Result<i64> {
 mod tests {
     use super::*;
 
-    const HOUR: Duration = Duration::from_secs(3600);
-
-    fn retention(
-        policy: Option<&str>,
-        retention: Option<&str>,
-        segment: Option<&str>,
-    ) -> Retention {
-        Retention::from_settings("t", policy, retention, segment).unwrap_or_else(|e| panic!("{e}"))
-    }
-
     #[test]
-    fn a_record_is_readable_for_retention_plus_segment_time() {
-        assert_eq!(
-            retention(Some("delete"), Some("3600000"), Some("600000")),
-            Retention::Limited(HOUR + Duration::from_secs(600))
-        );
-        assert_eq!(
-            retention(None, Some("3600000"), None),
-            Retention::Limited(HOUR + DEFAULT_SEGMENT),
-            "Kafka's default policy and segment time where the broker reports neither"
-        );
-    }
-
-    #[test]
-    fn a_compacted_topic_keeps_records_for_ever_unless_it_also_deletes() {
-        for policy in ["compact", " compact "] {
-            assert_eq!(
-                retention(Some(policy), Some("3600000"), Some("600000")),
-                Retention::Compacted
-            );
+    fn retention_from_the_topic_settings() {
+        let limited = |ms| Retention::Limited(Duration::from_millis(ms));
+        let week = DEFAULT_SEGMENT.as_secs() * 1000;
+        // cleanup.policy, retention.ms and segment.ms as reported ("": not reported), and the
+        // retention.
+        let cases = [
+            // A record is readable for retention plus segment time.
+            ("delete", "3600000", "600000", limited(4_200_000)),
+            // Kafka's default policy and segment time where the broker reports neither.
+            ("", "3600000", "", limited(3_600_000 + week)),
+            // A compacted topic keeps records for ever unless it also deletes.
+            ("compact", "3600000", "600000", Retention::Compacted),
+            (" compact ", "3600000", "600000", Retention::Compacted),
+            ("compact", "", "", Retention::Compacted),
+            ("compact,delete", "3600000", "600000", limited(4_200_000)),
+            ("delete", "-1", "600000", Retention::Unlimited),
+            ("delete", "", "600000", Retention::NotReported),
+        ];
+        let reported = |value: &'static str| (!value.is_empty()).then_some(value);
+        for (policy, retention, segment, expected) in cases {
+            let (p, r, s) = (reported(policy), reported(retention), reported(segment));
+            let found = Retention::from_settings("t", p, r, s).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(found, expected, "{policy:?} {retention:?} {segment:?}");
         }
-        assert_eq!(retention(Some("compact"), None, None), Retention::Compacted);
-        assert_eq!(
-            retention(Some("compact,delete"), Some("3600000"), Some("600000")),
-            Retention::Limited(HOUR + Duration::from_secs(600)),
-            "compacted and deleted by time"
-        );
-    }
-
-    #[test]
-    fn infinite_and_unreported_retention() {
-        assert_eq!(
-            retention(Some("delete"), Some("-1"), Some("600000")),
-            Retention::Unlimited
-        );
-        assert_eq!(
-            retention(Some("delete"), None, Some("600000")),
-            Retention::NotReported
-        );
     }
 
     #[test]

@@ -144,24 +144,25 @@ mod tests {
         UNIX_EPOCH + Duration::from_millis(ms)
     }
 
+    /// Marks of `(offset, count, due in ms)`.
+    fn counts(marks: &[(i64, u32, u64)]) -> RedeliveryCounts {
+        let mut counts = RedeliveryCounts::default();
+        for &(offset, count, due) in marks {
+            counts.set(
+                offset,
+                Mark {
+                    count,
+                    due: at(due),
+                },
+            );
+        }
+        counts
+    }
+
     #[test]
     fn marks_round_trip_through_commit_metadata() {
-        let mut counts = RedeliveryCounts::default();
-        assert_eq!(counts.to_metadata(), "", "no marks, no metadata");
-        counts.set(
-            17,
-            Mark {
-                count: 2,
-                due: at(1_700_000_000_123),
-            },
-        );
-        counts.set(
-            9,
-            Mark {
-                count: 1,
-                due: at(1_700_000_000_000),
-            },
-        );
+        assert_eq!(counts(&[]).to_metadata(), "", "no marks, no metadata");
+        let counts = counts(&[(17, 2, 1_700_000_000_123), (9, 1, 1_700_000_000_000)]);
         let metadata = counts.to_metadata();
         assert_eq!(
             metadata,
@@ -186,17 +187,10 @@ mod tests {
 
     #[test]
     fn metadata_stays_under_its_limit_keeping_the_lowest_offsets() {
-        let mut counts = RedeliveryCounts::default();
-        for offset in 0..1_000 {
-            counts.set(
-                offset,
-                Mark {
-                    count: 1,
-                    due: at(1_700_000_000_000),
-                },
-            );
-        }
-        let metadata = counts.to_metadata();
+        let many: Vec<_> = (0..1_000)
+            .map(|offset| (offset, 1, 1_700_000_000_000))
+            .collect();
+        let metadata = counts(&many).to_metadata();
         assert!(metadata.len() <= MAX_METADATA_BYTES);
         let back = RedeliveryCounts::from_metadata(&metadata);
         assert_eq!(back.count(0), 1, "the lowest offset is kept");
@@ -205,44 +199,8 @@ mod tests {
 
     #[test]
     fn a_merge_keeps_the_higher_count() {
-        let mut here = RedeliveryCounts::default();
-        here.set(
-            3,
-            Mark {
-                count: 2,
-                due: at(5),
-            },
-        );
-        here.set(
-            4,
-            Mark {
-                count: 1,
-                due: at(5),
-            },
-        );
-        let mut read = RedeliveryCounts::default();
-        read.set(
-            3,
-            Mark {
-                count: 1,
-                due: at(1),
-            },
-        );
-        read.set(
-            4,
-            Mark {
-                count: 3,
-                due: at(9),
-            },
-        );
-        read.set(
-            6,
-            Mark {
-                count: 1,
-                due: at(2),
-            },
-        );
-        here.merge(read);
+        let mut here = counts(&[(3, 2, 5), (4, 1, 5)]);
+        here.merge(counts(&[(3, 1, 1), (4, 3, 9), (6, 1, 2)]));
         assert_eq!((here.count(3), here.count(4), here.count(6)), (2, 3, 1));
     }
 }

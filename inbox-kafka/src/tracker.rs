@@ -467,59 +467,103 @@ impl Tracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::redelivery_counts::METADATA_TAG;
+
+    /// A tracker that received `offsets` of `t[0]`, and their generation.
+    fn reading(offsets: &[i64]) -> (Tracker, u64) {
+        let mut t = Tracker::default();
+        let tracked = offsets.iter().map(|&o| t.received0(o).expect("new"));
+        let generation = tracked.last().expect("an offset").generation;
+        (t, generation)
+    }
+
+    /// The commit of `t[0]` at `offset`, without marks.
+    fn commit(offset: i64) -> Commit {
+        Commit {
+            topic: "t".into(),
+            partition: 0,
+            offset,
+            metadata: String::new(),
+        }
+    }
+
+    /// The calls the tests make most, on partition `t[0]`.
+    impl Tracker {
+        fn received0(&mut self, offset: i64) -> Option<Tracked> {
+            self.received("t", 0, offset)
+        }
+
+        fn finish0(&mut self, generation: u64, offset: i64) -> Option<i64> {
+            self.finish("t", 0, generation, offset)
+        }
+
+        fn rewind0(&mut self, generation: u64, offset: i64) -> bool {
+            self.rewind("t", 0, generation, offset)
+        }
+
+        fn restore0(
+            &mut self,
+            committed: Option<i64>,
+            metadata: &str,
+            now: Instant,
+            wall: SystemTime,
+        ) -> Option<Resume> {
+            self.restore("t", 0, committed, metadata, now, wall)
+        }
+
+        /// A redelivery due in a minute.
+        fn delay0(
+            &mut self,
+            g: u64,
+            offset: i64,
+            count: u32,
+            now: Instant,
+            wall: SystemTime,
+        ) -> Option<Commit> {
+            self.delay("t", 0, g, offset, count, MINUTE, now, wall)
+        }
+    }
 
     #[test]
     fn commits_only_the_contiguous_finished_prefix() {
-        let mut t = Tracker::default();
-        let g = t.received("t", 0, 5).unwrap().generation;
-        t.received("t", 0, 6);
-        t.received("t", 0, 7);
-        assert_eq!(t.finish("t", 0, g, 7), None, "5 is unfinished");
-        assert_eq!(t.finish("t", 0, g, 6), None);
-        assert_eq!(t.finish("t", 0, g, 5), Some(8));
+        let (mut t, g) = reading(&[5, 6, 7]);
+        assert_eq!(t.finish0(g, 7), None, "5 is unfinished");
+        assert_eq!(t.finish0(g, 6), None);
+        assert_eq!(t.finish0(g, 5), Some(8));
         assert_eq!(t.unfinished(), 0);
     }
 
     #[test]
     fn partitions_are_independent() {
-        let mut t = Tracker::default();
-        let g0 = t.received("t", 0, 10).unwrap().generation;
+        let (mut t, g0) = reading(&[10]);
         let g1 = t.received("t", 1, 3).unwrap().generation;
-        t.received("t", 0, 11);
+        t.received0(11);
         assert_eq!(t.finish("t", 1, g1, 3), Some(4));
-        assert_eq!(t.finish("t", 0, g0, 11), None);
-        assert_eq!(t.finish("t", 0, g0, 10), Some(12));
+        assert_eq!(t.finish0(g0, 11), None);
+        assert_eq!(t.finish0(g0, 10), Some(12));
     }
 
     #[test]
     fn acks_from_a_revoked_assignment_commit_nothing() {
-        let mut t = Tracker::default();
-        let old = t.received("t", 0, 5).unwrap().generation;
+        let (mut t, old) = reading(&[5]);
         t.revoke("t", 0);
-        assert_eq!(t.finish("t", 0, old, 5), None);
+        assert_eq!(t.finish0(old, 5), None);
         // The partition comes back and offset 5 is read again.
-        let new = t.received("t", 0, 5).unwrap().generation;
+        let new = t.received0(5).unwrap().generation;
         assert_ne!(old, new);
-        assert_eq!(t.finish("t", 0, old, 5), None);
-        assert_eq!(t.finish("t", 0, new, 5), Some(6));
+        assert_eq!(t.finish0(old, 5), None);
+        assert_eq!(t.finish0(new, 5), Some(6));
     }
 
     #[test]
     fn finished_prefixes_are_taken_once_and_again_after_a_failed_commit() {
-        let mut t = Tracker::default();
-        let g = t.received("t", 0, 5).unwrap().generation;
-        t.received("t", 0, 6);
+        let (mut t, g) = reading(&[5, 6]);
         t.received("t", 1, 0);
         assert!(t.take_dirty().is_empty(), "nothing finished");
-        t.finish("t", 0, g, 6);
+        t.finish0(g, 6);
         assert!(t.take_dirty().is_empty(), "5 is unfinished");
-        t.finish("t", 0, g, 5);
-        let commit = Commit {
-            topic: "t".into(),
-            partition: 0,
-            offset: 7,
-            metadata: String::new(),
-        };
+        t.finish0(g, 5);
+        let commit = commit(7);
         assert_eq!(t.take_dirty(), vec![commit.clone()]);
         assert!(t.take_dirty().is_empty(), "already sent");
         t.commit_failed("t", 0, 7);
@@ -528,8 +572,8 @@ mod tests {
             vec![commit.clone()],
             "retried after the failure"
         );
-        t.received("t", 0, 7);
-        t.finish("t", 0, g, 7);
+        t.received0(7);
+        t.finish0(g, 7);
         t.sending("t", 0, g, 8);
         t.commit_failed("t", 0, 7);
         assert!(
@@ -540,21 +584,10 @@ mod tests {
 
     #[test]
     fn a_revoke_hands_over_the_uncommitted_prefix_only() {
-        let mut t = Tracker::default();
-        let g = t.received("t", 0, 5).unwrap().generation;
-        t.received("t", 0, 6);
+        let (mut t, g) = reading(&[5, 6]);
         t.received("t", 1, 0);
-        t.finish("t", 0, g, 5);
-        assert_eq!(
-            t.revoke("t", 0),
-            Some(Commit {
-                topic: "t".into(),
-                partition: 0,
-                offset: 6,
-                metadata: String::new(),
-            }),
-            "5 is finished, 6 is not"
-        );
+        t.finish0(g, 5);
+        assert_eq!(t.revoke("t", 0), Some(commit(6)), "5 is finished, 6 is not");
         assert_eq!(t.revoke("t", 0), None, "gone");
         let g1 = t.received("t", 1, 1).unwrap().generation;
         t.finish("t", 1, g1, 0);
@@ -565,39 +598,30 @@ mod tests {
 
     #[test]
     fn a_rewind_drops_later_offsets_and_counts_the_redelivery() {
-        let mut t = Tracker::default();
-        let g = t.received("t", 0, 5).unwrap().generation;
-        t.received("t", 0, 6);
-        t.received("t", 0, 7);
-        assert!(t.rewind("t", 0, g, 6));
-        assert!(
-            !t.rewind("t", 0, g, 7),
-            "already covered by the rewind to 6"
-        );
-        assert_eq!(t.finish("t", 0, g, 7), None, "7 will be read again");
-        assert_eq!(t.finish("t", 0, g, 5), Some(6));
-        assert_eq!(t.received("t", 0, 6).unwrap().delivery_count, 2);
-        assert_eq!(t.finish("t", 0, g, 6), Some(7));
-        assert_eq!(t.received("t", 0, 7).unwrap().delivery_count, 1);
+        let (mut t, g) = reading(&[5, 6, 7]);
+        assert!(t.rewind0(g, 6));
+        assert!(!t.rewind0(g, 7), "already covered by the rewind to 6");
+        assert_eq!(t.finish0(g, 7), None, "7 will be read again");
+        assert_eq!(t.finish0(g, 5), Some(6));
+        assert_eq!(t.received0(6).unwrap().delivery_count, 2);
+        assert_eq!(t.finish0(g, 6), Some(7));
+        assert_eq!(t.received0(7).unwrap().delivery_count, 1);
     }
 
     #[test]
     fn a_record_finished_past_a_rewind_is_not_handed_out_again() {
-        let mut t = Tracker::default();
-        let g = t.received("t", 0, 5).unwrap().generation;
-        t.received("t", 0, 6);
-        t.received("t", 0, 7);
-        assert_eq!(t.finish("t", 0, g, 7), None, "6 is unfinished");
-        assert!(t.rewind("t", 0, g, 5));
-        assert_eq!(t.received("t", 0, 5).unwrap().delivery_count, 2);
-        assert_eq!(t.received("t", 0, 6), None, "its first copy is still out");
-        assert_eq!(t.received("t", 0, 7), None, "finished: its outcome stands");
-        assert_eq!(t.finish("t", 0, g, 5), Some(6));
-        assert_eq!(t.finish("t", 0, g, 6), Some(8), "the commit passes 7 too");
+        let (mut t, g) = reading(&[5, 6, 7]);
+        assert_eq!(t.finish0(g, 7), None, "6 is unfinished");
+        assert!(t.rewind0(g, 5));
+        assert_eq!(t.received0(5).unwrap().delivery_count, 2);
+        assert_eq!(t.received0(6), None, "its first copy is still out");
+        assert_eq!(t.received0(7), None, "finished: its outcome stands");
+        assert_eq!(t.finish0(g, 5), Some(6));
+        assert_eq!(t.finish0(g, 6), Some(8), "the commit passes 7 too");
         // Once past, a rewind reads it as any other record.
-        let g = t.received("t", 0, 8).unwrap().generation;
-        assert!(t.rewind("t", 0, g, 8));
-        assert_eq!(t.received("t", 0, 8).unwrap().delivery_count, 2);
+        let g = t.received0(8).unwrap().generation;
+        assert!(t.rewind0(g, 8));
+        assert_eq!(t.received0(8).unwrap().delivery_count, 2);
     }
 
     /// Two copies of one poison message on a partition, at 2 and 12 (a replay of its dead
@@ -607,71 +631,60 @@ mod tests {
     /// partition went back to 2 for ever (simulation seed 172975).
     #[test]
     fn a_record_is_never_out_twice_and_a_finished_one_is_not_handed_out_again() {
-        let mut t = Tracker::default();
-        let g = t.received("t", 0, 2).unwrap().generation;
-        t.received("t", 0, 12);
-        assert!(t.rewind("t", 0, g, 12));
-        assert!(t.received("t", 0, 12).is_some(), "handed back: read again");
-        assert!(t.rewind("t", 0, g, 2));
-        assert!(t.received("t", 0, 2).is_some());
+        let (mut t, g) = reading(&[2, 12]);
+        assert!(t.rewind0(g, 12));
+        assert!(t.received0(12).is_some(), "handed back: read again");
+        assert!(t.rewind0(g, 2));
+        assert!(t.received0(2).is_some());
         assert_eq!(
-            t.received("t", 0, 12),
+            t.received0(12),
             None,
             "its copy from before the seek is still out"
         );
-        assert_eq!(t.finish("t", 0, g, 12), None, "2 is still to finish");
-        assert!(t.rewind("t", 0, g, 2), "2 handed back again");
-        assert!(t.received("t", 0, 2).is_some());
-        assert_eq!(t.received("t", 0, 12), None, "finished: its outcome stands");
-        assert_eq!(t.finish("t", 0, g, 2), Some(13));
-        assert_eq!(t.received("t", 0, 12), None, "behind the finished prefix");
+        assert_eq!(t.finish0(g, 12), None, "2 is still to finish");
+        assert!(t.rewind0(g, 2), "2 handed back again");
+        assert!(t.received0(2).is_some());
+        assert_eq!(t.received0(12), None, "finished: its outcome stands");
+        assert_eq!(t.finish0(g, 2), Some(13));
+        assert_eq!(t.received0(12), None, "behind the finished prefix");
     }
 
     /// A record handed back while an earlier one waits to be read again is read by that seek;
     /// once the earlier one was read again, the later one needs a seek of its own.
     #[test]
     fn a_rewind_seeks_unless_an_earlier_one_still_reads_the_record_again() {
-        let mut t = Tracker::default();
-        let g = t.received("t", 0, 5).unwrap().generation;
-        t.received("t", 0, 6);
-        t.received("t", 0, 7);
-        assert!(t.rewind("t", 0, g, 5));
-        assert!(!t.rewind("t", 0, g, 6), "the seek to 5 reads 6 again");
-        assert!(t.received("t", 0, 5).is_some());
+        let (mut t, g) = reading(&[5, 6, 7]);
+        assert!(t.rewind0(g, 5));
+        assert!(!t.rewind0(g, 6), "the seek to 5 reads 6 again");
+        assert!(t.received0(5).is_some());
         assert_eq!(
-            t.received("t", 0, 6).unwrap().delivery_count,
+            t.received0(6).unwrap().delivery_count,
             1,
             "handed back behind 5: not counted"
         );
-        assert_eq!(t.received("t", 0, 7), None, "still out");
-        assert!(
-            t.rewind("t", 0, g, 7),
-            "5 was read again: 7 needs its own seek"
-        );
-        assert_eq!(t.received("t", 0, 7).unwrap().delivery_count, 2);
-        assert_eq!(t.finish("t", 0, g, 7), None, "6 is still out");
-        assert_eq!(t.finish("t", 0, g, 6), None);
-        assert_eq!(t.finish("t", 0, g, 5), Some(8));
+        assert_eq!(t.received0(7), None, "still out");
+        assert!(t.rewind0(g, 7), "5 was read again: 7 needs its own seek");
+        assert_eq!(t.received0(7).unwrap().delivery_count, 2);
+        assert_eq!(t.finish0(g, 7), None, "6 is still out");
+        assert_eq!(t.finish0(g, 6), None);
+        assert_eq!(t.finish0(g, 5), Some(8));
     }
 
     #[test]
     fn a_record_fetched_before_the_seek_does_not_let_the_commit_pass_the_rewound_one() {
-        let mut t = Tracker::default();
-        let g = t.received("t", 0, 5).unwrap().generation;
-        t.received("t", 0, 6);
-        t.received("t", 0, 7);
-        assert_eq!(t.finish("t", 0, g, 6), None);
-        assert!(t.rewind("t", 0, g, 5));
+        let (mut t, g) = reading(&[5, 6, 7]);
+        assert_eq!(t.finish0(g, 6), None);
+        assert!(t.rewind0(g, 5));
         // Received again before 5 is, as a fetch from before the seek can be.
-        assert_eq!(t.received("t", 0, 6), None);
-        assert_eq!(t.received("t", 0, 7), None, "its first copy is still out");
-        assert_eq!(t.finish("t", 0, g, 7), None, "5 is still to come");
+        assert_eq!(t.received0(6), None);
+        assert_eq!(t.received0(7), None, "its first copy is still out");
+        assert_eq!(t.finish0(g, 7), None, "5 is still to come");
         assert!(
             t.take_dirty().iter().all(|c| c.offset <= 5),
             "nothing past the rewound record is committed"
         );
-        t.received("t", 0, 5);
-        assert_eq!(t.finish("t", 0, g, 5), Some(8));
+        t.received0(5);
+        assert_eq!(t.finish0(g, 5), Some(8));
     }
 
     const MINUTE: Duration = Duration::from_secs(60);
@@ -683,13 +696,12 @@ mod tests {
 
     #[test]
     fn a_redelivery_from_a_revoked_generation_leaves_the_partition_alone() {
-        let mut t = Tracker::default();
         let (now, wall) = (Instant::now(), wall());
-        let old = t.received("t", 0, 5).unwrap().generation;
+        let (mut t, old) = reading(&[5]);
         t.revoke("t", 0);
-        let new = t.received("t", 0, 5).unwrap().generation;
+        let new = t.received0(5).unwrap().generation;
         assert_eq!(
-            t.delay("t", 0, old, 5, 1, MINUTE, now, wall),
+            t.delay0(old, 5, 1, now, wall),
             None,
             "nothing to pause, seek or commit"
         );
@@ -697,21 +709,17 @@ mod tests {
             t.pause_over("t", 0, now),
             "the new generation's partition must not be paused by a stale redelivery"
         );
-        assert!(!t.rewind("t", 0, old, 5), "nor sought back by a stale nack");
-        assert_eq!(t.received("t", 0, 6).unwrap().redeliveries, 0);
-        assert_eq!(t.finish("t", 0, new, 5), Some(6));
+        assert!(!t.rewind0(old, 5), "nor sought back by a stale nack");
+        assert_eq!(t.received0(6).unwrap().redeliveries, 0);
+        assert_eq!(t.finish0(new, 5), Some(6));
     }
 
     #[test]
     fn a_redelivery_pauses_and_commits_its_count_with_the_offset() {
-        let mut t = Tracker::default();
         let (now, wall) = (Instant::now(), wall());
-        let g = t.received("t", 0, 4).unwrap().generation;
-        t.received("t", 0, 5);
-        t.finish("t", 0, g, 4);
-        let commit = t
-            .delay("t", 0, g, 5, 1, MINUTE, now, wall)
-            .expect("current");
+        let (mut t, g) = reading(&[4, 5]);
+        t.finish0(g, 4);
+        let commit = t.delay0(g, 5, 1, now, wall).expect("current");
         assert_eq!(commit.offset, 5, "the finished prefix, not past the record");
         let marks = RedeliveryCounts::from_metadata(&commit.metadata);
         assert_eq!(marks.count(5), 1);
@@ -732,13 +740,9 @@ mod tests {
 
     #[test]
     fn a_redelivery_before_anything_finished_commits_where_the_generation_started() {
-        let mut t = Tracker::default();
         let (now, wall) = (Instant::now(), wall());
-        let g = t.received("t", 0, 10).unwrap().generation;
-        t.received("t", 0, 11);
-        let commit = t
-            .delay("t", 0, g, 11, 2, MINUTE, now, wall)
-            .expect("current");
+        let (mut t, g) = reading(&[10, 11]);
+        let commit = t.delay0(g, 11, 2, now, wall).expect("current");
         assert_eq!(commit.offset, 10, "10 is unfinished: nothing moves");
         assert_eq!(
             RedeliveryCounts::from_metadata(&commit.metadata).count(11),
@@ -748,26 +752,21 @@ mod tests {
 
     #[test]
     fn the_next_owner_goes_on_with_the_schedule_and_waits_out_the_delay() {
-        let mut old_owner = Tracker::default();
         let (now, wall) = (Instant::now(), wall());
-        let g = old_owner.received("t", 0, 5).unwrap().generation;
-        let commit = old_owner
-            .delay("t", 0, g, 5, 2, MINUTE, now, wall)
-            .expect("current");
+        let (mut old_owner, g) = reading(&[5]);
+        let commit = old_owner.delay0(g, 5, 2, now, wall).expect("current");
 
         // Another member (or this one after a restart) is assigned the partition.
         let mut t = Tracker::default();
         let later = now + Duration::from_secs(20);
         assert_eq!(
-            t.restore("t", 0, Some(5), &commit.metadata, later, wall),
+            t.restore0(Some(5), &commit.metadata, later, wall),
             None,
             "not assigned"
         );
         t.assigned("t", 0);
         assert_eq!(t.awaiting(), vec![("t".to_owned(), 0)]);
-        let resume = t.restore(
-            "t",
-            0,
+        let resume = t.restore0(
             Some(5),
             &commit.metadata,
             later,
@@ -780,11 +779,11 @@ mod tests {
         );
         assert!(t.awaiting().is_empty());
         assert!(!t.pause_over("t", 0, later));
-        let tracked = t.received("t", 0, 5).unwrap();
+        let tracked = t.received0(5).unwrap();
         assert_eq!(tracked.redeliveries, 2, "the count survived the rebalance");
 
         // Parked at the end of the schedule: the commit past it drops the mark.
-        assert_eq!(t.finish("t", 0, tracked.generation, 5), Some(6));
+        assert_eq!(t.finish0(tracked.generation, 5), Some(6));
         let dirty = t.take_dirty();
         assert_eq!(dirty.len(), 1);
         assert_eq!((dirty[0].offset, dirty[0].metadata.as_str()), (6, ""));
@@ -792,35 +791,24 @@ mod tests {
 
     #[test]
     fn a_finished_record_keeps_its_count_until_the_commit_passes_it() {
-        let mut t = Tracker::default();
         let (now, wall) = (Instant::now(), wall());
-        let g = t.received("t", 0, 4).unwrap().generation;
-        t.received("t", 0, 5);
-        let mut committed = t
-            .delay("t", 0, g, 5, 1, MINUTE, now, wall)
-            .expect("current");
-        assert!(t.rewind("t", 0, g, 5));
-        assert_eq!(t.received("t", 0, 5).unwrap().redeliveries, 1);
+        let (mut t, g) = reading(&[4, 5]);
+        let mut committed = t.delay0(g, 5, 1, now, wall).expect("current");
+        assert!(t.rewind0(g, 5));
+        assert_eq!(t.received0(5).unwrap().redeliveries, 1);
         // Dead-lettered at its next failure, while 4 is still unfinished: the commit cannot
         // pass 5 yet, so 5 is read again by the partition's next owner.
-        assert_eq!(t.finish("t", 0, g, 5), None, "4 is unfinished");
+        assert_eq!(t.finish0(g, 5), None, "4 is unfinished");
         committed = t.take_dirty().pop().unwrap_or(committed);
         committed = t.revoke("t", 0).unwrap_or(committed);
         assert_eq!(committed.offset, 4);
 
         let mut next = Tracker::default();
         next.assigned("t", 0);
-        next.restore(
-            "t",
-            0,
-            Some(committed.offset),
-            &committed.metadata,
-            now,
-            wall,
-        );
-        next.received("t", 0, 4);
+        next.restore0(Some(committed.offset), &committed.metadata, now, wall);
+        next.received0(4);
         assert_eq!(
-            next.received("t", 0, 5).unwrap().redeliveries,
+            next.received0(5).unwrap().redeliveries,
             1,
             "the count of a record read again goes on where it was"
         );
@@ -828,31 +816,21 @@ mod tests {
 
     #[test]
     fn a_count_whose_commit_was_refused_survives_the_partition_coming_back() {
-        let mut t = Tracker::default();
         let (now, wall) = (Instant::now(), wall());
-        let g = t.received("t", 0, 5).unwrap().generation;
-        let commit = t
-            .delay("t", 0, g, 5, 2, MINUTE, now, wall)
-            .expect("current");
+        let (mut t, g) = reading(&[5]);
+        let commit = t.delay0(g, 5, 2, now, wall).expect("current");
         // Refused (a rebalance was in progress), and revoked before any retry.
         t.commit_failed("t", 0, commit.offset);
         let last = t.revoke("t", 0).expect("the revoke retries it");
         assert_eq!(RedeliveryCounts::from_metadata(&last.metadata).count(5), 2);
         // The revoke's commit is refused too: the broker keeps the count of before, 1.
-        let mut older = RedeliveryCounts::default();
-        older.set(
-            5,
-            Mark {
-                count: 1,
-                due: wall,
-            },
-        );
+        let older = format!("{METADATA_TAG} 5:1:1800000000000");
 
         // Back with this member, which reads the older count from the broker.
         t.assigned("t", 0);
-        t.restore("t", 0, Some(5), &older.to_metadata(), now, wall);
+        t.restore0(Some(5), &older, now, wall);
         assert_eq!(
-            t.received("t", 0, 5).unwrap().redeliveries,
+            t.received0(5).unwrap().redeliveries,
             2,
             "the count this member handed out stands"
         );
@@ -860,23 +838,22 @@ mod tests {
 
     #[test]
     fn a_count_kept_from_a_revoke_is_dropped_once_the_commit_passed_its_record() {
-        let mut t = Tracker::default();
         let (now, wall) = (Instant::now(), wall());
-        let g = t.received("t", 0, 5).unwrap().generation;
-        t.delay("t", 0, g, 5, 1, MINUTE, now, wall);
+        let (mut t, g) = reading(&[5]);
+        t.delay0(g, 5, 1, now, wall);
         t.revoke("t", 0);
         // Another member finished 5 and committed past it, then the partition came back.
         t.assigned("t", 0);
         assert_eq!(
-            t.restore("t", 0, Some(6), "", now, wall),
+            t.restore0(Some(6), "", now, wall),
             Some(Resume::Now),
             "no pause for a record another member finished"
         );
         t.revoke("t", 0);
         t.assigned("t", 0);
-        t.restore("t", 0, Some(5), "", now, wall);
+        t.restore0(Some(5), "", now, wall);
         assert_eq!(
-            t.received("t", 0, 5).unwrap().redeliveries,
+            t.received0(5).unwrap().redeliveries,
             0,
             "forgotten once the commit passed it"
         );
@@ -888,12 +865,8 @@ mod tests {
         let (now, wall) = (Instant::now(), wall());
         t.assigned("t", 0);
         t.assigned("t", 1);
-        assert_eq!(t.restore("t", 0, None, "", now, wall), Some(Resume::Now));
-        assert_eq!(
-            t.restore("t", 0, None, "", now, wall),
-            None,
-            "restored already"
-        );
+        assert_eq!(t.restore0(None, "", now, wall), Some(Resume::Now));
+        assert_eq!(t.restore0(None, "", now, wall), None, "restored already");
         t.revoke("t", 1);
         assert_eq!(
             t.restore("t", 1, None, "", now, wall),
