@@ -26,8 +26,8 @@ use crate::tracker::Commit;
 /// one), waits for the delivery report, then acks. When the produce fails it hands the record
 /// back as [`Ack::nack`] does (its partition is sought back to it).
 pub struct KafkaAck {
-    target: AckTarget,
-    dead_letters: Arc<DeadLetterProducer>,
+    pub(crate) target: AckTarget,
+    pub(crate) dead_letters: Arc<DeadLetterProducer>,
 }
 
 pub(crate) struct AckTarget {
@@ -46,15 +46,6 @@ impl fmt::Debug for KafkaAck {
             .field("partition", &self.target.partition)
             .field("offset", &self.target.offset)
             .finish()
-    }
-}
-
-impl KafkaAck {
-    pub(crate) fn new(target: AckTarget, dead_letters: Arc<DeadLetterProducer>) -> Self {
-        Self {
-            target,
-            dead_letters,
-        }
     }
 }
 
@@ -147,12 +138,8 @@ impl Ack for KafkaAck {
         // The count goes with the offset before the record can be read again, so the next
         // owner after a rebalance or a restart goes on with the schedule. A commit that fails
         // leaves the partition dirty: the commit task, the revoke or the close retries it.
-        match commit_sync(t.consumer.clone(), vec![commit]).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                warn!(topic = %t.topic, partition = t.partition, error = %e, "committing a redelivery count failed; the next commit carries it")
-            }
-            Err(join) => warn!(error = %join, "redelivery count commit task failed"),
+        if let Err(e) = commit_sync(t.consumer.clone(), vec![commit]).await {
+            warn!(topic = %t.topic, partition = t.partition, error = %e, "committing a redelivery count failed; the next commit carries it");
         }
         self.nack(Duration::ZERO).await
     }
@@ -215,7 +202,6 @@ impl Ack for KafkaAck {
             debug!("acked messages wait behind unfinished earlier offsets; nothing to commit yet");
             return Ok(());
         }
-        let partitions = commits.len();
         let commits: Vec<Commit> = {
             let mut tracker = consumer.context().tracker();
             commits
@@ -229,18 +215,6 @@ impl Ack for KafkaAck {
             debug!("the acked partitions were revoked meanwhile; their new owners re-read them");
             return Ok(());
         }
-        match commit_sync(consumer, commits).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) if partition_moved(&e) => {
-                warn!(error = %e, partitions, "offset commit refused: the partitions moved to another member; it re-reads them and the inbox skips what was applied");
-                Ok(())
-            }
-            Ok(Err(e)) => Err(Error::kafka("committing offsets", e).into_source()),
-            Err(join) => Err(SourceError::new(
-                Recovery::Retry,
-                "commit task failed",
-                join,
-            )),
-        }
+        commit_sync(consumer, commits).await
     }
 }

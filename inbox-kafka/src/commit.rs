@@ -6,15 +6,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use inbox_core::{Recovery, SourceError};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::KafkaResult;
 use rdkafka::{Offset, TopicPartitionList};
-use tokio::task::JoinError;
 use tokio::time::{Instant, MissedTickBehavior};
 use tracing::{debug, warn};
 
 use crate::context::InboxContext;
-use crate::error::partition_moved;
+use crate::error::{partition_moved, Error};
 use crate::shared_consumer::{Client, SharedConsumer};
 use crate::tracker::Commit;
 
@@ -63,7 +63,7 @@ impl fmt::Debug for OffsetCommits {
     }
 }
 
-fn offset_list(commits: &[Commit]) -> KafkaResult<TopicPartitionList> {
+pub(crate) fn offset_list(commits: &[Commit]) -> KafkaResult<TopicPartitionList> {
     let mut list = TopicPartitionList::with_capacity(commits.len());
     for c in commits {
         list.add_partition_offset(&c.topic, c.partition, Offset::Offset(c.offset))?;
@@ -79,12 +79,15 @@ fn offset_list(commits: &[Commit]) -> KafkaResult<TopicPartitionList> {
 }
 
 /// Commits `commits` in one synchronous request on the blocking pool: `Ok` means the broker has
-/// the offsets. After a failure the partitions are dirty again, so the next commit retries them.
+/// the offsets, or refused them because the partitions moved to another member (logged: it
+/// re-reads them and the inbox skips what was applied). After a failure the partitions are
+/// dirty again, so the next commit retries them.
 pub(crate) async fn commit_sync(
     consumer: SharedConsumer,
     commits: Vec<Commit>,
-) -> Result<KafkaResult<()>, JoinError> {
-    tokio::task::spawn_blocking(move || {
+) -> Result<(), SourceError> {
+    let (group, partitions) = (consumer.context().group.clone(), commits.len());
+    let result = tokio::task::spawn_blocking(move || {
         let context = consumer.context();
         context.commits.requested();
         let result =
@@ -101,6 +104,15 @@ pub(crate) async fn commit_sync(
         result
     })
     .await
+    .map_err(|join| SourceError::new(Recovery::Retry, "commit task failed", join))?;
+    match result {
+        Ok(()) => debug!(%group, partitions, "offsets committed"),
+        Err(e) if partition_moved(&e) => {
+            warn!(%group, error = %e, partitions, "offset commit refused: the partitions moved to another member; it re-reads them and the inbox skips what was applied")
+        }
+        Err(e) => return Err(Error::kafka("committing offsets", e).into_source()),
+    }
+    Ok(())
 }
 
 /// Commits `commits` without waiting, from a rebalance callback, which runs on the thread that
@@ -133,18 +145,9 @@ pub(crate) async fn commit_task(consumer: Weak<Client>, every: Duration) {
         if dirty.is_empty() {
             continue;
         }
-        let (partitions, group) = (dirty.len(), consumer.context().group.clone());
-        match commit_sync(consumer, dirty).await {
-            Ok(Ok(())) => debug!(%group, partitions, "offsets committed"),
-            Ok(Err(e)) if partition_moved(&e) => {
-                warn!(%group, error = %e, partitions, "offset commit refused: the partitions moved to another member; it re-reads them and the inbox skips what was applied")
-            }
-            Ok(Err(e)) => {
-                warn!(%group, error = %e, partitions, "offset commit failed; retried at the next interval")
-            }
-            Err(join) => {
-                warn!(%group, error = %join, "offset commit task failed; retried at the next interval")
-            }
+        let group = consumer.context().group.clone();
+        if let Err(e) = commit_sync(consumer, dirty).await {
+            warn!(%group, error = %e, "offset commit failed; retried at the next interval");
         }
     }
 }

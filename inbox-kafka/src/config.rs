@@ -1,12 +1,11 @@
 //! How a [`KafkaSource`] is set up: inbox settings plus any librdkafka property.
 
-use std::collections::BTreeMap;
-use std::fmt;
 use std::time::Duration;
 
 use inbox_core::IdFrom;
 use rdkafka::ClientConfig;
 
+use crate::connection::Properties;
 use crate::context::ProducerContext;
 use crate::failure::Failures;
 use crate::{Error, KafkaConnection, KafkaSource, Result};
@@ -23,7 +22,7 @@ use crate::{Error, KafkaConnection, KafkaSource, Result};
 /// Defaults set here and overridable: `auto.offset.reset=earliest` (a new group reads the topic
 /// from its start). Enforced: `enable.auto.commit=false`. Its `Debug` output hides the values of
 /// secret properties, like [`KafkaConnection`]'s.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 #[must_use = "a builder does nothing until `connect` is called"]
 pub struct KafkaSourceBuilder {
     pub(crate) connection: KafkaConnection,
@@ -34,41 +33,7 @@ pub struct KafkaSourceBuilder {
     pub(crate) create_dead_letter_topics: bool,
     pub(crate) poll_timeout: Duration,
     pub(crate) commit_interval: Duration,
-    pub(crate) consumer: BTreeMap<String, String>,
-}
-
-impl fmt::Debug for KafkaSourceBuilder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("KafkaSourceBuilder")
-            .field("connection", &self.connection)
-            .field("group_id", &self.group_id)
-            .field("topics", &self.topics)
-            .field("id_from", &self.id_from)
-            .field("dead_letter_topic", &self.dead_letter_topic)
-            .field("create_dead_letter_topics", &self.create_dead_letter_topics)
-            .field("poll_timeout", &self.poll_timeout)
-            .field("commit_interval", &self.commit_interval)
-            .field("consumer", &Redacted(&self.consumer))
-            .finish()
-    }
-}
-
-/// librdkafka properties with the values of secret ones hidden.
-pub(crate) struct Redacted<'a>(pub(crate) &'a BTreeMap<String, String>);
-
-impl fmt::Debug for Redacted<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_map()
-            .entries(self.0.iter().map(|(key, value)| {
-                let shown = if inbox_core::is_secret_setting(key) {
-                    inbox_core::REDACTED
-                } else {
-                    value.as_str()
-                };
-                (key, shown)
-            }))
-            .finish()
-    }
+    pub(crate) consumer: Properties,
 }
 
 impl KafkaSourceBuilder {
@@ -94,7 +59,7 @@ impl KafkaSourceBuilder {
             create_dead_letter_topics: false,
             poll_timeout: Duration::from_secs(1),
             commit_interval: Self::DEFAULT_COMMIT_INTERVAL,
-            consumer: BTreeMap::new(),
+            consumer: Properties::default(),
         }
     }
 
@@ -164,7 +129,7 @@ impl KafkaSourceBuilder {
     /// Sets a librdkafka consumer property (`session.timeout.ms`, `max.poll.interval.ms`,
     /// `auto.offset.reset`, `partition.assignment.strategy`, ...).
     pub fn set_consumer(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.consumer.insert(key.into(), value.into());
+        self.consumer.insert(key, value);
         self
     }
 
@@ -198,9 +163,7 @@ impl KafkaSourceBuilder {
             .set("group.id", &self.group_id)
             .set("auto.offset.reset", "earliest")
             .set("enable.auto.commit", "false");
-        for (key, value) in &self.consumer {
-            config.set(key, value);
-        }
+        self.consumer.apply(&mut config);
         if config
             .get("enable.auto.commit")
             .is_some_and(|v| v != "false")

@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use rdkafka::ClientConfig;
 
-use crate::config::Redacted;
 use crate::context::ProducerContext;
 use crate::failure::Failures;
-use crate::token::DynTokenProvider;
+use crate::source::millis;
+use crate::token::{DynTokenProvider, TokenRefresh};
 use crate::{
     Error, KafkaAdmin, KafkaDeadLettersBuilder, KafkaProducerBuilder, KafkaSourceBuilder, Result,
     TokenProvider,
@@ -56,22 +56,44 @@ pub fn brokers_from_env() -> Result<String> {
 /// Its `Debug` output shows `***` for the value of every property that holds a secret
 /// (`sasl.password`, `ssl.key.password`, any name with `password` or `secret`, a private key):
 /// see [`inbox_core::is_secret_setting`].
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 #[must_use]
 pub struct KafkaConnection {
     brokers: Option<String>,
-    properties: BTreeMap<String, String>,
+    properties: Properties,
     token_provider: Option<Arc<dyn DynTokenProvider>>,
     pub(crate) operation_timeout: Duration,
 }
 
-impl fmt::Debug for KafkaConnection {
+/// librdkafka properties, as a connection and each builder keep them; `Debug` shows `***` for
+/// the value of a secret one.
+#[derive(Clone, Default)]
+pub(crate) struct Properties(BTreeMap<String, String>);
+
+impl Properties {
+    pub(crate) fn insert(&mut self, key: impl Into<String>, value: impl Into<String>) {
+        self.0.insert(key.into(), value.into());
+    }
+
+    /// Sets every property on `config`, over what it had.
+    pub(crate) fn apply(&self, config: &mut ClientConfig) {
+        for (key, value) in &self.0 {
+            config.set(key, value);
+        }
+    }
+}
+
+impl fmt::Debug for Properties {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("KafkaConnection")
-            .field("brokers", &self.brokers)
-            .field("properties", &Redacted(&self.properties))
-            .field("token_provider", &self.token_provider.is_some())
-            .field("operation_timeout", &self.operation_timeout)
+        f.debug_map()
+            .entries(self.0.iter().map(|(key, value)| {
+                let shown = if inbox_core::is_secret_setting(key) {
+                    inbox_core::REDACTED
+                } else {
+                    value.as_str()
+                };
+                (key, shown)
+            }))
             .finish()
     }
 }
@@ -91,7 +113,7 @@ impl KafkaConnection {
     pub fn from_env() -> Self {
         Self {
             brokers: None,
-            properties: BTreeMap::new(),
+            properties: Properties::default(),
             token_provider: None,
             operation_timeout: Duration::from_secs(10),
         }
@@ -99,7 +121,7 @@ impl KafkaConnection {
 
     /// Sets a librdkafka property on every client built from this connection.
     pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.properties.insert(key.into(), value.into());
+        self.properties.insert(key, value);
         self
     }
 
@@ -170,26 +192,34 @@ impl KafkaConnection {
         config.set("bootstrap.servers", self.brokers()?).set(
             "socket.timeout.ms",
             // librdkafka's bounds for the property.
-            crate::source::millis(
+            millis(
                 self.operation_timeout
                     .clamp(Duration::from_millis(10), Duration::from_secs(300)),
             ),
         );
-        for (key, value) in &self.properties {
-            config.set(key, value);
-        }
-        if self.token_provider.is_some() {
-            crate::token::require_oauthbearer(&mut config)?;
-        }
-        let token = crate::token::refresh_for(
-            self.token_provider.as_ref(),
-            self.operation_timeout,
-            failures,
-        )?;
-        let context = ProducerContext {
-            failures: failures.clone(),
-            token,
+        self.properties.apply(&mut config);
+        let token = match &self.token_provider {
+            Some(provider) => {
+                crate::token::require_oauthbearer(&mut config)?;
+                let (timeout, failures) = (self.operation_timeout, failures.clone());
+                Some(TokenRefresh::new(Arc::clone(provider), timeout, failures)?)
+            }
+            None => None,
         };
+        let failures = failures.clone();
+        Ok((config, ProducerContext { failures, token }))
+    }
+
+    /// [`client`](Self::client) for an idempotent producer (`enable.idempotence`, so its own
+    /// retries add no copies) whose delivery wait is bounded like any other operation.
+    pub(crate) fn producer_client(
+        &self,
+        failures: &Failures,
+    ) -> Result<(ClientConfig, ProducerContext)> {
+        let (mut config, context) = self.client(failures)?;
+        config
+            .set("enable.idempotence", "true")
+            .set("message.timeout.ms", millis(self.operation_timeout));
         Ok((config, context))
     }
 }

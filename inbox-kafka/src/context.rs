@@ -38,11 +38,33 @@ const NO_PROVIDER: &str = "sasl.mechanism=OAUTHBEARER needs a token: set one wit
                            sasl.oauthbearer.method=oidc needs a libcurl build this crate does \
                            not enable)";
 
-fn token(refresh: Option<&TokenRefresh>) -> Result<OAuthToken, Box<dyn std::error::Error>> {
-    match refresh {
-        Some(refresh) => refresh.fetch(),
-        None => Err(NO_PROVIDER.into()),
-    }
+/// The callbacks every client context answers the same way: log lines to `tracing` under the
+/// client's name (`$name`, an expression on `$self`), failures kept for the source, tokens from
+/// the token provider.
+macro_rules! client_context {
+    ($context:ty, |$self:ident| $name:expr) => {
+        impl ClientContext for $context {
+            const ENABLE_REFRESH_OAUTH_TOKEN: bool = true;
+
+            fn log(&$self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+                $self.failures.log(fac, log_message);
+                log($name, level, fac, log_message);
+            }
+            fn error(&$self, error: KafkaError, reason: &str) {
+                $self.failures.error(&error, reason);
+                warn!(client = $name, %error, "librdkafka: {reason}");
+            }
+            fn generate_oauth_token(
+                &$self,
+                _config: Option<&str>,
+            ) -> Result<OAuthToken, Box<dyn std::error::Error>> {
+                match &$self.token {
+                    Some(refresh) => refresh.fetch(),
+                    None => Err(NO_PROVIDER.into()),
+                }
+            }
+        }
+    };
 }
 
 /// The context of producers, admin clients and the dead-letter reader: logging, connection
@@ -53,24 +75,7 @@ pub(crate) struct ProducerContext {
     pub(crate) token: Option<TokenRefresh>,
 }
 
-impl ClientContext for ProducerContext {
-    const ENABLE_REFRESH_OAUTH_TOKEN: bool = true;
-
-    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
-        self.failures.log(fac, log_message);
-        log("producer", level, fac, log_message);
-    }
-    fn error(&self, error: KafkaError, reason: &str) {
-        self.failures.error(&error, reason);
-        warn!(client = "producer", %error, "librdkafka: {reason}");
-    }
-    fn generate_oauth_token(
-        &self,
-        _config: Option<&str>,
-    ) -> Result<OAuthToken, Box<dyn std::error::Error>> {
-        token(self.token.as_ref())
-    }
-}
+client_context!(ProducerContext, |self| "producer");
 
 /// The dead-letter reader assigns its partitions itself: no rebalance to hook.
 impl ConsumerContext for ProducerContext {}
@@ -117,24 +122,7 @@ impl InboxContext {
     }
 }
 
-impl ClientContext for InboxContext {
-    const ENABLE_REFRESH_OAUTH_TOKEN: bool = true;
-
-    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
-        self.failures.log(fac, log_message);
-        log(&self.group, level, fac, log_message);
-    }
-    fn error(&self, error: KafkaError, reason: &str) {
-        self.failures.error(&error, reason);
-        warn!(group = %self.group, %error, "librdkafka: {reason}");
-    }
-    fn generate_oauth_token(
-        &self,
-        _config: Option<&str>,
-    ) -> Result<OAuthToken, Box<dyn std::error::Error>> {
-        token(self.token.as_ref())
-    }
-}
+client_context!(InboxContext, |self| &self.group);
 
 impl ConsumerContext for InboxContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {

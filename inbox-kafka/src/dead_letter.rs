@@ -8,7 +8,6 @@ use std::fmt;
 use std::time::Duration;
 
 use inbox_core::{dead_letter, Message, Recovery, SourceError};
-use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::ClientConfig;
@@ -16,6 +15,7 @@ use tracing::{debug, info};
 
 use crate::context::ProducerContext;
 use crate::failure::Failures;
+use crate::producer::record_headers;
 use crate::{Error, KafkaAdmin, KafkaSourceBuilder};
 
 /// What a [`KafkaAck`](crate::KafkaAck) needs to park its record: the source's dead-letter
@@ -46,26 +46,16 @@ impl DeadLetterProducer {
             Some(topic) => topic.clone(),
             None => format!("{}.dlq", message.meta.source),
         };
-        let mut headers = OwnedHeaders::new_with_capacity(message.headers.len() + 3);
-        for (key, value) in &message.headers {
-            headers = headers.insert(Header {
-                key,
-                value: Some(value),
-            });
-        }
-        for (key, value) in [
+        let added = [
             (dead_letter::REASON, reason),
-            (dead_letter::ORIGINAL_SOURCE, message.meta.source.as_str()),
-            (
-                dead_letter::ORIGINAL_POSITION,
-                message.meta.position.as_str(),
-            ),
-        ] {
-            headers = headers.insert(Header {
-                key,
-                value: Some(value),
-            });
-        }
+            (dead_letter::ORIGINAL_SOURCE, &message.meta.source),
+            (dead_letter::ORIGINAL_POSITION, &message.meta.position),
+        ];
+        let own = message
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_slice()));
+        let headers = record_headers(own.chain(added.map(|(k, v)| (k, v.as_bytes()))));
         let mut record = FutureRecord::<[u8], [u8]>::to(&topic)
             .payload(&message.payload)
             .headers(headers);

@@ -1,18 +1,21 @@
 //! A dead-letter topic read back for [`inbox_core::replay`]: a log cannot delete, so a consumer
 //! group of its own ([`DEFAULT_REPLAY_GROUP`]) remembers what was replayed.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use inbox_core::replay::{DeadLetter, DeadLetters};
 use inbox_core::{MessageId, OperationError};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
-use rdkafka::message::{Headers, Message as _};
+use rdkafka::message::Message as _;
 use rdkafka::{Offset, TopicPartitionList};
 
+use crate::commit::offset_list;
 use crate::context::ProducerContext;
 use crate::failure::Failures;
+use crate::source::{record_headers, timestamp};
+use crate::tracker::Tracker;
 use crate::{Error, KafkaConnection, KafkaSourceBuilder, Result};
 
 /// The reader's client: its context logs, notes connection failures and hands out tokens.
@@ -40,17 +43,18 @@ pub struct KafkaDeadLetters {
     consumer: Arc<Reader>,
     timeout: Duration,
     partitions: BTreeMap<i32, Partition>,
+    /// The records read, and which were replayed: a removal commits each partition's replayed
+    /// prefix, as a source commits its finished one.
+    tracker: Tracker,
 }
 
-/// How far one partition is read and replayed.
+/// How far one partition is read.
 #[derive(Debug, Clone, Default)]
 struct Partition {
     /// The end of the partition when the reading started.
     end: i64,
     /// The next offset to read.
     next: i64,
-    /// Offsets read and not yet committed, in order, with whether each was replayed.
-    pending: VecDeque<(i64, bool)>,
 }
 
 impl std::fmt::Debug for KafkaDeadLetters {
@@ -59,6 +63,7 @@ impl std::fmt::Debug for KafkaDeadLetters {
             .field("topic", &self.topic)
             .field("id_header", &self.id_header)
             .field("partitions", &self.partitions)
+            .field("tracker", &self.tracker)
             .finish_non_exhaustive()
     }
 }
@@ -79,6 +84,10 @@ impl KafkaDeadLetters {
     /// names (another cluster, TLS, SASL or a token provider: [`KafkaConnection::dead_letters`]).
     pub fn builder(topic: impl Into<String>) -> KafkaDeadLettersBuilder {
         KafkaConnection::from_env().dead_letters(topic)
+    }
+
+    fn done(&self) -> bool {
+        self.partitions.values().all(|p| p.next >= p.end)
     }
 }
 
@@ -151,6 +160,7 @@ impl KafkaDeadLettersBuilder {
             consumer,
             timeout,
             partitions,
+            tracker: Tracker::default(),
         })
     }
 }
@@ -193,14 +203,7 @@ fn starts(consumer: &Reader, topic: &str, timeout: Duration) -> Result<BTreeMap<
                 _ => None,
             });
         let next = committed.unwrap_or(low).max(low);
-        partitions.insert(
-            p.id(),
-            Partition {
-                end: high,
-                next,
-                pending: VecDeque::new(),
-            },
-        );
+        partitions.insert(p.id(), Partition { end: high, next });
     }
     Ok(partitions)
 }
@@ -209,12 +212,6 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| Error::Config(format!("a blocking Kafka call did not finish: {e}")))
-}
-
-impl KafkaDeadLetters {
-    fn done(&self) -> bool {
-        self.partitions.values().all(|p| p.next >= p.end)
-    }
 }
 
 impl DeadLetters for KafkaDeadLetters {
@@ -236,25 +233,17 @@ impl DeadLetters for KafkaDeadLetters {
                             format!("partition {partition} offset {offset}"),
                             m.payload().unwrap_or_default().to_vec(),
                         );
-                        letter.handle = format!("{partition}:{offset}");
                         letter.key = m.key().map(|k| String::from_utf8_lossy(k).into_owned());
                         let mut headers = Vec::new();
-                        if let Some(list) = m.headers() {
-                            for h in list.iter() {
-                                let value = h.value.unwrap_or_default().to_vec();
-                                if letter.id.is_none() && h.key == id_header {
-                                    letter.id = MessageId::from_bytes(&value).ok();
-                                } else {
-                                    headers.push((h.key.to_owned(), value));
-                                }
+                        for (key, value) in record_headers(&m) {
+                            if letter.id.is_none() && key == id_header {
+                                letter.id = MessageId::from_bytes(&value).ok();
+                            } else {
+                                headers.push((key, value));
                             }
                         }
                         letter.take_metadata(headers);
-                        letter.timestamp = m
-                            .timestamp()
-                            .to_millis()
-                            .and_then(|ms| u64::try_from(ms).ok())
-                            .map(|ms| UNIX_EPOCH + Duration::from_millis(ms));
+                        letter.timestamp = timestamp(&m);
                         (partition, offset, letter)
                     })
                 })
@@ -275,7 +264,7 @@ impl DeadLetters for KafkaDeadLetters {
                 Some(Err(e)) => {
                     return Err(Error::kafka(format!("reading `{}`", self.topic), e).into_source())
                 }
-                Some(Ok((partition, offset, letter))) => {
+                Some(Ok((partition, offset, mut letter))) => {
                     idle_since = Instant::now();
                     let Some(p) = self.partitions.get_mut(&partition) else {
                         continue;
@@ -286,7 +275,10 @@ impl DeadLetters for KafkaDeadLetters {
                         continue;
                     }
                     p.next = offset + 1;
-                    p.pending.push_back((offset, false));
+                    let Some(read) = self.tracker.received(&self.topic, partition, offset) else {
+                        continue;
+                    };
+                    letter.handle = format!("{partition}:{offset}:{}", read.generation);
                     letters.push(letter);
                 }
             }
@@ -295,51 +287,30 @@ impl DeadLetters for KafkaDeadLetters {
     }
 
     async fn remove(&mut self, letters: &[DeadLetter]) -> std::result::Result<(), OperationError> {
-        for letter in letters {
-            let parsed = letter
-                .handle
-                .split_once(':')
-                .and_then(|(p, o)| Some((p.parse::<i32>().ok()?, o.parse::<i64>().ok()?)));
-            let Some((partition, offset)) = parsed else {
-                continue;
-            };
-            if let Some(p) = self.partitions.get_mut(&partition) {
-                if let Some(entry) = p.pending.iter_mut().find(|(o, _)| *o == offset) {
-                    entry.1 = true;
-                }
-            }
+        for (partition, offset, generation) in letters.iter().filter_map(parse_handle) {
+            self.tracker
+                .finish(&self.topic, partition, generation, offset);
         }
-        let mut commit = TopicPartitionList::new();
-        for (partition, p) in &mut self.partitions {
-            let mut upto = None;
-            while let Some(&(offset, true)) = p.pending.front() {
-                upto = Some(offset + 1);
-                p.pending.pop_front();
-            }
-            if let Some(upto) = upto {
-                commit
-                    .add_partition_offset(&self.topic, *partition, Offset::Offset(upto))
-                    .map_err(|e| {
-                        Error::kafka("committing replayed dead letters", e).into_source()
-                    })?;
-            }
-        }
-        if commit.count() == 0 {
+        let commits = self.tracker.take_dirty();
+        if commits.is_empty() {
             return Ok(());
         }
+        let context = format!("committing replayed dead letters of `{}`", self.topic);
         let consumer = Arc::clone(&self.consumer);
-        blocking(move || consumer.commit(&commit, CommitMode::Sync))
+        blocking(move || offset_list(&commits).and_then(|l| consumer.commit(&l, CommitMode::Sync)))
             .await
             .map_err(Error::into_source)?
-            .map_err(|e| {
-                Error::kafka(
-                    format!("committing replayed dead letters of `{}`", self.topic),
-                    e,
-                )
-                .into_source()
-            })?;
+            .map_err(|e| Error::kafka(context, e).into_source())?;
         Ok(())
     }
+}
+
+/// The partition, offset and generation in a handle `next` made.
+fn parse_handle(letter: &DeadLetter) -> Option<(i32, i64, u64)> {
+    let mut parts = letter.handle.split(':');
+    let partition = parts.next()?.parse().ok()?;
+    let offset = parts.next()?.parse().ok()?;
+    Some((partition, offset, parts.next()?.parse().ok()?))
 }
 
 #[cfg(test)]

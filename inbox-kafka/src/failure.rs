@@ -160,20 +160,12 @@ impl Failures {
     /// forgets it.
     pub(crate) async fn refused(&self) -> Error {
         let mut watch = self.0.subscribe();
-        let refused = watch
+        let _ = watch
             .wait_for(|last| last.as_ref().is_some_and(|f| f.refusal.is_some()))
-            .await
-            .map(|last| last.clone());
-        let error = match refused {
-            Ok(Some(Failure {
-                refusal: Some(refusal),
-                reason,
-            })) => refusal.error(reason),
-            // The sender lives in `self`: the wait ends only with a refusal.
-            _ => Error::Config("the connection failure record closed".into()),
-        };
-        self.0.send_replace(None);
-        error
+            .await;
+        // The sender lives in `self`: the wait ends only with a refusal.
+        self.take_refusal()
+            .unwrap_or_else(|| Error::Config("the connection failure record closed".into()))
     }
 
     /// The refusal recorded so far, if any, forgetting it.
@@ -193,6 +185,13 @@ impl Failures {
             }
         });
         taken
+    }
+
+    /// Whether a consumer error says a broker refused the connection (TLS or SASL): see
+    /// [`refusal_of`](Self::refusal_of).
+    pub(crate) fn is_refusal(error: &KafkaError) -> bool {
+        let code = error.rdkafka_error_code();
+        code.is_some_and(|code| Refusal::of(code, "").is_some())
     }
 
     /// The refusal a consumer error stands for, with the reason of the last failure (its log

@@ -1,6 +1,5 @@
 //! An idempotent producer that puts a message ID header on every record.
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
@@ -9,10 +8,9 @@ use inbox_core::{OutgoingMessage, Publish, PublishError};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
-use crate::config::Redacted;
+use crate::connection::Properties;
 use crate::context::ProducerContext;
 use crate::failure::Failures;
-use crate::source::millis;
 use crate::{Error, KafkaConnection, KafkaSourceBuilder, Result};
 
 /// An idempotent Kafka producer (`enable.idempotence=true`, so its own retries add no copies)
@@ -41,22 +39,12 @@ impl fmt::Debug for KafkaProducer {
 /// Builds a [`KafkaProducer`]; start with [`KafkaConnection::producer`] (or
 /// [`KafkaProducer::builder`], on the brokers `KAFKA_BROKERS` names). Its `Debug` output hides
 /// the values of secret properties, like [`KafkaConnection`]'s.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 #[must_use = "a builder does nothing until `connect` is called"]
 pub struct KafkaProducerBuilder {
     connection: KafkaConnection,
     id_header: String,
-    properties: BTreeMap<String, String>,
-}
-
-impl fmt::Debug for KafkaProducerBuilder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("KafkaProducerBuilder")
-            .field("connection", &self.connection)
-            .field("id_header", &self.id_header)
-            .field("properties", &Redacted(&self.properties))
-            .finish()
-    }
+    properties: Properties,
 }
 
 impl KafkaProducerBuilder {
@@ -64,7 +52,7 @@ impl KafkaProducerBuilder {
         Self {
             connection,
             id_header: KafkaSourceBuilder::DEFAULT_ID_HEADER.to_owned(),
-            properties: BTreeMap::new(),
+            properties: Properties::default(),
         }
     }
 
@@ -80,7 +68,7 @@ impl KafkaProducerBuilder {
     /// acknowledgement, retries included, for the connection's operation timeout
     /// (`message.timeout.ms`, which can be set here too).
     pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.properties.insert(key.into(), value.into());
+        self.properties.insert(key, value);
         self
     }
 
@@ -90,14 +78,8 @@ impl KafkaProducerBuilder {
         if self.id_header.is_empty() {
             return Err(Error::Config("the ID header name is empty".into()));
         }
-        let timeout = self.connection.operation_timeout;
-        let (mut config, context) = self.connection.client(&Failures::default())?;
-        config
-            .set("enable.idempotence", "true")
-            .set("message.timeout.ms", millis(timeout));
-        for (key, value) in &self.properties {
-            config.set(key, value);
-        }
+        let (mut config, context) = self.connection.producer_client(&Failures::default())?;
+        self.properties.apply(&mut config);
         if config.get("enable.idempotence") != Some("true") {
             return Err(Error::Config(
                 "KafkaProducer keeps enable.idempotence=true; remove the property".into(),
@@ -110,7 +92,7 @@ impl KafkaProducerBuilder {
         Ok(KafkaProducer {
             producer,
             id_header: self.id_header,
-            timeout,
+            timeout: self.connection.operation_timeout,
         })
     }
 }
@@ -157,16 +139,10 @@ impl KafkaProducer {
             )));
         }
         let traced: Vec<_> = message.traced_headers().collect();
-        let mut headers = OwnedHeaders::new_with_capacity(traced.len() + 1).insert(Header {
-            key: &self.id_header,
-            value: Some(message.id.as_str()),
-        });
-        for (key, value) in &traced {
-            headers = headers.insert(Header {
-                key,
-                value: Some(value.as_ref()),
-            });
-        }
+        let id = (self.id_header.as_str(), message.id.as_str().as_bytes());
+        let headers = record_headers(
+            std::iter::once(id).chain(traced.iter().map(|(key, value)| (*key, value.as_ref()))),
+        );
         let mut record = FutureRecord::<str, [u8]>::to(topic)
             .payload(&message.payload)
             .headers(headers);
@@ -187,6 +163,20 @@ impl KafkaProducer {
     pub fn client(&self) -> &FutureProducer<impl rdkafka::ClientContext + 'static> {
         &self.producer
     }
+}
+
+/// Record headers from names and values, in order.
+pub(crate) fn record_headers<'a>(
+    headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+) -> OwnedHeaders {
+    let headers = headers.into_iter();
+    let all = OwnedHeaders::new_with_capacity(headers.size_hint().0);
+    headers.fold(all, |all, (key, value)| {
+        all.insert(Header {
+            key,
+            value: Some(value),
+        })
+    })
 }
 
 /// `destination` is the topic; a message's key is the record key (one partition per key). Every

@@ -57,13 +57,8 @@ impl Deref for SharedConsumer {
     }
 }
 
+#[derive(Clone)]
 struct LastRef(Option<Arc<Client>>);
-
-impl Clone for LastRef {
-    fn clone(&self) -> Self {
-        Self(self.0.clone())
-    }
-}
 
 impl Drop for LastRef {
     fn drop(&mut self) {

@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::FutureExt;
 use inbox_core::{
@@ -110,13 +110,11 @@ impl KafkaSource {
             .subscribe(&topics)
             .map_err(|e| Error::kafka(format!("subscribing to {topics:?}"), e))?;
 
-        let (mut producer_config, _) = config.connection.client(&failures)?;
-        let admin_config = producer_config.clone();
-        // A dead letter is produced once per delivery: the idempotent producer keeps its own
-        // retries from adding copies. The delivery wait is bounded like any other operation.
-        producer_config
-            .set("enable.idempotence", "true")
-            .set("message.timeout.ms", millis(operation_timeout));
+        // The admin client and the dead-letter producer share the consumer's context (its token
+        // refresh, its connection failures). A dead letter is produced once per delivery: the
+        // idempotent producer keeps its own retries from adding copies.
+        let (admin_config, _) = config.connection.client(&failures)?;
+        let (producer_config, _) = config.connection.producer_client(&failures)?;
         let producer = producer_config
             .create_with_context(context.clone())
             .map_err(|e| Error::kafka("creating the dead-letter producer", e))?;
@@ -213,63 +211,60 @@ impl KafkaSource {
     /// The delivery of a record read, `None` for one read again only because a rewind went back
     /// past it, which was finished already or whose earlier copy is still out
     /// ([`Tracker::received`](crate::tracker::Tracker::received)).
-    fn delivery(&self, message: &BorrowedMessage<'_>) -> Option<Delivery<KafkaAck>> {
-        let topic = message.topic();
-        let (partition, offset) = (message.partition(), message.offset());
+    fn delivery(&self, record: &BorrowedMessage<'_>) -> Option<Delivery<KafkaAck>> {
+        let topic = record.topic();
+        let (partition, offset) = (record.partition(), record.offset());
         let tracked = self
             .consumer
             .context()
             .tracker()
             .received(topic, partition, offset)?;
         let id = self.id_from.read(&Record {
-            headers: message.headers(),
-            payload: message.payload().unwrap_or_default(),
+            headers: record.headers(),
+            payload: record.payload().unwrap_or_default(),
             position: (topic, partition, offset),
         });
-        let headers = message
-            .headers()
-            .map(|list| {
-                list.iter()
-                    .map(|h| {
-                        (
-                            h.key.to_owned(),
-                            h.value.map(<[u8]>::to_vec).unwrap_or_default(),
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-
-        let delivery_count = tracked.delivery_count;
-        let target = AckTarget {
-            consumer: self.consumer.clone(),
-            topic: topic.into(),
-            partition,
-            offset,
-            generation: tracked.generation,
-            timeout: self.operation_timeout,
+        let ack = KafkaAck {
+            target: AckTarget {
+                consumer: self.consumer.clone(),
+                topic: topic.into(),
+                partition,
+                offset,
+                generation: tracked.generation,
+                timeout: self.operation_timeout,
+            },
+            dead_letters: Arc::clone(&self.dead_letters),
         };
-        let ack = KafkaAck::new(target, Arc::clone(&self.dead_letters));
-        let record = message;
         let mut message = Message::new(id, record.payload().unwrap_or_default());
         message.key = record.key().map(<[u8]>::to_vec);
-        message.headers = headers;
+        message.headers = record_headers(record).collect();
         let meta = &mut message.meta;
         meta.source = topic.to_owned();
         meta.position = format!("partition {partition} offset {offset}");
         // Kafka does not count deliveries; this adapter counts its own nacks.
-        meta.delivery_count = (delivery_count > 1).then_some(delivery_count);
-        meta.redelivered = delivery_count > 1;
+        let count = tracked.delivery_count;
+        meta.delivery_count = (count > 1).then_some(count);
+        meta.redelivered = count > 1;
         meta.redeliveries = tracked.redeliveries;
         meta.lane = Some(format!("{topic}[{partition}]"));
         meta.partition = Some(partition.to_string());
-        meta.timestamp = record
-            .timestamp()
-            .to_millis()
-            .and_then(|ms| u64::try_from(ms).ok())
-            .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms));
+        meta.timestamp = timestamp(record);
         Some(Delivery { message, ack })
     }
+}
+
+/// A record's headers, in order; a null value reads as empty.
+pub(crate) fn record_headers<'a>(
+    record: &'a impl rdkafka::Message,
+) -> impl Iterator<Item = (String, Vec<u8>)> + 'a {
+    let headers = record.headers().into_iter().flat_map(|list| list.iter());
+    headers.map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+}
+
+/// When the record was produced (or appended), `None` when it carries no timestamp.
+pub(crate) fn timestamp(record: &impl rdkafka::Message) -> Option<SystemTime> {
+    let ms = u64::try_from(record.timestamp().to_millis()?).ok()?;
+    Some(UNIX_EPOCH + Duration::from_millis(ms))
 }
 
 /// Where Kafka keeps what [`IdFrom`] reads: record headers, CloudEvents' binary mode as `ce_`
@@ -351,7 +346,7 @@ impl MessageSource for KafkaSource {
                     warn!(group = %self.consumer.context().group, "evicted for exceeding max.poll.interval.ms; rejoining the group");
                     return Ok(Vec::new());
                 }
-                Ok(Err(e)) if refused(&e) => {
+                Ok(Err(e)) if Failures::is_refusal(&e) => {
                     // A TLS handshake or a login the brokers refused: librdkafka would retry it
                     // forever in the background; the source says why instead.
                     let failures = &self.consumer.context().failures;
@@ -422,15 +417,6 @@ impl MessageSource for KafkaSource {
 
 pub(crate) fn millis(d: Duration) -> String {
     d.as_millis().to_string()
-}
-
-/// Whether a consumer error says a broker refused the connection: TLS or SASL.
-fn refused(e: &KafkaError) -> bool {
-    use RDKafkaErrorCode as C;
-    matches!(
-        e.rdkafka_error_code(),
-        Some(C::SSL | C::Authentication | C::SaslAuthenticationFailed)
-    )
 }
 
 /// Whether a consumer error is one librdkafka reports for information and recovers from by

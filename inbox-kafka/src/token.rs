@@ -110,6 +110,13 @@ impl TokenProvider for dyn DynTokenProvider {
     }
 }
 
+/// A provider is not required to be `Debug`: a connection's output only says there is one.
+impl fmt::Debug for dyn DynTokenProvider {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("TokenProvider")
+    }
+}
+
 /// Sets `sasl.mechanism=OAUTHBEARER` on a client with a token provider, and refuses another
 /// mechanism, with which the provider would never be called.
 pub(crate) fn require_oauthbearer(config: &mut rdkafka::ClientConfig) -> Result<()> {
@@ -136,26 +143,6 @@ pub(crate) fn require_oauthbearer(config: &mut rdkafka::ClientConfig) -> Result<
     }
 }
 
-/// The context's token refresh for `provider`: the runtime is the current one.
-pub(crate) fn refresh_for(
-    provider: Option<&Arc<dyn DynTokenProvider>>,
-    timeout: Duration,
-    failures: &Failures,
-) -> Result<Option<TokenRefresh>> {
-    let Some(provider) = provider else {
-        return Ok(None);
-    };
-    TokenRefresh::new(Arc::clone(provider), timeout, failures.clone())
-        .map(Some)
-        .ok_or_else(|| {
-            Error::Config(
-                "a client with a token provider is made inside a tokio runtime: call \
-                 `connect` from async code"
-                    .into(),
-            )
-        })
-}
-
 /// A provider as a client's context holds it: with the runtime it runs on, how long it may
 /// take, and where its failures are reported.
 #[derive(Clone)]
@@ -176,15 +163,22 @@ impl fmt::Debug for TokenRefresh {
 }
 
 impl TokenRefresh {
-    /// `None` outside a tokio runtime: the provider would have nothing to run on.
+    /// Refused outside a tokio runtime: the provider would have nothing to run on.
     pub(crate) fn new(
         provider: Arc<dyn DynTokenProvider>,
         timeout: Duration,
         failures: Failures,
-    ) -> Option<Self> {
-        Some(Self {
+    ) -> Result<Self> {
+        let runtime = Handle::try_current().map_err(|_| {
+            Error::Config(
+                "a client with a token provider is made inside a tokio runtime: call \
+                 `connect` from async code"
+                    .into(),
+            )
+        })?;
+        Ok(Self {
             provider,
-            runtime: Handle::try_current().ok()?,
+            runtime,
             timeout,
             failures,
         })
