@@ -30,12 +30,9 @@ use crate::cli::{
 use crate::effects_child::{ChildSpec, Mode, Role, EFFECT_CONSUMER, PROVIDER_ENV};
 use crate::kill;
 use crate::report::spread;
+use serde_json::Value;
 
-/// `effects-test`: side effects outside the database. An effect consumer child calling a test
-/// provider (the first call per key slow, `--work-ms`) is SIGKILLed and restarted, then drains;
-/// duplicate and lost effects are counted at the provider per mode, a table and JSON lines.
-/// `--e2e true`: the outbox chain instead, consumer A (inbox + outbox) on X, the relay to Y,
-/// consumer B (the credit) on Y, each killed in turn; B must credit every event once.
+/// The flags of `effects-test`.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct EffectsSettings {
     /// Brokers to test; one that does not answer is skipped.
@@ -96,95 +93,147 @@ impl EffectsSettings {
     }
 }
 
-/// One run's figures, counted at the provider.
-#[derive(Debug, Clone, Copy)]
-struct EffectRun {
-    kills: u32,
-    duplicates: i64,
-    lost: i64,
-    calls: i64,
+/// One run's figures: effects count at the provider (`calls`), the outbox chain in B's ledger
+/// and the outbox (the rest).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Run {
+    pub(crate) kills: u32,
+    pub(crate) duplicates: i64,
+    pub(crate) lost: i64,
+    /// Provider calls.
+    pub(crate) calls: i64,
+    pub(crate) balances_exact: bool,
+    /// Outbox rows A wrote: one per event when A is effectively-once.
+    pub(crate) outbox_rows: i64,
+    pub(crate) unsent: i64,
 }
 
-/// `evidence effects-test`.
+/// `evidence effects-test`: per broker and mode (the outbox chain: per broker) the runs, then a
+/// table and a JSON line per row.
 pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
-    if s.e2e {
-        return crate::outbox_chain::main(s).await;
-    }
+    // The outbox chain has no modes.
+    let modes: Vec<Option<Mode>> = if s.e2e {
+        vec![None]
+    } else {
+        s.modes.iter().copied().map(Some).collect()
+    };
     let mut rows = Vec::new();
     for &kind in &s.brokers {
         if brokers::left_out(kind, false)? {
             continue;
         }
-        with_broker!(kind, s.kafka_impl, |broker| for &mode in &s.modes {
+        with_broker!(kind, s.kafka_impl, |broker| for &mode in &modes {
             let mut runs = Vec::new();
             for run in 0..s.runs {
-                let r = run_once(broker, s, mode, run).await?;
-                println!(
-                    "run done: {kind} {} run {}/{}: {} duplicate effects, {} lost, {} kills, {} provider calls",
-                    mode.name(),
-                    run + 1,
-                    s.runs,
-                    r.duplicates,
-                    r.lost,
-                    r.kills,
-                    r.calls
-                );
+                let what = mode.map_or("outbox chain", Mode::name);
+                let label = format!("{kind} {what} run {}/{}", run + 1, s.runs);
+                let r = match mode {
+                    Some(mode) => run_once(broker, s, mode, run, &label).await?,
+                    None => crate::outbox_chain::run_once(broker, s, run, &label).await?,
+                };
+                let (duplicates, lost, kills) = (r.duplicates, r.lost, r.kills);
+                let figures = if mode.is_some() {
+                    format!("{duplicates} duplicate effects, {lost} lost, {kills} kills, {} provider calls", r.calls)
+                } else {
+                    let balances = if r.balances_exact { "exact" } else { "WRONG" };
+                    format!(
+                        "{duplicates} duplicates, {lost} lost, balances {balances}, {kills} kills, \
+                         {} outbox rows ({} unsent)",
+                        r.outbox_rows, r.unsent
+                    )
+                };
+                println!("run done: {label}: {figures}");
                 runs.push(r);
             }
             rows.push((kind, mode, s.events_on(kind), runs));
         });
     }
     println!();
-    println!(
-        "| broker | mode | events | runs | kills/run | duplicate effects/run | lost/run | provider calls/run |"
-    );
-    println!("|---|---|---|---|---|---|---|---|");
-    for (kind, mode, events, runs) in &rows {
+    if s.e2e {
         println!(
-            "| {kind} | {} | {events} | {} | {} | {} | {} | {} |",
-            mode.name(),
+            "| broker | events | runs | kills/run (A, relay, B in turn) | duplicates/run | lost/run | balances exact | outbox rows/run |"
+        );
+    } else {
+        println!(
+            "| broker | mode | events | runs | kills/run | duplicate effects/run | lost/run | provider calls/run |"
+        );
+    }
+    println!("|---|---|---|---|---|---|---|---|");
+    let show = |runs: &[Run], figure: fn(&Run) -> i64| spread(runs.iter().map(figure)).show();
+    for (kind, mode, events, runs) in &rows {
+        let last = match mode {
+            Some(_) => show(runs, |r| r.calls),
+            None => format!(
+                "{}/{} | {}",
+                runs.iter().filter(|r| r.balances_exact).count(),
+                runs.len(),
+                show(runs, |r| r.outbox_rows)
+            ),
+        };
+        let mode = mode.map_or(String::new(), |m| format!(" {} |", m.name()));
+        println!(
+            "| {kind} |{mode} {events} | {} | {} | {} | {} | {last} |",
             runs.len(),
-            spread(runs.iter().map(|r| i64::from(r.kills))).show(),
-            spread(runs.iter().map(|r| r.duplicates)).show(),
-            spread(runs.iter().map(|r| r.lost)).show(),
-            spread(runs.iter().map(|r| r.calls)).show(),
+            show(runs, |r| r.kills.into()),
+            show(runs, |r| r.duplicates),
+            show(runs, |r| r.lost),
         );
     }
     println!();
     for (kind, mode, events, runs) in &rows {
-        let line = serde_json::json!({
-            "test": "effects",
+        let list = |figure: fn(&Run) -> Value| runs.iter().map(figure).collect::<Value>();
+        let mut line = serde_json::json!({
+            "test": if s.e2e { "outbox_chain" } else { "effects" },
             "broker": kind.name(),
-            "mode": mode.name(),
             "events": events,
             "runs": runs.len(),
-            "kills": runs.iter().map(|r| r.kills).collect::<Vec<_>>(),
-            "duplicates": runs.iter().map(|r| r.duplicates).collect::<Vec<_>>(),
-            "lost": runs.iter().map(|r| r.lost).collect::<Vec<_>>(),
-            "provider_calls": runs.iter().map(|r| r.calls).collect::<Vec<_>>(),
+            "kills": list(|r| r.kills.into()),
+            "duplicates": list(|r| r.duplicates.into()),
+            "lost": list(|r| r.lost.into()),
             "work_ms": s.work_ms,
             "kill_after_ms": [s.kill_after_ms.0, s.kill_after_ms.1],
         });
+        if let Some(mode) = mode {
+            line["mode"] = mode.name().into();
+            line["provider_calls"] = list(|r| r.calls.into());
+        } else {
+            line["balances_exact"] = list(|r| r.balances_exact.into());
+            line["outbox_rows"] = list(|r| r.outbox_rows.into());
+            line["unsent"] = list(|r| r.unsent.into());
+        }
         println!("{line}");
     }
     // What each mode promises: keys and lookup neither duplicate nor lose; retry never loses;
-    // skip never duplicates.
+    // skip never duplicates. The outbox chain: each event credited once, one outbox row each.
     let broken: Vec<String> = rows
         .iter()
-        .filter(|(_, mode, _, runs)| {
-            runs.iter().any(|r| match mode {
-                Mode::Keys | Mode::Lookup => r.duplicates > 0 || r.lost > 0,
-                Mode::NeitherRetry => r.lost > 0,
-                Mode::NeitherSkip => r.duplicates > 0,
+        .filter(|(_, mode, events, runs)| {
+            runs.iter().any(|r| {
+                let (duplicated, lost) = (r.duplicates > 0, r.lost > 0);
+                match mode {
+                    Some(Mode::Keys | Mode::Lookup) => duplicated || lost,
+                    Some(Mode::NeitherRetry) => lost,
+                    Some(Mode::NeitherSkip) => duplicated,
+                    None => {
+                        duplicated
+                            || lost
+                            || !r.balances_exact
+                            || r.outbox_rows != i64::from(*events)
+                    }
+                }
             })
         })
-        .map(|(kind, mode, _, _)| format!("{kind} {}", mode.name()))
+        .map(|(kind, mode, _, _)| mode.map_or(kind.to_string(), |m| format!("{kind} {}", m.name())))
         .collect();
     if broken.is_empty() {
-        Ok(())
-    } else {
-        Err(format!("outside what the mode promises: {}", broken.join(", ")).into())
+        return Ok(());
     }
+    let what = if s.e2e {
+        "the outbox chain was not exactly-once on"
+    } else {
+        "outside what the mode promises"
+    };
+    Err(format!("{what}: {}", broken.join(", ")).into())
 }
 
 /// Accounts the events of the effects and outbox-chain tests credit.
@@ -203,11 +252,11 @@ async fn run_once<B: TestBroker>(
     s: &EffectsSettings,
     mode: Mode,
     run: u32,
-) -> Result<EffectRun, BoxError> {
+    label: &str,
+) -> Result<Run, BoxError> {
     let kind = broker.kind();
     let count = s.events_on(kind);
-    let label = format!("{kind} {} run {}/{}", mode.name(), run + 1, s.runs);
-    let bar = progress::Progress::bar(&label, u64::from(count), "effects", "done");
+    let bar = progress::Progress::bar(label, u64::from(count), "effects", "done");
     let db = TestDb::new().await;
     let leases = PgLeases::new(db.inbox())?;
     leases.migrate().await?;
@@ -268,11 +317,12 @@ async fn run_once<B: TestBroker>(
     let calls = keys.iter().map(|k| provider.calls(k).len() as i64).sum();
     db.drop().await;
     broker.remove(&name).await;
-    Ok(EffectRun {
+    Ok(Run {
         kills,
         duplicates,
         lost,
         calls,
+        ..Run::default()
     })
 }
 
