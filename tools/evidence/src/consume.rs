@@ -9,10 +9,10 @@ use std::time::Duration;
 use inbox_conformance::mysql_wallet;
 use inbox_conformance::store::MySqlDb;
 use inbox_conformance::wallet::{BatchCredit, Credit};
-use inbox_conformance::{TestBroker, TestDb};
+use inbox_conformance::{TestBroker, TestDb, TestStore};
 use inbox_core::{
     BatchHandler, BatchItem, BoxError, Consumer, HandlerError, Inbox, InboxStore, Message,
-    MessageId, MessageSource, Stage, StageHook, StatsSnapshot,
+    MessageId, MessageSource, Sharded, Stage, StageHook, StatsSnapshot,
 };
 use inbox_testkit::{MemoryStore, MemoryTx, WithoutInbox};
 
@@ -53,53 +53,29 @@ pub(crate) async fn run<S: MessageSource + 'static>(
     progress: Option<Arc<Progress>>,
     shutdown: Shutdown,
 ) -> Result<StatsSnapshot, inbox_core::Error> {
-    if spec.store == StoreKind::Sharded {
-        return run_sharded(source, spec, progress, shutdown).await;
-    }
     if spec.no_database {
         let consumer = Consumer::batched("wallet", source, MemoryStore::<()>::new(), CountOnly);
         return finish(consumer, spec, progress, shutdown).await;
     }
-    // b, and the a variants (whose ack already happened on receipt): no inbox claim.
-    let with_inbox = spec.variant == Variant::C;
-    if spec.batched() {
-        return if with_inbox {
-            let consumer = Consumer::batched("wallet", source, db.inbox(), BatchCredit);
-            finish(consumer, spec, progress, shutdown).await
-        } else {
-            let store = WithoutInbox(db.inbox());
-            let consumer = Consumer::batched("wallet", source, store, BatchCredit);
-            finish(consumer, spec, progress, shutdown).await
+    // The consumer on `$store`, with the set-based or the per-message credit.
+    macro_rules! on {
+        ($store:expr) => {
+            if spec.batched() {
+                let consumer = Consumer::batched("wallet", source, $store, BatchCredit);
+                finish(consumer, spec, progress, shutdown).await
+            } else {
+                let handler = Credit::new(db.clone()).work(spec.work);
+                let consumer = Consumer::new("wallet", source, $store, handler);
+                finish(consumer, spec, progress, shutdown).await
+            }
         };
     }
-    let handler = Credit::new(db.clone()).work(spec.work);
-    if with_inbox {
-        let consumer = Consumer::new("wallet", source, db.inbox(), handler);
-        finish(consumer, spec, progress, shutdown).await
+    // b, and the a variants (whose ack already happened on receipt): no inbox claim.
+    if spec.variant == Variant::C {
+        on!(db.inbox())
     } else {
-        let consumer = Consumer::new("wallet", source, WithoutInbox(db.inbox()), handler);
-        finish(consumer, spec, progress, shutdown).await
+        on!(WithoutInbox(db.inbox()))
     }
-}
-
-/// Runs `spec`'s consumer on `source` with the inbox and wallet spread over the shards in
-/// `spec.schema`, each credit in its account's shard: variant c, per-message credits.
-async fn run_sharded<S: MessageSource + 'static>(
-    source: S,
-    spec: &ConsumerSpec,
-    progress: Option<Arc<Progress>>,
-    shutdown: Shutdown,
-) -> Result<StatsSnapshot, inbox_core::Error> {
-    if spec.variant != Variant::C || spec.batched() || spec.no_database {
-        return Err(inbox_core::Error::Config(
-            "--store sharded runs variant c with the per-message credit only".into(),
-        ));
-    }
-    let dbs = shards::attach_shards(&spec.schema).await;
-    let store = shards::sharded_inbox(&dbs);
-    let handler = Credit::new(dbs[0].clone()).work(spec.work);
-    let consumer = Consumer::new("wallet", source, store, handler);
-    finish(consumer, spec, progress, shutdown).await
 }
 
 /// Runs `spec`'s consumer on `broker` with the wallet in `db` until `shutdown`.
@@ -127,27 +103,46 @@ pub(crate) async fn attached<B: TestBroker>(
     spec: &ConsumerSpec,
     shutdown: Shutdown,
 ) -> Result<StatsSnapshot, BoxError> {
-    let db = match spec.store {
-        StoreKind::Postgres => TestDb::attach(&spec.schema).await,
-        // The consumer attaches to every shard; the first holds the wallet.
-        StoreKind::Sharded => shards::attach_shards(&spec.schema).await.remove(0),
-        StoreKind::Mysql => {
-            if spec.variant != Variant::C || spec.batched() || spec.no_database {
-                return Err(format!(
-                    "the MySQL store runs variant c with the per-message credit only, not {spec:?}"
-                )
-                .into());
-            }
-            // The MySQL store and wallet.
-            let db = MySqlDb::attach(&spec.schema).await;
-            let source = broker.source(spec).await?;
-            crate::ready();
-            let handler = Credit::new(db.clone()).work(spec.work);
-            let consumer = Consumer::new("wallet", source, mysql_wallet::inbox(&db), handler);
-            return Ok(finish(consumer, spec, None, shutdown).await?);
+    match spec.store {
+        StoreKind::Postgres => {
+            let db = TestDb::attach(&spec.schema).await;
+            consume(broker, spec, &db, None, shutdown).await
         }
-    };
-    consume(broker, spec, &db, None, shutdown).await
+        StoreKind::Mysql => {
+            let db = MySqlDb::attach(&spec.schema).await;
+            let store = mysql_wallet::inbox(&db);
+            credit_only(broker, spec, db, store, shutdown).await
+        }
+        // Each credit claimed in its account's shard; the first shard holds the wallet.
+        StoreKind::Sharded => {
+            let dbs = shards::attach_shards(&spec.schema).await;
+            let store = shards::sharded_inbox(&dbs);
+            credit_only(broker, spec, dbs[0].clone(), store, shutdown).await
+        }
+    }
+}
+
+/// Runs `spec`'s consumer on `broker` with the per-message credit of the wallet in `db`, claimed
+/// in `store`, until `shutdown`: variant c only (the other variants show what the inbox
+/// prevents, on PostgreSQL).
+async fn credit_only<B: TestBroker, D: TestStore>(
+    broker: &Broker<B>,
+    spec: &ConsumerSpec,
+    db: D,
+    store: impl Into<Sharded<D::Inbox>>,
+    shutdown: Shutdown,
+) -> Result<StatsSnapshot, BoxError> {
+    if spec.variant != Variant::C || spec.batched() || spec.no_database {
+        return Err(format!(
+            "--store {} runs variant c with the per-message credit only, not {spec:?}",
+            spec.store
+        )
+        .into());
+    }
+    let source = broker.source(spec).await?;
+    crate::ready();
+    let consumer = Consumer::new("wallet", source, store, Credit::new(db).work(spec.work));
+    Ok(finish(consumer, spec, None, shutdown).await?)
 }
 
 /// Sets `spec`'s batch size, lanes and hooks on `consumer` and runs it until `shutdown`.
