@@ -26,8 +26,7 @@ use crate::cli::{
 };
 use crate::kill;
 
-/// `bench`: msgs/s of variants b and c beside the broker alone and the database alone, for
-/// each broker, batch size, handler and lane count; a table and JSON lines.
+/// The flags of `bench`.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct BenchSettings {
     /// Brokers to measure.
@@ -286,10 +285,14 @@ impl Runs {
     }
 }
 
+/// Credit event `i` of the bench: 1 to each account in turn.
+fn credit(s: &BenchSettings, i: u32) -> (OutgoingMessage, CreditEvent) {
+    let event = CreditEvent::new(i64::from(i) % s.accounts + 1, 1);
+    (brokers::credit(i, &event), event)
+}
+
 fn events(s: &BenchSettings, n: u32) -> Vec<OutgoingMessage> {
-    (0..n)
-        .map(|i| brokers::credit(i, &CreditEvent::new(i64::from(i) % s.accounts + 1, 1)))
-        .collect()
+    (0..n).map(|i| credit(s, i).0).collect()
 }
 
 /// Runs `consumer` on a fresh queue and schema until every one of `events` is applied, timed
@@ -388,17 +391,16 @@ async fn database_alone(s: &BenchSettings, batch: usize, run: &str) -> Result<Ro
     let db = TestDb::new().await;
     let inbox: PgInbox = db.inbox().bind(&ConsumerBinding::new("wallet"));
     let n = s.events as usize;
-    let decoded: Vec<(MessageId, inbox_core::Message, CreditEvent)> = events(s, s.events)
-        .into_iter()
-        .map(|e| {
-            let event: CreditEvent = serde_json::from_slice(&e.payload)?;
-            Ok((
+    let decoded: Vec<(MessageId, inbox_core::Message, CreditEvent)> = (0..s.events)
+        .map(|i| {
+            let (e, event) = credit(s, i);
+            (
                 e.id.clone(),
                 inbox_core::Message::new(Ok(e.id), e.payload),
                 event,
-            ))
+            )
         })
-        .collect::<Result<_, BoxError>>()?;
+        .collect();
     let label = format!("bench {run}: postgres database alone batch {batch}");
     let bar = progress::Progress::bar(label, n as u64, "msgs", "consumed");
     reset_peak_rss();
@@ -450,7 +452,7 @@ impl Progress {
     /// Counts `n` messages applied now.
     pub(crate) fn add(&self, n: u64) {
         let now = Instant::now();
-        let mut span = self.span.lock().unwrap_or_else(|e| e.into_inner());
+        let mut span = inbox_testkit::lock(&self.span);
         *span = Some(match *span {
             Some((first, _)) => (first, now),
             None => (now, now),
@@ -471,7 +473,7 @@ impl Progress {
             let applied = self.applied.load(Ordering::Relaxed);
             bar.set_position(applied);
             if applied >= n {
-                let span = *self.span.lock().unwrap_or_else(|e| e.into_inner());
+                let span = *inbox_testkit::lock(&self.span);
                 return Ok(span.map_or(0.0, |(first, end)| (end - first).as_secs_f64()));
             }
             if applied != last.0 {

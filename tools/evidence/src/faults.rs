@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_conformance::database_url;
+use inbox_conformance::rabbitmq::url_via;
 use inbox_conformance::{FaultProxy, ProxyMode};
 use inbox_core::BoxError;
 
@@ -115,13 +116,11 @@ async fn proxied(
     default_port: u16,
 ) -> Result<(Arc<FaultProxy>, String), BoxError> {
     let bad = || format!("{var}={url}: expected scheme://[user@]host[:port][/…]");
-    let (scheme, rest) = url.split_once("://").ok_or_else(bad)?;
-    let end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let (authority, path) = rest.split_at(end);
-    let (user, host_port) = match authority.rsplit_once('@') {
-        Some((user, host)) => (format!("{user}@"), host),
-        None => (String::new(), authority),
-    };
+    let rest = url.split_once("://").ok_or_else(bad)?.1;
+    let authority = &rest[..rest.find(['/', '?']).unwrap_or(rest.len())];
+    let host_port = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
     if host_port.is_empty() || host_port.starts_with('[') {
         return Err(bad().into());
     }
@@ -134,6 +133,6 @@ async fn proxied(
         .next()
         .ok_or_else(|| format!("{var}: {host_port} resolves to no address"))?;
     let proxy = FaultProxy::start(upstream).await?;
-    let through = format!("{scheme}://{user}{}{path}", proxy.addr());
+    let through = url_via(url, proxy.addr());
     Ok((Arc::new(proxy), through))
 }

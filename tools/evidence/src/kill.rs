@@ -377,22 +377,13 @@ pub(crate) struct PublishArgs {
 
 /// Creates the queue, topic or stream and publishes seeded credit events to it.
 pub(crate) async fn publish(args: PublishArgs) -> Result<(), BoxError> {
-    let PublishArgs {
-        broker,
-        name,
-        events,
-        seed,
-        kafka_impl,
-    } = args;
     // The kill test's 100 accounts.
-    let (outgoing, _) = self::events(seed, 100, events);
-    with_broker!(broker, kafka_impl, |broker| {
-        let name = broker.create(&name).await?;
+    let (outgoing, _) = self::events(args.seed, 100, args.events);
+    with_broker!(args.broker, args.kafka_impl, |broker| {
+        let name = broker.create(&args.name).await?;
         broker.publish(&name, &outgoing).await?;
-        println!(
-            "published {events} credit events to {} `{name}`",
-            broker.kind()
-        );
+        let (events, kind) = (args.events, broker.kind());
+        println!("published {events} credit events to {kind} `{name}`");
     });
     Ok(())
 }

@@ -1,18 +1,12 @@
 //! The evidence tool: the article's kill and zombie tests, the effect and fault tests, soak runs
-//! and benchmarks, on Kafka, SQS, RabbitMQ, Redis Streams or NATS JetStream. Its workload is the wallet: credit
-//! events `{account_id, amount}` with producer-set IDs, applied to accounts with a ledger row
-//! each; what it shows is whether the inbox makes them effectively-once.
+//! and benchmarks, on Kafka, SQS, RabbitMQ, Redis Streams or NATS JetStream. Its workload is the
+//! wallet: credit events `{account_id, amount}` with producer-set IDs, applied to accounts with a
+//! ledger row each; what it shows is whether the inbox makes them effectively-once. Each run uses
+//! a schema and a queue, topic or stream of its own.
 //!
-//! `evidence --help` lists the commands and their options.
-//!
-//! Variants: `a1` ack on receipt, one message at a time (the test kit's `AckOnReceive` around
-//! the source; on Kafka with offsets committed every 5 s, as auto-commit does); `a2` the same in
-//! batches of 100 (10 on SQS, its receive limit); `b` ack after the DB commit, no inbox; `c` the
-//! inbox.
-//!
-//! Services: PostgreSQL at `DATABASE_URL`, and the brokers at `KAFKA_BROKERS`,
-//! `AWS_ENDPOINT_URL_SQS`, `AMQP_URL`, `REDIS_URL` (the defaults are what `cargo xtask services`
-//! starts). Each run uses a schema and a queue, topic or stream of its own.
+//! `evidence --help` lists the commands, the variants and the services. Variant `a1` is the test
+//! kit's `AckOnReceive` around the source (on Kafka with offsets committed every 5 s, as
+//! auto-commit does); `a2` the same in batches of 100 (10 on SQS, its receive limit).
 
 mod bench;
 mod brokers;

@@ -15,8 +15,7 @@ use rand::{RngExt, SeedableRng};
 
 use crate::cli::{positive, probability};
 
-/// `memory-demo`: the in-memory broker with crash points, without and with the inbox; only
-/// PostgreSQL.
+/// The flags of `memory-demo`.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct Settings {
     /// Credit events.

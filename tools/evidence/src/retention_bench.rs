@@ -40,9 +40,7 @@ const MIN_SPAN: Duration = Duration::from_secs(5);
 /// Claims before the baseline starts: connections, prepared statements, caches.
 const WARM_UP: Duration = Duration::from_secs(2);
 
-/// `retention-bench`: cleanup at ingest speed. Claim msgs/s alone and while the batched
-/// `DELETE` purge or the partition drop removes the oldest simulated day; rows/s, claim latency,
-/// bytes/row. Only PostgreSQL; a table and JSON lines.
+/// The flags of `retention-bench`.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct RetentionSettings {
     /// Inbox rows per simulated day.

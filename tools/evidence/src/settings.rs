@@ -154,9 +154,7 @@ impl KillSettings {
     }
 }
 
-/// `zombie-test`: three consumers of a queue, one event in `--stall-every` stalls on its first
-/// handling past the broker's ownership (visibility timeout, claim idle, max poll interval), so
-/// another consumer takes the event over while the first still holds it.
+/// The flags of `zombie-test` (`zombie.rs` says what it does).
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ZombieSettings {
     /// Brokers to test; one that does not answer is skipped.

@@ -38,11 +38,7 @@ const RSS_AGE: Duration = Duration::from_secs(10);
 const START_PATIENCE: Duration = Duration::from_secs(30);
 const START_GIVE_UP: Duration = Duration::from_secs(180);
 
-/// `soak`: per broker, events published in chunks while one consumer child is SIGKILLed every
-/// 5–30 s and restarted, with a network fault injected into its connections every 60 s (database
-/// cut, database refused 5 s, broker cut, broker black-holed 10 s; on Kafka the database ones
-/// only); then a drain: duplicates, losses and the children's RSS, a line and a JSON line per
-/// broker.
+/// The flags of `soak`.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct SoakSettings {
     /// Brokers to soak, one after the other.
@@ -242,15 +238,6 @@ async fn start(
     }
 }
 
-async fn max_ledger_id(db: &TestDb) -> Result<i64, BoxError> {
-    Ok(
-        sqlx::query_scalar::<_, Option<i64>>("SELECT max(id) FROM ledger")
-            .fetch_one(&db.pool)
-            .await?
-            .unwrap_or(0),
-    )
-}
-
 /// Kills and restarts children, injects faults and samples RSS until every event is published
 /// and in the ledger (or `--max-minutes`); the last child is killed too.
 async fn kill_phase(
@@ -285,7 +272,10 @@ async fn kill_phase(
                 running.rss_at_age = Some(kb);
             }
         }
-        let top = max_ledger_id(db).await?;
+        let top: Option<i64> = sqlx::query_scalar("SELECT max(id) FROM ledger")
+            .fetch_one(&db.pool)
+            .await?;
+        let top = top.unwrap_or(0);
         watched.retain_mut(|w| {
             if w.ended > Instant::now() {
                 return true;
@@ -532,11 +522,10 @@ async fn on_broker<B: TestBroker>(
         "rss_kb_max": phase.rss_max,
     });
     let line = format!("{line}\n{json}");
-    let failed =
-        (result.duplicates != 0 || result.lost != 0 || !result.balances_exact).then(|| {
-            let (duplicates, lost) = (result.duplicates, result.lost);
-            let balances = balances.to_lowercase();
-            format!("{kind}: {duplicates} duplicates, {lost} lost, balances {balances}")
-        });
+    let (duplicates, lost) = (result.duplicates, result.lost);
+    let failed = (duplicates != 0 || lost != 0 || !result.balances_exact).then(|| {
+        let balances = balances.to_lowercase();
+        format!("{kind}: {duplicates} duplicates, {lost} lost, balances {balances}")
+    });
     Ok((line, failed))
 }
