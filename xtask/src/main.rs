@@ -7,13 +7,14 @@
 //!   does not leave running). A
 //!   service already listening at its address is reused and never stopped. Safe to run twice.
 //! - `test`: `services` with the workspace's test build beside the installs, then
-//!   `cargo fmt --check`, `cargo clippy --all-targets -D warnings`, `cargo doc` with broken links
-//!   refused, and the whole test suite, then
-//!   the store's suite (`inbox-postgres`) again on the partitioned inbox layout
-//!   (`INBOX_TEST_LAYOUT=partitioned`), then one broker's suite with the store behind PgBouncer,
-//!   then the examples (`examples/examples/*.rs`) against the services, then the demo on NATS,
-//!   then `promtool check rules` and `promtool test rules` on the alert rules
-//!   (`docs/alerts`), then `cargo package` for every library crate.
+//!   `cargo fmt --check`, then the whole test suite, with `cargo clippy --all-targets -D warnings`
+//!   and `cargo doc` with broken links refused building beside it (in `target/lint`, at the
+//!   lowest CPU priority). Then two lines side by side: the doc tests, the store's suite
+//!   (`inbox-postgres`) again on the partitioned inbox layout (`INBOX_TEST_LAYOUT=partitioned`)
+//!   and one broker's suite with the store behind PgBouncer; and the examples
+//!   (`examples/examples/*.rs`) against the services, the demo on NATS, `promtool check rules`
+//!   and `promtool test rules` on the alert rules (`docs/alerts`) and `cargo package` for every
+//!   library crate.
 //! - `demo`: the services with the evidence tool's build beside the installs, then its wallet demo
 //!   (extra arguments go to it). Where no Kafka broker listens and Tansu is not built yet, the
 //!   demo's Kafka is librdkafka's mock cluster (the `kafka-mock` program), started for the demo
@@ -22,7 +23,7 @@
 mod services;
 
 use std::net::TcpListener;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
@@ -65,25 +66,164 @@ fn main() -> ExitCode {
 fn test(extra: &[String]) -> Result<(), String> {
     services::up(Some(&["test", "--workspace", "--no-run", "--quiet"]))?;
     cargo(&["fmt", "--all", "--", "--check"])?;
-    cargo(&[
+    // The lints and the API docs are built beside the tests, which mostly wait on servers:
+    // in a target directory of their own, so that neither build waits for the other's lock,
+    // and at the lowest CPU priority, so that the tests' timing does not change.
+    let lints = Line::start("the lints and the API docs", lints);
+    // nextest runs the test binaries' tests side by side, each in a process of its own
+    // (`.config/nextest.toml` says which run alone); the doc tests are cargo's.
+    let tests = services::nextest().and_then(|()| {
+        let mut args = vec!["nextest", "run", "--workspace"];
+        args.extend(extra.iter().map(String::as_str));
+        cargo(&args)?;
+        after_main_pass(extra)
+    });
+    tests.and(lints.finish())
+}
+
+/// The rest, in two lines side by side: the doc tests and the two passes over the store (each
+/// test in a schema or stream of its own); and the examples, the demo, the alert rules and the
+/// packaging, run from the programs the test build made (not `cargo run`, so that no build in
+/// the first line replaces a binary the second runs), their output printed when both end.
+fn after_main_pass(extra: &[String]) -> Result<(), String> {
+    let programs_dir = built_programs()?;
+    let programs = Line::start(
+        "the examples, the demo, the alert rules and the packaging",
+        move |log| programs(&programs_dir, log),
+    );
+    store_passes(extra).and(programs.finish())
+}
+
+/// Work on a thread of its own, its output in a log printed when it ends.
+struct Line {
+    what: &'static str,
+    log: PathBuf,
+    thread: std::thread::JoinHandle<Result<(), String>>,
+}
+
+impl Line {
+    fn start(
+        what: &'static str,
+        work: impl FnOnce(&std::fs::File) -> Result<(), String> + Send + 'static,
+    ) -> Self {
+        static LINES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = LINES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let log = std::env::temp_dir().join(format!("inbox-xtask-{}-{n}.log", std::process::id()));
+        let file = std::fs::File::create(&log);
+        let thread = std::thread::spawn(move || {
+            work(&file.map_err(|e| format!("cannot create the log of {what}: {e}"))?)
+        });
+        Self { what, log, thread }
+    }
+
+    fn finish(self) -> Result<(), String> {
+        let result = self
+            .thread
+            .join()
+            .unwrap_or_else(|_| Err(format!("the line of {} panicked", self.what)));
+        let printed = std::fs::read_to_string(&self.log).unwrap_or_default();
+        eprintln!("xtask: {}:\n{printed}", self.what);
+        let _ = std::fs::remove_file(&self.log);
+        result
+    }
+}
+
+/// `cargo clippy` with warnings refused, and the API docs built without a broken link, in
+/// `target/lint` and at the lowest CPU priority (`nice -n 19`).
+fn lints(log: &std::fs::File) -> Result<(), String> {
+    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/lint");
+    let target = target.to_str().ok_or("the workspace path is not UTF-8")?;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let nice = |args: &[&str], env: &[(&str, &str)]| {
+        let mut all = vec!["-n", "19", cargo.as_str()];
+        all.extend(args);
+        run(Path::new("nice"), &all, env, Some(log))
+    };
+    let clippy = [
         "clippy",
         "--workspace",
         "--all-targets",
         "--",
         "-D",
         "warnings",
-    ])?;
-    // The API docs build without a broken link.
-    cargo_with(
+    ];
+    nice(&clippy, &[("CARGO_TARGET_DIR", target)])?;
+    nice(
         &["doc", "--workspace", "--no-deps", "--quiet"],
-        &[("RUSTDOCFLAGS", "-D warnings")],
-    )?;
-    // nextest runs the test binaries' tests side by side, each in a process of its own
-    // (`.config/nextest.toml` says which run alone); the doc tests are cargo's.
-    services::nextest()?;
-    let mut args = vec!["nextest", "run", "--workspace"];
-    args.extend(extra.iter().map(String::as_str));
-    cargo(&args)?;
+        &[
+            ("RUSTDOCFLAGS", "-D warnings"),
+            ("CARGO_TARGET_DIR", target),
+        ],
+    )
+}
+
+/// The examples and the evidence tool as the workspace's test build made them, hard-linked into
+/// a directory of their own: a later build may replace the originals, never these.
+fn built_programs() -> Result<PathBuf, String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args([
+            "test",
+            "--workspace",
+            "--no-run",
+            "--quiet",
+            "--message-format=json",
+        ])
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("cargo test --no-run failed ({})", out.status));
+    }
+    let mut dir = None;
+    let mut wanted: Vec<&str> = EXAMPLES.iter().copied().chain(["evidence"]).collect();
+    for line in out.stdout.split(|&b| b == b'\n') {
+        let Ok(artifact) = serde_json::from_slice::<serde_json::Value>(line) else {
+            continue;
+        };
+        let target = &artifact["target"];
+        let kind = target["kind"][0].as_str().unwrap_or_default();
+        let name = target["name"].as_str().unwrap_or_default();
+        let program = match (kind, artifact["profile"]["test"].as_bool()) {
+            ("example", Some(false)) => EXAMPLES.contains(&name),
+            ("bin", Some(false)) => name == "evidence",
+            _ => false,
+        };
+        let Some(executable) = artifact["executable"].as_str().filter(|_| program) else {
+            continue;
+        };
+        let executable = Path::new(executable);
+        let dir = dir.get_or_insert_with(|| {
+            executable
+                .ancestors()
+                .find(|a| a.file_name().is_some_and(|n| n == "debug"))
+                .unwrap_or(executable)
+                .join("xtask-programs")
+        });
+        std::fs::create_dir_all(&*dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let link = dir.join(name);
+        let _ = std::fs::remove_file(&link);
+        std::fs::hard_link(executable, &link).map_err(|e| {
+            format!(
+                "linking {} to {}: {e}",
+                executable.display(),
+                link.display()
+            )
+        })?;
+        wanted.retain(|w| *w != name);
+    }
+    match (dir, wanted.is_empty()) {
+        (Some(dir), true) => Ok(dir),
+        _ => Err(format!(
+            "the test build made no program named {}",
+            wanted.join(", ")
+        )),
+    }
+}
+
+/// The doc tests, the store's suite on the partitioned layout and one broker's suite behind
+/// PgBouncer.
+fn store_passes(extra: &[String]) -> Result<(), String> {
     cargo(&["test", "--workspace", "--doc", "--quiet"])?;
     // Both inbox layouts pass the store's whole suite: the second pass puts every test inbox of
     // `inbox-postgres` in the partitioned one.
@@ -99,7 +239,7 @@ fn test(extra: &[String]) -> Result<(), String> {
         "package(inbox-postgres)",
     ];
     args.extend(extra.iter().map(String::as_str));
-    cargo_with(&args, &[("INBOX_TEST_LAYOUT", "partitioned")])?;
+    cargo_with(&args, &[("INBOX_TEST_LAYOUT", "partitioned")], None)?;
     // The store behind PgBouncer in transaction mode: one broker's whole suite, the hard kill
     // among it, with every inbox transaction through the pooler and the checks straight to the
     // database (`inbox_conformance::TestDb`).
@@ -115,74 +255,59 @@ fn test(extra: &[String]) -> Result<(), String> {
         "package(inbox-redis-streams) & binary(conformance)",
     ];
     args.extend(extra.iter().map(String::as_str));
-    cargo_with(&args, &[("INBOX_TEST_POOLER_URL", pooler.as_str())])?;
-    // Built by `cargo test` already; this runs them.
+    cargo_with(&args, &[("INBOX_TEST_POOLER_URL", pooler.as_str())], None)
+}
+
+/// The examples against the services, the demo on the newest broker, the alert rules and the
+/// packaging, each writing to `log`.
+fn programs(dir: &Path, log: &std::fs::File) -> Result<(), String> {
     let env = example_env();
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     for example in EXAMPLES {
-        cargo_with(
-            &[
-                "run",
-                "--quiet",
-                "-p",
-                "inbox-examples",
-                "--example",
-                example,
-            ],
-            &env,
-        )?;
+        run(&dir.join(example), &[], &env, Some(log))?;
     }
     // The demo on the newest broker, as `cargo xtask demo` runs it on all five: it fails unless
     // variant c applied every credit once.
-    cargo_with(
-        &[
-            "run",
-            "--quiet",
-            "-p",
-            "inbox-evidence",
-            "--bin",
-            "evidence",
-            "--",
-            "demo",
-            "--brokers",
-            "nats",
-            "--require-brokers",
-            "true",
-        ],
-        &env,
-    )?;
-    alert_rules()?;
+    let demo = ["demo", "--brokers", "nats", "--require-brokers", "true"];
+    run(&dir.join("evidence"), &demo, &env, Some(log))?;
+    alert_rules(log)?;
     // Every library crate packages (its manifest, its files, the versions of its workspace
     // dependencies). Without verifying: that would build each package and all its
     // dependencies once more, from scratch, for the same code `cargo test` just built.
-    cargo(&[
-        "package",
-        "--workspace",
-        "--no-verify",
-        "--allow-dirty",
-        "--exclude",
-        "inbox-examples",
-        "--exclude",
-        "inbox-evidence",
-        "--exclude",
-        "xtask",
-    ])
+    cargo_with(
+        &[
+            "package",
+            "--workspace",
+            "--no-verify",
+            "--allow-dirty",
+            "--exclude",
+            "inbox-examples",
+            "--exclude",
+            "inbox-evidence",
+            "--exclude",
+            "xtask",
+        ],
+        &[],
+        Some(log),
+    )
 }
 
 /// The alert rules load in Prometheus (`promtool check rules`) and each fires, with its labels
 /// and annotations, on the series of its unit tests and not on the others (`promtool test
 /// rules`).
-fn alert_rules() -> Result<(), String> {
+fn alert_rules(log: &std::fs::File) -> Result<(), String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     for args in [
         ["check", "rules", "docs/alerts/inbox.rules.yml"],
         ["test", "rules", "docs/alerts/inbox.rules.test.yml"],
     ] {
         let command = format!("promtool {}", args.join(" "));
-        eprintln!("xtask: {command}");
+        say(Some(log), &format!("xtask: {command}"));
         let status = Command::new("promtool")
             .args(args)
             .current_dir(&root)
+            .stdout(output(log)?)
+            .stderr(output(log)?)
             .status()
             .map_err(|e| {
                 format!("cannot run promtool (`cargo xtask services` installs it): {e}")
@@ -260,7 +385,7 @@ fn demo(extra: &[String]) -> Result<(), String> {
                 ("KAFKA_BROKERS", mock.servers.as_str()),
                 ("KAFKA_MOCK_CONTROL", mock.control.as_str()),
             ];
-            cargo_with(&args, &env)
+            cargo_with(&args, &env, None)
         }
     }
 }
@@ -393,27 +518,74 @@ impl Drop for Background {
 }
 
 fn cargo(args: &[&str]) -> Result<(), String> {
-    cargo_with(args, &[])
+    cargo_with(args, &[], None)
 }
 
-fn cargo_with(args: &[&str], env: &[(&str, &str)]) -> Result<(), String> {
+/// Runs cargo with `args` and `env`, its output to the terminal or to `log`.
+fn cargo_with(
+    args: &[&str],
+    env: &[(&str, &str)],
+    log: Option<&std::fs::File>,
+) -> Result<(), String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    run(Path::new(&cargo), args, env, log)
+}
+
+/// Runs `program` with `args` and `env` in the workspace, its output to the terminal or to `log`.
+fn run(
+    program: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+    log: Option<&std::fs::File>,
+) -> Result<(), String> {
+    let name = program.file_name().unwrap_or_default().to_string_lossy();
+    let line = [name.as_ref()]
+        .into_iter()
+        .chain(args.iter().copied())
+        .collect::<Vec<_>>()
+        .join(" ");
     let vars: String = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
-    eprintln!("xtask: {vars}cargo {}", args.join(" "));
+    say(log, &format!("xtask: {vars}{line}"));
     let started = Instant::now();
-    let status = Command::new(cargo)
+    let mut command = Command::new(program);
+    command
         .args(args)
         .envs(env.iter().copied())
+        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."));
+    if let Some(log) = log {
+        command.stdout(output(log)?).stderr(output(log)?);
+    }
+    let status = command
         .status()
-        .map_err(|e| format!("cannot run cargo: {e}"))?;
-    eprintln!(
-        "xtask: cargo {} took {:.0} s",
-        args.first().copied().unwrap_or_default(),
-        started.elapsed().as_secs_f64()
+        .map_err(|e| format!("cannot run {}: {e}", program.display()))?;
+    say(
+        log,
+        &format!(
+            "xtask: {line} took {:.0} s",
+            started.elapsed().as_secs_f64()
+        ),
     );
     if status.success() {
         Ok(())
     } else {
-        Err(format!("cargo {} failed ({status})", args.join(" ")))
+        Err(format!("{line} failed ({status})"))
     }
+}
+
+/// A line to stderr or to `log`.
+fn say(log: Option<&std::fs::File>, line: &str) {
+    match log {
+        Some(mut log) => {
+            use std::io::Write;
+            let _ = writeln!(log, "{line}");
+        }
+        None => eprintln!("{line}"),
+    }
+}
+
+/// A child's stdout or stderr into `log`.
+fn output(log: &std::fs::File) -> Result<Stdio, String> {
+    log.try_clone()
+        .map(Stdio::from)
+        .map_err(|e| format!("cannot share the log: {e}"))
 }
