@@ -31,9 +31,8 @@ use crate::{
 
 /// Where and how to reach Redis: one server's URL or a Redis Cluster's nodes (with a private CA
 /// if need be), or a client you configured (a client certificate), and how long an operation
-/// may take. The
-/// source, the producer and the dead-letter reader are all built from it, so a setting made
-/// here reaches the three at once.
+/// may take. The source, the producer and the dead-letter reader are all built from it, so a
+/// setting made here reaches the three at once.
 ///
 /// ```no_run
 /// # async fn f() -> inbox_redis_streams::Result<()> {
@@ -199,9 +198,17 @@ impl RedisConnection {
     pub(crate) async fn open(&self, purpose: &'static str) -> Result<Conn> {
         crate::config::at_least_1ms("operation_timeout", self.operation_timeout)?;
         let (target, shown) = self.target()?;
-        Conn::connect(target, purpose, self.operation_timeout)
-            .await
-            .map_err(|e| Error::redis(format!("connecting to Redis at {shown} for {purpose}"), e))
+        let conn = Conn(Arc::new(Inner {
+            target,
+            purpose,
+            timeout: self.operation_timeout,
+            current: Mutex::new(None),
+            made: AtomicU64::new(0),
+        }));
+        conn.connection().await.map_err(|e| {
+            Error::redis(format!("connecting to Redis at {shown} for {purpose}"), e)
+        })?;
+        Ok(conn)
     }
 
     /// Where to connect, and how to name it in errors (URLs without their passwords).
@@ -351,23 +358,6 @@ struct Inner {
 }
 
 impl Conn {
-    /// Connects at once, so a wrong address or a refused login fails the build.
-    async fn connect(
-        target: Target,
-        purpose: &'static str,
-        timeout: Duration,
-    ) -> RedisResult<Self> {
-        let conn = Self(Arc::new(Inner {
-            target,
-            purpose,
-            timeout,
-            current: Mutex::new(None),
-            made: AtomicU64::new(0),
-        }));
-        conn.connection().await?;
-        Ok(conn)
-    }
-
     /// How many connections were made so far: a change means the last one was lost, with
     /// whatever replies were on their way.
     pub(crate) fn made(&self) -> u64 {

@@ -88,11 +88,10 @@ impl RedisStreamProducerBuilder {
     /// Confirms each send only once `replicas` replicas have it too (`WAIT <replicas> <timeout>`
     /// right after the `XADD`, on the same connection); default: no wait.
     ///
-    /// Redis replicates asynchronously: an `XADD` its master answered may not have reached any
-    /// replica yet, and if the master dies then, the replica promoted in its place (a Redis
-    /// Cluster failover, Sentinel) never had the entry. The send succeeded and the entry is
-    /// gone. With the wait, a send that returns `Ok` survives the loss of its master as long as
-    /// one of those replicas takes over. When fewer replicas confirm within `timeout` the send
+    /// Without it, a failover (Redis Cluster, Sentinel) loses the entries its master had
+    /// answered but not yet replicated ([Lost writes](crate#redis-cluster)); with it, a send
+    /// that returns `Ok` survives as long as one of those replicas takes over. When fewer
+    /// replicas confirm within `timeout` the send
     /// fails with [`Error::NotReplicated`] ([`Recovery::Retry`](inbox_core::Recovery)): the
     /// entry may or may not survive, so send again under the same message ID, and the consumer
     /// applies it once either way. `WAIT` is not a transaction: it cannot undo the write, and a

@@ -337,17 +337,18 @@ impl IdCarrier for EntryFields<'_> {
     }
 
     fn header(&self, name: &str) -> Option<Result<Cow<'_, [u8]>, String>> {
-        self.0
-            .iter()
-            .find(|(field, _)| field == name.as_bytes())
-            .map(|(_, value)| Ok(Cow::Borrowed(value.as_slice())))
+        self.field(name).map(|value| Ok(Cow::Borrowed(value)))
     }
 
     fn payload(&self) -> &[u8] {
-        self.0
-            .iter()
-            .find(|(field, _)| field == PAYLOAD_FIELD.as_bytes())
-            .map_or(&[], |(_, value)| value.as_slice())
+        self.field(PAYLOAD_FIELD).unwrap_or_default()
+    }
+}
+
+impl EntryFields<'_> {
+    fn field(&self, name: &str) -> Option<&[u8]> {
+        let (_, value) = self.0.iter().find(|(field, _)| field == name.as_bytes())?;
+        Some(value)
     }
 }
 
