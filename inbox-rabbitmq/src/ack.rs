@@ -59,7 +59,8 @@ impl Link {
         self.channel.status().connected()
     }
 
-    fn position(&self, tag: u64) -> String {
+    /// The delivery's [`Metadata::position`](inbox_core::Metadata::position).
+    pub(crate) fn position(&self, tag: u64) -> String {
         format!(
             "connection {} channel {} tag {tag}",
             self.generation,
@@ -67,30 +68,15 @@ impl Link {
         )
     }
 
-    /// Marks `tags` settled. Call it only once the frame that settles them is queued, never for
-    /// a frame that failed: lapin sends a channel's frames in the order they were queued, so a
-    /// `multiple` ack planned after this point reaches the broker after that frame, and one
-    /// planned before it still sees the tags as unsettled and does not pass over them. A tag
-    /// whose frame was never sent stays unsettled, so no later `multiple` ack covers it; the
-    /// broker hands it out again when the channel closes.
-    fn settled(&self, tags: impl IntoIterator<Item = u64>) {
-        self.unsettled().settled(tags);
-    }
-
-    /// Sends `basic.ack` of `tag` (and, with `multiple`, of every unsettled tag below it), and
-    /// marks settled what the frame settles once it is queued.
+    /// Sends `basic.ack` of `tag` (and, with `multiple`, of every unsettled tag below it).
     async fn ack(&self, tag: u64, multiple: bool) -> Result<(), Error> {
-        // lapin accepts an ack on a channel the broker already closed and then drops it; the
-        // delivery is redelivered, so the caller must hear about it.
-        if !self.is_open() {
-            return Err(self.closed("ack", tag));
-        }
         let frame = self.channel.basic_ack(tag, BasicAckOptions { multiple });
         self.send("ack", tag, frame).await?;
+        let mut unsettled = self.unsettled();
         if multiple {
-            self.unsettled().settled_up_to(tag);
+            unsettled.settled_up_to(tag);
         } else {
-            self.settled([tag]);
+            unsettled.settled([tag]);
         }
         Ok(())
     }
@@ -101,28 +87,33 @@ impl Link {
     async fn nack(&self, tag: u64) -> Result<(), Error> {
         #[cfg(test)]
         self.before_nack_frame.point().await;
-        if !self.is_open() {
-            return Err(self.closed("nack", tag));
-        }
         let options = BasicNackOptions {
             multiple: false,
             requeue: true,
         };
         self.send("nack", tag, self.channel.basic_nack(tag, options))
             .await?;
-        // Only now: until the nack frame is queued, a batch's `multiple` ack must not cover it;
-        // and if it failed, the message is still the broker's to hand out again, never to ack.
-        self.settled([tag]);
+        self.unsettled().settled([tag]);
         Ok(())
     }
 
     /// Queues an ack's or nack's `frame` (lapin queues it when the future is first polled).
+    ///
+    /// Only once it is queued may the caller mark its tags settled, and never after a failure
+    /// (see [`Unsettled::settled`]): lapin sends a channel's frames in the order they were
+    /// queued, so a `multiple` ack planned after that point reaches the broker after this frame,
+    /// and one planned before it still sees the tags as unsettled and does not pass over them.
     async fn send(
         &self,
         action: &'static str,
         tag: u64,
         frame: impl Future<Output = lapin::Result<()>>,
     ) -> Result<(), Error> {
+        // lapin accepts an ack on a channel the broker already closed and then drops it; the
+        // delivery is redelivered, so the caller must hear about it.
+        if !self.is_open() {
+            return Err(self.closed(action, tag));
+        }
         #[cfg(test)]
         if self
             .fail_next_frame
@@ -160,44 +151,33 @@ impl fmt::Debug for Link {
     }
 }
 
-/// Acknowledges one RabbitMQ delivery: `basic.ack` on the channel it arrived on.
+/// Acknowledges one RabbitMQ delivery: `basic.ack` on the channel it arrived on. The crate
+/// docs, "Ack semantics", say what each step means for redelivery and `x-delivery-limit`.
 ///
-/// - [`Ack::ack`]: `basic.ack`. If the channel has closed in the meantime the ack cannot be sent;
-///   the error says [`Recovery::Reconnect`](inbox_core::Recovery::Reconnect), the core logs it,
-///   and the broker redelivers the message (flagged `redelivered`), which the inbox skips.
+/// - [`Ack::ack`]: `basic.ack`. After its channel closed it fails with
+///   [`Recovery::Reconnect`](inbox_core::Recovery::Reconnect), and the broker redelivers the
+///   message (flagged `redelivered`), which the inbox skips.
 /// - [`Ack::ack_all`]: one `basic.ack` with `multiple = true` for the longest run of the batch
 ///   that starts at the channel's oldest unsettled delivery (so it cannot settle a delivery the
-///   batch does not own, such as one waiting for a delayed requeue); the rest one by one. When
-///   an ack fails on a channel that stays open, the deliveries it did not ack stay unsettled:
-///   no later `multiple` ack covers them (later batches on that channel are acked one by
-///   one), and the broker hands them out again when the channel closes.
+///   batch does not own, such as one waiting for a delayed requeue); the rest one by one.
 /// - [`Ack::nack`]: a **delayed requeue**: a spawned task sleeps `retry_after`, then sends
-///   `basic.nack` with `requeue = true`. The message keeps its prefetch slot while it waits, and
-///   the other `prefetch - 1` slots keep flowing, so one failing message cannot starve the queue.
-///   Until the nack is sent the delivery stays unsettled, so no batch's `multiple` ack covers it.
-///   On a quorum queue before RabbitMQ 4.3 the requeue raises `x-delivery-count` by one and
-///   counts toward `x-delivery-limit`; from 4.3 on a `basic.nack` no longer counts (see the crate
-///   docs, "Ack semantics"). If the channel closes while it waits, the broker requeues the
-///   delivery (one count) and the nack is not sent. A nack that fails on a channel that stays
-///   open leaves the delivery unsettled, so no `multiple` ack covers it either; it comes back
-///   when the channel closes.
+///   `basic.nack` with `requeue = true`; until then the delivery stays unsettled and keeps its
+///   prefetch slot, while the others keep flowing. If the channel closes while it waits, the
+///   broker requeues the delivery and the nack is not sent.
 /// - [`Ack::redeliver`]: publishes a copy to the delay queue `<queue>.delay.<n>` (`n`: the
-///   redelivery, from 0; a quorum queue declared at first use, whose expired messages the broker
-///   dead-letters back to `<queue>` through the default exchange, at least once) with the delay
-///   as its `expiration` and the count in the `x-inbox-redelivery` header
-///   ([`inbox_core::REDELIVERY_COUNT`]), waits for the publisher confirm, then acks. The copy
-///   keeps the message ID, so the inbox applies it once even if the ack is lost and both
-///   copies come back. When the publish fails the delivery is nacked as below, after
-///   [`inbox_core::dead_letter::RETRY_AFTER`].
-/// - [`Ack::dead_letter`]: publishes the message to `<queue>.dlq` through the default exchange,
-///   with its original body, properties and headers plus the [`inbox_core::dead_letter`]
-///   headers (`reason`, `original_source`: the queue, `original_position`: connection, channel
-///   and tag), waits for the publisher confirm, at most
-///   [`RabbitConnection::operation_timeout`](crate::RabbitConnection::operation_timeout),
-///   then acks. It publishes on a connection of its own, shared by the source's acks, so a
-///   broker alarm, which blocks publishing connections, never holds up the acks of the
-///   consuming one. When the publish fails the delivery is nacked as above, after
-///   [`inbox_core::dead_letter::RETRY_AFTER`].
+///   redelivery, from 0) with the delay as its `expiration` and the count in the
+///   [`inbox_core::REDELIVERY_COUNT`] header, waits for the publisher confirm, then acks. The
+///   copy keeps the message ID, so the inbox applies it once even if the ack is lost and both
+///   copies come back.
+/// - [`Ack::dead_letter`]: publishes the message to `<queue>.dlq` as the crate docs,
+///   "Topology", describe, waits for the publisher confirm (at most
+///   [`RabbitConnection::operation_timeout`](crate::RabbitConnection::operation_timeout)),
+///   then acks.
+///
+/// An ack or nack that fails on a channel that stays open leaves its deliveries unsettled: no
+/// later `multiple` ack covers them, and the broker hands them out again when the channel
+/// closes. A redelivery or dead letter whose publish fails is nacked as above, after
+/// [`inbox_core::dead_letter::RETRY_AFTER`].
 pub struct RabbitAck {
     pub(crate) link: Arc<Link>,
     pub(crate) tag: u64,
@@ -213,6 +193,20 @@ impl fmt::Debug for RabbitAck {
             .field("link", &self.link)
             .field("tag", &self.tag)
             .finish_non_exhaustive()
+    }
+}
+
+impl RabbitAck {
+    /// Acks once the dead letter or delayed copy is `published`; else hands the delivery back,
+    /// to be tried again after [`RETRY_AFTER`](inbox_core::dead_letter::RETRY_AFTER).
+    async fn ack_once(self, published: Result<(), Error>, what: &str) -> Result<(), SourceError> {
+        let Err(e) = published else {
+            return self.ack().await;
+        };
+        if let Err(nack) = self.nack(inbox_core::dead_letter::RETRY_AFTER).await {
+            tracing::warn!(error = %nack, "requeue after a failed {what} failed; the broker redelivers the message when the channel closes");
+        }
+        Err(e.into())
     }
 }
 
@@ -238,16 +232,11 @@ impl Ack for RabbitAck {
 
     /// Publishes the dead letter, waits for its confirm, then acks; see the type's docs.
     async fn dead_letter(self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        let dead_letters = Arc::clone(&self.dead_letters);
-        match dead_letters.park(message, &self.properties, reason).await {
-            Ok(()) => self.ack().await,
-            Err(e) => {
-                if let Err(nack) = self.nack(inbox_core::dead_letter::RETRY_AFTER).await {
-                    tracing::warn!(error = %nack, "requeue after a failed dead letter failed; the broker redelivers the message when the channel closes");
-                }
-                Err(e.into())
-            }
-        }
+        let published = self
+            .dead_letters
+            .park(message, &self.properties, reason)
+            .await;
+        self.ack_once(published, "dead letter").await
     }
 
     /// Publishes a copy to the delay queue and waits for its confirm, then acks; see the
@@ -258,19 +247,10 @@ impl Ack for RabbitAck {
         delay: Duration,
         redelivery: u32,
     ) -> Result<(), SourceError> {
-        let delays = Arc::clone(&self.dead_letters);
-        match delays
+        let published = (self.dead_letters)
             .delay(message, &self.properties, delay, redelivery)
-            .await
-        {
-            Ok(()) => self.ack().await,
-            Err(e) => {
-                if let Err(nack) = self.nack(inbox_core::dead_letter::RETRY_AFTER).await {
-                    tracing::warn!(error = %nack, "requeue after a failed delayed redelivery failed; the broker redelivers the message when the channel closes");
-                }
-                Err(e.into())
-            }
-        }
+            .await;
+        self.ack_once(published, "delayed redelivery").await
     }
 
     async fn ack_all(acks: Vec<Self>) -> Result<(), SourceError> {
@@ -423,13 +403,41 @@ pub(crate) mod tests {
         (config, source, deliveries)
     }
 
-    /// Closes `source` (the broker requeues whatever it did not get an ack or nack for), takes
-    /// everything left on the queue with a new source, and deletes the queues. The payloads that
-    /// came back, sorted.
-    async fn close_and_drain(
-        config: crate::RabbitSourceBuilder,
-        source: RabbitSource,
-    ) -> Vec<String> {
+    /// Deletes the test's queue and its dead-letter queue.
+    async fn delete_queues(config: &crate::RabbitSourceBuilder) {
+        let cleanup = config.connection().open("inbox-test cleanup", "cleanup");
+        let (connection, channel) = cleanup.await.unwrap();
+        for q in [config.queue().to_owned(), config.dead_letter_queue()] {
+            let _ = channel
+                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                .await;
+        }
+        let _ = connection.close(200, "cleanup".into()).await;
+    }
+
+    /// Receives `n` messages, makes the frame of `fail` on the first `failing` deliveries fail
+    /// on a channel that stays open, and acks the rest as a batch. Then closes the source (the
+    /// broker requeues whatever it did not get an ack or nack for), takes everything left on
+    /// the queue with a new source, and deletes the queues: the payloads that came back, sorted.
+    async fn after_a_failed_frame<F>(
+        prefix: &str,
+        n: usize,
+        failing: usize,
+        fail: impl FnOnce(Vec<RabbitAck>) -> F,
+    ) -> Vec<String>
+    where
+        F: Future<Output = Result<(), SourceError>>,
+    {
+        let (config, source, deliveries) = received(prefix, n).await;
+        let mut acks: Vec<RabbitAck> = deliveries.into_iter().map(|d| d.ack).collect();
+        let link = Arc::clone(&acks[0].link);
+        let rest = acks.split_off(failing);
+        link.fail_next_frame.store(true, Ordering::SeqCst);
+        let e = fail(acks).await.expect_err("the frame failed");
+        println!("failed: {e}");
+        assert!(link.is_open(), "the channel is still open");
+        RabbitAck::ack_all(rest).await.unwrap();
+
         source.close().await;
         let mut source = config.clone().connect().await.unwrap();
         let mut back = Vec::new();
@@ -443,22 +451,8 @@ pub(crate) mod tests {
         source.close().await;
         delete_queues(&config).await;
         back.sort();
+        println!("came back after the channel closed: {back:?}");
         back
-    }
-
-    /// Deletes the test's queue and its dead-letter queue.
-    async fn delete_queues(config: &crate::RabbitSourceBuilder) {
-        let connection =
-            crate::connect::open(config.broker_url(), None, "inbox-test cleanup", None)
-                .await
-                .unwrap();
-        let channel = connection.create_channel().await.unwrap();
-        for q in [config.queue().to_owned(), config.dead_letter_queue()] {
-            let _ = channel
-                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-                .await;
-        }
-        let _ = connection.close(200, "cleanup".into()).await;
     }
 
     /// The batch ack of tags 1 and 2 fails on a live channel, nothing sent. The next batch (3
@@ -466,21 +460,7 @@ pub(crate) mod tests {
     /// though no ack of theirs reached the broker. They come back when the channel closes.
     #[tokio::test]
     async fn a_failed_batch_ack_leaves_its_deliveries_to_come_back() {
-        let (config, source, deliveries) = received("ackfail", 4).await;
-        let mut acks: Vec<RabbitAck> = deliveries.into_iter().map(|d| d.ack).collect();
-        let link = Arc::clone(&acks[0].link);
-        let later = acks.split_off(2);
-
-        link.fail_next_frame.store(true, Ordering::SeqCst);
-        let e = RabbitAck::ack_all(acks)
-            .await
-            .expect_err("the ack frame failed");
-        println!("failed batch ack: {e}");
-        assert!(link.is_open(), "the channel is still open");
-        RabbitAck::ack_all(later).await.unwrap();
-
-        let back = close_and_drain(config, source).await;
-        println!("came back after the channel closed: {back:?}");
+        let back = after_a_failed_frame("ackfail", 4, 2, RabbitAck::ack_all).await;
         assert_eq!(
             back,
             ["m0", "m1"],
@@ -493,24 +473,8 @@ pub(crate) mod tests {
     /// was never applied, and would be gone.
     #[tokio::test]
     async fn a_failed_nack_leaves_its_delivery_to_come_back() {
-        let (config, source, deliveries) = received("nackfail", 3).await;
-        let mut acks: Vec<RabbitAck> = deliveries.into_iter().map(|d| d.ack).collect();
-        let link = Arc::clone(&acks[0].link);
-        let batch = acks.split_off(1);
-
-        link.fail_next_frame.store(true, Ordering::SeqCst);
-        let e = acks
-            .pop()
-            .unwrap()
-            .nack(Duration::ZERO)
-            .await
-            .expect_err("the nack frame failed");
-        println!("failed nack: {e}");
-        assert!(link.is_open(), "the channel is still open");
-        RabbitAck::ack_all(batch).await.unwrap();
-
-        let back = close_and_drain(config, source).await;
-        println!("came back after the channel closed: {back:?}");
+        let nack = |mut acks: Vec<RabbitAck>| acks.remove(0).nack(Duration::ZERO);
+        let back = after_a_failed_frame("nackfail", 3, 1, nack).await;
         assert_eq!(
             back,
             ["m0"],

@@ -47,7 +47,7 @@ pub enum Topology {
 /// ```
 ///
 /// Its `Debug` output shows the URL with the password as `***`.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 #[must_use = "a builder does nothing until `connect` is awaited"]
 pub struct RabbitSourceBuilder {
     pub(crate) connection: RabbitConnection,
@@ -70,31 +70,6 @@ pub(crate) struct Binding {
     pub(crate) exchange: String,
     pub(crate) kind: ExchangeKind,
     pub(crate) routing_key: String,
-}
-
-impl std::fmt::Debug for RabbitSourceBuilder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RabbitSourceBuilder")
-            .field("connection", &self.connection)
-            .field("queue", &self.queue)
-            .field("prefetch", &self.prefetch)
-            .field("consumer_tag", &self.consumer_tag)
-            .field("id_from", &self.id_from)
-            .field("topology", &self.topology)
-            .field("delivery_limit", &self.delivery_limit)
-            .field("poll_timeout", &self.poll_timeout)
-            .field("connection_name", &self.connection_name)
-            .field("bindings", &self.bindings)
-            .field("queue_arguments", &self.queue_arguments)
-            .finish()
-    }
-}
-
-/// The broker address from `AMQP_URL`; empty when it is unset, which connecting refuses with
-/// an error saying so. There is no default: a missing setting must not reach a broker on
-/// localhost with the `guest` account.
-pub(crate) fn url_from_env() -> String {
-    std::env::var("AMQP_URL").unwrap_or_default()
 }
 
 impl RabbitSourceBuilder {
@@ -139,9 +114,8 @@ impl RabbitSourceBuilder {
     /// Reads the message ID from header `name` instead of the `message_id` property: text,
     /// bytes or an integer (written in decimal). Shorthand for
     /// [`id_from`](Self::id_from)`(IdFrom::Header(name))`.
-    pub fn id_header(mut self, name: impl Into<String>) -> Self {
-        self.id_from = IdFrom::Header(name.into());
-        self
+    pub fn id_header(self, name: impl Into<String>) -> Self {
+        self.id_from(IdFrom::Header(name.into()))
     }
 
     /// Where the message ID is read from (default: the AMQP `message_id` property, what

@@ -1,14 +1,17 @@
-//! [`RabbitConnection`]: where and how to reach one broker, shared by everything built on it.
+//! [`RabbitConnection`]: where and how to reach one broker, shared by everything built on it,
+//! and opening a connection on the caller's tokio runtime.
 
 use std::fmt;
+use std::future::Future;
 use std::time::Duration;
 
-use lapin::Connection;
+use inbox_core::redact_url;
+use lapin::tcp::OwnedTLSConfig;
+use lapin::types::LongString;
+use lapin::uri::AMQPUri;
+use lapin::{Channel, Connection, ConnectionProperties};
 
-use crate::config::url_from_env;
-use crate::{
-    connect, Error, RabbitDeadLettersBuilder, RabbitProducerBuilder, RabbitSourceBuilder, Result,
-};
+use crate::{Error, RabbitDeadLettersBuilder, RabbitProducerBuilder, RabbitSourceBuilder, Result};
 
 /// Where and how to reach one RabbitMQ broker: its URL, the certificate authorities it is
 /// trusted with, the heartbeat and how long an operation may take. The source, the producer
@@ -44,7 +47,7 @@ pub struct RabbitConnection {
 impl fmt::Debug for RabbitConnection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RabbitConnection")
-            .field("url", &connect::redact(&self.url))
+            .field("url", &redact_url(&self.url))
             .field(
                 "ca_certificates",
                 &self.ca_certificates.as_ref().map(|_| "given"),
@@ -71,7 +74,7 @@ impl RabbitConnection {
     /// no default, so a missing setting never reaches a broker on localhost with the `guest`
     /// account.
     pub fn from_env() -> Self {
-        Self::new(url_from_env())
+        Self::new(std::env::var("AMQP_URL").unwrap_or_default())
     }
 
     /// For `amqps://` (feature `tls`): trust the certificate authorities in `pem` (one or more
@@ -161,15 +164,73 @@ impl RabbitConnection {
         Ok(())
     }
 
-    /// Opens a connection named `name` (not bounded in time: see [`connect::open`]).
-    pub(crate) async fn open(&self, name: &str) -> Result<Connection> {
-        connect::open(
-            &self.url,
-            self.ca_certificates.as_deref(),
-            name,
-            self.heartbeat_secs(),
-        )
-        .await
+    /// Opens a connection named `name` (the `connection_name` client property, which
+    /// `rabbitmqctl list_connections client_properties` and the management UI show) and a
+    /// channel on it, which `purpose` names in errors (`consuming`, …). For
+    /// `amqps://`, the server's certificate chains up to the CA certificates when given, else to
+    /// the system's roots.
+    ///
+    /// Not bounded in time: lapin starts its heartbeat only once the handshake is done, so
+    /// callers that must not hang wrap it in [`bounded`](Self::bounded).
+    pub(crate) async fn open(&self, name: &str, purpose: &str) -> Result<(Connection, Channel)> {
+        // With its `tokio` feature lapin runs its I/O loop on the runtime it is called from;
+        // without one it would panic deep inside, so say what is wrong instead.
+        if self.url.trim().is_empty() {
+            return Err(Error::Config(
+                "no RabbitMQ broker: set AMQP_URL or name one with RabbitConnection::new(url)"
+                    .into(),
+            ));
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::Config(
+                "the RabbitMQ adapter must run inside a tokio runtime".into(),
+            ));
+        }
+        // lapin 4's automatic recovery stays off (its default): it would reopen channels and
+        // consume again behind the source's back, which reconnects itself into a new generation
+        // instead, so that no ack goes to a channel its delivery did not come on.
+        let properties =
+            ConnectionProperties::default().with_connection_name(LongString::from(name.to_owned()));
+        let mut uri: AMQPUri = self.url.parse().map_err(|e| {
+            Error::Config(format!(
+                "the AMQP URL {} does not parse: {e}; write it as amqp://user:password@host:port/vhost",
+                redact_url(&self.url)
+            ))
+        })?;
+        // Else the URL's `heartbeat` query parameter, else the broker's.
+        if let Some(secs) = self.heartbeat_secs() {
+            uri.query.heartbeat = Some(secs);
+        }
+        let tls = OwnedTLSConfig {
+            identity: None,
+            cert_chain: self.ca_certificates.clone(),
+        };
+        let runtime = lapin::runtime::default_runtime()
+            .map_err(|e| Error::amqp("finding the tokio runtime", e))?;
+        let connection = Connection::connect_uri_with_config(uri, properties, tls, runtime)
+            .await
+            .map_err(|e| Error::amqp(format!("connecting to {}", redact_url(&self.url)), e))?;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| Error::amqp(format!("opening the {purpose} channel"), e))?;
+        Ok((connection, channel))
+    }
+
+    /// `connecting` (a connect and whatever follows it before the first message) within
+    /// [`operation_timeout`](Self::operation_timeout), else [`Error::ConnectTimeout`]: a broker
+    /// that accepts the TCP connection and then says nothing would otherwise hold it forever.
+    pub(crate) async fn bounded<T>(
+        &self,
+        connecting: impl Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let waited = self.operation_timeout;
+        tokio::time::timeout(waited, connecting)
+            .await
+            .map_err(|_elapsed| Error::ConnectTimeout {
+                url: redact_url(&self.url),
+                waited,
+            })?
     }
 }
 
@@ -198,5 +259,16 @@ mod tests {
             ok.heartbeat(Duration::from_millis(1500)).heartbeat_secs(),
             Some(2)
         );
+    }
+
+    #[test]
+    fn config_debug_output_hides_the_password() {
+        let config = RabbitConnection::new("amqp://app:hunter2@broker:5672/%2f").source("payments");
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("amqp://app:***@broker:5672/%2f"), "{shown}");
+        assert!(shown.contains("payments"), "{shown}");
+        // The password is still what connects.
+        assert_eq!(config.broker_url(), "amqp://app:hunter2@broker:5672/%2f");
     }
 }

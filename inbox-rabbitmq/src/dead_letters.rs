@@ -9,7 +9,7 @@ use lapin::{Channel, Connection};
 use crate::short_string::short_string;
 use crate::source::Amqp;
 use crate::source::{sent_at, value_bytes};
-use crate::{connect, Error, IdFrom, RabbitConnection, Result};
+use crate::{Error, IdFrom, RabbitConnection, Result};
 
 /// The messages of a RabbitMQ dead-letter queue (`<queue>.dlq`), as [`inbox_core::replay`]
 /// reads them: each keeps its body, properties and headers and carries the
@@ -49,22 +49,12 @@ impl std::fmt::Debug for RabbitDeadLetters {
 }
 
 /// Builds a [`RabbitDeadLetters`]; start with [`RabbitDeadLetters::builder`].
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 #[must_use = "a builder does nothing until `connect` is awaited"]
 pub struct RabbitDeadLettersBuilder {
     queue: String,
     connection: RabbitConnection,
     id_from: IdFrom,
-}
-
-impl std::fmt::Debug for RabbitDeadLettersBuilder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RabbitDeadLettersBuilder")
-            .field("queue", &self.queue)
-            .field("connection", &self.connection)
-            .field("id_from", &self.id_from)
-            .finish_non_exhaustive()
-    }
 }
 
 impl RabbitDeadLetters {
@@ -103,17 +93,8 @@ impl RabbitDeadLettersBuilder {
     pub async fn connect(self) -> Result<RabbitDeadLetters> {
         let name = format!("inbox dead letters of {}", self.queue);
         self.connection.check()?;
-        let waited = self.connection.operation_timeout;
-        let connection = tokio::time::timeout(waited, self.connection.open(&name))
-            .await
-            .map_err(|_| Error::ConnectTimeout {
-                url: connect::redact(&self.connection.url),
-                waited,
-            })??;
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|e| Error::amqp("opening the dead-letter reading channel", e))?;
+        let opening = self.connection.open(&name, "dead-letter reading");
+        let (connection, channel) = self.connection.bounded(opening).await?;
         Ok(RabbitDeadLetters {
             queue: self.queue,
             id_from: self.id_from,

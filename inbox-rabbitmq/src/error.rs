@@ -34,10 +34,8 @@ pub enum Error {
         routing_key: String,
     },
     /// The broker did not confirm a dead-letter publish within
-    /// [`operation_timeout`](crate::RabbitConnection::operation_timeout), most often
-    /// because a memory or disk alarm blocks publishers. The message is handed back and
-    /// dead-lettered again later; the unconfirmed copy may still arrive, so the dead-letter
-    /// queue can hold it twice.
+    /// [`operation_timeout`](crate::RabbitConnection::operation_timeout). The unconfirmed copy
+    /// may still arrive, so the dead-letter queue can hold it twice.
     #[error("RabbitMQ did not confirm the dead letter published to `{routing_key}` within {waited:?} (a memory or disk alarm blocks publishers: see `rabbitmq-diagnostics alarms`); the message is handed back to be dead-lettered again")]
     ConfirmTimeout {
         /// Where it was published.
@@ -45,10 +43,9 @@ pub enum Error {
         /// How long the publish waited.
         waited: std::time::Duration,
     },
-    /// Connecting (TCP, the AMQP handshake, the channel, the topology, `basic.consume`) took
-    /// longer than [`operation_timeout`](crate::RabbitConnection::operation_timeout):
-    /// the broker accepted the connection and then did not answer (a hung node, a network
-    /// dropping packets). The consumer tries again after its backoff.
+    /// Connecting took longer than
+    /// [`operation_timeout`](crate::RabbitConnection::operation_timeout); the consumer tries
+    /// again after its backoff.
     #[error("RabbitMQ at {url} did not complete the connection (handshake, channel, topology, consume) within {waited:?}; the broker hangs or the network drops packets; reconnecting")]
     ConnectTimeout {
         /// The broker address, without its password.

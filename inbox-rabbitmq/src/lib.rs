@@ -164,7 +164,6 @@
 
 mod ack;
 mod config;
-mod connect;
 mod connection;
 mod dead_letter;
 mod dead_letters;

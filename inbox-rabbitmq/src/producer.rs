@@ -10,39 +10,118 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
 use tokio::sync::Mutex;
 
-use crate::short_string::short_string;
+use crate::short_string::{long_string, short_string};
 use crate::{Error, RabbitConnection, Result};
 
 /// AMQP `delivery_mode` 2: the broker writes the message to disk.
 const PERSISTENT: u8 = 2;
 
-/// Publishes with `mandatory` set and waits for the broker's confirm: `Ok` means the message is
-/// stored in a queue.
-pub(crate) async fn publish_confirmed(
+/// Publishes each of `messages` with `mandatory` set, all of them before the first confirm is
+/// awaited, and waits for the broker's confirms: `Ok` means every message is stored in a queue.
+pub(crate) async fn publish_confirmed<'a>(
     channel: &Channel,
     exchange: &str,
     routing_key: &str,
-    payload: &[u8],
-    properties: BasicProperties,
+    messages: impl IntoIterator<Item = (&'a [u8], BasicProperties)>,
 ) -> Result<()> {
     let options = BasicPublishOptions {
         mandatory: true,
         ..BasicPublishOptions::default()
     };
     let context = || format!("publishing to `{routing_key}`");
-    let confirm = channel
-        .basic_publish(
-            short_string("exchange", exchange)?,
-            short_string("routing key", routing_key)?,
+    let exchange_name = short_string("exchange", exchange)?;
+    let queue = short_string("routing key", routing_key)?;
+    // Each publish's frames are queued on its first poll, in order.
+    let confirms = try_join_all(messages.into_iter().map(|(payload, properties)| {
+        channel.basic_publish(
+            exchange_name.clone(),
+            queue.clone(),
             options,
             payload,
             properties,
         )
+    }))
+    .await
+    .map_err(|e| Error::amqp(context(), e))?;
+    try_join_all(confirms)
         .await
         .map_err(|e| Error::amqp(context(), e))?
-        .await
-        .map_err(|e| Error::amqp(context(), e))?;
-    confirmed(confirm, exchange, routing_key)
+        .into_iter()
+        .try_for_each(|confirmation| confirmed(confirmation, exchange, routing_key))
+}
+
+/// One connection with a channel in confirm mode, opened at first use and reopened when lost.
+/// Concurrent publishers wait here for one connection rather than each opening its own.
+pub(crate) struct ConfirmChannel {
+    connection: RabbitConnection,
+    /// The connection's name.
+    name: String,
+    /// What the channel is for, in errors: `publishing`, `dead-letter`.
+    purpose: &'static str,
+    open: Mutex<Option<(Connection, Channel)>>,
+}
+
+impl fmt::Debug for ConfirmChannel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConfirmChannel")
+            .field("connection", &self.connection)
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ConfirmChannel {
+    pub(crate) fn new(connection: RabbitConnection, name: String, purpose: &'static str) -> Self {
+        Self {
+            connection,
+            name,
+            purpose,
+            open: Mutex::new(None),
+        }
+    }
+
+    /// The open channel, or a channel on a new connection; `true` with a new one.
+    pub(crate) async fn channel(&self) -> Result<(Channel, bool)> {
+        let mut open = self.open.lock().await;
+        if let Some((_, channel)) = open.as_ref() {
+            if channel.status().connected() {
+                return Ok((channel.clone(), false));
+            }
+        }
+        // Dropping the last handle closes a lost connection in the background.
+        *open = None;
+        let (connection, channel) = self.connection.open(&self.name, self.purpose).await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| Error::amqp("enabling publisher confirms", e))?;
+        *open = Some((connection, channel.clone()));
+        Ok((channel, true))
+    }
+
+    /// Publishes `messages` to `routing_key` on `exchange` (see [`publish_confirmed`]); a lost
+    /// connection is reopened on the next publish.
+    pub(crate) async fn publish<'a>(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        messages: impl IntoIterator<Item = (&'a [u8], BasicProperties)>,
+    ) -> Result<()> {
+        let (channel, _) = self.channel().await?;
+        let result = publish_confirmed(&channel, exchange, routing_key, messages).await;
+        if result.is_err() && !channel.status().connected() {
+            *self.open.lock().await = None;
+        }
+        result
+    }
+
+    /// Closes the connection, if open; a later publish opens a new one.
+    pub(crate) async fn close(&self, reason: &str) {
+        let open = self.open.lock().await.take();
+        if let Some((connection, _)) = open {
+            let _ = connection.close(200, reason.into()).await;
+        }
+    }
 }
 
 /// What a publisher confirm says: `Ok` only for a message stored in a queue.
@@ -67,22 +146,18 @@ fn confirmed(confirmation: Confirmation, exchange: &str, routing_key: &str) -> R
 /// `properties` with a `traceparent` header from the current span's trace context (feature
 /// `opentelemetry` of inbox-core), unless they carry one.
 fn with_traceparent(properties: BasicProperties) -> BasicProperties {
-    let Some(parent) = inbox_core::TraceParent::current() else {
-        return properties;
-    };
     let mut headers = properties.headers().clone().unwrap_or_default();
-    if headers
+    let traced = headers
         .inner()
         .keys()
-        .any(|k| k.as_str() == TRACEPARENT_HEADER)
-    {
-        return properties;
+        .any(|k| k.as_str() == TRACEPARENT_HEADER);
+    match inbox_core::TraceParent::current() {
+        Some(parent) if !traced => {
+            headers.insert(TRACEPARENT_HEADER.into(), long_string(&parent.to_string()));
+            properties.with_headers(headers)
+        }
+        _ => properties,
     }
-    headers.insert(
-        TRACEPARENT_HEADER.into(),
-        AMQPValue::LongString(parent.to_string().into()),
-    );
-    properties.with_headers(headers)
 }
 
 /// The persistent properties of `message`: its ID as `message_id`, its
@@ -106,22 +181,12 @@ fn properties(message: &OutgoingMessage) -> Result<BasicProperties> {
 
 /// Configures a [`RabbitProducer`]; made by [`RabbitProducer::builder`], finished by
 /// [`connect`](Self::connect).
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 #[must_use = "a builder does nothing until `connect` is awaited"]
 pub struct RabbitProducerBuilder {
     connection: RabbitConnection,
     connection_name: String,
     exchange: String,
-}
-
-impl fmt::Debug for RabbitProducerBuilder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RabbitProducerBuilder")
-            .field("connection", &self.connection)
-            .field("connection_name", &self.connection_name)
-            .field("exchange", &self.exchange)
-            .finish()
-    }
 }
 
 impl RabbitProducerBuilder {
@@ -156,12 +221,10 @@ impl RabbitProducerBuilder {
     /// or refuses the login.
     pub async fn connect(self) -> Result<RabbitProducer> {
         let producer = RabbitProducer {
-            connection: self.connection,
-            name: self.connection_name,
             exchange: self.exchange,
-            state: Mutex::new(None),
+            publisher: ConfirmChannel::new(self.connection, self.connection_name, "publishing"),
         };
-        producer.channel().await?;
+        producer.publisher.channel().await?;
         Ok(producer)
     }
 }
@@ -189,22 +252,11 @@ impl RabbitProducerBuilder {
 /// # Ok(())
 /// # }
 /// ```
+#[derive(Debug)]
 pub struct RabbitProducer {
-    connection: RabbitConnection,
-    name: String,
     /// `""`: the default exchange, a destination is a queue.
     exchange: String,
-    state: Mutex<Option<(Connection, Channel)>>,
-}
-
-impl fmt::Debug for RabbitProducer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RabbitProducer")
-            .field("connection", &self.connection)
-            .field("connection_name", &self.name)
-            .field("exchange", &self.exchange)
-            .finish_non_exhaustive()
-    }
+    publisher: ConfirmChannel,
 }
 
 impl RabbitProducer {
@@ -223,51 +275,22 @@ impl RabbitProducer {
         payload: &[u8],
         properties: BasicProperties,
     ) -> Result<()> {
-        let channel = self.channel().await?;
         let properties = with_traceparent(properties).with_delivery_mode(PERSISTENT);
-        let result = publish_confirmed(&channel, &self.exchange, queue, payload, properties).await;
-        if result.is_err() && !channel.status().connected() {
-            // Reconnect on the next publish.
-            *self.state.lock().await = None;
-        }
-        result
-    }
-
-    /// The open confirm-mode channel, reconnecting if it is gone.
-    async fn channel(&self) -> Result<Channel> {
-        let mut state = self.state.lock().await;
-        if let Some((_, channel)) = state.as_ref() {
-            if channel.status().connected() {
-                return Ok(channel.clone());
-            }
-        }
-        let connection = self.connection.open(&self.name).await?;
-        let channel = connection
-            .create_channel()
+        self.publisher
+            .publish(&self.exchange, queue, [(payload, properties)])
             .await
-            .map_err(|e| Error::amqp("opening the publishing channel", e))?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(|e| Error::amqp("enabling publisher confirms", e))?;
-        *state = Some((connection, channel.clone()));
-        Ok(channel)
     }
 
     /// Closes the connection.
     pub async fn close(self) {
-        if let Some((connection, _)) = self.state.into_inner() {
-            let _ = connection.close(200, "producer closed".into()).await;
-        }
+        self.publisher.close("producer closed").await;
     }
 }
 
-/// `destination` is a queue name, the routing key on the default exchange. Keys are ignored: a
-/// queue has one order for all its messages.
-///
-/// Each message is published persistent, `mandatory`, with its ID as `message_id` and its
-/// headers (and the current trace as `traceparent`) as AMQP headers, all of them before the first
-/// confirm is awaited; `Ok` once the broker confirmed every one.
+/// `destination` is a queue name, or the routing key on the producer's exchange. Keys are
+/// ignored: a queue has one order for all its messages. Each message's headers (and the current
+/// trace as `traceparent`) go as AMQP headers; all are published before the first confirm is
+/// awaited, and `Ok` means the broker confirmed every one.
 impl Publish for RabbitProducer {
     async fn send_batch(
         &self,
@@ -293,43 +316,11 @@ impl Publish for RabbitProducer {
                     .map(properties)
                     .collect::<Result<Vec<_>>>()
                     .map_err(failed)?;
-                let channel = self.channel().await.map_err(failed)?;
-                let routing_key = destination;
-                let exchange = short_string("exchange", &self.exchange).map_err(failed)?;
-                let queue = short_string("routing key", routing_key).map_err(failed)?;
-                let context = || format!("publishing to `{routing_key}`");
-                let options = BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                };
-                let result = async {
-                    // Each publish's frames are queued on its first poll, in slice order.
-                    let confirms = try_join_all(messages.iter().zip(properties).map(
-                        |(message, properties)| {
-                            channel.basic_publish(
-                                exchange.clone(),
-                                queue.clone(),
-                                options,
-                                &message.payload,
-                                properties,
-                            )
-                        },
-                    ))
+                let payloads = messages.iter().map(|message| message.payload.as_slice());
+                self.publisher
+                    .publish(&self.exchange, destination, payloads.zip(properties))
                     .await
-                    .map_err(|e| Error::amqp(context(), e))?;
-                    let confirmations = try_join_all(confirms)
-                        .await
-                        .map_err(|e| Error::amqp(context(), e))?;
-                    confirmations.into_iter().try_for_each(|confirmation| {
-                        confirmed(confirmation, &self.exchange, routing_key)
-                    })
-                }
-                .await;
-                if result.is_err() && !channel.status().connected() {
-                    // Reconnect on the next publish.
-                    *self.state.lock().await = None;
-                }
-                result.map_err(failed)
+                    .map_err(failed)
             });
         traced.await
     }

@@ -1,7 +1,7 @@
-//! AMQP short strings (at most 255 bytes): queue names, routing keys, consumer tags, header
-//! names and the `message_id` property.
+//! AMQP strings: short ones (at most 255 bytes: queue names, routing keys, consumer tags,
+//! header names and the `message_id` property) and long ones (header and argument values).
 
-use lapin::types::ShortString;
+use lapin::types::{AMQPValue, LongString, ShortString};
 
 use crate::{Error, Result};
 
@@ -13,6 +13,11 @@ pub(crate) fn short_string(what: &'static str, value: &str) -> Result<ShortStrin
         value: shown(value),
         len: value.len(),
     })
+}
+
+/// `value` as a long-string header or argument value.
+pub(crate) fn long_string(value: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(value.to_owned()))
 }
 
 /// The start of a long value, enough to recognise it in an error message.

@@ -13,7 +13,7 @@ use crate::ack::{Link, RabbitAck};
 use crate::dead_letter::DeadLetters;
 use crate::redelivery::{Counts, DELIVERY_COUNT_HEADER};
 use crate::short_string::short_string;
-use crate::{connect, topology, Error, RabbitConnection, RabbitSourceBuilder, Result, Topology};
+use crate::{topology, Error, RabbitConnection, RabbitSourceBuilder, Result, Topology};
 
 /// A RabbitMQ queue as an inbox [`MessageSource`]. See the crate docs for the topology and the
 /// ack semantics.
@@ -90,37 +90,25 @@ impl RabbitSource {
         let _ = tokio::time::timeout(waited, self.dead_letters.close()).await;
     }
 
-    /// Connects and starts consuming, within [`RabbitConnection::operation_timeout`]: a broker
-    /// that accepts the TCP connection and then says nothing would otherwise hold this forever.
+    /// Connects and prepares the topology, within [`RabbitConnection::operation_timeout`].
     async fn open(&mut self) -> Result<()> {
         self.live = None;
         self.generation += 1;
-        let waited = self.config.connection.operation_timeout;
-        let live = tokio::time::timeout(waited, Self::start(&self.config, self.generation))
-            .await
-            .map_err(|_elapsed| Error::ConnectTimeout {
-                url: connect::redact(&self.config.connection.url),
-                waited,
-            })??;
-        self.live = Some(live);
-        Ok(())
-    }
-
-    async fn start(config: &RabbitSourceBuilder, generation: u64) -> Result<Live> {
-        let connection = config
+        let config = &self.config;
+        let link = config
             .connection
-            .open(&config.effective_connection_name())
+            .bounded(async {
+                let name = config.effective_connection_name();
+                let (connection, channel) = config.connection.open(&name, "consuming").await?;
+                topology::prepare(&connection, &channel, config).await?;
+                Ok(Link::new(self.generation, connection, channel))
+            })
             .await?;
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|e| Error::amqp("opening the consuming channel", e))?;
-        topology::prepare(&connection, &channel, config).await?;
-        let link = Arc::new(Link::new(generation, connection, channel));
-        Ok(Live {
-            link,
+        self.live = Some(Live {
+            link: Arc::new(link),
             consumer: None,
-        })
+        });
+        Ok(())
     }
 
     /// Starts consuming with a prefetch window for batches of `batch`. RabbitMQ fixes a
@@ -190,11 +178,6 @@ impl RabbitSource {
             delivery.redelivered,
             header(inbox_core::REDELIVERY_COUNT),
         );
-        let position = format!(
-            "connection {} channel {} tag {tag}",
-            link.generation,
-            link.channel.id()
-        );
         let mut message = Message::new(id, delivery.data);
         message.key = Some(delivery.routing_key.as_str().as_bytes().to_vec());
         message.headers = headers
@@ -204,7 +187,7 @@ impl RabbitSource {
             .collect();
         let meta = &mut message.meta;
         meta.source = self.config.queue.clone();
-        meta.position = position.clone();
+        meta.position = link.position(tag);
         meta.delivery_count = counts.delivery_count;
         meta.redelivered = counts.redelivered;
         meta.redeliveries = counts.redeliveries;
@@ -262,35 +245,29 @@ impl MessageSource for RabbitSource {
                 Err(e) => return Err(self.lost(e.to_string())),
             }
         }
-        let Some(live) = self.live.as_mut() else {
-            return Err(self.lost("not connected".into()));
-        };
         let Some(consumer) = live.consumer.as_mut() else {
             return Err(self.lost("not consuming".into()));
         };
         let link = Arc::clone(&live.link);
         let first = match tokio::time::timeout(poll, consumer.next()).await {
             Err(_elapsed) => return Ok(Vec::new()),
-            Ok(Some(Ok(delivery))) => delivery,
-            Ok(Some(Err(e))) => return Err(self.lost(format!("the channel failed: {e}"))),
-            Ok(None) => {
-                return Err(self.lost("the broker cancelled the consumer (queue deleted?)".into()))
-            }
+            Ok(next) => match delivered(next) {
+                Ok(delivery) => delivery,
+                Err(why) => return Err(self.lost(why)),
+            },
         };
         let mut raw = vec![first];
         let mut broken = None;
         while raw.len() < max {
-            match consumer.next().now_or_never() {
-                Some(Some(Ok(delivery))) => raw.push(delivery),
-                Some(Some(Err(e))) => {
-                    broken = Some(format!("the channel failed: {e}"));
+            let Some(next) = consumer.next().now_or_never() else {
+                break;
+            };
+            match delivered(next) {
+                Ok(delivery) => raw.push(delivery),
+                Err(why) => {
+                    broken = Some(why);
                     break;
                 }
-                Some(None) => {
-                    broken = Some("the broker cancelled the consumer".to_owned());
-                    break;
-                }
-                None => break,
             }
         }
         if let Some(why) = broken {
@@ -299,6 +276,17 @@ impl MessageSource for RabbitSource {
             self.live = None;
         }
         Ok(raw.into_iter().map(|d| self.convert(&link, d)).collect())
+    }
+}
+
+/// What a consumer stream yielded: a delivery, or why the channel is lost.
+fn delivered(
+    next: Option<lapin::Result<lapin::message::Delivery>>,
+) -> std::result::Result<lapin::message::Delivery, String> {
+    match next {
+        Some(Ok(delivery)) => Ok(delivery),
+        Some(Err(e)) => Err(format!("the channel failed: {e}")),
+        None => Err("the broker cancelled the consumer (queue deleted?)".into()),
     }
 }
 
@@ -399,53 +387,36 @@ mod tests {
     use super::*;
 
     #[test]
-    fn header_ids_accept_text_and_integers_only() {
+    fn ids_are_read_from_the_property_and_text_or_integer_headers() {
+        use inbox_core::IdFrom;
         let mut headers = FieldTable::default();
         headers.insert("a".into(), AMQPValue::LongString("evt-1".into()));
         headers.insert("b".into(), AMQPValue::LongLongInt(42));
         headers.insert("c".into(), AMQPValue::Boolean(true));
-        let header_id = |headers: &FieldTable, name: &str| {
-            inbox_core::IdFrom::header(name).read(&Amqp {
-                headers,
-                message_id: None,
-                body: b"",
-            })
-        };
-        assert_eq!(header_id(&headers, "a").unwrap().as_str(), "evt-1");
-        assert_eq!(header_id(&headers, "b").unwrap().as_str(), "42");
-        let e = header_id(&headers, "c").unwrap_err().to_string();
-        assert!(e.contains("as text or integer"), "{e}");
-        let e = header_id(&headers, "d").unwrap_err().to_string();
-        assert_eq!(e, "message has no ID: header d is missing");
-    }
-
-    #[test]
-    fn the_message_id_property_and_cloud_events_headers_are_read() {
-        let mut headers = FieldTable::default();
         headers.insert(
             "cloudEvents_id".into(),
             AMQPValue::LongString("ce-1".into()),
         );
-        let amqp = Amqp {
-            headers: &headers,
-            message_id: Some("m-1"),
-            body: b"",
+        let read = |from: IdFrom, message_id| {
+            let amqp = Amqp {
+                headers: &headers,
+                message_id,
+                body: b"",
+            };
+            from.read(&amqp)
+                .map(|id| id.as_str().to_owned())
+                .map_err(|e| e.to_string())
         };
-        let read = |from: inbox_core::IdFrom| from.read(&amqp).unwrap().as_str().to_owned();
-        assert_eq!(read(inbox_core::IdFrom::MessageIdProperty), "m-1");
-        assert_eq!(read(inbox_core::IdFrom::cloud_events()), "ce-1");
-        let none = Amqp {
-            headers: &FieldTable::default(),
-            message_id: None,
-            body: b"",
-        };
-        let e = inbox_core::IdFrom::MessageIdProperty
-            .read(&none)
-            .unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "message has no ID: property message_id is missing"
-        );
+        assert_eq!(read(IdFrom::header("a"), None).unwrap(), "evt-1");
+        assert_eq!(read(IdFrom::header("b"), None).unwrap(), "42");
+        let e = read(IdFrom::header("c"), None).unwrap_err();
+        assert!(e.contains("as text or integer"), "{e}");
+        let e = read(IdFrom::header("d"), None).unwrap_err();
+        assert_eq!(e, "message has no ID: header d is missing");
+        assert_eq!(read(IdFrom::MessageIdProperty, Some("m-1")).unwrap(), "m-1");
+        assert_eq!(read(IdFrom::cloud_events(), Some("m-1")).unwrap(), "ce-1");
+        let e = read(IdFrom::MessageIdProperty, None).unwrap_err();
+        assert_eq!(e, "message has no ID: property message_id is missing");
     }
 
     #[test]

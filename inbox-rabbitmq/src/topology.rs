@@ -1,41 +1,43 @@
-//! The queues the adapter declares or expects.
+//! The queues the adapter declares or expects (listed in the crate docs, "Topology"), and the
+//! exchanges of [`RabbitSourceBuilder::bind`], each durable and of its kind, with `<queue>`
+//! bound to it.
 //!
-//! - `<queue>`: a durable **quorum** queue with
-//!   `x-dead-letter-exchange = ""` (the default exchange) and
-//!   `x-dead-letter-routing-key = <queue>.dlq`, so whatever the broker dead-letters on its own
-//!   (a message over `x-delivery-limit`) lands in the dead-letter queue;
-//!   `x-dead-letter-strategy = at-least-once` with `x-overflow = reject-publish` (required by it)
-//!   so broker-side dead-lettering cannot drop a message; and `x-delivery-limit` when set.
-//! - `<queue>.dlq`: a durable quorum queue. The adapter's own dead-lettering (no ID, handler gave
-//!   up) publishes there through the default exchange, with publisher confirms.
-//!
-//! - each exchange of [`RabbitSourceBuilder::bind`]: durable, of its kind, with `<queue>` bound
-//!   to it under the routing key given.
-//!
-//! With [`Topology::Expect`] each queue is checked with a passive declare on a throwaway channel
-//! (a failed passive declare closes its channel), and a missing one fails the connect with
-//! [`Error::MissingQueue`], which names it.
+//! A passive declare that fails closes its channel, so [`Topology::Expect`] checks each queue on
+//! a throwaway channel.
 
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
-use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection};
 
-use crate::short_string::short_string;
+use crate::short_string::{long_string, short_string};
 use crate::{Error, RabbitSourceBuilder, Result, Topology};
 
-/// The arguments of the consumed queue.
-pub(crate) fn queue_arguments(config: &RabbitSourceBuilder) -> FieldTable {
+/// A quorum queue's arguments, with `x-queue-type` only.
+fn quorum() -> FieldTable {
     let mut args = FieldTable::default();
-    let text = |s: &str| AMQPValue::LongString(LongString::from(s.to_owned()));
-    args.insert("x-queue-type".into(), text("quorum"));
-    args.insert("x-dead-letter-exchange".into(), text(""));
+    args.insert("x-queue-type".into(), long_string("quorum"));
+    args
+}
+
+/// The arguments of a quorum queue that dead-letters to the queue `routing_key` through the
+/// default exchange, at least once, so that broker-side dead-lettering cannot drop a message
+/// (`x-overflow = reject-publish` is what that strategy requires).
+pub(crate) fn dead_lettering_to(routing_key: &str) -> FieldTable {
+    let mut args = quorum();
+    args.insert("x-dead-letter-exchange".into(), long_string(""));
+    args.insert("x-dead-letter-routing-key".into(), long_string(routing_key));
     args.insert(
-        "x-dead-letter-routing-key".into(),
-        text(&config.dead_letter_queue()),
+        "x-dead-letter-strategy".into(),
+        long_string("at-least-once"),
     );
-    args.insert("x-dead-letter-strategy".into(), text("at-least-once"));
-    args.insert("x-overflow".into(), text("reject-publish"));
+    args.insert("x-overflow".into(), long_string("reject-publish"));
+    args
+}
+
+/// The arguments of the consumed queue.
+fn queue_arguments(config: &RabbitSourceBuilder) -> FieldTable {
+    let mut args = dead_lettering_to(&config.dead_letter_queue());
     if let Some(limit) = config.delivery_limit {
         let limit = i64::from(limit);
         args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit));
@@ -43,15 +45,6 @@ pub(crate) fn queue_arguments(config: &RabbitSourceBuilder) -> FieldTable {
     for (name, value) in config.queue_arguments.inner() {
         args.insert(name.clone(), value.clone());
     }
-    args
-}
-
-fn dead_letter_arguments() -> FieldTable {
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString(LongString::from("quorum".to_owned())),
-    );
     args
 }
 
@@ -81,7 +74,7 @@ async fn declare(channel: &Channel, config: &RabbitSourceBuilder) -> Result<()> 
         .queue_declare(
             short_string("dead-letter queue name", &dlq)?,
             options,
-            dead_letter_arguments(),
+            quorum(),
         )
         .await
         .map_err(|e| Error::amqp(format!("declaring dead-letter queue `{dlq}`"), e))?;
@@ -184,36 +177,23 @@ fn is_not_found(e: &lapin::Error) -> bool {
     )
 }
 
-/// Declares the topology of `config` once, on a short-lived connection: for setup tools and for
-/// producers that start before any consumer.
-async fn declare_once(config: &RabbitSourceBuilder) -> Result<()> {
-    config.check()?;
-    let connection = config
-        .connection
-        .open(&config.effective_connection_name())
-        .await?;
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(|e| Error::amqp("opening a channel", e))?;
-    let declared = declare(&channel, config).await;
-    // Closing is a courtesy; the broker cleans up a dropped connection as well.
-    let _ = connection.close(200, "topology declared".into()).await;
-    declared
-}
-
 impl RabbitSourceBuilder {
     /// Declares the queue and its dead-letter queue now, on a short-lived connection, whatever
     /// [`topology`](Self::topology) says: for setup tools, and for producers that start before
-    /// any consumer. Idempotent. Bounded by [`RabbitConnection::operation_timeout`](crate::RabbitConnection::operation_timeout), like
+    /// any consumer. Idempotent. Bounded by
+    /// [`RabbitConnection::operation_timeout`](crate::RabbitConnection::operation_timeout), like
     /// the source's connect.
     pub async fn declare_topology(&self) -> Result<()> {
-        let waited = self.connection.operation_timeout;
-        tokio::time::timeout(waited, declare_once(self))
+        self.connection
+            .bounded(async {
+                self.check()?;
+                let name = self.effective_connection_name();
+                let (connection, channel) = self.connection.open(&name, "topology").await?;
+                let declared = declare(&channel, self).await;
+                // Closing is a courtesy; the broker cleans up a dropped connection as well.
+                let _ = connection.close(200, "topology declared".into()).await;
+                declared
+            })
             .await
-            .map_err(|_elapsed| Error::ConnectTimeout {
-                url: crate::connect::redact(&self.connection.url),
-                waited,
-            })?
     }
 }

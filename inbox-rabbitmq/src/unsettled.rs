@@ -101,25 +101,21 @@ mod tests {
     }
 
     #[test]
-    fn a_contiguous_batch_is_one_multiple_ack() {
-        assert_eq!(
-            out(&[1, 2, 3, 4]).plan(&set(&[1, 2, 3])),
-            plan(Some(3), &[])
-        );
-    }
-
-    #[test]
-    fn an_older_unsettled_delivery_forces_single_acks() {
-        // Tag 1 waits for a delayed requeue: a multiple ack of 3 would settle it too.
-        assert_eq!(out(&[1, 2, 3]).plan(&set(&[2, 3])), plan(None, &[2, 3]));
-    }
-
-    #[test]
-    fn a_gap_splits_the_batch() {
-        assert_eq!(
-            out(&[5, 6, 7, 8, 9]).plan(&set(&[5, 6, 8, 9])),
-            plan(Some(6), &[8, 9])
-        );
+    fn a_batch_is_one_multiple_ack_only_from_the_oldest_unsettled_tag() {
+        for (out_tags, batch, multiple_up_to, singles) in [
+            // Contiguous from the oldest: one multiple ack.
+            (&[1, 2, 3, 4][..], &[1, 2, 3][..], Some(3), &[][..]),
+            // Tag 1 waits for a delayed requeue: a multiple ack of 3 would settle it too.
+            (&[1, 2, 3], &[2, 3], None, &[2, 3]),
+            // A gap splits the batch.
+            (&[5, 6, 7, 8, 9], &[5, 6, 8, 9], Some(6), &[8, 9]),
+        ] {
+            assert_eq!(
+                out(out_tags).plan(&set(batch)),
+                plan(multiple_up_to, singles),
+                "{out_tags:?} out, {batch:?} acked"
+            );
+        }
     }
 
     #[test]
