@@ -10,18 +10,14 @@ use crate::context::ProducerContext;
 use crate::failure::Failures;
 use crate::{Error, KafkaConnection, KafkaSource, Result};
 
-/// Builds a [`KafkaSource`]: what it subscribes to and how. Start with
-/// [`KafkaConnection::source`] (or [`KafkaSource::builder`], on the brokers `KAFKA_BROKERS`
-/// names), finish with [`KafkaSourceBuilder::connect`].
+/// Builds a [`KafkaSource`]; start with [`KafkaConnection::source`] (or
+/// [`KafkaSource::builder`], on the brokers `KAFKA_BROKERS` names).
 ///
-/// The connection's properties (TLS, SASL, a token provider) reach every client the source
-/// makes: the consumer, the dead-letter producer and the admin client that checks the
-/// dead-letter topics. Consumer properties (`session.timeout.ms`, `max.poll.interval.ms`) are
-/// set with [`KafkaSourceBuilder::set_consumer`].
-///
-/// Defaults set here and overridable: `auto.offset.reset=earliest` (a new group reads the topic
-/// from its start). Enforced: `enable.auto.commit=false`. Its `Debug` output hides the values of
-/// secret properties, like [`KafkaConnection`]'s.
+/// The connection's properties reach every client the source makes: the consumer, the
+/// dead-letter producer and the admin client that checks the dead-letter topics. Set here and
+/// overridable: `auto.offset.reset=earliest` (a new group reads the topic from its start).
+/// Enforced: `enable.auto.commit=false`. `Debug` hides secret properties, as
+/// [`KafkaConnection`]'s does.
 #[derive(Clone, Debug)]
 #[must_use = "a builder does nothing until `connect` is called"]
 pub struct KafkaSourceBuilder {
@@ -63,11 +59,8 @@ impl KafkaSourceBuilder {
         }
     }
 
-    /// The header that holds the message ID (default `event_id`). The ID does not come from the
-    /// offset unless asked ([`IdFrom::Position`]): a relay that republishes an event gives it a
-    /// new offset, not a new ID.
-    ///
-    /// Shorthand for [`id_from`](Self::id_from)`(IdFrom::Header(name))`.
+    /// The header that holds the message ID (default `event_id`): shorthand for
+    /// [`id_from`](Self::id_from)`(IdFrom::Header(name))`.
     pub fn id_header(mut self, name: impl Into<String>) -> Self {
         self.id_from = IdFrom::Header(name.into());
         self
@@ -77,22 +70,17 @@ impl KafkaSourceBuilder {
     /// CloudEvent's `id` (binary mode `ce_id` header, or a structured-mode JSON event), the
     /// Debezium outbox router's `id` header, or a JSON field of the value. Kafka has no
     /// message-ID property, so [`IdFrom::MessageIdProperty`] is refused at `connect`.
-    ///
-    /// For a topic whose producers set no ID, [`IdFrom::Position`] keys each record by topic,
-    /// partition and offset: redeliveries are skipped, but a producer's resend is a new record
-    /// and is applied again, and a topic created anew under the same name would have its new
-    /// records skipped (see [`IdFrom::Position`]).
+    /// [`IdFrom::Position`] (topic, partition and offset) serves topics whose producers set no
+    /// ID, with the weaker promise it documents: a producer's resend is applied again.
     pub fn id_from(mut self, from: IdFrom) -> Self {
         self.id_from = from;
         self
     }
 
-    /// Where dead letters go (default: `<topic>.dlq` of the message's own topic).
-    ///
-    /// The source checks at start that every dead-letter topic exists (for a pattern
-    /// subscription, `^…`, only an explicit one is checked) and fails with [`Error::Config`]
-    /// naming a missing one, unless [`KafkaSourceBuilder::create_dead_letter_topics`] allows
-    /// creating it.
+    /// Where dead letters go (default: `<topic>.dlq` of the message's own topic). The source
+    /// checks at start that every one exists (for a pattern subscription, `^…`, only an explicit
+    /// one) and fails with [`Error::Config`] naming a missing one, unless
+    /// [`create_dead_letter_topics`](Self::create_dead_letter_topics) allows creating it.
     pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
         self.dead_letter_topic = Some(topic.into());
         self
@@ -114,13 +102,8 @@ impl KafkaSourceBuilder {
     }
 
     /// How often the offsets acked since the last commit are committed, in one request for all
-    /// partitions (default 250 ms; see the crate docs, "Ack semantics").
-    ///
-    /// An ack then only records its offsets; a commit task commits each partition's finished
-    /// prefix at this interval, and a revoke and the source's close commit what is left. A crash
-    /// costs the redelivery of up to an interval of acked messages, which the inbox skips.
-    /// `Duration::ZERO` commits synchronously in every ack instead: one round-trip per batch
-    /// (per lane), and an ack's `Ok` means the broker has the offset.
+    /// partitions (default 250 ms); `Duration::ZERO` commits synchronously in every ack. See
+    /// the crate docs, "Ack semantics", for what each costs.
     pub fn commit_interval(mut self, every: Duration) -> Self {
         self.commit_interval = every;
         self
@@ -134,11 +117,10 @@ impl KafkaSourceBuilder {
     }
 
     /// Creates the clients and subscribes. librdkafka connects in the background, so a broker
-    /// that is down does not fail this. Nothing is fetched yet: the first
-    /// [`receive`](inbox_core::MessageSource::receive) checks that the dead-letter topics exist
-    /// (a metadata request for all topics, waiting up to the operation timeout) before it joins
-    /// the group and reads; a missing one fails it with [`Error::Config`], which stops the
-    /// consumer, and unreachable brokers fail it with an error naming them.
+    /// that is down does not fail this. The first
+    /// [`receive`](inbox_core::MessageSource::receive) checks the dead-letter topics (waiting up
+    /// to the operation timeout) before it joins the group: a missing one fails it with
+    /// [`Error::Config`], which stops the consumer; unreachable brokers fail it naming them.
     pub async fn connect(self) -> Result<KafkaSource> {
         KafkaSource::new(&self)
     }

@@ -28,15 +28,10 @@ pub fn brokers_from_env() -> Result<String> {
 }
 
 /// Where and how to reach one Kafka cluster: its brokers, any librdkafka property every client
-/// needs (TLS, SASL, `client.id`), a token provider and how long an operation may take. The
-/// source, the producer, the dead-letter reader and the admin client are all built from it, so
-/// a setting made here (a CA, an IAM token provider) reaches them all at once.
-///
-/// Every librdkafka property can be set with [`set`](Self::set): TLS (`security.protocol`,
-/// `ssl.ca.location`, ... with the crate feature `tls`), SASL (`sasl.mechanism`,
-/// `sasl.username`, `sasl.password`), socket settings, so the same code runs against Apache
-/// Kafka, MSK, Confluent Cloud, Redpanda or Tansu. A client's own properties go on its builder
-/// ([`KafkaSourceBuilder::set_consumer`], [`KafkaProducerBuilder::set`]).
+/// needs ([`set`](Self::set): TLS, SASL, socket settings, `client.id`), a token provider and
+/// how long an operation may take. The source, the producer, the dead-letter reader and the
+/// admin client are all built from it, so a setting made here (a CA, an IAM token provider)
+/// reaches them all at once; a client's own properties go on its builder.
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), inbox_kafka::Error> {
@@ -53,9 +48,8 @@ pub fn brokers_from_env() -> Result<String> {
 /// # }
 /// ```
 ///
-/// Its `Debug` output shows `***` for the value of every property that holds a secret
-/// (`sasl.password`, `ssl.key.password`, any name with `password` or `secret`, a private key):
-/// see [`inbox_core::is_secret_setting`].
+/// Its `Debug` output shows `***` for the value of every secret property (`sasl.password`, a
+/// private key, ...: see [`inbox_core::is_secret_setting`]).
 #[derive(Clone, Debug)]
 #[must_use]
 pub struct KafkaConnection {
@@ -125,12 +119,10 @@ impl KafkaConnection {
         self
     }
 
-    /// Logs in with SASL OAUTHBEARER tokens from `provider` (see [`TokenProvider`]): every
-    /// client built from this connection asks it for a token at start and again before the
-    /// token expires, so a cluster that takes IAM tokens only (MSK, Event Hubs, Confluent Cloud)
-    /// is consumed, produced to and replayed from with one provider. Sets
-    /// `sasl.mechanism=OAUTHBEARER` (another mechanism is refused at `connect`);
-    /// `security.protocol` stays yours to set, `sasl_ssl` in production.
+    /// Logs in with SASL OAUTHBEARER tokens from `provider` (see [`TokenProvider`]), for every
+    /// client built from this connection. Sets `sasl.mechanism=OAUTHBEARER` (another mechanism
+    /// is refused at `connect`); `security.protocol` stays yours to set, `sasl_ssl` in
+    /// production.
     pub fn token_provider(mut self, provider: impl TokenProvider) -> Self {
         self.token_provider = Some(Arc::new(provider));
         self
@@ -139,11 +131,10 @@ impl KafkaConnection {
     /// How long a request, a blocking commit or seek, a send's delivery (librdkafka's
     /// `message.timeout.ms`) and a token request may take (default 10 s).
     ///
-    /// It is also librdkafka's `socket.timeout.ms` for every client (unless set with
-    /// [`set`](Self::set)): a request without an answer for that long fails and its broker
-    /// connection is closed and made anew. librdkafka's own default is 60 s, so after a network
-    /// black hole of a few seconds the consumer stayed stuck on the dead connection for a
-    /// minute, fetching and committing nothing.
+    /// It is also librdkafka's `socket.timeout.ms` (unless [`set`](Self::set)): a request
+    /// without an answer for that long closes its broker connection, which is made anew.
+    /// librdkafka's own 60 s kept a consumer stuck on a dead connection for a minute after a
+    /// network black hole of a few seconds.
     pub fn operation_timeout(mut self, wait: Duration) -> Self {
         self.operation_timeout = wait;
         self
@@ -178,10 +169,7 @@ impl KafkaConnection {
 
     /// The brokers: the ones given, or `KAFKA_BROKERS`.
     pub(crate) fn brokers(&self) -> Result<String> {
-        match &self.brokers {
-            Some(brokers) => Ok(brokers.clone()),
-            None => brokers_from_env(),
-        }
+        self.brokers.clone().map_or_else(brokers_from_env, Ok)
     }
 
     /// A client's configuration and its context (connection failures kept in `failures`, the

@@ -49,119 +49,90 @@
 //!
 //! # Ack semantics
 //!
-//! Kafka acknowledges by committing a position per partition: "everything before offset N is
-//! done". Here an ack marks the message finished after the database transaction committed, and
-//! the partition's finished prefix is committed from there:
+//! Kafka acknowledges by committing a position per partition ("everything before offset N is
+//! done"). An ack marks its message finished after the database transaction committed; each
+//! partition's finished prefix is then committed:
 //!
-//! - **Explicit commits, never auto-commit, coalesced.** The consumer runs with
-//!   `enable.auto.commit=false`. An [`Ack::ack_all`](inbox_core::Ack::ack_all) only records its
-//!   offsets, with no broker call; a commit task commits the finished prefix of every partition
-//!   that moved, in one synchronous request (on tokio's blocking pool), every
-//!   [`KafkaSourceBuilder::commit_interval`] (default 250 ms). When partitions are revoked, the
-//!   acked prefix of each is committed right away, and librdkafka completes the rebalance only
-//!   after that commit, so the partition's next owner starts behind it. Dropping the source (the
-//!   end of [`Consumer::run_until`](inbox_core::Consumer::run_until)) revokes everything the
-//!   same way before it leaves the group. A failed commit is logged, counted in
-//!   [`KafkaSource::offset_commits`], and retried at the next interval; it is not an ack failure.
-//! - **What a crash costs.** A process that dies between its database commits and the next
-//!   offset commit leaves up to one interval of applied messages uncommitted (plus a commit in
-//!   flight): the partitions' next owner reads them again and the inbox skips each, as it skips
-//!   any redelivery. Nothing is lost and nothing is applied twice; what it costs is re-reading
-//!   those messages. No offset is ever committed past a message whose transaction has not
-//!   committed, because only acked messages move the prefix.
-//! - **Synchronous per ack.** With `commit_interval(Duration::ZERO)` every ack commits its
-//!   partitions' new prefixes itself, synchronously, so its `Ok` means the broker has the offset
-//!   and a commit failure is an ack failure. It costs one commit round-trip per batch (per lane
-//!   with [`Consumer::parallel_lanes`](inbox_core::Consumer::parallel_lanes)).
-//! - **Only the finished prefix.** Offsets in flight are tracked per partition; a commit covers
-//!   the partition up to its first unfinished message. An ack of offset 7 while 5 is still being
-//!   retried moves nothing; when 5 is acked the next commit jumps to 8.
-//! - **Redelivery.** A message whose offset was not committed (the process died, the commit
-//!   failed, the partition moved) is read again by whoever owns the partition next, from the last
-//!   committed offset; the inbox finds its ID and skips it. Everything after it on the partition
-//!   is re-read too and skipped the same way.
-//! - **Nack.** Kafka cannot hand out a single record again. A nack seeks the partition back to the
-//!   nacked offset, so it and every later record of that partition are read again; nothing past
+//! - **Explicit, coalesced commits.** The consumer runs with `enable.auto.commit=false`. An
+//!   [`Ack::ack_all`](inbox_core::Ack::ack_all) only records its offsets; every
+//!   [`KafkaSourceBuilder::commit_interval`] (default 250 ms) a commit task commits the finished
+//!   prefix of every partition that moved, in one synchronous request on tokio's blocking pool.
+//!   A revoke commits the acked prefix of its partitions at once, and librdkafka completes the
+//!   rebalance only after that commit, so the next owner starts behind it; dropping the source
+//!   (the end of [`Consumer::run_until`](inbox_core::Consumer::run_until)) revokes everything
+//!   the same way before it leaves the group. A failed commit is logged, counted in
+//!   [`KafkaSource::offset_commits`] and retried at the next interval: it is not an ack failure.
+//!   With `commit_interval(Duration::ZERO)` every ack commits synchronously, so its `Ok` means
+//!   the broker has the offset, at one round-trip per batch (per lane with
+//!   [`Consumer::parallel_lanes`](inbox_core::Consumer::parallel_lanes)).
+//! - **Only the finished prefix.** A commit covers a partition up to its first unfinished
+//!   message: an ack of offset 7 while 5 is retried moves nothing; when 5 is acked the commit
+//!   jumps to 8. No offset is committed past a message whose transaction has not committed.
+//! - **Redelivery and crashes.** A message whose offset was not committed (the process died,
+//!   the commit failed, the partition moved) is read again, with everything after it on its
+//!   partition, by the partition's next owner, and the inbox skips what was applied. A crash
+//!   costs re-reading up to one interval of applied messages (plus a commit in flight); nothing
+//!   is lost or applied twice.
+//! - **Nack.** Kafka cannot hand out a single record again: a nack seeks the partition back to
+//!   the record, so it and every later record of the partition are read again, and nothing past
 //!   it is committed meanwhile. A later record is handed out again only if it was handed back
-//!   itself: one finished keeps its outcome, and one still in the consumer's hands is not handed
-//!   out a second time beside it. The adapter counts its
-//!   own seeks, so [`Metadata::delivery_count`](inbox_core::Metadata) is set on such re-reads
-//!   (and [`Consumer::max_deliveries`](inbox_core::Consumer::max_deliveries) works within one
-//!   process); Kafka itself does not count deliveries.
-//! - **Delayed redelivery** (a redelivery schedule,
-//!   [`RetryPolicy::redeliver_after`](inbox_core::RetryPolicy::redeliver_after)) pauses the
-//!   record's partition, seeks it back to the record as a nack does, and resumes it once the
-//!   delay has passed: blocking, so the partition keeps its order (the records behind it wait;
-//!   other partitions flow), rather than retry topics, which would apply a later record of the
-//!   same key first. The record's redelivery count and the time it is due are committed with
-//!   the partition's offset, as the commit's metadata, before the record can be read again
-//!   (see [`redelivery_counts`] for why there): after a rebalance or a restart the partition's
-//!   next owner reads them with the committed offset before it hands out a record of the
-//!   partition, waits out what is left of the delay, and goes on with the schedule, so a poison
-//!   record reaches its dead letter however often the group rebalances. A commit refused
-//!   mid-rebalance (Kafka refuses them while the group waits for its members to sync) loses the
-//!   counts it carried for the partition's next owner; the consumer that made it keeps them and
-//!   merges them in when the partition comes back to it. Each such loss, and each delivery cut
-//!   by a revoke, costs the record one more delivery than its schedule says, never its dead
-//!   letter. A redelivery (or a nack) of a delivery received before its partition was revoked
-//!   does nothing to the partition: its owner reads the record again from the last commit.
-//! - **Rebalances.** When partitions are revoked, their in-flight messages are forgotten: the
-//!   batch in flight still finishes and commits to the database, but its acks commit nothing for
-//!   the lost partitions, and a commit refused with `UNKNOWN_MEMBER_ID`, `REBALANCE_IN_PROGRESS`
-//!   or `ILLEGAL_GENERATION` is logged, not reported. The new owner re-reads and the inbox skips.
-//!   A member evicted for exceeding `max.poll.interval.ms` (a zombie) may still commit its
-//!   database transaction: the inbox's unique claim makes either its write or the new owner's a
-//!   no-op.
-//! - **No ID.** The ID comes from a header (default `event_id`), not from the offset: a relay
-//!   that republishes an event gives it a new offset, not a new ID. Records of other producers
-//!   are read where their convention puts it, with [`KafkaSourceBuilder::id_from`]: a
-//!   CloudEvent's `ce_id` header (binary mode) or `id` (a structured-mode JSON value), its
-//!   `ce_source` and `ce_id` together, the Debezium outbox router's `id` header, a JSON field of
-//!   the value (see [`IdFrom`]); for topics whose producers set none, the record's position
-//!   ([`IdFrom::Position`], a weaker promise: a resend is applied again). A record without one,
-//!   and a
-//!   record whose handler failed past the retry limit, is produced to the dead-letter topic
-//!   (default `<topic>.dlq`) with its key, value and headers plus the headers `reason`,
-//!   `original_source` (the topic) and `original_position` (`partition 3 offset 17`), named by
-//!   [`inbox_core::dead_letter`], through the delivery's handle ([`KafkaAck`]'s
-//!   [`Ack::dead_letter`](inbox_core::Ack::dead_letter)); it waits for the delivery report, then
-//!   the offset is committed. A produce that fails seeks the partition back to the record, as a
-//!   nack does, so it comes again. The first receive checks that every dead-letter topic exists
-//!   and fails, naming the topic, if one does not (or creates it, with
-//!   [`KafkaSourceBuilder::create_dead_letter_topics`]): a record that cannot be parked would
-//!   otherwise be handed back and fail again, stalling its partition.
+//!   itself: one finished keeps its outcome, one still in the consumer's hands is not handed
+//!   out a second time. Kafka does not count deliveries; the adapter counts its own seeks, so
+//!   [`Metadata::delivery_count`](inbox_core::Metadata) and
+//!   [`Consumer::max_deliveries`](inbox_core::Consumer::max_deliveries) work within a process.
+//! - **Delayed redelivery**
+//!   ([`RetryPolicy::redeliver_after`](inbox_core::RetryPolicy::redeliver_after)) pauses the
+//!   record's partition, seeks back as a nack does, and resumes once the delay has passed: the
+//!   partition keeps its order (the records behind it wait, other partitions flow), which retry
+//!   topics would not. The record's redelivery count and due time are committed with the
+//!   partition's offset, as its metadata ([`redelivery_counts`] says why there), before the
+//!   record can be read again, so after a rebalance or a restart the next owner waits out the
+//!   rest of the delay and goes on with the schedule: a poison record reaches its dead letter
+//!   however often the group rebalances. A commit refused mid-rebalance loses those counts for
+//!   the next owner (the consumer that made it keeps them for when the partition comes back);
+//!   each such loss, and each delivery cut by a revoke, costs one delivery more than the
+//!   schedule says, never the dead letter.
+//! - **Rebalances.** A revoke forgets its partitions' in-flight messages: the batch still
+//!   commits to the database, but its acks, nacks and redeliveries do nothing to the lost
+//!   partitions, and a commit refused with `UNKNOWN_MEMBER_ID`, `REBALANCE_IN_PROGRESS` or
+//!   `ILLEGAL_GENERATION` is logged, not reported. The new owner re-reads and the inbox skips. A
+//!   member evicted for exceeding `max.poll.interval.ms` (a zombie) may still commit its
+//!   transaction: the inbox's unique claim makes its write or the new owner's a no-op.
+//! - **IDs and dead letters.** The ID comes from a header (default `event_id`), not from the
+//!   offset: a relay that republishes an event gives it a new offset, not a new ID. Other
+//!   producers' conventions (CloudEvents, the Debezium outbox router, a JSON field; the
+//!   record's position as a weaker last resort) are read with [`KafkaSourceBuilder::id_from`]
+//!   (see [`IdFrom`]). A record without an ID, or whose handler failed past the retry limit, is
+//!   produced by [`Ack::dead_letter`](inbox_core::Ack::dead_letter) to the dead-letter topic
+//!   (default `<topic>.dlq`) with its key, value and headers plus the
+//!   [`inbox_core::dead_letter`] headers (`original_position`: `partition 3 offset 17`); the
+//!   offset is committed after the delivery report, and a produce that fails seeks back as a
+//!   nack does. The first receive checks that every dead-letter topic exists and fails naming a
+//!   missing one (or creates it: [`KafkaSourceBuilder::create_dead_letter_topics`]): a record
+//!   that cannot be parked would otherwise fail again and again, stalling its partition.
 //!
 //! # Batches, order and parallelism
 //!
 //! A receive waits for one message (up to the poll timeout), then takes whatever else the client
-//! has already fetched, up to the consumer's batch size. Each message carries its partition as
-//! its lane ([`Metadata::lane`](inbox_core::Metadata::lane), `topic[partition]`):
-//!
-//! - by default the whole batch is one transaction;
-//! - with [`Consumer::parallel_lanes`](inbox_core::Consumer::parallel_lanes)`(n)` up to `n`
-//!   partitions are applied side by side, each in transactions of its own,
-//!   while one partition's messages stay in offset order; the consumer receives again while a
-//!   partition's lane is free.
-//!
-//! Within a partition messages are applied in offset order, except that a failing message that
-//! is retried is applied after the rest of its partition's batch. Several sources with the same
-//! group id (in one process or many) share the partitions as the group assigns them.
+//! has already fetched, up to the consumer's batch size. By default the whole batch is one
+//! transaction; with [`Consumer::parallel_lanes`](inbox_core::Consumer::parallel_lanes)`(n)` up
+//! to `n` partitions (a message's [`lane`](inbox_core::Metadata::lane), `topic[partition]`) are
+//! applied side by side, each in transactions of its own, and the consumer receives again while
+//! a partition's lane is free. Within a partition messages are applied in offset order, except
+//! that a retried message is applied after the rest of its partition's batch. Sources with the
+//! same group id (in one process or many) share the partitions as the group assigns them.
 //!
 //! # Configuration
 //!
-//! One [`KafkaConnection`] (the brokers, librdkafka properties, a token provider) builds the
-//! source, the producer, the dead-letter reader and the admin client, so TLS, SASL or a token
-//! provider set once reaches them all. The brokers come from `KAFKA_BROKERS` unless
-//! [`KafkaConnection::new`] names them; with neither, connecting fails with an error that says
-//! so (there is no default). Any librdkafka property passes through: [`KafkaConnection::set`]
-//! for every client (TLS and SASL: the crate feature `tls`, on by default, gives TLS, SCRAM
-//! and OAUTHBEARER), [`KafkaSourceBuilder::set_consumer`] and [`KafkaProducerBuilder::set`] for one
-//! client (timeouts, assignment strategy, batching). zstd
-//! compression (`compression.type=zstd` on a producer, and reading batches another producer
-//! compressed with zstd) needs the crate feature `zstd`; gzip (`libz`) is always built in. A
-//! new group starts at the earliest offset (`auto.offset.reset=earliest`) unless told otherwise.
-//! Lower `session.timeout.ms` to notice a dead member sooner; keep `max.poll.interval.ms` above
-//! the longest batch.
+//! One [`KafkaConnection`] (brokers, librdkafka properties, a token provider) builds the
+//! source, the producer, the dead-letter reader and the admin client, so a setting made once
+//! reaches them all. The brokers come from [`KafkaConnection::new`] or `KAFKA_BROKERS`; there
+//! is no default. Any librdkafka property passes through: [`KafkaConnection::set`] for every
+//! client, [`KafkaSourceBuilder::set_consumer`] and [`KafkaProducerBuilder::set`] for one.
+//! Crate features: `tls` (on by default: TLS, SCRAM and OAUTHBEARER) and `zstd`
+//! (`compression.type=zstd`, and reading batches compressed with it); gzip is always built in.
+//! A new group starts at the earliest offset unless told otherwise. Lower `session.timeout.ms`
+//! to notice a dead member sooner; keep `max.poll.interval.ms` above the longest batch.
 //!
 //! # TLS, SASL and tokens
 //!

@@ -41,19 +41,15 @@ impl fmt::Debug for Token {
 }
 
 /// Hands out SASL OAUTHBEARER tokens: implement it over your cloud's IAM library and give it to
-/// [`KafkaConnection::token_provider`](crate::KafkaConnection::token_provider), for every client
-/// built from that connection. Needs the crate feature `tls` (librdkafka builds OAUTHBEARER with OpenSSL only); without it
-/// `connect` fails saying so.
+/// [`KafkaConnection::token_provider`](crate::KafkaConnection::token_provider). Needs the crate
+/// feature `tls` (librdkafka builds OAUTHBEARER with OpenSSL only); without it `connect` fails
+/// saying so.
 ///
-/// librdkafka calls [`token`](TokenProvider::token) when the client starts, before its first
-/// login, and again when 80 % of the current token's lifetime has passed; a connection made
-/// after that logs in with the new token. Every client calls it on its own: a source's consumer
-/// and its dead-letter producer each ask.
-///
-/// An error is reported, not hidden: the source's next receive fails with
-/// [`Error::TokenProvider`](crate::Error::TokenProvider) naming it (a retryable error: the
-/// consumer backs off and receives again), and librdkafka asks again 10 s later. The current
-/// token, if it has life left, stays in use meanwhile.
+/// Each client (a source's consumer and its dead-letter producer each) calls
+/// [`token`](TokenProvider::token) when it starts, before its first login, and again when 80 %
+/// of the current token's lifetime has passed. An error fails the source's next receive with
+/// [`Error::TokenProvider`](crate::Error::TokenProvider) (retryable), and librdkafka asks again
+/// 10 s later; the current token, if it has life left, stays in use meanwhile.
 ///
 /// ```
 /// use std::time::{Duration, SystemTime};
@@ -89,10 +85,8 @@ pub trait TokenProvider: Send + Sync + 'static {
     fn token(&self) -> impl Future<Output = Result<Token, TokenError>> + Send;
 }
 
-/// [`TokenProvider`] as a trait object, as the builders keep it. `TokenProvider::token`
-/// returns `impl Future`, which keeps the trait from being made into a `dyn` object; this one
-/// returns a boxed future (from `dyn_token`, a name never ambiguous beside `token`). Every
-/// `TokenProvider` implements it, and `dyn DynTokenProvider` implements `TokenProvider`.
+/// [`TokenProvider`] as a trait object, as a connection keeps it: `TokenProvider::token`
+/// returns `impl Future`, which a `dyn` object cannot; this returns a boxed future.
 pub(crate) trait DynTokenProvider: Send + Sync + 'static {
     /// [`TokenProvider::token`].
     fn dyn_token(&self) -> BoxFuture<'_, Result<Token, TokenError>>;
@@ -101,12 +95,6 @@ pub(crate) trait DynTokenProvider: Send + Sync + 'static {
 impl<P: TokenProvider> DynTokenProvider for P {
     fn dyn_token(&self) -> BoxFuture<'_, Result<Token, TokenError>> {
         Box::pin(TokenProvider::token(self))
-    }
-}
-
-impl TokenProvider for dyn DynTokenProvider {
-    async fn token(&self) -> Result<Token, TokenError> {
-        self.dyn_token().await
     }
 }
 
@@ -214,7 +202,7 @@ impl TokenRefresh {
         let (answer, answered) = std::sync::mpsc::sync_channel(1);
         let provider = Arc::clone(&self.provider);
         drop(self.runtime.spawn(async move {
-            let _ = answer.send(provider.token().await);
+            let _ = answer.send(provider.dyn_token().await);
         }));
         let wait = || answered.recv_timeout(self.timeout);
         let received = match here {
