@@ -24,26 +24,18 @@ use sqlx::AssertSqlSafe;
 use inbox_conformance::TestBroker;
 
 use crate::brokers::{self, with_broker, Broker};
-use crate::cli::{
-    millis, millis_range, BrokerKind, KafkaImpl, KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
-};
+use crate::cli::{millis, millis_range, BrokerKind};
 use crate::effects_child::{ChildSpec, Mode, Role, EFFECT_CONSUMER, PROVIDER_ENV};
 use crate::kill;
 use crate::report::spread;
+use crate::settings::Brokers;
 use serde_json::Value;
 
 /// The flags of `effects-test`.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct EffectsSettings {
-    /// Brokers to test; one that does not answer is skipped.
-    #[arg(
-        long,
-        alias = "broker",
-        value_delimiter = ',',
-        value_name = "BROKER,…",
-        default_value = "kafka,sqs,rabbitmq,redis"
-    )]
-    pub(crate) brokers: Vec<BrokerKind>,
+    #[command(flatten)]
+    pub(crate) brokers: Brokers,
     /// What the provider offers and what the handler does after an unknown outcome.
     #[arg(
         long,
@@ -79,8 +71,6 @@ pub(crate) struct EffectsSettings {
     /// The outbox chain instead of the effect consumer.
     #[arg(long, value_name = "BOOL", default_value = "false", action = clap::ArgAction::Set)]
     pub(crate) e2e: bool,
-    #[arg(long, value_name = "tansu|mock", default_value = "tansu", help = KAFKA_IMPL_HELP, long_help = KAFKA_IMPL_LONG_HELP)]
-    pub(crate) kafka_impl: KafkaImpl,
 }
 
 impl EffectsSettings {
@@ -118,11 +108,11 @@ pub(crate) async fn main(s: &EffectsSettings) -> Result<(), BoxError> {
         s.modes.iter().copied().map(Some).collect()
     };
     let mut rows = Vec::new();
-    for &kind in &s.brokers {
-        if brokers::left_out(kind, false)? {
+    for &kind in &s.brokers.list {
+        if brokers::left_out(kind, s.brokers.required)? {
             continue;
         }
-        with_broker!(kind, s.kafka_impl, |broker| for &mode in &modes {
+        with_broker!(kind, s.brokers.kafka_impl, |broker| for &mode in &modes {
             let mut runs = Vec::new();
             for run in 0..s.runs {
                 let what = mode.map_or("outbox chain", Mode::name);

@@ -313,18 +313,22 @@ pub(crate) async fn run(s: &KillSettings) -> Result<(), BoxError> {
     }
     let mut all = Vec::new();
     let mut failures = Vec::new();
-    for &kind in &s.brokers {
-        if brokers::left_out(kind, s.require_brokers)? {
+    for &kind in &s.brokers.list {
+        if brokers::left_out(kind, s.brokers.required)? {
             continue;
         }
-        brokers::kafka_note(kind, s.kafka_impl);
+        brokers::kafka_note(kind, s.brokers.kafka_impl);
         // The broker and the store are picked here, once: the run is generic over both.
-        let results = with_broker!(kind, s.kafka_impl, |broker| match (s.store, s.shards()) {
-            (StoreKind::Postgres, _) => on_broker::<_, TestDb>(broker, s).await,
-            (StoreKind::Mysql, _) => on_broker::<_, MySqlDb>(broker, s).await,
-            (StoreKind::Sharded, 1) => on_broker::<_, ShardedDb<1>>(broker, s).await,
-            (StoreKind::Sharded, _) => on_broker::<_, ShardedDb<2>>(broker, s).await,
-        });
+        let results = with_broker!(
+            kind,
+            s.brokers.kafka_impl,
+            |broker| match (s.store, s.shards()) {
+                (StoreKind::Postgres, _) => on_broker::<_, TestDb>(broker, s).await,
+                (StoreKind::Mysql, _) => on_broker::<_, MySqlDb>(broker, s).await,
+                (StoreKind::Sharded, 1) => on_broker::<_, ShardedDb<1>>(broker, s).await,
+                (StoreKind::Sharded, _) => on_broker::<_, ShardedDb<2>>(broker, s).await,
+            }
+        );
         match results {
             Ok(results) => {
                 report::table(&results);

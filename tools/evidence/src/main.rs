@@ -77,6 +77,7 @@ enum Command {
     Soak(soak::SoakSettings),
     /// Side effects outside the database under SIGKILLs, counted at a test provider; `--e2e
     /// true`: the outbox chain across two queues.
+    #[command(mut_arg("brokers", |a| a.default_value("kafka,sqs,rabbitmq,redis")))]
     EffectsTest(effects::EffectsSettings),
     /// Cleanup at ingest speed: the batched DELETE purge beside the partition drop, while claims
     /// run; only PostgreSQL, a table and JSON lines.
@@ -183,7 +184,7 @@ mod tests {
         let Command::KillTest(s) = parse(&["kill-test"]) else {
             panic!("not kill-test")
         };
-        assert_eq!(s.brokers, BrokerKind::ALL);
+        assert_eq!(s.brokers.list, BrokerKind::ALL);
         assert_eq!(s.variants(), Variant::ALL);
         assert_eq!(
             (s.events(), s.throughput_events(), s.kill_after_ms()),
@@ -198,7 +199,7 @@ mod tests {
             panic!("not the short demo")
         };
         s.demo = true;
-        assert_eq!(s.brokers, [BrokerKind::Redis]);
+        assert_eq!(s.brokers.list, [BrokerKind::Redis]);
         assert_eq!(s.variants(), [Variant::B, Variant::C]);
         assert_eq!(
             (s.events(), s.throughput_events(), s.kills()),

@@ -7,20 +7,33 @@ use crate::cli::{
     KAFKA_IMPL_LONG_HELP,
 };
 
-/// The flags of `kill-test` and `demo`. Where the short demo differs from the article's
-/// settings (`kill-test`, `demo --full`), a flag left out takes the value of the one `demo`
-/// runs with: the methods of the same name read them.
+/// The brokers a test runs on: `--brokers`, `--require-brokers`, `--kafka-impl`.
 #[derive(Debug, Clone, clap::Args)]
-pub(crate) struct KillSettings {
+pub(crate) struct Brokers {
     /// Brokers to test; one that does not answer is skipped.
     #[arg(
-        long,
+        id = "brokers",
+        long = "brokers",
         alias = "broker",
         value_delimiter = ',',
         value_name = "BROKER,…",
         default_value = "kafka,sqs,rabbitmq,redis,nats"
     )]
-    pub(crate) brokers: Vec<BrokerKind>,
+    pub(crate) list: Vec<BrokerKind>,
+    /// Fail, rather than skip, when a broker cannot be reached.
+    #[arg(long = "require-brokers", value_name = "BOOL", default_value = "false", action = clap::ArgAction::Set)]
+    pub(crate) required: bool,
+    #[arg(long, value_name = "tansu|mock", default_value = "tansu", help = KAFKA_IMPL_HELP, long_help = KAFKA_IMPL_LONG_HELP)]
+    pub(crate) kafka_impl: KafkaImpl,
+}
+
+/// The flags of `kill-test` and `demo`. Where the short demo differs from the article's
+/// settings (`kill-test`, `demo --full`), a flag left out takes the value of the one `demo`
+/// runs with: the methods of the same name read them.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct KillSettings {
+    #[command(flatten)]
+    pub(crate) brokers: Brokers,
     /// Variants to run [default: a1,a2,b,c; demo: b,c].
     #[arg(
         long,
@@ -72,11 +85,6 @@ pub(crate) struct KillSettings {
         default_value = "target/wallet-kill-test.svg"
     )]
     pub(crate) chart: PathBuf,
-    /// Fail, rather than skip, when a broker cannot be reached.
-    #[arg(long, value_name = "BOOL", default_value = "false", action = clap::ArgAction::Set)]
-    pub(crate) require_brokers: bool,
-    #[arg(long, value_name = "tansu|mock", default_value = "tansu", help = KAFKA_IMPL_HELP, long_help = KAFKA_IMPL_LONG_HELP)]
-    pub(crate) kafka_impl: KafkaImpl,
     /// The inbox store of the wallet: `mysql` runs variant c on `inbox-mysql` in a database of
     /// its own at `INBOX_MYSQL_URL` (the other variants exist to show what the inbox prevents,
     /// and run on PostgreSQL).
@@ -157,15 +165,8 @@ impl KillSettings {
 /// The flags of `zombie-test` (`zombie.rs` says what it does).
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ZombieSettings {
-    /// Brokers to test; one that does not answer is skipped.
-    #[arg(
-        long,
-        alias = "broker",
-        value_delimiter = ',',
-        value_name = "BROKER,…",
-        default_value = "kafka,sqs,rabbitmq,redis,nats"
-    )]
-    pub(crate) brokers: Vec<BrokerKind>,
+    #[command(flatten)]
+    pub(crate) brokers: Brokers,
     /// Variants to run: b, c (a consumer that acks on receipt holds nothing to lose).
     #[arg(
         long,
@@ -187,9 +188,4 @@ pub(crate) struct ZombieSettings {
     /// The handler's work per message: milliseconds, or a duration such as 2ms.
     #[arg(long, value_name = "MS", default_value = "2", value_parser = millis)]
     pub(crate) work_ms: u64,
-    /// Fail, rather than skip, when a broker cannot be reached.
-    #[arg(long, value_name = "BOOL", default_value = "false", action = clap::ArgAction::Set)]
-    pub(crate) require_brokers: bool,
-    #[arg(long, value_name = "tansu|mock", default_value = "tansu", help = KAFKA_IMPL_HELP, long_help = KAFKA_IMPL_LONG_HELP)]
-    pub(crate) kafka_impl: KafkaImpl,
 }

@@ -93,12 +93,13 @@ pub(crate) async fn run(s: &ZombieSettings) -> Result<(), BoxError> {
                 .into(),
         );
     }
-    for &kind in &s.brokers {
-        if brokers::left_out(kind, s.require_brokers)? {
+    for &kind in &s.brokers.list {
+        if brokers::left_out(kind, s.brokers.required)? {
             continue;
         }
-        brokers::kafka_note(kind, s.kafka_impl);
-        with_broker!(kind, s.kafka_impl, |broker| on_broker(broker, s).await?);
+        brokers::kafka_note(kind, s.brokers.kafka_impl);
+        with_broker!(kind, s.brokers.kafka_impl, |broker| on_broker(broker, s)
+            .await?);
     }
     Ok(())
 }
