@@ -12,10 +12,11 @@ use aws_sdk_sqs::Client;
 use inbox_core::{Ack, Message, Recovery, SourceError};
 use tracing::{debug, warn};
 
-use crate::config::MAX_VISIBILITY;
 use crate::copy::Copy;
 use crate::dead_letter::{self, DeadLetterTarget};
-use crate::delivery::{DedupId, Ownership, RedeliveryCopy, REDELIVERY_COUNT, REDELIVER_AT};
+use crate::delivery::{
+    DedupId, Ownership, RedeliveryCopy, MAX_HIDE, REDELIVERY_COUNT, REDELIVER_AT,
+};
 use crate::heartbeat::Heartbeat;
 use crate::Error;
 
@@ -203,30 +204,23 @@ impl Ack for SqsAck {
                 }
             }
         }
-        match first_error {
-            None => Ok(()),
-            Some(Error::Batch {
-                operation,
-                queue_url,
-                first,
-                ..
-            }) => Err(Error::Batch {
-                operation,
-                queue_url,
-                failed,
-                total,
-                first,
-            }
-            .into()),
-            Some(e) => Err(e.into()),
+        // A batch error counts the failures of every call.
+        if let Some(Error::Batch {
+            failed: f,
+            total: t,
+            ..
+        }) = &mut first_error
+        {
+            (*f, *t) = (failed, total);
         }
+        first_error.map_or(Ok(()), |e| Err(e.into()))
     }
 }
 
 /// A nack delay as the whole seconds `ChangeMessageVisibility` takes, rounded up: rounding
 /// down would make a delay under 1 s no delay at all (visible again at once).
 pub(crate) fn visibility_seconds(delay: Duration) -> i32 {
-    crate::delivery::whole_seconds(delay.min(MAX_VISIBILITY))
+    crate::delivery::whole_seconds(delay.min(MAX_HIDE))
 }
 
 impl Shared {

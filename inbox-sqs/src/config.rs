@@ -9,6 +9,7 @@ use inbox_core::IdFrom;
 use tracing::warn;
 
 use crate::dead_letter::{self, DeadLetterTarget};
+use crate::delivery::MAX_HIDE;
 use crate::{Error, Result, SqsConnection, SqsSource};
 
 /// The message attribute a producer puts the event ID in, unless configured otherwise.
@@ -16,8 +17,6 @@ pub const DEFAULT_ID_ATTRIBUTE: &str = "event_id";
 
 /// SQS's longest long-poll wait.
 const MAX_WAIT: Duration = Duration::from_secs(20);
-/// SQS's longest visibility timeout.
-pub(crate) const MAX_VISIBILITY: Duration = Duration::from_secs(12 * 60 * 60);
 
 /// Refuses client timeouts that would cut every long-poll receive short, and warns when the
 /// client has none (a stalled connection then hangs the consumer).
@@ -80,7 +79,7 @@ fn header_names(from: &IdFrom) -> Vec<&str> {
     }
 }
 
-/// Settings shared by a source and every ack it hands out.
+/// A source's settings: those of its builder, and at connect what the queue says.
 #[derive(Debug, Clone)]
 pub(crate) struct Settings {
     pub(crate) queue_url: String,
@@ -97,6 +96,24 @@ pub(crate) struct Settings {
     pub(crate) retention: Option<Duration>,
     /// A FIFO queue (its name ends in `.fifo`): deliveries carry their message group as lane.
     pub(crate) fifo: bool,
+}
+
+impl Settings {
+    /// The defaults; what the queue says is filled in at connect.
+    pub(crate) fn new(queue_url: String) -> Self {
+        Self {
+            queue_url,
+            id_from: IdFrom::Header(DEFAULT_ID_ATTRIBUTE.to_owned()),
+            poll_timeout: MAX_WAIT,
+            max_messages: 10,
+            visibility_timeout: None,
+            effective_visibility: Duration::ZERO,
+            heartbeat: true,
+            min_retry_delay: Duration::ZERO,
+            retention: None,
+            fifo: false,
+        }
+    }
 }
 
 /// Configures an [`SqsSource`]; made by [`SqsConnection::source`] (or [`SqsSource::builder`],
@@ -120,30 +137,18 @@ pub(crate) struct Settings {
 #[must_use = "a builder does nothing until `connect` is awaited"]
 pub struct SqsSourceBuilder {
     connection: SqsConnection,
-    queue_url: String,
-    id_from: IdFrom,
+    settings: Settings,
     dedup_id_fallback: bool,
-    poll_timeout: Duration,
-    max_messages: usize,
-    visibility_timeout: Option<Duration>,
-    heartbeat: bool,
     dead_letter_queue: Option<String>,
-    min_retry_delay: Duration,
 }
 
 impl SqsSourceBuilder {
     pub(crate) fn new(connection: SqsConnection, queue_url: String) -> Self {
         Self {
             connection,
-            queue_url,
-            id_from: IdFrom::Header(DEFAULT_ID_ATTRIBUTE.to_owned()),
+            settings: Settings::new(queue_url),
             dedup_id_fallback: false,
-            poll_timeout: MAX_WAIT,
-            max_messages: 10,
-            visibility_timeout: None,
-            heartbeat: true,
             dead_letter_queue: None,
-            min_retry_delay: Duration::ZERO,
         }
     }
 
@@ -155,7 +160,7 @@ impl SqsSourceBuilder {
     ///
     /// Shorthand for [`id_from`](Self::id_from)`(IdFrom::Header(name))`.
     pub fn id_attribute(mut self, name: impl Into<String>) -> Self {
-        self.id_from = IdFrom::Header(name.into());
+        self.settings.id_from = IdFrom::Header(name.into());
         self
     }
 
@@ -165,7 +170,7 @@ impl SqsSourceBuilder {
     /// when that is sound), a structured-mode CloudEvent in the body (SQS has no CloudEvents
     /// binding for attributes), or a JSON field of the body.
     pub fn id_from(mut self, from: IdFrom) -> Self {
-        self.id_from = from;
+        self.settings.id_from = from;
         self
     }
 
@@ -188,21 +193,21 @@ impl SqsSourceBuilder {
     /// rounded down to whole seconds). Shorter waits make an idle consumer stop sooner and
     /// cost more empty receives.
     pub fn poll_timeout(mut self, wait: Duration) -> Self {
-        self.poll_timeout = wait;
+        self.settings.poll_timeout = wait;
         self
     }
 
     /// The most messages one receive asks for (1 to 10, default 10). The consumer's
     /// `batch_size` asks for fewer where it is smaller.
     pub fn max_messages(mut self, n: usize) -> Self {
-        self.max_messages = n;
+        self.settings.max_messages = n;
         self
     }
 
     /// The visibility timeout asked for on every receive (whole seconds, 1 s to 12 h). Without
     /// it the queue's own `VisibilityTimeout` applies, read once by [`connect`](Self::connect).
     pub fn visibility_timeout(mut self, timeout: Duration) -> Self {
-        self.visibility_timeout = Some(timeout);
+        self.settings.visibility_timeout = Some(timeout);
         self
     }
 
@@ -211,7 +216,7 @@ impl SqsSourceBuilder {
     /// consumer under it. Turning it off is safe with the inbox (the second copy is skipped)
     /// but wastes the second consumer's work.
     pub fn heartbeat(mut self, enabled: bool) -> Self {
-        self.heartbeat = enabled;
+        self.settings.heartbeat = enabled;
         self
     }
 
@@ -227,7 +232,7 @@ impl SqsSourceBuilder {
     /// the consumer's own backoff decides). SQS takes whole seconds: a delay with a fraction is
     /// rounded up (300 ms becomes 1 s), so a short delay never makes the message visible at once.
     pub fn retry_backoff(mut self, min_delay: Duration) -> Self {
-        self.min_retry_delay = min_delay;
+        self.settings.min_retry_delay = min_delay;
         self
     }
 
@@ -239,39 +244,41 @@ impl SqsSourceBuilder {
     /// longer than [`poll_timeout`](Self::poll_timeout); with [`Error::Sqs`] when the queue
     /// cannot be read (wrong URL, unreachable endpoint, no permission).
     pub async fn connect(self) -> Result<SqsSource> {
-        if self.queue_url.is_empty() {
+        let mut settings = self.settings;
+        if settings.queue_url.is_empty() {
             return Err(Error::Config("the queue URL is empty".into()));
         }
-        self.id_from
+        settings
+            .id_from
             .check(&crate::source::ID_BINDING)
             .map_err(Error::Config)?;
-        for name in header_names(&self.id_from) {
+        for name in header_names(&settings.id_from) {
             dead_letter::check_id_attribute(name, "SqsSourceBuilder::id_attribute")?;
         }
-        let fifo = self.queue_url.trim_end_matches('/').ends_with(".fifo");
-        if self.id_from == IdFrom::MessageIdProperty && !fifo {
+        settings.fifo = settings.queue_url.trim_end_matches('/').ends_with(".fifo");
+        if settings.id_from == IdFrom::MessageIdProperty && !settings.fifo {
             return Err(Error::Config(format!(
                 "queue {} is a standard queue, whose messages have no MessageDeduplicationId; \
                  read the ID from a message attribute or the body instead",
-                self.queue_url
+                settings.queue_url
             )));
         }
-        if !(1..=10).contains(&self.max_messages) {
+        if !(1..=10).contains(&settings.max_messages) {
             return Err(Error::Config(format!(
                 "max_messages is {}; SQS returns 1 to 10 messages per receive",
-                self.max_messages
+                settings.max_messages
             )));
         }
-        if self.poll_timeout > MAX_WAIT {
+        if settings.poll_timeout > MAX_WAIT {
             return Err(Error::Config(format!(
                 "poll_timeout is {:?}; SQS long-polls for at most 20 s",
-                self.poll_timeout
+                settings.poll_timeout
             )));
         }
         let client = self.connection.client().await;
-        check_timeouts(&client, &self.queue_url, self.poll_timeout)?;
-        if let Some(timeout) = self.visibility_timeout {
-            if timeout < Duration::from_secs(1) || timeout > MAX_VISIBILITY {
+        check_timeouts(&client, &settings.queue_url, settings.poll_timeout)?;
+        if let Some(timeout) = settings.visibility_timeout {
+            if timeout < Duration::from_secs(1) || timeout > MAX_HIDE {
                 return Err(Error::Config(format!(
                     "visibility_timeout is {timeout:?}; use 1 s to 12 h (whole seconds)"
                 )));
@@ -281,20 +288,20 @@ impl SqsSourceBuilder {
         use QueueAttributeName::{MessageRetentionPeriod, RedrivePolicy, VisibilityTimeout};
         let attrs = queue_attributes(
             &client,
-            &self.queue_url,
+            &settings.queue_url,
             [VisibilityTimeout, RedrivePolicy, MessageRetentionPeriod],
         )
         .await?;
-        let effective_visibility = self
+        settings.effective_visibility = settings
             .visibility_timeout
             .or_else(|| seconds_of(&attrs, &VisibilityTimeout))
             // SQS's documented default when a queue reports none.
             .unwrap_or(Duration::from_secs(30));
-        if self.heartbeat && effective_visibility < Duration::from_secs(1) {
+        if settings.heartbeat && settings.effective_visibility < Duration::from_secs(1) {
             return Err(Error::Config(format!(
                 "queue {} has a visibility timeout of 0 s, which no heartbeat can extend in time; \
                  set visibility_timeout(..) or turn the heartbeat off",
-                self.queue_url
+                settings.queue_url
             )));
         }
 
@@ -308,29 +315,17 @@ impl SqsSourceBuilder {
             }
             None => match attrs.get(&RedrivePolicy) {
                 Some(policy) => {
-                    DeadLetterTarget::from_redrive_policy(&client, &self.queue_url, policy).await?
+                    DeadLetterTarget::from_redrive_policy(&client, &settings.queue_url, policy)
+                        .await?
                 }
                 None => DeadLetterTarget::None,
             },
         };
 
-        let id_from = if self.dedup_id_fallback {
-            self.id_from.or(IdFrom::MessageIdProperty)
-        } else {
-            self.id_from
-        };
-        let settings = Settings {
-            queue_url: self.queue_url,
-            id_from,
-            poll_timeout: self.poll_timeout,
-            max_messages: self.max_messages,
-            visibility_timeout: self.visibility_timeout,
-            effective_visibility,
-            heartbeat: self.heartbeat,
-            min_retry_delay: self.min_retry_delay,
-            retention: seconds_of(&attrs, &MessageRetentionPeriod),
-            fifo,
-        };
+        if self.dedup_id_fallback {
+            settings.id_from = settings.id_from.or(IdFrom::MessageIdProperty);
+        }
+        settings.retention = seconds_of(&attrs, &MessageRetentionPeriod);
         Ok(SqsSource::new(client, settings, dead_letter))
     }
 }

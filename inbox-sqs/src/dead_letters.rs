@@ -233,7 +233,6 @@ impl DeadLetters for SqsDeadLetters {
 
 #[cfg(test)]
 mod tests {
-    use aws_sdk_sqs::types::MessageAttributeValue;
     use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
     use inbox_core::OutgoingMessage;
 
@@ -241,16 +240,9 @@ mod tests {
     use crate::producer::Queue;
     use crate::SqsProducer;
 
-    fn text(value: &str) -> MessageAttributeValue {
-        MessageAttributeValue::builder()
-            .data_type("String")
-            .string_value(value)
-            .build()
-            .unwrap()
-    }
-
     /// A dead letter as the FIFO dead-letter queue hands it out: SQS message `dlq_message_id`.
     fn parked(dlq_message_id: &str, id: &MessageId) -> SqsMessage {
+        let text = |value: &str| crate::copy::attribute("", value).unwrap();
         SqsMessage::builder()
             .message_id(dlq_message_id)
             .receipt_handle(format!("handle-of-{dlq_message_id}"))

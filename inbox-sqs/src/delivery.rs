@@ -3,16 +3,11 @@
 //! [`SqsAck`](crate::SqsAck), [`SqsProducer`](crate::SqsProducer)) and a simulation drive the
 //! same logic.
 //!
-//! - [`Redelivery`]: where a message stands on the consumer's redelivery schedule, read from the
-//!   attributes a delayed redelivery wrote on its copy ([`REDELIVERY_COUNT`],
-//!   [`REDELIVER_AT`]), and what a receive does with a copy that is not due yet
-//!   ([`Redelivery::on_receive`]), and what a received copy reports to the consumer
-//!   ([`Redelivery::report`]).
-//! - [`RedeliveryCopy::plan`]: how the copy for the next redelivery is sent.
-//! - [`Ownership`]: whether a delivery's receipt handle still holds the message
-//!   ([`Ack::is_stale`](inbox_core::Ack::is_stale)).
-//! - [`DedupId`]: the FIFO `MessageDeduplicationId` of each kind of send, so that no send that
-//!   must arrive is ever taken by SQS for a copy of an earlier one.
+//! - [`Redelivery`]: where a received copy stands on the redelivery schedule, whether it is due
+//!   ([`Redelivery::on_receive`]) and what it reports ([`Redelivery::report`]);
+//! - [`RedeliveryCopy::plan`]: how the copy for the next redelivery is sent;
+//! - [`Ownership`]: whether a receipt handle still holds its message;
+//! - [`DedupId`]: the FIFO `MessageDeduplicationId` of each kind of send.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -41,7 +36,7 @@ pub const DEDUPLICATION_ID_HEADER: &str = "x-inbox-deduplication-id";
 /// SQS's longest per-message delay (`DelaySeconds`).
 pub const MAX_SEND_DELAY: Duration = Duration::from_secs(15 * 60);
 
-/// SQS's longest visibility timeout: a copy not due for longer is hidden more than once.
+/// SQS's longest visibility timeout (a copy not due for longer is hidden more than once).
 pub const MAX_HIDE: Duration = Duration::from_secs(12 * 60 * 60);
 
 /// Where a received message stands on the redelivery schedule: how many delayed redeliveries the
@@ -69,6 +64,21 @@ pub enum Arrival {
     HideFor(Duration),
 }
 
+/// What a received copy tells the consumer of its past, in its
+/// [`Metadata`](inbox_core::Metadata): [`Redelivery::report`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reported {
+    /// [`Metadata::delivery_count`](inbox_core::Metadata::delivery_count): SQS's
+    /// `ApproximateReceiveCount` of this copy, every receive counted.
+    pub delivery_count: Option<u32>,
+    /// [`Metadata::redeliveries`](inbox_core::Metadata::redeliveries): the delayed redeliveries
+    /// the consumer asked for, carried by the copy; never the receives.
+    pub redeliveries: u32,
+    /// [`Metadata::redelivered`](inbox_core::Metadata::redelivered): received before, or a
+    /// redelivered copy.
+    pub redelivered: bool,
+}
+
 impl Redelivery {
     /// Reads the values of the attributes [`REDELIVERY_COUNT`] and [`REDELIVER_AT`] of a received
     /// message. A missing or unreadable value counts as none: a first delivery, due now.
@@ -88,24 +98,7 @@ impl Redelivery {
             _ => Arrival::Deliver,
         }
     }
-}
 
-/// What a received copy tells the consumer of its past, in its
-/// [`Metadata`](inbox_core::Metadata): [`Redelivery::report`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Reported {
-    /// [`Metadata::delivery_count`](inbox_core::Metadata::delivery_count): SQS's
-    /// `ApproximateReceiveCount` of this copy, every receive counted.
-    pub delivery_count: Option<u32>,
-    /// [`Metadata::redeliveries`](inbox_core::Metadata::redeliveries): the delayed redeliveries
-    /// the consumer asked for, carried by the copy; never the receives.
-    pub redeliveries: u32,
-    /// [`Metadata::redelivered`](inbox_core::Metadata::redelivered): received before, or a
-    /// redelivered copy.
-    pub redelivered: bool,
-}
-
-impl Redelivery {
     /// What this copy reports, received for the `receive_count`th time
     /// (`ApproximateReceiveCount`, `None` when SQS did not say). Only the consumer's own
     /// delayed redeliveries move it along its schedule: a hand-back, a crash, a visibility

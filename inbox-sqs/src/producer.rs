@@ -2,7 +2,7 @@
 //! to any queue, named per call.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use aws_sdk_sqs::types::SendMessageBatchRequestEntry;
@@ -134,38 +134,30 @@ impl SqsProducer {
                 "the destination queue is empty; name a queue URL or a queue name".into(),
             ));
         }
-        let url = if queue.contains("://") {
-            queue.to_owned()
+        let urls = || self.urls.lock().unwrap_or_else(PoisonError::into_inner);
+        let known = if queue.contains("://") {
+            Some(queue.to_owned())
         } else {
-            let known = self
-                .urls
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .get(queue)
-                .cloned();
-            match known {
-                Some(url) => url,
-                None => {
-                    let out = self
-                        .client
-                        .get_queue_url()
-                        .queue_name(queue)
-                        .send()
-                        .await
-                        .map_err(|e| Error::sdk("GetQueueUrl", queue, e))?;
-                    let url = out.queue_url().unwrap_or_default().to_owned();
-                    if url.is_empty() {
-                        return Err(Error::Config(format!(
-                            "GetQueueUrl for queue `{queue}` returned no URL"
-                        )));
-                    }
-                    self.urls
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .insert(queue.to_owned(), url.clone());
-                    url
-                }
+            urls().get(queue).cloned()
+        };
+        let url = if let Some(url) = known {
+            url
+        } else {
+            let out = self
+                .client
+                .get_queue_url()
+                .queue_name(queue)
+                .send()
+                .await
+                .map_err(|e| Error::sdk("GetQueueUrl", queue, e))?;
+            let url = out.queue_url.unwrap_or_default();
+            if url.is_empty() {
+                return Err(Error::Config(format!(
+                    "GetQueueUrl for queue `{queue}` returned no URL"
+                )));
             }
+            urls().insert(queue.to_owned(), url.clone());
+            url
         };
         let fifo = url.trim_end_matches('/').ends_with(".fifo");
         Ok(Queue { url, fifo })
@@ -291,13 +283,8 @@ impl Publish for SqsProducer {
         let traced =
             inbox_core::telemetry::traced_send("aws_sqs", destination, messages.len(), async {
                 const CALLS_AT_ONCE: usize = 10;
-                let failed = |e: Error| {
-                    PublishError::new(
-                        e.recovery(),
-                        format!("sending to SQS queue `{destination}`"),
-                        e,
-                    )
-                };
+                let context = || format!("sending to SQS queue `{destination}`");
+                let failed = |e: Error| PublishError::new(e.recovery(), context(), e);
                 if messages.is_empty() {
                     return Ok(());
                 }
@@ -341,11 +328,7 @@ impl Publish for SqsProducer {
                         Some(Ok(Ok(()))) => {}
                         Some(Ok(Err(e))) => return Err(failed(e)),
                         Some(Err(e)) => {
-                            return Err(PublishError::new(
-                                Recovery::Retry,
-                                format!("sending to SQS queue `{destination}`"),
-                                e,
-                            ))
+                            return Err(PublishError::new(Recovery::Retry, context(), e))
                         }
                     }
                 }

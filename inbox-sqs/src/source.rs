@@ -25,10 +25,8 @@ use crate::{Error, Result};
 /// See the crate docs for what ack, nack, the heartbeat and dead-lettering do on SQS.
 #[derive(Debug)]
 pub struct SqsSource {
-    client: Client,
     settings: Settings,
-    queue_url: Arc<str>,
-    /// What every ack shares, the dead-letter queue included.
+    /// What every ack shares: the client, the queue URL, the dead-letter queue.
     acks: Arc<Shared>,
 }
 
@@ -41,10 +39,9 @@ impl SqsSource {
     }
 
     pub(crate) fn new(client: Client, settings: Settings, dead_letter: DeadLetterTarget) -> Self {
-        let queue_url: Arc<str> = Arc::from(settings.queue_url.as_str());
         let acks = Arc::new(Shared {
-            client: client.clone(),
-            queue_url: Arc::clone(&queue_url),
+            client,
+            queue_url: Arc::from(settings.queue_url.as_str()),
             // The one the source reads, else the default (the ID came from the deduplication
             // ID, a system attribute a send cannot copy, or from the body).
             id_attribute: Arc::from(
@@ -57,17 +54,12 @@ impl SqsSource {
             dead_letter,
             fifo: settings.fifo,
         });
-        Self {
-            client,
-            settings,
-            queue_url,
-            acks,
-        }
+        Self { settings, acks }
     }
 
     /// The queue this source receives from.
     pub fn queue_url(&self) -> &str {
-        &self.queue_url
+        &self.acks.queue_url
     }
 
     /// The dead-letter queue URL that dead letters are sent to: the configured one, or the
@@ -90,11 +82,11 @@ impl SqsSource {
     pub async fn queue_retention(&self) -> Result<Duration> {
         let retention = QueueAttributeName::MessageRetentionPeriod;
         let attributes =
-            queue_attributes(&self.client, &self.queue_url, [retention.clone()]).await?;
+            queue_attributes(&self.acks.client, &self.acks.queue_url, [retention.clone()]).await?;
         seconds_of(&attributes, &retention).ok_or_else(|| {
             Error::Config(format!(
                 "queue {} reported no MessageRetentionPeriod",
-                self.queue_url
+                self.acks.queue_url
             ))
         })
     }
@@ -111,9 +103,10 @@ impl SqsSource {
         // Rounded up: the first receive waits the whole poll time, not a second less.
         let wait = crate::delivery::whole_seconds(left).min(20);
         let mut request = self
+            .acks
             .client
             .receive_message()
-            .queue_url(&*self.queue_url)
+            .queue_url(&*self.acks.queue_url)
             .max_number_of_messages(i32::try_from(max).unwrap_or(10))
             .wait_time_seconds(wait)
             .message_attribute_names("All")
@@ -132,14 +125,14 @@ impl SqsSource {
         let out = request
             .send()
             .await
-            .map_err(|e| Error::sdk("ReceiveMessage", &self.queue_url, e))?;
+            .map_err(|e| Error::sdk("ReceiveMessage", &self.acks.queue_url, e))?;
 
         let mut deliveries = Vec::new();
         let mut hidden = 0;
         let now = SystemTime::now();
         for mut sqs in out.messages.unwrap_or_default() {
             let Some(handle) = sqs.receipt_handle() else {
-                warn!(queue_url = %self.queue_url, message_id = ?sqs.message_id(), "received a message without a receipt handle; skipping it");
+                warn!(queue_url = %self.acks.queue_url, message_id = ?sqs.message_id(), "received a message without a receipt handle; skipping it");
                 continue;
             };
             if let Arrival::HideFor(left) = redelivery_of(sqs.message_attributes()).on_receive(now)
@@ -184,7 +177,7 @@ impl SqsSource {
             .await
         {
             Ok(()) => {
-                debug!(queue_url = %self.queue_url, ?left, "redelivered copy not due yet; hidden until it is")
+                debug!(queue_url = %self.acks.queue_url, ?left, "redelivered copy not due yet; hidden until it is")
             }
             Err(e) => {
                 warn!(error = %e, "cannot hide a redelivered copy until it is due; it comes back after its visibility timeout");
@@ -218,7 +211,7 @@ impl SqsSource {
         message.key = group.map(|g| g.as_bytes().to_vec());
         message.headers = headers;
         let meta = &mut message.meta;
-        meta.source = self.queue_url.to_string();
+        meta.source = self.acks.queue_url.to_string();
         meta.position = format!("message {}", sqs.message_id().unwrap_or("?"));
         // Only the consumer's own delayed redeliveries count, carried on the copy each one
         // sent; a hand-back or a crash leaves the message, and its count, as they were.
@@ -337,28 +330,16 @@ pub(crate) fn sent_at(sqs: &SqsMessage) -> Option<SystemTime> {
 
 #[cfg(test)]
 mod tests {
-    use aws_sdk_sqs::primitives::Blob;
     use inbox_core::{IdFrom, MessageId};
 
     use super::*;
+    use crate::copy::attribute;
 
     fn source(dedup_id_fallback: bool) -> SqsSource {
-        let settings = Settings {
-            queue_url: "http://localhost/q".into(),
-            id_from: if dedup_id_fallback {
-                IdFrom::header("event_id").or(IdFrom::MessageIdProperty)
-            } else {
-                IdFrom::header("event_id")
-            },
-            poll_timeout: Duration::from_secs(1),
-            max_messages: 10,
-            visibility_timeout: None,
-            effective_visibility: Duration::from_secs(30),
-            heartbeat: false,
-            min_retry_delay: Duration::ZERO,
-            retention: None,
-            fifo: false,
-        };
+        let mut settings = Settings::new("http://localhost/q".into());
+        if dedup_id_fallback {
+            settings.id_from = settings.id_from.or(IdFrom::MessageIdProperty);
+        }
         let client = crate::connection::offline_client();
         SqsSource::new(client, settings, DeadLetterTarget::None)
     }
@@ -377,14 +358,7 @@ mod tests {
             .message_id("m-1")
             .body("{}")
             .message_attributes("event_id", text("evt-1"))
-            .message_attributes(
-                "blob",
-                MessageAttributeValue::builder()
-                    .data_type("Binary")
-                    .binary_value(Blob::new(vec![0xff, 0]))
-                    .build()
-                    .unwrap(),
-            )
+            .message_attributes("blob", attribute("blob", [0xff, 0]).unwrap())
             .attributes(MessageSystemAttributeName::ApproximateReceiveCount, "3")
             .build();
         let message = source(false).convert(&sqs);
@@ -396,47 +370,30 @@ mod tests {
         assert_eq!(message.payload, b"{}");
     }
 
+    /// The ID attribute wins; the deduplication ID only where opted in; never the SQS message
+    /// ID; an empty attribute is refused.
     #[test]
-    fn the_sqs_message_id_is_never_the_inbox_id() {
-        let sqs = SqsMessage::builder().message_id("m-1").body("x").build();
-        let message = source(false).convert(&sqs);
-        let err = message.id.unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "message has no ID: message attribute event_id is missing"
-        );
-    }
-
-    #[test]
-    fn dedup_id_is_used_only_when_opted_in() {
-        let sqs = SqsMessage::builder()
-            .body("x")
-            .attributes(MessageSystemAttributeName::MessageDeduplicationId, "d-1")
-            .build();
-        assert!(source(false).convert(&sqs).id.is_err());
-        assert_eq!(
-            source(true).convert(&sqs).id,
-            Ok(MessageId::new("d-1").unwrap())
-        );
-        // The attribute wins over the deduplication ID.
-        let both = SqsMessage::builder()
-            .body("x")
-            .message_attributes("event_id", text("evt-9"))
-            .attributes(MessageSystemAttributeName::MessageDeduplicationId, "d-1")
-            .build();
-        assert_eq!(
-            source(true).convert(&both).id,
-            Ok(MessageId::new("evt-9").unwrap())
-        );
-    }
-
-    #[test]
-    fn an_empty_id_attribute_is_refused() {
-        let sqs = SqsMessage::builder()
-            .body("x")
-            .message_attributes("event_id", text(""))
-            .build();
-        let err = source(false).convert(&sqs).id.unwrap_err();
-        assert!(err.to_string().contains("empty"), "{err}");
+    fn where_the_id_comes_from() {
+        let missing = Err("message has no ID: message attribute event_id is missing");
+        for (attribute, dedup_id, fallback, expected) in [
+            (None, None, false, missing),
+            (None, Some("d-1"), false, missing),
+            (None, Some("d-1"), true, Ok("d-1")),
+            (Some("evt-9"), Some("d-1"), true, Ok("evt-9")),
+            (Some(""), None, false, Err("empty")),
+        ] {
+            let mut sqs = SqsMessage::builder().message_id("m-1").body("x");
+            if let Some(value) = attribute {
+                sqs = sqs.message_attributes("event_id", text(value));
+            }
+            if let Some(value) = dedup_id {
+                sqs = sqs.attributes(MessageSystemAttributeName::MessageDeduplicationId, value);
+            }
+            let id = source(fallback).convert(&sqs.build()).id;
+            match expected {
+                Ok(want) => assert_eq!(id, Ok(MessageId::new(want).unwrap())),
+                Err(text) => assert!(id.unwrap_err().to_string().contains(text), "{text}"),
+            }
+        }
     }
 }
