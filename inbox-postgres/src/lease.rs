@@ -4,13 +4,14 @@
 use std::time::Duration;
 
 use inbox_core::effect::{Acquired, Attempt, Lease, LeaseStore, Release};
-use inbox_core::sql::{hashed_key, primary_key};
+use inbox_core::sql::{hashed_key, primary_key, uuid_key};
 use inbox_core::{InboxStore, InvalidId, MessageId, Recovery, StoreError};
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
 use crate::error::{db, store_err};
 use crate::migration::Migration;
+use crate::retention::delete_in_batches;
 use crate::table::column_type;
 use crate::{KeyMode, PgInbox, PgTx, Result, TableName};
 
@@ -205,29 +206,18 @@ impl PgLeases {
             "DELETE FROM {t} WHERE ctid IN (
                 SELECT ctid FROM {t} WHERE done_at < now() - $1 * interval '1 second' LIMIT $2)"
         );
-        let mut deleted = 0;
         let context = "deleting done lease rows";
-        loop {
-            let mut conn = self.inbox.single(context).await?;
-            let n = sqlx::query(AssertSqlSafe(sql.as_str()))
-                .bind(older_than.as_secs_f64())
-                .bind(batch.max(1))
-                .execute(&mut *conn)
-                .await
-                .map_err(db(context))?
-                .rows_affected();
-            conn.done().await.map_err(db(context))?;
-            if n == 0 {
-                return Ok(deleted);
-            }
-            deleted += n;
-        }
+        let mut conn = self.inbox.pool().acquire().await.map_err(db(context))?;
+        let mut batches = Vec::new();
+        let cutoff = (older_than.as_secs_f64(), batch);
+        delete_in_batches(&mut conn, &sql, cutoff, false, context, &mut batches).await?;
+        Ok(batches.iter().sum())
     }
 
     /// The message's key as text, cast to the key column's type in SQL.
     fn key(&self, consumer: &str, id: &MessageId) -> Result<String, StoreError> {
         Ok(match self.inbox.key_mode() {
-            KeyMode::Uuid => parse_uuid(id)
+            KeyMode::Uuid => uuid_key(id)
                 .map_err(|e| StoreError::new(Recovery::Fatal, "keying the message", e))?
                 .to_string(),
             KeyMode::Hashed => Uuid::from_bytes(hashed_key(consumer, id.as_str())).to_string(),
@@ -287,15 +277,6 @@ impl PgLeases {
             }
         }))
     }
-}
-
-fn parse_uuid(id: &MessageId) -> Result<Uuid, InvalidId> {
-    Uuid::parse_str(id.as_str()).map_err(|_| {
-        InvalidId::RefusedByStore(format!(
-            "`{}` is not a UUID, and this lease table keeps UUID keys (use KeyMode::Text or KeyMode::Hashed for other IDs)",
-            id.as_str().escape_debug()
-        ))
-    })
 }
 
 fn attempt(token: i64, clean_token: i64) -> Attempt {
@@ -469,7 +450,7 @@ impl LeaseStore for PgLeases {
 
     fn check_id(&self, id: &MessageId) -> Result<(), InvalidId> {
         match self.inbox.key_mode() {
-            KeyMode::Uuid => parse_uuid(id).map(|_| ()),
+            KeyMode::Uuid => uuid_key(id).map(|_| ()),
             KeyMode::Text | KeyMode::Hashed => Ok(()),
         }
     }

@@ -37,29 +37,24 @@
 //! ## Retention at ingest speed: partitions
 //! [`PgInbox::purge`] deletes expired rows in batches, which at tens of thousands of messages a
 //! second costs about what the claims cost. [`PgInbox::partitioned`] lays the table out in
-//! partitions by UUIDv7 key range, one per day by default, and the same purge then drops a
-//! day's partition whole; see [`Partitions`] for the layout, what happens to IDs from a skewed
-//! clock or a replay, and the locks a drop takes.
+//! partitions by UUIDv7 key range (a day each by default), and the purge then drops a day whole;
+//! see [`Partitions`].
 //!
 //! ## Side effects on a broker: the outbox
 //! A handler that must publish writes the message into an [`Outbox`] table through the same
-//! transaction ([`Outbox::write`], or [`Outbox::write_message`] with a key and headers); an
-//! [`OutboxRelay`] publishes the committed rows, headers and the writer's `traceparent`
-//! included, through any adapter's producer ([`inbox_core::Publish`]) under a stable message ID
-//! and marks them sent once the broker confirmed. See [`Outbox`] for an example, delivery and
-//! order.
+//! transaction; an [`OutboxRelay`] publishes the committed rows through any adapter's producer
+//! ([`inbox_core::Publish`]) under a stable message ID and marks them sent once the broker
+//! confirmed. See [`Outbox`].
 //!
 //! ## Side effects outside the database: leases
-//! A call to a provider (a payment API, an email service) cannot join the inbox transaction.
-//! [`PgLeases`] keeps the processing and done rows with a lease and a fencing token that
-//! [`inbox_core::Consumer::effects`] needs for it; see [`PgLeases`] for an example.
+//! A call to a provider (a payment API, an email service) cannot join the inbox transaction:
+//! [`PgLeases`] keeps the lease and fencing token [`inbox_core::Consumer::effects`] needs.
 //!
 //! ## A store of your own on the same database
 //! An application that already records processed messages in a table of its own can keep it:
 //! its [`InboxStore`](inbox_core::InboxStore) opens a [`PgTx`] ([`PgTx::begin`], or `From` a
-//! `sqlx::Transaction`), and the handlers written for [`PgInbox`] (`Handler<PgTx>`) run on it
-//! unchanged. [`PgTx`]'s commit already refuses a transaction the server aborted. The
-//! repository's `docs/writing-a-store.md` writes one and runs the store suite on it.
+//! `sqlx::Transaction`), and handlers written for [`PgInbox`] run on it unchanged; see the
+//! repository's `docs/writing-a-store.md`.
 
 mod error;
 mod lease;

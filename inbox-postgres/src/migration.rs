@@ -5,7 +5,7 @@ use inbox_core::sql::{primary_key, push_statements};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 
 use crate::error::db;
-use crate::partition::{name_prefix, qualify};
+use crate::partition::name_prefix;
 use crate::table::column_type;
 use crate::{Error, KeyMode, PgInbox, Result, TableName};
 
@@ -41,24 +41,20 @@ impl PgInbox {
     /// ```
     pub fn migration_sql(&self) -> String {
         let t = self.table();
-        let mut statements = vec![self.consumers_table_sql(), self.inbox_table_sql()];
-        let layout = if self.partitions.is_some() {
-            let [_, index] = self.partitioned_table_statements(&t.to_string(), t.table());
-            statements.extend([index, self.default_partition_sql()]);
+        let partitioned = self.partitions.is_some();
+        let [table, index] = self.table_statements(partitioned);
+        let mut statements = vec![self.consumers_table_sql(), table, index];
+        let layout = if partitioned {
+            statements.push(self.default_partition_sql());
             "partitioned"
         } else {
-            statements.push(self.plain_index_sql());
             "plain"
         };
-        let keys = match self.key_mode() {
-            KeyMode::Text => "text",
-            KeyMode::Uuid => "uuid",
-            KeyMode::Hashed => "hashed",
-        };
+        let keys = format!("{:?}", self.key_mode()).to_lowercase();
         let mut sql = format!(
             "-- The inbox {t}: {keys} keys, {layout} layout; what PgInbox::migrate creates.\n"
         );
-        if self.partitions.is_some() {
+        if partitioned {
             sql.push_str(
                 "-- Run once. Range partitions follow the clock: PgInbox::migrate and every purge \
                  add them.\n",
@@ -78,40 +74,55 @@ impl PgInbox {
         )
     }
 
-    /// The inbox table in the configured layout.
-    pub(crate) fn inbox_table_sql(&self) -> String {
+    /// The inbox table and its BRIN index on the processed minute, which serves the purge, in
+    /// the `partitioned` layout or the plain one.
+    pub(crate) fn table_statements(&self, partitioned: bool) -> [String; 2] {
         let t = self.table();
-        if self.partitions.is_some() {
-            let [table, _] = self.partitioned_table_statements(&t.to_string(), t.table());
-            return table;
-        }
-        let key = column_type(self.key_mode());
-        let primary_key = primary_key(self.key_mode());
-        // Column order matters for size: the 16-byte key, then the 4-byte minute and the
-        // 2-byte consumer pack into 48 bytes with the tuple header.
-        format!(
-            "CREATE TABLE IF NOT EXISTS {t} (
-                message_id {key} NOT NULL,
-                processed_minute integer NOT NULL
-                    DEFAULT (floor(extract(epoch FROM now()) / 60))::integer,
-                consumer_id smallint NOT NULL,
-                PRIMARY KEY ({primary_key}))"
-        )
+        self.table_statements_as(&t.to_string(), t.table(), partitioned)
     }
 
-    /// The BRIN index on the processed minute of a plain table, which serves the purge.
-    pub(crate) fn plain_index_sql(&self) -> String {
-        let t = self.table();
-        format!(
-            "CREATE INDEX IF NOT EXISTS {index} ON {t} USING brin (processed_minute)",
-            index = t.sibling_bare("processed")
-        )
+    /// [`table_statements`](Self::table_statements) creating the table `qualified`, whose
+    /// partitioned layout names its primary key and index `<index_base>_pkey`, `_processed`.
+    pub(crate) fn table_statements_as(
+        &self,
+        qualified: &str,
+        index_base: &str,
+        partitioned: bool,
+    ) -> [String; 2] {
+        let key = column_type(self.key_mode());
+        let primary_key = primary_key(self.key_mode());
+        // autosummarize: the checks of a partition's purge read the BRIN summaries of fresh
+        // pages too.
+        let (constraint, partition_by, with) = if partitioned {
+            (
+                format!("CONSTRAINT \"{index_base}_pkey\" "),
+                "\nPARTITION BY RANGE (message_id)",
+                " WITH (autosummarize = on)",
+            )
+        } else {
+            (String::new(), "", "")
+        };
+        // Column order matters for size: the 16-byte key, then the 4-byte minute and the
+        // 2-byte consumer pack into 48 bytes with the tuple header.
+        [
+            format!(
+                "CREATE TABLE IF NOT EXISTS {qualified} (
+                    message_id {key} NOT NULL,
+                    processed_minute integer NOT NULL
+                        DEFAULT (floor(extract(epoch FROM now()) / 60))::integer,
+                    consumer_id smallint NOT NULL,
+                    {constraint}PRIMARY KEY ({primary_key})){partition_by}"
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS \"{index_base}_processed\" ON {qualified} USING brin (processed_minute){with}"
+            ),
+        ]
     }
 
     /// The default partition of a partitioned table: it takes every key outside the ranges.
     pub(crate) fn default_partition_sql(&self) -> String {
         let t = self.table();
-        let default = qualify(t, &format!("{}_default", name_prefix(t.table())));
+        let default = t.qualify(&format!("{}_default", name_prefix(t.table())));
         format!("CREATE TABLE {default} PARTITION OF {t} DEFAULT")
     }
 }

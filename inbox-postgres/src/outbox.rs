@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 
 use crate::error::db;
 use crate::migration::Migration;
+use crate::retention::delete_in_batches;
 use crate::{Error, OutboxRelay, Result, TableName};
 
 /// The gauge [`Outbox::oldest_unsent`] sets, per `outbox` label (`schema.table` or `table`):
@@ -193,20 +194,8 @@ impl Outbox {
         destination: &str,
         message: &OutgoingMessage,
     ) -> Result<()> {
-        let t = &self.table;
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {t} (message_id, destination, key, payload, headers)
-             VALUES ($1, $2, $3, $4, $5::jsonb)"
-        )))
-        .bind(message.id.as_str())
-        .bind(destination)
-        .bind(message.key.as_deref())
-        .bind(&message.payload)
-        .bind(headers_json(message)?)
-        .execute(&mut **tx)
-        .await
-        .map_err(db("writing an outbox row"))?;
-        Ok(())
+        self.write_all(tx, destination, std::slice::from_ref(message))
+            .await
     }
 
     /// Writes all `messages` for `destination` in one statement, in `tx`, in slice order (the
@@ -282,23 +271,19 @@ impl Outbox {
                 SELECT id FROM {t} WHERE sent_at < $1 ORDER BY id LIMIT $2
                 FOR UPDATE SKIP LOCKED)"
         );
-        let mut deleted = 0;
         let context = "deleting sent outbox rows";
-        loop {
-            let mut tx = self.pool.begin().await.map_err(db(context))?;
-            let n = sqlx::query(AssertSqlSafe(sql.as_str()))
-                .bind(cutoff)
-                .bind(batch.max(1))
-                .execute(&mut *tx)
-                .await
-                .map_err(db(context))?
-                .rows_affected();
-            tx.commit().await.map_err(db(context))?;
-            if n == 0 {
-                return Ok(deleted);
-            }
-            deleted += n;
-        }
+        let mut conn = self.pool.acquire().await.map_err(db(context))?;
+        let mut batches = Vec::new();
+        delete_in_batches(
+            &mut conn,
+            &sql,
+            (cutoff, batch),
+            false,
+            context,
+            &mut batches,
+        )
+        .await?;
+        Ok(batches.iter().sum())
     }
 
     /// How long ago the next row to publish (the unsent row with the lowest `id`) was written;

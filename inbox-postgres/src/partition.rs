@@ -1,11 +1,11 @@
 //! The partitioned layout: the inbox table range-partitioned by its message key, so that cleanup
 //! is dropping a partition; see [`Partitions`].
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use inbox_core::sql::hashed_key;
 use sha2::{Digest, Sha256};
-use sqlx::PgConnection;
+use sqlx::{AssertSqlSafe, Connection, PgConnection};
 use uuid::Uuid;
 
 use crate::error::db;
@@ -80,9 +80,9 @@ const LONGEST_PREFIX: usize = 48;
 ///   are deleted, found through the BRIN index.
 /// - The default partition: purged by `DELETE`, like the plain table.
 ///
-/// So the window alarm ([`PgInbox::oldest_per_consumer`](crate::PgInbox::oldest_per_consumer)) and the start-up retention check read
-/// the same on both layouts: everything processed within the window is remembered, and the oldest
-/// remembered row is at most about one partition span older than the cutoff.
+/// So on both layouts everything processed within the window is remembered, and the oldest
+/// remembered row ([`PgInbox::oldest_per_consumer`](crate::PgInbox::oldest_per_consumer)) is at
+/// most about one partition span older than the cutoff.
 ///
 /// A message redelivered after its partition was dropped is the case of a purged row: it was
 /// processed longer ago than the window, its key now falls in no range and goes to the default
@@ -108,15 +108,9 @@ const LONGEST_PREFIX: usize = 48;
 /// table's lock. A partition not detached after [`Partitions::attempts`] tries is postponed to
 /// the next purge.
 ///
-/// Only one cleaner runs at a time, as on the plain layout (the purge's advisory lock), and the
-/// layout is read from the catalog, so any instance's purge, and `inbox-admin purge`, work on
-/// either.
-///
 /// ## Converting a plain table
-/// [`PgInbox::migrate_to_partitioned`](crate::PgInbox::migrate_to_partitioned) (`inbox-admin partition --window 14d`) turns a plain
-/// table into the default partition of a partitioned table of the same name, while consumers
-/// run; see there for the steps and their locks. Its rows are neither copied nor re-keyed, so
-/// they deduplicate as before, and leave by `DELETE` as they expire.
+/// [`PgInbox::migrate_to_partitioned`](crate::PgInbox::migrate_to_partitioned) (`inbox-admin
+/// partition --window 14d`) does it in place, while consumers run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Partitions {
     width_minutes: i64,
@@ -180,11 +174,73 @@ impl Partitions {
         self.width_minutes * MINUTE_MS
     }
 
-    fn lock_timeout_sql(&self) -> String {
-        format!(
+    /// The attempts at one change of the partitioned table.
+    fn retries(&self) -> Retries<'_> {
+        Retries {
+            p: self,
+            attempt: 0,
+            started: Instant::now(),
+            waited: Duration::ZERO,
+        }
+    }
+}
+
+/// The attempts at one change of the partitioned table: each a transaction under
+/// [`Partitions::lock_timeout`], up to [`Partitions::attempts`] while its locks are contended
+/// ([`lock_contended`]), a lock timeout apart.
+struct Retries<'p> {
+    p: &'p Partitions,
+    attempt: u32,
+    started: Instant,
+    /// The time spent in the attempts that committed or were contended: how long claims could
+    /// have waited behind them.
+    waited: Duration,
+}
+
+impl Retries<'_> {
+    /// Opens the next attempt's transaction, under the lock timeout.
+    async fn begin<'c>(
+        &mut self,
+        conn: &'c mut PgConnection,
+    ) -> Result<sqlx::Transaction<'c, sqlx::Postgres>, sqlx::Error> {
+        self.attempt += 1;
+        self.started = Instant::now();
+        let mut tx = conn.begin().await?;
+        let timeout = format!(
             "SET LOCAL lock_timeout = {}",
-            self.lock_timeout.as_millis().max(1)
-        )
+            self.p.lock_timeout.as_millis()
+        );
+        sqlx::raw_sql(AssertSqlSafe(timeout))
+            .execute(&mut *tx)
+            .await?;
+        Ok(tx)
+    }
+
+    /// Ends the attempt's transaction after `result`: its `Some` commits, its `None` or an error
+    /// rolls back. `None` when the locks were contended and attempts are left (the pause before
+    /// the next one taken); else how it ended, the last contended error when no attempt got the
+    /// locks.
+    async fn end<T>(
+        &mut self,
+        tx: sqlx::Transaction<'_, sqlx::Postgres>,
+        result: Result<Option<T>, sqlx::Error>,
+    ) -> Option<Result<Option<T>, sqlx::Error>> {
+        let ended = match result {
+            Ok(Some(value)) => tx.commit().await.map(|()| Some(value)),
+            Ok(None) => return Some(tx.rollback().await.map(|()| None)),
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e)
+            }
+        };
+        self.waited += self.started.elapsed();
+        match ended {
+            Err(e) if lock_contended(&e) && self.attempt < self.p.attempts => {
+                tokio::time::sleep(self.p.lock_timeout).await;
+                None
+            }
+            ended => Some(ended),
+        }
     }
 }
 
@@ -369,8 +425,20 @@ fn civil_date(days: i64) -> (i64, i64, i64) {
     (year, month, day)
 }
 
-fn ms_to_time(ms: i64) -> SystemTime {
+pub(crate) fn ms_to_time(ms: i64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
+/// The statement moving the rows with keys in `['from', 'to')` (bound literals) from `source`
+/// to `target`.
+fn move_rows_sql(source: &str, target: &str, from: &str, to: &str) -> String {
+    format!(
+        "WITH moved AS (
+            DELETE FROM {source} WHERE message_id >= '{from}' AND message_id < '{to}'
+            RETURNING message_id, processed_minute, consumer_id)
+         INSERT INTO {target} (message_id, processed_minute, consumer_id)
+         SELECT message_id, processed_minute, consumer_id FROM moved"
+    )
 }
 
 /// A lock wait that ran out (`lock_timeout`) or a deadlock the server broke: try again later.
@@ -384,14 +452,6 @@ pub(crate) async fn db_now_ms(conn: &mut PgConnection) -> Result<i64> {
         .fetch_one(conn)
         .await
         .map_err(db("reading the database clock"))
-}
-
-/// `name` in the schema of `table`, quoted.
-pub(crate) fn qualify(table: &TableName, name: &str) -> String {
-    match table.schema() {
-        Some(schema) => format!("\"{schema}\".\"{name}\""),
-        None => format!("\"{name}\""),
-    }
 }
 
 pub(crate) async fn is_partitioned(conn: &mut PgConnection, table: &TableName) -> Result<bool> {

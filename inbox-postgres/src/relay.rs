@@ -190,27 +190,27 @@ impl<P: Publish> OutboxRelay<P> {
                     () = &mut shutdown, if !stopping => stopping = true,
                 }
             };
-            let wait = match outcome {
-                Ok(n) => {
+            let (published, failed) = match outcome {
+                Ok(n) => (n, None),
+                Err(Failed { published, error }) => (published, Some(error)),
+            };
+            if published > 0 {
+                stats.published += published as u64;
+                stats.batches += 1;
+            }
+            let wait = match failed {
+                None => {
                     failures = 0;
-                    if n > 0 {
-                        stats.published += n as u64;
-                        stats.batches += 1;
-                    }
-                    if n == 0 && until_idle {
+                    if published == 0 && until_idle {
                         return Ok(stats);
                     }
-                    if (n as i64) < self.batch_size {
+                    if (published as i64) < self.batch_size {
                         self.poll_interval
                     } else {
                         Duration::ZERO
                     }
                 }
-                Err(Failed { published, error }) => {
-                    if published > 0 {
-                        stats.published += published as u64;
-                        stats.batches += 1;
-                    }
+                Some(error) => {
                     metrics::counter!(OUTBOX_ERRORS_COUNTER, "outbox" => self.outbox.label())
                         .increment(1);
                     if error.recovery() == Recovery::Fatal {
@@ -247,7 +247,10 @@ impl<P: Publish> OutboxRelay<P> {
     async fn publish_batch(&self) -> Result<usize, Failed> {
         let started = Instant::now();
         let t = self.outbox.table();
-        let database = |e| Failed::new(RelayError::Database(e));
+        let database = |e| Failed {
+            published: 0,
+            error: RelayError::Database(e),
+        };
         let mut tx = self
             .outbox
             .pool()
@@ -354,15 +357,6 @@ impl<P: Publish> OutboxRelay<P> {
 struct Failed {
     published: usize,
     error: RelayError,
-}
-
-impl Failed {
-    fn new(error: RelayError) -> Self {
-        Self {
-            published: 0,
-            error,
-        }
-    }
 }
 
 /// The rows of one destination in a batch, in `id` order.

@@ -5,11 +5,11 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sha2::{Digest, Sha256};
-use sqlx::{AssertSqlSafe, Connection, PgConnection};
+use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres};
 use tokio::task::JoinHandle;
 
 use crate::error::db;
-use crate::partition::{is_partitioned, Bound, DropOutcome, DroppedPartition};
+use crate::partition::{is_partitioned, ms_to_time, Bound, DropOutcome, DroppedPartition};
 use crate::pooling::LockHolder;
 use crate::{PgInbox, Result};
 
@@ -191,105 +191,83 @@ impl PgInbox {
     /// partition and the few whose ID time is far from their processing time. The layout is
     /// read from the catalog, so any instance purges either.
     pub async fn purge(&self, older_than: Duration, batch: i64) -> Result<PurgeReport> {
-        let batch = batch.max(1);
         let window_minutes = i64::try_from(older_than.as_secs() / 60).unwrap_or(i64::MAX / 2);
         let key = self.purge_lock_key().await?;
         let mut holder = LockHolder::open(self.pool(), "opening the cleaner's lock").await?;
-        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
-            .bind(key)
-            .fetch_one(holder.conn())
-            .await
-            .map_err(db("taking the cleaner lock"))?;
-        if !locked {
-            holder.release().await;
-            return Ok(PurgeReport::SkippedOtherCleaner);
-        }
         let result = async {
+            let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+                .bind(key)
+                .fetch_one(holder.conn())
+                .await
+                .map_err(db("taking the cleaner lock"))?;
+            if !locked {
+                return Ok(PurgeReport::SkippedOtherCleaner);
+            }
             let mut conn = self
                 .pool()
                 .acquire()
                 .await
                 .map_err(db("opening the cleaner connection"))?;
-            let mut tx = conn
-                .begin()
-                .await
-                .map_err(db("reading the table's layout"))?;
+            let context = "reading the table's layout";
+            let mut tx = conn.begin().await.map_err(db(context))?;
             let partitioned = is_partitioned(&mut tx, self.table()).await?;
             let cutoff_minute = cutoff_minute(&mut tx, window_minutes).await?;
-            tx.commit()
-                .await
-                .map_err(db("reading the table's layout"))?;
-            if partitioned {
-                self.purge_partitioned(&mut conn, cutoff_minute, batch)
-                    .await
+            tx.commit().await.map_err(db(context))?;
+            let (mut dropped, mut postponed, mut created) = (Vec::new(), Vec::new(), Vec::new());
+            // What is left to delete from: the plain table, or the partitions no drop takes (see
+            // `Partitions` for the rules), read through their BRIN index.
+            let (to_delete, by_index) = if partitioned {
+                match self.create_ahead(&mut conn).await {
+                    Ok(names) => created = names,
+                    Err(e) => tracing::warn!(table = %self.table(), error = %e, "inbox partitions not created ahead; keys beyond the last range go to the default partition"),
+                }
+                self.drop_leftovers(&mut conn).await?;
+                let cutoff_ms = cutoff_minute.saturating_mul(60_000);
+                let mut tx = conn.begin().await.map_err(db("listing the partitions"))?;
+                let leaves = self.leaves(&mut tx).await?;
+                tx.commit().await.map_err(db("listing the partitions"))?;
+                let mut to_delete = Vec::new();
+                for leaf in leaves {
+                    match leaf.bound {
+                        Bound::Range(_, to) if to <= cutoff_ms => {
+                            match self.drop_due(&mut conn, &leaf, cutoff_minute).await? {
+                                DropOutcome::Dropped(d) => dropped.push(d),
+                                DropOutcome::Live => to_delete.push(leaf.sql),
+                                DropOutcome::Postponed => postponed.push(leaf.name),
+                            }
+                        }
+                        // Straddles the cutoff: dropped whole once due.
+                        Bound::Range(from, _) if from < cutoff_ms => {}
+                        _ => to_delete.push(leaf.sql),
+                    }
+                }
+                (to_delete, true)
             } else {
-                let t = self.table().to_string();
-                let mut batches = Vec::new();
-                delete_expired(&mut conn, &t, cutoff_minute, batch, false, &mut batches).await?;
-                batches.push(0);
-                Ok(PurgeReport::Purged {
-                    cutoff_minute,
-                    batches,
-                    dropped: Vec::new(),
-                    postponed: Vec::new(),
-                    created: Vec::new(),
-                })
+                (vec![self.table().to_string()], false)
+            };
+            let mut batches = Vec::new();
+            for table in &to_delete {
+                // `ctid` is unique within one table only: never run this on a partitioned parent.
+                let sql = format!(
+                    "DELETE FROM {table} WHERE ctid IN (
+                        SELECT ctid FROM {table} WHERE processed_minute < $1 LIMIT $2)"
+                );
+                let context = "deleting expired inbox rows";
+                let cutoff = (cutoff_minute, batch);
+                delete_in_batches(&mut conn, &sql, cutoff, by_index, context, &mut batches).await?;
             }
+            batches.push(0);
+            Ok(PurgeReport::Purged {
+                cutoff_minute,
+                batches,
+                dropped,
+                postponed,
+                created,
+            })
         }
         .await;
         holder.release().await;
         result
-    }
-
-    /// The purge of a partitioned table; see [`crate::Partitions`] for the rules.
-    async fn purge_partitioned(
-        &self,
-        conn: &mut PgConnection,
-        cutoff_minute: i64,
-        batch: i64,
-    ) -> Result<PurgeReport> {
-        let t = self.table();
-        let created = match self.create_ahead(conn).await {
-            Ok(created) => created,
-            Err(e) => {
-                tracing::warn!(table = %t, error = %e, "inbox partitions not created ahead; keys beyond the last range go to the default partition");
-                Vec::new()
-            }
-        };
-        self.drop_leftovers(conn).await?;
-        let cutoff_ms = cutoff_minute.saturating_mul(60_000);
-        let mut dropped = Vec::new();
-        let mut postponed = Vec::new();
-        let mut to_delete = Vec::new();
-        let mut tx = conn.begin().await.map_err(db("listing the partitions"))?;
-        let leaves = self.leaves(&mut tx).await?;
-        tx.commit().await.map_err(db("listing the partitions"))?;
-        for leaf in leaves {
-            match leaf.bound {
-                Bound::Range(_, to) if to <= cutoff_ms => {
-                    match self.drop_due(conn, &leaf, cutoff_minute).await? {
-                        DropOutcome::Dropped(d) => dropped.push(d),
-                        DropOutcome::Live => to_delete.push(leaf),
-                        DropOutcome::Postponed => postponed.push(leaf.name),
-                    }
-                }
-                // Straddles the cutoff: dropped whole once due.
-                Bound::Range(from, _) if from < cutoff_ms => {}
-                _ => to_delete.push(leaf),
-            }
-        }
-        let mut batches = Vec::new();
-        for leaf in &to_delete {
-            delete_expired(conn, &leaf.sql, cutoff_minute, batch, true, &mut batches).await?;
-        }
-        batches.push(0);
-        Ok(PurgeReport::Purged {
-            cutoff_minute,
-            batches,
-            dropped,
-            postponed,
-            created,
-        })
     }
 
     /// The oldest remembered time and the row count of every registered consumer, by name, and
@@ -316,7 +294,7 @@ impl PgInbox {
             .into_iter()
             .map(|(consumer, minute, rows)| ConsumerWindow {
                 consumer,
-                oldest: minute.map(minute_to_time),
+                oldest: minute.map(|m| ms_to_time(i64::from(m) * 60_000)),
                 rows,
             })
             .collect();
@@ -364,24 +342,21 @@ async fn cutoff_minute(conn: &mut PgConnection, window_minutes: i64) -> Result<i
         .map_err(db("reading the database clock"))
 }
 
-/// Deletes the rows of the plain table (or partition) `table` processed before
-/// `cutoff_minute`, `batch` per transaction until one deletes nothing; pushes each batch that
-/// deleted rows. `by_index`: the delete must read the BRIN index, never scan the whole
-/// partition, whose statistics can be stale (`SET LOCAL enable_seqscan = off`).
-async fn delete_expired(
+/// Runs the batched `DELETE` `sql` (`$1`: `cutoff`, `$2`: `batch`), each batch a transaction
+/// of its own on `conn`, until one deletes nothing; pushes each batch that deleted rows.
+/// `by_index`: the delete must read the index, never scan the whole table, whose statistics can
+/// be stale (`SET LOCAL enable_seqscan = off`).
+pub(crate) async fn delete_in_batches<C>(
     conn: &mut PgConnection,
-    table: &str,
-    cutoff_minute: i64,
-    batch: i64,
+    sql: &str,
+    (cutoff, batch): (C, i64),
     by_index: bool,
+    context: &'static str,
     batches: &mut Vec<u64>,
-) -> Result<()> {
-    // `ctid` is unique within one table only: never run this on a partitioned parent.
-    let sql = format!(
-        "DELETE FROM {table} WHERE ctid IN (
-            SELECT ctid FROM {table} WHERE processed_minute < $1 LIMIT $2)"
-    );
-    let context = "deleting expired inbox rows";
+) -> Result<()>
+where
+    C: for<'q> sqlx::Encode<'q, Postgres> + sqlx::Type<Postgres> + Copy + Send + Sync,
+{
     loop {
         let mut tx = conn.begin().await.map_err(db(context))?;
         if by_index {
@@ -390,9 +365,9 @@ async fn delete_expired(
                 .await
                 .map_err(db(context))?;
         }
-        let deleted = sqlx::query(AssertSqlSafe(sql.as_str()))
-            .bind(cutoff_minute)
-            .bind(batch)
+        let deleted = sqlx::query(AssertSqlSafe(sql))
+            .bind(cutoff)
+            .bind(batch.max(1))
             .execute(&mut *tx)
             .await
             .map_err(db(context))?
@@ -403,12 +378,6 @@ async fn delete_expired(
         }
         batches.push(deleted);
     }
-}
-
-/// The start of `minute` (minutes since the Unix epoch).
-fn minute_to_time(minute: i32) -> SystemTime {
-    let secs = u64::try_from(minute).unwrap_or(0) * 60;
-    UNIX_EPOCH + Duration::from_secs(secs)
 }
 
 /// Runs [`PgInbox::purge`] of rows older than `window` every `every` (the first right away),

@@ -7,13 +7,13 @@ use std::time::Duration;
 
 use inbox_core::sql::{claim_keys, first_claims, hashed_key, uuid_key, BoundConsumer};
 use inbox_core::{ConsumerBinding, InboxStore, MessageId, StoreError};
-use sqlx::{AssertSqlSafe, PgPool};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres};
 use tokio::sync::OnceCell;
 use uuid::Uuid;
 
 use crate::error::{db, store_err};
 use crate::migration::Migration;
-use crate::partition::{hashed_key_with_time, is_partitioned, qualify};
+use crate::partition::{hashed_key_with_time, is_partitioned};
 use crate::pooling;
 use crate::{KeyMode, Partitions, PgTx, Result, TableName};
 
@@ -46,38 +46,21 @@ pub struct PgInbox {
     /// The consumer this copy claims for ([`InboxStore::bind`]), its id resolved at the first
     /// `begin`.
     consumer: Option<Arc<BoundConsumer>>,
-    /// `BEGIN` and the `SET LOCAL`s of the store's own timeouts, sent as one round-trip;
-    /// `None`: `BEGIN`.
-    begin: Option<String>,
     lock_timeout: Option<Duration>,
     statement_timeout: Option<Duration>,
     /// The consumer's handler timeout, which bounds each statement after the claim too.
     handler_timeout: Option<Duration>,
-    /// What the claim statement adds to set the handler's statement timeout for the rest of the
-    /// transaction (`, set_config(…)`); empty when the store's own is as short.
-    handler_bound: String,
     /// The layout `migrate` creates and the purge keeps; `None`: plain.
     pub(crate) partitions: Option<Partitions>,
-    /// The table's layout as `migrate` or the first hashed claim found it ([`LAYOUT_UNKNOWN`]
-    /// before), shared by the clones: hashed keys follow the table, not the configuration.
+    /// The table's layout as `migrate` or the first hashed claim found it (0 before, then 1 +
+    /// whether partitioned), shared by the clones: hashed keys follow the table, not the
+    /// configuration.
     layout: Arc<AtomicU8>,
     /// Whether a transaction pooler stands in front of the database, found once for the store
     /// and its clones ([`pooling::check`]).
     pooled: Arc<OnceCell<bool>>,
     /// The consumer ids read so far, by name: a name keeps its id.
     consumer_ids: Arc<Mutex<HashMap<String, i16>>>,
-}
-
-const LAYOUT_UNKNOWN: u8 = 0;
-const LAYOUT_PLAIN: u8 = 1;
-const LAYOUT_PARTITIONED: u8 = 2;
-
-fn layout(partitioned: bool) -> u8 {
-    if partitioned {
-        LAYOUT_PARTITIONED
-    } else {
-        LAYOUT_PLAIN
-    }
 }
 
 enum Keys {
@@ -93,13 +76,11 @@ impl PgInbox {
             table: TableName::default_inbox(),
             mode: KeyMode::Text,
             consumer: None,
-            begin: None,
             lock_timeout: None,
             statement_timeout: None,
             handler_timeout: None,
-            handler_bound: String::new(),
             partitions: None,
-            layout: Arc::new(AtomicU8::new(LAYOUT_UNKNOWN)),
+            layout: Arc::default(),
             pooled: Arc::default(),
             consumer_ids: Arc::default(),
         }
@@ -130,7 +111,6 @@ impl PgInbox {
     /// hung handler lets go of its rows first.
     pub fn lock_timeout(mut self, timeout: Duration) -> Self {
         self.lock_timeout = Some(timeout);
-        self.begin = self.begin_statement();
         self
     }
 
@@ -139,12 +119,11 @@ impl PgInbox {
     /// it fails as a transient error and the message is retried.
     pub fn statement_timeout(mut self, timeout: Duration) -> Self {
         self.statement_timeout = Some(timeout);
-        self.begin = self.begin_statement();
-        self.handler_bound = self.handler_bound();
         self
     }
 
-    /// `BEGIN` with the store's own timeouts, under which the claim runs.
+    /// `BEGIN` with the `SET LOCAL`s of the store's own timeouts, under which the claim runs,
+    /// sent as one round-trip; `None`: `BEGIN`.
     fn begin_statement(&self) -> Option<String> {
         let settings: Vec<String> = [
             ("lock_timeout", self.lock_timeout),
@@ -156,8 +135,8 @@ impl PgInbox {
         (!settings.is_empty()).then(|| format!("BEGIN; {}", settings.join("; ")))
     }
 
-    /// The claim's `, set_config('statement_timeout', …, true)` for a handler timeout shorter
-    /// than the store's statement timeout. Evaluated inside the claim, it bounds the statements
+    /// What the claim statement adds, `, set_config('statement_timeout', …, true)`, for a handler
+    /// timeout shorter than the store's statement timeout (else nothing). Evaluated inside the claim, it bounds the statements
     /// after it: PostgreSQL arms a statement's timer when the statement starts.
     fn handler_bound(&self) -> String {
         match (self.handler_timeout, self.statement_timeout) {
@@ -200,40 +179,37 @@ impl PgInbox {
         let lock = format!("inbox migrate {t}");
         let mut migration = Migration::begin(&self.pool, lock, "creating the inbox tables").await?;
         // The builders `migration_sql` prints too (`migration.rs`).
-        migration
-            .run([self.consumers_table_sql(), self.inbox_table_sql()])
-            .await?;
+        let [table, _] = self.table_statements(self.partitions.is_some());
+        migration.run([self.consumers_table_sql(), table]).await?;
         migration.check_key_type(t, self.mode).await?;
         let partitioned = is_partitioned(migration.tx(), t).await?;
-        let mut statements = Vec::new();
-        if partitioned {
-            // `CREATE INDEX IF NOT EXISTS` locks the table (and here every partition) in SHARE
-            // mode before it finds the index: ask the catalog first.
-            let has_index: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-                .bind(qualify(t, &format!("{}_processed", t.table())))
-                .fetch_one(migration.tx())
-                .await
-                .map_err(db("looking for the BRIN index"))?;
-            if !has_index {
-                let [_, index] = self.partitioned_table_statements(&t.to_string(), t.table());
-                statements.push(index);
-            }
-            let has_default: bool = sqlx::query_scalar(
-                "SELECT partdefid <> 0 FROM pg_partitioned_table WHERE partrelid = $1::regclass",
+        let [_, index] = self.table_statements(partitioned);
+        // `CREATE INDEX IF NOT EXISTS` locks the table (and on a partitioned one every partition)
+        // in SHARE mode before it finds the index: a partitioned table's catalog is asked first.
+        let (has_index, has_default): (bool, bool) = if partitioned {
+            sqlx::query_as(
+                "SELECT to_regclass($1) IS NOT NULL, (SELECT partdefid <> 0
+                 FROM pg_partitioned_table WHERE partrelid = $2::regclass)",
             )
+            .bind(t.sibling("processed"))
             .bind(t.to_string())
             .fetch_one(migration.tx())
             .await
-            .map_err(db("looking for the default partition"))?;
-            if !has_default {
-                statements.push(self.default_partition_sql());
-            }
+            .map_err(db("looking for the BRIN index and the default partition"))?
         } else {
-            statements.push(self.plain_index_sql());
+            (false, true)
+        };
+        let mut statements = Vec::new();
+        if !has_index {
+            statements.push(index);
+        }
+        if !has_default {
+            statements.push(self.default_partition_sql());
         }
         migration.run(statements).await?;
         migration.commit().await?;
-        self.layout.store(layout(partitioned), Ordering::Relaxed);
+        self.layout
+            .store(1 + u8::from(partitioned), Ordering::Relaxed);
         if partitioned != self.partitions.is_some() {
             tracing::warn!(
                 table = %t,
@@ -259,12 +235,12 @@ impl PgInbox {
     /// and a key of the other form would make every redelivery a new message.
     async fn keys_with_time(&self, tx: &mut PgTx) -> Result<bool, StoreError> {
         match self.layout.load(Ordering::Relaxed) {
-            LAYOUT_PARTITIONED => return Ok(true),
-            LAYOUT_PLAIN => return Ok(false),
-            _ => {}
+            0 => {}
+            known => return Ok(known == 2),
         }
         let partitioned = is_partitioned(tx, &self.table).await?;
-        self.layout.store(layout(partitioned), Ordering::Relaxed);
+        self.layout
+            .store(1 + u8::from(partitioned), Ordering::Relaxed);
         Ok(partitioned)
     }
 
@@ -313,7 +289,7 @@ impl PgInbox {
     ///
     /// Looks up first: `INSERT … ON CONFLICT DO NOTHING` draws an identity value even when the
     /// name exists, and the `smallint` sequence would run out after 32,767 process starts.
-    async fn register(&self, conn: &mut sqlx::PgConnection, consumer: &str) -> Result<i16> {
+    async fn register(&self, conn: &mut PgConnection, consumer: &str) -> Result<i16> {
         if let Some(id) = self.lookup(conn, consumer).await? {
             return Ok(id);
         }
@@ -336,7 +312,7 @@ impl PgInbox {
     }
 
     /// The id of `consumer` seen from `conn`, if it is registered.
-    async fn lookup(&self, conn: &mut sqlx::PgConnection, consumer: &str) -> Result<Option<i16>> {
+    async fn lookup(&self, conn: &mut PgConnection, consumer: &str) -> Result<Option<i16>> {
         let consumers = self.table.sibling("consumers");
         sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT id FROM {consumers} WHERE name = $1"
@@ -347,22 +323,21 @@ impl PgInbox {
         .map_err(db("reading the consumer id"))
     }
 
-    /// The keys of `ids`; `with_time`: hashed keys in the partitioned layout's form.
-    /// The key of each ID; a non-UUID for [`KeyMode::Uuid`] is refused ([`RefusedId`]).
+    /// The key of each ID; a non-UUID for [`KeyMode::Uuid`] is refused
+    /// ([`RefusedId`](inbox_core::RefusedId)). `with_time`: hashed keys in the partitioned
+    /// layout's form.
     fn keys(&self, consumer: &str, ids: &[MessageId], with_time: bool) -> Result<Keys, StoreError> {
+        let hashed = |id: &MessageId| {
+            if with_time {
+                hashed_key_with_time(consumer, id.as_str())
+            } else {
+                Uuid::from_bytes(hashed_key(consumer, id.as_str()))
+            }
+        };
         Ok(match self.mode {
             KeyMode::Text => Keys::Text(ids.iter().map(|id| id.as_str().to_owned()).collect()),
             KeyMode::Uuid => Keys::Uuid(claim_keys(ids, uuid_key)?),
-            KeyMode::Hashed if with_time => Keys::Uuid(
-                ids.iter()
-                    .map(|id| hashed_key_with_time(consumer, id.as_str()))
-                    .collect(),
-            ),
-            KeyMode::Hashed => Keys::Uuid(
-                ids.iter()
-                    .map(|id| Uuid::from_bytes(hashed_key(consumer, id.as_str())))
-                    .collect(),
-            ),
+            KeyMode::Hashed => Keys::Uuid(ids.iter().map(hashed).collect()),
         })
     }
 }
@@ -394,7 +369,6 @@ impl InboxStore for PgInbox {
         let mut bound = self.clone();
         bound.consumer = Some(Arc::new(BoundConsumer::new(binding.consumer.as_str())));
         bound.handler_timeout = binding.handler_timeout;
-        bound.handler_bound = bound.handler_bound();
         bound
     }
 
@@ -404,9 +378,9 @@ impl InboxStore for PgInbox {
                 consumer.set_id(self.consumer_id(consumer.name()).await?);
             }
         }
-        let begun = match &self.begin {
+        let begun = match self.begin_statement() {
             // One round-trip: the simple query protocol runs the statements together.
-            Some(statement) => self.pool.begin_with(AssertSqlSafe(statement.clone())).await,
+            Some(statement) => self.pool.begin_with(AssertSqlSafe(statement)).await,
             None => self.pool.begin().await,
         };
         begun
@@ -436,36 +410,36 @@ impl InboxStore for PgInbox {
                  INSERT INTO {t} (message_id, consumer_id) {source}
                  ON CONFLICT DO NOTHING RETURNING message_id)
              SELECT array(SELECT message_id FROM claimed){bound}",
-            bound = self.handler_bound
+            bound = self.handler_bound()
         );
-        let context = "claiming message IDs";
-        Ok(match keys {
-            Keys::Text(keys) => {
-                let query = sqlx::query_scalar::<_, Vec<String>>(AssertSqlSafe(sql));
-                let query = match keys.as_slice() {
-                    [one] => query.bind(one),
-                    _ => query.bind(&keys),
-                };
-                let fresh = query
-                    .bind(consumer_id)
-                    .fetch_one(&mut **tx)
-                    .await
-                    .map_err(store_err(context))?;
-                first_claims(&keys, fresh.into_iter().collect())
-            }
-            Keys::Uuid(keys) => {
-                let query = sqlx::query_scalar::<_, Vec<Uuid>>(AssertSqlSafe(sql));
-                let query = match keys.as_slice() {
-                    [one] => query.bind(*one),
-                    _ => query.bind(&keys),
-                };
-                let fresh = query
-                    .bind(consumer_id)
-                    .fetch_one(&mut **tx)
-                    .await
-                    .map_err(store_err(context))?;
-                first_claims(&keys, fresh.into_iter().collect())
-            }
-        })
+        match keys {
+            Keys::Text(keys) => claim_keys_as(tx, sql, keys, consumer_id).await,
+            Keys::Uuid(keys) => claim_keys_as(tx, sql, keys, consumer_id).await,
+        }
     }
+}
+
+/// Runs the claim `sql` for `keys` (one bound as a value, several as an array); the flags of
+/// [`first_claims`].
+async fn claim_keys_as<K>(
+    tx: &mut PgTx,
+    sql: String,
+    keys: Vec<K>,
+    consumer_id: i16,
+) -> Result<Vec<bool>, StoreError>
+where
+    K: Eq + std::hash::Hash + Send + Unpin + sqlx::Type<Postgres> + sqlx::postgres::PgHasArrayType,
+    K: for<'q> sqlx::Encode<'q, Postgres> + for<'r> sqlx::Decode<'r, Postgres>,
+{
+    let query = sqlx::query_scalar::<_, Vec<K>>(AssertSqlSafe(sql));
+    let query = match keys.as_slice() {
+        [one] => query.bind(one),
+        _ => query.bind(&keys),
+    };
+    let fresh = query
+        .bind(consumer_id)
+        .fetch_one(&mut **tx)
+        .await
+        .map_err(store_err("claiming message IDs"))?;
+    Ok(first_claims(&keys, fresh.into_iter().collect()))
 }

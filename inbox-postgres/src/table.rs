@@ -81,35 +81,36 @@ impl TableName {
         self.schema.as_deref()
     }
 
+    /// `name` in this table's schema, quoted.
+    pub(crate) fn qualify(&self, name: &str) -> String {
+        match &self.schema {
+            Some(schema) => format!("\"{schema}\".\"{name}\""),
+            None => format!("\"{name}\""),
+        }
+    }
+
     /// A sibling table or index name: `<table>_<suffix>`, in the same schema.
     pub(crate) fn sibling(&self, suffix: &str) -> String {
-        debug_assert!(
-            DERIVED_SUFFIXES.contains(&format!("_{suffix}").as_str()),
-            "`_{suffix}` is not in DERIVED_SUFFIXES, whose longest bounds the table name"
-        );
-        let name = format!("\"{}_{suffix}\"", self.table);
-        match &self.schema {
-            Some(schema) => format!("\"{schema}\".{name}"),
-            None => name,
-        }
+        self.qualify(&self.derived(suffix))
     }
 
     /// The bare quoted name of a sibling, for index names (which take no schema).
     pub(crate) fn sibling_bare(&self, suffix: &str) -> String {
+        format!("\"{}\"", self.derived(suffix))
+    }
+
+    fn derived(&self, suffix: &str) -> String {
         debug_assert!(
             DERIVED_SUFFIXES.contains(&format!("_{suffix}").as_str()),
             "`_{suffix}` is not in DERIVED_SUFFIXES, whose longest bounds the table name"
         );
-        format!("\"{}_{suffix}\"", self.table)
+        format!("{}_{suffix}", self.table)
     }
 }
 
 impl fmt::Display for TableName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.schema {
-            Some(schema) => write!(f, "\"{schema}\".\"{}\"", self.table),
-            None => write!(f, "\"{}\"", self.table),
-        }
+        f.write_str(&self.qualify(&self.table))
     }
 }
 

@@ -73,9 +73,6 @@ impl Transaction for PgTx {
     /// Commits, after checking in one round-trip that no earlier statement aborted the
     /// transaction (see [`PgTx`]'s `# Commit`).
     async fn commit(mut self) -> Result<(), StoreError> {
-        // PostgreSQL answers COMMIT of an aborted transaction (a statement failed and the
-        // handler ignored the error) with ROLLBACK and no error, which sqlx does not check. A
-        // statement in an aborted transaction fails, so one round-trip finds it before COMMIT.
         if let Err(e) = sqlx::query("SELECT 1").execute(&mut *self.0).await {
             let recovery = recovery(&e);
             let aborted =

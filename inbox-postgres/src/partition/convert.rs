@@ -6,12 +6,14 @@ use std::time::Duration;
 use sqlx::{AssertSqlSafe, Connection, PgConnection};
 
 use super::{
-    bound_literal, db_now_ms, is_partitioned, lock_contended, ms_to_time, name_prefix,
-    partition_name, qualify, Conversion, Partitions, MAX_MS,
+    bound_literal, db_now_ms, is_partitioned, move_rows_sql, ms_to_time, name_prefix,
+    partition_name, Conversion, Partitions, MAX_MS,
 };
 use crate::error::db;
 use crate::pooling::LockHolder;
 use crate::{KeyMode, PgInbox, Result};
+
+const CONVERTING: &str = "converting the inbox table";
 
 impl PgInbox {
     /// Converts the plain inbox table to the partitioned layout, in place and while consumers
@@ -46,39 +48,30 @@ impl PgInbox {
             });
         }
         let t = self.table();
-        let migrate_key = format!("inbox migrate {t}");
         let purge_key = self.purge_lock_key().await?;
         // Transaction-scoped locks, held beside the work (see `pooling.rs`).
-        let mut holder = LockHolder::open(self.pool(), "converting the inbox table").await?;
-        let locked =
+        let mut holder = LockHolder::open(self.pool(), CONVERTING).await?;
+        let result = async {
             sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1)), pg_advisory_xact_lock($2)")
-                .bind(&migrate_key)
+                .bind(format!("inbox migrate {t}"))
                 .bind(purge_key)
                 .execute(holder.conn())
                 .await
-                .map_err(db("taking the migration and cleaner locks"));
-        let result = match locked {
-            Ok(_) => match self.pool().acquire().await {
-                Ok(mut conn) => self.convert(&mut conn, window).await,
-                Err(e) => Err(db("converting the inbox table")(e)),
-            },
-            Err(e) => Err(e),
-        };
+                .map_err(db("taking the migration and cleaner locks"))?;
+            let mut conn = self.pool().acquire().await.map_err(db(CONVERTING))?;
+            self.convert(&mut conn, window).await
+        }
+        .await;
         holder.release().await;
         result
     }
 
     async fn convert(&self, conn: &mut PgConnection, window: Duration) -> Result<Conversion> {
         let t = self.table();
-        let mut tx = conn
-            .begin()
-            .await
-            .map_err(db("converting the inbox table"))?;
+        let mut tx = conn.begin().await.map_err(db(CONVERTING))?;
         let partitioned = is_partitioned(&mut tx, t).await?;
         let now = db_now_ms(&mut tx).await?;
-        tx.commit()
-            .await
-            .map_err(db("converting the inbox table"))?;
+        tx.commit().await.map_err(db(CONVERTING))?;
         if partitioned {
             return Ok(Conversion::AlreadyPartitioned);
         }
@@ -90,61 +83,54 @@ impl PgInbox {
         let count = (window_ms + w - 1) / w + i64::from(p.ahead) + 1;
         let end = first + count * w;
         let prefix = name_prefix(t.table());
-        let new = qualify(t, &format!("{prefix}_partitioned"));
+        let new = t.qualify(&format!("{prefix}_partitioned"));
         let check = format!("\"{prefix}_outside_ranges\"");
-        let (from, to) = (
-            bound_literal(self.key_mode(), first),
-            bound_literal(self.key_mode(), end),
-        );
+        let bound = |ms| bound_literal(self.key_mode(), ms);
+        let (from, to) = (bound(first), bound(end));
 
         // 1. The partitioned table and its ranges, beside the plain one.
-        let mut tx = conn
-            .begin()
-            .await
-            .map_err(db("converting the inbox table"))?;
-        for statement in self.partitioned_table_statements(&new, &format!("{prefix}_partitioned")) {
+        let starts: Vec<i64> = (0..count).map(|i| first + i * w).collect();
+        let created: Vec<String> = starts
+            .iter()
+            .map(|&lo| partition_name(t.table(), lo))
+            .collect();
+        let ranges: Vec<String> = starts
+            .iter()
+            .zip(&created)
+            .map(|(&lo, name)| {
+                format!(
+                    "CREATE TABLE {} PARTITION OF {new} FOR VALUES FROM ('{}') TO ('{}')",
+                    t.qualify(name),
+                    bound(lo),
+                    bound(lo + w)
+                )
+            })
+            .collect();
+        let mut tx = conn.begin().await.map_err(db(CONVERTING))?;
+        for statement in self.table_statements_as(&new, &format!("{prefix}_partitioned"), true) {
             sqlx::query(AssertSqlSafe(statement)).execute(&mut *tx).await.map_err(db(
                 "creating the partitioned table beside the plain one (a table `<inbox>_partitioned` left by a failed conversion must be dropped first)",
             ))?;
         }
-        let mut created = Vec::new();
-        for i in 0..count {
-            let lo = first + i * w;
-            let name = partition_name(t.table(), lo);
-            sqlx::query(AssertSqlSafe(format!(
-                "CREATE TABLE {} PARTITION OF {new} FOR VALUES FROM ('{}') TO ('{}')",
-                qualify(t, &name),
-                bound_literal(self.key_mode(), lo),
-                bound_literal(self.key_mode(), lo + w)
-            )))
+        sqlx::raw_sql(AssertSqlSafe(ranges.join("; ")))
             .execute(&mut *tx)
             .await
             .map_err(db("creating the range partitions"))?;
-            created.push(name);
-        }
-        tx.commit()
-            .await
-            .map_err(db("converting the inbox table"))?;
+        tx.commit().await.map_err(db(CONVERTING))?;
 
         let steps = async {
             // 2. From here no new row of the plain table falls in the ranges.
-            self.with_lock_retries(conn, &p, &format!(
+            self.with_lock_retries(conn, &p, format!(
                 "ALTER TABLE {t} ADD CONSTRAINT {check} CHECK (message_id < '{from}' OR message_id >= '{to}') NOT VALID"
             ))
             .await?;
             // 3. The rows that already do move over (keys from a clock far ahead, random UUIDs).
             // The simple query protocol, as every statement here outside a transaction: a
             // transaction pooler passes it whole.
-            let moved = sqlx::raw_sql(AssertSqlSafe(format!(
-                "WITH moved AS (
-                    DELETE FROM {t} WHERE message_id >= '{from}' AND message_id < '{to}'
-                    RETURNING message_id, processed_minute, consumer_id)
-                 INSERT INTO {new} (message_id, processed_minute, consumer_id)
-                 SELECT message_id, processed_minute, consumer_id FROM moved"
-            )))
-            .execute(&mut *conn)
-            .await?
-            .rows_affected();
+            let moved = sqlx::raw_sql(AssertSqlSafe(move_rows_sql(&t.to_string(), &new, &from, &to)))
+                .execute(&mut *conn)
+                .await?
+                .rows_affected();
             sqlx::raw_sql(AssertSqlSafe(format!("ALTER TABLE {t} VALIDATE CONSTRAINT {check}")))
                 .execute(&mut *conn)
                 .await?;
@@ -158,7 +144,7 @@ impl PgInbox {
             .fetch_optional(&mut *tx)
             .await?;
             tx.commit().await?;
-            let default = qualify(t, &format!("{prefix}_default"));
+            let default = t.qualify(&format!("{prefix}_default"));
             let mut swap = vec![format!("ALTER TABLE {t} RENAME TO \"{prefix}_default\"")];
             if let Some(pkey) = pkey {
                 swap.push(format!(
@@ -177,13 +163,13 @@ impl PgInbox {
                 ),
                 format!(
                     "ALTER INDEX {} RENAME TO \"{}_processed\"",
-                    qualify(t, &format!("{prefix}_partitioned_processed")),
+                    t.qualify(&format!("{prefix}_partitioned_processed")),
                     t.table()
                 ),
                 format!("ALTER TABLE {t} ATTACH PARTITION {default} DEFAULT"),
                 format!("ALTER TABLE {default} DROP CONSTRAINT {check}"),
             ]);
-            self.with_lock_retries(conn, &p, &swap.join("; ")).await?;
+            self.with_lock_retries(conn, &p, swap.join("; ")).await?;
             Ok::<u64, sqlx::Error>(moved)
         }
         .await;
@@ -205,10 +191,10 @@ impl PgInbox {
                         SELECT message_id, processed_minute, consumer_id FROM {new};
                      DROP TABLE {new}"
                 );
-                if let Err(undo) = self.with_lock_retries(conn, &p, &undo).await {
+                if let Err(undo) = self.with_lock_retries(conn, &p, undo).await {
                     tracing::error!(table = %t, error = %undo, "undoing a failed conversion failed: drop the constraint `<inbox>_outside_ranges` now, or claims of keys in its ranges keep failing");
                 }
-                Err(db("converting the inbox table")(e))
+                Err(db(CONVERTING)(e))
             }
         }
     }
@@ -219,26 +205,17 @@ impl PgInbox {
         &self,
         conn: &mut PgConnection,
         p: &Partitions,
-        sql: &str,
+        sql: String,
     ) -> Result<(), sqlx::Error> {
-        let mut attempt = 1;
+        let mut retries = p.retries();
         loop {
-            let result = sqlx::raw_sql(AssertSqlSafe(format!(
-                "BEGIN; {}; {sql}; COMMIT",
-                p.lock_timeout_sql()
-            )))
-            .execute(&mut *conn)
-            .await;
-            match result {
-                Ok(_) => return Ok(()),
-                Err(e) => {
-                    let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await;
-                    if !lock_contended(&e) || attempt >= p.attempts {
-                        return Err(e);
-                    }
-                    attempt += 1;
-                    tokio::time::sleep(p.lock_timeout).await;
-                }
+            let mut tx = retries.begin(conn).await?;
+            let result = sqlx::raw_sql(AssertSqlSafe(sql.as_str()))
+                .execute(&mut *tx)
+                .await
+                .map(Some);
+            if let Some(ended) = retries.end(tx, result).await {
+                return ended.map(|_| ());
             }
         }
     }

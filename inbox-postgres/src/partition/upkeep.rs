@@ -1,18 +1,16 @@
 //! The partitioned layout's upkeep: listing partitions, creating them ahead, and dropping the
 //! ones whose rows have all expired (each under a short lock timeout, postponed when busy).
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use inbox_core::sql::primary_key;
 use sqlx::{AssertSqlSafe, Connection, PgConnection};
 
 use super::{
-    bound_literal, db_now_ms, is_partitioned, lock_contended, ms_to_time, name_prefix, parse_bound,
-    partition_name, qualify, Bound, DroppedPartition, Leaf, PartitionInfo, PartitionRange,
-    Partitions, MAX_MS, MINUTE_MS,
+    bound_literal, db_now_ms, is_partitioned, lock_contended, move_rows_sql, ms_to_time,
+    name_prefix, parse_bound, partition_name, Bound, DroppedPartition, Leaf, PartitionInfo,
+    PartitionRange, Partitions, MAX_MS, MINUTE_MS,
 };
 use crate::error::db;
-use crate::table::column_type;
 use crate::{PgInbox, Result};
 
 impl PgInbox {
@@ -76,31 +74,14 @@ impl PgInbox {
                 .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(MAX_MS))
                 .min(MAX_MS)
         };
-        let (from, to) = (millis(from), millis(to));
         let context = "creating partitions";
         let mut read = self.single(context).await?;
-        let existing = self.leaves(&mut read).await?;
+        let leaves = self.leaves(&mut read).await?;
         read.done().await.map_err(db(context))?;
         let mut conn = self.pool().acquire().await.map_err(db(context))?;
-        let taken: Vec<(i64, i64)> = existing
-            .iter()
-            .filter_map(|l| match l.bound {
-                Bound::Range(a, b) => Some((a, b)),
-                _ => None,
-            })
-            .collect();
-        let mut created = Vec::new();
-        let mut lo = from.div_euclid(p.width_ms()) * p.width_ms();
-        while lo < to {
-            let hi = lo + p.width_ms();
-            if !taken.iter().any(|&(a, b)| a < hi && lo < b) {
-                if let Some(name) = self.create_range(&mut conn, &p, &existing, lo, hi).await? {
-                    created.push(name);
-                }
-            }
-            lo = hi;
-        }
-        Ok(created)
+        let from = millis(from).div_euclid(p.width_ms()) * p.width_ms();
+        self.create_ranges(&mut conn, &p, &leaves, from, millis(to))
+            .await
     }
 
     /// Creates the current partition and the configured number ahead where missing, continuing
@@ -111,12 +92,15 @@ impl PgInbox {
         let now = db_now_ms(&mut tx).await?;
         let leaves = self.leaves(&mut tx).await?;
         tx.commit().await.map_err(db("listing the partitions"))?;
+        let ranges = || {
+            leaves.iter().filter_map(|l| match l.bound {
+                Bound::Range(from, to) => Some((from, to)),
+                _ => None,
+            })
+        };
         let p = self.partitions.unwrap_or_else(|| {
             // Not configured (an operator's tool, say): the span of the newest range.
-            let newest = leaves.iter().rev().find_map(|l| match l.bound {
-                Bound::Range(from, to) => Some(to - from),
-                _ => None,
-            });
+            let newest = ranges().next_back().map(|(from, to)| to - from);
             Partitions {
                 width_minutes: newest.map_or(24 * 60, |ms| (ms / MINUTE_MS).max(1)),
                 ..Partitions::default()
@@ -124,21 +108,29 @@ impl PgInbox {
         });
         let current = now.div_euclid(p.width_ms()) * p.width_ms();
         let end = current + (i64::from(p.ahead) + 1) * p.width_ms();
-        let newest = leaves
-            .iter()
-            .filter_map(|l| match l.bound {
-                Bound::Range(_, to) => Some(to),
-                _ => None,
-            })
-            .max();
         // Contiguous after the newest range; a range that ended in the past leaves a gap, whose
         // keys the default partition takes.
-        let mut lo = newest.map_or(current, |to| to.max(current));
+        let newest = ranges().map(|(_, to)| to).max();
+        let from = newest.map_or(current, |to| to.max(current));
+        self.create_ranges(conn, &p, &leaves, from, end).await
+    }
+
+    /// Creates the partitions of one span each from `lo` until one reaches `end`, but those
+    /// overlapping a range of `leaves`; the names created.
+    async fn create_ranges(
+        &self,
+        conn: &mut PgConnection,
+        p: &Partitions,
+        leaves: &[Leaf],
+        mut lo: i64,
+        end: i64,
+    ) -> Result<Vec<String>> {
         let mut created = Vec::new();
         while lo < end {
             let hi = lo + p.width_ms();
-            if let Some(name) = self.create_range(conn, &p, &leaves, lo, hi).await? {
-                created.push(name);
+            let taken = |l: &Leaf| matches!(l.bound, Bound::Range(a, b) if a < hi && lo < b);
+            if !leaves.iter().any(taken) {
+                created.extend(self.create_range(conn, p, leaves, lo, hi).await?);
             }
             lo = hi;
         }
@@ -157,17 +149,30 @@ impl PgInbox {
     ) -> Result<Option<String>> {
         let t = self.table();
         let name = partition_name(t.table(), lo);
-        let qualified = qualify(t, &name);
+        let qualified = t.qualify(&name);
         let (from, to) = (
             bound_literal(self.key_mode(), lo),
             bound_literal(self.key_mode(), hi),
         );
-        let default = leaves.iter().find(|l| l.bound == Bound::Default);
+        let mut ddl = vec![format!(
+            "CREATE TABLE {qualified} (LIKE {t} INCLUDING DEFAULTS)"
+        )];
+        if let Some(default) = leaves.iter().find(|l| l.bound == Bound::Default) {
+            // Blocks only claims that land in the default partition, until the commit.
+            let d = &default.sql;
+            ddl.push(format!("LOCK TABLE {d} IN SHARE ROW EXCLUSIVE MODE"));
+            ddl.push(move_rows_sql(d, &qualified, &from, &to));
+        }
+        ddl.push(format!(
+            "ALTER TABLE {t} ATTACH PARTITION {qualified} FOR VALUES FROM ('{from}') TO ('{to}')"
+        ));
+        let ddl = ddl.join("; ");
         let key = self.table_lock_key("inbox partitions").await?;
-        for attempt in 1..=p.attempts {
-            let mut tx = conn.begin().await.map_err(db("creating a partition"))?;
-            let result: Result<Option<()>, sqlx::Error> = async {
-                sqlx::query(AssertSqlSafe(p.lock_timeout_sql())).execute(&mut *tx).await?;
+        let context = "creating a partition";
+        let mut retries = p.retries();
+        let created = loop {
+            let mut tx = retries.begin(conn).await.map_err(db(context))?;
+            let result: Result<_, sqlx::Error> = async {
                 // Creators (migrate on every instance, the purge) take turns.
                 sqlx::query("SELECT pg_advisory_xact_lock($1)")
                     .bind(key)
@@ -180,58 +185,20 @@ impl PgInbox {
                 if exists {
                     return Ok(None);
                 }
-                sqlx::query(AssertSqlSafe(format!(
-                    "CREATE TABLE {qualified} (LIKE {t} INCLUDING DEFAULTS)"
-                )))
-                .execute(&mut *tx)
-                .await?;
-                if let Some(default) = default {
-                    let d = &default.sql;
-                    // Blocks only claims that land in the default partition, until the commit.
-                    sqlx::query(AssertSqlSafe(format!(
-                        "LOCK TABLE {d} IN SHARE ROW EXCLUSIVE MODE"
-                    )))
+                sqlx::raw_sql(AssertSqlSafe(ddl.as_str()))
                     .execute(&mut *tx)
                     .await?;
-                    sqlx::query(AssertSqlSafe(format!(
-                        "WITH moved AS (
-                            DELETE FROM {d} WHERE message_id >= '{from}' AND message_id < '{to}'
-                            RETURNING message_id, processed_minute, consumer_id)
-                         INSERT INTO {qualified} (message_id, processed_minute, consumer_id)
-                         SELECT message_id, processed_minute, consumer_id FROM moved"
-                    )))
-                    .execute(&mut *tx)
-                    .await?;
-                }
-                sqlx::query(AssertSqlSafe(format!(
-                    "ALTER TABLE {t} ATTACH PARTITION {qualified} FOR VALUES FROM ('{from}') TO ('{to}')"
-                )))
-                .execute(&mut *tx)
-                .await?;
                 Ok(Some(()))
             }
             .await;
-            match result {
-                Ok(Some(())) => {
-                    tx.commit().await.map_err(db("creating a partition"))?;
-                    tracing::info!(table = %t, partition = %name, "inbox partition created");
-                    return Ok(Some(name));
-                }
-                Ok(None) => {
-                    tx.rollback().await.map_err(db("creating a partition"))?;
-                    return Ok(None);
-                }
-                Err(e) if lock_contended(&e) && attempt < p.attempts => {
-                    let _ = tx.rollback().await;
-                    tokio::time::sleep(p.lock_timeout).await;
-                }
-                Err(e) => {
-                    let _ = tx.rollback().await;
-                    return Err(db("creating a partition")(e));
-                }
+            if let Some(ended) = retries.end(tx, result).await {
+                break ended.map_err(db(context))?;
             }
+        };
+        if created.is_some() {
+            tracing::info!(table = %t, partition = %name, "inbox partition created");
         }
-        Ok(None)
+        Ok(created.map(|()| name))
     }
 
     /// Detaches `leaf` unless a row in it was processed at or after `cutoff_minute` (checked
@@ -245,22 +212,18 @@ impl PgInbox {
         let p = self.partitions.unwrap_or_default();
         let t = self.table();
         let l = &leaf.sql;
-        let mut lock_wait = Duration::ZERO;
-        for attempt in 1..=p.attempts {
-            let started = Instant::now();
-            let mut tx = conn.begin().await.map_err(db("detaching a partition"))?;
-            let result: Result<bool, sqlx::Error> = async {
-                sqlx::query(AssertSqlSafe(p.lock_timeout_sql()))
-                    .execute(&mut *tx)
-                    .await?;
-                sqlx::query(AssertSqlSafe(format!("LOCK TABLE {l} IN SHARE MODE")))
-                    .execute(&mut *tx)
-                    .await?;
+        let context = "detaching a partition";
+        let mut retries = p.retries();
+        let detached = loop {
+            let mut tx = retries.begin(conn).await.map_err(db(context))?;
+            let result: Result<_, sqlx::Error> = async {
                 // The check reads the BRIN index, never the whole partition: its statistics
                 // can be stale.
-                sqlx::raw_sql("SET LOCAL enable_seqscan = off")
-                    .execute(&mut *tx)
-                    .await?;
+                sqlx::raw_sql(AssertSqlSafe(format!(
+                    "LOCK TABLE {l} IN SHARE MODE; SET LOCAL enable_seqscan = off"
+                )))
+                .execute(&mut *tx)
+                .await?;
                 let live: bool = sqlx::query_scalar(AssertSqlSafe(format!(
                     "SELECT EXISTS (SELECT 1 FROM {l} WHERE processed_minute >= $1)"
                 )))
@@ -268,57 +231,44 @@ impl PgInbox {
                 .fetch_one(&mut *tx)
                 .await?;
                 if live {
-                    return Ok(false);
+                    return Ok(None);
                 }
-                sqlx::query(AssertSqlSafe(format!(
+                sqlx::raw_sql(AssertSqlSafe(format!(
                     "ALTER TABLE {t} DETACH PARTITION {l}"
                 )))
                 .execute(&mut *tx)
                 .await?;
-                Ok(true)
+                Ok(Some(()))
             }
             .await;
-            match result {
-                Ok(true) => {
-                    tx.commit().await.map_err(db("detaching a partition"))?;
-                    lock_wait += started.elapsed();
-                    self.drop_detached(conn, &p, l).await;
-                    return Ok(DropOutcome::Dropped(DroppedPartition {
-                        name: leaf.name.clone(),
-                        approx_rows: leaf.approx_rows,
-                        lock_wait,
-                    }));
-                }
-                Ok(false) => {
-                    tx.rollback().await.map_err(db("detaching a partition"))?;
-                    return Ok(DropOutcome::Live);
-                }
-                Err(e) if lock_contended(&e) => {
-                    let _ = tx.rollback().await;
-                    lock_wait += started.elapsed();
-                    if attempt < p.attempts {
-                        tokio::time::sleep(p.lock_timeout).await;
-                    }
-                }
-                Err(e) => {
-                    let _ = tx.rollback().await;
-                    return Err(db("detaching a partition")(e));
-                }
+            if let Some(ended) = retries.end(tx, result).await {
+                break ended;
             }
+        };
+        match detached {
+            Ok(Some(())) => {
+                self.drop_detached(conn, &p, l).await;
+                Ok(DropOutcome::Dropped(DroppedPartition {
+                    name: leaf.name.clone(),
+                    approx_rows: leaf.approx_rows,
+                    lock_wait: retries.waited,
+                }))
+            }
+            Ok(None) => Ok(DropOutcome::Live),
+            Err(e) if lock_contended(&e) => {
+                tracing::warn!(table = %t, partition = %leaf.name, attempts = p.attempts, "inbox partition not detached: claims held the table longer than the lock timeout; postponed to the next purge");
+                Ok(DropOutcome::Postponed)
+            }
+            Err(e) => Err(db(context)(e)),
         }
-        tracing::warn!(table = %t, partition = %leaf.name, attempts = p.attempts, "inbox partition not detached: claims held the table longer than the lock timeout; postponed to the next purge");
-        Ok(DropOutcome::Postponed)
     }
 
     /// Drops a detached partition: no claim can reach it any more, so this takes no lock on the
     /// inbox table. One left over (the drop failed) is found and dropped by the next purge.
     async fn drop_detached(&self, conn: &mut PgConnection, p: &Partitions, sql: &str) {
         let result: Result<(), sqlx::Error> = async {
-            let mut tx = conn.begin().await?;
-            sqlx::query(AssertSqlSafe(p.lock_timeout_sql()))
-                .execute(&mut *tx)
-                .await?;
-            sqlx::query(AssertSqlSafe(format!("DROP TABLE {sql}")))
+            let mut tx = p.retries().begin(conn).await?;
+            sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {sql}")))
                 .execute(&mut *tx)
                 .await?;
             tx.commit().await
@@ -337,10 +287,8 @@ impl PgInbox {
             "^{}_p[0-9]{{8}}_[0-9]{{4}}$",
             name_prefix(self.table().table())
         );
-        let mut tx = conn
-            .begin()
-            .await
-            .map_err(db("looking for detached partitions"))?;
+        let context = "looking for detached partitions";
+        let mut tx = conn.begin().await.map_err(db(context))?;
         let leftovers: Vec<String> = sqlx::query_scalar(
             "SELECT c.oid::regclass::text FROM pg_class c
              WHERE c.relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = $1::regclass)
@@ -350,10 +298,8 @@ impl PgInbox {
         .bind(pattern)
         .fetch_all(&mut *tx)
         .await
-        .map_err(db("looking for detached partitions"))?;
-        tx.commit()
-            .await
-            .map_err(db("looking for detached partitions"))?;
+        .map_err(db(context))?;
+        tx.commit().await.map_err(db(context))?;
         for sql in leftovers {
             self.drop_detached(conn, &p, &sql).await;
         }
@@ -388,34 +334,6 @@ impl PgInbox {
             Bound::Default => (2, 0),
         });
         Ok(leaves)
-    }
-
-    /// The statements creating a partitioned inbox table `qualified` and its BRIN index, without
-    /// partitions; its primary key and index are named `<index_base>_pkey`, `_processed`.
-    pub(crate) fn partitioned_table_statements(
-        &self,
-        qualified: &str,
-        index_base: &str,
-    ) -> [String; 2] {
-        let key = column_type(self.key_mode());
-        let primary_key = primary_key(self.key_mode());
-        let name = index_base;
-        [
-            format!(
-                "CREATE TABLE IF NOT EXISTS {qualified} (
-                    message_id {key} NOT NULL,
-                    processed_minute integer NOT NULL
-                        DEFAULT (floor(extract(epoch FROM now()) / 60))::integer,
-                    consumer_id smallint NOT NULL,
-                    CONSTRAINT \"{name}_pkey\" PRIMARY KEY ({primary_key}))
-                 PARTITION BY RANGE (message_id)"
-            ),
-            // autosummarize: the purge's checks read the BRIN summaries of fresh pages too.
-            format!(
-                "CREATE INDEX IF NOT EXISTS \"{name}_processed\" ON {qualified}
-                 USING brin (processed_minute) WITH (autosummarize = on)"
-            ),
-        ]
     }
 }
 
