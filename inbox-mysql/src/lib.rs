@@ -55,9 +55,8 @@
 //! UTF-8. Every other ID is stored verbatim in [`KeyMode::Text`], in a `varbinary(1024)`
 //! column, and compared byte for byte: whitespace and case matter. The store refuses a text key
 //! longer than its column on its own too (never cut short, which on a server outside strict mode
-//! would make two IDs sharing the first 1,024 bytes one); take [`KeyMode::Hashed`] for longer
-//! IDs. [`KeyMode::Uuid`] also refuses IDs that
-//! are not UUIDs; [`KeyMode::Hashed`] takes any ID and keeps 16 bytes of it.
+//! would make two IDs sharing the first 1,024 bytes one). [`KeyMode::Uuid`] also refuses IDs
+//! that are not UUIDs; [`KeyMode::Hashed`] takes any ID and keeps 16 bytes of it.
 //!
 //! ## Servers
 //! Tested on MariaDB 10.11 (`cargo xtask services` starts Debian's). The SQL is MySQL 8's as

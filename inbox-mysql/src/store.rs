@@ -178,8 +178,8 @@ impl MySqlInbox {
         self.register(&mut conn, consumer).await
     }
 
-    /// The id of `consumer` seen from `conn`, inserted when missing. Looks up first: a failed insert would use up an `AUTO_INCREMENT`
-    /// value of the `smallint` all the same.
+    /// The id of `consumer` seen from `conn`, inserted when missing. Looks up first: a failed
+    /// insert would use up an `AUTO_INCREMENT` value of the `smallint` all the same.
     async fn register(&self, conn: &mut MySqlConnection, consumer: &str) -> Result<i16> {
         if let Some(id) = self.lookup(conn, consumer).await? {
             return Ok(id);
@@ -193,13 +193,11 @@ impl MySqlInbox {
         .await;
         match inserted {
             Ok(done) => {
-                let id =
-                    i16::try_from(done.last_insert_id()).map_err(|_| Error::TooManyConsumers {
-                        name: consumer.to_owned(),
-                        id: done.last_insert_id(),
-                        table: consumers.clone(),
-                    })?;
-                return Ok(id);
+                return i16::try_from(done.last_insert_id()).map_err(|_| Error::TooManyConsumers {
+                    name: consumer.to_owned(),
+                    id: done.last_insert_id(),
+                    table: consumers.clone(),
+                });
             }
             Err(e) if number(&e) == Some(DUPLICATE_KEY) => {}
             Err(e) => return Err(db("registering the consumer name")(e)),
@@ -223,7 +221,6 @@ impl MySqlInbox {
         .map_err(db("reading the consumer id"))
     }
 
-    /// The key of each ID, as stored.
     /// The key of each ID; an ID this store cannot keep is refused ([`RefusedId`]): a non-UUID
     /// for [`KeyMode::Uuid`], a text key longer than the column for [`KeyMode::Text`]. (Today
     /// the core's own limit, `MessageId::MAX_LEN`, is the column's; the store keeps its own, in

@@ -41,14 +41,8 @@ impl TableName {
     /// As [`TableName::new`], and [`Error::InvalidIdentifier`] for a database name that is not
     /// a plain SQL identifier of at most 64 bytes.
     pub fn qualified(database: &str, table: &str) -> Result<Self> {
-        if !is_plain_identifier(database) || database.len() > MAX_IDENTIFIER {
-            return Err(Error::InvalidIdentifier {
-                what: "database",
-                name: database.to_owned(),
-            });
-        }
         Ok(Self {
-            database: Some(database.to_owned()),
+            database: Some(identifier("database", database)?),
             table: table_identifier(table)?,
         })
     }
@@ -89,19 +83,22 @@ impl fmt::Display for TableName {
     }
 }
 
-fn table_identifier(name: &str) -> Result<String> {
+fn identifier(what: &'static str, name: &str) -> Result<String> {
     if !is_plain_identifier(name) || name.len() > MAX_IDENTIFIER {
         return Err(Error::InvalidIdentifier {
-            what: "table",
-            name: name.to_owned(),
-        });
-    }
-    if name.len() > TableName::MAX_LEN {
-        return Err(Error::TableNameTooLong {
+            what,
             name: name.to_owned(),
         });
     }
     Ok(name.to_owned())
+}
+
+fn table_identifier(name: &str) -> Result<String> {
+    let name = identifier("table", name)?;
+    if name.len() > TableName::MAX_LEN {
+        return Err(Error::TableNameTooLong { name });
+    }
+    Ok(name)
 }
 
 /// The longest text key the `varbinary` key column holds, in bytes. A longer value would be
