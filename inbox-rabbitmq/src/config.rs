@@ -134,12 +134,11 @@ impl RabbitSourceBuilder {
         self
     }
 
-    /// The quorum queue's `x-delivery-limit` (default 20): a message returned to the queue more
-    /// often than this (nacked, or in flight when a consumer died; from RabbitMQ 4.3 nacks no
-    /// longer count) is dead-lettered by the broker itself. Before 4.3 the hand-backs of a store
-    /// outage count too: see the crate docs, "Ack semantics". It is the backstop for a message that crashes the process, which no in-process
-    /// retry count can see. Set the consumer's `max_deliveries` below it so the adapter
-    /// dead-letters with a reason first.
+    /// The quorum queue's `x-delivery-limit` (default 20): past it the broker dead-letters a
+    /// message by itself (what counts against it: the crate docs, "Ack semantics"). It is the
+    /// backstop for a message that crashes the process, which no in-process retry count can
+    /// see. Set the consumer's `max_deliveries` below it so the adapter dead-letters with a
+    /// reason first.
     pub fn delivery_limit(mut self, limit: u32) -> Self {
         self.delivery_limit = Some(limit);
         self
@@ -190,10 +189,9 @@ impl RabbitSourceBuilder {
     }
 
     /// Sets a queue argument (`x-max-length`, `x-queue-type`, `x-overflow`, ...), replacing the
-    /// adapter's where it sets the same one. The defaults: a quorum queue, dead-lettering to
-    /// `<queue>.dlq` at least once (`x-dead-letter-strategy = at-least-once`, which needs
-    /// `x-overflow = reject-publish` and a quorum queue), and [`delivery_limit`](Self::delivery_limit).
-    /// Arguments are fixed when the queue is first declared: a queue that exists with other
+    /// adapter's where it sets the same one (the crate docs, "Topology", list them; the
+    /// `at-least-once` dead-letter strategy needs a quorum queue and `x-overflow =
+    /// reject-publish`). Arguments are fixed when the queue is first declared: a queue that exists with other
     /// arguments fails the connect with `PRECONDITION_FAILED`.
     pub fn queue_argument(mut self, name: impl Into<String>, value: AMQPValue) -> Self {
         self.queue_arguments.insert(name.into().into(), value);

@@ -5,15 +5,14 @@ use std::time::Duration;
 
 use inbox_core::dead_letter::{ORIGINAL_POSITION, ORIGINAL_SOURCE, REASON};
 use inbox_core::{Message, REDELIVERY_COUNT};
-use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 use tokio::sync::Mutex;
 
 use crate::producer::{publish_confirmed, ConfirmChannel};
 use crate::redelivery::{DelayQueues, DelayedCopy};
-use crate::short_string::{long_string, short_string};
-use crate::topology::dead_lettering_to;
+use crate::short_string::long_string;
+use crate::topology::{dead_lettering_to, declare_queue};
 use crate::{Error, RabbitSourceBuilder, Result};
 
 /// The dead-letter publisher of one [`RabbitSource`](crate::RabbitSource), shared by all its
@@ -132,18 +131,8 @@ impl DeadLetters {
         if !self.delay_queues.lock().await.needs_declaring(name) {
             return Ok(());
         }
-        let options = QueueDeclareOptions {
-            durable: true,
-            ..QueueDeclareOptions::default()
-        };
-        channel
-            .queue_declare(
-                short_string("delay queue name", name)?,
-                options,
-                dead_lettering_to(&self.queue),
-            )
-            .await
-            .map_err(|e| Error::amqp(format!("declaring delay queue `{name}`"), e))?;
+        let args = dead_lettering_to(&self.queue);
+        declare_queue(channel, "delay queue", name, args, "").await?;
         self.delay_queues.lock().await.declared(name);
         Ok(())
     }

@@ -103,21 +103,18 @@
 //!   when its tags are the oldest unsettled ones of the channel (the usual case), else one by one.
 //!   A delivery counts as settled only once its ack or nack frame is queued, and lapin sends a
 //!   channel's frames in order, so a `multiple` ack never covers a delivery whose delayed nack
-//!   is still to be sent, nor one whose own ack or nack failed.
+//!   is still to be sent, nor one whose own ack or nack failed. After the channel closed an ack
+//!   fails with [`Recovery::Reconnect`](inbox_core::Recovery), the core logs it, the next
+//!   receive reconnects (the core backs off between failed attempts), and the redelivered copy
+//!   is skipped.
 //! - **Redelivery**: RabbitMQ requeues every unacked delivery when its channel or connection
 //!   closes (process killed, network lost, `rabbitmqctl close_connection`, heartbeat missed) and
 //!   hands it out again, to this consumer or another, with `redelivered` set and, on a quorum
 //!   queue, `x-delivery-count` raised ([`Metadata::delivery_count`](inbox_core::Metadata) is
 //!   that count + 1). If the handler had committed, the inbox finds the ID and skips the copy.
-//! - **Ack after the channel closed**: the ack cannot be delivered; it fails with
-//!   [`Recovery::Reconnect`](inbox_core::Recovery), the core logs it, and the redelivered copy
-//!   is skipped. The next receive reconnects (the core backs off between failed attempts) and
-//!   consumes again.
 //! - **A connection that goes silent** (a partition, a black-holing firewall, a frozen broker)
-//!   is noticed by the AMQP heartbeat after about two intervals: set
-//!   [`RabbitConnection::heartbeat`] (the broker's default is 60 s, so about two minutes).
-//!   Until
-//!   then acks are written into the dead socket and report success, though the broker never
+//!   is noticed by the AMQP heartbeat after about two intervals
+//!   ([`RabbitConnection::heartbeat`]). Until then acks are written into the dead socket and report success, though the broker never
 //!   sees them: those messages are redelivered once the broker drops the connection, and the
 //!   inbox skips them. A reconnect that reaches a broker that never answers gives up after
 //!   [`RabbitConnection::operation_timeout`] ([`Error::ConnectTimeout`]) and is tried again.
@@ -128,9 +125,8 @@
 //!   message holds one prefetch slot; the others keep flowing, so it cannot starve the queue.
 //! - **Delayed redelivery** (a redelivery schedule,
 //!   [`RetryPolicy::redeliver_after`](inbox_core::RetryPolicy::redeliver_after)): a copy is
-//!   published, confirmed, to the delay queue `<queue>.delay.<n>` (a quorum queue declared at
-//!   first use on each publishing connection, and again when a copy comes back unroutable
-//!   because it was deleted meanwhile, dead-lettering expired messages back to `<queue>` at
+//!   published, confirmed, to the delay queue `<queue>.delay.<n>` (a quorum queue, declared at
+//!   first use and again if deleted, that dead-letters expired messages back to `<queue>` at
 //!   least once) with the delay as its `expiration` and the count in the header
 //!   `x-inbox-redelivery`; then the delivery is acked. The copy is a new message to the queue:
 //!   no `x-delivery-count`, nothing counted against `x-delivery-limit`. See [`RabbitAck`] and
@@ -158,8 +154,8 @@
 //! certificates: lapin's `rustls-native-certs`), or its `native-tls` feature (lapin's
 //! feature of that name). A broker whose certificate comes from a CA of its own (a private one,
 //! a managed broker's) is trusted with [`RabbitConnection::ca_certificates`], which reaches the
-//! source, the producer and the dead-letter reader built from that connection. A certificate from another CA or for another host name is refused at connect with
-//! an error that says so (`invalid peer certificate: UnknownIssuer`, `certificate not valid for
+//! source, the producer and the dead-letter reader built from that connection. A certificate
+//! from another CA or for another host name is refused at connect with an error that says so (`invalid peer certificate: UnknownIssuer`, `certificate not valid for
 //! name …`); `tests/tls.rs` shows each on a TLS-only node of its own.
 
 mod ack;

@@ -64,38 +64,35 @@ pub(crate) async fn prepare(
     }
 }
 
-async fn declare(channel: &Channel, config: &RabbitSourceBuilder) -> Result<()> {
-    let dlq = config.dead_letter_queue();
+/// Declares the durable queue `name` with `args`; `what` (`queue`, `delay queue`, …) names it in
+/// errors, and `hint` follows its name in a failed declare's.
+pub(crate) async fn declare_queue(
+    channel: &Channel,
+    what: &'static str,
+    name: &str,
+    args: FieldTable,
+    hint: &str,
+) -> Result<()> {
     let options = QueueDeclareOptions {
         durable: true,
         ..QueueDeclareOptions::default()
     };
     channel
-        .queue_declare(
-            short_string("dead-letter queue name", &dlq)?,
-            options,
-            quorum(),
-        )
+        .queue_declare(short_string(what, name)?, options, args)
         .await
-        .map_err(|e| Error::amqp(format!("declaring dead-letter queue `{dlq}`"), e))?;
-    channel
-        .queue_declare(
-            short_string("queue name", &config.queue)?,
-            options,
-            queue_arguments(config),
-        )
-        .await
-        .map_err(|e| {
-            Error::amqp(
-                format!(
-                    "declaring queue `{}` (a quorum queue with x-dead-letter-exchange \"\" and \
-                     x-dead-letter-routing-key `{dlq}`; an existing queue with other arguments \
-                     fails with PRECONDITION_FAILED)",
-                    config.queue
-                ),
-                e,
-            )
-        })?;
+        .map_err(|e| Error::amqp(format!("declaring {what} `{name}`{hint}"), e))?;
+    Ok(())
+}
+
+async fn declare(channel: &Channel, config: &RabbitSourceBuilder) -> Result<()> {
+    let dlq = config.dead_letter_queue();
+    declare_queue(channel, "dead-letter queue", &dlq, quorum(), "").await?;
+    let hint = format!(
+        " (a quorum queue with x-dead-letter-exchange \"\" and x-dead-letter-routing-key \
+         `{dlq}`; an existing queue with other arguments fails with PRECONDITION_FAILED)"
+    );
+    let args = queue_arguments(config);
+    declare_queue(channel, "queue", &config.queue, args, &hint).await?;
     for binding in &config.bindings {
         let exchange = short_string("exchange name", &binding.exchange)?;
         let durable = ExchangeDeclareOptions {
@@ -111,15 +108,12 @@ async fn declare(channel: &Channel, config: &RabbitSourceBuilder) -> Result<()> 
             )
             .await
             .map_err(|e| {
-                let kind = &binding.kind;
-                let name = &binding.exchange;
-                Error::amqp(
-                    format!(
-                        "declaring exchange `{name}` ({kind:?}, durable; an existing exchange \
-                         of another kind fails with PRECONDITION_FAILED)"
-                    ),
-                    e,
-                )
+                let (name, kind) = (&binding.exchange, &binding.kind);
+                let context = format!(
+                    "declaring exchange `{name}` ({kind:?}, durable; an existing exchange of \
+                     another kind fails with PRECONDITION_FAILED)"
+                );
+                Error::amqp(context, e)
             })?;
         channel
             .queue_bind(
@@ -132,10 +126,9 @@ async fn declare(channel: &Channel, config: &RabbitSourceBuilder) -> Result<()> 
             .await
             .map_err(|e| {
                 let (queue, name, key) = (&config.queue, &binding.exchange, &binding.routing_key);
-                Error::amqp(
-                    format!("binding queue `{queue}` to exchange `{name}` with key `{key}`"),
-                    e,
-                )
+                let context =
+                    format!("binding queue `{queue}` to exchange `{name}` with key `{key}`");
+                Error::amqp(context, e)
             })?;
     }
     Ok(())
