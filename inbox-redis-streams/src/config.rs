@@ -304,10 +304,6 @@ mod tests {
             b("orders").settings().expect("parses").dead_letter_stream,
             "{orders}:dlq"
         );
-        assert_eq!(
-            b("{orders}").settings().expect("parses").dead_letter_stream,
-            "{orders}:dlq"
-        );
         let e = b("orders")
             .dead_letter_stream("orders:dlq")
             .settings()

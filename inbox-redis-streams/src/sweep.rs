@@ -300,31 +300,24 @@ mod tests {
     #[test]
     fn a_marked_entry_waits_for_its_delay_once_then_for_claim_idle() {
         let sweep = Sweep::new(CLAIM_IDLE);
-        let mark = Mark::new(1, Duration::from_millis(300), Some(1));
-        let marks = [Some(mark)];
-
-        let waiting = sweep.due(&[row("5-0", 299, 1)], &marks, 10);
-        assert!(waiting.claims.is_empty());
-        let due = sweep.due(&[row("5-0", 300, 1)], &marks, 10);
-        assert_eq!(claimed(&due), [(300, vec!["5-0"])]);
-
-        // Claimed: count 2. Idle for many delays while its handler runs: left alone.
-        let out = sweep.due(&[row("5-0", 5_000, 2)], &marks, 10);
-        assert!(out.claims.is_empty(), "{out:?}");
-        // Its holder died: claimed like any other entry, with claim_idle.
-        let dead = sweep.due(&[row("5-0", 60_000, 2)], &marks, 10);
-        assert_eq!(claimed(&dead), [(60_000, vec!["5-0"])]);
-
+        let first = Mark::new(1, Duration::from_millis(300), Some(1));
         // Handed back again by the copy delivered twice: waits for its new delay.
-        let again = [Some(Mark::new(2, Duration::from_secs(1), Some(2)))];
-        assert!(sweep
-            .due(&[row("5-0", 999, 2)], &again, 10)
-            .claims
-            .is_empty());
-        assert_eq!(
-            claimed(&sweep.due(&[row("5-0", 1_000, 2)], &again, 10)),
-            [(1_000, vec!["5-0"])]
-        );
+        let again = Mark::new(2, Duration::from_secs(1), Some(2));
+        // (mark, idle ms, delivery count, the min idle it is claimed with, if due)
+        for (mark, idle, count, claimed_at) in [
+            (first, 299, 1, None),
+            (first, 300, 1, Some(300)),
+            // Claimed: count 2. Idle for many delays while its handler runs: left alone.
+            (first, 5_000, 2, None),
+            // Its holder died: claimed like any other entry, with claim_idle.
+            (first, 60_000, 2, Some(60_000)),
+            (again, 999, 2, None),
+            (again, 1_000, 2, Some(1_000)),
+        ] {
+            let due = sweep.due(&[row("5-0", idle, count)], &[Some(mark)], 10);
+            let expected: Vec<_> = claimed_at.map(|at| (at, vec!["5-0"])).into_iter().collect();
+            assert_eq!(claimed(&due), expected, "{mark} idle {idle} count {count}");
+        }
     }
 
     #[test]
