@@ -313,17 +313,13 @@ mod tests {
 
     #[test]
     fn nack_delays_round_up_to_whole_seconds() {
-        assert_eq!(visibility_seconds(Duration::ZERO), 0, "no delay stays none");
-        assert_eq!(visibility_seconds(Duration::from_millis(1)), 1);
-        assert_eq!(visibility_seconds(Duration::from_millis(300)), 1);
-        assert_eq!(visibility_seconds(Duration::from_secs(1)), 1);
-        assert_eq!(visibility_seconds(Duration::from_millis(1500)), 2);
-        assert_eq!(visibility_seconds(Duration::from_secs(7)), 7);
-        assert_eq!(
-            visibility_seconds(Duration::from_secs(24 * 60 * 60)),
-            12 * 60 * 60,
-            "capped at SQS's longest visibility timeout"
-        );
+        // No delay stays none; 24 h is capped at SQS's longest visibility timeout.
+        let rounded = [(0, 0), (1, 1), (300, 1), (1000, 1), (1500, 2), (7000, 7)];
+        let capped = (86_400_000, 43_200);
+        for (millis, seconds) in rounded.into_iter().chain([capped]) {
+            let delay = Duration::from_millis(millis);
+            assert_eq!(visibility_seconds(delay), seconds, "{delay:?}");
+        }
     }
 
     /// What the acks of a queue at `addr` share, with a client that does not retry.

@@ -52,13 +52,13 @@
 //! `examples/examples/sqs.rs` (`cargo run -p inbox-examples --example sqs`).
 //!
 //! # The message ID
-//! It comes from a message attribute, `event_id` unless
-//! [`SqsSourceBuilder::id_attribute`] says otherwise, set by the producer ([`SqsProducer`] does
-//! it, with a UUIDv7 from [`Publish::send`](inbox_core::Publish::send)). Never the SQS `MessageId`: SQS assigns a new one to every
-//! send, so a producer's retry would look new. On FIFO queues,
-//! [`SqsSourceBuilder::dedup_id_fallback`] opts in to the `MessageDeduplicationId` for
-//! messages without the attribute; SQS deduplicates on it for 5 minutes only, the inbox for as
-//! long as it keeps IDs. A message with neither is dead-lettered with the reason.
+//! It comes from a message attribute, `event_id` unless [`SqsSourceBuilder::id_attribute`] says
+//! otherwise, set by the producer ([`SqsProducer`] does it, with a UUIDv7 from
+//! [`Publish::send`](inbox_core::Publish::send)). Never the SQS `MessageId`: SQS assigns a new
+//! one to every send, so a producer's retry would look new. On FIFO queues,
+//! [`SqsSourceBuilder::dedup_id_fallback`] opts in to the `MessageDeduplicationId` for messages
+//! without the attribute; SQS deduplicates on it for 5 minutes only, the inbox for as long as it
+//! keeps IDs. A message with neither is dead-lettered with the reason.
 //!
 //! Messages of other producers are read where their convention puts the ID, with
 //! [`SqsSourceBuilder::id_from`] (see [`IdFrom`]): another attribute, the FIFO deduplication ID
@@ -72,29 +72,30 @@
 //!   after the inbox transaction committed. A delete that fails then (network, or a stale
 //!   receipt handle because the visibility ran out) is logged and counted, not fatal: the
 //!   message comes back after its visibility timeout and is skipped as a duplicate.
-//! - **Redelivery**: a message that is not deleted becomes visible again when its visibility
-//!   timeout runs out, to this consumer or another, with `ApproximateReceiveCount` one higher
-//!   ([`Metadata::delivery_count`](inbox_core::Metadata::delivery_count)). That covers crashes,
-//!   kills and dropped receives: nothing is lost.
+//! - **Redelivery**: a message not deleted is visible again when its visibility timeout runs
+//!   out, to this consumer or another, with `ApproximateReceiveCount`
+//!   ([`Metadata::delivery_count`](inbox_core::Metadata::delivery_count)) one higher. That
+//!   covers crashes, kills and dropped receives: nothing is lost.
 //! - **Visibility heartbeat** (on by default, [`SqsSourceBuilder::heartbeat`]): from receive
 //!   until ack or nack, a background task extends each message's visibility
 //!   (`ChangeMessageVisibility`) every third of the timeout, so a slow handler keeps its
-//!   message. It stops when the ack is used or dropped, at once: an extension in flight is
-//!   cancelled, not waited for (one already on the wire may still land after a nack, which
-//!   then comes back after one visibility timeout instead of its delay). If an extension finds the receipt
-//!   handle stale (the message was handed out again meanwhile), it logs and stops; the other
-//!   copy finds the ID claimed (waiting for this transaction if it is still open) and is
-//!   skipped.
+//!   message. It stops at once when the ack is used or dropped: an extension in flight is
+//!   cancelled, not waited for (one already on the wire may still land after a nack, which then
+//!   comes back after one visibility timeout instead of its delay).
+//! - **Staleness**: when an extension finds the receipt handle refused (the message was handed
+//!   out again under a new handle, or deleted by its other copy), the heartbeat logs and stops,
+//!   and the delivery reports [`Ack::is_stale`](inbox_core::Ack::is_stale): the consumer drops it
+//!   before its claim if it has not started on it; otherwise the other copy finds the ID claimed
+//!   (waiting for this transaction if it is still open) and is skipped, as it is without the
+//!   heartbeat, where staleness is not known.
 //! - **Nack** (a store error, a failed dead letter) is `ChangeMessageVisibility` to the delay,
-//!   at least [`SqsSourceBuilder::retry_backoff`], rounded up to whole seconds (300 ms is 1 s):
-//!   the message is visible again after it. A failed dead letter is nacked by its handle with
-//!   [`RETRY_AFTER`](inbox_core::dead_letter::RETRY_AFTER) (1 s).
-//!   Handler failures are retried by the consumer in-process first
+//!   at least [`SqsSourceBuilder::retry_backoff`], rounded up to whole seconds (300 ms is 1 s).
+//!   A failed dead letter is nacked with [`RETRY_AFTER`](inbox_core::dead_letter::RETRY_AFTER)
+//!   (1 s). Handler failures are retried by the consumer in-process first
 //!   ([`RetryPolicy`](inbox_core::RetryPolicy)), under the heartbeat.
-//! - **Delayed redelivery** (a redelivery schedule,
-//!   [`RetryPolicy::redeliver_after`](inbox_core::RetryPolicy::redeliver_after)) sends a copy
-//!   of the message to its own queue and then deletes the message: same body, same attributes
-//!   (the ID attribute always kept), and the attribute
+//! - **Delayed redelivery** ([`RetryPolicy::redeliver_after`](inbox_core::RetryPolicy::redeliver_after))
+//!   sends a copy of the message to its own queue, then deletes the message: same body, same
+//!   attributes (the ID attribute always kept), plus
 //!   [`REDELIVERY_COUNT`](inbox_core::REDELIVERY_COUNT) (`x-inbox-redelivery`), the
 //!   redelivery's number from 1, which the copy reports as
 //!   [`Metadata::redeliveries`](inbox_core::Metadata::redeliveries). SQS cannot change a message
@@ -118,34 +119,30 @@
 //!   visible again after the delay with its count unchanged; without permission to send to the
 //!   queue (`sqs:SendMessage`) the consumer stops with an error saying so. A dead letter leaves
 //!   the count off, so a replay starts a new schedule.
-//! - **Staleness**: when the visibility heartbeat finds a delivery's receipt handle refused
-//!   (the message was handed out again under a new handle, or deleted by its other copy), the
-//!   delivery reports [`Ack::is_stale`](inbox_core::Ack::is_stale), and the consumer drops it
-//!   before its claim if it has not started on it: the other copy is the one to apply. Without
-//!   the heartbeat staleness is not known, and the inbox skips the second copy as before.
 //!
 //! The bookkeeping behind these rules (the redelivery count and due time of a received copy,
 //! how a copy is sent, the staleness flag, the FIFO deduplication ID of each kind of send) is
 //! plain state in [`delivery`], which the source and its acks drive.
 //!
 //! # Dead letters
-//! A message without a usable ID, with a permanent handler error, or failing
-//! `max_attempts` times, is dead-lettered, then deleted, by its handle ([`SqsAck`]'s
+//! A message without a usable ID, with a permanent handler error, or failing `max_attempts`
+//! times, is dead-lettered, then deleted, by its handle ([`SqsAck`]'s
 //! [`Ack::dead_letter`](inbox_core::Ack::dead_letter), which keeps the attributes the message
 //! was received with):
 //! - with [`SqsSourceBuilder::dead_letter_queue`], it is sent there (`SendMessage`: same body,
-//!   same attributes, plus the attributes [`REASON`](inbox_core::dead_letter::REASON),
+//!   same attributes, plus [`REASON`](inbox_core::dead_letter::REASON),
 //!   [`ORIGINAL_SOURCE`](inbox_core::dead_letter::ORIGINAL_SOURCE) (the queue URL) and
 //!   [`ORIGINAL_POSITION`](inbox_core::dead_letter::ORIGINAL_POSITION) (`message <SQS message
-//!   ID>`), less a redelivered copy's count, and the ID in the source's ID attribute (written from the ID when it was the
-//!   `MessageDeduplicationId`, which a send cannot copy), so a replay into the source keeps
-//!   it; SQS allows 10 attributes, so the last other original ones by name give way to these),
-//!   and only then deleted from the source queue: a failure in between leaves a copy in both,
-//!   never in neither. The queue must exist: [`SqsSourceBuilder::connect`] checks (`GetQueueUrl`) and fails naming it. On a
-//!   FIFO dead-letter queue the `MessageGroupId` is the original's (hashed into SQS's alphabet
-//!   where needed) and the `MessageDeduplicationId` is new per delivery (from its receipt
-//!   handle), never the event ID: a message dead-lettered again within SQS's 5-minute window
-//!   arrives again instead of being dropped as a duplicate;
+//!   ID>`), less a redelivered copy's count, and the ID in the source's ID attribute (written
+//!   from the ID when it was the `MessageDeduplicationId`, which a send cannot copy), so a
+//!   replay into the source keeps it; SQS allows 10 attributes, so the last other original ones
+//!   by name give way to these), and only then deleted from the source queue: a failure in
+//!   between leaves a copy in both, never in neither. The queue must exist:
+//!   [`SqsSourceBuilder::connect`] checks (`GetQueueUrl`) and fails naming it. On a FIFO
+//!   dead-letter queue the `MessageGroupId` is the original's (hashed into SQS's alphabet where
+//!   needed) and the `MessageDeduplicationId` is new per delivery (from its receipt handle),
+//!   never the event ID: a message dead-lettered again within SQS's 5-minute window arrives
+//!   again instead of being dropped as a duplicate;
 //! - without one, if the queue has a `RedrivePolicy`, its dead-letter queue is resolved when
 //!   the source connects, and used the same way. Where it cannot be resolved (no `GetQueueUrl`
 //!   permission), the message is handed back (nacked) and SQS's redrive moves it after
@@ -157,12 +154,11 @@
 //!   error naming both settings, and the consumer stops rather than loop.
 //!
 //! # Timeouts
-//! The clients from [`connect`], [`connect_to`] and [`config_loader`]
-//! have [`default_timeouts`] (30 s per attempt, longer than the 20 s long poll; 90 s per call),
-//! so a stalled connection fails and is retried instead of hanging the consumer.
-//! [`SqsSourceBuilder::connect`] refuses a client whose timeout per attempt is not longer than
-//! the [poll timeout](SqsSourceBuilder::poll_timeout), and warns about one with no timeout at
-//! all.
+//! The clients from [`connect`], [`connect_to`] and [`config_loader`] have [`default_timeouts`]
+//! (30 s per attempt, longer than the 20 s long poll; 90 s per call), so a stalled connection
+//! fails and is retried instead of hanging the consumer. [`SqsSourceBuilder::connect`] refuses a
+//! client whose timeout per attempt is not longer than the
+//! [poll timeout](SqsSourceBuilder::poll_timeout), and warns about one with no timeout at all.
 //!
 //! # Capabilities
 //! [`MessageSource::capabilities`](inbox_core::MessageSource::capabilities) reports a delivery
