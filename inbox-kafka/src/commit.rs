@@ -18,11 +18,8 @@ use crate::error::{partition_moved, Error};
 use crate::shared_consumer::{Client, SharedConsumer};
 use crate::tracker::Commit;
 
-/// Counters of a source's offset commit requests, readable while its consumer runs (get them
-/// with [`KafkaSource::offset_commits`](crate::KafkaSource::offset_commits) before handing the
-/// source to the consumer). With a [commit interval](crate::KafkaSourceBuilder::commit_interval) a
-/// commit failure is not an ack failure: it is logged, counted here, and retried at the next
-/// interval.
+/// Counters of a source's offset commit requests, readable while its consumer runs (from
+/// [`KafkaSource::offset_commits`](crate::KafkaSource::offset_commits)).
 #[derive(Clone, Default)]
 pub struct OffsetCommits(Arc<Counters>);
 

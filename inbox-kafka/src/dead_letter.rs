@@ -158,13 +158,9 @@ impl DeadLetterCheck {
             .into_source());
         }
         let (admin_config, context) = &self.admin;
-        let admin =
-            KafkaAdmin::with_config(admin_config, context.clone()).map_err(Error::into_source)?;
+        let admin = KafkaAdmin::with_config(admin_config, context.clone())?;
         for (topic, from) in missing {
-            admin
-                .create_topic(topic, 1)
-                .await
-                .map_err(Error::into_source)?;
+            admin.create_topic(topic, 1).await?;
             info!(%topic, for_topics = ?from, "created the missing dead-letter topic");
         }
         Ok(())

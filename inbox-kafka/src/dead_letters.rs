@@ -248,8 +248,7 @@ impl DeadLetters for KafkaDeadLetters {
                     })
                 })
             })
-            .await
-            .map_err(Error::into_source)?;
+            .await?;
             match polled {
                 None => {
                     if idle_since.elapsed() > self.timeout {
@@ -298,9 +297,8 @@ impl DeadLetters for KafkaDeadLetters {
         let context = format!("committing replayed dead letters of `{}`", self.topic);
         let consumer = Arc::clone(&self.consumer);
         blocking(move || offset_list(&commits).and_then(|l| consumer.commit(&l, CommitMode::Sync)))
-            .await
-            .map_err(Error::into_source)?
-            .map_err(|e| Error::kafka(context, e).into_source())?;
+            .await?
+            .map_err(|e| Error::kafka(context, e))?;
         Ok(())
     }
 }

@@ -138,8 +138,8 @@ impl KafkaSource {
         })
     }
 
-    /// Counters of this source's offset commit requests, to watch how many acks one request
-    /// covers. Take them before handing the source to the consumer.
+    /// Counters of this source's offset commit requests (how many acks one request covers, how
+    /// many failed). Take them before handing the source to the consumer.
     pub fn offset_commits(&self) -> OffsetCommits {
         self.consumer.context().commits.clone()
     }
@@ -405,11 +405,10 @@ impl MessageSource for KafkaSource {
         self.redelivery_window
     }
 
-    /// Lanes (a message's partition). No delivery count: Kafka does not count deliveries, and
-    /// the count this source keeps of its own nacks is lost with the process, so a message that
-    /// kills its consumer is never counted. No delayed nack: a nack seeks back at once. A
-    /// delayed redelivery pauses the partition, and its count is committed with the offset
-    /// (see the crate docs, "Ack semantics").
+    /// Lanes (a message's partition) and delayed redelivery (see the crate docs, "Ack
+    /// semantics"). No delivery count: the count this source keeps of its own nacks is lost
+    /// with the process, so a message that kills its consumer is never counted. No delayed
+    /// nack: a nack seeks back at once.
     fn capabilities(&self) -> Capabilities {
         Capabilities::NONE.with_lanes().with_delayed_redelivery()
     }

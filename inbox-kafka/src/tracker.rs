@@ -358,8 +358,9 @@ impl Tracker {
     /// The committed offset (`committed`, `None` when the group has none) and its `metadata`
     /// of an assigned partition were read (at `now` and `wall` on the two clocks): its marks,
     /// with those this consumer kept from a revoke, count for the records read next, and the
-    /// partition is to be paused until the latest of them is due ([`Resume::At`]). `None` when the partition is no longer
-    /// awaited (revoked since, or restored already): the caller leaves it as it is.
+    /// partition is to be paused until the latest of them is due ([`Resume::At`]). `None` when
+    /// the partition is no longer awaited (revoked since, or restored already): the caller
+    /// leaves it as it is.
     pub fn restore(
         &mut self,
         topic: &str,
