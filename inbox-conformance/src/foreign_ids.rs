@@ -303,18 +303,19 @@ pub async fn foreign_ids<B: TestBroker>(broker: &B, name: &str, convention: Conv
             .await
             .unwrap_or_else(|e| panic!("consumer: {e}"));
         totals.add(&stats);
-        let t = totals;
         // The crashed consumer may have parked the message without an ID already.
-        if ledger_has(&db, 2).await
-            && t.skipped + skipped_before >= skips_wanted
-            && (!dead_wanted || !queue.dead_letters().await.is_empty())
-            && queue.left().await == 0
-        {
+        let credited = ledger_has(&db, 2).await;
+        let skipped = totals.skipped + skipped_before;
+        let parked = !dead_wanted || !queue.dead_letters().await.is_empty();
+        let left = queue.left().await;
+        if credited && skipped >= skips_wanted && parked && left == 0 {
             break;
         }
         assert!(
             start.elapsed() < LIMIT,
-            "not drained within {LIMIT:?}: {totals:?}"
+            "not drained within {LIMIT:?}: {totals:?}; both credits in the ledger: {credited}, \
+             skipped {skipped} of {skips_wanted} (the crashed run {skipped_before}), \
+             dead letter parked: {parked}, left on the broker: {left}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
