@@ -7,14 +7,13 @@
 //!   does not leave running). A
 //!   service already listening at its address is reused and never stopped. Safe to run twice.
 //! - `test`: `services` with the workspace's test build beside the installs, then
-//!   `cargo fmt --check`, then the whole test suite, with `cargo clippy --all-targets -D warnings`
-//!   and `cargo doc` with broken links refused building beside it (in `target/lint`, at the
-//!   lowest CPU priority). Then two lines side by side: the doc tests, the store's suite
-//!   (`inbox-postgres`) again on the partitioned inbox layout (`INBOX_TEST_LAYOUT=partitioned`)
-//!   and one broker's suite with the store behind PgBouncer; and the examples
-//!   (`examples/examples/*.rs`) against the services, the demo on NATS, `promtool check rules`
-//!   and `promtool test rules` on the alert rules (`docs/alerts`) and `cargo package` for every
-//!   library crate.
+//!   `cargo fmt --check`, `cargo clippy --all-targets -D warnings`, `cargo doc` with broken links
+//!   refused, and the whole test suite. Then two lines side by side: the doc tests, the store's
+//!   suite (`inbox-postgres`) again on the partitioned inbox layout
+//!   (`INBOX_TEST_LAYOUT=partitioned`) and one broker's suite with the store behind PgBouncer;
+//!   and the examples (`examples/examples/*.rs`) against the services, the demo on NATS,
+//!   `promtool check rules` and `promtool test rules` on the alert rules (`docs/alerts`) and
+//!   `cargo package` for every library crate.
 //! - `demo`: the services with the evidence tool's build beside the installs, then its wallet demo
 //!   (extra arguments go to it). Where no Kafka broker listens and Tansu is not built yet, the
 //!   demo's Kafka is librdkafka's mock cluster (the `kafka-mock` program), started for the demo
@@ -66,19 +65,27 @@ fn main() -> ExitCode {
 fn test(extra: &[String]) -> Result<(), String> {
     services::up(Some(&["test", "--workspace", "--no-run", "--quiet"]))?;
     cargo(&["fmt", "--all", "--", "--check"])?;
-    // The lints and the API docs are built beside the tests, which mostly wait on servers:
-    // in a target directory of their own, so that neither build waits for the other's lock,
-    // and at the lowest CPU priority, so that the tests' timing does not change.
-    let lints = Line::start("the lints and the API docs", lints);
+    cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
+    // The API docs build without a broken link.
+    cargo_with(
+        &["doc", "--workspace", "--no-deps", "--quiet"],
+        &[("RUSTDOCFLAGS", "-D warnings")],
+        None,
+    )?;
     // nextest runs the test binaries' tests side by side, each in a process of its own
     // (`.config/nextest.toml` says which run alone); the doc tests are cargo's.
-    let tests = services::nextest().and_then(|()| {
-        let mut args = vec!["nextest", "run", "--workspace"];
-        args.extend(extra.iter().map(String::as_str));
-        cargo(&args)?;
-        after_main_pass(extra)
-    });
-    tests.and(lints.finish())
+    services::nextest()?;
+    let mut args = vec!["nextest", "run", "--workspace"];
+    args.extend(extra.iter().map(String::as_str));
+    cargo(&args)?;
+    after_main_pass(extra)
 }
 
 /// The rest, in two lines side by side: the doc tests and the two passes over the store (each
@@ -126,35 +133,6 @@ impl Line {
         let _ = std::fs::remove_file(&self.log);
         result
     }
-}
-
-/// `cargo clippy` with warnings refused, and the API docs built without a broken link, in
-/// `target/lint` and at the lowest CPU priority (`nice -n 19`).
-fn lints(log: &std::fs::File) -> Result<(), String> {
-    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/lint");
-    let target = target.to_str().ok_or("the workspace path is not UTF-8")?;
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let nice = |args: &[&str], env: &[(&str, &str)]| {
-        let mut all = vec!["-n", "19", cargo.as_str()];
-        all.extend(args);
-        run(Path::new("nice"), &all, env, Some(log))
-    };
-    let clippy = [
-        "clippy",
-        "--workspace",
-        "--all-targets",
-        "--",
-        "-D",
-        "warnings",
-    ];
-    nice(&clippy, &[("CARGO_TARGET_DIR", target)])?;
-    nice(
-        &["doc", "--workspace", "--no-deps", "--quiet"],
-        &[
-            ("RUSTDOCFLAGS", "-D warnings"),
-            ("CARGO_TARGET_DIR", target),
-        ],
-    )
 }
 
 /// The examples and the evidence tool as the workspace's test build made them, hard-linked into
