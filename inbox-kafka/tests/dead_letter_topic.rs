@@ -93,8 +93,12 @@ async fn a_missing_dead_letter_topic_is_created_when_allowed_and_receives_the_re
     }
     let topic = topic_with_a_poison_record().await;
     let dlq = format!("{topic}.dlq");
+    // `run_until_idle` stops at the first empty poll. With the suite's 500 ms poll, a group
+    // join slower than that on a loaded machine ended the run before the first record (a CI run
+    // received 0; a 50 ms poll does it every time), so this poll outlasts any join.
     let source = config(&topic, &random("group"))
         .create_dead_letter_topics(true)
+        .poll_timeout(Duration::from_secs(10))
         .connect()
         .await
         .expect("source");
