@@ -4,6 +4,7 @@
 //! [`is_child`]), starts it with [`spawn`], and ends it with `Child::kill()`, which is SIGKILL
 //! on Unix: no destructor, no close, no last commit.
 
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
 /// True inside a process started by [`spawn`].
@@ -26,14 +27,38 @@ pub fn command(test_name: &str, envs: &[(&str, String)]) -> Command {
 /// `--include-ignored`) selects, one thread, as a child ([`is_child`]) with `envs`.
 fn test_binary(test_name: &str, which: &str, envs: &[(&str, String)]) -> Command {
     let exe = std::env::current_exe().unwrap_or_else(|e| panic!("no current exe: {e}"));
+    let test_name = full_name(&exe, test_name);
     let mut command = Command::new(exe);
     command
-        .args(["--exact", test_name, which])
+        .args(["--exact", &test_name, which])
         .args(["--nocapture", "--test-threads=1"])
         .env("INBOX_CHILD", "1")
         .envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
         .stdin(Stdio::null());
     command
+}
+
+/// The harness's name of the one test of `exe` named `test_name`: an adapter's integration tests
+/// are one binary with each file a module, so the test `name` of `f.rs` is `f::name`.
+fn full_name(exe: &Path, test_name: &str) -> String {
+    let listed = Command::new(exe)
+        .args(["--list", "--format", "terse", "--include-ignored"])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot list the tests of {}: {e}", exe.display()));
+    let suffix = format!("::{test_name}");
+    let matching: Vec<&str> = std::str::from_utf8(&listed.stdout)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|line| line.strip_suffix(": test"))
+        .filter(|name| *name == test_name || name.ends_with(&suffix))
+        .collect();
+    match matching[..] {
+        [name] => name.to_owned(),
+        _ => panic!(
+            "{} has {matching:?} for the test `{test_name}`",
+            exe.display()
+        ),
+    }
 }
 
 /// Runs the current test binary again with only the ignored test `test_name`, with `envs`.

@@ -7,7 +7,7 @@
 //! stops dead after its first commit (before the ack), so a redelivered copy comes back too.
 //! Each credit must be applied once, the copies skipped, and the message without the ID
 //! dead-lettered with a reason that names what was missing. An adapter's
-//! `tests/foreign_ids.rs` lists its conventions with [`foreign_ids_suite!`](crate::foreign_ids_suite).
+//! `tests/it/foreign_ids.rs` lists its conventions with [`foreign_ids_suite!`](crate::foreign_ids_suite).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -330,7 +330,7 @@ impl TestQueue for Topic {
     async fn restartable(&self) -> Result<Restartable<Topic>, String> {
         Err(
             "the Tansu built here keeps topics in memory only, so a restart would lose them \
-             (inbox-kafka's tests/mock_cluster.rs restarts librdkafka's mock brokers)"
+             (inbox-kafka's tests/it/mock_cluster.rs restarts librdkafka's mock brokers)"
                 .into(),
         )
     }

@@ -32,7 +32,7 @@
 //! `redis::Redis` (`redis`) and `nats::Nats` (`nats`), each with the suite's settings (Kafka's and RabbitMQ's as their
 //! `Default`); a tool that runs them longer or harder sets Kafka's partitions and timeouts and
 //! RabbitMQ's delivery limit. An
-//! adapter's `tests/conformance.rs` is then one line, with the feature on in its dev-dependency
+//! adapter's conformance test file is then one line, with the feature on in its dev-dependency
 //! on `inbox-conformance`:
 //!
 //! ```ignore

@@ -192,7 +192,7 @@ impl TestQueue for Queue {
         if !self.broker.restarts {
             return Err(
                 "restarting the shared broker would fail every scenario running beside \
-                        it; inbox-rabbitmq's tests/broker_restart.rs runs this one alone"
+                        it; inbox-rabbitmq's tests/it/broker_restart.rs runs this one alone"
                     .into(),
             );
         }

@@ -230,7 +230,7 @@ fn store_passes(extra: &[String]) -> Result<(), String> {
         "pooler",
         "--workspace",
         "-E",
-        "package(inbox-redis-streams) & binary(conformance)",
+        "package(inbox-redis-streams) & test(/^conformance::/)",
     ];
     args.extend(extra.iter().map(String::as_str));
     cargo_with(&args, &[("INBOX_TEST_POOLER_URL", pooler.as_str())], None)

@@ -357,7 +357,7 @@ fn postgres() -> Result {
 }
 
 /// PgBouncer in transaction mode in front of the test PostgreSQL (`INBOX_PGBOUNCER_URL`), for
-/// `inbox-postgres/tests/pgbouncer.rs`: Debian's, with a configuration of its own (in
+/// `inbox-postgres/tests/it/pgbouncer.rs`: Debian's, with a configuration of its own (in
 /// `<temp>/inbox-pgbouncer`) that signs in with `DATABASE_URL`'s credentials and passes sqlx's
 /// `extra_float_digits` startup parameter over.
 fn pgbouncer() -> Result {

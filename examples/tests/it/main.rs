@@ -1,0 +1,5 @@
+//! The crate's integration tests in one binary, a module per file: one link instead of one per
+//! file (nextest still runs each test in a process of its own).
+
+mod dashboards;
+mod observability;
