@@ -118,7 +118,7 @@
 //!   sees them: those messages are redelivered once the broker drops the connection, and the
 //!   inbox skips them. A reconnect that reaches a broker that never answers gives up after
 //!   [`RabbitConnection::operation_timeout`] ([`Error::ConnectTimeout`]) and is tried again.
-//!   The conformance suite's network-fault scenarios and `tests/broker_restart.rs` black-hole,
+//!   The conformance suite's network-fault scenarios and `tests/it/broker_restart.rs` black-hole,
 //!   cut, refuse and restart the broker mid-stream and check that every event is applied once.
 //! - **Nack** (the core hands a message back after a store error) is a delayed requeue: a
 //!   spawned task waits `retry_after`, then sends `basic.nack` with `requeue = true`. The waiting
@@ -136,7 +136,7 @@
 //!   before RabbitMQ 4.3: a `basic.nack` or `basic.reject` with `requeue`, and equally a channel
 //!   or connection that closed with the delivery unacked (a crash, a lost network, the broker's
 //!   `consumer_timeout`, 30 minutes by default, on a delivery held that long). The local test
-//!   broker (3.10.8) does exactly this: see `tests/delivery_count.rs`. RabbitMQ 4.3 counts only
+//!   broker (3.10.8) does exactly this: see `tests/it/delivery_count.rs`. RabbitMQ 4.3 counts only
 //!   failed deliveries: `basic.reject` with `requeue` still counts, `basic.nack` with `requeue`
 //!   no longer does (rabbitmq-server #15387; not checked here, the local broker being older).
 //!   So this adapter hands back with `basic.nack`, once per hand-back, never `basic.reject`, and
@@ -156,7 +156,7 @@
 //! a managed broker's) is trusted with [`RabbitConnection::ca_certificates`], which reaches the
 //! source, the producer and the dead-letter reader built from that connection. A certificate
 //! from another CA or for another host name is refused at connect with an error that says so (`invalid peer certificate: UnknownIssuer`, `certificate not valid for
-//! name …`); `tests/tls.rs` shows each on a TLS-only node of its own.
+//! name …`); `tests/it/tls.rs` shows each on a TLS-only node of its own.
 
 mod ack;
 mod config;
