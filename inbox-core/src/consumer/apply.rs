@@ -3,16 +3,13 @@
 
 use std::collections::HashSet;
 use std::ops::Range;
-use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
-use futures_util::FutureExt;
 use tracing::{debug, info, info_span, warn, Instrument};
 
-use super::common::{Common, MAX_ERROR_BACKOFF};
+use super::common::{failure_reason, guarded, Common};
 use super::stop::Stop;
 use super::{Order, Processed};
-use crate::error::backoff;
 use crate::stats::Counter;
 use crate::telemetry::{self, process_span, seconds_since};
 use crate::{
@@ -415,13 +412,10 @@ where
                         return Err(Error::Store(e));
                     }
                     Recovery::Reconnect => {
-                        self.common.count(Counter::Error, 1);
-                        self.common.health.failing();
-                        outages += 1;
+                        let wait = self.common.outage(&mut outages);
                         holding.get_or_insert_with(|| {
                             self.common.holding(self.shard_of_work(&work[lo]))
                         });
-                        let wait = backoff(self.common.error_backoff, MAX_ERROR_BACKOFF, outages);
                         warn!(consumer = %self.common.name, error = %e, messages = hi - lo, ?wait, "inbox store unreachable; holding the messages until it is back");
                         pieces.push(piece);
                         if stop.pause(wait).await {
@@ -587,34 +581,20 @@ where
         batch: &[BatchItem<'_, H::Item>],
     ) -> Result<(), HandlerError> {
         let span = info_span!("inbox.batch", consumer = %self.common.name, messages = batch.len());
-        let call = AssertUnwindSafe(self.handler.handle_batch(tx, batch))
-            .catch_unwind()
-            .instrument(span);
+        let call = self.handler.handle_batch(tx, batch).instrument(span);
         let started = Instant::now();
-        let called = match self.handler_timeout {
-            Some(limit) => match tokio::time::timeout(limit, call).await {
-                Ok(called) => called,
-                Err(_) => {
-                    self.common.metrics.handler.record(seconds_since(started));
-                    return Err(HandlerError::transient(format!(
-                        "the handler did not return within the handler timeout of {limit:?}"
-                    )));
-                }
-            },
-            None => call.await,
-        };
+        let limit = self.handler_timeout.unwrap_or_default();
+        let deadline = self
+            .handler_timeout
+            .map(|l| tokio::time::Instant::now() + l);
+        let called = guarded("handler", deadline, call, || {
+            HandlerError::transient(format!(
+                "the handler did not return within the handler timeout of {limit:?}"
+            ))
+        })
+        .await;
         self.common.metrics.handler.record(seconds_since(started));
-        match called {
-            Ok(result) => result,
-            Err(panic) => {
-                let text = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "non-text panic payload".to_owned());
-                Err(HandlerError::transient(format!("handler panicked: {text}")))
-            }
-        }
+        called
     }
 
     /// A message whose handler (or decoding) failed inside a batch or alone: retried on its own.
@@ -631,32 +611,22 @@ where
         let mut attempt = 1;
         loop {
             if error.failure() == Failure::Permanent || attempt >= self.common.retry.max_attempts {
-                return match error.failure() {
-                    Failure::Permanent if error.source().is::<RefusedByStore>() => {
-                        self.common
-                            .dead_letter(Some(&id), delivery, error.to_string())
-                            .await
-                    }
-                    Failure::Permanent => {
-                        let reason = format!("handler refused the message: {error}");
-                        self.common.dead_letter(Some(&id), delivery, reason).await
-                    }
-                    _ => {
-                        let reason =
-                            format!("handler failed {attempt} time(s), last error: {error}");
-                        self.common
-                            .redeliver_or_dead_letter(&id, delivery, reason)
-                            .await
-                    }
+                let reason = if error.source().is::<RefusedByStore>() {
+                    error.to_string()
+                } else {
+                    failure_reason(&error, attempt)
+                };
+                return if error.failure() == Failure::Permanent {
+                    self.common.dead_letter(Some(&id), delivery, reason).await
+                } else {
+                    self.common
+                        .redeliver_or_dead_letter(&id, delivery, reason)
+                        .await
                 };
             }
             warn!(consumer = %self.common.name, message_id = %id.as_str().escape_debug(), attempt, error = %error, "handler failed; retrying");
             self.common.count(Counter::Retried, 1);
-            let r = &self.common.retry;
-            if stop
-                .pause(backoff(r.initial_backoff, r.max_backoff, attempt))
-                .await
-            {
+            if stop.pause(self.common.retry.wait(attempt)).await {
                 self.common.hand_back(vec![delivery.ack]).await;
                 return Ok(false);
             }

@@ -3,9 +3,12 @@
 //! ways a message is settled: acked, handed back, or dead-lettered.
 
 use std::collections::BTreeMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt;
 use tracing::{debug, info, warn, Instrument};
 
 use super::RetryPolicy;
@@ -13,8 +16,8 @@ use crate::error::backoff;
 use crate::stats::Counter;
 use crate::telemetry::{self, dead_letter_span, seconds_since, ConsumerMetrics, SpanNames};
 use crate::{
-    Ack, Delivery, Error, Health, MessageId, Recovery, Result, SourceError, Stage, StageHook,
-    Stats, Transaction,
+    Ack, Delivery, Error, Failure, HandlerError, Health, MessageId, Recovery, Result, SourceError,
+    Stage, StageHook, Stats, Transaction,
 };
 
 /// The longest wait between tries after a broker or store error.
@@ -192,6 +195,15 @@ impl Common {
         }
     }
 
+    /// One more failed try while the store is unreachable ([`Recovery::Reconnect`]): counted,
+    /// health set failing, and the wait before the next try, doubling with `outages`.
+    pub(crate) fn outage(&self, outages: &mut u32) -> Duration {
+        self.count(Counter::Error, 1);
+        self.health.failing();
+        *outages += 1;
+        backoff(self.error_backoff, MAX_ERROR_BACKOFF, *outages)
+    }
+
     /// How long to wait before receiving again after `e`, or the error that stops the consumer.
     pub(crate) fn source_failed(&self, e: SourceError, failures: u32) -> Result<Duration> {
         self.count(Counter::Error, 1);
@@ -271,6 +283,42 @@ impl Drop for Holding<'_> {
         }
         drop(outages);
         self.common.outage_changed.notify_one();
+    }
+}
+
+/// Runs handler code (`what` in the error), a panic counting as a transient failure, and past
+/// `deadline` dropped with the error `overrun` makes.
+pub(crate) async fn guarded<T>(
+    what: &str,
+    deadline: Option<tokio::time::Instant>,
+    work: impl Future<Output = Result<T, HandlerError>>,
+    overrun: impl FnOnce() -> HandlerError,
+) -> Result<T, HandlerError> {
+    let work = AssertUnwindSafe(work).catch_unwind();
+    let caught = match deadline {
+        Some(deadline) => match tokio::time::timeout_at(deadline, work).await {
+            Ok(caught) => caught,
+            Err(_) => return Err(overrun()),
+        },
+        None => work.await,
+    };
+    caught.unwrap_or_else(|panic| {
+        let text = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "non-text panic payload".to_owned());
+        Err(HandlerError::transient(format!("{what} panicked: {text}")))
+    })
+}
+
+/// The dead-letter reason of a message whose handler refused it for good, or failed `attempts`
+/// times.
+pub(crate) fn failure_reason(error: &HandlerError, attempts: u32) -> String {
+    if error.failure() == Failure::Permanent {
+        format!("handler refused the message: {error}")
+    } else {
+        format!("handler failed {attempts} time(s), last error: {error}")
     }
 }
 

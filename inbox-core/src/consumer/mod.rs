@@ -128,6 +128,11 @@ impl RetryPolicy {
         let spread = self.jitter_fraction() * (2.0 * draw - 1.0);
         Some(base.mul_f64(1.0 + spread))
     }
+
+    /// The wait before in-process attempt `attempt + 1`.
+    pub(crate) fn wait(&self, attempt: u32) -> Duration {
+        crate::backoff(self.initial_backoff, self.max_backoff, attempt)
+    }
 }
 
 impl Default for RetryPolicy {

@@ -2,11 +2,9 @@
 //! call, mark done, ack, or hand back or dead-letter.
 
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use futures_util::FutureExt;
 use tokio::time::Instant;
 use tracing::field::{display, Empty};
 use tracing::{debug, info, info_span, warn, Instrument, Span};
@@ -15,10 +13,9 @@ use super::{
     escaped, is_not_applied, Acquired, Attempt, Effect, EffectHandler, Landed, LeaseStore,
     OnUnknown, Release, Settled, DEFAULT_LEASE,
 };
-use crate::consumer::common::{Common, MAX_ERROR_BACKOFF};
+use crate::consumer::common::{failure_reason, guarded, Common};
 use crate::consumer::stop::Stop;
 use crate::consumer::{Processed, Step};
-use crate::error::backoff;
 use crate::stats::Counter;
 use crate::{
     Ack, Capabilities, Delivery, Error, Failure, HandlerError, Message, MessageId, Recent,
@@ -187,10 +184,7 @@ where
                     return Err(Error::Store(e));
                 }
                 Err(e) => {
-                    self.count(Counter::Error);
-                    self.common.health.failing();
-                    outages += 1;
-                    let wait = backoff(self.common.error_backoff, MAX_ERROR_BACKOFF, outages);
+                    let wait = self.common.outage(&mut outages);
                     warn!(error = %e, ?wait, "lease store failed; holding the message and trying again");
                     if stop.pause(wait).await {
                         outcome("handed_back");
@@ -334,22 +328,13 @@ where
         effect: &Effect,
         work: impl Future<Output = Result<T, HandlerError>>,
     ) -> Result<T, HandlerError> {
-        let work = AssertUnwindSafe(work).catch_unwind();
-        match tokio::time::timeout_at(effect.ends(), work).await {
-            Ok(Ok(result)) => result,
-            Ok(Err(panic)) => {
-                let text = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "non-text panic payload".to_owned());
-                Err(HandlerError::transient(format!("handler panicked: {text}")))
-            }
-            Err(_) => Err(HandlerError::transient(format!(
+        guarded("handler", Some(effect.ends()), work, || {
+            HandlerError::transient(format!(
                 "still running when its lease of {:?} ran out; dropped, outcome unknown",
                 self.lease
-            ))),
-        }
+            ))
+        })
+        .await
     }
 
     /// A call (`called`) or a status lookup that failed: retried through the broker, or
@@ -366,22 +351,14 @@ where
         // that fails says nothing about the earlier call.
         let not_applied = called && (permanent || is_not_applied(&error));
         if permanent || effect.attempts() >= self.common.retry.max_attempts {
-            let reason = if permanent {
-                format!("handler refused the message: {error}")
-            } else {
-                format!(
-                    "handler failed {} time(s), last error: {error}",
-                    effect.attempts()
-                )
-            };
+            let reason = failure_reason(&error, effect.attempts());
             return self
                 .dead_letter_leased(&effect, delivery, reason, not_applied)
                 .await;
         }
         self.count(Counter::Retried);
         outcome("retried");
-        let r = &self.common.retry;
-        let wait = backoff(r.initial_backoff, r.max_backoff, effect.attempts());
+        let wait = self.common.retry.wait(effect.attempts());
         warn!(attempt = effect.attempts(), error = %error, not_applied, ?wait, "call failed; handed back for a retry");
         self.release(
             &effect,
@@ -432,10 +409,7 @@ where
                     return Err(Error::Store(e));
                 }
                 Err(DoneFailure::Store(e)) if e.recovery() == Recovery::Reconnect => {
-                    self.count(Counter::Error);
-                    self.common.health.failing();
-                    outages += 1;
-                    let wait = backoff(self.common.error_backoff, MAX_ERROR_BACKOFF, outages);
+                    let wait = self.common.outage(&mut outages);
                     warn!(error = %e, ?wait, "lease store unreachable; holding the message until it is back");
                     wait
                 }
@@ -461,8 +435,7 @@ where
                         // the message, asking first whether this attempt's call landed.
                         self.count(Counter::Retried);
                         outcome("retried");
-                        let r = &self.common.retry;
-                        let wait = backoff(r.initial_backoff, r.max_backoff, effect.attempts());
+                        let wait = self.common.retry.wait(effect.attempts());
                         warn!(error = %error, ?wait, "the done mark did not commit within the lease; handed back for the next lease to settle");
                         self.release(&effect, Release::unknown()).await;
                         self.hand_back_for(effect.id(), delivery.ack, wait).await;
@@ -470,8 +443,7 @@ where
                     }
                     self.count(Counter::Retried);
                     warn!(error = %error, tries, "done transaction failed; trying it again");
-                    let r = &self.common.retry;
-                    backoff(r.initial_backoff, r.max_backoff, tries)
+                    self.common.retry.wait(tries)
                 }
             };
             if stop.pause(wait).await {
@@ -529,17 +501,13 @@ where
         // Bounded by the lease: past it, the open transaction would keep the row from the
         // next lease, and the consumer from its next message.
         let record = self.handler.record(&mut tx, effect, settled, message);
-        let recorded =
-            match tokio::time::timeout_at(effect.ends(), AssertUnwindSafe(record).catch_unwind())
-                .await
-            {
-                Ok(Ok(result)) => result,
-                Ok(Err(_)) => Err(HandlerError::transient("record panicked")),
-                Err(_) => Err(HandlerError::transient(format!(
-                    "record was still running when the lease of {:?} ran out; dropped",
-                    self.lease
-                ))),
-            };
+        let recorded = guarded("record", Some(effect.ends()), record, || {
+            HandlerError::transient(format!(
+                "record was still running when the lease of {:?} ran out; dropped",
+                self.lease
+            ))
+        })
+        .await;
         if let Err(e) = recorded {
             self.common.rollback(tx).await;
             return Err(DoneFailure::Handler(e));
