@@ -369,23 +369,12 @@ fn cloud_events(message: &dyn IdCarrier, identity: CloudEventsIdentity) -> Found
         if message.header(&id_name).is_none() {
             continue;
         }
-        let id = match header(message, &id_name, |v| v) {
-            Found::Id(id) => id,
-            other => return other,
-        };
-        return match identity {
-            CloudEventsIdentity::Id => Found::Id(id),
-            CloudEventsIdentity::SourceAndId => {
-                match header(message, &format!("{prefix}source"), |v| v) {
-                    Found::Id(source) => combine(
-                        &format!("{} {prefix}source and {id_name}", binding.header),
-                        source.as_str(),
-                        id.as_str(),
-                    ),
-                    other => other,
-                }
-            }
-        };
+        return identify(
+            identity,
+            header(message, &id_name, |v| v),
+            || header(message, &format!("{prefix}source"), |v| v),
+            &format!("{} {prefix}source and {id_name}", binding.header),
+        );
     }
     // Structured content mode: the event is the JSON body.
     let structured = serde_json::from_slice::<serde_json::Value>(message.payload())
@@ -406,23 +395,33 @@ fn cloud_events(message: &dyn IdCarrier, identity: CloudEventsIdentity) -> Found
             "CloudEvents id ({binary}a structured-mode JSON event with specversion and id)"
         ));
     };
-    let id = match json_value("CloudEvents id of the structured event", event.get("id")) {
-        Found::Id(id) => id,
-        other => return other,
-    };
-    match identity {
-        CloudEventsIdentity::Id => Found::Id(id),
-        CloudEventsIdentity::SourceAndId => match json_value(
-            "CloudEvents source of the structured event",
-            event.get("source"),
-        ) {
-            Found::Id(source) => combine(
-                "CloudEvents source and id of the structured event",
-                source.as_str(),
-                id.as_str(),
-            ),
+    identify(
+        identity,
+        json_value("CloudEvents id of the structured event", event.get("id")),
+        || {
+            json_value(
+                "CloudEvents source of the structured event",
+                event.get("source"),
+            )
+        },
+        "CloudEvents source and id of the structured event",
+    )
+}
+
+/// The event's `id`, or with [`CloudEventsIdentity::SourceAndId`] its `source` and `id`
+/// together (named `field`), or what was wrong with either.
+fn identify(
+    identity: CloudEventsIdentity,
+    id: Found,
+    source: impl FnOnce() -> Found,
+    field: &str,
+) -> Found {
+    match (id, identity) {
+        (Found::Id(id), CloudEventsIdentity::SourceAndId) => match source() {
+            Found::Id(source) => combine(field, source.as_str(), id.as_str()),
             other => other,
         },
+        (id, _) => id,
     }
 }
 
@@ -455,25 +454,8 @@ mod tests {
         binding: Binding,
         headers: Vec<(&'static str, &'static str)>,
         property: Option<&'static str>,
+        position: Option<&'static str>,
         payload: &'static str,
-    }
-
-    /// A Kafka record at offset 15 of partition 2 of `orders`.
-    struct AtPosition(Msg);
-
-    impl IdCarrier for AtPosition {
-        fn binding(&self) -> &Binding {
-            self.0.binding()
-        }
-        fn header(&self, name: &str) -> Option<Result<Cow<'_, [u8]>, String>> {
-            self.0.header(name)
-        }
-        fn position(&self) -> Option<Cow<'_, str>> {
-            Some(Cow::Borrowed("orders/2/15"))
-        }
-        fn payload(&self) -> &[u8] {
-            self.0.payload()
-        }
     }
 
     impl IdCarrier for Msg {
@@ -489,6 +471,9 @@ mod tests {
         fn property(&self) -> Option<Cow<'_, [u8]>> {
             self.property.map(|p| Cow::Borrowed(p.as_bytes()))
         }
+        fn position(&self) -> Option<Cow<'_, str>> {
+            self.position.map(Cow::Borrowed)
+        }
         fn payload(&self) -> &[u8] {
             self.payload.as_bytes()
         }
@@ -499,6 +484,7 @@ mod tests {
             binding: KAFKA,
             headers,
             property: None,
+            position: None,
             payload,
         }
     }
@@ -526,13 +512,16 @@ mod tests {
 
     #[test]
     fn a_position_where_the_broker_has_one_and_a_refusal_where_not() {
-        let at = AtPosition(kafka(vec![], "{}"));
-        assert_eq!(IdFrom::Position.read(&at).unwrap().as_str(), "orders/2/15");
+        // A Kafka record at offset 15 of partition 2 of `orders`.
+        let at = |headers| Msg {
+            position: Some("orders/2/15"),
+            ..kafka(headers, "{}")
+        };
+        assert_eq!(id(&IdFrom::Position, &at(vec![])), "orders/2/15");
         // A header first, the position for records without one.
         let either = IdFrom::header("event_id").or(IdFrom::Position);
-        assert_eq!(either.read(&at).unwrap().as_str(), "orders/2/15");
-        let with_id = AtPosition(kafka(vec![("event_id", "e1")], "{}"));
-        assert_eq!(either.read(&with_id).unwrap().as_str(), "e1");
+        assert_eq!(id(&either, &at(vec![])), "orders/2/15");
+        assert_eq!(id(&either, &at(vec![("event_id", "e1")])), "e1");
         assert!(IdFrom::Position.check(&KAFKA).is_ok());
         let refused = IdFrom::Position.check(&AMQP).unwrap_err();
         assert!(
@@ -584,9 +573,7 @@ mod tests {
         );
         let amqp = Msg {
             binding: AMQP,
-            headers: vec![("cloudEvents:id", "9")],
-            property: None,
-            payload: "",
+            ..kafka(vec![("cloudEvents:id", "9")], "")
         };
         assert_eq!(id(&ce, &amqp), "9");
     }
@@ -608,9 +595,8 @@ mod tests {
     fn properties_fallbacks_and_checks() {
         let m = Msg {
             binding: AMQP,
-            headers: vec![],
             property: Some("p-1"),
-            payload: "",
+            ..kafka(vec![], "")
         };
         assert_eq!(id(&IdFrom::MessageIdProperty, &m), "p-1");
         let either = IdFrom::header("event_id").or(IdFrom::MessageIdProperty);
