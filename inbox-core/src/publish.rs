@@ -148,25 +148,22 @@ pub trait Publish: Send + Sync {
     }
 }
 
-impl<P: Publish + ?Sized> Publish for Arc<P> {
-    async fn send_batch(
-        &self,
-        destination: &str,
-        messages: &[OutgoingMessage],
-    ) -> Result<(), PublishError> {
-        (**self).send_batch(destination, messages).await
-    }
+/// `Arc<P>` and `Box<P>` publish through `P`.
+macro_rules! forward_publish {
+    ($($pointer:ident),+) => {$(
+        impl<P: Publish + ?Sized> Publish for $pointer<P> {
+            async fn send_batch(
+                &self,
+                destination: &str,
+                messages: &[OutgoingMessage],
+            ) -> Result<(), PublishError> {
+                (**self).send_batch(destination, messages).await
+            }
+        }
+    )+};
 }
 
-impl<P: Publish + ?Sized> Publish for Box<P> {
-    async fn send_batch(
-        &self,
-        destination: &str,
-        messages: &[OutgoingMessage],
-    ) -> Result<(), PublishError> {
-        (**self).send_batch(destination, messages).await
-    }
-}
+forward_publish!(Arc, Box);
 
 /// [`Publish`] as a trait object, for publishers of different types behind one type:
 /// `Box<dyn DynPublish>`, `Arc<dyn DynPublish>` (as [`Destinations`] keeps its routes).
@@ -300,14 +297,19 @@ impl Destinations {
         self.routes.insert(destination.into(), Box::new(publisher));
         self
     }
+
+    /// The routed destinations, sorted.
+    fn routed(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.routes.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
+    }
 }
 
 impl fmt::Debug for Destinations {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut names: Vec<&str> = self.routes.keys().map(String::as_str).collect();
-        names.sort_unstable();
         f.debug_struct("Destinations")
-            .field("routes", &names)
+            .field("routes", &self.routed())
             .finish()
     }
 }
@@ -320,19 +322,15 @@ impl Publish for Destinations {
     ) -> Result<(), PublishError> {
         match self.routes.get(destination) {
             Some(publisher) => publisher.dyn_send_batch(destination, messages).await,
-            None => {
-                let mut known: Vec<&str> = self.routes.keys().map(String::as_str).collect();
-                known.sort_unstable();
-                Err(PublishError::new(
-                    Recovery::Fatal,
-                    format!("publishing to `{destination}`"),
-                    format!(
-                        "no publisher is routed for destination `{destination}` (routed: {}); \
-                         add one with Destinations::route",
-                        known.join(", ")
-                    ),
-                ))
-            }
+            None => Err(PublishError::new(
+                Recovery::Fatal,
+                format!("publishing to `{destination}`"),
+                format!(
+                    "no publisher is routed for destination `{destination}` (routed: {}); \
+                     add one with Destinations::route",
+                    self.routed().join(", ")
+                ),
+            )),
         }
     }
 }
@@ -342,25 +340,33 @@ mod tests {
     use super::*;
     use std::sync::Mutex;
 
+    /// Keeps what it is sent, with the destination.
     #[derive(Default)]
-    struct Recorder(Mutex<Vec<(String, usize)>>);
+    struct Keeper(Mutex<Vec<(String, OutgoingMessage)>>);
 
-    impl Publish for Recorder {
+    impl Keeper {
+        fn destinations(&self) -> Vec<String> {
+            let kept = self.0.lock().unwrap();
+            kept.iter().map(|(d, _)| d.clone()).collect()
+        }
+    }
+
+    impl Publish for Keeper {
         async fn send_batch(
             &self,
             destination: &str,
             messages: &[OutgoingMessage],
         ) -> Result<(), PublishError> {
-            let mut seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
-            seen.push((destination.to_owned(), messages.len()));
+            let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            kept.extend(messages.iter().map(|m| (destination.to_owned(), m.clone())));
             Ok(())
         }
     }
 
     #[tokio::test]
     async fn destinations_route_by_name_and_refuse_unknown_ones() {
-        let orders = Arc::new(Recorder::default());
-        let payments = Arc::new(Recorder::default());
+        let orders = Arc::new(Keeper::default());
+        let payments = Arc::new(Keeper::default());
         let publisher = Destinations::new()
             .route("orders", Arc::clone(&orders))
             .route("payments", Arc::clone(&payments));
@@ -370,8 +376,8 @@ mod tests {
         ];
         publisher.send_batch("orders", &batch).await.unwrap();
         publisher.send_batch("payments", &batch[..1]).await.unwrap();
-        assert_eq!(*orders.0.lock().unwrap(), [("orders".to_owned(), 2)]);
-        assert_eq!(*payments.0.lock().unwrap(), [("payments".to_owned(), 1)]);
+        assert_eq!(orders.destinations(), ["orders", "orders"]);
+        assert_eq!(payments.destinations(), ["payments"]);
 
         let e = publisher.send_batch("refunds", &batch).await.unwrap_err();
         assert_eq!(e.recovery(), Recovery::Fatal);
@@ -382,21 +388,6 @@ mod tests {
         );
     }
 
-    #[derive(Default)]
-    struct Keeper(Mutex<Vec<OutgoingMessage>>);
-
-    impl Publish for Keeper {
-        async fn send_batch(
-            &self,
-            _destination: &str,
-            messages: &[OutgoingMessage],
-        ) -> Result<(), PublishError> {
-            let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
-            kept.extend_from_slice(messages);
-            Ok(())
-        }
-    }
-
     #[tokio::test]
     async fn send_generates_a_fresh_id_and_send_with_id_keeps_the_given_one() {
         let keeper = Keeper::default();
@@ -405,9 +396,9 @@ mod tests {
         assert_ne!(first, second);
         keeper.send_with_id("orders", &first, b"a").await.unwrap();
         let kept = keeper.0.lock().unwrap();
-        let ids: Vec<&MessageId> = kept.iter().map(|m| &m.id).collect();
+        let ids: Vec<&MessageId> = kept.iter().map(|(_, m)| &m.id).collect();
         assert_eq!(ids, [&first, &second, &first]);
-        assert_eq!(kept[1].payload, b"b");
+        assert_eq!(kept[1].1.payload, b"b");
         assert!(uuid_v7(first.as_str()), "{first} is not a UUIDv7");
     }
 
