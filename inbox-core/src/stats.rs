@@ -2,23 +2,64 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// What a consumer has done so far. Cheap to read at any time through
-/// [`Consumer::stats`](crate::Consumer::stats).
-#[derive(Debug, Default)]
-pub struct Stats {
-    received: AtomicU64,
-    applied: AtomicU64,
-    skipped_duplicates: AtomicU64,
-    retried: AtomicU64,
-    redelivered: AtomicU64,
-    dead_lettered: AtomicU64,
-    ack_failures: AtomicU64,
-    commits: AtomicU64,
-    errors: AtomicU64,
-    confirmed: AtomicU64,
-    skipped_unknown: AtomicU64,
-    busy: AtomicU64,
-    fenced: AtomicU64,
+/// Writes the counter list out once: [`Stats`]' cells, the [`Counter`] that names each, its
+/// metric, and the snapshot's field it is read into.
+macro_rules! counters {
+    ($($counter:ident => $field:ident, $metric:ident;)+) => {
+        /// What a consumer has done so far. Cheap to read at any time through
+        /// [`Consumer::stats`](crate::Consumer::stats).
+        #[derive(Debug, Default)]
+        pub struct Stats {
+            $($field: AtomicU64,)+
+        }
+
+        #[derive(Debug, Clone, Copy)]
+        pub(crate) enum Counter {
+            $($counter,)+
+        }
+
+        impl Counter {
+            /// Every counter.
+            const ALL: &[Counter] = &[$(Counter::$counter,)+];
+
+            fn metric_name(self) -> &'static str {
+                match self {
+                    $(Counter::$counter => crate::telemetry::$metric,)+
+                }
+            }
+        }
+
+        impl Stats {
+            fn cell(&self, counter: Counter) -> &AtomicU64 {
+                match counter {
+                    $(Counter::$counter => &self.$field,)+
+                }
+            }
+
+            /// Reads every counter.
+            pub fn snapshot(&self) -> StatsSnapshot {
+                StatsSnapshot {
+                    $($field: self.$field.load(Ordering::Relaxed),)+
+                }
+            }
+        }
+    };
+}
+
+counters! {
+    Received => received, MESSAGES_RECEIVED;
+    Applied => applied, MESSAGES_APPLIED;
+    SkippedDuplicate => skipped_duplicates, DUPLICATES_SKIPPED;
+    Retried => retried, RETRIES;
+    Redelivered => redelivered, REDELIVERED;
+    DeadLettered => dead_lettered, DEAD_LETTERED;
+    AckFailure => ack_failures, ACK_FAILURES;
+    Commit => commits, COMMITS;
+    Error => errors, ERRORS;
+    Confirmed => confirmed, EFFECTS_CONFIRMED;
+    SkippedUnknown => skipped_unknown, EFFECTS_SKIPPED_UNKNOWN;
+    Busy => busy, EFFECTS_BUSY;
+    Fenced => fenced, EFFECTS_FENCED;
 }
 
 /// A copy of [`Stats`] at one moment.
@@ -59,66 +100,13 @@ pub struct StatsSnapshot {
     pub fenced: u64,
 }
 
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Counter {
-    Received,
-    Applied,
-    SkippedDuplicate,
-    Retried,
-    Redelivered,
-    DeadLettered,
-    AckFailure,
-    Commit,
-    Error,
-    Confirmed,
-    SkippedUnknown,
-    Busy,
-    Fenced,
-}
-
 impl Counter {
-    /// Every counter.
-    const ALL: [Counter; 13] = [
-        Counter::Received,
-        Counter::Applied,
-        Counter::SkippedDuplicate,
-        Counter::Retried,
-        Counter::Redelivered,
-        Counter::DeadLettered,
-        Counter::AckFailure,
-        Counter::Commit,
-        Counter::Error,
-        Counter::Confirmed,
-        Counter::SkippedUnknown,
-        Counter::Busy,
-        Counter::Fenced,
-    ];
-
     /// Registers every counter of `consumer` at 0, so a series exists before its first event
     /// and a rate or an increase over it sees that event.
     pub(crate) fn register_all(consumer: &str) {
         for counter in Self::ALL {
             metrics::counter!(counter.metric_name(), "consumer" => consumer.to_owned())
                 .increment(0);
-        }
-    }
-
-    fn metric_name(self) -> &'static str {
-        use crate::telemetry as t;
-        match self {
-            Counter::Received => t::MESSAGES_RECEIVED,
-            Counter::Applied => t::MESSAGES_APPLIED,
-            Counter::SkippedDuplicate => t::DUPLICATES_SKIPPED,
-            Counter::Retried => t::RETRIES,
-            Counter::Redelivered => t::REDELIVERED,
-            Counter::DeadLettered => t::DEAD_LETTERED,
-            Counter::AckFailure => t::ACK_FAILURES,
-            Counter::Commit => t::COMMITS,
-            Counter::Error => t::ERRORS,
-            Counter::Confirmed => t::EFFECTS_CONFIRMED,
-            Counter::SkippedUnknown => t::EFFECTS_SKIPPED_UNKNOWN,
-            Counter::Busy => t::EFFECTS_BUSY,
-            Counter::Fenced => t::EFFECTS_FENCED,
         }
     }
 }
@@ -128,42 +116,7 @@ impl Stats {
         if n == 0 {
             return;
         }
-        let cell = match counter {
-            Counter::Received => &self.received,
-            Counter::Applied => &self.applied,
-            Counter::SkippedDuplicate => &self.skipped_duplicates,
-            Counter::Retried => &self.retried,
-            Counter::Redelivered => &self.redelivered,
-            Counter::DeadLettered => &self.dead_lettered,
-            Counter::AckFailure => &self.ack_failures,
-            Counter::Commit => &self.commits,
-            Counter::Error => &self.errors,
-            Counter::Confirmed => &self.confirmed,
-            Counter::SkippedUnknown => &self.skipped_unknown,
-            Counter::Busy => &self.busy,
-            Counter::Fenced => &self.fenced,
-        };
-        cell.fetch_add(n, Ordering::Relaxed);
+        self.cell(counter).fetch_add(n, Ordering::Relaxed);
         metrics::counter!(counter.metric_name(), "consumer" => consumer.to_owned()).increment(n);
-    }
-
-    /// Reads every counter.
-    pub fn snapshot(&self) -> StatsSnapshot {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        StatsSnapshot {
-            received: get(&self.received),
-            applied: get(&self.applied),
-            skipped_duplicates: get(&self.skipped_duplicates),
-            retried: get(&self.retried),
-            redelivered: get(&self.redelivered),
-            dead_lettered: get(&self.dead_lettered),
-            ack_failures: get(&self.ack_failures),
-            commits: get(&self.commits),
-            errors: get(&self.errors),
-            confirmed: get(&self.confirmed),
-            skipped_unknown: get(&self.skipped_unknown),
-            busy: get(&self.busy),
-            fenced: get(&self.fenced),
-        }
     }
 }
