@@ -3,7 +3,9 @@
 
 use std::collections::HashSet;
 use std::ops::Range;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use tracing::{debug, info, info_span, warn, Instrument};
 
@@ -11,7 +13,7 @@ use super::common::{failure_reason, guarded, Common};
 use super::stop::Stop;
 use super::{Order, Processed};
 use crate::stats::Counter;
-use crate::telemetry::{self, process_span, seconds_since};
+use crate::telemetry::{self, process_span, timed};
 use crate::{
     Ack, BatchHandler, BatchItem, Delivery, Error, Failure, HandlerError, InboxStore, MessageId,
     Recovery, RefusedId, Result, Sharded, Stage, StoreError, Transaction,
@@ -485,9 +487,7 @@ where
             None => self.store.shard(0),
         };
         let mut tx = store.begin().await.map_err(TxFailure::Store)?;
-        let started = Instant::now();
-        let claimed = store.claim(&mut tx, &ids).await;
-        self.common.metrics.claim.record(seconds_since(started));
+        let claimed = timed(&self.common.metrics.claim, store.claim(&mut tx, &ids)).await;
         let claimed = match claimed {
             Ok(claimed) => claimed,
             Err(e) => {
@@ -547,10 +547,9 @@ where
             // Nothing to keep: every message was a duplicate.
             self.common.rollback(tx).await;
         } else {
-            let started = Instant::now();
-            let committed = tx.commit().await;
-            self.common.metrics.commit.record(seconds_since(started));
-            committed.map_err(TxFailure::Store)?;
+            timed(&self.common.metrics.commit, tx.commit())
+                .await
+                .map_err(TxFailure::Store)?;
             self.common.count(Counter::Commit, 1);
             self.common.count(Counter::Applied, fresh.len());
         }
@@ -582,19 +581,14 @@ where
     ) -> Result<(), HandlerError> {
         let span = info_span!("inbox.batch", consumer = %self.common.name, messages = batch.len());
         let call = self.handler.handle_batch(tx, batch).instrument(span);
-        let started = Instant::now();
         let limit = self.handler_timeout.unwrap_or_default();
-        let deadline = self
-            .handler_timeout
-            .map(|l| tokio::time::Instant::now() + l);
+        let deadline = self.handler_timeout.map(|l| Instant::now() + l);
         let called = guarded("handler", deadline, call, || {
             HandlerError::transient(format!(
                 "the handler did not return within the handler timeout of {limit:?}"
             ))
-        })
-        .await;
-        self.common.metrics.handler.record(seconds_since(started));
-        called
+        });
+        timed(&self.common.metrics.handler, called).await
     }
 
     /// A message whose handler (or decoding) failed inside a batch or alone: retried on its own.

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::FutureExt;
 use tracing::{debug, info, warn, Instrument};
@@ -14,7 +14,7 @@ use tracing::{debug, info, warn, Instrument};
 use super::RetryPolicy;
 use crate::error::backoff;
 use crate::stats::Counter;
-use crate::telemetry::{self, dead_letter_span, seconds_since, ConsumerMetrics, SpanNames};
+use crate::telemetry::{self, dead_letter_span, timed, ConsumerMetrics, SpanNames};
 use crate::{
     Ack, Delivery, Error, Failure, HandlerError, Health, MessageId, Recovery, Result, SourceError,
     Stage, StageHook, Stats, Transaction,
@@ -104,9 +104,7 @@ impl Common {
         let n = acks.len();
         let (ids, acks): (Vec<_>, Vec<_>) = acks.into_iter().unzip();
         let span = telemetry::settle_span(&self.names, "ack", n);
-        let started = Instant::now();
-        let acked = A::ack_all(acks).instrument(span.clone()).await;
-        self.metrics.ack.record(seconds_since(started));
+        let acked = timed(&self.metrics.ack, A::ack_all(acks).instrument(span.clone())).await;
         match acked {
             Ok(()) => {
                 for id in &ids {

@@ -17,6 +17,7 @@ use crate::consumer::common::{failure_reason, guarded, Common};
 use crate::consumer::stop::Stop;
 use crate::consumer::{Processed, Step};
 use crate::stats::Counter;
+use crate::telemetry::timed;
 use crate::{
     Ack, Capabilities, Delivery, Error, Failure, HandlerError, Message, MessageId, Recent,
     Recovery, Result, Stage, StoreError, TraceParent, Transaction, REPLAYED,
@@ -120,12 +121,12 @@ where
             Ok(id) => id.clone(),
             Err(e) => {
                 let reason = e.to_string();
-                return self.dead_letter(None, delivery, reason).await;
+                return self.park(None, delivery, reason).await.map(drop);
             }
         };
         if let Err(e) = self.leases.check_id(&id) {
             let reason = format!("message ID {id:?} refused by the lease store: {e}");
-            return self.dead_letter(Some(&id), delivery, reason).await;
+            return self.park(Some(&id), delivery, reason).await.map(drop);
         }
         let message = &delivery.message;
         let span = info_span!(
@@ -164,14 +165,8 @@ where
         let mut outages = 0;
         let (acquired, started) = loop {
             let started = Instant::now();
-            let acquired = self
-                .leases
-                .acquire(&self.common.name, &id, self.lease)
-                .await;
-            self.common
-                .metrics
-                .claim
-                .record(started.elapsed().as_secs_f64());
+            let acquire = self.leases.acquire(&self.common.name, &id, self.lease);
+            let acquired = timed(&self.common.metrics.claim, acquire).await;
             match acquired {
                 Ok(acquired) => {
                     if outages > 0 {
@@ -304,13 +299,8 @@ where
                     attempt = effect.attempts(),
                 );
                 let call = self.handler.call(&effect, message).instrument(span);
-                let started = Instant::now();
-                let called = self.bounded(&effect, call).await;
-                self.common
-                    .metrics
-                    .handler
-                    .record(started.elapsed().as_secs_f64());
-                match called {
+                let called = self.bounded(&effect, call);
+                match timed(&self.common.metrics.handler, called).await {
                     Ok(()) => {
                         self.stage(Stage::Applied, effect.id());
                         Settled::Called
@@ -382,13 +372,8 @@ where
     ) -> Result<()> {
         let (mut tries, mut outages) = (0, 0);
         loop {
-            let started = Instant::now();
-            let marked = self.mark_done(&effect, settled, &delivery.message).await;
-            self.common
-                .metrics
-                .commit
-                .record(started.elapsed().as_secs_f64());
-            let wait = match marked {
+            let marked = self.mark_done(&effect, settled, &delivery.message);
+            let wait = match timed(&self.common.metrics.commit, marked).await {
                 Ok(true) => {
                     if outages > 0 {
                         self.common.health.recovered();

@@ -77,15 +77,6 @@ where
         parked.map(drop)
     }
 
-    pub(super) async fn dead_letter<A: Ack>(
-        &self,
-        id: Option<&MessageId>,
-        delivery: Delivery<A>,
-        reason: String,
-    ) -> Result<()> {
-        self.park(id, delivery, reason).await.map(drop)
-    }
-
     /// Parks and acks the message; `Ok(false)` when that failed and the message comes back.
     pub(super) async fn park<A: Ack>(
         &self,

@@ -58,6 +58,7 @@
 
 mod trace;
 
+use std::future::Future;
 use std::time::{Duration, Instant, SystemTime};
 
 use metrics::{Gauge, Histogram, Unit};
@@ -298,9 +299,12 @@ impl ConsumerMetrics {
     }
 }
 
-/// Seconds since `start`, for a histogram.
-pub(crate) fn seconds_since(start: Instant) -> f64 {
-    start.elapsed().as_secs_f64()
+/// Runs `work`, recording in `histogram` the seconds it took.
+pub(crate) async fn timed<T>(histogram: &Histogram, work: impl Future<Output = T>) -> T {
+    let started = Instant::now();
+    let done = work.await;
+    histogram.record(started.elapsed().as_secs_f64());
+    done
 }
 
 /// Sets the configured retention and the broker's redelivery window gauges of `consumer`.
