@@ -149,29 +149,24 @@ where
         let mut unparked = false;
         let mut deliveries = deliveries.into_iter().enumerate();
         while let Some((at, delivery)) = deliveries.next() {
-            if delivery.ack.is_stale() {
+            let to_claim = if delivery.ack.is_stale() {
                 // Taken back while it waited in its lane: its new copy is the one to apply.
                 stale += 1;
-                if strict {
-                    // What follows it in its lane waits for that new copy, as behind a
-                    // failure: a broker that takes back one delivery (an SQS visibility
-                    // timeout) hands out the rest of its lane again after it.
+                Err(false)
+            } else {
+                self.park_before_claim(delivery).await?
+            };
+            let (id, delivery) = match to_claim {
+                Ok(to_claim) => to_claim,
+                // Strict order: what follows it in its lane waits for the copy that comes back,
+                // as behind a failure: a broker that takes back one delivery (an SQS
+                // visibility timeout) hands out the rest of its lane again after it.
+                Err(false) if strict => {
                     unparked = true;
                     held.extend(deliveries.by_ref());
                     break;
                 }
-                continue;
-            }
-            let (id, delivery) = match self.park_before_claim(delivery).await? {
-                Ok(to_claim) => to_claim,
-                Err(parked) => {
-                    if strict && !parked {
-                        unparked = true;
-                        held.extend(deliveries.by_ref());
-                        break;
-                    }
-                    continue;
-                }
+                Err(_) => continue,
             };
             if !seen.insert(id.clone()) {
                 copies.push((at, id, delivery));

@@ -188,12 +188,7 @@ pub(crate) fn process_span<'a>(
     }
     if n == 1 {
         if let Some((id, message)) = messages.clone().next() {
-            span.record("messaging.message.id", display(id.as_str().escape_debug()));
-            if let Some(parent) = TraceParent::from_message(message) {
-                span.record("traceparent", display(parent));
-                #[cfg(feature = "opentelemetry")]
-                otel::set_parent(&span, &parent);
-            }
+            record_message(&span, Some(id), message);
         }
     } else {
         span.record("messaging.batch.message_count", n);
@@ -305,18 +300,24 @@ pub(crate) fn dead_letter_span(
     if span.is_disabled() {
         return span;
     }
-    if let Some(id) = id {
-        span.record("messaging.message.id", display(id.as_str().escape_debug()));
-    }
     if let Some(partition) = &message.meta.partition {
         span.record("messaging.destination.partition.id", partition.as_str());
+    }
+    record_message(&span, id, message);
+    span
+}
+
+/// Records one message's ID and `traceparent` on `span`, and (feature `opentelemetry`) makes
+/// its producer span the parent.
+fn record_message(span: &Span, id: Option<&MessageId>, message: &Message) {
+    if let Some(id) = id {
+        span.record("messaging.message.id", display(id.as_str().escape_debug()));
     }
     if let Some(parent) = TraceParent::from_message(message) {
         span.record("traceparent", display(parent));
         #[cfg(feature = "opentelemetry")]
-        otel::set_parent(&span, &parent);
+        otel::set_parent(span, &parent);
     }
-    span
 }
 
 #[cfg(feature = "opentelemetry")]
