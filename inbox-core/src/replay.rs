@@ -160,13 +160,8 @@ pub trait DeadLetters: Send {
 
 /// [`DeadLetters`] as a trait object: what [`summarize`], [`scan`], [`find`] and [`replay`]
 /// take, and what a tool that opens readers of different brokers keeps
-/// (`Box<dyn DynDeadLetters>`).
-///
-/// `DeadLetters`' async methods return `impl Future`, which keeps it from being made into a
-/// `dyn` object; this trait has the same methods returning boxed futures, under names of their
-/// own (`dyn_` and the `DeadLetters` method's), so that they are never ambiguous beside
-/// `DeadLetters`'. Every `DeadLetters` implements it, and `dyn DynDeadLetters` implements
-/// `DeadLetters`.
+/// (`Box<dyn DynDeadLetters>`). Made as [`DynPublish`] is, for the same reason: every
+/// `DeadLetters` implements it, and `dyn DynDeadLetters` implements `DeadLetters`.
 pub trait DynDeadLetters: Send {
     /// [`DeadLetters::name`].
     fn dyn_name(&self) -> &str;

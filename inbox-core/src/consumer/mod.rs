@@ -686,14 +686,14 @@ where
     fn check(&self) -> Result<()> {
         let common = self.step.common();
         check_name(&common.name)?;
-        if self.batch_size == 0 {
-            return Err(Error::Config("the batch size is 0; use at least 1".into()));
-        }
-        if self.lanes == 0 {
-            return Err(Error::Config("parallel_lanes is 0; use at least 1".into()));
-        }
-        if common.retry.max_attempts == 0 {
-            return Err(Error::Config("max_attempts is 0; use at least 1".into()));
+        for (setting, value) in [
+            ("the batch size", self.batch_size),
+            ("parallel_lanes", self.lanes),
+            ("max_attempts", common.retry.max_attempts as usize),
+        ] {
+            if value == 0 {
+                return Err(Error::Config(format!("{setting} is 0; use at least 1")));
+            }
         }
         let capabilities = self.source.capabilities();
         if !common.retry.redeliveries.is_empty() && !capabilities.delayed_redelivery() {

@@ -154,16 +154,20 @@ where
         delivery: Delivery<A>,
         stop: &Stop,
     ) -> Result<()> {
-        if let Some(wait) = self.too_early(&id) {
+        // Before each try: the rest of a hand-back delay, or the backoff of a store outage.
+        let mut wait = self.too_early(&id);
+        if let Some(wait) = wait {
             debug!(?wait, "came back before its hand-back delay (the broker does not delay a nack); waiting here");
-            if stop.pause(wait).await {
-                outcome("handed_back");
-                self.hand_back(delivery.ack).await;
-                return Ok(());
-            }
         }
         let mut outages = 0;
         let (acquired, started) = loop {
+            if let Some(wait) = wait {
+                if stop.pause(wait).await {
+                    outcome("handed_back");
+                    self.hand_back(delivery.ack).await;
+                    return Ok(());
+                }
+            }
             let started = Instant::now();
             let acquire = self.leases.acquire(&self.common.name, &id, self.lease);
             let acquired = timed(&self.common.metrics.claim, acquire).await;
@@ -179,13 +183,9 @@ where
                     return Err(Error::Store(e));
                 }
                 Err(e) => {
-                    let wait = self.common.outage(&mut outages);
-                    warn!(error = %e, ?wait, "lease store failed; holding the message and trying again");
-                    if stop.pause(wait).await {
-                        outcome("handed_back");
-                        self.hand_back(delivery.ack).await;
-                        return Ok(());
-                    }
+                    let backoff = self.common.outage(&mut outages);
+                    warn!(error = %e, wait = ?backoff, "lease store failed; holding the message and trying again");
+                    wait = Some(backoff);
                 }
             }
         };
