@@ -9,14 +9,14 @@ use tokio::time::Instant;
 
 use tracing::{debug, info, info_span, warn, Instrument};
 
-use super::common::{failure_reason, guarded, Common};
+use super::common::{failure_reason, guarded, Common, TxFailure};
 use super::stop::Stop;
 use super::{Order, Processed};
 use crate::stats::Counter;
 use crate::telemetry::{self, process_span, timed};
 use crate::{
     Ack, BatchHandler, BatchItem, Delivery, Error, Failure, HandlerError, InboxStore, MessageId,
-    Recovery, RefusedId, Result, Sharded, Stage, StoreError, Transaction,
+    Recovery, RefusedId, Result, Sharded, Stage, Transaction,
 };
 
 /// The inbox step: each chunk claimed, applied and committed in one store transaction, then
@@ -49,26 +49,6 @@ enum Outcome {
 #[derive(Debug, thiserror::Error)]
 #[error("message ID {0:?} refused by the inbox store: {1}")]
 struct RefusedByStore(MessageId, String);
-
-/// Why a transaction did not commit.
-enum TxFailure {
-    /// The handler failed, for the message at this index when known; the transaction was
-    /// rolled back.
-    Handler(Option<usize>, HandlerError),
-    /// The store failed (at begin, claim or commit).
-    Store(StoreError),
-}
-
-impl TxFailure {
-    /// `error.type` of the transaction's span.
-    fn error_type(&self) -> &'static str {
-        match self {
-            Self::Handler(_, e) if e.failure() == Failure::Permanent => "handler_permanent",
-            Self::Handler(..) => "handler",
-            Self::Store(e) => super::common::recovery_type(e.recovery()),
-        }
-    }
-}
 
 /// How far [`Inbox::apply_part`] got.
 enum Part<A> {
@@ -495,7 +475,7 @@ where
                     }
                     _ => TxFailure::Store(e),
                 };
-                return Err(self.abandon(tx, failure).await);
+                return Err(self.common.abandon(tx, failure).await);
             }
         };
         let fresh: Vec<&Work<A, H::Item>> = work
@@ -522,7 +502,10 @@ where
                     let id = &fresh.get(i)?.id;
                     work.iter().position(|w| &w.id == id)
                 });
-                return Err(self.abandon(tx, TxFailure::Handler(at, failure)).await);
+                return Err(self
+                    .common
+                    .abandon(tx, TxFailure::Handler(at, failure))
+                    .await);
             }
             for w in &fresh {
                 self.common.stage(Stage::Applied, &w.id);
@@ -654,11 +637,5 @@ where
                 }
             }
         }
-    }
-
-    /// Rolls back a transaction that cannot commit and passes `failure` on.
-    async fn abandon(&self, tx: St::Tx, failure: TxFailure) -> TxFailure {
-        self.common.rollback(tx).await;
-        failure
     }
 }

@@ -17,7 +17,7 @@ use crate::stats::Counter;
 use crate::telemetry::{self, dead_letter_span, timed, ConsumerMetrics, SpanNames};
 use crate::{
     Ack, Delivery, Error, Failure, HandlerError, Health, MessageId, Recovery, Result, SourceError,
-    Stage, StageHook, Stats, Transaction,
+    Stage, StageHook, Stats, StoreError, Transaction,
 };
 
 /// The longest wait between tries after a broker or store error.
@@ -202,6 +202,12 @@ impl Common {
         backoff(self.error_backoff, MAX_ERROR_BACKOFF, *outages)
     }
 
+    /// Rolls back a transaction that cannot commit and passes `failure` on.
+    pub(crate) async fn abandon<T: Transaction>(&self, tx: T, failure: TxFailure) -> TxFailure {
+        self.rollback(tx).await;
+        failure
+    }
+
     /// How long to wait before receiving again after `e`, or the error that stops the consumer.
     pub(crate) fn source_failed(&self, e: SourceError, failures: u32) -> Result<Duration> {
         self.count(Counter::Error, 1);
@@ -260,6 +266,26 @@ impl Common {
                 }
                 Ok(false)
             }
+        }
+    }
+}
+
+/// Why a transaction (the inbox's claim and handler, an effect's done mark) did not commit.
+pub(crate) enum TxFailure {
+    /// The handler failed, for the message at this index when known; the transaction was
+    /// rolled back.
+    Handler(Option<usize>, HandlerError),
+    /// The store failed (at begin, claim, done mark or commit).
+    Store(StoreError),
+}
+
+impl TxFailure {
+    /// `error.type` of the transaction's span.
+    pub(crate) fn error_type(&self) -> &'static str {
+        match self {
+            Self::Handler(_, e) if e.failure() == Failure::Permanent => "handler_permanent",
+            Self::Handler(..) => "handler",
+            Self::Store(e) => recovery_type(e.recovery()),
         }
     }
 }

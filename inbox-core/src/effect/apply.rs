@@ -13,14 +13,14 @@ use super::{
     escaped, is_not_applied, Acquired, Attempt, Effect, EffectHandler, Landed, LeaseStore,
     OnUnknown, Release, Settled, DEFAULT_LEASE,
 };
-use crate::consumer::common::{failure_reason, guarded, Common};
+use crate::consumer::common::{failure_reason, guarded, Common, TxFailure};
 use crate::consumer::stop::Stop;
 use crate::consumer::{Processed, Step};
 use crate::stats::Counter;
 use crate::telemetry::timed;
 use crate::{
     Ack, Capabilities, Delivery, Error, Failure, HandlerError, Message, MessageId, Recent,
-    Recovery, Result, Stage, StoreError, TraceParent, Transaction, REPLAYED,
+    Recovery, Result, Stage, TraceParent, Transaction, REPLAYED,
 };
 
 /// Added to the rest of a live lease before a busy copy comes back, so it does not come back
@@ -37,12 +37,6 @@ pub struct Effects<L, H> {
     pub(crate) lease: Duration,
     /// When each recently handed-back message may be tried again.
     pub(super) not_before: Mutex<Recent<Instant>>,
-}
-
-/// Why a done transaction did not commit.
-enum DoneFailure {
-    Store(StoreError),
-    Handler(HandlerError),
 }
 
 impl<L, H> Step for Effects<L, H>
@@ -116,7 +110,7 @@ where
     }
 
     async fn process_one<A: Ack>(&self, delivery: Delivery<A>, stop: &Stop) -> Result<()> {
-        self.count(Counter::Received);
+        self.common.count(Counter::Received, 1);
         let id = match &delivery.message.id {
             Ok(id) => id.clone(),
             Err(e) => {
@@ -179,7 +173,7 @@ where
                     break (acquired, started);
                 }
                 Err(e) if e.recovery() == Recovery::Fatal => {
-                    self.count(Counter::Error);
+                    self.common.count(Counter::Error, 1);
                     return Err(Error::Store(e));
                 }
                 Err(e) => {
@@ -191,7 +185,7 @@ where
         };
         match acquired {
             Acquired::Done => {
-                self.count(Counter::SkippedDuplicate);
+                self.common.count(Counter::SkippedDuplicate, 1);
                 outcome("skipped_duplicate");
                 info!(
                     outcome = "skipped_duplicate",
@@ -202,7 +196,7 @@ where
                 Ok(())
             }
             Acquired::Busy { retry_after } => {
-                self.count(Counter::Busy);
+                self.common.count(Counter::Busy, 1);
                 outcome("busy");
                 let wait = retry_after + BUSY_MARGIN;
                 info!(
@@ -220,7 +214,7 @@ where
                 if effect.after_dead_letter() && delivery.message.header(REPLAYED).is_none() {
                     return self.skip_dead_lettered(effect, delivery.ack).await;
                 }
-                self.stage(Stage::Claimed, effect.id());
+                self.common.stage(Stage::Claimed, effect.id());
                 self.apply(effect, delivery, stop).await
             }
         }
@@ -235,7 +229,7 @@ where
             dead_lettered: true,
         };
         self.release(&effect, release).await;
-        self.count(Counter::SkippedDuplicate);
+        self.common.count(Counter::SkippedDuplicate, 1);
         outcome("skipped_duplicate");
         info!(
             outcome = "skipped_duplicate",
@@ -302,7 +296,7 @@ where
                 let called = self.bounded(&effect, call);
                 match timed(&self.common.metrics.handler, called).await {
                     Ok(()) => {
-                        self.stage(Stage::Applied, effect.id());
+                        self.common.stage(Stage::Applied, effect.id());
                         Settled::Called
                     }
                     Err(e) => return self.failed(effect, delivery, e, true).await,
@@ -346,7 +340,7 @@ where
                 .dead_letter_leased(&effect, delivery, reason, not_applied)
                 .await;
         }
-        self.count(Counter::Retried);
+        self.common.count(Counter::Retried, 1);
         outcome("retried");
         let wait = self.common.retry.wait(effect.attempts());
         warn!(attempt = effect.attempts(), error = %error, not_applied, ?wait, "call failed; handed back for a retry");
@@ -378,30 +372,30 @@ where
                     if outages > 0 {
                         self.common.health.recovered();
                     }
-                    self.count(Counter::Commit);
+                    self.common.count(Counter::Commit, 1);
                     self.common.health.batch_done();
                     break;
                 }
                 Ok(false) => {
-                    self.count(Counter::Fenced);
+                    self.common.count(Counter::Fenced, 1);
                     outcome("fenced");
                     warn!(token = effect.token(), outcome = "fenced", "not marked done: a newer lease took over {} while this attempt ran; handed back for its holder to finish", escaped(effect.id()));
                     self.hand_back(delivery.ack).await;
                     return Ok(());
                 }
-                Err(DoneFailure::Store(e)) if e.recovery() == Recovery::Fatal => {
-                    self.count(Counter::Error);
+                Err(TxFailure::Store(e)) if e.recovery() == Recovery::Fatal => {
+                    self.common.count(Counter::Error, 1);
                     return Err(Error::Store(e));
                 }
-                Err(DoneFailure::Store(e)) if e.recovery() == Recovery::Reconnect => {
+                Err(TxFailure::Store(e)) if e.recovery() == Recovery::Reconnect => {
                     let wait = self.common.outage(&mut outages);
                     warn!(error = %e, ?wait, "lease store unreachable; holding the message until it is back");
                     wait
                 }
                 Err(failure) => {
                     let error = match failure {
-                        DoneFailure::Handler(e) => e,
-                        DoneFailure::Store(e) => HandlerError::transient(e),
+                        TxFailure::Handler(_, e) => e,
+                        TxFailure::Store(e) => HandlerError::transient(e),
                     };
                     tries += 1;
                     if error.failure() == Failure::Permanent
@@ -418,7 +412,7 @@ where
                     if effect.remaining().is_zero() {
                         // No time is left to mark done under this lease: the next lease settles
                         // the message, asking first whether this attempt's call landed.
-                        self.count(Counter::Retried);
+                        self.common.count(Counter::Retried, 1);
                         outcome("retried");
                         let wait = self.common.retry.wait(effect.attempts());
                         warn!(error = %error, ?wait, "the done mark did not commit within the lease; handed back for the next lease to settle");
@@ -426,7 +420,7 @@ where
                         self.hand_back_for(effect.id(), delivery.ack, wait).await;
                         return Ok(());
                     }
-                    self.count(Counter::Retried);
+                    self.common.count(Counter::Retried, 1);
                     warn!(error = %error, tries, "done transaction failed; trying it again");
                     self.common.retry.wait(tries)
                 }
@@ -438,13 +432,13 @@ where
                 return Ok(());
             }
         }
-        self.stage(Stage::Committed, effect.id());
+        self.common.stage(Stage::Committed, effect.id());
         let (counter, outcome) = match settled {
             Settled::Called => (Counter::Applied, "applied"),
             Settled::Landed => (Counter::Confirmed, "confirmed"),
             Settled::Skipped => (Counter::SkippedUnknown, "skipped_unknown"),
         };
-        self.count(counter);
+        self.common.count(counter, 1);
         self::outcome(outcome);
         if settled == Settled::Skipped {
             warn!(outcome, "{} marked done without a call after an unknown outcome, as OnUnknown::Skip says: its effect may be missing", escaped(effect.id()));
@@ -466,8 +460,8 @@ where
         effect: &Effect,
         settled: Settled,
         message: &Message,
-    ) -> Result<bool, DoneFailure> {
-        let mut tx = self.leases.begin().await.map_err(DoneFailure::Store)?;
+    ) -> Result<bool, TxFailure> {
+        let mut tx = self.leases.begin().await.map_err(TxFailure::Store)?;
         let marked = self
             .leases
             .complete(&mut tx, &self.common.name, effect.id(), effect.token())
@@ -478,10 +472,7 @@ where
                 self.common.rollback(tx).await;
                 return Ok(false);
             }
-            Err(e) => {
-                self.common.rollback(tx).await;
-                return Err(DoneFailure::Store(e));
-            }
+            Err(e) => return Err(self.common.abandon(tx, TxFailure::Store(e)).await),
         }
         // Bounded by the lease: past it, the open transaction would keep the row from the
         // next lease, and the consumer from its next message.
@@ -494,10 +485,9 @@ where
         })
         .await;
         if let Err(e) = recorded {
-            self.common.rollback(tx).await;
-            return Err(DoneFailure::Handler(e));
+            return Err(self.common.abandon(tx, TxFailure::Handler(None, e)).await);
         }
-        tx.commit().await.map_err(DoneFailure::Store)?;
+        tx.commit().await.map_err(TxFailure::Store)?;
         Ok(true)
     }
 }

@@ -8,8 +8,7 @@ use tracing::{debug, warn};
 
 use super::apply::{outcome, Effects};
 use super::{Effect, EffectHandler, LeaseStore, Release};
-use crate::stats::Counter;
-use crate::{Ack, Delivery, MessageId, Result, Stage};
+use crate::{Ack, Delivery, MessageId, Result};
 
 impl<L, H> Effects<L, H>
 where
@@ -93,14 +92,6 @@ where
             });
         }
         parked
-    }
-
-    pub(super) fn stage(&self, stage: Stage, id: &MessageId) {
-        self.common.stage(stage, id);
-    }
-
-    pub(super) fn count(&self, counter: Counter) {
-        self.common.count(counter, 1);
     }
 }
 
