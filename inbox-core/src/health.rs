@@ -139,13 +139,8 @@ impl Health {
     }
 
     pub(crate) fn set(&self, state: ConsumerState) {
-        let index = ConsumerState::ALL
-            .iter()
-            .position(|s| *s == state)
-            .unwrap_or(0);
-        self.0
-            .state
-            .store(u8::try_from(index).unwrap_or(0), Ordering::Relaxed);
+        // `ALL` lists the states in declaration order: the discriminant is the index.
+        self.0.state.store(state as u8, Ordering::Relaxed);
         if let Some(gauges) = self.0.gauges.get() {
             gauges.show(state);
         }

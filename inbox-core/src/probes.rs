@@ -108,16 +108,11 @@ impl Probes {
                 format!("{name} {}", h.state().as_str())
             })
             .collect();
-        if failing.is_empty() {
-            Answer {
-                status: 200,
-                body: format!("{what}\n"),
-            }
+        let (status, body) = if failing.is_empty() {
+            (200, format!("{what}\n"))
         } else {
-            Answer {
-                status: 503,
-                body: format!("not {what}: {}\n", failing.join(", ")),
-            }
-        }
+            (503, format!("not {what}: {}\n", failing.join(", ")))
+        };
+        Answer { status, body }
     }
 }

@@ -123,10 +123,10 @@ where
         let mut copies: Vec<(usize, MessageId, Delivery<A>)> = Vec::new();
         let mut seen = HashSet::new();
         let mut stale = 0;
-        // Strict order: a message parked before its claim whose dead letter failed is not
-        // dead-lettered yet, and came back to the broker (or a delivery the broker took back):
-        // what follows it waits, as behind a failure.
-        let mut unparked = false;
+        // Strict order: a message went back to the broker unapplied (parked before its claim
+        // but its dead letter failed, taken back by the broker, or failed and handed back):
+        // what follows it goes back after it, as behind a failure.
+        let mut blocked = false;
         let mut deliveries = deliveries.into_iter().enumerate();
         while let Some((at, delivery)) = deliveries.next() {
             let to_claim = if delivery.ack.is_stale() {
@@ -142,7 +142,7 @@ where
                 // as behind a failure: a broker that takes back one delivery (an SQS
                 // visibility timeout) hands out the rest of its lane again after it.
                 Err(false) if strict => {
-                    unparked = true;
+                    blocked = true;
                     held.extend(deliveries.by_ref());
                     break;
                 }
@@ -235,11 +235,11 @@ where
             }
         }
         self.common.hand_back(handed_back).await;
-        if failed.is_empty() && !unparked {
+        if failed.is_empty() && !blocked {
             return Ok(Part::Done(done));
         }
         held.sort_by_key(|(at, _)| *at);
-        let mut held: Vec<Delivery<A>> = held.into_iter().map(|(_, d)| d).collect();
+        let held: Vec<Delivery<A>> = held.into_iter().map(|(_, d)| d).collect();
         self.common.ack_all(done).await;
         failed.sort_by_key(|(at, ..)| *at);
         for (_, id, delivery, e) in failed {
@@ -264,15 +264,12 @@ where
                     .await;
                 // Strict order: what waited behind it goes back after it, in order.
                 if strict {
-                    let rest = std::mem::take(&mut held);
-                    self.common
-                        .hand_back(rest.into_iter().map(|d| d.ack).collect())
-                        .await;
-                    return Ok(Part::Blocked);
+                    blocked = true;
+                    break;
                 }
             }
         }
-        if unparked {
+        if blocked {
             self.common
                 .hand_back(held.into_iter().map(|d| d.ack).collect())
                 .await;
