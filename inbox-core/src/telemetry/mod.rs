@@ -69,176 +69,109 @@ pub(crate) use trace::{dead_letter_span, process_span, settle_span, SpanNames};
 pub use trace::{record_error, send_span, traced_send};
 pub use trace::{InvalidTraceParent, TraceParent, TRACEPARENT_HEADER};
 
-/// Counter: deliveries taken from the broker.
-pub const MESSAGES_RECEIVED: &str = "inbox_messages_received_total";
-/// Counter: messages whose side effect committed.
-pub const MESSAGES_APPLIED: &str = "inbox_messages_applied_total";
-/// Counter: deliveries skipped because their ID was already applied.
-pub const DUPLICATES_SKIPPED: &str = "inbox_duplicates_skipped_total";
-/// Counter: handler attempts repeated after a transient failure.
-pub const RETRIES: &str = "inbox_retries_total";
-/// Counter: messages handed back to the broker under the redelivery schedule, to come back
-/// after a delay.
-pub const REDELIVERED: &str = "inbox_redelivered_total";
-/// Counter: messages parked in the dead-letter destination.
-pub const DEAD_LETTERED: &str = "inbox_dead_lettered_total";
-/// Counter: acks that failed after their transaction committed.
-pub const ACK_FAILURES: &str = "inbox_ack_failures_total";
-/// Counter: store transactions committed.
-pub const COMMITS: &str = "inbox_commits_total";
-/// Counter: broker or store errors the consumer recovered from.
-pub const ERRORS: &str = "inbox_errors_total";
-/// Counter ([`Consumer::effects`](crate::Consumer::effects)): messages marked done without a
-/// call because the status lookup said an earlier call landed.
-pub const EFFECTS_CONFIRMED: &str = "inbox_effects_confirmed_total";
-/// Counter ([`Consumer::effects`](crate::Consumer::effects)): messages marked done without a
-/// call after an unknown outcome, as `OnUnknown::Skip` says: each may be a lost effect.
-pub const EFFECTS_SKIPPED_UNKNOWN: &str = "inbox_effects_skipped_unknown_total";
-/// Counter ([`Consumer::effects`](crate::Consumer::effects)): copies handed back because
-/// another lease on their message was live.
-pub const EFFECTS_BUSY: &str = "inbox_effects_busy_total";
-/// Counter ([`Consumer::effects`](crate::Consumer::effects)): done marks refused because a
-/// newer lease had taken over.
-pub const EFFECTS_FENCED: &str = "inbox_effects_fenced_total";
-/// Histogram: messages per store transaction.
-pub const BATCH_SIZE: &str = "inbox_batch_size";
-/// Histogram: seconds the claim statement of one transaction took (for
-/// [`Consumer::effects`](crate::Consumer::effects): one lease statement).
-pub const CLAIM_DURATION: &str = "inbox_claim_duration_seconds";
-/// Histogram: seconds one handler call took (for
-/// [`Consumer::effects`](crate::Consumer::effects): one provider call, failed calls and calls
-/// cut at the end of their lease included).
-pub const HANDLER_DURATION: &str = "inbox_handler_duration_seconds";
-/// Histogram: seconds one commit took (for [`Consumer::effects`](crate::Consumer::effects):
-/// one done transaction, with the done mark and `EffectHandler::record`).
-pub const COMMIT_DURATION: &str = "inbox_commit_duration_seconds";
-/// Histogram: seconds one broker ack round-trip took.
-pub const ACK_DURATION: &str = "inbox_ack_duration_seconds";
-/// Histogram: seconds from a message's broker timestamp to its commit.
-pub const END_TO_END_LAG: &str = "inbox_end_to_end_lag_seconds";
-/// Gauge: messages received and not yet settled.
-pub const IN_FLIGHT: &str = "inbox_in_flight_messages";
-/// Gauge: 1 while the consumer is ready, else 0.
-pub const CONSUMER_READY: &str = "inbox_consumer_ready";
-/// Gauge: 1 for the consumer's current `state` label, 0 for the others.
-pub const CONSUMER_STATE: &str = "inbox_consumer_state";
-/// Gauge: the inbox retention the consumer was given, in seconds.
-pub const RETENTION: &str = "inbox_retention_seconds";
-/// Gauge: how long the broker can redeliver a message, in seconds, where the source knows.
-pub const REDELIVERY_WINDOW: &str = "inbox_redelivery_window_seconds";
-/// Gauge (set by stores that track it): seconds since the oldest remembered ID was processed.
-pub const OLDEST_REMEMBERED_AGE: &str = "inbox_oldest_remembered_age_seconds";
+/// Declares each metric once: its name constant (with its docs), and its kind, unit and help
+/// text for [`describe_metrics`].
+macro_rules! declare_metrics {
+    (@describe counter $($args:tt)+) => { metrics::describe_counter!($($args)+) };
+    (@describe histogram $($args:tt)+) => { metrics::describe_histogram!($($args)+) };
+    (@describe gauge $($args:tt)+) => { metrics::describe_gauge!($($args)+) };
+    ($($(#[$doc:meta])* $kind:ident $unit:ident $name:ident = $metric:literal, $help:literal;)+) => {
+        $($(#[$doc])* pub const $name: &str = $metric;)+
 
-/// Registers the unit and help text of every metric above with the installed recorder. The
-/// consumer calls it when it starts; call it yourself after installing the recorder to have the
-/// descriptions before that. Calling it again does no harm.
-pub fn describe_metrics() {
-    use metrics::{describe_counter, describe_gauge, describe_histogram};
-    let counters = [
-        (MESSAGES_RECEIVED, "Deliveries taken from the broker."),
-        (MESSAGES_APPLIED, "Messages whose side effect committed."),
-        (
-            DUPLICATES_SKIPPED,
-            "Deliveries skipped because their ID was already applied.",
-        ),
-        (
-            RETRIES,
-            "Handler attempts repeated after a transient failure.",
-        ),
-        (
-            REDELIVERED,
-            "Messages handed back to the broker to come back after a delay.",
-        ),
-        (
-            DEAD_LETTERED,
-            "Messages parked in the dead-letter destination.",
-        ),
-        (
-            ACK_FAILURES,
-            "Acks that failed after their transaction committed; the redelivered copies are skipped.",
-        ),
-        (COMMITS, "Store transactions committed."),
-        (
-            ERRORS,
-            "Broker or store errors the consumer recovered from.",
-        ),
-        (
-            EFFECTS_CONFIRMED,
-            "Effects marked done without a call: an earlier call landed.",
-        ),
-        (
-            EFFECTS_SKIPPED_UNKNOWN,
-            "Effects marked done without a call after an unknown outcome: maybe lost.",
-        ),
-        (
-            EFFECTS_BUSY,
-            "Copies handed back while another lease on their message was live.",
-        ),
-        (
-            EFFECTS_FENCED,
-            "Done marks refused because a newer lease had taken over.",
-        ),
-    ];
-    for (name, help) in counters {
-        describe_counter!(name, Unit::Count, help);
-    }
-    describe_histogram!(
-        BATCH_SIZE,
-        Unit::Count,
-        "Messages per store transaction, duplicates included."
-    );
-    let durations = [
-        (
-            CLAIM_DURATION,
-            "Seconds the claim of a transaction's message IDs took.",
-        ),
-        (
-            HANDLER_DURATION,
-            "Seconds one handler call took (a batch, or a transaction's messages in turn).",
-        ),
-        (COMMIT_DURATION, "Seconds one store commit took."),
-        (
-            ACK_DURATION,
-            "Seconds one broker ack round-trip took, for the messages of a transaction.",
-        ),
-        (
-            END_TO_END_LAG,
-            "Seconds from a message's broker timestamp to its commit or skip.",
-        ),
-    ];
-    for (name, help) in durations {
-        describe_histogram!(name, Unit::Seconds, help);
-    }
-    describe_gauge!(
-        IN_FLIGHT,
-        Unit::Count,
-        "Messages received and not yet acked, dead-lettered or handed back."
-    );
-    describe_gauge!(
-        CONSUMER_READY,
-        Unit::Count,
-        "1 while the consumer runs with its broker and store answering, else 0."
-    );
-    describe_gauge!(
-        CONSUMER_STATE,
-        Unit::Count,
-        "1 for the consumer's current state label, 0 for the other states."
-    );
-    describe_gauge!(
-        RETENTION,
-        Unit::Seconds,
-        "How long the inbox is configured to remember IDs."
-    );
-    describe_gauge!(
-        REDELIVERY_WINDOW,
-        Unit::Seconds,
-        "How long the broker can still redeliver a message, where the source knows."
-    );
-    describe_gauge!(
-        OLDEST_REMEMBERED_AGE,
-        Unit::Seconds,
-        "Seconds since the oldest ID the inbox remembers was processed."
-    );
+        /// Registers the unit and help text of every metric above with the installed
+        /// recorder. The consumer calls it when it starts; call it yourself after installing
+        /// the recorder to have the descriptions before that. Calling it again does no harm.
+        pub fn describe_metrics() {
+            $(declare_metrics!(@describe $kind $name, Unit::$unit, $help);)+
+        }
+    };
+}
+
+declare_metrics! {
+    /// Counter: deliveries taken from the broker.
+    counter Count MESSAGES_RECEIVED = "inbox_messages_received_total",
+        "Deliveries taken from the broker.";
+    /// Counter: messages whose side effect committed.
+    counter Count MESSAGES_APPLIED = "inbox_messages_applied_total",
+        "Messages whose side effect committed.";
+    /// Counter: deliveries skipped because their ID was already applied.
+    counter Count DUPLICATES_SKIPPED = "inbox_duplicates_skipped_total",
+        "Deliveries skipped because their ID was already applied.";
+    /// Counter: handler attempts repeated after a transient failure.
+    counter Count RETRIES = "inbox_retries_total",
+        "Handler attempts repeated after a transient failure.";
+    /// Counter: messages handed back to the broker under the redelivery schedule, to come back
+    /// after a delay.
+    counter Count REDELIVERED = "inbox_redelivered_total",
+        "Messages handed back to the broker to come back after a delay.";
+    /// Counter: messages parked in the dead-letter destination.
+    counter Count DEAD_LETTERED = "inbox_dead_lettered_total",
+        "Messages parked in the dead-letter destination.";
+    /// Counter: acks that failed after their transaction committed.
+    counter Count ACK_FAILURES = "inbox_ack_failures_total",
+        "Acks that failed after their transaction committed; the redelivered copies are skipped.";
+    /// Counter: store transactions committed.
+    counter Count COMMITS = "inbox_commits_total",
+        "Store transactions committed.";
+    /// Counter: broker or store errors the consumer recovered from.
+    counter Count ERRORS = "inbox_errors_total",
+        "Broker or store errors the consumer recovered from.";
+    /// Counter ([`Consumer::effects`](crate::Consumer::effects)): messages marked done without a
+    /// call because the status lookup said an earlier call landed.
+    counter Count EFFECTS_CONFIRMED = "inbox_effects_confirmed_total",
+        "Effects marked done without a call: an earlier call landed.";
+    /// Counter ([`Consumer::effects`](crate::Consumer::effects)): messages marked done without a
+    /// call after an unknown outcome, as `OnUnknown::Skip` says: each may be a lost effect.
+    counter Count EFFECTS_SKIPPED_UNKNOWN = "inbox_effects_skipped_unknown_total",
+        "Effects marked done without a call after an unknown outcome: maybe lost.";
+    /// Counter ([`Consumer::effects`](crate::Consumer::effects)): copies handed back because
+    /// another lease on their message was live.
+    counter Count EFFECTS_BUSY = "inbox_effects_busy_total",
+        "Copies handed back while another lease on their message was live.";
+    /// Counter ([`Consumer::effects`](crate::Consumer::effects)): done marks refused because a
+    /// newer lease had taken over.
+    counter Count EFFECTS_FENCED = "inbox_effects_fenced_total",
+        "Done marks refused because a newer lease had taken over.";
+    /// Histogram: messages per store transaction.
+    histogram Count BATCH_SIZE = "inbox_batch_size",
+        "Messages per store transaction, duplicates included.";
+    /// Histogram: seconds the claim statement of one transaction took (for
+    /// [`Consumer::effects`](crate::Consumer::effects): one lease statement).
+    histogram Seconds CLAIM_DURATION = "inbox_claim_duration_seconds",
+        "Seconds the claim of a transaction's message IDs took.";
+    /// Histogram: seconds one handler call took (for
+    /// [`Consumer::effects`](crate::Consumer::effects): one provider call, failed calls and calls
+    /// cut at the end of their lease included).
+    histogram Seconds HANDLER_DURATION = "inbox_handler_duration_seconds",
+        "Seconds one handler call took (a batch, or a transaction's messages in turn).";
+    /// Histogram: seconds one commit took (for [`Consumer::effects`](crate::Consumer::effects):
+    /// one done transaction, with the done mark and `EffectHandler::record`).
+    histogram Seconds COMMIT_DURATION = "inbox_commit_duration_seconds",
+        "Seconds one store commit took.";
+    /// Histogram: seconds one broker ack round-trip took.
+    histogram Seconds ACK_DURATION = "inbox_ack_duration_seconds",
+        "Seconds one broker ack round-trip took, for the messages of a transaction.";
+    /// Histogram: seconds from a message's broker timestamp to its commit.
+    histogram Seconds END_TO_END_LAG = "inbox_end_to_end_lag_seconds",
+        "Seconds from a message's broker timestamp to its commit or skip.";
+    /// Gauge: messages received and not yet settled.
+    gauge Count IN_FLIGHT = "inbox_in_flight_messages",
+        "Messages received and not yet acked, dead-lettered or handed back.";
+    /// Gauge: 1 while the consumer is ready, else 0.
+    gauge Count CONSUMER_READY = "inbox_consumer_ready",
+        "1 while the consumer runs with its broker and store answering, else 0.";
+    /// Gauge: 1 for the consumer's current `state` label, 0 for the others.
+    gauge Count CONSUMER_STATE = "inbox_consumer_state",
+        "1 for the consumer's current state label, 0 for the other states.";
+    /// Gauge: the inbox retention the consumer was given, in seconds.
+    gauge Seconds RETENTION = "inbox_retention_seconds",
+        "How long the inbox is configured to remember IDs.";
+    /// Gauge: how long the broker can redeliver a message, in seconds, where the source knows.
+    gauge Seconds REDELIVERY_WINDOW = "inbox_redelivery_window_seconds",
+        "How long the broker can still redeliver a message, where the source knows.";
+    /// Gauge (set by stores that track it): seconds since the oldest remembered ID was processed.
+    gauge Seconds OLDEST_REMEMBERED_AGE = "inbox_oldest_remembered_age_seconds",
+        "Seconds since the oldest ID the inbox remembers was processed.";
 }
 
 /// One running consumer's histogram and gauge handles, registered once when it starts (a
