@@ -189,25 +189,12 @@ pub(crate) struct ConsumerMetrics {
 
 impl Default for ConsumerMetrics {
     fn default() -> Self {
-        Self {
-            batch_size: Histogram::noop(),
-            claim: Histogram::noop(),
-            handler: Histogram::noop(),
-            commit: Histogram::noop(),
-            ack: Histogram::noop(),
-            lag: Histogram::noop(),
-            in_flight: Gauge::noop(),
-        }
+        Self::new(|_| Histogram::noop(), Gauge::noop())
     }
 }
 
 impl ConsumerMetrics {
-    /// Describes every metric and registers this consumer's handles.
-    pub(crate) fn register(consumer: &str) -> Self {
-        describe_metrics();
-        crate::stats::Counter::register_all(consumer);
-        let histogram =
-            |name: &'static str| metrics::histogram!(name, "consumer" => consumer.to_owned());
+    fn new(histogram: impl Fn(&'static str) -> Histogram, in_flight: Gauge) -> Self {
         Self {
             batch_size: histogram(BATCH_SIZE),
             claim: histogram(CLAIM_DURATION),
@@ -215,8 +202,18 @@ impl ConsumerMetrics {
             commit: histogram(COMMIT_DURATION),
             ack: histogram(ACK_DURATION),
             lag: histogram(END_TO_END_LAG),
-            in_flight: metrics::gauge!(IN_FLIGHT, "consumer" => consumer.to_owned()),
+            in_flight,
         }
+    }
+
+    /// Describes every metric and registers this consumer's handles.
+    pub(crate) fn register(consumer: &str) -> Self {
+        describe_metrics();
+        crate::stats::Counter::register_all(consumer);
+        Self::new(
+            |name| metrics::histogram!(name, "consumer" => consumer.to_owned()),
+            metrics::gauge!(IN_FLIGHT, "consumer" => consumer.to_owned()),
+        )
     }
 
     /// Records, per message with a broker timestamp, how long ago it was sent.
