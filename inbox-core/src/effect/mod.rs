@@ -150,7 +150,6 @@ pub use lease::{Acquired, Lease, LeaseStore, Release};
 /// The lease [`Consumer::effects`](crate::Consumer::effects) starts with.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
-use std::fmt;
 use std::time::Duration;
 
 use std::future::Future;
@@ -402,25 +401,9 @@ pub(crate) fn is_not_applied(e: &HandlerError) -> bool {
 }
 
 /// The marker [`not_applied`] wraps its error in.
-struct NotApplied(BoxError);
-
-impl fmt::Display for NotApplied {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} (not applied)", self.0)
-    }
-}
-
-impl fmt::Debug for NotApplied {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("NotApplied").field(&self.0).finish()
-    }
-}
-
-impl std::error::Error for NotApplied {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&*self.0)
-    }
-}
+#[derive(Debug, thiserror::Error)]
+#[error("{0} (not applied)")]
+struct NotApplied(#[source] BoxError);
 
 #[cfg(test)]
 mod tests {
@@ -433,6 +416,8 @@ mod tests {
         assert_eq!(e.failure(), Failure::Transient);
         assert!(is_not_applied(&e));
         assert_eq!(e.to_string(), "rate limited (not applied)");
+        let cause = std::error::Error::source(e.source()).map(ToString::to_string);
+        assert_eq!(cause.as_deref(), Some("rate limited"));
         assert!(!is_not_applied(&HandlerError::transient("timed out")));
     }
 }
