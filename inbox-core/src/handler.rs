@@ -117,7 +117,7 @@ impl<Tx: Send, H: Handler<Tx>> BatchHandler<Tx> for PerMessage<H> {
         for (index, entry) in batch.iter().enumerate() {
             let span = tracing::debug_span!(
                 "inbox.message",
-                message_id = %entry.id.as_str().escape_debug(),
+                message_id = %entry.id.escaped(),
                 position = %entry.message.meta.position,
             );
             self.0

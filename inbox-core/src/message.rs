@@ -47,6 +47,12 @@ impl MessageId {
         &self.0
     }
 
+    /// The ID as the logs and spans show it: escaped, so a newline or a control character in
+    /// an ID cannot forge a log line.
+    pub(crate) fn escaped(&self) -> std::str::EscapeDebug<'_> {
+        self.0.escape_debug()
+    }
+
     /// The idempotency key for a call `consumer` makes to a downstream provider because of this
     /// message (an `Idempotency-Key` header): `<consumer>:<id>`. It is the same on every
     /// redelivery and every retry, so the provider's deduplication catches a second call for a

@@ -98,7 +98,7 @@ pub fn uuid_key(id: &MessageId) -> Result<Uuid, InvalidId> {
     Uuid::parse_str(id.as_str()).map_err(|_| {
         InvalidId::RefusedByStore(format!(
             "`{}` is not a UUID, and this inbox keeps UUID keys (use KeyMode::Text or KeyMode::Hashed for other IDs)",
-            id.as_str().escape_debug()
+            id.escaped()
         ))
     })
 }

@@ -538,7 +538,7 @@ where
         for (w, outcome) in work.iter().zip(&outcomes) {
             match outcome {
                 Outcome::Applied => {
-                    debug!(consumer = %self.common.name, message_id = %w.id.as_str().escape_debug(), position = %w.delivery.message.meta.position.escape_debug(), outcome = "applied", "applied");
+                    debug!(consumer = %self.common.name, message_id = %w.id.escaped(), position = %w.delivery.message.meta.position.escape_debug(), outcome = "applied", "applied");
                     self.common.stage(Stage::Committed, &w.id);
                 }
                 Outcome::Skipped => self.common.skipped(&w.id),
@@ -593,7 +593,7 @@ where
                         .await
                 };
             }
-            warn!(consumer = %self.common.name, message_id = %id.as_str().escape_debug(), attempt, error = %error, "handler failed; retrying");
+            warn!(consumer = %self.common.name, message_id = %id.escaped(), attempt, error = %error, "handler failed; retrying");
             self.common.count(Counter::Retried, 1);
             if stop.pause(self.common.retry.wait(attempt)).await {
                 self.common.hand_back(vec![delivery.ack]).await;

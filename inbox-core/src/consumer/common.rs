@@ -92,7 +92,7 @@ impl Common {
 
     pub(crate) fn skipped(&self, id: &MessageId) {
         self.count(Counter::SkippedDuplicate, 1);
-        debug!(consumer = %self.name, message_id = %id.as_str().escape_debug(), outcome = "skipped_duplicate", "skipped a duplicate");
+        debug!(consumer = %self.name, message_id = %id.escaped(), outcome = "skipped_duplicate", "skipped a duplicate");
     }
 
     /// Acks settled messages, in one call where the broker allows. An ack that fails is logged
@@ -170,13 +170,13 @@ impl Common {
         {
             Ok(()) => {
                 self.count(Counter::Redelivered, 1);
-                warn!(consumer = %self.name, message_id = %id.as_str().escape_debug(), redelivery = n + 1, of = self.retry.redeliveries.len(), ?delay, %reason, "handed back to the broker to come back after a delay");
+                warn!(consumer = %self.name, message_id = %id.escaped(), redelivery = n + 1, of = self.retry.redeliveries.len(), ?delay, %reason, "handed back to the broker to come back after a delay");
                 Ok(false)
             }
             Err(e) => {
                 telemetry::record_error(&span, recovery_type(e.recovery()));
                 self.count(Counter::Error, 1);
-                warn!(consumer = %self.name, message_id = %id.as_str().escape_debug(), error = %e, "delayed redelivery failed; the message comes back from the broker");
+                warn!(consumer = %self.name, message_id = %id.escaped(), error = %e, "delayed redelivery failed; the message comes back from the broker");
                 if e.recovery() == Recovery::Fatal {
                     return Err(Error::Source(e));
                 }
@@ -246,10 +246,7 @@ impl Common {
         delivery: Delivery<A>,
         reason: String,
     ) -> Result<bool> {
-        let shown = id.map_or_else(
-            || "(no ID)".to_owned(),
-            |id| id.as_str().escape_debug().to_string(),
-        );
+        let shown = id.map_or_else(|| "(no ID)".to_owned(), |id| id.escaped().to_string());
         let Delivery { message, ack } = delivery;
         match ack.dead_letter(&message, &reason).await {
             Ok(()) => {

@@ -467,11 +467,8 @@ where
 
     /// What a failing message does to the messages after it in its lane
     /// ([`Metadata::lane`](crate::Metadata::lane): a Kafka partition, an SQS FIFO message group;
-    /// a source without lanes is one lane).
-    ///
-    /// [`Order::FailuresLast`] (the default): the rest of its chunk is committed without it and
-    /// it is retried afterwards, so later messages of its lane are applied before it. The lane
-    /// keeps moving while one message fails.
+    /// a source without lanes is one lane). By default ([`Order::FailuresLast`]) they overtake
+    /// it and the lane keeps moving.
     ///
     /// [`Order::Strict`]: each lane is applied exactly in the order received. When a message
     /// fails, the messages before it in its chunk are committed and acked, it is retried alone

@@ -10,8 +10,8 @@ use tracing::field::{display, Empty};
 use tracing::{debug, info, info_span, warn, Instrument, Span};
 
 use super::{
-    escaped, is_not_applied, Acquired, Attempt, Effect, EffectHandler, Landed, LeaseStore,
-    OnUnknown, Release, Settled, DEFAULT_LEASE,
+    is_not_applied, Acquired, Attempt, Effect, EffectHandler, Landed, LeaseStore, OnUnknown,
+    Release, Settled, DEFAULT_LEASE,
 };
 use crate::consumer::common::{failure_reason, guarded, Common, TxFailure};
 use crate::consumer::stop::Stop;
@@ -126,7 +126,7 @@ where
         let span = info_span!(
             "inbox.effect",
             consumer = %self.common.name,
-            message_id = %escaped(&id),
+            message_id = %id.escaped(),
             position = %message.meta.position.escape_debug(),
             "messaging.system" = self.common.names.system,
             traceparent = Empty,
@@ -190,7 +190,7 @@ where
                 info!(
                     outcome = "skipped_duplicate",
                     "skipped duplicate {}: already done",
-                    escaped(&id)
+                    id.escaped()
                 );
                 self.ack(&id, delivery.ack).await;
                 Ok(())
@@ -203,7 +203,7 @@ where
                     outcome = "busy",
                     ?wait,
                     "{} is leased by another attempt; handed back until its lease ends",
-                    escaped(&id)
+                    id.escaped()
                 );
                 self.hand_back_for(&id, delivery.ack, wait).await;
                 Ok(())
@@ -234,7 +234,7 @@ where
         info!(
             outcome = "skipped_duplicate",
             "skipped a copy of {}: dead-lettered before, and this copy is not its replay",
-            escaped(effect.id())
+            effect.id().escaped()
         );
         self.ack(effect.id(), ack).await;
         Ok(())
@@ -379,7 +379,7 @@ where
                 Ok(false) => {
                     self.common.count(Counter::Fenced, 1);
                     outcome("fenced");
-                    warn!(token = effect.token(), outcome = "fenced", "not marked done: a newer lease took over {} while this attempt ran; handed back for its holder to finish", escaped(effect.id()));
+                    warn!(token = effect.token(), outcome = "fenced", "not marked done: a newer lease took over {} while this attempt ran; handed back for its holder to finish", effect.id().escaped());
                     self.hand_back(delivery.ack).await;
                     return Ok(());
                 }
@@ -441,13 +441,13 @@ where
         self.common.count(counter, 1);
         self::outcome(outcome);
         if settled == Settled::Skipped {
-            warn!(outcome, "{} marked done without a call after an unknown outcome, as OnUnknown::Skip says: its effect may be missing", escaped(effect.id()));
+            warn!(outcome, "{} marked done without a call after an unknown outcome, as OnUnknown::Skip says: its effect may be missing", effect.id().escaped());
         } else {
             info!(
                 outcome,
                 token = effect.token(),
                 "{outcome} {}",
-                escaped(effect.id())
+                effect.id().escaped()
             );
         }
         self.ack(effect.id(), delivery.ack).await;

@@ -158,12 +158,6 @@ use tokio::time::Instant;
 
 use crate::{BoxError, HandlerError, Message, MessageId};
 
-/// A message ID as the logs show it: escaped, so a newline or a control character in an ID
-/// cannot forge a log line (as the core consumer shows its IDs).
-fn escaped(id: &MessageId) -> std::str::EscapeDebug<'_> {
-    id.as_str().escape_debug()
-}
-
 /// Which lease on its message an attempt holds, and what the attempts before it left behind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]

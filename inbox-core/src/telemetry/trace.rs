@@ -311,7 +311,7 @@ pub(crate) fn dead_letter_span(
 /// its producer span the parent.
 fn record_message(span: &Span, id: Option<&MessageId>, message: &Message) {
     if let Some(id) = id {
-        span.record("messaging.message.id", display(id.as_str().escape_debug()));
+        span.record("messaging.message.id", display(id.escaped()));
     }
     if let Some(parent) = TraceParent::from_message(message) {
         span.record("traceparent", display(parent));
