@@ -44,12 +44,6 @@ impl<V> Recent<V> {
     pub(crate) fn get(&self, position: &str) -> Option<&V> {
         self.entries.get(position)
     }
-
-    /// How many deliveries are remembered.
-    #[cfg(test)]
-    fn len(&self) -> usize {
-        self.entries.len()
-    }
 }
 
 #[cfg(test)]
@@ -62,7 +56,7 @@ mod tests {
         recent.insert("a".into(), 1);
         recent.insert("b".into(), 2);
         recent.insert("a".into(), 3); // replaced, not added again
-        assert_eq!((recent.get("a"), recent.len()), (Some(&3), 2));
+        assert_eq!((recent.get("a"), recent.entries.len()), (Some(&3), 2));
         recent.insert("c".into(), 4);
         assert_eq!(recent.get("a"), None);
         assert_eq!((recent.get("b"), recent.get("c")), (Some(&2), Some(&4)));
