@@ -399,11 +399,8 @@ mod tests {
         let ids: Vec<&MessageId> = kept.iter().map(|(_, m)| &m.id).collect();
         assert_eq!(ids, [&first, &second, &first]);
         assert_eq!(kept[1].1.payload, b"b");
-        assert!(uuid_v7(first.as_str()), "{first} is not a UUIDv7");
-    }
-
-    fn uuid_v7(id: &str) -> bool {
-        id.len() == 36 && id.as_bytes()[14] == b'7'
+        let uuid = uuid::Uuid::parse_str(first.as_str()).unwrap();
+        assert_eq!(uuid.get_version_num(), 7, "{first} is not a UUIDv7");
     }
 
     #[test]

@@ -394,9 +394,10 @@ mod tests {
             // Version ff, and version 00 with more after it.
             "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x",
-            // Wrong separators, non-hex.
+            // Wrong separators, non-hex, a later version without `-` after the flags.
             "00_4bf92f3577b34da6a3ce929d0e0e4736_00f067aa0ba902b7_01",
             "00-4bf92f3577b34da6a3ce929d0e0e473g-00f067aa0ba902b7-01",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01x",
         ] {
             assert!(TraceParent::parse(bad).is_err(), "accepted {bad:?}");
         }
@@ -407,8 +408,6 @@ mod tests {
         let later = "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-what-comes-next";
         let parent = TraceParent::parse(later).expect("a later version parses");
         assert_eq!(parent.to_string(), VALID);
-        let glued = "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01x";
-        assert!(TraceParent::parse(glued).is_err());
     }
 
     #[test]
