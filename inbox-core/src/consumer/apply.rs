@@ -508,16 +508,6 @@ where
                 self.common.stage(Stage::Applied, &w.id);
             }
         }
-        let outcomes: Vec<Outcome> = claimed
-            .iter()
-            .map(|new| {
-                if *new {
-                    Outcome::Applied
-                } else {
-                    Outcome::Skipped
-                }
-            })
-            .collect();
         if fresh.is_empty() {
             // Nothing to keep: every message was a duplicate.
             self.common.rollback(tx).await;
@@ -535,14 +525,15 @@ where
         self.common.health.batch_done();
         let skipped = work.len() - fresh.len();
         info!(consumer = %self.common.name, applied = fresh.len(), skipped, "committed a batch");
-        for (w, outcome) in work.iter().zip(&outcomes) {
-            match outcome {
-                Outcome::Applied => {
-                    debug!(consumer = %self.common.name, message_id = %w.id.escaped(), position = %w.delivery.message.meta.position.escape_debug(), outcome = "applied", "applied");
-                    self.common.stage(Stage::Committed, &w.id);
-                }
-                Outcome::Skipped => self.common.skipped(&w.id),
-                Outcome::Failed(_) | Outcome::HandedBack | Outcome::Held => {}
+        let mut outcomes = Vec::with_capacity(work.len());
+        for (w, new) in work.iter().zip(claimed) {
+            if new {
+                debug!(consumer = %self.common.name, message_id = %w.id.escaped(), position = %w.delivery.message.meta.position.escape_debug(), outcome = "applied", "applied");
+                self.common.stage(Stage::Committed, &w.id);
+                outcomes.push(Outcome::Applied);
+            } else {
+                self.common.skipped(&w.id);
+                outcomes.push(Outcome::Skipped);
             }
         }
         Ok(outcomes)
