@@ -17,8 +17,6 @@ use inbox_conformance::provider::{Behaviour, ProviderMode, TestProvider};
 use inbox_conformance::TestDb;
 use inbox_core::BoxError;
 use inbox_postgres::PgLeases;
-use rand::rngs::StdRng;
-use rand::{RngExt, SeedableRng};
 use sqlx::AssertSqlSafe;
 
 use inbox_conformance::TestBroker;
@@ -231,10 +229,7 @@ pub(crate) const ACCOUNTS: i64 = 100;
 
 /// The waits before each kill of run `run`.
 pub(crate) fn schedule(s: &EffectsSettings, run: u32) -> Vec<Duration> {
-    let mut rng = StdRng::seed_from_u64(s.seed ^ (0xeffe + u64::from(run)));
-    (0..s.kills)
-        .map(|_| Duration::from_millis(rng.random_range(s.kill_after_ms.0..=s.kill_after_ms.1)))
-        .collect()
+    kill::waits(s.seed ^ (0xeffe + u64::from(run)), s.kills, s.kill_after_ms).collect()
 }
 
 async fn run_once<B: TestBroker>(

@@ -72,15 +72,22 @@ pub(crate) fn events(
     (events, credits.expected)
 }
 
+/// `count` waits of `min..=max` ms, drawn by a generator seeded with `seed`.
+pub(crate) fn waits(
+    seed: u64,
+    count: u32,
+    (min, max): (u64, u64),
+) -> impl Iterator<Item = Duration> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..count).map(move |_| Duration::from_millis(rng.random_range(min..=max)))
+}
+
 /// Work after the child's first write before each kill of run `run`: the same for every variant
 /// and broker.
 fn schedule(s: &KillSettings, run: u32) -> Vec<KillAt> {
-    let mut rng = StdRng::seed_from_u64(s.seed ^ (0x6b11 + u64::from(run)));
-    let (min, max) = s.kill_after_ms();
-    (0..s.kills())
-        .map(|_| rng.random_range(min..=max))
-        .map(|ms| KillAt::AfterFirstWrite(Duration::from_millis(ms)))
-        .collect()
+    let seed = s.seed ^ (0x6b11 + u64::from(run));
+    let waits = waits(seed, s.kills(), s.kill_after_ms());
+    waits.map(KillAt::AfterFirstWrite).collect()
 }
 
 /// Runs the kill test on one broker for every variant of `s`, a fresh wallet on `D` per run.
@@ -154,7 +161,7 @@ async fn run_once<B: TestBroker, D: TestStore>(
     broker.publish(&name, &outgoing).await?;
     let spec = ConsumerSpec {
         work: Duration::from_millis(s.work_ms),
-        lanes: s.lanes(),
+        lanes: s.lanes,
         crash_between_commit_and_ack: s.crash_between_commit_and_ack(),
         store: s.store,
         ..ConsumerSpec::new(kind, variant, &name, db.name())
@@ -305,10 +312,10 @@ pub(crate) async fn run(s: &KillSettings) -> Result<(), BoxError> {
             s.shards()
         ),
     }
-    if s.lanes() > 1 {
+    if s.lanes > 1 {
         println!(
             "Each consumer applies up to {} lanes side by side (--lanes).",
-            s.lanes()
+            s.lanes
         );
     }
     let mut all = Vec::new();

@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 
 use crate::cli::{
-    millis, millis_range, probability, BrokerKind, KafkaImpl, StoreKind, Variant, KAFKA_IMPL_HELP,
-    KAFKA_IMPL_LONG_HELP,
+    millis, millis_range, positive, probability, BrokerKind, KafkaImpl, StoreKind, Variant,
+    KAFKA_IMPL_HELP, KAFKA_IMPL_LONG_HELP,
 };
 
 /// The brokers a test runs on: `--brokers`, `--require-brokers`, `--kafka-impl`.
@@ -63,8 +63,8 @@ pub(crate) struct KillSettings {
     pub(crate) work_ms: u64,
     /// Lanes each consumer applies side by side (`Consumer::parallel_lanes`): Kafka
     /// partitions, SQS FIFO groups; one lane on sources of one order.
-    #[arg(long, value_name = "N", default_value = "1", value_parser = clap::value_parser!(u64).range(1..))]
-    lanes: u64,
+    #[arg(long, value_name = "N", default_value = "1", value_parser = positive)]
+    pub(crate) lanes: usize,
     /// Seed of the events and the kill schedule.
     #[arg(long, value_name = "N", default_value = "42")]
     pub(crate) seed: u64,
@@ -149,11 +149,6 @@ impl KillSettings {
     /// The no-kill run's events: `--events` unless said.
     pub(crate) fn throughput_events(&self) -> u32 {
         self.throughput_events.unwrap_or(self.events())
-    }
-
-    /// Lanes each consumer applies side by side (`Consumer::parallel_lanes`).
-    pub(crate) fn lanes(&self) -> usize {
-        usize::try_from(self.lanes).unwrap_or(usize::MAX)
     }
 
     /// With `StoreKind::Sharded`: how many shard clusters.
