@@ -46,10 +46,13 @@ pub(crate) fn write(path: &Path, results: &[VariantResult]) -> Result<(), BoxErr
         .y_desc("per run (log scale)")
         .draw()?;
     // The scale's ticks: 0, 1, 10, 100, ...
-    let tick_style = ("sans-serif", 12)
-        .into_font()
-        .into_text_style(&root)
-        .pos(Pos::new(HPos::Right, VPos::Center));
+    let text = |size, h, v| {
+        ("sans-serif", size)
+            .into_font()
+            .into_text_style(&root)
+            .pos(Pos::new(h, v))
+    };
+    let tick_style = text(12, HPos::Right, VPos::Center);
     let mut tick = 0.0;
     while scaled(tick) <= top {
         let y = scaled(tick);
@@ -81,12 +84,6 @@ pub(crate) fn write(path: &Path, results: &[VariantResult]) -> Result<(), BoxErr
             .label(name)
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
     }
-    let centred = |size| {
-        ("sans-serif", size)
-            .into_font()
-            .into_text_style(&root)
-            .pos(Pos::new(HPos::Center, VPos::Bottom))
-    };
     // The values above the bars, and broker + variant under each pair.
     for (i, r) in results.iter().enumerate() {
         let x = i as f64;
@@ -94,20 +91,13 @@ pub(crate) fn write(path: &Path, results: &[VariantResult]) -> Result<(), BoxErr
             chart.draw_series(std::iter::once(Text::new(
                 format!("{value}"),
                 (x + left, scaled(value)),
-                centred(12),
+                text(12, HPos::Center, VPos::Bottom),
             )))?;
         }
         let label = format!("{} {}", r.broker, r.variant.name());
         chart.draw_series(std::iter::once(
             EmptyElement::at((x + 0.5, 0.0))
-                + Text::new(
-                    label,
-                    (0, 8),
-                    ("sans-serif", 13)
-                        .into_font()
-                        .into_text_style(&root)
-                        .pos(Pos::new(HPos::Center, VPos::Top)),
-                ),
+                + Text::new(label, (0, 8), text(13, HPos::Center, VPos::Top)),
         ))?;
     }
     chart
