@@ -96,16 +96,13 @@ named! {
 
 named! {
     /// Which Kafka-protocol broker `KAFKA_BROKERS` points at, for the harness work-arounds one
-    /// needs.
+    /// needs ([`KAFKA_IMPL_LONG_HELP`] says which).
     #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
     pub(crate) enum KafkaImpl ("Kafka implementation") {
-        /// Tansu 0.6, what `cargo xtask services` starts: one record per produced batch, and a
-        /// draining consumer that applies nothing is replaced (see `brokers/kafka.rs`, `kill.rs`).
+        /// Tansu 0.6, what `cargo xtask services` starts.
         #[default]
         Tansu = "tansu",
-        /// librdkafka's mock cluster (`kafka-mock`): records batched normally, a stalled drain
-        /// fails the run; no CreateTopics, so topics come from `kafka-mock --control`
-        /// (`KAFKA_MOCK_CONTROL`) or are created on first use with the mock's 4 partitions.
+        /// librdkafka's mock cluster (`kafka-mock`).
         Mock = "mock",
     }
 }
@@ -358,17 +355,17 @@ impl ConsumerSpec {
             ("--lanes", self.lanes.to_string()),
             ("--handler", self.handler.to_string()),
         ];
-        std::iter::once("consume".to_owned())
-            .chain(flag_args(flags.into_iter().chain(batch)))
-            .collect()
+        child_args("consume", flags.into_iter().chain(batch))
     }
 }
 
-/// `--flag value` pairs as a child's arguments.
-pub(crate) fn flag_args(
+/// A child's arguments: `command`, then `--flag value` pairs.
+pub(crate) fn child_args(
+    command: &str,
     flags: impl IntoIterator<Item = (&'static str, String)>,
-) -> impl Iterator<Item = String> {
-    flags
+) -> Vec<String> {
+    let flags = flags
         .into_iter()
-        .flat_map(|(flag, value)| [flag.to_owned(), value])
+        .flat_map(|(flag, value)| [flag.into(), value]);
+    std::iter::once(command.to_owned()).chain(flags).collect()
 }

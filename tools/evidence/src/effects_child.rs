@@ -17,7 +17,7 @@ use inbox_core::{
 use inbox_postgres::{Outbox, PgLeases, PgTx};
 use inbox_testkit::fast_retry;
 
-use crate::cli::{flag_args, millis, named, BrokerKind, KafkaImpl};
+use crate::cli::{child_args, millis, named, BrokerKind, KafkaImpl};
 
 /// The environment variable the parent passes the provider's address in.
 pub(crate) const PROVIDER_ENV: &str = "EFFECTS_PROVIDER";
@@ -90,9 +90,7 @@ impl ChildSpec {
             ("--mode", self.mode.to_string()),
             ("--work-ms", self.work_ms.to_string()),
         ];
-        std::iter::once("effects-child".to_owned())
-            .chain(flag_args(flags))
-            .collect()
+        child_args("effects-child", flags)
     }
 }
 
@@ -135,28 +133,27 @@ pub(crate) async fn run<S: MessageSource + 'static>(
                 destination: spec.destination.clone(),
                 work,
             };
-            crate::ready();
-            Consumer::new("forward", source, db.inbox(), handler)
-                .batch_size(10)
-                .error_backoff(Duration::from_millis(100))
-                .run_until(crate::ctrl_c())
-                .await?;
+            on_inbox("forward", source, db, handler).await?;
         }
-        Role::Credit => {
-            crate::ready();
-            Consumer::new(
-                "wallet",
-                source,
-                db.inbox(),
-                Credit::new(db.clone()).work(work),
-            )
-            .batch_size(10)
-            .error_backoff(Duration::from_millis(100))
-            .run_until(crate::ctrl_c())
-            .await?;
-        }
+        Role::Credit => on_inbox("wallet", source, db, Credit::new(db.clone()).work(work)).await?,
         Role::Relay => return Err("the relay reads no source".into()),
     }
+    Ok(())
+}
+
+/// Consumer A or B: `handler` on the run's inbox, in batches of 10.
+async fn on_inbox<S: MessageSource + 'static, H: Handler<PgTx> + 'static>(
+    name: &str,
+    source: S,
+    db: &TestDb,
+    handler: H,
+) -> Result<(), BoxError> {
+    crate::ready();
+    Consumer::new(name, source, db.inbox(), handler)
+        .batch_size(10)
+        .error_backoff(Duration::from_millis(100))
+        .run_until(crate::ctrl_c())
+        .await?;
     Ok(())
 }
 
