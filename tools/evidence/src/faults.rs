@@ -89,23 +89,19 @@ impl Proxies {
                 None => return,
             },
         };
-        match fault {
-            Fault::DbCut | Fault::BrokerCut => proxy.cut(),
-            Fault::DbRefused | Fault::BrokerBlackholed => {
-                proxy.set_mode(if fault == Fault::DbRefused {
-                    ProxyMode::Refuse
-                } else {
-                    ProxyMode::Blackhole
-                });
-                let proxy = Arc::clone(proxy);
-                tokio::spawn(async move {
-                    tokio::time::sleep(fault.lasts()).await;
-                    // Restored for new connections; a black-holed one stays dead to its client,
-                    // which has to notice by itself.
-                    proxy.set_mode(ProxyMode::Pass);
-                });
-            }
-        }
+        let mode = match fault {
+            Fault::DbCut | Fault::BrokerCut => return proxy.cut(),
+            Fault::DbRefused => ProxyMode::Refuse,
+            Fault::BrokerBlackholed => ProxyMode::Blackhole,
+        };
+        proxy.set_mode(mode);
+        let proxy = Arc::clone(proxy);
+        tokio::spawn(async move {
+            tokio::time::sleep(fault.lasts()).await;
+            // Restored for new connections; a black-holed one stays dead to its client, which
+            // has to notice by itself.
+            proxy.set_mode(ProxyMode::Pass);
+        });
     }
 }
 
