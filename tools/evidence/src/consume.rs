@@ -44,15 +44,16 @@ impl BatchHandler<MemoryTx<()>> for CountOnly {
     }
 }
 
-/// Runs `spec`'s consumer on `source` until `shutdown`, counting in `progress` each message as
-/// its transaction commits (the benchmark's clock).
-pub(crate) async fn run<S: MessageSource + 'static>(
+/// Says `ready` and runs `spec`'s consumer on `source` until `shutdown`, counting in `progress`
+/// each message as its transaction commits (the benchmark's clock).
+async fn run<S: MessageSource + 'static>(
     source: S,
     spec: &ConsumerSpec,
     db: &TestDb,
     progress: Option<Arc<Progress>>,
     shutdown: Shutdown,
 ) -> Result<StatsSnapshot, inbox_core::Error> {
+    crate::ready();
     if spec.no_database {
         let consumer = Consumer::batched("wallet", source, MemoryStore::<()>::new(), CountOnly);
         return finish(consumer, spec, progress, shutdown).await;
@@ -88,11 +89,9 @@ pub(crate) async fn consume<B: TestBroker>(
 ) -> Result<StatsSnapshot, BoxError> {
     if spec.variant.auto_ack() {
         let source = broker.at_most_once_source(spec).await?;
-        crate::ready();
         return Ok(run(source, spec, db, progress, shutdown).await?);
     }
     let source = broker.source(spec).await?;
-    crate::ready();
     Ok(run(source, spec, db, progress, shutdown).await?)
 }
 
