@@ -14,12 +14,10 @@ use std::time::{Duration, Instant};
 
 use inbox_admin::progress;
 use inbox_conformance::provider::{Behaviour, ProviderMode, TestProvider};
-use inbox_conformance::TestDb;
+use inbox_conformance::{TestBroker, TestDb};
 use inbox_core::BoxError;
 use inbox_postgres::PgLeases;
 use sqlx::AssertSqlSafe;
-
-use inbox_conformance::TestBroker;
 
 use crate::brokers::{self, with_broker, Broker};
 use crate::cli::{millis, millis_range, BrokerKind};

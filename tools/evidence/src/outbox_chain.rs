@@ -9,11 +9,9 @@ use std::time::Duration;
 
 use inbox_admin::progress;
 use inbox_conformance::wallet;
-use inbox_conformance::{TestDb, TestStore};
+use inbox_conformance::{TestBroker, TestDb, TestStore};
 use inbox_core::BoxError;
 use inbox_postgres::Outbox;
-
-use inbox_conformance::TestBroker;
 
 use crate::brokers::Broker;
 use crate::effects::{kill_in_turn, schedule, Drain, EffectsSettings, Run, ACCOUNTS};

@@ -10,13 +10,11 @@ use std::time::{Duration, Instant};
 use futures_util::stream::{self, StreamExt, TryStreamExt};
 use inbox_admin::progress;
 use inbox_conformance::kill::{KillPlan, KillReport};
-use inbox_conformance::TestDb;
+use inbox_conformance::{TestBroker, TestDb};
 use inbox_core::BoxError;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use tokio::process::Child;
-
-use inbox_conformance::TestBroker;
 
 use crate::bench;
 use crate::brokers::{self, with_broker, Broker};

@@ -7,9 +7,8 @@ use std::time::Duration;
 
 use inbox_admin::progress::Progress;
 use inbox_conformance::scenarios::{ZombiePlan, ZombieReport};
-use inbox_core::BoxError;
-
 use inbox_conformance::TestBroker;
+use inbox_core::BoxError;
 
 use crate::brokers::{self, with_broker, Broker};
 use crate::settings::ZombieSettings;
