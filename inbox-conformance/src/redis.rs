@@ -248,3 +248,26 @@ impl TestQueue for Stream {
         Some(connect(builder).await)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use inbox_redis_streams::redis;
+
+    /// A check's write that the server answers late is waited for (see [`raw_at`]).
+    #[tokio::test]
+    async fn a_late_answer_is_waited_for() {
+        let server = private_redis().await;
+        let url = format!("redis://127.0.0.1:{}", server.port());
+        let mut pauser = raw_at(&url).await;
+        redis::cmd("CLIENT")
+            .arg("PAUSE")
+            .arg(1000)
+            .arg("WRITE")
+            .query_async::<()>(&mut pauser)
+            .await
+            .expect("CLIENT PAUSE");
+        let id = xadd_with(&mut raw_at(&url).await, "late", &[("k", "v")]).await;
+        assert!(!id.is_empty());
+    }
+}

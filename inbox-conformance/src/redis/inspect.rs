@@ -1,7 +1,9 @@
 //! What is on a Redis stream, read over a raw connection: entries pending and not yet delivered,
 //! the dead-letter stream; and raw writes the adapter would refuse to make.
 
-use inbox_redis_streams::redis::{self, aio::MultiplexedConnection, Value};
+use std::time::Duration;
+
+use inbox_redis_streams::redis::{self, aio::MultiplexedConnection, AsyncConnectionConfig, Value};
 
 use super::{redis_url, GROUP};
 
@@ -10,11 +12,14 @@ pub async fn raw() -> MultiplexedConnection {
     raw_at(&redis_url()).await
 }
 
-/// A plain connection to the Redis at `url`.
+/// A plain connection to the Redis at `url`. It waits up to 10 s for each answer: the client's
+/// default, 500 ms, failed a CI run's check ("XADD: timed out") while a server of a scenario's
+/// own, which syncs every write to disk, waited on a loaded machine's disk.
 pub(super) async fn raw_at(url: &str) -> MultiplexedConnection {
+    let config = AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(10)));
     redis::Client::open(url)
         .unwrap_or_else(|e| panic!("{url}: {e}"))
-        .get_multiplexed_async_connection()
+        .get_multiplexed_async_connection_with_config(&config)
         .await
         .unwrap_or_else(|e| panic!("Redis at {url}: {e}"))
 }
