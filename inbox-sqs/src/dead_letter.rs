@@ -141,10 +141,15 @@ pub(crate) fn letter<'a>(
     }
 }
 
-/// Refuses an ID attribute (`who` sets it) that a dead letter or a delayed redelivery writes
-/// itself: the ID would be overwritten on the way, and every letter of one reason replay under
-/// one ID.
+/// Refuses an ID attribute (`who` sets it) that is empty, or that a dead letter or a delayed
+/// redelivery writes itself: the ID would be overwritten on the way, and every letter of one
+/// reason replay under one ID.
 pub(crate) fn check_id_attribute(name: &str, who: &str) -> Result<(), Error> {
+    if name.is_empty() {
+        return Err(Error::Config(format!(
+            "the ID attribute name is empty: name one in {who}"
+        )));
+    }
     if ADDED.contains(&name)
         || delivery::SCHEDULE_ATTRIBUTES.contains(&name)
         || name == delivery::DEDUPLICATION_ID_HEADER

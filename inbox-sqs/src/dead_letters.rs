@@ -319,4 +319,19 @@ mod tests {
         );
         assert!(crate::fifo::is_valid_id(&replay) && crate::fifo::is_valid_id(&again));
     }
+
+    /// The reader finds dead letters' IDs in its ID attribute: with none named, every letter
+    /// would replay without its ID. The producer and the source refuse it too.
+    #[tokio::test]
+    async fn an_empty_id_attribute_is_refused() {
+        let sqs = SqsConnection::new(crate::connection::offline_client());
+        let reader = sqs
+            .dead_letters("http://localhost/0/payments-dlq")
+            .id_attribute("");
+        let Err(Error::Config(e)) = reader.connect().await else {
+            panic!("an empty ID attribute was taken");
+        };
+        assert!(e.contains("ID attribute name is empty"), "{e}");
+        assert!(e.contains("SqsDeadLettersBuilder::id_attribute"), "{e}");
+    }
 }

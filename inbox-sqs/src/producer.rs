@@ -58,9 +58,6 @@ impl SqsProducerBuilder {
     /// Builds the client unless the connection has one, checks the settings and returns the producer. It
     /// makes no SQS call: an unreachable endpoint or a missing queue shows in the first send.
     pub async fn connect(self) -> Result<SqsProducer> {
-        if self.id_attribute.is_empty() {
-            return Err(Error::Config("the ID attribute name is empty".into()));
-        }
         dead_letter::check_id_attribute(&self.id_attribute, "SqsProducerBuilder::id_attribute")?;
         Ok(SqsProducer {
             client: self.connection.client().await,
