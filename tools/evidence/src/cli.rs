@@ -267,7 +267,7 @@ named! {
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ConsumerSpec {
     /// The broker to consume from.
-    #[arg(long, value_name = "kafka|sqs|rabbitmq|redis")]
+    #[arg(long, value_name = "kafka|sqs|rabbitmq|redis|nats")]
     pub(crate) broker: BrokerKind,
     /// a1 ack on receipt, a2 the same in batches, b ack after the DB commit without
     /// the inbox, c the inbox.

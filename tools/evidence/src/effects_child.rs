@@ -60,7 +60,7 @@ pub(crate) struct ChildSpec {
     #[arg(long, value_name = "effect|forward|relay|credit")]
     pub(crate) role: Role,
     /// The broker it reads or writes.
-    #[arg(long, value_name = "kafka|sqs|rabbitmq|redis")]
+    #[arg(long, value_name = "kafka|sqs|rabbitmq|redis|nats")]
     pub(crate) broker: BrokerKind,
     /// The queue, topic or stream read (the relay: the one written).
     #[arg(long, value_name = "QUEUE")]

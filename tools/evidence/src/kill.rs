@@ -371,7 +371,7 @@ pub(crate) async fn run(s: &KillSettings) -> Result<(), BoxError> {
 /// `evidence publish`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct PublishArgs {
-    #[arg(long, value_name = "kafka|sqs|rabbitmq|redis")]
+    #[arg(long, value_name = "kafka|sqs|rabbitmq|redis|nats")]
     broker: BrokerKind,
     /// The queue, topic or stream.
     #[arg(long, value_name = "QUEUE")]

@@ -86,6 +86,18 @@ fn each_command_has_its_own_help() {
     assert!(text.contains("--kafka-impl <tansu|mock>"), "{text}");
 }
 
+/// The commands that take one `--broker` list every broker they accept.
+#[test]
+fn the_broker_flag_lists_every_broker() {
+    for command in ["consume", "publish", "effects-child"] {
+        let text = stdout(&evidence(&[command, "--help"]));
+        assert!(
+            text.contains("--broker <kafka|sqs|rabbitmq|redis|nats>"),
+            "{command}: {text}"
+        );
+    }
+}
+
 #[test]
 fn version_succeeds() {
     let out = evidence(&["--version"]);
