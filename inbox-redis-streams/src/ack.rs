@@ -72,21 +72,14 @@ impl RedisStreamAck {
         let s = &self.settings;
         let fields = original.unwrap_or_else(|| rebuild_fields(s, message));
         let mut cmd = redis::cmd("EVAL");
-        cmd.arg(PARK)
-            .arg(2)
-            .arg(&s.dead_letter_stream)
-            .arg(&s.stream)
-            .arg(&s.group)
-            .arg(&self.entry_id);
+        cmd.arg((PARK, 2, &s.dead_letter_stream, &s.stream))
+            .arg((&s.group, &self.entry_id));
         for (name, value) in &fields {
-            cmd.arg(name.as_slice()).arg(value.as_slice());
+            cmd.arg((name.as_slice(), value.as_slice()));
         }
-        cmd.arg(dead_letter::REASON)
-            .arg(reason)
-            .arg(dead_letter::ORIGINAL_SOURCE)
-            .arg(&message.meta.source)
-            .arg(dead_letter::ORIGINAL_POSITION)
-            .arg(&message.meta.position);
+        cmd.arg((dead_letter::REASON, reason))
+            .arg((dead_letter::ORIGINAL_SOURCE, &message.meta.source))
+            .arg((dead_letter::ORIGINAL_POSITION, &message.meta.position));
         // Not repeated on a new connection: a lost reply may hide a copy already added.
         let _: Value = self.conn.query(&cmd, Duration::ZERO).await.map_err(|e| {
             Error::redis(

@@ -54,6 +54,13 @@ impl RedisDeadLetters {
         letter.timestamp = entry_time(&letter.handle);
         letter
     }
+
+    /// Runs `cmd` once; a failure names the command (`what`, as in `XDEL from`) and the stream.
+    async fn run<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd, what: &str) -> Result<T> {
+        let context = || format!("{what} dead-letter stream {}", self.stream);
+        let reply = self.conn.query(cmd, Duration::ZERO).await;
+        reply.map_err(|e| Error::redis(context(), e))
+    }
 }
 
 impl RedisDeadLettersBuilder {
@@ -93,20 +100,8 @@ impl DeadLetters for RedisDeadLetters {
             None => "-".to_owned(),
         };
         let mut xrange = redis::cmd("XRANGE");
-        xrange
-            .arg(&self.stream)
-            .arg(start)
-            .arg("+")
-            .arg("COUNT")
-            .arg(max);
-        let entries = self
-            .conn
-            .query(&xrange, Duration::ZERO)
-            .await
-            .map_err(|e| {
-                Error::redis(format!("XRANGE of dead-letter stream {}", self.stream), e)
-            })?;
-        let entries = reply::range_reply(entries)?;
+        xrange.arg((&self.stream, start, "+", "COUNT", max));
+        let entries = reply::range_reply(self.run(&xrange, "XRANGE of").await?)?;
         if let Some(last) = entries.last() {
             self.after = Some(last.id.clone());
         }
@@ -122,9 +117,7 @@ impl DeadLetters for RedisDeadLetters {
         for letter in letters {
             xdel.arg(&letter.handle);
         }
-        let _: u64 = self.conn.query(&xdel, Duration::ZERO).await.map_err(|e| {
-            Error::redis(format!("XDEL from dead-letter stream {}", self.stream), e)
-        })?;
+        let _: u64 = self.run(&xdel, "XDEL from").await?;
         Ok(())
     }
 }

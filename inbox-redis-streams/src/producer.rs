@@ -157,14 +157,10 @@ impl RedisStreamProducer {
     pub async fn add(&self, stream: &str, message: &OutgoingMessage) -> Result<String> {
         self.check_headers(message)?;
         let mut cmd = redis::cmd("XADD");
-        cmd.arg(stream)
-            .arg("*")
-            .arg(&self.id_field)
-            .arg(message.id.as_str())
-            .arg(PAYLOAD_FIELD)
-            .arg(message.payload.as_slice());
+        cmd.arg((stream, "*", &self.id_field, message.id.as_str()))
+            .arg((PAYLOAD_FIELD, message.payload.as_slice()));
         for (name, value) in message.traced_headers() {
-            cmd.arg(name).arg(value.as_ref());
+            cmd.arg((name, value.as_ref()));
         }
         self.write(&cmd, stream, || format!("XADD to stream {stream}"))
             .await
@@ -276,19 +272,14 @@ impl Publish for RedisStreamProducer {
                     return Ok(());
                 }
                 let mut cmd = redis::cmd("EVAL");
-                cmd.arg(XADD_ALL)
-                    .arg(1)
-                    .arg(destination)
-                    .arg(&self.id_field)
-                    .arg(PAYLOAD_FIELD);
+                cmd.arg((XADD_ALL, 1, destination, &self.id_field, PAYLOAD_FIELD));
                 for message in messages {
                     self.check_headers(message).map_err(failed)?;
                     let headers: Vec<_> = message.traced_headers().collect();
-                    cmd.arg(message.id.as_str())
-                        .arg(message.payload.as_slice())
-                        .arg(headers.len());
+                    let id = message.id.as_str();
+                    cmd.arg((id, message.payload.as_slice(), headers.len()));
                     for (name, value) in headers {
-                        cmd.arg(name).arg(value.as_ref());
+                        cmd.arg((name, value.as_ref()));
                     }
                 }
                 let added: usize = self

@@ -96,16 +96,10 @@ impl RedisStreamSource {
     /// [A deleted consumer group](crate#a-deleted-consumer-group).
     async fn create_group(&mut self) -> Result<()> {
         let s = &self.settings;
+        let create = ("CREATE", &s.stream, &s.group, "0", "MKSTREAM");
         let created: redis::RedisResult<Value> = self
             .commands
-            .idempotent(
-                redis::cmd("XGROUP")
-                    .arg("CREATE")
-                    .arg(&s.stream)
-                    .arg(&s.group)
-                    .arg("0")
-                    .arg("MKSTREAM"),
-            )
+            .idempotent(redis::cmd("XGROUP").arg(create))
             .await;
         match created {
             Ok(_) => info!(stream = %s.stream, group = %s.group, "created consumer group"),
@@ -177,15 +171,11 @@ impl RedisStreamSource {
     ) -> Result<Vec<Entry>> {
         let s = &self.settings;
         let mut cmd = redis::cmd("XREADGROUP");
-        cmd.arg("GROUP")
-            .arg(&s.group)
-            .arg(&s.consumer)
-            .arg("COUNT")
-            .arg(max);
+        cmd.arg(("GROUP", &s.group, &s.consumer, "COUNT", max));
         if let Some(block) = block {
-            cmd.arg("BLOCK").arg(block.as_millis().max(1) as u64);
+            cmd.arg(("BLOCK", block.as_millis().max(1) as u64));
         }
-        cmd.arg("STREAMS").arg(&s.stream).arg(after);
+        cmd.arg(("STREAMS", &s.stream, after));
         // The blocking read has a connection of its own; the others use the command one.
         let value: redis::RedisResult<Value> = if let Some(block) = block {
             // Not repeated: the consumer loop backs off and reads again, and whatever a lost
