@@ -269,26 +269,22 @@ impl Ack for RabbitAck {
                 multiple_up_to,
                 singles,
             } = link.unsettled().plan(&tags);
-            let mut result = Ok(());
-            if let Some(last) = multiple_up_to {
-                result = link.ack(last, true).await;
-            }
-            for tag in singles {
-                if result.is_err() {
-                    break;
+            let acked = async {
+                if let Some(last) = multiple_up_to {
+                    link.ack(last, true).await?;
                 }
-                result = link.ack(tag, false).await;
-            }
+                for tag in singles {
+                    link.ack(tag, false).await?;
+                }
+                Ok::<_, Error>(())
+            };
             // Settled as each frame was queued. After a failure the rest stay unsettled: the
             // broker never got their ack, so no later `multiple` ack may cover them.
-            if let Err(e) = result {
+            if let Err(e) = acked.await {
                 first_error.get_or_insert(e);
             }
         }
-        match first_error {
-            Some(e) => Err(e.into()),
-            None => Ok(()),
-        }
+        first_error.map_or(Ok(()), |e| Err(e.into()))
     }
 }
 

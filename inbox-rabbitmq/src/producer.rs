@@ -147,12 +147,8 @@ fn confirmed(confirmation: Confirmation, exchange: &str, routing_key: &str) -> R
 /// `opentelemetry` of inbox-core), unless they carry one.
 fn with_traceparent(properties: BasicProperties) -> BasicProperties {
     let mut headers = properties.headers().clone().unwrap_or_default();
-    let traced = headers
-        .inner()
-        .keys()
-        .any(|k| k.as_str() == TRACEPARENT_HEADER);
     match inbox_core::TraceParent::current() {
-        Some(parent) if !traced => {
+        Some(parent) if !headers.contains_key(TRACEPARENT_HEADER) => {
             headers.insert(TRACEPARENT_HEADER.into(), long_string(&parent.to_string()));
             properties.with_headers(headers)
         }
