@@ -54,10 +54,7 @@ impl Mark {
         let mut parts = text.split(':');
         let redeliveries = parts.next()?.parse().ok()?;
         let delay_ms = parts.next()?.parse().ok()?;
-        let handed_back_at = match parts.next() {
-            Some(count) => Some(count.parse().ok()?),
-            None => None,
-        };
+        let handed_back_at = parts.next().map(str::parse).transpose().ok()?;
         if parts.next().is_some() {
             return None;
         }
