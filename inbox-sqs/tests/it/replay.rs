@@ -3,7 +3,7 @@
 //!
 //! moto drops a resend with a seen deduplication ID only while the first copy is still queued,
 //! where AWS drops it for five minutes: what a replay sends as its deduplication ID is pinned by
-//! the unit test in `src/dead_letters.rs`, and this test runs the round trip for real.
+//! the unit test in `src/dead_letter.rs`, and this test runs the round trip for real.
 // A test fails by panicking; an unwrap names the failed call in its message.
 #![allow(clippy::unwrap_used)]
 
