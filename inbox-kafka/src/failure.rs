@@ -187,17 +187,12 @@ impl Failures {
         taken
     }
 
-    /// Whether a consumer error says a broker refused the connection (TLS or SASL): see
-    /// [`refusal_of`](Self::refusal_of).
-    pub(crate) fn is_refusal(error: &KafkaError) -> bool {
-        let code = error.rdkafka_error_code();
-        code.is_some_and(|code| Refusal::of(code, "").is_some())
-    }
-
-    /// The refusal a consumer error stands for, with the reason of the last failure (its log
-    /// line), or `None` for an error that is not a refusal.
+    /// The refusal a consumer error stands for (a broker refused the connection: TLS or SASL),
+    /// with the reason of the last failure (its log line), forgetting it; `None`, and the last
+    /// failure kept, for an error that is not a refusal.
     pub(crate) fn refusal_of(&self, error: &KafkaError) -> Option<Error> {
         let code = error.rdkafka_error_code()?;
+        Refusal::of(code, "")?;
         let last = self.0.send_replace(None);
         let reason = last
             .as_ref()

@@ -346,16 +346,15 @@ impl MessageSource for KafkaSource {
                     warn!(group = %self.consumer.context().group, "evicted for exceeding max.poll.interval.ms; rejoining the group");
                     return Ok(Vec::new());
                 }
-                Ok(Err(e)) if Failures::is_refusal(&e) => {
+                Ok(Err(e)) => {
                     // A TLS handshake or a login the brokers refused: librdkafka would retry it
                     // forever in the background; the source says why instead.
-                    let failures = &self.consumer.context().failures;
-                    let refusal = failures
-                        .refusal_of(&e)
-                        .unwrap_or_else(|| Error::kafka("receiving from Kafka", e));
-                    return Err(refusal.into_source());
-                }
-                Ok(Err(e)) if informational(&e) => {
+                    if let Some(refusal) = self.consumer.context().failures.refusal_of(&e) {
+                        return Err(refusal.into_source());
+                    }
+                    if !informational(&e) {
+                        return Err(Error::kafka("receiving from Kafka", e).into_source());
+                    }
                     // A broker down, all brokers down, a connection refused: librdkafka
                     // reconnects and rejoins by itself, but only while it is polled. Handing
                     // the error to the consumer would make it back off (up to 30 s) between
@@ -364,7 +363,6 @@ impl MessageSource for KafkaSource {
                     // came back.
                     warn!(group = %self.consumer.context().group, error = %e, "broker error; librdkafka reconnects by itself, polling on");
                 }
-                Ok(Err(e)) => return Err(Error::kafka("receiving from Kafka", e).into_source()),
                 Ok(Ok(message)) if self.awaiting(&message) => {}
                 Ok(Ok(message)) => {
                     if let Some(delivery) = self.delivery(&message) {
