@@ -41,14 +41,6 @@ impl OffsetCommits {
     pub fn failed(&self) -> u64 {
         self.0.failed.load(Ordering::Relaxed)
     }
-
-    fn requested(&self) {
-        self.0.requests.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn failure(&self) {
-        self.0.failed.fetch_add(1, Ordering::Relaxed);
-    }
 }
 
 impl fmt::Debug for OffsetCommits {
@@ -75,6 +67,21 @@ pub(crate) fn offset_list(commits: &[Commit]) -> KafkaResult<TopicPartitionList>
     Ok(list)
 }
 
+/// Commits `commits` in one request, counted in the consumer's [`OffsetCommits`].
+fn commit(
+    consumer: &impl Consumer<InboxContext>,
+    commits: &[Commit],
+    mode: CommitMode,
+) -> KafkaResult<()> {
+    let counters = &consumer.context().commits.0;
+    counters.requests.fetch_add(1, Ordering::Relaxed);
+    let result = offset_list(commits).and_then(|list| consumer.commit(&list, mode));
+    if result.is_err() {
+        counters.failed.fetch_add(1, Ordering::Relaxed);
+    }
+    result
+}
+
 /// Commits `commits` in one synchronous request on the blocking pool: `Ok` means the broker has
 /// the offsets, or refused them because the partitions moved to another member (logged: it
 /// re-reads them and the inbox skips what was applied). After a failure the partitions are
@@ -85,15 +92,11 @@ pub(crate) async fn commit_sync(
 ) -> Result<(), SourceError> {
     let (group, partitions) = (consumer.context().group.clone(), commits.len());
     let result = tokio::task::spawn_blocking(move || {
-        let context = consumer.context();
-        context.commits.requested();
-        let result =
-            offset_list(&commits).and_then(|list| consumer.commit(&list, CommitMode::Sync));
+        let result = commit(&*consumer, &commits, CommitMode::Sync);
         if result.is_err() {
-            context.commits.failure();
             // A partition that moved is gone from the tracker, so this retries only partitions
             // still assigned (a commit refused during a rebalance that kept them here).
-            let mut tracker = context.tracker();
+            let mut tracker = consumer.context().tracker();
             for c in &commits {
                 tracker.commit_failed(&c.topic, c.partition, c.offset);
             }
@@ -117,12 +120,8 @@ pub(crate) async fn commit_sync(
 /// librdkafka finishes the unassign, and a close, only once its outstanding commits are done, so
 /// the partitions' next owner starts after these offsets all the same.
 pub(crate) fn commit_on_revoke(consumer: &BaseConsumer<InboxContext>, commits: &[Commit]) {
-    let context = consumer.context();
-    context.commits.requested();
-    let result = offset_list(commits).and_then(|list| consumer.commit(&list, CommitMode::Async));
-    if let Err(e) = result {
-        context.commits.failure();
-        warn!(group = %context.group, error = %e, partitions = commits.len(), "the last commit of revoked partitions failed; their new owner re-reads the rest and the inbox skips it");
+    if let Err(e) = commit(consumer, commits, CommitMode::Async) {
+        warn!(group = %consumer.context().group, error = %e, partitions = commits.len(), "the last commit of revoked partitions failed; their new owner re-reads the rest and the inbox skips it");
     }
 }
 
