@@ -171,6 +171,7 @@ mod tests {
                 .source(["t"], "g")
                 .id_from(from)
                 .consumer_config(&Failures::default())
+                .map(drop) // only the outcome: the context is not `Debug`
         };
         let e = config(IdFrom::MessageIdProperty).unwrap_err().to_string();
         assert!(e.contains("Kafka has no message-ID property"), "{e}");

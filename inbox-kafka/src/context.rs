@@ -69,7 +69,7 @@ macro_rules! client_context {
 
 /// The context of producers, admin clients and the dead-letter reader: logging, connection
 /// failures, tokens.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub(crate) struct ProducerContext {
     pub(crate) failures: Failures,
     pub(crate) token: Option<TokenRefresh>,
@@ -82,7 +82,6 @@ impl ConsumerContext for ProducerContext {}
 
 /// The consumer's context: logging, the offset tracker and commit counters, and the rebalance
 /// hook that commits what was acked of the revoked partitions and forgets the rest.
-#[derive(Debug)]
 pub(crate) struct InboxContext {
     pub(crate) group: String,
     /// `Duration::ZERO`: every ack commits; otherwise the commit task does, this often.

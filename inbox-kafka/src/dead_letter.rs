@@ -4,7 +4,6 @@
 //! it while the consumer looks healthy.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
 use std::time::Duration;
 
 use inbox_core::{dead_letter, Message, Recovery, SourceError};
@@ -27,15 +26,6 @@ pub(crate) struct DeadLetterProducer {
     pub(crate) timeout: Duration,
     /// The connection failures of the producer (and of the source's consumer).
     pub(crate) failures: Failures,
-}
-
-impl fmt::Debug for DeadLetterProducer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DeadLetterProducer")
-            .field("topic", &self.topic)
-            .field("timeout", &self.timeout)
-            .finish_non_exhaustive()
-    }
 }
 
 impl DeadLetterProducer {
@@ -77,21 +67,9 @@ pub(crate) struct DeadLetterCheck {
     /// Each dead-letter topic with the subscribed topics whose records go there.
     topics: BTreeMap<String, Vec<String>>,
     create: bool,
-    brokers: String,
     /// For an admin client that creates missing topics: the source's client settings (TLS,
-    /// SASL) and context (its token provider).
+    /// SASL, the brokers) and context (its token provider).
     admin: (ClientConfig, ProducerContext),
-    timeout: Duration,
-}
-
-impl fmt::Debug for DeadLetterCheck {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DeadLetterCheck")
-            .field("topics", &self.topics)
-            .field("create", &self.create)
-            .field("brokers", &self.brokers)
-            .finish_non_exhaustive()
-    }
 }
 
 impl DeadLetterCheck {
@@ -99,7 +77,7 @@ impl DeadLetterCheck {
         config: &KafkaSourceBuilder,
         admin: ClientConfig,
         context: ProducerContext,
-    ) -> crate::Result<Self> {
+    ) -> Self {
         let mut topics: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for topic in &config.topics {
             let dead_letter_topic = match &config.dead_letter_topic {
@@ -116,13 +94,11 @@ impl DeadLetterCheck {
                 .or_default()
                 .push(topic.clone());
         }
-        Ok(Self {
+        Self {
             topics,
             create: config.create_dead_letter_topics,
-            brokers: config.connection.brokers()?,
             admin: (admin, context),
-            timeout: config.connection.operation_timeout,
-        })
+        }
     }
 
     /// Finds the missing dead-letter topics with a metadata request for all topics (one that
@@ -132,9 +108,7 @@ impl DeadLetterCheck {
         if self.topics.is_empty() {
             return Ok(());
         }
-        let existing = self
-            .existing_topics(&producer.producer, &producer.failures)
-            .await?;
+        let existing = self.existing_topics(producer).await?;
         let missing: Vec<(&String, &Vec<String>)> = self
             .topics
             .iter()
@@ -168,11 +142,11 @@ impl DeadLetterCheck {
 
     async fn existing_topics(
         &self,
-        producer: &FutureProducer<ProducerContext>,
-        failures: &Failures,
+        dead_letters: &DeadLetterProducer,
     ) -> Result<BTreeSet<String>, SourceError> {
-        let (producer, timeout) = (producer.clone(), self.timeout);
-        let brokers = &self.brokers;
+        let (producer, timeout) = (dead_letters.producer.clone(), dead_letters.timeout);
+        let failures = &dead_letters.failures;
+        let brokers = self.admin.0.get("bootstrap.servers").unwrap_or_default();
         // A blocking request: off the async workers. A TLS handshake or a login the brokers
         // refuse fails the check at once, saying why, rather than at the timeout.
         let fetch =
@@ -223,7 +197,7 @@ mod tests {
     fn each_subscribed_topic_has_its_dead_letter_topic_and_patterns_are_skipped() {
         let config = crate::KafkaConnection::new("b:9092").source(["a", "b", "^c.*"], "g");
         let check = |config: &KafkaSourceBuilder| {
-            DeadLetterCheck::new(config, ClientConfig::new(), ProducerContext::default()).unwrap()
+            DeadLetterCheck::new(config, ClientConfig::new(), ProducerContext::default())
         };
         let topics: Vec<String> = check(&config).topics.into_keys().collect();
         assert_eq!(topics, ["a.dlq", "b.dlq"]);

@@ -118,7 +118,7 @@ impl KafkaSource {
         let producer = producer_config
             .create_with_context(context.clone())
             .map_err(|e| Error::kafka("creating the dead-letter producer", e))?;
-        let dead_letter_check = DeadLetterCheck::new(config, admin_config, context)?;
+        let dead_letter_check = DeadLetterCheck::new(config, admin_config, context);
         let dead_letters = Arc::new(DeadLetterProducer {
             producer,
             topic: config.dead_letter_topic.clone(),

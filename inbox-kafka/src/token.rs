@@ -142,14 +142,6 @@ pub(crate) struct TokenRefresh {
     failures: Failures,
 }
 
-impl fmt::Debug for TokenRefresh {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TokenRefresh")
-            .field("timeout", &self.timeout)
-            .finish_non_exhaustive()
-    }
-}
-
 impl TokenRefresh {
     /// Refused outside a tokio runtime: the provider would have nothing to run on.
     pub(crate) fn new(
