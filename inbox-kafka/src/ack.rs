@@ -26,25 +26,21 @@ use crate::tracker::Commit;
 /// one), waits for the delivery report, then acks. When the produce fails it hands the record
 /// back as [`Ack::nack`] does (its partition is sought back to it).
 pub struct KafkaAck {
-    pub(crate) target: AckTarget,
-    pub(crate) dead_letters: Arc<DeadLetterProducer>,
-}
-
-pub(crate) struct AckTarget {
     pub(crate) consumer: SharedConsumer,
     pub(crate) topic: Arc<str>,
     pub(crate) partition: i32,
     pub(crate) offset: i64,
     pub(crate) generation: u64,
     pub(crate) timeout: Duration,
+    pub(crate) dead_letters: Arc<DeadLetterProducer>,
 }
 
 impl fmt::Debug for KafkaAck {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KafkaAck")
-            .field("topic", &self.target.topic)
-            .field("partition", &self.target.partition)
-            .field("offset", &self.target.offset)
+            .field("topic", &self.topic)
+            .field("partition", &self.partition)
+            .field("offset", &self.offset)
             .finish()
     }
 }
@@ -59,21 +55,25 @@ impl Ack for KafkaAck {
     /// were applied are then skipped by the inbox). `retry_after` is not honoured: the core's
     /// own backoff already applies. Nothing past this offset is committed until it is acked.
     async fn nack(self, _retry_after: Duration) -> Result<(), SourceError> {
-        let t = self.target;
-        let rewind =
-            t.consumer
-                .context()
-                .tracker()
-                .rewind(&t.topic, t.partition, t.generation, t.offset);
+        let rewind = self.consumer.context().tracker().rewind(
+            &self.topic,
+            self.partition,
+            self.generation,
+            self.offset,
+        );
         if !rewind {
             return Ok(());
         }
-        let (topic, partition, offset) = (t.topic.clone(), t.partition, t.offset);
+        let (topic, partition, offset) = (self.topic.clone(), self.partition, self.offset);
         // A seek with a timeout waits until no message fetched before it can reach the
         // application; it blocks, so it runs off the async workers.
         let result = tokio::task::spawn_blocking(move || {
-            t.consumer
-                .seek(&t.topic, t.partition, Offset::Offset(t.offset), t.timeout)
+            self.consumer.seek(
+                &self.topic,
+                self.partition,
+                Offset::Offset(self.offset),
+                self.timeout,
+            )
         })
         .await;
         match result {
@@ -102,44 +102,43 @@ impl Ack for KafkaAck {
         delay: Duration,
         redelivery: u32,
     ) -> Result<(), SourceError> {
-        let t = &self.target;
         let commit = {
             // Decided and paused under the tracker's lock, so a revoke (which takes it too)
             // cannot come between the check of the generation and the pause.
-            let mut tracker = t.consumer.context().tracker();
+            let mut tracker = self.consumer.context().tracker();
             let Some(commit) = tracker.delay(
-                &t.topic,
-                t.partition,
-                t.generation,
-                t.offset,
+                &self.topic,
+                self.partition,
+                self.generation,
+                self.offset,
                 redelivery + 1,
                 delay,
                 std::time::Instant::now(),
                 std::time::SystemTime::now(),
             ) else {
-                debug!(topic = %t.topic, partition = t.partition, offset = t.offset, "redelivery of a delivery from a revoked assignment: the partition's owner reads it again from the last commit");
+                debug!(topic = %self.topic, partition = self.partition, offset = self.offset, "redelivery of a delivery from a revoked assignment: the partition's owner reads it again from the last commit");
                 return Ok(());
             };
             let mut list = TopicPartitionList::new();
-            list.add_partition(&t.topic, t.partition);
+            list.add_partition(&self.topic, self.partition);
             // Paused before the seek, so nothing of the partition is fetched again in between.
-            if let Err(e) = t.consumer.pause(&list) {
-                warn!(topic = %t.topic, partition = t.partition, error = %e, "pausing a partition for a delayed redelivery failed; the record comes back without the delay");
+            if let Err(e) = self.consumer.pause(&list) {
+                warn!(topic = %self.topic, partition = self.partition, error = %e, "pausing a partition for a delayed redelivery failed; the record comes back without the delay");
             }
             commit
         };
         redelivery::resume_at(
             &tokio::runtime::Handle::current(),
-            t.consumer.downgrade(),
-            Arc::clone(&t.topic),
-            t.partition,
+            self.consumer.downgrade(),
+            Arc::clone(&self.topic),
+            self.partition,
             std::time::Instant::now() + delay,
         );
         // The count goes with the offset before the record can be read again, so the next
         // owner after a rebalance or a restart goes on with the schedule. A commit that fails
         // leaves the partition dirty: the commit task, the revoke or the close retries it.
-        if let Err(e) = commit_sync(t.consumer.clone(), vec![commit]).await {
-            warn!(topic = %t.topic, partition = t.partition, error = %e, "committing a redelivery count failed; the next commit carries it");
+        if let Err(e) = commit_sync(self.consumer.clone(), vec![commit]).await {
+            warn!(topic = %self.topic, partition = self.partition, error = %e, "committing a redelivery count failed; the next commit carries it");
         }
         self.nack(Duration::ZERO).await
     }
@@ -147,11 +146,11 @@ impl Ack for KafkaAck {
     /// Received before its partition was revoked: the partition is read again from its last
     /// commit, by whichever member holds it now.
     fn is_stale(&self) -> bool {
-        let t = &self.target;
-        !t.consumer
+        !self
+            .consumer
             .context()
             .tracker()
-            .is_current(&t.topic, t.partition, t.generation)
+            .is_current(&self.topic, self.partition, self.generation)
     }
 
     /// Produces the dead letter, then acks; on a failed produce, seeks back as a nack does.
@@ -177,20 +176,19 @@ impl Ack for KafkaAck {
         let mut consumer = None;
         let mut commits: HashMap<(Arc<str>, i32), (u64, i64)> = HashMap::new();
         for ack in acks {
-            let t = ack.target;
-            let next = t.consumer.context().tracker().finish(
-                &t.topic,
-                t.partition,
-                t.generation,
-                t.offset,
+            let next = ack.consumer.context().tracker().finish(
+                &ack.topic,
+                ack.partition,
+                ack.generation,
+                ack.offset,
             );
             if let Some(next) = next {
                 let slot = commits
-                    .entry((Arc::clone(&t.topic), t.partition))
-                    .or_insert((t.generation, next));
+                    .entry((Arc::clone(&ack.topic), ack.partition))
+                    .or_insert((ack.generation, next));
                 slot.1 = slot.1.max(next);
             }
-            consumer.get_or_insert(t.consumer);
+            consumer.get_or_insert(ack.consumer);
         }
         let Some(consumer) = consumer else {
             return Ok(());

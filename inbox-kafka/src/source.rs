@@ -17,7 +17,7 @@ use rdkafka::{Message as _, Offset};
 use tokio::task::JoinHandle;
 use tracing::warn;
 
-use crate::ack::{AckTarget, KafkaAck};
+use crate::ack::KafkaAck;
 use crate::commit::{commit_task, OffsetCommits};
 use crate::context::InboxContext;
 use crate::dead_letter::{DeadLetterCheck, DeadLetterProducer};
@@ -225,14 +225,12 @@ impl KafkaSource {
             position: (topic, partition, offset),
         });
         let ack = KafkaAck {
-            target: AckTarget {
-                consumer: self.consumer.clone(),
-                topic: topic.into(),
-                partition,
-                offset,
-                generation: tracked.generation,
-                timeout: self.operation_timeout,
-            },
+            consumer: self.consumer.clone(),
+            topic: topic.into(),
+            partition,
+            offset,
+            generation: tracked.generation,
+            timeout: self.operation_timeout,
             dead_letters: Arc::clone(&self.dead_letters),
         };
         let mut message = Message::new(id, record.payload().unwrap_or_default());
