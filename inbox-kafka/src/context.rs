@@ -2,7 +2,7 @@
 //! source to report, OAUTHBEARER tokens come from the token provider, and rebalances reach the
 //! offset tracker (assigned partitions wait until their redelivery marks are read).
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use rdkafka::client::{ClientContext, OAuthToken};
@@ -82,6 +82,7 @@ impl ConsumerContext for ProducerContext {}
 
 /// The consumer's context: logging, the offset tracker and commit counters, and the rebalance
 /// hook that commits what was acked of the revoked partitions and forgets the rest.
+#[derive(Default)]
 pub(crate) struct InboxContext {
     pub(crate) group: String,
     /// `Duration::ZERO`: every ack commits; otherwise the commit task does, this often.
@@ -89,31 +90,15 @@ pub(crate) struct InboxContext {
     pub(crate) commits: OffsetCommits,
     /// Shared with the source's dead-letter producer.
     pub(crate) failures: Failures,
-    token: Option<TokenRefresh>,
-    tracker: Arc<Mutex<Tracker>>,
+    pub(crate) token: Option<TokenRefresh>,
+    /// Locked through [`tracker`](Self::tracker).
+    pub(crate) tracker: Mutex<Tracker>,
     /// Told when partitions were assigned and their redelivery marks are to be read: the
     /// receive waiting on the consumer stops waiting and reads them.
     pub(crate) assigned: Notify,
 }
 
 impl InboxContext {
-    pub(crate) fn new(
-        group: String,
-        commit_interval: Duration,
-        failures: Failures,
-        token: Option<TokenRefresh>,
-    ) -> Self {
-        Self {
-            group,
-            commit_interval,
-            commits: OffsetCommits::default(),
-            failures,
-            token,
-            tracker: Arc::default(),
-            assigned: Notify::new(),
-        }
-    }
-
     /// The tracker, even if a thread panicked while holding it: its maps stay consistent at
     /// every step, so the data is still good.
     pub(crate) fn tracker(&self) -> MutexGuard<'_, Tracker> {

@@ -98,12 +98,13 @@ impl KafkaSource {
         let failures = Failures::default();
         let (consumer_config, context) = config.consumer_config(&failures)?;
         let consumer: StreamConsumer<InboxContext> = consumer_config
-            .create_with_context(InboxContext::new(
-                config.group_id.clone(),
-                config.commit_interval,
-                failures.clone(),
-                context.token.clone(),
-            ))
+            .create_with_context(InboxContext {
+                group: config.group_id.clone(),
+                commit_interval: config.commit_interval,
+                failures: failures.clone(),
+                token: context.token.clone(),
+                ..InboxContext::default()
+            })
             .map_err(|e| Error::kafka("creating the Kafka consumer", e))?;
         let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
         consumer
