@@ -71,13 +71,6 @@ struct Partition {
 }
 
 impl Partition {
-    fn new(generation: u64) -> Self {
-        Self {
-            generation,
-            ..Self::default()
-        }
-    }
-
     /// The offset to commit, if the finished prefix grew past what was last sent or the marks
     /// changed since.
     fn dirty(&self) -> Option<i64> {
@@ -247,15 +240,10 @@ impl Tracker {
     /// A commit of `offset` failed: unless a later request covers the partition, it is dirty
     /// again and the next commit retries it (with the marks as they are then).
     pub fn commit_failed(&mut self, topic: &str, partition: i32, offset: i64) {
-        let state = self
-            .partitions
-            .get_mut(topic)
-            .and_then(|partitions| partitions.get_mut(&partition));
-        if let Some(state) = state {
-            if state.sent <= Some(offset) {
-                state.sent = None;
-                state.marks_dirty = true;
-            }
+        let state = self.partition(topic, partition);
+        if let Some(state) = state.filter(|state| state.sent <= Some(offset)) {
+            state.sent = None;
+            state.marks_dirty = true;
         }
     }
 
@@ -397,9 +385,7 @@ impl Tracker {
         if self.pause_over(topic, partition, now) {
             return Some(Resume::Now);
         }
-        self.paused
-            .get(&(topic.to_owned(), partition))
-            .map(|&until| Resume::At(until))
+        self.paused.get(&key).map(|&until| Resume::At(until))
     }
 
     /// The partition was revoked: forget its in-flight messages (late acks for them are
@@ -453,15 +439,20 @@ impl Tracker {
             .entry(partition)
             .or_insert_with(|| {
                 *next_generation += 1;
-                Partition::new(*next_generation)
+                Partition {
+                    generation: *next_generation,
+                    ..Partition::default()
+                }
             })
     }
 
+    fn partition(&mut self, topic: &str, partition: i32) -> Option<&mut Partition> {
+        self.partitions.get_mut(topic)?.get_mut(&partition)
+    }
+
     fn current(&mut self, topic: &str, partition: i32, generation: u64) -> Option<&mut Partition> {
-        self.partitions
-            .get_mut(topic)?
-            .get_mut(&partition)
-            .filter(|state| state.generation == generation)
+        let state = self.partition(topic, partition);
+        state.filter(|state| state.generation == generation)
     }
 }
 
