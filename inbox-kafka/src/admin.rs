@@ -61,15 +61,10 @@ impl KafkaAdmin {
             .create_topics([&new], &self.options)
             .await
             .map_err(|e| Error::kafka(format!("creating topic `{topic}`"), e))?;
-        for result in results {
-            match result {
-                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
-                Err((name, code)) => {
-                    return Err(Error::kafka(
-                        format!("creating topic `{name}`"),
-                        KafkaError::AdminOp(code),
-                    ))
-                }
+        for (name, code) in results.into_iter().filter_map(Result::err) {
+            if code != RDKafkaErrorCode::TopicAlreadyExists {
+                let e = KafkaError::AdminOp(code);
+                return Err(Error::kafka(format!("creating topic `{name}`"), e));
             }
         }
         Ok(())
