@@ -145,15 +145,14 @@ impl KafkaDeadLettersBuilder {
                 return Err(failures.take_refusal().unwrap_or(e));
             }
         };
-        let mut assignment = TopicPartitionList::new();
-        for (partition, p) in &partitions {
-            assignment
-                .add_partition_offset(&self.topic, *partition, Offset::Offset(p.next))
-                .map_err(|e| Error::kafka("assigning the dead-letter partitions", e))?;
-        }
-        consumer
-            .assign(&assignment)
-            .map_err(|e| Error::kafka("assigning the dead-letter partitions", e))?;
+        let assign = || {
+            let mut assignment = TopicPartitionList::new();
+            for (partition, p) in &partitions {
+                assignment.add_partition_offset(&self.topic, *partition, Offset::Offset(p.next))?;
+            }
+            consumer.assign(&assignment)
+        };
+        assign().map_err(|e| Error::kafka("assigning the dead-letter partitions", e))?;
         Ok(KafkaDeadLetters {
             topic: self.topic,
             id_header: self.id_header,
