@@ -27,11 +27,7 @@ pub(crate) struct SharedConsumer {
 }
 
 impl SharedConsumer {
-    pub(crate) fn new(consumer: Client) -> Self {
-        Self::from_arc(Arc::new(consumer))
-    }
-
-    fn from_arc(consumer: Arc<Client>) -> Self {
+    pub(crate) fn new(consumer: Arc<Client>) -> Self {
         Self {
             _last: LastRef(Some(Arc::clone(&consumer))),
             consumer,
@@ -45,7 +41,7 @@ impl SharedConsumer {
 
     /// The consumer, unless every handle is gone.
     pub(crate) fn upgrade(weak: &Weak<Client>) -> Option<Self> {
-        weak.upgrade().map(Self::from_arc)
+        weak.upgrade().map(Self::new)
     }
 }
 

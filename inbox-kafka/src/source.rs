@@ -128,7 +128,7 @@ impl KafkaSource {
         });
 
         Ok(Self {
-            consumer: SharedConsumer::new(consumer),
+            consumer: SharedConsumer::new(Arc::new(consumer)),
             dead_letters,
             id_from: config.id_from.clone(),
             poll_timeout: config.poll_timeout,
