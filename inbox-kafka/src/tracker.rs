@@ -177,9 +177,8 @@ impl Tracker {
         if state.finished_to.is_some_and(|to| offset < to) {
             return None;
         }
-        match state.in_flight.get(&offset) {
-            Some(Slot::Out | Slot::Done) => return None,
-            Some(Slot::Rewound) | None => {}
+        if matches!(state.in_flight.get(&offset), Some(Slot::Out | Slot::Done)) {
+            return None;
         }
         state.in_flight.insert(offset, Slot::Out);
         Some(Tracked {
