@@ -46,8 +46,9 @@ pub enum Error {
     },
     /// PostgreSQL is reached through a transaction pooler (PgBouncer with `pool_mode =
     /// transaction`) while the pool's connections cache prepared statements, which live in one
-    /// server session when the pooler hands each transaction to any.
-    #[error("PostgreSQL is reached through a transaction pooler (such as PgBouncer with pool_mode = transaction) and this pool's connections cache prepared statements, which would fail or run under another client's statement name in the next transaction's server session; add `statement-cache-capacity=0` to the database URL (or set `PgConnectOptions::statement_cache_capacity(0)`)")]
+    /// server session when the pooler hands each transaction to any, and the pooler does not
+    /// carry them to the next session.
+    #[error("PostgreSQL is reached through a transaction pooler (such as PgBouncer with pool_mode = transaction) and this pool's connections cache prepared statements, which would fail or run under another client's statement name in the next transaction's server session; add `statement-cache-capacity=0` to the database URL (or set `PgConnectOptions::statement_cache_capacity(0)`), or let the pooler carry prepared statements (PgBouncer 1.21 or later: `max_prepared_statements`)")]
     StatementCacheBehindPooler,
     /// The database failed.
     #[error("database error while {context}: {source}")]

@@ -15,7 +15,8 @@ use crate::error::db;
 use crate::{Error, Result};
 
 /// Whether `pool` reaches PostgreSQL through a transaction pooler;
-/// [`Error::StatementCacheBehindPooler`] when its connections also cache prepared statements.
+/// [`Error::StatementCacheBehindPooler`] when its connections also cache prepared statements
+/// that the pooler does not carry from one server session to the next.
 ///
 /// A direct connection keeps one server session for its life. Through a transaction pooler, a
 /// second client connection whose transaction is open takes a session of its own, and often
@@ -49,16 +50,55 @@ pub(crate) async fn check(pool: &PgPool) -> Result<bool> {
     }
     // Behind a pooler: a statement that sqlx prepares is kept by name unless the cache is off.
     let mut tx = first.begin().await.map_err(db(context))?;
-    let probe = sqlx::query("SELECT $1::int4")
-        .bind(1)
-        .execute(&mut *tx)
-        .await;
-    let cached = probe.is_err() || tx.cached_statements_size() > 0;
+    let prepared_in = backend(&mut tx).await?;
+    let probe = echo(&mut tx, 1).await;
+    let cached = tx.cached_statements_size() > 0;
     let _ = tx.rollback().await;
-    if cached {
-        return Err(Error::StatementCacheBehindPooler);
+    match probe {
+        Ok(()) if !cached => return Ok(true),
+        Ok(()) => {}
+        Err(_) => return Err(Error::StatementCacheBehindPooler),
     }
-    Ok(true)
+    // The pool caches. A pooler that carries prepared statements from one server session to the
+    // next (PgBouncer 1.21 and later with `max_prepared_statements`) makes that safe: hold the
+    // session the statement was prepared in with a transaction of a third connection, and run
+    // the cached statement again, in another session. Where the pooler hands the holder another
+    // session, the answer is unknown, and the pool is refused.
+    let mut holder = PgConnection::connect_with(&pool.connect_options())
+        .await
+        .map_err(db(context))?;
+    sqlx::raw_sql("BEGIN")
+        .execute(&mut holder)
+        .await
+        .map_err(db(context))?;
+    let carried = if backend(&mut holder).await? == prepared_in {
+        let mut tx = first.begin().await.map_err(db(context))?;
+        let again = echo(&mut tx, 2).await;
+        let _ = tx.rollback().await;
+        again.is_ok()
+    } else {
+        false
+    };
+    let _ = holder.close().await;
+    if carried {
+        Ok(true)
+    } else {
+        Err(Error::StatementCacheBehindPooler)
+    }
+}
+
+/// Runs the parameterized probe statement with `n` and checks that its answer is `n`: another
+/// client's statement under the same name would answer otherwise, or fail.
+async fn echo(conn: &mut PgConnection, n: i32) -> Result<(), ()> {
+    let row = sqlx::query("SELECT $1::int4")
+        .bind(n)
+        .fetch_one(conn)
+        .await
+        .map_err(drop)?;
+    match row.try_get::<i32, _>(0) {
+        Ok(answer) if answer == n => Ok(()),
+        _ => Err(()),
+    }
 }
 
 /// The server process the next statement of `conn` runs in.

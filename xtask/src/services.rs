@@ -23,6 +23,7 @@ pub(crate) fn up(beside: Option<&[&str]>) -> Result {
     python_clients()?;
     postgres()?;
     pgbouncer()?;
+    pgbouncer_prepared()?;
     mariadb()?;
     redis()?;
     nats()?;
@@ -371,12 +372,152 @@ fn pgbouncer() -> Result {
         apt_install(&["pgbouncer"])?;
     }
     let server = which("pgbouncer").ok_or("pgbouncer is not on PATH after installing")?;
+    let dir = std::env::temp_dir().join("inbox-pgbouncer");
+    start_pgbouncer(
+        "PgBouncer",
+        "pgbouncer",
+        &dir,
+        &host,
+        port,
+        &[server.display().to_string()],
+        "",
+    )
+}
+
+/// A PgBouncer that carries prepared statements from one server session to the next (1.21 and
+/// later, `max_prepared_statements`) at `INBOX_PGBOUNCER_PREPARED_URL`, for the same tests:
+/// Debian trixie's 1.24 package, with trixie's C library beside it (it needs glibc 2.38, which
+/// bookworm lacks), unpacked into `<temp>/inbox-pgbouncer-prepared` from Debian's archive and
+/// run through that library's own loader. Nothing is installed on the system.
+fn pgbouncer_prepared() -> Result {
+    let url = std::env::var("INBOX_PGBOUNCER_PREPARED_URL")
+        .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:6433/inbox".into());
+    let (host, port) = host_port(&url, 6433);
+    if !needs_start(
+        "PgBouncer 1.24",
+        "INBOX_PGBOUNCER_PREPARED_URL",
+        &host,
+        port,
+    )? {
+        return Ok(());
+    }
+    let dir = std::env::temp_dir().join("inbox-pgbouncer-prepared");
+    let root = dir.join("root");
+    let binary = root.join("usr/sbin/pgbouncer");
+    if !binary.exists() {
+        unpack_from_trixie(&dir, &root, &["pgbouncer", "libc6"])?;
+    }
+    let loader = root.join("usr/lib64/ld-linux-x86-64.so.2");
+    let libraries = format!(
+        "{}:/lib/x86_64-linux-gnu",
+        root.join("usr/lib/x86_64-linux-gnu").display()
+    );
+    let launch = [
+        loader.display().to_string(),
+        "--library-path".into(),
+        libraries,
+        binary.display().to_string(),
+    ];
+    start_pgbouncer(
+        "PgBouncer 1.24",
+        "pgbouncer-prepared",
+        &dir,
+        &host,
+        port,
+        &launch,
+        "max_prepared_statements = 200\n",
+    )
+}
+
+/// Downloads `packages` from Debian trixie (a package list of its own in `dir`, the system's
+/// sources untouched) and unpacks them into `root`.
+fn unpack_from_trixie(dir: &Path, root: &Path, packages: &[&str]) -> Result {
+    eprintln!(
+        "services: fetching Debian trixie's {} into {}",
+        packages.join(" "),
+        dir.display()
+    );
+    let lists = dir.join("lists");
+    std::fs::create_dir_all(lists.join("partial"))
+        .map_err(|e| format!("cannot create {}: {e}", lists.display()))?;
+    let sources = dir.join("trixie.list");
+    std::fs::write(&sources, "deb http://deb.debian.org/debian trixie main\n")
+        .map_err(|e| format!("cannot write {}: {e}", sources.display()))?;
+    let options = [
+        format!("Dir::Etc::sourcelist={}", sources.display()),
+        "Dir::Etc::sourceparts=/dev/null".into(),
+        // The download lands in a root-owned directory; apt's own user could not write it.
+        "APT::Sandbox::User=root".into(),
+        format!("Dir::State::Lists={}", lists.display()),
+    ];
+    let apt = |action: &[&str]| {
+        let mut command = Command::new("apt-get");
+        command.current_dir(dir).arg("-qq");
+        for option in &options {
+            command.args(["-o", option]);
+        }
+        let status = command
+            .args(action)
+            .stdout(Stdio::null())
+            .status()
+            .map_err(|e| format!("cannot run apt-get: {e}"))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "apt-get {} (Debian trixie) failed ({status})",
+                action.join(" ")
+            ))
+        }
+    };
+    apt(&["update"])?;
+    apt(&[&["download"], packages].concat())?;
+    for package in packages {
+        let deb = std::fs::read_dir(dir)
+            .map_err(|e| format!("cannot read {}: {e}", dir.display()))?
+            .filter_map(|entry| entry.ok().map(|entry| entry.path()))
+            .find(|path| {
+                path.file_name()
+                    .and_then(|name| name.to_str())
+                    .is_some_and(|name| {
+                        name.starts_with(&format!("{package}_")) && name.ends_with(".deb")
+                    })
+            })
+            .ok_or_else(|| {
+                format!(
+                    "apt-get download {package} left no .deb in {}",
+                    dir.display()
+                )
+            })?;
+        run(
+            "dpkg",
+            &[
+                "-x",
+                &deb.display().to_string(),
+                &root.display().to_string(),
+            ],
+        )?;
+    }
+    Ok(())
+}
+
+/// Configures and starts a PgBouncer, `launch` being its command line without the
+/// configuration, in `dir`, in front of `DATABASE_URL`'s server; `extra` adds settings, and
+/// `process` names its log (`<temp>/inbox-<process>.log`).
+fn start_pgbouncer(
+    name: &str,
+    process: &str,
+    dir: &Path,
+    host: &str,
+    port: u16,
+    launch: &[String],
+    extra: &str,
+) -> Result {
     let upstream = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:5432/inbox".into());
     let (db_host, db_port) = host_port(&upstream, 5432);
     let (user, password, _) = url_credentials(&upstream);
-    let dir = std::env::temp_dir().join("inbox-pgbouncer");
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     let userlist = dir.join("userlist.txt");
     let config = dir.join("pgbouncer.ini");
     let write = |path: &Path, text: String| {
@@ -392,19 +533,20 @@ fn pgbouncer() -> Result {
              listen_addr = {host}\nlisten_port = {port}\nunix_socket_dir =\n\
              auth_type = md5\nauth_file = {}\npool_mode = transaction\n\
              default_pool_size = 20\nmax_client_conn = 500\nserver_idle_timeout = 10\n\
-             ignore_startup_parameters = extra_float_digits\n",
+             ignore_startup_parameters = extra_float_digits\n{extra}",
             userlist.display()
         ),
     )?;
-    let config_text = config.display().to_string();
-    let mut args = vec![config_text.as_str()];
+    let mut args: Vec<String> = launch[1..].to_vec();
     // PgBouncer does not run as root: as the database's own user then.
     if quiet("sh", &["-c", "[ \"$(id -u)\" = 0 ]"]) {
         run("chown", &["-R", "postgres", &dir.display().to_string()])?;
-        args.splice(0..0, ["-u", "postgres"]);
+        args.extend(["-u".into(), "postgres".into()]);
     }
-    spawn_detached("pgbouncer", &server, &args)?;
-    wait_for("PgBouncer", &host, port, Duration::from_secs(20))
+    args.push(config.display().to_string());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    spawn_detached(process, &PathBuf::from(&launch[0]), &args)?;
+    wait_for(name, host, port, Duration::from_secs(20))
 }
 
 /// MariaDB for the MySQL store's tests: the database and user of `INBOX_MYSQL_URL`, allowed to

@@ -2,10 +2,12 @@
 //! server session is free: `INBOX_PGBOUNCER_URL`, which `cargo xtask services` starts in front
 //! of the test PostgreSQL. The checks read through a direct connection.
 //!
-//! A pool that caches prepared statements is refused at the consumer's start; with the cache
-//! off the consumer (per message and batched, in lanes) applies each message once; two
-//! purges at once leave no lock behind for a purge on a direct connection; the partition
-//! conversion and the partitioned purge leave no setting behind in the pooled sessions; leases
+//! A pool that caches prepared statements is refused at the consumer's start, unless PgBouncer
+//! carries prepared statements between server sessions (1.21 and later,
+//! `INBOX_PGBOUNCER_PREPARED_URL`); with the cache off the consumer (per message and batched,
+//! in lanes) applies each message once; two purges at once leave no lock behind for a purge on
+//! a direct connection; the partition conversion and the partitioned purge leave no setting
+//! behind in the pooled sessions; leases
 //! fence and finish; the outbox relay publishes each row once.
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
@@ -27,9 +29,16 @@ use inbox_testkit::MemoryBroker;
 
 /// Connections through PgBouncer; `cache`: sqlx's default statement cache, else none.
 async fn through_pgbouncer(cache: bool) -> PgPool {
-    let url = std::env::var("INBOX_PGBOUNCER_URL").expect(
-        "INBOX_PGBOUNCER_URL names PgBouncer in front of the test database; `cargo xtask services` starts it",
-    );
+    pool_at("INBOX_PGBOUNCER_URL", cache).await
+}
+
+/// Connections through the PgBouncer that `var` names.
+async fn pool_at(var: &str, cache: bool) -> PgPool {
+    let url = std::env::var(var).unwrap_or_else(|_| {
+        panic!(
+            "{var} names PgBouncer in front of the test database; `cargo xtask services` starts it"
+        )
+    });
     let mut options: PgConnectOptions = url.parse().unwrap();
     if !cache {
         options = options.statement_cache_capacity(0);
@@ -62,6 +71,42 @@ async fn a_pool_that_caches_statements_is_refused_at_the_start() {
     let uncached = inbox(&db, through_pgbouncer(false).await, "inbox").bind(&binding);
     uncached.begin().await.unwrap().rollback().await.unwrap();
     db.inbox().bind(&binding).begin().await.unwrap();
+}
+
+/// PgBouncer 1.21 and later, with `max_prepared_statements`, carry a prepared statement to
+/// whichever server session runs it: there sqlx's default statement cache works, and the
+/// consumer takes it (`INBOX_PGBOUNCER_PREPARED_URL`).
+#[tokio::test]
+async fn a_caching_pool_runs_behind_a_pooler_that_carries_prepared_statements() {
+    let db = TestDb::new().await;
+    sqlx::query("CREATE TABLE applied (id text NOT NULL)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let messages = 500;
+    let broker = publish_twice(messages);
+    let stats = Consumer::new(
+        "one",
+        broker.source(),
+        inbox(
+            &db,
+            pool_at("INBOX_PGBOUNCER_PREPARED_URL", true).await,
+            "inbox",
+        ),
+        Record(format!("\"{}\".applied", db.schema)),
+    )
+    .parallel_lanes(4)
+    .run_until_idle()
+    .await
+    .unwrap();
+    assert_eq!(
+        (stats.applied, stats.skipped_duplicates),
+        (messages as u64, messages as u64),
+        "{stats:?}"
+    );
+    assert_eq!(applied(&db).await, (messages as i64, messages as i64));
+    assert_eq!(broker.pending() + broker.dead_letters().len(), 0);
+    db.drop().await;
 }
 
 /// Records each message it applies in `<schema>.applied`, which has no unique key: a message
