@@ -113,7 +113,8 @@ impl TestStore for TestDb {
         param: "$1",
         values: "VALUES ($1, $2, $3)",
         upsert: "INSERT INTO accounts (id, balance) VALUES ($1, $2)
-                 ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance"
+                 ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+        integer: "bigint"
     );
 
     async fn create() -> Self {
@@ -140,38 +141,6 @@ impl TestStore for TestDb {
         self.drop().await;
     }
 
-    async fn first_handling(&self, id: &MessageId) -> Result<bool, sqlx::Error> {
-        let inserted =
-            sqlx::query("INSERT INTO wallet_stalls (event_id) VALUES ($1) ON CONFLICT DO NOTHING")
-                .bind(id.as_str())
-                .execute(&self.pool)
-                .await?
-                .rows_affected();
-        Ok(inserted == 1)
-    }
-
-    async fn summary(&self) -> Result<Summary, sqlx::Error> {
-        let (ledger_rows, distinct_events): (i64, i64) =
-            sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM ledger")
-                .fetch_one(&self.pool)
-                .await?;
-        let (balances_exact, total_balance): (bool, i64) = sqlx::query_as(
-            "SELECT coalesce(bool_and(a.balance = coalesce(l.total, 0)), true),
-                    coalesce(sum(a.balance), 0)::bigint
-             FROM accounts a
-             LEFT JOIN (SELECT account_id, sum(amount) AS total FROM ledger GROUP BY account_id) l
-               ON l.account_id = a.id",
-        )
-        .fetch_one(&self.pool)
-        .await?;
-        Ok(Summary {
-            ledger_rows,
-            distinct_events,
-            balances_exact,
-            total_balance,
-        })
-    }
-
     async fn fail_and_swallow(&self, tx: &mut PgTx) {
         let failed = sqlx::query("SELECT 1 / 0").execute(&mut **tx).await;
         assert!(failed.is_err(), "division by zero fails");
@@ -193,9 +162,10 @@ impl TestStore for TestDb {
 
 /// The [`TestStore`] methods whose SQL PostgreSQL and MySQL share, on `self.pool` (and
 /// `self.keys`, the inbox's key mode), given in the dialect's words: its first bind parameter,
-/// a `VALUES` of three, and the upsert adding the second parameter to the first's balance.
+/// a `VALUES` of three, the upsert adding the second parameter to the first's balance, and the
+/// 64-bit integer type of a `CAST`.
 macro_rules! same_in_both_dialects {
-    (param: $p:literal, values: $values:literal, upsert: $upsert:literal) => {
+    (param: $p:literal, values: $values:literal, upsert: $upsert:literal, integer: $int:literal) => {
         async fn apply(
             tx: &mut crate::StoreTx<Self>,
             id: &MessageId,
@@ -211,6 +181,45 @@ macro_rules! same_in_both_dialects {
             let row = sqlx::query(ledger).bind(id.as_str()).bind(account);
             row.bind(amount).execute(&mut **tx).await?;
             Ok(())
+        }
+
+        async fn first_handling(&self, id: &MessageId) -> Result<bool, sqlx::Error> {
+            let note = concat!("INSERT INTO wallet_stalls (event_id) VALUES (", $p, ")");
+            match sqlx::query(note)
+                .bind(id.as_str())
+                .execute(&self.pool)
+                .await
+            {
+                Ok(_) => Ok(true),
+                Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Ok(false),
+                Err(e) => Err(e),
+            }
+        }
+
+        async fn summary(&self) -> Result<crate::wallet::Summary, sqlx::Error> {
+            let (ledger_rows, distinct_events): (i64, i64) =
+                sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM ledger")
+                    .fetch_one(&self.pool)
+                    .await?;
+            let (mismatched, total_balance): (i64, i64) = sqlx::query_as(concat!(
+                "SELECT CAST(COALESCE(sum(CASE WHEN a.balance <> COALESCE(l.total, 0) ",
+                "THEN 1 ELSE 0 END), 0) AS ",
+                $int,
+                "), ",
+                "CAST(COALESCE(sum(a.balance), 0) AS ",
+                $int,
+                ") FROM accounts a ",
+                "LEFT JOIN (SELECT account_id, sum(amount) AS total FROM ledger ",
+                "GROUP BY account_id) l ON l.account_id = a.id"
+            ))
+            .fetch_one(&self.pool)
+            .await?;
+            Ok(crate::wallet::Summary {
+                ledger_rows,
+                distinct_events,
+                balances_exact: mismatched == 0,
+                total_balance,
+            })
         }
 
         async fn inbox_rows(&self) -> i64 {

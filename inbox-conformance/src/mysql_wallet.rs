@@ -11,7 +11,7 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, MySqlPool};
 
 use crate::db::{proxied_pool, same_in_both_dialects, KEPT};
-use crate::wallet::{CreditEvent, Summary};
+use crate::wallet::CreditEvent;
 use crate::{FaultProxy, TestStore};
 
 /// The MySQL or MariaDB server tests use: `INBOX_MYSQL_URL`, or the local default that `cargo
@@ -157,7 +157,8 @@ impl TestStore for MySqlDb {
         param: "?",
         values: "VALUES (?, ?, ?)",
         upsert: "INSERT INTO accounts (id, balance) VALUES (?, ?)
-                 ON DUPLICATE KEY UPDATE balance = balance + VALUES(balance)"
+                 ON DUPLICATE KEY UPDATE balance = balance + VALUES(balance)",
+        integer: "SIGNED"
     );
 
     async fn create() -> Self {
@@ -178,40 +179,6 @@ impl TestStore for MySqlDb {
 
     async fn remove(self) {
         self.drop().await;
-    }
-
-    async fn first_handling(&self, id: &MessageId) -> Result<bool, sqlx::Error> {
-        match sqlx::query("INSERT INTO wallet_stalls (event_id) VALUES (?)")
-            .bind(id.as_str())
-            .execute(&self.pool)
-            .await
-        {
-            Ok(_) => Ok(true),
-            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Ok(false),
-            Err(e) => Err(e),
-        }
-    }
-
-    async fn summary(&self) -> Result<Summary, sqlx::Error> {
-        let (ledger_rows, distinct_events): (i64, i64) =
-            sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM ledger")
-                .fetch_one(&self.pool)
-                .await?;
-        let (mismatched, total_balance): (i64, i64) = sqlx::query_as(
-            "SELECT CAST(COALESCE(sum(a.balance <> COALESCE(l.total, 0)), 0) AS SIGNED),
-                    CAST(COALESCE(sum(a.balance), 0) AS SIGNED)
-             FROM accounts a
-             LEFT JOIN (SELECT account_id, sum(amount) AS total FROM ledger GROUP BY account_id) l
-               ON l.account_id = a.id",
-        )
-        .fetch_one(&self.pool)
-        .await?;
-        Ok(Summary {
-            ledger_rows,
-            distinct_events,
-            balances_exact: mismatched == 0,
-            total_balance,
-        })
     }
 
     /// A failed statement in MySQL undoes only itself; the failure that breaks a transaction is
