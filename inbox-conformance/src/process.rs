@@ -108,10 +108,20 @@ impl Server {
         what: &str,
         launch: impl Fn(u16, &Path) -> Command + Send + Sync + 'static,
     ) -> Self {
+        Self::start_on(free_port(), name, what, launch).await
+    }
+
+    /// [`Server::start`] on `port`.
+    pub(crate) async fn start_on(
+        port: u16,
+        name: &str,
+        what: &str,
+        launch: impl Fn(u16, &Path) -> Command + Send + Sync + 'static,
+    ) -> Self {
         let dir = std::env::temp_dir().join(crate::unique_name(name));
         std::fs::create_dir_all(&dir).expect("the server's directory");
         let mut server = Self {
-            port: free_port(),
+            port,
             dir,
             launch: Box::new(launch),
             what: what.to_owned(),
@@ -126,28 +136,54 @@ impl Server {
         self.port
     }
 
-    async fn spawn(&mut self) {
+    /// Whether it runs: started and not [`kill`](Server::kill)ed since.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn is_running(&self) -> bool {
+        self.process.is_some()
+    }
+
+    /// Starts the server (again) on its port and directory; returns once it listens.
+    ///
+    /// # Panics
+    /// When it cannot be started, or does not listen within 10 s: with the end of its log
+    /// (`*.log` in its directory), if it wrote one.
+    pub(crate) async fn spawn(&mut self) {
         let child = (self.launch)(self.port, &self.dir)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.what));
         self.process = Some(child);
-        assert!(
-            listens(self.port, Duration::from_secs(10)).await,
-            "{} did not listen on {}",
-            self.what,
-            self.port
-        );
+        if !listens(self.port, Duration::from_secs(10)).await {
+            let logs = std::fs::read_dir(&self.dir).into_iter().flatten().flatten();
+            let log = logs
+                .map(|entry| entry.path())
+                .filter(|path| path.extension().is_some_and(|e| e == "log"))
+                .filter_map(|path| std::fs::read_to_string(path).ok())
+                .collect::<String>();
+            let tail: Vec<&str> = log.lines().rev().take(10).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            panic!(
+                "{} did not listen on {}; its log ends:\n{}",
+                self.what,
+                self.port,
+                tail.join("\n")
+            );
+        }
+    }
+
+    /// `kill -9`: no shutdown, no last write.
+    pub(crate) fn kill(&mut self) {
+        if let Some(mut process) = self.process.take() {
+            let _ = process.kill();
+            let _ = process.wait();
+        }
     }
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
-        if let Some(mut process) = self.process.take() {
-            let _ = process.kill();
-            let _ = process.wait();
-        }
+        self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

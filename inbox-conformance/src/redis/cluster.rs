@@ -1,16 +1,17 @@
 //! A Redis Cluster of a test's own: three masters and three replicas on free loopback ports,
-//! each `redis-server` in a directory of its own, killed and removed when the guard drops (a
-//! panicking test included).
+//! each `redis-server` a [`Server`] in a directory of its own, killed and removed when the guard
+//! drops (a panicking test included).
 //!
 //! It speaks to each node over a plain connection, so it needs no cluster client; the test's
 //! source and producer reach the cluster through [`LocalCluster::urls`].
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use inbox_redis_streams::redis::{self, aio::MultiplexedConnection, Client};
 use inbox_testkit::eventually;
+
+use crate::process::{free_ports, Server};
 
 /// One node of the cluster as `CLUSTER NODES` lists it.
 #[derive(Debug, Clone)]
@@ -25,12 +26,11 @@ struct NodeLine {
     slots: Vec<(u16, u16)>,
 }
 
-/// The cluster's processes and their directory. `REDIS_SERVER` and `REDIS_CLI` name the
-/// binaries, default `redis-server` and `redis-cli` on the `PATH`.
+/// The cluster's nodes. `REDIS_SERVER` and `REDIS_CLI` name the binaries, default
+/// `redis-server` and `redis-cli` on the `PATH`.
 #[derive(Debug)]
 pub struct LocalCluster {
-    dir: PathBuf,
-    nodes: Vec<(u16, Option<Child>)>,
+    nodes: Vec<Server>,
 }
 
 /// Node timeout: a master silent this long is marked failed and its replica takes over.
@@ -44,36 +44,37 @@ impl LocalCluster {
     /// # Panics
     /// When a binary is missing or the cluster does not form within 30 s.
     pub async fn start() -> Self {
-        let dir = std::env::temp_dir().join(crate::unique_name("inbox-redis-cluster"));
-        std::fs::create_dir_all(&dir).expect("the cluster's directory");
-        let mut cluster = Self {
-            dir,
-            nodes: Vec::new(),
-        };
-        for port in crate::process::free_ports(6, 10_000) {
-            let child = cluster.spawn(port);
-            cluster.nodes.push((port, Some(child)));
-        }
-        for (port, _) in &cluster.nodes {
-            let up = eventually(Duration::from_secs(10), || async {
-                ask::<String>(*port, &redis::cmd("PING")).await.is_some()
-            })
-            .await;
-            if !up {
-                let log = cluster.dir.join(port.to_string()).join("redis.log");
-                let log = std::fs::read_to_string(&log).unwrap_or_default();
-                let tail: Vec<_> = log.lines().rev().take(10).collect();
-                panic!(
-                    "redis-server on port {port} did not answer within 10 s; its log ends:\n{}",
-                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-                );
-            }
+        let server = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+        let what = format!("{server} (install Redis or set REDIS_SERVER)");
+        let mut cluster = Self { nodes: Vec::new() };
+        for port in free_ports(6, 10_000) {
+            let server = server.clone();
+            let node = Server::start_on(port, "inbox-redis-cluster", &what, move |port, dir| {
+                let mut command = Command::new(&server);
+                command
+                    .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                    .args(["--cluster-enabled", "yes"])
+                    .arg("--cluster-node-timeout")
+                    .arg(NODE_TIMEOUT.as_millis().to_string())
+                    .arg("--cluster-config-file")
+                    .arg(dir.join(format!("nodes-{port}.conf")))
+                    .args(["--appendonly", "yes", "--save", ""])
+                    .arg("--dir")
+                    .arg(dir)
+                    .arg("--logfile")
+                    .arg(dir.join("redis.log"));
+                command
+            });
+            cluster.nodes.push(node.await);
         }
         let cli = std::env::var("REDIS_CLI").unwrap_or_else(|_| "redis-cli".into());
+        let nodes = cluster
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port()));
         let out = tokio::process::Command::new(&cli)
-            .arg("--cluster")
-            .arg("create")
-            .args(cluster.nodes.iter().map(|(p, _)| format!("127.0.0.1:{p}")))
+            .args(["--cluster", "create"])
+            .args(nodes)
             .args(["--cluster-replicas", "1", "--cluster-yes"])
             .stdin(Stdio::null())
             .output()
@@ -98,32 +99,8 @@ impl LocalCluster {
     pub fn urls(&self) -> Vec<String> {
         self.nodes
             .iter()
-            .map(|(p, _)| format!("redis://127.0.0.1:{p}"))
+            .map(|n| format!("redis://127.0.0.1:{}", n.port()))
             .collect()
-    }
-
-    fn spawn(&self, port: u16) -> Child {
-        let server = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
-        let dir = self.dir.join(port.to_string());
-        std::fs::create_dir_all(&dir).expect("a node's directory");
-        Command::new(&server)
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--cluster-enabled", "yes"])
-            .arg("--cluster-node-timeout")
-            .arg(NODE_TIMEOUT.as_millis().to_string())
-            .arg("--cluster-config-file")
-            .arg(dir.join(format!("nodes-{port}.conf")))
-            .args(["--appendonly", "yes", "--save", ""])
-            .arg("--dir")
-            .arg(&dir)
-            .arg("--logfile")
-            .arg(dir.join("redis.log"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start {server}: {e}; install Redis or set REDIS_SERVER")
-            })
     }
 
     /// Every live node says `cluster_state:ok`, every slot's master is live, and each master
@@ -150,11 +127,8 @@ impl LocalCluster {
 
     /// Ports of the nodes not killed.
     fn live(&self) -> Vec<u16> {
-        self.nodes
-            .iter()
-            .filter(|(_, c)| c.is_some())
-            .map(|(p, _)| *p)
-            .collect()
+        let live = self.nodes.iter().filter(|n| n.is_running());
+        live.map(Server::port).collect()
     }
 
     /// `CLUSTER NODES` as a live node sees it.
@@ -209,12 +183,12 @@ impl LocalCluster {
 
     /// `kill -9` of the node on `port`: no shutdown, no last write to its replica.
     pub fn kill(&mut self, port: u16) {
-        for (_, child) in self.nodes.iter_mut().filter(|(p, _)| *p == port) {
-            if let Some(mut child) = child.take() {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-        }
+        self.node(port).kill();
+    }
+
+    fn node(&mut self, port: u16) -> &mut Server {
+        let node = self.nodes.iter_mut().find(|n| n.port() == port);
+        node.unwrap_or_else(|| panic!("no node on port {port}"))
     }
 
     /// Starts the node on `port` again, on its directory and `nodes.conf` (a killed master comes
@@ -226,10 +200,7 @@ impl LocalCluster {
     pub async fn restart(&mut self, port: u16) -> Duration {
         let started = Instant::now();
         self.kill(port);
-        let child = self.spawn(port);
-        let node = self.nodes.iter_mut().find(|(p, _)| *p == port);
-        let (_, slot) = node.unwrap_or_else(|| panic!("no node on port {port}"));
-        *slot = Some(child);
+        self.node(port).spawn().await;
         let whole = eventually(Duration::from_secs(30), || self.healthy()).await;
         assert!(whole, "the node on port {port} did not rejoin as a replica");
         started.elapsed()
@@ -362,18 +333,6 @@ impl LocalCluster {
             .await
             .expect("the cluster agrees on the slot's new master");
         port
-    }
-}
-
-impl Drop for LocalCluster {
-    fn drop(&mut self) {
-        for (_, child) in &mut self.nodes {
-            if let Some(mut child) = child.take() {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
