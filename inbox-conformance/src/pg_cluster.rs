@@ -39,19 +39,8 @@ impl PgCluster {
         default_port: u16,
         settings: &ClusterSettings,
     ) -> Result<Self, String> {
-        let port: u16 = std::env::var(port_var)
-            .ok()
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(default_port);
-        if output("id", &["-u"])?.trim() != "0" {
-            return Err("needs root to run pg_createcluster and pg_ctlcluster".into());
-        }
-        let listing = output("pg_lsclusters", &["--no-header"])?;
-        let clusters: Vec<Vec<&str>> = listing
-            .lines()
-            .map(|l| l.split_whitespace().collect())
-            .filter(|f: &Vec<&str>| f.len() > 3)
-            .collect();
+        let port = port_of(port_var, default_port);
+        let clusters = clusters()?;
         let version = clusters
             .first()
             .map(|f| f[0].to_owned())
@@ -129,10 +118,7 @@ impl PgCluster {
         default_port: u16,
     ) -> Result<Self, String> {
         drop_cluster(name)?;
-        let port: u16 = std::env::var(port_var)
-            .ok()
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(default_port);
+        let port = port_of(port_var, default_port);
         let version = primary.version.clone();
         run(
             "pg_createcluster",
@@ -239,18 +225,30 @@ impl Drop for PgCluster {
     }
 }
 
-/// Drops the cluster `name` of the first version `pg_lsclusters` lists, if it exists.
-fn drop_cluster(name: &str) -> Result<(), String> {
+/// The port in the environment variable `port_var`, or `default_port`.
+fn port_of(port_var: &str, default_port: u16) -> u16 {
+    let port = std::env::var(port_var).ok().and_then(|p| p.parse().ok());
+    port.unwrap_or(default_port)
+}
+
+/// The clusters `pg_lsclusters` lists, each as its fields (version, name, port, status, ...);
+/// `Err` without root or Debian's cluster tools.
+fn clusters() -> Result<Vec<Vec<String>>, String> {
     if output("id", &["-u"])?.trim() != "0" {
         return Err("needs root to run pg_createcluster and pg_ctlcluster".into());
     }
     let listing = output("pg_lsclusters", &["--no-header"])?;
-    for fields in listing
+    let fields = listing
         .lines()
-        .map(|l| l.split_whitespace().collect::<Vec<_>>())
-    {
-        if fields.len() > 1 && fields[1] == name {
-            run("pg_dropcluster", &["--stop", fields[0], name])?;
+        .map(|l| l.split_whitespace().map(str::to_owned));
+    Ok(fields.map(Vec::from_iter).filter(|f| f.len() > 3).collect())
+}
+
+/// Drops the cluster `name` of each version `pg_lsclusters` lists, if it exists.
+fn drop_cluster(name: &str) -> Result<(), String> {
+    for fields in clusters()? {
+        if fields[1] == name {
+            run("pg_dropcluster", &["--stop", &fields[0], name])?;
             // pg_dropcluster leaves the files it did not make (the tests' settings in conf.d),
             // which a new cluster of the name would pick up.
             let config = format!("/etc/postgresql/{}/{name}", fields[0]);
