@@ -21,7 +21,7 @@ use inbox_core::{
 use inbox_postgres::sqlx;
 use inbox_postgres::{Outbox, PgTx};
 use inbox_testkit::metadata::{assert_traced, TRACEPARENT};
-use inbox_testkit::receive;
+use inbox_testkit::{eventually, receive};
 
 use crate::scenarios::{drain, finish, left, setup, source, Totals};
 use crate::{TestBroker, TestQueue};
@@ -46,27 +46,49 @@ impl Handler<PgTx> for Forward {
     }
 }
 
-/// Publishes for real, and the first time reports the confirms as lost.
-struct LoseFirstConfirm {
+/// Publishes through `inner`, except that its first batch reaches the broker only in part (its
+/// first `reaching` messages; all of them when `None`) and then fails with `recovery`, as when
+/// the connection is lost before the confirms: a lost confirm, a replay stopped between
+/// publishing and removing.
+pub(crate) struct FailsFirst {
     inner: Arc<dyn inbox_core::DynPublish>,
-    lost: AtomicBool,
+    reaching: Option<usize>,
+    recovery: Recovery,
+    failed: AtomicBool,
 }
 
-impl Publish for LoseFirstConfirm {
+impl FailsFirst {
+    pub(crate) fn new(
+        inner: Arc<dyn inbox_core::DynPublish>,
+        reaching: Option<usize>,
+        recovery: Recovery,
+    ) -> Self {
+        let failed = AtomicBool::new(false);
+        Self {
+            inner,
+            reaching,
+            recovery,
+            failed,
+        }
+    }
+}
+
+impl Publish for FailsFirst {
     async fn send_batch(
         &self,
         destination: &str,
         messages: &[OutgoingMessage],
     ) -> Result<(), PublishError> {
-        self.inner.send_batch(destination, messages).await?;
-        if !self.lost.swap(true, Ordering::SeqCst) {
-            return Err(PublishError::new(
-                Recovery::Reconnect,
-                format!("publishing to `{destination}`"),
-                "connection lost before the confirms arrived",
-            ));
+        if self.failed.swap(true, Ordering::SeqCst) {
+            return self.inner.send_batch(destination, messages).await;
         }
-        Ok(())
+        let reaching = &messages[..self.reaching.unwrap_or(messages.len())];
+        self.inner.send_batch(destination, reaching).await?;
+        Err(PublishError::new(
+            self.recovery,
+            format!("publishing to `{destination}`"),
+            "the connection was lost before the confirms arrived",
+        ))
     }
 }
 
@@ -130,11 +152,10 @@ where
     G: Future<Output = bool>,
 {
     let handler = Credit::new(db.clone());
-    let mut totals = Totals::default();
     drain(
         queue,
         "wallet",
-        &mut totals,
+        Totals::default(),
         |source| {
             Consumer::new("wallet", source, db.inbox(), handler.clone())
                 .batch_size(50)
@@ -142,8 +163,7 @@ where
         },
         done,
     )
-    .await;
-    totals
+    .await
 }
 
 /// Upstream messages (some sent twice) are forwarded by a handler through the outbox; the relay
@@ -178,11 +198,10 @@ pub async fn a_handler_writes_the_outbox_the_relay_publishes_and_the_downstream_
         outbox: outbox.clone(),
         to: downstream.destination(),
     };
-    let mut forwarded = Totals::default();
-    drain(
+    let forwarded = drain(
         &upstream,
         "forward",
-        &mut forwarded,
+        Totals::default(),
         |source| {
             Consumer::new("forward", source, db.inbox(), forward.clone())
                 .batch_size(50)
@@ -252,10 +271,8 @@ pub async fn a_lost_confirm_publishes_again_under_the_same_ids_and_the_inbox_ski
     let outbox = migrated(&db).await;
     let total = write_credits(&db, &outbox, &queue.destination(), ROWS).await;
 
-    let publisher = LoseFirstConfirm {
-        inner: queue.producer().await,
-        lost: AtomicBool::new(false),
-    };
+    // The broker stores the batch; its confirms are lost.
+    let publisher = FailsFirst::new(queue.producer().await, None, Recovery::Reconnect);
     let relayed = outbox
         .relay(publisher)
         .batch_size(100)
@@ -320,13 +337,8 @@ pub async fn two_relays_at_once_publish_every_row_once<B: TestBroker, D: TestSto
         ));
     }
     let start = Instant::now();
-    while unsent(&db).await > 0 {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the relays did not send every row within 60 s"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let sent = eventually(Duration::from_secs(60), || async { unsent(&db).await == 0 }).await;
+    assert!(sent, "the relays did not send every row within 60 s");
     for stop in stops {
         let _ = stop.send(());
     }

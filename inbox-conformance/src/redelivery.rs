@@ -6,10 +6,10 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use inbox_core::{Consumer, Handler, HandlerError, Message, MessageId, RetryPolicy};
-use inbox_testkit::lock;
+use inbox_core::{Consumer, HandlerError, Message, MessageId, RetryPolicy};
+use inbox_testkit::{eventually, lock};
 
-use crate::scenarios::{finish, ledger_has, left, setup, source};
+use crate::scenarios::{finish, ledger_has, left, setup, source, Guarded};
 use crate::wallet::{self, CreditEvent};
 use crate::{TestBroker, TestQueue, TestStore};
 
@@ -32,30 +32,6 @@ const SLACK: Duration = Duration::from_secs(3);
 
 /// Per message ID, when each attempt started and under which redelivery.
 type Attempts = BTreeMap<String, Vec<(Instant, u32)>>;
-
-/// The wallet's handler behind a downstream that is down until `up_at`; notes each attempt's
-/// time per message and redelivery.
-#[derive(Clone)]
-struct Downstream<H> {
-    credit: H,
-    up_at: Arc<Mutex<Option<Instant>>>,
-    attempts: Arc<Mutex<Attempts>>,
-}
-
-impl<T: Send, H: Handler<T>> Handler<T> for Downstream<H> {
-    async fn handle(&self, tx: &mut T, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
-        let now = Instant::now();
-        lock(&self.attempts)
-            .entry(id.to_string())
-            .or_default()
-            .push((now, m.meta.redeliveries));
-        let up_at = *lock(&self.up_at).get_or_insert(now + outage());
-        if now < up_at {
-            return Err(HandlerError::transient("the downstream is down"));
-        }
-        self.credit.handle(tx, id, m).await
-    }
-}
 
 /// The issue's test: the downstream is down from the first attempt for
 /// `INBOX_TEST_OUTAGE_SECS` (12 s by default); the schedule is 1/12, 1/4, 1/2 and all of the
@@ -92,11 +68,27 @@ pub async fn a_downstream_outage_is_ridden_out_by_delayed_redeliveries<
             )
             .await;
     }
-    let handler = Downstream {
-        credit: db.credit(),
-        up_at: Arc::default(),
-        attempts: Arc::default(),
-    };
+    // The wallet's credit behind a downstream that is down from the first attempt until
+    // `up_at`, noting each attempt's time per message and redelivery.
+    let (up_at, attempts) = (
+        Arc::new(Mutex::new(None)),
+        Arc::new(Mutex::new(Attempts::new())),
+    );
+    let handler = Guarded(db.credit(), {
+        let (up_at, attempts) = (Arc::clone(&up_at), Arc::clone(&attempts));
+        move |id: &MessageId, m: &Message| {
+            let now = Instant::now();
+            let mut attempts = lock(&attempts);
+            attempts
+                .entry(id.to_string())
+                .or_default()
+                .push((now, m.meta.redeliveries));
+            if now < *lock(&up_at).get_or_insert(now + outage) {
+                return Err(HandlerError::transient("the downstream is down"));
+            }
+            Ok(())
+        }
+    });
     let consumer = Consumer::new("wallet", first, db.inbox(), handler.clone()).retry(
         RetryPolicy::default()
             .max_attempts(2)
@@ -107,9 +99,7 @@ pub async fn a_downstream_outage_is_ridden_out_by_delayed_redeliveries<
     let started = Instant::now();
     let limit = outage * 3 + Duration::from_secs(30);
     let all_applied = async {
-        while !ledger_has(&db, n).await && started.elapsed() < limit {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        eventually(limit, || ledger_has(&db, n)).await;
     };
     let snapshot = consumer
         .run_until(all_applied)
@@ -120,8 +110,8 @@ pub async fn a_downstream_outage_is_ridden_out_by_delayed_redeliveries<
     let dead = queue.dead_letters().await;
     let summary = wallet::summary(&db).await.expect("summary");
     let left = left(&queue).await;
-    let up_at = lock(&handler.up_at).unwrap_or_else(Instant::now);
-    let attempts = lock(&handler.attempts).clone();
+    let up_at = lock(&up_at).unwrap_or_else(Instant::now);
+    let attempts = lock(&attempts).clone();
     println!(
         "delayed redelivery: outage {outage:?}, schedule {schedule:?}, took {took:?}, \
          {snapshot:?}, {summary:?}, left {left}, dead letters {dead:?}"

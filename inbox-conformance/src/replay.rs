@@ -2,64 +2,19 @@
 //! fixed, the batch replayed with [`inbox_core::replay`] through the adapter's producer and
 //! consumed again.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use inbox_core::replay::{self, Selection};
-use inbox_core::{
-    Consumer, Handler, HandlerError, Message, MessageId, OutgoingMessage, Publish, PublishError,
-    Recovery,
-};
+use inbox_core::{Consumer, HandlerError, Message, MessageId, Recovery};
 use inbox_testkit::fast_retry;
 
-use crate::scenarios::{drain, finish, left, setup, Totals};
-use crate::wallet::{self, Credit, CreditEvent};
+use crate::outbox::FailsFirst;
+use crate::scenarios::{drain, finish, left, setup, Guarded, Totals};
+use crate::wallet::{self, CreditEvent};
 use crate::{TestBroker, TestQueue, TestStore};
 
 /// What the handler fails with while the downstream is down: the dead letters' reason.
 const DOWN: &str = "downstream down";
-
-/// Credits an account, unless the downstream it needs is down: then a permanent failure, and
-/// the message is dead-lettered at once.
-#[derive(Clone)]
-struct Downstream<H> {
-    credit: H,
-    down: bool,
-}
-
-impl<T: Send, H: Handler<T>> Handler<T> for Downstream<H> {
-    async fn handle(&self, tx: &mut T, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
-        if self.down {
-            return Err(HandlerError::permanent(DOWN));
-        }
-        self.credit.handle(tx, id, m).await
-    }
-}
-
-/// A publisher whose first batch reaches the broker only in part (its first message) and then
-/// fails: a replay that stopped between publishing and removing.
-struct Interrupted {
-    inner: Arc<dyn inbox_core::DynPublish>,
-    failed: AtomicBool,
-}
-
-impl Publish for Interrupted {
-    async fn send_batch(
-        &self,
-        destination: &str,
-        messages: &[OutgoingMessage],
-    ) -> Result<(), PublishError> {
-        if self.failed.swap(true, Ordering::SeqCst) {
-            return self.inner.send_batch(destination, messages).await;
-        }
-        self.inner.send_batch(destination, &messages[..1]).await?;
-        Err(PublishError::new(
-            Recovery::Retry,
-            format!("publishing to `{destination}`"),
-            "the connection was lost before the confirms",
-        ))
-    }
-}
 
 /// Ten credits are dead-lettered while the downstream is down; the listing counts them under
 /// one reason, and a dry run moves nothing. The downstream is fixed; a first replay stops after
@@ -117,10 +72,7 @@ pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_
 
     // Fixed. A replay that loses its connection after one copy reached the source removes
     // nothing; that copy is applied.
-    let interrupted = Interrupted {
-        inner: Arc::clone(&producer),
-        failed: AtomicBool::new(false),
-    };
+    let interrupted = FailsFirst::new(Arc::clone(&producer), Some(1), Recovery::Retry);
     let reason = reason.clone().unwrap_or_default();
     let e = replay::replay(
         &mut *reader(&queue).await,
@@ -170,18 +122,18 @@ pub async fn dead_letters_replayed_after_the_fix_are_applied_once_and_none_stay_
     finish(db, queue).await;
 }
 
-/// Consumes until the consumers together have applied, skipped or dead-lettered `until`.
-async fn consume<Q: TestQueue, D: TestStore>(
-    db: &D,
-    queue: &Q,
-    handler: &Downstream<Credit<D>>,
-    until: u64,
-) -> Totals {
-    let mut totals = Totals::default();
+/// Consumes until the consumers together have applied, skipped or dead-lettered `until`, with
+/// the wallet's credit behind a downstream that is `down` or not: while it is down, each credit
+/// fails for good and is dead-lettered at once.
+async fn consume<Q: TestQueue, D: TestStore>(db: &D, queue: &Q, down: bool, until: u64) -> Totals {
+    let handler = Guarded(db.credit(), move |_: &MessageId, _: &Message| match down {
+        true => Err(HandlerError::permanent(DOWN)),
+        false => Ok(()),
+    });
     drain(
         queue,
         "c1",
-        &mut totals,
+        Totals::default(),
         |source| {
             Consumer::new("wallet", source, db.inbox(), handler.clone())
                 .retry(fast_retry(3))
@@ -189,8 +141,7 @@ async fn consume<Q: TestQueue, D: TestStore>(
         },
         |t| async move { t.applied + t.skipped + t.dead_lettered >= until },
     )
-    .await;
-    totals
+    .await
 }
 
 /// Sends `n` credits under fresh IDs and consumes them while the downstream is down: all `n`
@@ -203,11 +154,7 @@ pub async fn park_credits_while_down<Q: TestQueue, D: TestStore>(db: &D, queue: 
             .send(Some(id.as_str()), &CreditEvent::new(1 + i % 3, i).to_json())
             .await;
     }
-    let handler = Downstream {
-        credit: db.credit(),
-        down: true,
-    };
-    let totals = consume(db, queue, &handler, n as u64).await;
+    let totals = consume(db, queue, true, n as u64).await;
     assert_eq!(totals.dead_lettered, n as u64, "{totals:?}");
     (1..=n).sum()
 }
@@ -219,11 +166,7 @@ pub async fn consume_with_the_downstream_up<Q: TestQueue, D: TestStore>(
     queue: &Q,
     n: u64,
 ) -> (u64, u64) {
-    let handler = Downstream {
-        credit: db.credit(),
-        down: false,
-    };
-    let totals = consume(db, queue, &handler, n).await;
+    let totals = consume(db, queue, false, n).await;
     (totals.applied, totals.skipped)
 }
 

@@ -80,15 +80,17 @@ impl Totals {
 }
 
 /// Runs consumers (`run`, given a new source of `member`) until idle, one after another, until
-/// `done` holds or [`LIMIT`] passes; a message a consumer died holding comes back after the
-/// broker's own delay (a visibility timeout, a claim interval).
+/// `done` holds of their counters added to `totals` or [`LIMIT`] passes; returns the counters. A
+/// message a consumer died holding comes back after the broker's own delay (a visibility
+/// timeout, a claim interval).
 pub(crate) async fn drain<Q, R, F, D, G>(
     queue: &Q,
     member: &str,
-    totals: &mut Totals,
+    mut totals: Totals,
     mut run: R,
     done: D,
-) where
+) -> Totals
+where
     Q: TestQueue,
     R: FnMut(Checked<Q::Source>) -> F,
     F: Future<Output = inbox_core::Result<StatsSnapshot>>,
@@ -101,8 +103,8 @@ pub(crate) async fn drain<Q, R, F, D, G>(
             .await
             .unwrap_or_else(|e| panic!("consumer {member}: {e}"));
         totals.add(&stats);
-        if done(*totals).await {
-            return;
+        if done(totals).await {
+            return totals;
         }
         assert!(
             start.elapsed() < LIMIT,
@@ -120,11 +122,10 @@ where
     F: Fn(Totals) -> G,
     G: Future<Output = bool>,
 {
-    let (handler, mut totals) = (db.credit(), Totals::default());
+    let handler = db.credit();
     let run =
         |source| Consumer::new("wallet", source, db.inbox(), handler.clone()).run_until_idle();
-    drain(queue, "c1", &mut totals, run, done).await;
-    totals
+    drain(queue, "c1", Totals::default(), run, done).await
 }
 
 /// What is left on the broker once it had a few seconds to settle (an offset commit, a
@@ -269,10 +270,10 @@ pub async fn racing_consumers_apply_each_id_once<B: TestBroker, D: TestStore>(br
     totals.add(&a);
     totals.add(&b);
     // What either member left behind (a rebalance, a late join) is drained by one.
-    drain(
+    let totals = drain(
         &queue,
         "c1",
-        &mut totals,
+        totals,
         |source| Consumer::new("wallet", source, db.inbox(), handler.clone()).run_until_idle(),
         |t| async move { t.applied + t.skipped >= 2 * events as u64 },
     )
@@ -333,21 +334,25 @@ pub async fn messages_without_an_id_or_with_a_bad_payload_are_dead_lettered<
     finish(db, queue).await;
 }
 
-/// The wallet's handler, except that account 666 is always locked: a transient failure.
+/// The handler `H` behind a check `F` that may fail a message first: an account that is
+/// locked, a downstream that is down.
 #[derive(Clone)]
-struct FailingAccount<H>(H);
+pub(crate) struct Guarded<H, F>(pub(crate) H, pub(crate) F);
 
-const LOCKED: i64 = 666;
-
-impl<T: Send, H: Handler<T>> Handler<T> for FailingAccount<H> {
+impl<T, H, F> Handler<T> for Guarded<H, F>
+where
+    T: Send,
+    H: Handler<T>,
+    F: Fn(&MessageId, &Message) -> Result<(), HandlerError> + Send + Sync,
+{
     async fn handle(&self, tx: &mut T, id: &MessageId, m: &Message) -> Result<(), HandlerError> {
-        let event: CreditEvent = m.json()?;
-        if event.account_id == LOCKED {
-            return Err(HandlerError::transient("account 666 is locked"));
-        }
+        (self.1)(id, m)?;
         self.0.handle(tx, id, m).await
     }
 }
+
+/// The account that is always locked: a transient failure.
+const LOCKED: i64 = 666;
 
 /// A message whose handler keeps failing is retried up to the budget, then dead-lettered; the
 /// messages around it are applied.
@@ -363,12 +368,16 @@ pub async fn a_failing_handler_is_retried_then_dead_lettered<B: TestBroker, D: T
         send_credit(&queue, 1 + i % 4, i + 1).await;
         expected += i + 1;
     }
-    let handler = FailingAccount(db.credit());
-    let mut totals = Totals::default();
-    drain(
+    let handler = Guarded(db.credit(), |_: &MessageId, m: &Message| {
+        match m.json::<CreditEvent>()?.account_id {
+            LOCKED => Err(HandlerError::transient("account 666 is locked")),
+            _ => Ok(()),
+        }
+    });
+    let totals = drain(
         &queue,
         "c1",
-        &mut totals,
+        Totals::default(),
         |source| {
             Consumer::new("wallet", source, db.inbox(), handler.clone())
                 .retry(fast_retry(3))
@@ -482,11 +491,10 @@ pub async fn batches_over_lanes_apply_everything_once<B: TestBroker, D: TestStor
         send_credit(&queue, 1 + i % 5, 1).await;
     }
     let handler = db.credit();
-    let mut totals = Totals::default();
-    drain(
+    let totals = drain(
         &queue,
         "c1",
-        &mut totals,
+        Totals::default(),
         |source| {
             Consumer::new("wallet", source, db.inbox(), handler.clone())
                 .batch_size(50)
