@@ -555,31 +555,21 @@ impl TestDb {
     /// Drops the schema and everything in it (its database, behind a transaction pooler).
     pub async fn drop(self) {
         let schema = &self.schema;
-        let result = match self.through {
-            Some(through) => {
+        let dropped = async {
+            if let Some(through) = &self.through {
                 through.close().await;
                 self.pool.close().await;
-                let admin = PgPoolOptions::new()
-                    .max_connections(1)
-                    .connect(&database_url())
-                    .await;
+                let admin = PgPoolOptions::new().max_connections(1);
+                let admin = admin.connect(&database_url()).await?;
                 let sql = format!("DROP DATABASE \"{schema}\" WITH (FORCE)");
-                match admin {
-                    Ok(admin) => sqlx::raw_sql(AssertSqlSafe(sql))
-                        .execute(&admin)
-                        .await
-                        .map(drop),
-                    Err(e) => Err(e),
-                }
+                return sqlx::raw_sql(AssertSqlSafe(sql)).execute(&admin).await;
             }
-            None => {
-                let sql = format!("DROP SCHEMA \"{schema}\" CASCADE");
-                let result = sqlx::query(AssertSqlSafe(sql)).execute(&self.pool).await;
-                self.pool.close().await;
-                result.map(drop)
-            }
+            let sql = format!("DROP SCHEMA \"{schema}\" CASCADE");
+            let result = sqlx::query(AssertSqlSafe(sql)).execute(&self.pool).await;
+            self.pool.close().await;
+            result
         };
-        if let Err(e) = result {
+        if let Err(e) = dropped.await {
             eprintln!("could not drop test schema {schema}: {e}");
         }
     }

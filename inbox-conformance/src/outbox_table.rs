@@ -35,24 +35,20 @@ pub async fn unsent(db: &TestDb) -> i64 {
 /// # Panics
 /// When a row cannot be written.
 pub async fn write_credits(db: &TestDb, outbox: &Outbox, destination: &str, n: i64) -> i64 {
-    let mut total = 0;
-    for chunk in (0..n).collect::<Vec<_>>().chunks(100) {
-        let mut tx = db
-            .pool
-            .begin()
-            .await
-            .unwrap_or_else(|e| panic!("cannot begin: {e}"));
-        for i in chunk {
-            let event = CreditEvent::new(1 + i % 7, i + 1);
-            total += event.amount;
-            outbox
-                .write(&mut tx, destination, event.to_json())
-                .await
-                .unwrap_or_else(|e| panic!("cannot write an outbox row: {e}"));
+    let written = async {
+        let mut total = 0;
+        for chunk in (0..n).collect::<Vec<_>>().chunks(100) {
+            let mut tx = db.pool.begin().await?;
+            for i in chunk {
+                let event = CreditEvent::new(1 + i % 7, i + 1);
+                total += event.amount;
+                outbox.write(&mut tx, destination, event.to_json()).await?;
+            }
+            tx.commit().await?;
         }
-        tx.commit()
-            .await
-            .unwrap_or_else(|e| panic!("cannot commit the outbox rows: {e}"));
-    }
-    total
+        Ok::<_, inbox_core::BoxError>(total)
+    };
+    written
+        .await
+        .unwrap_or_else(|e| panic!("cannot write the outbox rows: {e}"))
 }
