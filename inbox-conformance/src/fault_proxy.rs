@@ -86,6 +86,36 @@ impl FaultProxy {
         Self::start(upstream).await.expect("the proxy")
     }
 
+    /// A proxy in front of the server `url` names (`scheme://[user@]host[:port][/…]`, on
+    /// `default_port` where it names no port), and `url` pointed at the proxy, its user, path and
+    /// query kept.
+    ///
+    /// # Errors
+    /// When `url` has no such shape (an IPv6 literal included), its host resolves to no address
+    /// or no loopback port can be bound.
+    pub async fn in_front_of_url(url: &str, default_port: u16) -> Result<(Self, String), String> {
+        let bad = || format!("{url}: expected scheme://[user@]host[:port][/…]");
+        let (scheme, rest) = url.split_once("://").ok_or_else(bad)?;
+        let (authority, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
+        let (user, host_port) = match authority.rsplit_once('@') {
+            Some((user, host_port)) => (format!("{user}@"), host_port),
+            None => (String::new(), authority),
+        };
+        if host_port.is_empty() || host_port.starts_with('[') {
+            return Err(bad());
+        }
+        let host_port = match host_port.rsplit_once(':') {
+            Some((_, port)) if port.parse::<u16>().is_ok() => host_port.to_owned(),
+            _ => format!("{host_port}:{default_port}"),
+        };
+        let resolved = tokio::net::lookup_host(&host_port).await;
+        let upstream = resolved.ok().and_then(|mut addrs| addrs.next());
+        let upstream = upstream.ok_or_else(|| format!("{host_port} resolves to no address"))?;
+        let proxy = Self::start(upstream).await.map_err(|e| e.to_string())?;
+        let through = format!("{scheme}://{user}{}{tail}", proxy.addr());
+        Ok((proxy, through))
+    }
+
     /// The address clients connect to.
     pub fn addr(&self) -> SocketAddr {
         self.addr

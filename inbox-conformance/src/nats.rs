@@ -173,12 +173,9 @@ impl TestQueue for Stream {
     }
 
     async fn proxied_source(&self, _member: &str) -> Option<Proxied<NatsSource>> {
-        let url = nats_url();
-        let address = url.rsplit("://").next().unwrap_or(&url);
-        let (host, port) = address.rsplit_once(':')?;
-        let proxy = FaultProxy::in_front_of(host, port.parse().ok()?).await;
+        let (proxy, through) = FaultProxy::in_front_of_url(&nats_url(), 4222).await.ok()?;
         // A silent connection is given up after two missed pings (about 1 s).
-        let connection = NatsConnection::new(format!("nats://{}", proxy.addr()))
+        let connection = NatsConnection::new(through)
             .operation_timeout(Duration::from_secs(1))
             .ping_interval(Duration::from_millis(500));
         Some(Proxied {

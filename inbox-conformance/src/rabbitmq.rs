@@ -9,7 +9,7 @@ mod admin;
 mod restart;
 pub mod tls_node;
 
-pub use address::{amqp_url, broker_addr, url_via, LOCAL_AMQP_URL};
+pub use address::{amqp_url, LOCAL_AMQP_URL};
 use admin::ready_on;
 pub use admin::{
     admin_channel, cleanup, close_connection, close_pids, connection_pids, drain, left_on,
@@ -170,10 +170,11 @@ impl TestQueue for Queue {
     }
 
     async fn proxied_source(&self, member: &str) -> Option<Proxied<RabbitSource>> {
-        let proxy = FaultProxy::start(broker_addr().await).await.expect("proxy");
+        let proxied = FaultProxy::in_front_of_url(&amqp_url(), 5672).await;
+        let (proxy, through) = proxied.expect("a proxy in front of AMQP_URL");
         // A silent peer is declared dead after two heartbeats without a frame (4 s); a
         // reconnect that lands in the hole gives up after 5 s and tries again.
-        let config = RabbitConnection::new(url_via(&amqp_url(), proxy.addr()))
+        let config = RabbitConnection::new(through)
             .heartbeat(Duration::from_secs(2))
             .operation_timeout(Duration::from_secs(5))
             .source(self.config.queue())

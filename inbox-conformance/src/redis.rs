@@ -19,7 +19,6 @@ use std::time::Duration;
 
 use crate::FaultProxy;
 use inbox_core::DynPublish;
-use inbox_redis_streams::redis::{Client, ConnectionAddr, IntoConnectionInfo};
 use inbox_redis_streams::{
     RedisConnection, RedisStreamProducer, RedisStreamSource, RedisStreamSourceBuilder,
 };
@@ -175,19 +174,16 @@ impl TestQueue for Stream {
     }
 
     async fn proxied_source(&self, member: &str) -> Option<Proxied<RedisStreamSource>> {
-        let info = redis_url().into_connection_info().expect("REDIS_URL");
-        let ConnectionAddr::Tcp(host, port) = info.addr() else {
+        let url = redis_url();
+        if !url.starts_with("redis://") {
             return None; // a Unix socket or TLS: no TCP proxy can stand in front of it
-        };
-        let proxy = FaultProxy::in_front_of(host, *port).await;
-        let proxied = info.clone().set_addr(ConnectionAddr::Tcp(
-            proxy.addr().ip().to_string(),
-            proxy.addr().port(),
-        ));
+        }
+        let (proxy, through) = FaultProxy::in_front_of_url(&url, 6379)
+            .await
+            .expect("proxy");
         // A command on a silent connection is given up after 1 s (the blocking read gets its
         // block on top); what a lost read or a failed ack left pending is claimed after 2 s.
-        let redis = RedisConnection::from_client(Client::open(proxied).expect("client"))
-            .operation_timeout(Duration::from_secs(1));
+        let redis = RedisConnection::new(through).operation_timeout(Duration::from_secs(1));
         let source = source_builder(&redis, &self.key, member).claim_idle(Duration::from_secs(2));
         Some(Proxied {
             source: connect(source).await,

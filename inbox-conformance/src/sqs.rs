@@ -8,14 +8,13 @@ mod endpoint;
 mod queues;
 
 pub use endpoint::{
-    client, plain_http_endpoint, proxied_client, ATTEMPT_TIMEOUT, LOCAL_ENDPOINT, OPERATION_TIMEOUT,
+    client, proxied_client, proxy, ATTEMPT_TIMEOUT, LOCAL_ENDPOINT, OPERATION_TIMEOUT,
 };
 pub use queues::{attr, create_queue, delete_queue, drain, queue, queue_name};
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::FaultProxy;
 use inbox_core::DynPublish;
 use inbox_sqs::aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName};
 use inbox_sqs::aws_sdk_sqs::Client;
@@ -126,8 +125,7 @@ impl TestQueue for Queue {
 
     async fn proxied_source(&self, _member: &str) -> Option<Proxied<SqsSource>> {
         // The proxy forwards bytes: it cannot stand between a client and an HTTPS endpoint.
-        let upstream = plain_http_endpoint().await?;
-        let proxy = FaultProxy::start(upstream).await.expect("proxy");
+        let proxy = proxy().await?;
         // A call on a silent connection fails after 2 s per attempt, 5 s in all; the long poll
         // is shorter than an attempt, as the source requires.
         let source = self.builder_on(proxied_client(&proxy).await);

@@ -1,6 +1,5 @@
 //! The SQS endpoint: a client for it, and one that reaches it through a fault proxy.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::FaultProxy;
@@ -42,25 +41,27 @@ pub async fn client() -> Client {
     Client::new(&loader.load().await)
 }
 
-/// The SQS endpoint's socket address, when it is plain HTTP (a local endpoint such as moto): the
-/// proxy forwards bytes, so it cannot stand between a client and an HTTPS endpoint such as AWS.
-pub async fn plain_http_endpoint() -> Option<SocketAddr> {
+/// A proxy in front of the SQS endpoint, when it is plain HTTP (a local endpoint such as moto):
+/// the proxy forwards bytes, so it cannot stand between a client and an HTTPS endpoint such as
+/// AWS.
+///
+/// # Panics
+/// When the endpoint does not resolve.
+pub async fn proxy() -> Option<FaultProxy> {
     let url = ["AWS_ENDPOINT_URL_SQS", "AWS_ENDPOINT_URL"]
         .iter()
         .filter_map(|name| std::env::var(name).ok())
         .find(|v| !v.is_empty())
         .unwrap_or_else(|| LOCAL_ENDPOINT.to_owned());
-    let rest = url.strip_prefix("http://")?;
-    let authority = rest.split('/').next().unwrap_or(rest);
-    let authority = if authority.contains(':') {
-        authority.to_owned()
-    } else {
-        format!("{authority}:80")
-    };
-    let mut addrs = tokio::net::lookup_host(&authority)
-        .await
-        .unwrap_or_else(|e| panic!("resolve the SQS endpoint {authority}: {e}"));
-    addrs.next()
+    if !url.starts_with("http://") {
+        return None;
+    }
+    let proxied = FaultProxy::in_front_of_url(&url, 80).await;
+    Some(
+        proxied
+            .unwrap_or_else(|e| panic!("a proxy in front of the SQS endpoint: {e}"))
+            .0,
+    )
 }
 
 /// A client for the endpoint behind `proxy`, with short timeouts so a black-holed call fails

@@ -1,12 +1,10 @@
 //! The soak's network faults: fault proxies in the harness between the consumer children and
 //! their database and broker, and the faults it rotates through.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_conformance::database_url;
-use inbox_conformance::rabbitmq::url_via;
 use inbox_conformance::{FaultProxy, ProxyMode};
 use inbox_core::BoxError;
 
@@ -105,30 +103,13 @@ impl Proxies {
     }
 }
 
-/// A proxy in front of the server `url` names, and `url` pointed at the proxy.
+/// A proxy in front of the server `url` (from `var`) names, and `url` pointed at the proxy.
 async fn proxied(
     var: &str,
     url: &str,
     default_port: u16,
 ) -> Result<(Arc<FaultProxy>, String), BoxError> {
-    let bad = || format!("{var}={url}: expected scheme://[user@]host[:port][/…]");
-    let rest = url.split_once("://").ok_or_else(bad)?.1;
-    let authority = &rest[..rest.find(['/', '?']).unwrap_or(rest.len())];
-    let host_port = authority
-        .rsplit_once('@')
-        .map_or(authority, |(_, host)| host);
-    if host_port.is_empty() || host_port.starts_with('[') {
-        return Err(bad().into());
-    }
-    let host_port = match host_port.rsplit_once(':') {
-        Some((_, port)) if port.parse::<u16>().is_ok() => host_port.to_owned(),
-        _ => format!("{host_port}:{default_port}"),
-    };
-    let upstream: SocketAddr = tokio::net::lookup_host(&host_port)
-        .await?
-        .next()
-        .ok_or_else(|| format!("{var}: {host_port} resolves to no address"))?;
-    let proxy = FaultProxy::start(upstream).await?;
-    let through = url_via(url, proxy.addr());
+    let proxied = FaultProxy::in_front_of_url(url, default_port).await;
+    let (proxy, through) = proxied.map_err(|e| format!("{var}={e}"))?;
     Ok((Arc::new(proxy), through))
 }
