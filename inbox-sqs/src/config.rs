@@ -10,7 +10,7 @@ use tracing::warn;
 
 use crate::dead_letter::{self, DeadLetterTarget};
 use crate::delivery::MAX_HIDE;
-use crate::{Error, Result, SqsConnection, SqsSource};
+use crate::{fifo, Error, Result, SqsConnection, SqsSource};
 
 /// The message attribute a producer puts the event ID in, unless configured otherwise.
 pub const DEFAULT_ID_ATTRIBUTE: &str = "event_id";
@@ -255,7 +255,7 @@ impl SqsSourceBuilder {
         for name in header_names(&settings.id_from) {
             dead_letter::check_id_attribute(name, "SqsSourceBuilder::id_attribute")?;
         }
-        settings.fifo = settings.queue_url.trim_end_matches('/').ends_with(".fifo");
+        settings.fifo = fifo::is_fifo_queue(&settings.queue_url);
         if settings.id_from == IdFrom::MessageIdProperty && !settings.fifo {
             return Err(Error::Config(format!(
                 "queue {} is a standard queue, whose messages have no MessageDeduplicationId; \

@@ -21,7 +21,7 @@ use crate::ack::delete_message_batch;
 use crate::copy::{attribute_bytes, Copy};
 use crate::delivery::{replay_header, DedupId, DEDUPLICATION_ID_HEADER, SCHEDULE_ATTRIBUTES};
 use crate::source::{sent_at, system_attribute};
-use crate::{Error, Result, SqsConnection, DEFAULT_ID_ATTRIBUTE};
+use crate::{fifo, Error, Result, SqsConnection, DEFAULT_ID_ATTRIBUTE};
 
 /// The attributes a dead letter adds: why, and where it was read from.
 const ADDED: [&str; 3] = [REASON, ORIGINAL_SOURCE, ORIGINAL_POSITION];
@@ -145,9 +145,7 @@ pub(crate) fn letter<'a>(
             (ORIGINAL_SOURCE, message.meta.source.clone()),
             (ORIGINAL_POSITION, message.meta.position.clone()),
         ],
-        fifo_dedup_id: dlq_url
-            .ends_with(".fifo")
-            .then(|| fifo_dedup_id(receipt_handle)),
+        fifo_dedup_id: fifo::is_fifo_queue(dlq_url).then(|| fifo_dedup_id(receipt_handle)),
         delay_seconds: None,
     }
 }
@@ -526,6 +524,49 @@ mod tests {
         let fresh = fifo_dedup_id("");
         assert!(crate::fifo::is_valid_id(&fresh), "{fresh}");
         assert_ne!(fresh, fifo_dedup_id(""));
+    }
+
+    /// A dead-letter queue URL ending in `.fifo/` names a FIFO queue, as it does for the
+    /// source and the producer: its copies carry a group and a deduplication ID.
+    #[test]
+    fn a_dead_letter_queue_is_fifo_by_the_same_rule_with_or_without_a_trailing_slash() {
+        let message = Message::new(Ok(MessageId::generate()), "{}");
+        for (url, fifo) in [
+            ("http://127.0.0.1:4566/000000000000/q-dlq.fifo", true),
+            ("http://127.0.0.1:4566/000000000000/q-dlq.fifo/", true),
+            ("http://127.0.0.1:4566/000000000000/q-dlq", false),
+            ("http://127.0.0.1:4566/000000000000/q-dlq/", false),
+        ] {
+            let copy = letter(url, &message, "handle", "reason");
+            assert_eq!(copy.fifo_dedup_id.is_some(), fifo, "{url}");
+        }
+    }
+
+    /// The copy made for a FIFO dead-letter queue given as `…/q-dlq.fifo/` is one SQS takes:
+    /// without a group and a deduplication ID it refuses a FIFO send, and the message would be
+    /// handed back again and again instead. moto takes no queue URL with a trailing `/` at all
+    /// (it reads the queue name after the last `/`), so the copy goes to the URL without it.
+    #[tokio::test]
+    async fn a_copy_for_a_fifo_dead_letter_queue_named_with_a_trailing_slash_is_taken() {
+        use inbox_conformance::sqs::{client, create_queue, delete_queue, drain, queue_name};
+
+        let sqs = client().await;
+        let fifo = [(aws_sdk_sqs::types::QueueAttributeName::FifoQueue, "true")];
+        let name = format!("{}.fifo", queue_name("slash-dlq"));
+        let dlq = create_queue(&sqs, &name, 30, &fifo).await;
+        let mut message = Message::new(Ok(MessageId::generate()), "cannot be applied");
+        message.key = Some(b"account-1".to_vec());
+        let given = format!("{dlq}/");
+        let mut copy = letter(&given, &message, "handle-1", "test: cannot be applied");
+        copy.queue_url = &dlq;
+        let sent = copy.send(&sqs, "event_id", &message, None).await;
+        let dead = drain(&sqs, &dlq, Duration::from_secs(1)).await;
+        delete_queue(&sqs, &dlq).await;
+        sent.unwrap();
+        assert_eq!(dead.len(), 1);
+        assert_eq!(dead[0].body(), Some("cannot be applied"));
+        let group = system_attribute(&dead[0], MessageSystemAttributeName::MessageGroupId);
+        assert_eq!(group.map(String::as_str), Some("account-1"));
     }
 
     /// A dead letter as the FIFO dead-letter queue hands it out: SQS message `dlq_message_id`.

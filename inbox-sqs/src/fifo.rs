@@ -1,6 +1,14 @@
 //! FIFO message group and deduplication IDs: what SQS accepts, and how other text is made to
 //! fit.
 
+/// Whether the queue at `url` is a FIFO queue: its name ends in `.fifo` (SQS requires it of a
+/// FIFO queue, and refuses it on a standard one); a `/` after the name does not count. The one
+/// rule for the source, the producer and the dead-letter copy, so that none sends a FIFO queue
+/// a message without the group and deduplication IDs it refuses a send without.
+pub(crate) fn is_fifo_queue(url: &str) -> bool {
+    url.trim_end_matches('/').ends_with(".fifo")
+}
+
 /// SQS's longest group or deduplication ID.
 const MAX_LEN: usize = 128;
 

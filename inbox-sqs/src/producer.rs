@@ -156,7 +156,7 @@ impl SqsProducer {
             urls().insert(queue.to_owned(), url.clone());
             url
         };
-        let fifo = url.trim_end_matches('/').ends_with(".fifo");
+        let fifo = fifo::is_fifo_queue(&url);
         Ok(Queue { url, fifo })
     }
 
