@@ -213,9 +213,11 @@ impl RabbitProducerBuilder {
         self
     }
 
-    /// Connects and opens a channel in confirm mode. Fails when the broker cannot be reached
-    /// or refuses the login.
+    /// Connects and opens a channel in confirm mode. Fails with [`Error::Config`] on a
+    /// connection setting the source refuses too (a heartbeat or operation timeout of 0), and
+    /// when the broker cannot be reached or refuses the login.
     pub async fn connect(self) -> Result<RabbitProducer> {
+        self.connection.check()?;
         let producer = RabbitProducer {
             exchange: self.exchange,
             publisher: ConfirmChannel::new(self.connection, self.connection_name, "publishing"),

@@ -13,6 +13,7 @@ mod exchanges;
 mod foreign_ids;
 mod metadata;
 mod outbox_relay;
+mod producer_settings;
 mod scenarios;
 #[cfg(feature = "tls")]
 mod tls;
