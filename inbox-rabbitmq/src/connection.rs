@@ -105,7 +105,8 @@ impl RabbitConnection {
     ///   [`Recovery::Reconnect`](inbox_core::Recovery), and the consumer tries again after its
     ///   backoff. Without it a broker that accepts the TCP connection but never answers (a hung
     ///   node, a network that drops packets after the handshake started) stalls the consumer for
-    ///   good: no heartbeat runs before the handshake ends.
+    ///   good: no heartbeat runs before the handshake ends. The producer's connect, and its
+    ///   reconnect on a publish after a lost connection, are bounded the same way.
     /// - Dead letters: past it the publish fails with [`Recovery::Retry`](inbox_core::Recovery)
     ///   and the consumer hands the message back, instead of waiting out a broker memory or disk
     ///   alarm, which holds every publish unconfirmed until it clears.

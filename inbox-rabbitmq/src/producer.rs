@@ -99,15 +99,24 @@ impl ConfirmChannel {
         Ok((channel, true))
     }
 
+    /// [`channel`](Self::channel), connecting within the
+    /// [`operation_timeout`](RabbitConnection::operation_timeout) (else
+    /// [`Error::ConnectTimeout`]), as the source does: for the producer, whose publishes have no
+    /// bound of their own (the dead-letter publisher bounds each publish, connecting included).
+    async fn bounded_channel(&self) -> Result<Channel> {
+        let (channel, _) = self.connection.bounded(self.channel()).await?;
+        Ok(channel)
+    }
+
     /// Publishes `messages` to `routing_key` on `exchange` (see [`publish_confirmed`]); a lost
-    /// connection is reopened on the next publish.
+    /// connection is reopened on the next publish, within the operation timeout.
     pub(crate) async fn publish<'a>(
         &self,
         exchange: &str,
         routing_key: &str,
         messages: impl IntoIterator<Item = (&'a [u8], BasicProperties)>,
     ) -> Result<()> {
-        let (channel, _) = self.channel().await?;
+        let channel = self.bounded_channel().await?;
         let result = publish_confirmed(&channel, exchange, routing_key, messages).await;
         if result.is_err() && !channel.status().connected() {
             *self.open.lock().await = None;
@@ -214,15 +223,17 @@ impl RabbitProducerBuilder {
     }
 
     /// Connects and opens a channel in confirm mode. Fails with [`Error::Config`] on a
-    /// connection setting the source refuses too (a heartbeat or operation timeout of 0), and
-    /// when the broker cannot be reached or refuses the login.
+    /// connection setting the source refuses too (a heartbeat or operation timeout of 0), when
+    /// the broker cannot be reached or refuses the login, and with [`Error::ConnectTimeout`]
+    /// when it does not answer within
+    /// [`operation_timeout`](RabbitConnection::operation_timeout).
     pub async fn connect(self) -> Result<RabbitProducer> {
         self.connection.check()?;
         let producer = RabbitProducer {
             exchange: self.exchange,
             publisher: ConfirmChannel::new(self.connection, self.connection_name, "publishing"),
         };
-        producer.publisher.channel().await?;
+        producer.publisher.bounded_channel().await?;
         Ok(producer)
     }
 }

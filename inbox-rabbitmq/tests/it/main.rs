@@ -15,6 +15,7 @@ mod metadata;
 mod outbox_relay;
 mod producer_settings;
 mod scenarios;
+mod silent_broker;
 #[cfg(feature = "tls")]
 mod tls;
 mod topology;

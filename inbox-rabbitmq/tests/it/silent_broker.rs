@@ -1,0 +1,61 @@
+//! A broker that accepts the TCP connection and then says nothing: the producer gives up
+//! after its operation timeout instead of waiting for good.
+// A test fails by panicking; an unwrap names the failed call in its message.
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use crate::common::amqp_url;
+use inbox_conformance::rabbitmq::{broker_addr, url_via};
+use inbox_conformance::{FaultProxy, ProxyMode};
+use inbox_core::Publish;
+use inbox_rabbitmq::{Error, RabbitConnection};
+use tokio::net::TcpListener;
+
+const TIMEOUT: Duration = Duration::from_secs(1);
+/// Far longer than `TIMEOUT`: past it the call hangs.
+const HUNG: Duration = Duration::from_secs(15);
+
+#[tokio::test]
+async fn connecting_to_a_silent_broker_fails_within_the_operation_timeout() {
+    let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    // Accepts and holds every connection, answering nothing.
+    let holding = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let producer = RabbitConnection::new(url_via(&amqp_url(), addr))
+        .operation_timeout(TIMEOUT)
+        .producer();
+    let connecting = tokio::time::timeout(HUNG, producer.connect()).await;
+    holding.abort();
+    match connecting {
+        Err(_) => panic!("connect still waited after {HUNG:?}"),
+        Ok(Ok(_)) => panic!("connected to a listener that answers nothing"),
+        Ok(Err(e)) => assert!(matches!(e, Error::ConnectTimeout { .. }), "{e}"),
+    }
+}
+
+#[tokio::test]
+async fn reconnecting_to_a_silent_broker_on_send_fails_within_the_operation_timeout() {
+    let proxy = FaultProxy::start(broker_addr().await).await.unwrap();
+    let producer = RabbitConnection::new(url_via(&amqp_url(), proxy.addr()))
+        .operation_timeout(TIMEOUT)
+        .producer()
+        .connect()
+        .await
+        .unwrap();
+    // The connection is cut, and the broker then accepts new ones but says nothing.
+    proxy.set_mode(ProxyMode::Blackhole);
+    proxy.cut();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let sending = tokio::time::timeout(HUNG, producer.send("never-declared", b"{}")).await;
+    match sending {
+        Err(_) => panic!("the send still waited after {HUNG:?}"),
+        Ok(Ok(_)) => panic!("sent through a broker that answers nothing"),
+        Ok(Err(e)) => assert!(format!("{e:?}").contains("ConnectTimeout"), "{e:?}"),
+    }
+}
