@@ -6,11 +6,9 @@
 use std::time::Duration;
 
 use crate::common::amqp_url;
-use inbox_conformance::rabbitmq::{broker_addr, url_via};
 use inbox_conformance::{FaultProxy, ProxyMode};
 use inbox_core::Publish;
 use inbox_rabbitmq::{Error, RabbitConnection};
-use tokio::net::TcpListener;
 
 const TIMEOUT: Duration = Duration::from_secs(1);
 /// Far longer than `TIMEOUT`: past it the call hangs.
@@ -18,20 +16,15 @@ const HUNG: Duration = Duration::from_secs(15);
 
 #[tokio::test]
 async fn connecting_to_a_silent_broker_fails_within_the_operation_timeout() {
-    let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    // Accepts and holds every connection, answering nothing.
-    let holding = tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((socket, _)) = listener.accept().await {
-            held.push(socket);
-        }
-    });
-    let producer = RabbitConnection::new(url_via(&amqp_url(), addr))
+    // Accepts every connection and answers nothing.
+    let (proxy, through) = FaultProxy::in_front_of_url(&amqp_url(), 5672)
+        .await
+        .unwrap();
+    proxy.set_mode(ProxyMode::Blackhole);
+    let producer = RabbitConnection::new(through)
         .operation_timeout(TIMEOUT)
         .producer();
     let connecting = tokio::time::timeout(HUNG, producer.connect()).await;
-    holding.abort();
     match connecting {
         Err(_) => panic!("connect still waited after {HUNG:?}"),
         Ok(Ok(_)) => panic!("connected to a listener that answers nothing"),
@@ -41,8 +34,10 @@ async fn connecting_to_a_silent_broker_fails_within_the_operation_timeout() {
 
 #[tokio::test]
 async fn reconnecting_to_a_silent_broker_on_send_fails_within_the_operation_timeout() {
-    let proxy = FaultProxy::start(broker_addr().await).await.unwrap();
-    let producer = RabbitConnection::new(url_via(&amqp_url(), proxy.addr()))
+    let (proxy, through) = FaultProxy::in_front_of_url(&amqp_url(), 5672)
+        .await
+        .unwrap();
+    let producer = RabbitConnection::new(through)
         .operation_timeout(TIMEOUT)
         .producer()
         .connect()
