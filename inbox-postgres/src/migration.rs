@@ -42,7 +42,7 @@ impl PgInbox {
     pub fn migration_sql(&self) -> String {
         let t = self.table();
         let partitioned = self.partitions.is_some();
-        let [table, index] = self.table_statements(partitioned);
+        let [table, index] = self.table_statements(&t.to_string(), t.table(), partitioned);
         let mut statements = vec![self.consumers_table_sql(), table, index];
         let layout = if partitioned {
             statements.push(self.default_partition_sql());
@@ -74,16 +74,10 @@ impl PgInbox {
         )
     }
 
-    /// The inbox table and its BRIN index on the processed minute, which serves the purge, in
-    /// the `partitioned` layout or the plain one.
-    pub(crate) fn table_statements(&self, partitioned: bool) -> [String; 2] {
-        let t = self.table();
-        self.table_statements_as(&t.to_string(), t.table(), partitioned)
-    }
-
-    /// [`table_statements`](Self::table_statements) creating the table `qualified`, whose
-    /// partitioned layout names its primary key and index `<index_base>_pkey`, `_processed`.
-    pub(crate) fn table_statements_as(
+    /// The inbox table `qualified` and its BRIN index on the processed minute, which serves the
+    /// purge, in the `partitioned` layout or the plain one; the partitioned layout names its
+    /// primary key and index `<index_base>_pkey`, `_processed`.
+    pub(crate) fn table_statements(
         &self,
         qualified: &str,
         index_base: &str,

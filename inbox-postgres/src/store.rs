@@ -179,11 +179,12 @@ impl PgInbox {
         let lock = format!("inbox migrate {t}");
         let mut migration = Migration::begin(&self.pool, lock, "creating the inbox tables").await?;
         // The builders `migration_sql` prints too (`migration.rs`).
-        let [table, _] = self.table_statements(self.partitions.is_some());
+        let [table, _] =
+            self.table_statements(&t.to_string(), t.table(), self.partitions.is_some());
         migration.run([self.consumers_table_sql(), table]).await?;
         migration.check_key_type(t, self.mode).await?;
         let partitioned = is_partitioned(migration.tx(), t).await?;
-        let [_, index] = self.table_statements(partitioned);
+        let [_, index] = self.table_statements(&t.to_string(), t.table(), partitioned);
         // `CREATE INDEX IF NOT EXISTS` locks the table (and on a partitioned one every partition)
         // in SHARE mode before it finds the index: a partitioned table's catalog is asked first.
         let (has_index, has_default): (bool, bool) = if partitioned {

@@ -107,7 +107,7 @@ impl PgInbox {
             })
             .collect();
         let mut tx = conn.begin().await.map_err(db(CONVERTING))?;
-        for statement in self.table_statements_as(&new, &format!("{prefix}_partitioned"), true) {
+        for statement in self.table_statements(&new, &format!("{prefix}_partitioned"), true) {
             sqlx::query(AssertSqlSafe(statement)).execute(&mut *tx).await.map_err(db(
                 "creating the partitioned table beside the plain one (a table `<inbox>_partitioned` left by a failed conversion must be dropped first)",
             ))?;
