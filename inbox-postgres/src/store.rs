@@ -385,7 +385,7 @@ impl InboxStore for PgInbox {
             None => self.pool.begin().await,
         };
         begun
-            .map(PgTx::new)
+            .map(PgTx::from)
             .map_err(store_err("opening a transaction"))
     }
 

@@ -33,10 +33,6 @@ use crate::error::{recovery, store_err};
 pub struct PgTx(sqlx::Transaction<'static, Postgres>);
 
 impl PgTx {
-    pub(crate) fn new(tx: sqlx::Transaction<'static, Postgres>) -> Self {
-        Self(tx)
-    }
-
     /// Opens a transaction on a connection from `pool` (`BEGIN`); the error says whether to
     /// reconnect (the pool or server cannot be reached) or give up (a closed pool).
     pub async fn begin(pool: &PgPool) -> Result<Self, StoreError> {
