@@ -208,9 +208,8 @@ impl PgLeases {
         );
         let context = "deleting done lease rows";
         let mut conn = self.inbox.pool().acquire().await.map_err(db(context))?;
-        let mut batches = Vec::new();
         let cutoff = (older_than.as_secs_f64(), batch);
-        delete_in_batches(&mut conn, &sql, cutoff, false, context, &mut batches).await?;
+        let batches = delete_in_batches(&mut conn, &sql, cutoff, false, context).await?;
         Ok(batches.iter().sum())
     }
 

@@ -273,16 +273,7 @@ impl Outbox {
         );
         let context = "deleting sent outbox rows";
         let mut conn = self.pool.acquire().await.map_err(db(context))?;
-        let mut batches = Vec::new();
-        delete_in_batches(
-            &mut conn,
-            &sql,
-            (cutoff, batch),
-            false,
-            context,
-            &mut batches,
-        )
-        .await?;
+        let batches = delete_in_batches(&mut conn, &sql, (cutoff, batch), false, context).await?;
         Ok(batches.iter().sum())
     }
 

@@ -254,7 +254,7 @@ impl PgInbox {
                 );
                 let context = "deleting expired inbox rows";
                 let cutoff = (cutoff_minute, batch);
-                delete_in_batches(&mut conn, &sql, cutoff, by_index, context, &mut batches).await?;
+                batches.extend(delete_in_batches(&mut conn, &sql, cutoff, by_index, context).await?);
             }
             batches.push(0);
             Ok(PurgeReport::Purged {
@@ -343,7 +343,7 @@ async fn cutoff_minute(conn: &mut PgConnection, window_minutes: i64) -> Result<i
 }
 
 /// Runs the batched `DELETE` `sql` (`$1`: `cutoff`, `$2`: `batch`), each batch a transaction
-/// of its own on `conn`, until one deletes nothing; pushes each batch that deleted rows.
+/// of its own on `conn`, until one deletes nothing; the rows of each batch that deleted some.
 /// `by_index`: the delete must read the index, never scan the whole table, whose statistics can
 /// be stale (`SET LOCAL enable_seqscan = off`).
 pub(crate) async fn delete_in_batches<C>(
@@ -352,11 +352,11 @@ pub(crate) async fn delete_in_batches<C>(
     (cutoff, batch): (C, i64),
     by_index: bool,
     context: &'static str,
-    batches: &mut Vec<u64>,
-) -> Result<()>
+) -> Result<Vec<u64>>
 where
     C: for<'q> sqlx::Encode<'q, Postgres> + sqlx::Type<Postgres> + Copy + Send + Sync,
 {
+    let mut batches = Vec::new();
     loop {
         let mut tx = conn.begin().await.map_err(db(context))?;
         if by_index {
@@ -374,7 +374,7 @@ where
             .rows_affected();
         tx.commit().await.map_err(db(context))?;
         if deleted == 0 {
-            return Ok(());
+            return Ok(batches);
         }
         batches.push(deleted);
     }
