@@ -62,12 +62,9 @@ inbox_core::sqlx_store_errors!(database_recovery);
 
 /// MySQL's error number of `e`, for a database error.
 pub(crate) fn number(e: &sqlx::Error) -> Option<u16> {
-    match e {
-        sqlx::Error::Database(d) => d
-            .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
-            .map(|m| m.number()),
-        _ => None,
-    }
+    let d = e.as_database_error()?;
+    d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+        .map(|m| m.number())
 }
 
 /// `ER_DUP_ENTRY`: the claim's key is there already.
