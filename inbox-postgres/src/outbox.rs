@@ -289,9 +289,7 @@ impl Outbox {
         )))
         .fetch_optional(&self.pool)
         .await
-        .map_err(db("reading the oldest unsent outbox row"))?
-        .map(|row| row.try_get(0))
-        .transpose()
+        .and_then(|row| row.map(|row| row.try_get(0)).transpose())
         .map_err(db("reading the oldest unsent outbox row"))?;
         let age = age.map(|secs| Duration::try_from_secs_f64(secs).unwrap_or_default());
         metrics::gauge!(OUTBOX_OLDEST_UNSENT_GAUGE, "outbox" => self.label())
