@@ -270,19 +270,24 @@ fn apt_install(packages: &[&str]) -> Result {
     eprintln!("services: installing {}", packages.join(" "));
     let mut args = vec!["install", "-y", "-qq", "--no-install-recommends"];
     args.extend_from_slice(packages);
-    let status = Command::new("apt-get")
-        .args(&args)
-        .env("DEBIAN_FRONTEND", "noninteractive")
+    succeed(
+        Command::new("apt-get")
+            .args(&args)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+        &format!("apt-get install {}", packages.join(" ")),
+    )
+}
+
+/// Runs `command`, its output discarded; `what` names it in the error.
+fn succeed(command: &mut Command, what: &str) -> Result {
+    let status = command
         .stdout(Stdio::null())
         .status()
-        .map_err(|e| format!("cannot run apt-get: {e}"))?;
+        .map_err(|e| format!("cannot run {what}: {e}"))?;
     if status.success() {
         Ok(())
     } else {
-        Err(format!(
-            "apt-get install {} failed ({status})",
-            packages.join(" ")
-        ))
+        Err(format!("{what} failed ({status})"))
     }
 }
 
@@ -456,19 +461,8 @@ fn unpack_from_trixie(dir: &Path, root: &Path, packages: &[&str]) -> Result {
         for option in &options {
             command.args(["-o", option]);
         }
-        let status = command
-            .args(action)
-            .stdout(Stdio::null())
-            .status()
-            .map_err(|e| format!("cannot run apt-get: {e}"))?;
-        if status.success() {
-            Ok(())
-        } else {
-            Err(format!(
-                "apt-get {} (Debian trixie) failed ({status})",
-                action.join(" ")
-            ))
-        }
+        let what = format!("apt-get {} (Debian trixie)", action.join(" "));
+        succeed(command.args(action), &what)
     };
     apt(&["update"])?;
     apt(&[&["download"], packages].concat())?;

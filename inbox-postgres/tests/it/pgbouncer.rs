@@ -19,7 +19,7 @@ use inbox_conformance::TestDb;
 use inbox_core::effect::{Acquired, Attempt, LeaseStore, Release};
 use inbox_core::{
     BatchHandler, BatchItem, Consumer, ConsumerBinding, Handler, HandlerError, InboxStore, Message,
-    MessageId, Recovery, Transaction,
+    MessageId, Recovery, StatsSnapshot, Transaction,
 };
 use inbox_core::{OutgoingMessage, Publish, PublishError};
 use inbox_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -99,13 +99,7 @@ async fn a_caching_pool_runs_behind_a_pooler_that_carries_prepared_statements() 
     .run_until_idle()
     .await
     .unwrap();
-    assert_eq!(
-        (stats.applied, stats.skipped_duplicates),
-        (messages as u64, messages as u64),
-        "{stats:?}"
-    );
-    assert_eq!(applied(&db).await, (messages as i64, messages as i64));
-    assert_eq!(broker.pending() + broker.dead_letters().len(), 0);
+    applied_once(&db, &broker, &stats, messages, messages).await;
     db.drop().await;
 }
 
@@ -164,6 +158,24 @@ fn publish_twice(messages: usize) -> MemoryBroker {
     broker
 }
 
+/// Each of `messages` messages published twice was applied once and skipped once,
+/// `<schema>.applied` holds `rows` rows of `messages` IDs, and nothing is left on the broker.
+async fn applied_once(
+    db: &TestDb,
+    broker: &MemoryBroker,
+    stats: &StatsSnapshot,
+    messages: usize,
+    rows: usize,
+) {
+    assert_eq!(
+        (stats.applied, stats.skipped_duplicates),
+        (messages as u64, messages as u64),
+        "{stats:?}"
+    );
+    assert_eq!(applied(db).await, (rows as i64, messages as i64));
+    assert_eq!(broker.pending() + broker.dead_letters().len(), 0);
+}
+
 /// Rows in `<schema>.applied`, and how many distinct IDs they hold, read directly.
 async fn applied(db: &TestDb) -> (i64, i64) {
     sqlx::query_as("SELECT count(*), count(DISTINCT id) FROM applied")
@@ -195,13 +207,7 @@ async fn the_consumer_applies_each_message_once_per_message_and_batched_in_lanes
     .run_until_idle()
     .await
     .unwrap();
-    assert_eq!(
-        (stats.applied, stats.skipped_duplicates),
-        (messages as u64, messages as u64),
-        "{stats:?}"
-    );
-    assert_eq!(applied(&db).await, (messages as i64, messages as i64));
-    assert_eq!(broker.pending() + broker.dead_letters().len(), 0);
+    applied_once(&db, &broker, &stats, messages, messages).await;
 
     // Another consumer name applies each message once more, a batch at a time.
     let broker = publish_twice(messages);
@@ -216,13 +222,7 @@ async fn the_consumer_applies_each_message_once_per_message_and_batched_in_lanes
     .run_until_idle()
     .await
     .unwrap();
-    assert_eq!(
-        (stats.applied, stats.skipped_duplicates),
-        (messages as u64, messages as u64),
-        "{stats:?}"
-    );
-    assert_eq!(applied(&db).await, (2 * messages as i64, messages as i64));
-    assert_eq!(broker.pending() + broker.dead_letters().len(), 0);
+    applied_once(&db, &broker, &stats, messages, 2 * messages).await;
     db.drop().await;
 }
 
