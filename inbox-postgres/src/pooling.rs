@@ -51,13 +51,14 @@ pub(crate) async fn check(pool: &PgPool) -> Result<bool> {
     // Behind a pooler: a statement that sqlx prepares is kept by name unless the cache is off.
     let mut tx = first.begin().await.map_err(db(context))?;
     let prepared_in = backend(&mut tx).await?;
-    let probe = echo(&mut tx, 1).await;
+    let answered = echoes(&mut tx, 1).await;
     let cached = tx.cached_statements_size() > 0;
     let _ = tx.rollback().await;
-    match probe {
-        Ok(()) if !cached => return Ok(true),
-        Ok(()) => {}
-        Err(_) => return Err(Error::StatementCacheBehindPooler),
+    if !answered {
+        return Err(Error::StatementCacheBehindPooler);
+    }
+    if !cached {
+        return Ok(true);
     }
     // The pool caches. A pooler that carries prepared statements from one server session to the
     // next (PgBouncer 1.21 and later with `max_prepared_statements`) makes that safe: hold the
@@ -73,9 +74,9 @@ pub(crate) async fn check(pool: &PgPool) -> Result<bool> {
         .map_err(db(context))?;
     let carried = if backend(&mut holder).await? == prepared_in {
         let mut tx = first.begin().await.map_err(db(context))?;
-        let again = echo(&mut tx, 2).await;
+        let again = echoes(&mut tx, 2).await;
         let _ = tx.rollback().await;
-        again.is_ok()
+        again
     } else {
         false
     };
@@ -87,18 +88,12 @@ pub(crate) async fn check(pool: &PgPool) -> Result<bool> {
     }
 }
 
-/// Runs the parameterized probe statement with `n` and checks that its answer is `n`: another
-/// client's statement under the same name would answer otherwise, or fail.
-async fn echo(conn: &mut PgConnection, n: i32) -> Result<(), ()> {
-    let row = sqlx::query("SELECT $1::int4")
-        .bind(n)
-        .fetch_one(conn)
-        .await
-        .map_err(drop)?;
-    match row.try_get::<i32, _>(0) {
-        Ok(answer) if answer == n => Ok(()),
-        _ => Err(()),
-    }
+/// Whether the parameterized probe statement, run with `n`, answers `n`: another client's
+/// statement under the same name would answer otherwise, or fail.
+async fn echoes(conn: &mut PgConnection, n: i32) -> bool {
+    let row = sqlx::query("SELECT $1::int4").bind(n).fetch_one(conn).await;
+    row.and_then(|row| row.try_get::<i32, _>(0))
+        .is_ok_and(|answer| answer == n)
 }
 
 /// The server process the next statement of `conn` runs in.
