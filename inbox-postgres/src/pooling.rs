@@ -65,14 +65,8 @@ pub(crate) async fn check(pool: &PgPool) -> Result<bool> {
     // session the statement was prepared in with a transaction of a third connection, and run
     // the cached statement again, in another session. Where the pooler hands the holder another
     // session, the answer is unknown, and the pool is refused.
-    let mut holder = PgConnection::connect_with(&pool.connect_options())
-        .await
-        .map_err(db(context))?;
-    sqlx::raw_sql("BEGIN")
-        .execute(&mut holder)
-        .await
-        .map_err(db(context))?;
-    let carried = if backend(&mut holder).await? == prepared_in {
+    let mut holder = LockHolder::open(pool, context).await?;
+    let carried = if backend(holder.conn()).await? == prepared_in {
         let mut tx = first.begin().await.map_err(db(context))?;
         let again = echoes(&mut tx, 2).await;
         let _ = tx.rollback().await;
@@ -80,7 +74,7 @@ pub(crate) async fn check(pool: &PgPool) -> Result<bool> {
     } else {
         false
     };
-    let _ = holder.close().await;
+    holder.release().await;
     if carried {
         Ok(true)
     } else {
