@@ -29,7 +29,6 @@ use crate::{Error, IdFrom, RabbitConnection, RabbitSourceBuilder, Result};
 #[derive(Debug)]
 pub(crate) struct DeadLetters {
     publisher: ConfirmChannel,
-    timeout: Duration,
     /// The queue consumed, and its dead-letter queue.
     queue: String,
     dead_letter_queue: String,
@@ -42,7 +41,6 @@ impl DeadLetters {
         let name = format!("{} dead letters", config.effective_connection_name());
         Self {
             publisher: ConfirmChannel::new(config.connection.clone(), name, "dead-letter"),
-            timeout: config.connection.operation_timeout,
             queue: config.queue.clone(),
             dead_letter_queue: config.dead_letter_queue(),
             delay_queues: Mutex::new(DelayQueues::new()),
@@ -67,10 +65,11 @@ impl DeadLetters {
         let props = original.clone().with_headers(headers).with_delivery_mode(2);
         let queue = &self.dead_letter_queue;
         let payload = message.payload.as_slice();
-        self.bounded(queue, async {
-            publish_confirmed(&self.channel().await?, "", queue, [(payload, props)]).await
-        })
-        .await
+        self.publisher
+            .within_timeout(queue, async {
+                publish_confirmed(&self.channel().await?, "", queue, [(payload, props)]).await
+            })
+            .await
     }
 
     /// Publishes the [`DelayedCopy`] of `message` for redelivery `redelivery`, expiring after
@@ -101,19 +100,20 @@ impl DeadLetters {
             .with_expiration(copy.expiration_ms.to_string().into());
         let queue = copy.queue.as_str();
         let payload = message.payload.as_slice();
-        self.bounded(queue, async {
-            let channel = self.channel().await?;
-            self.declare_delay_queue(&channel, queue).await?;
-            let sent = publish_confirmed(&channel, "", queue, [(payload, props.clone())]).await;
-            if !matches!(sent, Err(Error::Unroutable { .. })) {
-                return sent;
-            }
-            tracing::warn!(queue, "delay queue is gone; declaring it again");
-            self.delay_queues.lock().await.gone(queue);
-            self.declare_delay_queue(&channel, queue).await?;
-            publish_confirmed(&channel, "", queue, [(payload, props)]).await
-        })
-        .await
+        self.publisher
+            .within_timeout(queue, async {
+                let channel = self.channel().await?;
+                self.declare_delay_queue(&channel, queue).await?;
+                let sent = publish_confirmed(&channel, "", queue, [(payload, props.clone())]).await;
+                if !matches!(sent, Err(Error::Unroutable { .. })) {
+                    return sent;
+                }
+                tracing::warn!(queue, "delay queue is gone; declaring it again");
+                self.delay_queues.lock().await.gone(queue);
+                self.declare_delay_queue(&channel, queue).await?;
+                publish_confirmed(&channel, "", queue, [(payload, props)]).await
+            })
+            .await
     }
 
     /// The publishing channel, on a connection opened at first use and reopened when lost.
@@ -140,23 +140,6 @@ impl DeadLetters {
         declare_queue(channel, "delay queue", name, args, "").await?;
         self.delay_queues.lock().await.declared(name);
         Ok(())
-    }
-
-    /// `publishing` to `queue` within the timeout: a broker that cannot store it (an alarm) must
-    /// not stall the consumer.
-    async fn bounded(
-        &self,
-        queue: &str,
-        publishing: impl std::future::Future<Output = Result<()>>,
-    ) -> Result<()> {
-        match tokio::time::timeout(self.timeout, publishing).await {
-            Ok(result) => result,
-            // The connection stays: a late confirm is dropped, and the next publish waits anew.
-            Err(_elapsed) => Err(Error::ConfirmTimeout {
-                routing_key: queue.to_owned(),
-                waited: self.timeout,
-            }),
-        }
     }
 
     /// Closes the connection, if open; a later dead letter opens a new one.

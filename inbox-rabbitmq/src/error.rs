@@ -33,10 +33,10 @@ pub enum Error {
         /// The routing key.
         routing_key: String,
     },
-    /// The broker did not confirm a dead-letter publish within
+    /// The broker did not confirm a publish (a message, a dead letter, a delayed copy) within
     /// [`operation_timeout`](crate::RabbitConnection::operation_timeout). The unconfirmed copy
-    /// may still arrive, so the dead-letter queue can hold it twice.
-    #[error("RabbitMQ did not confirm the dead letter published to `{routing_key}` within {waited:?} (a memory or disk alarm blocks publishers: see `rabbitmq-diagnostics alarms`); the message is handed back to be dead-lettered again")]
+    /// may still arrive, so a copy published again can be stored twice.
+    #[error("RabbitMQ did not confirm the message published to `{routing_key}` within {waited:?} (a memory or disk alarm blocks publishers: see `rabbitmq-diagnostics alarms`; or the broker stopped answering); it may still arrive, so publish it again with the same ID")]
     ConfirmTimeout {
         /// Where it was published.
         routing_key: String,

@@ -1,6 +1,7 @@
 //! The producing side: [`RabbitProducer`], publishes confirmed by the broker.
 
 use std::fmt;
+use std::future::Future;
 
 use futures_util::future::try_join_all;
 use inbox_core::telemetry::TRACEPARENT_HEADER;
@@ -101,15 +102,16 @@ impl ConfirmChannel {
 
     /// [`channel`](Self::channel), connecting within the
     /// [`operation_timeout`](RabbitConnection::operation_timeout) (else
-    /// [`Error::ConnectTimeout`]), as the source does: for the producer, whose publishes have no
-    /// bound of their own (the dead-letter publisher bounds each publish, connecting included).
+    /// [`Error::ConnectTimeout`]), as the source does. (The dead-letter publisher bounds each
+    /// publish, connecting included, with one timeout.)
     async fn bounded_channel(&self) -> Result<Channel> {
         let (channel, _) = self.connection.bounded(self.channel()).await?;
         Ok(channel)
     }
 
-    /// Publishes `messages` to `routing_key` on `exchange` (see [`publish_confirmed`]); a lost
-    /// connection is reopened on the next publish, within the operation timeout.
+    /// Publishes `messages` to `routing_key` on `exchange` (see [`publish_confirmed`]),
+    /// connecting and then publishing each within the operation timeout; a lost connection is
+    /// reopened on the next publish.
     pub(crate) async fn publish<'a>(
         &self,
         exchange: &str,
@@ -117,18 +119,47 @@ impl ConfirmChannel {
         messages: impl IntoIterator<Item = (&'a [u8], BasicProperties)>,
     ) -> Result<()> {
         let channel = self.bounded_channel().await?;
-        let result = publish_confirmed(&channel, exchange, routing_key, messages).await;
+        let publishing = publish_confirmed(&channel, exchange, routing_key, messages);
+        let result = self.within_timeout(routing_key, publishing).await;
         if result.is_err() && !channel.status().connected() {
             *self.open.lock().await = None;
         }
         result
     }
 
-    /// Closes the connection, if open; a later publish opens a new one.
+    /// `publishing` to `routing_key` within the
+    /// [`operation_timeout`](RabbitConnection::operation_timeout), else
+    /// [`Error::ConfirmTimeout`]: a broker that cannot store the message (an alarm) or no longer
+    /// answers must not hold the caller. The connection stays: a late confirm is dropped, and
+    /// the next publish waits anew (a connection that is gone is found by its heartbeat).
+    pub(crate) async fn within_timeout(
+        &self,
+        routing_key: &str,
+        publishing: impl Future<Output = Result<()>>,
+    ) -> Result<()> {
+        let waited = self.connection.operation_timeout;
+        tokio::time::timeout(waited, publishing)
+            .await
+            .map_err(|_elapsed| Error::ConfirmTimeout {
+                routing_key: routing_key.to_owned(),
+                waited,
+            })?
+    }
+
+    /// Closes the connection, if open, waiting for the broker's answer up to the operation
+    /// timeout; a later publish opens a new one.
     pub(crate) async fn close(&self, reason: &str) {
         let open = self.open.lock().await.take();
         if let Some((connection, _)) = open {
-            let _ = connection.close(200, reason.into()).await;
+            let closing = connection.close(200, reason.into());
+            let waited = self.connection.operation_timeout;
+            if tokio::time::timeout(waited, closing).await.is_err() {
+                tracing::warn!(
+                    connection = self.name,
+                    ?waited,
+                    "RabbitMQ did not answer the close; the connection is dropped"
+                );
+            }
         }
     }
 }
@@ -240,7 +271,10 @@ impl RabbitProducerBuilder {
 
 /// Publishes messages that an inbox consumer can deduplicate, to any queue: each carries a
 /// `message_id` (a UUIDv7 unless you pass one), is persistent (`delivery_mode = 2`), is
-/// `mandatory`, and is confirmed by the broker before the call returns.
+/// `mandatory`, and is confirmed by the broker before the call returns. A confirm that does not
+/// come within [`operation_timeout`](RabbitConnection::operation_timeout) (an alarm, a broker
+/// that stopped answering) fails the send with [`Error::ConfirmTimeout`]; so do a connect, with
+/// [`Error::ConnectTimeout`], and `close` stops waiting for the broker's answer.
 ///
 /// Send through [`Publish`]: `send(queue, payload)`, `send_with_id(queue, &id, payload)`,
 /// `send_batch(queue, &messages)`. The destination is a queue name: the message goes through the

@@ -54,3 +54,36 @@ async fn reconnecting_to_a_silent_broker_on_send_fails_within_the_operation_time
         Ok(Err(e)) => assert!(format!("{e:?}").contains("ConnectTimeout"), "{e:?}"),
     }
 }
+
+/// A producer connected through `proxy`, which then passes nothing either way.
+async fn producer_behind_a_silent_network() -> (FaultProxy, inbox_rabbitmq::RabbitProducer) {
+    let (proxy, through) = FaultProxy::in_front_of_url(&amqp_url(), 5672)
+        .await
+        .unwrap();
+    let producer = RabbitConnection::new(through)
+        .operation_timeout(TIMEOUT)
+        .producer()
+        .connect()
+        .await
+        .unwrap();
+    proxy.set_mode(ProxyMode::Blackhole);
+    (proxy, producer)
+}
+
+#[tokio::test]
+async fn a_send_whose_confirm_never_comes_fails_within_the_operation_timeout() {
+    let (_proxy, producer) = producer_behind_a_silent_network().await;
+    let sending = tokio::time::timeout(HUNG, producer.send("never-declared", b"{}")).await;
+    match sending {
+        Err(_) => panic!("the send still waited for its confirm after {HUNG:?}"),
+        Ok(Ok(_)) => panic!("a send was confirmed through a network that passes nothing"),
+        Ok(Err(e)) => assert!(format!("{e:?}").contains("ConfirmTimeout"), "{e:?}"),
+    }
+}
+
+#[tokio::test]
+async fn closing_a_producer_whose_broker_went_silent_ends_within_the_operation_timeout() {
+    let (_proxy, producer) = producer_behind_a_silent_network().await;
+    let closing = tokio::time::timeout(HUNG, producer.close()).await;
+    assert!(closing.is_ok(), "close still waited after {HUNG:?}");
+}
