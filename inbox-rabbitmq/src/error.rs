@@ -45,8 +45,8 @@ pub enum Error {
     },
     /// Connecting took longer than
     /// [`operation_timeout`](crate::RabbitConnection::operation_timeout); the consumer tries
-    /// again after its backoff.
-    #[error("RabbitMQ at {url} did not complete the connection (handshake, channel, topology, consume) within {waited:?}; the broker hangs or the network drops packets; reconnecting")]
+    /// again after its backoff, a producer on its next send.
+    #[error("RabbitMQ at {url} did not complete the connection (handshake, channel and, for a consumer, topology and consume) within {waited:?}; the broker hangs or the network drops packets")]
     ConnectTimeout {
         /// The broker address, without its password.
         url: String,
