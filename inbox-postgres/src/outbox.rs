@@ -107,7 +107,7 @@ impl Outbox {
     pub fn new(pool: PgPool) -> Self {
         Self {
             pool,
-            table: TableName::new("outbox").expect("`outbox` is a plain identifier"),
+            table: TableName::default_name("outbox"),
         }
     }
 

@@ -73,7 +73,7 @@ impl PgInbox {
     pub fn new(pool: PgPool) -> Self {
         Self {
             pool,
-            table: TableName::default_inbox(),
+            table: TableName::default_name("inbox"),
             mode: KeyMode::Text,
             consumer: None,
             lock_timeout: None,

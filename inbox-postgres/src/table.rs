@@ -64,10 +64,12 @@ impl TableName {
         })
     }
 
-    pub(crate) fn default_inbox() -> Self {
+    /// A default name of the crate's own (`inbox`, `outbox`), plain by construction.
+    pub(crate) fn default_name(table: &'static str) -> Self {
+        debug_assert!(is_plain_identifier(table) && table.len() <= Self::MAX_LEN);
         Self {
             schema: None,
-            table: "inbox".to_owned(),
+            table: table.to_owned(),
         }
     }
 
