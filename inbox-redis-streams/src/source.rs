@@ -206,14 +206,12 @@ impl RedisStreamSource {
                 warn!(stream = %self.settings.stream, error = %e, "could not ack pending entries deleted from the stream");
             }
         }
-        let counts = match sweep::id_range(live.iter().map(|e| e.id.as_str())) {
-            // Other entries of ours may sit between the first and the last (a nacked one
-            // waiting for its idle time), hence the headroom in the count.
-            Some((first, last)) => self.delivery_counts(first, last, live.len() + 1000).await?,
+        let ids: Vec<&str> = live.iter().map(|e| e.id.as_str()).collect();
+        let counts = match sweep::id_range(ids.iter().copied()) {
+            Some((first, last)) => self.delivery_counts(first, last, Some(&ids)).await?,
             None => HashMap::new(),
         };
         // Only entries that were pending can carry a redelivery mark.
-        let ids: Vec<&str> = live.iter().map(|e| e.id.as_str()).collect();
         let marks = self.redelivery_marks(&ids).await?;
         Ok(live
             .into_iter()
@@ -225,19 +223,36 @@ impl RedisStreamSource {
             .collect())
     }
 
-    /// `XPENDING key group first last n consumer`: this consumer's pending entries from `first`
-    /// to `last`, with their delivery counts (entries just read or claimed are all there).
+    /// This consumer's pending entries from `first` to `last` with their delivery counts
+    /// (`XPENDING key group start last n consumer`, a page at a time), until each of `wanted`
+    /// is found (entries just read or claimed are all there) or, with `None`, to the range's
+    /// end. Other entries of ours sit between them (in flight, or nacked and waiting for their
+    /// idle time): one `XAUTOCLAIM` step scans ten times the entries it may claim, so more than
+    /// a page of them where many are in flight.
     async fn delivery_counts(
         &self,
         first: &str,
         last: &str,
-        n: usize,
+        wanted: Option<&[&str]>,
     ) -> Result<HashMap<String, u32>> {
         let s = &self.settings;
-        let value = s
-            .on_group(&self.commands, "XPENDING", (first, last, n, &s.consumer))
-            .await?;
-        reply::pending_counts(value)
+        let page = wanted.map_or(0, <[&str]>::len) + PENDING_PAGE;
+        let mut counts = HashMap::new();
+        let mut start = first.to_owned();
+        loop {
+            let args = (start.as_str(), last, page, &s.consumer);
+            let rows = reply::pending_rows(s.on_group(&self.commands, "XPENDING", args).await?)?;
+            let next = match rows.last() {
+                Some(row) if rows.len() == page => format!("({}", row.id),
+                _ => String::new(),
+            };
+            counts.extend(rows.into_iter().map(|row| (row.id, row.delivery_count)));
+            let found = wanted.is_some_and(|ids| ids.iter().all(|id| counts.contains_key(*id)));
+            if next.is_empty() || found {
+                return Ok(counts);
+            }
+            start = next;
+        }
     }
 
     fn delivery(&self, entry: Entry, reported: Reported) -> Option<Delivery<RedisStreamAck>> {
@@ -306,6 +321,9 @@ fn to_message(settings: &Settings, entry_id: &str, fields: Fields, reported: Rep
     meta.timestamp = entry_time(entry_id);
     message
 }
+
+/// How many pending entries one `XPENDING` for delivery counts reads beyond those it looks for.
+const PENDING_PAGE: usize = 1000;
 
 /// Where a stream entry keeps what [`IdFrom`](inbox_core::IdFrom) reads: its fields (the `payload` field is the
 /// body). Redis has no message-ID property, and CloudEvents defines no Redis binding, so only

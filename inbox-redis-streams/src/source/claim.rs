@@ -119,7 +119,7 @@ impl RedisStreamSource {
             format!("({cursor}")
         };
         let mut candidates: Vec<String> = self
-            .delivery_counts(start, &end, live.len() + vanished + 1000)
+            .delivery_counts(start, &end, None)
             .await?
             .into_keys()
             .filter(|id| live.iter().all(|e| &e.id != id))

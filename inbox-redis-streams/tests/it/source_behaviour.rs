@@ -9,6 +9,7 @@ use std::time::Duration;
 use common::*;
 use inbox_core::Publish;
 use inbox_core::{Ack, Consumer, MessageSource, OutgoingMessage, Stage};
+use inbox_redis_streams::redis::Value;
 use inbox_testkit::{receive, AckOnReceive, Crash, MemoryStore, Sum};
 
 #[tokio::test]
@@ -56,6 +57,63 @@ async fn delivery_counts_rise_on_reread_and_on_claim() {
     assert_eq!(d.message.meta.delivery_count, Some(3));
     d.ack.ack().await.expect("ack");
     assert_eq!(pending(&stream).await, 0);
+    cleanup(&stream).await;
+}
+
+/// Entries claimed from a dead consumer keep their delivery counts when more than a thousand of
+/// the claimer's own entries are in flight between them: the counts come from one `XPENDING`
+/// over the claimed entries' range, which holds the claimer's other pending entries too.
+#[tokio::test]
+async fn claimed_entries_keep_their_counts_past_a_thousand_of_the_claimers_own_in_flight() {
+    const IN_FLIGHT: usize = 1_100;
+    let stream = stream_key("counts-wide");
+    let producer = producer().await;
+    let mut claimer = builder(&stream, "claimer")
+        .claim_idle(Duration::from_millis(500))
+        .connect()
+        .await
+        .expect("connect");
+    let mut conn = raw().await;
+    let mut dead_reads = inbox_redis_streams::redis::cmd("XREADGROUP");
+    dead_reads.arg(("GROUP", GROUP, "dead", "COUNT", 1, "STREAMS", &stream, ">"));
+    // The dead consumer's first entry, the claimer's own, the dead consumer's last.
+    producer.send(&stream, b"first").await.expect("send");
+    let _: Value = dead_reads.query_async(&mut conn).await.expect("XREADGROUP");
+    let own: Vec<OutgoingMessage> = (0..IN_FLIGHT)
+        .map(|i| OutgoingMessage::generate(i.to_string()))
+        .collect();
+    producer.send_batch(&stream, &own).await.expect("send");
+    let mut in_flight = Vec::new();
+    while in_flight.len() < IN_FLIGHT {
+        let more = claimer.receive(IN_FLIGHT - in_flight.len()).await;
+        in_flight.extend(more.expect("receive"));
+    }
+    producer.send(&stream, b"last").await.expect("send");
+    let _: Value = dead_reads.query_async(&mut conn).await.expect("XREADGROUP");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    // The claimer's own entries are still being worked on: not idle, so not claimed.
+    let own_ids: Vec<&str> = in_flight
+        .iter()
+        .map(|d| d.message.meta.position.as_str())
+        .collect();
+    let _: Value = inbox_redis_streams::redis::cmd("XCLAIM")
+        .arg((&stream, GROUP, "claimer", 0))
+        .arg(&own_ids)
+        .arg("JUSTID")
+        .query_async(&mut conn)
+        .await
+        .expect("XCLAIM");
+    // One `XAUTOCLAIM` step scans up to ten times the count asked for: both ends of the range.
+    let claimed = claimer.receive(200).await.expect("receive");
+    let counts: Vec<_> = claimed
+        .iter()
+        .map(|d| (d.message.payload.clone(), d.message.meta.delivery_count))
+        .collect();
+    assert_eq!(
+        counts,
+        [(b"first".to_vec(), Some(2)), (b"last".to_vec(), Some(2))],
+        "each claimed entry with its delivery count"
+    );
     cleanup(&stream).await;
 }
 
