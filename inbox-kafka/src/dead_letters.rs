@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use inbox_core::replay::{DeadLetter, DeadLetters};
 use inbox_core::{MessageId, OperationError};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use rdkafka::error::KafkaError;
 use rdkafka::message::Message as _;
 use rdkafka::{Offset, TopicPartitionList};
 
@@ -207,10 +208,16 @@ fn starts(consumer: &Reader, topic: &str, timeout: Duration) -> Result<BTreeMap<
     Ok(partitions)
 }
 
+/// `f` on the blocking pool. A call that panicked or was cancelled (the runtime shutting down)
+/// is a transient failure of that call, as on the consumer's ack and commit paths, not a
+/// setting to fix.
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::Config(format!("a blocking Kafka call did not finish: {e}")))
+    tokio::task::spawn_blocking(f).await.map_err(|e| {
+        Error::kafka(
+            format!("a blocking Kafka call did not finish ({e})"),
+            KafkaError::Canceled,
+        )
+    })
 }
 
 impl DeadLetters for KafkaDeadLetters {
@@ -313,6 +320,13 @@ fn parse_handle(letter: &DeadLetter) -> Option<(i32, i64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_blocking_call_that_panicked_is_a_failure_to_retry_not_a_configuration_error() {
+        let e = blocking(|| panic!("inside librdkafka")).await.unwrap_err();
+        assert_eq!(e.recovery(), inbox_core::Recovery::Retry, "{e}");
+        assert!(!e.to_string().contains("configuration"), "{e}");
+    }
 
     #[test]
     fn the_builders_debug_output_hides_secret_properties() {
