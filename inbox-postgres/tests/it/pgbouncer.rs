@@ -5,10 +5,10 @@
 //! A pool that caches prepared statements is refused at the consumer's start, unless PgBouncer
 //! carries prepared statements between server sessions (1.21 and later,
 //! `INBOX_PGBOUNCER_PREPARED_URL`); with the cache off the consumer (per message and batched,
-//! in lanes) applies each message once; two purges at once leave no lock behind for a purge on
-//! a direct connection; the partition conversion and the partitioned purge leave no setting
-//! behind in the pooled sessions; leases
-//! fence and finish; the outbox relay publishes each row once.
+//! in lanes) applies each message once. Through either pooler ([`POOLERS`]), the second with
+//! the cache on: two purges at once leave no lock behind for a purge on a direct connection;
+//! the partition conversion and the partitioned purge leave no setting behind in the pooled
+//! sessions; leases fence and finish; the outbox relay publishes each row once.
 
 #![allow(clippy::unwrap_used)] // a test fails loudly on the first surprise
 
@@ -50,6 +50,13 @@ async fn pool_at(var: &str, cache: bool) -> PgPool {
         .await
         .unwrap()
 }
+
+/// The two poolers each path is tried through: PgBouncer 1.18, with sqlx's statement cache
+/// off, and PgBouncer 1.21 or later carrying prepared statements, with the cache on.
+const POOLERS: [(&str, bool); 2] = [
+    ("INBOX_PGBOUNCER_URL", false),
+    ("INBOX_PGBOUNCER_PREPARED_URL", true),
+];
 
 /// The test schema's inbox, reached through `pool`.
 fn inbox(db: &TestDb, pool: PgPool, table: &str) -> PgInbox {
@@ -260,130 +267,140 @@ async fn seqscan_settings(pool: &PgPool, n: usize) -> Vec<String> {
 
 #[tokio::test]
 async fn purges_through_pgbouncer_leave_no_lock_behind_for_a_direct_one() {
-    let db = TestDb::new().await;
-    let pool = through_pgbouncer(false).await;
-    let through = inbox(&db, pool.clone(), "inbox");
-    let table = format!("\"{}\".inbox", db.schema);
-    let window = Duration::from_secs(3600);
-    for round in 0..5 {
-        old_rows(&db, &table, 3000).await;
-        // Two at once, beside claims of other connections that take the pooled sessions.
-        let load = async {
-            for _ in 0..20 {
-                seqscan_settings(&pool, 4).await;
-            }
-        };
-        let (a, b, ()) = tokio::join!(through.purge(window, 100), through.purge(window, 100), load);
-        let (a, b) = (a.unwrap(), b.unwrap());
-        assert_eq!(
-            a.deleted() + b.deleted(),
-            3000,
-            "round {round}: {a:?} {b:?}"
-        );
-        old_rows(&db, &table, 10).await;
-        let direct = db.inbox().purge(window, 100).await.unwrap();
-        assert!(
-            matches!(direct, PurgeReport::Purged { .. }) && direct.deleted() == 10,
-            "round {round}: a direct purge after purges through PgBouncer found the cleaner lock taken: {direct:?}"
-        );
+    for (var, cache) in POOLERS {
+        println!("through {var}, statement cache {cache}");
+        let db = TestDb::new().await;
+        let pool = pool_at(var, cache).await;
+        let through = inbox(&db, pool.clone(), "inbox");
+        let table = format!("\"{}\".inbox", db.schema);
+        let window = Duration::from_secs(3600);
+        for round in 0..5 {
+            old_rows(&db, &table, 3000).await;
+            // Two at once, beside claims of other connections that take the pooled sessions.
+            let load = async {
+                for _ in 0..20 {
+                    seqscan_settings(&pool, 4).await;
+                }
+            };
+            let (a, b, ()) =
+                tokio::join!(through.purge(window, 100), through.purge(window, 100), load);
+            let (a, b) = (a.unwrap(), b.unwrap());
+            assert_eq!(
+                a.deleted() + b.deleted(),
+                3000,
+                "round {round}: {a:?} {b:?}"
+            );
+            old_rows(&db, &table, 10).await;
+            let direct = db.inbox().purge(window, 100).await.unwrap();
+            assert!(
+                matches!(direct, PurgeReport::Purged { .. }) && direct.deleted() == 10,
+                "round {round}: a direct purge after purges through PgBouncer found the cleaner lock taken: {direct:?}"
+            );
+        }
+        db.drop().await;
     }
-    db.drop().await;
 }
 
 #[tokio::test]
 async fn a_conversion_and_a_partitioned_purge_leave_no_setting_in_pooled_sessions() {
-    let db = TestDb::new().await;
-    let pool = through_pgbouncer(false).await;
-    let plain = inbox(&db, pool.clone(), "conv");
-    plain.migrate().await.unwrap();
-    let table = format!("\"{}\".conv", db.schema);
-    old_rows(&db, &table, 500).await;
+    for (var, cache) in POOLERS {
+        println!("through {var}, statement cache {cache}");
+        let db = TestDb::new().await;
+        let pool = pool_at(var, cache).await;
+        let plain = inbox(&db, pool.clone(), "conv");
+        plain.migrate().await.unwrap();
+        let table = format!("\"{}\".conv", db.schema);
+        old_rows(&db, &table, 500).await;
 
-    let partitioned = plain.partitioned(inbox_postgres::Partitions::default());
-    let converted = partitioned
-        .migrate_to_partitioned(Duration::from_secs(7 * 24 * 3600))
-        .await
-        .unwrap();
-    assert!(
-        matches!(converted, Conversion::Converted { .. }),
-        "{converted:?}"
-    );
-    assert!(partitioned.is_partitioned().await.unwrap());
+        let partitioned = plain.partitioned(inbox_postgres::Partitions::default());
+        let converted = partitioned
+            .migrate_to_partitioned(Duration::from_secs(7 * 24 * 3600))
+            .await
+            .unwrap();
+        assert!(
+            matches!(converted, Conversion::Converted { .. }),
+            "{converted:?}"
+        );
+        assert!(partitioned.is_partitioned().await.unwrap());
 
-    let report = partitioned
-        .purge(Duration::from_secs(3600), 100)
-        .await
-        .unwrap();
-    assert_eq!(report.deleted(), 500, "{report:?}");
-    assert!(
-        seqscan_settings(&pool, 4).await.iter().all(|s| s == "on"),
-        "the purge's enable_seqscan = off stayed in a pooled session"
-    );
-    // Its cleaner lock is gone too.
-    let direct = inbox(&db, db.pool.clone(), "conv")
-        .purge(Duration::from_secs(3600), 100)
-        .await
-        .unwrap();
-    assert!(matches!(direct, PurgeReport::Purged { .. }), "{direct:?}");
-    db.drop().await;
+        let report = partitioned
+            .purge(Duration::from_secs(3600), 100)
+            .await
+            .unwrap();
+        assert_eq!(report.deleted(), 500, "{report:?}");
+        assert!(
+            seqscan_settings(&pool, 4).await.iter().all(|s| s == "on"),
+            "the purge's enable_seqscan = off stayed in a pooled session"
+        );
+        // Its cleaner lock is gone too.
+        let direct = inbox(&db, db.pool.clone(), "conv")
+            .purge(Duration::from_secs(3600), 100)
+            .await
+            .unwrap();
+        assert!(matches!(direct, PurgeReport::Purged { .. }), "{direct:?}");
+        db.drop().await;
+    }
 }
 
 #[tokio::test]
 async fn leases_fence_and_finish_through_pgbouncer() {
-    let db = TestDb::new().await;
-    let through = inbox(&db, through_pgbouncer(false).await, "inbox");
-    let leases = PgLeases::with_table(
-        through,
-        TableName::qualified(&db.schema, "effects").unwrap(),
-    );
-    leases.migrate().await.unwrap();
-    let lease = Duration::from_secs(30);
+    for (var, cache) in POOLERS {
+        println!("through {var}, statement cache {cache}");
+        let db = TestDb::new().await;
+        let through = inbox(&db, pool_at(var, cache).await, "inbox");
+        let leases = PgLeases::with_table(
+            through,
+            TableName::qualified(&db.schema, "effects").unwrap(),
+        );
+        leases.migrate().await.unwrap();
+        let lease = Duration::from_secs(30);
 
-    // Eight callers at once for each of 50 IDs: one lease per ID, the others told it is busy.
-    let ids: Vec<MessageId> = (0..50)
-        .map(|i| MessageId::new(format!("evt-{i}")).unwrap())
-        .collect();
-    let mut calls = tokio::task::JoinSet::new();
-    for id in &ids {
-        for _ in 0..8 {
-            let (leases, id) = (leases.clone(), id.clone());
-            calls.spawn(async move { leases.acquire("c", &id, lease).await.unwrap() });
+        // Eight callers at once for each of 50 IDs: one lease per ID, the others told it is busy.
+        let ids: Vec<MessageId> = (0..50)
+            .map(|i| MessageId::new(format!("evt-{i}")).unwrap())
+            .collect();
+        let mut calls = tokio::task::JoinSet::new();
+        for id in &ids {
+            for _ in 0..8 {
+                let (leases, id) = (leases.clone(), id.clone());
+                calls.spawn(async move { leases.acquire("c", &id, lease).await.unwrap() });
+            }
         }
-    }
-    let mut leased = Vec::new();
-    while let Some(outcome) = calls.join_next().await {
-        if let Acquired::Leased(l) = outcome.unwrap() {
-            leased.push(l.token);
+        let mut leased = Vec::new();
+        while let Some(outcome) = calls.join_next().await {
+            if let Acquired::Leased(l) = outcome.unwrap() {
+                leased.push(l.token);
+            }
         }
-    }
-    assert_eq!(leased, vec![1; 50], "one lease of token 1 per ID");
+        assert_eq!(leased, vec![1; 50], "one lease of token 1 per ID");
 
-    // Released as not applied, the next lease has a higher token and finishes; then it is done.
-    let evt = &ids[0];
-    let not_applied = Release {
-        not_applied: true,
-        dead_lettered: false,
-    };
-    assert!(leases.release("c", evt, 1, not_applied).await.unwrap());
-    let Acquired::Leased(next) = leases.acquire("c", evt, lease).await.unwrap() else {
-        panic!("a released lease is taken again")
-    };
-    assert_eq!((next.token, next.attempt), (2, Attempt::AfterNotApplied));
-    let mut tx = leases.begin().await.unwrap();
-    assert!(
-        !leases.complete(&mut tx, "c", evt, 1).await.unwrap(),
-        "a stale token is fenced out"
-    );
-    tx.rollback().await.unwrap();
-    let mut tx = leases.begin().await.unwrap();
-    assert!(leases.complete(&mut tx, "c", evt, 2).await.unwrap());
-    tx.commit().await.unwrap();
-    assert!(matches!(
-        leases.acquire("c", evt, lease).await.unwrap(),
-        Acquired::Done
-    ));
-    assert_eq!(leases.purge(Duration::ZERO, 10).await.unwrap(), 1);
-    db.drop().await;
+        // Released as not applied, the next lease has a higher token and finishes; then it is done.
+        let evt = &ids[0];
+        let not_applied = Release {
+            not_applied: true,
+            dead_lettered: false,
+        };
+        assert!(leases.release("c", evt, 1, not_applied).await.unwrap());
+        let Acquired::Leased(next) = leases.acquire("c", evt, lease).await.unwrap() else {
+            panic!("a released lease is taken again")
+        };
+        assert_eq!((next.token, next.attempt), (2, Attempt::AfterNotApplied));
+        let mut tx = leases.begin().await.unwrap();
+        assert!(
+            !leases.complete(&mut tx, "c", evt, 1).await.unwrap(),
+            "a stale token is fenced out"
+        );
+        tx.rollback().await.unwrap();
+        let mut tx = leases.begin().await.unwrap();
+        assert!(leases.complete(&mut tx, "c", evt, 2).await.unwrap());
+        tx.commit().await.unwrap();
+        assert!(matches!(
+            leases.acquire("c", evt, lease).await.unwrap(),
+            Acquired::Done
+        ));
+        assert_eq!(leases.purge(Duration::ZERO, 10).await.unwrap(), 1);
+        db.drop().await;
+    }
 }
 
 /// Keeps what it is handed.
@@ -399,40 +416,43 @@ impl Publish for Kept {
 
 #[tokio::test]
 async fn the_outbox_relay_publishes_each_row_once_through_pgbouncer() {
-    let db = TestDb::new().await;
-    let pool = through_pgbouncer(false).await;
-    let outbox =
-        Outbox::new(pool.clone()).with_table(TableName::qualified(&db.schema, "outbox").unwrap());
-    outbox.migrate().await.unwrap();
-    let mut written = Vec::new();
-    for i in 0..200 {
-        let mut tx = pool.begin().await.unwrap();
-        written.push(
-            outbox
-                .write(&mut tx, "orders", format!("{i}").as_bytes())
-                .await
-                .unwrap()
-                .to_string(),
-        );
-        tx.commit().await.unwrap();
-    }
+    for (var, cache) in POOLERS {
+        println!("through {var}, statement cache {cache}");
+        let db = TestDb::new().await;
+        let pool = pool_at(var, cache).await;
+        let outbox = Outbox::new(pool.clone())
+            .with_table(TableName::qualified(&db.schema, "outbox").unwrap());
+        outbox.migrate().await.unwrap();
+        let mut written = Vec::new();
+        for i in 0..200 {
+            let mut tx = pool.begin().await.unwrap();
+            written.push(
+                outbox
+                    .write(&mut tx, "orders", format!("{i}").as_bytes())
+                    .await
+                    .unwrap()
+                    .to_string(),
+            );
+            tx.commit().await.unwrap();
+        }
 
-    let kept = Arc::new(Kept::default());
-    let stats = outbox
-        .relay(Arc::clone(&kept))
-        .run_until_idle()
-        .await
-        .unwrap();
-    assert_eq!(stats.published, 200, "{stats:?}");
-    let published: Vec<String> = kept
-        .0
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|m| m.id.to_string())
-        .collect();
-    assert_eq!(published, written, "each row once, in the order written");
-    assert_eq!(outbox.oldest_unsent().await.unwrap(), None);
-    assert_eq!(outbox.purge_sent(Duration::ZERO, 50).await.unwrap(), 200);
-    db.drop().await;
+        let kept = Arc::new(Kept::default());
+        let stats = outbox
+            .relay(Arc::clone(&kept))
+            .run_until_idle()
+            .await
+            .unwrap();
+        assert_eq!(stats.published, 200, "{stats:?}");
+        let published: Vec<String> = kept
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|m| m.id.to_string())
+            .collect();
+        assert_eq!(published, written, "each row once, in the order written");
+        assert_eq!(outbox.oldest_unsent().await.unwrap(), None);
+        assert_eq!(outbox.purge_sent(Duration::ZERO, 50).await.unwrap(), 200);
+        db.drop().await;
+    }
 }
