@@ -327,7 +327,7 @@ async fn timed_run<B: TestBroker>(
                 member,
                 ..consumer.clone()
             };
-            children.push(kill::spawn_ready(&member.to_args(), &[]).await?);
+            children.push(kill::spawn_ready(&member.to_args(), &[], &mut 0).await?);
         }
         // Long enough for the group to settle with every member (a join waits for the others to
         // rejoin, up to their poll interval).

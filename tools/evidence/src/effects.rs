@@ -342,7 +342,7 @@ where
     let (label, count) = (bar.label(), i64::from(drain.events));
     let mut children = Vec::new();
     for spec in specs {
-        children.push(kill::spawn_ready(&spec.to_args(), env).await?);
+        children.push(kill::spawn_ready(&spec.to_args(), env, &mut 0).await?);
     }
     let mut kills = 0;
     for (i, wait) in waits.into_iter().enumerate() {
@@ -354,7 +354,7 @@ where
         let which = i % specs.len();
         kill::stop(&mut children[which]).await;
         kills += 1;
-        children[which] = kill::spawn_ready(&specs[which].to_args(), env).await?;
+        children[which] = kill::spawn_ready(&specs[which].to_args(), env, &mut 0).await?;
         bar.set_message(match specs.len() {
             1 => format!("{kills} kills"),
             _ => format!("{kills} kills (last: {})", specs[which].role.name()),
@@ -389,7 +389,7 @@ where
             ));
             for (child, spec) in children.iter_mut().zip(specs) {
                 kill::stop(child).await;
-                *child = kill::spawn_ready(&spec.to_args(), env).await?;
+                *child = kill::spawn_ready(&spec.to_args(), env, &mut 0).await?;
             }
             (restarts, since) = (restarts + 1, Instant::now());
         }

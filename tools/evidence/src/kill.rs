@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::process::Stdio;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use inbox_admin::progress;
 use inbox_conformance::kill::{self, KillAt, KillHarness, KillPlan, KillReport, KillTick};
@@ -198,7 +198,9 @@ pub(crate) async fn harness<'a, B: TestBroker, D: TestStore>(
 ) -> Result<KillHarness<'a>, BoxError> {
     let bar = bar.counter();
     Ok(KillHarness {
-        spawn: Box::new(move |_| Box::pin(async move { spawn_ready(&spec.to_args(), &[]).await })),
+        spawn: Box::new(move |_| {
+            Box::pin(async move { spawn_ready(&spec.to_args(), &[], &mut 0).await })
+        }),
         summary: Box::new(move || Box::pin(async move { Ok(db.summary().await?) })),
         balances: Box::new(move || Box::pin(async move { Ok(db.balances().await?) })),
         waiting: Box::new(move || Box::pin(async move { broker.waiting(&spec.name).await })),
@@ -214,31 +216,41 @@ pub(crate) async fn harness<'a, B: TestBroker, D: TestStore>(
     })
 }
 
+/// How long a starting child may take to say it is connected before it is replaced, and how
+/// long [`spawn_ready`] keeps replacing it (a child can die on the way up: one started into a
+/// refused database, say).
+const START_PATIENCE: Duration = Duration::from_secs(30);
+const START_GIVE_UP: Duration = Duration::from_secs(180);
+
 /// Starts this binary with `args` and `env` added (`consume` and a `ConsumerSpec`'s, say) and
-/// waits until it says it has connected, trying up to five times.
+/// waits until it says it has connected, replacing it until then; `failed` counts the starts
+/// that died or stayed silent.
 pub(crate) async fn spawn_ready(
     args: &[String],
     env: &[(&str, String)],
+    failed: &mut u32,
 ) -> Result<Child, BoxError> {
-    for _ in 0..5 {
-        if let Some(child) = start_child(args, env, Duration::from_secs(60)).await? {
+    let begun = Instant::now();
+    loop {
+        if let Some(child) = start_child(args, env, START_PATIENCE).await? {
             return Ok(child);
         }
-        // It died on the way up (a self-crash on the first message, say): try again.
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        *failed += 1;
+        if begun.elapsed() > START_GIVE_UP {
+            let (args, secs) = (args.join(" "), START_GIVE_UP.as_secs());
+            return Err(
+                format!("`evidence {args}` did not start in {secs} s ({failed} attempts)").into(),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    Err(format!(
-        "`evidence {}` did not start five times in a row",
-        args.join(" ")
-    )
-    .into())
 }
 
 /// One attempt to start this binary with `args`, with `env` added to its environment: the child
 /// once it says it is connected, `None` when it dies or stays silent for `patience`. The child
 /// is marked as one, its logs off unless `WALLET_CHILD_LOG` says otherwise, and it is killed
 /// when dropped.
-pub(crate) async fn start_child(
+async fn start_child(
     args: &[String],
     env: &[(&str, String)],
     patience: Duration,

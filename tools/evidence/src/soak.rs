@@ -31,10 +31,6 @@ const CHUNKS_IN_FLIGHT: usize = 4;
 const PUBLISH_ATTEMPTS: u32 = 10;
 /// A child's RSS is reported at this age.
 const RSS_AGE: Duration = Duration::from_secs(10);
-/// How long a starting child may take to say it is connected before it is replaced, and how
-/// long the harness keeps replacing it (a child started into a refused database dies at once).
-const START_PATIENCE: Duration = Duration::from_secs(30);
-const START_GIVE_UP: Duration = Duration::from_secs(180);
 
 /// The flags of `soak`.
 #[derive(Debug, Clone, clap::Args)]
@@ -199,41 +195,23 @@ impl Phase {
     }
 }
 
-/// Starts a child, replacing it until it says it is connected (a child started into a refused
-/// database dies at once).
+/// Starts a child (see [`kill::spawn_ready`]).
 async fn start(
     spec: &ConsumerSpec,
     proxies: &Proxies,
     phase: &mut Phase,
 ) -> Result<Running, BoxError> {
-    let begun = Instant::now();
-    loop {
-        if let Some(child) =
-            kill::start_child(&spec.to_args(), &proxies.env, START_PATIENCE).await?
-        {
-            let pid = child.id().ok_or("a started child has no pid")?;
-            let index = phase.children;
-            phase.children += 1;
-            return Ok(Running {
-                child,
-                pid,
-                started: Instant::now(),
-                index,
-                rss_at_age: None,
-                rss_max: 0,
-            });
-        }
-        phase.failed_starts += 1;
-        if begun.elapsed() > START_GIVE_UP {
-            return Err(format!(
-                "`evidence consume` for {} did not start in {} s",
-                spec.name,
-                START_GIVE_UP.as_secs()
-            )
-            .into());
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    let failed = &mut phase.failed_starts;
+    let child = kill::spawn_ready(&spec.to_args(), &proxies.env, failed).await?;
+    phase.children += 1;
+    Ok(Running {
+        pid: child.id().ok_or("a started child has no pid")?,
+        child,
+        started: Instant::now(),
+        index: phase.children - 1,
+        rss_at_age: None,
+        rss_max: 0,
+    })
 }
 
 /// Kills and restarts children, injects faults and samples RSS until every event is published
