@@ -279,6 +279,7 @@ async fn run_once<B: TestBroker>(
         unit: "done",
         quiet: Duration::ZERO,
         delay: broker.redelivery_delay(&name).await?,
+        restarts: broker.drain_restarts(),
     };
     let kills = kill_in_turn(
         (&[spec], &env),
@@ -320,13 +321,17 @@ pub(crate) struct Drain {
     pub(crate) quiet: Duration,
     /// The broker's redelivery delay: a drain that moves nothing for longer is stalled.
     pub(crate) delay: Duration,
+    /// How often a stalled drain has its children replaced; 0: a stall fails the run
+    /// ([`Broker::drain_restarts`]).
+    pub(crate) restarts: u32,
 }
 
 /// Runs a child of each of `specs` (with `env` added) side by side, SIGKILLs them in turn after
 /// each of `waits` and starts each killed one again at once, then lets them run until `drain`
 /// says they are done. `progress` reads the events done and a figure that moves while any child
-/// works. A stalled drain has its children replaced, up to 5 times (Tansu can leave a lone
-/// group member without partitions: new members rebalance), and gives up a minute later.
+/// works. A stalled drain has its children replaced, up to `drain.restarts` times (Tansu can
+/// leave a lone group member without partitions: new members rebalance), and gives up a minute
+/// later; with no restarts allowed (librdkafka's mock cluster) a stall fails the run.
 /// Returns the kills.
 pub(crate) async fn kill_in_turn<F, Fut>(
     (specs, env): (&[ChildSpec], &[(&str, String)]),
@@ -378,15 +383,19 @@ where
                 drain.unit
             ));
             break;
-        } else if since.elapsed() >= drain.delay + Duration::from_secs(10) && restarts < 5 {
+        } else if since.elapsed() >= drain.delay + Duration::from_secs(10)
+            && (drain.restarts == 0 || restarts < drain.restarts)
+        {
+            let stall = format!("{label}: the drain applies nothing at {done}/{count}");
+            if drain.restarts == 0 {
+                return Err(stall.into());
+            }
             let them = if specs.len() == 1 {
                 "it"
             } else {
                 "the children"
             };
-            bar.println(&format!(
-                "{label}: the drain applies nothing at {done}/{count}; replacing {them}"
-            ));
+            bar.println(&format!("{stall}; replacing {them}"));
             for (child, spec) in children.iter_mut().zip(specs) {
                 kill::stop(child).await;
                 *child = kill::spawn_ready(&spec.to_args(), env, &mut 0).await?;

@@ -56,6 +56,7 @@ pub(crate) async fn run_once<B: TestBroker>(
         unit: "credited",
         quiet: Duration::from_secs(2),
         delay: broker.redelivery_delay(&y).await?,
+        restarts: broker.drain_restarts(),
     };
     let pool = &db;
     let kills = kill_in_turn(
