@@ -14,6 +14,8 @@ pub use inspect::{
 use inspect::{cleanup_with, raw_at, xadd_with};
 pub use tls_server::TlsRedis;
 
+use std::ffi::OsStr;
+use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +25,8 @@ use inbox_redis_streams::{
     RedisConnection, RedisStreamProducer, RedisStreamSource, RedisStreamSourceBuilder,
 };
 
-use crate::process::Server;
+use crate::process::{free_port, Server};
+use crate::tls::TestCa;
 use crate::{LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// The consumer group of every source.
@@ -92,18 +95,43 @@ async fn connect(builder: RedisStreamSourceBuilder) -> RedisStreamSource {
     builder.connect().await.expect("source connects")
 }
 
-/// A `redis-server` of a scenario's own, which it may restart: every write is persisted to its
-/// append-only file, so the stream and its group come back with it. `REDIS_SERVER` names the
-/// binary, default `redis-server` on the `PATH`.
-async fn private_redis() -> Server {
+/// What a `redis-server` a scenario may restart runs with: every write is persisted to its
+/// append-only file, so the stream and its group come back with it.
+const PERSISTED: &[&str] = &["--appendonly", "yes", "--appendfsync", "always"];
+
+/// A `redis-server` on loopback `port`, serving TLS only with `tls`'s server certificate (client
+/// certificates not asked for) when given, with `args` on top of what every one shares: no RDB
+/// snapshots, and its [`Server`] directory as its working directory (where an append-only file
+/// or a cluster's `nodes.conf` goes) with its log, `redis.log`, in it. Returns once it listens.
+/// `REDIS_SERVER` names the binary, default `redis-server` on the `PATH`.
+///
+/// # Panics
+/// When `redis-server` cannot be started or does not listen within 10 s.
+async fn start_server(port: u16, tls: Option<&TestCa>, args: &'static [&'static str]) -> Server {
     let binary = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
-    let what = format!("{binary} (install Redis or set REDIS_SERVER)");
-    Server::start("inbox-redis", &what, move |port, dir| {
-        let mut command = std::process::Command::new(&binary);
+    let with_tls = if tls.is_some() { " with TLS" } else { "" };
+    let what = format!(
+        "{binary}{with_tls} (run `cargo xtask services` to install it, or set REDIS_SERVER)"
+    );
+    let tls = tls.cloned();
+    Server::start_on(port, "inbox-redis", &what, move |port, dir| {
+        let port = port.to_string();
+        let mut command = Command::new(&binary);
+        match &tls {
+            Some(ca) => command
+                .args(["--port", "0", "--tls-port", &port])
+                .arg("--tls-cert-file")
+                .arg(&ca.cert)
+                .arg("--tls-key-file")
+                .arg(&ca.key)
+                .arg("--tls-ca-cert-file")
+                .arg(&ca.ca)
+                .args(["--tls-auth-clients", "no"]),
+            None => command.args(["--port", &port]),
+        };
         command
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--appendonly", "yes", "--appendfsync", "always"])
-            .args(["--save", ""])
+            .args(["--bind", "127.0.0.1", "--save", ""])
+            .args(args)
             .arg("--dir")
             .arg(dir)
             .arg("--logfile")
@@ -111,6 +139,21 @@ async fn private_redis() -> Server {
         command
     })
     .await
+}
+
+/// What `redis-cli` with `args` printed, and how it exited. `REDIS_CLI` names the binary,
+/// default `redis-cli` on the `PATH`.
+///
+/// # Panics
+/// When `redis-cli` cannot be run.
+async fn redis_cli(args: impl IntoIterator<Item = impl AsRef<OsStr>>) -> Output {
+    let cli = std::env::var("REDIS_CLI").unwrap_or_else(|_| "redis-cli".into());
+    tokio::process::Command::new(&cli)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("cannot run {cli}: {e}; install Redis or set REDIS_CLI"))
 }
 
 /// A stream of its own; its dead letters go to `<stream>:dlq`.
@@ -194,7 +237,7 @@ impl TestQueue for Stream {
     }
 
     async fn restartable(&self) -> Result<Restartable<Stream>, String> {
-        let server = private_redis().await;
+        let server = start_server(free_port(), None, PERSISTED).await;
         Ok(Restartable {
             queue: Stream {
                 key: self.key.clone(),
@@ -253,7 +296,7 @@ mod tests {
     /// A check's write that the server answers late is waited for (see [`raw_at`]).
     #[tokio::test]
     async fn a_late_answer_is_waited_for() {
-        let server = private_redis().await;
+        let server = start_server(free_port(), None, PERSISTED).await;
         let url = format!("redis://127.0.0.1:{}", server.port());
         let mut pauser = raw_at(&url).await;
         redis::cmd("CLIENT")

@@ -5,12 +5,12 @@
 //! It speaks to each node over a plain connection, so it needs no cluster client; the test's
 //! source and producer reach the cluster through [`LocalCluster::urls`].
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use inbox_redis_streams::redis::{self, aio::MultiplexedConnection, Client};
 use inbox_testkit::eventually;
 
+use super::{redis_cli, start_server};
 use crate::process::{free_ports, Server};
 
 /// One node of the cluster as `CLUSTER NODES` lists it.
@@ -33,8 +33,16 @@ pub struct LocalCluster {
     nodes: Vec<Server>,
 }
 
-/// Node timeout: a master silent this long is marked failed and its replica takes over.
-const NODE_TIMEOUT: Duration = Duration::from_millis(2000);
+/// What every node runs with: a cluster node, persisting to its append-only file, and a node
+/// timeout of 2 s (a master silent this long is marked failed and its replica takes over).
+const NODE: &[&str] = &[
+    "--cluster-enabled",
+    "yes",
+    "--cluster-node-timeout",
+    "2000",
+    "--appendonly",
+    "yes",
+];
 
 impl LocalCluster {
     /// Starts six nodes, joins them as three masters with one replica each
@@ -44,42 +52,17 @@ impl LocalCluster {
     /// # Panics
     /// When a binary is missing or the cluster does not form within 30 s.
     pub async fn start() -> Self {
-        let server = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
-        let what = format!("{server} (install Redis or set REDIS_SERVER)");
         let mut cluster = Self { nodes: Vec::new() };
         for port in free_ports(6, 10_000) {
-            let server = server.clone();
-            let node = Server::start_on(port, "inbox-redis-cluster", &what, move |port, dir| {
-                let mut command = Command::new(&server);
-                command
-                    .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                    .args(["--cluster-enabled", "yes"])
-                    .arg("--cluster-node-timeout")
-                    .arg(NODE_TIMEOUT.as_millis().to_string())
-                    .arg("--cluster-config-file")
-                    .arg(dir.join(format!("nodes-{port}.conf")))
-                    .args(["--appendonly", "yes", "--save", ""])
-                    .arg("--dir")
-                    .arg(dir)
-                    .arg("--logfile")
-                    .arg(dir.join("redis.log"));
-                command
-            });
-            cluster.nodes.push(node.await);
+            cluster.nodes.push(start_server(port, None, NODE).await);
         }
-        let cli = std::env::var("REDIS_CLI").unwrap_or_else(|_| "redis-cli".into());
+        let create = ["--cluster", "create"].map(String::from);
         let nodes = cluster
             .nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port()));
-        let out = tokio::process::Command::new(&cli)
-            .args(["--cluster", "create"])
-            .args(nodes)
-            .args(["--cluster-replicas", "1", "--cluster-yes"])
-            .stdin(Stdio::null())
-            .output()
-            .await
-            .unwrap_or_else(|e| panic!("cannot run {cli}: {e}; install Redis or set REDIS_CLI"));
+        let replicas = ["--cluster-replicas", "1", "--cluster-yes"].map(String::from);
+        let out = redis_cli(create.into_iter().chain(nodes).chain(replicas)).await;
         assert!(
             out.status.success(),
             "redis-cli --cluster create failed:\n{}{}",
