@@ -19,7 +19,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use inbox_testkit::lock;
+use inbox_testkit::{eventually, lock};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{JoinHandle, JoinSet};
@@ -195,17 +195,9 @@ impl TestProvider {
             .await
     }
 
+    /// Whether `done` holds of the state within `timeout`, looked at every 50 ms.
     async fn wait(&self, timeout: Duration, done: impl Fn(&State) -> bool) -> bool {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            if done(&self.state()) {
-                return true;
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return false;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        eventually(timeout, || std::future::ready(done(&self.state()))).await
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
