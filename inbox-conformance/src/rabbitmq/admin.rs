@@ -124,12 +124,14 @@ pub async fn cleanup(config: &RabbitSourceBuilder) {
 /// The Erlang pid of the broker connection whose client-provided name is `name`, from
 /// `rabbitmqctl list_connections`.
 pub async fn connection_pids(name: &str) -> Vec<String> {
-    let output = tokio::process::Command::new("rabbitmqctl")
-        .args(["list_connections", "-q", "--no-table-headers"])
-        .args(["pid", "client_properties"])
-        .output()
-        .await
-        .expect("run rabbitmqctl list_connections");
+    let list = [
+        "list_connections",
+        "-q",
+        "--no-table-headers",
+        "pid",
+        "client_properties",
+    ];
+    let output = rabbitmqctl(&list).await;
     let listing = String::from_utf8_lossy(&output.stdout);
     // rabbitmqctl prints the property as `{"connection_name","NAME"}` (older releases as
     // `{<<"connection_name">>,longstr,<<"NAME">>}`).
@@ -154,19 +156,31 @@ pub async fn connection_pids(name: &str) -> Vec<String> {
 /// (`rabbitmqctl close_connection`).
 pub async fn close_pids(pids: &[String]) {
     for pid in pids {
-        let status = tokio::process::Command::new("rabbitmqctl")
-            .args(["close_connection", pid, "inbox test: connection loss"])
-            .output()
-            .await
-            .expect("run rabbitmqctl close_connection");
-        assert!(
-            status.status.success(),
-            "close_connection {pid} failed: {status:?}"
-        );
+        rabbitmqctl(&["close_connection", pid, "inbox test: connection loss"]).await;
     }
 }
 
 /// Closes the broker connection whose client-provided name is `name`.
 pub async fn close_connection(name: &str) {
     close_pids(&connection_pids(name).await).await;
+}
+
+/// `rabbitmqctl` with `args`, once it succeeded: its output.
+///
+/// # Panics
+/// When it cannot be run, does not return within 60 s, or fails.
+pub(super) async fn rabbitmqctl(args: &[&str]) -> std::process::Output {
+    let line = args.join(" ");
+    let run = tokio::process::Command::new("rabbitmqctl")
+        .args(args)
+        .output();
+    let output = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .unwrap_or_else(|_| panic!("rabbitmqctl {line} did not return within 60 s"))
+        .unwrap_or_else(|e| panic!("run rabbitmqctl {line}: {e}"));
+    assert!(
+        output.status.success(),
+        "rabbitmqctl {line} failed: {output:?}"
+    );
+    output
 }

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use super::admin::rabbitmqctl;
 use crate::Restart;
 
 /// How long the application stays down.
@@ -15,30 +16,14 @@ pub(super) struct App {
     down: bool,
 }
 
-async fn rabbitmqctl(command: &str) {
-    let output = tokio::time::timeout(
-        Duration::from_secs(60),
-        tokio::process::Command::new("rabbitmqctl")
-            .arg(command)
-            .output(),
-    )
-    .await
-    .unwrap_or_else(|_| panic!("rabbitmqctl {command} did not return within 60 s"))
-    .unwrap_or_else(|e| panic!("run rabbitmqctl {command}: {e}"));
-    assert!(
-        output.status.success(),
-        "rabbitmqctl {command} failed: {output:?}"
-    );
-}
-
 impl Restart for App {
     fn restart(&mut self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
         Box::pin(async move {
             // Marked down before the stop: a stop that fails half-way is undone too.
             self.down = true;
-            rabbitmqctl("stop_app").await;
+            rabbitmqctl(&["stop_app"]).await;
             tokio::time::sleep(DOWN).await;
-            rabbitmqctl("start_app").await;
+            rabbitmqctl(&["start_app"]).await;
             self.down = false;
         })
     }
