@@ -13,7 +13,7 @@ use inbox_nats::async_nats::jetstream::{self, stream, Context};
 use inbox_nats::async_nats::{self, HeaderMap};
 use inbox_nats::{NatsConnection, NatsSource, NatsSourceBuilder};
 
-use crate::process::Server;
+use crate::process::{free_port, Server};
 use crate::{FaultProxy, LosingSource, Proxied, Restartable, TestBroker, TestQueue};
 
 /// The durable consumer every source of the suite reads through.
@@ -254,7 +254,7 @@ async fn private_nats() -> Server {
         .into()
     });
     let what = format!("{binary} (install nats-server or set NATS_SERVER)");
-    Server::start("inbox-nats", &what, move |port, dir| {
+    Server::start(free_port(), "inbox-nats", &what, move |port, dir| {
         let mut command = Command::new(&binary);
         command
             .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])

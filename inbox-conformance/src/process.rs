@@ -98,21 +98,13 @@ impl std::fmt::Debug for Server {
 }
 
 impl Server {
-    /// Starts `launch(port, dir)` on a free port with a fresh directory named after `name`, and
-    /// waits until it listens; `what` names the server and how to install it, for the panics.
+    /// Starts `launch(port, dir)` on loopback `port` ([`free_port`], say) with a fresh directory
+    /// named after `name`, and waits until it listens; `what` names the server and how to
+    /// install it, for the panics.
     ///
     /// # Panics
     /// When the server cannot be started or does not listen within 10 s.
     pub(crate) async fn start(
-        name: &str,
-        what: &str,
-        launch: impl Fn(u16, &Path) -> Command + Send + Sync + 'static,
-    ) -> Self {
-        Self::start_on(free_port(), name, what, launch).await
-    }
-
-    /// [`Server::start`] on `port`.
-    pub(crate) async fn start_on(
         port: u16,
         name: &str,
         what: &str,

@@ -114,7 +114,7 @@ async fn start_server(port: u16, tls: Option<&TestCa>, args: &'static [&'static 
         "{binary}{with_tls} (run `cargo xtask services` to install it, or set REDIS_SERVER)"
     );
     let tls = tls.cloned();
-    Server::start_on(port, "inbox-redis", &what, move |port, dir| {
+    Server::start(port, "inbox-redis", &what, move |port, dir| {
         let port = port.to_string();
         let mut command = Command::new(&binary);
         match &tls {

@@ -15,7 +15,7 @@
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 
-use crate::process::Server;
+use crate::process::{free_port, Server};
 use crate::tls::TestCa;
 use crate::FaultProxy;
 
@@ -72,16 +72,16 @@ impl PrivateTansuBuilder {
                 let (cert, key) = (ca.cert.display(), ca.key.display());
                 let listen =
                     format!("bind=127.0.0.1,reuseaddr,fork,cert={cert},key={key},verify=0");
-                let front =
-                    Server::start("inbox-socat", "socat (install socat)", move |port, _| {
-                        let mut command = Command::new("socat");
-                        command
-                            .arg(format!("OPENSSL-LISTEN:{port},{listen}"))
-                            .arg(format!("TCP:{to_proxy}"))
-                            .stderr(Stdio::null());
-                        command
-                    })
-                    .await;
+                let what = "socat (install socat)";
+                let front = Server::start(free_port(), "inbox-socat", what, move |port, _| {
+                    let mut command = Command::new("socat");
+                    command
+                        .arg(format!("OPENSSL-LISTEN:{port},{listen}"))
+                        .arg(format!("TCP:{to_proxy}"))
+                        .stderr(Stdio::null());
+                    command
+                })
+                .await;
                 Some(front)
             }
             None => None,
@@ -96,7 +96,7 @@ impl PrivateTansuBuilder {
         });
         let what = format!("{binary} (install Tansu or set TANSU)");
         let authentication = self.authentication;
-        let tansu = Server::start("inbox-tansu", &what, move |port, _| {
+        let tansu = Server::start(free_port(), "inbox-tansu", &what, move |port, _| {
             let mut command = Command::new(&binary);
             command
                 .arg("broker")
