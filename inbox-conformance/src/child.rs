@@ -2,7 +2,8 @@
 //!
 //! A kill test writes an `#[ignore]` test that is the consumer (it returns at once unless
 //! [`is_child`]), starts it with [`spawn`], and ends it with `Child::kill()`, which is SIGKILL
-//! on Unix: no destructor, no close, no last commit.
+//! on Unix: no destructor, no close, no last commit. Any other command a test runs and needs
+//! to succeed is checked with one `succeeded`.
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -59,6 +60,18 @@ fn full_name(exe: &Path, test_name: &str) -> String {
             exe.display()
         ),
     }
+}
+
+/// Panics with `what` and the output when the process failed: for any command a test runs
+/// that must succeed.
+pub(crate) fn succeeded(out: &std::process::Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Runs the current test binary again with only the ignored test `test_name`, with `envs`.

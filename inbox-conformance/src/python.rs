@@ -14,6 +14,8 @@ use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 use tokio::sync::OnceCell;
 
+use crate::child::succeeded;
+
 /// The pinned clients, one a line.
 pub const REQUIREMENTS: &str = include_str!("../python/requirements.txt");
 
@@ -75,17 +77,6 @@ async fn run(command: &mut Command, what: &str) {
         .await
         .unwrap_or_else(|e| panic!("{what}: cannot start it: {e}"));
     succeeded(&out, what);
-}
-
-/// Panics with `what` and the output when the process failed.
-fn succeeded(out: &std::process::Output, what: &str) {
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 /// Publishes `messages` to `target` with the broker's Python client (see

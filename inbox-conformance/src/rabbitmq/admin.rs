@@ -178,9 +178,6 @@ pub(super) async fn rabbitmqctl(args: &[&str]) -> std::process::Output {
         .await
         .unwrap_or_else(|_| panic!("rabbitmqctl {line} did not return within 60 s"))
         .unwrap_or_else(|e| panic!("run rabbitmqctl {line}: {e}"));
-    assert!(
-        output.status.success(),
-        "rabbitmqctl {line} failed: {output:?}"
-    );
+    crate::child::succeeded(&output, &format!("rabbitmqctl {line}"));
     output
 }

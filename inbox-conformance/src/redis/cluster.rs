@@ -63,12 +63,7 @@ impl LocalCluster {
             .map(|n| format!("127.0.0.1:{}", n.port()));
         let replicas = ["--cluster-replicas", "1", "--cluster-yes"].map(String::from);
         let out = redis_cli(create.into_iter().chain(nodes).chain(replicas)).await;
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster create failed:\n{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        crate::child::succeeded(&out, "redis-cli --cluster create");
         let ready = eventually(Duration::from_secs(30), || cluster.healthy()).await;
         assert!(
             ready,
