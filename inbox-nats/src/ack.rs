@@ -13,7 +13,7 @@ use async_nats::{Client, HeaderMap, Subject};
 use inbox_core::{dead_letter, Ack, Message, OperationError, Recovery, SourceError};
 use tracing::debug;
 
-use crate::source::NATS_MSG_ID;
+use crate::source::is_jetstream_header;
 
 /// What a source and its acks share.
 pub(crate) struct Shared {
@@ -337,12 +337,11 @@ impl Ack for NatsAck {
         let mut headers = HeaderMap::new();
         for (name, value) in &message.headers {
             let skipped = [
-                NATS_MSG_ID,
                 dead_letter::REASON,
                 dead_letter::ORIGINAL_SOURCE,
                 dead_letter::ORIGINAL_POSITION,
             ];
-            if !skipped.contains(&name.as_str()) {
+            if !skipped.contains(&name.as_str()) && !is_jetstream_header(name) {
                 headers.append(name.as_str(), String::from_utf8_lossy(value).as_ref());
             }
         }

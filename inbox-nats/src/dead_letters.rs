@@ -6,7 +6,7 @@ use futures_util::StreamExt;
 use inbox_core::replay::{DeadLetter, DeadLetters};
 use inbox_core::{MessageId, OperationError, Recovery};
 
-use crate::source::{system_time, ID_HEADER, NATS_MSG_ID};
+use crate::source::{is_jetstream_header, system_time, ID_HEADER};
 use crate::{NatsConnection, Result};
 
 /// Builds a [`NatsDeadLetters`]: from [`NatsConnection::dead_letters`] or
@@ -128,7 +128,7 @@ impl NatsDeadLetters {
                 let value = value.as_str().as_bytes().to_vec();
                 if name == self.id_header {
                     letter.id = MessageId::from_bytes(&value).ok();
-                } else if name != NATS_MSG_ID {
+                } else if !is_jetstream_header(&name) {
                     headers.push((name.clone(), value));
                 }
             }

@@ -76,6 +76,9 @@
 //! - **A dead letter** is published to the dead-letter subject (by default `<stream>.dlq`) with
 //!   the payload, the headers and `reason`, `original_source` (the subject) and
 //!   `original_position` (`sequence N`), confirmed by the stream that stores it, then acked.
+//!   JetStream's own headers (`Nats-Msg-Id`, `Nats-Expected-…`, `Nats-Rollup`: any `Nats-`
+//!   header) stay behind, on the dead letter and on its replay: the server would act on them
+//!   again and drop, refuse or roll up the copy.
 //!   When the publish fails the delivery is nacked for
 //!   [`RETRY_AFTER`](inbox_core::dead_letter::RETRY_AFTER) and comes back.
 //! - **`max_deliver`**: past a consumer's `max_deliver` the server stops delivering a message

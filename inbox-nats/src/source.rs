@@ -25,6 +25,15 @@ pub const ID_HEADER: &str = "event_id";
 /// reads with [`IdFrom::MessageIdProperty`].
 pub const NATS_MSG_ID: &str = "Nats-Msg-Id";
 
+/// Whether `name` is one of JetStream's own headers (`Nats-Msg-Id`, `Nats-Expected-…`,
+/// `Nats-Rollup`, …), which the server acts on when a message is published and stores with it:
+/// carried onto a dead letter or its replay they would have the copy dropped as a duplicate,
+/// refused (the expected sequence has moved on) or made a rollup of its subject.
+pub(crate) fn is_jetstream_header(name: &str) -> bool {
+    name.get(..5)
+        .is_some_and(|prefix| prefix.eq_ignore_ascii_case("nats-"))
+}
+
 /// What NATS calls the places an ID can be.
 pub const BINDING: Binding = Binding {
     broker: "NATS JetStream",

@@ -2,6 +2,7 @@
 //! file (nextest still runs each test in a process of its own).
 
 mod conformance;
+mod dead_letters;
 mod foreign_ids;
 mod logins;
 mod source_behaviour;
