@@ -50,16 +50,16 @@ pub(crate) struct Mark {
 
 impl Shared {
     /// The redelivery count of a delivery: the one handed back, once the server delivered the
-    /// message again after the hand-back. From the bucket where there is one and this process
-    /// has no mark (another member handed it back, or this one before a restart).
+    /// message again after the hand-back. Of this process's mark and the bucket's, where there
+    /// is one, the later hand-back's: another member may have handed the message back since
+    /// this one did (or this one before a restart).
     pub(crate) async fn redeliveries(&self, sequence: u64, delivered: u64) -> u32 {
         let known = {
             let marks = self.marks.lock().unwrap_or_else(PoisonError::into_inner);
             marks.get(&sequence).copied()
         };
-        let mark = match (known, &self.bucket) {
-            (Some(mark), _) => Some(mark),
-            (None, Some((store, prefix))) if delivered > 1 => {
+        let stored = match &self.bucket {
+            Some((store, prefix)) if delivered > 1 => {
                 match store.get(format!("{prefix}.{sequence}")).await {
                     Ok(value) => value.and_then(|v| Mark::parse(&v)),
                     Err(e) => {
@@ -70,7 +70,11 @@ impl Shared {
             }
             _ => None,
         };
-        mark.filter(|mark| delivered > mark.delivered)
+        known
+            .into_iter()
+            .chain(stored)
+            .max_by_key(|mark| mark.delivered)
+            .filter(|mark| delivered > mark.delivered)
             .map_or(0, |mark| mark.redeliveries)
     }
 

@@ -5,4 +5,5 @@ mod conformance;
 mod dead_letters;
 mod foreign_ids;
 mod logins;
+mod members;
 mod source_behaviour;

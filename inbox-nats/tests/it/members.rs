@@ -1,0 +1,59 @@
+//! Two members of one durable consumer: the redelivery counts they share through a bucket.
+
+use std::time::{Duration, Instant};
+
+use inbox_conformance::nats::{builder_on, Nats};
+use inbox_conformance::{TestBroker, TestQueue};
+use inbox_core::{Ack, Delivery, MessageSource};
+use inbox_nats::{NatsAck, NatsConnection, NatsSource};
+
+fn nats() -> NatsConnection {
+    NatsConnection::new(inbox_conformance::nats::nats_url())
+}
+
+async fn receive_one(source: &mut NatsSource) -> Delivery<NatsAck> {
+    let start = Instant::now();
+    loop {
+        if let Some(delivery) = source.receive(1).await.expect("receives").pop() {
+            return delivery;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "nothing came");
+    }
+}
+
+/// A member keeps the counts it handed back in memory too; one another member moved on since
+/// (in the bucket) is the one that counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_count_in_the_bucket_goes_on_from_member_to_member_and_back() {
+    let queue = Nats.queue("bucket-members").await;
+    let bucket = inbox_conformance::unique_name("inbox-test-redeliveries");
+    let member = || {
+        builder_on(&nats(), &queue.name(), &queue.name())
+            .redelivery_bucket(bucket.clone())
+            .connect()
+    };
+    let mut a = member().await.unwrap();
+    let mut b = member().await.unwrap();
+    queue.send(Some("evt-1"), b"1").await;
+    let delay = Duration::from_millis(300);
+
+    let first = receive_one(&mut a).await;
+    assert_eq!(first.message.meta.redeliveries, 0);
+    first.ack.redeliver(&first.message, delay, 0).await.unwrap();
+    let second = receive_one(&mut b).await;
+    assert_eq!(second.message.meta.redeliveries, 1);
+    second
+        .ack
+        .redeliver(&second.message, delay, 1)
+        .await
+        .unwrap();
+    let third = receive_one(&mut a).await;
+    assert_eq!(
+        third.message.meta.redeliveries, 2,
+        "the first member's own older count won over the bucket's"
+    );
+    third.ack.ack().await.unwrap();
+    assert_eq!(queue.left().await, 0);
+    queue.cleanup().await;
+    queue.context().delete_key_value(&bucket).await.unwrap();
+}
