@@ -173,7 +173,7 @@ impl NatsSourceBuilder {
     ///
     /// # Errors
     /// [`Error::StreamMissing`], [`Error::DeadLetterSubjectMissing`], [`Error::Config`] for a
-    /// consumer without explicit acks or one that would read its own dead letters, and
+    /// push consumer, one without explicit acks or one that would read its own dead letters, and
     /// [`Error::Connect`] or [`Error::Nats`] when the server cannot be reached.
     pub async fn connect(self) -> Result<NatsSource> {
         self.id_from.check(&BINDING).map_err(Error::Config)?;
@@ -264,7 +264,18 @@ impl NatsSourceBuilder {
     async fn consumer(&self, stream: &jetstream::stream::Stream) -> Result<PullConsumer> {
         use async_nats::jetstream::context::ConsumerInfoErrorKind;
         let found = match stream.consumer_info(&self.consumer).await {
-            Ok(_) => true,
+            Ok(info) => match &info.config.deliver_subject {
+                // Pulling from it fails for good: a setting to fix, not a request to retry.
+                Some(subject) => {
+                    return Err(Error::Config(format!(
+                        "the consumer `{}` of stream `{}` is a push consumer (it delivers to \
+                         `{subject}`); the source pulls: name a pull consumer, or a new durable \
+                         name for the source to create",
+                        self.consumer, self.stream
+                    )))
+                }
+                None => true,
+            },
             Err(e) if matches!(e.kind(), ConsumerInfoErrorKind::NotFound) => false,
             Err(e) if matches!(e.kind(), ConsumerInfoErrorKind::JetStream(inner) if inner.error_code() == async_nats::jetstream::ErrorCode::CONSUMER_NOT_FOUND) => {
                 false

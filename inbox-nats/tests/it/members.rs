@@ -1,11 +1,12 @@
-//! Two members of one durable consumer: the redelivery counts they share through a bucket.
+//! Two members of one durable consumer: the redelivery counts they share through a bucket, and
+//! what a durable name taken by a consumer of another kind does.
 
 use std::time::{Duration, Instant};
 
-use inbox_conformance::nats::{builder_on, Nats};
+use inbox_conformance::nats::{builder_on, Nats, CONSUMER};
 use inbox_conformance::{TestBroker, TestQueue};
 use inbox_core::{Ack, Delivery, MessageSource};
-use inbox_nats::{NatsAck, NatsConnection, NatsSource};
+use inbox_nats::{Error, NatsAck, NatsConnection, NatsSource};
 
 fn nats() -> NatsConnection {
     NatsConnection::new(inbox_conformance::nats::nats_url())
@@ -56,4 +57,30 @@ async fn a_count_in_the_bucket_goes_on_from_member_to_member_and_back() {
     assert_eq!(queue.left().await, 0);
     queue.cleanup().await;
     queue.context().delete_key_value(&bucket).await.unwrap();
+}
+
+/// A push consumer under the durable name cannot be pulled from: retrying never helps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_consumer_under_the_durable_name_fails_connect_as_a_setting_to_fix() {
+    use inbox_nats::async_nats::jetstream::consumer::{push, AckPolicy};
+    let queue = Nats.queue("push-durable").await;
+    let stream = queue.context().get_stream(queue.name()).await.unwrap();
+    stream
+        .create_consumer(push::Config {
+            durable_name: Some(CONSUMER.to_owned()),
+            deliver_subject: format!("{}.pushed", queue.name()),
+            ack_policy: AckPolicy::Explicit,
+            filter_subject: queue.name(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let e = builder_on(&nats(), &queue.name(), &queue.name())
+        .connect()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e:?}");
+    assert!(e.to_string().contains("push consumer"), "{e}");
+    assert_eq!(e.recovery(), inbox_core::Recovery::Fatal);
+    queue.cleanup().await;
 }
