@@ -68,6 +68,7 @@
 mod ack_on_receive;
 mod crash;
 mod forward;
+#[cfg(feature = "gauges")]
 pub mod gauges;
 pub mod log;
 mod memory_broker;

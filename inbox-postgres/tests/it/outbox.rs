@@ -14,7 +14,7 @@ use inbox_conformance::TestDb;
 use inbox_core::telemetry::TRACEPARENT_HEADER;
 use inbox_core::{Destinations, MessageId, OutgoingMessage, Publish, PublishError, Recovery};
 use inbox_postgres::{Error, Outbox, RelayError, TableName, OUTBOX_OLDEST_UNSENT_GAUGE};
-use inbox_testkit::gauges::install_gauge_recorder;
+use inbox_testkit::gauges::{gauge, DebuggingRecorder};
 use inbox_testkit::metadata::TRACEPARENT;
 use sqlx::AssertSqlSafe;
 
@@ -375,7 +375,9 @@ async fn purge_removes_only_sent_rows_older_than_the_cutoff() {
 
 #[tokio::test]
 async fn oldest_unsent_is_the_age_of_the_next_row_to_publish_and_feeds_the_gauge() {
-    let gauges = install_gauge_recorder();
+    let recorder = DebuggingRecorder::new();
+    let _recording = metrics::set_default_local_recorder(&recorder);
+    let gauges = recorder.snapshotter();
     let db = TestDb::new().await;
     let table = TableName::qualified(&db.schema, "events_outbox").unwrap();
     let outbox = Outbox::new(db.pool.clone()).with_table(table);
@@ -387,7 +389,7 @@ async fn oldest_unsent_is_the_age_of_the_next_row_to_publish_and_feeds_the_gauge
     );
 
     assert_eq!(outbox.oldest_unsent().await.unwrap(), None);
-    assert_eq!(gauges.get(&label), Some(0.0));
+    assert_eq!(gauge(&gauges, &label), Some(0.0));
 
     let mut tx = db.pool.begin().await.unwrap();
     outbox.write(&mut tx, "orders", b"a").await.unwrap();
@@ -403,8 +405,8 @@ async fn oldest_unsent_is_the_age_of_the_next_row_to_publish_and_feeds_the_gauge
         (Duration::from_secs(600)..Duration::from_secs(660)).contains(&age),
         "{age:?}"
     );
-    let gauge = gauges.get(&label).unwrap();
-    assert!((600.0..660.0).contains(&gauge), "{gauge}");
+    let seconds = gauge(&gauges, &label).unwrap();
+    assert!((600.0..660.0).contains(&seconds), "{seconds}");
 
     outbox
         .relay(Recorder::default())
@@ -412,7 +414,7 @@ async fn oldest_unsent_is_the_age_of_the_next_row_to_publish_and_feeds_the_gauge
         .await
         .unwrap();
     assert_eq!(outbox.oldest_unsent().await.unwrap(), None);
-    assert_eq!(gauges.get(&label), Some(0.0));
+    assert_eq!(gauge(&gauges, &label), Some(0.0));
     db.drop().await;
 }
 
