@@ -60,7 +60,7 @@ impl Shared {
         };
         let stored = match &self.bucket {
             Some((store, prefix)) if delivered > 1 => {
-                match store.get(format!("{prefix}.{sequence}")).await {
+                match within(self.timeout, store.get(format!("{prefix}.{sequence}"))).await {
                     Ok(value) => value.and_then(|v| Mark::parse(&v)),
                     Err(e) => {
                         debug!(error = %e, sequence, "could not read a redelivery count");
@@ -86,13 +86,13 @@ impl Shared {
         if let Some((store, prefix)) = &self.bucket {
             if had || delivered > 1 {
                 // Left behind, the bucket's max_age removes it.
-                let _ = store.purge(format!("{prefix}.{sequence}")).await;
+                let _ = within(self.timeout, store.purge(format!("{prefix}.{sequence}"))).await;
             }
         }
     }
 
-    /// Sends the failed acks again; those that fail again wait for the next time, up to 20
-    /// attempts.
+    /// Sends the failed acks again, each for up to the operation timeout; those that fail
+    /// again wait for the next time, up to 20 attempts.
     pub(crate) async fn flush_acks(&self) {
         let pending = {
             let mut failed = self
@@ -103,11 +103,8 @@ impl Shared {
         };
         let mut again = Vec::new();
         for (reply, sequence, delivered, attempts) in pending {
-            match self
-                .client
-                .request(reply.clone(), AckKind::Ack.into())
-                .await
-            {
+            let ack = self.client.request(reply.clone(), AckKind::Ack.into());
+            match within(self.timeout, ack).await {
                 Ok(_) => self.forget(sequence, delivered).await,
                 Err(_) if attempts < 20 => again.push((reply, sequence, delivered, attempts + 1)),
                 Err(e) => {
@@ -138,16 +135,18 @@ impl Shared {
         }
         if let Some((store, prefix)) = &self.bucket {
             let value = format!("{}:{}", mark.redeliveries, mark.delivered);
-            store
-                .put(format!("{prefix}.{sequence}"), value.into())
-                .await
-                .map_err(|e| {
-                    OperationError::new(
-                        Recovery::Retry,
-                        format!("keeping the redelivery count of sequence {sequence}"),
-                        e,
-                    )
-                })?;
+            within(
+                self.timeout,
+                store.put(format!("{prefix}.{sequence}"), value.into()),
+            )
+            .await
+            .map_err(|e| {
+                OperationError::new(
+                    Recovery::Retry,
+                    format!("keeping the redelivery count of sequence {sequence}"),
+                    e,
+                )
+            })?;
         }
         Ok(())
     }
@@ -221,11 +220,18 @@ pub(crate) fn spawn_progress(shared: &Arc<Shared>, every: Duration) -> tokio::ta
                     .unwrap_or_else(PoisonError::into_inner);
                 held.values().flatten().cloned().collect()
             };
-            for reply in replies {
-                // At most once: a lost one costs a redelivery the inbox skips.
-                if let Err(e) = shared.client.publish(reply, AckKind::Progress.into()).await {
-                    debug!(error = %e, "could not tell NATS a delivery is in progress");
+            // Bounded: while the client connects again its queue fills, and a send then waits
+            // for the server, holding up every hand-back behind `handing_back`.
+            let told = tokio::time::timeout(shared.timeout, async {
+                for reply in replies {
+                    // At most once: a lost one costs a redelivery the inbox skips.
+                    if let Err(e) = shared.client.publish(reply, AckKind::Progress.into()).await {
+                        debug!(error = %e, "could not tell NATS a delivery is in progress");
+                    }
                 }
+            });
+            if told.await.is_err() {
+                debug!("could not tell NATS the deliveries held are in progress in time");
             }
         }
     })
@@ -291,8 +297,7 @@ impl NatsAck {
         let kind = AckKind::Nak((!delay.is_zero()).then_some(delay));
         let _order = self.shared.handing_back.lock().await;
         self.in_flight = None;
-        self.acker
-            .ack_with(kind)
+        within(self.shared.timeout, self.acker.ack_with(kind))
             .await
             .map_err(|e| self.failed("handing back", e))
     }
@@ -305,7 +310,7 @@ impl Ack for NatsAck {
     async fn ack(self) -> Result<(), SourceError> {
         let start = tokio::time::Instant::now();
         loop {
-            match self.acker.double_ack().await {
+            match within(self.shared.timeout, self.acker.double_ack()).await {
                 Ok(()) => break,
                 Err(_) if start.elapsed() < self.shared.timeout => {
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -363,8 +368,8 @@ impl Ack for NatsAck {
                 .publish_with_headers(subject.clone(), headers, message.payload.clone().into())
                 .await?;
             confirm.await.map(drop)
-        }
-        .await;
+        };
+        let parked = within(self.shared.timeout, parked).await;
         if let Err(e) = parked {
             // Back after a pause, not in a tight loop against a refusing destination.
             let _ = self.nak(dead_letter::RETRY_AFTER).await;
@@ -398,6 +403,19 @@ impl Ack for NatsAck {
             tracing::warn!(error = %e, "the redelivery count is kept in this process only");
         }
         self.nak(delay).await
+    }
+}
+
+/// `operation`, given up after `timeout`. While the client connects again it queues what is
+/// sent, and once its queue is full a send waits for the server, for good if it never answers
+/// (a request's own timeout starts only once it is sent).
+async fn within<T, E: Into<async_nats::Error>>(
+    timeout: Duration,
+    operation: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, async_nats::Error> {
+    match tokio::time::timeout(timeout, operation).await {
+        Ok(done) => done.map_err(Into::into),
+        Err(_) => Err(format!("no answer within {timeout:?}; the connection may be lost").into()),
     }
 }
 

@@ -6,4 +6,5 @@ mod dead_letters;
 mod foreign_ids;
 mod logins;
 mod members;
+mod silent_server;
 mod source_behaviour;
