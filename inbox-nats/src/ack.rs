@@ -297,7 +297,15 @@ impl NatsAck {
         let kind = AckKind::Nak((!delay.is_zero()).then_some(delay));
         let _order = self.shared.handing_back.lock().await;
         self.in_flight = None;
-        within(self.shared.timeout, self.acker.ack_with(kind))
+        let sent = async {
+            self.acker.ack_with(kind).await?;
+            // On the wire before the hand-back returns: a source dropped right after (a
+            // consumer that stops hands back what it holds) took a -NAK still queued in the
+            // client with it, and the message waited out ack_wait.
+            self.shared.client.flush().await?;
+            Ok::<_, async_nats::Error>(())
+        };
+        within(self.shared.timeout, sent)
             .await
             .map_err(|e| self.failed("handing back", e))
     }

@@ -59,6 +59,34 @@ async fn a_count_in_the_bucket_goes_on_from_member_to_member_and_back() {
     queue.context().delete_key_value(&bucket).await.unwrap();
 }
 
+/// A member that hands a message back and stops at once (a consumer shutting down hands back
+/// what it holds): the `-NAK` reaches the server, and the message comes to the next member
+/// after the delay, not after `ack_wait`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_handed_back_by_a_member_that_stops_comes_to_the_next_after_the_delay() {
+    let queue = Nats.queue("nak-then-stop").await;
+    let member = || {
+        builder_on(&nats(), &queue.name(), &queue.name())
+            .ack_wait(Duration::from_secs(30))
+            .connect()
+    };
+    queue.send(Some("evt-1"), b"1").await;
+    // Three members in turn get it, hand it back for 100 ms and stop; within ack_wait, only
+    // the -NAK brings it to the next (receive_one waits 10 s).
+    for _ in 0..3 {
+        let mut stopping = member().await.unwrap();
+        let held = receive_one(&mut stopping).await;
+        held.ack.nack(Duration::from_millis(100)).await.unwrap();
+        drop(stopping);
+    }
+    let mut last = member().await.unwrap();
+    let back = receive_one(&mut last).await;
+    assert_eq!(back.message.meta.delivery_count, Some(4));
+    back.ack.ack().await.unwrap();
+    assert_eq!(queue.left().await, 0);
+    queue.cleanup().await;
+}
+
 /// A push consumer under the durable name cannot be pulled from: retrying never helps.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_push_consumer_under_the_durable_name_fails_connect_as_a_setting_to_fix() {
