@@ -189,6 +189,22 @@ async fn redelivery_bucket(js: &jetstream::Context, name: &str) -> Result<jetstr
         .map_err(|e| failed(Box::new(e)))
 }
 
+/// `name` as one token of a key in a key-value bucket: each byte a key cannot hold (anything
+/// but letters, digits, `-`, `_` and `/`) written `=` and two hex digits, `=` itself too. A
+/// stream or consumer name may hold `:` or `@`, which a key may not.
+fn key_token(name: &str) -> String {
+    use std::fmt::Write as _;
+    let mut token = String::with_capacity(name.len());
+    for byte in name.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'_' | b'/') {
+            token.push(char::from(byte));
+        } else {
+            let _ = write!(token, "={byte:02X}");
+        }
+    }
+    token
+}
+
 /// Whether `subject` matches the subject filter `filter` (`*` one token, `>` the rest).
 fn subject_matches(filter: &str, subject: &str) -> bool {
     let mut tokens = subject.split('.');
@@ -205,7 +221,15 @@ fn subject_matches(filter: &str, subject: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::subject_matches;
+    use super::{key_token, subject_matches};
+
+    #[test]
+    fn names_become_key_tokens_unchanged_where_a_key_can_hold_them() {
+        assert_eq!(key_token("CREDITS_v-2/x"), "CREDITS_v-2/x");
+        assert_eq!(key_token("orders:v2"), "orders=3Av2");
+        assert_eq!(key_token("a=b"), "a=3Db");
+        assert_eq!(key_token("é"), "=C3=A9");
+    }
 
     #[test]
     fn subject_filters_match_as_nats_does() {

@@ -229,7 +229,11 @@ impl NatsSourceBuilder {
             None => None,
             Some(name) => Some((
                 crate::redelivery_bucket(&js, name).await?,
-                format!("{}.{}", self.stream, self.consumer),
+                format!(
+                    "{}.{}",
+                    crate::key_token(&self.stream),
+                    crate::key_token(&self.consumer)
+                ),
             )),
         };
         let shared = Arc::new(Shared {

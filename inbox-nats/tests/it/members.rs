@@ -1,5 +1,6 @@
-//! Two members of one durable consumer: the redelivery counts they share through a bucket, and
-//! what a durable name taken by a consumer of another kind does.
+//! Members of one durable consumer: the redelivery counts they share through a bucket, a
+//! hand-back by a member that stops at once, and what a durable name taken by a consumer of
+//! another kind does.
 
 use std::time::{Duration, Instant};
 
@@ -111,4 +112,59 @@ async fn a_push_consumer_under_the_durable_name_fails_connect_as_a_setting_to_fi
     assert!(e.to_string().contains("push consumer"), "{e}");
     assert_eq!(e.recovery(), inbox_core::Recovery::Fatal);
     queue.cleanup().await;
+}
+
+/// A stream name may hold what a key in a bucket may not (`:`, `@`): the count still goes from
+/// member to member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_count_in_the_bucket_is_kept_for_a_stream_whose_name_is_no_key() {
+    let name = format!("{}:v2", inbox_conformance::unique_name("inbox-test-odd"));
+    let js = inbox_conformance::nats::context().await;
+    js.create_stream(inbox_nats::async_nats::jetstream::stream::Config {
+        name: name.clone(),
+        subjects: vec!["odd-name-credits.*".replace('*', &name.replace(':', "-"))],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let subject = format!("odd-name-credits.{}", name.replace(':', "-"));
+    let bucket = inbox_conformance::unique_name("inbox-test-redeliveries");
+    let dlq = inbox_conformance::unique_name("inbox-test-odd-dlq");
+    js.create_stream(inbox_nats::async_nats::jetstream::stream::Config {
+        name: dlq.clone(),
+        subjects: vec![format!("{dlq}.dlq")],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let member = || {
+        nats()
+            .source(name.clone(), "wallet")
+            .dead_letter_subject(format!("{dlq}.dlq"))
+            .poll_timeout(Duration::from_millis(200))
+            .redelivery_bucket(bucket.clone())
+            .connect()
+    };
+    let producer = nats().producer().connect().await.unwrap();
+    inbox_core::Publish::send(&producer, &subject, b"1")
+        .await
+        .unwrap();
+    let mut a = member().await.unwrap();
+    let first = receive_one(&mut a).await;
+    first
+        .ack
+        .redeliver(&first.message, Duration::from_millis(300), 0)
+        .await
+        .unwrap();
+    drop(a);
+    let mut b = member().await.unwrap();
+    let back = receive_one(&mut b).await;
+    assert_eq!(
+        back.message.meta.redeliveries, 1,
+        "the count reached the next member"
+    );
+    back.ack.ack().await.unwrap();
+    js.delete_stream(&name).await.unwrap();
+    js.delete_stream(&dlq).await.unwrap();
+    js.delete_key_value(&bucket).await.unwrap();
 }
