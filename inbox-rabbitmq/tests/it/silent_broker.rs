@@ -34,17 +34,8 @@ async fn connecting_to_a_silent_broker_fails_within_the_operation_timeout() {
 
 #[tokio::test]
 async fn reconnecting_to_a_silent_broker_on_send_fails_within_the_operation_timeout() {
-    let (proxy, through) = FaultProxy::in_front_of_url(&amqp_url(), 5672)
-        .await
-        .unwrap();
-    let producer = RabbitConnection::new(through)
-        .operation_timeout(TIMEOUT)
-        .producer()
-        .connect()
-        .await
-        .unwrap();
+    let (proxy, producer) = producer_behind_a_silent_network().await;
     // The connection is cut, and the broker then accepts new ones but says nothing.
-    proxy.set_mode(ProxyMode::Blackhole);
     proxy.cut();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let sending = tokio::time::timeout(HUNG, producer.send("never-declared", b"{}")).await;
