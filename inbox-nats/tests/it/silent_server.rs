@@ -2,7 +2,7 @@
 //! connect again, and once its queue is full every send waits for the server. Settling a
 //! delivery and receiving still return, each within about the operation timeout.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use inbox_conformance::nats::{builder_on, nats_url, Nats};
 use inbox_conformance::{FaultProxy, ProxyMode, TestBroker, TestQueue};
@@ -31,12 +31,7 @@ async fn settling_and_receiving_return_while_the_server_is_silent() {
         .connect()
         .await
         .unwrap();
-    let mut held = Vec::new();
-    let start = Instant::now();
-    while held.len() < MESSAGES && start.elapsed() < Duration::from_secs(20) {
-        held.extend(source.receive(MESSAGES - held.len()).await.unwrap());
-    }
-    assert_eq!(held.len(), MESSAGES, "every message received");
+    let held = inbox_testkit::receive(&mut source, MESSAGES, Duration::from_secs(20)).await;
 
     proxy.set_mode(ProxyMode::Blackhole);
     // The connection is given up after two missed pings; the client's queue of 2,048 commands

@@ -80,12 +80,7 @@ async fn in_progress_never_cuts_short_the_delay_of_a_message_handed_back() {
         .connect()
         .await
         .unwrap();
-    let mut held = Vec::new();
-    let start = Instant::now();
-    while held.len() < MESSAGES && start.elapsed() < Duration::from_secs(20) {
-        held.extend(source.receive(MESSAGES - held.len()).await.unwrap());
-    }
-    assert_eq!(held.len(), MESSAGES, "every message received");
+    let held = inbox_testkit::receive(&mut source, MESSAGES, Duration::from_secs(20)).await;
     // Handed back one every 2 ms, 0.8 s in all: eight ticks fall among the hand-backs.
     let handing_back = Instant::now();
     let mut handed_back = tokio::task::JoinSet::new();
