@@ -31,7 +31,8 @@ pub(crate) struct Shared {
     /// Per stream sequence, the redelivery count handed back and the delivery count then.
     pub(crate) marks: Mutex<HashMap<u64, Mark>>,
     /// The same marks in a KV bucket, under `<stream>.<consumer>.<sequence>` (what a key cannot
-    /// hold written `=XX`, [`key_token`](crate::key_token)), where the source keeps them there ([`NatsSourceBuilder::redelivery_bucket`](crate::NatsSourceBuilder)).
+    /// hold written `=XX`, [`key_token`](crate::key_token)), where the source keeps them there
+    /// ([`NatsSourceBuilder::redelivery_bucket`](crate::NatsSourceBuilder)).
     pub(crate) bucket: Option<(Store, String)>,
     pub(crate) next: AtomicU64,
     /// The connection's operation timeout, which bounds an ack's attempts.
