@@ -21,7 +21,7 @@ use sqlx::AssertSqlSafe;
 /// Keeps every batch it is handed, per destination; fails the first `fail_first` calls to
 /// `failing` (after keeping them, as a broker that stored them and lost the confirm would).
 #[derive(Default)]
-struct Recorder {
+pub(crate) struct Recorder {
     published: Mutex<Vec<(String, Vec<OutgoingMessage>)>>,
     failing: Option<String>,
     fail_first: AtomicU32,
@@ -37,7 +37,7 @@ impl Recorder {
     }
 
     /// Every message handed over for `destination`, in order.
-    fn to(&self, destination: &str) -> Vec<OutgoingMessage> {
+    pub(crate) fn to(&self, destination: &str) -> Vec<OutgoingMessage> {
         let published = self.published.lock().unwrap();
         published
             .iter()

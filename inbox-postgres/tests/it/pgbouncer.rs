@@ -21,11 +21,12 @@ use inbox_core::{
     BatchHandler, BatchItem, Consumer, ConsumerBinding, Handler, HandlerError, InboxStore, Message,
     MessageId, Recovery, StatsSnapshot, Transaction,
 };
-use inbox_core::{OutgoingMessage, Publish, PublishError};
 use inbox_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use inbox_postgres::sqlx::{self, AssertSqlSafe, PgPool};
 use inbox_postgres::{Conversion, Outbox, PgInbox, PgLeases, PgTx, PurgeReport, TableName};
 use inbox_testkit::MemoryBroker;
+
+use crate::outbox::Recorder;
 
 /// Connections through PgBouncer; `cache`: sqlx's default statement cache, else none.
 async fn through_pgbouncer(cache: bool) -> PgPool {
@@ -403,17 +404,6 @@ async fn leases_fence_and_finish_through_pgbouncer() {
     }
 }
 
-/// Keeps what it is handed.
-#[derive(Default)]
-struct Kept(std::sync::Mutex<Vec<OutgoingMessage>>);
-
-impl Publish for Kept {
-    async fn send_batch(&self, _: &str, messages: &[OutgoingMessage]) -> Result<(), PublishError> {
-        self.0.lock().unwrap().extend_from_slice(messages);
-        Ok(())
-    }
-}
-
 #[tokio::test]
 async fn the_outbox_relay_publishes_each_row_once_through_pgbouncer() {
     for (var, cache) in POOLERS {
@@ -436,20 +426,14 @@ async fn the_outbox_relay_publishes_each_row_once_through_pgbouncer() {
             tx.commit().await.unwrap();
         }
 
-        let kept = Arc::new(Kept::default());
+        let kept = Arc::new(Recorder::default());
         let stats = outbox
             .relay(Arc::clone(&kept))
             .run_until_idle()
             .await
             .unwrap();
         assert_eq!(stats.published, 200, "{stats:?}");
-        let published: Vec<String> = kept
-            .0
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|m| m.id.to_string())
-            .collect();
+        let published: Vec<String> = kept.to("orders").iter().map(|m| m.id.to_string()).collect();
         assert_eq!(published, written, "each row once, in the order written");
         assert_eq!(outbox.oldest_unsent().await.unwrap(), None);
         assert_eq!(outbox.purge_sent(Duration::ZERO, 50).await.unwrap(), 200);
